@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Create (or refresh) the project's virtual environment in .venv and install scale_llm into it.
+#
+#   bash launch/setup.sh          # runtime dependencies
+#   bash launch/setup.sh --dev    # plus the test and lint tools (pytest, ruff)
+#
+# torch: on a machine without an NVIDIA GPU the CPU build is pinned (torch==2.13.0) so pip never
+# pulls several GB of CUDA wheels. With a GPU, a torch already in the venv is kept; otherwise pip
+# installs its default (CUDA) build. Set SCALE_LLM_TORCH to choose yourself, e.g.
+#   SCALE_LLM_TORCH="torch==2.13.0" bash launch/setup.sh
+# Re-running is cheap: nothing is reinstalled unless setup.py changed.
+set -euo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${SCALE_LLM_VENV:-$root/.venv}"
+extras=""
+[[ "${1:-}" == "--dev" ]] && extras="[dev]"
+
+python_bin="${PYTHON:-}"
+if [[ -z "$python_bin" ]]; then
+  for candidate in python3.11 python3; do
+    if command -v "$candidate" >/dev/null 2>&1; then python_bin="$candidate"; break; fi
+  done
+fi
+[[ -n "$python_bin" ]] || { echo "setup.sh: no python3 found; install Python 3.11" >&2; exit 2; }
+
+if [[ ! -x "$venv/bin/python" ]]; then
+  echo "setup.sh: creating $venv with $($python_bin --version)"
+  "$python_bin" -m venv "$venv"
+fi
+pip=("$venv/bin/python" -m pip --disable-pip-version-check)
+
+stamp="$venv/.scale_llm-installed$(echo "$extras" | tr -d '[]')"
+want="$(cat "$root/setup.py" | sha256sum | cut -c1-16)"
+if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+  echo "setup.sh: $venv is up to date"
+  exit 0
+fi
+
+if [[ -n "${SCALE_LLM_TORCH:-}" ]]; then
+  "${pip[@]}" install -q "$SCALE_LLM_TORCH"
+elif ! "$venv/bin/python" -c "import torch" >/dev/null 2>&1; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    echo "setup.sh: NVIDIA GPU found; installing the default (CUDA) torch build"
+    "${pip[@]}" install -q torch
+  else
+    echo "setup.sh: no GPU found; installing the CPU build torch==2.13.0"
+    "${pip[@]}" install -q torch==2.13.0
+  fi
+fi
+
+echo "setup.sh: installing scale_llm$extras (editable) and its dependencies"
+"${pip[@]}" install -q -e "$root$extras"
+echo "$want" > "$stamp"
+"$venv/bin/python" -c "import torch, scale_llm; print(f'setup.sh: ready: torch {torch.__version__}, ' \
+  f'cuda={torch.cuda.is_available()}, scale_llm {scale_llm.__version__}')"

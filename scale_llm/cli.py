@@ -1,0 +1,181 @@
+"""`scale-llm` / `python -m scale_llm`: prepare, train, generate.
+
+User mistakes (scale_llm.errors.UserError) print one clear message and exit with code 2; anything
+else keeps its traceback, because it is a bug to fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from scale_llm.config import Config, load_config
+from scale_llm.errors import UserError
+from scale_llm.log import setup_logging
+from scale_llm.version import __version__
+
+log = logging.getLogger("scale_llm")
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", help="YAML config (default: the built-in tiny defaults)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override any config key, e.g. --set train.lr=3e-4 (repeatable)",
+    )
+    p.add_argument("--grad-accum", type=int, metavar="N", help="alias of train.grad_accum")
+    p.add_argument(
+        "--grad-checkpointing",
+        action="store_true",
+        help="alias of model.activation_checkpointing=full",
+    )
+    p.add_argument("--amp", action="store_true", help="mixed precision (bf16 unless --amp-dtype)")
+    p.add_argument(
+        "--amp-dtype",
+        choices=["bf16", "fp16"],
+        help="alias of train.precision (fp16 adds a GradScaler)",
+    )
+    p.add_argument(
+        "--batch_size",
+        "--batch-size",
+        dest="batch_size",
+        type=int,
+        metavar="N",
+        help="alias of train.micro_batch_size",
+    )
+    p.add_argument(
+        "--train_steps",
+        "--train-steps",
+        dest="train_steps",
+        type=int,
+        metavar="N",
+        help="alias of train.max_steps",
+    )
+
+
+def alias_overrides(args: argparse.Namespace) -> list[str]:
+    """The seed project's familiar flags as dotted overrides; explicit --set comes after them."""
+    out = []
+    if args.grad_accum is not None:
+        out.append(f"train.grad_accum={args.grad_accum}")
+    if args.grad_checkpointing:
+        out.append("model.activation_checkpointing=full")
+    if args.amp_dtype:
+        out.append(f"train.precision={args.amp_dtype}")
+    elif args.amp:
+        out.append("train.precision=bf16")
+    if args.batch_size is not None:
+        out.append(f"train.micro_batch_size={args.batch_size}")
+    if args.train_steps is not None:
+        out.append(f"train.max_steps={args.train_steps}")
+    return out + list(args.overrides)
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    return load_config(args.config, alias_overrides(args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="scale-llm", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"scale_llm {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("prepare", help="train the tokenizer and write token shards")
+    _add_config_args(p)
+    p.add_argument("--force", action="store_true", help="rebuild even if up to date")
+
+    p = sub.add_parser("train", help="train a model")
+    _add_config_args(p)
+    p.add_argument(
+        "--report-memory",
+        action="store_true",
+        help="print the predicted per-GPU memory before training",
+    )
+
+    p = sub.add_parser("generate", help="sample text from a trained run")
+    p.add_argument("run_dir", help="a run directory written by `scale-llm train`, e.g. runs/tiny")
+    p.add_argument("--prompt", default="", help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
+    p.add_argument("--top-k", type=int, default=50, help="0 disables")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint", default=None, help="a checkpoint dir (default: the newest)")
+    return parser
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from scale_llm.data.prepare import prepare
+
+    prepare(config_from_args(args), force=args.force)
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    if args.report_memory:
+        log.info("memory: the --report-memory estimate is not yet available in this version")
+    from scale_llm.parallel.device import single_process
+    from scale_llm.train.trainer import train
+
+    t0 = time.perf_counter()
+    result = train(cfg, single_process(cfg.train.device))
+    if result.losses:
+        first, last = next(iter(result.losses.items())), list(result.losses.items())[-1]
+        log.info(
+            "done: %d steps in %.1fs; loss %.3f (step %d) -> %.3f (step %d)%s; run dir %s",
+            result.steps,
+            time.perf_counter() - t0,
+            first[1],
+            first[0],
+            last[1],
+            last[0],
+            f"; val_loss {list(result.val_losses.values())[-1]:.3f}" if result.val_losses else "",
+            result.run_dir,
+        )
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from scale_llm.generate import generate_text
+
+    if args.max_new_tokens < 1:
+        raise UserError("--max-new-tokens must be at least 1")
+    text = generate_text(
+        args.run_dir,
+        args.prompt,
+        args.max_new_tokens,
+        args.temperature,
+        args.top_k or None,
+        args.top_p,
+        args.seed,
+        args.checkpoint,
+    )
+    print(text)
+    return 0
+
+
+COMMANDS = {"prepare": cmd_prepare, "train": cmd_train, "generate": cmd_generate}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging()
+    try:
+        return COMMANDS[args.command](args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,394 @@
+"""The run configuration: one tree of dataclasses, loaded from YAML plus dotted CLI overrides.
+
+Precedence is CLI overrides > YAML > dataclass defaults. Every problem (unknown key, wrong type,
+impossible value or combination) is collected and reported in one `UserError` that names each key
+and the fix, before any model or process group exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from scale_llm.errors import UserError
+
+Precision = Literal["auto", "bf16", "fp16", "fp32"]
+
+
+@dataclass
+class RunConfig:
+    name: str = "tiny"
+    dir: str = "runs"  # the run directory is <dir>/<name>
+    seed: int = 1337
+
+
+@dataclass
+class LoggingConfig:
+    every: int = 10  # optimizer steps between metric rows
+    tensorboard: bool = True
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 4096
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # None: n_heads (multi-head); fewer: grouped-query attention
+    seq_len: int = 256
+    mlp_hidden: int | None = None  # None: 8/3 * d_model rounded up to a multiple of 64 (SwiGLU)
+    tie_embeddings: bool = True
+    attention: Literal["sdpa", "eager"] = "sdpa"
+    activation_checkpointing: Literal["none", "full"] = "none"
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    init_std: float = 0.02
+
+
+@dataclass
+class DataConfig:
+    source: str = "builtin"  # "builtin", a local file / directory / glob (.txt, .jsonl)
+    dir: str = "data/builtin"  # where the tokenizer, shards and manifest are written
+    text_field: str = "text"  # the field holding the text in .jsonl records
+    val_fraction: float = 0.02  # share of documents held out for validation
+    tokenizer_sample_bytes: int = 8_000_000  # text sampled to train the tokenizer
+    shard_tokens: int = 50_000_000  # tokens per shard file
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = 8
+    grad_accum: int = 1
+    max_steps: int = 200
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    precision: Precision = "auto"  # auto: bf16 on a bf16-capable GPU, fp32 on CPU
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+@dataclass
+class EvalConfig:
+    every: int = 50  # optimizer steps between evaluations; 0 disables eval
+    steps: int = 10  # micro-batches per evaluation
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 100  # optimizer steps between checkpoints; 0: only at the end
+    keep_last: int = 2
+    resume: str = "auto"  # auto (newest checkpoint in the run dir) | never | a checkpoint path
+
+
+@dataclass
+class ParallelConfig:
+    backend: Literal["single", "ddp", "fsdp", "deepspeed"] = "single"
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.dir) / self.run.name
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults, then the YAML file at `path` (if any), then `key.path=value` overrides."""
+    raw: dict[str, Any] = {}
+    where = "defaults"
+    if path is not None:
+        raw = read_yaml(path)
+        where = str(path)
+    errors: list[str] = []
+    for item in overrides or []:
+        _apply_override(raw, item, errors)
+    if overrides:
+        where += " + command-line overrides"
+    cfg = _build(Config, raw, "", errors)
+    if not errors:
+        errors.extend(validate(cfg))
+    if errors:
+        raise UserError(_format_errors(errors, where))
+    return cfg
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        shipped = sorted(str(q) for q in Path("yaml").glob("*.yaml"))[:8]
+        hint = f" Shipped configs: {', '.join(shipped)}." if shipped else ""
+        raise UserError(f"config file {p} does not exist; pass the path of a YAML file.{hint}")
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise UserError(f"config file {p} is not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(
+            f"config file {p} must hold a mapping of sections (run:, model:, ...), "
+            f"not a {type(data).__name__}"
+        )
+    return data
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """`a.b=value` -> ("a.b", value), the value parsed as a YAML scalar."""
+    key, sep, text = item.partition("=")
+    if not sep or not key.strip():
+        raise UserError(
+            f"override {item!r} must look like section.key=value, e.g. --set train.lr=3e-4"
+        )
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError:
+        value = text
+    return key.strip(), value
+
+
+def _apply_override(raw: dict[str, Any], item: str, errors: list[str]) -> None:
+    key, value = parse_override(item)
+    node = raw
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            errors.append(
+                f"{'.'.join(parts[: i + 1])}: is a value, not a section; cannot set {key}"
+            )
+            return
+        node = child
+    node[parts[-1]] = value
+
+
+# ----------------------------------------------------------------------------- typing
+
+
+def _build(cls: type, raw: Any, prefix: str, errors: list[str]) -> Any:
+    """Instantiate dataclass `cls` from a raw mapping, recording every problem in `errors`."""
+    if not isinstance(raw, dict):
+        errors.append(f"{prefix.rstrip('.')}: expected a mapping of keys, got {raw!r}")
+        return cls()
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        dotted = f"{prefix}{key}"
+        if key not in names:
+            errors.append(_unknown_key_message(dotted, str(key), names, prefix))
+            continue
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value, f"{dotted}.", errors)
+        else:
+            ok, converted, expected = _coerce(value, tp)
+            if ok:
+                kwargs[key] = converted
+            else:
+                errors.append(f"{dotted}: expected {expected}, got {value!r}")
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, tp: Any) -> tuple[bool, Any, str]:
+    """Check `value` against annotation `tp`: (ok, converted value, what was expected)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is Literal:
+        choices = " | ".join(str(a) for a in args)
+        if value in args:
+            return True, value, f"one of {choices}"
+        near = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        return False, value, f"one of {choices}{hint}"
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        if value is None:
+            return True, None, ""
+        ok, converted, expected = _coerce(value, inner[0])
+        return ok, converted, f"{expected} or null"
+    if tp is bool:
+        return isinstance(value, bool), value, "true or false"
+    if tp is int:
+        if isinstance(value, bool):
+            return False, value, "an integer"
+        if isinstance(value, int):
+            return True, value, "an integer"
+        number = _as_float(value)
+        if number is not None and number.is_integer():
+            return True, int(number), "an integer"
+        return False, value, "an integer"
+    if tp is float:
+        number = None if isinstance(value, bool) else _as_float(value)
+        if number is not None and math.isfinite(number):
+            return True, number, "a number"
+        return False, value, "a finite number"
+    if tp is str:
+        return isinstance(value, str), value, "a string"
+    raise TypeError(f"unsupported config annotation {tp!r}")
+
+
+def _as_float(value: Any) -> float | None:
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):  # PyYAML reads 3e-4 (no dot) as a string
+        try:
+            return float(value.replace("_", ""))
+        except ValueError:
+            return None
+    return None
+
+
+def _unknown_key_message(dotted: str, key: str, names: list[str], prefix: str) -> str:
+    near = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+    if near:
+        return f"{dotted}: unknown key; did you mean {prefix}{near[0]}?"
+    elsewhere = [p for p in all_keys() if p.rsplit(".", 1)[-1] == key]
+    if elsewhere:
+        return f"{dotted}: unknown key here; it lives at {elsewhere[0]}"
+    if not prefix:
+        near = difflib.get_close_matches(key, names, n=1, cutoff=0.4)
+        hint = f"; did you mean {near[0]}?" if near else ""
+        return f"{dotted}: unknown section{hint} (sections: {', '.join(names)})"
+    return f"{dotted}: unknown key; valid keys here: {', '.join(names)}"
+
+
+def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
+    """Every dotted key of the config tree, e.g. ['run.name', ..., 'parallel.backend']."""
+    out: list[str] = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            out.extend(all_keys(tp, f"{prefix}{f.name}."))
+        else:
+            out.append(f"{prefix}{f.name}")
+    return out
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def validate(cfg: Config) -> list[str]:
+    """Values and combinations that type checks cannot catch; each message names key and fix."""
+    e: list[str] = []
+    m, t = cfg.model, cfg.train
+
+    def positive(key: str, value: float) -> None:
+        if value <= 0:
+            e.append(f"{key}={value} must be > 0")
+
+    def non_negative(key: str, value: float) -> None:
+        if value < 0:
+            e.append(f"{key}={value} must be >= 0")
+
+    for key in ("vocab_size", "d_model", "n_layers", "n_heads", "seq_len"):
+        positive(f"model.{key}", getattr(m, key))
+    for key in ("micro_batch_size", "grad_accum", "max_steps"):
+        positive(f"train.{key}", getattr(t, key))
+    positive("train.lr", t.lr)
+    positive("data.tokenizer_sample_bytes", cfg.data.tokenizer_sample_bytes)
+    positive("data.shard_tokens", cfg.data.shard_tokens)
+    positive("logging.every", cfg.logging.every)
+    positive("checkpoint.keep_last", cfg.checkpoint.keep_last)
+    for key, value in (
+        ("train.min_lr", t.min_lr),
+        ("train.warmup_steps", t.warmup_steps),
+        ("train.weight_decay", t.weight_decay),
+        ("train.grad_clip", t.grad_clip),
+        ("train.eps", t.eps),
+        ("eval.every", cfg.eval.every),
+        ("eval.steps", cfg.eval.steps),
+        ("checkpoint.every", cfg.checkpoint.every),
+    ):
+        non_negative(key, value)
+    if m.n_heads > 0 and m.d_model % m.n_heads:
+        e.append(
+            f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; "
+            f"pick n_heads among {_divisors(m.d_model)}"
+        )
+    elif m.n_heads > 0 and (m.d_model // m.n_heads) % 2:
+        e.append(
+            f"model.d_model / model.n_heads = {m.d_model // m.n_heads} must be even for "
+            f"rotary embeddings; change d_model or n_heads"
+        )
+    if m.n_kv_heads is not None and (m.n_kv_heads <= 0 or m.n_heads % m.n_kv_heads):
+        e.append(
+            f"model.n_kv_heads={m.n_kv_heads} must be > 0 and divide model.n_heads="
+            f"{m.n_heads}; use null for plain multi-head attention"
+        )
+    if m.mlp_hidden is not None and m.mlp_hidden <= 0:
+        e.append(f"model.mlp_hidden={m.mlp_hidden} must be > 0, or null for the default")
+    if t.min_lr > t.lr:
+        e.append(f"train.min_lr={t.min_lr} is above train.lr={t.lr}; set min_lr <= lr")
+    if t.warmup_steps > t.max_steps:
+        e.append(
+            f"train.warmup_steps={t.warmup_steps} exceeds train.max_steps={t.max_steps}; "
+            f"lower warmup_steps"
+        )
+    if not 0.0 < cfg.data.val_fraction < 1.0:
+        e.append(f"data.val_fraction={cfg.data.val_fraction} must be between 0 and 1 (e.g. 0.01)")
+    if not 0.0 <= t.beta1 < 1.0 or not 0.0 <= t.beta2 < 1.0:
+        e.append(f"train.beta1={t.beta1} / train.beta2={t.beta2} must lie in [0, 1)")
+    if not cfg.run.name or "/" in cfg.run.name:
+        e.append(f"run.name={cfg.run.name!r} must be a non-empty name without '/'")
+    if cfg.parallel.backend != "single":
+        e.append(
+            f"parallel.backend={cfg.parallel.backend} is not available in this version; "
+            f"use parallel.backend=single"
+        )
+    return e
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, min(n, 64) + 1) if n % d == 0 and d > 1)
+
+
+def _format_errors(errors: list[str], where: str) -> str:
+    head = f"{len(errors)} problem{'s' if len(errors) > 1 else ''} in the config ({where}):"
+    return "\n".join([head] + [f"  - {msg}" for msg in errors])
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def dump_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    """Write the resolved config atomically; feeding it back to `train` reproduces the run."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(
+        "# resolved scale_llm config; `scale-llm train` accepts it as is\n" + dump_yaml(cfg),
+        encoding="utf-8",
+    )
+    tmp.replace(path)

@@ -1,0 +1,145 @@
+"""Sampling from a trained run: temperature, top-k, top-p, with a KV cache.
+
+With the cache each new token costs one position's forward pass; without it the whole context is
+recomputed. Greedy decoding (temperature 0) gives the same tokens either way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+
+from scale_llm.config import load_config
+from scale_llm.data.tokenizer import Tokenizer
+from scale_llm.errors import UserError
+from scale_llm.model import KVCache, Transformer, build_model
+from scale_llm.parallel.device import select_device
+from scale_llm.train.checkpoint import MODEL_WEIGHTS, Checkpointer, load_file
+from scale_llm.train.precision import resolve_precision
+
+
+def load_run(
+    run_dir: str | Path, device: torch.device | None = None, checkpoint: str | Path | None = None
+) -> tuple[Transformer, Tokenizer, object]:
+    """The model of a run's newest (or the given) checkpoint, with the run's tokenizer."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise UserError(
+            f"{run_dir} is not a run directory (no config.yaml); pass the directory "
+            f"`scale-llm train` wrote, e.g. runs/tiny"
+        )
+    cfg = load_config(run_dir / "config.yaml")
+    ckpt = Path(checkpoint) if checkpoint else Checkpointer(run_dir, 1).latest()
+    if ckpt is None or not (ckpt / MODEL_WEIGHTS).is_file():
+        raise UserError(
+            f"{run_dir} has no complete checkpoint with model weights; train longer "
+            f"or set checkpoint.every so that one is saved"
+        )
+    device = device or select_device("auto")
+    model = build_model(cfg.model, device)
+    model.load_state_dict(load_file(ckpt / MODEL_WEIGHTS, device))
+    model.eval()
+    return model, Tokenizer(run_dir / "tokenizer.model"), cfg
+
+
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """logits (B, V) -> next token ids (B, 1). temperature 0 means greedy."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum - sorted_logits.softmax(dim=-1) > top_p  # keep the smallest set reaching top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)
+
+
+@torch.no_grad()
+def generate(
+    model: Transformer,
+    prompt: list[int],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    eos_id: int | None = None,
+    use_cache: bool = True,
+    autocast: contextlib.AbstractContextManager | None = None,
+) -> list[int]:
+    """Continue `prompt` by up to max_new_tokens ids (stops early at eos_id)."""
+    device = model.tok_embeddings.weight.device
+    seq_len = model.cfg.seq_len
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=device).manual_seed(seed)
+    tokens = list(prompt[-seq_len:])
+    cache = KVCache(model.cfg.n_layers, seq_len) if use_cache else None
+    autocast = autocast or contextlib.nullcontext()
+    out: list[int] = []
+    with autocast:
+        logits = _forward(model, tokens, cache, 0)
+        pos = len(tokens)
+        for _ in range(max_new_tokens):
+            nxt = sample_next(logits[:, -1], temperature, top_k, top_p, generator).item()
+            out.append(nxt)
+            tokens.append(nxt)
+            if nxt == eos_id:
+                break
+            if cache is None:
+                logits = _forward(model, tokens[-seq_len:], None, 0)
+            elif pos == seq_len:  # cache full: start over from the newest half of the context
+                tokens_kept = tokens[-(seq_len // 2) :]
+                logits, pos = _forward(model, tokens_kept, cache, 0), len(tokens_kept)
+            else:
+                logits, pos = _forward(model, [nxt], cache, pos), pos + 1
+    return out
+
+
+def _forward(
+    model: Transformer, ids: list[int], cache: KVCache | None, start_pos: int
+) -> torch.Tensor:
+    device = model.tok_embeddings.weight.device
+    x = torch.tensor([ids], dtype=torch.long, device=device)
+    return model(x, cache=cache, start_pos=start_pos)
+
+
+def generate_text(
+    run_dir: str | Path,
+    prompt: str,
+    max_new_tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    top_p: float | None = None,
+    seed: int | None = 0,
+    checkpoint: str | Path | None = None,
+) -> str:
+    model, tokenizer, cfg = load_run(run_dir, checkpoint=checkpoint)
+    device = model.tok_embeddings.weight.device
+    precision = resolve_precision(cfg.train.precision, device)
+    ids = generate(
+        model,
+        tokenizer.encode(prompt, bos=True),
+        max_new_tokens,
+        temperature,
+        top_k,
+        top_p,
+        seed,
+        eos_id=tokenizer.eos_id,
+        autocast=precision.autocast(),
+    )
+    return prompt + tokenizer.decode(ids)

@@ -1,0 +1,235 @@
+"""A Llama-style decoder: RMSNorm, rotary positions, SwiGLU MLP, causal self-attention.
+
+Architecture only: no process groups, no wrappers, no checkpointing. Parallelism and activation
+checkpointing are applied from outside (scale_llm.parallel) to a model built on the meta device
+and then materialized with `init_weights`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from scale_llm.config import ModelConfig
+from scale_llm.model.kv_cache import KVCache
+
+
+def mlp_hidden_size(cfg: ModelConfig) -> int:
+    """SwiGLU hidden width: 8/3 * d_model (same parameters as a 4x GELU MLP), rounded up to 64."""
+    if cfg.mlp_hidden is not None:
+        return cfg.mlp_hidden
+    return 64 * math.ceil(8 * cfg.d_model / 3 / 64)
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, ...]:
+    """cos and sin tables of shape (seq_len, head_dim // 2), in fp32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    angles = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[..., i], x[..., i + D/2]) of x (B, T, H, D) by angles cos/sin (T, D/2)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+    out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.n_kv_heads or cfg.n_heads
+        self.head_dim = cfg.d_model // cfg.n_heads
+        self.eager = cfg.attention == "eager"
+        qkv_dim = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
+        self.wqkv = nn.Linear(cfg.d_model, qkv_dim, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache | None = None,
+        start_pos: int = 0,
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        q, k, v = self.wqkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q = apply_rope(q.view(B, T, H, D), cos, sin)
+        k = apply_rope(k.view(B, T, Hkv, D), cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, T, Hkv, D).transpose(1, 2)
+        if cache is not None:  # k, v become (B, Hkv, start_pos + T, D): every position so far
+            k, v = cache.update(self.layer_id, k, v, start_pos)
+        causal_mask = None
+        if k.size(2) != T and T > 1:  # prefill after earlier tokens: queries sit at the end
+            causal_mask = torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(
+                diagonal=k.size(2) - T
+            )
+        is_causal = T > 1 and causal_mask is None
+        if self.eager:
+            y = self._eager(q, k, v, is_causal, causal_mask)
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=causal_mask, is_causal=is_causal, enable_gqa=Hkv != H
+            )
+        return self.wo(y.transpose(1, 2).reshape(B, T, H * D))
+
+    def _eager(self, q, k, v, is_causal: bool, mask: torch.Tensor | None) -> torch.Tensor:
+        """Materializes the (B, n_heads, T, S) score matrix: for teaching and memory studies."""
+        if self.n_kv_heads != self.n_heads:
+            rep = self.n_heads // self.n_kv_heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # (B, H, T, S)
+        if is_causal:
+            T = q.size(2)
+            mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        probs = F.softmax(scores.float(), dim=-1).type_as(q)
+        return probs @ v  # (B, H, T, D)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hidden = mlp_hidden_size(cfg)
+        self.w1 = nn.Linear(cfg.d_model, hidden, bias=False)
+        self.w3 = nn.Linear(cfg.d_model, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attention = Attention(cfg, layer_id)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache | None = None,
+        start_pos: int = 0,
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, cache, start_pos)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """tokens (B, T) int64 -> logits (B, T, vocab_size)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        # Tied embeddings reuse tok_embeddings.weight in forward instead of sharing a Parameter,
+        # so the tie survives meta-device materialization and sharding.
+        self.output = (
+            None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        )
+        cos, sin = rope_tables(cfg.d_model // cfg.n_heads, cfg.seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(
+        self, tokens: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0
+    ) -> torch.Tensor:
+        T = tokens.size(1)
+        if start_pos + T > self.cfg.seq_len:
+            raise ValueError(
+                f"positions {start_pos}..{start_pos + T} exceed model.seq_len={self.cfg.seq_len}"
+            )
+        cos = self.rope_cos[start_pos : start_pos + T]
+        sin = self.rope_sin[start_pos : start_pos + T]
+        h = self.tok_embeddings(tokens)  # (B, T, d_model)
+        for layer in self.layers:
+            h = layer(h, cos, sin, cache, start_pos)
+        h = self.norm(h)
+        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
+        return F.linear(h, weight)
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """Initialize every parameter and buffer in place (after `to_empty` from meta).
+
+        Linear and embedding weights ~ N(0, init_std); the projections that write into the
+        residual stream (attention.wo, feed_forward.w2) use init_std / sqrt(2 * n_layers) so the
+        residual variance does not grow with depth (GPT-2 / Llama practice).
+        """
+        cfg = self.cfg
+        std = cfg.init_std
+        residual_std = std / math.sqrt(2 * cfg.n_layers)
+        nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
+        for name, module in self.named_modules():
+            if isinstance(module, RMSNorm):
+                module.reset_parameters()
+            elif isinstance(module, nn.Linear):
+                is_residual = name.endswith("attention.wo") or name.endswith("feed_forward.w2")
+                nn.init.normal_(module.weight, mean=0.0, std=residual_std if is_residual else std)
+        device = buffer_device or self.rope_cos.device
+        cos, sin = rope_tables(cfg.d_model // cfg.n_heads, cfg.seq_len, cfg.rope_theta, device)
+        self.rope_cos, self.rope_sin = cos, sin
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            n -= self.tok_embeddings.weight.numel()
+        return n
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token (forward + backward): 6 x matmul parameters + attention.
+
+        The attention term 12 * n_layers * d_model * seq_len counts QK^T and AV (PaLM appendix B).
+        The output projection counts as a matmul even when tied to the embedding.
+        """
+        cfg = self.cfg
+        matmul_params = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+        if self.output is None:  # the tied head is a (vocab x d_model) matmul all the same
+            matmul_params += cfg.vocab_size * cfg.d_model
+        return 6 * matmul_params + 12 * cfg.n_layers * cfg.d_model * cfg.seq_len
+
+
+def build_model(cfg: ModelConfig, device: torch.device | str = "meta") -> Transformer:
+    """Build on the meta device (no memory, no init work); materialize with `materialize`."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    if str(device) != "meta":
+        materialize(model, device)
+    return model
+
+
+def materialize(model: Transformer, device: torch.device | str) -> Transformer:
+    """Allocate storage on `device` and run the initialization (seed the RNG first)."""
+    model.to_empty(device=device)
+    model.init_weights(buffer_device=torch.device(device))
+    return model

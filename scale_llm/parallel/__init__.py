@@ -1,0 +1,1 @@
+"""How a model is spread over devices: device choice, activation checkpointing, backends."""

@@ -1,0 +1,106 @@
+"""The backend interface the trainer calls, and the single-process backend.
+
+A backend decides how the model is spread over ranks: it materializes the meta-device model,
+applies activation checkpointing, wraps it, owns the optimizer and the gradient scaler, and
+implements the steps of accumulation (backward, the sync-skipping context, one clip + one step).
+The trainer calls these methods and never asks which backend it holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from scale_llm.config import Config
+from scale_llm.model import Transformer, materialize
+from scale_llm.parallel.checkpointing import apply_activation_checkpointing
+from scale_llm.parallel.device import DistInfo
+from scale_llm.train.checkpoint import MODEL_WEIGHTS, load_file, save_file
+from scale_llm.train.optim import build_optimizer
+from scale_llm.train.precision import Precision
+
+OPTIMIZER_STATE = "optimizer.pt"
+
+
+class Backend:
+    """One process, one device: the reference every other backend must agree with."""
+
+    def __init__(self, cfg: Config, dist: DistInfo, precision: Precision):
+        self.cfg, self.dist, self.precision = cfg, dist, precision
+        self.model: nn.Module | None = None
+        self.module: Transformer | None = None  # the unwrapped model (eval, generation, weights)
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scaler = precision.grad_scaler()
+
+    # ----------------------------------------------------------------- setup
+    def setup(self, model: Transformer) -> nn.Module:
+        """Materialize (same seed on every rank), checkpoint blocks, wrap, build the optimizer."""
+        torch.manual_seed(self.cfg.run.seed)
+        materialize(model, self.dist.device)
+        apply_activation_checkpointing(model, self.cfg.model.activation_checkpointing)
+        self.module = model
+        self.model = self.wrap(model)
+        self.optimizer = build_optimizer(self.model, self.cfg.train)
+        return self.model
+
+    def wrap(self, model: Transformer) -> nn.Module:
+        return model
+
+    # ----------------------------------------------------------------- one step
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        return self.precision.autocast()
+
+    def sync_context(self, sync_gradients: bool) -> contextlib.AbstractContextManager:
+        """Entered around each micro-step; gradients are reduced only when sync_gradients."""
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scaler.scale(loss).backward()
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def clip_and_step(self) -> torch.Tensor:
+        """Unscale, clip to train.grad_clip, step, zero grads; returns the pre-clip global norm.
+
+        The norm stays a device tensor (no host sync); a non-finite norm under fp16 means the
+        scaler skipped this step.
+        """
+        self.scaler.unscale_(self.optimizer)
+        norm = self.clip_grad_norm(self.cfg.train.grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if max_norm > 0:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+
+    # ----------------------------------------------------------------- state
+    def save(self, ckpt_dir: Path) -> None:
+        """Write model weights, optimizer and scaler state into a checkpoint directory."""
+        save_file(self.module.state_dict(), ckpt_dir / MODEL_WEIGHTS)
+        save_file(
+            {"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict()},
+            ckpt_dir / OPTIMIZER_STATE,
+        )
+
+    def load(self, ckpt_dir: Path) -> None:
+        device = self.dist.device
+        self.module.load_state_dict(load_file(ckpt_dir / MODEL_WEIGHTS, device))
+        state: dict[str, Any] = load_file(ckpt_dir / OPTIMIZER_STATE, device)
+        self.optimizer.load_state_dict(state["optimizer"])
+        if state["scaler"]:
+            self.scaler.load_state_dict(state["scaler"])
+
+
+def build_backend(cfg: Config, dist: DistInfo, precision: Precision) -> Backend:
+    return Backend(cfg, dist, precision)

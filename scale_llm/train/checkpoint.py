@@ -1,0 +1,127 @@
+"""Checkpoint directories: atomic writes, keep_last pruning, and choosing what to resume from.
+
+A checkpoint is a directory `checkpoints/step_00000100/`. It is written under a temporary name
+(`.tmp-step_00000100`), every file is flushed to disk, and only then renamed into place, so a
+process killed mid-save leaves the previous checkpoint as the newest complete one. Loading uses
+`torch.load(weights_only=True)`: tensors and plain containers only, never arbitrary objects.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from scale_llm.errors import UserError
+
+log = logging.getLogger(__name__)
+TRAINER_STATE = "trainer.pt"
+MODEL_WEIGHTS = "model.pt"
+_NAME = re.compile(r"^step_(\d{8})$")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+class Checkpointer:
+    def __init__(self, run_dir: Path, keep_last: int):
+        self.dir = run_dir / "checkpoints"
+        self.keep_last = keep_last
+
+    def complete(self) -> list[tuple[int, Path]]:
+        """(step, path) of every complete checkpoint, oldest first."""
+        if not self.dir.is_dir():
+            return []
+        found = []
+        for p in self.dir.iterdir():
+            m = _NAME.match(p.name)
+            if m and p.is_dir() and (p / TRAINER_STATE).is_file():
+                found.append((int(m.group(1)), p))
+        return sorted(found)
+
+    def latest(self) -> Path | None:
+        done = self.complete()
+        return done[-1][1] if done else None
+
+    def save(self, step: int, write: Callable[[Path], None]) -> Path:
+        """Call `write(tmp_dir)` to fill a new checkpoint, then publish it atomically."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        final = self.dir / checkpoint_name(step)
+        tmp = self.dir / f".tmp-{final.name}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            write(tmp)
+            _fsync_tree(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if final.exists():  # saving the same step again (e.g. the final step after a resume)
+            shutil.rmtree(final)
+        tmp.rename(final)
+        _fsync_dir(self.dir)
+        self.prune()
+        return final
+
+    def prune(self) -> None:
+        done = self.complete()
+        for _, path in done[: -self.keep_last]:
+            shutil.rmtree(path, ignore_errors=True)
+        for stale in self.dir.glob(".tmp-*"):  # left by a process killed mid-save
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def resolve_resume(resume: str, checkpointer: Checkpointer) -> Path | None:
+    """The checkpoint to resume from for `checkpoint.resume` = auto | never | PATH."""
+    if resume == "never":
+        if checkpointer.complete():
+            raise UserError(
+                f"checkpoint.resume=never but {checkpointer.dir} already holds "
+                f"checkpoints; pick a new run.name, delete that directory, or set "
+                f"checkpoint.resume=auto to continue the run"
+            )
+        return None
+    if resume == "auto":
+        return checkpointer.latest()
+    path = Path(resume)
+    if not (path / TRAINER_STATE).is_file():
+        raise UserError(
+            f"checkpoint.resume={resume}: not a complete checkpoint directory "
+            f"(no {TRAINER_STATE} inside); give a path like "
+            f"{checkpointer.dir}/{checkpoint_name(100)}, or use auto / never"
+        )
+    return path
+
+
+def load_file(path: Path, map_location: str | torch.device = "cpu") -> Any:
+    return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def save_file(obj: Any, path: Path) -> None:
+    torch.save(obj, path)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

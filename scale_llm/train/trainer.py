@@ -1,0 +1,315 @@
+"""The training loop: one code path for every backend and precision.
+
+Per optimizer step: set the LR; for each of grad_accum micro-batches run forward under the
+backend's precision context, divide the loss by grad_accum and backward (gradients are synced only
+on the last micro-step); then one global-norm clip and one optimizer step. Losses and norms stay on
+the device and are read (a host sync) only on logging steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from scale_llm.config import Config, save_config, to_dict
+from scale_llm.data.loader import TokenWindows, TrainLoader, eval_batches
+from scale_llm.data.shards import open_split, read_manifest
+from scale_llm.errors import UserError
+from scale_llm.model import build_model
+from scale_llm.parallel.backend import build_backend
+from scale_llm.parallel.device import DistInfo
+from scale_llm.train.checkpoint import (
+    TRAINER_STATE,
+    Checkpointer,
+    load_file,
+    resolve_resume,
+    save_file,
+)
+from scale_llm.train.metrics import MetricsLogger, cuda_memory_gib, peak_flops
+from scale_llm.train.optim import lr_at
+from scale_llm.train.precision import resolve_precision
+
+log = logging.getLogger(__name__)
+
+# Keys whose change makes a checkpoint a different run: resuming across them is refused.
+_RUN_DEFINING = (
+    "model.vocab_size",
+    "model.d_model",
+    "model.n_layers",
+    "model.n_heads",
+    "model.n_kv_heads",
+    "model.seq_len",
+    "model.mlp_hidden",
+    "model.tie_embeddings",
+    "model.norm_eps",
+    "model.rope_theta",
+    "run.seed",
+    "data.source",
+)
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    steps: int
+    losses: dict[int, float] = field(default_factory=dict)  # logged step -> train loss
+    val_losses: dict[int, float] = field(default_factory=dict)
+    grad_norms: dict[int, float] = field(default_factory=dict)
+    checkpoint: Path | None = None
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss; logits (B, T, V) are upcast so the softmax runs in fp32."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+class Trainer:
+    def __init__(self, cfg: Config, dist: DistInfo):
+        self.cfg, self.dist = cfg, dist
+        self.device = dist.device
+        self.run_dir = cfg.run_dir
+        self.manifest = read_manifest(cfg.data.dir)
+        self._check_vocab()
+        self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep_last)
+        self.resume_from = resolve_resume(cfg.checkpoint.resume, self.checkpointer)
+        resume_state = self._read_resume_state()
+
+        self.precision = resolve_precision(cfg.train.precision, self.device)
+        self.backend = build_backend(cfg, dist, self.precision)
+        model = build_model(cfg.model)  # on the meta device: no memory, no init yet
+        log.info(
+            "model: %.2fM parameters (%.2fM without embeddings), %d layers, d_model %d",
+            model.num_params() / 1e6,
+            model.num_params(exclude_embeddings=True) / 1e6,
+            cfg.model.n_layers,
+            cfg.model.d_model,
+        )
+        self.flops_per_token = model.flops_per_token()
+        self.model = self.backend.setup(model)
+
+        data_dir = Path(cfg.data.dir)
+        self.train_windows = TokenWindows(
+            open_split(data_dir, self.manifest, "train"), cfg.model.seq_len
+        )
+        self.val_windows = TokenWindows(
+            open_split(data_dir, self.manifest, "val"), cfg.model.seq_len
+        )
+        self._check_windows()
+        t = cfg.train
+        self.loader = TrainLoader(
+            self.train_windows,
+            t.micro_batch_size,
+            t.grad_accum,
+            dist.world_size,
+            dist.rank,
+            cfg.run.seed,
+            self.device,
+        )
+        self.step = 0
+        self.skipped_steps = torch.zeros((), dtype=torch.int64, device=self.device)
+        if resume_state is not None:
+            self._restore(resume_state)
+        if dist.is_main:
+            self._write_run_dir()
+        self.metrics = MetricsLogger(self.run_dir, dist.is_main, cfg.logging.tensorboard, self.step)
+
+    # ----------------------------------------------------------------- loop
+    def fit(self) -> TrainResult:
+        cfg, t = self.cfg, self.cfg.train
+        tokens_per_step = (
+            t.micro_batch_size * cfg.model.seq_len * t.grad_accum * self.dist.world_size
+        )
+        log.info(
+            "batch: micro %d x seq_len %d x grad_accum %d x world %d = %d sequences = %s "
+            "tokens per step; precision %s on %s",
+            t.micro_batch_size,
+            cfg.model.seq_len,
+            t.grad_accum,
+            self.dist.world_size,
+            tokens_per_step // cfg.model.seq_len,
+            f"{tokens_per_step:,}",
+            self.precision.name,
+            self.device,
+        )
+        result = TrainResult(self.run_dir, self.step)
+        peak = peak_flops(self.device)
+        window_start, window_steps = time.perf_counter(), 0
+        while self.step < t.max_steps:
+            loss, grad_norm, lr = self.train_step()
+            self.step += 1
+            window_steps += 1
+            row: dict[str, Any] = {}
+            if self.step % cfg.logging.every == 0 or self.step == t.max_steps:
+                elapsed = time.perf_counter() - window_start
+                loss_value = loss.item()  # host sync: only on logging steps
+                tokens_per_s = tokens_per_step * window_steps / elapsed
+                row.update(
+                    loss=loss_value,
+                    lr=lr,
+                    grad_norm=grad_norm.item(),
+                    tokens_per_s=tokens_per_s,
+                    tokens=tokens_per_step * self.step,
+                    skipped_steps=int(self.skipped_steps.item()),
+                )
+                if peak:
+                    row["mfu"] = self.flops_per_token * tokens_per_s / self.dist.world_size / peak
+                row.update(cuda_memory_gib(self.device))
+                result.losses[self.step] = loss_value
+                result.grad_norms[self.step] = row["grad_norm"]
+                log.info(
+                    "step %d/%d | loss %.4f | lr %.2e | grad_norm %.3f | %.0f tok/s",
+                    self.step,
+                    t.max_steps,
+                    loss_value,
+                    lr,
+                    row["grad_norm"],
+                    tokens_per_s,
+                )
+            if (
+                cfg.eval.every
+                and cfg.eval.steps
+                and (self.step % cfg.eval.every == 0 or self.step == t.max_steps)
+            ):
+                row["val_loss"] = self.evaluate()
+                result.val_losses[self.step] = row["val_loss"]
+                log.info("step %d | val_loss %.4f", self.step, row["val_loss"])
+            if row:
+                self.metrics.log(self.step, row)
+                window_start, window_steps = time.perf_counter(), 0
+            every = cfg.checkpoint.every
+            if (every and self.step % every == 0) or self.step == t.max_steps:
+                result.checkpoint = self.save_checkpoint()
+        result.steps = self.step
+        self.metrics.close()
+        return result
+
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """One optimizer step over grad_accum micro-batches; returns (loss, grad_norm, lr)."""
+        lr = lr_at(self.step, self.cfg.train)
+        self.backend.set_lr(lr)
+        batches = self.loader.next_batches()
+        accum = len(batches)
+        loss_sum = torch.zeros((), device=self.device)
+        for i, (inputs, targets) in enumerate(batches):
+            with self.backend.sync_context(sync_gradients=i == accum - 1):
+                with self.backend.forward_context():
+                    loss = cross_entropy(self.model(inputs), targets) / accum
+                self.backend.backward(loss)
+            loss_sum += loss.detach()
+        grad_norm = self.backend.clip_and_step()
+        if self.precision.name == "fp16":  # a non-finite norm means the scaler skipped the step
+            self.skipped_steps += (~torch.isfinite(grad_norm)).long()
+        return loss_sum, grad_norm, lr
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        batches = eval_batches(
+            self.val_windows,
+            self.cfg.train.micro_batch_size,
+            self.cfg.eval.steps,
+            self.dist.world_size,
+            self.dist.rank,
+            self.device,
+        )
+        for inputs, targets in batches:
+            with self.backend.forward_context():
+                total += cross_entropy(self.model(inputs), targets)
+        self.model.train()
+        return (total / self.cfg.eval.steps).item()
+
+    # ----------------------------------------------------------------- checkpoints
+    def save_checkpoint(self) -> Path:
+        def write(tmp: Path) -> None:
+            self.backend.save(tmp)
+            save_file(self._trainer_state(), tmp / TRAINER_STATE)
+
+        path = self.checkpointer.save(self.step, write)
+        log.info("checkpoint: saved %s", path)
+        return path
+
+    def _trainer_state(self) -> dict[str, Any]:
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        return {
+            "step": self.step,
+            "data": self.loader.state_dict(),
+            "rng": rng,
+            "skipped_steps": int(self.skipped_steps.item()),
+            "config": to_dict(self.cfg),
+            "tokenizer_sha256": self.manifest["tokenizer"]["sha256"],
+        }
+
+    def _read_resume_state(self) -> dict[str, Any] | None:
+        if self.resume_from is None:
+            return None
+        state = load_file(self.resume_from / TRAINER_STATE)
+        problems = []
+        for key in _RUN_DEFINING:
+            section, name = key.split(".")
+            old = state["config"][section][name]
+            new = getattr(getattr(self.cfg, section), name)
+            if old != new:
+                problems.append(f"{key}: the checkpoint has {old!r}, the config says {new!r}")
+        if state["tokenizer_sha256"] != self.manifest["tokenizer"]["sha256"]:
+            problems.append(
+                f"data.dir={self.cfg.data.dir}: its tokenizer differs from the one "
+                f"the checkpoint was trained with"
+            )
+        if problems:
+            raise UserError(
+                f"cannot resume {self.resume_from}: it belongs to a different run.\n  - "
+                + "\n  - ".join(problems)
+                + f"\nUse the original settings to continue it, or start a new run with a new "
+                f"run.name (or checkpoint.resume=never after deleting {self.checkpointer.dir})."
+            )
+        return state
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        self.backend.load(self.resume_from)
+        self.step = int(state["step"])
+        self.loader.load_state_dict(state["data"])
+        self.skipped_steps.fill_(int(state.get("skipped_steps", 0)))
+        torch.set_rng_state(state["rng"]["cpu"])
+        if "cuda" in state["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        log.info("resume: continuing from %s at step %d", self.resume_from, self.step)
+
+    # ----------------------------------------------------------------- checks / run dir
+    def _check_vocab(self) -> None:
+        tok_vocab = self.manifest["tokenizer"]["vocab_size"]
+        if tok_vocab != self.cfg.model.vocab_size:
+            raise UserError(
+                f"model.vocab_size={self.cfg.model.vocab_size} does not match the "
+                f"tokenizer in data.dir={self.cfg.data.dir} ({tok_vocab} pieces); "
+                f"set model.vocab_size={tok_vocab}, or re-run `scale-llm prepare` "
+                f"with the vocab size you want"
+            )
+
+    def _check_windows(self) -> None:
+        if len(self.train_windows) == 0 or len(self.val_windows) == 0:
+            raise UserError(
+                f"data.dir={self.cfg.data.dir} has too few tokens for "
+                f"model.seq_len={self.cfg.model.seq_len} (train windows: "
+                f"{len(self.train_windows)}, val windows: {len(self.val_windows)}); "
+                f"use a larger corpus or a shorter seq_len"
+            )
+
+    def _write_run_dir(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(self.cfg, self.run_dir / "config.yaml")
+        src = Path(self.cfg.data.dir) / self.manifest["tokenizer"]["file"]
+        shutil.copyfile(src, self.run_dir / "tokenizer.model")
+
+
+def train(cfg: Config, dist: DistInfo) -> TrainResult:
+    return Trainer(cfg, dist).fit()

@@ -1,0 +1,35 @@
+"""scale_llm: pretrain GPT-style language models from one YAML file, on one CPU or many GPUs."""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+here = Path(__file__).parent
+version = {}
+exec((here / "scale_llm" / "version.py").read_text(), version)
+
+setup(
+    name="scale_llm",
+    version=version["__version__"],
+    description="Pretrain LLMs from raw text to generated text with DDP, FSDP2 or DeepSpeed.",
+    long_description=(here / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["scale_llm", "scale_llm.*"]),
+    install_requires=[
+        # Lower bound only: GPU users keep the CUDA build they installed; launch/setup.sh
+        # pins the CPU build (torch==2.13.0) on machines without a GPU.
+        "torch>=2.6",
+        "deepspeed>=0.16",
+        "datasets>=3.0",
+        "sentencepiece>=0.2",
+        "pyyaml>=6.0",
+        "tensorboard>=2.16",
+        "numpy>=1.26",
+        "tqdm>=4.66",
+    ],
+    extras_require={
+        "dev": ["pytest>=8.0", "ruff>=0.6"],
+    },
+    entry_points={"console_scripts": ["scale-llm=scale_llm.cli:main"]},
+)
