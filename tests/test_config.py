@@ -1,0 +1,204 @@
+"""Config: defaults, YAML, overrides, aliases, precedence, and every kind of error."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scale_llm.cli import alias_overrides, build_parser, main
+from scale_llm.config import Config, all_keys, dump_yaml, load_config, save_config
+from scale_llm.errors import UserError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def errors_of(path=None, overrides=()) -> str:
+    with pytest.raises(UserError) as info:
+        load_config(path, list(overrides))
+    return str(info.value)
+
+
+def test_defaults_are_valid():
+    cfg = load_config()
+    assert cfg == Config()
+    assert cfg.run_dir == Path("runs") / "tiny"
+
+
+def test_contract_keys_exist():
+    keys = set(all_keys())
+    contract = (
+        "run.name run.dir run.seed logging.every model.vocab_size model.d_model model.n_layers "
+        "model.n_heads model.seq_len model.attention model.activation_checkpointing data.source "
+        "data.dir train.micro_batch_size train.grad_accum train.max_steps train.lr train.min_lr "
+        "train.warmup_steps train.weight_decay train.grad_clip train.precision eval.every "
+        "eval.steps checkpoint.every checkpoint.keep_last checkpoint.resume parallel.backend"
+    ).split()
+    assert set(contract) <= keys
+
+
+def test_round_trip_through_written_yaml(tmp_path):
+    cfg = load_config(REPO / "yaml" / "tiny.yaml", ["train.lr=3e-4", "model.n_kv_heads=2"])
+    save_config(cfg, tmp_path / "config.yaml")
+    again = load_config(tmp_path / "config.yaml")
+    assert again == cfg
+    assert dump_yaml(again) == dump_yaml(cfg)
+    assert again.train.lr == pytest.approx(3e-4)  # PyYAML reads 3e-4 as a string; we coerce
+
+
+def test_precedence_cli_over_yaml_over_defaults(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  lr: 0.01\n  max_steps: 7\n  warmup_steps: 2\n")
+    cfg = load_config(path, ["train.lr=0.02"])
+    assert cfg.train.lr == 0.02  # CLI beats YAML
+    assert cfg.train.max_steps == 7  # YAML beats default
+    assert cfg.train.grad_clip == Config().train.grad_clip  # default stays
+
+
+def test_aliases_map_to_keys():
+    args = build_parser().parse_args(
+        [
+            "train",
+            "x.yaml",
+            "--grad-accum",
+            "4",
+            "--grad-checkpointing",
+            "--amp",
+            "--batch_size",
+            "3",
+            "--train_steps",
+            "9",
+            "--report-memory",
+            "--set",
+            "train.lr=0.5",
+        ]
+    )
+    assert args.report_memory
+    over = alias_overrides(args)
+    cfg = load_config(None, over)
+    assert cfg.train.grad_accum == 4
+    assert cfg.model.activation_checkpointing == "full"
+    assert cfg.train.precision == "bf16"
+    assert cfg.train.micro_batch_size == 3
+    assert cfg.train.max_steps == 9
+    assert cfg.train.lr == 0.5
+    args = build_parser().parse_args(["train", "--amp", "--amp-dtype", "fp16"])
+    assert load_config(None, alias_overrides(args)).train.precision == "fp16"
+
+
+def test_set_wins_over_alias():
+    args = build_parser().parse_args(["train", "--grad-accum", "4", "--set", "train.grad_accum=2"])
+    assert load_config(None, alias_overrides(args)).train.grad_accum == 2
+
+
+def test_unknown_key_suggests_the_near_one():
+    msg = errors_of(overrides=["train.learning_rat=0.1"])
+    assert "train.learning_rat: unknown key" in msg
+    msg = errors_of(overrides=["train.lrr=0.1"])
+    assert "did you mean train.lr?" in msg
+
+
+def test_key_in_the_wrong_section_names_where_it_lives():
+    msg = errors_of(overrides=["train.seq_len=128"])
+    assert "it lives at model.seq_len" in msg
+
+
+def test_unknown_section():
+    msg = errors_of(overrides=["modle.d_model=64"])
+    assert "unknown section" in msg and "did you mean model?" in msg
+
+
+def test_wrong_types():
+    msg = errors_of(
+        overrides=[
+            "model.d_model=big",
+            "logging.tensorboard=3",
+            "train.lr=fast",
+            "model.attention=flash",
+            "train.precision=bf61",
+        ]
+    )
+    assert "model.d_model: expected an integer, got 'big'" in msg
+    assert "logging.tensorboard: expected true or false" in msg
+    assert "train.lr: expected a finite number" in msg
+    assert "model.attention: expected one of sdpa | eager" in msg
+    assert "did you mean bf16?" in msg
+    assert msg.startswith("5 problems")
+
+
+def test_impossible_values_and_combinations_are_collected():
+    msg = errors_of(
+        overrides=[
+            "model.d_model=100",
+            "model.n_heads=3",
+            "train.lr=0.001",
+            "train.min_lr=0.01",
+            "train.micro_batch_size=0",
+            "data.val_fraction=1.5",
+            "model.n_kv_heads=2",
+        ]
+    )
+    assert "model.d_model=100 is not divisible by model.n_heads=3" in msg
+    assert "train.min_lr=0.01 is above train.lr=0.001" in msg
+    assert "train.micro_batch_size=0 must be > 0" in msg
+    assert "data.val_fraction=1.5" in msg
+    assert "model.n_kv_heads=2 must be > 0 and divide model.n_heads=3" in msg
+    assert msg.startswith("5 problems")
+
+
+def test_section_given_a_scalar(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model: 5\n")
+    assert "model: expected a mapping" in errors_of(path)
+
+
+def test_missing_and_broken_files(tmp_path):
+    assert "does not exist" in errors_of(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    assert "not valid YAML" in errors_of(bad)
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- 1\n- 2\n")
+    assert "must hold a mapping" in errors_of(listy)
+
+
+def test_bad_override_syntax():
+    with pytest.raises(UserError, match="section.key=value"):
+        load_config(None, ["train.lr"])
+
+
+def test_cli_reports_config_errors_with_exit_code_2_and_no_traceback(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  lrr: 1\nmodel:\n  d_model: -1\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "scale_llm", "train", str(path)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "train.lrr: unknown key; did you mean train.lr?" in proc.stderr
+    assert "model.d_model=-1 must be > 0" in proc.stderr
+
+
+def test_type_and_value_errors_are_reported_together():
+    msg = errors_of(overrides=["train.lr=fast", "train.max_steps=0", "model.d_model=x"])
+    assert "train.lr: expected a finite number" in msg
+    assert "train.max_steps=0 must be > 0" in msg
+    assert "model.d_model: expected an integer" in msg
+    assert "divisible" not in msg  # no follow-on complaint about the default standing in
+
+
+def test_main_returns_2_on_missing_config(tmp_path, capsys):
+    assert main(["prepare", str(tmp_path / "missing.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_every_shipped_yaml_is_valid():
+    shipped = sorted((REPO / "yaml").glob("*.yaml"))
+    assert shipped
+    for path in shipped:
+        load_config(path)

@@ -1,0 +1,250 @@
+"""Data: tokenizer round trip, preparation (split, idempotence, bad input), batch layout."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from scale_llm.config import load_config
+from scale_llm.data import prepare as prepare_mod
+from scale_llm.data.loader import TokenWindows, TrainLoader, eval_batches
+from scale_llm.data.prepare import prepare
+from scale_llm.data.shards import open_split, read_manifest
+from scale_llm.data.tokenizer import Tokenizer, train_tokenizer
+from scale_llm.errors import UserError
+
+CPU = torch.device("cpu")
+
+
+def prep_config(source, out, *extra):
+    return load_config(
+        None,
+        [
+            "model.vocab_size=400",
+            f"data.source={source}",
+            f"data.dir={out}",
+            "data.val_fraction=0.25",
+            *extra,
+        ],
+    )
+
+
+def marker_corpus(tmp_path, n=24):
+    """Documents that each carry a unique marker word, so splits can be checked by decoding."""
+    rng = np.random.default_rng(0)
+    words = ["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), 5)) for _ in range(300)]
+    path = tmp_path / "docs.jsonl"
+    with open(path, "w") as f:
+        for i in range(n):
+            body = f"doc{i:03d}marker " + " ".join(rng.choice(words, 120))
+            f.write(json.dumps({"text": body, "meta": i}) + "\n")
+    return path
+
+
+def test_tokenizer_round_trips_code_and_unicode(tmp_path, data_dir):
+    tok = Tokenizer(data_dir / "tokenizer.model")
+    text = (
+        "def f(x):\n\tif x:\n        return {'k': [1, 2]}  # ok\n\n\n"
+        "    s = 'naïve café ☕ 日本語'\r\n"
+    )
+    ids = tok.encode(text, bos=True)
+    assert ids[0] == tok.bos_id
+    assert tok.decode(ids) == text
+    assert max(ids) < tok.vocab_size
+
+
+def test_tokenizer_too_small_vocab_is_refused(tmp_path):
+    with pytest.raises(UserError, match="too small"):
+        train_tokenizer(["hello world"], 100, tmp_path / "t.model")
+
+
+def test_prepare_splits_by_document_and_writes_manifest(tmp_path):
+    out = tmp_path / "data"
+    manifest = prepare(prep_config(marker_corpus(tmp_path), out))
+    tok = Tokenizer(out / "tokenizer.model")
+    texts = {}
+    for split in ("train", "val"):
+        tokens = np.concatenate(open_split(out, manifest, split))
+        texts[split] = tok.decode(tokens.tolist())
+        assert manifest["splits"][split]["tokens"] == len(tokens)
+        assert (tokens == tok.eos_id).sum() == manifest["splits"][split]["documents"]
+    train_docs = {m for m in range(24) if f"doc{m:03d}marker" in texts["train"]}
+    val_docs = {m for m in range(24) if f"doc{m:03d}marker" in texts["val"]}
+    assert val_docs and train_docs
+    assert not train_docs & val_docs  # disjoint by document
+    assert train_docs | val_docs == set(range(24))
+    assert manifest["dtype"] == "uint16"
+    assert manifest["tokenizer"]["vocab_size"] == 400
+    assert len(manifest["tokenizer"]["sha256"]) == 64
+
+
+def test_prepare_is_idempotent_and_redoes_work_when_input_changes(tmp_path, monkeypatch):
+    corpus = marker_corpus(tmp_path)
+    out = tmp_path / "data"
+    first = prepare(prep_config(corpus, out))
+    stamp = (out / "train_00000.bin").stat().st_mtime_ns
+
+    def boom(*a, **k):
+        raise AssertionError("prepare retrained the tokenizer on unchanged input")
+
+    monkeypatch.setattr(prepare_mod, "train_tokenizer", boom)
+    assert prepare(prep_config(corpus, out)) == first
+    assert (out / "train_00000.bin").stat().st_mtime_ns == stamp
+    monkeypatch.undo()
+
+    with open(corpus, "a") as f:
+        f.write(json.dumps({"text": "one more document " * 20}) + "\n")
+    second = prepare(prep_config(corpus, out))
+    assert second["fingerprint"] != first["fingerprint"]
+    assert sum(s["documents"] for s in second["splits"].values()) == 25
+
+
+def test_shards_are_split_at_the_configured_size(tmp_path):
+    out = tmp_path / "data"
+    manifest = prepare(prep_config(marker_corpus(tmp_path), out, "data.shard_tokens=1000"))
+    shards = manifest["splits"]["train"]["shards"]
+    assert len(shards) > 1
+    assert all(s["tokens"] == 1000 for s in shards[:-1])
+
+
+def test_truncated_shard_and_missing_manifest_are_refused(tmp_path):
+    out = tmp_path / "data"
+    prepare(prep_config(marker_corpus(tmp_path), out))
+    shard = out / "train_00000.bin"
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 2)
+    with pytest.raises(UserError, match="truncated"):
+        read_manifest(out)
+    with pytest.raises(UserError, match="run `scale-llm prepare CONFIG` first"):
+        read_manifest(tmp_path / "nothing-here")
+
+
+def test_interrupted_prepare_never_reads_as_complete(tmp_path, monkeypatch):
+    corpus = marker_corpus(tmp_path)
+    out = tmp_path / "data"
+    prepare(prep_config(corpus, out))
+    with open(corpus, "a") as f:
+        f.write(json.dumps({"text": "changed " * 30}) + "\n")
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepare_mod, "_write_split", killed)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(prep_config(corpus, out))
+    with pytest.raises(UserError, match="manifest.json missing"):
+        read_manifest(out)
+
+
+def test_bad_sources_name_the_file_or_field(tmp_path):
+    with pytest.raises(UserError, match="matches no file"):
+        prepare(prep_config(tmp_path / "nope/*.txt", tmp_path / "d"))
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(UserError, match="empty"):
+        prepare(prep_config(tmp_path / "empty.txt", tmp_path / "d"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"content": "x"}\n')
+    with pytest.raises(UserError, match="no field 'text'.*data.text_field"):
+        prepare(prep_config(bad, tmp_path / "d"))
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("café".encode("latin-1"))
+    with pytest.raises(UserError, match="latin.txt is not valid UTF-8"):
+        prepare(prep_config(latin, tmp_path / "d"))
+    with pytest.raises(UserError, match="Hugging Face"):
+        prepare(prep_config("hf:roneneldan/TinyStories", tmp_path / "d"))
+    assert not (tmp_path / "d" / "manifest.json").exists()
+
+
+def test_text_field_selects_the_jsonl_field(tmp_path):
+    src = tmp_path / "c.jsonl"
+    rows = [json.loads(line) for line in marker_corpus(tmp_path).read_text().splitlines()]
+    src.write_text("".join(json.dumps({"body": r["text"]}) + "\n" for r in rows))
+    manifest = prepare(prep_config(src, tmp_path / "d", "data.text_field=body"))
+    assert sum(s["documents"] for s in manifest["splits"].values()) == 24
+
+
+# ----------------------------------------------------------------------------- loader
+
+
+def windows_from(n_tokens=5000, seq_len=8, shards=2):
+    data = np.arange(n_tokens, dtype=np.uint16)
+    return TokenWindows(np.array_split(data, shards), seq_len)
+
+
+def loader(windows, mb, accum, world=1, rank=0, seed=0):
+    return TrainLoader(windows, mb, accum, world, rank, seed, CPU)
+
+
+def rows(batches):
+    return {tuple(x.tolist()) for pair in batches for x in pair[0]}
+
+
+def test_windows_hold_inputs_and_shifted_targets():
+    w = windows_from()
+    x, y = loader(w, 2, 1).next_batches()[0]
+    assert x.shape == y.shape == (2, 8)
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    assert torch.equal(y[:, -1], x[:, -1] + 1)
+
+
+def test_global_batch_does_not_depend_on_micro_batch_accumulation_or_ranks():
+    w = windows_from()
+    big = loader(w, 8, 1)
+    accum = loader(w, 2, 4)
+    ranks = [loader(w, 2, 2, world=2, rank=r) for r in (0, 1)]
+    for _ in range(5):
+        a = big.next_batches()
+        b = accum.next_batches()
+        r0, r1 = (ld.next_batches() for ld in ranks)
+        assert rows(a) == rows(b) == rows(r0) | rows(r1)
+        assert not rows(r0) & rows(r1)  # ranks read disjoint sequences
+        assert len(rows(a)) == 8
+        # same order too: concatenating the micro-batches gives the big batch
+        assert torch.equal(torch.cat([x for x, _ in b]), a[0][0])
+
+
+def test_loader_state_resumes_with_the_exact_next_batch():
+    w = windows_from()
+    a = loader(w, 4, 2, seed=7)
+    for _ in range(3):
+        a.next_batches()
+    state = a.state_dict()
+    expected = a.next_batches()
+    b = loader(w, 4, 2, seed=7)
+    b.load_state_dict(state)
+    got = b.next_batches()
+    assert all(torch.equal(x1, x2) for (x1, _), (x2, _) in zip(expected, got))
+
+
+def test_epochs_visit_every_window_once_in_a_new_order():
+    w = windows_from(n_tokens=8 * 16 + 1, shards=1)  # exactly 16 windows
+    ld = loader(w, 4, 1, seed=3)
+    epoch0 = [r for _ in range(4) for r in rows(ld.next_batches())]
+    epoch1 = [r for _ in range(4) for r in rows(ld.next_batches())]
+    assert len(set(epoch0)) == len(set(epoch1)) == 16
+    assert set(epoch0) == set(epoch1)
+    assert epoch0 != epoch1
+
+
+def test_eval_batches_are_fixed_and_disjoint_across_ranks():
+    w = windows_from()
+    first = [x for x, _ in eval_batches(w, 2, 3, 1, 0, CPU)]
+    again = [x for x, _ in eval_batches(w, 2, 3, 1, 0, CPU)]
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    r0 = {tuple(x.tolist()) for b, _ in eval_batches(w, 2, 3, 2, 0, CPU) for x in b}
+    r1 = {tuple(x.tolist()) for b, _ in eval_batches(w, 2, 3, 2, 1, CPU) for x in b}
+    assert not r0 & r1
+
+
+def test_builtin_source_is_the_standard_library_in_fixed_order():
+    from scale_llm.data.sources import builtin_source
+
+    src = builtin_source()
+    names = [f.relative_to(src.root).as_posix() for f in src.files]
+    assert names == sorted(names)
+    assert "os.py" in names and not any("site-packages" in n for n in names)
+    assert src.total_bytes() > 10_000_000
+    assert src.fingerprint() == builtin_source().fingerprint()

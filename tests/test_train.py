@@ -1,0 +1,257 @@
+"""Trainer: accumulation equals the big batch, clipping, precision, checkpoints and resume."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import pytest
+import torch
+
+from scale_llm.config import TrainConfig, load_config
+from scale_llm.errors import UserError
+from scale_llm.model import build_model
+from scale_llm.parallel.device import single_process
+from scale_llm.train.optim import lr_at, param_groups
+from scale_llm.train.trainer import Trainer
+from tests.conftest import make_config
+
+
+def trainer(data_dir, tmp_path, *overrides) -> Trainer:
+    return Trainer(make_config(data_dir, tmp_path / "runs", *overrides), single_process("cpu"))
+
+
+def capture_grads(tr: Trainer) -> dict[str, torch.Tensor]:
+    """Record the gradients the clip sees (after accumulation and unscaling) on each step."""
+    seen: dict[str, torch.Tensor] = {}
+    clip = tr.backend.clip_grad_norm
+
+    def spy(max_norm):
+        seen.update({n: p.grad.detach().clone() for n, p in tr.backend.module.named_parameters()})
+        return clip(max_norm)
+
+    tr.backend.clip_grad_norm = spy
+    return seen
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_grad_accum_4_x_micro_2_equals_one_micro_batch_of_8(data_dir, tmp_path, ac):
+    big = trainer(data_dir, tmp_path, "train.micro_batch_size=8", "train.grad_accum=1")
+    small = trainer(
+        data_dir,
+        tmp_path,
+        "train.micro_batch_size=2",
+        "train.grad_accum=4",
+        f"model.activation_checkpointing={ac}",
+    )
+    g_big, g_small = capture_grads(big), capture_grads(small)
+    loss_big, norm_big, _ = big.train_step()
+    loss_small, norm_small, _ = small.train_step()
+    assert g_big.keys() == g_small.keys()
+    for name in g_big:
+        torch.testing.assert_close(g_small[name], g_big[name], atol=1e-6, rtol=0, msg=name)
+    assert loss_small.item() == pytest.approx(loss_big.item(), abs=1e-6)
+    assert norm_small.item() == pytest.approx(norm_big.item(), rel=1e-5)
+
+
+def test_clipping_caps_the_global_norm(data_dir, tmp_path):
+    tr = trainer(data_dir, tmp_path, "train.grad_clip=0.05")
+    clipped = {}
+    tr.backend.optimizer.register_step_pre_hook(
+        lambda opt, a, k: clipped.update(
+            norm=torch.linalg.vector_norm(
+                torch.stack(
+                    [torch.linalg.vector_norm(p.grad) for p in tr.backend.module.parameters()]
+                )
+            ).item()
+        )
+    )
+    _, pre_clip, _ = tr.train_step()
+    assert pre_clip.item() > 0.05
+    assert clipped["norm"] == pytest.approx(0.05, rel=1e-4)
+
+    free = trainer(data_dir, tmp_path, "train.grad_clip=0")
+    free.backend.optimizer.register_step_pre_hook(
+        lambda opt, a, k: clipped.update(
+            norm=torch.linalg.vector_norm(
+                torch.stack(
+                    [torch.linalg.vector_norm(p.grad) for p in free.backend.module.parameters()]
+                )
+            ).item()
+        )
+    )
+    _, norm, _ = free.train_step()
+    assert clipped["norm"] == pytest.approx(norm.item(), rel=1e-5)  # not clipped
+
+
+def test_fp16_scales_the_loss_and_bf16_does_not(data_dir, tmp_path):
+    ratios = {}
+    for precision in ("fp16", "bf16"):
+        tr = trainer(data_dir, tmp_path, f"train.precision={precision}")
+        scaler = tr.backend.scaler
+        assert scaler.is_enabled() == (precision == "fp16")
+        unscale = scaler.unscale_
+
+        def spy(opt, unscale=unscale, tr=tr, precision=precision):
+            before = torch.linalg.vector_norm(
+                torch.stack([p.grad.float().norm() for p in tr.backend.module.parameters()])
+            )
+            unscale(opt)
+            after = torch.linalg.vector_norm(
+                torch.stack([p.grad.float().norm() for p in tr.backend.module.parameters()])
+            )
+            ratios[precision] = (before / after).item()
+
+        scaler.unscale_ = spy
+        tr.train_step()
+    assert ratios["fp16"] == pytest.approx(2.0**16, rel=1e-3)  # GradScaler's initial scale
+    assert ratios["bf16"] == pytest.approx(1.0)
+
+
+def test_fp16_overflow_skips_the_step_and_counts_it(data_dir, tmp_path):
+    tr = trainer(data_dir, tmp_path, "train.precision=fp16")
+    tr.backend.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**120)  # overflows fp16 grads
+    before = {n: p.clone() for n, p in tr.backend.module.named_parameters()}
+    _, norm, _ = tr.train_step()
+    assert not math.isfinite(norm.item())
+    assert tr.skipped_steps.item() == 1
+    for n, p in tr.backend.module.named_parameters():
+        assert torch.equal(p, before[n]), n
+    assert tr.backend.scaler.get_scale() < 2.0**120  # backed off
+
+
+def run_until(tr: Trainer, stop_at: int):
+    """Run fit() but die (like a killed job) when the next step would be `stop_at`."""
+    step = tr.train_step
+
+    def dying():
+        if tr.step == stop_at:
+            raise KeyboardInterrupt
+        return step()
+
+    tr.train_step = dying
+    with pytest.raises(KeyboardInterrupt):
+        tr.fit()
+
+
+def test_resume_continues_the_same_loss_curve(data_dir, tmp_path):
+    common = ["train.max_steps=8", "checkpoint.every=4", "train.grad_accum=2", "eval.every=4"]
+    straight = trainer(data_dir, tmp_path, "run.name=straight", *common).fit()
+
+    run_until(trainer(data_dir, tmp_path, "run.name=resumed", *common), stop_at=6)
+    resumed_trainer = trainer(data_dir, tmp_path, "run.name=resumed", *common)
+    assert resumed_trainer.step == 4
+    resumed = resumed_trainer.fit()
+    for step in range(5, 9):  # bit-identical on CPU in fp32
+        assert resumed.losses[step] == straight.losses[step], step
+    assert resumed.val_losses[8] == straight.val_losses[8]
+    rows = [json.loads(x) for x in (resumed.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 9))  # steps 5-6 logged once, not twice
+
+
+def test_metrics_rows_and_tensorboard_events(data_dir, tmp_path):
+    result = trainer(
+        data_dir, tmp_path, "logging.tensorboard=true", "eval.every=2", "eval.steps=2"
+    ).fit()
+    rows = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= r.keys()
+    assert "val_loss" in rows[1] and "val_loss" not in rows[0]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(result.run_dir / "tensorboard"))
+    acc.Reload()
+    assert {"loss/loss", "loss/val_loss", "train/lr", "train/grad_norm"} <= set(
+        acc.Tags()["scalars"]
+    )
+    assert [e.step for e in acc.Scalars("loss/loss")] == [1, 2, 3, 4]
+    assert (result.run_dir / "config.yaml").is_file()
+    assert (result.run_dir / "tokenizer.model").is_file()
+    assert load_config(result.run_dir / "config.yaml").model.d_model == 32
+
+
+def test_effective_batch_is_printed(data_dir, tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="scale_llm"):
+        tr = trainer(data_dir, tmp_path, "train.micro_batch_size=3", "train.grad_accum=5")
+        tr.fit()
+    assert "micro 3 x seq_len 32 x grad_accum 5 x world 1 = 15 sequences = 480 tokens" in (
+        caplog.text
+    )
+
+
+def test_checkpoints_are_pruned_and_a_torn_save_is_ignored(data_dir, tmp_path):
+    tr = trainer(data_dir, tmp_path, "checkpoint.every=1", "checkpoint.keep_last=2")
+    tr.fit()
+    ckpts = tr.checkpointer.complete()
+    assert [s for s, _ in ckpts] == [3, 4]
+    # a save killed half-way leaves a .tmp dir (and maybe a dir without trainer state)
+    (tr.checkpointer.dir / ".tmp-step_00000005").mkdir()
+    (tr.checkpointer.dir / "step_00000006").mkdir()
+    assert tr.checkpointer.latest().name == "step_00000004"
+    again = trainer(data_dir, tmp_path, "checkpoint.every=1", "train.max_steps=5")
+    assert again.step == 4
+
+
+def test_loss_falls_on_real_text(data_dir, tmp_path):
+    result = trainer(
+        data_dir,
+        tmp_path,
+        "train.max_steps=60",
+        "train.micro_batch_size=16",
+        "train.lr=1e-2",
+        "train.warmup_steps=6",
+        "eval.every=60",
+    ).fit()
+    last = [result.losses[s] for s in range(51, 61)]
+    assert sum(last) / len(last) < result.losses[1] - 1.0
+    assert result.val_losses[60] < result.losses[1] - 1.0
+
+
+def test_bad_inputs_are_user_errors_and_leave_nothing_behind(data_dir, tmp_path):
+    runs = tmp_path / "runs"
+    with pytest.raises(UserError, match=r"model.vocab_size=1024 does not match.*512 pieces"):
+        trainer(data_dir, tmp_path, "model.vocab_size=1024")
+    with pytest.raises(UserError, match="holds no prepared shards"):
+        trainer(tmp_path / "empty", tmp_path)
+    with pytest.raises(UserError, match="too few tokens for model.seq_len"):
+        trainer(data_dir, tmp_path, "model.seq_len=200000")
+    with pytest.raises(UserError, match="not a complete checkpoint"):
+        trainer(data_dir, tmp_path, f"checkpoint.resume={tmp_path}")
+    assert not runs.exists()  # nothing half-written
+
+
+def test_resuming_a_different_run_is_refused(data_dir, tmp_path):
+    trainer(data_dir, tmp_path, "train.max_steps=1").fit()
+    with pytest.raises(UserError) as info:
+        trainer(data_dir, tmp_path, "train.max_steps=2", "model.d_model=64", "run.seed=5")
+    msg = str(info.value)
+    assert "model.d_model: the checkpoint has 32, the config says 64" in msg
+    assert "run.seed" in msg and "new run.name" in msg
+    with pytest.raises(UserError, match="checkpoint.resume=never but"):
+        trainer(data_dir, tmp_path, "checkpoint.resume=never")
+    # settings that do not define the run may change: a longer run continues
+    assert trainer(data_dir, tmp_path, "train.max_steps=2", "train.lr=5e-4").step == 1
+
+
+def test_lr_schedule_warmup_then_cosine_to_min_lr():
+    cfg = TrainConfig(lr=1.0, min_lr=0.1, warmup_steps=10, max_steps=110)
+    assert lr_at(0, cfg) == pytest.approx(0.1)
+    assert lr_at(9, cfg) == pytest.approx(1.0)
+    assert lr_at(60, cfg) == pytest.approx(0.55)
+    assert lr_at(110, cfg) == pytest.approx(0.1)
+    assert all(lr_at(s, cfg) >= lr_at(s + 1, cfg) for s in range(10, 110))
+
+
+def test_no_weight_decay_on_norms_and_embeddings():
+    from tests.test_model import small
+
+    m = build_model(small(tie_embeddings=False))
+    decay, no_decay = param_groups(m, 0.1)
+    names = {id(p): n for n, p in m.named_parameters()}
+    decayed = {names[id(p)] for p in decay["params"]}
+    assert "tok_embeddings.weight" not in decayed
+    assert not any("norm" in n for n in decayed)
+    assert "output.weight" in decayed and "layers.0.attention.wqkv.weight" in decayed
+    assert no_decay["weight_decay"] == 0.0
