@@ -1,0 +1,1 @@
+"""Corpora, the SentencePiece tokenizer, token shards and the distributed, resumable loader."""

@@ -1,0 +1,105 @@
+"""Batches from memory-mapped token shards, fixed by (seed, position) and resumable.
+
+The train split is cut into windows of seq_len + 1 tokens (inputs and shifted targets). Each epoch
+visits every window once in an order drawn from (seed, epoch). A step's global batch is the next
+`micro_batch_size * grad_accum * world_size` windows of that stream; rank r reads its contiguous
+slice of it, micro-step k the k-th piece of that slice. So the set of sequences in a step does
+not depend on how it is split across micro-steps and ranks, and resuming at a position (or on a
+different world size) continues with exactly the sequences that come next.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class TokenWindows:
+    """Window i holds tokens [i*seq_len, i*seq_len + seq_len + 1) of one shard (none cross shards)."""
+
+    def __init__(self, shards: list[np.ndarray], seq_len: int):
+        self.shards, self.seq_len = shards, seq_len
+        counts = [max(0, (len(s) - 1) // seq_len) for s in shards]
+        self.offsets = np.cumsum([0] + counts)
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def get(self, indices: np.ndarray) -> torch.Tensor:
+        """(len(indices), seq_len + 1) int64 tokens."""
+        rows = np.empty((len(indices), self.seq_len + 1), dtype=np.int64)
+        shard_ids = np.searchsorted(self.offsets, indices, side="right") - 1
+        for row, (i, s) in enumerate(zip(indices, shard_ids)):
+            start = int(i - self.offsets[s]) * self.seq_len
+            rows[row] = self.shards[s][start:start + self.seq_len + 1]
+        return torch.from_numpy(rows)
+
+
+class TrainLoader:
+    """This rank's micro-batches of each step's global batch, in a seeded, resumable order."""
+
+    def __init__(self, windows: TokenWindows, micro_batch_size: int, grad_accum: int,
+                 world_size: int, rank: int, seed: int, device: torch.device):
+        if len(windows) == 0:
+            raise ValueError("no training windows")
+        self.windows, self.seed, self.device = windows, seed, device
+        self.micro_batch_size, self.grad_accum = micro_batch_size, grad_accum
+        self.world_size, self.rank = world_size, rank
+        self.global_batch = micro_batch_size * grad_accum * world_size
+        self.position = 0  # sequences of the stream consumed so far, over all ranks
+        self._perm: tuple[int, np.ndarray] | None = None
+
+    def next_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """grad_accum pairs (inputs, targets), each (micro_batch_size, seq_len), on device."""
+        per_rank = self.micro_batch_size * self.grad_accum
+        first = self.position + self.rank * per_rank
+        ids = self._stream_indices(first, per_rank)
+        self.position += self.global_batch
+        tokens = self.windows.get(ids)
+        if self.device.type == "cuda":
+            tokens = tokens.pin_memory().to(self.device, non_blocking=True)
+        else:
+            tokens = tokens.to(self.device)
+        pieces = tokens.split(self.micro_batch_size)
+        return [(p[:, :-1], p[:, 1:]) for p in pieces]
+
+    def _stream_indices(self, first: int, count: int) -> np.ndarray:
+        n = len(self.windows)
+        out = np.empty(count, dtype=np.int64)
+        for j, p in enumerate(range(first, first + count)):
+            out[j] = self._permutation(p // n)[p % n]
+        return out
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if self._perm is None or self._perm[0] != epoch:
+            if epoch > 0 and (self._perm is None or self._perm[0] < epoch):
+                log.info("data: starting epoch %d over %d training windows", epoch,
+                         len(self.windows))
+            rng = np.random.default_rng([self.seed, epoch])
+            self._perm = (epoch, rng.permutation(len(self.windows)))
+        return self._perm[1]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position, "seed": self.seed, "num_windows": len(self.windows)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state["num_windows"] != len(self.windows) or state["seed"] != self.seed:
+            log.warning("data: the checkpoint's data order (seed %s, %s windows) differs from "
+                        "now (seed %s, %s windows); continuing at the same position of the new "
+                        "order", state["seed"], state["num_windows"], self.seed, len(self.windows))
+        self.position = int(state["position"])
+
+
+def eval_batches(windows: TokenWindows, micro_batch_size: int, steps: int, world_size: int,
+                 rank: int, device: torch.device):
+    """The same validation micro-batches at every evaluation; ranks read disjoint windows."""
+    n = len(windows)
+    for b in range(steps):
+        first = (b * world_size + rank) * micro_batch_size
+        ids = np.arange(first, first + micro_batch_size) % n
+        tokens = windows.get(ids).to(device)
+        yield tokens[:, :-1], tokens[:, 1:]

@@ -1,0 +1,103 @@
+"""SentencePiece BPE tokenizer: trained on a sample of the corpus, lossless on code and text.
+
+Settings chosen for a lossless round trip (decode(encode(text)) == text): identity normalization,
+whitespace kept as is, byte fallback for anything outside the vocabulary, no dummy prefix.
+Each document is encoded as [BOS] + tokens + [EOS]; EOS doubles as the document separator.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import sentencepiece as spm
+
+from scale_llm.errors import UserError
+
+UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
+MIN_VOCAB = 256 + 3 + 61  # byte-fallback pieces + specials + room for merges
+_CHUNK_CHARS = 16_384  # SentencePiece skips "sentences" longer than max_sentence_length
+
+
+class Tokenizer:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise UserError(f"tokenizer {self.path} does not exist; run `scale-llm prepare "
+                            f"CONFIG` to train it")
+        self.sp = spm.SentencePieceProcessor(model_file=str(self.path))
+        self.bos_id, self.eos_id = self.sp.bos_id(), self.sp.eos_id()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.sp.get_piece_size()
+
+    def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
+        ids = self.sp.encode(text)
+        return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+
+    def encode_documents(self, texts: list[str], num_threads: int = 0) -> list[list[int]]:
+        """Batched encode of whole documents: [BOS] + ids + [EOS] each."""
+        encoded = self.sp.encode(texts, num_threads=num_threads or os.cpu_count() or 1)
+        return [[self.bos_id, *ids, self.eos_id] for ids in encoded]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.sp.decode([i for i in ids if i not in (self.bos_id, self.eos_id)])
+
+    def sha256(self) -> str:
+        return file_sha256(self.path)
+
+
+def file_sha256(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int, out_path: str | Path,
+                    num_threads: int = 0) -> Tokenizer:
+    """Train a BPE model on `texts` and write it atomically to `out_path`."""
+    if vocab_size < MIN_VOCAB:
+        raise UserError(f"model.vocab_size={vocab_size} is too small for a byte-fallback "
+                        f"tokenizer; use at least {MIN_VOCAB} (e.g. 4096)")
+    buf = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=_chunks(texts),
+            model_writer=buf,
+            model_type="bpe",
+            vocab_size=vocab_size,
+            byte_fallback=True,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            add_dummy_prefix=False,
+            allow_whitespace_only_pieces=True,
+            split_digits=True,
+            character_coverage=0.9999,
+            max_sentence_length=_CHUNK_CHARS * 4,
+            unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=-1,
+            num_threads=num_threads or os.cpu_count() or 1,
+            minloglevel=2,
+        )
+    except RuntimeError as e:  # e.g. a sample with too few distinct pieces for vocab_size
+        raise UserError(f"tokenizer training failed: {e}. With a small corpus lower "
+                        f"model.vocab_size or raise data.tokenizer_sample_bytes") from None
+    out_path = Path(out_path)
+    tmp = out_path.with_name(out_path.name + ".tmp")
+    tmp.write_bytes(buf.getvalue())
+    tmp.replace(out_path)
+    return Tokenizer(out_path)
+
+
+def _chunks(texts: Iterable[str]) -> Iterator[str]:
+    """Split documents at line ends into pieces SentencePiece accepts as one 'sentence'."""
+    for text in texts:
+        start = 0
+        while start < len(text):
+            end = min(len(text), start + _CHUNK_CHARS)
+            if end < len(text):
+                cut = text.rfind("\n", start, end)
+                end = cut + 1 if cut > start else end
+            yield text[start:end]
+            start = end
