@@ -98,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the predicted per-GPU memory before training",
     )
 
+    p = sub.add_parser("bench", help="training throughput on synthetic tokens (no data needed)")
+    _add_config_args(p)
+    p.add_argument("--steps", type=int, default=10, help="timed optimizer steps")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
     p = sub.add_parser("generate", help="sample text from a trained run")
     p.add_argument("run_dir", help="a run directory written by `scale-llm train`, e.g. runs/tiny")
     p.add_argument("--prompt", default="", help="text to continue")
@@ -142,6 +148,22 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    import json
+
+    from scale_llm.bench import bench
+    from scale_llm.parallel.device import single_process
+
+    cfg = config_from_args(args)
+    result = bench(cfg, single_process(cfg.train.device), args.steps, args.warmup)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            print(f"{key:>26}: {value:,.4g}" if isinstance(value, float) else f"{key:>26}: {value}")
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from scale_llm.generate import generate_text
 
@@ -161,7 +183,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"prepare": cmd_prepare, "train": cmd_train, "generate": cmd_generate}
+COMMANDS = {
+    "prepare": cmd_prepare,
+    "train": cmd_train,
+    "bench": cmd_bench,
+    "generate": cmd_generate,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

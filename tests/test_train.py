@@ -255,3 +255,14 @@ def test_no_weight_decay_on_norms_and_embeddings():
     assert not any("norm" in n for n in decayed)
     assert "output.weight" in decayed and "layers.0.attention.wqkv.weight" in decayed
     assert no_decay["weight_decay"] == 0.0
+
+
+def test_bench_runs_the_training_step_on_synthetic_tokens(tmp_path):
+    from scale_llm.bench import bench
+
+    cfg = make_config(tmp_path, tmp_path / "runs", "train.grad_accum=2")
+    result = bench(cfg, single_process("cpu"), steps=2, warmup=1)
+    assert result["tokens_per_step_per_rank"] == 4 * 32 * 2
+    assert result["tokens_per_s_per_rank"] > 0 and result["ms_per_step"] > 0
+    assert result["precision"] == "fp32" and "mfu" not in result  # no MFU without a known peak
+    assert not (tmp_path / "runs").exists()  # bench writes nothing

@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 
 class TokenWindows:
-    """Window i holds tokens [i*seq_len, i*seq_len + seq_len + 1) of one shard (none cross shards)."""
+    """Window i: tokens [i*seq_len, i*seq_len + seq_len + 1) of one shard; none cross shards."""
 
     def __init__(self, shards: list[np.ndarray], seq_len: int):
         self.shards, self.seq_len = shards, seq_len
@@ -35,15 +35,23 @@ class TokenWindows:
         shard_ids = np.searchsorted(self.offsets, indices, side="right") - 1
         for row, (i, s) in enumerate(zip(indices, shard_ids)):
             start = int(i - self.offsets[s]) * self.seq_len
-            rows[row] = self.shards[s][start:start + self.seq_len + 1]
+            rows[row] = self.shards[s][start : start + self.seq_len + 1]
         return torch.from_numpy(rows)
 
 
 class TrainLoader:
     """This rank's micro-batches of each step's global batch, in a seeded, resumable order."""
 
-    def __init__(self, windows: TokenWindows, micro_batch_size: int, grad_accum: int,
-                 world_size: int, rank: int, seed: int, device: torch.device):
+    def __init__(
+        self,
+        windows: TokenWindows,
+        micro_batch_size: int,
+        grad_accum: int,
+        world_size: int,
+        rank: int,
+        seed: int,
+        device: torch.device,
+    ):
         if len(windows) == 0:
             raise ValueError("no training windows")
         self.windows, self.seed, self.device = windows, seed, device
@@ -77,8 +85,9 @@ class TrainLoader:
     def _permutation(self, epoch: int) -> np.ndarray:
         if self._perm is None or self._perm[0] != epoch:
             if epoch > 0 and (self._perm is None or self._perm[0] < epoch):
-                log.info("data: starting epoch %d over %d training windows", epoch,
-                         len(self.windows))
+                log.info(
+                    "data: starting epoch %d over %d training windows", epoch, len(self.windows)
+                )
             rng = np.random.default_rng([self.seed, epoch])
             self._perm = (epoch, rng.permutation(len(self.windows)))
         return self._perm[1]
@@ -88,14 +97,26 @@ class TrainLoader:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state["num_windows"] != len(self.windows) or state["seed"] != self.seed:
-            log.warning("data: the checkpoint's data order (seed %s, %s windows) differs from "
-                        "now (seed %s, %s windows); continuing at the same position of the new "
-                        "order", state["seed"], state["num_windows"], self.seed, len(self.windows))
+            log.warning(
+                "data: the checkpoint's data order (seed %s, %s windows) differs from "
+                "now (seed %s, %s windows); continuing at the same position of the new "
+                "order",
+                state["seed"],
+                state["num_windows"],
+                self.seed,
+                len(self.windows),
+            )
         self.position = int(state["position"])
 
 
-def eval_batches(windows: TokenWindows, micro_batch_size: int, steps: int, world_size: int,
-                 rank: int, device: torch.device):
+def eval_batches(
+    windows: TokenWindows,
+    micro_batch_size: int,
+    steps: int,
+    world_size: int,
+    rank: int,
+    device: torch.device,
+):
     """The same validation micro-batches at every evaluation; ranks read disjoint windows."""
     n = len(windows)
     for b in range(steps):

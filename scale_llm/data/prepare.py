@@ -47,10 +47,17 @@ def prepare(cfg: Config, force: bool = False) -> dict[str, Any]:
     source = open_source(cfg.data.source, cfg.data.text_field)
     fingerprint = _fingerprint(cfg, source)
     current = _current_manifest(out)
-    if not force and current and current.get("fingerprint") == fingerprint \
-            and not shard_problems(out, current):
-        log.info("data: %s is up to date (%s train tokens); nothing to do", out,
-                 f"{current['splits']['train']['tokens']:,}")
+    if (
+        not force
+        and current
+        and current.get("fingerprint") == fingerprint
+        and not shard_problems(out, current)
+    ):
+        log.info(
+            "data: %s is up to date (%s train tokens); nothing to do",
+            out,
+            f"{current['splits']['train']['tokens']:,}",
+        )
         return current
 
     out.mkdir(parents=True, exist_ok=True)
@@ -58,8 +65,12 @@ def prepare(cfg: Config, force: bool = False) -> dict[str, Any]:
     for stale in [*out.glob("train_*.bin"), *out.glob("val_*.bin")]:
         stale.unlink()
     t0 = time.perf_counter()
-    log.info("data: reading %s (%d files, %.1f MB)", source.spec, len(source.files),
-             source.total_bytes() / 1e6)
+    log.info(
+        "data: reading %s (%d files, %.1f MB)",
+        source.spec,
+        len(source.files),
+        source.total_bytes() / 1e6,
+    )
     docs = list(source.documents())
     if not docs:
         raise_empty(cfg)
@@ -70,48 +81,73 @@ def prepare(cfg: Config, force: bool = False) -> dict[str, Any]:
     if not train:
         raise_empty(cfg)
     if source.skipped:
-        log.info("data: skipped %d files that are not UTF-8 (e.g. %s)", len(source.skipped),
-                 source.skipped[0])
+        log.info(
+            "data: skipped %d files that are not UTF-8 (e.g. %s)",
+            len(source.skipped),
+            source.skipped[0],
+        )
 
-    tokenizer = train_tokenizer(_sample(train, cfg.data.tokenizer_sample_bytes),
-                                cfg.model.vocab_size, out / TOKENIZER_FILE)
-    log.info("data: trained a %d-piece BPE tokenizer on %.1f MB in %.1fs", tokenizer.vocab_size,
-             min(cfg.data.tokenizer_sample_bytes, sum(len(d.text) for d in train)) / 1e6,
-             time.perf_counter() - t0)
+    tokenizer = train_tokenizer(
+        _sample(train, cfg.data.tokenizer_sample_bytes), cfg.model.vocab_size, out / TOKENIZER_FILE
+    )
+    log.info(
+        "data: trained a %d-piece BPE tokenizer on %.1f MB in %.1fs",
+        tokenizer.vocab_size,
+        min(cfg.data.tokenizer_sample_bytes, sum(len(d.text) for d in train)) / 1e6,
+        time.perf_counter() - t0,
+    )
     dtype = token_dtype(tokenizer.vocab_size)
-    splits = {name: _write_split(out, name, part, tokenizer, cfg.data.shard_tokens, dtype)
-              for name, part in (("train", train), ("val", val))}
+    splits = {
+        name: _write_split(out, name, part, tokenizer, cfg.data.shard_tokens, dtype)
+        for name, part in (("train", train), ("val", val))
+    }
     manifest = {
         "format": FORMAT_VERSION,
         "fingerprint": fingerprint,
         "source": source.spec,
         "python": sys.version.split()[0],
         "dtype": dtype.name,
-        "tokenizer": {"file": TOKENIZER_FILE, "sha256": file_sha256(out / TOKENIZER_FILE),
-                      "vocab_size": tokenizer.vocab_size, "bos_id": tokenizer.bos_id,
-                      "eos_id": tokenizer.eos_id},
+        "tokenizer": {
+            "file": TOKENIZER_FILE,
+            "sha256": file_sha256(out / TOKENIZER_FILE),
+            "vocab_size": tokenizer.vocab_size,
+            "bos_id": tokenizer.bos_id,
+            "eos_id": tokenizer.eos_id,
+        },
         "splits": splits,
     }
     write_manifest(out, manifest)
     seconds = time.perf_counter() - t0
     total = sum(s["tokens"] for s in splits.values())
-    log.info("data: wrote %s train / %s val tokens (%d / %d documents) to %s in %.1fs "
-             "(%.0fk tokens/s)", f"{splits['train']['tokens']:,}", f"{splits['val']['tokens']:,}",
-             splits["train"]["documents"], splits["val"]["documents"], out, seconds,
-             total / seconds / 1e3)
+    log.info(
+        "data: wrote %s train / %s val tokens (%d / %d documents) to %s in %.1fs (%.0fk tokens/s)",
+        f"{splits['train']['tokens']:,}",
+        f"{splits['val']['tokens']:,}",
+        splits["train"]["documents"],
+        splits["val"]["documents"],
+        out,
+        seconds,
+        total / seconds / 1e3,
+    )
     return manifest
 
 
 def raise_empty(cfg: Config) -> None:
-    raise UserError(f"data.source={cfg.data.source!r} yielded too few non-empty documents; "
-                    f"check the files and data.text_field={cfg.data.text_field!r}")
+    raise UserError(
+        f"data.source={cfg.data.source!r} yielded too few non-empty documents; "
+        f"check the files and data.text_field={cfg.data.text_field!r}"
+    )
 
 
 def _fingerprint(cfg: Config, source: Source) -> str:
-    settings = {"format": FORMAT_VERSION, "source": source.fingerprint(),
-                "vocab_size": cfg.model.vocab_size, "val_fraction": cfg.data.val_fraction,
-                "tokenizer_sample_bytes": cfg.data.tokenizer_sample_bytes,
-                "shard_tokens": cfg.data.shard_tokens}
+    settings = {
+        "format": FORMAT_VERSION,
+        "source": source.fingerprint(),
+        "vocab_size": cfg.model.vocab_size,
+        "val_fraction": cfg.data.val_fraction,
+        "tokenizer_sample_bytes": cfg.data.tokenizer_sample_bytes,
+        "shard_tokens": cfg.data.shard_tokens,
+    }
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
 
@@ -124,22 +160,27 @@ def _current_manifest(out: Path) -> dict[str, Any] | None:
 
 def _sample(docs: list[Document], budget: int) -> Iterator[str]:
     """Documents in a fixed pseudo-random order until `budget` characters are taken."""
-    order = sorted(docs, key=lambda d: hashlib.blake2b(d.doc_id.encode(), digest_size=8,
-                                                       person=b"tok-sample").digest())
+    order = sorted(
+        docs,
+        key=lambda d: hashlib.blake2b(
+            d.doc_id.encode(), digest_size=8, person=b"tok-sample"
+        ).digest(),
+    )
     taken = 0
     for d in order:
         if taken >= budget:
             return
-        text = d.text[:budget - taken]
+        text = d.text[: budget - taken]
         taken += len(text)
         yield text
 
 
-def _write_split(out: Path, name: str, docs: list[Document], tokenizer: Tokenizer,
-                 shard_tokens: int, dtype) -> dict[str, Any]:
+def _write_split(
+    out: Path, name: str, docs: list[Document], tokenizer: Tokenizer, shard_tokens: int, dtype
+) -> dict[str, Any]:
     writer = ShardWriter(out, name, shard_tokens, dtype)
     for i in range(0, len(docs), _ENCODE_BATCH):
-        batch = [d.text for d in docs[i:i + _ENCODE_BATCH]]
+        batch = [d.text for d in docs[i : i + _ENCODE_BATCH]]
         for ids in tokenizer.encode_documents(batch):
             writer.add(ids)
     return writer.close()

@@ -39,7 +39,7 @@ class ShardWriter:
         arr = np.asarray(ids, dtype=self.dtype)
         while arr.size:
             n = min(arr.size, self.buffer.size - self.filled)
-            self.buffer[self.filled:self.filled + n] = arr[:n]
+            self.buffer[self.filled : self.filled + n] = arr[:n]
             self.filled += n
             arr = arr[n:]
             if self.filled == self.buffer.size:
@@ -48,12 +48,15 @@ class ShardWriter:
     def close(self) -> dict[str, Any]:
         if self.filled:
             self._flush()
-        return {"documents": self.documents, "tokens": sum(s["tokens"] for s in self.shards),
-                "shards": self.shards}
+        return {
+            "documents": self.documents,
+            "tokens": sum(s["tokens"] for s in self.shards),
+            "shards": self.shards,
+        }
 
     def _flush(self) -> None:
         name = f"{self.split}_{len(self.shards):05d}.bin"
-        write_atomic(self.out_dir / name, self.buffer[:self.filled].tobytes())
+        write_atomic(self.out_dir / name, self.buffer[: self.filled].tobytes())
         self.shards.append({"file": name, "tokens": int(self.filled)})
         self.filled = 0
 
@@ -76,23 +79,30 @@ def read_manifest(data_dir: str | Path, check_shards: bool = True) -> dict[str, 
     data_dir = Path(data_dir)
     path = data_dir / MANIFEST
     if not path.is_file():
-        raise UserError(f"data.dir={data_dir} holds no prepared shards ({MANIFEST} missing); "
-                        f"run `scale-llm prepare CONFIG` first, or point data.dir at a prepared "
-                        f"directory")
+        raise UserError(
+            f"data.dir={data_dir} holds no prepared shards ({MANIFEST} missing); "
+            f"run `scale-llm prepare CONFIG` first, or point data.dir at a prepared "
+            f"directory"
+        )
     try:
         manifest = json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise UserError(f"{path} is corrupt ({e.msg}); delete it and run `scale-llm prepare "
-                        f"CONFIG` again") from None
+        raise UserError(
+            f"{path} is corrupt ({e.msg}); delete it and run `scale-llm prepare CONFIG` again"
+        ) from None
     if manifest.get("format") != FORMAT_VERSION:
-        raise UserError(f"{path} has format {manifest.get('format')}, this version reads "
-                        f"{FORMAT_VERSION}; run `scale-llm prepare CONFIG` again")
+        raise UserError(
+            f"{path} has format {manifest.get('format')}, this version reads "
+            f"{FORMAT_VERSION}; run `scale-llm prepare CONFIG` again"
+        )
     if check_shards:
         problems = shard_problems(data_dir, manifest)
         if problems:
-            raise UserError(f"data.dir={data_dir} is incomplete: {problems[0]}"
-                            f"{f' (and {len(problems) - 1} more)' if len(problems) > 1 else ''}; "
-                            f"run `scale-llm prepare CONFIG` again to rebuild it")
+            raise UserError(
+                f"data.dir={data_dir} is incomplete: {problems[0]}"
+                f"{f' (and {len(problems) - 1} more)' if len(problems) > 1 else ''}; "
+                f"run `scale-llm prepare CONFIG` again to rebuild it"
+            )
     return manifest
 
 
@@ -106,8 +116,10 @@ def shard_problems(data_dir: Path, manifest: dict[str, Any]) -> list[str]:
             if not path.is_file():
                 problems.append(f"shard {path} is missing")
             elif path.stat().st_size != want:
-                problems.append(f"shard {path} has {path.stat().st_size} bytes, expected {want} "
-                                f"(truncated or overwritten)")
+                problems.append(
+                    f"shard {path} has {path.stat().st_size} bytes, expected {want} "
+                    f"(truncated or overwritten)"
+                )
     return problems
 
 
@@ -115,7 +127,11 @@ def open_split(data_dir: str | Path, manifest: dict[str, Any], split: str) -> li
     """Read-only memory maps of one split's shards, in order."""
     dtype = np.dtype(manifest["dtype"])
     if split not in manifest["splits"] or not manifest["splits"][split]["shards"]:
-        raise UserError(f"data.dir={data_dir} has no '{split}' tokens; run `scale-llm prepare` "
-                        f"with a larger corpus or a different data.val_fraction")
-    return [np.memmap(Path(data_dir) / s["file"], dtype=dtype, mode="r", shape=(s["tokens"],))
-            for s in manifest["splits"][split]["shards"]]
+        raise UserError(
+            f"data.dir={data_dir} has no '{split}' tokens; run `scale-llm prepare` "
+            f"with a larger corpus or a different data.val_fraction"
+        )
+    return [
+        np.memmap(Path(data_dir) / s["file"], dtype=dtype, mode="r", shape=(s["tokens"],))
+        for s in manifest["splits"][split]["shards"]
+    ]

@@ -32,8 +32,14 @@ class Document:
 class Source:
     """A fixed, ordered list of files and how to read documents out of them."""
 
-    def __init__(self, spec: str, files: list[Path], text_field: str = "text",
-                 skip_undecodable: bool = False, root: Path | None = None):
+    def __init__(
+        self,
+        spec: str,
+        files: list[Path],
+        text_field: str = "text",
+        skip_undecodable: bool = False,
+        root: Path | None = None,
+    ):
         self.spec = spec
         self.files = files
         self.text_field = text_field
@@ -69,8 +75,10 @@ class Source:
             if self.skip_undecodable:
                 self.skipped.append(str(f))
                 return None
-            raise UserError(f"{f} is not valid UTF-8 (byte {e.start}); convert it to UTF-8 "
-                            f"or remove it from data.source") from None
+            raise UserError(
+                f"{f} is not valid UTF-8 (byte {e.start}); convert it to UTF-8 "
+                f"or remove it from data.source"
+            ) from None
 
     def _jsonl_documents(self, f: Path, name: str) -> Iterator[Document]:
         text = self._read_text(f)
@@ -80,12 +88,16 @@ class Source:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise UserError(f"{f}:{lineno} is not valid JSON ({e.msg}); fix the line or "
-                                f"remove the file from data.source") from None
+                raise UserError(
+                    f"{f}:{lineno} is not valid JSON ({e.msg}); fix the line or "
+                    f"remove the file from data.source"
+                ) from None
             if not isinstance(record, dict) or self.text_field not in record:
                 keys = list(record)[:8] if isinstance(record, dict) else type(record).__name__
-                raise UserError(f"{f}:{lineno} has no field {self.text_field!r} (found {keys}); "
-                                f"set data.text_field to the field holding the text") from None
+                raise UserError(
+                    f"{f}:{lineno} has no field {self.text_field!r} (found {keys}); "
+                    f"set data.text_field to the field holding the text"
+                ) from None
             value = record[self.text_field]
             if isinstance(value, str) and value.strip():
                 yield Document(f"{name}:{lineno}", value)
@@ -95,8 +107,11 @@ def builtin_source() -> Source:
     """The standard library's own .py files: real code, on every machine, no network."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(
-        (p for p in root.rglob("*.py")
-         if "site-packages" not in p.parts and "__pycache__" not in p.parts),
+        (
+            p
+            for p in root.rglob("*.py")
+            if "site-packages" not in p.parts and "__pycache__" not in p.parts
+        ),
         key=lambda p: p.relative_to(root).as_posix(),
     )
     spec = f"builtin:python{sys.version_info.major}.{sys.version_info.minor}"
@@ -106,13 +121,16 @@ def builtin_source() -> Source:
 def local_source(spec: str, text_field: str) -> Source:
     paths = _expand(spec)
     if not paths:
-        raise UserError(f"data.source={spec!r} matches no file; give an existing file, a "
-                        f"directory of .txt/.jsonl files, a glob like 'corpus/*.jsonl', or "
-                        f"'builtin' for the offline corpus")
+        raise UserError(
+            f"data.source={spec!r} matches no file; give an existing file, a "
+            f"directory of .txt/.jsonl files, a glob like 'corpus/*.jsonl', or "
+            f"'builtin' for the offline corpus"
+        )
     empty = [p for p in paths if p.stat().st_size == 0]
     if len(empty) == len(paths):
-        raise UserError(f"data.source={spec!r}: every matched file is empty "
-                        f"({', '.join(map(str, empty[:3]))})")
+        raise UserError(
+            f"data.source={spec!r}: every matched file is empty ({', '.join(map(str, empty[:3]))})"
+        )
     return Source(spec, paths, text_field=text_field)
 
 
@@ -123,14 +141,17 @@ def _expand(spec: str) -> list[Path]:
         return sorted(p for p in found if p.suffix in TEXT_SUFFIXES + JSONL_SUFFIXES)
     if path.is_file():
         return [path]
-    return sorted(Path(p) for p in glob.glob(os.path.expanduser(spec), recursive=True)
-                  if Path(p).is_file())
+    return sorted(
+        Path(p) for p in glob.glob(os.path.expanduser(spec), recursive=True) if Path(p).is_file()
+    )
 
 
 def open_source(spec: str, text_field: str = "text") -> Source:
     if spec == "builtin":
         return builtin_source()
     if spec.startswith("hf:"):
-        raise UserError(f"data.source={spec!r}: Hugging Face datasets are not supported in this "
-                        f"version; use 'builtin' or local .txt/.jsonl files")
+        raise UserError(
+            f"data.source={spec!r}: Hugging Face datasets are not supported in this "
+            f"version; use 'builtin' or local .txt/.jsonl files"
+        )
     return local_source(spec, text_field)

@@ -26,8 +26,9 @@ class Tokenizer:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         if not self.path.is_file():
-            raise UserError(f"tokenizer {self.path} does not exist; run `scale-llm prepare "
-                            f"CONFIG` to train it")
+            raise UserError(
+                f"tokenizer {self.path} does not exist; run `scale-llm prepare CONFIG` to train it"
+            )
         self.sp = spm.SentencePieceProcessor(model_file=str(self.path))
         self.bos_id, self.eos_id = self.sp.bos_id(), self.sp.eos_id()
 
@@ -55,12 +56,15 @@ def file_sha256(path: str | Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int, out_path: str | Path,
-                    num_threads: int = 0) -> Tokenizer:
+def train_tokenizer(
+    texts: Iterable[str], vocab_size: int, out_path: str | Path, num_threads: int = 0
+) -> Tokenizer:
     """Train a BPE model on `texts` and write it atomically to `out_path`."""
     if vocab_size < MIN_VOCAB:
-        raise UserError(f"model.vocab_size={vocab_size} is too small for a byte-fallback "
-                        f"tokenizer; use at least {MIN_VOCAB} (e.g. 4096)")
+        raise UserError(
+            f"model.vocab_size={vocab_size} is too small for a byte-fallback "
+            f"tokenizer; use at least {MIN_VOCAB} (e.g. 4096)"
+        )
     buf = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
@@ -76,13 +80,18 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_path: str | Path,
             split_digits=True,
             character_coverage=0.9999,
             max_sentence_length=_CHUNK_CHARS * 4,
-            unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=-1,
+            unk_id=UNK_ID,
+            bos_id=BOS_ID,
+            eos_id=EOS_ID,
+            pad_id=-1,
             num_threads=num_threads or os.cpu_count() or 1,
             minloglevel=2,
         )
     except RuntimeError as e:  # e.g. a sample with too few distinct pieces for vocab_size
-        raise UserError(f"tokenizer training failed: {e}. With a small corpus lower "
-                        f"model.vocab_size or raise data.tokenizer_sample_bytes") from None
+        raise UserError(
+            f"tokenizer training failed: {e}. With a small corpus lower "
+            f"model.vocab_size or raise data.tokenizer_sample_bytes"
+        ) from None
     out_path = Path(out_path)
     tmp = out_path.with_name(out_path.name + ".tmp")
     tmp.write_bytes(buf.getvalue())

@@ -23,7 +23,7 @@ from scale_llm.data.loader import TokenWindows, TrainLoader, eval_batches
 from scale_llm.data.shards import open_split, read_manifest
 from scale_llm.errors import UserError
 from scale_llm.model import build_model
-from scale_llm.parallel.backend import build_backend
+from scale_llm.parallel.backend import Backend, build_backend
 from scale_llm.parallel.device import DistInfo
 from scale_llm.train.checkpoint import (
     TRAINER_STATE,
@@ -68,6 +68,21 @@ class TrainResult:
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token loss; logits (B, T, V) are upcast so the softmax runs in fp32."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def optimizer_step(
+    backend: Backend, model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accumulate over the micro-batches, then one clip + step; returns (mean loss, grad norm)."""
+    accum = len(batches)
+    loss_sum = torch.zeros((), device=batches[0][0].device)
+    for i, (inputs, targets) in enumerate(batches):
+        with backend.sync_context(sync_gradients=i == accum - 1):
+            with backend.forward_context():
+                loss = cross_entropy(model(inputs), targets) / accum
+            backend.backward(loss)
+        loss_sum += loss.detach()
+    return loss_sum, backend.clip_and_step()
 
 
 class Trainer:
@@ -146,7 +161,7 @@ class Trainer:
             self.step += 1
             window_steps += 1
             row: dict[str, Any] = {}
-            if self.step % cfg.logging.every == 0 or self.step == t.max_steps:
+            if self.step % cfg.logging.every == 0 or self.step in (1, t.max_steps):
                 elapsed = time.perf_counter() - window_start
                 loss_value = loss.item()  # host sync: only on logging steps
                 tokens_per_s = tokens_per_step * window_steps / elapsed
@@ -194,19 +209,10 @@ class Trainer:
         """One optimizer step over grad_accum micro-batches; returns (loss, grad_norm, lr)."""
         lr = lr_at(self.step, self.cfg.train)
         self.backend.set_lr(lr)
-        batches = self.loader.next_batches()
-        accum = len(batches)
-        loss_sum = torch.zeros((), device=self.device)
-        for i, (inputs, targets) in enumerate(batches):
-            with self.backend.sync_context(sync_gradients=i == accum - 1):
-                with self.backend.forward_context():
-                    loss = cross_entropy(self.model(inputs), targets) / accum
-                self.backend.backward(loss)
-            loss_sum += loss.detach()
-        grad_norm = self.backend.clip_and_step()
+        loss, grad_norm = optimizer_step(self.backend, self.model, self.loader.next_batches())
         if self.precision.name == "fp16":  # a non-finite norm means the scaler skipped the step
             self.skipped_steps += (~torch.isfinite(grad_norm)).long()
-        return loss_sum, grad_norm, lr
+        return loss, grad_norm, lr
 
     @torch.no_grad()
     def evaluate(self) -> float:
