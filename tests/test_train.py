@@ -55,34 +55,29 @@ def test_grad_accum_4_x_micro_2_equals_one_micro_batch_of_8(data_dir, tmp_path, 
     assert norm_small.item() == pytest.approx(norm_big.item(), rel=1e-5)
 
 
+def norm_seen_by_optimizer(tr: Trainer) -> dict[str, float]:
+    """The global gradient norm the optimizer step sees (after clipping), updated every step."""
+    seen: dict[str, float] = {}
+
+    def record(opt, args, kwargs):
+        norms = [torch.linalg.vector_norm(p.grad) for p in tr.backend.module.parameters()]
+        seen["norm"] = torch.linalg.vector_norm(torch.stack(norms)).item()
+
+    tr.backend.optimizer.register_step_pre_hook(record)
+    return seen
+
+
 def test_clipping_caps_the_global_norm(data_dir, tmp_path):
     tr = trainer(data_dir, tmp_path, "train.grad_clip=0.05")
-    clipped = {}
-    tr.backend.optimizer.register_step_pre_hook(
-        lambda opt, a, k: clipped.update(
-            norm=torch.linalg.vector_norm(
-                torch.stack(
-                    [torch.linalg.vector_norm(p.grad) for p in tr.backend.module.parameters()]
-                )
-            ).item()
-        )
-    )
+    seen = norm_seen_by_optimizer(tr)
     _, pre_clip, _ = tr.train_step()
     assert pre_clip.item() > 0.05
-    assert clipped["norm"] == pytest.approx(0.05, rel=1e-4)
+    assert seen["norm"] == pytest.approx(0.05, rel=1e-4)
 
     free = trainer(data_dir, tmp_path, "train.grad_clip=0")
-    free.backend.optimizer.register_step_pre_hook(
-        lambda opt, a, k: clipped.update(
-            norm=torch.linalg.vector_norm(
-                torch.stack(
-                    [torch.linalg.vector_norm(p.grad) for p in free.backend.module.parameters()]
-                )
-            ).item()
-        )
-    )
+    seen = norm_seen_by_optimizer(free)
     _, norm, _ = free.train_step()
-    assert clipped["norm"] == pytest.approx(norm.item(), rel=1e-5)  # not clipped
+    assert seen["norm"] == pytest.approx(norm.item(), rel=1e-5)  # not clipped
 
 
 def test_fp16_scales_the_loss_and_bf16_does_not(data_dir, tmp_path):
