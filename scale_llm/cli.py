@@ -7,7 +7,9 @@ else keeps its traceback, because it is a bug to fix.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
+import os
 import sys
 import time
 
@@ -57,6 +59,8 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="alias of train.max_steps",
     )
+    # the deepspeed launcher appends --local_rank=N; the rank is read from the environment
+    p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
 
 
 def alias_overrides(args: argparse.Namespace) -> list[str]:
@@ -123,28 +127,42 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_train(args: argparse.Namespace) -> int:
+def start_distributed(args: argparse.Namespace):
+    """Resolve the config against the launcher's world size, then start the process group.
+
+    Every check that can fail on user input runs before any process group exists.
+    """
+    from scale_llm.config import resolve_for_world
+    from scale_llm.parallel.device import init_distributed, launch_env
+
     cfg = config_from_args(args)
+    rank, _, world = launch_env()
+    setup_logging(rank)
+    cfg = resolve_for_world(cfg, world)
+    if cfg.parallel.backend == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        raise UserError(
+            "parallel.backend=deepspeed but deepspeed is not installed; `pip install deepspeed` "
+            "(launch/setup.sh installs it) or pick parallel.backend=ddp or fsdp"
+        )
+    return cfg, init_distributed(cfg.parallel.backend, cfg.train.device)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    cfg, dist_info = start_distributed(args)
     if args.report_memory:
         log.info("memory: the --report-memory estimate is not yet available in this version")
-    from scale_llm.parallel.device import single_process
     from scale_llm.train.trainer import train
 
     t0 = time.perf_counter()
-    result = train(cfg, single_process(cfg.train.device))
+    result = train(cfg, dist_info)
     if result.losses:
-        first, last = next(iter(result.losses.items())), list(result.losses.items())[-1]
+        (s0, l0), (s1, l1) = next(iter(result.losses.items())), list(result.losses.items())[-1]
+        val = list(result.val_losses.values())
         log.info(
             "done: %d steps in %.1fs; loss %.3f (step %d) -> %.3f (step %d)%s; run dir %s",
-            result.steps,
-            time.perf_counter() - t0,
-            first[1],
-            first[0],
-            last[1],
-            last[0],
-            f"; val_loss {list(result.val_losses.values())[-1]:.3f}" if result.val_losses else "",
-            result.run_dir,
-        )
+            result.steps, time.perf_counter() - t0, l0, s0, l1, s1,
+            f"; val_loss {val[-1]:.3f}" if val else "", result.run_dir,
+        )  # fmt: skip
     return 0
 
 
@@ -152,10 +170,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import json
 
     from scale_llm.bench import bench
-    from scale_llm.parallel.device import single_process
 
-    cfg = config_from_args(args)
-    result = bench(cfg, single_process(cfg.train.device), args.steps, args.warmup)
+    cfg, dist_info = start_distributed(args)
+    result = bench(cfg, dist_info, args.steps, args.warmup)
+    if not dist_info.is_main:
+        return 0
     if args.json:
         print(json.dumps(result))
     else:
@@ -194,14 +213,28 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging()
+    code = 1  # an internal error propagates with its traceback
     try:
-        return COMMANDS[args.command](args)
+        code = COMMANDS[args.command](args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
+        code = e.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        code = 130
+    finally:
+        from scale_llm.parallel.device import shutdown_distributed
+
+        shutdown_distributed(clean=code == 0)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Multi-process gloo runs have been seen to abort during interpreter shutdown after
+        # all work finished (SIGABRT, "terminate called without an active exception"). With
+        # the process group destroyed and output flushed, leave without that teardown.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -66,6 +66,7 @@ class DataConfig:
 class TrainConfig:
     micro_batch_size: int = 8
     grad_accum: int = 1
+    global_batch_size: int | None = None  # sequences per step over all ranks; sets grad_accum
     max_steps: int = 200
     lr: float = 1e-3
     min_lr: float = 1e-4
@@ -93,8 +94,34 @@ class CheckpointConfig:
 
 
 @dataclass
+class DDPConfig:
+    bucket_cap_mb: int = 25  # gradient all-reduce bucket size
+    gradient_as_bucket_view: bool = True  # gradients alias the buckets: saves one gradient copy
+    static_graph: bool = False  # the graph never changes: lets DDP skip per-step bookkeeping
+
+
+@dataclass
+class FSDPConfig:
+    reshard_after_forward: bool = True  # true: ZeRO-3-like (params re-gathered in backward);
+    # false: ZeRO-2-like (params stay gathered from forward to backward: more memory, less comm)
+    cpu_offload: bool = False  # keep sharded params, grads and optimizer state in CPU memory
+    replicate_degree: int = 1  # HSDP: replicas (e.g. nodes) x shards within each; 1 = plain FSDP
+
+
+@dataclass
+class DeepSpeedConfig:
+    zero_stage: int = 2  # 0: plain data parallel; 1: shard optimizer; 2: + gradients; 3: + params
+    offload_optimizer: Literal["none", "cpu"] = "none"  # ZeRO-Offload of optimizer state + step
+    offload_param: Literal["none", "cpu"] = "none"  # ZeRO-3 only: parameters live in CPU memory
+    config: dict | None = None  # raw ds_config entries merged over the generated ones (experts)
+
+
+@dataclass
 class ParallelConfig:
     backend: Literal["single", "ddp", "fsdp", "deepspeed"] = "single"
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
 
 
 @dataclass
@@ -249,6 +276,8 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any, str]:
         return False, value, "a finite number"
     if tp is str:
         return isinstance(value, str), value, "a string"
+    if tp is dict:
+        return isinstance(value, dict), value, "a mapping"
     raise TypeError(f"unsupported config annotation {tp!r}")
 
 
@@ -308,6 +337,8 @@ def validate(cfg: Config) -> list[str]:
     for key in ("micro_batch_size", "grad_accum", "max_steps"):
         positive(f"train.{key}", getattr(t, key))
     positive("train.lr", t.lr)
+    if t.global_batch_size is not None:
+        positive("train.global_batch_size", t.global_batch_size)
     positive("data.tokenizer_sample_bytes", cfg.data.tokenizer_sample_bytes)
     positive("data.shard_tokens", cfg.data.shard_tokens)
     positive("logging.every", cfg.logging.every)
@@ -348,12 +379,93 @@ def validate(cfg: Config) -> list[str]:
         e.append(f"train.beta1={t.beta1} / train.beta2={t.beta2} must lie in [0, 1)")
     if not cfg.run.name or "/" in cfg.run.name:
         e.append(f"run.name={cfg.run.name!r} must be a non-empty name without '/'")
-    if cfg.parallel.backend != "single":
+    e.extend(_validate_parallel(cfg))
+    return e
+
+
+def _validate_parallel(cfg: Config) -> list[str]:
+    """Backend options that only make sense with one backend, or not at all together."""
+    e: list[str] = []
+    p, backend = cfg.parallel, cfg.parallel.backend
+    ds, fsdp = p.deepspeed, p.fsdp
+    if not 0 <= ds.zero_stage <= 3:
+        e.append(f"parallel.deepspeed.zero_stage={ds.zero_stage} must be 0, 1, 2 or 3")
+    if fsdp.replicate_degree < 1:
+        e.append(f"parallel.fsdp.replicate_degree={fsdp.replicate_degree} must be >= 1")
+    if fsdp.cpu_offload and backend != "fsdp":
         e.append(
-            f"parallel.backend={cfg.parallel.backend} is not available in this version; "
-            f"use parallel.backend=single"
+            f"parallel.fsdp.cpu_offload=true needs parallel.backend=fsdp (it is {backend}); "
+            f"with deepspeed use parallel.deepspeed.offload_optimizer/offload_param"
+        )
+    offloads = [k for k in ("offload_optimizer", "offload_param") if getattr(ds, k) != "none"]
+    if offloads and backend != "deepspeed":
+        e.append(
+            f"parallel.deepspeed.{offloads[0]}=cpu needs parallel.backend=deepspeed (it is "
+            f"{backend}); with fsdp use parallel.fsdp.cpu_offload=true"
+        )
+    if ds.offload_param != "none" and ds.zero_stage != 3:
+        e.append(
+            f"parallel.deepspeed.offload_param=cpu needs parallel.deepspeed.zero_stage=3 "
+            f"(it is {ds.zero_stage}); parameters are only partitioned under ZeRO-3"
+        )
+    if ds.offload_optimizer != "none" and ds.zero_stage == 0:
+        e.append(
+            "parallel.deepspeed.offload_optimizer=cpu needs parallel.deepspeed.zero_stage "
+            ">= 1 (ZeRO-Offload moves the partitioned optimizer state)"
+        )
+    if ds.config and backend == "deepspeed":
+        from scale_llm.parallel.ds_config import passthrough_problems
+
+        e.extend(passthrough_problems(ds.config))
+    if cfg.train.precision == "fp16" and backend == "fsdp" and fsdp.cpu_offload:
+        e.append(
+            "train.precision=fp16 with parallel.fsdp.cpu_offload=true is not supported "
+            "(the gradient scaler cannot unscale CPU-offloaded shards); use "
+            "train.precision=bf16, or parallel.backend=deepspeed with offload_optimizer=cpu"
         )
     return e
+
+
+def validate_world(cfg: Config, world_size: int) -> list[str]:
+    """Checks that need the number of processes (known from the launcher's environment)."""
+    e: list[str] = []
+    if world_size > 1 and cfg.parallel.backend == "single":
+        e.append(
+            f"parallel.backend=single but {world_size} processes were launched; set "
+            f"parallel.backend to ddp, fsdp or deepspeed, or launch one process"
+        )
+    r = cfg.parallel.fsdp.replicate_degree
+    if cfg.parallel.backend == "fsdp" and world_size % r:
+        e.append(
+            f"parallel.fsdp.replicate_degree={r} does not divide the world size "
+            f"{world_size}; use a divisor of it (usually the number of nodes)"
+        )
+    g, mb = cfg.train.global_batch_size, cfg.train.micro_batch_size
+    if g is not None and g % (mb * world_size):
+        e.append(
+            f"train.global_batch_size={g} is not divisible by train.micro_batch_size={mb} x "
+            f"world size {world_size} = {mb * world_size}; pick a global batch that is a "
+            f"multiple of {mb * world_size} or change micro_batch_size"
+        )
+    return e
+
+
+def resolve_for_world(cfg: Config, world_size: int) -> Config:
+    """Validate against the world size and derive grad_accum from train.global_batch_size."""
+    errors = validate_world(cfg, world_size)
+    if errors:
+        raise UserError(_format_errors(errors, f"launched with {world_size} processes"))
+    g = cfg.train.global_batch_size
+    if g is not None:
+        accum = g // (cfg.train.micro_batch_size * world_size)
+        if cfg.train.grad_accum not in (1, accum):
+            raise UserError(
+                f"train.grad_accum={cfg.train.grad_accum} contradicts train.global_batch_size={g} "
+                f"(micro_batch_size {cfg.train.micro_batch_size} x world {world_size} gives "
+                f"grad_accum {accum}); set only one of them"
+            )
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_accum=accum))
+    return cfg
 
 
 def _divisors(n: int) -> str:

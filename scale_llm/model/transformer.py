@@ -25,10 +25,13 @@ def mlp_hidden_size(cfg: ModelConfig) -> int:
 
 
 def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, ...]:
-    """cos and sin tables of shape (seq_len, head_dim // 2), in fp32."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
-    angles = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
-    return angles.cos(), angles.sin()
+    """cos and sin tables of shape (seq_len, head_dim // 2), in fp32 even under autocast."""
+    device = torch.device(device or "cpu")
+    with torch.autocast(device.type, enabled=False):
+        exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
+        inv_freq = 1.0 / (theta**exponents)
+        angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+        return angles.cos(), angles.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -157,9 +160,6 @@ class Transformer(nn.Module):
         self.output = (
             None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         )
-        cos, sin = rope_tables(cfg.d_model // cfg.n_heads, cfg.seq_len, cfg.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(
         self, tokens: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0
@@ -169,18 +169,27 @@ class Transformer(nn.Module):
             raise ValueError(
                 f"positions {start_pos}..{start_pos + T} exceed model.seq_len={self.cfg.seq_len}"
             )
-        cos = self.rope_cos[start_pos : start_pos + T]
-        sin = self.rope_sin[start_pos : start_pos + T]
         h = self.tok_embeddings(tokens)  # (B, T, d_model)
+        # Rotary tables are recomputed per forward (a (T, head_dim / 2) outer product, negligible
+        # next to the matmuls) rather than kept as buffers: they stay fp32 even when a backend
+        # casts the whole module to bf16, and need no materialization after meta init.
+        cos, sin = self.rope(start_pos, T, h.device)
         for layer in self.layers:
             h = layer(h, cos, sin, cache, start_pos)
         h = self.norm(h)
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight
         return F.linear(h, weight)
 
+    def rope(self, start_pos: int, length: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        cfg = self.cfg
+        cos, sin = rope_tables(
+            cfg.d_model // cfg.n_heads, start_pos + length, cfg.rope_theta, device
+        )
+        return cos[start_pos:], sin[start_pos:]
+
     @torch.no_grad()
-    def init_weights(self, buffer_device: torch.device | None = None) -> None:
-        """Initialize every parameter and buffer in place (after `to_empty` from meta).
+    def init_weights(self) -> None:
+        """Initialize every parameter in place (after `to_empty` from the meta device).
 
         Linear and embedding weights ~ N(0, init_std); the projections that write into the
         residual stream (attention.wo, feed_forward.w2) use init_std / sqrt(2 * n_layers) so the
@@ -196,9 +205,6 @@ class Transformer(nn.Module):
             elif isinstance(module, nn.Linear):
                 is_residual = name.endswith("attention.wo") or name.endswith("feed_forward.w2")
                 nn.init.normal_(module.weight, mean=0.0, std=residual_std if is_residual else std)
-        device = buffer_device or self.rope_cos.device
-        cos, sin = rope_tables(cfg.d_model // cfg.n_heads, cfg.seq_len, cfg.rope_theta, device)
-        self.rope_cos, self.rope_sin = cos, sin
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())
@@ -231,5 +237,5 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "meta") -> Transf
 def materialize(model: Transformer, device: torch.device | str) -> Transformer:
     """Allocate storage on `device` and run the initialization (seed the RNG first)."""
     model.to_empty(device=device)
-    model.init_weights(buffer_device=torch.device(device))
+    model.init_weights()
     return model

@@ -1,9 +1,12 @@
-"""The backend interface the trainer calls, and the single-process backend.
+"""The backend interface the trainer calls, the single-process backend, and the registry.
 
 A backend decides how the model is spread over ranks: it materializes the meta-device model,
 applies activation checkpointing, wraps it, owns the optimizer and the gradient scaler, and
-implements the steps of accumulation (backward, the sync-skipping context, one clip + one step).
-The trainer calls these methods and never asks which backend it holds.
+implements the steps of accumulation (the sync-skipping context, backward, one clip + one step)
+and checkpoint save / load. The trainer calls these methods and never asks which backend it holds.
+
+Every backend initializes weights the same way: on the CPU from `run.seed`, then moved or sharded,
+so a run starts from the same weights whatever the backend, world size or device.
 """
 
 from __future__ import annotations
@@ -26,29 +29,39 @@ from scale_llm.train.precision import Precision
 OPTIMIZER_STATE = "optimizer.pt"
 
 
+def init_on_cpu(model: Transformer, seed: int) -> Transformer:
+    """Materialize a meta-device model on the CPU with weights drawn from `seed`."""
+    torch.manual_seed(seed)
+    return materialize(model, "cpu")
+
+
 class Backend:
     """One process, one device: the reference every other backend must agree with."""
 
     def __init__(self, cfg: Config, dist: DistInfo, precision: Precision):
         self.cfg, self.dist, self.precision = cfg, dist, precision
-        self.model: nn.Module | None = None
-        self.module: Transformer | None = None  # the unwrapped model (eval, generation, weights)
+        self.model: nn.Module | None = None  # what forward is called on (maybe a wrapper)
+        self.module: Transformer | None = None  # the model itself
         self.optimizer: torch.optim.Optimizer | None = None
         self.scaler = precision.grad_scaler()
 
     # ----------------------------------------------------------------- setup
     def setup(self, model: Transformer) -> nn.Module:
-        """Materialize (same seed on every rank), checkpoint blocks, wrap, build the optimizer."""
-        torch.manual_seed(self.cfg.run.seed)
-        materialize(model, self.dist.device)
-        apply_activation_checkpointing(model, self.cfg.model.activation_checkpointing)
+        """Materialize, checkpoint blocks, wrap and build the optimizer; returns the model to
+        call forward on."""
         self.module = model
         self.model = self.wrap(model)
         self.optimizer = build_optimizer(self.model, self.cfg.train)
         return self.model
 
     def wrap(self, model: Transformer) -> nn.Module:
+        init_on_cpu(model, self.cfg.run.seed).to(self.dist.device)
+        apply_activation_checkpointing(model, self.cfg.model.activation_checkpointing)
         return model
+
+    def run_files(self) -> dict[str, str]:
+        """Extra files (name -> text) the run directory should hold, e.g. a generated config."""
+        return {}
 
     # ----------------------------------------------------------------- one step
     def forward_context(self) -> contextlib.AbstractContextManager:
@@ -68,8 +81,8 @@ class Backend:
     def clip_and_step(self) -> torch.Tensor:
         """Unscale, clip to train.grad_clip, step, zero grads; returns the pre-clip global norm.
 
-        The norm stays a device tensor (no host sync); a non-finite norm under fp16 means the
-        scaler skipped this step.
+        The norm stays a device tensor (no host sync). A non-finite norm means the step was
+        skipped (by the fp16 scaler).
         """
         self.scaler.unscale_(self.optimizer)
         norm = self.clip_grad_norm(self.cfg.train.grad_clip)
@@ -81,17 +94,22 @@ class Backend:
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         params = [p for p in self.model.parameters() if p.grad is not None]
         if max_norm > 0:
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-        return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # DTensor -> tensor
 
     # ----------------------------------------------------------------- state
     def save(self, ckpt_dir: Path) -> None:
-        """Write model weights, optimizer and scaler state into a checkpoint directory."""
+        """Write model weights, optimizer and scaler state into a checkpoint directory.
+
+        Called on every rank; here the state is replicated, so the main rank writes it.
+        """
+        if not self.dist.is_main:
+            return
         save_file(self.module.state_dict(), ckpt_dir / MODEL_WEIGHTS)
-        save_file(
-            {"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict()},
-            ckpt_dir / OPTIMIZER_STATE,
-        )
+        state = {"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict()}
+        save_file(state, ckpt_dir / OPTIMIZER_STATE)
 
     def load(self, ckpt_dir: Path) -> None:
         device = self.dist.device
@@ -103,4 +121,14 @@ class Backend:
 
 
 def build_backend(cfg: Config, dist: DistInfo, precision: Precision) -> Backend:
-    return Backend(cfg, dist, precision)
+    """The backend class for parallel.backend (imported lazily: deepspeed is heavy)."""
+    name = cfg.parallel.backend
+    if name == "ddp":
+        from scale_llm.parallel.ddp import DDPBackend as cls
+    elif name == "fsdp":
+        from scale_llm.parallel.fsdp import FSDPBackend as cls
+    elif name == "deepspeed":
+        from scale_llm.parallel.deepspeed import DeepSpeedBackend as cls
+    else:
+        cls = Backend
+    return cls(cfg, dist, precision)

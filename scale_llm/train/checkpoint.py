@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from scale_llm.errors import UserError
+from scale_llm.parallel.device import barrier
 
 log = logging.getLogger(__name__)
 TRAINER_STATE = "trainer.pt"
@@ -31,9 +32,10 @@ def checkpoint_name(step: int) -> str:
 
 
 class Checkpointer:
-    def __init__(self, run_dir: Path, keep_last: int):
+    def __init__(self, run_dir: Path, keep_last: int, is_main: bool = True):
         self.dir = run_dir / "checkpoints"
         self.keep_last = keep_last
+        self.is_main = is_main  # the main rank creates, publishes and prunes directories
 
     def complete(self) -> list[tuple[int, Path]]:
         """(step, path) of every complete checkpoint, oldest first."""
@@ -51,23 +53,30 @@ class Checkpointer:
         return done[-1][1] if done else None
 
     def save(self, step: int, write: Callable[[Path], None]) -> Path:
-        """Call `write(tmp_dir)` to fill a new checkpoint, then publish it atomically."""
-        self.dir.mkdir(parents=True, exist_ok=True)
+        """Every rank calls `write(tmp_dir)` to fill a new checkpoint; then the main rank
+        publishes it atomically. Ranks meet at barriers so no rank reads a half-written one."""
         final = self.dir / checkpoint_name(step)
         tmp = self.dir / f".tmp-{final.name}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        if self.is_main:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        barrier()
         try:
             write(tmp)
-            _fsync_tree(tmp)
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            if self.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
             raise
-        if final.exists():  # saving the same step again (e.g. the final step after a resume)
-            shutil.rmtree(final)
-        tmp.rename(final)
-        _fsync_dir(self.dir)
-        self.prune()
+        barrier()
+        if self.is_main:
+            _fsync_tree(tmp)
+            if final.exists():  # saving the same step again (e.g. the last step after a resume)
+                shutil.rmtree(final)
+            tmp.rename(final)
+            _fsync_dir(self.dir)
+            self.prune()
+        barrier()
         return final
 
     def prune(self) -> None:

@@ -24,7 +24,7 @@ from scale_llm.data.shards import open_split, read_manifest
 from scale_llm.errors import UserError
 from scale_llm.model import build_model
 from scale_llm.parallel.backend import Backend, build_backend
-from scale_llm.parallel.device import DistInfo
+from scale_llm.parallel.device import DistInfo, mean_over_ranks
 from scale_llm.train.checkpoint import (
     TRAINER_STATE,
     Checkpointer,
@@ -92,7 +92,7 @@ class Trainer:
         self.run_dir = cfg.run_dir
         self.manifest = read_manifest(cfg.data.dir)
         self._check_vocab()
-        self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep_last)
+        self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep_last, dist.is_main)
         self.resume_from = resolve_resume(cfg.checkpoint.resume, self.checkpointer)
         resume_state = self._read_resume_state()
 
@@ -163,7 +163,7 @@ class Trainer:
             row: dict[str, Any] = {}
             if self.step % cfg.logging.every == 0 or self.step in (1, t.max_steps):
                 elapsed = time.perf_counter() - window_start
-                loss_value = loss.item()  # host sync: only on logging steps
+                loss_value = mean_over_ranks(loss).item()  # host sync: only on logging steps
                 tokens_per_s = tokens_per_step * window_steps / elapsed
                 row.update(
                     loss=loss_value,
@@ -230,13 +230,14 @@ class Trainer:
             with self.backend.forward_context():
                 total += cross_entropy(self.model(inputs), targets)
         self.model.train()
-        return (total / self.cfg.eval.steps).item()
+        return mean_over_ranks(total / self.cfg.eval.steps).item()
 
     # ----------------------------------------------------------------- checkpoints
     def save_checkpoint(self) -> Path:
         def write(tmp: Path) -> None:
             self.backend.save(tmp)
-            save_file(self._trainer_state(), tmp / TRAINER_STATE)
+            if self.dist.is_main:
+                save_file(self._trainer_state(), tmp / TRAINER_STATE)
 
         path = self.checkpointer.save(self.step, write)
         log.info("checkpoint: saved %s", path)
@@ -313,6 +314,8 @@ class Trainer:
     def _write_run_dir(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(self.cfg, self.run_dir / "config.yaml")
+        for name, text in self.backend.run_files().items():
+            (self.run_dir / name).write_text(text)
         src = Path(self.cfg.data.dir) / self.manifest["tokenizer"]["file"]
         shutil.copyfile(src, self.run_dir / "tokenizer.model")
 

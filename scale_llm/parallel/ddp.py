@@ -1,0 +1,33 @@
+"""DistributedDataParallel: every rank holds the whole model; gradients are all-reduced.
+
+Accumulation: non-final micro-steps run under `no_sync()`, so gradients are reduced once per
+optimizer step. After the reduction every rank holds the same gradients, so the local norm is the
+global norm and the optimizer state is replicated (the main rank writes checkpoints).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from scale_llm.model import Transformer
+from scale_llm.parallel.backend import Backend
+
+
+class DDPBackend(Backend):
+    def wrap(self, model: Transformer) -> nn.Module:
+        model = super().wrap(model)
+        opts = self.cfg.parallel.ddp
+        device = self.dist.device
+        return DDP(
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            bucket_cap_mb=opts.bucket_cap_mb,
+            gradient_as_bucket_view=opts.gradient_as_bucket_view,
+            static_graph=opts.static_graph,
+        )
+
+    def sync_context(self, sync_gradients: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if sync_gradients else self.model.no_sync()

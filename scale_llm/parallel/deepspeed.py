@@ -1,0 +1,123 @@
+"""DeepSpeed ZeRO 0-3, with optional CPU offload of optimizer state and parameters.
+
+The engine owns backward, accumulation, clipping and loss scaling; its config is generated from
+the same YAML keys as every other backend (scale_llm.parallel.ds_config). Mapping of the
+trainer's calls onto the engine's protocol:
+
+- backward(loss): the trainer already divides each micro-loss by grad_accum, so the engine's own
+  division is turned off (`scale_wrt_gas=False`). On non-final micro-steps `engine.step()` is
+  called too: DeepSpeed counts micro-steps there and only updates at the accumulation boundary.
+- clip_and_step(): the boundary `engine.step()`: gradient reduction (ZeRO 0-2), clipping to
+  train.grad_clip, loss-scale update (fp16) and the optimizer step.
+- bf16 / fp16 are DeepSpeed's own modes (16-bit module, fp32 master weights in the optimizer), so
+  no autocast is entered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from scale_llm.model import Transformer
+from scale_llm.parallel.backend import Backend, init_on_cpu
+from scale_llm.parallel.checkpointing import apply_activation_checkpointing
+from scale_llm.parallel.ds_config import deepspeed_config
+from scale_llm.train.checkpoint import MODEL_WEIGHTS, save_file
+from scale_llm.train.optim import build_optimizer, param_groups
+
+TAG = "deepspeed"  # the engine's checkpoint folder inside each step_XXXXXXXX directory
+
+
+class DeepSpeedBackend(Backend):
+    def setup(self, model: Transformer) -> nn.Module:
+        # DeepSpeed still calls collectives that torch 2.13 deprecates, warning on every call
+        warnings.filterwarnings(
+            "ignore", category=FutureWarning, message=r"`torch\.distributed\.\w+` is deprecated"
+        )
+        import deepspeed
+
+        init_on_cpu(model, self.cfg.run.seed)
+        apply_activation_checkpointing(model, self.cfg.model.activation_checkpointing)
+        self.module = model
+        self.ds_config = deepspeed_config(self.cfg, self.dist.world_size, self.precision.name)
+        engine, optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=self._client_optimizer(model), config=self.ds_config
+        )
+        self.model, self.optimizer = engine, optimizer
+        self._boundary = True
+        return engine
+
+    def _client_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        t = self.cfg.train
+        if self.cfg.parallel.deepspeed.offload_optimizer == "cpu":
+            # the step runs on the CPU: DeepSpeed's vectorized CPU Adam (built on first use)
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            return DeepSpeedCPUAdam(
+                param_groups(model, t.weight_decay),
+                lr=t.lr,
+                betas=(t.beta1, t.beta2),
+                eps=t.eps,
+                adamw_mode=True,
+            )
+        return build_optimizer(model, t)
+
+    def run_files(self) -> dict[str, str]:
+        return {"ds_config.json": json.dumps(self.ds_config, indent=2)}
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def sync_context(self, sync_gradients: bool) -> contextlib.AbstractContextManager:
+        self._boundary = sync_gradients
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.model.backward(loss, scale_wrt_gas=False)
+        if not self._boundary:
+            self.model.step()  # bookkeeping only: DeepSpeed updates at the boundary
+
+    def clip_and_step(self) -> torch.Tensor:
+        engine = self.model
+        if not engine.is_gradient_accumulation_boundary():
+            raise RuntimeError("DeepSpeed's micro-step count is out of step with grad_accum")
+        # ZeRO-0 in fp32 clips the reduced gradients in place but does not report their norm
+        fallback = None if self.cfg.parallel.deepspeed.zero_stage else self.clip_grad_norm(0)
+        engine.step()
+        norm = engine.get_global_grad_norm()
+        if norm is None:
+            norm = fallback
+        if not engine.was_step_applied():  # fp16 overflow: the step was skipped
+            norm = math.inf
+        if isinstance(norm, torch.Tensor):
+            return norm.detach().float().reshape(())
+        return torch.tensor(float("nan") if norm is None else norm, device=self.dist.device)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    # ----------------------------------------------------------------- state
+    def save(self, ckpt_dir: Path) -> None:
+        engine = self.model
+        engine.save_checkpoint(str(ckpt_dir), tag=TAG)
+        if self.cfg.parallel.deepspeed.zero_stage == 3:
+            weights = engine._zero3_consolidated_16bit_state_dict()  # collective
+        else:
+            weights = engine.module.state_dict()
+        if self.dist.is_main:
+            weights = {k: v.detach().float().cpu() for k, v in weights.items()}
+            save_file(weights, ckpt_dir / MODEL_WEIGHTS)
+
+    def load(self, ckpt_dir: Path) -> None:
+        path, _ = self.model.load_checkpoint(
+            str(ckpt_dir), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+        )
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint in {ckpt_dir / TAG}")

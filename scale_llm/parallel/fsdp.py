@@ -1,0 +1,127 @@
+"""FSDP2 (`fully_shard`): parameters, gradients and optimizer state sharded over ranks.
+
+Wrapping order (torchtitan's): activation checkpointing on each block, then `fully_shard` on each
+block and on the root, all on the meta device; then storage is allocated for the local shards and
+filled from a full CPU initialization broadcast by rank 0, so FSDP starts from the same weights as
+every other backend.
+
+- Precision: `MixedPrecisionPolicy` (bf16 or fp16 compute params, fp32 gradient reduction); the
+  sharded fp32 params stay the optimizer's master weights. fp16 uses `torch.amp.GradScaler`, which
+  handles DTensor gradients (the inf check is reduced over the mesh).
+- `parallel.fsdp.reshard_after_forward`: true frees gathered params after forward and gathers them
+  again for backward (ZeRO-3-like); false keeps them until backward (ZeRO-2-like).
+- Accumulation: gradient reduction is switched off on non-final micro-steps.
+- HSDP: `parallel.fsdp.replicate_degree` > 1 builds a (replicate, shard) mesh: shard within a
+  group of ranks (a node), replicate across groups.
+- Checkpoints: torch.distributed.checkpoint (sharded, reshardable to another world size) plus a
+  consolidated `model.pt` for generation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+
+from scale_llm.model import Transformer, build_model
+from scale_llm.parallel.backend import Backend, init_on_cpu
+from scale_llm.parallel.checkpointing import apply_activation_checkpointing
+from scale_llm.train.checkpoint import MODEL_WEIGHTS, load_file, save_file
+
+DCP_DIR = "dcp"
+SCALER_STATE = "scaler.pt"
+
+
+class FSDPBackend(Backend):
+    def device_mesh(self) -> DeviceMesh:
+        world, replicas = self.dist.world_size, self.cfg.parallel.fsdp.replicate_degree
+        device_type = self.dist.device.type
+        if replicas > 1:
+            return init_device_mesh(
+                device_type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard")
+            )
+        return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+
+    def mp_policy(self) -> MixedPrecisionPolicy:
+        if self.precision.name == "fp32":
+            return MixedPrecisionPolicy()
+        return MixedPrecisionPolicy(param_dtype=self.precision.dtype, reduce_dtype=torch.float32)
+
+    def wrap(self, model: Transformer) -> nn.Module:
+        opts = self.cfg.parallel.fsdp
+        apply_activation_checkpointing(model, self.cfg.model.activation_checkpointing)
+        common = dict(
+            mesh=self.device_mesh(),
+            mp_policy=self.mp_policy(),
+            offload_policy=CPUOffloadPolicy() if opts.cpu_offload else OffloadPolicy(),
+        )
+        for i, block in enumerate(model.layers):
+            # the last block's params are needed again at once by backward: keep them gathered
+            last = i == len(model.layers) - 1
+            fully_shard(
+                block, reshard_after_forward=opts.reshard_after_forward and not last, **common
+            )
+        fully_shard(model, reshard_after_forward=opts.reshard_after_forward, **common)
+        model.to_empty(device="cpu" if opts.cpu_offload else self.dist.device)
+        self._load_full_weights(model)
+        return model
+
+    def _load_full_weights(self, model: nn.Module) -> None:
+        """Rank 0 initializes the full model on the CPU and broadcasts it into the shards."""
+        full = {}
+        if self.dist.is_main:
+            full = init_on_cpu(build_model(self.cfg.model), self.cfg.run.seed).state_dict()
+        set_model_state_dict(
+            model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        )
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # the MixedPrecisionPolicy casts params for compute
+
+    def sync_context(self, sync_gradients: bool) -> contextlib.AbstractContextManager:
+        self.model.set_requires_gradient_sync(sync_gradients)
+        return contextlib.nullcontext()
+
+    # ----------------------------------------------------------------- state
+    def save(self, ckpt_dir: Path) -> None:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=ckpt_dir / DCP_DIR)
+        full = get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        if self.dist.is_main:
+            save_file(full, ckpt_dir / MODEL_WEIGHTS)
+            save_file({"scaler": self.scaler.state_dict()}, ckpt_dir / SCALER_STATE)
+        dist.barrier()
+
+    def load(self, ckpt_dir: Path) -> None:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optimizer": optim_sd}
+        dcp.load(state, checkpoint_id=ckpt_dir / DCP_DIR)
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+        )
+        scaler = load_file(ckpt_dir / SCALER_STATE)["scaler"]
+        if scaler:
+            self.scaler.load_state_dict(scaler)
