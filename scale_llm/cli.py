@@ -59,6 +59,11 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="alias of train.max_steps",
     )
+    p.add_argument(
+        "--report-memory",
+        action="store_true",
+        help="train: print the predicted per-GPU memory before training",
+    )
     # the deepspeed launcher appends --local_rank=N; the rank is read from the environment
     p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
 
@@ -96,11 +101,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train a model")
     _add_config_args(p)
-    p.add_argument(
-        "--report-memory",
-        action="store_true",
-        help="print the predicted per-GPU memory before training",
-    )
 
     p = sub.add_parser("bench", help="training throughput on synthetic tokens (no data needed)")
     _add_config_args(p)

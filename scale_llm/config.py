@@ -68,6 +68,8 @@ class TrainConfig:
     grad_accum: int = 1
     global_batch_size: int | None = None  # sequences per step over all ranks; sets grad_accum
     max_steps: int = 200
+    exit_at_step: int | None = None  # checkpoint and exit after this step (time-limited jobs);
+    # the LR schedule still runs to max_steps, and the next launch resumes from here
     lr: float = 1e-3
     min_lr: float = 1e-4
     warmup_steps: int = 20
@@ -148,7 +150,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     raw: dict[str, Any] = {}
     where = "defaults"
     if path is not None:
-        raw = read_yaml(path)
+        raw = read_yaml_with_base(Path(path))
         where = str(path)
     errors: list[str] = []
     for item in overrides or []:
@@ -182,6 +184,31 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
             f"not a {type(data).__name__}"
         )
     return data
+
+
+def read_yaml_with_base(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A YAML file, merged over the file its optional top-level `base:` names (relative to it)."""
+    raw = read_yaml(path)
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    if not isinstance(base, str):
+        raise UserError(f"{path}: base must be the path of another YAML file, not {base!r}")
+    base_path = (path.parent / base).resolve()
+    if base_path in seen:
+        raise UserError(f"{path}: base: {base} leads back to itself; remove the cycle")
+    return deep_merge(read_yaml_with_base(base_path, (*seen, path.resolve())), raw)
+
+
+def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """`top` over `base`, section by section (neither is modified)."""
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
 
 
 def parse_override(item: str) -> tuple[str, Any]:
@@ -337,6 +364,8 @@ def validate(cfg: Config) -> list[str]:
     for key in ("micro_batch_size", "grad_accum", "max_steps"):
         positive(f"train.{key}", getattr(t, key))
     positive("train.lr", t.lr)
+    if t.exit_at_step is not None:
+        positive("train.exit_at_step", t.exit_at_step)
     if t.global_batch_size is not None:
         positive("train.global_batch_size", t.global_batch_size)
     positive("data.tokenizer_sample_bytes", cfg.data.tokenizer_sample_bytes)

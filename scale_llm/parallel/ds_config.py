@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from scale_llm.config import Config
+from scale_llm.config import Config, deep_merge
 
 # ds_config entries the framework owns -> the YAML key that sets them
 OWNED = {
@@ -78,14 +78,4 @@ def deepspeed_config(cfg: Config, world_size: int, precision: str) -> dict[str, 
         "steps_per_print": 1 << 30,  # the framework logs; keep DeepSpeed quiet
         "wall_clock_breakdown": False,
     }
-    return _merge(generated, ds.config or {})
-
-
-def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(base)
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
+    return copy.deepcopy(deep_merge(generated, ds.config or {}))

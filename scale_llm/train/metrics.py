@@ -81,9 +81,7 @@ class MetricsLogger:
 def _clean(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)  # JSON has no NaN / inf; keep them visible as strings
-    if isinstance(value, float):
-        return float(f"{value:.6g}")
-    return value
+    return value  # full precision: parity checks compare these rows
 
 
 def _tb_tag(key: str) -> str:

@@ -199,8 +199,17 @@ class Trainer:
                 self.metrics.log(self.step, row)
                 window_start, window_steps = time.perf_counter(), 0
             every = cfg.checkpoint.every
-            if (every and self.step % every == 0) or self.step == t.max_steps:
+            exiting = self.step == t.exit_at_step
+            if (every and self.step % every == 0) or self.step == t.max_steps or exiting:
                 result.checkpoint = self.save_checkpoint()
+            if exiting:
+                log.info(
+                    "exit: stopping after step %d (train.exit_at_step); launch again to "
+                    "continue to step %d",
+                    self.step,
+                    t.max_steps,
+                )
+                break
         result.steps = self.step
         self.metrics.close()
         return result

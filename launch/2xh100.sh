@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# One node, two processes (two GPUs; on a CPU-only machine, two gloo processes).
+#   bash launch/2xh100.sh yaml/400m.yaml [--set key=value ...]
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
+require_config "$@"
+NGPU=2
+run_prepare "$@"
+exec "$PY" -m torch.distributed.run --standalone --nproc_per_node 2 -m scale_llm train "$@"
