@@ -138,7 +138,9 @@ def start_distributed(args: argparse.Namespace):
     cfg = config_from_args(args)
     rank, _, world = launch_env()
     setup_logging(rank)
-    cfg = resolve_for_world(cfg, world)
+    import torch
+
+    cfg = resolve_for_world(cfg, world, torch.cuda.is_available())
     if cfg.parallel.backend == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
         raise UserError(
             "parallel.backend=deepspeed but deepspeed is not installed; `pip install deepspeed` "

@@ -446,18 +446,23 @@ def _validate_parallel(cfg: Config) -> list[str]:
         from scale_llm.parallel.ds_config import passthrough_problems
 
         e.extend(passthrough_problems(ds.config))
-    if cfg.train.precision == "fp16" and backend == "fsdp" and fsdp.cpu_offload:
-        e.append(
-            "train.precision=fp16 with parallel.fsdp.cpu_offload=true is not supported "
-            "(the gradient scaler cannot unscale CPU-offloaded shards); use "
-            "train.precision=bf16, or parallel.backend=deepspeed with offload_optimizer=cpu"
-        )
     return e
 
 
-def validate_world(cfg: Config, world_size: int) -> list[str]:
-    """Checks that need the number of processes (known from the launcher's environment)."""
+def validate_world(cfg: Config, world_size: int, has_cuda: bool) -> list[str]:
+    """Checks that need the launch: the number of processes and whether a GPU will be used."""
     e: list[str] = []
+    on_gpu = has_cuda and cfg.train.device != "cpu"
+    if cfg.parallel.backend == "deepspeed" and cfg.train.precision == "fp16" and not on_gpu:
+        e.append(
+            "train.precision=fp16 with parallel.backend=deepspeed needs a GPU (DeepSpeed's "
+            "CPU accelerator has no fp16); use train.precision=bf16 or fp32 on CPU"
+        )
+    if cfg.parallel.fsdp.cpu_offload and cfg.parallel.backend == "fsdp" and not on_gpu:
+        e.append(
+            "parallel.fsdp.cpu_offload=true needs a GPU to offload from; on a CPU-only "
+            "machine set it to false"
+        )
     if world_size > 1 and cfg.parallel.backend == "single":
         e.append(
             f"parallel.backend=single but {world_size} processes were launched; set "
@@ -479,9 +484,9 @@ def validate_world(cfg: Config, world_size: int) -> list[str]:
     return e
 
 
-def resolve_for_world(cfg: Config, world_size: int) -> Config:
-    """Validate against the world size and derive grad_accum from train.global_batch_size."""
-    errors = validate_world(cfg, world_size)
+def resolve_for_world(cfg: Config, world_size: int, has_cuda: bool) -> Config:
+    """Validate against the launch and derive grad_accum from train.global_batch_size."""
+    errors = validate_world(cfg, world_size, has_cuda)
     if errors:
         raise UserError(_format_errors(errors, f"launched with {world_size} processes"))
     g = cfg.train.global_batch_size

@@ -112,15 +112,23 @@ class TrainLoader:
 def eval_batches(
     windows: TokenWindows,
     micro_batch_size: int,
+    grad_accum: int,
     steps: int,
     world_size: int,
     rank: int,
     device: torch.device,
 ):
-    """The same validation micro-batches at every evaluation; ranks read disjoint windows."""
+    """`steps` global batches of validation windows, the same at every evaluation.
+
+    Laid out like training batches (rank r reads its slice of each global batch, in micro-batches),
+    so the set of sequences evaluated does not depend on micro-batch size, accumulation or world
+    size, and neither does the mean loss.
+    """
     n = len(windows)
+    per_rank = micro_batch_size * grad_accum
     for b in range(steps):
-        first = (b * world_size + rank) * micro_batch_size
-        ids = np.arange(first, first + micro_batch_size) % n
-        tokens = windows.get(ids).to(device)
-        yield tokens[:, :-1], tokens[:, 1:]
+        first = b * per_rank * world_size + rank * per_rank
+        for k in range(grad_accum):
+            start = first + k * micro_batch_size
+            tokens = windows.get(np.arange(start, start + micro_batch_size) % n).to(device)
+            yield tokens[:, :-1], tokens[:, 1:]

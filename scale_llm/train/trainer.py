@@ -225,21 +225,19 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        """Mean loss over eval.steps global batches of validation windows, over all ranks."""
+        t = self.cfg.train
         self.model.eval()
-        total = torch.zeros((), device=self.device)
-        batches = eval_batches(
-            self.val_windows,
-            self.cfg.train.micro_batch_size,
-            self.cfg.eval.steps,
-            self.dist.world_size,
-            self.dist.rank,
-            self.device,
-        )
+        total, count = torch.zeros((), device=self.device), 0
+        batches = eval_batches(self.val_windows, t.micro_batch_size, t.grad_accum,
+                               self.cfg.eval.steps, self.dist.world_size, self.dist.rank,
+                               self.device)  # fmt: skip
         for inputs, targets in batches:
             with self.backend.forward_context():
                 total += cross_entropy(self.model(inputs), targets)
+            count += 1
         self.model.train()
-        return mean_over_ranks(total / self.cfg.eval.steps).item()
+        return mean_over_ranks(total / count).item()
 
     # ----------------------------------------------------------------- checkpoints
     def save_checkpoint(self) -> Path:
