@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -202,3 +203,125 @@ def test_every_shipped_yaml_is_valid():
     assert shipped
     for path in shipped:
         load_config(path)
+
+
+# ----------------------------------------------------------------------------- parallel settings
+
+
+def test_parallel_option_errors_name_the_key_and_the_fix():
+    msg = errors_of(
+        overrides=[
+            "parallel.backend=ddp",
+            "parallel.deepspeed.zero_stage=5",
+            "parallel.deepspeed.offload_optimizer=cpu",
+            "parallel.fsdp.cpu_offload=true",
+        ]
+    )
+    assert "parallel.deepspeed.zero_stage=5 must be 0, 1, 2 or 3" in msg
+    assert "offload_optimizer=cpu needs parallel.backend=deepspeed (it is ddp)" in msg
+    assert "parallel.fsdp.cpu_offload=true needs parallel.backend=fsdp (it is ddp)" in msg
+    assert "expected one of single | ddp | fsdp | deepspeed" in errors_of(
+        overrides=["parallel.backend=horovod"]
+    )
+    msg = errors_of(
+        overrides=["parallel.backend=deepspeed", "parallel.deepspeed.offload_param=cpu"]
+    )
+    assert "offload_param=cpu needs parallel.deepspeed.zero_stage=3 (it is 2)" in msg
+
+
+def test_deepspeed_passthrough_cannot_override_framework_keys():
+    msg = errors_of(
+        overrides=[
+            "parallel.backend=deepspeed",
+            "parallel.deepspeed.config={gradient_accumulation_steps: 4, "
+            "zero_optimization: {stage: 3, overlap_comm: false}}",
+        ]
+    )
+    assert "parallel.deepspeed.config.gradient_accumulation_steps: set by train.grad_accum" in msg
+    assert "parallel.deepspeed.config.zero_optimization.stage: set by " in msg
+    assert "overlap_comm" not in msg  # other entries pass through
+
+
+def test_generated_deepspeed_config_follows_the_common_keys():
+    from scale_llm.parallel.ds_config import deepspeed_config
+
+    cfg = load_config(
+        None,
+        [
+            "parallel.backend=deepspeed",
+            "parallel.deepspeed.zero_stage=3",
+            "parallel.deepspeed.offload_optimizer=cpu",
+            "parallel.deepspeed.offload_param=cpu",
+            "parallel.deepspeed.config={zero_optimization: {overlap_comm: false}}",
+            "train.micro_batch_size=3",
+            "train.grad_accum=5",
+            "train.grad_clip=0.7",
+        ],
+    )
+    ds = deepspeed_config(cfg, world_size=4, precision="fp16")
+    assert ds["train_micro_batch_size_per_gpu"] == 3
+    assert ds["gradient_accumulation_steps"] == 5
+    assert ds["train_batch_size"] == 60
+    assert ds["gradient_clipping"] == 0.7
+    assert ds["fp16"]["enabled"] and ds["fp16"]["loss_scale"] == 0  # dynamic loss scaling
+    assert not ds["bf16"]["enabled"]
+    zero = ds["zero_optimization"]
+    assert zero["stage"] == 3 and zero["overlap_comm"] is False
+    assert zero["offload_optimizer"]["device"] == "cpu" and zero["offload_param"]["device"] == "cpu"
+
+
+def test_launch_checks_world_size_batch_and_devices():
+    from scale_llm.config import resolve_for_world, validate_world
+
+    cfg = load_config(None, ["train.global_batch_size=12", "train.micro_batch_size=4"])
+    assert resolve_for_world(cfg, 1, False).train.grad_accum == 3
+    problems = "\n".join(validate_world(cfg, 2, False))
+    assert "train.global_batch_size=12 is not divisible by train.micro_batch_size=4 x world" in (
+        problems
+    )
+    assert "parallel.backend=single but 2 processes" in problems
+    with pytest.raises(UserError, match="launched with 2 processes"):
+        resolve_for_world(cfg, 2, False)
+    ds16 = load_config(None, ["parallel.backend=deepspeed", "train.precision=fp16"])
+    assert "needs a GPU" in validate_world(ds16, 1, has_cuda=False)[0]
+    assert validate_world(ds16, 1, has_cuda=True) == []
+    hsdp = load_config(None, ["parallel.backend=fsdp", "parallel.fsdp.replicate_degree=3"])
+    assert "replicate_degree=3 does not divide the world size 4" in validate_world(hsdp, 4, True)[0]
+    both = load_config(None, ["train.global_batch_size=16", "train.micro_batch_size=4",
+                              "train.grad_accum=2"])  # fmt: skip
+    with pytest.raises(UserError, match="contradicts train.global_batch_size=16"):
+        resolve_for_world(both, 1, False)
+
+
+def test_bad_world_size_fails_before_any_process_group(tmp_path):
+    env = {**os.environ, "WORLD_SIZE": "3", "RANK": "0", "LOCAL_RANK": "0",
+           "PYTHONPATH": str(REPO)}  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "scale_llm", "train", "--set", "parallel.backend=ddp",
+         "--set", "train.global_batch_size=8", "--set", "train.micro_batch_size=2"],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "not divisible by train.micro_batch_size=2 x world size 3" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_missing_deepspeed_is_a_user_error(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name)
+    )
+    assert main(["train", "--set", "parallel.backend=deepspeed"]) == 2
+    assert "deepspeed is not installed" in capsys.readouterr().err
+
+
+def test_base_includes_merge_and_cycles_are_refused(tmp_path):
+    (tmp_path / "a.yaml").write_text("train:\n  lr: 0.5\n  max_steps: 9\nmodel:\n  d_model: 64\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\ntrain:\n  lr: 0.25\n")
+    cfg = load_config(tmp_path / "b.yaml")
+    assert (cfg.train.lr, cfg.train.max_steps, cfg.model.d_model) == (0.25, 9, 64)
+    (tmp_path / "c.yaml").write_text("base: d.yaml\n")
+    (tmp_path / "d.yaml").write_text("base: c.yaml\n")
+    assert "leads back to itself" in errors_of(tmp_path / "c.yaml")
