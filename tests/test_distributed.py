@@ -155,6 +155,18 @@ def test_zero3_with_cpu_offload_trains(runs, reference):
     assert_same_curve(rows, reference, 1e-4)
 
 
+@pytest.mark.parametrize(
+    ("backend", "precision"), [("ddp", "bf16"), ("fsdp", "fp16"), ("zero2", "bf16")]
+)
+def test_mixed_precision_follows_the_fp32_curve(backend, precision, runs, reference):
+    rows = runs(f"{backend}-{precision}", 2, *BACKENDS[backend], *SPLIT,
+                f"train.precision={precision}")  # fmt: skip
+    # 16-bit matmuls: the same curve to about 1e-2 (CPU autocast / DeepSpeed bf16 modes)
+    diff = assert_same_curve(rows, reference, 3e-2)
+    print(f"\n{precision} {backend}: max |diff| vs fp32 single = {diff:.1e}")
+    assert rows[STEPS]["skipped_steps"] == 0  # fp16: the GradScaler found no overflow here
+
+
 def test_only_rank_0_logs_info(runs, data_dir):
     proc = run(torchrun(2, *common(data_dir, runs.root, "logs"), *sets("parallel.backend=ddp",
                "train.micro_batch_size=4", "train.max_steps=1")), cwd=runs.root)  # fmt: skip
