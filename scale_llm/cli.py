@@ -102,6 +102,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a model")
     _add_config_args(p)
 
+    p = sub.add_parser("estimate", help="predict per-GPU memory; --fit proposes settings")
+    _add_config_args(p)
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="GPUs the run will use (default: $WORLD_SIZE or 1)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--fit", metavar="SIZE", help="memory per GPU to fit in, e.g. 80GiB")
+    p.add_argument(
+        "--measure",
+        action="store_true",
+        help="also count the activation bytes a CPU forward pass saves for backward",
+    )
+
     p = sub.add_parser("bench", help="training throughput on synthetic tokens (no data needed)")
     _add_config_args(p)
     p.add_argument("--steps", type=int, default=10, help="timed optimizer steps")
@@ -151,8 +168,11 @@ def start_distributed(args: argparse.Namespace):
 
 def cmd_train(args: argparse.Namespace) -> int:
     cfg, dist_info = start_distributed(args)
-    if args.report_memory:
-        log.info("memory: the --report-memory estimate is not yet available in this version")
+    if args.report_memory and dist_info.is_main:
+        from scale_llm import memory
+
+        est = memory.estimate(cfg, dist_info.world_size)
+        log.info(memory.format_report(est, cfg, dist_info.world_size, args.config or "defaults"))
     from scale_llm.train.trainer import train
 
     t0 = time.perf_counter()
@@ -162,9 +182,58 @@ def cmd_train(args: argparse.Namespace) -> int:
         val = list(result.val_losses.values())
         log.info(
             "done: %d steps in %.1fs; loss %.3f (step %d) -> %.3f (step %d)%s; run dir %s",
-            result.steps, time.perf_counter() - t0, l0, s0, l1, s1,
-            f"; val_loss {val[-1]:.3f}" if val else "", result.run_dir,
-        )  # fmt: skip
+            result.steps,
+            time.perf_counter() - t0,
+            l0,
+            s0,
+            l1,
+            s1,
+            f"; val_loss {val[-1]:.3f}" if val else "",
+            result.run_dir,
+        )
+    return 0
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    import json
+
+    from scale_llm import memory
+
+    cfg = config_from_args(args)
+    world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    if world < 1:
+        raise UserError(f"--world-size {world} must be at least 1")
+    est = memory.estimate(cfg, world)
+    result = est.to_json()
+    text = [memory.format_report(est, cfg, world, args.config or "defaults")]
+    if args.measure:
+        counted, predicted = memory.measure_activations(cfg)
+        result["measured_cpu"] = {
+            "counted_saved_bytes": counted,
+            "predicted_saved_bytes": predicted,
+        }
+        text.append(
+            f"measured on CPU (micro-batch {cfg.train.micro_batch_size}): the forward pass "
+            f"saved {memory.gib(counted)} for backward; predicted {memory.gib(predicted)} "
+            f"({predicted / counted - 1:+.2%})"
+        )
+    if args.fit:
+        budget = memory.parse_bytes(args.fit)
+        plan = memory.fit(cfg, world, budget)
+        result["fit"] = {
+            "budget": budget,
+            "overrides": plan.changes,
+            "bytes_per_gpu": {k: int(v) for k, v in plan.estimate.gpu.items()},
+        }
+        flags = memory.format_overrides(plan.changes) or "(no change needed)"
+        text.append(
+            f"fits in {memory.gib(budget)}: total {memory.gib(plan.estimate.total)} "
+            f"({plan.estimate.layout.describe()}, activation_checkpointing "
+            f"{plan.estimate.model.activation_checkpointing}, micro_batch "
+            f"{plan.estimate.layout.micro_batch} x grad_accum "
+            f"{plan.estimate.layout.grad_accum})\n  {flags}"
+        )
+    print(json.dumps(result) if args.json else "\n".join(text))
     return 0
 
 
@@ -207,6 +276,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 COMMANDS = {
     "prepare": cmd_prepare,
     "train": cmd_train,
+    "estimate": cmd_estimate,
     "bench": cmd_bench,
     "generate": cmd_generate,
 }

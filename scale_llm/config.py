@@ -46,7 +46,10 @@ class ModelConfig:
     mlp_hidden: int | None = None  # None: 8/3 * d_model rounded up to a multiple of 64 (SwiGLU)
     tie_embeddings: bool = True
     attention: Literal["sdpa", "eager"] = "sdpa"
-    activation_checkpointing: Literal["none", "full"] = "none"
+    # none | full (every block) | every_k (blocks 0, k, 2k, ...) | selective (op-level: keep
+    # matmul and attention outputs, recompute element-wise ops); numerics are the same in all
+    activation_checkpointing: Literal["none", "full", "every_k", "selective"] = "none"
+    activation_checkpointing_k: int = 2  # for every_k
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     init_std: float = 0.02
@@ -398,6 +401,8 @@ def validate(cfg: Config) -> list[str]:
             f"model.n_kv_heads={m.n_kv_heads} must be > 0 and divide model.n_heads="
             f"{m.n_heads}; use null for plain multi-head attention"
         )
+    if m.activation_checkpointing_k < 1:
+        e.append(f"model.activation_checkpointing_k={m.activation_checkpointing_k} must be >= 1")
     if m.mlp_hidden is not None and m.mlp_hidden <= 0:
         e.append(f"model.mlp_hidden={m.mlp_hidden} must be > 0, or null for the default")
     if t.min_lr > t.lr:

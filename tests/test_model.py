@@ -74,11 +74,16 @@ def test_eager_attention_matches_sdpa(n_kv_heads):
         torch.testing.assert_close(sdpa(x), eager(x), atol=1e-5, rtol=1e-5)
 
 
-def test_activation_checkpointing_gives_identical_loss_and_gradients():
+@pytest.mark.parametrize(
+    ("mode", "expected"), [("full", 3), ("every_k", 2), ("selective", 3)]
+)  # every_k with k=2 over 3 blocks: blocks 0 and 2
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_activation_checkpointing_gives_identical_loss_and_gradients(mode, expected, attention):
     torch.manual_seed(0)
-    plain = build_model(small(n_layers=3), "cpu")
+    plain = build_model(small(n_layers=3, attention=attention), "cpu")
     ckpt = copy.deepcopy(plain)
-    assert apply_activation_checkpointing(ckpt, "full") == 3
+    cfg = small(n_layers=3, activation_checkpointing=mode, activation_checkpointing_k=2)
+    assert apply_activation_checkpointing(ckpt, cfg) == expected
     x, y = torch.randint(0, 97, (4, 24)), torch.randint(0, 97, (4, 24))
     loss_a = cross_entropy(plain(x), y)
     loss_b = cross_entropy(ckpt(x), y)
@@ -93,7 +98,7 @@ def test_activation_checkpointing_gives_identical_loss_and_gradients():
 
 def test_activation_checkpointing_recomputes_the_block_forward():
     m = build_model(small(n_layers=2), "cpu")
-    apply_activation_checkpointing(m, "full")
+    apply_activation_checkpointing(m, small(n_layers=2, activation_checkpointing="full"))
     calls = []
     # a pre-hook: recomputation stops early once the last saved tensor is rebuilt, so hooks
     # that fire after a module's forward may not run during the recomputation

@@ -56,7 +56,7 @@ class Backend:
 
     def wrap(self, model: Transformer) -> nn.Module:
         init_on_cpu(model, self.cfg.run.seed).to(self.dist.device)
-        apply_activation_checkpointing(model, self.cfg.model.activation_checkpointing)
+        apply_activation_checkpointing(model, self.cfg.model)
         return model
 
     def run_files(self) -> dict[str, str]:

@@ -1,9 +1,16 @@
 """Activation checkpointing per transformer block, applied from outside the model definition.
 
-Each checkpointed block keeps only its input for backward and recomputes its forward during the
-backward pass (torch.utils.checkpoint, use_reentrant=False). The block's `forward` is wrapped in
-place rather than the block being replaced by a wrapper module, so parameter names (and so
-checkpoints) are the same with checkpointing on or off.
+Modes (`model.activation_checkpointing`):
+  none       every block keeps what its backward needs
+  full       every block keeps only its input and recomputes its forward during backward
+  every_k    blocks 0, k, 2k, ... are checkpointed (`model.activation_checkpointing_k`), the others
+             keep everything: a memory / recompute trade-off between none and full
+  selective  op-level: every block keeps the outputs of its matmuls and attention kernels and
+             recomputes the cheap element-wise ops (norms, casts, rotary, SiLU, products)
+
+All use torch.utils.checkpoint with use_reentrant=False, so numerics equal `none`. A block's
+`forward` is wrapped in place rather than the block being replaced by a wrapper module, so
+parameter names (and so checkpoints) are the same in every mode.
 """
 
 from __future__ import annotations
@@ -12,30 +19,65 @@ import functools
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+from scale_llm.config import ModelConfig
+
+_aten = torch.ops.aten
+# Ops whose outputs selective checkpointing keeps: the expensive ones (matmuls, attention).
+SAVED_OPS = {
+    _aten.mm.default,
+    _aten.addmm.default,
+    _aten.bmm.default,
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str) -> int:
-    """Checkpoint the blocks in `model.layers` selected by `mode`; returns how many."""
-    if mode == "none":
-        return 0
-    if mode != "full":
-        raise ValueError(f"unknown activation checkpointing mode {mode!r}")
-    for block in model.layers:
-        checkpoint_module(block)
-    return len(model.layers)
+def checkpointed_blocks(cfg: ModelConfig) -> list[int]:
+    """Indices of the blocks that recompute their forward in backward."""
+    mode, n = cfg.activation_checkpointing, cfg.n_layers
+    if mode in ("full", "selective"):
+        return list(range(n))
+    if mode == "every_k":
+        return list(range(0, n, cfg.activation_checkpointing_k))
+    return []
 
 
-def checkpoint_module(module: nn.Module) -> None:
+def apply_activation_checkpointing(model: nn.Module, cfg: ModelConfig) -> int:
+    """Checkpoint the blocks of `model.layers` that `cfg` selects; returns how many."""
+    context_fn = _selective_context if cfg.activation_checkpointing == "selective" else None
+    chosen = checkpointed_blocks(cfg)
+    for i in chosen:
+        checkpoint_module(model.layers[i], context_fn)
+    return len(chosen)
+
+
+def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context():
+    return create_selective_checkpoint_contexts(_keep_matmuls)
+
+
+def checkpoint_module(module: nn.Module, context_fn=None) -> None:
     if getattr(module, "_scale_llm_checkpointed", False):
         return
     inner = module.forward
+    extra = {"context_fn": context_fn} if context_fn else {}
 
     @functools.wraps(inner)
     def forward(*args, **kwargs):
         if not torch.is_grad_enabled():  # eval / generation: nothing to save, nothing to recompute
             return inner(*args, **kwargs)
-        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
 
     module.forward = forward
     module._scale_llm_checkpointed = True

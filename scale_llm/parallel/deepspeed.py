@@ -43,7 +43,7 @@ class DeepSpeedBackend(Backend):
         import deepspeed
 
         init_on_cpu(model, self.cfg.run.seed)
-        apply_activation_checkpointing(model, self.cfg.model.activation_checkpointing)
+        apply_activation_checkpointing(model, self.cfg.model)
         self.module = model
         self.ds_config = deepspeed_config(self.cfg, self.dist.world_size, self.precision.name)
         engine, optimizer, _, _ = deepspeed.initialize(

@@ -67,7 +67,7 @@ class FSDPBackend(Backend):
 
     def wrap(self, model: Transformer) -> nn.Module:
         opts = self.cfg.parallel.fsdp
-        apply_activation_checkpointing(model, self.cfg.model.activation_checkpointing)
+        apply_activation_checkpointing(model, self.cfg.model)
         common = dict(
             mesh=self.device_mesh(),
             mp_policy=self.mp_policy(),

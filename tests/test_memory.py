@@ -1,0 +1,221 @@
+"""Memory: the activation prediction against bytes really saved for backward, the per-backend
+state accounting, the fit plan, and the command line."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from scale_llm.config import ModelConfig, load_config
+from scale_llm.errors import UserError
+from scale_llm.memory import (
+    Numerics,
+    estimate,
+    fit,
+    measure_saved_bytes,
+    parse_bytes,
+    saved_activation_bytes,
+)
+from scale_llm.model import build_model
+from scale_llm.parallel.checkpointing import apply_activation_checkpointing
+
+REPO = Path(__file__).resolve().parents[1]
+MODES = ["none", "full", "every_k", "selective"]
+NUMERICS = {
+    "fp32": Numerics(4, 4, False),
+    "autocast-bf16": Numerics(2, 4, True),  # single / DDP
+    "bf16-module": Numerics(2, 2, False),  # FSDP mixed precision, DeepSpeed bf16
+}
+SHAPES = {
+    "tiny": dict(vocab_size=512, d_model=64, n_layers=3, n_heads=4, seq_len=32),
+    "gqa": dict(vocab_size=2048, d_model=192, n_layers=3, n_heads=6, n_kv_heads=2, seq_len=48),
+    "untied": dict(
+        vocab_size=4096, d_model=256, n_layers=2, n_heads=8, seq_len=40, tie_embeddings=False
+    ),
+}
+
+
+def counted(cfg: ModelConfig, batch: int, numerics: str, base=None) -> int:
+    torch.manual_seed(0)
+    if base is not None:  # reuse the weights of a large model: no second init
+        model = build_model(cfg)
+        model.load_state_dict(base.state_dict(), assign=True)
+    else:
+        model = build_model(cfg, "cpu")
+    if numerics == "bf16-module":
+        model = model.to(torch.bfloat16)
+    apply_activation_checkpointing(model, cfg)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if numerics == "autocast-bf16" else None
+    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1))
+    return measure_saved_bytes(model, tokens, autocast)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_predicted_activations_match_counted_bytes(shape, attention):
+    # every precision on the small shape; the autocast path (the common one) on the others
+    numerics_list = list(NUMERICS) if shape == "tiny" else ["autocast-bf16"]
+    for mode, numerics, batch in itertools.product(MODES, numerics_list, [1, 2]):
+        cfg = ModelConfig(**SHAPES[shape], attention=attention, activation_checkpointing=mode)
+        got = counted(cfg, batch, numerics)
+        predicted = saved_activation_bytes(cfg, batch, NUMERICS[numerics])
+        assert abs(predicted / got - 1) < 0.05, (mode, numerics, batch, got, predicted)
+
+
+@pytest.fixture(scope="module")
+def model_400m_dims():
+    """400m.yaml's widths (d_model 1024, 16 heads, vocab 32000, untied), 2 blocks, short seq."""
+    cfg = ModelConfig(
+        vocab_size=32000, d_model=1024, n_layers=2, n_heads=16, seq_len=64, tie_embeddings=False
+    )
+    return cfg, build_model(cfg, "cpu")
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("mode", MODES)
+def test_prediction_at_400m_dimensions(model_400m_dims, attention, mode):
+    base_cfg, base = model_400m_dims
+    cfg = ModelConfig(
+        **{**base_cfg.__dict__, "attention": attention, "activation_checkpointing": mode}
+    )
+    for batch in (1, 2) if attention == "sdpa" else (1,):
+        got = counted(cfg, batch, "autocast-bf16", base)
+        predicted = saved_activation_bytes(cfg, batch, NUMERICS["autocast-bf16"])
+        assert abs(predicted / got - 1) < 0.05, (batch, got, predicted)
+
+
+def test_checkpointing_modes_order_the_savings():
+    cfg = ModelConfig(**SHAPES["tiny"])
+    saved = {}
+    for mode in MODES:
+        c = ModelConfig(**{**cfg.__dict__, "activation_checkpointing": mode})
+        saved[mode] = counted(c, 2, "fp32")
+    assert saved["none"] > saved["every_k"] > saved["full"]
+    assert saved["none"] > saved["selective"] > saved["full"]
+
+
+def cfg_with(*overrides: str):
+    return load_config(REPO / "yaml" / "400m.yaml", list(overrides))
+
+
+def test_state_bytes_per_backend():
+    P = estimate(cfg_with(), 2).params
+    ddp = estimate(cfg_with(), 2).gpu
+    assert ddp["params"] + ddp["grads"] + ddp["optimizer"] == 16 * P  # fp32 + grads + 2 moments
+    fsdp = estimate(cfg_with("parallel.backend=fsdp"), 8).gpu
+    assert fsdp["optimizer"] == 8 * P / 8
+    zero = {
+        s: estimate(cfg_with("parallel.backend=deepspeed", f"parallel.deepspeed.zero_stage={s}"), 8)
+        for s in range(4)
+    }
+    totals = [
+        zero[s].gpu["params"] + zero[s].gpu["grads"] + zero[s].gpu["optimizer"] for s in range(4)
+    ]
+    assert totals[0] == 16 * P  # 2 (bf16 params) + 2 (grads) + 12 (fp32 master + moments)
+    assert totals[0] > totals[1] > totals[2] > totals[3]
+    off = estimate(
+        cfg_with(
+            "parallel.backend=deepspeed",
+            "parallel.deepspeed.zero_stage=3",
+            "parallel.deepspeed.offload_optimizer=cpu",
+            "parallel.deepspeed.offload_param=cpu",
+        ),
+        8,
+    )
+    assert off.gpu["optimizer"] == 0 and off.cpu["optimizer"] == 12 * P / 8
+    assert off.total < zero[3].total
+
+
+def test_checkpointing_and_micro_batch_move_the_total():
+    base = estimate(cfg_with("model.activation_checkpointing=none"), 2)
+    full = estimate(cfg_with("model.activation_checkpointing=full"), 2)
+    half = estimate(cfg_with("model.activation_checkpointing=none", "train.micro_batch_size=4"), 2)
+    assert full.gpu["activations"] < base.gpu["activations"] / 5
+    assert half.gpu["activations"] < base.gpu["activations"]
+    assert base.gpu["params"] == full.gpu["params"]
+
+
+def test_fit_prefers_cheap_layouts_and_keeps_the_batch():
+    cfg = cfg_with()
+    roomy = fit(cfg, 2, parse_bytes("80GiB"))
+    assert roomy.changes.get("model.activation_checkpointing") == "none"  # no recompute needed
+    mb = roomy.changes.get("train.micro_batch_size", 8)
+    assert mb * roomy.changes.get("train.grad_accum", 12) == 8 * 12
+    tight = fit(cfg, 2, parse_bytes("6GiB"))
+    assert tight.estimate.total <= parse_bytes("6GiB")
+    assert tight.changes  # something had to change
+
+
+def test_impossible_fit_names_the_smallest_total():
+    with pytest.raises(UserError, match=r"nothing fits in 0.50 GiB.*smallest total reachable is"):
+        fit(cfg_with(), 2, parse_bytes("512MiB"))
+
+
+def test_memory_units():
+    assert parse_bytes("80GiB") == 80 * 2**30
+    assert parse_bytes("1.5 GB") == 1_500_000_000
+    assert parse_bytes("512mib") == 512 * 2**20
+    assert parse_bytes("1000") == 1000
+    with pytest.raises(UserError, match="KiB, MiB, GiB, TiB"):
+        parse_bytes("80 gigs")
+
+
+def test_estimate_command_json_and_fit(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "scale_llm",
+            "estimate",
+            str(REPO / "yaml" / "400m.yaml"),
+            "--world-size",
+            "2",
+            "--json",
+            "--fit",
+            "24GiB",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["params"] > 390e6
+    assert {"params", "grads", "optimizer", "activations", "total"} <= out["bytes_per_gpu"].keys()
+    assert out["fit"]["bytes_per_gpu"]["total"] <= 24 * 2**30
+    bad = subprocess.run(
+        [sys.executable, "-m", "scale_llm", "estimate", "--fit", "12 parsecs"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and "accepted" not in bad.stderr and "GiB" in bad.stderr
+
+
+def test_human_report_ends_with_hints(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "scale_llm",
+            "estimate",
+            str(REPO / "yaml" / "400m.yaml"),
+            "--set",
+            "model.activation_checkpointing=none",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "total" in proc.stdout and "to reduce:" in proc.stdout
+    assert "--grad-checkpointing" in proc.stdout and "--batch_size 4 --grad-accum 24" in proc.stdout
