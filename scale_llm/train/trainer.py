@@ -126,6 +126,7 @@ class Trainer:
             dist.rank,
             cfg.run.seed,
             self.device,
+            prefetch=cfg.data.prefetch,
         )
         self.step = 0
         self.skipped_steps = torch.zeros((), dtype=torch.int64, device=self.device)
@@ -175,7 +176,6 @@ class Trainer:
                 )
                 if peak:
                     row["mfu"] = self.flops_per_token * tokens_per_s / self.dist.world_size / peak
-                row.update(cuda_memory_gib(self.device))
                 result.losses[self.step] = loss_value
                 result.grad_norms[self.step] = row["grad_norm"]
                 log.info(
@@ -195,7 +195,8 @@ class Trainer:
                 row["val_loss"] = self.evaluate()
                 result.val_losses[self.step] = row["val_loss"]
                 log.info("step %d | val_loss %.4f", self.step, row["val_loss"])
-            if row:
+            if row:  # logging and eval rows carry the peak CUDA memory so far
+                row.update(cuda_memory_gib(self.device))
                 self.metrics.log(self.step, row)
                 window_start, window_steps = time.perf_counter(), 0
             every = cfg.checkpoint.every
@@ -211,6 +212,7 @@ class Trainer:
                 )
                 break
         result.steps = self.step
+        self.loader.close()
         self.metrics.close()
         return result
 
