@@ -22,6 +22,7 @@ setup(
         "torch>=2.6",
         "deepspeed>=0.16",
         "datasets>=3.0",
+        "pyarrow>=15.0",  # local .parquet sources (also a dependency of datasets)
         "sentencepiece>=0.2",
         "pyyaml>=6.0",
         "tensorboard>=2.16",

@@ -98,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("prepare", help="train the tokenizer and write token shards")
     _add_config_args(p)
     p.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    p.add_argument(
+        "--bench",
+        action="store_true",
+        help="only measure tokens/s of the pipeline vs a plain encode loop (writes nothing)",
+    )
+    p.add_argument("--bench-mb", type=float, default=16.0, help="MB of text for --bench")
 
     p = sub.add_parser("train", help="train a model")
     _add_config_args(p)
@@ -125,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
+    p = sub.add_parser("convert", help="write a checkpoint as one consolidated fp32 file")
+    p.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its newest)")
+    p.add_argument("--out", required=True, help="the file to write, e.g. model.pt")
+
     p = sub.add_parser("generate", help="sample text from a trained run")
     p.add_argument("run_dir", help="a run directory written by `scale-llm train`, e.g. runs/tiny")
     p.add_argument("--prompt", default="", help="text to continue")
@@ -140,6 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_prepare(args: argparse.Namespace) -> int:
     from scale_llm.data.prepare import prepare
 
+    if args.bench:
+        from scale_llm.data.prepare_bench import bench_prepare, format_report
+
+        print(format_report(bench_prepare(config_from_args(args), args.bench_mb)))
+        return 0
     prepare(config_from_args(args), force=args.force)
     return 0
 
@@ -170,9 +185,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg, dist_info = start_distributed(args)
     if args.report_memory and dist_info.is_main:
         from scale_llm import memory
+        from scale_llm.train.precision import resolve_precision
 
-        est = memory.estimate(cfg, dist_info.world_size)
-        log.info(memory.format_report(est, cfg, dist_info.world_size, args.config or "defaults"))
+        precision = resolve_precision(cfg.train.precision, dist_info.device).name
+        planned = memory.with_changes(cfg, {"train.precision": precision})
+        est = memory.estimate(planned, dist_info.world_size)
+        log.info(
+            memory.format_report(est, planned, dist_info.world_size, args.config or "defaults")
+        )
     from scale_llm.train.trainer import train
 
     t0 = time.perf_counter()
@@ -254,6 +274,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from scale_llm.train.convert import convert
+
+    path, n_params = convert(args.checkpoint, args.out)
+    print(f"wrote {path}: {n_params / 1e6:.2f}M parameters (fp32) and the run's config")
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from scale_llm.generate import generate_text
 
@@ -278,6 +306,7 @@ COMMANDS = {
     "train": cmd_train,
     "estimate": cmd_estimate,
     "bench": cmd_bench,
+    "convert": cmd_convert,
     "generate": cmd_generate,
 }
 
@@ -295,9 +324,10 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         code = 130
     finally:
-        from scale_llm.parallel.device import shutdown_distributed
+        if "torch.distributed" in sys.modules:  # a process group may exist: leave it
+            from scale_llm.parallel.device import shutdown_distributed
 
-        shutdown_distributed(clean=code == 0)
+            shutdown_distributed(clean=code == 0)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # Multi-process gloo runs have been seen to abort during interpreter shutdown after
         # all work finished (SIGABRT, "terminate called without an active exception"). With

@@ -57,12 +57,21 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "builtin"  # "builtin", a local file / directory / glob (.txt, .jsonl)
+    source: str = "builtin"  # "builtin", "hf:NAME", or a file / dir / glob (.txt .jsonl .parquet)
     dir: str = "data/builtin"  # where the tokenizer, shards and manifest are written
-    text_field: str = "text"  # the field holding the text in .jsonl records
+    text_field: str = "text"  # the field holding the text in .jsonl / .parquet / hf: records
+    hf_config: str | None = None  # hf: dataset configuration (subset), e.g. "sample-10BT"
+    hf_split: str = "train"  # hf: split to read
+    hf_revision: str | None = None  # hf: git revision (branch, tag or commit) to pin
+    streaming: bool = False  # hf: read as a stream instead of downloading the whole dataset
+    max_documents: int | None = None  # read at most this many documents (null: all)
+    max_tokens: int | None = None  # stop once this many tokens are written (null: all)
     val_fraction: float = 0.02  # share of documents held out for validation
-    tokenizer_sample_bytes: int = 8_000_000  # text sampled to train the tokenizer
+    tokenizer_sample_bytes: int = 8_000_000  # characters sampled to train the tokenizer
+    tokenizer_sample_documents: int | None = None  # and at most this many documents (null: any)
     shard_tokens: int = 50_000_000  # tokens per shard file
+    num_proc: int = 0  # tokenizer processes in prepare; 0: one per CPU core
+    prefetch: int = 2  # training batches read ahead in a background thread; 0: none
 
 
 @dataclass
@@ -71,6 +80,7 @@ class TrainConfig:
     grad_accum: int = 1
     global_batch_size: int | None = None  # sequences per step over all ranks; sets grad_accum
     max_steps: int = 200
+    max_bad_steps: int = 20  # stop after this many consecutive non-finite (skipped) steps
     exit_at_step: int | None = None  # checkpoint and exit after this step (time-limited jobs);
     # the LR schedule still runs to max_steps, and the next launch resumes from here
     lr: float = 1e-3
@@ -367,12 +377,18 @@ def validate(cfg: Config) -> list[str]:
     for key in ("micro_batch_size", "grad_accum", "max_steps"):
         positive(f"train.{key}", getattr(t, key))
     positive("train.lr", t.lr)
+    positive("train.max_bad_steps", t.max_bad_steps)
     if t.exit_at_step is not None:
         positive("train.exit_at_step", t.exit_at_step)
     if t.global_batch_size is not None:
         positive("train.global_batch_size", t.global_batch_size)
     positive("data.tokenizer_sample_bytes", cfg.data.tokenizer_sample_bytes)
     positive("data.shard_tokens", cfg.data.shard_tokens)
+    for key in ("max_documents", "max_tokens", "tokenizer_sample_documents"):
+        if getattr(cfg.data, key) is not None:
+            positive(f"data.{key}", getattr(cfg.data, key))
+    non_negative("data.num_proc", cfg.data.num_proc)
+    non_negative("data.prefetch", cfg.data.prefetch)
     positive("logging.every", cfg.logging.every)
     positive("checkpoint.keep_last", cfg.checkpoint.keep_last)
     for key, value in (

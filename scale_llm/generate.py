@@ -16,7 +16,7 @@ from scale_llm.data.tokenizer import Tokenizer
 from scale_llm.errors import UserError
 from scale_llm.model import KVCache, Transformer, build_model
 from scale_llm.parallel.device import select_device
-from scale_llm.train.checkpoint import MODEL_WEIGHTS, Checkpointer, load_file
+from scale_llm.train.checkpoint import Checkpointer, load_model_weights
 from scale_llm.train.precision import resolve_precision
 
 
@@ -32,14 +32,15 @@ def load_run(
         )
     cfg = load_config(run_dir / "config.yaml")
     ckpt = Path(checkpoint) if checkpoint else Checkpointer(run_dir, 1).latest()
-    if ckpt is None or not (ckpt / MODEL_WEIGHTS).is_file():
+    if ckpt is None:
         raise UserError(
-            f"{run_dir} has no complete checkpoint with model weights; train longer "
-            f"or set checkpoint.every so that one is saved"
+            f"{run_dir} has no complete checkpoint; train longer or set checkpoint.every so "
+            f"that one is saved"
         )
-    device = device or select_device("auto")
-    model = build_model(cfg.model, device)
-    model.load_state_dict(load_file(ckpt / MODEL_WEIGHTS, device))
+    weights = load_model_weights(ckpt, cfg.model)
+    model = build_model(cfg.model)
+    model.load_state_dict(weights, assign=True)
+    model.to(device or select_device("auto"))
     model.eval()
     return model, Tokenizer(run_dir / "tokenizer.model"), cfg
 

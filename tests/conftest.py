@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import sysconfig
 from pathlib import Path
@@ -14,6 +15,14 @@ from scale_llm.data.prepare import prepare
 from scale_llm.log import setup_logging
 
 setup_logging(0)
+
+
+def pytest_configure(config):
+    # Tests never touch the network; Hugging Face libraries read these when first imported,
+    # and nothing imports them before this hook runs.
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    os.environ["HF_HUB_OFFLINE"] = "1"
+
 
 TINY_MODEL = [
     "model.vocab_size=512",

@@ -287,20 +287,34 @@ def test_launch_checks_world_size_batch_and_devices():
     assert validate_world(ds16, 1, has_cuda=True) == []
     hsdp = load_config(None, ["parallel.backend=fsdp", "parallel.fsdp.replicate_degree=3"])
     assert "replicate_degree=3 does not divide the world size 4" in validate_world(hsdp, 4, True)[0]
-    both = load_config(None, ["train.global_batch_size=16", "train.micro_batch_size=4",
-                              "train.grad_accum=2"])  # fmt: skip
+    both = load_config(
+        None, ["train.global_batch_size=16", "train.micro_batch_size=4", "train.grad_accum=2"]
+    )
     with pytest.raises(UserError, match="contradicts train.global_batch_size=16"):
         resolve_for_world(both, 1, False)
 
 
 def test_bad_world_size_fails_before_any_process_group(tmp_path):
-    env = {**os.environ, "WORLD_SIZE": "3", "RANK": "0", "LOCAL_RANK": "0",
-           "PYTHONPATH": str(REPO)}  # fmt: skip
+    env = {**os.environ, "WORLD_SIZE": "3", "RANK": "0", "LOCAL_RANK": "0", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
-        [sys.executable, "-m", "scale_llm", "train", "--set", "parallel.backend=ddp",
-         "--set", "train.global_batch_size=8", "--set", "train.micro_batch_size=2"],
-        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "scale_llm",
+            "train",
+            "--set",
+            "parallel.backend=ddp",
+            "--set",
+            "train.global_batch_size=8",
+            "--set",
+            "train.micro_batch_size=2",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "not divisible by train.micro_batch_size=2 x world size 3" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -50,8 +50,7 @@ def env() -> dict[str, str]:
 
 
 def run(cmd: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=cwd, env=env(), capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
+    proc = subprocess.run(cmd, cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, (
         f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     )
@@ -59,8 +58,17 @@ def run(cmd: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedPr
 
 
 def torchrun(nproc: int, *args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={nproc}", "-m", "scale_llm", "train", *args]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "scale_llm",
+        "train",
+        *args,
+    ]
 
 
 def rows_of(run_dir: Path) -> dict[int, dict]:
@@ -148,9 +156,14 @@ def test_resume_continues_the_same_curve(backend, runs, data_dir):
 
 
 def test_zero3_with_cpu_offload_trains(runs, reference):
-    rows = runs("zero3-offload", 2, *BACKENDS["zero3"], *SPLIT,
-                "parallel.deepspeed.offload_optimizer=cpu",
-                "parallel.deepspeed.offload_param=cpu")  # fmt: skip
+    rows = runs(
+        "zero3-offload",
+        2,
+        *BACKENDS["zero3"],
+        *SPLIT,
+        "parallel.deepspeed.offload_optimizer=cpu",
+        "parallel.deepspeed.offload_param=cpu",
+    )
     # DeepSpeedCPUAdam's vectorized update rounds differently from torch.optim.AdamW
     assert_same_curve(rows, reference, 1e-4)
 
@@ -159,8 +172,9 @@ def test_zero3_with_cpu_offload_trains(runs, reference):
     ("backend", "precision"), [("ddp", "bf16"), ("fsdp", "fp16"), ("zero2", "bf16")]
 )
 def test_mixed_precision_follows_the_fp32_curve(backend, precision, runs, reference):
-    rows = runs(f"{backend}-{precision}", 2, *BACKENDS[backend], *SPLIT,
-                f"train.precision={precision}")  # fmt: skip
+    rows = runs(
+        f"{backend}-{precision}", 2, *BACKENDS[backend], *SPLIT, f"train.precision={precision}"
+    )
     # 16-bit matmuls: the same curve to about 1e-2 (CPU autocast / DeepSpeed bf16 modes)
     diff = assert_same_curve(rows, reference, 3e-2)
     print(f"\n{precision} {backend}: max |diff| vs fp32 single = {diff:.1e}")
@@ -168,8 +182,14 @@ def test_mixed_precision_follows_the_fp32_curve(backend, precision, runs, refere
 
 
 def test_only_rank_0_logs_info(runs, data_dir):
-    proc = run(torchrun(2, *common(data_dir, runs.root, "logs"), *sets("parallel.backend=ddp",
-               "train.micro_batch_size=4", "train.max_steps=1")), cwd=runs.root)  # fmt: skip
+    proc = run(
+        torchrun(
+            2,
+            *common(data_dir, runs.root, "logs"),
+            *sets("parallel.backend=ddp", "train.micro_batch_size=4", "train.max_steps=1"),
+        ),
+        cwd=runs.root,
+    )
     assert "[rank 0] step 1/1" in proc.stdout
     assert "[rank 1]" not in proc.stdout
 
@@ -188,9 +208,17 @@ def test_deepspeed_writes_its_generated_config(runs, reference):
 
 
 def launcher_args(data_dir: Path, root: Path, name: str, config: str) -> list[str]:
-    settings = [*TINY_MODEL, f"data.dir={data_dir}", f"run.dir={root}", f"run.name={name}",
-                "train.max_steps=2", "train.micro_batch_size=2", "train.warmup_steps=1",
-                "eval.every=0", "logging.tensorboard=false"]  # fmt: skip
+    settings = [
+        *TINY_MODEL,
+        f"data.dir={data_dir}",
+        f"run.dir={root}",
+        f"run.name={name}",
+        "train.max_steps=2",
+        "train.micro_batch_size=2",
+        "train.warmup_steps=1",
+        "eval.every=0",
+        "logging.tensorboard=false",
+    ]
     return [str(REPO / "yaml" / config), *sets(*settings)]
 
 
@@ -198,8 +226,14 @@ def launch(
     script: str, args: list[str], cwd: Path, **extra_env: str
 ) -> subprocess.CompletedProcess:
     full_env = {**env(), "SCALE_LLM_PYTHON": sys.executable, "SKIP_PREPARE": "1", **extra_env}
-    proc = subprocess.run(["bash", str(REPO / "launch" / script), *args], cwd=cwd, env=full_env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        ["bash", str(REPO / "launch" / script), *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, (
         f"{script}: rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     )
@@ -212,8 +246,9 @@ def test_2xh100_launcher_runs_two_cpu_processes(data_dir, tmp_path):
 
 
 def test_deepspeed_launcher(data_dir, tmp_path):
-    proc = launch("deepspeed.sh", launcher_args(data_dir, tmp_path, "lds", "tiny-deepspeed.yaml"),
-                  tmp_path)  # fmt: skip
+    proc = launch(
+        "deepspeed.sh", launcher_args(data_dir, tmp_path, "lds", "tiny-deepspeed.yaml"), tmp_path
+    )
     assert "world 2" in proc.stdout and "done: 2 steps" in proc.stdout
 
 
@@ -224,8 +259,15 @@ def test_two_nodes_on_loopback(data_dir, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
     args = launcher_args(data_dir, tmp_path, "l2n", "tiny-fsdp.yaml")
-    common_env = {**env(), "SCALE_LLM_PYTHON": sys.executable, "SKIP_PREPARE": "1", "NNODES": "2",
-                  "NGPU": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}  # fmt: skip
+    common_env = {
+        **env(),
+        "SCALE_LLM_PYTHON": sys.executable,
+        "SKIP_PREPARE": "1",
+        "NNODES": "2",
+        "NGPU": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": port,
+    }
     nodes = [
         subprocess.Popen(
             ["bash", str(REPO / "launch" / "torchrun.sh"), *args],
@@ -234,7 +276,7 @@ def test_two_nodes_on_loopback(data_dir, tmp_path):
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-        )  # fmt: skip
+        )
         for rank in (0, 1)
     ]
     outputs = [p.communicate(timeout=600)[0] for p in nodes]

@@ -85,7 +85,7 @@ def test_fp16_scales_the_loss_and_bf16_does_not(data_dir, tmp_path):
     for precision in ("fp16", "bf16"):
         tr = trainer(data_dir, tmp_path, f"train.precision={precision}")
         scaler = tr.backend.scaler
-        assert scaler.is_enabled() == (precision == "fp16")
+        assert scaler.get_scale() == (2.0**16 if precision == "fp16" else 1.0)
         unscale = scaler.unscale_
 
         def spy(opt, unscale=unscale, tr=tr, precision=precision):
@@ -101,7 +101,56 @@ def test_fp16_scales_the_loss_and_bf16_does_not(data_dir, tmp_path):
         scaler.unscale_ = spy
         tr.train_step()
     assert ratios["fp16"] == pytest.approx(2.0**16, rel=1e-3)  # GradScaler's initial scale
-    assert ratios["bf16"] == pytest.approx(1.0)
+    assert ratios["bf16"] == 1.0  # no loss scaling: multiplied by exactly 1
+
+
+def poison(tr: Trainer, steps: set[int]) -> None:
+    """Make the loss NaN on the given (0-based) optimizer steps."""
+    forward = tr.model.forward
+
+    def maybe_nan(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        return out * float("nan") if tr.step in steps else out
+
+    tr.model.forward = maybe_nan
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_non_finite_step_is_skipped_and_counted(data_dir, tmp_path, precision):
+    tr = trainer(data_dir, tmp_path, f"train.precision={precision}", "train.max_steps=3")
+    poison(tr, {1})
+    weights = {}
+    step = tr.backend.optimizer.step
+
+    def record(*a, **k):  # weights before every real optimizer step
+        weights[tr.step] = {n: p.clone() for n, p in tr.backend.module.named_parameters()}
+        return step(*a, **k)
+
+    tr.backend.optimizer.step = record
+    result = tr.fit()
+    assert sorted(weights) == [0, 2]  # step index 1 never reached the optimizer
+    assert result.steps == 3 and int(tr.skipped_steps) == 1
+    for p in tr.backend.module.parameters():
+        assert torch.isfinite(p).all()
+    rows = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["skipped_steps"] == 1
+
+
+def test_a_run_of_bad_steps_stops_with_causes_and_the_last_good_checkpoint(data_dir, tmp_path):
+    from scale_llm.train.guards import TrainingDiverged
+
+    tr = trainer(
+        data_dir, tmp_path, "train.max_steps=20", "train.max_bad_steps=3", "checkpoint.every=2"
+    )
+    poison(tr, set(range(4, 20)))
+    with pytest.raises(TrainingDiverged) as info:
+        tr.fit()
+    msg = str(info.value)
+    assert "the last 3 optimizer steps had a non-finite loss" in msg
+    assert "train.lr=" in msg and "train.precision=fp32" in msg and "data.dir=" in msg
+    assert "step_00000004" in msg  # the last good checkpoint
+    assert info.value.exit_code == 3
+    assert [s for s, _ in tr.checkpointer.complete()] == [2, 4]  # nothing saved after going bad
 
 
 def test_fp16_overflow_skips_the_step_and_counts_it(data_dir, tmp_path):
@@ -211,7 +260,7 @@ def test_bad_inputs_are_user_errors_and_leave_nothing_behind(data_dir, tmp_path)
     with pytest.raises(UserError, match="holds no prepared shards"):
         trainer(tmp_path / "empty", tmp_path)
     with pytest.raises(UserError, match="too few tokens for model.seq_len"):
-        trainer(data_dir, tmp_path, "model.seq_len=200000")
+        trainer(data_dir, tmp_path, "model.seq_len=50000000")
     with pytest.raises(UserError, match="not a complete checkpoint"):
         trainer(data_dir, tmp_path, f"checkpoint.resume={tmp_path}")
     assert not runs.exists()  # nothing half-written

@@ -4,13 +4,21 @@ The train split is cut into windows of seq_len + 1 tokens (inputs and shifted ta
 visits every window once in an order drawn from (seed, epoch). A step's global batch is the next
 `micro_batch_size * grad_accum * world_size` windows of that stream; rank r reads its contiguous
 slice of it, micro-step k the k-th piece of that slice. So the set of sequences in a step does
-not depend on how it is split across micro-steps and ranks, and resuming at a position (or on a
-different world size) continues with exactly the sequences that come next.
+not depend on how it is split across micro-steps and ranks.
+
+Resume guarantee (docs/data.md): the state is the stream position. Resuming on any world size,
+micro-batch size or grad_accum continues at exactly that position, so no window is repeated or
+skipped; with the same global batch every later step holds exactly the sequences it would have
+held without the interruption; with another global batch the same continuation is cut into
+steps of the new size.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -40,7 +48,12 @@ class TokenWindows:
 
 
 class TrainLoader:
-    """This rank's micro-batches of each step's global batch, in a seeded, resumable order."""
+    """This rank's micro-batches of each step's global batch, in a seeded, resumable order.
+
+    With `prefetch` > 0 a background thread reads the next batches (and pins them on CUDA) while
+    the model computes; it reads exactly the batches `next_batches` would have read, in order, and
+    `state_dict` always describes the next batch the trainer will get, not the read-ahead.
+    """
 
     def __init__(
         self,
@@ -51,6 +64,7 @@ class TrainLoader:
         rank: int,
         seed: int,
         device: torch.device,
+        prefetch: int = 0,
     ):
         if len(windows) == 0:
             raise ValueError("no training windows")
@@ -60,20 +74,59 @@ class TrainLoader:
         self.global_batch = micro_batch_size * grad_accum * world_size
         self.position = 0  # sequences of the stream consumed so far, over all ranks
         self._perm: tuple[int, np.ndarray] | None = None
+        self._perm_lock = threading.Lock()
+        self.prefetch = prefetch
+        self._executor = (
+            ThreadPoolExecutor(1, thread_name_prefix="data-prefetch") if prefetch > 0 else None
+        )
+        self._ahead: deque[tuple[int, Future]] = deque()  # (stream position, its batch)
 
     def next_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """grad_accum pairs (inputs, targets), each (micro_batch_size, seq_len), on device."""
-        per_rank = self.micro_batch_size * self.grad_accum
-        first = self.position + self.rank * per_rank
-        ids = self._stream_indices(first, per_rank)
+        tokens = self._take(self.position)  # (micro_batch_size * grad_accum, seq_len + 1)
+        self._log_epoch_start(self.position)
         self.position += self.global_batch
-        tokens = self.windows.get(ids)
-        if self.device.type == "cuda":
-            tokens = tokens.pin_memory().to(self.device, non_blocking=True)
-        else:
-            tokens = tokens.to(self.device)
+        # pinned host memory lets the copy run asynchronously with the compute stream
+        tokens = tokens.to(self.device, non_blocking=tokens.is_pinned())
         pieces = tokens.split(self.micro_batch_size)
         return [(p[:, :-1], p[:, 1:]) for p in pieces]
+
+    def _read(self, position: int) -> torch.Tensor:
+        """This rank's slice of the global batch that starts at stream `position`."""
+        per_rank = self.micro_batch_size * self.grad_accum
+        ids = self._stream_indices(position + self.rank * per_rank, per_rank)
+        tokens = self.windows.get(ids)
+        return tokens.pin_memory() if self.device.type == "cuda" else tokens
+
+    def _take(self, position: int) -> torch.Tensor:
+        if self._executor is None:
+            return self._read(position)
+        if not self._ahead or self._ahead[0][0] != position:  # first call, or after a reload
+            self._drop_ahead()
+            self._ahead.append((position, self._executor.submit(self._read, position)))
+        _, future = self._ahead.popleft()
+        while len(self._ahead) < self.prefetch:
+            last = self._ahead[-1][0] if self._ahead else position
+            nxt = last + self.global_batch
+            self._ahead.append((nxt, self._executor.submit(self._read, nxt)))
+        return future.result()
+
+    def _drop_ahead(self) -> None:
+        for _, future in self._ahead:
+            future.cancel()
+        self._ahead.clear()
+
+    def _log_epoch_start(self, position: int) -> None:
+        n = len(self.windows)
+        first, last = position // n, (position + self.global_batch - 1) // n
+        if last > first or (position % n == 0 and position > 0):
+            log.info(
+                "data: epoch %d of %d training windows begins (stream position %d); the "
+                "windows repeat in a new order",
+                last,
+                n,
+                last * n,
+            )
 
     def _stream_indices(self, first: int, count: int) -> np.ndarray:
         n = len(self.windows)
@@ -83,19 +136,18 @@ class TrainLoader:
         return out
 
     def _permutation(self, epoch: int) -> np.ndarray:
-        if self._perm is None or self._perm[0] != epoch:
-            if epoch > 0 and (self._perm is None or self._perm[0] < epoch):
-                log.info(
-                    "data: starting epoch %d over %d training windows", epoch, len(self.windows)
-                )
-            rng = np.random.default_rng([self.seed, epoch])
-            self._perm = (epoch, rng.permutation(len(self.windows)))
-        return self._perm[1]
+        with self._perm_lock:  # the prefetch thread and the caller may both read
+            if self._perm is None or self._perm[0] != epoch:
+                rng = np.random.default_rng([self.seed, epoch])
+                self._perm = (epoch, rng.permutation(len(self.windows)))
+            return self._perm[1]
 
     def state_dict(self) -> dict[str, int]:
+        """The position of the next batch `next_batches` returns (read-ahead not counted)."""
         return {"position": self.position, "seed": self.seed, "num_windows": len(self.windows)}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue at the saved stream position, whatever the world size or batch layout now."""
         if state["num_windows"] != len(self.windows) or state["seed"] != self.seed:
             log.warning(
                 "data: the checkpoint's data order (seed %s, %s windows) differs from "
@@ -106,7 +158,15 @@ class TrainLoader:
                 self.seed,
                 len(self.windows),
             )
+        self._drop_ahead()
         self.position = int(state["position"])
+
+    def close(self) -> None:
+        """Stop the prefetch thread (idempotent)."""
+        self._drop_ahead()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
 
 
 def eval_batches(

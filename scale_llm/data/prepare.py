@@ -1,50 +1,62 @@
 """`scale-llm prepare`: corpus -> SentencePiece tokenizer -> token shards + manifest.
 
-Steps: list the source's documents in a fixed order; split them into train / val by a stable hash
-of each document's name; train the tokenizer on a sample of the train documents; encode every
-document as [BOS] ids [EOS] into fixed-size shards; write manifest.json last. A second run on
-unchanged input and settings finds the manifest's fingerprint equal and does no work.
+Steps: stream the source's documents in a fixed order (capped by data.max_documents); train the
+tokenizer on a sample of the first train documents; encode every document as [BOS] ids [EOS] in
+`data.num_proc` processes, in order, into fixed-size train / val shards (the split decided by a
+stable hash of each document's id), until the stream or data.max_tokens ends; write
+manifest.json last. progress.json checkpoints the work, so an interrupted prepare continues where
+it stopped; a second run on unchanged input and settings finds the manifest's fingerprint equal
+and does no work.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from scale_llm.config import Config
+from scale_llm.data.encode import EncodedBatch, Encoder, batched, is_val_document
+from scale_llm.data.progress import Progress
 from scale_llm.data.shards import (
     FORMAT_VERSION,
     MANIFEST,
+    PROGRESS,
     ShardWriter,
+    StaleProgress,
+    read_progress,
     shard_problems,
     token_dtype,
+    tokenizer_problem,
     write_manifest,
+    write_progress,
 )
-from scale_llm.data.sources import Document, Source, open_source
-from scale_llm.data.tokenizer import Tokenizer, file_sha256, train_tokenizer
+from scale_llm.data.sources import Document, open_source
+from scale_llm.data.tokenizer import file_sha256, train_tokenizer
 from scale_llm.errors import UserError
+
+__all__ = ["prepare", "is_val_document"]
 
 log = logging.getLogger(__name__)
 TOKENIZER_FILE = "tokenizer.model"
-_ENCODE_BATCH = 256  # documents per batched encode call
-
-
-def is_val_document(doc_id: str, val_fraction: float) -> bool:
-    """Stable split: the same document lands in the same split whatever else the corpus holds."""
-    digest = hashlib.blake2b(doc_id.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") / 2**64 < val_fraction
+PIPELINE_VERSION = 2  # bump when the same input and settings would give different shards
+CHECKPOINT_SECONDS = 30.0  # progress.json is rewritten this often (and at every finished shard)
+SAMPLE_POOL = 4  # the tokenizer sample is drawn from the first 4x its size of train documents
+SPLITS = ("train", "val")
 
 
 def prepare(cfg: Config, force: bool = False) -> dict[str, Any]:
     """Prepare `cfg.data.dir` from `cfg.data.source`; returns the manifest."""
     out = Path(cfg.data.dir)
-    source = open_source(cfg.data.source, cfg.data.text_field)
+    source = open_source(cfg.data)
     fingerprint = _fingerprint(cfg, source)
     current = _current_manifest(out)
     if (
@@ -52,6 +64,7 @@ def prepare(cfg: Config, force: bool = False) -> dict[str, Any]:
         and current
         and current.get("fingerprint") == fingerprint
         and not shard_problems(out, current)
+        and not tokenizer_problem(out, current)
     ):
         log.info(
             "data: %s is up to date (%s train tokens); nothing to do",
@@ -62,72 +75,35 @@ def prepare(cfg: Config, force: bool = False) -> dict[str, Any]:
 
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST).unlink(missing_ok=True)  # from here on the directory reads as unprepared
-    for stale in [*out.glob("train_*.bin"), *out.glob("val_*.bin")]:
-        stale.unlink()
     t0 = time.perf_counter()
-    log.info(
-        "data: reading %s (%d files, %.1f MB)",
-        source.spec,
-        len(source.files),
-        source.total_bytes() / 1e6,
+    log.info("data: reading %s", source.describe())
+    progress, writers, stream = _resume(cfg, source, out, fingerprint, force) or _fresh(
+        cfg, source, out, fingerprint
     )
-    docs = list(source.documents())
-    if not docs:
-        raise_empty(cfg)
-    val = [d for d in docs if is_val_document(d.doc_id, cfg.data.val_fraction)]
-    train = [d for d in docs if not is_val_document(d.doc_id, cfg.data.val_fraction)]
-    if not val:  # tiny corpora: hold out the last document so eval has something to read
-        val, train = train[-1:], train[:-1]
-    if not train:
-        raise_empty(cfg)
-    if source.skipped:
+    written_before = progress["tokens"]
+    try:
+        _tokenize(cfg, source, out, stream, progress, writers)
+    except KeyboardInterrupt:
         log.info(
-            "data: skipped %d files that are not UTF-8 (e.g. %s)",
-            len(source.skipped),
-            source.skipped[0],
+            "data: interrupted; `scale-llm prepare` continues from the last checkpoint "
+            "(%s documents read)",
+            f"{(read_progress(out) or {}).get('documents_read', 0):,}",
         )
-
-    tokenizer = train_tokenizer(
-        _sample(train, cfg.data.tokenizer_sample_bytes), cfg.model.vocab_size, out / TOKENIZER_FILE
-    )
-    log.info(
-        "data: trained a %d-piece BPE tokenizer on %.1f MB in %.1fs",
-        tokenizer.vocab_size,
-        min(cfg.data.tokenizer_sample_bytes, sum(len(d.text) for d in train)) / 1e6,
-        time.perf_counter() - t0,
-    )
-    dtype = token_dtype(tokenizer.vocab_size)
-    splits = {
-        name: _write_split(out, name, part, tokenizer, cfg.data.shard_tokens, dtype)
-        for name, part in (("train", train), ("val", val))
-    }
-    manifest = {
-        "format": FORMAT_VERSION,
-        "fingerprint": fingerprint,
-        "source": source.spec,
-        "python": sys.version.split()[0],
-        "dtype": dtype.name,
-        "tokenizer": {
-            "file": TOKENIZER_FILE,
-            "sha256": file_sha256(out / TOKENIZER_FILE),
-            "vocab_size": tokenizer.vocab_size,
-            "bos_id": tokenizer.bos_id,
-            "eos_id": tokenizer.eos_id,
-        },
-        "splits": splits,
-    }
+        raise
+    splits = _finish(writers)
+    manifest = _manifest(cfg, source, out, fingerprint, progress, splits)
     write_manifest(out, manifest)
+    (out / PROGRESS).unlink(missing_ok=True)
     seconds = time.perf_counter() - t0
-    total = sum(s["tokens"] for s in splits.values())
     log.info(
-        "data: wrote %s train / %s val tokens (%d / %d documents) to %s in %.1fs (%.0fk tokens/s)",
+        "data: wrote %s train / %s val tokens (%d / %d documents) to %s in %.1fs (%.2fM tokens/s)",
         f"{splits['train']['tokens']:,}",
         f"{splits['val']['tokens']:,}",
         splits["train"]["documents"],
         splits["val"]["documents"],
         out,
         seconds,
-        total / seconds / 1e3,
+        (progress["tokens"] - written_before) / seconds / 1e6,
     )
     return manifest
 
@@ -139,14 +115,238 @@ def raise_empty(cfg: Config) -> None:
     )
 
 
-def _fingerprint(cfg: Config, source: Source) -> str:
+# ----------------------------------------------------------------------------- start or continue
+def _resume(cfg: Config, source, out: Path, fingerprint: str, force: bool):
+    """(progress, writers, stream) continuing an interrupted prepare, or None."""
+    progress = read_progress(out)
+    tok = out / TOKENIZER_FILE
+    if force or not progress or progress.get("fingerprint") != fingerprint:
+        return None
+    if not tok.is_file() or file_sha256(tok) != progress["tokenizer_sha256"]:
+        log.info("data: %s changed since the interrupted prepare; starting afresh", tok)
+        return None
+    try:
+        writers = _writers(cfg, out, np.dtype(progress["dtype"]), progress["splits"])
+    except StaleProgress as e:
+        log.info("data: cannot continue the interrupted prepare (%s); starting afresh", e)
+        return None
+    log.info(
+        "data: continuing an interrupted prepare after %s documents (%s tokens written)",
+        f"{progress['documents_read']:,}",
+        f"{progress['tokens']:,}",
+    )
+    stream = itertools.islice(_documents(cfg, source), progress["documents_read"], None)
+    return progress, writers, stream
+
+
+def _fresh(cfg: Config, source, out: Path, fingerprint: str):
+    """Clear the directory, train the tokenizer; (progress, writers, stream) from document 0."""
+    for stale in [*out.glob("train_*.bin*"), *out.glob("val_*.bin*"), out / PROGRESS]:
+        stale.unlink(missing_ok=True)
+    t0 = time.perf_counter()
+    docs = _documents(cfg, source)
+    pool = _sample_pool(docs, cfg)
+    sample = list(_sample(pool, cfg))
+    if not sample:
+        raise_empty(cfg)
+    tokenizer = train_tokenizer(sample, cfg.model.vocab_size, out / TOKENIZER_FILE)
+    log.info(
+        "data: trained a %d-piece BPE tokenizer on %.1f MB (%d documents) in %.1fs",
+        tokenizer.vocab_size,
+        sum(map(len, sample)) / 1e6,
+        len(sample),
+        time.perf_counter() - t0,
+    )
+    dtype = token_dtype(tokenizer.vocab_size)
+    progress = {
+        "fingerprint": fingerprint,
+        "tokenizer_sha256": tokenizer.sha256(),
+        "dtype": dtype.name,
+        "documents_read": 0,
+        "tokens": 0,
+        "capped": False,
+        "splits": {name: None for name in SPLITS},
+    }
+    writers = _writers(cfg, out, dtype, progress["splits"])
+    write_progress(out, progress)
+    return progress, writers, itertools.chain(pool, docs)
+
+
+def _writers(cfg: Config, out: Path, dtype: np.dtype, states: dict) -> dict[str, ShardWriter]:
+    return {n: ShardWriter(out, n, cfg.data.shard_tokens, dtype, states[n]) for n in SPLITS}
+
+
+def _documents(cfg: Config, source) -> Iterator[Document]:
+    return itertools.islice(source.documents(), cfg.data.max_documents)
+
+
+# ----------------------------------------------------------------------------- tokenizer sample
+def _sample_pool(docs: Iterator[Document], cfg: Config) -> list[Document]:
+    """The first documents of the stream, until its train documents hold SAMPLE_POOL times the
+    tokenizer sample (characters, and documents when data.tokenizer_sample_documents is set)."""
+    d = cfg.data
+    max_chars = SAMPLE_POOL * d.tokenizer_sample_bytes
+    max_docs = SAMPLE_POOL * d.tokenizer_sample_documents if d.tokenizer_sample_documents else None
+    pool: list[Document] = []
+    chars = train_docs = 0
+    bar = Progress("reading the tokenizer sample")
+    for doc in docs:
+        pool.append(doc)
+        bar.update(1, chars=len(doc.text))
+        if not is_val_document(doc.doc_id, d.val_fraction):
+            chars += len(doc.text)
+            train_docs += 1
+            if chars >= max_chars or (max_docs is not None and train_docs >= max_docs):
+                break
+    bar.close()
+    return pool
+
+
+def _sample(pool: list[Document], cfg: Config) -> Iterator[str]:
+    """Train documents of the pool in a fixed pseudo-random order, until the budget is taken."""
+    d = cfg.data
+    train = [doc for doc in pool if not is_val_document(doc.doc_id, d.val_fraction)]
+    order = sorted(
+        train,
+        key=lambda doc: hashlib.blake2b(
+            doc.doc_id.encode(), digest_size=8, person=b"tok-sample"
+        ).digest(),
+    )
+    if d.tokenizer_sample_documents is not None:
+        order = order[: d.tokenizer_sample_documents]
+    taken = 0
+    for doc in order:
+        if taken >= d.tokenizer_sample_bytes:
+            return
+        text = doc.text[: d.tokenizer_sample_bytes - taken]
+        taken += len(text)
+        yield text
+
+
+# ----------------------------------------------------------------------------- tokenization
+def _tokenize(
+    cfg: Config,
+    source,
+    out: Path,
+    stream: Iterable[Document],
+    progress: dict[str, Any],
+    writers: dict[str, ShardWriter],
+) -> None:
+    """Encode the stream into the writers, checkpointing progress; stops at data.max_tokens."""
+    max_tokens = cfg.data.max_tokens
+    if progress["capped"] or (max_tokens is not None and progress["tokens"] >= max_tokens):
+        return
+    remaining = getattr(source, "num_rows", None)
+    total = min(filter(None, [remaining, cfg.data.max_documents]), default=None)
+    bar = Progress("tokenizing", total=total, initial=progress["documents_read"])
+    last_checkpoint = time.perf_counter()
+    with Encoder(out / TOKENIZER_FILE, cfg.data.val_fraction, cfg.data.num_proc) as encoder:
+        for batch in encoder.map(batched(stream)):
+            n_docs = _docs_within_cap(batch, progress["tokens"], max_tokens)
+            finished = _write(writers, batch, n_docs)
+            tokens = int(batch.lengths[:n_docs].sum())
+            progress["documents_read"] += n_docs
+            progress["tokens"] += tokens
+            progress["capped"] = n_docs < len(batch.lengths) or (
+                max_tokens is not None and progress["tokens"] >= max_tokens
+            )
+            bar.update(n_docs, tokens=tokens)
+            now = time.perf_counter()
+            if finished or progress["capped"] or now - last_checkpoint >= CHECKPOINT_SECONDS:
+                _checkpoint(out, progress, writers)
+                last_checkpoint = now
+            if progress["capped"]:
+                log.info("data: reached data.max_tokens=%s", f"{max_tokens:,}")
+                break
+    bar.close()
+    log.info(
+        "data: tokenized %s with %d process%s",
+        bar.summary(time.perf_counter() - bar.start),
+        encoder.processes,
+        "es" if encoder.processes > 1 else "",
+    )
+
+
+def _docs_within_cap(batch: EncodedBatch, written: int, max_tokens: int | None) -> int:
+    """Documents of the batch to keep: all, or up to the one that reaches max_tokens."""
+    n = len(batch.lengths)
+    if max_tokens is None or n == 0:
+        return n
+    cumulative = np.cumsum(batch.lengths)
+    if written + cumulative[-1] < max_tokens:
+        return n
+    return int(np.searchsorted(cumulative, max_tokens - written, side="left")) + 1
+
+
+def _write(writers: dict[str, ShardWriter], batch: EncodedBatch, n_docs: int) -> int:
+    """Append the batch's first n_docs documents to their splits; returns shards finished."""
+    lengths, is_val = batch.lengths[:n_docs], batch.is_val[:n_docs]
+    tokens = batch.tokens[: int(lengths.sum())]
+    val_tokens = np.repeat(is_val, lengths)  # (tokens,) bool
+    finished = writers["train"].add(tokens[~val_tokens], lengths[~is_val])
+    return finished + writers["val"].add(tokens[val_tokens], lengths[is_val])
+
+
+def _checkpoint(out: Path, progress: dict[str, Any], writers: dict[str, ShardWriter]) -> None:
+    """Shard data first, then the record of it: a crash in between only repeats work."""
+    progress["splits"] = {name: w.sync() for name, w in writers.items()}
+    write_progress(out, progress)
+
+
+def _finish(writers: dict[str, ShardWriter]) -> dict[str, Any]:
+    """Close both splits; a tiny corpus with no validation document gives its last one to val."""
+    if writers["val"].documents == 0 and writers["train"].documents > 1:
+        last = writers["train"].pop_last_document()
+        if last is not None:
+            writers["val"].add(last, np.array([last.size]))
+    splits = {name: w.close() for name, w in writers.items()}
+    for name in SPLITS:
+        if not splits[name]["documents"]:
+            raise UserError(
+                f"prepare produced no {name} documents; use a larger corpus (check "
+                f"data.max_documents / data.max_tokens) or a different data.val_fraction"
+            )
+    return splits
+
+
+# ----------------------------------------------------------------------------- manifest
+def _manifest(cfg: Config, source, out: Path, fingerprint: str, progress, splits) -> dict:
+    from scale_llm.data.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(out / TOKENIZER_FILE)
+    return {
+        "format": FORMAT_VERSION,
+        "fingerprint": fingerprint,
+        "source": source.spec,
+        "python": sys.version.split()[0],
+        "dtype": progress["dtype"],
+        "documents_read": progress["documents_read"],
+        "capped_at_max_tokens": progress["capped"],
+        "tokenizer": {
+            "file": TOKENIZER_FILE,
+            "sha256": progress["tokenizer_sha256"],
+            "vocab_size": tokenizer.vocab_size,
+            "bos_id": tokenizer.bos_id,
+            "eos_id": tokenizer.eos_id,
+        },
+        "splits": splits,
+    }
+
+
+def _fingerprint(cfg: Config, source) -> str:
+    """Everything that decides the output; num_proc does not (the output is the same)."""
+    d = cfg.data
     settings = {
         "format": FORMAT_VERSION,
+        "pipeline": PIPELINE_VERSION,
         "source": source.fingerprint(),
         "vocab_size": cfg.model.vocab_size,
-        "val_fraction": cfg.data.val_fraction,
-        "tokenizer_sample_bytes": cfg.data.tokenizer_sample_bytes,
-        "shard_tokens": cfg.data.shard_tokens,
+        "val_fraction": d.val_fraction,
+        "tokenizer_sample_bytes": d.tokenizer_sample_bytes,
+        "tokenizer_sample_documents": d.tokenizer_sample_documents,
+        "shard_tokens": d.shard_tokens,
+        "max_documents": d.max_documents,
+        "max_tokens": d.max_tokens,
     }
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
@@ -156,31 +356,3 @@ def _current_manifest(out: Path) -> dict[str, Any] | None:
         return json.loads((out / MANIFEST).read_text())
     except (OSError, json.JSONDecodeError):
         return None
-
-
-def _sample(docs: list[Document], budget: int) -> Iterator[str]:
-    """Documents in a fixed pseudo-random order until `budget` characters are taken."""
-    order = sorted(
-        docs,
-        key=lambda d: hashlib.blake2b(
-            d.doc_id.encode(), digest_size=8, person=b"tok-sample"
-        ).digest(),
-    )
-    taken = 0
-    for d in order:
-        if taken >= budget:
-            return
-        text = d.text[: budget - taken]
-        taken += len(text)
-        yield text
-
-
-def _write_split(
-    out: Path, name: str, docs: list[Document], tokenizer: Tokenizer, shard_tokens: int, dtype
-) -> dict[str, Any]:
-    writer = ShardWriter(out, name, shard_tokens, dtype)
-    for i in range(0, len(docs), _ENCODE_BATCH):
-        batch = [d.text for d in docs[i : i + _ENCODE_BATCH]]
-        for ids in tokenizer.encode_documents(batch):
-            writer.add(ids)
-    return writer.close()

@@ -1,8 +1,10 @@
 """Token shards on disk: flat uint16/uint32 arrays plus a manifest.json that says what is complete.
 
-A shard is written to a temporary name and renamed; the manifest is written last. A directory is
-taken as prepared only when its manifest exists and every shard it lists has exactly the size the
-manifest states, so an interrupted prepare is never mistaken for a finished one.
+A shard is filled under a `.partial` name and renamed when complete; the manifest is written last.
+A directory is taken as prepared only when its manifest exists, every shard it lists has exactly
+the size the manifest states and the tokenizer file has the recorded SHA-256, so an interrupted
+prepare is never mistaken for a finished one. While prepare runs, progress.json records a point it
+can continue from (shards done, tokens in the partial shard, documents read).
 """
 
 from __future__ import annotations
@@ -14,51 +16,150 @@ from typing import Any
 
 import numpy as np
 
+from scale_llm.data.tokenizer import file_sha256
 from scale_llm.errors import UserError
 
 MANIFEST = "manifest.json"
+PROGRESS = "progress.json"  # checkpoint of a prepare in progress; removed when it finishes
 FORMAT_VERSION = 1
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 while every id fits (vocab_size <= 65536), else uint32."""
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
 
 
 class ShardWriter:
-    """Appends token ids to fixed-size shards named <split>_<index>.bin in `out_dir`."""
+    """Appends token ids to fixed-size shards <split>_<index>.bin in `out_dir`.
 
-    def __init__(self, out_dir: Path, split: str, shard_tokens: int, dtype: np.dtype):
-        self.out_dir, self.split, self.dtype = out_dir, split, dtype
-        self.buffer = np.empty(shard_tokens, dtype=dtype)
-        self.filled = 0
-        self.shards: list[dict[str, Any]] = []
-        self.documents = 0
+    The shard being filled is written to <split>_<index>.bin.partial and renamed only once it
+    holds exactly `shard_tokens` tokens (or the split ends), so a complete name always means a
+    complete shard. `state()` after `sync()` is a point an interrupted prepare can continue from.
+    """
 
-    def add(self, ids: list[int]) -> None:
-        self.documents += 1
-        arr = np.asarray(ids, dtype=self.dtype)
-        while arr.size:
-            n = min(arr.size, self.buffer.size - self.filled)
-            self.buffer[self.filled : self.filled + n] = arr[:n]
-            self.filled += n
-            arr = arr[n:]
-            if self.filled == self.buffer.size:
-                self._flush()
+    def __init__(
+        self,
+        out_dir: Path,
+        split: str,
+        shard_tokens: int,
+        dtype: np.dtype,
+        state: dict[str, Any] | None = None,
+    ):
+        self.out_dir, self.split, self.dtype = out_dir, split, np.dtype(dtype)
+        self.shard_tokens = shard_tokens
+        state = state or {"shards": [], "partial_tokens": 0, "documents": 0, "last_doc": 0}
+        self.shards: list[dict[str, Any]] = [dict(s) for s in state["shards"]]
+        self.partial_tokens = int(state["partial_tokens"])
+        self.documents = int(state["documents"])
+        self.last_doc = int(state["last_doc"])  # tokens of the last document added
+        self._file: Any = None
+        self._restore()
 
-    def close(self) -> dict[str, Any]:
-        if self.filled:
-            self._flush()
+    @property
+    def partial_path(self) -> Path:
+        return self.out_dir / f"{self.split}_{len(self.shards):05d}.bin.partial"
+
+    @property
+    def tokens(self) -> int:
+        return sum(s["tokens"] for s in self.shards) + self.partial_tokens
+
+    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> int:
+        """Append whole documents (`lengths` tokens each); returns the shards completed."""
+        self.documents += len(lengths)
+        if len(lengths):
+            self.last_doc = int(lengths[-1])
+        completed = 0
+        tokens = tokens.astype(self.dtype, copy=False)
+        while tokens.size:
+            n = min(tokens.size, self.shard_tokens - self.partial_tokens)
+            self._open().write(tokens[:n].tobytes())
+            self.partial_tokens += n
+            tokens = tokens[n:]
+            if self.partial_tokens == self.shard_tokens:
+                self._complete()
+                completed += 1
+        return completed
+
+    def sync(self) -> dict[str, Any]:
+        """Everything added so far is on disk; returns the state to continue from."""
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        return self.state()
+
+    def state(self) -> dict[str, Any]:
         return {
+            "shards": [dict(s) for s in self.shards],
+            "partial_tokens": self.partial_tokens,
             "documents": self.documents,
-            "tokens": sum(s["tokens"] for s in self.shards),
-            "shards": self.shards,
+            "last_doc": self.last_doc,
         }
 
-    def _flush(self) -> None:
-        name = f"{self.split}_{len(self.shards):05d}.bin"
-        write_atomic(self.out_dir / name, self.buffer[: self.filled].tobytes())
-        self.shards.append({"file": name, "tokens": int(self.filled)})
-        self.filled = 0
+    def pop_last_document(self) -> np.ndarray | None:
+        """Take back the last document added, if it lies wholly in the unfinished shard."""
+        n = self.last_doc
+        if not n or n > self.partial_tokens:
+            return None
+        self.sync()
+        keep = (self.partial_tokens - n) * self.dtype.itemsize
+        data = np.fromfile(self.partial_path, dtype=self.dtype, offset=keep)
+        os.truncate(self.partial_path, keep)  # the file is opened for append: writes follow
+        self.partial_tokens -= n
+        self.documents -= 1
+        self.last_doc = 0
+        return data
+
+    def close(self) -> dict[str, Any]:
+        """Finish the last (shorter) shard; returns the split's entry for the manifest."""
+        if self.partial_tokens:
+            self._complete()
+        elif self._file is not None:
+            self._file.close()
+            self._file = None
+            self.partial_path.unlink(missing_ok=True)
+        return {"documents": self.documents, "tokens": self.tokens, "shards": self.shards}
+
+    def _open(self) -> Any:
+        if self._file is None:  # stays open across add() calls: closed in _complete / close
+            self._file = open(self.partial_path, "ab")  # noqa: SIM115
+        return self._file
+
+    def _complete(self) -> None:
+        f = self._open()
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+        self._file = None
+        final = self.partial_path.with_suffix("")  # drop ".partial"
+        self.partial_path.replace(final)
+        self.shards.append({"file": final.name, "tokens": self.partial_tokens})
+        self.partial_tokens = 0
+
+    def _restore(self) -> None:
+        """Bring the files back to the state given: shards listed, partial cut to its length.
+
+        Raises StaleProgress when the files on disk cannot give that state.
+        """
+        itemsize = self.dtype.itemsize
+        for shard in self.shards:
+            path = self.out_dir / shard["file"]
+            if not path.is_file() or path.stat().st_size != shard["tokens"] * itemsize:
+                raise StaleProgress(f"shard {path} is missing or has the wrong size")
+        partial, want = self.partial_path, self.partial_tokens * itemsize
+        completed_since = partial.with_suffix("")  # the shard was finished after the checkpoint
+        if not partial.exists() and completed_since.exists() and want:
+            completed_since.replace(partial)
+        for extra in self.out_dir.glob(f"{self.split}_*.bin*"):
+            if extra.name not in {s["file"] for s in self.shards} | {partial.name}:
+                extra.unlink()  # written after the checkpoint: it will be written again
+        if want:
+            if not partial.is_file() or partial.stat().st_size < want:
+                raise StaleProgress(f"{partial} holds fewer tokens than the checkpoint says")
+            os.truncate(partial, want)
+
+
+class StaleProgress(Exception):
+    """The checkpoint of an interrupted prepare does not match the files: start afresh."""
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -103,7 +204,42 @@ def read_manifest(data_dir: str | Path, check_shards: bool = True) -> dict[str, 
                 f"{f' (and {len(problems) - 1} more)' if len(problems) > 1 else ''}; "
                 f"run `scale-llm prepare CONFIG` again to rebuild it"
             )
+        check_tokenizer(data_dir, manifest)
     return manifest
+
+
+def check_tokenizer(data_dir: Path, manifest: dict[str, Any]) -> None:
+    """Refuse shards whose tokenizer file is not the one they were encoded with."""
+    problem = tokenizer_problem(data_dir, manifest)
+    if problem:
+        raise UserError(
+            f"{problem}: every token id would mean something else. Restore the original "
+            f"file or run `scale-llm prepare CONFIG --force` to rebuild"
+        )
+
+
+def tokenizer_problem(data_dir: Path, manifest: dict[str, Any]) -> str | None:
+    path = Path(data_dir) / manifest["tokenizer"]["file"]
+    want = manifest["tokenizer"]["sha256"]
+    got = file_sha256(path) if path.is_file() else None
+    if got == want:
+        return None
+    found = f"SHA-256 {got[:12]}" if got else "missing"
+    return (
+        f"{path} is not the tokenizer the shards in data.dir={data_dir} were made with "
+        f"({found}; {MANIFEST} says {want[:12]})"
+    )
+
+
+def read_progress(out_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((out_dir / PROGRESS).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def write_progress(out_dir: Path, progress: dict[str, Any]) -> None:
+    write_atomic(out_dir / PROGRESS, json.dumps(progress, indent=1).encode())
 
 
 def shard_problems(data_dir: Path, manifest: dict[str, Any]) -> list[str]:

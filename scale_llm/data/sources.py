@@ -1,8 +1,13 @@
 """Corpus sources: where documents come from, in a fixed order, with a cheap fingerprint.
 
 `data.source` selects one:
-  builtin          the running interpreter's standard library .py files (tens of MB, offline)
-  PATH | DIR | GLOB  local .txt files (one document per file) or .jsonl files (one per line)
+  builtin            the running interpreter's standard library .py files (tens of MB, offline)
+  hf:NAME            a Hugging Face dataset, from the Hub or a local dataset folder (hf_source.py)
+  PATH | DIR | GLOB  local files: .txt/.md/.py (one document per file), .jsonl (one per line),
+                     .parquet (one per row); text in data.text_field
+
+Every source yields its documents as a stream (never the whole corpus in memory), each with a
+stable id that decides its train/val split.
 """
 
 from __future__ import annotations
@@ -16,16 +21,22 @@ import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from scale_llm.errors import UserError
 
+if TYPE_CHECKING:
+    from scale_llm.config import DataConfig
+
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".text")
 JSONL_SUFFIXES = (".jsonl", ".json")
+PARQUET_SUFFIXES = (".parquet",)
+_PARQUET_BATCH = 1024  # rows per Arrow record batch
 
 
 @dataclass(frozen=True)
 class Document:
-    doc_id: str  # stable name: the file (and line) it came from; decides the train/val split
+    doc_id: str  # stable name: the file (and line or row) it came from; decides the split
     text: str
 
 
@@ -47,6 +58,9 @@ class Source:
         self.root = root
         self.skipped: list[str] = []
 
+    def describe(self) -> str:
+        return f"{self.spec} ({len(self.files)} files, {self.total_bytes() / 1e6:.1f} MB)"
+
     def fingerprint(self) -> str:
         """Changes when any file is added, removed, resized or touched (no content read)."""
         h = hashlib.sha256(f"{self.spec}|{self.text_field}".encode())
@@ -63,10 +77,12 @@ class Source:
             name = str(f.relative_to(self.root)) if self.root else str(f)
             if f.suffix in JSONL_SUFFIXES:
                 yield from self._jsonl_documents(f, name)
-                continue
-            text = self._read_text(f)
-            if text is not None and text.strip():
-                yield Document(name, text)
+            elif f.suffix in PARQUET_SUFFIXES:
+                yield from self._parquet_documents(f, name)
+            else:
+                text = self._read_text(f)
+                if text is not None and text.strip():
+                    yield Document(name, text)
 
     def _read_text(self, f: Path) -> str | None:
         try:
@@ -81,26 +97,70 @@ class Source:
             ) from None
 
     def _jsonl_documents(self, f: Path, name: str) -> Iterator[Document]:
-        text = self._read_text(f)
-        for lineno, line in enumerate((text or "").splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(
-                    f"{f}:{lineno} is not valid JSON ({e.msg}); fix the line or "
-                    f"remove the file from data.source"
-                ) from None
-            if not isinstance(record, dict) or self.text_field not in record:
-                keys = list(record)[:8] if isinstance(record, dict) else type(record).__name__
-                raise UserError(
-                    f"{f}:{lineno} has no field {self.text_field!r} (found {keys}); "
-                    f"set data.text_field to the field holding the text"
-                ) from None
-            value = record[self.text_field]
-            if isinstance(value, str) and value.strip():
-                yield Document(f"{name}:{lineno}", value)
+        """One record per line, read line by line: a file of any size streams."""
+        with open(f, "rb") as fh:
+            for lineno, raw in enumerate(fh, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise UserError(
+                        f"{f}:{lineno} is not valid UTF-8 (byte {e.start} of the line); convert "
+                        f"the file to UTF-8 or remove it from data.source"
+                    ) from None
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise UserError(
+                        f"{f}:{lineno} is not valid JSON ({e.msg}); fix the line or "
+                        f"remove the file from data.source"
+                    ) from None
+                if not isinstance(record, dict) or self.text_field not in record:
+                    keys = list(record)[:8] if isinstance(record, dict) else type(record).__name__
+                    raise UserError(
+                        f"{f}:{lineno} has no field {self.text_field!r} (found {keys}); "
+                        f"set data.text_field to the field holding the text"
+                    )
+                text = text_value(record[self.text_field], f"{f}:{lineno}", self.text_field)
+                if text:
+                    yield Document(f"{name}:{lineno}", text)
+
+    def _parquet_documents(self, f: Path, name: str) -> Iterator[Document]:
+        import pyarrow.parquet as pq  # a dependency of `datasets`
+
+        try:
+            pf = pq.ParquetFile(f)
+        except Exception as e:  # pyarrow raises several types for a damaged or foreign file
+            raise UserError(
+                f"{f} is not a readable Parquet file ({type(e).__name__}: {e}); "
+                f"re-export it or remove it from data.source"
+            ) from None
+        columns = pf.schema_arrow.names
+        if self.text_field not in columns:
+            raise UserError(
+                f"{f} has no column {self.text_field!r} (found {columns[:8]}); "
+                f"set data.text_field to the column holding the text"
+            )
+        row = 0
+        for batch in pf.iter_batches(batch_size=_PARQUET_BATCH, columns=[self.text_field]):
+            for value in batch.column(0).to_pylist():
+                row += 1
+                text = text_value(value, f"{f} row {row}", self.text_field)
+                if text:
+                    yield Document(f"{name}:{row}", text)
+
+
+def text_value(value: Any, where: str, field: str) -> str | None:
+    """The text of one record; None for null or blank; a clear error for a non-string."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise UserError(
+            f"{where}: field {field!r} holds {type(value).__name__}, not text; set "
+            f"data.text_field to a string field"
+        )
+    return value if value.strip() else None
 
 
 def builtin_source() -> Source:
@@ -122,9 +182,9 @@ def local_source(spec: str, text_field: str) -> Source:
     paths = _expand(spec)
     if not paths:
         raise UserError(
-            f"data.source={spec!r} matches no file; give an existing file, a "
-            f"directory of .txt/.jsonl files, a glob like 'corpus/*.jsonl', or "
-            f"'builtin' for the offline corpus"
+            f"data.source={spec!r} matches no file; give an existing file, a directory of "
+            f".txt/.jsonl/.parquet files, a glob like 'corpus/*.jsonl', 'hf:NAME' for a "
+            f"Hugging Face dataset, or 'builtin' for the offline corpus"
         )
     empty = [p for p in paths if p.stat().st_size == 0]
     if len(empty) == len(paths):
@@ -135,10 +195,11 @@ def local_source(spec: str, text_field: str) -> Source:
 
 
 def _expand(spec: str) -> list[Path]:
+    suffixes = TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
     path = Path(spec).expanduser()
     if path.is_dir():
         found = (p for p in path.rglob("*") if p.is_file())
-        return sorted(p for p in found if p.suffix in TEXT_SUFFIXES + JSONL_SUFFIXES)
+        return sorted(p for p in found if p.suffix in suffixes)
     if path.is_file():
         return [path]
     return sorted(
@@ -146,12 +207,12 @@ def _expand(spec: str) -> list[Path]:
     )
 
 
-def open_source(spec: str, text_field: str = "text") -> Source:
-    if spec == "builtin":
+def open_source(data: DataConfig):
+    """The source `data.source` names: a `Source` or an `HFSource` (same interface)."""
+    if data.source == "builtin":
         return builtin_source()
-    if spec.startswith("hf:"):
-        raise UserError(
-            f"data.source={spec!r}: Hugging Face datasets are not supported in this "
-            f"version; use 'builtin' or local .txt/.jsonl files"
-        )
-    return local_source(spec, text_field)
+    if data.source.startswith("hf:"):
+        from scale_llm.data.hf_source import HFSource
+
+        return HFSource(data)
+    return local_source(data.source, data.text_field)

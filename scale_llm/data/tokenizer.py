@@ -2,7 +2,9 @@
 
 Settings chosen for a lossless round trip (decode(encode(text)) == text): identity normalization,
 whitespace kept as is, byte fallback for anything outside the vocabulary, no dummy prefix.
-Each document is encoded as [BOS] + tokens + [EOS]; EOS doubles as the document separator.
+Each document is encoded as [BOS] + tokens + [EOS] (encode.py); EOS doubles as the document
+separator. The trained file lives next to the shards, its SHA-256 in the manifest, and is copied
+into every run directory.
 """
 
 from __future__ import annotations
@@ -39,11 +41,6 @@ class Tokenizer:
     def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
         ids = self.sp.encode(text)
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
-
-    def encode_documents(self, texts: list[str], num_threads: int = 0) -> list[list[int]]:
-        """Batched encode of whole documents: [BOS] + ids + [EOS] each."""
-        encoded = self.sp.encode(texts, num_threads=num_threads or os.cpu_count() or 1)
-        return [[self.bos_id, *ids, self.eos_id] for ids in encoded]
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.sp.decode([i for i in ids if i not in (self.bos_id, self.eos_id)])

@@ -16,17 +16,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from scale_llm.config import Config
 from scale_llm.model import Transformer, materialize
 from scale_llm.parallel.checkpointing import apply_activation_checkpointing
-from scale_llm.parallel.device import DistInfo
-from scale_llm.train.checkpoint import MODEL_WEIGHTS, load_file, save_file
+from scale_llm.parallel.device import DistInfo, is_distributed
+from scale_llm.train.checkpoint import (
+    DCP_DIR,
+    SCALER_STATE,
+    load_file,
+    save_file,
+    single_process_dcp,
+)
 from scale_llm.train.optim import build_optimizer
 from scale_llm.train.precision import Precision
-
-OPTIMIZER_STATE = "optimizer.pt"
 
 
 def init_on_cpu(model: Transformer, seed: int) -> Transformer:
@@ -46,16 +52,20 @@ class Backend:
         self.scaler = precision.grad_scaler()
 
     # ----------------------------------------------------------------- setup
-    def setup(self, model: Transformer) -> nn.Module:
+    def setup(self, model: Transformer, initial_weights: dict | None = None) -> nn.Module:
         """Materialize, checkpoint blocks, wrap and build the optimizer; returns the model to
-        call forward on."""
+        call forward on. `initial_weights` (a full state dict) replaces the seeded init, e.g.
+        when resuming from another backend's checkpoint."""
         self.module = model
-        self.model = self.wrap(model)
+        self.model = self.wrap(model, initial_weights)
         self.optimizer = build_optimizer(self.model, self.cfg.train)
         return self.model
 
-    def wrap(self, model: Transformer) -> nn.Module:
-        init_on_cpu(model, self.cfg.run.seed).to(self.dist.device)
+    def wrap(self, model: Transformer, initial_weights: dict | None = None) -> nn.Module:
+        init_on_cpu(model, self.cfg.run.seed)
+        if initial_weights is not None:
+            model.load_state_dict(initial_weights)
+        model.to(self.dist.device)
         apply_activation_checkpointing(model, self.cfg.model)
         return model
 
@@ -100,24 +110,40 @@ class Backend:
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # DTensor -> tensor
 
     # ----------------------------------------------------------------- state
-    def save(self, ckpt_dir: Path) -> None:
-        """Write model weights, optimizer and scaler state into a checkpoint directory.
+    checkpoint_format = "dcp"
 
-        Called on every rank; here the state is replicated, so the main rank writes it.
-        """
-        if not self.dist.is_main:
-            return
-        save_file(self.module.state_dict(), ckpt_dir / MODEL_WEIGHTS)
-        state = {"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict()}
-        save_file(state, ckpt_dir / OPTIMIZER_STATE)
+    def can_restore(self, trainer_state: dict[str, Any]) -> bool:
+        """Whether a checkpoint (described by its trainer state) restores model and optimizer
+        exactly here; if not, only its model weights are loaded."""
+        return trainer_state.get("format") == "dcp"
+
+    def save(self, ckpt_dir: Path) -> None:
+        """Model and optimizer to torch.distributed.checkpoint, keyed by parameter name: the
+        same layout for single, DDP and FSDP, loadable on any of them and any world size."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        with single_process_dcp():
+            dcp.save(
+                {"model": model_sd, "optimizer": optim_sd},
+                checkpoint_id=ckpt_dir / DCP_DIR,
+                no_dist=not is_distributed(),
+            )
+        if self.dist.is_main:
+            save_file({"scaler": self.scaler.state_dict()}, ckpt_dir / SCALER_STATE)
 
     def load(self, ckpt_dir: Path) -> None:
-        device = self.dist.device
-        self.module.load_state_dict(load_file(ckpt_dir / MODEL_WEIGHTS, device))
-        state: dict[str, Any] = load_file(ckpt_dir / OPTIMIZER_STATE, device)
-        self.optimizer.load_state_dict(state["optimizer"])
-        if state["scaler"]:
-            self.scaler.load_state_dict(state["scaler"])
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optimizer": optim_sd}
+        with single_process_dcp():
+            dcp.load(state, checkpoint_id=ckpt_dir / DCP_DIR, no_dist=not is_distributed())
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+        )
+        scaler = load_file(ckpt_dir / SCALER_STATE)["scaler"]
+        if scaler:
+            self.scaler.load_state_dict(scaler)
 
 
 def build_backend(cfg: Config, dist: DistInfo, precision: Precision) -> Backend:

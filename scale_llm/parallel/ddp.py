@@ -2,7 +2,7 @@
 
 Accumulation: non-final micro-steps run under `no_sync()`, so gradients are reduced once per
 optimizer step. After the reduction every rank holds the same gradients, so the local norm is the
-global norm and the optimizer state is replicated (the main rank writes checkpoints).
+global norm and the optimizer state is replicated (torch.distributed.checkpoint writes it once).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from scale_llm.parallel.backend import Backend
 
 
 class DDPBackend(Backend):
-    def wrap(self, model: Transformer) -> nn.Module:
-        model = super().wrap(model)
+    def wrap(self, model: Transformer, initial_weights: dict | None = None) -> nn.Module:
+        model = super().wrap(model, initial_weights)
         opts = self.cfg.parallel.ddp
         device = self.dist.device
         return DDP(

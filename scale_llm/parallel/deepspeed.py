@@ -35,7 +35,7 @@ TAG = "deepspeed"  # the engine's checkpoint folder inside each step_XXXXXXXX di
 
 
 class DeepSpeedBackend(Backend):
-    def setup(self, model: Transformer) -> nn.Module:
+    def setup(self, model: Transformer, initial_weights: dict | None = None) -> nn.Module:
         # DeepSpeed still calls collectives that torch 2.13 deprecates, warning on every call
         warnings.filterwarnings(
             "ignore", category=FutureWarning, message=r"`torch\.distributed\.\w+` is deprecated"
@@ -43,6 +43,8 @@ class DeepSpeedBackend(Backend):
         import deepspeed
 
         init_on_cpu(model, self.cfg.run.seed)
+        if initial_weights is not None:  # before initialize: the fp32 master copies start here
+            model.load_state_dict(initial_weights)
         apply_activation_checkpointing(model, self.cfg.model)
         self.module = model
         self.ds_config = deepspeed_config(self.cfg, self.dist.world_size, self.precision.name)
@@ -104,16 +106,35 @@ class DeepSpeedBackend(Backend):
             group["lr"] = lr
 
     # ----------------------------------------------------------------- state
+    checkpoint_format = "deepspeed"
+
+    def can_restore(self, trainer_state: dict) -> bool:
+        """DeepSpeed's own format restores exactly only onto the same ZeRO stage and world size;
+        from anything else the model weights are loaded (see docs/backends.md)."""
+        return (
+            trainer_state.get("format") == "deepspeed"
+            and trainer_state.get("zero_stage") == self.cfg.parallel.deepspeed.zero_stage
+            and trainer_state.get("world_size") == self.dist.world_size
+        )
+
     def save(self, ckpt_dir: Path) -> None:
+        """The engine's checkpoint, plus consolidated fp32 weights (`model.pt`) that any backend,
+        `generate` and `convert` can read without DeepSpeed."""
         engine = self.model
         engine.save_checkpoint(str(ckpt_dir), tag=TAG)
-        if self.cfg.parallel.deepspeed.zero_stage == 3:
-            weights = engine._zero3_consolidated_16bit_state_dict()  # collective
-        else:
-            weights = engine.module.state_dict()
+        torch.distributed.barrier()
         if self.dist.is_main:
-            weights = {k: v.detach().float().cpu() for k, v in weights.items()}
-            save_file(weights, ckpt_dir / MODEL_WEIGHTS)
+            save_file(self._fp32_weights(ckpt_dir), ckpt_dir / MODEL_WEIGHTS)
+
+    def _fp32_weights(self, ckpt_dir: Path) -> dict[str, torch.Tensor]:
+        if self.cfg.parallel.deepspeed.zero_stage == 0:
+            # no partitioned optimizer files: the module holds the weights (16-bit under bf16)
+            weights = self.model.module.state_dict()
+        else:  # rebuild the fp32 master weights from the optimizer partitions just written
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+            weights = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=TAG)
+        return {k: v.detach().float().cpu().contiguous() for k, v in weights.items()}
 
     def load(self, ckpt_dir: Path) -> None:
         path, _ = self.model.load_checkpoint(

@@ -91,8 +91,12 @@ def init_distributed(backend: str, requested_device: str) -> DistInfo:
     if not dist.is_initialized():
         pg_backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = datetime.timedelta(minutes=int(os.environ.get("SCALE_LLM_PG_TIMEOUT_MIN", "30")))
+        # A world of one keeps its store in memory: no TCP listener at all (torch's TCPStore
+        # binds every interface whatever MASTER_ADDR says).
+        store = dist.HashStore() if world == 1 else None
         dist.init_process_group(
             pg_backend,
+            store=store,
             rank=rank,
             world_size=world,
             timeout=timeout,
@@ -108,6 +112,10 @@ def shutdown_distributed(clean: bool = True) -> None:
         if clean:
             dist.barrier()
         dist.destroy_process_group()
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
 
 
 def barrier() -> None:

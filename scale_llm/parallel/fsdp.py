@@ -13,25 +13,19 @@ every other backend.
 - Accumulation: gradient reduction is switched off on non-final micro-steps.
 - HSDP: `parallel.fsdp.replicate_degree` > 1 builds a (replicate, shard) mesh: shard within a
   group of ranks (a node), replicate across groups.
-- Checkpoints: torch.distributed.checkpoint (sharded, reshardable to another world size) plus a
-  consolidated `model.pt` for generation.
+- Checkpoints: the base class's torch.distributed.checkpoint format, parameter-name keyed and
+  reshardable, so FSDP, DDP and single-process runs load each other's checkpoints.
 """
 
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
     set_model_state_dict,
-    set_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
@@ -44,10 +38,6 @@ from torch.distributed.fsdp import (
 from scale_llm.model import Transformer, build_model
 from scale_llm.parallel.backend import Backend, init_on_cpu
 from scale_llm.parallel.checkpointing import apply_activation_checkpointing
-from scale_llm.train.checkpoint import MODEL_WEIGHTS, load_file, save_file
-
-DCP_DIR = "dcp"
-SCALER_STATE = "scaler.pt"
 
 
 class FSDPBackend(Backend):
@@ -65,7 +55,7 @@ class FSDPBackend(Backend):
             return MixedPrecisionPolicy()
         return MixedPrecisionPolicy(param_dtype=self.precision.dtype, reduce_dtype=torch.float32)
 
-    def wrap(self, model: Transformer) -> nn.Module:
+    def wrap(self, model: Transformer, initial_weights: dict | None = None) -> nn.Module:
         opts = self.cfg.parallel.fsdp
         apply_activation_checkpointing(model, self.cfg.model)
         common = dict(
@@ -81,14 +71,17 @@ class FSDPBackend(Backend):
             )
         fully_shard(model, reshard_after_forward=opts.reshard_after_forward, **common)
         model.to_empty(device="cpu" if opts.cpu_offload else self.dist.device)
-        self._load_full_weights(model)
+        self._load_full_weights(model, initial_weights)
         return model
 
-    def _load_full_weights(self, model: nn.Module) -> None:
-        """Rank 0 initializes the full model on the CPU and broadcasts it into the shards."""
+    def _load_full_weights(self, model: nn.Module, initial: dict | None) -> None:
+        """Rank 0 initializes the full model on the CPU (or takes `initial`) and broadcasts it
+        into the shards."""
         full = {}
         if self.dist.is_main:
-            full = init_on_cpu(build_model(self.cfg.model), self.cfg.run.seed).state_dict()
+            if initial is None:
+                initial = init_on_cpu(build_model(self.cfg.model), self.cfg.run.seed).state_dict()
+            full = initial
         set_model_state_dict(
             model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         )
@@ -99,29 +92,3 @@ class FSDPBackend(Backend):
     def sync_context(self, sync_gradients: bool) -> contextlib.AbstractContextManager:
         self.model.set_requires_gradient_sync(sync_gradients)
         return contextlib.nullcontext()
-
-    # ----------------------------------------------------------------- state
-    def save(self, ckpt_dir: Path) -> None:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=ckpt_dir / DCP_DIR)
-        full = get_model_state_dict(
-            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-        if self.dist.is_main:
-            save_file(full, ckpt_dir / MODEL_WEIGHTS)
-            save_file({"scaler": self.scaler.state_dict()}, ckpt_dir / SCALER_STATE)
-        dist.barrier()
-
-    def load(self, ckpt_dir: Path) -> None:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        state = {"model": model_sd, "optimizer": optim_sd}
-        dcp.load(state, checkpoint_id=ckpt_dir / DCP_DIR)
-        set_state_dict(
-            self.model,
-            self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optimizer"],
-        )
-        scaler = load_file(ckpt_dir / SCALER_STATE)["scaler"]
-        if scaler:
-            self.scaler.load_state_dict(scaler)

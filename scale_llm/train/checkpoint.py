@@ -8,10 +8,13 @@ process killed mid-save leaves the previous checkpoint as the newest complete on
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import os
 import re
 import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,11 +22,13 @@ from typing import Any
 import torch
 
 from scale_llm.errors import UserError
-from scale_llm.parallel.device import barrier
+from scale_llm.parallel.device import barrier, is_distributed
 
 log = logging.getLogger(__name__)
-TRAINER_STATE = "trainer.pt"
-MODEL_WEIGHTS = "model.pt"
+TRAINER_STATE = "trainer.pt"  # step, data position, RNG, config, format: written by rank 0
+MODEL_WEIGHTS = "model.pt"  # consolidated fp32 weights (DeepSpeed checkpoints, `convert`)
+DCP_DIR = "dcp"  # torch.distributed.checkpoint: model + optimizer, keyed by parameter name
+SCALER_STATE = "scaler.pt"
 _NAME = re.compile(r"^step_(\d{8})$")
 
 
@@ -64,9 +69,21 @@ class Checkpointer:
         barrier()
         try:
             write(tmp)
-        except BaseException:
+        except BaseException as e:
             if self.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                previous = self.latest()
+                raise UserError(
+                    f"out of disk space while writing checkpoint {final} ({e.strerror}); the "
+                    f"partial files were removed and "
+                    + (
+                        f"the previous checkpoint {previous} is intact"
+                        if previous
+                        else "no earlier checkpoint exists"
+                    )
+                    + "; free space, lower checkpoint.keep_last, or move run.dir to a larger disk"
+                ) from None
             raise
         barrier()
         if self.is_main:
@@ -107,6 +124,42 @@ def resolve_resume(resume: str, checkpointer: Checkpointer) -> Path | None:
             f"{checkpointer.dir}/{checkpoint_name(100)}, or use auto / never"
         )
     return path
+
+
+@contextlib.contextmanager
+def single_process_dcp():
+    """DCP warns on every single-process save / load even when told it is one (no_dist=True)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def load_model_weights(ckpt_dir: Path, model_cfg: Any) -> dict[str, torch.Tensor]:
+    """The full fp32 model state dict of any checkpoint, on the CPU, in one process.
+
+    DCP checkpoints (single, DDP, FSDP) are read shard by shard into a freshly allocated model
+    of `model_cfg`'s shape, whatever world size wrote them; DeepSpeed checkpoints carry a
+    consolidated `model.pt`.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    from scale_llm.model import build_model
+
+    if (ckpt_dir / DCP_DIR).is_dir():
+        model = build_model(model_cfg)
+        model.to_empty(device="cpu")
+        weights = model.state_dict()
+        with single_process_dcp():
+            dcp.load(
+                {"model": weights}, checkpoint_id=ckpt_dir / DCP_DIR, no_dist=not is_distributed()
+            )
+        return weights
+    if (ckpt_dir / MODEL_WEIGHTS).is_file():
+        return load_file(ckpt_dir / MODEL_WEIGHTS)
+    raise UserError(
+        f"{ckpt_dir} holds no model weights ({DCP_DIR}/ or {MODEL_WEIGHTS}); "
+        f"point at a complete checkpoint directory"
+    )
 
 
 def load_file(path: Path, map_location: str | torch.device = "cpu") -> Any:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,9 +30,11 @@ from scale_llm.train.checkpoint import (
     TRAINER_STATE,
     Checkpointer,
     load_file,
+    load_model_weights,
     resolve_resume,
     save_file,
 )
+from scale_llm.train.guards import StopSignals, TrainingDiverged, diverged_message, maybe_fail
 from scale_llm.train.metrics import MetricsLogger, cuda_memory_gib, peak_flops
 from scale_llm.train.optim import lr_at
 from scale_llm.train.precision import resolve_precision
@@ -63,6 +66,7 @@ class TrainResult:
     val_losses: dict[int, float] = field(default_factory=dict)
     grad_norms: dict[int, float] = field(default_factory=dict)
     checkpoint: Path | None = None
+    stopped: str | None = None  # why the run stopped before max_steps, if it did
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -107,7 +111,11 @@ class Trainer:
             cfg.model.d_model,
         )
         self.flops_per_token = model.flops_per_token()
-        self.model = self.backend.setup(model)
+        exact = resume_state is not None and self.backend.can_restore(resume_state)
+        initial = None
+        if resume_state is not None and not exact:
+            initial = self._foreign_weights(resume_state)
+        self.model = self.backend.setup(model, initial)
 
         data_dir = Path(cfg.data.dir)
         self.train_windows = TokenWindows(
@@ -130,100 +138,163 @@ class Trainer:
         )
         self.step = 0
         self.skipped_steps = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.bad_streak = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.tokens_per_step = (
+            t.micro_batch_size * cfg.model.seq_len * t.grad_accum * dist.world_size
+        )
         if resume_state is not None:
-            self._restore(resume_state)
+            self._restore(resume_state, exact)
         if dist.is_main:
             self._write_run_dir()
         self.metrics = MetricsLogger(self.run_dir, dist.is_main, cfg.logging.tensorboard, self.step)
 
     # ----------------------------------------------------------------- loop
     def fit(self) -> TrainResult:
+        """Train to train.max_steps, logging, evaluating and checkpointing on the way; stop early
+        (with a checkpoint) at train.exit_at_step or on SIGTERM / SIGINT."""
+        t = self.cfg.train
+        self._log_batch()
+        result = TrainResult(self.run_dir, self.step)
+        self._window = (time.perf_counter(), self.step)  # (start time, start step) for tokens/s
+        try:
+            with StopSignals() as signals:
+                while self.step < t.max_steps:
+                    loss, grad_norm, lr = self.train_step()
+                    self.step += 1
+                    maybe_fail("after_step", self.step, self.dist.rank)
+                    self._record(loss, grad_norm, lr, result)
+                    stop = self._stop_reason(signals)
+                    every = self.cfg.checkpoint.every
+                    if (every and self.step % every == 0) or self.step == t.max_steps or stop:
+                        result.checkpoint = self.save_checkpoint() or result.checkpoint
+                    if stop:
+                        log.info(
+                            "stop: %s after step %d; launch again to continue to step %d",
+                            stop,
+                            self.step,
+                            t.max_steps,
+                        )
+                        result.stopped = stop
+                        break
+        finally:
+            self.loader.close()
+            self.metrics.close()
+        result.steps = self.step
+        return result
+
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """One optimizer step over grad_accum micro-batches; returns (loss, grad_norm, lr).
+
+        A non-finite norm means the step was skipped; runs of them are counted on the device
+        (no host sync) and checked on logging steps and before checkpoints.
+        """
+        lr = lr_at(self.step, self.cfg.train)
+        self.backend.set_lr(lr)
+        loss, grad_norm = optimizer_step(self.backend, self.model, self.loader.next_batches())
+        bad = (~torch.isfinite(grad_norm) | ~torch.isfinite(loss)).long()
+        self.skipped_steps += bad
+        self.bad_streak = (self.bad_streak + 1) * bad
+        return loss, grad_norm, lr
+
+    def _record(
+        self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, result: TrainResult
+    ) -> None:
+        """Metric row for logging and eval steps (the only places that read device values)."""
         cfg, t = self.cfg, self.cfg.train
-        tokens_per_step = (
-            t.micro_batch_size * cfg.model.seq_len * t.grad_accum * self.dist.world_size
+        row: dict[str, Any] = {}
+        if self.step % cfg.logging.every == 0 or self.step in (1, t.max_steps):
+            row = self._train_metrics(loss, grad_norm, lr)
+            result.losses[self.step] = row["loss"]
+            result.grad_norms[self.step] = row["grad_norm"]
+            self._check_divergence()
+        if (
+            cfg.eval.every
+            and cfg.eval.steps
+            and (self.step % cfg.eval.every == 0 or self.step == t.max_steps)
+        ):
+            row["val_loss"] = result.val_losses[self.step] = self.evaluate()
+            log.info("step %d | val_loss %.4f", self.step, row["val_loss"])
+        if row:  # logging and eval rows carry the peak CUDA memory so far
+            row.update(cuda_memory_gib(self.device))
+            self.metrics.log(self.step, row)
+            self._window = (time.perf_counter(), self.step)
+
+    def _train_metrics(
+        self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float
+    ) -> dict[str, Any]:
+        start, first_step = self._window
+        tokens_per_s = (
+            self.tokens_per_step * (self.step - first_step) / (time.perf_counter() - start)
         )
+        row = {
+            "loss": mean_over_ranks(loss).item(),
+            "lr": lr,
+            "grad_norm": grad_norm.item(),
+            "tokens_per_s": tokens_per_s,
+            "tokens": self.tokens_per_step * self.step,
+            "skipped_steps": int(self.skipped_steps.item()),
+        }
+        peak = peak_flops(self.device)
+        if peak:
+            row["mfu"] = self.flops_per_token * tokens_per_s / self.dist.world_size / peak
+        log.info(
+            "step %d/%d | loss %.4f | lr %.2e | grad_norm %.3f | %.0f tok/s",
+            self.step,
+            self.cfg.train.max_steps,
+            row["loss"],
+            lr,
+            row["grad_norm"],
+            tokens_per_s,
+        )
+        return row
+
+    def _check_divergence(self) -> None:
+        streak = int(self.bad_streak.item())
+        if streak >= self.cfg.train.max_bad_steps:
+            raise TrainingDiverged(
+                diverged_message(
+                    streak,
+                    self.step,
+                    self.cfg.train.lr,
+                    self.precision.name,
+                    self.cfg.data.dir,
+                    self.checkpointer.latest(),
+                )
+            )
+        if streak:
+            log.warning(
+                "step %d: %d consecutive steps skipped (non-finite loss or gradients)",
+                self.step,
+                streak,
+            )
+
+    def _stop_reason(self, signals: StopSignals) -> str | None:
+        """Why to stop after this step, agreed by every rank (one tiny all-reduce per step)."""
+        received = signals.received
+        if self.dist.world_size > 1:
+            flag = torch.tensor([received], device=self.device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            received = int(flag.item())
+        if received:
+            return f"signal {signal.Signals(received).name}"
+        if self.step == self.cfg.train.exit_at_step:
+            return "train.exit_at_step"
+        return None
+
+    def _log_batch(self) -> None:
+        t, T = self.cfg.train, self.cfg.model.seq_len
         log.info(
             "batch: micro %d x seq_len %d x grad_accum %d x world %d = %d sequences = %s "
             "tokens per step; precision %s on %s",
             t.micro_batch_size,
-            cfg.model.seq_len,
+            T,
             t.grad_accum,
             self.dist.world_size,
-            tokens_per_step // cfg.model.seq_len,
-            f"{tokens_per_step:,}",
+            self.tokens_per_step // T,
+            f"{self.tokens_per_step:,}",
             self.precision.name,
             self.device,
         )
-        result = TrainResult(self.run_dir, self.step)
-        peak = peak_flops(self.device)
-        window_start, window_steps = time.perf_counter(), 0
-        while self.step < t.max_steps:
-            loss, grad_norm, lr = self.train_step()
-            self.step += 1
-            window_steps += 1
-            row: dict[str, Any] = {}
-            if self.step % cfg.logging.every == 0 or self.step in (1, t.max_steps):
-                elapsed = time.perf_counter() - window_start
-                loss_value = mean_over_ranks(loss).item()  # host sync: only on logging steps
-                tokens_per_s = tokens_per_step * window_steps / elapsed
-                row.update(
-                    loss=loss_value,
-                    lr=lr,
-                    grad_norm=grad_norm.item(),
-                    tokens_per_s=tokens_per_s,
-                    tokens=tokens_per_step * self.step,
-                    skipped_steps=int(self.skipped_steps.item()),
-                )
-                if peak:
-                    row["mfu"] = self.flops_per_token * tokens_per_s / self.dist.world_size / peak
-                result.losses[self.step] = loss_value
-                result.grad_norms[self.step] = row["grad_norm"]
-                log.info(
-                    "step %d/%d | loss %.4f | lr %.2e | grad_norm %.3f | %.0f tok/s",
-                    self.step,
-                    t.max_steps,
-                    loss_value,
-                    lr,
-                    row["grad_norm"],
-                    tokens_per_s,
-                )
-            if (
-                cfg.eval.every
-                and cfg.eval.steps
-                and (self.step % cfg.eval.every == 0 or self.step == t.max_steps)
-            ):
-                row["val_loss"] = self.evaluate()
-                result.val_losses[self.step] = row["val_loss"]
-                log.info("step %d | val_loss %.4f", self.step, row["val_loss"])
-            if row:  # logging and eval rows carry the peak CUDA memory so far
-                row.update(cuda_memory_gib(self.device))
-                self.metrics.log(self.step, row)
-                window_start, window_steps = time.perf_counter(), 0
-            every = cfg.checkpoint.every
-            exiting = self.step == t.exit_at_step
-            if (every and self.step % every == 0) or self.step == t.max_steps or exiting:
-                result.checkpoint = self.save_checkpoint()
-            if exiting:
-                log.info(
-                    "exit: stopping after step %d (train.exit_at_step); launch again to "
-                    "continue to step %d",
-                    self.step,
-                    t.max_steps,
-                )
-                break
-        result.steps = self.step
-        self.loader.close()
-        self.metrics.close()
-        return result
-
-    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """One optimizer step over grad_accum micro-batches; returns (loss, grad_norm, lr)."""
-        lr = lr_at(self.step, self.cfg.train)
-        self.backend.set_lr(lr)
-        loss, grad_norm = optimizer_step(self.backend, self.model, self.loader.next_batches())
-        if self.precision.name == "fp16":  # a non-finite norm means the scaler skipped the step
-            self.skipped_steps += (~torch.isfinite(grad_norm)).long()
-        return loss, grad_norm, lr
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -231,9 +302,15 @@ class Trainer:
         t = self.cfg.train
         self.model.eval()
         total, count = torch.zeros((), device=self.device), 0
-        batches = eval_batches(self.val_windows, t.micro_batch_size, t.grad_accum,
-                               self.cfg.eval.steps, self.dist.world_size, self.dist.rank,
-                               self.device)  # fmt: skip
+        batches = eval_batches(
+            self.val_windows,
+            t.micro_batch_size,
+            t.grad_accum,
+            self.cfg.eval.steps,
+            self.dist.world_size,
+            self.dist.rank,
+            self.device,
+        )
         for inputs, targets in batches:
             with self.backend.forward_context():
                 total += cross_entropy(self.model(inputs), targets)
@@ -242,9 +319,16 @@ class Trainer:
         return mean_over_ranks(total / count).item()
 
     # ----------------------------------------------------------------- checkpoints
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self) -> Path | None:
+        """Save (atomically) unless the last step was not finite: a checkpoint must be a good
+        point to resume from."""
+        if int(self.bad_streak.item()):
+            log.warning("checkpoint: not saving step %d, its update was not finite", self.step)
+            return None
+
         def write(tmp: Path) -> None:
             self.backend.save(tmp)
+            maybe_fail("mid_save", self.step, self.dist.rank)
             if self.dist.is_main:
                 save_file(self._trainer_state(), tmp / TRAINER_STATE)
 
@@ -263,6 +347,11 @@ class Trainer:
             "skipped_steps": int(self.skipped_steps.item()),
             "config": to_dict(self.cfg),
             "tokenizer_sha256": self.manifest["tokenizer"]["sha256"],
+            # what wrote the model / optimizer files, to decide how a resume can read them
+            "format": self.backend.checkpoint_format,
+            "backend": self.cfg.parallel.backend,
+            "world_size": self.dist.world_size,
+            "zero_stage": self.cfg.parallel.deepspeed.zero_stage,
         }
 
     def _read_resume_state(self) -> dict[str, Any] | None:
@@ -290,8 +379,22 @@ class Trainer:
             )
         return state
 
-    def _restore(self, state: dict[str, Any]) -> None:
-        self.backend.load(self.resume_from)
+    def _foreign_weights(self, state: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Model weights of a checkpoint this backend cannot restore exactly (another backend,
+        or DeepSpeed with another ZeRO stage or world size): the optimizer starts afresh."""
+        log.warning(
+            "resume: %s was written by %s on %s ranks (format %s); loading its model weights "
+            "only: the optimizer moments start again from zero",
+            self.resume_from,
+            state.get("backend", "an older version"),
+            state.get("world_size", "?"),
+            state.get("format", "?"),
+        )
+        return load_model_weights(self.resume_from, self.cfg.model)
+
+    def _restore(self, state: dict[str, Any], exact: bool) -> None:
+        if exact:
+            self.backend.load(self.resume_from)
         self.step = int(state["step"])
         self.loader.load_state_dict(state["data"])
         self.skipped_steps.fill_(int(state.get("skipped_steps", 0)))

@@ -1,0 +1,148 @@
+"""Parallel, ordered tokenization: batches of documents in, token arrays out, in input order.
+
+`Encoder.map` sends batches of documents to `num_proc` worker processes (each loads the
+SentencePiece model once) and yields their results in the order the batches went in, with a
+bounded number in flight, so memory stays flat on any corpus size and the output is the same
+for every `num_proc`. With `num_proc=1` it encodes in this process, without a pool.
+This module imports no torch: workers start fast.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import multiprocessing
+import os
+import signal
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import sentencepiece as spm
+
+from scale_llm.data.shards import token_dtype
+from scale_llm.data.sources import Document
+
+BATCH_CHARS = 1 << 20  # characters of text per batch sent to a worker
+BATCH_DOCS = 1024  # and at most this many documents
+
+
+def is_val_document(doc_id: str, val_fraction: float) -> bool:
+    """Stable split: the same document lands in the same split whatever else the corpus holds."""
+    digest = hashlib.blake2b(doc_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2**64 < val_fraction
+
+
+def cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+@dataclass
+class EncodedBatch:
+    tokens: np.ndarray  # every document as [BOS] ids [EOS], concatenated in input order
+    lengths: np.ndarray  # (documents,) int64: tokens of each document
+    is_val: np.ndarray  # (documents,) bool: the document belongs to the validation split
+    chars: int  # characters of text encoded
+
+
+def encode_batch(
+    sp: spm.SentencePieceProcessor, docs: list[tuple[str, str]], val_fraction: float
+) -> EncodedBatch:
+    """[BOS] ids [EOS] for each (doc_id, text), in one batched, single-threaded encode call."""
+    encoded = sp.encode([text for _, text in docs], num_threads=1)
+    dtype = token_dtype(sp.get_piece_size())
+    lengths = np.fromiter((len(ids) + 2 for ids in encoded), dtype=np.int64, count=len(docs))
+    tokens = np.empty(int(lengths.sum()), dtype=dtype)
+    bos, eos, pos = sp.bos_id(), sp.eos_id(), 0
+    for ids, n in zip(encoded, lengths.tolist()):
+        tokens[pos] = bos
+        tokens[pos + 1 : pos + n - 1] = ids
+        tokens[pos + n - 1] = eos
+        pos += n
+    is_val = np.fromiter(
+        (is_val_document(doc_id, val_fraction) for doc_id, _ in docs), dtype=bool, count=len(docs)
+    )
+    return EncodedBatch(tokens, lengths, is_val, sum(len(text) for _, text in docs))
+
+
+def batched(docs: Iterable[Document]) -> Iterator[list[tuple[str, str]]]:
+    """Groups of (doc_id, text) of about BATCH_CHARS characters (at least one document each)."""
+    batch: list[tuple[str, str]] = []
+    chars = 0
+    for d in docs:
+        batch.append((d.doc_id, d.text))
+        chars += len(d.text)
+        if chars >= BATCH_CHARS or len(batch) >= BATCH_DOCS:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+# ----------------------------------------------------------------------------- worker side
+_worker: dict = {}
+
+
+def _init_worker(model_path: str, val_fraction: float) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    _worker["sp"] = spm.SentencePieceProcessor(model_file=model_path)
+    _worker["val_fraction"] = val_fraction
+
+
+def _encode_in_worker(docs: list[tuple[str, str]]) -> EncodedBatch:
+    return encode_batch(_worker["sp"], docs, _worker["val_fraction"])
+
+
+# ----------------------------------------------------------------------------- parent side
+class Encoder:
+    """Ordered map of `encode_batch` over batches, in `num_proc` processes (0: one per core).
+
+    The pool starts only when there is more than one batch of work: a small corpus is encoded in
+    this process rather than paying for worker start-up.
+    """
+
+    def __init__(self, model_path: str | os.PathLike, val_fraction: float, num_proc: int = 0):
+        self.model_path, self.val_fraction = str(model_path), val_fraction
+        self.num_proc = num_proc or cpu_count()
+        self._pool: ProcessPoolExecutor | None = None
+        self.processes = 1  # worker processes used by the last map: 1 means this process
+
+    def map(self, batches: Iterable[list[tuple[str, str]]]) -> Iterator[EncodedBatch]:
+        batches = iter(batches)
+        head = list(itertools.islice(batches, 2))
+        if self.num_proc == 1 or len(head) < 2:
+            sp = spm.SentencePieceProcessor(model_file=self.model_path)
+            for batch in itertools.chain(head, batches):
+                yield encode_batch(sp, batch, self.val_fraction)
+            return
+        self.processes = self.num_proc
+        # spawn, not fork: the parent may hold torch / OpenMP threads that fork would copy
+        self._pool = ProcessPoolExecutor(
+            self.num_proc,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_init_worker,
+            initargs=(self.model_path, self.val_fraction),
+        )
+        pending: deque[Future] = deque()
+        for batch in itertools.chain(head, batches):
+            pending.append(self._pool.submit(_encode_in_worker, batch))
+            if len(pending) >= 2 * self.num_proc:  # bounded: reading never runs far ahead
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def __enter__(self) -> Encoder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,149 @@
+"""Hugging Face datasets as a source: `data.source: hf:NAME` (the Hub) or `hf:PATH` (local folder).
+
+NAME goes to `datasets.load_dataset(NAME, data.hf_config, split=data.hf_split,
+revision=data.hf_revision, streaming=data.streaming)`. A local folder of data files (.parquet,
+.jsonl, .csv, .txt) takes the same call, so tests exercise the Hub's code path offline; a folder
+written by `Dataset.save_to_disk` is opened with `load_from_disk`. Nothing is opened until the
+documents are read, so a finished prepare stays a no-op on a machine without network.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from scale_llm.data.sources import Document, text_value
+from scale_llm.errors import UserError
+
+if TYPE_CHECKING:
+    from scale_llm.config import DataConfig
+
+_BATCH_ROWS = 1000  # rows per Arrow batch read from the dataset
+
+_OPEN_HINT = (
+    "Check data.source, data.hf_config and data.hf_split. A Hub dataset needs the network the "
+    "first time (or its files in the local Hugging Face cache, see HF_HOME; offline mode is "
+    "HF_DATASETS_OFFLINE=1 / HF_HUB_OFFLINE=1). Without network, download it elsewhere and set "
+    "data.source to the folder (hf:/path/to/folder) or to its .parquet / .jsonl files."
+)
+
+
+class HFSource:
+    """Documents of one split of a Hugging Face dataset, in the dataset's row order."""
+
+    def __init__(self, data: DataConfig):
+        self.spec = data.source
+        self.name = data.source.removeprefix("hf:")
+        if not self.name:
+            raise UserError(
+                "data.source='hf:' names no dataset; use e.g. hf:roneneldan/TinyStories"
+            )
+        self.config, self.split = data.hf_config, data.hf_split
+        self.revision, self.streaming = data.hf_revision, data.streaming
+        self.text_field, self.num_proc = data.text_field, data.num_proc
+        local = Path(self.name).expanduser()
+        self.local = local if local.exists() else None
+        self.num_rows: int | None = None  # known once opened, unless streaming
+        self.skipped: list[str] = []
+
+    def describe(self) -> str:
+        where = f"local folder {self.local}" if self.local else "Hugging Face Hub"
+        extra = ", streaming" if self.streaming else ""
+        return f"{self.spec} ({where}, config {self.config}, split {self.split}{extra})"
+
+    def fingerprint(self) -> str:
+        """The settings, plus every file's size and mtime for a local folder; no network.
+
+        A Hub dataset that changes upstream is only noticed if data.hf_revision pins a commit.
+        """
+        settings = [self.spec, self.config, self.split, self.revision, self.streaming]
+        h = hashlib.sha256(f"{settings}|{self.text_field}".encode())
+        if self.local:
+            files = [self.local] if self.local.is_file() else sorted(self.local.rglob("*"))
+            for f in (f for f in files if f.is_file()):
+                st = f.stat()
+                h.update(
+                    f"{f.relative_to(self.local.parent)}|{st.st_size}|{st.st_mtime_ns}\n".encode()
+                )
+        return h.hexdigest()
+
+    def documents(self) -> Iterator[Document]:
+        ds = self._open()
+        columns = ds.column_names  # None for some streamed formats: checked on the first batch
+        if columns is not None:
+            self._check_field(columns)
+            ds = ds.select_columns([self.text_field])
+        prefix = f"{self.config or 'default'}/{self.split}"
+        batches, row = iter(ds.iter(batch_size=_BATCH_ROWS)), 0
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            except Exception as e:  # network drops, corrupt files: name the place, then resume
+                raise UserError(
+                    f"reading {self.spec} failed after {row} rows ({type(e).__name__}: {e}); run "
+                    f"`scale-llm prepare` again: it continues from its last checkpoint"
+                ) from e
+            self._check_field(list(batch))
+            for value in batch[self.text_field]:
+                row += 1
+                text = text_value(value, f"{self.spec} row {row}", self.text_field)
+                if text:
+                    yield Document(f"{prefix}:{row}", text)
+
+    def _check_field(self, columns: list[str]) -> None:
+        if self.text_field not in columns:
+            raise UserError(
+                f"{self.spec} (split {self.split}) has no field {self.text_field!r} (found "
+                f"{columns[:8]}); set data.text_field to the field holding the text"
+            )
+
+    def _open(self) -> Any:
+        try:
+            import datasets
+        except ImportError:
+            raise UserError(
+                f"data.source={self.spec!r} needs the `datasets` package; `pip install datasets`"
+            ) from None
+        try:
+            if self.local and _saved_to_disk(self.local):
+                ds = self._from_disk(datasets)
+            else:
+                ds = datasets.load_dataset(
+                    str(self.local or self.name),
+                    self.config,
+                    split=self.split,
+                    revision=self.revision,
+                    streaming=self.streaming,
+                    num_proc=self.num_proc if self.num_proc > 1 and not self.streaming else None,
+                )
+        except UserError:
+            raise
+        except Exception as e:  # datasets raises many types (ConnectionError, ValueError, ...)
+            raise UserError(
+                f"data.source={self.spec!r} (data.hf_config={self.config!r}, data.hf_split="
+                f"{self.split!r}) could not be opened: {type(e).__name__}: {e}. {_OPEN_HINT}"
+            ) from None
+        if not self.streaming:
+            self.num_rows = len(ds)
+        return ds
+
+    def _from_disk(self, datasets: Any) -> Any:
+        ds = datasets.load_from_disk(str(self.local))
+        if isinstance(ds, datasets.DatasetDict):
+            if self.split not in ds:
+                raise UserError(
+                    f"{self.local} has no split {self.split!r} (found {list(ds)}); set "
+                    f"data.hf_split to one of them"
+                )
+            ds = ds[self.split]
+        return ds
+
+
+def _saved_to_disk(path: Path) -> bool:
+    return path.is_dir() and any(
+        (path / name).is_file() for name in ("state.json", "dataset_dict.json")
+    )

@@ -1,0 +1,208 @@
+"""Activation memory: what the forward pass saves for backward, predicted op by op for this
+project's model, and measured on the CPU to keep the prediction honest."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from scale_llm.config import Config, ModelConfig
+from scale_llm.model import mlp_hidden_size
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """How tensors are stored in the forward pass.
+
+    compute: bytes of matmul inputs/outputs (2 under bf16/fp16, 4 in fp32)
+    residual: bytes of the residual stream (4 with fp32 params + autocast; 2 when the whole module
+              runs in 16 bits, as under FSDP's MixedPrecisionPolicy or DeepSpeed bf16/fp16)
+    autocast: matmul inputs and weights are cast per op (and the casts saved for backward)
+    """
+
+    compute: int
+    residual: int
+    autocast: bool
+
+
+def numerics_for(precision: str, backend: str) -> Numerics:
+    if precision == "fp32":
+        return Numerics(4, 4, False)
+    if backend in ("fsdp", "deepspeed"):
+        return Numerics(2, 2, False)
+    return Numerics(2, 4, True)
+
+
+def _dims(m: ModelConfig) -> dict[str, int]:
+    head_dim = m.d_model // m.n_heads
+    kv_heads = m.n_kv_heads or m.n_heads
+    return {
+        "d": m.d_model,
+        "dq": m.n_heads * head_dim,
+        "dkv": kv_heads * head_dim,
+        "F": mlp_hidden_size(m),
+        "D": head_dim,
+        "H": m.n_heads,
+        "V": m.vocab_size,
+    }
+
+
+def block_matmul_params(m: ModelConfig) -> int:
+    g = _dims(m)
+    return g["d"] * (g["dq"] + 2 * g["dkv"]) + g["dq"] * g["d"] + 3 * g["d"] * g["F"]
+
+
+def block_activation_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
+    """Bytes one transformer block saves for backward without checkpointing.
+
+    Per RMSNorm: an fp32 copy of its input and of input * rsqrt (2 x 4 B x N x d) plus the rsqrt
+    (4 B x N). Attention (sdpa): q, k, the fused qkv output that v views, the output and the
+    log-sum-exp. Attention (eager): contiguous q, k, v and output copies, the causal mask, the
+    fp32 softmax (B x heads x T x T) and, under 16 bits, its cast (at batch 1 without GQA, v
+    stays a view of the fused qkv output, which is kept whole). MLP: w1 and w3 outputs, SiLU
+    output and the product (4 x N x mlp_hidden). Autocast saves each matmul's 16-bit input
+    (w1 and w3 cast theirs separately) and 16-bit weight copies.
+    """
+    g, a, T = _dims(m), num.compute, m.seq_len
+    N = batch * T
+    norms = 2 * (8 * N * g["d"] + 4 * N)
+    norm_outputs = a * N * g["d"] * (3 if num.autocast else 2)
+    if m.attention == "eager":
+        scores = batch * g["H"] * T * T
+        attention = a * N * 4 * g["dq"] + T * T + 4 * scores + (a * scores if a != 4 else 0)
+        if batch == 1 and g["dkv"] == g["dq"]:  # v reaches the matmul as a view of qkv
+            attention += a * N * 2 * g["dkv"]
+    else:
+        attention = a * N * (3 * g["dq"] + 3 * g["dkv"]) + 4 * batch * g["H"] * T
+    mlp = 4 * a * N * g["F"]
+    weight_copies = 2 * block_matmul_params(m) if num.autocast else 0
+    return norms + norm_outputs + attention + mlp + weight_copies
+
+
+def selective_block_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
+    """Selective checkpointing keeps the block input and every matmul / attention output."""
+    g, a, T = _dims(m), num.compute, m.seq_len
+    N = batch * T
+    matmuls = a * N * ((g["dq"] + 2 * g["dkv"]) + g["d"] + 2 * g["F"] + g["d"])  # qkv wo w1 w3 w2
+    if m.attention == "eager":
+        attention = a * batch * g["H"] * T * T + a * N * g["dq"]  # q @ k^T and probs @ v
+    else:
+        attention = a * N * g["dq"] + 4 * batch * g["H"] * T  # output and log-sum-exp
+    return num.residual * N * g["d"] + matmuls + attention
+
+
+def head_activation_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
+    """Outside the blocks: token ids and targets, rotary tables, the final norm and head input,
+    autocast's copy of the output weight, and the fp32 log-probabilities of the loss."""
+    g, T = _dims(m), m.seq_len
+    N = batch * T
+    tokens = 8 * batch * (T + 1) + 8 * N
+    rope = 4 * T * g["D"]
+    final_norm = 8 * N * g["d"] + 4 * N + num.compute * N * g["d"]
+    head_copy = 2 * g["V"] * g["d"] if num.autocast else 0
+    return tokens + rope + final_norm + head_copy + 4 * N * g["V"]
+
+
+def checkpointed_count(m: ModelConfig) -> int:
+    from scale_llm.parallel.checkpointing import checkpointed_blocks
+
+    return len(checkpointed_blocks(m))
+
+
+def saved_activation_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
+    """Everything the forward pass (with loss) saves for backward: what `measure_saved_bytes`
+    counts on the CPU."""
+    full = block_activation_bytes(m, batch, num)
+    kept = m.n_layers - checkpointed_count(m)
+    if m.activation_checkpointing == "selective":
+        per_ckpt = selective_block_bytes(m, batch, num)
+    else:
+        per_ckpt = num.residual * batch * m.seq_len * m.d_model  # only the block input
+    return kept * full + checkpointed_count(m) * per_ckpt + head_activation_bytes(m, batch, num)
+
+
+def recompute_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
+    """Extra during backward: the one checkpointed block whose forward is being recomputed."""
+    if checkpointed_count(m) == 0:
+        return 0
+    full = block_activation_bytes(m, batch, num)
+    if m.activation_checkpointing == "selective":
+        return full - selective_block_bytes(m, batch, num)
+    return full
+
+
+# ----------------------------------------------------------------------------- measurement
+
+
+def measure_saved_bytes(
+    model: torch.nn.Module,
+    tokens: torch.Tensor,
+    autocast: contextlib.AbstractContextManager | None = None,
+) -> int:
+    """Bytes of the distinct storages the forward pass and loss keep for backward.
+
+    saved_tensors_hooks see everything autograd saves (checkpointed blocks save only their
+    inputs). Selective checkpointing keeps matmul outputs in its own cache rather than through
+    autograd, so a dispatch mode also records every op output and counts those still alive
+    after the forward pass. Parameters are not activations and are left out.
+    """
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from scale_llm.train.trainer import cross_entropy
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+    outputs: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    class Outputs(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    st = t.untyped_storage()
+                    outputs[st.data_ptr()] = (StorageWeakRef(st), st.nbytes())
+            return out
+
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), Outputs():
+        with autocast or contextlib.nullcontext():
+            logits = model(inputs)
+        loss = cross_entropy(logits, targets)
+    del logits
+    alive = {
+        ptr: nbytes
+        for ptr, (ref, nbytes) in outputs.items()
+        if not ref.expired() and ptr not in params
+    }
+    alive.pop(loss.untyped_storage().data_ptr(), None)
+    total = sum({**alive, **saved}.values())
+    del loss
+    return total
+
+
+def measure_activations(cfg: Config) -> tuple[int, int]:
+    """(counted, predicted) saved bytes for cfg's model at its micro-batch, on the CPU, with the
+    precision the config's backend would use (autocast, fp32 or a 16-bit module)."""
+    from scale_llm.model import build_model
+    from scale_llm.parallel.checkpointing import apply_activation_checkpointing
+
+    precision = "bf16" if cfg.train.precision == "auto" else cfg.train.precision
+    num = numerics_for(precision, cfg.parallel.backend)
+    torch.manual_seed(cfg.run.seed)
+    model = build_model(cfg.model, "cpu")
+    if num.compute == 2 and not num.autocast:
+        model = model.to(torch.bfloat16)
+    apply_activation_checkpointing(model, cfg.model)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if num.autocast else None
+    mb = cfg.train.micro_batch_size
+    tokens = torch.randint(0, cfg.model.vocab_size, (mb, cfg.model.seq_len + 1))
+    return measure_saved_bytes(model, tokens, autocast), saved_activation_bytes(cfg.model, mb, num)

@@ -1,0 +1,234 @@
+"""The human report with its hints, and the plan that fits a memory budget."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from scale_llm.config import Config
+from scale_llm.errors import UserError
+from scale_llm.memory.estimate import OVERHEAD_FRACTION, Estimate, estimate, gib
+
+# ----------------------------------------------------------------------------- report and hints
+
+
+_DESCRIPTIONS = {
+    "params": "parameter storage (fp32 master weights, 16-bit copies, shards or gathered blocks)",
+    "grads": "gradients",
+    "optimizer": "AdamW moments (and DeepSpeed's fp32 master weights)",
+    "activations": "saved for backward, incl. one recomputed block and autocast weight copies",
+    "logits": "B x T x vocab fp32 log-probs and their gradient",
+    "overhead": f"allowance: {OVERHEAD_FRACTION:.0%} of the rest for temporaries and slack",
+}
+
+
+def with_changes(cfg: Config, changes: dict[str, Any]) -> Config:
+    """A copy of cfg with dotted keys replaced (values already typed)."""
+    sections: dict[str, dict[str, Any]] = {}
+    for key, value in changes.items():
+        parts = key.split(".")
+        sections.setdefault(".".join(parts[:-1]), {})[parts[-1]] = value
+    out = cfg
+    for path, values in sections.items():
+        names = path.split(".")
+        parents = [out]
+        for name in names:
+            parents.append(getattr(parents[-1], name))
+        node = dataclasses.replace(parents[-1], **values)
+        for parent, name in zip(reversed(parents[:-1]), reversed(names)):
+            node = dataclasses.replace(parent, **{name: node})
+        out = node
+    return out
+
+
+def format_overrides(changes: dict[str, Any]) -> str:
+    def fmt(v: Any) -> str:
+        return str(v).lower() if isinstance(v, bool) else str(v)
+
+    return " ".join(f"--set {k}={fmt(v)}" for k, v in changes.items())
+
+
+def hints(cfg: Config, world: int) -> list[tuple[str, float]]:
+    """(flags, predicted total) for the usual ways to save memory from this config."""
+    t, m, p = cfg.train, cfg.model, cfg.parallel
+    options: list[tuple[str, dict[str, Any]]] = []
+    if m.activation_checkpointing != "full":
+        options.append(("--grad-checkpointing", {"model.activation_checkpointing": "full"}))
+    if m.activation_checkpointing in ("none", "every_k"):
+        options.append(
+            (
+                "--set model.activation_checkpointing=selective",
+                {"model.activation_checkpointing": "selective"},
+            )
+        )
+    if t.micro_batch_size > 1:
+        mb = t.micro_batch_size // 2
+        accum = t.grad_accum * t.micro_batch_size // mb
+        if mb * accum == t.micro_batch_size * t.grad_accum:
+            options.append(
+                (
+                    f"--batch_size {mb} --grad-accum {accum}",
+                    {"train.micro_batch_size": mb, "train.grad_accum": accum},
+                )
+            )
+    if p.backend in ("single", "ddp") and world > 1:
+        options.append(("--set parallel.backend=fsdp", {"parallel.backend": "fsdp"}))
+    if p.backend == "deepspeed" and p.deepspeed.zero_stage < 3:
+        stage = p.deepspeed.zero_stage + 1
+        options.append(
+            (
+                f"--set parallel.deepspeed.zero_stage={stage}",
+                {"parallel.deepspeed.zero_stage": stage},
+            )
+        )
+    return [(flags, estimate(with_changes(cfg, ch), world).total) for flags, ch in options]
+
+
+def format_report(est: Estimate, cfg: Config, world: int, source: str) -> str:
+    m, lay = est.model, est.layout
+    lines = [
+        f"memory estimate for {source}: {est.params / 1e6:.1f}M parameters; {lay.describe()}",
+        f"  micro_batch {lay.micro_batch} x seq_len {m.seq_len}, attention {m.attention}, "
+        f"activation_checkpointing {m.activation_checkpointing}"
+        + (
+            f" (k={m.activation_checkpointing_k})"
+            if m.activation_checkpointing == "every_k"
+            else ""
+        ),
+        "per GPU:",
+    ]
+    for key in ("params", "grads", "optimizer", "activations", "logits", "overhead"):
+        lines.append(f"  {key:<12} {gib(est.gpu[key]):>12}   {_DESCRIPTIONS[key]}")
+    lines.append(f"  {'total':<12} {gib(est.total):>12}")
+    cpu = {k: v for k, v in est.cpu.items() if v}
+    if cpu:
+        lines.append(
+            "per rank in CPU memory (offloaded): "
+            + ", ".join(f"{k} {gib(v)}" for k, v in cpu.items())
+        )
+    options = hints(cfg, world)
+    if options:
+        lines.append("to reduce:")
+        for flags, total in sorted(options, key=lambda o: o[1]):
+            lines.append(f"  {flags:<48} total {gib(total)} ({gib(total - est.total)})")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- fit plan
+
+# Rough throughput cost of each choice (1.0 = free); the plan picks the cheapest layout that fits.
+_AC_COST = {"none": 1.0, "selective": 1.1, "every_k": 1.17, "full": 1.33}  # recompute share
+
+
+def _micro_batch_cost(mb: int) -> float:
+    return {1: 1.25, 2: 1.1}.get(mb, 1.0)  # small micro-batches leave a GPU underused
+
+
+def _shard_options(cfg: Config) -> list[tuple[dict[str, Any], float]]:
+    """Backend settings from least to most memory-saving, with their rough cost."""
+    b = cfg.parallel.backend
+    fsdp = [
+        ({"parallel.backend": "fsdp", "parallel.fsdp.reshard_after_forward": False}, 1.02),
+        ({"parallel.backend": "fsdp", "parallel.fsdp.reshard_after_forward": True}, 1.1),
+        (
+            {
+                "parallel.backend": "fsdp",
+                "parallel.fsdp.reshard_after_forward": True,
+                "parallel.fsdp.cpu_offload": True,
+            },
+            1.6,
+        ),
+    ]
+    ds = [
+        ({"parallel.backend": "deepspeed", "parallel.deepspeed.zero_stage": s}, c)
+        for s, c in ((0, 1.0), (1, 1.0), (2, 1.02), (3, 1.1))
+    ]
+    ds += [
+        (
+            {
+                "parallel.backend": "deepspeed",
+                "parallel.deepspeed.zero_stage": 2,
+                "parallel.deepspeed.offload_optimizer": "cpu",
+            },
+            1.5,
+        ),
+        (
+            {
+                "parallel.backend": "deepspeed",
+                "parallel.deepspeed.zero_stage": 3,
+                "parallel.deepspeed.offload_optimizer": "cpu",
+            },
+            1.6,
+        ),
+    ]
+    last = (
+        {
+            "parallel.backend": "deepspeed",
+            "parallel.deepspeed.zero_stage": 3,
+            "parallel.deepspeed.offload_optimizer": "cpu",
+            "parallel.deepspeed.offload_param": "cpu",
+        },
+        2.0,
+    )
+    if b == "deepspeed":
+        return [*ds, last]
+    if b == "fsdp":
+        return [*fsdp, last]
+    return [({"parallel.backend": b}, 1.0), *fsdp, last]
+
+
+@dataclass
+class Plan:
+    changes: dict[str, Any]
+    estimate: Estimate
+    cost: float
+
+
+def fit(cfg: Config, world: int, budget: int) -> Plan:
+    """The cheapest layout (by the rough cost model above) whose estimate fits in `budget`.
+
+    Keeps the sequences per step: micro_batch x grad_accum stays the same.
+    """
+    per_rank = cfg.train.micro_batch_size * cfg.train.grad_accum
+    micro_batches = [d for d in range(per_rank, 0, -1) if per_rank % d == 0]
+    best: Plan | None = None
+    smallest: Plan | None = None
+    for shard, shard_cost in _shard_options(cfg):
+        for mode, ac_cost in _AC_COST.items():
+            for mb in micro_batches:
+                changes = {
+                    **shard,
+                    "model.activation_checkpointing": mode,
+                    "train.micro_batch_size": mb,
+                    "train.grad_accum": per_rank // mb,
+                }
+                if mode == "every_k":
+                    changes["model.activation_checkpointing_k"] = 2
+                est = estimate(with_changes(cfg, changes), world)
+                plan = Plan(changes, est, shard_cost * ac_cost * _micro_batch_cost(mb))
+                if smallest is None or est.total < smallest.estimate.total:
+                    smallest = plan
+                if est.total <= budget and (best is None or plan.cost < best.cost):
+                    best = plan
+    if best is None:
+        raise UserError(
+            f"nothing fits in {gib(budget)} per GPU, even with DeepSpeed ZeRO-3, optimizer and "
+            f"parameter offload, full activation checkpointing and micro-batch 1: the smallest "
+            f"total reachable is {gib(smallest.estimate.total)} "
+            f"({format_overrides(smallest.changes)}). "
+            f"Use more GPUs (--world-size), a shorter model.seq_len or a smaller model"
+        )
+    best.changes = _only_changed(cfg, best.changes)
+    return best
+
+
+def _only_changed(cfg: Config, changes: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for key, value in changes.items():
+        node: Any = cfg
+        for part in key.split("."):
+            node = getattr(node, part)
+        if node != value:
+            out[key] = value
+    return out

@@ -1,0 +1,48 @@
+"""`scale-llm convert`: any checkpoint -> one self-describing fp32 file.
+
+The file holds {"model": state_dict, "config": the run's resolved config, "step": N}; it loads
+with `torch.load(path, weights_only=True)` anywhere, without torch.distributed or DeepSpeed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from scale_llm.config import ModelConfig
+from scale_llm.errors import UserError
+from scale_llm.train.checkpoint import (
+    TRAINER_STATE,
+    Checkpointer,
+    load_file,
+    load_model_weights,
+)
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory as given, or the newest complete one of a run directory."""
+    path = Path(path)
+    if (path / TRAINER_STATE).is_file():
+        return path
+    latest = Checkpointer(path, 1).latest()
+    if latest is None:
+        raise UserError(
+            f"{path} is neither a checkpoint directory nor a run directory with a "
+            f"complete checkpoint; pass e.g. runs/tiny or runs/tiny/checkpoints/"
+            f"step_00000150"
+        )
+    return latest
+
+
+def convert(checkpoint: str | Path, out: str | Path) -> tuple[Path, int]:
+    ckpt = resolve_checkpoint(checkpoint)
+    state = load_file(ckpt / TRAINER_STATE)
+    model_cfg = ModelConfig(**state["config"]["model"])  # the checkpoint records its own shape
+    weights = {k: v.float().contiguous() for k, v in load_model_weights(ckpt, model_cfg).items()}
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    torch.save({"model": weights, "config": state["config"], "step": state["step"]}, tmp)
+    tmp.replace(out)
+    return out, sum(v.numel() for v in weights.values())

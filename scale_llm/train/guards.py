@@ -1,0 +1,80 @@
+"""What stops a run early, on purpose or not: stop signals, runs of non-finite steps, and the
+fault injection the crash-safety tests (and fire drills) use."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+
+from scale_llm.errors import UserError
+
+log = logging.getLogger(__name__)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopSignals:
+    """While active, SIGTERM / SIGINT only set `received`; the trainer then checkpoints at the end
+    of the current step and exits cleanly. A second SIGINT interrupts at once."""
+
+    def __init__(self) -> None:
+        self.received = 0
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.received == signal.SIGINT and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = signum
+        log.warning(
+            "received %s: saving a checkpoint after this step, then stopping",
+            signal.Signals(signum).name,
+        )
+
+
+class TrainingDiverged(UserError):
+    """Too many consecutive optimizer steps with a non-finite loss or gradient norm."""
+
+    exit_code = 3
+
+
+def diverged_message(
+    streak: int, step: int, lr: float, precision: str, data_dir: str, last_good: Path | None
+) -> str:
+    resume = (
+        f"The last good checkpoint is {last_good}; resume from it with "
+        f"--set checkpoint.resume={last_good} after changing the cause."
+        if last_good
+        else "No checkpoint was saved before the problem began."
+    )
+    return (
+        f"training stopped at step {step}: the last {streak} optimizer steps had a "
+        f"non-finite loss or gradient norm (they were skipped). Likely causes: a learning "
+        f"rate too high for this model (train.lr={lr:g}); fp16 overflow (train.precision="
+        f"{precision}; bf16 has fp32's range); or bad data (check data.dir={data_dir} with "
+        f"`scale-llm prepare --force`). {resume}"
+    )
+
+
+def maybe_fail(point: str, step: int, rank: int) -> None:
+    """Fault injection: SCALE_LLM_FAULT=POINT:STEP[:RANK] makes this process SIGKILL itself at
+    POINT (after_step | mid_save) of step STEP, on the first launch only (torchrun restarts run
+    clean). Used by the crash-safety tests; harmless when unset."""
+    spec = os.environ.get("SCALE_LLM_FAULT")
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    parts = spec.split(":")
+    if parts[0] == point and int(parts[1]) == step and (len(parts) < 3 or int(parts[2]) == rank):
+        log.warning("fault injection: killing rank %d at %s of step %d", rank, point, step)
+        os.kill(os.getpid(), signal.SIGKILL)

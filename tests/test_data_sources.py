@@ -1,0 +1,169 @@
+"""Sources: local .jsonl / .parquet, Hugging Face datasets offline, caps, and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from scale_llm.config import load_config
+from scale_llm.data.prepare import prepare
+from scale_llm.data.shards import open_split
+from scale_llm.data.sources import open_source
+from scale_llm.data.tokenizer import Tokenizer
+from scale_llm.errors import UserError
+
+
+def records(n=30, seed=0):
+    """Documents that each carry a unique marker word, so they can be found after decoding."""
+    rng = np.random.default_rng(seed)
+    words = ["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), 5)) for _ in range(300)]
+    return [
+        {"text": f"doc{i:03d}marker " + " ".join(rng.choice(words, 100)), "id": i} for i in range(n)
+    ]
+
+
+def write_jsonl(path, rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def write_parquet(path, rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=7)
+    return path
+
+
+def config(source, out, *extra):
+    return load_config(
+        None,
+        [
+            "model.vocab_size=400",
+            f"data.source={source}",
+            f"data.dir={out}",
+            "data.val_fraction=0.2",
+            "data.num_proc=1",
+            *extra,
+        ],
+    )
+
+
+def decoded_markers(out, manifest):
+    tok = Tokenizer(out / "tokenizer.model")
+    text = "".join(
+        tok.decode(np.concatenate(open_split(out, manifest, s)).tolist()) for s in ("train", "val")
+    )
+    return {i for i in range(100) if f"doc{i:03d}marker" in text}
+
+
+@pytest.fixture
+def hf_cache(tmp_path, monkeypatch):
+    """Keep the Arrow cache `datasets` writes for non-streamed datasets inside tmp_path."""
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
+
+
+def test_local_parquet_and_jsonl_give_the_same_documents(tmp_path):
+    rows = records()
+    a = prepare(config(write_parquet(tmp_path / "p" / "c.parquet", rows), tmp_path / "a"))
+    b = prepare(config(write_jsonl(tmp_path / "j" / "c.jsonl", rows), tmp_path / "b"))
+    assert sum(s["documents"] for s in a["splits"].values()) == 30
+    assert decoded_markers(tmp_path / "a", a) == set(range(30))
+    # a glob over several parquet files, in sorted order
+    write_parquet(tmp_path / "many" / "part-0.parquet", rows[:12])
+    write_parquet(tmp_path / "many" / "part-1.parquet", rows[12:])
+    c = prepare(config(f"{tmp_path}/many/*.parquet", tmp_path / "c"))
+    assert decoded_markers(tmp_path / "c", c) == set(range(30))
+    assert decoded_markers(tmp_path / "b", b) == set(range(30))
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_hf_dataset_folder_goes_through_load_dataset_offline(tmp_path, hf_cache, streaming):
+    """A folder of data files takes the same `load_dataset` call as a Hub name."""
+    rows = records(40)
+    write_parquet(tmp_path / "ds" / "data" / "train-00000-of-00002.parquet", rows[:25])
+    write_parquet(tmp_path / "ds" / "data" / "train-00001-of-00002.parquet", rows[25:])
+    out = tmp_path / "out"
+    cfg = config(f"hf:{tmp_path / 'ds'}", out, f"data.streaming={str(streaming).lower()}")
+    manifest = prepare(cfg)
+    assert decoded_markers(out, manifest) == set(range(40))
+    assert manifest["documents_read"] == 40
+    assert prepare(cfg) == manifest  # a finished prepare is a no-op
+
+
+def test_hf_jsonl_folder_and_caps(tmp_path, hf_cache):
+    rows = records(40)
+    write_jsonl(tmp_path / "ds" / "train.jsonl", rows)
+    src = f"hf:{tmp_path / 'ds'}"
+    capped = prepare(config(src, tmp_path / "a", "data.max_documents=9", "data.streaming=true"))
+    assert decoded_markers(tmp_path / "a", capped) == set(range(9))
+    full = prepare(config(src, tmp_path / "b", "data.streaming=true"))
+    per_doc = (full["splits"]["train"]["tokens"] + full["splits"]["val"]["tokens"]) / 40
+    limit = int(per_doc * 10.5)
+    by_tokens = prepare(config(src, tmp_path / "c", f"data.max_tokens={limit}"))
+    written = sum(s["tokens"] for s in by_tokens["splits"].values())
+    assert by_tokens["capped_at_max_tokens"]
+    assert limit <= written < limit + 2 * per_doc  # stops at the document that reaches the cap
+    assert decoded_markers(tmp_path / "c", by_tokens) == set(range(by_tokens["documents_read"]))
+
+
+def test_hf_saved_to_disk_dataset(tmp_path, hf_cache):
+    import datasets
+
+    rows = records(20)
+    ds = datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)})
+    ds.save_to_disk(str(tmp_path / "saved"))
+    manifest = prepare(config(f"hf:{tmp_path / 'saved'}", tmp_path / "out"))
+    assert decoded_markers(tmp_path / "out", manifest) == set(range(20))
+    with pytest.raises(UserError, match="no split 'validation'.*data.hf_split"):
+        prepare(config(f"hf:{tmp_path / 'saved'}", tmp_path / "o2", "data.hf_split=validation"))
+
+
+def test_hf_bad_input_names_the_dataset_or_field(tmp_path, hf_cache):
+    # not in the local cache and no network: a clear error, no traceback, nothing written
+    with pytest.raises(UserError, match="could not be opened.*HF_HUB_OFFLINE") as e:
+        prepare(config("hf:no-such-org/no-such-dataset", tmp_path / "d", "data.streaming=true"))
+    assert "no-such-org/no-such-dataset" in str(e.value)
+    assert not (tmp_path / "d" / "manifest.json").exists()
+
+    write_jsonl(tmp_path / "ds" / "train.jsonl", [{"body": "x " * 50}] * 5)
+    with pytest.raises(UserError, match="no field 'text'.*'body'.*data.text_field"):
+        prepare(config(f"hf:{tmp_path / 'ds'}", tmp_path / "d", "data.streaming=true"))
+    with pytest.raises(UserError, match="data.hf_config='nope'"):
+        prepare(config(f"hf:{tmp_path / 'ds'}", tmp_path / "d", "data.hf_config=nope"))
+    with pytest.raises(UserError, match="names no dataset"):
+        prepare(config("'hf:'", tmp_path / "d"))
+
+
+def test_bad_local_files_name_the_file_and_field(tmp_path):
+    pq_file = write_parquet(tmp_path / "c.parquet", [{"body": "some text " * 20}] * 3)
+    with pytest.raises(UserError, match=r"c.parquet has no column 'text' \(found \['body'\]\)"):
+        prepare(config(pq_file, tmp_path / "d"))
+    junk = tmp_path / "junk.parquet"
+    junk.write_bytes(b"not parquet at all" * 10)
+    with pytest.raises(UserError, match="junk.parquet is not a readable Parquet file"):
+        prepare(config(junk, tmp_path / "d"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(UserError, match=r"bad.jsonl:2 is not valid UTF-8"):
+        prepare(config(bad, tmp_path / "d"))
+    listy = write_jsonl(tmp_path / "listy.jsonl", [{"text": ["a", "b"]}])
+    with pytest.raises(UserError, match=r"listy.jsonl:1: field 'text' holds list"):
+        prepare(config(listy, tmp_path / "d"))
+    (tmp_path / "e1.jsonl").write_text("")
+    (tmp_path / "e2.txt").write_text("")
+    with pytest.raises(UserError, match="every matched file is empty"):
+        prepare(config(f"{tmp_path}/e*", tmp_path / "d"))
+    assert not (tmp_path / "d" / "manifest.json").exists()
+
+
+def test_hub_source_fingerprint_needs_no_network():
+    cfg = load_config(None, ["data.source=hf:HuggingFaceFW/fineweb-edu", "data.streaming=true"])
+    src = open_source(cfg.data)
+    assert src.fingerprint() == open_source(cfg.data).fingerprint()
+    other = load_config(None, ["data.source=hf:HuggingFaceFW/fineweb-edu", "data.hf_config=x"])
+    assert open_source(other.data).fingerprint() != src.fingerprint()

@@ -1,0 +1,207 @@
+"""Preparation at scale: parallel == serial, interrupted prepare continues, tokenizer mismatch."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from scale_llm.cli import main
+from scale_llm.config import load_config
+from scale_llm.data import encode as encode_mod
+from scale_llm.data import prepare as prepare_mod
+from scale_llm.data.encode import Encoder, batched
+from scale_llm.data.prepare import prepare
+from scale_llm.data.shards import read_manifest
+from scale_llm.data.sources import Document
+from scale_llm.errors import UserError
+from scale_llm.parallel.device import single_process
+from scale_llm.train.trainer import Trainer
+from tests.conftest import make_config
+
+
+def corpus(tmp_path, n=60):
+    rng = np.random.default_rng(1)
+    words = ["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), 4)) for _ in range(400)]
+    path = tmp_path / "c.jsonl"
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"text": f"doc{i} " + " ".join(rng.choice(words, 150))}) + "\n")
+    return path
+
+
+def config(source, out, *extra):
+    return load_config(
+        None,
+        [
+            "model.vocab_size=400",
+            f"data.source={source}",
+            f"data.dir={out}",
+            "data.val_fraction=0.2",
+            "data.shard_tokens=1500",
+            "data.num_proc=1",
+            *extra,
+        ],
+    )
+
+
+def shard_bytes(out):
+    return {p.name: p.read_bytes() for p in sorted(out.glob("*.bin"))}
+
+
+@pytest.fixture
+def small_batches(monkeypatch):
+    """About three documents per encode batch, so a run has many batches and checkpoints."""
+    monkeypatch.setattr(encode_mod, "BATCH_CHARS", 2000)
+    monkeypatch.setattr(prepare_mod, "CHECKPOINT_SECONDS", 0.0)
+
+
+def test_worker_processes_give_the_same_tokens_as_one_process(data_dir, corpus_dir, small_batches):
+    from scale_llm.data.sources import local_source
+
+    docs = list(local_source(str(corpus_dir), "text").documents())[:40]
+    model = data_dir / "tokenizer.model"
+    with Encoder(model, 0.1, 1) as one, Encoder(model, 0.1, 2) as two:
+        serial = list(one.map(batched(docs)))
+        parallel = list(two.map(batched(docs)))
+        assert (one.processes, two.processes) == (1, 2)
+    assert len(serial) == len(parallel) > 2
+    for a, b in zip(serial, parallel):
+        assert np.array_equal(a.tokens, b.tokens)
+        assert np.array_equal(a.lengths, b.lengths) and np.array_equal(a.is_val, b.is_val)
+    first = serial[0]
+    assert first.tokens[0] == 1 and first.tokens[first.lengths[0] - 1] == 2  # BOS ... EOS
+
+
+def test_interrupted_prepare_continues_and_matches_an_uninterrupted_one(
+    tmp_path, monkeypatch, small_batches
+):
+    src = corpus(tmp_path)
+    reference = prepare(config(src, tmp_path / "ref", "data.num_proc=2"))
+    assert len(reference["splits"]["train"]["shards"]) > 3
+
+    out = tmp_path / "out"
+    real_write, calls = prepare_mod._write, []
+
+    def write_then_die(writers, batch, n_docs):
+        calls.append(n_docs)
+        if len(calls) == 9:
+            raise KeyboardInterrupt  # killed mid-run, after 8 batches were checkpointed
+        return real_write(writers, batch, n_docs)
+
+    monkeypatch.setattr(prepare_mod, "_write", write_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(config(src, out))
+    with pytest.raises(UserError, match="manifest.json missing"):
+        read_manifest(out)  # a half-done directory never reads as prepared
+    progress = json.loads((out / "progress.json").read_text())
+    assert progress["documents_read"] == sum(calls[:8])
+    partial = next(out.glob("*.partial"))
+    with open(partial, "ab") as f:
+        f.write(b"\x07\x00" * 5)  # bytes written after the last checkpoint: must be dropped
+
+    def no_retraining(*a, **k):
+        raise AssertionError("the resumed prepare retrained the tokenizer")
+
+    resumed_docs = []
+    monkeypatch.setattr(prepare_mod, "train_tokenizer", no_retraining)
+    monkeypatch.setattr(
+        prepare_mod, "_write", lambda w, b, n: resumed_docs.append(n) or real_write(w, b, n)
+    )
+    manifest = prepare(config(src, out))
+    assert sum(resumed_docs) == 60 - progress["documents_read"]  # only the rest was encoded
+    assert manifest["splits"] == reference["splits"]
+    assert manifest["tokenizer"] == reference["tokenizer"]
+    assert shard_bytes(out) == shard_bytes(tmp_path / "ref")
+    assert not list(out.glob("*.partial")) and not (out / "progress.json").exists()
+
+    stamp = (out / "manifest.json").stat().st_mtime_ns
+    assert prepare(config(src, out)) == manifest  # finished: a no-op
+    assert (out / "manifest.json").stat().st_mtime_ns == stamp
+
+
+def test_stale_progress_starts_afresh(tmp_path, monkeypatch, small_batches):
+    src = corpus(tmp_path)
+    out = tmp_path / "out"
+    real_write, calls = prepare_mod._write, []
+
+    def die_late(writers, batch, n_docs):
+        calls.append(1)
+        if len(calls) == 12:
+            raise KeyboardInterrupt
+        return real_write(writers, batch, n_docs)
+
+    monkeypatch.setattr(prepare_mod, "_write", die_late)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(config(src, out))
+    monkeypatch.setattr(prepare_mod, "_write", real_write)
+    (out / "train_00000.bin").unlink()  # a finished shard the checkpoint relies on is gone
+    manifest = prepare(config(src, out))
+    assert sum(s["documents"] for s in manifest["splits"].values()) == 60
+    read_manifest(out)
+
+
+def test_shards_of_another_tokenizer_are_refused(tmp_path, data_dir, corpus_dir):
+    # 1. a tokenizer file swapped under prepared shards
+    copy = tmp_path / "copy"
+    shutil.copytree(data_dir, copy)
+    other = prepare(config(corpus(tmp_path), tmp_path / "other"))
+    shutil.copyfile(tmp_path / "other" / "tokenizer.model", copy / "tokenizer.model")
+    with pytest.raises(UserError, match="is not the tokenizer the shards.*were made with"):
+        read_manifest(copy)
+    assert other["tokenizer"]["sha256"] != read_manifest(data_dir)["tokenizer"]["sha256"]
+
+    # 2. resuming a run on data tokenized with a different tokenizer
+    runs = tmp_path / "runs"
+    Trainer(make_config(data_dir, runs, "train.max_steps=1"), single_process("cpu")).fit()
+    assert (runs / "test" / "tokenizer.model").read_bytes() == (
+        data_dir / "tokenizer.model"
+    ).read_bytes()  # the tokenizer travels with the run
+    retokenized = tmp_path / "retok"
+    prepare(
+        load_config(
+            None,
+            [
+                "model.vocab_size=512",
+                f"data.source={corpus_dir}",
+                f"data.dir={retokenized}",
+                "data.tokenizer_sample_bytes=200000",
+                "data.val_fraction=0.1",
+            ],
+        )
+    )
+    with pytest.raises(UserError, match="its tokenizer differs"):
+        Trainer(make_config(retokenized, runs, "train.max_steps=2"), single_process("cpu"))
+
+
+def test_prepare_bench_prints_tokens_per_second(data_dir, corpus_dir, capsys, monkeypatch):
+    monkeypatch.setattr(encode_mod, "BATCH_CHARS", 100_000)
+    args = ["--set", "model.vocab_size=512", "--set", f"data.source={corpus_dir}"]
+    code = main(
+        [
+            "prepare",
+            "--bench",
+            "--bench-mb",
+            "0.5",
+            *args,
+            "--set",
+            f"data.dir={data_dir}",
+            "--set",
+            "data.num_proc=2",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "plain loop: sp.encode per document" in out
+    assert "worker processes" in out and "tokens/s" in out
+
+
+def test_documents_are_split_by_id_not_by_position():
+    docs = [Document(f"file{i}.txt", "x") for i in range(2000)]
+    val = [d for d in docs if encode_mod.is_val_document(d.doc_id, 0.1)]
+    assert 150 < len(val) < 250
+    assert encode_mod.is_val_document("file7.txt", 0.1) == encode_mod.is_val_document(
+        "file7.txt", 0.1
+    )

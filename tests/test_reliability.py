@@ -1,0 +1,255 @@
+"""Reliability: checkpoints that move between backends and world sizes, processes killed with
+SIGKILL (during a save too), torchrun restarting a dead rank, SIGTERM, a full disk.
+
+Real processes are started and killed; fp32 on CPU, the tiny model of tests/conftest.py.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from scale_llm.errors import UserError
+from scale_llm.parallel.device import single_process
+from scale_llm.train.trainer import Trainer
+from tests.conftest import make_config
+from tests.test_distributed import BACKENDS, SPLIT, TOL, common, env, rows_of, run, sets, torchrun
+
+STEPS = 4
+SINGLE = ["train.micro_batch_size=8", "train.grad_accum=1"]  # the same 8 sequences per step
+
+
+def train_cmd(nproc: int, *args: str) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, "-m", "scale_llm", "train", *args]
+    return torchrun(nproc, *args)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("reliability")
+
+
+@pytest.fixture(scope="module")
+def reference(data_dir, root):
+    """One process, 8 sequences per step, straight through (also defines the LR schedule)."""
+    run(train_cmd(1, *common(data_dir, root, "reference"), *sets(*SINGLE)), cwd=root)
+    return rows_of(root / "reference")
+
+
+def stopped_at_2(data_dir: Path, root: Path, name: str, nproc: int, *overrides: str) -> Path:
+    args = [*common(data_dir, root, name), *sets(*overrides, "train.exit_at_step=2")]
+    run(train_cmd(nproc, *args), cwd=root)
+    return root / name / "checkpoints" / "step_00000002"
+
+
+def resume_from(ckpt: Path, data_dir: Path, root: Path, name: str, nproc: int, *overrides: str):
+    args = [*common(data_dir, root, name), *sets(*overrides, f"checkpoint.resume={ckpt}")]
+    proc = run(train_cmd(nproc, *args), cwd=root)
+    assert "at step 2" in proc.stdout
+    return proc, rows_of(root / name)
+
+
+def same_steps(rows: dict, ref: dict, steps, tol: float = TOL) -> None:
+    for step in steps:
+        assert abs(rows[step]["loss"] - ref[step]["loss"]) <= tol, (step, rows[step], ref[step])
+
+
+# ----------------------------------------------------------------------------- portability
+
+
+def test_dcp_checkpoints_move_between_backends_and_world_sizes(data_dir, root, reference):
+    """DDP (2 ranks) -> FSDP (2 ranks), -> one process, and FSDP (2 ranks) -> FSDP (1 rank):
+    model and optimizer restored, so the curve continues as if never stopped."""
+    ddp = stopped_at_2(data_dir, root, "from-ddp", 2, *BACKENDS["ddp"], *SPLIT)
+    _, rows = resume_from(ddp, data_dir, root, "ddp-to-fsdp", 2, *BACKENDS["fsdp"], *SPLIT)
+    same_steps(rows, reference, range(3, STEPS + 1))
+    _, rows = resume_from(ddp, data_dir, root, "ddp-to-single", 1, *SINGLE)
+    same_steps(rows, reference, range(3, STEPS + 1))
+    fsdp = stopped_at_2(data_dir, root, "from-fsdp", 2, *BACKENDS["fsdp"], *SPLIT)
+    _, rows = resume_from(
+        fsdp,
+        data_dir,
+        root,
+        "fsdp-2-to-1",
+        1,
+        *BACKENDS["fsdp"],
+        "train.micro_batch_size=4",
+        "train.grad_accum=2",
+    )
+    same_steps(rows, reference, range(3, STEPS + 1))
+
+
+def test_deepspeed_and_dcp_exchange_model_weights(data_dir, root, reference):
+    """Across the DeepSpeed boundary the fp32 weights move exactly (the loss of step 3, computed
+    with the restored weights, matches); the optimizer moments start again, as the log says."""
+    ds = stopped_at_2(data_dir, root, "from-zero2", 2, *BACKENDS["zero2"], *SPLIT)
+    assert (ds / "model.pt").is_file()
+    proc, rows = resume_from(ds, data_dir, root, "zero2-to-ddp", 2, *BACKENDS["ddp"], *SPLIT)
+    assert "loading its model weights only" in proc.stdout
+    same_steps(rows, reference, [3])
+    ddp = root / "from-ddp" / "checkpoints" / "step_00000002"
+    if not ddp.is_dir():
+        ddp = stopped_at_2(data_dir, root, "from-ddp", 2, *BACKENDS["ddp"], *SPLIT)
+    proc, rows = resume_from(ddp, data_dir, root, "ddp-to-zero3", 2, *BACKENDS["zero3"], *SPLIT)
+    assert "loading its model weights only" in proc.stdout
+    same_steps(rows, reference, [3])
+
+
+def test_convert_writes_one_portable_file(data_dir, root, reference):
+    import torch
+
+    from scale_llm.train.checkpoint import load_model_weights
+    from scale_llm.train.convert import convert
+
+    ddp = root / "from-ddp" / "checkpoints" / "step_00000002"
+    if not ddp.is_dir():
+        ddp = stopped_at_2(data_dir, root, "from-ddp", 2, *BACKENDS["ddp"], *SPLIT)
+    out, n = convert(root / "from-ddp", root / "ddp-model.pt")
+    blob = torch.load(out, weights_only=True)
+    assert blob["step"] == 2 and blob["config"]["parallel"]["backend"] == "ddp"
+    cfg = make_config(data_dir, root)
+    direct = load_model_weights(ddp, cfg.model)
+    assert blob["model"].keys() == direct.keys()
+    assert all(torch.equal(blob["model"][k], direct[k]) for k in direct)
+    assert n == sum(v.numel() for v in direct.values())
+
+
+# ----------------------------------------------------------------------------- crashes
+
+
+def test_sigkill_during_a_save_keeps_the_previous_checkpoint(data_dir, root, reference):
+    name = "killed-mid-save"
+    args = [*common(data_dir, root, name), *sets(*SINGLE)]
+    fault_env = {**env(), "SCALE_LLM_FAULT": "mid_save:4"}
+    proc = subprocess.run(
+        train_cmd(1, *args), cwd=root, env=fault_env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    ckpts = root / name / "checkpoints"
+    assert (ckpts / ".tmp-step_00000004").is_dir()  # the save really was cut short
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_00000002"]
+    proc = run(train_cmd(1, *args), cwd=root)  # relaunch: resumes from the last good one
+    assert "at step 2" in proc.stdout
+    rows = rows_of(root / name)
+    same_steps(rows, reference, range(3, STEPS + 1), tol=0.0)  # bit-identical
+    assert not (ckpts / ".tmp-step_00000004").exists()  # the torn save was cleaned up
+
+
+def test_torchrun_restarts_a_killed_rank_and_the_run_resumes(data_dir, root, reference):
+    name = "restarted"
+    args = [*common(data_dir, root, name), *sets(*BACKENDS["ddp"], *SPLIT)]
+    cmd = torchrun(2, *args)
+    cmd.insert(cmd.index("--standalone") + 1, "--max-restarts=1")
+    fault_env = {**env(), "SCALE_LLM_FAULT": "after_step:3:1"}  # rank 1 dies after step 3
+    proc = subprocess.run(cmd, cwd=root, env=fault_env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "fault injection: killing rank 1" in proc.stdout + proc.stderr
+    assert "resume: continuing from" in proc.stdout and "at step 2" in proc.stdout
+    rows = rows_of(root / name)
+    assert sorted(rows) == [1, 2, 3, 4]
+    same_steps(rows, reference, range(1, STEPS + 1))
+
+
+def wait_for_step(path: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        if path.is_file() and any(
+            json.loads(x)["step"] >= step for x in path.read_text().splitlines() if x.strip()
+        ):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"{path} never reached step {step}")
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_sigterm_saves_a_final_checkpoint_on_every_rank(data_dir, root, nproc):
+    name = f"sigterm-{nproc}"
+    backend = ["parallel.backend=ddp"] if nproc == 2 else []
+    args = [
+        *common(data_dir, root, name),
+        *sets(
+            *backend,
+            "train.max_steps=100000",
+            "checkpoint.every=0",
+            "eval.every=0",
+            "train.micro_batch_size=2",
+        ),
+    ]
+    proc = subprocess.Popen(
+        train_cmd(nproc, *args),
+        cwd=root,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    wait_for_step(root / name / "metrics.jsonl", 2, proc)
+    proc.send_signal(signal.SIGTERM)  # torchrun forwards it to its workers
+    out = proc.communicate(timeout=300)[0]
+    if nproc == 1:
+        assert proc.returncode == 0, out[-3000:]
+    assert "stop: signal SIGTERM after step" in out, out[-3000:]
+    for rank in range(nproc):  # every rank got the signal and took part in the save
+        assert (f"[rank {rank}] " if nproc > 1 else "") + "received SIGTERM" in out
+    ckpts = sorted((root / name / "checkpoints").glob("step_*"))
+    assert len(ckpts) == 1 and (ckpts[0] / "trainer.pt").is_file()
+    assert len(list((ckpts[0] / "dcp").glob("*.distcp"))) == nproc
+
+
+def test_out_of_disk_during_a_save_is_a_clear_error(data_dir, tmp_path):
+    tr = Trainer(
+        make_config(data_dir, tmp_path / "runs", "train.max_steps=4", "checkpoint.every=2"),
+        single_process("cpu"),
+    )
+    save = tr.backend.save
+
+    def full_disk(path):
+        if tr.step == 4:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return save(path)
+
+    tr.backend.save = full_disk
+    with pytest.raises(UserError) as info:
+        tr.fit()
+    msg = str(info.value)
+    assert "out of disk space while writing checkpoint" in msg and "step_00000004" in msg
+    assert "previous checkpoint" in msg and "step_00000002 is intact" in msg
+    ckpts = tr.checkpointer.dir
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000002"]  # no partial files
+
+
+def test_user_errors_exit_2_but_internal_errors_keep_their_traceback(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "scale_llm", "train", "--set", "train.lr=-1"],
+        cwd=tmp_path,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    code = (
+        "import scale_llm.cli as c\n"
+        "c.COMMANDS['prepare'] = lambda args: 1 / 0\n"
+        "raise SystemExit(c.main(['prepare']))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (
+        proc.returncode == 1 and "Traceback" in proc.stderr and "ZeroDivisionError" in proc.stderr
+    )
