@@ -53,6 +53,17 @@ def make_config(data_dir: Path | str, run_root: Path | str, *overrides: str) -> 
     return load_config(None, base + list(overrides))
 
 
+def prep_config(source: Path | str, out: Path | str, *extra: str) -> Config:
+    """A prepare config for small local corpora (vocab 400); `extra` overrides come last."""
+    base = [
+        "model.vocab_size=400",
+        f"data.source={source}",
+        f"data.dir={out}",
+        "data.val_fraction=0.25",
+    ]
+    return load_config(None, base + list(extra))
+
+
 @pytest.fixture(scope="session")
 def corpus_dir(tmp_path_factory) -> Path:
     """About 1.5 MB of the standard library's .py files, copied into a local corpus directory."""

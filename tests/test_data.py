@@ -8,28 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from scale_llm.config import load_config
 from scale_llm.data import prepare as prepare_mod
 from scale_llm.data.loader import TokenWindows, TrainLoader, eval_batches
 from scale_llm.data.prepare import prepare
 from scale_llm.data.shards import open_split, read_manifest
 from scale_llm.data.tokenizer import Tokenizer, train_tokenizer
 from scale_llm.errors import UserError
+from tests.conftest import prep_config
 
 CPU = torch.device("cpu")
-
-
-def prep_config(source, out, *extra):
-    return load_config(
-        None,
-        [
-            "model.vocab_size=400",
-            f"data.source={source}",
-            f"data.dir={out}",
-            "data.val_fraction=0.25",
-            *extra,
-        ],
-    )
 
 
 def marker_corpus(tmp_path, n=24):

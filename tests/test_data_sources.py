@@ -15,6 +15,7 @@ from scale_llm.data.shards import open_split
 from scale_llm.data.sources import open_source
 from scale_llm.data.tokenizer import Tokenizer
 from scale_llm.errors import UserError
+from tests.conftest import prep_config
 
 
 def records(n=30, seed=0):
@@ -39,17 +40,7 @@ def write_parquet(path, rows):
 
 
 def config(source, out, *extra):
-    return load_config(
-        None,
-        [
-            "model.vocab_size=400",
-            f"data.source={source}",
-            f"data.dir={out}",
-            "data.val_fraction=0.2",
-            "data.num_proc=1",
-            *extra,
-        ],
-    )
+    return prep_config(source, out, "data.val_fraction=0.2", "data.num_proc=1", *extra)
 
 
 def decoded_markers(out, manifest):
@@ -63,7 +54,8 @@ def decoded_markers(out, manifest):
 @pytest.fixture
 def hf_cache(tmp_path, monkeypatch):
     """Keep the Arrow cache `datasets` writes for non-streamed datasets inside tmp_path."""
-    datasets = pytest.importorskip("datasets")
+    import datasets
+
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
 
 

@@ -1,9 +1,9 @@
 """Backends with real 2-rank gloo process groups: parity with one process, resume, launchers.
 
 Every run goes through the command line (torchrun or the launch/ scripts) on CPU in fp32 with the
-same seed and data. The single-process run with micro-batch 8 is the reference; each backend runs
-with 2 ranks x micro-batch 2 x grad_accum 2 (with activation checkpointing) and with 2 ranks x
-micro-batch 4 (without), so the same 8 sequences make each step. Clipping is active (max norm
+same seed and data. The single-process run with micro-batch 8 (no checkpointing) is the
+reference; each backend runs with 2 ranks x micro-batch 2 x grad_accum 2 with activation
+checkpointing, so the same 8 sequences make each step. Clipping is active (max norm
 0.3 is below the first steps' norms), so the losses after step 1 also check the clipped update.
 """
 
@@ -87,7 +87,6 @@ BACKENDS = {
     "zero3": ["parallel.backend=deepspeed", "parallel.deepspeed.zero_stage=3"],
 }
 SPLIT = ["train.micro_batch_size=2", "train.grad_accum=2", "model.activation_checkpointing=full"]
-WHOLE = ["train.micro_batch_size=4", "train.grad_accum=1", "model.activation_checkpointing=none"]
 
 
 def sets(*items: str) -> list[str]:
@@ -130,11 +129,11 @@ def assert_same_curve(rows: dict[int, dict], ref: dict[int, dict], tol: float) -
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_backend_matches_single_process(backend, runs, reference):
+    """2 ranks x micro-batch 2 x grad_accum 2 with checkpointing vs one process with micro-batch
+    8 without: one run checks the rank split, accumulation = big batch, checkpointing on = off
+    and the clipped global norm, all against the same reference."""
     split = runs(f"{backend}-split", 2, *BACKENDS[backend], *SPLIT)
     diff = assert_same_curve(split, reference, TOL)
-    if backend in ("ddp", "fsdp", "zero2", "zero3"):
-        whole = runs(f"{backend}-whole", 2, *BACKENDS[backend], *WHOLE)
-        diff = max(diff, assert_same_curve(whole, reference, TOL))
     print(f"\nparity {backend}: max |diff| vs single = {diff:.1e}")
 
 

@@ -19,7 +19,7 @@ from scale_llm.data.sources import Document
 from scale_llm.errors import UserError
 from scale_llm.parallel.device import single_process
 from scale_llm.train.trainer import Trainer
-from tests.conftest import make_config
+from tests.conftest import make_config, prep_config
 
 
 def corpus(tmp_path, n=60):
@@ -33,17 +33,8 @@ def corpus(tmp_path, n=60):
 
 
 def config(source, out, *extra):
-    return load_config(
-        None,
-        [
-            "model.vocab_size=400",
-            f"data.source={source}",
-            f"data.dir={out}",
-            "data.val_fraction=0.2",
-            "data.shard_tokens=1500",
-            "data.num_proc=1",
-            *extra,
-        ],
+    return prep_config(
+        source, out, "data.val_fraction=0.2", "data.shard_tokens=1500", "data.num_proc=1", *extra
     )
 
 
