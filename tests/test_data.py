@@ -89,6 +89,23 @@ def test_prepare_is_idempotent_and_redoes_work_when_input_changes(tmp_path, monk
     assert sum(s["documents"] for s in second["splits"].values()) == 25
 
 
+def test_the_same_corpus_in_another_place_gives_the_same_shards(tmp_path):
+    """The val split hashes document names relative to the corpus, not absolute paths."""
+    rng = np.random.default_rng(0)
+    words = ["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), 5)) for _ in range(300)]
+    texts = [f"file{i:02d}marker " + " ".join(rng.choice(words, 150)) for i in range(12)]
+    shards = {}
+    for place in ("a", "b/deeper"):
+        corpus = tmp_path / place / "corpus"
+        corpus.mkdir(parents=True)
+        for i, text in enumerate(texts):  # a directory of files: each file is a document
+            (corpus / f"f{i:02d}.txt").write_text(text)
+        out = tmp_path / place / "data"
+        prepare(prep_config(corpus, out, "data.val_fraction=0.3"))
+        shards[place] = [(out / f).read_bytes() for f in ("train_00000.bin", "val_00000.bin")]
+    assert shards["a"] == shards["b/deeper"]
+
+
 def test_shards_are_split_at_the_configured_size(tmp_path):
     out = tmp_path / "data"
     manifest = prepare(prep_config(marker_corpus(tmp_path), out, "data.shard_tokens=1000"))

@@ -116,15 +116,25 @@ def reference(runs):
     return rows
 
 
-def assert_same_curve(rows: dict[int, dict], ref: dict[int, dict], tol: float) -> float:
-    worst = 0.0
+def assert_same_curve(
+    rows: dict[int, dict], ref: dict[int, dict], tol: float, grad_tol: float | None = None
+) -> float:
+    """Losses (and the final val loss) within `tol` absolute, grad norms within `grad_tol`
+    relative (default `tol`); returns the larger of the two worst differences."""
+    grad_tol = tol if grad_tol is None else grad_tol
+    loss_worst = abs(rows[STEPS]["val_loss"] - ref[STEPS]["val_loss"])
+    grad_worst = 0.0
     for step in range(1, STEPS + 1):
-        for key in ("loss", "grad_norm"):
-            diff = abs(rows[step][key] - ref[step][key])
-            worst = max(worst, diff / (ref[step][key] if key == "grad_norm" else 1.0))
-    worst = max(worst, abs(rows[STEPS]["val_loss"] - ref[STEPS]["val_loss"]))
-    assert worst <= tol, f"max difference {worst:.2e} > {tol:.0e}"
-    return worst
+        loss_worst = max(loss_worst, abs(rows[step]["loss"] - ref[step]["loss"]))
+        grad_worst = max(
+            grad_worst,
+            abs(rows[step]["grad_norm"] - ref[step]["grad_norm"]) / ref[step]["grad_norm"],
+        )
+    assert loss_worst <= tol, f"loss: max difference {loss_worst:.2e} > {tol:.0e}"
+    assert grad_worst <= grad_tol, (
+        f"grad norm: max relative difference {grad_worst:.2e} > {grad_tol:.0e}"
+    )
+    return max(loss_worst, grad_worst)
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
@@ -174,8 +184,11 @@ def test_mixed_precision_follows_the_fp32_curve(backend, precision, runs, refere
     rows = runs(
         f"{backend}-{precision}", 2, *BACKENDS[backend], *SPLIT, f"train.precision={precision}"
     )
-    # 16-bit matmuls: the same curve to about 1e-2 (CPU autocast / DeepSpeed bf16 modes)
-    diff = assert_same_curve(rows, reference, 3e-2)
+    # 16-bit matmuls: losses within 3e-2. Grad norms move more: DeepSpeed's bf16 mode keeps
+    # weights and gradients in bf16 (accumulated in bf16 under ZeRO-2), and how far that drifts
+    # depends on the CPU's bf16 kernels (0.7% on one machine, 3.8% on another); a missing
+    # loss/grad_accum doubles the norm, so 10% still catches that.
+    diff = assert_same_curve(rows, reference, 3e-2, grad_tol=1e-1)
     print(f"\n{precision} {backend}: max |diff| vs fp32 single = {diff:.1e}")
     assert rows[STEPS]["skipped_steps"] == 0  # fp16: the GradScaler found no overflow here
 

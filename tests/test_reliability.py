@@ -170,9 +170,11 @@ def wait_for_step(path: Path, step: int, proc: subprocess.Popen, timeout: float 
     raise TimeoutError(f"{path} never reached step {step}")
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_sigterm_saves_a_final_checkpoint_on_every_rank(data_dir, root, nproc):
-    name = f"sigterm-{nproc}"
+@pytest.mark.parametrize(
+    ("nproc", "sig"), [(1, signal.SIGTERM), (1, signal.SIGINT), (2, signal.SIGTERM)]
+)
+def test_stop_signal_saves_a_final_checkpoint_on_every_rank(data_dir, root, nproc, sig):
+    name = f"{sig.name}-{nproc}"
     backend = ["parallel.backend=ddp"] if nproc == 2 else []
     args = [
         *common(data_dir, root, name),
@@ -193,13 +195,13 @@ def test_sigterm_saves_a_final_checkpoint_on_every_rank(data_dir, root, nproc):
         text=True,
     )
     wait_for_step(root / name / "metrics.jsonl", 2, proc)
-    proc.send_signal(signal.SIGTERM)  # torchrun forwards it to its workers
+    proc.send_signal(sig)  # torchrun forwards it to its workers
     out = proc.communicate(timeout=300)[0]
     if nproc == 1:
         assert proc.returncode == 0, out[-3000:]
-    assert "stop: signal SIGTERM after step" in out, out[-3000:]
+    assert f"stop: signal {sig.name} after step" in out, out[-3000:]
     for rank in range(nproc):  # every rank got the signal and took part in the save
-        assert (f"[rank {rank}] " if nproc > 1 else "") + "received SIGTERM" in out
+        assert (f"[rank {rank}] " if nproc > 1 else "") + f"received {sig.name}" in out
     ckpts = sorted((root / name / "checkpoints").glob("step_*"))
     assert len(ckpts) == 1 and (ckpts[0] / "trainer.pt").is_file()
     assert len(list((ckpts[0] / "dcp").glob("*.distcp"))) == nproc

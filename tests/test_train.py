@@ -310,3 +310,23 @@ def test_bench_runs_the_training_step_on_synthetic_tokens(tmp_path):
     assert result["tokens_per_s_per_rank"] > 0 and result["ms_per_step"] > 0
     assert result["precision"] == "fp32" and "mfu" not in result  # no MFU without a known peak
     assert not (tmp_path / "runs").exists()  # bench writes nothing
+
+
+def test_every_generator_state_round_trips_through_a_checkpoint_file(tmp_path):
+    import random
+
+    import numpy as np
+
+    from scale_llm.train import rng
+    from scale_llm.train.checkpoint import load_file, save_file
+
+    torch.manual_seed(1)
+    np.random.seed(2)
+    random.seed(3)
+    save_file({"rng": rng.gather_all_ranks()}, tmp_path / "state.pt")
+    expected = (torch.rand(3), np.random.rand(3), random.random())
+    torch.rand(5), np.random.rand(5), random.random()  # move every generator on
+    rng.restore_for_rank(load_file(tmp_path / "state.pt")["rng"], rank=0)  # weights_only load
+    got = (torch.rand(3), np.random.rand(3), random.random())
+    assert torch.equal(got[0], expected[0])
+    assert (got[1] == expected[1]).all() and got[2] == expected[2]

@@ -47,7 +47,7 @@ __all__ = ["prepare", "is_val_document"]
 
 log = logging.getLogger(__name__)
 TOKENIZER_FILE = "tokenizer.model"
-PIPELINE_VERSION = 2  # bump when the same input and settings would give different shards
+PIPELINE_VERSION = 3  # bump when the same input and settings would give different shards
 CHECKPOINT_SECONDS = 30.0  # progress.json is rewritten this often (and at every finished shard)
 SAMPLE_POOL = 4  # the tokenizer sample is drawn from the first 4x its size of train documents
 SPLITS = ("train", "val")

@@ -74,7 +74,9 @@ class Source:
 
     def documents(self) -> Iterator[Document]:
         for f in self.files:
-            name = str(f.relative_to(self.root)) if self.root else str(f)
+            name = (
+                f.absolute().relative_to(self.root.absolute()).as_posix() if self.root else str(f)
+            )
             if f.suffix in JSONL_SUFFIXES:
                 yield from self._jsonl_documents(f, name)
             elif f.suffix in PARQUET_SUFFIXES:
@@ -191,7 +193,13 @@ def local_source(spec: str, text_field: str) -> Source:
         raise UserError(
             f"data.source={spec!r}: every matched file is empty ({', '.join(map(str, empty[:3]))})"
         )
-    return Source(spec, paths, text_field=text_field)
+    # Documents are named relative to the corpus, so the val split does not depend on where it lies.
+    root = Path(spec).expanduser() if Path(spec).expanduser().is_dir() else _common_parent(paths)
+    return Source(spec, paths, text_field=text_field, root=root)
+
+
+def _common_parent(paths: list[Path]) -> Path:
+    return Path(os.path.commonpath([str(p.absolute().parent) for p in paths]))
 
 
 def _expand(spec: str) -> list[Path]:

@@ -93,7 +93,7 @@ def init_distributed(backend: str, requested_device: str) -> DistInfo:
         timeout = datetime.timedelta(minutes=int(os.environ.get("SCALE_LLM_PG_TIMEOUT_MIN", "30")))
         # A world of one keeps its store in memory: no TCP listener at all (torch's TCPStore
         # binds every interface whatever MASTER_ADDR says).
-        store = dist.HashStore() if world == 1 else None
+        store = dist.HashStore() if world == 1 else _restart_safe_store(world, timeout)
         dist.init_process_group(
             pg_backend,
             store=store,
@@ -104,6 +104,27 @@ def init_distributed(backend: str, requested_device: str) -> DistInfo:
         )
         log.info("dist: %d processes, %s process group, device %s", world, pg_backend, device)
     return DistInfo(rank, local_rank, world, device)
+
+
+def _restart_safe_store(world: int, timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun, the agent's store with this restart attempt's own key prefix.
+
+    torchrun hands every restart attempt the same shared TCPStore without a per-attempt prefix,
+    so after `--max-restarts` brings a dead rank back, a peer can read the previous attempt's
+    gloo/NCCL address of rank 0 and fail with "Connection refused" (seen on torch 2.13; compare
+    pytorch/pytorch#167288). None (plain env:// rendezvous) outside torchrun.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    agent = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size=world,
+        is_master=False,
+        timeout=timeout,
+    )
+    return dist.PrefixStore(f"scale_llm/attempt_{attempt}", agent)
 
 
 def shutdown_distributed(clean: bool = True) -> None:

@@ -26,6 +26,7 @@ from scale_llm.errors import UserError
 from scale_llm.model import build_model
 from scale_llm.parallel.backend import Backend, build_backend
 from scale_llm.parallel.device import DistInfo, mean_over_ranks
+from scale_llm.train import rng
 from scale_llm.train.checkpoint import (
     TRAINER_STATE,
     Checkpointer,
@@ -329,21 +330,19 @@ class Trainer:
         def write(tmp: Path) -> None:
             self.backend.save(tmp)
             maybe_fail("mid_save", self.step, self.dist.rank)
+            rng_states = rng.gather_all_ranks()  # collective
             if self.dist.is_main:
-                save_file(self._trainer_state(), tmp / TRAINER_STATE)
+                save_file(self._trainer_state(rng_states), tmp / TRAINER_STATE)
 
         path = self.checkpointer.save(self.step, write)
         log.info("checkpoint: saved %s", path)
         return path
 
-    def _trainer_state(self) -> dict[str, Any]:
-        rng = {"cpu": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state_all()
+    def _trainer_state(self, rng_states: list[dict[str, Any]]) -> dict[str, Any]:
         return {
             "step": self.step,
             "data": self.loader.state_dict(),
-            "rng": rng,
+            "rng": rng_states,  # one entry per rank
             "skipped_steps": int(self.skipped_steps.item()),
             "config": to_dict(self.cfg),
             "tokenizer_sha256": self.manifest["tokenizer"]["sha256"],
@@ -398,9 +397,8 @@ class Trainer:
         self.step = int(state["step"])
         self.loader.load_state_dict(state["data"])
         self.skipped_steps.fill_(int(state.get("skipped_steps", 0)))
-        torch.set_rng_state(state["rng"]["cpu"])
-        if "cuda" in state["rng"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        if isinstance(state["rng"], list):
+            rng.restore_for_rank(state["rng"], self.dist.rank)
         log.info("resume: continuing from %s at step %d", self.resume_from, self.step)
 
     # ----------------------------------------------------------------- checks / run dir

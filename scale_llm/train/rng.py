@@ -1,0 +1,71 @@
+"""Every random generator a rank uses, as plain tensors and numbers (so checkpoints stay loadable
+with weights_only=True), gathered from all ranks and handed back to each on resume."""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+def capture() -> dict[str, Any]:
+    """This process's torch (CPU and CUDA), numpy and Python generator states."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, py_state, py_gauss = random.getstate()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": {
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "gauss": float(gauss),
+        },
+        "python": {"version": version, "state": list(py_state), "gauss": py_gauss},
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    n = state["numpy"]
+    keys = n["keys"].numpy().astype(np.uint32)
+    np.random.set_state(("MT19937", keys, n["pos"], n["has_gauss"], n["gauss"]))
+    p = state["python"]
+    random.setstate((p["version"], tuple(p["state"]), p["gauss"]))
+
+
+def gather_all_ranks() -> list[dict[str, Any]]:
+    """Every rank's states, in rank order (a collective: call it on every rank)."""
+    mine = capture()
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [mine]
+    states: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(states, mine)
+    return states
+
+
+def restore_for_rank(states: list[dict[str, Any]], rank: int) -> None:
+    """This rank's saved states; on a different world size, rank 0's (the generators do not
+    affect which data is read, which is fixed by the stream position)."""
+    if rank >= len(states) or len(states) != _world():
+        log.info(
+            "rng: checkpoint from %d ranks, now %d: every rank takes rank 0's generator states",
+            len(states),
+            _world(),
+        )
+        rank = 0
+    restore(states[rank])
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
