@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from scale_llm.config import Config, load_config
+from scale_llm.config import Config, load_config, resolve_backend
 from scale_llm.errors import UserError
 from scale_llm.log import setup_logging
 from scale_llm.version import __version__
@@ -223,6 +223,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
     if world < 1:
         raise UserError(f"--world-size {world} must be at least 1")
+    cfg = resolve_backend(cfg, world)
     est = memory.estimate(cfg, world)
     result = est.to_json()
     text = [memory.format_report(est, cfg, world, args.config or "defaults")]

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
 from scale_llm.errors import UserError
 
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
@@ -133,7 +134,8 @@ class DeepSpeedConfig:
 
 @dataclass
 class ParallelConfig:
-    backend: Literal["single", "ddp", "fsdp", "deepspeed"] = "single"
+    # auto: single for one process, ddp when a launcher starts several
+    backend: Literal["auto", "single", "ddp", "fsdp", "deepspeed"] = "auto"
     ddp: DDPConfig = field(default_factory=DDPConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
@@ -505,11 +507,21 @@ def validate_world(cfg: Config, world_size: int, has_cuda: bool) -> list[str]:
     return e
 
 
+def resolve_backend(cfg: Config, world_size: int) -> Config:
+    """parallel.backend=auto -> single for one process, ddp for several."""
+    if cfg.parallel.backend != "auto":
+        return cfg
+    backend = "single" if world_size == 1 else "ddp"
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, backend=backend))
+
+
 def resolve_for_world(cfg: Config, world_size: int, has_cuda: bool) -> Config:
-    """Validate against the launch and derive grad_accum from train.global_batch_size."""
+    """Validate against the launch, resolve parallel.backend=auto and derive grad_accum from
+    train.global_batch_size."""
     errors = validate_world(cfg, world_size, has_cuda)
     if errors:
         raise UserError(_format_errors(errors, f"launched with {world_size} processes"))
+    cfg = resolve_backend(cfg, world_size)
     g = cfg.train.global_batch_size
     if g is not None:
         accum = g // (cfg.train.micro_batch_size * world_size)

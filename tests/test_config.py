@@ -220,7 +220,7 @@ def test_parallel_option_errors_name_the_key_and_the_fix():
     assert "parallel.deepspeed.zero_stage=5 must be 0, 1, 2 or 3" in msg
     assert "offload_optimizer=cpu needs parallel.backend=deepspeed (it is ddp)" in msg
     assert "parallel.fsdp.cpu_offload=true needs parallel.backend=fsdp (it is ddp)" in msg
-    assert "expected one of single | ddp | fsdp | deepspeed" in errors_of(
+    assert "expected one of auto | single | ddp | fsdp | deepspeed" in errors_of(
         overrides=["parallel.backend=horovod"]
     )
     msg = errors_of(
@@ -273,7 +273,17 @@ def test_generated_deepspeed_config_follows_the_common_keys():
 def test_launch_checks_world_size_batch_and_devices():
     from scale_llm.config import resolve_for_world, validate_world
 
-    cfg = load_config(None, ["train.global_batch_size=12", "train.micro_batch_size=4"])
+    auto = load_config(None, [])
+    assert auto.parallel.backend == "auto"  # the default: one process single, several ddp
+    assert resolve_for_world(auto, 1, False).parallel.backend == "single"
+    assert resolve_for_world(auto, 2, False).parallel.backend == "ddp"
+    assert (
+        resolve_for_world(load_config(None, ["parallel.backend=fsdp"]), 2, False).parallel.backend
+        == "fsdp"
+    )
+    cfg = load_config(
+        None, ["train.global_batch_size=12", "train.micro_batch_size=4", "parallel.backend=single"]
+    )
     assert resolve_for_world(cfg, 1, False).train.grad_accum == 3
     problems = "\n".join(validate_world(cfg, 2, False))
     assert "train.global_batch_size=12 is not divisible by train.micro_batch_size=4 x world" in (

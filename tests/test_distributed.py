@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.conftest import TINY_MODEL
 
@@ -253,8 +254,11 @@ def launch(
 
 
 def test_2xh100_launcher_runs_two_cpu_processes(data_dir, tmp_path):
-    proc = launch("2xh100.sh", launcher_args(data_dir, tmp_path, "l2", "tiny-ddp.yaml"), tmp_path)
+    """The one-process default config under the 2-process launcher: backend auto -> ddp."""
+    proc = launch("2xh100.sh", launcher_args(data_dir, tmp_path, "l2", "tiny.yaml"), tmp_path)
     assert "world 2" in proc.stdout and "done: 2 steps" in proc.stdout
+    resolved = yaml.safe_load((tmp_path / "l2" / "config.yaml").read_text())
+    assert resolved["parallel"]["backend"] == "ddp"
 
 
 def test_deepspeed_launcher(data_dir, tmp_path):

@@ -72,7 +72,7 @@ def hints(cfg: Config, world: int) -> list[tuple[str, float]]:
                     {"train.micro_batch_size": mb, "train.grad_accum": accum},
                 )
             )
-    if p.backend in ("single", "ddp") and world > 1:
+    if p.backend in ("auto", "single", "ddp") and world > 1:
         options.append(("--set parallel.backend=fsdp", {"parallel.backend": "fsdp"}))
     if p.backend == "deepspeed" and p.deepspeed.zero_stage < 3:
         stage = p.deepspeed.zero_stage + 1
