@@ -7,6 +7,7 @@ import shutil
 import sysconfig
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -51,6 +52,18 @@ def make_config(data_dir: Path | str, run_root: Path | str, *overrides: str) -> 
         "checkpoint.every=0",
     ]
     return load_config(None, base + list(overrides))
+
+
+def random_texts(
+    n: int, label: str, *, seed: int = 0, vocab: int = 300, word_len: int = 5, length: int = 120
+) -> list[str]:
+    """n documents of random made-up words, each starting with `label` formatted with its index
+    (e.g. "doc{i:03d}marker"), so a document can be found again after tokenizing."""
+    rng = np.random.default_rng(seed)
+    words = [
+        "".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), word_len)) for _ in range(vocab)
+    ]
+    return [label.format(i=i) + " " + " ".join(rng.choice(words, length)) for i in range(n)]
 
 
 def prep_config(source: Path | str, out: Path | str, *extra: str) -> Config:

@@ -14,19 +14,16 @@ from scale_llm.data.prepare import prepare
 from scale_llm.data.shards import open_split, read_manifest
 from scale_llm.data.tokenizer import Tokenizer, train_tokenizer
 from scale_llm.errors import UserError
-from tests.conftest import prep_config
+from tests.conftest import prep_config, random_texts
 
 CPU = torch.device("cpu")
 
 
 def marker_corpus(tmp_path, n=24):
     """Documents that each carry a unique marker word, so splits can be checked by decoding."""
-    rng = np.random.default_rng(0)
-    words = ["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), 5)) for _ in range(300)]
     path = tmp_path / "docs.jsonl"
     with open(path, "w") as f:
-        for i in range(n):
-            body = f"doc{i:03d}marker " + " ".join(rng.choice(words, 120))
+        for i, body in enumerate(random_texts(n, "doc{i:03d}marker")):
             f.write(json.dumps({"text": body, "meta": i}) + "\n")
     return path
 
@@ -91,9 +88,7 @@ def test_prepare_is_idempotent_and_redoes_work_when_input_changes(tmp_path, monk
 
 def test_the_same_corpus_in_another_place_gives_the_same_shards(tmp_path):
     """The val split hashes document names relative to the corpus, not absolute paths."""
-    rng = np.random.default_rng(0)
-    words = ["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), 5)) for _ in range(300)]
-    texts = [f"file{i:02d}marker " + " ".join(rng.choice(words, 150)) for i in range(12)]
+    texts = random_texts(12, "file{i:02d}marker", length=150)
     shards = {}
     for place in ("a", "b/deeper"):
         corpus = tmp_path / place / "corpus"

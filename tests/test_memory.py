@@ -166,55 +166,32 @@ def test_memory_units():
         parse_bytes("80 gigs")
 
 
-def test_estimate_command_json_and_fit(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "scale_llm",
-            "estimate",
-            str(REPO / "yaml" / "400m.yaml"),
-            "--world-size",
-            "2",
-            "--json",
-            "--fit",
-            "24GiB",
-        ],
+def estimate_cli(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "scale_llm", "estimate", *args],
         capture_output=True,
         text=True,
-        cwd=tmp_path,
+        cwd=cwd,
         timeout=120,
+    )
+
+
+def test_estimate_command_json_and_fit(tmp_path):
+    proc = estimate_cli(
+        tmp_path, str(REPO / "yaml" / "400m.yaml"), "--world-size", "2", "--json", "--fit", "24GiB"
     )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["params"] > 390e6
     assert {"params", "grads", "optimizer", "activations", "total"} <= out["bytes_per_gpu"].keys()
     assert out["fit"]["bytes_per_gpu"]["total"] <= 24 * 2**30
-    bad = subprocess.run(
-        [sys.executable, "-m", "scale_llm", "estimate", "--fit", "12 parsecs"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=120,
-    )
+    bad = estimate_cli(tmp_path, "--fit", "12 parsecs")
     assert bad.returncode == 2 and "accepted" not in bad.stderr and "GiB" in bad.stderr
 
 
 def test_human_report_ends_with_hints(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "scale_llm",
-            "estimate",
-            str(REPO / "yaml" / "400m.yaml"),
-            "--set",
-            "model.activation_checkpointing=none",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=120,
+    proc = estimate_cli(
+        tmp_path, str(REPO / "yaml" / "400m.yaml"), "--set", "model.activation_checkpointing=none"
     )
     assert proc.returncode == 0, proc.stderr
     assert "total" in proc.stdout and "to reduce:" in proc.stdout

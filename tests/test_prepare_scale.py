@@ -19,16 +19,15 @@ from scale_llm.data.sources import Document
 from scale_llm.errors import UserError
 from scale_llm.parallel.device import single_process
 from scale_llm.train.trainer import Trainer
-from tests.conftest import make_config, prep_config
+from tests.conftest import make_config, prep_config, random_texts
 
 
 def corpus(tmp_path, n=60):
-    rng = np.random.default_rng(1)
-    words = ["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), 4)) for _ in range(400)]
     path = tmp_path / "c.jsonl"
+    texts = random_texts(n, "doc{i}", seed=1, vocab=400, word_len=4, length=150)
     with open(path, "w") as f:
-        for i in range(n):
-            f.write(json.dumps({"text": f"doc{i} " + " ".join(rng.choice(words, 150))}) + "\n")
+        for text in texts:
+            f.write(json.dumps({"text": text}) + "\n")
     return path
 
 

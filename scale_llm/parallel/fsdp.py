@@ -79,9 +79,9 @@ class FSDPBackend(Backend):
         into the shards."""
         full = {}
         if self.dist.is_main:
-            if initial is None:
-                initial = init_on_cpu(build_model(self.cfg.model), self.cfg.run.seed).state_dict()
             full = initial
+            if full is None:
+                full = init_on_cpu(build_model(self.cfg.model), self.cfg.run.seed).state_dict()
         set_model_state_dict(
             model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         )

@@ -11,6 +11,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from scale_llm.parallel.device import is_distributed
+
 log = logging.getLogger(__name__)
 
 
@@ -47,7 +49,7 @@ def restore(state: dict[str, Any]) -> None:
 def gather_all_ranks() -> list[dict[str, Any]]:
     """Every rank's states, in rank order (a collective: call it on every rank)."""
     mine = capture()
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if _world() == 1:
         return [mine]
     states: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(states, mine)
@@ -57,7 +59,7 @@ def gather_all_ranks() -> list[dict[str, Any]]:
 def restore_for_rank(states: list[dict[str, Any]], rank: int) -> None:
     """This rank's saved states; on a different world size, rank 0's (the generators do not
     affect which data is read, which is fixed by the stream position)."""
-    if rank >= len(states) or len(states) != _world():
+    if len(states) != _world():
         log.info(
             "rng: checkpoint from %d ranks, now %d: every rank takes rank 0's generator states",
             len(states),
@@ -68,4 +70,4 @@ def restore_for_rank(states: list[dict[str, Any]], rank: int) -> None:
 
 
 def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return dist.get_world_size() if is_distributed() else 1
