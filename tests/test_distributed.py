@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -163,6 +164,27 @@ def test_resume_continues_the_same_curve(backend, runs, data_dir):
         assert resumed[step]["loss"] == straight[step]["loss"], step
         assert resumed[step]["grad_norm"] == straight[step]["grad_norm"], step
     assert resumed[4]["val_loss"] == straight[4]["val_loss"]
+
+
+def test_a_planted_pickle_in_deepspeed_files_never_runs(runs, data_dir):
+    """DeepSpeed reads its own files with weights_only=False; ours must not run a payload
+    planted in them (2 ranks, exact ZeRO-2 resume path)."""
+    from tests.test_security import plant_in_torch_file
+
+    ckpt = runs.root / "zero2-resumed" / "checkpoints" / "step_00000002"
+    args = [*common(data_dir, runs.root, "zero2-resumed"), *sets(*BACKENDS["zero2"], *SPLIT)]
+    if not ckpt.is_dir():
+        run(torchrun(2, *args, *sets("train.exit_at_step=2")), cwd=runs.root)
+    hostile = runs.root / "zero2-hostile" / "step_00000002"
+    shutil.copytree(ckpt, hostile)
+    marker = runs.root / "pwned"
+    target = plant_in_torch_file(hostile / "deepspeed" / "mp_rank_00_model_states.pt", marker)
+    cmd = torchrun(2, *common(data_dir, runs.root, "zero2-hostile-run"))
+    cmd += sets(*BACKENDS["zero2"], *SPLIT, f"checkpoint.resume={hostile}")
+    proc = subprocess.run(cmd, cwd=runs.root, env=env(), capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert not marker.exists(), "the planted code ran"
+    assert f"error: refusing to load {target}" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_zero3_with_cpu_offload_trains(runs, reference):

@@ -317,8 +317,8 @@ def test_every_generator_state_round_trips_through_a_checkpoint_file(tmp_path):
 
     import numpy as np
 
+    from scale_llm.components.serialization import load_file, save_file
     from scale_llm.train import rng
-    from scale_llm.train.checkpoint import load_file, save_file
 
     torch.manual_seed(1)
     np.random.seed(2)

@@ -16,21 +16,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from scale_llm.components.serialization import dcp_load, dcp_save, load_file, save_file
 from scale_llm.config import Config
 from scale_llm.model import Transformer, materialize
 from scale_llm.parallel.checkpointing import apply_activation_checkpointing
 from scale_llm.parallel.device import DistInfo, is_distributed
-from scale_llm.train.checkpoint import (
-    DCP_DIR,
-    SCALER_STATE,
-    load_file,
-    save_file,
-    single_process_dcp,
-)
+from scale_llm.train.checkpoint import DCP_DIR, SCALER_STATE
 from scale_llm.train.optim import build_optimizer
 from scale_llm.train.precision import Precision
 
@@ -121,20 +115,18 @@ class Backend:
         """Model and optimizer to torch.distributed.checkpoint, keyed by parameter name: the
         same layout for single, DDP and FSDP, loadable on any of them and any world size."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        with single_process_dcp():
-            dcp.save(
-                {"model": model_sd, "optimizer": optim_sd},
-                checkpoint_id=ckpt_dir / DCP_DIR,
-                no_dist=not is_distributed(),
-            )
+        dcp_save(
+            {"model": model_sd, "optimizer": optim_sd},
+            ckpt_dir / DCP_DIR,
+            no_dist=not is_distributed(),
+        )
         if self.dist.is_main:
             save_file({"scaler": self.scaler.state_dict()}, ckpt_dir / SCALER_STATE)
 
     def load(self, ckpt_dir: Path) -> None:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         state = {"model": model_sd, "optimizer": optim_sd}
-        with single_process_dcp():
-            dcp.load(state, checkpoint_id=ckpt_dir / DCP_DIR, no_dist=not is_distributed())
+        dcp_load(state, ckpt_dir / DCP_DIR, no_dist=not is_distributed())
         set_state_dict(
             self.model,
             self.optimizer,

@@ -24,11 +24,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from scale_llm.components.serialization import guard_deepspeed_reader, save_file
 from scale_llm.model import Transformer
 from scale_llm.parallel.backend import Backend, init_on_cpu
 from scale_llm.parallel.checkpointing import apply_activation_checkpointing
 from scale_llm.parallel.ds_config import deepspeed_config
-from scale_llm.train.checkpoint import MODEL_WEIGHTS, save_file
+from scale_llm.train.checkpoint import MODEL_WEIGHTS
 from scale_llm.train.optim import build_optimizer, param_groups
 
 TAG = "deepspeed"  # the engine's checkpoint folder inside each step_XXXXXXXX directory
@@ -137,6 +138,7 @@ class DeepSpeedBackend(Backend):
         return {k: v.detach().float().cpu().contiguous() for k, v in weights.items()}
 
     def load(self, ckpt_dir: Path) -> None:
+        guard_deepspeed_reader(self.model)  # DeepSpeed's own reader unpickles anything
         path, _ = self.model.load_checkpoint(
             str(ckpt_dir), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False
         )

@@ -3,24 +3,23 @@
 A checkpoint is a directory `checkpoints/step_00000100/`. It is written under a temporary name
 (`.tmp-step_00000100`), every file is flushed to disk, and only then renamed into place, so a
 process killed mid-save leaves the previous checkpoint as the newest complete one. Loading uses
-`torch.load(weights_only=True)`: tensors and plain containers only, never arbitrary objects.
+the allow-lists of scale_llm.components.serialization: never arbitrary objects.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
 import re
 import shutil
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from scale_llm.components.serialization import dcp_load, load_file
 from scale_llm.errors import UserError
 from scale_llm.parallel.device import barrier, is_distributed
 
@@ -126,14 +125,6 @@ def resolve_resume(resume: str, checkpointer: Checkpointer) -> Path | None:
     return path
 
 
-@contextlib.contextmanager
-def single_process_dcp():
-    """DCP warns on every single-process save / load even when told it is one (no_dist=True)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
-
-
 def load_model_weights(ckpt_dir: Path, model_cfg: Any) -> dict[str, torch.Tensor]:
     """The full fp32 model state dict of any checkpoint, on the CPU, in one process.
 
@@ -141,18 +132,13 @@ def load_model_weights(ckpt_dir: Path, model_cfg: Any) -> dict[str, torch.Tensor
     of `model_cfg`'s shape, whatever world size wrote them; DeepSpeed checkpoints carry a
     consolidated `model.pt`.
     """
-    import torch.distributed.checkpoint as dcp
-
     from scale_llm.model import build_model
 
     if (ckpt_dir / DCP_DIR).is_dir():
         model = build_model(model_cfg)
         model.to_empty(device="cpu")
         weights = model.state_dict()
-        with single_process_dcp():
-            dcp.load(
-                {"model": weights}, checkpoint_id=ckpt_dir / DCP_DIR, no_dist=not is_distributed()
-            )
+        dcp_load({"model": weights}, ckpt_dir / DCP_DIR, no_dist=not is_distributed())
         return weights
     if (ckpt_dir / MODEL_WEIGHTS).is_file():
         return load_file(ckpt_dir / MODEL_WEIGHTS)
@@ -160,14 +146,6 @@ def load_model_weights(ckpt_dir: Path, model_cfg: Any) -> dict[str, torch.Tensor
         f"{ckpt_dir} holds no model weights ({DCP_DIR}/ or {MODEL_WEIGHTS}); "
         f"point at a complete checkpoint directory"
     )
-
-
-def load_file(path: Path, map_location: str | torch.device = "cpu") -> Any:
-    return torch.load(path, map_location=map_location, weights_only=True)
-
-
-def save_file(obj: Any, path: Path) -> None:
-    torch.save(obj, path)
 
 
 def _fsync_tree(root: Path) -> None:

@@ -10,14 +10,10 @@ from pathlib import Path
 
 import torch
 
+from scale_llm.components.serialization import load_file
 from scale_llm.config import ModelConfig
 from scale_llm.errors import UserError
-from scale_llm.train.checkpoint import (
-    TRAINER_STATE,
-    Checkpointer,
-    load_file,
-    load_model_weights,
-)
+from scale_llm.train.checkpoint import TRAINER_STATE, Checkpointer, load_model_weights
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

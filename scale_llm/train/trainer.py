@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from scale_llm.components.serialization import load_file, save_file
 from scale_llm.config import Config, save_config, to_dict
 from scale_llm.data.loader import TokenWindows, TrainLoader, eval_batches
 from scale_llm.data.shards import open_split, read_manifest
@@ -30,10 +31,8 @@ from scale_llm.train import rng
 from scale_llm.train.checkpoint import (
     TRAINER_STATE,
     Checkpointer,
-    load_file,
     load_model_weights,
     resolve_resume,
-    save_file,
 )
 from scale_llm.train.guards import StopSignals, TrainingDiverged, diverged_message, maybe_fail
 from scale_llm.train.metrics import MetricsLogger, cuda_memory_gib, peak_flops

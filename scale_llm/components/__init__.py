@@ -1,0 +1,1 @@
+"""What the training loop and the backends share: checkpoint file reading, ..."""

@@ -1,0 +1,264 @@
+"""Reading and writing the pickled files a run leaves behind, without ever running their code.
+
+A pickle can name any importable callable and call it while it loads, so every pickled file
+scale_llm opens goes through an allow-list:
+
+- our own `.pt` files (trainer state, scaler, consolidated weights, `convert` output) and the byte
+  items inside a DCP checkpoint: `torch.load(weights_only=True)` (tensors, dtypes, sizes, plain
+  containers), with a clear error naming the file instead of torch's traceback;
+- the DCP metadata file (`dcp/.metadata`, a plain pickle that PyTorch reads with `pickle.load`):
+  a restricted unpickler that admits only DCP's metadata dataclasses and enums, `torch.Size`,
+  dtypes, layouts and paths;
+- DeepSpeed's checkpoint files (read by DeepSpeed with `weights_only=False`): the engine's
+  checkpoint reader is swapped for `weights_only=True` plus the three DeepSpeed classes those
+  files hold (its loss scaler, the ZeRO stage enum, a fragment-address tuple).
+
+Anything else in such a file is refused with `UnsafeCheckpoint`, before it is called.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import io
+import pickle
+import re
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from scale_llm.errors import UserError
+
+TRUST = "see 'Security' in docs/reliability.md for what is safe to load"
+
+
+class UnsafeCheckpoint(UserError):
+    """A checkpoint file names a class or function that no checkpoint of ours holds."""
+
+
+class DamagedCheckpoint(UserError):
+    """A checkpoint file cannot be read: truncated, overwritten or not the format it claims."""
+
+
+def refused(path: Path | str, what: str) -> UnsafeCheckpoint:
+    return UnsafeCheckpoint(
+        f"refusing to load {path}: it holds a pickled {what}, which no checkpoint written by "
+        f"scale_llm, PyTorch's distributed checkpoint or DeepSpeed contains; unpickling it could "
+        f"run code planted in the file. Nothing from it was loaded. Delete the file or the "
+        f"checkpoint, or resume from another one ({TRUST})"
+    )
+
+
+def damaged(path: Path | str, reason: str) -> DamagedCheckpoint:
+    return DamagedCheckpoint(
+        f"cannot read {path}: the file is damaged or incomplete ({reason[:200]}); resume from "
+        f"an earlier checkpoint or delete this one"
+    )
+
+
+# ----------------------------------------------------------------------------- torch.load
+
+
+def _refused_global(e: Exception) -> str | None:
+    """The name torch's weights-only unpickler refused, if that is why it failed."""
+    m = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)", str(e))
+    if m:
+        return m.group(1)
+    if "Weights only load failed" in str(e):
+        m = re.search(r"Unsupported operand \d+|Unsupported class [\w.]+|Trying to [^.\n]+", str(e))
+        return m.group(0) if m else "object outside the weights-only allow-list"
+    return None
+
+
+def load_file(
+    path: Path | str,
+    map_location: Any = "cpu",
+    safe_globals: list[Any] | tuple[Any, ...] = (),
+) -> Any:
+    """`torch.load(weights_only=True)` of one file; a refused global or a damaged file becomes
+    a UserError naming the file."""
+    try:
+        with torch.serialization.safe_globals(list(safe_globals)):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        name = _refused_global(e)
+        if name is not None:
+            raise refused(path, f"`{name}`") from None
+        raise damaged(path, str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+    except (RuntimeError, EOFError, ValueError, KeyError, OSError) as e:
+        if isinstance(e, FileNotFoundError | PermissionError):
+            raise
+        raise damaged(path, str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+
+
+def save_file(obj: Any, path: Path | str) -> None:
+    torch.save(obj, path)
+
+
+# ----------------------------------------------------------------------------- DCP
+
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+_PLAIN = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # looks a layout up by name among torch's layouts
+    ("collections", "OrderedDict"),
+    ("pathlib", "Path"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "PureWindowsPath"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits DCP's metadata dataclasses and enums and a few plain torch values, nothing else."""
+
+    def __init__(self, file: Any, path: Path | str):
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _PLAIN:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), torch.dtype | torch.memory_format
+        ):
+            return getattr(torch, name)
+        if module in _DCP_MODULES:
+            obj = super().find_class(module, name)
+            if isinstance(obj, type) and (
+                dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)
+            ):
+                return obj
+        raise refused(self.path, f"`{module}.{name}`")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise refused(self.path, "persistent reference")
+
+
+def read_dcp_metadata(path: Path | str) -> Any:
+    """The Metadata object of a DCP checkpoint's metadata file, through the allow-list."""
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f, path).load()
+    except UserError:
+        raise
+    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as e:
+        raise damaged(path, f"{type(e).__name__}: {e}") from None
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    if not isinstance(metadata, Metadata):
+        raise damaged(path, f"it holds a {type(metadata).__name__}, not DCP metadata")
+    for info in (metadata.storage_data or {}).values():
+        rel = getattr(info, "relative_path", "")
+        if not isinstance(rel, str) or "/" in rel or "\\" in rel or rel in ("", ".", ".."):
+            raise damaged(path, f"a data file name that leaves the checkpoint: {rel!r}")
+    return metadata
+
+
+def _safe_reader_and_planner(checkpoint_id: Path, metadata: Any) -> tuple[Any, Any]:
+    """A FileSystemReader that returns the metadata already read through the allow-list, and a
+    planner that reads byte items with weights_only=True (DCP's own use pickle.load and
+    torch.load(weights_only=False))."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            fqn = read_item.dest_index.fqn
+            obj = _load_bytes(value, f"{checkpoint_id} (item {fqn})")
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[fqn], obj)
+            else:
+                self.state_dict[fqn] = obj
+
+    return Reader(checkpoint_id), Planner()
+
+
+def _load_bytes(value: io.BytesIO, what: str) -> Any:
+    try:
+        return torch.load(value, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        name = _refused_global(e)
+        if name is not None:
+            raise refused(what, f"`{name}`") from None
+        raise damaged(what, str(e).splitlines()[0]) from None
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """DCP warns on every single-process save / load even when told it is one (no_dist=True)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def dcp_load(state: dict[str, Any], checkpoint_id: Path, no_dist: bool) -> None:
+    """`torch.distributed.checkpoint.load` into `state` in place, reading the metadata and the
+    byte items through the allow-lists above."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    checkpoint_id = Path(checkpoint_id)
+    metadata_file = checkpoint_id / ".metadata"
+    if not metadata_file.is_file():
+        raise damaged(checkpoint_id, "its .metadata file is missing")
+    metadata = read_dcp_metadata(metadata_file)  # errors here name the file (DCP's would not)
+    reader, planner = _safe_reader_and_planner(checkpoint_id, metadata)
+    try:
+        with _quiet_single_process():
+            dcp.load(
+                state,
+                checkpoint_id=checkpoint_id,
+                storage_reader=reader,
+                planner=planner,
+                no_dist=no_dist,
+            )
+    except CheckpointException as e:  # DCP wraps each rank's exception
+        for _, (err, _) in sorted(getattr(e, "failures", {}).items()):
+            if isinstance(err, UserError):
+                raise err from None
+        raise
+
+
+def dcp_save(state: dict[str, Any], checkpoint_id: Path, no_dist: bool) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    with _quiet_single_process():
+        dcp.save(state, checkpoint_id=checkpoint_id, no_dist=no_dist)
+
+
+# ----------------------------------------------------------------------------- DeepSpeed
+
+
+def deepspeed_safe_globals() -> list[Any]:
+    """The DeepSpeed classes its ZeRO checkpoint files hold (seen in ZeRO 0-3, fp32 / bf16,
+    with and without CPU offload, DeepSpeed 0.19)."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, ZeroStageEnum, fragment_address]
+
+
+def guard_deepspeed_reader(engine: Any) -> None:
+    """Make a DeepSpeed engine read its checkpoint files with `weights_only=True` (DeepSpeed's
+    own reader unpickles anything)."""
+    allowed = deepspeed_safe_globals()
+
+    def load(path: str, map_location: Any = None) -> Any:
+        return load_file(path, map_location=map_location, safe_globals=allowed)
+
+    engine.checkpoint_engine.load = load
