@@ -12,13 +12,12 @@ from typing import Any
 
 import torch
 
+from scale_llm.components.hardware import cuda_memory_gib, peak_flops
 from scale_llm.config import Config
 from scale_llm.model import build_model
 from scale_llm.parallel.backend import build_backend
-from scale_llm.parallel.device import DistInfo
-from scale_llm.train.metrics import cuda_memory_gib, peak_flops
-from scale_llm.train.precision import resolve_precision
-from scale_llm.train.trainer import optimizer_step
+from scale_llm.parallel.step import optimizer_step
+from scale_llm.plan import RunPlan
 
 log = logging.getLogger(__name__)
 
@@ -28,22 +27,21 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench(cfg: Config, dist: DistInfo, steps: int = 10, warmup: int = 3) -> dict[str, Any]:
-    device = dist.device
-    precision = resolve_precision(cfg.train.precision, device)
-    backend = build_backend(cfg, dist, precision)
+def bench(cfg: Config, plan: RunPlan, steps: int = 10, warmup: int = 3) -> dict[str, Any]:
+    device = plan.device
+    backend = build_backend(cfg, plan)
     model = build_model(cfg.model)
     flops_per_token = model.flops_per_token()
     n_params = model.num_params()
     wrapped = backend.setup(model)
-    t, m = cfg.train, cfg.model
-    gen = torch.Generator(device="cpu").manual_seed(cfg.run.seed + dist.rank)
+    m = cfg.model
+    gen = torch.Generator(device="cpu").manual_seed(cfg.run.seed + plan.rank)
 
     def batches():
         out = []
-        for _ in range(t.grad_accum):
+        for _ in range(plan.grad_accum):
             tokens = torch.randint(
-                0, m.vocab_size, (t.micro_batch_size, m.seq_len + 1), generator=gen
+                0, m.vocab_size, (plan.micro_batch_size, m.seq_len + 1), generator=gen
             )
             tokens = tokens.to(device)
             out.append((tokens[:, :-1], tokens[:, 1:]))
@@ -60,10 +58,10 @@ def bench(cfg: Config, dist: DistInfo, steps: int = 10, warmup: int = 3) -> dict
     loss.item()
     synchronize(device)
     seconds = (time.perf_counter() - start) / steps
-    tokens = t.micro_batch_size * m.seq_len * t.grad_accum
+    tokens = plan.tokens_per_step_per_rank
     result: dict[str, Any] = {
         "params": n_params,
-        "precision": precision.name,
+        "precision": plan.precision,
         "device": str(device),
         "tokens_per_step_per_rank": tokens,
         "ms_per_step": seconds * 1e3,

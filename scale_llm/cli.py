@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from scale_llm.config import Config, load_config, resolve_backend
+from scale_llm.config import Config, load_config
 from scale_llm.errors import UserError
 from scale_llm.log import setup_logging
 from scale_llm.version import __version__
@@ -35,7 +35,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--grad-checkpointing",
         action="store_true",
-        help="alias of model.activation_checkpointing=full",
+        help="alias of activation_checkpointing.mode=full",
     )
     p.add_argument("--amp", action="store_true", help="mixed precision (bf16 unless --amp-dtype)")
     p.add_argument(
@@ -74,7 +74,7 @@ def alias_overrides(args: argparse.Namespace) -> list[str]:
     if args.grad_accum is not None:
         out.append(f"train.grad_accum={args.grad_accum}")
     if args.grad_checkpointing:
-        out.append("model.activation_checkpointing=full")
+        out.append("activation_checkpointing.mode=full")
     if args.amp_dtype:
         out.append(f"train.precision={args.amp_dtype}")
     elif args.amp:
@@ -160,43 +160,35 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def start_distributed(args: argparse.Namespace):
-    """Resolve the config against the launcher's world size, then start the process group.
-
-    Every check that can fail on user input runs before any process group exists.
-    """
-    from scale_llm.config import resolve_for_world
-    from scale_llm.parallel.device import init_distributed, launch_env
+    """Load the config, resolve it against the launch into the run plan, then start the process
+    group. Every check that can fail on user input runs before any process group exists."""
+    from scale_llm.components.distributed import start
+    from scale_llm.plan import launch_env, resolve_plan
 
     cfg = config_from_args(args)
-    rank, _, world = launch_env()
-    setup_logging(rank)
-    import torch
-
-    cfg = resolve_for_world(cfg, world, torch.cuda.is_available())
-    if cfg.parallel.backend == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+    launch = launch_env()
+    setup_logging(launch.rank)
+    plan = resolve_plan(cfg, launch)
+    if plan.backend == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
         raise UserError(
             "parallel.backend=deepspeed but deepspeed is not installed; `pip install deepspeed` "
             "(launch/setup.sh installs it) or pick parallel.backend=ddp or fsdp"
         )
-    return cfg, init_distributed(cfg.parallel.backend, cfg.train.device)
+    start(plan)
+    return cfg, plan
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    cfg, dist_info = start_distributed(args)
-    if args.report_memory and dist_info.is_main:
+    cfg, plan = start_distributed(args)
+    if args.report_memory and plan.is_main:
         from scale_llm import memory
-        from scale_llm.train.precision import resolve_precision
 
-        precision = resolve_precision(cfg.train.precision, dist_info.device).name
-        planned = memory.with_changes(cfg, {"train.precision": precision})
-        est = memory.estimate(planned, dist_info.world_size)
-        log.info(
-            memory.format_report(est, planned, dist_info.world_size, args.config or "defaults")
-        )
+        est = memory.estimate(cfg, plan)
+        log.info(memory.format_report(est, cfg, plan, args.config or "defaults"))
     from scale_llm.train.trainer import train
 
     t0 = time.perf_counter()
-    result = train(cfg, dist_info)
+    result = train(cfg, plan)
     if result.losses:
         (s0, l0), (s1, l1) = next(iter(result.losses.items())), list(result.losses.items())[-1]
         val = list(result.val_losses.values())
@@ -218,41 +210,41 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     import json
 
     from scale_llm import memory
+    from scale_llm.plan import target_plan
 
     cfg = config_from_args(args)
     world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
     if world < 1:
         raise UserError(f"--world-size {world} must be at least 1")
-    cfg = resolve_backend(cfg, world)
-    est = memory.estimate(cfg, world)
+    plan = target_plan(cfg, world)
+    est = memory.estimate(cfg, plan)
     result = est.to_json()
-    text = [memory.format_report(est, cfg, world, args.config or "defaults")]
+    text = [memory.format_report(est, cfg, plan, args.config or "defaults")]
     if args.measure:
-        counted, predicted = memory.measure_activations(cfg)
+        counted, predicted = memory.measure_activations(cfg, plan)
         result["measured_cpu"] = {
             "counted_saved_bytes": counted,
             "predicted_saved_bytes": predicted,
         }
         text.append(
-            f"measured on CPU (micro-batch {cfg.train.micro_batch_size}): the forward pass "
+            f"measured on CPU (micro-batch {plan.micro_batch_size}): the forward pass "
             f"saved {memory.gib(counted)} for backward; predicted {memory.gib(predicted)} "
             f"({predicted / counted - 1:+.2%})"
         )
     if args.fit:
         budget = memory.parse_bytes(args.fit)
-        plan = memory.fit(cfg, world, budget)
+        fitted = memory.fit(cfg, plan, budget)
         result["fit"] = {
             "budget": budget,
-            "overrides": plan.changes,
-            "bytes_per_gpu": {k: int(v) for k, v in plan.estimate.gpu.items()},
+            "overrides": fitted.changes,
+            "bytes_per_gpu": {k: int(v) for k, v in fitted.estimate.gpu.items()},
         }
-        flags = memory.format_overrides(plan.changes) or "(no change needed)"
+        flags = memory.format_overrides(fitted.changes) or "(no change needed)"
+        est, lay = fitted.estimate, fitted.estimate.layout
         text.append(
-            f"fits in {memory.gib(budget)}: total {memory.gib(plan.estimate.total)} "
-            f"({plan.estimate.layout.describe()}, activation_checkpointing "
-            f"{plan.estimate.model.activation_checkpointing}, micro_batch "
-            f"{plan.estimate.layout.micro_batch} x grad_accum "
-            f"{plan.estimate.layout.grad_accum})\n  {flags}"
+            f"fits in {memory.gib(budget)}: total {memory.gib(est.total)} "
+            f"({lay.describe()}, activation_checkpointing {est.ac.mode}, micro_batch "
+            f"{lay.micro_batch} x grad_accum {lay.grad_accum})\n  {flags}"
         )
     print(json.dumps(result) if args.json else "\n".join(text))
     return 0
@@ -263,9 +255,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from scale_llm.bench import bench
 
-    cfg, dist_info = start_distributed(args)
-    result = bench(cfg, dist_info, args.steps, args.warmup)
-    if not dist_info.is_main:
+    cfg, plan = start_distributed(args)
+    result = bench(cfg, plan, args.steps, args.warmup)
+    if not plan.is_main:
         return 0
     if args.json:
         print(json.dumps(result))
@@ -284,12 +276,19 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from scale_llm.generate import generate_text
+    from scale_llm.config import with_changes
+    from scale_llm.generate import generate_text, read_run_config
+    from scale_llm.plan import Launch, resolve_plan
 
     if args.max_new_tokens < 1:
         raise UserError("--max-new-tokens must be at least 1")
+    cfg = read_run_config(args.run_dir)
+    # one process on whatever this machine has, whatever the run was trained with
+    here = with_changes(cfg, {"parallel.backend": "single", "train.device": "auto"})
     text = generate_text(
         args.run_dir,
+        cfg,
+        resolve_plan(here, Launch()),
         args.prompt,
         args.max_new_tokens,
         args.temperature,
@@ -326,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         code = 130
     finally:
         if "torch.distributed" in sys.modules:  # a process group may exist: leave it
-            from scale_llm.parallel.device import shutdown_distributed
+            from scale_llm.components.distributed import shutdown_distributed
 
             shutdown_distributed(clean=code == 0)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:

@@ -3,12 +3,18 @@
 Precedence is CLI overrides > YAML > dataclass defaults. Every problem (unknown key, wrong type,
 impossible value or combination) is collected and reported in one `UserError` that names each key
 and the fix, before any model or process group exists.
+
+The sections used by one package keep their schema and checks beside it (`parallel/options.py`,
+`data/options.py`); this module holds the rest, assembles the tree, and does the loading, the
+overrides, the deprecated-key aliases and the collect-all report. Resolving `auto` against the
+launch is `scale_llm.plan`'s job, not this module's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import math
 import types
 import typing
@@ -18,8 +24,29 @@ from typing import Any, Literal
 
 import yaml
 
+from scale_llm.data.options import DataConfig, validate_data
 from scale_llm.errors import UserError
+from scale_llm.parallel.options import (
+    ActivationCheckpointingConfig,
+    DDPConfig,
+    DeepSpeedConfig,
+    FSDPConfig,
+    ParallelConfig,
+    validate_activation_checkpointing,
+    validate_parallel,
+)
+from scale_llm.schema import run_defining
 
+__all__ = [  # the section schemas that live beside their owners, re-exported for convenience
+    "ActivationCheckpointingConfig",
+    "DDPConfig",
+    "DataConfig",
+    "DeepSpeedConfig",
+    "FSDPConfig",
+    "ParallelConfig",
+]
+
+log = logging.getLogger(__name__)
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
 
 
@@ -27,7 +54,7 @@ Precision = Literal["auto", "bf16", "fp16", "fp32"]
 class RunConfig:
     name: str = "tiny"
     dir: str = "runs"  # the run directory is <dir>/<name>
-    seed: int = 1337
+    seed: int = run_defining(1337)
 
 
 @dataclass
@@ -38,41 +65,20 @@ class LoggingConfig:
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = 4096
-    d_model: int = 256
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int | None = None  # None: n_heads (multi-head); fewer: grouped-query attention
-    seq_len: int = 256
-    mlp_hidden: int | None = None  # None: 8/3 * d_model rounded up to a multiple of 64 (SwiGLU)
-    tie_embeddings: bool = True
+    vocab_size: int = run_defining(4096)
+    d_model: int = run_defining(256)
+    n_layers: int = run_defining(4)
+    n_heads: int = run_defining(4)
+    # None: n_heads (multi-head); fewer: grouped-query attention
+    n_kv_heads: int | None = run_defining(None)
+    seq_len: int = run_defining(256)
+    # None: 8/3 * d_model rounded up to a multiple of 64 (SwiGLU)
+    mlp_hidden: int | None = run_defining(None)
+    tie_embeddings: bool = run_defining(True)
     attention: Literal["sdpa", "eager"] = "sdpa"
-    # none | full (every block) | every_k (blocks 0, k, 2k, ...) | selective (op-level: keep
-    # matmul and attention outputs, recompute element-wise ops); numerics are the same in all
-    activation_checkpointing: Literal["none", "full", "every_k", "selective"] = "none"
-    activation_checkpointing_k: int = 2  # for every_k
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
+    norm_eps: float = run_defining(1e-5)
+    rope_theta: float = run_defining(10000.0)
     init_std: float = 0.02
-
-
-@dataclass
-class DataConfig:
-    source: str = "builtin"  # "builtin", "hf:NAME", or a file / dir / glob (.txt .jsonl .parquet)
-    dir: str = "data/builtin"  # where the tokenizer, shards and manifest are written
-    text_field: str = "text"  # the field holding the text in .jsonl / .parquet / hf: records
-    hf_config: str | None = None  # hf: dataset configuration (subset), e.g. "sample-10BT"
-    hf_split: str = "train"  # hf: split to read
-    hf_revision: str | None = None  # hf: git revision (branch, tag or commit) to pin
-    streaming: bool = False  # hf: read as a stream instead of downloading the whole dataset
-    max_documents: int | None = None  # read at most this many documents (null: all)
-    max_tokens: int | None = None  # stop once this many tokens are written (null: all)
-    val_fraction: float = 0.02  # share of documents held out for validation
-    tokenizer_sample_bytes: int = 8_000_000  # characters sampled to train the tokenizer
-    tokenizer_sample_documents: int | None = None  # and at most this many documents (null: any)
-    shard_tokens: int = 50_000_000  # tokens per shard file
-    num_proc: int = 0  # tokenizer processes in prepare; 0: one per CPU core
-    prefetch: int = 2  # training batches read ahead in a background thread; 0: none
 
 
 @dataclass
@@ -110,38 +116,6 @@ class CheckpointConfig:
 
 
 @dataclass
-class DDPConfig:
-    bucket_cap_mb: int = 25  # gradient all-reduce bucket size
-    gradient_as_bucket_view: bool = True  # gradients alias the buckets: saves one gradient copy
-    static_graph: bool = False  # the graph never changes: lets DDP skip per-step bookkeeping
-
-
-@dataclass
-class FSDPConfig:
-    reshard_after_forward: bool = True  # true: ZeRO-3-like (params re-gathered in backward);
-    # false: ZeRO-2-like (params stay gathered from forward to backward: more memory, less comm)
-    cpu_offload: bool = False  # keep sharded params, grads and optimizer state in CPU memory
-    replicate_degree: int = 1  # HSDP: replicas (e.g. nodes) x shards within each; 1 = plain FSDP
-
-
-@dataclass
-class DeepSpeedConfig:
-    zero_stage: int = 2  # 0: plain data parallel; 1: shard optimizer; 2: + gradients; 3: + params
-    offload_optimizer: Literal["none", "cpu"] = "none"  # ZeRO-Offload of optimizer state + step
-    offload_param: Literal["none", "cpu"] = "none"  # ZeRO-3 only: parameters live in CPU memory
-    config: dict | None = None  # raw ds_config entries merged over the generated ones (experts)
-
-
-@dataclass
-class ParallelConfig:
-    # auto: single for one process, ddp when a launcher starts several
-    backend: Literal["auto", "single", "ddp", "fsdp", "deepspeed"] = "auto"
-    ddp: DDPConfig = field(default_factory=DDPConfig)
-    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
-    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
-
-
-@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -151,6 +125,9 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = field(
+        default_factory=ActivationCheckpointingConfig
+    )
 
     @property
     def run_dir(self) -> Path:
@@ -172,12 +149,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         _apply_override(raw, item, errors)
     if overrides:
         where += " + command-line overrides"
+    _move_deprecated_keys(raw, errors)
     cfg = _build(Config, raw, "", errors)
     # Check values too, skipping messages about keys that already failed (they hold defaults).
     failed = [msg.split(":", 1)[0] for msg in errors]
     errors.extend(m for m in validate(cfg) if not any(k in m for k in failed))
     if errors:
-        raise UserError(_format_errors(errors, where))
+        raise UserError(format_errors(errors, where))
     return cfg
 
 
@@ -253,6 +231,74 @@ def _apply_override(raw: dict[str, Any], item: str, errors: list[str]) -> None:
             return
         node = child
     node[parts[-1]] = value
+
+
+# Keys that moved: old dotted key -> new dotted key. The old one is still read, with a note.
+MOVED = {
+    "model.activation_checkpointing": "activation_checkpointing.mode",
+    "model.activation_checkpointing_k": "activation_checkpointing.k",
+}
+
+
+def _move_deprecated_keys(raw: dict[str, Any], errors: list[str]) -> None:
+    """Rewrite moved keys to their new place, with one deprecation line each; a key given in
+    both places is an error naming both."""
+    for old, new in MOVED.items():
+        old_section, old_key = old.split(".")
+        new_section, new_key = new.split(".")
+        section = raw.get(old_section)
+        if not isinstance(section, dict) or old_key not in section:
+            continue
+        value = section.pop(old_key)
+        target = raw.setdefault(new_section, {})
+        if not isinstance(target, dict):
+            continue  # reported as a malformed section by _build
+        if new_key in target:
+            errors.append(
+                f"{old}: moved to {new}, and both are set ({value!r} and {target[new_key]!r}); "
+                f"keep only {new}"
+            )
+            continue
+        target[new_key] = value
+        log.warning("config: %s is deprecated; use %s (read as %s=%s)", old, new, new, value)
+
+
+def run_defining_keys(cls: type = None, prefix: str = "") -> list[str]:
+    """Dotted keys marked `run_defining` in the schema: a checkpoint resumes only if they match."""
+    cls = cls or Config
+    out: list[str] = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out.extend(run_defining_keys(hints[f.name], f"{prefix}{f.name}."))
+        elif f.metadata.get("run_defining"):
+            out.append(f"{prefix}{f.name}")
+    return out
+
+
+def get_key(cfg: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def with_changes(cfg: Config, changes: dict[str, Any]) -> Config:
+    """A copy of cfg with dotted keys replaced (values already typed)."""
+    sections: dict[str, dict[str, Any]] = {}
+    for key, value in changes.items():
+        parts = key.split(".")
+        sections.setdefault(".".join(parts[:-1]), {})[parts[-1]] = value
+    out = cfg
+    for path, values in sections.items():
+        names = path.split(".")
+        parents = [out]
+        for name in names:
+            parents.append(getattr(parents[-1], name))
+        node = dataclasses.replace(parents[-1], **values)
+        for parent, name in zip(reversed(parents[:-1]), reversed(names)):
+            node = dataclasses.replace(parent, **{name: node})
+        out = node
+    return out
 
 
 # ----------------------------------------------------------------------------- typing
@@ -384,13 +430,7 @@ def validate(cfg: Config) -> list[str]:
         positive("train.exit_at_step", t.exit_at_step)
     if t.global_batch_size is not None:
         positive("train.global_batch_size", t.global_batch_size)
-    positive("data.tokenizer_sample_bytes", cfg.data.tokenizer_sample_bytes)
-    positive("data.shard_tokens", cfg.data.shard_tokens)
-    for key in ("max_documents", "max_tokens", "tokenizer_sample_documents"):
-        if getattr(cfg.data, key) is not None:
-            positive(f"data.{key}", getattr(cfg.data, key))
-    non_negative("data.num_proc", cfg.data.num_proc)
-    non_negative("data.prefetch", cfg.data.prefetch)
+    e.extend(validate_data(cfg.data))
     positive("logging.every", cfg.logging.every)
     positive("checkpoint.keep_last", cfg.checkpoint.keep_last)
     for key, value in (
@@ -419,127 +459,24 @@ def validate(cfg: Config) -> list[str]:
             f"model.n_kv_heads={m.n_kv_heads} must be > 0 and divide model.n_heads="
             f"{m.n_heads}; use null for plain multi-head attention"
         )
-    if m.activation_checkpointing_k < 1:
-        e.append(f"model.activation_checkpointing_k={m.activation_checkpointing_k} must be >= 1")
+    e.extend(validate_activation_checkpointing(cfg.activation_checkpointing))
     if m.mlp_hidden is not None and m.mlp_hidden <= 0:
         e.append(f"model.mlp_hidden={m.mlp_hidden} must be > 0, or null for the default")
     if t.min_lr > t.lr:
         e.append(f"train.min_lr={t.min_lr} is above train.lr={t.lr}; set min_lr <= lr")
-    if not 0.0 < cfg.data.val_fraction < 1.0:
-        e.append(f"data.val_fraction={cfg.data.val_fraction} must be between 0 and 1 (e.g. 0.01)")
     if not 0.0 <= t.beta1 < 1.0 or not 0.0 <= t.beta2 < 1.0:
         e.append(f"train.beta1={t.beta1} / train.beta2={t.beta2} must lie in [0, 1)")
     if not cfg.run.name or "/" in cfg.run.name:
         e.append(f"run.name={cfg.run.name!r} must be a non-empty name without '/'")
-    e.extend(_validate_parallel(cfg))
+    e.extend(validate_parallel(cfg))
     return e
-
-
-def _validate_parallel(cfg: Config) -> list[str]:
-    """Backend options that only make sense with one backend, or not at all together."""
-    e: list[str] = []
-    p, backend = cfg.parallel, cfg.parallel.backend
-    ds, fsdp = p.deepspeed, p.fsdp
-    if not 0 <= ds.zero_stage <= 3:
-        e.append(f"parallel.deepspeed.zero_stage={ds.zero_stage} must be 0, 1, 2 or 3")
-    if fsdp.replicate_degree < 1:
-        e.append(f"parallel.fsdp.replicate_degree={fsdp.replicate_degree} must be >= 1")
-    if fsdp.cpu_offload and backend != "fsdp":
-        e.append(
-            f"parallel.fsdp.cpu_offload=true needs parallel.backend=fsdp (it is {backend}); "
-            f"with deepspeed use parallel.deepspeed.offload_optimizer/offload_param"
-        )
-    offloads = [k for k in ("offload_optimizer", "offload_param") if getattr(ds, k) != "none"]
-    if offloads and backend != "deepspeed":
-        e.append(
-            f"parallel.deepspeed.{offloads[0]}=cpu needs parallel.backend=deepspeed (it is "
-            f"{backend}); with fsdp use parallel.fsdp.cpu_offload=true"
-        )
-    if ds.offload_param != "none" and ds.zero_stage != 3:
-        e.append(
-            f"parallel.deepspeed.offload_param=cpu needs parallel.deepspeed.zero_stage=3 "
-            f"(it is {ds.zero_stage}); parameters are only partitioned under ZeRO-3"
-        )
-    if ds.offload_optimizer != "none" and ds.zero_stage == 0:
-        e.append(
-            "parallel.deepspeed.offload_optimizer=cpu needs parallel.deepspeed.zero_stage "
-            ">= 1 (ZeRO-Offload moves the partitioned optimizer state)"
-        )
-    if ds.config and backend == "deepspeed":
-        from scale_llm.parallel.ds_config import passthrough_problems
-
-        e.extend(passthrough_problems(ds.config))
-    return e
-
-
-def validate_world(cfg: Config, world_size: int, has_cuda: bool) -> list[str]:
-    """Checks that need the launch: the number of processes and whether a GPU will be used."""
-    e: list[str] = []
-    on_gpu = has_cuda and cfg.train.device != "cpu"
-    if cfg.parallel.backend == "deepspeed" and cfg.train.precision == "fp16" and not on_gpu:
-        e.append(
-            "train.precision=fp16 with parallel.backend=deepspeed needs a GPU (DeepSpeed's "
-            "CPU accelerator has no fp16); use train.precision=bf16 or fp32 on CPU"
-        )
-    if cfg.parallel.fsdp.cpu_offload and cfg.parallel.backend == "fsdp" and not on_gpu:
-        e.append(
-            "parallel.fsdp.cpu_offload=true needs a GPU to offload from; on a CPU-only "
-            "machine set it to false"
-        )
-    if world_size > 1 and cfg.parallel.backend == "single":
-        e.append(
-            f"parallel.backend=single but {world_size} processes were launched; set "
-            f"parallel.backend to ddp, fsdp or deepspeed, or launch one process"
-        )
-    r = cfg.parallel.fsdp.replicate_degree
-    if cfg.parallel.backend == "fsdp" and world_size % r:
-        e.append(
-            f"parallel.fsdp.replicate_degree={r} does not divide the world size "
-            f"{world_size}; use a divisor of it (usually the number of nodes)"
-        )
-    g, mb = cfg.train.global_batch_size, cfg.train.micro_batch_size
-    if g is not None and g % (mb * world_size):
-        e.append(
-            f"train.global_batch_size={g} is not divisible by train.micro_batch_size={mb} x "
-            f"world size {world_size} = {mb * world_size}; pick a global batch that is a "
-            f"multiple of {mb * world_size} or change micro_batch_size"
-        )
-    return e
-
-
-def resolve_backend(cfg: Config, world_size: int) -> Config:
-    """parallel.backend=auto -> single for one process, ddp for several."""
-    if cfg.parallel.backend != "auto":
-        return cfg
-    backend = "single" if world_size == 1 else "ddp"
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, backend=backend))
-
-
-def resolve_for_world(cfg: Config, world_size: int, has_cuda: bool) -> Config:
-    """Validate against the launch, resolve parallel.backend=auto and derive grad_accum from
-    train.global_batch_size."""
-    errors = validate_world(cfg, world_size, has_cuda)
-    if errors:
-        raise UserError(_format_errors(errors, f"launched with {world_size} processes"))
-    cfg = resolve_backend(cfg, world_size)
-    g = cfg.train.global_batch_size
-    if g is not None:
-        accum = g // (cfg.train.micro_batch_size * world_size)
-        if cfg.train.grad_accum not in (1, accum):
-            raise UserError(
-                f"train.grad_accum={cfg.train.grad_accum} contradicts train.global_batch_size={g} "
-                f"(micro_batch_size {cfg.train.micro_batch_size} x world {world_size} gives "
-                f"grad_accum {accum}); set only one of them"
-            )
-        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_accum=accum))
-    return cfg
 
 
 def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, min(n, 64) + 1) if n % d == 0 and d > 1)
 
 
-def _format_errors(errors: list[str], where: str) -> str:
+def format_errors(errors: list[str], where: str) -> str:
     head = f"{len(errors)} problem{'s' if len(errors) > 1 else ''} in the config ({where}):"
     return "\n".join([head] + [f"  - {msg}" for msg in errors])
 
@@ -556,11 +493,13 @@ def dump_yaml(cfg: Config) -> str:
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
-    """Write the resolved config atomically; feeding it back to `train` reproduces the run."""
+    """Write the config (as the user set it: `auto` stays `auto`; the resolved values go to
+    plan.json) atomically; feeding it back to `train` reproduces the run."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(
-        "# resolved scale_llm config; `scale-llm train` accepts it as is\n" + dump_yaml(cfg),
+        "# scale_llm config as given (defaults filled in); plan.json beside it holds what `auto`\n"
+        "# resolved to; `scale-llm train` accepts this file as is\n" + dump_yaml(cfg),
         encoding="utf-8",
     )
     tmp.replace(path)

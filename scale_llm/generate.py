@@ -11,38 +11,44 @@ from pathlib import Path
 
 import torch
 
-from scale_llm.config import load_config
+from scale_llm.components.checkpoint import Checkpointer, load_model_weights
+from scale_llm.components.precision import Precision
+from scale_llm.config import Config, load_config
 from scale_llm.data.tokenizer import Tokenizer
 from scale_llm.errors import UserError
-from scale_llm.model import KVCache, Transformer, build_model
-from scale_llm.parallel.device import select_device
-from scale_llm.train.checkpoint import Checkpointer, load_model_weights
-from scale_llm.train.precision import resolve_precision
+from scale_llm.model import KVCache, Transformer, build_model, empty_state_dict
+from scale_llm.plan import RunPlan
 
 
-def load_run(
-    run_dir: str | Path, device: torch.device | None = None, checkpoint: str | Path | None = None
-) -> tuple[Transformer, Tokenizer, object]:
-    """The model of a run's newest (or the given) checkpoint, with the run's tokenizer."""
+def read_run_config(run_dir: str | Path) -> Config:
+    """The config a run directory was trained with."""
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise UserError(
             f"{run_dir} is not a run directory (no config.yaml); pass the directory "
             f"`scale-llm train` wrote, e.g. runs/tiny"
         )
-    cfg = load_config(run_dir / "config.yaml")
+    return load_config(run_dir / "config.yaml")
+
+
+def load_run(
+    run_dir: str | Path, cfg: Config, plan: RunPlan, checkpoint: str | Path | None = None
+) -> tuple[Transformer, Tokenizer]:
+    """The model of a run's newest (or the given) checkpoint on the plan's device, with the
+    run's tokenizer."""
+    run_dir = Path(run_dir)
     ckpt = Path(checkpoint) if checkpoint else Checkpointer(run_dir, 1).latest()
     if ckpt is None:
         raise UserError(
             f"{run_dir} has no complete checkpoint; train longer or set checkpoint.every so "
             f"that one is saved"
         )
-    weights = load_model_weights(ckpt, cfg.model)
+    weights = load_model_weights(ckpt, empty_state_dict(cfg.model))
     model = build_model(cfg.model)
     model.load_state_dict(weights, assign=True)
-    model.to(device or select_device("auto"))
+    model.to(plan.device)
     model.eval()
-    return model, Tokenizer(run_dir / "tokenizer.model"), cfg
+    return model, Tokenizer(run_dir / "tokenizer.model")
 
 
 def sample_next(
@@ -121,6 +127,8 @@ def _forward(
 
 def generate_text(
     run_dir: str | Path,
+    cfg: Config,
+    plan: RunPlan,
     prompt: str,
     max_new_tokens: int = 200,
     temperature: float = 0.8,
@@ -129,9 +137,8 @@ def generate_text(
     seed: int | None = 0,
     checkpoint: str | Path | None = None,
 ) -> str:
-    model, tokenizer, cfg = load_run(run_dir, checkpoint=checkpoint)
-    device = model.tok_embeddings.weight.device
-    precision = resolve_precision(cfg.train.precision, device)
+    model, tokenizer = load_run(run_dir, cfg, plan, checkpoint)
+    precision = Precision(plan.precision, plan.device.type)
     ids = generate(
         model,
         tokenizer.encode(prompt, bos=True),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -32,7 +33,7 @@ def test_contract_keys_exist():
     keys = set(all_keys())
     contract = (
         "run.name run.dir run.seed logging.every model.vocab_size model.d_model model.n_layers "
-        "model.n_heads model.seq_len model.attention model.activation_checkpointing data.source "
+        "model.n_heads model.seq_len model.attention activation_checkpointing.mode data.source "
         "data.dir train.micro_batch_size train.grad_accum train.max_steps train.lr train.min_lr "
         "train.warmup_steps train.weight_decay train.grad_clip train.precision eval.every "
         "eval.steps checkpoint.every checkpoint.keep_last checkpoint.resume parallel.backend"
@@ -80,7 +81,7 @@ def test_aliases_map_to_keys():
     over = alias_overrides(args)
     cfg = load_config(None, over)
     assert cfg.train.grad_accum == 4
-    assert cfg.model.activation_checkpointing == "full"
+    assert cfg.activation_checkpointing.mode == "full"
     assert cfg.train.precision == "bf16"
     assert cfg.train.micro_batch_size == 3
     assert cfg.train.max_steps == 9
@@ -244,6 +245,7 @@ def test_deepspeed_passthrough_cannot_override_framework_keys():
 
 def test_generated_deepspeed_config_follows_the_common_keys():
     from scale_llm.parallel.ds_config import deepspeed_config
+    from scale_llm.plan import target_plan
 
     cfg = load_config(
         None,
@@ -258,7 +260,8 @@ def test_generated_deepspeed_config_follows_the_common_keys():
             "train.grad_clip=0.7",
         ],
     )
-    ds = deepspeed_config(cfg, world_size=4, precision="fp16")
+    plan = dataclasses.replace(target_plan(cfg, 4), precision="fp16")
+    ds = deepspeed_config(cfg, plan)
     assert ds["train_micro_batch_size_per_gpu"] == 3
     assert ds["gradient_accumulation_steps"] == 5
     assert ds["train_batch_size"] == 60
@@ -271,37 +274,38 @@ def test_generated_deepspeed_config_follows_the_common_keys():
 
 
 def test_launch_checks_world_size_batch_and_devices():
-    from scale_llm.config import resolve_for_world, validate_world
+    from scale_llm.plan import Launch, resolve_plan
+    from scale_llm.plan import launch_problems as validate_world
+
+    def plan(cfg, world, cuda=False):
+        return resolve_plan(cfg, Launch(world_size=world), cuda=cuda)
 
     auto = load_config(None, [])
     assert auto.parallel.backend == "auto"  # the default: one process single, several ddp
-    assert resolve_for_world(auto, 1, False).parallel.backend == "single"
-    assert resolve_for_world(auto, 2, False).parallel.backend == "ddp"
-    assert (
-        resolve_for_world(load_config(None, ["parallel.backend=fsdp"]), 2, False).parallel.backend
-        == "fsdp"
-    )
+    assert plan(auto, 1).backend == "single"
+    assert plan(auto, 2).backend == "ddp"
+    assert plan(load_config(None, ["parallel.backend=fsdp"]), 2).backend == "fsdp"
     cfg = load_config(
         None, ["train.global_batch_size=12", "train.micro_batch_size=4", "parallel.backend=single"]
     )
-    assert resolve_for_world(cfg, 1, False).train.grad_accum == 3
+    assert plan(cfg, 1).grad_accum == 3
     problems = "\n".join(validate_world(cfg, 2, False))
     assert "train.global_batch_size=12 is not divisible by train.micro_batch_size=4 x world" in (
         problems
     )
     assert "parallel.backend=single but 2 processes" in problems
     with pytest.raises(UserError, match="launched with 2 processes"):
-        resolve_for_world(cfg, 2, False)
+        plan(cfg, 2)
     ds16 = load_config(None, ["parallel.backend=deepspeed", "train.precision=fp16"])
-    assert "needs a GPU" in validate_world(ds16, 1, has_cuda=False)[0]
-    assert validate_world(ds16, 1, has_cuda=True) == []
+    assert "needs a GPU" in validate_world(ds16, 1, False)[0]
+    assert validate_world(ds16, 1, True) == []
     hsdp = load_config(None, ["parallel.backend=fsdp", "parallel.fsdp.replicate_degree=3"])
     assert "replicate_degree=3 does not divide the world size 4" in validate_world(hsdp, 4, True)[0]
     both = load_config(
         None, ["train.global_batch_size=16", "train.micro_batch_size=4", "train.grad_accum=2"]
     )
     with pytest.raises(UserError, match="contradicts train.global_batch_size=16"):
-        resolve_for_world(both, 1, False)
+        plan(both, 1)
 
 
 def test_bad_world_size_fails_before_any_process_group(tmp_path):

@@ -14,7 +14,7 @@ from scale_llm.data.prepare import prepare
 from scale_llm.data.shards import open_split, read_manifest
 from scale_llm.data.tokenizer import Tokenizer, train_tokenizer
 from scale_llm.errors import UserError
-from tests.conftest import prep_config, random_texts
+from tests.helpers import batch_plan, prep_config, random_texts
 
 CPU = torch.device("cpu")
 
@@ -172,7 +172,7 @@ def windows_from(n_tokens=5000, seq_len=8, shards=2):
 
 
 def loader(windows, mb, accum, world=1, rank=0, seed=0):
-    return TrainLoader(windows, mb, accum, world, rank, seed, CPU)
+    return TrainLoader(windows, batch_plan(mb, accum, world, rank), seed)
 
 
 def rows(batches):
@@ -231,7 +231,9 @@ def test_eval_batches_are_fixed_and_independent_of_the_layout():
 
     def seqs(mb, accum, world, rank):
         return [
-            tuple(x.tolist()) for b, _ in eval_batches(w, mb, accum, 3, world, rank, CPU) for x in b
+            tuple(x.tolist())
+            for b, _ in eval_batches(w, batch_plan(mb, accum, world, rank), 3)
+            for x in b
         ]
 
     first = seqs(8, 1, 1, 0)

@@ -15,7 +15,7 @@ from scale_llm.data.shards import open_split
 from scale_llm.data.sources import open_source
 from scale_llm.data.tokenizer import Tokenizer
 from scale_llm.errors import UserError
-from tests.conftest import prep_config
+from tests.helpers import prep_config
 
 
 def records(n=30, seed=0):

@@ -10,7 +10,6 @@ checkpointing, so the same 8 sequences make each step. Clipping is active (max n
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -19,80 +18,21 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import TINY_MODEL
-
-REPO = Path(__file__).resolve().parents[1]
-TOL = 1e-5  # max |loss| (and relative grad-norm) difference vs one process; measured <= 1.5e-6
-STEPS = 4
-
-
-def common(data_dir: Path, run_root: Path, name: str) -> list[str]:
-    settings = [
-        *TINY_MODEL,
-        f"data.dir={data_dir}",
-        f"run.dir={run_root}",
-        f"run.name={name}",
-        "train.precision=fp32",
-        "train.device=cpu",
-        f"train.max_steps={STEPS}",
-        "train.warmup_steps=1",
-        "train.lr=1e-2",
-        "train.grad_clip=0.3",
-        "logging.every=1",
-        "logging.tensorboard=false",
-        "eval.every=4",
-        "eval.steps=2",
-        "checkpoint.every=2",
-    ]
-    return [arg for s in settings for arg in ("--set", s)]
-
-
-def env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-
-
-def run(cmd: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, (
-        f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    )
-    return proc
-
-
-def torchrun(nproc: int, *args: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        "-m",
-        "scale_llm",
-        "train",
-        *args,
-    ]
-
-
-def rows_of(run_dir: Path) -> dict[int, dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r for r in map(json.loads, lines)}
-
-
-BACKENDS = {
-    "ddp": ["parallel.backend=ddp"],
-    "fsdp": ["parallel.backend=fsdp"],
-    "fsdp-zero2like": ["parallel.backend=fsdp", "parallel.fsdp.reshard_after_forward=false"],
-    "hsdp": ["parallel.backend=fsdp", "parallel.fsdp.replicate_degree=2"],
-    "zero0": ["parallel.backend=deepspeed", "parallel.deepspeed.zero_stage=0"],
-    "zero1": ["parallel.backend=deepspeed", "parallel.deepspeed.zero_stage=1"],
-    "zero2": ["parallel.backend=deepspeed", "parallel.deepspeed.zero_stage=2"],
-    "zero3": ["parallel.backend=deepspeed", "parallel.deepspeed.zero_stage=3"],
-}
-SPLIT = ["train.micro_batch_size=2", "train.grad_accum=2", "model.activation_checkpointing=full"]
-
-
-def sets(*items: str) -> list[str]:
-    return [arg for s in items for arg in ("--set", s)]
+from tests.helpers import (
+    BACKENDS,
+    REPO,
+    SPLIT,
+    STEPS,
+    TINY_MODEL,
+    TOL,
+    common,
+    env,
+    plant_in_torch_file,
+    rows_of,
+    run,
+    sets,
+    torchrun,
+)
 
 
 @pytest.fixture(scope="module")
@@ -169,8 +109,6 @@ def test_resume_continues_the_same_curve(backend, runs, data_dir):
 def test_a_planted_pickle_in_deepspeed_files_never_runs(runs, data_dir):
     """DeepSpeed reads its own files with weights_only=False; ours must not run a payload
     planted in them (2 ranks, exact ZeRO-2 resume path)."""
-    from tests.test_security import plant_in_torch_file
-
     ckpt = runs.root / "zero2-resumed" / "checkpoints" / "step_00000002"
     args = [*common(data_dir, runs.root, "zero2-resumed"), *sets(*BACKENDS["zero2"], *SPLIT)]
     if not ckpt.is_dir():
@@ -279,8 +217,10 @@ def test_2xh100_launcher_runs_two_cpu_processes(data_dir, tmp_path):
     """The one-process default config under the 2-process launcher: backend auto -> ddp."""
     proc = launch("2xh100.sh", launcher_args(data_dir, tmp_path, "l2", "tiny.yaml"), tmp_path)
     assert "world 2" in proc.stdout and "done: 2 steps" in proc.stdout
-    resolved = yaml.safe_load((tmp_path / "l2" / "config.yaml").read_text())
-    assert resolved["parallel"]["backend"] == "ddp"
+    written = yaml.safe_load((tmp_path / "l2" / "config.yaml").read_text())
+    assert written["parallel"]["backend"] == "auto"  # as the user wrote it
+    resolved = json.loads((tmp_path / "l2" / "plan.json").read_text())
+    assert resolved["backend"] == "ddp" and resolved["world_size"] == 2
 
 
 def test_deepspeed_launcher(data_dir, tmp_path):

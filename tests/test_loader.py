@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from scale_llm.data.loader import TokenWindows, TrainLoader
+from tests.helpers import batch_plan
 
 CPU = torch.device("cpu")
 SEQ = 8
@@ -22,7 +23,7 @@ def windows(n_windows=96, shards=3):
 
 
 def make(w, mb, accum, world=1, rank=0, seed=0, prefetch=0):
-    return TrainLoader(w, mb, accum, world, rank, seed, CPU, prefetch=prefetch)
+    return TrainLoader(w, batch_plan(mb, accum, world, rank), seed, prefetch=prefetch)
 
 
 def ids(batches) -> list[int]:

@@ -23,7 +23,8 @@ from scale_llm.memory import (
     saved_activation_bytes,
 )
 from scale_llm.model import build_model
-from scale_llm.parallel.checkpointing import apply_activation_checkpointing
+from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
+from scale_llm.parallel.options import ActivationCheckpointingConfig as AC
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = ["none", "full", "every_k", "selective"]
@@ -41,7 +42,7 @@ SHAPES = {
 }
 
 
-def counted(cfg: ModelConfig, batch: int, numerics: str, base=None) -> int:
+def counted(cfg: ModelConfig, ac: AC, batch: int, numerics: str, base=None) -> int:
     torch.manual_seed(0)
     if base is not None:  # reuse the weights of a large model: no second init
         model = build_model(cfg)
@@ -50,7 +51,7 @@ def counted(cfg: ModelConfig, batch: int, numerics: str, base=None) -> int:
         model = build_model(cfg, "cpu")
     if numerics == "bf16-module":
         model = model.to(torch.bfloat16)
-    apply_activation_checkpointing(model, cfg)
+    apply_activation_checkpointing(model, ac)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if numerics == "autocast-bf16" else None
     tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1))
     return measure_saved_bytes(model, tokens, autocast)
@@ -62,9 +63,9 @@ def test_predicted_activations_match_counted_bytes(shape, attention):
     # every precision on the small shape; the autocast path (the common one) on the others
     numerics_list = list(NUMERICS) if shape == "tiny" else ["autocast-bf16"]
     for mode, numerics, batch in itertools.product(MODES, numerics_list, [1, 2]):
-        cfg = ModelConfig(**SHAPES[shape], attention=attention, activation_checkpointing=mode)
-        got = counted(cfg, batch, numerics)
-        predicted = saved_activation_bytes(cfg, batch, NUMERICS[numerics])
+        cfg, ac = ModelConfig(**SHAPES[shape], attention=attention), AC(mode=mode)
+        got = counted(cfg, ac, batch, numerics)
+        predicted = saved_activation_bytes(cfg, ac, batch, NUMERICS[numerics])
         assert abs(predicted / got - 1) < 0.05, (mode, numerics, batch, got, predicted)
 
 
@@ -81,12 +82,10 @@ def model_400m_dims():
 @pytest.mark.parametrize("mode", MODES)
 def test_prediction_at_400m_dimensions(model_400m_dims, attention, mode):
     base_cfg, base = model_400m_dims
-    cfg = ModelConfig(
-        **{**base_cfg.__dict__, "attention": attention, "activation_checkpointing": mode}
-    )
+    cfg, ac = ModelConfig(**{**base_cfg.__dict__, "attention": attention}), AC(mode=mode)
     for batch in (1, 2) if attention == "sdpa" else (1,):
-        got = counted(cfg, batch, "autocast-bf16", base)
-        predicted = saved_activation_bytes(cfg, batch, NUMERICS["autocast-bf16"])
+        got = counted(cfg, ac, batch, "autocast-bf16", base)
+        predicted = saved_activation_bytes(cfg, ac, batch, NUMERICS["autocast-bf16"])
         assert abs(predicted / got - 1) < 0.05, (batch, got, predicted)
 
 
@@ -94,8 +93,7 @@ def test_checkpointing_modes_order_the_savings():
     cfg = ModelConfig(**SHAPES["tiny"])
     saved = {}
     for mode in MODES:
-        c = ModelConfig(**{**cfg.__dict__, "activation_checkpointing": mode})
-        saved[mode] = counted(c, 2, "fp32")
+        saved[mode] = counted(cfg, AC(mode=mode), 2, "fp32")
     assert saved["none"] > saved["every_k"] > saved["full"]
     assert saved["none"] > saved["selective"] > saved["full"]
 
@@ -133,9 +131,9 @@ def test_state_bytes_per_backend():
 
 
 def test_checkpointing_and_micro_batch_move_the_total():
-    base = estimate(cfg_with("model.activation_checkpointing=none"), 2)
-    full = estimate(cfg_with("model.activation_checkpointing=full"), 2)
-    half = estimate(cfg_with("model.activation_checkpointing=none", "train.micro_batch_size=4"), 2)
+    base = estimate(cfg_with("activation_checkpointing.mode=none"), 2)
+    full = estimate(cfg_with("activation_checkpointing.mode=full"), 2)
+    half = estimate(cfg_with("activation_checkpointing.mode=none", "train.micro_batch_size=4"), 2)
     assert full.gpu["activations"] < base.gpu["activations"] / 5
     assert half.gpu["activations"] < base.gpu["activations"]
     assert base.gpu["params"] == full.gpu["params"]
@@ -144,7 +142,7 @@ def test_checkpointing_and_micro_batch_move_the_total():
 def test_fit_prefers_cheap_layouts_and_keeps_the_batch():
     cfg = cfg_with()
     roomy = fit(cfg, 2, parse_bytes("80GiB"))
-    assert roomy.changes.get("model.activation_checkpointing") == "none"  # no recompute needed
+    assert roomy.changes.get("activation_checkpointing.mode") == "none"  # no recompute needed
     mb = roomy.changes.get("train.micro_batch_size", 8)
     assert mb * roomy.changes.get("train.grad_accum", 12) == 8 * 12
     tight = fit(cfg, 2, parse_bytes("6GiB"))
@@ -191,7 +189,7 @@ def test_estimate_command_json_and_fit(tmp_path):
 
 def test_human_report_ends_with_hints(tmp_path):
     proc = estimate_cli(
-        tmp_path, str(REPO / "yaml" / "400m.yaml"), "--set", "model.activation_checkpointing=none"
+        tmp_path, str(REPO / "yaml" / "400m.yaml"), "--set", "activation_checkpointing.mode=none"
     )
     assert proc.returncode == 0, proc.stderr
     assert "total" in proc.stdout and "to reduce:" in proc.stdout

@@ -7,11 +7,12 @@ import copy
 import pytest
 import torch
 
+from scale_llm.components.loss import cross_entropy
 from scale_llm.config import ModelConfig
 from scale_llm.generate import generate, sample_next
 from scale_llm.model import KVCache, build_model
-from scale_llm.parallel.checkpointing import apply_activation_checkpointing
-from scale_llm.train.trainer import cross_entropy
+from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
+from scale_llm.parallel.options import ActivationCheckpointingConfig as AC
 
 
 def small(**kw) -> ModelConfig:
@@ -82,8 +83,7 @@ def test_activation_checkpointing_gives_identical_loss_and_gradients(mode, expec
     torch.manual_seed(0)
     plain = build_model(small(n_layers=3, attention=attention), "cpu")
     ckpt = copy.deepcopy(plain)
-    cfg = small(n_layers=3, activation_checkpointing=mode, activation_checkpointing_k=2)
-    assert apply_activation_checkpointing(ckpt, cfg) == expected
+    assert apply_activation_checkpointing(ckpt, AC(mode=mode, k=2)) == expected
     x, y = torch.randint(0, 97, (4, 24)), torch.randint(0, 97, (4, 24))
     loss_a = cross_entropy(plain(x), y)
     loss_b = cross_entropy(ckpt(x), y)
@@ -98,7 +98,7 @@ def test_activation_checkpointing_gives_identical_loss_and_gradients(mode, expec
 
 def test_activation_checkpointing_recomputes_the_block_forward():
     m = build_model(small(n_layers=2), "cpu")
-    apply_activation_checkpointing(m, small(n_layers=2, activation_checkpointing="full"))
+    apply_activation_checkpointing(m, AC(mode="full"))
     calls = []
     # a pre-hook: recomputation stops early once the last saved tensor is rebuilt, so hooks
     # that fire after a module's forward may not run during the recomputation

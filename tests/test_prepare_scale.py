@@ -17,9 +17,8 @@ from scale_llm.data.prepare import prepare
 from scale_llm.data.shards import read_manifest
 from scale_llm.data.sources import Document
 from scale_llm.errors import UserError
-from scale_llm.parallel.device import single_process
 from scale_llm.train.trainer import Trainer
-from tests.conftest import make_config, prep_config, random_texts
+from tests.helpers import make_config, plan_for, prep_config, random_texts
 
 
 def corpus(tmp_path, n=60):
@@ -145,7 +144,8 @@ def test_shards_of_another_tokenizer_are_refused(tmp_path, data_dir, corpus_dir)
 
     # 2. resuming a run on data tokenized with a different tokenizer
     runs = tmp_path / "runs"
-    Trainer(make_config(data_dir, runs, "train.max_steps=1"), single_process("cpu")).fit()
+    first = make_config(data_dir, runs, "train.max_steps=1")
+    Trainer(first, plan_for(first)).fit()
     assert (runs / "test" / "tokenizer.model").read_bytes() == (
         data_dir / "tokenizer.model"
     ).read_bytes()  # the tokenizer travels with the run
@@ -163,7 +163,8 @@ def test_shards_of_another_tokenizer_are_refused(tmp_path, data_dir, corpus_dir)
         )
     )
     with pytest.raises(UserError, match="its tokenizer differs"):
-        Trainer(make_config(retokenized, runs, "train.max_steps=2"), single_process("cpu"))
+        again = make_config(retokenized, runs, "train.max_steps=2")
+        Trainer(again, plan_for(again))
 
 
 def test_prepare_bench_prints_tokens_per_second(data_dir, corpus_dir, capsys, monkeypatch):

@@ -17,10 +17,20 @@ from pathlib import Path
 import pytest
 
 from scale_llm.errors import UserError
-from scale_llm.parallel.device import single_process
 from scale_llm.train.trainer import Trainer
-from tests.conftest import make_config
-from tests.test_distributed import BACKENDS, SPLIT, TOL, common, env, rows_of, run, sets, torchrun
+from tests.helpers import (
+    BACKENDS,
+    SPLIT,
+    TOL,
+    common,
+    env,
+    make_config,
+    plan_for,
+    rows_of,
+    run,
+    sets,
+    torchrun,
+)
 
 STEPS = 4
 SINGLE = ["train.micro_batch_size=8", "train.grad_accum=1"]  # the same 8 sequences per step
@@ -106,7 +116,8 @@ def test_deepspeed_and_dcp_exchange_model_weights(data_dir, root, reference):
 def test_convert_writes_one_portable_file(data_dir, root, reference):
     import torch
 
-    from scale_llm.train.checkpoint import load_model_weights
+    from scale_llm.components.checkpoint import load_model_weights
+    from scale_llm.model import empty_state_dict
     from scale_llm.train.convert import convert
 
     ddp = root / "from-ddp" / "checkpoints" / "step_00000002"
@@ -116,7 +127,7 @@ def test_convert_writes_one_portable_file(data_dir, root, reference):
     blob = torch.load(out, weights_only=True)
     assert blob["step"] == 2 and blob["config"]["parallel"]["backend"] == "ddp"
     cfg = make_config(data_dir, root)
-    direct = load_model_weights(ddp, cfg.model)
+    direct = load_model_weights(ddp, empty_state_dict(cfg.model))
     assert blob["model"].keys() == direct.keys()
     assert all(torch.equal(blob["model"][k], direct[k]) for k in direct)
     assert n == sum(v.numel() for v in direct.values())
@@ -208,10 +219,8 @@ def test_stop_signal_saves_a_final_checkpoint_on_every_rank(data_dir, root, npro
 
 
 def test_out_of_disk_during_a_save_is_a_clear_error(data_dir, tmp_path):
-    tr = Trainer(
-        make_config(data_dir, tmp_path / "runs", "train.max_steps=4", "checkpoint.every=2"),
-        single_process("cpu"),
-    )
+    cfg = make_config(data_dir, tmp_path / "runs", "train.max_steps=4", "checkpoint.every=2")
+    tr = Trainer(cfg, plan_for(cfg))
     save = tr.backend.save
 
     def full_disk(path):

@@ -8,7 +8,6 @@ the file, no traceback, and the marker file never appears.
 from __future__ import annotations
 
 import operator
-import os
 import pickle
 import shutil
 from pathlib import Path
@@ -23,19 +22,8 @@ from scale_llm.components.serialization import (
     load_file,
     read_dcp_metadata,
 )
-from scale_llm.parallel.device import single_process
 from scale_llm.train.trainer import Trainer
-from tests.conftest import make_config
-
-
-class Payload:
-    """Unpickling this runs a shell command (the classic planted-pickle attack)."""
-
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
+from tests.helpers import Payload, make_config, plan_for, plant_in_torch_file
 
 
 class Disguised:
@@ -54,7 +42,7 @@ def good_run(data_dir, tmp_path_factory) -> Path:
     """A finished 2-step single-process run with its checkpoint at step 2."""
     root = tmp_path_factory.mktemp("security")
     cfg = make_config(data_dir, root, "train.max_steps=2", "checkpoint.every=2")
-    Trainer(cfg, single_process("cpu")).fit()
+    Trainer(cfg, plan_for(cfg)).fit()
     return root / "test"
 
 
@@ -82,14 +70,6 @@ def plant_disguised_dcp_metadata(ckpt: Path, marker: Path) -> Path:
     return target
 
 
-def plant_in_torch_file(path: Path, marker: Path) -> Path:
-    """Replace a torch.save file by one whose dict holds a payload next to the real content."""
-    real = torch.load(path, weights_only=True)
-    real["planted"] = Payload(marker)
-    torch.save(real, path)
-    return path
-
-
 def plant_in_dcp_byte_item(ckpt: Path, marker: Path) -> Path:
     """Rewrite the DCP checkpoint with one optimizer hyperparameter (a byte item) replaced by a
     payload."""
@@ -106,13 +86,20 @@ def plant_in_dcp_byte_item(ckpt: Path, marker: Path) -> Path:
     return ckpt / "dcp"
 
 
+def plant_legacy_scaler(ckpt: Path, marker: Path) -> Path:
+    """Checkpoints written before the scaler moved into trainer.pt keep it in scaler.pt."""
+    torch.save({"scaler": {}, "planted": Payload(marker)}, ckpt / "scaler.pt")
+    return ckpt / "scaler.pt"
+
+
 def weights_as_model_pt(ckpt: Path, marker: Path) -> Path:
     """A checkpoint in DeepSpeed's layout (consolidated model.pt, no dcp/) with a payload."""
+    from scale_llm.components.checkpoint import load_model_weights
     from scale_llm.config import load_config
-    from scale_llm.train.checkpoint import load_model_weights
+    from scale_llm.model import empty_state_dict
 
     cfg = load_config(ckpt.parents[1] / "config.yaml")
-    weights = load_model_weights(ckpt, cfg.model)
+    weights = load_model_weights(ckpt, empty_state_dict(cfg.model))
     shutil.rmtree(ckpt / "dcp")
     weights["planted"] = Payload(marker)
     torch.save(weights, ckpt / "model.pt")
@@ -153,7 +140,7 @@ PLANTS = {
         lambda ckpt, m: plant_in_torch_file(ckpt / "trainer.pt", m),
         ["convert", "train"],
     ),
-    "scaler": (lambda ckpt, m: plant_in_torch_file(ckpt / "scaler.pt", m), ["train"]),
+    "legacy-scaler": (plant_legacy_scaler, ["train"]),
     "model-weights": (weights_as_model_pt, ["generate", "convert"]),
 }
 CASES = [(plant, cmd) for plant, (_, cmds) in PLANTS.items() for cmd in cmds]

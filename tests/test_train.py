@@ -9,17 +9,17 @@ import math
 import pytest
 import torch
 
+from scale_llm.components.optim import lr_at, param_groups
 from scale_llm.config import TrainConfig, load_config
 from scale_llm.errors import UserError
 from scale_llm.model import build_model
-from scale_llm.parallel.device import single_process
-from scale_llm.train.optim import lr_at, param_groups
 from scale_llm.train.trainer import Trainer
-from tests.conftest import make_config
+from tests.helpers import make_config, plan_for
 
 
 def trainer(data_dir, tmp_path, *overrides) -> Trainer:
-    return Trainer(make_config(data_dir, tmp_path / "runs", *overrides), single_process("cpu"))
+    cfg = make_config(data_dir, tmp_path / "runs", *overrides)
+    return Trainer(cfg, plan_for(cfg))
 
 
 def capture_grads(tr: Trainer) -> dict[str, torch.Tensor]:
@@ -43,7 +43,7 @@ def test_grad_accum_4_x_micro_2_equals_one_micro_batch_of_8(data_dir, tmp_path, 
         tmp_path,
         "train.micro_batch_size=2",
         "train.grad_accum=4",
-        f"model.activation_checkpointing={ac}",
+        f"activation_checkpointing.mode={ac}",
     )
     g_big, g_small = capture_grads(big), capture_grads(small)
     loss_big, norm_big, _ = big.train_step()
@@ -305,7 +305,7 @@ def test_bench_runs_the_training_step_on_synthetic_tokens(tmp_path):
     from scale_llm.bench import bench
 
     cfg = make_config(tmp_path, tmp_path / "runs", "train.grad_accum=2")
-    result = bench(cfg, single_process("cpu"), steps=2, warmup=1)
+    result = bench(cfg, plan_for(cfg), steps=2, warmup=1)
     assert result["tokens_per_step_per_rank"] == 4 * 32 * 2
     assert result["tokens_per_s_per_rank"] > 0 and result["ms_per_step"] > 0
     assert result["precision"] == "fp32" and "mfu" not in result  # no MFU without a known peak

@@ -1,1 +1,5 @@
-"""What the training loop and the backends share: checkpoint file reading, ..."""
+"""What the training loop and the backends share: optimizer and LR schedule, precision policy,
+loss, checkpoint files, process-group utilities, device readings.
+
+A layer below `parallel/` and `train/`: nothing here imports either of them.
+"""

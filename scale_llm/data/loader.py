@@ -23,6 +23,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
+from scale_llm.plan import RunPlan
+
 log = logging.getLogger(__name__)
 
 
@@ -55,23 +57,13 @@ class TrainLoader:
     `state_dict` always describes the next batch the trainer will get, not the read-ahead.
     """
 
-    def __init__(
-        self,
-        windows: TokenWindows,
-        micro_batch_size: int,
-        grad_accum: int,
-        world_size: int,
-        rank: int,
-        seed: int,
-        device: torch.device,
-        prefetch: int = 0,
-    ):
+    def __init__(self, windows: TokenWindows, plan: RunPlan, seed: int, prefetch: int = 0):
         if len(windows) == 0:
             raise ValueError("no training windows")
-        self.windows, self.seed, self.device = windows, seed, device
-        self.micro_batch_size, self.grad_accum = micro_batch_size, grad_accum
-        self.world_size, self.rank = world_size, rank
-        self.global_batch = micro_batch_size * grad_accum * world_size
+        self.windows, self.seed, self.device = windows, seed, plan.device
+        self.micro_batch_size, self.grad_accum = plan.micro_batch_size, plan.grad_accum
+        self.rank = plan.rank  # this rank's place among the data-parallel ranks
+        self.global_batch = plan.sequences_per_step
         self.position = 0  # sequences of the stream consumed so far, over all ranks
         self._perm: tuple[int, np.ndarray] | None = None
         self._perm_lock = threading.Lock()
@@ -169,26 +161,18 @@ class TrainLoader:
             self._executor = None
 
 
-def eval_batches(
-    windows: TokenWindows,
-    micro_batch_size: int,
-    grad_accum: int,
-    steps: int,
-    world_size: int,
-    rank: int,
-    device: torch.device,
-):
+def eval_batches(windows: TokenWindows, plan: RunPlan, steps: int):
     """`steps` global batches of validation windows, the same at every evaluation.
 
     Laid out like training batches (rank r reads its slice of each global batch, in micro-batches),
     so the set of sequences evaluated does not depend on micro-batch size, accumulation or world
     size, and neither does the mean loss.
     """
-    n = len(windows)
-    per_rank = micro_batch_size * grad_accum
+    n, mb = len(windows), plan.micro_batch_size
+    per_rank = mb * plan.grad_accum
     for b in range(steps):
-        first = b * per_rank * world_size + rank * per_rank
-        for k in range(grad_accum):
-            start = first + k * micro_batch_size
-            tokens = windows.get(np.arange(start, start + micro_batch_size) % n).to(device)
+        first = b * plan.sequences_per_step + plan.rank * per_rank
+        for k in range(plan.grad_accum):
+            start = first + k * mb
+            tokens = windows.get(np.arange(start, start + mb) % n).to(plan.device)
             yield tokens[:, :-1], tokens[:, 1:]

@@ -17,6 +17,7 @@ The activation formula follows this project's model op by op (see `block_activat
 is checked against `measure_saved_bytes`, which counts what autograd really saves on the CPU.
 """
 
+from scale_llm.config import with_changes
 from scale_llm.memory.activations import (
     Numerics,
     measure_activations,
@@ -24,7 +25,7 @@ from scale_llm.memory.activations import (
     saved_activation_bytes,
 )
 from scale_llm.memory.estimate import Estimate, GiB, Layout, estimate, gib, parse_bytes
-from scale_llm.memory.plan import Plan, fit, format_overrides, format_report, hints, with_changes
+from scale_llm.memory.plan import Plan, fit, format_overrides, format_report, hints
 
 __all__ = [
     "GiB",

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from scale_llm.config import Config, ModelConfig
+from scale_llm.config import ActivationCheckpointingConfig, Config, ModelConfig
 from scale_llm.model import mlp_hidden_size
+from scale_llm.plan import RunPlan
 
 
 @dataclass(frozen=True)
@@ -105,30 +106,34 @@ def head_activation_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
     return tokens + rope + final_norm + head_copy + 4 * N * g["V"]
 
 
-def checkpointed_count(m: ModelConfig) -> int:
-    from scale_llm.parallel.checkpointing import checkpointed_blocks
+def checkpointed_count(m: ModelConfig, ac: ActivationCheckpointingConfig) -> int:
+    from scale_llm.parallel.activation_checkpointing import checkpointed_blocks
 
-    return len(checkpointed_blocks(m))
+    return len(checkpointed_blocks(ac, m.n_layers))
 
 
-def saved_activation_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
+def saved_activation_bytes(
+    m: ModelConfig, ac: ActivationCheckpointingConfig, batch: int, num: Numerics
+) -> int:
     """Everything the forward pass (with loss) saves for backward: what `measure_saved_bytes`
     counts on the CPU."""
     full = block_activation_bytes(m, batch, num)
-    kept = m.n_layers - checkpointed_count(m)
-    if m.activation_checkpointing == "selective":
+    ckpt = checkpointed_count(m, ac)
+    if ac.mode == "selective":
         per_ckpt = selective_block_bytes(m, batch, num)
     else:
         per_ckpt = num.residual * batch * m.seq_len * m.d_model  # only the block input
-    return kept * full + checkpointed_count(m) * per_ckpt + head_activation_bytes(m, batch, num)
+    return (m.n_layers - ckpt) * full + ckpt * per_ckpt + head_activation_bytes(m, batch, num)
 
 
-def recompute_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
+def recompute_bytes(
+    m: ModelConfig, ac: ActivationCheckpointingConfig, batch: int, num: Numerics
+) -> int:
     """Extra during backward: the one checkpointed block whose forward is being recomputed."""
-    if checkpointed_count(m) == 0:
+    if checkpointed_count(m, ac) == 0:
         return 0
     full = block_activation_bytes(m, batch, num)
-    if m.activation_checkpointing == "selective":
+    if ac.mode == "selective":
         return full - selective_block_bytes(m, batch, num)
     return full
 
@@ -151,7 +156,7 @@ def measure_saved_bytes(
     from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from scale_llm.train.trainer import cross_entropy
+    from scale_llm.components.loss import cross_entropy
 
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
@@ -189,20 +194,20 @@ def measure_saved_bytes(
     return total
 
 
-def measure_activations(cfg: Config) -> tuple[int, int]:
-    """(counted, predicted) saved bytes for cfg's model at its micro-batch, on the CPU, with the
-    precision the config's backend would use (autocast, fp32 or a 16-bit module)."""
+def measure_activations(cfg: Config, plan: RunPlan) -> tuple[int, int]:
+    """(counted, predicted) saved bytes for cfg's model at the plan's micro-batch, on the CPU,
+    with the precision the plan's backend would use (autocast, fp32 or a 16-bit module)."""
     from scale_llm.model import build_model
-    from scale_llm.parallel.checkpointing import apply_activation_checkpointing
+    from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
 
-    precision = "bf16" if cfg.train.precision == "auto" else cfg.train.precision
-    num = numerics_for(precision, cfg.parallel.backend)
+    num = numerics_for(plan.precision, plan.backend)
     torch.manual_seed(cfg.run.seed)
     model = build_model(cfg.model, "cpu")
     if num.compute == 2 and not num.autocast:
         model = model.to(torch.bfloat16)
-    apply_activation_checkpointing(model, cfg.model)
+    apply_activation_checkpointing(model, cfg.activation_checkpointing)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if num.autocast else None
-    mb = cfg.train.micro_batch_size
+    mb = plan.micro_batch_size
     tokens = torch.randint(0, cfg.model.vocab_size, (mb, cfg.model.seq_len + 1))
-    return measure_saved_bytes(model, tokens, autocast), saved_activation_bytes(cfg.model, mb, num)
+    predicted = saved_activation_bytes(cfg.model, cfg.activation_checkpointing, mb, num)
+    return measure_saved_bytes(model, tokens, autocast), predicted

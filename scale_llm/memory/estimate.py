@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from scale_llm.config import Config, ModelConfig
+from scale_llm.config import ActivationCheckpointingConfig, Config, ModelConfig
 from scale_llm.errors import UserError
 from scale_llm.memory.activations import (
     block_matmul_params,
@@ -15,6 +15,7 @@ from scale_llm.memory.activations import (
     recompute_bytes,
     saved_activation_bytes,
 )
+from scale_llm.plan import RunPlan, target_plan
 
 GiB = 1 << 30
 OVERHEAD_FRACTION = 0.05
@@ -27,7 +28,7 @@ class Layout:
     """The settings that decide per-GPU memory."""
 
     backend: str
-    precision: str  # bf16 | fp16 | fp32 (auto is taken as bf16: the estimate is for GPUs)
+    precision: str  # bf16 | fp16 | fp32 (as the plan resolved it)
     world: int
     micro_batch: int
     grad_accum: int
@@ -50,15 +51,14 @@ class Layout:
         return f"{self.backend}{extra}, world {self.world}, {self.precision}"
 
 
-def layout_of(cfg: Config, world: int) -> Layout:
-    p, t = cfg.parallel, cfg.train
-    precision = "bf16" if t.precision == "auto" else t.precision
+def layout_of(cfg: Config, plan: RunPlan) -> Layout:
+    p = cfg.parallel
     return Layout(
-        backend=p.backend,
-        precision=precision,
-        world=world,
-        micro_batch=t.micro_batch_size,
-        grad_accum=t.grad_accum,
+        backend=plan.backend,
+        precision=plan.precision,
+        world=plan.world_size,
+        micro_batch=plan.micro_batch_size,
+        grad_accum=plan.grad_accum,
         zero_stage=p.deepspeed.zero_stage,
         offload_optimizer=p.deepspeed.offload_optimizer == "cpu",
         offload_param=p.deepspeed.offload_param == "cpu",
@@ -132,6 +132,7 @@ class Estimate:
     params: int
     layout: Layout
     model: ModelConfig
+    ac: ActivationCheckpointingConfig
     gpu: dict[str, float] = field(default_factory=dict)
     cpu: dict[str, float] = field(default_factory=dict)
 
@@ -145,26 +146,29 @@ class Estimate:
             "bytes_per_gpu": {k: int(v) for k, v in self.gpu.items()},
             "cpu_bytes_per_rank": {k: int(v) for k, v in self.cpu.items() if v},
             "layout": dataclasses.asdict(self.layout),
-            "activation_checkpointing": self.model.activation_checkpointing,
+            "activation_checkpointing": self.ac.mode,
             "attention": self.model.attention,
         }
 
 
-def estimate_layout(m: ModelConfig, lay: Layout) -> Estimate:
+def estimate_layout(m: ModelConfig, ac: ActivationCheckpointingConfig, lay: Layout) -> Estimate:
     n = ParamCounts.of(m)
     num = numerics_for(lay.precision, lay.backend)
     gpu, cpu = state_bytes(n, lay)
-    saved = saved_activation_bytes(m, lay.micro_batch, num)
+    saved = saved_activation_bytes(m, ac, lay.micro_batch, num)
     logits_saved = 4 * lay.micro_batch * m.seq_len * m.vocab_size
-    gpu["activations"] = saved - logits_saved + recompute_bytes(m, lay.micro_batch, num)
+    gpu["activations"] = saved - logits_saved + recompute_bytes(m, ac, lay.micro_batch, num)
     gpu["logits"] = 2 * logits_saved  # fp32 log-probs and, in backward, their gradient
     gpu["overhead"] = OVERHEAD_FRACTION * sum(gpu.values())
     gpu["total"] = sum(gpu.values())
-    return Estimate(n.total, lay, m, gpu, cpu)
+    return Estimate(n.total, lay, m, ac, gpu, cpu)
 
 
-def estimate(cfg: Config, world: int) -> Estimate:
-    return estimate_layout(cfg.model, layout_of(cfg, world))
+def estimate(cfg: Config, target: RunPlan | int) -> Estimate:
+    """Per-GPU bytes of `cfg` run as `target`: the run's own plan, or a world size of
+    bf16-capable GPUs (`scale_llm.plan.target_plan`)."""
+    plan = target_plan(cfg, target) if isinstance(target, int) else target
+    return estimate_layout(cfg.model, cfg.activation_checkpointing, layout_of(cfg, plan))
 
 
 # ----------------------------------------------------------------------------- units

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from scale_llm.config import Config
+from scale_llm.config import Config, with_changes
 from scale_llm.errors import UserError
 from scale_llm.memory.estimate import OVERHEAD_FRACTION, Estimate, estimate, gib
+from scale_llm.plan import RunPlan, target_plan
 
 # ----------------------------------------------------------------------------- report and hints
 
@@ -23,25 +23,6 @@ _DESCRIPTIONS = {
 }
 
 
-def with_changes(cfg: Config, changes: dict[str, Any]) -> Config:
-    """A copy of cfg with dotted keys replaced (values already typed)."""
-    sections: dict[str, dict[str, Any]] = {}
-    for key, value in changes.items():
-        parts = key.split(".")
-        sections.setdefault(".".join(parts[:-1]), {})[parts[-1]] = value
-    out = cfg
-    for path, values in sections.items():
-        names = path.split(".")
-        parents = [out]
-        for name in names:
-            parents.append(getattr(parents[-1], name))
-        node = dataclasses.replace(parents[-1], **values)
-        for parent, name in zip(reversed(parents[:-1]), reversed(names)):
-            node = dataclasses.replace(parent, **{name: node})
-        out = node
-    return out
-
-
 def format_overrides(changes: dict[str, Any]) -> str:
     def fmt(v: Any) -> str:
         return str(v).lower() if isinstance(v, bool) else str(v)
@@ -49,23 +30,23 @@ def format_overrides(changes: dict[str, Any]) -> str:
     return " ".join(f"--set {k}={fmt(v)}" for k, v in changes.items())
 
 
-def hints(cfg: Config, world: int) -> list[tuple[str, float]]:
+def hints(cfg: Config, plan: RunPlan) -> list[tuple[str, float]]:
     """(flags, predicted total) for the usual ways to save memory from this config."""
-    t, m, p = cfg.train, cfg.model, cfg.parallel
+    ac, p, world = cfg.activation_checkpointing, cfg.parallel, plan.world_size
     options: list[tuple[str, dict[str, Any]]] = []
-    if m.activation_checkpointing != "full":
-        options.append(("--grad-checkpointing", {"model.activation_checkpointing": "full"}))
-    if m.activation_checkpointing in ("none", "every_k"):
+    if ac.mode != "full":
+        options.append(("--grad-checkpointing", {"activation_checkpointing.mode": "full"}))
+    if ac.mode in ("none", "every_k"):
         options.append(
             (
-                "--set model.activation_checkpointing=selective",
-                {"model.activation_checkpointing": "selective"},
+                "--set activation_checkpointing.mode=selective",
+                {"activation_checkpointing.mode": "selective"},
             )
         )
-    if t.micro_batch_size > 1:
-        mb = t.micro_batch_size // 2
-        accum = t.grad_accum * t.micro_batch_size // mb
-        if mb * accum == t.micro_batch_size * t.grad_accum:
+    if plan.micro_batch_size > 1:
+        mb = plan.micro_batch_size // 2
+        accum = plan.grad_accum * plan.micro_batch_size // mb
+        if mb * accum == plan.micro_batch_size * plan.grad_accum:
             options.append(
                 (
                     f"--batch_size {mb} --grad-accum {accum}",
@@ -85,17 +66,12 @@ def hints(cfg: Config, world: int) -> list[tuple[str, float]]:
     return [(flags, estimate(with_changes(cfg, ch), world).total) for flags, ch in options]
 
 
-def format_report(est: Estimate, cfg: Config, world: int, source: str) -> str:
-    m, lay = est.model, est.layout
+def format_report(est: Estimate, cfg: Config, plan: RunPlan, source: str) -> str:
+    m, lay, ac = est.model, est.layout, est.ac
     lines = [
         f"memory estimate for {source}: {est.params / 1e6:.1f}M parameters; {lay.describe()}",
         f"  micro_batch {lay.micro_batch} x seq_len {m.seq_len}, attention {m.attention}, "
-        f"activation_checkpointing {m.activation_checkpointing}"
-        + (
-            f" (k={m.activation_checkpointing_k})"
-            if m.activation_checkpointing == "every_k"
-            else ""
-        ),
+        f"activation_checkpointing {ac.mode}" + (f" (k={ac.k})" if ac.mode == "every_k" else ""),
         "per GPU:",
     ]
     for key in ("params", "grads", "optimizer", "activations", "logits", "overhead"):
@@ -107,7 +83,7 @@ def format_report(est: Estimate, cfg: Config, world: int, source: str) -> str:
             "per rank in CPU memory (offloaded): "
             + ", ".join(f"{k} {gib(v)}" for k, v in cpu.items())
         )
-    options = hints(cfg, world)
+    options = hints(cfg, plan)
     if options:
         lines.append("to reduce:")
         for flags, total in sorted(options, key=lambda o: o[1]):
@@ -185,12 +161,14 @@ class Plan:
     cost: float
 
 
-def fit(cfg: Config, world: int, budget: int) -> Plan:
+def fit(cfg: Config, target: RunPlan | int, budget: int) -> Plan:
     """The cheapest layout (by the rough cost model above) whose estimate fits in `budget`.
 
     Keeps the sequences per step: micro_batch x grad_accum stays the same.
     """
-    per_rank = cfg.train.micro_batch_size * cfg.train.grad_accum
+    plan = target_plan(cfg, target) if isinstance(target, int) else target
+    world = plan.world_size
+    per_rank = plan.micro_batch_size * plan.grad_accum
     micro_batches = [d for d in range(per_rank, 0, -1) if per_rank % d == 0]
     best: Plan | None = None
     smallest: Plan | None = None
@@ -199,12 +177,12 @@ def fit(cfg: Config, world: int, budget: int) -> Plan:
             for mb in micro_batches:
                 changes = {
                     **shard,
-                    "model.activation_checkpointing": mode,
+                    "activation_checkpointing.mode": mode,
                     "train.micro_batch_size": mb,
                     "train.grad_accum": per_rank // mb,
                 }
                 if mode == "every_k":
-                    changes["model.activation_checkpointing_k"] = 2
+                    changes["activation_checkpointing.k"] = 2
                 est = estimate(with_changes(cfg, changes), world)
                 plan = Plan(changes, est, shard_cost * ac_cost * _micro_batch_cost(mb))
                 if smallest is None or est.total < smallest.estimate.total:

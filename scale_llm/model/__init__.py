@@ -1,6 +1,19 @@
 """Model architecture only: no distributed code is imported here."""
 
 from scale_llm.model.kv_cache import KVCache
-from scale_llm.model.transformer import Transformer, build_model, materialize, mlp_hidden_size
+from scale_llm.model.transformer import (
+    Transformer,
+    build_model,
+    empty_state_dict,
+    materialize,
+    mlp_hidden_size,
+)
 
-__all__ = ["KVCache", "Transformer", "build_model", "materialize", "mlp_hidden_size"]
+__all__ = [
+    "KVCache",
+    "Transformer",
+    "build_model",
+    "empty_state_dict",
+    "materialize",
+    "mlp_hidden_size",
+]

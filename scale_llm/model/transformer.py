@@ -239,3 +239,10 @@ def materialize(model: Transformer, device: torch.device | str) -> Transformer:
     model.to_empty(device=device)
     model.init_weights()
     return model
+
+
+def empty_state_dict(cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Uninitialized CPU tensors of every parameter of `cfg`'s model: a target to load into."""
+    model = build_model(cfg)
+    model.to_empty(device="cpu")
+    return model.state_dict()

@@ -12,6 +12,7 @@ so a run starts from the same weights whatever the backend, world size or device
 from __future__ import annotations
 
 import contextlib
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -19,31 +20,29 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from scale_llm.components.serialization import dcp_load, dcp_save, load_file, save_file
+from scale_llm.components.checkpoint import DCP_DIR, SCALER_STATE
+from scale_llm.components.distributed import is_distributed
+from scale_llm.components.optim import build_optimizer, set_lr
+from scale_llm.components.precision import Precision
+from scale_llm.components.serialization import dcp_load, dcp_save, load_file
 from scale_llm.config import Config
-from scale_llm.model import Transformer, materialize
-from scale_llm.parallel.checkpointing import apply_activation_checkpointing
-from scale_llm.parallel.device import DistInfo, is_distributed
-from scale_llm.train.checkpoint import DCP_DIR, SCALER_STATE
-from scale_llm.train.optim import build_optimizer
-from scale_llm.train.precision import Precision
+from scale_llm.model import Transformer, build_model, materialize
+from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
+from scale_llm.plan import RunPlan
 
-
-def init_on_cpu(model: Transformer, seed: int) -> Transformer:
-    """Materialize a meta-device model on the CPU with weights drawn from `seed`."""
-    torch.manual_seed(seed)
-    return materialize(model, "cpu")
+log = logging.getLogger(__name__)
 
 
 class Backend:
     """One process, one device: the reference every other backend must agree with."""
 
-    def __init__(self, cfg: Config, dist: DistInfo, precision: Precision):
-        self.cfg, self.dist, self.precision = cfg, dist, precision
+    def __init__(self, cfg: Config, plan: RunPlan):
+        self.cfg, self.plan = cfg, plan
+        self.precision = Precision(plan.precision, plan.device.type)
         self.model: nn.Module | None = None  # what forward is called on (maybe a wrapper)
         self.module: Transformer | None = None  # the model itself
         self.optimizer: torch.optim.Optimizer | None = None
-        self.scaler = precision.grad_scaler()
+        self.scaler = self.precision.grad_scaler()
 
     # ----------------------------------------------------------------- setup
     def setup(self, model: Transformer, initial_weights: dict | None = None) -> nn.Module:
@@ -56,11 +55,17 @@ class Backend:
         return self.model
 
     def wrap(self, model: Transformer, initial_weights: dict | None = None) -> nn.Module:
-        init_on_cpu(model, self.cfg.run.seed)
-        if initial_weights is not None:
-            model.load_state_dict(initial_weights)
-        model.to(self.dist.device)
-        apply_activation_checkpointing(model, self.cfg.model)
+        self.materialize_on_cpu(model, initial_weights).to(self.plan.device)
+        apply_activation_checkpointing(model, self.cfg.activation_checkpointing)
+        return model
+
+    def materialize_on_cpu(self, model: Transformer, initial: dict | None = None) -> Transformer:
+        """The model's weights on the CPU: drawn from run.seed, or `initial` (a full state
+        dict), the same for every backend."""
+        torch.manual_seed(self.cfg.run.seed)
+        materialize(model, "cpu")
+        if initial is not None:
+            model.load_state_dict(initial)
         return model
 
     def run_files(self) -> dict[str, str]:
@@ -79,8 +84,7 @@ class Backend:
         self.scaler.scale(loss).backward()
 
     def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizer, lr)
 
     def clip_and_step(self) -> torch.Tensor:
         """Unscale, clip to train.grad_clip, step, zero grads; returns the pre-clip global norm.
@@ -104,12 +108,23 @@ class Backend:
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # DTensor -> tensor
 
     # ----------------------------------------------------------------- state
-    checkpoint_format = "dcp"
+    def checkpoint_layout(self) -> dict[str, Any]:
+        """An opaque description of how `save` lays out model and optimizer, stored with the
+        checkpoint; only this backend's `can_restore` interprets it."""
+        return {"format": "dcp"}
 
-    def can_restore(self, trainer_state: dict[str, Any]) -> bool:
-        """Whether a checkpoint (described by its trainer state) restores model and optimizer
-        exactly here; if not, only its model weights are loaded."""
-        return trainer_state.get("format") == "dcp"
+    def can_restore(self, layout: dict[str, Any]) -> bool:
+        """Whether a checkpoint with this layout restores model and optimizer exactly here; if
+        not, only its model weights are loaded."""
+        return layout.get("format") == "dcp"
+
+    def state_dict(self) -> dict[str, Any]:
+        """The backend's small state (kept in the trainer state): its layout and the scaler."""
+        return {"layout": self.checkpoint_layout(), "scaler": self.scaler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
 
     def save(self, ckpt_dir: Path) -> None:
         """Model and optimizer to torch.distributed.checkpoint, keyed by parameter name: the
@@ -120,8 +135,6 @@ class Backend:
             ckpt_dir / DCP_DIR,
             no_dist=not is_distributed(),
         )
-        if self.dist.is_main:
-            save_file({"scaler": self.scaler.state_dict()}, ckpt_dir / SCALER_STATE)
 
     def load(self, ckpt_dir: Path) -> None:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
@@ -133,14 +146,13 @@ class Backend:
             model_state_dict=state["model"],
             optim_state_dict=state["optimizer"],
         )
-        scaler = load_file(ckpt_dir / SCALER_STATE)["scaler"]
-        if scaler:
-            self.scaler.load_state_dict(scaler)
+        if (ckpt_dir / SCALER_STATE).is_file():  # checkpoints written before the backend state
+            self.load_state_dict({"scaler": load_file(ckpt_dir / SCALER_STATE)["scaler"]})
 
 
-def build_backend(cfg: Config, dist: DistInfo, precision: Precision) -> Backend:
-    """The backend class for parallel.backend (imported lazily: deepspeed is heavy)."""
-    name = cfg.parallel.backend
+def build_backend(cfg: Config, plan: RunPlan) -> Backend:
+    """The backend class for the plan's backend (imported lazily: deepspeed is heavy)."""
+    name = plan.backend
     if name == "ddp":
         from scale_llm.parallel.ddp import DDPBackend as cls
     elif name == "fsdp":
@@ -149,4 +161,21 @@ def build_backend(cfg: Config, dist: DistInfo, precision: Precision) -> Backend:
         from scale_llm.parallel.deepspeed import DeepSpeedBackend as cls
     else:
         cls = Backend
-    return cls(cfg, dist, precision)
+    return cls(cfg, plan)
+
+
+def setup_training(
+    cfg: Config, plan: RunPlan, initial_weights: dict | None = None
+) -> tuple[Backend, nn.Module]:
+    """Build the model on the meta device and hand it to the plan's backend; returns the
+    backend and the model to call forward on (what the trainer and bench both start from)."""
+    backend = build_backend(cfg, plan)
+    model = build_model(cfg.model)  # on the meta device: no memory, no init yet
+    log.info(
+        "model: %.2fM parameters (%.2fM without embeddings), %d layers, d_model %d",
+        model.num_params() / 1e6,
+        model.num_params(exclude_embeddings=True) / 1e6,
+        cfg.model.n_layers,
+        cfg.model.d_model,
+    )
+    return backend, backend.setup(model, initial_weights)

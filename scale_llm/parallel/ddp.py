@@ -20,7 +20,7 @@ class DDPBackend(Backend):
     def wrap(self, model: Transformer, initial_weights: dict | None = None) -> nn.Module:
         model = super().wrap(model, initial_weights)
         opts = self.cfg.parallel.ddp
-        device = self.dist.device
+        device = self.plan.device
         return DDP(
             model,
             device_ids=[device.index] if device.type == "cuda" else None,

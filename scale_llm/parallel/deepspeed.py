@@ -24,13 +24,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from scale_llm.components.checkpoint import MODEL_WEIGHTS
+from scale_llm.components.optim import build_optimizer, param_groups
 from scale_llm.components.serialization import guard_deepspeed_reader, save_file
 from scale_llm.model import Transformer
-from scale_llm.parallel.backend import Backend, init_on_cpu
-from scale_llm.parallel.checkpointing import apply_activation_checkpointing
+from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
+from scale_llm.parallel.backend import Backend
 from scale_llm.parallel.ds_config import deepspeed_config
-from scale_llm.train.checkpoint import MODEL_WEIGHTS
-from scale_llm.train.optim import build_optimizer, param_groups
 
 TAG = "deepspeed"  # the engine's checkpoint folder inside each step_XXXXXXXX directory
 
@@ -43,12 +43,11 @@ class DeepSpeedBackend(Backend):
         )
         import deepspeed
 
-        init_on_cpu(model, self.cfg.run.seed)
-        if initial_weights is not None:  # before initialize: the fp32 master copies start here
-            model.load_state_dict(initial_weights)
-        apply_activation_checkpointing(model, self.cfg.model)
+        # before initialize: the fp32 master copies start from these weights
+        self.materialize_on_cpu(model, initial_weights)
+        apply_activation_checkpointing(model, self.cfg.activation_checkpointing)
         self.module = model
-        self.ds_config = deepspeed_config(self.cfg, self.dist.world_size, self.precision.name)
+        self.ds_config = deepspeed_config(self.cfg, self.plan)
         engine, optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=self._client_optimizer(model), config=self.ds_config
         )
@@ -100,23 +99,20 @@ class DeepSpeedBackend(Backend):
             norm = math.inf
         if isinstance(norm, torch.Tensor):
             return norm.detach().float().reshape(())
-        return torch.tensor(float("nan") if norm is None else norm, device=self.dist.device)
-
-    def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        return torch.tensor(float("nan") if norm is None else norm, device=self.plan.device)
 
     # ----------------------------------------------------------------- state
-    checkpoint_format = "deepspeed"
+    def checkpoint_layout(self) -> dict:
+        return {
+            "format": "deepspeed",
+            "zero_stage": self.cfg.parallel.deepspeed.zero_stage,
+            "world_size": self.plan.world_size,
+        }
 
-    def can_restore(self, trainer_state: dict) -> bool:
+    def can_restore(self, layout: dict) -> bool:
         """DeepSpeed's own format restores exactly only onto the same ZeRO stage and world size;
         from anything else the model weights are loaded (see docs/backends.md)."""
-        return (
-            trainer_state.get("format") == "deepspeed"
-            and trainer_state.get("zero_stage") == self.cfg.parallel.deepspeed.zero_stage
-            and trainer_state.get("world_size") == self.dist.world_size
-        )
+        return layout == self.checkpoint_layout()
 
     def save(self, ckpt_dir: Path) -> None:
         """The engine's checkpoint, plus consolidated fp32 weights (`model.pt`) that any backend,
@@ -124,7 +120,7 @@ class DeepSpeedBackend(Backend):
         engine = self.model
         engine.save_checkpoint(str(ckpt_dir), tag=TAG)
         torch.distributed.barrier()
-        if self.dist.is_main:
+        if self.plan.is_main:
             save_file(self._fp32_weights(ckpt_dir), ckpt_dir / MODEL_WEIGHTS)
 
     def _fp32_weights(self, ckpt_dir: Path) -> dict[str, torch.Tensor]:

@@ -3,7 +3,7 @@
 `train.micro_batch_size`, `train.grad_accum`, `train.grad_clip` and `train.precision` mean the
 same thing under DeepSpeed as elsewhere; `parallel.deepspeed.*` picks the ZeRO stage and offload.
 Experts may add raw entries in `parallel.deepspeed.config`; entries that would contradict the
-framework's own keys are refused, naming the key to use instead.
+framework's own keys are refused (`parallel/options.py`), naming the key to use instead.
 """
 
 from __future__ import annotations
@@ -12,37 +12,12 @@ import copy
 from typing import Any
 
 from scale_llm.config import Config, deep_merge
-
-# ds_config entries the framework owns -> the YAML key that sets them
-OWNED = {
-    "train_batch_size": "train.micro_batch_size x train.grad_accum x world size",
-    "train_micro_batch_size_per_gpu": "train.micro_batch_size",
-    "gradient_accumulation_steps": "train.grad_accum",
-    "gradient_clipping": "train.grad_clip",
-    "bf16": "train.precision",
-    "fp16": "train.precision",
-    "optimizer": "train.lr / train.weight_decay / train.beta1 / train.beta2 (the framework "
-    "builds AdamW and sets the LR each step)",
-    "scheduler": "train.warmup_steps / train.min_lr (the framework sets the LR each step)",
-    "zero_optimization.stage": "parallel.deepspeed.zero_stage",
-    "zero_optimization.offload_optimizer": "parallel.deepspeed.offload_optimizer",
-    "zero_optimization.offload_param": "parallel.deepspeed.offload_param",
-}
+from scale_llm.plan import RunPlan
 
 
-def passthrough_problems(raw: dict[str, Any]) -> list[str]:
-    problems = []
-    for key, instead in OWNED.items():
-        head, _, tail = key.partition(".")
-        present = head in raw and (not tail or (isinstance(raw[head], dict) and tail in raw[head]))
-        if present:
-            problems.append(f"parallel.deepspeed.config.{key}: set by {instead}; remove it here")
-    return problems
-
-
-def deepspeed_config(cfg: Config, world_size: int, precision: str) -> dict[str, Any]:
-    """The ds_config dict; `precision` is the resolved one (bf16 | fp16 | fp32, never auto)."""
-    t, ds = cfg.train, cfg.parallel.deepspeed
+def deepspeed_config(cfg: Config, plan: RunPlan) -> dict[str, Any]:
+    """The ds_config dict for this run (batch layout and precision from the plan)."""
+    t, ds, precision = cfg.train, cfg.parallel.deepspeed, plan.precision
     zero: dict[str, Any] = {
         "stage": ds.zero_stage,
         "contiguous_gradients": True,
@@ -57,9 +32,9 @@ def deepspeed_config(cfg: Config, world_size: int, precision: str) -> dict[str, 
     if ds.offload_param == "cpu":
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     generated: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": t.micro_batch_size,
-        "gradient_accumulation_steps": t.grad_accum,
-        "train_batch_size": t.micro_batch_size * t.grad_accum * world_size,
+        "train_micro_batch_size_per_gpu": plan.micro_batch_size,
+        "gradient_accumulation_steps": plan.grad_accum,
+        "train_batch_size": plan.sequences_per_step,
         "gradient_clipping": t.grad_clip,
         "bf16": {"enabled": precision == "bf16"},
         # dynamic loss scaling, the same policy as torch.amp.GradScaler's defaults

@@ -36,14 +36,14 @@ from torch.distributed.fsdp import (
 )
 
 from scale_llm.model import Transformer, build_model
-from scale_llm.parallel.backend import Backend, init_on_cpu
-from scale_llm.parallel.checkpointing import apply_activation_checkpointing
+from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
+from scale_llm.parallel.backend import Backend
 
 
 class FSDPBackend(Backend):
     def device_mesh(self) -> DeviceMesh:
-        world, replicas = self.dist.world_size, self.cfg.parallel.fsdp.replicate_degree
-        device_type = self.dist.device.type
+        world, replicas = self.plan.world_size, self.cfg.parallel.fsdp.replicate_degree
+        device_type = self.plan.device.type
         if replicas > 1:
             return init_device_mesh(
                 device_type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard")
@@ -57,7 +57,7 @@ class FSDPBackend(Backend):
 
     def wrap(self, model: Transformer, initial_weights: dict | None = None) -> nn.Module:
         opts = self.cfg.parallel.fsdp
-        apply_activation_checkpointing(model, self.cfg.model)
+        apply_activation_checkpointing(model, self.cfg.activation_checkpointing)
         common = dict(
             mesh=self.device_mesh(),
             mp_policy=self.mp_policy(),
@@ -70,7 +70,7 @@ class FSDPBackend(Backend):
                 block, reshard_after_forward=opts.reshard_after_forward and not last, **common
             )
         fully_shard(model, reshard_after_forward=opts.reshard_after_forward, **common)
-        model.to_empty(device="cpu" if opts.cpu_offload else self.dist.device)
+        model.to_empty(device="cpu" if opts.cpu_offload else self.plan.device)
         self._load_full_weights(model, initial_weights)
         return model
 
@@ -78,10 +78,10 @@ class FSDPBackend(Backend):
         """Rank 0 initializes the full model on the CPU (or takes `initial`) and broadcasts it
         into the shards."""
         full = {}
-        if self.dist.is_main:
+        if self.plan.is_main:
             full = initial
             if full is None:
-                full = init_on_cpu(build_model(self.cfg.model), self.cfg.run.seed).state_dict()
+                full = self.materialize_on_cpu(build_model(self.cfg.model)).state_dict()
         set_model_state_dict(
             model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         )

@@ -6,14 +6,16 @@ with `torch.load(path, weights_only=True)` anywhere, without torch.distributed o
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 
 import torch
 
+from scale_llm.components.checkpoint import TRAINER_STATE, Checkpointer, load_model_weights
 from scale_llm.components.serialization import load_file
 from scale_llm.config import ModelConfig
 from scale_llm.errors import UserError
-from scale_llm.train.checkpoint import TRAINER_STATE, Checkpointer, load_model_weights
+from scale_llm.model import empty_state_dict
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -34,8 +36,13 @@ def resolve_checkpoint(path: str | Path) -> Path:
 def convert(checkpoint: str | Path, out: str | Path) -> tuple[Path, int]:
     ckpt = resolve_checkpoint(checkpoint)
     state = load_file(ckpt / TRAINER_STATE)
-    model_cfg = ModelConfig(**state["config"]["model"])  # the checkpoint records its own shape
-    weights = {k: v.float().contiguous() for k, v in load_model_weights(ckpt, model_cfg).items()}
+    # the checkpoint records its own shape (older ones also held keys that have moved since)
+    saved = state["config"]["model"]
+    model_cfg = ModelConfig(
+        **{f.name: saved[f.name] for f in fields(ModelConfig) if f.name in saved}
+    )
+    loaded = load_model_weights(ckpt, empty_state_dict(model_cfg))
+    weights = {k: v.float().contiguous() for k, v in loaded.items()}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")

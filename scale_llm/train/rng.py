@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from scale_llm.parallel.device import is_distributed
+from scale_llm.components.distributed import is_distributed
 
 log = logging.getLogger(__name__)
 
@@ -71,3 +71,17 @@ def restore_for_rank(states: list[dict[str, Any]], rank: int) -> None:
 
 def _world() -> int:
     return dist.get_world_size() if is_distributed() else 1
+
+
+class Generators:
+    """Every rank's random generators as one piece of checkpoint state."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        """All ranks' states in rank order (a collective: call it on every rank)."""
+        return gather_all_ranks()
+
+    def load_state_dict(self, states: list[dict[str, Any]]) -> None:
+        restore_for_rank(states, self.rank)

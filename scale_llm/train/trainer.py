@@ -8,6 +8,7 @@ the device and are read (a host sync) only on logging steps.
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import signal
@@ -17,45 +18,32 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from scale_llm.components.serialization import load_file, save_file
-from scale_llm.config import Config, save_config, to_dict
-from scale_llm.data.loader import TokenWindows, TrainLoader, eval_batches
-from scale_llm.data.shards import open_split, read_manifest
-from scale_llm.errors import UserError
-from scale_llm.model import build_model
-from scale_llm.parallel.backend import Backend, build_backend
-from scale_llm.parallel.device import DistInfo, mean_over_ranks
-from scale_llm.train import rng
-from scale_llm.train.checkpoint import (
+from scale_llm.components.checkpoint import (
     TRAINER_STATE,
     Checkpointer,
     load_model_weights,
     resolve_resume,
 )
+from scale_llm.components.distributed import mean_over_ranks
+from scale_llm.components.hardware import cuda_memory_gib, peak_flops
+from scale_llm.components.loss import cross_entropy
+from scale_llm.components.optim import lr_at
+from scale_llm.components.serialization import load_file, save_file
+from scale_llm.config import Config, get_key, run_defining_keys, save_config, to_dict
+from scale_llm.data.loader import TokenWindows, TrainLoader, eval_batches
+from scale_llm.data.shards import open_split, read_manifest
+from scale_llm.errors import UserError
+from scale_llm.model import Transformer, build_model, empty_state_dict
+from scale_llm.parallel.backend import build_backend
+from scale_llm.parallel.step import optimizer_step
+from scale_llm.plan import RunPlan
 from scale_llm.train.guards import StopSignals, TrainingDiverged, diverged_message, maybe_fail
-from scale_llm.train.metrics import MetricsLogger, cuda_memory_gib, peak_flops
-from scale_llm.train.optim import lr_at
-from scale_llm.train.precision import resolve_precision
+from scale_llm.train.metrics import MetricsLogger
+from scale_llm.train.rng import Generators
 
 log = logging.getLogger(__name__)
-
-# Keys whose change makes a checkpoint a different run: resuming across them is refused.
-_RUN_DEFINING = (
-    "model.vocab_size",
-    "model.d_model",
-    "model.n_layers",
-    "model.n_heads",
-    "model.n_kv_heads",
-    "model.seq_len",
-    "model.mlp_hidden",
-    "model.tie_embeddings",
-    "model.norm_eps",
-    "model.rope_theta",
-    "run.seed",
-    "data.source",
-)
+PLAN_FILE = "plan.json"
 
 
 @dataclass
@@ -69,49 +57,22 @@ class TrainResult:
     stopped: str | None = None  # why the run stopped before max_steps, if it did
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss; logits (B, T, V) are upcast so the softmax runs in fp32."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-
-
-def optimizer_step(
-    backend: Backend, model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Accumulate over the micro-batches, then one clip + step; returns (mean loss, grad norm)."""
-    accum = len(batches)
-    loss_sum = torch.zeros((), device=batches[0][0].device)
-    for i, (inputs, targets) in enumerate(batches):
-        with backend.sync_context(sync_gradients=i == accum - 1):
-            with backend.forward_context():
-                loss = cross_entropy(model(inputs), targets) / accum
-            backend.backward(loss)
-        loss_sum += loss.detach()
-    return loss_sum, backend.clip_and_step()
-
-
 class Trainer:
-    def __init__(self, cfg: Config, dist: DistInfo):
-        self.cfg, self.dist = cfg, dist
-        self.device = dist.device
+    def __init__(self, cfg: Config, plan: RunPlan):
+        self.cfg, self.plan = cfg, plan
+        self.device = plan.device
         self.run_dir = cfg.run_dir
         self.manifest = read_manifest(cfg.data.dir)
         self._check_vocab()
-        self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep_last, dist.is_main)
+        self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep_last, plan.is_main)
         self.resume_from = resolve_resume(cfg.checkpoint.resume, self.checkpointer)
         resume_state = self._read_resume_state()
 
-        self.precision = resolve_precision(cfg.train.precision, self.device)
-        self.backend = build_backend(cfg, dist, self.precision)
+        self.backend = build_backend(cfg, plan)
         model = build_model(cfg.model)  # on the meta device: no memory, no init yet
-        log.info(
-            "model: %.2fM parameters (%.2fM without embeddings), %d layers, d_model %d",
-            model.num_params() / 1e6,
-            model.num_params(exclude_embeddings=True) / 1e6,
-            cfg.model.n_layers,
-            cfg.model.d_model,
-        )
+        _log_model(model, cfg)
         self.flops_per_token = model.flops_per_token()
-        exact = resume_state is not None and self.backend.can_restore(resume_state)
+        exact = resume_state is not None and self.backend.can_restore(_layout_of(resume_state))
         initial = None
         if resume_state is not None and not exact:
             initial = self._foreign_weights(resume_state)
@@ -125,28 +86,16 @@ class Trainer:
             open_split(data_dir, self.manifest, "val"), cfg.model.seq_len
         )
         self._check_windows()
-        t = cfg.train
-        self.loader = TrainLoader(
-            self.train_windows,
-            t.micro_batch_size,
-            t.grad_accum,
-            dist.world_size,
-            dist.rank,
-            cfg.run.seed,
-            self.device,
-            prefetch=cfg.data.prefetch,
-        )
+        self.loader = TrainLoader(self.train_windows, plan, cfg.run.seed, cfg.data.prefetch)
+        self.generators = Generators(plan.rank)
         self.step = 0
         self.skipped_steps = torch.zeros((), dtype=torch.int64, device=self.device)
         self.bad_streak = torch.zeros((), dtype=torch.int64, device=self.device)
-        self.tokens_per_step = (
-            t.micro_batch_size * cfg.model.seq_len * t.grad_accum * dist.world_size
-        )
         if resume_state is not None:
-            self._restore(resume_state, exact)
-        if dist.is_main:
+            self.load_state_dict(resume_state, exact)
+        if plan.is_main:
             self._write_run_dir()
-        self.metrics = MetricsLogger(self.run_dir, dist.is_main, cfg.logging.tensorboard, self.step)
+        self.metrics = MetricsLogger(self.run_dir, plan.is_main, cfg.logging.tensorboard, self.step)
 
     # ----------------------------------------------------------------- loop
     def fit(self) -> TrainResult:
@@ -161,7 +110,7 @@ class Trainer:
                 while self.step < t.max_steps:
                     loss, grad_norm, lr = self.train_step()
                     self.step += 1
-                    maybe_fail("after_step", self.step, self.dist.rank)
+                    maybe_fail("after_step", self.step, self.plan.rank)
                     self._record(loss, grad_norm, lr, result)
                     stop = self._stop_reason(signals)
                     every = self.cfg.checkpoint.every
@@ -224,19 +173,19 @@ class Trainer:
     ) -> dict[str, Any]:
         start, first_step = self._window
         tokens_per_s = (
-            self.tokens_per_step * (self.step - first_step) / (time.perf_counter() - start)
+            self.plan.tokens_per_step * (self.step - first_step) / (time.perf_counter() - start)
         )
         row = {
             "loss": mean_over_ranks(loss).item(),
             "lr": lr,
             "grad_norm": grad_norm.item(),
             "tokens_per_s": tokens_per_s,
-            "tokens": self.tokens_per_step * self.step,
+            "tokens": self.plan.tokens_per_step * self.step,
             "skipped_steps": int(self.skipped_steps.item()),
         }
         peak = peak_flops(self.device)
         if peak:
-            row["mfu"] = self.flops_per_token * tokens_per_s / self.dist.world_size / peak
+            row["mfu"] = self.flops_per_token * tokens_per_s / self.plan.world_size / peak
         log.info(
             "step %d/%d | loss %.4f | lr %.2e | grad_norm %.3f | %.0f tok/s",
             self.step,
@@ -256,7 +205,7 @@ class Trainer:
                     streak,
                     self.step,
                     self.cfg.train.lr,
-                    self.precision.name,
+                    self.plan.precision,
                     self.cfg.data.dir,
                     self.checkpointer.latest(),
                 )
@@ -271,7 +220,7 @@ class Trainer:
     def _stop_reason(self, signals: StopSignals) -> str | None:
         """Why to stop after this step, agreed by every rank (one tiny all-reduce per step)."""
         received = signals.received
-        if self.dist.world_size > 1:
+        if self.plan.world_size > 1:
             flag = torch.tensor([received], device=self.device)
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
             received = int(flag.item())
@@ -282,36 +231,14 @@ class Trainer:
         return None
 
     def _log_batch(self) -> None:
-        t, T = self.cfg.train, self.cfg.model.seq_len
-        log.info(
-            "batch: micro %d x seq_len %d x grad_accum %d x world %d = %d sequences = %s "
-            "tokens per step; precision %s on %s",
-            t.micro_batch_size,
-            T,
-            t.grad_accum,
-            self.dist.world_size,
-            self.tokens_per_step // T,
-            f"{self.tokens_per_step:,}",
-            self.precision.name,
-            self.device,
-        )
+        log.info("plan: %s", self.plan.describe())
 
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss over eval.steps global batches of validation windows, over all ranks."""
-        t = self.cfg.train
         self.model.eval()
         total, count = torch.zeros((), device=self.device), 0
-        batches = eval_batches(
-            self.val_windows,
-            t.micro_batch_size,
-            t.grad_accum,
-            self.cfg.eval.steps,
-            self.dist.world_size,
-            self.dist.rank,
-            self.device,
-        )
-        for inputs, targets in batches:
+        for inputs, targets in eval_batches(self.val_windows, self.plan, self.cfg.eval.steps):
             with self.backend.forward_context():
                 total += cross_entropy(self.model(inputs), targets)
             count += 1
@@ -328,39 +255,50 @@ class Trainer:
 
         def write(tmp: Path) -> None:
             self.backend.save(tmp)
-            maybe_fail("mid_save", self.step, self.dist.rank)
-            rng_states = rng.gather_all_ranks()  # collective
-            if self.dist.is_main:
-                save_file(self._trainer_state(rng_states), tmp / TRAINER_STATE)
+            maybe_fail("mid_save", self.step, self.plan.rank)
+            state = self.state_dict()  # a collective (every rank's generators)
+            if self.plan.is_main:
+                save_file(state, tmp / TRAINER_STATE)
 
         path = self.checkpointer.save(self.step, write)
         log.info("checkpoint: saved %s", path)
         return path
 
-    def _trainer_state(self, rng_states: list[dict[str, Any]]) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
+        """Everything but the model and optimizer (which the backend writes itself)."""
         return {
             "step": self.step,
             "data": self.loader.state_dict(),
-            "rng": rng_states,  # one entry per rank
+            "rng": self.generators.state_dict(),  # one entry per rank
             "skipped_steps": int(self.skipped_steps.item()),
             "config": to_dict(self.cfg),
+            "plan": self.plan.to_json(),
             "tokenizer_sha256": self.manifest["tokenizer"]["sha256"],
-            # what wrote the model / optimizer files, to decide how a resume can read them
-            "format": self.backend.checkpoint_format,
-            "backend": self.cfg.parallel.backend,
-            "world_size": self.dist.world_size,
-            "zero_stage": self.cfg.parallel.deepspeed.zero_stage,
+            "backend": self.backend.state_dict(),  # its checkpoint layout and scaler
         }
+
+    def load_state_dict(self, state: dict[str, Any], exact: bool) -> None:
+        """Restore from a checkpoint's trainer state; with `exact`, the backend also restores
+        model and optimizer from its own files (otherwise only the weights were loaded)."""
+        if exact:
+            self.backend.load(self.resume_from)
+            if isinstance(state.get("backend"), dict):
+                self.backend.load_state_dict(state["backend"])
+        self.step = int(state["step"])
+        self.loader.load_state_dict(state["data"])
+        self.skipped_steps.fill_(int(state.get("skipped_steps", 0)))
+        if isinstance(state["rng"], list):
+            self.generators.load_state_dict(state["rng"])
+        log.info("resume: continuing from %s at step %d", self.resume_from, self.step)
 
     def _read_resume_state(self) -> dict[str, Any] | None:
         if self.resume_from is None:
             return None
         state = load_file(self.resume_from / TRAINER_STATE)
         problems = []
-        for key in _RUN_DEFINING:
-            section, name = key.split(".")
-            old = state["config"][section][name]
-            new = getattr(getattr(self.cfg, section), name)
+        for key in run_defining_keys():
+            old = _lookup(state["config"], key)
+            new = get_key(self.cfg, key)
             if old != new:
                 problems.append(f"{key}: the checkpoint has {old!r}, the config says {new!r}")
         if state["tokenizer_sha256"] != self.manifest["tokenizer"]["sha256"]:
@@ -380,25 +318,16 @@ class Trainer:
     def _foreign_weights(self, state: dict[str, Any]) -> dict[str, torch.Tensor]:
         """Model weights of a checkpoint this backend cannot restore exactly (another backend,
         or DeepSpeed with another ZeRO stage or world size): the optimizer starts afresh."""
+        plan = state.get("plan", {})
         log.warning(
-            "resume: %s was written by %s on %s ranks (format %s); loading its model weights "
+            "resume: %s was written by %s on %s ranks (layout %s); loading its model weights "
             "only: the optimizer moments start again from zero",
             self.resume_from,
-            state.get("backend", "an older version"),
-            state.get("world_size", "?"),
-            state.get("format", "?"),
+            plan.get("backend", state.get("backend", "an older version")),
+            plan.get("world_size", state.get("world_size", "?")),
+            _layout_of(state),
         )
-        return load_model_weights(self.resume_from, self.cfg.model)
-
-    def _restore(self, state: dict[str, Any], exact: bool) -> None:
-        if exact:
-            self.backend.load(self.resume_from)
-        self.step = int(state["step"])
-        self.loader.load_state_dict(state["data"])
-        self.skipped_steps.fill_(int(state.get("skipped_steps", 0)))
-        if isinstance(state["rng"], list):
-            rng.restore_for_rank(state["rng"], self.dist.rank)
-        log.info("resume: continuing from %s at step %d", self.resume_from, self.step)
+        return load_model_weights(self.resume_from, empty_state_dict(self.cfg.model))
 
     # ----------------------------------------------------------------- checks / run dir
     def _check_vocab(self) -> None:
@@ -422,12 +351,42 @@ class Trainer:
 
     def _write_run_dir(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(self.cfg, self.run_dir / "config.yaml")
+        save_config(self.cfg, self.run_dir / "config.yaml")  # as the user wrote it
+        (self.run_dir / PLAN_FILE).write_text(json.dumps(self.plan.to_json(), indent=2) + "\n")
         for name, text in self.backend.run_files().items():
             (self.run_dir / name).write_text(text)
         src = Path(self.cfg.data.dir) / self.manifest["tokenizer"]["file"]
         shutil.copyfile(src, self.run_dir / "tokenizer.model")
 
 
-def train(cfg: Config, dist: DistInfo) -> TrainResult:
-    return Trainer(cfg, dist).fit()
+def train(cfg: Config, plan: RunPlan) -> TrainResult:
+    return Trainer(cfg, plan).fit()
+
+
+def _log_model(model: Transformer, cfg: Config) -> None:
+    log.info(
+        "model: %.2fM parameters (%.2fM without embeddings), %d layers, d_model %d",
+        model.num_params() / 1e6,
+        model.num_params(exclude_embeddings=True) / 1e6,
+        cfg.model.n_layers,
+        cfg.model.d_model,
+    )
+
+
+def _layout_of(state: dict[str, Any]) -> dict[str, Any]:
+    """The backend's description of a checkpoint's layout (older checkpoints kept its parts
+    among the trainer's own keys)."""
+    backend = state.get("backend")
+    if isinstance(backend, dict):
+        return backend["layout"]
+    return {k: state[k] for k in ("format", "zero_stage", "world_size") if k in state}
+
+
+def _lookup(tree: dict[str, Any], dotted: str) -> Any:
+    """A dotted key of a saved config dict (None where that checkpoint has no such key)."""
+    node: Any = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node

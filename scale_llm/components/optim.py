@@ -44,3 +44,8 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     decay_steps = max(1, cfg.max_steps - cfg.warmup_steps)
     progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

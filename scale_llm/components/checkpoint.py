@@ -1,4 +1,5 @@
-"""Checkpoint directories: atomic writes, keep_last pruning, and choosing what to resume from.
+"""Checkpoint directories: the file layout, atomic writes, keep_last pruning, and choosing what to
+resume from.
 
 A checkpoint is a directory `checkpoints/step_00000100/`. It is written under a temporary name
 (`.tmp-step_00000100`), every file is flushed to disk, and only then renamed into place, so a
@@ -15,19 +16,18 @@ import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from scale_llm.components.distributed import barrier, is_distributed
 from scale_llm.components.serialization import dcp_load, load_file
 from scale_llm.errors import UserError
-from scale_llm.parallel.device import barrier, is_distributed
 
 log = logging.getLogger(__name__)
 TRAINER_STATE = "trainer.pt"  # step, data position, RNG, config, format: written by rank 0
 MODEL_WEIGHTS = "model.pt"  # consolidated fp32 weights (DeepSpeed checkpoints, `convert`)
 DCP_DIR = "dcp"  # torch.distributed.checkpoint: model + optimizer, keyed by parameter name
-SCALER_STATE = "scaler.pt"
+SCALER_STATE = "scaler.pt"  # GradScaler state of checkpoints written before the backend state
 _NAME = re.compile(r"^step_(\d{8})$")
 
 
@@ -125,21 +125,18 @@ def resolve_resume(resume: str, checkpointer: Checkpointer) -> Path | None:
     return path
 
 
-def load_model_weights(ckpt_dir: Path, model_cfg: Any) -> dict[str, torch.Tensor]:
+def load_model_weights(
+    ckpt_dir: Path, template: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """The full fp32 model state dict of any checkpoint, on the CPU, in one process.
 
-    DCP checkpoints (single, DDP, FSDP) are read shard by shard into a freshly allocated model
-    of `model_cfg`'s shape, whatever world size wrote them; DeepSpeed checkpoints carry a
-    consolidated `model.pt`.
+    DCP checkpoints (single, DDP, FSDP) are read shard by shard into `template` (a full state
+    dict of the checkpoint's shape on the CPU, e.g. `model.empty_state_dict(cfg)`), whatever
+    world size wrote them; DeepSpeed checkpoints carry a consolidated `model.pt`.
     """
-    from scale_llm.model import build_model
-
     if (ckpt_dir / DCP_DIR).is_dir():
-        model = build_model(model_cfg)
-        model.to_empty(device="cpu")
-        weights = model.state_dict()
-        dcp_load({"model": weights}, ckpt_dir / DCP_DIR, no_dist=not is_distributed())
-        return weights
+        dcp_load({"model": template}, ckpt_dir / DCP_DIR, no_dist=not is_distributed())
+        return template
     if (ckpt_dir / MODEL_WEIGHTS).is_file():
         return load_file(ckpt_dir / MODEL_WEIGHTS)
     raise UserError(

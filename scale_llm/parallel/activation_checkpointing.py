@@ -1,9 +1,9 @@
 """Activation checkpointing per transformer block, applied from outside the model definition.
 
-Modes (`model.activation_checkpointing`):
+Modes (`activation_checkpointing.mode`):
   none       every block keeps what its backward needs
   full       every block keeps only its input and recomputes its forward during backward
-  every_k    blocks 0, k, 2k, ... are checkpointed (`model.activation_checkpointing_k`), the others
+  every_k    blocks 0, k, 2k, ... are checkpointed (`activation_checkpointing.k`), the others
              keep everything: a memory / recompute trade-off between none and full
   selective  op-level: every block keeps the outputs of its matmuls and attention kernels and
              recomputes the cheap element-wise ops (norms, casts, rotary, SiLU, products)
@@ -25,7 +25,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from scale_llm.config import ModelConfig
+from scale_llm.parallel.options import ActivationCheckpointingConfig
 
 _aten = torch.ops.aten
 # Ops whose outputs selective checkpointing keeps: the expensive ones (matmuls, attention).
@@ -40,20 +40,19 @@ SAVED_OPS = {
 }
 
 
-def checkpointed_blocks(cfg: ModelConfig) -> list[int]:
+def checkpointed_blocks(ac: ActivationCheckpointingConfig, n_layers: int) -> list[int]:
     """Indices of the blocks that recompute their forward in backward."""
-    mode, n = cfg.activation_checkpointing, cfg.n_layers
-    if mode in ("full", "selective"):
-        return list(range(n))
-    if mode == "every_k":
-        return list(range(0, n, cfg.activation_checkpointing_k))
+    if ac.mode in ("full", "selective"):
+        return list(range(n_layers))
+    if ac.mode == "every_k":
+        return list(range(0, n_layers, ac.k))
     return []
 
 
-def apply_activation_checkpointing(model: nn.Module, cfg: ModelConfig) -> int:
-    """Checkpoint the blocks of `model.layers` that `cfg` selects; returns how many."""
-    context_fn = _selective_context if cfg.activation_checkpointing == "selective" else None
-    chosen = checkpointed_blocks(cfg)
+def apply_activation_checkpointing(model: nn.Module, ac: ActivationCheckpointingConfig) -> int:
+    """Checkpoint the blocks of `model.layers` that `ac` selects; returns how many."""
+    context_fn = _selective_context if ac.mode == "selective" else None
+    chosen = checkpointed_blocks(ac, len(model.layers))
     for i in chosen:
         checkpoint_module(model.layers[i], context_fn)
     return len(chosen)

@@ -1,22 +1,21 @@
-"""The precision policy, in one place: bf16 autocast, fp16 autocast + GradScaler, or fp32."""
+"""The precision policy, in one place: bf16 autocast, fp16 autocast + GradScaler, or fp32.
+
+Which precision a run uses is decided by `scale_llm.plan` (precision `auto`); this module says
+what each one means for the forward pass and the gradients."""
 
 from __future__ import annotations
 
 import contextlib
-import logging
 from dataclasses import dataclass
 
 import torch
 
-from scale_llm.errors import UserError
-
-log = logging.getLogger(__name__)
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass(frozen=True)
 class Precision:
-    name: str  # bf16 | fp16 | fp32 (never auto: that is resolved against the device)
+    name: str  # bf16 | fp16 | fp32 (never auto: scale_llm.plan resolves that)
     device_type: str
 
     @property
@@ -45,24 +44,3 @@ class StepGuard(torch.amp.GradScaler):
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         super().update(1.0)
-
-
-def resolve_precision(requested: str, device: torch.device) -> Precision:
-    """`auto` means bf16 on a bf16-capable GPU and fp32 on CPU (CPUs without AMX emulate bf16)."""
-    if requested == "auto":
-        bf16_gpu = device.type == "cuda" and torch.cuda.is_bf16_supported()
-        name = "bf16" if bf16_gpu else "fp32"
-    else:
-        name = requested
-    if name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise UserError(
-            "train.precision=bf16 but this GPU has no bf16 support; use "
-            "train.precision=fp16 (with loss scaling) or fp32"
-        )
-    if name != "fp32" and device.type == "cpu":
-        log.warning(
-            "train.precision=%s on CPU: autocast works but is usually slower than "
-            "fp32 on CPUs without native bf16/fp16 matmuls",
-            name,
-        )
-    return Precision(name, device.type)

@@ -1,0 +1,116 @@
+"""The process group: started from the run plan, used through a few small helpers.
+
+NCCL on CUDA, gloo on the CPU. Which device, rank and world size a process has is decided by
+`scale_llm.plan` (from RANK / LOCAL_RANK / WORLD_SIZE, which torchrun, the deepspeed launcher
+and srun + torchrun all set); this module only acts on it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from scale_llm.errors import UserError
+
+if TYPE_CHECKING:
+    from scale_llm.plan import RunPlan
+
+log = logging.getLogger(__name__)
+
+
+def start(plan: RunPlan) -> None:
+    """Select this rank's device and, for every backend but `single`, join (or start) the
+    process group the plan describes."""
+    if plan.device.type == "cuda":
+        torch.cuda.set_device(plan.device)
+    if plan.backend == "single":
+        return
+    if plan.device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # must precede `import deepspeed`
+    world = plan.world_size
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        if world > 1:
+            raise UserError(
+                "WORLD_SIZE > 1 but MASTER_PORT is not set; start multi-process "
+                "runs with torchrun, the deepspeed launcher or launch/*.sh"
+            )
+        os.environ["MASTER_PORT"] = str(_free_port())
+    os.environ.setdefault("RANK", str(plan.rank))
+    os.environ.setdefault("LOCAL_RANK", str(plan.local_rank))
+    os.environ.setdefault("WORLD_SIZE", str(world))
+    if dist.is_initialized():
+        return
+    pg_backend = "nccl" if plan.device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(minutes=int(os.environ.get("SCALE_LLM_PG_TIMEOUT_MIN", "30")))
+    # A world of one keeps its store in memory: no TCP listener at all (torch's TCPStore
+    # binds every interface whatever MASTER_ADDR says).
+    store = dist.HashStore() if world == 1 else _restart_safe_store(world, timeout)
+    dist.init_process_group(
+        pg_backend,
+        store=store,
+        rank=plan.rank,
+        world_size=world,
+        timeout=timeout,
+        device_id=plan.device if plan.device.type == "cuda" else None,
+    )
+    log.info("dist: %d processes, %s process group, device %s", world, pg_backend, plan.device)
+
+
+def _restart_safe_store(world: int, timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun, the agent's store with this restart attempt's own key prefix.
+
+    torchrun hands every restart attempt the same shared TCPStore without a per-attempt prefix,
+    so after `--max-restarts` brings a dead rank back, a peer can read the previous attempt's
+    gloo/NCCL address of rank 0 and fail with "Connection refused" (seen on torch 2.13; compare
+    pytorch/pytorch#167288). None (plain env:// rendezvous) outside torchrun.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    agent = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size=world,
+        is_master=False,
+        timeout=timeout,
+    )
+    return dist.PrefixStore(f"scale_llm/attempt_{attempt}", agent)
+
+
+def shutdown_distributed(clean: bool = True) -> None:
+    """Leave the process group; after a failure, without waiting for ranks that may be stuck."""
+    if dist.is_available() and dist.is_initialized():
+        if clean:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
+    """The mean of a scalar tensor over all ranks (itself when not distributed)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    value = value.detach().clone().float()
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value / dist.get_world_size()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,122 @@
+"""The `parallel:` and `activation_checkpointing:` config sections, with their checks.
+
+A schema module: it sits beside the code that uses these options but imports nothing from
+scale_llm except the errors, so `scale_llm.config` can assemble the whole tree from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from scale_llm.config import Config
+
+
+@dataclass
+class ActivationCheckpointingConfig:
+    # none | full (every block) | every_k (blocks 0, k, 2k, ...) | selective (op-level: keep
+    # matmul and attention outputs, recompute element-wise ops); numerics are the same in all
+    mode: Literal["none", "full", "every_k", "selective"] = "none"
+    k: int = 2  # for every_k
+
+
+@dataclass
+class DDPConfig:
+    bucket_cap_mb: int = 25  # gradient all-reduce bucket size
+    gradient_as_bucket_view: bool = True  # gradients alias the buckets: saves one gradient copy
+    static_graph: bool = False  # the graph never changes: lets DDP skip per-step bookkeeping
+
+
+@dataclass
+class FSDPConfig:
+    reshard_after_forward: bool = True  # true: ZeRO-3-like (params re-gathered in backward);
+    # false: ZeRO-2-like (params stay gathered from forward to backward: more memory, less comm)
+    cpu_offload: bool = False  # keep sharded params, grads and optimizer state in CPU memory
+    replicate_degree: int = 1  # HSDP: replicas (e.g. nodes) x shards within each; 1 = plain FSDP
+
+
+@dataclass
+class DeepSpeedConfig:
+    zero_stage: int = 2  # 0: plain data parallel; 1: shard optimizer; 2: + gradients; 3: + params
+    offload_optimizer: Literal["none", "cpu"] = "none"  # ZeRO-Offload of optimizer state + step
+    offload_param: Literal["none", "cpu"] = "none"  # ZeRO-3 only: parameters live in CPU memory
+    config: dict | None = None  # raw ds_config entries merged over the generated ones (experts)
+
+
+@dataclass
+class ParallelConfig:
+    # auto: single for one process, ddp when a launcher starts several (see scale_llm.plan)
+    backend: Literal["auto", "single", "ddp", "fsdp", "deepspeed"] = "auto"
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+
+
+# ds_config entries the framework owns -> the YAML key that sets them
+OWNED = {
+    "train_batch_size": "train.micro_batch_size x train.grad_accum x world size",
+    "train_micro_batch_size_per_gpu": "train.micro_batch_size",
+    "gradient_accumulation_steps": "train.grad_accum",
+    "gradient_clipping": "train.grad_clip",
+    "bf16": "train.precision",
+    "fp16": "train.precision",
+    "optimizer": "train.lr / train.weight_decay / train.beta1 / train.beta2 (the framework "
+    "builds AdamW and sets the LR each step)",
+    "scheduler": "train.warmup_steps / train.min_lr (the framework sets the LR each step)",
+    "zero_optimization.stage": "parallel.deepspeed.zero_stage",
+    "zero_optimization.offload_optimizer": "parallel.deepspeed.offload_optimizer",
+    "zero_optimization.offload_param": "parallel.deepspeed.offload_param",
+}
+
+
+def passthrough_problems(raw: dict[str, Any]) -> list[str]:
+    """Entries of parallel.deepspeed.config that would contradict a framework key."""
+    problems = []
+    for key, instead in OWNED.items():
+        head, _, tail = key.partition(".")
+        present = head in raw and (not tail or (isinstance(raw[head], dict) and tail in raw[head]))
+        if present:
+            problems.append(f"parallel.deepspeed.config.{key}: set by {instead}; remove it here")
+    return problems
+
+
+def validate_activation_checkpointing(ac: ActivationCheckpointingConfig) -> list[str]:
+    if ac.k < 1:
+        return [f"activation_checkpointing.k={ac.k} must be >= 1"]
+    return []
+
+
+def validate_parallel(cfg: Config) -> list[str]:
+    """Backend options that only make sense with one backend, or not at all together."""
+    e: list[str] = []
+    p, backend = cfg.parallel, cfg.parallel.backend
+    ds, fsdp = p.deepspeed, p.fsdp
+    if not 0 <= ds.zero_stage <= 3:
+        e.append(f"parallel.deepspeed.zero_stage={ds.zero_stage} must be 0, 1, 2 or 3")
+    if fsdp.replicate_degree < 1:
+        e.append(f"parallel.fsdp.replicate_degree={fsdp.replicate_degree} must be >= 1")
+    if fsdp.cpu_offload and backend != "fsdp":
+        e.append(
+            f"parallel.fsdp.cpu_offload=true needs parallel.backend=fsdp (it is {backend}); "
+            f"with deepspeed use parallel.deepspeed.offload_optimizer/offload_param"
+        )
+    offloads = [k for k in ("offload_optimizer", "offload_param") if getattr(ds, k) != "none"]
+    if offloads and backend != "deepspeed":
+        e.append(
+            f"parallel.deepspeed.{offloads[0]}=cpu needs parallel.backend=deepspeed (it is "
+            f"{backend}); with fsdp use parallel.fsdp.cpu_offload=true"
+        )
+    if ds.offload_param != "none" and ds.zero_stage != 3:
+        e.append(
+            f"parallel.deepspeed.offload_param=cpu needs parallel.deepspeed.zero_stage=3 "
+            f"(it is {ds.zero_stage}); parameters are only partitioned under ZeRO-3"
+        )
+    if ds.offload_optimizer != "none" and ds.zero_stage == 0:
+        e.append(
+            "parallel.deepspeed.offload_optimizer=cpu needs parallel.deepspeed.zero_stage "
+            ">= 1 (ZeRO-Offload moves the partitioned optimizer state)"
+        )
+    if ds.config and backend == "deepspeed":
+        e.extend(passthrough_problems(ds.config))
+    return e

@@ -1,0 +1,25 @@
+"""One optimizer step through any backend: the accumulation loop the trainer and bench share."""
+
+from __future__ import annotations
+
+import torch
+
+from scale_llm.components.loss import cross_entropy
+from scale_llm.parallel.backend import Backend
+
+
+def optimizer_step(
+    backend: Backend, model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accumulate over the micro-batches (each loss divided by their number, gradients synced
+    on the last only), then one clip + step; returns (mean loss, pre-clip grad norm), both
+    still on the device."""
+    accum = len(batches)
+    loss_sum = torch.zeros((), device=batches[0][0].device)
+    for i, (inputs, targets) in enumerate(batches):
+        with backend.sync_context(sync_gradients=i == accum - 1):
+            with backend.forward_context():
+                loss = cross_entropy(model(inputs), targets) / accum
+            backend.backward(loss)
+        loss_sum += loss.detach()
+    return loss_sum, backend.clip_and_step()

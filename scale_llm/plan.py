@@ -1,0 +1,229 @@
+"""The run plan: every `auto` settled once, at start-up, from the config and the launch.
+
+`resolve_plan(cfg)` reads the launcher's environment (rank, world size), picks the device, the
+backend, the precision and the accumulation, checks what needs the launch to check, and returns
+one frozen `RunPlan`. Everything below the CLI (trainer, backends, loader, metrics, estimator,
+bench, generate) reads the plan and never looks at an `auto` again; the run directory keeps the
+config as the user wrote it (`config.yaml`) and the plan as it ran (`plan.json`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from scale_llm.config import Config, format_errors
+from scale_llm.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Where this process sits, as the launcher (torchrun, deepspeed, srun) says."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+
+def launch_env() -> Launch:
+    """RANK / LOCAL_RANK / WORLD_SIZE from the environment; a world of one when run directly."""
+    try:
+        return Launch(
+            rank=int(os.environ.get("RANK", "0")),
+            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+            world_size=int(os.environ.get("WORLD_SIZE", "1")),
+        )
+    except ValueError as e:
+        raise UserError(
+            f"RANK / LOCAL_RANK / WORLD_SIZE must be integers ({e}); start "
+            f"multi-process runs with the scripts in launch/"
+        ) from None
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What this run does, with nothing left to resolve."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    backend: str  # single | ddp | fsdp | deepspeed
+    precision: str  # bf16 | fp16 | fp32
+    dp_degree: int  # ranks that split each global batch (every rank: data parallelism only)
+    micro_batch_size: int
+    grad_accum: int
+    seq_len: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def sequences_per_step(self) -> int:
+        """The global batch: micro_batch_size x grad_accum x data-parallel degree."""
+        return self.micro_batch_size * self.grad_accum * self.dp_degree
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.sequences_per_step * self.seq_len
+
+    @property
+    def tokens_per_step_per_rank(self) -> int:
+        return self.micro_batch_size * self.grad_accum * self.seq_len
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["device"] = str(self.device)
+        out["sequences_per_step"] = self.sequences_per_step
+        out["tokens_per_step"] = self.tokens_per_step
+        return out
+
+    def describe(self) -> str:
+        return (
+            f"backend {self.backend}, precision {self.precision} on {self.device}, rank "
+            f"{self.rank} of {self.world_size}; batch: micro {self.micro_batch_size} x seq_len "
+            f"{self.seq_len} x grad_accum {self.grad_accum} x world {self.dp_degree} = "
+            f"{self.sequences_per_step} sequences = {self.tokens_per_step:,} tokens per step"
+        )
+
+
+def resolve_plan(
+    cfg: Config,
+    launch: Launch | None = None,
+    *,
+    cuda: bool | None = None,
+    bf16: bool | None = None,
+) -> RunPlan:
+    """The plan for `cfg` under `launch` (default: this process's launcher environment).
+
+    `cuda` / `bf16` say whether a (bf16-capable) GPU is usable; default: ask torch. Every check
+    that needs the launch runs here, before any process group, model or run directory exists.
+    """
+    launch = launch or launch_env()
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    errors = launch_problems(cfg, launch.world_size, cuda)
+    if errors:
+        raise UserError(format_errors(errors, f"launched with {launch.world_size} processes"))
+    device = _device(cfg.train.device, launch.local_rank, cuda)
+    if bf16 is None:
+        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    return RunPlan(
+        rank=launch.rank,
+        local_rank=launch.local_rank,
+        world_size=launch.world_size,
+        device=device,
+        backend=_backend(cfg.parallel.backend, launch.world_size),
+        precision=_precision(cfg.train.precision, device, bf16),
+        dp_degree=launch.world_size,
+        micro_batch_size=cfg.train.micro_batch_size,
+        grad_accum=_grad_accum(cfg, launch.world_size),
+        seq_len=cfg.model.seq_len,
+    )
+
+
+def target_plan(cfg: Config, world_size: int) -> RunPlan:
+    """The plan `cfg` would get on `world_size` bf16-capable GPUs (what `estimate` predicts
+    for), whatever this machine has."""
+    plan = resolve_plan(cfg, Launch(world_size=world_size), cuda=True, bf16=True)
+    return dataclasses.replace(plan, device=torch.device("cuda", 0))
+
+
+# ----------------------------------------------------------------------------- each auto
+
+
+def _device(requested: str, local_rank: int, cuda: bool) -> torch.device:
+    """`auto`: this rank's CUDA GPU when one is visible, else the CPU."""
+    if requested == "cuda" and not cuda:
+        raise UserError(
+            "train.device=cuda but no CUDA GPU is visible to PyTorch; use "
+            "train.device=auto or cpu (or install a CUDA build of torch)"
+        )
+    if requested == "cuda" or (requested == "auto" and cuda):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 1
+        return torch.device("cuda", local_rank % max(1, count))
+    return torch.device("cpu")
+
+
+def _backend(requested: str, world_size: int) -> str:
+    """`auto`: single for one process, ddp when a launcher starts several."""
+    if requested != "auto":
+        return requested
+    return "single" if world_size == 1 else "ddp"
+
+
+def _precision(requested: str, device: torch.device, bf16: bool) -> str:
+    """`auto`: bf16 on a bf16-capable GPU, fp32 otherwise (CPUs without AMX emulate bf16)."""
+    name = requested
+    if requested == "auto":
+        name = "bf16" if device.type == "cuda" and bf16 else "fp32"
+    if name == "bf16" and device.type == "cuda" and not bf16:
+        raise UserError(
+            "train.precision=bf16 but this GPU has no bf16 support; use "
+            "train.precision=fp16 (with loss scaling) or fp32"
+        )
+    if name != "fp32" and device.type == "cpu":
+        log.warning(
+            "train.precision=%s on CPU: autocast works but is usually slower than "
+            "fp32 on CPUs without native bf16/fp16 matmuls",
+            name,
+        )
+    return name
+
+
+def _grad_accum(cfg: Config, world_size: int) -> int:
+    """train.grad_accum, or the value train.global_batch_size implies for this world size."""
+    g, mb, accum = cfg.train.global_batch_size, cfg.train.micro_batch_size, cfg.train.grad_accum
+    if g is None:
+        return accum
+    implied = g // (mb * world_size)
+    if accum not in (1, implied):
+        raise UserError(
+            f"train.grad_accum={accum} contradicts train.global_batch_size={g} "
+            f"(micro_batch_size {mb} x world {world_size} gives grad_accum {implied}); set only "
+            f"one of them"
+        )
+    return implied
+
+
+def launch_problems(cfg: Config, world_size: int, cuda: bool) -> list[str]:
+    """Checks that need the launch: the number of processes and whether a GPU will be used."""
+    e: list[str] = []
+    backend = cfg.parallel.backend
+    on_gpu = cuda and cfg.train.device != "cpu"
+    if backend == "deepspeed" and cfg.train.precision == "fp16" and not on_gpu:
+        e.append(
+            "train.precision=fp16 with parallel.backend=deepspeed needs a GPU (DeepSpeed's "
+            "CPU accelerator has no fp16); use train.precision=bf16 or fp32 on CPU"
+        )
+    if cfg.parallel.fsdp.cpu_offload and backend == "fsdp" and not on_gpu:
+        e.append(
+            "parallel.fsdp.cpu_offload=true needs a GPU to offload from; on a CPU-only "
+            "machine set it to false"
+        )
+    if world_size > 1 and backend == "single":
+        e.append(
+            f"parallel.backend=single but {world_size} processes were launched; set "
+            f"parallel.backend to ddp, fsdp or deepspeed, or launch one process"
+        )
+    r = cfg.parallel.fsdp.replicate_degree
+    if backend == "fsdp" and world_size % r:
+        e.append(
+            f"parallel.fsdp.replicate_degree={r} does not divide the world size "
+            f"{world_size}; use a divisor of it (usually the number of nodes)"
+        )
+    g, mb = cfg.train.global_batch_size, cfg.train.micro_batch_size
+    if g is not None and g % (mb * world_size):
+        e.append(
+            f"train.global_batch_size={g} is not divisible by train.micro_batch_size={mb} x "
+            f"world size {world_size} = {mb * world_size}; pick a global batch that is a "
+            f"multiple of {mb * world_size} or change micro_batch_size"
+        )
+    return e

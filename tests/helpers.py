@@ -1,0 +1,185 @@
+"""What several test modules share: tiny configs, a random corpus, the CLI / torchrun runners of
+the multi-process tests, and a planted-pickle payload. Fixtures stay in conftest.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from scale_llm.config import Config, load_config
+from scale_llm.plan import Launch, RunPlan, resolve_plan
+
+TINY_MODEL = [
+    "model.vocab_size=512",
+    "model.d_model=32",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.seq_len=32",
+]
+
+
+def make_config(data_dir: Path | str, run_root: Path | str, *overrides: str) -> Config:
+    """A tiny fp32 CPU config over `data_dir`, with run dirs under `run_root`."""
+    base = [
+        *TINY_MODEL,
+        f"data.dir={data_dir}",
+        f"run.dir={run_root}",
+        "run.name=test",
+        "train.micro_batch_size=4",
+        "train.max_steps=4",
+        "train.warmup_steps=1",
+        "train.precision=fp32",
+        "train.device=cpu",
+        "logging.every=1",
+        "logging.tensorboard=false",
+        "eval.every=0",
+        "checkpoint.every=0",
+    ]
+    return load_config(None, base + list(overrides))
+
+
+def random_texts(
+    n: int, label: str, *, seed: int = 0, vocab: int = 300, word_len: int = 5, length: int = 120
+) -> list[str]:
+    """n documents of random made-up words, each starting with `label` formatted with its index
+    (e.g. "doc{i:03d}marker"), so a document can be found again after tokenizing."""
+    rng = np.random.default_rng(seed)
+    words = [
+        "".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), word_len)) for _ in range(vocab)
+    ]
+    return [label.format(i=i) + " " + " ".join(rng.choice(words, length)) for i in range(n)]
+
+
+def prep_config(source: Path | str, out: Path | str, *extra: str) -> Config:
+    """A prepare config for small local corpora (vocab 400); `extra` overrides come last."""
+    base = [
+        "model.vocab_size=400",
+        f"data.source={source}",
+        f"data.dir={out}",
+        "data.val_fraction=0.25",
+    ]
+    return load_config(None, base + list(extra))
+
+
+def plan_for(cfg: Config) -> RunPlan:
+    """The plan of a one-process run of `cfg` in this process."""
+    return resolve_plan(cfg, Launch())
+
+
+def batch_plan(micro_batch: int, grad_accum: int, world: int = 1, rank: int = 0) -> RunPlan:
+    """A CPU plan with just this batch layout, for loader tests (seq_len is the windows')."""
+    return RunPlan(
+        rank=rank,
+        local_rank=rank,
+        world_size=world,
+        device=torch.device("cpu"),
+        backend="ddp",
+        precision="fp32",
+        dp_degree=world,
+        micro_batch_size=micro_batch,
+        grad_accum=grad_accum,
+        seq_len=0,
+    )
+
+
+# ----------------------------------------------------------------------------- multi-process runs
+
+REPO = Path(__file__).resolve().parents[1]
+TOL = 1e-5  # max |loss| (and relative grad-norm) difference vs one process; measured <= 1.5e-6
+STEPS = 4
+
+
+def common(data_dir: Path, run_root: Path, name: str) -> list[str]:
+    settings = [
+        *TINY_MODEL,
+        f"data.dir={data_dir}",
+        f"run.dir={run_root}",
+        f"run.name={name}",
+        "train.precision=fp32",
+        "train.device=cpu",
+        f"train.max_steps={STEPS}",
+        "train.warmup_steps=1",
+        "train.lr=1e-2",
+        "train.grad_clip=0.3",
+        "logging.every=1",
+        "logging.tensorboard=false",
+        "eval.every=4",
+        "eval.steps=2",
+        "checkpoint.every=2",
+    ]
+    return [arg for s in settings for arg in ("--set", s)]
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+
+
+def run(cmd: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, (
+        f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    )
+    return proc
+
+
+def torchrun(nproc: int, *args: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "scale_llm",
+        "train",
+        *args,
+    ]
+
+
+def rows_of(run_dir: Path) -> dict[int, dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, lines)}
+
+
+BACKENDS = {
+    "ddp": ["parallel.backend=ddp"],
+    "fsdp": ["parallel.backend=fsdp"],
+    "fsdp-zero2like": ["parallel.backend=fsdp", "parallel.fsdp.reshard_after_forward=false"],
+    "hsdp": ["parallel.backend=fsdp", "parallel.fsdp.replicate_degree=2"],
+    "zero0": ["parallel.backend=deepspeed", "parallel.deepspeed.zero_stage=0"],
+    "zero1": ["parallel.backend=deepspeed", "parallel.deepspeed.zero_stage=1"],
+    "zero2": ["parallel.backend=deepspeed", "parallel.deepspeed.zero_stage=2"],
+    "zero3": ["parallel.backend=deepspeed", "parallel.deepspeed.zero_stage=3"],
+}
+SPLIT = ["train.micro_batch_size=2", "train.grad_accum=2", "activation_checkpointing.mode=full"]
+
+
+def sets(*items: str) -> list[str]:
+    return [arg for s in items for arg in ("--set", s)]
+
+
+# ----------------------------------------------------------------------------- hostile files
+
+
+class Payload:
+    """Unpickling this runs a shell command (the classic planted-pickle attack)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def plant_in_torch_file(path: Path, marker: Path) -> Path:
+    """Replace a torch.save file by one whose dict holds a payload next to the real content."""
+    real = torch.load(path, weights_only=True)
+    real["planted"] = Payload(marker)
+    torch.save(real, path)
+    return path
