@@ -353,3 +353,31 @@ def test_base_includes_merge_and_cycles_are_refused(tmp_path):
     (tmp_path / "c.yaml").write_text("base: d.yaml\n")
     (tmp_path / "d.yaml").write_text("base: c.yaml\n")
     assert "leads back to itself" in errors_of(tmp_path / "c.yaml")
+
+
+def test_moved_keys_are_read_with_one_deprecation_line(caplog, tmp_path):
+    with caplog.at_level("WARNING", logger="scale_llm"):
+        cfg = load_config(
+            None,
+            ["model.activation_checkpointing=every_k", "model.activation_checkpointing_k=3"],
+        )
+    assert cfg.activation_checkpointing.mode == "every_k" and cfg.activation_checkpointing.k == 3
+    notes = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+    assert len(notes) == 2
+    assert (
+        "model.activation_checkpointing is deprecated; use activation_checkpointing.mode"
+        in (notes[0])
+    )
+    old_yaml = tmp_path / "old.yaml"
+    old_yaml.write_text("model:\n  d_model: 64\n  activation_checkpointing: full\n")
+    assert load_config(old_yaml).activation_checkpointing.mode == "full"
+
+
+def test_a_moved_key_given_twice_is_an_error_naming_both():
+    with pytest.raises(UserError) as e:
+        load_config(
+            None, ["model.activation_checkpointing=full", "activation_checkpointing.mode=none"]
+        )
+    msg = str(e.value)
+    assert "model.activation_checkpointing" in msg and "activation_checkpointing.mode" in msg
+    assert "keep only activation_checkpointing.mode" in msg

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -216,6 +217,32 @@ def test_metrics_rows_and_tensorboard_events(data_dir, tmp_path):
     assert load_config(result.run_dir / "config.yaml").model.d_model == 32
 
 
+def test_a_checkpoint_in_the_previous_layout_still_resumes_exactly(data_dir, tmp_path):
+    """Before the backend described its own state, trainer.pt held the layout among its keys
+    (format / backend / world_size / zero_stage), the scaler sat in scaler.pt, and the config
+    had model.activation_checkpointing."""
+    from scale_llm.components.serialization import load_file, save_file
+
+    common = ["train.max_steps=4", "checkpoint.every=2", "train.grad_accum=2"]
+    straight = trainer(data_dir, tmp_path, "run.name=straight", *common).fit()
+    run_until(trainer(data_dir, tmp_path, "run.name=old", *common), stop_at=3)
+    ckpt = tmp_path / "runs" / "old" / "checkpoints" / "step_00000002"
+    state = load_file(ckpt / "trainer.pt")
+    backend = state.pop("backend")
+    state.pop("plan")
+    state.update(format="dcp", backend="single", world_size=1, zero_stage=2)
+    state["config"]["model"]["activation_checkpointing"] = state["config"].pop(
+        "activation_checkpointing"
+    )["mode"]
+    save_file(state, ckpt / "trainer.pt")
+    save_file({"scaler": backend["scaler"]}, ckpt / "scaler.pt")
+    resumed_trainer = trainer(data_dir, tmp_path, "run.name=old", *common)
+    assert resumed_trainer.step == 2
+    resumed = resumed_trainer.fit()
+    for step in (3, 4):
+        assert resumed.losses[step] == straight.losses[step], step
+
+
 def test_effective_batch_is_printed(data_dir, tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="scale_llm"):
         tr = trainer(data_dir, tmp_path, "train.micro_batch_size=3", "train.grad_accum=5")
@@ -223,6 +250,30 @@ def test_effective_batch_is_printed(data_dir, tmp_path, caplog):
     assert "micro 3 x seq_len 32 x grad_accum 5 x world 1 = 15 sequences = 480 tokens" in (
         caplog.text
     )
+    assert "plan: backend single, precision fp32 on cpu, rank 0 of 1" in caplog.text
+    plan = json.loads((tr.run_dir / "plan.json").read_text())
+    assert plan["backend"] == "single" and plan["precision"] == "fp32"
+    assert plan["grad_accum"] == 5 and plan["tokens_per_step"] == 480
+
+
+def test_the_run_dir_keeps_auto_and_the_plan_keeps_what_it_resolved_to(data_dir, tmp_path):
+    cfg = make_config(data_dir, tmp_path / "runs", "train.precision=auto", "train.max_steps=1")
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch_size=8))
+    result = Trainer(cfg, plan_for(cfg)).fit()
+    written = load_config(result.run_dir / "config.yaml")
+    assert written.parallel.backend == "auto" and written.train.precision == "auto"
+    assert written.train.global_batch_size == 8 and written.train.grad_accum == 1
+    plan = json.loads((result.run_dir / "plan.json").read_text())
+    assert plan["backend"] == "single" and plan["precision"] == "fp32"
+    assert plan["grad_accum"] == 2 and plan["sequences_per_step"] == 8  # 8 / micro 4
+
+
+def test_run_defining_keys_come_from_the_schema():
+    from scale_llm.config import run_defining_keys
+
+    keys = set(run_defining_keys())
+    assert {"model.vocab_size", "model.d_model", "run.seed", "data.source"} <= keys
+    assert not keys & {"train.lr", "train.max_steps", "model.attention", "data.dir"}
 
 
 def test_checkpoints_are_pruned_and_a_torn_save_is_ignored(data_dir, tmp_path):
