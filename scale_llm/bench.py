@@ -2,6 +2,7 @@
 
 Runs the same optimizer step as the trainer (same backend, precision, accumulation and
 checkpointing) on random tokens, and reports tokens/s, ms per step, MFU and peak memory.
+`--reference` times that step against a bare PyTorch loop of the same model, side by side.
 """
 
 from __future__ import annotations
@@ -11,11 +12,15 @@ import time
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from scale_llm.components.hardware import cuda_memory_gib, peak_flops
 from scale_llm.config import Config
-from scale_llm.model import build_model
+from scale_llm.errors import UserError
+from scale_llm.model import build_model, materialize
+from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
 from scale_llm.parallel.backend import build_backend
+from scale_llm.parallel.compile import compile_blocks
 from scale_llm.parallel.step import optimizer_step
 from scale_llm.plan import RunPlan
 
@@ -72,3 +77,80 @@ def bench(cfg: Config, plan: RunPlan, steps: int = 10, warmup: int = 3) -> dict[
         result["mfu"] = flops_per_token * tokens / seconds / peak
     result.update(cuda_memory_gib(device))
     return result
+
+
+# ----------------------------------------------------------------------------- --reference
+
+
+def reference_step(model: torch.nn.Module, optimizer, batches, grad_clip: float) -> torch.Tensor:
+    """A bare PyTorch training step: no backend, no guards, no metrics, no schedule."""
+    for inputs, targets in batches:
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / len(batches)
+        loss.backward()
+    if grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip, foreach=True)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def bench_reference(
+    cfg: Config, plan: RunPlan, steps: int = 10, warmup: int = 3, rounds: int = 5
+) -> dict[str, Any]:
+    """The framework's optimizer step against a bare loop over the same model, the same
+    activation checkpointing / compile and the same batches, timed in one process, interleaved
+    (framework, reference, framework, ...), best of `rounds`. One process only."""
+    if plan.world_size != 1:
+        raise UserError("bench --reference compares one process; launch it without torchrun")
+    device, t, m = plan.device, cfg.train, cfg.model
+    backend = build_backend(cfg, plan)
+    framework = backend.setup(build_model(m))
+    torch.manual_seed(cfg.run.seed)  # the same initial weights as the backend drew
+    bare = materialize(build_model(m), "cpu").to(device)
+    apply_activation_checkpointing(bare, cfg.activation_checkpointing)
+    if t.compile:
+        compile_blocks(bare)
+    fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    optimizer = torch.optim.AdamW(
+        bare.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **fused
+    )
+    gen = torch.Generator(device="cpu").manual_seed(cfg.run.seed)
+    shape = (plan.micro_batch_size * plan.grad_accum, m.seq_len + 1)
+    tokens = torch.randint(0, m.vocab_size, shape, generator=gen).to(device)
+    batches = [(b[:, :-1], b[:, 1:]) for b in tokens.split(plan.micro_batch_size)]
+    backend.set_lr(t.lr)
+
+    def run_framework() -> torch.Tensor:
+        return optimizer_step(backend, framework, batches)[0]
+
+    def run_reference() -> torch.Tensor:
+        return reference_step(bare, optimizer, batches, t.grad_clip)
+
+    first = (run_framework().item(), run_reference().item())  # same weights, same batch
+    for _ in range(warmup):
+        run_framework(), run_reference()
+    best = {"framework": float("inf"), "reference": float("inf")}
+    for _ in range(rounds):
+        for name, fn in (("framework", run_framework), ("reference", run_reference)):
+            synchronize(device)
+            start = time.perf_counter()
+            for _ in range(steps):
+                loss = fn()
+            loss.item()
+            synchronize(device)
+            best[name] = min(best[name], (time.perf_counter() - start) / steps)
+    return {
+        "device": str(device),
+        "precision": plan.precision,
+        "compile": t.compile,
+        "activation_checkpointing": cfg.activation_checkpointing.mode,
+        "tokens_per_step": plan.tokens_per_step,
+        "first_loss_framework": first[0],
+        "first_loss_reference": first[1],
+        "ms_per_step_framework": best["framework"] * 1e3,
+        "ms_per_step_reference": best["reference"] * 1e3,
+        "overhead_percent": (best["framework"] / best["reference"] - 1) * 100,
+        "rounds": rounds,
+        "steps_per_round": steps,
+    }

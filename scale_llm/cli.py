@@ -129,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--steps", type=int, default=10, help="timed optimizer steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument(
+        "--reference",
+        action="store_true",
+        help="time the framework's step against a bare PyTorch loop, interleaved, best of --rounds",
+    )
+    p.add_argument("--rounds", type=int, default=5, help="--reference: timed rounds of each")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
     p = sub.add_parser("convert", help="write a checkpoint as one consolidated fp32 file")
@@ -253,10 +259,13 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     import json
 
-    from scale_llm.bench import bench
+    from scale_llm.bench import bench, bench_reference
 
     cfg, plan = start_distributed(args)
-    result = bench(cfg, plan, args.steps, args.warmup)
+    if args.reference:
+        result = bench_reference(cfg, plan, args.steps, args.warmup, args.rounds)
+    else:
+        result = bench(cfg, plan, args.steps, args.warmup)
     if not plan.is_main:
         return 0
     if args.json:

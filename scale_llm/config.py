@@ -100,6 +100,8 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # torch.compile each transformer block and the loss (fullgraph); the GPU configs turn it on
+    compile: bool = False
 
 
 @dataclass

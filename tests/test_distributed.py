@@ -89,6 +89,14 @@ def test_backend_matches_single_process(backend, runs, reference):
     print(f"\nparity {backend}: max |diff| vs single = {diff:.1e}")
 
 
+@pytest.mark.parametrize("backend", ["ddp", "fsdp", "zero2"])
+def test_compiled_backend_follows_the_reference(backend, runs, reference):
+    """train.compile on 2 ranks (per-block compile before the wrapping / sharding)."""
+    rows = runs(f"{backend}-compiled", 2, *BACKENDS[backend], *SPLIT, "train.compile=true")
+    diff = assert_same_curve(rows, reference, 1e-4)
+    print(f"\ncompiled {backend}: max |diff| vs eager single = {diff:.1e}")
+
+
 @pytest.mark.parametrize("backend", ["ddp", "fsdp", "zero2", "zero3"])
 def test_resume_continues_the_same_curve(backend, runs, data_dir):
     straight = runs(f"{backend}-split", 2, *BACKENDS[backend], *SPLIT)

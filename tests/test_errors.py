@@ -72,6 +72,21 @@ CASES = [
         ],
         "set by train.grad_clip",
     ),
+    (
+        "compile with ZeRO-3",
+        [
+            "train",
+            TINY,
+            *s("parallel.backend=deepspeed", "parallel.deepspeed.zero_stage=3"),
+            *s("train.compile=true"),
+        ],
+        "does not work with parallel.deepspeed.zero_stage=3",
+    ),
+    (
+        "moved key given twice",
+        ["train", TINY, *s("model.activation_checkpointing=full")],
+        "keep only activation_checkpointing.mode",
+    ),
     ("missing config file", ["train", "no/such.yaml"], "does not exist"),
     ("bad override syntax", ["train", TINY, "--set", "train.lr"], "section.key=value"),
     (

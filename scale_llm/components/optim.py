@@ -27,14 +27,32 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, cfg: TrainConfig, fused: bool = False) -> torch.optim.AdamW:
+    """AdamW: `fused` (one kernel for every parameter; CUDA) or `foreach` (multi-tensor ops)."""
     return torch.optim.AdamW(
         param_groups(model, cfg.weight_decay),
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,
-        foreach=True,
+        **({"fused": True} if fused else {"foreach": True}),
     )
+
+
+def step_if_finite(optimizer: torch.optim.Optimizer, norm: torch.Tensor) -> None:
+    """One optimizer step unless the gradient norm is not finite (the step is skipped).
+
+    A fused optimizer gets the verdict as a device tensor and skips inside its kernel, as it
+    does for a GradScaler: no host sync. Any other reads it (a host sync; free on the CPU).
+    """
+    if getattr(optimizer, "defaults", {}).get("fused"):
+        optimizer.found_inf = (~torch.isfinite(norm)).float().reshape(1)
+        optimizer.grad_scale = None
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf, optimizer.grad_scale
+    elif torch.isfinite(norm):
+        optimizer.step()
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -27,20 +27,9 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device_type, dtype=self.dtype)
 
-    def grad_scaler(self) -> torch.amp.GradScaler:
-        """fp16: dynamic loss scaling. bf16 / fp32 (fp32's exponent range): no scaling, only the
-        scaler's check that skips a step whose gradients are not finite."""
+    def grad_scaler(self) -> torch.amp.GradScaler | None:
+        """fp16: dynamic loss scaling. bf16 / fp32 have fp32's exponent range: no scaler, no
+        unscale pass; a non-finite step is caught by the norm that clipping computes anyway."""
         if self.name == "fp16":
             return torch.amp.GradScaler(self.device_type)
-        return StepGuard(self.device_type)
-
-
-class StepGuard(torch.amp.GradScaler):
-    """A GradScaler held at scale 1: losses and gradients are multiplied by exactly 1.0, and the
-    inf / NaN check in `unscale_` still makes `step` skip a step with non-finite gradients."""
-
-    def __init__(self, device_type: str):
-        super().__init__(device_type, init_scale=1.0, growth_interval=2**31 - 1)
-
-    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
-        super().update(1.0)
+        return None

@@ -22,12 +22,14 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from scale_llm.components.checkpoint import DCP_DIR, SCALER_STATE
 from scale_llm.components.distributed import is_distributed
-from scale_llm.components.optim import build_optimizer, set_lr
+from scale_llm.components.loss import compiled_loss, cross_entropy
+from scale_llm.components.optim import build_optimizer, set_lr, step_if_finite
 from scale_llm.components.precision import Precision
 from scale_llm.components.serialization import dcp_load, dcp_save, load_file
 from scale_llm.config import Config
 from scale_llm.model import Transformer, build_model, materialize
 from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
+from scale_llm.parallel.compile import compile_blocks
 from scale_llm.plan import RunPlan
 
 log = logging.getLogger(__name__)
@@ -42,7 +44,8 @@ class Backend:
         self.model: nn.Module | None = None  # what forward is called on (maybe a wrapper)
         self.module: Transformer | None = None  # the model itself
         self.optimizer: torch.optim.Optimizer | None = None
-        self.scaler = self.precision.grad_scaler()
+        self.scaler = self.precision.grad_scaler()  # fp16 only
+        self.loss_fn = compiled_loss() if cfg.train.compile else cross_entropy
 
     # ----------------------------------------------------------------- setup
     def setup(self, model: Transformer, initial_weights: dict | None = None) -> nn.Module:
@@ -51,13 +54,21 @@ class Backend:
         when resuming from another backend's checkpoint."""
         self.module = model
         self.model = self.wrap(model, initial_weights)
-        self.optimizer = build_optimizer(self.model, self.cfg.train)
+        fused = self.plan.device.type == "cuda"  # one kernel per step; foreach on the CPU
+        self.optimizer = build_optimizer(self.model, self.cfg.train, fused=fused)
         return self.model
 
     def wrap(self, model: Transformer, initial_weights: dict | None = None) -> nn.Module:
         self.materialize_on_cpu(model, initial_weights).to(self.plan.device)
-        apply_activation_checkpointing(model, self.cfg.activation_checkpointing)
+        self.transform_blocks(model)
         return model
+
+    def transform_blocks(self, model: Transformer) -> None:
+        """Per block, in torchtitan's order: activation checkpointing, then torch.compile (both
+        before any sharding or wrapping, which the subclasses add after this)."""
+        apply_activation_checkpointing(model, self.cfg.activation_checkpointing)
+        if self.cfg.train.compile:
+            compile_blocks(model)
 
     def materialize_on_cpu(self, model: Transformer, initial: dict | None = None) -> Transformer:
         """The model's weights on the CPU: drawn from run.seed, or `initial` (a full state
@@ -81,21 +92,26 @@ class Backend:
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.scaler.scale(loss).backward()
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     def set_lr(self, lr: float) -> None:
         set_lr(self.optimizer, lr)
 
     def clip_and_step(self) -> torch.Tensor:
-        """Unscale, clip to train.grad_clip, step, zero grads; returns the pre-clip global norm.
+        """Clip to train.grad_clip, step, zero grads; returns the pre-clip global norm, still on
+        the device. A non-finite norm means the step was skipped.
 
-        The norm stays a device tensor (no host sync). A non-finite norm means the step was
-        skipped (by the fp16 scaler).
+        fp16: the GradScaler unscales first and skips overflowing steps (adjusting its scale).
+        bf16 / fp32: no scaler; the norm clipping computes is the finite check.
         """
-        self.scaler.unscale_(self.optimizer)
-        norm = self.clip_grad_norm(self.cfg.train.grad_clip)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+            norm = self.clip_grad_norm(self.cfg.train.grad_clip)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            norm = self.clip_grad_norm(self.cfg.train.grad_clip)
+            step_if_finite(self.optimizer, norm)
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
@@ -120,10 +136,11 @@ class Backend:
 
     def state_dict(self) -> dict[str, Any]:
         """The backend's small state (kept in the trainer state): its layout and the scaler."""
-        return {"layout": self.checkpoint_layout(), "scaler": self.scaler.state_dict()}
+        scaler = self.scaler.state_dict() if self.scaler is not None else {}
+        return {"layout": self.checkpoint_layout(), "scaler": scaler}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("scaler"):
+        if state.get("scaler") and self.scaler is not None:
             self.scaler.load_state_dict(state["scaler"])
 
     def save(self, ckpt_dir: Path) -> None:

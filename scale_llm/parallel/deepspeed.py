@@ -28,7 +28,6 @@ from scale_llm.components.checkpoint import MODEL_WEIGHTS
 from scale_llm.components.optim import build_optimizer, param_groups
 from scale_llm.components.serialization import guard_deepspeed_reader, save_file
 from scale_llm.model import Transformer
-from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
 from scale_llm.parallel.backend import Backend
 from scale_llm.parallel.ds_config import deepspeed_config
 
@@ -45,7 +44,7 @@ class DeepSpeedBackend(Backend):
 
         # before initialize: the fp32 master copies start from these weights
         self.materialize_on_cpu(model, initial_weights)
-        apply_activation_checkpointing(model, self.cfg.activation_checkpointing)
+        self.transform_blocks(model)
         self.module = model
         self.ds_config = deepspeed_config(self.cfg, self.plan)
         engine, optimizer, _, _ = deepspeed.initialize(

@@ -36,7 +36,6 @@ from torch.distributed.fsdp import (
 )
 
 from scale_llm.model import Transformer, build_model
-from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
 from scale_llm.parallel.backend import Backend
 
 
@@ -57,7 +56,7 @@ class FSDPBackend(Backend):
 
     def wrap(self, model: Transformer, initial_weights: dict | None = None) -> nn.Module:
         opts = self.cfg.parallel.fsdp
-        apply_activation_checkpointing(model, self.cfg.activation_checkpointing)
+        self.transform_blocks(model)  # checkpointing and compile before fully_shard
         common = dict(
             mesh=self.device_mesh(),
             mp_policy=self.mp_policy(),

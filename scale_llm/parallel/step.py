@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from scale_llm.components.loss import cross_entropy
 from scale_llm.parallel.backend import Backend
 
 
@@ -19,7 +18,7 @@ def optimizer_step(
     for i, (inputs, targets) in enumerate(batches):
         with backend.sync_context(sync_gradients=i == accum - 1):
             with backend.forward_context():
-                loss = cross_entropy(model(inputs), targets) / accum
+                loss = backend.loss_fn(model(inputs), targets) / accum
             backend.backward(loss)
         loss_sum += loss.detach()
     return loss_sum, backend.clip_and_step()

@@ -27,7 +27,6 @@ from scale_llm.components.checkpoint import (
 )
 from scale_llm.components.distributed import mean_over_ranks
 from scale_llm.components.hardware import cuda_memory_gib, peak_flops
-from scale_llm.components.loss import cross_entropy
 from scale_llm.components.optim import lr_at
 from scale_llm.components.serialization import load_file, save_file
 from scale_llm.config import Config, get_key, run_defining_keys, save_config, to_dict
@@ -218,9 +217,15 @@ class Trainer:
             )
 
     def _stop_reason(self, signals: StopSignals) -> str | None:
-        """Why to stop after this step, agreed by every rank (one tiny all-reduce per step)."""
+        """Why to stop after this step, agreed by every rank.
+
+        With several ranks the signal flag is all-reduced (a host sync) only on logging steps
+        and before a checkpoint, which already sync: a SIGTERM is acted on within
+        `logging.every` steps, and every rank sees it at the same step."""
         received = signals.received
         if self.plan.world_size > 1:
+            if not self._syncs_anyway():
+                return None
             flag = torch.tensor([received], device=self.device)
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
             received = int(flag.item())
@@ -229,6 +234,16 @@ class Trainer:
         if self.step == self.cfg.train.exit_at_step:
             return "train.exit_at_step"
         return None
+
+    def _syncs_anyway(self) -> bool:
+        """Steps that read device values or save: logging, eval, checkpoint and the last."""
+        cfg, step = self.cfg, self.step
+        return (
+            step % cfg.logging.every == 0
+            or step in (1, cfg.train.max_steps, cfg.train.exit_at_step)
+            or bool(cfg.checkpoint.every and step % cfg.checkpoint.every == 0)
+            or bool(cfg.eval.every and cfg.eval.steps and step % cfg.eval.every == 0)
+        )
 
     def _log_batch(self) -> None:
         log.info("plan: %s", self.plan.describe())
@@ -240,7 +255,7 @@ class Trainer:
         total, count = torch.zeros((), device=self.device), 0
         for inputs, targets in eval_batches(self.val_windows, self.plan, self.cfg.eval.steps):
             with self.backend.forward_context():
-                total += cross_entropy(self.model(inputs), targets)
+                total += self.backend.loss_fn(self.model(inputs), targets)
             count += 1
         self.model.train()
         return mean_over_ranks(total / count).item()
