@@ -84,15 +84,17 @@ def bench(cfg: Config, plan: RunPlan, steps: int = 10, warmup: int = 3) -> dict[
 
 def reference_step(model: torch.nn.Module, optimizer, batches, grad_clip: float) -> torch.Tensor:
     """A bare PyTorch training step: no backend, no guards, no metrics, no schedule."""
+    total = torch.zeros((), device=batches[0][0].device)
     for inputs, targets in batches:
         logits = model(inputs)
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / len(batches)
         loss.backward()
+        total += loss.detach()
     if grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip, foreach=True)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss
+    return total
 
 
 def bench_reference(
