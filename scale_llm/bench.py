@@ -72,7 +72,7 @@ def bench(cfg: Config, plan: RunPlan, steps: int = 10, warmup: int = 3) -> dict[
         "ms_per_step": seconds * 1e3,
         "tokens_per_s_per_rank": tokens / seconds,
     }
-    peak = peak_flops(device)
+    peak = peak_flops(device, plan.precision, cfg.logging.peak_tflops)
     if peak:
         result["mfu"] = flops_per_token * tokens / seconds / peak
     result.update(cuda_memory_gib(device))

@@ -61,6 +61,8 @@ class RunConfig:
 class LoggingConfig:
     every: int = 10  # optimizer steps between metric rows
     tensorboard: bool = True
+    # dense peak TFLOP/s per device for MFU, for devices not in components/hardware.py (or CPUs)
+    peak_tflops: float | None = None
 
 
 @dataclass

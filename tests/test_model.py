@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -154,3 +155,23 @@ def test_flops_per_token_counts_tied_head():
     m = build_model(cfg)
     linear = sum(p.numel() for n, p in m.named_parameters() if "norm" not in n) - 97 * 32
     assert m.flops_per_token() == 6 * (linear + 97 * 32) + 12 * 2 * 32 * 24
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_flops_per_token_equals_a_count_of_every_matmul(tie):
+    """6 x matmul params + 12 x n_layers x d_model x seq_len per token (forward + backward) is
+    what torch's FLOP counter sees for one training step (eager attention: the full T x T
+    products, as the formula counts them), and a hand count for this shape."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cfg = small(n_layers=2, attention="eager", tie_embeddings=tie)
+    m = build_model(cfg, "cpu")
+    B, T, d, V = 3, cfg.seq_len, cfg.d_model, cfg.vocab_size
+    x = torch.randint(0, V, (B, T + 1))
+    with FlopCounterMode(display=False) as counter:
+        cross_entropy(m(x[:, :-1]), x[:, 1:]).backward()
+    assert counter.get_total_flops() == m.flops_per_token() * B * T
+    hidden = 64 * math.ceil(8 * d / 3 / 64)
+    per_block = d * 3 * d + d * d + 3 * d * hidden  # wqkv, wo, w1 / w3 / w2
+    by_hand = 6 * (2 * per_block + V * d) + 12 * 2 * d * T
+    assert m.flops_per_token() == by_hand

@@ -394,3 +394,20 @@ def test_bench_reference_runs_the_same_model_on_the_same_batch(tmp_path):
     assert result["first_loss_framework"] == pytest.approx(result["first_loss_reference"], 1e-6)
     assert result["ms_per_step_framework"] > 0 and result["ms_per_step_reference"] > 0
     assert "overhead_percent" in result
+
+
+def test_peak_flops_tell_the_gpu_models_apart():
+    from scale_llm.components.hardware import peak_flops, peak_for_name
+
+    assert peak_for_name("NVIDIA H100 80GB HBM3", "bf16") == 989e12  # SXM
+    assert peak_for_name("NVIDIA H100 PCIe", "bf16") == 756e12
+    assert peak_for_name("NVIDIA H100 NVL", "bf16") == 835e12
+    assert peak_for_name("NVIDIA H200", "fp32") == 67e12
+    assert peak_for_name("NVIDIA A100-SXM4-40GB", "bf16") == 312e12
+    assert peak_for_name("NVIDIA L4", "bf16") == 121e12  # not taken for an L40S
+    assert peak_for_name("NVIDIA L40S", "bf16") == 362e12
+    assert peak_for_name("AMD Instinct MI300X", "bf16") == 1307e12
+    assert peak_for_name("Some Future GPU", "bf16") is None
+    cpu = torch.device("cpu")
+    assert peak_flops(cpu, "fp32") is None
+    assert peak_flops(cpu, "fp32", override_tflops=1.5) == 1.5e12

@@ -1,29 +1,47 @@
-"""Readings of the device a rank runs on: peak FLOP/s for MFU, peak CUDA memory."""
+"""Readings of the device a rank runs on: peak FLOP/s for MFU, peak CUDA memory.
+
+Peak figures are dense (no 2:4 sparsity) tensor-core throughput from the vendors' data sheets,
+per GPU, in FLOP/s, for the precision the run computes in (fp32 runs: the non-tensor fp32 rate;
+TF32 is not used by default). Names are matched against `torch.cuda.get_device_name()` in the
+order below, so the more specific entry (e.g. "H100 PCIe") wins over the general ("H100").
+"""
 
 from __future__ import annotations
 
 import torch
 
-# bf16 dense peak FLOP/s per GPU, for MFU. Unknown devices (and CPUs) report no MFU.
-_PEAK_BF16_FLOPS = {
-    "H200": 989e12,
-    "H100": 989e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-    "A10G": 125e12,
-    "L4": 121e12,
-    "RTX 4090": 165e12,
-    "A6000": 155e12,
-}
+T = 1e12
+# (name fragment, {precision: dense peak FLOP/s}); first match wins
+PEAKS: list[tuple[str, dict[str, float]]] = [
+    ("H100 PCIe", {"bf16": 756 * T, "fp16": 756 * T, "fp32": 51 * T}),
+    ("H100 NVL", {"bf16": 835 * T, "fp16": 835 * T, "fp32": 60 * T}),
+    ("H100", {"bf16": 989 * T, "fp16": 989 * T, "fp32": 67 * T}),  # SXM5
+    ("H200", {"bf16": 989 * T, "fp16": 989 * T, "fp32": 67 * T}),  # SXM
+    ("A100", {"bf16": 312 * T, "fp16": 312 * T, "fp32": 19.5 * T}),  # 40 and 80 GB, SXM / PCIe
+    ("L40S", {"bf16": 362 * T, "fp16": 362 * T, "fp32": 91.6 * T}),
+    ("L4", {"bf16": 121 * T, "fp16": 121 * T, "fp32": 30.3 * T}),
+    ("RTX 4090", {"bf16": 165 * T, "fp16": 165 * T, "fp32": 82.6 * T}),  # fp32 accumulate
+    ("RTX A6000", {"bf16": 155 * T, "fp16": 155 * T, "fp32": 38.7 * T}),
+    ("MI300X", {"bf16": 1307 * T, "fp16": 1307 * T, "fp32": 163.4 * T}),
+]
 
 
-def peak_flops(device: torch.device) -> float | None:
+def peak_flops(
+    device: torch.device, precision: str = "bf16", override_tflops: float | None = None
+) -> float | None:
+    """Dense peak FLOP/s of `device` in `precision`; `override_tflops` (logging.peak_tflops)
+    wins. None where unknown (CPUs, unlisted GPUs): no MFU is reported then."""
+    if override_tflops:
+        return override_tflops * T
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for key, flops in _PEAK_BF16_FLOPS.items():
-        if key in name:
-            return flops
+    return peak_for_name(torch.cuda.get_device_name(device), precision)
+
+
+def peak_for_name(name: str, precision: str) -> float | None:
+    for fragment, peaks in PEAKS:
+        if fragment in name:
+            return peaks.get(precision)
     return None
 
 

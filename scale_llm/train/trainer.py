@@ -71,6 +71,14 @@ class Trainer:
         model = build_model(cfg.model)  # on the meta device: no memory, no init yet
         _log_model(model, cfg)
         self.flops_per_token = model.flops_per_token()
+        self.peak_flops = peak_flops(plan.device, plan.precision, cfg.logging.peak_tflops)
+        if self.peak_flops is None:
+            log.info(
+                "mfu: not reported: no known peak FLOP/s for %s in %s (set "
+                "logging.peak_tflops to the device's dense peak to report it)",
+                plan.device,
+                plan.precision,
+            )
         exact = resume_state is not None and self.backend.can_restore(_layout_of(resume_state))
         initial = None
         if resume_state is not None and not exact:
@@ -182,17 +190,18 @@ class Trainer:
             "tokens": self.plan.tokens_per_step * self.step,
             "skipped_steps": int(self.skipped_steps.item()),
         }
-        peak = peak_flops(self.device)
+        peak = self.peak_flops
         if peak:
             row["mfu"] = self.flops_per_token * tokens_per_s / self.plan.world_size / peak
         log.info(
-            "step %d/%d | loss %.4f | lr %.2e | grad_norm %.3f | %.0f tok/s",
+            "step %d/%d | loss %.4f | lr %.2e | grad_norm %.3f | %.0f tok/s%s",
             self.step,
             self.cfg.train.max_steps,
             row["loss"],
             lr,
             row["grad_norm"],
             tokens_per_s,
+            f" | mfu {row['mfu']:.1%}" if "mfu" in row else "",
         )
         return row
 
