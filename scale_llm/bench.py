@@ -2,11 +2,15 @@
 
 Runs the same optimizer step as the trainer (same backend, precision, accumulation and
 checkpointing) on random tokens, and reports tokens/s, ms per step, MFU and peak memory.
-`--reference` times that step against a bare PyTorch loop of the same model, side by side.
+`--reference` times that step against a bare PyTorch loop of the same model, side by side;
+`--sweep` tabulates micro-batch x checkpointing x compile against the memory estimate.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import gc
+import itertools
 import logging
 import time
 from typing import Any
@@ -15,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from scale_llm.components.hardware import cuda_memory_gib, peak_flops
-from scale_llm.config import Config
+from scale_llm.config import Config, with_changes
 from scale_llm.errors import UserError
 from scale_llm.model import build_model, materialize
 from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
@@ -156,3 +160,72 @@ def bench_reference(
         "rounds": rounds,
         "steps_per_round": steps,
     }
+
+
+# ----------------------------------------------------------------------------- --sweep
+
+
+def bench_sweep(
+    cfg: Config,
+    plan: RunPlan,
+    micro_batches: list[int],
+    modes: list[str],
+    compiles: list[bool],
+    steps: int = 5,
+    warmup: int = 2,
+) -> list[dict[str, Any]]:
+    """`bench` over micro-batch x activation-checkpointing mode x compile (grad_accum 1), each
+    row with the estimator's prediction next to the measured peak. Out-of-memory is a row."""
+    from scale_llm.memory import estimate
+
+    rows = []
+    for compile_, mode, mb in itertools.product(compiles, modes, micro_batches):
+        changes = {
+            "train.compile": compile_,
+            "activation_checkpointing.mode": mode,
+            "train.micro_batch_size": mb,
+            "train.grad_accum": 1,
+            "train.global_batch_size": None,
+        }
+        c = with_changes(cfg, changes)
+        p = dataclasses.replace(plan, micro_batch_size=mb, grad_accum=1)
+        row: dict[str, Any] = {"micro_batch": mb, "activation_checkpointing": mode}
+        row["compile"] = compile_
+        row["predicted_gib"] = estimate(c, p).total / 2**30
+        try:
+            row.update(bench(c, p, steps, warmup))
+        except torch.cuda.OutOfMemoryError:
+            row["oom"] = True
+        rows.append(row)
+        gc.collect()
+        if plan.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+COLUMNS = [
+    ("micro_batch", "micro-batch", "{}"),
+    ("activation_checkpointing", "checkpointing", "{}"),
+    ("compile", "compile", "{}"),
+    ("tokens_per_s_per_rank", "tokens/s", "{:,.0f}"),
+    ("ms_per_step", "ms/step", "{:.1f}"),
+    ("mfu", "MFU", "{:.1%}"),
+    ("peak_alloc_gib", "peak alloc GiB", "{:.2f}"),
+    ("predicted_gib", "predicted GiB", "{:.2f}"),
+]
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """The sweep as a markdown table (docs/benchmarks.md); OOM rows say so."""
+    lines = ["| " + " | ".join(c[1] for c in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for row in rows:
+        cells = []
+        for key, _, fmt in COLUMNS:
+            value = row.get(key)
+            cells.append(
+                "OOM"
+                if row.get("oom") and value is None
+                else ("-" if value is None else fmt.format(value))
+            )
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -135,7 +135,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="time the framework's step against a bare PyTorch loop, interleaved, best of --rounds",
     )
     p.add_argument("--rounds", type=int, default=5, help="--reference: timed rounds of each")
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="a table over --sweep-micro x --sweep-ac x --sweep-compile (grad_accum 1)",
+    )
+    p.add_argument("--sweep-micro", default="1,2,4,8", help="micro-batch sizes to sweep")
+    p.add_argument("--sweep-ac", default="none,selective,full", help="checkpointing modes")
+    p.add_argument("--sweep-compile", default="false,true", help="compile settings")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    p = sub.add_parser(
+        "check", help="the first run on a new machine: curves, sweep, reference (a report)"
+    )
+    p.add_argument("out", nargs="?", default="check", help="directory for report.json / .md")
+    p.add_argument("--steps", type=int, default=8, help="steps of each tiny.yaml curve")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
     p = sub.add_parser("convert", help="write a checkpoint as one consolidated fp32 file")
     p.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its newest)")
@@ -259,9 +274,28 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     import json
 
-    from scale_llm.bench import bench, bench_reference
+    from scale_llm.bench import bench, bench_reference, bench_sweep, markdown_table
 
     cfg, plan = start_distributed(args)
+    if args.sweep:
+        bad = set(args.sweep_ac.split(",")) - {"none", "full", "every_k", "selective"}
+        if bad:
+            raise UserError(
+                f"--sweep-ac {','.join(sorted(bad))}: not a checkpointing mode; use "
+                f"none, full, every_k or selective"
+            )
+        rows = bench_sweep(
+            cfg,
+            plan,
+            [int(x) for x in args.sweep_micro.split(",")],
+            args.sweep_ac.split(","),
+            [x.strip().lower() in ("true", "1", "yes") for x in args.sweep_compile.split(",")],
+            args.steps,
+            args.warmup,
+        )
+        if plan.is_main:
+            print("\n".join(json.dumps(r) for r in rows) if args.json else markdown_table(rows))
+        return 0
     if args.reference:
         result = bench_reference(cfg, plan, args.steps, args.warmup, args.rounds)
     else:
@@ -274,6 +308,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
         for key, value in result.items():
             print(f"{key:>26}: {value:,.4g}" if isinstance(value, float) else f"{key:>26}: {value}")
     return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from scale_llm.check import run_check
+
+    report = run_check(Path(args.out), args.steps, args.overrides)
+    print((Path(args.out) / "report.md").read_text())
+    return 0 if report["ok"] else 1
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -315,6 +359,7 @@ COMMANDS = {
     "train": cmd_train,
     "estimate": cmd_estimate,
     "bench": cmd_bench,
+    "check": cmd_check,
     "convert": cmd_convert,
     "generate": cmd_generate,
 }

@@ -71,3 +71,31 @@ def test_compiled_resume_is_exact(data_dir, compiled):
     again = resumed.fit().losses
     for step in (3, 4):
         assert again[step] == losses[step], step
+
+
+def test_the_gpu_check_runs_on_the_cpu_and_writes_its_report(data_dir, corpus_dir, tmp_path):
+    """launch/gpu-check.sh's checks without a GPU, at the test corpus's tiny size."""
+    from scale_llm.check import run_check
+    from tests.helpers import TINY_MODEL
+
+    same_data = [  # the session's prepared data: prepare finds it up to date
+        f"data.source={corpus_dir}",
+        f"data.dir={data_dir}",
+        "data.tokenizer_sample_bytes=500000",
+        "data.val_fraction=0.1",
+    ]
+    small = [*TINY_MODEL, *same_data, "train.micro_batch_size=4", "train.lr=1e-2"]
+    report = run_check(tmp_path, steps=4, overrides=small)
+    assert report["ok"], [(c["first_loss"], c["last_loss"]) for c in report["curves"]]
+    assert [(c["precision"], c["compile"]) for c in report["curves"]] == [
+        ("fp32", False),
+        ("fp32", True),
+    ]
+    assert report["curves"][1]["first_step_diff_vs_cpu_fp32"] < 1e-4
+    assert len(report["sweep"]) == 4 and all("ms_per_step" in r for r in report["sweep"])
+    assert report["reference"]["first_loss_framework"] == pytest.approx(
+        report["reference"]["first_loss_reference"], 1e-6
+    )
+    md = (tmp_path / "report.md").read_text()
+    assert "(a) tiny.yaml curves" in md and "(b) sweep" in md and "(c) the framework" in md
+    assert (tmp_path / "report.json").is_file()

@@ -43,7 +43,7 @@ LAYERS = [
             ("scale_llm.generate",),
         ],
     ),
-    ("cli", [("scale_llm.cli", "scale_llm.__main__", "scale_llm")]),
+    ("cli", [("scale_llm.cli", "scale_llm.__main__", "scale_llm", "scale_llm.check")]),
 ]
 
 
