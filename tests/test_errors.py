@@ -73,16 +73,6 @@ CASES = [
         "set by train.grad_clip",
     ),
     (
-        "compile with ZeRO-3",
-        [
-            "train",
-            TINY,
-            *s("parallel.backend=deepspeed", "parallel.deepspeed.zero_stage=3"),
-            *s("train.compile=true"),
-        ],
-        "does not work with parallel.deepspeed.zero_stage=3",
-    ),
-    (
         "moved key given twice",
         ["train", TINY, *s("model.activation_checkpointing=full")],
         "keep only activation_checkpointing.mode",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import warnings
 from pathlib import Path
@@ -28,9 +29,11 @@ from scale_llm.components.checkpoint import MODEL_WEIGHTS
 from scale_llm.components.optim import build_optimizer, param_groups
 from scale_llm.components.serialization import guard_deepspeed_reader, save_file
 from scale_llm.model import Transformer
+from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
 from scale_llm.parallel.backend import Backend
 from scale_llm.parallel.ds_config import deepspeed_config
 
+log = logging.getLogger(__name__)
 TAG = "deepspeed"  # the engine's checkpoint folder inside each step_XXXXXXXX directory
 
 
@@ -53,6 +56,18 @@ class DeepSpeedBackend(Backend):
         self.model, self.optimizer = engine, optimizer
         self._boundary = True
         return engine
+
+    def transform_blocks(self, model: Transformer) -> None:
+        if self.cfg.train.compile and self.cfg.parallel.deepspeed.zero_stage == 3:
+            log.warning(
+                "train.compile: the blocks run eager under ZeRO-3 (it gathers parameters in "
+                "hooks on every layer inside a block, which the compiled graph cannot contain); "
+                "the loss is still compiled. Use zero_stage 0-2 or parallel.backend=fsdp to "
+                "compile the blocks"
+            )
+            apply_activation_checkpointing(model, self.cfg.activation_checkpointing)
+            return
+        super().transform_blocks(model)
 
     def _client_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         t = self.cfg.train

@@ -117,12 +117,6 @@ def validate_parallel(cfg: Config) -> list[str]:
             "parallel.deepspeed.offload_optimizer=cpu needs parallel.deepspeed.zero_stage "
             ">= 1 (ZeRO-Offload moves the partitioned optimizer state)"
         )
-    if cfg.train.compile and backend == "deepspeed" and ds.zero_stage == 3:
-        e.append(
-            "train.compile=true does not work with parallel.deepspeed.zero_stage=3 (ZeRO-3 "
-            "gathers parameters in hooks on every layer inside the compiled block); use "
-            "zero_stage 0-2 or parallel.backend=fsdp, or set train.compile=false"
-        )
     if ds.config and backend == "deepspeed":
         e.extend(passthrough_problems(ds.config))
     return e
