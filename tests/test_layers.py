@@ -1,4 +1,5 @@
-"""The layers point one way: cli -> train -> parallel -> {model, components, data} -> config.
+"""The layers point one way: cli -> train -> parallel -> {model, components, data} -> config
+(memory, the estimator, sits between parallel and train / bench / generate).
 
 Every `import` of a scale_llm module inside scale_llm/ is read with `ast` (imports inside
 `if TYPE_CHECKING:` are annotations only and do not count) and must point to its own package or
@@ -34,14 +35,10 @@ LAYERS = [
         [("scale_llm.model",), ("scale_llm.components",), ("scale_llm.data",)],
     ),
     ("parallel", [("scale_llm.parallel",)]),
+    ("memory (the estimator, read by train, bench and the cli)", [("scale_llm.memory",)]),
     (
         "train and what sits beside it",
-        [
-            ("scale_llm.train",),
-            ("scale_llm.memory",),
-            ("scale_llm.bench",),
-            ("scale_llm.generate",),
-        ],
+        [("scale_llm.train",), ("scale_llm.bench",), ("scale_llm.generate",)],
     ),
     ("cli", [("scale_llm.cli", "scale_llm.__main__", "scale_llm", "scale_llm.check")]),
 ]
