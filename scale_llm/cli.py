@@ -143,6 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep-micro", default="1,2,4,8", help="micro-batch sizes to sweep")
     p.add_argument("--sweep-ac", default="none,selective,full", help="checkpointing modes")
     p.add_argument("--sweep-compile", default="false,true", help="compile settings")
+    p.add_argument(
+        "--roofline",
+        choices=["H100-SXM", "H200", "A100-80GB"],
+        help="no run: count FLOPs and bytes of one step on the meta device, per op class",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
     p = sub.add_parser(
@@ -276,6 +281,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from scale_llm.bench import bench, bench_reference, bench_sweep, markdown_table
 
+    if args.roofline:
+        from scale_llm.plan import target_plan
+        from scale_llm.roofline import format_roofline, roofline
+
+        cfg = config_from_args(args)
+        world = int(os.environ.get("WORLD_SIZE", "2"))
+        plan = target_plan(cfg, world)
+        r = roofline(cfg, plan.micro_batch_size, plan.grad_accum, args.roofline, world)
+        print(json.dumps(r) if args.json else format_roofline(r))
+        return 0
     cfg, plan = start_distributed(args)
     if args.sweep:
         bad = set(args.sweep_ac.split(",")) - {"none", "full", "every_k", "selective"}

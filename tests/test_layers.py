@@ -38,7 +38,11 @@ LAYERS = [
     ("memory (the estimator, read by train, bench and the cli)", [("scale_llm.memory",)]),
     (
         "train and what sits beside it",
-        [("scale_llm.train",), ("scale_llm.bench",), ("scale_llm.generate",)],
+        [
+            ("scale_llm.train",),
+            ("scale_llm.bench", "scale_llm.roofline"),
+            ("scale_llm.generate",),
+        ],
     ),
     ("cli", [("scale_llm.cli", "scale_llm.__main__", "scale_llm", "scale_llm.check")]),
 ]

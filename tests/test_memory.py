@@ -199,3 +199,24 @@ def test_human_report_ends_with_hints(tmp_path):
     t = cfg_with().train
     half = f"--batch_size {t.micro_batch_size // 2} --grad-accum {t.grad_accum * 2}"
     assert "--grad-checkpointing" in proc.stdout and half in proc.stdout
+
+
+def test_roofline_counts_every_matmul_and_a_causal_flash_attention():
+    from scale_llm.roofline import count_micro_step, roofline
+
+    cfg = load_config(None, SMALL_ARGS)
+    m, B, T = cfg.model, 3, cfg.model.seq_len
+    flops, moved = count_micro_step(cfg, B)
+    model = build_model(m)
+    matmul_params = (model.flops_per_token() - 12 * m.n_layers * m.d_model * T) // 6
+    assert flops["matmul"] == 6 * matmul_params * B * T  # forward + both backward matmuls
+    causal_fwd = 2 * B * m.n_heads * T * T * (m.d_model // m.n_heads) * m.n_layers
+    assert flops["attention"] == 3.5 * causal_fwd  # forward + 2.5x in backward
+    assert moved["matmul"] > 0 and moved["element-wise and copies"] > 0
+    recompute = load_config(None, [*SMALL_ARGS, "activation_checkpointing.mode=full"])
+    assert count_micro_step(recompute, B)[0]["matmul"] > flops["matmul"]  # recompute counted
+    r = roofline(cfg, B, 2)
+    assert r["matmul_bound_ms"] < r["eager_ms"] and 0 < r["mfu_eager"] < r["mfu_matmul_bound"]
+
+
+SMALL_ARGS = ["model.vocab_size=512", "model.d_model=64", "model.n_layers=2"]

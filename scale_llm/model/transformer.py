@@ -7,6 +7,7 @@ and then materialized with `init_weights`.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -27,7 +28,12 @@ def mlp_hidden_size(cfg: ModelConfig) -> int:
 def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, ...]:
     """cos and sin tables of shape (seq_len, head_dim // 2), in fp32 even under autocast."""
     device = torch.device(device or "cpu")
-    with torch.autocast(device.type, enabled=False):
+    no_autocast = (
+        torch.autocast(device.type, enabled=False)
+        if device.type != "meta"  # (the meta device has no autocast; roofline counts run there)
+        else contextlib.nullcontext()
+    )
+    with no_autocast:
         exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
         inv_freq = 1.0 / (theta**exponents)
         angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
