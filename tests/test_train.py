@@ -411,3 +411,28 @@ def test_peak_flops_tell_the_gpu_models_apart():
     cpu = torch.device("cpu")
     assert peak_flops(cpu, "fp32") is None
     assert peak_flops(cpu, "fp32", override_tflops=1.5) == 1.5e12
+
+
+def test_a_fused_adamw_skips_a_non_finite_step_on_the_device():
+    """The CUDA path (fused AdamW gets the verdict as a tensor: no host sync), run with the
+    CPU's fused AdamW: a finite step equals the foreach step, a non-finite one changes nothing."""
+    from scale_llm.components.optim import step_if_finite
+
+    torch.manual_seed(0)
+    weights = [torch.randn(4, 3), torch.randn(5)]
+    grads = [torch.randn(4, 3), torch.randn(5)]
+    results = {}
+    for fused in (False, True):
+        params = [torch.nn.Parameter(w.clone()) for w in weights]
+        opt = torch.optim.AdamW(params, lr=0.1, **({"fused": True} if fused else {"foreach": True}))
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        step_if_finite(opt, torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])))
+        results[fused] = [p.detach().clone() for p in params]
+        before = [p.detach().clone() for p in params]
+        params[0].grad = torch.full((4, 3), float("nan"))
+        step_if_finite(opt, torch.tensor(float("nan")))
+        assert all(torch.equal(p, b) for p, b in zip(params, before)), fused
+        assert not hasattr(opt, "found_inf")
+    for a, b in zip(results[False], results[True]):
+        torch.testing.assert_close(a, b)

@@ -45,7 +45,7 @@ def step_if_finite(optimizer: torch.optim.Optimizer, norm: torch.Tensor) -> None
     does for a GradScaler: no host sync. Any other reads it (a host sync; free on the CPU).
     """
     if getattr(optimizer, "defaults", {}).get("fused"):
-        optimizer.found_inf = (~torch.isfinite(norm)).float().reshape(1)
+        optimizer.found_inf = (~torch.isfinite(norm)).float().reshape(())
         optimizer.grad_scale = None
         try:
             optimizer.step()
