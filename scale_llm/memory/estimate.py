@@ -105,11 +105,15 @@ def state_bytes(n: ParamCounts, lay: Layout) -> tuple[dict[str, float], dict[str
 
 def _deepspeed_states(n: ParamCounts, lay: Layout, c: int, half: bool):
     """ZeRO (Rajbhandari et al. 2020): c-byte params and grads, and the optimizer's fp32 master
-    weights (16-bit modes) plus two moments, partitioned by stage."""
+    weights (16-bit modes) plus two moments, partitioned by stage. In 16-bit modes with a
+    partitioned optimizer (stage >= 1) the step also holds an fp32 copy of this rank's gradient
+    partition: DeepSpeed's own estimator counts it ("4_grads_32bit"), and so does this one."""
     P, W, s = n.total, lay.world, lay.zero_stage
     optim = (12 if half else 8) * P
     params = c * P / W if s >= 3 else c * P
     grads = c * P / W if s >= 2 else c * P
+    if half and s >= 1 and not lay.offload_optimizer:
+        grads += 4 * P / W  # the fp32 gradient partition the optimizer steps on
     optim = optim / W if s >= 1 else optim
     gpu = {"params": params, "grads": grads, "optimizer": optim}
     cpu = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
