@@ -107,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train a model")
     _add_config_args(p)
+    p.add_argument(
+        "--fit",
+        metavar="SIZE|auto",
+        help="before training, choose micro-batch, grad_accum and checkpointing to fit SIZE per "
+        "GPU (e.g. 80GiB; auto: the GPU's free memory), keeping the global batch",
+    )
 
     p = sub.add_parser("estimate", help="predict per-GPU memory; --fit proposes settings")
     _add_config_args(p)
@@ -195,6 +201,10 @@ def start_distributed(args: argparse.Namespace):
     launch = launch_env()
     setup_logging(launch.rank)
     plan = resolve_plan(cfg, launch)
+    if getattr(args, "fit", None) and args.fit != "auto":
+        from scale_llm.memory import parse_bytes
+
+        parse_bytes(args.fit)  # a bad size is an error before any process group exists
     if plan.backend == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
         raise UserError(
             "parallel.backend=deepspeed but deepspeed is not installed; `pip install deepspeed` "
@@ -204,8 +214,47 @@ def start_distributed(args: argparse.Namespace):
     return cfg, plan
 
 
+def fit_at_launch(cfg: Config, plan, size: str):
+    """`train --fit`: the fastest checkpointing / micro-batch layout that fits (the backend
+    stays: its process group exists), applied to the config; prints the overrides."""
+    import torch
+
+    from scale_llm import memory
+    from scale_llm.config import with_changes
+    from scale_llm.plan import launch_env, resolve_plan
+
+    if size == "auto":
+        if plan.device.type != "cuda":
+            raise UserError(
+                "train --fit auto reads the free memory of the GPU, and this run has none; give "
+                "an explicit size, e.g. --fit 24GiB"
+            )
+        budget = int(torch.cuda.mem_get_info(plan.device)[0] * 0.95)  # keep 5% for the context
+    else:
+        budget = memory.parse_bytes(size)
+    fitted = memory.fit(cfg, plan, budget, keep_backend=True)
+    log.info(
+        "fit: %s per GPU -> %s (predicted %s)",
+        memory.gib(budget),
+        memory.format_overrides(fitted.changes) or "no change needed",
+        memory.gib(fitted.estimate.total),
+    )
+    lay, ac = fitted.estimate.layout, fitted.estimate.ac
+    chosen = {
+        "train.micro_batch_size": lay.micro_batch,
+        "train.grad_accum": lay.grad_accum,
+        "train.global_batch_size": None,  # the same global batch, now spelled out
+        "activation_checkpointing.mode": ac.mode,
+        "activation_checkpointing.k": ac.k,
+    }
+    cfg = with_changes(cfg, chosen)
+    return cfg, resolve_plan(cfg, launch_env())
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     cfg, plan = start_distributed(args)
+    if args.fit:
+        cfg, plan = fit_at_launch(cfg, plan, args.fit)
     if args.report_memory and plan.is_main:
         from scale_llm import memory
 

@@ -106,6 +106,16 @@ CASES = [
     ),
     ("memory units", ["estimate", TINY, "--fit", "80 parsecs"], "GiB"),
     ("impossible fit", ["estimate", TINY, "--fit", "1KiB"], "nothing fits in"),
+    (
+        "train --fit that nothing meets",
+        ["train", TINY, *s("data.dir=DATA", "model.vocab_size=512"), "--fit", "1KiB"],
+        "nothing fits in 0.00 GiB per GPU, with backend single as launched",
+    ),
+    (
+        "train --fit auto without a GPU",
+        ["train", TINY, *s("data.dir=DATA", "model.vocab_size=512"), "--fit", "auto"],
+        "give an explicit size",
+    ),
     ("generate without a run", ["generate", "."], "not a run directory"),
     ("convert without a checkpoint", ["convert", ".", "--out", "m.pt"], "neither a checkpoint"),
 ]

@@ -256,3 +256,20 @@ def test_model_states_agree_with_deepspeeds_own_estimators(name, monkeypatch, ca
         )
         assert ours[2] == pytest.approx(ds2, rel=1e-6)
         assert 1.0 <= ours[3] / ds3 < 1.25
+
+
+def test_train_fit_keeps_the_global_batch_and_the_backend(data_dir, tmp_path):
+    from scale_llm.cli import fit_at_launch
+    from tests.helpers import make_config, plan_for
+
+    cfg = make_config(data_dir, tmp_path, "train.micro_batch_size=8", "train.grad_accum=2")
+    plan = plan_for(cfg)
+    roomy = estimate(cfg, plan).total
+    smaller, new_plan = fit_at_launch(cfg, plan, f"{int(roomy * 0.7)}B")
+    assert new_plan.sequences_per_step == plan.sequences_per_step == 16
+    assert new_plan.backend == plan.backend and new_plan.precision == plan.precision
+    assert estimate(smaller, new_plan).total <= roomy * 0.7
+    assert (new_plan.micro_batch_size, smaller.activation_checkpointing.mode) != (8, "none")
+    roomy_cfg, roomy_plan = fit_at_launch(cfg, plan, f"{int(roomy * 2)}B")
+    assert roomy_plan.sequences_per_step == 16  # room to spare: the largest micro-batch, and
+    assert roomy_cfg.activation_checkpointing.mode == "none"  # no recomputation

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -161,10 +162,11 @@ class Plan:
     cost: float
 
 
-def fit(cfg: Config, target: RunPlan | int, budget: int) -> Plan:
+def fit(cfg: Config, target: RunPlan | int, budget: int, keep_backend: bool = False) -> Plan:
     """The cheapest layout (by the rough cost model above) whose estimate fits in `budget`.
 
-    Keeps the sequences per step: micro_batch x grad_accum stays the same.
+    Keeps the sequences per step: micro_batch x grad_accum stays the same. `keep_backend`
+    (a launched run: its process group exists) varies only checkpointing and micro-batch.
     """
     plan = target_plan(cfg, target) if isinstance(target, int) else target
     world = plan.world_size
@@ -172,7 +174,8 @@ def fit(cfg: Config, target: RunPlan | int, budget: int) -> Plan:
     micro_batches = [d for d in range(per_rank, 0, -1) if per_rank % d == 0]
     best: Plan | None = None
     smallest: Plan | None = None
-    for shard, shard_cost in _shard_options(cfg):
+    shard_options = [({}, 1.0)] if keep_backend else _shard_options(cfg)
+    for shard, shard_cost in shard_options:
         for mode, ac_cost in _AC_COST.items():
             for mb in micro_batches:
                 changes = {
@@ -183,22 +186,39 @@ def fit(cfg: Config, target: RunPlan | int, budget: int) -> Plan:
                 }
                 if mode == "every_k":
                     changes["activation_checkpointing.k"] = 2
-                est = estimate(with_changes(cfg, changes), world)
-                plan = Plan(changes, est, shard_cost * ac_cost * _micro_batch_cost(mb))
+                est = estimate(with_changes(cfg, changes), _replan(plan, changes, world))
+                option = Plan(changes, est, shard_cost * ac_cost * _micro_batch_cost(mb))
                 if smallest is None or est.total < smallest.estimate.total:
-                    smallest = plan
-                if est.total <= budget and (best is None or plan.cost < best.cost):
-                    best = plan
+                    smallest = option
+                if est.total <= budget and (best is None or option.cost < best.cost):
+                    best = option
     if best is None:
+        tried = (
+            f"with backend {plan.backend} as launched"
+            if keep_backend
+            else "even with DeepSpeed ZeRO-3, optimizer and parameter offload"
+        )
         raise UserError(
-            f"nothing fits in {gib(budget)} per GPU, even with DeepSpeed ZeRO-3, optimizer and "
-            f"parameter offload, full activation checkpointing and micro-batch 1: the smallest "
-            f"total reachable is {gib(smallest.estimate.total)} "
-            f"({format_overrides(smallest.changes)}). "
-            f"Use more GPUs (--world-size), a shorter model.seq_len or a smaller model"
+            f"nothing fits in {gib(budget)} per GPU, {tried}, full activation checkpointing "
+            f"and micro-batch 1: the smallest total reachable is "
+            f"{gib(smallest.estimate.total)} ({format_overrides(smallest.changes)}). "
+            f"Use more GPUs, a sharding backend (`scale-llm estimate CONFIG --fit SIZE` "
+            f"proposes one), a shorter model.seq_len or a smaller model"
         )
     best.changes = _only_changed(cfg, best.changes)
     return best
+
+
+def _replan(plan: RunPlan, changes: dict[str, Any], world: int) -> RunPlan | int:
+    """The plan of a candidate: a launched run keeps its own (device, backend, precision) with
+    the candidate's batch split; a hypothetical one is planned afresh for `world` GPUs."""
+    if "parallel.backend" in changes:
+        return world
+    return dataclasses.replace(
+        plan,
+        micro_batch_size=changes["train.micro_batch_size"],
+        grad_accum=changes["train.grad_accum"],
+    )
 
 
 def _only_changed(cfg: Config, changes: dict[str, Any]) -> dict[str, Any]:
