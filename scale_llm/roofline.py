@@ -5,7 +5,9 @@ compute) in the compute dtype (bf16 weights, as autocast / FSDP's policy compute
 dispatch mode that counts, for every aten op, its FLOPs (torch's FLOP registry) and the bytes it
 reads and writes (inputs + outputs, i.e. no fusion). Attention is counted as a flash kernel
 would run it (causal: half the T x T work; reads Q, K, V, writes O; backward 2.5x the forward
-FLOPs), not as the meta device's math fallback. The AdamW step is added analytically (fused:
+FLOPs), not as the meta device's math fallback. The loss is the plain fp32 cross-entropy
+(what `train.compile`, on in the GPU configs, compiles; eager runs use the chunked form, which
+trades a second read of the logits for memory). The AdamW step is added analytically (fused:
 reads param, grad, two moments; writes param and moments, all fp32) once per optimizer step.
 
 Each op class then takes max(FLOPs / peak FLOP/s, bytes / peak bandwidth): a roofline. Two
@@ -26,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from scale_llm.components.loss import cross_entropy
+from scale_llm.components.loss import plain_cross_entropy
 from scale_llm.config import Config
 from scale_llm.model import build_model
 from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
@@ -120,7 +122,7 @@ def count_micro_step(cfg: Config, micro_batch: int) -> tuple[dict[str, float], d
     F.scaled_dot_product_attention = sdpa
     try:
         with counter:
-            loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+            loss = plain_cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
             loss.backward()
     finally:
         F.scaled_dot_product_attention = original

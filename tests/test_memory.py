@@ -154,8 +154,8 @@ def test_fit_prefers_cheap_layouts_and_keeps_the_batch():
 
 
 def test_impossible_fit_names_the_smallest_total():
-    with pytest.raises(UserError, match=r"nothing fits in 0.50 GiB.*smallest total reachable is"):
-        fit(cfg_with(), 2, parse_bytes("512MiB"))
+    with pytest.raises(UserError, match=r"nothing fits in 0.25 GiB.*smallest total reachable is"):
+        fit(cfg_with(), 2, parse_bytes("256MiB"))
 
 
 def test_memory_units():

@@ -175,3 +175,27 @@ def test_flops_per_token_equals_a_count_of_every_matmul(tie):
     per_block = d * 3 * d + d * d + 3 * d * hidden  # wqkv, wo, w1 / w3 / w2
     by_hand = 6 * (2 * per_block + V * d) + 12 * 2 * d * T
     assert m.flops_per_token() == by_hand
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_loss_equals_the_plain_one_and_keeps_no_fp32_logits(dtype, monkeypatch):
+    import scale_llm.components.loss as loss_mod
+
+    monkeypatch.setattr(loss_mod, "CHUNK_ELEMENTS", 7 * 97)  # 7 rows per chunk: 6 chunks of 40
+    torch.manual_seed(0)
+    logits = torch.randn(4, 10, 97, dtype=dtype, requires_grad=True)
+    targets = torch.randint(0, 97, (4, 10))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        chunked = loss_mod.cross_entropy(logits, targets)
+    (g_chunked,) = torch.autograd.grad(chunked, logits)
+    plain = loss_mod.plain_cross_entropy(logits, targets)
+    (g_plain,) = torch.autograd.grad(plain, logits)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert chunked.dtype == torch.float32
+    torch.testing.assert_close(chunked, plain, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(g_chunked, g_plain, atol=tol, rtol=tol)
+    assert g_chunked.dtype == dtype
+    # kept for backward: the logits in their own dtype, the targets, one fp32 value per row
+    fp32_saved = sum(t.numel() for t in saved if t.dtype == torch.float32)
+    assert fp32_saved == 40 + (logits.numel() if dtype == torch.float32 else 0)

@@ -10,7 +10,8 @@ The estimate is a sum of parts, per GPU, in bytes:
   activations  what the forward pass saves for backward, for the attention implementation and
                checkpointing mode, plus what backward needs on top: one checkpointed block
                recomputed at a time, and autocast's 16-bit weight copies
-  logits       the B x T x vocab buffers of the loss: fp32 log-probabilities and their gradient
+  logits       the B x T x vocab buffers of the loss: the logits the chunked loss keeps (in the
+               compute dtype) and their gradient
   overhead     a stated allowance: 5% of the rest for temporaries and allocator slack
 
 The activation formula follows this project's model op by op (see `block_activation_bytes`); it

@@ -96,14 +96,20 @@ def selective_block_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
 
 def head_activation_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
     """Outside the blocks: token ids and targets, rotary tables, the final norm and head input,
-    autocast's copy of the output weight, and the fp32 log-probabilities of the loss."""
+    autocast's copy of the output weight, and what the (chunked) loss keeps: the logits in the
+    compute dtype and one fp32 log-sum-exp per position."""
     g, T = _dims(m), m.seq_len
     N = batch * T
     tokens = 8 * batch * (T + 1) + 8 * N
     rope = 4 * T * g["D"]
     final_norm = 8 * N * g["d"] + 4 * N + num.compute * N * g["d"]
     head_copy = 2 * g["V"] * g["d"] if num.autocast else 0
-    return tokens + rope + final_norm + head_copy + 4 * N * g["V"]
+    return tokens + rope + final_norm + head_copy + logits_bytes(m, batch, num) + 4 * N
+
+
+def logits_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
+    """The (B, T, V) logits the loss keeps for backward, in the compute dtype."""
+    return num.compute * batch * m.seq_len * m.vocab_size
 
 
 def checkpointed_count(m: ModelConfig, ac: ActivationCheckpointingConfig) -> int:

@@ -11,6 +11,7 @@ from scale_llm.config import ActivationCheckpointingConfig, Config, ModelConfig
 from scale_llm.errors import UserError
 from scale_llm.memory.activations import (
     block_matmul_params,
+    logits_bytes,
     numerics_for,
     recompute_bytes,
     saved_activation_bytes,
@@ -160,9 +161,11 @@ def estimate_layout(m: ModelConfig, ac: ActivationCheckpointingConfig, lay: Layo
     num = numerics_for(lay.precision, lay.backend)
     gpu, cpu = state_bytes(n, lay)
     saved = saved_activation_bytes(m, ac, lay.micro_batch, num)
-    logits_saved = 4 * lay.micro_batch * m.seq_len * m.vocab_size
+    logits_saved = logits_bytes(m, lay.micro_batch, num)
     gpu["activations"] = saved - logits_saved + recompute_bytes(m, ac, lay.micro_batch, num)
-    gpu["logits"] = 2 * logits_saved  # fp32 log-probs and, in backward, their gradient
+    # the logits kept by the chunked loss and, in backward, their gradient (same dtype); the
+    # loss's one fp32 chunk at a time (64 MiB) is inside the overhead allowance
+    gpu["logits"] = 2 * logits_saved
     gpu["overhead"] = OVERHEAD_FRACTION * sum(gpu.values())
     gpu["total"] = sum(gpu.values())
     return Estimate(n.total, lay, m, ac, gpu, cpu)

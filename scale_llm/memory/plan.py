@@ -19,7 +19,7 @@ _DESCRIPTIONS = {
     "grads": "gradients",
     "optimizer": "AdamW moments (and DeepSpeed's fp32 master weights)",
     "activations": "saved for backward, incl. one recomputed block and autocast weight copies",
-    "logits": "B x T x vocab fp32 log-probs and their gradient",
+    "logits": "B x T x vocab logits kept by the chunked loss, and their gradient",
     "overhead": f"allowance: {OVERHEAD_FRACTION:.0%} of the rest for temporaries and slack",
 }
 
