@@ -11,7 +11,6 @@ import importlib.util
 import logging
 import os
 import sys
-import time
 
 from scale_llm.config import Config, load_config
 from scale_llm.errors import UserError
@@ -262,15 +261,20 @@ def cmd_train(args: argparse.Namespace) -> int:
         log.info(memory.format_report(est, cfg, plan, args.config or "defaults"))
     from scale_llm.train.trainer import train
 
-    t0 = time.perf_counter()
     result = train(cfg, plan)
     if result.losses:
         (s0, l0), (s1, l1) = next(iter(result.losses.items())), list(result.losses.items())[-1]
         val = list(result.val_losses.values())
+        ran = result.steps - result.start_step
+        where = f" (steps {result.start_step + 1}-{result.steps})" if result.start_step else ""
         log.info(
-            "done: %d steps in %.1fs; loss %.3f (step %d) -> %.3f (step %d)%s; run dir %s",
+            "done: %d steps%s in %.1fs; %d of %d in total; loss %.3f (step %d) -> %.3f (step "
+            "%d)%s; run dir %s",
+            ran,
+            where,
+            result.seconds,
             result.steps,
-            time.perf_counter() - t0,
+            cfg.train.max_steps,
             l0,
             s0,
             l1,

@@ -52,7 +52,7 @@ Precision = Literal["auto", "bf16", "fp16", "fp32"]
 
 @dataclass
 class RunConfig:
-    name: str = "tiny"
+    name: str = "defaults"  # (yaml/tiny.yaml's run is "tiny": the two never share a directory)
     dir: str = "runs"  # the run directory is <dir>/<name>
     seed: int = run_defining(1337)
 

@@ -109,3 +109,44 @@ def test_cli_user_errors_exit_2_without_traceback(tmp_path):
         assert proc.returncode == 2, (args, proc.stderr)
         assert expected in proc.stderr, (args, proc.stderr)
         assert "Traceback" not in proc.stderr
+
+
+def test_run_messages_count_this_launch_and_a_finished_run_is_left_alone(
+    data_dir, tmp_path, capsys
+):
+    """Resume summary counts this launch's steps; the stop at the last step does not ask to
+    continue; a finished run says so, exits 0 and writes nothing; warmup >= max_steps warns."""
+    from scale_llm.cli import main
+    from tests.helpers import TINY_MODEL
+
+    settings = [
+        *TINY_MODEL,
+        f"data.dir={data_dir}",
+        f"run.dir={tmp_path}",
+        "run.name=msgs",
+        "train.micro_batch_size=4",
+        "train.max_steps=4",
+        "train.warmup_steps=1",
+        "train.device=cpu",
+        "logging.tensorboard=false",
+        "eval.every=0",
+        "checkpoint.every=2",
+    ]
+    args = ["train", *[a for s in settings for a in ("--set", s)]]
+    assert main([*args, "--set", "train.exit_at_step=2"]) == 0
+    out = capsys.readouterr().out
+    assert "done: 2 steps in" in out and "2 of 4 in total" in out
+    assert "launch again to continue to step 4" in out
+    assert main([*args, "--set", "train.exit_at_step=4"]) == 0
+    out = capsys.readouterr().out
+    assert "done: 2 steps (steps 3-4) in" in out and "4 of 4 in total" in out
+    assert "after step 4; the run is complete" in out and "launch again" not in out
+    run = tmp_path / "msgs"
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "run already complete" in out and "step 4 of train.max_steps=4" in out
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()} == before
+    assert main([*args, "--set", "run.name=warm", "--set", "train.warmup_steps=10"]) == 0
+    out = capsys.readouterr().out
+    assert "train.warmup_steps=10 >= train.max_steps=4" in out and "only reaches" in out

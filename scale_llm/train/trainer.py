@@ -54,6 +54,9 @@ class TrainResult:
     grad_norms: dict[int, float] = field(default_factory=dict)
     checkpoint: Path | None = None
     stopped: str | None = None  # why the run stopped before max_steps, if it did
+    start_step: int = 0  # the step this launch began at (a resume's checkpoint step)
+    seconds: float = 0.0  # this launch's training time
+    complete: bool = False  # the run had already reached train.max_steps: nothing was done
 
 
 class Trainer:
@@ -100,18 +103,34 @@ class Trainer:
         self.bad_streak = torch.zeros((), dtype=torch.int64, device=self.device)
         if resume_state is not None:
             self.load_state_dict(resume_state, exact)
-        if plan.is_main:
+        self.complete = self.step >= cfg.train.max_steps  # a finished run: write nothing
+        if plan.is_main and not self.complete:
             self._write_run_dir()
-        self.metrics = MetricsLogger(self.run_dir, plan.is_main, cfg.logging.tensorboard, self.step)
+        self.metrics = MetricsLogger(
+            self.run_dir, plan.is_main and not self.complete, cfg.logging.tensorboard, self.step
+        )
+        self._warn_about_warmup()
 
     # ----------------------------------------------------------------- loop
     def fit(self) -> TrainResult:
         """Train to train.max_steps, logging, evaluating and checkpointing on the way; stop early
         (with a checkpoint) at train.exit_at_step or on SIGTERM / SIGINT."""
         t = self.cfg.train
+        result = TrainResult(self.run_dir, self.step, start_step=self.step)
+        if self.complete:
+            log.info(
+                "run already complete: %s is at step %d of train.max_steps=%d; nothing to do "
+                "(raise train.max_steps to train further)",
+                self.resume_from,
+                self.step,
+                t.max_steps,
+            )
+            result.complete = True
+            self.loader.close()
+            return result
         self._log_batch()
-        result = TrainResult(self.run_dir, self.step)
-        self._window = (time.perf_counter(), self.step)  # (start time, start step) for tokens/s
+        started = time.perf_counter()
+        self._window = (started, self.step)  # (start time, start step) for tokens/s
         try:
             with StopSignals() as signals:
                 while self.step < t.max_steps:
@@ -124,15 +143,16 @@ class Trainer:
                     if (every and self.step % every == 0) or self.step == t.max_steps or stop:
                         result.checkpoint = self.save_checkpoint() or result.checkpoint
                     if stop:
-                        log.info(
-                            "stop: %s after step %d; launch again to continue to step %d",
-                            stop,
-                            self.step,
-                            t.max_steps,
+                        then = (
+                            f"launch again to continue to step {t.max_steps}"
+                            if self.step < t.max_steps
+                            else "the run is complete"
                         )
+                        log.info("stop: %s after step %d; %s", stop, self.step, then)
                         result.stopped = stop
                         break
         finally:
+            result.seconds = time.perf_counter() - started
             self.loader.close()
             self.metrics.close()
         result.steps = self.step
@@ -243,6 +263,19 @@ class Trainer:
         if self.step == self.cfg.train.exit_at_step:
             return "train.exit_at_step"
         return None
+
+    def _warn_about_warmup(self) -> None:
+        """warmup >= max_steps: the LR never reaches train.lr (fine for smoke runs; say so)."""
+        t = self.cfg.train
+        if t.warmup_steps >= t.max_steps and not self.complete:
+            log.warning(
+                "train.warmup_steps=%d >= train.max_steps=%d: the learning rate only reaches "
+                "%.3g of train.lr=%g (at the last step)",
+                t.warmup_steps,
+                t.max_steps,
+                lr_at(t.max_steps - 1, t),
+                t.lr,
+            )
 
     def _syncs_anyway(self) -> bool:
         """Steps that read device values or save: logging, eval, checkpoint and the last."""
