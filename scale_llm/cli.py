@@ -10,6 +10,7 @@ import argparse
 import importlib.util
 import logging
 import os
+import re
 import sys
 
 from scale_llm.config import Config, load_config
@@ -20,7 +21,7 @@ from scale_llm.version import __version__
 log = logging.getLogger("scale_llm")
 
 
-def _add_config_args(p: argparse.ArgumentParser) -> None:
+def _add_config_args(p: argparse.ArgumentParser, training: bool = True) -> None:
     p.add_argument("config", nargs="?", help="YAML config (default: the built-in tiny defaults)")
     p.add_argument(
         "--set",
@@ -28,8 +29,18 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override any config key, e.g. --set train.lr=3e-4 (repeatable)",
+        help="override any config key, e.g. --set train.lr=3e-4 (repeatable; "
+        "--train.lr 3e-4 and --train.lr=3e-4 work too)",
     )
+    # the deepspeed launcher appends --local_rank=N; the rank is read from the environment
+    p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
+    p.set_defaults(grad_accum=None, grad_checkpointing=False, amp=False, amp_dtype=None)
+    p.set_defaults(batch_size=None, train_steps=None, report_memory=False)
+    if training:
+        _add_training_aliases(p)
+
+
+def _add_training_aliases(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-accum", type=int, metavar="N", help="alias of train.grad_accum")
     p.add_argument(
         "--grad-checkpointing",
@@ -63,8 +74,6 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="train: print the predicted per-GPU memory before training",
     )
-    # the deepspeed launcher appends --local_rank=N; the rank is read from the environment
-    p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
 
 
 def alias_overrides(args: argparse.Namespace) -> list[str]:
@@ -95,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("prepare", help="train the tokenizer and write token shards")
-    _add_config_args(p)
+    _add_config_args(p, training=False)
     p.add_argument("--force", action="store_true", help="rebuild even if up to date")
     p.add_argument(
         "--bench",
@@ -433,8 +442,32 @@ COMMANDS = {
 }
 
 
+DOTTED = re.compile(r"^--([a-z_]+\.[a-z_.]+)(?:=(.*))?$")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """argparse, with `--section.key value` / `--section.key=value` read as `--set` (the habit
+    of torchtitan and litgpt users)."""
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rewritten, i = [], 0
+    while i < len(argv):
+        m = DOTTED.match(argv[i])
+        if m is None:
+            rewritten.append(argv[i])
+        elif m.group(2) is not None:
+            rewritten += ["--set", f"{m.group(1)}={m.group(2)}"]
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            rewritten += ["--set", f"{m.group(1)}={argv[i + 1]}"]
+            i += 1
+        else:
+            parser.error(f"{argv[i]} needs a value: {argv[i]} VALUE or {argv[i]}=VALUE")
+        i += 1
+    return parser.parse_args(rewritten)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     setup_logging()
     code = 1  # an internal error propagates with its traceback
     try:

@@ -381,3 +381,23 @@ def test_a_moved_key_given_twice_is_an_error_naming_both():
     msg = str(e.value)
     assert "model.activation_checkpointing" in msg and "activation_checkpointing.mode" in msg
     assert "keep only activation_checkpointing.mode" in msg
+
+
+def test_dotted_flags_are_set_aliases_and_prepare_has_no_training_flags(capsys):
+    from scale_llm.cli import config_from_args, parse_args
+
+    args = parse_args(["train", "--train.lr=1e-3", "--model.n_layers", "3", "--set", "run.seed=7"])
+    cfg = config_from_args(args)
+    assert cfg.train.lr == 1e-3 and cfg.model.n_layers == 3 and cfg.run.seed == 7
+    with pytest.raises(SystemExit) as e:
+        parse_args(["train", "--train.lr"])
+    assert e.value.code == 2 and "--train.lr needs a value" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["prepare", "--grad-accum", "2"])
+    assert "unrecognized arguments: --grad-accum" in capsys.readouterr().err
+    helptext = build_parser()._subparsers._group_actions[0].choices["prepare"].format_help()
+    assert "--amp" not in helptext and "--report-memory" not in helptext
+    assert (
+        "--report-memory"
+        in build_parser()._subparsers._group_actions[0].choices["train"].format_help()
+    )
