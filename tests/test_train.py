@@ -436,3 +436,34 @@ def test_a_fused_adamw_skips_a_non_finite_step_on_the_device():
         assert not hasattr(opt, "found_inf")
     for a, b in zip(results[False], results[True]):
         torch.testing.assert_close(a, b)
+
+
+def test_a_live_run_dir_is_refused_and_a_stale_lock_is_taken_over(data_dir, tmp_path, caplog):
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "runs" / "test"
+    run_dir.mkdir(parents=True)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        lock = {"pid": sleeper.pid, "host": socket.gethostname(), "started": 0}
+        (run_dir / ".lock").write_text(json.dumps(lock))
+        with pytest.raises(UserError, match=rf"in use by another launch \(pid {sleeper.pid}"):
+            trainer(data_dir, tmp_path)
+        assert sorted(p.name for p in run_dir.iterdir()) == [".lock"]  # nothing written
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    with caplog.at_level(logging.WARNING, logger="scale_llm"):
+        result = trainer(data_dir, tmp_path, "train.max_steps=1").fit()  # the owner is dead
+    assert "which has exited; taking it over" in caplog.text
+    assert result.steps == 1 and not (run_dir / ".lock").exists()  # released at the end
+
+
+def test_run_name_is_a_name_not_a_path():
+    for bad in ("..", "../x", "a/b", "-x", "."):
+        with pytest.raises(UserError, match="must be a plain name"):
+            load_config(None, [f"run.name={bad}"])
+    assert load_config(None, ["run.name=400m-fsdp_v2.1"]).run.name == "400m-fsdp_v2.1"

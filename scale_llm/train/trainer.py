@@ -38,6 +38,7 @@ from scale_llm.parallel.backend import build_backend
 from scale_llm.parallel.step import optimizer_step
 from scale_llm.plan import RunPlan
 from scale_llm.train.guards import StopSignals, TrainingDiverged, diverged_message, maybe_fail
+from scale_llm.train.lock import RunLock
 from scale_llm.train.metrics import MetricsLogger
 from scale_llm.train.rng import Generators
 
@@ -66,6 +67,16 @@ class Trainer:
         self.run_dir = cfg.run_dir
         self.manifest = read_manifest(cfg.data.dir)
         self._check_vocab()
+        self.lock = RunLock(self.run_dir)
+        if plan.is_main:
+            self.lock.check()  # a live launch on this run dir: stop before any work
+        try:
+            self._setup(cfg, plan)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _setup(self, cfg: Config, plan: RunPlan) -> None:
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep_last, plan.is_main)
         self.resume_from = resolve_resume(cfg.checkpoint.resume, self.checkpointer)
         resume_state = self._read_resume_state()
@@ -105,6 +116,7 @@ class Trainer:
             self.load_state_dict(resume_state, exact)
         self.complete = self.step >= cfg.train.max_steps  # a finished run: write nothing
         if plan.is_main and not self.complete:
+            self.lock.acquire()  # every check passed: from here on this launch owns the dir
             self._write_run_dir()
         self.metrics = MetricsLogger(
             self.run_dir, plan.is_main and not self.complete, cfg.logging.tensorboard, self.step
@@ -127,6 +139,7 @@ class Trainer:
             )
             result.complete = True
             self.loader.close()
+            self.lock.release()
             return result
         self._log_batch()
         started = time.perf_counter()
@@ -155,6 +168,7 @@ class Trainer:
             result.seconds = time.perf_counter() - started
             self.loader.close()
             self.metrics.close()
+            self.lock.release()
         result.steps = self.step
         return result
 
