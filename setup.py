@@ -28,6 +28,7 @@ setup(
         "tensorboard>=2.16",
         "numpy>=1.26",
         "tqdm>=4.66",
+        "xxhash>=3.0",  # checkpoint integrity records (also a dependency of datasets)
     ],
     extras_require={
         "dev": ["pytest>=8.0", "ruff>=0.6"],

@@ -16,7 +16,6 @@ import dataclasses
 import difflib
 import logging
 import math
-import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -471,11 +470,15 @@ def validate(cfg: Config) -> list[str]:
         e.append(f"train.min_lr={t.min_lr} is above train.lr={t.lr}; set min_lr <= lr")
     if not 0.0 <= t.beta1 < 1.0 or not 0.0 <= t.beta2 < 1.0:
         e.append(f"train.beta1={t.beta1} / train.beta2={t.beta2} must lie in [0, 1)")
-    name = cfg.run.name
-    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]*", name or "") or name in (".", ".."):
+    name = cfg.run.name or ""
+    if (
+        name in ("", ".", "..")
+        or name.startswith("-")
+        or any(c in "/\\" or ord(c) < 32 for c in name)
+    ):
         e.append(
-            f"run.name={name[:60]!r} must be a plain name (letters, digits, _ . + = -; no path "
-            f"separators, no '..', not starting with '-'); put the parent folder in run.dir"
+            f"run.name={name[:60]!r} must be a plain name (no path separators, not . or .., "
+            f"not starting with '-'); put the parent folder in run.dir"
         )
     e.extend(validate_parallel(cfg))
     return e

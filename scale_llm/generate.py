@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from scale_llm.components.checkpoint import Checkpointer, load_model_weights
+from scale_llm.components.checkpoint import Checkpointer, damage, load_model_weights
 from scale_llm.components.precision import Precision
 from scale_llm.config import Config, load_config
 from scale_llm.data.tokenizer import Tokenizer
@@ -37,7 +37,10 @@ def load_run(
     """The model of a run's newest (or the given) checkpoint on the plan's device, with the
     run's tokenizer."""
     run_dir = Path(run_dir)
-    ckpt = Path(checkpoint) if checkpoint else Checkpointer(run_dir, 1).latest()
+    ckpt = Path(checkpoint) if checkpoint else Checkpointer(run_dir, 1).latest_good()
+    problem = damage(ckpt) if checkpoint else None  # latest_good() has checked its choice
+    if problem is not None:
+        raise UserError(f"{ckpt} is damaged: {problem}; pick another checkpoint")
     if ckpt is None:
         raise UserError(
             f"{run_dir} has no complete checkpoint; train longer or set checkpoint.every so "

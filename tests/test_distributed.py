@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from scale_llm.components.checkpoint import write_integrity
 from tests.helpers import (
     BACKENDS,
     REPO,
@@ -125,6 +126,7 @@ def test_a_planted_pickle_in_deepspeed_files_never_runs(runs, data_dir):
     shutil.copytree(ckpt, hostile)
     marker = runs.root / "pwned"
     target = plant_in_torch_file(hostile / "deepspeed" / "mp_rank_00_model_states.pt", marker)
+    write_integrity(hostile)  # checksums are no signature: the attacker recomputes them
     cmd = torchrun(2, *common(data_dir, runs.root, "zero2-hostile-run"))
     cmd += sets(*BACKENDS["zero2"], *SPLIT, f"checkpoint.resume={hostile}")
     proc = subprocess.run(cmd, cwd=runs.root, env=env(), capture_output=True, text=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -264,3 +265,54 @@ def test_user_errors_exit_2_but_internal_errors_keep_their_traceback(tmp_path):
     assert (
         proc.returncode == 1 and "Traceback" in proc.stderr and "ZeroDivisionError" in proc.stderr
     )
+
+
+# ----------------------------------------------------------------------------- damage
+
+
+def damaged_copy(good: Path, tmp_path: Path, how: str) -> Path:
+    """A copy of a finished 4-step run whose newest checkpoint (step 4) is damaged."""
+    run = tmp_path / "runs" / "test"
+    shutil.copytree(good, run)
+    target = run / "checkpoints" / "step_00000004" / "dcp" / "__0_0.distcp"
+    data = bytearray(target.read_bytes())
+    if how == "truncated":
+        target.write_bytes(data[: len(data) // 2])
+    else:  # the same size, some bytes flipped (bit rot, a bad copy)
+        for i in range(100, len(data), max(1, len(data) // 50)):
+            data[i] ^= 0xFF
+        target.write_bytes(bytes(data))
+    return target
+
+
+@pytest.fixture(scope="module")
+def four_steps(data_dir, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("damage")
+    cfg = make_config(data_dir, root, "checkpoint.every=2", "checkpoint.keep_last=2")
+    Trainer(cfg, plan_for(cfg)).fit()
+    return root / "test"
+
+
+@pytest.mark.parametrize("how", ["truncated", "bytes changed"])
+def test_resume_auto_skips_a_damaged_newest_checkpoint(four_steps, data_dir, tmp_path, how, caplog):
+    target = damaged_copy(four_steps, tmp_path, how)
+    cfg = make_config(data_dir, tmp_path / "runs", "checkpoint.every=2", "train.max_steps=6")
+    with caplog.at_level("WARNING", logger="scale_llm"):
+        tr = Trainer(cfg, plan_for(cfg))
+    assert tr.step == 2  # fell back to step 2
+    assert f"skipping {target.parents[1]}" in caplog.text and str(target) in caplog.text
+
+
+def test_an_explicitly_named_damaged_checkpoint_is_an_error(four_steps, data_dir, tmp_path):
+    target = damaged_copy(four_steps, tmp_path, "truncated")
+    ckpt = target.parents[1]
+    cfg = make_config(data_dir, tmp_path / "runs", f"checkpoint.resume={ckpt}")
+    with pytest.raises(
+        UserError, match=r"the checkpoint is damaged: .*__0_0\.distcp has \d+ bytes"
+    ):
+        Trainer(cfg, plan_for(cfg))
+    with pytest.raises(UserError, match="is damaged"):
+        from scale_llm.train.convert import convert
+
+        convert(ckpt, tmp_path / "out.pt")
+    assert not (tmp_path / "out.pt").exists()

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from scale_llm.cli import main
+from scale_llm.components.checkpoint import write_integrity
 from scale_llm.components.serialization import (
     UnsafeCheckpoint,
     guard_deepspeed_reader,
@@ -153,6 +154,8 @@ def test_a_planted_pickle_never_runs(
     monkeypatch.chdir(tmp_path)
     marker = tmp_path / "pwned"
     target = PLANTS[plant][0](ckpt_of(run_copy), marker)
+    write_integrity(ckpt_of(run_copy))  # the attacker rewrites the checksums too: they are no
+    # signature, so the allow-lists are what stops the payload
     code = main(cli(command, run_copy, data_dir, tmp_path))
     err = capsys.readouterr().err
     assert not marker.exists(), "the planted code ran"

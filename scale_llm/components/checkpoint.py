@@ -10,6 +10,7 @@ the allow-lists of scale_llm.components.serialization: never arbitrary objects.
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import re
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import xxhash
 
 from scale_llm.components.distributed import barrier, is_distributed
 from scale_llm.components.serialization import dcp_load, load_file
@@ -28,6 +30,8 @@ TRAINER_STATE = "trainer.pt"  # step, data position, RNG, config, format: writte
 MODEL_WEIGHTS = "model.pt"  # consolidated fp32 weights (DeepSpeed checkpoints, `convert`)
 DCP_DIR = "dcp"  # torch.distributed.checkpoint: model + optimizer, keyed by parameter name
 SCALER_STATE = "scaler.pt"  # GradScaler state of checkpoints written before the backend state
+INTEGRITY = "integrity.json"  # size + xxh3-64 of every other file: written last
+_CHUNK = 8 << 20
 _NAME = re.compile(r"^step_(\d{8})$")
 
 
@@ -55,6 +59,16 @@ class Checkpointer:
     def latest(self) -> Path | None:
         done = self.complete()
         return done[-1][1] if done else None
+
+    def latest_good(self) -> Path | None:
+        """The newest complete checkpoint whose files match its integrity record; a damaged
+        newer one is skipped with a warning that names it and what is wrong."""
+        for _, path in reversed(self.complete()):
+            problem = damage(path)
+            if problem is None:
+                return path
+            log.warning("checkpoint: skipping %s: %s; falling back to an older one", path, problem)
+        return None
 
     def save(self, step: int, write: Callable[[Path], None]) -> Path:
         """Every rank calls `write(tmp_dir)` to fill a new checkpoint; then the main rank
@@ -86,6 +100,7 @@ class Checkpointer:
             raise
         barrier()
         if self.is_main:
+            write_integrity(tmp)
             _fsync_tree(tmp)
             if final.exists():  # saving the same step again (e.g. the last step after a resume)
                 shutil.rmtree(final)
@@ -114,7 +129,7 @@ def resolve_resume(resume: str, checkpointer: Checkpointer) -> Path | None:
             )
         return None
     if resume == "auto":
-        return checkpointer.latest()
+        return checkpointer.latest_good()
     path = Path(resume)
     if not (path / TRAINER_STATE).is_file():
         raise UserError(
@@ -122,7 +137,53 @@ def resolve_resume(resume: str, checkpointer: Checkpointer) -> Path | None:
             f"(no {TRAINER_STATE} inside); give a path like "
             f"{checkpointer.dir}/{checkpoint_name(100)}, or use auto / never"
         )
+    problem = damage(path)
+    if problem is not None:
+        raise UserError(
+            f"checkpoint.resume={resume}: the checkpoint is damaged: {problem}; resume from "
+            f"another one (checkpoint.resume=auto picks the newest good one)"
+        )
     return path
+
+
+def write_integrity(ckpt_dir: Path) -> None:
+    """Record the size and xxh3-64 of every file of a checkpoint (the last file written)."""
+    record = {
+        str(p.relative_to(ckpt_dir)): {"size": p.stat().st_size, "xxh3_64": _digest(p)}
+        for p in sorted(ckpt_dir.rglob("*"))
+        if p.is_file() and p.name != INTEGRITY
+    }
+    (ckpt_dir / INTEGRITY).write_text(json.dumps({"files": record}, indent=1) + "\n")
+
+
+def damage(ckpt_dir: Path) -> str | None:
+    """What is wrong with a checkpoint's files, or None. Checkpoints written before integrity
+    records existed (no integrity.json) are taken as they are."""
+    path = ckpt_dir / INTEGRITY
+    if not path.is_file():
+        return None
+    try:
+        files = json.loads(path.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{path} is unreadable"
+    for name, want in files.items():
+        f = ckpt_dir / name
+        if not f.is_file():
+            return f"{f} is missing"
+        size = f.stat().st_size
+        if size != want["size"]:
+            return f"{f} has {size} bytes, {want['size']} were written (truncated or replaced)"
+        if _digest(f) != want["xxh3_64"]:
+            return f"{f} does not match its checksum (its bytes changed after the save)"
+    return None
+
+
+def _digest(path: Path) -> str:
+    h = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def load_model_weights(

@@ -11,7 +11,12 @@ from pathlib import Path
 
 import torch
 
-from scale_llm.components.checkpoint import TRAINER_STATE, Checkpointer, load_model_weights
+from scale_llm.components.checkpoint import (
+    TRAINER_STATE,
+    Checkpointer,
+    damage,
+    load_model_weights,
+)
 from scale_llm.components.serialization import load_file
 from scale_llm.config import ModelConfig
 from scale_llm.errors import UserError
@@ -22,8 +27,11 @@ def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint directory as given, or the newest complete one of a run directory."""
     path = Path(path)
     if (path / TRAINER_STATE).is_file():
+        problem = damage(path)
+        if problem is not None:
+            raise UserError(f"{path} is damaged: {problem}; pick another checkpoint")
         return path
-    latest = Checkpointer(path, 1).latest()
+    latest = Checkpointer(path, 1).latest_good()
     if latest is None:
         raise UserError(
             f"{path} is neither a checkpoint directory nor a run directory with a "

@@ -281,10 +281,10 @@ class Trainer:
     def _warn_about_warmup(self) -> None:
         """warmup >= max_steps: the LR never reaches train.lr (fine for smoke runs; say so)."""
         t = self.cfg.train
-        if t.warmup_steps >= t.max_steps and not self.complete:
+        if t.warmup_steps >= t.max_steps and not self.complete and self.plan.is_main:
             log.warning(
-                "train.warmup_steps=%d >= train.max_steps=%d: the learning rate only reaches "
-                "%.3g of train.lr=%g (at the last step)",
+                "train.warmup_steps=%d >= train.max_steps=%d: the learning rate rises to %.3g "
+                "at the last step (train.lr=%g) and never decays; fine for a smoke run",
                 t.warmup_steps,
                 t.max_steps,
                 lr_at(t.max_steps - 1, t),
