@@ -12,7 +12,9 @@ import dataclasses
 import gc
 import itertools
 import logging
+import shutil
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -229,3 +231,43 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
             )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- --checkpoint-io
+
+
+def bench_checkpoint(cfg: Config, plan: RunPlan, directory: Path, rounds: int = 2) -> list[dict]:
+    """Time one checkpoint save (model + AdamW state, fsynced) against its integrity record
+    and its verification, `rounds` times, in `directory` (removed afterwards)."""
+    from scale_llm.components.checkpoint import _fsync_tree, damage, write_integrity
+
+    backend = build_backend(cfg, plan)
+    model = backend.setup(build_model(cfg.model))
+    for p in model.parameters():  # one step, so the optimizer state exists
+        p.grad = torch.zeros_like(p)
+    backend.optimizer.step()
+    backend.optimizer.zero_grad(set_to_none=True)
+    rows = []
+    for _ in range(rounds):
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir(parents=True)
+        start = time.perf_counter()
+        backend.save(directory)
+        _fsync_tree(directory)
+        saved = time.perf_counter()
+        write_integrity(directory)
+        recorded = time.perf_counter()
+        assert damage(directory) is None
+        verified = time.perf_counter()
+        size = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+        rows.append(
+            {
+                "gb": size / 1e9,
+                "save_s": saved - start,
+                "integrity_s": recorded - saved,
+                "integrity_share": (recorded - saved) / (saved - start),
+                "verify_s": verified - recorded,
+            }
+        )
+    shutil.rmtree(directory, ignore_errors=True)
+    return rows

@@ -158,6 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep-ac", default="none,selective,full", help="checkpointing modes")
     p.add_argument("--sweep-compile", default="false,true", help="compile settings")
     p.add_argument(
+        "--checkpoint-io",
+        metavar="DIR",
+        help="time a checkpoint save, its integrity record and its check, in DIR (removed)",
+    )
+    p.add_argument(
         "--roofline",
         choices=["H100-SXM", "H200", "A100-80GB"],
         help="no run: count FLOPs and bytes of one step on the meta device, per op class",
@@ -354,6 +359,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(json.dumps(r) if args.json else format_roofline(r))
         return 0
     cfg, plan = start_distributed(args)
+    if args.checkpoint_io:
+        from pathlib import Path
+
+        from scale_llm.bench import bench_checkpoint
+
+        rows = bench_checkpoint(cfg, plan, Path(args.checkpoint_io), max(1, args.rounds))
+        if plan.is_main:
+            print("\n".join(json.dumps(r) for r in rows))
+        return 0
     if args.sweep:
         bad = set(args.sweep_ac.split(",")) - {"none", "full", "every_k", "selective"}
         if bad:

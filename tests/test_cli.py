@@ -149,4 +149,7 @@ def test_run_messages_count_this_launch_and_a_finished_run_is_left_alone(
     assert {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()} == before
     assert main([*args, "--set", "run.name=warm", "--set", "train.warmup_steps=10"]) == 0
     out = capsys.readouterr().out
-    assert "train.warmup_steps=10 >= train.max_steps=4" in out and "rises to 0.0004 at the last step" in out
+    assert (
+        "train.warmup_steps=10 >= train.max_steps=4" in out
+        and "rises to 0.0004 at the last step" in out
+    )

@@ -316,3 +316,12 @@ def test_an_explicitly_named_damaged_checkpoint_is_an_error(four_steps, data_dir
 
         convert(ckpt, tmp_path / "out.pt")
     assert not (tmp_path / "out.pt").exists()
+
+
+def test_checkpoint_io_bench_times_the_save_and_its_integrity_record(data_dir, tmp_path):
+    from scale_llm.bench import bench_checkpoint
+
+    cfg = make_config(data_dir, tmp_path)
+    rows = bench_checkpoint(cfg, plan_for(cfg), tmp_path / "io", rounds=1)
+    assert rows[0]["gb"] > 0 and rows[0]["save_s"] > 0 and rows[0]["integrity_s"] > 0
+    assert not (tmp_path / "io").exists()
