@@ -13,8 +13,8 @@ start=$(date +%s)
 .venv/bin/scale-llm prepare "$config"
 .venv/bin/scale-llm train "$config" "$@"
 run_dir=$(.venv/bin/python -c 'import sys
-from scale_llm.cli import build_parser, config_from_args
-args = build_parser().parse_args(["train", *sys.argv[1:]])
+from scale_llm.cli import config_from_args, parse_args
+args = parse_args(["train", *sys.argv[1:]])
 print(config_from_args(args).run_dir)' "$config" "$@")
 echo "---- sample from $run_dir ----"
 .venv/bin/scale-llm generate "$run_dir" --prompt "def " --max-new-tokens 120 --seed 0

@@ -12,7 +12,6 @@ so a run starts from the same weights whatever the backend, world size or device
 from __future__ import annotations
 
 import contextlib
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +26,10 @@ from scale_llm.components.optim import build_optimizer, set_lr, step_if_finite
 from scale_llm.components.precision import Precision
 from scale_llm.components.serialization import dcp_load, dcp_save, load_file
 from scale_llm.config import Config
-from scale_llm.model import Transformer, build_model, materialize
+from scale_llm.model import Transformer, materialize
 from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
 from scale_llm.parallel.compile import compile_blocks
 from scale_llm.plan import RunPlan
-
-log = logging.getLogger(__name__)
 
 
 class Backend:
@@ -179,20 +176,3 @@ def build_backend(cfg: Config, plan: RunPlan) -> Backend:
     else:
         cls = Backend
     return cls(cfg, plan)
-
-
-def setup_training(
-    cfg: Config, plan: RunPlan, initial_weights: dict | None = None
-) -> tuple[Backend, nn.Module]:
-    """Build the model on the meta device and hand it to the plan's backend; returns the
-    backend and the model to call forward on (what the trainer and bench both start from)."""
-    backend = build_backend(cfg, plan)
-    model = build_model(cfg.model)  # on the meta device: no memory, no init yet
-    log.info(
-        "model: %.2fM parameters (%.2fM without embeddings), %d layers, d_model %d",
-        model.num_params() / 1e6,
-        model.num_params(exclude_embeddings=True) / 1e6,
-        cfg.model.n_layers,
-        cfg.model.d_model,
-    )
-    return backend, backend.setup(model, initial_weights)
