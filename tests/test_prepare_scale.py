@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -196,3 +200,79 @@ def test_documents_are_split_by_id_not_by_position():
     assert encode_mod.is_val_document("file7.txt", 0.1) == encode_mod.is_val_document(
         "file7.txt", 0.1
     )
+
+
+def _children(pid: int) -> list[int]:
+    import psutil
+
+    try:
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _start_prepare(tmp_path) -> subprocess.Popen:
+    """`prepare` of the built-in corpus with 2 worker processes, in the background."""
+
+    args = ["--set", "model.vocab_size=512", "--set", f"data.dir={tmp_path / 'data'}"]
+    args += ["--set", "data.num_proc=2", "--set", "data.tokenizer_sample_bytes=300000"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    return subprocess.Popen(
+        [sys.executable, "-m", "scale_llm", "prepare", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+
+
+def _wait_for_workers(proc, n: int = 2, timeout: float = 60) -> list[int]:
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        kids = [k for k in _children(proc.pid) if _is_worker(k)]
+        if len(kids) >= n:
+            return kids
+        if proc.poll() is not None:
+            pytest.fail("prepare ended before its workers started")
+        time.sleep(0.2)
+    pytest.fail("no prepare workers appeared")
+
+
+def _is_worker(pid: int) -> bool:
+    import psutil
+
+    try:
+        return "multiprocessing" in " ".join(psutil.Process(pid).cmdline())
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_prepare_workers_die_with_a_killed_parent(tmp_path):
+    import signal
+    import time
+
+    import psutil
+
+    proc = _start_prepare(tmp_path)
+    workers = _wait_for_workers(proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    deadline = time.time() + 10
+    while time.time() < deadline and any(psutil.pid_exists(w) for w in workers):
+        time.sleep(0.2)
+    alive = [w for w in workers if psutil.pid_exists(w) and psutil.Process(w).status() != "zombie"]
+    assert not alive, f"orphaned prepare workers {alive}"
+
+
+def test_sigterm_during_prepare_says_what_was_kept(tmp_path):
+    import signal
+
+    proc = _start_prepare(tmp_path)
+    _wait_for_workers(proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out[-2000:]
+    assert "kept the shards written so far and progress.json" in out, out[-2000:]
+    assert "Traceback" not in out

@@ -88,14 +88,29 @@ def batched(docs: Iterable[Document]) -> Iterator[list[tuple[str, str]]]:
 _worker: dict = {}
 
 
-def _init_worker(model_path: str, val_fraction: float) -> None:
+def _init_worker(model_path: str, val_fraction: float, parent: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    _die_with(parent)
     _worker["sp"] = spm.SentencePieceProcessor(model_file=model_path)
     _worker["val_fraction"] = val_fraction
 
 
 def _encode_in_worker(docs: list[tuple[str, str]]) -> EncodedBatch:
     return encode_batch(_worker["sp"], docs, _worker["val_fraction"])
+
+
+def _die_with(parent: int) -> None:
+    """Linux: the kernel sends this worker SIGKILL when its parent dies (even by SIGKILL), so no
+    orphaned workers keep tokenizing; elsewhere, workers notice at their next batch."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
 
 
 # ----------------------------------------------------------------------------- parent side
@@ -126,7 +141,7 @@ class Encoder:
             self.num_proc,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=_init_worker,
-            initargs=(self.model_path, self.val_fraction),
+            initargs=(self.model_path, self.val_fraction, os.getpid()),
         )
         pending: deque[Future] = deque()
         for batch in itertools.chain(head, batches):

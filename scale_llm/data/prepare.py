@@ -11,11 +11,14 @@ and does no work.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
 import logging
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -82,11 +85,12 @@ def prepare(cfg: Config, force: bool = False) -> dict[str, Any]:
     )
     written_before = progress["tokens"]
     try:
-        _tokenize(cfg, source, out, stream, progress, writers)
+        with _sigterm_interrupts():
+            _tokenize(cfg, source, out, stream, progress, writers)
     except KeyboardInterrupt:
         log.info(
-            "data: interrupted; `scale-llm prepare` continues from the last checkpoint "
-            "(%s documents read)",
+            "data: interrupted; kept the shards written so far and progress.json (%s documents "
+            "read); `scale-llm prepare` with the same settings continues from there",
             f"{(read_progress(out) or {}).get('documents_read', 0):,}",
         )
         raise
@@ -106,6 +110,24 @@ def prepare(cfg: Config, force: bool = False) -> dict[str, Any]:
         (progress["tokens"] - written_before) / seconds / 1e6,
     )
     return manifest
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts():
+    """SIGTERM (a job being stopped) ends prepare like Ctrl-C: workers shut down, what was
+    written is kept and said so."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def raise_empty(cfg: Config) -> None:
