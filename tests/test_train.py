@@ -469,3 +469,30 @@ def test_run_name_is_a_name_not_a_path():
             load_config(None, [f"run.name={bad}"])
     for good in ("400m-fsdp_v2.1", "quoted $(x) 'y'"):
         assert load_config(None, [f"run.name={good}"]).run.name == good
+
+
+def test_tensorboard_never_shows_a_step_twice(data_dir, tmp_path):
+    """A resume from an older checkpoint and a fresh restart in the same run dir: the event
+    files, read back by TensorBoard's EventAccumulator, hold each step once."""
+    import shutil
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def steps(run_dir):
+        acc = EventAccumulator(str(run_dir / "tensorboard"))
+        acc.Reload()
+        return [e.step for e in acc.Scalars("loss/loss")]
+
+    tb = ["logging.tensorboard=true", "checkpoint.every=2"]
+    first = trainer(data_dir, tmp_path, *tb).fit()
+    assert steps(first.run_dir) == [1, 2, 3, 4]
+    shutil.rmtree(first.run_dir / "checkpoints" / "step_00000004")  # back to step 2
+    resumed = trainer(data_dir, tmp_path, *tb)
+    assert resumed.step == 2
+    resumed.fit()
+    assert steps(first.run_dir) == [1, 2, 3, 4]
+    shutil.rmtree(first.run_dir / "checkpoints")  # a fresh start in the same run dir
+    trainer(data_dir, tmp_path, *tb, "train.max_steps=3").fit()
+    assert steps(first.run_dir) == [1, 2, 3]
+    rows = [json.loads(x) for x in (first.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]

@@ -24,9 +24,11 @@ class MetricsLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
+            # Hide every earlier event from the first step this launch writes on: after a resume
+            # (steps past the checkpoint were lost) and after a fresh restart in the same run
+            # directory (checkpoints deleted), so no step appears twice.
             self.writer = SummaryWriter(
-                log_dir=str(run_dir / "tensorboard"),
-                purge_step=resume_step + 1 if resume_step else None,
+                log_dir=str(run_dir / "tensorboard"), purge_step=resume_step + 1
             )
 
     def log(self, step: int, values: dict[str, Any]) -> None:
