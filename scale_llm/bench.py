@@ -239,7 +239,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 def bench_checkpoint(cfg: Config, plan: RunPlan, directory: Path, rounds: int = 2) -> list[dict]:
     """Time one checkpoint save (model + AdamW state, fsynced) against its integrity record
     and its verification, `rounds` times, in `directory` (removed afterwards)."""
-    from scale_llm.components.checkpoint import _fsync_tree, damage, write_integrity
+    from scale_llm.components.checkpoint import damage, fsync_tree, write_integrity
 
     backend = build_backend(cfg, plan)
     model = backend.setup(build_model(cfg.model))
@@ -253,7 +253,7 @@ def bench_checkpoint(cfg: Config, plan: RunPlan, directory: Path, rounds: int = 
         directory.mkdir(parents=True)
         start = time.perf_counter()
         backend.save(directory)
-        _fsync_tree(directory)
+        fsync_tree(directory)
         saved = time.perf_counter()
         write_integrity(directory)
         recorded = time.perf_counter()

@@ -67,6 +67,15 @@ def prep_config(source: Path | str, out: Path | str, *extra: str) -> Config:
     return load_config(None, base + list(extra))
 
 
+def finished_run(data_dir: Path, root: Path, *overrides: str) -> Path:
+    """Train `make_config(data_dir, root, *overrides)` to the end in this process; its run dir."""
+    from scale_llm.train.trainer import Trainer
+
+    cfg = make_config(data_dir, root, *overrides)
+    Trainer(cfg, plan_for(cfg)).fit()
+    return cfg.run_dir
+
+
 def plan_for(cfg: Config) -> RunPlan:
     """The plan of a one-process run of `cfg` in this process."""
     return resolve_plan(cfg, Launch())

@@ -25,6 +25,7 @@ from tests.helpers import (
     TOL,
     common,
     env,
+    finished_run,
     make_config,
     plan_for,
     rows_of,
@@ -288,9 +289,7 @@ def damaged_copy(good: Path, tmp_path: Path, how: str) -> Path:
 @pytest.fixture(scope="module")
 def four_steps(data_dir, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("damage")
-    cfg = make_config(data_dir, root, "checkpoint.every=2", "checkpoint.keep_last=2")
-    Trainer(cfg, plan_for(cfg)).fit()
-    return root / "test"
+    return finished_run(data_dir, root, "checkpoint.every=2", "checkpoint.keep_last=2")
 
 
 @pytest.mark.parametrize("how", ["truncated", "bytes changed"])

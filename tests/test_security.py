@@ -23,8 +23,7 @@ from scale_llm.components.serialization import (
     load_file,
     read_dcp_metadata,
 )
-from scale_llm.train.trainer import Trainer
-from tests.helpers import Payload, make_config, plan_for, plant_in_torch_file
+from tests.helpers import Payload, finished_run, plant_in_torch_file
 
 
 class Disguised:
@@ -41,10 +40,9 @@ class Disguised:
 @pytest.fixture(scope="module")
 def good_run(data_dir, tmp_path_factory) -> Path:
     """A finished 2-step single-process run with its checkpoint at step 2."""
-    root = tmp_path_factory.mktemp("security")
-    cfg = make_config(data_dir, root, "train.max_steps=2", "checkpoint.every=2")
-    Trainer(cfg, plan_for(cfg)).fit()
-    return root / "test"
+    return finished_run(
+        data_dir, tmp_path_factory.mktemp("security"), "train.max_steps=2", "checkpoint.every=2"
+    )
 
 
 @pytest.fixture()

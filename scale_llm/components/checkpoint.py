@@ -26,7 +26,7 @@ from scale_llm.components.serialization import dcp_load, load_file
 from scale_llm.errors import UserError
 
 log = logging.getLogger(__name__)
-TRAINER_STATE = "trainer.pt"  # step, data position, RNG, config, format: written by rank 0
+TRAINER_STATE = "trainer.pt"  # the trainer's state_dict (step, data, RNG, config, plan, backend)
 MODEL_WEIGHTS = "model.pt"  # consolidated fp32 weights (DeepSpeed checkpoints, `convert`)
 DCP_DIR = "dcp"  # torch.distributed.checkpoint: model + optimizer, keyed by parameter name
 SCALER_STATE = "scaler.pt"  # GradScaler state of checkpoints written before the backend state
@@ -101,7 +101,7 @@ class Checkpointer:
         barrier()
         if self.is_main:
             write_integrity(tmp)
-            _fsync_tree(tmp)
+            fsync_tree(tmp)
             if final.exists():  # saving the same step again (e.g. the last step after a resume)
                 shutil.rmtree(final)
             tmp.rename(final)
@@ -206,7 +206,7 @@ def load_model_weights(
     )
 
 
-def _fsync_tree(root: Path) -> None:
+def fsync_tree(root: Path) -> None:
     for dirpath, _, files in os.walk(root):
         for name in files:
             fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
