@@ -74,7 +74,7 @@ class ModelConfig:
     # None: n_heads (multi-head); fewer: grouped-query attention
     n_kv_heads: int | None = run_defining(None)
     seq_len: int = run_defining(256)
-    # None: 8/3 * d_model rounded up to a multiple of 64 (SwiGLU)
+    # None: 8/3 * d_model rounded up to a multiple of 128 (SwiGLU)
     mlp_hidden: int | None = run_defining(None)
     tie_embeddings: bool = run_defining(True)
     attention: Literal["sdpa", "eager"] = "sdpa"

@@ -115,6 +115,8 @@ def resolve_plan(
     device = _device(cfg.train.device, launch.local_rank, cuda)
     if bf16 is None:
         bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    if device.type == "cuda" and launch.rank == 0:
+        _warn_on_odd_widths(cfg)
     return RunPlan(
         rank=launch.rank,
         local_rank=launch.local_rank,
@@ -176,6 +178,23 @@ def _precision(requested: str, device: torch.device, bf16: bool) -> str:
             name,
         )
     return name
+
+
+def _warn_on_odd_widths(cfg: Config) -> None:
+    """Matmul widths that are not multiples of 128 leave tensor-core tiles part empty. The MLP
+    default is rounded (model.mlp_hidden: null); the vocabulary is the tokenizer's own size, so
+    an odd one is the user's choice: say what the nearest fast size is."""
+    m = 128
+    for key, value in (("vocab_size", cfg.model.vocab_size), ("mlp_hidden", cfg.model.mlp_hidden)):
+        if value is not None and value % m:
+            log.warning(
+                "model.%s=%d is not a multiple of %d: its matmuls run slower on tensor cores; "
+                "%d is (the tokenizer and the model follow model.vocab_size)",
+                key,
+                value,
+                m,
+                m * -(-value // m),
+            )
 
 
 def _grad_accum(cfg: Config, world_size: int) -> int:

@@ -32,7 +32,7 @@ def test_meta_build_then_materialize_is_seeded_and_shapes_are_right():
     assert build_model(small()).tok_embeddings.weight.is_meta
     logits = a(torch.randint(0, 97, (3, 24)))
     assert logits.shape == (3, 24, 97)
-    # SwiGLU hidden 8/3 * 32 -> 128 (rounded up to 64); tied head adds no parameters
+    # SwiGLU hidden 8/3 * 32 -> 128 (rounded up to 128); tied head adds no parameters
     per_block = 32 * (4 * 8 * 3) + 32 * 32 + 3 * 32 * 128 + 2 * 32
     assert a.num_params() == 97 * 32 + 2 * per_block + 32
 
@@ -171,7 +171,7 @@ def test_flops_per_token_equals_a_count_of_every_matmul(tie):
     with FlopCounterMode(display=False) as counter:
         cross_entropy(m(x[:, :-1]), x[:, 1:]).backward()
     assert counter.get_total_flops() == m.flops_per_token() * B * T
-    hidden = 64 * math.ceil(8 * d / 3 / 64)
+    hidden = 128 * math.ceil(8 * d / 3 / 128)
     per_block = d * 3 * d + d * d + 3 * d * hidden  # wqkv, wo, w1 / w3 / w2
     by_hand = 6 * (2 * per_block + V * d) + 12 * 2 * d * T
     assert m.flops_per_token() == by_hand
@@ -199,3 +199,59 @@ def test_chunked_loss_equals_the_plain_one_and_keeps_no_fp32_logits(dtype, monke
     # kept for backward: the logits in their own dtype, the targets, one fp32 value per row
     fp32_saved = sum(t.numel() for t in saved if t.dtype == torch.float32)
     assert fp32_saved == 40 + (logits.numel() if dtype == torch.float32 else 0)
+
+
+def test_rope_tables_are_computed_once_and_survive_inference_mode_then_training():
+    m = build_model(small(), "cpu")
+    x = torch.randint(0, 97, (2, 24))
+    with torch.inference_mode():  # generate first (tables made here are normal tensors)
+        m(x[:, :5])
+    cos, _ = m._rope_tables[torch.device("cpu")]
+    assert not cos.is_inference() and cos.dtype == torch.float32 and cos.shape == (24, 4)
+    m(x).float().sum().backward()  # would raise if the tables were inference tensors
+    assert m._rope_tables[torch.device("cpu")][0] is cos  # not recomputed
+    assert "_rope_tables" not in str(list(m.state_dict()))
+
+
+def test_rope_runs_in_the_compute_dtype_close_to_fp32_math():
+    from scale_llm.model.transformer import apply_rope, rope_tables
+
+    torch.manual_seed(0)
+    cos, sin = rope_tables(64, 512, 10000.0)
+    x = torch.randn(2, 512, 4, 64)
+    exact = apply_rope(x.double(), cos.double(), sin.double())
+    assert torch.equal(apply_rope(x, cos, sin), apply_rope(x, cos, sin).float())  # fp32 path
+    low = apply_rope(x.bfloat16(), cos, sin)
+    assert low.dtype == torch.bfloat16
+    rel = ((low.double() - exact).pow(2).mean() / exact.pow(2).mean()).sqrt()
+    rounded = ((exact.bfloat16().double() - exact).pow(2).mean() / exact.pow(2).mean()).sqrt()
+    assert rel < 2.5 * rounded  # a few bf16 roundings, not a lost bit pattern
+
+
+def test_shipped_configs_use_tensor_core_widths():
+    from pathlib import Path
+
+    from scale_llm.config import load_config
+    from scale_llm.model import mlp_hidden_size
+
+    shipped = sorted((Path(__file__).parents[1] / "yaml").glob("*.yaml"))
+    assert shipped
+    for path in shipped:
+        m = load_config(path).model
+        for name, width in (("vocab_size", m.vocab_size), ("mlp", mlp_hidden_size(m))):
+            assert width % 128 == 0, f"{path.name}: {name}={width} is not a multiple of 128"
+        assert m.d_model % 64 == 0 and (m.d_model // m.n_heads) % 16 == 0, path.name
+    assert mlp_hidden_size(ModelConfig(d_model=1024)) == 2816  # 8/3 * 1024 = 2730.7 -> 22 x 128
+
+
+def test_odd_widths_warn_on_gpu_plans_only(caplog):
+    from scale_llm.config import Config
+    from scale_llm.plan import Launch, resolve_plan
+
+    cfg = Config()
+    cfg.model.vocab_size = 50257
+    resolve_plan(cfg, Launch(world_size=1), cuda=False)
+    assert "multiple of 128" not in caplog.text
+    resolve_plan(cfg, Launch(world_size=1), cuda=True, bf16=True)
+    assert "model.vocab_size=50257 is not a multiple of 128" in caplog.text
+    assert "50304" in caplog.text
