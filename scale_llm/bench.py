@@ -3,6 +3,8 @@
 Runs the same optimizer step as the trainer (same backend, precision, accumulation and
 checkpointing) on random tokens, and reports tokens/s, ms per step, MFU and peak memory.
 `--reference` times that step against a bare PyTorch loop of the same model, side by side;
+`--reference gpt2` against a bare loop over a GPT-2-style model of the same widths (LayerNorm,
+learned positions, 4d GELU MLP: what the lean single-file trainers run), compared per FLOP;
 `--sweep` tabulates micro-batch x checkpointing x compile against the memory estimate.
 """
 
@@ -103,20 +105,90 @@ def reference_step(model: torch.nn.Module, optimizer, batches, grad_clip: float)
     return total
 
 
+class GPT2Block(torch.nn.Module):
+    """A GPT-2 block as the single-file trainers write it: pre-LayerNorm, fused qkv, causal
+    sdpa, 4d GELU MLP, no biases (nanoGPT's bias=False)."""
+
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln_1 = torch.nn.LayerNorm(d, bias=False)
+        self.c_attn = torch.nn.Linear(d, 3 * d, bias=False)
+        self.c_proj = torch.nn.Linear(d, d, bias=False)
+        self.ln_2 = torch.nn.LayerNorm(d, bias=False)
+        self.c_fc = torch.nn.Linear(d, 4 * d, bias=False)
+        self.mlp_proj = torch.nn.Linear(4 * d, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)
+        q, k, v = (z.view(B, T, self.heads, C // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+
+class GPT2Reference(torch.nn.Module):
+    """tokens (B, T) -> logits (B, T, vocab): learned positions, tied head, N(0, 0.02) init."""
+
+    def __init__(self, vocab: int, d: int, n_layers: int, heads: int, seq_len: int):
+        super().__init__()
+        self.wte = torch.nn.Embedding(vocab, d)
+        self.wpe = torch.nn.Embedding(seq_len, d)
+        self.layers = torch.nn.ModuleList(GPT2Block(d, heads) for _ in range(n_layers))
+        self.ln_f = torch.nn.LayerNorm(d, bias=False)
+        for module in self.modules():
+            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                torch.nn.init.normal_(module.weight, std=0.02)
+        self.seq_len, self.d = seq_len, d
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.size(1), device=tokens.device)
+        x = self.wte(tokens) + self.wpe(positions)
+        for block in self.layers:
+            x = block(x)
+        return F.linear(self.ln_f(x), self.wte.weight)
+
+    def flops_per_token(self) -> int:
+        """As the trainer counts: 6 x matmul params (tied head included) + 12 L d T."""
+        matmul = sum(m.weight.numel() for m in self.modules() if isinstance(m, torch.nn.Linear))
+        matmul += self.wte.weight.numel()
+        return 6 * matmul + 12 * len(self.layers) * self.d * self.seq_len
+
+
 def bench_reference(
-    cfg: Config, plan: RunPlan, steps: int = 10, warmup: int = 3, rounds: int = 5
+    cfg: Config,
+    plan: RunPlan,
+    steps: int = 10,
+    warmup: int = 3,
+    rounds: int = 5,
+    kind: str = "bare",
 ) -> dict[str, Any]:
-    """The framework's optimizer step against a bare loop over the same model, the same
-    activation checkpointing / compile and the same batches, timed in one process, interleaved
-    (framework, reference, framework, ...), best of `rounds`. One process only."""
+    """The framework's optimizer step against a bare loop, the same batches, timed in one
+    process, interleaved (framework, reference, framework, ...), best of `rounds`.
+
+    kind "bare": the same model with the same activation checkpointing / compile (the overhead
+    of the framework itself, in %). kind "gpt2": a GPT-2-style model of the same widths in the
+    bare loop (compiled per block when train.compile is on, never checkpointed); the two models'
+    FLOPs differ by a few %, so they are compared as model FLOP/s. One process only."""
     if plan.world_size != 1:
         raise UserError("bench --reference compares one process; launch it without torchrun")
+    if kind not in ("bare", "gpt2"):
+        raise UserError(f"bench --reference {kind}: use bare (the default) or gpt2")
     device, t, m = plan.device, cfg.train, cfg.model
     backend = build_backend(cfg, plan)
-    framework = backend.setup(build_model(m))
+    ours = build_model(m)
+    flops_framework = ours.flops_per_token()
+    framework = backend.setup(ours)
     torch.manual_seed(cfg.run.seed)  # the same initial weights as the backend drew
-    bare = materialize(build_model(m), "cpu").to(device)
-    apply_activation_checkpointing(bare, cfg.activation_checkpointing)
+    if kind == "bare":
+        bare = materialize(build_model(m), "cpu").to(device)
+        apply_activation_checkpointing(bare, cfg.activation_checkpointing)
+        flops_reference = flops_framework
+    else:
+        bare = GPT2Reference(m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.seq_len)
+        bare = bare.to(device)
+        flops_reference = bare.flops_per_token()
     if t.compile:
         compile_blocks(bare)
     fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
@@ -133,7 +205,8 @@ def bench_reference(
         return optimizer_step(backend, framework, batches)[0]
 
     def run_reference() -> torch.Tensor:
-        return reference_step(bare, optimizer, batches, t.grad_clip)
+        with backend.precision.autocast():  # (fp32: no autocast)
+            return reference_step(bare, optimizer, batches, t.grad_clip)
 
     first = (run_framework().item(), run_reference().item())  # same weights, same batch
     for _ in range(warmup):
@@ -148,17 +221,30 @@ def bench_reference(
             loss.item()
             synchronize(device)
             best[name] = min(best[name], (time.perf_counter() - start) / steps)
+    tokens = plan.tokens_per_step
+    tflops = {
+        "framework": flops_framework * tokens / best["framework"] / 1e12,
+        "reference": flops_reference * tokens / best["reference"] / 1e12,
+    }
     return {
+        "reference": kind,
         "device": str(device),
         "precision": plan.precision,
         "compile": t.compile,
         "activation_checkpointing": cfg.activation_checkpointing.mode,
-        "tokens_per_step": plan.tokens_per_step,
+        "tokens_per_step": tokens,
         "first_loss_framework": first[0],
         "first_loss_reference": first[1],
+        "flops_per_token_framework": flops_framework,
+        "flops_per_token_reference": flops_reference,
         "ms_per_step_framework": best["framework"] * 1e3,
         "ms_per_step_reference": best["reference"] * 1e3,
-        "overhead_percent": (best["framework"] / best["reference"] - 1) * 100,
+        "model_tflops_framework": tflops["framework"],
+        "model_tflops_reference": tflops["reference"],
+        # bare: time overhead of the framework; gpt2: how much less FLOP/s it gets (< 0: more)
+        "overhead_percent": (best["framework"] / best["reference"] - 1) * 100
+        if kind == "bare"
+        else (tflops["reference"] / tflops["framework"] - 1) * 100,
         "rounds": rounds,
         "steps_per_round": steps,
     }

@@ -397,6 +397,42 @@ def test_bench_reference_runs_the_same_model_on_the_same_batch(tmp_path):
     assert "overhead_percent" in result
 
 
+def test_the_gpt2_reference_is_a_flop_matched_gpt2_and_learns(tmp_path):
+    """bench --reference gpt2: the stand-in for the single-file trainers is what it says (a
+    GPT-2 block layout, FLOPs counted as the trainer counts them, by hand here) and trains."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from scale_llm.bench import GPT2Reference, bench_reference, reference_step
+
+    V, d, L, H, T = 512, 32, 2, 4, 32
+    g = GPT2Reference(V, d, L, H, T)
+    assert g.flops_per_token() == 6 * (L * 12 * d * d + V * d) + 12 * L * d * T
+    assert sorted(n for n, _ in g.layers[0].named_children()) == [
+        "c_attn",
+        "c_fc",
+        "c_proj",
+        "ln_1",
+        "ln_2",
+        "mlp_proj",
+    ]
+    x = torch.randint(0, V, (3, T + 1))
+    with FlopCounterMode(display=False) as counter:  # it counts no CPU flash attention: matmuls
+        torch.nn.functional.cross_entropy(g(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
+    assert counter.get_total_flops() == (g.flops_per_token() - 12 * L * d * T) * 3 * T
+    g.zero_grad()
+    opt = torch.optim.AdamW(g.parameters(), lr=1e-2)
+    batch = [(x[:, :-1], x[:, 1:])]
+    first = reference_step(g, opt, batch, 1.0).item()
+    for _ in range(5):
+        last = reference_step(g, opt, batch, 1.0).item()
+    assert last < first - 0.5  # it memorizes one batch
+
+    cfg = make_config(tmp_path, tmp_path / "runs")
+    result = bench_reference(cfg, plan_for(cfg), steps=1, warmup=0, rounds=1, kind="gpt2")
+    assert result["reference"] == "gpt2" and result["model_tflops_reference"] > 0
+    assert result["first_loss_reference"] == pytest.approx(math.log(512), abs=0.3)
+
+
 def test_peak_flops_tell_the_gpu_models_apart():
     from scale_llm.components.hardware import peak_flops, peak_for_name
 
