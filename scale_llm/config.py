@@ -95,6 +95,10 @@ class TrainConfig:
     lr: float = 1e-3
     min_lr: float = 1e-4
     warmup_steps: int = 20
+    # after warmup: cosine or linear decay to min_lr at max_steps; wsd holds lr, then decays
+    # linearly over the last decay_fraction of max_steps (extending a run keeps its LR); constant
+    lr_schedule: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
+    decay_fraction: float = 0.2  # wsd: the share of max_steps spent decaying to min_lr
     weight_decay: float = 0.1
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
     precision: Precision = "auto"  # auto: bf16 on a bf16-capable GPU, fp32 on CPU
@@ -466,6 +470,11 @@ def validate(cfg: Config) -> list[str]:
     e.extend(validate_activation_checkpointing(cfg.activation_checkpointing))
     if m.mlp_hidden is not None and m.mlp_hidden <= 0:
         e.append(f"model.mlp_hidden={m.mlp_hidden} must be > 0, or null for the default")
+    if not 0.0 < t.decay_fraction <= 1.0:
+        e.append(
+            f"train.decay_fraction={t.decay_fraction} must lie in (0, 1] (the share of "
+            f"max_steps that train.lr_schedule=wsd spends decaying; e.g. 0.2)"
+        )
     if t.min_lr > t.lr:
         e.append(f"train.min_lr={t.min_lr} is above train.lr={t.lr}; set min_lr <= lr")
     if not 0.0 <= t.beta1 < 1.0 or not 0.0 <= t.beta2 < 1.0:

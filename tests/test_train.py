@@ -15,7 +15,7 @@ from scale_llm.config import TrainConfig, load_config
 from scale_llm.errors import UserError
 from scale_llm.model import build_model
 from scale_llm.train.trainer import Trainer
-from tests.helpers import make_config, plan_for
+from tests.helpers import finished_run, make_config, plan_for
 
 
 def trainer(data_dir, tmp_path, *overrides) -> Trainer:
@@ -340,6 +340,52 @@ def test_lr_schedule_warmup_then_cosine_to_min_lr():
     assert lr_at(60, cfg) == pytest.approx(0.55)
     assert lr_at(110, cfg) == pytest.approx(0.1)
     assert all(lr_at(s, cfg) >= lr_at(s + 1, cfg) for s in range(10, 110))
+
+
+def test_lr_schedules_linear_wsd_and_constant():
+    base = dict(lr=1.0, min_lr=0.1, warmup_steps=10, max_steps=110)
+    linear = TrainConfig(**base, lr_schedule="linear")
+    assert [lr_at(s, linear) for s in (9, 10, 60, 110)] == pytest.approx([1.0, 1.0, 0.55, 0.1])
+    constant = TrainConfig(**base, lr_schedule="constant")
+    assert lr_at(0, constant) == pytest.approx(0.1) and lr_at(500, constant) == 1.0
+    wsd = TrainConfig(**base, lr_schedule="wsd", decay_fraction=0.2)  # decays over 88..110
+    assert all(lr_at(s, wsd) == 1.0 for s in range(10, 89))
+    assert lr_at(99, wsd) == pytest.approx(0.55) and lr_at(110, wsd) == pytest.approx(0.1)
+    # extending a wsd run before its decay leaves every LR so far unchanged; a cosine one not
+    longer = dataclasses.replace(wsd, max_steps=300)
+    assert all(lr_at(s, wsd) == lr_at(s, longer) for s in range(88))
+    cosine = TrainConfig(**base)
+    assert lr_at(50, cosine) != lr_at(50, dataclasses.replace(cosine, max_steps=300))
+
+
+def test_a_bad_decay_fraction_is_named(tmp_path):
+    with pytest.raises(UserError, match=r"train.decay_fraction=0.0 must lie in \(0, 1\]"):
+        make_config(tmp_path, tmp_path, "train.decay_fraction=0")
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "wsd"])
+def test_extending_a_run_warns_about_an_lr_jump_unless_the_schedule_extends(
+    schedule, data_dir, tmp_path, caplog
+):
+    """Issue 13: --train_steps 150 after 30 jumped the LR silently. Now a resume whose settings
+    give another LR at that step warns once with both values; wsd before its decay does not."""
+    from scale_llm.train.trainer import Trainer
+
+    first = ["train.max_steps=10", "train.exit_at_step=3", f"train.lr_schedule={schedule}"]
+    finished_run(data_dir, tmp_path, *first)
+    cfg = make_config(data_dir, tmp_path, "train.max_steps=30", f"train.lr_schedule={schedule}")
+    with caplog.at_level(logging.WARNING, logger="scale_llm"):
+        trainer = Trainer(cfg, plan_for(cfg))
+    trainer.loader.close()
+    trainer.lock.release()
+    assert trainer.step == 3
+    warned = [r.getMessage() for r in caplog.records if "LR schedule changed" in r.getMessage()]
+    if schedule == "wsd":
+        assert warned == []
+    else:
+        before = lr_at(3, TrainConfig(lr=1e-3, min_lr=1e-4, warmup_steps=1, max_steps=10))
+        assert len(warned) == 1 and "train.max_steps: 10 -> 30" in warned[0]
+        assert f"not the {before:.3g}" in warned[0]
 
 
 def test_no_weight_decay_on_norms_and_embeddings():

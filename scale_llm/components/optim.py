@@ -55,13 +55,40 @@ def step_if_finite(optimizer: torch.optim.Optimizer, norm: torch.Tensor) -> None
         optimizer.step()
 
 
+# the keys lr_at reads: a resume that changes one of them may change the LR it continues with
+SCHEDULE_KEYS = (
+    "lr",
+    "min_lr",
+    "warmup_steps",
+    "max_steps",
+    "lr_schedule",
+    "decay_fraction",
+)
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning rate for optimizer step `step` (0-based): linear warmup, then cosine to min_lr."""
+    """Learning rate for optimizer step `step` (0-based).
+
+    Linear warmup over warmup_steps, then train.lr_schedule:
+    - cosine / linear: from lr down to min_lr at max_steps;
+    - wsd (warmup-stable-decay): lr until the last decay_fraction of max_steps, then linear to
+      min_lr; raising max_steps before the decay starts leaves every LR so far unchanged;
+    - constant: lr.
+    """
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    decay_steps = max(1, cfg.max_steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
-    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
+    schedule = cfg.lr_schedule
+    if schedule == "constant":
+        return cfg.lr
+    start = cfg.warmup_steps
+    if schedule == "wsd":
+        start = max(start, cfg.max_steps - round(cfg.decay_fraction * cfg.max_steps))
+        if step < start:
+            return cfg.lr
+    progress = min(1.0, (step - start) / max(1, cfg.max_steps - start))
+    if schedule == "cosine":
+        return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
+    return cfg.lr + progress * (cfg.min_lr - cfg.lr)  # linear, and wsd's decay
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

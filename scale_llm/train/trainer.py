@@ -8,8 +8,10 @@ the device and are read (a host sync) only on logging steps.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import math
 import shutil
 import signal
 import time
@@ -27,9 +29,9 @@ from scale_llm.components.checkpoint import (
 )
 from scale_llm.components.distributed import mean_over_ranks
 from scale_llm.components.hardware import cuda_memory_gib, peak_flops
-from scale_llm.components.optim import lr_at
+from scale_llm.components.optim import SCHEDULE_KEYS, lr_at
 from scale_llm.components.serialization import load_file, save_file
-from scale_llm.config import Config, get_key, run_defining_keys, save_config, to_dict
+from scale_llm.config import Config, TrainConfig, get_key, run_defining_keys, save_config, to_dict
 from scale_llm.data.loader import TokenWindows, TrainLoader, eval_batches
 from scale_llm.data.shards import open_split, read_manifest
 from scale_llm.errors import UserError
@@ -361,6 +363,38 @@ class Trainer:
         if isinstance(state["rng"], list):
             self.generators.load_state_dict(state["rng"])
         log.info("resume: continuing from %s at step %d", self.resume_from, self.step)
+        self._check_schedule_change(state)
+
+    def _check_schedule_change(self, state: dict[str, Any]) -> None:
+        """A resume with another schedule (typically a raised train.max_steps) keeps going from
+        the LR the new settings give at this step: say so once when that LR is not the one the
+        checkpoint's run would have used (wsd and constant extend without a jump)."""
+        saved = state["config"].get("train", {})
+        known = {f.name for f in dataclasses.fields(TrainConfig)}
+        try:
+            before = TrainConfig(**{k: v for k, v in saved.items() if k in known})
+        except TypeError:
+            return
+        t = self.cfg.train
+        old, new = lr_at(self.step, before), lr_at(self.step, t)
+        if self.plan.is_main and not math.isclose(old, new, rel_tol=1e-9, abs_tol=0.0):
+            changed = [
+                f"train.{k}: {getattr(before, k)} -> {getattr(t, k)}"
+                for k in SCHEDULE_KEYS
+                if getattr(before, k) != getattr(t, k)
+            ]
+            log.warning(
+                "resume: the LR schedule changed (%s): the LR at step %d is %.3g, not the %.3g "
+                "the checkpoint's settings give%s",
+                ", ".join(changed) or "settings",
+                self.step,
+                new,
+                old,
+                "; train.lr_schedule=wsd extends a run without a jump while it has not begun "
+                "its decay"
+                if t.lr_schedule != "wsd"
+                else "",
+            )
 
     def _read_resume_state(self) -> dict[str, Any] | None:
         if self.resume_from is None:
