@@ -113,13 +113,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--bench-mb", type=float, default=16.0, help="MB of text for --bench")
 
-    p = sub.add_parser("train", help="train a model")
+    p = sub.add_parser(
+        "train",
+        help="train a model",
+        epilog="every config key, with its type, default and meaning: scale-llm config --keys; "
+        "the config a command would run with: scale-llm config CONFIG [--set ...]",
+    )
     _add_config_args(p)
     p.add_argument(
         "--fit",
         metavar="SIZE|auto",
         help="before training, choose micro-batch, grad_accum and checkpointing to fit SIZE per "
         "GPU (e.g. 80GiB; auto: the GPU's free memory), keeping the global batch",
+    )
+
+    p = sub.add_parser("config", help="print the resolved config; --keys lists every key")
+    _add_config_args(p, training=False)
+    p.add_argument(
+        "--keys", action="store_true", help="list every key with its type, default and meaning"
+    )
+    p.add_argument(
+        "--markdown", action="store_true", help="--keys as docs/config.md's generated tables"
     )
 
     p = sub.add_parser("estimate", help="predict per-GPU memory; --fit proposes settings")
@@ -145,8 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument(
         "--reference",
-        action="store_true",
-        help="time the framework's step against a bare PyTorch loop, interleaved, best of --rounds",
+        nargs="?",
+        const="bare",
+        choices=["bare", "gpt2"],
+        help="time the framework's step against a bare PyTorch loop of the same model (bare) or "
+        "of a GPT-2-style model of the same widths (gpt2), interleaved, best of --rounds",
     )
     p.add_argument("--rounds", type=int, default=5, help="--reference: timed rounds of each")
     p.add_argument(
@@ -190,6 +207,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint", default=None, help="a checkpoint dir (default: the newest)")
     return parser
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    """The config as `train` would read it (YAML, defaults filled in), or the key reference."""
+    if args.keys or args.markdown:
+        from scale_llm.keys import markdown_keys, text_keys
+
+        print(markdown_keys() if args.markdown else text_keys())
+        return 0
+    from scale_llm.config import dump_yaml
+
+    print(dump_yaml(config_from_args(args)), end="")
+    return 0
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -388,7 +418,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
             print("\n".join(json.dumps(r) for r in rows) if args.json else markdown_table(rows))
         return 0
     if args.reference:
-        result = bench_reference(cfg, plan, args.steps, args.warmup, args.rounds)
+        result = bench_reference(
+            cfg, plan, args.steps, args.warmup, args.rounds, kind=args.reference
+        )
     else:
         result = bench(cfg, plan, args.steps, args.warmup)
     if not plan.is_main:
@@ -451,6 +483,7 @@ COMMANDS = {
     "estimate": cmd_estimate,
     "bench": cmd_bench,
     "check": cmd_check,
+    "config": cmd_config,
     "convert": cmd_convert,
     "generate": cmd_generate,
 }

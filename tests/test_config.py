@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from scale_llm.cli import alias_overrides, build_parser, main
 from scale_llm.config import Config, all_keys, dump_yaml, load_config, save_config
@@ -197,6 +198,35 @@ def test_type_and_value_errors_are_reported_together():
 def test_main_returns_2_on_missing_config(tmp_path, capsys):
     assert main(["prepare", str(tmp_path / "missing.yaml")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_every_key_has_a_meaning_and_docs_config_md_is_generated_from_them():
+    """docs/config.md's key tables are generated (`scale-llm config --keys --markdown`): a key
+    added, removed or given another default without regenerating fails here."""
+    from scale_llm.keys import BEGIN, END, KEY_HELP, markdown_keys
+
+    assert sorted(KEY_HELP) == sorted(all_keys(Config))
+    doc = (REPO / "docs" / "config.md").read_text()
+    assert BEGIN in doc and END in doc
+    written = doc[doc.index(BEGIN) : doc.index(END) + len(END)]
+    assert written == markdown_keys(), (
+        "docs/config.md is stale: regenerate its key tables with "
+        "`scale-llm config --keys --markdown` (between the markers)"
+    )
+    assert "| `train.max_bad_steps` | int | `20` |" in written  # issue 13: it was missing
+    assert "| `run.name` | str | `defaults` |" in written
+
+
+def test_config_command_prints_the_resolved_config_and_the_keys(capsys):
+    assert main(["config", str(REPO / "yaml" / "tiny.yaml"), "--train.lr=3e-4"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["train"]["lr"] == 3e-4 and printed["run"]["name"] == "tiny"
+    assert load_config(None, []).run.name == "defaults"
+    assert main(["config", "--keys"]) == 0
+    out = capsys.readouterr().out
+    assert "train.lr_schedule  (cosine | linear | wsd | constant, default cosine)" in out
+    assert main(["config", "--set", "train.lrr=1"]) == 2
+    assert "train.lrr" in capsys.readouterr().err
 
 
 def test_every_shipped_yaml_is_valid():

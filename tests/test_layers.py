@@ -22,6 +22,7 @@ LAYERS = [
                 "scale_llm.config",
                 "scale_llm.plan",
                 "scale_llm.schema",
+                "scale_llm.keys",
                 "scale_llm.errors",
                 "scale_llm.log",
                 "scale_llm.version",
