@@ -32,6 +32,16 @@ setup(
     ],
     extras_require={
         "dev": ["pytest>=8.0", "ruff>=0.6"],
+        # the ecosystem bridges: `scale-llm export`, `model.init_from`, `scale-llm eval`
+        # (tested with transformers 5.24, tokenizers 0.23, safetensors 0.8, lm_eval 0.4.13,
+        # accelerate 1.15)
+        "hf": [
+            "transformers>=5.0",
+            "tokenizers>=0.21",
+            "safetensors>=0.4",
+            "lm-eval>=0.4.9",
+            "accelerate>=0.26",  # lm-eval's `hf` model class imports it
+        ],
     },
     entry_points={"console_scripts": ["scale-llm=scale_llm.cli:main"]},
 )

@@ -2,7 +2,9 @@
 # Create (or refresh) the project's virtual environment in .venv and install scale_llm into it.
 #
 #   bash launch/setup.sh          # runtime dependencies
-#   bash launch/setup.sh --dev    # plus the test and lint tools (pytest, ruff)
+#   bash launch/setup.sh --dev    # plus the test and lint tools (pytest, ruff) and the
+#                                 # Hugging Face bridges their tests use ([hf]: transformers,
+#                                 # safetensors, lm-eval)
 #
 # torch: on a machine without an NVIDIA GPU the CPU build is pinned (torch==2.13.0) so pip never
 # pulls several GB of CUDA wheels. With a GPU, a torch already in the venv is kept; otherwise pip
@@ -14,7 +16,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${SCALE_LLM_VENV:-$root/.venv}"
 extras=""
-[[ "${1:-}" == "--dev" ]] && extras="[dev]"
+[[ "${1:-}" == "--dev" ]] && extras="[dev,hf]"
 
 python_bin="${PYTHON:-}"
 if [[ -z "$python_bin" ]]; then
@@ -30,7 +32,7 @@ if [[ ! -x "$venv/bin/python" ]]; then
 fi
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 
-stamp="$venv/.scale_llm-installed$(echo "$extras" | tr -d '[]')"
+stamp="$venv/.scale_llm-installed$(echo "$extras" | tr -d '[]' | tr ',' '-')"
 want="$(cat "$root/setup.py" | sha256sum | cut -c1-16)"
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
   echo "setup.sh: $venv is up to date"
