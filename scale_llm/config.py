@@ -58,11 +58,19 @@ class RunConfig:
 
 
 @dataclass
+class WandbConfig:
+    project: str | None = None  # set to log to Weights & Biases (pip install wandb)
+    name: str | None = None  # the W&B run's name; null: run.name
+    mode: Literal["online", "offline", "disabled"] = "online"
+
+
+@dataclass
 class LoggingConfig:
     every: int = 10  # optimizer steps between metric rows
     tensorboard: bool = True
     # dense peak TFLOP/s per device for MFU, for devices not in components/hardware.py (or CPUs)
     peak_tflops: float | None = None
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 @dataclass
@@ -114,6 +122,10 @@ class TrainConfig:
 class EvalConfig:
     every: int = 50  # optimizer steps between evaluations; 0 disables eval
     steps: int = 10  # micro-batches per evaluation
+    # optimizer steps between sample generations (TensorBoard text, metrics.jsonl); 0: none
+    sample_every: int = 0
+    sample_prompt: str = ""  # the sample's prompt (after BOS); "" starts a document
+    sample_tokens: int = 48  # tokens generated greedily per sample
 
 
 @dataclass
@@ -440,6 +452,7 @@ def validate(cfg: Config) -> list[str]:
         positive("train.global_batch_size", t.global_batch_size)
     e.extend(validate_data(cfg.data))
     positive("logging.every", cfg.logging.every)
+    positive("eval.sample_tokens", cfg.eval.sample_tokens)
     positive("checkpoint.keep_last", cfg.checkpoint.keep_last)
     for key, value in (
         ("train.min_lr", t.min_lr),
@@ -449,6 +462,7 @@ def validate(cfg: Config) -> list[str]:
         ("train.eps", t.eps),
         ("eval.every", cfg.eval.every),
         ("eval.steps", cfg.eval.steps),
+        ("eval.sample_every", cfg.eval.sample_every),
         ("checkpoint.every", cfg.checkpoint.every),
     ):
         non_negative(key, value)

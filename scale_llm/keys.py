@@ -27,6 +27,16 @@ KEY_HELP: dict[str, str] = {
         "know (it knows H100 SXM / PCIe / NVL, H200, A100, L40S, L4, RTX 4090, RTX A6000, "
         "MI300X); on a CPU MFU is reported only with this set"
     ),
+    "logging.wandb.project": (
+        "Weights & Biases project to log to (the same scalars, samples and the config; needs "
+        "`pip install wandb`); null: no W&B. A resumed run logs to the same W&B run (its id is "
+        "kept in `RUN_DIR/wandb-id.txt`)"
+    ),
+    "logging.wandb.name": "the W&B run's display name; null: run.name",
+    "logging.wandb.mode": (
+        "`online`, `offline` (written under `RUN_DIR/wandb/`, `wandb sync` uploads it later) "
+        "or `disabled`"
+    ),
     "model.vocab_size": (
         "tokenizer size; `prepare` trains a tokenizer of exactly this size and `train` "
         "refuses data whose tokenizer differs"
@@ -126,6 +136,13 @@ KEY_HELP: dict[str, str] = {
         "batch; the same windows each time, whatever the micro-batch, accumulation or "
         "world size"
     ),
+    "eval.sample_every": (
+        "optimizer steps between sample generations (and at the last step): a greedy "
+        "continuation of eval.sample_prompt in TensorBoard's text tab, metrics.jsonl and the "
+        "console; 0: none"
+    ),
+    "eval.sample_prompt": "prompt of the samples (after BOS); empty: a document's start",
+    "eval.sample_tokens": "tokens generated per sample",
     "checkpoint.every": (
         "optimizer steps between checkpoints; the last step is always saved; 0 = only the last"
     ),
@@ -192,6 +209,8 @@ def _field(key: str) -> tuple[dataclasses.Field, Any]:
 def _yaml(value: Any) -> str:
     if value is None:
         return "null"
+    if value == "":
+        return '""'
     if isinstance(value, bool):
         return "true" if value else "false"
     return str(value)

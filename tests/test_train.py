@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -217,6 +218,95 @@ def test_metrics_rows_and_tensorboard_events(data_dir, tmp_path):
     assert (result.run_dir / "config.yaml").is_file()
     assert (result.run_dir / "tokenizer.model").is_file()
     assert load_config(result.run_dir / "config.yaml").model.d_model == 32
+
+
+def read_wandb_records(run_dir: Path) -> list:
+    """The records of an offline W&B run file (LevelDB-log framing of protobuf records)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    data, pos, block, pending, records = path.read_bytes(), 7, 32768, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind == 0:
+            break
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):  # full, or the last piece
+            record = pb.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+    return records
+
+
+def test_what_users_watch_tensorboard_wandb_samples_and_progress(
+    data_dir, tmp_path, caplog, monkeypatch
+):
+    """Issue 13 item 4: config as hparams and text, validation perplexity, sample generations,
+    the step line's % done / elapsed / ETA, and the same scalars and config in W&B (offline)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DISABLE_GIT", "true")
+    monkeypatch.setenv("WANDB_CONSOLE", "off")
+    overrides = [
+        "logging.tensorboard=true",
+        "eval.every=2",
+        "eval.steps=2",
+        "eval.sample_every=2",
+        "eval.sample_prompt=doc",
+        "eval.sample_tokens=6",
+        "logging.wandb.project=scale-llm-tests",
+        "logging.wandb.mode=offline",
+    ]
+    with caplog.at_level(logging.INFO, logger="scale_llm"):
+        result = trainer(data_dir, tmp_path, *overrides).fit()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert any(line.startswith("step 1/4 (25%) | loss") and "| eta " in line for line in lines)
+    assert any("step 4/4 (100%)" in line and "eta 0s" in line for line in lines)
+
+    rows = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    samples = {r["step"]: r["samples_text"] for r in rows if "samples_text" in r}
+    assert sorted(samples) == [2, 4] and all(t.startswith("doc") for t in samples.values())
+    ppl = {r["step"]: r["val_perplexity"] for r in rows if "val_perplexity" in r}
+    assert ppl[4] == pytest.approx(math.exp(result.val_losses[4]))
+
+    acc = EventAccumulator(str(result.run_dir / "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("loss/val_perplexity")] == [2, 4]
+    assert {"samples/text/text_summary", "config/yaml/text_summary"} <= set(acc.Tags()["tensors"])
+    (text,) = [e for e in acc.Tensors("samples/text/text_summary") if e.step == 4]
+    assert samples[4].split()[0] in text.tensor_proto.string_val[0].decode()
+    hparams = acc.PluginTagToContent("hparams")
+    assert "_hparams_/session_start_info" in hparams
+    assert b"train.lr" in hparams["_hparams_/session_start_info"]
+
+    records = read_wandb_records(result.run_dir)
+    history = {}
+    for r in records:
+        if r.WhichOneof("record_type") == "history":
+            items = {i.key or "/".join(i.nested_key): i.value_json for i in r.history.item}
+            history[int(items["_step"])] = items
+    assert sorted(history) == [1, 2, 3, 4]
+    assert float(history[4]["loss/loss"]) == pytest.approx(result.losses[4])
+    assert json.loads(history[4]["samples/text"]) == samples[4]
+    (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert run.project == "scale-llm-tests" and run.display_name == "test"
+    config = {i.key: i.value_json for i in run.config.update}
+    assert json.loads(config["train.max_steps"]) == 4
+
+
+def test_wandb_missing_is_a_clear_error(data_dir, tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
+    with pytest.raises(UserError, match=r"logging.wandb.project=p needs the wandb package"):
+        trainer(data_dir, tmp_path, "logging.wandb.project=p")
 
 
 def test_a_checkpoint_in_the_previous_layout_still_resumes_exactly(data_dir, tmp_path):

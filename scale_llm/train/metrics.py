@@ -1,27 +1,40 @@
-"""Metric rows to RUN_DIR/metrics.jsonl and the same scalars to TensorBoard (main rank only)."""
+"""Metric rows to RUN_DIR/metrics.jsonl, and the same scalars to TensorBoard and (optionally)
+Weights & Biases; main rank only.
+
+TensorBoard also gets the config (as hparams, so runs can be compared in its HPARAMS tab, and
+as YAML text) and the sample generations (text plugin). Tags: loss/*, train/*, memory/*,
+samples/text, config/yaml.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
 import math
+import uuid
 from pathlib import Path
 from typing import Any
 
+from scale_llm.config import Config, dump_yaml, to_dict
+from scale_llm.errors import UserError
+
 log = logging.getLogger(__name__)
+
+WANDB_ID_FILE = "wandb-id.txt"  # the W&B run id, so that a resumed run logs to the same run
 
 
 class MetricsLogger:
-    """Appends one JSON object per logged step; mirrors numeric values to TensorBoard."""
+    """Appends one JSON object per logged step; mirrors numeric values to the trackers."""
 
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool, resume_step: int):
+    def __init__(self, run_dir: Path, enabled: bool, cfg: Config, resume_step: int):
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
         self.writer = None
+        self.wandb = None
         if not enabled:
             return
         _truncate_after(self.path, resume_step)
-        if tensorboard:
+        if cfg.logging.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             # Hide every earlier event from the first step this launch writes on: after a resume
@@ -30,6 +43,18 @@ class MetricsLogger:
             self.writer = SummaryWriter(
                 log_dir=str(run_dir / "tensorboard"), purge_step=resume_step + 1
             )
+            self._write_config(cfg, resume_step)
+        if cfg.logging.wandb.project:
+            self.wandb = _start_wandb(cfg, run_dir, resume_step)
+
+    def _write_config(self, cfg: Config, step: int) -> None:
+        from torch.utils.tensorboard.summary import hparams
+
+        flat = flatten(to_dict(cfg))
+        # the run's own directory holds the session, so the HPARAMS tab lists it with its scalars
+        for summary in hparams(flat, {"loss/val_loss": math.nan, "loss/loss": math.nan}):
+            self.writer.file_writer.add_summary(summary)
+        self.writer.add_text("config/yaml", _code_block(dump_yaml(cfg)), step)
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         if not self.enabled:
@@ -37,14 +62,79 @@ class MetricsLogger:
         row = {"step": step, **{k: _clean(v) for k, v in values.items()}}
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
+        scalars = {
+            _tb_tag(k): v
+            for k, v in row.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
         if self.writer is not None:
-            for key, value in row.items():
-                if key != "step" and isinstance(value, (int, float)) and value is not None:
-                    self.writer.add_scalar(_tb_tag(key), value, step)
+            for tag, value in scalars.items():
+                self.writer.add_scalar(tag, value, step)
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
+
+    def log_text(self, step: int, tag: str, text: str) -> None:
+        """A text entry (e.g. a sample generation) in metrics.jsonl, TensorBoard and W&B."""
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, tag.replace("/", "_"): text}) + "\n")
+        if self.writer is not None:
+            self.writer.add_text(tag, _code_block(text), step)
+        if self.wandb is not None:
+            self.wandb.log({tag: text}, step=step)
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"train": {"lr": 1e-3}} -> {"train.lr": 1e-3}; values TensorBoard's hparams accept (None
+    and containers become strings)."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value and all(isinstance(k, str) for k in value):
+            out.update(flatten(value, name + "."))
+        elif isinstance(value, (bool, int, float, str)):
+            out[name] = value
+        else:
+            out[name] = json.dumps(value)
+    return out
+
+
+def _start_wandb(cfg: Config, run_dir: Path, resume_step: int):
+    w = cfg.logging.wandb
+    try:
+        import wandb
+    except ImportError:
+        raise UserError(
+            f"logging.wandb.project={w.project} needs the wandb package: pip install wandb "
+            f"(or set logging.wandb.project=null)"
+        ) from None
+    id_file = run_dir / WANDB_ID_FILE
+    if resume_step == 0 or not id_file.is_file():  # a fresh start is a new W&B run
+        id_file.write_text(uuid.uuid4().hex[:16] + "\n")
+    run = wandb.init(
+        project=w.project,
+        name=w.name or cfg.run.name,
+        mode=w.mode,
+        dir=str(run_dir),
+        id=id_file.read_text().strip(),
+        resume="allow",
+        config=flatten(to_dict(cfg)),
+    )
+    log.info("wandb: logging to project %s, run %s (%s)", w.project, run.id, w.mode)
+    return run
+
+
+def _code_block(text: str) -> str:
+    """TensorBoard renders text as markdown: indent it so that code keeps its whitespace."""
+    return "\n".join("    " + line for line in text.splitlines()) or "    (empty)"
 
 
 def _clean(value: Any) -> Any:
@@ -54,7 +144,7 @@ def _clean(value: Any) -> Any:
 
 
 def _tb_tag(key: str) -> str:
-    if key in ("loss", "val_loss"):
+    if key in ("loss", "val_loss", "val_perplexity"):
         return f"loss/{key}"
     if key.startswith("peak_"):
         return f"memory/{key}"

@@ -34,6 +34,7 @@ from scale_llm.components.serialization import load_file, save_file
 from scale_llm.config import Config, TrainConfig, get_key, run_defining_keys, save_config, to_dict
 from scale_llm.data.loader import TokenWindows, TrainLoader, eval_batches
 from scale_llm.data.shards import open_split, read_manifest
+from scale_llm.data.tokenizer import Tokenizer
 from scale_llm.errors import UserError
 from scale_llm.model import Transformer, build_model, empty_state_dict
 from scale_llm.parallel.backend import build_backend
@@ -121,7 +122,7 @@ class Trainer:
             self.lock.acquire()  # every check passed: from here on this launch owns the dir
             self._write_run_dir()
         self.metrics = MetricsLogger(
-            self.run_dir, plan.is_main and not self.complete, cfg.logging.tensorboard, self.step
+            self.run_dir, plan.is_main and not self.complete, cfg, self.step
         )
         self._warn_about_warmup()
 
@@ -146,6 +147,7 @@ class Trainer:
         self._log_batch()
         started = time.perf_counter()
         self._window = (started, self.step)  # (start time, start step) for tokens/s
+        self._launch = (started, self.step)  # for elapsed time and ETA
         try:
             with StopSignals() as signals:
                 while self.step < t.max_steps:
@@ -205,7 +207,18 @@ class Trainer:
             and (self.step % cfg.eval.every == 0 or self.step == t.max_steps)
         ):
             row["val_loss"] = result.val_losses[self.step] = self.evaluate()
-            log.info("step %d | val_loss %.4f", self.step, row["val_loss"])
+            row["val_perplexity"] = math.exp(min(row["val_loss"], 80.0))
+            log.info(
+                "step %d | val_loss %.4f | val_perplexity %.2f",
+                self.step,
+                row["val_loss"],
+                row["val_perplexity"],
+            )
+        every = cfg.eval.sample_every
+        if every and (self.step % every == 0 or self.step == t.max_steps):
+            text = self.sample()
+            self.metrics.log_text(self.step, "samples/text", text)
+            log.info("step %d | sample: %r", self.step, text[:200])
         if row:  # logging and eval rows carry the peak CUDA memory so far
             row.update(cuda_memory_gib(self.device))
             self.metrics.log(self.step, row)
@@ -230,16 +243,59 @@ class Trainer:
         if peak:
             row["mfu"] = self.flops_per_token * tokens_per_s / self.plan.world_size / peak
         log.info(
-            "step %d/%d | loss %.4f | lr %.2e | grad_norm %.3f | %.0f tok/s%s",
+            "step %d/%d (%s) | loss %.4f | lr %.2e | grad_norm %.3f | %.0f tok/s%s | %s",
             self.step,
             self.cfg.train.max_steps,
+            f"{self.step / self.cfg.train.max_steps:.0%}",
             row["loss"],
             lr,
             row["grad_norm"],
             tokens_per_s,
             f" | mfu {row['mfu']:.1%}" if "mfu" in row else "",
+            self._progress(),
         )
         return row
+
+    def _progress(self) -> str:
+        """elapsed (this launch) and the ETA to max_steps at this launch's mean step time."""
+        start, first_step = self._launch
+        elapsed = time.perf_counter() - start
+        done = self.step - first_step
+        left = self.cfg.train.max_steps - self.step
+        eta = _duration(elapsed / done * left) if done else "?"
+        return f"elapsed {_duration(elapsed)} | eta {eta}"
+
+    def sample(self) -> str:
+        """A greedy continuation of eval.sample_prompt, decoded on every rank in lockstep.
+
+        Every forward is a full (micro_batch_size, seq_len) window (the prompt row repeated,
+        right-padded: causal attention never sees the padding), so compiled blocks meet the
+        shape they were compiled for, and sharded backends run the same collectives on each
+        rank; a fixed number of tokens is generated (no early stop that ranks could disagree
+        on), and the text is cut at the first EOS."""
+        cfg = self.cfg
+        tokenizer = Tokenizer(Path(cfg.data.dir) / self.manifest["tokenizer"]["file"])
+        T = cfg.model.seq_len
+        ids = tokenizer.encode(cfg.eval.sample_prompt, bos=True)[-(T - 1) :]
+        window = torch.full((self.plan.micro_batch_size, T), tokenizer.eos_id, dtype=torch.long)
+        window[:, : len(ids)] = torch.tensor(ids)
+        window, filled, new = window.to(self.device), len(ids), []
+        self.model.eval()
+        for _ in range(cfg.eval.sample_tokens):
+            with torch.no_grad(), self.backend.forward_context():
+                logits = self.model(window)
+            token = int(logits[0, filled - 1].float().argmax().item())
+            new.append(token)
+            if filled < T:
+                window[:, filled] = token
+                filled += 1
+            else:  # a full window slides: the oldest token leaves
+                window = torch.roll(window, -1, dims=1)
+                window[:, -1] = token
+        self.model.train()
+        if tokenizer.eos_id in new:
+            new = new[: new.index(tokenizer.eos_id)]
+        return cfg.eval.sample_prompt + tokenizer.decode(new)
 
     def _check_divergence(self) -> None:
         streak = int(self.bad_streak.item())
@@ -466,6 +522,16 @@ class Trainer:
 
 def train(cfg: Config, plan: RunPlan) -> TrainResult:
     return Trainer(cfg, plan).fit()
+
+
+def _duration(seconds: float) -> str:
+    """2h03m, 4m05s, 12s."""
+    seconds = int(round(seconds))
+    h, rest = divmod(seconds, 3600)
+    m, sec = divmod(rest, 60)
+    if h:
+        return f"{h}h{m:02d}m"
+    return f"{m}m{sec:02d}s" if m else f"{sec}s"
 
 
 def _log_model(model: Transformer, cfg: Config) -> None:
