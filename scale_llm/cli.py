@@ -1,4 +1,4 @@
-"""`scale-llm` / `python -m scale_llm`: prepare, train, generate.
+"""`scale-llm` / `python -m scale_llm`: prepare, train, generate, export, eval.
 
 User mistakes (scale_llm.errors.UserError) print one clear message and exit with code 2; anything
 else keeps its traceback, because it is a bug to fix.
@@ -196,6 +196,24 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="write a checkpoint as one consolidated fp32 file")
     p.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its newest)")
     p.add_argument("--out", required=True, help="the file to write, e.g. model.pt")
+
+    p = sub.add_parser("export", help="write a checkpoint as a Hugging Face Llama folder")
+    p.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its newest)")
+    p.add_argument("--out", required=True, help="the folder to write, e.g. exports/tiny")
+    p.add_argument("--format", choices=["hf"], default="hf", help="hf: transformers / vLLM")
+    p.add_argument(
+        "--dtype",
+        choices=["bf16", "fp16", "fp32"],
+        default=None,
+        help="weights dtype (default: bf16 for runs trained in bf16/fp16, fp32 otherwise)",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        metavar="SIZE",
+        help="split the weights into files of at most SIZE, with an index (default 5GB)",
+    )
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
 
     p = sub.add_parser("generate", help="sample text from a trained run")
     p.add_argument("run_dir", help="a run directory written by `scale-llm train`, e.g. runs/tiny")
@@ -451,6 +469,20 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from scale_llm.export import export
+    from scale_llm.memory import parse_bytes
+
+    shard = parse_bytes(args.max_shard_size)
+    done = export(args.checkpoint, args.out, args.dtype, shard, args.force)
+    print(
+        f"wrote {done.out}: {done.n_params / 1e6:.2f}M parameters in {done.dtype} from step "
+        f"{done.step} ({', '.join(done.files)}); load it with "
+        f"transformers.AutoModelForCausalLM.from_pretrained({str(done.out)!r})"
+    )
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from scale_llm.config import with_changes
     from scale_llm.generate import generate_text, read_run_config
@@ -485,6 +517,7 @@ COMMANDS = {
     "check": cmd_check,
     "config": cmd_config,
     "convert": cmd_convert,
+    "export": cmd_export,
     "generate": cmd_generate,
 }
 

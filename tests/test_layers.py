@@ -42,7 +42,8 @@ LAYERS = [
         [
             ("scale_llm.train",),
             ("scale_llm.bench", "scale_llm.roofline"),
-            ("scale_llm.generate",),
+            # generate and the ecosystem bridges (export, eval): they read a finished run
+            ("scale_llm.generate", "scale_llm.export", "scale_llm.evaluate"),
         ],
     ),
     ("cli", [("scale_llm.cli", "scale_llm.__main__", "scale_llm", "scale_llm.check")]),

@@ -1,0 +1,130 @@
+"""Reading a local Hugging Face model folder: config.json and the weights, tensor by tensor.
+
+Weights come from `model.safetensors` (or the shards named by `model.safetensors.index.json`):
+safetensors holds raw tensors and a JSON header, nothing that runs on load, and lets one tensor be
+read at a time. Older folders that only have `pytorch_model.bin` (a pickle) are read through
+`serialization.load_file` (weights_only, an allow-list), never with plain `torch.load`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from scale_llm.components.serialization import load_file
+from scale_llm.errors import UserError
+
+CONFIG = "config.json"
+SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
+PICKLE, PICKLE_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
+INSTALL = "pip install 'scale_llm[hf]'"
+
+
+def require(command: str, *modules: str) -> None:
+    """A UserError saying how to install the Hugging Face extras when one is missing."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UserError(
+            f"{command} needs {'/'.join(modules)} (missing: {', '.join(missing)}): {INSTALL}"
+        )
+
+
+def read_hf_config(folder: Path, what: str) -> dict[str, Any]:
+    """The config.json of a Hugging Face model folder; `what` names the setting it came from."""
+    if not folder.exists():
+        raise UserError(
+            f"{what}={folder}: no such folder; give a local Hugging Face model folder (with "
+            f"config.json and model.safetensors), e.g. one written by `scale-llm export` (a "
+            f"model on the Hub must be downloaded first: hf download NAME --local-dir DIR)"
+        )
+    if not (folder / CONFIG).is_file():
+        raise UserError(
+            f"{what}={folder}: not a Hugging Face model folder (no {CONFIG} inside); give the "
+            f"folder `save_pretrained` or `scale-llm export` wrote"
+        )
+    try:
+        config = json.loads((folder / CONFIG).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise UserError(f"{what}: {folder / CONFIG} is not readable JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{what}: {folder / CONFIG} must hold a JSON object")
+    return config
+
+
+class HFWeights:
+    """The tensors of a Hugging Face model folder: their shapes, and each one read on demand."""
+
+    def __init__(self, folder: Path, what: str):
+        self.folder, self.what = folder, what
+        self._files: dict[str, Any] = {}  # file name -> open safetensors handle
+        self._pickled: dict[str, torch.Tensor] | None = None
+        if (folder / SAFETENSORS_INDEX).is_file():
+            self.file_of = self._index(folder / SAFETENSORS_INDEX)
+        elif (folder / SAFETENSORS).is_file():
+            names = self._open(SAFETENSORS).keys()  # a safetensors handle, not a dict
+            self.file_of = dict.fromkeys(names, SAFETENSORS)
+        elif (folder / PICKLE).is_file() or (folder / PICKLE_INDEX).is_file():
+            self.file_of = {}
+            self._pickled = self._read_pickled()
+        else:
+            raise UserError(
+                f"{what}={folder}: no weights found ({SAFETENSORS}, {SAFETENSORS_INDEX} or "
+                f"{PICKLE}); the folder must hold the model's weights"
+            )
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        if self._pickled is not None:
+            return {k: tuple(v.shape) for k, v in self._pickled.items()}
+        return {
+            name: tuple(self._open(file).get_slice(name).get_shape())
+            for name, file in self.file_of.items()
+        }
+
+    def get(self, name: str) -> torch.Tensor:
+        """One tensor, as fp32 on the CPU."""
+        if self._pickled is not None:
+            return self._pickled.pop(name).float()
+        try:
+            return self._open(self.file_of[name]).get_tensor(name).float()
+        except Exception as e:  # safetensors' own error type for a short or garbled file
+            raise UserError(
+                f"{self.what}: cannot read {name} from {self.folder / self.file_of[name]} "
+                f"({e}); the file is damaged or incomplete"
+            ) from None
+
+    def _open(self, file: str) -> Any:
+        if file not in self._files:
+            require(self.what, "safetensors")
+            from safetensors import safe_open
+
+            path = self.folder / file
+            try:
+                self._files[file] = safe_open(str(path), framework="pt")
+            except Exception as e:
+                raise UserError(
+                    f"{self.what}: cannot read {path} ({e}); the file is damaged or not safetensors"
+                ) from None
+        return self._files[file]
+
+    def _index(self, path: Path) -> dict[str, str]:
+        try:
+            weight_map = json.loads(path.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise UserError(f"{self.what}: {path} is not a readable weight index ({e})") from None
+        for file in set(weight_map.values()):
+            if Path(file).name != file or not (self.folder / file).is_file():
+                raise UserError(f"{self.what}: {path} names {file!r}, which is not in the folder")
+        return dict(weight_map)
+
+    def _read_pickled(self) -> dict[str, torch.Tensor]:
+        files = [PICKLE]
+        if (self.folder / PICKLE_INDEX).is_file():
+            files = sorted(set(self._index(self.folder / PICKLE_INDEX).values()))
+        out: dict[str, torch.Tensor] = {}
+        for file in files:
+            out.update(load_file(self.folder / file))  # weights_only: refuses planted objects
+        return out

@@ -1,0 +1,99 @@
+"""Our SentencePiece BPE model as a Hugging Face `tokenizer.json` (built with `tokenizers`).
+
+SentencePiece BPE stores pieces and scores, not merges; it encodes by repeatedly joining the
+adjacent pair whose joined piece scores highest. The same greedy order in `tokenizers` is a BPE
+model whose merge list is ranked by the score of the piece each merge makes. The rest mirrors our
+training settings (scale_llm/data/tokenizer.py): spaces become "▁" and nothing else is normalized,
+no dummy prefix, bytes for characters outside the vocabulary (`<0xNN>` pieces), and each text
+starts with BOS. `tests/test_hf.py` checks the ids against SentencePiece on code, whitespace runs,
+tabs, emoji, CJK and digits.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from scale_llm.data.tokenizer import Tokenizer
+
+SPACE = "\u2581"  # SentencePiece's visible space
+
+
+def vocab_and_merges(tok: Tokenizer) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """piece -> id for every piece, and the merges that rebuild each multi-character piece,
+    best-scoring result first (ties: the merge of lower-id parts first)."""
+    sp = tok.sp
+    vocab = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
+    mergeable = {
+        p: i
+        for p, i in vocab.items()
+        if not (sp.is_control(i) or sp.is_unknown(i) or sp.is_byte(i) or sp.is_unused(i))
+    }
+    ranked = []
+    for piece, i in mergeable.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in mergeable and right in mergeable:
+                ranked.append(((-sp.get_score(i), i, vocab[left], vocab[right]), (left, right)))
+    ranked.sort()
+    return vocab, [pair for _, pair in ranked]
+
+
+def build_tokenizer_json(tok: Tokenizer) -> str:
+    """The serialized `tokenizers.Tokenizer` equivalent to `tok` (encode: BOS + ids)."""
+    from tokenizers import AddedToken, decoders, models, normalizers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    sp = tok.sp
+    vocab, merges = vocab_and_merges(tok)
+    unk = sp.id_to_piece(sp.unk_id())
+    bos, eos = sp.id_to_piece(tok.bos_id), sp.id_to_piece(tok.eos_id)
+    hf = HFTokenizer(
+        models.BPE(vocab=vocab, merges=merges, unk_token=unk, byte_fallback=True, fuse_unk=True)
+    )
+    hf.normalizer = normalizers.Replace(" ", SPACE)
+    hf.decoder = decoders.Sequence(
+        [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (unk, bos, eos)])
+    hf.post_processor = TemplateProcessing(
+        single=f"{bos} $A",
+        pair=f"{bos} $A {eos} {bos} $B:1",  # two documents as in training: [BOS] a [EOS] [BOS] b
+        special_tokens=[(bos, tok.bos_id), (eos, tok.eos_id)],
+    )
+    return hf.to_str()
+
+
+def tokenizer_files(tok: Tokenizer, max_length: int) -> dict[str, str]:
+    """file name -> text of the Hugging Face tokenizer files for `tok` (tokenizer.model, our
+    SentencePiece file, is copied beside them by the caller)."""
+    sp = tok.sp
+    unk = sp.id_to_piece(sp.unk_id())
+    bos, eos = sp.id_to_piece(tok.bos_id), sp.id_to_piece(tok.eos_id)
+    special = {"bos_token": bos, "eos_token": eos, "unk_token": unk, "pad_token": eos}
+    config: dict[str, Any] = {
+        # the generic fast class loads tokenizer.json as it is; the Llama class would rebuild
+        # it with a dummy-prefix pre-tokenizer our tokenizer does not have
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **special,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        # SentencePiece reads "<s>" in text as three characters, not as BOS: so does this
+        "split_special_tokens": True,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_length,
+        "padding_side": "left",
+    }
+    return {
+        "tokenizer.json": build_tokenizer_json(tok),
+        "tokenizer_config.json": json.dumps(config, indent=2) + "\n",
+        "special_tokens_map.json": json.dumps(special, indent=2) + "\n",
+    }
+
+
+def write_tokenizer_files(tok: Tokenizer, out_dir: Path, max_length: int) -> None:
+    for name, text in tokenizer_files(tok, max_length).items():
+        (out_dir / name).write_text(text, encoding="utf-8")
+    (out_dir / "tokenizer.model").write_bytes(tok.path.read_bytes())

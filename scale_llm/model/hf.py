@@ -1,0 +1,223 @@
+"""Our decoder <-> Hugging Face `LlamaForCausalLM`: parameter names, the fused qkv weight, config.
+
+Pure mapping, no I/O and no `transformers` import, so that training (`model.init_from`) and
+`scale-llm export` share it. The architectures agree term by term: RMSNorm, SwiGLU with
+w1 = gate_proj, w3 = up_proj, w2 = down_proj, and rotary embeddings that rotate the pairs
+(x[i], x[i + D/2]) -- the `rotate_half` convention of HF Llama -- so the q and k rows need no
+permutation; `attention.wqkv` is the rows of q_proj, k_proj and v_proj stacked in that order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import fields
+from typing import Any
+
+import torch
+
+from scale_llm.config import ModelConfig
+from scale_llm.model.transformer import mlp_hidden_size
+
+ARCHITECTURE = "LlamaForCausalLM"
+_PER_LAYER = {  # ours -> HF, inside layers.{i} / model.layers.{i}
+    "attention_norm.weight": "input_layernorm.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+}
+_QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+_TOP = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# HF config values we cannot run (field -> the values we can): named in the error when present
+_SUPPORTED = {
+    "hidden_act": ("silu",),
+    "attention_bias": (False, None),
+    "mlp_bias": (False, None),
+    "rope_scaling": (None,),
+    "sliding_window": (None,),
+    "quantization_config": (None,),
+}
+
+
+def qkv_sizes(cfg: ModelConfig) -> tuple[int, int, int]:
+    """Rows of q, k and v in the fused wqkv weight."""
+    head_dim = cfg.d_model // cfg.n_heads
+    kv = (cfg.n_kv_heads or cfg.n_heads) * head_dim
+    return cfg.n_heads * head_dim, kv, kv
+
+
+def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the HF checkpoint of `cfg`'s model and its shape."""
+    d, hidden, (q, kv, _) = cfg.d_model, mlp_hidden_size(cfg), qkv_sizes(cfg)
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,)}
+    per_layer = {
+        "input_layernorm.weight": (d,),
+        "post_attention_layernorm.weight": (d,),
+        "self_attn.q_proj.weight": (q, d),
+        "self_attn.k_proj.weight": (kv, d),
+        "self_attn.v_proj.weight": (kv, d),
+        "self_attn.o_proj.weight": (d, q),
+        "mlp.gate_proj.weight": (hidden, d),
+        "mlp.up_proj.weight": (hidden, d),
+        "mlp.down_proj.weight": (d, hidden),
+    }
+    for i in range(cfg.n_layers):
+        shapes.update({f"model.layers.{i}.{k}": v for k, v in per_layer.items()})
+    if not cfg.tie_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, d)
+    return shapes
+
+
+def to_hf(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for each of our parameters, popping them from `state` as it goes so
+    that a caller converting tensor by tensor never holds two copies. q/k/v are row views of
+    wqkv (contiguous, sharing its storage)."""
+    for ours, theirs in _TOP.items():
+        if ours != "output.weight" and ours in state:
+            yield theirs, state.pop(ours)
+    for i in range(cfg.n_layers):
+        wqkv = state.pop(f"layers.{i}.attention.wqkv.weight")
+        for name, part in zip(_QKV, wqkv.split(qkv_sizes(cfg), dim=0)):
+            yield f"model.layers.{i}.{name}", part
+        for ours, theirs in _PER_LAYER.items():
+            yield f"model.layers.{i}.{theirs}", state.pop(f"layers.{i}.{ours}")
+    if "output.weight" in state:
+        yield "lm_head.weight", state.pop("output.weight")
+    if state:
+        raise KeyError(f"parameters with no Hugging Face name: {sorted(state)[:5]}")
+
+
+def from_hf(cfg: ModelConfig, get: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our state dict from HF tensors, read one at a time through `get(name)` (fp32); q/k/v
+    are fused back into wqkv. Shapes must already have been checked (`shape_problems`)."""
+    state = {
+        "tok_embeddings.weight": get("model.embed_tokens.weight"),
+        "norm.weight": get("model.norm.weight"),
+    }
+    for i in range(cfg.n_layers):
+        parts = [get(f"model.layers.{i}.{name}") for name in _QKV]
+        state[f"layers.{i}.attention.wqkv.weight"] = torch.cat(parts, dim=0)
+        del parts
+        for ours, theirs in _PER_LAYER.items():
+            state[f"layers.{i}.{ours}"] = get(f"model.layers.{i}.{theirs}")
+    if not cfg.tie_embeddings:
+        state["output.weight"] = get("lm_head.weight")
+    return state
+
+
+def shape_problems(cfg: ModelConfig, found: dict[str, tuple[int, ...]]) -> list[str]:
+    """One line per HF tensor that is missing or has another shape than `cfg`'s model needs."""
+    out = []
+    for name, want in hf_shapes(cfg).items():
+        have = found.get(name)
+        if have is None:
+            out.append(f"{name}: missing (the model needs shape {tuple(want)})")
+        elif tuple(have) != tuple(want):
+            out.append(f"{name}: shape {tuple(have)} in the checkpoint, {tuple(want)} in the model")
+    return out
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def to_hf_config(
+    cfg: ModelConfig, dtype: torch.dtype, bos_id: int, eos_id: int, pad_id: int
+) -> dict[str, Any]:
+    """The `config.json` of a `LlamaForCausalLM` with `cfg`'s shape. RoPE is written both as
+    `rope_theta` (transformers 4, vLLM) and `rope_parameters` (transformers 5)."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": mlp_hidden_size(cfg),
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads or cfg.n_heads,
+        "head_dim": cfg.d_model // cfg.n_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_scaling": None,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "initializer_range": cfg.init_std,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
+        "torch_dtype": dtype_name,
+        "dtype": dtype_name,
+        "use_cache": True,
+    }
+
+
+def from_hf_config(hf: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """(our model.* values, problems) for an HF config dict: each unsupported field or
+    architecture is one problem line naming it."""
+    problems = []
+    model_type = hf.get("model_type")
+    if model_type != "llama":
+        problems.append(
+            f"model_type={model_type!r}: only Llama checkpoints (model_type 'llama', "
+            f"{ARCHITECTURE}) can be loaded"
+        )
+    for key, ok in _SUPPORTED.items():
+        if hf.get(key) not in ok:
+            problems.append(f"{key}={hf[key]!r}: unsupported (scale_llm supports {ok[0]!r})")
+    rope = hf.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        problems.append(
+            f"rope_parameters.rope_type={rope['rope_type']!r}: unsupported (only 'default' RoPE)"
+        )
+    try:
+        d, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+        values = {
+            "vocab_size": int(hf["vocab_size"]),
+            "d_model": d,
+            "n_layers": int(hf["num_hidden_layers"]),
+            "n_heads": heads,
+            "n_kv_heads": int(hf.get("num_key_value_heads") or heads),
+            "mlp_hidden": int(hf["intermediate_size"]),
+            "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+            "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+            "rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        }
+    except (KeyError, TypeError, ValueError) as e:
+        return {}, [*problems, f"config.json lacks or garbles a size field ({e!r})"]
+    if hf.get("head_dim") not in (None, d // heads):
+        problems.append(
+            f"head_dim={hf['head_dim']}: unsupported (scale_llm uses hidden_size / "
+            f"num_attention_heads = {d // heads})"
+        )
+    return values, problems
+
+
+def config_problems(cfg: ModelConfig, values: dict[str, Any], where: str) -> list[str]:
+    """Each model.* key whose value differs from what the HF checkpoint at `where` has."""
+    out = []
+    for f in fields(ModelConfig):
+        if f.name not in values:
+            continue
+        given = getattr(cfg, f.name)
+        mine = given  # what the model builds: the defaults of null keys resolved
+        if f.name == "n_kv_heads":
+            mine = given or cfg.n_heads
+        elif f.name == "mlp_hidden":
+            mine = mlp_hidden_size(cfg)
+        if mine != values[f.name]:
+            shown = f"{given!r}" if given == mine else f"{given!r} (= {mine!r})"
+            out.append(
+                f"model.{f.name}={shown}, but {where} has {values[f.name]!r}: set "
+                f"model.{f.name}={values[f.name]!r}"
+            )
+    return out
