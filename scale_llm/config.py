@@ -89,6 +89,8 @@ class ModelConfig:
     norm_eps: float = run_defining(1e-5)
     rope_theta: float = run_defining(10000.0)
     init_std: float = 0.02
+    # a local Hugging Face Llama folder (or a `scale-llm export`) to start a fresh run from
+    init_from: str | None = None
 
 
 @dataclass
@@ -179,14 +181,69 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return cfg
 
 
-def read_yaml(path: str | Path) -> dict[str, Any]:
+MAX_CONFIG_BYTES = 1_000_000  # the shipped configs are ~2 KB
+MAX_CONFIG_VALUES = 10_000  # scalars + containers after expanding YAML aliases (~150 in 7b.yaml)
+MAX_CONFIG_DEPTH = 20  # nesting levels (parallel.deepspeed.config's entries are the deepest)
+
+
+def shipped_config_dir() -> Path | None:
+    """The shipped configs: inside an installed wheel (scale_llm/configs), or the checkout's
+    yaml/ folder beside the package."""
+    for candidate in (
+        Path(__file__).parent / "configs",
+        Path(__file__).resolve().parents[1] / "yaml",
+    ):
+        if candidate.is_dir() and any(candidate.glob("*.yaml")):
+            return candidate
+    return None
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """A config path as given, or a shipped config by name (`tiny`, `400m`, `7b.yaml`) when no
+    such file exists here."""
     p = Path(path)
+    if p.is_file() or len(p.parts) != 1:
+        return p
+    shipped = shipped_config_dir()
+    if shipped is not None:
+        for name in (p.name, p.name + ".yaml"):
+            if (shipped / name).is_file():
+                return shipped / name
+    return p
+
+
+def _shipped_names() -> str:
+    shipped = shipped_config_dir()
+    names = sorted(q.stem for q in shipped.glob("*.yaml")) if shipped else []
+    return f" Shipped configs (by name): {', '.join(names)}." if names else ""
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    p = resolve_config_path(path)
     if not p.is_file():
-        shipped = sorted(str(q) for q in Path("yaml").glob("*.yaml"))[:8]
-        hint = f" Shipped configs: {', '.join(shipped)}." if shipped else ""
-        raise UserError(f"config file {p} does not exist; pass the path of a YAML file.{hint}")
+        what = "is a directory" if p.is_dir() else "does not exist"
+        raise UserError(
+            f"config file {p} {what}; pass the path of a YAML file or a shipped config's "
+            f"name.{_shipped_names()}"
+        )
+    size = p.stat().st_size
+    if size > MAX_CONFIG_BYTES:
+        raise UserError(
+            f"config file {p} is {size:,} bytes; a config is a few KB of YAML (limit "
+            f"{MAX_CONFIG_BYTES:,}): is this the right file?"
+        )
+    raw_bytes = p.read_bytes()
     try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+        if b"\0" in raw_bytes:
+            raise UnicodeDecodeError("utf-8", raw_bytes, 0, 1, "NUL byte")
+        text = raw_bytes.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UserError(
+            f"config file {p} is not UTF-8 text (a binary file?); pass a YAML config"
+        ) from None
+    try:
+        _check_yaml_shape(text, p)
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise UserError(f"config file {p} is not valid YAML: {e}") from None
     if data is None:
@@ -199,6 +256,46 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def _check_yaml_shape(text: str, path: Path) -> None:
+    """Refuse alias bombs and absurd nesting before anything expands them: count the values
+    the document would expand to on the composed node graph (aliases are shared nodes there,
+    so this takes time linear in the file, however large the expansion)."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except RecursionError:
+        raise UserError(
+            f"config file {path} nests too deeply to read; a config is a few levels of "
+            f"sections and keys"
+        ) from None
+    if root is None:
+        return
+    sizes: dict[int, int] = {}
+
+    def expanded(node: yaml.Node, depth: int) -> int:
+        if depth > MAX_CONFIG_DEPTH:
+            raise UserError(
+                f"config file {path} nests deeper than {MAX_CONFIG_DEPTH} levels; a config is "
+                f"a few levels of sections and keys"
+            )
+        if id(node) in sizes:
+            return sizes[id(node)]
+        if isinstance(node, yaml.MappingNode):
+            n = 1 + sum(expanded(k, depth + 1) + expanded(v, depth + 1) for k, v in node.value)
+        elif isinstance(node, yaml.SequenceNode):
+            n = 1 + sum(expanded(v, depth + 1) for v in node.value)
+        else:
+            n = 1
+        sizes[id(node)] = n
+        if n > MAX_CONFIG_VALUES:
+            raise UserError(
+                f"config file {path} expands to more than {MAX_CONFIG_VALUES:,} values (YAML "
+                f"aliases repeating aliases?); a config has a few hundred at most"
+            )
+        return n
+
+    expanded(root, 0)
+
+
 def read_yaml_with_base(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     """A YAML file, merged over the file its optional top-level `base:` names (relative to it)."""
     raw = read_yaml(path)
@@ -206,7 +303,10 @@ def read_yaml_with_base(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, An
     if base is None:
         return raw
     if not isinstance(base, str):
-        raise UserError(f"{path}: base must be the path of another YAML file, not {base!r}")
+        raise UserError(
+            f"{path}: base must be the path of another YAML file, not {str(base)[:60]!r}"
+        )
+    path = resolve_config_path(path)
     base_path = (path.parent / base).resolve()
     if base_path in seen:
         raise UserError(f"{path}: base: {base} leads back to itself; remove the cycle")
@@ -482,6 +582,8 @@ def validate(cfg: Config) -> list[str]:
             f"{m.n_heads}; use null for plain multi-head attention"
         )
     e.extend(validate_activation_checkpointing(cfg.activation_checkpointing))
+    if m.init_from is not None and not m.init_from.strip():
+        e.append("model.init_from is empty; give a Hugging Face model folder, or null")
     if m.mlp_hidden is not None and m.mlp_hidden <= 0:
         e.append(f"model.mlp_hidden={m.mlp_hidden} must be > 0, or null for the default")
     if not 0.0 < t.decay_fraction <= 1.0:

@@ -55,6 +55,11 @@ KEY_HELP: dict[str, str] = {
     "model.norm_eps": "RMSNorm epsilon",
     "model.rope_theta": "rotary base",
     "model.init_std": "init std; residual output projections use init_std / sqrt(2 n_layers)",
+    "model.init_from": (
+        "a local Hugging Face Llama folder (or a `scale-llm export`) whose weights start "
+        "a fresh run (continued pretraining); not used when resuming; see "
+        "[ecosystem.md](ecosystem.md)"
+    ),
     "data.source": (
         "`builtin` (this interpreter's standard library .py files); `hf:NAME` (a Hugging "
         "Face dataset from the Hub) or `hf:PATH` (a local dataset folder); or a file, a "

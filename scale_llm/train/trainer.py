@@ -41,6 +41,7 @@ from scale_llm.parallel.backend import build_backend
 from scale_llm.parallel.step import optimizer_step
 from scale_llm.plan import RunPlan
 from scale_llm.train.guards import StopSignals, TrainingDiverged, diverged_message, maybe_fail
+from scale_llm.train.init_from import load_init_weights
 from scale_llm.train.lock import RunLock
 from scale_llm.train.metrics import MetricsLogger
 from scale_llm.train.rng import Generators
@@ -100,6 +101,10 @@ class Trainer:
         initial = None
         if resume_state is not None and not exact:
             initial = self._foreign_weights(resume_state)
+        if resume_state is None and cfg.model.init_from:
+            initial = load_init_weights(cfg.model, self.manifest["tokenizer"]["sha256"])
+        elif cfg.model.init_from:
+            log.info("init_from: not used: resuming %s (newer weights)", self.resume_from)
         self.model = self.backend.setup(model, initial)
 
         data_dir = Path(cfg.data.dir)

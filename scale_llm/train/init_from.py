@@ -1,0 +1,72 @@
+"""`model.init_from`: start a fresh run from the weights of a Hugging Face Llama folder.
+
+The folder's config must describe the model the run's config builds (each differing model.* key
+is named with the value to set), its tensors must have that model's shapes, and when it carries
+our tokenizer (`tokenizer.model`, as `scale-llm export` writes) that must be the tokenizer of
+data.dir. The weights come back as one full fp32 state dict on the CPU: what every backend's
+`setup(model, initial_weights)` already accepts when it materializes the model, before it
+shards or wraps it. A resume ignores init_from: the checkpoint holds newer weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from scale_llm.components.hf_files import HFWeights, read_hf_config
+from scale_llm.config import ModelConfig
+from scale_llm.data.tokenizer import file_sha256
+from scale_llm.errors import UserError
+from scale_llm.model.hf import config_problems, from_hf, from_hf_config, shape_problems
+
+log = logging.getLogger(__name__)
+WHAT = "model.init_from"
+MAX_SHAPE_LINES = 8
+
+
+def load_init_weights(cfg: ModelConfig, tokenizer_sha256: str | None) -> dict[str, torch.Tensor]:
+    """Our full state dict from the folder `cfg.init_from`, after checking it fits `cfg`."""
+    folder = Path(cfg.init_from)
+    hf_config = read_hf_config(folder, WHAT)
+    values, problems = from_hf_config(hf_config)
+    problems += config_problems(cfg, values, f"{folder}/config.json")
+    weights = HFWeights(folder, WHAT)
+    shapes = shape_problems(cfg, weights.shapes())
+    problems += shapes[:MAX_SHAPE_LINES]
+    if len(shapes) > MAX_SHAPE_LINES:
+        problems.append(f"... and {len(shapes) - MAX_SHAPE_LINES} more tensors")
+    problems += _tokenizer_problems(folder, tokenizer_sha256)
+    if problems:
+        raise UserError(
+            f"{WHAT}={folder} cannot start this run:\n  - "
+            + "\n  - ".join(problems)
+            + "\nMake the model section match the checkpoint, or pick another folder."
+        )
+    state = from_hf(cfg, weights.get)
+    log.info(
+        "init_from: %s: %.2fM parameters loaded (the optimizer starts from zero)",
+        folder,
+        sum(t.numel() for t in state.values()) / 1e6,
+    )
+    return state
+
+
+def _tokenizer_problems(folder: Path, data_sha256: str | None) -> list[str]:
+    ours = folder / "tokenizer.model"
+    if not ours.is_file():
+        log.warning(
+            "init_from: %s has no tokenizer.model, so whether data.dir was tokenized with the "
+            "tokenizer these weights learned cannot be checked; the ids must mean the same "
+            "pieces or training starts from nonsense",
+            folder,
+        )
+        return []
+    if data_sha256 is not None and file_sha256(ours) != data_sha256:
+        return [
+            f"{ours} differs from the tokenizer of data.dir: the weights learned other token "
+            f"ids; point data.dir at the data the exported run trained on, or init from an "
+            f"export of a run on this data"
+        ]
+    return []
