@@ -215,6 +215,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
 
+    p = sub.add_parser("eval", help="lm-evaluation-harness tasks and held-out perplexity")
+    p.add_argument("run_dir", help="a run directory; its newest good checkpoint is evaluated")
+    p.add_argument("--tasks", default=None, metavar="T1,T2", help="lm-eval task names")
+    p.add_argument(
+        "--include-path", default=None, metavar="DIR", help="a folder of extra task YAMLs"
+    )
+    p.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        metavar="N",
+        help="at most N examples per task (and N validation windows for --perplexity)",
+    )
+    p.add_argument("--num-fewshot", type=int, default=None, metavar="K")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument(
+        "--perplexity",
+        default=None,
+        metavar="DATA_DIR",
+        help="loss and perplexity on the validation split of a prepared data dir",
+    )
+
     p = sub.add_parser("generate", help="sample text from a trained run")
     p.add_argument("run_dir", help="a run directory written by `scale-llm train`, e.g. runs/tiny")
     p.add_argument("--prompt", default="", help="text to continue")
@@ -483,6 +505,41 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from scale_llm.evaluate import eval_run, format_record
+
+    for key in ("limit", "batch_size", "num_fewshot"):
+        value = getattr(args, key)
+        if value is not None and value < (0 if key == "num_fewshot" else 1):
+            raise UserError(f"--{key.replace('_', '-')} {value} is out of range")
+    tasks = [t.strip() for t in (args.tasks or "").split(",") if t.strip()]
+    path, record = eval_run(
+        args.run_dir,
+        _one_process_plan(args.run_dir),
+        tasks,
+        args.limit,
+        args.include_path,
+        args.perplexity,
+        args.batch_size,
+        args.num_fewshot,
+    )
+    print(format_record(record))
+    print(f"wrote {path}")
+    return 0
+
+
+def _one_process_plan(run_dir: str):
+    """The plan of one process on whatever this machine has, whatever the run trained with."""
+    from scale_llm.config import with_changes
+    from scale_llm.generate import read_run_config
+    from scale_llm.plan import Launch, resolve_plan
+
+    here = with_changes(
+        read_run_config(run_dir), {"parallel.backend": "single", "train.device": "auto"}
+    )
+    return resolve_plan(here, Launch())
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from scale_llm.config import with_changes
     from scale_llm.generate import generate_text, read_run_config
@@ -518,6 +575,7 @@ COMMANDS = {
     "config": cmd_config,
     "convert": cmd_convert,
     "export": cmd_export,
+    "eval": cmd_eval,
     "generate": cmd_generate,
 }
 
