@@ -1,0 +1,592 @@
+"""The Hugging Face bridges: export to LlamaForCausalLM, the tokenizer, model.init_from, eval.
+
+One tiny 4-step run (the session's prepared data) is exported once; transformers loads the
+export and must give our logits, our greedy tokens and our token ids. Import is checked by a
+bit-identical round trip and by the first loss of runs started from the export (one process,
+and 2-rank FSDP2 / ZeRO-3 runs whose checkpoints are exported again). `scale-llm eval` runs
+lm-evaluation-harness offline on a tiny task shipped in tests/data/eval_task, and its accuracy
+is recomputed here from our own model's log-likelihoods.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from scale_llm import cli
+from scale_llm.components.serialization import UnsafeCheckpoint
+from scale_llm.config import ModelConfig
+from scale_llm.data.loader import TokenWindows, TrainLoader
+from scale_llm.data.shards import open_split, read_manifest
+from scale_llm.data.tokenizer import Tokenizer, file_sha256, train_tokenizer
+from scale_llm.errors import UserError
+from scale_llm.export import default_dtype, export, write_hf_folder
+from scale_llm.generate import generate, load_run, read_run_config
+from scale_llm.model import build_model
+from scale_llm.train.init_from import load_init_weights
+from tests.helpers import (
+    BACKENDS,
+    REPO,
+    SPLIT,
+    Payload,
+    batch_plan,
+    common,
+    finished_run,
+    plan_for,
+    random_texts,
+    rows_of,
+    run,
+    sets,
+    torchrun,
+)
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+TASK_DIR = REPO / "tests" / "data" / "eval_task"
+TASK = "scale_llm_tiny_mc"
+TEXTS = [
+    "",
+    "def f(x):\n    return x + 1\n",
+    "class A:\n    def __init__(self):\n        self.items = {'a': [1, 2, 3]}\n\n\n",
+    "x   =    1      # runs of spaces",
+    "\t\tindented with tabs\n\t\n\r\n",
+    "    leading and trailing    ",
+    "unicode: héllo wörld naïve café 😀🚀 中文字符 日本語 한국어 ∑∫√",
+    "digits 1234567890 3.14159 1e-5 0xDEADBEEF 2024-11-30",
+    "a literal <s> and </s> and <unk> in the text",
+]
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch, tmp_path_factory):
+    """Nothing here may reach the network; datasets caches under the test's temp dir."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path_factory.getbasetemp())
+
+
+@pytest.fixture(scope="module")
+def run_dir(data_dir, tmp_path_factory) -> Path:
+    """4 steps of the tiny model, with val_loss at step 4 (2 batches) and TensorBoard on."""
+    root = tmp_path_factory.mktemp("hf_runs")
+    return finished_run(data_dir, root, "eval.every=4", "eval.steps=2", "logging.tensorboard=true")
+
+
+@pytest.fixture(scope="module")
+def exported(run_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("hf_export") / "tiny"
+    export(run_dir, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ours(run_dir):
+    cfg = read_run_config(run_dir)
+    model, tok = load_run(run_dir, cfg, plan_for(cfg))
+    return model, tok
+
+
+@pytest.fixture(scope="module")
+def theirs(exported):
+    model = transformers.LlamaForCausalLM.from_pretrained(exported, dtype=torch.float32)
+    return model.eval()
+
+
+def hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(safetensors_torch.load_file(f))
+    return out
+
+
+def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype, name
+        assert torch.equal(a[name], b[name]), name
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def test_export_writes_a_llama_folder(exported, run_dir):
+    names = {p.name for p in exported.iterdir()}
+    assert {
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "tokenizer.model",
+        "scale_llm_export.json",
+    } == names
+    hf = json.loads((exported / "config.json").read_text())
+    assert hf["architectures"] == ["LlamaForCausalLM"]
+    assert (hf["hidden_size"], hf["num_hidden_layers"], hf["num_attention_heads"]) == (32, 2, 4)
+    assert hf["num_key_value_heads"] == 4 and hf["intermediate_size"] == 128
+    assert hf["max_position_embeddings"] == 32 and hf["tie_word_embeddings"] is True
+    assert hf["rope_theta"] == 10000.0 and hf["rms_norm_eps"] == 1e-5
+    assert (hf["bos_token_id"], hf["eos_token_id"], hf["pad_token_id"]) == (1, 2, 2)
+    assert hf["torch_dtype"] == "float32"  # an fp32 run exports fp32 by default
+    config = transformers.AutoConfig.from_pretrained(exported)
+    assert config.rope_parameters["rope_theta"] == 10000.0
+    gen = transformers.GenerationConfig.from_pretrained(exported)
+    assert (gen.eos_token_id, gen.pad_token_id, gen.temperature, gen.top_k) == (2, 2, 0.8, 50)
+    info = json.loads((exported / "scale_llm_export.json").read_text())
+    assert info["step"] == 4 and info["checkpoint"].endswith("step_00000004")
+    assert (exported / "tokenizer.model").read_bytes() == (run_dir / "tokenizer.model").read_bytes()
+    assert "lm_head.weight" not in hf_tensors(exported)  # tied: transformers ties it back
+
+
+def test_dtype_rule():
+    assert [default_dtype(p) for p in ("bf16", "fp16", "fp32")] == ["bf16", "bf16", "fp32"]
+
+
+def test_logits_equal_ours(ours, theirs):
+    model, _ = ours
+    tokens = torch.randint(0, 512, (3, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        mine, hf = model(tokens), theirs(tokens).logits
+    assert mine.std() > 0.1  # trained logits, not a constant
+    assert (mine - hf).abs().max().item() <= 1e-5
+
+
+def test_greedy_generation_equals_scale_llm_generate(ours, theirs, exported, run_dir, capsys):
+    model, tok = ours
+    prompt = "def "
+    ids = tok.encode(prompt, bos=True)
+    mine = generate(model, ids, 20, temperature=0, eos_id=tok.eos_id)
+    out = theirs.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=20)
+    hf_ids = out[0, len(ids) :].tolist()
+    assert hf_ids == mine  # (4 steps in, the tiny run repeats itself: see the random model's)
+    args = ["generate", str(run_dir), "--prompt", prompt, "--temperature", "0"]
+    assert cli.main([*args, "--max-new-tokens", "20"]) == 0
+    hf_tok = transformers.AutoTokenizer.from_pretrained(exported)
+    assert (
+        capsys.readouterr().out == prompt + hf_tok.decode(hf_ids, skip_special_tokens=True) + "\n"
+    )
+
+
+def test_tokenizer_gives_our_ids(exported, ours, corpus_dir):
+    _, tok = ours
+    hf_tok = transformers.AutoTokenizer.from_pretrained(exported)
+    code = sorted(corpus_dir.glob("*.py"))[0].read_text()[:20000]
+    for text in [*TEXTS, code]:
+        ids = hf_tok(text)["input_ids"]
+        assert ids == tok.encode(text, bos=True), repr(text[:40])  # BOS first, no EOS
+        assert hf_tok.encode(text, add_special_tokens=False) == tok.encode(text, bos=False)
+        assert hf_tok.decode(ids, skip_special_tokens=True) == text
+    assert hf_tok("")["input_ids"] == [1]
+    assert (hf_tok.bos_token_id, hf_tok.eos_token_id, hf_tok.pad_token_id) == (1, 2, 2)
+    # two documents as the training stream has them: [BOS] a [EOS] [BOS] b
+    pair = hf_tok("x = 1", "y = 2")["input_ids"]
+    assert pair == tok.encode("x = 1", eos=True) + tok.encode("y = 2")
+
+
+def test_sharded_export_loads_the_same(run_dir, exported, tmp_path):
+    out = tmp_path / "sharded"
+    assert cli.main(["export", str(run_dir), "--out", str(out), "--max-shard-size", "40KB"]) == 0
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) > 2 and not (out / "model.safetensors").exists()
+    assert set(index["weight_map"].values()) == set(shards)
+    tensors = hf_tensors(out)
+    for shard in shards:  # at most 40 kB of tensors, or one tensor that is larger alone
+        held = [n for n, f in index["weight_map"].items() if f == shard]
+        assert len(held) == 1 or sum(tensors[n].numel() * 4 for n in held) <= 40_000
+    assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in tensors.values())
+    assert_same_tensors(tensors, hf_tensors(exported))
+    model = transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.float32)
+    tokens = torch.randint(0, 512, (1, 16))
+    reference = transformers.LlamaForCausalLM.from_pretrained(exported, dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.equal(model(tokens).logits, reference(tokens).logits)
+
+
+def test_bf16_export(run_dir, exported, tmp_path):
+    out = tmp_path / "bf16"
+    assert cli.main(["export", str(run_dir), "--out", str(out), "--dtype", "bf16"]) == 0
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    fp32 = hf_tensors(exported)
+    for name, t in hf_tensors(out).items():
+        assert t.dtype == torch.bfloat16 and torch.equal(t, fp32[name].to(torch.bfloat16))
+
+
+def test_export_is_all_or_nothing(run_dir, tmp_path, monkeypatch):
+    out = tmp_path / "atomic"
+    import scale_llm.export as export_module
+
+    def fail(*args, **kwargs):
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(export_module, "write_tokenizer_files", fail)
+    with pytest.raises(OSError, match="simulated"):
+        export(run_dir, out)
+    assert list(tmp_path.iterdir()) == []  # neither --out nor the temporary folder is left
+    monkeypatch.undo()
+    export(run_dir, out)
+    with pytest.raises(UserError, match="already exists"):
+        export(run_dir, out)
+    before = (out / "config.json").stat().st_ino
+    export(run_dir, out, dtype="bf16", force=True)
+    assert (out / "config.json").stat().st_ino != before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["atomic"]
+
+
+def random_model(**shape) -> torch.nn.Module:
+    """A model of the tiny vocabulary with random weights: a wider init (so that logits differ
+    visibly between tokens) and norm weights that are not all ones (they are mapped too)."""
+    cfg = ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, seq_len=32, **shape)
+    cfg.init_std = 0.1
+    torch.manual_seed(3)
+    model = build_model(cfg, "cpu")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def export_model(model, tokenizer_path: Path, out: Path):
+    """Write `model` as an HF folder and load it back with transformers."""
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    write_hf_folder(state, model.cfg, Tokenizer(tokenizer_path), out, "fp32")
+    return transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.float32)
+
+
+def max_logit_diff(model, hf) -> float:
+    tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        mine = model(tokens)
+        assert mine.std() > 0.1
+        return (mine - hf(tokens).logits).abs().max().item()
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        {"n_kv_heads": 2},  # grouped-query attention, tied
+        {"tie_embeddings": False},
+        {"n_kv_heads": 1, "tie_embeddings": False, "mlp_hidden": 96, "rope_theta": 500000.0},
+    ],
+    ids=["gqa", "untied", "mqa-untied"],
+)
+def test_other_shapes_export_with_the_same_logits(shape, run_dir, tmp_path):
+    model = random_model(**shape)
+    hf = export_model(model, run_dir / "tokenizer.model", tmp_path / "out")
+    names = hf_tensors(tmp_path / "out").keys()
+    assert ("lm_head.weight" in names) == (not model.cfg.tie_embeddings)
+    assert max_logit_diff(model, hf) <= 1e-5
+
+
+def test_greedy_generation_of_a_random_model(run_dir, tmp_path):
+    """Varied tokens (a random model does not repeat itself): ours with the KV cache and
+    transformers' with its own cache pick the same ones."""
+    model = random_model(n_kv_heads=2, tie_embeddings=False)
+    hf = export_model(model, run_dir / "tokenizer.model", tmp_path / "out")
+    prompt = [1, 100, 200, 300]
+    mine = generate(model, prompt, 24, temperature=0)
+    out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=24)
+    assert out[0, len(prompt) :].tolist() == mine and len(set(mine)) > 5
+
+
+def test_rotary_needs_no_permutation(run_dir, tmp_path):
+    """The control for the parity above: with the q and k rows permuted the way Meta's
+    interleaved RoPE checkpoints need (pairs (2i, 2i+1) <-> (i, i + D/2)), logits disagree."""
+    model = random_model(n_kv_heads=2)
+    folder = tmp_path / "out"
+    assert max_logit_diff(model, export_model(model, run_dir / "tokenizer.model", folder)) <= 1e-5
+    tensors = hf_tensors(folder)
+    head_dim = 16
+    perm = torch.arange(head_dim).view(2, -1).t().reshape(-1)  # 0, 8, 1, 9, ...
+    for name, t in tensors.items():
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            tensors[name] = t.view(-1, head_dim, t.size(1))[:, perm].reshape(t.shape).contiguous()
+    safetensors_torch.save_file(tensors, folder / "model.safetensors", {"format": "pt"})
+    permuted = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    assert max_logit_diff(model, permuted) > 1e-2
+
+
+# ----------------------------------------------------------------------------- import
+
+
+def init_cfg(run_dir: Path, folder: Path) -> ModelConfig:
+    """The run's model section with init_from set to `folder`."""
+    return replace(read_run_config(run_dir).model, init_from=str(folder))
+
+
+def sha(data_dir: Path) -> str:
+    return read_manifest(data_dir)["tokenizer"]["sha256"]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_import_then_export_is_bit_identical(dtype, run_dir, exported, data_dir, tmp_path):
+    first = exported
+    if dtype == "bf16":
+        first = tmp_path / "first"
+        export(run_dir, first, dtype="bf16")
+    cfg = init_cfg(run_dir, first)
+    state = load_init_weights(cfg, sha(data_dir))
+    info = json.loads((first / "scale_llm_export.json").read_text())
+    info.pop("dtype")
+    tok = Tokenizer(first / "tokenizer.model")
+    write_hf_folder(state, cfg, tok, tmp_path / "again", dtype, info=info)
+    assert_same_tensors(hf_tensors(tmp_path / "again"), hf_tensors(first))
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer.model"):
+        assert (tmp_path / "again" / name).read_bytes() == (first / name).read_bytes(), name
+
+
+def first_batch_loss(hf_model, data_dir: Path, micro_batch: int, seed: int = 1337) -> float:
+    """The loss of the transformers model on the first global batch a run would see."""
+    windows = TokenWindows(open_split(data_dir, read_manifest(data_dir), "train"), 32)
+    ((inputs, targets),) = TrainLoader(windows, batch_plan(micro_batch, 1), seed).next_batches()
+    with torch.no_grad():
+        logits = hf_model(inputs).logits
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
+
+
+def test_a_run_from_init_from_starts_at_the_source_loss(run_dir, exported, theirs, data_dir):
+    root = run_dir.parent.parent / "init_runs"
+    run = finished_run(
+        data_dir, root, f"model.init_from={exported}", "train.max_steps=1", "run.name=init"
+    )
+    source = first_batch_loss(theirs, data_dir, 4)
+    assert abs(rows_of(run)[1]["loss"] - source) <= 1e-5
+    assert abs(rows_of(run_dir)[1]["loss"] - source) > 1e-2  # a fresh init starts elsewhere
+    # a resume ignores init_from: the checkpoint's weights are newer
+    from scale_llm.train.trainer import Trainer
+    from tests.helpers import make_config
+
+    cfg = make_config(
+        data_dir, root, "model.init_from=/nowhere", "train.max_steps=1", "run.name=init"
+    )
+    assert Trainer(cfg, plan_for(cfg)).fit().complete
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "zero3"])
+def test_two_rank_runs_import_and_export_the_same_weights(
+    backend, exported, theirs, data_dir, tmp_path
+):
+    """A 2-rank FSDP2 / ZeRO-3 run started from the export (lr 1e-30: the weights cannot move
+    in fp32) saves a sharded checkpoint; its export holds the source's exact tensors, and its
+    first loss is the source model's on the same 8 sequences."""
+    overrides = [*BACKENDS[backend], *SPLIT, f"model.init_from={exported}", "train.lr=1e-30"]
+    overrides += ["train.min_lr=0", "train.max_steps=1", "eval.every=0"]
+    run(torchrun(2, *common(data_dir, tmp_path, backend), *sets(*overrides)), cwd=tmp_path)
+    ckpt = tmp_path / backend / "checkpoints" / "step_00000001"
+    assert (ckpt / ("dcp" if backend == "fsdp" else "deepspeed")).is_dir()
+    export(ckpt, tmp_path / "out")
+    assert_same_tensors(hf_tensors(tmp_path / "out"), hf_tensors(exported))
+    source = first_batch_loss(theirs, data_dir, 8)
+    assert abs(rows_of(tmp_path / backend)[1]["loss"] - source) <= 1e-5
+
+
+def test_init_from_errors_name_what_is_wrong(run_dir, exported, data_dir, tmp_path):
+    good = init_cfg(run_dir, exported)
+    with pytest.raises(UserError, match="no such folder"):
+        load_init_weights(replace(good, init_from=str(tmp_path / "nope")), None)
+    with pytest.raises(UserError, match="no config.json"):
+        load_init_weights(replace(good, init_from=str(tmp_path)), None)
+    # a model section that differs: the key, both values, and the shapes it changes
+    with pytest.raises(UserError) as e:
+        load_init_weights(replace(good, d_model=64), sha(data_dir))
+    assert "model.d_model=64" in str(e.value) and "has 32: set model.d_model=32" in str(e.value)
+    assert "model.embed_tokens.weight: shape (512, 32) in the checkpoint, (512, 64)" in str(e.value)
+    # one tensor of another shape (config.json as it should be)
+    bad = tmp_path / "bad_shape"
+    shutil.copytree(exported, bad)
+    tensors = hf_tensors(bad)
+    tensors["model.layers.1.mlp.up_proj.weight"] = tensors["model.layers.1.mlp.up_proj.weight"][:64]
+    safetensors_torch.save_file(tensors, bad / "model.safetensors", {"format": "pt"})
+    wrong = r"model\.layers\.1\.mlp\.up_proj\.weight: shape \(64, 32\) in the checkpoint, "
+    with pytest.raises(UserError, match=wrong + r"\(128, 32\) in the model"):
+        load_init_weights(replace(good, init_from=str(bad)), sha(data_dir))
+    # configurations the model cannot run: each field is named
+    odd = tmp_path / "unsupported"
+    shutil.copytree(exported, odd)
+    hf = json.loads((odd / "config.json").read_text())
+    hf.update(rope_scaling={"rope_type": "linear", "factor": 2.0}, attention_bias=True)
+    hf.update(hidden_act="gelu", mlp_bias=True)
+    (odd / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(UserError) as e:
+        load_init_weights(replace(good, init_from=str(odd)), sha(data_dir))
+    for field in ("rope_scaling=", "attention_bias=True", "hidden_act='gelu'", "mlp_bias=True"):
+        assert field in str(e.value)
+    # weights another tokenizer learned
+    other = tmp_path / "other_tokenizer"
+    shutil.copytree(exported, other)
+    (other / "tokenizer.model").write_bytes(b"not our tokenizer")
+    with pytest.raises(UserError, match="differs from the tokenizer of data.dir"):
+        load_init_weights(replace(good, init_from=str(other)), sha(data_dir))
+    # no weights at all
+    empty = tmp_path / "no_weights"
+    empty.mkdir()
+    shutil.copy(exported / "config.json", empty)
+    with pytest.raises(UserError, match="no weights found"):
+        load_init_weights(replace(good, init_from=str(empty)), None)
+
+
+def test_init_from_a_pickled_folder_goes_through_the_safe_loader(
+    run_dir, exported, data_dir, tmp_path
+):
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    shutil.copy(exported / "config.json", folder)
+    tensors = hf_tensors(exported)
+    torch.save(tensors, folder / "pytorch_model.bin")
+    cfg = init_cfg(run_dir, folder)
+    state = load_init_weights(cfg, None)
+    expected = load_init_weights(init_cfg(run_dir, exported), None)
+    assert_same_tensors(state, expected)
+    marker = tmp_path / "payload-ran"
+    tensors["planted"] = Payload(marker)
+    torch.save(tensors, folder / "pytorch_model.bin")
+    with pytest.raises(UnsafeCheckpoint, match="pytorch_model.bin"):
+        load_init_weights(cfg, None)
+    assert not marker.exists()
+
+
+def test_a_trainer_with_a_missing_init_folder_stops_with_a_clear_error(data_dir, tmp_path):
+    with pytest.raises(UserError, match=r"model\.init_from=.*nope: no such folder"):
+        finished_run(data_dir, tmp_path, f"model.init_from={tmp_path / 'nope'}")
+    assert not (tmp_path / "test" / "checkpoints").exists()
+    with pytest.raises(UserError, match="model.init_from is empty"):
+        from tests.helpers import make_config
+
+        make_config(data_dir, tmp_path, "model.init_from=' '")
+
+
+def test_export_refuses_a_damaged_checkpoint_and_says_what_to_install(
+    run_dir, tmp_path, monkeypatch, capsys
+):
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    ckpt = copy / "checkpoints" / "step_00000004"
+    target = ckpt / "dcp" / "__0_0.distcp"
+    target.write_bytes(target.read_bytes()[:-100])
+    assert cli.main(["export", str(ckpt), "--out", str(tmp_path / "out")]) == 2
+    assert "is damaged" in capsys.readouterr().err and not (tmp_path / "out").exists()
+    assert cli.main(["export", str(tmp_path / "nothing"), "--out", str(tmp_path / "o")]) == 2
+    assert "neither a checkpoint directory nor a run directory" in capsys.readouterr().err
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "safetensors" else real(name)
+    )
+    assert cli.main(["export", str(run_dir), "--out", str(tmp_path / "o")]) == 2
+    assert "pip install 'scale_llm[hf]'" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- eval
+
+
+def choice_logliks(model, tok: Tokenizer, context: str, choices: list[str]) -> list[float]:
+    """log p(" " + choice | context) per choice, from requests built the way lm-eval builds
+    them: trailing whitespace of the context moves to the continuation; the continuation's
+    tokens are what follows the encoded context in the encoding of the whole text (both with
+    BOS); the model reads the context's own tokens, then the continuation's."""
+    out = []
+    for choice in choices:
+        ctx, cont = context, " " + choice
+        spaces = len(ctx) - len(ctx.rstrip())
+        if spaces:
+            ctx, cont = ctx[:-spaces], ctx[-spaces:] + cont
+        prefix = tok.encode(ctx)
+        cont_ids = tok.encode(ctx + cont)[len(prefix) :]
+        tokens = prefix + cont_ids
+        with torch.no_grad():
+            logp = model(torch.tensor([tokens[:-1]])).float().log_softmax(-1)[0]
+        out.append(sum(logp[len(prefix) - 1 + j, t].item() for j, t in enumerate(cont_ids)))
+    return out
+
+
+def test_eval_scores_match_our_loglikelihoods(run_dir, ours, data_dir, monkeypatch, capsys):
+    monkeypatch.chdir(REPO)  # the task's data file path is relative to the repository
+    limit = 8  # lm-eval: the first 8 examples; perplexity: the first 8 validation windows
+    args = ["eval", str(run_dir), "--tasks", TASK, "--include-path", str(TASK_DIR)]
+    args += ["--limit", str(limit), "--perplexity", str(data_dir)]
+    assert cli.main(args) == 0
+    assert "wrote" in capsys.readouterr().out
+    record = json.loads((run_dir / "eval" / "step_00000004.json").read_text())
+    model, tok = ours
+    docs = [json.loads(x) for x in (TASK_DIR / "tiny_mc.jsonl").read_text().splitlines()][:limit]
+    acc = acc_norm = 0
+    for doc in docs:
+        lls = choice_logliks(model, tok, doc["question"], doc["choices"])
+        acc += max(range(len(lls)), key=lls.__getitem__) == doc["answer"]
+        normed = [ll / len(c) for ll, c in zip(lls, doc["choices"])]
+        acc_norm += max(range(len(normed)), key=normed.__getitem__) == doc["answer"]
+    scores = record["tasks"][TASK]
+    assert 0 <= scores["acc"] <= 1 and scores["acc"] == acc / limit
+    assert scores["acc_norm"] == acc_norm / limit
+    # 8 windows = eval.steps 2 x 4 sequences: the val_loss the run logged at step 4
+    ppl = record["perplexity"]
+    assert ppl["windows"] == 8 and ppl["tokens"] == 8 * 32
+    assert abs(ppl["loss"] - rows_of(run_dir)[4]["val_loss"]) <= 1e-5
+    assert ppl["ppl"] == pytest.approx(math.exp(ppl["loss"]))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    for tag, value in [
+        (f"eval/{TASK}/acc", scores["acc"]),
+        (f"eval/{TASK}/acc_norm", scores["acc_norm"]),
+        ("eval/perplexity/ppl", ppl["ppl"]),
+    ]:
+        (event,) = events.Scalars(tag)
+        assert event.step == 4 and event.value == pytest.approx(value, rel=1e-6)
+
+
+def test_lm_eval_sees_our_loglikelihoods(run_dir, ours, monkeypatch):
+    """Request by request: lm-eval's log-likelihoods of each choice on the export equal ours."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from scale_llm.evaluate import export_for_eval
+
+    monkeypatch.chdir(REPO)
+    ckpt = run_dir / "checkpoints" / "step_00000004"
+    folder = export_for_eval(ckpt, run_dir)
+    out = lm_eval.simple_evaluate(
+        model="hf",
+        model_args={"pretrained": str(folder), "dtype": "float32", "device": "cpu"},
+        tasks=[TASK],
+        limit=4,
+        task_manager=TaskManager(include_path=str(TASK_DIR), include_defaults=False),
+        log_samples=True,
+    )
+    model, tok = ours
+    for sample in out["samples"][TASK]:
+        doc = sample["doc"]
+        theirs = [resp[0] for resp in sample["filtered_resps"]]
+        mine = choice_logliks(model, tok, doc["question"], doc["choices"])
+        assert mine == pytest.approx(theirs, abs=1e-4), (doc, mine, theirs, sample["arguments"])
+
+
+def test_eval_errors(run_dir, data_dir, tmp_path, capsys):
+    assert cli.main(["eval", str(run_dir)]) == 2
+    assert "needs --tasks" in capsys.readouterr().err
+    args = ["eval", str(run_dir), "--tasks", "no_such_task_xyz", "--include-path", str(TASK_DIR)]
+    assert cli.main(args) == 2
+    assert "no_such_task_xyz not found" in capsys.readouterr().err
+    other = tmp_path / "other_data"  # the same shards, described as another tokenizer's
+    shutil.copytree(data_dir, other)
+    train_tokenizer(random_texts(300, "doc{i}"), 512, other / "tokenizer.model")
+    manifest = json.loads((other / "manifest.json").read_text())
+    manifest["tokenizer"]["sha256"] = file_sha256(other / "tokenizer.model")
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    assert cli.main(["eval", str(run_dir), "--perplexity", str(other)]) == 2
+    assert "not the one" in capsys.readouterr().err
