@@ -203,6 +203,7 @@ def _write_weights(
     def flush() -> None:
         name = f"part-{len(written):05d}.safetensors"
         save_file(shard, str(folder / name), metadata={"format": "pt"})
+        os.chmod(folder / name, _file_mode())  # safetensors creates files owner-only (0600)
         weight_map.update(dict.fromkeys(shard, name))
         written.append(name)
         shard.clear()
@@ -256,6 +257,13 @@ def _publish(tmp: Path, out: Path) -> None:
         os.close(fd)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _file_mode() -> int:
+    """The mode a new file gets here (0644 under the usual umask 022)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def _write_json(path: Path, obj: Any) -> None:

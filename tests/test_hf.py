@@ -148,6 +148,8 @@ def test_export_writes_a_llama_folder(exported, run_dir):
     assert info["step"] == 4 and info["checkpoint"].endswith("step_00000004")
     assert (exported / "tokenizer.model").read_bytes() == (run_dir / "tokenizer.model").read_bytes()
     assert "lm_head.weight" not in hf_tensors(exported)  # tied: transformers ties it back
+    modes = {p.name: p.stat().st_mode & 0o777 for p in exported.iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"]  # readable like the rest
 
 
 def test_dtype_rule():
