@@ -1,11 +1,28 @@
 # Sourced by the launchers: one place for the environment every run starts with.
-# Sets: ROOT, PY (the venv's python), NGPU, OMP_NUM_THREADS, PYTORCH_CUDA_ALLOC_CONF,
+# Sets: ROOT, PY (the Python that runs scale_llm), NGPU, OMP_NUM_THREADS, PYTORCH_CUDA_ALLOC_CONF,
 # DS_ACCELERATOR (CPU-only machines), and the function run_prepare.
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PY="${SCALE_LLM_PYTHON:-$ROOT/.venv/bin/python}"
-if [[ ! -x "$PY" ]]; then
-  echo "launch: $PY not found; run 'bash launch/setup.sh' first (or set SCALE_LLM_PYTHON)" >&2
+# The Python to run: $SCALE_LLM_PYTHON if set; else the active python when it can import
+# scale_llm (an activated venv, a conda env, a wheel install); else the checkout's .venv.
+if [[ -n "${SCALE_LLM_PYTHON:-}" ]]; then
+  PY="$SCALE_LLM_PYTHON"
+else
+  PY=""
+  for candidate in python python3; do
+    if command -v "$candidate" >/dev/null 2>&1 \
+        && "$candidate" -I -c "import scale_llm, torch" >/dev/null 2>&1; then
+      PY="$(command -v "$candidate")"
+      break
+    fi
+  done
+  if [[ -z "$PY" && -x "$ROOT/.venv/bin/python" ]]; then
+    PY="$ROOT/.venv/bin/python"
+  fi
+fi
+if [[ -z "$PY" ]] || ! "$PY" -I -c "import scale_llm, torch" >/dev/null 2>&1; then
+  echo "launch: no Python that can import scale_llm (tried \$SCALE_LLM_PYTHON, the active" \
+    "python, $ROOT/.venv); run 'bash launch/setup.sh' or 'pip install scale_llm' first" >&2
   exit 2
 fi
 

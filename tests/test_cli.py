@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -153,3 +154,56 @@ def test_run_messages_count_this_launch_and_a_finished_run_is_left_alone(
         "train.warmup_steps=10 >= train.max_steps=4" in out
         and "rises to 0.0004 at the last step" in out
     )
+
+
+# ----------------------------------------------------------------------------- packaging
+
+
+def env_sh_python(root: Path, path_dirs: list[Path]) -> subprocess.CompletedProcess:
+    """Source `root`/launch/_env.sh with PATH = path_dirs + the system dirs; print its $PY."""
+    env = {k: v for k, v in os.environ.items() if k not in ("SCALE_LLM_PYTHON", "VIRTUAL_ENV")}
+    env["PATH"] = ":".join([*map(str, path_dirs), "/usr/bin", "/bin"])
+    env["PYTHONPATH"] = ""
+    script = f'source "{root}/launch/_env.sh" && echo "PY=$PY"'
+    return subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True)
+
+
+def test_launchers_use_the_active_python_then_the_venv_then_say_what_to_do(tmp_path):
+    """Issue 13: the launchers refused to run without .venv even where scale_llm was installed
+    in the active Python."""
+    active = tmp_path / "active-env" / "bin"
+    active.mkdir(parents=True)
+    (active / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')  # imports it
+    (active / "python").chmod(0o755)
+    proc = env_sh_python(REPO, [active])
+    assert proc.returncode == 0 and f"PY={active / 'python'}" in proc.stdout, proc.stderr
+    # no usable active Python: the checkout's .venv
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    venv_python = REPO / ".venv" / "bin" / "python"
+    if venv_python.exists():
+        proc = env_sh_python(REPO, [empty])
+        assert f"PY={venv_python}" in proc.stdout, proc.stderr
+    # neither: a clear error, exit 2
+    bare = tmp_path / "bare-checkout"
+    (bare / "launch").mkdir(parents=True)
+    (bare / "launch" / "_env.sh").write_text((REPO / "launch" / "_env.sh").read_text())
+    proc = env_sh_python(bare, [empty])
+    assert proc.returncode == 2 and "PY=" not in proc.stdout
+    assert "no Python that can import scale_llm" in proc.stderr and "pip install" in proc.stderr
+
+
+def test_shipped_configs_are_found_by_name_from_any_directory(tmp_path, monkeypatch):
+    from scale_llm.cli import main
+    from scale_llm.config import load_config
+    from scale_llm.errors import UserError
+
+    monkeypatch.chdir(tmp_path)  # no yaml/ here
+    assert load_config("tiny").run.name == "tiny"
+    fsdp = load_config("400m-fsdp.yaml")  # `base: 400m.yaml` resolves beside it
+    assert fsdp.parallel.backend == "fsdp" and fsdp.model.d_model == 1024
+    (tmp_path / "tiny").mkdir()  # a directory of that name is not a config: the shipped one is
+    assert load_config("tiny").model.d_model == 192
+    with pytest.raises(UserError, match=r"Shipped configs \(by name\): 125m, 1b, 400m"):
+        load_config("tinyy")
+    assert main(["config", "7b", "--set", "train.max_steps=3"]) == 0

@@ -117,13 +117,37 @@ CASES = [
         "give an explicit size",
     ),
     ("generate without a run", ["generate", "."], "not a run directory"),
+    ("binary config file", ["train", "binary.yaml"], "is not UTF-8 text (a binary file?)"),
+    ("YAML alias bomb", ["train", "bomb.yaml"], "expands to more than 10,000 values"),
+    ("deeply nested YAML", ["train", "deep.yaml"], "nests too deeply to read"),
+    ("config is a directory", ["train", "folder"], "config file folder is a directory"),
+    ("config is a list", ["train", "list.yaml"], "must hold a mapping of sections"),
     ("convert without a checkpoint", ["convert", ".", "--out", "m.pt"], "neither a checkpoint"),
 ]
+
+
+def _bomb(levels: int = 9) -> str:
+    lines = ["l0: &l0 [x, x, x, x, x, x, x, x, x, x]"]
+    for i in range(1, levels):
+        lines.append(f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 10) + "]")
+    return "\n".join(lines) + "\n"  # 10^9 values once expanded: minutes to walk, GBs to repr
+
+
+# files the cases above name, written into the case's working directory
+FILES: dict[str, bytes] = {
+    "binary.yaml": bytes(range(256)) * 8,
+    "bomb.yaml": _bomb().encode(),
+    "deep.yaml": ("a: " + "[" * 5000 + "]" * 5000 + "\n").encode(),
+    "list.yaml": b"- model\n- train\n",
+}
 
 
 @pytest.mark.parametrize(("case", "argv", "expected"), CASES, ids=[c[0] for c in CASES])
 def test_broken_input(case, argv, expected, data_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
+    for name, content in FILES.items():
+        (tmp_path / name).write_bytes(content)
+    (tmp_path / "folder").mkdir()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     argv = [a.replace("DATA", str(data_dir)) for a in argv]

@@ -20,6 +20,7 @@ from scale_llm.errors import UserError
 
 log = logging.getLogger(__name__)
 
+TEXT_TAGS = {"samples_text": "samples/text"}  # metrics.jsonl key -> TensorBoard / W&B tag
 WANDB_ID_FILE = "wandb-id.txt"  # the W&B run id, so that a resumed run logs to the same run
 
 
@@ -57,6 +58,7 @@ class MetricsLogger:
         self.writer.add_text("config/yaml", _code_block(dump_yaml(cfg)), step)
 
     def log(self, step: int, values: dict[str, Any]) -> None:
+        """One row per step: numbers become scalars, `samples_text` a text entry."""
         if not self.enabled:
             return
         row = {"step": step, **{k: _clean(v) for k, v in values.items()}}
@@ -67,22 +69,14 @@ class MetricsLogger:
             for k, v in row.items()
             if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
         }
+        texts = {TEXT_TAGS[k]: v for k, v in row.items() if k in TEXT_TAGS}
         if self.writer is not None:
             for tag, value in scalars.items():
                 self.writer.add_scalar(tag, value, step)
+            for tag, text in texts.items():
+                self.writer.add_text(tag, _code_block(text), step)
         if self.wandb is not None:
-            self.wandb.log(scalars, step=step)
-
-    def log_text(self, step: int, tag: str, text: str) -> None:
-        """A text entry (e.g. a sample generation) in metrics.jsonl, TensorBoard and W&B."""
-        if not self.enabled:
-            return
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, tag.replace("/", "_"): text}) + "\n")
-        if self.writer is not None:
-            self.writer.add_text(tag, _code_block(text), step)
-        if self.wandb is not None:
-            self.wandb.log({tag: text}, step=step)
+            self.wandb.log({**scalars, **texts}, step=step)
 
     def close(self) -> None:
         if self.writer is not None:

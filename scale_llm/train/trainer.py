@@ -221,9 +221,8 @@ class Trainer:
             )
         every = cfg.eval.sample_every
         if every and (self.step % every == 0 or self.step == t.max_steps):
-            text = self.sample()
-            self.metrics.log_text(self.step, "samples/text", text)
-            log.info("step %d | sample: %r", self.step, text[:200])
+            row["samples_text"] = self.sample()
+            log.info("step %d | sample: %r", self.step, row["samples_text"][:200])
         if row:  # logging and eval rows carry the peak CUDA memory so far
             row.update(cuda_memory_gib(self.device))
             self.metrics.log(self.step, row)
