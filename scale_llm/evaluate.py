@@ -83,7 +83,7 @@ def export_for_eval(ckpt: Path, run_dir: Path) -> Path:
     """RUN_DIR/export/step_XXXXXXXX: reused when it is an export of this checkpoint."""
     out = run_dir / "export" / ckpt.name
     info = _read_json(out / EXPORT_INFO)
-    if info is not None and Path(info.get("checkpoint", "")) == ckpt:
+    if info is not None and Path(info.get("checkpoint", "")) == ckpt.resolve():
         return out
     export(ckpt, out, force=out.exists())
     return out

@@ -124,8 +124,8 @@ def export(
     weights = load_model_weights(src.checkpoint, empty_state_dict(src.model))
     info = {
         "scale_llm_version": __version__,
-        "run_dir": str(src.run_dir),
-        "checkpoint": str(src.checkpoint),
+        "run_dir": str(src.run_dir.resolve()),
+        "checkpoint": str(src.checkpoint.resolve()),
         "step": src.step,
         "trained_precision": src.precision,
         "tokenizer_sha256": src.tokenizer.sha256(),

@@ -562,6 +562,9 @@ def test_lm_eval_sees_our_loglikelihoods(run_dir, ours, monkeypatch):
     monkeypatch.chdir(REPO)
     ckpt = run_dir / "checkpoints" / "step_00000004"
     folder = export_for_eval(ckpt, run_dir)
+    made = (folder / "config.json").stat().st_ino
+    assert export_for_eval(ckpt, run_dir) == folder  # an export of this checkpoint: reused
+    assert (folder / "config.json").stat().st_ino == made
     out = lm_eval.simple_evaluate(
         model="hf",
         model_args={"pretrained": str(folder), "dtype": "float32", "device": "cpu"},
