@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import sys
+from pathlib import Path
 
 from scale_llm.config import Config, load_config
 from scale_llm.errors import UserError
@@ -135,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--markdown", action="store_true", help="--keys as docs/config.md's generated tables"
     )
+    p.add_argument(
+        "--paths",
+        action="store_true",
+        help="where the shipped configs and launchers are (in a checkout or an installed wheel)",
+    )
 
     p = sub.add_parser("estimate", help="predict per-GPU memory; --fit proposes settings")
     _add_config_args(p)
@@ -251,6 +257,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_config(args: argparse.Namespace) -> int:
     """The config as `train` would read it (YAML, defaults filled in), or the key reference."""
+    if args.paths:
+        from scale_llm.config import shipped_config_dir
+
+        configs = shipped_config_dir()
+        package = Path(__file__).resolve().parent
+        launch = next(
+            (
+                d
+                for d in (package / "launch", package.parent / "launch")
+                if (d / "_env.sh").is_file()
+            ),
+            None,
+        )
+        print(f"configs: {configs}\nlaunchers: {launch}")
+        return 0
     if args.keys or args.markdown:
         from scale_llm.keys import markdown_keys, text_keys
 

@@ -207,3 +207,56 @@ def test_shipped_configs_are_found_by_name_from_any_directory(tmp_path, monkeypa
     with pytest.raises(UserError, match=r"Shipped configs \(by name\): 125m, 1b, 400m"):
         load_config("tinyy")
     assert main(["config", "7b", "--set", "train.max_steps=3"]) == 0
+
+
+def test_a_wheel_installs_with_its_configs_and_runs_from_anywhere(tmp_path):
+    """Issue 13: a wheel install had no configs or launchers. Build the wheel, install it into
+    a fresh venv (its dependencies borrowed from this one through a .pth file, no download),
+    and run `scale-llm prepare tiny && scale-llm train tiny --train_steps 2` elsewhere."""
+    import site
+    import sysconfig
+
+    wheels = tmp_path / "wheels"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
+        + ["-w", str(wheels), str(REPO)],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = wheels.glob("scale_llm-*.whl")
+    fresh = tmp_path / "fresh"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(fresh)], check=True)
+    purelib = Path(sysconfig.get_path("purelib", vars={"base": str(fresh), "platbase": str(fresh)}))
+    (purelib / "deps.pth").write_text(
+        "\n".join(p for p in site.getsitepackages() if "site-packages" in p) + "\n"
+    )
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(fresh / "bin" / "python"), "install"]
+        + ["--no-deps", "--no-index", "-q", str(wheel)],
+        check=True,
+        capture_output=True,
+    )
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    small = ["--set", "data.max_documents=150", "--set", "data.tokenizer_sample_bytes=400000"]
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        proc = subprocess.run(
+            [str(fresh / "bin" / "scale-llm"), *args],
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc
+
+    where = run("config", "--paths").stdout
+    assert f"configs: {purelib / 'scale_llm' / 'configs'}" in where
+    assert f"launchers: {purelib / 'scale_llm' / 'launch'}" in where
+    assert str(REPO) not in where  # not the checkout
+    run("prepare", "tiny", *small)
+    proc = run("train", "tiny", *small, "--train_steps", "2", "--set", "eval.every=0")
+    assert "done: 2 steps" in proc.stderr + proc.stdout
+    assert (work / "runs" / "tiny" / "checkpoints" / "step_00000002").is_dir()
