@@ -260,3 +260,17 @@ def test_a_wheel_installs_with_its_configs_and_runs_from_anywhere(tmp_path):
     proc = run("train", "tiny", *small, "--train_steps", "2", "--set", "eval.every=0")
     assert "done: 2 steps" in proc.stderr + proc.stdout
     assert (work / "runs" / "tiny" / "checkpoints" / "step_00000002").is_dir()
+
+
+def test_the_long_description_gets_absolute_links():
+    env = {**os.environ, "SCALE_LLM_SOURCE_URL": "https://example.invalid/src/main/"}
+    proc = subprocess.run(
+        [sys.executable, "setup.py", "--long-description"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    links = [line for line in proc.stdout.splitlines() if "](" in line]
+    assert any("](https://example.invalid/src/main/docs/config.md)" in x for x in links)
+    assert not any("](docs/" in x or "](yaml/" in x for x in links)
