@@ -214,10 +214,20 @@ def config_problems(cfg: ModelConfig, values: dict[str, Any], where: str) -> lis
             mine = given or cfg.n_heads
         elif f.name == "mlp_hidden":
             mine = mlp_hidden_size(cfg)
+            if given is None and _default_mlp(values) == values["mlp_hidden"]:
+                continue  # the default follows d_model: fixing d_model fixes it
         if mine != values[f.name]:
-            shown = f"{given!r}" if given == mine else f"{given!r} (= {mine!r})"
+            shown = _yaml(given) if given == mine else f"{_yaml(given)} (= {mine!r})"
             out.append(
                 f"model.{f.name}={shown}, but {where} has {values[f.name]!r}: set "
                 f"model.{f.name}={values[f.name]!r}"
             )
     return out
+
+
+def _default_mlp(values: dict[str, Any]) -> int:
+    return mlp_hidden_size(ModelConfig(d_model=values["d_model"]))
+
+
+def _yaml(value: Any) -> str:
+    return "null" if value is None else repr(value)
