@@ -240,6 +240,27 @@ def test_out_of_disk_during_a_save_is_a_clear_error(data_dir, tmp_path):
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000002"]  # no partial files
 
 
+def test_out_of_disk_inside_dcp_is_the_same_clear_error(data_dir, tmp_path, monkeypatch):
+    """DCP wraps the writer's OSError in its CheckpointException (a BaseException): it used to
+    escape as a traceback. Here the disk fills inside DCP's own file writer."""
+    import torch.distributed.checkpoint.filesystem as fs
+
+    cfg = make_config(data_dir, tmp_path / "runs", "train.max_steps=4", "checkpoint.every=2")
+    tr = Trainer(cfg, plan_for(cfg))
+    write_item = fs._write_item
+
+    def full_disk(*args, **kwargs):
+        if tr.step == 4:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write_item(*args, **kwargs)
+
+    monkeypatch.setattr(fs, "_write_item", full_disk)
+    with pytest.raises(UserError, match="out of disk space while writing checkpoint") as info:
+        tr.fit()
+    assert "step_00000002 is intact" in str(info.value)
+    assert sorted(p.name for p in tr.checkpointer.dir.iterdir()) == ["step_00000002"]
+
+
 def test_user_errors_exit_2_but_internal_errors_keep_their_traceback(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "scale_llm", "train", "--set", "train.lr=-1"],

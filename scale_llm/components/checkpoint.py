@@ -39,6 +39,25 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def _out_of_space(e: BaseException) -> OSError | None:
+    """The ENOSPC / EDQUOT error behind `e`, if any: raised directly, chained, or wrapped per
+    rank in torch.distributed.checkpoint's CheckpointException (what a DCP save raises)."""
+    seen: set[int] = set()
+    todo = [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT):
+            return x
+        failures = getattr(x, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        todo += [x.__cause__, x.__context__]
+    return None
+
+
 class Checkpointer:
     def __init__(self, run_dir: Path, keep_last: int, is_main: bool = True):
         self.dir = run_dir / "checkpoints"
@@ -85,10 +104,11 @@ class Checkpointer:
         except BaseException as e:
             if self.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            full = _out_of_space(e)
+            if full is not None:
                 previous = self.latest()
                 raise UserError(
-                    f"out of disk space while writing checkpoint {final} ({e.strerror}); the "
+                    f"out of disk space while writing checkpoint {final} ({full.strerror}); the "
                     f"partial files were removed and "
                     + (
                         f"the previous checkpoint {previous} is intact"
