@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import shutil
 import signal
 import subprocess
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from scale_llm.components.checkpoint import Checkpointer
 from scale_llm.errors import UserError
 from scale_llm.train.trainer import Trainer
 from tests.helpers import (
@@ -259,6 +261,34 @@ def test_out_of_disk_inside_dcp_is_the_same_clear_error(data_dir, tmp_path, monk
         tr.fit()
     assert "step_00000002 is intact" in str(info.value)
     assert sorted(p.name for p in tr.checkpointer.dir.iterdir()) == ["step_00000002"]
+
+
+def test_resuming_an_older_checkpoint_moves_the_newer_ones_aside(data_dir, tmp_path, caplog):
+    """Issue 14: resuming from an older checkpoint on purpose, a later `auto` silently went back
+    to the abandoned newer ones. Now they move to checkpoints/abandoned-<time>/ (kept, out of
+    reach of auto and pruning), and the new branch continues from the chosen step."""
+    common = ["train.max_steps=4", "checkpoint.every=1", "checkpoint.keep_last=5"]
+    cfg = make_config(data_dir, tmp_path / "runs", *common)
+    Trainer(cfg, plan_for(cfg)).fit()
+    ckpts = cfg.run_dir / "checkpoints"
+    old4 = (ckpts / "step_00000004" / "trainer.pt").read_bytes()
+    branch = make_config(
+        data_dir, tmp_path / "runs", *common, f"checkpoint.resume={ckpts / 'step_00000002'}"
+    )
+    with caplog.at_level(logging.WARNING, logger="scale_llm"):
+        tr = Trainer(branch, plan_for(branch))
+    assert tr.step == 2 and "starts a new branch" in caplog.text
+    (aside,) = ckpts.glob("abandoned-*")
+    assert sorted(p.name for p in aside.iterdir()) == ["step_00000003", "step_00000004"]
+    assert (aside / "step_00000004" / "trainer.pt").read_bytes() == old4  # moved, not deleted
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_00000001", "step_00000002"]
+    tr.fit()
+    # a later auto launch sees the new branch's step 4, not the abandoned one
+    again = make_config(data_dir, tmp_path / "runs", *common)
+    assert Checkpointer(cfg.run_dir, 5).latest() == ckpts / "step_00000004"
+    assert (ckpts / "step_00000004" / "trainer.pt").read_bytes() != old4
+    assert Trainer(again, plan_for(again)).complete
+    assert sorted(p.name for p in aside.iterdir()) == ["step_00000003", "step_00000004"]
 
 
 def test_user_errors_exit_2_but_internal_errors_keep_their_traceback(tmp_path):

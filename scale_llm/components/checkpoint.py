@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -88,6 +89,36 @@ class Checkpointer:
                 return path
             log.warning("checkpoint: skipping %s: %s; falling back to an older one", path, problem)
         return None
+
+    def abandon_after(self, step: int) -> Path | None:
+        """Move every checkpoint newer than `step` (a resume from an older one starts a new
+        branch) into checkpoints/abandoned-<UTC time>/, out of reach of `auto` and of pruning;
+        nothing is deleted. Main rank only; returns the folder, or None if nothing was newer."""
+        newer = sorted(  # complete or not, damaged or not
+            p
+            for p in self.dir.glob("step_*")
+            if p.is_dir() and (m := _NAME.match(p.name)) and int(m.group(1)) > step
+        )
+        if not newer or not self.is_main:
+            return None
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        target = self.dir / f"abandoned-{stamp}"
+        n = 1
+        while target.exists():
+            n += 1
+            target = self.dir / f"abandoned-{stamp}-{n}"
+        target.mkdir()
+        for path in newer:
+            path.rename(target / path.name)
+        _fsync_dir(self.dir)
+        log.warning(
+            "checkpoint: resuming from step %d starts a new branch: moved the newer %s to %s "
+            "(auto will not return to them; delete the folder when you no longer need it)",
+            step,
+            ", ".join(p.name for p in newer),
+            target,
+        )
+        return target
 
     def save(self, step: int, write: Callable[[Path], None]) -> Path:
         """Every rank calls `write(tmp_dir)` to fill a new checkpoint; then the main rank

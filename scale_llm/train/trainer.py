@@ -125,6 +125,8 @@ class Trainer:
         self.complete = self.step >= cfg.train.max_steps  # a finished run: write nothing
         if plan.is_main and not self.complete:
             self.lock.acquire()  # every check passed: from here on this launch owns the dir
+            if self.resume_from is not None:
+                self.checkpointer.abandon_after(self.step)
             self._write_run_dir()
         self.metrics = MetricsLogger(
             self.run_dir, plan.is_main and not self.complete, cfg, self.step
