@@ -10,8 +10,8 @@ run's TensorBoard as eval/<task>/<metric> at the checkpoint's step.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
-import logging
 import math
 import re
 from pathlib import Path
@@ -32,8 +32,6 @@ from scale_llm.errors import UserError
 from scale_llm.export import DTYPES, EXPORT_INFO, export
 from scale_llm.generate import load_run, read_run_config
 from scale_llm.plan import RunPlan
-
-log = logging.getLogger(__name__)
 
 
 def eval_run(
@@ -65,6 +63,11 @@ def eval_run(
         )
         record.setdefault("tasks", {}).update(scores)
         record["export"] = str(export_dir)
+        record["lm_eval"] = {
+            "version": importlib.metadata.version("lm_eval"),
+            "limit": limit,
+            "num_fewshot": num_fewshot,
+        }
         for task, metrics in scores.items():
             for name, value in metrics.items():
                 if "stderr" not in name and name != "sample_len":

@@ -531,6 +531,7 @@ def test_eval_scores_match_our_loglikelihoods(run_dir, ours, data_dir, monkeypat
         acc += max(range(len(lls)), key=lls.__getitem__) == doc["answer"]
         normed = [ll / len(c) for ll, c in zip(lls, doc["choices"])]
         acc_norm += max(range(len(normed)), key=normed.__getitem__) == doc["answer"]
+    assert record["lm_eval"]["limit"] == limit and record["lm_eval"]["version"]
     scores = record["tasks"][TASK]
     assert 0 <= scores["acc"] <= 1 and scores["acc"] == acc / limit
     assert scores["acc_norm"] == acc_norm / limit
