@@ -394,10 +394,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     import json
 
     from scale_llm import memory
-    from scale_llm.plan import target_plan
+    from scale_llm.plan import launch_env, target_plan
 
     cfg = config_from_args(args)
-    world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    world = args.world_size or launch_env().world_size
     if world < 1:
         raise UserError(f"--world-size {world} must be at least 1")
     plan = target_plan(cfg, world)
@@ -440,11 +440,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from scale_llm.bench import bench, bench_reference, bench_sweep, markdown_table
 
     if args.roofline:
-        from scale_llm.plan import target_plan
+        from scale_llm.plan import launch_env, target_plan
         from scale_llm.roofline import format_roofline, roofline
 
         cfg = config_from_args(args)
-        world = int(os.environ.get("WORLD_SIZE", "2"))
+        world = launch_env().world_size if "WORLD_SIZE" in os.environ else 2
         plan = target_plan(cfg, world)
         r = roofline(cfg, plan.micro_batch_size, plan.grad_accum, args.roofline, world)
         print(json.dumps(r) if args.json else format_roofline(r))
@@ -561,13 +561,38 @@ def _one_process_plan(run_dir: str):
     return resolve_plan(here, Launch())
 
 
+def generation_problems(args: argparse.Namespace) -> list[str]:
+    """Sampling settings that would fail deep inside torch (or silently mean something else)."""
+    import math
+
+    e = []
+    if args.max_new_tokens < 1:
+        e.append("--max-new-tokens must be at least 1")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        e.append(f"--temperature {args.temperature}: use a number >= 0 (0 = greedy)")
+    if args.top_k is not None and args.top_k < 0:
+        e.append(f"--top-k {args.top_k}: use a count >= 1 (0 or omitted: no top-k filter)")
+    if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
+        e.append(f"--top-p {args.top_p}: use a probability in (0, 1] (1: no nucleus filter)")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as err:
+        bad = args.prompt.encode("utf-8", "surrogateescape")[err.start : err.end]
+        e.append(
+            f"--prompt is not valid UTF-8 (bytes {bad!r} at position {err.start}); pass text, "
+            f"e.g. re-encode the prompt file with iconv"
+        )
+    return e
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from scale_llm.config import with_changes
     from scale_llm.generate import generate_text, read_run_config
     from scale_llm.plan import Launch, resolve_plan
 
-    if args.max_new_tokens < 1:
-        raise UserError("--max-new-tokens must be at least 1")
+    problems = generation_problems(args)
+    if problems:
+        raise UserError("; ".join(problems))
     cfg = read_run_config(args.run_dir)
     # one process on whatever this machine has, whatever the run was trained with
     here = with_changes(cfg, {"parallel.backend": "single", "train.device": "auto"})
@@ -638,11 +663,13 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         code = 130
     finally:
+        joined = False
         if "torch.distributed" in sys.modules:  # a process group may exist: leave it
-            from scale_llm.components.distributed import shutdown_distributed
+            from scale_llm.components.distributed import joined_multi_process, shutdown_distributed
 
             shutdown_distributed(clean=code == 0)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            joined = joined_multi_process()
+    if joined:
         # Multi-process gloo runs have been seen to abort during interpreter shutdown after
         # all work finished (SIGABRT, "terminate called without an active exception"). With
         # the process group destroyed and output flushed, leave without that teardown.

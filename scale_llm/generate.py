@@ -11,8 +11,14 @@ from pathlib import Path
 
 import torch
 
-from scale_llm.components.checkpoint import Checkpointer, damage, load_model_weights
+from scale_llm.components.checkpoint import (
+    TRAINER_STATE,
+    Checkpointer,
+    damage,
+    load_model_weights,
+)
 from scale_llm.components.precision import Precision
+from scale_llm.components.serialization import load_file
 from scale_llm.config import Config, load_config
 from scale_llm.data.tokenizer import Tokenizer
 from scale_llm.errors import UserError
@@ -46,12 +52,20 @@ def load_run(
             f"{run_dir} has no complete checkpoint; train longer or set checkpoint.every so "
             f"that one is saved"
         )
+    tokenizer = Tokenizer(run_dir / "tokenizer.model")
+    trained_with = load_file(ckpt / TRAINER_STATE).get("tokenizer_sha256")
+    if trained_with is not None and tokenizer.sha256() != trained_with:
+        raise UserError(
+            f"{run_dir / 'tokenizer.model'} is not the tokenizer {ckpt} was trained with "
+            f"(sha256 {tokenizer.sha256()[:12]}..., the checkpoint records "
+            f"{trained_with[:12]}...); copy the tokenizer.model of the run's data.dir back"
+        )
     weights = load_model_weights(ckpt, empty_state_dict(cfg.model))
     model = build_model(cfg.model)
     model.load_state_dict(weights, assign=True)
     model.to(plan.device)
     model.eval()
-    return model, Tokenizer(run_dir / "tokenizer.model")
+    return model, tokenizer
 
 
 def sample_next(

@@ -7,10 +7,19 @@ import os
 import sys
 
 
+def _int_env(name: str, default: int) -> int:
+    """An integer from the environment; an unparsable one is reported by the launch plan
+    (scale_llm.plan.launch_env), so logging just falls back to the default here."""
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
 def setup_logging(rank: int | None = None) -> None:
     if rank is None:
-        rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = _int_env("RANK", 0)
+    world = _int_env("WORLD_SIZE", 1)
     prefix = f"[rank {rank}] " if world > 1 else ""
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter(f"%(asctime)s {prefix}%(message)s", "%H:%M:%S"))

@@ -117,6 +117,47 @@ CASES = [
         "give an explicit size",
     ),
     ("generate without a run", ["generate", "."], "not a run directory"),
+    ("generate: negative top-k", ["generate", ".", "--top-k", "-1"], "--top-k -1: use a count"),
+    (
+        "generate: top-p above 1",
+        ["generate", ".", "--top-p", "2"],
+        "--top-p 2.0: use a probability",
+    ),
+    (
+        "generate: nan temperature",
+        ["generate", ".", "--temperature", "nan"],
+        "--temperature nan: use a number >= 0",
+    ),
+    (
+        "generate: non-UTF-8 prompt",
+        ["generate", ".", "--prompt", "a\udcff\udcfeb"],
+        "--prompt is not valid UTF-8 (bytes b'\\xff\\xfe' at position 1)",
+    ),
+    ("convert --out a directory", ["convert", ".", "--out", "folder"], "is a directory"),
+    (
+        "run dir under a file",
+        ["train", TINY, *s("data.dir=DATA", "model.vocab_size=512", "run.dir=list.yaml")],
+        "list.yaml is a file, not a directory",
+    ),
+    (
+        "data dir under a file",
+        ["prepare", TINY, *s("data.dir=list.yaml/data")],
+        "data.dir=list.yaml/data",
+    ),
+    (
+        "a step larger than the data",
+        ["train", TINY, *s("data.dir=DATA", "model.vocab_size=512", "train.grad_accum=1000000")],
+        "every step would repeat the data",
+    ),
+    (
+        "a model larger than the host",
+        [
+            "train",
+            TINY,
+            *s("data.dir=DATA", "model.vocab_size=512", "model.d_model=32768", "model.n_heads=64"),
+        ],
+        "GiB of host memory",
+    ),
     ("binary config file", ["train", "binary.yaml"], "is not UTF-8 text (a binary file?)"),
     ("YAML alias bomb", ["train", "bomb.yaml"], "expands to more than 10,000 values"),
     ("deeply nested YAML", ["train", "deep.yaml"], "nests too deeply to read"),
@@ -156,3 +197,114 @@ def test_broken_input(case, argv, expected, data_dir, tmp_path, monkeypatch, cap
     assert err.startswith("error: ") and expected in err, err
     assert "Traceback" not in err
     assert not (tmp_path / "runs").exists()  # nothing half-written
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"WORLD_SIZE": "two"}, "RANK / LOCAL_RANK / WORLD_SIZE must be integers"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "http"}, "MASTER_PORT='http' is not"),
+        (
+            {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "1", "SCALE_LLM_PG_TIMEOUT_MIN": "x"},
+            "SCALE_LLM_PG_TIMEOUT_MIN='x' is not a number of minutes",
+        ),
+    ],
+    ids=["WORLD_SIZE", "MASTER_PORT", "timeout"],
+)
+def test_unparsable_environment(env, expected, data_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(key, "")  # records the old state: start() sets some of these,
+        monkeypatch.delenv(key)  # and the test's end restores all of them
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert main(["train", TINY, *s(f"data.dir={data_dir}", "model.vocab_size=512")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and expected in err and "Traceback" not in err, err
+
+
+def test_a_leftover_world_size_says_what_it_waits_for_then_stops(data_dir, tmp_path):
+    """WORLD_SIZE=2 left in a shell, no launcher, no peer: say what, where and how long, then
+    an error (not a silent wait, not a traceback)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "MASTER_PORT": "29731"}
+    env["SCALE_LLM_PG_TIMEOUT_MIN"] = "0.05"  # 3 s
+    env["PYTHONPATH"] = str(REPO)
+    for key in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "SLURM_PROCID"):
+        env.pop(key, None)
+    argv = ["train", TINY, *s(f"data.dir={data_dir}", "model.vocab_size=512")]
+    proc = subprocess.run(
+        [sys.executable, "-m", "scale_llm", *argv],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "rank 0 waits for 2 processes to join at 127.0.0.1:29731" in proc.stdout
+    assert "gives up after 0.05 min" in proc.stdout and "left over" in proc.stdout
+    assert "did not form at 127.0.0.1:29731" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ----------------------------------------------------------------------------- damaged artifacts
+
+
+def _copy_data(data_dir, tmp_path):
+    import shutil
+
+    copy = tmp_path / "data"
+    shutil.copytree(data_dir, copy)
+    return copy
+
+
+def test_a_damaged_shard_or_manifest_is_named(data_dir, tmp_path, monkeypatch, capsys):
+    import json
+
+    import numpy as np
+
+    monkeypatch.chdir(tmp_path)
+    bad_ids = _copy_data(data_dir, tmp_path / "ids")
+    manifest = json.loads((bad_ids / "manifest.json").read_text())
+    first = manifest["splits"]["train"]["shards"][0]
+    tokens = np.memmap(bad_ids / first["file"], dtype=manifest["dtype"], mode="r+")
+    tokens[:] = 60000  # same size, ids far beyond the vocabulary
+    tokens.flush()
+    del tokens
+    argv = ["train", TINY, *s(f"data.dir={bad_ids}", "model.vocab_size=512", "data.prefetch=0")]
+    assert main([*argv, *s("train.max_steps=1")]) == 2
+    err = capsys.readouterr().err
+    assert f"{first['file']} holds token id 60000" in err and "beyond model.vocab_size=512" in err
+    assert "Traceback" not in err
+
+    no_key = _copy_data(data_dir, tmp_path / "keys")
+    manifest = json.loads((no_key / "manifest.json").read_text())
+    del manifest["tokenizer"]["sha256"]
+    (no_key / "manifest.json").write_text(json.dumps(manifest))
+    assert main(["train", TINY, *s(f"data.dir={no_key}", "model.vocab_size=512")]) == 2
+    err = capsys.readouterr().err
+    assert "lacks tokenizer.sha256" in err and "prepare CONFIG --force" in err
+
+
+def test_a_garbage_or_foreign_tokenizer_in_a_run_dir_is_named(data_dir, tmp_path, capsys):
+    from scale_llm.data.tokenizer import train_tokenizer
+    from tests.helpers import finished_run, random_texts
+
+    run_dir = finished_run(data_dir, tmp_path)
+    capsys.readouterr()  # (its log lines may go to an earlier test's closed stream)
+    good = (run_dir / "tokenizer.model").read_bytes()
+    (run_dir / "tokenizer.model").write_bytes(b"not a model" * 100)
+    assert main(["generate", str(run_dir), "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "is not a SentencePiece model" in err and "Traceback" not in err
+
+    train_tokenizer(random_texts(200, "doc{i}"), 400, run_dir / "tokenizer.model")
+    assert (run_dir / "tokenizer.model").read_bytes() != good
+    assert main(["generate", str(run_dir), "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "is not the tokenizer" in err and "the checkpoint records" in err
+    (run_dir / "tokenizer.model").write_bytes(good)
+    assert main(["generate", str(run_dir), "--max-new-tokens", "2"]) == 0

@@ -23,6 +23,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_JOINED_MULTI_PROCESS = False  # this process has been part of a group of several
+
+
+def joined_multi_process() -> bool:
+    """Whether this process joined a process group of more than one rank (the CLI then skips
+    the interpreter teardown that gloo has been seen to abort in)."""
+    return _JOINED_MULTI_PROCESS
+
 
 def start(plan: RunPlan) -> None:
     """Select this rank's device and, for every backend but `single`, join (or start) the
@@ -48,19 +56,70 @@ def start(plan: RunPlan) -> None:
     if dist.is_initialized():
         return
     pg_backend = "nccl" if plan.device.type == "cuda" else "gloo"
-    timeout = datetime.timedelta(minutes=int(os.environ.get("SCALE_LLM_PG_TIMEOUT_MIN", "30")))
+    minutes = os.environ.get("SCALE_LLM_PG_TIMEOUT_MIN", "30")
+    try:
+        timeout = datetime.timedelta(minutes=float(minutes))
+    except ValueError:
+        raise UserError(
+            f"SCALE_LLM_PG_TIMEOUT_MIN={minutes!r} is not a number of minutes; unset it (30) "
+            f"or set e.g. 60"
+        ) from None
+    if not os.environ.get("MASTER_PORT", "").isdigit():
+        raise UserError(
+            f"MASTER_PORT={os.environ.get('MASTER_PORT')!r} is not a port number; unset it "
+            f"or let the launcher set it"
+        )
+    if world > 1:
+        _say_what_we_wait_for(plan, timeout)
     # A world of one keeps its store in memory: no TCP listener at all (torch's TCPStore
     # binds every interface whatever MASTER_ADDR says).
-    store = dist.HashStore() if world == 1 else _restart_safe_store(world, timeout)
-    dist.init_process_group(
-        pg_backend,
-        store=store,
-        rank=plan.rank,
-        world_size=world,
-        timeout=timeout,
-        device_id=plan.device if plan.device.type == "cuda" else None,
-    )
+    try:
+        store = dist.HashStore() if world == 1 else _restart_safe_store(world, timeout)
+        dist.init_process_group(
+            pg_backend,
+            store=store,
+            rank=plan.rank,
+            world_size=world,
+            timeout=timeout,
+            device_id=plan.device if plan.device.type == "cuda" else None,
+        )
+    except (dist.DistStoreError, dist.DistNetworkError) as e:
+        where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        raise UserError(
+            f"the process group of {world} processes did not form at {where} "
+            f"({str(e).splitlines()[0]}); start every rank with torchrun, the deepspeed "
+            f"launcher or launch/*.sh, or unset WORLD_SIZE and RANK for a one-process run"
+        ) from None
+    global _JOINED_MULTI_PROCESS
+    _JOINED_MULTI_PROCESS = _JOINED_MULTI_PROCESS or world > 1
     log.info("dist: %d processes, %s process group, device %s", world, pg_backend, plan.device)
+
+
+def _say_what_we_wait_for(plan: RunPlan, timeout: datetime.timedelta) -> None:
+    """Joining a process group blocks until every rank arrives. Started by a launcher that is
+    routine (one INFO line); with a leftover WORLD_SIZE in a plain shell nobody else will come,
+    so say on every rank what this process waits for, where, and for how long."""
+    where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    launched = (
+        any(
+            k in os.environ for k in ("TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID")
+        )
+        or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    )
+    message = (
+        "dist: rank %d waits for %d processes to join at %s (gives up after %.3g min; "
+        "SCALE_LLM_PG_TIMEOUT_MIN)"
+    )
+    args = (plan.rank, plan.world_size, where, timeout.total_seconds() / 60)
+    if launched:
+        log.info(message, *args)
+    else:
+        log.warning(
+            message + "; no launcher seen: if no other process was started, this WORLD_SIZE=%d "
+            "is left over from another job: unset WORLD_SIZE and RANK for a one-process run",
+            *args,
+            plan.world_size,
+        )
 
 
 def _restart_safe_store(world: int, timeout: datetime.timedelta) -> dist.Store | None:

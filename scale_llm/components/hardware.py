@@ -52,3 +52,15 @@ def cuda_memory_gib(device: torch.device) -> dict[str, float]:
         "peak_alloc_gib": torch.cuda.max_memory_allocated(device) / 2**30,
         "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30,
     }
+
+
+def host_available_bytes() -> int | None:
+    """MemAvailable of this host (Linux /proc/meminfo), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

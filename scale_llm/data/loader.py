@@ -23,6 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
+from scale_llm.errors import UserError
 from scale_llm.plan import RunPlan
 
 log = logging.getLogger(__name__)
@@ -31,8 +32,15 @@ log = logging.getLogger(__name__)
 class TokenWindows:
     """Window i: tokens [i*seq_len, i*seq_len + seq_len + 1) of one shard; none cross shards."""
 
-    def __init__(self, shards: list[np.ndarray], seq_len: int):
+    def __init__(
+        self,
+        shards: list[np.ndarray],
+        seq_len: int,
+        vocab_size: int | None = None,
+        names: list[str] | None = None,
+    ):
         self.shards, self.seq_len = shards, seq_len
+        self.vocab_size, self.names = vocab_size, names
         counts = [max(0, (len(s) - 1) // seq_len) for s in shards]
         self.offsets = np.cumsum([0] + counts)
 
@@ -46,6 +54,17 @@ class TokenWindows:
         for row, (i, s) in enumerate(zip(indices, shard_ids)):
             start = int(i - self.offsets[s]) * self.seq_len
             rows[row] = self.shards[s][start : start + self.seq_len + 1]
+        if self.vocab_size is not None and len(rows) and int(rows.max()) >= self.vocab_size:
+            # a damaged or foreign shard: the embedding would fail deep inside (on CUDA, a
+            # device-side assert); one max over the batch costs microseconds
+            row = int(np.argmax(rows.max(axis=1)))
+            s = int(shard_ids[row])
+            name = self.names[s] if self.names else f"shard {s}"
+            raise UserError(
+                f"{name} holds token id {int(rows[row].max())} at window {int(indices[row])}, "
+                f"beyond model.vocab_size={self.vocab_size}: the shard is damaged or from "
+                f"another tokenizer; run `scale-llm prepare CONFIG --force`"
+            )
         return torch.from_numpy(rows)
 
 

@@ -44,7 +44,7 @@ from scale_llm.data.shards import (
 )
 from scale_llm.data.sources import Document, open_source
 from scale_llm.data.tokenizer import file_sha256, train_tokenizer
-from scale_llm.errors import UserError
+from scale_llm.errors import UserError, require_writable_dir
 
 __all__ = ["prepare", "is_val_document"]
 
@@ -76,6 +76,7 @@ def prepare(cfg: Config, force: bool = False) -> dict[str, Any]:
         )
         return current
 
+    require_writable_dir(out, "data.dir")  # before anything is read or removed
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST).unlink(missing_ok=True)  # from here on the directory reads as unprepared
     t0 = time.perf_counter()

@@ -175,6 +175,28 @@ def write_manifest(out_dir: Path, manifest: dict[str, Any]) -> None:
     write_atomic(out_dir / MANIFEST, json.dumps(manifest, indent=2).encode())
 
 
+def _missing_keys(manifest: dict[str, Any]) -> list[str]:
+    """The keys training reads from a manifest that this one lacks (or holds in another shape)."""
+    missing = [k for k in ("dtype", "splits", "tokenizer") if k not in manifest]
+    tok = manifest.get("tokenizer")
+    if isinstance(tok, dict):
+        missing += [f"tokenizer.{k}" for k in ("file", "sha256", "vocab_size") if k not in tok]
+    elif "tokenizer" in manifest:
+        missing.append("tokenizer (a mapping)")
+    splits = manifest.get("splits")
+    if isinstance(splits, dict):
+        for name in ("train", "val"):
+            split = splits.get(name)
+            shards = split.get("shards") if isinstance(split, dict) else None
+            if not isinstance(shards, list) or not all(
+                isinstance(x, dict) and "file" in x and "tokens" in x for x in shards
+            ):
+                missing.append(f"splits.{name}.shards (files and token counts)")
+    elif "splits" in manifest:
+        missing.append("splits (a mapping)")
+    return missing
+
+
 def read_manifest(data_dir: str | Path, check_shards: bool = True) -> dict[str, Any]:
     """The manifest of a prepared data dir, with every listed shard checked for its size."""
     data_dir = Path(data_dir)
@@ -195,6 +217,12 @@ def read_manifest(data_dir: str | Path, check_shards: bool = True) -> dict[str, 
         raise UserError(
             f"{path} has format {manifest.get('format')}, this version reads "
             f"{FORMAT_VERSION}; run `scale-llm prepare CONFIG` again"
+        )
+    missing = _missing_keys(manifest)
+    if missing:
+        raise UserError(
+            f"{path} lacks {', '.join(missing)} (edited by hand, or cut short); run "
+            f"`scale-llm prepare CONFIG --force` to rebuild data.dir={data_dir}"
         )
     if check_shards:
         problems = shard_problems(data_dir, manifest)

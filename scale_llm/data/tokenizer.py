@@ -31,7 +31,14 @@ class Tokenizer:
             raise UserError(
                 f"tokenizer {self.path} does not exist; run `scale-llm prepare CONFIG` to train it"
             )
-        self.sp = spm.SentencePieceProcessor(model_file=str(self.path))
+        try:
+            self.sp = spm.SentencePieceProcessor(model_file=str(self.path))
+        except (RuntimeError, OSError) as e:
+            raise UserError(
+                f"tokenizer {self.path} is not a SentencePiece model ({str(e).splitlines()[0]}); "
+                f"restore it (a run directory's copy comes from its data.dir), or re-run "
+                f"`scale-llm prepare CONFIG --force`"
+            ) from None
         self.bos_id, self.eos_id = self.sp.bos_id(), self.sp.eos_id()
 
     @property

@@ -19,7 +19,7 @@ from scale_llm.components.checkpoint import (
 )
 from scale_llm.components.serialization import load_file
 from scale_llm.config import ModelConfig
-from scale_llm.errors import UserError
+from scale_llm.errors import UserError, require_writable_dir
 from scale_llm.model import empty_state_dict
 
 
@@ -42,6 +42,15 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def convert(checkpoint: str | Path, out: str | Path) -> tuple[Path, int]:
+    out = Path(out)
+    tmp = out.with_name(out.name + ".tmp")
+    if out.is_dir():
+        raise UserError(
+            f"--out {out} is a directory; give the file to write, e.g. --out {out / 'model.pt'}"
+        )
+    if tmp.is_dir():
+        raise UserError(f"{tmp} (convert's temporary file) is a directory; remove it first")
+    require_writable_dir(out.parent, "--out")
     ckpt = resolve_checkpoint(checkpoint)
     state = load_file(ckpt / TRAINER_STATE)
     # the checkpoint records its own shape (older ones also held keys that have moved since)
@@ -52,8 +61,8 @@ def convert(checkpoint: str | Path, out: str | Path) -> tuple[Path, int]:
     loaded = load_model_weights(ckpt, empty_state_dict(model_cfg))
     weights = {k: v.float().contiguous() for k, v in loaded.items()}
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
+    out.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"model": weights, "config": state["config"], "step": state["step"]}, tmp)
     tmp.replace(out)
     return out, sum(v.numel() for v in weights.values())

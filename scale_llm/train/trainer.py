@@ -28,14 +28,15 @@ from scale_llm.components.checkpoint import (
     resolve_resume,
 )
 from scale_llm.components.distributed import mean_over_ranks
-from scale_llm.components.hardware import cuda_memory_gib, peak_flops
+from scale_llm.components.hardware import cuda_memory_gib, host_available_bytes, peak_flops
 from scale_llm.components.optim import SCHEDULE_KEYS, lr_at
 from scale_llm.components.serialization import load_file, save_file
 from scale_llm.config import Config, TrainConfig, get_key, run_defining_keys, save_config, to_dict
 from scale_llm.data.loader import TokenWindows, TrainLoader, eval_batches
 from scale_llm.data.shards import open_split, read_manifest
 from scale_llm.data.tokenizer import Tokenizer
-from scale_llm.errors import UserError
+from scale_llm.errors import UserError, require_writable_dir
+from scale_llm.memory import estimate
 from scale_llm.model import Transformer, build_model, empty_state_dict
 from scale_llm.parallel.backend import build_backend
 from scale_llm.parallel.step import optimizer_step
@@ -71,6 +72,8 @@ class Trainer:
         self.run_dir = cfg.run_dir
         self.manifest = read_manifest(cfg.data.dir)
         self._check_vocab()
+        if plan.is_main:
+            require_writable_dir(self.run_dir, "run.dir / run.name")  # before the model is built
         self.lock = RunLock(self.run_dir)
         if plan.is_main:
             self.lock.check()  # a live launch on this run dir: stop before any work
@@ -85,6 +88,7 @@ class Trainer:
         self.resume_from = resolve_resume(cfg.checkpoint.resume, self.checkpointer)
         resume_state = self._read_resume_state()
 
+        self._check_host_memory()
         self.backend = build_backend(cfg, plan)
         model = build_model(cfg.model)  # on the meta device: no memory, no init yet
         _log_model(model, cfg)
@@ -108,11 +112,14 @@ class Trainer:
         self.model = self.backend.setup(model, initial)
 
         data_dir = Path(cfg.data.dir)
-        self.train_windows = TokenWindows(
-            open_split(data_dir, self.manifest, "train"), cfg.model.seq_len
-        )
-        self.val_windows = TokenWindows(
-            open_split(data_dir, self.manifest, "val"), cfg.model.seq_len
+        self.train_windows, self.val_windows = (
+            TokenWindows(
+                open_split(data_dir, self.manifest, split),
+                cfg.model.seq_len,
+                cfg.model.vocab_size,  # every batch is checked against it
+                [str(data_dir / x["file"]) for x in self.manifest["splits"][split]["shards"]],
+            )
+            for split in ("train", "val")
         )
         self._check_windows()
         self.loader = TrainLoader(self.train_windows, plan, cfg.run.seed, cfg.data.prefetch)
@@ -507,6 +514,26 @@ class Trainer:
                 f"with the vocab size you want"
             )
 
+    def _check_host_memory(self) -> None:
+        """A CPU run whose predicted memory exceeds what the host has free stops here, with
+        the estimate, before anything is allocated (instead of swapping or being killed)."""
+        available = host_available_bytes()
+        if self.plan.device.type != "cpu" or available is None:
+            return
+        est = estimate(self.cfg, self.plan)
+        per_rank = est.gpu["total"] + sum(v for v in est.cpu.values())
+        need = per_rank * self.plan.world_size  # CPU ranks share this host
+        if need > available:
+            m, gib = self.cfg.model, 2**30
+            raise UserError(
+                f"this run needs about {need / gib:,.1f} GiB of host memory (`scale-llm "
+                f"estimate` with these settings: {est.params / 1e6:,.0f}M parameters, "
+                f"d_model {m.d_model}, {m.n_layers} layers, micro-batch "
+                f"{self.plan.micro_batch_size} x seq_len {m.seq_len}, {self.plan.world_size} "
+                f"process(es)) but {available / gib:,.1f} GiB is available; shrink the model "
+                f"or train.micro_batch_size, or run on a GPU"
+            )
+
     def _check_windows(self) -> None:
         if len(self.train_windows) == 0 or len(self.val_windows) == 0:
             raise UserError(
@@ -514,6 +541,16 @@ class Trainer:
                 f"model.seq_len={self.cfg.model.seq_len} (train windows: "
                 f"{len(self.train_windows)}, val windows: {len(self.val_windows)}); "
                 f"use a larger corpus or a shorter seq_len"
+            )
+        per_step = self.plan.sequences_per_step
+        if per_step > len(self.train_windows):
+            raise UserError(
+                f"one optimizer step reads {per_step:,} sequences (train.micro_batch_size "
+                f"{self.plan.micro_batch_size} x train.grad_accum {self.plan.grad_accum} x "
+                f"{self.plan.dp_degree} rank(s)) but data.dir={self.cfg.data.dir} holds "
+                f"{len(self.train_windows):,} training windows of model.seq_len "
+                f"{self.cfg.model.seq_len}: every step would repeat the data; lower "
+                f"train.grad_accum or train.micro_batch_size, or prepare more data"
             )
 
     def _write_run_dir(self) -> None:
