@@ -121,10 +121,14 @@ def test_truncated_shard_and_missing_manifest_are_refused(tmp_path):
         read_manifest(tmp_path / "nothing-here")
 
 
-def test_interrupted_prepare_never_reads_as_complete(tmp_path, monkeypatch):
+def test_a_failed_or_interrupted_prepare_leaves_the_good_data_untouched(tmp_path, monkeypatch):
+    """Issue 14: prepare deleted the manifest and shards before building the new ones. It now
+    builds in data.dir/.prepare-build/ and publishes only a complete build; until then the
+    previous data reads exactly as before (and never as the new, half-done data)."""
     corpus = marker_corpus(tmp_path)
     out = tmp_path / "data"
-    prepare(prep_config(corpus, out))
+    before = prepare(prep_config(corpus, out))
+    files = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
     with open(corpus, "a") as f:
         f.write(json.dumps({"text": "changed " * 30}) + "\n")
 
@@ -134,8 +138,45 @@ def test_interrupted_prepare_never_reads_as_complete(tmp_path, monkeypatch):
     monkeypatch.setattr(prepare_mod, "_write", killed)
     with pytest.raises(KeyboardInterrupt):
         prepare(prep_config(corpus, out))
-    with pytest.raises(UserError, match="manifest.json missing"):
-        read_manifest(out)
+    assert read_manifest(out) == before  # the good data is still there, unchanged
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == files
+    assert (out / ".prepare-build" / "progress.json").is_file()
+    with open(corpus, "a") as f:  # a source that fails half-way: the same
+        f.write("{not json\n")
+    monkeypatch.undo()
+    with pytest.raises(UserError):
+        prepare(prep_config(corpus, out))
+    assert read_manifest(out) == before
+    lines = corpus.read_text().splitlines()[:-1]
+    corpus.write_text("\n".join(lines) + "\n")
+    after = prepare(prep_config(corpus, out))  # fixed: the new data is published
+    assert after["fingerprint"] != before["fingerprint"] and read_manifest(out) == after
+    assert not (out / ".prepare-build").exists()
+    assert sorted(p.name for p in out.iterdir()) == sorted(files)  # no stray files
+
+
+def test_a_prepare_killed_while_publishing_is_finished_by_the_next(tmp_path, monkeypatch):
+    corpus = marker_corpus(tmp_path)
+    out = tmp_path / "data"
+    prepare(prep_config(corpus, out))
+    with open(corpus, "a") as f:
+        f.write(json.dumps({"text": "changed " * 30}) + "\n")
+    real = prepare_mod._publish
+
+    def die_midway(build, dest):
+        (dest / "manifest.json").unlink()  # the old data is already half gone...
+        raise KeyboardInterrupt  # ...and the process is killed
+
+    monkeypatch.setattr(prepare_mod, "_publish", die_midway)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(prep_config(corpus, out))
+    monkeypatch.setattr(prepare_mod, "_publish", real)
+    assert (out / ".prepare-build" / "manifest.json").is_file()
+    encoded = []
+    monkeypatch.setattr(prepare_mod, "_write", lambda *a: encoded.append(1))
+    manifest = prepare(prep_config(corpus, out))  # publishes the complete build, encodes nothing
+    assert encoded == [] and read_manifest(out) == manifest
+    assert not (out / ".prepare-build").exists()
 
 
 def test_bad_sources_name_the_file_or_field(tmp_path):

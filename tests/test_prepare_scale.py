@@ -89,9 +89,10 @@ def test_interrupted_prepare_continues_and_matches_an_uninterrupted_one(
         prepare(config(src, out))
     with pytest.raises(UserError, match="manifest.json missing"):
         read_manifest(out)  # a half-done directory never reads as prepared
-    progress = json.loads((out / "progress.json").read_text())
+    build = out / ".prepare-build"  # where an unfinished prepare writes
+    progress = json.loads((build / "progress.json").read_text())
     assert progress["documents_read"] == sum(calls[:8])
-    partial = next(out.glob("*.partial"))
+    partial = next(build.glob("*.partial"))
     with open(partial, "ab") as f:
         f.write(b"\x07\x00" * 5)  # bytes written after the last checkpoint: must be dropped
 
@@ -109,6 +110,7 @@ def test_interrupted_prepare_continues_and_matches_an_uninterrupted_one(
     assert manifest["tokenizer"] == reference["tokenizer"]
     assert shard_bytes(out) == shard_bytes(tmp_path / "ref")
     assert not list(out.glob("*.partial")) and not (out / "progress.json").exists()
+    assert not build.exists()
 
     stamp = (out / "manifest.json").stat().st_mtime_ns
     assert prepare(config(src, out)) == manifest  # finished: a no-op
@@ -130,7 +132,8 @@ def test_stale_progress_starts_afresh(tmp_path, monkeypatch, small_batches):
     with pytest.raises(KeyboardInterrupt):
         prepare(config(src, out))
     monkeypatch.setattr(prepare_mod, "_write", real_write)
-    (out / "train_00000.bin").unlink()  # a finished shard the checkpoint relies on is gone
+    # a finished shard the checkpoint relies on is gone
+    (out / ".prepare-build" / "train_00000.bin").unlink()
     manifest = prepare(config(src, out))
     assert sum(s["documents"] for s in manifest["splits"].values()) == 60
     read_manifest(out)

@@ -16,6 +16,8 @@ import hashlib
 import itertools
 import json
 import logging
+import os
+import shutil
 import signal
 import sys
 import threading
@@ -59,6 +61,7 @@ SPLITS = ("train", "val")
 def prepare(cfg: Config, force: bool = False) -> dict[str, Any]:
     """Prepare `cfg.data.dir` from `cfg.data.source`; returns the manifest."""
     out = Path(cfg.data.dir)
+    _finish_publish(out)
     source = open_source(cfg.data)
     fingerprint = _fingerprint(cfg, source)
     current = _current_manifest(out)
@@ -77,28 +80,35 @@ def prepare(cfg: Config, force: bool = False) -> dict[str, Any]:
         return current
 
     require_writable_dir(out, "data.dir")  # before anything is read or removed
-    out.mkdir(parents=True, exist_ok=True)
-    (out / MANIFEST).unlink(missing_ok=True)  # from here on the directory reads as unprepared
+    # Build beside the current data, in out/.prepare-build/: until the new manifest is complete
+    # the existing data stays as it was (a bad source or an interruption costs nothing).
+    build = out / BUILD_DIR
+    build.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     log.info("data: reading %s", source.describe())
-    progress, writers, stream = _resume(cfg, source, out, fingerprint, force) or _fresh(
-        cfg, source, out, fingerprint
+    progress, writers, stream = _resume(cfg, source, build, fingerprint, force) or _fresh(
+        cfg, source, build, fingerprint
     )
     written_before = progress["tokens"]
     try:
         with _sigterm_interrupts():
-            _tokenize(cfg, source, out, stream, progress, writers)
+            _tokenize(cfg, source, build, stream, progress, writers)
     except KeyboardInterrupt:
         log.info(
-            "data: interrupted; kept the shards written so far and progress.json (%s documents "
-            "read); `scale-llm prepare` with the same settings continues from there",
-            f"{(read_progress(out) or {}).get('documents_read', 0):,}",
+            "data: interrupted; kept the shards written so far and progress.json in %s (%s "
+            "documents read); `scale-llm prepare` with the same settings continues from there. "
+            "%s itself is unchanged%s",
+            build,
+            f"{(read_progress(build) or {}).get('documents_read', 0):,}",
+            out,
+            " (it holds the previous data)" if (out / MANIFEST).is_file() else "",
         )
         raise
     splits = _finish(writers)
-    manifest = _manifest(cfg, source, out, fingerprint, progress, splits)
-    write_manifest(out, manifest)
-    (out / PROGRESS).unlink(missing_ok=True)
+    manifest = _manifest(cfg, source, build, fingerprint, progress, splits)
+    (build / PROGRESS).unlink(missing_ok=True)
+    write_manifest(build, manifest)  # the build is complete from here on
+    _publish(build, out)
     seconds = time.perf_counter() - t0
     log.info(
         "data: wrote %s train / %s val tokens (%d / %d documents) to %s in %.1fs (%.2fM tokens/s)",
@@ -111,6 +121,47 @@ def prepare(cfg: Config, force: bool = False) -> dict[str, Any]:
         (progress["tokens"] - written_before) / seconds / 1e6,
     )
     return manifest
+
+
+BUILD_DIR = ".prepare-build"  # inside data.dir: the next data while it is being written
+
+
+def _prepared_files(directory: Path) -> list[Path]:
+    """The files prepare writes into a data directory (nothing else there is touched)."""
+    names = [*directory.glob("train_*.bin*"), *directory.glob("val_*.bin*")]
+    return names + [directory / n for n in (TOKENIZER_FILE, PROGRESS) if (directory / n).exists()]
+
+
+def _publish(build: Path, out: Path) -> None:
+    """Move a complete build into `out`: the old manifest goes first (from then on `out` reads
+    as unprepared), then the old files, then the new files, the new manifest last. A crash in
+    between leaves the complete build, which the next prepare publishes (`_finish_publish`)."""
+    for path in build.iterdir():  # durable before the old data goes (the shards already are)
+        _fsync(path)
+    (out / MANIFEST).unlink(missing_ok=True)
+    for old in _prepared_files(out):
+        old.unlink()
+    for new in _prepared_files(build):
+        new.rename(out / new.name)
+    (build / MANIFEST).rename(out / MANIFEST)
+    _fsync(out)
+    shutil.rmtree(build, ignore_errors=True)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _finish_publish(out: Path) -> None:
+    """A prepare killed while publishing left a complete build: publish it now."""
+    build = out / BUILD_DIR
+    if (build / MANIFEST).is_file():
+        log.info("data: finishing the publication of a complete build in %s", build)
+        _publish(build, out)
 
 
 @contextlib.contextmanager
