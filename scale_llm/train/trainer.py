@@ -88,6 +88,17 @@ class Trainer:
         self.resume_from = resolve_resume(cfg.checkpoint.resume, self.checkpointer)
         resume_state = self._read_resume_state()
 
+        data_dir = Path(cfg.data.dir)
+        self.train_windows, self.val_windows = (
+            TokenWindows(
+                open_split(data_dir, self.manifest, split),
+                cfg.model.seq_len,
+                cfg.model.vocab_size,  # every batch is checked against it
+                [str(data_dir / x["file"]) for x in self.manifest["splits"][split]["shards"]],
+            )
+            for split in ("train", "val")
+        )
+        self._check_windows()  # data that cannot feed this run: before any memory check
         self._check_host_memory()
         self.backend = build_backend(cfg, plan)
         model = build_model(cfg.model)  # on the meta device: no memory, no init yet
@@ -111,17 +122,6 @@ class Trainer:
             log.info("init_from: not used: resuming %s (newer weights)", self.resume_from)
         self.model = self.backend.setup(model, initial)
 
-        data_dir = Path(cfg.data.dir)
-        self.train_windows, self.val_windows = (
-            TokenWindows(
-                open_split(data_dir, self.manifest, split),
-                cfg.model.seq_len,
-                cfg.model.vocab_size,  # every batch is checked against it
-                [str(data_dir / x["file"]) for x in self.manifest["splits"][split]["shards"]],
-            )
-            for split in ("train", "val")
-        )
-        self._check_windows()
         self.loader = TrainLoader(self.train_windows, plan, cfg.run.seed, cfg.data.prefetch)
         self.generators = Generators(plan.rank)
         self.step = 0
