@@ -186,6 +186,12 @@ MAX_CONFIG_VALUES = 10_000  # scalars + containers after expanding YAML aliases 
 MAX_CONFIG_DEPTH = 20  # nesting levels (parallel.deepspeed.config's entries are the deepest)
 
 
+def short(value: Any, limit: int = 80) -> str:
+    """repr(value) for a message, cut to `limit` characters: a config value can be huge."""
+    text = repr(value) if len(str(value)) < 10 * limit else repr(str(value)[: 2 * limit])
+    return text if len(text) <= limit else text[: limit - 15] + f"... ({len(str(value)):,} chars)"
+
+
 def shipped_config_dir() -> Path | None:
     """The shipped configs: inside an installed wheel (scale_llm/configs), or the checkout's
     yaml/ folder beside the package."""
@@ -329,7 +335,7 @@ def parse_override(item: str) -> tuple[str, Any]:
     key, sep, text = item.partition("=")
     if not sep or not key.strip():
         raise UserError(
-            f"override {item!r} must look like section.key=value, e.g. --set train.lr=3e-4"
+            f"override {short(item)} must look like section.key=value, e.g. --set train.lr=3e-4"
         )
     try:
         value = yaml.safe_load(text) if text.strip() else None
@@ -375,8 +381,8 @@ def _move_deprecated_keys(raw: dict[str, Any], errors: list[str]) -> None:
             continue  # reported as a malformed section by _build
         if new_key in target:
             errors.append(
-                f"{old}: moved to {new}, and both are set ({value!r} and {target[new_key]!r}); "
-                f"keep only {new}"
+                f"{old}: moved to {new}, and both are set ({short(value)} and "
+                f"{short(target[new_key])}); keep only {new}"
             )
             continue
         target[new_key] = value
@@ -427,7 +433,7 @@ def with_changes(cfg: Config, changes: dict[str, Any]) -> Config:
 def _build(cls: type, raw: Any, prefix: str, errors: list[str]) -> Any:
     """Instantiate dataclass `cls` from a raw mapping, recording every problem in `errors`."""
     if not isinstance(raw, dict):
-        errors.append(f"{prefix.rstrip('.')}: expected a mapping of keys, got {raw!r}")
+        errors.append(f"{prefix.rstrip('.')}: expected a mapping of keys, got {short(raw)}")
         return cls()
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
@@ -445,7 +451,7 @@ def _build(cls: type, raw: Any, prefix: str, errors: list[str]) -> Any:
             if ok:
                 kwargs[key] = converted
             else:
-                errors.append(f"{dotted}: expected {expected}, got {value!r}")
+                errors.append(f"{dotted}: expected {expected}, got {short(value)}")
     return cls(**kwargs)
 
 

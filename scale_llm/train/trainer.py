@@ -281,16 +281,17 @@ class Trainer:
     def sample(self) -> str:
         """A greedy continuation of eval.sample_prompt, decoded on every rank in lockstep.
 
-        Every forward is a full (micro_batch_size, seq_len) window (the prompt row repeated,
-        right-padded: causal attention never sees the padding), so compiled blocks meet the
-        shape they were compiled for, and sharded backends run the same collectives on each
-        rank; a fixed number of tokens is generated (no early stop that ranks could disagree
+        Every forward is a full seq_len window (right-padded: causal attention never sees the
+        padding), so sharded backends run the same collectives on each rank; with train.compile
+        the prompt row is repeated to (micro_batch_size, seq_len), the shape the blocks were
+        compiled for; a fixed number of tokens is generated (no early stop that ranks could disagree
         on), and the text is cut at the first EOS."""
         cfg = self.cfg
         tokenizer = Tokenizer(Path(cfg.data.dir) / self.manifest["tokenizer"]["file"])
         T = cfg.model.seq_len
         ids = tokenizer.encode(cfg.eval.sample_prompt, bos=True)[-(T - 1) :]
-        window = torch.full((self.plan.micro_batch_size, T), tokenizer.eos_id, dtype=torch.long)
+        rows = self.plan.micro_batch_size if cfg.train.compile else 1  # compiled: the known shape
+        window = torch.full((rows, T), tokenizer.eos_id, dtype=torch.long)
         window[:, : len(ids)] = torch.tensor(ids)
         window, filled, new = window.to(self.device), len(ids), []
         self.model.eval()
