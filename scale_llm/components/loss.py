@@ -54,12 +54,25 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         logits, targets, lse = ctx.saved_tensors
         n, rows = logits.size(0), ctx.rows
-        out = torch.empty_like(logits)
         scale = grad.float() / n
+        if n <= rows:  # one chunk: its buffer is the gradient (no second (n, V) tensor)
+            probs = _grad_chunk(logits, targets, lse, scale)
+            return probs.to(logits.dtype), None, None
+        out = torch.empty_like(logits)
         for start in range(0, n, rows):
-            x = logits[start : start + rows].float()
-            probs = torch.exp(x - lse[start : start + rows, None])  # softmax, rebuilt
-            t = targets[start : start + rows]
-            probs[torch.arange(t.numel(), device=t.device), t] -= 1.0
-            out[start : start + rows] = (probs * scale).to(logits.dtype)
+            end = start + rows
+            out[start:end] = _grad_chunk(
+                logits[start:end], targets[start:end], lse[start:end], scale
+            )
         return out, None, None
+
+
+def _grad_chunk(
+    logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor
+) -> torch.Tensor:
+    """(softmax(logits) - onehot(targets)) * scale in fp32, in one fresh buffer: the subtraction
+    writes it (never the saved logits), exp / index / scale then work in place."""
+    probs = torch.sub(logits.float(), lse[:, None])
+    probs.exp_()  # the softmax, rebuilt from the saved log-sum-exp
+    probs[torch.arange(targets.numel(), device=targets.device), targets] -= 1.0
+    return probs.mul_(scale)
