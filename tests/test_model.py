@@ -178,12 +178,14 @@ def test_flops_per_token_equals_a_count_of_every_matmul(tie):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_chunked_loss_equals_the_plain_one_and_keeps_no_fp32_logits(dtype, monkeypatch):
+@pytest.mark.parametrize("chunk_rows", [7, 40])  # 6 chunks of the 40 rows; one chunk
+def test_chunked_loss_equals_the_plain_one_and_keeps_no_fp32_logits(dtype, chunk_rows, monkeypatch):
     import scale_llm.components.loss as loss_mod
 
-    monkeypatch.setattr(loss_mod, "CHUNK_ELEMENTS", 7 * 97)  # 7 rows per chunk: 6 chunks of 40
+    monkeypatch.setattr(loss_mod, "CHUNK_ELEMENTS", chunk_rows * 97)
     torch.manual_seed(0)
     logits = torch.randn(4, 10, 97, dtype=dtype, requires_grad=True)
+    before = logits.detach().clone()
     targets = torch.randint(0, 97, (4, 10))
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
@@ -196,6 +198,7 @@ def test_chunked_loss_equals_the_plain_one_and_keeps_no_fp32_logits(dtype, monke
     torch.testing.assert_close(chunked, plain, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(g_chunked, g_plain, atol=tol, rtol=tol)
     assert g_chunked.dtype == dtype
+    assert torch.equal(logits.detach(), before)  # the in-place backward never wrote the logits
     # kept for backward: the logits in their own dtype, the targets, one fp32 value per row
     fp32_saved = sum(t.numel() for t in saved if t.dtype == torch.float32)
     assert fp32_saved == 40 + (logits.numel() if dtype == torch.float32 else 0)
