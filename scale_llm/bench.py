@@ -334,9 +334,12 @@ def bench_checkpoint(cfg: Config, plan: RunPlan, directory: Path, rounds: int = 
     from scale_llm.components.checkpoint import (
         damage,
         fsync_tree,
+        gather_records,
         integrity_record,
+        rank_and_world,
         write_integrity,
     )
+    from scale_llm.components.distributed import barrier
 
     backend = build_backend(cfg, plan)
     model = backend.setup(build_model(cfg.model))
@@ -345,30 +348,45 @@ def bench_checkpoint(cfg: Config, plan: RunPlan, directory: Path, rounds: int = 
     backend.optimizer.step()
     backend.optimizer.zero_grad(set_to_none=True)
     rows = []
+    main = plan.is_main
     for _ in range(rounds):
         for kind in ("plain", "with record"):
-            shutil.rmtree(directory, ignore_errors=True)
-            directory.mkdir(parents=True)
+            if main:
+                shutil.rmtree(directory, ignore_errors=True)
+                directory.mkdir(parents=True)
+            barrier()
             start = time.perf_counter()
             backend.save(directory)
+            barrier()
             written = time.perf_counter()
             if kind == "plain":
-                fsync_tree(directory)
-            else:
-                with ThreadPoolExecutor(1) as pool:
-                    record = pool.submit(integrity_record, directory)
+                if main:
                     fsync_tree(directory)
-                    write_integrity(directory, record.result())
+            else:  # as Checkpointer.save: the ranks split the hashing, the main rank fsyncs
+                with ThreadPoolExecutor(1) as pool:
+                    share = pool.submit(integrity_record, directory, *rank_and_world())
+                    if main:
+                        fsync_tree(directory)
+                    record = gather_records(share.result())
+                if main:
+                    write_integrity(directory, record)
+            barrier()
             done = time.perf_counter()
             row = {"kind": kind, "save_s": done - start, "write_s": written - start}
             if kind == "with record":
                 t0 = time.perf_counter()
-                integrity_record(directory)  # the same hashing, alone, after the fsync
+                gather_records(integrity_record(directory, *rank_and_world()))  # hashing alone
+                barrier()
                 row["record_alone_s"] = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                assert damage(directory) is None
-                row["verify_s"] = time.perf_counter() - t0
-            row["gb"] = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file()) / 1e9
+                if main:
+                    t0 = time.perf_counter()
+                    assert damage(directory) is None
+                    row["verify_s"] = time.perf_counter() - t0
+            if main:
+                files = [f for f in directory.rglob("*") if f.is_file()]
+                row["gb"] = sum(f.stat().st_size for f in files) / 1e9
             rows.append(row)
-    shutil.rmtree(directory, ignore_errors=True)
+            barrier()
+    if main:
+        shutil.rmtree(directory, ignore_errors=True)
     return rows

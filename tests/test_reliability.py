@@ -377,3 +377,24 @@ def test_checkpoint_io_bench_times_the_save_and_its_integrity_record(data_dir, t
     assert all(r["gb"] > 0 and r["save_s"] > 0 for r in rows)
     assert rows[1]["record_alone_s"] > 0 and rows[1]["verify_s"] > 0
     assert not (tmp_path / "io").exists()
+
+
+def test_ranks_split_the_integrity_hashing_and_cover_every_file_once(tmp_path):
+    """Each rank hashes its share of a checkpoint's files (largest first to the least loaded
+    rank); the shares are disjoint and together they are the one-process record."""
+    import os
+
+    from scale_llm.components.checkpoint import integrity_record
+
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "dcp").mkdir(parents=True)
+    for i, size in enumerate([5000, 3000, 3000, 10, 0, 700]):
+        (ckpt / "dcp" / f"__{i}_0.distcp").write_bytes(os.urandom(size))
+    (ckpt / "trainer.pt").write_bytes(b"x" * 42)
+    whole = integrity_record(ckpt)
+    assert len(whole) == 7
+    shares = [integrity_record(ckpt, rank, 3) for rank in range(3)]
+    assert all(shares) and sum(len(s) for s in shares) == len(whole)
+    assert {k: v for s in shares for k, v in s.items()} == whole
+    sizes = [sum(v["size"] for v in s.values()) for s in shares]
+    assert max(sizes) == 5000  # the largest file alone; the rest spread over the other two

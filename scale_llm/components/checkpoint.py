@@ -152,13 +152,15 @@ class Checkpointer:
                 ) from None
             raise
         barrier()
-        if self.is_main:
-            # hash while the files are fsynced (I/O-bound, releases the GIL): the record costs
-            # little more than the fsync the save needs anyway (docs/benchmarks.md)
-            with ThreadPoolExecutor(1) as pool:
-                record = pool.submit(integrity_record, tmp)
+        # every rank hashes its share of the files (by size), the main rank writes the record;
+        # it hashes while the files are fsynced (I/O-bound, releases the GIL)
+        with ThreadPoolExecutor(1) as pool:
+            share = pool.submit(integrity_record, tmp, *rank_and_world())
+            if self.is_main:
                 fsync_tree(tmp)
-                write_integrity(tmp, record.result())
+            record = gather_records(share.result())
+        if self.is_main:
+            write_integrity(tmp, record)
             if final.exists():  # saving the same step again (e.g. the last step after a resume)
                 shutil.rmtree(final)
             tmp.rename(final)
@@ -203,21 +205,47 @@ def resolve_resume(resume: str, checkpointer: Checkpointer) -> Path | None:
     return path
 
 
-def integrity_record(ckpt_dir: Path) -> dict[str, dict[str, Any]]:
-    """Size and xxh3-64 of every file of a checkpoint but the record itself: files hashed in
-    parallel threads (xxhash releases the GIL), largest first, each read through mmap (no copy
-    out of the page cache)."""
+def integrity_record(ckpt_dir: Path, rank: int = 0, world: int = 1) -> dict[str, dict[str, Any]]:
+    """Size and xxh3-64 of the checkpoint's files (all but the record itself), or of this
+    rank's share of them when `world` ranks split the work (largest files first, each to the
+    least loaded rank: every rank computes the same split). Files are hashed in parallel
+    threads (xxhash releases the GIL), each read through mmap (no copy out of the page cache)."""
     files = sorted(
         (p for p in ckpt_dir.rglob("*") if p.is_file() and p.name != INTEGRITY),
-        key=lambda p: -p.stat().st_size,
+        key=lambda p: (-p.stat().st_size, str(p)),
     )
-    workers = max(1, min(4, os.cpu_count() or 1, len(files)))
+    load, mine = [0] * world, []
+    for path in files:
+        owner = min(range(world), key=lambda r: (load[r], r))
+        load[owner] += path.stat().st_size
+        if owner == rank:
+            mine.append(path)
+    workers = max(1, min(4, os.cpu_count() or 1, len(mine)))
     with ThreadPoolExecutor(workers) as pool:
-        digests = dict(zip(files, pool.map(_digest, files)))
+        digests = dict(zip(mine, pool.map(_digest, mine)))
     return {
         str(p.relative_to(ckpt_dir)): {"size": p.stat().st_size, "xxh3_64": digests[p]}
-        for p in sorted(files)
+        for p in sorted(mine)
     }
+
+
+def gather_records(share: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every rank's share of the integrity record, merged (all ranks get it)."""
+    if not is_distributed():
+        return share
+    import torch.distributed as dist
+
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, share)
+    return dict(sorted(item for part in parts for item in part.items()))
+
+
+def rank_and_world() -> tuple[int, int]:
+    if not is_distributed():
+        return 0, 1
+    import torch.distributed as dist
+
+    return dist.get_rank(), dist.get_world_size()
 
 
 def write_integrity(ckpt_dir: Path, record: dict[str, dict[str, Any]] | None = None) -> None:
