@@ -156,7 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--measure",
         action="store_true",
-        help="also count the activation bytes a CPU forward pass saves for backward",
+        help="also count the activation bytes a CPU forward pass saves for backward, and "
+        "measure one whole optimizer step on the CPU by category (params, grads, optimizer, "
+        "activations, temporaries)",
     )
 
     p = sub.add_parser("bench", help="training throughput on synthetic tokens (no data needed)")
@@ -415,6 +417,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
             f"saved {memory.gib(counted)} for backward; predicted {memory.gib(predicted)} "
             f"({predicted / counted - 1:+.2%})"
         )
+        from scale_llm.memory.measure import format_measurement, measure_step
+
+        result["measured_step_cpu"] = step = measure_step(cfg)
+        text.append(format_measurement(step))
     if args.fit:
         budget = memory.parse_bytes(args.fit)
         fitted = memory.fit(cfg, plan, budget)

@@ -273,3 +273,34 @@ def test_train_fit_keeps_the_global_batch_and_the_backend(data_dir, tmp_path):
     roomy_cfg, roomy_plan = fit_at_launch(cfg, plan, f"{int(roomy * 2)}B")
     assert roomy_plan.sequences_per_step == 16  # room to spare: the largest micro-batch, and
     assert roomy_cfg.activation_checkpointing.mode == "none"  # no recomputation
+
+
+@pytest.mark.parametrize(
+    "precision, ac", [("fp32", "none"), ("fp32", "full"), ("bf16", "selective")]
+)
+def test_a_measured_step_has_the_estimated_states_and_stays_near_the_total(precision, ac):
+    """One real optimizer step under MemTracker (single backend, CPU): parameters and AdamW
+    state are what the estimate says; the peak total lies within 25% of the estimate's (which
+    adds per-category maxima: above the peak when checkpointing frees memory early)."""
+    from scale_llm.config import load_config
+    from scale_llm.memory.measure import measure_step
+
+    cfg = load_config(
+        None,
+        [
+            "model.vocab_size=1024",
+            "model.d_model=128",
+            "model.n_layers=2",
+            "model.n_heads=4",
+            "model.seq_len=128",
+            "train.micro_batch_size=4",
+            f"train.precision={precision}",
+            f"activation_checkpointing.mode={ac}",
+        ],
+    )
+    r = measure_step(cfg)
+    got, est = r["measured"], r["estimated"]
+    assert got["params"] == pytest.approx(est["params"], rel=0.01)
+    assert got["optimizer"] == pytest.approx(est["optimizer"], rel=0.01)
+    assert got["activations"] > 0 and got["total"] > got["params"] + got["optimizer"]
+    assert abs(got["total"] / est["total"] - 1) < 0.25, (got, est)
