@@ -302,5 +302,7 @@ def test_a_measured_step_has_the_estimated_states_and_stays_near_the_total(preci
     got, est = r["measured"], r["estimated"]
     assert got["params"] == pytest.approx(est["params"], rel=0.01)
     assert got["optimizer"] == pytest.approx(est["optimizer"], rel=0.01)
+    assert r["category_maxima"]["grads"] == pytest.approx(est["grads"], rel=0.01)  # after bw
+    assert all(r["category_maxima"][k] >= got[k] for k in got if k != "total")
     assert got["activations"] > 0 and got["total"] > got["params"] + got["optimizer"]
     assert abs(got["total"] / est["total"] - 1) < 0.25, (got, est)

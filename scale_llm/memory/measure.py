@@ -4,7 +4,9 @@
 process (world size 1, on the CPU, synthetic tokens) under PyTorch's MemTracker
 (`torch.distributed._tools.mem_tracker`), which attributes every live tensor storage to
 parameters, gradients, optimizer state, activations or temporaries, and reports the bytes of
-each category at the step's peak. The estimate it is compared with is the one for the same
+each category at the step's peak, and each category's own maximum over the step (from the
+snapshots MemTracker takes around every module's forward and backward). The estimate it is
+compared with is the one for the same
 one-process CPU run (`estimate(cfg, plan)`), whose parts are per-category maxima and so add up
 to an upper bound of the measured peak.
 
@@ -63,12 +65,18 @@ def measure_step(cfg: Config) -> dict[str, Any]:
     with tracker:
         optimizer_step(backend, model, batches())
     (snapshot,) = tracker.get_tracker_snapshot("peak").values()
-    measured = {name: 0 for name in CATEGORIES.values()}
-    for kind, nbytes in snapshot.items():
-        name = CATEGORIES.get(getattr(kind, "value", str(kind)))
-        if name is not None:
-            measured[name] += int(nbytes)
+    measured = _by_category(snapshot)
     measured["total"] = sum(measured.values())
+    # each category's own maximum over the step: the snapshots MemTracker takes around every
+    # module's forward and backward, and the peak (gradients, say, peak after the backward)
+    maxima = dict(measured)
+    for stats in tracker.memory_tracking.values():
+        for states in getattr(stats, "snapshots", {}).values():
+            for per_device in states:
+                for device_snapshot in per_device.values():
+                    for name, nbytes in _by_category(device_snapshot).items():
+                        maxima[name] = max(maxima[name], nbytes)
+    maxima.pop("total")
     est = estimate(here, plan)
     estimated = {k: int(v) for k, v in est.gpu.items()}
     return {
@@ -77,8 +85,18 @@ def measure_step(cfg: Config) -> dict[str, Any]:
         "activation_checkpointing": here.activation_checkpointing.mode,
         "micro_batch_size": plan.micro_batch_size,
         "measured": measured,
+        "category_maxima": maxima,
         "estimated": estimated,
     }
+
+
+def _by_category(snapshot: dict) -> dict[str, int]:
+    out = {name: 0 for name in CATEGORIES.values()}
+    for kind, nbytes in snapshot.items():
+        name = CATEGORIES.get(getattr(kind, "value", str(kind)))
+        if name is not None:
+            out[name] += int(nbytes)
+    return out
 
 
 def format_measurement(r: dict[str, Any]) -> str:
@@ -88,13 +106,16 @@ def format_measurement(r: dict[str, Any]) -> str:
         f"{r['activation_checkpointing']}, micro-batch {r['micro_batch_size']}, 1 process "
         f"(bytes at the step's peak, next to the estimate for this run)"
     ]
+    lines.append(f"  {'':<12} {'at the peak':>12} {'own maximum':>13}   estimate")
     for part in ("params", "grads", "optimizer", "activations", "temporaries", "total"):
         got = r["measured"].get(part, 0) / gib
+        own = r["category_maxima"].get(part)
+        own_text = "-" if own is None else f"{own / gib:9.3f} GiB"
         est = r["estimated"].get(part)
         if part == "activations":
             est = r["estimated"].get("activations", 0) + r["estimated"].get("logits", 0)
         if part == "temporaries":
             est = r["estimated"].get("overhead")
         shown = "-" if est is None else f"{est / gib:8.3f} GiB"
-        lines.append(f"  {part:<12} {got:8.3f} GiB   estimate {shown}")
+        lines.append(f"  {part:<12} {got:8.3f} GiB {own_text:>13}   {shown}")
     return "\n".join(lines)
