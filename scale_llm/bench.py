@@ -336,10 +336,9 @@ def bench_checkpoint(cfg: Config, plan: RunPlan, directory: Path, rounds: int = 
         fsync_tree,
         gather_records,
         integrity_record,
-        rank_and_world,
         write_integrity,
     )
-    from scale_llm.components.distributed import barrier
+    from scale_llm.components.distributed import barrier, rank_and_world
 
     backend = build_backend(cfg, plan)
     model = backend.setup(build_model(cfg.model))

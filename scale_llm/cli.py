@@ -457,8 +457,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 0
     cfg, plan = start_distributed(args)
     if args.checkpoint_io:
-        from pathlib import Path
-
         from scale_llm.bench import bench_checkpoint
 
         rows = bench_checkpoint(cfg, plan, Path(args.checkpoint_io), max(1, args.rounds))

@@ -23,10 +23,9 @@ import torch
 
 from scale_llm.components.checkpoint import (
     TRAINER_STATE,
-    Checkpointer,
-    damage,
     fsync_tree,
     load_model_weights,
+    resolve_checkpoint,
 )
 from scale_llm.components.hf_files import require
 from scale_llm.components.serialization import load_file
@@ -62,24 +61,6 @@ class Exported:
     dtype: str
     n_params: int
     files: list[str]
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory as given (refused when damaged), or a run directory's newest
-    complete, undamaged checkpoint."""
-    path = Path(path)
-    if (path / TRAINER_STATE).is_file():
-        problem = damage(path)
-        if problem is not None:
-            raise UserError(f"{path} is damaged: {problem}; export another checkpoint")
-        return path
-    latest = Checkpointer(path, 1).latest_good() if path.is_dir() else None
-    if latest is None:
-        raise UserError(
-            f"{path} is neither a checkpoint directory nor a run directory with a complete "
-            f"checkpoint; pass e.g. runs/tiny or runs/tiny/checkpoints/step_00000150"
-        )
-    return latest
 
 
 def read_source(path: str | Path) -> Source:

@@ -228,13 +228,13 @@ def test_unparsable_environment(env, expected, data_dir, tmp_path, monkeypatch, 
 def test_a_leftover_world_size_says_what_it_waits_for_then_stops(data_dir, tmp_path):
     """WORLD_SIZE=2 left in a shell, no launcher, no peer: say what, where and how long, then
     an error (not a silent wait, not a traceback)."""
-    import os
     import subprocess
     import sys
 
-    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "MASTER_PORT": "29731"}
+    from tests.helpers import env as child_env
+
+    env = {**child_env(), "WORLD_SIZE": "2", "RANK": "0", "MASTER_PORT": "29731"}
     env["SCALE_LLM_PG_TIMEOUT_MIN"] = "0.05"  # 3 s
-    env["PYTHONPATH"] = str(REPO)
     for key in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "SLURM_PROCID"):
         env.pop(key, None)
     argv = ["train", TINY, *s(f"data.dir={data_dir}", "model.vocab_size=512")]

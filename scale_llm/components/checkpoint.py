@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import xxhash
 
-from scale_llm.components.distributed import barrier, is_distributed
+from scale_llm.components.distributed import barrier, is_distributed, rank_and_world
 from scale_llm.components.serialization import dcp_load, load_file
 from scale_llm.errors import UserError
 
@@ -233,19 +234,27 @@ def gather_records(share: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]
     """Every rank's share of the integrity record, merged (all ranks get it)."""
     if not is_distributed():
         return share
-    import torch.distributed as dist
-
     parts: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(parts, share)
     return dict(sorted(item for part in parts for item in part.items()))
 
 
-def rank_and_world() -> tuple[int, int]:
-    if not is_distributed():
-        return 0, 1
-    import torch.distributed as dist
-
-    return dist.get_rank(), dist.get_world_size()
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory as given (refused when damaged), or a run directory's newest
+    complete, undamaged checkpoint (for convert, export and eval)."""
+    path = Path(path)
+    if (path / TRAINER_STATE).is_file():
+        problem = damage(path)
+        if problem is not None:
+            raise UserError(f"{path} is damaged: {problem}; pick another checkpoint")
+        return path
+    latest = Checkpointer(path, 1).latest_good() if path.is_dir() else None
+    if latest is None:
+        raise UserError(
+            f"{path} is neither a checkpoint directory nor a run directory with a complete "
+            f"checkpoint; pass e.g. runs/tiny or runs/tiny/checkpoints/step_00000150"
+        )
+    return latest
 
 
 def write_integrity(ckpt_dir: Path, record: dict[str, dict[str, Any]] | None = None) -> None:

@@ -155,6 +155,13 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and the world size; (0, 1) without a process group."""
+    if not is_distributed():
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
 def barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()

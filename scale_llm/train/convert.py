@@ -13,32 +13,13 @@ import torch
 
 from scale_llm.components.checkpoint import (
     TRAINER_STATE,
-    Checkpointer,
-    damage,
     load_model_weights,
+    resolve_checkpoint,
 )
 from scale_llm.components.serialization import load_file
 from scale_llm.config import ModelConfig
 from scale_llm.errors import UserError, require_writable_dir
 from scale_llm.model import empty_state_dict
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory as given, or the newest complete one of a run directory."""
-    path = Path(path)
-    if (path / TRAINER_STATE).is_file():
-        problem = damage(path)
-        if problem is not None:
-            raise UserError(f"{path} is damaged: {problem}; pick another checkpoint")
-        return path
-    latest = Checkpointer(path, 1).latest_good()
-    if latest is None:
-        raise UserError(
-            f"{path} is neither a checkpoint directory nor a run directory with a "
-            f"complete checkpoint; pass e.g. runs/tiny or runs/tiny/checkpoints/"
-            f"step_00000150"
-        )
-    return latest
 
 
 def convert(checkpoint: str | Path, out: str | Path) -> tuple[Path, int]:
