@@ -376,7 +376,52 @@ def test_checkpoint_io_bench_times_the_save_and_its_integrity_record(data_dir, t
     assert [r["kind"] for r in rows] == ["plain", "with record"]
     assert all(r["gb"] > 0 and r["save_s"] > 0 for r in rows)
     assert rows[1]["record_alone_s"] > 0 and rows[1]["verify_s"] > 0
+    assert rows[1]["hashed_while_writing_gb"] > 0.9 * rows[1]["gb"]  # DCP's files: all of it
+    assert 0 <= rows[1]["hash_stall_s"] < rows[1]["save_s"]
     assert not (tmp_path / "io").exists()
+
+
+def test_digests_taken_while_dcp_writes_are_the_files_own_and_a_seek_drops_them(tmp_path):
+    """DCP's files are hashed as they are written (the record's cost rides along with the
+    write); what a checkpoint records is what hashing the files afterwards gives, and a file
+    not written front to back exactly once is left to be hashed afterwards."""
+    import torch
+
+    from scale_llm.components import digests
+    from scale_llm.components.checkpoint import integrity_record, written_entries
+    from scale_llm.components.serialization import dcp_save
+
+    state = {"model": {f"w{i}": torch.randn(700, 600) for i in range(3)}, "step": 7}
+    ckpt = tmp_path / "ckpt"
+    with digests.recording() as written:
+        dcp_save(state, ckpt / "dcp", no_dist=True)
+        fs = digests.HashingFileSystem()
+        with fs.create_stream(ckpt / "sought.bin", "wb") as f:
+            f.write(b"a" * 100)
+            f.seek(10)
+            f.write(b"b")
+        with fs.create_stream(ckpt / "straight.bin", "wb") as f:
+            f.write(bytes(3 << 20))  # one buffer hashed in the helper thread
+            f.write(b"tail")
+    entries = written_entries(ckpt, written)
+    assert set(entries) == {"dcp/__0_0.distcp", "dcp/.metadata", "straight.bin"}  # renamed
+    assert entries == {k: v for k, v in integrity_record(ckpt).items() if k in entries}
+    assert entries["dcp/__0_0.distcp"]["size"] > 3 * 700 * 600 * 4
+    with digests.HashingFileSystem().create_stream(tmp_path / "outside.bin", "wb") as f:
+        f.write(b"x")  # no recording: a plain file
+    assert (tmp_path / "outside.bin").read_bytes() == b"x"
+    assert len(written) == 3  # nothing recorded after the block
+
+
+def test_a_saved_checkpoints_record_equals_hashing_its_files_afterwards(data_dir, tmp_path):
+    from scale_llm.components.checkpoint import INTEGRITY, damage, integrity_record
+
+    cfg = make_config(data_dir, tmp_path, "train.max_steps=2", "checkpoint.every=2")
+    Trainer(cfg, plan_for(cfg)).fit()
+    ckpt = Checkpointer(Path(cfg.run.dir) / cfg.run.name, 1).latest()
+    record = json.loads((ckpt / INTEGRITY).read_text())["files"]
+    assert record == integrity_record(ckpt) and "dcp/__0_0.distcp" in record
+    assert damage(ckpt) is None
 
 
 def test_ranks_split_the_integrity_hashing_and_cover_every_file_once(tmp_path):

@@ -12,20 +12,19 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import mmap
 import os
 import re
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import xxhash
 
+from scale_llm.components import digests
 from scale_llm.components.distributed import barrier, is_distributed, rank_and_world
 from scale_llm.components.serialization import dcp_load, load_file
 from scale_llm.errors import UserError
@@ -134,7 +133,8 @@ class Checkpointer:
             tmp.mkdir()
         barrier()
         try:
-            write(tmp)
+            with digests.recording() as written:  # DCP's files are hashed as they are written
+                write(tmp)
         except BaseException as e:
             if self.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -153,13 +153,7 @@ class Checkpointer:
                 ) from None
             raise
         barrier()
-        # every rank hashes its share of the files (by size), the main rank writes the record;
-        # it hashes while the files are fsynced (I/O-bound, releases the GIL)
-        with ThreadPoolExecutor(1) as pool:
-            share = pool.submit(integrity_record, tmp, *rank_and_world())
-            if self.is_main:
-                fsync_tree(tmp)
-            record = gather_records(share.result())
+        record = finish_record(tmp, written, self.is_main)
         if self.is_main:
             write_integrity(tmp, record)
             if final.exists():  # saving the same step again (e.g. the last step after a resume)
@@ -206,13 +200,20 @@ def resolve_resume(resume: str, checkpointer: Checkpointer) -> Path | None:
     return path
 
 
-def integrity_record(ckpt_dir: Path, rank: int = 0, world: int = 1) -> dict[str, dict[str, Any]]:
-    """Size and xxh3-64 of the checkpoint's files (all but the record itself), or of this
-    rank's share of them when `world` ranks split the work (largest files first, each to the
-    least loaded rank: every rank computes the same split). Files are hashed in parallel
-    threads (xxhash releases the GIL), each read through mmap (no copy out of the page cache)."""
+def integrity_record(
+    ckpt_dir: Path, rank: int = 0, world: int = 1, skip: Collection[str] = ()
+) -> dict[str, dict[str, Any]]:
+    """Size and xxh3-64 of the checkpoint's files (all but the record itself and the names in
+    `skip`, relative to ckpt_dir), or of this rank's share of them when `world` ranks split the
+    work (largest files first, each to the least loaded rank: every rank computes the same
+    split). Files are hashed in parallel threads (xxhash releases the GIL), each read through
+    mmap (no copy out of the page cache)."""
     files = sorted(
-        (p for p in ckpt_dir.rglob("*") if p.is_file() and p.name != INTEGRITY),
+        (
+            p
+            for p in ckpt_dir.rglob("*")
+            if p.is_file() and p.name != INTEGRITY and str(p.relative_to(ckpt_dir)) not in skip
+        ),
         key=lambda p: (-p.stat().st_size, str(p)),
     )
     load, mine = [0] * world, []
@@ -223,11 +224,38 @@ def integrity_record(ckpt_dir: Path, rank: int = 0, world: int = 1) -> dict[str,
             mine.append(path)
     workers = max(1, min(4, os.cpu_count() or 1, len(mine)))
     with ThreadPoolExecutor(workers) as pool:
-        digests = dict(zip(mine, pool.map(_digest, mine)))
+        hashes = dict(zip(mine, pool.map(digests.file_digest, mine)))
     return {
-        str(p.relative_to(ckpt_dir)): {"size": p.stat().st_size, "xxh3_64": digests[p]}
+        str(p.relative_to(ckpt_dir)): {"size": p.stat().st_size, "xxh3_64": hashes[p]}
         for p in sorted(mine)
     }
+
+
+def written_entries(
+    ckpt_dir: Path, written: dict[Path, tuple[int, str]]
+) -> dict[str, dict[str, Any]]:
+    """Record entries for the files in ckpt_dir that this process hashed while writing them
+    (`digests.recording()`), where the file on disk still has the size that was written."""
+    root = ckpt_dir.absolute()
+    out = {}
+    for path, (size, digest) in written.items():
+        if path.is_relative_to(root) and path.is_file() and path.stat().st_size == size:
+            out[str(path.relative_to(root))] = {"size": size, "xxh3_64": digest}
+    return out
+
+
+def finish_record(
+    ckpt_dir: Path, written: dict[Path, tuple[int, str]], is_main: bool
+) -> dict[str, dict[str, Any]]:
+    """The whole integrity record of a checkpoint every rank has just written (all ranks call
+    it): the digests taken during the writes, then the other files, each rank hashing its share
+    by size while the main rank fsyncs the tree (I/O-bound: both release the GIL)."""
+    known = gather_records(written_entries(ckpt_dir, written))
+    with ThreadPoolExecutor(1) as pool:
+        share = pool.submit(integrity_record, ckpt_dir, *rank_and_world(), skip=known)
+        if is_main:
+            fsync_tree(ckpt_dir)
+        return {**known, **gather_records(share.result())}
 
 
 def gather_records(share: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -284,23 +312,9 @@ def damage(ckpt_dir: Path) -> str | None:
         size = f.stat().st_size
         if size != want["size"]:
             return f"{f} has {size} bytes, {want['size']} were written (truncated or replaced)"
-        if _digest(f, mapped=False) != want["xxh3_64"]:
+        if digests.file_digest(f, mapped=False) != want["xxh3_64"]:
             return f"{f} does not match its checksum (its bytes changed after the save)"
     return None
-
-
-def _digest(path: Path, mapped: bool = True) -> str:
-    """xxh3-64 of a file. mapped: through mmap, no copy out of the page cache (for the files
-    this process just wrote); else read in chunks (loading: a file another process truncates
-    meanwhile must not SIGBUS us)."""
-    with open(path, "rb") as f:
-        if mapped and os.fstat(f.fileno()).st_size > 0:
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
-                return xxhash.xxh3_64(view).hexdigest()
-        h = xxhash.xxh3_64()
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-        return h.hexdigest()
 
 
 def load_model_weights(

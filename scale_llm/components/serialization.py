@@ -234,10 +234,17 @@ def dcp_load(state: dict[str, Any], checkpoint_id: Path, no_dist: bool) -> None:
 
 
 def dcp_save(state: dict[str, Any], checkpoint_id: Path, no_dist: bool) -> None:
+    """torch.distributed.checkpoint's save with its default file writer, whose file system
+    also hashes the bytes as they are written (inside `digests.recording()`)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
 
+    from scale_llm.components.digests import HashingFileSystem
+
+    writer = FileSystemWriter(checkpoint_id)
+    writer.fs = HashingFileSystem()
     with _quiet_single_process():
-        dcp.save(state, checkpoint_id=checkpoint_id, no_dist=no_dist)
+        dcp.save(state, storage_writer=writer, checkpoint_id=checkpoint_id, no_dist=no_dist)
 
 
 # ----------------------------------------------------------------------------- DeepSpeed
