@@ -160,6 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
         "measure one whole optimizer step on the CPU by category (params, grads, optimizer, "
         "activations, temporaries)",
     )
+    p.add_argument(
+        "--fake",
+        action="store_true",
+        help="also trace one whole optimizer step at full size on fake tensors (no memory "
+        "used) for rank 0 of --world-size GPUs, by category, next to the estimate",
+    )
 
     p = sub.add_parser("bench", help="training throughput on synthetic tokens (no data needed)")
     _add_config_args(p)
@@ -421,6 +427,11 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
         result["measured_step_cpu"] = step = measure_step(cfg)
         text.append(format_measurement(step))
+    if args.fake:
+        from scale_llm.memory.fake import format_trace, trace_step
+
+        result["traced_step_fake"] = traced = trace_step(cfg, world)
+        text.append(format_trace(traced))
     if args.fit:
         budget = memory.parse_bytes(args.fit)
         fitted = memory.fit(cfg, plan, budget)

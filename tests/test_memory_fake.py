@@ -1,0 +1,51 @@
+"""The estimate against a whole optimizer step traced at full size on fake tensors
+(`scale_llm.memory.fake`): 125m.yaml as shipped (micro-batch 32, no checkpointing), and FSDP2 at
+8 ranks of a fake process group on tiny-fsdp.yaml."""
+
+from __future__ import annotations
+
+import pytest
+
+from scale_llm.config import load_config, with_changes
+from scale_llm.memory.fake import format_trace, trace_step
+
+
+def _close(got: int, want: float, rel: float) -> bool:
+    return abs(got - want) <= rel * want
+
+
+def test_125m_traced_on_fake_tensors_has_the_estimated_parts():
+    r = trace_step(load_config("yaml/125m.yaml"), world_size=1)
+    got, own, est = r["measured"], r["category_maxima"], r["estimated"]
+    assert (r["backend"], r["precision"], r["micro_batch_size"]) == ("single", "bf16", 32)
+    # model states: fp32 params, fp32 grads (after the backward), AdamW's two moments
+    for part in ("params", "grads", "optimizer"):
+        assert _close(own[part], est[part], 0.01), (part, own[part], est[part])
+    assert got["grads"] == 0  # the peak is at the start of backward, before any gradient
+    # what the forward keeps: the estimate's activations and the logits the chunked loss keeps
+    # (the logits' gradient, the other half of the estimate's logits, is a backward temporary)
+    kept = est["activations"] + est["logits"] / 2
+    assert _close(got["activations"], kept, 0.01), (got["activations"], kept)
+    backward = got["temporaries"] - est["logits"] / 2  # beyond the logits' gradient
+    assert 0 <= backward <= 0.25 * (1 << 30), backward  # the loss's fp32 chunks
+    # the estimate (a sum of per-part maxima) lies above the traced peak, by at most 15%
+    assert got["total"] <= est["total"] <= 1.15 * got["total"], (got["total"], est["total"])
+    assert "rank 0 of 1" in format_trace(r)
+
+
+def test_fsdp2_at_8_fake_ranks_holds_an_eighth_of_the_states():
+    cfg = with_changes(load_config("yaml/tiny-fsdp.yaml"), {"train.micro_batch_size": 2})
+    r = trace_step(cfg, world_size=8)
+    got, own, est = r["measured"], r["category_maxima"], r["estimated"]
+    assert r["backend"] == "fsdp" and r["world_size"] == 8
+    assert _close(own["optimizer"], est["optimizer"], 0.01), (own["optimizer"], est["optimizer"])
+    # fp32 shards plus the gathered bf16 blocks (params) and one block's unsharded gradients
+    for part in ("params", "grads"):
+        assert _close(own[part], est[part], 0.25), (part, own[part], est[part])
+    assert got["total"] <= est["total"] * 1.15, (got["total"], est["total"])
+
+
+def test_deepspeed_is_refused_with_the_fix():
+    cfg = load_config("yaml/tiny-deepspeed.yaml")
+    with pytest.raises(Exception, match="parallel.backend=fsdp"):
+        trace_step(cfg, world_size=2)
