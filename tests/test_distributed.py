@@ -18,7 +18,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from scale_llm.components.checkpoint import write_integrity
+from scale_llm.components.checkpoint import (
+    INTEGRITY,
+    Checkpointer,
+    integrity_record,
+    write_integrity,
+)
 from tests.helpers import (
     BACKENDS,
     REPO,
@@ -113,6 +118,10 @@ def test_resume_continues_the_same_curve(backend, runs, data_dir):
         assert resumed[step]["loss"] == straight[step]["loss"], step
         assert resumed[step]["grad_norm"] == straight[step]["grad_norm"], step
     assert resumed[4]["val_loss"] == straight[4]["val_loss"]
+    # the record (both ranks' files hashed as they were written) is the files' own
+    for _, ckpt in Checkpointer(runs.root / name, 1).complete():
+        record = json.loads((ckpt / INTEGRITY).read_text())["files"]
+        assert record == integrity_record(ckpt), ckpt
 
 
 def test_a_planted_pickle_in_deepspeed_files_never_runs(runs, data_dir):

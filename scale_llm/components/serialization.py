@@ -96,7 +96,11 @@ def load_file(
 
 
 def save_file(obj: Any, path: Path | str) -> None:
-    torch.save(obj, path)
+    """torch.save, through the file system that hashes checkpoint files as they are written."""
+    from scale_llm.components.digests import HashingFileSystem
+
+    with HashingFileSystem().create_stream(path, "wb") as f:
+        torch.save(obj, f)
 
 
 # ----------------------------------------------------------------------------- DCP
@@ -258,6 +262,23 @@ def deepspeed_safe_globals() -> list[Any]:
     from deepspeed.utils.tensor_fragment import fragment_address
 
     return [LossScaler, ZeroStageEnum, fragment_address]
+
+
+def hash_deepspeed_writes(engine: Any) -> None:
+    """Make a DeepSpeed engine's torch checkpoint engine write through the file system that
+    hashes checkpoint files as they are written (other checkpoint engines are left alone)."""
+    from scale_llm.components.digests import HashingFileSystem
+
+    writer = engine.checkpoint_engine
+    if type(writer).__name__ != "TorchCheckpointEngine":
+        return
+    zipfile = getattr(writer, "zipfile_serialization", True)
+
+    def save(state_dict: Any, path: str) -> None:
+        with HashingFileSystem().create_stream(path, "wb") as f:
+            torch.save(state_dict, f, _use_new_zipfile_serialization=zipfile)
+
+    writer.save = save
 
 
 def guard_deepspeed_reader(engine: Any) -> None:

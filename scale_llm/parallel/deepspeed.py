@@ -27,7 +27,11 @@ from torch import nn
 
 from scale_llm.components.checkpoint import MODEL_WEIGHTS
 from scale_llm.components.optim import build_optimizer, param_groups
-from scale_llm.components.serialization import guard_deepspeed_reader, save_file
+from scale_llm.components.serialization import (
+    guard_deepspeed_reader,
+    hash_deepspeed_writes,
+    save_file,
+)
 from scale_llm.model import Transformer
 from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
 from scale_llm.parallel.backend import Backend
@@ -132,6 +136,7 @@ class DeepSpeedBackend(Backend):
         """The engine's checkpoint, plus consolidated fp32 weights (`model.pt`) that any backend,
         `generate` and `convert` can read without DeepSpeed."""
         engine = self.model
+        hash_deepspeed_writes(engine)  # so the integrity record needs no second read
         engine.save_checkpoint(str(ckpt_dir), tag=TAG)
         torch.distributed.barrier()
         if self.plan.is_main:
