@@ -16,6 +16,7 @@ from scale_llm.config import ModelConfig, load_config
 from scale_llm.errors import UserError
 from scale_llm.memory import (
     Numerics,
+    ds_reduce_buckets,
     estimate,
     fit,
     measure_saved_bytes,
@@ -104,8 +105,12 @@ def cfg_with(*overrides: str):
 
 def test_state_bytes_per_backend():
     P = estimate(cfg_with(), 2).params
-    ddp = estimate(cfg_with(), 2).gpu
-    assert ddp["params"] + ddp["grads"] + ddp["optimizer"] == 16 * P  # fp32 + grads + 2 moments
+    ddp_est = estimate(cfg_with(), 2)
+    ddp = ddp_est.gpu
+    # fp32 params + grads + 2 moments; with accumulation the no_sync() micro-steps keep their
+    # own .grad tensors next to the buckets until the last one copies them in
+    extra = 4 * P if ddp_est.layout.grad_accum > 1 else 0
+    assert ddp["params"] + ddp["grads"] + ddp["optimizer"] == 16 * P + extra
     fsdp = estimate(cfg_with("parallel.backend=fsdp"), 8).gpu
     assert fsdp["optimizer"] == 8 * P / 8
     zero = {
@@ -116,7 +121,11 @@ def test_state_bytes_per_backend():
         zero[s].gpu["params"] + zero[s].gpu["grads"] + zero[s].gpu["optimizer"] for s in range(4)
     ]
     assert totals[0] == 16 * P  # 2 (bf16 params) + 2 (grads) + 12 (fp32 master + moments)
-    assert totals[0] > totals[1] > totals[2] > totals[3]
+    # ZeRO-1 reduces into gradient partitions through the same buckets as ZeRO-2 (measured with
+    # DeepSpeed 0.19 on 2 gloo ranks): the same model states
+    assert totals[0] > totals[1] == totals[2] > totals[3]
+    buckets = 2 * 2 * 50_000_000  # two bf16 reduce buckets of reduce_bucket_size elements
+    assert totals[2] == 2 * P + (2 + 4 + 12) * P / 8 + buckets
     off = estimate(
         cfg_with(
             "parallel.backend=deepspeed",
@@ -244,8 +253,9 @@ def test_model_states_agree_with_deepspeeds_own_estimators(name, monkeypatch, ca
                 REPO / "yaml" / f"{name}.yaml",
                 ["parallel.backend=deepspeed", f"parallel.deepspeed.zero_stage={stage}"],
             )
-            est = estimate(cfg, world)
-            ours[stage] = sum(est.gpu[k] for k in ("params", "grads", "optimizer"))
+            est = estimate(cfg, world)  # DeepSpeed's estimators leave out the reduce buckets
+            states = sum(est.gpu[k] for k in ("params", "grads", "optimizer"))
+            ours[stage] = states - ds_reduce_buckets(est.layout)
         P = est.params
         _, ds2 = estimate_zero2_model_states_mem_needs(P, world, 1, cpu_offload=False)
         _, ds3, _ = estimate_zero3_model_states_mem_needs(P, largest, world, 1, cpu_offload=False)
@@ -276,33 +286,126 @@ def test_train_fit_keeps_the_global_batch_and_the_backend(data_dir, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "precision, ac", [("fp32", "none"), ("fp32", "full"), ("bf16", "selective")]
+    ("precision", "ac"), [("fp32", "none"), ("fp32", "full"), ("bf16", "selective")]
 )
-def test_a_measured_step_has_the_estimated_states_and_stays_near_the_total(precision, ac):
-    """One real optimizer step under MemTracker (single backend, CPU): parameters and AdamW
-    state are what the estimate says; the peak total lies within 25% of the estimate's (which
-    adds per-category maxima: above the peak when checkpointing frees memory early)."""
+def test_a_measured_step_has_the_estimated_parts_and_peak(precision, ac):
+    """One real optimizer step under MemTracker (single backend, CPU): parameters, gradients
+    (after the backward) and AdamW state are what the estimate says, the activations' own
+    maximum within 5%, and the measured peak within 5% of the estimate's phase-aware peak."""
     from scale_llm.config import load_config
     from scale_llm.memory.measure import measure_step
 
     cfg = load_config(
         None,
         [
-            "model.vocab_size=1024",
-            "model.d_model=128",
-            "model.n_layers=2",
+            "model.vocab_size=2048",
+            "model.d_model=256",
+            "model.n_layers=4",
             "model.n_heads=4",
-            "model.seq_len=128",
+            "model.seq_len=256",
             "train.micro_batch_size=4",
             f"train.precision={precision}",
             f"activation_checkpointing.mode={ac}",
         ],
     )
     r = measure_step(cfg)
-    got, est = r["measured"], r["estimated"]
+    got, own, est = r["measured"], r["category_maxima"], r["estimated"]
     assert got["params"] == pytest.approx(est["params"], rel=0.01)
     assert got["optimizer"] == pytest.approx(est["optimizer"], rel=0.01)
-    assert r["category_maxima"]["grads"] == pytest.approx(est["grads"], rel=0.01)  # after bw
-    assert all(r["category_maxima"][k] >= got[k] for k in got if k != "total")
-    assert got["activations"] > 0 and got["total"] > got["params"] + got["optimizer"]
-    assert abs(got["total"] / est["total"] - 1) < 0.25, (got, est)
+    assert own["grads"] == pytest.approx(est["grads"], rel=0.01)  # after the backward
+    assert got["grads"] < est["grads"]  # the peak comes before the last gradient
+    assert all(own[k] >= got[k] for k in got if k != "total")
+    if (precision, ac) != ("bf16", "selective"):  # there: 43.1 measured vs 37.3 MiB (docs)
+        assert own["activations"] == pytest.approx(est["activations"], rel=0.05), (own, est)
+    assert got["total"] == pytest.approx(est["peak"], rel=0.05), (got, est)
+    # the old total, a sum of per-part maxima, was 4-27% above these peaks
+    parts = sum(est[k] for k in ("params", "grads", "optimizer", "activations", "temporaries"))
+    assert parts > est["peak"]
+
+
+# 2 gloo ranks, one spawned world for all: (case, tolerance on the peak). Measured 2026-12-01:
+# DDP and ZeRO-2 within 5.3%, ZeRO-3 fp32 3.6%; FSDP2's gathered and reduce-scatter buffers
+# and ZeRO-3 in bf16 are over-counted on these small shapes by up to 13% (docs/memory.md)
+WORLD_CASES = [
+    (["parallel.backend=ddp", "train.precision=fp32", "train.grad_accum=2"], 0.06),
+    (["parallel.backend=ddp", "train.precision=bf16", "activation_checkpointing.mode=full"], 0.06),
+    (["parallel.backend=fsdp", "train.precision=fp32"], 0.15),
+    (
+        [
+            "parallel.backend=fsdp",
+            "train.precision=bf16",
+            "activation_checkpointing.mode=full",
+            "train.grad_accum=2",
+        ],
+        0.15,
+    ),
+    (
+        [
+            "parallel.backend=fsdp",
+            "parallel.fsdp.reshard_after_forward=false",
+            "train.precision=bf16",
+        ],
+        0.15,
+    ),
+    (
+        [
+            "parallel.backend=deepspeed",
+            "parallel.deepspeed.zero_stage=2",
+            "train.precision=fp32",
+            "activation_checkpointing.mode=full",
+            "train.grad_accum=2",
+        ],
+        0.06,
+    ),
+    (
+        ["parallel.backend=deepspeed", "parallel.deepspeed.zero_stage=2", "train.precision=bf16"],
+        0.06,
+    ),
+    (
+        [
+            "parallel.backend=deepspeed",
+            "parallel.deepspeed.zero_stage=3",
+            "train.precision=fp32",
+            "train.grad_accum=2",
+        ],
+        0.06,
+    ),
+    (
+        [
+            "parallel.backend=deepspeed",
+            "parallel.deepspeed.zero_stage=3",
+            "train.precision=bf16",
+            "activation_checkpointing.mode=full",
+        ],
+        0.15,
+    ),
+]
+
+
+def test_every_backend_at_two_ranks_peaks_where_the_estimate_says(tmp_path):
+    """Each backend's step measured on 2 gloo ranks (rank 0's figures): the optimizer state is
+    the estimate's (sharded by 2 where the backend shards it) and the peak is the estimate's
+    phase-aware peak within the case's tolerance."""
+    from tests.helpers import env
+
+    cases = [{"set": s, "tol": tol} for s, tol in WORLD_CASES]
+    out = tmp_path / "measured.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(REPO / "tests" / "measure_world.py"),
+        str(out),
+        json.dumps(cases),
+    ]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for r in json.loads(out.read_text()):
+        got, est, name = r["measured"], r["estimated"], " ".join(r["set"])
+        print(f"\n{name}: peak {got['total'] / 2**20:.1f} MiB, estimated {est['peak'] / 2**20:.1f}")
+        assert got["total"] == pytest.approx(est["peak"], rel=r["tol"]), name
+        if "parallel.deepspeed.zero_stage=3" not in r["set"]:  # its fp32 partitions: unseen
+            own = r["category_maxima"]["optimizer"]
+            assert own == pytest.approx(est["optimizer"], rel=0.01), name

@@ -25,10 +25,19 @@ from scale_llm.memory.activations import (
     measure_saved_bytes,
     saved_activation_bytes,
 )
-from scale_llm.memory.estimate import Estimate, GiB, Layout, estimate, gib, parse_bytes
+from scale_llm.memory.estimate import (
+    Estimate,
+    GiB,
+    Layout,
+    ds_reduce_buckets,
+    estimate,
+    gib,
+    parse_bytes,
+)
 from scale_llm.memory.plan import Plan, fit, format_overrides, format_report, hints
 
 __all__ = [
+    "ds_reduce_buckets",
     "GiB",
     "Estimate",
     "Layout",

@@ -144,6 +144,52 @@ def recompute_bytes(
     return full
 
 
+# ----------------------------------------------------------------------------- over the step
+
+
+def kept_per_block(
+    m: ModelConfig, ac: ActivationCheckpointingConfig, batch: int, num: Numerics
+) -> list[int]:
+    """What each block keeps from the forward until its backward (its input when
+    checkpointed, the selective subset, or everything)."""
+    from scale_llm.parallel.activation_checkpointing import checkpointed_blocks
+
+    full = block_activation_bytes(m, batch, num)
+    if ac.mode == "selective":
+        per_ckpt = selective_block_bytes(m, batch, num)
+    else:
+        per_ckpt = num.residual * batch * m.seq_len * m.d_model
+    chosen = set(checkpointed_blocks(ac, m.n_layers))
+    return [per_ckpt if i in chosen else full for i in range(m.n_layers)]
+
+
+def loss_backward_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
+    """The chunked loss's backward beyond the kept logits: the gradient of the logits (compute
+    dtype) and the fp32 work of one chunk (in 16 bits the upcast copy and the softmax buffer
+    briefly coexist; in fp32 one chunk is the gradient itself)."""
+    from scale_llm.components.loss import CHUNK_ELEMENTS
+
+    N, V = batch * m.seq_len, m.vocab_size
+    rows = max(1, CHUNK_ELEMENTS // V)
+    fp32_work = (1 if num.compute == 4 else 2) * 4 * min(N, rows) * V
+    if rows >= N:  # one chunk: its buffer becomes the gradient
+        return fp32_work if num.compute == 4 else max(fp32_work, (4 + num.compute) * N * V)
+    return num.compute * N * V + fp32_work
+
+
+def block_backward_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
+    """Gradients in flight inside one block's backward: those of the MLP's three hidden-width
+    tensors (compute dtype) and two of the residual stream's width."""
+    N = batch * m.seq_len
+    return 3 * num.compute * N * mlp_hidden_size(m) + 2 * num.residual * N * m.d_model
+
+
+def resident_input_bytes(m: ModelConfig, batch: int) -> int:
+    """Token ids and targets and the rotary tables: alive through the whole step."""
+    T = m.seq_len
+    return 8 * batch * (T + 1) + 8 * batch * T + 4 * T * (m.d_model // m.n_heads)
+
+
 # ----------------------------------------------------------------------------- measurement
 
 

@@ -10,10 +10,14 @@ from typing import Any
 from scale_llm.config import ActivationCheckpointingConfig, Config, ModelConfig
 from scale_llm.errors import UserError
 from scale_llm.memory.activations import (
+    Numerics,
+    block_activation_bytes,
+    block_backward_bytes,
     block_matmul_params,
-    logits_bytes,
+    kept_per_block,
+    loss_backward_bytes,
     numerics_for,
-    recompute_bytes,
+    resident_input_bytes,
     saved_activation_bytes,
 )
 from scale_llm.plan import RunPlan, target_plan
@@ -38,6 +42,9 @@ class Layout:
     offload_param: bool = False
     reshard_after_forward: bool = True
     fsdp_offload: bool = False
+    fused_optimizer: bool = True  # AdamW in one kernel (CUDA); else foreach, with a temporary
+    ds_bucket_elements: int = 50_000_000  # DeepSpeed's reduce_bucket_size (generated config)
+    ds_overlap_comm: bool = True  # two reduce buckets (double buffering) in ZeRO-1/2
 
     def describe(self) -> str:
         if self.backend == "deepspeed":
@@ -54,6 +61,7 @@ class Layout:
 
 def layout_of(cfg: Config, plan: RunPlan) -> Layout:
     p = cfg.parallel
+    zero = (p.deepspeed.config or {}).get("zero_optimization") or {}
     return Layout(
         backend=plan.backend,
         precision=plan.precision,
@@ -65,6 +73,9 @@ def layout_of(cfg: Config, plan: RunPlan) -> Layout:
         offload_param=p.deepspeed.offload_param == "cpu",
         reshard_after_forward=p.fsdp.reshard_after_forward,
         fsdp_offload=p.fsdp.cpu_offload,
+        fused_optimizer=plan.device.type == "cuda",
+        ds_bucket_elements=int(float(zero.get("reduce_bucket_size", 5e7))),
+        ds_overlap_comm=bool(zero.get("overlap_comm", True)),
     )
 
 
@@ -100,21 +111,41 @@ def state_bytes(n: ParamCounts, lay: Layout) -> tuple[dict[str, float], dict[str
         return gpu, cpu
     if lay.backend == "deepspeed":
         return _deepspeed_states(n, lay, c, half)
-    # single / ddp: fp32 params and grads (autocast casts per op), AdamW moments
-    return {"params": 4 * P, "grads": 4 * P, "optimizer": 8 * P}, {}
+    # single / ddp: fp32 params and grads (autocast casts per op), AdamW moments. DDP's buckets
+    # hold the gradients (gradient_as_bucket_view); with grad_accum > 1 the micro-steps under
+    # no_sync() accumulate into separate .grad tensors until the last one copies them in: 2x
+    grads = 8 * P if lay.backend == "ddp" and lay.grad_accum > 1 else 4 * P
+    return {"params": 4 * P, "grads": grads, "optimizer": 8 * P}, {}
+
+
+def ds_reduce_buckets(lay: Layout) -> float:
+    """Bytes of DeepSpeed's gradient reduce buckets (ZeRO >= 1), allocated at the start of the
+    backward whatever the model's size: reduce_bucket_size elements in the gradients' dtype, two
+    with overlap_comm in ZeRO-1/2, one in ZeRO-3."""
+    if lay.backend != "deepspeed" or lay.zero_stage < 1:
+        return 0.0
+    count = 1 if lay.zero_stage >= 3 else (2 if lay.ds_overlap_comm else 1)
+    return float(count * (2 if lay.precision != "fp32" else 4) * lay.ds_bucket_elements)
 
 
 def _deepspeed_states(n: ParamCounts, lay: Layout, c: int, half: bool):
     """ZeRO (Rajbhandari et al. 2020): c-byte params and grads, and the optimizer's fp32 master
     weights (16-bit modes) plus two moments, partitioned by stage. In 16-bit modes with a
     partitioned optimizer (stage >= 1) the step also holds an fp32 copy of this rank's gradient
-    partition: DeepSpeed's own estimator counts it ("4_grads_32bit"), and so does this one."""
+    partition: DeepSpeed's own estimator counts it ("4_grads_32bit"), and so does this one.
+    Measured on 2 gloo ranks (DeepSpeed 0.19): ZeRO-1 keeps no full gradients either (it reduces
+    through the same buckets into the partition, like ZeRO-2), and the reduce buckets are
+    allocated at reduce_bucket_size elements whatever the model's size: two of them with
+    overlap_comm in ZeRO-1/2, one in ZeRO-3, in the gradients' dtype."""
     P, W, s = n.total, lay.world, lay.zero_stage
-    optim = (12 if half else 8) * P
+    # fp32 master weights: in fp32 mode ZeRO-1/2 still keep a separate flat fp32 partition
+    # (measured); ZeRO-0 and ZeRO-3 step on the parameters' own fp32 storage
+    optim = (12 if half or s in (1, 2) else 8) * P
     params = c * P / W if s >= 3 else c * P
-    grads = c * P / W if s >= 2 else c * P
+    grads = c * P / W if s >= 1 else c * P
     if half and s >= 1 and not lay.offload_optimizer:
         grads += 4 * P / W  # the fp32 gradient partition the optimizer steps on
+    grads += ds_reduce_buckets(lay)
     optim = optim / W if s >= 1 else optim
     gpu = {"params": params, "grads": grads, "optimizer": optim}
     cpu = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
@@ -134,21 +165,33 @@ def _deepspeed_states(n: ParamCounts, lay: Layout, c: int, half: bool):
 
 @dataclass
 class Estimate:
+    """Per-GPU bytes. `gpu` holds each part at its own largest over the step (params, grads,
+    optimizer, activations, logits, temporaries), `peak` the largest sum of what is alive at
+    once (`phases`: the loss's backward, each block's backward, the optimizer step), and
+    `total` the peak plus the allocator allowance (`overhead`)."""
+
     params: int
     layout: Layout
     model: ModelConfig
     ac: ActivationCheckpointingConfig
     gpu: dict[str, float] = field(default_factory=dict)
     cpu: dict[str, float] = field(default_factory=dict)
+    phases: dict[str, float] = field(default_factory=dict)
 
     @property
     def total(self) -> float:
         return self.gpu["total"]
 
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.phases.__getitem__)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "params": self.params,
             "bytes_per_gpu": {k: int(v) for k, v in self.gpu.items()},
+            "phases": {k: int(v) for k, v in self.phases.items()},
+            "peak_phase": self.peak_phase,
             "cpu_bytes_per_rank": {k: int(v) for k, v in self.cpu.items() if v},
             "layout": dataclasses.asdict(self.layout),
             "activation_checkpointing": self.ac.mode,
@@ -160,15 +203,77 @@ def estimate_layout(m: ModelConfig, ac: ActivationCheckpointingConfig, lay: Layo
     n = ParamCounts.of(m)
     num = numerics_for(lay.precision, lay.backend)
     gpu, cpu = state_bytes(n, lay)
-    saved = saved_activation_bytes(m, ac, lay.micro_batch, num)
-    logits_saved = logits_bytes(m, lay.micro_batch, num)
-    gpu["activations"] = saved - logits_saved + recompute_bytes(m, ac, lay.micro_batch, num)
-    # the logits kept by the chunked loss and, in backward, their gradient (same dtype); the
-    # loss's one fp32 chunk at a time (64 MiB) is inside the overhead allowance
-    gpu["logits"] = 2 * logits_saved
-    gpu["overhead"] = OVERHEAD_FRACTION * sum(gpu.values())
-    gpu["total"] = sum(gpu.values())
-    return Estimate(n.total, lay, m, ac, gpu, cpu)
+    phases, gpu["activations"], gpu["temporaries"] = step_phases(m, ac, lay, n, gpu, num)
+    gpu["peak"] = max(phases.values())
+    gpu["overhead"] = OVERHEAD_FRACTION * gpu["peak"]
+    gpu["total"] = gpu["peak"] + gpu["overhead"]
+    return Estimate(n.total, lay, m, ac, gpu, cpu, phases)
+
+
+def step_phases(
+    m: ModelConfig,
+    ac: ActivationCheckpointingConfig,
+    lay: Layout,
+    n: ParamCounts,
+    gpu: dict[str, float],
+    num: Numerics,
+) -> tuple[dict[str, float], float, float]:
+    """(bytes alive at each moment a step can peak, the largest activations, the largest
+    temporaries) given the model states in `gpu` (params, grads, optimizer).
+
+    The parts do not peak together: gradients are absent at the start of the first backward
+    (`zero_grad(set_to_none=True)`) and complete only at its end, activations are freed block by
+    block as the backward walks down. With grad_accum > 1 the gradients of the earlier
+    micro-steps are there throughout (the last micro-step is the fullest); DDP's buckets and
+    DeepSpeed's gradient buffers exist from the start whatever the accumulation.
+    - loss: after the forward, all that was saved, the kept logits and the loss's backward;
+    - block i (from the top): the gradients so far (the head and the blocks above, or their
+      shards), what the blocks below keep, block i's whole activations (kept or recomputed)
+      and the gradients in flight inside it;
+    - step: all gradients and the optimizer's temporaries (foreach AdamW: one fp32 tensor the
+      size of the parameters it steps; fused AdamW: none).
+    """
+    B, L = lay.micro_batch, m.n_layers
+    fixed = gpu["params"] + gpu["optimizer"]
+    grads = gpu["grads"]
+    bytes_per_grad, shard = 4.0, 1.0
+    if lay.backend == "fsdp":
+        transient = (2 if lay.precision != "fp32" else 4) + 4
+        transient *= n.block
+        shard = 1.0 / lay.world
+        if lay.fsdp_offload:
+            shard = 0.0  # the reduced shards go to the host
+        persistent = grads - transient
+    else:
+        transient = 0.0
+        persistent = grads
+    carry = persistent if (lay.grad_accum > 1 or lay.backend == "ddp") else 0.0  # DDP: buckets
+    if lay.backend == "deepspeed":  # the reduce buckets from the first backward on; the fp32
+        # gradient partition (16-bit modes) only for the step
+        buckets = ds_reduce_buckets(lay)
+        half, partitioned = lay.precision != "fp32", lay.zero_stage >= 1
+        stepped_in_fp32 = half and partitioned and not lay.offload_optimizer
+        fp32_part = 4 * n.total / lay.world if stepped_in_fp32 else 0.0
+        carry = buckets + (persistent - buckets - fp32_part if lay.grad_accum > 1 else 0.0)
+    resident = resident_input_bytes(m, B)
+    kept = kept_per_block(m, ac, B, num)
+    full_block = block_activation_bytes(m, B, num)
+    loss_bwd = loss_backward_bytes(m, B, num)
+    in_block = block_backward_bytes(m, B, num)
+    saved = saved_activation_bytes(m, ac, B, num)  # incl. the logits the loss keeps
+    activations = saved
+    phases = {"loss": fixed + carry + saved + loss_bwd}
+    head = m.vocab_size * m.d_model + m.d_model  # the head's (or tied embedding's) gradient
+    for i in reversed(range(L)):
+        so_far = bytes_per_grad * shard * (head + (L - 1 - i) * n.block)
+        alive = resident + sum(kept[:i]) + full_block
+        activations = max(activations, alive)
+        phases[f"block {i}"] = fixed + max(carry, so_far) + transient + alive + in_block
+    optimizer_tmp = 0.0 if lay.fused_optimizer else 4 * n.total * shard
+    if lay.backend == "deepspeed":
+        optimizer_tmp = 0.0  # its own optimizer steps flat partitions in place
+    phases["step"] = fixed + persistent + optimizer_tmp
+    return phases, activations, max(loss_bwd, in_block, optimizer_tmp)
 
 
 def estimate(cfg: Config, target: RunPlan | int) -> Estimate:

@@ -124,6 +124,7 @@ def trace_step(cfg: Config, world_size: int = 1) -> dict[str, Any]:
         "measured": measured,
         "category_maxima": maxima,
         "estimated": {k: int(v) for k, v in est.gpu.items()},
+        "peak_phase": est.peak_phase,
         "allowances": [
             {"name": n, "low": lo, "high": hi, "why": why} for n, lo, hi, why in ALLOWANCES
         ],
@@ -236,19 +237,12 @@ def format_trace(r: dict[str, Any]) -> str:
     ]
     lines.append(f"  {'':<12} {'at the peak':>12} {'own maximum':>13}   estimate")
     est = r["estimated"]
-    shown_est = {
-        **est,
-        "activations": est.get("activations", 0) + est.get("logits", 0),
-        "temporaries": est.get("overhead", 0),
-    }
+    shown_est = {**est, "total": est["peak"]}
     for part in (*PARTS, "total"):
         got = r["measured"].get(part, 0) / GiB
         own = r["category_maxima"].get(part)
         own_text = "-" if own is None else f"{own / GiB:9.3f} GiB"
-        note = {
-            "activations": "   (estimate: activations + logits)",
-            "temporaries": "   (estimate: the 5% allowance)",
-        }.get(part, "")
+        note = "   (estimate: the peak, before the allocator allowance)" if part == "total" else ""
         lines.append(
             f"  {part:<12} {got:8.3f} GiB {own_text:>13}   {shown_est[part] / GiB:8.3f} GiB{note}"
         )

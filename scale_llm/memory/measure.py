@@ -1,17 +1,16 @@
 """A whole optimizer step measured on the CPU, by category, next to the estimate for that run.
 
 `scale-llm estimate CONFIG --measure` runs one real step of the config's backend in this
-process (world size 1, on the CPU, synthetic tokens) under PyTorch's MemTracker
-(`torch.distributed._tools.mem_tracker`), which attributes every live tensor storage to
-parameters, gradients, optimizer state, activations or temporaries, and reports the bytes of
-each category at the step's peak, and each category's own maximum over the step (from the
-snapshots MemTracker takes around every module's forward and backward). The estimate it is
-compared with is the one for the same
-one-process CPU run (`estimate(cfg, plan)`), whose parts are per-category maxima and so add up
-to an upper bound of the measured peak.
+process (on the CPU, synthetic tokens; one process, or each rank under torchrun) under
+PyTorch's MemTracker (`torch.distributed._tools.mem_tracker`), which attributes every live
+tensor storage to parameters, gradients, optimizer state, activations or temporaries, and
+reports the bytes of each category at the step's peak, and each category's own maximum over
+the step (from the snapshots MemTracker takes around every module's forward and backward).
+The estimate it is compared with is the one for the same CPU run (`estimate(cfg, plan)`):
+each part at its own largest, and the peak of the step's phases as the total.
 
-MemTracker cannot follow a module called twice in one tracked region, so grad_accum > 1 is
-measured with grad_accum 1 (the same peak: the micro-steps are alike and gradients are kept).
+grad_accum > 1 is measured with 2 micro-steps (the later ones are alike: the gradients of the
+earlier ones are kept); under torchrun each rank measures its own step of the config's backend.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from scale_llm.memory.estimate import estimate
 from scale_llm.model import build_model
 from scale_llm.parallel.backend import build_backend
 from scale_llm.parallel.step import optimizer_step
-from scale_llm.plan import Launch, resolve_plan
+from scale_llm.plan import launch_env, resolve_plan
 
 CATEGORIES = {  # MemTracker's reference types -> the estimate's parts
     "Parameter": "params",
@@ -33,20 +32,22 @@ CATEGORIES = {  # MemTracker's reference types -> the estimate's parts
     "Optstate": "optimizer",
     "Activation": "activations",
     "Temp": "temporaries",
+    "Other": "optimizer",  # only what measure_step registers: DeepSpeed's fp32 master partitions
 }
 
 
 def measure_step(cfg: Config) -> dict[str, Any]:
     """{"measured": {category: bytes at the peak, "total": peak}, "estimated": {...}} of one
     optimizer step of `cfg` in this process on the CPU."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     from scale_llm.components.distributed import start
 
-    here = with_changes(cfg, {"train.device": "cpu", "train.grad_accum": 1})
+    here = with_changes(cfg, {"train.device": "cpu"})
     if here.train.global_batch_size is not None:
         here = with_changes(here, {"train.global_batch_size": None})
-    plan = resolve_plan(here, Launch())
+    plan = resolve_plan(here, launch_env())
+    # micro-steps after the second are alike (the gradients of the earlier ones are kept)
+    here = with_changes(here, {"train.grad_accum": min(plan.grad_accum, 2)})
+    plan = resolve_plan(here, launch_env())
     start(plan)
     backend = build_backend(here, plan)
     model = backend.setup(build_model(here.model))
@@ -57,11 +58,22 @@ def measure_step(cfg: Config) -> dict[str, Any]:
         tokens = torch.randint(
             0, m.vocab_size, (plan.micro_batch_size, m.seq_len + 1), generator=gen
         )
-        return [(tokens[:, :-1], tokens[:, 1:])]
+        out = []
+        for _ in range(plan.grad_accum):
+            tokens = torch.randint(
+                0, m.vocab_size, (plan.micro_batch_size, m.seq_len + 1), generator=gen
+            )
+            out.append((tokens[:, :-1], tokens[:, 1:]))
+        return out
 
     optimizer_step(backend, model, batches())  # the optimizer state exists from here on
-    tracker = MemTracker()
-    tracker.track_external(model, backend.optimizer)
+    tracker = _StepTracker()
+    optimizer = backend.optimizer
+    # DeepSpeed's ZeRO optimizer wraps the torch optimizer that holds its fp32 partitions
+    inner = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer.optimizer
+    tracker.track_external(model, inner)
+    if inner is not optimizer:  # its fp32 master partitions: optimizer-held, not module params
+        tracker.track_external(*(p for g in inner.param_groups for p in g["params"]))
     with tracker:
         optimizer_step(backend, model, batches())
     (snapshot,) = tracker.get_tracker_snapshot("peak").values()
@@ -70,7 +82,7 @@ def measure_step(cfg: Config) -> dict[str, Any]:
     # each category's own maximum over the step: the snapshots MemTracker takes around every
     # module's forward and backward, and the peak (gradients, say, peak after the backward)
     maxima = dict(measured)
-    for stats in tracker.memory_tracking.values():
+    for stats in [*tracker.memory_tracking.values(), *tracker.earlier]:
         for states in getattr(stats, "snapshots", {}).values():
             for per_device in states:
                 for device_snapshot in per_device.values():
@@ -80,6 +92,7 @@ def measure_step(cfg: Config) -> dict[str, Any]:
     est = estimate(here, plan)
     estimated = {k: int(v) for k, v in est.gpu.items()}
     return {
+        "peak_phase": est.peak_phase,
         "backend": plan.backend,
         "precision": plan.precision,
         "activation_checkpointing": here.activation_checkpointing.mode,
@@ -88,6 +101,33 @@ def measure_step(cfg: Config) -> dict[str, Any]:
         "category_maxima": maxima,
         "estimated": estimated,
     }
+
+
+def _step_tracker_class() -> type:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class StepTracker(MemTracker):
+        """MemTracker over a whole optimizer step of several micro-steps: MemTracker refuses a
+        second forward of the root module in one region, so each new one starts fresh module
+        stats, and the earlier ones are kept (`earlier`) for the per-category maxima."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.earlier: list[Any] = []
+
+        def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
+            t = self._mod_tracker
+            again = module in self.memory_tracking and not t.is_bw
+            if again and set(t.parents) - {t.get_known_fqn(module)} == {"Global"}:
+                self.earlier.extend(self.memory_tracking.values())
+                self.reset_mod_stats()
+            super()._pre_fw_hook(module, inputs)
+
+    return StepTracker
+
+
+def _StepTracker() -> Any:  # noqa: N802 (a class built on first use: MemTracker loads late)
+    return _step_tracker_class()()
 
 
 def _by_category(snapshot: dict) -> dict[str, int]:
@@ -111,11 +151,11 @@ def format_measurement(r: dict[str, Any]) -> str:
         got = r["measured"].get(part, 0) / gib
         own = r["category_maxima"].get(part)
         own_text = "-" if own is None else f"{own / gib:9.3f} GiB"
-        est = r["estimated"].get(part)
-        if part == "activations":
-            est = r["estimated"].get("activations", 0) + r["estimated"].get("logits", 0)
-        if part == "temporaries":
-            est = r["estimated"].get("overhead")
+        est = r["estimated"].get("peak" if part == "total" else part)
         shown = "-" if est is None else f"{est / gib:8.3f} GiB"
         lines.append(f"  {part:<12} {got:8.3f} GiB {own_text:>13}   {shown}")
+    lines.append(
+        f"  (estimate: each part at its own largest; total: the peak, at {r['peak_phase']}; "
+        f"a GPU adds the {r['estimated']['overhead'] / gib:.3f} GiB allocator allowance)"
+    )
     return "\n".join(lines)

@@ -18,9 +18,12 @@ _DESCRIPTIONS = {
     "params": "parameter storage (fp32 master weights, 16-bit copies, shards or gathered blocks)",
     "grads": "gradients",
     "optimizer": "AdamW moments (and DeepSpeed's fp32 master weights)",
-    "activations": "saved for backward, incl. one recomputed block and autocast weight copies",
-    "logits": "B x T x vocab logits kept by the chunked loss, and their gradient",
-    "overhead": f"allowance: {OVERHEAD_FRACTION:.0%} of the rest for temporaries and slack",
+    "activations": "saved for backward at their largest (incl. the logits the loss keeps, "
+    "a recomputed block, autocast weight copies)",
+    "temporaries": "largest set in flight: the logits' gradient and the loss's fp32 chunk, a "
+    "block's backward, or foreach AdamW's",
+    "peak": "the largest sum alive at once over the step (the parts above do not peak together)",
+    "overhead": f"allocator allowance: {OVERHEAD_FRACTION:.0%} of the peak",
 }
 
 
@@ -75,8 +78,13 @@ def format_report(est: Estimate, cfg: Config, plan: RunPlan, source: str) -> str
         f"activation_checkpointing {ac.mode}" + (f" (k={ac.k})" if ac.mode == "every_k" else ""),
         "per GPU:",
     ]
-    for key in ("params", "grads", "optimizer", "activations", "logits", "overhead"):
+    for key in ("params", "grads", "optimizer", "activations", "temporaries"):
         lines.append(f"  {key:<12} {gib(est.gpu[key]):>12}   {_DESCRIPTIONS[key]}")
+    lines.append(
+        f"  {'peak':<12} {gib(est.gpu['peak']):>12}   {_DESCRIPTIONS['peak']}: at the "
+        f"{est.peak_phase}" + (" backward" if est.peak_phase.startswith(("loss", "block")) else "")
+    )
+    lines.append(f"  {'overhead':<12} {gib(est.gpu['overhead']):>12}   {_DESCRIPTIONS['overhead']}")
     lines.append(f"  {'total':<12} {gib(est.total):>12}")
     cpu = {k: v for k, v in est.cpu.items() if v}
     if cpu:

@@ -1,0 +1,36 @@
+"""Run under torchrun (2 gloo ranks) by tests/test_memory.py: one optimizer step per case,
+measured by category on every rank with `measure_step`; rank 0 writes the results as JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from scale_llm.config import load_config
+from scale_llm.memory.measure import measure_step
+
+SHAPE = [
+    "model.vocab_size=2048",
+    "model.d_model=256",
+    "model.n_layers=4",
+    "model.n_heads=4",
+    "model.seq_len=256",
+    "train.micro_batch_size=4",
+    "train.compile=false",
+    "train.device=cpu",
+]
+
+
+def main(out: str, cases: list[dict]) -> None:
+    results = []
+    for case in cases:
+        cfg = load_config(None, [*SHAPE, *case["set"]])
+        results.append({**case, **measure_step(cfg)})
+    if int(os.environ.get("RANK", "0")) == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], json.loads(sys.argv[2]))
