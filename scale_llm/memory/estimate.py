@@ -255,6 +255,9 @@ def step_phases(
         stepped_in_fp32 = half and partitioned and not lay.offload_optimizer
         fp32_part = 4 * n.total / lay.world if stepped_in_fp32 else 0.0
         carry = buckets + (persistent - buckets - fp32_part if lay.grad_accum > 1 else 0.0)
+        # gradients land in 16 bits (partitioned from ZeRO-1 on), next to the buckets
+        bytes_per_grad = 2.0 if half else 4.0
+        shard = 1.0 / lay.world if partitioned else 1.0
     resident = resident_input_bytes(m, B)
     kept = kept_per_block(m, ac, B, num)
     full_block = block_activation_bytes(m, B, num)
@@ -266,6 +269,9 @@ def step_phases(
     head = m.vocab_size * m.d_model + m.d_model  # the head's (or tied embedding's) gradient
     for i in reversed(range(L)):
         so_far = bytes_per_grad * shard * (head + (L - 1 - i) * n.block)
+        if lay.backend == "deepspeed":
+            so_far += ds_reduce_buckets(lay)
+        so_far = min(so_far, persistent)  # never more than the step holds
         alive = resident + sum(kept[:i]) + full_block
         activations = max(activations, alive)
         phases[f"block {i}"] = fixed + max(carry, so_far) + transient + alive + in_block

@@ -92,7 +92,7 @@ def format_report(est: Estimate, cfg: Config, plan: RunPlan, source: str) -> str
             "per rank in CPU memory (offloaded): "
             + ", ".join(f"{k} {gib(v)}" for k, v in cpu.items())
         )
-    options = hints(cfg, plan)
+    options = [(flags, total) for flags, total in hints(cfg, plan) if total < est.total]
     if options:
         lines.append("to reduce:")
         for flags, total in sorted(options, key=lambda o: o[1]):
@@ -125,8 +125,12 @@ def _shard_options(cfg: Config) -> list[tuple[dict[str, Any], float]]:
             1.6,
         ),
     ]
+    no_offload = {
+        "parallel.deepspeed.offload_optimizer": "none",
+        "parallel.deepspeed.offload_param": "none",
+    }  # each layout says its offload, or the base config's would leak into e.g. ZeRO-0
     ds = [
-        ({"parallel.backend": "deepspeed", "parallel.deepspeed.zero_stage": s}, c)
+        ({"parallel.backend": "deepspeed", "parallel.deepspeed.zero_stage": s, **no_offload}, c)
         for s, c in ((0, 1.0), (1, 1.0), (2, 1.02), (3, 1.1))
     ]
     ds += [
@@ -135,6 +139,7 @@ def _shard_options(cfg: Config) -> list[tuple[dict[str, Any], float]]:
                 "parallel.backend": "deepspeed",
                 "parallel.deepspeed.zero_stage": 2,
                 "parallel.deepspeed.offload_optimizer": "cpu",
+                "parallel.deepspeed.offload_param": "none",
             },
             1.5,
         ),
@@ -143,6 +148,7 @@ def _shard_options(cfg: Config) -> list[tuple[dict[str, Any], float]]:
                 "parallel.backend": "deepspeed",
                 "parallel.deepspeed.zero_stage": 3,
                 "parallel.deepspeed.offload_optimizer": "cpu",
+                "parallel.deepspeed.offload_param": "none",
             },
             1.6,
         ),
