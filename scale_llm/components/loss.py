@@ -2,10 +2,12 @@
 
 `cross_entropy` never holds an fp32 copy of the whole (B, T, V) logits: it works through the
 rows in chunks of about 16M logits, upcasting one chunk at a time, and keeps only the logits
-(in their own dtype) and one fp32 log-sum-exp per row for backward, where the softmax is
-rebuilt chunk by chunk. The plain `F.cross_entropy(logits.float())` keeps fp32 log-probabilities
-of every row (4 bytes x B x T x V: 2 GiB at 400m.yaml's micro-batch 16) and makes an fp32
-gradient of the same size in backward. Numerics: the same fp32 softmax, summed per chunk.
+(in their own dtype) for backward, where the softmax is rebuilt chunk by chunk. The plain
+`F.cross_entropy(logits.float())` keeps fp32 log-probabilities of every row (4 bytes x B x T x
+V: 2 GiB at 400m.yaml's micro-batch 16) and makes an fp32 gradient of the same size in backward.
+Numerics: the same fp32 softmax, summed per chunk. Forward and backward use PyTorch's fused
+log_softmax / softmax kernels, not logsumexp's composite (max, subtract, exp, sum, log) and a
+subtract-then-exp: on the CPU tiny.yaml's loss forward + backward takes 0.81-0.85x the time.
 """
 
 from __future__ import annotations
@@ -38,41 +40,32 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, rows: int) -> torch.Tensor:
         n = logits.size(0)
-        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
         total = torch.zeros((), dtype=torch.float32, device=logits.device)
         for start in range(0, n, rows):
-            x = logits[start : start + rows].float()  # (rows, V): one chunk in fp32
-            t = targets[start : start + rows]
-            lse[start : start + rows] = torch.logsumexp(x, dim=-1)
-            picked = x.gather(1, t[:, None]).squeeze(1)
-            total += (lse[start : start + rows] - picked).sum()
-        ctx.save_for_backward(logits, targets, lse)
+            logp = F.log_softmax(logits[start : start + rows].float(), dim=-1)  # one fp32 chunk
+            total -= logp.gather(1, targets[start : start + rows, None]).sum()
+        ctx.save_for_backward(logits, targets)
         ctx.rows = rows
         return total / n
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        logits, targets, lse = ctx.saved_tensors
+        logits, targets = ctx.saved_tensors
         n, rows = logits.size(0), ctx.rows
         scale = grad.float() / n
         if n <= rows:  # one chunk: its buffer is the gradient (no second (n, V) tensor)
-            probs = _grad_chunk(logits, targets, lse, scale)
+            probs = _grad_chunk(logits, targets, scale)
             return probs.to(logits.dtype), None, None
         out = torch.empty_like(logits)
         for start in range(0, n, rows):
             end = start + rows
-            out[start:end] = _grad_chunk(
-                logits[start:end], targets[start:end], lse[start:end], scale
-            )
+            out[start:end] = _grad_chunk(logits[start:end], targets[start:end], scale)
         return out, None, None
 
 
-def _grad_chunk(
-    logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor
-) -> torch.Tensor:
-    """(softmax(logits) - onehot(targets)) * scale in fp32, in one fresh buffer: the subtraction
-    writes it (never the saved logits), exp / index / scale then work in place."""
-    probs = torch.sub(logits.float(), lse[:, None])
-    probs.exp_()  # the softmax, rebuilt from the saved log-sum-exp
+def _grad_chunk(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(softmax(logits) - onehot(targets)) * scale in fp32, in one fresh buffer: the softmax
+    writes it (never the saved logits), index / scale then work in place."""
+    probs = torch.softmax(logits.float(), dim=-1)
     probs[torch.arange(targets.numel(), device=targets.device), targets] -= 1.0
     return probs.mul_(scale)
