@@ -25,6 +25,7 @@ from scale_llm.memory import (
 )
 from scale_llm.model import build_model
 from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
+from scale_llm.parallel.compile import compile_blocks
 from scale_llm.parallel.options import ActivationCheckpointingConfig as AC
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,6 +69,33 @@ def test_predicted_activations_match_counted_bytes(shape, attention):
         got = counted(cfg, ac, batch, numerics)
         predicted = saved_activation_bytes(cfg, ac, batch, NUMERICS[numerics])
         assert abs(predicted / got - 1) < 0.05, (mode, numerics, batch, got, predicted)
+
+
+def test_compiled_blocks_save_no_more_than_the_estimate():
+    """train.compile: inductor's partitioner saves less than eager (it recomputes cheap ops);
+    the eager prediction stays an upper bound, and is exact where only block inputs are kept.
+    Measured: none saves 15% less compiled here (fp32 and bf16; 19% at d_model 256), full
+    checkpointing the same within 0.7% (the compiled loss keeps slightly more)."""
+    import torch._dynamo
+
+    cfg = ModelConfig(vocab_size=2048, d_model=128, n_layers=2, n_heads=4, seq_len=64)
+    for mode, numerics in [("none", "fp32"), ("full", "fp32"), ("none", "autocast-bf16")]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = build_model(cfg, "cpu")
+        apply_activation_checkpointing(model, AC(mode=mode))
+        compile_blocks(model)
+        autocast = (
+            torch.autocast("cpu", dtype=torch.bfloat16) if numerics == "autocast-bf16" else None
+        )
+        tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1))
+        got = measure_saved_bytes(model, tokens, autocast, compiled=True)
+        predicted = saved_activation_bytes(cfg, AC(mode=mode), 2, NUMERICS[numerics])
+        print(f"\ncompiled {mode} {numerics}: saved {got}, eager prediction {predicted}")
+        if mode == "full":
+            assert abs(got / predicted - 1) < 0.01, (mode, got, predicted)
+        else:
+            assert 0.6 * predicted < got < predicted, (mode, numerics, got, predicted)
 
 
 @pytest.fixture(scope="module")

@@ -197,6 +197,7 @@ def measure_saved_bytes(
     model: torch.nn.Module,
     tokens: torch.Tensor,
     autocast: contextlib.AbstractContextManager | None = None,
+    compiled: bool = False,
 ) -> int:
     """Bytes of the distinct storages the forward pass and loss keep for backward.
 
@@ -204,6 +205,10 @@ def measure_saved_bytes(
     inputs). Selective checkpointing keeps matmul outputs in its own cache rather than through
     autograd, so a dispatch mode also records every op output and counts those still alive
     after the forward pass. Parameters are not activations and are left out.
+
+    compiled: the blocks are torch.compile'd (and the loss is the compiled one): a dispatch mode
+    cannot run around compiled code, so only what autograd saves is counted (enough: compiled
+    graphs save through autograd), after a first forward and backward that compiles them.
     """
     from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -230,6 +235,23 @@ def measure_saved_bytes(
             return out
 
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    if compiled:
+        from scale_llm.components.loss import compiled_loss
+
+        loss_fn = compiled_loss()
+        with autocast or contextlib.nullcontext():
+            warm = model(inputs)
+        loss_fn(warm, targets).backward()  # compiles the blocks and the loss
+        model.zero_grad(set_to_none=True)
+        del warm
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with autocast or contextlib.nullcontext():
+                logits = model(inputs)
+            loss = loss_fn(logits, targets)
+        del logits
+        total = sum(saved.values())
+        del loss
+        return total
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), Outputs():
         with autocast or contextlib.nullcontext():
             logits = model(inputs)
@@ -258,8 +280,13 @@ def measure_activations(cfg: Config, plan: RunPlan) -> tuple[int, int]:
     if num.compute == 2 and not num.autocast:
         model = model.to(torch.bfloat16)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
+    compiled = cfg.train.compile and cfg.activation_checkpointing.mode != "selective"
+    if compiled:  # (selective keeps its cache outside autograd: counted eager only)
+        from scale_llm.parallel.compile import compile_blocks
+
+        compile_blocks(model)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if num.autocast else None
     mb = plan.micro_batch_size
     tokens = torch.randint(0, cfg.model.vocab_size, (mb, cfg.model.seq_len + 1))
     predicted = saved_activation_bytes(cfg.model, cfg.activation_checkpointing, mb, num)
-    return measure_saved_bytes(model, tokens, autocast), predicted
+    return measure_saved_bytes(model, tokens, autocast, compiled), predicted

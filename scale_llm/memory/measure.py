@@ -41,7 +41,9 @@ def measure_step(cfg: Config) -> dict[str, Any]:
     optimizer step of `cfg` in this process on the CPU."""
     from scale_llm.components.distributed import start
 
-    here = with_changes(cfg, {"train.device": "cpu"})
+    # MemTracker is a dispatch mode, which torch.compile refuses to trace under: the whole step
+    # is measured eager (compiled blocks save less: `measure_activations` counts that)
+    here = with_changes(cfg, {"train.device": "cpu", "train.compile": False})
     if here.train.global_batch_size is not None:
         here = with_changes(here, {"train.global_batch_size": None})
     plan = resolve_plan(here, launch_env())
@@ -92,6 +94,7 @@ def measure_step(cfg: Config) -> dict[str, Any]:
     est = estimate(here, plan)
     estimated = {k: int(v) for k, v in est.gpu.items()}
     return {
+        "measured_eager": bool(cfg.train.compile),
         "peak_phase": est.peak_phase,
         "backend": plan.backend,
         "precision": plan.precision,
@@ -154,6 +157,11 @@ def format_measurement(r: dict[str, Any]) -> str:
         est = r["estimated"].get("peak" if part == "total" else part)
         shown = "-" if est is None else f"{est / gib:8.3f} GiB"
         lines.append(f"  {part:<12} {got:8.3f} GiB {own_text:>13}   {shown}")
+    if r.get("measured_eager"):
+        lines.append(
+            "  (train.compile is on: the step is measured eager, since MemTracker cannot run "
+            "around compiled code; the activation count above is of the compiled blocks)"
+        )
     lines.append(
         f"  (estimate: each part at its own largest; total: the peak, at {r['peak_phase']}; "
         f"a GPU adds the {r['estimated']['overhead'] / gib:.3f} GiB allocator allowance)"
