@@ -29,7 +29,7 @@ def test_125m_traced_on_fake_tensors_has_the_estimated_parts():
     # the estimate's peak (the loss's backward, the largest of the step's phases) is the traced
     # peak within 2%; the sum of the parts' own maxima would be above it by a set of gradients
     assert _close(est["peak"], got["total"], 0.02), (got["total"], est["peak"])
-    assert r["peak_phase"] == "loss"
+    assert r["peak_phase"] == "loss backward"
     assert "rank 0 of 1" in format_trace(r)
 
 

@@ -14,8 +14,10 @@ from scale_llm.memory.activations import (
     block_activation_bytes,
     block_backward_bytes,
     block_matmul_params,
+    checkpointed_count,
     kept_per_block,
     loss_backward_bytes,
+    loss_forward_bytes,
     numerics_for,
     resident_input_bytes,
     saved_activation_bytes,
@@ -226,7 +228,8 @@ def step_phases(
     block as the backward walks down. With grad_accum > 1 the gradients of the earlier
     micro-steps are there throughout (the last micro-step is the fullest); DDP's buckets and
     DeepSpeed's gradient buffers exist from the start whatever the accumulation.
-    - loss: after the forward, all that was saved, the kept logits and the loss's backward;
+    - loss forward / loss: all that the forward saved (the kept logits too) and the loss's own
+      work: one fp32 chunk's log-softmax, or in backward the logits' gradient and its chunk;
     - block i (from the top): the gradients so far (the head and the blocks above, or their
       shards), what the blocks below keep, block i's whole activations (kept or recomputed)
       and the gradients in flight inside it;
@@ -265,7 +268,13 @@ def step_phases(
     in_block = block_backward_bytes(m, B, num)
     saved = saved_activation_bytes(m, ac, B, num)  # incl. the logits the loss keeps
     activations = saved
-    phases = {"loss": fixed + carry + saved + loss_bwd}
+    # autocast caches its bf16 weight copies until the forward's autocast region ends: for the
+    # checkpointed blocks (whose copies are not saved for backward) they are extra until then
+    cast_cache = 2 * block_matmul_params(m) * checkpointed_count(m, ac) if num.autocast else 0
+    phases = {
+        "loss forward": fixed + carry + saved + loss_forward_bytes(m, B, num) + cast_cache,
+        "loss backward": fixed + carry + saved + loss_bwd,
+    }
     head = m.vocab_size * m.d_model + m.d_model  # the head's (or tied embedding's) gradient
     for i in reversed(range(L)):
         so_far = bytes_per_grad * shard * (head + (L - 1 - i) * n.block)
@@ -274,11 +283,11 @@ def step_phases(
         so_far = min(so_far, persistent)  # never more than the step holds
         alive = resident + sum(kept[:i]) + full_block
         activations = max(activations, alive)
-        phases[f"block {i}"] = fixed + max(carry, so_far) + transient + alive + in_block
+        phases[f"block {i} backward"] = fixed + max(carry, so_far) + transient + alive + in_block
     optimizer_tmp = 0.0 if lay.fused_optimizer else 4 * n.total * shard
     if lay.backend == "deepspeed":
         optimizer_tmp = 0.0  # its own optimizer steps flat partitions in place
-    phases["step"] = fixed + persistent + optimizer_tmp
+    phases["optimizer step"] = fixed + persistent + optimizer_tmp
     return phases, activations, max(loss_bwd, in_block, optimizer_tmp)
 
 

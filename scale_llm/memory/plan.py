@@ -82,7 +82,7 @@ def format_report(est: Estimate, cfg: Config, plan: RunPlan, source: str) -> str
         lines.append(f"  {key:<12} {gib(est.gpu[key]):>12}   {_DESCRIPTIONS[key]}")
     lines.append(
         f"  {'peak':<12} {gib(est.gpu['peak']):>12}   {_DESCRIPTIONS['peak']}: at the "
-        f"{est.peak_phase}" + (" backward" if est.peak_phase.startswith(("loss", "block")) else "")
+        f"{est.peak_phase}"
     )
     lines.append(f"  {'overhead':<12} {gib(est.gpu['overhead']):>12}   {_DESCRIPTIONS['overhead']}")
     lines.append(f"  {'total':<12} {gib(est.total):>12}")
