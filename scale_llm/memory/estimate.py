@@ -104,7 +104,10 @@ def state_bytes(n: ParamCounts, lay: Layout) -> tuple[dict[str, float], dict[str
         # sharded fp32 params / grads / Adam moments; gathered c-byte params while computing
         working = c * (P if not lay.reshard_after_forward else 2 * n.block + n.root)
         sharded = {"params": 4 * P / W, "grads": 4 * P / W, "optimizer": 8 * P / W}
-        transient_grads = (c + 4) * n.block  # one block's unsharded grads before reduce-scatter
+        # the unsharded gradients of the largest unit before its reduce-scatter (16-bit, and
+        # the fp32 reduce-scatter input): a block, or the root (embeddings, head) where that is
+        # larger, as fake-tensor traces of 400m/1b/7b at 8 ranks showed
+        transient_grads = (c + 4) * max(n.block, n.root)
         gpu = {"params": working, "grads": transient_grads, "optimizer": 0.0}
         cpu = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
         target = cpu if lay.fsdp_offload else gpu
@@ -241,12 +244,12 @@ def step_phases(
     grads = gpu["grads"]
     bytes_per_grad, shard = 4.0, 1.0
     if lay.backend == "fsdp":
-        transient = (2 if lay.precision != "fp32" else 4) + 4
-        transient *= n.block
+        per_param = (2 if lay.precision != "fp32" else 4) + 4
+        transient = per_param * n.block  # a block's, while the blocks' backward runs
         shard = 1.0 / lay.world
         if lay.fsdp_offload:
             shard = 0.0  # the reduced shards go to the host
-        persistent = grads - transient
+        persistent = grads - per_param * max(n.block, n.root)
     else:
         transient = 0.0
         persistent = grads
