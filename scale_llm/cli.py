@@ -418,10 +418,14 @@ def cmd_estimate(args: argparse.Namespace) -> int:
             "counted_saved_bytes": counted,
             "predicted_saved_bytes": predicted,
         }
+        compiled = cfg.train.compile and cfg.activation_checkpointing.mode != "selective"
         text.append(
-            f"measured on CPU (micro-batch {plan.micro_batch_size}): the forward pass "
-            f"saved {memory.gib(counted)} for backward; predicted {memory.gib(predicted)} "
-            f"({predicted / counted - 1:+.2%})"
+            f"measured on CPU (micro-batch {plan.micro_batch_size}"
+            + (", compiled blocks" if compiled else "")
+            + f"): the forward pass saved {memory.gib(counted)} for backward; predicted "
+            f"{memory.gib(predicted)} ({predicted / counted - 1:+.2%}"
+            + ("; the prediction counts eager blocks, an upper bound" if compiled else "")
+            + ")"
         )
         from scale_llm.memory.measure import format_measurement, measure_step
 
