@@ -227,6 +227,21 @@ def test_estimate_command_json_and_fit(tmp_path):
     assert bad.returncode == 2 and "accepted" not in bad.stderr and "GiB" in bad.stderr
 
 
+def test_estimate_measure_prints_the_step_next_to_the_estimate(tmp_path):
+    """`estimate --measure` on a small real run: the activation count, then the whole step by
+    part at the peak / own maximum / estimate, the peak's phase named, in text and JSON."""
+    small = [a for pair in zip(["--set"] * len(SMALL_ARGS), SMALL_ARGS, strict=True) for a in pair]
+    proc = estimate_cli(tmp_path, *small, "--measure")
+    assert proc.returncode == 0, proc.stderr
+    assert "the forward pass saved" in proc.stdout
+    assert "at the peak   own maximum   estimate" in proc.stdout
+    assert "total: the peak, at " in proc.stdout
+    out = json.loads(estimate_cli(tmp_path, *small, "--measure", "--json").stdout)
+    step = out["measured_step_cpu"]
+    assert abs(step["measured"]["total"] / step["estimated"]["peak"] - 1) < 0.1
+    assert out["peak_phase"] in out["phases"]
+
+
 def test_human_report_ends_with_hints(tmp_path):
     proc = estimate_cli(
         tmp_path, str(REPO / "yaml" / "400m.yaml"), "--set", "activation_checkpointing.mode=none"
