@@ -1,18 +1,22 @@
 """Per-GPU memory: a prediction before training (`scale-llm estimate`, `train --report-memory`),
 a plan that fits a budget (`--fit 80GiB`), and a CPU measurement that keeps the prediction honest.
 
-The estimate is a sum of parts, per GPU, in bytes:
+The estimate gives each part at its own largest over a step, per GPU, in bytes:
 
   params       the parameter storage the backend keeps (fp32 master weights, 16-bit copies,
                sharded or gathered)
-  grads        gradient storage (full, or sharded, in the precision the backend accumulates in)
+  grads        gradient storage (full, or sharded, in the precision the backend accumulates in,
+               with DDP's buckets and DeepSpeed's reduce buckets)
   optimizer    AdamW's two moments (and DeepSpeed's fp32 master copy), full or partitioned
-  activations  what the forward pass saves for backward, for the attention implementation and
-               checkpointing mode, plus what backward needs on top: one checkpointed block
-               recomputed at a time, and autocast's 16-bit weight copies
-  logits       the B x T x vocab buffers of the loss: the logits the chunked loss keeps (in the
-               compute dtype) and their gradient
-  overhead     a stated allowance: 5% of the rest for temporaries and allocator slack
+  activations  what the forward pass saves for backward (the logits the chunked loss keeps too),
+               for the attention implementation and checkpointing mode, and during a
+               checkpointed block's backward its recomputed activations
+  temporaries  the largest set in flight: the logits' gradient and the loss's fp32 chunk, one
+               block's backward, or foreach AdamW's temporary
+
+and then `peak`, the largest sum alive at once (the parts do not peak together: the loss's
+forward and backward, each block's backward, the optimizer step; `estimate.step_phases`), and
+`total` = peak + `overhead`, a stated 5% allocator allowance.
 
 The activation formula follows this project's model op by op (see `block_activation_bytes`); it
 is checked against `measure_saved_bytes`, which counts what autograd really saves on the CPU.
