@@ -103,6 +103,7 @@ def measure_step(cfg: Config) -> dict[str, Any]:
         "measured": measured,
         "category_maxima": maxima,
         "estimated": estimated,
+        "estimated_cpu": {k: int(v) for k, v in est.cpu.items() if v},
     }
 
 
