@@ -45,6 +45,7 @@ class Layout:
     reshard_after_forward: bool = True
     fsdp_offload: bool = False
     fused_optimizer: bool = True  # AdamW in one kernel (CUDA); else foreach, with a temporary
+    ddp_bucket_view: bool = True  # DDP's gradient_as_bucket_view
     ds_bucket_elements: int = 50_000_000  # DeepSpeed's reduce_bucket_size (generated config)
     ds_overlap_comm: bool = True  # two reduce buckets (double buffering) in ZeRO-1/2
 
@@ -76,6 +77,7 @@ def layout_of(cfg: Config, plan: RunPlan) -> Layout:
         reshard_after_forward=p.fsdp.reshard_after_forward,
         fsdp_offload=p.fsdp.cpu_offload,
         fused_optimizer=plan.device.type == "cuda",
+        ddp_bucket_view=p.ddp.gradient_as_bucket_view,
         ds_bucket_elements=int(float(zero.get("reduce_bucket_size", 5e7))),
         ds_overlap_comm=bool(zero.get("overlap_comm", True)),
     )
@@ -117,9 +119,9 @@ def state_bytes(n: ParamCounts, lay: Layout) -> tuple[dict[str, float], dict[str
     if lay.backend == "deepspeed":
         return _deepspeed_states(n, lay, c, half)
     # single / ddp: fp32 params and grads (autocast casts per op), AdamW moments. DDP's buckets
-    # hold the gradients (gradient_as_bucket_view); with grad_accum > 1 the micro-steps under
-    # no_sync() accumulate into separate .grad tensors until the last one copies them in: 2x
-    grads = 8 * P if lay.backend == "ddp" and lay.grad_accum > 1 else 4 * P
+    # hold the gradients with gradient_as_bucket_view (zeroed in place between steps, so the
+    # no_sync() micro-steps accumulate into them too); without it, buckets and .grad: 2x
+    grads = 8 * P if lay.backend == "ddp" and not lay.ddp_bucket_view else 4 * P
     return {"params": 4 * P, "grads": grads, "optimizer": 8 * P}, {}
 
 

@@ -43,6 +43,10 @@ class Backend:
         self.optimizer: torch.optim.Optimizer | None = None
         self.scaler = self.precision.grad_scaler()  # fp16 only
         self.loss_fn = compiled_loss() if cfg.train.compile else cross_entropy
+        # gradients that live in storage the backend keeps anyway (DDP's bucket views) are
+        # zeroed in place after a step rather than freed: freeing them makes the next no_sync()
+        # micro-steps accumulate into fresh tensors next to the buckets (one more gradient copy)
+        self.zero_grads_in_place = False
 
     # ----------------------------------------------------------------- setup
     def setup(self, model: Transformer, initial_weights: dict | None = None) -> nn.Module:
@@ -109,7 +113,7 @@ class Backend:
         else:
             norm = self.clip_grad_norm(self.cfg.train.grad_clip)
             step_if_finite(self.optimizer, norm)
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=not self.zero_grads_in_place)
         return norm
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:

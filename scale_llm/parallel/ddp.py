@@ -21,6 +21,7 @@ class DDPBackend(Backend):
         model = super().wrap(model, initial_weights)
         opts = self.cfg.parallel.ddp
         device = self.plan.device
+        self.zero_grads_in_place = opts.gradient_as_bucket_view
         return DDP(
             model,
             device_ids=[device.index] if device.type == "cuda" else None,
