@@ -39,10 +39,12 @@ def test_fsdp2_at_8_fake_ranks_holds_an_eighth_of_the_states():
     got, own, est = r["measured"], r["category_maxima"], r["estimated"]
     assert r["backend"] == "fsdp" and r["world_size"] == 8
     assert _close(own["optimizer"], est["optimizer"], 0.01), (own["optimizer"], est["optimizer"])
-    # fp32 shards plus the gathered bf16 blocks (params) and one block's unsharded gradients
-    for part in ("params", "grads"):
-        assert _close(own[part], est[part], 0.25), (part, own[part], est[part])
-    assert got["total"] <= est["total"] * 1.15, (got["total"], est["total"])
+    # fp32 shards plus the gathered bf16 root and block and the next all-gather output (params,
+    # exact); the largest unit's unsharded gradients (an upper bound: +8.6% here)
+    assert _close(own["params"], est["params"], 0.01), (own["params"], est["params"])
+    assert own["grads"] <= est["grads"] <= 1.1 * own["grads"], (own["grads"], est["grads"])
+    assert _close(own["activations"], est["activations"], 0.01), (own, est)
+    assert _close(est["peak"], got["total"], 0.05), (got["total"], est["peak"])  # +4.3% here
 
 
 def test_deepspeed_is_refused_with_the_fix():
