@@ -372,13 +372,13 @@ def bench_checkpoint(cfg: Config, plan: RunPlan, directory: Path, rounds: int = 
                 barrier()
                 written = time.perf_counter()
                 record = finish_record(directory, hashed, main)
-                during = gather_records(written_entries(directory, hashed))
                 if main:
                     write_integrity(directory, record)
             barrier()
             done = time.perf_counter()
             row = {"kind": kind, "save_s": done - start, "write_s": written - start}
-            if kind == "with record":
+            if kind == "with record":  # (outside the timed save from here on)
+                during = gather_records(written_entries(directory, hashed))
                 row["hashed_while_writing_gb"] = sum(e["size"] for e in during.values()) / 1e9
                 # the wall time the record added: writers stalled on hashing, and what follows
                 # the write (the other files hashed, fsync, the record written)

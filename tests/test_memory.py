@@ -338,21 +338,10 @@ def test_a_measured_step_has_the_estimated_parts_and_peak(precision, ac):
     maximum within 5%, and the measured peak within 5% of the estimate's phase-aware peak."""
     from scale_llm.config import load_config
     from scale_llm.memory.measure import measure_step
+    from tests.measure_world import SHAPE  # the shape the 2-rank cases measure
 
-    cfg = load_config(
-        None,
-        [
-            "model.vocab_size=2048",
-            "model.d_model=256",
-            "model.n_layers=4",
-            "model.n_heads=4",
-            "model.seq_len=256",
-            "train.micro_batch_size=4",
-            f"train.precision={precision}",
-            f"activation_checkpointing.mode={ac}",
-        ],
-    )
-    r = measure_step(cfg)
+    overrides = [*SHAPE, f"train.precision={precision}", f"activation_checkpointing.mode={ac}"]
+    r = measure_step(load_config(None, overrides))
     got, own, est = r["measured"], r["category_maxima"], r["estimated"]
     assert got["params"] == pytest.approx(est["params"], rel=0.01)
     assert got["optimizer"] == pytest.approx(est["optimizer"], rel=0.01)

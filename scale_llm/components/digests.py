@@ -18,7 +18,7 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -73,6 +73,12 @@ def file_digest(path: Path, mapped: bool = True) -> str:
         return h.hexdigest()
 
 
+def _seconds(work: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    work()
+    return time.perf_counter() - t0
+
+
 class _HashingWriter:
     """A binary file opened for writing that hashes what passes through `write`."""
 
@@ -88,14 +94,9 @@ class _HashingWriter:
         if view.nbytes >= PARALLEL_MIN:  # xxhash and the write both release the GIL
             hashed = self._pool.submit(self._hash.update, view)
             n = self._f.write(view)
-            t0 = time.perf_counter()
-            hashed.result()
+            self.stalled_s += _seconds(hashed.result)  # the hash outlasting the write
         else:
-            t0 = time.perf_counter()
-            self._hash.update(view)
-            n = None
-        self.stalled_s += time.perf_counter() - t0
-        if n is None:
+            self.stalled_s += _seconds(lambda: self._hash.update(view))
             n = self._f.write(view)
         if n != view.nbytes:
             self.sequential = False

@@ -103,19 +103,15 @@ def state_bytes(n: ParamCounts, lay: Layout) -> tuple[dict[str, float], dict[str
     half = lay.precision != "fp32"
     c = 2 if half else 4  # bytes of a 16-bit (or fp32) working copy
     if lay.backend == "fsdp":
-        # sharded fp32 params / grads / Adam moments; gathered c-byte params while computing
-        # gathered c-byte params: all of them without resharding, else the root (kept from the
-        # forward into the backward) and a block, plus the all-gather output of the unit being
-        # gathered next (the root's own at the start of the backward where the root is larger):
-        # fake-tensor traces at 8 ranks, 400m exact, 7b +2.5%
+        # sharded fp32 params / grads / Adam moments, and gathered c-byte params: all of them
+        # without resharding, else the root (kept from the forward into the backward) and a
+        # block, plus the all-gather output of the unit gathered next (the root's own at the
+        # start of the backward where the root is larger): fake-tensor traces at 8 ranks,
+        # 400m exact, 7b +2.5%
         biggest = max(n.block, n.root)
         working = c * (P + n.block if not lay.reshard_after_forward else n.root + n.block + biggest)
         sharded = {"params": 4 * P / W, "grads": 4 * P / W, "optimizer": 8 * P / W}
-        # the unsharded gradients of the largest unit before its reduce-scatter (16-bit, and
-        # the fp32 reduce-scatter input): a block, or the root (embeddings, head) where that is
-        # larger, as fake-tensor traces of 400m/1b/7b at 8 ranks showed
-        transient_grads = (c + 4) * max(n.block, n.root)
-        gpu = {"params": working, "grads": transient_grads, "optimizer": 0.0}
+        gpu = {"params": working, "grads": fsdp_unsharded_grads(n, lay, biggest), "optimizer": 0.0}
         cpu = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
         target = cpu if lay.fsdp_offload else gpu
         for k, v in sharded.items():
@@ -128,6 +124,13 @@ def state_bytes(n: ParamCounts, lay: Layout) -> tuple[dict[str, float], dict[str
     # no_sync() micro-steps accumulate into them too); without it, buckets and .grad: 2x
     grads = 8 * P if lay.backend == "ddp" and not lay.ddp_bucket_view else 4 * P
     return {"params": 4 * P, "grads": grads, "optimizer": 8 * P}, {}
+
+
+def fsdp_unsharded_grads(n: ParamCounts, lay: Layout, unit: int) -> float:
+    """FSDP2's unsharded gradients of one unit of `unit` parameters before its reduce-scatter
+    (16-bit, and the fp32 reduce-scatter input). Its largest is the largest unit's: a block, or
+    the root (embeddings, head) where that is larger, as traces of 400m/1b/7b at 8 ranks showed."""
+    return float(((2 if lay.precision != "fp32" else 4) + 4) * unit)
 
 
 def ds_reduce_buckets(lay: Layout) -> float:
@@ -237,7 +240,7 @@ def step_phases(
     (`zero_grad(set_to_none=True)`) and complete only at its end, activations are freed block by
     block as the backward walks down. With grad_accum > 1 the gradients of the earlier
     micro-steps are there throughout (the last micro-step is the fullest); DDP's buckets and
-    DeepSpeed's gradient buffers exist from the start whatever the accumulation.
+    DeepSpeed's reduce buckets exist from the start whatever the accumulation.
     - loss forward / loss: all that the forward saved (the kept logits too) and the loss's own
       work: one fp32 chunk's log-softmax, or in backward the logits' gradient and its chunk;
     - block i (from the top): the gradients so far (the head and the blocks above, or their
@@ -250,20 +253,15 @@ def step_phases(
     fixed = gpu["params"] + gpu["optimizer"]
     grads = gpu["grads"]
     bytes_per_grad, shard = 4.0, 1.0
+    transient, persistent = 0.0, grads
     if lay.backend == "fsdp":
-        per_param = (2 if lay.precision != "fp32" else 4) + 4
-        transient = per_param * n.block  # a block's, while the blocks' backward runs
-        shard = 1.0 / lay.world
-        if lay.fsdp_offload:
-            shard = 0.0  # the reduced shards go to the host
-        persistent = grads - per_param * max(n.block, n.root)
-    else:
-        transient = 0.0
-        persistent = grads
+        transient = fsdp_unsharded_grads(n, lay, n.block)  # while the blocks' backward runs
+        persistent = grads - fsdp_unsharded_grads(n, lay, max(n.block, n.root))
+        shard = 0.0 if lay.fsdp_offload else 1.0 / lay.world  # offload: shards on the host
+    buckets = ds_reduce_buckets(lay)
     carry = persistent if (lay.grad_accum > 1 or lay.backend == "ddp") else 0.0  # DDP: buckets
     if lay.backend == "deepspeed":  # the reduce buckets from the first backward on; the fp32
         # gradient partition (16-bit modes) only for the step
-        buckets = ds_reduce_buckets(lay)
         half, partitioned = lay.precision != "fp32", lay.zero_stage >= 1
         stepped_in_fp32 = half and partitioned and not lay.offload_optimizer
         fp32_part = 4 * n.total / lay.world if stepped_in_fp32 else 0.0
@@ -287,9 +285,7 @@ def step_phases(
     }
     head = m.vocab_size * m.d_model + m.d_model  # the head's (or tied embedding's) gradient
     for i in reversed(range(L)):
-        so_far = bytes_per_grad * shard * (head + (L - 1 - i) * n.block)
-        if lay.backend == "deepspeed":
-            so_far += ds_reduce_buckets(lay)
+        so_far = bytes_per_grad * shard * (head + (L - 1 - i) * n.block) + buckets
         so_far = min(so_far, persistent)  # never more than the step holds
         alive = resident + sum(kept[:i]) + full_block
         activations = max(activations, alive)

@@ -69,7 +69,7 @@ def measure_step(cfg: Config) -> dict[str, Any]:
         return out
 
     optimizer_step(backend, model, batches())  # the optimizer state exists from here on
-    tracker = _StepTracker()
+    tracker = _step_tracker()
     optimizer = backend.optimizer
     # DeepSpeed's ZeRO optimizer wraps the torch optimizer that holds its fp32 partitions
     inner = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer.optimizer
@@ -130,7 +130,8 @@ def _step_tracker_class() -> type:
     return StepTracker
 
 
-def _StepTracker() -> Any:  # noqa: N802 (a class built on first use: MemTracker loads late)
+def _step_tracker() -> Any:
+    """A StepTracker (the class is built on first use: MemTracker is imported late)."""
     return _step_tracker_class()()
 
 
