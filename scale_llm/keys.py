@@ -175,6 +175,11 @@ KEY_HELP: dict[str, str] = {
         "HSDP: shard within groups, replicate across this many groups (usually the node "
         "count); must divide the world size"
     ),
+    "parallel.fsdp.reduce_every_micro_step": (
+        "with grad_accum > 1: true reduce-scatters every micro-step's gradients into the "
+        "shards; false accumulates them unsharded in fp32 (4 B/param more per GPU) and "
+        "reduces once per step (less traffic)"
+    ),
     "parallel.deepspeed.zero_stage": "ZeRO stage 0-3",
     "parallel.deepspeed.offload_optimizer": (
         "`cpu`: optimizer state and step on the CPU (ZeRO >= 1)"

@@ -161,6 +161,8 @@ BACKENDS = {
     "fsdp": ["parallel.backend=fsdp"],
     "fsdp-zero2like": ["parallel.backend=fsdp", "parallel.fsdp.reshard_after_forward=false"],
     "hsdp": ["parallel.backend=fsdp", "parallel.fsdp.replicate_degree=2"],
+    # one reduce-scatter per step (no-sync accumulation) instead of one per micro-step
+    "fsdp-nosync": ["parallel.backend=fsdp", "parallel.fsdp.reduce_every_micro_step=false"],
     "zero0": ["parallel.backend=deepspeed", "parallel.deepspeed.zero_stage=0"],
     "zero1": ["parallel.backend=deepspeed", "parallel.deepspeed.zero_stage=1"],
     "zero2": ["parallel.backend=deepspeed", "parallel.deepspeed.zero_stage=2"],

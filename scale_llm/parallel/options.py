@@ -34,6 +34,9 @@ class FSDPConfig:
     # false: ZeRO-2-like (params stay gathered from forward to backward: more memory, less comm)
     cpu_offload: bool = False  # keep sharded params, grads and optimizer state in CPU memory
     replicate_degree: int = 1  # HSDP: replicas (e.g. nodes) x shards within each; 1 = plain FSDP
+    reduce_every_micro_step: bool = True  # reduce-scatter each micro-step's gradients into the
+    # shards (torchtitan's way); false: accumulate them unsharded in fp32 (4 B/param per GPU
+    # more) and reduce once per optimizer step
 
 
 @dataclass
