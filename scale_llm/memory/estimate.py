@@ -22,6 +22,7 @@ from scale_llm.memory.activations import (
     resident_input_bytes,
     saved_activation_bytes,
 )
+from scale_llm.model import mlp_hidden_size
 from scale_llm.plan import RunPlan, target_plan
 
 GiB = 1 << 30
@@ -44,6 +45,7 @@ class Layout:
     offload_param: bool = False
     reshard_after_forward: bool = True
     fsdp_offload: bool = False
+    fsdp_reduce_every: bool = True  # reduce-scatter every micro-step (else accumulate unsharded)
     fused_optimizer: bool = True  # AdamW in one kernel (CUDA); else foreach, with a temporary
     ddp_bucket_view: bool = True  # DDP's gradient_as_bucket_view
     ds_bucket_elements: int = 50_000_000  # DeepSpeed's reduce_bucket_size (generated config)
@@ -76,6 +78,7 @@ def layout_of(cfg: Config, plan: RunPlan) -> Layout:
         offload_param=p.deepspeed.offload_param == "cpu",
         reshard_after_forward=p.fsdp.reshard_after_forward,
         fsdp_offload=p.fsdp.cpu_offload,
+        fsdp_reduce_every=p.fsdp.reduce_every_micro_step,
         fused_optimizer=plan.device.type == "cuda",
         ddp_bucket_view=p.ddp.gradient_as_bucket_view,
         ds_bucket_elements=int(float(zero.get("reduce_bucket_size", 5e7))),
@@ -103,15 +106,15 @@ def state_bytes(n: ParamCounts, lay: Layout) -> tuple[dict[str, float], dict[str
     half = lay.precision != "fp32"
     c = 2 if half else 4  # bytes of a 16-bit (or fp32) working copy
     if lay.backend == "fsdp":
-        # sharded fp32 params / grads / Adam moments, and gathered c-byte params: all of them
-        # without resharding, else the root (kept from the forward into the backward) and a
-        # block, plus the all-gather output of the unit gathered next (the root's own at the
-        # start of the backward where the root is larger): fake-tensor traces at 8 ranks,
-        # 400m exact, 7b +2.5%
+        # sharded fp32 params / grads / Adam moments, and gathered c-byte params at their
+        # largest (fsdp_gathered_params); no-sync accumulation keeps every gradient unsharded
         biggest = max(n.block, n.root)
-        working = c * (P + n.block if not lay.reshard_after_forward else n.root + n.block + biggest)
+        working = fsdp_gathered_params(n, lay, "largest")
         sharded = {"params": 4 * P / W, "grads": 4 * P / W, "optimizer": 8 * P / W}
-        gpu = {"params": working, "grads": fsdp_unsharded_grads(n, lay, biggest), "optimizer": 0.0}
+        unsharded = fsdp_unsharded_grads(n, lay, biggest)
+        if lay.grad_accum > 1 and not lay.fsdp_reduce_every:
+            unsharded += 4 * P  # fp32 (the reduce dtype) until the last micro-step's reduction
+        gpu = {"params": working, "grads": unsharded, "optimizer": 0.0}
         cpu = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
         target = cpu if lay.fsdp_offload else gpu
         for k, v in sharded.items():
@@ -124,6 +127,28 @@ def state_bytes(n: ParamCounts, lay: Layout) -> tuple[dict[str, float], dict[str
     # no_sync() micro-steps accumulate into them too); without it, buckets and .grad: 2x
     grads = 8 * P if lay.backend == "ddp" and not lay.ddp_bucket_view else 4 * P
     return {"params": 4 * P, "grads": grads, "optimizer": 8 * P}, {}
+
+
+def fsdp_gathered_params(n: ParamCounts, lay: Layout, at: int | str) -> float:
+    """FSDP2's gathered (unsharded, compute-dtype) parameters while block `at` runs its
+    backward, during the loss (`at` "loss"), or at their largest over the step ("largest"),
+    from FSDP2's unshard / reshard order and measured on 2 gloo ranks:
+    - resharding: the root (embeddings, head: re-gathered at the start of the backward, kept
+      until its end) and the block computing (the last block during the loss: it is never
+      resharded after forward), plus in a block's backward the all-gather output
+      of the block below, prefetched (none below block 0). At their largest, also the
+      all-gather output of the larger of root and block next to both (the forward's deferred
+      free, the root's re-gather): fake-tensor traces at 8 ranks, 400m and 1b exact.
+    - without resharding: everything through the loss; in block i's backward the root and
+      blocks 0..i (each block reshards after its own backward)."""
+    c = 2 if lay.precision != "fp32" else 4
+    if not lay.reshard_after_forward:
+        if at == "largest":
+            return c * (n.total + n.block)
+        return c * (n.total if at == "loss" else n.root + (int(at) + 1) * n.block)
+    if at == "largest":
+        return c * (n.root + n.block + max(n.block, n.root))
+    return c * (n.root + (2 if at != "loss" and int(at) > 0 else 1) * n.block)
 
 
 def fsdp_unsharded_grads(n: ParamCounts, lay: Layout, unit: int) -> float:
@@ -253,11 +278,16 @@ def step_phases(
     fixed = gpu["params"] + gpu["optimizer"]
     grads = gpu["grads"]
     bytes_per_grad, shard = 4.0, 1.0
-    transient, persistent = 0.0, grads
-    if lay.backend == "fsdp":
-        transient = fsdp_unsharded_grads(n, lay, n.block)  # while the blocks' backward runs
+    persistent = grads
+    # gradients made in a block's backward before its peak (the MLP's down-projection's first)
+    this_block = 4.0 * m.d_model * mlp_hidden_size(m)
+    fsdp = lay.backend == "fsdp"
+    if fsdp:
+        c = 2 if lay.precision != "fp32" else 4
+        this_block = c * m.d_model * mlp_hidden_size(m)
         persistent = grads - fsdp_unsharded_grads(n, lay, max(n.block, n.root))
         shard = 0.0 if lay.fsdp_offload else 1.0 / lay.world  # offload: shards on the host
+        sharded_params = gpu["params"] - fsdp_gathered_params(n, lay, "largest")
     buckets = ds_reduce_buckets(lay)
     carry = persistent if (lay.grad_accum > 1 or lay.backend == "ddp") else 0.0  # DDP: buckets
     if lay.backend == "deepspeed":  # the reduce buckets from the first backward on; the fp32
@@ -279,21 +309,44 @@ def step_phases(
     # autocast caches its bf16 weight copies until the forward's autocast region ends: for the
     # checkpointed blocks (whose copies are not saved for backward) they are extra until then
     cast_cache = 2 * block_matmul_params(m) * checkpointed_count(m, ac) if num.autocast else 0
+    if fsdp:
+        fixed = sharded_params + fsdp_gathered_params(n, lay, "loss") + gpu["optimizer"]
     phases = {
         "loss forward": fixed + carry + saved + loss_forward_bytes(m, B, num) + cast_cache,
         "loss backward": fixed + carry + saved + loss_bwd,
     }
     head = m.vocab_size * m.d_model + m.d_model  # the head's (or tied embedding's) gradient
+    # a block's backward peaks at its MLP's product's backward: by then the product itself (the
+    # down-projection's input) is freed, and the three hidden-width gradients are alive
+    product = num.compute * B * m.seq_len * mlp_hidden_size(m)
     for i in reversed(range(L)):
-        so_far = bytes_per_grad * shard * (head + (L - 1 - i) * n.block) + buckets
+        transient = this_block
+        if fsdp:  # the root's unsharded gradients (reduced at the end of the backward), the
+            # shards of the blocks above, and the block above's fp32 reduce-scatter input
+            # (FSDP2 keeps one until the next reduce-scatter)
+            transient += c * n.root + (4.0 * n.block if i < L - 1 else 0.0)
+            so_far = 4.0 * shard * (L - 1 - i) * n.block
+            params_now = sharded_params + fsdp_gathered_params(n, lay, i)
+        else:
+            so_far = bytes_per_grad * shard * (head + (L - 1 - i) * n.block) + buckets
+            params_now = gpu["params"]
         so_far = min(so_far, persistent)  # never more than the step holds
         alive = resident + sum(kept[:i]) + full_block
         activations = max(activations, alive)
-        phases[f"block {i} backward"] = fixed + max(carry, so_far) + transient + alive + in_block
+        phases[f"block {i} backward"] = (
+            params_now
+            + gpu["optimizer"]
+            + max(carry, so_far)
+            + transient
+            + alive
+            - product
+            + in_block
+        )
     optimizer_tmp = 0.0 if lay.fused_optimizer else 4 * n.total * shard
     if lay.backend == "deepspeed":
         optimizer_tmp = 0.0  # its own optimizer steps flat partitions in place
-    phases["optimizer step"] = fixed + persistent + optimizer_tmp
+    step_params = sharded_params if fsdp else gpu["params"]  # FSDP: all resharded by now
+    phases["optimizer step"] = step_params + gpu["optimizer"] + persistent + optimizer_tmp
     return phases, activations, max(loss_bwd, in_block, optimizer_tmp)
 
 
