@@ -209,22 +209,86 @@ def test_rope_tables_are_computed_once_and_survive_inference_mode_then_training(
     x = torch.randint(0, 97, (2, 24))
     with torch.inference_mode():  # generate first (tables made here are normal tensors)
         m(x[:, :5])
-    cos, _ = m._rope_tables[torch.device("cpu")]
-    assert not cos.is_inference() and cos.dtype == torch.float32 and cos.shape == (24, 4)
+    table = m._rope_tables[torch.device("cpu")]
+    assert not table.is_inference() and table.dtype == torch.float32
+    assert table.shape == (24, 4, 2)  # (seq_len, head_dim / 2, (cos, sin))
     m(x).float().sum().backward()  # would raise if the tables were inference tensors
-    assert m._rope_tables[torch.device("cpu")][0] is cos  # not recomputed
+    assert m._rope_tables[torch.device("cpu")] is table  # not recomputed
     assert "_rope_tables" not in str(list(m.state_dict()))
 
 
-def test_rope_runs_in_the_compute_dtype_close_to_fp32_math():
-    from scale_llm.model.transformer import apply_rope, rope_tables
+def half_split_order(x: torch.Tensor) -> torch.Tensor:
+    """The interleaved RoPE output (x'_0, x'_{D/2}, x'_1, ...) put back in half-split order."""
+    return x.unflatten(-1, (x.size(-1) // 2, 2)).transpose(-1, -2).flatten(-2)
+
+
+def test_fp32_rope_is_the_half_split_rotation_with_pairs_adjacent(monkeypatch):
+    from scale_llm.model import transformer as tr
 
     torch.manual_seed(0)
-    cos, sin = rope_tables(64, 512, 10000.0)
+    rope = tr.rope_table(64, 512, 10000.0)
     x = torch.randn(2, 512, 4, 64)
-    exact = apply_rope(x.double(), cos.double(), sin.double())
-    assert torch.equal(apply_rope(x, cos, sin), apply_rope(x, cos, sin).float())  # fp32 path
-    low = apply_rope(x.bfloat16(), cos, sin)
+    fp32 = tr.apply_rope(x, rope)
+    reference = tr.rope_half_split(x, rope)
+    torch.testing.assert_close(half_split_order(fp32), reference, atol=1e-6, rtol=1e-6)
+    assert not torch.equal(fp32, reference)  # the order really differs (q and k share it)
+    q, k = x, torch.randn_like(x)  # so scores q·k do not
+    scores = tr.apply_rope(q, rope) @ tr.apply_rope(k, rope).transpose(-2, -1)
+    expected = tr.rope_half_split(q, rope) @ tr.rope_half_split(k, rope).transpose(-2, -1)
+    torch.testing.assert_close(scores, expected, atol=1e-4, rtol=1e-5)
+    # 16-bit, fp64 and traced code take the real path (no complex bf16; inductor falls back on
+    # complex ops)
+    assert torch.equal(tr.apply_rope(x.bfloat16(), rope), tr.rope_half_split(x.bfloat16(), rope))
+    assert torch.equal(tr.apply_rope(x.double(), rope), tr.rope_half_split(x.double(), rope))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert torch.equal(tr.apply_rope(x, rope), reference)
+
+
+@pytest.mark.parametrize("n_kv_heads", [None, 2])
+def test_fp32_model_with_complex_rope_equals_the_half_split_one(n_kv_heads, monkeypatch):
+    from scale_llm.model import transformer as tr
+
+    torch.manual_seed(0)
+    m = build_model(small(n_kv_heads=n_kv_heads), "cpu")
+    x = torch.randint(0, 97, (3, 24))
+
+    def loss_and_grads():
+        logits = m(x)
+        loss = cross_entropy(logits, x.roll(-1, 1))
+        grads = torch.autograd.grad(loss, list(m.parameters()))
+        return logits, loss, grads
+
+    logits, loss, grads = loss_and_grads()
+    monkeypatch.setattr(tr, "apply_rope", tr.rope_half_split)  # the formulation before
+    logits_ref, loss_ref, grads_ref = loss_and_grads()
+    torch.testing.assert_close(logits, logits_ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(loss, loss_ref, atol=1e-6, rtol=1e-6)
+    for (name, _), g, g_ref in zip(m.named_parameters(), grads, grads_ref):
+        torch.testing.assert_close(g, g_ref, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_fp32_generation_with_the_cache_gives_the_half_split_tokens(monkeypatch):
+    from scale_llm.model import transformer as tr
+
+    torch.manual_seed(1)
+    m = build_model(small(d_model=64, n_layers=3), "cpu")
+    prompt = torch.randint(0, 97, (5,)).tolist()
+    # past seq_len: the full cache restarts from the newest half (prefill after decode)
+    tokens = generate(m, prompt, 40, temperature=0.0)
+    monkeypatch.setattr(tr, "apply_rope", tr.rope_half_split)
+    assert tokens == generate(m, prompt, 40, temperature=0.0)
+    assert tokens == generate(m, prompt, 40, temperature=0.0, use_cache=False)
+
+
+def test_rope_runs_in_the_compute_dtype_close_to_fp32_math():
+    from scale_llm.model.transformer import apply_rope, rope_table
+
+    torch.manual_seed(0)
+    rope = rope_table(64, 512, 10000.0)
+    x = torch.randn(2, 512, 4, 64)
+    exact = apply_rope(x.double(), rope.double())  # (fp64: the half-split order)
+    assert apply_rope(x, rope).dtype == torch.float32
+    low = apply_rope(x.bfloat16(), rope)
     assert low.dtype == torch.bfloat16
     rel = ((low.double() - exact).pow(2).mean() / exact.pow(2).mean()).sqrt()
     rounded = ((exact.bfloat16().double() - exact).pow(2).mean() / exact.pow(2).mean()).sqrt()

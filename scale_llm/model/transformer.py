@@ -28,8 +28,10 @@ def mlp_hidden_size(cfg: ModelConfig) -> int:
     return WIDTH_MULTIPLE * math.ceil(8 * cfg.d_model / 3 / WIDTH_MULTIPLE)
 
 
-def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, ...]:
-    """cos and sin tables of shape (seq_len, head_dim // 2), in fp32 even under autocast."""
+def rope_table(head_dim: int, seq_len: int, theta: float, device=None) -> torch.Tensor:
+    """(seq_len, head_dim // 2, 2) fp32: the cos and sin of each position's angles, side by side
+    (the layout of a complex64 tensor, so the eager fp32 path can read it as e^(i angle) without a
+    copy); fp32 even under autocast."""
     device = torch.device(device or "cpu")
     no_autocast = (
         torch.autocast(device.type, enabled=False)
@@ -40,19 +42,43 @@ def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> tuple
         exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
         inv_freq = 1.0 / (theta**exponents)
         angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
-        return angles.cos(), angles.sin()
+        return torch.stack((angles.cos(), angles.sin()), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[..., i], x[..., i + D/2]) of x (B, T, H, D) by angles cos/sin (T, D/2).
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[..., i], x[..., i + D/2]) of q or k (B, T, H, D) by the angles in rope.
 
-    Computed in x's dtype (the compute dtype: bf16 under autocast), with the fp32 tables rounded
-    to it, as Hugging Face's Llama does: no fp32 copy of q and k. Measured against a float64
-    reference at T=2048, D=64 (docs/performance.md): rms relative error 2.7e-3 in bf16, against
-    1.7e-3 for fp32 math rounded to bf16 once; in fp32 the result is unchanged.
+    Eager fp32 rotates by one complex multiply, and the pairs come out adjacent, (x'_0,
+    x'_{D/2}, x'_1, ...): a different head-dim order than the 16-bit and compiled path's, the
+    same for q and k, so q·k (all attention reads of them) is unchanged, and v is not rotated.
+    Only attention may consume the result; the KV cache keeps keys in the order that made them.
+    """
+    if x.dtype == torch.float32 and not torch.compiler.is_compiling():
+        return rope_interleaved(x, rope)
+    return rope_half_split(x, rope)
+
+
+def rope_interleaved(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """fp32 RoPE as (x_i + i x_{i+D/2}) e^(i angle), rotated pairs adjacent in the output.
+
+    The same products and sums as `rope_half_split` (equal to fp32 rounding), in 3 kernels
+    instead of 7 each way (no concatenation): on the CPU RoPE's share of a tiny.yaml step is
+    about halved (docs/benchmarks.md). Complex tensors have no bf16 and inductor does not fuse
+    them, so 16-bit and compiled code keep the real form.
+    """
+    pairs = torch.view_as_complex(torch.stack(x.chunk(2, dim=-1), dim=-1))  # (B, T, H, D/2)
+    rotation = torch.view_as_complex(rope)[:, None, :]  # (T, 1, D/2): broadcast over heads
+    return torch.view_as_real(pairs * rotation).flatten(-2)
+
+
+def rope_half_split(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """RoPE in the half-split order of Hugging Face's Llama, in x's dtype (the compute dtype:
+    bf16 under autocast) with the fp32 tables rounded to it: no fp32 copy of q and k. Measured
+    against a float64 reference at T=2048, D=64 (docs/performance.md): rms relative error
+    2.7e-3 in bf16, against 1.7e-3 for fp32 math rounded to bf16 once.
     """
     x1, x2 = x.chunk(2, dim=-1)
-    cos, sin = cos.to(x.dtype)[:, None, :], sin.to(x.dtype)[:, None, :]  # broadcast over heads
+    cos, sin = (t.to(x.dtype)[:, None, :] for t in rope.unbind(-1))  # broadcast over heads
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 
@@ -84,16 +110,15 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: torch.Tensor,
         cache: KVCache | None = None,
         start_pos: int = 0,
     ) -> torch.Tensor:
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         q, k, v = self.wqkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
-        q = apply_rope(q.view(B, T, H, D), cos, sin)
-        k = apply_rope(k.view(B, T, Hkv, D), cos, sin)
+        q = apply_rope(q.view(B, T, H, D), rope)  # (q and k: the same head-dim order)
+        k = apply_rope(k.view(B, T, Hkv, D), rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, T, Hkv, D).transpose(1, 2)
         if cache is not None:  # k, v become (B, Hkv, start_pos + T, D): every position so far
             k, v = cache.update(self.layer_id, k, v, start_pos)
@@ -151,12 +176,11 @@ class TransformerBlock(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: torch.Tensor,
         cache: KVCache | None = None,
         start_pos: int = 0,
     ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, cache, start_pos)
+        h = x + self.attention(self.attention_norm(x), rope, cache, start_pos)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -174,7 +198,7 @@ class Transformer(nn.Module):
         self.output = (
             None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         )
-        self._rope_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rope_tables: dict[torch.device, torch.Tensor] = {}
 
     def forward(
         self, tokens: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0
@@ -185,31 +209,28 @@ class Transformer(nn.Module):
                 f"positions {start_pos}..{start_pos + T} exceed model.seq_len={self.cfg.seq_len}"
             )
         h = self.tok_embeddings(tokens)  # (B, T, d_model)
-        cos, sin = self.rope(start_pos, T, h.device)
+        rope = self.rope(start_pos, T, h.device)
         for layer in self.layers:
-            h = layer(h, cos, sin, cache, start_pos)
+            h = layer(h, rope, cache, start_pos)
         h = self.norm(h)
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight
         return F.linear(h, weight)
 
-    def rope(self, start_pos: int, length: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """Views of the rotary tables for positions start_pos..start_pos + length.
+    def rope(self, start_pos: int, length: int, device: torch.device) -> torch.Tensor:
+        """A view of the rotary table (length, head_dim // 2, 2) for positions start_pos.. .
 
-        The fp32 tables for all seq_len positions are computed once per device and kept in a
-        plain attribute, not a buffer: they stay fp32 when a backend casts the module to bf16,
-        are not in the state dict, and need no materialization after meta init.
+        The fp32 table for all seq_len positions is computed once per device and kept in a
+        plain attribute, not a buffer: it stays fp32 when a backend casts the module to bf16,
+        is not in the state dict, and needs no materialization after meta init.
         """
-        tables = self._rope_tables.get(device)
-        if tables is None:
+        table = self._rope_tables.get(device)
+        if table is None:
             cfg = self.cfg
-            # normal tensors even when first called under inference_mode (generate, then train)
+            # a normal tensor even when first made under inference_mode (generate, then train)
             with torch.inference_mode(False), torch.no_grad():
-                tables = rope_tables(
-                    cfg.d_model // cfg.n_heads, cfg.seq_len, cfg.rope_theta, device
-                )
-            self._rope_tables[device] = tables
-        cos, sin = tables
-        return cos[start_pos : start_pos + length], sin[start_pos : start_pos + length]
+                table = rope_table(cfg.d_model // cfg.n_heads, cfg.seq_len, cfg.rope_theta, device)
+            self._rope_tables[device] = table
+        return table[start_pos : start_pos + length]
 
     @torch.no_grad()
     def init_weights(self) -> None:
