@@ -33,10 +33,12 @@ from scale_llm.memory.estimate import (
     Estimate,
     GiB,
     Layout,
+    ParamCounts,
     ds_reduce_buckets,
     estimate,
     gib,
     parse_bytes,
+    zero3_gathered_params,
 )
 from scale_llm.memory.plan import Plan, fit, format_overrides, format_report, hints
 
@@ -46,6 +48,7 @@ __all__ = [
     "Estimate",
     "Layout",
     "Numerics",
+    "ParamCounts",
     "Plan",
     "estimate",
     "fit",
@@ -58,4 +61,5 @@ __all__ = [
     "parse_bytes",
     "saved_activation_bytes",
     "with_changes",
+    "zero3_gathered_params",
 ]

@@ -9,12 +9,21 @@ the step (from the snapshots MemTracker takes around every module's forward and 
 The estimate it is compared with is the one for the same CPU run (`estimate(cfg, plan)`):
 each part at its own largest, and the peak of the step's phases as the total.
 
+The categories come from MemTracker, which sees the tensors that pass through its dispatch mode
+or that it is told about; the peak itself is the allocator's: every allocation and free the
+CPU allocator reports to `torch.profiler` (`profile_memory=True`), from before the backend
+builds the model, so it is what `torch.cuda.max_memory_allocated` reports on a GPU, buffers
+MemTracker never sees included (DeepSpeed's flat partitions and reduce buckets made at its
+engine's construction, for one). The allocator's peak is taken on one step and the categories
+on the next (the steps after the first are alike).
+
 grad_accum > 1 is measured with 2 micro-steps (the later ones are alike: the gradients of the
 earlier ones are kept); under torchrun each rank measures its own step of the config's backend.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -51,8 +60,6 @@ def measure_step(cfg: Config) -> dict[str, Any]:
     here = with_changes(here, {"train.grad_accum": min(plan.grad_accum, 2)})
     plan = resolve_plan(here, launch_env())
     start(plan)
-    backend = build_backend(here, plan)
-    model = backend.setup(build_model(here.model))
     m = here.model
     gen = torch.Generator().manual_seed(here.run.seed)
 
@@ -68,7 +75,12 @@ def measure_step(cfg: Config) -> dict[str, Any]:
             out.append((tokens[:, :-1], tokens[:, 1:]))
         return out
 
-    optimizer_step(backend, model, batches())  # the optimizer state exists from here on
+    with _LiveStorages() as allocator:  # from before the model's storage exists
+        backend = build_backend(here, plan)
+        model = backend.setup(build_model(here.model))
+        optimizer_step(backend, model, batches())  # the optimizer state exists from here on
+        with allocator.window():
+            optimizer_step(backend, model, batches())
     tracker = _step_tracker()
     optimizer = backend.optimizer
     # DeepSpeed's ZeRO optimizer wraps the torch optimizer that holds its fp32 partitions
@@ -81,6 +93,7 @@ def measure_step(cfg: Config) -> dict[str, Any]:
     (snapshot,) = tracker.get_tracker_snapshot("peak").values()
     measured = _by_category(snapshot)
     measured["total"] = sum(measured.values())
+    measured["allocated_peak"], measured["allocated_before"] = allocator.peak, allocator.before
     # each category's own maximum over the step: the snapshots MemTracker takes around every
     # module's forward and backward, and the peak (gradients, say, peak after the backward)
     maxima = dict(measured)
@@ -105,6 +118,94 @@ def measure_step(cfg: Config) -> dict[str, Any]:
         "estimated": estimated,
         "estimated_cpu": {k: int(v) for k, v in est.cpu.items() if v},
     }
+
+
+class _LiveStorages:
+    """Every tensor storage created while it is active, with its size at each moment: the live
+    bytes after every op, and their peak within `window()`. A dispatch mode sees each op's
+    outputs (subclasses such as DTensor flattened to the tensors they hold); a weak reference
+    per storage subtracts it when it is freed, on whichever thread that happens; storage
+    resizes (FSDP2 frees and refills its gathered parameters so) are followed by wrapping
+    `UntypedStorage.resize_`, which no dispatch mode sees. Entered before the backend builds
+    the model, it sees every buffer a backend allocates, as an allocator would."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        tracker = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                tracker._add(out)
+                return out
+
+        self._mode = Mode()
+        self._token: Any = WeakIdKeyDictionary()  # storage -> its key in _size
+        self._size: dict[int, int] = {}
+        self._tokens = itertools.count()
+        self.live = self.peak = self.before = 0
+        self._in_window = False
+
+    def _add(self, out: Any) -> None:
+        import weakref
+
+        from torch.distributed._tools.common_utils import get_untyped_storages
+        from torch.utils._pytree import tree_leaves
+
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            for st in get_untyped_storages(t):
+                if st.device.type == "meta":  # a size without memory
+                    continue
+                if st not in self._token:
+                    self._token[st] = token = next(self._tokens)
+                    self._size[token] = 0
+                    weakref.finalize(st, self._freed, token)
+                self._resized(st)
+
+    def _resized(self, st: Any) -> None:
+        token = self._token[st]
+        self.live += st.nbytes() - self._size[token]
+        self._size[token] = st.nbytes()
+        if self._in_window:
+            self.peak = max(self.peak, self.live)
+
+    def _freed(self, token: int) -> None:  # the storage itself is gone
+        self.live -= self._size.pop(token)
+
+    def window(self) -> Any:
+        tracker = self
+
+        class Window:
+            def __enter__(self) -> None:
+                tracker.before = tracker.peak = tracker.live
+                tracker._in_window = True
+
+            def __exit__(self, *exc: Any) -> None:
+                tracker._in_window = False
+
+        return Window()
+
+    def __enter__(self) -> _LiveStorages:
+        tracker, original = self, torch.UntypedStorage.resize_
+        self._original_resize = original
+
+        def resize_(st: torch.UntypedStorage, size: int) -> Any:
+            result = original(st, size)
+            if st in tracker._token:
+                tracker._resized(st)
+            return result
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+        torch.UntypedStorage.resize_ = self._original_resize  # type: ignore[method-assign]
 
 
 def _step_tracker_class() -> type:
@@ -154,11 +255,18 @@ def format_measurement(r: dict[str, Any]) -> str:
     lines.append(f"  {'':<12} {'at the peak':>12} {'own maximum':>13}   estimate")
     for part in ("params", "grads", "optimizer", "activations", "temporaries", "total"):
         got = r["measured"].get(part, 0) / gib
+        if part == "total":  # the allocator's peak: what max_memory_allocated would say
+            got = r["measured"]["allocated_peak"] / gib
         own = r["category_maxima"].get(part)
         own_text = "-" if own is None else f"{own / gib:9.3f} GiB"
         est = r["estimated"].get("peak" if part == "total" else part)
         shown = "-" if est is None else f"{est / gib:8.3f} GiB"
         lines.append(f"  {part:<12} {got:8.3f} GiB {own_text:>13}   {shown}")
+    tracked = r["measured"]["total"] / gib
+    lines.append(
+        f"  (total: the allocator's peak, as max_memory_allocated counts; the parts above, "
+        f"what MemTracker attributes, sum to {tracked:.3f} GiB at its own peak)"
+    )
     if r.get("measured_eager"):
         lines.append(
             "  (train.compile is on: the step is measured eager, since MemTracker cannot run "
