@@ -225,6 +225,8 @@ def _deepspeed_states(n: ParamCounts, lay: Layout, c: int, half: bool):
     if half and s >= 1 and not lay.offload_optimizer:
         grads += 4 * P / W  # the fp32 gradient partition the optimizer steps on
     grads += ds_reduce_buckets(lay)
+    if s == 1 and lay.grad_accum > 1:  # ZeRO-1 accumulates whole gradients in .grad between
+        grads += c * P  # micro-steps and partitions them at the boundary (measured: c x P more)
     optim = optim / W if s >= 1 else optim
     gpu = {"params": params, "grads": grads, "optimizer": optim}
     cpu = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
