@@ -10,12 +10,13 @@ The estimate it is compared with is the one for the same CPU run (`estimate(cfg,
 each part at its own largest, and the peak of the step's phases as the total.
 
 The categories come from MemTracker, which sees the tensors that pass through its dispatch mode
-or that it is told about; the peak itself is the allocator's: every allocation and free the
-CPU allocator reports to `torch.profiler` (`profile_memory=True`), from before the backend
-builds the model, so it is what `torch.cuda.max_memory_allocated` reports on a GPU, buffers
-MemTracker never sees included (DeepSpeed's flat partitions and reduce buckets made at its
-engine's construction, for one). The allocator's peak is taken on one step and the categories
-on the next (the steps after the first are alike).
+or that it is told about. The peak (`allocated_peak`) is that of every tensor storage created
+from before the backend builds the model (`_LiveStorages`), so it is what
+`torch.cuda.max_memory_allocated` reports on a GPU, buffers MemTracker never sees included
+(DeepSpeed's flat partitions, ZeRO-3's gradient buffer and reduce bucket, made at its engine's
+construction). torch.profiler's allocation events were tried for this and dropped: a storage
+freed on another thread (a gloo collective's) never reports its free there. The peak is taken
+on one step and the categories on the next (the steps after the first are alike).
 
 grad_accum > 1 is measured with 2 micro-steps (the later ones are alike: the gradients of the
 earlier ones are kept); under torchrun each rank measures its own step of the config's backend.
@@ -75,11 +76,11 @@ def measure_step(cfg: Config) -> dict[str, Any]:
             out.append((tokens[:, :-1], tokens[:, 1:]))
         return out
 
-    with _LiveStorages() as allocator:  # from before the model's storage exists
+    with _LiveStorages() as storages:  # from before the model's storage exists
         backend = build_backend(here, plan)
         model = backend.setup(build_model(here.model))
         optimizer_step(backend, model, batches())  # the optimizer state exists from here on
-        with allocator.window():
+        with storages.window():
             optimizer_step(backend, model, batches())
     tracker = _step_tracker()
     optimizer = backend.optimizer
@@ -93,7 +94,7 @@ def measure_step(cfg: Config) -> dict[str, Any]:
     (snapshot,) = tracker.get_tracker_snapshot("peak").values()
     measured = _by_category(snapshot)
     measured["total"] = sum(measured.values())
-    measured["allocated_peak"], measured["allocated_before"] = allocator.peak, allocator.before
+    measured["allocated_peak"], measured["allocated_before"] = storages.peak, storages.before
     # each category's own maximum over the step: the snapshots MemTracker takes around every
     # module's forward and backward, and the peak (gradients, say, peak after the backward)
     maxima = dict(measured)
@@ -255,7 +256,7 @@ def format_measurement(r: dict[str, Any]) -> str:
     lines.append(f"  {'':<12} {'at the peak':>12} {'own maximum':>13}   estimate")
     for part in ("params", "grads", "optimizer", "activations", "temporaries", "total"):
         got = r["measured"].get(part, 0) / gib
-        if part == "total":  # the allocator's peak: what max_memory_allocated would say
+        if part == "total":  # every storage's peak: what max_memory_allocated would say
             got = r["measured"]["allocated_peak"] / gib
         own = r["category_maxima"].get(part)
         own_text = "-" if own is None else f"{own / gib:9.3f} GiB"
@@ -264,8 +265,9 @@ def format_measurement(r: dict[str, Any]) -> str:
         lines.append(f"  {part:<12} {got:8.3f} GiB {own_text:>13}   {shown}")
     tracked = r["measured"]["total"] / gib
     lines.append(
-        f"  (total: the allocator's peak, as max_memory_allocated counts; the parts above, "
-        f"what MemTracker attributes, sum to {tracked:.3f} GiB at its own peak)"
+        f"  (total: the peak of every tensor storage, counted from before the model was built, "
+        f"as max_memory_allocated counts on a GPU; the parts, as MemTracker attributes what it "
+        f"sees, sum to {tracked:.3f} GiB at its own peak)"
     )
     if r.get("measured_eager"):
         lines.append(
