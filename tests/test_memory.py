@@ -152,11 +152,16 @@ def test_state_bytes_per_backend():
         zero[s].gpu["params"] + zero[s].gpu["grads"] + zero[s].gpu["optimizer"] for s in range(4)
     ]
     assert totals[0] == 16 * P  # 2 (bf16 params) + 2 (grads) + 12 (fp32 master + moments)
-    # ZeRO-1 reduces into gradient partitions through the same buckets as ZeRO-2 (measured with
-    # DeepSpeed 0.19 on 2 gloo ranks): the same model states
-    assert totals[0] > totals[1] == totals[2] > totals[3]
+    # ZeRO-1 reduces into gradient partitions through the same buckets as ZeRO-2, but with
+    # grad_accum > 1 it accumulates whole 16-bit gradients between micro-steps (measured with
+    # DeepSpeed 0.19 on 2 gloo ranks)
+    assert zero[1].layout.grad_accum > 1 and totals[1] == totals[2] + 2 * P
     buckets = 2 * 2 * 50_000_000  # two bf16 reduce buckets of reduce_bucket_size elements
     assert totals[2] == 2 * P + (2 + 4 + 12) * P / 8 + buckets
+    # ZeRO-3: one bucket, and the 16-bit parameters its coordinator holds gathered
+    held = zero3_gathered_params(ParamCounts.of(zero[3].model), zero[3].layout, 2)
+    assert totals[3] == pytest.approx((2 + 2 + 4 + 12) * P / 8 + held + buckets / 2, rel=1e-9)
+    assert totals[0] > totals[2]
     off = estimate(
         cfg_with(
             "parallel.backend=deepspeed",

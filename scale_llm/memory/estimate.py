@@ -320,12 +320,13 @@ def step_phases(
     grads = gpu["grads"]
     bytes_per_grad, shard = 4.0, 1.0
     persistent = grads
-    # gradients made in a block's backward before its peak (the MLP's down-projection's first)
-    this_block = 4.0 * m.d_model * mlp_hidden_size(m)
+    # the gradient a block's backward has made by its peak: the MLP down-projection's weight
+    # gradient, in the parameters' dtype (also where it is then added into a DDP or DeepSpeed
+    # bucket: the matmul makes it first)
+    c = 2 if lay.precision != "fp32" and lay.backend in ("fsdp", "deepspeed") else 4
+    this_block = c * m.d_model * mlp_hidden_size(m)
     fsdp = lay.backend == "fsdp"
     if fsdp:
-        c = 2 if lay.precision != "fp32" else 4
-        this_block = c * m.d_model * mlp_hidden_size(m)
         persistent = grads - fsdp_unsharded_grads(n, lay, max(n.block, n.root))
         shard = 0.0 if lay.fsdp_offload else 1.0 / lay.world  # offload: shards on the host
         sharded_params = gpu["params"] - fsdp_gathered_params(n, lay, "largest")
