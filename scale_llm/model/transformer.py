@@ -62,7 +62,7 @@ def rope_interleaved(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     """fp32 RoPE as (x_i + i x_{i+D/2}) e^(i angle), rotated pairs adjacent in the output.
 
     The same products and sums as `rope_half_split` (equal to fp32 rounding), in 2 kernels
-    instead of 7 each way: on the CPU, 0.97x the time of a tiny.yaml step (docs/benchmarks.md).
+    instead of 7 each way: on the CPU, 0.98x the time of a tiny.yaml step (docs/benchmarks.md).
     Complex tensors have no bf16 and inductor does not fuse them, so 16-bit and compiled code
     keep the real form.
     """
