@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import math
+import platform
 from pathlib import Path
 
 import pytest
@@ -668,3 +669,45 @@ def test_tensorboard_never_shows_a_step_twice(data_dir, tmp_path):
     assert steps(first.run_dir) == [1, 2, 3]
     rows = [json.loads(x) for x in (first.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
+
+
+KEPT_MEMORY_PROBE = """
+import resource, sys, torch
+from scale_llm.components.hardware import keep_freed_cpu_memory
+kept = keep_freed_cpu_memory()
+def churn():  # what a step does with its logits: 64 MiB made, touched and freed, again and again
+    for _ in range(8):
+        t = torch.empty(16 << 20)
+        t.fill_(1.0)
+        del t
+churn()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+churn()
+print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+def test_a_cpu_run_keeps_the_memory_it_frees():
+    """keep_freed_cpu_memory (called by every CPU run's start): a 64 MiB tensor made and freed
+    8 times faults its 16,384 pages in once or twice, not every time; opted out with
+    SCALE_LLM_CPU_MALLOC=system, glibc's default serves each from fresh pages again."""
+    import subprocess
+    import sys
+
+    from tests.helpers import env
+
+    def probe(**extra: str) -> tuple[str, int]:
+        out = subprocess.run(
+            [sys.executable, "-c", KEPT_MEMORY_PROBE],
+            env={**env(), **extra},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+        return out[0], int(out[1])
+
+    kept, faults = probe()
+    assert kept == "True" and faults < 2 * 16_384 + 1000, faults  # at most a re-grown heap
+    kept, faults = probe(SCALE_LLM_CPU_MALLOC="system")
+    assert kept == "False" and faults > 8 * 16_384 * 0.9, faults

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from scale_llm.components.hardware import keep_freed_cpu_memory
 from scale_llm.errors import UserError
 
 if TYPE_CHECKING:
@@ -34,9 +35,12 @@ def joined_multi_process() -> bool:
 
 def start(plan: RunPlan) -> None:
     """Select this rank's device and, for every backend but `single`, join (or start) the
-    process group the plan describes."""
+    process group the plan describes. A CPU run keeps the memory it frees for its next step
+    (`keep_freed_cpu_memory`)."""
     if plan.device.type == "cuda":
         torch.cuda.set_device(plan.device)
+    elif plan.device.type == "cpu":
+        keep_freed_cpu_memory()
     if plan.backend == "single":
         return
     if plan.device.type == "cpu":

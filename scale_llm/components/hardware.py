@@ -1,4 +1,5 @@
-"""Readings of the device a rank runs on: peak FLOP/s for MFU, peak CUDA memory.
+"""Readings of the device a rank runs on: peak FLOP/s for MFU, peak CUDA memory; and how a CPU
+run keeps the memory it frees (`keep_freed_cpu_memory`).
 
 Peak figures are dense (no 2:4 sparsity) tensor-core throughput from the vendors' data sheets,
 per GPU, in FLOP/s, for the precision the run computes in (fp32 runs: the non-tensor fp32 rate;
@@ -7,6 +8,10 @@ order below, so the more specific entry (e.g. "H100 PCIe") wins over the general
 """
 
 from __future__ import annotations
+
+import ctypes
+import os
+import sys
 
 import torch
 
@@ -64,3 +69,32 @@ def host_available_bytes() -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES", "LD_PRELOAD")
+
+
+def keep_freed_cpu_memory() -> bool:
+    """Let glibc keep the CPU memory a step frees for the next step, as CUDA's caching allocator
+    does on a GPU. By default glibc serves every allocation over its mmap threshold (at most 32
+    MiB; the logits and the loss's chunks of a small model are that size) with fresh pages and
+    gives freed heap back to the kernel, so each step pays a page fault per 4 KiB it touches
+    again: 24-40 thousand faults and 46-74 ms of system time in a tiny.yaml step on 2 vCPUs
+    (docs/performance.md). Serving allocations under 1 GiB from the heap and never trimming it
+    takes them out; the process keeps its high-water mark of CPU memory, which a training run
+    reaches every step anyway. Left alone where the user has chosen (MALLOC_* variables,
+    GLIBC_TUNABLES, an LD_PRELOADed allocator, SCALE_LLM_CPU_MALLOC=system) and off glibc.
+    True if it was set."""
+    if os.environ.get("SCALE_LLM_CPU_MALLOC") == "system":
+        return False
+    if sys.platform != "linux" or any(os.environ.get(k) for k in _MALLOC_ENV):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, 1 << 30) and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
