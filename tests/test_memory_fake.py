@@ -44,7 +44,7 @@ def test_fsdp2_at_8_fake_ranks_holds_an_eighth_of_the_states():
     assert _close(own["params"], est["params"], 0.01), (own["params"], est["params"])
     assert own["grads"] <= est["grads"] <= 1.1 * own["grads"], (own["grads"], est["grads"])
     assert _close(own["activations"], est["activations"], 0.01), (own, est)
-    assert _close(est["peak"], got["total"], 0.05), (got["total"], est["peak"])  # +4.3% here
+    assert _close(est["peak"], got["total"], 0.05), (got["total"], est["peak"])  # +1.9% here
 
 
 def test_deepspeed_is_refused_with_the_fix():

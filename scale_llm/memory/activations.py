@@ -98,13 +98,11 @@ def head_activation_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
     """Outside the blocks: token ids and targets, rotary tables, the final norm and head input,
     autocast's copy of the output weight, and what the (chunked) loss keeps: the logits in the
     compute dtype (its backward rebuilds the softmax from them)."""
-    g, T = _dims(m), m.seq_len
-    N = batch * T
-    tokens = 8 * batch * (T + 1) + 8 * N
-    rope = 4 * T * g["D"]
+    g = _dims(m)
+    N = batch * m.seq_len
     final_norm = 8 * N * g["d"] + 4 * N + num.compute * N * g["d"]
     head_copy = 2 * g["V"] * g["d"] if num.autocast else 0
-    return tokens + rope + final_norm + head_copy + logits_bytes(m, batch, num)
+    return resident_input_bytes(m, batch) + final_norm + head_copy + logits_bytes(m, batch, num)
 
 
 def logits_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
@@ -171,7 +169,7 @@ def loss_backward_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
 
     N, V = batch * m.seq_len, m.vocab_size
     rows = max(1, CHUNK_ELEMENTS // V)
-    fp32_work = (1 if num.compute == 4 else 2) * 4 * min(N, rows) * V
+    fp32_work = loss_forward_bytes(m, batch, num)  # the same fp32 chunk (and its upcast)
     if rows >= N:  # one chunk: its buffer becomes the gradient
         return fp32_work if num.compute == 4 else max(fp32_work, (4 + num.compute) * N * V)
     return num.compute * N * V + fp32_work

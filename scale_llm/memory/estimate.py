@@ -53,6 +53,11 @@ class Layout:
     ds_max_live: int = 1_000_000_000  # ZeRO-3's stage3_max_live_parameters (elements)
     ds_persistence_threshold: int = 100_000  # ZeRO-3: smaller params are never partitioned
 
+    @property
+    def working_bytes(self) -> int:
+        """Bytes per element of a 16-bit working copy (fp32 runs: 4)."""
+        return 2 if self.precision != "fp32" else 4
+
     def describe(self) -> str:
         if self.backend == "deepspeed":
             extra = f" ZeRO-{self.zero_stage}"
@@ -125,7 +130,7 @@ def state_bytes(n: ParamCounts, lay: Layout) -> tuple[dict[str, float], dict[str
     """(gpu, cpu) bytes for params, grads and optimizer under the layout."""
     P, W = n.total, lay.world
     half = lay.precision != "fp32"
-    c = 2 if half else 4  # bytes of a 16-bit (or fp32) working copy
+    c = lay.working_bytes
     if lay.backend == "fsdp":
         # sharded fp32 params / grads / Adam moments, and gathered c-byte params at their
         # largest (fsdp_gathered_params); no-sync accumulation keeps every gradient unsharded
@@ -162,7 +167,7 @@ def fsdp_gathered_params(n: ParamCounts, lay: Layout, at: int | str) -> float:
       free, the root's re-gather): fake-tensor traces at 8 ranks, 400m and 1b exact.
     - without resharding: everything through the loss; in block i's backward the root and
       blocks 0..i (each block reshards after its own backward)."""
-    c = 2 if lay.precision != "fp32" else 4
+    c = lay.working_bytes
     if not lay.reshard_after_forward:
         if at == "largest":
             return c * (n.total + n.block)
@@ -176,35 +181,36 @@ def fsdp_unsharded_grads(n: ParamCounts, lay: Layout, unit: int) -> float:
     """FSDP2's unsharded gradients of one unit of `unit` parameters before its reduce-scatter
     (16-bit, and the fp32 reduce-scatter input). Its largest is the largest unit's: a block, or
     the root (embeddings, head) where that is larger, as traces of 400m/1b/7b at 8 ranks showed."""
-    return float(((2 if lay.precision != "fp32" else 4) + 4) * unit)
+    return float((lay.working_bytes + 4) * unit)
 
 
 def ds_reduce_buckets(lay: Layout) -> float:
-    """Bytes of DeepSpeed's gradient reduce buckets (ZeRO >= 1), allocated at the start of the
-    backward whatever the model's size: reduce_bucket_size elements in the gradients' dtype, two
-    with overlap_comm in ZeRO-1/2, one in ZeRO-3."""
+    """Bytes of DeepSpeed's gradient reduce buckets (ZeRO >= 1), whatever the model's size:
+    reduce_bucket_size elements in the gradients' dtype, two with overlap_comm in ZeRO-1/2
+    (made at a backward's first gradient, freed after it), one in ZeRO-3 (made with the
+    engine)."""
     if lay.backend != "deepspeed" or lay.zero_stage < 1:
         return 0.0
     count = 1 if lay.zero_stage >= 3 else (2 if lay.ds_overlap_comm else 1)
-    return float(count * (2 if lay.precision != "fp32" else 4) * lay.ds_bucket_elements)
+    return float(count * lay.working_bytes * lay.ds_bucket_elements)
 
 
-def zero3_gathered_params(n: ParamCounts, lay: Layout, c: int) -> float:
-    """ZeRO-3's c-byte parameters held whole beyond this rank's partition. Parameters smaller
-    than stage3_param_persistence_threshold are never partitioned. The others are gathered
-    for the module using them, and DeepSpeed's parameter coordinator keeps gathered what its
-    prefetcher has fetched or skipped for later use and what is reused soon, up to
-    stage3_max_live_parameters elements: with its default (1e9) a model under 1B parameters
-    stays whole after the first step. Measured on 2 gloo ranks (DeepSpeed 0.19): the whole
-    16-bit model at the loss's backward, whatever the reuse distance and prefetch bucket; none
-    beyond the module computing with stage3_max_live_parameters 1; 36 of 197 MiB held at
-    d_model 1024 x 8 layers with 2e7 (38 MiB). Counted: max_live elements, at least the root
-    and a block, at most every parameter; released by the optimizer step."""
+def zero3_gathered_params(n: ParamCounts, lay: Layout) -> float:
+    """ZeRO-3's 16-bit (fp32 runs: 32-bit) parameters held whole beyond this rank's partition.
+    Parameters smaller than stage3_param_persistence_threshold are never partitioned. The
+    others are gathered for the module using them; DeepSpeed's parameter coordinator keeps what
+    its prefetcher fetched or skipped for later use and what is reused soon, up to
+    stage3_max_live_parameters elements (1e9 by default: a model under 1B parameters stays
+    whole). Measured on 2 gloo ranks (DeepSpeed 0.19): the whole 16-bit model at the loss's
+    backward at d_model 256 x 4 layers, whatever the reuse distance and prefetch bucket (with
+    stage3_max_live_parameters 1 too: the peak did not move); at d_model 1024 x 8 layers, 36
+    of 197 MiB with stage3_max_live_parameters 2e7 (38 MiB). Counted: max_live elements, at
+    least the root and a block, at most every parameter; released by the optimizer step."""
     small_block, small_root = n.below(lay.ds_persistence_threshold)
     persistent = n.layers * small_block + small_root
     partitioned = n.total - persistent
     held = min(partitioned, max(lay.ds_max_live, (n.root - small_root) + (n.block - small_block)))
-    return c * held + c * persistent * (1 - 1 / lay.world)
+    return lay.working_bytes * (held + persistent * (1 - 1 / lay.world))
 
 
 def _deepspeed_states(n: ParamCounts, lay: Layout, c: int, half: bool):
@@ -212,10 +218,9 @@ def _deepspeed_states(n: ParamCounts, lay: Layout, c: int, half: bool):
     weights (16-bit modes) plus two moments, partitioned by stage. In 16-bit modes with a
     partitioned optimizer (stage >= 1) the step also holds an fp32 copy of this rank's gradient
     partition: DeepSpeed's own estimator counts it ("4_grads_32bit"), and so does this one.
-    Measured on 2 gloo ranks (DeepSpeed 0.19): ZeRO-1 keeps no full gradients either (it reduces
-    through the same buckets into the partition, like ZeRO-2), and the reduce buckets are
-    allocated at reduce_bucket_size elements whatever the model's size: two of them with
-    overlap_comm in ZeRO-1/2, one in ZeRO-3, in the gradients' dtype."""
+    Measured on 2 gloo ranks (DeepSpeed 0.19): without accumulation ZeRO-1 keeps no full
+    gradients either (it reduces through the same buckets into the partition, like ZeRO-2);
+    the reduce buckets are `ds_reduce_buckets`."""
     P, W, s = n.total, lay.world, lay.zero_stage
     # fp32 master weights: in fp32 mode ZeRO-1/2/3 still keep a separate flat fp32 partition
     # (measured; ZeRO-3 clones it in _create_fp32_partitions); ZeRO-0 steps on the parameters
@@ -231,7 +236,7 @@ def _deepspeed_states(n: ParamCounts, lay: Layout, c: int, half: bool):
     gpu = {"params": params, "grads": grads, "optimizer": optim}
     cpu = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
     if s >= 3:
-        gpu["params"] += zero3_gathered_params(n, lay, c)
+        gpu["params"] += zero3_gathered_params(n, lay)
     if lay.offload_optimizer:
         cpu["optimizer"], gpu["optimizer"] = gpu["optimizer"], 0.0
         cpu["grads"] = 4 * P / W  # fp32 gradient partition for the CPU step
@@ -306,12 +311,14 @@ def step_phases(
     (`zero_grad(set_to_none=True)`) and complete only at its end, activations are freed block by
     block as the backward walks down. With grad_accum > 1 the gradients of the earlier
     micro-steps are there throughout (the last micro-step is the fullest); DDP's buckets and
-    DeepSpeed's reduce buckets exist from the start whatever the accumulation.
+    ZeRO-3's reduce bucket and flat gradient partition exist from the start whatever the
+    accumulation, ZeRO-1/2's reduce buckets only through a backward.
     - loss forward / loss: all that the forward saved (the kept logits too) and the loss's own
       work: one fp32 chunk's log-softmax, or in backward the logits' gradient and its chunk;
     - block i (from the top): the gradients so far (the head and the blocks above, or their
-      shards), what the blocks below keep, block i's whole activations (kept or recomputed)
-      and the gradients in flight inside it;
+      shards), what the blocks below keep, block i's activations (kept or recomputed) less its
+      MLP product, and the gradients in flight inside it; under FSDP2 the gathered parameters
+      and in-flight gradients of that moment (`fsdp_gathered_params`);
     - step: all gradients and the optimizer's temporaries (foreach AdamW: one fp32 tensor the
       size of the parameters it steps; fused AdamW: none).
     """
@@ -323,7 +330,7 @@ def step_phases(
     # the gradient a block's backward has made by its peak: the MLP down-projection's weight
     # gradient, in the parameters' dtype (also where it is then added into a DDP or DeepSpeed
     # bucket: the matmul makes it first)
-    c = 2 if lay.precision != "fp32" and lay.backend in ("fsdp", "deepspeed") else 4
+    c = lay.working_bytes if lay.backend in ("fsdp", "deepspeed") else 4  # (else fp32 params)
     this_block = c * m.d_model * mlp_hidden_size(m)
     fsdp = lay.backend == "fsdp"
     if fsdp:
@@ -395,7 +402,7 @@ def step_phases(
     optimizer_tmp = 0.0 if lay.fused_optimizer else 4 * n.total * shard
     step_params = sharded_params if fsdp else gpu["params"]  # FSDP: all resharded by now
     if lay.backend == "deepspeed" and lay.zero_stage >= 3:  # released after the backward
-        step_params -= zero3_gathered_params(n, lay, 2 if lay.precision != "fp32" else 4)
+        step_params -= zero3_gathered_params(n, lay)
     step_grads = persistent - per_backward
     phases["optimizer step"] = step_params + gpu["optimizer"] + step_grads + optimizer_tmp
     return phases, activations, max(loss_bwd, in_block, optimizer_tmp)

@@ -24,7 +24,10 @@ earlier ones are kept); under torchrun each rank measures its own step of the co
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -65,9 +68,6 @@ def measure_step(cfg: Config) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(here.run.seed)
 
     def batches():
-        tokens = torch.randint(
-            0, m.vocab_size, (plan.micro_batch_size, m.seq_len + 1), generator=gen
-        )
         out = []
         for _ in range(plan.grad_accum):
             tokens = torch.randint(
@@ -131,7 +131,9 @@ class _LiveStorages:
     the model, it sees every buffer a backend allocates, as an allocator would."""
 
     def __init__(self) -> None:
+        from torch.distributed._tools.common_utils import get_untyped_storages
         from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
         from torch.utils.weak import WeakIdKeyDictionary
 
         tracker = self
@@ -143,6 +145,7 @@ class _LiveStorages:
                 return out
 
         self._mode = Mode()
+        self._leaves, self._storages = tree_leaves, get_untyped_storages  # (imported late)
         self._token: Any = WeakIdKeyDictionary()  # storage -> its key in _size
         self._size: dict[int, int] = {}
         self._tokens = itertools.count()
@@ -150,15 +153,10 @@ class _LiveStorages:
         self._in_window = False
 
     def _add(self, out: Any) -> None:
-        import weakref
-
-        from torch.distributed._tools.common_utils import get_untyped_storages
-        from torch.utils._pytree import tree_leaves
-
-        for t in tree_leaves(out):
+        for t in self._leaves(out):
             if not isinstance(t, torch.Tensor):
                 continue
-            for st in get_untyped_storages(t):
+            for st in self._storages(t):
                 if st.device.type == "meta":  # a size without memory
                     continue
                 if st not in self._token:
@@ -177,18 +175,14 @@ class _LiveStorages:
     def _freed(self, token: int) -> None:  # the storage itself is gone
         self.live -= self._size.pop(token)
 
-    def window(self) -> Any:
-        tracker = self
-
-        class Window:
-            def __enter__(self) -> None:
-                tracker.before = tracker.peak = tracker.live
-                tracker._in_window = True
-
-            def __exit__(self, *exc: Any) -> None:
-                tracker._in_window = False
-
-        return Window()
+    @contextlib.contextmanager
+    def window(self) -> Iterator[None]:
+        self.before = self.peak = self.live
+        self._in_window = True
+        try:
+            yield
+        finally:
+            self._in_window = False
 
     def __enter__(self) -> _LiveStorages:
         tracker, original = self, torch.UntypedStorage.resize_
