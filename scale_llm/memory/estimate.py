@@ -159,9 +159,10 @@ def fsdp_gathered_params(n: ParamCounts, lay: Layout, at: int | str) -> float:
     """FSDP2's gathered (unsharded, compute-dtype) parameters while block `at` runs its
     backward, during the loss (`at` "loss"), or at their largest over the step ("largest"),
     from FSDP2's unshard / reshard order and measured on 2 gloo ranks:
-    - resharding: the root (embeddings, head: re-gathered at the start of the backward, kept
-      until its end) and the block computing (the last block during the loss: it is never
-      resharded after forward), plus in a block's backward the all-gather output
+    - resharding: the block computing (the last block during the loss: it is never resharded
+      after forward) and, from the root's pre-backward (after the loss's backward: the root is
+      resharded after its forward like the blocks) to the end, the root (embeddings, head),
+      plus in a block's backward the all-gather output
       of the block below, prefetched (none below block 0). At their largest, also the
       all-gather output of the larger of root and block next to both (the forward's deferred
       free, the root's re-gather): fake-tensor traces at 8 ranks, 400m and 1b exact.
@@ -174,7 +175,9 @@ def fsdp_gathered_params(n: ParamCounts, lay: Layout, at: int | str) -> float:
         return c * (n.total if at == "loss" else n.root + (int(at) + 1) * n.block)
     if at == "largest":
         return c * (n.root + n.block + max(n.block, n.root))
-    return c * (n.root + (2 if at != "loss" and int(at) > 0 else 1) * n.block)
+    if at == "loss":  # measured on 2 gloo ranks (the live storages, by owner)
+        return c * n.block
+    return c * (n.root + (2 if int(at) > 0 else 1) * n.block)
 
 
 def fsdp_unsharded_grads(n: ParamCounts, lay: Layout, unit: int) -> float:
@@ -254,7 +257,8 @@ class Estimate:
     """Per-GPU bytes. `gpu` holds each part at its own largest over the step (params, grads,
     optimizer, activations, logits, temporaries), `peak` the largest sum of what is alive at
     once (`phases`: the loss's backward, each block's backward, the optimizer step), and
-    `total` the peak plus the allocator allowance (`overhead`)."""
+    `total` the peak plus the allocator allowance (`overhead`). `parts` holds what each phase
+    is made of, by the same five categories (`peak_parts`: the peak phase's)."""
 
     params: int
     layout: Layout
@@ -263,6 +267,11 @@ class Estimate:
     gpu: dict[str, float] = field(default_factory=dict)
     cpu: dict[str, float] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)
+    parts: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @property
+    def peak_parts(self) -> dict[str, float]:
+        return self.parts[self.peak_phase]
 
     @property
     def total(self) -> float:
@@ -278,6 +287,7 @@ class Estimate:
             "bytes_per_gpu": {k: int(v) for k, v in self.gpu.items()},
             "phases": {k: int(v) for k, v in self.phases.items()},
             "peak_phase": self.peak_phase,
+            "peak_parts": {k: int(v) for k, v in self.peak_parts.items()},
             "cpu_bytes_per_rank": {k: int(v) for k, v in self.cpu.items() if v},
             "layout": dataclasses.asdict(self.layout),
             "activation_checkpointing": self.ac.mode,
@@ -289,11 +299,14 @@ def estimate_layout(m: ModelConfig, ac: ActivationCheckpointingConfig, lay: Layo
     n = ParamCounts.of(m)
     num = numerics_for(lay.precision, lay.backend)
     gpu, cpu = state_bytes(n, lay)
-    phases, gpu["activations"], gpu["temporaries"] = step_phases(m, ac, lay, n, gpu, num)
+    parts, gpu["activations"], gpu["temporaries"] = step_phases(m, ac, lay, n, gpu, num)
+    for k in ("activations", "temporaries"):  # (autocast's weight cache, a tied head's gradient)
+        gpu[k] = max(gpu[k], *(p[k] for p in parts.values()))
+    phases = {name: sum(p.values()) for name, p in parts.items()}
     gpu["peak"] = max(phases.values())
     gpu["overhead"] = OVERHEAD_FRACTION * gpu["peak"]
     gpu["total"] = gpu["peak"] + gpu["overhead"]
-    return Estimate(n.total, lay, m, ac, gpu, cpu, phases)
+    return Estimate(n.total, lay, m, ac, gpu, cpu, phases, parts)
 
 
 def step_phases(
@@ -303,9 +316,14 @@ def step_phases(
     n: ParamCounts,
     gpu: dict[str, float],
     num: Numerics,
-) -> tuple[dict[str, float], float, float]:
-    """(bytes alive at each moment a step can peak, the largest activations, the largest
-    temporaries) given the model states in `gpu` (params, grads, optimizer).
+) -> tuple[dict[str, dict[str, float]], float, float]:
+    """(bytes alive at each moment a step can peak, by category, the largest activations, the
+    largest temporaries) given the model states in `gpu` (params, grads, optimizer). The
+    categories are those `measure.LiveStorages` gives what it sees: the backends' transient
+    gradient buffers (reduce buckets, reduce-scatter inputs, unsharded gradients) are
+    gradients, their gathered parameters parameters, what the forward (or a recomputation)
+    keeps activations, and the work of the moment (the loss's chunk, the logits' gradient, a
+    block's backward, the optimizer's own) temporaries.
 
     The parts do not peak together: gradients are absent at the start of the first backward
     (`zero_grad(set_to_none=True)`) and complete only at its end, activations are freed block by
@@ -328,11 +346,21 @@ def step_phases(
     bytes_per_grad, shard = 4.0, 1.0
     persistent = grads
     # the gradient a block's backward has made by its peak: the MLP down-projection's weight
-    # gradient, in the parameters' dtype (also where it is then added into a DDP or DeepSpeed
-    # bucket: the matmul makes it first)
+    # gradient, in the parameters' dtype, where it is kept as made (FSDP2's unsharded
+    # gradients; a first micro-step's .grad); one added into a DDP bucket, a DeepSpeed bucket
+    # or an earlier micro-step's .grad is freed by then (measured on 2 gloo ranks)
     c = lay.working_bytes if lay.backend in ("fsdp", "deepspeed") else 4  # (else fp32 params)
-    this_block = c * m.d_model * mlp_hidden_size(m)
     fsdp = lay.backend == "fsdp"
+    kept_as_made = fsdp or (
+        lay.backend != "deepspeed"
+        and not (lay.backend == "ddp" and lay.ddp_bucket_view)
+        and lay.grad_accum == 1
+    )
+    this_block = c * m.d_model * mlp_hidden_size(m) if kept_as_made else 0.0
+    # a tied head's gradient waits inside autograd (a temporary) until the embedding's
+    # backward adds its part, at the end of the backward; an untied head's is a gradient
+    embed = m.vocab_size * m.d_model
+    waiting = c * embed if m.tie_embeddings else 0.0
     if fsdp:
         persistent = grads - fsdp_unsharded_grads(n, lay, max(n.block, n.root))
         shard = 0.0 if lay.fsdp_offload else 1.0 / lay.world  # offload: shards on the host
@@ -347,6 +375,8 @@ def step_phases(
         carry = buckets + (persistent - buckets - fp32_part if lay.grad_accum > 1 else 0.0)
         if lay.zero_stage >= 3:  # its flat gradient partition exists from the start
             carry = persistent - fp32_part
+        if lay.zero_stage == 1 and lay.grad_accum > 1:  # whole gradients until the last
+            carry -= c * n.total / lay.world  # micro-step's reduction makes the partition
         # gradients land in 16 bits (partitioned from ZeRO-1 on), next to the buckets
         bytes_per_grad = 2.0 if half else 4.0
         shard = 1.0 / lay.world if partitioned else 1.0
@@ -365,37 +395,50 @@ def step_phases(
     # ZeRO-1/2 allocate their reduce buckets at a backward's first gradient (the head's, as the
     # loss's backward ends) and free them after it; ZeRO-3 holds its one from the start
     per_backward = buckets if lay.backend == "deepspeed" and lay.zero_stage in (1, 2) else 0.0
-    loss_carry = carry - per_backward
+    # ZeRO-1 with accumulation keeps them from the first micro-step's backward to the last's
+    # reduction: the last micro-step's forward and loss have them (measured on 2 gloo ranks)
+    kept_buckets = lay.zero_stage == 1 and lay.grad_accum > 1
+    loss_carry = carry - (0.0 if kept_buckets else per_backward)
+    fixed_params = fixed - gpu["optimizer"]
+
+    def at(params: float, grads: float, activations: float, temporaries: float):
+        return {
+            "params": params,
+            "grads": grads,
+            "optimizer": gpu["optimizer"],
+            "activations": activations,
+            "temporaries": temporaries,
+        }
+
     phases = {
-        "loss forward": fixed + loss_carry + saved + loss_forward_bytes(m, B, num) + cast_cache,
-        "loss backward": fixed + loss_carry + saved + loss_bwd,
+        "loss forward": at(
+            fixed_params, loss_carry, saved + cast_cache, loss_forward_bytes(m, B, num)
+        ),
+        "loss backward": at(fixed_params, loss_carry, saved, loss_bwd),
     }
-    head = m.vocab_size * m.d_model + m.d_model  # the head's (or tied embedding's) gradient
+    head = (0 if m.tie_embeddings else embed) + m.d_model  # the head's and final norm's
     # a block's backward peaks at its MLP's product's backward: by then the product itself (the
     # down-projection's input) is freed, and the three hidden-width gradients are alive
     product = num.compute * B * m.seq_len * mlp_hidden_size(m)
     for i in reversed(range(L)):
         transient = this_block
-        if fsdp:  # the root's unsharded gradients (reduced at the end of the backward), the
-            # shards of the blocks above, and the block above's fp32 reduce-scatter input
-            # (FSDP2 keeps one until the next reduce-scatter)
-            transient += c * n.root + (4.0 * n.block if i < L - 1 else 0.0)
+        if fsdp:  # the root's unsharded gradients so far (the head's; reduced at the end of
+            # the backward), the shards of the blocks above, and the block above's fp32
+            # reduce-scatter input (FSDP2 keeps one until the next reduce-scatter)
+            transient += c * head + (4.0 * n.block if i < L - 1 else 0.0)
             so_far = 4.0 * shard * (L - 1 - i) * n.block
             params_now = sharded_params + fsdp_gathered_params(n, lay, i)
         else:
-            so_far = bytes_per_grad * shard * (head + (L - 1 - i) * n.block) + buckets
+            made = head + (L - 1 - i) * n.block  # gradient elements so far
+            if buckets:  # ZeRO: in the buckets until one fills and is reduced into the partition
+                made = made // lay.ds_bucket_elements * lay.ds_bucket_elements
+            so_far = bytes_per_grad * shard * made + buckets
             params_now = gpu["params"]
         so_far = min(so_far, persistent)  # never more than the step holds
         alive = resident + sum(kept[:i]) + full_block
         activations = max(activations, alive)
-        phases[f"block {i} backward"] = (
-            params_now
-            + gpu["optimizer"]
-            + max(carry, so_far)
-            + transient
-            + alive
-            - product
-            + in_block
+        phases[f"block {i} backward"] = at(
+            params_now, max(carry, so_far) + transient, alive - product, in_block + waiting
         )
     # foreach AdamW (off CUDA) makes one fp32 temporary the size of what it steps (DeepSpeed's
     # ZeRO >= 1: this rank's flat fp32 partition); fused AdamW none
@@ -404,7 +447,7 @@ def step_phases(
     if lay.backend == "deepspeed" and lay.zero_stage >= 3:  # released after the backward
         step_params -= zero3_gathered_params(n, lay)
     step_grads = persistent - per_backward
-    phases["optimizer step"] = step_params + gpu["optimizer"] + step_grads + optimizer_tmp
+    phases["optimizer step"] = at(step_params, step_grads, 0.0, optimizer_tmp)
     return phases, activations, max(loss_bwd, in_block, optimizer_tmp)
 
 

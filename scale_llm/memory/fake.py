@@ -38,13 +38,21 @@ from scale_llm.components.optim import build_optimizer
 from scale_llm.config import Config, with_changes
 from scale_llm.errors import UserError
 from scale_llm.memory.estimate import estimate
-from scale_llm.memory.measure import CATEGORIES
 from scale_llm.model import build_model, materialize
 from scale_llm.parallel.backend import Backend, build_backend
 from scale_llm.parallel.step import optimizer_step
 from scale_llm.plan import RunPlan, target_plan
 
 # MemTracker's and FSDPMemTracker's reference types -> the estimate's parts
+CATEGORIES = {  # MemTracker's reference types -> the estimate's parts
+    "Parameter": "params",
+    "Gradient": "grads",
+    "Optstate": "optimizer",
+    "Activation": "activations",
+    "Temp": "temporaries",
+    "Other": "optimizer",  # only what measure_step registers: DeepSpeed's fp32 master partitions
+}
+
 FAKE_CATEGORIES = {
     **CATEGORIES,
     "Buffer": "activations",  # the rotary tables (the estimate counts them with activations)

@@ -1,22 +1,29 @@
 """A whole optimizer step measured on the CPU, by category, next to the estimate for that run.
 
-`scale-llm estimate CONFIG --measure` runs one real step of the config's backend in this
-process (on the CPU, synthetic tokens; one process, or each rank under torchrun) under
-PyTorch's MemTracker (`torch.distributed._tools.mem_tracker`), which attributes every live
-tensor storage to parameters, gradients, optimizer state, activations or temporaries, and
-reports the bytes of each category at the step's peak, and each category's own maximum over
-the step (from the snapshots MemTracker takes around every module's forward and backward).
-The estimate it is compared with is the one for the same CPU run (`estimate(cfg, plan)`):
-each part at its own largest, and the peak of the step's phases as the total.
+`scale-llm estimate CONFIG --measure` runs real steps of the config's backend in this process
+(on the CPU, synthetic tokens; one process, or each rank under torchrun) and counts every
+tensor storage made from before the backend builds the model (`LiveStorages`): the step's
+peak (`allocated_peak`) is what `torch.cuda.max_memory_allocated` reports on a GPU, the
+buffers a backend makes at construction included (DeepSpeed's flat partitions, ZeRO-3's
+gradient buffer and reduce bucket). The next step, alike, says what is alive at that peak, by
+category:
+- parameters, gradients and optimizer state by what holds each storage at that moment: the
+  model's parameters and their gradients in every form a backend gives them (FSDP2's shards,
+  all-gather outputs and unsharded parameters, ZeRO-3's partitions), the optimizer's state,
+  and the tensors a ZeRO optimizer keeps (its 16-bit groups, fp32 master partitions, reduce
+  buckets and gradient partitions);
+- the rest by what made it: a backend's gathering (parameters) or reducing (gradients), the
+  model's forward or a checkpointed block's recomputation (activations), everything else (the
+  loss, the backward's and the optimizer's own work: temporaries).
+The estimate it is compared with is the one for the same CPU run (`estimate(cfg, plan)`): its
+peak phase's parts (`peak_parts`) and each part at its own largest (`gpu`).
 
-The categories come from MemTracker, which sees the tensors that pass through its dispatch mode
-or that it is told about. The peak (`allocated_peak`) is that of every tensor storage created
-from before the backend builds the model (`_LiveStorages`), so it is what
-`torch.cuda.max_memory_allocated` reports on a GPU, buffers MemTracker never sees included
-(DeepSpeed's flat partitions, ZeRO-3's gradient buffer and reduce bucket, made at its engine's
-construction). torch.profiler's allocation events were tried for this and dropped: a storage
-freed on another thread (a gloo collective's) never reports its free there. The peak is taken
-on one step and the categories on the next (the steps after the first are alike).
+PyTorch's MemTracker was used before: it sees only the tensors that pass through its dispatch
+mode or that it is told about (it missed 14% of ZeRO-3's bf16 step), files a checkpointed
+block's recomputation partly under temporaries, and attributes transient buffers by module
+phase, so its categories could not be compared with the estimate's beyond a few percent.
+torch.profiler's allocation events were tried for the peak and dropped: a storage freed on
+another thread (a gloo collective's) never reports its free there.
 
 grad_accum > 1 is measured with 2 micro-steps (the later ones are alike: the gradients of the
 earlier ones are kept); under torchrun each rank measures its own step of the config's backend.
@@ -26,6 +33,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import re
+import sys
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -38,15 +47,6 @@ from scale_llm.model import build_model
 from scale_llm.parallel.backend import build_backend
 from scale_llm.parallel.step import optimizer_step
 from scale_llm.plan import launch_env, resolve_plan
-
-CATEGORIES = {  # MemTracker's reference types -> the estimate's parts
-    "Parameter": "params",
-    "Gradient": "grads",
-    "Optstate": "optimizer",
-    "Activation": "activations",
-    "Temp": "temporaries",
-    "Other": "optimizer",  # only what measure_step registers: DeepSpeed's fp32 master partitions
-}
 
 
 def measure_step(cfg: Config) -> dict[str, Any]:
@@ -76,37 +76,25 @@ def measure_step(cfg: Config) -> dict[str, Any]:
             out.append((tokens[:, :-1], tokens[:, 1:]))
         return out
 
-    with _LiveStorages() as storages:  # from before the model's storage exists
+    with LiveStorages() as storages:  # from before the model's storage exists
         backend = build_backend(here, plan)
         model = backend.setup(build_model(here.model))
+        optimizer = backend.optimizer
+        # DeepSpeed's ZeRO optimizer wraps the torch optimizer that holds its fp32 partitions
+        inner = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer.optimizer
+        _follow_phases(storages, backend, model)
+        storages.owners = _owners(model, optimizer, inner)
         optimizer_step(backend, model, batches())  # the optimizer state exists from here on
         with storages.window():
             optimizer_step(backend, model, batches())
-    tracker = _step_tracker()
-    optimizer = backend.optimizer
-    # DeepSpeed's ZeRO optimizer wraps the torch optimizer that holds its fp32 partitions
-    inner = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer.optimizer
-    tracker.track_external(model, inner)
-    if inner is not optimizer:  # its fp32 master partitions: optimizer-held, not module params
-        tracker.track_external(*(p for g in inner.param_groups for p in g["params"]))
-    with tracker:
+        # the parts at the peak: the next step (alike) classified from just below that peak
+        storages._classify_from = 0.98 * storages.peak
         optimizer_step(backend, model, batches())
-    (snapshot,) = tracker.get_tracker_snapshot("peak").values()
-    measured = _by_category(snapshot)
-    measured["total"] = sum(measured.values())
+        storages._classify_from = None
+    measured: dict[str, int] = dict(storages.parts)
+    measured["total"] = storages.parts_live  # the classified moment's live bytes
     measured["allocated_peak"], measured["allocated_before"] = storages.peak, storages.before
-    # each category's own maximum over the step: the snapshots MemTracker takes around every
-    # module's forward and backward, and the peak (gradients, say, peak after the backward)
-    maxima = dict(measured)
-    for stats in [*tracker.memory_tracking.values(), *tracker.earlier]:
-        for states in getattr(stats, "snapshots", {}).values():
-            for per_device in states:
-                for device_snapshot in per_device.values():
-                    for name, nbytes in _by_category(device_snapshot).items():
-                        maxima[name] = max(maxima[name], nbytes)
-    maxima.pop("total")
     est = estimate(here, plan)
-    estimated = {k: int(v) for k, v in est.gpu.items()}
     return {
         "measured_eager": bool(cfg.train.compile),
         "peak_phase": est.peak_phase,
@@ -115,20 +103,145 @@ def measure_step(cfg: Config) -> dict[str, Any]:
         "activation_checkpointing": here.activation_checkpointing.mode,
         "micro_batch_size": plan.micro_batch_size,
         "measured": measured,
-        "category_maxima": maxima,
-        "estimated": estimated,
+        "estimated": {k: int(v) for k, v in est.gpu.items()},
+        "estimated_peak_parts": {k: int(v) for k, v in est.peak_parts.items()},
         "estimated_cpu": {k: int(v) for k, v in est.cpu.items() if v},
     }
 
 
-class _LiveStorages:
+PARTS = ("params", "grads", "optimizer", "activations", "temporaries")
+# code of the backends (its frames name what they are doing: gathering parameters, reducing
+# gradients), the optimizers, activation checkpointing's recomputation, autograd's engine
+_BACKEND_CODE = ("/deepspeed/", "/torch/distributed/", "/torch/nn/parallel/")
+# a backend's compute, not its bookkeeping: ZeRO-3's linear layer, DTensor's op dispatch
+_TRANSPARENT = ("/deepspeed/runtime/zero/linear.py", "/torch/distributed/tensor/")
+_GATHERING = re.compile("gather|unshard|fetch")
+_REDUCING = re.compile("reduce|grad|bucket|ipg")
+_OPTIMIZER_CODE = "/torch/optim/"
+_RECOMPUTE_CODE = "/torch/utils/checkpoint.py"
+_ENGINE_CODE = "/torch/autograd/graph.py"
+_OWN_CODE = "/scale_llm/"
+
+
+def _follow_phases(storages: LiveStorages, backend: Any, model: torch.nn.Module) -> None:
+    """Set `storages.phase` around the model's forward, the loss, the backward and the step."""
+
+    def phased(phase: str, fn: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            before, storages.phase = storages.phase, phase
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                storages.phase = before
+
+        return run
+
+    def forward(*_: Any) -> None:
+        storages.phase = "forward"
+
+    def after(*_: Any) -> None:
+        storages.phase = "other"
+
+    backend.loss_fn = phased("loss", backend.loss_fn)
+    backend.backward = phased("backward", backend.backward)
+    backend.clip_and_step = phased("step", backend.clip_and_step)
+    # before any hook of the backend's (FSDP2's root gathers its parameters in one)
+    model.register_forward_pre_hook(forward, prepend=True)
+    model.register_forward_hook(after, always_call=True)
+    storages.phase = "other"
+
+
+def _owners(model: torch.nn.Module, optimizer: Any, inner: torch.optim.Optimizer) -> Any:
+    """() -> {category: tensors}: what the model, the optimizer and the backend hold now.
+    Parameters in every form (FSDP2's shards, all-gather outputs and unsharded parameters;
+    ZeRO-3's partitions), their gradients (FSDP2's sharded and accumulated ones too), the
+    optimizer's state and the fp32 master partitions a ZeRO optimizer steps, and the tensors a
+    ZeRO optimizer keeps, by their names: gradients (`grad`, `ipg`), fp32 master copies
+    (`fp32`, `single_partition`), else its 16-bit flat parameter groups."""
+
+    def held(obj: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, value in vars(obj).items():
+            for t in _tensors_in(value):
+                yield name, t
+
+    def owners() -> dict[str, list[torch.Tensor]]:
+        params: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        optim: list[torch.Tensor] = []
+        for p in model.parameters():
+            params.append(p)
+            if isinstance(getattr(p, "ds_tensor", None), torch.Tensor):
+                params.append(p.ds_tensor)
+            if p.grad is not None:
+                grads.append(p.grad)
+        for module in model.modules():
+            group = getattr(module, "_get_fsdp_state", None)
+            group = group()._fsdp_param_group if group else None
+            for fsdp_param in group.fsdp_params if group else ():
+                for name, t in held(fsdp_param):
+                    (grads if "grad" in name else params).append(t)
+                    if t.grad is not None:
+                        grads.append(t.grad)
+        for state in inner.state.values():
+            optim.extend(t for v in state.values() for t in _tensors_in(v))
+        own = {id(p) for p in params}
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if id(p) not in own:  # a ZeRO optimizer's fp32 master partition
+                    optim.append(p)
+                if p.grad is not None:
+                    grads.append(p.grad)
+        if inner is not optimizer:  # DeepSpeed's ZeRO optimizer
+            for name, t in held(optimizer):
+                low = name.lower()
+                if "grad" in low or "ipg" in low:
+                    grads.append(t)
+                elif "fp32" in low or "single_partition" in low:
+                    optim.append(t)
+                else:
+                    params.append(t)
+        return {"params": params, "optimizer": optim, "grads": grads}
+
+    return owners
+
+
+def _tensors_in(value: Any, depth: int = 3) -> Iterator[torch.Tensor]:
+    """The tensors in `value`: in lists, tuples, dicts and DeepSpeed's own small objects (its
+    ZeRO-3 reduce bucket is one), `depth` levels down."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif depth and isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors_in(v, depth - 1)
+    elif depth and isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors_in(v, depth - 1)
+    elif depth and _deepspeed_object(value):
+        for v in vars(value).values():
+            yield from _tensors_in(v, depth - 1)
+
+
+def _deepspeed_object(value: Any) -> bool:
+    return (
+        type(value).__module__.startswith("deepspeed.")
+        and hasattr(value, "__dict__")
+        and not isinstance(value, torch.nn.Module)
+    )
+
+
+class LiveStorages:
     """Every tensor storage created while it is active, with its size at each moment: the live
     bytes after every op, and their peak within `window()`. A dispatch mode sees each op's
     outputs (subclasses such as DTensor flattened to the tensors they hold); a weak reference
     per storage subtracts it when it is freed, on whichever thread that happens; storage
     resizes (FSDP2 frees and refills its gathered parameters so) are followed by wrapping
     `UntypedStorage.resize_`, which no dispatch mode sees. Entered before the backend builds
-    the model, it sees every buffer a backend allocates, as an allocator would."""
+    the model, it sees every buffer a backend allocates, as an allocator would.
+
+    Each storage also gets a category where it is made (`_made_as`), from the step's phase
+    (`phase`, which measure_step sets around the forward, the loss, the backward and the
+    optimizer step) and the code making it; `classify()` gives the live bytes by category, with
+    what the model, the optimizer and the backend hold now (`owners`) taking precedence."""
 
     def __init__(self) -> None:
         from torch.distributed._tools.common_utils import get_untyped_storages
@@ -151,6 +264,13 @@ class _LiveStorages:
         self._tokens = itertools.count()
         self.live = self.peak = self.before = 0
         self._in_window = False
+        self._made: dict[int, str] = {}  # token -> the category it was made as
+        self.phase = "construction"
+        self.owners: Any = None  # () -> {category: tensors held now}, set by measure_step
+        self._classify_from: float | None = None  # live bytes from which to classify
+        self._classifying = False
+        self.parts: dict[str, int] = {}  # by category, at the largest live from _classify_from
+        self.parts_live = 0
 
     def _add(self, out: Any) -> None:
         for t in self._leaves(out):
@@ -162,6 +282,7 @@ class _LiveStorages:
                 if st not in self._token:
                     self._token[st] = token = next(self._tokens)
                     self._size[token] = 0
+                    self._made[token] = self._made_as()
                     weakref.finalize(st, self._freed, token)
                 self._resized(st)
 
@@ -171,9 +292,71 @@ class _LiveStorages:
         self._size[token] = st.nbytes()
         if self._in_window:
             self.peak = max(self.peak, self.live)
+        start = self._classify_from
+        if start is None or self._classifying:
+            return
+        if self.live >= start and self.live > self.parts_live:
+            self._classifying = True
+            try:
+                self.parts, self.parts_live = self.classify(), self.live
+            finally:
+                self._classifying = False
 
     def _freed(self, token: int) -> None:  # the storage itself is gone
         self.live -= self._size.pop(token)
+        self._made.pop(token, None)
+
+    def _made_as(self) -> str:
+        """The category of a storage being made now. The innermost frame of the backends' code,
+        the optimizers', autograd's or this project's decides: a backend's gathering is
+        parameters, its reducing (buckets, reduce-scatter inputs) gradients, else by phase (in
+        the backward and the step gradients, else parameters; its compute, ZeRO-3's linear
+        layer and DTensor's dispatch, is looked through); an optimizer's work is temporary; the
+        model's code makes activations in the forward and in a checkpointed block's recomputation,
+        temporaries otherwise (the loss, the backward's work). With none of these, the phase:
+        the construction makes parameters, the forward activations, the rest temporaries."""
+        phase = self.phase
+        frame = sys._getframe(3)
+        backend_default = None
+        while frame is not None:
+            code = frame.f_code
+            name = code.co_filename.replace("\\", "/")
+            if any(part in name for part in _TRANSPARENT):
+                pass
+            elif any(part in name for part in _BACKEND_CODE):
+                if _GATHERING.search(code.co_name):
+                    return "params"
+                if _REDUCING.search(code.co_name):
+                    return "grads"
+                backend_default = "grads" if phase in ("backward", "step") else "params"
+            elif backend_default is not None:  # left the backend's code: nothing named it
+                return backend_default
+            elif _OPTIMIZER_CODE in name:
+                return "temporaries"
+            elif _RECOMPUTE_CODE in name and phase == "backward":
+                return "activations"
+            elif _ENGINE_CODE in name or (_OWN_CODE in name and phase != "backward"):
+                break  # autograd's own work in the backward; this project's code otherwise
+            frame = frame.f_back
+        if backend_default is not None:
+            return backend_default
+        return {"construction": "params", "forward": "activations"}.get(phase, "temporaries")
+
+    def classify(self) -> dict[str, int]:
+        """Live bytes by category: what `owners()` names (parameters, gradients, optimizer
+        state, in every form a backend holds them) by that, the rest as it was made."""
+        claimed: dict[int, str] = {}
+        for part, tensors in (self.owners() if self.owners else {}).items():
+            for t in tensors:
+                for st in self._storages(t):
+                    token = self._token.get(st)
+                    if token is not None:
+                        claimed[token] = part
+        out = dict.fromkeys(PARTS, 0)
+        for token, nbytes in list(self._size.items()):
+            part = claimed.get(token) or self._made.get(token, "temporaries")
+            out[part] += nbytes
+        return out
 
     @contextlib.contextmanager
     def window(self) -> Iterator[None]:
@@ -184,7 +367,7 @@ class _LiveStorages:
         finally:
             self._in_window = False
 
-    def __enter__(self) -> _LiveStorages:
+    def __enter__(self) -> LiveStorages:
         tracker, original = self, torch.UntypedStorage.resize_
         self._original_resize = original
 
@@ -203,73 +386,39 @@ class _LiveStorages:
         torch.UntypedStorage.resize_ = self._original_resize  # type: ignore[method-assign]
 
 
-def _step_tracker_class() -> type:
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    class StepTracker(MemTracker):
-        """MemTracker over a whole optimizer step of several micro-steps: MemTracker refuses a
-        second forward of the root module in one region, so each new one starts fresh module
-        stats, and the earlier ones are kept (`earlier`) for the per-category maxima."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.earlier: list[Any] = []
-
-        def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
-            t = self._mod_tracker
-            again = module in self.memory_tracking and not t.is_bw
-            if again and set(t.parents) - {t.get_known_fqn(module)} == {"Global"}:
-                self.earlier.extend(self.memory_tracking.values())
-                self.reset_mod_stats()
-            super()._pre_fw_hook(module, inputs)
-
-    return StepTracker
-
-
-def _step_tracker() -> Any:
-    """A StepTracker (the class is built on first use: MemTracker is imported late)."""
-    return _step_tracker_class()()
-
-
-def _by_category(snapshot: dict) -> dict[str, int]:
-    out = {name: 0 for name in CATEGORIES.values()}
-    for kind, nbytes in snapshot.items():
-        name = CATEGORIES.get(getattr(kind, "value", str(kind)))
-        if name is not None:
-            out[name] += int(nbytes)
-    return out
-
-
 def format_measurement(r: dict[str, Any]) -> str:
     gib = 2**30
+    got, est = r["measured"], r["estimated_peak_parts"]
     lines = [
         f"measured on CPU: one optimizer step, {r['backend']}, {r['precision']}, checkpointing "
-        f"{r['activation_checkpointing']}, micro-batch {r['micro_batch_size']}, 1 process "
-        f"(bytes at the step's peak, next to the estimate for this run)"
+        f"{r['activation_checkpointing']}, micro-batch {r['micro_batch_size']}, this process "
+        f"(what is alive at the step's peak, next to the estimate of its peak, "
+        f"{r['peak_phase']})"
     ]
-    lines.append(f"  {'':<12} {'at the peak':>12} {'own maximum':>13}   estimate")
-    for part in ("params", "grads", "optimizer", "activations", "temporaries", "total"):
-        got = r["measured"].get(part, 0) / gib
-        if part == "total":  # every storage's peak: what max_memory_allocated would say
-            got = r["measured"]["allocated_peak"] / gib
-        own = r["category_maxima"].get(part)
-        own_text = "-" if own is None else f"{own / gib:9.3f} GiB"
-        est = r["estimated"].get("peak" if part == "total" else part)
-        shown = "-" if est is None else f"{est / gib:8.3f} GiB"
-        lines.append(f"  {part:<12} {got:8.3f} GiB {own_text:>13}   {shown}")
-    tracked = r["measured"]["total"] / gib
+    lines.append(f"  {'':<12} {'at the peak':>12} {'estimated':>12} {'own largest (est.)':>19}")
+    for part in PARTS:
+        own = r["estimated"][part] / gib
+        lines.append(
+            f"  {part:<12} {got[part] / gib:8.3f} GiB {est[part] / gib:8.3f} GiB {own:15.3f} GiB"
+        )
+    peak, predicted = got["allocated_peak"] / gib, r["estimated"]["peak"] / gib
     lines.append(
-        f"  (total: the peak of every tensor storage, counted from before the model was built, "
-        f"as max_memory_allocated counts on a GPU; the parts, as MemTracker attributes what it "
-        f"sees, sum to {tracked:.3f} GiB at its own peak)"
+        f"  {'total':<12} {peak:8.3f} GiB {predicted:8.3f} GiB ({predicted / peak - 1:+.1%})"
+    )
+    lines.append(
+        "  (total: the peak of every tensor storage, counted from before the model was built, "
+        "as max_memory_allocated counts on a GPU; the parts: each storage alive at that peak, "
+        "by what holds it or, for the rest, what made it: docs/memory.md)"
     )
     if r.get("measured_eager"):
         lines.append(
-            "  (train.compile is on: the step is measured eager, since MemTracker cannot run "
-            "around compiled code; the activation count above is of the compiled blocks)"
+            "  (train.compile is on: the step is measured eager, since the dispatch mode that "
+            "counts cannot run around compiled code; the activation count above is of the "
+            "compiled blocks)"
         )
     lines.append(
-        f"  (estimate: each part at its own largest; total: the peak, at {r['peak_phase']}; "
-        f"a GPU adds the {r['estimated']['overhead'] / gib:.3f} GiB allocator allowance)"
+        f"  (own largest: each part of the estimate at its largest over the step, as the "
+        f"report lists them; a GPU adds the {r['estimated']['overhead'] / gib:.3f} GiB allocator "
+        f"allowance)"
     )
     return "\n".join(lines)
