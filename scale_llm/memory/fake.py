@@ -2,12 +2,14 @@
 
 `scale-llm estimate CONFIG --fake [--world-size N]` builds the model and backend as the trainer
 does, but under `FakeTensorMode`: every tensor has its shape, dtype and device and no storage,
-so a 7B model on one rank of 8 costs a minute of Python and no memory. It runs two optimizer
-steps (the second tracked, so AdamW's state exists) under PyTorch's MemTracker (single) or
-FSDPMemTracker (FSDP2, rank 0 of a fake process group of N ranks, whose collectives only
-produce outputs of the right shape), and reports the bytes of each category at the step's peak
-and each category's own maximum, next to `estimate(cfg, N)`: the plan of a bf16 CUDA run of N
-GPUs, what `scale-llm estimate` prints.
+so a 7B model on one rank of 8 costs seconds of Python and no memory. It runs the optimizer
+steps of `measure.measured_steps` (single, or FSDP2 as rank 0 of a fake process group of N
+ranks, whose collectives only produce outputs of the right shape) under the same count of every
+storage as a CPU measurement (`measure.LiveStorages`, on fake storages), and reports the step's
+peak and what is alive at it by category, next to `estimate(cfg, N)`: the plan of a bf16 CUDA
+run of N GPUs, what `scale-llm estimate` prints. (PyTorch's MemTracker and FSDPMemTracker
+did this before, session 18; their categories differ from the estimate's where a tied head's
+gradient waits in autograd or a block is recomputed.)
 
 The tensors are fake *CPU* tensors. On a CPU-only build of torch (2.13) fake CUDA tensors trace
 the forward pass (once a no-op CUDA device guard is registered; `_ensureCUDADeviceGuardSet`
@@ -38,34 +40,10 @@ from scale_llm.components.optim import build_optimizer
 from scale_llm.config import Config, with_changes
 from scale_llm.errors import UserError
 from scale_llm.memory.estimate import estimate
+from scale_llm.memory.measure import PARTS, LiveStorages, measured_steps
 from scale_llm.model import build_model, materialize
 from scale_llm.parallel.backend import Backend, build_backend
-from scale_llm.parallel.step import optimizer_step
 from scale_llm.plan import RunPlan, target_plan
-
-# MemTracker's and FSDPMemTracker's reference types -> the estimate's parts
-CATEGORIES = {  # MemTracker's reference types -> the estimate's parts
-    "Parameter": "params",
-    "Gradient": "grads",
-    "Optstate": "optimizer",
-    "Activation": "activations",
-    "Temp": "temporaries",
-    "Other": "optimizer",  # only what measure_step registers: DeepSpeed's fp32 master partitions
-}
-
-FAKE_CATEGORIES = {
-    **CATEGORIES,
-    "Buffer": "activations",  # the rotary tables (the estimate counts them with activations)
-    "Inputs": "activations",  # token ids and targets
-    "Sharded Param": "params",
-    "Unsharded Param": "params",
-    "All Gather": "params",  # the gathered block's flat buffer, before it is copied out
-    "Sharded Grad": "grads",
-    "Unsharded Grad": "grads",
-    "Reduce Scatter": "grads",  # the flat gradient buffer a block's reduce-scatter reads
-    "OptState": "optimizer",
-}
-PARTS = ("params", "grads", "optimizer", "activations", "temporaries")
 
 GiB = 1 << 30
 # What a fake trace cannot see, per GPU, as (name, low, high bytes, why). Not added to the
@@ -119,9 +97,10 @@ def trace_step(cfg: Config, world_size: int = 1) -> dict[str, Any]:
     with _fake_process_group(plan):
         backend = build_backend(here, plan)
         model = build_model(here.model)  # on meta, outside the mode: materialized inside it
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with fake_mode, LiveStorages(fake=True) as storages:  # before the weights are drawn
             model = _setup(backend, model, plan)
-            measured, maxima = _tracked_step(backend, model, plan, here)
+            measured = measured_steps(storages, backend, model, _batches(plan, here))
     est = estimate(with_changes(here, {"train.device": "cuda"}), target)
     return {
         "backend": plan.backend,
@@ -130,8 +109,8 @@ def trace_step(cfg: Config, world_size: int = 1) -> dict[str, Any]:
         "micro_batch_size": plan.micro_batch_size,
         "world_size": world_size,
         "measured": measured,
-        "category_maxima": maxima,
         "estimated": {k: int(v) for k, v in est.gpu.items()},
+        "estimated_peak_parts": {k: int(v) for k, v in est.peak_parts.items()},
         "peak_phase": est.peak_phase,
         "allowances": [
             {"name": n, "low": lo, "high": hi, "why": why} for n, lo, hi, why in ALLOWANCES
@@ -189,15 +168,7 @@ def _setup(backend: Backend, model: torch.nn.Module, plan: RunPlan) -> torch.nn.
     return wrapped
 
 
-def _tracked_step(
-    backend: Backend, model: torch.nn.Module, plan: RunPlan, cfg: Config
-) -> tuple[dict[str, int], dict[str, int]]:
-    """Two optimizer steps, the second under the tracker: (bytes at its peak, each part's own
-    maximum), on the traced device."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.distributed.fsdp import FSDPModule
-
+def _batches(plan: RunPlan, cfg: Config) -> Any:
     m = cfg.model
 
     def batches():
@@ -205,55 +176,29 @@ def _tracked_step(
         tokens = torch.randint(0, m.vocab_size, shape, device=plan.device)
         return [(tokens[:, :-1], tokens[:, 1:])]
 
-    optimizer_step(backend, model, batches())  # the optimizer state exists from here on
-    if isinstance(model, FSDPModule):
-        tracker = FSDPMemTracker(model, backend.optimizer)
-    else:
-        tracker = MemTracker()
-        tracker.track_external(model, backend.optimizer)
-    with tracker:
-        optimizer_step(backend, model, batches())
-    peak = tracker.get_tracker_snapshot("peak")
-    measured = _parts(peak.get(plan.device, {}))
-    measured["total"] = sum(measured.values())
-    maxima = {k: v for k, v in measured.items() if k != "total"}
-    for stats in tracker.memory_tracking.values():
-        for states in getattr(stats, "snapshots", {}).values():
-            for per_device in states:
-                for name, nbytes in _parts(per_device.get(plan.device, {})).items():
-                    maxima[name] = max(maxima[name], nbytes)
-    return measured, maxima
-
-
-def _parts(snapshot: dict) -> dict[str, int]:
-    """A tracker snapshot by the estimate's parts; a reference type this module does not know
-    counts as temporaries (so the total is everything the tracker saw)."""
-    out = dict.fromkeys(PARTS, 0)
-    for kind, nbytes in snapshot.items():
-        name = getattr(kind, "value", str(kind))
-        if name != "Total":
-            out[FAKE_CATEGORIES.get(name, "temporaries")] += int(nbytes)
-    return out
+    return batches
 
 
 def format_trace(r: dict[str, Any]) -> str:
     """The trace next to the estimate, as format_measurement prints a CPU measurement."""
+    got, est = r["measured"], r["estimated_peak_parts"]
     lines = [
         f"traced on fake tensors: one optimizer step, {r['backend']}, {r['precision']}, "
         f"checkpointing {r['activation_checkpointing']}, micro-batch {r['micro_batch_size']}, "
-        f"rank 0 of {r['world_size']} (bytes at the step's peak, next to the estimate per GPU)"
+        f"rank 0 of {r['world_size']} (what is alive at the step's peak, next to the estimate "
+        f"of its peak per GPU, {r['peak_phase']})"
     ]
-    lines.append(f"  {'':<12} {'at the peak':>12} {'own maximum':>13}   estimate")
-    est = r["estimated"]
-    shown_est = {**est, "total": est["peak"]}
-    for part in (*PARTS, "total"):
-        got = r["measured"].get(part, 0) / GiB
-        own = r["category_maxima"].get(part)
-        own_text = "-" if own is None else f"{own / GiB:9.3f} GiB"
-        note = "   (estimate: the peak, before the allocator allowance)" if part == "total" else ""
+    lines.append(f"  {'':<12} {'at the peak':>12} {'estimated':>12} {'own largest (est.)':>19}")
+    for part in PARTS:
+        own = r["estimated"][part] / GiB
         lines.append(
-            f"  {part:<12} {got:8.3f} GiB {own_text:>13}   {shown_est[part] / GiB:8.3f} GiB{note}"
+            f"  {part:<12} {got[part] / GiB:8.3f} GiB {est[part] / GiB:8.3f} GiB {own:15.3f} GiB"
         )
+    peak, predicted = got["allocated_peak"] / GiB, r["estimated"]["peak"] / GiB
+    lines.append(
+        f"  {'total':<12} {peak:8.3f} GiB {predicted:8.3f} GiB ({predicted / peak - 1:+.1%}; "
+        f"the estimate before the allocator allowance)"
+    )
     lines.append("not seen by the trace (add on top):")
     for a in r["allowances"]:
         high = "?" if a["high"] is None else f"{a['high'] / GiB:.2f}"

@@ -79,21 +79,7 @@ def measure_step(cfg: Config) -> dict[str, Any]:
     with LiveStorages() as storages:  # from before the model's storage exists
         backend = build_backend(here, plan)
         model = backend.setup(build_model(here.model))
-        optimizer = backend.optimizer
-        # DeepSpeed's ZeRO optimizer wraps the torch optimizer that holds its fp32 partitions
-        inner = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer.optimizer
-        _follow_phases(storages, backend, model)
-        storages.owners = _owners(model, optimizer, inner)
-        optimizer_step(backend, model, batches())  # the optimizer state exists from here on
-        with storages.window():
-            optimizer_step(backend, model, batches())
-        # the parts at the peak: the next step (alike) classified from just below that peak
-        storages._classify_from = 0.98 * storages.peak
-        optimizer_step(backend, model, batches())
-        storages._classify_from = None
-    measured: dict[str, int] = dict(storages.parts)
-    measured["total"] = storages.parts_live  # the classified moment's live bytes
-    measured["allocated_peak"], measured["allocated_before"] = storages.peak, storages.before
+        measured = measured_steps(storages, backend, model, batches)
     est = estimate(here, plan)
     return {
         "measured_eager": bool(cfg.train.compile),
@@ -121,6 +107,30 @@ _OPTIMIZER_CODE = "/torch/optim/"
 _RECOMPUTE_CODE = "/torch/utils/checkpoint.py"
 _ENGINE_CODE = "/torch/autograd/graph.py"
 _OWN_CODE = "/scale_llm/"
+
+
+def measured_steps(
+    storages: LiveStorages, backend: Any, model: torch.nn.Module, batches: Any
+) -> dict[str, int]:
+    """Three optimizer steps of a backend set up under `storages`: the first makes the
+    optimizer state, the second gives the peak, the third (alike) what is alive at it, by
+    category. {part: bytes, "total": the classified moment's live bytes, "allocated_peak",
+    "allocated_before": the live bytes as the second step began}."""
+    optimizer = backend.optimizer
+    # DeepSpeed's ZeRO optimizer wraps the torch optimizer that holds its fp32 partitions
+    inner = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer.optimizer
+    _follow_phases(storages, backend, model)
+    storages.owners = _owners(model, optimizer, inner)
+    optimizer_step(backend, model, batches())  # the optimizer state exists from here on
+    with storages.window():
+        optimizer_step(backend, model, batches())
+    storages._classify_from = 0.98 * storages.peak  # the largest moment from just below it
+    optimizer_step(backend, model, batches())
+    storages._classify_from = None
+    measured: dict[str, int] = dict(storages.parts)
+    measured["total"] = storages.parts_live
+    measured["allocated_peak"], measured["allocated_before"] = storages.peak, storages.before
+    return measured
 
 
 def _follow_phases(storages: LiveStorages, backend: Any, model: torch.nn.Module) -> None:
@@ -243,7 +253,10 @@ class LiveStorages:
     optimizer step) and the code making it; `classify()` gives the live bytes by category, with
     what the model, the optimizer and the backend hold now (`owners`) taking precedence."""
 
-    def __init__(self) -> None:
+    def __init__(self, fake: bool = False) -> None:
+        """fake: the tensors are fake (FakeTensorMode, entered first): their storages are on
+        the meta device and count; the nested fake modes DTensor propagates shapes in do not."""
+        from torch._guards import active_fake_mode
         from torch.distributed._tools.common_utils import get_untyped_storages
         from torch.utils._python_dispatch import TorchDispatchMode
         from torch.utils._pytree import tree_leaves
@@ -254,10 +267,13 @@ class LiveStorages:
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
-                tracker._add(out)
+                if active_fake_mode() is tracker._fake_mode:
+                    tracker._add(out)
                 return out
 
         self._mode = Mode()
+        self._fake = fake
+        self._fake_mode = active_fake_mode() if fake else None
         self._leaves, self._storages = tree_leaves, get_untyped_storages  # (imported late)
         self._token: Any = WeakIdKeyDictionary()  # storage -> its key in _size
         self._size: dict[int, int] = {}
@@ -277,8 +293,8 @@ class LiveStorages:
             if not isinstance(t, torch.Tensor):
                 continue
             for st in self._storages(t):
-                if st.device.type == "meta":  # a size without memory
-                    continue
+                if st.device.type == "meta" and not self._fake:  # a size without memory
+                    continue  # (DeepSpeed makes a meta copy of every parameter)
                 if st not in self._token:
                     self._token[st] = token = next(self._tokens)
                     self._size[token] = 0
