@@ -54,7 +54,7 @@ def measure_step(cfg: Config) -> dict[str, Any]:
     optimizer step of `cfg` in this process on the CPU."""
     from scale_llm.components.distributed import start
 
-    # MemTracker is a dispatch mode, which torch.compile refuses to trace under: the whole step
+    # the count is a dispatch mode, which torch.compile refuses to trace under: the whole step
     # is measured eager (compiled blocks save less: `measure_activations` counts that)
     here = with_changes(cfg, {"train.device": "cpu", "train.compile": False})
     if here.train.global_batch_size is not None:
