@@ -47,6 +47,7 @@ class Layout:
     fsdp_offload: bool = False
     fsdp_reduce_every: bool = True  # reduce-scatter every micro-step (else accumulate unsharded)
     fused_optimizer: bool = True  # AdamW in one kernel (CUDA); else foreach, with a temporary
+    fused_norm: bool = True  # RMSNorm in one kernel (CUDA): it saves less (norm_saved_bytes)
     ddp_bucket_view: bool = True  # DDP's gradient_as_bucket_view
     ds_bucket_elements: int = 50_000_000  # DeepSpeed's reduce_bucket_size (generated config)
     ds_overlap_comm: bool = True  # two reduce buckets (double buffering) in ZeRO-1/2
@@ -87,6 +88,7 @@ def layout_of(cfg: Config, plan: RunPlan) -> Layout:
         fsdp_offload=p.fsdp.cpu_offload,
         fsdp_reduce_every=p.fsdp.reduce_every_micro_step,
         fused_optimizer=plan.device.type == "cuda",
+        fused_norm=plan.device.type == "cuda",
         ddp_bucket_view=p.ddp.gradient_as_bucket_view,
         ds_bucket_elements=int(float(zero.get("reduce_bucket_size", 5e7))),
         ds_overlap_comm=bool(zero.get("overlap_comm", True)),
@@ -297,7 +299,7 @@ class Estimate:
 
 def estimate_layout(m: ModelConfig, ac: ActivationCheckpointingConfig, lay: Layout) -> Estimate:
     n = ParamCounts.of(m)
-    num = numerics_for(lay.precision, lay.backend)
+    num = numerics_for(lay.precision, lay.backend, lay.fused_norm)
     gpu, cpu = state_bytes(n, lay)
     parts, gpu["activations"], gpu["temporaries"] = step_phases(m, ac, lay, n, gpu, num)
     for k in ("activations", "temporaries"):  # (autocast's weight cache, a tied head's gradient)

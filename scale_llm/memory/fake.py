@@ -39,7 +39,7 @@ import torch
 from scale_llm.components.optim import build_optimizer
 from scale_llm.config import Config, with_changes
 from scale_llm.errors import UserError
-from scale_llm.memory.estimate import estimate
+from scale_llm.memory.estimate import estimate_layout, layout_of
 from scale_llm.memory.measure import PARTS, LiveStorages, measured_steps
 from scale_llm.model import build_model, materialize
 from scale_llm.parallel.backend import Backend, build_backend
@@ -101,7 +101,14 @@ def trace_step(cfg: Config, world_size: int = 1) -> dict[str, Any]:
         with fake_mode, LiveStorages(fake=True) as storages:  # before the weights are drawn
             model = _setup(backend, model, plan)
             measured = measured_steps(storages, backend, model, _batches(plan, here))
-    est = estimate(with_changes(here, {"train.device": "cuda"}), target)
+    on_cuda = with_changes(here, {"train.device": "cuda"})
+    lay = layout_of(on_cuda, target)
+    gpus = estimate_layout(on_cuda.model, on_cuda.activation_checkpointing, lay)
+    # the trace ran the CPU's kernels: its RMSNorms are the composite, which saves more than
+    # CUDA's fused kernel; compared with the estimate of those kernels, reported next to the GPUs'
+    est = estimate_layout(
+        on_cuda.model, on_cuda.activation_checkpointing, dataclasses.replace(lay, fused_norm=False)
+    )
     return {
         "backend": plan.backend,
         "precision": plan.precision,
@@ -112,6 +119,7 @@ def trace_step(cfg: Config, world_size: int = 1) -> dict[str, Any]:
         "estimated": {k: int(v) for k, v in est.gpu.items()},
         "estimated_peak_parts": {k: int(v) for k, v in est.peak_parts.items()},
         "peak_phase": est.peak_phase,
+        "estimated_gpus": {k: int(v) for k, v in gpus.gpu.items()},
         "allowances": [
             {"name": n, "low": lo, "high": hi, "why": why} for n, lo, hi, why in ALLOWANCES
         ],
@@ -186,7 +194,7 @@ def format_trace(r: dict[str, Any]) -> str:
         f"traced on fake tensors: one optimizer step, {r['backend']}, {r['precision']}, "
         f"checkpointing {r['activation_checkpointing']}, micro-batch {r['micro_batch_size']}, "
         f"rank 0 of {r['world_size']} (what is alive at the step's peak, next to the estimate "
-        f"of its peak per GPU, {r['peak_phase']})"
+        f"of its peak with the kernels traced, {r['peak_phase']})"
     ]
     lines.append(f"  {'':<12} {'at the peak':>12} {'estimated':>12} {'own largest (est.)':>19}")
     for part in PARTS:
@@ -198,6 +206,12 @@ def format_trace(r: dict[str, Any]) -> str:
     lines.append(
         f"  {'total':<12} {peak:8.3f} GiB {predicted:8.3f} GiB ({predicted / peak - 1:+.1%}; "
         f"the estimate before the allocator allowance)"
+    )
+    cuda = r["estimated_gpus"]["peak"] / GiB
+    lines.append(
+        f"  (the trace runs the CPU's kernels; on CUDA GPUs RMSNorm's fused kernel keeps its input "
+        f"and rstd, not an fp32 normalized copy: the estimate for the GPUs is {cuda:.3f} GiB, "
+        f"{cuda - predicted:+.3f})"
     )
     lines.append("not seen by the trace (add on top):")
     for a in r["allowances"]:
