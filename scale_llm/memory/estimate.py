@@ -343,7 +343,7 @@ def step_phases(
       size of the parameters it steps; fused AdamW: none).
     """
     B, L = lay.micro_batch, m.n_layers
-    fixed = gpu["params"] + gpu["optimizer"]
+    loss_params = gpu["params"]  # the parameters held through the loss
     grads = gpu["grads"]
     bytes_per_grad, shard = 4.0, 1.0
     persistent = grads
@@ -393,7 +393,7 @@ def step_phases(
     # checkpointed blocks (whose copies are not saved for backward) they are extra until then
     cast_cache = 2 * block_matmul_params(m) * checkpointed_count(m, ac) if num.autocast else 0
     if fsdp:
-        fixed = sharded_params + fsdp_gathered_params(n, lay, "loss") + gpu["optimizer"]
+        loss_params = sharded_params + fsdp_gathered_params(n, lay, "loss")
     # ZeRO-1/2 allocate their reduce buckets at a backward's first gradient (the head's, as the
     # loss's backward ends) and free them after it; ZeRO-3 holds its one from the start
     per_backward = buckets if lay.backend == "deepspeed" and lay.zero_stage in (1, 2) else 0.0
@@ -401,7 +401,6 @@ def step_phases(
     # reduction: the last micro-step's forward and loss have them (measured on 2 gloo ranks)
     kept_buckets = lay.zero_stage == 1 and lay.grad_accum > 1
     loss_carry = carry - (0.0 if kept_buckets else per_backward)
-    fixed_params = fixed - gpu["optimizer"]
 
     def at(params: float, grads: float, activations: float, temporaries: float):
         return {
@@ -414,9 +413,9 @@ def step_phases(
 
     phases = {
         "loss forward": at(
-            fixed_params, loss_carry, saved + cast_cache, loss_forward_bytes(m, B, num)
+            loss_params, loss_carry, saved + cast_cache, loss_forward_bytes(m, B, num)
         ),
-        "loss backward": at(fixed_params, loss_carry, saved, loss_bwd),
+        "loss backward": at(loss_params, loss_carry, saved, loss_bwd),
     }
     head = (0 if m.tie_embeddings else embed) + m.d_model  # the head's and final norm's
     # a block's backward peaks at its MLP's product's backward: by then the product itself (the

@@ -40,7 +40,7 @@ from scale_llm.components.optim import build_optimizer
 from scale_llm.config import Config, with_changes
 from scale_llm.errors import UserError
 from scale_llm.memory.estimate import estimate_layout, layout_of
-from scale_llm.memory.measure import PARTS, LiveStorages, measured_steps
+from scale_llm.memory.measure import LiveStorages, measured_steps, parts_table
 from scale_llm.model import build_model, materialize
 from scale_llm.parallel.backend import Backend, build_backend
 from scale_llm.plan import RunPlan, target_plan
@@ -189,25 +189,14 @@ def _batches(plan: RunPlan, cfg: Config) -> Any:
 
 def format_trace(r: dict[str, Any]) -> str:
     """The trace next to the estimate, as format_measurement prints a CPU measurement."""
-    got, est = r["measured"], r["estimated_peak_parts"]
     lines = [
         f"traced on fake tensors: one optimizer step, {r['backend']}, {r['precision']}, "
         f"checkpointing {r['activation_checkpointing']}, micro-batch {r['micro_batch_size']}, "
         f"rank 0 of {r['world_size']} (what is alive at the step's peak, next to the estimate "
-        f"of its peak with the kernels traced, {r['peak_phase']})"
+        f"of its peak with the kernels traced, {r['peak_phase']})",
+        *parts_table(r, "; the estimate before the allocator allowance"),
     ]
-    lines.append(f"  {'':<12} {'at the peak':>12} {'estimated':>12} {'own largest (est.)':>19}")
-    for part in PARTS:
-        own = r["estimated"][part] / GiB
-        lines.append(
-            f"  {part:<12} {got[part] / GiB:8.3f} GiB {est[part] / GiB:8.3f} GiB {own:15.3f} GiB"
-        )
-    peak, predicted = got["allocated_peak"] / GiB, r["estimated"]["peak"] / GiB
-    lines.append(
-        f"  {'total':<12} {peak:8.3f} GiB {predicted:8.3f} GiB ({predicted / peak - 1:+.1%}; "
-        f"the estimate before the allocator allowance)"
-    )
-    cuda = r["estimated_gpus"]["peak"] / GiB
+    predicted, cuda = r["estimated"]["peak"] / GiB, r["estimated_gpus"]["peak"] / GiB
     lines.append(
         f"  (the trace runs the CPU's kernels; on CUDA GPUs RMSNorm's fused kernel keeps its input "
         f"and rstd, not an fp32 normalized copy: the estimate for the GPUs is {cuda:.3f} GiB, "

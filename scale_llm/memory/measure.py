@@ -124,9 +124,8 @@ def measured_steps(
     optimizer_step(backend, model, batches())  # the optimizer state exists from here on
     with storages.window():
         optimizer_step(backend, model, batches())
-    storages._classify_from = 0.98 * storages.peak  # the largest moment from just below it
-    optimizer_step(backend, model, batches())
-    storages._classify_from = None
+    with storages.classifying(0.98 * storages.peak):  # the largest moment from just below it
+        optimizer_step(backend, model, batches())
     measured: dict[str, int] = dict(storages.parts)
     measured["total"] = storages.parts_live
     measured["allocated_peak"], measured["allocated_before"] = storages.peak, storages.before
@@ -383,6 +382,15 @@ class LiveStorages:
         finally:
             self._in_window = False
 
+    @contextlib.contextmanager
+    def classifying(self, from_bytes: float) -> Iterator[None]:
+        """Classify what is alive (`parts`) at each new high from `from_bytes` on, within."""
+        self._classify_from = from_bytes
+        try:
+            yield
+        finally:
+            self._classify_from = None
+
     def __enter__(self) -> LiveStorages:
         tracker, original = self, torch.UntypedStorage.resize_
         self._original_resize = original
@@ -402,16 +410,12 @@ class LiveStorages:
         torch.UntypedStorage.resize_ = self._original_resize  # type: ignore[method-assign]
 
 
-def format_measurement(r: dict[str, Any]) -> str:
+def parts_table(r: dict[str, Any], total_note: str = "") -> list[str]:
+    """The lines of a measurement's (or trace's) table: each part at the peak, the estimate's
+    peak phase and the estimate's own largest, then the peak measured and estimated."""
     gib = 2**30
     got, est = r["measured"], r["estimated_peak_parts"]
-    lines = [
-        f"measured on CPU: one optimizer step, {r['backend']}, {r['precision']}, checkpointing "
-        f"{r['activation_checkpointing']}, micro-batch {r['micro_batch_size']}, this process "
-        f"(what is alive at the step's peak, next to the estimate of its peak, "
-        f"{r['peak_phase']})"
-    ]
-    lines.append(f"  {'':<12} {'at the peak':>12} {'estimated':>12} {'own largest (est.)':>19}")
+    lines = [f"  {'':<12} {'at the peak':>12} {'estimated':>12} {'own largest (est.)':>19}"]
     for part in PARTS:
         own = r["estimated"][part] / gib
         lines.append(
@@ -419,8 +423,21 @@ def format_measurement(r: dict[str, Any]) -> str:
         )
     peak, predicted = got["allocated_peak"] / gib, r["estimated"]["peak"] / gib
     lines.append(
-        f"  {'total':<12} {peak:8.3f} GiB {predicted:8.3f} GiB ({predicted / peak - 1:+.1%})"
+        f"  {'total':<12} {peak:8.3f} GiB {predicted:8.3f} GiB "
+        f"({predicted / peak - 1:+.1%}{total_note})"
     )
+    return lines
+
+
+def format_measurement(r: dict[str, Any]) -> str:
+    gib = 2**30
+    lines = [
+        f"measured on CPU: one optimizer step, {r['backend']}, {r['precision']}, checkpointing "
+        f"{r['activation_checkpointing']}, micro-batch {r['micro_batch_size']}, this process "
+        f"(what is alive at the step's peak, next to the estimate of its peak, "
+        f"{r['peak_phase']})",
+        *parts_table(r),
+    ]
     lines.append(
         "  (total: the peak of every tensor storage, counted from before the model was built, "
         "as max_memory_allocated counts on a GPU; the parts: each storage alive at that peak, "
