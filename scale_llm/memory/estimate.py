@@ -394,8 +394,9 @@ def step_phases(
     cast_cache = 2 * block_matmul_params(m) * checkpointed_count(m, ac) if num.autocast else 0
     if fsdp:
         loss_params = sharded_params + fsdp_gathered_params(n, lay, "loss")
-    # ZeRO-1/2 allocate their reduce buckets at a backward's first gradient (the head's, as the
-    # loss's backward ends) and free them after it; ZeRO-3 holds its one from the start
+    # ZeRO-1/2 allocate their reduce buckets at a backward's first gradient (an untied head's
+    # as the loss's backward ends; a tied head's waits, so the final norm's) and free them
+    # after it; ZeRO-3 holds its one from the start
     per_backward = buckets if lay.backend == "deepspeed" and lay.zero_stage in (1, 2) else 0.0
     # ZeRO-1 with accumulation keeps them from the first micro-step's backward to the last's
     # reduction: the last micro-step's forward and loss have them (measured on 2 gloo ranks)
