@@ -217,31 +217,91 @@ def test_rope_tables_are_computed_once_and_survive_inference_mode_then_training(
     assert "_rope_tables" not in str(list(m.state_dict()))
 
 
-def half_split_order(x: torch.Tensor) -> torch.Tensor:
-    """The interleaved RoPE output (x'_0, x'_{D/2}, x'_1, ...) put back in half-split order."""
-    return x.unflatten(-1, (x.size(-1) // 2, 2)).transpose(-1, -2).flatten(-2)
+def pairs_adjacent(x: torch.Tensor) -> torch.Tensor:
+    """x (..., D) in half-split order (x_0, x_1, ..., x_{D/2}, ...) -> (x_0, x_{D/2}, x_1, ...)."""
+    return x.unflatten(-1, (2, x.size(-1) // 2)).transpose(-1, -2).flatten(-2)
 
 
-def test_fp32_rope_is_the_half_split_rotation_with_pairs_adjacent(monkeypatch):
+def test_the_cpu_rmsnorm_is_f_rms_norm_with_its_own_backward():
+    import torch.nn.functional as F
+
+    from scale_llm.model.transformer import RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(16, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(16))
+    norm64 = copy.deepcopy(norm).double()
+    x64 = torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w: norm64(x), (x64, norm64.weight))
+    saved: list[torch.Tensor] = []
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        n = copy.deepcopy(norm).to(dtype)
+        x = x64.detach().to(dtype).requires_grad_()
+        grad = torch.randn_like(x)
+        saved.clear()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            y = n(x)
+        assert y.grad_fn.name() == "_RMSNormCPUBackward"
+        # what CUDA's fused kernel keeps: the input, the weight and the fp32 rstd
+        assert [t.shape for t in saved] == [x.shape, (16,), (3, 5, 1)]
+        assert saved[0] is x and saved[2].dtype == torch.float32
+        expected = F.rms_norm(x, (16,), n.weight, 1e-5)
+        assert torch.equal(y, expected)  # the same forward, bit for bit
+        got = torch.autograd.grad(y, (x, n.weight), grad)
+        want = torch.autograd.grad(expected, (x, n.weight), grad)  # the decomposition's
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype
+            torch.testing.assert_close(g, w, atol=tol, rtol=tol)
+
+
+def test_fp32_rope_with_pairs_adjacent_is_the_half_split_rotation():
     from scale_llm.model import transformer as tr
 
     torch.manual_seed(0)
     rope = tr.rope_table(64, 512, 10000.0)
     x = torch.randn(2, 512, 4, 64)
-    fp32 = tr.apply_rope(x, rope)
     reference = tr.rope_half_split(x, rope)
-    torch.testing.assert_close(half_split_order(fp32), reference, atol=1e-6, rtol=1e-6)
-    assert not torch.equal(fp32, reference)  # the order really differs (q and k share it)
-    q, k = x, torch.randn_like(x)  # so scores q·k do not
-    scores = tr.apply_rope(q, rope) @ tr.apply_rope(k, rope).transpose(-2, -1)
-    expected = tr.rope_half_split(q, rope) @ tr.rope_half_split(k, rope).transpose(-2, -1)
-    torch.testing.assert_close(scores, expected, atol=1e-4, rtol=1e-5)
-    # 16-bit, fp64 and traced code take the real path (no complex bf16; inductor falls back on
-    # complex ops)
-    assert torch.equal(tr.apply_rope(x.bfloat16(), rope), tr.rope_half_split(x.bfloat16(), rope))
-    assert torch.equal(tr.apply_rope(x.double(), rope), tr.rope_half_split(x.double(), rope))
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    rotated = tr.apply_rope(pairs_adjacent(x), rope, pairs_adjacent=True)
+    torch.testing.assert_close(rotated, pairs_adjacent(reference), atol=1e-6, rtol=1e-6)
+    assert not torch.equal(rotated, tr.apply_rope(x, rope, pairs_adjacent=True))  # order matters
     assert torch.equal(tr.apply_rope(x, rope), reference)
+
+
+def test_only_fp32_eager_code_rotates_as_complex(monkeypatch):
+    from scale_llm.model.transformer import complex_rope
+
+    x, w = torch.randn(2, 3), torch.randn(3, 3)
+    assert complex_rope(x, w)
+    assert complex_rope(x.to("meta"), w.to("meta"))  # (the meta device has no autocast)
+    assert not complex_rope(x.bfloat16(), w) and not complex_rope(x, w.bfloat16())
+    assert not complex_rope(x.double(), w.double())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not complex_rope(x, w)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not complex_rope(x, w)
+
+
+@pytest.mark.parametrize("n_kv_heads", [None, 2])
+def test_the_qkv_projection_with_pairs_adjacent_reorders_only_q_and_k(n_kv_heads):
+    from scale_llm.model.transformer import QKVProjection
+
+    torch.manual_seed(0)
+    heads, kv, D = 4, n_kv_heads or 4, 8
+    proj = QKVProjection(16, heads + kv, D, (heads + 2 * kv) * D)
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    grad = torch.randn(3, 5, (heads + 2 * kv) * D)
+    plain = proj(x)
+    qk, v = plain.split([(heads + kv) * D, kv * D], dim=-1)
+    expected = torch.cat((pairs_adjacent(qk.unflatten(-1, (-1, D))).flatten(-2), v), dim=-1)
+    (grad_x, grad_w) = torch.autograd.grad(plain, (x, proj.weight), grad)
+    reordered = proj(x, pairs_adjacent=True)
+    torch.testing.assert_close(reordered, expected, atol=0, rtol=0)
+    # the same gradient as the plain projection given the gradient in the matching order
+    order = proj.pairs_adjacent_rows()
+    grad_x2, grad_w2 = torch.autograd.grad(reordered, (x, proj.weight), grad[..., order])
+    torch.testing.assert_close(grad_x2, grad_x, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(grad_w2, grad_w, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("n_kv_heads", [None, 2])
@@ -258,9 +318,14 @@ def test_fp32_model_with_complex_rope_equals_the_half_split_one(n_kv_heads, monk
         grads = torch.autograd.grad(loss, list(m.parameters()))
         return logits, loss, grads
 
+    calls = []
+    real = tr.rope_pairs_adjacent
+    monkeypatch.setattr(tr, "rope_pairs_adjacent", lambda *a: calls.append(1) or real(*a))
     logits, loss, grads = loss_and_grads()
-    monkeypatch.setattr(tr, "apply_rope", tr.rope_half_split)  # the formulation before
+    assert len(calls) == 2 * m.cfg.n_layers  # q and k of every layer took the complex path
+    monkeypatch.setattr(tr, "complex_rope", lambda x, weight: False)  # the real, half-split path
     logits_ref, loss_ref, grads_ref = loss_and_grads()
+    assert len(calls) == 2 * m.cfg.n_layers
     torch.testing.assert_close(logits, logits_ref, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(loss, loss_ref, atol=1e-6, rtol=1e-6)
     for (name, _), g, g_ref in zip(m.named_parameters(), grads, grads_ref):
@@ -275,7 +340,7 @@ def test_fp32_generation_with_the_cache_gives_the_half_split_tokens(monkeypatch)
     prompt = torch.randint(0, 97, (5,)).tolist()
     # past seq_len: the full cache restarts from the newest half (prefill after decode)
     tokens = generate(m, prompt, 40, temperature=0.0)
-    monkeypatch.setattr(tr, "apply_rope", tr.rope_half_split)
+    monkeypatch.setattr(tr, "complex_rope", lambda x, weight: False)
     assert tokens == generate(m, prompt, 40, temperature=0.0)
     assert tokens == generate(m, prompt, 40, temperature=0.0, use_cache=False)
 

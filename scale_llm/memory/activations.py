@@ -21,10 +21,11 @@ class Numerics:
     residual: bytes of the residual stream (4 with fp32 params + autocast; 2 when the whole module
               runs in 16 bits, as under FSDP's MixedPrecisionPolicy or DeepSpeed bf16/fp16)
     autocast: matmul inputs and weights are cast per op (and the casts saved for backward)
-    fused_norm: RMSNorm runs as one kernel (CUDA: `aten::_fused_rms_norm`, whose autograd node
-                FusedRmsNormBackward0 saves the input, the weight and the fp32 rstd); else as
-                its composite (the CPU: an fp32 copy of the input and of the normalized input,
-                and the rstd)
+    fused_norm: RMSNorm saves its input, the weight and the fp32 rstd: CUDA's kernel
+                (`aten::_fused_rms_norm`, autograd node FusedRmsNormBackward0) and, on the CPU,
+                the model's own backward (`transformer._RMSNormCPU`); else (other devices) as
+                torch's composite: an fp32 copy of the input and of the normalized input, and
+                the rstd
     """
 
     compute: int
@@ -43,10 +44,12 @@ def numerics_for(precision: str, backend: str, fused_norm: bool = False) -> Nume
 
 def norm_saved_bytes(tokens: int, d: int, num: Numerics) -> int:
     """What one RMSNorm over `tokens` x `d` saves for backward: its input and the fp32 rstd
-    (the fused kernel), or an fp32 copy of its input (the input itself when it is fp32), the
-    fp32 normalized input and the rstd (the composite: measured on the CPU to 0.3%). From
-    torch 2.13's own source: `rms_norm` calls `_fused_rms_norm` wherever input and weight
-    share a dtype (not on MPS), which has a CUDA kernel and decomposes elsewhere."""
+    (CUDA's fused kernel, the CPU's `_RMSNormCPU`), or an fp32 copy of its input (the input
+    itself when it is fp32), the fp32 normalized input and the rstd (torch's composite, which
+    autograd differentiates where no backward kernel exists: measured on the CPU to 0.3%
+    before the CPU had its own). From torch 2.13's source: `rms_norm` calls `_fused_rms_norm`
+    wherever input and weight share a dtype (not on MPS), which has a CUDA kernel each way and
+    on other devices a forward that decomposes and no backward."""
     if num.fused_norm:
         return num.residual * tokens * d + 4 * tokens
     return 8 * tokens * d + 4 * tokens
@@ -74,15 +77,15 @@ def block_matmul_params(m: ModelConfig) -> int:
 def block_activation_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
     """Bytes one transformer block saves for backward without checkpointing.
 
-    Per RMSNorm (`norm_saved_bytes`): an fp32 copy of its input and of input * rsqrt (2 x 4 B x
-    N x d) plus the rsqrt (4 B x N); CUDA's fused kernel keeps the input and the rsqrt.
+    Per RMSNorm (`norm_saved_bytes`): its input and the rsqrt (4 B x N) on CUDA and the CPU;
+    torch's composite elsewhere keeps an fp32 copy of the input and of input * rsqrt instead.
     Attention (sdpa): q, k, the fused qkv output that v views, the output and the log-sum-exp.
     Attention (eager): contiguous q, k, v and output copies, the causal mask, the fp32 softmax
     (B x heads x T x T) and, under 16 bits, its cast (at batch 1 without GQA, v stays a view of
     the fused qkv output, which is kept whole). MLP: w1 and w3 outputs, SiLU output and the
     product (4 x N x mlp_hidden). Autocast saves each matmul's 16-bit input (w1 and w3 cast
-    theirs separately) and 16-bit weight copies.
-    """
+    theirs separately) and 16-bit weight copies. 16-bit RoPE saves the rotary table rounded to
+    the compute dtype, cos and sin once for q and once for k (fp32 rotates by a view of it)."""
     g, a, T = _dims(m), num.compute, m.seq_len
     N = batch * T
     norms = 2 * norm_saved_bytes(N, g["d"], num)
@@ -96,7 +99,8 @@ def block_activation_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
         attention = a * N * (3 * g["dq"] + 3 * g["dkv"]) + 4 * batch * g["H"] * T
     mlp = 4 * a * N * g["F"]
     weight_copies = 2 * block_matmul_params(m) if num.autocast else 0
-    return norms + norm_outputs + attention + mlp + weight_copies
+    rope = 2 * T * g["D"] * a if a != 4 else 0  # 16-bit cos and sin for q and k, (T, D / 2) each
+    return norms + norm_outputs + attention + mlp + weight_copies + rope
 
 
 def selective_block_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:

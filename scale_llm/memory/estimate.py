@@ -47,7 +47,7 @@ class Layout:
     fsdp_offload: bool = False
     fsdp_reduce_every: bool = True  # reduce-scatter every micro-step (else accumulate unsharded)
     fused_optimizer: bool = True  # AdamW in one kernel (CUDA); else foreach, with a temporary
-    fused_norm: bool = True  # RMSNorm in one kernel (CUDA): it saves less (norm_saved_bytes)
+    fused_norm: bool = True  # RMSNorm saves its input and rstd (CUDA, CPU): norm_saved_bytes
     ddp_bucket_view: bool = True  # DDP's gradient_as_bucket_view
     ds_bucket_elements: int = 50_000_000  # DeepSpeed's reduce_bucket_size (generated config)
     ds_overlap_comm: bool = True  # two reduce buckets (double buffering) in ZeRO-1/2
@@ -88,7 +88,7 @@ def layout_of(cfg: Config, plan: RunPlan) -> Layout:
         fsdp_offload=p.fsdp.cpu_offload,
         fsdp_reduce_every=p.fsdp.reduce_every_micro_step,
         fused_optimizer=plan.device.type == "cuda",
-        fused_norm=plan.device.type == "cuda",
+        fused_norm=plan.device.type in ("cuda", "cpu"),
         ddp_bucket_view=p.ddp.gradient_as_bucket_view,
         ds_bucket_elements=int(float(zero.get("reduce_bucket_size", 5e7))),
         ds_overlap_comm=bool(zero.get("overlap_comm", True)),

@@ -103,12 +103,8 @@ def trace_step(cfg: Config, world_size: int = 1) -> dict[str, Any]:
             measured = measured_steps(storages, backend, model, _batches(plan, here))
     on_cuda = with_changes(here, {"train.device": "cuda"})
     lay = layout_of(on_cuda, target)
-    gpus = estimate_layout(on_cuda.model, on_cuda.activation_checkpointing, lay)
-    # the trace ran the CPU's kernels: its RMSNorms are the composite, which saves more than
-    # CUDA's fused kernel; compared with the estimate of those kernels, reported next to the GPUs'
-    est = estimate_layout(
-        on_cuda.model, on_cuda.activation_checkpointing, dataclasses.replace(lay, fused_norm=False)
-    )
+    # the trace runs the CPU's kernels, which save what CUDA's do (RMSNorm: its input and rstd)
+    est = estimate_layout(on_cuda.model, on_cuda.activation_checkpointing, lay)
     return {
         "backend": plan.backend,
         "precision": plan.precision,
@@ -119,7 +115,6 @@ def trace_step(cfg: Config, world_size: int = 1) -> dict[str, Any]:
         "estimated": {k: int(v) for k, v in est.gpu.items()},
         "estimated_peak_parts": {k: int(v) for k, v in est.peak_parts.items()},
         "peak_phase": est.peak_phase,
-        "estimated_gpus": {k: int(v) for k, v in gpus.gpu.items()},
         "allowances": [
             {"name": n, "low": lo, "high": hi, "why": why} for n, lo, hi, why in ALLOWANCES
         ],
@@ -193,15 +188,9 @@ def format_trace(r: dict[str, Any]) -> str:
         f"traced on fake tensors: one optimizer step, {r['backend']}, {r['precision']}, "
         f"checkpointing {r['activation_checkpointing']}, micro-batch {r['micro_batch_size']}, "
         f"rank 0 of {r['world_size']} (what is alive at the step's peak, next to the estimate "
-        f"of its peak with the kernels traced, {r['peak_phase']})",
+        f"of its peak, {r['peak_phase']})",
         *parts_table(r, "; the estimate before the allocator allowance"),
     ]
-    predicted, cuda = r["estimated"]["peak"] / GiB, r["estimated_gpus"]["peak"] / GiB
-    lines.append(
-        f"  (the trace runs the CPU's kernels; on CUDA GPUs RMSNorm's fused kernel keeps its input "
-        f"and rstd, not an fp32 normalized copy: the estimate for the GPUs is {cuda:.3f} GiB, "
-        f"{cuda - predicted:+.3f})"
-    )
     lines.append("not seen by the trace (add on top):")
     for a in r["allowances"]:
         high = "?" if a["high"] is None else f"{a['high'] / GiB:.2f}"
