@@ -284,11 +284,11 @@ def test_only_fp32_eager_code_rotates_as_complex(monkeypatch):
 
 @pytest.mark.parametrize("n_kv_heads", [None, 2])
 def test_the_qkv_projection_with_pairs_adjacent_reorders_only_q_and_k(n_kv_heads):
-    from scale_llm.model.transformer import QKVProjection
+    from scale_llm.model.transformer import QKVProjection, pairs_adjacent_rows
 
     torch.manual_seed(0)
     heads, kv, D = 4, n_kv_heads or 4, 8
-    proj = QKVProjection(16, heads + kv, D, (heads + 2 * kv) * D)
+    proj = QKVProjection(16, heads, kv, D)
     x = torch.randn(3, 5, 16, requires_grad=True)
     grad = torch.randn(3, 5, (heads + 2 * kv) * D)
     plain = proj(x)
@@ -298,7 +298,7 @@ def test_the_qkv_projection_with_pairs_adjacent_reorders_only_q_and_k(n_kv_heads
     reordered = proj(x, pairs_adjacent=True)
     torch.testing.assert_close(reordered, expected, atol=0, rtol=0)
     # the same gradient as the plain projection given the gradient in the matching order
-    order = proj.pairs_adjacent_rows()
+    order = pairs_adjacent_rows(proj.weight, heads + kv, D)
     grad_x2, grad_w2 = torch.autograd.grad(reordered, (x, proj.weight), grad[..., order])
     torch.testing.assert_close(grad_x2, grad_x, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(grad_w2, grad_w, atol=0, rtol=0)

@@ -95,8 +95,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        on_cpu = x.device.type == "cpu" and x.dtype == self.weight.dtype
-        if on_cpu and not torch.compiler.is_compiling():
+        decomposed = x.device.type == "cpu" and x.dtype == self.weight.dtype  # (no CPU backward)
+        if decomposed and not torch.compiler.is_compiling():
             return _RMSNormCPU.apply(x, self.weight, self.eps)
         return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
 
@@ -151,17 +151,14 @@ class QKVProjection(nn.Linear):
     halves were interleaved into a complex copy.
     """
 
-    def __init__(self, d_model: int, rotated_heads: int, head_dim: int, rows: int):
-        super().__init__(d_model, rows, bias=False)
-        self.rotated_heads, self.head_dim = rotated_heads, head_dim
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int):
+        super().__init__(d_model, (n_heads + 2 * n_kv_heads) * head_dim, bias=False)
+        self.rotated_heads, self.head_dim = n_heads + n_kv_heads, head_dim  # q's and k's
 
     def forward(self, x: torch.Tensor, pairs_adjacent: bool = False) -> torch.Tensor:
         if not pairs_adjacent:
             return F.linear(x, self.weight)
         return _LinearRowsReordered.apply(x, self.weight, self.rotated_heads, self.head_dim)
-
-    def pairs_adjacent_rows(self) -> torch.Tensor:
-        return pairs_adjacent_rows(self.weight, self.rotated_heads, self.head_dim)
 
 
 def pairs_adjacent_rows(weight: torch.Tensor, rotated_heads: int, head_dim: int) -> torch.Tensor:
@@ -202,10 +199,7 @@ class Attention(nn.Module):
         self.n_kv_heads = cfg.n_kv_heads or cfg.n_heads
         self.head_dim = cfg.d_model // cfg.n_heads
         self.eager = cfg.attention == "eager"
-        qkv_dim = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
-        self.wqkv = QKVProjection(
-            cfg.d_model, self.n_heads + self.n_kv_heads, self.head_dim, qkv_dim
-        )
+        self.wqkv = QKVProjection(cfg.d_model, self.n_heads, self.n_kv_heads, self.head_dim)
         self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=False)
 
     def forward(
