@@ -19,10 +19,19 @@ else
   if [[ -z "$PY" && -x "$ROOT/.venv/bin/python" ]]; then
     PY="$ROOT/.venv/bin/python"
   fi
+  # Last, a python3 that has torch and the other dependencies but not scale_llm (a GPU image
+  # with no network, handed this checkout): run the checkout itself, through PYTHONPATH.
+  if [[ -z "$PY" && -d "$ROOT/scale_llm" ]] && command -v python3 >/dev/null 2>&1 \
+      && PYTHONPATH="$ROOT" python3 -c "import scale_llm.cli, torch" >/dev/null 2>&1; then
+    PY="$(command -v python3)"
+    export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+  fi
 fi
-if [[ -z "$PY" ]] || ! "$PY" -I -c "import scale_llm, torch" >/dev/null 2>&1; then
+# (from /, so that a scale_llm folder in the current directory proves nothing)
+if [[ -z "$PY" ]] || ! (cd / && "$PY" -c "import scale_llm, torch") >/dev/null 2>&1; then
   echo "launch: no Python that can import scale_llm (tried \$SCALE_LLM_PYTHON, the active" \
-    "python, $ROOT/.venv); run 'bash launch/setup.sh' or 'pip install scale_llm' first" >&2
+    "python, $ROOT/.venv, python3 with this checkout on PYTHONPATH); run" \
+    "'bash launch/setup.sh' or 'pip install scale_llm' first" >&2
   exit 2
 fi
 

@@ -1,52 +1,142 @@
 """`scale-llm check OUT_DIR` (`launch/gpu-check.sh`): what anyone with a GPU runs first.
 
-On one GPU, in a few minutes:
+On one GPU, in a few minutes, in this order (the most telling numbers first):
   (a) curves: tiny.yaml for a few steps on the CPU in fp32 (the reference), then on the GPU in
-      fp32, bf16 and fp16, eager and compiled; each must lower the loss and start within a
-      tolerance of the CPU curve;
-  (b) sweep: `bench --sweep` of 400m.yaml (micro-batch x checkpointing, compiled) with the memory
+      bf16 and fp16, eager and compiled; each must lower the loss and start within a tolerance
+      of the CPU curve;
+  (b) sweep: `bench` rows of 400m.yaml: the headline layout (micro-batch 16, no recomputation,
+      compiled) first, then eager, other micro-batches and checkpointing, each with the memory
       estimate beside the measured peak;
-  (c) reference: `bench --reference` of 400m.yaml (framework step vs a bare PyTorch loop).
+  (c) reference: the framework's step against a bare PyTorch loop of the same model;
+  (d) parameter dtype: FSDP2 at world size 1 (bf16 parameters, fp32 master weights) against
+      the same row of (b) (fp32 parameters under autocast).
 Without a GPU the same runs on the CPU at tiny size (fp32, eager and compiled), which is how the
-test suite runs it. Writes OUT_DIR/report.json and OUT_DIR/report.md.
+test suite runs it.
+
+Every item is tried on its own: one that fails records its error and the rest go on, and the
+report (OUT_DIR/report.json, report.md, with the whole log in check.log) is rewritten after each,
+so a run stopped at a time limit still leaves what it measured. With `budget_minutes`, no item
+starts after that much time. Scratch data and runs go to `scratch`, outside OUT_DIR.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import logging
-import shutil
+import tempfile
 import time
+import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from scale_llm.bench import bench_reference, bench_sweep, markdown_table
+from scale_llm.bench import bench, bench_reference, bench_sweep, markdown_table
+from scale_llm.components.distributed import shutdown_distributed, start
 from scale_llm.config import Config, load_config, with_changes
 from scale_llm.data.prepare import prepare
-from scale_llm.plan import Launch, resolve_plan
+from scale_llm.plan import Launch, RunPlan, resolve_plan
 from scale_llm.train.trainer import Trainer
 
 log = logging.getLogger(__name__)
 YAML = Path(__file__).resolve().parents[1] / "yaml"
 TOLERANCE = {"fp32": 1e-3, "bf16": 5e-2, "fp16": 5e-2}  # |step-1 loss - CPU fp32 step-1 loss|
+# (micro-batch, checkpointing, compile) of 400m.yaml on a GPU: the headline layout first
+GPU_SWEEP = [(16, "none", True), (16, "none", False), (8, "none", True), (32, "none", True)]
+GPU_SWEEP += [(16, "full", True), (16, "selective", True)]
+CPU_SWEEP = [(8, "none", False), (4, "none", False), (8, "full", False), (4, "full", False)]
 
 
-def run_check(out: Path, steps: int = 8, overrides: list[str] | None = None) -> dict[str, Any]:
+def default_scratch() -> Path:
+    """Reused between checks: a rerun finds its data prepared (and inductor's cache warm)."""
+    return Path(tempfile.gettempdir()) / "scale-llm-check"
+
+
+class Report:
+    """The report being written: each item is tried alone, timed, and saved when it ends."""
+
+    def __init__(self, out: Path, budget_minutes: float | None):
+        self.out, self.budget_s = out, None if budget_minutes is None else budget_minutes * 60
+        self.started = time.perf_counter()
+        cuda = torch.cuda.is_available()
+        self.data: dict[str, Any] = {
+            "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+            "torch": torch.__version__,
+            "seconds": 0.0,
+            "errors": [],
+        }
+
+    def attempt(self, section: str, label: str, fn: Callable[[], dict[str, Any]]) -> dict:
+        """fn's row, or a row saying why there is none (over the budget, or its error)."""
+        elapsed = time.perf_counter() - self.started
+        t0 = time.perf_counter()
+        if self.budget_s is not None and elapsed > self.budget_s:
+            log.warning(
+                "check: %s: skipped (%.0f s > budget %.0f s)", label, elapsed, self.budget_s
+            )
+            row = {"label": label, "skipped": f"over the time budget ({elapsed:.0f} s)"}
+        else:
+            try:
+                row = {"label": label, **fn()}
+            except Exception as e:  # one broken item must not cost the others' numbers
+                log.error("check: %s failed:\n%s", label, traceback.format_exc())
+                row = {"label": label, "error": f"{type(e).__name__}: {str(e).strip()[:500]}"}
+                self.data["errors"].append(f"{section} / {label}: {row['error']}")
+        row["item_seconds"] = time.perf_counter() - t0
+        self.data.setdefault(section, []).append(row)
+        self.save()
+        return row
+
+    def save(self) -> None:
+        self.data["seconds"] = time.perf_counter() - self.started
+        curves = self.data.get("curves", [])
+        self.data["ok"] = bool(curves) and all(c.get("ok") for c in curves)
+        self.data["ok"] = self.data["ok"] and not self.data["errors"]
+        (self.out / "report.json").write_text(json.dumps(self.data, indent=2) + "\n")
+        (self.out / "report.md").write_text(markdown_report(self.data))
+
+
+def run_check(
+    out: Path,
+    steps: int = 8,
+    overrides: list[str] | None = None,
+    scratch: Path | None = None,
+    budget_minutes: float | None = None,
+) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(out / "runs", ignore_errors=True)  # the check's own scratch runs
-    cuda = torch.cuda.is_available()
-    started = time.perf_counter()
-    report: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-        "torch": torch.__version__,
-    }
-    tiny = load_config(
+    scratch = scratch or default_scratch()
+    with _log_to(out / "check.log"):
+        report = Report(out, budget_minutes)
+        cuda = torch.cuda.is_available()
+        tiny = tiny_config(scratch, steps, overrides or [])
+        report.attempt("prepare", "tiny.yaml's data", lambda: prepared(tiny))
+        curves(report, tiny, cuda)
+        big = load_config(YAML / "400m.yaml", ["parallel.backend=single"]) if cuda else tiny
+        one_step = {"train.grad_accum": 1, "train.global_batch_size": None}
+        big = with_changes(big, {"parallel.backend": "single", **one_step})
+        for mb, mode, compiled in GPU_SWEEP if cuda else CPU_SWEEP:
+            label = f"micro-batch {mb}, {mode}, {'compiled' if compiled else 'eager'}"
+            report.attempt("sweep", label, functools.partial(sweep_row, big, mb, mode, compiled))
+        headline = {"train.micro_batch_size": 16 if cuda else 8}
+        if cuda:
+            headline["train.compile"] = True
+        ref = with_changes(big, headline)
+        report.attempt("reference", "bare loop", lambda: reference_row(ref))
+        report.attempt("param_dtype", "fsdp, world size 1", lambda: fsdp_row(ref))
+        report.save()
+        log.info("check: done in %.0f s, %s", report.data["seconds"], _verdict(report.data))
+    return report.data
+
+
+def tiny_config(scratch: Path, steps: int, overrides: list[str]) -> Config:
+    return load_config(
         YAML / "tiny.yaml",
         [
-            f"data.dir={out / 'data'}",
-            f"run.dir={out / 'runs'}",
+            f"data.dir={scratch / 'data'}",
+            f"run.dir={scratch / 'runs'}",
             f"train.max_steps={steps}",
             "train.warmup_steps=2",
             "logging.every=1",
@@ -54,98 +144,173 @@ def run_check(out: Path, steps: int = 8, overrides: list[str] | None = None) -> 
             "eval.every=0",
             "checkpoint.every=0",
             "checkpoint.resume=never",
-            *(overrides or []),
+            *overrides,
         ],
     )
-    prepare(tiny)
-    report["curves"] = curves(tiny, cuda)
-    big = load_config(YAML / "400m.yaml", ["parallel.backend=single"]) if cuda else tiny
-    big_plan = resolve_plan(with_changes(big, {"parallel.backend": "single"}), Launch())
-    micro = [4, 8, 16] if cuda else [4, 8]
-    report["sweep"] = bench_sweep(
-        big, big_plan, micro, ["none", "full"], [True] if cuda else [False], steps=5, warmup=2
-    )
-    ref_cfg = with_changes(big, {"train.micro_batch_size": 8, "train.grad_accum": 1})
-    ref_plan = resolve_plan(ref_cfg, Launch())
-    report["reference"] = bench_reference(ref_cfg, ref_plan, steps=5, warmup=2, rounds=3)
-    report["seconds"] = time.perf_counter() - started
-    report["ok"] = all(c["ok"] for c in report["curves"])
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "report.md").write_text(markdown_report(report))
-    return report
 
 
-def curves(cfg: Config, cuda: bool) -> list[dict[str, Any]]:
+def prepared(cfg: Config) -> dict[str, Any]:
+    manifest = prepare(cfg)
+    return {"dir": str(cfg.data.dir), "train_tokens": manifest["splits"]["train"]["tokens"]}
+
+
+def curves(report: Report, cfg: Config, cuda: bool) -> None:
     """Short tiny.yaml runs: CPU fp32 first, then each device variant against it."""
     variants = [("cpu", "fp32", False)]
-    if cuda:
-        variants += [("cuda", p, c) for p in ("fp32", "bf16", "fp16") for c in (False, True)]
+    if cuda:  # (fp32 on a GPU is nobody's training setting; the CPU's fp32 is the reference)
+        variants += [("cuda", p, c) for p in ("bf16", "fp16") for c in (False, True)]
     else:
         variants += [("cpu", "fp32", True)]
-    rows, reference = [], None
+    reference: list[dict[int, float]] = []
     for device, precision, compiled in variants:
         name = f"check-{device}-{precision}-{'compiled' if compiled else 'eager'}"
-        c = with_changes(
-            cfg,
-            {
-                "run.name": name,
-                "train.device": device,
-                "train.precision": precision,
-                "train.compile": compiled,
-            },
-        )
-        started = time.perf_counter()
-        losses = Trainer(c, resolve_plan(c, Launch())).fit().losses
-        first, last = losses[min(losses)], losses[max(losses)]
-        reference = reference or losses
-        diff = abs(first - reference[min(reference)])
-        row = {
-            "device": device,
-            "precision": precision,
-            "compile": compiled,
-            "first_loss": first,
-            "last_loss": last,
-            "first_step_diff_vs_cpu_fp32": diff,
-            "seconds": time.perf_counter() - started,
+        changes = {
+            "run.name": name,
+            "train.device": device,
+            "train.precision": precision,
+            "train.compile": compiled,
         }
-        row["ok"] = last < first and diff <= TOLERANCE[precision]
-        rows.append(row)
-        log.info(
-            "check: %s: loss %.4f -> %.4f, %s", name, first, last, "ok" if row["ok"] else "FAIL"
-        )
-    return rows
+        run = functools.partial(curve_row, with_changes(cfg, changes), reference)
+        row = report.attempt("curves", name, run)
+        if "first_loss" in row:
+            log.info(
+                "check: %s: loss %.4f -> %.4f, %s",
+                name,
+                row["first_loss"],
+                row["last_loss"],
+                "ok" if row["ok"] else "FAIL",
+            )
+
+
+def curve_row(cfg: Config, reference: list[dict[int, float]]) -> dict[str, Any]:
+    """One short run; the first one run is the reference the others start near."""
+    losses = Trainer(cfg, resolve_plan(cfg, Launch())).fit().losses
+    if not reference:
+        reference.append(losses)
+    first, last = losses[min(losses)], losses[max(losses)]
+    diff = abs(first - reference[0][min(reference[0])])
+    t = cfg.train
+    return {
+        "device": t.device,
+        "precision": t.precision,
+        "compile": t.compile,
+        "first_loss": first,
+        "last_loss": last,
+        "first_step_diff_vs_cpu_fp32": diff,
+        "ok": last < first and diff <= TOLERANCE[t.precision],
+    }
+
+
+def sweep_row(cfg: Config, micro_batch: int, mode: str, compiled: bool) -> dict[str, Any]:
+    plan = resolve_plan(cfg, Launch())
+    (row,) = bench_sweep(cfg, plan, [micro_batch], [mode], [compiled], steps=5, warmup=2)
+    return row  # (out of memory is a row: "oom", next to the estimate)
+
+
+def reference_row(cfg: Config) -> dict[str, Any]:
+    return bench_reference(cfg, resolve_plan(cfg, Launch()), steps=5, warmup=2, rounds=3)
+
+
+def fsdp_row(cfg: Config) -> dict[str, Any]:
+    """The sweep's headline row again under FSDP2 in a world of one: the parameters in the
+    compute dtype (MixedPrecisionPolicy) with fp32 master shards, against autocast over fp32
+    parameters. Decides the parameter-dtype policy (docs/performance.md)."""
+    cfg = with_changes(cfg, {"parallel.backend": "fsdp"})
+    plan: RunPlan = resolve_plan(cfg, Launch())
+    start(plan)
+    try:
+        row = bench(cfg, plan, steps=5, warmup=2)
+    finally:
+        shutdown_distributed()
+    return {"backend": "fsdp", "micro_batch": plan.micro_batch_size, **row}
+
+
+@contextlib.contextmanager
+def _log_to(path: Path) -> Iterator[None]:
+    """The whole check's log (INFO and up) in `path` too: a remote run returns only the tail
+    of its output."""
+    handler = logging.FileHandler(path, mode="w")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
+    ours = logging.getLogger("scale_llm")
+    level = ours.level
+    ours.addHandler(handler)
+    ours.setLevel(min(ours.getEffectiveLevel(), logging.INFO))
+    try:
+        yield
+    finally:
+        ours.removeHandler(handler)
+        ours.setLevel(level)
+        handler.close()
+
+
+def _verdict(report: dict[str, Any]) -> str:
+    if report["ok"]:
+        return "all curves ok, no errors"
+    return f"{len(report['errors'])} errors; curves ok: " + str(
+        [c.get("ok") for c in report.get("curves", [])]
+    )
 
 
 def markdown_report(report: dict[str, Any]) -> str:
     lines = [
         f"# scale_llm check on {report['device']} (torch {report['torch']})",
         "",
-        f"{'all curves ok' if report['ok'] else 'SOME CURVES FAILED'}; {report['seconds']:.0f} s",
+        f"{_verdict(report)}; {report['seconds']:.0f} s",
         "",
         "## (a) tiny.yaml curves vs the CPU fp32 curve",
         "",
         "| device | precision | compile | loss first -> last | step-1 diff vs CPU fp32 | ok |",
         "|---|---|---|---|---|---|",
     ]
-    for r in report["curves"]:
+    for r in report.get("curves", []):
+        if "first_loss" not in r:
+            lines.append(f"| {r['label']} | | | {_why_none(r)} | | NO |")
+            continue
         lines.append(
             f"| {r['device']} | {r['precision']} | {r['compile']} | {r['first_loss']:.4f} -> "
             f"{r['last_loss']:.4f} | {r['first_step_diff_vs_cpu_fp32']:.1e} | "
             f"{'yes' if r['ok'] else 'NO'} |"
         )
-    ref = report["reference"]
-    lines += [
-        "",
-        "## (b) sweep (grad_accum 1, synthetic tokens)",
-        "",
-        markdown_table(report["sweep"]),
-        "",
-        "## (c) the framework's step vs a bare PyTorch loop (best of 3, interleaved)",
-        "",
-        f"framework {ref['ms_per_step_framework']:.1f} ms/step, bare loop "
-        f"{ref['ms_per_step_reference']:.1f} ms/step: overhead {ref['overhead_percent']:+.1f}% "
-        f"({ref['tokens_per_step']:,} tokens per step, {ref['precision']}, compile "
-        f"{ref['compile']})",
-        "",
-    ]
-    return "\n".join(lines)
+    sweep = report.get("sweep", [])
+    lines += ["", "## (b) sweep (grad_accum 1, synthetic tokens)", ""]
+    lines.append(markdown_table([r for r in sweep if not _failed(r)]))
+    lines += [f"- {r['label']}: {_why_none(r)}" for r in sweep if _failed(r)]
+    lines += ["", "## (c) the framework's step vs a bare PyTorch loop (best of 3, interleaved)", ""]
+    lines += [_reference_line(r) for r in report.get("reference", [])]
+    lines += ["", "## (d) parameter dtype: FSDP2 at world size 1 vs the sweep's first row", ""]
+    lines += [_fsdp_line(r, sweep[0] if sweep else {}) for r in report.get("param_dtype", [])]
+    if report["errors"]:
+        lines += ["", "## Errors (the whole tracebacks are in check.log)", ""]
+        lines += [f"- {e}" for e in report["errors"]]
+    return "\n".join(lines) + "\n"
+
+
+def _failed(row: dict[str, Any]) -> bool:
+    return "error" in row or "skipped" in row
+
+
+def _why_none(row: dict[str, Any]) -> str:
+    return row.get("error") or row.get("skipped") or "no result"
+
+
+def _reference_line(r: dict[str, Any]) -> str:
+    if "ms_per_step_framework" not in r:
+        return f"bare loop: {_why_none(r)}"
+    return (
+        f"framework {r['ms_per_step_framework']:.1f} ms/step, bare loop "
+        f"{r['ms_per_step_reference']:.1f} ms/step: overhead {r['overhead_percent']:+.1f}% "
+        f"({r['tokens_per_step']:,} tokens per step, {r['precision']}, compile {r['compile']})"
+    )
+
+
+def _fsdp_line(r: dict[str, Any], single: dict[str, Any]) -> str:
+    if "ms_per_step" not in r:
+        return f"fsdp: {_why_none(r)}"
+    line = f"fsdp (bf16 parameters): {r['ms_per_step']:.1f} ms/step"
+    if "peak_alloc_gib" in r:
+        line += f", peak {r['peak_alloc_gib']:.2f} GiB"
+    if "ms_per_step" in single and single.get("micro_batch") == r["micro_batch"]:
+        line += f"; single (fp32 parameters, autocast): {single['ms_per_step']:.1f} ms/step"
+        if "peak_alloc_gib" in single:
+            line += f", peak {single['peak_alloc_gib']:.2f} GiB"
+    return line

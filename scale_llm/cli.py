@@ -206,6 +206,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", nargs="?", default="check", help="directory for report.json / .md")
     p.add_argument("--steps", type=int, default=8, help="steps of each tiny.yaml curve")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument(
+        "--scratch",
+        help="where the check's data and runs go (default: TMPDIR/scale-llm-check, reused)",
+    )
+    p.add_argument(
+        "--budget-min",
+        type=float,
+        metavar="MINUTES",
+        help="start no item after this many minutes (the report says which were skipped)",
+    )
 
     p = sub.add_parser("convert", help="write a checkpoint as one consolidated fp32 file")
     p.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its newest)")
@@ -518,7 +528,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     from scale_llm.check import run_check
 
-    report = run_check(Path(args.out), args.steps, args.overrides)
+    scratch = Path(args.scratch) if args.scratch else None
+    report = run_check(Path(args.out), args.steps, args.overrides, scratch, args.budget_min)
     print((Path(args.out) / "report.md").read_text())
     return 0 if report["ok"] else 1
 

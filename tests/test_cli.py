@@ -193,6 +193,35 @@ def test_launchers_use_the_active_python_then_the_venv_then_say_what_to_do(tmp_p
     assert "no Python that can import scale_llm" in proc.stderr and "pip install" in proc.stderr
 
 
+def test_launchers_run_a_checkout_with_a_python3_that_has_only_the_dependencies(tmp_path):
+    """A lent GPU machine has an image's python3 with torch and no network: nothing can be
+    installed there, so launch/gpu-check.sh runs the checkout it was handed through PYTHONPATH.
+    Here: a venv that borrows this one's packages but not its editable scale_llm."""
+    import sysconfig
+
+    env = tmp_path / "image-python"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
+    site = Path(sysconfig.get_paths(vars={"base": str(env), "platbase": str(env)})["purelib"])
+    (site / "borrow.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")  # (no .pth inside)
+    probe = [str(env / "bin" / "python3"), "-I", "-c", "import torch, yaml; import scale_llm"]
+    assert (
+        "No module named 'scale_llm'" in subprocess.run(probe, capture_output=True).stderr.decode()
+    )
+    checkout = tmp_path / "checkout"
+    (checkout / "launch").mkdir(parents=True)
+    (checkout / "launch" / "_env.sh").write_text((REPO / "launch" / "_env.sh").read_text())
+    (checkout / "scale_llm").symlink_to(REPO / "scale_llm")
+    proc = env_sh_python(checkout, [env / "bin"])
+    assert proc.returncode == 0 and f"PY={env / 'bin' / 'python3'}" in proc.stdout, proc.stderr
+    script = f'source "{checkout}/launch/_env.sh" && cd / && "$PY" -m scale_llm --version && '
+    script += '"$PY" -c "import scale_llm; print(scale_llm.__file__)"'
+    env_vars = {**os.environ, "PATH": f"{env / 'bin'}:/usr/bin:/bin", "PYTHONPATH": ""}
+    env_vars.pop("SCALE_LLM_PYTHON", None)
+    proc = subprocess.run(["bash", "-c", script], env=env_vars, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == str(checkout / "scale_llm" / "__init__.py")
+
+
 def test_shipped_configs_are_found_by_name_from_any_directory(tmp_path, monkeypatch):
     from scale_llm.cli import main
     from scale_llm.config import load_config

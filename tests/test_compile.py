@@ -4,6 +4,8 @@ backend, fp32, the tiny model; one compile is shared by every test here (same co
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -85,17 +87,48 @@ def test_the_gpu_check_runs_on_the_cpu_and_writes_its_report(data_dir, corpus_di
         "data.val_fraction=0.1",
     ]
     small = [*TINY_MODEL, *same_data, "train.micro_batch_size=4", "train.lr=1e-2"]
-    report = run_check(tmp_path, steps=4, overrides=small)
-    assert report["ok"], [(c["first_loss"], c["last_loss"]) for c in report["curves"]]
+    out = tmp_path / "out"
+    report = run_check(out, steps=4, overrides=small, scratch=tmp_path / "scratch")
+    assert report["ok"] and report["errors"] == [], report["errors"]
     assert [(c["precision"], c["compile"]) for c in report["curves"]] == [
         ("fp32", False),
         ("fp32", True),
     ]
     assert report["curves"][1]["first_step_diff_vs_cpu_fp32"] < 1e-4
     assert len(report["sweep"]) == 4 and all("ms_per_step" in r for r in report["sweep"])
-    assert report["reference"]["first_loss_framework"] == pytest.approx(
-        report["reference"]["first_loss_reference"], 1e-6
+    (reference,) = report["reference"]
+    assert reference["first_loss_framework"] == pytest.approx(
+        reference["first_loss_reference"], 1e-6
     )
-    md = (tmp_path / "report.md").read_text()
-    assert "(a) tiny.yaml curves" in md and "(b) sweep" in md and "(c) the framework" in md
-    assert (tmp_path / "report.json").is_file()
+    (fsdp,) = report["param_dtype"]  # FSDP2 in a world of one, beside the sweep's first row
+    assert fsdp["backend"] == "fsdp" and fsdp["micro_batch"] == report["sweep"][0]["micro_batch"]
+    md = (out / "report.md").read_text()
+    for section in ("(a) tiny.yaml curves", "(b) sweep", "(c) the framework", "(d) parameter"):
+        assert section in md
+    assert "fsdp (bf16 parameters)" in md and "single (fp32 parameters" in md
+    assert json.loads((out / "report.json").read_text())["ok"]
+    assert "check: done" in (out / "check.log").read_text()
+    assert sorted(p.name for p in out.iterdir()) == ["check.log", "report.json", "report.md"]
+
+
+def test_a_check_item_that_fails_or_starts_late_is_reported_and_the_rest_go_on(tmp_path):
+    """A lent GPU's minutes are few: one broken item must not lose the others' numbers, and a
+    budget stops new items while the report keeps what was measured."""
+    from scale_llm.check import Report
+
+    report = Report(tmp_path, budget_minutes=None)
+    report.attempt("curves", "broken", lambda: 1 / 0)
+    fine = {"device": "cpu", "precision": "fp32", "compile": False, "first_loss": 2.0}
+    fine |= {"last_loss": 1.0, "first_step_diff_vs_cpu_fp32": 0.0, "ok": True}
+    report.attempt("curves", "fine", lambda: fine)
+    rows = report.data["curves"]
+    assert rows[0]["error"] == "ZeroDivisionError: division by zero" and rows[1]["ok"]
+    assert report.data["errors"] == ["curves / broken: ZeroDivisionError: division by zero"]
+    saved = json.loads((tmp_path / "report.json").read_text())
+    assert saved["curves"][1]["label"] == "fine" and saved["ok"] is False  # (an error)
+    assert "division by zero" in (tmp_path / "report.md").read_text()
+    late = Report(tmp_path, budget_minutes=0)
+    ran = []
+    row = late.attempt("sweep", "too late", lambda: ran.append(1) or {})
+    assert ran == [] and row["skipped"].startswith("over the time budget")
+    assert "too late: over the time budget" in (tmp_path / "report.md").read_text()
