@@ -306,11 +306,14 @@ def _reference_line(r: dict[str, Any]) -> str:
 def _fsdp_line(r: dict[str, Any], single: dict[str, Any]) -> str:
     if "ms_per_step" not in r:
         return f"fsdp: {_why_none(r)}"
-    line = f"fsdp (bf16 parameters): {r['ms_per_step']:.1f} ms/step"
-    if "peak_alloc_gib" in r:
-        line += f", peak {r['peak_alloc_gib']:.2f} GiB"
+    mixed = r["precision"] != "fp32"
+    line = f"fsdp ({r['precision']} parameters{', fp32 master' if mixed else ''}): "
+    line += _ms_and_peak(r)
     if "ms_per_step" in single and single.get("micro_batch") == r["micro_batch"]:
-        line += f"; single (fp32 parameters, autocast): {single['ms_per_step']:.1f} ms/step"
-        if "peak_alloc_gib" in single:
-            line += f", peak {single['peak_alloc_gib']:.2f} GiB"
+        line += f"; single (fp32 parameters{', autocast' if mixed else ''}): {_ms_and_peak(single)}"
     return line
+
+
+def _ms_and_peak(r: dict[str, Any]) -> str:
+    peak = f", peak {r['peak_alloc_gib']:.2f} GiB" if "peak_alloc_gib" in r else ""
+    return f"{r['ms_per_step']:.1f} ms/step{peak}"

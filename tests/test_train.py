@@ -577,6 +577,7 @@ def test_peak_flops_tell_the_gpu_models_apart():
     assert peak_for_name("NVIDIA H100 PCIe", "bf16") == 756e12
     assert peak_for_name("NVIDIA H100 NVL", "bf16") == 835e12
     assert peak_for_name("NVIDIA H200", "fp32") == 67e12
+    assert peak_for_name("NVIDIA H200 NVL", "bf16") == 835e12
     assert peak_for_name("NVIDIA A100-SXM4-40GB", "bf16") == 312e12
     assert peak_for_name("NVIDIA L4", "bf16") == 121e12  # not taken for an L40S
     assert peak_for_name("NVIDIA L40S", "bf16") == 362e12
