@@ -15,6 +15,7 @@ import gc
 import itertools
 import logging
 import shutil
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -165,7 +166,8 @@ def bench_reference(
     kind: str = "bare",
 ) -> dict[str, Any]:
     """The framework's optimizer step against a bare loop, the same batches, timed in one
-    process, interleaved (framework, reference, framework, ...), best of `rounds`.
+    process, interleaved (framework, reference, reference, framework, ...), best of `rounds`;
+    also the median over the rounds of the two neighbours' ratio.
 
     kind "bare": the same model with the same activation checkpointing / compile (the overhead
     of the framework itself, in %). kind "gpt2": a GPT-2-style model of the same widths in the
@@ -211,21 +213,21 @@ def bench_reference(
     first = (run_framework().item(), run_reference().item())  # same weights, same batch
     for _ in range(warmup):
         run_framework(), run_reference()
-    best = {"framework": float("inf"), "reference": float("inf")}
-    for _ in range(rounds):
-        for name, fn in (("framework", run_framework), ("reference", run_reference)):
-            synchronize(device)
-            start = time.perf_counter()
-            for _ in range(steps):
-                loss = fn()
-            loss.item()
-            synchronize(device)
-            best[name] = min(best[name], (time.perf_counter() - start) / steps)
+    times = interleaved_times(
+        {"framework": run_framework, "reference": run_reference}, rounds, steps, device
+    )
+    best = {name: min(seconds) for name, seconds in times.items()}
     tokens = plan.tokens_per_step
     tflops = {
         "framework": flops_framework * tokens / best["framework"] / 1e12,
         "reference": flops_reference * tokens / best["reference"] / 1e12,
     }
+    # time per FLOP of the framework over the reference's, in each round (its two runs were
+    # neighbours, so a machine that slows for a while slows both): their median is the
+    # steadier figure on a shared machine; best-of-rounds is the classic one
+    per_flop = 1.0 if kind == "bare" else flops_reference / flops_framework
+    paired = [f / r * per_flop for f, r in zip(times["framework"], times["reference"])]
+    best_ratio = best["framework"] / best["reference"] * per_flop
     return {
         "reference": kind,
         "device": str(device),
@@ -242,12 +244,29 @@ def bench_reference(
         "model_tflops_framework": tflops["framework"],
         "model_tflops_reference": tflops["reference"],
         # bare: time overhead of the framework; gpt2: how much less FLOP/s it gets (< 0: more)
-        "overhead_percent": (best["framework"] / best["reference"] - 1) * 100
-        if kind == "bare"
-        else (tflops["reference"] / tflops["framework"] - 1) * 100,
+        "overhead_percent": (best_ratio - 1) * 100,
+        "overhead_percent_median_of_rounds": (statistics.median(paired) - 1) * 100,
         "rounds": rounds,
         "steps_per_round": steps,
     }
+
+
+def interleaved_times(
+    fns: dict[str, Any], rounds: int, steps: int, device: torch.device
+) -> dict[str, list[float]]:
+    """Seconds per step of each function in each round: `steps` steps each, in turn, the order
+    reversed every other round (so neither always runs on the other's leftovers)."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for r in range(rounds):
+        for name in list(fns) if r % 2 == 0 else list(fns)[::-1]:
+            synchronize(device)
+            start = time.perf_counter()
+            for _ in range(steps):
+                loss = fns[name]()
+            loss.item()
+            synchronize(device)
+            times[name].append((time.perf_counter() - start) / steps)
+    return times
 
 
 # ----------------------------------------------------------------------------- --sweep

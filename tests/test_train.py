@@ -531,7 +531,21 @@ def test_bench_reference_runs_the_same_model_on_the_same_batch(tmp_path):
     # the same initial weights and batch: the first losses agree (no timing is asserted here)
     assert result["first_loss_framework"] == pytest.approx(result["first_loss_reference"], 1e-6)
     assert result["ms_per_step_framework"] > 0 and result["ms_per_step_reference"] > 0
-    assert "overhead_percent" in result
+    # one round: its pair's ratio is the best-of ratio
+    assert result["overhead_percent_median_of_rounds"] == pytest.approx(result["overhead_percent"])
+
+
+def test_bench_interleaves_the_loops_in_turn_and_reverses_the_order_every_other_round():
+    from scale_llm.bench import interleaved_times
+
+    calls = []
+
+    def loop(name):
+        return lambda: calls.append(name) or torch.zeros(())
+
+    times = interleaved_times({"a": loop("a"), "b": loop("b")}, 3, 2, torch.device("cpu"))
+    assert calls == ["a", "a", "b", "b", "b", "b", "a", "a", "a", "a", "b", "b"]
+    assert [len(t) for t in times.values()] == [3, 3] and min(times["a"] + times["b"]) > 0
 
 
 def test_the_gpt2_reference_is_a_flop_matched_gpt2_and_learns(tmp_path):
