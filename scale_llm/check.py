@@ -4,12 +4,12 @@ On one GPU, in a few minutes, in this order (the most telling numbers first):
   (a) curves: tiny.yaml for a few steps on the CPU in fp32 (the reference), then on the GPU in
       bf16 and fp16, eager and compiled; each must lower the loss and start within a tolerance
       of the CPU curve;
-  (b) sweep: `bench` rows of 400m.yaml: the headline layout (micro-batch 16, no recomputation,
-      compiled) first, then eager, other micro-batches and checkpointing, each with the memory
-      estimate beside the measured peak;
-  (c) reference: the framework's step against a bare PyTorch loop of the same model;
-  (d) parameter dtype: FSDP2 at world size 1 (bf16 parameters, fp32 master weights) against
-      the same row of (b) (fp32 parameters under autocast).
+  (b) sweep: `bench` rows of 400m.yaml, each with the memory estimate beside the measured
+      peak: the headline layout (micro-batch 16, no recomputation, compiled), the same eager;
+  (c) reference: the headline layout's step against a bare PyTorch loop of the same model;
+  (d) parameter dtype: the same under FSDP2 at world size 1 (bf16 parameters, fp32 master
+      weights) against (b)'s first row (fp32 parameters under autocast);
+  then the rest of (b): micro-batch 8 and 32, full and selective checkpointing.
 Without a GPU the same runs on the CPU at tiny size (fp32, eager and compiled), which is how the
 test suite runs it.
 
@@ -117,15 +117,15 @@ def run_check(
         big = load_config(YAML / "400m.yaml", ["parallel.backend=single"]) if cuda else tiny
         one_step = {"train.grad_accum": 1, "train.global_batch_size": None}
         big = with_changes(big, {"parallel.backend": "single", **one_step})
-        for mb, mode, compiled in GPU_SWEEP if cuda else CPU_SWEEP:
-            label = f"micro-batch {mb}, {mode}, {'compiled' if compiled else 'eager'}"
-            report.attempt("sweep", label, functools.partial(sweep_row, big, mb, mode, compiled))
-        headline = {"train.micro_batch_size": 16 if cuda else 8}
-        if cuda:
-            headline["train.compile"] = True
+        rows = GPU_SWEEP if cuda else CPU_SWEEP
+        for mb, mode, compiled in rows[:2]:  # the headline layout, compiled and eager
+            sweep(report, big, mb, mode, compiled)
+        headline = {"train.micro_batch_size": rows[0][0], "train.compile": rows[0][2]}
         ref = with_changes(big, headline)
         report.attempt("reference", "bare loop", lambda: reference_row(ref))
         report.attempt("param_dtype", "fsdp, world size 1", lambda: fsdp_row(ref))
+        for mb, mode, compiled in rows[2:]:  # the other layouts, while the budget lasts
+            sweep(report, big, mb, mode, compiled)
         report.save()
         log.info("check: done in %.0f s, %s", report.data["seconds"], _verdict(report.data))
     return report.data
@@ -199,6 +199,11 @@ def curve_row(cfg: Config, reference: list[dict[int, float]]) -> dict[str, Any]:
         "first_step_diff_vs_cpu_fp32": diff,
         "ok": last < first and diff <= TOLERANCE[t.precision],
     }
+
+
+def sweep(report: Report, cfg: Config, micro_batch: int, mode: str, compiled: bool) -> None:
+    label = f"micro-batch {micro_batch}, {mode}, {'compiled' if compiled else 'eager'}"
+    report.attempt("sweep", label, functools.partial(sweep_row, cfg, micro_batch, mode, compiled))
 
 
 def sweep_row(cfg: Config, micro_batch: int, mode: str, compiled: bool) -> dict[str, Any]:
