@@ -165,3 +165,63 @@ def test_compiled_blocks_compose_with_every_checkpointing_mode(mode):
     assert counters["stats"]["unique_graphs"] >= 1  # (it did compile)
     assert abs(loss - eager_loss) < 1e-6
     torch.testing.assert_close(grads, eager_grads, rtol=1e-5, atol=1e-6)
+
+
+def test_the_gpu_checks_order_and_configs_on_a_stub_gpu(tmp_path, monkeypatch):
+    """What only a GPU runs, with each item's work stubbed: which items, in which order, on
+    which configs (400m.yaml's model, the headline layout first), and the report they make."""
+    import scale_llm.check as check
+
+    monkeypatch.setattr(check.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(check.torch.cuda, "get_device_name", lambda *_: "NVIDIA H200")
+    calls = []
+
+    def curve(cfg, reference):
+        t = cfg.train
+        calls.append(("curve", t.device, t.precision, t.compile))
+        row = {"device": t.device, "precision": t.precision, "compile": t.compile, "ok": True}
+        return row | {"first_loss": 7.6, "last_loss": 6.3, "first_step_diff_vs_cpu_fp32": 0.01}
+
+    def sweep(cfg, mb, mode, compiled):
+        assert cfg.model.d_model == 1024 and cfg.parallel.backend == "single"
+        calls.append(("sweep", mb, mode, compiled))
+        row = {"micro_batch": mb, "activation_checkpointing": mode, "compile": compiled}
+        return row | {"ms_per_step": 500.0, "tokens_per_s_per_rank": 3e4, "mfu": 0.45}
+
+    def reference(cfg):
+        t = cfg.train
+        calls.append(("reference", cfg.model.d_model, t.micro_batch_size, t.compile))
+        row = {"ms_per_step_framework": 500.0, "ms_per_step_reference": 495.0}
+        row |= {"overhead_percent": 1.0, "overhead_percent_median_of_rounds": 0.5}
+        return row | {"tokens_per_step": 16384, "precision": t.precision, "compile": t.compile}
+
+    def fsdp(cfg):
+        calls.append(("fsdp", cfg.model.d_model, cfg.train.micro_batch_size))
+        return {"backend": "fsdp", "micro_batch": 16, "precision": "bf16", "ms_per_step": 480.0}
+
+    monkeypatch.setattr(check, "prepared", lambda cfg: {"dir": str(cfg.data.dir)})
+    monkeypatch.setattr(check, "curve_row", curve)
+    monkeypatch.setattr(check, "sweep_row", sweep)
+    monkeypatch.setattr(check, "reference_row", reference)
+    monkeypatch.setattr(check, "fsdp_row", fsdp)
+    report = check.run_check(tmp_path / "out", scratch=tmp_path / "scratch")
+    assert calls == [
+        ("curve", "cpu", "fp32", False),
+        ("curve", "cuda", "bf16", False),
+        ("curve", "cuda", "bf16", True),
+        ("curve", "cuda", "fp16", False),
+        ("curve", "cuda", "fp16", True),
+        ("sweep", 16, "none", True),
+        ("sweep", 16, "none", False),
+        ("reference", 1024, 16, True),
+        ("fsdp", 1024, 16),
+        ("sweep", 8, "none", True),
+        ("sweep", 32, "none", True),
+        ("sweep", 16, "full", True),
+        ("sweep", 16, "selective", True),
+    ]
+    assert report["ok"] and report["device"] == "NVIDIA H200"
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "| 16 | none | True | 30,000 | 500.0 | 45.0% |" in md
+    assert "fsdp (bf16 parameters, fp32 master): 480.0 ms/step; single (fp32 parameters, " in md
+    assert "overhead +1.0% (median of the rounds' pairs +0.5%)" in md
