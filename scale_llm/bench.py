@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import importlib.util
 import itertools
 import logging
 import shutil
@@ -272,6 +273,26 @@ def interleaved_times(
 # ----------------------------------------------------------------------------- --sweep
 
 
+BACKENDS = ("single", "ddp", "fsdp", "zero0", "zero1", "zero2", "zero3")
+
+
+def backend_changes(name: str, world_size: int) -> dict[str, Any]:
+    """The config changes that select `--sweep-backend` entry `name` (zeroN: DeepSpeed at ZeRO
+    stage N); a UserError before any process group exists for one this launch cannot run."""
+    if name not in BACKENDS:
+        raise UserError(f"--sweep-backend {name}: not a backend; use {', '.join(BACKENDS)}")
+    if name == "single" and world_size > 1:
+        raise UserError(
+            f"--sweep-backend single: one process only, and this launch has {world_size}; "
+            f"sweep ddp, fsdp or zeroN here, single without a launcher"
+        )
+    if name.startswith("zero"):
+        if importlib.util.find_spec("deepspeed") is None:
+            raise UserError(f"--sweep-backend {name}: deepspeed is not installed")
+        return {"parallel.backend": "deepspeed", "parallel.deepspeed.zero_stage": int(name[-1])}
+    return {"parallel.backend": name}
+
+
 def bench_sweep(
     cfg: Config,
     plan: RunPlan,
@@ -280,14 +301,18 @@ def bench_sweep(
     compiles: list[bool],
     steps: int = 5,
     warmup: int = 2,
+    backends: list[str] | None = None,
 ) -> list[dict[str, Any]]:
-    """`bench` over micro-batch x activation-checkpointing mode x compile (grad_accum 1), each
-    row with the estimator's prediction next to the measured peak. Out-of-memory is a row."""
+    """`bench` over backend x micro-batch x activation-checkpointing mode x compile (grad_accum
+    1), each row with the estimator's prediction next to the measured peak. Out-of-memory is a
+    row. `backends` (`--sweep-backend`): names of BACKENDS; default the plan's own."""
+    from scale_llm.components.distributed import start
     from scale_llm.memory import estimate
     from scale_llm.memory.estimate import estimate_layout
 
     rows = []
-    for compile_, mode, mb in itertools.product(compiles, modes, micro_batches):
+    sweep = itertools.product(backends or [None], compiles, modes, micro_batches)
+    for backend, compile_, mode, mb in sweep:
         changes = {
             "train.compile": compile_,
             "activation_checkpointing.mode": mode,
@@ -295,9 +320,15 @@ def bench_sweep(
             "train.grad_accum": 1,
             "train.global_batch_size": None,
         }
+        if backend is not None:
+            changes.update(backend_changes(backend, plan.world_size))
         c = with_changes(cfg, changes)
         p = dataclasses.replace(plan, micro_batch_size=mb, grad_accum=1)
-        row: dict[str, Any] = {"micro_batch": mb, "activation_checkpointing": mode}
+        p = dataclasses.replace(p, backend=c.parallel.backend)
+        if p.backend != "single":
+            start(p)  # (a no-op once the process group exists)
+        row: dict[str, Any] = {"backend": backend or plan.backend, "micro_batch": mb}
+        row["activation_checkpointing"] = mode
         row["compile"] = compile_
         est = estimate(c, p)
         row["predicted_gib"] = est.total / 2**30
@@ -321,6 +352,7 @@ def bench_sweep(
 
 
 COLUMNS = [
+    ("backend", "backend", "{}"),
     ("micro_batch", "micro-batch", "{}"),
     ("activation_checkpointing", "checkpointing", "{}"),
     ("compile", "compile", "{}"),

@@ -34,11 +34,11 @@ from typing import Any
 
 import torch
 
-from scale_llm.bench import bench, bench_reference, bench_sweep, markdown_table
-from scale_llm.components.distributed import shutdown_distributed, start
+from scale_llm.bench import bench_reference, bench_sweep, markdown_table
+from scale_llm.components.distributed import shutdown_distributed
 from scale_llm.config import Config, load_config, with_changes
 from scale_llm.data.prepare import prepare
-from scale_llm.plan import Launch, RunPlan, resolve_plan
+from scale_llm.plan import Launch, resolve_plan
 from scale_llm.train.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -220,14 +220,21 @@ def fsdp_row(cfg: Config) -> dict[str, Any]:
     """The sweep's headline row again under FSDP2 in a world of one: the parameters in the
     compute dtype (MixedPrecisionPolicy) with fp32 master shards, against autocast over fp32
     parameters. Decides the parameter-dtype policy (docs/performance.md)."""
-    cfg = with_changes(cfg, {"parallel.backend": "fsdp"})
-    plan: RunPlan = resolve_plan(cfg, Launch())
-    start(plan)
+    t, mode = cfg.train, cfg.activation_checkpointing.mode
     try:
-        row = bench(cfg, plan, steps=5, warmup=2)
+        (row,) = bench_sweep(
+            cfg,
+            resolve_plan(cfg, Launch()),
+            [t.micro_batch_size],
+            [mode],
+            [t.compile],
+            steps=5,
+            warmup=2,
+            backends=["fsdp"],
+        )
     finally:
         shutdown_distributed()
-    return {"backend": "fsdp", "micro_batch": plan.micro_batch_size, **row}
+    return row
 
 
 @contextlib.contextmanager

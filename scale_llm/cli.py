@@ -189,6 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep-ac", default="none,selective,full", help="checkpointing modes")
     p.add_argument("--sweep-compile", default="false,true", help="compile settings")
     p.add_argument(
+        "--sweep-backend",
+        help="backends to sweep (default: the config's): single (one process), or under a "
+        "multi-process launch ddp, fsdp, zero0..zero3 (DeepSpeed), e.g. ddp,fsdp,zero2",
+    )
+    p.add_argument(
         "--checkpoint-io",
         metavar="DIR",
         help="time a checkpoint save, its integrity record and its check, in DIR (removed)",
@@ -480,6 +485,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         r = roofline(cfg, plan.micro_batch_size, plan.grad_accum, args.roofline, world)
         print(json.dumps(r) if args.json else format_roofline(r))
         return 0
+    if args.sweep and args.sweep_backend:
+        from scale_llm.bench import backend_changes
+        from scale_llm.plan import launch_env
+
+        for name in args.sweep_backend.split(","):  # before any process group is started
+            backend_changes(name.strip(), launch_env().world_size)
     cfg, plan = start_distributed(args)
     if args.checkpoint_io:
         from scale_llm.bench import bench_checkpoint
@@ -503,6 +514,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             [x.strip().lower() in ("true", "1", "yes") for x in args.sweep_compile.split(",")],
             args.steps,
             args.warmup,
+            [x.strip() for x in args.sweep_backend.split(",")] if args.sweep_backend else None,
         )
         if plan.is_main:
             print("\n".join(json.dumps(r) for r in rows) if args.json else markdown_table(rows))

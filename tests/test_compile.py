@@ -185,7 +185,8 @@ def test_the_gpu_checks_order_and_configs_on_a_stub_gpu(tmp_path, monkeypatch):
     def sweep(cfg, mb, mode, compiled):
         assert cfg.model.d_model == 1024 and cfg.parallel.backend == "single"
         calls.append(("sweep", mb, mode, compiled))
-        row = {"micro_batch": mb, "activation_checkpointing": mode, "compile": compiled}
+        row = {"backend": "single", "micro_batch": mb, "activation_checkpointing": mode}
+        row["compile"] = compiled
         return row | {"ms_per_step": 500.0, "tokens_per_s_per_rank": 3e4, "mfu": 0.45}
 
     def reference(cfg):
@@ -222,6 +223,6 @@ def test_the_gpu_checks_order_and_configs_on_a_stub_gpu(tmp_path, monkeypatch):
     ]
     assert report["ok"] and report["device"] == "NVIDIA H200"
     md = (tmp_path / "out" / "report.md").read_text()
-    assert "| 16 | none | True | 30,000 | 500.0 | 45.0% |" in md
+    assert "| single | 16 | none | True | 30,000 | 500.0 | 45.0% |" in md
     assert "fsdp (bf16 parameters, fp32 master): 480.0 ms/step; single (fp32 parameters, " in md
     assert "overhead +1.0% (median of the rounds' pairs +0.5%)" in md

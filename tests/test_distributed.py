@@ -248,6 +248,23 @@ def launch(
     return proc
 
 
+def test_bench_sweeps_the_backends_of_one_two_rank_launch(tmp_path):
+    """`bench --sweep --sweep-backend ddp,fsdp,zero2` under torchrun: one row per backend, each
+    timed on the backend it names and next to that backend's own memory estimate."""
+    cmd = torchrun(2, *sets(*TINY_MODEL, "train.precision=fp32", "train.device=cpu"))
+    cmd[cmd.index("train")] = "bench"
+    cmd += ["--sweep", "--sweep-backend", "ddp,fsdp,zero2", "--sweep-micro", "2"]
+    cmd += ["--sweep-ac", "none", "--sweep-compile", "false", "--steps", "1", "--warmup", "1"]
+    out = run([*cmd, "--json"], cwd=tmp_path).stdout.splitlines()
+    rows = [json.loads(line) for line in out if line.startswith("{")]
+    assert [r["backend"] for r in rows] == ["ddp", "fsdp", "zero2"]
+    assert all(r["ms_per_step"] > 0 and r["micro_batch"] == 2 for r in rows)
+    ddp, fsdp, zero2 = (r["predicted_peak_gib"] for r in rows)
+    # FSDP2 shards all of the model's states; ZeRO-2 adds its reduce buckets (at this size,
+    # more than the model): each row is its own backend's estimate
+    assert fsdp < ddp < zero2
+
+
 def test_2xh100_launcher_runs_two_cpu_processes(data_dir, tmp_path):
     """The one-process default config under the 2-process launcher: backend auto -> ddp."""
     proc = launch("2xh100.sh", launcher_args(data_dir, tmp_path, "l2", "tiny.yaml"), tmp_path)

@@ -165,6 +165,11 @@ CASES = [
     ("config is a list", ["train", "list.yaml"], "must hold a mapping of sections"),
     ("a huge value", ["train", "huge.yaml"], "got 'xxxxxxxxxx"),
     ("convert without a checkpoint", ["convert", ".", "--out", "m.pt"], "neither a checkpoint"),
+    (
+        "a sweep of an unknown backend",
+        ["bench", TINY, "--sweep", "--sweep-backend", "ddp,dpp"],
+        "--sweep-backend dpp: not a backend; use single, ddp, fsdp, zero0",
+    ),
 ]
 
 

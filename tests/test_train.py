@@ -535,6 +535,20 @@ def test_bench_reference_runs_the_same_model_on_the_same_batch(tmp_path):
     assert result["overhead_percent_median_of_rounds"] == pytest.approx(result["overhead_percent"])
 
 
+def test_sweep_backends_name_their_config_and_refuse_what_the_launch_cannot_run():
+    from scale_llm.bench import backend_changes
+    from scale_llm.errors import UserError
+
+    assert backend_changes("fsdp", 2) == {"parallel.backend": "fsdp"}
+    zero3 = {"parallel.backend": "deepspeed", "parallel.deepspeed.zero_stage": 3}
+    assert backend_changes("zero3", 2) == zero3
+    assert backend_changes("single", 1) == {"parallel.backend": "single"}
+    with pytest.raises(UserError, match="--sweep-backend single: one process only, and this"):
+        backend_changes("single", 2)
+    with pytest.raises(UserError, match="--sweep-backend zero4: not a backend"):
+        backend_changes("zero4", 1)
+
+
 def test_bench_interleaves_the_loops_in_turn_and_reverses_the_order_every_other_round():
     from scale_llm.bench import interleaved_times
 
