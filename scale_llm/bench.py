@@ -324,7 +324,8 @@ def bench_sweep(
             changes.update(backend_changes(backend, plan.world_size))
         c = with_changes(cfg, changes)
         p = dataclasses.replace(plan, micro_batch_size=mb, grad_accum=1)
-        p = dataclasses.replace(p, backend=c.parallel.backend)
+        if backend is not None:  # (else the plan's, `auto` resolved)
+            p = dataclasses.replace(p, backend=c.parallel.backend)
         if p.backend != "single":
             start(p)  # (a no-op once the process group exists)
         row: dict[str, Any] = {"backend": backend or plan.backend, "micro_batch": mb}

@@ -549,6 +549,27 @@ def test_sweep_backends_name_their_config_and_refuse_what_the_launch_cannot_run(
         backend_changes("zero4", 1)
 
 
+def test_a_sweep_runs_the_plans_backend_unless_given_others(tmp_path, monkeypatch):
+    """Without --sweep-backend a row runs what the launch resolved (`auto` is ddp under 2
+    ranks), not the config's word for it."""
+    import dataclasses
+
+    import scale_llm.bench as bench_module
+    import scale_llm.components.distributed as distributed
+
+    seen = []
+    monkeypatch.setattr(distributed, "start", lambda plan: None)
+    monkeypatch.setattr(
+        bench_module, "bench", lambda c, p, *_: seen.append(p.backend) or {"ms_per_step": 1.0}
+    )
+    cfg = make_config(tmp_path, tmp_path / "runs")  # parallel.backend: auto
+    plan = dataclasses.replace(plan_for(cfg), backend="ddp")  # as 2 ranks resolve it
+    rows = bench_module.bench_sweep(cfg, plan, [2], ["none"], [False])
+    rows += bench_module.bench_sweep(cfg, plan, [2], ["none"], [False], backends=["fsdp", "zero1"])
+    assert seen == ["ddp", "fsdp", "deepspeed"]
+    assert [r["backend"] for r in rows] == ["ddp", "fsdp", "zero1"]
+
+
 def test_bench_interleaves_the_loops_in_turn_and_reverses_the_order_every_other_round():
     from scale_llm.bench import interleaved_times
 
