@@ -114,7 +114,7 @@ def run_check(
         tiny = tiny_config(scratch, steps, overrides or [])
         report.attempt("prepare", "tiny.yaml's data", lambda: prepared(tiny))
         curves(report, tiny, cuda)
-        big = load_config(YAML / "400m.yaml", ["parallel.backend=single"]) if cuda else tiny
+        big = load_config(YAML / "400m.yaml") if cuda else tiny
         one_step = {"train.grad_accum": 1, "train.global_batch_size": None}
         big = with_changes(big, {"parallel.backend": "single", **one_step})
         rows = GPU_SWEEP if cuda else CPU_SWEEP
@@ -206,9 +206,12 @@ def sweep(report: Report, cfg: Config, micro_batch: int, mode: str, compiled: bo
     report.attempt("sweep", label, functools.partial(sweep_row, cfg, micro_batch, mode, compiled))
 
 
-def sweep_row(cfg: Config, micro_batch: int, mode: str, compiled: bool) -> dict[str, Any]:
+def sweep_row(
+    cfg: Config, micro_batch: int, mode: str, compiled: bool, backend: str | None = None
+) -> dict[str, Any]:
     plan = resolve_plan(cfg, Launch())
-    (row,) = bench_sweep(cfg, plan, [micro_batch], [mode], [compiled], steps=5, warmup=2)
+    backends = None if backend is None else [backend]
+    (row,) = bench_sweep(cfg, plan, [micro_batch], [mode], [compiled], 5, 2, backends)
     return row  # (out of memory is a row: "oom", next to the estimate)
 
 
@@ -222,19 +225,9 @@ def fsdp_row(cfg: Config) -> dict[str, Any]:
     parameters. Decides the parameter-dtype policy (docs/performance.md)."""
     t, mode = cfg.train, cfg.activation_checkpointing.mode
     try:
-        (row,) = bench_sweep(
-            cfg,
-            resolve_plan(cfg, Launch()),
-            [t.micro_batch_size],
-            [mode],
-            [t.compile],
-            steps=5,
-            warmup=2,
-            backends=["fsdp"],
-        )
+        return sweep_row(cfg, t.micro_batch_size, mode, t.compile, backend="fsdp")
     finally:
         shutdown_distributed()
-    return row
 
 
 @contextlib.contextmanager
