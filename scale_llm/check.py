@@ -48,6 +48,7 @@ TOLERANCE = {"fp32": 1e-3, "bf16": 5e-2, "fp16": 5e-2}  # |step-1 loss - CPU fp3
 GPU_SWEEP = [(16, "none", True), (16, "none", False), (8, "none", True), (32, "none", True)]
 GPU_SWEEP += [(16, "full", True), (16, "selective", True)]
 CPU_SWEEP = [(8, "none", False), (4, "none", False), (8, "full", False), (4, "full", False)]
+SECTIONS = frozenset({"curves", "sweep", "reference", "param_dtype"})
 
 
 def default_scratch() -> Path:
@@ -93,8 +94,7 @@ class Report:
     def save(self) -> None:
         self.data["seconds"] = time.perf_counter() - self.started
         curves = self.data.get("curves", [])
-        self.data["ok"] = bool(curves) and all(c.get("ok") for c in curves)
-        self.data["ok"] = self.data["ok"] and not self.data["errors"]
+        self.data["ok"] = all(c.get("ok") for c in curves) and not self.data["errors"]
         (self.out / "report.json").write_text(json.dumps(self.data, indent=2) + "\n")
         (self.out / "report.md").write_text(markdown_report(self.data))
 
@@ -105,25 +105,33 @@ def run_check(
     overrides: list[str] | None = None,
     scratch: Path | None = None,
     budget_minutes: float | None = None,
+    only: set[str] | None = None,
 ) -> dict[str, Any]:
+    """`only`: a subset of SECTIONS (e.g. a second short call for what a budget skipped)."""
     out.mkdir(parents=True, exist_ok=True)
     scratch = scratch or default_scratch()
+    wanted = SECTIONS if only is None else only
     with _log_to(out / "check.log"):
         report = Report(out, budget_minutes)
         cuda = torch.cuda.is_available()
         tiny = tiny_config(scratch, steps, overrides or [])
-        report.attempt("prepare", "tiny.yaml's data", lambda: prepared(tiny))
-        curves(report, tiny, cuda)
+        if "curves" in wanted:
+            report.attempt("prepare", "tiny.yaml's data", lambda: prepared(tiny))
+            curves(report, tiny, cuda)
         big = load_config(YAML / "400m.yaml") if cuda else tiny
         one_step = {"train.grad_accum": 1, "train.global_batch_size": None}
         big = with_changes(big, {"parallel.backend": "single", **one_step})
-        rows = GPU_SWEEP if cuda else CPU_SWEEP
+        rows = (GPU_SWEEP if cuda else CPU_SWEEP) if "sweep" in wanted else []
         for mb, mode, compiled in rows[:2]:  # the headline layout, compiled and eager
             sweep(report, big, mb, mode, compiled)
-        headline = {"train.micro_batch_size": rows[0][0], "train.compile": rows[0][2]}
-        ref = with_changes(big, headline)
-        report.attempt("reference", "bare loop", lambda: reference_row(ref))
-        report.attempt("param_dtype", "fsdp, world size 1", lambda: fsdp_row(ref))
+        headline = GPU_SWEEP[0] if cuda else CPU_SWEEP[0]
+        ref = with_changes(
+            big, {"train.micro_batch_size": headline[0], "train.compile": headline[2]}
+        )
+        if "reference" in wanted:
+            report.attempt("reference", "bare loop", lambda: reference_row(ref))
+        if "param_dtype" in wanted:
+            report.attempt("param_dtype", "fsdp, world size 1", lambda: fsdp_row(ref))
         for mb, mode, compiled in rows[2:]:  # the other layouts, while the budget lasts
             sweep(report, big, mb, mode, compiled)
         report.save()

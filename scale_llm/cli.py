@@ -221,6 +221,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MINUTES",
         help="start no item after this many minutes (the report says which were skipped)",
     )
+    p.add_argument(
+        "--only",
+        metavar="SECTIONS",
+        help="a comma list of curves, sweep, reference, param_dtype (default: all)",
+    )
 
     p = sub.add_parser("convert", help="write a checkpoint as one consolidated fp32 file")
     p.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its newest)")
@@ -538,10 +543,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from scale_llm.check import run_check
+    from scale_llm.check import SECTIONS, run_check
 
     scratch = Path(args.scratch) if args.scratch else None
-    report = run_check(Path(args.out), args.steps, args.overrides, scratch, args.budget_min)
+    only = None if args.only is None else {x.strip() for x in args.only.split(",")}
+    if only is not None and not only <= SECTIONS:
+        raise UserError(
+            f"--only {','.join(sorted(only - SECTIONS))}: not a section of the check; use "
+            f"{', '.join(sorted(SECTIONS))}"
+        )
+    report = run_check(Path(args.out), args.steps, args.overrides, scratch, args.budget_min, only)
     print((Path(args.out) / "report.md").read_text())
     return 0 if report["ok"] else 1
 

@@ -226,3 +226,7 @@ def test_the_gpu_checks_order_and_configs_on_a_stub_gpu(tmp_path, monkeypatch):
     assert "| single | 16 | none | True | 30,000 | 500.0 | 45.0% |" in md
     assert "fsdp (bf16 parameters, fp32 master): 480.0 ms/step; single (fp32 parameters, " in md
     assert "overhead +1.0% (median of the rounds' pairs +0.5%)" in md
+    # a second short call for what a budget left out: the sweep alone, no curves to judge
+    calls.clear()
+    report = check.run_check(tmp_path / "again", scratch=tmp_path / "scratch", only={"sweep"})
+    assert [c[0] for c in calls] == ["sweep"] * 6 and report["ok"] and "curves" not in report

@@ -170,6 +170,11 @@ CASES = [
         ["bench", TINY, "--sweep", "--sweep-backend", "ddp,dpp"],
         "--sweep-backend dpp: not a backend; use single, ddp, fsdp, zero0",
     ),
+    (
+        "a check of an unknown section",
+        ["check", "out", "--only", "sweep,curve"],
+        "--only curve: not a section of the check; use curves, param_dtype, reference, sweep",
+    ),
 ]
 
 
