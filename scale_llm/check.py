@@ -25,6 +25,7 @@ import contextlib
 import functools
 import json
 import logging
+import shutil
 import tempfile
 import time
 import traceback
@@ -110,6 +111,7 @@ def run_check(
     """`only`: a subset of SECTIONS (e.g. a second short call for what a budget skipped)."""
     out.mkdir(parents=True, exist_ok=True)
     scratch = scratch or default_scratch()
+    shutil.rmtree(scratch / "runs", ignore_errors=True)  # the last check's runs (data stays)
     wanted = SECTIONS if only is None else only
     with _log_to(out / "check.log"):
         report = Report(out, budget_minutes)

@@ -109,6 +109,11 @@ def test_the_gpu_check_runs_on_the_cpu_and_writes_its_report(data_dir, corpus_di
     assert json.loads((out / "report.json").read_text())["ok"]
     assert "check: done" in (out / "check.log").read_text()
     assert sorted(p.name for p in out.iterdir()) == ["check.log", "report.json", "report.md"]
+    # again on the same scratch (a second call on a lent GPU): the last check's runs go, the
+    # prepared data stays
+    assert (tmp_path / "scratch" / "runs" / "check-cpu-fp32-eager").is_dir()
+    again = run_check(out, steps=3, overrides=small, scratch=tmp_path / "scratch", only={"curves"})
+    assert again["ok"] and len(again["curves"]) == 2, (again["errors"], again["curves"])
 
 
 def test_a_check_item_that_fails_or_starts_late_is_reported_and_the_rest_go_on(tmp_path):
