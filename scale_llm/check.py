@@ -259,11 +259,10 @@ def _log_to(path: Path) -> Iterator[None]:
 
 
 def _verdict(report: dict[str, Any]) -> str:
+    curves = [c.get("ok") for c in report.get("curves", [])]
     if report["ok"]:
-        return "all curves ok, no errors"
-    return f"{len(report['errors'])} errors; curves ok: " + str(
-        [c.get("ok") for c in report.get("curves", [])]
-    )
+        return "all curves ok, no errors" if curves else "no errors (no curves run)"
+    return f"{len(report['errors'])} errors; curves ok: {curves}"
 
 
 def markdown_report(report: dict[str, Any]) -> str:

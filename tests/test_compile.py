@@ -235,3 +235,4 @@ def test_the_gpu_checks_order_and_configs_on_a_stub_gpu(tmp_path, monkeypatch):
     calls.clear()
     report = check.run_check(tmp_path / "again", scratch=tmp_path / "scratch", only={"sweep"})
     assert [c[0] for c in calls] == ["sweep"] * 6 and report["ok"] and "curves" not in report
+    assert "no errors (no curves run)" in (tmp_path / "again" / "report.md").read_text()
