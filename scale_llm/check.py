@@ -73,8 +73,8 @@ class Report:
 
     def attempt(self, section: str, label: str, fn: Callable[[], dict[str, Any]]) -> dict:
         """fn's row, or a row saying why there is none (over the budget, or its error)."""
-        elapsed = time.perf_counter() - self.started
         t0 = time.perf_counter()
+        elapsed = t0 - self.started
         if self.budget_s is not None and elapsed > self.budget_s:
             log.warning(
                 "check: %s: skipped (%.0f s > budget %.0f s)", label, elapsed, self.budget_s
@@ -180,8 +180,7 @@ def curves(report: Report, cfg: Config, cuda: bool) -> None:
             "train.precision": precision,
             "train.compile": compiled,
         }
-        run = functools.partial(curve_row, with_changes(cfg, changes), reference)
-        row = report.attempt("curves", name, run)
+        row = report.attempt("curves", name, functools.partial(curve_row, cfg, changes, reference))
         if "first_loss" in row:
             log.info(
                 "check: %s: loss %.4f -> %.4f, %s",
@@ -192,8 +191,12 @@ def curves(report: Report, cfg: Config, cuda: bool) -> None:
             )
 
 
-def curve_row(cfg: Config, reference: list[dict[int, float]]) -> dict[str, Any]:
-    """One short run; the first one run is the reference the others start near."""
+def curve_row(
+    cfg: Config, changes: dict[str, Any], reference: list[dict[int, float]]
+) -> dict[str, Any]:
+    """One short run of cfg with changes; the first one run is the reference the others start
+    near."""
+    cfg = with_changes(cfg, changes)
     losses = Trainer(cfg, resolve_plan(cfg, Launch())).fit().losses
     if not reference:
         reference.append(losses)

@@ -490,12 +490,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         r = roofline(cfg, plan.micro_batch_size, plan.grad_accum, args.roofline, world)
         print(json.dumps(r) if args.json else format_roofline(r))
         return 0
-    if args.sweep and args.sweep_backend:
+    backends = [x.strip() for x in args.sweep_backend.split(",")] if args.sweep_backend else None
+    if args.sweep and backends:
         from scale_llm.bench import backend_changes
         from scale_llm.plan import launch_env
 
-        for name in args.sweep_backend.split(","):  # before any process group is started
-            backend_changes(name.strip(), launch_env().world_size)
+        for name in backends:  # before any process group is started
+            backend_changes(name, launch_env().world_size)
     cfg, plan = start_distributed(args)
     if args.checkpoint_io:
         from scale_llm.bench import bench_checkpoint
@@ -519,7 +520,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             [x.strip().lower() in ("true", "1", "yes") for x in args.sweep_compile.split(",")],
             args.steps,
             args.warmup,
-            [x.strip() for x in args.sweep_backend.split(",")] if args.sweep_backend else None,
+            backends,
         )
         if plan.is_main:
             print("\n".join(json.dumps(r) for r in rows) if args.json else markdown_table(rows))

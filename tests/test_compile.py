@@ -181,8 +181,8 @@ def test_the_gpu_checks_order_and_configs_on_a_stub_gpu(tmp_path, monkeypatch):
     monkeypatch.setattr(check.torch.cuda, "get_device_name", lambda *_: "NVIDIA H200")
     calls = []
 
-    def curve(cfg, reference):
-        t = cfg.train
+    def curve(cfg, changes, reference):
+        t = check.with_changes(cfg, changes).train
         calls.append(("curve", t.device, t.precision, t.compile))
         row = {"device": t.device, "precision": t.precision, "compile": t.compile, "ok": True}
         return row | {"first_loss": 7.6, "last_loss": 6.3, "first_step_diff_vs_cpu_fp32": 0.01}
