@@ -5,6 +5,7 @@ checkpointing) on random tokens, and reports tokens/s, ms per step, MFU and peak
 `--reference` times that step against a bare PyTorch loop of the same model, side by side;
 `--reference gpt2` against a bare loop over a GPT-2-style model of the same widths (LayerNorm,
 learned positions, 4d GELU MLP: what the lean single-file trainers run), compared per FLOP;
+`--reference eager` the framework's step compiled (`train.compile`) against the same step eager;
 `--sweep` tabulates micro-batch x checkpointing x compile against the memory estimate.
 """
 
@@ -15,6 +16,7 @@ import gc
 import importlib.util
 import itertools
 import logging
+import random
 import shutil
 import statistics
 import time
@@ -158,6 +160,9 @@ class GPT2Reference(torch.nn.Module):
         return 6 * matmul + 12 * len(self.layers) * self.d * self.seq_len
 
 
+REFERENCES = ("bare", "gpt2", "eager")
+
+
 def bench_reference(
     cfg: Config,
     plan: RunPlan,
@@ -166,50 +171,66 @@ def bench_reference(
     rounds: int = 5,
     kind: str = "bare",
 ) -> dict[str, Any]:
-    """The framework's optimizer step against a bare loop, the same batches, timed in one
+    """The framework's optimizer step against a reference, the same batches, timed in one
     process, interleaved (framework, reference, reference, framework, ...), best of `rounds`;
-    also the median over the rounds of the two neighbours' ratio.
+    also the median over the rounds of the two neighbours' ratio, with a bootstrap 95% interval.
 
-    kind "bare": the same model with the same activation checkpointing / compile (the overhead
-    of the framework itself, in %). kind "gpt2": a GPT-2-style model of the same widths in the
-    bare loop (compiled per block when train.compile is on, never checkpointed); the two models'
-    FLOPs differ by a few %, so they are compared as model FLOP/s. One process only."""
+    kind "bare": the same model with the same activation checkpointing / compile in a bare loop
+    (the overhead of the framework itself, in %). kind "gpt2": a GPT-2-style model of the same
+    widths in the bare loop (compiled per block when train.compile is on, never checkpointed);
+    the two models' FLOPs differ by a few %, so they are compared as model FLOP/s. kind "eager":
+    the framework's step with train.compile on against the same step eager (the same backend,
+    weights and batches): what compiling buys on this machine (< 0: compiled is faster). One
+    process only."""
     if plan.world_size != 1:
         raise UserError("bench --reference compares one process; launch it without torchrun")
-    if kind not in ("bare", "gpt2"):
-        raise UserError(f"bench --reference {kind}: use bare (the default) or gpt2")
+    if kind not in REFERENCES:
+        raise UserError(f"bench --reference {kind}: use {', '.join(REFERENCES)} (bare: default)")
+    if kind == "eager":
+        cfg = with_changes(cfg, {"train.compile": True})
     device, t, m = plan.device, cfg.train, cfg.model
     backend = build_backend(cfg, plan)
     ours = build_model(m)
     flops_framework = ours.flops_per_token()
     framework = backend.setup(ours)
-    torch.manual_seed(cfg.run.seed)  # the same initial weights as the backend drew
-    if kind == "bare":
-        bare = materialize(build_model(m), "cpu").to(device)
-        apply_activation_checkpointing(bare, cfg.activation_checkpointing)
-        flops_reference = flops_framework
-    else:
-        bare = GPT2Reference(m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.seq_len)
-        bare = bare.to(device)
-        flops_reference = bare.flops_per_token()
-    if t.compile:
-        compile_blocks(bare)
-    fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    optimizer = torch.optim.AdamW(
-        bare.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **fused
-    )
+    backend.set_lr(t.lr)
     gen = torch.Generator(device="cpu").manual_seed(cfg.run.seed)
     shape = (plan.micro_batch_size * plan.grad_accum, m.seq_len + 1)
     tokens = torch.randint(0, m.vocab_size, shape, generator=gen).to(device)
     batches = [(b[:, :-1], b[:, 1:]) for b in tokens.split(plan.micro_batch_size)]
-    backend.set_lr(t.lr)
 
     def run_framework() -> torch.Tensor:
         return optimizer_step(backend, framework, batches)[0]
 
-    def run_reference() -> torch.Tensor:
-        with backend.precision.autocast():  # (fp32: no autocast)
-            return reference_step(bare, optimizer, batches, t.grad_clip)
+    if kind == "eager":  # the same backend and seed, compile off
+        eager_backend = build_backend(with_changes(cfg, {"train.compile": False}), plan)
+        eager = eager_backend.setup(build_model(m))
+        eager_backend.set_lr(t.lr)
+        flops_reference = flops_framework
+
+        def run_reference() -> torch.Tensor:
+            return optimizer_step(eager_backend, eager, batches)[0]
+
+    else:
+        torch.manual_seed(cfg.run.seed)  # the same initial weights as the backend drew
+        if kind == "bare":
+            bare = materialize(build_model(m), "cpu").to(device)
+            apply_activation_checkpointing(bare, cfg.activation_checkpointing)
+            flops_reference = flops_framework
+        else:
+            bare = GPT2Reference(m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.seq_len)
+            bare = bare.to(device)
+            flops_reference = bare.flops_per_token()
+        if t.compile:
+            compile_blocks(bare)
+        fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
+        optimizer = torch.optim.AdamW(
+            bare.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **fused
+        )
+
+        def run_reference() -> torch.Tensor:
+            with backend.precision.autocast():  # (fp32: no autocast)
+                return reference_step(bare, optimizer, batches, t.grad_clip)
 
     first = (run_framework().item(), run_reference().item())  # same weights, same batch
     for _ in range(warmup):
@@ -226,9 +247,10 @@ def bench_reference(
     # time per FLOP of the framework over the reference's, in each round (its two runs were
     # neighbours, so a machine that slows for a while slows both): their median is the
     # steadier figure on a shared machine; best-of-rounds is the classic one
-    per_flop = 1.0 if kind == "bare" else flops_reference / flops_framework
+    per_flop = flops_reference / flops_framework
     paired = [f / r * per_flop for f, r in zip(times["framework"], times["reference"])]
     best_ratio = best["framework"] / best["reference"] * per_flop
+    low, high = median_interval(paired)
     return {
         "reference": kind,
         "device": str(device),
@@ -244,12 +266,28 @@ def bench_reference(
         "ms_per_step_reference": best["reference"] * 1e3,
         "model_tflops_framework": tflops["framework"],
         "model_tflops_reference": tflops["reference"],
-        # bare: time overhead of the framework; gpt2: how much less FLOP/s it gets (< 0: more)
+        # bare: time overhead of the framework; gpt2: how much less FLOP/s it gets (< 0: more);
+        # eager: compiled step time over eager's (< 0: compiled is faster)
         "overhead_percent": (best_ratio - 1) * 100,
         "overhead_percent_median_of_rounds": (statistics.median(paired) - 1) * 100,
+        "overhead_percent_median_low95": (low - 1) * 100,
+        "overhead_percent_median_high95": (high - 1) * 100,
         "rounds": rounds,
         "steps_per_round": steps,
     }
+
+
+def median_interval(
+    values: list[float], resamples: int = 2000, seed: int = 0
+) -> tuple[float, float]:
+    """A bootstrap 95% interval of the median of `values` (percentile method, a fixed seed so
+    a report can be reproduced from its rounds): it says whether a few-% difference on a
+    shared machine is there at all."""
+    rng = random.Random(seed)
+    medians = sorted(
+        statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples)
+    )
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
 def interleaved_times(

@@ -175,9 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--reference",
         nargs="?",
         const="bare",
-        choices=["bare", "gpt2"],
-        help="time the framework's step against a bare PyTorch loop of the same model (bare) or "
-        "of a GPT-2-style model of the same widths (gpt2), interleaved, best of --rounds",
+        choices=["bare", "gpt2", "eager"],
+        help="time the framework's step against a bare PyTorch loop of the same model (bare), "
+        "of a GPT-2-style model of the same widths (gpt2), or compiled against eager (eager), "
+        "interleaved, best of --rounds, with the median of the rounds' pairs",
     )
     p.add_argument("--rounds", type=int, default=5, help="--reference: timed rounds of each")
     p.add_argument(

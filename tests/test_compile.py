@@ -139,6 +139,23 @@ def test_a_check_item_that_fails_or_starts_late_is_reported_and_the_rest_go_on(t
     assert "too late: over the time budget" in (tmp_path / "report.md").read_text()
 
 
+def test_bench_times_the_compiled_step_against_the_same_step_eager(data_dir, tmp_path, compiled):
+    """bench --reference eager: the framework's step with train.compile forced on against the
+    same step eager, from the same weights on the same batch (the curve test's shapes, so
+    inductor's cache already holds the graphs)."""
+    from scale_llm.bench import bench_reference
+
+    counters.clear()
+    cfg = make_config(data_dir, tmp_path, *COMMON)  # train.compile off in the config
+    result = bench_reference(cfg, plan_for(cfg), steps=1, warmup=0, rounds=3, kind="eager")
+    assert result["reference"] == "eager" and result["compile"] is True
+    assert dict(counters["graph_break"]) == {}
+    assert result["first_loss_framework"] == pytest.approx(result["first_loss_reference"], 1e-6)
+    assert result["flops_per_token_framework"] == result["flops_per_token_reference"]
+    low, mid = result["overhead_percent_median_low95"], result["overhead_percent_median_of_rounds"]
+    assert low <= mid <= result["overhead_percent_median_high95"]
+
+
 @pytest.mark.parametrize("mode", ["selective", "every_k"])
 def test_compiled_blocks_compose_with_every_checkpointing_mode(mode):
     """full is the curve test above; selective (op-level, a policy context traced into the

@@ -583,6 +583,23 @@ def test_bench_interleaves_the_loops_in_turn_and_reverses_the_order_every_other_
     assert [len(t) for t in times.values()] == [3, 3] and min(times["a"] + times["b"]) > 0
 
 
+def test_the_median_interval_brackets_the_median_and_narrows_with_rounds():
+    """bench --reference's bootstrap 95% interval of the median of the rounds' ratios."""
+    import statistics
+
+    from scale_llm.bench import median_interval
+
+    assert median_interval([1.02] * 5) == (1.02, 1.02)
+    noisy = [1.0 + 0.01 * ((7 * i) % 11 - 5) for i in range(11)]  # 0.95 .. 1.05, median 1.0
+    low, high = median_interval(noisy)
+    assert low < statistics.median(noisy) < high and low >= 0.95 and high <= 1.05
+    assert median_interval(noisy) == (low, high)  # a fixed seed: reproducible from the rounds
+    low4, high4 = median_interval(noisy * 4)  # the same spread, 4x the rounds
+    assert low <= low4 < high4 <= high and high4 - low4 < high - low
+    shifted = median_interval([x + 0.1 for x in noisy * 4])
+    assert shifted[0] > high4  # a 10% change is outside the interval of the first
+
+
 def test_the_gpt2_reference_is_a_flop_matched_gpt2_and_learns(tmp_path):
     """bench --reference gpt2: the stand-in for the single-file trainers is what it says (a
     GPT-2 block layout, FLOPs counted as the trainer counts them, by hand here) and trains."""
