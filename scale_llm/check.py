@@ -316,7 +316,9 @@ def _reference_line(r: dict[str, Any]) -> str:
     return (
         f"framework {r['ms_per_step_framework']:.1f} ms/step, bare loop "
         f"{r['ms_per_step_reference']:.1f} ms/step: overhead {r['overhead_percent']:+.1f}% "
-        f"(median of the rounds' pairs {r['overhead_percent_median_of_rounds']:+.1f}%) "
+        f"(median of the rounds' pairs {r['overhead_percent_median_of_rounds']:+.1f}%, 95% "
+        f"interval [{r['overhead_percent_median_low95']:+.1f}, "
+        f"{r['overhead_percent_median_high95']:+.1f}]) "
         f"({r['tokens_per_step']:,} tokens per step, {r['precision']}, compile {r['compile']})"
     )
 

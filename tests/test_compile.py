@@ -216,6 +216,7 @@ def test_the_gpu_checks_order_and_configs_on_a_stub_gpu(tmp_path, monkeypatch):
         calls.append(("reference", cfg.model.d_model, t.micro_batch_size, t.compile))
         row = {"ms_per_step_framework": 500.0, "ms_per_step_reference": 495.0}
         row |= {"overhead_percent": 1.0, "overhead_percent_median_of_rounds": 0.5}
+        row |= {"overhead_percent_median_low95": -0.2, "overhead_percent_median_high95": 1.5}
         return row | {"tokens_per_step": 16384, "precision": t.precision, "compile": t.compile}
 
     def fsdp(cfg):
@@ -247,7 +248,7 @@ def test_the_gpu_checks_order_and_configs_on_a_stub_gpu(tmp_path, monkeypatch):
     md = (tmp_path / "out" / "report.md").read_text()
     assert "| single | 16 | none | True | 30,000 | 500.0 | 45.0% |" in md
     assert "fsdp (bf16 parameters, fp32 master): 480.0 ms/step; single (fp32 parameters, " in md
-    assert "overhead +1.0% (median of the rounds' pairs +0.5%)" in md
+    assert "overhead +1.0% (median of the rounds' pairs +0.5%, 95% interval [-0.2, +1.5])" in md
     # a second short call for what a budget left out: the sweep alone, no curves to judge
     calls.clear()
     report = check.run_check(tmp_path / "again", scratch=tmp_path / "scratch", only={"sweep"})
