@@ -127,6 +127,17 @@ class ParamCounts:
 
         return small(self.block_tensors), small(self.root_tensors)
 
+    @property
+    def largest_group(self) -> int:
+        """Elements of the larger of the optimizer's two parameter groups
+        (`components.optim.param_groups`): weight decay on the 2-D matmul weights (the blocks'
+        and an untied head's), none on the embedding and the norms."""
+        untied_head = len(self.root_tensors) == 3
+        decay = self.layers * sum(self.block_tensors[:-2]) + (
+            self.root_tensors[1] if untied_head else 0
+        )
+        return max(decay, self.total - decay)
+
 
 def state_bytes(n: ParamCounts, lay: Layout) -> tuple[dict[str, float], dict[str, float]]:
     """(gpu, cpu) bytes for params, grads and optimizer under the layout."""
@@ -442,9 +453,10 @@ def step_phases(
         phases[f"block {i} backward"] = at(
             params_now, max(carry, so_far) + transient, alive - product, in_block + waiting
         )
-    # foreach AdamW (off CUDA) makes one fp32 temporary the size of what it steps (DeepSpeed's
-    # ZeRO >= 1: this rank's flat fp32 partition); fused AdamW none
-    optimizer_tmp = 0.0 if lay.fused_optimizer else 4 * n.total * shard
+    # foreach AdamW (off CUDA) makes one fp32 temporary the size of the parameter group it
+    # steps, freed before the next group (DeepSpeed's ZeRO >= 1: the group's flat fp32
+    # partition on this rank); fused AdamW none
+    optimizer_tmp = 0.0 if lay.fused_optimizer else 4 * n.largest_group * shard
     step_params = sharded_params if fsdp else gpu["params"]  # FSDP: all resharded by now
     if lay.backend == "deepspeed" and lay.zero_stage >= 3:  # released after the backward
         step_params -= zero3_gathered_params(n, lay)
