@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -13,7 +15,7 @@ import torch
 from scale_llm.config import load_config
 from scale_llm.data.prepare import prepare
 from scale_llm.log import setup_logging
-from tests.helpers import TINY_MODEL
+from tests.helpers import TINY_MODEL, env
 
 setup_logging(0)
 
@@ -23,6 +25,36 @@ def pytest_configure(config):
     # and nothing imports them before this hook runs.
     os.environ["HF_DATASETS_OFFLINE"] = "1"
     os.environ["HF_HUB_OFFLINE"] = "1"
+
+
+# DeepSpeed on the CPU JIT-compiles two C++ ops the first time a process needs them (its shared-
+# memory all-reduce at every `init_distributed`, and CPUAdam for offload): ~3 min of compiling on
+# 2 cores, cached in TORCH_EXTENSIONS_DIR (~/.cache/torch_extensions). Cold, the first DeepSpeed
+# world of a session stalls on it; built in the background at the lowest priority from the start,
+# the compile uses the cores the single-process tests leave idle. A process that needs an op
+# while it is being built waits on torch's lock file, so the build is never killed (a killed build
+# leaves that lock behind): the session waits for it at its end.
+_DEEPSPEED_OPS = "from deepspeed.comm.torch import build_shm_op; build_shm_op(); "
+_DEEPSPEED_OPS += "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"
+_prebuild: subprocess.Popen | None = None
+
+
+def pytest_collection_finish(session):
+    global _prebuild
+    wanted = ("zero", "deepspeed", "every_backend")
+    if any(w in item.nodeid for item in session.items for w in wanted):
+        _prebuild = subprocess.Popen(
+            [sys.executable, "-c", _DEEPSPEED_OPS],
+            env=env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=lambda: os.nice(19),
+        )
+
+
+def pytest_sessionfinish(session):
+    if _prebuild is not None:
+        _prebuild.wait()
 
 
 @pytest.fixture(scope="session")
