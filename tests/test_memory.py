@@ -354,6 +354,17 @@ def assert_parts_at_the_peak(r: dict, name: str = "") -> None:
     assert r["estimated"]["peak"] == pytest.approx(peak, rel=0.02), (name, got, r["estimated"])
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_optimizer_temporary_is_the_larger_parameter_group(tied):
+    """The estimate's foreach AdamW temporary is sized by the optimizer's own parameter groups."""
+    from scale_llm.components.optim import param_groups
+
+    m = cfg_with(f"model.tie_embeddings={str(tied).lower()}").model
+    groups = param_groups(build_model(m), weight_decay=0.1)
+    sizes = [sum(p.numel() for p in g["params"]) for g in groups]
+    assert ParamCounts.of(m).largest_group == max(sizes) < ParamCounts.of(m).total
+
+
 @pytest.mark.parametrize(
     ("precision", "ac", "micro", "phase"),
     [
