@@ -360,9 +360,9 @@ def test_the_optimizer_temporary_is_the_larger_parameter_group(tied):
     from scale_llm.components.optim import param_groups
 
     m = cfg_with(f"model.tie_embeddings={str(tied).lower()}").model
-    groups = param_groups(build_model(m), weight_decay=0.1)
-    sizes = [sum(p.numel() for p in g["params"]) for g in groups]
-    assert ParamCounts.of(m).largest_group == max(sizes) < ParamCounts.of(m).total
+    sizes = [sum(p.numel() for p in g["params"]) for g in param_groups(build_model(m), 0.1)]
+    counts = ParamCounts.of(m)
+    assert counts.largest_group == max(sizes) < counts.total
 
 
 @pytest.mark.parametrize(
@@ -427,8 +427,12 @@ BF16_MICRO = "train.micro_batch_size=2"  # half the compute: bf16 is emulated on
 # once measured ZeRO-2 bf16 full, ga 2, 2.7 MiB above its usual peak): its full-checkpointing
 # cases run in fp32 at micro-batch 4, where the estimate's moment holds
 _NONE = ["train.precision=bf16", BF16_MICRO]
-_FULL = ["train.precision=bf16", BF16_MICRO, "activation_checkpointing.mode=full"]
-_FULL += ["train.grad_accum=2"]
+_FULL = [
+    "train.precision=bf16",
+    BF16_MICRO,
+    "activation_checkpointing.mode=full",
+    "train.grad_accum=2",
+]
 _SELECTIVE = ["train.precision=bf16", BF16_MICRO, "activation_checkpointing.mode=selective"]
 BF16_SETTINGS = [_FULL, _SELECTIVE, _FULL, _NONE, _SELECTIVE, _NONE]
 WORLD_CASES = [
