@@ -51,11 +51,13 @@ NGPU="${NGPU:-$([[ "$gpus" -gt 0 ]] && echo "$gpus" || echo 2)}"
 cores=$(nproc)
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( cores / NGPU > 0 ? cores / NGPU : 1 ))}"
 
-# Prepare the data (a no-op when it is up to date) before training starts. In multi-node jobs
-# only node 0 prepares; the others wait for it in the rendezvous. SKIP_PREPARE=1 skips it.
+# Prepare the data (a no-op when it is up to date) before training starts, from the same
+# arguments as `train` (so its flags are accepted, and checked before any data work). In
+# multi-node jobs only node 0 prepares; the others wait for it in the rendezvous.
+# SKIP_PREPARE=1 skips it.
 run_prepare() {
   if [[ "${SKIP_PREPARE:-0}" != "1" && "${NODE_RANK:-0}" == "0" ]]; then
-    "$PY" -m scale_llm prepare "$@"
+    "$PY" -m scale_llm prepare --as-train "$@"
   fi
 }
 

@@ -113,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="only measure tokens/s of the pipeline vs a plain encode loop (writes nothing)",
     )
     p.add_argument("--bench-mb", type=float, default=16.0, help="MB of text for --bench")
+    p.add_argument(
+        "--as-train",
+        action="store_true",
+        help="read every other argument as `train` would (its flags allowed and checked) and "
+        "prepare that run's data: what the launchers run before training",
+    )
 
     p = sub.add_parser(
         "train",
@@ -689,6 +695,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     of torchtitan and litgpt users)."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["prepare"] and "--as-train" in argv:
+        # the launchers pass their whole command line; `train` checks it, so a typo stops here
+        rest = [a for a in argv[1:] if a != "--as-train"]
+        args = parse_args(["train", *rest])
+        args.command, args.force, args.bench, args.as_train = "prepare", False, False, True
+        return args
     rewritten, i = [], 0
     while i < len(argv):
         m = DOTTED.match(argv[i])

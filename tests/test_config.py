@@ -425,6 +425,16 @@ def test_dotted_flags_are_set_aliases_and_prepare_has_no_training_flags(capsys):
     with pytest.raises(SystemExit):
         parse_args(["prepare", "--grad-accum", "2"])
     assert "unrecognized arguments: --grad-accum" in capsys.readouterr().err
+    # what the launchers run before training: train's own arguments, checked as train checks them
+    args = parse_args(
+        ["prepare", "--as-train", "--grad-accum", "2", "--data.dir=d", "--fit", "8GiB"]
+    )
+    assert (args.command, args.force, args.bench) == ("prepare", False, False)
+    cfg = config_from_args(args)
+    assert cfg.train.grad_accum == 2 and cfg.data.dir == "d"
+    with pytest.raises(SystemExit):
+        parse_args(["prepare", "--as-train", "--grad-acum", "2"])
+    assert "unrecognized arguments: --grad-acum" in capsys.readouterr().err
     helptext = build_parser()._subparsers._group_actions[0].choices["prepare"].format_help()
     assert "--amp" not in helptext and "--report-memory" not in helptext
     assert (

@@ -265,12 +265,19 @@ def test_bench_sweeps_the_backends_of_one_two_rank_launch(tmp_path):
     assert fsdp < ddp < zero2
 
 
-def test_2xh100_launcher_runs_two_cpu_processes(data_dir, tmp_path):
-    """The one-process default config under the 2-process launcher: backend auto -> ddp."""
-    proc = launch("2xh100.sh", launcher_args(data_dir, tmp_path, "l2", "tiny.yaml"), tmp_path)
+def test_2xh100_launcher_runs_two_cpu_processes(data_dir, corpus_dir, tmp_path):
+    """The one-process default config under the 2-process launcher: backend auto -> ddp. Its
+    prepare step runs (up to date here) on the same arguments as train, train's flags too."""
+    args = launcher_args(data_dir, tmp_path, "l2", "tiny.yaml") + sets(
+        f"data.source={corpus_dir}", "data.tokenizer_sample_bytes=500000", "data.val_fraction=0.1"
+    )
+    args += ["--grad-accum", "2", "--train_steps", "2", "--train.lr", "1e-2"]
+    proc = launch("2xh100.sh", args, tmp_path, SKIP_PREPARE="0")
+    assert "is up to date" in proc.stdout + proc.stderr
     assert "world 2" in proc.stdout and "done: 2 steps" in proc.stdout
     written = yaml.safe_load((tmp_path / "l2" / "config.yaml").read_text())
     assert written["parallel"]["backend"] == "auto"  # as the user wrote it
+    assert written["train"]["grad_accum"] == 2 and written["train"]["lr"] == 1e-2
     resolved = json.loads((tmp_path / "l2" / "plan.json").read_text())
     assert resolved["backend"] == "ddp" and resolved["world_size"] == 2
 
