@@ -87,8 +87,9 @@ def keep_freed_cpu_memory() -> bool:
     takes them out; the process keeps its high-water mark of CPU memory, which a training run
     reaches every step anyway, plus what glibc's aligned allocation leaves unmerged while its
     heap settles (up to 7 blocks of a repeated size; +4-7% peak RSS in a tiny.yaml run,
-    docs/performance.md). Left alone where the user has chosen (MALLOC_* variables,
-    GLIBC_TUNABLES, an LD_PRELOADed allocator, SCALE_LLM_CPU_MALLOC=system) and off glibc.
+    docs/performance.md). Left alone where the user has chosen (MALLOC_MMAP_THRESHOLD_,
+    MALLOC_TRIM_THRESHOLD_, GLIBC_TUNABLES, an LD_PRELOADed allocator,
+    SCALE_LLM_CPU_MALLOC=system) and off glibc.
     True if it was set."""
     if os.environ.get("SCALE_LLM_CPU_MALLOC") == "system":
         return False
