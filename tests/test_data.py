@@ -40,9 +40,15 @@ def test_tokenizer_round_trips_code_and_unicode(tmp_path, data_dir):
     assert max(ids) < tok.vocab_size
 
 
-def test_tokenizer_too_small_vocab_is_refused(tmp_path):
-    with pytest.raises(UserError, match="too small"):
+def test_a_vocab_the_corpus_cannot_fill_is_refused_naming_the_limit(tmp_path):
+    with pytest.raises(UserError, match="too small.*at least 320"):
         train_tokenizer(["hello world"], 100, tmp_path / "t.model")
+    # corpora with few distinct pieces: SentencePiece says how many it can make
+    with pytest.raises(UserError, match=r"gives at most 2\d\d pieces, fewer than the 320"):
+        train_tokenizer(["hello world\n" * 200], 2048, tmp_path / "t.model")
+    with pytest.raises(UserError, match=r"model.vocab_size=4096 is more .* <= \d{3,4}, or"):
+        train_tokenizer(random_texts(20, "d{i}", vocab=100), 4096, tmp_path / "t.model")
+    assert not list(tmp_path.iterdir())  # nothing written
 
 
 def test_prepare_splits_by_document_and_writes_manifest(tmp_path):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -92,8 +93,23 @@ def train_tokenizer(
             minloglevel=2,
         )
     except RuntimeError as e:  # e.g. a sample with too few distinct pieces for vocab_size
+        most = re.search(
+            r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)", str(e)
+        )
+        if most and int(most[1]) >= MIN_VOCAB:
+            raise UserError(
+                f"model.vocab_size={vocab_size} is more pieces than the tokenizer's sample of "
+                f"the corpus gives (at most {most[1]}): set model.vocab_size <= {most[1]}, or "
+                "give it more text (data.tokenizer_sample_bytes, a larger data.source)"
+            ) from None
+        if most:
+            raise UserError(
+                f"the tokenizer's sample of the corpus gives at most {most[1]} pieces, fewer than "
+                f"the {MIN_VOCAB} a byte-fallback tokenizer needs: give it more text "
+                "(data.tokenizer_sample_bytes, a larger data.source)"
+            ) from None
         raise UserError(
-            f"tokenizer training failed: {e}. With a small corpus lower "
+            f"tokenizer training failed: {str(e).rstrip('.')}. With a small corpus lower "
             f"model.vocab_size or raise data.tokenizer_sample_bytes"
         ) from None
     out_path = Path(out_path)
