@@ -20,7 +20,10 @@ KEY_HELP: dict[str, str] = {
     ),
     "run.dir": "parent directory of run directories",
     "run.seed": "seeds weight init and the data order; part of a run's identity",
-    "logging.every": "optimizer steps between metric rows (metrics.jsonl, TensorBoard, console)",
+    "logging.every": (
+        "optimizer steps between metric rows (metrics.jsonl, TensorBoard, console); each "
+        "launch's first step and the run's last are logged too"
+    ),
     "logging.tensorboard": "also write TensorBoard event files to `RUN_DIR/tensorboard`",
     "logging.peak_tflops": (
         "dense peak TFLOP/s per device, for MFU on devices the built-in table does not "

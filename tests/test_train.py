@@ -199,6 +199,16 @@ def test_resume_continues_the_same_loss_curve(data_dir, tmp_path):
     assert [r["step"] for r in rows] == list(range(1, 9))  # steps 5-6 logged once, not twice
 
 
+def test_every_launch_logs_its_first_and_the_last_step(data_dir, tmp_path):
+    """Between logging steps a launch still shows where it starts: a resumed launch logs its
+    first step (not only step 1 and the last), so its summary reads 'loss (step 3) -> (step 4)'."""
+    common = ["train.max_steps=4", "checkpoint.every=2", "logging.every=10", "eval.every=0"]
+    first = trainer(data_dir, tmp_path, *common, "train.exit_at_step=2").fit()
+    assert sorted(first.losses) == [1]
+    second = trainer(data_dir, tmp_path, *common).fit()
+    assert sorted(second.losses) == [3, 4]
+
+
 def test_metrics_rows_and_tensorboard_events(data_dir, tmp_path):
     result = trainer(
         data_dir, tmp_path, "logging.tensorboard=true", "eval.every=2", "eval.steps=2"

@@ -210,7 +210,7 @@ class Trainer:
         """Metric row for logging and eval steps (the only places that read device values)."""
         cfg, t = self.cfg, self.cfg.train
         row: dict[str, Any] = {}
-        if self.step % cfg.logging.every == 0 or self.step in (1, t.max_steps):
+        if self.step % cfg.logging.every == 0 or self._first_or_last_step():
             row = self._train_metrics(loss, grad_norm, lr)
             result.losses[self.step] = row["loss"]
             result.grad_norms[self.step] = row["grad_norm"]
@@ -363,12 +363,18 @@ class Trainer:
                 t.lr,
             )
 
+    def _first_or_last_step(self) -> bool:
+        """This launch's first step (step 1, or the first after a resume) and the run's last:
+        always logged, so every launch's console and summary start and end with a loss."""
+        return self.step in (self._launch[1] + 1, self.cfg.train.max_steps)
+
     def _syncs_anyway(self) -> bool:
         """Steps that read device values or save: logging, eval, checkpoint and the last."""
         cfg, step = self.cfg, self.step
         return (
             step % cfg.logging.every == 0
-            or step in (1, cfg.train.max_steps, cfg.train.exit_at_step)
+            or self._first_or_last_step()
+            or step == cfg.train.exit_at_step
             or bool(cfg.checkpoint.every and step % cfg.checkpoint.every == 0)
             or bool(cfg.eval.every and cfg.eval.steps and step % cfg.eval.every == 0)
         )
