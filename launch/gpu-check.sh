@@ -12,6 +12,17 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}"  # one GPU
 export OMP_NUM_THREADS="${SCALE_LLM_CHECK_THREADS:-$(nproc)}"  # one process: every core
+# GPUs that this Python's torch cannot use (a CPU build found first): stop, rather than spend a
+# lent GPU's minutes on the CPU checks. SCALE_LLM_CHECK_ALLOW_CPU=1 runs them anyway.
+if [[ "$gpus" -gt 0 && "${SCALE_LLM_CHECK_ALLOW_CPU:-0}" != "1" ]] \
+    && ! "$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+  echo "gpu-check: nvidia-smi lists $gpus GPU(s), but torch" \
+    "$("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null) in $PY cannot use them" \
+    "(a CPU build, or a CUDA build the driver is too old for). Point SCALE_LLM_PYTHON at a" \
+    "Python with a CUDA build of torch, or run 'bash launch/setup.sh' (it installs one on a GPU" \
+    "machine); SCALE_LLM_CHECK_ALLOW_CPU=1 runs the CPU checks anyway" >&2
+  exit 2
+fi
 out=gpu-check
 if [[ $# -gt 0 && "$1" != -* ]]; then out="$1"; shift; fi
 exec "$PY" -m scale_llm check "$out" "$@"

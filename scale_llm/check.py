@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from scale_llm.bench import bench_reference, bench_sweep, markdown_table
+from scale_llm.bench import bench_reference, bench_sweep, fresh_start, markdown_table
 from scale_llm.components.distributed import shutdown_distributed
 from scale_llm.config import Config, load_config, with_changes
 from scale_llm.data.prepare import prepare
@@ -152,6 +152,7 @@ def tiny_config(scratch: Path, steps: int, overrides: list[str]) -> Config:
             "logging.every=1",
             "logging.tensorboard=false",
             "eval.every=0",
+            "eval.sample_every=0",  # (a sample is one more compile for each compiled curve)
             "checkpoint.every=0",
             "checkpoint.resume=never",
             *overrides,
@@ -197,6 +198,7 @@ def curve_row(
     """One short run of cfg with changes; the first one run is the reference the others start
     near."""
     cfg = with_changes(cfg, changes)
+    fresh_start(torch.device(cfg.train.device))  # (the curves name their device)
     losses = Trainer(cfg, resolve_plan(cfg, Launch())).fit().losses
     if not reference:
         reference.append(losses)

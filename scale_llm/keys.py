@@ -27,7 +27,7 @@ KEY_HELP: dict[str, str] = {
     "logging.tensorboard": "also write TensorBoard event files to `RUN_DIR/tensorboard`",
     "logging.peak_tflops": (
         "dense peak TFLOP/s per device, for MFU on devices the built-in table does not "
-        "know (it knows H100 SXM / PCIe / NVL, H200 SXM / NVL, A100, L40S, L4, RTX 4090, "
+        "know (it knows H100 SXM / PCIe / NVL, H200 SXM / NVL, A100, L40S, L40, L4, RTX 4090, "
         "RTX A6000, MI300X); on a CPU MFU is reported only with this set"
     ),
     "logging.wandb.project": (

@@ -222,6 +222,22 @@ def test_launchers_run_a_checkout_with_a_python3_that_has_only_the_dependencies(
     assert proc.stdout.splitlines()[-1] == str(checkout / "scale_llm" / "__init__.py")
 
 
+def test_the_gpu_check_stops_when_torch_cannot_use_the_gpus_nvidia_smi_lists(tmp_path):
+    """A CPU build of torch found first on a GPU machine would spend a lent GPU's minutes on the
+    CPU checks: the launcher stops before any work (a stand-in nvidia-smi lists one GPU)."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: GPU-0)'\n")
+    (fake / "nvidia-smi").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "SCALE_LLM_PYTHON": sys.executable}
+    cmd = ["bash", str(REPO / "launch" / "gpu-check.sh"), str(tmp_path / "out")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "nvidia-smi lists 1 GPU(s), but torch" in proc.stderr
+    assert "SCALE_LLM_PYTHON" in proc.stderr and "SCALE_LLM_CHECK_ALLOW_CPU=1" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_shipped_configs_are_found_by_name_from_any_directory(tmp_path, monkeypatch):
     from scale_llm.cli import main
     from scale_llm.config import load_config

@@ -513,6 +513,29 @@ def test_bench_runs_the_training_step_on_synthetic_tokens(tmp_path):
     assert not (tmp_path / "runs").exists()  # bench writes nothing
 
 
+def test_each_bench_compiles_for_its_own_static_shapes(tmp_path, monkeypatch):
+    """A process that measures one layout after another (the sweep, `scale-llm check`) compiles
+    each as a fresh run would: with static shapes, not the dynamic ones torch.compile turns to
+    when the same code meets a second shape (the recording backend stands in for inductor)."""
+    from scale_llm.bench import bench
+
+    graphs: list[list[str]] = []
+
+    def recording(gm, example_inputs):
+        graphs.append([type(x).__name__ for x in example_inputs])
+        return gm.forward
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend=recording, **kw))
+    for micro in (2, 3):
+        cfg = make_config(
+            tmp_path, tmp_path / "runs", "train.compile=true", f"train.micro_batch_size={micro}"
+        )
+        bench(cfg, plan_for(cfg), steps=1, warmup=0)
+        assert graphs and all("SymInt" not in g for g in graphs), (micro, graphs)
+        graphs.clear()
+
+
 def test_every_generator_state_round_trips_through_a_checkpoint_file(tmp_path):
     import random
 
@@ -657,6 +680,7 @@ def test_peak_flops_tell_the_gpu_models_apart():
     assert peak_for_name("NVIDIA A100-SXM4-40GB", "bf16") == 312e12
     assert peak_for_name("NVIDIA L4", "bf16") == 121e12  # not taken for an L40S
     assert peak_for_name("NVIDIA L40S", "bf16") == 362e12
+    assert peak_for_name("NVIDIA L40", "bf16") == 181e12  # not the L4's
     assert peak_for_name("AMD Instinct MI300X", "bf16") == 1307e12
     assert peak_for_name("Some Future GPU", "bf16") is None
     cpu = torch.device("cpu")

@@ -4,13 +4,15 @@ run keeps the memory it frees (`keep_freed_cpu_memory`).
 Peak figures are dense (no 2:4 sparsity) tensor-core throughput from the vendors' data sheets,
 per GPU, in FLOP/s, for the precision the run computes in (fp32 runs: the non-tensor fp32 rate;
 TF32 is not used by default). Names are matched against `torch.cuda.get_device_name()` in the
-order below, so the more specific entry (e.g. "H100 PCIe") wins over the general ("H100").
+order below, as whole words, so the more specific entry (e.g. "H100 PCIe") wins over the
+general ("H100") and "L4" is not taken for an "L40".
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import re
 import sys
 
 import torch
@@ -25,6 +27,7 @@ PEAKS: list[tuple[str, dict[str, float]]] = [
     ("H200", {"bf16": 989 * T, "fp16": 989 * T, "fp32": 67 * T}),  # SXM
     ("A100", {"bf16": 312 * T, "fp16": 312 * T, "fp32": 19.5 * T}),  # 40 and 80 GB, SXM / PCIe
     ("L40S", {"bf16": 362 * T, "fp16": 362 * T, "fp32": 91.6 * T}),
+    ("L40", {"bf16": 181 * T, "fp16": 181 * T, "fp32": 90.5 * T}),
     ("L4", {"bf16": 121 * T, "fp16": 121 * T, "fp32": 30.3 * T}),
     ("RTX 4090", {"bf16": 165 * T, "fp16": 165 * T, "fp32": 82.6 * T}),  # fp32 accumulate
     ("RTX A6000", {"bf16": 155 * T, "fp16": 155 * T, "fp32": 38.7 * T}),
@@ -46,7 +49,7 @@ def peak_flops(
 
 def peak_for_name(name: str, precision: str) -> float | None:
     for fragment, peaks in PEAKS:
-        if fragment in name:
+        if re.search(rf"(?<![\w]){re.escape(fragment)}(?![\w])", name):
             return peaks.get(precision)
     return None
 
