@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from scale_llm.components.hardware import cuda_memory_gib, peak_flops
+from scale_llm.components.loss import plain_cross_entropy
 from scale_llm.config import Config, with_changes
 from scale_llm.errors import UserError
 from scale_llm.model import build_model, materialize
@@ -107,12 +108,14 @@ def bench(cfg: Config, plan: RunPlan, steps: int = 10, warmup: int = 3) -> dict[
 # ----------------------------------------------------------------------------- --reference
 
 
-def reference_step(model: torch.nn.Module, optimizer, batches, grad_clip: float) -> torch.Tensor:
-    """A bare PyTorch training step: no backend, no guards, no metrics, no schedule."""
+def reference_step(
+    model: torch.nn.Module, optimizer, batches, grad_clip: float, loss_fn=plain_cross_entropy
+) -> torch.Tensor:
+    """A bare PyTorch training step: no backend, no guards, no metrics, no schedule; the
+    textbook loss unless given another."""
     total = torch.zeros((), device=batches[0][0].device)
     for inputs, targets in batches:
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / len(batches)
+        loss = loss_fn(model(inputs), targets) / len(batches)
         loss.backward()
         total += loss.detach()
     if grad_clip > 0:
@@ -242,9 +245,13 @@ def bench_reference(
             bare.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **fused
         )
 
+        # bare: the framework's own loss function (chunked, or compiled with train.compile),
+        # so that the difference is the framework's cost, not its loss; gpt2: the textbook one
+        loss_fn = backend.loss_fn if kind == "bare" else plain_cross_entropy
+
         def run_reference() -> torch.Tensor:
             with backend.precision.autocast():  # (fp32: no autocast)
-                return reference_step(bare, optimizer, batches, t.grad_clip)
+                return reference_step(bare, optimizer, batches, t.grad_clip, loss_fn)
 
     first = (run_framework().item(), run_reference().item())  # same weights, same batch
     for _ in range(warmup):
