@@ -39,6 +39,7 @@ from scale_llm.bench import bench_reference, bench_sweep, fresh_start, markdown_
 from scale_llm.components.distributed import shutdown_distributed
 from scale_llm.config import Config, load_config, with_changes
 from scale_llm.data.prepare import prepare
+from scale_llm.data.shards import write_atomic
 from scale_llm.plan import Launch, resolve_plan
 from scale_llm.train.trainer import Trainer
 
@@ -96,8 +97,9 @@ class Report:
         self.data["seconds"] = time.perf_counter() - self.started
         curves = self.data.get("curves", [])
         self.data["ok"] = all(c.get("ok") for c in curves) and not self.data["errors"]
-        (self.out / "report.json").write_text(json.dumps(self.data, indent=2) + "\n")
-        (self.out / "report.md").write_text(markdown_report(self.data))
+        # whole files only: a run killed at its time limit while saving keeps the last report
+        write_atomic(self.out / "report.json", (json.dumps(self.data, indent=2) + "\n").encode())
+        write_atomic(self.out / "report.md", markdown_report(self.data).encode())
 
 
 def run_check(
