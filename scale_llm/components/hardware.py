@@ -49,7 +49,7 @@ def peak_flops(
 
 def peak_for_name(name: str, precision: str) -> float | None:
     for fragment, peaks in PEAKS:
-        if re.search(rf"(?<![\w]){re.escape(fragment)}(?![\w])", name):
+        if re.search(rf"(?<!\w){re.escape(fragment)}(?!\w)", name):
             return peaks.get(precision)
     return None
 
