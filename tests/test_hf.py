@@ -440,6 +440,21 @@ def test_init_from_errors_name_what_is_wrong(run_dir, exported, data_dir, tmp_pa
         load_init_weights(replace(good, init_from=str(empty)), None)
 
 
+def test_an_hf_config_without_optional_fields_takes_llamas_defaults():
+    """config.json files written by other tools leave out fields at their defaults
+    (hidden_act 'silu', no biases, no rope scaling): read as Llama's defaults, not a KeyError."""
+    from scale_llm.model.hf import from_hf_config, to_hf_config
+
+    cfg = ModelConfig(vocab_size=512, d_model=32, n_layers=2, n_heads=4, seq_len=64)
+    hf = to_hf_config(cfg, torch.float32, bos_id=1, eos_id=2, pad_id=2)
+    for key in ("hidden_act", "attention_bias", "mlp_bias", "rope_scaling", "sliding_window"):
+        hf.pop(key, None)
+    values, problems = from_hf_config(hf)
+    assert problems == [] and values["d_model"] == 32 and values["n_layers"] == 2
+    values, problems = from_hf_config({**hf, "hidden_act": "gelu"})
+    assert problems == ["hidden_act='gelu': unsupported (scale_llm supports 'silu')"]
+
+
 def test_init_from_a_pickled_folder_goes_through_the_safe_loader(
     run_dir, exported, data_dir, tmp_path
 ):

@@ -172,8 +172,9 @@ def from_hf_config(hf: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
             f"{ARCHITECTURE}) can be loaded"
         )
     for key, ok in _SUPPORTED.items():
-        if hf.get(key) not in ok:
-            problems.append(f"{key}={hf[key]!r}: unsupported (scale_llm supports {ok[0]!r})")
+        value = hf.get(key, ok[0])  # absent: transformers' LlamaConfig default, the first here
+        if value not in ok:
+            problems.append(f"{key}={value!r}: unsupported (scale_llm supports {ok[0]!r})")
     rope = hf.get("rope_parameters") or {}
     if rope.get("rope_type", "default") != "default":
         problems.append(
