@@ -1,7 +1,11 @@
 """Sampling from a trained run: temperature, top-k, top-p, with a KV cache.
 
 With the cache each new token costs one position's forward pass; without it the whole context is
-recomputed. Greedy decoding (temperature 0) gives the same tokens either way.
+recomputed. Greedy decoding (temperature 0) gives the same tokens either way while the prompt and
+the new tokens fit in model.seq_len. Past it, the cached path starts over from the newest
+seq_len // 2 tokens each time the cache is full (one prefill every seq_len // 2 tokens: the
+model then sees between half and all of seq_len), while the uncached path slides a full window
+one token at a time, so the two can differ from there on.
 """
 
 from __future__ import annotations
@@ -78,7 +82,8 @@ def sample_next(
     """logits (B, V) -> next token ids (B, 1). temperature 0 means greedy."""
     if temperature <= 0:
         return logits.argmax(dim=-1, keepdim=True)
-    logits = logits.float() / temperature
+    # shifted first: the best logit becomes 0, so a tiny temperature gives -inf, never inf - inf
+    logits = (logits.float() - logits.float().amax(dim=-1, keepdim=True)) / temperature
     if top_k:
         kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -122,8 +127,8 @@ def generate(
             nxt = sample_next(logits[:, -1], temperature, top_k, top_p, generator).item()
             out.append(nxt)
             tokens.append(nxt)
-            if nxt == eos_id:
-                break
+            if nxt == eos_id or len(out) == max_new_tokens:
+                break  # (no forward pass for a token that will not be sampled)
             if cache is None:
                 logits = _forward(model, tokens[-seq_len:], None, 0)
             elif pos == seq_len:  # cache full: start over from the newest half of the context

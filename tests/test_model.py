@@ -138,6 +138,24 @@ def test_generation_continues_past_seq_len():
     assert len(out) == 40
 
 
+def test_past_seq_len_the_cache_starts_over_from_the_newest_half():
+    """What the cached path is documented to do once prompt + new tokens pass seq_len: greedy
+    tokens equal to a full recompute over the context since its last restart, which begins at
+    the newest seq_len // 2 tokens each time the context would exceed seq_len."""
+    torch.manual_seed(2)
+    m = build_model(small(seq_len=16), "cpu")
+    prompt = torch.randint(0, 97, (5,)).tolist()
+    got = generate(m, prompt, 40, temperature=0)
+    tokens, start, want = list(prompt), 0, []
+    with torch.no_grad():
+        for _ in range(40):
+            want.append(int(m(torch.tensor([tokens[start:]]))[0, -1].argmax()))
+            tokens.append(want[-1])
+            if len(tokens) - start > 16:
+                start = len(tokens) - 8
+    assert got == want
+
+
 def test_sampling_filters():
     logits = torch.tensor([[0.0, 5.0, 4.9, -1.0]])
     assert sample_next(logits, 0, None, None, None).item() == 1
@@ -148,6 +166,8 @@ def test_sampling_filters():
     assert picks == {1}  # the best token alone already covers 30% of the mass
     same = [sample_next(logits, 1.0, None, None, torch.Generator().manual_seed(5)) for _ in "ab"]
     assert torch.equal(*same)
+    # a temperature so small that logits / temperature overflows: the best token, not a NaN
+    assert sample_next(logits * 1e3, 1e-40, None, None, g).item() == 1
 
 
 def test_flops_per_token_counts_tied_head():
