@@ -27,7 +27,7 @@ from scale_llm.components.precision import Precision
 from scale_llm.config import Config
 from scale_llm.data.loader import TokenWindows
 from scale_llm.data.shards import open_split, read_manifest
-from scale_llm.data.tokenizer import file_sha256
+from scale_llm.data.tokenizer import EOS_ID, file_sha256
 from scale_llm.errors import UserError
 from scale_llm.export import DTYPES, EXPORT_INFO, export
 from scale_llm.generate import load_run, read_run_config
@@ -123,6 +123,11 @@ def run_tasks(
             "pretrained": str(export_dir),
             "dtype": str(DTYPES[dtype]).removeprefix("torch."),
             "device": str(device),
+            # what precedes a text scored from its start (rolling tasks, empty contexts): EOS,
+            # the end of the document before it, as in training's stream `... [EOS] [BOS] doc`
+            # (the tokenizer adds the BOS). lm-eval's default, BOS, scored a BOS after a BOS,
+            # a pair training never shows, in every document of a perplexity task.
+            "prefix_token_id": EOS_ID,
         },
         tasks=list(tasks),
         num_fewshot=num_fewshot,

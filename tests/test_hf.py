@@ -52,6 +52,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 TASK_DIR = REPO / "tests" / "data" / "eval_task"
 TASK = "scale_llm_tiny_mc"
+ROLLING = "scale_llm_tiny_rolling"  # each question scored as a whole document
 TEXTS = [
     "",
     "def f(x):\n    return x + 1\n",
@@ -530,10 +531,19 @@ def choice_logliks(model, tok: Tokenizer, context: str, choices: list[str]) -> l
     return out
 
 
+def document_loglik(model, tok: Tokenizer, text: str) -> float:
+    """log p(text) as a document of the training stream: after the EOS that ends the one
+    before it, its BOS and its tokens (every one scored, BOS included)."""
+    stream = [tok.eos_id, *tok.encode(text)]
+    with torch.no_grad():
+        logp = model(torch.tensor([stream[:-1]])).float().log_softmax(-1)[0]
+    return sum(logp[i, t].item() for i, t in enumerate(stream[1:]))
+
+
 def test_eval_scores_match_our_loglikelihoods(run_dir, ours, data_dir, monkeypatch, capsys):
     monkeypatch.chdir(REPO)  # the task's data file path is relative to the repository
     limit = 8  # lm-eval: the first 8 examples; perplexity: the first 8 validation windows
-    args = ["eval", str(run_dir), "--tasks", TASK, "--include-path", str(TASK_DIR)]
+    args = ["eval", str(run_dir), "--tasks", f"{TASK},{ROLLING}", "--include-path", str(TASK_DIR)]
     args += ["--limit", str(limit), "--perplexity", str(data_dir)]
     assert cli.main(args) == 0
     assert "wrote" in capsys.readouterr().out
@@ -550,6 +560,13 @@ def test_eval_scores_match_our_loglikelihoods(run_dir, ours, data_dir, monkeypat
     scores = record["tasks"][TASK]
     assert 0 <= scores["acc"] <= 1 and scores["acc"] == acc / limit
     assert scores["acc_norm"] == acc_norm / limit
+    # a rolling (perplexity) task scores each document as training saw it: [EOS] [BOS] text
+    # (lm-eval's default prefix, BOS, scored a BOS after a BOS in every document)
+    texts = [doc["question"] for doc in docs]
+    nll = -sum(document_loglik(model, tok, text) for text in texts)
+    n_bytes = sum(len(text.encode()) for text in texts)
+    rolling = record["tasks"][ROLLING]
+    assert rolling["bits_per_byte"] == pytest.approx(nll / n_bytes / math.log(2), rel=1e-4)
     # 8 windows = eval.steps 2 x 4 sequences: the val_loss the run logged at step 4
     ppl = record["perplexity"]
     assert ppl["windows"] == 8 and ppl["tokens"] == 8 * 32
