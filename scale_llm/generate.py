@@ -83,7 +83,8 @@ def sample_next(
     if temperature <= 0:
         return logits.argmax(dim=-1, keepdim=True)
     # shifted first: the best logit becomes 0, so a tiny temperature gives -inf, never inf - inf
-    logits = (logits.float() - logits.float().amax(dim=-1, keepdim=True)) / temperature
+    logits = logits.float()
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if top_k:
         kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
