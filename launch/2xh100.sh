@@ -2,8 +2,8 @@
 # One node, two processes (two GPUs; on a CPU-only machine, two gloo processes).
 #   bash launch/2xh100.sh yaml/400m.yaml [--set key=value ...]
 set -euo pipefail
+NGPU=2  # before _env.sh: it splits the cores between NGPU processes
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 require_config "$@"
-NGPU=2
 run_prepare "$@"
 exec "$PY" -m torch.distributed.run --standalone --nproc_per_node 2 -m scale_llm train "$@"

@@ -10,7 +10,7 @@ shift $(( $# > 0 ? 1 : 0 ))
 bash launch/setup.sh
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
 start=$(date +%s)
-.venv/bin/scale-llm prepare "$config"
+.venv/bin/scale-llm prepare --as-train "$config" "$@"  # the data the train args ask for
 .venv/bin/scale-llm train "$config" "$@"
 run_dir=$(.venv/bin/python -c 'import sys
 from scale_llm.cli import config_from_args, parse_args

@@ -10,7 +10,7 @@
 # pulls several GB of CUDA wheels. With a GPU, a torch already in the venv is kept; otherwise pip
 # installs its default (CUDA) build. Set SCALE_LLM_TORCH to choose yourself, e.g.
 #   SCALE_LLM_TORCH="torch==2.13.0" bash launch/setup.sh
-# Re-running is cheap: nothing is reinstalled unless setup.py changed.
+# Re-running is cheap: nothing is reinstalled unless setup.py or SCALE_LLM_TORCH changed.
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -33,7 +33,8 @@ fi
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 
 stamp="$venv/.scale_llm-installed$(echo "$extras" | tr -d '[]' | tr ',' '-')"
-want="$(cat "$root/setup.py" | sha256sum | cut -c1-16)"
+# (a new SCALE_LLM_TORCH is a new install: the torch it names is installed over the venv's)
+want="$( (cat "$root/setup.py"; echo "torch: ${SCALE_LLM_TORCH:-}") | sha256sum | cut -c1-16)"
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
   echo "setup.sh: $venv is up to date"
   exit 0

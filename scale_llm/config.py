@@ -123,7 +123,7 @@ class TrainConfig:
 @dataclass
 class EvalConfig:
     every: int = 50  # optimizer steps between evaluations; 0 disables eval
-    steps: int = 10  # micro-batches per evaluation
+    steps: int = 10  # validation batches per evaluation, each a training step's global batch
     # optimizer steps between sample generations (TensorBoard text, metrics.jsonl); 0: none
     sample_every: int = 0
     sample_prompt: str = ""  # the sample's prompt (after BOS); "" starts a document

@@ -238,6 +238,33 @@ def test_the_gpu_check_stops_when_torch_cannot_use_the_gpus_nvidia_smi_lists(tmp
     assert not (tmp_path / "out").exists()
 
 
+def test_each_launcher_splits_the_cores_between_its_own_processes(tmp_path):
+    """On a 16-core node with 8 GPUs, torchrun.sh starts 8 processes of 2 threads each and
+    2xh100.sh 2 processes of 8 (it split the cores 8 ways, as for every GPU). Stand-ins for
+    nvidia-smi, nproc and the Python print what torchrun would have been given."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    gpus = "".join(f"echo 'GPU {i}: NVIDIA H100 (UUID: GPU-{i})'\n" for i in range(8))
+    scripts = {
+        "nvidia-smi": gpus,
+        "nproc": "echo 16\n",
+        "python": 'case "$2" in torch.distributed.run) echo "OMP=$OMP_NUM_THREADS $*";; esac\n',
+    }
+    for name, body in scripts.items():
+        (fake / name).write_text("#!/bin/sh\n" + body)
+        (fake / name).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "NGPU")}
+    env |= {"PATH": f"{fake}:{env['PATH']}", "SCALE_LLM_PYTHON": str(fake / "python")}
+    seen = {}
+    for script in ("2xh100.sh", "torchrun.sh"):
+        cmd = ["bash", str(REPO / "launch" / script), "tiny.yaml"]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        words = proc.stdout.split()
+        seen[script] = (words[0], words[words.index("--nproc_per_node") + 1])
+    assert seen == {"2xh100.sh": ("OMP=8", "2"), "torchrun.sh": ("OMP=2", "8")}
+
+
 def test_shipped_configs_are_found_by_name_from_any_directory(tmp_path, monkeypatch):
     from scale_llm.cli import main
     from scale_llm.config import load_config
