@@ -150,7 +150,7 @@ def test_a_failed_or_interrupted_prepare_leaves_the_good_data_untouched(tmp_path
     with open(corpus, "a") as f:  # a source that fails half-way: the same
         f.write("{not json\n")
     monkeypatch.undo()
-    with pytest.raises(UserError):
+    with pytest.raises(UserError, match=r"\.jsonl:\d+ is not valid JSON"):
         prepare(prep_config(corpus, out))
     assert read_manifest(out) == before
     lines = corpus.read_text().splitlines()[:-1]

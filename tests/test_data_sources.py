@@ -154,8 +154,11 @@ def test_bad_local_files_name_the_file_and_field(tmp_path):
 
 
 def test_hub_source_fingerprint_needs_no_network():
-    cfg = load_config(None, ["data.source=hf:HuggingFaceFW/fineweb-edu", "data.streaming=true"])
-    src = open_source(cfg.data)
-    assert src.fingerprint() == open_source(cfg.data).fingerprint()
-    other = load_config(None, ["data.source=hf:HuggingFaceFW/fineweb-edu", "data.hf_config=x"])
-    assert open_source(other.data).fingerprint() != src.fingerprint()
+    """Offline, from the settings alone: each setting that picks other rows changes it."""
+    base = ["data.source=hf:HuggingFaceFW/fineweb-edu", "data.streaming=true"]
+    fingerprint = open_source(load_config(None, base).data).fingerprint()
+    changes = ["data.hf_config=x", "data.hf_split=validation", "data.hf_revision=abc123"]
+    changes += ["data.text_field=content", "data.source=hf:HuggingFaceFW/fineweb"]
+    for change in changes:
+        other = open_source(load_config(None, [*base, change]).data).fingerprint()
+        assert other != fingerprint, change

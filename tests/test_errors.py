@@ -102,9 +102,10 @@ CASES = [
     (
         "hub dataset offline",
         ["prepare", TINY, *s("data.source=hf:no-such-org/no-such-set", "data.dir=d")],
-        "no-such-org/no-such-set",
+        "data.source='hf:no-such-org/no-such-set' (data.hf_config=None, data.hf_split='train') "
+        "could not be opened",
     ),
-    ("memory units", ["estimate", TINY, "--fit", "80 parsecs"], "GiB"),
+    ("memory units", ["estimate", TINY, "--fit", "80 parsecs"], "'80 parsecs' is not understood"),
     ("impossible fit", ["estimate", TINY, "--fit", "1KiB"], "nothing fits in"),
     (
         "train --fit that nothing meets",

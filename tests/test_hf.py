@@ -607,6 +607,7 @@ def test_lm_eval_sees_our_loglikelihoods(run_dir, ours, monkeypatch):
         log_samples=True,
     )
     model, tok = ours
+    assert len(out["samples"][TASK]) == 4
     for sample in out["samples"][TASK]:
         doc = sample["doc"]
         theirs = [resp[0] for resp in sample["filtered_resps"]]

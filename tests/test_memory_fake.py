@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from scale_llm.config import load_config, with_changes
+from scale_llm.errors import UserError
 from scale_llm.memory.fake import format_trace, trace_step
 
 
@@ -50,5 +51,5 @@ def test_fsdp2_at_8_fake_ranks_holds_an_eighth_of_the_states():
 
 def test_deepspeed_is_refused_with_the_fix():
     cfg = load_config("yaml/tiny-deepspeed.yaml")
-    with pytest.raises(Exception, match="parallel.backend=fsdp"):
+    with pytest.raises(UserError, match="parallel.backend=fsdp"):
         trace_step(cfg, world_size=2)

@@ -200,9 +200,8 @@ def test_documents_are_split_by_id_not_by_position():
     docs = [Document(f"file{i}.txt", "x") for i in range(2000)]
     val = [d for d in docs if encode_mod.is_val_document(d.doc_id, 0.1)]
     assert 150 < len(val) < 250
-    assert encode_mod.is_val_document("file7.txt", 0.1) == encode_mod.is_val_document(
-        "file7.txt", 0.1
-    )
+    # pinned: the split of a document never changes (between processes, Python's hash() would)
+    assert [d.doc_id for d in val[:2]] == ["file33.txt", "file56.txt"]
 
 
 def _children(pid: int) -> list[int]:

@@ -18,6 +18,7 @@ import torch
 from scale_llm.cli import main
 from scale_llm.components.checkpoint import write_integrity
 from scale_llm.components.serialization import (
+    DamagedCheckpoint,
     UnsafeCheckpoint,
     guard_deepspeed_reader,
     load_file,
@@ -176,7 +177,7 @@ def test_metadata_pointing_outside_the_checkpoint_is_refused(run_copy):
     info = next(iter(md.storage_data.values()))
     info.relative_path = "../../../etc/passwd"
     path.write_bytes(pickle.dumps(md))
-    with pytest.raises(Exception, match="leaves the checkpoint"):
+    with pytest.raises(DamagedCheckpoint, match="leaves the checkpoint"):
         read_dcp_metadata(path)
 
 
