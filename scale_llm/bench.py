@@ -6,6 +6,7 @@ checkpointing) on random tokens, and reports tokens/s, ms per step, MFU and peak
 `--reference gpt2` against a bare loop over a GPT-2-style model of the same widths (LayerNorm,
 learned positions, 4d GELU MLP: what the lean single-file trainers run), compared per FLOP;
 `--reference eager` the framework's step compiled (`train.compile`) against the same step eager;
+`--reference scaling` (under torchrun) the step of N processes against one of them alone;
 `--sweep` tabulates micro-batch x checkpointing x compile against the memory estimate.
 """
 
@@ -199,7 +200,10 @@ def bench_reference(
     weights and batches): what compiling buys on this machine (< 0: compiled is faster). One
     process only."""
     if plan.world_size != 1:
-        raise UserError("bench --reference compares one process; launch it without torchrun")
+        raise UserError(
+            f"bench --reference {kind} compares one process; launch it without torchrun (under "
+            f"torchrun, --reference scaling times the processes together against one alone)"
+        )
     if kind not in REFERENCES:
         raise UserError(f"bench --reference {kind}: use {', '.join(REFERENCES)} (bare: default)")
     if kind == "eager":
@@ -327,6 +331,101 @@ def interleaved_times(
             synchronize(device)
             times[name].append((time.perf_counter() - start) / steps)
     return times
+
+
+# ----------------------------------------------------------------------------- --reference scaling
+
+
+def bench_scaling(
+    cfg: Config, plan: RunPlan, steps: int = 10, warmup: int = 3, rounds: int = 5
+) -> dict[str, Any]:
+    """Weak scaling of this launch: its optimizer step on all N ranks (the plan's backend, each
+    rank its own micro-batches) against the same per-rank step on rank 0 alone (the one-process
+    backend on the same device; the other ranks wait), interleaved, best of `rounds`.
+
+    Efficiency = step time alone / step time together = tokens/s of the N ranks over N times
+    the tokens/s of one (1.0: the N ranks lose nothing to communication or to each other), with
+    the median of the rounds' pairs and its bootstrap 95% interval. Rank 0 holds both models."""
+    import torch.distributed as dist
+
+    if plan.world_size < 2:
+        raise UserError(SCALING_NEEDS_A_WORLD)
+    device, m = plan.device, cfg.model
+    fresh_start(device)
+    backend = build_backend(cfg, plan)
+    model = build_model(m)
+    flops_per_token = model.flops_per_token()
+    together = backend.setup(model)
+    backend.set_lr(cfg.train.lr)
+    alone_backend = alone = None
+    if plan.is_main:
+        solo = dataclasses.replace(plan, backend="single", world_size=1, dp_degree=1)
+        alone_backend = build_backend(cfg, solo)
+        alone = alone_backend.setup(build_model(m))  # the same seeded weights
+        alone_backend.set_lr(cfg.train.lr)
+    gen = torch.Generator(device=device).manual_seed(cfg.run.seed + plan.rank)
+    shape = (plan.micro_batch_size * plan.grad_accum, m.seq_len + 1)
+    tokens = torch.randint(0, m.vocab_size, shape, generator=gen, device=device)
+    batches = [(b[:, :-1], b[:, 1:]) for b in tokens.split(plan.micro_batch_size)]
+
+    def run(name: str) -> torch.Tensor | None:
+        if name == "together":
+            return optimizer_step(backend, together, batches)[0]
+        return optimizer_step(alone_backend, alone, batches)[0] if plan.is_main else None
+
+    first = {name: run(name) for name in ("together", "alone")}  # same weights, same batch
+    for _ in range(warmup):
+        run("together"), run("alone")
+    times: dict[str, list[float]] = {"together": [], "alone": []}
+    for r in range(rounds):
+        for name in ("together", "alone") if r % 2 == 0 else ("alone", "together"):
+            dist.barrier()  # all start together; during "alone" the others wait here
+            synchronize(device)
+            start = time.perf_counter()
+            for _ in range(steps):
+                loss = run(name)
+            if loss is not None:
+                loss.item()
+            synchronize(device)
+            times[name].append((time.perf_counter() - start) / steps)
+    dist.barrier()
+    best = {name: min(seconds) for name, seconds in times.items()}
+    paired = [a / t for a, t in zip(times["alone"], times["together"])]
+    low, high = median_interval(paired)
+    per_rank = plan.tokens_per_step_per_rank
+    result: dict[str, Any] = {
+        "reference": "scaling",
+        "backend": plan.backend,
+        "world_size": plan.world_size,
+        "device": str(device),
+        "precision": plan.precision,
+        "compile": cfg.train.compile,
+        "activation_checkpointing": cfg.activation_checkpointing.mode,
+        "tokens_per_step_per_rank": per_rank,
+        "first_loss_together": first["together"].item(),
+        "first_loss_alone": first["alone"].item() if plan.is_main else None,
+        "ms_per_step_together": best["together"] * 1e3,
+        "ms_per_step_alone": best["alone"] * 1e3,
+        "tokens_per_s_together": plan.world_size * per_rank / best["together"],
+        "tokens_per_s_alone": per_rank / best["alone"],
+        "scaling_efficiency": best["alone"] / best["together"],
+        "scaling_efficiency_median_of_rounds": statistics.median(paired),
+        "scaling_efficiency_median_low95": low,
+        "scaling_efficiency_median_high95": high,
+        "rounds": rounds,
+        "steps_per_round": steps,
+    }
+    peak = peak_flops(device, plan.precision, cfg.logging.peak_tflops)
+    if peak:
+        result["mfu_together"] = flops_per_token * per_rank / best["together"] / peak
+    return result
+
+
+SCALING_NEEDS_A_WORLD = (
+    "bench --reference scaling times this launch's processes together against one of them "
+    "alone: start it with 2 or more, e.g. `torchrun --nproc_per_node 2 -m scale_llm bench "
+    "CONFIG --reference scaling`"
+)
 
 
 # ----------------------------------------------------------------------------- --sweep

@@ -181,10 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--reference",
         nargs="?",
         const="bare",
-        choices=["bare", "gpt2", "eager"],
+        choices=["bare", "gpt2", "eager", "scaling"],
         help="time the framework's step against a bare PyTorch loop of the same model (bare), "
         "of a GPT-2-style model of the same widths (gpt2), or compiled against eager (eager), "
-        "interleaved, best of --rounds, with the median of the rounds' pairs",
+        "or, under torchrun, the step of every process against one of them alone (scaling: "
+        "weak-scaling efficiency); interleaved, best of --rounds, with the median of the "
+        "rounds' pairs",
     )
     p.add_argument("--rounds", type=int, default=5, help="--reference: timed rounds of each")
     p.add_argument(
@@ -485,7 +487,13 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     import json
 
-    from scale_llm.bench import bench, bench_reference, bench_sweep, markdown_table
+    from scale_llm.bench import (
+        bench,
+        bench_reference,
+        bench_scaling,
+        bench_sweep,
+        markdown_table,
+    )
 
     if args.roofline:
         from scale_llm.plan import launch_env, target_plan
@@ -504,6 +512,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         for name in backends:  # before any process group is started
             backend_changes(name, launch_env().world_size)
+    if args.reference == "scaling":
+        from scale_llm.bench import SCALING_NEEDS_A_WORLD
+        from scale_llm.plan import launch_env
+
+        if launch_env().world_size < 2:  # before any work
+            raise UserError(SCALING_NEEDS_A_WORLD)
     cfg, plan = start_distributed(args)
     if args.checkpoint_io:
         from scale_llm.bench import bench_checkpoint
@@ -532,7 +546,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if plan.is_main:
             print("\n".join(json.dumps(r) for r in rows) if args.json else markdown_table(rows))
         return 0
-    if args.reference:
+    if args.reference == "scaling":
+        result = bench_scaling(cfg, plan, args.steps, args.warmup, args.rounds)
+    elif args.reference:
         result = bench_reference(
             cfg, plan, args.steps, args.warmup, args.rounds, kind=args.reference
         )
@@ -543,8 +559,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
     else:
+        width = max(map(len, result))
         for key, value in result.items():
-            print(f"{key:>26}: {value:,.4g}" if isinstance(value, float) else f"{key:>26}: {value}")
+            shown = f"{value:,.4g}" if isinstance(value, float) else value
+            print(f"{key:>{width}}: {shown}")
     return 0
 
 

@@ -108,6 +108,11 @@ CASES = [
     ("memory units", ["estimate", TINY, "--fit", "80 parsecs"], "'80 parsecs' is not understood"),
     ("impossible fit", ["estimate", TINY, "--fit", "1KiB"], "nothing fits in"),
     (
+        "scaling in one process",
+        ["bench", TINY, "--reference", "scaling"],
+        "alone: start it with 2 or more",
+    ),
+    (
         "train --fit that nothing meets",
         ["train", TINY, *s("data.dir=DATA", "model.vocab_size=512"), "--fit", "1KiB"],
         "nothing fits in 0.00 GiB per GPU, with backend single as launched",
