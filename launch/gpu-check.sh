@@ -5,11 +5,14 @@
 #   (b) a sweep of 400m.yaml: micro-batch x checkpointing, compiled, vs the memory estimate
 #   (c) the framework's step vs a bare PyTorch loop
 #   (d) the headline row under FSDP2 in a world of one (bf16 parameters, fp32 master shards)
+#   (e) with 2+ GPUs: the headline row's DDP step on 2 GPUs against 1 alone (weak scaling)
 # Writes OUT_DIR/report.json and OUT_DIR/report.md (record the tables in docs/benchmarks.md).
 #   bash launch/gpu-check.sh [OUT_DIR] [--steps N] [--budget-min M] [--only curves,sweep,...]
 #                            [--scratch DIR] [--set key=value ...]
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
+# the check runs on one GPU; its scaling item starts 2 processes where the machine has 2 GPUs
+export SCALE_LLM_CHECK_NGPU="$gpus" SCALE_LLM_CHECK_VISIBLE="${CUDA_VISIBLE_DEVICES:-}"
 export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}"  # one GPU
 export OMP_NUM_THREADS="${SCALE_LLM_CHECK_THREADS:-$(nproc)}"  # one process: every core
 # GPUs that this Python's torch cannot use (a CPU build found first): stop, rather than spend a

@@ -9,9 +9,11 @@ On one GPU, in a few minutes, in this order (the most telling numbers first):
   (c) reference: the headline layout's step against a bare PyTorch loop of the same model;
   (d) parameter dtype: the same under FSDP2 at world size 1 (bf16 parameters, fp32 master
       weights) against (b)'s first row (fp32 parameters under autocast);
+  (e) scaling: on a machine with two or more GPUs, the headline layout's DDP step on two
+      against one of them alone (`bench --reference scaling`, a torchrun launch of its own);
   then the rest of (b): micro-batch 8 and 32, full and selective checkpointing.
-Without a GPU the same runs on the CPU at tiny size (fp32, eager and compiled), which is how the
-test suite runs it.
+Without a GPU the same runs on the CPU at tiny size (fp32, eager and compiled; (e) on two CPU
+processes), which is how the test suite runs it.
 
 Every item is tried on its own: one that fails records its error and the rest go on, and the
 report (OUT_DIR/report.json, report.md, with the whole log in check.log) is rewritten after each,
@@ -25,7 +27,10 @@ import contextlib
 import functools
 import json
 import logging
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -37,7 +42,7 @@ import torch
 
 from scale_llm.bench import bench_reference, bench_sweep, fresh_start, markdown_table
 from scale_llm.components.distributed import shutdown_distributed
-from scale_llm.config import Config, load_config, with_changes
+from scale_llm.config import Config, load_config, save_config, with_changes
 from scale_llm.data.prepare import prepare
 from scale_llm.data.shards import write_atomic
 from scale_llm.plan import Launch, resolve_plan
@@ -50,7 +55,7 @@ TOLERANCE = {"fp32": 1e-3, "bf16": 5e-2, "fp16": 5e-2}  # |step-1 loss - CPU fp3
 GPU_SWEEP = [(16, "none", True), (16, "none", False), (8, "none", True), (32, "none", True)]
 GPU_SWEEP += [(16, "full", True), (16, "selective", True)]
 CPU_SWEEP = [(8, "none", False), (4, "none", False), (8, "full", False), (4, "full", False)]
-SECTIONS = frozenset({"curves", "sweep", "reference", "param_dtype"})
+SECTIONS = frozenset({"curves", "sweep", "reference", "param_dtype", "scaling"})
 
 
 def default_scratch() -> Path:
@@ -136,6 +141,9 @@ def run_check(
             report.attempt("reference", "bare loop", lambda: reference_row(ref))
         if "param_dtype" in wanted:
             report.attempt("param_dtype", "fsdp, world size 1", lambda: fsdp_row(ref))
+        if "scaling" in wanted:
+            label = "ddp, 2 processes vs 1"
+            report.attempt("scaling", label, lambda: scaling_row(ref, scratch, cuda))
         for mb, mode, compiled in rows[2:]:  # the other layouts, while the budget lasts
             sweep(report, big, mb, mode, compiled)
         report.save()
@@ -247,6 +255,33 @@ def fsdp_row(cfg: Config) -> dict[str, Any]:
         shutdown_distributed()
 
 
+def scaling_row(cfg: Config, scratch: Path, cuda: bool) -> dict[str, Any]:
+    """The headline layout's DDP step on two processes against one of them alone, in a torchrun
+    launch of its own: two GPUs (gpu-check.sh keeps one visible to the check itself and says
+    how many the machine has), or two CPU processes without a GPU."""
+    env = dict(os.environ)
+    if cuda:
+        visible = env.pop("SCALE_LLM_CHECK_VISIBLE", "")  # as the user had it, else all
+        gpus = len(visible.split(",")) if visible else int(env.get("SCALE_LLM_CHECK_NGPU") or 0)
+        gpus = gpus or torch.cuda.device_count()  # (run without gpu-check.sh)
+        if gpus < 2:
+            return {"skipped": f"{gpus} GPU here: run it where there are two or more"}
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+        if visible:
+            env["CUDA_VISIBLE_DEVICES"] = visible
+    env["OMP_NUM_THREADS"] = str(max(1, torch.get_num_threads() // 2))  # the check's cores
+    path = scratch / "scaling.yaml"
+    save_config(with_changes(cfg, {"parallel.backend": "ddp"}), path)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += ["-m", "scale_llm", "bench", str(path), "--reference", "scaling", "--json"]
+    cmd += ["--steps", "3", "--warmup", "2", "--rounds", "3"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not rows:
+        raise RuntimeError(f"bench --reference scaling: rc {proc.returncode}: {proc.stderr[-800:]}")
+    return json.loads(rows[-1])
+
+
 @contextlib.contextmanager
 def _log_to(path: Path) -> Iterator[None]:
     """The whole check's log (INFO and up) in `path` too: a remote run returns only the tail
@@ -300,6 +335,8 @@ def markdown_report(report: dict[str, Any]) -> str:
     lines += [_reference_line(r) for r in report.get("reference", [])]
     lines += ["", "## (d) parameter dtype: FSDP2 at world size 1 vs the sweep's first row", ""]
     lines += [_fsdp_line(r, sweep[0] if sweep else {}) for r in report.get("param_dtype", [])]
+    lines += ["", "## (e) two processes against one alone (weak scaling)", ""]
+    lines += [_scaling_line(r) for r in report.get("scaling", [])]
     if report["errors"]:
         lines += ["", "## Errors (the whole tracebacks are in check.log)", ""]
         lines += [f"- {e}" for e in report["errors"]]
@@ -336,6 +373,20 @@ def _fsdp_line(r: dict[str, Any], single: dict[str, Any]) -> str:
     if "ms_per_step" in single and single.get("micro_batch") == r["micro_batch"]:
         line += f"; single (fp32 parameters{', autocast' if mixed else ''}): {_ms_and_peak(single)}"
     return line
+
+
+def _scaling_line(r: dict[str, Any]) -> str:
+    if "scaling_efficiency" not in r:
+        return f"{r['label']}: {_why_none(r)}"
+    return (
+        f"{r['backend']}, {r['world_size']} processes: {r['ms_per_step_together']:.1f} ms/step "
+        f"together, {r['ms_per_step_alone']:.1f} alone: efficiency "
+        f"{r['scaling_efficiency']:.3f} (median of the rounds' pairs "
+        f"{r['scaling_efficiency_median_of_rounds']:.3f}, 95% interval "
+        f"[{r['scaling_efficiency_median_low95']:.3f}, "
+        f"{r['scaling_efficiency_median_high95']:.3f}]; {r['tokens_per_s_together']:,.0f} "
+        f"tokens/s, {r['precision']}, compile {r['compile']})"
+    )
 
 
 def _ms_and_peak(r: dict[str, Any]) -> str:

@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--only",
         metavar="SECTIONS",
-        help="a comma list of curves, sweep, reference, param_dtype (default: all)",
+        help="a comma list of curves, sweep, reference, param_dtype, scaling (default: all)",
     )
 
     p = sub.add_parser("convert", help="write a checkpoint as one consolidated fp32 file")

@@ -102,8 +102,18 @@ def test_the_gpu_check_runs_on_the_cpu_and_writes_its_report(data_dir, corpus_di
     )
     (fsdp,) = report["param_dtype"]  # FSDP2 in a world of one, beside the sweep's first row
     assert fsdp["backend"] == "fsdp" and fsdp["micro_batch"] == report["sweep"][0]["micro_batch"]
+    (scaling,) = report["scaling"]  # two CPU processes against one alone
+    assert scaling["world_size"] == 2 and scaling["backend"] == "ddp"
+    assert scaling["first_loss_together"] == scaling["first_loss_alone"]
+    per_rank = scaling["tokens_per_step_per_rank"]
+    assert per_rank == report["sweep"][0]["micro_batch"] * 32
+    ratio = scaling["ms_per_step_alone"] / scaling["ms_per_step_together"]
+    assert scaling["scaling_efficiency"] == pytest.approx(ratio) and 0 < ratio < 5
+    together = scaling["tokens_per_s_together"]
+    assert together == pytest.approx(2e3 * per_rank / scaling["ms_per_step_together"])
     md = (out / "report.md").read_text()
-    for section in ("(a) tiny.yaml curves", "(b) sweep", "(c) the framework", "(d) parameter"):
+    sections = ["(a) tiny.yaml curves", "(b) sweep", "(c) the framework", "(d) parameter"]
+    for section in [*sections, "(e) two processes against one alone"]:
         assert section in md
     assert "fsdp (fp32 parameters): " in md and "; single (fp32 parameters): " in md
     assert json.loads((out / "report.json").read_text())["ok"]
@@ -114,6 +124,21 @@ def test_the_gpu_check_runs_on_the_cpu_and_writes_its_report(data_dir, corpus_di
     assert (tmp_path / "scratch" / "runs" / "check-cpu-fp32-eager").is_dir()
     again = run_check(out, steps=3, overrides=small, scratch=tmp_path / "scratch", only={"curves"})
     assert again["ok"] and len(again["curves"]) == 2, (again["errors"], again["curves"])
+
+
+def test_the_checks_scaling_item_counts_the_gpus_the_user_left_visible(tmp_path, monkeypatch):
+    """gpu-check.sh shows the check one GPU and says how many there were: with one (or one
+    left visible of eight) the scaling item says why it has no figure, before any launch."""
+    from scale_llm.check import scaling_row
+    from scale_llm.config import load_config
+
+    cfg = load_config("tiny")
+    for visible, ngpu in [("", "1"), ("3", "8")]:
+        monkeypatch.setenv("SCALE_LLM_CHECK_VISIBLE", visible)
+        monkeypatch.setenv("SCALE_LLM_CHECK_NGPU", ngpu)
+        row = scaling_row(cfg, tmp_path, cuda=True)
+        assert row == {"skipped": "1 GPU here: run it where there are two or more"}
+    assert not (tmp_path / "scaling.yaml").exists()
 
 
 def test_a_check_item_that_fails_or_starts_late_is_reported_and_the_rest_go_on(tmp_path):

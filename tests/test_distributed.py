@@ -265,22 +265,6 @@ def test_bench_sweeps_the_backends_of_one_two_rank_launch(tmp_path):
     assert fsdp < ddp < zero2
 
 
-def test_bench_times_two_ranks_together_against_one_alone(tmp_path):
-    """`bench --reference scaling` under torchrun: the DDP step of both ranks against rank 0's
-    step alone on the same weights and batch (the same first loss), with the efficiency."""
-    cmd = torchrun(2, *sets(*TINY_MODEL, "train.precision=fp32", "train.device=cpu"))
-    cmd[cmd.index("train")] = "bench"
-    cmd += ["--reference", "scaling", "--steps", "1", "--warmup", "1", "--rounds", "2", "--json"]
-    out = run(cmd, cwd=tmp_path).stdout.splitlines()
-    (r,) = [json.loads(line) for line in out if line.startswith("{")]  # rank 0 prints
-    assert r["backend"] == "ddp" and r["world_size"] == 2 and r["rounds"] == 2
-    assert r["first_loss_together"] == r["first_loss_alone"]
-    ratio = r["ms_per_step_alone"] / r["ms_per_step_together"]
-    assert r["scaling_efficiency"] == pytest.approx(ratio) and 0 < ratio < 5
-    per_rank = r["tokens_per_step_per_rank"]
-    assert r["tokens_per_s_together"] == pytest.approx(2e3 * per_rank / r["ms_per_step_together"])
-
-
 def test_2xh100_launcher_runs_two_cpu_processes(data_dir, corpus_dir, tmp_path):
     """The one-process default config under the 2-process launcher: backend auto -> ddp. Its
     prepare step runs (up to date here) on the same arguments as train, train's flags too."""

@@ -179,7 +179,8 @@ CASES = [
     (
         "a check of an unknown section",
         ["check", "out", "--only", "sweep,curve"],
-        "--only curve: not a section of the check; use curves, param_dtype, reference, sweep",
+        "--only curve: not a section of the check; use curves, param_dtype, reference, "
+        "scaling, sweep",
     ),
 ]
 
