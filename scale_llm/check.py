@@ -269,6 +269,7 @@ def scaling_row(cfg: Config, scratch: Path, cuda: bool) -> dict[str, Any]:
         env.pop("CUDA_VISIBLE_DEVICES", None)
         if visible:
             env["CUDA_VISIBLE_DEVICES"] = visible
+        fresh_start(torch.device("cuda"))  # rank 0 shares this process's GPU: hold nothing
     env["OMP_NUM_THREADS"] = str(max(1, torch.get_num_threads() // 2))  # the check's cores
     path = scratch / "scaling.yaml"
     save_config(with_changes(cfg, {"parallel.backend": "ddp"}), path)
