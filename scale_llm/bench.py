@@ -345,7 +345,9 @@ def bench_scaling(
 
     Efficiency = step time alone / step time together = tokens/s of the N ranks over N times
     the tokens/s of one (1.0: the N ranks lose nothing to communication or to each other), with
-    the median of the rounds' pairs and its bootstrap 95% interval. Rank 0 holds both models."""
+    the median of the rounds' pairs and its bootstrap 95% interval. Rank 0 holds both models.
+    Under DDP both compute the same (equal first losses); FSDP2's and DeepSpeed's bf16
+    parameters are their own arithmetic next to the one-process backend's autocast."""
     import torch.distributed as dist
 
     if plan.world_size < 2:
@@ -360,7 +362,11 @@ def bench_scaling(
     alone_backend = alone = None
     if plan.is_main:
         solo = dataclasses.replace(plan, backend="single", world_size=1, dp_degree=1)
-        alone_backend = build_backend(cfg, solo)
+        solo_cfg = cfg
+        if plan.backend == "deepspeed" and cfg.parallel.deepspeed.zero_stage == 3:
+            solo_cfg = with_changes(cfg, {"train.compile": False})  # ZeRO-3's blocks run eager
+        alone_backend = build_backend(solo_cfg, solo)
+        alone_backend.loss_fn = backend.loss_fn  # (compiled with train.compile)
         alone = alone_backend.setup(build_model(m))  # the same seeded weights
         alone_backend.set_lr(cfg.train.lr)
     gen = torch.Generator(device=device).manual_seed(cfg.run.seed + plan.rank)

@@ -261,26 +261,49 @@ def scaling_row(cfg: Config, scratch: Path, cuda: bool) -> dict[str, Any]:
     how many the machine has), or two CPU processes without a GPU."""
     env = dict(os.environ)
     if cuda:
-        visible = env.pop("SCALE_LLM_CHECK_VISIBLE", "")  # as the user had it, else all
-        gpus = len(visible.split(",")) if visible else int(env.get("SCALE_LLM_CHECK_NGPU") or 0)
-        gpus = gpus or torch.cuda.device_count()  # (run without gpu-check.sh)
+        gpus = torch.cuda.device_count()  # run directly: the GPUs the user left visible
+        if "SCALE_LLM_CHECK_VISIBLE" in env:  # gpu-check.sh: the GPUs before it kept one
+            visible = env.pop("SCALE_LLM_CHECK_VISIBLE")  # (empty: all of them)
+            env.pop("CUDA_VISIBLE_DEVICES", None)
+            if visible:
+                env["CUDA_VISIBLE_DEVICES"] = visible
+            listed = int(env.get("SCALE_LLM_CHECK_NGPU") or 0) or gpus  # (nvidia-smi's count)
+            gpus = len(visible.split(",")) if visible else listed
         if gpus < 2:
-            return {"skipped": f"{gpus} GPU here: run it where there are two or more"}
-        env.pop("CUDA_VISIBLE_DEVICES", None)
-        if visible:
-            env["CUDA_VISIBLE_DEVICES"] = visible
+            return {"skipped": f"{gpus} GPU(s) here: run it where there are two or more"}
         fresh_start(torch.device("cuda"))  # rank 0 shares this process's GPU: hold nothing
     env["OMP_NUM_THREADS"] = str(max(1, torch.get_num_threads() // 2))  # the check's cores
+    scratch.mkdir(parents=True, exist_ok=True)
     path = scratch / "scaling.yaml"
     save_config(with_changes(cfg, {"parallel.backend": "ddp"}), path)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     cmd += ["-m", "scale_llm", "bench", str(path), "--reference", "scaling", "--json"]
     cmd += ["--steps", "3", "--warmup", "2", "--rounds", "3"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not rows:
-        raise RuntimeError(f"bench --reference scaling: rc {proc.returncode}: {proc.stderr[-800:]}")
+    rc, out, err = _run_stoppable(cmd, env, timeout=SCALING_TIMEOUT_S)
+    rows = [line for line in out.splitlines() if line.startswith("{")]
+    if rc != 0 or not rows:
+        raise RuntimeError(f"bench --reference scaling: rc {rc}: {err[-800:]}")
     return json.loads(rows[-1])
+
+
+SCALING_TIMEOUT_S = 1200
+
+
+def _run_stoppable(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int, str, str]:
+    """Run a torchrun launch; past `timeout`, SIGTERM first (torchrun stops its workers, which
+    run in sessions of their own and would outlive a SIGKILL holding the GPUs), then kill."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+        raise RuntimeError(f"no result in {timeout:.0f} s: stopped") from None
+    return proc.returncode, out, err
 
 
 @contextlib.contextmanager

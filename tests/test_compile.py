@@ -5,6 +5,9 @@ backend, fp32, the tiny model; one compile is shared by every test here (same co
 from __future__ import annotations
 
 import json
+import os
+import sys
+import time
 
 import pytest
 import torch
@@ -137,8 +140,28 @@ def test_the_checks_scaling_item_counts_the_gpus_the_user_left_visible(tmp_path,
         monkeypatch.setenv("SCALE_LLM_CHECK_VISIBLE", visible)
         monkeypatch.setenv("SCALE_LLM_CHECK_NGPU", ngpu)
         row = scaling_row(cfg, tmp_path, cuda=True)
-        assert row == {"skipped": "1 GPU here: run it where there are two or more"}
+        assert row == {"skipped": "1 GPU(s) here: run it where there are two or more"}
+    monkeypatch.delenv("SCALE_LLM_CHECK_VISIBLE")  # run without gpu-check.sh: torch's count
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert scaling_row(cfg, tmp_path, cuda=True)["skipped"].startswith("1 GPU(s) here")
     assert not (tmp_path / "scaling.yaml").exists()
+
+
+def test_a_launch_past_its_time_is_stopped_with_sigterm_first(tmp_path):
+    """torchrun's workers run in sessions of their own: a SIGKILL to torchrun would leave them
+    holding the GPUs. Past its time the launch gets SIGTERM (torchrun stops its workers)."""
+    from scale_llm.check import _run_stoppable
+
+    termed = tmp_path / "termed"
+    code = "import pathlib, signal, sys, time\n"
+    code += "def on_term(*_):\n"
+    code += f"    pathlib.Path({str(termed)!r}).touch()\n"
+    code += "    sys.exit(7)\n"
+    code += "signal.signal(signal.SIGTERM, on_term)\ntime.sleep(60)\n"
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match="no result in 4 s: stopped"):  # (ample to start)
+        _run_stoppable([sys.executable, "-c", code], dict(os.environ), timeout=4)
+    assert termed.exists() and time.perf_counter() - start < 30
 
 
 def test_a_check_item_that_fails_or_starts_late_is_reported_and_the_rest_go_on(tmp_path):
