@@ -316,13 +316,16 @@ def median_interval(
 
 
 def interleaved_times(
-    fns: dict[str, Any], rounds: int, steps: int, device: torch.device
+    fns: dict[str, Any], rounds: int, steps: int, device: torch.device, before=None
 ) -> dict[str, list[float]]:
     """Seconds per step of each function in each round: `steps` steps each, in turn, the order
-    reversed every other round (so neither always runs on the other's leftovers)."""
+    reversed every other round (so neither always runs on the other's leftovers); `before` is
+    called ahead of each timed run (scaling: a barrier)."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     for r in range(rounds):
         for name in list(fns) if r % 2 == 0 else list(fns)[::-1]:
+            if before is not None:
+                before()
             synchronize(device)
             start = time.perf_counter()
             for _ in range(steps):
@@ -374,26 +377,19 @@ def bench_scaling(
     tokens = torch.randint(0, m.vocab_size, shape, generator=gen, device=device)
     batches = [(b[:, :-1], b[:, 1:]) for b in tokens.split(plan.micro_batch_size)]
 
-    def run(name: str) -> torch.Tensor | None:
-        if name == "together":
-            return optimizer_step(backend, together, batches)[0]
-        return optimizer_step(alone_backend, alone, batches)[0] if plan.is_main else None
+    idle = torch.zeros((), device=device)
 
-    first = {name: run(name) for name in ("together", "alone")}  # same weights, same batch
+    def run_together() -> torch.Tensor:
+        return optimizer_step(backend, together, batches)[0]
+
+    def run_alone() -> torch.Tensor:  # the other ranks: nothing (they wait at the barrier)
+        return optimizer_step(alone_backend, alone, batches)[0] if plan.is_main else idle
+
+    first = {"together": run_together(), "alone": run_alone()}  # same weights, same batch
     for _ in range(warmup):
-        run("together"), run("alone")
-    times: dict[str, list[float]] = {"together": [], "alone": []}
-    for r in range(rounds):
-        for name in ("together", "alone") if r % 2 == 0 else ("alone", "together"):
-            dist.barrier()  # all start together; during "alone" the others wait here
-            synchronize(device)
-            start = time.perf_counter()
-            for _ in range(steps):
-                loss = run(name)
-            if loss is not None:
-                loss.item()
-            synchronize(device)
-            times[name].append((time.perf_counter() - start) / steps)
+        run_together(), run_alone()
+    fns = {"together": run_together, "alone": run_alone}
+    times = interleaved_times(fns, rounds, steps, device, before=dist.barrier)
     dist.barrier()
     best = {name: min(seconds) for name, seconds in times.items()}
     paired = [a / t for a, t in zip(times["alone"], times["together"])]
