@@ -512,12 +512,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         for name in backends:  # before any process group is started
             backend_changes(name, launch_env().world_size)
-    if args.reference == "scaling":
-        from scale_llm.bench import SCALING_NEEDS_A_WORLD
-        from scale_llm.plan import launch_env
-
-        if launch_env().world_size < 2:  # before any work
-            raise UserError(SCALING_NEEDS_A_WORLD)
     cfg, plan = start_distributed(args)
     if args.checkpoint_io:
         from scale_llm.bench import bench_checkpoint
