@@ -10,6 +10,7 @@ checkpointing, so the same 8 sequences make each step. Clipping is active (max n
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -187,6 +188,36 @@ def test_mixed_precision_follows_the_fp32_curve(backend, precision, runs, refere
     diff = assert_same_curve(rows, reference, 3e-2, grad_tol=1e-1)
     print(f"\n{precision} {backend}: max |diff| vs fp32 single = {diff:.1e}")
     assert rows[STEPS]["skipped_steps"] == 0  # fp16: the GradScaler found no overflow here
+
+
+def test_a_step_made_nan_on_one_rank_is_skipped_by_every_rank_of_every_backend(data_dir, tmp_path):
+    """Steps 2 and 4 (of 4) have a NaN loss on rank 1 only; the reduction carries it to rank 0.
+    Every backend skips both steps on both ranks (DeepSpeed's ZeRO-0 in fp32, whose engine
+    hands the step to the plain optimizer, applied the NaN update before), so step 3's loss is
+    finite and the same on every backend; both are counted on both ranks; and the final
+    checkpoint, due on the skipped step 4, is written."""
+    cases = {b: BACKENDS[b] for b in ("ddp", "fsdp", "zero0", "zero2", "zero3")}
+    settings = [
+        *common(data_dir, tmp_path, "unused")[1::2],  # the values of its --set pairs
+        "train.micro_batch_size=2",
+        "checkpoint.every=0",
+        "eval.every=0",
+    ]
+    out = tmp_path / "seen.json"
+    script = str(REPO / "tests" / "poison_world.py")
+    cmd = [*torchrun(2, "x")[:5], script, str(out), *map(json.dumps, (settings, cases, [1, 3]))]
+    run(cmd, cwd=tmp_path)
+    seen = json.loads(out.read_text())
+    assert list(seen) == list(cases)
+    step3 = seen["ddp"][0]["losses"]["3"]
+    for name, ranks in seen.items():
+        for rank, r in enumerate(ranks):
+            where = f"{name} rank {rank}"
+            assert r["skipped"] == 2, where
+            assert not any(math.isfinite(r["grad_norms"][s]) for s in ("2", "4")), where
+            assert math.isfinite(r["losses"]["3"]), where
+            assert r["losses"]["3"] == pytest.approx(step3, abs=TOL), where
+            assert r["checkpoint"] == f"step_{STEPS:08d}", where
 
 
 def test_only_rank_0_logs_info(runs, data_dir):

@@ -142,10 +142,19 @@ def test_non_finite_step_is_skipped_and_counted(data_dir, tmp_path, precision):
 
 
 def test_a_run_of_bad_steps_stops_with_causes_and_the_last_good_checkpoint(data_dir, tmp_path):
+    """Steps 5.. are poisoned: step 6's checkpoint is still written (a skipped step changes no
+    weight: it holds step 4's), and at 3 skipped in a row the run stops, naming it."""
+    from scale_llm.components.checkpoint import load_model_weights
+    from scale_llm.model import empty_state_dict
     from scale_llm.train.guards import TrainingDiverged
 
     tr = trainer(
-        data_dir, tmp_path, "train.max_steps=20", "train.max_bad_steps=3", "checkpoint.every=2"
+        data_dir,
+        tmp_path,
+        "train.max_steps=20",
+        "train.max_bad_steps=3",
+        "checkpoint.every=2",
+        "checkpoint.keep_last=3",
     )
     poison(tr, set(range(4, 20)))
     with pytest.raises(TrainingDiverged) as info:
@@ -153,9 +162,28 @@ def test_a_run_of_bad_steps_stops_with_causes_and_the_last_good_checkpoint(data_
     msg = str(info.value)
     assert "the last 3 optimizer steps had a non-finite loss" in msg
     assert "train.lr=" in msg and "train.precision=fp32" in msg and "data.dir=" in msg
-    assert "step_00000004" in msg  # the last good checkpoint
+    assert "step_00000006" in msg  # the last checkpoint: step 4's weights
     assert info.value.exit_code == 3
-    assert [s for s, _ in tr.checkpointer.complete()] == [2, 4]  # nothing saved after going bad
+    assert tr.step == 7
+    saved = dict(tr.checkpointer.complete())
+    assert sorted(saved) == [2, 4, 6]
+    four, six, two = (
+        load_model_weights(saved[s], empty_state_dict(tr.cfg.model)) for s in (4, 6, 2)
+    )
+    assert all(torch.equal(four[k], six[k]) for k in four)
+    assert not all(torch.equal(four[k], two[k]) for k in four)  # steps 3-4 did change them
+    assert all(torch.isfinite(v).all() for v in six.values())
+
+
+def test_a_checkpoint_due_on_a_skipped_step_is_written(data_dir, tmp_path):
+    """An fp16 overflow (or any skipped step) on the last step does not drop the final
+    checkpoint: it is written, with the weights of the step before."""
+    tr = trainer(data_dir, tmp_path, "train.max_steps=3")
+    poison(tr, {2})
+    result = tr.fit()
+    assert result.steps == 3 and int(tr.skipped_steps) == 1
+    assert result.checkpoint is not None and result.checkpoint.name == "step_00000003"
+    assert [s for s, _ in tr.checkpointer.complete()] == [3]
 
 
 def test_fp16_overflow_skips_the_step_and_counts_it(data_dir, tmp_path):
@@ -828,3 +856,22 @@ def test_a_cpu_run_keeps_the_memory_it_frees():
     kept, mapped, free, faults = probe(SCALE_LLM_CPU_MALLOC="system")
     assert kept == "False" and mapped >= 64 * mib and free < 64 * mib, (mapped, free)
     assert faults > 8 * 16_384 * 0.9, faults  # every one from fresh pages
+
+
+def test_running_out_of_device_memory_is_one_paragraph_with_the_ways_to_fit(data_dir, tmp_path):
+    """A device's out-of-memory error in a step becomes a UserError (no traceback) that says
+    what ran out, the estimate for these settings and the commands that fit them."""
+    tr = trainer(data_dir, tmp_path)
+
+    def out_of_memory():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nSECOND LINE")
+
+    tr.train_step = out_of_memory
+    with pytest.raises(UserError) as info:
+        tr.fit()
+    msg = str(info.value)
+    assert "rank 0 ran out of CPU memory in step 1 (CUDA out of memory. Tried to allocate" in msg
+    assert "SECOND LINE" not in msg  # the first line of torch's message only
+    assert f"`scale-llm estimate {tr.run_dir / 'config.yaml'} --fit SIZE`" in msg
+    assert "micro-batch 4 x seq_len" in msg and "train --fit auto" in msg
+    assert "activation_checkpointing.mode=full" in msg and "\n" not in msg

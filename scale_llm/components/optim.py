@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -38,21 +40,25 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, fused: bool = False) -> 
     )
 
 
-def step_if_finite(optimizer: torch.optim.Optimizer, norm: torch.Tensor) -> None:
+def step_if_finite(
+    optimizer: torch.optim.Optimizer, norm: torch.Tensor, step: Callable[[], Any] | None = None
+) -> None:
     """One optimizer step unless the gradient norm is not finite (the step is skipped).
 
     A fused optimizer gets the verdict as a device tensor and skips inside its kernel, as it
     does for a GradScaler: no host sync. Any other reads it (a host sync; free on the CPU).
+    `step` is the optimizer's own step method when its attribute has been replaced.
     """
+    step = optimizer.step if step is None else step
     if getattr(optimizer, "defaults", {}).get("fused"):
         optimizer.found_inf = (~torch.isfinite(norm)).float().reshape(())
         optimizer.grad_scale = None
         try:
-            optimizer.step()
+            step()
         finally:
             del optimizer.found_inf, optimizer.grad_scale
     elif torch.isfinite(norm):
-        optimizer.step()
+        step()
 
 
 # the keys lr_at reads: a resume that changes one of them may change the LR it continues with

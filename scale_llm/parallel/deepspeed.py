@@ -20,13 +20,14 @@ import json
 import logging
 import math
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from scale_llm.components.checkpoint import MODEL_WEIGHTS
-from scale_llm.components.optim import build_optimizer, param_groups
+from scale_llm.components.optim import build_optimizer, param_groups, step_if_finite
 from scale_llm.components.serialization import (
     guard_deepspeed_reader,
     hash_deepspeed_writes,
@@ -39,6 +40,17 @@ from scale_llm.parallel.ds_config import deepspeed_config
 
 log = logging.getLogger(__name__)
 TAG = "deepspeed"  # the engine's checkpoint folder inside each step_XXXXXXXX directory
+
+
+@contextlib.contextmanager
+def _step_only_if_finite(optimizer: torch.optim.Optimizer, norm: torch.Tensor) -> Iterator[None]:
+    """For the engine's step inside: `optimizer.step()` steps only when `norm` is finite."""
+    step = optimizer.step
+    optimizer.step = lambda *args, **kwargs: step_if_finite(optimizer, norm, step)
+    try:
+        yield
+    finally:
+        del optimizer.step  # the class's method again
 
 
 class DeepSpeedBackend(Backend):
@@ -107,9 +119,16 @@ class DeepSpeedBackend(Backend):
         engine = self.model
         if not engine.is_gradient_accumulation_boundary():
             raise RuntimeError("DeepSpeed's micro-step count is out of step with grad_accum")
-        # ZeRO-0 in fp32 clips the reduced gradients in place but does not report their norm
-        fallback = None if self.cfg.parallel.deepspeed.zero_stage else self.clip_grad_norm(0)
-        engine.step()
+        fallback = None
+        if self._plain_optimizer_step():
+            # the engine clips the reduced gradients in place but neither reports their norm
+            # nor checks it: the norm is taken here, and the optimizer steps only if it is
+            # finite (every other stage and precision skips a non-finite step inside DeepSpeed)
+            fallback = self.clip_grad_norm(0)
+            with _step_only_if_finite(engine.optimizer, fallback):
+                engine.step()
+        else:
+            engine.step()
         norm = engine.get_global_grad_norm()
         if norm is None:
             norm = fallback
@@ -118,6 +137,16 @@ class DeepSpeedBackend(Backend):
         if isinstance(norm, torch.Tensor):
             return norm.detach().float().reshape(())
         return torch.tensor(float("nan") if norm is None else norm, device=self.plan.device)
+
+    def _plain_optimizer_step(self) -> bool:
+        """ZeRO-0 in fp32: the engine hands its step to the client optimizer as it is (no ZeRO
+        optimizer, no bf16 / fp16 wrapper around it)."""
+        engine = self.model
+        return not (
+            self.cfg.parallel.deepspeed.zero_stage
+            or engine.fp16_enabled()
+            or engine.bfloat16_enabled()
+        )
 
     # ----------------------------------------------------------------- state
     def checkpoint_layout(self) -> dict:

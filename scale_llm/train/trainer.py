@@ -165,14 +165,17 @@ class Trainer:
         try:
             with StopSignals() as signals:
                 while self.step < t.max_steps:
-                    loss, grad_norm, lr = self.train_step()
-                    self.step += 1
-                    maybe_fail("after_step", self.step, self.plan.rank)
-                    self._record(loss, grad_norm, lr, result)
+                    try:
+                        loss, grad_norm, lr = self.train_step()
+                        self.step += 1
+                        maybe_fail("after_step", self.step, self.plan.rank)
+                        self._record(loss, grad_norm, lr, result)
+                    except torch.OutOfMemoryError as e:
+                        raise UserError(self._out_of_memory(e)) from None
                     stop = self._stop_reason(signals)
                     every = self.cfg.checkpoint.every
                     if (every and self.step % every == 0) or self.step == t.max_steps or stop:
-                        result.checkpoint = self.save_checkpoint() or result.checkpoint
+                        result.checkpoint = self.save_checkpoint()
                     if stop:
                         then = (
                             f"launch again to continue to step {t.max_steps}"
@@ -193,13 +196,16 @@ class Trainer:
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step over grad_accum micro-batches; returns (loss, grad_norm, lr).
 
-        A non-finite norm means the step was skipped; runs of them are counted on the device
-        (no host sync) and checked on logging steps and before checkpoints.
+        A non-finite norm means the step was skipped (a non-finite loss makes its gradients
+        non-finite too); runs of them are counted on the device (no host sync) and checked on
+        logging steps and before checkpoints. The verdict comes from the global norm alone, the
+        same on every rank (this rank's own loss is not), so every rank decides alike whether
+        to stop.
         """
         lr = lr_at(self.step, self.cfg.train)
         self.backend.set_lr(lr)
         loss, grad_norm = optimizer_step(self.backend, self.model, self.loader.next_batches())
-        bad = (~torch.isfinite(grad_norm) | ~torch.isfinite(loss)).long()
+        bad = (~torch.isfinite(grad_norm)).long()
         self.skipped_steps += bad
         self.bad_streak = (self.bad_streak + 1) * bad
         return loss, grad_norm, lr
@@ -395,12 +401,21 @@ class Trainer:
         return mean_over_ranks(total / count).item()
 
     # ----------------------------------------------------------------- checkpoints
-    def save_checkpoint(self) -> Path | None:
-        """Save (atomically) unless the last step was not finite: a checkpoint must be a good
-        point to resume from."""
-        if int(self.bad_streak.item()):
-            log.warning("checkpoint: not saving step %d, its update was not finite", self.step)
-            return None
+    def save_checkpoint(self) -> Path:
+        """Save (atomically). A skipped step changed no weight and no optimizer state, so a
+        checkpoint due on one is still written (the final one, a stop's, an fp16 overflow's):
+        it holds the last good weights, with the data position past the skipped batches. A run
+        of train.max_bad_steps skipped steps stops here instead (TrainingDiverged)."""
+        streak = int(self.bad_streak.item())
+        if streak:
+            self._check_divergence()  # raises at train.max_bad_steps
+            log.warning(
+                "checkpoint: step %d was skipped (not finite): step %d's weights and optimizer "
+                "state are saved as step %d",
+                self.step,
+                self.step - streak,
+                self.step,
+            )
 
         def write(tmp: Path) -> None:
             self.backend.save(tmp)
@@ -540,6 +555,30 @@ class Trainer:
                 f"process(es)) but {available / gib:,.1f} GiB is available; shrink the model "
                 f"or train.micro_batch_size, or run on a GPU"
             )
+
+    def _out_of_memory(self, error: torch.OutOfMemoryError) -> str:
+        """The one paragraph a device's out-of-memory error becomes: what ran out, what the
+        estimate says of these settings, and the ways to fit."""
+        est, gib = estimate(self.cfg, self.plan), 2**30
+        what = str(error).strip().splitlines()[0] if str(error).strip() else "out of memory"
+        size, capacity = "SIZE", ""
+        if self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            size, capacity = f"{total / gib:.0f}GiB", f" of its {total / gib:.1f} GiB"
+        config = self.run_dir / "config.yaml"
+        return (
+            f"rank {self.plan.rank} ran out of {self.device.type.upper()} memory{capacity} in "
+            f"step {self.step + 1} ({what}). The estimate for these settings is "
+            f"{est.gpu['total'] / gib:,.1f} GiB per device (micro-batch "
+            f"{self.plan.micro_batch_size} x seq_len {self.cfg.model.seq_len}, "
+            f"activation_checkpointing.mode={self.cfg.activation_checkpointing.mode}, backend "
+            f"{self.plan.backend}, {self.plan.world_size} process(es)); `scale-llm estimate "
+            f"{config} --fit {size}` prints settings that fit, as --set overrides, and `train "
+            f"--fit auto` applies them at launch. By hand: a "
+            f"smaller train.micro_batch_size (with train.grad_accum raised to keep the batch), "
+            f"activation_checkpointing.mode=full, or parallel.backend=fsdp to shard the model "
+            f"over more GPUs."
+        )
 
     def _check_windows(self) -> None:
         if len(self.train_windows) == 0 or len(self.val_windows) == 0:

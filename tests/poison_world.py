@@ -1,0 +1,57 @@
+"""Run under torchrun (2 gloo ranks) by tests/test_distributed.py: for each backend, a short run
+whose loss is made NaN on rank 1 alone on one step; rank 0 writes what every rank saw as JSON.
+
+The NaN reaches every rank through the gradient reduction, so every backend must skip that
+step on every rank (its update not applied: the later losses stay finite), count it, and still
+write the final checkpoint due on it."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from scale_llm.components.distributed import start
+from scale_llm.config import load_config
+from scale_llm.plan import launch_env, resolve_plan
+from scale_llm.train.trainer import Trainer
+
+
+def main(out: str, settings: list[str], cases: dict[str, list[str]], poisoned: list[int]) -> None:
+    """`poisoned`: the 0-based optimizer steps whose loss is NaN on rank 1."""
+    rank = int(os.environ["RANK"])
+    results = {}
+    for name, overrides in cases.items():
+        cfg = load_config(None, [*settings, f"run.name={name}", *overrides])
+        plan = resolve_plan(cfg, launch_env())
+        start(plan)  # the process group (once), as the CLI does
+        tr = Trainer(cfg, plan)
+        if rank == 1:
+            loss_fn = tr.backend.loss_fn
+
+            def nan_on_one_step(logits, targets, loss_fn=loss_fn, tr=tr):
+                loss = loss_fn(logits, targets)
+                return loss * float("nan") if tr.step in poisoned else loss
+
+            tr.backend.loss_fn = nan_on_one_step
+        result = tr.fit()
+        seen = {
+            "skipped": int(tr.skipped_steps),
+            "grad_norms": {s: n for s, n in result.grad_norms.items()},
+            "losses": {s: v for s, v in result.losses.items()},
+            "checkpoint": result.checkpoint.name if result.checkpoint else None,
+        }
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, seen)
+        results[name] = everyone
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], *(json.loads(a) for a in sys.argv[2:5]))
