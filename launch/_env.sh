@@ -1,6 +1,7 @@
 # Sourced by the launchers: one place for the environment every run starts with.
-# Sets: ROOT, PY (the Python that runs scale_llm), NGPU, OMP_NUM_THREADS, PYTORCH_CUDA_ALLOC_CONF,
-# DS_ACCELERATOR (CPU-only machines), and the function run_prepare.
+# Sets: ROOT, PY (the Python that runs scale_llm), gpus (nvidia-smi's count), visible_gpus (those
+# CUDA_VISIBLE_DEVICES leaves), NGPU, OMP_NUM_THREADS, PYTORCH_CUDA_ALLOC_CONF, DS_ACCELERATOR
+# (no visible GPU), and the functions run_prepare and require_config.
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # The Python to run: $SCALE_LLM_PYTHON if set; else the active python when it can import
@@ -38,15 +39,33 @@ fi
 # Expandable segments let the CUDA caching allocator grow blocks instead of fragmenting.
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
 
-gpus=0
+gpus=0  # nvidia-smi's count (gpu-check.sh reports it)
 if command -v nvidia-smi >/dev/null 2>&1; then
   gpus=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU" || true)
 fi
-if [[ "$gpus" -eq 0 ]]; then
+# The GPUs this run may use: CUDA_VISIBLE_DEVICES narrows nvidia-smi's list when it is set, with
+# CUDA's meaning (its entries up to the first negative one; set and empty: none), so a job
+# given GPUs 2,3 of a shared node starts two processes, not one per GPU of the node.
+visible_gpus="$gpus"
+visible_ids=()  # CUDA_VISIBLE_DEVICES's entries, when it is set on a machine with GPUs
+if [[ "$gpus" -gt 0 && -n "${CUDA_VISIBLE_DEVICES+set}" ]]; then
+  IFS=, read -ra listed_ids <<< "$CUDA_VISIBLE_DEVICES"
+  for listed_id in ${listed_ids[@]+"${listed_ids[@]}"}; do
+    if [[ "$listed_id" == -* ]]; then break; fi
+    if [[ -n "$listed_id" ]]; then visible_ids+=("$listed_id"); fi
+  done
+  visible_gpus=${#visible_ids[@]}
+fi
+if [[ "$visible_gpus" -eq 0 ]]; then
   export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"  # DeepSpeed's CPU accelerator (gloo)
 fi
-# Processes per node: every GPU, or 2 CPU processes on a machine without GPUs.
-NGPU="${NGPU:-$([[ "$gpus" -gt 0 ]] && echo "$gpus" || echo 2)}"
+# Processes per node: every visible GPU, or 2 CPU processes on a machine without GPUs.
+NGPU="${NGPU:-$([[ "$visible_gpus" -gt 0 ]] && echo "$visible_gpus" || echo 2)}"
+if ! [[ "$NGPU" =~ ^[1-9][0-9]*$ ]]; then
+  echo "launch: NGPU=$NGPU: NGPU is the number of processes to start on this node and must be" \
+    "1 or more; unset it to start one per visible GPU (2 on a machine without GPUs)" >&2
+  exit 2
+fi
 # Split the cores between the local processes instead of letting each take all of them.
 cores=$(nproc)
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( cores / NGPU > 0 ? cores / NGPU : 1 ))}"

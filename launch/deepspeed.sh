@@ -3,16 +3,132 @@
 #   bash launch/deepspeed.sh yaml/400m-zero3-offload.yaml [args]        # this node, NGPU processes
 #   HOSTFILE=hosts bash launch/deepspeed.sh CONFIG [args]               # nodes listed in a hostfile
 # A hostfile has one line per node: "node0 slots=8". MASTER_ADDR / MASTER_PORT are optional.
+# With HOSTFILE, run it once, on one node: DeepSpeed starts every node's processes over
+# passwordless ssh (pdsh), in this directory and with this Python, so the paths must be the same
+# on every node. SIGTERM / SIGINT to this script reach every process of the run.
 set -euo pipefail
+user_ds_accelerator="${DS_ACCELERATOR:-}"  # (_env.sh sets it on this machine when it has no GPU)
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 require_config "$@"
-run_prepare "$@"
+
+# On one node, the GPUs CUDA_VISIBLE_DEVICES leaves, by index: given --num_gpus N, DeepSpeed's
+# runner drops CUDA_VISIBLE_DEVICES and takes GPUs 0..N-1, whoever they belong to. With
+# --include it checks the indices against all the GPUs (so CUDA_VISIBLE_DEVICES is unset for it)
+# and hands each worker its own.
+visible_include() {
+  local id
+  for id in "${visible_ids[@]}"; do
+    if ! [[ "$id" =~ ^[0-9]+$ ]]; then
+      echo "deepspeed.sh: CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES: DeepSpeed's launcher takes" \
+        "GPU indices, not '$id'; list the GPUs by index (the numbers 'nvidia-smi -L' shows)" >&2
+      exit 2
+    fi
+  done
+  if [[ "$NGPU" -gt "${#visible_ids[@]}" ]]; then
+    echo "deepspeed.sh: NGPU=$NGPU but CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES leaves" \
+      "${#visible_ids[@]} GPU(s); set NGPU to ${#visible_ids[@]} or less, or unset it" >&2
+    exit 2
+  fi
+  local IFS=,
+  echo "localhost:${visible_ids[*]:0:NGPU}"
+}
+
+# pdsh starts the other nodes' processes with ssh's bare environment: DeepSpeed's runner passes on
+# only variables named NCCL*, PYTHON*, UCX*, MLFLOW* and MV2*, plus those in the file DS_ENV_FILE
+# names (else ~/.deepspeed_env and ./.deepspeed_env), which it reads on this node and turns into
+# exports on the pdsh command line. It gets one file: what this launcher set and the SCALE_LLM_*
+# settings, then the user's own file's lines (the last line for a name wins).
+write_env_file() {
+  local var own name="${DS_ENV_FILE:-.deepspeed_env}"
+  local owns=("$HOME/$name" "./$name")
+  if [[ "$name" == /* ]]; then owns=("$name"); fi
+  printf '%s=%s\n' PYTORCH_CUDA_ALLOC_CONF "$PYTORCH_CUDA_ALLOC_CONF"
+  printf '%s=%s\n' OMP_NUM_THREADS "$OMP_NUM_THREADS"
+  if [[ -n "$user_ds_accelerator" ]]; then
+    printf '%s=%s\n' DS_ACCELERATOR "$user_ds_accelerator"
+  fi
+  while read -r var; do
+    if [[ "$var" == SCALE_LLM_* ]]; then printf '%s=%s\n' "$var" "${!var}"; fi
+  done < <(compgen -e)
+  for own in "${owns[@]}"; do
+    if [[ -f "$own" ]]; then grep -v '^[[:space:]]*$' "$own" || true; fi
+  done
+}
+
 launcher=("$PY" -m deepspeed.launcher.runner --no_local_rank)
+env_file=""
+include=""
 if [[ -n "${HOSTFILE:-}" ]]; then
+  if [[ ! -f "$HOSTFILE" ]]; then
+    echo "deepspeed.sh: HOSTFILE=$HOSTFILE is not a file (DeepSpeed would quietly run on this" \
+      "node alone); point HOSTFILE at a file with one line per node, e.g. \"node0 slots=8\"," \
+      "or unset it for a one-node run" >&2
+    exit 2
+  fi
   launcher+=(--hostfile "$HOSTFILE")
   [[ -n "${MASTER_ADDR:-}" ]] && launcher+=(--master_addr "$MASTER_ADDR")
+  env_file="$(mktemp "${TMPDIR:-/tmp}/scale_llm-deepspeed_env.XXXXXX")"
+  [[ "$env_file" == /* ]] || env_file="$PWD/$env_file"
+  trap 'rm -f "$env_file"' EXIT
+  write_env_file > "$env_file"
+elif [[ ${#visible_ids[@]} -gt 0 ]]; then
+  include="$(visible_include)"
+  launcher+=(--include "$include")
+elif [[ "$gpus" -gt 0 && "$visible_gpus" -eq 0 ]]; then
+  echo "deepspeed.sh: CUDA_VISIBLE_DEVICES='$CUDA_VISIBLE_DEVICES' hides every GPU, but" \
+    "DeepSpeed's launcher sets CUDA_VISIBLE_DEVICES for its workers itself, so they would see" \
+    "the GPUs again; list the GPUs to use by index, or run on the CPU with launch/torchrun.sh" >&2
+  exit 2
 else
   launcher+=(--num_gpus "$NGPU")
 fi
 [[ -n "${MASTER_PORT:-}" ]] && launcher+=(--master_port "$MASTER_PORT")
-exec "${launcher[@]}" --module scale_llm train "$@"
+run_prepare "$@"
+
+# Not exec: on one node DeepSpeed's runner passes no signal on, so a SIGTERM to it would end the
+# runner and leave the workers training. The runner gets a process group of its own (job control
+# on while it starts; stdin from /dev/null, as for any background job), and a SIGTERM / SIGINT to
+# this script goes to that whole group: every worker gets it (the trainer checkpoints and stops),
+# as under torchrun; the runner's own handler (multi-node) stops the other nodes. Then wait for
+# the runner and for the rest of its group, and exit with the runner's code.
+runner=""
+signalled=""    # the last signal forwarded
+interrupted=""  # a signal came since the last `wait` began
+forward() {
+  signalled="$1"
+  interrupted=1
+  if [[ -z "$runner" ]]; then exit $(( 128 + $(kill -l "$1") )); fi
+  kill -s "$1" -- "-$runner" 2>/dev/null || true
+}
+# Whether a process of the runner's group still runs (exited ones wait, as zombies, for whoever
+# adopted them to collect them; without ps, they count as running).
+group_running() {
+  if command -v ps >/dev/null 2>&1; then
+    ps -e -o pgid= -o stat= | awk -v group="$runner" '$1 == group && $2 !~ /^Z/ { found = 1 }
+      END { exit !found }'
+  else
+    kill -0 -- "-$runner" 2>/dev/null
+  fi
+}
+trap 'forward TERM' TERM
+trap 'forward INT' INT
+if [[ -n "$env_file" ]]; then export DS_ENV_FILE="$env_file"; fi
+if [[ -n "$include" ]]; then unset CUDA_VISIBLE_DEVICES; fi
+set -m
+"${launcher[@]}" --module scale_llm train "$@" < /dev/null &
+runner=$!
+set +m
+status=0
+wait "$runner" || status=$?
+# A signal ends `wait` early (status 128 + its number): wait again, for the runner's own code
+# (127: it had been collected already, and $status is its own).
+while [[ -n "$interrupted" ]]; do
+  interrupted=""
+  again=0
+  wait "$runner" 2>/dev/null || again=$?
+  if [[ "$again" -ne 127 ]]; then status="$again"; fi
+done
+if [[ -n "$signalled" ]]; then  # the workers may outlive the runner while they checkpoint
+  while group_running; do sleep 0.2; done
+fi
+exit "$status"

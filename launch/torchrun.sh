@@ -3,12 +3,37 @@
 #   bash launch/torchrun.sh CONFIG [args]                        # this node, NGPU processes
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 bash launch/torchrun.sh CONFIG [args]   # on node 0
 #   NNODES=2 NODE_RANK=1 MASTER_ADDR=node0 bash launch/torchrun.sh CONFIG [args]   # on node 1
-# NGPU: processes per node (default: every GPU, or 2 on a CPU-only machine).
+# NGPU: processes per node (default: every GPU CUDA_VISIBLE_DEVICES leaves, or 2 without GPUs).
+# NODE_RANK: required when NNODES > 1 (0 on the node at MASTER_ADDR).
 # MASTER_PORT: rendezvous port on MASTER_ADDR (default 29500).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 require_config "$@"
 NNODES="${NNODES:-1}"
+# A node rank left to a default would give two nodes rank 0, and torchrun would wait for a node
+# that never comes: a multi-node run names each node's rank, a one-node run has none but 0.
+if ! [[ "$NNODES" =~ ^[1-9][0-9]*$ ]]; then
+  echo "torchrun.sh: NNODES=$NNODES: NNODES is the number of nodes in the run; set it to 1 or" \
+    "more (or unset it for a one-node run)" >&2
+  exit 2
+fi
+others="1 to $(( NNODES - 1 )) on the others"
+[[ "$NNODES" == "2" ]] && others="1 on the other"
+if [[ "$NNODES" != "1" && -z "${NODE_RANK:-}" ]]; then
+  echo "torchrun.sh: NNODES=$NNODES but NODE_RANK is not set; set NODE_RANK to this node's" \
+    "index on each node: 0 on the node at MASTER_ADDR, $others" >&2
+  exit 2
+fi
+if [[ "$NNODES" == "1" && "${NODE_RANK:-0}" != "0" ]]; then
+  echo "torchrun.sh: NODE_RANK=$NODE_RANK but NNODES is 1 (the default): set NNODES to the" \
+    "number of nodes in the run, or unset NODE_RANK for a one-node run" >&2
+  exit 2
+fi
+if ! [[ "${NODE_RANK:-0}" =~ ^(0|[1-9][0-9]*)$ && "${NODE_RANK:-0}" -lt "$NNODES" ]]; then
+  echo "torchrun.sh: NODE_RANK=$NODE_RANK but NNODES=$NNODES: set NODE_RANK to this node's" \
+    "index: 0 on the node at MASTER_ADDR, $others" >&2
+  exit 2
+fi
 export NODE_RANK="${NODE_RANK:-0}"
 run_prepare "$@"
 if [[ "$NNODES" == "1" ]]; then

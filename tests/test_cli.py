@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -238,31 +240,153 @@ def test_the_gpu_check_stops_when_torch_cannot_use_the_gpus_nvidia_smi_lists(tmp
     assert not (tmp_path / "out").exists()
 
 
-def test_each_launcher_splits_the_cores_between_its_own_processes(tmp_path):
-    """On a 16-core node with 8 GPUs, torchrun.sh starts 8 processes of 2 threads each and
-    2xh100.sh 2 processes of 8 (it split the cores 8 ways, as for every GPU). Stand-ins for
-    nvidia-smi, nproc and the Python print what torchrun would have been given."""
+LAUNCH_ENV = (
+    "OMP_NUM_THREADS", "NGPU", "CUDA_VISIBLE_DEVICES", "NNODES", "NODE_RANK", "MASTER_ADDR",
+    "MASTER_PORT", "HOSTFILE", "DS_ENV_FILE", "DS_ACCELERATOR", "SKIP_PREPARE",
+)  # fmt: skip
+
+
+def stand_in_node(tmp_path: Path, python: str, gpus: int = 8, cores: int = 16) -> dict[str, str]:
+    """A node for the launchers, without torch: stand-ins for nvidia-smi (`gpus` GPUs), nproc and
+    the Python (`python`: the arms of a `case "$2" in` on the module it is asked to run; every
+    other call succeeds). Returns the environment that puts them first on PATH."""
     fake = tmp_path / "bin"
     fake.mkdir()
-    gpus = "".join(f"echo 'GPU {i}: NVIDIA H100 (UUID: GPU-{i})'\n" for i in range(8))
+    listing = "".join(f"echo 'GPU {i}: NVIDIA H100 (UUID: GPU-{i})'\n" for i in range(gpus))
     scripts = {
-        "nvidia-smi": gpus,
-        "nproc": "echo 16\n",
-        "python": 'case "$2" in torch.distributed.run) echo "OMP=$OMP_NUM_THREADS $*";; esac\n',
+        "nvidia-smi": listing,
+        "nproc": f"echo {cores}\n",
+        "python": f'case "$2" in\n{python}\nesac\n',
     }
     for name, body in scripts.items():
         (fake / name).write_text("#!/bin/sh\n" + body)
         (fake / name).chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "NGPU")}
-    env |= {"PATH": f"{fake}:{env['PATH']}", "SCALE_LLM_PYTHON": str(fake / "python")}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
+    return env | {"PATH": f"{fake}:{env['PATH']}", "SCALE_LLM_PYTHON": str(fake / "python")}
+
+
+def launch(script: str, env: dict[str, str], *args: str, **kw) -> subprocess.CompletedProcess:
+    cmd = ["bash", str(REPO / "launch" / script), "tiny.yaml", *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60, **kw)
+
+
+PRINT_LAUNCH = """torch.distributed.run) echo "OMP=$OMP_NUM_THREADS $*";;
+deepspeed.launcher.runner) echo "OMP=$OMP_NUM_THREADS CVD=${CUDA_VISIBLE_DEVICES-unset} $*";;"""
+
+
+def test_each_launcher_splits_the_cores_between_its_own_processes(tmp_path):
+    """On a 16-core node with 8 GPUs, torchrun.sh starts 8 processes of 2 threads each and
+    2xh100.sh 2 processes of 8 (it split the cores 8 ways, as for every GPU). Stand-ins for
+    nvidia-smi, nproc and the Python print what torchrun would have been given."""
+    env = stand_in_node(tmp_path, PRINT_LAUNCH)
     seen = {}
     for script in ("2xh100.sh", "torchrun.sh"):
-        cmd = ["bash", str(REPO / "launch" / script), "tiny.yaml"]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+        proc = launch(script, env)
         assert proc.returncode == 0, proc.stderr
         words = proc.stdout.split()
         seen[script] = (words[0], words[words.index("--nproc_per_node") + 1])
     assert seen == {"2xh100.sh": ("OMP=8", "2"), "torchrun.sh": ("OMP=2", "8")}
+
+
+def test_the_launchers_use_the_gpus_cuda_visible_devices_leaves(tmp_path):
+    """A job given GPUs 0,1 of an 8-GPU node started 8 processes under torchrun.sh (four to a
+    GPU), and deepspeed.sh's --num_gpus made DeepSpeed drop CUDA_VISIBLE_DEVICES and take GPUs
+    0..7, whoever they belonged to. Now: a process per visible GPU, named to DeepSpeed by index."""
+    env = stand_in_node(tmp_path, PRINT_LAUNCH) | {"CUDA_VISIBLE_DEVICES": "0,1"}
+    proc = launch("torchrun.sh", env)
+    assert proc.returncode == 0, proc.stderr
+    assert "--nproc_per_node 2 " in proc.stdout and proc.stdout.startswith("OMP=8 "), proc.stdout
+    proc = launch("deepspeed.sh", env)
+    assert proc.returncode == 0, proc.stderr
+    assert "--include localhost:0,1 " in proc.stdout and "--num_gpus" not in proc.stdout
+    assert "CVD=unset" in proc.stdout  # (DeepSpeed checks the indices against all the GPUs)
+    proc = launch("deepspeed.sh", env | {"CUDA_VISIBLE_DEVICES": "5,6,7", "NGPU": "2"})
+    assert "--include localhost:5,6 " in proc.stdout, proc.stderr
+    # NGPU=0 divided the cores by zero; now a one-line error naming it
+    proc = launch("torchrun.sh", env | {"NGPU": "0"})
+    assert proc.returncode == 2 and "NGPU=0" in proc.stderr and not proc.stdout
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_deepspeed_hands_the_other_nodes_the_launchers_environment(tmp_path):
+    """With a hostfile, DeepSpeed's runner starts the other nodes over pdsh with only NCCL*,
+    PYTHON*, ... variables and those in the file DS_ENV_FILE names (else ~/.deepspeed_env,
+    ./.deepspeed_env): the allocator setting, the thread split and SCALE_LLM_* never arrived.
+    deepspeed.sh now writes them, then the user's own .deepspeed_env, to a file of its own."""
+    runner = 'deepspeed.launcher.runner) echo "DS_ENV_FILE=$DS_ENV_FILE"; cat "$DS_ENV_FILE";;'
+    env = stand_in_node(tmp_path, runner) | {"HOME": str(tmp_path), "HOSTFILE": "hosts"}
+    env["SCALE_LLM_PG_TIMEOUT_MIN"] = "45"
+    (tmp_path / "hosts").write_text("node0 slots=8\nnode1 slots=8\n")
+    (tmp_path / ".deepspeed_env").write_text("MY_SETTING=a b\n\n")  # (the runner reads ./ too)
+    proc = launch("deepspeed.sh", env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    first, *lines = proc.stdout.splitlines()
+    path = Path(first.removeprefix("DS_ENV_FILE="))
+    assert path.is_absolute() and not path.exists()  # removed when the run ends
+    exports = dict(line.split("=", 1) for line in lines)  # as the runner reads it
+    assert exports["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert exports["OMP_NUM_THREADS"] == "2" and exports["SCALE_LLM_PG_TIMEOUT_MIN"] == "45"
+    assert exports["MY_SETTING"] == "a b"
+    proc = launch("deepspeed.sh", env | {"HOSTFILE": "missing"}, cwd=tmp_path)
+    assert proc.returncode == 2 and "HOSTFILE=missing" in proc.stderr and not proc.stdout
+
+
+def test_a_sigterm_to_deepspeed_sh_reaches_the_workers(tmp_path):
+    """deepspeed.sh exec'd DeepSpeed's runner, which passes signals on only in multi-node runs:
+    a SIGTERM ended the runner and the workers trained on. Now every process of the run gets
+    it, the script waits for the workers to stop and exits with the runner's code. Stand-in:
+    a runner that exits 7 on SIGTERM, with a worker (which it does not signal) that takes a
+    moment to stop."""
+    worker = 'trap "sleep 0.3; echo stopped > \\"$0\\"; exit 0" TERM; '
+    worker += 'touch "$0.ready"; sleep 5 & wait'
+    runner = f"deepspeed.launcher.runner) trap 'exit 7' TERM; sh -c '{worker}' \"$MARK\" & wait;;"
+    mark = tmp_path / "stopped"
+    env = stand_in_node(tmp_path, runner) | {"MARK": str(mark)}
+    cmd = ["bash", str(REPO / "launch" / "deepspeed.sh"), "tiny.yaml"]
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        ready = mark.with_name("stopped.ready")
+        for _ in range(100):
+            if ready.exists():
+                break
+            time.sleep(0.05)
+        assert ready.exists()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 7
+        assert mark.exists() and mark.read_text() == "stopped\n"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_torchrun_sh_needs_each_nodes_rank(tmp_path):
+    """NODE_RANK defaulted to 0, so a node started without it was a second node 0."""
+    env = stand_in_node(tmp_path, PRINT_LAUNCH) | {"MASTER_ADDR": "node0"}
+    proc = launch("torchrun.sh", env | {"NNODES": "2"})
+    assert proc.returncode == 2 and not proc.stdout
+    assert "NODE_RANK is not set" in proc.stderr and "set NODE_RANK" in proc.stderr
+    proc = launch("torchrun.sh", env | {"NODE_RANK": "1"})  # and NNODES left at 1
+    assert proc.returncode == 2 and "set NNODES" in proc.stderr and not proc.stdout
+    proc = launch("torchrun.sh", env | {"NNODES": "2", "NODE_RANK": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert "--nnodes 2 --node_rank 1 " in proc.stdout
+
+
+def test_slurm_sbatch_gives_each_job_its_own_port_and_its_cores(tmp_path):
+    """Two jobs on one node both took MASTER_PORT 29500; srun (Slurm 22.05+) does not pass on the
+    job's --cpus-per-task by itself."""
+    env = stand_in_node(tmp_path, PRINT_LAUNCH)
+    slurm = {"scontrol": "echo node7; echo node8", "srun": 'echo "$MASTER_PORT $*"'}
+    for name, body in slurm.items():
+        (tmp_path / "bin" / name).write_text(f"#!/bin/sh\n{body}\n")
+        (tmp_path / "bin" / name).chmod(0o755)
+    env |= {"SLURM_JOB_ID": "123456", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "node[7-8]"}
+    env |= {"SLURM_CPUS_PER_TASK": "64", "SLURM_SUBMIT_DIR": str(REPO)}
+    proc = launch("slurm.sbatch", env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("13456 --kill-on-bad-exit=1 --cpus-per-task=64 bash -c ")
+    proc = launch("slurm.sbatch", env | {"MASTER_PORT": "29999"})
+    assert proc.stdout.startswith("29999 "), proc.stderr
 
 
 def test_shipped_configs_are_found_by_name_from_any_directory(tmp_path, monkeypatch):
