@@ -265,11 +265,12 @@ def test_deepspeed_passthrough_cannot_override_framework_keys():
         overrides=[
             "parallel.backend=deepspeed",
             "parallel.deepspeed.config={gradient_accumulation_steps: 4, "
-            "zero_optimization: {stage: 3, overlap_comm: false}}",
+            "zero_optimization: {stage: 3, overlap_comm: false, compute_grad_norm: false}}",
         ]
     )
     assert "parallel.deepspeed.config.gradient_accumulation_steps: set by train.grad_accum" in msg
     assert "parallel.deepspeed.config.zero_optimization.stage: set by " in msg
+    assert "zero_optimization.compute_grad_norm: set by the framework (the gradient norm" in msg
     assert "overlap_comm" not in msg  # other entries pass through
 
 

@@ -318,6 +318,7 @@ def test_deepspeed_launcher(data_dir, tmp_path):
         "deepspeed.sh", launcher_args(data_dir, tmp_path, "lds", "tiny-deepspeed.yaml"), tmp_path
     )
     assert "world 2" in proc.stdout and "done: 2 steps" in proc.stdout
+    assert "no launcher seen" not in proc.stdout + proc.stderr  # DeepSpeed's launch.py is one
 
 
 def test_two_nodes_on_loopback(data_dir, tmp_path):

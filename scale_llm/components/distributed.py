@@ -63,15 +63,18 @@ def start(plan: RunPlan) -> None:
     minutes = os.environ.get("SCALE_LLM_PG_TIMEOUT_MIN", "30")
     try:
         timeout = datetime.timedelta(minutes=float(minutes))
-    except ValueError:
+        if timeout <= datetime.timedelta(0):
+            raise ValueError
+    except (ValueError, OverflowError):  # not a number, inf or nan, zero or negative
         raise UserError(
-            f"SCALE_LLM_PG_TIMEOUT_MIN={minutes!r} is not a number of minutes; unset it (30) "
-            f"or set e.g. 60"
+            f"SCALE_LLM_PG_TIMEOUT_MIN={minutes!r} is not a number of minutes above 0; unset "
+            f"it (30) or set e.g. 60"
         ) from None
-    if not os.environ.get("MASTER_PORT", "").isdigit():
+    port = os.environ.get("MASTER_PORT", "")
+    if not (port.isdigit() and 0 < int(port) < 65536):
         raise UserError(
-            f"MASTER_PORT={os.environ.get('MASTER_PORT')!r} is not a port number; unset it "
-            f"or let the launcher set it"
+            f"MASTER_PORT={port!r} is not a port number (1-65535); unset it or let the "
+            f"launcher set it"
         )
     if world > 1:
         _say_what_we_wait_for(plan, timeout)
@@ -106,7 +109,9 @@ def _say_what_we_wait_for(plan: RunPlan, timeout: datetime.timedelta) -> None:
     where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     launched = (
         any(
-            k in os.environ for k in ("TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID")
+            k in os.environ
+            # torchrun, mpirun, srun, DeepSpeed's launcher (its launch.py sets CROSS_RANK)
+            for k in ("TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID", "CROSS_RANK")
         )
         or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     )

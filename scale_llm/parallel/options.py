@@ -70,6 +70,9 @@ OWNED = {
     "zero_optimization.stage": "parallel.deepspeed.zero_stage",
     "zero_optimization.offload_optimizer": "parallel.deepspeed.offload_optimizer",
     "zero_optimization.offload_param": "parallel.deepspeed.offload_param",
+    # off, the engine reports no norm: every step would count as skipped (the finite check)
+    "zero_optimization.compute_grad_norm": "the framework (the gradient norm is its finite "
+    "check and its grad_norm metric)",
 }
 
 
