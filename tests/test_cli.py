@@ -302,6 +302,9 @@ def test_the_launchers_use_the_gpus_cuda_visible_devices_leaves(tmp_path):
     assert "CVD=unset" in proc.stdout  # (DeepSpeed checks the indices against all the GPUs)
     proc = launch("deepspeed.sh", env | {"CUDA_VISIBLE_DEVICES": "5,6,7", "NGPU": "2"})
     assert "--include localhost:5,6 " in proc.stdout, proc.stderr
+    # 2xh100.sh on one visible GPU put both its processes on it (NCCL: duplicate GPU)
+    proc = launch("2xh100.sh", env | {"CUDA_VISIBLE_DEVICES": "3"})
+    assert proc.returncode == 2 and "leaves 1 GPU visible" in proc.stderr and not proc.stdout
     # NGPU=0 divided the cores by zero; now a one-line error naming it
     proc = launch("torchrun.sh", env | {"NGPU": "0"})
     assert proc.returncode == 2 and "NGPU=0" in proc.stderr and not proc.stdout
