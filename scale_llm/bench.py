@@ -21,6 +21,7 @@ import random
 import shutil
 import statistics
 import time
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 
 from scale_llm.components.hardware import cuda_memory_gib, peak_flops
 from scale_llm.components.loss import plain_cross_entropy
-from scale_llm.config import Config, with_changes
+from scale_llm.config import ActivationCheckpointingConfig, Config, with_changes
 from scale_llm.errors import UserError
 from scale_llm.model import build_model, materialize
 from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
@@ -451,6 +452,54 @@ def backend_changes(name: str, world_size: int) -> dict[str, Any]:
             raise UserError(f"--sweep-backend {name}: deepspeed is not installed")
         return {"parallel.backend": "deepspeed", "parallel.deepspeed.zero_stage": int(name[-1])}
     return {"parallel.backend": name}
+
+
+CHECKPOINTING_MODES = typing.get_args(
+    typing.get_type_hints(ActivationCheckpointingConfig)["mode"]
+)  # none, full, every_k, selective
+_BOOLS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+
+
+def sweep_axes(micro: str, modes: str, compiles: str) -> tuple[list[int], list[str], list[bool]]:
+    """--sweep-micro, --sweep-ac and --sweep-compile as lists; one UserError, before any process
+    group exists, names every flag with an entry that is not accepted and what is."""
+    problems: list[str] = []
+
+    def entries(flag: str, text: str, read, what: str, accepted: str) -> list:
+        items = [x.strip() for x in text.split(",")]
+        values = [read(x) for x in items]
+        bad = [repr(x) for x, v in zip(items, values) if v is None]
+        if bad:
+            problems.append(
+                f"{flag} {text!r}: {', '.join(bad)} {'is' if len(bad) == 1 else 'are'} not "
+                f"{what}; use a comma list of {accepted}"
+            )
+        return values
+
+    sizes = entries(
+        "--sweep-micro",
+        micro,
+        lambda x: int(x) if x.isdigit() and int(x) >= 1 else None,
+        "a micro-batch size",
+        "integers >= 1, e.g. 1,2,4,8",
+    )
+    ac = entries(
+        "--sweep-ac",
+        modes,
+        lambda x: x if x in CHECKPOINTING_MODES else None,
+        "a checkpointing mode",
+        ", ".join(CHECKPOINTING_MODES),
+    )
+    compiled = entries(
+        "--sweep-compile",
+        compiles,
+        lambda x: _BOOLS.get(x.lower()),
+        "true or false",
+        "true, false (or yes / no, 1 / 0), e.g. false,true",
+    )
+    if problems:
+        raise UserError("; ".join(problems))
+    return sizes, ac, compiled
 
 
 def bench_sweep(

@@ -434,9 +434,12 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from scale_llm.plan import launch_env, target_plan
 
     cfg = config_from_args(args)
-    world = args.world_size or launch_env().world_size
-    if world < 1:
-        raise UserError(f"--world-size {world} must be at least 1")
+    if args.world_size is not None and args.world_size < 1:
+        raise UserError(
+            f"--world-size {args.world_size}: use the number of GPUs the run will use, >= 1 "
+            f"(or leave it out for $WORLD_SIZE, else 1)"
+        )
+    world = launch_env().world_size if args.world_size is None else args.world_size
     plan = target_plan(cfg, world)
     est = memory.estimate(cfg, plan)
     result = est.to_json()
@@ -505,34 +508,35 @@ def cmd_bench(args: argparse.Namespace) -> int:
         r = roofline(cfg, plan.micro_batch_size, plan.grad_accum, args.roofline, world)
         print(json.dumps(r) if args.json else format_roofline(r))
         return 0
+    counts = [  # (flag, value, least, what it counts)
+        ("--steps", args.steps, 1, "timed optimizer steps"),
+        ("--warmup", args.warmup, 0, "untimed steps before them"),
+        ("--rounds", args.rounds, 1, "timed rounds of --reference and --checkpoint-io"),
+    ]
+    bad = [f"{f} {n}: use a count >= {least} ({what})" for f, n, least, what in counts if n < least]
+    if bad:
+        raise UserError("; ".join(bad))
     backends = [x.strip() for x in args.sweep_backend.split(",")] if args.sweep_backend else None
-    if args.sweep and backends:
-        from scale_llm.bench import backend_changes
+    if args.sweep:  # before any process group is started
+        from scale_llm.bench import backend_changes, sweep_axes
         from scale_llm.plan import launch_env
 
-        for name in backends:  # before any process group is started
+        axes = sweep_axes(args.sweep_micro, args.sweep_ac, args.sweep_compile)
+        for name in backends or []:
             backend_changes(name, launch_env().world_size)
     cfg, plan = start_distributed(args)
     if args.checkpoint_io:
         from scale_llm.bench import bench_checkpoint
 
-        rows = bench_checkpoint(cfg, plan, Path(args.checkpoint_io), max(1, args.rounds))
+        rows = bench_checkpoint(cfg, plan, Path(args.checkpoint_io), args.rounds)
         if plan.is_main:
             print("\n".join(json.dumps(r) for r in rows))
         return 0
     if args.sweep:
-        bad = set(args.sweep_ac.split(",")) - {"none", "full", "every_k", "selective"}
-        if bad:
-            raise UserError(
-                f"--sweep-ac {','.join(sorted(bad))}: not a checkpointing mode; use "
-                f"none, full, every_k or selective"
-            )
         rows = bench_sweep(
             cfg,
             plan,
-            [int(x) for x in args.sweep_micro.split(",")],
-            args.sweep_ac.split(","),
-            [x.strip().lower() in ("true", "1", "yes") for x in args.sweep_compile.split(",")],
+            *axes,
             args.steps,
             args.warmup,
             backends,
@@ -589,7 +593,16 @@ def cmd_export(args: argparse.Namespace) -> int:
     from scale_llm.export import export
     from scale_llm.memory import parse_bytes
 
-    shard = parse_bytes(args.max_shard_size)
+    try:
+        shard = parse_bytes(args.max_shard_size)
+    except UserError:
+        shard = 0
+    if shard < 1:
+        raise UserError(
+            f"--max-shard-size {args.max_shard_size!r}: use a size above 0 with one of the "
+            f"units B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), "
+            f"e.g. --max-shard-size 5GB"
+        )
     done = export(args.checkpoint, args.out, args.dtype, shard, args.force)
     print(
         f"wrote {done.out}: {done.n_params / 1e6:.2f}M parameters in {done.dtype} from step "

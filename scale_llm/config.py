@@ -259,7 +259,20 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
             f"config file {p} must hold a mapping of sections (run:, model:, ...), "
             f"not a {type(data).__name__}"
         )
+    _empty_sections_as_mappings(data, Config)
     return data
+
+
+def _empty_sections_as_mappings(raw: dict[str, Any], cls: type) -> None:
+    """A section written with no keys (`model:` with every line under it commented out) is
+    YAML null; read it as an empty section, which changes nothing."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in raw and dataclasses.is_dataclass(hints[f.name]):
+            if raw[f.name] is None:
+                raw[f.name] = {}
+            elif isinstance(raw[f.name], dict):
+                _empty_sections_as_mappings(raw[f.name], hints[f.name])
 
 
 def _check_yaml_shape(text: str, path: Path) -> None:
@@ -300,6 +313,35 @@ def _check_yaml_shape(text: str, path: Path) -> None:
         return n
 
     expanded(root, 0)
+    _refuse_duplicate_keys(root, path)  # (a walk the limits above keep short)
+
+
+def _refuse_duplicate_keys(root: yaml.Node, path: Path) -> None:
+    """A key written twice in one mapping (PyYAML silently keeps the last one) is an error
+    naming the key and both lines. Walks the composed nodes before anything is constructed,
+    once `_check_yaml_shape`'s limits have bounded the walk."""
+    todo: list[tuple[yaml.Node, str]] = [(root, "")]
+    while todo:
+        node, prefix = todo.pop()
+        children = node.value if isinstance(node, yaml.SequenceNode) else []
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[tuple[str, str], int] = {}
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                    line = key.start_mark.line + 1
+                    first = seen.get((key.tag, key.value))
+                    if first is not None:
+                        lines = f"line {line}" if first == line else f"lines {first} and {line}"
+                        raise UserError(
+                            f"config file {path}: {prefix}{key.value} is written twice ({lines}); "
+                            f"YAML would silently keep only the last, so merge the two into one"
+                        )
+                    seen[(key.tag, key.value)] = line
+                    prefix_here = f"{prefix}{key.value}."
+                else:
+                    prefix_here = prefix
+                todo.append((value, prefix_here))
+        todo.extend((child, prefix) for child in children)
 
 
 def read_yaml_with_base(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
@@ -601,6 +643,11 @@ def validate(cfg: Config) -> list[str]:
         e.append(f"train.min_lr={t.min_lr} is above train.lr={t.lr}; set min_lr <= lr")
     if not 0.0 <= t.beta1 < 1.0 or not 0.0 <= t.beta2 < 1.0:
         e.append(f"train.beta1={t.beta1} / train.beta2={t.beta2} must lie in [0, 1)")
+    if not 0 <= cfg.run.seed < 2**63:
+        e.append(
+            f"run.seed={cfg.run.seed} must be an integer in [0, 2**63) (torch and numpy seed "
+            f"from it); use e.g. 1337"
+        )
     name = cfg.run.name or ""
     if (
         name in ("", ".", "..")

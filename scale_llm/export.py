@@ -32,7 +32,7 @@ from scale_llm.components.serialization import load_file
 from scale_llm.config import ModelConfig
 from scale_llm.data.hf_tokenizer import write_tokenizer_files
 from scale_llm.data.tokenizer import Tokenizer, file_sha256
-from scale_llm.errors import UserError
+from scale_llm.errors import UserError, require_writable_dir
 from scale_llm.model import empty_state_dict
 from scale_llm.model.hf import to_hf, to_hf_config
 from scale_llm.version import __version__
@@ -100,6 +100,7 @@ def export(
 ) -> Exported:
     """Export a checkpoint (or a run directory's newest good one) to the folder `out`."""
     require("scale-llm export", "safetensors", "tokenizers")
+    check_out(Path(out), force)  # before the weights are read
     src = read_source(path)
     dtype = dtype or default_dtype(src.precision)
     weights = load_model_weights(src.checkpoint, empty_state_dict(src.model))
@@ -131,8 +132,7 @@ def write_hf_folder(
     out = Path(out)
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
-    if out.exists() and not force:
-        raise UserError(f"{out} already exists; pick another --out, remove it, or pass --force")
+    check_out(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -153,6 +153,19 @@ def write_hf_folder(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return Exported(out, int((info or {}).get("step", 0)), dtype, n_params, files)
+
+
+def check_out(out: Path, force: bool) -> None:
+    """--out can become the export folder: absent (or a folder, with --force), in a directory
+    that is, or can become, writable."""
+    if out.exists() and not force:
+        raise UserError(f"{out} already exists; pick another --out, remove it, or pass --force")
+    if out.exists() and not out.is_dir():
+        raise UserError(
+            f"--out {out} is a file, and the export is a folder; remove the file or pick "
+            f"another --out (--force replaces only a folder)"
+        )
+    require_writable_dir(out.parent if out.exists() else out, "--out")  # (renamed in place)
 
 
 def generation_config(tokenizer: Tokenizer) -> dict[str, Any]:

@@ -12,18 +12,19 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from scale_llm.components.checkpoint import (
     TRAINER_STATE,
     Checkpointer,
-    damage,
     load_model_weights,
+    resolve_checkpoint,
 )
 from scale_llm.components.precision import Precision
 from scale_llm.components.serialization import load_file
-from scale_llm.config import Config, load_config
+from scale_llm.config import Config, get_key, load_config, run_defining_keys
 from scale_llm.data.tokenizer import Tokenizer
 from scale_llm.errors import UserError
 from scale_llm.model import KVCache, Transformer, build_model, empty_state_dict
@@ -47,18 +48,25 @@ def load_run(
     """The model of a run's newest (or the given) checkpoint on the plan's device, with the
     run's tokenizer."""
     run_dir = Path(run_dir)
-    ckpt = Path(checkpoint) if checkpoint else Checkpointer(run_dir, 1).latest_good()
-    problem = damage(ckpt) if checkpoint else None  # latest_good() has checked its choice
-    if problem is not None:
-        raise UserError(f"{ckpt} is damaged: {problem}; pick another checkpoint")
-    if ckpt is None:
+    ckpt = run_checkpoint(run_dir, checkpoint)
+    state = load_file(ckpt / TRAINER_STATE)
+    differs = model_differences(state.get("config") or {}, cfg)
+    if differs:
         raise UserError(
-            f"{run_dir} has no complete checkpoint; train longer or set checkpoint.every so "
-            f"that one is saved"
+            f"{ckpt} belongs to another run: its model differs from {run_dir}'s "
+            f"config.yaml in {'; '.join(differs)}; generate from that checkpoint's own run "
+            f"directory ({ckpt.parent.parent}), or pick a checkpoint of {run_dir}"
         )
     tokenizer = Tokenizer(run_dir / "tokenizer.model")
-    trained_with = load_file(ckpt / TRAINER_STATE).get("tokenizer_sha256")
+    trained_with = state.get("tokenizer_sha256")
     if trained_with is not None and tokenizer.sha256() != trained_with:
+        if not _inside(ckpt, run_dir):
+            raise UserError(
+                f"{ckpt} belongs to another run: it was trained with another "
+                f"tokenizer than {run_dir / 'tokenizer.model'} (sha256 {trained_with[:12]}... "
+                f"vs {tokenizer.sha256()[:12]}...); generate from that checkpoint's own run "
+                f"directory ({ckpt.parent.parent}), or pick a checkpoint of {run_dir}"
+            )
         raise UserError(
             f"{run_dir / 'tokenizer.model'} is not the tokenizer {ckpt} was trained with "
             f"(sha256 {tokenizer.sha256()[:12]}..., the checkpoint records "
@@ -70,6 +78,52 @@ def load_run(
     model.to(plan.device)
     model.eval()
     return model, tokenizer
+
+
+def run_checkpoint(run_dir: Path, checkpoint: str | Path | None) -> Path:
+    """The checkpoint `--checkpoint` names (a checkpoint directory, or a run directory: its
+    newest good one), or the run's newest good one; refused when damaged or absent, saying
+    which checkpoints the run has."""
+    if checkpoint is None:
+        ckpt = Checkpointer(run_dir, 1).latest_good()
+        if ckpt is None:
+            raise UserError(
+                f"{run_dir} has no complete checkpoint; train longer or set checkpoint.every "
+                f"so that one is saved"
+            )
+        return ckpt
+    path = Path(checkpoint)
+    if (path / TRAINER_STATE).is_file() or Checkpointer(path, 1).complete():
+        return resolve_checkpoint(path)  # (refuses a damaged one)
+    have = [p.name for _, p in Checkpointer(run_dir, 1).complete()]
+    shown = ", ".join(have[-5:]) if have else "none"
+    raise UserError(
+        f"--checkpoint {checkpoint}: not a checkpoint directory (no {TRAINER_STATE} inside) nor "
+        f"a run directory with one; {run_dir / 'checkpoints'} holds {len(have)} complete "
+        f"checkpoint{'s' if len(have) != 1 else ''} ({shown}): pass one of them, e.g. "
+        f"--checkpoint {run_dir / 'checkpoints' / (have[-1] if have else 'step_00000100')}, "
+        f"or leave --checkpoint out for the newest good one"
+    )
+
+
+def model_differences(saved: dict[str, Any], cfg: Config) -> list[str]:
+    """The model keys that make a checkpoint's weights another run's: "key (X in the
+    checkpoint, Y in the run)" for each run-defining model.* key the checkpoint records."""
+    model = saved.get("model") or {}
+    out = []
+    for key in run_defining_keys():
+        section, name = key.split(".", 1)
+        if section != "model" or name not in model:
+            continue  # (older checkpoints lack keys added since)
+        if model[name] != get_key(cfg, key):
+            out.append(
+                f"{key} ({model[name]!r} in the checkpoint, {get_key(cfg, key)!r} in the run)"
+            )
+    return out
+
+
+def _inside(ckpt: Path, run_dir: Path) -> bool:
+    return ckpt.resolve().is_relative_to(run_dir.resolve())
 
 
 def sample_next(

@@ -35,7 +35,7 @@ class Launch:
 def launch_env() -> Launch:
     """RANK / LOCAL_RANK / WORLD_SIZE from the environment; a world of one when run directly."""
     try:
-        return Launch(
+        launch = Launch(
             rank=int(os.environ.get("RANK", "0")),
             local_rank=int(os.environ.get("LOCAL_RANK", "0")),
             world_size=int(os.environ.get("WORLD_SIZE", "1")),
@@ -45,6 +45,18 @@ def launch_env() -> Launch:
             f"RANK / LOCAL_RANK / WORLD_SIZE must be integers ({e}); start "
             f"multi-process runs with the scripts in launch/"
         ) from None
+    r, lr, w = launch.rank, launch.local_rank, launch.world_size
+    if not (w >= 1 and 0 <= r < w and 0 <= lr < w):
+        # e.g. RANK=1 left in a shell: this process would run as a silent non-main rank
+        names = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+        shown = ", ".join(f"{k}={os.environ.get(k, '(unset)')}" for k in names)
+        raise UserError(
+            f"the launch environment is inconsistent ({shown}): a launcher sets WORLD_SIZE >= "
+            f"1, 0 <= RANK < WORLD_SIZE and 0 <= LOCAL_RANK < WORLD_SIZE; unset RANK, "
+            f"LOCAL_RANK and WORLD_SIZE to run one process, or start multi-process runs with "
+            f"torchrun or the scripts in launch/"
+        )
+    return launch
 
 
 @dataclass(frozen=True)

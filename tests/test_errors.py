@@ -3,6 +3,7 @@ file and the fix, no traceback, and no run directory written."""
 
 from __future__ import annotations
 
+import gzip
 from pathlib import Path
 
 import pytest
@@ -176,6 +177,74 @@ CASES = [
         ["bench", TINY, "--sweep", "--sweep-backend", "ddp,dpp"],
         "--sweep-backend dpp: not a backend; use single, ddp, fsdp, zero0",
     ),
+    ("negative seed", ["train", TINY, *s("run.seed=-1")], "run.seed=-1 must be an integer in [0"),
+    ("bench: no timed steps", ["bench", TINY, "--steps", "0"], "--steps 0: use a count >= 1"),
+    (
+        "bench: no rounds",
+        ["bench", TINY, "--reference", "--rounds", "0"],
+        "--rounds 0: use a count >= 1",
+    ),
+    (
+        "bench: a trailing comma in a sweep",
+        ["bench", TINY, "--sweep", "--sweep-micro", "1,2,"],
+        "--sweep-micro '1,2,': '' is not a micro-batch size; use a comma list of integers >= 1",
+    ),
+    (
+        "bench: a word in a sweep",
+        ["bench", TINY, "--sweep", "--sweep-micro", "x"],
+        "--sweep-micro 'x': 'x' is not a micro-batch size",
+    ),
+    (
+        "bench: a sweep of an unknown mode",
+        ["bench", TINY, "--sweep", "--sweep-ac", "none, ful"],
+        "--sweep-ac 'none, ful': 'ful' is not a checkpointing mode; use a comma list of none, "
+        "full, every_k, selective",
+    ),
+    (
+        "bench: a sweep of maybe compiled",
+        ["bench", TINY, "--sweep", "--sweep-compile", "maybe"],
+        "--sweep-compile 'maybe': 'maybe' is not true or false",
+    ),
+    (
+        "estimate on zero GPUs",
+        ["estimate", TINY, "--world-size", "0"],
+        "--world-size 0: use the number of GPUs the run will use, >= 1",
+    ),
+    ("a section written twice", ["train", "twice.yaml"], "model is written twice (lines 1 and 4)"),
+    ("a key written twice", ["train", "twice_key.yaml"], "train.lr is written twice (line 1)"),
+    (
+        "compressed source",
+        ["prepare", TINY, *s("data.source=c.jsonl.gz", "data.dir=d")],
+        "matches compressed files (c.jsonl.gz), which are not read; decompress them",
+    ),
+    (
+        "a folder of compressed files",
+        ["prepare", TINY, *s("data.source=packed", "data.dir=d")],
+        "matches no file it reads (compressed files are not read",
+    ),
+    (
+        "a stray .json in a source folder",
+        ["prepare", TINY, *s("data.source=corpus", "data.dir=d")],
+        "dataset_info.json:1 is not valid JSON (Expecting property name enclosed in double "
+        "quotes); fix the line or remove the file from data.source. Every .json file in "
+        "data.source is read as JSON Lines",
+    ),
+    (
+        "export under a file",
+        ["export", ".", "--out", "list.yaml/hf"],
+        "list.yaml is a file, not a directory; point --out at a directory",
+    ),
+    ("export over a folder", ["export", ".", "--out", "folder"], "folder already exists"),
+    (
+        "export --force over a file",
+        ["export", ".", "--out", "list.yaml", "--force"],
+        "--out list.yaml is a file, and the export is a folder",
+    ),
+    (
+        "export: a shard size without a unit",
+        ["export", ".", "--out", "hf", "--max-shard-size", "2G"],
+        "--max-shard-size '2G': use a size above 0",
+    ),
     (
         "a check of an unknown section",
         ["check", "out", "--only", "sweep,curve"],
@@ -199,6 +268,12 @@ FILES: dict[str, bytes] = {
     "deep.yaml": ("a: " + "[" * 5000 + "]" * 5000 + "\n").encode(),
     "list.yaml": b"- model\n- train\n",
     "huge.yaml": b"model:\n  d_model: " + b"x" * 500_000 + b"\n",
+    "twice.yaml": b"model:\n  d_model: 64\ntrain:\nmodel:\n  n_layers: 2\n",
+    "twice_key.yaml": b"train: {lr: 1.0e-3, max_steps: 1, lr: 2.0e-3}\n",
+    "c.jsonl.gz": gzip.compress(b'{"text": "a document"}\n'),
+    "packed/c.jsonl.gz": gzip.compress(b'{"text": "a document"}\n'),
+    "corpus/dataset_info.json": b'{\n  "features": {"text": {"dtype": "string"}}\n}\n',
+    "corpus/train.jsonl": b'{"text": "a document"}\n' * 100,
 }
 
 
@@ -206,6 +281,7 @@ FILES: dict[str, bytes] = {
 def test_broken_input(case, argv, expected, data_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     for name, content in FILES.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_bytes(content)
     (tmp_path / "folder").mkdir()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -218,6 +294,28 @@ def test_broken_input(case, argv, expected, data_dir, tmp_path, monkeypatch, cap
     assert not (tmp_path / "runs").exists()  # nothing half-written
 
 
+def test_sweep_entries_are_read_with_spaces_and_any_case():
+    from scale_llm.bench import sweep_axes
+
+    assert sweep_axes(" 1, 2", "none, full", "False, yes") == (
+        [1, 2],
+        ["none", "full"],
+        [False, True],
+    )
+
+
+def test_a_section_with_every_key_commented_out_is_empty(tmp_path):
+    """`model:` with nothing under it is YAML null: read as an empty section, here and over a
+    base file (whose values it keeps)."""
+    from scale_llm.config import Config, load_config
+
+    (tmp_path / "base.yaml").write_text("model:\n  d_model: 64\n")
+    (tmp_path / "top.yaml").write_text("base: base.yaml\nmodel:\n  # d_model: 128\ntrain:\n")
+    (tmp_path / "alone.yaml").write_text("model:\n  # d_model: 128\n")
+    assert load_config(tmp_path / "top.yaml").model.d_model == 64
+    assert load_config(tmp_path / "alone.yaml") == Config()
+
+
 @pytest.mark.parametrize(
     ("env", "expected"),
     [
@@ -227,8 +325,37 @@ def test_broken_input(case, argv, expected, data_dir, tmp_path, monkeypatch, cap
             {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "1", "SCALE_LLM_PG_TIMEOUT_MIN": "x"},
             "SCALE_LLM_PG_TIMEOUT_MIN='x' is not a number of minutes",
         ),
+        (  # torch's own ValueError before
+            {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "70000"},
+            "MASTER_PORT='70000' is not a port number (1-65535)",
+        ),
+        (  # timedelta's OverflowError before; 0 or less never waited at all
+            {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "1", "SCALE_LLM_PG_TIMEOUT_MIN": "inf"},
+            "SCALE_LLM_PG_TIMEOUT_MIN='inf' is not a number of minutes above 0",
+        ),
+        (
+            {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "1", "SCALE_LLM_PG_TIMEOUT_MIN": "0"},
+            "SCALE_LLM_PG_TIMEOUT_MIN='0' is not a number of minutes above 0",
+        ),
+        (  # left over in a shell: the run would be a silent non-main rank (no logs, no save)
+            {"RANK": "1"},
+            "(RANK=1, LOCAL_RANK=(unset), WORLD_SIZE=(unset)): a launcher sets WORLD_SIZE >= 1, "
+            "0 <= RANK < WORLD_SIZE",
+        ),
+        ({"RANK": "2", "WORLD_SIZE": "2"}, "unset RANK, LOCAL_RANK and WORLD_SIZE"),
+        ({"LOCAL_RANK": "-1"}, "LOCAL_RANK=-1, WORLD_SIZE=(unset)"),
     ],
-    ids=["WORLD_SIZE", "MASTER_PORT", "timeout"],
+    ids=[
+        "WORLD_SIZE",
+        "MASTER_PORT",
+        "timeout",
+        "port_range",
+        "timeout_inf",
+        "timeout_0",
+        "RANK",
+        "RANK_of_WORLD_SIZE",
+        "LOCAL_RANK",
+    ],
 )
 def test_unparsable_environment(env, expected, data_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
@@ -237,9 +364,11 @@ def test_unparsable_environment(env, expected, data_dir, tmp_path, monkeypatch, 
         monkeypatch.delenv(key)  # and the test's end restores all of them
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    assert main(["train", TINY, *s(f"data.dir={data_dir}", "model.vocab_size=512")]) == 2
+    argv = ["train", TINY, *s(f"data.dir={data_dir}", "model.vocab_size=512")]
+    assert main([*argv, *s("train.max_steps=1")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and expected in err and "Traceback" not in err, err
+    assert not (tmp_path / "runs").exists()
 
 
 def test_a_leftover_world_size_says_what_it_waits_for_then_stops(data_dir, tmp_path):
@@ -327,3 +456,40 @@ def test_a_garbage_or_foreign_tokenizer_in_a_run_dir_is_named(data_dir, tmp_path
     assert "is not the tokenizer" in err and "the checkpoint records" in err
     (run_dir / "tokenizer.model").write_bytes(good)
     assert main(["generate", str(run_dir), "--max-new-tokens", "2"]) == 0
+
+
+def test_a_checkpoint_that_is_missing_or_another_runs_is_named(data_dir, tmp_path, capsys):
+    """generate --checkpoint: a pruned step or a typo lists the run's checkpoints; one of
+    another run (another model shape, another tokenizer) says so, naming the difference."""
+    import shutil
+
+    from scale_llm.data.tokenizer import train_tokenizer
+    from tests.helpers import finished_run, random_texts
+
+    run_dir = finished_run(data_dir, tmp_path, "train.max_steps=2", "checkpoint.every=1")
+    capsys.readouterr()  # (its log lines may go to an earlier test's closed stream)
+    ckpts = run_dir / "checkpoints"
+    gen = ["--max-new-tokens", "2"]
+    assert main(["generate", str(run_dir), "--checkpoint", str(ckpts / "step_00000005"), *gen]) == 2
+    err = capsys.readouterr().err
+    assert "not a checkpoint directory (no trainer.pt inside)" in err, err
+    assert "holds 2 complete checkpoints (step_00000001, step_00000002)" in err
+    assert main(["generate", str(run_dir), "--checkpoint", str(run_dir), *gen]) == 0  # its newest
+
+    wider = tmp_path / "wider"  # a run whose model differs from the checkpoint's
+    shutil.copytree(run_dir, wider)
+    config = (wider / "config.yaml").read_text()
+    (wider / "config.yaml").write_text(config.replace("d_model: 32", "d_model: 64"))
+    assert main(["generate", str(wider), "--checkpoint", str(ckpts / "step_00000002"), *gen]) == 2
+    err = capsys.readouterr().err
+    assert "step_00000002 belongs to another run" in err and "Traceback" not in err, err
+    assert "model.d_model (32 in the checkpoint, 64 in the run)" in err
+
+    retokenized = tmp_path / "retokenized"  # a run with another tokenizer
+    shutil.copytree(run_dir, retokenized)
+    train_tokenizer(random_texts(200, "doc{i}"), 400, retokenized / "tokenizer.model")
+    argv = ["generate", str(retokenized), "--checkpoint", str(ckpts / "step_00000002"), *gen]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "belongs to another run: it was trained with another tokenizer" in err, err
+    assert "copy the tokenizer.model" not in err

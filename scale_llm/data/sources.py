@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".text")
 JSONL_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)
+COMPRESSED_SUFFIXES = (".gz", ".tgz", ".bz2", ".xz", ".zst", ".zstd", ".lz4", ".zip", ".7z")
 _PARQUET_BATCH = 1024  # rows per Arrow record batch
 
 
@@ -116,17 +117,33 @@ class Source:
                 except json.JSONDecodeError as e:
                     raise UserError(
                         f"{f}:{lineno} is not valid JSON ({e.msg}); fix the line or "
-                        f"remove the file from data.source"
+                        f"remove the file from data.source{self._not_jsonl_hint(f)}"
                     ) from None
                 if not isinstance(record, dict) or self.text_field not in record:
                     keys = list(record)[:8] if isinstance(record, dict) else type(record).__name__
                     raise UserError(
                         f"{f}:{lineno} has no field {self.text_field!r} (found {keys}); "
                         f"set data.text_field to the field holding the text"
+                        f"{self._not_jsonl_hint(f)}"
                     )
                 text = text_value(record[self.text_field], f"{f}:{lineno}", self.text_field)
                 if text:
                     yield Document(f"{name}:{lineno}", text)
+
+    def _not_jsonl_hint(self, f: Path) -> str:
+        """For a .json file: it was read as JSON Lines, and may be a stray metadata file (a
+        prepared data dir's manifest.json, a dataset's dataset_info.json) in a directory."""
+        if f.suffix != ".json":
+            return ""
+        others = [p.suffix for p in self.files if p != f and p.suffix in JSONL_SUFFIXES]
+        suffix = max(set(others), key=others.count) if others else ".jsonl"
+        is_dir = Path(self.spec).expanduser().is_dir()
+        base = self.spec.rstrip("/") if is_dir else (self.root or Path(".")).as_posix()
+        return (
+            f". Every .json file in data.source is read as JSON Lines (one JSON object per "
+            f"line); if {f.name} is not part of the corpus (e.g. a dataset's metadata), point "
+            f"data.source at a glob that names only the data files, e.g. '{base}/**/*{suffix}'"
+        )
 
     def _parquet_documents(self, f: Path, name: str) -> Iterator[Document]:
         import pyarrow.parquet as pq  # a dependency of `datasets`
@@ -183,10 +200,23 @@ def builtin_source() -> Source:
 def local_source(spec: str, text_field: str) -> Source:
     paths = _expand(spec)
     if not paths:
+        folder = Path(spec).expanduser()
+        packed = folder.is_dir() and any(
+            p.suffix.lower() in COMPRESSED_SUFFIXES for p in folder.rglob("*")
+        )
+        note = " it reads (compressed files are not read: decompress them first)" if packed else ""
         raise UserError(
-            f"data.source={spec!r} matches no file; give an existing file, a directory of "
+            f"data.source={spec!r} matches no file{note}; give an existing file, a directory of "
             f".txt/.jsonl/.parquet files, a glob like 'corpus/*.jsonl', 'hf:NAME' for a "
             f"Hugging Face dataset, or 'builtin' for the offline corpus"
+        )
+    compressed = [p for p in paths if p.suffix.lower() in COMPRESSED_SUFFIXES]
+    if compressed:
+        raise UserError(
+            f"data.source={spec!r} matches compressed files ({', '.join(map(str, compressed[:3]))}"
+            f"{', ...' if len(compressed) > 3 else ''}), which are not read; decompress them "
+            f"(e.g. gunzip -k, zstd -d, xz -dk) and point data.source at the .txt/.jsonl/.parquet "
+            f"files"
         )
     empty = [p for p in paths if p.stat().st_size == 0]
     if len(empty) == len(paths):
