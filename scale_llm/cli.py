@@ -351,7 +351,8 @@ def start_distributed(args: argparse.Namespace):
             "parallel.backend=deepspeed but deepspeed is not installed; `pip install deepspeed` "
             "(launch/setup.sh installs it) or pick parallel.backend=ddp or fsdp"
         )
-    start(plan)
+    offload = plan.backend == "fsdp" and cfg.parallel.fsdp.cpu_offload
+    start(plan, cpu_collectives=offload)
     return cfg, plan
 
 

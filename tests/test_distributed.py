@@ -360,3 +360,27 @@ def test_launcher_quotes_arguments(data_dir, tmp_path):
     launch("2xh100.sh", args, tmp_path)
     assert (tmp_path / name / "metrics.jsonl").is_file()
     assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.parametrize(("offload", "expected"), [(False, "nccl"), (True, "cuda:nccl,cpu:gloo")])
+def test_fsdp_cpu_offload_gets_gloo_next_to_nccl(offload, expected, monkeypatch):
+    """FSDP2's CPU offload keeps the gradients on the CPU, so clipping's norm is reduced over CPU
+    tensors: with NCCL alone the first step fails ("No backend type associated with device type
+    cpu"). Such a run's process group is NCCL for CUDA and gloo for the CPU (torchtitan's way);
+    the others stay NCCL alone. No GPU here: the CUDA calls are recorded, not made."""
+    import torch
+    import torch.distributed as dist
+
+    from scale_llm.components import distributed
+    from scale_llm.plan import RunPlan
+
+    seen = {}
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: seen.update(b=backend))
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.setenv(key, "")  # records the old state: start() sets these, and the
+        monkeypatch.delenv(key)  # test's end restores all of them
+    plan = RunPlan(0, 0, 1, torch.device("cuda", 0), "fsdp", "bf16", 1, 1, 1, 8)
+    distributed.start(plan, cpu_collectives=offload)
+    assert seen == {"b": expected}

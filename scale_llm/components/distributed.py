@@ -33,10 +33,12 @@ def joined_multi_process() -> bool:
     return _JOINED_MULTI_PROCESS
 
 
-def start(plan: RunPlan) -> None:
+def start(plan: RunPlan, cpu_collectives: bool = False) -> None:
     """Select this rank's device and, for every backend but `single`, join (or start) the
     process group the plan describes. A CPU run keeps the memory it frees for its next step
-    (`keep_freed_cpu_memory`)."""
+    (`keep_freed_cpu_memory`). `cpu_collectives`: a CUDA run whose collectives also reduce CPU
+    tensors (FSDP2's CPU offload: the gradient norm over the offloaded gradients, fp16's
+    found-inf check) gets gloo for those next to NCCL, as torchtitan does."""
     if plan.device.type == "cuda":
         torch.cuda.set_device(plan.device)
     elif plan.device.type == "cpu":
@@ -60,6 +62,8 @@ def start(plan: RunPlan) -> None:
     if dist.is_initialized():
         return
     pg_backend = "nccl" if plan.device.type == "cuda" else "gloo"
+    if pg_backend == "nccl" and cpu_collectives:
+        pg_backend = "cuda:nccl,cpu:gloo"  # NCCL alone: "No backend type associated with cpu"
     minutes = os.environ.get("SCALE_LLM_PG_TIMEOUT_MIN", "30")
     try:
         timeout = datetime.timedelta(minutes=float(minutes))
