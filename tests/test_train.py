@@ -348,6 +348,21 @@ def test_wandb_missing_is_a_clear_error(data_dir, tmp_path, monkeypatch):
         trainer(data_dir, tmp_path, "logging.wandb.project=p")
 
 
+def test_wandb_that_cannot_start_is_a_clear_error(data_dir, tmp_path, monkeypatch):
+    """A node never logged in to W&B: wandb.init's own error became a traceback."""
+    wandb = pytest.importorskip("wandb")
+
+    def no_key(**kwargs):
+        raise wandb.errors.UsageError("api_key not configured (no-tty). call wandb.login(key=...)")
+
+    monkeypatch.setattr(wandb, "init", no_key)
+    with pytest.raises(UserError) as info:
+        trainer(data_dir, tmp_path, "logging.wandb.project=p")
+    msg = str(info.value)
+    assert msg.startswith("logging.wandb.project=p: W&B did not start (api_key not configured")
+    assert "`wandb login`" in msg and "logging.wandb.mode=offline" in msg
+
+
 def test_a_checkpoint_in_the_previous_layout_still_resumes_exactly(data_dir, tmp_path):
     """Before the backend described its own state, trainer.pt held the layout among its keys
     (format / backend / world_size / zero_stage), the scaler sat in scaler.pt, and the config

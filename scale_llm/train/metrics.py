@@ -113,15 +113,23 @@ def _start_wandb(cfg: Config, run_dir: Path, resume_step: int):
     id_file = run_dir / WANDB_ID_FILE
     if resume_step == 0 or not id_file.is_file():  # a fresh start is a new W&B run
         id_file.write_text(uuid.uuid4().hex[:16] + "\n")
-    run = wandb.init(
-        project=w.project,
-        name=w.name or cfg.run.name,
-        mode=w.mode,
-        dir=str(run_dir),
-        id=id_file.read_text().strip(),
-        resume="allow",
-        config=flatten(to_dict(cfg)),
-    )
+    try:
+        run = wandb.init(
+            project=w.project,
+            name=w.name or cfg.run.name,
+            mode=w.mode,
+            dir=str(run_dir),
+            id=id_file.read_text().strip(),
+            resume="allow",
+            config=flatten(to_dict(cfg)),
+        )
+    except wandb.errors.Error as e:  # no API key on this node, the service unreachable, ...
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(
+            f"logging.wandb.project={w.project}: W&B did not start ({first}); log this node in "
+            f"(`wandb login`, or set WANDB_API_KEY), or set logging.wandb.mode=offline to log "
+            f"into the run directory and `wandb sync` it later, or logging.wandb.project=null"
+        ) from None
     log.info("wandb: logging to project %s, run %s (%s)", w.project, run.id, w.mode)
     return run
 
