@@ -7,6 +7,7 @@ else keeps its traceback, because it is a bug to fix.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib.util
 import logging
 import os
@@ -755,6 +756,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         code = 130
+    except OSError as e:  # a full disk (or quota) is the user's to fix, wherever it struck
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        where = f" while writing {e.filename}" if e.filename else ""
+        print(
+            f"error: `scale-llm {args.command}` ran out of disk space{where} ({e.strerror}); "
+            f"free some space there, or point the output (data.dir, run.dir, --out) at a "
+            f"larger disk, and run it again (prepare and train continue from what they "
+            f"finished; files are written under temporary names and renamed when complete)",
+            file=sys.stderr,
+        )
+        code = 2
     finally:
         joined = False
         if "torch.distributed" in sys.modules:  # a process group may exist: leave it

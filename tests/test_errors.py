@@ -493,3 +493,30 @@ def test_a_checkpoint_that_is_missing_or_another_runs_is_named(data_dir, tmp_pat
     err = capsys.readouterr().err
     assert "belongs to another run: it was trained with another tokenizer" in err, err
     assert "copy the tokenizer.model" not in err
+
+
+def test_a_full_disk_in_any_command_is_one_paragraph(monkeypatch, capsys):
+    """ENOSPC outside a checkpoint save (which has its own message): prepare writing shards,
+    export, convert. It reached the user as a raw OSError traceback."""
+    import errno
+
+    from scale_llm import cli
+
+    def full(args):
+        raise OSError(errno.ENOSPC, "No space left on device", "/data/shards/train_00003.bin")
+
+    monkeypatch.setitem(cli.COMMANDS, "prepare", full)
+    assert main(["prepare", TINY]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "error: `scale-llm prepare` ran out of disk space while writing "
+        "/data/shards/train_00003.bin (No space left on device); free some space there"
+    )
+    assert "Traceback" not in err and err.count("\n") == 1
+
+    def broken(args):  # any other OSError is not the user's: it keeps its traceback
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setitem(cli.COMMANDS, "prepare", broken)
+    with pytest.raises(OSError):
+        main(["prepare", TINY])
