@@ -38,6 +38,9 @@ fi
 
 # Expandable segments let the CUDA caching allocator grow blocks instead of fragmenting.
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
+# After forwarding a SIGTERM, torchrun kills the workers that have not exited within this many
+# seconds (its default, 30, is less than a large model's last steps and checkpoint can take).
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}"
 
 gpus=0  # nvidia-smi's count (gpu-check.sh reports it)
 if command -v nvidia-smi >/dev/null 2>&1; then

@@ -473,3 +473,18 @@ def test_the_long_description_gets_absolute_links():
     links = [line for line in proc.stdout.splitlines() if "](" in line]
     assert any("](https://example.invalid/src/main/docs/config.md)" in x for x in links)
     assert not any("](docs/" in x or "](yaml/" in x for x in links)
+
+
+def test_torchrun_waits_long_enough_for_a_stopped_run_to_checkpoint(tmp_path):
+    """After forwarding SIGTERM torchrun kills its workers 30 s later by default: less than a
+    large model's last steps and checkpoint. The launchers give it 5 minutes (a user's own
+    setting wins), and the Slurm script asks for SIGTERM 5 minutes before the time limit."""
+    shown = 'torch.distributed.run) echo "T=$TORCH_ELASTIC_SHUTDOWN_TIMEOUT";;'
+    env = stand_in_node(tmp_path, shown)
+    for script in ("torchrun.sh", "2xh100.sh"):
+        assert launch(script, env).stdout.strip() == "T=300", script
+    assert (
+        launch("torchrun.sh", env | {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "900"}).stdout == "T=900\n"
+    )
+    header = (REPO / "launch" / "slurm.sbatch").read_text()
+    assert "\n#SBATCH --signal=TERM@300\n" in header
