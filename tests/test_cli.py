@@ -390,6 +390,14 @@ def test_slurm_sbatch_gives_each_job_its_own_port_and_its_cores(tmp_path):
     assert proc.stdout.startswith("13456 --kill-on-bad-exit=1 --cpus-per-task=64 bash -c ")
     proc = launch("slurm.sbatch", env | {"MASTER_PORT": "29999"})
     assert proc.stdout.startswith("29999 "), proc.stderr
+    # submitted from elsewhere: Slurm runs a spool copy, so the checkout is not found beside it
+    proc = launch("slurm.sbatch", env | {"SLURM_SUBMIT_DIR": str(tmp_path)})
+    assert proc.returncode == 2 and "is not a scale_llm checkout" in proc.stderr
+    assert "SCALE_LLM_ROOT" in proc.stderr and not proc.stdout
+    proc = launch(
+        "slurm.sbatch", env | {"SLURM_SUBMIT_DIR": str(tmp_path), "SCALE_LLM_ROOT": str(REPO)}
+    )
+    assert proc.returncode == 0 and proc.stdout.startswith("13456 "), proc.stderr
 
 
 def test_shipped_configs_are_found_by_name_from_any_directory(tmp_path, monkeypatch):
