@@ -112,6 +112,7 @@ group_running() {
 }
 trap 'forward TERM' TERM
 trap 'forward INT' INT
+trap 'forward HUP' HUP  # a closed terminal: the run is not left without its launcher
 if [[ -n "$env_file" ]]; then export DS_ENV_FILE="$env_file"; fi
 if [[ -n "$include" ]]; then unset CUDA_VISIBLE_DEVICES; fi
 set -m
@@ -129,6 +130,8 @@ while [[ -n "$interrupted" ]]; do
   if [[ "$again" -ne 127 ]]; then status="$again"; fi
 done
 if [[ -n "$signalled" ]]; then  # the workers may outlive the runner while they checkpoint
-  while group_running; do sleep 0.2; done
+  # (at most 2 minutes: DeepSpeed's launch kills its workers 30 s after the signal, and without
+  # ps an unreaped worker would count as running for ever)
+  for (( tick = 0; tick < 600; tick++ )); do group_running || break; sleep 0.2; done
 fi
 exit "$status"

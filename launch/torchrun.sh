@@ -34,6 +34,11 @@ if ! [[ "${NODE_RANK:-0}" =~ ^(0|[1-9][0-9]*)$ && "${NODE_RANK:-0}" -lt "$NNODES
     "index: 0 on the node at MASTER_ADDR, $others" >&2
   exit 2
 fi
+if [[ "$visible_gpus" -gt 0 && "$NGPU" -gt "$visible_gpus" ]]; then  # two ranks on one GPU
+  echo "torchrun.sh: NGPU=$NGPU but this node leaves $visible_gpus GPU(s) visible; set NGPU to" \
+    "$visible_gpus or less, or unset it (one process per visible GPU)" >&2
+  exit 2
+fi
 export NODE_RANK="${NODE_RANK:-0}"
 run_prepare "$@"
 if [[ "$NNODES" == "1" ]]; then

@@ -53,8 +53,17 @@ def pytest_collection_finish(session):
 
 
 def pytest_sessionfinish(session):
-    if _prebuild is not None:
-        _prebuild.wait()
+    if _prebuild is None:
+        return
+    try:
+        _prebuild.wait(timeout=1200)  # a cold build takes ~3 min on 2 cores
+    except subprocess.TimeoutExpired:  # waiting on a lock a killed build left: do not hang
+        _prebuild.kill()
+        print(
+            "\nconftest: DeepSpeed's op build did not finish in 20 min; a build killed earlier "
+            "may have left a lock file under ~/.cache/torch_extensions (delete it)",
+            file=sys.stderr,
+        )
 
 
 @pytest.fixture(scope="session")

@@ -162,7 +162,7 @@ def test_a_run_of_bad_steps_stops_with_causes_and_the_last_good_checkpoint(data_
     msg = str(info.value)
     assert "the last 3 optimizer steps had a non-finite loss" in msg
     assert "train.lr=" in msg and "train.precision=fp32" in msg and "data.dir=" in msg
-    assert "step_00000006" in msg  # the last checkpoint: step 4's weights
+    assert "step_00000006 (it holds step 4's weights)" in msg
     assert info.value.exit_code == 3
     assert tr.step == 7
     saved = dict(tr.checkpointer.complete())
@@ -173,6 +173,17 @@ def test_a_run_of_bad_steps_stops_with_causes_and_the_last_good_checkpoint(data_
     assert all(torch.equal(four[k], six[k]) for k in four)
     assert not all(torch.equal(four[k], two[k]) for k in four)  # steps 3-4 did change them
     assert all(torch.isfinite(v).all() for v in six.values())
+    again = trainer(  # a resume continues the streak rather than starting a new count at 0
+        data_dir,
+        tmp_path,
+        "train.max_steps=20",
+        "train.max_bad_steps=3",
+        "checkpoint.every=2",
+        "checkpoint.keep_last=3",
+    )
+    assert again.step == 6 and int(again.bad_streak) == 2 and int(again.skipped_steps) == 2
+    again.loader.close()
+    again.lock.release()
 
 
 def test_a_checkpoint_due_on_a_skipped_step_is_written(data_dir, tmp_path):
@@ -361,6 +372,8 @@ def test_wandb_that_cannot_start_is_a_clear_error(data_dir, tmp_path, monkeypatc
     msg = str(info.value)
     assert msg.startswith("logging.wandb.project=p: W&B did not start (api_key not configured")
     assert "`wandb login`" in msg and "logging.wandb.mode=offline" in msg
+    # the launch released its run lock: a relaunch from another host would be refused
+    assert not (tmp_path / "runs" / "test" / ".lock").exists()
 
 
 def test_a_checkpoint_in_the_previous_layout_still_resumes_exactly(data_dir, tmp_path):

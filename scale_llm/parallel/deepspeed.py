@@ -45,12 +45,16 @@ TAG = "deepspeed"  # the engine's checkpoint folder inside each step_XXXXXXXX di
 @contextlib.contextmanager
 def _step_only_if_finite(optimizer: torch.optim.Optimizer, norm: torch.Tensor) -> Iterator[None]:
     """For the engine's step inside: `optimizer.step()` steps only when `norm` is finite."""
+    own = vars(optimizer).get("step")  # a step the instance already had (a wrapper's)
     step = optimizer.step
     optimizer.step = lambda *args, **kwargs: step_if_finite(optimizer, norm, step)
     try:
         yield
     finally:
-        del optimizer.step  # the class's method again
+        if own is None:
+            del optimizer.step  # the class's method again
+        else:
+            optimizer.step = own
 
 
 class DeepSpeedBackend(Backend):

@@ -50,10 +50,19 @@ class TrainingDiverged(UserError):
 
 
 def diverged_message(
-    streak: int, step: int, lr: float, precision: str, data_dir: str, last_good: Path | None
+    streak: int,
+    step: int,
+    lr: float,
+    precision: str,
+    data_dir: str,
+    last_good: Path | None,
+    last_good_step: int | None = None,
 ) -> str:
+    """`last_good_step`: when the checkpoint was saved inside the run of skipped steps, the
+    step whose weights it holds (a skipped step changes none)."""
+    holds = f" (it holds step {last_good_step}'s weights)" if last_good_step is not None else ""
     resume = (
-        f"The last good checkpoint is {last_good}; resume from it with "
+        f"The last good checkpoint is {last_good}{holds}; resume from it with "
         f"--set checkpoint.resume={last_good} after changing the cause."
         if last_good
         else "No checkpoint was saved before the problem began."

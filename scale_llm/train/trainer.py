@@ -135,9 +135,14 @@ class Trainer:
             if self.resume_from is not None:
                 self.checkpointer.abandon_after(self.step)
             self._write_run_dir()
-        self.metrics = MetricsLogger(
-            self.run_dir, plan.is_main and not self.complete, cfg, self.step
-        )
+        try:
+            self.metrics = MetricsLogger(
+                self.run_dir, plan.is_main and not self.complete, cfg, self.step
+            )
+        except BaseException:  # e.g. W&B cannot start: a relaunch must find the dir free
+            if plan.is_main and not self.complete:
+                self.lock.release()
+            raise
         self._warn_about_warmup()
 
     # ----------------------------------------------------------------- loop
@@ -167,11 +172,11 @@ class Trainer:
                 while self.step < t.max_steps:
                     try:
                         loss, grad_norm, lr = self.train_step()
-                        self.step += 1
-                        maybe_fail("after_step", self.step, self.plan.rank)
-                        self._record(loss, grad_norm, lr, result)
                     except torch.OutOfMemoryError as e:
                         raise UserError(self._out_of_memory(e)) from None
+                    self.step += 1
+                    maybe_fail("after_step", self.step, self.plan.rank)
+                    self._record(loss, grad_norm, lr, result)
                     stop = self._stop_reason(signals)
                     every = self.cfg.checkpoint.every
                     if (every and self.step % every == 0) or self.step == t.max_steps or stop:
@@ -320,6 +325,9 @@ class Trainer:
     def _check_divergence(self) -> None:
         streak = int(self.bad_streak.item())
         if streak >= self.cfg.train.max_bad_steps:
+            saved = self.checkpointer.complete()
+            good = self.step - streak  # the last step whose update was applied
+            holds = good if saved and saved[-1][0] > good else None  # saved inside the streak
             raise TrainingDiverged(
                 diverged_message(
                     streak,
@@ -327,7 +335,8 @@ class Trainer:
                     self.cfg.train.lr,
                     self.plan.precision,
                     self.cfg.data.dir,
-                    self.checkpointer.latest(),
+                    saved[-1][1] if saved else None,
+                    holds,
                 )
             )
         if streak:
@@ -435,6 +444,8 @@ class Trainer:
             "data": self.loader.state_dict(),
             "rng": self.generators.state_dict(),  # one entry per rank
             "skipped_steps": int(self.skipped_steps.item()),
+            # a checkpoint can fall inside a run of skipped steps: a resume continues its count
+            "bad_streak": int(self.bad_streak.item()),
             "config": to_dict(self.cfg),
             "plan": self.plan.to_json(),
             "tokenizer_sha256": self.manifest["tokenizer"]["sha256"],
@@ -451,6 +462,7 @@ class Trainer:
         self.step = int(state["step"])
         self.loader.load_state_dict(state["data"])
         self.skipped_steps.fill_(int(state.get("skipped_steps", 0)))
+        self.bad_streak.fill_(int(state.get("bad_streak", 0)))
         if isinstance(state["rng"], list):
             self.generators.load_state_dict(state["rng"])
         log.info("resume: continuing from %s at step %d", self.resume_from, self.step)
