@@ -148,14 +148,9 @@ def test_a_run_of_bad_steps_stops_with_causes_and_the_last_good_checkpoint(data_
     from scale_llm.model import empty_state_dict
     from scale_llm.train.guards import TrainingDiverged
 
-    tr = trainer(
-        data_dir,
-        tmp_path,
-        "train.max_steps=20",
-        "train.max_bad_steps=3",
-        "checkpoint.every=2",
-        "checkpoint.keep_last=3",
-    )
+    settings = ["train.max_steps=20", "train.max_bad_steps=3", "checkpoint.every=2"]
+    settings.append("checkpoint.keep_last=3")
+    tr = trainer(data_dir, tmp_path, *settings)
     poison(tr, set(range(4, 20)))
     with pytest.raises(TrainingDiverged) as info:
         tr.fit()
@@ -173,14 +168,7 @@ def test_a_run_of_bad_steps_stops_with_causes_and_the_last_good_checkpoint(data_
     assert all(torch.equal(four[k], six[k]) for k in four)
     assert not all(torch.equal(four[k], two[k]) for k in four)  # steps 3-4 did change them
     assert all(torch.isfinite(v).all() for v in six.values())
-    again = trainer(  # a resume continues the streak rather than starting a new count at 0
-        data_dir,
-        tmp_path,
-        "train.max_steps=20",
-        "train.max_bad_steps=3",
-        "checkpoint.every=2",
-        "checkpoint.keep_last=3",
-    )
+    again = trainer(data_dir, tmp_path, *settings)  # a resume continues the streak's count
     assert again.step == 6 and int(again.bad_streak) == 2 and int(again.skipped_steps) == 2
     again.loader.close()
     again.lock.release()
