@@ -352,8 +352,7 @@ def start_distributed(args: argparse.Namespace):
             "parallel.backend=deepspeed but deepspeed is not installed; `pip install deepspeed` "
             "(launch/setup.sh installs it) or pick parallel.backend=ddp or fsdp"
         )
-    offload = plan.backend == "fsdp" and cfg.parallel.fsdp.cpu_offload
-    start(plan, cpu_collectives=offload)
+    start(plan, cpu_collectives=cfg.parallel.fsdp.cpu_offload)  # (validated: fsdp only)
     return cfg, plan
 
 
