@@ -12,6 +12,7 @@ learned positions, 4d GELU MLP: what the lean single-file trainers run), compare
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import importlib.util
@@ -22,6 +23,7 @@ import shutil
 import statistics
 import time
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,7 @@ from scale_llm.components.hardware import cuda_memory_gib, peak_flops
 from scale_llm.components.loss import plain_cross_entropy
 from scale_llm.config import ActivationCheckpointingConfig, Config, with_changes
 from scale_llm.errors import UserError
+from scale_llm.files import private_dir
 from scale_llm.model import build_model, materialize
 from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
 from scale_llm.parallel.backend import build_backend
@@ -594,12 +597,23 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 
 def bench_checkpoint(cfg: Config, plan: RunPlan, directory: Path, rounds: int = 2) -> list[dict]:
     """Time checkpoint saves (model + AdamW state, fsynced) with and without the integrity
-    record, interleaved `rounds` times each, in `directory` (removed afterwards).
+    record, interleaved `rounds` times each, in a new private folder inside `directory` (removed
+    afterwards: nothing that was in `directory` before is touched).
 
     "plain": save + fsync. "with record": as `Checkpointer.save` does: the save hashing DCP's
     files as it writes them, then the other files hashed while the tree is fsynced, and the
     record written. The cost of hashing every file after the save (the record without the
     digests taken during the writes) and the verification on load are timed too."""
+    backend = build_backend(cfg, plan)
+    model = backend.setup(build_model(cfg.model))
+    # one real step on a 16-token row, so the optimizer state exists (on every backend)
+    tokens = torch.randint(0, cfg.model.vocab_size, (1, 17), device=plan.device)
+    optimizer_step(backend, model, [(tokens[:, :-1], tokens[:, 1:])])
+    with shared_private_dir(directory, "scale-llm-checkpoint-io-", plan.is_main) as private:
+        return _time_checkpoints(backend, plan, private, rounds)
+
+
+def _time_checkpoints(backend, plan: RunPlan, private: Path, rounds: int) -> list[dict]:
     from scale_llm.components import digests
     from scale_llm.components.checkpoint import (
         damage,
@@ -612,18 +626,13 @@ def bench_checkpoint(cfg: Config, plan: RunPlan, directory: Path, rounds: int = 
     )
     from scale_llm.components.distributed import barrier, rank_and_world
 
-    backend = build_backend(cfg, plan)
-    model = backend.setup(build_model(cfg.model))
-    # one real step on a 16-token row, so the optimizer state exists (on every backend)
-    tokens = torch.randint(0, cfg.model.vocab_size, (1, 17), device=plan.device)
-    optimizer_step(backend, model, [(tokens[:, :-1], tokens[:, 1:])])
     rows = []
     main = plan.is_main
-    for _ in range(rounds):
+    for n in range(rounds):
         for kind in ("plain", "with record"):
+            directory = private / f"round{n}-{kind.replace(' ', '-')}"
             if main:
-                shutil.rmtree(directory, ignore_errors=True)
-                directory.mkdir(parents=True)
+                directory.mkdir()  # new, inside this call's own folder
             barrier()
             start = time.perf_counter()
             if kind == "plain":
@@ -663,6 +672,24 @@ def bench_checkpoint(cfg: Config, plan: RunPlan, directory: Path, rounds: int = 
                 row["gb"] = sum(f.stat().st_size for f in files) / 1e9
             rows.append(row)
             barrier()
-    if main:
-        shutil.rmtree(directory, ignore_errors=True)
+            if main:
+                shutil.rmtree(directory)  # made above, inside this call's own folder
     return rows
+
+
+@contextlib.contextmanager
+def shared_private_dir(parent: Path, prefix: str, is_main: bool) -> Iterator[Path]:
+    """`files.private_dir` made by the main rank, its path given to every rank (one host's
+    ranks, or ranks sharing a file system), removed by the main rank at the end."""
+    import torch.distributed as dist
+
+    from scale_llm.components.distributed import barrier, is_distributed
+
+    with contextlib.ExitStack() as stack:
+        path = [stack.enter_context(private_dir(parent, prefix)) if is_main else None]
+        if is_distributed():
+            dist.broadcast_object_list(path, src=0)
+        try:
+            yield Path(path[0])
+        finally:
+            barrier()  # every rank is done with it before the main rank removes it

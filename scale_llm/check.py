@@ -19,6 +19,10 @@ Every item is tried on its own: one that fails records its error and the rest go
 report (OUT_DIR/report.json, report.md, with the whole log in check.log) is rewritten after each,
 so a run stopped at a time limit still leaves what it measured. With `budget_minutes`, no item
 starts after that much time. Scratch data and runs go to `scratch`, outside OUT_DIR.
+
+OUT_DIR is new, empty, or an earlier check's (its report files are the only ones replaced);
+the runs go to a new folder in `scratch` (`runs-XXXX`, marked as the check's), and an earlier
+check's runs folders, recognized by that mark, are the only things removed there.
 """
 
 from __future__ import annotations
@@ -28,7 +32,6 @@ import functools
 import json
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -45,6 +48,15 @@ from scale_llm.components.distributed import shutdown_distributed
 from scale_llm.config import Config, load_config, save_config, with_changes
 from scale_llm.data.prepare import prepare
 from scale_llm.data.shards import write_atomic
+from scale_llm.errors import UserError
+from scale_llm.files import (
+    OWNER_MARKER,
+    atomic_write_json,
+    describe_kind,
+    make_owned_dir,
+    owned_kind,
+    remove_owned_dir,
+)
 from scale_llm.plan import Launch, resolve_plan
 from scale_llm.train.trainer import Trainer
 
@@ -116,14 +128,14 @@ def run_check(
     only: set[str] | None = None,
 ) -> dict[str, Any]:
     """`only`: a subset of SECTIONS (e.g. a second short call for what a budget skipped)."""
-    out.mkdir(parents=True, exist_ok=True)
+    claim_out(out)
     scratch = scratch or default_scratch()
-    shutil.rmtree(scratch / "runs", ignore_errors=True)  # the last check's runs (data stays)
+    runs = new_runs_dir(scratch)
     wanted = SECTIONS if only is None else only
     with _log_to(out / "check.log"):
         report = Report(out, budget_minutes)
         cuda = torch.cuda.is_available()
-        tiny = tiny_config(scratch, steps, overrides or [])
+        tiny = tiny_config(scratch, runs, steps, overrides or [])
         if "curves" in wanted:
             report.attempt("prepare", "tiny.yaml's data", lambda: prepared(tiny))
             curves(report, tiny, cuda)
@@ -143,7 +155,7 @@ def run_check(
             report.attempt("param_dtype", "fsdp, world size 1", lambda: fsdp_row(ref))
         if "scaling" in wanted:
             label = "ddp, 2 processes vs 1"
-            report.attempt("scaling", label, lambda: scaling_row(ref, scratch, cuda))
+            report.attempt("scaling", label, lambda: scaling_row(ref, runs, cuda))
         for mb, mode, compiled in rows[2:]:  # the other layouts, while the budget lasts
             sweep(report, big, mb, mode, compiled)
         report.save()
@@ -151,12 +163,64 @@ def run_check(
     return report.data
 
 
-def tiny_config(scratch: Path, steps: int, overrides: list[str]) -> Config:
+REPORT_FILES = ("report.json", "report.md", "check.log")
+OUT_KIND, RUNS_KIND = "check report", "check runs"
+
+
+def claim_out(out: Path) -> None:
+    """OUT_DIR becomes the check's: new, empty, or an earlier check's (marked, or holding only
+    report files whose report.json reads as a check's). Anything else is refused before any
+    work, so a check never writes its report over files it did not write."""
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise UserError(f"check OUT {out} is {describe_kind(out)}; give a folder for the report")
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        make_owned_dir(out, OUT_KIND)
+        return
+    if owned_kind(out) == OUT_KIND:
+        return
+    entries = sorted(p.name for p in out.iterdir())
+    earlier = set(entries) <= set(REPORT_FILES) and (
+        _is_check_report(out / "report.json") or entries == ["check.log"]  # (stopped early)
+    )
+    if entries and not earlier:
+        shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+        raise UserError(
+            f"check OUT {out} holds files the check did not write ({shown}); give a new or empty "
+            f"folder (or an earlier check's), e.g. `scale-llm check gpu-check`"
+        )
+    atomic_write_json(out / OWNER_MARKER, {"kind": OUT_KIND})  # empty, or an earlier check's
+
+
+def _is_check_report(path: Path) -> bool:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and {"device", "torch", "errors"} <= set(data)
+
+
+def new_runs_dir(scratch: Path) -> Path:
+    """A new runs folder in `scratch`, marked as the check's; the earlier check's runs folders
+    (that mark alone proves them the check's) are removed first. Nothing else in `scratch` is
+    touched: its data dir is prepare's (reused when up to date)."""
+    if scratch.is_symlink() or (scratch.exists() and not scratch.is_dir()):
+        raise UserError(f"--scratch {scratch} is {describe_kind(scratch)}; give a folder")
+    scratch.mkdir(parents=True, exist_ok=True)
+    for old in scratch.glob("runs-*"):
+        if owned_kind(old) == RUNS_KIND:
+            remove_owned_dir(old, RUNS_KIND)
+    runs = Path(tempfile.mkdtemp(prefix="runs-", dir=scratch))  # a fresh name: this check's
+    atomic_write_json(runs / OWNER_MARKER, {"kind": RUNS_KIND})
+    return runs
+
+
+def tiny_config(scratch: Path, runs: Path, steps: int, overrides: list[str]) -> Config:
     return load_config(
         YAML / "tiny.yaml",
         [
             f"data.dir={scratch / 'data'}",
-            f"run.dir={scratch / 'runs'}",
+            f"run.dir={runs}",
             f"train.max_steps={steps}",
             "train.warmup_steps=2",
             "logging.every=1",
@@ -255,7 +319,7 @@ def fsdp_row(cfg: Config) -> dict[str, Any]:
         shutdown_distributed()
 
 
-def scaling_row(cfg: Config, scratch: Path, cuda: bool) -> dict[str, Any]:
+def scaling_row(cfg: Config, runs: Path, cuda: bool) -> dict[str, Any]:
     """The headline layout's DDP step on two processes against one of them alone, in a torchrun
     launch of its own: two GPUs (gpu-check.sh keeps one visible to the check itself and says
     how many the machine has), or two CPU processes without a GPU."""
@@ -273,8 +337,7 @@ def scaling_row(cfg: Config, scratch: Path, cuda: bool) -> dict[str, Any]:
             return {"skipped": f"{gpus} GPU(s) here: run it where there are two or more"}
         fresh_start(torch.device("cuda"))  # rank 0 shares this process's GPU: hold nothing
     env["OMP_NUM_THREADS"] = str(max(1, torch.get_num_threads() // 2))  # the check's cores
-    scratch.mkdir(parents=True, exist_ok=True)
-    path = scratch / "scaling.yaml"
+    path = runs / "scaling.yaml"  # in this check's own runs folder
     save_config(with_changes(cfg, {"parallel.backend": "ddp"}), path)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     cmd += ["-m", "scale_llm", "bench", str(path), "--reference", "scaling", "--json"]

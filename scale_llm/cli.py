@@ -206,7 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--checkpoint-io",
         metavar="DIR",
-        help="time a checkpoint save, its integrity record and its check, in DIR (removed)",
+        help="time a checkpoint save, its integrity record and its check, in a new folder "
+        "inside DIR (removed afterwards; nothing else in DIR is touched)",
     )
     p.add_argument(
         "--roofline",
@@ -240,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="write a checkpoint as one consolidated fp32 file")
     p.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its newest)")
     p.add_argument("--out", required=True, help="the file to write, e.g. model.pt")
+    p.add_argument(
+        "--force", action="store_true", help="replace --out if an earlier convert wrote it"
+    )
 
     p = sub.add_parser("export", help="write a checkpoint as a Hugging Face Llama folder")
     p.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its newest)")
@@ -257,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SIZE",
         help="split the weights into files of at most SIZE, with an index (default 5GB)",
     )
-    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.add_argument("--force", action="store_true", help="replace --out if it is an earlier export")
 
     p = sub.add_parser("eval", help="lm-evaluation-harness tasks and held-out perplexity")
     p.add_argument("run_dir", help="a run directory; its newest good checkpoint is evaluated")
@@ -525,6 +529,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         axes = sweep_axes(args.sweep_micro, args.sweep_ac, args.sweep_compile)
         for name in backends or []:
             backend_changes(name, launch_env().world_size)
+    if args.checkpoint_io:
+        from scale_llm.errors import require_writable_dir
+
+        require_writable_dir(args.checkpoint_io, "--checkpoint-io")
     cfg, plan = start_distributed(args)
     if args.checkpoint_io:
         from scale_llm.bench import bench_checkpoint
@@ -585,7 +593,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from scale_llm.train.convert import convert
 
-    path, n_params = convert(args.checkpoint, args.out)
+    path, n_params = convert(args.checkpoint, args.out, args.force)
     print(f"wrote {path}: {n_params / 1e6:.2f}M parameters (fp32) and the run's config")
     return 0
 

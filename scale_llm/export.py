@@ -12,7 +12,7 @@ export holds one copy of the model plus one shard. It is built in a temporary fo
 
 from __future__ import annotations
 
-import json
+import fnmatch
 import os
 import shutil
 from dataclasses import dataclass, fields
@@ -23,7 +23,7 @@ import torch
 
 from scale_llm.components.checkpoint import (
     TRAINER_STATE,
-    fsync_tree,
+    checkpoint_digest,
     load_model_weights,
     resolve_checkpoint,
 )
@@ -33,6 +33,15 @@ from scale_llm.config import ModelConfig
 from scale_llm.data.hf_tokenizer import write_tokenizer_files
 from scale_llm.data.tokenizer import Tokenizer, file_sha256
 from scale_llm.errors import UserError, require_writable_dir
+from scale_llm.files import (
+    atomic_write_json,
+    describe_kind,
+    fsync_dir,
+    fsync_tree,
+    new_file_mode,
+    read_json_object,
+    temporary_sibling,
+)
 from scale_llm.model import empty_state_dict
 from scale_llm.model.hf import to_hf, to_hf_config
 from scale_llm.version import __version__
@@ -40,6 +49,20 @@ from scale_llm.version import __version__
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_MAX_SHARD = 5 * 10**9  # bytes per safetensors file (transformers' usual 5GB)
 EXPORT_INFO = "scale_llm_export.json"
+# What an export folder holds (export info's "files" lists the exact names since they are
+# recorded; older exports are recognized by these patterns): --force replaces nothing else.
+EXPORT_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "model-*-of-*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    EXPORT_INFO,
+)
 
 
 @dataclass
@@ -102,12 +125,15 @@ def export(
     require("scale-llm export", "safetensors", "tokenizers")
     check_out(Path(out), force)  # before the weights are read
     src = read_source(path)
+    check_not_inside_source(Path(out), src)
     dtype = dtype or default_dtype(src.precision)
     weights = load_model_weights(src.checkpoint, empty_state_dict(src.model))
     info = {
         "scale_llm_version": __version__,
         "run_dir": str(src.run_dir.resolve()),
         "checkpoint": str(src.checkpoint.resolve()),
+        # which bytes: equal only for the same checkpoint files (a later branch's step N differs)
+        "checkpoint_digest": checkpoint_digest(src.checkpoint),
         "step": src.step,
         "trained_precision": src.precision,
         "tokenizer_sha256": src.tokenizer.sha256(),
@@ -134,9 +160,8 @@ def write_hf_folder(
         raise UserError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     check_out(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = temporary_sibling(out)
+    tmp.mkdir()  # a fresh name: this call's own folder, removed on failure
     try:
         n_params = _write_weights(state, cfg, DTYPES[dtype], tmp, max_shard_bytes)
         _write_json(
@@ -145,8 +170,9 @@ def write_hf_folder(
         )
         _write_json(tmp / "generation_config.json", generation_config(tokenizer))
         write_tokenizer_files(tokenizer, tmp, cfg.seq_len)
-        _write_json(tmp / EXPORT_INFO, {**(info or {}), "dtype": dtype})
-        files = sorted(p.name for p in tmp.iterdir())
+        files = sorted([*(p.name for p in tmp.iterdir()), EXPORT_INFO])
+        # written last, naming every file: what proves later that the folder is an export
+        _write_json(tmp / EXPORT_INFO, {**(info or {}), "dtype": dtype, "files": files})
         fsync_tree(tmp)
         _publish(tmp, out)
     except BaseException:
@@ -156,16 +182,69 @@ def write_hf_folder(
 
 
 def check_out(out: Path, force: bool) -> None:
-    """--out can become the export folder: absent (or a folder, with --force), in a directory
-    that is, or can become, writable."""
+    """--out can become the export folder: absent, or an earlier export with --force (nothing
+    else is ever replaced), in a directory that is, or can become, writable."""
+    if out.is_symlink():
+        raise UserError(
+            f"--out {out} is a symlink; give the folder itself (an export replaces only a folder "
+            f"it wrote, never through a link)"
+        )
     if out.exists() and not force:
-        raise UserError(f"{out} already exists; pick another --out, remove it, or pass --force")
+        raise UserError(
+            f"{out} already exists; pick another --out, remove it, or pass --force (which "
+            f"replaces only an earlier export)"
+        )
     if out.exists() and not out.is_dir():
         raise UserError(
-            f"--out {out} is a file, and the export is a folder; remove the file or pick "
-            f"another --out (--force replaces only a folder)"
+            f"--out {out} is {describe_kind(out)}, and the export is a folder; remove it or pick "
+            f"another --out (--force replaces only a folder that scale-llm export wrote)"
         )
+    if out.exists():
+        problem = not_an_export(out)
+        if problem:
+            raise UserError(
+                f"--out {out} is not an earlier export ({problem}), so --force leaves it alone: "
+                f"it replaces only a folder that scale-llm export wrote, holding "
+                f"{EXPORT_INFO} and the files it lists; pick another --out"
+            )
     require_writable_dir(out.parent if out.exists() else out, "--out")  # (renamed in place)
+
+
+def not_an_export(folder: Path) -> str | None:
+    """Why `folder` is not a complete export as `scale-llm export` writes it (None if it is):
+    its export info must be there, and no file may be anything but an export's own."""
+    info_path = folder / EXPORT_INFO
+    if info_path.is_symlink() or not info_path.is_file():
+        return f"it has no {EXPORT_INFO}"
+    try:
+        info = read_json_object(info_path, "export info", "")
+    except UserError:
+        return f"its {EXPORT_INFO} is not a JSON object"
+    listed = info.get("files")
+    entries = sorted(p.name for p in folder.iterdir())
+    if isinstance(listed, list) and all(isinstance(x, str) for x in listed):
+        foreign = [e for e in entries if e not in listed]
+    else:  # an export from before the file list was recorded
+        foreign = [e for e in entries if not any(fnmatch.fnmatch(e, f) for f in EXPORT_FILES)]
+    foreign += [e for e in entries if e not in foreign and not (folder / e).is_file()]
+    foreign += [e for e in entries if e not in foreign and (folder / e).is_symlink()]
+    if foreign:
+        more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+        return f"it also holds {', '.join(foreign[:5])}{more}, which no export writes"
+    return None
+
+
+def check_not_inside_source(out: Path, src: Source) -> None:
+    """The export must not land on the run it reads: not the run dir or any folder above it,
+    and nothing inside its checkpoints folder."""
+    target = out.absolute().resolve()
+    run, ckpts = src.run_dir.absolute().resolve(), src.checkpoint.parent.absolute().resolve()
+    if target == run or run.is_relative_to(target) or target.is_relative_to(ckpts):
+        raise UserError(
+            f"--out {out} would overwrite the run it exports ({src.run_dir}, checkpoint "
+            f"{src.checkpoint.name}); pick a folder outside the run's checkpoints, e.g. "
+            f"--out exports/{src.run_dir.name}"
+        )
 
 
 def generation_config(tokenizer: Tokenizer) -> dict[str, Any]:
@@ -197,7 +276,7 @@ def _write_weights(
     def flush() -> None:
         name = f"part-{len(written):05d}.safetensors"
         save_file(shard, str(folder / name), metadata={"format": "pt"})
-        os.chmod(folder / name, _file_mode())  # safetensors creates files owner-only (0600)
+        os.chmod(folder / name, new_file_mode())  # safetensors creates files owner-only (0600)
         weight_map.update(dict.fromkeys(shard, name))
         written.append(name)
         shard.clear()
@@ -241,24 +320,13 @@ def _publish(tmp: Path, out: Path) -> None:
     only once the new one is complete)."""
     old = None
     if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        old = temporary_sibling(out, "old")
         out.rename(old)
     tmp.rename(out)
-    fd = os.open(out.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    if old is not None:
+    fsync_dir(out.parent)
+    if old is not None:  # an earlier export (check_out proved it), moved aside above
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _file_mode() -> int:
-    """The mode a new file gets here (0644 under the usual umask 022)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
 def _write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+    atomic_write_json(path, obj)

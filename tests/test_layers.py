@@ -24,6 +24,7 @@ LAYERS = [
                 "scale_llm.schema",
                 "scale_llm.keys",
                 "scale_llm.errors",
+                "scale_llm.files",
                 "scale_llm.log",
                 "scale_llm.version",
                 "scale_llm.parallel.options",

@@ -16,7 +16,6 @@ import hashlib
 import itertools
 import json
 import logging
-import os
 import shutil
 import signal
 import sys
@@ -47,6 +46,15 @@ from scale_llm.data.shards import (
 from scale_llm.data.sources import Document, open_source
 from scale_llm.data.tokenizer import file_sha256, train_tokenizer
 from scale_llm.errors import UserError, require_writable_dir
+from scale_llm.files import (
+    OwnerLock,
+    atomic_write_bytes,
+    describe_kind,
+    fsync_dir,
+    fsync_file,
+    make_owned_dir,
+    owned_kind,
+)
 
 __all__ = ["prepare", "is_val_document"]
 
@@ -61,29 +69,51 @@ SPLITS = ("train", "val")
 def prepare(cfg: Config, force: bool = False) -> dict[str, Any]:
     """Prepare `cfg.data.dir` from `cfg.data.source`; returns the manifest."""
     out = Path(cfg.data.dir)
-    _finish_publish(out)
     source = open_source(cfg.data)
     fingerprint = _fingerprint(cfg, source)
+    current = _up_to_date(out, fingerprint, force)  # read-only: a shared data dir needs no lock
+    if current is not None:
+        return current
+    require_writable_dir(out, "data.dir")  # before anything is read or removed
+    lock = OwnerLock(out / LOCK_FILE, f"data.dir={out}", "point data.dir elsewhere")
+    lock.acquire(wait=True, on_wait="data: waiting for another prepare of this data.dir (%s)")
+    try:
+        _finish_publish(out)
+        current = _up_to_date(out, fingerprint, force)  # what the prepare waited for made
+        if current is not None:
+            return current
+        return _build(cfg, source, fingerprint, out, force)
+    finally:
+        lock.release()
+
+
+LOCK_FILE = ".prepare.lock"  # in data.dir: one prepare at a time builds and publishes there
+
+
+def _up_to_date(out: Path, fingerprint: str, force: bool) -> dict[str, Any] | None:
     current = _current_manifest(out)
     if (
-        not force
-        and current
-        and current.get("fingerprint") == fingerprint
-        and not shard_problems(out, current)
-        and not tokenizer_problem(out, current)
+        force
+        or not current
+        or current.get("fingerprint") != fingerprint
+        or shard_problems(out, current)
+        or tokenizer_problem(out, current)
     ):
-        log.info(
-            "data: %s is up to date (%s train tokens); nothing to do",
-            out,
-            f"{current['splits']['train']['tokens']:,}",
-        )
-        return current
+        return None
+    log.info(
+        "data: %s is up to date (%s train tokens); nothing to do",
+        out,
+        f"{current['splits']['train']['tokens']:,}",
+    )
+    return current
 
-    require_writable_dir(out, "data.dir")  # before anything is read or removed
+
+def _build(cfg: Config, source, fingerprint: str, out: Path, force: bool) -> dict[str, Any]:
+    """Build the data in out/.prepare-build/ and publish it into `out` (under the lock)."""
+    _refuse_foreign_files(out)
     # Build beside the current data, in out/.prepare-build/: until the new manifest is complete
     # the existing data stays as it was (a bad source or an interruption costs nothing).
-    build = out / BUILD_DIR
-    build.mkdir(parents=True, exist_ok=True)
+    build = _claim_build_dir(out)
     t0 = time.perf_counter()
     log.info("data: reading %s", source.describe())
     progress, writers, stream = _resume(cfg, source, build, fingerprint, force) or _fresh(
@@ -124,42 +154,94 @@ def prepare(cfg: Config, force: bool = False) -> dict[str, Any]:
 
 
 BUILD_DIR = ".prepare-build"  # inside data.dir: the next data while it is being written
+BUILD_KIND = "prepare build"
+PREVIOUS = "previous-manifest.json"  # in the build: what publishing it replaces in data.dir
 
 
-def _prepared_files(directory: Path) -> list[Path]:
-    """The files prepare writes into a data directory (nothing else there is touched)."""
-    names = [*directory.glob("train_*.bin*"), *directory.glob("val_*.bin*")]
-    return names + [directory / n for n in (TOKENIZER_FILE, PROGRESS) if (directory / n).exists()]
+def _manifest_files(manifest: dict[str, Any] | None) -> set[str]:
+    """The names in data.dir a manifest accounts for: its shards and its tokenizer."""
+    if not isinstance(manifest, dict):
+        return set()
+    names = set()
+    for split in (manifest.get("splits") or {}).values():
+        for shard in (split or {}).get("shards") or []:
+            if isinstance(shard, dict) and isinstance(shard.get("file"), str):
+                names.add(Path(shard["file"]).name)
+    tok = (manifest.get("tokenizer") or {}).get("file")
+    if isinstance(tok, str):
+        names.add(Path(tok).name)
+    return names
+
+
+def _shaped_like_ours(directory: Path) -> list[Path]:
+    """Files in `directory` named as prepare names its outputs."""
+    found = [*directory.glob("train_*.bin*"), *directory.glob("val_*.bin*")]
+    return found + [directory / TOKENIZER_FILE] if (directory / TOKENIZER_FILE).exists() else found
+
+
+def _refuse_foreign_files(out: Path) -> None:
+    """Publishing renames the new shards and tokenizer into data.dir: a file of such a name that
+    no manifest of prepare's accounts for is someone else's, and would be replaced. Refused
+    before any work."""
+    ours = _manifest_files(_current_manifest(out))
+    ours |= _manifest_files(_read_json(out / BUILD_DIR / PREVIOUS))
+    foreign = sorted(p.name for p in _shaped_like_ours(out) if p.name not in ours)
+    if foreign:
+        shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
+        raise UserError(
+            f"data.dir={out} holds {len(foreign)} file(s) named like prepare's outputs that no "
+            f"manifest of prepare's lists ({shown}); prepare would replace them, so it stops. "
+            f"Point data.dir at a new folder, or move those files away"
+        )
+
+
+def _claim_build_dir(out: Path) -> Path:
+    """out/.prepare-build: created with prepare's mark, or an earlier prepare's (marked, or
+    holding its progress or manifest). Anything else there is refused."""
+    build = out / BUILD_DIR
+    if not (build.exists() or build.is_symlink()):
+        out.mkdir(parents=True, exist_ok=True)
+        return make_owned_dir(build, BUILD_KIND)
+    earlier = (build / PROGRESS).is_file() or (build / MANIFEST).is_file()
+    if owned_kind(build) != BUILD_KIND and not (earlier and not build.is_symlink()):
+        raise UserError(
+            f"{build} is not a build folder prepare made ({describe_kind(build)} without its "
+            f"mark); prepare builds there: move it away"
+        )
+    return build
 
 
 def _publish(build: Path, out: Path) -> None:
     """Move a complete build into `out`: the old manifest goes first (from then on `out` reads
-    as unprepared), then the old files, then the new files, the new manifest last. A crash in
-    between leaves the complete build, which the next prepare publishes (`_finish_publish`)."""
+    as unprepared; the build keeps a copy, which says which old files to remove), then the old
+    files that manifest lists, then the new files, the new manifest last. A crash in between
+    leaves the complete build, which the next prepare publishes (`_finish_publish`)."""
     for path in build.iterdir():  # durable before the old data goes (the shards already are)
-        _fsync(path)
-    (out / MANIFEST).unlink(missing_ok=True)
-    for old in _prepared_files(out):
-        old.unlink()
-    for new in _prepared_files(build):
+        fsync_file(path)
+    old = out / MANIFEST
+    if old.is_file() and not (build / PREVIOUS).exists():
+        atomic_write_bytes(build / PREVIOUS, old.read_bytes())
+    old.unlink(missing_ok=True)
+    for name in _manifest_files(_read_json(build / PREVIOUS)):
+        (out / name).unlink(missing_ok=True)  # listed by prepare's own manifest: prepare's
+    for new in _shaped_like_ours(build):
         new.rename(out / new.name)
     (build / MANIFEST).rename(out / MANIFEST)
-    _fsync(out)
-    shutil.rmtree(build, ignore_errors=True)
+    fsync_dir(out)
+    shutil.rmtree(build)  # prepare's own build folder (claimed in _claim_build_dir)
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def _read_json(path: Path) -> Any:
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _finish_publish(out: Path) -> None:
     """A prepare killed while publishing left a complete build: publish it now."""
     build = out / BUILD_DIR
-    if (build / MANIFEST).is_file():
+    if (build / MANIFEST).is_file() and not build.is_symlink():
         log.info("data: finishing the publication of a complete build in %s", build)
         _publish(build, out)
 
@@ -426,7 +508,5 @@ def _fingerprint(cfg: Config, source) -> str:
 
 
 def _current_manifest(out: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads((out / MANIFEST).read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
+    manifest = _read_json(out / MANIFEST)
+    return manifest if isinstance(manifest, dict) else None

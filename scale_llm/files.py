@@ -1,0 +1,377 @@
+"""Files the commands write: durable writes, publication by rename, ownership, and locks.
+
+The one place for how scale_llm writes to disk, so every command keeps the same promises:
+- a file or folder appears complete or not at all (written under a temporary name, flushed to
+  disk, renamed into place, the directory entry flushed too);
+- a command deletes or replaces only what it can prove it created: a folder carrying the marker
+  `mark_owned` wrote (with the kind of thing it is), or a name the command itself just made;
+- one process at a time builds a folder or trains in a run dir (`OwnerLock`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from scale_llm.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------- durable writes
+def fsync_file(path: Path | str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path | str) -> None:
+    """Flush a directory's entries (a rename or a new file in it survives a power cut)."""
+    fsync_file(path)
+
+
+def fsync_tree(root: Path | str) -> None:
+    """Every regular file below `root`, then every directory (symlinks are not followed)."""
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            if not os.path.islink(path):
+                fsync_file(path)
+        fsync_dir(dirpath)
+
+
+def temporary_sibling(path: Path, tag: str = "tmp") -> Path:
+    """A name beside `path` that no other process uses: `.NAME.tag-PID-RANDOM`."""
+    return path.parent / f".{path.name}.{tag}-{os.getpid()}-{os.urandom(3).hex()}"
+
+
+def atomic_write_bytes(path: Path | str, data: bytes) -> None:
+    """Write `data` to `path` atomically and durably: readers see the old file or the new one.
+    A symlink or a special file at `path` is not written through: it is an error."""
+    path = Path(path)
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        raise UserError(
+            f"{path} is {describe_kind(path)}, not a regular file; scale_llm writes only regular "
+            f"files there: move it away or point the command elsewhere"
+        )
+    tmp = temporary_sibling(path)
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, new_file_mode())
+        os.replace(tmp, path)  # tmp is this process's own new file; path is a regular file
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_text(path: Path | str, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: Path | str, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
+
+
+def new_file_mode() -> int:
+    """The mode a new file gets here (0644 under the usual umask 022)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def describe_kind(path: Path) -> str:
+    """'a symlink', 'a directory', 'a named pipe', ... for messages about a path's type."""
+    if path.is_symlink():
+        return "a symlink"
+    if path.is_dir():
+        return "a directory"
+    if path.is_fifo():
+        return "a named pipe"
+    if path.is_socket():
+        return "a socket"
+    if path.is_block_device() or path.is_char_device():
+        return "a device"
+    if path.is_file():
+        return "a file"
+    return "missing"
+
+
+def read_json_object(path: Path, what: str, fix: str) -> dict[str, Any]:
+    """A JSON file that must hold an object: anything else (unreadable, not JSON, a list, a
+    directory) is a UserError naming the file, what it is, and `fix`."""
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
+        raise UserError(f"{path} ({what}) cannot be read as JSON ({reason}); {fix}") from None
+    if not isinstance(obj, dict):
+        raise UserError(f"{path} ({what}) holds a JSON {type(obj).__name__}, not an object; {fix}")
+    return obj
+
+
+# ----------------------------------------------------------------------------- ownership
+OWNER_MARKER = ".scale-llm-owner.json"  # in a folder a command created and may remove again
+
+
+def make_owned_dir(path: Path, kind: str) -> Path:
+    """Create the folder `path` (it must not exist: an existing folder is not ours) with the
+    ownership marker of `kind` inside; returns it."""
+    path.mkdir(parents=False, exist_ok=False)
+    atomic_write_json(path / OWNER_MARKER, {"kind": kind, "pid": os.getpid(), "at": time.time()})
+    return path
+
+
+def owned_kind(path: Path) -> str | None:
+    """The kind recorded by `make_owned_dir` in folder `path`, or None (not ours, or damaged).
+    A symlink is never ours: removing it would remove what it points to, or nothing."""
+    if path.is_symlink() or not path.is_dir():
+        return None
+    marker = path / OWNER_MARKER
+    if marker.is_symlink() or not marker.is_file():
+        return None
+    try:
+        kind = json.loads(marker.read_text(encoding="utf-8")).get("kind")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return None
+    return kind if isinstance(kind, str) else None
+
+
+def remove_owned_dir(path: Path, kind: str) -> None:
+    """Remove folder `path` if `make_owned_dir(path, kind)` made it; refuse otherwise."""
+    if not path.exists() and not path.is_symlink():
+        return
+    if owned_kind(path) != kind:
+        raise UserError(
+            f"{path} was not created by scale_llm as a {kind} folder (it has no {OWNER_MARKER} "
+            f"of that kind), so it is left alone; remove it yourself or pick another path"
+        )
+    shutil.rmtree(path)
+
+
+@contextlib.contextmanager
+def private_dir(parent: Path, prefix: str) -> Iterator[Path]:
+    """A new folder inside `parent` that only this block uses (`tempfile.mkdtemp`: a fresh
+    name, so nothing that was there before is touched); removed at the end. `parent` is
+    created if missing, and removed again if this block created it and left it empty."""
+    created = []
+    for p in [parent, *parent.parents]:
+        if p.exists() or p.is_symlink():
+            break
+        created.append(p)
+    parent.mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+        for p in created:  # innermost first; only folders this block made, only when empty
+            with contextlib.suppress(OSError):
+                p.rmdir()
+
+
+# ----------------------------------------------------------------------------- locks
+class OwnerLock:
+    """One process at a time: `path` is held open with an exclusive `flock` for as long as the
+    lock is held, and names its owner (pid, host, start time) for the message others get.
+
+    The kernel drops the flock when the owner dies, however it dies, so a lock file with no
+    flock on it is stale: taken over with a warning when its owner is a process of this host
+    that has exited, refused when it names another host (a file system without cross-host
+    locks cannot tell) or is damaged. The file is created and filled by the process holding
+    the flock, and checked to still be the file at `path` after locking (a concurrent release
+    unlinks it), so two processes can never both hold it.
+    """
+
+    def __init__(self, path: Path, what: str, fix: str):
+        self.path = path
+        self.what = what  # e.g. "runs/tiny" or "data.dir=data/tiny"
+        self.fix = fix  # how to get past a live owner, e.g. "pick another run.name"
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def check(self) -> None:
+        """Refuse now (creating nothing) if a live process holds the lock."""
+        if self.held or not (self.path.exists() or self.path.is_symlink()):
+            return
+        fd = self._open(create=False)
+        if fd is None:
+            return
+        try:
+            if self._try_flock(fd, wait=False):
+                self._judge(fd)  # a stale owner is taken over by acquire, a damaged one refused
+        finally:
+            os.close(fd)
+
+    def acquire(self, wait: bool = False, on_wait: str | None = None) -> None:
+        """Take the lock, or raise UserError naming its owner. With `wait`, block until a live
+        owner releases it (logging `on_wait` once first)."""
+        if self.held:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(100):  # each retry follows a release that unlinked the file under us
+            fd = self._open(create=True)
+            if fd is None:
+                continue
+            try:
+                if not self._try_flock(fd, wait=False):
+                    if not wait:
+                        self._refuse_live(fd)
+                    if on_wait:
+                        log.info(on_wait, self._owner_text(fd))
+                        on_wait = None
+                    self._try_flock(fd, wait=True)
+                if not self._same_file(fd):
+                    os.close(fd)
+                    continue
+                self._judge(fd)
+                me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, json.dumps(me).encode(), 0)
+                os.fsync(fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._fd = fd
+            return
+        raise UserError(f"could not take the lock {self.path}; other processes kept racing for it")
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()  # while the flock is held: no one else can be judging it
+        os.close(self._fd)
+        self._fd = None
+
+    # --------------------------------------------------------------- internals
+    def _open(self, create: bool) -> int | None:
+        if self.path.is_symlink():
+            raise UserError(
+                f"{self.path} (the lock of {self.what}) is a symlink; scale_llm creates this "
+                f"file itself: remove the link"
+            )
+        flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT if create else 0)
+        try:
+            return os.open(self.path, flags, 0o644)
+        except FileNotFoundError:
+            return None
+        except IsADirectoryError:
+            raise UserError(
+                f"{self.path} (the lock of {self.what}) is a directory; scale_llm creates this "
+                f"file itself: move the directory away"
+            ) from None
+
+    def _try_flock(self, fd: int, wait: bool) -> bool:
+        import fcntl
+
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            return False
+        except OSError as e:  # a file system without flock: the owner record alone decides
+            if e.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+        return True
+
+    def _same_file(self, fd: int) -> bool:
+        try:
+            st = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        mine = os.fstat(fd)
+        return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+    def _read_owner(self, fd: int) -> dict[str, Any] | None:
+        """The owner record; {} for an empty file; None for a damaged one."""
+        raw = os.pread(fd, 4096, 0)
+        if not raw.strip():
+            return {}
+        try:
+            owner = json.loads(raw)
+        except (UnicodeDecodeError, ValueError):
+            return None
+        ok = (
+            isinstance(owner, dict)
+            and isinstance(owner.get("pid"), int)
+            and not isinstance(owner.get("pid"), bool)
+            and isinstance(owner.get("host"), str)
+        )
+        return owner if ok else None
+
+    def _owner_text(self, fd: int) -> str:
+        owner = self._read_owner(fd) or {}
+        if "pid" not in owner:
+            return "a process that is starting"
+        return f"pid {owner['pid']} on {owner['host']}"
+
+    def _refuse_live(self, fd: int) -> None:
+        raise UserError(
+            f"{self.what} is in use by another launch ({self._owner_text(fd)}, lock file "
+            f"{self.path}); wait for it, stop it, or {self.fix}"
+        )
+
+    def _judge(self, fd: int) -> None:
+        """With the flock held: take over a stale owner (with a warning) or refuse."""
+        owner = self._read_owner(fd)
+        if owner is None:
+            raise UserError(
+                f"{self.path} (the lock of {self.what}) is damaged: it does not hold the "
+                f'{{"pid", "host", "started"}} record scale_llm writes; if no other launch is '
+                f"using {self.what}, delete {self.path}"
+            )
+        if not owner:  # empty: its creator died before writing (it held the flock till then)
+            return
+        pid, host, here = owner["pid"], owner["host"], socket.gethostname()
+        if host != here:
+            raise UserError(
+                f"{self.what} is in use by another launch (pid {pid} on {host}, lock file "
+                f"{self.path}), which cannot be checked from {here}; {self.fix}. If that process "
+                f"is gone (e.g. a job on another node that was killed), delete {self.path}"
+            )
+        if pid == os.getpid():  # this process, an earlier user of the lock that did not release
+            return
+        if _alive(pid):  # alive yet not holding the flock: pid reuse, or an older scale_llm
+            raise UserError(
+                f"{self.what} is in use by another launch (pid {pid} on {host}, lock file "
+                f"{self.path}); wait for it, stop it, or {self.fix}. If pid {pid} is not a "
+                f"scale_llm process, delete {self.path}"
+            )
+        log.warning(
+            "lock %s was left by pid %d on %s, which has exited; taking it over",
+            self.path,
+            pid,
+            host,
+        )
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OverflowError:
+        return False
+    return True
