@@ -61,8 +61,7 @@ class HFSource:
         settings = [self.spec, self.config, self.split, self.revision, self.streaming]
         h = hashlib.sha256(f"{settings}|{self.text_field}".encode())
         if self.local:
-            files = [self.local] if self.local.is_file() else sorted(self.local.rglob("*"))
-            for f in (f for f in files if f.is_file()):
+            for f in _files(self.local):
                 st = f.stat()
                 h.update(
                     f"{f.relative_to(self.local.parent)}|{st.st_size}|{st.st_mtime_ns}\n".encode()
@@ -83,6 +82,10 @@ class HFSource:
             except StopIteration:
                 return
             except Exception as e:  # network drops, corrupt files: name the place, then resume
+                if bad := _malformed(e):
+                    raise UserError(
+                        f"reading {self.spec} failed after {row} rows: {self._malformed_fix(bad)}"
+                    ) from e
                 raise UserError(
                     f"reading {self.spec} failed after {row} rows ({type(e).__name__}: {e}); run "
                     f"`scale-llm prepare` again: it continues from its last checkpoint"
@@ -123,6 +126,10 @@ class HFSource:
         except UserError:
             raise
         except Exception as e:  # datasets raises many types (ConnectionError, ValueError, ...)
+            if bad := _malformed(e):
+                raise UserError(
+                    f"data.source={self.spec!r} could not be read: {self._malformed_fix(bad)}"
+                ) from None
             raise UserError(
                 f"data.source={self.spec!r} (data.hf_config={self.config!r}, data.hf_split="
                 f"{self.split!r}) could not be opened: {type(e).__name__}: {e}. {_OPEN_HINT}"
@@ -130,6 +137,23 @@ class HFSource:
         if not self.streaming:
             self.num_rows = len(ds)
         return ds
+
+    def _malformed_fix(self, bad: BaseException) -> str:
+        """The reason, and how to find the bad record: a local folder's .jsonl / .parquet files
+        read as a local source (without hf:) name its file and line."""
+        text = f"{type(bad).__name__}: {bad}. A record in the dataset's files is malformed"
+        if self.local is None:
+            return f"{text}; pin another data.hf_revision or tell the dataset's authors"
+        kinds = [f.suffix.lower() for f in _files(self.local)]
+        kinds = [k for k in kinds if k in (".jsonl", ".json", ".parquet")]
+        if not kinds:
+            return f"{text}; fix or remove it"
+        where = self.local.as_posix().rstrip("/")
+        return (
+            f"{text}; fix or remove it. To find its file and line, read the same files as a "
+            f"local source: data.source={where}/**/*{max(sorted(set(kinds)), key=kinds.count)} "
+            f"(without hf:) names them"
+        )
 
     def _from_disk(self, datasets: Any) -> Any:
         ds = datasets.load_from_disk(str(self.local))
@@ -141,6 +165,27 @@ class HFSource:
                 )
             ds = ds[self.split]
         return ds
+
+
+def _malformed(e: BaseException) -> BaseException | None:
+    """The error in `e`'s chain that says a data file's content cannot be parsed (Arrow's JSON /
+    CSV parsers, a decode error), as opposed to the network or a missing dataset: reading again
+    cannot help. A DatasetGenerationError is one too; its cause says why."""
+    import pyarrow as pa
+
+    chain = [e]
+    while (nxt := chain[-1].__cause__ or chain[-1].__context__) is not None and len(chain) < 8:
+        chain.append(nxt)
+    for x in chain:
+        if isinstance(x, (pa.ArrowInvalid, pa.ArrowTypeError, UnicodeError)):
+            return x
+    if type(e).__name__ == "DatasetGenerationError":
+        return chain[1] if len(chain) > 1 else e
+    return None
+
+
+def _files(path: Path) -> list[Path]:
+    return [path] if path.is_file() else sorted(f for f in path.rglob("*") if f.is_file())
 
 
 def _saved_to_disk(path: Path) -> bool:

@@ -4,21 +4,27 @@
   builtin            the running interpreter's standard library .py files (tens of MB, offline)
   hf:NAME            a Hugging Face dataset, from the Hub or a local dataset folder (hf_source.py)
   PATH | DIR | GLOB  local files: .txt/.md/.py (one document per file), .jsonl (one per line),
-                     .parquet (one per row); text in data.text_field
+                     .parquet (one per row); text in data.text_field. A file's kind is its suffix,
+                     in any case. A directory or glob follows symlinks, reads each real file once
+                     and reports what it skips (unknown suffixes, duplicates, symlink loops, ...)
 
-Every source yields its documents as a stream (never the whole corpus in memory), each with a
-stable id that decides its train/val split.
+Every source yields its documents as a stream (never the whole corpus in memory, and no document
+over MAX_DOCUMENT_CHARS), each with a stable id that decides its train/val split.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import hashlib
 import json
+import logging
 import os
+import re
+import stat
 import sys
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,11 +34,30 @@ from scale_llm.errors import UserError
 if TYPE_CHECKING:
     from scale_llm.config import DataConfig
 
+log = logging.getLogger(__name__)
+
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".text")
 JSONL_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)
 COMPRESSED_SUFFIXES = (".gz", ".tgz", ".bz2", ".xz", ".zst", ".zstd", ".lz4", ".zip", ".7z")
+KINDS = ("text", "jsonl", "parquet")
 _PARQUET_BATCH = 1024  # rows per Arrow record batch
+# One document is at most this many characters. Encoding costs ~50 bytes of memory per character
+# (the text, its pieces, their ids), so this bounds prepare's memory per document at a few GB. A
+# .jsonl line or a text file is read at most this many bytes (a character takes at least one),
+# so a longer one is refused before it is read whole.
+MAX_DOCUMENT_CHARS = 50_000_000
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def file_kind(path: Path) -> str | None:
+    """'text', 'jsonl' or 'parquet' by the lower-cased suffix (a.JSONL is JSON Lines); None for
+    any other suffix."""
+    suffix = path.suffix.lower()
+    for kind, suffixes in zip(KINDS, (TEXT_SUFFIXES, JSONL_SUFFIXES, PARQUET_SUFFIXES)):
+        if suffix in suffixes:
+            return kind
+    return None
 
 
 @dataclass(frozen=True)
@@ -51,23 +76,40 @@ class Source:
         text_field: str = "text",
         skip_undecodable: bool = False,
         root: Path | None = None,
+        not_read: dict[str, list[str]] | None = None,
     ):
         self.spec = spec
         self.files = files
         self.text_field = text_field
         self.skip_undecodable = skip_undecodable
         self.root = root
-        self.skipped: list[str] = []
+        self.not_read = not_read or {}  # reason -> paths the listing left out (see _Listing)
+        self.skipped: list[str] = []  # files skipped while reading (not UTF-8)
+
+    def kinds(self) -> dict[str, int]:
+        """Files of each kind; a file or glob reads an unknown suffix as plain text."""
+        counts = dict.fromkeys(KINDS, 0)
+        for f in self.files:
+            counts[file_kind(f) or "text"] += 1
+        return {kind: n for kind, n in counts.items() if n}
 
     def describe(self) -> str:
-        return f"{self.spec} ({len(self.files)} files, {self.total_bytes() / 1e6:.1f} MB)"
+        kinds = self.kinds()
+        if len(kinds) == 1:
+            files = f"{len(self.files)} {next(iter(kinds))} files, "
+        else:
+            each = ", ".join(f"{n} {kind}" for kind, n in kinds.items())
+            files = f"{len(self.files)} files: {each}; "
+        skipped = sum(map(len, self.not_read.values()))
+        extra = f"; {skipped} skipped" if skipped else ""
+        return f"{self.spec} ({files}{self.total_bytes() / 1e6:.1f} MB{extra})"
 
     def fingerprint(self) -> str:
         """Changes when any file is added, removed, resized or touched (no content read)."""
         h = hashlib.sha256(f"{self.spec}|{self.text_field}".encode())
         for f in self.files:
             st = f.stat()
-            h.update(f"{f}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+            h.update(f"{f}|{st.st_size}|{st.st_mtime_ns}{_kind_mark(f)}\n".encode())
         return h.hexdigest()
 
     def total_bytes(self) -> int:
@@ -78,18 +120,36 @@ class Source:
             name = (
                 f.absolute().relative_to(self.root.absolute()).as_posix() if self.root else str(f)
             )
-            if f.suffix in JSONL_SUFFIXES:
+            kind = file_kind(f)
+            if kind == "jsonl":
                 yield from self._jsonl_documents(f, name)
-            elif f.suffix in PARQUET_SUFFIXES:
+            elif kind == "parquet":
                 yield from self._parquet_documents(f, name)
             else:
                 text = self._read_text(f)
                 if text is not None and text.strip():
                     yield Document(name, text)
+        if self.skipped:
+            log.info(
+                "data: skipped %d file%s that %s not UTF-8 (%s)",
+                len(self.skipped),
+                *(("", "is") if len(self.skipped) == 1 else ("s", "are")),
+                _examples(self.skipped, self.root),
+            )
 
     def _read_text(self, f: Path) -> str | None:
+        """The whole file, refused before it is read when it is over MAX_DOCUMENT_CHARS bytes."""
+        with open(f, "rb") as fh:
+            too_long = os.fstat(fh.fileno()).st_size > MAX_DOCUMENT_CHARS
+            data = b"" if too_long else fh.read(MAX_DOCUMENT_CHARS + 1)  # it may have grown
+        if too_long or len(data) > MAX_DOCUMENT_CHARS:
+            raise UserError(
+                f"{f} is longer than {MAX_DOCUMENT_CHARS:,} bytes, the most one document (a "
+                f"text file is one) may hold; split it into smaller files, or into the lines "
+                f"of a .jsonl file (one document per line)"
+            )
         try:
-            return f.read_bytes().decode("utf-8")
+            return data.decode("utf-8")
         except UnicodeDecodeError as e:
             if self.skip_undecodable:
                 self.skipped.append(str(f))
@@ -100,43 +160,43 @@ class Source:
             ) from None
 
     def _jsonl_documents(self, f: Path, name: str) -> Iterator[Document]:
-        """One record per line, read line by line: a file of any size streams."""
-        with open(f, "rb") as fh:
-            for lineno, raw in enumerate(fh, start=1):
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise UserError(
-                        f"{f}:{lineno} is not valid UTF-8 (byte {e.start} of the line); convert "
-                        f"the file to UTF-8 or remove it from data.source"
-                    ) from None
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise UserError(
-                        f"{f}:{lineno} is not valid JSON ({e.msg}); fix the line or "
-                        f"remove the file from data.source{self._not_jsonl_hint(f)}"
-                    ) from None
-                if not isinstance(record, dict) or self.text_field not in record:
-                    keys = list(record)[:8] if isinstance(record, dict) else type(record).__name__
-                    raise UserError(
-                        f"{f}:{lineno} has no field {self.text_field!r} (found {keys}); "
-                        f"set data.text_field to the field holding the text"
-                        f"{self._not_jsonl_hint(f)}"
-                    )
-                text = text_value(record[self.text_field], f"{f}:{lineno}", self.text_field)
-                if text:
-                    yield Document(f"{name}:{lineno}", text)
+        """One record per line, read line by line: a file of any size streams, and a line is
+        read at most MAX_DOCUMENT_CHARS bytes."""
+        for lineno, raw in _lines(f, lambda: self._not_jsonl_hint(f)):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise UserError(
+                    f"{f}:{lineno} is not valid UTF-8 (byte {e.start} of the line); convert "
+                    f"the file to UTF-8 or remove it from data.source"
+                ) from None
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(
+                    f"{f}:{lineno} is not valid JSON ({e.msg}); fix the line or "
+                    f"remove the file from data.source{self._not_jsonl_hint(f)}"
+                ) from None
+            if not isinstance(record, dict) or self.text_field not in record:
+                keys = list(record)[:8] if isinstance(record, dict) else type(record).__name__
+                raise UserError(
+                    f"{f}:{lineno} has no field {self.text_field!r} (found {keys}); "
+                    f"set data.text_field to the field holding the text"
+                    f"{self._not_jsonl_hint(f)}"
+                )
+            text = text_value(record[self.text_field], f"{f}:{lineno}", self.text_field)
+            if text:
+                yield Document(f"{name}:{lineno}", text)
 
     def _not_jsonl_hint(self, f: Path) -> str:
         """For a .json file: it was read as JSON Lines, and may be a stray metadata file (a
         prepared data dir's manifest.json, a dataset's dataset_info.json) in a directory."""
-        if f.suffix != ".json":
+        if f.suffix.lower() != ".json":
             return ""
-        others = [p.suffix for p in self.files if p != f and p.suffix in JSONL_SUFFIXES]
-        suffix = max(set(others), key=others.count) if others else ".jsonl"
+        others = [p.suffix for p in self.files if p != f and file_kind(p) == "jsonl"]
+        suffix = max(sorted(set(others)), key=others.count) if others else ".jsonl"
         is_dir = Path(self.spec).expanduser().is_dir()
         base = self.spec.rstrip("/") if is_dir else (self.root or Path(".")).as_posix()
         return (
@@ -170,14 +230,52 @@ class Source:
                     yield Document(f"{name}:{row}", text)
 
 
+def _lines(f: Path, hint: Callable[[], str]) -> Iterator[tuple[int, bytes]]:
+    """(line number, bytes) of each line, none read past MAX_DOCUMENT_CHARS bytes: one huge
+    line is refused at the limit instead of being read whole. `hint` ends the message."""
+    with open(f, "rb") as fh:
+        lineno = 0
+        while raw := fh.readline(MAX_DOCUMENT_CHARS + 1):
+            lineno += 1
+            if len(raw) > MAX_DOCUMENT_CHARS and not raw.endswith(b"\n"):
+                raise UserError(
+                    f"{f}:{lineno} is longer than {MAX_DOCUMENT_CHARS:,} bytes, the most one "
+                    f"document may hold; split the document into several records (lines){hint()}"
+                )
+            yield lineno, raw
+
+
+def _kind_mark(f: Path) -> str:
+    """Earlier versions read a file with an upper-case JSON Lines or Parquet suffix (a.JSONL) as
+    plain text: such a file is marked, so data prepared from its raw text is prepared again.
+    Every other file adds only its path, size and time, so its prepared data stays current."""
+    kind = file_kind(f)
+    return f"|{kind}" if kind not in (None, "text") and f.suffix != f.suffix.lower() else ""
+
+
 def text_value(value: Any, where: str, field: str) -> str | None:
-    """The text of one record; None for null or blank; a clear error for a non-string."""
+    """The text of one record; None for null or blank; a clear error for a non-string, for a
+    document over MAX_DOCUMENT_CHARS and for text that is not Unicode (a lone surrogate)."""
     if value is None:
         return None
     if not isinstance(value, str):
         raise UserError(
             f"{where}: field {field!r} holds {type(value).__name__}, not text; set "
             f"data.text_field to a string field"
+        )
+    if len(value) > MAX_DOCUMENT_CHARS:
+        raise UserError(
+            f"{where}: field {field!r} holds {len(value):,} characters, more than the "
+            f"{MAX_DOCUMENT_CHARS:,} one document may hold; split it into smaller documents"
+        )
+    # JSON can spell half of a UTF-16 pair (\ud800): valid syntax, but no UTF-8 text, and the
+    # tokenizer would fail on it far from here. Only non-ASCII text can hold one.
+    if not value.isascii() and (bad := _SURROGATE.search(value)):
+        raise UserError(
+            f"{where}: field {field!r} holds a lone surrogate (\\u{ord(bad.group()):04x} at "
+            f"character {bad.start()}): half of a UTF-16 pair, which is not text; add the "
+            f"missing half (\\ud83d\\ude00 is one emoji) or remove the record or the file "
+            f"from data.source"
         )
     return value if value.strip() else None
 
@@ -198,16 +296,16 @@ def builtin_source() -> Source:
 
 
 def local_source(spec: str, text_field: str) -> Source:
-    paths = _expand(spec)
+    listing = _list_files(spec)
+    paths = listing.files
     if not paths:
-        folder = Path(spec).expanduser()
-        packed = folder.is_dir() and any(
-            p.suffix.lower() in COMPRESSED_SUFFIXES for p in folder.rglob("*")
-        )
-        note = " it reads (compressed files are not read: decompress them first)" if packed else ""
+        skipped = listing.summary()
+        packed = " (compressed files are not read: decompress them first)"
+        note = f" it reads{packed if 'compressed' in listing.not_read else ''}"
         raise UserError(
-            f"data.source={spec!r} matches no file{note}; give an existing file, a directory of "
-            f".txt/.jsonl/.parquet files, a glob like 'corpus/*.jsonl', 'hf:NAME' for a "
+            f"data.source={spec!r} matches no file{note if skipped else ''}"
+            f"{f'; it skips {skipped}' if skipped else ''}; give an existing file, a directory "
+            f"of .txt/.jsonl/.parquet files, a glob like 'corpus/*.jsonl', 'hf:NAME' for a "
             f"Hugging Face dataset, or 'builtin' for the offline corpus"
         )
     compressed = [p for p in paths if p.suffix.lower() in COMPRESSED_SUFFIXES]
@@ -223,26 +321,207 @@ def local_source(spec: str, text_field: str) -> Source:
         raise UserError(
             f"data.source={spec!r}: every matched file is empty ({', '.join(map(str, empty[:3]))})"
         )
+    if listing.not_read:
+        log.warning("data.source=%r skips %s", spec, listing.summary(rules=True))
     # Documents are named relative to the corpus, so the val split does not depend on where it lies.
     root = Path(spec).expanduser() if Path(spec).expanduser().is_dir() else _common_parent(paths)
-    return Source(spec, paths, text_field=text_field, root=root)
+    return Source(spec, paths, text_field=text_field, root=root, not_read=listing.not_read)
 
 
 def _common_parent(paths: list[Path]) -> Path:
     return Path(os.path.commonpath([str(p.absolute().parent) for p in paths]))
 
 
-def _expand(spec: str) -> list[Path]:
-    suffixes = TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
+def _examples(paths: list[str], root: Path | None, n: int = 3) -> str:
+    shown = [Path(p).relative_to(root).as_posix() if root else p for p in paths[:n]]
+    return ", ".join(shown) + (", ..." if len(paths) > n else "")
+
+
+# ----------------------------------------------------------------------------- listing files
+# why a directory or glob source leaves a path out: (one, several, the rule or the fix)
+_SKIP_REASONS = {
+    "suffix": (
+        "file with an unknown suffix",
+        "files with unknown suffixes",
+        "a directory reads .txt/.md/.py/.text, .jsonl/.json and .parquet files (suffixes in any "
+        "case); a glob that names other files reads them as plain text",
+    ),
+    "compressed": ("compressed file", "compressed files", "decompress them to read them"),
+    "duplicate": (
+        "duplicate path",
+        "duplicate paths",
+        "each real file is read once, under its path with the fewest symlinks",
+    ),
+    "loop": (
+        "symlinked directory that loops back",
+        "symlinked directories that loop back",
+        "a symlink into a directory being walked is not followed",
+    ),
+    "broken": ("broken symlink", "broken symlinks", ""),
+    "special": ("file that is not a regular file", "files that are not regular files", ""),
+    "unreadable": ("unreadable directory", "unreadable directories", "check their permissions"),
+}
+
+
+class _Listing:
+    """The files a directory or glob source reads, and the paths it leaves out, by reason.
+
+    Walks like `glob.glob(recursive=True)` (a directory source: like `rglob('*')`, hidden names
+    included), but follows a symlinked directory only when it does not lead back into a
+    directory being walked (a loop), and keeps one path per real file ((st_dev, st_ino)).
+    """
+
+    def __init__(self, base: Path, include_hidden: bool):
+        self.base, self.include_hidden = base, include_hidden
+        self.found: dict[Path, tuple[int, tuple[int, int]]] = {}  # path -> (symlinks, file id)
+        self.not_read: dict[str, list[str]] = {}
+        self.files: list[Path] = []
+
+    def skip(self, reason: str, path: Path, note: str = "") -> None:
+        self.not_read.setdefault(reason, []).append(self._name(path) + note)
+
+    def _name(self, path: Path) -> str:
+        try:
+            return path.relative_to(self.base).as_posix()
+        except ValueError:
+            return str(path)
+
+    def summary(self, rules: bool = False) -> str:
+        """'3 paths: 2 files with unknown suffixes (a.csv, b.log), 1 duplicate path (x/y.txt =
+        y.txt)', and with `rules` why each is left out."""
+        parts, notes = [], []
+        for reason, (one, several, note) in _SKIP_REASONS.items():
+            paths = sorted(self.not_read.get(reason, []))
+            if paths:
+                noun = one if len(paths) == 1 else several
+                parts.append(f"{len(paths)} {noun} ({_examples(paths, None)})")
+                notes += [note] if note else []
+        total = sum(map(len, self.not_read.values()))
+        if not parts:
+            return ""
+        why = "; ".join(notes) if rules else ""
+        why = f". {why[:1].upper()}{why[1:]}" if why else ""
+        return f"{total} path{'s' if total != 1 else ''}: {', '.join(parts)}{why}"
+
+    def walk(self, directory: Path, parts: tuple[str, ...], ancestors: frozenset, links: int):
+        """Match `parts` (pattern components) below `directory`; `ancestors`: (st_dev, st_ino)
+        of every directory on the way, so a link back into one is seen."""
+        head, rest = parts[0], parts[1:]
+        if head == "**":
+            self.walk(directory, rest, ancestors, links)  # zero directories
+            for entry in self._entries(directory, "*"):
+                self._descend(directory, entry, parts, ancestors, links)
+        elif not glob.has_magic(head):  # a literal name: no listing, as glob does
+            path = directory / head
+            if rest and path.is_dir():
+                self.walk(path, rest, ancestors | {_dir_id(path)}, links + path.is_symlink())
+            elif not rest and os.path.lexists(path):
+                self._candidate(path, links + path.is_symlink())
+        else:
+            for entry in self._entries(directory, head):
+                if rest:
+                    self._descend(directory, entry, rest, ancestors, links)
+                else:
+                    self._candidate(directory / entry.name, links + entry.is_symlink())
+
+    def _entries(self, directory: Path, pattern: str) -> list[os.DirEntry]:
+        """Entries of `directory` whose names match `pattern`, sorted by name; hidden names
+        only for a pattern that starts with '.' (or a directory source)."""
+        try:
+            with os.scandir(directory) as it:
+                entries = sorted(it, key=lambda e: e.name)
+        except PermissionError:
+            self.skip("unreadable", directory)
+            return []
+        except OSError:  # gone, or not a directory: the pattern matches nothing there
+            return []
+        hidden_ok = self.include_hidden or pattern.startswith(".")
+        return [
+            e
+            for e in entries
+            if (hidden_ok or not e.name.startswith(".")) and fnmatch.fnmatch(e.name, pattern)
+        ]
+
+    def _descend(self, directory: Path, entry: os.DirEntry, parts, ancestors, links) -> None:
+        """Walk into `entry` if it is a directory (through a symlink too) but not into one
+        of its own ancestors: that is a loop, reported."""
+        try:
+            if not entry.is_dir():  # follows a symlink; from the directory listing otherwise
+                return
+            st = entry.stat()
+        except OSError:
+            return  # a broken link is no directory; where a file was wanted it is reported
+        path, is_link = directory / entry.name, entry.is_symlink()
+        if (st.st_dev, st.st_ino) in ancestors:
+            self.skip("loop", path, f" -> {os.readlink(path)}" if is_link else "")
+            return
+        self.walk(path, parts, ancestors | {(st.st_dev, st.st_ino)}, links + is_link)
+
+    def _candidate(self, path: Path, links: int) -> None:
+        try:
+            st = path.stat()
+        except OSError:
+            if path.is_symlink():
+                self.skip("broken", path)
+            return
+        if stat.S_ISDIR(st.st_mode):
+            return  # the pattern named a directory: glob's match, not a file to read
+        if not stat.S_ISREG(st.st_mode):
+            self.skip("special", path)
+            return
+        if path not in self.found or links < self.found[path][0]:
+            self.found[path] = (links, (st.st_dev, st.st_ino))
+
+    def finish(self, known_suffixes_only: bool) -> _Listing:
+        """Apply the suffix rule (a directory source), then keep one path per real file."""
+        by_file: dict[tuple[int, int], list[tuple[int, Path]]] = {}
+        for path, (links, file_id) in self.found.items():
+            if known_suffixes_only and file_kind(path) is None:
+                compressed = path.suffix.lower() in COMPRESSED_SUFFIXES
+                self.skip("compressed" if compressed else "suffix", path)
+                continue
+            by_file.setdefault(file_id, []).append((links, path))
+        for paths in by_file.values():
+            keep, *others = sorted(paths)  # fewest symlinks, then sorted order
+            self.files.append(keep[1])
+            for _, other in others:
+                self.skip("duplicate", other, f" = {self._name(keep[1])}")
+        self.files.sort()
+        return self
+
+
+def _list_files(spec: str) -> _Listing:
+    """The files `spec` (a file, directory or glob) names, and what it leaves out."""
     path = Path(spec).expanduser()
     if path.is_dir():
-        found = (p for p in path.rglob("*") if p.is_file())
-        return sorted(p for p in found if p.suffix in suffixes)
+        listing = _Listing(path, include_hidden=True)
+        listing.walk(path, ("**", "*"), frozenset({_dir_id(path)}), 0)
+        return listing.finish(known_suffixes_only=True)
     if path.is_file():
-        return [path]
-    return sorted(
-        Path(p) for p in glob.glob(os.path.expanduser(spec), recursive=True) if Path(p).is_file()
-    )
+        listing = _Listing(path.parent, include_hidden=True)
+        listing.files = [path]
+        return listing
+    pattern = os.path.expanduser(spec)
+    if pattern.endswith(os.sep):  # glob: a trailing separator matches directories only
+        return _Listing(path, include_hidden=False)
+    parts = list(Path(pattern).parts)
+    literal = next((i for i, p in enumerate(parts) if glob.has_magic(p)), len(parts))
+    base = Path(*parts[:literal]) if literal else Path()
+    rest: list[str] = []
+    for part in parts[literal:]:
+        if part != "**" or rest[-1:] != ["**"]:  # **/** matches what ** does
+            rest.append(part)
+    if rest[-1:] == ["**"]:  # a final ** names every file below, like **/*
+        rest.append("*")
+    listing = _Listing(base, include_hidden=False)
+    if rest and base.is_dir():
+        listing.walk(base, tuple(rest), frozenset({_dir_id(base)}), 0)
+    return listing.finish(known_suffixes_only=False)
+
+
+def _dir_id(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_dev, st.st_ino
 
 
 def open_source(data: DataConfig):
