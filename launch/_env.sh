@@ -1,7 +1,8 @@
 # Sourced by the launchers: one place for the environment every run starts with.
-# Sets: ROOT, PY (the Python that runs scale_llm), gpus (nvidia-smi's count), visible_gpus (those
-# CUDA_VISIBLE_DEVICES leaves), NGPU, OMP_NUM_THREADS, PYTORCH_CUDA_ALLOC_CONF, DS_ACCELERATOR
-# (no visible GPU), and the functions run_prepare and require_config.
+# Sets: ROOT, PY (the Python that runs scale_llm), gpus (the node's: nvidia-smi's count, else
+# torch's), visible_gpus (those CUDA_VISIBLE_DEVICES leaves), NGPU, OMP_NUM_THREADS,
+# PYTORCH_CUDA_ALLOC_CONF, DS_ACCELERATOR (no visible GPU), and the functions run_prepare and
+# require_config.
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # The Python to run: $SCALE_LLM_PYTHON if set; else the active python when it can import
@@ -42,11 +43,22 @@ export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:T
 # seconds (its default, 30, is less than a large model's last steps and checkpoint can take).
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}"
 
-gpus=0  # nvidia-smi's count (gpu-check.sh reports it)
+# The GPUs this Python's torch counts ("$@": a command to run it under, e.g. env -u ...);
+# nothing printed (a CPU build of torch, a stand-in) counts as none.
+torch_gpus() {
+  local n
+  n=$("$@" "$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null | tail -n 1)
+  [[ "$n" =~ ^[0-9]+$ ]] && echo "$n" || echo 0
+}
+gpus=0  # the node's GPUs: nvidia-smi's count (gpu-check.sh reports it), else torch's
 if command -v nvidia-smi >/dev/null 2>&1; then
   gpus=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU" || true)
 fi
-# The GPUs this run may use: CUDA_VISIBLE_DEVICES narrows nvidia-smi's list when it is set, with
+# Containers started with NVIDIA_DRIVER_CAPABILITIES=compute have CUDA but no nvidia-smi.
+if [[ "$gpus" -eq 0 ]]; then
+  gpus=$(torch_gpus env -u CUDA_VISIBLE_DEVICES)
+fi
+# The GPUs this run may use: CUDA_VISIBLE_DEVICES narrows the node's list when it is set, with
 # CUDA's meaning (its entries up to the first negative one; set and empty: none), so a job
 # given GPUs 2,3 of a shared node starts two processes, not one per GPU of the node.
 visible_gpus="$gpus"

@@ -315,6 +315,31 @@ def test_the_launchers_use_the_gpus_cuda_visible_devices_leaves(tmp_path):
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
+def test_the_launchers_count_gpus_with_torch_where_nvidia_smi_is_missing(tmp_path):
+    """Containers started with NVIDIA_DRIVER_CAPABILITIES=compute have CUDA but no nvidia-smi:
+    the launchers counted no GPU, started 2 CPU processes and told DeepSpeed to use the CPU.
+    A stand-in Python whose torch counts 2 GPUs (CUDA_VISIBLE_DEVICES applied), no nvidia-smi."""
+    counts = """*device_count*) if [ -n "${CUDA_VISIBLE_DEVICES+x}" ]; then
+  echo "$CUDA_VISIBLE_DEVICES" | tr , '\\n' | grep -c . ; else echo 2; fi;;"""
+    prints = PRINT_LAUNCH.replace("CVD=", "DSA=${DS_ACCELERATOR-unset} CVD=")
+    env = stand_in_node(tmp_path, f"{counts}\n{prints}", gpus=0)
+    (tmp_path / "bin" / "nvidia-smi").unlink()
+    proc = launch("torchrun.sh", env)
+    assert proc.returncode == 0 and "--nproc_per_node 2 " in proc.stdout, proc.stderr
+    proc = launch("deepspeed.sh", env)
+    assert proc.returncode == 0 and "DSA=unset" in proc.stdout, proc.stdout + proc.stderr
+    assert "--num_gpus 2 " in proc.stdout
+    proc = launch("deepspeed.sh", env | {"CUDA_VISIBLE_DEVICES": "1"})
+    assert "--include localhost:1 " in proc.stdout, proc.stdout + proc.stderr
+    proc = launch("2xh100.sh", env | {"CUDA_VISIBLE_DEVICES": "1"})
+    assert proc.returncode == 2 and "leaves 1 GPU visible" in proc.stderr
+    (tmp_path / "cpu").mkdir()
+    bare = stand_in_node(tmp_path / "cpu", prints, gpus=0)  # a CPU build: torch counts none
+    (tmp_path / "cpu" / "bin" / "nvidia-smi").unlink()
+    proc = launch("deepspeed.sh", bare)
+    assert "DSA=cpu" in proc.stdout and "--num_gpus 2 " in proc.stdout, proc.stdout
+
+
 def test_deepspeed_hands_the_other_nodes_the_launchers_environment(tmp_path):
     """With a hostfile, DeepSpeed's runner starts the other nodes over pdsh with only NCCL*,
     PYTHON*, ... variables and those in the file DS_ENV_FILE names (else ~/.deepspeed_env,
