@@ -1,26 +1,36 @@
 """`scale-llm eval`: benchmark tasks (lm-evaluation-harness) and held-out perplexity of a run.
 
 Tasks run on the newest good checkpoint through lm-eval's own Hugging Face model class (`hf`),
-pointed at an export of that checkpoint in RUN_DIR/export/step_XXXXXXXX (made once, reused), so
-the scores are what anyone loading the export would get. Perplexity runs our own model over the
-validation windows of a prepared data dir (the windows `train` evaluates val_loss on). Results go
-to RUN_DIR/eval/step_XXXXXXXX.json (merged with earlier evals of that checkpoint) and to the
-run's TensorBoard as eval/<task>/<metric> at the checkpoint's step.
+pointed at an export of that checkpoint in RUN_DIR/export/step_XXXXXXXX (made once, reused while
+it provably holds these checkpoint bytes), so the scores are what anyone loading the export would
+get. Perplexity runs our own model over the validation windows of a prepared data dir (the windows
+`train` evaluates val_loss on). Results go to RUN_DIR/eval/step_XXXXXXXX.json (merged with
+earlier evals of the same checkpoint bytes) and to the run's TensorBoard as eval/<task>/<metric>
+at the checkpoint's step.
+
+A step number does not name weights: resuming from an older checkpoint abandons the newer ones
+and trains to the same step again. So an export or a record is reused only when it carries the
+digest of this checkpoint's integrity record (`checkpoint_digest`); an export is replaced only
+when eval made it (its scale_llm_export.json says so), and an earlier record of other weights is
+set aside, not merged.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import json
+import logging
 import math
-import re
+import os
+import shutil
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from scale_llm.components.checkpoint import Checkpointer
+from scale_llm.components.checkpoint import Checkpointer, checkpoint_digest, read_trainer_state
 from scale_llm.components.hf_files import require
 from scale_llm.components.loss import cross_entropy
 from scale_llm.components.precision import Precision
@@ -30,8 +40,18 @@ from scale_llm.data.shards import open_split, read_manifest
 from scale_llm.data.tokenizer import EOS_ID, file_sha256
 from scale_llm.errors import UserError
 from scale_llm.export import DTYPES, EXPORT_INFO, export
+from scale_llm.files import (
+    atomic_write_json,
+    describe_kind,
+    fsync_dir,
+    read_json_object,
+    temporary_sibling,
+)
 from scale_llm.generate import load_run, read_run_config
 from scale_llm.plan import RunPlan
+
+log = logging.getLogger(__name__)
+MADE_BY = "scale-llm eval"  # export info's "made_by" in the exports eval makes (and may replace)
 
 
 def eval_run(
@@ -44,26 +64,33 @@ def eval_run(
     batch_size: int = 8,
     num_fewshot: int | None = None,
 ) -> tuple[Path, dict[str, Any]]:
-    """Evaluate the run's newest good checkpoint; (the eval json written, its contents)."""
+    """Evaluate the run's newest good checkpoint: (the eval json written, this call's results,
+    with "kept" naming the earlier results of the same checkpoint that the json also holds)."""
     if not tasks and perplexity is None:
         raise UserError("scale-llm eval needs --tasks T1,T2 and/or --perplexity DATA_DIR")
     run_dir = Path(run_dir)
     cfg = read_run_config(run_dir)
+    check_outputs(run_dir, bool(tasks), cfg.logging.tensorboard)  # before any work
     ckpt = Checkpointer(run_dir, 1).latest_good()
     if ckpt is None:
         raise UserError(f"{run_dir} has no complete checkpoint to evaluate; train it first")
-    step = int(re.sub(r"\D", "", ckpt.name))
+    step = read_trainer_state(ckpt)["step"]
+    digest = checkpoint_digest(ckpt)
     path = run_dir / "eval" / f"{ckpt.name}.json"
-    record = _read_json(path) or {"step": step, "checkpoint": str(ckpt)}
+    earlier, stale = earlier_record(path, digest)
+    export_dir = run_dir / "export" / ckpt.name
+    reuse = bool(tasks) and reusable_export(export_dir, digest)
+    new: dict[str, Any] = {"step": step, "checkpoint": str(ckpt), "checkpoint_digest": digest}
     scalars: dict[str, float] = {}
     if tasks:
-        export_dir = export_for_eval(ckpt, run_dir)
+        if not reuse:
+            make_eval_export(ckpt, export_dir)
         scores = run_tasks(
             export_dir, tasks, limit, include_path, batch_size, plan.device, num_fewshot
         )
-        record.setdefault("tasks", {}).update(scores)
-        record["export"] = str(export_dir)
-        record["lm_eval"] = {
+        new["tasks"] = scores
+        new["export"] = str(export_dir)
+        new["lm_eval"] = {
             "version": importlib.metadata.version("lm_eval"),
             "limit": limit,
             "num_fewshot": num_fewshot,
@@ -74,22 +101,151 @@ def eval_run(
                     scalars[f"eval/{task}/{name}"] = value
     if perplexity is not None:
         ppl = held_out_perplexity(run_dir, cfg, plan, ckpt, Path(perplexity), limit, batch_size)
-        record["perplexity"] = ppl
+        new["perplexity"] = ppl
         scalars["eval/perplexity/loss"], scalars["eval/perplexity/ppl"] = ppl["loss"], ppl["ppl"]
-    _write_json(path, record)
+    if stale:
+        set_aside(path)
+    record = merged(earlier or {}, new)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, record)
     if cfg.logging.tensorboard:
         _to_tensorboard(run_dir / "tensorboard", scalars, step)
-    return path, record
+    return path, {**new, "kept": kept(earlier or {}, new), "file": str(path)}
+
+
+def check_outputs(run_dir: Path, tasks: bool, tensorboard: bool) -> None:
+    """Before any work: eval can write its record (RUN_DIR/eval/), its export (RUN_DIR/export/)
+    and TensorBoard's scalars, each a directory (or absent under a writable one)."""
+    eval_dir = run_dir / "eval"
+    if (eval_dir.exists() or eval_dir.is_symlink()) and not eval_dir.is_dir():
+        raise UserError(
+            f"{eval_dir} is {describe_kind(eval_dir)}, not a directory; eval writes its results "
+            f"there (eval/step_N.json): move it away and run eval again"
+        )
+    targets = [(eval_dir, "its results")]
+    if tasks:
+        targets.append((run_dir / "export", "the export lm-eval reads"))
+    if tensorboard:
+        targets.append((run_dir / "tensorboard", "TensorBoard's scalars"))
+    for target, what in targets:
+        existing = target
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if not existing.is_dir():
+            raise UserError(
+                f"{existing} is {describe_kind(existing)}, not a directory; eval writes {what} "
+                f"to {target}: move it away and run eval again"
+            )
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise UserError(
+                f"{existing} is not writable by this user, and eval writes {what} to {target}; "
+                f"make it writable, or copy the run directory somewhere you can write and "
+                f"evaluate the copy"
+            )
+
+
+def earlier_record(path: Path, digest: str) -> tuple[dict[str, Any] | None, bool]:
+    """(the earlier eval record of these checkpoint bytes, or None; whether the file holds
+    another checkpoint's results at this step, to be set aside)."""
+    if not (path.exists() or path.is_symlink()):
+        return None, False
+    if path.is_symlink() or not path.is_file():
+        raise UserError(
+            f"{path} is {describe_kind(path)}, not eval's record file; eval writes its results "
+            f"there: move it away and run eval again"
+        )
+    record = read_json_object(
+        path,
+        "eval's record of earlier results",
+        "move it away and run eval again (eval merges only a record it can read)",
+    )
+    if record.get("checkpoint_digest") == digest:
+        return record, False
+    return None, True
+
+
+def set_aside(path: Path) -> None:
+    """Keep an eval record of other weights at this step (an abandoned branch, or a record
+    from before records named their checkpoint bytes) under a new name."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    target = path.with_name(f"{path.stem}.other-weights-{stamp}.json")
+    n = 1
+    while target.exists() or target.is_symlink():
+        n += 1
+        target = path.with_name(f"{path.stem}.other-weights-{stamp}-{n}.json")
+    path.rename(target)
+    log.warning(
+        "eval: %s held results of other weights at this step (not these checkpoint bytes: an "
+        "abandoned branch, or an older record); kept as %s",
+        path,
+        target,
+    )
+
+
+def merged(earlier: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """The record of a checkpoint: this call's results over the earlier ones of the same bytes."""
+    record = {**earlier, **{k: v for k, v in new.items() if k != "tasks"}}
+    if "tasks" in new:
+        record["tasks"] = {**(earlier.get("tasks") or {}), **new["tasks"]}
+    return record
+
+
+def kept(earlier: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """The earlier results this call did not redo (they stay in the record)."""
+    names = [t for t in earlier.get("tasks") or {} if t not in new.get("tasks", {})]
+    if "perplexity" in earlier and "perplexity" not in new:
+        names.append("perplexity")
+    return names
 
 
 def export_for_eval(ckpt: Path, run_dir: Path) -> Path:
-    """RUN_DIR/export/step_XXXXXXXX: reused when it is an export of this checkpoint."""
+    """RUN_DIR/export/step_XXXXXXXX: eval's export of exactly these checkpoint bytes, made (or
+    remade) unless it is there already."""
     out = run_dir / "export" / ckpt.name
-    info = _read_json(out / EXPORT_INFO)
-    if info is not None and Path(info.get("checkpoint", "")) == ckpt.resolve():
-        return out
-    export(ckpt, out, force=out.exists())
+    if not reusable_export(out, checkpoint_digest(ckpt)):
+        make_eval_export(ckpt, out)
     return out
+
+
+def reusable_export(out: Path, digest: str) -> bool:
+    """Whether RUN_DIR/export/step_N is eval's export of exactly these checkpoint bytes. A
+    folder there that eval did not make is refused: eval replaces only its own exports."""
+    if not (out.exists() or out.is_symlink()):
+        return False
+    info = None
+    if out.is_dir() and not out.is_symlink() and (out / EXPORT_INFO).is_file():
+        try:
+            info = read_json_object(out / EXPORT_INFO, "export info", "")
+        except UserError:
+            info = None
+    if info is None or info.get("made_by") != MADE_BY:
+        raise UserError(
+            f"{out} exists, but eval did not make it (it is {describe_kind(out)} whose "
+            f"{EXPORT_INFO} does not say made_by {MADE_BY!r}); eval exports the checkpoint "
+            f"there and replaces only its own exports: move it away and run eval again"
+        )
+    return info.get("checkpoint_digest") == digest
+
+
+def make_eval_export(ckpt: Path, out: Path) -> None:
+    """Export `ckpt` to `out`, marked as eval's (made under a fresh name, then renamed into
+    place, replacing eval's earlier export of other bytes, if any)."""
+    staging = temporary_sibling(out, "eval")
+    old = None
+    try:
+        export(ckpt, staging)
+        info = read_json_object(staging / EXPORT_INFO, "export info", "export it again")
+        atomic_write_json(staging / EXPORT_INFO, {**info, "made_by": MADE_BY})
+        if out.exists():  # eval's own (reusable_export refused anything else)
+            old = temporary_sibling(out, "old")
+            out.rename(old)
+        staging.rename(out)
+        fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def run_tasks(
@@ -204,6 +360,7 @@ def held_out_perplexity(
 
 
 def format_record(record: dict[str, Any]) -> str:
+    """This call's results (eval_run's second value), and where the earlier ones are."""
     lines = [f"step {record['step']} ({record['checkpoint']})"]
     for task, metrics in record.get("tasks", {}).items():
         shown = ", ".join(
@@ -215,6 +372,11 @@ def format_record(record: dict[str, Any]) -> str:
         lines.append(
             f"  perplexity on {p['data_dir']} ({p['windows']} windows, {p['tokens']} tokens): "
             f"loss {p['loss']:.4f}, ppl {p['ppl']:.2f}"
+        )
+    if record.get("kept"):
+        lines.append(
+            f"  (earlier results of these checkpoint bytes, not run again, are kept in "
+            f"{record['file']}: {', '.join(record['kept'])})"
         )
     return "\n".join(lines)
 
@@ -236,10 +398,3 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
-    tmp.replace(path)

@@ -15,20 +15,20 @@ from __future__ import annotations
 import fnmatch
 import os
 import shutil
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from scale_llm.components.checkpoint import (
-    TRAINER_STATE,
     checkpoint_digest,
     load_model_weights,
+    read_trainer_state,
     resolve_checkpoint,
+    saved_model_config,
 )
 from scale_llm.components.hf_files import require
-from scale_llm.components.serialization import load_file
 from scale_llm.config import ModelConfig
 from scale_llm.data.hf_tokenizer import write_tokenizer_files
 from scale_llm.data.tokenizer import Tokenizer, file_sha256
@@ -88,9 +88,8 @@ class Exported:
 
 def read_source(path: str | Path) -> Source:
     ckpt = resolve_checkpoint(path)
-    state = load_file(ckpt / TRAINER_STATE)
-    saved = state["config"]["model"]
-    model = ModelConfig(**{f.name: saved[f.name] for f in fields(ModelConfig) if f.name in saved})
+    state = read_trainer_state(ckpt)  # checked: its step, its shape, what its files can hold
+    model = saved_model_config(state)
     run_dir = ckpt.parent.parent  # <run>/checkpoints/step_XXXXXXXX
     tok_path = run_dir / "tokenizer.model"
     if not tok_path.is_file():

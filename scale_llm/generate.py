@@ -20,10 +20,10 @@ from scale_llm.components.checkpoint import (
     TRAINER_STATE,
     Checkpointer,
     load_model_weights,
+    read_trainer_state,
     resolve_checkpoint,
 )
 from scale_llm.components.precision import Precision
-from scale_llm.components.serialization import load_file
 from scale_llm.config import Config, get_key, load_config, run_defining_keys
 from scale_llm.data.tokenizer import Tokenizer
 from scale_llm.errors import UserError
@@ -49,8 +49,8 @@ def load_run(
     run's tokenizer."""
     run_dir = Path(run_dir)
     ckpt = run_checkpoint(run_dir, checkpoint)
-    state = load_file(ckpt / TRAINER_STATE)
-    differs = model_differences(state.get("config") or {}, cfg)
+    state = read_trainer_state(ckpt)  # checked: the step, the model section, the tokenizer hash
+    differs = model_differences(state["config"], cfg)
     if differs:
         raise UserError(
             f"{ckpt} belongs to another run: its model differs from {run_dir}'s "

@@ -5,20 +5,27 @@ A checkpoint is a directory `checkpoints/step_00000100/`. It is written under a 
 (`.tmp-step_00000100`), every file is flushed to disk, and only then renamed into place, so a
 process killed mid-save leaves the previous checkpoint as the newest complete one. Loading uses
 the allow-lists of scale_llm.components.serialization: never arbitrary objects.
+
+Nothing in a checkpoint is believed unchecked: `damage` compares every file with the integrity
+record (whose shape is checked too; a missing record is damage unless the checkpoint predates
+records), a step directory or file that is a symlink is not the run's own, and
+`read_trainer_state` checks each field of trainer.pt for type and range before anyone uses it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
+import math
 import os
 import re
 import shutil
 import time
 from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
@@ -27,7 +34,9 @@ import torch.distributed as dist
 from scale_llm.components import digests
 from scale_llm.components.distributed import barrier, is_distributed, rank_and_world
 from scale_llm.components.serialization import dcp_load, load_file
+from scale_llm.config import Config, ModelConfig, _build, short, validate
 from scale_llm.errors import UserError
+from scale_llm.files import atomic_write_text, describe_kind, fsync_dir, fsync_tree
 
 log = logging.getLogger(__name__)
 TRAINER_STATE = "trainer.pt"  # the trainer's state_dict (step, data, RNG, config, plan, backend)
@@ -35,6 +44,11 @@ MODEL_WEIGHTS = "model.pt"  # consolidated fp32 weights (DeepSpeed checkpoints, 
 DCP_DIR = "dcp"  # torch.distributed.checkpoint: model + optimizer, keyed by parameter name
 SCALER_STATE = "scaler.pt"  # GradScaler state of checkpoints written before the backend state
 INTEGRITY = "integrity.json"  # size + xxh3-64 of every other file: written last
+# In the trainer state of every checkpoint written with an integrity record: without it, a
+# missing record is an older checkpoint's; with it, a missing record is damage.
+RECORDED = "integrity"
+MAX_RECORD_BYTES = 64 << 20  # a record lists a few entries per rank (~100 bytes each)
+WEIGHT_FILES = (f"{DCP_DIR}/.metadata", MODEL_WEIGHTS)  # one of them names the model's weights
 _NAME = re.compile(r"^step_(\d{8})$")
 
 
@@ -66,17 +80,34 @@ class Checkpointer:
         self.dir = run_dir / "checkpoints"
         self.keep_last = keep_last
         self.is_main = is_main  # the main rank creates, publishes and prunes directories
+        self._links_named: set[Path] = set()  # symlinked step dirs already warned about
 
     def complete(self) -> list[tuple[int, Path]]:
-        """(step, path) of every complete checkpoint, oldest first."""
+        """(step, path) of every complete checkpoint, oldest first. A step directory that is a
+        symlink is not one this run wrote (it may be another run's): it is skipped with a
+        warning, so it is never resumed, counted for keep_last, or pruned."""
         if not self.dir.is_dir():
             return []
         found = []
         for p in self.dir.iterdir():
             m = _NAME.match(p.name)
-            if m and p.is_dir() and (p / TRAINER_STATE).is_file():
+            if m and p.is_symlink():
+                self._warn_link(p)
+            elif m and p.is_dir() and (p / TRAINER_STATE).is_file():
                 found.append((int(m.group(1)), p))
         return sorted(found)
+
+    def _warn_link(self, path: Path) -> None:
+        if path in self._links_named:
+            return
+        self._links_named.add(path)
+        log.warning(
+            "checkpoint: skipping %s: it is a symlink (to %s), not a checkpoint this run wrote; "
+            "it is never resumed, counted or pruned (to resume from it on purpose, name it: "
+            "checkpoint.resume=PATH)",
+            path,
+            os.readlink(path),
+        )
 
     def latest(self) -> Path | None:
         done = self.complete()
@@ -95,24 +126,18 @@ class Checkpointer:
     def abandon_after(self, step: int) -> Path | None:
         """Move every checkpoint newer than `step` (a resume from an older one starts a new
         branch) into checkpoints/abandoned-<UTC time>/, out of reach of `auto` and of pruning;
-        nothing is deleted. Main rank only; returns the folder, or None if nothing was newer."""
+        nothing is deleted (a symlink moves as a link). Main rank only; returns the folder, or
+        None if nothing was newer."""
         newer = sorted(  # complete or not, damaged or not
             p
             for p in self.dir.glob("step_*")
-            if p.is_dir() and (m := _NAME.match(p.name)) and int(m.group(1)) > step
+            if (p.is_symlink() or p.is_dir())
+            and (m := _NAME.match(p.name))
+            and int(m.group(1)) > step
         )
         if not newer or not self.is_main:
             return None
-        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-        target = self.dir / f"abandoned-{stamp}"
-        n = 1
-        while target.exists():
-            n += 1
-            target = self.dir / f"abandoned-{stamp}-{n}"
-        target.mkdir()
-        for path in newer:
-            path.rename(target / path.name)
-        _fsync_dir(self.dir)
+        target = self._move_aside(newer)
         log.warning(
             "checkpoint: resuming from step %d starts a new branch: moved the newer %s to %s "
             "(auto will not return to them; delete the folder when you no longer need it)",
@@ -122,6 +147,20 @@ class Checkpointer:
         )
         return target
 
+    def _move_aside(self, paths: list[Path]) -> Path:
+        """Rename `paths` (entries of self.dir) into a new checkpoints/abandoned-<UTC time>/."""
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        target = self.dir / f"abandoned-{stamp}"
+        n = 1
+        while target.exists() or target.is_symlink():
+            n += 1
+            target = self.dir / f"abandoned-{stamp}-{n}"
+        target.mkdir()
+        for path in paths:
+            path.rename(target / path.name)  # a symlink is renamed itself, never followed
+        fsync_dir(self.dir)
+        return target
+
     def save(self, step: int, write: Callable[[Path], None]) -> Path:
         """Every rank calls `write(tmp_dir)` to fill a new checkpoint; then the main rank
         publishes it atomically. Ranks meet at barriers so no rank reads a half-written one."""
@@ -129,7 +168,7 @@ class Checkpointer:
         tmp = self.dir / f".tmp-{final.name}"
         if self.is_main:
             self.dir.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
+            _remove_stale(tmp)
             tmp.mkdir()
         barrier()
         try:
@@ -156,20 +195,38 @@ class Checkpointer:
         record = finish_record(tmp, written, self.is_main)
         if self.is_main:
             write_integrity(tmp, record)
-            if final.exists():  # saving the same step again (e.g. the last step after a resume)
-                shutil.rmtree(final)
+            self._clear(final)
             tmp.rename(final)
-            _fsync_dir(self.dir)
+            fsync_dir(self.dir)
             self.prune()
         barrier()
         return final
 
+    def _clear(self, final: Path) -> None:
+        """Make room for a checkpoint at `final`: this run's own directory of that step (saving
+        the same step again, e.g. the last step after a resume) is replaced; anything else
+        there (a symlink) is moved aside, never followed."""
+        if final.is_symlink():
+            target = self._move_aside([final])
+            log.warning("checkpoint: %s was a symlink; moved it to %s", final, target)
+        elif final.exists():
+            shutil.rmtree(final)
+
     def prune(self) -> None:
-        done = self.complete()
+        done = self.complete()  # (symlinks are not among them)
         for _, path in done[: -self.keep_last]:
             shutil.rmtree(path, ignore_errors=True)
         for stale in self.dir.glob(".tmp-*"):  # left by a process killed mid-save
-            shutil.rmtree(stale, ignore_errors=True)
+            _remove_stale(stale)
+
+
+def _remove_stale(tmp: Path) -> None:
+    """Remove a `.tmp-` folder of an interrupted save; a symlink there is unlinked, never
+    followed (what it points to is not this run's)."""
+    if tmp.is_symlink():
+        tmp.unlink()
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def resolve_resume(resume: str, checkpointer: Checkpointer) -> Path | None:
@@ -184,7 +241,7 @@ def resolve_resume(resume: str, checkpointer: Checkpointer) -> Path | None:
         return None
     if resume == "auto":
         return checkpointer.latest_good()
-    path = Path(resume)
+    path = followed(Path(resume), f"checkpoint.resume={resume}")
     if not (path / TRAINER_STATE).is_file():
         raise UserError(
             f"checkpoint.resume={resume}: not a complete checkpoint directory "
@@ -198,6 +255,16 @@ def resolve_resume(resume: str, checkpointer: Checkpointer) -> Path | None:
             f"another one (checkpoint.resume=auto picks the newest good one)"
         )
     return path
+
+
+def followed(path: Path, what: str) -> Path:
+    """A checkpoint named explicitly is taken where it really is: a symlink is resolved (and
+    said so), so its own directory name and files are the ones checked."""
+    if not path.is_symlink():
+        return path
+    target = path.resolve()
+    log.info("%s: %s is a symlink; reading the checkpoint it points to, %s", what, path, target)
+    return target
 
 
 def integrity_record(
@@ -270,7 +337,7 @@ def gather_records(share: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint directory as given (refused when damaged), or a run directory's newest
     complete, undamaged checkpoint (for convert, export and eval)."""
-    path = Path(path)
+    path = followed(Path(path), "checkpoint")
     if (path / TRAINER_STATE).is_file():
         problem = damage(path)
         if problem is not None:
@@ -288,33 +355,256 @@ def resolve_checkpoint(path: str | Path) -> Path:
 def write_integrity(ckpt_dir: Path, record: dict[str, dict[str, Any]] | None = None) -> None:
     """Write the integrity record (the last file of a checkpoint), computing it unless given."""
     record = integrity_record(ckpt_dir) if record is None else record
-    path = ckpt_dir / INTEGRITY
-    with open(path, "w") as f:
-        f.write(json.dumps({"files": record}, indent=1) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    atomic_write_text(ckpt_dir / INTEGRITY, json.dumps({"files": record}, indent=1) + "\n")
+
+
+class _Damage(Exception):
+    """What is wrong with a checkpoint's files: one line naming the file."""
 
 
 def damage(ckpt_dir: Path) -> str | None:
-    """What is wrong with a checkpoint's files, or None. Checkpoints written before integrity
-    records existed (no integrity.json) are taken as they are."""
-    path = ckpt_dir / INTEGRITY
-    if not path.is_file():
-        return None
+    """What is wrong with a checkpoint's files (one line naming the file), or None.
+
+    Every file must be the checkpoint's own (no symlink), be listed in integrity.json and
+    match its size and checksum; the record must list trainer.pt and the weights. A missing
+    record is damage when trainer.pt says the checkpoint was written with one; checkpoints
+    written before records existed (no such mark) are taken as they are."""
     try:
-        files = json.loads(path.read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return f"{path} is unreadable"
+        _check_files(ckpt_dir)
+    except _Damage as e:
+        return str(e)
+    return None
+
+
+def _check_files(ckpt_dir: Path) -> None:
+    links = sorted(
+        Path(top, name)
+        for top, dirs, files in os.walk(ckpt_dir)
+        for name in dirs + files
+        if os.path.islink(os.path.join(top, name))
+    )
+    if links:
+        raise _Damage(
+            f"{links[0]} is a symlink (to {os.readlink(links[0])}); a checkpoint holds only the "
+            f"files its run wrote"
+        )
+    files = read_record(ckpt_dir)
+    if files is None:
+        return
+    on_disk = sorted(
+        str(p.relative_to(ckpt_dir))
+        for p in ckpt_dir.rglob("*")
+        if p.is_file() and p != ckpt_dir / INTEGRITY
+    )
+    extra = [name for name in on_disk if name not in files]
+    if extra:
+        raise _Damage(
+            f"{ckpt_dir / extra[0]} is not in {ckpt_dir / INTEGRITY} (added or renamed after the "
+            f"save)"
+        )
     for name, want in files.items():
         f = ckpt_dir / name
         if not f.is_file():
-            return f"{f} is missing"
+            raise _Damage(f"{f} is missing")
         size = f.stat().st_size
         if size != want["size"]:
-            return f"{f} has {size} bytes, {want['size']} were written (truncated or replaced)"
+            raise _Damage(
+                f"{f} has {size} bytes, {want['size']} were written (truncated or replaced)"
+            )
         if digests.file_digest(f, mapped=False) != want["xxh3_64"]:
-            return f"{f} does not match its checksum (its bytes changed after the save)"
-    return None
+            raise _Damage(f"{f} does not match its checksum (its bytes changed after the save)")
+
+
+def read_record(ckpt_dir: Path) -> dict[str, dict[str, Any]] | None:
+    """The checked `files` of a checkpoint's integrity record ({name: {size, xxh3_64}}), or None
+    for a checkpoint written before records existed. Raises _Damage for a record of the wrong
+    shape, one naming paths outside the checkpoint, or one missing trainer.pt or the weights."""
+    path = ckpt_dir / INTEGRITY
+    if not path.exists() and not path.is_symlink():
+        if _written_with_record(ckpt_dir):
+            raise _Damage(
+                f"{path} is missing, but {ckpt_dir / TRAINER_STATE} says the checkpoint was "
+                f"written with one (removed after the save)"
+            )
+        return None
+    if path.is_symlink() or not path.is_file():
+        raise _Damage(f"{path} is {describe_kind(path)}, not the record file")
+    if path.stat().st_size > MAX_RECORD_BYTES:
+        raise _Damage(f"{path} has {path.stat().st_size:,} bytes, too many for a record")
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise _Damage(f"{path} is not readable JSON ({type(e).__name__})") from None
+    files = obj.get("files") if isinstance(obj, dict) else None
+    if not isinstance(files, dict):
+        raise _Damage(
+            f'{path} holds {short(obj, 60)}, not {{"files": {{name: {{"size": ..., '
+            f'"xxh3_64": ...}}}}}}'
+        )
+    for name, entry in files.items():
+        _check_entry(path, name, entry)
+    if (ckpt_dir / TRAINER_STATE).exists():  # (a bare record of backend files: bench)
+        if TRAINER_STATE not in files:
+            raise _Damage(f"{path} does not list {TRAINER_STATE}")
+        if not any(w in files for w in WEIGHT_FILES):
+            raise _Damage(f"{path} lists no model weights ({' or '.join(WEIGHT_FILES)})")
+    if not files:
+        raise _Damage(f"{path} lists no files")
+    return files
+
+
+def _check_entry(path: Path, name: Any, entry: Any) -> None:
+    parts = PurePosixPath(name).parts if isinstance(name, str) else ()
+    if (
+        not parts
+        or name.startswith("/")
+        or str(PurePosixPath(name)) != name
+        or any(p in (".", "..") for p in parts)
+        or name == INTEGRITY
+    ):
+        raise _Damage(f"{path} names {short(name, 60)}, which is not a file inside the checkpoint")
+    if not isinstance(entry, dict):
+        raise _Damage(f"{path}: the entry of {name!r} is {short(entry, 60)}, not {{size, xxh3_64}}")
+    size, digest = entry.get("size"), entry.get("xxh3_64")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise _Damage(f"{path}: the size of {name!r} is {short(size, 40)}, not a byte count")
+    if not digests.is_digest(digest):
+        raise _Damage(
+            f"{path}: the xxh3_64 of {name!r} is {short(digest, 40)}, not 16 hexadecimal digits"
+        )
+
+
+def _written_with_record(ckpt_dir: Path) -> bool:
+    """Whether trainer.pt carries the mark of a version that writes integrity records."""
+    if not (ckpt_dir / TRAINER_STATE).is_file():
+        return False
+    try:
+        state = load_file(ckpt_dir / TRAINER_STATE)
+    except UserError as e:  # unreadable, with no record to tell what it should hold
+        raise _Damage(str(e).split(";")[0]) from None
+    return isinstance(state, dict) and state.get(RECORDED) is True
+
+
+def checkpoint_digest(ckpt_dir: Path) -> str:
+    """One xxh3-64 over the checkpoint's integrity record (each file's name, size and
+    checksum): equal digests mean the same bytes. A checkpoint without a record (written
+    before records existed) is hashed now, to the digest its record would have had."""
+    try:
+        files = read_record(ckpt_dir)
+    except _Damage as e:
+        raise UserError(f"{ckpt_dir} is damaged: {e}; pick another checkpoint") from None
+    if files is None:
+        files = integrity_record(ckpt_dir)
+    canonical = {k: {"size": v["size"], "xxh3_64": v["xxh3_64"]} for k, v in files.items()}
+    return digests.text_digest(json.dumps(canonical, sort_keys=True, separators=(",", ":")))
+
+
+# ----------------------------------------------------------------------------- trainer state
+
+
+def read_trainer_state(ckpt_dir: Path) -> dict[str, Any]:
+    """A checkpoint's trainer state (trainer.pt), every field its readers use checked for type
+    and range first: the step (a count equal to the directory's step_N), the saved model
+    section (the rules of a user config, and no larger than the checkpoint's files can hold),
+    the tokenizer hash and the plan. An impossible value is a UserError naming the file and
+    the field."""
+    path = ckpt_dir / TRAINER_STATE
+    state = load_file(path)
+    problems = trainer_state_problems(state, ckpt_dir)
+    if problems:
+        raise UserError(
+            f"{path} holds values no run could have saved (damaged, or not scale_llm's):\n  - "
+            + "\n  - ".join(problems)
+            + "\nResume, convert or export another checkpoint (a run directory picks its newest "
+            "good one)."
+        )
+    return state
+
+
+def trainer_state_problems(state: Any, ckpt_dir: Path) -> list[str]:
+    """One line per field of a trainer state that no run could have saved."""
+    if not isinstance(state, dict):
+        return [f"it holds a {type(state).__name__}, not the trainer state mapping"]
+    out = []
+    step = state.get("step")
+    m = _NAME.match(ckpt_dir.name)
+    if not is_count(step):
+        out.append(f"step: {short(step, 40)} is not a step count (an integer >= 0)")
+    elif m and step != int(m.group(1)):
+        out.append(f"step: {step}, but the directory {ckpt_dir.name} is step {int(m.group(1))}")
+    config = state.get("config")
+    model = config.get("model") if isinstance(config, dict) else None
+    if not isinstance(model, dict):
+        out.append(f"config.model: {short(model, 40)} is not the saved model section")
+    else:
+        cfg, problems = model_config(model)
+        out += [f"config.{p}" for p in problems]
+        if not problems:
+            out += _size_problems(cfg, ckpt_dir)
+    sha = state.get("tokenizer_sha256")
+    if sha is not None and not (isinstance(sha, str) and re.fullmatch(r"[0-9a-f]{64}", sha)):
+        out.append(f"tokenizer_sha256: {short(sha, 40)} is not a SHA-256 hex digest")
+    plan = state.get("plan")
+    if plan is not None and not isinstance(plan, dict):
+        out.append(f"plan: {short(plan, 40)} is not the saved run plan")
+    elif plan and plan.get("precision", "fp32") not in ("bf16", "fp16", "fp32"):
+        out.append(f"plan.precision: {short(plan['precision'], 40)} is not bf16, fp16 or fp32")
+    return out
+
+
+def is_count(value: Any) -> bool:
+    """An int >= 0 (bool is not one)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def saved_section(cls: type, name: str, saved: dict[str, Any]) -> tuple[Any, list[str]]:
+    """Section `name` (of dataclass `cls`) of a saved config, read by the rules of a user
+    config: (the section, one line per problem, each naming name.<key>). Keys that have moved
+    since (older checkpoints) are left out."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    errors: list[str] = []
+    section = _build(cls, {k: v for k, v in saved.items() if k in names}, f"{name}.", errors)
+    failed = [msg.split(":", 1)[0] for msg in errors]
+    errors += [
+        msg
+        for msg in validate(Config(**{name: section}))
+        if msg.startswith(f"{name}.") and not any(k in msg for k in failed)
+    ]
+    return section, errors
+
+
+def model_config(saved: dict[str, Any]) -> tuple[ModelConfig, list[str]]:
+    """A saved model section as a ModelConfig, and its problems (see saved_section)."""
+    return saved_section(ModelConfig, "model", saved)
+
+
+def saved_model_config(state: dict[str, Any]) -> ModelConfig:
+    """The model a checkpoint's trainer state (from read_trainer_state) records."""
+    cfg, problems = model_config(state["config"]["model"])
+    if problems:  # (read_trainer_state refused these already)
+        raise UserError(f"{TRAINER_STATE}: config.{problems[0]}")
+    return cfg
+
+
+def _size_problems(cfg: ModelConfig, ckpt_dir: Path) -> list[str]:
+    """The model must fit in the checkpoint's files: weights are saved in 32 bits, so even at
+    16 bits a parameter takes 2 bytes. A lower bound on the parameter count (embeddings,
+    attention and MLP matrices) keeps this free of the model code."""
+    d, heads = cfg.d_model, cfg.n_heads
+    kv = (cfg.n_kv_heads or heads) * (d // heads)
+    hidden = cfg.mlp_hidden or math.ceil(8 * d / 3)  # (the default rounds up from here)
+    params = cfg.vocab_size * d + cfg.n_layers * (2 * d * d + 2 * kv * d + 3 * d * hidden)
+    held = sum(
+        p.stat().st_size
+        for p in ckpt_dir.rglob("*")
+        if p.is_file() and not p.is_symlink() and p.name not in (TRAINER_STATE, INTEGRITY)
+    )
+    if 2 * params <= held:
+        return []
+    return [
+        f"config.model describes at least {params:,} parameters ({2 * params / 2**30:,.1f} GiB "
+        f"even at 16 bits), but the checkpoint's weight files hold {held:,} bytes"
+    ]
 
 
 def load_model_weights(
@@ -335,22 +625,3 @@ def load_model_weights(
         f"{ckpt_dir} holds no model weights ({DCP_DIR}/ or {MODEL_WEIGHTS}); "
         f"point at a complete checkpoint directory"
     )
-
-
-def fsync_tree(root: Path) -> None:
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(dirpath))
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -71,6 +72,19 @@ def file_digest(path: Path, mapped: bool = True) -> str:
         while chunk := f.read(8 << 20):
             h.update(chunk)
         return h.hexdigest()
+
+
+def text_digest(text: str) -> str:
+    """xxh3-64 of a string's UTF-8 bytes (e.g. a canonical JSON record)."""
+    return xxhash.xxh3_64(text.encode("utf-8")).hexdigest()
+
+
+_HEX16 = re.compile(r"[0-9a-f]{16}")
+
+
+def is_digest(value: object) -> bool:
+    """Whether `value` is an xxh3-64 digest as `file_digest` writes it (16 hex digits)."""
+    return isinstance(value, str) and _HEX16.fullmatch(value) is not None
 
 
 def _seconds(work: Callable[[], Any]) -> float:

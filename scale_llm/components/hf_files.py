@@ -78,23 +78,49 @@ class HFWeights:
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         if self._pickled is not None:
-            return {k: tuple(v.shape) for k, v in self._pickled.items()}
+            return {  # (a non-tensor has no shape: named by the shape check)
+                k: tuple(v.shape) if isinstance(v, torch.Tensor) else ()
+                for k, v in self._pickled.items()
+            }
         return {
             name: tuple(self._open(file).get_slice(name).get_shape())
             for name, file in self.file_of.items()
         }
 
     def get(self, name: str) -> torch.Tensor:
-        """One tensor, as fp32 on the CPU."""
+        """One tensor, as fp32 on the CPU: refused unless it holds floating-point weights, all
+        finite (checked tensor by tensor as they are read, so memory stays flat)."""
         if self._pickled is not None:
-            return self._pickled.pop(name).float()
-        try:
-            return self._open(self.file_of[name]).get_tensor(name).float()
-        except Exception as e:  # safetensors' own error type for a short or garbled file
+            tensor = self._pickled.pop(name)
+        else:
+            try:
+                tensor = self._open(self.file_of[name]).get_tensor(name)
+            except Exception as e:  # safetensors' own error type for a short or garbled file
+                raise UserError(
+                    f"{self.what}: cannot read {name} from {self.folder / self.file_of[name]} "
+                    f"({e}); the file is damaged or incomplete"
+                ) from None
+        return self._checked(name, tensor)
+
+    def _checked(self, name: str, tensor: Any) -> torch.Tensor:
+        where = self.folder / self.file_of[name]
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+            kind = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
             raise UserError(
-                f"{self.what}: cannot read {name} from {self.folder / self.file_of[name]} "
-                f"({e}); the file is damaged or incomplete"
-            ) from None
+                f"{self.what}: {name} in {where} holds {kind} values, not floating-point "
+                f"weights (they would be cast silently); save the model with float weights "
+                f"(fp32, bf16 or fp16), or pick another folder"
+            )
+        tensor = tensor.float()
+        finite = torch.isfinite(tensor)
+        if not finite.all():
+            bad = tensor.numel() - int(finite.sum())
+            raise UserError(
+                f"{self.what}: {name} in {where} holds {bad:,} NaN or infinite values (of "
+                f"{tensor.numel():,}, read as fp32); the weights are damaged or diverged: start "
+                f"from another checkpoint"
+            )
+        return tensor
 
     def _open(self, file: str) -> Any:
         if file not in self._files:
@@ -126,5 +152,12 @@ class HFWeights:
             files = sorted(set(self._index(self.folder / PICKLE_INDEX).values()))
         out: dict[str, torch.Tensor] = {}
         for file in files:
-            out.update(load_file(self.folder / file))  # weights_only: refuses planted objects
+            part = load_file(self.folder / file)  # weights_only: refuses planted objects
+            if not isinstance(part, dict):
+                raise UserError(
+                    f"{self.what}: {self.folder / file} holds a {type(part).__name__}, not a "
+                    f"mapping of tensor names to tensors; the file is not a model's weights"
+                )
+            self.file_of.update(dict.fromkeys(part, file))
+            out.update(part)
         return out

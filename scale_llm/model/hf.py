@@ -9,13 +9,14 @@ permutation; `attention.wqkv` is the rows of q_proj, k_proj and v_proj stacked i
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import fields
 from typing import Any
 
 import torch
 
-from scale_llm.config import ModelConfig
+from scale_llm.config import ModelConfig, short
 from scale_llm.model.transformer import mlp_hidden_size
 
 ARCHITECTURE = "LlamaForCausalLM"
@@ -163,7 +164,9 @@ def to_hf_config(
 
 def from_hf_config(hf: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """(our model.* values, problems) for an HF config dict: each unsupported field or
-    architecture is one problem line naming it."""
+    architecture, and each field of the wrong JSON type or out of range (a string "false",
+    zero heads, an infinite epsilon), is one problem line naming it; `values` holds the fields
+    that passed."""
     problems = []
     model_type = hf.get("model_type")
     if model_type != "llama":
@@ -176,31 +179,99 @@ def from_hf_config(hf: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         if value not in ok:
             problems.append(f"{key}={value!r}: unsupported (scale_llm supports {ok[0]!r})")
     rope = hf.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        problems.append(_wrong("rope_parameters", rope, "an object or null"))
+        rope = {}
     if rope.get("rope_type", "default") != "default":
         problems.append(
             f"rope_parameters.rope_type={rope['rope_type']!r}: unsupported (only 'default' RoPE)"
         )
-    try:
-        d, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-        values = {
-            "vocab_size": int(hf["vocab_size"]),
-            "d_model": d,
-            "n_layers": int(hf["num_hidden_layers"]),
-            "n_heads": heads,
-            "n_kv_heads": int(hf.get("num_key_value_heads") or heads),
-            "mlp_hidden": int(hf["intermediate_size"]),
-            "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-            "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-            "rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        }
-    except (KeyError, TypeError, ValueError) as e:
-        return {}, [*problems, f"config.json lacks or garbles a size field ({e!r})"]
+    values: dict[str, Any] = {}
+    for key, ours in _SIZES.items():
+        value = hf.get(key)
+        if _positive_int(value):
+            values[ours] = value
+        else:
+            problems.append(_wrong(key, value, "an integer > 0"))
+    kv = hf.get("num_key_value_heads")  # absent or null: as many as the attention heads
+    if kv is None and "n_heads" in values:
+        values["n_kv_heads"] = values["n_heads"]
+    elif kv is not None and _positive_int(kv):
+        values["n_kv_heads"] = kv
+    elif kv is not None:
+        problems.append(_wrong("num_key_value_heads", kv, "an integer > 0 or null"))
+    tie = hf.get("tie_word_embeddings", False)
+    if isinstance(tie, bool):
+        values["tie_embeddings"] = tie
+    else:
+        problems.append(_wrong("tie_word_embeddings", tie, "true or false"))
+    for key, ours, value in (
+        ("rms_norm_eps", "norm_eps", hf.get("rms_norm_eps", 1e-6)),
+        ("rope_theta", "rope_theta", rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+    ):
+        if _positive_number(value):
+            values[ours] = float(value)
+        else:
+            problems.append(_wrong(key, value, "a finite number > 0"))
+    return values, problems + _head_problems(hf, values)
+
+
+# HF size fields -> our model.* keys: each a JSON integer > 0
+_SIZES = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "d_model",
+    "num_hidden_layers": "n_layers",
+    "num_attention_heads": "n_heads",
+    "intermediate_size": "mlp_hidden",
+}
+
+
+def _head_problems(hf: dict[str, Any], values: dict[str, Any]) -> list[str]:
+    """Heads that cannot split hidden_size, or key/value heads that cannot split the heads."""
+    if "d_model" not in values or "n_heads" not in values:
+        return []
+    d, heads = values["d_model"], values["n_heads"]
+    if d % heads:
+        return [
+            f"hidden_size={d} is not divisible by num_attention_heads={heads}: not a model any "
+            f"Llama implementation builds; fix config.json"
+        ]
+    out = []
     if hf.get("head_dim") not in (None, d // heads):
-        problems.append(
-            f"head_dim={hf['head_dim']}: unsupported (scale_llm uses hidden_size / "
+        out.append(
+            f"head_dim={short(hf['head_dim'])}: unsupported (scale_llm uses hidden_size / "
             f"num_attention_heads = {d // heads})"
         )
-    return values, problems
+    kv = values.get("n_kv_heads")
+    if kv is not None and heads % kv:
+        out.append(
+            f"num_key_value_heads={kv} does not divide num_attention_heads={heads}; fix config.json"
+        )
+    return out
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _positive_number(value: Any) -> bool:
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    )
+
+
+def _wrong(key: str, value: Any, expected: str) -> str:
+    """A config.json field of the wrong JSON type or range, and what it must be instead."""
+    kind = {bool: "a boolean", str: "a string", float: "a number", int: "an integer"}.get(
+        type(value), "null" if value is None else f"a JSON {type(value).__name__}"
+    )
+    return (
+        f"{key}={short(value)} ({kind}): expected {expected}; fix config.json (save_pretrained "
+        f"writes it so)"
+    )
 
 
 def config_problems(cfg: ModelConfig, values: dict[str, Any], where: str) -> list[str]:
@@ -226,7 +297,9 @@ def config_problems(cfg: ModelConfig, values: dict[str, Any], where: str) -> lis
     return out
 
 
-def _default_mlp(values: dict[str, Any]) -> int:
+def _default_mlp(values: dict[str, Any]) -> int | None:
+    if "d_model" not in values:
+        return None
     return mlp_hidden_size(ModelConfig(d_model=values["d_model"]))
 
 

@@ -6,7 +6,7 @@ with `torch.load(path, weights_only=True)` anywhere, without torch.distributed o
 
 from __future__ import annotations
 
-from dataclasses import fields
+import os
 from pathlib import Path
 
 import torch
@@ -14,36 +14,76 @@ import torch
 from scale_llm.components.checkpoint import (
     TRAINER_STATE,
     load_model_weights,
+    read_trainer_state,
     resolve_checkpoint,
+    saved_model_config,
 )
-from scale_llm.components.serialization import load_file
-from scale_llm.config import ModelConfig
 from scale_llm.errors import UserError, require_writable_dir
+from scale_llm.files import describe_kind, fsync_dir, temporary_sibling
 from scale_llm.model import empty_state_dict
 
 
-def convert(checkpoint: str | Path, out: str | Path) -> tuple[Path, int]:
+def convert(checkpoint: str | Path, out: str | Path, force: bool = False) -> tuple[Path, int]:
     out = Path(out)
-    tmp = out.with_name(out.name + ".tmp")
-    if out.is_dir():
+    check_out(out, force)
+    require_writable_dir(out.parent, "--out")
+    ckpt = resolve_checkpoint(checkpoint)
+    if (out.parent / TRAINER_STATE).exists() or out.parent.absolute().resolve() == ckpt.resolve():
+        raise UserError(
+            f"--out {out} is inside a checkpoint directory; write the file elsewhere, e.g. "
+            f"--out {ckpt.parent.parent.name}.pt"
+        )
+    state = read_trainer_state(ckpt)  # checked: the step, and a shape its files can hold
+    model_cfg = saved_model_config(state)  # the checkpoint records its own shape
+    loaded = load_model_weights(ckpt, empty_state_dict(model_cfg))
+    weights = {k: v.float().contiguous() for k, v in loaded.items()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temporary_sibling(out)  # a fresh name: nothing else is ever written over
+    try:
+        with open(tmp, "xb") as f:
+            torch.save({"model": weights, "config": state["config"], "step": state["step"]}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        check_out(out, force)  # still absent, or still an earlier output, as checked at the start
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(out.parent)
+    return out, sum(v.numel() for v in weights.values())
+
+
+def check_out(out: Path, force: bool) -> None:
+    """--out names a new file, or (with --force) a regular file an earlier `convert` wrote:
+    never a directory, a link, a pipe or any other file."""
+    if not (out.exists() or out.is_symlink()):
+        return
+    if out.is_dir() and not out.is_symlink():
         raise UserError(
             f"--out {out} is a directory; give the file to write, e.g. --out {out / 'model.pt'}"
         )
-    if tmp.is_dir():
-        raise UserError(f"{tmp} (convert's temporary file) is a directory; remove it first")
-    require_writable_dir(out.parent, "--out")
-    ckpt = resolve_checkpoint(checkpoint)
-    state = load_file(ckpt / TRAINER_STATE)
-    # the checkpoint records its own shape (older ones also held keys that have moved since)
-    saved = state["config"]["model"]
-    model_cfg = ModelConfig(
-        **{f.name: saved[f.name] for f in fields(ModelConfig) if f.name in saved}
-    )
-    loaded = load_model_weights(ckpt, empty_state_dict(model_cfg))
-    weights = {k: v.float().contiguous() for k, v in loaded.items()}
-    out = Path(out)
-    tmp = out.with_name(out.name + ".tmp")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"model": weights, "config": state["config"], "step": state["step"]}, tmp)
-    tmp.replace(out)
-    return out, sum(v.numel() for v in weights.values())
+    if out.is_symlink() or not out.is_file():
+        raise UserError(
+            f"--out {out} is {describe_kind(out)}; convert writes a new regular file and never "
+            f"replaces anything else: pick another --out"
+        )
+    if not force:
+        raise UserError(
+            f"--out {out} already exists; pick another --out, or pass --force to replace it "
+            f"(--force replaces only a file that scale-llm convert wrote)"
+        )
+    if not is_convert_output(out):
+        raise UserError(
+            f"--out {out} is not a file scale-llm convert wrote (it does not hold exactly "
+            f"model, config and step), so --force leaves it alone; pick another --out"
+        )
+
+
+def is_convert_output(path: Path) -> bool:
+    """A torch file holding exactly {"model", "config", "step"} (read through mmap: the
+    tensors' bytes are not read)."""
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # not a torch zip file, or one with objects outside the allow-list
+        return False
+    return isinstance(obj, dict) and set(obj) == {"model", "config", "step"}

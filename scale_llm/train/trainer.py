@@ -8,7 +8,6 @@ the device and are read (a host sync) only on logging steps.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -22,16 +21,19 @@ from typing import Any
 import torch
 
 from scale_llm.components.checkpoint import (
+    RECORDED,
     TRAINER_STATE,
     Checkpointer,
     load_model_weights,
+    read_trainer_state,
     resolve_resume,
+    saved_section,
 )
 from scale_llm.components.distributed import mean_over_ranks
 from scale_llm.components.hardware import cuda_memory_gib, host_available_bytes, peak_flops
 from scale_llm.components.optim import SCHEDULE_KEYS, lr_at
-from scale_llm.components.serialization import load_file, save_file
-from scale_llm.config import Config, TrainConfig, get_key, run_defining_keys, save_config, to_dict
+from scale_llm.components.serialization import save_file
+from scale_llm.config import Config, TrainConfig, save_config, to_dict
 from scale_llm.data.loader import TokenWindows, TrainLoader, eval_batches
 from scale_llm.data.shards import open_split, read_manifest
 from scale_llm.data.tokenizer import Tokenizer
@@ -45,6 +47,7 @@ from scale_llm.train.guards import StopSignals, TrainingDiverged, diverged_messa
 from scale_llm.train.init_from import load_init_weights
 from scale_llm.train.lock import RunLock
 from scale_llm.train.metrics import MetricsLogger
+from scale_llm.train.resume import check_resume_state
 from scale_llm.train.rng import Generators
 
 log = logging.getLogger(__name__)
@@ -450,6 +453,7 @@ class Trainer:
             "plan": self.plan.to_json(),
             "tokenizer_sha256": self.manifest["tokenizer"]["sha256"],
             "backend": self.backend.state_dict(),  # its checkpoint layout and scaler
+            RECORDED: True,  # the checkpoint carries integrity.json: without it, it is damaged
         }
 
     def load_state_dict(self, state: dict[str, Any], exact: bool) -> None:
@@ -463,7 +467,7 @@ class Trainer:
         self.loader.load_state_dict(state["data"])
         self.skipped_steps.fill_(int(state.get("skipped_steps", 0)))
         self.bad_streak.fill_(int(state.get("bad_streak", 0)))
-        if isinstance(state["rng"], list):
+        if isinstance(state.get("rng"), list):
             self.generators.load_state_dict(state["rng"])
         log.info("resume: continuing from %s at step %d", self.resume_from, self.step)
         self._check_schedule_change(state)
@@ -472,12 +476,8 @@ class Trainer:
         """A resume with another schedule (typically a raised train.max_steps) keeps going from
         the LR the new settings give at this step: say so once when that LR is not the one the
         checkpoint's run would have used (wsd and constant extend without a jump)."""
-        saved = state["config"].get("train", {})
-        known = {f.name for f in dataclasses.fields(TrainConfig)}
-        try:
-            before = TrainConfig(**{k: v for k, v in saved.items() if k in known})
-        except TypeError:
-            return
+        # (checked by check_resume_state; read with the same coercions as a user config)
+        before = saved_section(TrainConfig, "train", state["config"].get("train") or {})[0]
         t = self.cfg.train
         old, new = lr_at(self.step, before), lr_at(self.step, t)
         if self.plan.is_main and not math.isclose(old, new, rel_tol=1e-9, abs_tol=0.0):
@@ -500,27 +500,18 @@ class Trainer:
             )
 
     def _read_resume_state(self) -> dict[str, Any] | None:
+        """The checkpoint's trainer state, every field checked before it is used, and refused
+        when it belongs to another run."""
         if self.resume_from is None:
             return None
-        state = load_file(self.resume_from / TRAINER_STATE)
-        problems = []
-        for key in run_defining_keys():
-            old = _lookup(state["config"], key)
-            new = get_key(self.cfg, key)
-            if old != new:
-                problems.append(f"{key}: the checkpoint has {old!r}, the config says {new!r}")
-        if state["tokenizer_sha256"] != self.manifest["tokenizer"]["sha256"]:
-            problems.append(
-                f"data.dir={self.cfg.data.dir}: its tokenizer differs from the one "
-                f"the checkpoint was trained with"
-            )
-        if problems:
-            raise UserError(
-                f"cannot resume {self.resume_from}: it belongs to a different run.\n  - "
-                + "\n  - ".join(problems)
-                + f"\nUse the original settings to continue it, or start a new run with a new "
-                f"run.name (or checkpoint.resume=never after deleting {self.checkpointer.dir})."
-            )
+        state = read_trainer_state(self.resume_from)
+        check_resume_state(
+            state,
+            self.resume_from,
+            self.cfg,
+            self.manifest["tokenizer"]["sha256"],
+            self.checkpointer.dir,
+        )
         return state
 
     def _foreign_weights(self, state: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -652,13 +643,3 @@ def _layout_of(state: dict[str, Any]) -> dict[str, Any]:
     if isinstance(backend, dict):
         return backend["layout"]
     return {k: state[k] for k in ("format", "zero_stage", "world_size") if k in state}
-
-
-def _lookup(tree: dict[str, Any], dotted: str) -> Any:
-    """A dotted key of a saved config dict (None where that checkpoint has no such key)."""
-    node: Any = tree
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return node

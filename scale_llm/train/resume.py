@@ -1,0 +1,147 @@
+"""What a resume checks in a checkpoint's trainer state before the trainer uses any of it.
+
+`components.checkpoint.read_trainer_state` checks what every reader of a checkpoint uses (the
+step, the saved model section, the tokenizer hash, the plan). Here: what only a resume reads
+(the data position, the random generators, the skipped-step counts, the backend's layout and
+the saved schedule), and whether the checkpoint belongs to the run that resumes it. Pure
+checks: each returns or raises, nothing is restored here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from scale_llm.components.checkpoint import TRAINER_STATE, is_count, saved_section
+from scale_llm.config import Config, TrainConfig, get_key, run_defining_keys, short
+from scale_llm.errors import UserError
+
+MT_KEYS = 624  # numpy's MT19937 state: 624 words and a position in [0, 624]
+
+
+def check_resume_state(
+    state: dict[str, Any], ckpt: Path, cfg: Config, tokenizer_sha256: str, checkpoints: Path
+) -> None:
+    """Refuse a trainer state (already through read_trainer_state) that no run could have
+    saved, or that belongs to another run than `cfg` on data with `tokenizer_sha256`."""
+    problems = resume_state_problems(state)
+    if problems:
+        raise UserError(
+            f"{ckpt / TRAINER_STATE} holds values no run could have saved (damaged, or not "
+            f"scale_llm's):\n  - " + "\n  - ".join(problems) + "\nResume from another "
+            "checkpoint (checkpoint.resume=auto picks the newest good one)."
+        )
+    problems = run_mismatches(state, cfg, tokenizer_sha256)
+    if problems:
+        raise UserError(
+            f"cannot resume {ckpt}: it belongs to a different run.\n  - "
+            + "\n  - ".join(problems)
+            + f"\nUse the original settings to continue it, or start a new run with a new "
+            f"run.name (or checkpoint.resume=never after deleting {checkpoints})."
+        )
+
+
+def resume_state_problems(state: dict[str, Any]) -> list[str]:
+    """One line per field only a resume reads that holds an impossible value."""
+    step = state["step"]
+    out = _data_problems(state.get("data"))
+    for key in ("skipped_steps", "bad_streak"):  # older checkpoints lack them
+        value = state.get(key, 0)
+        if not is_count(value) or value > step:
+            out.append(f"{key}: {short(value, 40)} is not a count of steps within 0..{step}")
+    rng = state.get("rng")
+    if isinstance(rng, list):  # (older checkpoints kept no per-rank list: not restored)
+        out += _rng_problems(rng)
+    backend = state.get("backend")  # (older checkpoints: the backend's name, a string)
+    if not isinstance(backend, str | None) and not (
+        isinstance(backend, dict) and isinstance(backend.get("layout"), dict)
+    ):
+        out.append(f"backend: {short(backend, 40)} is not a backend state with a layout")
+    train = (state.get("config") or {}).get("train")
+    if train is not None:
+        out += train_problems(train)
+    return out
+
+
+def _data_problems(data: Any) -> list[str]:
+    if not isinstance(data, dict):
+        return [f"data: {short(data, 40)} is not the data loader's position"]
+    return [
+        f"data.{key}: {short(data.get(key), 40)} is not an integer >= 0"
+        for key in ("position", "seed", "num_windows")
+        if not is_count(data.get(key))
+    ]
+
+
+def _rng_problems(states: list[Any]) -> list[str]:
+    """Each rank's generator states must have the shapes `train.rng.restore` sets."""
+    if not states:
+        return ["rng: an empty list (one entry per rank was saved)"]
+    for rank, s in enumerate(states):
+        where = f"rng[{rank}]"
+        if not isinstance(s, dict):
+            return [f"{where}: {short(s, 40)} is not a generator state"]
+        numpy, python = s.get("numpy"), s.get("python")
+        if not _byte_tensor(s.get("torch")) or ("cuda" in s and not _byte_tensor(s["cuda"])):
+            return [f"{where}.torch: not a torch generator state (a 1-D uint8 tensor)"]
+        if not (
+            isinstance(numpy, dict)
+            and isinstance(numpy.get("keys"), torch.Tensor)
+            and tuple(numpy["keys"].shape) == (MT_KEYS,)
+            and is_count(numpy.get("pos"))
+            and numpy["pos"] <= MT_KEYS
+            and isinstance(numpy.get("has_gauss"), int)
+            and isinstance(numpy.get("gauss"), float)
+        ):
+            return [f"{where}.numpy: not a numpy MT19937 state ({MT_KEYS} keys and a position)"]
+        if not (
+            isinstance(python, dict)
+            and isinstance(python.get("version"), int)
+            and isinstance(python.get("state"), list | tuple)
+            and len(python["state"]) == MT_KEYS + 1
+            and all(is_count(x) for x in python["state"])
+            and isinstance(python.get("gauss"), float | None)
+        ):
+            return [f"{where}.python: not a Python random state ({MT_KEYS + 1} integers)"]
+    return []
+
+
+def _byte_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1
+
+
+def train_problems(saved: Any) -> list[str]:
+    """The saved train section (its schedule is compared with the new one), read by the rules
+    of a user config."""
+    if not isinstance(saved, dict):
+        return [f"config.train: {short(saved, 40)} is not the saved train section"]
+    return [f"config.{msg}" for msg in saved_section(TrainConfig, "train", saved)[1]]
+
+
+def run_mismatches(state: dict[str, Any], cfg: Config, tokenizer_sha256: str) -> list[str]:
+    """Each run-defining key whose value differs between the checkpoint and `cfg`, and the
+    tokenizer if it differs from the data's."""
+    problems = []
+    for key in run_defining_keys():
+        old = lookup(state["config"], key)
+        new = get_key(cfg, key)
+        if old != new:
+            problems.append(f"{key}: the checkpoint has {old!r}, the config says {new!r}")
+    if state.get("tokenizer_sha256") != tokenizer_sha256:
+        problems.append(
+            f"data.dir={cfg.data.dir}: its tokenizer differs from the one "
+            f"the checkpoint was trained with"
+        )
+    return problems
+
+
+def lookup(tree: dict[str, Any], dotted: str) -> Any:
+    """A dotted key of a saved config dict (None where that checkpoint has no such key)."""
+    node: Any = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node

@@ -1,0 +1,301 @@
+"""What a command may delete or replace: only what it can prove it created.
+
+Each refused command exits with 2, names the path and the fix, and leaves every file as it was
+(compared byte for byte, with types, sizes and link targets, before and after)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from scale_llm.cli import main
+from scale_llm.errors import UserError
+from scale_llm.files import OWNER_MARKER, OwnerLock
+from tests.helpers import TINY_MODEL, env, finished_run, prep_config, random_texts
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def snapshot(root: Path) -> dict[str, tuple]:
+    """Every entry below `root` (links not followed): its type and its bytes or target."""
+    out: dict[str, tuple] = {}
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs + files:
+            p = Path(dirpath) / name
+            rel = str(p.relative_to(root))
+            if p.is_symlink():
+                out[rel] = ("link", os.readlink(p))
+            elif p.is_dir():
+                out[rel] = ("dir",)
+            elif p.is_file():
+                out[rel] = ("file", hashlib.sha256(p.read_bytes()).hexdigest())
+            else:
+                out[rel] = ("other", p.stat().st_mode)
+    return out
+
+
+def refused(argv: list[str], capsys, *needles: str) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+@pytest.fixture(scope="module")
+def run_dir(data_dir, tmp_path_factory) -> Path:
+    return finished_run(data_dir, tmp_path_factory.mktemp("owned"), "train.max_steps=2")
+
+
+# ----------------------------------------------------------------------------- export
+def test_export_force_never_replaces_the_run_or_a_folder_it_did_not_write(
+    run_dir, tmp_path, capsys
+):
+    pytest.importorskip("safetensors")
+    before = snapshot(run_dir)
+    refused(["export", str(run_dir), "--out", str(run_dir), "--force"], capsys, "is not an earlier")
+    ckpt = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    refused(
+        ["export", str(run_dir), "--out", str(ckpt.parent / "hf")],
+        capsys,
+        "would overwrite the run it exports",
+    )
+    refused(["export", str(ckpt), "--out", str(run_dir.parent), "--force"], capsys, "not an")
+    assert snapshot(run_dir) == before
+
+    mine = tmp_path / "notes"
+    mine.mkdir()
+    (mine / "config.json").write_text("{}")  # a name an export also writes, but no export info
+    refused(["export", str(run_dir), "--out", str(mine), "--force"], capsys, "has no")
+    assert (mine / "config.json").read_text() == "{}"
+
+    out = tmp_path / "hf"
+    assert main(["export", str(run_dir), "--out", str(out)]) == 0
+    info = json.loads((out / "scale_llm_export.json").read_text())
+    assert sorted(info["files"]) == sorted(p.name for p in out.iterdir())
+    assert main(["export", str(run_dir), "--out", str(out), "--force"]) == 0  # an export: ok
+    (out / "README.md").write_text("my notes")  # a file no export writes
+    refused(["export", str(run_dir), "--out", str(out), "--force"], capsys, "README.md")
+    assert (out / "README.md").read_text() == "my notes"
+    link = tmp_path / "link"
+    link.symlink_to(out)
+    refused(["export", str(run_dir), "--out", str(link), "--force"], capsys, "is a symlink")
+    capsys.readouterr()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "link", "notes"]  # no leftovers
+
+
+# ----------------------------------------------------------------------------- convert
+def test_convert_writes_a_new_file_and_replaces_only_its_own(run_dir, tmp_path, capsys):
+    mine = tmp_path / "model.pt"
+    mine.write_text("my file")
+    refused(["convert", str(run_dir), "--out", str(mine)], capsys, "already exists", "--force")
+    refused(["convert", str(run_dir), "--out", str(mine), "--force"], capsys, "not a file")
+    assert mine.read_text() == "my file"
+
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    refused(["convert", str(run_dir), "--out", str(pipe), "--force"], capsys, "a named pipe")
+    target = tmp_path / "target.pt"
+    target.write_text("target")
+    link = tmp_path / "link.pt"
+    link.symlink_to(target)
+    refused(["convert", str(run_dir), "--out", str(link), "--force"], capsys, "is a symlink")
+    assert link.is_symlink() and target.read_text() == "target" and pipe.is_fifo()
+
+    ckpt = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    before = snapshot(run_dir)
+    refused(["convert", str(ckpt), "--out", str(ckpt / "trainer.pt"), "--force"], capsys, "not a")
+    refused(["convert", str(ckpt), "--out", str(ckpt / "new.pt")], capsys, "inside a checkpoint")
+    assert snapshot(run_dir) == before
+
+    out = tmp_path / "converted.pt"
+    assert main(["convert", str(run_dir), "--out", str(out)]) == 0
+    first = out.stat().st_ino
+    assert main(["convert", str(run_dir), "--out", str(out), "--force"]) == 0  # its own: ok
+    assert out.stat().st_ino != first
+    capsys.readouterr()
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert leftovers == []
+
+
+# ----------------------------------------------------------------------------- bench, check
+def test_bench_checkpoint_io_works_in_a_folder_of_its_own(tmp_path, capsys):
+    cwd = tmp_path / "work"
+    cwd.mkdir()
+    (cwd / "keep.txt").write_text("mine")
+    (cwd / "runs").mkdir()
+    (cwd / "runs" / "r.txt").write_text("a run")
+    before = snapshot(cwd)
+    args = [*(a for k in TINY_MODEL for a in ("--set", k)), "--set", "train.device=cpu"]
+    assert main(["bench", *args, "--checkpoint-io", str(cwd), "--rounds", "1"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["kind"] for r in rows] == ["plain", "with record"] and rows[0]["gb"] > 0
+    assert snapshot(cwd) == before  # the timed saves happened in a folder it made, now gone
+    new = tmp_path / "new" / "io"
+    assert main(["bench", *args, "--checkpoint-io", str(new), "--rounds", "1"]) == 0
+    assert not (tmp_path / "new").exists()  # made for the call, removed after it
+    (tmp_path / "file").write_text("x")
+    refused(["bench", *args, "--checkpoint-io", str(tmp_path / "file")], capsys, "is a file")
+
+
+def test_check_keeps_to_its_own_report_and_runs_folders(tmp_path, capsys):
+    from scale_llm.check import claim_out, new_runs_dir
+
+    scratch = tmp_path / "scratch"
+    (scratch / "runs" / "mine").mkdir(parents=True)  # a user's runs where the check once put its
+    (scratch / "runs" / "mine" / "metrics.jsonl").write_text("{}\n")
+    (scratch / "runs-notes").mkdir()  # named like the check's runs folders, but not marked
+    before = snapshot(scratch)
+    first = new_runs_dir(scratch)
+    assert (first / OWNER_MARKER).is_file()
+    second = new_runs_dir(scratch)  # the earlier check's runs folder goes; nothing else does
+    assert not first.exists() and second.is_dir()
+    shutil.rmtree(second)
+    assert snapshot(scratch) == before
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "report.md").write_text("my report")
+    refused(["check", str(docs), "--steps", "1", "--only", "reference"], capsys, "report.md")
+    assert snapshot(docs) == {"report.md": ("file", hashlib.sha256(b"my report").hexdigest())}
+    earlier = tmp_path / "earlier"  # what an earlier check left, without the mark
+    earlier.mkdir()
+    (earlier / "report.json").write_text(json.dumps({"device": "cpu", "torch": "x", "errors": []}))
+    (earlier / "check.log").write_text("")
+    claim_out(earlier)
+    assert (earlier / OWNER_MARKER).is_file()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UserError, match="is a file"):
+        claim_out(tmp_path / "file")
+
+
+# ----------------------------------------------------------------------------- prepare
+def _corpus(root: Path, n: int = 40) -> Path:
+    root.mkdir()
+    for i, text in enumerate(random_texts(n, "doc{i:03d}", length=400)):
+        (root / f"{i:03d}.txt").write_text(text)
+    return root
+
+
+def test_prepare_leaves_files_it_did_not_write_and_its_manifest_decides_what_it_replaces(
+    tmp_path,
+):
+    from scale_llm.data.prepare import prepare
+    from scale_llm.data.shards import read_manifest, shard_problems
+
+    corpus = _corpus(tmp_path / "corpus")
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train_mine.bin").write_bytes(b"12345678")
+    (data / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match=r"train_mine\.bin.*move those files away"):
+        prepare(prep_config(corpus, data))
+    assert sorted(p.name for p in data.iterdir()) == ["notes.txt", "train_mine.bin"]
+    (data / "train_mine.bin").unlink()
+
+    prepare(prep_config(corpus, data))
+    first = read_manifest(data)
+    prepare(prep_config(corpus, data, "data.shard_tokens=2048"), force=True)  # other shards
+    manifest = read_manifest(data)
+    assert manifest["fingerprint"] != first["fingerprint"] and not shard_problems(data, manifest)
+    listed = {s["file"] for split in manifest["splits"].values() for s in split["shards"]}
+    names = {p.name for p in data.iterdir()}
+    assert names == listed | {"manifest.json", "tokenizer.model", "notes.txt"}
+
+
+def test_two_prepares_of_one_data_dir_take_turns(tmp_path):
+    corpus = _corpus(tmp_path / "corpus")
+    data = tmp_path / "data"
+    lock = OwnerLock(data / ".prepare.lock", "data", "")
+    lock.acquire()  # another prepare is at work
+    cmd = [sys.executable, "-m", "scale_llm", "prepare", "--set", "model.vocab_size=400"]
+    cmd += ["--set", f"data.source={corpus}", "--set", f"data.dir={data}"]
+    log = tmp_path / "waiting.log"
+    with open(log, "w") as f:
+        waiting = subprocess.Popen(cmd, env=env(), stdout=f, stderr=subprocess.STDOUT, cwd=tmp_path)
+    try:
+        deadline = time.time() + 120
+        while "waiting for another prepare" not in log.read_text() and time.time() < deadline:
+            assert waiting.poll() is None, log.read_text()
+            time.sleep(0.2)
+        assert f"waiting for another prepare of this data.dir (pid {os.getpid()}" in log.read_text()
+        assert sorted(p.name for p in data.iterdir()) == [".prepare.lock"]  # nothing built yet
+    finally:
+        lock.release()
+    assert waiting.wait(timeout=300) == 0, log.read_text()
+    assert "wrote" in log.read_text()
+
+    both = [
+        subprocess.Popen([*cmd, "--force"], env=env(), stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    results = [(p.wait(timeout=300), p.stdout.read()) for p in both]
+    assert [rc for rc, _ in results] == [0, 0], results
+    from scale_llm.data.shards import read_manifest, shard_problems
+
+    assert not shard_problems(data, read_manifest(data))
+    assert not (data / ".prepare-build").exists() and not (data / ".prepare.lock").exists()
+
+
+# ----------------------------------------------------------------------------- run lock
+def _contend(path: str, start, results) -> None:
+    lock = OwnerLock(Path(path), "the run", "pick another")
+    start.wait()
+    try:
+        lock.acquire()
+    except UserError:
+        results.put(False)
+        return
+    results.put(True)
+    time.sleep(0.05)  # hold it while the other contender tries
+    lock.release()
+
+
+def test_the_run_lock_admits_one_of_many_simultaneous_launches(tmp_path):
+    """Contenders started at one barrier, on a fresh lock, on an empty lock file (a launch
+    that died before writing it), and on a dead owner's lock: exactly one wins each round."""
+    ctx = multiprocessing.get_context("fork")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    rounds = 40
+    for n in range(rounds):
+        path = tmp_path / f"lock{n}"
+        if n % 3 == 1:
+            path.write_text("")
+        elif n % 3 == 2:
+            path.write_text(json.dumps({"pid": dead.pid, "host": os.uname().nodename}))
+        start, results = ctx.Barrier(3), ctx.Queue()
+        procs = [ctx.Process(target=_contend, args=(str(path), start, results)) for _ in range(3)]
+        for p in procs:
+            p.start()
+        outcome = sorted(results.get(timeout=60) for _ in procs)
+        for p in procs:
+            p.join(timeout=60)
+        assert outcome == [False, False, True], f"round {n}: {outcome}"
+        assert not path.exists()  # released by its winner
+
+
+def test_a_damaged_or_foreign_lock_is_refused_with_the_fix(tmp_path):
+    path = tmp_path / ".lock"
+    for content in ("[1, 2]", '{"pid": "7", "host": "h"}', "\x00garbage"):
+        path.write_text(content)
+        with pytest.raises(UserError, match=r"is damaged.*delete .*\.lock"):
+            OwnerLock(path, "runs/x", "pick another run.name").acquire()
+        assert path.read_text() == content
+    path.write_text(json.dumps({"pid": 1, "host": "elsewhere"}))
+    with pytest.raises(UserError, match="cannot be checked from"):
+        OwnerLock(path, "runs/x", "pick another run.name").check()
+    path.unlink()
+    path.mkdir()
+    with pytest.raises(UserError, match="is a directory"):
+        OwnerLock(path, "runs/x", "pick another run.name").acquire()
