@@ -46,7 +46,6 @@ class Layout:
     reshard_after_forward: bool = True
     fsdp_offload: bool = False
     fsdp_reduce_every: bool = True  # reduce-scatter every micro-step (else accumulate unsharded)
-    fused_optimizer: bool = True  # AdamW in one kernel (CUDA); else foreach, with a temporary
     fused_norm: bool = True  # RMSNorm saves its input and rstd (CUDA, CPU): norm_saved_bytes
     ddp_bucket_view: bool = True  # DDP's gradient_as_bucket_view
     ds_bucket_elements: int = 50_000_000  # DeepSpeed's reduce_bucket_size (generated config)
@@ -87,7 +86,6 @@ def layout_of(cfg: Config, plan: RunPlan) -> Layout:
         reshard_after_forward=p.fsdp.reshard_after_forward,
         fsdp_offload=p.fsdp.cpu_offload,
         fsdp_reduce_every=p.fsdp.reduce_every_micro_step,
-        fused_optimizer=plan.device.type == "cuda",
         fused_norm=plan.device.type in ("cuda", "cpu"),
         ddp_bucket_view=p.ddp.gradient_as_bucket_view,
         ds_bucket_elements=int(float(zero.get("reduce_bucket_size", 5e7))),
@@ -126,17 +124,6 @@ class ParamCounts:
             return sum(t for t in tensors if t < threshold)
 
         return small(self.block_tensors), small(self.root_tensors)
-
-    @property
-    def largest_group(self) -> int:
-        """Elements of the larger of the optimizer's two parameter groups
-        (`components.optim.param_groups`): weight decay on the 2-D matmul weights (the blocks'
-        and an untied head's), none on the embedding and the norms."""
-        untied_head = len(self.root_tensors) == 3
-        decay = self.layers * sum(self.block_tensors[:-2]) + (
-            self.root_tensors[1] if untied_head else 0
-        )
-        return max(decay, self.total - decay)
 
 
 def state_bytes(n: ParamCounts, lay: Layout) -> tuple[dict[str, float], dict[str, float]]:
@@ -350,8 +337,7 @@ def step_phases(
       shards), what the blocks below keep, block i's activations (kept or recomputed) less its
       MLP product, and the gradients in flight inside it; under FSDP2 the gathered parameters
       and in-flight gradients of that moment (`fsdp_gathered_params`);
-    - step: all gradients and the optimizer's temporaries (foreach AdamW: one fp32 tensor the
-      size of the parameters it steps; fused AdamW: none).
+    - step: all gradients (fused AdamW, on every device, updates in place: no temporaries).
     """
     B, L = lay.micro_batch, m.n_layers
     loss_params = gpu["params"]  # the parameters held through the loss
@@ -453,16 +439,12 @@ def step_phases(
         phases[f"block {i} backward"] = at(
             params_now, max(carry, so_far) + transient, alive - product, in_block + waiting
         )
-    # foreach AdamW (off CUDA) makes one fp32 temporary the size of the parameter group it
-    # steps, freed before the next group (DeepSpeed's ZeRO >= 1: the group's flat fp32
-    # partition on this rank); fused AdamW none
-    optimizer_tmp = 0.0 if lay.fused_optimizer else 4 * n.largest_group * shard
     step_params = sharded_params if fsdp else gpu["params"]  # FSDP: all resharded by now
     if lay.backend == "deepspeed" and lay.zero_stage >= 3:  # released after the backward
         step_params -= zero3_gathered_params(n, lay)
     step_grads = persistent - per_backward
-    phases["optimizer step"] = at(step_params, step_grads, 0.0, optimizer_tmp)
-    return phases, activations, max(loss_bwd, in_block, optimizer_tmp)
+    phases["optimizer step"] = at(step_params, step_grads, 0.0, 0.0)  # fused AdamW: in place
+    return phases, activations, max(loss_bwd, in_block)
 
 
 def estimate(cfg: Config, target: RunPlan | int) -> Estimate:

@@ -167,7 +167,7 @@ def _setup(backend: Backend, model: torch.nn.Module, plan: RunPlan) -> torch.nn.
         torch.manual_seed(backend.cfg.run.seed)
         backend.module = backend.model = wrapped = materialize(model, plan.device)
         backend.transform_blocks(model)
-    backend.optimizer = build_optimizer(wrapped, backend.cfg.train, fused=True)
+    backend.optimizer = build_optimizer(wrapped, backend.cfg.train)
     return wrapped
 
 

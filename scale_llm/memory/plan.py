@@ -20,8 +20,8 @@ _DESCRIPTIONS = {
     "optimizer": "AdamW moments (and DeepSpeed's fp32 master weights)",
     "activations": "saved for backward at their largest (incl. the logits the loss keeps, "
     "a recomputed block, autocast weight copies)",
-    "temporaries": "largest set in flight: the logits' gradient and the loss's fp32 chunk, a "
-    "block's backward, or foreach AdamW's",
+    "temporaries": "largest set in flight: the logits' gradient and the loss's fp32 chunk, or "
+    "a block's backward",
     "peak": "the largest sum alive at once over the step (the parts above do not peak together)",
     "overhead": f"allocator allowance: {OVERHEAD_FRACTION:.0%} of the peak",
 }

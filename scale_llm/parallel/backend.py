@@ -55,8 +55,7 @@ class Backend:
         when resuming from another backend's checkpoint."""
         self.module = model
         self.model = self.wrap(model, initial_weights)
-        fused = self.plan.device.type == "cuda"  # one kernel per step; foreach on the CPU
-        self.optimizer = build_optimizer(self.model, self.cfg.train, fused=fused)
+        self.optimizer = build_optimizer(self.model, self.cfg.train)
         return self.model
 
     def wrap(self, model: Transformer, initial_weights: dict | None = None) -> nn.Module:
