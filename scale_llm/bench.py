@@ -35,6 +35,7 @@ from scale_llm.components.loss import plain_cross_entropy
 from scale_llm.config import ActivationCheckpointingConfig, Config, with_changes
 from scale_llm.errors import UserError
 from scale_llm.files import private_dir
+from scale_llm.memory.host import check_host_memory, host_memory_problem
 from scale_llm.model import build_model, materialize
 from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
 from scale_llm.parallel.backend import build_backend
@@ -63,6 +64,7 @@ def fresh_start(device: torch.device) -> None:
 
 
 def bench(cfg: Config, plan: RunPlan, steps: int = 10, warmup: int = 3) -> dict[str, Any]:
+    check_host_memory(cfg, plan)  # before the model is allocated
     device = plan.device
     fresh_start(device)
     backend = build_backend(cfg, plan)
@@ -212,6 +214,7 @@ def bench_reference(
         raise UserError(f"bench --reference {kind}: use {', '.join(REFERENCES)} (bare: default)")
     if kind == "eager":
         cfg = with_changes(cfg, {"train.compile": True})
+    check_host_memory(cfg, plan, models=2)  # the framework's model and the reference
     device, t, m = plan.device, cfg.train, cfg.model
     fresh_start(device)
     backend = build_backend(cfg, plan)
@@ -248,9 +251,8 @@ def bench_reference(
             flops_reference = bare.flops_per_token()
         if t.compile:
             compile_blocks(bare)
-        fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
         optimizer = torch.optim.AdamW(
-            bare.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **fused
+            bare.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=True
         )
 
         # bare: the framework's own loss function (chunked, or compiled with train.compile),
@@ -359,6 +361,7 @@ def bench_scaling(
 
     if plan.world_size < 2:
         raise UserError(SCALING_NEEDS_A_WORLD)
+    check_host_memory(cfg, plan)
     device, m = plan.device, cfg.model
     fresh_start(device)
     backend = build_backend(cfg, plan)
@@ -553,6 +556,11 @@ def bench_sweep(
         row["predicted_peak_composite_norm_gib"] = (
             estimate_layout(c.model, c.activation_checkpointing, composite).gpu["peak"] / 2**30
         )
+        too_big = host_memory_problem(c, p)
+        if too_big:  # a row, like a GPU's out-of-memory, not the end of the sweep
+            log.warning("bench: sweep row not run (%s, micro-batch %d): %s", mode, mb, too_big)
+            rows.append({**row, "oom": True, "host_memory": too_big})
+            continue
         try:
             row.update(bench(c, p, steps, warmup))
         except torch.cuda.OutOfMemoryError:
@@ -604,6 +612,7 @@ def bench_checkpoint(cfg: Config, plan: RunPlan, directory: Path, rounds: int = 
     files as it writes them, then the other files hashed while the tree is fsynced, and the
     record written. The cost of hashing every file after the save (the record without the
     digests taken during the writes) and the verification on load are timed too."""
+    check_host_memory(cfg, plan)
     backend = build_backend(cfg, plan)
     model = backend.setup(build_model(cfg.model))
     # one real step on a 16-token row, so the optimizer state exists (on every backend)

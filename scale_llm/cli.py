@@ -329,7 +329,15 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from scale_llm.data.prepare import prepare
 
     if args.bench:
+        import math
+
         from scale_llm.data.prepare_bench import bench_prepare, format_report
+
+        if not (math.isfinite(args.bench_mb) and args.bench_mb * 1e6 >= 1):
+            raise UserError(
+                f"--bench-mb {args.bench_mb}: use a number of megabytes of text to encode, "
+                f"above 0 (e.g. --bench-mb 16)"
+            )
 
         print(format_report(bench_prepare(config_from_args(args), args.bench_mb)))
         return 0
@@ -449,7 +457,12 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     est = memory.estimate(cfg, plan)
     result = est.to_json()
     text = [memory.format_report(est, cfg, plan, args.config or "defaults")]
-    if args.measure:
+    if args.measure:  # builds the whole model on this host: refused first if it cannot fit
+        from scale_llm.config import with_changes
+        from scale_llm.plan import resolve_plan
+
+        here = with_changes(cfg, {"train.device": "cpu", "train.compile": False})
+        memory.check_host_memory(here, resolve_plan(here, launch_env()))
         counted, predicted = memory.measure_activations(cfg, plan)
         result["measured_cpu"] = {
             "counted_saved_bytes": counted,
@@ -626,8 +639,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     for key in ("limit", "batch_size", "num_fewshot"):
         value = getattr(args, key)
-        if value is not None and value < (0 if key == "num_fewshot" else 1):
-            raise UserError(f"--{key.replace('_', '-')} {value} is out of range")
+        least = 0 if key == "num_fewshot" else 1
+        if value is not None and value < least:
+            flag = key.replace("_", "-")
+            raise UserError(f"--{flag} {value}: use a count >= {least} (or leave it out)")
     tasks = [t.strip() for t in (args.tasks or "").split(",") if t.strip()]
     path, record = eval_run(
         args.run_dir,
@@ -669,6 +684,8 @@ def generation_problems(args: argparse.Namespace) -> list[str]:
         e.append(f"--top-k {args.top_k}: use a count >= 1 (0 or omitted: no top-k filter)")
     if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
         e.append(f"--top-p {args.top_p}: use a probability in (0, 1] (1: no nucleus filter)")
+    if not 0 <= args.seed < 2**63:  # torch takes [-2**63, 2**64) and folds negatives into it
+        e.append(f"--seed {args.seed}: use an integer in [0, 2**63), e.g. 0")
     try:
         args.prompt.encode("utf-8")
     except UnicodeEncodeError as err:

@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 import logging
 import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -172,7 +173,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if overrides:
         where += " + command-line overrides"
     _move_deprecated_keys(raw, errors)
-    cfg = _build(Config, raw, "", errors)
+    cfg = expand_home(_build(Config, raw, "", errors))
     # Check values too, skipping messages about keys that already failed (they hold defaults).
     failed = [msg.split(":", 1)[0] for msg in errors]
     errors.extend(m for m in validate(cfg) if not any(k in m for k in failed))
@@ -355,7 +356,7 @@ def read_yaml_with_base(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, An
             f"{path}: base must be the path of another YAML file, not {str(base)[:60]!r}"
         )
     path = resolve_config_path(path)
-    base_path = (path.parent / base).resolve()
+    base_path = (path.parent / os.path.expanduser(base)).resolve()
     if base_path in seen:
         raise UserError(f"{path}: base: {base} leads back to itself; remove the cycle")
     return deep_merge(read_yaml_with_base(base_path, (*seen, path.resolve())), raw)
@@ -469,6 +470,33 @@ def with_changes(cfg: Config, changes: dict[str, Any]) -> Config:
     return out
 
 
+# Keys that hold a path. `~` in them is expanded once, as the config is loaded, so every reader
+# (and the config.yaml written into the run dir) sees the path the run used.
+PATH_KEYS = ("run.dir", "data.dir", "data.source", "model.init_from", "checkpoint.resume")
+NOT_PATHS = {"data.source": ("builtin",), "checkpoint.resume": ("auto", "never")}
+
+
+def path_value(cfg: Config, key: str) -> str | None:
+    """The file-system path a path key names, or None (unset, or a word such as `builtin`);
+    `hf:PATH` names PATH."""
+    value = get_key(cfg, key)
+    if value is None or value in NOT_PATHS.get(key, ()):
+        return None
+    return value[3:] if key == "data.source" and value.startswith("hf:") else value
+
+
+def expand_home(cfg: Config) -> Config:
+    """`~` and `~user` at the start of a path key, expanded (os.path.expanduser)."""
+    changes = {}
+    for key in PATH_KEYS:
+        path = path_value(cfg, key)
+        if path is None or not path.startswith("~"):
+            continue
+        value = get_key(cfg, key)
+        changes[key] = value[: len(value) - len(path)] + os.path.expanduser(path)
+    return with_changes(cfg, changes) if changes else cfg
+
+
 # ----------------------------------------------------------------------------- typing
 
 
@@ -574,6 +602,8 @@ def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
 
 # ----------------------------------------------------------------------------- validation
 
+MAX_LAYERS = 10_000  # far past any trained model, short of a build that never ends
+
 
 def validate(cfg: Config) -> list[str]:
     """Values and combinations that type checks cannot catch; each message names key and fix."""
@@ -590,6 +620,18 @@ def validate(cfg: Config) -> list[str]:
 
     for key in ("vocab_size", "d_model", "n_layers", "n_heads", "seq_len"):
         positive(f"model.{key}", getattr(m, key))
+    if m.n_layers > MAX_LAYERS:  # the estimate and the model build walk every block
+        e.append(
+            f"model.n_layers={m.n_layers}: at most {MAX_LAYERS:,} blocks are accepted (the "
+            f"deepest transformers trained have about 1,000); lower model.n_layers"
+        )
+    defaults = ModelConfig()
+    for key in ("norm_eps", "rope_theta", "init_std"):  # 0 or less: NaN or an error in step 1
+        if getattr(m, key) <= 0:
+            e.append(
+                f"model.{key}={getattr(m, key)} must be > 0 (the default is "
+                f"{getattr(defaults, key)})"
+            )
     for key in ("micro_batch_size", "grad_accum", "max_steps"):
         positive(f"train.{key}", getattr(t, key))
     positive("train.lr", t.lr)
@@ -600,6 +642,11 @@ def validate(cfg: Config) -> list[str]:
         positive("train.global_batch_size", t.global_batch_size)
     e.extend(validate_data(cfg.data))
     positive("logging.every", cfg.logging.every)
+    if cfg.logging.peak_tflops is not None and cfg.logging.peak_tflops <= 0:
+        e.append(
+            f"logging.peak_tflops={cfg.logging.peak_tflops} must be > 0 (the device's dense "
+            f"peak TFLOP/s), or null"
+        )
     positive("eval.sample_tokens", cfg.eval.sample_tokens)
     positive("checkpoint.keep_last", cfg.checkpoint.keep_last)
     for key, value in (
@@ -658,7 +705,71 @@ def validate(cfg: Config) -> list[str]:
             f"run.name={name[:60]!r} must be a plain name (no path separators, not . or .., "
             f"not starting with '-'); put the parent folder in run.dir"
         )
+    else:
+        e.extend(path_problems(cfg))
     e.extend(validate_parallel(cfg))
+    return e
+
+
+# Room left for what a command writes below its folder: the run dir's deepest files (e.g.
+# checkpoints/.step_00000001.tmp-PID-RANDOM/__0_0.distcp, tensorboard/events.out.tfevents.
+# TIME.HOST.PID.N with a host name of up to 64 bytes), data.dir's (.prepare-build/...).
+PATH_ROOM = 256
+NAME_MAX, PATH_MAX = 255, 4096  # Linux's, where the file system cannot be asked
+
+
+def _limit(path: str, name: str, default: int) -> int:
+    """os.pathconf's limit `name` on the file system `path` would be on (its deepest
+    existing folder), or `default` where that cannot be asked."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing) and existing != os.path.dirname(existing):
+        existing = os.path.dirname(existing)
+    try:
+        return os.pathconf(existing, name)
+    except (OSError, ValueError):
+        return default
+
+
+def path_problems(cfg: Config) -> list[str]:
+    """Paths the file system cannot hold (a NUL character, a name over its NAME_MAX bytes, a
+    run dir or data dir whose files would pass PATH_MAX), found here instead of as an OSError
+    deep inside a save. Names are counted in bytes, as the file system counts them."""
+    e: list[str] = []
+    paths = {key: path_value(cfg, key) for key in PATH_KEYS}
+    paths["run.name"] = cfg.run.name
+    for key, path in paths.items():
+        if path is None:
+            continue
+        try:
+            encoded = os.fsencode(path)
+        except UnicodeEncodeError:
+            e.append(f"{key}={short(path)} cannot be written as a file name (not UTF-8); rename")
+            continue
+        if b"\0" in encoded:
+            e.append(
+                f"{key}={short(path)} holds a NUL character, which no file name can; remove it"
+            )
+            continue
+        where = cfg.run.dir if key == "run.name" else path
+        most = _limit(where, "PC_NAME_MAX", NAME_MAX)
+        for part in Path(path).parts:
+            if len(os.fsencode(part)) > most:
+                e.append(
+                    f"{key}: the name {short(part, 40)} is {len(os.fsencode(part)):,} bytes, over "
+                    f"the {most} bytes a file name may have on this file system; shorten it"
+                )
+                break
+    if e:
+        return e
+    for key, path in (("run.dir / run.name", str(cfg.run_dir)), ("data.dir", cfg.data.dir)):
+        full = len(os.fsencode(os.path.abspath(path)))
+        most = _limit(path, "PC_PATH_MAX", PATH_MAX)
+        if full + PATH_ROOM > most:
+            e.append(
+                f"{key}: the folder {short(os.path.abspath(path), 60)} is {full:,} bytes long, "
+                f"and with the {PATH_ROOM} bytes its files add the paths would pass the "
+                f"{most}-byte limit of this file system; use a shorter {key}"
+            )
     return e
 
 

@@ -186,6 +186,9 @@ def private_dir(parent: Path, prefix: str) -> Iterator[Path]:
 
 
 # ----------------------------------------------------------------------------- locks
+_HELD: dict[str, OwnerLock] = {}  # lock path -> the holder in this process
+
+
 class OwnerLock:
     """One process at a time: `path` is held open with an exclusive `flock` for as long as the
     lock is held, and names its owner (pid, host, start time) for the message others get.
@@ -195,7 +198,9 @@ class OwnerLock:
     that has exited, refused when it names another host (a file system without cross-host
     locks cannot tell) or is damaged. The file is created and filled by the process holding
     the flock, and checked to still be the file at `path` after locking (a concurrent release
-    unlinks it), so two processes can never both hold it.
+    unlinks it), so two processes can never both hold it. Within one process, a new holder
+    takes the lock over from an earlier one that did not release it (one process, one run:
+    an earlier Trainer object of the same process is done).
     """
 
     def __init__(self, path: Path, what: str, fix: str):
@@ -212,12 +217,15 @@ class OwnerLock:
         """Refuse now (creating nothing) if a live process holds the lock."""
         if self.held or not (self.path.exists() or self.path.is_symlink()):
             return
+        if self._key() in _HELD:  # this process holds it: acquire takes it over
+            return
         fd = self._open(create=False)
         if fd is None:
             return
         try:
-            if self._try_flock(fd, wait=False):
-                self._judge(fd)  # a stale owner is taken over by acquire, a damaged one refused
+            if not self._try_flock(fd, wait=False):
+                self._refuse_live(fd)
+            self._judge(fd, warn=False)  # a stale owner is taken over by acquire (and said then)
         finally:
             os.close(fd)
 
@@ -226,6 +234,9 @@ class OwnerLock:
         owner releases it (logging `on_wait` once first)."""
         if self.held:
             return
+        earlier = _HELD.get(self._key())
+        if earlier is not None:
+            earlier.release()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(100):  # each retry follows a release that unlinked the file under us
             fd = self._open(create=True)
@@ -251,18 +262,24 @@ class OwnerLock:
                 os.close(fd)
                 raise
             self._fd = fd
+            _HELD[self._key()] = self
             return
         raise UserError(f"could not take the lock {self.path}; other processes kept racing for it")
 
     def release(self) -> None:
         if self._fd is None:
             return
+        if _HELD.get(self._key()) is self:
+            del _HELD[self._key()]
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()  # while the flock is held: no one else can be judging it
         os.close(self._fd)
         self._fd = None
 
     # --------------------------------------------------------------- internals
+    def _key(self) -> str:
+        return os.path.abspath(self.path)
+
     def _open(self, create: bool) -> int | None:
         if self.path.is_symlink():
             raise UserError(
@@ -329,7 +346,7 @@ class OwnerLock:
             f"{self.path}); wait for it, stop it, or {self.fix}"
         )
 
-    def _judge(self, fd: int) -> None:
+    def _judge(self, fd: int, warn: bool = True) -> None:
         """With the flock held: take over a stale owner (with a warning) or refuse."""
         owner = self._read_owner(fd)
         if owner is None:
@@ -355,12 +372,13 @@ class OwnerLock:
                 f"{self.path}); wait for it, stop it, or {self.fix}. If pid {pid} is not a "
                 f"scale_llm process, delete {self.path}"
             )
-        log.warning(
-            "lock %s was left by pid %d on %s, which has exited; taking it over",
-            self.path,
-            pid,
-            host,
-        )
+        if warn:
+            log.warning(
+                "lock %s was left by pid %d on %s, which has exited; taking it over",
+                self.path,
+                pid,
+                host,
+            )
 
 
 def _alive(pid: int) -> bool:

@@ -442,3 +442,64 @@ def test_dotted_flags_are_set_aliases_and_prepare_has_no_training_flags(capsys):
         "--report-memory"
         in build_parser()._subparsers._group_actions[0].choices["train"].format_help()
     )
+
+
+def test_home_in_path_keys_is_expanded_once_for_every_reader(tmp_path, monkeypatch):
+    """`~` in a path key was a folder named `~` in the working directory (data.dir=~/data:
+    "holds no prepared shards"). It is expanded as the config loads, in `base:` too; words
+    that are not paths stay as they are."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    home = str(tmp_path / "home")
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "base.yaml").write_text("train:\n  lr: 0.02\n")
+    (tmp_path / "top.yaml").write_text("base: ~/base.yaml\n")
+    cfg = load_config(
+        tmp_path / "top.yaml",
+        [
+            "run.dir=~/runs",
+            "data.dir=~/data",
+            "data.source=hf:~/datasets/web",
+            "model.init_from=~/llama",
+            "checkpoint.resume=~/runs/old/checkpoints/step_00000010",
+        ],
+    )
+    assert cfg.train.lr == 0.02  # the base, found in the home folder
+    assert cfg.run.dir == f"{home}/runs" and cfg.data.dir == f"{home}/data"
+    assert cfg.data.source == f"hf:{home}/datasets/web" and cfg.model.init_from == f"{home}/llama"
+    assert cfg.checkpoint.resume == f"{home}/runs/old/checkpoints/step_00000010"
+    plain = load_config(None, ["data.source=builtin", "checkpoint.resume=auto", "data.dir=a~b"])
+    assert (plain.data.source, plain.checkpoint.resume, plain.data.dir) == (
+        "builtin",
+        "auto",
+        "a~b",
+    )
+
+
+def test_a_run_with_home_paths_reproduces_from_its_config_yaml(data_dir, tmp_path, monkeypatch):
+    """The run dir's config.yaml holds the paths the run used (expanded): fed back to `train` on
+    the same machine it finds the same data and the same run dir, and continues the run."""
+    import shutil
+
+    from tests.helpers import TINY_MODEL
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path / "..")  # anywhere but the home folder
+    shutil.copytree(data_dir, tmp_path / "data")
+    settings = [
+        *TINY_MODEL,
+        "data.dir=~/data",
+        "run.dir=~/runs",
+        "run.name=home",
+        "train.max_steps=1",
+        "train.device=cpu",
+        "logging.tensorboard=false",
+        "eval.every=0",
+    ]
+    assert main(["train", *[a for x in settings for a in ("--set", x)]]) == 0
+    written = tmp_path / "runs" / "home" / "config.yaml"
+    saved = yaml.safe_load(written.read_text())
+    assert saved["data"]["dir"] == str(tmp_path / "data")
+    assert saved["run"]["dir"] == str(tmp_path / "runs")
+    assert main(["train", str(written), "--set", "train.max_steps=2"]) == 0  # resumes it
+    steps = [yaml.safe_load(line)["step"] for line in (written.parent / "metrics.jsonl").open()]
+    assert steps == [1, 2]

@@ -251,6 +251,74 @@ CASES = [
         "--only curve: not a section of the check; use curves, param_dtype, reference, "
         "scaling, sweep",
     ),
+    (  # ENAMETOOLONG from deep inside the first mkdir before
+        "a run name too long for the file system",
+        ["train", TINY, *s("data.dir=DATA", "model.vocab_size=512", "run.name=" + "n" * 300)],
+        "run.name: the name 'nnnnnnnnnn",
+    ),
+    (
+        "a run name too long in bytes",  # 200 characters, 400 bytes in UTF-8
+        ["train", TINY, *s("data.dir=DATA", "model.vocab_size=512", "run.name=" + "é" * 200)],
+        "is 400 bytes, over the 255 bytes a file name may have on this file system; shorten it",
+    ),
+    (
+        "a run dir path too long",
+        ["train", TINY, *s("data.dir=DATA", "run.dir=" + "/".join(["d" * 200] * 21))],
+        "would pass the 4096-byte limit of this file system; use a shorter run.dir / run.name",
+    ),
+    ("a NUL in a path", ["train", "nul.yaml"], "data.dir='d\\x00x' holds a NUL character"),
+    (
+        "generate: a negative seed",
+        ["generate", ".", "--seed", "-1"],
+        "--seed -1: use an integer in [0, 2**63)",
+    ),
+    (
+        "generate: a seed of 2**63",
+        ["generate", ".", "--seed", str(2**63)],
+        f"--seed {2**63}: use an integer in [0, 2**63)",
+    ),
+    *[
+        (
+            f"prepare --bench-mb {mb}",  # nan, inf: int() raised; 0, -1: "no documents"
+            ["prepare", TINY, "--bench", "--bench-mb", mb],
+            f"--bench-mb {float(mb)}: use a number of megabytes of text to encode, above 0",
+        )
+        for mb in ("nan", "inf", "0", "-1")
+    ],
+    (  # trained to NaN before
+        "a zero norm epsilon",
+        ["train", TINY, *s("model.norm_eps=0")],
+        "model.norm_eps=0.0 must be > 0 (the default is 1e-05)",
+    ),
+    (
+        "a negative rotary base",
+        ["train", TINY, *s("model.rope_theta=-1")],
+        "model.rope_theta=-1.0 must be > 0 (the default is 10000.0)",
+    ),
+    ("an infinite rotary base", ["train", TINY, *s("model.rope_theta=inf")], "a finite number"),
+    (  # torch's "normal expects std >= 0.0" before
+        "a negative init std",
+        ["train", TINY, *s("model.init_std=-0.02")],
+        "model.init_std=-0.02 must be > 0 (the default is 0.02)",
+    ),
+    *[
+        (  # bench allocated the model (swapping, or killed) where train refused it
+            f"bench{' ' if flags else ''}{' '.join(flags)}: a model larger than the host",
+            ["bench", TINY, *flags, *s("train.device=cpu", "model.d_model=32768")],
+            "GiB of host memory",
+        )
+        for flags in ([], ["--reference"], ["--checkpoint-io", "folder"])
+    ],
+    (  # the estimate walked 10^30 blocks (the model build too): no end
+        "a model of 10^30 layers",
+        ["estimate", TINY, *s("model.n_layers=1e30")],
+        ": at most 10,000 blocks are accepted",
+    ),
+    (  # "lower model.vocab_size" before: the wrong way
+        "a vocab too small for the corpus's characters",
+        ["prepare", TINY, *s("data.source=cjk", "data.dir=d", "model.vocab_size=512")],
+        "model.vocab_size=512 is fewer pieces than the tokenizer's sample needs",
+    ),
 ]
 
 
@@ -274,6 +342,9 @@ FILES: dict[str, bytes] = {
     "packed/c.jsonl.gz": gzip.compress(b'{"text": "a document"}\n'),
     "corpus/dataset_info.json": b'{\n  "features": {"text": {"dtype": "string"}}\n}\n',
     "corpus/train.jsonl": b'{"text": "a document"}\n' * 100,
+    "nul.yaml": b'data:\n  dir: "d\\0x"\n',
+    # 1,000 distinct characters, each as frequent: one piece each, + 259 byte and special ones
+    **{f"cjk/{i}.txt": "".join(map(chr, range(0x4E00, 0x4E00 + 1000))).encode() for i in range(8)},
 }
 
 
@@ -520,3 +591,351 @@ def test_a_full_disk_in_any_command_is_one_paragraph(monkeypatch, capsys):
     monkeypatch.setitem(cli.COMMANDS, "prepare", broken)
     with pytest.raises(OSError):
         main(["prepare", TINY])
+
+
+# ----------------------------------------------------------------------------- state files
+
+TRAIN_ON = ["model.vocab_size=512", "data.prefetch=0"]
+
+
+def _edited(manifest: dict, change: str) -> object:
+    """The manifest with one damage applied (a list, a string, a number, or wrong field types)."""
+    import copy
+
+    m = copy.deepcopy(manifest)
+    if change == "a list":
+        return [m]
+    if change == "a string":
+        return "manifest"
+    if change == "a number":
+        return 3
+    if change == "a string of tokens":
+        m["splits"]["train"]["shards"][0]["tokens"] = str(
+            m["splits"]["train"]["shards"][0]["tokens"]
+        )
+    elif change == "a negative count":
+        m["splits"]["val"]["shards"][0]["tokens"] = -1
+    elif change == "shards as a string":
+        m["splits"]["train"]["shards"] = "train_00000.bin"
+    elif change == "a shard outside data.dir":
+        m["splits"]["train"]["shards"][0]["file"] = "../../etc/passwd"
+    elif change == "a tokenizer as a list":
+        m["tokenizer"] = [m["tokenizer"]]
+    elif change == "a float dtype":
+        m["dtype"] = "float64"
+    elif change == "splits as a list":
+        m["splits"] = list(m["splits"].values())
+    return m
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [  # AttributeError, TypeError, KeyError or numpy's own errors before
+        ("a list", "holds a JSON list, not an object; it cannot say which files"),
+        ("a string", "holds a JSON str, not an object"),
+        ("a number", "holds a JSON int, not an object"),
+        ("a string of tokens", "splits.train.shards[0].tokens is '"),
+        ("a negative count", "splits.val.shards[0].tokens is -1, not a count of tokens"),
+        ("shards as a string", "splits.train.shards is 'train_00000.bin', not a list"),
+        ("a shard outside data.dir", "is '../../etc/passwd', not a shard's file name"),
+        ("a tokenizer as a list", "tokenizer is [{"),
+        ("a float dtype", "dtype is 'float64', not uint16 or uint32"),
+        ("splits as a list", "splits is [{"),
+    ],
+)
+def test_a_manifest_of_the_wrong_json_type_is_named(
+    change, expected, data_dir, tmp_path, monkeypatch, capsys
+):
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    data = _copy_data(data_dir, tmp_path)
+    manifest = json.loads((data / "manifest.json").read_text())
+    (data / "manifest.json").write_text(json.dumps(_edited(manifest, change)))
+    assert main(["train", TINY, *s(f"data.dir={data}", *TRAIN_ON)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and expected in err and "manifest.json" in err, err
+    assert "Traceback" not in err and err.count("\n") == 1
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_manifest_that_is_not_a_file_is_named(data_dir, tmp_path, monkeypatch, capsys):
+    """A folder (IsADirectoryError) or a named pipe (the read blocked forever) in its place."""
+    import os
+
+    monkeypatch.chdir(tmp_path)
+    data = _copy_data(data_dir, tmp_path)
+    (data / "manifest.json").unlink()
+    os.mkfifo(data / "manifest.json")
+    assert main(["train", TINY, *s(f"data.dir={data}", *TRAIN_ON)]) == 2
+    err = capsys.readouterr().err
+    assert "manifest.json is a named pipe, not the manifest prepare writes" in err, err
+    (data / "manifest.json").unlink()
+    (data / "manifest.json").write_bytes(b"\xff\xfe{}")  # UnicodeDecodeError before
+    assert main(["train", TINY, *s(f"data.dir={data}", *TRAIN_ON)]) == 2
+    err = capsys.readouterr().err
+    assert "cannot be read as JSON (UnicodeDecodeError)" in err and "Traceback" not in err
+
+
+def _small_corpus(tmp_path) -> Path:
+    from tests.helpers import random_texts
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i, text in enumerate(random_texts(40, "doc{i}")):
+        (src / f"{i:02d}.txt").write_text(text)
+    return src
+
+
+def test_the_files_a_manifest_accounts_for_are_read_from_any_shape():
+    from scale_llm.data.shards import manifest_files
+
+    good = {
+        "tokenizer": {"file": "tokenizer.model"},
+        "splits": {"train": {"shards": [{"file": "train_00000.bin"}]}, "val": "damaged"},
+    }
+    assert manifest_files(good) == {"tokenizer.model", "train_00000.bin"}
+    for damaged in ([good], "x", 3, {"splits": [1], "tokenizer": ["tokenizer.model"]}):
+        assert manifest_files(damaged) == set()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "a list",
+        "splits as a list",
+        "a tokenizer as a list",
+    ],
+)
+def test_prepare_over_a_manifest_of_the_wrong_types_names_what_it_cannot_prove(
+    change, tmp_path, capsys
+):
+    """Its shards are no longer provably prepare's: they are named, not replaced (an
+    AttributeError before)."""
+    import json
+
+    src = _small_corpus(tmp_path)
+    argv = ["prepare", *s(f"data.source={src}", f"data.dir={tmp_path / 'data'}")]
+    argv += s("model.vocab_size=400", "data.val_fraction=0.25")
+    assert main(argv) == 0
+    manifest = tmp_path / "data" / "manifest.json"
+    manifest.write_text(json.dumps(_edited(json.loads(manifest.read_text()), change)))
+    capsys.readouterr()
+    assert main([*argv, "--force"]) == 2
+    err = capsys.readouterr().err
+    assert "named like prepare's outputs that no manifest of prepare's lists" in err, err
+    assert "Traceback" not in err
+
+
+def _damaged_build(tmp_path, kind: str) -> tuple[list[str], Path]:
+    """A corpus, and a data dir whose prepare build folder (made by prepare, with a tokenizer)
+    holds a progress.json damaged as `kind` says; the prepare command line."""
+    import json
+
+    from scale_llm.data.prepare import BUILD_DIR, BUILD_KIND, _fingerprint
+    from scale_llm.data.sources import open_source
+    from scale_llm.data.tokenizer import file_sha256
+    from scale_llm.files import make_owned_dir
+    from tests.helpers import prep_config
+
+    src = _small_corpus(tmp_path)
+    out = tmp_path / "data"
+    cfg = prep_config(src, out)
+    out.mkdir()
+    build = make_owned_dir(out / BUILD_DIR, BUILD_KIND)
+    (build / "tokenizer.model").write_bytes(b"an earlier tokenizer")
+    shards = {"bad splits": "train_00000.bin", "outside": [{"file": "../x", "tokens": 0}]}
+    resumable = {  # what a resume would accept, but for its shards
+        "fingerprint": _fingerprint(cfg, open_source(cfg.data)),
+        "tokenizer_sha256": file_sha256(build / "tokenizer.model"),
+        "dtype": "uint16",
+        "documents_read": 0,
+        "tokens": 0,
+        "capped": False,
+        "splits": {"train": {"shards": shards.get(kind)}, "val": None},
+    }
+    text = {"list": "[1, 2]", "string": '"progress"', "number": "3", "not JSON": "{not json"}
+    (build / "progress.json").write_text(text.get(kind) or json.dumps(resumable))
+    argv = ["prepare", *s(f"data.source={src}", f"data.dir={out}")]
+    return [*argv, *s("model.vocab_size=400", "data.val_fraction=0.25")], out
+
+
+@pytest.mark.parametrize("kind", ["list", "string", "number", "not JSON", "bad splits", "outside"])
+def test_a_damaged_progress_record_starts_the_prepare_afresh(kind, tmp_path, capsys):
+    """progress.json is prepare's own scratch: a damaged one is said in one line and the build
+    starts over (an AttributeError, or a ValueError from the shard writer, before)."""
+    from scale_llm.data.shards import read_manifest
+    from scale_llm.log import setup_logging
+
+    argv, out = _damaged_build(tmp_path, kind)
+    setup_logging(0)  # (log lines to this test's stdout)
+    assert main(argv) == 0, capsys.readouterr().err[-2000:]
+    printed = capsys.readouterr().out
+    record = out / ".prepare-build" / "progress.json"
+    assert f"{record} is damaged (" in printed and "starting the prepare afresh" in printed
+    assert read_manifest(out)["splits"]["train"]["tokens"] > 0
+
+
+def test_a_progress_record_that_is_a_folder_is_named(tmp_path, capsys):
+    argv, out = _damaged_build(tmp_path, "list")
+    record = out / ".prepare-build" / "progress.json"
+    record.unlink()
+    record.mkdir()  # (IsADirectoryError from unlink before)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{record} is a directory, where prepare keeps its progress record" in err, err
+    assert "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------- run dir contents
+
+
+def _fifo(path):
+    import os
+
+    os.mkfifo(path)
+
+
+def _dangling(path):
+    path.symlink_to(path.parent / "nowhere")
+
+
+@pytest.mark.parametrize(
+    ("name", "make", "expected"),
+    [
+        (
+            "checkpoints",
+            lambda p: p.write_text("x"),
+            "is a file, but the run keeps its checkpoints",
+        ),
+        ("checkpoints", _dangling, "is a symlink to nothing, but the run keeps its checkpoints"),
+        (
+            "tensorboard",
+            lambda p: p.write_text("x"),
+            "is a file, but the run keeps its TensorBoard",
+        ),
+        ("metrics.jsonl", lambda p: p.mkdir(), "is a directory, but the run keeps its metric rows"),
+        ("metrics.jsonl", _fifo, "is a named pipe, but the run keeps its metric rows"),
+        ("config.yaml", lambda p: p.mkdir(), "is a directory, but the run keeps its config"),
+        ("tokenizer.model", _fifo, "is a named pipe, but the run keeps its copy of the tokenizer"),
+    ],
+    ids=["ckpt_file", "ckpt_link", "tb_file", "metrics_dir", "metrics_fifo", "cfg_dir", "tok_fifo"],
+)
+def test_a_run_dir_entry_of_the_wrong_kind_is_named(name, make, expected, tmp_path):
+    from scale_llm.errors import UserError
+    from scale_llm.train.preflight import check_run_dir
+
+    run_dir = tmp_path / "run"
+    check_run_dir(run_dir)  # a new run dir: nothing to check
+    run_dir.mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (run_dir / "checkpoints").symlink_to(tmp_path / "elsewhere")  # a link to a folder is fine
+    check_run_dir(run_dir)
+    (run_dir / "checkpoints").unlink()
+    make(run_dir / name)
+    with pytest.raises(UserError) as e:
+        check_run_dir(run_dir)
+    assert str(e.value).startswith(f"{run_dir / name} ") and expected in str(e.value)
+    assert "move it away (or pick another run.name)" in str(e.value)
+
+
+def test_metrics_of_the_wrong_kind_or_with_a_torn_line_never_traceback(tmp_path, capsys):
+    """metrics.jsonl as a folder (IsADirectoryError before); on resume, a line cut short by a
+    kill mid-write, or not a row (JSONDecodeError / AttributeError before) is dropped, said."""
+    from scale_llm.config import load_config
+    from scale_llm.errors import UserError
+    from scale_llm.log import setup_logging
+    from scale_llm.train.metrics import MetricsLogger
+
+    cfg = load_config(None, ["logging.tensorboard=false"])
+    (tmp_path / "metrics.jsonl").mkdir()
+    with pytest.raises(UserError, match="is a directory, but the run keeps its metric rows"):
+        MetricsLogger(tmp_path, True, cfg, 0)
+    (tmp_path / "metrics.jsonl").rmdir()
+    rows = ['{"step": 1, "loss": 5.0}', "[1, 2]", '{"step": 2, "loss": 4.0}', '{"step": 3, "lo']
+    (tmp_path / "metrics.jsonl").write_text("\n".join(rows))
+    setup_logging(0)
+    MetricsLogger(tmp_path, True, cfg, 2).close()
+    assert (tmp_path / "metrics.jsonl").read_text() == rows[0] + "\n" + rows[2] + "\n"
+    assert "dropped 2 line(s)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["after_step:x", "mid_save", "nonsense:3", "after_step:0", "mid_save:3:r", "after_step:1:2:3"],
+)
+def test_a_malformed_fault_injection_variable_is_named(value, monkeypatch):
+    """IndexError / ValueError from maybe_fail mid-run before, or nothing injected at all."""
+    from scale_llm.errors import UserError
+    from scale_llm.train.guards import check_fault_spec, maybe_fail
+
+    monkeypatch.setenv("SCALE_LLM_FAULT", value)
+    forms = "use after_step:STEP or mid_save:STEP, optionally :RANK (STEP >= 1, RANK >= 0"
+    with pytest.raises(UserError, match="SCALE_LLM_FAULT=.*is not a fault to inject") as e:
+        check_fault_spec()
+    assert forms in str(e.value)
+    with pytest.raises(UserError):
+        maybe_fail("after_step", 1, 0)
+
+
+def test_fault_injection_reads_its_forms(monkeypatch):
+    from scale_llm.train.guards import check_fault_spec, fault_spec
+
+    for value, parsed in [
+        ("", None),
+        ("after_step:3", ("after_step", 3, None)),
+        ("mid_save:4", ("mid_save", 4, None)),
+        ("after_step:3:1", ("after_step", 3, 1)),
+    ]:
+        monkeypatch.setenv("SCALE_LLM_FAULT", value)
+        check_fault_spec()
+        assert fault_spec() == parsed
+
+
+@pytest.mark.parametrize("case", ["checkpoints a file", "metrics a folder", "malformed fault"])
+def test_run_dir_and_fault_problems_stop_train_before_any_work(
+    case, data_dir, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "runs" / "tiny"
+    run_dir.mkdir(parents=True)
+    if case == "checkpoints a file":
+        (run_dir / "checkpoints").write_text("mine")
+    elif case == "metrics a folder":
+        (run_dir / "metrics.jsonl").mkdir()
+    else:
+        monkeypatch.setenv("SCALE_LLM_FAULT", "mid_save")
+    argv = ["train", TINY, *s(f"data.dir={data_dir}", *TRAIN_ON, "train.max_steps=1")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err and err.count("\n") == 1
+    assert sorted(p.name for p in run_dir.iterdir()) == sorted(
+        p.name for p in [run_dir / "checkpoints", run_dir / "metrics.jsonl"] if p.exists()
+    )  # nothing written: no config.yaml, no tokenizer, no lock left
+
+
+# ----------------------------------------------------------------------------- host memory
+
+
+def test_bench_checks_host_memory_before_allocating_and_a_sweep_row_says_so(tmp_path, monkeypatch):
+    from scale_llm.bench import bench_sweep
+    from scale_llm.config import load_config
+    from scale_llm.errors import UserError
+    from scale_llm.memory import check_host_memory, host_memory_problem
+    from scale_llm.memory import host as host_mod
+    from tests.helpers import TINY_MODEL, plan_for
+
+    cfg = load_config(None, [*TINY_MODEL, "train.device=cpu"])
+    plan = plan_for(cfg)
+    assert host_memory_problem(cfg, plan) is None
+    monkeypatch.setattr(host_mod, "host_available_bytes", lambda: 1024)  # a 1 KiB host
+    with pytest.raises(UserError, match=r"needs about .* GiB of host memory .* 2 models at once"):
+        check_host_memory(cfg, plan, models=2)
+
+    def never(*a, **k):
+        raise AssertionError("a row that does not fit the host was run")
+
+    monkeypatch.setattr("scale_llm.bench.build_model", never)
+    rows = bench_sweep(cfg, plan, [1, 2], ["none"], [False], steps=1, warmup=0)
+    assert [r["oom"] for r in rows] == [True, True]
+    assert all("GiB of host memory" in r["host_memory"] for r in rows)

@@ -285,6 +285,24 @@ def test_the_run_lock_admits_one_of_many_simultaneous_launches(tmp_path):
         assert not path.exists()  # released by its winner
 
 
+def test_a_lock_held_by_a_live_process_is_refused_by_the_early_check(tmp_path):
+    path = tmp_path / ".lock"
+    code = (
+        "import sys, time; from pathlib import Path; from scale_llm.files import OwnerLock; "
+        f"OwnerLock(Path({str(path)!r}), 'x', '').acquire(); print('held', flush=True); "
+        "time.sleep(60)"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code], env=env(), stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline().strip() == b"held"
+        with pytest.raises(UserError, match=rf"in use by another launch \(pid {holder.pid} on"):
+            OwnerLock(path, "runs/x", "pick another run.name").check()
+    finally:
+        holder.kill()
+        holder.wait()
+    OwnerLock(path, "runs/x", "pick another run.name").check()  # its owner died: stale, fine
+
+
 def test_a_damaged_or_foreign_lock_is_refused_with_the_fix(tmp_path):
     path = tmp_path / ".lock"
     for content in ("[1, 2]", '{"pid": "7", "host": "h"}', "\x00garbage"):

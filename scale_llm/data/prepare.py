@@ -36,6 +36,7 @@ from scale_llm.data.shards import (
     PROGRESS,
     ShardWriter,
     StaleProgress,
+    manifest_files,
     read_progress,
     shard_problems,
     token_dtype,
@@ -158,21 +159,6 @@ BUILD_KIND = "prepare build"
 PREVIOUS = "previous-manifest.json"  # in the build: what publishing it replaces in data.dir
 
 
-def _manifest_files(manifest: dict[str, Any] | None) -> set[str]:
-    """The names in data.dir a manifest accounts for: its shards and its tokenizer."""
-    if not isinstance(manifest, dict):
-        return set()
-    names = set()
-    for split in (manifest.get("splits") or {}).values():
-        for shard in (split or {}).get("shards") or []:
-            if isinstance(shard, dict) and isinstance(shard.get("file"), str):
-                names.add(Path(shard["file"]).name)
-    tok = (manifest.get("tokenizer") or {}).get("file")
-    if isinstance(tok, str):
-        names.add(Path(tok).name)
-    return names
-
-
 def _shaped_like_ours(directory: Path) -> list[Path]:
     """Files in `directory` named as prepare names its outputs."""
     found = [*directory.glob("train_*.bin*"), *directory.glob("val_*.bin*")]
@@ -183,8 +169,8 @@ def _refuse_foreign_files(out: Path) -> None:
     """Publishing renames the new shards and tokenizer into data.dir: a file of such a name that
     no manifest of prepare's accounts for is someone else's, and would be replaced. Refused
     before any work."""
-    ours = _manifest_files(_current_manifest(out))
-    ours |= _manifest_files(_read_json(out / BUILD_DIR / PREVIOUS))
+    ours = manifest_files(_current_manifest(out))
+    ours |= manifest_files(_read_json(out / BUILD_DIR / PREVIOUS))
     foreign = sorted(p.name for p in _shaped_like_ours(out) if p.name not in ours)
     if foreign:
         shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
@@ -222,7 +208,7 @@ def _publish(build: Path, out: Path) -> None:
     if old.is_file() and not (build / PREVIOUS).exists():
         atomic_write_bytes(build / PREVIOUS, old.read_bytes())
     old.unlink(missing_ok=True)
-    for name in _manifest_files(_read_json(build / PREVIOUS)):
+    for name in manifest_files(_read_json(build / PREVIOUS)):
         (out / name).unlink(missing_ok=True)  # listed by prepare's own manifest: prepare's
     for new in _shaped_like_ours(build):
         new.rename(out / new.name)

@@ -10,7 +10,10 @@ can continue from (shards done, tokens in the partial shard, documents read).
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +21,13 @@ import numpy as np
 
 from scale_llm.data.tokenizer import file_sha256
 from scale_llm.errors import UserError
+from scale_llm.files import describe_kind, read_json_object
 
+log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 PROGRESS = "progress.json"  # checkpoint of a prepare in progress; removed when it finishes
 FORMAT_VERSION = 1
+DTYPES = ("uint16", "uint32")
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -175,53 +181,167 @@ def write_manifest(out_dir: Path, manifest: dict[str, Any]) -> None:
     write_atomic(out_dir / MANIFEST, json.dumps(manifest, indent=2).encode())
 
 
-def _missing_keys(manifest: dict[str, Any]) -> list[str]:
-    """The keys training reads from a manifest that this one lacks (or holds in another shape)."""
-    missing = [k for k in ("dtype", "splits", "tokenizer") if k not in manifest]
-    tok = manifest.get("tokenizer")
-    if isinstance(tok, dict):
-        missing += [f"tokenizer.{k}" for k in ("file", "sha256", "vocab_size") if k not in tok]
-    elif "tokenizer" in manifest:
-        missing.append("tokenizer (a mapping)")
+# ----------------------------------------------------------------------------- shapes
+# The state files are read back by this version only after every field is checked for its type
+# and range: a manifest or progress record edited by hand, cut short or written by something
+# else must never reach numpy or a path join as a list, a string or a negative count.
+_MISSING = object()
+
+
+def _count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _file_name(x: Any) -> bool:
+    """A plain name inside data.dir (no folder, nothing that leaves it)."""
+    return isinstance(x, str) and x not in ("", ".", "..") and not re.search(r"[/\\\0]", x)
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 40 else text[:30] + "..."
+
+
+class _Shape:
+    """Collects where a JSON tree lacks a key or holds a value of another type."""
+
+    def __init__(self) -> None:
+        self.missing: list[str] = []
+        self.wrong: list[str] = []
+
+    def get(self, tree: Any, key: str, where: str, ok: Callable[[Any], bool], what: str) -> Any:
+        """tree[key] if it passes `ok` (else _MISSING, with the problem recorded)."""
+        value = tree.get(key, _MISSING)
+        if value is _MISSING:
+            self.missing.append(where)
+        elif not ok(value):
+            self.wrong.append(f"{where} is {_shown(value)}, not {what}")
+            return _MISSING
+        return value
+
+    def shards(self, split: dict, where: str, name_ok: Callable[[Any], bool]) -> None:
+        shards = self.get(
+            split, "shards", f"{where}.shards", lambda x: isinstance(x, list), "a list"
+        )
+        for i, shard in enumerate([] if shards is _MISSING else shards):
+            at = f"{where}.shards[{i}]"
+            if not isinstance(shard, dict):
+                self.wrong.append(f"{at} is {_shown(shard)}, not a mapping of file and tokens")
+                return
+            self.get(shard, "file", f"{at}.file", name_ok, "a shard's file name in the folder")
+            self.get(shard, "tokens", f"{at}.tokens", _count, "a count of tokens")
+            if self.wrong:
+                return  # one bad shard is enough to name
+
+    def problems(self) -> list[str]:
+        lacks = [f"lacks {', '.join(self.missing)}"] if self.missing else []
+        return lacks + self.wrong
+
+
+def manifest_problems(manifest: dict[str, Any]) -> list[str]:
+    """What in a manifest is missing or of another type than prepare writes: ["lacks a, b",
+    "c is 'x', not ..."]; empty when training and prepare can read every field they use."""
+    shape = _Shape()
+    shape.get(manifest, "dtype", "dtype", lambda x: x in DTYPES, " or ".join(DTYPES))
+    tok = shape.get(manifest, "tokenizer", "tokenizer", lambda x: isinstance(x, dict), "a mapping")
+    if tok is not _MISSING:
+        shape.get(tok, "file", "tokenizer.file", _file_name, "a file name in the folder")
+        shape.get(tok, "sha256", "tokenizer.sha256", lambda x: isinstance(x, str), "a SHA-256")
+        vocab_ok = lambda x: _count(x) and x > 0  # noqa: E731
+        shape.get(tok, "vocab_size", "tokenizer.vocab_size", vocab_ok, "a count of pieces")
+    splits = shape.get(manifest, "splits", "splits", lambda x: isinstance(x, dict), "a mapping")
+    if splits is not _MISSING:
+        for name in sorted({"train", "val", *splits}, key=str):
+            where = f"splits.{name}"
+            split = shape.get(splits, name, where, lambda x: isinstance(x, dict), "a mapping")
+            if split is _MISSING:
+                continue
+            for key in ("documents", "tokens"):
+                shape.get(split, key, f"{where}.{key}", _count, "a count")
+            shape.shards(split, where, _file_name)
+    return shape.problems()
+
+
+def progress_problems(progress: Any) -> list[str]:
+    """What in prepare's progress.json is missing or of another type than prepare writes."""
+    if not isinstance(progress, dict):
+        return [f"it holds a JSON {type(progress).__name__}, not an object"]
+    shape = _Shape()
+    for key in ("fingerprint", "tokenizer_sha256"):
+        shape.get(progress, key, key, lambda x: isinstance(x, str), "a string")
+    shape.get(progress, "dtype", "dtype", lambda x: x in DTYPES, " or ".join(DTYPES))
+    for key in ("documents_read", "tokens"):
+        shape.get(progress, key, key, _count, "a count")
+    shape.get(progress, "capped", "capped", lambda x: isinstance(x, bool), "true or false")
+    is_splits = lambda x: isinstance(x, dict) and set(x) == {"train", "val"}  # noqa: E731
+    splits = shape.get(progress, "splits", "splits", is_splits, "a mapping of train and val")
+    for name, state in ({} if splits is _MISSING else splits).items():
+        if state is None:
+            continue  # (no shard written yet)
+        where = f"splits.{name}"
+        if not isinstance(state, dict):
+            shape.wrong.append(f"{where} is {_shown(state)}, not a mapping")
+            continue
+        for key in ("partial_tokens", "documents", "last_doc"):
+            shape.get(state, key, f"{where}.{key}", _count, "a count")
+        own = re.compile(rf"{re.escape(name)}_\d+\.bin")  # ShardWriter's names, nothing else
+        shape.shards(state, where, lambda x, own=own: isinstance(x, str) and own.fullmatch(x))
+    return shape.problems()
+
+
+def manifest_files(manifest: Any) -> set[str]:
+    """The names in data.dir a manifest accounts for (its shards and its tokenizer), read from
+    whatever it holds: an entry of another shape accounts for nothing (the files it meant are
+    then not provably prepare's, and are left alone)."""
+    if not isinstance(manifest, dict):
+        return set()
+    names = set()
     splits = manifest.get("splits")
-    if isinstance(splits, dict):
-        for name in ("train", "val"):
-            split = splits.get(name)
-            shards = split.get("shards") if isinstance(split, dict) else None
-            if not isinstance(shards, list) or not all(
-                isinstance(x, dict) and "file" in x and "tokens" in x for x in shards
-            ):
-                missing.append(f"splits.{name}.shards (files and token counts)")
-    elif "splits" in manifest:
-        missing.append("splits (a mapping)")
-    return missing
+    for split in splits.values() if isinstance(splits, dict) else ():
+        shards = split.get("shards") if isinstance(split, dict) else None
+        for shard in shards if isinstance(shards, list) else ():
+            if isinstance(shard, dict) and isinstance(shard.get("file"), str):
+                names.add(Path(shard["file"]).name)
+    tok = manifest.get("tokenizer")
+    if isinstance(tok, dict) and isinstance(tok.get("file"), str):
+        names.add(Path(tok["file"]).name)
+    return names
 
 
 def read_manifest(data_dir: str | Path, check_shards: bool = True) -> dict[str, Any]:
-    """The manifest of a prepared data dir, with every listed shard checked for its size."""
+    """The manifest of a prepared data dir, every field checked for its type, with every listed
+    shard checked for its size."""
     data_dir = Path(data_dir)
     path = data_dir / MANIFEST
-    if not path.is_file():
+    if not (path.exists() or path.is_symlink()):
         raise UserError(
             f"data.dir={data_dir} holds no prepared shards ({MANIFEST} missing); "
             f"run `scale-llm prepare CONFIG` first, or point data.dir at a prepared "
             f"directory"
         )
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+    unreadable = (
+        f"it cannot say which files in data.dir={data_dir} are prepare's, so prepare will not "
+        f"replace them: prepare into a new folder (another data.dir), or move this folder's "
+        f"{MANIFEST}, shards (train_*.bin, val_*.bin) and tokenizer.model away and run "
+        f"`scale-llm prepare CONFIG` again"
+    )
+    if not path.is_file():  # (a named pipe would block the read)
         raise UserError(
-            f"{path} is corrupt ({e.msg}); delete it and run `scale-llm prepare CONFIG` again"
-        ) from None
-    if manifest.get("format") != FORMAT_VERSION:
+            f"{path} is {describe_kind(path)}, not the manifest prepare writes; {unreadable}"
+        )
+    manifest = read_json_object(path, f"the manifest of data.dir={data_dir}", unreadable)
+    if manifest.get("format") != FORMAT_VERSION or isinstance(manifest.get("format"), bool):
         raise UserError(
-            f"{path} has format {manifest.get('format')}, this version reads "
+            f"{path} has format {_shown(manifest.get('format'))}, this version reads "
             f"{FORMAT_VERSION}; run `scale-llm prepare CONFIG` again"
         )
-    missing = _missing_keys(manifest)
-    if missing:
+    problems = manifest_problems(manifest)
+    if problems:
+        shown = "; ".join(problems[:4]) + (
+            f" (and {len(problems) - 4} more)" if len(problems) > 4 else ""
+        )
         raise UserError(
-            f"{path} lacks {', '.join(missing)} (edited by hand, or cut short); run "
+            f"{path} {shown} (edited by hand, or cut short); run "
             f"`scale-llm prepare CONFIG --force` to rebuild data.dir={data_dir}"
         )
     if check_shards:
@@ -247,6 +367,8 @@ def check_tokenizer(data_dir: Path, manifest: dict[str, Any]) -> None:
 
 
 def tokenizer_problem(data_dir: Path, manifest: dict[str, Any]) -> str | None:
+    """Why the manifest's tokenizer file is not the one it records (None: it is); the manifest
+    has passed `manifest_problems` (shard_problems checks that first)."""
     path = Path(data_dir) / manifest["tokenizer"]["file"]
     want = manifest["tokenizer"]["sha256"]
     got = file_sha256(path) if path.is_file() else None
@@ -260,10 +382,27 @@ def tokenizer_problem(data_dir: Path, manifest: dict[str, Any]) -> str | None:
 
 
 def read_progress(out_dir: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads((out_dir / PROGRESS).read_text())
-    except (OSError, json.JSONDecodeError):
+    """The record of an interrupted prepare in its build folder, or None: none there, or one
+    that is not what prepare writes (it is prepare's own scratch: a damaged one only means
+    starting afresh, said in one line). A folder or pipe in its place is an error."""
+    path = out_dir / PROGRESS
+    if not (path.exists() or path.is_symlink()):
         return None
+    if not path.is_file():
+        raise UserError(
+            f"{path} is {describe_kind(path)}, where prepare keeps its progress record (a "
+            f"file); move it away and run `scale-llm prepare CONFIG` again"
+        )
+    try:
+        progress = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        problems = [f"not JSON: {type(e).__name__}"]
+    else:
+        problems = progress_problems(progress)
+    if problems:
+        log.info("data: %s is damaged (%s); starting the prepare afresh", path, problems[0])
+        return None
+    return progress
 
 
 def write_progress(out_dir: Path, progress: dict[str, Any]) -> None:
@@ -271,6 +410,11 @@ def write_progress(out_dir: Path, progress: dict[str, Any]) -> None:
 
 
 def shard_problems(data_dir: Path, manifest: dict[str, Any]) -> list[str]:
+    """Why the shards a manifest lists are not all there at their sizes (empty: they are); a
+    manifest of another shape is one problem, not an exception."""
+    shape = manifest_problems(manifest) if isinstance(manifest, dict) else ["not a mapping"]
+    if shape:
+        return [f"{MANIFEST} {shape[0]}"]
     itemsize = np.dtype(manifest["dtype"]).itemsize
     problems = []
     for split in manifest["splits"].values():

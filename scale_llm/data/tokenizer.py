@@ -67,8 +67,9 @@ def train_tokenizer(
     """Train a BPE model on `texts` and write it atomically to `out_path`."""
     if vocab_size < MIN_VOCAB:
         raise UserError(
-            f"model.vocab_size={vocab_size} is too small for a byte-fallback "
-            f"tokenizer; use at least {MIN_VOCAB} (e.g. 4096)"
+            f"model.vocab_size={vocab_size} is too small for a byte-fallback tokenizer (256 byte "
+            f"pieces, 3 special ones and room for merges): set model.vocab_size to at least "
+            f"{MIN_VOCAB} (e.g. 4096)"
         )
     buf = io.BytesIO()
     try:
@@ -93,30 +94,44 @@ def train_tokenizer(
             minloglevel=2,
         )
     except RuntimeError as e:  # e.g. a sample with too few distinct pieces for vocab_size
-        most = re.search(
-            r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)", str(e)
-        )
-        if most and int(most[1]) >= MIN_VOCAB:
-            raise UserError(
-                f"model.vocab_size={vocab_size} is more pieces than the tokenizer's sample of "
-                f"the corpus gives (at most {most[1]}): set model.vocab_size <= {most[1]}, or "
-                "give it more text (data.tokenizer_sample_bytes, a larger data.source)"
-            ) from None
-        if most:
-            raise UserError(
-                f"the tokenizer's sample of the corpus gives at most {most[1]} pieces, fewer than "
-                f"the {MIN_VOCAB} a byte-fallback tokenizer needs: give it more text "
-                "(data.tokenizer_sample_bytes, a larger data.source)"
-            ) from None
-        raise UserError(
-            f"tokenizer training failed: {str(e).rstrip('.')}. With a small corpus lower "
-            f"model.vocab_size or raise data.tokenizer_sample_bytes"
-        ) from None
+        raise UserError(_training_failed(str(e), vocab_size)) from None
     out_path = Path(out_path)
     tmp = out_path.with_name(out_path.name + ".tmp")
     tmp.write_bytes(buf.getvalue())
     tmp.replace(out_path)
     return Tokenizer(out_path)
+
+
+def _training_failed(error: str, vocab_size: int) -> str:
+    """SentencePiece's refusal as which way to move which key: its "too high" means fewer
+    pieces, its "smaller than required_chars" more (one piece per character the sample must
+    cover, on top of the byte and special pieces)."""
+    most = re.search(r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)", error)
+    if most and int(most[1]) >= MIN_VOCAB:
+        return (
+            f"model.vocab_size={vocab_size} is more pieces than the tokenizer's sample of the "
+            f"corpus gives (at most {most[1]}): set model.vocab_size <= {most[1]}, or give it "
+            f"more text (raise data.tokenizer_sample_bytes, or use a larger data.source)"
+        )
+    if most:
+        return (
+            f"the tokenizer's sample of the corpus gives at most {most[1]} pieces, fewer than "
+            f"the {MIN_VOCAB} a byte-fallback tokenizer needs: give it more text (raise "
+            f"data.tokenizer_sample_bytes, or use a larger data.source)"
+        )
+    least = re.search(r"smaller than required_chars\. \d+ vs (\d+)", error)
+    if least:
+        return (
+            f"model.vocab_size={vocab_size} is fewer pieces than the tokenizer's sample needs: "
+            f"it holds so many distinct characters that one piece each, with the byte and "
+            f"special pieces, makes {least[1]}; set model.vocab_size >= {least[1]}"
+        )
+    first = error.strip().splitlines()[0].rstrip(".") if error.strip() else "no reason given"
+    return (
+        f"tokenizer training failed for model.vocab_size={vocab_size} ({first}); check "
+        f"model.vocab_size against the sample it is trained on (data.tokenizer_sample_bytes, "
+        f"data.source)"
+    )
 
 
 def _chunks(texts: Iterable[str]) -> Iterator[str]:

@@ -11,8 +11,8 @@ The estimate gives each part at its own largest over a step, per GPU, in bytes:
   activations  what the forward pass saves for backward (the logits the chunked loss keeps too),
                for the attention implementation and checkpointing mode, and during a
                checkpointed block's backward its recomputed activations
-  temporaries  the largest set in flight: the logits' gradient and the loss's fp32 chunk, one
-               block's backward, or foreach AdamW's temporary
+  temporaries  the largest set in flight: the logits' gradient and the loss's fp32 chunk, or
+               one block's backward
 
 and then `peak`, the largest sum alive at once (the parts do not peak together: the loss's
 forward and backward, each block's backward, the optimizer step; `estimate.step_phases`), and
@@ -40,6 +40,7 @@ from scale_llm.memory.estimate import (
     parse_bytes,
     zero3_gathered_params,
 )
+from scale_llm.memory.host import check_host_memory, host_memory_problem
 from scale_llm.memory.plan import Plan, fit, format_overrides, format_report, hints
 
 __all__ = [
@@ -50,12 +51,14 @@ __all__ = [
     "Numerics",
     "ParamCounts",
     "Plan",
+    "check_host_memory",
     "estimate",
     "fit",
     "format_overrides",
     "format_report",
     "gib",
     "hints",
+    "host_memory_problem",
     "measure_activations",
     "measure_saved_bytes",
     "parse_bytes",

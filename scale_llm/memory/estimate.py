@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -480,7 +481,10 @@ def parse_bytes(text: str) -> int:
             f"units B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers "
             f"of 1024), e.g. --fit 80GiB"
         )
-    return int(float(m.group(1)) * _UNITS[unit])
+    value = float(m.group(1)) * _UNITS[unit]
+    if not math.isfinite(value):  # (a 400-digit number)
+        raise UserError(f"memory size {text!r} is too large to be a memory size; e.g. --fit 80GiB")
+    return int(value)
 
 
 def gib(n: float) -> str:

@@ -20,3 +20,36 @@ def compile_blocks(model: nn.Module) -> int:
             block.forward = torch.compile(block.forward, fullgraph=True)
             block._scale_llm_compiled = True
     return len(model.layers)
+
+
+def _probe(x: torch.Tensor) -> torch.Tensor:
+    return torch.sin(x) * 2.0 + 1.0
+
+
+def toolchain_problem(device: torch.device) -> str | None:
+    """Why torch.compile cannot build kernels on `device` on this machine, in a sentence that
+    names what to install; None when it can. Inductor needs a C++ compiler for CPU kernels, and
+    Triton, a C compiler and Python's headers for GPU ones: without them the first compiled
+    step dies with inductor's traceback, so this compiles one small function first."""
+    try:
+        torch.compile(_probe, fullgraph=True)(torch.ones(8, device=device))
+    except Exception as e:  # inductor raises many types; every one means "cannot compile here"
+        return _explain(e, device)
+    return None
+
+
+def _explain(error: Exception, device: torch.device) -> str:
+    text = f"{type(error).__name__}: {error}"
+    first = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
+    if "InvalidCxxCompiler" in text or "C++ compiler" in text:
+        need = "a C++ compiler (Debian/Ubuntu: apt install g++; or set CXX to one)"
+    elif "Python.h" in text:
+        need = "Python's C headers (Debian/Ubuntu: apt install python3-dev, for this Python)"
+    elif "triton" in text.lower() and isinstance(error, ImportError | ModuleNotFoundError):
+        need = "Triton (it comes with CUDA builds of torch: pip install triton)"
+    elif device.type == "cuda" and ("gcc" in text or " cc" in text or "compiler" in text):
+        need = "a C compiler for Triton's launchers (Debian/Ubuntu: apt install gcc)"
+    else:
+        need = "inductor's toolchain"
+    where = device.type
+    return f"torch.compile cannot build kernels on {where} here: it needs {need} ({first[:300]})"

@@ -76,14 +76,46 @@ def diverged_message(
     )
 
 
+FAULT_VARIABLE = "SCALE_LLM_FAULT"
+FAULT_POINTS = ("after_step", "mid_save")
+
+
+def fault_spec() -> tuple[str, int, int | None] | None:
+    """SCALE_LLM_FAULT read as (point, step, rank or None for every rank); None when unset.
+    A malformed value is a UserError naming the variable and its forms: a fire drill that
+    silently injects nothing (or a traceback mid-run) would pass for a drill that worked."""
+    spec = os.environ.get(FAULT_VARIABLE, "")
+    if not spec.strip():
+        return None
+    parts = spec.split(":")
+    numbers = [p.strip() for p in parts[1:]]
+    if (
+        len(parts) not in (2, 3)
+        or parts[0].strip() not in FAULT_POINTS
+        or not all(n.isdigit() and n.isascii() for n in numbers)
+        or int(numbers[0]) < 1
+    ):
+        raise UserError(
+            f"{FAULT_VARIABLE}={spec[:60]!r} is not a fault to inject; use after_step:STEP or "
+            f"mid_save:STEP, optionally :RANK (STEP >= 1, RANK >= 0; e.g. after_step:3:1 "
+            f"kills rank 1 after step 3), or unset {FAULT_VARIABLE} (it is for fire drills "
+            f"and the crash-safety tests)"
+        )
+    return parts[0].strip(), int(numbers[0]), int(numbers[1]) if len(numbers) > 1 else None
+
+
+def check_fault_spec() -> None:
+    """At start-up, before any work: a malformed SCALE_LLM_FAULT stops the launch here."""
+    fault_spec()
+
+
 def maybe_fail(point: str, step: int, rank: int) -> None:
     """Fault injection: SCALE_LLM_FAULT=POINT:STEP[:RANK] makes this process SIGKILL itself at
     POINT (after_step | mid_save) of step STEP, on the first launch only (torchrun restarts run
     clean). Used by the crash-safety tests; harmless when unset."""
-    spec = os.environ.get("SCALE_LLM_FAULT")
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
-    parts = spec.split(":")
-    if parts[0] == point and int(parts[1]) == step and (len(parts) < 3 or int(parts[2]) == rank):
+    fault = fault_spec()
+    if fault is not None and fault[:2] == (point, step) and fault[2] in (None, rank):
         log.warning("fault injection: killing rank %d at %s of step %d", rank, point, step)
         os.kill(os.getpid(), signal.SIGKILL)

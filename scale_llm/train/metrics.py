@@ -17,11 +17,11 @@ from typing import Any
 
 from scale_llm.config import Config, dump_yaml, to_dict
 from scale_llm.errors import UserError
+from scale_llm.train.preflight import METRICS_FILE, WANDB_ID_FILE, check_metrics_file
 
 log = logging.getLogger(__name__)
 
 TEXT_TAGS = {"samples_text": "samples/text"}  # metrics.jsonl key -> TensorBoard / W&B tag
-WANDB_ID_FILE = "wandb-id.txt"  # the W&B run id, so that a resumed run logs to the same run
 
 
 class MetricsLogger:
@@ -29,11 +29,12 @@ class MetricsLogger:
 
     def __init__(self, run_dir: Path, enabled: bool, cfg: Config, resume_step: int):
         self.enabled = enabled
-        self.path = run_dir / "metrics.jsonl"
+        self.path = run_dir / METRICS_FILE
         self.writer = None
         self.wandb = None
         if not enabled:
             return
+        check_metrics_file(self.path)
         _truncate_after(self.path, resume_step)
         if cfg.logging.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -154,15 +155,31 @@ def _tb_tag(key: str) -> str:
 
 
 def _truncate_after(path: Path, step: int) -> None:
-    """Drop rows past `step` (a resumed run rewrites them) and everything on a fresh start."""
+    """Drop rows past `step` (a resumed run rewrites them) and everything on a fresh start.
+    A line that is not a JSON row (one cut short when the process was killed mid-write, or
+    an edit) is dropped with a warning: it holds no step to keep."""
     if not path.exists():
         return
     if step == 0:
         path.unlink()
         return
-    keep = [
-        line
-        for line in path.read_text().splitlines()
-        if line.strip() and json.loads(line).get("step", 0) <= step
-    ]
-    path.write_text("".join(line + "\n" for line in keep))
+    keep, damaged = [], 0
+    for line in path.read_bytes().splitlines():
+        row = _row(line)
+        if row is None:
+            damaged += bool(line.strip())
+        elif row["step"] <= step:
+            keep.append(line.decode("utf-8") + "\n")
+    if damaged:
+        log.warning("metrics: dropped %d line(s) of %s that are not metric rows", damaged, path)
+    path.write_text("".join(keep), encoding="utf-8")
+
+
+def _row(line: bytes) -> dict[str, Any] | None:
+    """A metrics.jsonl line as its row (a JSON object with an integer step), or None."""
+    try:
+        row = json.loads(line.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    ok = isinstance(row, dict) and isinstance(row.get("step"), int)
+    return row if ok and not isinstance(row["step"], bool) else None

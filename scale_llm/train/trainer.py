@@ -30,7 +30,7 @@ from scale_llm.components.checkpoint import (
     saved_section,
 )
 from scale_llm.components.distributed import mean_over_ranks
-from scale_llm.components.hardware import cuda_memory_gib, host_available_bytes, peak_flops
+from scale_llm.components.hardware import cuda_memory_gib, peak_flops
 from scale_llm.components.optim import SCHEDULE_KEYS, lr_at
 from scale_llm.components.serialization import save_file
 from scale_llm.config import Config, TrainConfig, save_config, to_dict
@@ -38,15 +38,22 @@ from scale_llm.data.loader import TokenWindows, TrainLoader, eval_batches
 from scale_llm.data.shards import open_split, read_manifest
 from scale_llm.data.tokenizer import Tokenizer
 from scale_llm.errors import UserError, require_writable_dir
-from scale_llm.memory import estimate
+from scale_llm.memory import check_host_memory, estimate
 from scale_llm.model import Transformer, build_model, empty_state_dict
 from scale_llm.parallel.backend import build_backend
 from scale_llm.parallel.step import optimizer_step
 from scale_llm.plan import RunPlan
-from scale_llm.train.guards import StopSignals, TrainingDiverged, diverged_message, maybe_fail
+from scale_llm.train.guards import (
+    StopSignals,
+    TrainingDiverged,
+    check_fault_spec,
+    diverged_message,
+    maybe_fail,
+)
 from scale_llm.train.init_from import load_init_weights
 from scale_llm.train.lock import RunLock
 from scale_llm.train.metrics import MetricsLogger
+from scale_llm.train.preflight import check_run_dir
 from scale_llm.train.resume import check_resume_state
 from scale_llm.train.rng import Generators
 
@@ -70,6 +77,7 @@ class TrainResult:
 
 class Trainer:
     def __init__(self, cfg: Config, plan: RunPlan):
+        check_fault_spec()  # a malformed SCALE_LLM_FAULT stops the launch before any work
         self.cfg, self.plan = cfg, plan
         self.device = plan.device
         self.run_dir = cfg.run_dir
@@ -77,6 +85,7 @@ class Trainer:
         self._check_vocab()
         if plan.is_main:
             require_writable_dir(self.run_dir, "run.dir / run.name")  # before the model is built
+            check_run_dir(self.run_dir)  # e.g. a file where checkpoints/ belongs: before any work
         self.lock = RunLock(self.run_dir)
         if plan.is_main:
             self.lock.check()  # a live launch on this run dir: stop before any work
@@ -102,7 +111,7 @@ class Trainer:
             for split in ("train", "val")
         )
         self._check_windows()  # data that cannot feed this run: before any memory check
-        self._check_host_memory()
+        check_host_memory(cfg, plan)
         self.backend = build_backend(cfg, plan)
         model = build_model(cfg.model)  # on the meta device: no memory, no init yet
         _log_model(model, cfg)
@@ -537,26 +546,6 @@ class Trainer:
                 f"tokenizer in data.dir={self.cfg.data.dir} ({tok_vocab} pieces); "
                 f"set model.vocab_size={tok_vocab}, or re-run `scale-llm prepare` "
                 f"with the vocab size you want"
-            )
-
-    def _check_host_memory(self) -> None:
-        """A CPU run whose predicted memory exceeds what the host has free stops here, with
-        the estimate, before anything is allocated (instead of swapping or being killed)."""
-        available = host_available_bytes()
-        if self.plan.device.type != "cpu" or available is None:
-            return
-        est = estimate(self.cfg, self.plan)
-        per_rank = est.gpu["total"] + sum(v for v in est.cpu.values())
-        need = per_rank * self.plan.world_size  # CPU ranks share this host
-        if need > available:
-            m, gib = self.cfg.model, 2**30
-            raise UserError(
-                f"this run needs about {need / gib:,.1f} GiB of host memory (`scale-llm "
-                f"estimate` with these settings: {est.params / 1e6:,.0f}M parameters, "
-                f"d_model {m.d_model}, {m.n_layers} layers, micro-batch "
-                f"{self.plan.micro_batch_size} x seq_len {m.seq_len}, {self.plan.world_size} "
-                f"process(es)) but {available / gib:,.1f} GiB is available; shrink the model "
-                f"or train.micro_batch_size, or run on a GPU"
             )
 
     def _out_of_memory(self, error: torch.OutOfMemoryError) -> str:

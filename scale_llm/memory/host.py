@@ -1,0 +1,41 @@
+"""Host memory for runs on the CPU: the estimate against what this host has free, checked before
+anything is allocated (a CPU model too large for the host swaps, or is killed by the kernel's
+OOM killer, with no message). Train and bench call it alike."""
+
+from __future__ import annotations
+
+from scale_llm.components.hardware import host_available_bytes
+from scale_llm.config import Config
+from scale_llm.errors import UserError
+from scale_llm.memory.estimate import estimate
+from scale_llm.plan import RunPlan
+
+
+def host_memory_problem(cfg: Config, plan: RunPlan, models: int = 1) -> str | None:
+    """Why `cfg` would not fit in this host's free memory on the CPU (None: it fits, it runs on
+    a GPU, or the free memory cannot be read). `models`: copies of the model (with optimizer
+    state and activations) this process holds, e.g. 2 for a benchmark against a reference."""
+    available = host_available_bytes()
+    if plan.device.type != "cpu" or available is None:
+        return None
+    est = estimate(cfg, plan)
+    per_rank = est.gpu["total"] + sum(est.cpu.values())
+    need = per_rank * plan.world_size * models  # CPU ranks share this host
+    if need <= available:
+        return None
+    m, gib = cfg.model, 2**30
+    copies = f", {models} models at once" if models > 1 else ""
+    return (
+        f"this run needs about {need / gib:,.1f} GiB of host memory (`scale-llm estimate` "
+        f"with these settings: {est.params / 1e6:,.0f}M parameters, d_model {m.d_model}, "
+        f"{m.n_layers} layers, micro-batch {plan.micro_batch_size} x seq_len {m.seq_len}, "
+        f"{plan.world_size} process(es){copies}) but {available / gib:,.1f} GiB is available; "
+        f"shrink the model or train.micro_batch_size, or run on a GPU"
+    )
+
+
+def check_host_memory(cfg: Config, plan: RunPlan, models: int = 1) -> None:
+    """Stop with the estimate, before the model is built, when a CPU run cannot fit the host."""
+    problem = host_memory_problem(cfg, plan, models)
+    if problem:
+        raise UserError(problem)
