@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from scale_llm.components.hardware import cuda_memory_gib, peak_flops
 from scale_llm.components.loss import plain_cross_entropy
-from scale_llm.config import ActivationCheckpointingConfig, Config, with_changes
+from scale_llm.config import ActivationCheckpointingConfig, Config, compiles, with_changes
 from scale_llm.errors import UserError
 from scale_llm.files import private_dir
 from scale_llm.memory.host import check_host_memory, host_memory_problem
@@ -249,7 +249,7 @@ def bench_reference(
             bare = GPT2Reference(m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.seq_len)
             bare = bare.to(device)
             flops_reference = bare.flops_per_token()
-        if t.compile:
+        if compiles(t, device.type):
             compile_blocks(bare)
         optimizer = torch.optim.AdamW(
             bare.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=True
@@ -286,7 +286,7 @@ def bench_reference(
         "reference": kind,
         "device": str(device),
         "precision": plan.precision,
-        "compile": t.compile,
+        "compile": compiles(t, device.type),
         "activation_checkpointing": cfg.activation_checkpointing.mode,
         "tokens_per_step": tokens,
         "first_loss_framework": first[0],
@@ -408,7 +408,7 @@ def bench_scaling(
         "world_size": plan.world_size,
         "device": str(device),
         "precision": plan.precision,
-        "compile": cfg.train.compile,
+        "compile": compiles(cfg.train, plan.device.type),
         "activation_checkpointing": cfg.activation_checkpointing.mode,
         "tokens_per_step_per_rank": per_rank,
         "first_loss_together": first["together"].item(),

@@ -15,7 +15,7 @@ import re
 import sys
 from pathlib import Path
 
-from scale_llm.config import Config, load_config
+from scale_llm.config import Config, compiles, load_config
 from scale_llm.errors import UserError
 from scale_llm.log import setup_logging
 from scale_llm.version import __version__
@@ -365,7 +365,35 @@ def start_distributed(args: argparse.Namespace):
             "(launch/setup.sh installs it) or pick parallel.backend=ddp or fsdp"
         )
     start(plan, cpu_collectives=cfg.parallel.fsdp.cpu_offload)  # (validated: fsdp only)
-    return cfg, plan
+    return resolve_compile(cfg, plan), plan
+
+
+def resolve_compile(cfg: Config, plan) -> Config:
+    """train.compile as true or false for this run, before the model is built: compiled blocks
+    need inductor's toolchain on this machine (one small function is compiled to find out).
+    Every rank must agree: one rank without it makes every rank run eager (auto) or stop
+    (true). Nothing below sees `auto`."""
+    from scale_llm.components.distributed import all_ranks_agree
+    from scale_llm.config import with_changes
+    from scale_llm.parallel.compile import toolchain_problem
+
+    if not compiles(cfg.train, plan.device.type):
+        return with_changes(cfg, {"train.compile": False})
+    problem = toolchain_problem(plan.device)
+    if all_ranks_agree(problem is None, plan.device):
+        return with_changes(cfg, {"train.compile": True})
+    problem = problem or "another rank's machine cannot compile (its log says why)"
+    if cfg.train.compile is True:
+        raise UserError(
+            f"train.compile=true, but {problem}. Install it, or run the blocks eager: --set "
+            f"train.compile=false (or auto: eager with a warning where the toolchain is missing)"
+        )
+    log.warning(
+        "train.compile=auto: %s; the blocks run eager (slower on a GPU). Install it to compile "
+        "them, or set train.compile=false to run eager without this warning",
+        problem,
+    )
+    return with_changes(cfg, {"train.compile": False})
 
 
 def fit_at_launch(cfg: Config, plan, size: str):
@@ -468,7 +496,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
             "counted_saved_bytes": counted,
             "predicted_saved_bytes": predicted,
         }
-        compiled = cfg.train.compile and cfg.activation_checkpointing.mode != "selective"
+        compiled = compiles(cfg.train, plan.device.type)
+        compiled = compiled and cfg.activation_checkpointing.mode != "selective"
         text.append(
             f"measured on CPU (micro-batch {plan.micro_batch_size}"
             + (", compiled blocks" if compiled else "")

@@ -117,8 +117,15 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    # torch.compile each transformer block and the loss (fullgraph); the GPU configs turn it on
-    compile: bool = False
+    # torch.compile each transformer block and the loss (fullgraph): auto on a GPU whose
+    # toolchain works (else eager, with a warning), never on the CPU; true: always (a missing
+    # toolchain is an error); false: never
+    compile: Literal["auto", True, False] = "auto"
+
+
+def compiles(train: TrainConfig, device_type: str) -> bool:
+    """Whether train.compile means compiled blocks on this device type (auto: on a GPU)."""
+    return train.compile is True or (train.compile == "auto" and device_type == "cuda")
 
 
 @dataclass
@@ -530,8 +537,8 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any, str]:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if origin is Literal:
-        choices = " | ".join(str(a) for a in args)
-        if value in args:
+        choices = " | ".join(str(a).lower() if isinstance(a, bool) else str(a) for a in args)
+        if any(type(a) is type(value) and a == value for a in args):  # (1 is not true)
             return True, value, f"one of {choices}"
         near = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
         hint = f" (did you mean {near[0]}?)" if near else ""

@@ -133,10 +133,13 @@ KEY_HELP: dict[str, str] = {
     "train.device": "`auto` (CUDA if visible), `cpu`, `cuda`",
     "train.compile": (
         "`torch.compile` each transformer block (`fullgraph=True`, after activation "
-        "checkpointing, before DDP / FSDP / DeepSpeed wrap) and the loss; on in the GPU "
-        "configs. Under DeepSpeed ZeRO-3 the blocks stay eager (its parameter-gathering "
-        "hooks sit inside each block), with one warning; the loss is still compiled. See "
-        "[training.md](training.md)"
+        "checkpointing, before DDP / FSDP / DeepSpeed wrap) and the loss. `auto`: on a GPU "
+        "(the toolchain is checked at start-up, by compiling one small function; without a "
+        "C++/C compiler, Triton or Python's headers the run goes eager with one warning), "
+        "never on the CPU; `true`: always, and a missing toolchain stops the launch naming "
+        "what to install; `false`: never. Under DeepSpeed ZeRO-3 the blocks stay eager (its "
+        "parameter-gathering hooks sit inside each block), with one warning; the loss is still "
+        "compiled. See [training.md](training.md)"
     ),
     "eval.every": "optimizer steps between evaluations (and at the last step); 0 disables",
     "eval.steps": (
@@ -239,7 +242,9 @@ def _type(hint: Any) -> str:
     names = []
     for part in parts:
         if typing.get_origin(part) is typing.Literal:
-            names += [str(choice) for choice in typing.get_args(part)]
+            names += [
+                str(c).lower() if isinstance(c, bool) else str(c) for c in typing.get_args(part)
+            ]
         elif part is type(None):
             names.append("null")
         else:

@@ -121,12 +121,16 @@ def test_the_gpu_check_runs_on_the_cpu_and_writes_its_report(data_dir, corpus_di
     assert "fsdp (fp32 parameters): " in md and "; single (fp32 parameters): " in md
     assert json.loads((out / "report.json").read_text())["ok"]
     assert "check: done" in (out / "check.log").read_text()
-    assert sorted(p.name for p in out.iterdir()) == ["check.log", "report.json", "report.md"]
+    names = sorted(p.name for p in out.iterdir())
+    assert names == [".scale-llm-owner.json", "check.log", "report.json", "report.md"]
     # again on the same scratch (a second call on a lent GPU): the last check's runs go, the
     # prepared data stays
-    assert (tmp_path / "scratch" / "runs" / "check-cpu-fp32-eager").is_dir()
+    (first,) = (tmp_path / "scratch").glob("runs-*")  # the check's own runs folder
+    assert (first / "check-cpu-fp32-eager").is_dir()
     again = run_check(out, steps=3, overrides=small, scratch=tmp_path / "scratch", only={"curves"})
     assert again["ok"] and len(again["curves"]) == 2, (again["errors"], again["curves"])
+    (second,) = (tmp_path / "scratch").glob("runs-*")
+    assert second != first and (second / "check-cpu-fp32-eager").is_dir()
 
 
 def test_the_checks_scaling_item_counts_the_gpus_the_user_left_visible(tmp_path, monkeypatch):
@@ -302,3 +306,100 @@ def test_the_gpu_checks_order_and_configs_on_a_stub_gpu(tmp_path, monkeypatch):
     report = check.run_check(tmp_path / "again", scratch=tmp_path / "scratch", only={"sweep"})
     assert [c[0] for c in calls] == ["sweep"] * 6 and report["ok"] and "curves" not in report
     assert "no errors (no curves run)" in (tmp_path / "again" / "report.md").read_text()
+
+
+# ----------------------------------------------------------------------------- the toolchain
+def hidden_compiler_env(tmp_path) -> dict[str, str]:
+    """No C++ compiler on PATH (nor CXX), and an empty inductor cache (a cached kernel would
+    need no compiler)."""
+    from tests.helpers import env
+
+    empty = tmp_path / "empty-bin"
+    empty.mkdir(exist_ok=True)
+    out = {k: v for k, v in env().items() if k != "CXX"}
+    return out | {"PATH": str(empty), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+
+
+def test_a_missing_compiler_is_named_with_what_to_install(tmp_path):
+    import subprocess
+
+    code = (
+        "import torch; from scale_llm.parallel.compile import toolchain_problem; "
+        "print(toolchain_problem(torch.device('cpu')))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=hidden_compiler_env(tmp_path), capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    said = proc.stdout.strip()
+    assert said.startswith("torch.compile cannot build kernels on cpu here: it needs a C++ "
+                           "compiler (Debian/Ubuntu: apt install g++"), said  # fmt: skip
+    found = {**hidden_compiler_env(tmp_path), "PATH": os.environ["PATH"]}
+    ok = subprocess.run(
+        [sys.executable, "-c", code], env=found, capture_output=True, text=True, timeout=300
+    )
+    assert ok.stdout.strip() == "None", ok.stderr  # with the compiler back: nothing to say
+
+
+def test_compile_true_without_a_compiler_stops_the_launch_before_any_work(data_dir, tmp_path):
+    import subprocess
+
+    cmd = [sys.executable, "-m", "scale_llm", "train", *make_args(data_dir, tmp_path)]
+    cmd += ["--set", "train.compile=true"]
+    proc = subprocess.run(
+        cmd, env=hidden_compiler_env(tmp_path), capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    said = "error: train.compile=true, but torch.compile cannot build kernels on cpu here: it "
+    assert said + "needs a C++ compiler" in proc.stderr
+    assert "--set train.compile=false" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "runs").exists()  # stopped before the run dir was written
+
+
+def make_args(data_dir, tmp_path) -> list[str]:
+    from tests.helpers import TINY_MODEL
+
+    settings = [*TINY_MODEL, f"data.dir={data_dir}", f"run.dir={tmp_path / 'runs'}"]
+    settings += ["train.max_steps=1", "train.device=cpu", "logging.tensorboard=false"]
+    return [a for s in settings for a in ("--set", s)]
+
+
+def test_compile_auto_compiles_on_a_gpu_only_and_falls_back_to_eager_with_a_warning(
+    monkeypatch, caplog
+):
+    """auto on the CPU never probes; on a GPU whose toolchain is missing the run goes eager
+    with one warning, and true stops. (The GPU is the plan's device: nothing runs on it.)"""
+    import dataclasses
+    import logging
+
+    from scale_llm import cli
+    from scale_llm.config import load_config
+    from scale_llm.errors import UserError
+    from scale_llm.parallel import compile as compile_module
+    from tests.helpers import plan_for
+
+    asked = []
+
+    def missing(device):
+        asked.append(device.type)
+        return "torch.compile cannot build kernels on cuda here: it needs Triton"
+
+    monkeypatch.setattr(compile_module, "toolchain_problem", missing)
+    cfg = load_config(None, ["train.device=cpu"])
+    cpu = plan_for(cfg)
+    assert cli.resolve_compile(cfg, cpu).train.compile is False and asked == []
+    gpu = dataclasses.replace(cpu, device=torch.device("cuda", 0))
+    with caplog.at_level(logging.WARNING, logger="scale_llm"):
+        assert cli.resolve_compile(cfg, gpu).train.compile is False
+    assert "train.compile=auto: torch.compile cannot build kernels on cuda here" in caplog.text
+    assert asked == ["cuda"]
+    strict = load_config(None, ["train.device=cpu", "train.compile=true"])
+    with pytest.raises(UserError, match="train.compile=true, but torch.compile cannot build"):
+        cli.resolve_compile(strict, gpu)
+    monkeypatch.setattr(compile_module, "toolchain_problem", lambda device: None)
+    assert cli.resolve_compile(cfg, gpu).train.compile is True
+    assert (
+        cli.resolve_compile(load_config(None, ["train.compile=false"]), gpu).train.compile is False
+    )

@@ -189,6 +189,15 @@ def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
     return value / dist.get_world_size()
 
 
+def all_ranks_agree(ok: bool, device: torch.device) -> bool:
+    """True when `ok` holds on every rank (this rank's own verdict when not distributed)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

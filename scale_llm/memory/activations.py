@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from scale_llm.config import ActivationCheckpointingConfig, Config, ModelConfig
+from scale_llm.config import ActivationCheckpointingConfig, Config, ModelConfig, compiles
 from scale_llm.model import mlp_hidden_size
 from scale_llm.plan import RunPlan
 
@@ -310,7 +310,8 @@ def measure_activations(cfg: Config, plan: RunPlan) -> tuple[int, int]:
     if num.compute == 2 and not num.autocast:
         model = model.to(torch.bfloat16)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
-    compiled = cfg.train.compile and cfg.activation_checkpointing.mode != "selective"
+    compiled = compiles(cfg.train, plan.device.type)
+    compiled = compiled and cfg.activation_checkpointing.mode != "selective"
     if compiled:  # (selective keeps its cache outside autograd: counted eager only)
         from scale_llm.parallel.compile import compile_blocks
 

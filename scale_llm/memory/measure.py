@@ -82,7 +82,7 @@ def measure_step(cfg: Config) -> dict[str, Any]:
         measured = measured_steps(storages, backend, model, batches)
     est = estimate(here, plan)
     return {
-        "measured_eager": bool(cfg.train.compile),
+        "measured_eager": cfg.train.compile is not False,  # (auto: compiled on the GPU target)
         "peak_phase": est.peak_phase,
         "backend": plan.backend,
         "precision": plan.precision,

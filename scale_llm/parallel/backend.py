@@ -25,7 +25,7 @@ from scale_llm.components.loss import compiled_loss, cross_entropy
 from scale_llm.components.optim import build_optimizer, set_lr, step_if_finite
 from scale_llm.components.precision import Precision
 from scale_llm.components.serialization import dcp_load, dcp_save, load_file
-from scale_llm.config import Config
+from scale_llm.config import Config, compiles
 from scale_llm.model import Transformer, materialize
 from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
 from scale_llm.parallel.compile import compile_blocks
@@ -42,7 +42,8 @@ class Backend:
         self.module: Transformer | None = None  # the model itself
         self.optimizer: torch.optim.Optimizer | None = None
         self.scaler = self.precision.grad_scaler()  # fp16 only
-        self.loss_fn = compiled_loss() if cfg.train.compile else cross_entropy
+        self.compile = compiles(cfg.train, plan.device.type)  # (auto: on a GPU)
+        self.loss_fn = compiled_loss() if self.compile else cross_entropy
         # gradients that live in storage the backend keeps anyway (DDP's bucket views) are
         # zeroed in place after a step rather than freed: freeing them makes the next no_sync()
         # micro-steps accumulate into fresh tensors next to the buckets (one more gradient copy)
@@ -67,7 +68,7 @@ class Backend:
         """Per block, in torchtitan's order: activation checkpointing, then torch.compile (both
         before any sharding or wrapping, which the subclasses add after this)."""
         apply_activation_checkpointing(model, self.cfg.activation_checkpointing)
-        if self.cfg.train.compile:
+        if self.compile:
             compile_blocks(model)
 
     def materialize_on_cpu(self, model: Transformer, initial: dict | None = None) -> Transformer:

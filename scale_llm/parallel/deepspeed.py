@@ -78,7 +78,7 @@ class DeepSpeedBackend(Backend):
         return engine
 
     def transform_blocks(self, model: Transformer) -> None:
-        if self.cfg.train.compile and self.cfg.parallel.deepspeed.zero_stage == 3:
+        if self.compile and self.cfg.parallel.deepspeed.zero_stage == 3:
             log.warning(
                 "train.compile: the blocks run eager under ZeRO-3 (it gathers parameters in "
                 "hooks on every layer inside a block, which the compiled graph cannot contain); "

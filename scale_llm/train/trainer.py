@@ -313,7 +313,7 @@ class Trainer:
         tokenizer = Tokenizer(Path(cfg.data.dir) / self.manifest["tokenizer"]["file"])
         T = cfg.model.seq_len
         ids = tokenizer.encode(cfg.eval.sample_prompt, bos=True)[-(T - 1) :]
-        rows = self.plan.micro_batch_size if cfg.train.compile else 1  # compiled: the known shape
+        rows = self.plan.micro_batch_size if self.backend.compile else 1  # compiled: its shape
         window = torch.full((rows, T), tokenizer.eos_id, dtype=torch.long)
         window[:, : len(ids)] = torch.tensor(ids)
         window, filled, new = window.to(self.device), len(ids), []
