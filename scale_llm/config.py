@@ -101,6 +101,9 @@ class TrainConfig:
     global_batch_size: int | None = None  # sequences per step over all ranks; sets grad_accum
     max_steps: int = 200
     max_bad_steps: int = 20  # stop after this many consecutive non-finite (skipped) steps
+    # Python's cyclic garbage collector runs only every gc_every steps, on every rank at the same
+    # step (a pause on one rank stalls the others at the next collective); 0: Python decides
+    gc_every: int = 50
     exit_at_step: int | None = None  # checkpoint and exit after this step (time-limited jobs);
     # the LR schedule still runs to max_steps, and the next launch resumes from here
     lr: float = 1e-3
@@ -643,6 +646,8 @@ def validate(cfg: Config) -> list[str]:
         positive(f"train.{key}", getattr(t, key))
     positive("train.lr", t.lr)
     positive("train.max_bad_steps", t.max_bad_steps)
+    if t.gc_every < 0:
+        e.append(f"train.gc_every={t.gc_every} must be >= 0 (0: Python's automatic collection)")
     if t.exit_at_step is not None:
         positive("train.exit_at_step", t.exit_at_step)
     if t.global_batch_size is not None:

@@ -109,6 +109,12 @@ KEY_HELP: dict[str, str] = {
     ),
     "train.max_steps": "optimizer steps",
     "train.max_bad_steps": "stop (exit 3) after this many consecutive skipped (non-finite) steps",
+    "train.gc_every": (
+        "Python's garbage collector runs only at the end of every gc_every-th step, on every "
+        "rank at the same step (a collection pausing one rank mid-step would stall the others at "
+        "their next collective), plus a full collection before each checkpoint; what exists when "
+        "training starts is frozen out of its scans. 0: Python's automatic collection"
+    ),
     "train.exit_at_step": (
         "save a checkpoint and exit after this step (for time-limited jobs); the LR "
         "schedule still runs to max_steps and the next launch resumes"

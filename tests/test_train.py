@@ -902,3 +902,41 @@ def test_running_out_of_device_memory_is_one_paragraph_with_the_ways_to_fit(data
     assert f"`scale-llm estimate {tr.run_dir / 'config.yaml'} --fit SIZE`" in msg
     assert "micro-batch 4 x seq_len" in msg and "train --fit auto" in msg
     assert "activation_checkpointing.mode=full" in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("every", [0, 2])
+def test_no_automatic_garbage_collection_runs_inside_a_step(data_dir, tmp_path, every):
+    """Each step makes thousands of reference cycles (Python's automatic collector would run
+    several times a step); with train.gc_every the only collections are the loop's own, at the
+    end of every gc_every-th step and before checkpoints; afterwards gc is on again."""
+    import gc
+
+    tr = trainer(data_dir, tmp_path, "train.max_steps=4", f"train.gc_every={every}")
+    forward = tr.model.forward
+
+    def littering(*args, **kwargs):
+        for _ in range(5000):
+            cycle: list = []
+            cycle.append(cycle)
+        return forward(*args, **kwargs)
+
+    tr.model.forward = littering
+    seen = []
+
+    def witness(phase, info):  # (ours?, automatic collection on?)
+        if phase == "start":
+            seen.append((tr.collector.collecting, gc.isenabled()))
+
+    gc.callbacks.append(witness)
+    try:
+        tr.fit()
+    finally:
+        gc.callbacks.remove(witness)
+    assert gc.isenabled()
+    if every:
+        # at the start (2), after steps 2 and 4 (1), before the checkpoint at step 4 (2); then
+        # only once training is over (gc on again) may Python's own run
+        n = next((i for i, (_, on) in enumerate(seen) if on), len(seen))
+        assert seen[:n] == [(True, False)] * 4 and all(on for _, on in seen[n:]), seen
+    else:
+        assert len(seen) > 8 and not any(ours for ours, _ in seen)  # Python's own, mid-step

@@ -43,6 +43,7 @@ from scale_llm.model import Transformer, build_model, empty_state_dict
 from scale_llm.parallel.backend import build_backend
 from scale_llm.parallel.step import optimizer_step
 from scale_llm.plan import RunPlan
+from scale_llm.train.collector import GarbageCollector
 from scale_llm.train.guards import (
     StopSignals,
     TrainingDiverged,
@@ -135,6 +136,7 @@ class Trainer:
         self.model = self.backend.setup(model, initial)
 
         self.loader = TrainLoader(self.train_windows, plan, cfg.run.seed, cfg.data.prefetch)
+        self.collector = GarbageCollector(cfg.train.gc_every)
         self.generators = Generators(plan.rank)
         self.step = 0
         self.skipped_steps = torch.zeros((), dtype=torch.int64, device=self.device)
@@ -180,7 +182,7 @@ class Trainer:
         self._window = (started, self.step)  # (start time, start step) for tokens/s
         self._launch = (started, self.step)  # for elapsed time and ETA
         try:
-            with StopSignals() as signals:
+            with StopSignals() as signals, self.collector as collector:
                 while self.step < t.max_steps:
                     try:
                         loss, grad_norm, lr = self.train_step()
@@ -189,9 +191,11 @@ class Trainer:
                     self.step += 1
                     maybe_fail("after_step", self.step, self.plan.rank)
                     self._record(loss, grad_norm, lr, result)
+                    collector.step_done(self.step)
                     stop = self._stop_reason(signals)
                     every = self.cfg.checkpoint.every
                     if (every and self.step % every == 0) or self.step == t.max_steps or stop:
+                        collector.before_checkpoint()
                         result.checkpoint = self.save_checkpoint()
                     if stop:
                         then = (
