@@ -47,11 +47,11 @@ from scale_llm.bench import bench_reference, bench_sweep, fresh_start, markdown_
 from scale_llm.components.distributed import shutdown_distributed
 from scale_llm.config import Config, load_config, save_config, with_changes
 from scale_llm.data.prepare import prepare
-from scale_llm.data.shards import write_atomic
 from scale_llm.errors import UserError
 from scale_llm.files import (
     OWNER_MARKER,
     atomic_write_json,
+    atomic_write_text,
     describe_kind,
     make_owned_dir,
     owned_kind,
@@ -114,9 +114,10 @@ class Report:
         self.data["seconds"] = time.perf_counter() - self.started
         curves = self.data.get("curves", [])
         self.data["ok"] = all(c.get("ok") for c in curves) and not self.data["errors"]
-        # whole files only: a run killed at its time limit while saving keeps the last report
-        write_atomic(self.out / "report.json", (json.dumps(self.data, indent=2) + "\n").encode())
-        write_atomic(self.out / "report.md", markdown_report(self.data).encode())
+        # OUT is the check's (claim_out); whole files only: a run killed at its time limit while
+        # saving keeps the last report
+        atomic_write_json(self.out / "report.json", self.data)
+        atomic_write_text(self.out / "report.md", markdown_report(self.data))
 
 
 def run_check(

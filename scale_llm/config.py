@@ -808,11 +808,10 @@ def dump_yaml(cfg: Config) -> str:
 def save_config(cfg: Config, path: str | Path) -> None:
     """Write the config (as the user set it: `auto` stays `auto`; the resolved values go to
     plan.json) atomically; feeding it back to `train` reproduces the run."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(
+    from scale_llm.files import atomic_write_text
+
+    atomic_write_text(
+        path,
         "# scale_llm config as given (defaults filled in); plan.json beside it holds what `auto`\n"
         "# resolved to; `scale-llm train` accepts this file as is\n" + dump_yaml(cfg),
-        encoding="utf-8",
     )
-    tmp.replace(path)

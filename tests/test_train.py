@@ -940,3 +940,20 @@ def test_no_automatic_garbage_collection_runs_inside_a_step(data_dir, tmp_path, 
         assert seen[:n] == [(True, False)] * 4 and all(on for _, on in seen[n:]), seen
     else:
         assert len(seen) > 8 and not any(ours for ours, _ in seen)  # Python's own, mid-step
+
+
+def test_a_folder_that_is_not_a_run_dir_is_never_written_into(data_dir, tmp_path):
+    """run.name naming someone's folder (say a project with its own config.yaml) would have its
+    config.yaml replaced: a non-empty folder holding nothing of a run's is refused, untouched."""
+    mine = tmp_path / "runs" / "test"
+    mine.mkdir(parents=True)
+    (mine / "config.yaml").write_text("mine: true\n")
+    (mine / "notes.txt").write_text("notes")
+    with pytest.raises(UserError, match=r"holds files but is not a run directory .*notes\.txt"):
+        trainer(data_dir, tmp_path, "train.max_steps=1")
+    assert sorted(p.name for p in mine.iterdir()) == ["config.yaml", "notes.txt"]
+    assert (mine / "config.yaml").read_text() == "mine: true\n"
+    (mine / "config.yaml").unlink()
+    (mine / "notes.txt").unlink()
+    assert trainer(data_dir, tmp_path, "train.max_steps=1").fit().steps == 1  # empty: a run's
+    assert trainer(data_dir, tmp_path, "train.max_steps=2").fit().steps == 2  # a run's: resumes

@@ -176,7 +176,7 @@ class Checkpointer:
                 write(tmp)
         except BaseException as e:
             if self.is_main:
-                shutil.rmtree(tmp, ignore_errors=True)
+                shutil.rmtree(tmp, ignore_errors=True)  # made above for this save
             full = _out_of_space(e)
             if full is not None:
                 previous = self.latest()
@@ -214,7 +214,7 @@ class Checkpointer:
 
     def prune(self) -> None:
         done = self.complete()  # (symlinks are not among them)
-        for _, path in done[: -self.keep_last]:
+        for _, path in done[: -self.keep_last]:  # this run's complete step_N folders only
             shutil.rmtree(path, ignore_errors=True)
         for stale in self.dir.glob(".tmp-*"):  # left by a process killed mid-save
             _remove_stale(stale)

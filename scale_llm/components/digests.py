@@ -154,7 +154,7 @@ class HashingFileSystem(FileSystem):
         with _lock:
             if _recorded is not None:
                 _recorded.pop(path, None)
-        with open(path, "wb") as f:
+        with open(path, "wb") as f:  # DCP / our savers: files inside a .tmp-step_N folder
             writer = _HashingWriter(f, pool)
             try:
                 yield writer

@@ -96,7 +96,8 @@ def load_file(
 
 
 def save_file(obj: Any, path: Path | str) -> None:
-    """torch.save, through the file system that hashes checkpoint files as they are written."""
+    """torch.save, through the file system that hashes checkpoint files as they are written.
+    Only ever into a checkpoint's own `.tmp-step_N` folder (Checkpointer.save made it)."""
     from scale_llm.components.digests import HashingFileSystem
 
     with HashingFileSystem().create_stream(path, "wb") as f:
@@ -274,7 +275,7 @@ def hash_deepspeed_writes(engine: Any) -> None:
         return
     zipfile = getattr(writer, "zipfile_serialization", True)
 
-    def save(state_dict: Any, path: str) -> None:
+    def save(state_dict: Any, path: str) -> None:  # (DeepSpeed writes into our .tmp-step_N)
         with HashingFileSystem().create_stream(path, "wb") as f:
             torch.save(state_dict, f, _use_new_zipfile_serialization=zipfile)
 

@@ -94,6 +94,7 @@ def tokenizer_files(tok: Tokenizer, max_length: int) -> dict[str, str]:
 
 
 def write_tokenizer_files(tok: Tokenizer, out_dir: Path, max_length: int) -> None:
+    """Into `out_dir`, a folder the caller made (export's temporary folder)."""
     for name, text in tokenizer_files(tok, max_length).items():
         (out_dir / name).write_text(text, encoding="utf-8")
     (out_dir / "tokenizer.model").write_bytes(tok.path.read_bytes())

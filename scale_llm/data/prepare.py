@@ -137,7 +137,7 @@ def _build(cfg: Config, source, fingerprint: str, out: Path, force: bool) -> dic
         raise
     splits = _finish(writers)
     manifest = _manifest(cfg, source, build, fingerprint, progress, splits)
-    (build / PROGRESS).unlink(missing_ok=True)
+    (build / PROGRESS).unlink(missing_ok=True)  # (the build folder is prepare's own)
     write_manifest(build, manifest)  # the build is complete from here on
     _publish(build, out)
     seconds = time.perf_counter() - t0
@@ -282,7 +282,8 @@ def _resume(cfg: Config, source, out: Path, fingerprint: str, force: bool):
 
 
 def _fresh(cfg: Config, source, out: Path, fingerprint: str):
-    """Clear the directory, train the tokenizer; (progress, writers, stream) from document 0."""
+    """Clear the build folder (prepare's own: `_claim_build_dir`) of an earlier attempt, train
+    the tokenizer; (progress, writers, stream) from document 0."""
     for stale in [*out.glob("train_*.bin*"), *out.glob("val_*.bin*"), out / PROGRESS]:
         stale.unlink(missing_ok=True)
     t0 = time.perf_counter()

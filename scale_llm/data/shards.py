@@ -21,7 +21,7 @@ import numpy as np
 
 from scale_llm.data.tokenizer import file_sha256
 from scale_llm.errors import UserError
-from scale_llm.files import describe_kind, read_json_object
+from scale_llm.files import atomic_write_text, describe_kind, read_json_object
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -36,7 +36,8 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 class ShardWriter:
-    """Appends token ids to fixed-size shards <split>_<index>.bin in `out_dir`.
+    """Appends token ids to fixed-size shards <split>_<index>.bin in `out_dir` (prepare's own
+    build folder: every file it names there is its own to write, replace and remove).
 
     The shard being filled is written to <split>_<index>.bin.partial and renamed only once it
     holds exactly `shard_tokens` tokens (or the split ends), so a complete name always means a
@@ -168,17 +169,9 @@ class StaleProgress(Exception):
     """The checkpoint of an interrupted prepare does not match the files: start afresh."""
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
-
-
 def write_manifest(out_dir: Path, manifest: dict[str, Any]) -> None:
-    write_atomic(out_dir / MANIFEST, json.dumps(manifest, indent=2).encode())
+    """Into prepare's own build folder: the last file of a complete build."""
+    atomic_write_text(out_dir / MANIFEST, json.dumps(manifest, indent=2))
 
 
 # ----------------------------------------------------------------------------- shapes
@@ -406,7 +399,7 @@ def read_progress(out_dir: Path) -> dict[str, Any] | None:
 
 
 def write_progress(out_dir: Path, progress: dict[str, Any]) -> None:
-    write_atomic(out_dir / PROGRESS, json.dumps(progress, indent=1).encode())
+    atomic_write_text(out_dir / PROGRESS, json.dumps(progress, indent=1))  # (the build's)
 
 
 def shard_problems(data_dir: Path, manifest: dict[str, Any]) -> list[str]:

@@ -19,6 +19,7 @@ from pathlib import Path
 import sentencepiece as spm
 
 from scale_llm.errors import UserError
+from scale_llm.files import atomic_write_bytes
 
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 MIN_VOCAB = 256 + 3 + 61  # byte-fallback pieces + specials + room for merges
@@ -96,9 +97,7 @@ def train_tokenizer(
     except RuntimeError as e:  # e.g. a sample with too few distinct pieces for vocab_size
         raise UserError(_training_failed(str(e), vocab_size)) from None
     out_path = Path(out_path)
-    tmp = out_path.with_name(out_path.name + ".tmp")
-    tmp.write_bytes(buf.getvalue())
-    tmp.replace(out_path)
+    atomic_write_bytes(out_path, buf.getvalue())  # into prepare's own build folder
     return Tokenizer(out_path)
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from scale_llm.config import Config, dump_yaml, to_dict
 from scale_llm.errors import UserError
+from scale_llm.files import atomic_write_text
 from scale_llm.train.preflight import METRICS_FILE, WANDB_ID_FILE, check_metrics_file
 
 log = logging.getLogger(__name__)
@@ -113,7 +114,7 @@ def _start_wandb(cfg: Config, run_dir: Path, resume_step: int):
         ) from None
     id_file = run_dir / WANDB_ID_FILE
     if resume_step == 0 or not id_file.is_file():  # a fresh start is a new W&B run
-        id_file.write_text(uuid.uuid4().hex[:16] + "\n")
+        atomic_write_text(id_file, uuid.uuid4().hex[:16] + "\n")
     try:
         run = wandb.init(
             project=w.project,
@@ -160,7 +161,7 @@ def _truncate_after(path: Path, step: int) -> None:
     an edit) is dropped with a warning: it holds no step to keep."""
     if not path.exists():
         return
-    if step == 0:
+    if step == 0:  # a fresh start in this run dir (checked to be a run's): its rows are void
         path.unlink()
         return
     keep, damaged = [], 0
@@ -172,7 +173,7 @@ def _truncate_after(path: Path, step: int) -> None:
             keep.append(line.decode("utf-8") + "\n")
     if damaged:
         log.warning("metrics: dropped %d line(s) of %s that are not metric rows", damaged, path)
-    path.write_text("".join(keep), encoding="utf-8")
+    atomic_write_text(path, "".join(keep))  # all rows or the old file: never half of it
 
 
 def _row(line: bytes) -> dict[str, Any] | None:

@@ -30,12 +30,26 @@ RUN_DIR_FILES = {
 }
 
 
+# What only a run dir holds: a folder with none of these (and anything at all in it) is someone
+# else's, whose files (a config.yaml, say) the run would replace.
+RUN_MARKS = ("plan.json", "checkpoints", METRICS_FILE, ".lock")
+
+
 def check_run_dir(run_dir: Path) -> None:
-    """Every name the trainer writes in `run_dir` is missing or of the kind it writes there
-    (symlinks are followed: a link to a folder where a folder belongs is fine)."""
+    """`run_dir` is new, empty or a run's, and every name the trainer writes there is missing
+    or of the kind it writes (a symlinked folder is fine, e.g. checkpoints on another disk; a
+    symlinked file is not: the run writes its files itself, by rename)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return  # a new run dir (require_writable_dir checks that it can be made)
+    entries = sorted(p.name for p in run_dir.iterdir())
+    if entries and not any((run_dir / mark).exists() for mark in RUN_MARKS):
+        shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
+        raise UserError(
+            f"{run_dir} holds files but is not a run directory (no {', '.join(RUN_MARKS[:3])}): "
+            f"{shown}; a run writes its config and files there, so it stops. Pick another "
+            f"run.name (or run.dir), or empty that folder"
+        )
     for name, what in RUN_DIR_FOLDERS.items():
         _check_kind(run_dir / name, "a folder", what)
     for name, what in RUN_DIR_FILES.items():
@@ -51,7 +65,7 @@ def check_metrics_file(path: Path) -> None:
 def _check_kind(path: Path, kind: str, what: str) -> None:
     if not (path.exists() or path.is_symlink()):
         return
-    if path.is_dir() if kind == "a folder" else path.is_file():
+    if path.is_dir() if kind == "a folder" else (path.is_file() and not path.is_symlink()):
         return
     found = describe_kind(path)
     if path.is_symlink():

@@ -8,10 +8,8 @@ the device and are read (a host sync) only on logging steps.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import shutil
 import signal
 import time
 from dataclasses import dataclass, field
@@ -38,6 +36,7 @@ from scale_llm.data.loader import TokenWindows, TrainLoader, eval_batches
 from scale_llm.data.shards import open_split, read_manifest
 from scale_llm.data.tokenizer import Tokenizer
 from scale_llm.errors import UserError, require_writable_dir
+from scale_llm.files import atomic_write_bytes, atomic_write_json, atomic_write_text
 from scale_llm.memory import check_host_memory, estimate
 from scale_llm.model import Transformer, build_model, empty_state_dict
 from scale_llm.parallel.backend import build_backend
@@ -596,13 +595,15 @@ class Trainer:
             )
 
     def _write_run_dir(self) -> None:
+        """The run's own files, each replaced whole (the run dir is this launch's: locked, and
+        checked to be new, empty or a run's by `check_run_dir`)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(self.cfg, self.run_dir / "config.yaml")  # as the user wrote it
-        (self.run_dir / PLAN_FILE).write_text(json.dumps(self.plan.to_json(), indent=2) + "\n")
+        atomic_write_json(self.run_dir / PLAN_FILE, self.plan.to_json())
         for name, text in self.backend.run_files().items():
-            (self.run_dir / name).write_text(text)
+            atomic_write_text(self.run_dir / name, text)
         src = Path(self.cfg.data.dir) / self.manifest["tokenizer"]["file"]
-        shutil.copyfile(src, self.run_dir / "tokenizer.model")
+        atomic_write_bytes(self.run_dir / "tokenizer.model", src.read_bytes())
 
 
 def train(cfg: Config, plan: RunPlan) -> TrainResult:
