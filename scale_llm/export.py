@@ -163,15 +163,15 @@ def write_hf_folder(
     tmp.mkdir()  # a fresh name: this call's own folder, removed on failure
     try:
         n_params = _write_weights(state, cfg, DTYPES[dtype], tmp, max_shard_bytes)
-        _write_json(
+        atomic_write_json(
             tmp / "config.json",
             to_hf_config(cfg, DTYPES[dtype], tokenizer.bos_id, tokenizer.eos_id, tokenizer.eos_id),
         )
-        _write_json(tmp / "generation_config.json", generation_config(tokenizer))
+        atomic_write_json(tmp / "generation_config.json", generation_config(tokenizer))
         write_tokenizer_files(tokenizer, tmp, cfg.seq_len)
         files = sorted([*(p.name for p in tmp.iterdir()), EXPORT_INFO])
         # written last, naming every file: what proves later that the folder is an export
-        _write_json(tmp / EXPORT_INFO, {**(info or {}), "dtype": dtype, "files": files})
+        atomic_write_json(tmp / EXPORT_INFO, {**(info or {}), "dtype": dtype, "files": files})
         fsync_tree(tmp)
         _publish(tmp, out)
     except BaseException:
@@ -311,7 +311,7 @@ def _name_shards(folder: Path, written: list[str], weight_map: dict[str, str], t
         "metadata": {"total_size": total},
         "weight_map": {name: final[w] for name, w in weight_map.items()},
     }
-    _write_json(folder / "model.safetensors.index.json", index)
+    atomic_write_json(folder / "model.safetensors.index.json", index)
 
 
 def _publish(tmp: Path, out: Path) -> None:
@@ -325,7 +325,3 @@ def _publish(tmp: Path, out: Path) -> None:
     fsync_dir(out.parent)
     if old is not None:  # an earlier export (check_out proved it), moved aside above
         shutil.rmtree(old, ignore_errors=True)
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    atomic_write_json(path, obj)
