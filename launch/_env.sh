@@ -37,8 +37,17 @@ if [[ -z "$PY" ]] || ! (cd / && "$PY" -c "import scale_llm, torch") >/dev/null 2
   exit 2
 fi
 
-# Expandable segments let the CUDA caching allocator grow blocks instead of fragmenting.
-export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
+# Expandable segments let the CUDA caching allocator grow blocks instead of fragmenting; and
+# pinned host blocks over 1 MiB keep their size (torch >= 2.13; by default each is rounded up to
+# a power of two: an optimizer offload's 25 GiB fp32 partition would take 32 GiB of host).
+if [[ -z "${PYTORCH_CUDA_ALLOC_CONF+set}" ]]; then
+  PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"
+  if "$PY" -c 'import sys, torch; v = torch.__version__.split("+")[0].split(".")
+sys.exit(not tuple(map(int, v[:2])) >= (2, 13))' >/dev/null 2>&1; then
+    PYTORCH_CUDA_ALLOC_CONF+=",pinned_max_round_threshold_mb:1"
+  fi
+fi
+export PYTORCH_CUDA_ALLOC_CONF
 # After forwarding a SIGTERM, torchrun kills the workers that have not exited within this many
 # seconds (its default, 30, is less than a large model's last steps and checkpoint can take).
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}"

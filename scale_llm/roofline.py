@@ -9,6 +9,11 @@ FLOPs), not as the meta device's math fallback. The loss is the plain fp32 cross
 (what `train.compile`, on in the GPU configs, compiles; eager runs use the chunked form, which
 trades a second read of the logits for memory). The AdamW step is added analytically (fused:
 reads param, grad, two moments; writes param and moments, all fp32) once per optimizer step.
+Under DeepSpeed ZeRO-1/2 with `offload_optimizer: cpu` the step runs on the CPU instead (its
+time is not modelled: it depends on the host), and the copies between host and GPU take its
+row: the estimator's bytes per step (`zero_offload_traffic`, by direction and reason) over
+PCIe 5.0 x16, counted whole in both totals (an upper bound: DeepSpeed issues the gradients'
+copies on its reduction stream during the last micro-step's backward).
 
 Each op class then takes max(FLOPs / peak FLOP/s, bytes / peak bandwidth): a roofline. Two
 totals bound the step time: `eager` (every op's traffic, nothing fused or overlapped) and
@@ -19,6 +24,7 @@ way, as the trainer reports it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from typing import Any
 
@@ -30,8 +36,15 @@ from torch.utils.flop_counter import flop_registry
 
 from scale_llm.components.loss import plain_cross_entropy
 from scale_llm.config import Config
+from scale_llm.memory.estimate import (
+    PCIE5_X16_BYTES_PER_S,
+    ParamCounts,
+    layout_of,
+    zero_offload_traffic,
+)
 from scale_llm.model import build_model
 from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
+from scale_llm.plan import target_plan
 
 # (name, dense bf16 FLOP/s, HBM bytes/s), from the vendors' data sheets
 DEVICES = {
@@ -142,16 +155,25 @@ def roofline(
     for cls in sorted(set(flops) | set(moved)):
         f, b = grad_accum * flops.get(cls, 0.0), grad_accum * moved.get(cls, 0.0)
         rows[cls] = {"flops": f, "bytes": b, "ms": 1e3 * max(f / peak, b / bandwidth)}
-    opt_bytes = 28 * n_params  # fused AdamW, fp32: read p g m v, write p m v
-    rows["optimizer (AdamW)"] = {
-        "flops": 0.0,
-        "bytes": opt_bytes,
-        "ms": 1e3 * opt_bytes / bandwidth,
-    }
+    traffic = offload_traffic(cfg, micro_batch, grad_accum, world)
+    if traffic:  # the step runs on the CPU; the GPU waits for the copies
+        copied = sum(sum(parts.values()) for parts in traffic.values())
+        rows[OFFLOAD_ROW] = {
+            "flops": 0.0,
+            "bytes": copied,
+            "ms": 1e3 * copied / PCIE5_X16_BYTES_PER_S,
+        }
+    else:
+        opt_bytes = 28 * n_params  # fused AdamW, fp32: read p g m v, write p m v
+        rows["optimizer (AdamW)"] = {
+            "flops": 0.0,
+            "bytes": opt_bytes,
+            "ms": 1e3 * opt_bytes / bandwidth,
+        }
     tokens = micro_batch * grad_accum * cfg.model.seq_len
     model_flops = build_model(cfg.model).flops_per_token() * tokens
     eager_ms = sum(r["ms"] for r in rows.values())
-    bound = ("matmul", "attention", "optimizer (AdamW)")
+    bound = ("matmul", "attention", "optimizer (AdamW)", OFFLOAD_ROW)
     matmul_ms = sum(rows[c]["ms"] for c in bound if c in rows)
     grad_bytes = 4 * n_params  # fp32 gradients (autocast keeps fp32 params)
     ring = 2 * (world - 1) / world * grad_bytes  # bytes each GPU sends in a ring all-reduce
@@ -164,11 +186,31 @@ def roofline(
         "tokens_per_step": tokens,
         "model_flops_per_step": model_flops,
         "classes": rows,
+        "offload_bytes_per_step": traffic,
         "eager_ms": eager_ms,
         "matmul_bound_ms": matmul_ms,
         "mfu_eager": model_flops / (eager_ms / 1e3) / peak,
         "mfu_matmul_bound": model_flops / (matmul_ms / 1e3) / peak,
     }
+
+
+OFFLOAD_ROW = "offload copies (PCIe)"
+
+
+def offload_traffic(
+    cfg: Config, micro_batch: int, grad_accum: int, world: int
+) -> dict[str, dict[str, float]]:
+    """Host <-> GPU bytes per optimizer step of ZeRO-1/2 optimizer offload, by direction and
+    reason ({} for any other layout)."""
+    ds = cfg.parallel.deepspeed
+    if cfg.parallel.backend != "deepspeed" or ds.offload_optimizer != "cpu":
+        return {}
+    if ds.zero_stage not in (1, 2):
+        return {}
+    plan = dataclasses.replace(
+        target_plan(cfg, world), micro_batch_size=micro_batch, grad_accum=grad_accum
+    )
+    return zero_offload_traffic(ParamCounts.of(cfg.model), layout_of(cfg, plan))
 
 
 def format_roofline(r: dict[str, Any]) -> str:
@@ -184,6 +226,14 @@ def format_roofline(r: dict[str, Any]) -> str:
         lines.append(
             f"| {cls} | {row['flops'] / 1e12:.1f} | {row['bytes'] / 1e9:.1f} | "
             f"{row['ms']:.1f} | {by} |"
+        )
+    for way, parts in r.get("offload_bytes_per_step", {}).items():
+        reasons = ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in parts.items())
+        lines.append(f"offload copies {way}: {sum(parts.values()) / 1e9:.2f} GB ({reasons})")
+    if r.get("offload_bytes_per_step"):
+        lines.append(
+            f"({OFFLOAD_ROW}: at PCIe 5.0 x16's {PCIE5_X16_BYTES_PER_S / 1e9:.0f} GB/s each way, "
+            f"one after another; the AdamW step on the CPU is not in the totals)"
         )
     lines.append(
         f"step: {r['eager_ms']:.0f} ms eager (MFU {r['mfu_eager']:.0%}) .. "

@@ -356,9 +356,17 @@ def test_deepspeed_hands_the_other_nodes_the_launchers_environment(tmp_path):
     path = Path(first.removeprefix("DS_ENV_FILE="))
     assert path.is_absolute() and not path.exists()  # removed when the run ends
     exports = dict(line.split("=", 1) for line in lines)  # as the runner reads it
-    assert exports["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    # (the stand-in's torch passes the launcher's check for torch >= 2.13)
+    want = "expandable_segments:True,pinned_max_round_threshold_mb:1"
+    assert exports["PYTORCH_CUDA_ALLOC_CONF"] == want
     assert exports["OMP_NUM_THREADS"] == "2" and exports["SCALE_LLM_PG_TIMEOUT_MIN"] == "45"
     assert exports["MY_SETTING"] == "a b"
+    (tmp_path / "older").mkdir()
+    older = stand_in_node(tmp_path / "older", "*__version__*) exit 1;;\n" + runner)
+    older |= {"HOME": str(tmp_path), "HOSTFILE": "hosts"}
+    proc = launch("deepspeed.sh", older, cwd=tmp_path)
+    exports = dict(line.split("=", 1) for line in proc.stdout.splitlines()[1:])
+    assert exports["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True", proc.stderr
     proc = launch("deepspeed.sh", env | {"HOSTFILE": "missing"}, cwd=tmp_path)
     assert proc.returncode == 2 and "HOSTFILE=missing" in proc.stderr and not proc.stdout
 

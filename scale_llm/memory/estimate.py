@@ -1,10 +1,14 @@
-"""Per-GPU bytes of model states for each backend layout, and the whole estimate."""
+"""Per-GPU bytes of model states for each backend layout, and the whole estimate; for ZeRO-1/2's
+optimizer offload also its host buffers (with what torch's pinned allocator rounds them up to)
+and the bytes it copies between host and GPU per step."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +28,7 @@ from scale_llm.memory.activations import (
     saved_activation_bytes,
 )
 from scale_llm.model import mlp_hidden_size
+from scale_llm.parallel.ds_config import deepspeed_config
 from scale_llm.plan import RunPlan, target_plan
 
 GiB = 1 << 30
@@ -53,6 +58,9 @@ class Layout:
     ds_overlap_comm: bool = True  # two reduce buckets (double buffering) in ZeRO-1/2
     ds_max_live: int = 1_000_000_000  # ZeRO-3's stage3_max_live_parameters (elements)
     ds_persistence_threshold: int = 100_000  # ZeRO-3: smaller params are never partitioned
+    ds_pin_memory: bool = True  # offload_optimizer.pin_memory: page-locked host buffers
+    ds_grad_accum_dtype: str | None = None  # data_types.grad_accum_dtype (None: the params')
+    pinned_round_limit: int | None = None  # bytes: larger pinned blocks are not rounded up
 
     @property
     def working_bytes(self) -> int:
@@ -74,7 +82,8 @@ class Layout:
 
 def layout_of(cfg: Config, plan: RunPlan) -> Layout:
     p = cfg.parallel
-    zero = (p.deepspeed.config or {}).get("zero_optimization") or {}
+    ds = deepspeed_config(cfg, plan)  # DeepSpeed's settings as the run will pass them
+    zero = ds["zero_optimization"]
     return Layout(
         backend=plan.backend,
         precision=plan.precision,
@@ -89,11 +98,27 @@ def layout_of(cfg: Config, plan: RunPlan) -> Layout:
         fsdp_reduce_every=p.fsdp.reduce_every_micro_step,
         fused_norm=plan.device.type in ("cuda", "cpu"),
         ddp_bucket_view=p.ddp.gradient_as_bucket_view,
-        ds_bucket_elements=int(float(zero.get("reduce_bucket_size", 5e7))),
-        ds_overlap_comm=bool(zero.get("overlap_comm", True)),
+        ds_bucket_elements=int(float(zero.get("reduce_bucket_size", 5e8))),
+        ds_overlap_comm=bool(zero.get("overlap_comm", False)),
         ds_max_live=int(float(zero.get("stage3_max_live_parameters", 1e9))),
         ds_persistence_threshold=int(float(zero.get("stage3_param_persistence_threshold", 1e5))),
+        # DeepSpeed's CPU accelerator pins nothing (its pin_memory returns the tensor)
+        ds_pin_memory=plan.device.type == "cuda"
+        and bool((zero.get("offload_optimizer") or {}).get("pin_memory", False)),
+        ds_grad_accum_dtype=_dtype_name((ds.get("data_types") or {}).get("grad_accum_dtype")),
+        pinned_round_limit=pinned_round_limit(os.environ),
     )
+
+
+def _dtype_name(value: Any) -> str | None:
+    """DeepSpeed's spellings of a dtype (its DtypeEnum) as fp32 / bf16 / fp16."""
+    names = {
+        "fp32": ("fp32", "float32", "float", "torch.float32"),
+        "bf16": ("bf16", "bfloat16", "torch.bfloat16"),
+        "fp16": ("fp16", "float16", "half", "torch.float16"),
+    }
+    text = str(value).lower()
+    return next((name for name, spellings in names.items() if text in spellings), None)
 
 
 @dataclass
@@ -241,13 +266,190 @@ def _deepspeed_states(n: ParamCounts, lay: Layout, c: int, half: bool):
     cpu = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
     if s >= 3:
         gpu["params"] += zero3_gathered_params(n, lay)
-    if lay.offload_optimizer:
+    if lay.offload_optimizer and s in (1, 2):
+        gpu["optimizer"] = 0.0
+        gpu["grads"] += zero_offload_gpu_grads(n, lay) - c * P / W
+        cpu.update(zero_offload_host(n, lay))
+    elif lay.offload_optimizer:
         cpu["optimizer"], gpu["optimizer"] = gpu["optimizer"], 0.0
         cpu["grads"] = 4 * P / W  # fp32 gradient partition for the CPU step
     if lay.offload_param:
         cpu["params"] = c * P / W
         gpu["params"] -= c * P / W
     return gpu, cpu
+
+
+# ----------------------------------------------------------------------------- ZeRO-Offload
+
+
+def optimizer_groups(n: ParamCounts) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Elements of each parameter of the optimizer's two groups in the model's order, as
+    DeepSpeed flattens them (`components.optim.param_groups`): weight decay on the blocks'
+    matmul weights and an untied head; none on the embedding and the norms."""
+    embed, d = n.root_tensors[0], n.root_tensors[-1]
+    matmuls, norms = n.block_tensors[:5], n.block_tensors[5:]
+    head = () if len(n.root_tensors) == 2 else (embed,)  # (embed, d) when tied
+    return matmuls * n.layers + head, (embed,) + norms * n.layers + (d,)
+
+
+@dataclass(frozen=True)
+class RankPartition:
+    """One rank's share of one flattened parameter group under ZeRO-1/2 (DeepSpeed's
+    `get_partition_info`): the group is padded to a multiple of 2 x world elements and cut into
+    `world` equal partitions; a parameter belongs to every partition it overlaps."""
+
+    elements: int  # the partition, padding included
+    overlapping: tuple[int, ...]  # whole sizes of the parameters that overlap it
+    inside: int  # parameter elements inside it (no padding)
+
+    @staticmethod
+    def of(sizes: tuple[int, ...], world: int, rank: int) -> RankPartition:
+        align = 2 * world
+        size = -(-sum(sizes) // align) * align // world
+        start, end, at = rank * size, (rank + 1) * size, 0
+        overlapping, inside = [], 0
+        for numel in sizes:
+            if at < end and at + numel > start:
+                overlapping.append(numel)
+                inside += min(at + numel, end) - max(at, start)
+            at += numel
+        return RankPartition(size, tuple(overlapping), inside)
+
+
+def zero_offload_compact(lay: Layout) -> bool:
+    """ZeRO-2 with offload accumulates a step's gradients in an fp32 partition on the GPU
+    (`_use_compact_grad_partition_buffer`) when `data_types.grad_accum_dtype` is fp32 and the
+    parameters are 16-bit; otherwise in 16-bit copies on the host, sent back each micro-step.
+    (ZeRO-1 with fp32 accumulation also keeps fp32 copies of whole gradients on the GPU, which
+    the estimate does not count: the generated ds_config asks for it under ZeRO-2 only.)"""
+    return lay.zero_stage == 2 and lay.ds_grad_accum_dtype == "fp32" and lay.precision != "fp32"
+
+
+def zero_offload_accumulates(lay: Layout) -> bool:
+    """Whether ZeRO-Offload accumulates gradients on the host, in `accumulated_grads_in_cpu`:
+    ZeRO-2 with grad_accum > 1 unless `zero_offload_compact`. ZeRO-1 reduces only at a step's
+    last micro-step, from 16-bit gradients kept on the GPU until then, and makes none (counted
+    on 2 gloo ranks: its `micro_step_id` is still 0 there)."""
+    return lay.zero_stage == 2 and lay.grad_accum > 1 and not zero_offload_compact(lay)
+
+
+def zero_offload_host_blocks(n: ParamCounts, lay: Layout, rank: int = 0) -> dict[str, list[int]]:
+    """The host buffers of ZeRO-1/2's optimizer offload on `rank`, each allocation's bytes, by
+    DeepSpeed's own names (deepspeed/runtime/zero/stage_1_and_2.py, 0.19), per parameter group:
+    - `single_partition_of_fp32_groups`: the fp32 master partition (pinned with pin_memory);
+    - its `.grad`: the fp32 gradient partition the CPU step reads (pinned);
+    - `state` of DeepSpeedCPUAdam: exp_avg and exp_avg_sq, fp32 (pageable `zeros_like`);
+    - `param_buffer_of_bit16_for_cpu_offload_groups`: the updated parameters in their own
+      dtype, staged for the copy to the GPU (pinned);
+    - `accumulated_grads_in_cpu` (`zero_offload_accumulates`): one parameter-dtype copy of
+      every parameter overlapping the partition, whole (pinned each);
+    and once, `temp_grad_buffer_for_cpu_offload`: the largest parameter in the parameters'
+    dtype (pinned; allocated, never read in this version)."""
+    c = lay.working_bytes
+    blocks: dict[str, list[int]] = {
+        name: [] for name in ("master", "grads", "moments", "staging", "accumulators")
+    }
+    groups = optimizer_groups(n)
+    for sizes in groups:
+        part = RankPartition.of(sizes, lay.world, rank)
+        blocks["master"].append(4 * part.elements)
+        blocks["grads"].append(4 * part.elements)
+        blocks["moments"] += [4 * part.elements] * 2
+        blocks["staging"].append(c * part.elements)
+        if zero_offload_accumulates(lay):
+            blocks["accumulators"] += [c * numel for numel in part.overlapping]
+    blocks["copy buffer"] = [c * max(max(sizes) for sizes in groups)]
+    return blocks
+
+
+PINNED_BLOCKS = ("master", "grads", "staging", "accumulators", "copy buffer")
+
+
+def zero_offload_host(n: ParamCounts, lay: Layout, rank: int = 0) -> dict[str, float]:
+    """`rank`'s host bytes of ZeRO-1/2 optimizer offload (`zero_offload_host_blocks`) as the
+    estimate reports them: optimizer (fp32 master + moments), grads, staging, accumulators,
+    copy buffer, and `pinned rounding`, what torch's pinned allocator adds to the pinned ones
+    (`pinned_block_bytes`); none without pin_memory."""
+    blocks = zero_offload_host_blocks(n, lay, rank)
+    pinned = [b for name in PINNED_BLOCKS for b in blocks[name]] if lay.ds_pin_memory else []
+    rounding = sum(pinned_block_bytes(b, lay.pinned_round_limit) - b for b in pinned)
+    return {
+        "optimizer": float(sum(blocks["master"]) + sum(blocks["moments"])),
+        "grads": float(sum(blocks["grads"])),
+        "staging": float(sum(blocks["staging"])),
+        "accumulators": float(sum(blocks["accumulators"])),
+        "copy buffer": float(sum(blocks["copy buffer"])),
+        "pinned rounding": float(rounding),
+    }
+
+
+def zero_offload_gpu_grads(n: ParamCounts, lay: Layout) -> float:
+    """ZeRO-1/2 with optimizer offload keeps no 16-bit gradient partition on the GPU (counted
+    between micro-steps on 2 gloo ranks, ZeRO-2): each reduced gradient leaves from the reduce
+    bucket (`ds_reduce_buckets`, counted apart) through `temp_grad_buffer_for_gpu_offload` (the
+    largest parameter, in its dtype), and, with `zero_offload_compact`, an fp32 accumulation
+    partition per group lives from a step's first reduction to the step."""
+    largest = max(max(sizes) for sizes in optimizer_groups(n))
+    compact = 0
+    if zero_offload_compact(lay):
+        compact = sum(4 * RankPartition.of(g, lay.world, 0).elements for g in optimizer_groups(n))
+    return float(lay.working_bytes * largest + compact)
+
+
+def zero_offload_traffic(n: ParamCounts, lay: Layout, rank: int = 0) -> dict[str, dict[str, float]]:
+    """Bytes copied between host and GPU per optimizer step on `rank` under ZeRO-1/2 optimizer
+    offload, by direction and reason (stage_1_and_2.py, 0.19):
+    - to the host, fp32 gradients: at the step's last micro-step each reduced gradient's part
+      in the partition, cast to fp32 on the GPU, into the fp32 gradient partition;
+    - to the GPU, parameters: the updated partition, from the staging copy;
+    - with `zero_offload_accumulates` (grad_accum N > 1), the gradient accumulators
+      (`async_accumulate_grad_in_cpu_via_gpu`): every overlapping parameter's gradient goes to
+      the host on each of the N micro-steps and the sum so far comes back to the GPU to be
+      added to on each after the first (N and N - 1 copies of each)."""
+    c, N = lay.working_bytes, lay.grad_accum
+    to_host: dict[str, float] = {"fp32 gradients": 0.0}
+    to_gpu: dict[str, float] = {"parameters": 0.0}
+    for sizes in optimizer_groups(n):
+        part = RankPartition.of(sizes, lay.world, rank)
+        to_host["fp32 gradients"] += 4 * part.inside
+        to_gpu["parameters"] += c * part.elements
+        if zero_offload_accumulates(lay):
+            whole = c * sum(part.overlapping)
+            for way, copies in ((to_host, N), (to_gpu, N - 1)):
+                way["gradient accumulators"] = way.get("gradient accumulators", 0) + copies * whole
+    return {"to host": to_host, "to GPU": to_gpu}
+
+
+# ----------------------------------------------------------------------------- pinned memory
+
+
+def pinned_block_bytes(nbytes: int, round_limit: int | None = None) -> int:
+    """The bytes torch's pinned host allocator takes for an `nbytes` request (`tensor.pin_memory()`
+    and `pin_memory=True` go through it): CachingHostAllocatorImpl::allocate rounds each block
+    up to the next power of two (ATen/core/CachingHostAllocator.h, torch 2.13), except blocks
+    larger than `round_limit` (`pinned_round_limit`). Blocks are never split or shared, so
+    a 25.1 GiB fp32 partition takes 32 GiB. `pinned_use_cuda_host_register` (malloc +
+    cudaHostRegister) and `pinned_reserve_segment_size_mb` (one segment reserved up front) still
+    allocate the rounded size; expandable_segments is the GPU's allocator only."""
+    if nbytes <= 0 or (round_limit is not None and nbytes > round_limit):
+        return max(nbytes, 0)
+    return 1 << (nbytes - 1).bit_length()
+
+
+def pinned_round_limit(environ: Mapping[str, str]) -> int | None:
+    """Bytes above which torch's pinned allocator does not round a block up (None: it rounds
+    every block, the default): `pinned_max_round_threshold_mb` and `pinned_max_cached_size_mb`
+    (MiB; torch >= 2.13), read as torch reads them, from PYTORCH_ALLOC_CONF if set, else
+    PYTORCH_CUDA_ALLOC_CONF (c10/core/AllocatorConfig.cpp)."""
+    settings = environ.get("PYTORCH_ALLOC_CONF")
+    if settings is None:
+        settings = environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    limits = [
+        int(mib) << 20
+        for key, mib in re.findall(r"(?:^|,)\s*(\w+)\s*:\s*(\d+)", settings)
+        if key in ("pinned_max_round_threshold_mb", "pinned_max_cached_size_mb")
+    ]
+    return min(limits) if limits else None
 
 
 # ----------------------------------------------------------------------------- the estimate
@@ -269,6 +471,8 @@ class Estimate:
     cpu: dict[str, float] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)
     parts: dict[str, dict[str, float]] = field(default_factory=dict)
+    # host <-> GPU bytes per optimizer step of optimizer offload, by direction and reason
+    traffic: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def peak_parts(self) -> dict[str, float]:
@@ -290,6 +494,9 @@ class Estimate:
             "peak_phase": self.peak_phase,
             "peak_parts": {k: int(v) for k, v in self.peak_parts.items()},
             "cpu_bytes_per_rank": {k: int(v) for k, v in self.cpu.items() if v},
+            "offload_bytes_per_step": {
+                way: {k: int(v) for k, v in parts.items()} for way, parts in self.traffic.items()
+            },
             "layout": dataclasses.asdict(self.layout),
             "activation_checkpointing": self.ac.mode,
             "attention": self.model.attention,
@@ -307,7 +514,33 @@ def estimate_layout(m: ModelConfig, ac: ActivationCheckpointingConfig, lay: Layo
     gpu["peak"] = max(phases.values())
     gpu["overhead"] = OVERHEAD_FRACTION * gpu["peak"]
     gpu["total"] = gpu["peak"] + gpu["overhead"]
-    return Estimate(n.total, lay, m, ac, gpu, cpu, phases, parts)
+    traffic = {}
+    if lay.backend == "deepspeed" and lay.offload_optimizer and lay.zero_stage in (1, 2):
+        traffic = zero_offload_traffic(n, lay)
+    return Estimate(n.total, lay, m, ac, gpu, cpu, phases, parts, traffic)
+
+
+# PCIe 5.0 x16, each way: 16 lanes x 32 GT/s x 128/130 (encoding) / 8 bits
+PCIE5_X16_BYTES_PER_S = 16 * 32e9 * 128 / 130 / 8
+
+
+def format_offload_traffic(est: Estimate) -> str:
+    """One line for the report: the offload's host <-> GPU bytes per optimizer step (per rank)
+    by direction and reason, and the least time they take over PCIe 5.0 x16. DeepSpeed issues
+    them one after another, so the time is their sum over one direction's bandwidth. "" when
+    the layout offloads nothing (or is ZeRO-3's, not modelled here)."""
+    if not est.traffic:
+        return ""
+    ways = []
+    for way, parts in est.traffic.items():
+        reasons = ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in parts.items())
+        ways.append(f"{way} {sum(parts.values()) / 1e9:.2f} GB ({reasons})")
+    total = sum(sum(parts.values()) for parts in est.traffic.values())
+    return (
+        f"host<->GPU copies per optimizer step: {'; '.join(ways)}: {total / 1e9:.2f} GB, "
+        f"at least {total / PCIE5_X16_BYTES_PER_S:.2f} s over PCIe 5.0 x16 "
+        f"({PCIE5_X16_BYTES_PER_S / 1e9:.0f} GB/s each way)"
+    )
 
 
 def step_phases(

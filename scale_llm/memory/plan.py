@@ -8,7 +8,13 @@ from typing import Any
 
 from scale_llm.config import Config, with_changes
 from scale_llm.errors import UserError
-from scale_llm.memory.estimate import OVERHEAD_FRACTION, Estimate, estimate, gib
+from scale_llm.memory.estimate import (
+    OVERHEAD_FRACTION,
+    Estimate,
+    estimate,
+    format_offload_traffic,
+    gib,
+)
 from scale_llm.plan import RunPlan, target_plan
 
 # ----------------------------------------------------------------------------- report and hints
@@ -92,6 +98,9 @@ def format_report(est: Estimate, cfg: Config, plan: RunPlan, source: str) -> str
             "per rank in CPU memory (offloaded): "
             + ", ".join(f"{k} {gib(v)}" for k, v in cpu.items())
         )
+    traffic = format_offload_traffic(est)
+    if traffic:
+        lines.append(traffic)
     options = [(flags, total) for flags, total in hints(cfg, plan) if total < est.total]
     if options:
         lines.append("to reduce:")
