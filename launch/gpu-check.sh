@@ -6,7 +6,8 @@
 #   (c) the framework's step vs a bare PyTorch loop
 #   (d) the headline row under FSDP2 in a world of one (bf16 parameters, fp32 master shards)
 #   (e) with 2+ GPUs: the headline row's DDP step on 2 GPUs against 1 alone (weak scaling)
-# Writes OUT_DIR/report.json and OUT_DIR/report.md (record the tables in docs/benchmarks.md).
+# Writes OUT_DIR/report.json and OUT_DIR/report.md (record the tables as a report in benchmarks/:
+# docs/benchmarks.md).
 #   bash launch/gpu-check.sh [OUT_DIR] [--steps N] [--budget-min M] [--only curves,sweep,...]
 #                            [--scratch DIR] [--set key=value ...]
 set -euo pipefail

@@ -70,6 +70,7 @@ def bench(cfg: Config, plan: RunPlan, steps: int = 10, warmup: int = 3) -> dict[
     backend = build_backend(cfg, plan)
     model = build_model(cfg.model)
     flops_per_token = model.flops_per_token()
+    causal_flops_per_token = model.flops_per_token(causal=True)
     n_params = model.num_params()
     wrapped = backend.setup(model)
     m = cfg.model
@@ -106,8 +107,9 @@ def bench(cfg: Config, plan: RunPlan, steps: int = 10, warmup: int = 3) -> dict[
         "tokens_per_s_per_rank": tokens / seconds,
     }
     peak = peak_flops(device, plan.precision, cfg.logging.peak_tflops)
-    if peak:
+    if peak:  # MFU counts attention whole (the convention); mfu_causal, the half computed
         result["mfu"] = flops_per_token * tokens / seconds / peak
+        result["mfu_causal"] = causal_flops_per_token * tokens / seconds / peak
     result.update(cuda_memory_gib(device))
     return result
 

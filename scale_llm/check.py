@@ -1,6 +1,9 @@
 """`scale-llm check OUT_DIR` (`launch/gpu-check.sh`): what anyone with a GPU runs first.
 
-On one GPU, in a few minutes, in this order (the most telling numbers first):
+First a preflight (seconds): what would make the rest fail or mislead, each with its fix: the
+compiler toolchain, the GPUs torch sees against those the machine lists, /dev/shm in a container
+(NCCL's shared memory), the host memory the optimizer-offload layout needs, free disk.
+Then on one GPU, in a few minutes, in this order (the most telling numbers first):
   (a) curves: tiny.yaml for a few steps on the CPU in fp32 (the reference), then on the GPU in
       bf16 and fp16, eager and compiled; each must lower the loss and start within a tolerance
       of the CPU curve;
@@ -32,6 +35,7 @@ import functools
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -136,6 +140,11 @@ def run_check(
     with _log_to(out / "check.log"):
         report = Report(out, budget_minutes)
         cuda = torch.cuda.is_available()
+        report.data["preflight"] = preflight(cuda, scratch, out)
+        report.save()
+        for row in report.data["preflight"]:
+            if not row["ok"]:
+                log.warning("check: preflight: %s: %s; %s", row["item"], row["found"], row["fix"])
         tiny = tiny_config(scratch, runs, steps, overrides or [])
         if "curves" in wanted:
             report.attempt("prepare", "tiny.yaml's data", lambda: prepared(tiny))
@@ -162,6 +171,106 @@ def run_check(
         report.save()
         log.info("check: done in %.0f s, %s", report.data["seconds"], _verdict(report.data))
     return report.data
+
+
+SHM_NEEDED = 1 << 30  # NCCL's shared-memory buffers between GPUs of one node: Docker's 64 MiB fails
+DISK_NEEDED = 10 * 10**9  # the check's data, runs and one 400m checkpoint, with room to spare
+
+
+def preflight(cuda: bool, scratch: Path, out: Path) -> list[dict[str, Any]]:
+    """Rows {item, ok, found, fix}: what would fail or mislead the rest of the check (and the
+    first real run), found in seconds."""
+    from scale_llm.components.hardware import host_available_bytes
+    from scale_llm.parallel.compile import toolchain_problem
+
+    device = torch.device("cuda" if cuda else "cpu")
+    rows = []
+    problem = toolchain_problem(device)
+    rows.append(
+        _row(
+            "toolchain",
+            problem is None,
+            f"torch.compile builds kernels on {device.type}" if problem is None else problem,
+            "install what it names, or run with train.compile=false (auto goes eager by itself)",
+        )
+    )
+    rows.append(_gpus_row(cuda))
+    rows.append(_shm_row(cuda))
+    available = host_available_bytes()
+    need = offload_host_bytes()
+    rows.append(
+        _row(
+            "host memory",
+            not cuda or available is None or available >= need,
+            f"{_gib(available)} available; yaml/7b-1xh200.yaml's optimizer offload needs "
+            f"{_gib(need)} (scale-llm estimate yaml/7b-1xh200.yaml --world-size 1"
+            + (")" if cuda else "; no GPU here to offload from)"),
+            "offload layouts need a larger host; the other configs keep their state on the GPUs",
+        )
+    )
+    for what, where in (("scratch", scratch), ("report", out)):
+        free = shutil.disk_usage(where).free
+        rows.append(
+            _row(
+                f"disk ({what})",
+                free >= DISK_NEEDED,
+                f"{free / 1e9:,.1f} GB free in {where}",
+                f"free {DISK_NEEDED / 1e9:.0f} GB there, or point --scratch / OUT at a larger disk",
+            )
+        )
+    return rows
+
+
+def _row(item: str, ok: bool, found: str, fix: str) -> dict[str, Any]:
+    return {"item": item, "ok": bool(ok), "found": found, "fix": "" if ok else fix}
+
+
+def _gib(n: float | None) -> str:
+    return "unknown" if n is None else f"{n / 2**30:,.1f} GiB"
+
+
+def _gpus_row(cuda: bool) -> dict[str, Any]:
+    """The GPUs torch sees against those nvidia-smi listed (gpu-check.sh passes its count)."""
+    listed = int(os.environ.get("SCALE_LLM_CHECK_NGPU") or 0)
+    seen = torch.cuda.device_count() if cuda else 0
+    names = sorted({torch.cuda.get_device_name(i) for i in range(seen)}) if seen else []
+    found = f"torch sees {seen} GPU(s){': ' + ', '.join(names) if names else ''}"
+    if listed:
+        found += f"; nvidia-smi lists {listed}"
+    return _row(
+        "GPUs",
+        seen > 0 or listed == 0,
+        found,
+        "a CPU build of torch, or a driver too old for this CUDA build: install the CUDA build "
+        "of torch that matches the driver (launch/setup.sh does on a GPU machine)",
+    )
+
+
+def _shm_row(cuda: bool, path: str = "/dev/shm") -> dict[str, Any]:
+    try:
+        st = os.statvfs(path)
+        size = st.f_frsize * st.f_blocks
+    except OSError:
+        size = 0
+    needed = cuda and torch.cuda.device_count() > 1
+    return _row(
+        "shared memory",
+        size >= SHM_NEEDED or not needed,
+        f"{path} holds {size / 2**20:,.0f} MiB"
+        + ("" if needed else " (one GPU or none here: only several GPUs of a node share it)"),
+        "NCCL's buffers between the GPUs of a node live in /dev/shm, and a container's default "
+        "(64 MiB) fails or hangs multi-GPU runs: start the container with --ipc=host or "
+        "--shm-size=16g",
+    )
+
+
+def offload_host_bytes() -> float:
+    """Host bytes per rank yaml/7b-1xh200.yaml's optimizer offload needs, by the estimate."""
+    from scale_llm.memory import estimate
+    from scale_llm.plan import target_plan
+
+    cfg = load_config(YAML / "7b-1xh200.yaml")
+    return sum(estimate(cfg, target_plan(cfg, 1)).cpu.values())
 
 
 REPORT_FILES = ("report.json", "report.md", "check.log")
@@ -400,6 +509,15 @@ def markdown_report(report: dict[str, Any]) -> str:
         f"# scale_llm check on {report['device']} (torch {report['torch']})",
         "",
         f"{_verdict(report)}; {report['seconds']:.0f} s",
+        "",
+        "## Preflight",
+        "",
+        "| item | ok | found | fix |",
+        "|---|---|---|---|",
+        *(
+            f"| {r['item']} | {'yes' if r['ok'] else 'NO'} | {r['found']} | {r['fix']} |"
+            for r in report.get("preflight", [])
+        ),
         "",
         "## (a) tiny.yaml curves vs the CPU fp32 curve",
         "",

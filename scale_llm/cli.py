@@ -1,4 +1,7 @@
-"""`scale-llm` / `python -m scale_llm`: prepare, train, generate, export, eval.
+"""`scale-llm` / `python -m scale_llm`: one command per job (`scale-llm COMMAND --help`).
+
+Each command's parser is built by its own `_<command>_parser`, just above the `cmd_<command>`
+that runs it; `build_parser` only adds them, in PARSERS' order.
 
 User mistakes (scale_llm.errors.UserError) print one clear message and exit with code 2; anything
 else keeps its traceback, because it is a bug to fix.
@@ -23,7 +26,42 @@ from scale_llm.version import __version__
 log = logging.getLogger("scale_llm")
 
 
+KEYS_EPILOG = (
+    "every config key, with its type, default and meaning: scale-llm config --keys; the "
+    "config a command would run with: scale-llm config CONFIG [--set ...]"
+)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Each option's help ends with its default where it has one. (argparse's
+    ArgumentDefaultsHelpFormatter also prints `None` and `False`, which say nothing: an
+    option without a default says in its help what leaving it out means.)"""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            "%(default)" in text
+            or default is None
+            or default is False
+            or default in ("", [])
+            or default == argparse.SUPPRESS
+            or not (action.option_strings or action.nargs == argparse.OPTIONAL)
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _command(sub, name: str, summary: str, **kwargs) -> argparse.ArgumentParser:
+    """A subcommand's parser: its summary both in `scale-llm --help` and atop its own help."""
+    return sub.add_parser(
+        name, help=summary, description=summary, formatter_class=HelpFormatter, **kwargs
+    )
+
+
 def _add_config_args(p: argparse.ArgumentParser, training: bool = True) -> None:
+    """CONFIG and --set (and with `training`, the seed's familiar flags as aliases of keys)."""
+    p.epilog = p.epilog or KEYS_EPILOG
     p.add_argument("config", nargs="?", help="YAML config (default: the built-in tiny defaults)")
     p.add_argument(
         "--set",
@@ -31,13 +69,13 @@ def _add_config_args(p: argparse.ArgumentParser, training: bool = True) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override any config key, e.g. --set train.lr=3e-4 (repeatable; "
-        "--train.lr 3e-4 and --train.lr=3e-4 work too)",
+        help="override any config key (scale-llm config --keys lists them), e.g. --set "
+        "train.lr=3e-4 (repeatable; --train.lr 3e-4 and --train.lr=3e-4 work too)",
     )
     # the deepspeed launcher appends --local_rank=N; the rank is read from the environment
     p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     p.set_defaults(grad_accum=None, grad_checkpointing=False, amp=False, amp_dtype=None)
-    p.set_defaults(batch_size=None, train_steps=None, report_memory=False)
+    p.set_defaults(batch_size=None, train_steps=None)
     if training:
         _add_training_aliases(p)
 
@@ -71,11 +109,6 @@ def _add_training_aliases(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="alias of train.max_steps",
     )
-    p.add_argument(
-        "--report-memory",
-        action="store_true",
-        help="train: print the predicted per-GPU memory before training",
-    )
 
 
 def alias_overrides(args: argparse.Namespace) -> list[str]:
@@ -101,41 +134,18 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="scale-llm", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="scale-llm", description=__doc__.splitlines()[0], formatter_class=HelpFormatter
+    )
     parser.add_argument("--version", action="version", version=f"scale_llm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    for add_parser in PARSERS:
+        add_parser(sub)
+    return parser
 
-    p = sub.add_parser("prepare", help="train the tokenizer and write token shards")
-    _add_config_args(p, training=False)
-    p.add_argument("--force", action="store_true", help="rebuild even if up to date")
-    p.add_argument(
-        "--bench",
-        action="store_true",
-        help="only measure tokens/s of the pipeline vs a plain encode loop (writes nothing)",
-    )
-    p.add_argument("--bench-mb", type=float, default=16.0, help="MB of text for --bench")
-    p.add_argument(
-        "--as-train",
-        action="store_true",
-        help="read every other argument as `train` would (its flags allowed and checked) and "
-        "prepare that run's data: what the launchers run before training",
-    )
 
-    p = sub.add_parser(
-        "train",
-        help="train a model",
-        epilog="every config key, with its type, default and meaning: scale-llm config --keys; "
-        "the config a command would run with: scale-llm config CONFIG [--set ...]",
-    )
-    _add_config_args(p)
-    p.add_argument(
-        "--fit",
-        metavar="SIZE|auto",
-        help="before training, choose micro-batch, grad_accum and checkpointing to fit SIZE per "
-        "GPU (e.g. 80GiB; auto: the GPU's free memory), keeping the global batch",
-    )
-
-    p = sub.add_parser("config", help="print the resolved config; --keys lists every key")
+def _config_parser(sub) -> None:
+    p = _command(sub, "config", "print the resolved config; --keys lists every key")
     _add_config_args(p, training=False)
     p.add_argument(
         "--keys", action="store_true", help="list every key with its type, default and meaning"
@@ -148,153 +158,6 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="where the shipped configs and launchers are (in a checkout or an installed wheel)",
     )
-
-    p = sub.add_parser("estimate", help="predict per-GPU memory; --fit proposes settings")
-    _add_config_args(p)
-    p.add_argument(
-        "--world-size",
-        type=int,
-        default=None,
-        metavar="N",
-        help="GPUs the run will use (default: $WORLD_SIZE or 1)",
-    )
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--fit", metavar="SIZE", help="memory per GPU to fit in, e.g. 80GiB")
-    p.add_argument(
-        "--measure",
-        action="store_true",
-        help="also count the activation bytes a CPU forward pass saves for backward, and "
-        "measure one whole optimizer step on the CPU by category (params, grads, optimizer, "
-        "activations, temporaries)",
-    )
-    p.add_argument(
-        "--fake",
-        action="store_true",
-        help="also trace one whole optimizer step at full size on fake tensors (no memory "
-        "used) for rank 0 of --world-size GPUs, by category, next to the estimate",
-    )
-
-    p = sub.add_parser("bench", help="training throughput on synthetic tokens (no data needed)")
-    _add_config_args(p)
-    p.add_argument("--steps", type=int, default=10, help="timed optimizer steps")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
-    p.add_argument(
-        "--reference",
-        nargs="?",
-        const="bare",
-        choices=["bare", "gpt2", "eager", "scaling"],
-        help="time the framework's step against a bare PyTorch loop of the same model (bare), "
-        "of a GPT-2-style model of the same widths (gpt2), or compiled against eager (eager), "
-        "or, under torchrun, the step of every process against one of them alone (scaling: "
-        "weak-scaling efficiency); interleaved, best of --rounds, with the median of the "
-        "rounds' pairs",
-    )
-    p.add_argument("--rounds", type=int, default=5, help="--reference: timed rounds of each")
-    p.add_argument(
-        "--sweep",
-        action="store_true",
-        help="a table over --sweep-micro x --sweep-ac x --sweep-compile (grad_accum 1)",
-    )
-    p.add_argument("--sweep-micro", default="1,2,4,8", help="micro-batch sizes to sweep")
-    p.add_argument("--sweep-ac", default="none,selective,full", help="checkpointing modes")
-    p.add_argument("--sweep-compile", default="false,true", help="compile settings")
-    p.add_argument(
-        "--sweep-backend",
-        help="backends to sweep (default: the config's): single (one process), or under a "
-        "multi-process launch ddp, fsdp, zero0..zero3 (DeepSpeed), e.g. ddp,fsdp,zero2",
-    )
-    p.add_argument(
-        "--checkpoint-io",
-        metavar="DIR",
-        help="time a checkpoint save, its integrity record and its check, in a new folder "
-        "inside DIR (removed afterwards; nothing else in DIR is touched)",
-    )
-    p.add_argument(
-        "--roofline",
-        choices=["H100-SXM", "H200", "A100-80GB"],
-        help="no run: count FLOPs and bytes of one step on the meta device, per op class",
-    )
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-
-    p = sub.add_parser(
-        "check", help="the first run on a new machine: curves, sweep, reference (a report)"
-    )
-    p.add_argument("out", nargs="?", default="check", help="directory for report.json / .md")
-    p.add_argument("--steps", type=int, default=8, help="steps of each tiny.yaml curve")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument(
-        "--scratch",
-        help="where the check's data and runs go (default: TMPDIR/scale-llm-check, reused)",
-    )
-    p.add_argument(
-        "--budget-min",
-        type=float,
-        metavar="MINUTES",
-        help="start no item after this many minutes (the report says which were skipped)",
-    )
-    p.add_argument(
-        "--only",
-        metavar="SECTIONS",
-        help="a comma list of curves, sweep, reference, param_dtype, scaling (default: all)",
-    )
-
-    p = sub.add_parser("convert", help="write a checkpoint as one consolidated fp32 file")
-    p.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its newest)")
-    p.add_argument("--out", required=True, help="the file to write, e.g. model.pt")
-    p.add_argument(
-        "--force", action="store_true", help="replace --out if an earlier convert wrote it"
-    )
-
-    p = sub.add_parser("export", help="write a checkpoint as a Hugging Face Llama folder")
-    p.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its newest)")
-    p.add_argument("--out", required=True, help="the folder to write, e.g. exports/tiny")
-    p.add_argument("--format", choices=["hf"], default="hf", help="hf: transformers / vLLM")
-    p.add_argument(
-        "--dtype",
-        choices=["bf16", "fp16", "fp32"],
-        default=None,
-        help="weights dtype (default: bf16 for runs trained in bf16/fp16, fp32 otherwise)",
-    )
-    p.add_argument(
-        "--max-shard-size",
-        default="5GB",
-        metavar="SIZE",
-        help="split the weights into files of at most SIZE, with an index (default 5GB)",
-    )
-    p.add_argument("--force", action="store_true", help="replace --out if it is an earlier export")
-
-    p = sub.add_parser("eval", help="lm-evaluation-harness tasks and held-out perplexity")
-    p.add_argument("run_dir", help="a run directory; its newest good checkpoint is evaluated")
-    p.add_argument("--tasks", default=None, metavar="T1,T2", help="lm-eval task names")
-    p.add_argument(
-        "--include-path", default=None, metavar="DIR", help="a folder of extra task YAMLs"
-    )
-    p.add_argument(
-        "--limit",
-        type=int,
-        default=None,
-        metavar="N",
-        help="at most N examples per task (and N validation windows for --perplexity)",
-    )
-    p.add_argument("--num-fewshot", type=int, default=None, metavar="K")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument(
-        "--perplexity",
-        default=None,
-        metavar="DATA_DIR",
-        help="loss and perplexity on the validation split of a prepared data dir",
-    )
-
-    p = sub.add_parser("generate", help="sample text from a trained run")
-    p.add_argument("run_dir", help="a run directory written by `scale-llm train`, e.g. runs/tiny")
-    p.add_argument("--prompt", default="", help="text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
-    p.add_argument("--top-k", type=int, default=50, help="0 disables")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpoint", default=None, help="a checkpoint dir (default: the newest)")
-    return parser
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -323,6 +186,24 @@ def cmd_config(args: argparse.Namespace) -> int:
 
     print(dump_yaml(config_from_args(args)), end="")
     return 0
+
+
+def _prepare_parser(sub) -> None:
+    p = _command(sub, "prepare", "train the tokenizer and write token shards")
+    _add_config_args(p, training=False)
+    p.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    p.add_argument(
+        "--bench",
+        action="store_true",
+        help="only measure tokens/s of the pipeline vs a plain encode loop (writes nothing)",
+    )
+    p.add_argument("--bench-mb", type=float, default=16.0, help="MB of text for --bench")
+    p.add_argument(
+        "--as-train",
+        action="store_true",
+        help="read every other argument as `train` would (its flags allowed and checked) and "
+        "prepare that run's data: what the launchers run before training",
+    )
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -433,6 +314,22 @@ def fit_at_launch(cfg: Config, plan, size: str):
     return cfg, resolve_plan(cfg, launch_env())
 
 
+def _train_parser(sub) -> None:
+    p = _command(sub, "train", "train a model")
+    _add_config_args(p)
+    p.add_argument(
+        "--fit",
+        metavar="SIZE|auto",
+        help="before training, choose micro-batch, grad_accum and checkpointing to fit SIZE per "
+        "GPU (e.g. 80GiB; auto: the GPU's free memory), keeping the global batch",
+    )
+    p.add_argument(
+        "--report-memory",
+        action="store_true",
+        help="print the predicted per-GPU memory before training",
+    )
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     cfg, plan = start_distributed(args)
     if args.fit:
@@ -466,6 +363,33 @@ def cmd_train(args: argparse.Namespace) -> int:
             result.run_dir,
         )
     return 0
+
+
+def _estimate_parser(sub) -> None:
+    p = _command(sub, "estimate", "predict per-GPU memory; --fit proposes settings")
+    _add_config_args(p)
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="GPUs the run will use (default: $WORLD_SIZE or 1)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--fit", metavar="SIZE", help="memory per GPU to fit in, e.g. 80GiB")
+    p.add_argument(
+        "--measure",
+        action="store_true",
+        help="also count the activation bytes a CPU forward pass saves for backward, and "
+        "measure one whole optimizer step on the CPU by category (params, grads, optimizer, "
+        "activations, temporaries)",
+    )
+    p.add_argument(
+        "--fake",
+        action="store_true",
+        help="also trace one whole optimizer step at full size on fake tensors (no memory "
+        "used) for rank 0 of --world-size GPUs, by category, next to the estimate",
+    )
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
@@ -532,6 +456,50 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         )
     print(json.dumps(result) if args.json else "\n".join(text))
     return 0
+
+
+def _bench_parser(sub) -> None:
+    p = _command(sub, "bench", "training throughput on synthetic tokens (no data needed)")
+    _add_config_args(p)
+    p.add_argument("--steps", type=int, default=10, help="timed optimizer steps")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument(
+        "--reference",
+        nargs="?",
+        const="bare",
+        choices=["bare", "gpt2", "eager", "scaling"],
+        help="time the framework's step against a bare PyTorch loop of the same model (bare, "
+        "what --reference alone means), of a GPT-2-style model of the same widths (gpt2), or "
+        "compiled against eager (eager), or, under torchrun, the step of every process "
+        "against one of them alone (scaling: weak-scaling efficiency); interleaved, best of "
+        "--rounds, with the median of the rounds' pairs",
+    )
+    p.add_argument("--rounds", type=int, default=5, help="--reference: timed rounds of each")
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="a table over --sweep-micro x --sweep-ac x --sweep-compile (grad_accum 1)",
+    )
+    p.add_argument("--sweep-micro", default="1,2,4,8", help="micro-batch sizes to sweep")
+    p.add_argument("--sweep-ac", default="none,selective,full", help="checkpointing modes")
+    p.add_argument("--sweep-compile", default="false,true", help="compile settings")
+    p.add_argument(
+        "--sweep-backend",
+        help="backends to sweep (default: the config's): single (one process), or under a "
+        "multi-process launch ddp, fsdp, zero0..zero3 (DeepSpeed), e.g. ddp,fsdp,zero2",
+    )
+    p.add_argument(
+        "--checkpoint-io",
+        metavar="DIR",
+        help="time a checkpoint save, its integrity record and its check, in a new folder "
+        "inside DIR (removed afterwards; nothing else in DIR is touched)",
+    )
+    p.add_argument(
+        "--roofline",
+        choices=["H100-SXM", "H200", "A100-80GB"],
+        help="no run: count FLOPs and bytes of one step on the meta device, per op class",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -615,6 +583,39 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_parser(sub) -> None:
+    p = _command(
+        sub, "check", "the first run on a new machine: curves, sweep, reference (a report)"
+    )
+    p.add_argument("out", nargs="?", default="check", help="directory for report.json / .md")
+    p.add_argument("--steps", type=int, default=8, help="steps of each tiny.yaml curve")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key of every run the check makes, e.g. --set "
+        "train.micro_batch_size=4 (repeatable; scale-llm config --keys lists the keys)",
+    )
+    p.add_argument(
+        "--scratch",
+        help="where the check's data and runs go (default: TMPDIR/scale-llm-check, reused)",
+    )
+    p.add_argument(
+        "--budget-min",
+        type=float,
+        metavar="MINUTES",
+        help="start no item after this many minutes (the report says which were skipped); "
+        "default: no limit",
+    )
+    p.add_argument(
+        "--only",
+        metavar="SECTIONS",
+        help="a comma list of curves, sweep, reference, param_dtype, scaling (default: all)",
+    )
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -632,12 +633,41 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0 if report["ok"] else 1
 
 
+def _convert_parser(sub) -> None:
+    p = _command(sub, "convert", "write a checkpoint as one consolidated fp32 file")
+    p.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its newest)")
+    p.add_argument("--out", required=True, help="the file to write, e.g. model.pt")
+    p.add_argument(
+        "--force", action="store_true", help="replace --out if an earlier convert wrote it"
+    )
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     from scale_llm.train.convert import convert
 
     path, n_params = convert(args.checkpoint, args.out, args.force)
     print(f"wrote {path}: {n_params / 1e6:.2f}M parameters (fp32) and the run's config")
     return 0
+
+
+def _export_parser(sub) -> None:
+    p = _command(sub, "export", "write a checkpoint as a Hugging Face Llama folder")
+    p.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its newest)")
+    p.add_argument("--out", required=True, help="the folder to write, e.g. exports/tiny")
+    p.add_argument("--format", choices=["hf"], default="hf", help="hf: transformers / vLLM")
+    p.add_argument(
+        "--dtype",
+        choices=["bf16", "fp16", "fp32"],
+        default=None,
+        help="weights dtype (default: bf16 for runs trained in bf16/fp16, fp32 otherwise)",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        metavar="SIZE",
+        help="split the weights into files of at most SIZE, with an index",
+    )
+    p.add_argument("--force", action="store_true", help="replace --out if it is an earlier export")
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -661,6 +691,39 @@ def cmd_export(args: argparse.Namespace) -> int:
         f"transformers.AutoModelForCausalLM.from_pretrained({str(done.out)!r})"
     )
     return 0
+
+
+def _eval_parser(sub) -> None:
+    p = _command(sub, "eval", "lm-evaluation-harness tasks and held-out perplexity")
+    p.add_argument("run_dir", help="a run directory; its newest good checkpoint is evaluated")
+    p.add_argument("--tasks", default=None, metavar="T1,T2", help="lm-eval task names")
+    p.add_argument(
+        "--include-path", default=None, metavar="DIR", help="a folder of extra task YAMLs"
+    )
+    p.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        metavar="N",
+        help="at most N examples per task (and N validation windows for --perplexity); "
+        "default: all",
+    )
+    p.add_argument(
+        "--num-fewshot",
+        type=int,
+        default=None,
+        metavar="K",
+        help="examples shown before each question (default: each task's own setting)",
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=8, help="sequences per forward pass of the model"
+    )
+    p.add_argument(
+        "--perplexity",
+        default=None,
+        metavar="DATA_DIR",
+        help="loss and perplexity on the validation split of a prepared data dir",
+    )
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -726,6 +789,20 @@ def generation_problems(args: argparse.Namespace) -> list[str]:
     return e
 
 
+def _generate_parser(sub) -> None:
+    p = _command(sub, "generate", "sample text from a trained run")
+    p.add_argument("run_dir", help="a run directory written by `scale-llm train`, e.g. runs/tiny")
+    p.add_argument("--prompt", default="", help="text to continue (default: none: a new document)")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
+    p.add_argument("--top-k", type=int, default=50, help="0 disables")
+    p.add_argument(
+        "--top-p", type=float, default=None, help="nucleus sampling threshold (default: none)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seeds the sampling")
+    p.add_argument("--checkpoint", default=None, help="a checkpoint dir (default: the newest)")
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from scale_llm.config import with_changes
     from scale_llm.generate import generate_text, read_run_config
@@ -753,6 +830,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# Each command's parser, in `scale-llm --help`'s order.
+PARSERS = (
+    _prepare_parser,
+    _train_parser,
+    _config_parser,
+    _estimate_parser,
+    _bench_parser,
+    _check_parser,
+    _convert_parser,
+    _export_parser,
+    _eval_parser,
+    _generate_parser,
+)
 COMMANDS = {
     "prepare": cmd_prepare,
     "train": cmd_train,

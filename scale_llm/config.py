@@ -36,7 +36,7 @@ from scale_llm.parallel.options import (
     validate_activation_checkpointing,
     validate_parallel,
 )
-from scale_llm.schema import run_defining
+from scale_llm.schema import config_key
 
 __all__ = [  # the section schemas that live beside their owners, re-exported for convenience
     "ActivationCheckpointingConfig",
@@ -53,77 +53,161 @@ Precision = Literal["auto", "bf16", "fp16", "fp32"]
 
 @dataclass
 class RunConfig:
-    name: str = "defaults"  # (yaml/tiny.yaml's run is "tiny": the two never share a directory)
-    dir: str = "runs"  # the run directory is <dir>/<name>
-    seed: int = run_defining(1337)
+    name: str = config_key(
+        "defaults",  # not tiny.yaml's "tiny": a run without a config never shares its directory
+        "name of the run; the run directory is `<run.dir>/<run.name>`; a plain name (no "
+        "separators, not `.`/`..`, no leading `-`). The no-config default is `defaults` "
+        "(yaml/tiny.yaml's run is `tiny`)",
+    )
+    dir: str = config_key("runs", "parent directory of run directories")
+    seed: int = config_key(
+        1337, "seeds weight init and the data order; part of a run's identity", run_defining=True
+    )
 
 
 @dataclass
 class WandbConfig:
-    project: str | None = None  # set to log to Weights & Biases (pip install wandb)
-    name: str | None = None  # the W&B run's name; null: run.name
-    mode: Literal["online", "offline", "disabled"] = "online"
+    project: str | None = config_key(
+        None,
+        "Weights & Biases project to log to (the same scalars, samples and the config; needs "
+        "`pip install wandb`); null: no W&B. A resumed run logs to the same W&B run (its id is "
+        "kept in `RUN_DIR/wandb-id.txt`)",
+    )
+    name: str | None = config_key(None, "the W&B run's display name; null: run.name")
+    mode: Literal["online", "offline", "disabled"] = config_key(
+        "online",
+        "`online`, `offline` (written under `RUN_DIR/wandb/`, `wandb sync` uploads it later) "
+        "or `disabled`",
+    )
 
 
 @dataclass
 class LoggingConfig:
-    every: int = 10  # optimizer steps between metric rows
-    tensorboard: bool = True
-    # dense peak TFLOP/s per device for MFU, for devices not in components/hardware.py (or CPUs)
-    peak_tflops: float | None = None
+    every: int = config_key(
+        10,
+        "optimizer steps between metric rows (metrics.jsonl, TensorBoard, console); each "
+        "launch's first step and the run's last are logged too",
+    )
+    tensorboard: bool = config_key(
+        True, "also write TensorBoard event files to `RUN_DIR/tensorboard`"
+    )
+    peak_tflops: float | None = config_key(  # the built-in table: components/hardware.py
+        None,
+        "dense peak TFLOP/s per device, for MFU on devices the built-in table does not "
+        "know (it knows H100 SXM / PCIe / NVL, H200 SXM / NVL, A100, L40S, L40, L4, RTX 4090, "
+        "RTX A6000, MI300X); on a CPU MFU is reported only with this set",
+    )
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = run_defining(4096)
-    d_model: int = run_defining(256)
-    n_layers: int = run_defining(4)
-    n_heads: int = run_defining(4)
-    # None: n_heads (multi-head); fewer: grouped-query attention
-    n_kv_heads: int | None = run_defining(None)
-    seq_len: int = run_defining(256)
-    # None: 8/3 * d_model rounded up to a multiple of 128 (SwiGLU)
-    mlp_hidden: int | None = run_defining(None)
-    tie_embeddings: bool = run_defining(True)
-    attention: Literal["sdpa", "eager"] = "sdpa"
-    norm_eps: float = run_defining(1e-5)
-    rope_theta: float = run_defining(10000.0)
-    init_std: float = 0.02
-    # a local Hugging Face Llama folder (or a `scale-llm export`) to start a fresh run from
-    init_from: str | None = None
+    vocab_size: int = config_key(
+        4096,
+        "tokenizer size; `prepare` trains a tokenizer of exactly this size and `train` "
+        "refuses data whose tokenizer differs",
+        run_defining=True,
+    )
+    d_model: int = config_key(256, "residual width", run_defining=True)
+    n_layers: int = config_key(4, "transformer blocks", run_defining=True)
+    n_heads: int = config_key(
+        4,
+        "attention heads; must divide d_model, head size must be even (rotary)",
+        run_defining=True,
+    )
+    n_kv_heads: int | None = config_key(
+        None, "key/value heads for grouped-query attention; null = n_heads", run_defining=True
+    )
+    seq_len: int = config_key(256, "context length in tokens", run_defining=True)
+    mlp_hidden: int | None = config_key(
+        None,
+        "SwiGLU hidden width; null = 8/3 d_model rounded up to a multiple of 128",
+        run_defining=True,
+    )
+    tie_embeddings: bool = config_key(
+        True, "output head reuses the token embedding matrix", run_defining=True
+    )
+    attention: Literal["sdpa", "eager"] = config_key(
+        "sdpa",
+        "`sdpa` (`scaled_dot_product_attention`, fused kernels) or `eager` (materializes "
+        "the (B, n_heads, T, T) score matrix; for teaching and memory comparisons)",
+    )
+    norm_eps: float = config_key(1e-5, "RMSNorm epsilon", run_defining=True)
+    rope_theta: float = config_key(10000.0, "rotary base", run_defining=True)
+    init_std: float = config_key(
+        0.02, "init std; residual output projections use init_std / sqrt(2 n_layers)"
+    )
+    init_from: str | None = config_key(
+        None,
+        "a local Hugging Face Llama folder (or a `scale-llm export`) whose weights start "
+        "a fresh run (continued pretraining); not used when resuming; see "
+        "[ecosystem.md](ecosystem.md)",
+    )
 
 
 @dataclass
 class TrainConfig:
-    micro_batch_size: int = 8
-    grad_accum: int = 1
-    global_batch_size: int | None = None  # sequences per step over all ranks; sets grad_accum
-    max_steps: int = 200
-    max_bad_steps: int = 20  # stop after this many consecutive non-finite (skipped) steps
-    # Python's cyclic garbage collector runs only every gc_every steps, on every rank at the same
-    # step (a pause on one rank stalls the others at the next collective); 0: Python decides
-    gc_every: int = 50
-    exit_at_step: int | None = None  # checkpoint and exit after this step (time-limited jobs);
-    # the LR schedule still runs to max_steps, and the next launch resumes from here
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_steps: int = 20
-    # after warmup: cosine or linear decay to min_lr at max_steps; wsd holds lr, then decays
-    # linearly over the last decay_fraction of max_steps (extending a run keeps its LR); constant
-    lr_schedule: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
-    decay_fraction: float = 0.2  # wsd: the share of max_steps spent decaying to min_lr
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
-    precision: Precision = "auto"  # auto: bf16 on a bf16-capable GPU, fp32 on CPU
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    # torch.compile each transformer block and the loss (fullgraph): auto on a GPU whose
-    # toolchain works (else eager, with a warning), never on the CPU; true: always (a missing
-    # toolchain is an error); false: never
-    compile: Literal["auto", True, False] = "auto"
+    micro_batch_size: int = config_key(8, "sequences per forward/backward on each rank")
+    grad_accum: int = config_key(
+        1, "micro-batches per optimizer step; each micro-loss is divided by it"
+    )
+    global_batch_size: int | None = config_key(
+        None,
+        "sequences per step over all ranks; when set, grad_accum = global_batch_size / "
+        "(micro_batch_size x world size), and a world size that does not divide it is an "
+        "error",
+    )
+    max_steps: int = config_key(200, "optimizer steps")
+    max_bad_steps: int = config_key(
+        20, "stop (exit 3) after this many consecutive skipped (non-finite) steps"
+    )
+    gc_every: int = config_key(
+        50,
+        "Python's garbage collector runs only at the end of every gc_every-th step, on every "
+        "rank at the same step (a collection pausing one rank mid-step would stall the others at "
+        "their next collective), plus a full collection before each checkpoint; what exists when "
+        "training starts is frozen out of its scans. 0: Python's automatic collection",
+    )
+    exit_at_step: int | None = config_key(
+        None,
+        "save a checkpoint and exit after this step (for time-limited jobs); the LR "
+        "schedule still runs to max_steps and the next launch resumes",
+    )
+    lr: float = config_key(1e-3, "peak learning rate")
+    min_lr: float = config_key(1e-4, "learning rate at the end of the decay")
+    warmup_steps: int = config_key(20, "linear warmup steps")
+    lr_schedule: Literal["cosine", "linear", "wsd", "constant"] = config_key(
+        "cosine",
+        "after warmup: `cosine`, `linear` (both to min_lr at max_steps), `wsd` (hold lr, "
+        "decay linearly over the last decay_fraction; extends without a jump), `constant`",
+    )
+    decay_fraction: float = config_key(0.2, "`wsd`: share of max_steps spent decaying to min_lr")
+    weight_decay: float = config_key(
+        0.1, "AdamW decay on matrices (not on norms, biases, embeddings)"
+    )
+    grad_clip: float = config_key(1.0, "max global gradient norm per step; 0 disables clipping")
+    precision: Precision = config_key(
+        "auto",
+        "`auto` (bf16 on a bf16-capable GPU, fp32 on CPU), `bf16` (autocast, no scaler), "
+        "`fp16` (autocast + GradScaler), `fp32`",
+    )
+    beta1: float = config_key(0.9, "AdamW beta1")
+    beta2: float = config_key(0.95, "AdamW beta2")
+    eps: float = config_key(1e-8, "AdamW epsilon")
+    device: Literal["auto", "cpu", "cuda"] = config_key(
+        "auto", "`auto` (CUDA if visible), `cpu`, `cuda`"
+    )
+    compile: Literal["auto", True, False] = config_key(
+        "auto",
+        "`torch.compile` each transformer block (`fullgraph=True`, after activation "
+        "checkpointing, before DDP / FSDP / DeepSpeed wrap) and the loss. `auto`: on a GPU "
+        "(the toolchain is checked at start-up, by compiling one small function; without a "
+        "C++/C compiler, Triton or Python's headers the run goes eager with one warning), "
+        "never on the CPU; `true`: always, and a missing toolchain stops the launch naming "
+        "what to install; `false`: never. Under DeepSpeed ZeRO-3 the blocks stay eager (its "
+        "parameter-gathering hooks sit inside each block), with one warning; the loss is still "
+        "compiled. See [training.md](training.md)",
+    )
 
 
 def compiles(train: TrainConfig, device_type: str) -> bool:
@@ -133,19 +217,40 @@ def compiles(train: TrainConfig, device_type: str) -> bool:
 
 @dataclass
 class EvalConfig:
-    every: int = 50  # optimizer steps between evaluations; 0 disables eval
-    steps: int = 10  # validation batches per evaluation, each a training step's global batch
-    # optimizer steps between sample generations (TensorBoard text, metrics.jsonl); 0: none
-    sample_every: int = 0
-    sample_prompt: str = ""  # the sample's prompt (after BOS); "" starts a document
-    sample_tokens: int = 48  # tokens generated greedily per sample
+    every: int = config_key(
+        50, "optimizer steps between evaluations (and at the last step); 0 disables"
+    )
+    steps: int = config_key(
+        10,
+        "validation batches per evaluation, each the size of a training step's global "
+        "batch; the same windows each time, whatever the micro-batch, accumulation or "
+        "world size",
+    )
+    sample_every: int = config_key(
+        0,
+        "optimizer steps between sample generations (and at the last step): a greedy "
+        "continuation of eval.sample_prompt in TensorBoard's text tab, metrics.jsonl and the "
+        "console; 0: none",
+    )
+    sample_prompt: str = config_key(
+        "", "prompt of the samples (after BOS); empty: a document's start"
+    )
+    sample_tokens: int = config_key(48, "tokens generated per sample")
 
 
 @dataclass
 class CheckpointConfig:
-    every: int = 100  # optimizer steps between checkpoints; 0: only at the end
-    keep_last: int = 2
-    resume: str = "auto"  # auto (newest checkpoint in the run dir) | never | a checkpoint path
+    every: int = config_key(
+        100,
+        "optimizer steps between checkpoints; the last step is always saved; 0 = only the last",
+    )
+    keep_last: int = config_key(2, "complete checkpoints kept; older ones are deleted")
+    resume: str = config_key(
+        "auto",
+        "`auto`: continue from the newest complete checkpoint in the run dir, if any; "
+        "`never`: start fresh (refused if the run dir already has checkpoints); or a "
+        "checkpoint directory",
+    )
 
 
 @dataclass

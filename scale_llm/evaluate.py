@@ -80,14 +80,13 @@ def eval_run(
     earlier, stale = earlier_record(path, digest)
     export_dir = run_dir / "export" / ckpt.name
     reuse = bool(tasks) and reusable_export(export_dir, digest)
+    manager = task_manager(tasks, include_path) if tasks else None  # before the export
     new: dict[str, Any] = {"step": step, "checkpoint": str(ckpt), "checkpoint_digest": digest}
     scalars: dict[str, float] = {}
     if tasks:
         if not reuse:
             make_eval_export(ckpt, export_dir)
-        scores = run_tasks(
-            export_dir, tasks, limit, include_path, batch_size, plan.device, num_fewshot
-        )
+        scores = run_tasks(export_dir, tasks, manager, limit, batch_size, plan.device, num_fewshot)
         new["tasks"] = scores
         new["export"] = str(export_dir)
         new["lm_eval"] = {
@@ -248,18 +247,10 @@ def make_eval_export(ckpt: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def run_tasks(
-    export_dir: Path,
-    tasks: list[str],
-    limit: int | None,
-    include_path: str | Path | None,
-    batch_size: int,
-    device: torch.device,
-    num_fewshot: int | None = None,
-) -> dict[str, dict[str, float]]:
-    """task -> {metric: value} from `lm_eval.simple_evaluate` on the exported folder."""
+def task_manager(tasks: list[str], include_path: str | Path | None) -> Any:
+    """lm-eval's task manager that knows every one of `tasks`; an unknown name or a missing
+    --include-path is refused here, before the checkpoint is exported or read."""
     require("scale-llm eval", "lm_eval", "transformers", "accelerate")
-    import lm_eval
     from lm_eval.tasks import TaskManager
 
     if include_path is not None and not Path(include_path).is_dir():
@@ -272,6 +263,21 @@ def run_tasks(
             + (f" or in {include_path}" if include_path else "")
             + "; `lm-eval ls tasks` lists them, --include-path DIR adds a folder of task YAMLs"
         )
+    return manager
+
+
+def run_tasks(
+    export_dir: Path,
+    tasks: list[str],
+    manager: Any,
+    limit: int | None,
+    batch_size: int,
+    device: torch.device,
+    num_fewshot: int | None = None,
+) -> dict[str, dict[str, float]]:
+    """task -> {metric: value} from `lm_eval.simple_evaluate` on the exported folder."""
+    import lm_eval
+
     dtype = (_read_json(export_dir / EXPORT_INFO) or {}).get("dtype", "fp32")
     out = lm_eval.simple_evaluate(
         model="hf",

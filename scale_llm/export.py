@@ -97,13 +97,12 @@ def read_source(path: str | Path) -> Source:
             f"{tok_path} is missing: the export needs the run's tokenizer; copy the data dir's "
             f"tokenizer.model (the one the run trained with) there"
         )
-    want = state.get("tokenizer_sha256")
-    if want is not None and file_sha256(tok_path) != want:
+    if file_sha256(tok_path) != state["tokenizer_sha256"]:
         raise UserError(
             f"{tok_path} is not the tokenizer {ckpt} was trained with (its SHA-256 differs); "
             f"restore the run's tokenizer.model"
         )
-    precision = (state.get("plan") or {}).get("precision", "fp32")
+    precision = state["plan"]["precision"]
     return Source(ckpt, run_dir, int(state["step"]), model, precision, Tokenizer(tok_path))
 
 

@@ -58,8 +58,8 @@ def load_run(
             f"directory ({ckpt.parent.parent}), or pick a checkpoint of {run_dir}"
         )
     tokenizer = Tokenizer(run_dir / "tokenizer.model")
-    trained_with = state.get("tokenizer_sha256")
-    if trained_with is not None and tokenizer.sha256() != trained_with:
+    trained_with = state["tokenizer_sha256"]
+    if tokenizer.sha256() != trained_with:
         if not _inside(ckpt, run_dir):
             raise UserError(
                 f"{ckpt} belongs to another run: it was trained with another "

@@ -1,4 +1,8 @@
-"""Logging: INFO from the main rank, warnings and errors from every rank (tagged with the rank)."""
+"""Logging: INFO from the main rank, warnings and errors from every rank (tagged with the rank).
+
+Info lines are `HH:MM:SS message`; a warning or an error carries its level after the time
+(`HH:MM:SS WARNING: message`), so it stands out among the step lines and can be grepped.
+"""
 
 from __future__ import annotations
 
@@ -16,13 +20,28 @@ def _int_env(name: str, default: int) -> int:
         return default
 
 
+class _Formatter(logging.Formatter):
+    """The level in the line for warnings and errors only."""
+
+    def __init__(self, prefix: str):
+        super().__init__(f"%(asctime)s {prefix}%(message)s", "%H:%M:%S")
+        self._marked = logging.Formatter(
+            f"%(asctime)s {prefix}%(levelname)s: %(message)s", "%H:%M:%S"
+        )
+
+    def format(self, record: logging.LogRecord) -> str:
+        if record.levelno >= logging.WARNING:
+            return self._marked.format(record)
+        return super().format(record)
+
+
 def setup_logging(rank: int | None = None) -> None:
     if rank is None:
         rank = _int_env("RANK", 0)
     world = _int_env("WORLD_SIZE", 1)
     prefix = f"[rank {rank}] " if world > 1 else ""
     handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter(f"%(asctime)s {prefix}%(message)s", "%H:%M:%S"))
+    handler.setFormatter(_Formatter(prefix))
     root = logging.getLogger("scale_llm")
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)

@@ -18,13 +18,30 @@ copies on its reduction stream during the last micro-step's backward).
 Each op class then takes max(FLOPs / peak FLOP/s, bytes / peak bandwidth): a roofline. Two
 totals bound the step time: `eager` (every op's traffic, nothing fused or overlapped) and
 `matmul-bound` (only matmuls, attention and the optimizer cost time: what perfect fusion of the
-element-wise work would approach). MFU is computed from the model FLOPs (6N + attention) either
-way, as the trainer reports it.
+element-wise work would approach).
+
+The prediction (`achieved`) prices the same counts at the rates published measurements reach
+(`RATES`: one table per GPU kind, every figure with its source): each matmul at the measured
+rate of GEMMs of its arithmetic intensity, attention at the published causal forward + backward
+rate for the config's head_dim and seq_len, and the memory-bound work at the HBM bandwidth that
+streaming kernels reach. The element-wise work is priced after compile's fusion (unfused, as
+counted, where `train.compile` is off), by one rule: the element-wise, norm and loss ops that
+run between two other kernels (matmul, attention, embedding) are one kernel, which reads each
+tensor it takes from another kernel once and writes each tensor a later kernel reads once
+(tensors the backward reads are written in forward; inductor's partitioner may recompute some
+of them instead, so this errs on the side of more traffic). Every rate has a low and a high
+(the sources' spread), so the step time and its MFU come as a point with a range; nothing
+overlaps (kernels run one after another).
+
+MFU uses the model FLOPs the trainer reports, in two conventions: `mfu` counts attention over
+the full T x T score matrix (6N + 12 L d T per token, PaLM's and nanoGPT's convention, the one
+published MFU figures use), `mfu_causal` counts the causal half that the kernel computes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import defaultdict
 from typing import Any
 
@@ -35,7 +52,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from scale_llm.components.loss import plain_cross_entropy
-from scale_llm.config import Config
+from scale_llm.config import Config, compiles
 from scale_llm.memory.estimate import (
     PCIE5_X16_BYTES_PER_S,
     ParamCounts,
@@ -58,28 +75,263 @@ VIEWS = {  # ops that move no data (views, allocations)
     *("split_with_sizes", "slice", "select", "unsqueeze", "squeeze", "permute", "as_strided"),
     *("empty", "empty_like", "new_empty", "unbind", "narrow", "lift_fresh"),
 }
+ALLOCATIONS = {"empty", "empty_like", "new_empty"}
+FUSED = {"element-wise and copies", "rms_norm", "loss"}  # what compile fuses between kernels
+FUSED_ROW = "element-wise, norms, loss (fused)"
+EAGER_ROW = "element-wise, norms, loss (eager)"
 NVLINK_BYTES_PER_S = 450e9  # H100 / H200 SXM NVLink 4: 900 GB/s bidirectional per GPU
 
 
+@dataclasses.dataclass(frozen=True)
+class Spread:
+    """A rate the sources give: the figure taken (`point`) and the range they span."""
+
+    low: float
+    point: float
+    high: float
+
+    def __post_init__(self) -> None:
+        if not 0 < self.low <= self.point <= self.high:
+            raise ValueError(f"a rate needs 0 < low <= point <= high: {self}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+    """What one GPU kind reaches in practice; the figures and their sources are in RATES."""
+
+    matmul: tuple[tuple[tuple[int, int, int], Spread], ...]  # GEMM (m, n, k) -> FLOP/s
+    # head_dim -> seq_len -> TFLOP/s: (FlashAttention-2 causal fwd + bwd, cuDNN causal fwd,
+    # cuDNN bwd); None where nothing is published
+    attention: dict[int, dict[int, tuple[float, float | None, float | None]]]
+    hbm: Spread  # bytes/s of streaming (element-wise) kernels
+
+
+TERA = 1e12
+
+
+def _gemms(rows: int, figures: dict[tuple[int, int], tuple[tuple[float, ...], ...]]):
+    """Anchors from measured TFLOP/s at (n, k): point the mean of the first group (the shape at
+    `rows` rows, both operand orders), low / high the extremes over every group."""
+    anchors = []
+    for (n, k), groups in figures.items():
+        every = [x for group in groups for x in group]
+        mean = sum(groups[0]) / len(groups[0])
+        anchors.append(((rows, n, k), Spread(min(every) * TERA, mean * TERA, max(every) * TERA)))
+    return tuple(anchors)
+
+
+# --- The achieved-rate table: every figure below is a published measurement. -----------------
+#
+# Matmuls, H100 SXM (H200: the same SMs and clocks; "H200 is the same", ML Engineering's MAMF
+# table, below): XLA's measured GEMM table for sm_90, "bf16xbf16->bf16" entries of
+# xla/service/gpu/model/matmul_interpolator_data.h (OpenXLA; read in github.com/tensorflow/
+# tensorflow, third_party/xla/, commit 372d578b; rates up to 808 TFLOP/s, above an H100 PCIe's
+# 756 peak: an SXM part). Taken: its batched entries b=4 x m=4096 =
+# 16,384 rows (a 400m micro-batch's tokens), both operand orders (n, k) and (k, n); with them,
+# for the low end, the same shapes at b=2 (8,192 rows), which stand for GEMMs with fewer output
+# tiles (the weight gradients'). Its top agrees with the two large-shape figures published for
+# an H100 SXM: 794.5 TFLOP/s, the best shape mamf-finder found (S. Bekman, "Machine Learning
+# Engineering", compute/accelerator/README.md, Maximum Achievable Matmul FLOPS comparison
+# table), and 78% of peak = 771 TFLOP/s, torchao's figure for large GEMMs (pytorch/ao,
+# torchao/testing/training/roofline_utils.py).
+HOPPER_MATMUL = _gemms(
+    16384,
+    {  # (n, k): ((16,384 rows: (n, k), (k, n)), (8,192 rows: the same)), TFLOP/s
+        (512, 512): ((441.5,), (340.7,)),
+        (512, 1024): ((589.0, 542.0), (487.2, 445.5)),
+        (1024, 1024): ((673.8,), (598.2,)),
+        (1024, 2048): ((720.5, 687.9), (713.4, 680.9)),
+        (1024, 4096): ((777.6, 725.5), (750.6, 693.0)),
+        (2048, 2048): ((759.3,), (733.3,)),
+        (2048, 4096): ((808.7, 764.6), (783.2, 763.0)),
+        (4096, 4096): ((793.1,), (807.7,)),
+    },
+)
+# Matmuls, A100 SXM4 80GB: cuBLASLt GEMMs of square shapes, fp16 (the same tensor-core peak as
+# bf16), from Azure's published ND A100 v4 results (github.com/Azure/AI-benchmarking-guide,
+# Azure_Results/ND_A100_v4_results.md, "GEMM CuBLASLt"; 1024^3, 119.4, is left out: its 64
+# output tiles leave 44 of 108 SMs idle, unlike any GEMM of these models). High: the best shape
+# mamf-finder found on an A100 SXM, 271.2 TFLOP/s at 1024 x 10240 x 5120 (ML Engineering's MAMF
+# table), an intensity (788 FLOP/B) inside the range of these GEMMs.
+AMPERE_MATMUL = tuple(
+    ((n, n, n), Spread(tflops * TERA, tflops * TERA, 271.2 * TERA))
+    for n, tflops in ((2048, 221.8), (4096, 228.0), (8192, 253.7), (16384, 256.5))
+)
+# Attention, causal, forward + backward, TFLOP/s counted as FlashAttention's benchmarks count
+# them (and as the counter above does): causal half of 4 B H T^2 D forward, backward 2.5x.
+# FlashAttention-2 (what torch's SDPA runs first on these GPUs: it tries flash before cuDNN,
+# github.com/huggingface/transformers/pull/48163): the repository's own H100 and A100 figures
+# (github.com/Dao-AILab/flash-attention, assets/flash2_h100_fwd_bwd_benchmark.png and
+# flash2_a100_fwd_bwd_benchmark.png, panels "with causal mask", shown in its README). cuDNN on
+# H100 (torch's CUDNN_ATTENTION backend): the FlashAttention-3 paper (Shah et al. 2024,
+# arXiv:2407.08608), Figure 5 (forward with causal mask, BF16) and Figure 6 (backward; the paper
+# has no causal backward figure, so the unmasked one: the high end is optimistic by that much).
+SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384)
+HOPPER_ATTENTION = {
+    64: {  # seq_len: (FA2 causal fwd+bwd, cuDNN causal fwd, cuDNN bwd)
+        512: (141, 225, 266),
+        1024: (192, 288, 348),
+        2048: (232, 334, 395),
+        4096: (257, 363, 417),
+        8192: (273, 379, 432),
+        16384: (284, 388, 433),
+    },
+    128: {
+        512: (163, 315, 305),
+        1024: (221, 410, 408),
+        2048: (265, 484, 465),
+        4096: (294, 518, 499),
+        8192: (308, 529, 518),
+        16384: (328, 539, 516),
+    },
+}
+AMPERE_ATTENTION = {  # FlashAttention-2 only: nothing published for cuDNN at these shapes
+    head_dim: {t: (tflops, None, None) for t, tflops in zip(SEQ_LENS, figures)}
+    for head_dim, figures in (
+        (64, (88, 119, 140, 156, 165, 171)),
+        (128, (99, 133, 155, 173, 182, 189)),
+    )
+}
+RATES = {
+    "H100-SXM": Rates(
+        matmul=HOPPER_MATMUL,
+        attention=HOPPER_ATTENTION,
+        # Azure ND H100 v5 "HBM Bandwidth" (AI-benchmarking-guide, Azure_Results/
+        # ND_H100_v5_results.md, read in the fork github.com/samuel-bohman/AI-benchmarking-guide):
+        # Copy 2.90 TB/s (low), Triad 2.97 (point: two reads and a write, as a fused kernel);
+        # high: torchao's 92% of peak for pointwise Triton kernels (roofline_utils.py, above)
+        hbm=Spread(2.90e12, 2.97e12, 0.92 * 3.35e12),
+    ),
+    "H200": Rates(
+        matmul=HOPPER_MATMUL,
+        # the same kernels on the same SMs: Azure's FlashAttention-2 figure (head dim 128,
+        # 8k tokens) is 327.9 TFLOP/s on an H100 and 329.3 on an H200 (ND H100 v5 / H200 v5)
+        attention=HOPPER_ATTENTION,
+        hbm=Spread(4.01e12, 4.15e12, 4.15e12),  # Azure ND H200 v5: Copy 4.01, Triad 4.15 TB/s
+    ),
+    "A100-80GB": Rates(
+        matmul=AMPERE_MATMUL,
+        attention=AMPERE_ATTENTION,
+        hbm=Spread(1.61e12, 1.70e12, 1.70e12),  # Azure ND A100 v4: Copy 1.61, Triad 1.70 TB/s
+    ),
+}
+
+
+def _log_interpolate(points: list[tuple[float, float]], x: float) -> float:
+    """y at x on the polyline through `points` (sorted by x) in log x; flat beyond the ends."""
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * math.log(x / x0) / math.log(x1 / x0)
+    return points[-1][1]
+
+
+def intensity(m: int, n: int, k: int) -> float:
+    """FLOP per byte of a 16-bit (m, k) x (k, n) GEMM that reads both operands and writes once."""
+    return m * n * k / (m * k + k * n + m * n)
+
+
+def matmul_rate(device: str, m: int, n: int, k: int) -> Spread:
+    """The FLOP/s a GEMM of this shape reaches: the measured rates interpolated by intensity."""
+    anchors = sorted((intensity(*shape), rate) for shape, rate in RATES[device].matmul)
+    at = intensity(m, n, k)
+    low, point, high = (
+        _log_interpolate([(x, getattr(r, f)) for x, r in anchors], at)
+        for f in ("low", "point", "high")
+    )
+    return Spread(low, point, high)
+
+
+def attention_rate(device: str, head_dim: int, seq_len: int) -> Spread:
+    """Causal forward + backward FLOP/s at the nearest published head_dim, by seq_len."""
+    table = RATES[device].attention
+    figures = table[min(table, key=lambda d: abs(math.log(d / head_dim)))]
+    lengths = sorted(figures)
+    fa2 = _log_interpolate([(t, figures[t][0]) for t in lengths], seq_len)
+    cudnn = fa2
+    if all(figures[t][1] for t in lengths):  # 3.5 units of work: 1 forward, 2.5 backward
+        combined = [(t, 3.5 / (1 / figures[t][1] + 2.5 / figures[t][2])) for t in lengths]
+        cudnn = _log_interpolate(combined, seq_len)
+    return Spread(min(fa2, cudnn) * TERA, fa2 * TERA, max(fa2, cudnn) * TERA)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata  # views share it
+
+
 class _Counter(TorchDispatchMode):
+    """FLOPs and bytes per op class (eager), each GEMM's shape, and the traffic left after
+    fusion: the element-wise ops between two other kernels are one kernel (see the module)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.flops: dict[str, float] = defaultdict(float)
         self.bytes: dict[str, float] = defaultdict(float)
+        self.gemms: dict[tuple[int, int, int], int] = defaultdict(int)  # (m, n, k) -> calls
+        self.fused_bytes = 0.0
+        self._kernel = 0  # which fused kernel the element-wise ops run in now
+        self._made: dict[int, tuple[int, int]] = {}  # storage -> (kernel, bytes) it came from
+        self._written: set[int] = set()
+        self._read: set[tuple[int, int]] = set()  # (storage, kernel) already read
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = func._overloadpacket.__name__
         if name in VIEWS:
+            if name in ALLOCATIONS:  # fresh storage (perhaps at a freed one's address)
+                self._forget(tree_flatten(out)[0])
             return out  # no data moves
         cls = _class_of(name)
         packet = func._overloadpacket
         if packet in flop_registry:
             self.flops[cls] += flop_registry[packet](*args, **kwargs, out_val=out)
-        tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
-        self.bytes[cls] += sum(t.numel() * t.element_size() for t in tensors)
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        self.bytes[cls] += sum(t.numel() * t.element_size() for t in inputs + outputs)
+        if cls in FUSED:
+            self._fuse(inputs, outputs)
+        else:
+            self.boundary(inputs, outputs)
+        if cls == "matmul":
+            self.gemms[_gemm_shape(name, args)] += 1
         return out
+
+    def _fuse(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
+        for t in inputs:
+            key = _storage(t)
+            made = self._made.get(key)
+            if made is not None and made[0] == self._kernel:
+                continue  # made in this kernel: it never leaves the chip
+            if made is not None:
+                self._write(key)
+            if (key, self._kernel) not in self._read:  # read once per kernel
+                self._read.add((key, self._kernel))
+                self.fused_bytes += t.numel() * t.element_size()
+        for t in outputs:
+            key = _storage(t)
+            self._made[key] = (self._kernel, t.numel() * t.element_size())
+            self._written.discard(key)
+
+    def boundary(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor] = ()) -> None:
+        """Another kernel runs: what it reads of the element-wise work has been written, and
+        the element-wise ops after it are the next kernel."""
+        for t in inputs:
+            if _storage(t) in self._made:
+                self._write(_storage(t))
+        self._forget(outputs)
+        self._kernel += 1
+
+    def _forget(self, outputs: list[torch.Tensor]) -> None:
+        for t in outputs:
+            if isinstance(t, torch.Tensor):
+                self._made.pop(_storage(t), None)
+
+    def _write(self, key: int) -> None:
+        if key not in self._written:
+            self._written.add(key)
+            self.fused_bytes += self._made[key][1]
 
 
 def _class_of(name: str) -> str:
@@ -94,6 +346,13 @@ def _class_of(name: str) -> str:
     return "element-wise and copies"
 
 
+def _gemm_shape(name: str, args: tuple) -> tuple[int, int, int]:
+    """(m, n, k) of a matmul op's (m, k) x (k, n); a batch of them counts as m rows."""
+    a, b = (args[1], args[2]) if name == "addmm" else (args[0], args[1])
+    m = math.prod(a.shape[:-1])
+    return m, b.shape[-1], a.shape[-1]
+
+
 class _FlashAttention(torch.autograd.Function):
     """Stands in for a causal flash-attention kernel: records its FLOPs and bytes."""
 
@@ -104,21 +363,25 @@ class _FlashAttention(torch.autograd.Function):
         B, H, T, D = q.shape
         flops = 2 * B * H * T * T * D  # QK^T and AV, causal half: 2 x (2 B H T^2 D) / 2
         moved = 4 * q.numel() * q.element_size()  # read Q K V, write O
-        _FlashAttention.counter.flops["attention"] += flops
-        _FlashAttention.counter.bytes["attention"] += moved
+        counter = _FlashAttention.counter
+        counter.flops["attention"] += flops
+        counter.bytes["attention"] += moved
+        counter.boundary([q, k, v])
         ctx.shape = (flops, moved)
         return torch.empty_like(q)
 
     @staticmethod
     def backward(ctx, grad):
         flops, moved = ctx.shape
-        _FlashAttention.counter.flops["attention"] += 2.5 * flops  # dQ dK dV + recompute
-        _FlashAttention.counter.bytes["attention"] += 2 * moved  # read Q K V O dO, write dQ dK dV
+        counter = _FlashAttention.counter
+        counter.flops["attention"] += 2.5 * flops  # dQ dK dV + recompute
+        counter.bytes["attention"] += 2 * moved  # read Q K V O dO, write dQ dK dV
+        counter.boundary([grad])
         return torch.empty_like(grad), torch.empty_like(grad), torch.empty_like(grad)
 
 
-def count_micro_step(cfg: Config, micro_batch: int) -> tuple[dict[str, float], dict[str, float]]:
-    """(FLOPs, bytes) by op class of one micro-batch forward + backward, bf16 compute."""
+def _count(cfg: Config, micro_batch: int) -> _Counter:
+    """Run one micro-batch forward + backward, bf16 compute, under the counter."""
     model = build_model(cfg.model).to(torch.bfloat16)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)  # recompute is counted
     counter = _Counter()
@@ -136,9 +399,16 @@ def count_micro_step(cfg: Config, micro_batch: int) -> tuple[dict[str, float], d
     try:
         with counter:
             loss = plain_cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+            counter.boundary([])  # backward is another graph: no kernel spans both
             loss.backward()
     finally:
         F.scaled_dot_product_attention = original
+    return counter
+
+
+def count_micro_step(cfg: Config, micro_batch: int) -> tuple[dict[str, float], dict[str, float]]:
+    """(FLOPs, bytes) by op class of one micro-batch forward + backward, bf16 compute."""
+    counter = _count(cfg, micro_batch)
     return dict(counter.flops), dict(counter.bytes)
 
 
@@ -146,14 +416,16 @@ def roofline(
     cfg: Config, micro_batch: int, grad_accum: int, device: str = "H100-SXM", world: int = 2
 ) -> dict[str, Any]:
     """The per-class roofline of one optimizer step (grad_accum micro-steps + one AdamW step)
-    on one GPU of `device`, the MFU each bound implies, and the time DDP's gradient all-reduce
-    over `world` GPUs on NVLink needs (overlapped with backward, so not added)."""
+    on one GPU of `device`, the MFU each bound implies, the prediction at achieved rates, and
+    the time DDP's gradient all-reduce over `world` GPUs on NVLink needs (overlapped with
+    backward, so not added)."""
     peak, bandwidth = DEVICES[device]
-    flops, moved = count_micro_step(cfg, micro_batch)
-    n_params = build_model(cfg.model).num_params()
+    counter = _count(cfg, micro_batch)
+    model = build_model(cfg.model)
+    n_params = model.num_params()
     rows = {}
-    for cls in sorted(set(flops) | set(moved)):
-        f, b = grad_accum * flops.get(cls, 0.0), grad_accum * moved.get(cls, 0.0)
+    for cls in sorted(set(counter.flops) | set(counter.bytes)):
+        f, b = grad_accum * counter.flops.get(cls, 0.0), grad_accum * counter.bytes.get(cls, 0.0)
         rows[cls] = {"flops": f, "bytes": b, "ms": 1e3 * max(f / peak, b / bandwidth)}
     traffic = offload_traffic(cfg, micro_batch, grad_accum, world)
     if traffic:  # the step runs on the CPU; the GPU waits for the copies
@@ -171,12 +443,14 @@ def roofline(
             "ms": 1e3 * opt_bytes / bandwidth,
         }
     tokens = micro_batch * grad_accum * cfg.model.seq_len
-    model_flops = build_model(cfg.model).flops_per_token() * tokens
+    model_flops = model.flops_per_token() * tokens
+    causal_flops = model.flops_per_token(causal=True) * tokens
     eager_ms = sum(r["ms"] for r in rows.values())
     bound = ("matmul", "attention", "optimizer (AdamW)", OFFLOAD_ROW)
     matmul_ms = sum(rows[c]["ms"] for c in bound if c in rows)
     grad_bytes = 4 * n_params  # fp32 gradients (autocast keeps fp32 params)
     ring = 2 * (world - 1) / world * grad_bytes  # bytes each GPU sends in a ring all-reduce
+    mfu = lambda flops, ms: flops / (ms / 1e3) / peak  # noqa: E731
     return {
         "device": device,
         "allreduce_ms": 1e3 * ring / NVLINK_BYTES_PER_S if world > 1 else 0.0,
@@ -185,13 +459,83 @@ def roofline(
         "grad_accum": grad_accum,
         "tokens_per_step": tokens,
         "model_flops_per_step": model_flops,
+        "model_flops_per_step_causal": causal_flops,
+        "mfu_convention": "mfu: attention over the full T x T (PaLM); mfu_causal: its causal half",
         "classes": rows,
         "offload_bytes_per_step": traffic,
         "eager_ms": eager_ms,
         "matmul_bound_ms": matmul_ms,
-        "mfu_eager": model_flops / (eager_ms / 1e3) / peak,
-        "mfu_matmul_bound": model_flops / (matmul_ms / 1e3) / peak,
+        "mfu_eager": mfu(model_flops, eager_ms),
+        "mfu_matmul_bound": mfu(model_flops, matmul_ms),
+        "mfu_causal_eager": mfu(causal_flops, eager_ms),
+        "mfu_causal_matmul_bound": mfu(causal_flops, matmul_ms),
+        "achieved": achieved(cfg, counter, rows, grad_accum, device, (model_flops, causal_flops)),
     }
+
+
+def achieved(
+    cfg: Config,
+    counter: _Counter,
+    rows: dict[str, dict[str, float]],
+    grad_accum: int,
+    device: str,
+    model_flops: tuple[float, float],
+) -> dict[str, Any]:
+    """The step at the rates of RATES: per class, the time at the point rates and at the low
+    and high ones; the MFU of each (convention, causal)."""
+    rates = RATES[device]
+    model = cfg.model
+    attention = attention_rate(device, model.d_model // model.n_heads, model.seq_len)
+    compiled = compiles(cfg.train, "cuda")  # eager: the element-wise traffic is paid in full
+    elementwise = (
+        grad_accum * counter.fused_bytes
+        if compiled
+        else sum(rows[c]["bytes"] for c in FUSED if c in rows)
+    )
+    classes: dict[str, dict[str, float]] = {}
+    for way in ("low", "point", "high"):
+        hbm = getattr(rates.hbm, way)
+        times = {"matmul": grad_accum * _gemm_seconds(counter, device, way, hbm)}
+        times["attention"] = rows.get("attention", {}).get("flops", 0.0) / getattr(attention, way)
+        times[FUSED_ROW if compiled else EAGER_ROW] = elementwise / hbm
+        for cls in ("embedding", "optimizer (AdamW)"):
+            if cls in rows:
+                times[cls] = rows[cls]["bytes"] / hbm
+        if OFFLOAD_ROW in rows:
+            times[OFFLOAD_ROW] = rows[OFFLOAD_ROW]["ms"] / 1e3
+        for cls, seconds in times.items():
+            classes.setdefault(cls, {})[way] = 1e3 * seconds
+    ms = {way: sum(c[way] for c in classes.values()) for way in ("low", "point", "high")}
+    flops, causal = model_flops
+    mfu = lambda f, way: f / (ms[way] / 1e3) / DEVICES[device][0]  # noqa: E731
+    matmul_flops = sum(calls * 2 * m * n * k for (m, n, k), calls in counter.gemms.items())
+    return {
+        # low rates give the slow end: "low"/"high" below name the rates a figure comes from
+        "rates": {
+            "matmul_flops_per_s": _effective(matmul_flops, classes["matmul"], grad_accum),
+            "attention_flops_per_s": dataclasses.asdict(attention),
+            "hbm_bytes_per_s": dataclasses.asdict(rates.hbm),
+        },
+        "compiled": compiled,
+        "elementwise_bytes_per_step": elementwise,
+        "classes": classes,
+        "ms": ms,
+        "mfu": {way: mfu(flops, way) for way in ms},
+        "mfu_causal": {way: mfu(causal, way) for way in ms},
+    }
+
+
+def _gemm_seconds(counter: _Counter, device: str, way: str, hbm: float) -> float:
+    """One micro-step's GEMMs, each at its shape's rate (or its traffic, if that is slower)."""
+    seconds = 0.0
+    for (m, n, k), calls in counter.gemms.items():
+        rate = getattr(matmul_rate(device, m, n, k), way)
+        seconds += calls * max(2 * m * n * k / rate, 2 * (m * k + k * n + m * n) / hbm)
+    return seconds
+
+
+def _effective(flops: float, ms: dict[str, float], grad_accum: int) -> dict[str, float]:
+    return {way: grad_accum * flops / (t / 1e3) if t else 0.0 for way, t in ms.items()}
 
 
 OFFLOAD_ROW = "offload copies (PCIe)"
@@ -236,9 +580,44 @@ def format_roofline(r: dict[str, Any]) -> str:
             f"one after another; the AdamW step on the CPU is not in the totals)"
         )
     lines.append(
-        f"step: {r['eager_ms']:.0f} ms eager (MFU {r['mfu_eager']:.0%}) .. "
-        f"{r['matmul_bound_ms']:.0f} ms matmul-bound (MFU {r['mfu_matmul_bound']:.0%}); "
-        f"gradient all-reduce over {r['world']} GPUs on NVLink: {r['allreduce_ms']:.1f} ms "
-        f"(overlapped with backward by DDP's buckets)"
+        f"bounds: {r['eager_ms']:.0f} ms eager (MFU {r['mfu_eager']:.0%}, causal "
+        f"{r['mfu_causal_eager']:.0%}) .. {r['matmul_bound_ms']:.0f} ms matmul-bound (MFU "
+        f"{r['mfu_matmul_bound']:.0%}, causal {r['mfu_causal_matmul_bound']:.0%}); gradient "
+        f"all-reduce over {r['world']} GPUs on NVLink: {r['allreduce_ms']:.1f} ms (overlapped "
+        f"with backward by DDP's buckets)"
+    )
+    lines += format_achieved(r["achieved"])
+    lines.append(
+        "MFU counts attention over the full T x T score matrix (6N + 12 L d T per token, PaLM's "
+        "convention, as the trainer's mfu); causal: its causal half, the work the kernel does"
     )
     return "\n".join(lines)
+
+
+def format_achieved(a: dict[str, Any]) -> list[str]:
+    """The prediction's lines: rates taken, time per class, the step and its MFU."""
+    rates = a["rates"]
+    traffic = "after compile's fusion" if a["compiled"] else "eager (train.compile off)"
+    lines = [
+        "at achieved rates (RATES in scale_llm/roofline.py, each with its source; point "
+        f"[low-high]): matmul {_span(rates['matmul_flops_per_s'], 1e12)} TFLOP/s, attention "
+        f"{_span(rates['attention_flops_per_s'], 1e12)} TFLOP/s, HBM "
+        f"{_span(rates['hbm_bytes_per_s'], 1e12, '.2f')} TB/s; element-wise traffic {traffic}: "
+        f"{a['elementwise_bytes_per_step'] / 1e9:.1f} GB",
+        "| op class | ms at achieved rates [at high rates - at low rates] |",
+        "|---|---|",
+    ]
+    for cls, ms in sorted(a["classes"].items(), key=lambda kv: -kv[1]["point"]):
+        lines.append(f"| {cls} | {ms['point']:.1f} [{ms['high']:.1f}-{ms['low']:.1f}] |")
+    ms, mfu, causal = a["ms"], a["mfu"], a["mfu_causal"]
+    lines.append(
+        f"predicted step: {ms['point']:.0f} ms [{ms['high']:.0f}-{ms['low']:.0f}]; MFU "
+        f"{_span(mfu, 0.01, '.0f', '%')}, causal {_span(causal, 0.01, '.0f', '%')}"
+    )
+    return lines
+
+
+def _span(d: dict[str, float], unit: float, fmt: str = ".0f", suffix: str = "") -> str:
+    """'point [low-high]' of a dict of the three."""
+    p, lo, hi = (format(d[k] / unit, fmt) for k in ("point", "low", "high"))
+    return f"{p}{suffix} [{lo}-{hi}{suffix}]"

@@ -1,4 +1,4 @@
-"""Field metadata shared by every config section, wherever its schema lives."""
+"""How every config section declares its keys, wherever its schema lives."""
 
 from __future__ import annotations
 
@@ -6,7 +6,19 @@ import dataclasses
 from typing import Any
 
 
-def run_defining(default: Any) -> Any:
-    """A config field whose change makes a checkpoint belong to a different run: resuming
-    across it is refused (the trainer reads this metadata; no list to keep in sync)."""
-    return dataclasses.field(default=default, metadata={"run_defining": True})
+def config_key(default: Any, help: str, *, run_defining: bool = False) -> Any:
+    """A config key: its default and its meaning, the one source of `scale-llm config --keys`
+    and of docs/config.md's key tables (scale_llm.keys renders them).
+
+    `run_defining`: a change of this key makes a checkpoint belong to a different run, so
+    resuming across it is refused (the trainer reads this metadata; no list to keep in sync).
+    """
+    if not help.strip():
+        raise ValueError("a config key needs its meaning: config_key(default, help)")
+    metadata = {"help": help, "run_defining": run_defining}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def key_help(f: dataclasses.Field) -> str | None:
+    """The meaning `config_key` gave a dataclass field; None for a field declared without it."""
+    return f.metadata.get("help")

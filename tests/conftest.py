@@ -33,7 +33,7 @@ def pytest_configure(config):
 # world of a session stalls on it; built in the background at the lowest priority from the start,
 # the compile uses the cores the single-process tests leave idle. A process that needs an op
 # while it is being built waits on torch's lock file, so the build is never killed (a killed build
-# leaves that lock behind): the session waits for it at its end.
+# leaves that lock behind): the test session waits for it at its end.
 _DEEPSPEED_OPS = "from deepspeed.comm.torch import build_shm_op; build_shm_op(); "
 _DEEPSPEED_OPS += "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"
 _prebuild: subprocess.Popen | None = None

@@ -1,12 +1,15 @@
 """What several test modules share: tiny configs, a random corpus, the CLI / torchrun runners of
-the multi-process tests, and a planted-pickle payload. Fixtures stay in conftest.py."""
+the multi-process tests, a planted-pickle payload, and snapshots of files before and after a
+command. Fixtures stay in conftest.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -194,3 +197,117 @@ def plant_in_torch_file(path: Path, marker: Path) -> Path:
     real["planted"] = Payload(marker)
     torch.save(real, path)
     return path
+
+
+# ------------------------------------------------------------------ files before and after
+
+
+def snapshot(root: Path) -> dict[str, tuple]:
+    """Every entry below `root` (links not followed): its type and its bytes or target."""
+    import hashlib
+
+    out: dict[str, tuple] = {}
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs + files:
+            p = Path(dirpath) / name
+            rel = str(p.relative_to(root))
+            if p.is_symlink():
+                out[rel] = ("link", os.readlink(p))
+            elif p.is_dir():
+                out[rel] = ("dir",)
+            elif p.is_file():
+                out[rel] = ("file", hashlib.sha256(p.read_bytes()).hexdigest())
+            else:
+                out[rel] = ("other", p.stat().st_mode)
+    return out
+
+
+def tree(path: Path) -> dict[str, bytes]:
+    """The bytes of every file below `path`, by relative name (links followed)."""
+    return {str(p.relative_to(path)): p.read_bytes() for p in path.rglob("*") if p.is_file()}
+
+
+def copy_run(good: Path, tmp_path: Path, name: str = "test") -> Path:
+    """A copy of the finished run `good` at tmp_path/runs/<name> (symlinks kept as links)."""
+    import shutil
+
+    run = tmp_path / "runs" / name
+    shutil.copytree(good, run, symlinks=True)
+    return run
+
+
+def rewrite_state(ckpt: Path, **changes) -> None:
+    """Change fields of a checkpoint's trainer state (`a__b=v` sets state["a"]["b"]) and rewrite
+    its integrity record with it (the checksums then match: the values themselves must be
+    refused)."""
+    from scale_llm.components.checkpoint import write_integrity
+    from scale_llm.components.serialization import load_file, save_file
+
+    state = load_file(ckpt / "trainer.pt")
+    for key, value in changes.items():
+        node = state
+        *parents, last = key.split("__")
+        for part in parents:
+            node = node[part]
+        node[last] = value
+    save_file(state, ckpt / "trainer.pt")
+    write_integrity(ckpt)
+
+
+class Lines(list):
+    @property
+    def text(self) -> str:
+        return "\n".join(self)
+
+
+@contextlib.contextmanager
+def logged() -> Iterator[Lines]:
+    """The scale_llm logger's messages during the block (a handler of its own: the CLI resets
+    that logger's handlers, and it does not propagate to pytest's)."""
+    import logging
+
+    lines = Lines()
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("scale_llm")
+    logger.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+
+
+def stub_eval_tasks(monkeypatch) -> list:
+    """Replace lm-eval's task runner by one that scores every task 0.25; the list it appends
+    each export folder it was called on to."""
+    import scale_llm.evaluate as evaluate
+
+    calls: list = []
+
+    def tasks(export_dir, names, *args, **kwargs):
+        calls.append(export_dir)
+        return {name: {"acc": 0.25} for name in names}
+
+    monkeypatch.setattr(evaluate, "run_tasks", tasks)
+    return calls
+
+
+# ----------------------------------------------------------------------------- local corpora
+
+
+def write_file(path: Path, text: str = "", data: bytes | None = None) -> Path:
+    """Write `text` (or the bytes `data`) to `path`, making its folders."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data if data is not None else text.encode())
+    return path
+
+
+def write_jsonl(path: Path, texts: list[str]) -> Path:
+    return write_file(path, "".join(json.dumps({"text": t}) + "\n" for t in texts))
+
+
+def documents_of(spec: Path | str) -> dict[str, str]:
+    """The documents a local data.source reads, by id."""
+    from scale_llm.data.sources import local_source
+
+    return {d.doc_id: d.text for d in local_source(str(spec), "text").documents()}

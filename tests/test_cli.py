@@ -533,3 +533,50 @@ def test_torchrun_waits_long_enough_for_a_stopped_run_to_checkpoint(tmp_path):
     )
     header = (REPO / "launch" / "slurm.sbatch").read_text()
     assert "\n#SBATCH --signal=TERM@300\n" in header
+
+
+def test_warnings_carry_their_level_and_info_lines_do_not(capsys):
+    import logging
+
+    from scale_llm.log import setup_logging
+
+    setup_logging(0)
+    log = logging.getLogger("scale_llm.test")
+    log.info("step 1 | loss 7.0")
+    log.warning("the LR schedule changed")
+    log.error("something broke")
+    out = capsys.readouterr().out.splitlines()
+    assert [line[9:] for line in out] == [
+        "step 1 | loss 7.0",
+        "WARNING: the LR schedule changed",
+        "ERROR: something broke",
+    ]
+    assert all(line[2] == line[5] == ":" for line in out)  # HH:MM:SS first
+
+
+def test_every_option_of_every_command_has_help_and_shows_its_default(monkeypatch):
+    """Each command's `--help`: every option says what it does and, where it has a default,
+    what that is; only the command's own flags; a command that reads a config says where its
+    keys are listed and how --set is written."""
+    import argparse
+
+    from scale_llm.cli import COMMANDS, build_parser
+
+    monkeypatch.setenv("COLUMNS", "1000")  # one line per option: excerpts are not wrapped
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert sorted(sub.choices) == sorted(COMMANDS)
+    for name, command in sub.choices.items():
+        text = command.format_help()
+        for action in command._actions:
+            where = f"{name} {'/'.join(action.option_strings) or action.dest}"
+            assert action.help == argparse.SUPPRESS or (action.help or "").strip(), where
+            default = action.default
+            silent = default is None or default is False or default in ("", [])
+            if action.help != argparse.SUPPRESS and default != argparse.SUPPRESS and not silent:
+                assert f"(default: {default})" in text, where
+        if any(action.dest == "config" for action in command._actions):
+            assert "scale-llm config --keys" in text, name
+            assert "e.g. --set train.lr=3e-4" in text, name
+        assert ("--report-memory" in text) == (name == "train"), name
+    assert "(default: 5GB)" in sub.choices["export"].format_help()  # one that is not None

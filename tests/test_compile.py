@@ -83,7 +83,7 @@ def test_the_gpu_check_runs_on_the_cpu_and_writes_its_report(data_dir, corpus_di
     from scale_llm.check import run_check
     from tests.helpers import TINY_MODEL
 
-    same_data = [  # the session's prepared data: prepare finds it up to date
+    same_data = [  # the test session's prepared data: prepare finds it up to date
         f"data.source={corpus_dir}",
         f"data.dir={data_dir}",
         "data.tokenizer_sample_bytes=500000",
@@ -93,6 +93,11 @@ def test_the_gpu_check_runs_on_the_cpu_and_writes_its_report(data_dir, corpus_di
     out = tmp_path / "out"
     report = run_check(out, steps=4, overrides=small, scratch=tmp_path / "scratch")
     assert report["ok"] and report["errors"] == [], report["errors"]
+    items = [r["item"] for r in report["preflight"]]
+    assert items == ["toolchain", "GPUs", "shared memory", "host memory", "disk (scratch)",
+                     "disk (report)"]  # fmt: skip
+    assert all(r["ok"] for r in report["preflight"]), report["preflight"]  # (a CPU: nothing)
+    assert "## Preflight" in (out / "report.md").read_text()
     assert [(c["precision"], c["compile"]) for c in report["curves"]] == [
         ("fp32", False),
         ("fp32", True),
@@ -403,3 +408,35 @@ def test_compile_auto_compiles_on_a_gpu_only_and_falls_back_to_eager_with_a_warn
     assert (
         cli.resolve_compile(load_config(None, ["train.compile=false"]), gpu).train.compile is False
     )
+
+
+def test_ddp_runs_each_compiled_block_as_one_graph(tmp_path):
+    """Under DDP, Dynamo's DDPOptimizer split each compiled block at gradient-bucket borders
+    (here 3 graphs for the block's code where one serves every block); DDP with per-block
+    compile turns it off: one graph for the blocks, one for the loss."""
+    import subprocess
+
+    from tests.helpers import env
+
+    cmd = [sys.executable, os.path.join(os.path.dirname(__file__), "ddp_graphs.py")]
+    proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.splitlines()[-1]) == {"graphs": 2}
+
+
+def test_the_preflight_names_a_small_dev_shm_and_the_fix(monkeypatch):
+    """A container's default /dev/shm (64 MiB) fails or hangs NCCL between the GPUs of a node:
+    with two GPUs the preflight says so and names --ipc=host / --shm-size."""
+    import types
+
+    from scale_llm import check
+
+    monkeypatch.setattr(
+        check.os, "statvfs", lambda p: types.SimpleNamespace(f_frsize=4096, f_blocks=16384)
+    )
+    monkeypatch.setattr(check.torch.cuda, "device_count", lambda: 2)
+    row = check._shm_row(cuda=True)
+    assert not row["ok"] and row["found"] == "/dev/shm holds 64 MiB"
+    assert "--ipc=host" in row["fix"] and "--shm-size=16g" in row["fix"]
+    monkeypatch.setattr(check.torch.cuda, "device_count", lambda: 1)
+    assert check._shm_row(cuda=True)["ok"]  # one GPU shares nothing

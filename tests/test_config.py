@@ -1,11 +1,9 @@
-"""Config: defaults, YAML, overrides, aliases, precedence, and every kind of error."""
+"""Config: defaults, YAML, overrides, aliases, precedence, the generated key reference. (Every
+kind of config error, one message naming the key and the fix: tests/test_errors.py.)"""
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -96,116 +94,18 @@ def test_set_wins_over_alias():
     assert load_config(None, alias_overrides(args)).train.grad_accum == 2
 
 
-def test_unknown_key_suggests_the_near_one():
-    msg = errors_of(overrides=["train.learning_rat=0.1"])
-    assert "train.learning_rat: unknown key" in msg
-    msg = errors_of(overrides=["train.lrr=0.1"])
-    assert "did you mean train.lr?" in msg
-
-
-def test_key_in_the_wrong_section_names_where_it_lives():
-    msg = errors_of(overrides=["train.seq_len=128"])
-    assert "it lives at model.seq_len" in msg
-
-
-def test_unknown_section():
-    msg = errors_of(overrides=["modle.d_model=64"])
-    assert "unknown section" in msg and "did you mean model?" in msg
-
-
-def test_wrong_types():
-    msg = errors_of(
-        overrides=[
-            "model.d_model=big",
-            "logging.tensorboard=3",
-            "train.lr=fast",
-            "model.attention=flash",
-            "train.precision=bf61",
-        ]
-    )
-    assert "model.d_model: expected an integer, got 'big'" in msg
-    assert "logging.tensorboard: expected true or false" in msg
-    assert "train.lr: expected a finite number" in msg
-    assert "model.attention: expected one of sdpa | eager" in msg
-    assert "did you mean bf16?" in msg
-    assert msg.startswith("5 problems")
-
-
-def test_impossible_values_and_combinations_are_collected():
-    msg = errors_of(
-        overrides=[
-            "model.d_model=100",
-            "model.n_heads=3",
-            "train.lr=0.001",
-            "train.min_lr=0.01",
-            "train.micro_batch_size=0",
-            "data.val_fraction=1.5",
-            "model.n_kv_heads=2",
-        ]
-    )
-    assert "model.d_model=100 is not divisible by model.n_heads=3" in msg
-    assert "train.min_lr=0.01 is above train.lr=0.001" in msg
-    assert "train.micro_batch_size=0 must be > 0" in msg
-    assert "data.val_fraction=1.5" in msg
-    assert "model.n_kv_heads=2 must be > 0 and divide model.n_heads=3" in msg
-    assert msg.startswith("5 problems")
-
-
-def test_section_given_a_scalar(tmp_path):
-    path = tmp_path / "c.yaml"
-    path.write_text("model: 5\n")
-    assert "model: expected a mapping" in errors_of(path)
-
-
-def test_missing_and_broken_files(tmp_path):
-    assert "does not exist" in errors_of(tmp_path / "nope.yaml")
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("model: [unclosed\n")
-    assert "not valid YAML" in errors_of(bad)
-    listy = tmp_path / "list.yaml"
-    listy.write_text("- 1\n- 2\n")
-    assert "must hold a mapping" in errors_of(listy)
-
-
-def test_bad_override_syntax():
-    with pytest.raises(UserError, match="section.key=value"):
-        load_config(None, ["train.lr"])
-
-
-def test_cli_reports_config_errors_with_exit_code_2_and_no_traceback(tmp_path):
-    path = tmp_path / "c.yaml"
-    path.write_text("train:\n  lrr: 1\nmodel:\n  d_model: -1\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "scale_llm", "train", str(path)],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 2
-    assert "Traceback" not in proc.stderr
-    assert "train.lrr: unknown key; did you mean train.lr?" in proc.stderr
-    assert "model.d_model=-1 must be > 0" in proc.stderr
-
-
-def test_type_and_value_errors_are_reported_together():
-    msg = errors_of(overrides=["train.lr=fast", "train.max_steps=0", "model.d_model=x"])
-    assert "train.lr: expected a finite number" in msg
-    assert "train.max_steps=0 must be > 0" in msg
-    assert "model.d_model: expected an integer" in msg
-    assert "divisible" not in msg  # no follow-on complaint about the default standing in
-
-
-def test_main_returns_2_on_missing_config(tmp_path, capsys):
-    assert main(["prepare", str(tmp_path / "missing.yaml")]) == 2
-    assert "does not exist" in capsys.readouterr().err
-
-
 def test_every_key_has_a_meaning_and_docs_config_md_is_generated_from_them():
-    """docs/config.md's key tables are generated (`scale-llm config --keys --markdown`): a key
-    added, removed or given another default without regenerating fails here."""
-    from scale_llm.keys import BEGIN, END, KEY_HELP, markdown_keys
+    """Each key's meaning lives in its field's metadata (`config_key(default, help)`), and
+    docs/config.md's key tables are generated from them (`scale-llm config --keys --markdown`):
+    a key added without a meaning, removed or given another default without regenerating fails
+    here."""
+    from scale_llm.keys import BEGIN, END, key_rows, markdown_keys
+    from scale_llm.schema import config_key
 
-    assert sorted(KEY_HELP) == sorted(all_keys(Config))
+    silent = [key for key, _, _, meaning in key_rows() if not meaning.strip()]
+    assert not silent, f"declare these with config_key(default, help): {silent}"
+    with pytest.raises(ValueError, match="needs its meaning"):
+        config_key(1, " ")
     doc = (REPO / "docs" / "config.md").read_text()
     assert BEGIN in doc and END in doc
     written = doc[doc.index(BEGIN) : doc.index(END) + len(END)]
@@ -237,41 +137,6 @@ def test_every_shipped_yaml_is_valid():
 
 
 # ----------------------------------------------------------------------------- parallel settings
-
-
-def test_parallel_option_errors_name_the_key_and_the_fix():
-    msg = errors_of(
-        overrides=[
-            "parallel.backend=ddp",
-            "parallel.deepspeed.zero_stage=5",
-            "parallel.deepspeed.offload_optimizer=cpu",
-            "parallel.fsdp.cpu_offload=true",
-        ]
-    )
-    assert "parallel.deepspeed.zero_stage=5 must be 0, 1, 2 or 3" in msg
-    assert "offload_optimizer=cpu needs parallel.backend=deepspeed (it is ddp)" in msg
-    assert "parallel.fsdp.cpu_offload=true needs parallel.backend=fsdp (it is ddp)" in msg
-    assert "expected one of auto | single | ddp | fsdp | deepspeed" in errors_of(
-        overrides=["parallel.backend=horovod"]
-    )
-    msg = errors_of(
-        overrides=["parallel.backend=deepspeed", "parallel.deepspeed.offload_param=cpu"]
-    )
-    assert "offload_param=cpu needs parallel.deepspeed.zero_stage=3 (it is 2)" in msg
-
-
-def test_deepspeed_passthrough_cannot_override_framework_keys():
-    msg = errors_of(
-        overrides=[
-            "parallel.backend=deepspeed",
-            "parallel.deepspeed.config={gradient_accumulation_steps: 4, "
-            "zero_optimization: {stage: 3, overlap_comm: false, compute_grad_norm: false}}",
-        ]
-    )
-    assert "parallel.deepspeed.config.gradient_accumulation_steps: set by train.grad_accum" in msg
-    assert "parallel.deepspeed.config.zero_optimization.stage: set by " in msg
-    assert "zero_optimization.compute_grad_norm: set by the framework (the gradient norm" in msg
-    assert "overlap_comm" not in msg  # other entries pass through
 
 
 def test_generated_deepspeed_config_follows_the_common_keys():
@@ -339,43 +204,6 @@ def test_launch_checks_world_size_batch_and_devices():
         plan(both, 1)
 
 
-def test_bad_world_size_fails_before_any_process_group(tmp_path):
-    env = {**os.environ, "WORLD_SIZE": "3", "RANK": "0", "LOCAL_RANK": "0", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "scale_llm",
-            "train",
-            "--set",
-            "parallel.backend=ddp",
-            "--set",
-            "train.global_batch_size=8",
-            "--set",
-            "train.micro_batch_size=2",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=env,
-        timeout=120,
-    )
-    assert proc.returncode == 2, proc.stderr
-    assert "not divisible by train.micro_batch_size=2 x world size 3" in proc.stderr
-    assert "Traceback" not in proc.stderr
-
-
-def test_missing_deepspeed_is_a_user_error(monkeypatch, capsys):
-    import importlib.util
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name)
-    )
-    assert main(["train", "--set", "parallel.backend=deepspeed"]) == 2
-    assert "deepspeed is not installed" in capsys.readouterr().err
-
-
 def test_base_includes_merge_and_cycles_are_refused(tmp_path):
     (tmp_path / "a.yaml").write_text("train:\n  lr: 0.5\n  max_steps: 9\nmodel:\n  d_model: 64\n")
     (tmp_path / "b.yaml").write_text("base: a.yaml\ntrain:\n  lr: 0.25\n")
@@ -402,16 +230,6 @@ def test_moved_keys_are_read_with_one_deprecation_line(caplog, tmp_path):
     old_yaml = tmp_path / "old.yaml"
     old_yaml.write_text("model:\n  d_model: 64\n  activation_checkpointing: full\n")
     assert load_config(old_yaml).activation_checkpointing.mode == "full"
-
-
-def test_a_moved_key_given_twice_is_an_error_naming_both():
-    with pytest.raises(UserError) as e:
-        load_config(
-            None, ["model.activation_checkpointing=full", "activation_checkpointing.mode=none"]
-        )
-    msg = str(e.value)
-    assert "model.activation_checkpointing" in msg and "activation_checkpointing.mode" in msg
-    assert "keep only activation_checkpointing.mode" in msg
 
 
 def test_dotted_flags_are_set_aliases_and_prepare_has_no_training_flags(capsys):

@@ -384,3 +384,46 @@ def test_fsdp_cpu_offload_gets_gloo_next_to_nccl(offload, expected, monkeypatch)
     plan = RunPlan(0, 0, 1, torch.device("cuda", 0), "fsdp", "bf16", 1, 1, 1, 8)
     distributed.start(plan, cpu_collectives=offload)
     assert seen == {"b": expected}
+
+
+def test_fp16_loss_scale_resumes_and_an_overflow_in_one_shard_is_skipped_everywhere(
+    data_dir, tmp_path
+):
+    """fp16, which on a GPU every backend runs and CI otherwise would not, on 2 gloo ranks:
+    DDP and FSDP2 halve the loss scale on an overflow (step 1's NaN loss on rank 1) and a
+    resume from step 2 continues with the saved scale and the same curve; under FSDP2 an inf
+    that only rank 1's gradient shard holds (after the reduction) is seen by every rank, which
+    all skip the step, leave their shards unchanged and halve their scales alike."""
+    cases = {
+        "ddp-fp16": [*BACKENDS["ddp"], "train.precision=fp16"],
+        "fsdp-fp16": [*BACKENDS["fsdp"], "train.precision=fp16"],
+    }
+    settings = [
+        *common(data_dir, tmp_path, "unused")[1::2],  # the values of its --set pairs
+        "train.micro_batch_size=2",
+        "checkpoint.every=2",
+        "eval.every=0",
+    ]
+    out = tmp_path / "seen.json"
+    script = str(REPO / "tests" / "fp16_world.py")
+    run([*torchrun(2, "x")[:5], script, str(out), *map(json.dumps, (settings, cases))], tmp_path)
+    seen = json.loads(out.read_text())
+    assert list(seen) == list(cases)
+    for name, ranks in seen.items():
+        for rank, r in enumerate(ranks):
+            where = f"{name} rank {rank}"
+            straight, resumed = r["straight"], r["resumed"]
+            assert straight["1"]["skipped_steps"] == 1 and straight["4"]["skipped_steps"] == 1
+            assert [straight[s]["loss_scale"] for s in "1234"] == [2.0**15] * 4, where
+            assert r["resumed_at"] == 2, where
+            for step in ("3", "4"):  # the scale came back with the checkpoint, not 2**16
+                assert resumed[step]["loss_scale"] == 2.0**15, (where, step)
+                assert resumed[step]["loss"] == straight[step]["loss"], (where, step)
+                assert math.isfinite(resumed[step]["loss"])
+        if name.startswith("fsdp"):
+            for rank, r in enumerate(ranks):
+                where = f"{name} rank {rank}"
+                assert r["shard"] == {"changed": False}, where  # the step was skipped here too
+                assert r["shard_skipped"] == 1, where
+                assert r["shard_rows"]["2"]["loss_scale"] == 2.0**15, where
+                assert r["shard_rows"]["1"]["loss_scale"] == 2.0**16, where

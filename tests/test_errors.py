@@ -1,355 +1,132 @@
-"""The broken-input table: each user mistake ends with exit code 2, one message naming the key or
-file and the fix, no traceback, and no run directory written."""
+"""The whole bad-input table: each user mistake, damaged artifact or hostile file ends with exit
+code 2 and one message naming the key or file and the fix, no traceback, and nothing written or
+lost; or, where the docs say so, it is handled safely (skipped with one warning, a fallback to
+the newest good checkpoint, a fresh start of prepare's build).
+
+`test_broken_input` runs every row of tests/bad_input_cases.py's tables with the same checks; the
+other tests are the cases of another shape. docs/reliability.md ("Bad input") lists them all.
+"""
 
 from __future__ import annotations
 
-import gzip
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from scale_llm.cli import main
+from scale_llm.components.checkpoint import Checkpointer, damage
+from scale_llm.errors import UserError
+from scale_llm.train.trainer import Trainer
+from tests.bad_input_cases import (
+    CASES,
+    CORPUS_SKIPS,
+    DAMAGES,
+    FAULT_SPECS,
+    FILES,
+    INIT_CONFIG_FIELDS,
+    INIT_TENSORS,
+    ONE_LINE,
+    PROGRESS_DAMAGE,
+    QUOTING,
+    RUN_DIR_ENTRIES,
+    STEP2,
+    STEP4,
+    TINY,
+    Ctx,
+    OneLine,
+    Quoting,
+    Setup,
+    Without,
+    damaged_build,
+    s,
+)
+from tests.helpers import (
+    Payload,
+    copy_run,
+    documents_of,
+    env,
+    finished_run,
+    logged,
+    make_config,
+    plan_for,
+    random_texts,
+    snapshot,
+    tree,
+    write_file,
+    write_jsonl,
+)
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = str(REPO / "yaml" / "tiny.yaml")
 
 
-def s(*items: str) -> list[str]:
-    return [arg for item in items for arg in ("--set", item)]
+@pytest.fixture(scope="module")
+def four_steps(data_dir, tmp_path_factory) -> Path:
+    """A finished 4-step run with checkpoints at steps 2 and 4 (read only: tests copy it)."""
+    root = tmp_path_factory.mktemp("errors")
+    return finished_run(data_dir, root, "checkpoint.every=2", "checkpoint.keep_last=2")
 
 
-# (case, argv (DATA is replaced by the prepared test data dir), expected text in the message)
-CASES = [
-    ("unknown key", ["train", TINY, *s("train.lrr=1")], "did you mean train.lr?"),
-    (
-        "key in the wrong section",
-        ["train", TINY, *s("train.n_layers=2")],
-        "it lives at model.n_layers",
-    ),
-    ("unknown section", ["train", TINY, *s("optim.lr=1")], "unknown section"),
-    (
-        "wrong type",
-        ["train", TINY, *s("model.n_layers=two")],
-        "model.n_layers: expected an integer",
-    ),
-    (
-        "bad choice",
-        ["train", TINY, *s("train.precision=fp8")],
-        "expected one of auto | bf16 | fp16 | fp32",
-    ),
-    ("impossible value", ["train", TINY, *s("train.lr=-1")], "train.lr=-1.0 must be > 0"),
-    (
-        "impossible combination",
-        ["train", TINY, *s("model.n_heads=5")],
-        "not divisible by model.n_heads=5",
-    ),
-    ("min_lr above lr", ["train", TINY, *s("train.min_lr=1")], "set min_lr <= lr"),
-    (
-        "ZeRO stage",
-        ["train", TINY, *s("parallel.backend=deepspeed", "parallel.deepspeed.zero_stage=4")],
-        "zero_stage=4 must be 0, 1, 2 or 3",
-    ),
-    (
-        "offload without deepspeed",
-        ["train", TINY, *s("parallel.deepspeed.offload_optimizer=cpu")],
-        "needs parallel.backend=deepspeed",
-    ),
-    (
-        "fp16 DeepSpeed on CPU",
-        ["train", TINY, *s("parallel.backend=deepspeed", "train.precision=fp16")],
-        "needs a GPU",
-    ),
-    (
-        "FSDP offload on CPU",
-        ["train", TINY, *s("parallel.backend=fsdp", "parallel.fsdp.cpu_offload=true")],
-        "needs a GPU to offload from",
-    ),
-    (
-        "ds passthrough owns key",
-        [
-            "train",
-            TINY,
-            *s("parallel.backend=deepspeed", "parallel.deepspeed.config={gradient_clipping: 5}"),
-        ],
-        "set by train.grad_clip",
-    ),
-    (
-        "moved key given twice",
-        ["train", TINY, *s("model.activation_checkpointing=full")],
-        "keep only activation_checkpointing.mode",
-    ),
-    ("missing config file", ["train", "no/such.yaml"], "does not exist"),
-    ("bad override syntax", ["train", TINY, "--set", "train.lr"], "section.key=value"),
-    (
-        "data dir without shards",
-        ["train", TINY, *s("data.dir=nowhere")],
-        "holds no prepared shards",
-    ),
-    (
-        "vocab mismatch",
-        ["train", TINY, *s("data.dir=DATA", "model.vocab_size=1024")],
-        "does not match the tokenizer",
-    ),
-    (
-        "resume from a non-checkpoint",
-        ["train", TINY, *s("data.dir=DATA", "model.vocab_size=512", "checkpoint.resume=.")],
-        "not a complete checkpoint",
-    ),
-    (
-        "source matches nothing",
-        ["prepare", TINY, *s("data.source=nope/*.txt", "data.dir=d")],
-        "matches no file",
-    ),
-    (
-        "hub dataset offline",
-        ["prepare", TINY, *s("data.source=hf:no-such-org/no-such-set", "data.dir=d")],
-        "data.source='hf:no-such-org/no-such-set' (data.hf_config=None, data.hf_split='train') "
-        "could not be opened",
-    ),
-    ("memory units", ["estimate", TINY, "--fit", "80 parsecs"], "'80 parsecs' is not understood"),
-    ("impossible fit", ["estimate", TINY, "--fit", "1KiB"], "nothing fits in"),
-    (
-        "scaling in one process",
-        ["bench", TINY, "--reference", "scaling"],
-        "alone: start it with 2 or more",
-    ),
-    (
-        "train --fit that nothing meets",
-        ["train", TINY, *s("data.dir=DATA", "model.vocab_size=512"), "--fit", "1KiB"],
-        "nothing fits in 0.00 GiB per GPU, with backend single as launched",
-    ),
-    (
-        "train --fit auto without a GPU",
-        ["train", TINY, *s("data.dir=DATA", "model.vocab_size=512"), "--fit", "auto"],
-        "give an explicit size",
-    ),
-    ("generate without a run", ["generate", "."], "not a run directory"),
-    ("generate: negative top-k", ["generate", ".", "--top-k", "-1"], "--top-k -1: use a count"),
-    (
-        "generate: top-p above 1",
-        ["generate", ".", "--top-p", "2"],
-        "--top-p 2.0: use a probability",
-    ),
-    (
-        "generate: nan temperature",
-        ["generate", ".", "--temperature", "nan"],
-        "--temperature nan: use a number >= 0",
-    ),
-    (
-        "generate: non-UTF-8 prompt",
-        ["generate", ".", "--prompt", "a\udcff\udcfeb"],
-        "--prompt is not valid UTF-8 (bytes b'\\xff\\xfe' at position 1)",
-    ),
-    ("convert --out a directory", ["convert", ".", "--out", "folder"], "is a directory"),
-    (
-        "run dir under a file",
-        ["train", TINY, *s("data.dir=DATA", "model.vocab_size=512", "run.dir=list.yaml")],
-        "list.yaml is a file, not a directory",
-    ),
-    (
-        "data dir under a file",
-        ["prepare", TINY, *s("data.dir=list.yaml/data")],
-        "data.dir=list.yaml/data",
-    ),
-    (
-        "a step larger than the data",
-        ["train", TINY, *s("data.dir=DATA", "model.vocab_size=512", "train.grad_accum=1000000")],
-        "every step would repeat the data",
-    ),
-    (
-        "a model larger than the host",
-        [
-            "train",
-            TINY,
-            *s("data.dir=DATA", "model.vocab_size=512", "model.d_model=32768", "model.n_heads=64"),
-        ],
-        "GiB of host memory",
-    ),
-    ("binary config file", ["train", "binary.yaml"], "is not UTF-8 text (a binary file?)"),
-    ("YAML alias bomb", ["train", "bomb.yaml"], "expands to more than 10,000 values"),
-    ("deeply nested YAML", ["train", "deep.yaml"], "nests too deeply to read"),
-    ("config is a directory", ["train", "folder"], "config file folder is a directory"),
-    ("config is a list", ["train", "list.yaml"], "must hold a mapping of sections"),
-    ("a huge value", ["train", "huge.yaml"], "got 'xxxxxxxxxx"),
-    ("convert without a checkpoint", ["convert", ".", "--out", "m.pt"], "neither a checkpoint"),
-    (
-        "a sweep of an unknown backend",
-        ["bench", TINY, "--sweep", "--sweep-backend", "ddp,dpp"],
-        "--sweep-backend dpp: not a backend; use single, ddp, fsdp, zero0",
-    ),
-    ("negative seed", ["train", TINY, *s("run.seed=-1")], "run.seed=-1 must be an integer in [0"),
-    ("bench: no timed steps", ["bench", TINY, "--steps", "0"], "--steps 0: use a count >= 1"),
-    (
-        "bench: no rounds",
-        ["bench", TINY, "--reference", "--rounds", "0"],
-        "--rounds 0: use a count >= 1",
-    ),
-    (
-        "bench: a trailing comma in a sweep",
-        ["bench", TINY, "--sweep", "--sweep-micro", "1,2,"],
-        "--sweep-micro '1,2,': '' is not a micro-batch size; use a comma list of integers >= 1",
-    ),
-    (
-        "bench: a word in a sweep",
-        ["bench", TINY, "--sweep", "--sweep-micro", "x"],
-        "--sweep-micro 'x': 'x' is not a micro-batch size",
-    ),
-    (
-        "bench: a sweep of an unknown mode",
-        ["bench", TINY, "--sweep", "--sweep-ac", "none, ful"],
-        "--sweep-ac 'none, ful': 'ful' is not a checkpointing mode; use a comma list of none, "
-        "full, every_k, selective",
-    ),
-    (
-        "bench: a sweep of maybe compiled",
-        ["bench", TINY, "--sweep", "--sweep-compile", "maybe"],
-        "--sweep-compile 'maybe': 'maybe' is not true or false",
-    ),
-    (
-        "estimate on zero GPUs",
-        ["estimate", TINY, "--world-size", "0"],
-        "--world-size 0: use the number of GPUs the run will use, >= 1",
-    ),
-    ("a section written twice", ["train", "twice.yaml"], "model is written twice (lines 1 and 4)"),
-    ("a key written twice", ["train", "twice_key.yaml"], "train.lr is written twice (line 1)"),
-    (
-        "compressed source",
-        ["prepare", TINY, *s("data.source=c.jsonl.gz", "data.dir=d")],
-        "matches compressed files (c.jsonl.gz), which are not read; decompress them",
-    ),
-    (
-        "a folder of compressed files",
-        ["prepare", TINY, *s("data.source=packed", "data.dir=d")],
-        "matches no file it reads (compressed files are not read",
-    ),
-    (
-        "a stray .json in a source folder",
-        ["prepare", TINY, *s("data.source=corpus", "data.dir=d")],
-        "dataset_info.json:1 is not valid JSON (Expecting property name enclosed in double "
-        "quotes); fix the line or remove the file from data.source. Every .json file in "
-        "data.source is read as JSON Lines",
-    ),
-    (
-        "export under a file",
-        ["export", ".", "--out", "list.yaml/hf"],
-        "list.yaml is a file, not a directory; point --out at a directory",
-    ),
-    ("export over a folder", ["export", ".", "--out", "folder"], "folder already exists"),
-    (
-        "export --force over a file",
-        ["export", ".", "--out", "list.yaml", "--force"],
-        "--out list.yaml is a file, and the export is a folder",
-    ),
-    (
-        "export: a shard size without a unit",
-        ["export", ".", "--out", "hf", "--max-shard-size", "2G"],
-        "--max-shard-size '2G': use a size above 0",
-    ),
-    (
-        "a check of an unknown section",
-        ["check", "out", "--only", "sweep,curve"],
-        "--only curve: not a section of the check; use curves, param_dtype, reference, "
-        "scaling, sweep",
-    ),
-    (  # ENAMETOOLONG from deep inside the first mkdir before
-        "a run name too long for the file system",
-        ["train", TINY, *s("data.dir=DATA", "model.vocab_size=512", "run.name=" + "n" * 300)],
-        "run.name: the name 'nnnnnnnnnn",
-    ),
-    (
-        "a run name too long in bytes",  # 200 characters, 400 bytes in UTF-8
-        ["train", TINY, *s("data.dir=DATA", "model.vocab_size=512", "run.name=" + "é" * 200)],
-        "is 400 bytes, over the 255 bytes a file name may have on this file system; shorten it",
-    ),
-    (
-        "a run dir path too long",
-        ["train", TINY, *s("data.dir=DATA", "run.dir=" + "/".join(["d" * 200] * 21))],
-        "would pass the 4096-byte limit of this file system; use a shorter run.dir / run.name",
-    ),
-    ("a NUL in a path", ["train", "nul.yaml"], "data.dir='d\\x00x' holds a NUL character"),
-    (
-        "generate: a negative seed",
-        ["generate", ".", "--seed", "-1"],
-        "--seed -1: use an integer in [0, 2**63)",
-    ),
-    (
-        "generate: a seed of 2**63",
-        ["generate", ".", "--seed", str(2**63)],
-        f"--seed {2**63}: use an integer in [0, 2**63)",
-    ),
-    *[
-        (
-            f"prepare --bench-mb {mb}",  # nan, inf: int() raised; 0, -1: "no documents"
-            ["prepare", TINY, "--bench", "--bench-mb", mb],
-            f"--bench-mb {float(mb)}: use a number of megabytes of text to encode, above 0",
-        )
-        for mb in ("nan", "inf", "0", "-1")
-    ],
-    (  # trained to NaN before
-        "a zero norm epsilon",
-        ["train", TINY, *s("model.norm_eps=0")],
-        "model.norm_eps=0.0 must be > 0 (the default is 1e-05)",
-    ),
-    (
-        "a negative rotary base",
-        ["train", TINY, *s("model.rope_theta=-1")],
-        "model.rope_theta=-1.0 must be > 0 (the default is 10000.0)",
-    ),
-    ("an infinite rotary base", ["train", TINY, *s("model.rope_theta=inf")], "a finite number"),
-    (  # torch's "normal expects std >= 0.0" before
-        "a negative init std",
-        ["train", TINY, *s("model.init_std=-0.02")],
-        "model.init_std=-0.02 must be > 0 (the default is 0.02)",
-    ),
-    *[
-        (  # bench allocated the model (swapping, or killed) where train refused it
-            f"bench{' ' if flags else ''}{' '.join(flags)}: a model larger than the host",
-            ["bench", TINY, *flags, *s("train.device=cpu", "model.d_model=32768")],
-            "GiB of host memory",
-        )
-        for flags in ([], ["--reference"], ["--checkpoint-io", "folder"])
-    ],
-    (  # the estimate walked 10^30 blocks (the model build too): no end
-        "a model of 10^30 layers",
-        ["estimate", TINY, *s("model.n_layers=1e30")],
-        ": at most 10,000 blocks are accepted",
-    ),
-    (  # "lower model.vocab_size" before: the wrong way
-        "a vocab too small for the corpus's characters",
-        ["prepare", TINY, *s("data.source=cjk", "data.dir=d", "model.vocab_size=512")],
-        "model.vocab_size=512 is fewer pieces than the tokenizer's sample needs",
-    ),
-]
+@pytest.fixture(scope="module")
+def exported(four_steps, tmp_path_factory) -> Path:
+    """four_steps' step 4 exported as a Hugging Face folder (fp32)."""
+    pytest.importorskip("safetensors")
+    from scale_llm.export import export
+
+    out = tmp_path_factory.mktemp("exported") / "hf"
+    export(four_steps / "checkpoints" / STEP4, out, dtype="fp32")
+    return out
 
 
-def _bomb(levels: int = 9) -> str:
-    lines = ["l0: &l0 [x, x, x, x, x, x, x, x, x, x]"]
-    for i in range(1, levels):
-        lines.append(f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 10) + "]")
-    return "\n".join(lines) + "\n"  # 10^9 values once expanded: minutes to walk, GBs to repr
+def trainer(data_dir: Path, tmp_path: Path, *overrides: str) -> Trainer:
+    cfg = make_config(data_dir, tmp_path / "runs", *overrides)
+    return Trainer(cfg, plan_for(cfg))
 
 
-# files the cases above name, written into the case's working directory
-FILES: dict[str, bytes] = {
-    "binary.yaml": bytes(range(256)) * 8,
-    "bomb.yaml": _bomb().encode(),
-    "deep.yaml": ("a: " + "[" * 5000 + "]" * 5000 + "\n").encode(),
-    "list.yaml": b"- model\n- train\n",
-    "huge.yaml": b"model:\n  d_model: " + b"x" * 500_000 + b"\n",
-    "twice.yaml": b"model:\n  d_model: 64\ntrain:\nmodel:\n  n_layers: 2\n",
-    "twice_key.yaml": b"train: {lr: 1.0e-3, max_steps: 1, lr: 2.0e-3}\n",
-    "c.jsonl.gz": gzip.compress(b'{"text": "a document"}\n'),
-    "packed/c.jsonl.gz": gzip.compress(b'{"text": "a document"}\n'),
-    "corpus/dataset_info.json": b'{\n  "features": {"text": {"dtype": "string"}}\n}\n',
-    "corpus/train.jsonl": b'{"text": "a document"}\n' * 100,
-    "nul.yaml": b'data:\n  dir: "d\\0x"\n',
-    # 1,000 distinct characters, each as frequent: one piece each, + 259 byte and special ones
-    **{f"cjk/{i}.txt": "".join(map(chr, range(0x4E00, 0x4E00 + 1000))).encode() for i in range(8)},
-}
+def resume_auto(data_dir: Path, tmp_path: Path, *overrides: str) -> Trainer:
+    return trainer(data_dir, tmp_path, "checkpoint.every=2", "train.max_steps=6", *overrides)
+
+
+# ================================================================================== every table row
+
+
+def assert_says(err: str, *expected) -> None:
+    """Each excerpt is in the message (a pattern matches it; a Without is not in it)."""
+    for item in expected:
+        if isinstance(item, re.Pattern):
+            assert item.search(err), (item.pattern, err[:2000])
+        elif isinstance(item, Without):
+            assert item.text not in err, err[:2000]
+        elif isinstance(item, (Quoting, OneLine)):
+            continue
+        else:
+            assert item in err, (item, err[:2000])
+
+
+def one_paragraph(err: str) -> bool:
+    """The message alone, as one paragraph: `error: ...` first (no log line before it), no
+    blank line, one newline at the end."""
+    lines = err.removesuffix("\n").split("\n")
+    return lines[0].startswith("error: ") and all(line.strip() for line in lines)
+
+
+def changed(before: dict, after: dict) -> dict:
+    """The entries a snapshot gained, lost or saw change: {path: (before, after)}."""
+    return {
+        k: (before.get(k), after.get(k)) for k in before | after if before.get(k) != after.get(k)
+    }
 
 
 @pytest.mark.parametrize(("case", "argv", "expected"), CASES, ids=[c[0] for c in CASES])
-def test_broken_input(case, argv, expected, data_dir, tmp_path, monkeypatch, capsys):
+def test_broken_input(case, argv, expected, request, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     for name, content in FILES.items():
         (tmp_path / name).parent.mkdir(exist_ok=True)
@@ -357,22 +134,80 @@ def test_broken_input(case, argv, expected, data_dir, tmp_path, monkeypatch, cap
     (tmp_path / "folder").mkdir()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    argv = [a.replace("DATA", str(data_dir)) for a in argv]
-    assert main(argv) == 2
+    watch = [tmp_path]
+    if callable(argv):
+        setup = argv(Ctx(tmp_path, request, monkeypatch))
+    elif any("DATA" in a for a in argv):
+        data_dir = request.getfixturevalue("data_dir")
+        setup = Setup([a.replace("DATA", str(data_dir)) for a in argv])
+        watch.append(data_dir)
+    else:
+        setup = Setup(argv)
+    if not isinstance(setup, Setup):
+        setup = Setup(setup)
+    watch = setup.watch or watch
+    before = [snapshot(p) for p in watch]
+    capsys.readouterr()
+    code = main(setup.argv)
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and expected in err, err[:2000]
+    assert code == 2, err[-3000:]
+    assert_says(err, *(expected if isinstance(expected, tuple) else (expected,)), *setup.expect)
     assert "Traceback" not in err and len(err) < 5000  # never a huge value repeated back
-    assert not (tmp_path / "runs").exists()  # nothing half-written
+    expected = expected if isinstance(expected, tuple) else (expected,)
+    assert one_paragraph(err) or (QUOTING in expected and err.startswith("error: ")), err[:3000]
+    if ONE_LINE in expected:
+        assert err.count("\n") == 1, err
+    for path, old in zip(watch, before):  # nothing written, nothing lost
+        diff = changed(old, snapshot(path))
+        assert not diff, diff
+    if setup.then is not None:
+        setup.then()
 
 
-def test_sweep_entries_are_read_with_spaces_and_any_case():
-    from scale_llm.bench import sweep_axes
-
-    assert sweep_axes(" 1, 2", "none, full", "False, yes") == (
-        [1, 2],
-        ["none", "full"],
-        [False, True],
+def test_user_errors_exit_2_but_internal_errors_keep_their_traceback(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "scale_llm", "train", "--set", "train.lr=-1"],
+        cwd=tmp_path,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    code = (
+        "import scale_llm.cli as c\n"
+        "c.COMMANDS['prepare'] = lambda args: 1 / 0\n"
+        "raise SystemExit(c.main(['prepare']))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (
+        proc.returncode == 1 and "Traceback" in proc.stderr and "ZeroDivisionError" in proc.stderr
+    )
+
+
+# =========================================================================================== config
+
+
+def test_cli_reports_config_errors_with_exit_code_2_and_no_traceback(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  lrr: 1\nmodel:\n  d_model: -1\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "scale_llm", "train", str(path)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "train.lrr: unknown key; did you mean train.lr?" in proc.stderr
+    assert "model.d_model=-1 must be > 0" in proc.stderr
 
 
 def test_a_section_with_every_key_commented_out_is_empty(tmp_path):
@@ -387,183 +222,158 @@ def test_a_section_with_every_key_commented_out_is_empty(tmp_path):
     assert load_config(tmp_path / "alone.yaml") == Config()
 
 
+def test_run_name_is_a_name_not_a_path():
+    from scale_llm.config import load_config
+
+    for bad in ("..", "../x", "a/b", "a\\b", "-x", "."):
+        with pytest.raises(UserError, match="must be a plain name"):
+            load_config(None, [f"run.name={bad}"])
+    for good in ("400m-fsdp_v2.1", "quoted $(x) 'y'"):
+        assert load_config(None, [f"run.name={good}"]).run.name == good
+
+
+def test_running_out_of_device_memory_is_one_paragraph_with_the_ways_to_fit(data_dir, tmp_path):
+    """A device's out-of-memory error in a step becomes a UserError (no traceback) that says
+    what ran out, the estimate for these settings and the commands that fit them."""
+    tr = trainer(data_dir, tmp_path)
+
+    def out_of_memory():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nSECOND LINE")
+
+    tr.train_step = out_of_memory
+    with pytest.raises(UserError) as info:
+        tr.fit()
+    msg = str(info.value)
+    assert "rank 0 ran out of CPU memory in step 1 (CUDA out of memory. Tried to allocate" in msg
+    assert "SECOND LINE" not in msg  # the first line of torch's message only
+    assert f"`scale-llm estimate {tr.run_dir / 'config.yaml'} --fit SIZE`" in msg
+    assert "micro-batch 4 x seq_len" in msg and "train --fit auto" in msg
+    assert "activation_checkpointing.mode=full" in msg and "\n" not in msg
+
+
+def test_bench_checks_host_memory_before_allocating_and_a_sweep_row_says_so(tmp_path, monkeypatch):
+    from scale_llm.bench import bench_sweep
+    from scale_llm.config import load_config
+    from scale_llm.memory import check_host_memory, host_memory_problem
+    from scale_llm.memory import host as host_mod
+    from tests.helpers import TINY_MODEL
+
+    cfg = load_config(None, [*TINY_MODEL, "train.device=cpu"])
+    plan = plan_for(cfg)
+    assert host_memory_problem(cfg, plan) is None
+    monkeypatch.setattr(host_mod, "host_available_bytes", lambda: 1024)  # a 1 KiB host
+    with pytest.raises(UserError, match=r"needs about .* GiB of host memory .* 2 models at once"):
+        check_host_memory(cfg, plan, models=2)
+
+    def never(*a, **k):
+        raise AssertionError("a row that does not fit the host was run")
+
+    monkeypatch.setattr("scale_llm.bench.build_model", never)
+    rows = bench_sweep(cfg, plan, [1, 2], ["none"], [False], steps=1, warmup=0)
+    assert [r["oom"] for r in rows] == [True, True]
+    assert all("GiB of host memory" in r["host_memory"] for r in rows)
+
+
+# ================================================================================ paths and run dir
+
+
 @pytest.mark.parametrize(
-    ("env", "expected"),
-    [
-        ({"WORLD_SIZE": "two"}, "RANK / LOCAL_RANK / WORLD_SIZE must be integers"),
-        ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "http"}, "MASTER_PORT='http' is not"),
-        (
-            {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "1", "SCALE_LLM_PG_TIMEOUT_MIN": "x"},
-            "SCALE_LLM_PG_TIMEOUT_MIN='x' is not a number of minutes",
-        ),
-        (  # torch's own ValueError before
-            {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "70000"},
-            "MASTER_PORT='70000' is not a port number (1-65535)",
-        ),
-        (  # timedelta's OverflowError before; 0 or less never waited at all
-            {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "1", "SCALE_LLM_PG_TIMEOUT_MIN": "inf"},
-            "SCALE_LLM_PG_TIMEOUT_MIN='inf' is not a number of minutes above 0",
-        ),
-        (
-            {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "1", "SCALE_LLM_PG_TIMEOUT_MIN": "0"},
-            "SCALE_LLM_PG_TIMEOUT_MIN='0' is not a number of minutes above 0",
-        ),
-        (  # left over in a shell: the run would be a silent non-main rank (no logs, no save)
-            {"RANK": "1"},
-            "(RANK=1, LOCAL_RANK=(unset), WORLD_SIZE=(unset)): a launcher sets WORLD_SIZE >= 1, "
-            "0 <= RANK < WORLD_SIZE",
-        ),
-        ({"RANK": "2", "WORLD_SIZE": "2"}, "unset RANK, LOCAL_RANK and WORLD_SIZE"),
-        ({"LOCAL_RANK": "-1"}, "LOCAL_RANK=-1, WORLD_SIZE=(unset)"),
-    ],
-    ids=[
-        "WORLD_SIZE",
-        "MASTER_PORT",
-        "timeout",
-        "port_range",
-        "timeout_inf",
-        "timeout_0",
-        "RANK",
-        "RANK_of_WORLD_SIZE",
-        "LOCAL_RANK",
-    ],
+    ("name", "make", "expected"),
+    [entry[1:] for entry in RUN_DIR_ENTRIES],
+    ids=[entry[0] for entry in RUN_DIR_ENTRIES],
 )
-def test_unparsable_environment(env, expected, data_dir, tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.setenv(key, "")  # records the old state: start() sets some of these,
-        monkeypatch.delenv(key)  # and the test's end restores all of them
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    argv = ["train", TINY, *s(f"data.dir={data_dir}", "model.vocab_size=512")]
-    assert main([*argv, *s("train.max_steps=1")]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and expected in err and "Traceback" not in err, err
-    assert not (tmp_path / "runs").exists()
+def test_a_run_dir_entry_of_the_wrong_kind_is_named(name, make, expected, tmp_path):
+    from scale_llm.train.preflight import check_run_dir
+
+    run_dir = tmp_path / "run"
+    check_run_dir(run_dir)  # a new run dir: nothing to check
+    run_dir.mkdir()
+    (run_dir / "plan.json").write_text("{}")  # a run's (a folder of other files is refused)
+    (tmp_path / "elsewhere").mkdir()
+    (run_dir / "checkpoints").symlink_to(tmp_path / "elsewhere")  # a link to a folder is fine
+    check_run_dir(run_dir)
+    (run_dir / "checkpoints").unlink()
+    make(run_dir / name)
+    with pytest.raises(UserError) as e:
+        check_run_dir(run_dir)
+    assert str(e.value).startswith(f"{run_dir / name} ") and expected in str(e.value)
+    assert "move it away (or pick another run.name)" in str(e.value)
 
 
-def test_a_leftover_world_size_says_what_it_waits_for_then_stops(data_dir, tmp_path):
-    """WORLD_SIZE=2 left in a shell, no launcher, no peer: say what, where and how long, then
-    an error (not a silent wait, not a traceback)."""
-    import subprocess
-    import sys
+def test_metrics_of_the_wrong_kind_or_with_a_torn_line_never_traceback(tmp_path, capsys):
+    """metrics.jsonl as a folder (IsADirectoryError before); on resume, a line cut short by a
+    kill mid-write, or not a row (JSONDecodeError / AttributeError before) is dropped, said."""
+    from scale_llm.config import load_config
+    from scale_llm.log import setup_logging
+    from scale_llm.train.metrics import MetricsLogger
 
-    from tests.helpers import env as child_env
-
-    env = {**child_env(), "WORLD_SIZE": "2", "RANK": "0", "MASTER_PORT": "29731"}
-    env["SCALE_LLM_PG_TIMEOUT_MIN"] = "0.05"  # 3 s
-    for key in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "SLURM_PROCID"):
-        env.pop(key, None)
-    argv = ["train", TINY, *s(f"data.dir={data_dir}", "model.vocab_size=512")]
-    proc = subprocess.run(
-        [sys.executable, "-m", "scale_llm", *argv],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "rank 0 waits for 2 processes to join at 127.0.0.1:29731" in proc.stdout
-    assert "gives up after 0.05 min" in proc.stdout and "left over" in proc.stdout
-    assert "did not form at 127.0.0.1:29731" in proc.stderr and "Traceback" not in proc.stderr
+    cfg = load_config(None, ["logging.tensorboard=false"])
+    (tmp_path / "metrics.jsonl").mkdir()
+    with pytest.raises(UserError, match="is a directory, but the run keeps its metric rows"):
+        MetricsLogger(tmp_path, True, cfg, 0)
+    (tmp_path / "metrics.jsonl").rmdir()
+    rows = ['{"step": 1, "loss": 5.0}', "[1, 2]", '{"step": 2, "loss": 4.0}', '{"step": 3, "lo']
+    (tmp_path / "metrics.jsonl").write_text("\n".join(rows))
+    setup_logging(0)
+    MetricsLogger(tmp_path, True, cfg, 2).close()
+    assert (tmp_path / "metrics.jsonl").read_text() == rows[0] + "\n" + rows[2] + "\n"
+    assert "dropped 2 line(s)" in capsys.readouterr().out
 
 
-# ----------------------------------------------------------------------------- damaged artifacts
+def test_a_folder_that_is_not_a_run_dir_is_never_written_into(data_dir, tmp_path):
+    """run.name naming someone's folder (say a project with its own config.yaml) would have its
+    config.yaml replaced: a non-empty folder holding nothing of a run's is refused, untouched."""
+    mine = tmp_path / "runs" / "test"
+    mine.mkdir(parents=True)
+    (mine / "config.yaml").write_text("mine: true\n")
+    (mine / "notes.txt").write_text("notes")
+    with pytest.raises(UserError, match=r"holds files but is not a run directory .*notes\.txt"):
+        trainer(data_dir, tmp_path, "train.max_steps=1")
+    assert sorted(p.name for p in mine.iterdir()) == ["config.yaml", "notes.txt"]
+    assert (mine / "config.yaml").read_text() == "mine: true\n"
+    (mine / "config.yaml").unlink()
+    (mine / "notes.txt").unlink()
+    assert trainer(data_dir, tmp_path, "train.max_steps=1").fit().steps == 1  # empty: a run's
+    assert trainer(data_dir, tmp_path, "train.max_steps=2").fit().steps == 2  # a run's: resumes
 
 
-def _copy_data(data_dir, tmp_path):
-    import shutil
+def test_a_live_run_dir_is_refused_and_a_stale_lock_is_taken_over(data_dir, tmp_path, caplog):
+    import socket
 
-    copy = tmp_path / "data"
-    shutil.copytree(data_dir, copy)
-    return copy
-
-
-def test_a_damaged_shard_or_manifest_is_named(data_dir, tmp_path, monkeypatch, capsys):
-    import json
-
-    import numpy as np
-
-    monkeypatch.chdir(tmp_path)
-    bad_ids = _copy_data(data_dir, tmp_path / "ids")
-    manifest = json.loads((bad_ids / "manifest.json").read_text())
-    first = manifest["splits"]["train"]["shards"][0]
-    tokens = np.memmap(bad_ids / first["file"], dtype=manifest["dtype"], mode="r+")
-    tokens[:] = 60000  # same size, ids far beyond the vocabulary
-    tokens.flush()
-    del tokens
-    argv = ["train", TINY, *s(f"data.dir={bad_ids}", "model.vocab_size=512", "data.prefetch=0")]
-    assert main([*argv, *s("train.max_steps=1")]) == 2
-    err = capsys.readouterr().err
-    assert f"{first['file']} holds token id 60000" in err and "beyond model.vocab_size=512" in err
-    assert "Traceback" not in err
-
-    no_key = _copy_data(data_dir, tmp_path / "keys")
-    manifest = json.loads((no_key / "manifest.json").read_text())
-    del manifest["tokenizer"]["sha256"]
-    (no_key / "manifest.json").write_text(json.dumps(manifest))
-    assert main(["train", TINY, *s(f"data.dir={no_key}", "model.vocab_size=512")]) == 2
-    err = capsys.readouterr().err
-    assert "lacks tokenizer.sha256" in err and "prepare CONFIG --force" in err
+    run_dir = tmp_path / "runs" / "test"
+    run_dir.mkdir(parents=True)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        lock = {"pid": sleeper.pid, "host": socket.gethostname(), "started": 0}
+        (run_dir / ".lock").write_text(json.dumps(lock))
+        with pytest.raises(UserError, match=rf"in use by another launch \(pid {sleeper.pid}"):
+            trainer(data_dir, tmp_path)
+        assert sorted(p.name for p in run_dir.iterdir()) == [".lock"]  # nothing written
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    with caplog.at_level(logging.WARNING, logger="scale_llm"):
+        result = trainer(data_dir, tmp_path, "train.max_steps=1").fit()  # the owner is dead
+    assert "which has exited; taking it over" in caplog.text
+    assert result.steps == 1 and not (run_dir / ".lock").exists()  # released at the end
 
 
-def test_a_garbage_or_foreign_tokenizer_in_a_run_dir_is_named(data_dir, tmp_path, capsys):
-    from scale_llm.data.tokenizer import train_tokenizer
-    from tests.helpers import finished_run, random_texts
+def test_a_damaged_or_foreign_lock_is_refused_with_the_fix(tmp_path):
+    from scale_llm.files import OwnerLock
 
-    run_dir = finished_run(data_dir, tmp_path)
-    capsys.readouterr()  # (its log lines may go to an earlier test's closed stream)
-    good = (run_dir / "tokenizer.model").read_bytes()
-    (run_dir / "tokenizer.model").write_bytes(b"not a model" * 100)
-    assert main(["generate", str(run_dir), "--max-new-tokens", "2"]) == 2
-    err = capsys.readouterr().err
-    assert "is not a SentencePiece model" in err and "Traceback" not in err
-
-    train_tokenizer(random_texts(200, "doc{i}"), 400, run_dir / "tokenizer.model")
-    assert (run_dir / "tokenizer.model").read_bytes() != good
-    assert main(["generate", str(run_dir), "--max-new-tokens", "2"]) == 2
-    err = capsys.readouterr().err
-    assert "is not the tokenizer" in err and "the checkpoint records" in err
-    (run_dir / "tokenizer.model").write_bytes(good)
-    assert main(["generate", str(run_dir), "--max-new-tokens", "2"]) == 0
-
-
-def test_a_checkpoint_that_is_missing_or_another_runs_is_named(data_dir, tmp_path, capsys):
-    """generate --checkpoint: a pruned step or a typo lists the run's checkpoints; one of
-    another run (another model shape, another tokenizer) says so, naming the difference."""
-    import shutil
-
-    from scale_llm.data.tokenizer import train_tokenizer
-    from tests.helpers import finished_run, random_texts
-
-    run_dir = finished_run(data_dir, tmp_path, "train.max_steps=2", "checkpoint.every=1")
-    capsys.readouterr()  # (its log lines may go to an earlier test's closed stream)
-    ckpts = run_dir / "checkpoints"
-    gen = ["--max-new-tokens", "2"]
-    assert main(["generate", str(run_dir), "--checkpoint", str(ckpts / "step_00000005"), *gen]) == 2
-    err = capsys.readouterr().err
-    assert "not a checkpoint directory (no trainer.pt inside)" in err, err
-    assert "holds 2 complete checkpoints (step_00000001, step_00000002)" in err
-    assert main(["generate", str(run_dir), "--checkpoint", str(run_dir), *gen]) == 0  # its newest
-
-    wider = tmp_path / "wider"  # a run whose model differs from the checkpoint's
-    shutil.copytree(run_dir, wider)
-    config = (wider / "config.yaml").read_text()
-    (wider / "config.yaml").write_text(config.replace("d_model: 32", "d_model: 64"))
-    assert main(["generate", str(wider), "--checkpoint", str(ckpts / "step_00000002"), *gen]) == 2
-    err = capsys.readouterr().err
-    assert "step_00000002 belongs to another run" in err and "Traceback" not in err, err
-    assert "model.d_model (32 in the checkpoint, 64 in the run)" in err
-
-    retokenized = tmp_path / "retokenized"  # a run with another tokenizer
-    shutil.copytree(run_dir, retokenized)
-    train_tokenizer(random_texts(200, "doc{i}"), 400, retokenized / "tokenizer.model")
-    argv = ["generate", str(retokenized), "--checkpoint", str(ckpts / "step_00000002"), *gen]
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert "belongs to another run: it was trained with another tokenizer" in err, err
-    assert "copy the tokenizer.model" not in err
+    path = tmp_path / ".lock"
+    for content in ("[1, 2]", '{"pid": "7", "host": "h"}', "\x00garbage"):
+        path.write_text(content)
+        with pytest.raises(UserError, match=r"is damaged.*delete .*\.lock"):
+            OwnerLock(path, "runs/x", "pick another run.name").acquire()
+        assert path.read_text() == content
+    path.write_text(json.dumps({"pid": 1, "host": "elsewhere"}))
+    with pytest.raises(UserError, match="cannot be checked from"):
+        OwnerLock(path, "runs/x", "pick another run.name").check()
+    path.unlink()
+    path.mkdir()
+    with pytest.raises(UserError, match="is a directory"):
+        OwnerLock(path, "runs/x", "pick another run.name").acquire()
 
 
 def test_a_full_disk_in_any_command_is_one_paragraph(monkeypatch, capsys):
@@ -593,98 +403,50 @@ def test_a_full_disk_in_any_command_is_one_paragraph(monkeypatch, capsys):
         main(["prepare", TINY])
 
 
-# ----------------------------------------------------------------------------- state files
+def test_out_of_disk_during_a_save_is_a_clear_error(data_dir, tmp_path):
+    import errno
 
-TRAIN_ON = ["model.vocab_size=512", "data.prefetch=0"]
+    tr = trainer(data_dir, tmp_path, "train.max_steps=4", "checkpoint.every=2")
+    save = tr.backend.save
 
+    def full_disk(path):
+        if tr.step == 4:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return save(path)
 
-def _edited(manifest: dict, change: str) -> object:
-    """The manifest with one damage applied (a list, a string, a number, or wrong field types)."""
-    import copy
-
-    m = copy.deepcopy(manifest)
-    if change == "a list":
-        return [m]
-    if change == "a string":
-        return "manifest"
-    if change == "a number":
-        return 3
-    if change == "a string of tokens":
-        m["splits"]["train"]["shards"][0]["tokens"] = str(
-            m["splits"]["train"]["shards"][0]["tokens"]
-        )
-    elif change == "a negative count":
-        m["splits"]["val"]["shards"][0]["tokens"] = -1
-    elif change == "shards as a string":
-        m["splits"]["train"]["shards"] = "train_00000.bin"
-    elif change == "a shard outside data.dir":
-        m["splits"]["train"]["shards"][0]["file"] = "../../etc/passwd"
-    elif change == "a tokenizer as a list":
-        m["tokenizer"] = [m["tokenizer"]]
-    elif change == "a float dtype":
-        m["dtype"] = "float64"
-    elif change == "splits as a list":
-        m["splits"] = list(m["splits"].values())
-    return m
+    tr.backend.save = full_disk
+    with pytest.raises(UserError) as info:
+        tr.fit()
+    msg = str(info.value)
+    assert "out of disk space while writing checkpoint" in msg and "step_00000004" in msg
+    assert "previous checkpoint" in msg and "step_00000002 is intact" in msg
+    ckpts = tr.checkpointer.dir
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000002"]  # no partial files
 
 
-@pytest.mark.parametrize(
-    ("change", "expected"),
-    [  # AttributeError, TypeError, KeyError or numpy's own errors before
-        ("a list", "holds a JSON list, not an object; it cannot say which files"),
-        ("a string", "holds a JSON str, not an object"),
-        ("a number", "holds a JSON int, not an object"),
-        ("a string of tokens", "splits.train.shards[0].tokens is '"),
-        ("a negative count", "splits.val.shards[0].tokens is -1, not a count of tokens"),
-        ("shards as a string", "splits.train.shards is 'train_00000.bin', not a list"),
-        ("a shard outside data.dir", "is '../../etc/passwd', not a shard's file name"),
-        ("a tokenizer as a list", "tokenizer is [{"),
-        ("a float dtype", "dtype is 'float64', not uint16 or uint32"),
-        ("splits as a list", "splits is [{"),
-    ],
-)
-def test_a_manifest_of_the_wrong_json_type_is_named(
-    change, expected, data_dir, tmp_path, monkeypatch, capsys
-):
-    import json
+def test_out_of_disk_inside_dcp_is_the_same_clear_error(data_dir, tmp_path, monkeypatch):
+    """DCP wraps the writer's OSError in its CheckpointException (a BaseException): it used to
+    escape as a traceback. Here the disk fills inside DCP's own file writer."""
+    import errno
 
-    monkeypatch.chdir(tmp_path)
-    data = _copy_data(data_dir, tmp_path)
-    manifest = json.loads((data / "manifest.json").read_text())
-    (data / "manifest.json").write_text(json.dumps(_edited(manifest, change)))
-    assert main(["train", TINY, *s(f"data.dir={data}", *TRAIN_ON)]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and expected in err and "manifest.json" in err, err
-    assert "Traceback" not in err and err.count("\n") == 1
-    assert not (tmp_path / "runs").exists()
+    import torch.distributed.checkpoint.filesystem as fs
+
+    tr = trainer(data_dir, tmp_path, "train.max_steps=4", "checkpoint.every=2")
+    write_item = fs._write_item
+
+    def full_disk(*args, **kwargs):
+        if tr.step == 4:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write_item(*args, **kwargs)
+
+    monkeypatch.setattr(fs, "_write_item", full_disk)
+    with pytest.raises(UserError, match="out of disk space while writing checkpoint") as info:
+        tr.fit()
+    assert "step_00000002 is intact" in str(info.value)
+    assert sorted(p.name for p in tr.checkpointer.dir.iterdir()) == ["step_00000002"]
 
 
-def test_a_manifest_that_is_not_a_file_is_named(data_dir, tmp_path, monkeypatch, capsys):
-    """A folder (IsADirectoryError) or a named pipe (the read blocked forever) in its place."""
-    import os
-
-    monkeypatch.chdir(tmp_path)
-    data = _copy_data(data_dir, tmp_path)
-    (data / "manifest.json").unlink()
-    os.mkfifo(data / "manifest.json")
-    assert main(["train", TINY, *s(f"data.dir={data}", *TRAIN_ON)]) == 2
-    err = capsys.readouterr().err
-    assert "manifest.json is a named pipe, not the manifest prepare writes" in err, err
-    (data / "manifest.json").unlink()
-    (data / "manifest.json").write_bytes(b"\xff\xfe{}")  # UnicodeDecodeError before
-    assert main(["train", TINY, *s(f"data.dir={data}", *TRAIN_ON)]) == 2
-    err = capsys.readouterr().err
-    assert "cannot be read as JSON (UnicodeDecodeError)" in err and "Traceback" not in err
-
-
-def _small_corpus(tmp_path) -> Path:
-    from tests.helpers import random_texts
-
-    src = tmp_path / "src"
-    src.mkdir()
-    for i, text in enumerate(random_texts(40, "doc{i}")):
-        (src / f"{i:02d}.txt").write_text(text)
-    return src
+# ================================================================================= data and corpora
 
 
 def test_the_files_a_manifest_accounts_for_are_read_from_any_shape():
@@ -699,75 +461,31 @@ def test_the_files_a_manifest_accounts_for_are_read_from_any_shape():
         assert manifest_files(damaged) == set()
 
 
-@pytest.mark.parametrize(
-    "change",
-    [
-        "a list",
-        "splits as a list",
-        "a tokenizer as a list",
-    ],
-)
-def test_prepare_over_a_manifest_of_the_wrong_types_names_what_it_cannot_prove(
-    change, tmp_path, capsys
-):
-    """Its shards are no longer provably prepare's: they are named, not replaced (an
-    AttributeError before)."""
-    import json
-
-    src = _small_corpus(tmp_path)
-    argv = ["prepare", *s(f"data.source={src}", f"data.dir={tmp_path / 'data'}")]
-    argv += s("model.vocab_size=400", "data.val_fraction=0.25")
-    assert main(argv) == 0
-    manifest = tmp_path / "data" / "manifest.json"
-    manifest.write_text(json.dumps(_edited(json.loads(manifest.read_text()), change)))
-    capsys.readouterr()
-    assert main([*argv, "--force"]) == 2
-    err = capsys.readouterr().err
-    assert "named like prepare's outputs that no manifest of prepare's lists" in err, err
-    assert "Traceback" not in err
-
-
-def _damaged_build(tmp_path, kind: str) -> tuple[list[str], Path]:
-    """A corpus, and a data dir whose prepare build folder (made by prepare, with a tokenizer)
-    holds a progress.json damaged as `kind` says; the prepare command line."""
-    import json
-
-    from scale_llm.data.prepare import BUILD_DIR, BUILD_KIND, _fingerprint
-    from scale_llm.data.sources import open_source
-    from scale_llm.data.tokenizer import file_sha256
-    from scale_llm.files import make_owned_dir
+def test_truncated_shard_and_missing_manifest_are_refused(tmp_path):
+    from scale_llm.data.prepare import prepare
+    from scale_llm.data.shards import read_manifest
     from tests.helpers import prep_config
 
-    src = _small_corpus(tmp_path)
+    corpus = write_jsonl(tmp_path / "docs.jsonl", random_texts(24, "doc{i:03d}marker"))
     out = tmp_path / "data"
-    cfg = prep_config(src, out)
-    out.mkdir()
-    build = make_owned_dir(out / BUILD_DIR, BUILD_KIND)
-    (build / "tokenizer.model").write_bytes(b"an earlier tokenizer")
-    shards = {"bad splits": "train_00000.bin", "outside": [{"file": "../x", "tokens": 0}]}
-    resumable = {  # what a resume would accept, but for its shards
-        "fingerprint": _fingerprint(cfg, open_source(cfg.data)),
-        "tokenizer_sha256": file_sha256(build / "tokenizer.model"),
-        "dtype": "uint16",
-        "documents_read": 0,
-        "tokens": 0,
-        "capped": False,
-        "splits": {"train": {"shards": shards.get(kind)}, "val": None},
-    }
-    text = {"list": "[1, 2]", "string": '"progress"', "number": "3", "not JSON": "{not json"}
-    (build / "progress.json").write_text(text.get(kind) or json.dumps(resumable))
-    argv = ["prepare", *s(f"data.source={src}", f"data.dir={out}")]
-    return [*argv, *s("model.vocab_size=400", "data.val_fraction=0.25")], out
+    prepare(prep_config(corpus, out))
+    shard = out / "train_00000.bin"
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 2)
+    with pytest.raises(UserError, match="truncated"):
+        read_manifest(out)
+    with pytest.raises(UserError, match="run `scale-llm prepare CONFIG` first"):
+        read_manifest(tmp_path / "nothing-here")
 
 
-@pytest.mark.parametrize("kind", ["list", "string", "number", "not JSON", "bad splits", "outside"])
+@pytest.mark.parametrize("kind", PROGRESS_DAMAGE)
 def test_a_damaged_progress_record_starts_the_prepare_afresh(kind, tmp_path, capsys):
     """progress.json is prepare's own scratch: a damaged one is said in one line and the build
     starts over (an AttributeError, or a ValueError from the shard writer, before)."""
     from scale_llm.data.shards import read_manifest
     from scale_llm.log import setup_logging
 
-    argv, out = _damaged_build(tmp_path, kind)
+    argv, out = damaged_build(tmp_path, kind)
     setup_logging(0)  # (log lines to this test's stdout)
     assert main(argv) == 0, capsys.readouterr().err[-2000:]
     printed = capsys.readouterr().out
@@ -776,97 +494,479 @@ def test_a_damaged_progress_record_starts_the_prepare_afresh(kind, tmp_path, cap
     assert read_manifest(out)["splits"]["train"]["tokens"] > 0
 
 
-def test_a_progress_record_that_is_a_folder_is_named(tmp_path, capsys):
-    argv, out = _damaged_build(tmp_path, "list")
-    record = out / ".prepare-build" / "progress.json"
-    record.unlink()
-    record.mkdir()  # (IsADirectoryError from unlink before)
+def test_a_vocab_the_corpus_cannot_fill_is_refused_naming_the_limit(tmp_path):
+    from scale_llm.data.tokenizer import train_tokenizer
+
+    with pytest.raises(UserError, match="too small.*at least 320"):
+        train_tokenizer(["hello world"], 100, tmp_path / "t.model")
+    # corpora with few distinct pieces: SentencePiece says how many it can make
+    with pytest.raises(UserError, match=r"gives at most 2\d\d pieces, fewer than the 320"):
+        train_tokenizer(["hello world\n" * 200], 2048, tmp_path / "t.model")
+    with pytest.raises(UserError, match=r"model.vocab_size=4096 is more .* <= \d{3,4}, or"):
+        train_tokenizer(random_texts(20, "d{i}", vocab=100), 4096, tmp_path / "t.model")
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.parametrize("case", list(CORPUS_SKIPS))
+def test_a_path_a_corpus_cannot_read_is_skipped_and_said(case, tmp_path):
+    """Loops, second paths to a file, broken links, pipes and files of unknown kinds are not
+    errors: each real file is read once, and one warning names what was skipped."""
+    make, docs, said = CORPUS_SKIPS[case]
+    corpus = tmp_path / "corpus"
+    write_file(corpus / "a.txt", "alpha")
+    spec = make(corpus)
+    with logged() as lines:
+        assert documents_of(spec) == docs
+    warned = [line for line in lines if "skips" in line]
+    if said is None:
+        assert warned == [], lines.text
+    else:
+        assert len(warned) == 1 and warned[0].startswith(f"data.source='{spec}' skips 1 path")
+        assert said in warned[0], warned
+
+
+@pytest.fixture
+def small_limit(monkeypatch):
+    from scale_llm.data import sources
+
+    monkeypatch.setattr(sources, "MAX_DOCUMENT_CHARS", 1000)
+
+
+def test_a_jsonl_line_over_the_limit_is_refused_before_it_is_read_whole(tmp_path, small_limit):
+    import tracemalloc
+
+    from scale_llm.data.sources import local_source
+
+    ok = "x" * (1000 - len('{"text": ""}'))  # a line of exactly the limit is read
+    path = write_file(
+        tmp_path / "c.jsonl",
+        "\n".join([json.dumps({"text": ok}), json.dumps({"text": "y" * 400_000})]) + "\n",
+    )
+    docs = local_source(str(path), "text").documents()
+    assert next(docs).text == ok
+    tracemalloc.start()
+    try:
+        with pytest.raises(UserError, match=r"c.jsonl:2 is longer than 1,000 bytes.*split"):
+            next(docs)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 50_000  # the 400 kB line was not read whole
+
+
+def test_a_text_file_or_row_over_the_limit_is_refused(tmp_path, small_limit):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from scale_llm.data.sources import local_source
+
+    big = write_file(tmp_path / "t" / "big.txt", "z" * 1001)
+    write_file(tmp_path / "t" / "fits.txt", "z" * 1000)
+    with pytest.raises(UserError, match=r"big.txt is longer than 1,000 bytes.*split"):
+        list(local_source(str(big.parent), "text").documents())
+    assert len(documents_of(tmp_path / "t" / "fits.txt")) == 1
+    rows = write_file(tmp_path / "r.parquet")
+    pq.write_table(pa.Table.from_pylist([{"text": "ok"}, {"text": "é" * 1001}]), rows)
+    with pytest.raises(UserError, match=r"r.parquet row 2: .* 1,001 characters.*1,000"):
+        documents_of(rows)
+
+
+def test_a_lone_surrogate_in_a_jsonl_record_names_the_file_and_line(tmp_path):
+    """Valid JSON, but not text: it used to reach the tokenizer and fail there as a TypeError
+    from a worker process, naming no file."""
+    path = write_file(tmp_path / "s.jsonl", '{"text": "fine"}\n{"text": "a\\ud800b"}\n')
+    with pytest.raises(UserError, match=r"s.jsonl:2: field 'text' holds a lone surrogate"):
+        documents_of(path)
+    pair = write_file(tmp_path / "p.jsonl", '{"text": "smile \\ud83d\\ude00"}\n')
+    assert documents_of(pair) == {"p.jsonl:1": "smile \U0001f600"}  # a whole pair is text
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_a_hf_folder_with_a_lone_surrogate_names_the_problem_and_the_way_to_find_it(
+    tmp_path, monkeypatch, streaming
+):
+    import datasets
+
+    from scale_llm.config import load_config
+    from scale_llm.data.sources import open_source
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
+    write_jsonl(tmp_path / "ds" / "train.jsonl", random_texts(5, "doc{i}", length=20))
+    with open(tmp_path / "ds" / "train.jsonl", "a") as f:
+        f.write('{"text": "a\\ud800b"}\n')
+    data = load_config(
+        None, [f"data.source=hf:{tmp_path / 'ds'}", f"data.streaming={str(streaming).lower()}"]
+    ).data
+    with pytest.raises(UserError) as e:
+        list(open_source(data).documents())
+    message = str(e.value)
+    assert "surrogate" in message and "again" not in message and "network" not in message
+    assert f"data.source={tmp_path / 'ds'}/**/*.jsonl" in message  # names file and line
+
+
+def test_skipped_files_that_are_not_utf8_are_counted(tmp_path, caplog):
+    """The builtin corpus skips its few Latin-1 files; it now says which."""
+    from scale_llm.data.sources import Source
+
+    good = write_file(tmp_path / "good.py", "x = 1\n")
+    bad = write_file(tmp_path / "bad.py", data=b"s = '\xe9'\n")
+    src = Source("builtin:test", [bad, good], skip_undecodable=True, root=tmp_path)
+    with caplog.at_level(logging.INFO, logger="scale_llm"):
+        assert [d.doc_id for d in src.documents()] == ["good.py"]
+    assert "skipped 1 file that is not UTF-8 (bad.py)" in caplog.text
+
+
+# ======================================================================== checkpoints and artifacts
+
+
+@pytest.mark.parametrize("case", list(DAMAGES))
+def test_a_damaged_newest_checkpoint_is_skipped_by_auto(case, four_steps, data_dir, tmp_path):
+    """`auto` takes the newest checkpoint whose files match its record: a damaged newer one is
+    skipped with one warning naming it and what is wrong (a record of the wrong shape was a
+    traceback that also blocked this fallback)."""
+    run = copy_run(four_steps, tmp_path)
+    ckpt = run / "checkpoints" / STEP4
+    said = DAMAGES[case](ckpt)
+    problem = damage(ckpt)
+    assert problem is not None and said in problem and "\n" not in problem, problem
+    assert str(ckpt) in problem, problem
+    with logged() as lines:
+        assert Checkpointer(run, 1).latest_good() == run / "checkpoints" / STEP2
+    assert f"skipping {ckpt}: " in lines.text and "falling back" in lines.text
+    with logged() as lines:
+        tr = resume_auto(data_dir, tmp_path)
+    assert tr.step == 2  # fell back to step 2
+    assert f"skipping {ckpt}" in lines.text and said in lines.text
+    tr.lock.release()
+
+
+def test_a_symlinked_step_dir_is_never_resumed_counted_or_pruned(four_steps, data_dir, tmp_path):
+    """checkpoints/step_00000004 -> another run's checkpoint was resumed without a word, and
+    the run's own checkpoints were then pruned. Now it is skipped with a warning naming it,
+    and nothing is deleted through it."""
+    other = copy_run(four_steps, tmp_path, "other")
+    theirs = other / "checkpoints" / STEP4
+    before = tree(theirs)
+    run = copy_run(four_steps, tmp_path)
+    ckpts = run / "checkpoints"
+    shutil.rmtree(ckpts / STEP4)
+    (ckpts / STEP4).symlink_to(theirs)
+    (ckpts / "step_00000009").symlink_to(theirs)  # a newer one: would push step 2 out
+    mine = tree(ckpts / STEP2)
+    checkpointer = Checkpointer(run, 1)
+    with logged() as lines:
+        assert checkpointer.complete() == [(2, ckpts / STEP2)]
+        checkpointer.prune()  # keep_last 1: the links are not counted
+    assert f"skipping {ckpts / STEP4}: it is a symlink (to {theirs})" in lines.text
+    assert tree(ckpts / STEP2) == mine and tree(theirs) == before
+    with logged() as lines:
+        tr = resume_auto(data_dir, tmp_path, "checkpoint.keep_last=1")
+    assert tr.step == 2 and tr.resume_from == ckpts / STEP2
+    tr.fit()  # saves step 4 and 6, pruning down to one
+    assert tree(theirs) == before and (other / "checkpoints" / STEP2).is_dir()
+    assert [p.name for _, p in Checkpointer(run, 1).complete()] == ["step_00000006"]
+    (aside,) = ckpts.glob("abandoned-*")  # the links were moved aside as links
+    assert sorted(p.name for p in aside.iterdir()) == [STEP4, "step_00000009"]
+    assert all((aside / name).is_symlink() for name in (STEP4, "step_00000009"))
+
+
+def test_a_checkpoint_that_is_missing_or_another_runs_is_named(four_steps, tmp_path, capsys):
+    """generate --checkpoint: a pruned step or a typo lists the run's checkpoints; one of
+    another run (another model shape, another tokenizer) says so, naming the difference."""
+    from scale_llm.data.tokenizer import train_tokenizer
+
+    run_dir = copy_run(four_steps, tmp_path)
+    capsys.readouterr()
+    ckpts = run_dir / "checkpoints"
+    gen = ["--max-new-tokens", "2"]
+    assert main(["generate", str(run_dir), "--checkpoint", str(ckpts / "step_00000005"), *gen]) == 2
+    err = capsys.readouterr().err
+    assert "not a checkpoint directory (no trainer.pt inside)" in err, err
+    assert "holds 2 complete checkpoints (step_00000002, step_00000004)" in err
+    assert main(["generate", str(run_dir), "--checkpoint", str(run_dir), *gen]) == 0  # its newest
+
+    wider = tmp_path / "wider"  # a run whose model differs from the checkpoint's
+    shutil.copytree(run_dir, wider)
+    config = (wider / "config.yaml").read_text()
+    (wider / "config.yaml").write_text(config.replace("d_model: 32", "d_model: 64"))
+    assert main(["generate", str(wider), "--checkpoint", str(ckpts / STEP2), *gen]) == 2
+    err = capsys.readouterr().err
+    assert "step_00000002 belongs to another run" in err and "Traceback" not in err, err
+    assert "model.d_model (32 in the checkpoint, 64 in the run)" in err
+
+    retokenized = tmp_path / "retokenized"  # a run with another tokenizer
+    shutil.copytree(run_dir, retokenized)
+    train_tokenizer(random_texts(200, "doc{i}"), 400, retokenized / "tokenizer.model")
+    argv = ["generate", str(retokenized), "--checkpoint", str(ckpts / STEP2), *gen]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert f"{record} is a directory, where prepare keeps its progress record" in err, err
-    assert "Traceback" not in err
+    assert "belongs to another run: it was trained with another tokenizer" in err, err
+    assert "copy the tokenizer.model" not in err
 
 
-# ----------------------------------------------------------------------------- run dir contents
+def test_a_garbage_or_foreign_tokenizer_in_a_run_dir_is_named(four_steps, tmp_path, capsys):
+    from scale_llm.data.tokenizer import train_tokenizer
+
+    run_dir = copy_run(four_steps, tmp_path)
+    capsys.readouterr()
+    good = (run_dir / "tokenizer.model").read_bytes()
+    (run_dir / "tokenizer.model").write_bytes(b"not a model" * 100)
+    assert main(["generate", str(run_dir), "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "is not a SentencePiece model" in err and "Traceback" not in err
+
+    train_tokenizer(random_texts(200, "doc{i}"), 400, run_dir / "tokenizer.model")
+    assert (run_dir / "tokenizer.model").read_bytes() != good
+    assert main(["generate", str(run_dir), "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "is not the tokenizer" in err and "the checkpoint records" in err
+    (run_dir / "tokenizer.model").write_bytes(good)
+    assert main(["generate", str(run_dir), "--max-new-tokens", "2"]) == 0
 
 
-def _fifo(path):
-    import os
+def test_resuming_a_different_run_is_refused(data_dir, tmp_path):
+    trainer(data_dir, tmp_path, "train.max_steps=1").fit()
+    with pytest.raises(UserError) as info:
+        trainer(data_dir, tmp_path, "train.max_steps=2", "model.d_model=64", "run.seed=5")
+    msg = str(info.value)
+    assert "model.d_model: the checkpoint has 32, the config says 64" in msg
+    assert "run.seed" in msg and "new run.name" in msg
+    with pytest.raises(UserError, match="checkpoint.resume=never but"):
+        trainer(data_dir, tmp_path, "checkpoint.resume=never")
+    # settings that do not define the run may change: a longer run continues
+    assert trainer(data_dir, tmp_path, "train.max_steps=2", "train.lr=5e-4").step == 1
 
-    os.mkfifo(path)
+
+def test_metadata_pointing_outside_the_checkpoint_is_refused(four_steps, tmp_path):
+    import pickle
+
+    from scale_llm.components.serialization import DamagedCheckpoint, read_dcp_metadata
+
+    path = copy_run(four_steps, tmp_path) / "checkpoints" / STEP4 / "dcp" / ".metadata"
+    md = read_dcp_metadata(path)
+    info = next(iter(md.storage_data.values()))
+    info.relative_path = "../../../etc/passwd"
+    path.write_bytes(pickle.dumps(md))
+    with pytest.raises(DamagedCheckpoint, match="leaves the checkpoint"):
+        read_dcp_metadata(path)
 
 
-def _dangling(path):
-    path.symlink_to(path.parent / "nowhere")
+def test_torch_files_name_the_refused_global(tmp_path):
+    from scale_llm.components.serialization import UnsafeCheckpoint, load_file
+
+    path = tmp_path / "trainer.pt"
+    torch.save({"x": Payload(tmp_path / "pwned")}, path)
+    with pytest.raises(UnsafeCheckpoint, match=r"trainer\.pt.*system"):
+        load_file(path)
+    assert not (tmp_path / "pwned").exists()
 
 
-@pytest.mark.parametrize(
-    ("name", "make", "expected"),
-    [
-        (
-            "checkpoints",
-            lambda p: p.write_text("x"),
-            "is a file, but the run keeps its checkpoints",
-        ),
-        ("checkpoints", _dangling, "is a symlink to nothing, but the run keeps its checkpoints"),
-        (
-            "tensorboard",
-            lambda p: p.write_text("x"),
-            "is a file, but the run keeps its TensorBoard",
-        ),
-        ("metrics.jsonl", lambda p: p.mkdir(), "is a directory, but the run keeps its metric rows"),
-        ("metrics.jsonl", _fifo, "is a named pipe, but the run keeps its metric rows"),
-        ("config.yaml", lambda p: p.mkdir(), "is a directory, but the run keeps its config"),
-        ("tokenizer.model", _fifo, "is a named pipe, but the run keeps its copy of the tokenizer"),
-    ],
-    ids=["ckpt_file", "ckpt_link", "tb_file", "metrics_dir", "metrics_fifo", "cfg_dir", "tok_fifo"],
-)
-def test_a_run_dir_entry_of_the_wrong_kind_is_named(name, make, expected, tmp_path):
-    from scale_llm.errors import UserError
-    from scale_llm.train.preflight import check_run_dir
+def init_model(data_dir: Path, tmp_path: Path, folder: Path):
+    return replace(make_config(data_dir, tmp_path).model, init_from=str(folder))
 
-    run_dir = tmp_path / "run"
-    check_run_dir(run_dir)  # a new run dir: nothing to check
-    run_dir.mkdir()
-    (tmp_path / "elsewhere").mkdir()
-    (run_dir / "checkpoints").symlink_to(tmp_path / "elsewhere")  # a link to a folder is fine
-    check_run_dir(run_dir)
-    (run_dir / "checkpoints").unlink()
-    make(run_dir / name)
+
+def hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file as load_st
+
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_st(f))
+    return out
+
+
+@pytest.mark.parametrize("case", list(INIT_CONFIG_FIELDS))
+def test_init_from_config_fields_are_checked_for_json_type_and_range(
+    case, exported, data_dir, tmp_path
+):
+    """ "false" was read as true, zero heads and infinities were tracebacks."""
+    from scale_llm.train.init_from import load_init_weights
+
+    folder = tmp_path / "hf"
+    shutil.copytree(exported, folder)
+    hf = json.loads((folder / "config.json").read_text())
+    changes, said = INIT_CONFIG_FIELDS[case]
+    hf.update(changes)
+    (folder / "config.json").write_text(json.dumps(hf))  # (inf / nan as Infinity / NaN)
     with pytest.raises(UserError) as e:
-        check_run_dir(run_dir)
-    assert str(e.value).startswith(f"{run_dir / name} ") and expected in str(e.value)
-    assert "move it away (or pick another run.name)" in str(e.value)
+        load_init_weights(init_model(data_dir, tmp_path, folder), None)
+    assert str(folder) in str(e.value) and said in str(e.value), str(e.value)
+    assert "config.json" in str(e.value)
 
 
-def test_metrics_of_the_wrong_kind_or_with_a_torn_line_never_traceback(tmp_path, capsys):
-    """metrics.jsonl as a folder (IsADirectoryError before); on resume, a line cut short by a
-    kill mid-write, or not a row (JSONDecodeError / AttributeError before) is dropped, said."""
-    from scale_llm.config import load_config
-    from scale_llm.errors import UserError
-    from scale_llm.log import setup_logging
-    from scale_llm.train.metrics import MetricsLogger
+@pytest.mark.parametrize("case", list(INIT_TENSORS))
+def test_init_from_weights_must_be_finite_floats(case, exported, data_dir, tmp_path):
+    from safetensors.torch import load_file as load_st
+    from safetensors.torch import save_file as save_st
 
-    cfg = load_config(None, ["logging.tensorboard=false"])
-    (tmp_path / "metrics.jsonl").mkdir()
-    with pytest.raises(UserError, match="is a directory, but the run keeps its metric rows"):
-        MetricsLogger(tmp_path, True, cfg, 0)
-    (tmp_path / "metrics.jsonl").rmdir()
-    rows = ['{"step": 1, "loss": 5.0}', "[1, 2]", '{"step": 2, "loss": 4.0}', '{"step": 3, "lo']
-    (tmp_path / "metrics.jsonl").write_text("\n".join(rows))
-    setup_logging(0)
-    MetricsLogger(tmp_path, True, cfg, 2).close()
-    assert (tmp_path / "metrics.jsonl").read_text() == rows[0] + "\n" + rows[2] + "\n"
-    assert "dropped 2 line(s)" in capsys.readouterr().out
+    from scale_llm.train.init_from import load_init_weights
+
+    folder = tmp_path / "hf"
+    shutil.copytree(exported, folder)
+    tensors = load_st(folder / "model.safetensors")
+    name = "model.norm.weight"
+    change, said = INIT_TENSORS[case]
+    tensors[name] = change(tensors[name])
+    save_st(tensors, str(folder / "model.safetensors"), {"format": "pt"})
+    with pytest.raises(UserError) as e:
+        load_init_weights(init_model(data_dir, tmp_path, folder), None)
+    msg = str(e.value)
+    assert name in msg and str(folder / "model.safetensors") in msg and said in msg, msg
 
 
-@pytest.mark.parametrize(
-    "value",
-    ["after_step:x", "mid_save", "nonsense:3", "after_step:0", "mid_save:3:r", "after_step:1:2:3"],
-)
+def test_init_from_errors_name_what_is_wrong(four_steps, exported, data_dir, tmp_path):
+    from safetensors.torch import save_file as save_st
+
+    from scale_llm.data.shards import read_manifest
+    from scale_llm.generate import read_run_config
+    from scale_llm.train.init_from import load_init_weights
+
+    good = replace(read_run_config(four_steps).model, init_from=str(exported))
+    sha = read_manifest(data_dir)["tokenizer"]["sha256"]
+    with pytest.raises(UserError, match="no such folder"):
+        load_init_weights(replace(good, init_from=str(tmp_path / "nope")), None)
+    with pytest.raises(UserError, match="no config.json"):
+        load_init_weights(replace(good, init_from=str(tmp_path)), None)
+    # a model section that differs: the key, both values, and the shapes it changes
+    with pytest.raises(UserError) as e:
+        load_init_weights(replace(good, d_model=64), sha)
+    assert "model.d_model=64" in str(e.value) and "has 32: set model.d_model=32" in str(e.value)
+    assert "model.embed_tokens.weight: shape (512, 32) in the checkpoint, (512, 64)" in str(e.value)
+    # one tensor of another shape (config.json as it should be)
+    bad = tmp_path / "bad_shape"
+    shutil.copytree(exported, bad)
+    tensors = hf_tensors(bad)
+    tensors["model.layers.1.mlp.up_proj.weight"] = tensors["model.layers.1.mlp.up_proj.weight"][:64]
+    save_st(tensors, bad / "model.safetensors", {"format": "pt"})
+    wrong = r"model\.layers\.1\.mlp\.up_proj\.weight: shape \(64, 32\) in the checkpoint, "
+    with pytest.raises(UserError, match=wrong + r"\(128, 32\) in the model"):
+        load_init_weights(replace(good, init_from=str(bad)), sha)
+    # configurations the model cannot run: each field is named
+    odd = tmp_path / "unsupported"
+    shutil.copytree(exported, odd)
+    hf = json.loads((odd / "config.json").read_text())
+    hf.update(rope_scaling={"rope_type": "linear", "factor": 2.0}, attention_bias=True)
+    hf.update(hidden_act="gelu", mlp_bias=True)
+    (odd / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(UserError) as e:
+        load_init_weights(replace(good, init_from=str(odd)), sha)
+    for field in ("rope_scaling=", "attention_bias=True", "hidden_act='gelu'", "mlp_bias=True"):
+        assert field in str(e.value)
+    # weights another tokenizer learned
+    other = tmp_path / "other_tokenizer"
+    shutil.copytree(exported, other)
+    (other / "tokenizer.model").write_bytes(b"not our tokenizer")
+    with pytest.raises(UserError, match="differs from the tokenizer of data.dir"):
+        load_init_weights(replace(good, init_from=str(other)), sha)
+    # no weights at all
+    empty = tmp_path / "no_weights"
+    empty.mkdir()
+    shutil.copy(exported / "config.json", empty)
+    with pytest.raises(UserError, match="no weights found"):
+        load_init_weights(replace(good, init_from=str(empty)), None)
+
+
+def test_init_from_a_pickled_folder_goes_through_the_safe_loader(four_steps, exported, tmp_path):
+    from scale_llm.components.serialization import UnsafeCheckpoint
+    from scale_llm.generate import read_run_config
+    from scale_llm.train.init_from import load_init_weights
+
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    shutil.copy(exported / "config.json", folder)
+    tensors = hf_tensors(exported)
+    torch.save(tensors, folder / "pytorch_model.bin")
+    model = read_run_config(four_steps).model
+    cfg = replace(model, init_from=str(folder))
+    state = load_init_weights(cfg, None)
+    expected = load_init_weights(replace(model, init_from=str(exported)), None)
+    assert state.keys() == expected.keys()
+    for name in state:
+        assert state[name].dtype == expected[name].dtype, name
+        assert torch.equal(state[name], expected[name]), name
+    marker = tmp_path / "payload-ran"
+    tensors["planted"] = Payload(marker)
+    torch.save(tensors, folder / "pytorch_model.bin")
+    with pytest.raises(UnsafeCheckpoint, match="pytorch_model.bin"):
+        load_init_weights(cfg, None)
+    assert not marker.exists()
+
+
+def test_a_trainer_with_a_missing_init_folder_stops_with_a_clear_error(data_dir, tmp_path):
+    with pytest.raises(UserError, match=r"model\.init_from=.*nope: no such folder"):
+        finished_run(data_dir, tmp_path, f"model.init_from={tmp_path / 'nope'}")
+    assert not (tmp_path / "test" / "checkpoints").exists()
+    with pytest.raises(UserError, match="model.init_from is empty"):
+        make_config(data_dir, tmp_path, "model.init_from=' '")
+
+
+# ============================================================================= files a command owns
+# (all in the table: export, convert, eval, bench --checkpoint-io, check and prepare refusing to
+# replace what they cannot prove they wrote)
+
+
+# ======================================================================================== CLI flags
+
+
+def test_sweep_entries_are_read_with_spaces_and_any_case():
+    from scale_llm.bench import sweep_axes
+
+    assert sweep_axes(" 1, 2", "none, full", "False, yes") == (
+        [1, 2],
+        ["none", "full"],
+        [False, True],
+    )
+
+
+# =============================================================================== launch environment
+
+
+def test_a_leftover_world_size_says_what_it_waits_for_then_stops(data_dir, tmp_path):
+    """WORLD_SIZE=2 left in a shell, no launcher, no peer: say what, where and how long, then
+    an error (not a silent wait, not a traceback)."""
+    child = {**env(), "WORLD_SIZE": "2", "RANK": "0", "MASTER_PORT": "29731"}
+    child["SCALE_LLM_PG_TIMEOUT_MIN"] = "0.05"  # 3 s
+    for key in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "SLURM_PROCID"):
+        child.pop(key, None)
+    argv = ["train", TINY, *s(f"data.dir={data_dir}", "model.vocab_size=512")]
+    proc = subprocess.run(
+        [sys.executable, "-m", "scale_llm", *argv],
+        cwd=tmp_path,
+        env=child,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "rank 0 waits for 2 processes to join at 127.0.0.1:29731" in proc.stdout
+    assert "gives up after 0.05 min" in proc.stdout and "left over" in proc.stdout
+    assert "did not form at 127.0.0.1:29731" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bad_world_size_fails_before_any_process_group(tmp_path):
+    child = {**os.environ, "WORLD_SIZE": "3", "RANK": "0", "LOCAL_RANK": "0"}
+    child["PYTHONPATH"] = str(REPO)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "scale_llm",
+            "train",
+            *s("parallel.backend=ddp", "train.global_batch_size=8", "train.micro_batch_size=2"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=child,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "not divisible by train.micro_batch_size=2 x world size 3" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("value", FAULT_SPECS)
 def test_a_malformed_fault_injection_variable_is_named(value, monkeypatch):
     """IndexError / ValueError from maybe_fail mid-run before, or nothing injected at all."""
-    from scale_llm.errors import UserError
     from scale_llm.train.guards import check_fault_spec, maybe_fail
 
     monkeypatch.setenv("SCALE_LLM_FAULT", value)
@@ -892,50 +992,24 @@ def test_fault_injection_reads_its_forms(monkeypatch):
         assert fault_spec() == parsed
 
 
-@pytest.mark.parametrize("case", ["checkpoints a file", "metrics a folder", "malformed fault"])
-def test_run_dir_and_fault_problems_stop_train_before_any_work(
-    case, data_dir, tmp_path, monkeypatch, capsys
-):
-    monkeypatch.chdir(tmp_path)
-    run_dir = tmp_path / "runs" / "tiny"
-    run_dir.mkdir(parents=True)
-    if case == "checkpoints a file":
-        (run_dir / "checkpoints").write_text("mine")
-    elif case == "metrics a folder":
-        (run_dir / "metrics.jsonl").mkdir()
-    else:
-        monkeypatch.setenv("SCALE_LLM_FAULT", "mid_save")
-    argv = ["train", TINY, *s(f"data.dir={data_dir}", *TRAIN_ON, "train.max_steps=1")]
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and "Traceback" not in err and err.count("\n") == 1
-    assert sorted(p.name for p in run_dir.iterdir()) == sorted(
-        p.name for p in [run_dir / "checkpoints", run_dir / "metrics.jsonl"] if p.exists()
-    )  # nothing written: no config.yaml, no tokenizer, no lock left
+def test_wandb_missing_is_a_clear_error(data_dir, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
+    with pytest.raises(UserError, match=r"logging.wandb.project=p needs the wandb package"):
+        trainer(data_dir, tmp_path, "logging.wandb.project=p")
 
 
-# ----------------------------------------------------------------------------- host memory
+def test_wandb_that_cannot_start_is_a_clear_error(data_dir, tmp_path, monkeypatch):
+    """A node never logged in to W&B: wandb.init's own error became a traceback."""
+    wandb = pytest.importorskip("wandb")
 
+    def no_key(**kwargs):
+        raise wandb.errors.UsageError("api_key not configured (no-tty). call wandb.login(key=...)")
 
-def test_bench_checks_host_memory_before_allocating_and_a_sweep_row_says_so(tmp_path, monkeypatch):
-    from scale_llm.bench import bench_sweep
-    from scale_llm.config import load_config
-    from scale_llm.errors import UserError
-    from scale_llm.memory import check_host_memory, host_memory_problem
-    from scale_llm.memory import host as host_mod
-    from tests.helpers import TINY_MODEL, plan_for
-
-    cfg = load_config(None, [*TINY_MODEL, "train.device=cpu"])
-    plan = plan_for(cfg)
-    assert host_memory_problem(cfg, plan) is None
-    monkeypatch.setattr(host_mod, "host_available_bytes", lambda: 1024)  # a 1 KiB host
-    with pytest.raises(UserError, match=r"needs about .* GiB of host memory .* 2 models at once"):
-        check_host_memory(cfg, plan, models=2)
-
-    def never(*a, **k):
-        raise AssertionError("a row that does not fit the host was run")
-
-    monkeypatch.setattr("scale_llm.bench.build_model", never)
-    rows = bench_sweep(cfg, plan, [1, 2], ["none"], [False], steps=1, warmup=0)
-    assert [r["oom"] for r in rows] == [True, True]
-    assert all("GiB of host memory" in r["host_memory"] for r in rows)
+    monkeypatch.setattr(wandb, "init", no_key)
+    with pytest.raises(UserError) as info:
+        trainer(data_dir, tmp_path, "logging.wandb.project=p")
+    msg = str(info.value)
+    assert msg.startswith("logging.wandb.project=p: W&B did not start (api_key not configured")
+    assert "`wandb login`" in msg and "logging.wandb.mode=offline" in msg
+    # the launch released its run lock: a relaunch from another host would be refused
+    assert not (tmp_path / "runs" / "test" / ".lock").exists()

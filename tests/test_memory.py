@@ -392,8 +392,8 @@ def test_a_measured_step_has_the_estimated_parts_and_peak(precision, ac, micro, 
 # full checkpointing and accumulation, and in bf16 (at half the micro-batch) under one of the
 # three bf16 settings of docs/memory.md's table, each setting met by two backends: 18 cases.
 # bf16 is emulated, ~8x slower than fp32, on CPUs without AVX-512 BF16. Measured 2026-12-01
-# (session 20, 36 cases): every peak within 0.25% of the estimate, every part at it within 2.2%
-# (the largest: ZeRO-3's parameters; session 19, with the CPU's composite RMSNorm: 1.0% and 5%)
+# (commit 8f6c3a8, 36 cases): every peak within 0.25% of the estimate, every part at it within 2.2%
+# (the largest: ZeRO-3's parameters; benchmarks/cpu-2core-avx512-memory-model.md)
 WORLD_BACKENDS = [
     ["parallel.backend=ddp"],
     ["parallel.backend=fsdp"],
@@ -447,7 +447,7 @@ def test_every_backend_at_two_ranks_peaks_where_the_estimate_says(tmp_path):
         str(out),
         json.dumps(cases),
     ]
-    # the 36 cases before session 23 took 1 min 42 s on a CPU with native bf16 (AVX-512 BF16)
+    # 36 cases (2026-12-01) took 1 min 42 s on a CPU with native bf16 (AVX-512 BF16)
     # and 15 min where bf16 is emulated (AVX2 only): the limit only stops a hang
     proc = subprocess.run(
         cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=2400

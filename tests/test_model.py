@@ -195,6 +195,8 @@ def test_flops_per_token_equals_a_count_of_every_matmul(tie):
     per_block = d * 3 * d + d * d + 3 * d * hidden  # wqkv, wo, w1 / w3 / w2
     by_hand = 6 * (2 * per_block + V * d) + 12 * 2 * d * T
     assert m.flops_per_token() == by_hand
+    # causal: what a causal kernel computes, the lower half of each T x T product
+    assert m.flops_per_token(causal=True) == by_hand - 6 * 2 * d * T
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,15 +1,14 @@
 """Reliability: checkpoints that move between backends and world sizes, processes killed with
-SIGKILL (during a save too), torchrun restarting a dead rank, SIGTERM, a full disk.
+SIGKILL (during a save too), torchrun restarting a dead rank, SIGTERM, the checkpoints'
+integrity records. (A full disk and damaged checkpoints: tests/test_errors.py.)
 
 Real processes are started and killed; fp32 on CPU, the tiny model of tests/conftest.py.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
-import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +18,6 @@ from pathlib import Path
 import pytest
 
 from scale_llm.components.checkpoint import Checkpointer
-from scale_llm.errors import UserError
 from scale_llm.train.trainer import Trainer
 from tests.helpers import (
     BACKENDS,
@@ -27,7 +25,6 @@ from tests.helpers import (
     TOL,
     common,
     env,
-    finished_run,
     make_config,
     plan_for,
     rows_of,
@@ -216,51 +213,11 @@ def test_stop_signal_saves_a_final_checkpoint_on_every_rank(data_dir, root, npro
         assert proc.returncode == 0, out[-3000:]
     assert f"stop: signal {sig.name} after step" in out, out[-3000:]
     for rank in range(nproc):  # every rank got the signal and took part in the save
-        assert (f"[rank {rank}] " if nproc > 1 else "") + f"received {sig.name}" in out
+        where = f"[rank {rank}] " if nproc > 1 else ""
+        assert f"{where}WARNING: received {sig.name}" in out
     ckpts = sorted((root / name / "checkpoints").glob("step_*"))
     assert len(ckpts) == 1 and (ckpts[0] / "trainer.pt").is_file()
     assert len(list((ckpts[0] / "dcp").glob("*.distcp"))) == nproc
-
-
-def test_out_of_disk_during_a_save_is_a_clear_error(data_dir, tmp_path):
-    cfg = make_config(data_dir, tmp_path / "runs", "train.max_steps=4", "checkpoint.every=2")
-    tr = Trainer(cfg, plan_for(cfg))
-    save = tr.backend.save
-
-    def full_disk(path):
-        if tr.step == 4:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return save(path)
-
-    tr.backend.save = full_disk
-    with pytest.raises(UserError) as info:
-        tr.fit()
-    msg = str(info.value)
-    assert "out of disk space while writing checkpoint" in msg and "step_00000004" in msg
-    assert "previous checkpoint" in msg and "step_00000002 is intact" in msg
-    ckpts = tr.checkpointer.dir
-    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000002"]  # no partial files
-
-
-def test_out_of_disk_inside_dcp_is_the_same_clear_error(data_dir, tmp_path, monkeypatch):
-    """DCP wraps the writer's OSError in its CheckpointException (a BaseException): it used to
-    escape as a traceback. Here the disk fills inside DCP's own file writer."""
-    import torch.distributed.checkpoint.filesystem as fs
-
-    cfg = make_config(data_dir, tmp_path / "runs", "train.max_steps=4", "checkpoint.every=2")
-    tr = Trainer(cfg, plan_for(cfg))
-    write_item = fs._write_item
-
-    def full_disk(*args, **kwargs):
-        if tr.step == 4:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return write_item(*args, **kwargs)
-
-    monkeypatch.setattr(fs, "_write_item", full_disk)
-    with pytest.raises(UserError, match="out of disk space while writing checkpoint") as info:
-        tr.fit()
-    assert "step_00000002 is intact" in str(info.value)
-    assert sorted(p.name for p in tr.checkpointer.dir.iterdir()) == ["step_00000002"]
 
 
 def test_resuming_an_older_checkpoint_moves_the_newer_ones_aside(data_dir, tmp_path, caplog):
@@ -291,81 +248,7 @@ def test_resuming_an_older_checkpoint_moves_the_newer_ones_aside(data_dir, tmp_p
     assert sorted(p.name for p in aside.iterdir()) == ["step_00000003", "step_00000004"]
 
 
-def test_user_errors_exit_2_but_internal_errors_keep_their_traceback(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "scale_llm", "train", "--set", "train.lr=-1"],
-        cwd=tmp_path,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    code = (
-        "import scale_llm.cli as c\n"
-        "c.COMMANDS['prepare'] = lambda args: 1 / 0\n"
-        "raise SystemExit(c.main(['prepare']))\n"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=tmp_path,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert (
-        proc.returncode == 1 and "Traceback" in proc.stderr and "ZeroDivisionError" in proc.stderr
-    )
-
-
 # ----------------------------------------------------------------------------- damage
-
-
-def damaged_copy(good: Path, tmp_path: Path, how: str) -> Path:
-    """A copy of a finished 4-step run whose newest checkpoint (step 4) is damaged."""
-    run = tmp_path / "runs" / "test"
-    shutil.copytree(good, run)
-    target = run / "checkpoints" / "step_00000004" / "dcp" / "__0_0.distcp"
-    data = bytearray(target.read_bytes())
-    if how == "truncated":
-        target.write_bytes(data[: len(data) // 2])
-    else:  # the same size, some bytes flipped (bit rot, a bad copy)
-        for i in range(100, len(data), max(1, len(data) // 50)):
-            data[i] ^= 0xFF
-        target.write_bytes(bytes(data))
-    return target
-
-
-@pytest.fixture(scope="module")
-def four_steps(data_dir, tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("damage")
-    return finished_run(data_dir, root, "checkpoint.every=2", "checkpoint.keep_last=2")
-
-
-@pytest.mark.parametrize("how", ["truncated", "bytes changed"])
-def test_resume_auto_skips_a_damaged_newest_checkpoint(four_steps, data_dir, tmp_path, how, caplog):
-    target = damaged_copy(four_steps, tmp_path, how)
-    cfg = make_config(data_dir, tmp_path / "runs", "checkpoint.every=2", "train.max_steps=6")
-    with caplog.at_level("WARNING", logger="scale_llm"):
-        tr = Trainer(cfg, plan_for(cfg))
-    assert tr.step == 2  # fell back to step 2
-    assert f"skipping {target.parents[1]}" in caplog.text and str(target) in caplog.text
-
-
-def test_an_explicitly_named_damaged_checkpoint_is_an_error(four_steps, data_dir, tmp_path):
-    target = damaged_copy(four_steps, tmp_path, "truncated")
-    ckpt = target.parents[1]
-    cfg = make_config(data_dir, tmp_path / "runs", f"checkpoint.resume={ckpt}")
-    with pytest.raises(
-        UserError, match=r"the checkpoint is damaged: .*__0_0\.distcp has \d+ bytes"
-    ):
-        Trainer(cfg, plan_for(cfg))
-    with pytest.raises(UserError, match="is damaged"):
-        from scale_llm.train.convert import convert
-
-        convert(ckpt, tmp_path / "out.pt")
-    assert not (tmp_path / "out.pt").exists()
 
 
 def test_checkpoint_io_bench_times_the_save_and_its_integrity_record(data_dir, tmp_path):

@@ -9,7 +9,9 @@ the allow-lists of scale_llm.components.serialization: never arbitrary objects.
 Nothing in a checkpoint is believed unchecked: `damage` compares every file with the integrity
 record (whose shape is checked too; a missing record is damage unless the checkpoint predates
 records), a step directory or file that is a symlink is not the run's own, and
-`read_trainer_state` checks each field of trainer.pt for type and range before anyone uses it.
+`read_trainer_state` brings trainer.pt of any format into the current one (`upgrade_trainer_state`,
+the one place that knows older shapes) and checks each field for type and range before anyone
+uses it.
 """
 
 from __future__ import annotations
@@ -40,9 +42,12 @@ from scale_llm.files import atomic_write_text, describe_kind, fsync_dir, fsync_t
 
 log = logging.getLogger(__name__)
 TRAINER_STATE = "trainer.pt"  # the trainer's state_dict (step, data, RNG, config, plan, backend)
+# The shape of trainer.pt written now (its "format"). A state without a number there is format 1;
+# `upgrade_trainer_state` is the one place that knows older shapes.
+TRAINER_FORMAT = 2
 MODEL_WEIGHTS = "model.pt"  # consolidated fp32 weights (DeepSpeed checkpoints, `convert`)
 DCP_DIR = "dcp"  # torch.distributed.checkpoint: model + optimizer, keyed by parameter name
-SCALER_STATE = "scaler.pt"  # GradScaler state of checkpoints written before the backend state
+SCALER_STATE = "scaler.pt"  # format 1 only: the GradScaler, before the backend kept its state
 INTEGRITY = "integrity.json"  # size + xxh3-64 of every other file: written last
 # In the trainer state of every checkpoint written with an integrity record: without it, a
 # missing record is an older checkpoint's; with it, a missing record is damage.
@@ -503,13 +508,15 @@ def checkpoint_digest(ckpt_dir: Path) -> str:
 
 
 def read_trainer_state(ckpt_dir: Path) -> dict[str, Any]:
-    """A checkpoint's trainer state (trainer.pt), every field its readers use checked for type
-    and range first: the step (a count equal to the directory's step_N), the saved model
-    section (the rules of a user config, and no larger than the checkpoint's files can hold),
-    the tokenizer hash and the plan. An impossible value is a UserError naming the file and
-    the field."""
+    """A checkpoint's trainer state (trainer.pt) in the current format, whatever format it was
+    written in, every field its readers use checked for type and range first: the step (a
+    count equal to the directory's step_N), the saved model section (the rules of a user
+    config, and no larger than the checkpoint's files can hold), the tokenizer hash and the
+    plan. An impossible value is a UserError naming the file and the field."""
     path = ckpt_dir / TRAINER_STATE
     state = load_file(path)
+    if isinstance(state, dict):
+        state = upgrade_trainer_state(state, ckpt_dir)
     problems = trainer_state_problems(state, ckpt_dir)
     if problems:
         raise UserError(
@@ -521,18 +528,89 @@ def read_trainer_state(ckpt_dir: Path) -> dict[str, Any]:
     return state
 
 
+# Every key of a trainer state in the current format (RECORDED aside: its absence has a meaning).
+TRAINER_KEYS = (
+    "format",
+    "step",
+    "data",
+    "rng",
+    "skipped_steps",
+    "bad_streak",
+    "config",
+    "plan",
+    "tokenizer_sha256",
+    "backend",
+)
+LAYOUT_KEYS = ("format", "zero_stage", "world_size")  # format 1 kept the layout among its keys
+
+
+def upgrade_trainer_state(state: dict[str, Any], ckpt_dir: Path) -> dict[str, Any]:
+    """A trainer state of any format, in the current one (TRAINER_FORMAT), so that every reader
+    reads one shape. Values are left for `trainer_state_problems` to check; a format newer than
+    this version reads is a UserError.
+
+    Format 1 grew over time: what later states added, earlier ones lack. Before the backend
+    kept its own state, its layout sat among the trainer's keys (format, zero_stage,
+    world_size) beside the backend's name, with the GradScaler in scaler.pt and no plan; the
+    bad-step streak came later still, and the oldest kept one process's RNG, not every rank's."""
+    version = state.get("format", 1)
+    if isinstance(version, str):  # format 1's layout ("dcp", "deepspeed"), under the same key
+        version = 1
+    if not is_count(version) or version == 0:
+        return state  # not a format at all: trainer_state_problems names it
+    scaler_file = ckpt_dir / SCALER_STATE
+    if version > TRAINER_FORMAT:
+        raise UserError(
+            f"{ckpt_dir / TRAINER_STATE} is in trainer-state format {version}, written by a "
+            f"newer scale_llm (this one reads formats 1 to {TRAINER_FORMAT}); upgrade scale_llm "
+            f"to read it"
+        )
+    if version == TRAINER_FORMAT:
+        if scaler_file.exists() or scaler_file.is_symlink():
+            raise UserError(
+                f"refusing to load {scaler_file}: checkpoints in trainer-state format "
+                f"{TRAINER_FORMAT} keep the GradScaler in {TRAINER_STATE}, so this file is not "
+                f"one their run wrote. Nothing from it was loaded. Delete the file, or resume "
+                f"from another checkpoint"
+            )
+        return state
+    state = dict(state)
+    if isinstance(state.get("backend"), str | None):  # its name, or (oldest) nothing
+        layout = {k: state.pop(k) for k in LAYOUT_KEYS if k in state}
+        name = state.pop("backend", None) or "single"  # (the oldest ran one process only)
+        saved = load_file(scaler_file) if scaler_file.is_file() else {}
+        scaler = saved.get("scaler", {}) if isinstance(saved, dict) else saved
+        state["backend"] = {"layout": layout, "scaler": scaler}
+        # no record of the precision: fp32, what an export of unknown precision defaults to
+        plan = {"backend": name, "world_size": layout.get("world_size", 1), "precision": "fp32"}
+        state.setdefault("plan", plan)
+    if "rng" not in state or isinstance(state["rng"], dict):
+        state["rng"] = None  # one process's generators only: not restored on resume
+    state.setdefault("skipped_steps", 0)
+    state.setdefault("bad_streak", 0)
+    state["format"] = TRAINER_FORMAT
+    return state
+
+
 def trainer_state_problems(state: Any, ckpt_dir: Path) -> list[str]:
-    """One line per field of a trainer state that no run could have saved."""
+    """One line per field of a trainer state (in the current format) that no run could have
+    saved."""
     if not isinstance(state, dict):
         return [f"it holds a {type(state).__name__}, not the trainer state mapping"]
+    version = state.get("format")
+    if not (is_count(version) and version == TRAINER_FORMAT):  # (upgraded, if it was older)
+        return [f"format: {short(version, 40)} is not a trainer-state format"]
+    missing = [key for key in TRAINER_KEYS if key not in state]
+    if missing:
+        return [f"{key}: missing (every trainer state holds it)" for key in missing]
     out = []
-    step = state.get("step")
+    step = state["step"]
     m = _NAME.match(ckpt_dir.name)
     if not is_count(step):
         out.append(f"step: {short(step, 40)} is not a step count (an integer >= 0)")
     elif m and step != int(m.group(1)):
         out.append(f"step: {step}, but the directory {ckpt_dir.name} is step {int(m.group(1))}")
-    config = state.get("config")
+    config = state["config"]
     model = config.get("model") if isinstance(config, dict) else None
     if not isinstance(model, dict):
         out.append(f"config.model: {short(model, 40)} is not the saved model section")
@@ -541,15 +619,25 @@ def trainer_state_problems(state: Any, ckpt_dir: Path) -> list[str]:
         out += [f"config.{p}" for p in problems]
         if not problems:
             out += _size_problems(cfg, ckpt_dir)
-    sha = state.get("tokenizer_sha256")
-    if sha is not None and not (isinstance(sha, str) and re.fullmatch(r"[0-9a-f]{64}", sha)):
+    sha = state["tokenizer_sha256"]
+    if not (isinstance(sha, str) and re.fullmatch(r"[0-9a-f]{64}", sha)):
         out.append(f"tokenizer_sha256: {short(sha, 40)} is not a SHA-256 hex digest")
-    plan = state.get("plan")
-    if plan is not None and not isinstance(plan, dict):
-        out.append(f"plan: {short(plan, 40)} is not the saved run plan")
-    elif plan and plan.get("precision", "fp32") not in ("bf16", "fp16", "fp32"):
-        out.append(f"plan.precision: {short(plan['precision'], 40)} is not bf16, fp16 or fp32")
-    return out
+    return out + _plan_problems(state["plan"])
+
+
+def _plan_problems(plan: Any) -> list[str]:
+    """The saved run plan: what its readers use (the backend and world size a resume names,
+    the precision an export's default dtype follows)."""
+    if not isinstance(plan, dict):
+        return [f"plan: {short(plan, 40)} is not the saved run plan"]
+    if plan.get("precision") not in ("bf16", "fp16", "fp32"):
+        return [f"plan.precision: {short(plan.get('precision'), 40)} is not bf16, fp16 or fp32"]
+    if not isinstance(plan.get("backend"), str) or not is_count(plan.get("world_size")):
+        return [
+            f"plan: backend {short(plan.get('backend'), 40)} on "
+            f"{short(plan.get('world_size'), 40)} ranks is not a backend on a rank count"
+        ]
+    return []
 
 
 def is_count(value: Any) -> bool:

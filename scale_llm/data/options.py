@@ -4,27 +4,61 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scale_llm.schema import run_defining
+from scale_llm.schema import config_key
 
 
 @dataclass
 class DataConfig:
-    # "builtin", "hf:NAME", or a file / dir / glob (.txt .jsonl .parquet)
-    source: str = run_defining("builtin")
-    dir: str = "data/builtin"  # where the tokenizer, shards and manifest are written
-    text_field: str = "text"  # the field holding the text in .jsonl / .parquet / hf: records
-    hf_config: str | None = None  # hf: dataset configuration (subset), e.g. "sample-10BT"
-    hf_split: str = "train"  # hf: split to read
-    hf_revision: str | None = None  # hf: git revision (branch, tag or commit) to pin
-    streaming: bool = False  # hf: read as a stream instead of downloading the whole dataset
-    max_documents: int | None = None  # read at most this many documents (null: all)
-    max_tokens: int | None = None  # stop once this many tokens are written (null: all)
-    val_fraction: float = 0.02  # share of documents held out for validation
-    tokenizer_sample_bytes: int = 8_000_000  # characters sampled to train the tokenizer
-    tokenizer_sample_documents: int | None = None  # and at most this many documents (null: any)
-    shard_tokens: int = 50_000_000  # tokens per shard file
-    num_proc: int = 0  # tokenizer processes in prepare; 0: one per CPU core
-    prefetch: int = 2  # training batches read ahead in a background thread; 0: none
+    source: str = config_key(
+        "builtin",
+        "`builtin` (this interpreter's standard library .py files); `hf:NAME` (a Hugging "
+        "Face dataset from the Hub) or `hf:PATH` (a local dataset folder); or a file, a "
+        "directory, or a glob of `.txt`/`.md`/`.py` (one document per file), `.jsonl` "
+        "(one per line) and `.parquet` (one per row)",
+        run_defining=True,
+    )
+    dir: str = config_key("data/builtin", "where the tokenizer, shards and manifest live")
+    text_field: str = config_key(
+        "text", "field of `.jsonl` / `.parquet` / `hf:` records holding the text"
+    )
+    hf_config: str | None = config_key(
+        None, "`hf:` only: the dataset's configuration (subset), e.g. `sample-10BT`"
+    )
+    hf_split: str = config_key("train", "`hf:` only: the split to read")
+    hf_revision: str | None = config_key(
+        None, "`hf:` only: a branch, tag or commit to pin; pin a commit for a reproducible corpus"
+    )
+    streaming: bool = config_key(
+        False,
+        "`hf:` only: read the dataset as a stream (nothing stored but the shards) instead "
+        "of downloading it whole into the Hugging Face cache",
+    )
+    max_documents: int | None = config_key(
+        None, "read at most this many documents (the first ones, in source order); null: all"
+    )
+    max_tokens: int | None = config_key(
+        None, "stop after the document that brings train + val to this many tokens; null: all"
+    )
+    val_fraction: float = config_key(
+        0.02, "share of documents held out for validation (split by a hash of each document's id)"
+    )
+    tokenizer_sample_bytes: int = config_key(
+        8_000_000, "characters of train documents used to train the tokenizer"
+    )
+    tokenizer_sample_documents: int | None = config_key(
+        None, "and at most this many documents; null: no document limit"
+    )
+    shard_tokens: int = config_key(50_000_000, "tokens per shard file")
+    num_proc: int = config_key(
+        0,
+        "tokenizer processes in prepare; 0: one per CPU core; 1: no worker processes. "
+        "Does not change the output",
+    )
+    prefetch: int = config_key(
+        2,
+        "training batches a background thread reads ahead (pinned memory on CUDA); 0: "
+        "read in the training loop. Does not change the batches",
+    )
 
 
 def validate_data(d: DataConfig) -> list[str]:

@@ -76,6 +76,7 @@ def prepare(cfg: Config, force: bool = False) -> dict[str, Any]:
     if current is not None:
         return current
     require_writable_dir(out, "data.dir")  # before anything is read or removed
+    made = [p for p in [out, *out.parents] if not (p.exists() or p.is_symlink())]
     lock = OwnerLock(out / LOCK_FILE, f"data.dir={out}", "point data.dir elsewhere")
     lock.acquire(wait=True, on_wait="data: waiting for another prepare of this data.dir (%s)")
     try:
@@ -86,6 +87,9 @@ def prepare(cfg: Config, force: bool = False) -> dict[str, Any]:
         return _build(cfg, source, fingerprint, out, force)
     finally:
         lock.release()
+        for folder in made:  # the folders this call made, left empty by a refused prepare
+            with contextlib.suppress(OSError):
+                folder.rmdir()
 
 
 LOCK_FILE = ".prepare.lock"  # in data.dir: one prepare at a time builds and publishes there
@@ -114,12 +118,18 @@ def _build(cfg: Config, source, fingerprint: str, out: Path, force: bool) -> dic
     _refuse_foreign_files(out)
     # Build beside the current data, in out/.prepare-build/: until the new manifest is complete
     # the existing data stays as it was (a bad source or an interruption costs nothing).
+    fresh_build = not (out / BUILD_DIR).exists()
     build = _claim_build_dir(out)
     t0 = time.perf_counter()
     log.info("data: reading %s", source.describe())
-    progress, writers, stream = _resume(cfg, source, build, fingerprint, force) or _fresh(
-        cfg, source, build, fingerprint
-    )
+    try:
+        progress, writers, stream = _resume(cfg, source, build, fingerprint, force) or _fresh(
+            cfg, source, build, fingerprint
+        )
+    except UserError:  # refused before any work worth keeping: leave no build behind
+        if fresh_build:
+            shutil.rmtree(build, ignore_errors=True)  # made by this call (_claim_build_dir)
+        raise
     written_before = progress["tokens"]
     try:
         with _sigterm_interrupts():

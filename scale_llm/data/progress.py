@@ -18,7 +18,7 @@ class Progress:
     def __init__(
         self, desc: str, total: int | None = None, initial: int = 0, log_every: float = 30.0
     ):
-        """`initial`: documents done before this session (a resumed job); rates exclude them."""
+        """`initial`: documents done before this run (a resumed job); rates exclude them."""
         self.desc, self.log_every = desc, log_every
         self.bar = tqdm(
             total=total, initial=initial, desc=desc, unit="doc", disable=None, dynamic_ncols=True

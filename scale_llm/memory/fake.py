@@ -8,7 +8,7 @@ ranks, whose collectives only produce outputs of the right shape) under the same
 storage as a CPU measurement (`measure.LiveStorages`, on fake storages), and reports the step's
 peak and what is alive at it by category, next to `estimate(cfg, N)`: the plan of a bf16 CUDA
 run of N GPUs, what `scale-llm estimate` prints. (PyTorch's MemTracker and FSDPMemTracker
-did this before, session 18; their categories differ from the estimate's where a tied head's
+count this too, but their categories differ from the estimate's where a tied head's
 gradient waits in autograd or a block is recomputed.)
 
 The tensors are fake *CPU* tensors. On a CPU-only build of torch (2.13) fake CUDA tensors trace

@@ -353,17 +353,21 @@ class Transformer(nn.Module):
             n -= self.tok_embeddings.weight.numel()
         return n
 
-    def flops_per_token(self) -> int:
+    def flops_per_token(self, causal: bool = False) -> int:
         """Training FLOPs per token (forward + backward): 6 x matmul parameters + attention.
 
-        The attention term 12 * n_layers * d_model * seq_len counts QK^T and AV (PaLM appendix B).
-        The output projection counts as a matmul even when tied to the embedding.
+        The attention term 12 * n_layers * d_model * seq_len counts QK^T and AV over the whole
+        (T, T) score matrix, as PaLM (appendix B) and nanoGPT count it for MFU; a causal kernel
+        (FlashAttention, SDPA's is_causal) computes only the lower half, so `causal` counts
+        half of it: the work actually done. The output projection counts as a matmul even when
+        tied to the embedding.
         """
         cfg = self.cfg
         matmul_params = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
         if self.output is None:  # the tied head is a (vocab x d_model) matmul all the same
             matmul_params += cfg.vocab_size * cfg.d_model
-        return 6 * matmul_params + 12 * cfg.n_layers * cfg.d_model * cfg.seq_len
+        attention = 12 * cfg.n_layers * cfg.d_model * cfg.seq_len
+        return 6 * matmul_params + (attention // 2 if causal else attention)
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str = "meta") -> Transformer:

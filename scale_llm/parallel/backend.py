@@ -19,12 +19,12 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from scale_llm.components.checkpoint import DCP_DIR, SCALER_STATE
+from scale_llm.components.checkpoint import DCP_DIR
 from scale_llm.components.distributed import is_distributed
 from scale_llm.components.loss import compiled_loss, cross_entropy
 from scale_llm.components.optim import build_optimizer, set_lr, step_if_finite
 from scale_llm.components.precision import Precision
-from scale_llm.components.serialization import dcp_load, dcp_save, load_file
+from scale_llm.components.serialization import dcp_load, dcp_save
 from scale_llm.config import Config, compiles
 from scale_llm.model import Transformer, materialize
 from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
@@ -135,6 +135,10 @@ class Backend:
         not, only its model weights are loaded."""
         return layout.get("format") == "dcp"
 
+    def loss_scale(self) -> float | None:
+        """fp16's current loss scale (a host sync; logging steps only), None without one."""
+        return float(self.scaler.get_scale()) if self.scaler is not None else None
+
     def state_dict(self) -> dict[str, Any]:
         """The backend's small state (kept in the trainer state): its layout and the scaler."""
         scaler = self.scaler.state_dict() if self.scaler is not None else {}
@@ -164,8 +168,6 @@ class Backend:
             model_state_dict=state["model"],
             optim_state_dict=state["optimizer"],
         )
-        if (ckpt_dir / SCALER_STATE).is_file():  # checkpoints written before the backend state
-            self.load_state_dict({"scaler": load_file(ckpt_dir / SCALER_STATE)["scaler"]})
 
 
 def build_backend(cfg: Config, plan: RunPlan) -> Backend:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -18,6 +19,14 @@ from scale_llm.parallel.backend import Backend
 
 class DDPBackend(Backend):
     def wrap(self, model: Transformer, initial_weights: dict | None = None) -> nn.Module:
+        if self.compile:
+            # Dynamo's DDPOptimizer would split each compiled block at gradient-bucket borders
+            # (3 graphs per 400m block at 25 MB buckets) so that a bucket's all-reduce can start
+            # inside the block's backward. Blocks are compiled one by one already, so the
+            # all-reduce of a block's buckets overlaps the backward of the block below it; a
+            # split costs fusion across its borders and activations saved at them, for overlap
+            # finer than one block that buys little. One graph per block.
+            torch._dynamo.config.optimize_ddp = False
         model = super().wrap(model, initial_weights)
         opts = self.cfg.parallel.ddp
         device = self.plan.device

@@ -153,6 +153,16 @@ class DeepSpeedBackend(Backend):
         )
 
     # ----------------------------------------------------------------- state
+    def loss_scale(self) -> float | None:
+        """DeepSpeed's own fp16 loss scale (its engine owns the scaler), None in bf16 / fp32."""
+        engine = self.model
+        if not engine.fp16_enabled():
+            return None
+        scale = getattr(engine.optimizer, "cur_scale", None)
+        if scale is None:
+            scale = getattr(getattr(engine.optimizer, "loss_scaler", None), "cur_scale", None)
+        return None if scale is None else float(scale)
+
     def checkpoint_layout(self) -> dict:
         return {
             "format": "deepspeed",

@@ -1,7 +1,8 @@
 """The `parallel:` and `activation_checkpointing:` config sections, with their checks.
 
 A schema module: it sits beside the code that uses these options but imports nothing from
-scale_llm except the errors, so `scale_llm.config` can assemble the whole tree from it.
+scale_llm but `scale_llm.schema` (how a key is declared), so `scale_llm.config` can assemble the
+whole tree from it.
 """
 
 from __future__ import annotations
@@ -9,48 +10,84 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from scale_llm.schema import config_key
+
 if TYPE_CHECKING:
     from scale_llm.config import Config
 
 
 @dataclass
 class ActivationCheckpointingConfig:
-    # none | full (every block) | every_k (blocks 0, k, 2k, ...) | selective (op-level: keep
-    # matmul and attention outputs, recompute element-wise ops); numerics are the same in all
-    mode: Literal["none", "full", "every_k", "selective"] = "none"
-    k: int = 2  # for every_k
+    mode: Literal["none", "full", "every_k", "selective"] = config_key(
+        "none",
+        "`none`, `full` (every block recomputes its forward in backward), `every_k` "
+        "(blocks 0, k, 2k, ...), `selective` (keep matmul and attention outputs, "
+        "recompute element-wise ops); numerics identical in all modes; see "
+        "[memory.md](memory.md)",
+    )
+    k: int = config_key(2, "k for `every_k`")
 
 
 @dataclass
 class DDPConfig:
-    bucket_cap_mb: int = 25  # gradient all-reduce bucket size
-    gradient_as_bucket_view: bool = True  # gradients alias the buckets: saves one gradient copy
-    static_graph: bool = False  # the graph never changes: lets DDP skip per-step bookkeeping
+    bucket_cap_mb: int = config_key(25, "DDP gradient bucket size")
+    gradient_as_bucket_view: bool = config_key(
+        True, "gradients alias DDP's buckets (one copy less)"
+    )
+    # (static: the graph never changes, so DDP skips its per-step bookkeeping)
+    static_graph: bool = config_key(False, "DDP static-graph optimizations")
 
 
 @dataclass
 class FSDPConfig:
-    reshard_after_forward: bool = True  # true: ZeRO-3-like (params re-gathered in backward);
-    # false: ZeRO-2-like (params stay gathered from forward to backward: more memory, less comm)
-    cpu_offload: bool = False  # keep sharded params, grads and optimizer state in CPU memory
-    replicate_degree: int = 1  # HSDP: replicas (e.g. nodes) x shards within each; 1 = plain FSDP
-    reduce_every_micro_step: bool = True  # reduce-scatter each micro-step's gradients into the
-    # shards (torchtitan's way); false: accumulate them unsharded in fp32 (4 B/param per GPU
-    # more) and reduce once per optimizer step
+    reshard_after_forward: bool = config_key(  # (false trades memory for less communication)
+        True,
+        "true: free gathered params after forward (ZeRO-3-like); false: keep them until "
+        "backward (ZeRO-2-like)",
+    )
+    cpu_offload: bool = config_key(
+        False, "params, grads and optimizer state in CPU memory (needs a GPU)"
+    )
+    replicate_degree: int = config_key(
+        1,
+        "HSDP: shard within groups, replicate across this many groups (usually the node "
+        "count); must divide the world size",
+    )
+    reduce_every_micro_step: bool = config_key(  # (true is torchtitan's way)
+        True,
+        "with grad_accum > 1: true reduce-scatters every micro-step's gradients into the "
+        "shards; false accumulates them unsharded in fp32 (4 B/param more per GPU) and "
+        "reduces once per step (less traffic)",
+    )
 
 
 @dataclass
 class DeepSpeedConfig:
-    zero_stage: int = 2  # 0: plain data parallel; 1: shard optimizer; 2: + gradients; 3: + params
-    offload_optimizer: Literal["none", "cpu"] = "none"  # ZeRO-Offload of optimizer state + step
-    offload_param: Literal["none", "cpu"] = "none"  # ZeRO-3 only: parameters live in CPU memory
-    config: dict | None = None  # raw ds_config entries merged over the generated ones (experts)
+    zero_stage: int = config_key(2, "ZeRO stage 0-3")
+    offload_optimizer: Literal["none", "cpu"] = config_key(
+        "none", "`cpu`: optimizer state and step on the CPU (ZeRO >= 1)"
+    )
+    offload_param: Literal["none", "cpu"] = config_key(
+        "none", "`cpu`: parameters in CPU memory (ZeRO-3 only)"
+    )
+    config: dict | None = config_key(
+        None,
+        "raw ds_config entries merged over the generated ones (keys the framework owns are "
+        "refused)",
+    )
 
 
 @dataclass
 class ParallelConfig:
-    # auto: single for one process, ddp when a launcher starts several (see scale_llm.plan)
-    backend: Literal["auto", "single", "ddp", "fsdp", "deepspeed"] = "auto"
+    backend: Literal["auto", "single", "ddp", "fsdp", "deepspeed"] = (
+        config_key(  # (see scale_llm.plan)
+            "auto",
+            "`auto` (`single` when run as one process, `ddp` when a launcher starts several; "
+            "the resolved name is in the run dir's `plan.json`), `single` (one process, no "
+            "process group), `ddp`, `fsdp` (FSDP2) or `deepspeed`; see "
+            "[backends.md](backends.md)",
+        )
+    )
     ddp: DDPConfig = field(default_factory=DDPConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)

@@ -54,7 +54,7 @@ class MetricsLogger:
         from torch.utils.tensorboard.summary import hparams
 
         flat = flatten(to_dict(cfg))
-        # the run's own directory holds the session, so the HPARAMS tab lists it with its scalars
+        # the run's directory holds the hparams session: the HPARAMS tab lists it with its scalars
         for summary in hparams(flat, {"loss/val_loss": math.nan, "loss/loss": math.nan}):
             self.writer.file_writer.add_summary(summary)
         self.writer.add_text("config/yaml", _code_block(dump_yaml(cfg)), step)

@@ -4,10 +4,14 @@ loop could not write into stops at launch, not at the first save after hours of 
 
 from __future__ import annotations
 
+from collections.abc import Sized
 from pathlib import Path
+from typing import Any
 
+from scale_llm.config import Config
 from scale_llm.errors import UserError
 from scale_llm.files import describe_kind
+from scale_llm.plan import RunPlan
 
 METRICS_FILE = "metrics.jsonl"  # one JSON object per logged step
 WANDB_ID_FILE = "wandb-id.txt"  # the W&B run id, so that a resumed run logs to the same run
@@ -74,4 +78,61 @@ def _check_kind(path: Path, kind: str, what: str) -> None:
     raise UserError(
         f"{path} is {found}, but the run keeps {what} there, as {kind}; move it away (or pick "
         f"another run.name) and launch again"
+    )
+
+
+def check_vocab(cfg: Config, manifest: dict[str, Any]) -> None:
+    tok_vocab = manifest["tokenizer"]["vocab_size"]
+    if tok_vocab != cfg.model.vocab_size:
+        raise UserError(
+            f"model.vocab_size={cfg.model.vocab_size} does not match the tokenizer in "
+            f"data.dir={cfg.data.dir} ({tok_vocab} pieces); set model.vocab_size={tok_vocab}, or "
+            f"re-run `scale-llm prepare` with the vocab size you want"
+        )
+
+
+def check_windows(cfg: Config, plan: RunPlan, train: Sized, val: Sized) -> None:
+    """The data can feed this run: windows of seq_len in both splits, and more training
+    windows than one optimizer step reads."""
+    if len(train) == 0 or len(val) == 0:
+        raise UserError(
+            f"data.dir={cfg.data.dir} has too few tokens for model.seq_len={cfg.model.seq_len} "
+            f"(train windows: {len(train)}, val windows: {len(val)}); use a larger corpus or a "
+            f"shorter seq_len"
+        )
+    per_step = plan.sequences_per_step
+    if per_step > len(train):
+        raise UserError(
+            f"one optimizer step reads {per_step:,} sequences (train.micro_batch_size "
+            f"{plan.micro_batch_size} x train.grad_accum {plan.grad_accum} x {plan.dp_degree} "
+            f"rank(s)) but data.dir={cfg.data.dir} holds {len(train):,} training windows of "
+            f"model.seq_len {cfg.model.seq_len}: every step would repeat the data; lower "
+            f"train.grad_accum or train.micro_batch_size, or prepare more data"
+        )
+
+
+def out_of_memory(error: Exception, cfg: Config, plan: RunPlan, step: int) -> str:
+    """The one paragraph a device's out-of-memory error in step `step + 1` becomes: what ran
+    out, what the estimate says of these settings, and the ways to fit."""
+    import torch
+
+    from scale_llm.memory import estimate
+
+    est, gib = estimate(cfg, plan), 2**30
+    what = str(error).strip().splitlines()[0] if str(error).strip() else "out of memory"
+    size, capacity = "SIZE", ""
+    if plan.device.type == "cuda":
+        total = torch.cuda.get_device_properties(plan.device).total_memory
+        size, capacity = f"{total / gib:.0f}GiB", f" of its {total / gib:.1f} GiB"
+    config = cfg.run_dir / "config.yaml"
+    return (
+        f"rank {plan.rank} ran out of {plan.device.type.upper()} memory{capacity} in step "
+        f"{step + 1} ({what}). The estimate for these settings is {est.gpu['total'] / gib:,.1f} "
+        f"GiB per device (micro-batch {plan.micro_batch_size} x seq_len {cfg.model.seq_len}, "
+        f"activation_checkpointing.mode={cfg.activation_checkpointing.mode}, backend "
+        f"{plan.backend}, {plan.world_size} process(es)); `scale-llm estimate {config} --fit "
+        f"{size}` prints settings that fit, as --set overrides, and `train --fit auto` applies "
+        f"them at launch. By hand: a smaller train.micro_batch_size (with train.grad_accum "
+        f"raised to keep the batch), activation_checkpointing.mode=full, or "
+        f"parallel.backend=fsdp to shard the model over more GPUs."
     )

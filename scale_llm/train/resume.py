@@ -1,7 +1,8 @@
 """What a resume checks in a checkpoint's trainer state before the trainer uses any of it.
 
-`components.checkpoint.read_trainer_state` checks what every reader of a checkpoint uses (the
-step, the saved model section, the tokenizer hash, the plan). Here: what only a resume reads
+`components.checkpoint.read_trainer_state` brings a state of any format into the current one
+and checks what every reader of a checkpoint uses (the step, the saved model section, the
+tokenizer hash, the plan). Here: what only a resume reads
 (the data position, the random generators, the skipped-step counts, the backend's layout and
 the saved schedule), and whether the checkpoint belongs to the run that resumes it. Pure
 checks: each returns or raises, nothing is restored here.
@@ -9,12 +10,14 @@ checks: each returns or raises, nothing is restored here.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from scale_llm.components.checkpoint import TRAINER_STATE, is_count, saved_section
+from scale_llm.components.optim import SCHEDULE_KEYS, lr_at
 from scale_llm.config import Config, TrainConfig, get_key, run_defining_keys, short
 from scale_llm.errors import UserError
 
@@ -46,23 +49,24 @@ def check_resume_state(
 def resume_state_problems(state: dict[str, Any]) -> list[str]:
     """One line per field only a resume reads that holds an impossible value."""
     step = state["step"]
-    out = _data_problems(state.get("data"))
-    for key in ("skipped_steps", "bad_streak"):  # older checkpoints lack them
-        value = state.get(key, 0)
+    out = _data_problems(state["data"])
+    for key in ("skipped_steps", "bad_streak"):
+        value = state[key]
         if not is_count(value) or value > step:
             out.append(f"{key}: {short(value, 40)} is not a count of steps within 0..{step}")
-    rng = state.get("rng")
-    if isinstance(rng, list):  # (older checkpoints kept no per-rank list: not restored)
+    rng = state["rng"]  # (None: a format-1 checkpoint kept one process's generators only)
+    if not isinstance(rng, list | None):
+        out.append(f"rng: {short(rng, 40)} is not a list of every rank's generator states")
+    elif rng is not None:
         out += _rng_problems(rng)
-    backend = state.get("backend")  # (older checkpoints: the backend's name, a string)
-    if not isinstance(backend, str | None) and not (
-        isinstance(backend, dict) and isinstance(backend.get("layout"), dict)
+    backend = state["backend"]
+    if not (
+        isinstance(backend, dict)
+        and isinstance(backend.get("layout"), dict)
+        and isinstance(backend.get("scaler"), dict)
     ):
         out.append(f"backend: {short(backend, 40)} is not a backend state with a layout")
-    train = (state.get("config") or {}).get("train")
-    if train is not None:
-        out += train_problems(train)
-    return out
+    return out + train_problems(state["config"].get("train"))
 
 
 def _data_problems(data: Any) -> list[str]:
@@ -129,7 +133,7 @@ def run_mismatches(state: dict[str, Any], cfg: Config, tokenizer_sha256: str) ->
         new = get_key(cfg, key)
         if old != new:
             problems.append(f"{key}: the checkpoint has {old!r}, the config says {new!r}")
-    if state.get("tokenizer_sha256") != tokenizer_sha256:
+    if state["tokenizer_sha256"] != tokenizer_sha256:
         problems.append(
             f"data.dir={cfg.data.dir}: its tokenizer differs from the one "
             f"the checkpoint was trained with"
@@ -145,3 +149,39 @@ def lookup(tree: dict[str, Any], dotted: str) -> Any:
             return None
         node = node[part]
     return node
+
+
+def foreign_layout(state: dict[str, Any], ckpt: Path) -> str:
+    """What a resume says when this backend cannot restore the checkpoint exactly (another
+    backend, or DeepSpeed with another ZeRO stage or world size): weights only."""
+    plan = state["plan"]
+    return (
+        f"{ckpt} was written by {plan['backend']} on {plan['world_size']} ranks (layout "
+        f"{state['backend']['layout']}); loading its model weights only: the optimizer moments "
+        f"start again from zero"
+    )
+
+
+def schedule_change(state: dict[str, Any], now: TrainConfig, step: int) -> str | None:
+    """A resume with another schedule (typically a raised train.max_steps) goes on from the LR
+    the new settings give at this step: what to say when that LR is not the one the
+    checkpoint's run would have used (wsd and constant extend without a jump), else None."""
+    # (checked by check_resume_state; read with the same coercions as a user config)
+    before = saved_section(TrainConfig, "train", state["config"]["train"])[0]
+    old, new = lr_at(step, before), lr_at(step, now)
+    if math.isclose(old, new, rel_tol=1e-9, abs_tol=0.0):
+        return None
+    changed = [
+        f"train.{k}: {getattr(before, k)} -> {getattr(now, k)}"
+        for k in SCHEDULE_KEYS
+        if getattr(before, k) != getattr(now, k)
+    ]
+    wsd = (
+        "; train.lr_schedule=wsd extends a run without a jump while it has not begun its decay"
+        if now.lr_schedule != "wsd"
+        else ""
+    )
+    return (
+        f"the LR schedule changed ({', '.join(changed) or 'settings'}): the LR at step {step} "
+        f"is {new:.3g}, not the {old:.3g} the checkpoint's settings give{wsd}"
+    )

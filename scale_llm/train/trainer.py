@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import math
 import signal
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,28 +19,29 @@ import torch
 
 from scale_llm.components.checkpoint import (
     RECORDED,
+    TRAINER_FORMAT,
     TRAINER_STATE,
     Checkpointer,
     load_model_weights,
     read_trainer_state,
     resolve_resume,
-    saved_section,
 )
 from scale_llm.components.distributed import mean_over_ranks
 from scale_llm.components.hardware import cuda_memory_gib, peak_flops
-from scale_llm.components.optim import SCHEDULE_KEYS, lr_at
+from scale_llm.components.optim import lr_at
 from scale_llm.components.serialization import save_file
-from scale_llm.config import Config, TrainConfig, save_config, to_dict
+from scale_llm.config import Config, save_config, to_dict
 from scale_llm.data.loader import TokenWindows, TrainLoader, eval_batches
 from scale_llm.data.shards import open_split, read_manifest
 from scale_llm.data.tokenizer import Tokenizer
 from scale_llm.errors import UserError, require_writable_dir
 from scale_llm.files import atomic_write_bytes, atomic_write_json, atomic_write_text
-from scale_llm.memory import check_host_memory, estimate
+from scale_llm.memory import check_host_memory
 from scale_llm.model import Transformer, build_model, empty_state_dict
 from scale_llm.parallel.backend import build_backend
 from scale_llm.parallel.step import optimizer_step
 from scale_llm.plan import RunPlan
+from scale_llm.train.cadence import Cadence
 from scale_llm.train.collector import GarbageCollector
 from scale_llm.train.guards import (
     StopSignals,
@@ -53,9 +53,10 @@ from scale_llm.train.guards import (
 from scale_llm.train.init_from import load_init_weights
 from scale_llm.train.lock import RunLock
 from scale_llm.train.metrics import MetricsLogger
-from scale_llm.train.preflight import check_run_dir
-from scale_llm.train.resume import check_resume_state
+from scale_llm.train.preflight import check_run_dir, check_vocab, check_windows, out_of_memory
+from scale_llm.train.resume import check_resume_state, foreign_layout, schedule_change
 from scale_llm.train.rng import Generators
+from scale_llm.train.throughput import Throughput
 
 log = logging.getLogger(__name__)
 PLAN_FILE = "plan.json"
@@ -82,7 +83,7 @@ class Trainer:
         self.device = plan.device
         self.run_dir = cfg.run_dir
         self.manifest = read_manifest(cfg.data.dir)
-        self._check_vocab()
+        check_vocab(cfg, self.manifest)
         if plan.is_main:
             require_writable_dir(self.run_dir, "run.dir / run.name")  # before the model is built
             check_run_dir(self.run_dir)  # e.g. a file where checkpoints/ belongs: before any work
@@ -110,12 +111,13 @@ class Trainer:
             )
             for split in ("train", "val")
         )
-        self._check_windows()  # data that cannot feed this run: before any memory check
+        check_windows(cfg, plan, self.train_windows, self.val_windows)  # before memory checks
         check_host_memory(cfg, plan)
         self.backend = build_backend(cfg, plan)
         model = build_model(cfg.model)  # on the meta device: no memory, no init yet
         _log_model(model, cfg)
-        self.flops_per_token = model.flops_per_token()
+        self.flops_per_token = model.flops_per_token()  # MFU's convention: attention counted whole
+        self.causal_flops_per_token = model.flops_per_token(causal=True)  # the work done
         self.peak_flops = peak_flops(plan.device, plan.precision, cfg.logging.peak_tflops)
         if self.peak_flops is None:
             log.info(
@@ -124,7 +126,9 @@ class Trainer:
                 plan.device,
                 plan.precision,
             )
-        exact = resume_state is not None and self.backend.can_restore(_layout_of(resume_state))
+        exact = resume_state is not None and self.backend.can_restore(
+            resume_state["backend"]["layout"]
+        )
         initial = None
         if resume_state is not None and not exact:
             initial = self._foreign_weights(resume_state)
@@ -142,6 +146,7 @@ class Trainer:
         self.bad_streak = torch.zeros((), dtype=torch.int64, device=self.device)
         if resume_state is not None:
             self.load_state_dict(resume_state, exact)
+        self.cadence = Cadence(cfg, self.step)
         self.complete = self.step >= cfg.train.max_steps  # a finished run: write nothing
         if plan.is_main and not self.complete:
             self.lock.acquire()  # every check passed: from here on this launch owns the dir
@@ -176,42 +181,44 @@ class Trainer:
             self.loader.close()
             self.lock.release()
             return result
-        self._log_batch()
-        started = time.perf_counter()
-        self._window = (started, self.step)  # (start time, start step) for tokens/s
-        self._launch = (started, self.step)  # for elapsed time and ETA
+        log.info("plan: %s", self.plan.describe())
+        self.clock = Throughput(self.plan.tokens_per_step, t.max_steps, self.step)
         try:
             with StopSignals() as signals, self.collector as collector:
                 while self.step < t.max_steps:
                     try:
                         loss, grad_norm, lr = self.train_step()
                     except torch.OutOfMemoryError as e:
-                        raise UserError(self._out_of_memory(e)) from None
+                        raise UserError(out_of_memory(e, self.cfg, self.plan, self.step)) from None
                     self.step += 1
                     maybe_fail("after_step", self.step, self.plan.rank)
+                    self.clock.step_done(self.step)
                     self._record(loss, grad_norm, lr, result)
                     collector.step_done(self.step)
                     stop = self._stop_reason(signals)
-                    every = self.cfg.checkpoint.every
-                    if (every and self.step % every == 0) or self.step == t.max_steps or stop:
+                    if self.cadence.checkpoints(self.step) or stop:
                         collector.before_checkpoint()
                         result.checkpoint = self.save_checkpoint()
                     if stop:
-                        then = (
-                            f"launch again to continue to step {t.max_steps}"
-                            if self.step < t.max_steps
-                            else "the run is complete"
-                        )
-                        log.info("stop: %s after step %d; %s", stop, self.step, then)
+                        self._say_stop(stop)
                         result.stopped = stop
                         break
         finally:
-            result.seconds = time.perf_counter() - started
+            result.seconds = self.clock.elapsed()
             self.loader.close()
             self.metrics.close()
             self.lock.release()
         result.steps = self.step
         return result
+
+    def _say_stop(self, why: str) -> None:
+        t = self.cfg.train
+        then = (
+            f"launch again to continue to step {t.max_steps}"
+            if self.step < t.max_steps
+            else "the run is complete"
+        )
+        log.info("stop: %s after step %d; %s", why, self.step, then)
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step over grad_accum micro-batches; returns (loss, grad_norm, lr).
@@ -234,18 +241,13 @@ class Trainer:
         self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, result: TrainResult
     ) -> None:
         """Metric row for logging and eval steps (the only places that read device values)."""
-        cfg, t = self.cfg, self.cfg.train
         row: dict[str, Any] = {}
-        if self.step % cfg.logging.every == 0 or self._first_or_last_step():
+        if self.cadence.logs(self.step):
             row = self._train_metrics(loss, grad_norm, lr)
             result.losses[self.step] = row["loss"]
             result.grad_norms[self.step] = row["grad_norm"]
             self._check_divergence()
-        if (
-            cfg.eval.every
-            and cfg.eval.steps
-            and (self.step % cfg.eval.every == 0 or self.step == t.max_steps)
-        ):
+        if self.cadence.evaluates(self.step):
             row["val_loss"] = result.val_losses[self.step] = self.evaluate()
             row["val_perplexity"] = math.exp(min(row["val_loss"], 80.0))
             log.info(
@@ -254,22 +256,18 @@ class Trainer:
                 row["val_loss"],
                 row["val_perplexity"],
             )
-        every = cfg.eval.sample_every
-        if every and (self.step % every == 0 or self.step == t.max_steps):
+        if self.cadence.samples(self.step):
             row["samples_text"] = self.sample()
             log.info("step %d | sample: %r", self.step, row["samples_text"][:200])
         if row:  # logging and eval rows carry the peak CUDA memory so far
             row.update(cuda_memory_gib(self.device))
             self.metrics.log(self.step, row)
-            self._window = (time.perf_counter(), self.step)
+            self.clock.row_written(self.step)
 
     def _train_metrics(
         self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float
     ) -> dict[str, Any]:
-        start, first_step = self._window
-        tokens_per_s = (
-            self.plan.tokens_per_step * (self.step - first_step) / (time.perf_counter() - start)
-        )
+        tokens_per_s = self.clock.tokens_per_s(self.step)
         row = {
             "loss": mean_over_ranks(loss).item(),
             "lr": lr,
@@ -278,9 +276,14 @@ class Trainer:
             "tokens": self.plan.tokens_per_step * self.step,
             "skipped_steps": int(self.skipped_steps.item()),
         }
+        scale = self.backend.loss_scale()
+        if scale is not None:  # fp16: halved by an overflow, doubled after 2000 good steps
+            row["loss_scale"] = scale
         peak = self.peak_flops
         if peak:
-            row["mfu"] = self.flops_per_token * tokens_per_s / self.plan.world_size / peak
+            per_gpu = tokens_per_s / self.plan.world_size / peak
+            row["mfu"] = self.flops_per_token * per_gpu
+            row["mfu_causal"] = self.causal_flops_per_token * per_gpu
         log.info(
             "step %d/%d (%s) | loss %.4f | lr %.2e | grad_norm %.3f | %.0f tok/s%s | %s",
             self.step,
@@ -290,19 +293,10 @@ class Trainer:
             lr,
             row["grad_norm"],
             tokens_per_s,
-            f" | mfu {row['mfu']:.1%}" if "mfu" in row else "",
-            self._progress(),
+            f" | mfu {row['mfu']:.1%} (causal {row['mfu_causal']:.1%})" if "mfu" in row else "",
+            self.clock.progress(self.step),
         )
         return row
-
-    def _progress(self) -> str:
-        """elapsed (this launch) and the ETA to max_steps at this launch's mean step time."""
-        start, first_step = self._launch
-        elapsed = time.perf_counter() - start
-        done = self.step - first_step
-        left = self.cfg.train.max_steps - self.step
-        eta = _duration(elapsed / done * left) if done else "?"
-        return f"elapsed {_duration(elapsed)} | eta {eta}"
 
     def sample(self) -> str:
         """A greedy continuation of eval.sample_prompt, decoded on every rank in lockstep.
@@ -369,7 +363,7 @@ class Trainer:
         `logging.every` steps, and every rank sees it at the same step."""
         received = signals.received
         if self.plan.world_size > 1:
-            if not self._syncs_anyway():
+            if not self.cadence.syncs(self.step):
                 return None
             flag = torch.tensor([received], device=self.device)
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
@@ -392,25 +386,6 @@ class Trainer:
                 lr_at(t.max_steps - 1, t),
                 t.lr,
             )
-
-    def _first_or_last_step(self) -> bool:
-        """This launch's first step (step 1, or the first after a resume) and the run's last:
-        always logged, so every launch's console and summary start and end with a loss."""
-        return self.step in (self._launch[1] + 1, self.cfg.train.max_steps)
-
-    def _syncs_anyway(self) -> bool:
-        """Steps that read device values or save: logging, eval, checkpoint and the last."""
-        cfg, step = self.cfg, self.step
-        return (
-            step % cfg.logging.every == 0
-            or self._first_or_last_step()
-            or step == cfg.train.exit_at_step
-            or bool(cfg.checkpoint.every and step % cfg.checkpoint.every == 0)
-            or bool(cfg.eval.every and cfg.eval.steps and step % cfg.eval.every == 0)
-        )
-
-    def _log_batch(self) -> None:
-        log.info("plan: %s", self.plan.describe())
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -455,6 +430,7 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """Everything but the model and optimizer (which the backend writes itself)."""
         return {
+            "format": TRAINER_FORMAT,  # read_trainer_state brings older formats to this one
             "step": self.step,
             "data": self.loader.state_dict(),
             "rng": self.generators.state_dict(),  # one entry per rank
@@ -473,43 +449,17 @@ class Trainer:
         model and optimizer from its own files (otherwise only the weights were loaded)."""
         if exact:
             self.backend.load(self.resume_from)
-            if isinstance(state.get("backend"), dict):
-                self.backend.load_state_dict(state["backend"])
+            self.backend.load_state_dict(state["backend"])
         self.step = int(state["step"])
         self.loader.load_state_dict(state["data"])
-        self.skipped_steps.fill_(int(state.get("skipped_steps", 0)))
-        self.bad_streak.fill_(int(state.get("bad_streak", 0)))
-        if isinstance(state.get("rng"), list):
+        self.skipped_steps.fill_(int(state["skipped_steps"]))
+        self.bad_streak.fill_(int(state["bad_streak"]))
+        if state["rng"] is not None:  # (None: an older checkpoint's, of one process only)
             self.generators.load_state_dict(state["rng"])
         log.info("resume: continuing from %s at step %d", self.resume_from, self.step)
-        self._check_schedule_change(state)
-
-    def _check_schedule_change(self, state: dict[str, Any]) -> None:
-        """A resume with another schedule (typically a raised train.max_steps) keeps going from
-        the LR the new settings give at this step: say so once when that LR is not the one the
-        checkpoint's run would have used (wsd and constant extend without a jump)."""
-        # (checked by check_resume_state; read with the same coercions as a user config)
-        before = saved_section(TrainConfig, "train", state["config"].get("train") or {})[0]
-        t = self.cfg.train
-        old, new = lr_at(self.step, before), lr_at(self.step, t)
-        if self.plan.is_main and not math.isclose(old, new, rel_tol=1e-9, abs_tol=0.0):
-            changed = [
-                f"train.{k}: {getattr(before, k)} -> {getattr(t, k)}"
-                for k in SCHEDULE_KEYS
-                if getattr(before, k) != getattr(t, k)
-            ]
-            log.warning(
-                "resume: the LR schedule changed (%s): the LR at step %d is %.3g, not the %.3g "
-                "the checkpoint's settings give%s",
-                ", ".join(changed) or "settings",
-                self.step,
-                new,
-                old,
-                "; train.lr_schedule=wsd extends a run without a jump while it has not begun "
-                "its decay"
-                if t.lr_schedule != "wsd"
-                else "",
-            )
+        changed = schedule_change(state, self.cfg.train, self.step)
+        if changed and self.plan.is_main:
+            log.warning("resume: %s", changed)
 
     def _read_resume_state(self) -> dict[str, Any] | None:
         """The checkpoint's trainer state, every field checked before it is used, and refused
@@ -529,71 +479,10 @@ class Trainer:
     def _foreign_weights(self, state: dict[str, Any]) -> dict[str, torch.Tensor]:
         """Model weights of a checkpoint this backend cannot restore exactly (another backend,
         or DeepSpeed with another ZeRO stage or world size): the optimizer starts afresh."""
-        plan = state.get("plan", {})
-        log.warning(
-            "resume: %s was written by %s on %s ranks (layout %s); loading its model weights "
-            "only: the optimizer moments start again from zero",
-            self.resume_from,
-            plan.get("backend", state.get("backend", "an older version")),
-            plan.get("world_size", state.get("world_size", "?")),
-            _layout_of(state),
-        )
+        log.warning("resume: %s", foreign_layout(state, self.resume_from))
         return load_model_weights(self.resume_from, empty_state_dict(self.cfg.model))
 
-    # ----------------------------------------------------------------- checks / run dir
-    def _check_vocab(self) -> None:
-        tok_vocab = self.manifest["tokenizer"]["vocab_size"]
-        if tok_vocab != self.cfg.model.vocab_size:
-            raise UserError(
-                f"model.vocab_size={self.cfg.model.vocab_size} does not match the "
-                f"tokenizer in data.dir={self.cfg.data.dir} ({tok_vocab} pieces); "
-                f"set model.vocab_size={tok_vocab}, or re-run `scale-llm prepare` "
-                f"with the vocab size you want"
-            )
-
-    def _out_of_memory(self, error: torch.OutOfMemoryError) -> str:
-        """The one paragraph a device's out-of-memory error becomes: what ran out, what the
-        estimate says of these settings, and the ways to fit."""
-        est, gib = estimate(self.cfg, self.plan), 2**30
-        what = str(error).strip().splitlines()[0] if str(error).strip() else "out of memory"
-        size, capacity = "SIZE", ""
-        if self.device.type == "cuda":
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            size, capacity = f"{total / gib:.0f}GiB", f" of its {total / gib:.1f} GiB"
-        config = self.run_dir / "config.yaml"
-        return (
-            f"rank {self.plan.rank} ran out of {self.device.type.upper()} memory{capacity} in "
-            f"step {self.step + 1} ({what}). The estimate for these settings is "
-            f"{est.gpu['total'] / gib:,.1f} GiB per device (micro-batch "
-            f"{self.plan.micro_batch_size} x seq_len {self.cfg.model.seq_len}, "
-            f"activation_checkpointing.mode={self.cfg.activation_checkpointing.mode}, backend "
-            f"{self.plan.backend}, {self.plan.world_size} process(es)); `scale-llm estimate "
-            f"{config} --fit {size}` prints settings that fit, as --set overrides, and `train "
-            f"--fit auto` applies them at launch. By hand: a "
-            f"smaller train.micro_batch_size (with train.grad_accum raised to keep the batch), "
-            f"activation_checkpointing.mode=full, or parallel.backend=fsdp to shard the model "
-            f"over more GPUs."
-        )
-
-    def _check_windows(self) -> None:
-        if len(self.train_windows) == 0 or len(self.val_windows) == 0:
-            raise UserError(
-                f"data.dir={self.cfg.data.dir} has too few tokens for "
-                f"model.seq_len={self.cfg.model.seq_len} (train windows: "
-                f"{len(self.train_windows)}, val windows: {len(self.val_windows)}); "
-                f"use a larger corpus or a shorter seq_len"
-            )
-        per_step = self.plan.sequences_per_step
-        if per_step > len(self.train_windows):
-            raise UserError(
-                f"one optimizer step reads {per_step:,} sequences (train.micro_batch_size "
-                f"{self.plan.micro_batch_size} x train.grad_accum {self.plan.grad_accum} x "
-                f"{self.plan.dp_degree} rank(s)) but data.dir={self.cfg.data.dir} holds "
-                f"{len(self.train_windows):,} training windows of model.seq_len "
-                f"{self.cfg.model.seq_len}: every step would repeat the data; lower "
-                f"train.grad_accum or train.micro_batch_size, or prepare more data"
-            )
-
+    # ----------------------------------------------------------------- run dir
     def _write_run_dir(self) -> None:
         """The run's own files, each replaced whole (the run dir is this launch's: locked, and
         checked to be new, empty or a run's by `check_run_dir`)."""
@@ -610,16 +499,6 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
     return Trainer(cfg, plan).fit()
 
 
-def _duration(seconds: float) -> str:
-    """2h03m, 4m05s, 12s."""
-    seconds = int(round(seconds))
-    h, rest = divmod(seconds, 3600)
-    m, sec = divmod(rest, 60)
-    if h:
-        return f"{h}h{m:02d}m"
-    return f"{m}m{sec:02d}s" if m else f"{sec}s"
-
-
 def _log_model(model: Transformer, cfg: Config) -> None:
     log.info(
         "model: %.2fM parameters (%.2fM without embeddings), %d layers, d_model %d",
@@ -628,12 +507,3 @@ def _log_model(model: Transformer, cfg: Config) -> None:
         cfg.model.n_layers,
         cfg.model.d_model,
     )
-
-
-def _layout_of(state: dict[str, Any]) -> dict[str, Any]:
-    """The backend's description of a checkpoint's layout (older checkpoints kept its parts
-    among the trainer's own keys)."""
-    backend = state.get("backend")
-    if isinstance(backend, dict):
-        return backend["layout"]
-    return {k: state[k] for k in ("format", "zero_stage", "world_size") if k in state}

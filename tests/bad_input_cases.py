@@ -1,0 +1,1663 @@
+"""The bad-input table as data, by section: each row is a case id, a command line (or a setup
+function that builds the damaged input in the case's folder and returns one) and what the one
+message must say. tests/test_errors.py runs every row with the same assertions; the tables of
+its other parametrized tests are here too. docs/reliability.md lists the rows by id."""
+
+from __future__ import annotations
+
+import copy
+import gzip
+import json
+import os
+import pickle
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.helpers import (
+    TINY_MODEL,
+    Payload,
+    copy_run,
+    make_config,
+    plant_in_torch_file,
+    random_texts,
+    rewrite_state,
+    stub_eval_tasks,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "yaml" / "tiny.yaml")
+TASK_DIR = REPO / "tests" / "data" / "eval_task"
+STEP2, STEP4 = "step_00000002", "step_00000004"
+TRAIN_ON = ["model.vocab_size=512", "data.prefetch=0"]  # for conftest.py's data_dir
+
+
+def s(*items: str) -> list[str]:
+    return [arg for item in items for arg in ("--set", item)]
+
+
+@dataclass(frozen=True)
+class Without:
+    """An excerpt the message must not hold."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Quoting:
+    """The message quotes another tool's report over several lines (YAML's parser marks the
+    place): it starts with `error: ` but is not held to one line."""
+
+
+QUOTING = Quoting()
+
+
+@dataclass(frozen=True)
+class OneLine:
+    """The message is one line (`error: ...` and a newline)."""
+
+
+ONE_LINE = OneLine()
+
+
+@dataclass
+class Setup:
+    """What a setup function returns: the command line, the folders that must come out of it
+    unchanged (the case's folder when none), excerpts known only once the input is built
+    (its paths), and a further check to run after the command."""
+
+    argv: list[str]
+    watch: list[Path] = field(default_factory=list)
+    expect: tuple = ()
+    then: Callable[[], None] | None = None
+
+
+@dataclass
+class Ctx:
+    """What a setup function may use: the case's folder (the working directory), the suite's
+    prepared data, copies of a finished 4-step run (checkpoints at steps 2 and 4) and of its
+    export, and monkeypatch."""
+
+    tmp: Path
+    request: Any  # pytest.FixtureRequest: the fixtures are built only for the cases using them
+    monkeypatch: Any
+
+    @property
+    def data_dir(self) -> Path:
+        return self.request.getfixturevalue("data_dir")
+
+    def run(self, name: str = "test") -> Path:
+        return copy_run(self.request.getfixturevalue("four_steps"), self.tmp, name)
+
+    def ckpt(self, name: str = "test") -> Path:
+        """A copy of the run; its newest checkpoint (step 4)."""
+        return self.run(name) / "checkpoints" / STEP4
+
+    @property
+    def exported(self) -> Path:
+        return self.request.getfixturevalue("exported")
+
+    def config(self, *overrides: str) -> str:
+        """A config file of the run's settings (tests.helpers.make_config), runs under tmp."""
+        from scale_llm.config import save_config
+
+        path = self.tmp / "run.yaml"
+        save_config(make_config(self.data_dir, self.tmp / "runs", *overrides), path)
+        return str(path)
+
+
+def needs(module: str) -> None:
+    import pytest
+
+    pytest.importorskip(module)
+
+
+# =========================================================================================== config
+def _missing_deepspeed(ctx: Ctx) -> list[str]:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    ctx.monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name)
+    )
+    return ["train", *s("parallel.backend=deepspeed")]
+
+
+CONFIG = [
+    ("unknown key", ["train", TINY, *s("train.lrr=1")], "did you mean train.lr?"),
+    ("a misspelt key", ["config", *s("train.learning_rat=0.1")], "train.learning_rat: unknown key"),
+    (
+        "key in the wrong section",
+        ["train", TINY, *s("train.n_layers=2")],
+        "it lives at model.n_layers",
+    ),
+    ("a model key under train", ["config", *s("train.seq_len=128")], "it lives at model.seq_len"),
+    ("unknown section", ["train", TINY, *s("optim.lr=1")], "unknown section"),
+    (
+        "a misspelt section",
+        ["config", *s("modle.d_model=64")],
+        ("unknown section", "did you mean model?"),
+    ),
+    (
+        "wrong type",
+        ["train", TINY, *s("model.n_layers=two")],
+        "model.n_layers: expected an integer",
+    ),
+    (
+        "five values of the wrong type",
+        [
+            "config",
+            *s(
+                "model.d_model=big",
+                "logging.tensorboard=3",
+                "train.lr=fast",
+                "model.attention=flash",
+                "train.precision=bf61",
+            ),
+        ],
+        (
+            re.compile(r"\Aerror: 5 problems"),
+            "model.d_model: expected an integer, got 'big'",
+            "logging.tensorboard: expected true or false",
+            "train.lr: expected a finite number",
+            "model.attention: expected one of sdpa | eager",
+            "did you mean bf16?",
+        ),
+    ),
+    (
+        "bad choice",
+        ["train", TINY, *s("train.precision=fp8")],
+        "expected one of auto | bf16 | fp16 | fp32",
+    ),
+    ("impossible value", ["train", TINY, *s("train.lr=-1")], "train.lr=-1.0 must be > 0"),
+    (
+        "impossible combination",
+        ["train", TINY, *s("model.n_heads=5")],
+        "not divisible by model.n_heads=5",
+    ),
+    (
+        "five impossible values at once",
+        [
+            "config",
+            *s(
+                "model.d_model=100",
+                "model.n_heads=3",
+                "train.lr=0.001",
+                "train.min_lr=0.01",
+                "train.micro_batch_size=0",
+                "data.val_fraction=1.5",
+                "model.n_kv_heads=2",
+            ),
+        ],
+        (
+            re.compile(r"\Aerror: 5 problems"),
+            "model.d_model=100 is not divisible by model.n_heads=3",
+            "train.min_lr=0.01 is above train.lr=0.001",
+            "train.micro_batch_size=0 must be > 0",
+            "data.val_fraction=1.5",
+            "model.n_kv_heads=2 must be > 0 and divide model.n_heads=3",
+        ),
+    ),
+    (
+        "type and value errors together",
+        ["config", *s("train.lr=fast", "train.max_steps=0", "model.d_model=x")],
+        (
+            "train.lr: expected a finite number",
+            "train.max_steps=0 must be > 0",
+            "model.d_model: expected an integer",
+            Without("divisible"),  # no follow-on complaint about the default standing in
+        ),
+    ),
+    ("min_lr above lr", ["train", TINY, *s("train.min_lr=1")], "set min_lr <= lr"),
+    (
+        "a decay fraction of 0",
+        ["config", *s("train.decay_fraction=0")],
+        re.compile(r"train.decay_fraction=0.0 must lie in \(0, 1\]"),
+    ),
+    ("negative seed", ["train", TINY, *s("run.seed=-1")], "run.seed=-1 must be an integer in [0"),
+    (  # trained to NaN before
+        "a zero norm epsilon",
+        ["train", TINY, *s("model.norm_eps=0")],
+        "model.norm_eps=0.0 must be > 0 (the default is 1e-05)",
+    ),
+    (
+        "a negative rotary base",
+        ["train", TINY, *s("model.rope_theta=-1")],
+        "model.rope_theta=-1.0 must be > 0 (the default is 10000.0)",
+    ),
+    ("an infinite rotary base", ["train", TINY, *s("model.rope_theta=inf")], "a finite number"),
+    (  # torch's "normal expects std >= 0.0" before
+        "a negative init std",
+        ["train", TINY, *s("model.init_std=-0.02")],
+        "model.init_std=-0.02 must be > 0 (the default is 0.02)",
+    ),
+    (  # the estimate walked 10^30 blocks (the model build too): no end
+        "a model of 10^30 layers",
+        ["estimate", TINY, *s("model.n_layers=1e30")],
+        ": at most 10,000 blocks are accepted",
+    ),
+    (
+        "ZeRO stage",
+        ["train", TINY, *s("parallel.backend=deepspeed", "parallel.deepspeed.zero_stage=4")],
+        "zero_stage=4 must be 0, 1, 2 or 3",
+    ),
+    (
+        "offload without deepspeed",
+        ["train", TINY, *s("parallel.deepspeed.offload_optimizer=cpu")],
+        "needs parallel.backend=deepspeed",
+    ),
+    (
+        "parallel options of another backend",
+        [
+            "config",
+            *s(
+                "parallel.backend=ddp",
+                "parallel.deepspeed.zero_stage=5",
+                "parallel.deepspeed.offload_optimizer=cpu",
+                "parallel.fsdp.cpu_offload=true",
+            ),
+        ],
+        (
+            "parallel.deepspeed.zero_stage=5 must be 0, 1, 2 or 3",
+            "offload_optimizer=cpu needs parallel.backend=deepspeed (it is ddp)",
+            "parallel.fsdp.cpu_offload=true needs parallel.backend=fsdp (it is ddp)",
+        ),
+    ),
+    (
+        "an unknown backend",
+        ["config", *s("parallel.backend=horovod")],
+        "expected one of auto | single | ddp | fsdp | deepspeed",
+    ),
+    (
+        "parameter offload below ZeRO-3",
+        ["config", *s("parallel.backend=deepspeed", "parallel.deepspeed.offload_param=cpu")],
+        "offload_param=cpu needs parallel.deepspeed.zero_stage=3 (it is 2)",
+    ),
+    (
+        "fp16 DeepSpeed on CPU",
+        ["train", TINY, *s("parallel.backend=deepspeed", "train.precision=fp16")],
+        "needs a GPU",
+    ),
+    (
+        "FSDP offload on CPU",
+        ["train", TINY, *s("parallel.backend=fsdp", "parallel.fsdp.cpu_offload=true")],
+        "needs a GPU to offload from",
+    ),
+    (
+        "ds passthrough owns key",
+        [
+            "train",
+            TINY,
+            *s("parallel.backend=deepspeed", "parallel.deepspeed.config={gradient_clipping: 5}"),
+        ],
+        "set by train.grad_clip",
+    ),
+    (
+        "ds passthrough owns keys of the batch and ZeRO",
+        [
+            "config",
+            *s(
+                "parallel.backend=deepspeed",
+                "parallel.deepspeed.config={gradient_accumulation_steps: 4, "
+                "zero_optimization: {stage: 3, overlap_comm: false, compute_grad_norm: false}}",
+            ),
+        ],
+        (
+            "parallel.deepspeed.config.gradient_accumulation_steps: set by train.grad_accum",
+            "parallel.deepspeed.config.zero_optimization.stage: set by ",
+            "zero_optimization.compute_grad_norm: set by the framework (the gradient norm",
+            Without("overlap_comm"),  # other entries pass through
+        ),
+    ),
+    ("deepspeed not installed", _missing_deepspeed, "deepspeed is not installed"),
+    (
+        "moved key given twice",
+        ["train", TINY, *s("model.activation_checkpointing=full")],
+        "keep only activation_checkpointing.mode",
+    ),
+    (
+        "moved key and its new name both set",
+        ["config", *s("model.activation_checkpointing=full", "activation_checkpointing.mode=none")],
+        (
+            "model.activation_checkpointing",
+            "activation_checkpointing.mode",
+            "keep only activation_checkpointing.mode",
+        ),
+    ),
+    ("missing config file", ["train", "no/such.yaml"], "does not exist"),
+    ("prepare: missing config file", ["prepare", "missing.yaml"], "does not exist"),
+    ("bad override syntax", ["train", TINY, "--set", "train.lr"], "section.key=value"),
+    ("binary config file", ["train", "binary.yaml"], "is not UTF-8 text (a binary file?)"),
+    ("a config that is not YAML", ["config", "unclosed.yaml"], ("not valid YAML", QUOTING)),
+    ("YAML alias bomb", ["train", "bomb.yaml"], "expands to more than 10,000 values"),
+    ("deeply nested YAML", ["train", "deep.yaml"], "nests too deeply to read"),
+    ("config is a directory", ["train", "folder"], "config file folder is a directory"),
+    ("config is a list", ["train", "list.yaml"], "must hold a mapping of sections"),
+    ("a section given a scalar", ["config", "scalar.yaml"], "model: expected a mapping"),
+    ("a huge value", ["train", "huge.yaml"], "got 'xxxxxxxxxx"),
+    ("a section written twice", ["train", "twice.yaml"], "model is written twice (lines 1 and 4)"),
+    ("a key written twice", ["train", "twice_key.yaml"], "train.lr is written twice (line 1)"),
+    ("a base that includes itself", ["config", "cycle_a.yaml"], "leads back to itself"),
+    (
+        "a model larger than the host",
+        [
+            "train",
+            TINY,
+            *s("data.dir=DATA", "model.vocab_size=512", "model.d_model=32768", "model.n_heads=64"),
+        ],
+        "GiB of host memory",
+    ),
+    *[
+        (  # bench allocated the model (swapping, or killed) where train refused it
+            f"bench{' ' if flags else ''}{' '.join(flags)}: a model larger than the host",
+            ["bench", TINY, *flags, *s("train.device=cpu", "model.d_model=32768")],
+            "GiB of host memory",
+        )
+        for flags in ([], ["--reference"], ["--checkpoint-io", "folder"])
+    ],
+]
+
+
+# ================================================================================ paths and run dir
+def _run_dir_holding(kind: str) -> Callable[[Ctx], Setup]:
+    """runs/tiny with a file where checkpoints/ belongs, or a folder for metrics.jsonl."""
+
+    def setup(ctx: Ctx) -> Setup:
+        run_dir = ctx.tmp / "runs" / "tiny"
+        run_dir.mkdir(parents=True)
+        if kind == "checkpoints a file":
+            (run_dir / "checkpoints").write_text("mine")
+        else:
+            (run_dir / "metrics.jsonl").mkdir()
+        argv = ["train", TINY, *s(f"data.dir={ctx.data_dir}", *TRAIN_ON, "train.max_steps=1")]
+        return Setup(argv)  # nothing written: no config.yaml, no tokenizer, no lock left
+
+    return setup
+
+
+def _eval_output(case: str) -> Callable[[Ctx], Setup]:
+    """A wrong kind of file where eval writes, or a run dir it cannot write to."""
+
+    def setup(ctx: Ctx) -> Setup:
+        import scale_llm.evaluate as evaluate
+
+        run = ctx.run()
+        calls = stub_eval_tasks(ctx.monkeypatch)
+        ctx.monkeypatch.setattr(evaluate, "held_out_perplexity", lambda *a: calls.append(a))
+        if case == "eval is a file":
+            (run / "eval").write_text("not a folder")
+            said = "eval is a file, not a directory"
+        elif case == "record is a directory":
+            (run / "eval" / f"{STEP4}.json").mkdir(parents=True)
+            said = f"{STEP4}.json is a directory, not eval's record file"
+        else:  # (tests run as root, which may write anywhere: the check itself is what is tested)
+            real = os.access
+            ctx.monkeypatch.setattr(
+                os, "access", lambda p, mode: False if Path(p) == run else real(p, mode)
+            )
+            said = f"{run} is not writable by this user, and eval writes its results"
+        argv = ["eval", str(run), "--perplexity", str(ctx.data_dir)]
+        if case != "read-only run":
+            argv += ["--tasks", "fake_task"]
+
+        def nothing_evaluated():
+            assert calls == [] and not (run / "export").exists()
+
+        return Setup(argv, expect=(said,), then=nothing_evaluated)
+
+    return setup
+
+
+def _fifo(path: Path) -> None:
+    os.mkfifo(path)
+
+
+def _dangling(path: Path) -> None:
+    path.symlink_to(path.parent / "nowhere")
+
+
+def _text(path: Path) -> None:
+    path.write_text("x")
+
+
+def _folder(path: Path) -> None:
+    path.mkdir()
+
+
+RUN_DIR_ENTRIES = [  # (id, the entry, how it is made, what the message says)
+    ("ckpt_file", "checkpoints", _text, "is a file, but the run keeps its checkpoints"),
+    (
+        "ckpt_link",
+        "checkpoints",
+        _dangling,
+        "is a symlink to nothing, but the run keeps its checkpoints",
+    ),
+    ("tb_file", "tensorboard", _text, "is a file, but the run keeps its TensorBoard"),
+    ("metrics_dir", "metrics.jsonl", _folder, "is a directory, but the run keeps its metric rows"),
+    ("metrics_fifo", "metrics.jsonl", _fifo, "is a named pipe, but the run keeps its metric rows"),
+    ("cfg_dir", "config.yaml", _folder, "is a directory, but the run keeps its config"),
+    (
+        "tok_fifo",
+        "tokenizer.model",
+        _fifo,
+        "is a named pipe, but the run keeps its copy of the tokenizer",
+    ),
+]
+
+
+PATHS = [
+    (
+        "run dir under a file",
+        ["train", TINY, *s("data.dir=DATA", "model.vocab_size=512", "run.dir=list.yaml")],
+        "list.yaml is a file, not a directory",
+    ),
+    (
+        "data dir under a file",
+        ["prepare", TINY, *s("data.dir=list.yaml/data")],
+        "data.dir=list.yaml/data",
+    ),
+    (  # ENAMETOOLONG from deep inside the first mkdir before
+        "a run name too long for the file system",
+        ["train", TINY, *s("data.dir=DATA", "model.vocab_size=512", "run.name=" + "n" * 300)],
+        "run.name: the name 'nnnnnnnnnn",
+    ),
+    (
+        "a run name too long in bytes",  # 200 characters, 400 bytes in UTF-8
+        ["train", TINY, *s("data.dir=DATA", "model.vocab_size=512", "run.name=" + "é" * 200)],
+        "is 400 bytes, over the 255 bytes a file name may have on this file system; shorten it",
+    ),
+    (
+        "a run dir path too long",
+        ["train", TINY, *s("data.dir=DATA", "run.dir=" + "/".join(["d" * 200] * 21))],
+        "would pass the 4096-byte limit of this file system; use a shorter run.dir / run.name",
+    ),
+    ("a NUL in a path", ["train", "nul.yaml"], "data.dir='d\\x00x' holds a NUL character"),
+    (
+        "a file where the run keeps its checkpoints",
+        _run_dir_holding("checkpoints a file"),
+        ("is a file, but the run keeps its checkpoints", ONE_LINE),
+    ),
+    (
+        "a folder where the run keeps its metrics",
+        _run_dir_holding("metrics a folder"),
+        ("is a directory, but the run keeps its metric rows", ONE_LINE),
+    ),
+    *[
+        (f"eval: {case}", _eval_output(case), ())
+        for case in ("eval is a file", "record is a directory", "read-only run")
+    ],
+]
+
+
+# ================================================================================= data and corpora
+def _copy_data(ctx: Ctx, name: str = "data") -> Path:
+    copy_ = ctx.tmp / name
+    shutil.copytree(ctx.data_dir, copy_)
+    return copy_
+
+
+def _edited(manifest: dict, change: str) -> object:
+    """The manifest with one damage applied (a list, a string, a number, or wrong field types)."""
+    m = copy.deepcopy(manifest)
+    if change == "a list":
+        return [m]
+    if change == "a string":
+        return "manifest"
+    if change == "a number":
+        return 3
+    if change == "a string of tokens":
+        m["splits"]["train"]["shards"][0]["tokens"] = str(
+            m["splits"]["train"]["shards"][0]["tokens"]
+        )
+    elif change == "a negative count":
+        m["splits"]["val"]["shards"][0]["tokens"] = -1
+    elif change == "shards as a string":
+        m["splits"]["train"]["shards"] = "train_00000.bin"
+    elif change == "a shard outside data.dir":
+        m["splits"]["train"]["shards"][0]["file"] = "../../etc/passwd"
+    elif change == "a tokenizer as a list":
+        m["tokenizer"] = [m["tokenizer"]]
+    elif change == "a float dtype":
+        m["dtype"] = "float64"
+    elif change == "splits as a list":
+        m["splits"] = list(m["splits"].values())
+    return m
+
+
+MANIFEST_TYPES = {  # AttributeError, TypeError, KeyError or numpy's own errors before
+    "a list": "holds a JSON list, not an object; it cannot say which files",
+    "a string": "holds a JSON str, not an object",
+    "a number": "holds a JSON int, not an object",
+    "a string of tokens": "splits.train.shards[0].tokens is '",
+    "a negative count": "splits.val.shards[0].tokens is -1, not a count of tokens",
+    "shards as a string": "splits.train.shards is 'train_00000.bin', not a list",
+    "a shard outside data.dir": "is '../../etc/passwd', not a shard's file name",
+    "a tokenizer as a list": "tokenizer is [{",
+    "a float dtype": "dtype is 'float64', not uint16 or uint32",
+    "splits as a list": "splits is [{",
+}
+
+
+def _manifest_of_type(change: str) -> Callable[[Ctx], list[str]]:
+    def setup(ctx: Ctx) -> list[str]:
+        data = _copy_data(ctx)
+        manifest = json.loads((data / "manifest.json").read_text())
+        (data / "manifest.json").write_text(json.dumps(_edited(manifest, change)))
+        return ["train", TINY, *s(f"data.dir={data}", *TRAIN_ON)]
+
+    return setup
+
+
+def _manifest_replaced(kind: str) -> Callable[[Ctx], list[str]]:
+    """A named pipe (the read blocked forever) or bytes that are not UTF-8 (UnicodeDecodeError)
+    where the manifest belongs."""
+
+    def setup(ctx: Ctx) -> list[str]:
+        data = _copy_data(ctx)
+        (data / "manifest.json").unlink()
+        if kind == "pipe":
+            os.mkfifo(data / "manifest.json")
+        else:
+            (data / "manifest.json").write_bytes(b"\xff\xfe{}")
+        return ["train", TINY, *s(f"data.dir={data}", *TRAIN_ON)]
+
+    return setup
+
+
+def _token_ids_beyond_the_vocab(ctx: Ctx) -> Setup:
+    import numpy as np
+
+    data = _copy_data(ctx)
+    manifest = json.loads((data / "manifest.json").read_text())
+    first = manifest["splits"]["train"]["shards"][0]
+    tokens = np.memmap(data / first["file"], dtype=manifest["dtype"], mode="r+")
+    tokens[:] = 60000  # same size, ids far beyond the vocabulary
+    tokens.flush()
+    del tokens
+    argv = ["train", TINY, *s(f"data.dir={data}", "model.vocab_size=512", "data.prefetch=0")]
+    # (found per batch, once the run has started: its run dir is written, the data is not)
+    said = f"{first['file']} holds token id 60000"
+    return Setup([*argv, *s("train.max_steps=1")], watch=[data], expect=(said,))
+
+
+def _manifest_without_a_key(ctx: Ctx) -> list[str]:
+    data = _copy_data(ctx)
+    manifest = json.loads((data / "manifest.json").read_text())
+    del manifest["tokenizer"]["sha256"]
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    return ["train", TINY, *s(f"data.dir={data}", "model.vocab_size=512")]
+
+
+def _small_corpus(tmp: Path) -> Path:
+    src = tmp / "src"
+    src.mkdir()
+    for i, text in enumerate(random_texts(40, "doc{i}")):
+        (src / f"{i:02d}.txt").write_text(text)
+    return src
+
+
+def _prepare_argv(src: Path | str, out: Path | str) -> list[str]:
+    """prepare with tests.helpers.prep_config's settings."""
+    settings = [f"data.source={src}", f"data.dir={out}", "model.vocab_size=400"]
+    return ["prepare", *s(*settings, "data.val_fraction=0.25")]
+
+
+def _prepare_over_a_manifest_of_type(change: str) -> Callable[[Ctx], list[str]]:
+    """Its shards are no longer provably prepare's: they are named, not replaced (an
+    AttributeError before)."""
+
+    def setup(ctx: Ctx) -> list[str]:
+        from scale_llm.cli import main
+
+        argv = _prepare_argv(_small_corpus(ctx.tmp), ctx.tmp / "data")
+        assert main(argv) == 0
+        manifest = ctx.tmp / "data" / "manifest.json"
+        manifest.write_text(json.dumps(_edited(json.loads(manifest.read_text()), change)))
+        return [*argv, "--force"]
+
+    return setup
+
+
+def damaged_build(tmp: Path, kind: str) -> tuple[list[str], Path]:
+    """A corpus, and a data dir whose prepare build folder (made by prepare, with a tokenizer)
+    holds a progress.json damaged as `kind` says; the prepare command line."""
+    from scale_llm.data.prepare import BUILD_DIR, BUILD_KIND, _fingerprint
+    from scale_llm.data.sources import open_source
+    from scale_llm.data.tokenizer import file_sha256
+    from scale_llm.files import make_owned_dir
+    from tests.helpers import prep_config
+
+    src = _small_corpus(tmp)
+    out = tmp / "data"
+    cfg = prep_config(src, out)
+    out.mkdir()
+    build = make_owned_dir(out / BUILD_DIR, BUILD_KIND)
+    (build / "tokenizer.model").write_bytes(b"an earlier tokenizer")
+    shards = {"bad splits": "train_00000.bin", "outside": [{"file": "../x", "tokens": 0}]}
+    resumable = {  # what a resume would accept, but for its shards
+        "fingerprint": _fingerprint(cfg, open_source(cfg.data)),
+        "tokenizer_sha256": file_sha256(build / "tokenizer.model"),
+        "dtype": "uint16",
+        "documents_read": 0,
+        "tokens": 0,
+        "capped": False,
+        "splits": {"train": {"shards": shards.get(kind)}, "val": None},
+    }
+    text = {"list": "[1, 2]", "string": '"progress"', "number": "3", "not JSON": "{not json"}
+    (build / "progress.json").write_text(text.get(kind) or json.dumps(resumable))
+    return _prepare_argv(src, out), out
+
+
+PROGRESS_DAMAGE = ["list", "string", "number", "not JSON", "bad splits", "outside"]
+
+
+def _progress_record_a_folder(ctx: Ctx) -> Setup:
+    argv, out = damaged_build(ctx.tmp, "list")
+    record = out / ".prepare-build" / "progress.json"
+    record.unlink()
+    record.mkdir()  # (IsADirectoryError from unlink before)
+    return Setup(
+        argv, expect=(f"{record} is a directory, where prepare keeps its progress record",)
+    )
+
+
+def _lone_surrogate_corpus(ctx: Ctx) -> list[str]:
+    """Valid JSON, but not text: it reached the tokenizer and failed there as a TypeError from a
+    worker process, naming no file."""
+    texts = random_texts(40, "doc{i}", length=60)
+    path = ctx.tmp / "c.jsonl"
+    path.write_text(
+        "".join(json.dumps({"text": t}) + "\n" for t in texts) + '{"text": "x\\udc00"}\n'
+    )
+    return [*_prepare_argv(path, ctx.tmp / "out"), *s("data.num_proc=1")]
+
+
+def _data_of_another_tokenizer(ctx: Ctx) -> list[str]:
+    """The same shards, described as another tokenizer's."""
+    from scale_llm.data.tokenizer import file_sha256, train_tokenizer
+
+    run = ctx.run()
+    other = _copy_data(ctx, "other_data")
+    train_tokenizer(random_texts(300, "doc{i}"), 512, other / "tokenizer.model")
+    manifest = json.loads((other / "manifest.json").read_text())
+    manifest["tokenizer"]["sha256"] = file_sha256(other / "tokenizer.model")
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    return ["eval", str(run), "--perplexity", str(other)]
+
+
+DATA = [
+    (
+        "data dir without shards",
+        ["train", TINY, *s("data.dir=nowhere")],
+        "holds no prepared shards",
+    ),
+    (
+        "vocab mismatch",
+        ["train", TINY, *s("data.dir=DATA", "model.vocab_size=1024")],
+        (
+            "does not match the tokenizer",
+            re.compile(r"model.vocab_size=1024 does not match.*512 pieces"),
+        ),
+    ),
+    (
+        "a sequence longer than the data",
+        ["train", TINY, *s("data.dir=DATA", "model.vocab_size=512", "model.seq_len=50000000")],
+        "too few tokens for model.seq_len",
+    ),
+    (
+        "a step larger than the data",
+        ["train", TINY, *s("data.dir=DATA", "model.vocab_size=512", "train.grad_accum=1000000")],
+        "every step would repeat the data",
+    ),
+    *[
+        (
+            f"a manifest of the wrong JSON type: {change}",
+            _manifest_of_type(change),
+            (said, "manifest.json", ONE_LINE),
+        )
+        for change, said in MANIFEST_TYPES.items()
+    ],
+    (
+        "a named pipe for a manifest",
+        _manifest_replaced("pipe"),
+        "manifest.json is a named pipe, not the manifest prepare writes",
+    ),
+    (
+        "a manifest that is not UTF-8",
+        _manifest_replaced("bytes"),
+        "cannot be read as JSON (UnicodeDecodeError)",
+    ),
+    (
+        "a manifest missing keys",
+        _manifest_without_a_key,
+        ("lacks tokenizer.sha256", "prepare CONFIG --force"),
+    ),
+    (
+        "token ids beyond the vocabulary in a shard",
+        _token_ids_beyond_the_vocab,
+        ("holds token id 60000", "beyond model.vocab_size=512"),
+    ),
+    (
+        "source matches nothing",
+        ["prepare", TINY, *s("data.source=nope/*.txt", "data.dir=d")],
+        "matches no file",
+    ),
+    (
+        "hub dataset offline",
+        ["prepare", TINY, *s("data.source=hf:no-such-org/no-such-set", "data.dir=d")],
+        (
+            "data.source='hf:no-such-org/no-such-set' (data.hf_config=None, "
+            "data.hf_split='train') could not be opened",
+        ),
+    ),
+    (
+        "compressed source",
+        ["prepare", TINY, *s("data.source=c.jsonl.gz", "data.dir=d")],
+        "matches compressed files (c.jsonl.gz), which are not read; decompress them",
+    ),
+    (
+        "a folder of compressed files",
+        ["prepare", TINY, *s("data.source=packed", "data.dir=d")],
+        "matches no file it reads (compressed files are not read",
+    ),
+    (
+        "a folder of files it cannot read",
+        ["prepare", TINY, *s("data.source=unreadable", "data.dir=d")],
+        (
+            "matches no file it reads (compressed files are not",
+            "1 file with an unknown suffix (a.csv)",
+        ),
+    ),
+    (
+        "a stray .json in a source folder",
+        ["prepare", TINY, *s("data.source=corpus", "data.dir=d")],
+        (
+            "dataset_info.json:1 is not valid JSON (Expecting property name enclosed in double "
+            "quotes); fix the line or remove the file from data.source. Every .json file in "
+            "data.source is read as JSON Lines",
+        ),
+    ),
+    ("an empty source file", _prepare_argv("blank.txt", "d"), ("empty")),
+    (
+        "JSON Lines without the text field",
+        _prepare_argv("content.jsonl", "d"),
+        (re.compile(r"no field 'text'.*data.text_field")),
+    ),
+    (
+        "a Latin-1 text file",
+        _prepare_argv("latin.txt", "d"),
+        ("latin.txt is not valid UTF-8"),
+    ),
+    (
+        "a lone surrogate in a JSON Lines record",
+        _lone_surrogate_corpus,
+        ("c.jsonl:41: field 'text' holds a lone surrogate"),
+    ),
+    (  # "lower model.vocab_size" before: the wrong way
+        "a vocab too small for the corpus's characters",
+        ["prepare", TINY, *s("data.source=cjk", "data.dir=d", "model.vocab_size=512")],
+        ("model.vocab_size=512 is fewer pieces than the tokenizer's sample needs",),
+    ),
+    *[
+        (
+            f"prepare over a manifest of the wrong JSON type: {change}",
+            _prepare_over_a_manifest_of_type(change),
+            "named like prepare's outputs that no manifest of prepare's lists",
+        )
+        for change in ("a list", "splits as a list", "a tokenizer as a list")
+    ],
+    ("a folder for prepare's progress record", _progress_record_a_folder, ()),
+    ("eval: data of another tokenizer", _data_of_another_tokenizer, "not the one"),
+]
+
+
+# a path a corpus cannot read, next to one it reads: (make the corpus, return the source spec;
+# the documents read; what the one warning says, None for none). Skipped and said, not an error.
+def _loop_in_folder(c: Path) -> str:
+    (c / "sub").mkdir()
+    (c / "sub" / "back").symlink_to("..")
+    return str(c)
+
+
+def _loop_under_glob(c: Path) -> str:
+    (c / "loop").symlink_to(".")
+    return f"{c}/**/*.txt"
+
+
+def _second_path(c: Path) -> str:
+    (c / "z").mkdir()
+    os.rename(c / "a.txt", c / "z" / "a.txt")
+    (c / "alias").symlink_to("z")  # sorts before z/: z/a.txt is still the one kept
+    return str(c)
+
+
+def _hard_link(c: Path) -> str:
+    os.link(c / "a.txt", c / "b.txt")
+    return str(c)
+
+
+def _broken_link(c: Path) -> str:
+    (c / "gone.txt").symlink_to("nowhere.txt")
+    return str(c)
+
+
+def _pipe(c: Path) -> str:
+    os.mkfifo(c / "pipe.txt")  # (a read would block forever)
+    return str(c)
+
+
+def _unknown_suffix(c: Path) -> str:
+    (c / "e.csv").write_text("a,b\n")
+    return str(c)
+
+
+def _compressed(c: Path) -> str:
+    (c / "g.jsonl.gz").write_bytes(gzip.compress(b'{"text": "x"}\n'))
+    return str(c)
+
+
+def _upper_case(c: Path) -> str:
+    (c / "B.TXT").write_text("beta")
+    return str(c)
+
+
+CORPUS_SKIPS = {
+    "a symlink loop in a folder": (
+        _loop_in_folder,
+        {"a.txt": "alpha"},
+        "1 symlinked directory that loops back (sub/back -> ..)",
+    ),
+    "a symlink loop under a glob": (
+        _loop_under_glob,
+        {"a.txt": "alpha"},
+        "1 symlinked directory that loops back (loop -> .)",
+    ),
+    "a second path to a file": (_second_path, {"z/a.txt": "alpha"}, "(alias/a.txt = z/a.txt)"),
+    "a hard link to a file": (_hard_link, {"a.txt": "alpha"}, "(b.txt = a.txt)"),
+    "a broken symlink": (_broken_link, {"a.txt": "alpha"}, "1 broken symlink (gone.txt)"),
+    "a named pipe": (_pipe, {"a.txt": "alpha"}, "1 file that is not a regular file (pipe.txt)"),
+    "an unknown suffix": (_unknown_suffix, {"a.txt": "alpha"}, "1 file with an unknown suffix"),
+    "a compressed file": (_compressed, {"a.txt": "alpha"}, "1 compressed file (g.jsonl.gz)"),
+    "an upper-case suffix": (_upper_case, {"a.txt": "alpha", "B.TXT": "beta"}, None),
+}
+
+
+# ====================================================================================== checkpoints
+def _missing_record(how: str) -> Callable[[Path], str]:
+    """Deleting integrity.json (or emptying it) turned the check off: the checkpoint was resumed
+    as it was. For a checkpoint whose trainer state says it was written with a record, that is
+    damage."""
+
+    def damage(ckpt: Path) -> str:
+        from scale_llm.components.checkpoint import INTEGRITY
+
+        record = json.loads((ckpt / INTEGRITY).read_text())
+        if how == "removed":
+            (ckpt / INTEGRITY).unlink()
+            return "integrity.json is missing, but"
+        if how == "no files":
+            (ckpt / INTEGRITY).write_text('{"files": {}}')
+            return "does not list trainer.pt"
+        if how == "no trainer.pt":
+            del record["files"]["trainer.pt"]
+            (ckpt / INTEGRITY).write_text(json.dumps(record))
+            return "does not list trainer.pt"
+        if how == "no weights":
+            record["files"] = {k: v for k, v in record["files"].items() if not k.startswith("dcp/")}
+            (ckpt / INTEGRITY).write_text(json.dumps(record))
+            return "lists no model weights"
+        (ckpt / "model.pt").write_bytes(b"weights from elsewhere")  # a loader would read it
+        return "model.pt is not in"
+
+    return damage
+
+
+MALFORMED = {  # a record of the wrong shape was a TypeError / AttributeError that blocked auto
+    "files a list": ('{"files": [1, 2]}', "not {"),
+    "entry a number": ('{"files": {"x": 3}}', "the entry of 'x' is 3"),
+    "a list": ("[]", "holds [], not {"),
+    "size a string": ({"size": "12"}, "the size of 'trainer.pt' is '12', not a byte count"),
+    "size a bool": ({"size": True}, "the size of 'trainer.pt' is True"),
+    "digest a number": ({"xxh3_64": 5}, "the xxh3_64 of 'trainer.pt' is 5"),
+    "parent path": ({"name": "../../other/trainer.pt"}, "names '../../other/trainer.pt', which"),
+    "absolute path": ({"name": "/etc/passwd"}, "names '/etc/passwd', which is not a file inside"),
+    "not JSON": ("{files", "is not readable JSON"),
+    "a directory": (None, "integrity.json is a directory"),
+}
+
+
+def _malformed_record(case: str) -> Callable[[Path], str]:
+    def damage(ckpt: Path) -> str:
+        from scale_llm.components.checkpoint import INTEGRITY
+
+        path = ckpt / INTEGRITY
+        change, said = copy.deepcopy(MALFORMED[case])
+        if change is None:
+            path.unlink()
+            path.mkdir()
+        elif isinstance(change, str):
+            path.write_text(change)
+        else:
+            record = json.loads(path.read_text())
+            entry = record["files"].pop("trainer.pt")
+            name = change.pop("name", "trainer.pt")
+            record["files"][name] = {**entry, **change}
+            path.write_text(json.dumps(record))
+        return said
+
+    return damage
+
+
+def _weights_file(ckpt: Path) -> Path:
+    return ckpt / "dcp" / "__0_0.distcp"
+
+
+def _truncated(ckpt: Path) -> str:
+    target = _weights_file(ckpt)
+    data = target.read_bytes()
+    target.write_bytes(data[: len(data) // 2])
+    return str(target)
+
+
+def _bytes_changed(ckpt: Path) -> str:
+    """The same size, some bytes flipped (bit rot, a bad copy)."""
+    target = _weights_file(ckpt)
+    data = bytearray(target.read_bytes())
+    for i in range(100, len(data), max(1, len(data) // 50)):
+        data[i] ^= 0xFF
+    target.write_bytes(bytes(data))
+    return str(target)
+
+
+def _symlinked_file(ckpt: Path) -> str:
+    elsewhere = ckpt.parents[3] / "elsewhere"  # (another run's copy of the same file)
+    elsewhere.mkdir()
+    shutil.copy(ckpt / "trainer.pt", elsewhere / "trainer.pt")
+    (ckpt / "trainer.pt").unlink()
+    (ckpt / "trainer.pt").symlink_to(elsewhere / "trainer.pt")
+    return "trainer.pt is a symlink"
+
+
+# a damaged newest checkpoint: (damage it in place, return what the message says about it)
+DAMAGES: dict[str, Callable[[Path], str]] = {
+    "truncated": _truncated,
+    "bytes changed": _bytes_changed,
+    **{f"record {how}": _missing_record(how) for how in ("removed", "no files")},
+    **{f"record {how}": _missing_record(how) for how in ("no trainer.pt", "no weights")},
+    "a file the record does not list": _missing_record("extra"),
+    **{f"record: {case}": _malformed_record(case) for case in MALFORMED},
+    "a symlinked file": _symlinked_file,
+}
+
+
+def _convert_damaged(case: str) -> Callable[[Ctx], Setup]:
+    def setup(ctx: Ctx) -> Setup:
+        ckpt = ctx.ckpt()
+        said = DAMAGES[case](ckpt)
+        return Setup(["convert", str(ckpt), "--out", str(ctx.tmp / "out.pt")], expect=(said,))
+
+    return setup
+
+
+def _resume_damaged(ctx: Ctx) -> Setup:
+    ckpt = ctx.ckpt()
+    _truncated(ckpt)
+    return Setup(["train", ctx.config(f"checkpoint.resume={ckpt}")])
+
+
+def _export_damaged(ctx: Ctx) -> Setup:
+    needs("safetensors")
+    ckpt = ctx.ckpt()
+    _truncated(ckpt)
+    return Setup(["export", str(ckpt), "--out", str(ctx.tmp / "out")])
+
+
+def _export_without_safetensors(ctx: Ctx) -> list[str]:
+    import importlib.util
+
+    run = ctx.run()
+    real = importlib.util.find_spec
+    ctx.monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "safetensors" else real(name)
+    )
+    return ["export", str(run), "--out", str(ctx.tmp / "o")]
+
+
+# trainer states whose checksums match but whose values no run could have saved: (the fields
+# changed, a__b for state["a"]["b"]; what the message says). A negative step trained with a
+# negative LR and moved every good checkpoint aside; a step that disagrees with its directory
+# was believed; a 20 KB trainer.pt could make convert build a model of terabytes.
+IMPOSSIBLE = {
+    "negative step": ({"step": -3}, "step: -3 is not a step count"),
+    "step of another name": ({"step": 9}, "step: 9, but the directory step_00000004 is step 4"),
+    "step a string": ({"step": "4"}, "step: '4' is not a step count"),
+    "zero heads": ({"config__model__n_heads": 0}, "config.model.n_heads=0 must be > 0"),
+    "layers a string": ({"config__model__n_layers": "x"}, "config.model.n_layers: expected an"),
+    "a model its files cannot hold": (
+        {"config__model__d_model": 2**20, "config__model__n_heads": 2**10},
+        "but the checkpoint's weight files hold",
+    ),
+    "tokenizer hash": ({"tokenizer_sha256": 5}, "tokenizer_sha256: 5 is not a SHA-256"),
+    "plan precision": ({"plan__precision": "fp8"}, "plan.precision: 'fp8' is not bf16"),
+}
+RESUME_ONLY = {  # fields only a resume reads
+    "data position": ({"data__position": -1}, "data.position: -1 is not an integer >= 0"),
+    "bad streak past the step": ({"bad_streak": 7}, "bad_streak: 7 is not a count of steps"),
+    "rng garbage": ({"rng": [{"torch": "x"}]}, "rng[0].torch: not a torch generator state"),
+    "train schedule": ({"config__train__lr": -1.0}, "config.train.lr=-1.0 must be > 0"),
+    "backend layout": ({"backend": {"layout": 3}}, "backend: "),
+}
+NO_RUN_SAVED = "trainer.pt holds values no run could have saved"
+
+
+def _impossible_state(case: str, command: str) -> Callable[[Ctx], Setup]:
+    def setup(ctx: Ctx) -> Setup:
+        run = ctx.run()
+        ckpt = run / "checkpoints" / STEP4
+        changes, _ = {**IMPOSSIBLE, **RESUME_ONLY}[case]
+        rewrite_state(ckpt, **changes)
+        if command == "train":  # resume auto: refused before anything is moved aside
+            return Setup(["train", ctx.config("checkpoint.every=2", "train.max_steps=6")])
+        if command == "convert":
+            argv = ["convert", str(ckpt), "--out", str(ctx.tmp / "out.pt")]
+            return Setup(argv, expect=(str(ckpt / "trainer.pt"),))
+        if command == "generate":
+            return Setup(["generate", str(run), "--checkpoint", str(ckpt), "--max-new-tokens", "2"])
+        needs("safetensors")
+        return Setup(["export", str(ckpt), "--out", str(ctx.tmp / "hf")])
+
+    return setup
+
+
+# ----------------------------------------------------------------------------- planted pickles
+class Disguised:
+    """Runs the command, then hands back the real object: a reader that unpickled it would
+    finish normally (exit 0) and nobody would notice."""
+
+    def __init__(self, marker: Path, real: object):
+        self.marker, self.real = marker, real
+
+    def __reduce__(self):
+        import operator
+
+        return (operator.getitem, ((Payload(self.marker), self.real), 1))
+
+
+def plant_in_dcp_metadata(ckpt: Path, marker: Path) -> Path:
+    target = ckpt / "dcp" / ".metadata"
+    target.write_bytes(pickle.dumps(Payload(marker)))
+    return target
+
+
+def plant_disguised_dcp_metadata(ckpt: Path, marker: Path) -> Path:
+    target = ckpt / "dcp" / ".metadata"
+    real = pickle.loads(target.read_bytes())  # our own good file: trusted in this test
+    target.write_bytes(pickle.dumps(Disguised(marker, real)))
+    return target
+
+
+def plant_in_dcp_byte_item(ckpt: Path, marker: Path) -> Path:
+    """Rewrite the DCP checkpoint with one optimizer hyperparameter (a byte item) replaced by a
+    payload."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    flat = ckpt.parent / "flat.pt"
+    dcp_to_torch_save(ckpt / "dcp", flat)  # our own good file: trusted in this test
+    state = torch.load(flat, weights_only=False)
+    flat.unlink()
+    state["optimizer"]["param_groups"][0]["weight_decay"] = Payload(marker)
+    shutil.rmtree(ckpt / "dcp")
+    dcp.save(state, checkpoint_id=ckpt / "dcp", no_dist=True)
+    return ckpt / "dcp"
+
+
+def plant_legacy_scaler(ckpt: Path, marker: Path) -> Path:
+    """Checkpoints written before the scaler moved into trainer.pt keep it in scaler.pt."""
+    torch.save({"scaler": {}, "planted": Payload(marker)}, ckpt / "scaler.pt")
+    return ckpt / "scaler.pt"
+
+
+def weights_as_model_pt(ckpt: Path, marker: Path) -> Path:
+    """A checkpoint in DeepSpeed's layout (consolidated model.pt, no dcp/) with a payload."""
+    from scale_llm.components.checkpoint import load_model_weights
+    from scale_llm.config import load_config
+    from scale_llm.model import empty_state_dict
+
+    cfg = load_config(ckpt.parents[1] / "config.yaml")
+    weights = load_model_weights(ckpt, empty_state_dict(cfg.model))
+    shutil.rmtree(ckpt / "dcp")
+    weights["planted"] = Payload(marker)
+    torch.save(weights, ckpt / "model.pt")
+    return ckpt / "model.pt"
+
+
+PLANTS = {  # where the payload goes: (plant it, the commands that open that file)
+    "dcp-metadata": (plant_in_dcp_metadata, ["generate", "convert", "train"]),
+    "dcp-metadata-disguised": (plant_disguised_dcp_metadata, ["generate", "train"]),
+    "dcp-byte-item": (plant_in_dcp_byte_item, ["train"]),
+    "trainer-state": (
+        lambda ckpt, m: plant_in_torch_file(ckpt / "trainer.pt", m),
+        ["convert", "train"],
+    ),
+    "legacy-scaler": (plant_legacy_scaler, ["train"]),
+    "model-weights": (weights_as_model_pt, ["generate", "convert"]),
+}
+
+
+def _planted(plant: str, command: str) -> Callable[[Ctx], Setup]:
+    """The attacker rewrites the checksums too: they are no signature, so the allow-lists are
+    what stops the payload."""
+
+    def setup(ctx: Ctx) -> Setup:
+        from scale_llm.components.checkpoint import write_integrity
+
+        run = ctx.run()
+        ckpt = run / "checkpoints" / STEP4
+        marker = ctx.tmp / "pwned"
+        target = PLANTS[plant][0](ckpt, marker)
+        write_integrity(ckpt)
+        if command == "generate":
+            argv = ["generate", str(run), "--max-new-tokens", "2", "--prompt", "def"]
+        elif command == "convert":
+            argv = ["convert", str(run), "--out", str(ctx.tmp / "out.pt")]
+        else:
+            argv = ["train", ctx.config("train.max_steps=6")]
+
+        def never_ran():
+            assert not marker.exists(), "the planted code ran"
+
+        return Setup(argv, expect=(str(target),), then=never_ran)
+
+    return setup
+
+
+CHECKPOINTS = [
+    (
+        "resume from a non-checkpoint",
+        ["train", TINY, *s("data.dir=DATA", "model.vocab_size=512", "checkpoint.resume=.")],
+        "not a complete checkpoint",
+    ),
+    ("generate without a run", ["generate", "."], "not a run directory"),
+    ("convert without a checkpoint", ["convert", ".", "--out", "m.pt"], "neither a checkpoint"),
+    (
+        "export without a checkpoint",
+        ["export", "nothing", "--out", "o"],
+        "neither a checkpoint directory nor a run directory",
+    ),
+    *[
+        (f"convert: a damaged checkpoint ({case})", _convert_damaged(case), "is damaged")
+        for case in DAMAGES
+    ],
+    (
+        "train: a damaged checkpoint named in checkpoint.resume",
+        _resume_damaged,
+        re.compile(r"the checkpoint is damaged: .*__0_0\.distcp has \d+ bytes"),
+    ),
+    ("export: a damaged checkpoint", _export_damaged, "is damaged"),
+    ("export without safetensors", _export_without_safetensors, "pip install 'scale_llm[hf]'"),
+    *[
+        (
+            f"{command}: impossible trainer state ({case})",
+            _impossible_state(case, command),
+            (NO_RUN_SAVED, said) if command == "train" else said,
+        )
+        for case, (_, said) in IMPOSSIBLE.items()
+        for command in ("train", "convert", "generate", "export")
+    ],
+    *[
+        (
+            f"train: impossible trainer state ({case})",
+            _impossible_state(case, "train"),
+            (NO_RUN_SAVED, said),
+        )
+        for case, (_, said) in RESUME_ONLY.items()
+    ],
+    *[
+        (
+            f"{command}: a planted pickle ({plant})",
+            _planted(plant, command),
+            re.compile(r"\Aerror: refusing to load"),
+        )
+        for plant, (_, commands) in PLANTS.items()
+        for command in commands
+    ],
+]
+
+
+# init_from folders: config.json fields of the wrong JSON type or range ("false" was read as
+# true, zero heads and infinities were tracebacks), and weights that are not finite floats
+INIT_CONFIG_FIELDS = {
+    "bool as a string": ({"tie_word_embeddings": "false"}, "tie_word_embeddings='false'"),
+    "zero heads": ({"num_attention_heads": 0}, "num_attention_heads=0 (an integer): expected"),
+    "infinite epsilon": ({"rms_norm_eps": float("inf")}, "rms_norm_eps=inf (a number)"),
+    "NaN theta": (
+        {"rope_theta": float("nan"), "rope_parameters": None},
+        "rope_theta=nan (a number): expected a finite number > 0",
+    ),
+    "layers as a float": ({"num_hidden_layers": 2.0}, "num_hidden_layers=2.0 (a number)"),
+    "layers a bool": ({"num_hidden_layers": True}, "num_hidden_layers=True (a boolean)"),
+    "heads not dividing": ({"num_attention_heads": 5}, "is not divisible by num_attention_heads"),
+    "rope a list": ({"rope_parameters": [1]}, "rope_parameters=[1] (a JSON list)"),
+}
+INIT_TENSORS = {
+    "NaN": (lambda t: t.index_fill(0, torch.tensor([0]), float("nan")), "1 NaN or infinite"),
+    "infinity": (lambda t: t.index_fill(0, torch.tensor([1]), float("inf")), "NaN or infinite"),
+    "integers": (lambda t: t.round().to(torch.int64), "holds torch.int64 values, not floating"),
+    "booleans": (lambda t: t > 0, "holds torch.bool values, not floating"),
+}
+
+
+# ============================================================================= files a command owns
+def _export_over(kind: str) -> Callable[[Ctx], list[str]]:
+    """export --force replaces only an earlier export holding exactly the files it lists."""
+
+    def setup(ctx: Ctx) -> list[str]:
+        from scale_llm.cli import main
+
+        needs("safetensors")
+        run = ctx.run()
+        ckpt = run / "checkpoints" / STEP4
+        if kind == "the run it reads":
+            return ["export", str(run), "--out", str(run), "--force"]
+        if kind == "the run's checkpoints folder":
+            return ["export", str(run), "--out", str(ckpt.parent / "hf")]
+        if kind == "the folder of runs":
+            return ["export", str(ckpt), "--out", str(run.parent), "--force"]
+        if kind == "a folder of the user's":
+            mine = ctx.tmp / "notes"
+            mine.mkdir()
+            (mine / "config.json").write_text("{}")  # a name an export also writes, no info
+            return ["export", str(run), "--out", str(mine), "--force"]
+        out = ctx.tmp / "hf"
+        assert main(["export", str(run), "--out", str(out)]) == 0
+        if kind == "an export holding a file of the user's":
+            (out / "README.md").write_text("my notes")  # a file no export writes
+            return ["export", str(run), "--out", str(out), "--force"]
+        link = ctx.tmp / "link"
+        link.symlink_to(out)
+        return ["export", str(run), "--out", str(link), "--force"]
+
+    return setup
+
+
+def _convert_over(kind: str) -> Callable[[Ctx], list[str]]:
+    """convert writes a new file, or with --force replaces only an earlier convert output."""
+
+    def setup(ctx: Ctx) -> list[str]:
+        run = ctx.run()
+        ckpt = run / "checkpoints" / STEP4
+        mine = ctx.tmp / "model.pt"
+        mine.write_text("my file")
+        if kind == "a file of the user's":
+            return ["convert", str(run), "--out", str(mine)]
+        if kind == "a file of the user's, with --force":
+            return ["convert", str(run), "--out", str(mine), "--force"]
+        if kind == "a named pipe":
+            os.mkfifo(ctx.tmp / "pipe")
+            return ["convert", str(run), "--out", str(ctx.tmp / "pipe"), "--force"]
+        if kind == "a symlink":
+            (ctx.tmp / "link.pt").symlink_to(mine)
+            return ["convert", str(run), "--out", str(ctx.tmp / "link.pt"), "--force"]
+        if kind == "a checkpoint's file":
+            return ["convert", str(ckpt), "--out", str(ckpt / "trainer.pt"), "--force"]
+        return ["convert", str(ckpt), "--out", str(ckpt / "new.pt")]
+
+    return setup
+
+
+def _bench_io_on_a_file(ctx: Ctx) -> list[str]:
+    (ctx.tmp / "file").write_text("x")
+    args = [*s(*TINY_MODEL, "train.device=cpu")]
+    return ["bench", *args, "--checkpoint-io", str(ctx.tmp / "file")]
+
+
+def _check_over(kind: str) -> Callable[[Ctx], list[str]]:
+    def setup(ctx: Ctx) -> list[str]:
+        out = ctx.tmp / "docs"
+        if kind == "a file":
+            out.write_text("x")
+        else:
+            out.mkdir()
+            (out / "report.md").write_text("my report")
+        return ["check", str(out), "--steps", "1", "--only", "reference"]
+
+    return setup
+
+
+def _prepare_over_foreign_shards(ctx: Ctx) -> list[str]:
+    corpus = ctx.tmp / "texts"
+    corpus.mkdir()
+    for i, text in enumerate(random_texts(40, "doc{i:03d}", length=400)):
+        (corpus / f"{i:03d}.txt").write_text(text)
+    data = ctx.tmp / "data"
+    data.mkdir()
+    (data / "train_mine.bin").write_bytes(b"12345678")
+    (data / "notes.txt").write_text("mine")
+    return _prepare_argv(corpus, data)
+
+
+def _eval_over_an_export_folder(kind: str) -> Callable[[Ctx], Setup]:
+    def setup(ctx: Ctx) -> Setup:
+        from scale_llm.cli import main
+
+        run = ctx.run()
+        calls = stub_eval_tasks(ctx.monkeypatch)
+        out = run / "export" / STEP4
+        if kind == "an export eval did not make":
+            needs("safetensors")
+            assert main(["export", str(run), "--out", str(out)]) == 0
+        else:
+            out.mkdir(parents=True)
+            (out / "notes.txt").write_text("mine")
+
+        def nothing_evaluated():
+            assert calls == []
+
+        said = (f"{out} exists, but eval did not make it", "move it away")
+        return Setup(
+            ["eval", str(run), "--tasks", "fake_task"], expect=said, then=nothing_evaluated
+        )
+
+    return setup
+
+
+OWNED = [
+    ("convert --out a directory", ["convert", ".", "--out", "folder"], "is a directory"),
+    *[
+        (f"convert over {kind}", _convert_over(kind), said)
+        for kind, said in [
+            ("a file of the user's", ("already exists", "--force")),
+            ("a file of the user's, with --force", "not a file"),
+            ("a named pipe", "a named pipe"),
+            ("a symlink", "is a symlink"),
+            ("a checkpoint's file", "not a"),
+            ("a new file inside a checkpoint", "inside a checkpoint"),
+        ]
+    ],
+    (
+        "export under a file",
+        ["export", ".", "--out", "list.yaml/hf"],
+        "list.yaml is a file, not a directory; point --out at a directory",
+    ),
+    ("export over a folder", ["export", ".", "--out", "folder"], "folder already exists"),
+    (
+        "export --force over a file",
+        ["export", ".", "--out", "list.yaml", "--force"],
+        "--out list.yaml is a file, and the export is a folder",
+    ),
+    *[
+        (f"export over {kind}", _export_over(kind), said)
+        for kind, said in [
+            ("the run it reads", "is not an earlier"),
+            ("the run's checkpoints folder", "would overwrite the run it exports"),
+            ("the folder of runs", "not an"),
+            ("a folder of the user's", "has no"),
+            ("an export holding a file of the user's", "README.md"),
+            ("a symlink to an export", "is a symlink"),
+        ]
+    ],
+    *[
+        (f"eval over {kind}", _eval_over_an_export_folder(kind), ())
+        for kind in ("a folder of the user's", "an export eval did not make")
+    ],
+    ("bench --checkpoint-io on a file", _bench_io_on_a_file, "is a file"),
+    ("check OUT holding files of the user's", _check_over("files"), "report.md"),
+    ("check OUT a file", _check_over("a file"), "is a file; give a folder for the report"),
+    (
+        "prepare over files named like its shards",
+        _prepare_over_foreign_shards,
+        re.compile(r"train_mine\.bin.*move those files away"),
+    ),
+]
+
+
+# ======================================================================================== CLI flags
+def _eval_needs(*flags: str) -> Callable[[Ctx], Setup]:
+    def setup(ctx: Ctx) -> Setup:
+        run = ctx.run()
+        if not flags:
+            return Setup(["eval", str(run)])
+        needs("lm_eval")
+
+        def only_its_own_export():  # (the task is looked up after the export, into eval's folder)
+            for info in (run / "export").glob("*/scale_llm_export.json"):
+                assert json.loads(info.read_text())["made_by"] == "scale-llm eval"
+
+        watch = [run / "checkpoints"]
+        return Setup(["eval", str(run), *flags], watch=watch, then=only_its_own_export)
+
+    return setup
+
+
+FLAGS = [
+    ("memory units", ["estimate", TINY, "--fit", "80 parsecs"], "'80 parsecs' is not understood"),
+    ("impossible fit", ["estimate", TINY, "--fit", "1KiB"], "nothing fits in"),
+    (
+        "estimate on zero GPUs",
+        ["estimate", TINY, "--world-size", "0"],
+        "--world-size 0: use the number of GPUs the run will use, >= 1",
+    ),
+    (
+        "train --fit that nothing meets",
+        ["train", TINY, *s("data.dir=DATA", "model.vocab_size=512"), "--fit", "1KiB"],
+        "nothing fits in 0.00 GiB per GPU, with backend single as launched",
+    ),
+    (
+        "train --fit auto without a GPU",
+        ["train", TINY, *s("data.dir=DATA", "model.vocab_size=512"), "--fit", "auto"],
+        "give an explicit size",
+    ),
+    ("generate: negative top-k", ["generate", ".", "--top-k", "-1"], "--top-k -1: use a count"),
+    (
+        "generate: top-p above 1",
+        ["generate", ".", "--top-p", "2"],
+        "--top-p 2.0: use a probability",
+    ),
+    (
+        "generate: nan temperature",
+        ["generate", ".", "--temperature", "nan"],
+        "--temperature nan: use a number >= 0",
+    ),
+    (
+        "generate: non-UTF-8 prompt",
+        ["generate", ".", "--prompt", "a\udcff\udcfeb"],
+        "--prompt is not valid UTF-8 (bytes b'\\xff\\xfe' at position 1)",
+    ),
+    (
+        "generate: a negative seed",
+        ["generate", ".", "--seed", "-1"],
+        "--seed -1: use an integer in [0, 2**63)",
+    ),
+    (
+        "generate: a seed of 2**63",
+        ["generate", ".", "--seed", str(2**63)],
+        f"--seed {2**63}: use an integer in [0, 2**63)",
+    ),
+    (
+        "scaling in one process",
+        ["bench", TINY, "--reference", "scaling"],
+        "alone: start it with 2 or more",
+    ),
+    ("bench: no timed steps", ["bench", TINY, "--steps", "0"], "--steps 0: use a count >= 1"),
+    (
+        "bench: no rounds",
+        ["bench", TINY, "--reference", "--rounds", "0"],
+        "--rounds 0: use a count >= 1",
+    ),
+    (
+        "a sweep of an unknown backend",
+        ["bench", TINY, "--sweep", "--sweep-backend", "ddp,dpp"],
+        "--sweep-backend dpp: not a backend; use single, ddp, fsdp, zero0",
+    ),
+    (
+        "bench: a trailing comma in a sweep",
+        ["bench", TINY, "--sweep", "--sweep-micro", "1,2,"],
+        "--sweep-micro '1,2,': '' is not a micro-batch size; use a comma list of integers >= 1",
+    ),
+    (
+        "bench: a word in a sweep",
+        ["bench", TINY, "--sweep", "--sweep-micro", "x"],
+        "--sweep-micro 'x': 'x' is not a micro-batch size",
+    ),
+    (
+        "bench: a sweep of an unknown mode",
+        ["bench", TINY, "--sweep", "--sweep-ac", "none, ful"],
+        "--sweep-ac 'none, ful': 'ful' is not a checkpointing mode; use a comma list of none, "
+        "full, every_k, selective",
+    ),
+    (
+        "bench: a sweep of maybe compiled",
+        ["bench", TINY, "--sweep", "--sweep-compile", "maybe"],
+        "--sweep-compile 'maybe': 'maybe' is not true or false",
+    ),
+    *[
+        (
+            f"prepare --bench-mb {mb}",  # nan, inf: int() raised; 0, -1: "no documents"
+            ["prepare", TINY, "--bench", "--bench-mb", mb],
+            f"--bench-mb {float(mb)}: use a number of megabytes of text to encode, above 0",
+        )
+        for mb in ("nan", "inf", "0", "-1")
+    ],
+    (
+        "export: a shard size without a unit",
+        ["export", ".", "--out", "hf", "--max-shard-size", "2G"],
+        "--max-shard-size '2G': use a size above 0",
+    ),
+    (
+        "a check of an unknown section",
+        ["check", "out", "--only", "sweep,curve"],
+        "--only curve: not a section of the check; use curves, param_dtype, reference, "
+        "scaling, sweep",
+    ),
+    ("eval without --tasks", _eval_needs(), "needs --tasks"),
+    (
+        "eval of an unknown task",
+        _eval_needs("--tasks", "no_such_task_xyz", "--include-path", str(TASK_DIR)),
+        "no_such_task_xyz not found",
+    ),
+]
+
+
+# =============================================================================== launch environment
+def _environment(env: dict[str, str]) -> Callable[[Ctx], list[str]]:
+    def setup(ctx: Ctx) -> list[str]:
+        for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            ctx.monkeypatch.setenv(key, "")  # records the old state: start() sets some of these,
+            ctx.monkeypatch.delenv(key)  # and the test's end restores all of them
+        for key, value in env.items():
+            ctx.monkeypatch.setenv(key, value)
+        argv = ["train", TINY, *s(f"data.dir={ctx.data_dir}", "model.vocab_size=512")]
+        return [*argv, *s("train.max_steps=1")]
+
+    return setup
+
+
+ENVIRONMENTS = [
+    ("WORLD_SIZE", {"WORLD_SIZE": "two"}, "RANK / LOCAL_RANK / WORLD_SIZE must be integers"),
+    (
+        "MASTER_PORT",
+        {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "http"},
+        "MASTER_PORT='http' is not",
+    ),
+    (
+        "timeout",
+        {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "1", "SCALE_LLM_PG_TIMEOUT_MIN": "x"},
+        "SCALE_LLM_PG_TIMEOUT_MIN='x' is not a number of minutes",
+    ),
+    (  # torch's own ValueError before
+        "port_range",
+        {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "70000"},
+        "MASTER_PORT='70000' is not a port number (1-65535)",
+    ),
+    (  # timedelta's OverflowError before; 0 or less never waited at all
+        "timeout_inf",
+        {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "1", "SCALE_LLM_PG_TIMEOUT_MIN": "inf"},
+        "SCALE_LLM_PG_TIMEOUT_MIN='inf' is not a number of minutes above 0",
+    ),
+    (
+        "timeout_0",
+        {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "1", "SCALE_LLM_PG_TIMEOUT_MIN": "0"},
+        "SCALE_LLM_PG_TIMEOUT_MIN='0' is not a number of minutes above 0",
+    ),
+    (  # left over in a shell: the run would be a silent non-main rank (no logs, no save)
+        "RANK",
+        {"RANK": "1"},
+        "(RANK=1, LOCAL_RANK=(unset), WORLD_SIZE=(unset)): a launcher sets WORLD_SIZE >= 1, "
+        "0 <= RANK < WORLD_SIZE",
+    ),
+    (
+        "RANK_of_WORLD_SIZE",
+        {"RANK": "2", "WORLD_SIZE": "2"},
+        "unset RANK, LOCAL_RANK and WORLD_SIZE",
+    ),
+    ("LOCAL_RANK", {"LOCAL_RANK": "-1"}, "LOCAL_RANK=-1, WORLD_SIZE=(unset)"),
+]
+
+
+def _malformed_fault(ctx: Ctx) -> list[str]:
+    ctx.monkeypatch.setenv("SCALE_LLM_FAULT", "mid_save")
+    (ctx.tmp / "runs" / "tiny").mkdir(parents=True)
+    return ["train", TINY, *s(f"data.dir={ctx.data_dir}", *TRAIN_ON, "train.max_steps=1")]
+
+
+LAUNCH = [
+    *[(f"env {name}", _environment(env), said) for name, env, said in ENVIRONMENTS],
+    (
+        "a malformed SCALE_LLM_FAULT",
+        _malformed_fault,
+        ("SCALE_LLM_FAULT='mid_save' is not a fault", ONE_LINE),
+    ),
+]
+
+FAULT_SPECS = [
+    "after_step:x",
+    "mid_save",
+    "nonsense:3",
+    "after_step:0",
+    "mid_save:3:r",
+    "after_step:1:2:3",
+]
+
+CASES = [*CONFIG, *PATHS, *DATA, *CHECKPOINTS, *OWNED, *FLAGS, *LAUNCH]
+
+
+# ----------------------------------------------------------------------------- the case's folder
+def _bomb(levels: int = 9) -> str:
+    lines = ["l0: &l0 [x, x, x, x, x, x, x, x, x, x]"]
+    for i in range(1, levels):
+        lines.append(f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 10) + "]")
+    return "\n".join(lines) + "\n"  # 10^9 values once expanded: minutes to walk, GBs to repr
+
+
+# files the cases above name, written into every case's working directory (with folder/)
+FILES: dict[str, bytes] = {
+    "binary.yaml": bytes(range(256)) * 8,
+    "bomb.yaml": _bomb().encode(),
+    "deep.yaml": ("a: " + "[" * 5000 + "]" * 5000 + "\n").encode(),
+    "list.yaml": b"- model\n- train\n",
+    "scalar.yaml": b"model: 5\n",
+    "unclosed.yaml": b"model: [unclosed\n",
+    "huge.yaml": b"model:\n  d_model: " + b"x" * 500_000 + b"\n",
+    "twice.yaml": b"model:\n  d_model: 64\ntrain:\nmodel:\n  n_layers: 2\n",
+    "twice_key.yaml": b"train: {lr: 1.0e-3, max_steps: 1, lr: 2.0e-3}\n",
+    "cycle_a.yaml": b"base: cycle_b.yaml\n",
+    "cycle_b.yaml": b"base: cycle_a.yaml\n",
+    "nul.yaml": b'data:\n  dir: "d\\0x"\n',
+    "c.jsonl.gz": gzip.compress(b'{"text": "a document"}\n'),
+    "packed/c.jsonl.gz": gzip.compress(b'{"text": "a document"}\n'),
+    "unreadable/a.csv": b"x",
+    "unreadable/b.jsonl.zst": b"x",
+    "corpus/dataset_info.json": b'{\n  "features": {"text": {"dtype": "string"}}\n}\n',
+    "corpus/train.jsonl": b'{"text": "a document"}\n' * 100,
+    "blank.txt": b"",
+    "content.jsonl": b'{"content": "x"}\n',
+    "latin.txt": "café".encode("latin-1"),
+    # 1,000 distinct characters, each as frequent: one piece each, + 259 byte and special ones
+    **{f"cjk/{i}.txt": "".join(map(chr, range(0x4E00, 0x4E00 + 1000))).encode() for i in range(8)},
+}
