@@ -278,16 +278,20 @@ def logged() -> Iterator[Lines]:
 
 
 def stub_eval_tasks(monkeypatch) -> list:
-    """Replace lm-eval's task runner by one that scores every task 0.25; the list it appends
-    each export folder it was called on to."""
+    """Replace lm-eval's task lookup and runner by ones that know every task name and score it
+    0.25; the list it appends each export folder it was called on to."""
     import scale_llm.evaluate as evaluate
 
     calls: list = []
+
+    def manager(names, include_path):
+        return None
 
     def tasks(export_dir, names, *args, **kwargs):
         calls.append(export_dir)
         return {name: {"acc": 0.25} for name in names}
 
+    monkeypatch.setattr(evaluate, "task_manager", manager)
     monkeypatch.setattr(evaluate, "run_tasks", tasks)
     return calls
 
