@@ -233,15 +233,25 @@ def test_rope_tables_are_computed_once_and_survive_inference_mode_then_training(
         m(x[:, :5])
     table = m._rope_tables[torch.device("cpu")]
     assert not table.is_inference() and table.dtype == torch.float32
-    assert table.shape == (24, 4, 2)  # (seq_len, head_dim / 2, (cos, sin))
+    assert table.shape == (2, 24, 4)  # ((cos, sin), seq_len, head_dim / 2)
     m(x).float().sum().backward()  # would raise if the tables were inference tensors
     assert m._rope_tables[torch.device("cpu")] is table  # not recomputed
     assert "_rope_tables" not in str(list(m.state_dict()))
 
 
-def pairs_adjacent(x: torch.Tensor) -> torch.Tensor:
-    """x (..., D) in half-split order (x_0, x_1, ..., x_{D/2}, ...) -> (x_0, x_{D/2}, x_1, ...)."""
-    return x.unflatten(-1, (2, x.size(-1) // 2)).transpose(-1, -2).flatten(-2)
+def test_rope_is_hugging_face_llamas_rotate_half():
+    from scale_llm.model.transformer import apply_rope, rope_table
+
+    def rotate_half(x):  # transformers' modeling_llama, verbatim
+        x1 = x[..., : x.shape[-1] // 2]
+        x2 = x[..., x.shape[-1] // 2 :]
+        return torch.cat((-x2, x1), dim=-1)
+
+    torch.manual_seed(0)
+    rope = rope_table(64, 512, 10000.0)
+    x = torch.randn(2, 512, 4, 64)
+    cos, sin = (torch.cat((t, t), dim=-1)[:, None, :] for t in rope)  # HF's (T, D) tables
+    assert torch.equal(apply_rope(x, rope), x * cos + rotate_half(x) * sin)
 
 
 def test_the_cpu_rmsnorm_is_f_rms_norm_with_its_own_backward():
@@ -264,7 +274,7 @@ def test_the_cpu_rmsnorm_is_f_rms_norm_with_its_own_backward():
         saved.clear()
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
             y = n(x)
-        assert y.grad_fn.name() == "_RMSNormCPUBackward"
+        assert y.grad_fn.name() == "_RMSNormBackward"
         # what CUDA's fused kernel keeps: the input, the weight and the fp32 rstd
         assert [t.shape for t in saved] == [x.shape, (16,), (3, 5, 1)]
         assert saved[0] is x and saved[2].dtype == torch.float32
@@ -277,94 +287,16 @@ def test_the_cpu_rmsnorm_is_f_rms_norm_with_its_own_backward():
             torch.testing.assert_close(g, w, atol=tol, rtol=tol)
 
 
-def test_fp32_rope_with_pairs_adjacent_is_the_half_split_rotation():
-    from scale_llm.model import transformer as tr
+def test_only_eager_cpu_code_runs_the_written_out_rmsnorm(monkeypatch):
+    from scale_llm.model import cpu_kernels
 
-    torch.manual_seed(0)
-    rope = tr.rope_table(64, 512, 10000.0)
-    x = torch.randn(2, 512, 4, 64)
-    reference = tr.rope_half_split(x, rope)
-    rotated = tr.apply_rope(pairs_adjacent(x), rope, pairs_adjacent=True)
-    torch.testing.assert_close(rotated, pairs_adjacent(reference), atol=1e-6, rtol=1e-6)
-    assert not torch.equal(rotated, tr.apply_rope(x, rope, pairs_adjacent=True))  # order matters
-    assert torch.equal(tr.apply_rope(x, rope), reference)
-
-
-def test_only_fp32_eager_code_rotates_as_complex(monkeypatch):
-    from scale_llm.model.transformer import complex_rope
-
-    x, w = torch.randn(2, 3), torch.randn(3, 3)
-    assert complex_rope(x, w)
-    assert complex_rope(x.to("meta"), w.to("meta"))  # (the meta device has no autocast)
-    assert not complex_rope(x.bfloat16(), w) and not complex_rope(x, w.bfloat16())
-    assert not complex_rope(x.double(), w.double())
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not complex_rope(x, w)
+    x, w = torch.randn(2, 3), torch.randn(3)
+    assert cpu_kernels.enabled(x, w) and cpu_kernels.enabled(x.bfloat16(), w.bfloat16())
+    assert not cpu_kernels.enabled(x.to("meta"), w.to("meta"))  # (as on CUDA: F.rms_norm)
+    assert not cpu_kernels.enabled(x.bfloat16(), w)  # (F.rms_norm does not fuse mixed dtypes)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert not complex_rope(x, w)
-
-
-@pytest.mark.parametrize("n_kv_heads", [None, 2])
-def test_the_qkv_projection_with_pairs_adjacent_reorders_only_q_and_k(n_kv_heads):
-    from scale_llm.model.transformer import QKVProjection, pairs_adjacent_rows
-
-    torch.manual_seed(0)
-    heads, kv, D = 4, n_kv_heads or 4, 8
-    proj = QKVProjection(16, heads, kv, D)
-    x = torch.randn(3, 5, 16, requires_grad=True)
-    grad = torch.randn(3, 5, (heads + 2 * kv) * D)
-    plain = proj(x)
-    qk, v = plain.split([(heads + kv) * D, kv * D], dim=-1)
-    expected = torch.cat((pairs_adjacent(qk.unflatten(-1, (-1, D))).flatten(-2), v), dim=-1)
-    (grad_x, grad_w) = torch.autograd.grad(plain, (x, proj.weight), grad)
-    reordered = proj(x, pairs_adjacent=True)
-    torch.testing.assert_close(reordered, expected, atol=0, rtol=0)
-    # the same gradient as the plain projection given the gradient in the matching order
-    order = pairs_adjacent_rows(proj.weight, heads + kv, D)
-    grad_x2, grad_w2 = torch.autograd.grad(reordered, (x, proj.weight), grad[..., order])
-    torch.testing.assert_close(grad_x2, grad_x, atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(grad_w2, grad_w, atol=0, rtol=0)
-
-
-@pytest.mark.parametrize("n_kv_heads", [None, 2])
-def test_fp32_model_with_complex_rope_equals_the_half_split_one(n_kv_heads, monkeypatch):
-    from scale_llm.model import transformer as tr
-
-    torch.manual_seed(0)
-    m = build_model(small(n_kv_heads=n_kv_heads), "cpu")
-    x = torch.randint(0, 97, (3, 24))
-
-    def loss_and_grads():
-        logits = m(x)
-        loss = cross_entropy(logits, x.roll(-1, 1))
-        grads = torch.autograd.grad(loss, list(m.parameters()))
-        return logits, loss, grads
-
-    calls = []
-    real = tr.rope_pairs_adjacent
-    monkeypatch.setattr(tr, "rope_pairs_adjacent", lambda *a: calls.append(1) or real(*a))
-    logits, loss, grads = loss_and_grads()
-    assert len(calls) == 2 * m.cfg.n_layers  # q and k of every layer took the complex path
-    monkeypatch.setattr(tr, "complex_rope", lambda x, weight: False)  # the real, half-split path
-    logits_ref, loss_ref, grads_ref = loss_and_grads()
-    assert len(calls) == 2 * m.cfg.n_layers
-    torch.testing.assert_close(logits, logits_ref, atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(loss, loss_ref, atol=1e-6, rtol=1e-6)
-    for (name, _), g, g_ref in zip(m.named_parameters(), grads, grads_ref):
-        torch.testing.assert_close(g, g_ref, atol=1e-6, rtol=1e-5, msg=name)
-
-
-def test_fp32_generation_with_the_cache_gives_the_half_split_tokens(monkeypatch):
-    from scale_llm.model import transformer as tr
-
-    torch.manual_seed(1)
-    m = build_model(small(d_model=64, n_layers=3), "cpu")
-    prompt = torch.randint(0, 97, (5,)).tolist()
-    # past seq_len: the full cache restarts from the newest half (prefill after decode)
-    tokens = generate(m, prompt, 40, temperature=0.0)
-    monkeypatch.setattr(tr, "complex_rope", lambda x, weight: False)
-    assert tokens == generate(m, prompt, 40, temperature=0.0)
-    assert tokens == generate(m, prompt, 40, temperature=0.0, use_cache=False)
+    assert not cpu_kernels.enabled(x, w)
+    assert cpu_kernels.rms_norm(x.requires_grad_(), w, 1e-5).grad_fn.name() != "_RMSNormBackward"
 
 
 def test_rope_runs_in_the_compute_dtype_close_to_fp32_math():

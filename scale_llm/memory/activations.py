@@ -23,9 +23,9 @@ class Numerics:
     autocast: matmul inputs and weights are cast per op (and the casts saved for backward)
     fused_norm: RMSNorm saves its input, the weight and the fp32 rstd: CUDA's kernel
                 (`aten::_fused_rms_norm`, autograd node FusedRmsNormBackward0) and, on the CPU,
-                the model's own backward (`transformer._RMSNormCPU`); else (other devices) as
-                torch's composite: an fp32 copy of the input and of the normalized input, and
-                the rstd
+                the model's written-out backward (`model/cpu_kernels.py`); else (other devices)
+                as torch's composite: an fp32 copy of the input and of the normalized input,
+                and the rstd
     """
 
     compute: int
@@ -44,12 +44,12 @@ def numerics_for(precision: str, backend: str, fused_norm: bool = False) -> Nume
 
 def norm_saved_bytes(tokens: int, d: int, num: Numerics) -> int:
     """What one RMSNorm over `tokens` x `d` saves for backward: its input and the fp32 rstd
-    (CUDA's fused kernel, the CPU's `_RMSNormCPU`), or an fp32 copy of its input (the input
-    itself when it is fp32), the fp32 normalized input and the rstd (torch's composite, which
-    autograd differentiates where no backward kernel exists: measured on the CPU to 0.3%
-    before the CPU had its own). From torch 2.13's source: `rms_norm` calls `_fused_rms_norm`
-    wherever input and weight share a dtype (not on MPS), which has a CUDA kernel each way and
-    on other devices a forward that decomposes and no backward."""
+    (CUDA's fused kernel, the CPU's `cpu_kernels.rms_norm`), or an fp32 copy of its input (the
+    input itself when it is fp32), the fp32 normalized input and the rstd (torch's composite,
+    which autograd differentiates where no backward kernel exists: measured on the CPU to 0.3%
+    with the CPU kernel switched off). From torch 2.13's source: `rms_norm` calls
+    `_fused_rms_norm` wherever input and weight share a dtype (not on MPS), which has a CUDA
+    kernel each way and on other devices a forward that decomposes and no backward."""
     if num.fused_norm:
         return num.residual * tokens * d + 4 * tokens
     return 8 * tokens * d + 4 * tokens
@@ -304,7 +304,7 @@ def measure_activations(cfg: Config, plan: RunPlan) -> tuple[int, int]:
     from scale_llm.model import build_model
     from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
 
-    num = numerics_for(plan.precision, plan.backend)
+    num = numerics_for(plan.precision, plan.backend, fused_norm=True)  # the CPU's RMSNorm
     torch.manual_seed(cfg.run.seed)
     model = build_model(cfg.model, "cpu")
     if num.compute == 2 and not num.autocast:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from scale_llm.config import ModelConfig
+from scale_llm.model import cpu_kernels
 from scale_llm.model.kv_cache import KVCache
 
 WIDTH_MULTIPLE = 128  # tensor-core friendly widths: the MLP default; vocab sizes are checked
@@ -29,9 +30,8 @@ def mlp_hidden_size(cfg: ModelConfig) -> int:
 
 
 def rope_table(head_dim: int, seq_len: int, theta: float, device=None) -> torch.Tensor:
-    """(seq_len, head_dim // 2, 2) fp32: the cos and sin of each position's angles, side by side
-    (the layout of a complex64 tensor, so the eager fp32 path can read it as e^(i angle) without a
-    copy); fp32 even under autocast."""
+    """(2, seq_len, head_dim // 2) fp32: the cos and the sin of each position's angles; fp32
+    even under autocast."""
     device = torch.device(device or "cpu")
     no_autocast = (
         torch.autocast(device.type, enabled=False)
@@ -42,49 +42,18 @@ def rope_table(head_dim: int, seq_len: int, theta: float, device=None) -> torch.
         exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
         inv_freq = 1.0 / (theta**exponents)
         angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
-        return torch.stack((angles.cos(), angles.sin()), dim=-1)
+        return torch.stack((angles.cos(), angles.sin()))
 
 
-def apply_rope(x: torch.Tensor, rope: torch.Tensor, pairs_adjacent: bool = False) -> torch.Tensor:
-    """Rotate pairs of q or k (B, T, H, D) by the angles in rope.
-
-    The pairs are (x[..., i], x[..., i + D/2]) in the half-split order of Hugging Face's Llama,
-    or, with pairs_adjacent, (x[..., 2i], x[..., 2i + 1]): the order `QKVProjection` gives eager
-    fp32 q and k in, rotated as one complex multiply of a view (no copy) and left in that order.
-    Both orders give the same q·k, the only thing attention reads of them; v is not rotated.
-    """
-    if pairs_adjacent:
-        return rope_pairs_adjacent(x, rope)
-    return rope_half_split(x, rope)
-
-
-def complex_rope(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether attention rotates q and k as complex numbers: fp32 eager code (complex tensors
-    have no bf16, and inductor falls back on complex ops)."""
-    if x.dtype != torch.float32 or weight.dtype != torch.float32:
-        return False
-    if torch.compiler.is_compiling():
-        return False
-    return x.device.type == "meta" or not torch.is_autocast_enabled(x.device.type)
-
-
-def rope_pairs_adjacent(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """fp32 RoPE of x whose pairs are adjacent: (x_2i + i x_2i+1) e^(i angle), in place of the
-    pairs in the output. The same products and sums as `rope_half_split` (equal to fp32
-    rounding) in one kernel each way, reading x as complex64 without a copy."""
-    rotation = torch.view_as_complex(rope)[:, None, :]  # (T, 1, D/2): broadcast over heads
-    pairs = torch.view_as_complex(x.unflatten(-1, (x.size(-1) // 2, 2)))
-    return torch.view_as_real(pairs * rotation).flatten(-2)
-
-
-def rope_half_split(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """RoPE in the half-split order of Hugging Face's Llama, in x's dtype (the compute dtype:
-    bf16 under autocast) with the fp32 tables rounded to it: no fp32 copy of q and k. Measured
-    against a float64 reference at T=2048, D=64 (docs/performance.md): rms relative error
-    2.7e-3 in bf16, against 1.7e-3 for fp32 math rounded to bf16 once.
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate each pair (x[..., i], x[..., i + D/2]) of q or k (B, T, H, D) by its angle: the
+    half-split layout of Hugging Face's Llama (`rotate_half`), so its q_proj and k_proj rows are
+    ours unpermuted. In x's dtype (the compute dtype: bf16 under autocast) with the fp32 table
+    rounded to it: no fp32 copy of q and k. Measured against a float64 reference at T=2048,
+    D=64: rms relative error 2.7e-3 in bf16, against 1.7e-3 for fp32 math rounded to bf16 once.
     """
     x1, x2 = x.chunk(2, dim=-1)
-    cos, sin = (t.to(x.dtype)[:, None, :] for t in rope.unbind(-1))  # broadcast over heads
+    cos, sin = (t.to(x.dtype)[:, None, :] for t in rope)  # (T, 1, D/2): broadcast over heads
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 
@@ -95,100 +64,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        decomposed = x.device.type == "cpu" and x.dtype == self.weight.dtype  # (no CPU backward)
-        if decomposed and not torch.compiler.is_compiling():
-            return _RMSNormCPU.apply(x, self.weight, self.eps)
-        return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
+        return cpu_kernels.rms_norm(x, self.weight, self.eps)  # F.rms_norm (eager CPU: see there)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
-
-
-class _RMSNormCPU(torch.autograd.Function):
-    """F.rms_norm with a backward written out, for eager CPU code.
-
-    The forward is F.rms_norm's own (`aten::_fused_rms_norm`, bit for bit). Its backward has a
-    kernel on CUDA only; on the CPU autograd runs through the decomposition (pow, mean, rsqrt,
-    4 products each way) and keeps an fp32 normalized copy of the input. This keeps what CUDA's
-    kernel keeps (the input, the weight and the fp32 rstd) and computes, with r = rstd,
-
-        grad_x = r (g w) - x r^3 <g w, x> / D        grad_w = sum over rows of r (g x)
-
-    in fp32, 7 passes over the activation.
-    Measured at tiny.yaml's shape, 1 thread (docs/benchmarks.md, session 20): forward and
-    backward 2.79 ms against the decomposition's 4.61.
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        y, rstd = torch.ops.aten._fused_rms_norm(x, [x.size(-1)], weight, eps)
-        ctx.save_for_backward(x, weight, rstd)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        x, weight, rstd = ctx.saved_tensors
-        dtype, D = x.dtype, x.size(-1)
-        acc = torch.promote_types(dtype, torch.float32)  # 16-bit inputs: fp32 math
-        x, grad, w = x.to(acc), grad.to(acc), weight.to(acc)
-        gw = grad * w
-        coeff = torch.linalg.vecdot(gw, x).unsqueeze(-1).mul_(rstd.pow(3)).div_(D)
-        grad_x = (gw * rstd).addcmul_(x, coeff, value=-1)
-        grad_w = None
-        if ctx.needs_input_grad[1]:
-            grad_w = (grad * x).mul_(rstd).flatten(0, -2).sum(0).to(weight.dtype)
-        return grad_x.to(dtype), grad_w, None
-
-
-class QKVProjection(nn.Linear):
-    """The fused q, k, v projection (wqkv), its weight rows q, k, v in half-split head order.
-
-    `forward(x, pairs_adjacent=True)` gives q and k with each head's rotary pairs (i, i + D/2)
-    side by side, from the weight's rows in that order (`_LinearRowsReordered`), so that fp32
-    RoPE reads them as complex numbers without a copy. The parameter and checkpoints keep the
-    half-split order. Measured at tiny.yaml's shape, 1 thread (docs/benchmarks.md, session 20):
-    the projection and both rotations forward and backward 38.7 ms against 45.8 ms when the
-    halves were interleaved into a complex copy.
-    """
-
-    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int):
-        super().__init__(d_model, (n_heads + 2 * n_kv_heads) * head_dim, bias=False)
-        self.rotated_heads, self.head_dim = n_heads + n_kv_heads, head_dim  # q's and k's
-
-    def forward(self, x: torch.Tensor, pairs_adjacent: bool = False) -> torch.Tensor:
-        if not pairs_adjacent:
-            return F.linear(x, self.weight)
-        return _LinearRowsReordered.apply(x, self.weight, self.rotated_heads, self.head_dim)
-
-
-def pairs_adjacent_rows(weight: torch.Tensor, rotated_heads: int, head_dim: int) -> torch.Tensor:
-    """Row r of the reordered weight is row order[r] of the weight: in each of the first
-    rotated_heads heads (q's and k's), rows (0, D/2, 1, D/2 + 1, ...); the rest (v's) as they
-    are."""
-    n, D = rotated_heads, head_dim
-    rows = torch.arange(weight.size(0), device=weight.device)
-    rotated = rows[: n * D].view(n, 2, D // 2).transpose(1, 2).flatten()
-    return torch.cat((rotated, rows[n * D :]))
-
-
-class _LinearRowsReordered(torch.autograd.Function):
-    """F.linear(x, weight[order]) keeping only x and the weight for backward (as F.linear
-    does): the reordered copy and the order are made again in backward (a weight-sized gather)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, heads: int, D: int) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.heads, ctx.D = heads, D
-        return F.linear(x, weight.index_select(0, pairs_adjacent_rows(weight, heads, D)))
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        x, weight = ctx.saved_tensors
-        order = pairs_adjacent_rows(weight, ctx.heads, ctx.D)
-        grad_x = grad @ weight.index_select(0, order)
-        grad_reordered = grad.flatten(0, -2).t() @ x.flatten(0, -2)
-        grad_weight = torch.empty_like(weight).index_copy_(0, order, grad_reordered)
-        return grad_x, grad_weight, None, None
 
 
 class Attention(nn.Module):
@@ -199,7 +78,8 @@ class Attention(nn.Module):
         self.n_kv_heads = cfg.n_kv_heads or cfg.n_heads
         self.head_dim = cfg.d_model // cfg.n_heads
         self.eager = cfg.attention == "eager"
-        self.wqkv = QKVProjection(cfg.d_model, self.n_heads, self.n_kv_heads, self.head_dim)
+        qkv_width = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
+        self.wqkv = nn.Linear(cfg.d_model, qkv_width, bias=False)  # rows: q, k, v stacked
         self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=False)
 
     def forward(
@@ -211,10 +91,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        adjacent = complex_rope(x, self.wqkv.weight)  # q and k's pairs made adjacent by wqkv
-        q, k, v = self.wqkv(x, adjacent).split([H * D, Hkv * D, Hkv * D], dim=-1)
-        q = apply_rope(q.view(B, T, H, D), rope, adjacent)  # (q and k: the same head-dim order)
-        k = apply_rope(k.view(B, T, Hkv, D), rope, adjacent)
+        q, k, v = self.wqkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q, k = apply_rope(q.view(B, T, H, D), rope), apply_rope(k.view(B, T, Hkv, D), rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, T, Hkv, D).transpose(1, 2)
         if cache is not None:  # k, v become (B, Hkv, start_pos + T, D): every position so far
             k, v = cache.update(self.layer_id, k, v, start_pos)
@@ -313,7 +191,7 @@ class Transformer(nn.Module):
         return F.linear(h, weight)
 
     def rope(self, start_pos: int, length: int, device: torch.device) -> torch.Tensor:
-        """A view of the rotary table (length, head_dim // 2, 2) for positions start_pos.. .
+        """A view of the rotary table (2, length, head_dim // 2) for positions start_pos.. .
 
         The fp32 table for all seq_len positions is computed once per device and kept in a
         plain attribute, not a buffer: it stays fp32 when a backend casts the module to bf16,
@@ -326,7 +204,7 @@ class Transformer(nn.Module):
             with torch.inference_mode(False), torch.no_grad():
                 table = rope_table(cfg.d_model // cfg.n_heads, cfg.seq_len, cfg.rope_theta, device)
             self._rope_tables[device] = table
-        return table[start_pos : start_pos + length]
+        return table[:, start_pos : start_pos + length]
 
     @torch.no_grad()
     def init_weights(self) -> None:
