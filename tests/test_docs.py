@@ -1,0 +1,134 @@
+"""The repository speaks of the project, not of how it was made, and its documents' links resolve.
+
+Every file of the checkout (what git tracks, and new files it does not ignore) is searched for
+references to the development process: "session 12", "sessions 22-25", "this session", "the
+session's ...". Where a date, a commit or a version says when something held, write that. The
+word in pytest's sense (a test session, `scope="session"`, `pytest_sessionfinish`) and the OS's
+(processes in sessions of their own) is not such a reference.
+
+Every relative link in README.md, docs/*.md and benchmarks/*.md must name a file or folder that
+exists, and its `#anchor` a heading of that file (GitHub's slugs).
+"""
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+THIS = Path(__file__).resolve().relative_to(REPO).as_posix()
+
+PROCESS = re.compile(
+    r"\bsessions? \d+"  # session 12, sessions 22-25
+    r"|\b(?:this|that|the|an earlier|a later|earlier|later|previous|next) sessions?\b"
+    r"|(?<!test )\bsession's\b",  # a test session's fixtures are pytest's
+    re.IGNORECASE,
+)
+FENCE = re.compile(r"^\s*(```|~~~)")
+LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
+
+
+def checkout_files() -> list[str]:
+    try:
+        out = subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=REPO,
+            capture_output=True,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    return sorted({p for p in out.decode().split("\0") if p and (REPO / p).is_file()})
+
+
+def process_references(path: str) -> list[str]:
+    data = (REPO / path).read_bytes()
+    if b"\0" in data:  # binary
+        return []
+    text = data.decode("utf-8", errors="replace")
+    return [
+        f"{path}:{n}: {line.strip()[:120]}"
+        for n, line in enumerate(text.splitlines(), 1)
+        if PROCESS.search(line)
+    ]
+
+
+def test_no_file_speaks_of_how_it_was_made():
+    found = [hit for p in checkout_files() if p != THIS for hit in process_references(p)]
+    assert not found, (
+        "these lines speak of the development process; say what the project is (a date, a "
+        "commit, a version) or drop it:\n" + "\n".join(found)
+    )
+
+
+def prose_lines(text: str) -> list[str]:
+    """The lines of a markdown text outside fenced code blocks."""
+    lines, fenced = [], False
+    for line in text.splitlines():
+        if FENCE.match(line):
+            fenced = not fenced
+        elif not fenced:
+            lines.append(line)
+    return lines
+
+
+def slugs(md: Path) -> set[str]:
+    """The anchors GitHub gives the headings of a markdown file."""
+    seen: dict[str, int] = {}
+    for line in prose_lines(md.read_text()):
+        m = HEADING.match(line)
+        if not m:
+            continue
+        title = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", m.group(2))  # a link's text only
+        slug = re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        if n:
+            seen[f"{slug}-{n}"] = 1
+    return set(seen)
+
+
+def broken_links(md: Path) -> list[str]:
+    where = md.relative_to(REPO).as_posix()
+    broken = []
+    for line in prose_lines(md.read_text()):
+        line = re.sub(r"`[^`]*`", "code", line)  # inline code is not a link
+        for target in LINK.findall(line):
+            if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:|^//", target):
+                continue  # http:, https:, mailto: ...
+            path, _, anchor = target.partition("#")
+            dest = (md.parent / path).resolve() if path else md
+            if not dest.exists():
+                broken.append(f"{where}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in slugs(dest):
+                broken.append(f"{where}: {target} (no heading #{anchor})")
+    return broken
+
+
+def test_every_relative_link_in_the_docs_resolves():
+    docs = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    docs += sorted((REPO / "benchmarks").glob("*.md"))
+    broken = [b for md in docs for b in broken_links(md)]
+    assert not broken, "links to nothing:\n" + "\n".join(broken)
+
+
+def test_the_link_check_sees_anchors_and_missing_files(tmp_path, monkeypatch):
+    monkeypatch.setattr(f"{__name__}.REPO", tmp_path)
+    (tmp_path / "a.md").write_text(
+        "# Host memory of `offload` (ZeRO-2)\n\n## Reports\n## Reports\n"
+    )
+    md = tmp_path / "b.md"
+    md.write_text(
+        "[ok](a.md#host-memory-of-offload-zero-2) [ok](a.md#reports-1) [web](https://x.org/a)\n"
+        "[gone](c.md) [no heading](a.md#nothing) `[code](c.md)`\n"
+        "```\n[fenced](c.md)\n```\n"
+    )
+    assert broken_links(md) == [
+        "b.md: c.md (no such file)",
+        "b.md: a.md#nothing (no heading #nothing)",
+    ]
+    assert PROCESS.search("measured in session 20") and PROCESS.search("the session's fix")
+    assert not PROCESS.search('@pytest.fixture(scope="session")')
+    assert not PROCESS.search("the test session's prepared data; sessions of their own")
