@@ -42,7 +42,9 @@ def setup_logging(rank: int | None = None) -> None:
     prefix = f"[rank {rank}] " if world > 1 else ""
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(_Formatter(prefix))
+    handler.scale_llm_console = True  # the one handler this replaces on a second call
     root = logging.getLogger("scale_llm")
-    root.handlers[:] = [handler]
+    kept = [h for h in root.handlers if not getattr(h, "scale_llm_console", False)]
+    root.handlers[:] = [*kept, handler]  # a caller's own handlers stay attached
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     root.propagate = False

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
 import sys
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ import torch
 from scale_llm.config import load_config
 from scale_llm.data.prepare import prepare
 from scale_llm.log import setup_logging
-from tests.helpers import TINY_MODEL, env
+from tests.helpers import TINY_MODEL, Lines, env, logged
 
 setup_logging(0)
 
@@ -41,8 +43,13 @@ _prebuild: subprocess.Popen | None = None
 
 def pytest_collection_finish(session):
     global _prebuild
+    if session.config.option.collectonly:  # listing tests builds nothing and waits on nothing
+        return
     wanted = ("zero", "deepspeed", "every_backend")
     if any(w in item.nodeid for item in session.items for w in wanted):
+        for lock in stale_extension_locks():
+            lock.unlink(missing_ok=True)
+            print(f"\nconftest: removed {lock}: a build killed earlier left it", file=sys.stderr)
         _prebuild = subprocess.Popen(
             [sys.executable, "-c", _DEEPSPEED_OPS],
             env=env(),
@@ -50,6 +57,36 @@ def pytest_collection_finish(session):
             stderr=subprocess.DEVNULL,
             preexec_fn=lambda: os.nice(19),
         )
+
+
+def stale_extension_locks(root: Path | None = None) -> list[Path]:
+    """torch's op-build lock files (`<root>/<python>_<device>/<op>/lock`) that no process holds.
+
+    A build creates its lock and keeps it open until it removes it; a build that was killed
+    leaves it behind, and every later process that needs the op waits on it forever. On Linux
+    the holders are visible in /proc; where they are not all visible (another user's processes,
+    another OS) nothing is called stale."""
+    if root is None:
+        from torch.utils.cpp_extension import get_default_build_root
+
+        root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    locks = sorted(root.glob("*/*/lock")) + sorted(root.glob("*/lock"))
+    if not locks or not Path("/proc/self/fd").is_dir():
+        return []
+    held = set()
+    for fds in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            names = os.listdir(fds)
+        except PermissionError:  # another user's process: it might hold one, so say nothing
+            return []
+        except OSError:  # gone meanwhile
+            continue
+        for name in names:
+            try:
+                held.add(os.readlink(fds / name))
+            except OSError:
+                continue
+    return [lock for lock in locks if str(lock.resolve()) not in held]
 
 
 def pytest_sessionfinish(session):
@@ -64,6 +101,20 @@ def pytest_sessionfinish(session):
             "may have left a lock file under ~/.cache/torch_extensions (delete it)",
             file=sys.stderr,
         )
+
+
+@pytest.fixture
+def logs() -> Iterator[Lines]:
+    """The scale_llm logger's records during the test, INFO and above (`tests.helpers.logged`:
+    a handler of its own, not pytest's `caplog`, whose reach differs between pytest versions)."""
+    logger = logging.getLogger("scale_llm")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        with logged() as lines:
+            yield lines
+    finally:
+        logger.setLevel(level)
 
 
 @pytest.fixture(scope="session")

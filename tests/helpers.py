@@ -255,6 +255,12 @@ def rewrite_state(ckpt: Path, **changes) -> None:
 
 
 class Lines(list):
+    """The messages of the records logged, in order (a list of str), with the records."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list = []
+
     @property
     def text(self) -> str:
         return "\n".join(self)
@@ -262,13 +268,19 @@ class Lines(list):
 
 @contextlib.contextmanager
 def logged() -> Iterator[Lines]:
-    """The scale_llm logger's messages during the block (a handler of its own: the CLI resets
-    that logger's handlers, and it does not propagate to pytest's)."""
+    """The scale_llm logger's messages during the block, from a handler of its own on that logger
+    (which does not propagate): the same under every pytest version, where `caplog` sees a
+    non-propagating logger in some and not in others. The CLI's `setup_logging` keeps it."""
     import logging
 
     lines = Lines()
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: lines.append(record.getMessage())
+    handler = logging.Handler(logging.DEBUG)
+
+    def emit(record: logging.LogRecord) -> None:
+        lines.records.append(record)
+        lines.append(record.getMessage())
+
+    handler.emit = emit
     logger = logging.getLogger("scale_llm")
     logger.addHandler(handler)
     try:

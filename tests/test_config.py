@@ -214,14 +214,13 @@ def test_base_includes_merge_and_cycles_are_refused(tmp_path):
     assert "leads back to itself" in errors_of(tmp_path / "c.yaml")
 
 
-def test_moved_keys_are_read_with_one_deprecation_line(caplog, tmp_path):
-    with caplog.at_level("WARNING", logger="scale_llm"):
-        cfg = load_config(
-            None,
-            ["model.activation_checkpointing=every_k", "model.activation_checkpointing_k=3"],
-        )
+def test_moved_keys_are_read_with_one_deprecation_line(logs, tmp_path):
+    cfg = load_config(
+        None,
+        ["model.activation_checkpointing=every_k", "model.activation_checkpointing_k=3"],
+    )
     assert cfg.activation_checkpointing.mode == "every_k" and cfg.activation_checkpointing.k == 3
-    notes = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+    notes = [r.getMessage() for r in logs.records if "deprecated" in r.getMessage()]
     assert len(notes) == 2
     assert (
         "model.activation_checkpointing is deprecated; use activation_checkpointing.mode"

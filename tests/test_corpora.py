@@ -39,14 +39,13 @@ def old_fingerprint(spec, files, text_field="text"):
     return h.hexdigest()
 
 
-def warnings(caplog):
-    return " ".join(r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING)
+def warnings(logs) -> str:
+    return " ".join(r.getMessage() for r in logs.records if r.levelno >= logging.WARNING)
 
 
 @pytest.fixture
-def warned(caplog):
-    with caplog.at_level(logging.WARNING, logger="scale_llm"):
-        yield caplog
+def warned(logs):
+    return logs
 
 
 # ----------------------------------------------------------------------------- symlinks

@@ -11,6 +11,7 @@ exists, and its `#anchor` a heading of that file (GitHub's slugs).
 """
 
 import re
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -132,3 +133,103 @@ def test_the_link_check_sees_anchors_and_missing_files(tmp_path, monkeypatch):
     assert PROCESS.search("measured in session 20") and PROCESS.search("the session's fix")
     assert not PROCESS.search('@pytest.fixture(scope="session")')
     assert not PROCESS.search("the test session's prepared data; sessions of their own")
+
+
+# ----------------------------------------------------------------------------- commands
+
+PLACEHOLDERS = {"CONFIG": "yaml/tiny.yaml", "DIR": "runs-doc-check", "RUN": "runs/tiny"}
+CHEAP = ("config", "estimate")  # pure arithmetic on a config: every such line is run
+
+
+def fenced_lines(text: str) -> list[tuple[int, str]]:
+    """(line number, line) inside fenced code blocks, continuation lines (`\\`) joined."""
+    out, fenced, pending = [], False, None
+    for n, line in enumerate(text.splitlines(), 1):
+        if FENCE.match(line):
+            fenced = not fenced
+            continue
+        if not fenced:
+            continue
+        if pending is not None:
+            pending = (pending[0], pending[1] + " " + line.strip())
+        else:
+            pending = (n, line.strip())
+        if pending[1].endswith("\\"):
+            pending = (pending[0], pending[1][:-1].rstrip())
+            continue
+        out.append(pending)
+        pending = None
+    return out
+
+
+def doc_commands() -> list[tuple[str, list[str]]]:
+    """("file:line", argv after `scale-llm`) for every `scale-llm ...` command of a fenced
+    block in README.md and docs/ (`a && b`: both): comments and pipes dropped, `[a|b]` read as
+    a and `[--flag]` as --flag, CONFIG, DIR and RUN given values; commands with other
+    upper-case placeholders (PATH, N) or `...` left out."""
+    found = []
+    for md in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        where = md.relative_to(REPO).as_posix()
+        for n, line in fenced_lines(md.read_text()):
+            line = line.removeprefix("$ ")
+            if not line.startswith("scale-llm "):
+                continue
+            line = re.sub(r"\[([\w.-]+)(\|[\w.-]+)+\]", r"\1", line)  # [bare|gpt2]: bare
+            line = re.sub(r"\[([^\]]*)\]", r"\1", line)  # [--force]: the optional part too
+            for part in line.split(" | ")[0].split(" && "):
+                words = shlex.split(part, comments=True)
+                if words[:1] != ["scale-llm"] or any("..." in w for w in words):
+                    continue
+                words = [PLACEHOLDERS.get(w, w) for w in words[1:]]
+                if not any(re.fullmatch(r"(.*=)?[A-Z][A-Z_]+", w) for w in words):
+                    found.append((f"{where}:{n}", words))
+    return found
+
+
+def test_every_command_in_the_docs_is_one_the_cli_takes(capsys):
+    """Each documented `scale-llm` line parses: its command and every flag exist."""
+    from scale_llm.cli import parse_args
+
+    commands = doc_commands()
+    assert len(commands) >= 40 and {c[1][0] for c in commands} >= {"train", "estimate", "bench"}
+    refused = []
+    for where, argv in commands:
+        try:
+            parse_args(argv)
+        except SystemExit:
+            refused.append(f"{where}: scale-llm {shlex.join(argv)}\n  {capsys.readouterr().err}")
+    assert not refused, "documented commands the CLI refuses:\n" + "\n".join(refused)
+
+
+def test_the_cheap_commands_in_the_docs_run_as_written(monkeypatch, capsys):
+    """`config` and `estimate` lines (arithmetic on a config, no run, no --measure) run from the
+    repository root and exit 0."""
+    from scale_llm.cli import main
+
+    monkeypatch.chdir(REPO)
+    cheap = [
+        (where, argv)
+        for where, argv in doc_commands()
+        if argv[0] in CHEAP and "--measure" not in argv and "--fake" not in argv
+    ]
+    assert len(cheap) >= 10
+    failed = []
+    for where, argv in cheap:
+        code = main(argv)
+        out = capsys.readouterr()
+        if code != 0:
+            failed.append(f"{where}: scale-llm {shlex.join(argv)} -> {code}\n{out.err[-500:]}")
+    assert not failed, "documented commands that fail:\n" + "\n".join(failed)
+
+
+def test_the_command_reader_joins_lines_and_drops_comments_and_placeholders():
+    text = (
+        "```bash\n"
+        "scale-llm estimate yaml/400m.yaml --world-size 2 \\\n  --set a=1   # note\n"
+        "$ scale-llm bench CONFIG --reference [bare|gpt2] | tail -2\n"
+        "scale-llm export RUN --out PATH\n"
+        "```\nscale-llm not fenced\n"
+    )
+    lines = fenced_lines(text)
+    assert lines[0] == (2, "scale-llm estimate yaml/400m.yaml --world-size 2 --set a=1   # note")
+    assert [n for n, _ in lines] == [2, 4, 5]

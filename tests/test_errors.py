@@ -10,7 +10,6 @@ other tests are the cases of another shape. docs/reliability.md ("Bad input") li
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import shutil
@@ -337,7 +336,7 @@ def test_a_folder_that_is_not_a_run_dir_is_never_written_into(data_dir, tmp_path
     assert trainer(data_dir, tmp_path, "train.max_steps=2").fit().steps == 2  # a run's: resumes
 
 
-def test_a_live_run_dir_is_refused_and_a_stale_lock_is_taken_over(data_dir, tmp_path, caplog):
+def test_a_live_run_dir_is_refused_and_a_stale_lock_is_taken_over(data_dir, tmp_path, logs):
     import socket
 
     run_dir = tmp_path / "runs" / "test"
@@ -352,9 +351,8 @@ def test_a_live_run_dir_is_refused_and_a_stale_lock_is_taken_over(data_dir, tmp_
     finally:
         sleeper.kill()
         sleeper.wait()
-    with caplog.at_level(logging.WARNING, logger="scale_llm"):
-        result = trainer(data_dir, tmp_path, "train.max_steps=1").fit()  # the owner is dead
-    assert "which has exited; taking it over" in caplog.text
+    result = trainer(data_dir, tmp_path, "train.max_steps=1").fit()  # the owner is dead
+    assert "which has exited; taking it over" in logs.text
     assert result.steps == 1 and not (run_dir / ".lock").exists()  # released at the end
 
 
@@ -604,16 +602,15 @@ def test_a_hf_folder_with_a_lone_surrogate_names_the_problem_and_the_way_to_find
     assert f"data.source={tmp_path / 'ds'}/**/*.jsonl" in message  # names file and line
 
 
-def test_skipped_files_that_are_not_utf8_are_counted(tmp_path, caplog):
+def test_skipped_files_that_are_not_utf8_are_counted(tmp_path, logs):
     """The builtin corpus skips its few Latin-1 files; it now says which."""
     from scale_llm.data.sources import Source
 
     good = write_file(tmp_path / "good.py", "x = 1\n")
     bad = write_file(tmp_path / "bad.py", data=b"s = '\xe9'\n")
     src = Source("builtin:test", [bad, good], skip_undecodable=True, root=tmp_path)
-    with caplog.at_level(logging.INFO, logger="scale_llm"):
-        assert [d.doc_id for d in src.documents()] == ["good.py"]
-    assert "skipped 1 file that is not UTF-8 (bad.py)" in caplog.text
+    assert [d.doc_id for d in src.documents()] == ["good.py"]
+    assert "skipped 1 file that is not UTF-8 (bad.py)" in logs.text
 
 
 # ======================================================================== checkpoints and artifacts

@@ -10,6 +10,7 @@ import pytest
 from scale_llm.config import load_config, with_changes
 from scale_llm.errors import UserError
 from scale_llm.memory.fake import format_trace, trace_step
+from tests.helpers import REPO
 
 
 def assert_parts(r: dict, rel: float) -> None:
@@ -24,7 +25,7 @@ def assert_parts(r: dict, rel: float) -> None:
 
 
 def test_125m_traced_on_fake_tensors_has_the_estimated_parts():
-    r = trace_step(load_config("yaml/125m.yaml"), world_size=1)
+    r = trace_step(load_config(REPO / "yaml" / "125m.yaml"), world_size=1)
     got, est = r["measured"], r["estimated"]
     assert (r["backend"], r["precision"], r["micro_batch_size"]) == ("single", "bf16", 32)
     # the peak is the loss's backward: fp32 params and AdamW's moments, every saved activation
@@ -40,7 +41,7 @@ def test_125m_traced_on_fake_tensors_has_the_estimated_parts():
 
 
 def test_fsdp2_at_8_fake_ranks_holds_an_eighth_of_the_states():
-    cfg = with_changes(load_config("yaml/tiny-fsdp.yaml"), {"train.micro_batch_size": 2})
+    cfg = with_changes(load_config(REPO / "yaml" / "tiny-fsdp.yaml"), {"train.micro_batch_size": 2})
     r = trace_step(cfg, world_size=8)
     got, est = r["measured"], r["estimated"]
     assert r["backend"] == "fsdp" and r["world_size"] == 8
@@ -50,6 +51,6 @@ def test_fsdp2_at_8_fake_ranks_holds_an_eighth_of_the_states():
 
 
 def test_deepspeed_is_refused_with_the_fix():
-    cfg = load_config("yaml/tiny-deepspeed.yaml")
+    cfg = load_config(REPO / "yaml" / "tiny-deepspeed.yaml")
     with pytest.raises(UserError, match="parallel.backend=fsdp"):
         trace_step(cfg, world_size=2)

@@ -330,14 +330,14 @@ def test_shipped_configs_use_tensor_core_widths():
     assert mlp_hidden_size(ModelConfig(d_model=1024)) == 2816  # 8/3 * 1024 = 2730.7 -> 22 x 128
 
 
-def test_odd_widths_warn_on_gpu_plans_only(caplog):
+def test_odd_widths_warn_on_gpu_plans_only(logs):
     from scale_llm.config import Config
     from scale_llm.plan import Launch, resolve_plan
 
     cfg = Config()
     cfg.model.vocab_size = 50257
     resolve_plan(cfg, Launch(world_size=1), cuda=False)
-    assert "multiple of 128" not in caplog.text
+    assert "multiple of 128" not in logs.text
     resolve_plan(cfg, Launch(world_size=1), cuda=True, bf16=True)
-    assert "model.vocab_size=50257 is not a multiple of 128" in caplog.text
-    assert "50304" in caplog.text
+    assert "model.vocab_size=50257 is not a multiple of 128" in logs.text
+    assert "50304" in logs.text

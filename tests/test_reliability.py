@@ -8,7 +8,6 @@ Real processes are started and killed; fp32 on CPU, the tiny model of tests/conf
 from __future__ import annotations
 
 import json
-import logging
 import signal
 import subprocess
 import sys
@@ -220,7 +219,7 @@ def test_stop_signal_saves_a_final_checkpoint_on_every_rank(data_dir, root, npro
     assert len(list((ckpts[0] / "dcp").glob("*.distcp"))) == nproc
 
 
-def test_resuming_an_older_checkpoint_moves_the_newer_ones_aside(data_dir, tmp_path, caplog):
+def test_resuming_an_older_checkpoint_moves_the_newer_ones_aside(data_dir, tmp_path, logs):
     """Issue 14: resuming from an older checkpoint on purpose, a later `auto` silently went back
     to the abandoned newer ones. Now they move to checkpoints/abandoned-<time>/ (kept, out of
     reach of auto and pruning), and the new branch continues from the chosen step."""
@@ -232,9 +231,8 @@ def test_resuming_an_older_checkpoint_moves_the_newer_ones_aside(data_dir, tmp_p
     branch = make_config(
         data_dir, tmp_path / "runs", *common, f"checkpoint.resume={ckpts / 'step_00000002'}"
     )
-    with caplog.at_level(logging.WARNING, logger="scale_llm"):
-        tr = Trainer(branch, plan_for(branch))
-    assert tr.step == 2 and "starts a new branch" in caplog.text
+    tr = Trainer(branch, plan_for(branch))
+    assert tr.step == 2 and "starts a new branch" in logs.text
     (aside,) = ckpts.glob("abandoned-*")
     assert sorted(p.name for p in aside.iterdir()) == ["step_00000003", "step_00000004"]
     assert (aside / "step_00000004" / "trainer.pt").read_bytes() == old4  # moved, not deleted

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import math
 import platform
 from pathlib import Path
@@ -293,7 +292,7 @@ def read_wandb_records(run_dir: Path) -> list:
 
 
 def test_what_users_watch_tensorboard_wandb_samples_and_progress(
-    data_dir, tmp_path, caplog, monkeypatch
+    data_dir, tmp_path, logs, monkeypatch
 ):
     """Issue 13 item 4: config as hparams and text, validation perplexity, sample generations,
     the step line's % done / elapsed / ETA, and the same scalars and config in W&B (offline)."""
@@ -312,9 +311,8 @@ def test_what_users_watch_tensorboard_wandb_samples_and_progress(
         "logging.wandb.project=scale-llm-tests",
         "logging.wandb.mode=offline",
     ]
-    with caplog.at_level(logging.INFO, logger="scale_llm"):
-        result = trainer(data_dir, tmp_path, *overrides).fit()
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    result = trainer(data_dir, tmp_path, *overrides).fit()
+    lines = [r.getMessage() for r in logs.records if r.getMessage().startswith("step ")]
     assert any(line.startswith("step 1/4 (25%) | loss") and "| eta " in line for line in lines)
     assert any("step 4/4 (100%)" in line and "eta 0s" in line for line in lines)
 
@@ -377,14 +375,13 @@ def test_a_checkpoint_in_the_previous_layout_still_resumes_exactly(data_dir, tmp
         assert resumed.losses[step] == straight.losses[step], step
 
 
-def test_effective_batch_is_printed(data_dir, tmp_path, caplog):
-    with caplog.at_level(logging.INFO, logger="scale_llm"):
-        tr = trainer(data_dir, tmp_path, "train.micro_batch_size=3", "train.grad_accum=5")
-        tr.fit()
+def test_effective_batch_is_printed(data_dir, tmp_path, logs):
+    tr = trainer(data_dir, tmp_path, "train.micro_batch_size=3", "train.grad_accum=5")
+    tr.fit()
     assert "micro 3 x seq_len 32 x grad_accum 5 x world 1 = 15 sequences = 480 tokens" in (
-        caplog.text
+        logs.text
     )
-    assert "plan: backend single, precision fp32 on cpu, rank 0 of 1" in caplog.text
+    assert "plan: backend single, precision fp32 on cpu, rank 0 of 1" in logs.text
     plan = json.loads((tr.run_dir / "plan.json").read_text())
     assert plan["backend"] == "single" and plan["precision"] == "fp32"
     assert plan["grad_accum"] == 5 and plan["tokens_per_step"] == 480
@@ -465,7 +462,7 @@ def test_lr_schedules_linear_wsd_and_constant():
 
 @pytest.mark.parametrize("schedule", ["cosine", "wsd"])
 def test_extending_a_run_warns_about_an_lr_jump_unless_the_schedule_extends(
-    schedule, data_dir, tmp_path, caplog
+    schedule, data_dir, tmp_path, logs
 ):
     """Issue 13: --train_steps 150 after 30 jumped the LR silently. Now a resume whose settings
     give another LR at that step warns once with both values; wsd before its decay does not."""
@@ -474,12 +471,11 @@ def test_extending_a_run_warns_about_an_lr_jump_unless_the_schedule_extends(
     first = ["train.max_steps=10", "train.exit_at_step=3", f"train.lr_schedule={schedule}"]
     finished_run(data_dir, tmp_path, *first)
     cfg = make_config(data_dir, tmp_path, "train.max_steps=30", f"train.lr_schedule={schedule}")
-    with caplog.at_level(logging.WARNING, logger="scale_llm"):
-        trainer = Trainer(cfg, plan_for(cfg))
+    trainer = Trainer(cfg, plan_for(cfg))
     trainer.loader.close()
     trainer.lock.release()
     assert trainer.step == 3
-    warned = [r.getMessage() for r in caplog.records if "LR schedule changed" in r.getMessage()]
+    warned = [r.getMessage() for r in logs.records if "LR schedule changed" in r.getMessage()]
     if schedule == "wsd":
         assert warned == []
     else:

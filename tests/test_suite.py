@@ -1,0 +1,52 @@
+"""The test suite's own hazards: what listing the tests starts, a lock a killed build left."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from tests.conftest import stale_extension_locks
+from tests.helpers import REPO, env
+
+
+def test_listing_the_tests_starts_no_deepspeed_build(tmp_path):
+    """`pytest --collect-only` started DeepSpeed's op build (~3 min cold) and waited for it."""
+    extensions = tmp_path / "extensions"
+    extensions.mkdir()
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "tests/test_distributed.py"],
+        cwd=REPO,
+        env=env() | {"TORCH_EXTENSIONS_DIR": str(extensions)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "zero3" in proc.stdout  # the DeepSpeed tests were listed
+    assert list(extensions.iterdir()) == []  # and nothing was built
+    assert time.monotonic() - started < 120
+
+
+def test_a_lock_no_process_holds_is_stale_and_a_held_one_is_not(tmp_path):
+    lock = tmp_path / "py311_cpu" / "cpu_adam" / "lock"
+    lock.parent.mkdir(parents=True)
+    holder = subprocess.Popen(  # a build: creates its lock and keeps it open
+        [
+            sys.executable,
+            "-c",
+            "import os, sys, time; os.open(sys.argv[1], os.O_CREAT | os.O_EXCL); "
+            "print('held', flush=True); time.sleep(60)",
+            str(lock),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert stale_extension_locks(tmp_path) == []
+    finally:
+        holder.kill()  # killed mid-build: the lock stays behind
+        holder.wait()
+    assert lock.exists() and stale_extension_locks(tmp_path) == [lock]
