@@ -778,20 +778,22 @@ def validate(cfg: Config) -> list[str]:
         ("checkpoint.every", cfg.checkpoint.every),
     ):
         non_negative(key, value)
-    if m.n_heads > 0 and m.d_model % m.n_heads:
+    if m.d_model > 0 and m.n_heads > 0 and m.d_model % m.n_heads:
         e.append(
             f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; "
-            f"pick n_heads among {_divisors(m.d_model)}"
+            f"{_head_fix(m)}"
         )
-    elif m.n_heads > 0 and (m.d_model // m.n_heads) % 2:
+    elif m.d_model > 0 and m.n_heads > 0 and (m.d_model // m.n_heads) % 2:
         e.append(
             f"model.d_model / model.n_heads = {m.d_model // m.n_heads} must be even for "
-            f"rotary embeddings; change d_model or n_heads"
+            f"rotary embeddings; {_head_fix(m)}"
         )
     if m.n_kv_heads is not None and (m.n_kv_heads <= 0 or m.n_heads % m.n_kv_heads):
+        kv = [d for d in range(1, m.n_heads + 1) if m.n_heads % d == 0][-6:]
         e.append(
             f"model.n_kv_heads={m.n_kv_heads} must be > 0 and divide model.n_heads="
-            f"{m.n_heads}; use null for plain multi-head attention"
+            f"{m.n_heads} (e.g. model.n_kv_heads={kv[-2] if len(kv) > 1 else kv[0]}, among "
+            f"{', '.join(map(str, kv))}); use null for plain multi-head attention"
         )
     e.extend(validate_activation_checkpointing(cfg.activation_checkpointing))
     if m.init_from is not None and not m.init_from.strip():
@@ -801,16 +803,20 @@ def validate(cfg: Config) -> list[str]:
     if not 0.0 < t.decay_fraction <= 1.0:
         e.append(
             f"train.decay_fraction={t.decay_fraction} must lie in (0, 1] (the share of "
-            f"max_steps that train.lr_schedule=wsd spends decaying; e.g. 0.2)"
+            f"max_steps that train.lr_schedule=wsd spends decaying; e.g. "
+            f"train.decay_fraction=0.2)"
         )
     if t.min_lr > t.lr:
-        e.append(f"train.min_lr={t.min_lr} is above train.lr={t.lr}; set min_lr <= lr")
+        e.append(
+            f"train.min_lr={t.min_lr} is above train.lr={t.lr}; set min_lr <= lr, e.g. "
+            f"train.min_lr={t.lr / 10:g}"
+        )
     if not 0.0 <= t.beta1 < 1.0 or not 0.0 <= t.beta2 < 1.0:
         e.append(f"train.beta1={t.beta1} / train.beta2={t.beta2} must lie in [0, 1)")
     if not 0 <= cfg.run.seed < 2**63:
         e.append(
             f"run.seed={cfg.run.seed} must be an integer in [0, 2**63) (torch and numpy seed "
-            f"from it); use e.g. 1337"
+            f"from it); e.g. run.seed=1337"
         )
     name = cfg.run.name or ""
     if (
@@ -890,8 +896,30 @@ def path_problems(cfg: Config) -> list[str]:
     return e
 
 
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, min(n, 64) + 1) if n % d == 0 and d > 1)
+MAX_HEADS = 4096  # far past any model's head count: the search stays short for any d_model
+
+
+def _head_fix(m: ModelConfig) -> str:
+    """Values of model.n_heads that pass every rule with this d_model (they divide it, leave an
+    even head size for rotary embeddings, and are divisible by n_kv_heads when it is set), or,
+    where none does, the nearest d_model that works with this n_heads."""
+    kv = m.n_kv_heads if m.n_kv_heads and m.n_kv_heads > 0 else 1
+    heads = [
+        h
+        for h in range(kv, min(m.d_model // 2, MAX_HEADS) + 1, kv)
+        if m.d_model % h == 0 and (m.d_model // h) % 2 == 0
+    ]
+    if heads:
+        near = sorted(sorted(heads, key=lambda h: abs(h - m.n_heads))[:8])
+        best = min(near, key=lambda h: (abs(h - m.n_heads), h))
+        return f"pick n_heads among {', '.join(map(str, near))}, e.g. model.n_heads={best}"
+    step = 2 * m.n_heads  # head size even: d_model a multiple of 2 x n_heads
+    up = -(-m.d_model // step) * step
+    kv_set = f" and model.n_kv_heads={m.n_kv_heads}" if m.n_kv_heads else ""
+    return (
+        f"no n_heads works with model.d_model={m.d_model}{kv_set}: make d_model a multiple of "
+        f"2 x n_heads, e.g. model.d_model={up}"
+    )
 
 
 def format_errors(errors: list[str], where: str) -> str:

@@ -4,6 +4,7 @@ kind of config error, one message naming the key and the fix: tests/test_errors.
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -320,3 +321,95 @@ def test_a_run_with_home_paths_reproduces_from_its_config_yaml(data_dir, tmp_pat
     assert main(["train", str(written), "--set", "train.max_steps=2"]) == 0  # resumes it
     steps = [yaml.safe_load(line)["step"] for line in (written.parent / "metrics.jsonl").open()]
     assert steps == [1, 2]
+
+
+# Every suggestion a config error makes, in the forms the messages write them: a key
+# ("did you mean train.lr?", "it lives at train.lr"), a value ("did you mean bf16?"), a
+# setting ("e.g. model.n_heads=5", "set checkpoint.async_mode=disabled"), a list ("pick n_heads
+# among 1, 5, 25") or the default ("(the default is 1e-05)").
+SUGGESTION = re.compile(
+    r"did you mean (?P<mean>[\w.]+)\?"
+    r"|it lives at (?P<lives>[\w.]+)"
+    r"|(?:e\.g\.|set) (?:--set )?(?P<setting>[a-z_]+(?:\.[a-z_]+)+=[^\s,;)]+)"
+    r"|pick n_heads among (?P<among>\d+(?:, \d+)*)"
+    r"|\(the default is (?P<default>[^)\s]+)\)"
+)
+
+# One problem each; the first override is the one the message is about.
+BAD_CONFIGS = [
+    ["train.lrr=3e-4"],
+    ["modle.d_model=64"],
+    ["model.lr=3e-4"],
+    ["train.precision=bf61"],
+    ["model.d_model=250"],
+    ["model.d_model=200", "model.n_heads=8"],  # head size 25: odd
+    ["model.d_model=251"],  # odd: no n_heads works
+    ["model.d_model=250", "model.n_kv_heads=2"],  # n_heads must also be a multiple of 2
+    ["model.d_model=96", "model.n_heads=5", "model.n_kv_heads=5"],  # only d_model can change
+    ["model.n_kv_heads=3"],
+    ["model.norm_eps=0"],
+    ["model.rope_theta=-1"],
+    ["train.decay_fraction=0"],
+    ["train.min_lr=1"],
+    ["run.seed=-1"],
+    ["data.val_fraction=0"],
+    ["parallel.deepspeed.zero_stage=4"],
+    ["parallel.fsdp.cpu_offload=true"],
+    ["parallel.deepspeed.offload_optimizer=cpu"],
+    ["parallel.deepspeed.offload_param=cpu", "parallel.backend=deepspeed"],
+    [
+        "parallel.deepspeed.zero_stage=0",
+        "parallel.backend=deepspeed",
+        "parallel.deepspeed.offload_optimizer=cpu",
+    ],
+]
+
+
+def _suggested_configs(overrides: list[str], message: str) -> list[list[str]]:
+    """The overrides with each suggestion of `message` applied."""
+    bad_key, _, bad_value = overrides[0].partition("=")
+    problem = message.split("\n  - ", 1)[-1]
+    wrong = problem.split(":", 1)[0].split("=", 1)[0].strip()  # the name it is about
+    rest = overrides[1:]
+    out = []
+    for m in SUGGESTION.finditer(problem):
+        if m["lives"] or (m["mean"] and m["mean"].split(".")[0] in all_sections()):
+            new_key = (m["lives"] or m["mean"]) + bad_key[len(wrong) :]
+            out.append([f"{new_key}={bad_value}", *rest])
+        elif m["mean"]:  # a value of a key with fixed choices
+            out.append([f"{bad_key}={m['mean']}", *rest])
+        elif m["setting"]:
+            key = m["setting"].split("=", 1)[0]
+            out.append([o for o in overrides if o.split("=", 1)[0] != key] + [m["setting"]])
+        elif m["among"]:
+            for n in m["among"].split(", "):
+                kept = [o for o in overrides if not o.startswith("model.n_heads=")]
+                out.append([*kept, f"model.n_heads={n}"])
+        else:
+            out.append([f"{wrong}={m['default']}", *rest])
+    return out
+
+
+def all_sections() -> set[str]:
+    return {key.split(".")[0] for key in all_keys()}
+
+
+@pytest.mark.parametrize("overrides", BAD_CONFIGS, ids=lambda o: " ".join(o))
+def test_every_suggestion_of_a_config_error_is_accepted(overrides):
+    """A suggestion that fails when applied (d_model=250 once suggested n_heads=2, whose head
+    size 125 rotary embeddings refuse) sends the user round in circles."""
+    with pytest.raises(UserError) as err:
+        load_config(None, overrides)
+    message = str(err.value)
+    assert message.count("\n  - ") == 1, message  # one problem
+    fixed = _suggested_configs(overrides, message)
+    assert fixed, f"no suggestion in: {message}"
+    for attempt in fixed:
+        load_config(None, attempt)  # raises (and fails the test) if the suggestion is refused
+
+
+def test_n_heads_suggestions_for_d_model_250():
+    """README's example: 250 = 2 x 5^3, so only n_heads 1, 5, 25 and 125 leave an even head."""
+    with pytest.raises(UserError) as err:
+        load_config(None, ["model.d_model=250"])
+    assert "pick n_heads among 1, 5, 25, 125, e.g. model.n_heads=5" in str(err.value)

@@ -74,5 +74,8 @@ def validate_data(d: DataConfig) -> list[str]:
         if getattr(d, key) < 0:
             e.append(f"data.{key}={getattr(d, key)} must be >= 0")
     if not 0.0 < d.val_fraction < 1.0:
-        e.append(f"data.val_fraction={d.val_fraction} must be between 0 and 1 (e.g. 0.01)")
+        e.append(
+            f"data.val_fraction={d.val_fraction} must be between 0 and 1 (e.g. "
+            f"data.val_fraction=0.01)"
+        )
     return e

@@ -136,29 +136,36 @@ def validate_parallel(cfg: Config) -> list[str]:
     p, backend = cfg.parallel, cfg.parallel.backend
     ds, fsdp = p.deepspeed, p.fsdp
     if not 0 <= ds.zero_stage <= 3:
-        e.append(f"parallel.deepspeed.zero_stage={ds.zero_stage} must be 0, 1, 2 or 3")
+        e.append(
+            f"parallel.deepspeed.zero_stage={ds.zero_stage} must be 0, 1, 2 or 3 (e.g. "
+            f"parallel.deepspeed.zero_stage=2)"
+        )
     if fsdp.replicate_degree < 1:
         e.append(f"parallel.fsdp.replicate_degree={fsdp.replicate_degree} must be >= 1")
     if fsdp.cpu_offload and backend != "fsdp":
         e.append(
-            f"parallel.fsdp.cpu_offload=true needs parallel.backend=fsdp (it is {backend}); "
-            f"with deepspeed use parallel.deepspeed.offload_optimizer/offload_param"
+            f"parallel.fsdp.cpu_offload=true needs parallel.backend=fsdp (it is {backend}): "
+            f"e.g. parallel.backend=fsdp; with deepspeed use "
+            f"parallel.deepspeed.offload_optimizer/offload_param"
         )
     offloads = [k for k in ("offload_optimizer", "offload_param") if getattr(ds, k) != "none"]
     if offloads and backend != "deepspeed":
         e.append(
             f"parallel.deepspeed.{offloads[0]}=cpu needs parallel.backend=deepspeed (it is "
-            f"{backend}); with fsdp use parallel.fsdp.cpu_offload=true"
+            f"{backend}): e.g. parallel.backend=deepspeed; with fsdp use "
+            f"parallel.fsdp.cpu_offload=true"
         )
     if ds.offload_param != "none" and ds.zero_stage != 3:
         e.append(
             f"parallel.deepspeed.offload_param=cpu needs parallel.deepspeed.zero_stage=3 "
-            f"(it is {ds.zero_stage}); parameters are only partitioned under ZeRO-3"
+            f"(it is {ds.zero_stage}); parameters are only partitioned under ZeRO-3, e.g. "
+            f"parallel.deepspeed.zero_stage=3"
         )
     if ds.offload_optimizer != "none" and ds.zero_stage == 0:
         e.append(
             "parallel.deepspeed.offload_optimizer=cpu needs parallel.deepspeed.zero_stage "
-            ">= 1 (ZeRO-Offload moves the partitioned optimizer state)"
+            ">= 1, e.g. parallel.deepspeed.zero_stage=2 (ZeRO-Offload moves the partitioned "
+            "optimizer state)"
         )
     if ds.config and backend == "deepspeed":
         e.extend(passthrough_problems(ds.config))
