@@ -78,6 +78,7 @@ def eval_run(
     digest = checkpoint_digest(ckpt)
     path = run_dir / "eval" / f"{ckpt.name}.json"
     earlier, stale = earlier_record(path, digest)
+    written = _written_at(path) if earlier else None  # when the results kept were written
     export_dir = run_dir / "export" / ckpt.name
     reuse = bool(tasks) and reusable_export(export_dir, digest)
     manager = task_manager(tasks, include_path) if tasks else None  # before the export
@@ -109,7 +110,7 @@ def eval_run(
     atomic_write_json(path, record)
     if cfg.logging.tensorboard:
         _to_tensorboard(run_dir / "tensorboard", scalars, step)
-    return path, {**new, "kept": kept(earlier or {}, new), "file": str(path)}
+    return path, {**new, "kept": kept(earlier or {}, new), "file": str(path), "written": written}
 
 
 def check_outputs(run_dir: Path, tasks: bool, tensorboard: bool) -> None:
@@ -263,7 +264,70 @@ def task_manager(tasks: list[str], include_path: str | Path | None) -> Any:
             + (f" or in {include_path}" if include_path else "")
             + "; `lm-eval ls tasks` lists them, --include-path DIR adds a folder of task YAMLs"
         )
+    for task in tasks:
+        build_task(manager, task)
     return manager
+
+
+def build_task(manager: Any, task: str) -> None:
+    """Build `task` as lm-eval will (it reads the task's dataset here), so that a data file that
+    is not there, or a Hub dataset neither cached nor reachable, is one paragraph before the
+    export, not a traceback after it. (The datasets library caches what it read: the run that
+    follows reads it again from the cache.)"""
+    try:
+        if hasattr(manager, "load"):  # lm-eval >= 0.4.10
+            manager.load([task])
+        else:
+            from lm_eval.tasks import get_task_dict
+
+            get_task_dict([task], manager)
+    except UserError:
+        raise
+    except Exception as e:  # lm-eval and datasets raise many types (OSError, ValueError, ...)
+        raise UserError(task_data_problem(task, e)) from None
+
+
+def task_data_problem(task: str, error: BaseException) -> str:
+    """What a task whose data cannot be read needs, by the kind of failure."""
+    said = " ".join(str(error).split())[:300] or type(error).__name__
+    head = (
+        f"--tasks {task}: lm-eval could not read the task's data ({type(error).__name__}: {said})"
+    )
+    offline = [v for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE") if _env_on(v)]
+    if isinstance(error, FileNotFoundError):
+        return (
+            f"{head}. A task YAML's data_files are read relative to the working directory "
+            f"(here {Path.cwd()}): run eval from the folder they are relative to (for the "
+            f"project's test task, the repository root), or write absolute paths in the YAML"
+        )
+    if isinstance(error, ConnectionError) and offline:
+        return (
+            f"{head}. Its dataset is not in the local Hugging Face cache (HF_HOME), and "
+            f"{' and '.join(f'{v}=1' for v in offline)} forbid{'s' * (len(offline) == 1)} "
+            f"downloading it: run the eval "
+            f"once where the network is reachable, without that setting (the dataset is cached "
+            f"for later offline runs), or copy that cache here"
+        )
+    if isinstance(error, ConnectionError):
+        return (
+            f"{head}. Its dataset is not in the local Hugging Face cache (HF_HOME) and the Hub "
+            f"could not be reached: connect this machine, or copy the cache from one that has "
+            f"the dataset. Without network, HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 make such "
+            f"a task fail at once instead of after the Hub client's retries"
+        )
+    return (
+        f"{head}. Check the task's YAML (dataset_path, dataset_name, dataset_kwargs, the "
+        f"split names) or try another task"
+    )
+
+
+def _written_at(path: Path) -> str:
+    """The time `path` was last written, in UTC (e.g. 2026-12-04 10:12 UTC)."""
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(path.stat().st_mtime))
+
+
+def _env_on(name: str) -> bool:
+    return os.environ.get(name, "").strip().upper() in ("1", "ON", "YES", "TRUE")
 
 
 def run_tasks(
@@ -382,7 +446,7 @@ def format_record(record: dict[str, Any]) -> str:
     if record.get("kept"):
         lines.append(
             f"  (earlier results of these checkpoint bytes, not run again, are kept in "
-            f"{record['file']}: {', '.join(record['kept'])})"
+            f"{record['file']}: {', '.join(record['kept'])}; written {record['written']})"
         )
     return "\n".join(lines)
 

@@ -1435,6 +1435,49 @@ def _eval_needs(*flags: str) -> Callable[[Ctx], Setup]:
     return setup
 
 
+# the rest of a task YAML whose data is what the case is about (metrics spelled out: lm-eval
+# warns on stderr about any it has to fill in)
+TASK_REST = """test_split: test
+output_type: multiple_choice
+doc_to_text: question
+doc_to_choice: choices
+doc_to_target: answer
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+TASK_DATA = {
+    "a data file that is not there": (
+        "dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: nowhere/tiny_mc.jsonl\n",
+        ("could not read the task's data (FileNotFoundError", "relative to the working directory"),
+    ),
+    "a Hub dataset not cached, offline": (
+        "dataset_path: scale-llm-tests/not-cached\n",
+        (
+            "Its dataset is not in the local Hugging Face cache",
+            "HF_DATASETS_OFFLINE=1 and HF_HUB_OFFLINE=1 forbid downloading it",
+        ),
+    ),
+}
+
+
+def _eval_task_data(kind: str) -> Callable[[Ctx], Setup]:
+    """A task whose data cannot be read: lm-eval raised its traceback after the export (or
+    retried the Hub for 40 s first); now one paragraph before it, and the run is unchanged."""
+
+    def setup(ctx: Ctx) -> Setup:
+        needs("lm_eval")
+        run = ctx.run()
+        (ctx.tmp / "tasks").mkdir()
+        task = "task: broken_task\n" + TASK_DATA[kind][0] + TASK_REST
+        (ctx.tmp / "tasks" / "broken.yaml").write_text(task)
+        flags = ["--tasks", "broken_task", "--include-path", str(ctx.tmp / "tasks")]
+        return Setup(["eval", str(run), *flags], watch=[run])
+
+    return setup
+
+
 FLAGS = [
     ("memory units", ["estimate", TINY, "--fit", "80 parsecs"], "'80 parsecs' is not understood"),
     ("impossible fit", ["estimate", TINY, "--fit", "1KiB"], "nothing fits in"),
@@ -1541,6 +1584,10 @@ FLAGS = [
         _eval_needs("--tasks", "no_such_task_xyz", "--include-path", str(TASK_DIR)),
         "no_such_task_xyz not found",
     ),
+    *[
+        (f"eval of a task with {kind}", _eval_task_data(kind), said)
+        for kind, (_, said) in TASK_DATA.items()
+    ],
 ]
 
 

@@ -172,7 +172,7 @@ def test_eval_prints_only_this_calls_results_and_names_the_merged_file(evaluated
     out = capsys.readouterr().out
     assert "fake_task: acc 0.2500" in out and "perplexity on" not in out
     record = run / "eval" / f"{STEP4}.json"
-    assert f"are kept in {record}: perplexity" in out
+    assert f"are kept in {record}: perplexity; written 20" in out  # (and when: a UTC time)
     merged = json.loads(record.read_text())
     assert set(merged["tasks"]) == {"fake_task"} and "perplexity" in merged
 
