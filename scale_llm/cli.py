@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib.util
+import json
 import logging
 import os
 import re
@@ -72,6 +73,12 @@ def _add_config_args(p: argparse.ArgumentParser, training: bool = True) -> None:
         help="override any config key (scale-llm config --keys lists them), e.g. --set "
         "train.lr=3e-4 (repeatable; --train.lr 3e-4 and --train.lr=3e-4 work too)",
     )
+    p.add_argument(
+        "--run-name",
+        metavar="NAME",
+        help="alias of run.name: the run directory is <run.dir>/NAME, e.g. --run-name tiny-lr3e-4 "
+        "for a new experiment beside a finished run (default: the config's run.name)",
+    )
     # the deepspeed launcher appends --local_rank=N; the rank is read from the environment
     p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     p.set_defaults(grad_accum=None, grad_checkpointing=False, amp=False, amp_dtype=None)
@@ -114,6 +121,8 @@ def _add_training_aliases(p: argparse.ArgumentParser) -> None:
 def alias_overrides(args: argparse.Namespace) -> list[str]:
     """The seed project's familiar flags as dotted overrides; explicit --set comes after them."""
     out = []
+    if args.run_name is not None:  # (quoted: a name such as 2024 stays a string)
+        out.append(f"run.name={json.dumps(args.run_name)}")
     if args.grad_accum is not None:
         out.append(f"train.grad_accum={args.grad_accum}")
     if args.grad_checkpointing:

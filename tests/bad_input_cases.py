@@ -1177,7 +1177,25 @@ def _planted(plant: str, command: str) -> Callable[[Ctx], Setup]:
     return setup
 
 
+def _finished_run_relaunched(ctx: Ctx) -> Setup:
+    """The README's Configuration examples after the quickstart: the finished run said
+    "continuing from ..." then "nothing to do"; now the settings that differ are named, with
+    --run-name."""
+    ctx.run()
+    argv = ["train", ctx.config("train.lr=3e-4", "train.max_steps=3")]
+    return Setup(argv, expect=(f"{ctx.tmp / 'runs' / 'test'} holds a finished run",))
+
+
 CHECKPOINTS = [
+    (
+        "a finished run relaunched with other settings",
+        _finished_run_relaunched,
+        (
+            "(step 4 of its train.max_steps=4, checkpoint step_00000004)",
+            "train.max_steps: 4 -> 3; train.lr: 0.001 -> 0.0003",
+            "start a new run: --run-name NAME",
+        ),
+    ),
     (
         "resume from a non-checkpoint",
         ["train", TINY, *s("data.dir=DATA", "model.vocab_size=512", "checkpoint.resume=.")],

@@ -118,7 +118,8 @@ def test_run_messages_count_this_launch_and_a_finished_run_is_left_alone(
     data_dir, tmp_path, capsys
 ):
     """Resume summary counts this launch's steps; the stop at the last step does not ask to
-    continue; a finished run says so, exits 0 and writes nothing; warmup >= max_steps warns."""
+    continue; a finished run says so, exits 0 and writes nothing, and with other settings is
+    refused naming them and --run-name; warmup >= max_steps warns."""
     from scale_llm.cli import main
     from tests.helpers import TINY_MODEL
 
@@ -126,7 +127,6 @@ def test_run_messages_count_this_launch_and_a_finished_run_is_left_alone(
         *TINY_MODEL,
         f"data.dir={data_dir}",
         f"run.dir={tmp_path}",
-        "run.name=msgs",
         "train.micro_batch_size=4",
         "train.max_steps=4",
         "train.warmup_steps=1",
@@ -135,7 +135,7 @@ def test_run_messages_count_this_launch_and_a_finished_run_is_left_alone(
         "eval.every=0",
         "checkpoint.every=2",
     ]
-    args = ["train", *[a for s in settings for a in ("--set", s)]]
+    args = ["train", *[a for s in settings for a in ("--set", s)], "--run-name", "msgs"]
     assert main([*args, "--set", "train.exit_at_step=2"]) == 0
     out = capsys.readouterr().out
     assert "done: 2 steps in" in out and "2 of 4 in total" in out
@@ -149,8 +149,32 @@ def test_run_messages_count_this_launch_and_a_finished_run_is_left_alone(
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "run already complete" in out and "step 4 of train.max_steps=4" in out
+    assert "resume: continuing" not in out and "--run-name NAME" in out
     assert {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()} == before
-    assert main([*args, "--set", "run.name=warm", "--set", "train.warmup_steps=10"]) == 0
+    # other settings in a finished run's dir: a new experiment, refused with the way to start it
+    assert main([*args, "--set", "train.lr=3e-4", "--set", "train.micro_batch_size=2"]) == 2
+    out, err = capsys.readouterr()
+    assert "continuing" not in out and "nothing to do" not in out
+    assert f"{run} holds a finished run (step 4 of its train.max_steps=4" in err
+    assert "train.micro_batch_size: 4 -> 2; train.lr: 0.001 -> 0.0003" in err
+    assert "start a new run: --run-name NAME" in err
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()} == before
+    assert (
+        main(
+            [
+                *args,
+                "--set",
+                "train.lr=3e-4",
+                "--run-name",
+                "msgs-lr",
+                "--set",
+                "train.exit_at_step=1",
+            ]
+        )
+        == 0
+    )
+    assert "done: 1 steps in" in capsys.readouterr().out and (tmp_path / "msgs-lr").is_dir()
+    assert main([*args, "--run-name", "warm", "--set", "train.warmup_steps=10"]) == 0
     out = capsys.readouterr().out
     assert (
         "train.warmup_steps=10 >= train.max_steps=4" in out

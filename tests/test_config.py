@@ -90,6 +90,19 @@ def test_aliases_map_to_keys():
     assert load_config(None, alias_overrides(args)).train.precision == "fp16"
 
 
+def test_run_name_is_a_flag_of_every_command_that_reads_a_config():
+    """--run-name NAME is run.name, read as text (2024 is a name, not a number)."""
+    for command in ("train", "config", "prepare", "estimate", "bench"):
+        args = build_parser().parse_args([command, "--run-name", "2024"])
+        assert load_config(None, alias_overrides(args)).run.name == "2024", command
+    args = build_parser().parse_args(["train", "--run-name", "a: b"])
+    assert load_config(None, alias_overrides(args)).run.name == "a: b"
+    with pytest.raises(UserError, match="run.name='a/b' must be a plain name"):
+        load_config(
+            None, alias_overrides(build_parser().parse_args(["train", "--run-name", "a/b"]))
+        )
+
+
 def test_set_wins_over_alias():
     args = build_parser().parse_args(["train", "--grad-accum", "4", "--set", "train.grad_accum=2"])
     assert load_config(None, alias_overrides(args)).train.grad_accum == 2

@@ -727,7 +727,7 @@ def test_resuming_a_different_run_is_refused(data_dir, tmp_path):
         trainer(data_dir, tmp_path, "train.max_steps=2", "model.d_model=64", "run.seed=5")
     msg = str(info.value)
     assert "model.d_model: the checkpoint has 32, the config says 64" in msg
-    assert "run.seed" in msg and "new run.name" in msg
+    assert "run.seed" in msg and "start a new run: --run-name NAME (the run.name key" in msg
     with pytest.raises(UserError, match="checkpoint.resume=never but"):
         trainer(data_dir, tmp_path, "checkpoint.resume=never")
     # settings that do not define the run may change: a longer run continues

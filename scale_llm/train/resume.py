@@ -18,7 +18,7 @@ import torch
 
 from scale_llm.components.checkpoint import TRAINER_STATE, is_count, saved_section
 from scale_llm.components.optim import SCHEDULE_KEYS, lr_at
-from scale_llm.config import Config, TrainConfig, get_key, run_defining_keys, short
+from scale_llm.config import Config, TrainConfig, get_key, run_defining_keys, short, to_dict
 from scale_llm.errors import UserError
 
 MT_KEYS = 624  # numpy's MT19937 state: 624 words and a position in [0, 624]
@@ -41,9 +41,60 @@ def check_resume_state(
         raise UserError(
             f"cannot resume {ckpt}: it belongs to a different run.\n  - "
             + "\n  - ".join(problems)
-            + f"\nUse the original settings to continue it, or start a new run with a new "
-            f"run.name (or checkpoint.resume=never after deleting {checkpoints})."
+            + f"\nUse the original settings to continue it, or start a new run: --run-name NAME "
+            f"(the run.name key; or checkpoint.resume=never after deleting {checkpoints})."
         )
+
+
+# Keys that say how a run is carried out, not what it trains: the rest (the model, the data,
+# the seed and every train.* key that changes the updates) describe the experiment.
+HOW_NOT_WHAT = ("train.device", "train.compile", "train.gc_every", "train.exit_at_step")
+WHAT = ("model.", "train.", "data.dir", "run.seed")
+
+
+def changed_settings(state: dict[str, Any], cfg: Config) -> list[str]:
+    """`key: old -> new` for each key that describes the experiment and differs between the
+    checkpoint's config and `cfg` (keys the checkpoint does not record are left out)."""
+    saved = flat(state["config"])
+    now = flat(to_dict(cfg))
+    return [
+        f"{key}: {short(saved[key], 40)} -> {short(value, 40)}"
+        for key, value in now.items()
+        if key.startswith(WHAT) and key not in HOW_NOT_WHAT and key in saved
+        if saved[key] != value
+    ]
+
+
+def check_finished_run(state: dict[str, Any], ckpt: Path, cfg: Config) -> None:
+    """A finished run relaunched with other settings: they describe a new experiment, which
+    this run dir cannot hold (resuming would train nothing). Refused before any work, with
+    the way to start it as a run of its own."""
+    if state["step"] < cfg.train.max_steps:
+        return
+    changed = changed_settings(state, cfg)
+    if not changed:
+        return  # the same run, relaunched: the trainer says it is complete
+    run_dir = ckpt.parent.parent
+    raise UserError(
+        f"{run_dir} holds a finished run (step {state['step']} of its "
+        f"train.max_steps={lookup(state['config'], 'train.max_steps')}, checkpoint {ckpt.name}), "
+        f"and this command's settings differ from it ({'; '.join(changed[:6])}"
+        f"{f'; and {len(changed) - 6} more' if len(changed) > 6 else ''}), so it would train "
+        f"nothing. To run these settings, start a new run: --run-name NAME (the run.name key; "
+        f"its directory is {Path(cfg.run.dir) / 'NAME'}); to train {run_dir} further, raise "
+        f"train.max_steps above {state['step']}"
+    )
+
+
+def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A saved config as {dotted key: value}."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and not key.endswith("config"):  # (a raw ds_config stays)
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def resume_state_problems(state: dict[str, Any]) -> list[str]:

@@ -54,7 +54,12 @@ from scale_llm.train.init_from import load_init_weights
 from scale_llm.train.lock import RunLock
 from scale_llm.train.metrics import MetricsLogger
 from scale_llm.train.preflight import check_run_dir, check_vocab, check_windows, out_of_memory
-from scale_llm.train.resume import check_resume_state, foreign_layout, schedule_change
+from scale_llm.train.resume import (
+    check_finished_run,
+    check_resume_state,
+    foreign_layout,
+    schedule_change,
+)
 from scale_llm.train.rng import Generators
 from scale_llm.train.throughput import Throughput
 
@@ -172,7 +177,7 @@ class Trainer:
         if self.complete:
             log.info(
                 "run already complete: %s is at step %d of train.max_steps=%d; nothing to do "
-                "(raise train.max_steps to train further)",
+                "(raise train.max_steps to train further, or start a new run: --run-name NAME)",
                 self.resume_from,
                 self.step,
                 t.max_steps,
@@ -456,7 +461,8 @@ class Trainer:
         self.bad_streak.fill_(int(state["bad_streak"]))
         if state["rng"] is not None:  # (None: an older checkpoint's, of one process only)
             self.generators.load_state_dict(state["rng"])
-        log.info("resume: continuing from %s at step %d", self.resume_from, self.step)
+        if self.step < self.cfg.train.max_steps:  # (a finished run says so, and stops, in fit)
+            log.info("resume: continuing from %s at step %d", self.resume_from, self.step)
         changed = schedule_change(state, self.cfg.train, self.step)
         if changed and self.plan.is_main:
             log.warning("resume: %s", changed)
@@ -474,6 +480,7 @@ class Trainer:
             self.manifest["tokenizer"]["sha256"],
             self.checkpointer.dir,
         )
+        check_finished_run(state, self.resume_from, self.cfg)  # other settings: a new run
         return state
 
     def _foreign_weights(self, state: dict[str, Any]) -> dict[str, torch.Tensor]:
