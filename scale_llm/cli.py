@@ -839,6 +839,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _runs_parser(sub) -> None:
+    from scale_llm.config import RunConfig
+
+    p = _command(sub, "runs", "list the runs of a run.dir: step, loss, status, size")
+    p.add_argument(
+        "dir",
+        nargs="?",
+        default=RunConfig().dir,
+        help="a run.dir (the parent of run directories), or one run directory",
+    )
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    """Read-only: nothing is written, created or locked."""
+    from scale_llm.train.runs import format_runs, list_runs
+
+    print(format_runs(list_runs(args.dir), args.dir))
+    return 0
+
+
 # Each command's parser, in `scale-llm --help`'s order.
 PARSERS = (
     _prepare_parser,
@@ -851,6 +871,7 @@ PARSERS = (
     _export_parser,
     _eval_parser,
     _generate_parser,
+    _runs_parser,
 )
 COMMANDS = {
     "prepare": cmd_prepare,
@@ -863,6 +884,7 @@ COMMANDS = {
     "export": cmd_export,
     "eval": cmd_eval,
     "generate": cmd_generate,
+    "runs": cmd_runs,
 }
 
 

@@ -381,6 +381,34 @@ class OwnerLock:
             )
 
 
+def lock_holder(path: Path) -> str | None:
+    """Who holds the OwnerLock at `path`, read without locking or writing anything: "pid N" for
+    a live process of this host, "pid N on HOST" for another host's (which cannot be checked
+    from here), None when the file is absent, unreadable, or names a process that has exited.
+    (A reader that took the flock, even shared, could make a starting owner's non-blocking
+    take fail; the record the owner writes is enough to tell.)"""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        raw = os.pread(fd, 4096, 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    try:
+        owner = json.loads(raw)
+    except (UnicodeDecodeError, ValueError):
+        return None
+    pid, host = (owner.get("pid"), owner.get("host")) if isinstance(owner, dict) else (None, None)
+    if not isinstance(pid, int) or isinstance(pid, bool) or not isinstance(host, str):
+        return None
+    if host != socket.gethostname():
+        return f"pid {pid} on {host}"
+    return f"pid {pid}" if _alive(pid) else None
+
+
 def _alive(pid: int) -> bool:
     if pid <= 0:
         return False

@@ -182,6 +182,38 @@ def test_run_messages_count_this_launch_and_a_finished_run_is_left_alone(
     )
 
 
+def test_runs_lists_each_run_and_writes_nothing(data_dir, tmp_path, capsys):
+    """`scale-llm runs`: a complete run, one stopped by exit_at_step, a folder that is not a
+    run (left out); every file, mtime and folder the same afterwards."""
+    from scale_llm.cli import main
+    from tests.helpers import finished_run, snapshot
+
+    finished_run(data_dir, tmp_path, "run.name=done", "checkpoint.every=2", "eval.every=4")
+    finished_run(data_dir, tmp_path, "run.name=half", "train.exit_at_step=2")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("x")
+    before = snapshot(tmp_path)
+    times = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
+    assert main(["runs", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["run", "step", "loss", "val_loss", "status", "checkpoint", "size"]
+    done, half = (line.split() for line in lines[1:])
+    assert done[:2] == ["done", "4/4"] and done[4:6] == ["complete", "step_00000004"]
+    assert float(done[2]) > 0 and float(done[3]) > 0  # the last loss and val_loss
+    assert half[:2] == ["half", "2/4"] and half[3:6] == ["-", "stopped", "step_00000002"]
+    assert done[-1] in ("KiB", "MiB") and float(done[-2]) > 0
+    assert len(lines) == 3  # notes/ is not a run
+    assert snapshot(tmp_path) == before
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == times
+    assert main(["runs", str(tmp_path / "half")]) == 0  # one run directory
+    assert capsys.readouterr().out.splitlines()[1].split()[0] == "half"
+    assert main(["runs", str(tmp_path / "notes")]) == 0
+    assert capsys.readouterr().out.startswith(f"no runs in {tmp_path / 'notes'}")
+    assert main(["runs", str(tmp_path / "missing")]) == 2
+    assert "missing: no such folder; give the run.dir" in capsys.readouterr().err
+    assert not (tmp_path / "missing").exists()
+
+
 # ----------------------------------------------------------------------------- packaging
 
 

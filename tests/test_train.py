@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import platform
 from pathlib import Path
 
@@ -177,10 +178,17 @@ def test_a_run_of_bad_steps_stops_with_causes_and_the_last_good_checkpoint(data_
     assert all(torch.equal(four[k], six[k]) for k in four)
     assert not all(torch.equal(four[k], two[k]) for k in four)  # steps 3-4 did change them
     assert all(torch.isfinite(v).all() for v in six.values())
+    from scale_llm.train.runs import list_runs
+
+    assert [(r.status, r.step, r.checkpoint) for r in list_runs(tr.run_dir.parent)] == [
+        ("diverged", 7, "step_00000006")  # (`scale-llm runs` reads the row the stop wrote)
+    ]
     again = trainer(data_dir, tmp_path, *settings)  # a resume continues the streak's count
     assert again.step == 6 and int(again.bad_streak) == 2 and int(again.skipped_steps) == 2
+    assert list_runs(tr.run_dir)[0].status == f"running (pid {os.getpid()})"  # its lock
     again.loader.close()
     again.lock.release()
+    assert list_runs(tr.run_dir)[0].status == "stopped"  # (its rows past step 6 were dropped)
 
 
 def test_a_checkpoint_due_on_a_skipped_step_is_written(data_dir, tmp_path):

@@ -342,6 +342,7 @@ class Trainer:
             saved = self.checkpointer.complete()
             good = self.step - streak  # the last step whose update was applied
             holds = good if saved and saved[-1][0] > good else None  # saved inside the streak
+            self.metrics.log(self.step, {"stopped": "diverged"})  # (what `scale-llm runs` reads)
             raise TrainingDiverged(
                 diverged_message(
                     streak,

@@ -1,0 +1,183 @@
+"""`scale-llm runs [DIR]`: one line per run directory under DIR (run.dir's default, `runs`).
+
+Each line: the run's name, its step of train.max_steps, the last logged loss and val_loss, its
+status, the newest complete checkpoint and the size on disk. Read-only: nothing is written,
+created or locked (a live run is told by the owner record of its lock file, not by taking it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from scale_llm.components.checkpoint import TRAINER_STATE
+from scale_llm.config import RunConfig, load_config
+from scale_llm.errors import UserError
+from scale_llm.files import describe_kind, lock_holder
+from scale_llm.train.lock import LOCK
+from scale_llm.train.preflight import METRICS_FILE
+
+CONFIG_FILE = "config.yaml"
+STEP_DIR = re.compile(r"^step_(\d+)$")
+DIVERGED = "diverged"  # a metrics row {"step": N, "stopped": "diverged"}: the trainer's last
+
+
+@dataclass
+class RunSummary:
+    name: str
+    step: int | None  # the last logged step
+    max_steps: int | None
+    loss: float | None
+    val_loss: float | None
+    status: str
+    checkpoint: str | None  # the newest complete checkpoint's folder name
+    size: int  # bytes on disk
+
+
+def list_runs(root: str | Path | None = None) -> list[RunSummary]:
+    """Every run directory in `root` (a run.dir), or `root` itself when it is one."""
+    root = Path(RunConfig().dir if root is None else root)
+    if not root.is_dir():
+        found = describe_kind(root)
+        what = "no such folder" if found == "missing" else f"{found}, not a folder"
+        raise UserError(
+            f"scale-llm runs {root}: {what}; give the run.dir your runs were written to "
+            f"(default: {RunConfig().dir}), or one run directory"
+        )
+    if (root / CONFIG_FILE).is_file():
+        return [summarize(root)]
+    dirs = sorted(p for p in root.iterdir() if p.is_dir() and (p / CONFIG_FILE).is_file())
+    return [summarize(p) for p in dirs]
+
+
+def summarize(run_dir: Path) -> RunSummary:
+    """What one run directory says about its run, read-only."""
+    try:
+        max_steps: int | None = load_config(run_dir / CONFIG_FILE).train.max_steps
+    except UserError:  # an edited or damaged config.yaml: the rest can still be listed
+        max_steps = None
+    rows = metric_rows(run_dir / METRICS_FILE)
+    loss = next((r["loss"] for r in reversed(rows) if "loss" in r), None)
+    val = next((r["val_loss"] for r in reversed(rows) if "val_loss" in r), None)
+    ckpt_step, ckpt = newest_checkpoint(run_dir / "checkpoints")
+    holder = lock_holder(run_dir / LOCK)
+    if holder is not None:
+        status = f"running ({holder})"
+    elif rows and rows[-1].get("stopped") == DIVERGED:
+        status = DIVERGED
+    elif ckpt_step is not None and max_steps is not None and ckpt_step >= max_steps:
+        status = "complete"
+    else:
+        status = "stopped"
+    return RunSummary(
+        name=run_dir.name,
+        step=rows[-1]["step"] if rows else ckpt_step,
+        max_steps=max_steps,
+        loss=_number(loss),
+        val_loss=_number(val),
+        status=status,
+        checkpoint=ckpt,
+        size=disk_usage(run_dir),
+    )
+
+
+def metric_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of metrics.jsonl that are JSON objects with an integer step (others skipped)."""
+    if not path.is_file() or path.is_symlink():
+        return []
+    rows = []
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except (UnicodeDecodeError, ValueError):
+                continue
+            step = row.get("step") if isinstance(row, dict) else None
+            if isinstance(step, int) and not isinstance(step, bool):
+                rows.append(row)
+    return rows
+
+
+def newest_checkpoint(folder: Path) -> tuple[int | None, str | None]:
+    """(step, name) of the newest complete checkpoint (a step folder with its trainer state;
+    symlinked ones are not the run's own), or (None, None)."""
+    if not folder.is_dir():
+        return None, None
+    found = [
+        (int(m.group(1)), p.name)
+        for p in folder.iterdir()
+        if (m := STEP_DIR.match(p.name)) and not p.is_symlink() and (p / TRAINER_STATE).is_file()
+    ]
+    return max(found) if found else (None, None)
+
+
+def disk_usage(folder: Path) -> int:
+    """Bytes the files under `folder` take on disk (symlinks not followed)."""
+    total = 0
+    for parent, _, files in os.walk(folder):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(parent, name)).st_blocks * 512
+            except OSError:  # removed meanwhile (a live run prunes and renames)
+                continue
+    return total
+
+
+def format_runs(runs: list[RunSummary], root: str | Path | None = None) -> str:
+    """The table `scale-llm runs` prints."""
+    if not runs:
+        where = RunConfig().dir if root is None else root
+        return f"no runs in {where} (a run directory holds the config.yaml `train` writes)"
+    rows = [("run", "step", "loss", "val_loss", "status", "checkpoint", "size")]
+    for r in runs:
+        step = "-" if r.step is None else str(r.step)
+        rows.append(
+            (
+                r.name,
+                f"{step}/{'?' if r.max_steps is None else r.max_steps}",
+                _shown(r.loss),
+                _shown(r.val_loss),
+                r.status,
+                r.checkpoint or "-",
+                _size(r.size),
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows
+    )
+
+
+def _number(value: Any) -> float | None:
+    """A logged value as a float (non-finite ones are logged as strings: "nan", "inf")."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
+def _shown(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.4f}" if math.isfinite(value) else str(value)
+
+
+def _size(n: float) -> str:
+    if n < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
+        n /= 1024
+        if n < 1024:
+            return f"{n:.1f} {unit}"
+    return f"{n / 1024:.1f} TiB"
