@@ -798,10 +798,49 @@ def generation_problems(args: argparse.Namespace) -> list[str]:
     return e
 
 
+MAX_PROMPT_BYTES = 16 * 2**20  # far past any context; a prompt is read and tokenized whole
+
+
+def read_prompt_file(path: str) -> str:
+    """The prompt `--prompt-file` names: a UTF-8 text file, or standard input for `-`."""
+    where = "standard input" if path == "-" else path
+    if path == "-":
+        data = sys.stdin.buffer.read(MAX_PROMPT_BYTES + 1)
+    else:
+        file = Path(path)
+        if not file.is_file():
+            found = "no such file" if not file.exists() else "not a regular file"
+            raise UserError(f"--prompt-file {path}: {found}; give a text file, or - for stdin")
+        with open(file, "rb") as f:
+            data = f.read(MAX_PROMPT_BYTES + 1)
+    if len(data) > MAX_PROMPT_BYTES:
+        raise UserError(
+            f"--prompt-file {where}: more than {MAX_PROMPT_BYTES // 2**20} MiB; the model reads "
+            f"at most model.seq_len tokens of a prompt: give the end of the text you want "
+            f"continued (e.g. tail -c 100000 FILE | scale-llm generate RUN --prompt-file -)"
+        )
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(
+            f"--prompt-file {where} is not UTF-8 text (bytes {data[e.start : e.end]!r} at byte "
+            f"{e.start}); re-encode it, e.g. iconv -f latin1 -t utf-8"
+        ) from None
+
+
 def _generate_parser(sub) -> None:
     p = _command(sub, "generate", "sample text from a trained run")
     p.add_argument("run_dir", help="a run directory written by `scale-llm train`, e.g. runs/tiny")
-    p.add_argument("--prompt", default="", help="text to continue (default: none: a new document)")
+    given = p.add_mutually_exclusive_group()
+    given.add_argument(
+        "--prompt", default="", help="text to continue (default: none: a new document)"
+    )
+    given.add_argument(
+        "--prompt-file",
+        metavar="PATH",
+        help="read the prompt from a UTF-8 text file, as it is (a final newline included), or "
+        "from standard input with -",
+    )
     p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate")
     p.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
     p.add_argument("--top-k", type=int, default=50, help="0 disables")
@@ -817,6 +856,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from scale_llm.generate import generate_text, read_run_config
     from scale_llm.plan import Launch, resolve_plan
 
+    if args.prompt_file is not None:
+        args.prompt = read_prompt_file(args.prompt_file)
     problems = generation_problems(args)
     if problems:
         raise UserError("; ".join(problems))

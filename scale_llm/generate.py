@@ -11,6 +11,7 @@ one token at a time, so the two can differ from there on.
 from __future__ import annotations
 
 import contextlib
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,8 @@ from scale_llm.data.tokenizer import Tokenizer
 from scale_llm.errors import UserError
 from scale_llm.model import KVCache, Transformer, build_model, empty_state_dict
 from scale_llm.plan import RunPlan
+
+log = logging.getLogger(__name__)
 
 
 def read_run_config(run_dir: str | Path) -> Config:
@@ -216,9 +219,19 @@ def generate_text(
 ) -> str:
     model, tokenizer = load_run(run_dir, cfg, plan, checkpoint)
     precision = Precision(plan.precision, plan.device.type)
+    prompt_ids = tokenizer.encode(prompt, bos=True)
+    if len(prompt_ids) > cfg.model.seq_len:
+        log.warning(
+            "generate: the prompt is %d tokens (with BOS), more than the model's context of "
+            "model.seq_len=%d: only its last %d tokens are read (the text printed starts with "
+            "the whole prompt)",
+            len(prompt_ids),
+            cfg.model.seq_len,
+            cfg.model.seq_len,
+        )
     ids = generate(
         model,
-        tokenizer.encode(prompt, bos=True),
+        prompt_ids,
         max_new_tokens,
         temperature,
         top_k,

@@ -1531,6 +1531,21 @@ FLAGS = [
         "--prompt is not valid UTF-8 (bytes b'\\xff\\xfe' at position 1)",
     ),
     (
+        "generate: a prompt file that is not there",
+        ["generate", ".", "--prompt-file", "p.txt"],
+        ("--prompt-file p.txt: no such file; give a text file, or - for stdin", ONE_LINE),
+    ),
+    (
+        "generate: a prompt file that is a folder",
+        ["generate", ".", "--prompt-file", "folder"],
+        "--prompt-file folder: not a regular file",
+    ),
+    (
+        "generate: a prompt file that is not UTF-8",
+        ["generate", ".", "--prompt-file", "latin.txt"],
+        "--prompt-file latin.txt is not UTF-8 text (bytes b'\\xe9' at byte 3); re-encode it",
+    ),
+    (
         "generate: a negative seed",
         ["generate", ".", "--seed", "-1"],
         "--seed -1: use an integer in [0, 2**63)",

@@ -214,6 +214,33 @@ def test_runs_lists_each_run_and_writes_nothing(data_dir, tmp_path, capsys):
     assert not (tmp_path / "missing").exists()
 
 
+def test_generate_reads_the_prompt_from_a_file_or_stdin_and_says_when_it_is_cut(
+    data_dir, tmp_path, monkeypatch, capsys
+):
+    """--prompt-file PATH / - (a prompt with newlines without shell quoting); a prompt longer
+    than model.seq_len (32 here) was cut silently."""
+    import io
+
+    from scale_llm.cli import main
+    from tests.helpers import finished_run
+
+    run = str(finished_run(data_dir, tmp_path))
+    greedy = ["--temperature", "0", "--max-new-tokens", "4"]
+    (tmp_path / "p.txt").write_text("def f(x):\n    return x\n")
+    assert main(["generate", run, "--prompt-file", str(tmp_path / "p.txt"), *greedy]) == 0
+    from_file = capsys.readouterr().out
+    assert main(["generate", run, "--prompt", "def f(x):\n    return x\n", *greedy]) == 0
+    assert capsys.readouterr().out == from_file and from_file.startswith("def f(x):\n    return")
+    assert "WARNING" not in from_file
+    long = "x = 1\n" * 40  # about 160 tokens
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(long.encode())))
+    assert main(["generate", run, "--prompt-file", "-", *greedy]) == 0
+    out = capsys.readouterr().out
+    assert "WARNING: generate: the prompt is" in out
+    assert "more than the model's context of model.seq_len=32: only its last 32 tokens" in out
+    assert long in out  # the whole prompt, then the continuation
+
+
 # ----------------------------------------------------------------------------- packaging
 
 
