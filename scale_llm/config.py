@@ -587,7 +587,14 @@ def with_changes(cfg: Config, changes: dict[str, Any]) -> Config:
 
 # Keys that hold a path. `~` in them is expanded once, as the config is loaded, so every reader
 # (and the config.yaml written into the run dir) sees the path the run used.
-PATH_KEYS = ("run.dir", "data.dir", "data.source", "model.init_from", "checkpoint.resume")
+PATH_KEYS = (
+    "run.dir",
+    "data.dir",
+    "data.source",
+    "data.tokenizer",
+    "model.init_from",
+    "checkpoint.resume",
+)
 NOT_PATHS = {"data.source": ("builtin",), "checkpoint.resume": ("auto", "never")}
 
 

@@ -11,6 +11,20 @@ class UserError(Exception):
     exit_code = 2
 
 
+INSTALL = "pip install 'scale_llm[hf]'"  # the Hugging Face extras
+
+
+def require(command: str, *modules: str) -> None:
+    """A UserError saying how to install the Hugging Face extras when one is missing."""
+    import importlib.util
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UserError(
+            f"{command} needs {'/'.join(modules)} (missing: {', '.join(missing)}): {INSTALL}"
+        )
+
+
 def require_writable_dir(path, key: str) -> None:
     """Before any work: `path` (the value of config key `key`) is, or can become, a writable
     directory. Names the first existing part of the path that is a file or read-only."""

@@ -37,7 +37,7 @@ from scale_llm.components.precision import Precision
 from scale_llm.config import Config
 from scale_llm.data.loader import TokenWindows
 from scale_llm.data.shards import open_split, read_manifest
-from scale_llm.data.tokenizer import EOS_ID, file_sha256
+from scale_llm.data.tokenizer import EOS_ID, file_sha256, run_tokenizer_path
 from scale_llm.errors import UserError
 from scale_llm.export import DTYPES, EXPORT_INFO, export
 from scale_llm.files import (
@@ -343,6 +343,7 @@ def run_tasks(
     import lm_eval
 
     dtype = (_read_json(export_dir / EXPORT_INFO) or {}).get("dtype", "fp32")
+    eos = (_read_json(export_dir / "config.json") or {}).get("eos_token_id", EOS_ID)
     out = lm_eval.simple_evaluate(
         model="hf",
         model_args={
@@ -353,7 +354,7 @@ def run_tasks(
             # the end of the document before it, as in training's stream `... [EOS] [BOS] doc`
             # (the tokenizer adds the BOS). lm-eval's default, BOS, scored a BOS after a BOS,
             # a pair training never shows, in every document of a perplexity task.
-            "prefix_token_id": EOS_ID,
+            "prefix_token_id": eos,
         },
         tasks=list(tasks),
         num_fewshot=num_fewshot,
@@ -400,7 +401,8 @@ def held_out_perplexity(
     """Mean next-token loss and its exp over the validation windows of `data_dir` (all of them,
     or the first `limit`), each window scored on its own as in training's val_loss."""
     manifest = read_manifest(data_dir)
-    if manifest["tokenizer"]["sha256"] != file_sha256(run_dir / "tokenizer.model"):
+    want = manifest["tokenizer"]["sha256"]
+    if want != file_sha256(run_tokenizer_path(run_dir, want)):
         raise UserError(
             f"--perplexity {data_dir}: its tokenizer is not the one {run_dir} trained with; "
             f"give a data dir prepared with the run's tokenizer"

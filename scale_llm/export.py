@@ -3,7 +3,8 @@
 The folder loads with `transformers` (`LlamaForCausalLM`, `AutoTokenizer`) and serves with vLLM:
 config.json, model.safetensors (or shards + model.safetensors.index.json past --max-shard-size),
 generation_config.json, the tokenizer (tokenizer.json built from our SentencePiece model,
-tokenizer_config.json, special_tokens_map.json, tokenizer.model) and scale_llm_export.json (which
+tokenizer_config.json, special_tokens_map.json, tokenizer.model; for a run on data encoded with a
+model's own tokenizer, data.tokenizer's files as they were) and scale_llm_export.json (which
 run, step and tokenizer it came from). The weights are read once (`load_model_weights` reads
 single, DDP, FSDP2 and DeepSpeed checkpoints on the CPU) and converted tensor by tensor, so the
 export holds one copy of the model plus one shard. It is built in a temporary folder beside
@@ -31,7 +32,8 @@ from scale_llm.components.checkpoint import (
 from scale_llm.components.hf_files import require
 from scale_llm.config import ModelConfig
 from scale_llm.data.hf_tokenizer import write_tokenizer_files
-from scale_llm.data.tokenizer import Tokenizer, file_sha256
+from scale_llm.data.pretrained_tokenizer import PretrainedTokenizer
+from scale_llm.data.tokenizer import Tokenizer, load_tokenizer, run_tokenizer_path
 from scale_llm.errors import UserError, require_writable_dir
 from scale_llm.files import (
     atomic_write_json,
@@ -74,7 +76,7 @@ class Source:
     step: int
     model: ModelConfig
     precision: str  # what the run trained in (the plan's resolved precision)
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | PretrainedTokenizer
 
 
 @dataclass
@@ -91,19 +93,20 @@ def read_source(path: str | Path) -> Source:
     state = read_trainer_state(ckpt)  # checked: its step, its shape, what its files can hold
     model = saved_model_config(state)
     run_dir = ckpt.parent.parent  # <run>/checkpoints/step_XXXXXXXX
-    tok_path = run_dir / "tokenizer.model"
+    tok_path = run_tokenizer_path(run_dir, state["tokenizer_sha256"])
     if not tok_path.is_file():
         raise UserError(
             f"{tok_path} is missing: the export needs the run's tokenizer; copy the data dir's "
             f"tokenizer.model (the one the run trained with) there"
         )
-    if file_sha256(tok_path) != state["tokenizer_sha256"]:
+    tokenizer = load_tokenizer(tok_path)
+    if tokenizer.sha256() != state["tokenizer_sha256"]:
         raise UserError(
             f"{tok_path} is not the tokenizer {ckpt} was trained with (its SHA-256 differs); "
-            f"restore the run's tokenizer.model"
+            f"restore the run's {tok_path.name}"
         )
     precision = state["plan"]["precision"]
-    return Source(ckpt, run_dir, int(state["step"]), model, precision, Tokenizer(tok_path))
+    return Source(ckpt, run_dir, int(state["step"]), model, precision, tokenizer)
 
 
 def default_dtype(precision: str) -> str:
@@ -144,7 +147,7 @@ def export(
 def write_hf_folder(
     state: dict[str, torch.Tensor],
     cfg: ModelConfig,
-    tokenizer: Tokenizer,
+    tokenizer: Tokenizer | PretrainedTokenizer,
     out: str | Path,
     dtype: str,
     max_shard_bytes: int = DEFAULT_MAX_SHARD,
@@ -164,7 +167,7 @@ def write_hf_folder(
         n_params = _write_weights(state, cfg, DTYPES[dtype], tmp, max_shard_bytes)
         atomic_write_json(
             tmp / "config.json",
-            to_hf_config(cfg, DTYPES[dtype], tokenizer.bos_id, tokenizer.eos_id, tokenizer.eos_id),
+            to_hf_config(cfg, DTYPES[dtype], tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id),
         )
         atomic_write_json(tmp / "generation_config.json", generation_config(tokenizer))
         write_tokenizer_files(tokenizer, tmp, cfg.seq_len)
@@ -245,12 +248,12 @@ def check_not_inside_source(out: Path, src: Source) -> None:
         )
 
 
-def generation_config(tokenizer: Tokenizer) -> dict[str, Any]:
+def generation_config(tokenizer: Tokenizer | PretrainedTokenizer) -> dict[str, Any]:
     """`scale-llm generate`'s sampling defaults (temperature 0.8, top-k 50)."""
     return {
         "bos_token_id": tokenizer.bos_id,
         "eos_token_id": tokenizer.eos_id,
-        "pad_token_id": tokenizer.eos_id,
+        "pad_token_id": tokenizer.pad_id,
         "do_sample": True,
         "temperature": 0.8,
         "top_k": 50,

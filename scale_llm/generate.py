@@ -26,7 +26,8 @@ from scale_llm.components.checkpoint import (
 )
 from scale_llm.components.precision import Precision
 from scale_llm.config import Config, get_key, load_config, run_defining_keys
-from scale_llm.data.tokenizer import Tokenizer
+from scale_llm.data.pretrained_tokenizer import PretrainedTokenizer
+from scale_llm.data.tokenizer import Tokenizer, load_tokenizer, run_tokenizer_path
 from scale_llm.errors import UserError
 from scale_llm.model import KVCache, Transformer, build_model, empty_state_dict
 from scale_llm.plan import RunPlan
@@ -47,7 +48,7 @@ def read_run_config(run_dir: str | Path) -> Config:
 
 def load_run(
     run_dir: str | Path, cfg: Config, plan: RunPlan, checkpoint: str | Path | None = None
-) -> tuple[Transformer, Tokenizer]:
+) -> tuple[Transformer, Tokenizer | PretrainedTokenizer]:
     """The model of a run's newest (or the given) checkpoint on the plan's device, with the
     run's tokenizer."""
     run_dir = Path(run_dir)
@@ -60,20 +61,21 @@ def load_run(
             f"config.yaml in {'; '.join(differs)}; generate from that checkpoint's own run "
             f"directory ({ckpt.parent.parent}), or pick a checkpoint of {run_dir}"
         )
-    tokenizer = Tokenizer(run_dir / "tokenizer.model")
     trained_with = state["tokenizer_sha256"]
+    tok_path = run_tokenizer_path(run_dir, trained_with)
+    tokenizer = load_tokenizer(tok_path)
     if tokenizer.sha256() != trained_with:
         if not _inside(ckpt, run_dir):
             raise UserError(
                 f"{ckpt} belongs to another run: it was trained with another "
-                f"tokenizer than {run_dir / 'tokenizer.model'} (sha256 {trained_with[:12]}... "
+                f"tokenizer than {tok_path} (sha256 {trained_with[:12]}... "
                 f"vs {tokenizer.sha256()[:12]}...); generate from that checkpoint's own run "
                 f"directory ({ckpt.parent.parent}), or pick a checkpoint of {run_dir}"
             )
         raise UserError(
-            f"{run_dir / 'tokenizer.model'} is not the tokenizer {ckpt} was trained with "
+            f"{tok_path} is not the tokenizer {ckpt} was trained with "
             f"(sha256 {tokenizer.sha256()[:12]}..., the checkpoint records "
-            f"{trained_with[:12]}...); copy the tokenizer.model of the run's data.dir back"
+            f"{trained_with[:12]}...); copy the {tok_path.name} of the run's data.dir back"
         )
     weights = load_model_weights(ckpt, empty_state_dict(cfg.model))
     model = build_model(cfg.model)

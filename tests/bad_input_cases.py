@@ -28,6 +28,8 @@ from tests.helpers import (
     random_texts,
     rewrite_state,
     stub_eval_tasks,
+    word_tokenizer,
+    write_jsonl,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -677,6 +679,42 @@ def _lone_surrogate_corpus(ctx: Ctx) -> list[str]:
     return [*_prepare_argv(path, ctx.tmp / "out"), *s("data.num_proc=1")]
 
 
+def _a_tokenizer_without_eos(ctx: Ctx) -> list[str]:
+    needs("transformers")
+    folder = word_tokenizer(ctx.tmp / "tok", 20, eos=False)  # tokenizer.json alone
+    return ["prepare", TINY, *s(f"data.tokenizer={folder}", "data.dir=d")]
+
+
+def _more_token_ids_than_the_model(ctx: Ctx) -> Setup:
+    """A tokenizer of 603 ids for a model (init_from's) of 512 rows, found before any work."""
+    needs("transformers")
+    folder = word_tokenizer(ctx.tmp / "tok", 600)
+    init = f"model.init_from={ctx.exported}"
+    argv = ["prepare", TINY, *s(f"data.tokenizer={folder}", "data.dir=d", init)]
+    return Setup([*argv, *s("model.vocab_size=512")], expect=(f"data.tokenizer={folder} has",))
+
+
+def _data_of_more_ids_than_the_model(ctx: Ctx) -> Setup:
+    """Data encoded with the export's tokenizer (512 ids) for a model of 400 rows."""
+    from scale_llm.cli import main
+
+    needs("transformers")
+    corpus = write_jsonl(ctx.tmp / "c.jsonl", random_texts(40, "doc{i}"))
+    data = ctx.tmp / "hf_data"
+    settings = [f"data.source={corpus}", f"data.dir={data}", f"data.tokenizer={ctx.exported}"]
+    assert main(["prepare", TINY, *s(*settings, "model.vocab_size=512")]) == 0
+    return Setup(["train", ctx.config(f"data.dir={data}", "model.vocab_size=400")])
+
+
+def _init_from_a_foreign_tokenizer(ctx: Ctx) -> Setup:
+    """An export without tokenizer.model stands for a model from elsewhere (tokenizer.json)."""
+    folder = ctx.tmp / "foreign"
+    shutil.copytree(ctx.exported, folder)
+    (folder / "tokenizer.model").unlink()
+    argv = ["train", ctx.config(f"model.init_from={folder}")]
+    return Setup(argv, expect=(f"set data.tokenizer={folder} and run `scale-llm prepare`",))
+
+
 def _data_of_another_tokenizer(ctx: Ctx) -> list[str]:
     """The same shards, described as another tokenizer's."""
     from scale_llm.data.tokenizer import file_sha256, train_tokenizer
@@ -813,6 +851,32 @@ DATA = [
     ],
     ("a folder for prepare's progress record", _progress_record_a_folder, ()),
     ("eval: data of another tokenizer", _data_of_another_tokenizer, "not the one"),
+    (
+        "data.tokenizer: no such folder",
+        ["prepare", TINY, *s("data.tokenizer=nowhere", "data.dir=d")],
+        ("data.tokenizer=nowhere: no such folder", "tokenizer.json and/or tokenizer.model"),
+    ),
+    (
+        "data.tokenizer: a folder with neither tokenizer file",
+        ["prepare", TINY, *s("data.tokenizer=folder", "data.dir=d")],
+        "data.tokenizer=folder holds neither tokenizer.json nor tokenizer.model",
+    ),
+    ("data.tokenizer: no EOS", _a_tokenizer_without_eos, "its special tokens name no EOS"),
+    (
+        "data.tokenizer: more ids than the model of init_from",
+        _more_token_ids_than_the_model,
+        ("has 603 token ids, but model.vocab_size=512", "must be the tokenizer model.init_from="),
+    ),
+    (
+        "train: data of more token ids than the model",
+        _data_of_more_ids_than_the_model,
+        ("has 512 token ids, but model.vocab_size=400", "set model.vocab_size=512"),
+    ),
+    (
+        "init_from: a model's own tokenizer over data of a trained one",
+        _init_from_a_foreign_tokenizer,
+        "carries its own tokenizer (tokenizer.json), but data.dir was encoded with one prepare",
+    ),
 ]
 
 

@@ -327,3 +327,67 @@ def documents_of(spec: Path | str) -> dict[str, str]:
     from scale_llm.data.sources import local_source
 
     return {d.doc_id: d.text for d in local_source(str(spec), "text").documents()}
+
+
+# ----------------------------------------------------------------------------- Hugging Face
+
+
+def word_tokenizer(folder: Path, words: int, *, eos: bool = True) -> Path:
+    """A word-level Hugging Face tokenizer in `folder`: <unk>, <s>, </s>, then the words w0, w1,
+    ... (id = 3 + index), split at whitespace, BOS put first. tokenizer.json, and a
+    tokenizer_config.json naming BOS and EOS; with eos=False, tokenizer.json alone (no token is
+    named EOS)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    if eos:
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": "<s>",
+            "eos_token": "</s>",
+            "unk_token": "<unk>",
+        }
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def first_batch_loss(hf_model, data_dir: Path, micro_batch: int, seed: int = 1337) -> float:
+    """The loss of the transformers model on the first global batch a run would see (seq_len
+    32, one process)."""
+    import torch.nn.functional as F
+
+    from scale_llm.data.loader import TokenWindows, TrainLoader
+    from scale_llm.data.shards import open_split, read_manifest
+
+    windows = TokenWindows(open_split(data_dir, read_manifest(data_dir), "train"), 32)
+    ((inputs, targets),) = TrainLoader(windows, batch_plan(micro_batch, 1), seed).next_batches()
+    with torch.no_grad():
+        logits = hf_model(inputs).logits
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
+
+
+def greedy_texts(run_dir: Path, export_dir: Path, prompt: str, tokens: int) -> tuple[str, str]:
+    """(`scale-llm generate RUN --temperature 0`'s text, transformers' greedy text from the
+    export of that run: LlamaForCausalLM.generate, decoded by AutoTokenizer), `tokens` new
+    tokens each. Equal when the export is the run's model and tokenizer."""
+    import io
+
+    import transformers
+
+    from scale_llm import cli
+
+    out = io.StringIO()
+    args = ["generate", str(run_dir), "--prompt", prompt, "--temperature", "0"]
+    with contextlib.redirect_stdout(out):
+        assert cli.main([*args, "--max-new-tokens", str(tokens)]) == 0
+    model = transformers.LlamaForCausalLM.from_pretrained(export_dir, dtype=torch.float32)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(export_dir)
+    ids = hf_tok(prompt, return_tensors="pt").input_ids
+    new = model.eval().generate(ids, do_sample=False, max_new_tokens=tokens)[0, ids.shape[1] :]
+    return out.getvalue(), prompt + hf_tok.decode(new, skip_special_tokens=True) + "\n"

@@ -17,12 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from scale_llm import cli
 from scale_llm.config import ModelConfig
-from scale_llm.data.loader import TokenWindows, TrainLoader
-from scale_llm.data.shards import open_split, read_manifest
+from scale_llm.data.shards import read_manifest
 from scale_llm.data.tokenizer import Tokenizer
 from scale_llm.errors import UserError
 from scale_llm.export import default_dtype, export, write_hf_folder
@@ -33,9 +31,9 @@ from tests.helpers import (
     BACKENDS,
     REPO,
     SPLIT,
-    batch_plan,
     common,
     finished_run,
+    first_batch_loss,
     plan_for,
     rows_of,
     run,
@@ -345,15 +343,6 @@ def test_import_then_export_is_bit_identical(dtype, run_dir, exported, data_dir,
     assert_same_tensors(hf_tensors(tmp_path / "again"), hf_tensors(first))
     for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer.model"):
         assert (tmp_path / "again" / name).read_bytes() == (first / name).read_bytes(), name
-
-
-def first_batch_loss(hf_model, data_dir: Path, micro_batch: int, seed: int = 1337) -> float:
-    """The loss of the transformers model on the first global batch a run would see."""
-    windows = TokenWindows(open_split(data_dir, read_manifest(data_dir), "train"), 32)
-    ((inputs, targets),) = TrainLoader(windows, batch_plan(micro_batch, 1), seed).next_batches()
-    with torch.no_grad():
-        logits = hf_model(inputs).logits
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
 
 
 def test_a_run_from_init_from_starts_at_the_source_loss(run_dir, exported, theirs, data_dir):

@@ -8,7 +8,6 @@ read at a time. Older folders that only have `pytorch_model.bin` (a pickle) are 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -16,21 +15,11 @@ from typing import Any
 import torch
 
 from scale_llm.components.serialization import load_file
-from scale_llm.errors import UserError
+from scale_llm.errors import UserError, require
 
 CONFIG = "config.json"
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 PICKLE, PICKLE_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
-INSTALL = "pip install 'scale_llm[hf]'"
-
-
-def require(command: str, *modules: str) -> None:
-    """A UserError saying how to install the Hugging Face extras when one is missing."""
-    missing = [m for m in modules if importlib.util.find_spec(m) is None]
-    if missing:
-        raise UserError(
-            f"{command} needs {'/'.join(modules)} (missing: {', '.join(missing)}): {INSTALL}"
-        )
 
 
 def read_hf_config(folder: Path, what: str) -> dict[str, Any]:

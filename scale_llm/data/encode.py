@@ -1,9 +1,10 @@
 """Parallel, ordered tokenization: batches of documents in, token arrays out, in input order.
 
 `Encoder.map` sends batches of documents to `num_proc` worker processes (each loads the
-SentencePiece model once) and yields their results in the order the batches went in, with a
-bounded number in flight, so memory stays flat on any corpus size and the output is the same
-for every `num_proc`. With `num_proc=1` it encodes in this process, without a pool.
+tokenizer once: our SentencePiece model, or a model's own, `pretrained_tokenizer.py`) and
+yields their results in the order the batches went in, with a bounded number in flight, so
+memory stays flat on any corpus size and the output is the same for every `num_proc`. With
+`num_proc=1` it encodes in this process, without a pool.
 This module imports no torch: workers start fast.
 """
 
@@ -20,10 +21,11 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
-import sentencepiece as spm
 
+from scale_llm.data.pretrained_tokenizer import PretrainedTokenizer
 from scale_llm.data.shards import token_dtype
 from scale_llm.data.sources import Document
+from scale_llm.data.tokenizer import Tokenizer, load_tokenizer
 
 BATCH_CHARS = 1 << 20  # characters of text per batch sent to a worker
 BATCH_DOCS = 1024  # and at most this many documents
@@ -44,25 +46,28 @@ def cpu_count() -> int:
 
 @dataclass
 class EncodedBatch:
-    tokens: np.ndarray  # every document as [BOS] ids [EOS], concatenated in input order
+    tokens: np.ndarray  # every document as [BOS] ids [EOS] (doc_start ids doc_end), in order
     lengths: np.ndarray  # (documents,) int64: tokens of each document
     is_val: np.ndarray  # (documents,) bool: the document belongs to the validation split
     chars: int  # characters of text encoded
 
 
 def encode_batch(
-    sp: spm.SentencePieceProcessor, docs: list[tuple[str, str]], val_fraction: float
+    tok: Tokenizer | PretrainedTokenizer, docs: list[tuple[str, str]], val_fraction: float
 ) -> EncodedBatch:
-    """[BOS] ids [EOS] for each (doc_id, text), in one batched, single-threaded encode call."""
-    encoded = sp.encode([text for _, text in docs], num_threads=1)
-    dtype = token_dtype(sp.get_piece_size())
-    lengths = np.fromiter((len(ids) + 2 for ids in encoded), dtype=np.int64, count=len(docs))
+    """doc_start ids doc_end ([BOS] ids [EOS] for ours) for each (doc_id, text), in one
+    batched, single-threaded encode call."""
+    encoded = tok.encode_many([text for _, text in docs])
+    dtype = token_dtype(tok.vocab_size)
+    start, end = np.array(tok.doc_start, dtype=dtype), np.array(tok.doc_end, dtype=dtype)
+    a, b = len(start), len(end)
+    lengths = np.fromiter((len(ids) + a + b for ids in encoded), dtype=np.int64, count=len(docs))
     tokens = np.empty(int(lengths.sum()), dtype=dtype)
-    bos, eos, pos = sp.bos_id(), sp.eos_id(), 0
+    pos = 0
     for ids, n in zip(encoded, lengths.tolist()):
-        tokens[pos] = bos
-        tokens[pos + 1 : pos + n - 1] = ids
-        tokens[pos + n - 1] = eos
+        tokens[pos : pos + a] = start
+        tokens[pos + a : pos + n - b] = ids
+        tokens[pos + n - b : pos + n] = end
         pos += n
     is_val = np.fromiter(
         (is_val_document(doc_id, val_fraction) for doc_id, _ in docs), dtype=bool, count=len(docs)
@@ -91,12 +96,12 @@ _worker: dict = {}
 def _init_worker(model_path: str, val_fraction: float, parent: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     _die_with(parent)
-    _worker["sp"] = spm.SentencePieceProcessor(model_file=model_path)
+    _worker["tok"] = load_tokenizer(model_path)
     _worker["val_fraction"] = val_fraction
 
 
 def _encode_in_worker(docs: list[tuple[str, str]]) -> EncodedBatch:
-    return encode_batch(_worker["sp"], docs, _worker["val_fraction"])
+    return encode_batch(_worker["tok"], docs, _worker["val_fraction"])
 
 
 def _die_with(parent: int) -> None:
@@ -131,9 +136,9 @@ class Encoder:
         batches = iter(batches)
         head = list(itertools.islice(batches, 2))
         if self.num_proc == 1 or len(head) < 2:
-            sp = spm.SentencePieceProcessor(model_file=self.model_path)
+            tok = load_tokenizer(self.model_path)
             for batch in itertools.chain(head, batches):
-                yield encode_batch(sp, batch, self.val_fraction)
+                yield encode_batch(tok, batch, self.val_fraction)
             return
         self.processes = self.num_proc
         # spawn, not fork: the parent may hold torch / OpenMP threads that fork would copy

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from scale_llm.data.pretrained_tokenizer import PretrainedTokenizer
 from scale_llm.data.tokenizer import Tokenizer
 
 SPACE = "\u2581"  # SentencePiece's visible space
@@ -93,8 +94,15 @@ def tokenizer_files(tok: Tokenizer, max_length: int) -> dict[str, str]:
     }
 
 
-def write_tokenizer_files(tok: Tokenizer, out_dir: Path, max_length: int) -> None:
-    """Into `out_dir`, a folder the caller made (export's temporary folder)."""
+def write_tokenizer_files(
+    tok: Tokenizer | PretrainedTokenizer, out_dir: Path, max_length: int
+) -> None:
+    """Into `out_dir`, a folder the caller made (export's temporary folder). A model's own
+    tokenizer (data.tokenizer) is written back as its folder held it."""
+    if isinstance(tok, PretrainedTokenizer):
+        for name, data in tok.files().items():
+            (out_dir / name).write_bytes(data)
+        return
     for name, text in tokenizer_files(tok, max_length).items():
         (out_dir / name).write_text(text, encoding="utf-8")
     (out_dir / "tokenizer.model").write_bytes(tok.path.read_bytes())

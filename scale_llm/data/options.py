@@ -18,6 +18,14 @@ class DataConfig:
         run_defining=True,
     )
     dir: str = config_key("data/builtin", "where the tokenizer, shards and manifest live")
+    tokenizer: str | None = config_key(
+        None,
+        "a folder holding a Hugging Face model's tokenizer (`tokenizer.json` and/or "
+        "`tokenizer.model`), e.g. the one `model.init_from` names or an export: prepare "
+        "encodes with it, as transformers' AutoTokenizer does, then EOS after each document, "
+        "instead of training a SentencePiece tokenizer of `model.vocab_size` pieces; the "
+        "model needs `model.vocab_size` >= its ids. null: train one",
+    )
     text_field: str = config_key(
         "text", "field of `.jsonl` / `.parquet` / `hf:` records holding the text"
     )
@@ -73,6 +81,8 @@ def validate_data(d: DataConfig) -> list[str]:
     for key in ("num_proc", "prefetch"):
         if getattr(d, key) < 0:
             e.append(f"data.{key}={getattr(d, key)} must be >= 0")
+    if d.tokenizer is not None and not d.tokenizer.strip():
+        e.append("data.tokenizer is empty; give a Hugging Face tokenizer folder, or null")
     if not 0.0 < d.val_fraction < 1.0:
         e.append(
             f"data.val_fraction={d.val_fraction} must be between 0 and 1 (e.g. "

@@ -1,7 +1,8 @@
 """`scale-llm prepare`: corpus -> SentencePiece tokenizer -> token shards + manifest.
 
 Steps: stream the source's documents in a fixed order (capped by data.max_documents); train the
-tokenizer on a sample of the first train documents; encode every document as [BOS] ids [EOS] in
+tokenizer on a sample of the first train documents, or, with data.tokenizer, take a Hugging Face
+model's (`pretrained_tokenizer.py`); encode every document as [BOS] ids [EOS] in
 `data.num_proc` processes, in order, into fixed-size train / val shards (the split decided by a
 stable hash of each document's id), until the stream or data.max_tokens ends; write
 manifest.json last. progress.json checkpoints the work, so an interrupted prepare continues where
@@ -29,6 +30,13 @@ import numpy as np
 
 from scale_llm.config import Config
 from scale_llm.data.encode import EncodedBatch, Encoder, batched, is_val_document
+from scale_llm.data.pretrained_tokenizer import (
+    BUNDLE_FILE,
+    WHAT,
+    PretrainedTokenizer,
+    build_bundle,
+    vocab_problem,
+)
 from scale_llm.data.progress import Progress
 from scale_llm.data.shards import (
     FORMAT_VERSION,
@@ -45,7 +53,7 @@ from scale_llm.data.shards import (
     write_progress,
 )
 from scale_llm.data.sources import Document, open_source
-from scale_llm.data.tokenizer import file_sha256, train_tokenizer
+from scale_llm.data.tokenizer import SP_FILE, file_sha256, load_tokenizer, train_tokenizer
 from scale_llm.errors import UserError, require_writable_dir
 from scale_llm.files import (
     OwnerLock,
@@ -60,7 +68,7 @@ from scale_llm.files import (
 __all__ = ["prepare", "is_val_document"]
 
 log = logging.getLogger(__name__)
-TOKENIZER_FILE = "tokenizer.model"
+TOKENIZER_FILE = SP_FILE  # the tokenizer prepare trains (data.tokenizer's: BUNDLE_FILE)
 PIPELINE_VERSION = 3  # bump when the same input and settings would give different shards
 CHECKPOINT_SECONDS = 30.0  # progress.json is rewritten this often (and at every finished shard)
 SAMPLE_POOL = 4  # the tokenizer sample is drawn from the first 4x its size of train documents
@@ -71,7 +79,8 @@ def prepare(cfg: Config, force: bool = False) -> dict[str, Any]:
     """Prepare `cfg.data.dir` from `cfg.data.source`; returns the manifest."""
     out = Path(cfg.data.dir)
     source = open_source(cfg.data)
-    fingerprint = _fingerprint(cfg, source)
+    bundle = _model_tokenizer(cfg)
+    fingerprint = _fingerprint(cfg, source, bundle)
     current = _up_to_date(out, fingerprint, force)  # read-only: a shared data dir needs no lock
     if current is not None:
         return current
@@ -84,7 +93,7 @@ def prepare(cfg: Config, force: bool = False) -> dict[str, Any]:
         current = _up_to_date(out, fingerprint, force)  # what the prepare waited for made
         if current is not None:
             return current
-        return _build(cfg, source, fingerprint, out, force)
+        return _build(cfg, source, fingerprint, out, force, bundle)
     finally:
         lock.release()
         for folder in made:  # the folders this call made, left empty by a refused prepare
@@ -113,7 +122,22 @@ def _up_to_date(out: Path, fingerprint: str, force: bool) -> dict[str, Any] | No
     return current
 
 
-def _build(cfg: Config, source, fingerprint: str, out: Path, force: bool) -> dict[str, Any]:
+def _model_tokenizer(cfg: Config) -> bytes | None:
+    """data.tokenizer's tokenizer as the file prepare keeps (None: prepare trains one), checked
+    against model.vocab_size before any work."""
+    if cfg.data.tokenizer is None:
+        return None
+    bundle, info = build_bundle(cfg.data.tokenizer)
+    where = f"{WHAT}={cfg.data.tokenizer}"
+    problem = vocab_problem(where, info["vocab_size"], cfg.model.vocab_size, cfg.model.init_from)
+    if problem:
+        raise UserError(problem)
+    return bundle
+
+
+def _build(
+    cfg: Config, source, fingerprint: str, out: Path, force: bool, bundle: bytes | None
+) -> dict[str, Any]:
     """Build the data in out/.prepare-build/ and publish it into `out` (under the lock)."""
     _refuse_foreign_files(out)
     # Build beside the current data, in out/.prepare-build/: until the new manifest is complete
@@ -124,7 +148,7 @@ def _build(cfg: Config, source, fingerprint: str, out: Path, force: bool) -> dic
     log.info("data: reading %s", source.describe())
     try:
         progress, writers, stream = _resume(cfg, source, build, fingerprint, force) or _fresh(
-            cfg, source, build, fingerprint
+            cfg, source, build, fingerprint, bundle
         )
     except UserError:  # refused before any work worth keeping: leave no build behind
         if fresh_build:
@@ -172,7 +196,7 @@ PREVIOUS = "previous-manifest.json"  # in the build: what publishing it replaces
 def _shaped_like_ours(directory: Path) -> list[Path]:
     """Files in `directory` named as prepare names its outputs."""
     found = [*directory.glob("train_*.bin*"), *directory.glob("val_*.bin*")]
-    return found + [directory / TOKENIZER_FILE] if (directory / TOKENIZER_FILE).exists() else found
+    return found + [directory / n for n in (SP_FILE, BUNDLE_FILE) if (directory / n).exists()]
 
 
 def _refuse_foreign_files(out: Path) -> None:
@@ -271,7 +295,7 @@ def raise_empty(cfg: Config) -> None:
 def _resume(cfg: Config, source, out: Path, fingerprint: str, force: bool):
     """(progress, writers, stream) continuing an interrupted prepare, or None."""
     progress = read_progress(out)
-    tok = out / TOKENIZER_FILE
+    tok = out / _tokenizer_file(cfg)
     if force or not progress or progress.get("fingerprint") != fingerprint:
         return None
     if not tok.is_file() or file_sha256(tok) != progress["tokenizer_sha256"]:
@@ -291,25 +315,30 @@ def _resume(cfg: Config, source, out: Path, fingerprint: str, force: bool):
     return progress, writers, stream
 
 
-def _fresh(cfg: Config, source, out: Path, fingerprint: str):
+def _tokenizer_file(cfg: Config) -> str:
+    return BUNDLE_FILE if cfg.data.tokenizer is not None else TOKENIZER_FILE
+
+
+def _fresh(cfg: Config, source, out: Path, fingerprint: str, bundle: bytes | None):
     """Clear the build folder (prepare's own: `_claim_build_dir`) of an earlier attempt, train
-    the tokenizer; (progress, writers, stream) from document 0."""
-    for stale in [*out.glob("train_*.bin*"), *out.glob("val_*.bin*"), out / PROGRESS]:
+    the tokenizer (or write data.tokenizer's); (progress, writers, stream) from document 0."""
+    earlier = [*out.glob("train_*.bin*"), *out.glob("val_*.bin*"), out / PROGRESS]
+    for stale in [*earlier, out / SP_FILE, out / BUNDLE_FILE]:  # (a tokenizer of either kind)
         stale.unlink(missing_ok=True)
-    t0 = time.perf_counter()
     docs = _documents(cfg, source)
-    pool = _sample_pool(docs, cfg)
-    sample = list(_sample(pool, cfg))
-    if not sample:
-        raise_empty(cfg)
-    tokenizer = train_tokenizer(sample, cfg.model.vocab_size, out / TOKENIZER_FILE)
-    log.info(
-        "data: trained a %d-piece BPE tokenizer on %.1f MB (%d documents) in %.1fs",
-        tokenizer.vocab_size,
-        sum(map(len, sample)) / 1e6,
-        len(sample),
-        time.perf_counter() - t0,
-    )
+    if bundle is None:
+        tokenizer, stream = _train(cfg, docs, out)
+    else:
+        atomic_write_bytes(out / BUNDLE_FILE, bundle)  # into prepare's own build folder
+        tokenizer, stream = PretrainedTokenizer(out / BUNDLE_FILE), docs
+        log.info(
+            "data: encoding with the tokenizer of data.tokenizer=%s (%d ids; each document: "
+            "%s text %s)",
+            cfg.data.tokenizer,
+            tokenizer.vocab_size,
+            tokenizer.doc_start,
+            tokenizer.doc_end,
+        )
     dtype = token_dtype(tokenizer.vocab_size)
     progress = {
         "fingerprint": fingerprint,
@@ -322,7 +351,25 @@ def _fresh(cfg: Config, source, out: Path, fingerprint: str):
     }
     writers = _writers(cfg, out, dtype, progress["splits"])
     write_progress(out, progress)
-    return progress, writers, itertools.chain(pool, docs)
+    return progress, writers, stream
+
+
+def _train(cfg: Config, docs: Iterator[Document], out: Path):
+    """A tokenizer trained on a sample of the first train documents; (it, the whole stream)."""
+    t0 = time.perf_counter()
+    pool = _sample_pool(docs, cfg)
+    sample = list(_sample(pool, cfg))
+    if not sample:
+        raise_empty(cfg)
+    tokenizer = train_tokenizer(sample, cfg.model.vocab_size, out / TOKENIZER_FILE)
+    log.info(
+        "data: trained a %d-piece BPE tokenizer on %.1f MB (%d documents) in %.1fs",
+        tokenizer.vocab_size,
+        sum(map(len, sample)) / 1e6,
+        len(sample),
+        time.perf_counter() - t0,
+    )
+    return tokenizer, itertools.chain(pool, docs)
 
 
 def _writers(cfg: Config, out: Path, dtype: np.dtype, states: dict) -> dict[str, ShardWriter]:
@@ -393,7 +440,8 @@ def _tokenize(
     total = min(filter(None, [remaining, cfg.data.max_documents]), default=None)
     bar = Progress("tokenizing", total=total, initial=progress["documents_read"])
     last_checkpoint = time.perf_counter()
-    with Encoder(out / TOKENIZER_FILE, cfg.data.val_fraction, cfg.data.num_proc) as encoder:
+    tok = out / _tokenizer_file(cfg)
+    with Encoder(tok, cfg.data.val_fraction, cfg.data.num_proc) as encoder:
         for batch in encoder.map(batched(stream)):
             n_docs = _docs_within_cap(batch, progress["tokens"], max_tokens)
             finished = _write(writers, batch, n_docs)
@@ -464,9 +512,11 @@ def _finish(writers: dict[str, ShardWriter]) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- manifest
 def _manifest(cfg: Config, source, out: Path, fingerprint: str, progress, splits) -> dict:
-    from scale_llm.data.tokenizer import Tokenizer
-
-    tokenizer = Tokenizer(out / TOKENIZER_FILE)
+    name = _tokenizer_file(cfg)
+    tokenizer = load_tokenizer(out / name)
+    model_tokenizer = {}
+    if isinstance(tokenizer, PretrainedTokenizer):  # where it came from, and its files' digest
+        model_tokenizer = {"from": cfg.data.tokenizer, "files_sha256": tokenizer.files_sha256}
     return {
         "format": FORMAT_VERSION,
         "fingerprint": fingerprint,
@@ -476,20 +526,22 @@ def _manifest(cfg: Config, source, out: Path, fingerprint: str, progress, splits
         "documents_read": progress["documents_read"],
         "capped_at_max_tokens": progress["capped"],
         "tokenizer": {
-            "file": TOKENIZER_FILE,
+            "file": name,
             "sha256": progress["tokenizer_sha256"],
             "vocab_size": tokenizer.vocab_size,
             "bos_id": tokenizer.bos_id,
             "eos_id": tokenizer.eos_id,
+            **model_tokenizer,
         },
         "splits": splits,
     }
 
 
-def _fingerprint(cfg: Config, source) -> str:
-    """Everything that decides the output; num_proc does not (the output is the same)."""
+def _fingerprint(cfg: Config, source, bundle: bytes | None = None) -> str:
+    """Everything that decides the output; num_proc does not (the output is the same). With
+    data.tokenizer, its file's SHA-256 replaces the settings of the tokenizer prepare trains."""
     d = cfg.data
-    settings = {
+    settings: dict[str, Any] = {
         "format": FORMAT_VERSION,
         "pipeline": PIPELINE_VERSION,
         "source": source.fingerprint(),
@@ -501,6 +553,10 @@ def _fingerprint(cfg: Config, source) -> str:
         "max_documents": d.max_documents,
         "max_tokens": d.max_tokens,
     }
+    if bundle is not None:
+        for key in ("vocab_size", "tokenizer_sample_bytes", "tokenizer_sample_documents"):
+            del settings[key]
+        settings["tokenizer"] = hashlib.sha256(bundle).hexdigest()
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
 

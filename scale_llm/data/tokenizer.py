@@ -18,10 +18,14 @@ from pathlib import Path
 
 import sentencepiece as spm
 
+from scale_llm.data.pretrained_tokenizer import BUNDLE_FILE, PretrainedTokenizer
 from scale_llm.errors import UserError
 from scale_llm.files import atomic_write_bytes
 
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
+SP_FILE = "tokenizer.model"  # a SentencePiece model prepare trained
+# The names a tokenizer has in data.dir and in a run dir: ours, or a model's (data.tokenizer)
+TOKENIZER_NAMES = (SP_FILE, BUNDLE_FILE)
 MIN_VOCAB = 256 + 3 + 61  # byte-fallback pieces + specials + room for merges
 _CHUNK_CHARS = 16_384  # SentencePiece skips "sentences" longer than max_sentence_length
 
@@ -47,6 +51,22 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.sp.get_piece_size()
 
+    @property
+    def doc_start(self) -> list[int]:
+        return [self.bos_id]  # each document is [BOS] ids [EOS]
+
+    @property
+    def doc_end(self) -> list[int]:
+        return [self.eos_id]
+
+    @property
+    def pad_id(self) -> int:
+        return self.eos_id  # no pad piece: a model's export pads with EOS
+
+    def encode_many(self, texts: list[str]) -> list[list[int]]:
+        """The ids of each text, without BOS / EOS, in one single-threaded call."""
+        return self.sp.encode(texts, num_threads=1)
+
     def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
         ids = self.sp.encode(text)
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
@@ -60,6 +80,27 @@ class Tokenizer:
 
 def file_sha256(path: str | Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer | PretrainedTokenizer:
+    """The tokenizer in file `path`: a model's (hf-tokenizer.json), else our SentencePiece."""
+    return PretrainedTokenizer(path) if Path(path).name == BUNDLE_FILE else Tokenizer(path)
+
+
+def run_copy_name(manifest_file: str) -> str:
+    """The name a run dir keeps its copy of data.dir's tokenizer under (never another run
+    file's, whatever a manifest says)."""
+    return manifest_file if manifest_file in TOKENIZER_NAMES else SP_FILE
+
+
+def run_tokenizer_path(run_dir: Path, sha256: str) -> Path:
+    """The run dir's tokenizer with this SHA-256 (the one its checkpoint records); when none
+    matches, the one there (tokenizer.model if both or neither are), for the error to name."""
+    present = [run_dir / name for name in TOKENIZER_NAMES if (run_dir / name).is_file()]
+    for path in present:
+        if file_sha256(path) == sha256:
+            return path
+    return present[0] if len(present) == 1 else run_dir / SP_FILE
 
 
 def train_tokenizer(

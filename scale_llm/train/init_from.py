@@ -2,10 +2,12 @@
 
 The folder's config must describe the model the run's config builds (each differing model.* key
 is named with the value to set), its tensors must have that model's shapes, and when it carries
-our tokenizer (`tokenizer.model`, as `scale-llm export` writes) that must be the tokenizer of
-data.dir. The weights come back as one full fp32 state dict on the CPU: what every backend's
-`setup(model, initial_weights)` already accepts when it materializes the model, before it
-shards or wraps it. A resume ignores init_from: the checkpoint holds newer weights.
+a tokenizer that must be the tokenizer of data.dir: the same files data.tokenizer named when
+prepare encoded data.dir with a model's tokenizer, else our `tokenizer.model` (as `scale-llm
+export` writes it) with the SHA-256 of data.dir's. The weights come back as one full fp32
+state dict on the CPU: what every backend's `setup(model, initial_weights)` already accepts when
+it materializes the model, before it shards or wraps it. A resume ignores init_from: the
+checkpoint holds newer weights.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from scale_llm.components.hf_files import HFWeights, read_hf_config
 from scale_llm.config import ModelConfig
+from scale_llm.data.pretrained_tokenizer import ENCODERS, folder_digest
 from scale_llm.data.tokenizer import file_sha256
 from scale_llm.errors import UserError
 from scale_llm.model.hf import config_problems, from_hf, from_hf_config, shape_problems
@@ -26,8 +29,12 @@ WHAT = "model.init_from"
 MAX_SHAPE_LINES = 8
 
 
-def load_init_weights(cfg: ModelConfig, tokenizer_sha256: str | None) -> dict[str, torch.Tensor]:
-    """Our full state dict from the folder `cfg.init_from`, after checking it fits `cfg`."""
+def load_init_weights(
+    cfg: ModelConfig, tokenizer_sha256: str | None, tokenizer_files_sha256: str | None = None
+) -> dict[str, torch.Tensor]:
+    """Our full state dict from the folder `cfg.init_from`, after checking it fits `cfg`.
+    `tokenizer_sha256`: data.dir's tokenizer file; `tokenizer_files_sha256`: the digest of the
+    folder data.tokenizer named, when prepare encoded data.dir with a model's tokenizer."""
     folder = Path(cfg.init_from)
     hf_config = read_hf_config(folder, WHAT)
     values, problems = from_hf_config(hf_config)
@@ -37,7 +44,7 @@ def load_init_weights(cfg: ModelConfig, tokenizer_sha256: str | None) -> dict[st
     problems += shapes[:MAX_SHAPE_LINES]
     if len(shapes) > MAX_SHAPE_LINES:
         problems.append(f"... and {len(shapes) - MAX_SHAPE_LINES} more tensors")
-    problems += _tokenizer_problems(folder, tokenizer_sha256)
+    problems += _tokenizer_problems(folder, tokenizer_sha256, tokenizer_files_sha256)
     if problems:
         raise UserError(
             f"{WHAT}={folder} cannot start this run:\n  - "
@@ -53,20 +60,36 @@ def load_init_weights(cfg: ModelConfig, tokenizer_sha256: str | None) -> dict[st
     return state
 
 
-def _tokenizer_problems(folder: Path, data_sha256: str | None) -> list[str]:
-    ours = folder / "tokenizer.model"
-    if not ours.is_file():
+def _tokenizer_problems(
+    folder: Path, data_sha256: str | None, files_sha256: str | None
+) -> list[str]:
+    if not any((folder / name).is_file() for name in ENCODERS):
         log.warning(
-            "init_from: %s has no tokenizer.model, so whether data.dir was tokenized with the "
-            "tokenizer these weights learned cannot be checked; the ids must mean the same "
-            "pieces or training starts from nonsense",
+            "init_from: %s has no tokenizer (tokenizer.json or tokenizer.model), so whether "
+            "data.dir was tokenized with the tokenizer these weights learned cannot be checked; "
+            "the ids must mean the same pieces or training starts from nonsense",
             folder,
         )
         return []
-    if data_sha256 is not None and file_sha256(ours) != data_sha256:
+    prepare_with = f"set data.tokenizer={folder} and run `scale-llm prepare` (it encodes with it)"
+    if files_sha256 is not None:  # data.dir was encoded with a folder's tokenizer
+        if folder_digest(folder) != files_sha256:
+            return [
+                f"{folder}'s tokenizer files differ from those of the data.tokenizer data.dir "
+                f"was encoded with: the weights learned other token ids; {prepare_with}"
+            ]
+        return []
+    if data_sha256 is None:
+        return []
+    ours = folder / "tokenizer.model"
+    if not ours.is_file():
+        return [
+            f"{folder} carries its own tokenizer (tokenizer.json), but data.dir was encoded "
+            f"with one prepare trained: the weights learned other token ids; {prepare_with}"
+        ]
+    if file_sha256(ours) != data_sha256:
         return [
             f"{ours} differs from the tokenizer of data.dir: the weights learned other token "
-            f"ids; point data.dir at the data the exported run trained on, or init from an "
-            f"export of a run on this data"
+            f"ids; point data.dir at the data the exported run trained on, or {prepare_with}"
         ]
     return []

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from scale_llm.config import Config
+from scale_llm.data.pretrained_tokenizer import BUNDLE_FILE, vocab_problem
 from scale_llm.errors import UserError
 from scale_llm.files import describe_kind
 from scale_llm.plan import RunPlan
@@ -28,6 +29,7 @@ RUN_DIR_FILES = {
     "config.yaml": "its config",
     "plan.json": "its resolved plan",
     "tokenizer.model": "its copy of the tokenizer",
+    BUNDLE_FILE: "its copy of the tokenizer (a model's own: data.tokenizer)",
     "ds_config.json": "its DeepSpeed config",
     METRICS_FILE: "its metric rows",
     WANDB_ID_FILE: "its Weights & Biases run id",
@@ -82,7 +84,17 @@ def _check_kind(path: Path, kind: str, what: str) -> None:
 
 
 def check_vocab(cfg: Config, manifest: dict[str, Any]) -> None:
+    """The model embeds every id of data.dir's tokenizer: exactly the pieces of the one prepare
+    trained; at least the ids of a model's own (data.tokenizer), whose rows HF models pad."""
     tok_vocab = manifest["tokenizer"]["vocab_size"]
+    if manifest["tokenizer"]["file"] == BUNDLE_FILE:
+        where = f"the tokenizer of data.dir={cfg.data.dir}"
+        if isinstance(manifest["tokenizer"].get("from"), str):
+            where += f" (prepared with data.tokenizer={manifest['tokenizer']['from']})"
+        problem = vocab_problem(where, tok_vocab, cfg.model.vocab_size, cfg.model.init_from)
+        if problem:
+            raise UserError(problem)
+        return
     if tok_vocab != cfg.model.vocab_size:
         raise UserError(
             f"model.vocab_size={cfg.model.vocab_size} does not match the tokenizer in "

@@ -33,7 +33,7 @@ from scale_llm.components.serialization import save_file
 from scale_llm.config import Config, save_config, to_dict
 from scale_llm.data.loader import TokenWindows, TrainLoader, eval_batches
 from scale_llm.data.shards import open_split, read_manifest
-from scale_llm.data.tokenizer import Tokenizer
+from scale_llm.data.tokenizer import load_tokenizer, run_copy_name
 from scale_llm.errors import UserError, require_writable_dir
 from scale_llm.files import atomic_write_bytes, atomic_write_json, atomic_write_text
 from scale_llm.memory import check_host_memory
@@ -138,7 +138,8 @@ class Trainer:
         if resume_state is not None and not exact:
             initial = self._foreign_weights(resume_state)
         if resume_state is None and cfg.model.init_from:
-            initial = load_init_weights(cfg.model, self.manifest["tokenizer"]["sha256"])
+            tok = self.manifest["tokenizer"]
+            initial = load_init_weights(cfg.model, tok["sha256"], tok.get("files_sha256"))
         elif cfg.model.init_from:
             log.info("init_from: not used: resuming %s (newer weights)", self.resume_from)
         self.model = self.backend.setup(model, initial)
@@ -312,7 +313,7 @@ class Trainer:
         compiled for; a fixed number of tokens is generated (no early stop that ranks could disagree
         on), and the text is cut at the first EOS."""
         cfg = self.cfg
-        tokenizer = Tokenizer(Path(cfg.data.dir) / self.manifest["tokenizer"]["file"])
+        tokenizer = load_tokenizer(Path(cfg.data.dir) / self.manifest["tokenizer"]["file"])
         T = cfg.model.seq_len
         ids = tokenizer.encode(cfg.eval.sample_prompt, bos=True)[-(T - 1) :]
         rows = self.plan.micro_batch_size if self.backend.compile else 1  # compiled: its shape
@@ -500,7 +501,8 @@ class Trainer:
         for name, text in self.backend.run_files().items():
             atomic_write_text(self.run_dir / name, text)
         src = Path(self.cfg.data.dir) / self.manifest["tokenizer"]["file"]
-        atomic_write_bytes(self.run_dir / "tokenizer.model", src.read_bytes())
+        name = run_copy_name(self.manifest["tokenizer"]["file"])
+        atomic_write_bytes(self.run_dir / name, src.read_bytes())
 
 
 def train(cfg: Config, plan: RunPlan) -> TrainResult:

@@ -1,0 +1,309 @@
+"""A Hugging Face model's own tokenizer (`data.tokenizer`), kept by prepare as one file.
+
+prepare reads the folder once with transformers' AutoTokenizer, the tokenizer a user of the
+model gets, and writes `hf-tokenizer.json` into data.dir: the `tokenizers` pipeline AutoTokenizer
+built from the folder (what encodes, in prepare's workers, the trainer and generate, without
+importing transformers), the ids AutoTokenizer puts around a text, BOS / EOS / pad, the number of
+ids, and the folder's tokenizer files byte for byte (`scale-llm export` writes them back). A
+document becomes what AutoTokenizer gives for it with its special tokens (BOS first where the
+model's tokenizer adds one), then EOS. The file is written canonically: the same folder read by
+the same transformers gives the same bytes, whose SHA-256 is the tokenizer's identity in the
+manifest, in prepare's fingerprint and in every checkpoint.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from scale_llm.errors import UserError, require
+from scale_llm.files import describe_kind
+
+BUNDLE_FILE = "hf-tokenizer.json"
+FORMAT = "scale_llm hf-tokenizer 1"
+WHAT = "data.tokenizer"
+ENCODERS = ("tokenizer.json", "tokenizer.model")  # a folder needs one of these
+# The files of a Hugging Face tokenizer, kept byte for byte and written back by export
+TOKENIZER_FILES = (
+    *ENCODERS,
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+# Texts on which AutoTokenizer and the pipeline it built must agree (see `_check_pipeline`)
+PROBES = ("a", "Hello, world!", "  two  spaces\tand a tab\n", "café 😀 中文 1234", "<s></s><|x|>")
+FOLDER_HELP = (
+    "give the folder of a Hugging Face model's tokenizer (tokenizer.json and/or "
+    "tokenizer.model), e.g. the folder model.init_from names or one `scale-llm export` wrote (a "
+    "model on the Hub must be downloaded first: hf download NAME --local-dir DIR)"
+)
+
+
+# ----------------------------------------------------------------------------- the folder
+def read_folder_files(folder: str | Path, what: str = WHAT) -> dict[str, bytes]:
+    """name -> bytes of the tokenizer files in `folder` (it must hold an encoder)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        found = "no such folder" if not (folder.exists() or folder.is_symlink()) else None
+        found = found or f"{describe_kind(folder)}, not a folder"
+        raise UserError(f"{what}={folder}: {found}; {FOLDER_HELP}")
+    files = {
+        name: (folder / name).read_bytes() for name in TOKENIZER_FILES if _is_file(folder, name)
+    }
+    if not any(name in files for name in ENCODERS):
+        raise UserError(
+            f"{what}={folder} holds neither tokenizer.json nor tokenizer.model; {FOLDER_HELP}"
+        )
+    return files
+
+
+def _is_file(folder: Path, name: str) -> bool:
+    return (folder / name).is_file()  # (a symlink to a file counts: the Hub cache links blobs)
+
+
+def files_digest(files: dict[str, bytes]) -> str:
+    """SHA-256 over the names and contents of a tokenizer's files: equal for equal folders."""
+    h = hashlib.sha256()
+    for name in sorted(files):
+        h.update(name.encode() + b"\0" + hashlib.sha256(files[name]).digest())
+    return h.hexdigest()
+
+
+def folder_digest(folder: Path) -> str | None:
+    """`files_digest` of the tokenizer files `folder` holds; None when it holds no encoder."""
+    files = {
+        name: (folder / name).read_bytes() for name in TOKENIZER_FILES if _is_file(folder, name)
+    }
+    return files_digest(files) if any(name in files for name in ENCODERS) else None
+
+
+def build_bundle(folder: str | Path) -> tuple[bytes, dict[str, Any]]:
+    """The bytes of `hf-tokenizer.json` for the tokenizer in `folder`, and what it says (ids,
+    BOS, EOS). Every problem is a UserError naming data.tokenizer."""
+    folder = Path(folder)
+    files = read_folder_files(folder)
+    require(f"{WHAT}={folder}", "transformers", "tokenizers")
+    tok = _auto_tokenizer(folder)
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None:
+        raise UserError(
+            f"{WHAT}={folder}: transformers loads it as {type(tok).__name__}, a tokenizer "
+            f"without a `tokenizers` pipeline (not a fast tokenizer); give a folder with "
+            f"tokenizer.json"
+        )
+    if tok.eos_token_id is None:
+        raise UserError(
+            f"{WHAT}={folder}: its special tokens name no EOS (no eos_token in "
+            f"tokenizer_config.json or special_tokens_map.json, as transformers reads them); "
+            f"prepare ends every document with EOS, so the model learns where a text ends. Add "
+            f'the model\'s end-of-text token as "eos_token" to {folder / "tokenizer_config.json"}'
+        )
+    _check_pipeline(tok, backend, folder)
+    start, end = _affixes(tok, folder)
+    info = {
+        "bos_id": tok.bos_token_id,
+        "eos_id": tok.eos_token_id,
+        "pad_id": tok.pad_token_id,
+        "start_ids": start,
+        "end_ids": end,
+        "vocab_size": max(backend.get_vocab(with_added_tokens=True).values()) + 1,
+        "files_sha256": files_digest(files),
+    }
+    bundle = {
+        "format": FORMAT,
+        **info,
+        "encoder": backend.to_str(),
+        "split_special_tokens": bool(backend.encode_special_tokens),
+        "files": {name: _file_entry(data) for name, data in files.items()},
+    }
+    return (json.dumps(bundle, sort_keys=True, ensure_ascii=False) + "\n").encode(), info
+
+
+def _auto_tokenizer(folder: Path) -> Any:
+    import transformers
+
+    with _quiet(transformers):
+        try:
+            return transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        except Exception as e:  # transformers raises many types for a folder it cannot read
+            reason = (str(e).strip().splitlines() or [""])[0][:300]
+            raise UserError(
+                f"{WHAT}={folder}: transformers' AutoTokenizer cannot load it ("
+                f"{type(e).__name__}: {reason}); {FOLDER_HELP}"
+            ) from None
+
+
+@contextlib.contextmanager
+def _quiet(transformers: Any) -> Iterator[None]:
+    """transformers' warnings off while it reads the folder: a refusal is one paragraph."""
+    level = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers.logging.set_verbosity(level)
+
+
+def _check_pipeline(tok: Any, backend: Any, folder: Path) -> None:
+    """The pipeline alone must give AutoTokenizer's ids (a class that changes them in Python,
+    after its pipeline, would make prepare's ids differ from the model's)."""
+    for text in PROBES:
+        theirs = tok(text, add_special_tokens=False)["input_ids"]
+        if backend.encode(text, add_special_tokens=False).ids != theirs:
+            raise UserError(
+                f"{WHAT}={folder}: transformers' {type(tok).__name__} encodes {text!r} other "
+                f"than its own `tokenizers` pipeline does, so prepare cannot reproduce its ids; "
+                f"this tokenizer class is not supported"
+            )
+
+
+def _affixes(tok: Any, folder: Path) -> tuple[list[int], list[int]]:
+    """The ids AutoTokenizer puts before and after a text (e.g. [BOS] and [])."""
+    for probe in PROBES:
+        plain = tok(probe, add_special_tokens=False)["input_ids"]
+        full = tok(probe)["input_ids"]
+        for i in range(len(full) - len(plain) + 1):
+            if plain and full[i : i + len(plain)] == plain:
+                return list(full[:i]), list(full[i + len(plain) :])
+    raise UserError(
+        f"{WHAT}={folder}: transformers' {type(tok).__name__} does not keep a text's ids together "
+        f"when it adds its special tokens, so where a document starts and ends is unclear; this "
+        f"tokenizer class is not supported"
+    )
+
+
+def _file_entry(data: bytes) -> dict[str, str]:
+    try:
+        return {"text": data.decode("utf-8")}
+    except UnicodeDecodeError:  # tokenizer.model (SentencePiece's protobuf)
+        return {"base64": base64.b64encode(data).decode("ascii")}
+
+
+# ----------------------------------------------------------------------------- using it
+class PretrainedTokenizer:
+    """The tokenizer of `hf-tokenizer.json`: the same interface as the SentencePiece one."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise UserError(
+                f"tokenizer {self.path} does not exist; run `scale-llm prepare CONFIG` (with "
+                f"data.tokenizer set) to write it"
+            )
+        require(f"the tokenizer {self.path}", "tokenizers")
+        bundle = _read_bundle(self.path)
+        from tokenizers import Tokenizer as Pipeline
+
+        self.backend = Pipeline.from_str(bundle["encoder"])
+        self.backend.encode_special_tokens = bundle["split_special_tokens"]
+        self.bos_id, self.eos_id = bundle["bos_id"], bundle["eos_id"]
+        self.pad_id = bundle["pad_id"] if bundle["pad_id"] is not None else self.eos_id
+        self.start_ids, self.end_ids = bundle["start_ids"], bundle["end_ids"]
+        self.vocab_size = bundle["vocab_size"]
+        self.files_sha256 = bundle["files_sha256"]
+        self._files = bundle["files"]
+
+    @property
+    def doc_start(self) -> list[int]:
+        """Ids before each document's text: what AutoTokenizer puts first (BOS, or nothing)."""
+        return self.start_ids
+
+    @property
+    def doc_end(self) -> list[int]:
+        """Ids after each document's text: what AutoTokenizer appends, ending with EOS."""
+        end = self.end_ids
+        return end if end[-1:] == [self.eos_id] else [*end, self.eos_id]
+
+    def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
+        """`bos`: the start of a document as training saw it: the tokenizer's own start ids, or,
+        for a tokenizer that adds none, the EOS that ended the document before."""
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        start = (self.doc_start or [self.eos_id]) if bos else []
+        return start + ids + (self.doc_end if eos else [])
+
+    def encode_many(self, texts: Iterable[str]) -> list[list[int]]:
+        """The ids of each text, without special tokens (one thread: prepare's workers)."""
+        return [self.backend.encode(t, add_special_tokens=False).ids for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=True)
+
+    def sha256(self) -> str:
+        return hashlib.sha256(self.path.read_bytes()).hexdigest()
+
+    def files(self) -> dict[str, bytes]:
+        """The tokenizer files of the folder it was read from, byte for byte."""
+        return {
+            name: e["text"].encode("utf-8") if "text" in e else base64.b64decode(e["base64"])
+            for name, e in self._files.items()
+        }
+
+
+def _read_bundle(path: Path) -> dict[str, Any]:
+    """hf-tokenizer.json with every field this class reads checked for its type."""
+    fix = (
+        "restore it (a run directory's copy comes from its data.dir), or re-run `scale-llm "
+        "prepare CONFIG --force`"
+    )
+    try:
+        bundle = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise UserError(
+            f"tokenizer {path} cannot be read as JSON ({type(e).__name__}); {fix}"
+        ) from None
+    problem = _bundle_problem(bundle)
+    if problem:
+        raise UserError(f"tokenizer {path} is not a tokenizer prepare wrote ({problem}); {fix}")
+    return bundle
+
+
+def _bundle_problem(bundle: Any) -> str | None:
+    def is_id(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+    if not isinstance(bundle, dict) or bundle.get("format") != FORMAT:
+        return f"format is not {FORMAT!r}"
+    checks = {
+        "encoder": lambda x: isinstance(x, str),
+        "split_special_tokens": lambda x: isinstance(x, bool),
+        "bos_id": lambda x: x is None or is_id(x),
+        "eos_id": is_id,
+        "pad_id": lambda x: x is None or is_id(x),
+        "start_ids": lambda x: isinstance(x, list) and all(map(is_id, x)),
+        "end_ids": lambda x: isinstance(x, list) and all(map(is_id, x)),
+        "vocab_size": lambda x: is_id(x) and x > 0,
+        "files_sha256": lambda x: isinstance(x, str),
+        "files": lambda x: (
+            isinstance(x, dict)
+            and all(isinstance(e, dict) and ("text" in e or "base64" in e) for e in x.values())
+        ),
+    }
+    for key, ok in checks.items():
+        if key not in bundle or not ok(bundle[key]):
+            return f"{key} is missing or of the wrong type"
+    return None
+
+
+def vocab_problem(where: str, ids: int, vocab_size: int, init_from: str | None) -> str | None:
+    """Why a model of `vocab_size` rows cannot learn a tokenizer of `ids` ids (None: it can;
+    a model larger than its tokenizer is fine, as Hugging Face models often pad the rows)."""
+    if ids <= vocab_size:
+        return None
+    fix = (
+        f"data.tokenizer must be the tokenizer model.init_from={init_from} learned (usually "
+        f"that folder: run `scale-llm prepare` with it), and model.vocab_size the vocab_size "
+        f"of its config.json"
+        if init_from
+        else f"set model.vocab_size={ids}"
+    )
+    return (
+        f"{where} has {ids:,} token ids, but model.vocab_size={vocab_size:,}: the ids from "
+        f"{vocab_size:,} on would have no embedding row. {fix}"
+    )
