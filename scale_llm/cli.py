@@ -249,13 +249,40 @@ def start_distributed(args: argparse.Namespace):
         from scale_llm.memory import parse_bytes
 
         parse_bytes(args.fit)  # a bad size is an error before any process group exists
-    if plan.backend == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
-        raise UserError(
-            "parallel.backend=deepspeed but deepspeed is not installed; `pip install deepspeed` "
-            "(launch/setup.sh installs it) or pick parallel.backend=ddp or fsdp"
-        )
+    missing_packages(cfg, plan, args.command)
     start(plan, cpu_collectives=cfg.parallel.fsdp.cpu_offload)  # (validated: fsdp only)
     return resolve_compile(cfg, plan), plan
+
+
+def missing_packages(cfg: Config, plan, command: str) -> None:
+    """The optional packages this command needs for this config, checked with the config:
+    before any process group, model or run directory exists (W&B started only after the run
+    dir was written, and a missing package stopped it there)."""
+    from scale_llm.components.hf_files import SAFETENSORS, SAFETENSORS_INDEX
+    from scale_llm.errors import install_hint
+
+    needs = []  # (the setting, the module it imports, how to get it)
+    if plan.backend == "deepspeed":
+        how = f"`{install_hint(packages=('deepspeed',))}` (launch/setup.sh installs it)"
+        needs.append(("parallel.backend=deepspeed", "deepspeed", f"{how} or pick ddp or fsdp"))
+    w, init = cfg.logging.wandb, cfg.model.init_from
+    if command == "train" and w.project:
+        how = f"`{install_hint('wandb')}` (or set logging.wandb.project=null)"
+        needs.append((f"logging.wandb.project={w.project}", "wandb", how))
+    if (
+        command == "train"
+        and init
+        and any((Path(init) / name).is_file() for name in (SAFETENSORS, SAFETENSORS_INDEX))
+    ):
+        needs.append((f"model.init_from={init}", "safetensors", f"`{install_hint('hf')}`"))
+    missing = [n for n in needs if importlib.util.find_spec(n[1]) is None]
+    if missing:
+        raise UserError(
+            "; ".join(
+                f"{key} needs {module}, and {module} is not installed: {how}"
+                for key, module, how in missing
+            )
+        )
 
 
 def resolve_compile(cfg: Config, plan) -> Config:

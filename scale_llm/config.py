@@ -70,8 +70,9 @@ class WandbConfig:
     project: str | None = config_key(
         None,
         "Weights & Biases project to log to (the same scalars, samples and the config; needs "
-        "`pip install wandb`); null: no W&B. A resumed run logs to the same W&B run (its id is "
-        "kept in `RUN_DIR/wandb-id.txt`)",
+        "the `wandb` package: `.venv/bin/pip install -e '.[wandb]'` in a checkout); null: no "
+        "W&B. A resumed run logs to the same W&B run (its id is kept in "
+        "`RUN_DIR/wandb-id.txt`)",
     )
     name: str | None = config_key(None, "the W&B run's display name; null: run.name")
     mode: Literal["online", "offline", "disabled"] = config_key(

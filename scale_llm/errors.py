@@ -11,9 +11,6 @@ class UserError(Exception):
     exit_code = 2
 
 
-INSTALL = "pip install 'scale_llm[hf]'"  # the Hugging Face extras
-
-
 def require(command: str, *modules: str) -> None:
     """A UserError saying how to install the Hugging Face extras when one is missing."""
     import importlib.util
@@ -21,7 +18,8 @@ def require(command: str, *modules: str) -> None:
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if missing:
         raise UserError(
-            f"{command} needs {'/'.join(modules)} (missing: {', '.join(missing)}): {INSTALL}"
+            f"{command} needs {'/'.join(modules)} (missing: {', '.join(missing)}): "
+            f"{install_hint('hf')}"
         )
 
 
@@ -45,3 +43,37 @@ def require_writable_dir(path, key: str) -> None:
             f"{key}={path}: {existing} is not writable by this user; point {key} at a "
             f"directory you can write to"
         )
+
+
+def install_hint(extra: str | None = None, packages: tuple[str, ...] = ()) -> str:
+    """The command that installs setup.py's optional `extra` (hf, wandb), or `packages`, into
+    the Python running this one: in a checkout, its editable install with that extra (e.g.
+    `.venv/bin/pip install -e '.[hf]'`); elsewhere the extra's requirements as the installed
+    package's metadata lists them."""
+    import importlib.metadata
+    import os
+    import shlex
+    import sys
+    from pathlib import Path
+
+    def shown(path: Path) -> str:
+        rel = os.path.relpath(path)
+        return rel if not rel.startswith("..") else str(path)
+
+    pip_beside = Path(sys.executable).parent / "pip"
+    pip = shown(pip_beside) if pip_beside.is_file() else f"{sys.executable} -m pip"
+    if extra is None:
+        return f"{pip} install {' '.join(packages)}"
+    root = Path(__file__).resolve().parents[1]
+    if (root / "setup.py").is_file():  # a checkout (an installed wheel has no setup.py)
+        where = shown(root)
+        return f"{pip} install -e {shlex.quote(f'{where}[{extra}]')}"
+    try:
+        wanted = [
+            r.split(";")[0].strip()
+            for r in importlib.metadata.requires("scale_llm") or []
+            if f'extra == "{extra}"' in r
+        ]
+    except importlib.metadata.PackageNotFoundError:
+        wanted = []
+    return f"{pip} install {' '.join(map(shlex.quote, wanted or packages))}"

@@ -12,6 +12,7 @@ import os
 import pickle
 import re
 import shutil
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -120,6 +121,24 @@ def needs(module: str) -> None:
 
 
 # =========================================================================================== config
+def _missing_wandb(ctx: Ctx) -> list[str]:
+    """W&B was started after the run dir was written (config.yaml, plan.json, the tokenizer):
+    a run without wandb left them behind. Now found with the config: the folder stays empty."""
+    ctx.monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
+    return ["train", ctx.config("logging.wandb.project=p", "logging.wandb.mode=offline")]
+
+
+def _init_from_without_safetensors(ctx: Ctx) -> list[str]:
+    import importlib.util
+
+    config = ctx.config(f"model.init_from={ctx.exported}")  # (exported with safetensors)
+    real = importlib.util.find_spec
+    ctx.monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "safetensors" else real(name)
+    )
+    return ["train", config]
+
+
 def _missing_deepspeed(ctx: Ctx) -> list[str]:
     import importlib.util
 
@@ -317,6 +336,19 @@ CONFIG = [
         ),
     ),
     ("deepspeed not installed", _missing_deepspeed, "deepspeed is not installed"),
+    (
+        "W&B on, wandb not installed",
+        _missing_wandb,
+        (
+            "logging.wandb.project=p needs wandb, and wandb is not installed: ",
+            f"/bin/pip install -e '{REPO}[wandb]'",
+        ),
+    ),
+    (
+        "init_from without safetensors",
+        _init_from_without_safetensors,
+        ("needs safetensors, and safetensors is not installed: ", "[hf]'"),
+    ),
     (
         "moved key given twice",
         ["train", TINY, *s("model.activation_checkpointing=full")],
@@ -1282,7 +1314,11 @@ CHECKPOINTS = [
         re.compile(r"the checkpoint is damaged: .*__0_0\.distcp has \d+ bytes"),
     ),
     ("export: a damaged checkpoint", _export_damaged, "is damaged"),
-    ("export without safetensors", _export_without_safetensors, "pip install 'scale_llm[hf]'"),
+    (
+        "export without safetensors",
+        _export_without_safetensors,
+        ("(missing: safetensors): ", f"/bin/pip install -e '{REPO}[hf]'"),
+    ),
     *[
         (
             f"{command}: impossible trainer state ({case})",

@@ -244,6 +244,26 @@ def test_generate_reads_the_prompt_from_a_file_or_stdin_and_says_when_it_is_cut(
 # ----------------------------------------------------------------------------- packaging
 
 
+def test_the_default_outputs_are_ignored_by_git():
+    """What the commands write where the README runs them: run dirs (eval/ and export/ inside),
+    prepared data, `export --out exports/...`, the check's reports."""
+    from scale_llm.config import DataConfig, RunConfig
+
+    if not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    written = [
+        f"{RunConfig().dir}/tiny/eval/step_00000150.json",
+        f"{DataConfig().dir}/manifest.json",
+        "data/builtin-v2048/manifest.json",
+        "exports/tiny/model.safetensors",
+        "check/report.md",
+        "gpu-check/report.md",
+    ]
+    for path in written:
+        proc = subprocess.run(["git", "check-ignore", "-q", path], cwd=REPO)
+        assert proc.returncode == 0, f"{path} is not in .gitignore"
+
+
 def env_sh_python(root: Path, path_dirs: list[Path]) -> subprocess.CompletedProcess:
     """Source `root`/launch/_env.sh with PATH = path_dirs + the system dirs; print its $PY."""
     env = {k: v for k, v in os.environ.items() if k not in ("SCALE_LLM_PYTHON", "VIRTUAL_ENV")}

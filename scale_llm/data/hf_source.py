@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from scale_llm.data.sources import Document, text_value
-from scale_llm.errors import UserError
+from scale_llm.errors import UserError, install_hint
 
 if TYPE_CHECKING:
     from scale_llm.config import DataConfig
@@ -109,7 +109,8 @@ class HFSource:
             import datasets
         except ImportError:
             raise UserError(
-                f"data.source={self.spec!r} needs the `datasets` package; `pip install datasets`"
+                f"data.source={self.spec!r} needs the `datasets` package: "
+                f"{install_hint(packages=('datasets',))}"
             ) from None
         try:
             if self.local and _saved_to_disk(self.local):

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from scale_llm.config import Config, dump_yaml, to_dict
-from scale_llm.errors import UserError
+from scale_llm.errors import UserError, install_hint
 from scale_llm.files import atomic_write_text
 from scale_llm.train.preflight import METRICS_FILE, WANDB_ID_FILE, check_metrics_file
 
@@ -109,7 +109,8 @@ def _start_wandb(cfg: Config, run_dir: Path, resume_step: int):
         import wandb
     except ImportError:
         raise UserError(
-            f"logging.wandb.project={w.project} needs the wandb package: pip install wandb "
+            f"logging.wandb.project={w.project} needs the wandb package: "
+            f"{install_hint('wandb')} "
             f"(or set logging.wandb.project=null)"
         ) from None
     id_file = run_dir / WANDB_ID_FILE
