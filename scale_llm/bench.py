@@ -607,14 +607,18 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 
 def bench_checkpoint(cfg: Config, plan: RunPlan, directory: Path, rounds: int = 2) -> list[dict]:
     """Time checkpoint saves (model + AdamW state, fsynced) with and without the integrity
-    record, interleaved `rounds` times each, in a new private folder inside `directory` (removed
-    afterwards: nothing that was in `directory` before is touched).
+    record, and in the background (checkpoint.async_mode), interleaved `rounds` times each, in
+    a new private folder inside `directory` (removed afterwards: nothing that was in
+    `directory` before is touched).
 
-    "plain": save + fsync. "with record": as `Checkpointer.save` does: the save hashing DCP's
-    files as it writes them, then the other files hashed while the tree is fsynced, and the
-    record written. The cost of hashing every file after the save (the record without the
-    digests taken during the writes) and the verification on load are timed too."""
-    check_host_memory(cfg, plan)
+    "plain": save + fsync. "with record": as `Checkpointer.save` does in the foreground: the
+    save hashing DCP's files as it writes them, then the other files hashed while the tree is
+    fsynced, and the record written. The cost of hashing every file after the save (the record
+    without the digests taken during the writes) and the verification on load are timed too.
+    "async" and "async_with_pinned_mem": `Checkpointer.save` with a background write, as
+    training does it: `blocking_s` is what holds the step (the copy to host memory), `save_s`
+    the time until the checkpoint is published."""
+    check_host_memory(cfg, plan, staging=2)  # async's copy and the kept one, at once
     backend = build_backend(cfg, plan)
     model = backend.setup(build_model(cfg.model))
     # one real step on a 16-token row, so the optimizer state exists (on every backend)
@@ -624,7 +628,48 @@ def bench_checkpoint(cfg: Config, plan: RunPlan, directory: Path, rounds: int = 
         return _time_checkpoints(backend, plan, private, rounds)
 
 
+FOREGROUND = ("plain", "with record")
+BACKGROUND = ("async", "async_with_pinned_mem")  # checkpoint.async_mode's values
+
+
 def _time_checkpoints(backend, plan: RunPlan, private: Path, rounds: int) -> list[dict]:
+    from scale_llm.components.distributed import barrier
+    from scale_llm.components.serialization import background_save
+
+    rows = []
+    main = plan.is_main
+    # made once, as a run makes them: the kept host copy outlives each save
+    backgrounds = {kind: background_save(kind, plan.device) for kind in BACKGROUND}
+    said = logging.getLogger("scale_llm.components.checkpoint")  # (stdout holds the rows only)
+    level = said.level
+    said.setLevel(logging.WARNING)
+    try:
+        for n in range(rounds):
+            for kind in FOREGROUND + BACKGROUND:
+                directory = private / f"round{n}-{kind.replace(' ', '-')}"
+                if main:
+                    directory.mkdir()  # new, inside this call's own folder
+                barrier()
+                if kind in backgrounds:
+                    row = _time_background_save(backend, main, directory, backgrounds[kind])
+                else:
+                    row = _time_foreground_save(backend, main, directory, kind)
+                if main:
+                    files = [f for f in directory.rglob("*") if f.is_file()]
+                    row["gb"] = sum(f.stat().st_size for f in files) / 1e9
+                rows.append({"kind": kind, **row})
+                barrier()
+                if main:
+                    shutil.rmtree(directory)  # made above, inside this call's own folder
+    finally:
+        said.setLevel(level)
+        for background in backgrounds.values():
+            if background.stager is not None:
+                background.stager.close()
+    return rows
+
+
+def _time_foreground_save(backend, main: bool, directory: Path, kind: str) -> dict[str, Any]:
     from scale_llm.components import digests
     from scale_llm.components.checkpoint import (
         damage,
@@ -637,55 +682,58 @@ def _time_checkpoints(backend, plan: RunPlan, private: Path, rounds: int) -> lis
     )
     from scale_llm.components.distributed import barrier, rank_and_world
 
-    rows = []
-    main = plan.is_main
-    for n in range(rounds):
-        for kind in ("plain", "with record"):
-            directory = private / f"round{n}-{kind.replace(' ', '-')}"
-            if main:
-                directory.mkdir()  # new, inside this call's own folder
-            barrier()
-            start = time.perf_counter()
-            if kind == "plain":
-                backend.save(directory)
-                barrier()
-                written = time.perf_counter()
-                if main:
-                    fsync_tree(directory)
-            else:  # as Checkpointer.save
-                with digests.recording() as hashed:
-                    backend.save(directory)
-                barrier()
-                written = time.perf_counter()
-                record = finish_record(directory, hashed, main)
-                if main:
-                    write_integrity(directory, record)
-            barrier()
-            done = time.perf_counter()
-            row = {"kind": kind, "save_s": done - start, "write_s": written - start}
-            if kind == "with record":  # (outside the timed save from here on)
-                during = gather_records(written_entries(directory, hashed))
-                row["hashed_while_writing_gb"] = sum(e["size"] for e in during.values()) / 1e9
-                # the wall time the record added: writers stalled on hashing, and what follows
-                # the write (the other files hashed, fsync, the record written)
-                row["hash_stall_s"] = hashed.stalled_s
-                row["after_write_s"] = done - written
-                t0 = time.perf_counter()
-                gather_records(integrity_record(directory, *rank_and_world()))  # hashing alone
-                barrier()
-                row["record_alone_s"] = time.perf_counter() - t0
-                if main:
-                    t0 = time.perf_counter()
-                    assert damage(directory) is None
-                    row["verify_s"] = time.perf_counter() - t0
-            if main:
-                files = [f for f in directory.rglob("*") if f.is_file()]
-                row["gb"] = sum(f.stat().st_size for f in files) / 1e9
-            rows.append(row)
-            barrier()
-            if main:
-                shutil.rmtree(directory)  # made above, inside this call's own folder
-    return rows
+    start = time.perf_counter()
+    if kind == "plain":
+        backend.save(directory)
+        barrier()
+        written = time.perf_counter()
+        if main:
+            fsync_tree(directory)
+    else:  # as Checkpointer.save
+        with digests.recording() as hashed:
+            backend.save(directory)
+        barrier()
+        written = time.perf_counter()
+        record = finish_record(directory, hashed, main)
+        if main:
+            write_integrity(directory, record)
+    barrier()
+    done = time.perf_counter()
+    row = {"blocking_s": done - start, "save_s": done - start, "write_s": written - start}
+    if kind == "with record":  # (outside the timed save from here on)
+        during = gather_records(written_entries(directory, hashed))
+        row["hashed_while_writing_gb"] = sum(e["size"] for e in during.values()) / 1e9
+        # the wall time the record added: writers stalled on hashing, and what follows
+        # the write (the other files hashed, fsync, the record written)
+        row["hash_stall_s"] = hashed.stalled_s
+        row["after_write_s"] = done - written
+        t0 = time.perf_counter()
+        gather_records(integrity_record(directory, *rank_and_world()))  # hashing alone
+        barrier()
+        row["record_alone_s"] = time.perf_counter() - t0
+        if main:
+            t0 = time.perf_counter()
+            assert damage(directory) is None
+            row["verify_s"] = time.perf_counter() - t0
+    return row
+
+
+def _time_background_save(backend, main: bool, directory: Path, background) -> dict[str, Any]:
+    """One save as the trainer makes it with checkpoint.async_mode (into directory/checkpoints/
+    step_00000001): until `save` returns, then until it is published."""
+    from scale_llm.components.checkpoint import Checkpointer, damage
+    from scale_llm.components.distributed import barrier
+
+    checkpointer = Checkpointer(directory, 1, main, background.group)
+    start = time.perf_counter()
+    path = checkpointer.save(1, lambda tmp: backend.save(tmp, background))
+    returned = time.perf_counter()
+    checkpointer.wait()
+    barrier()
+    done = time.perf_counter()
+    if main:
+        assert damage(path) is None
+    return {"blocking_s": returned - start, "save_s": done - start}
 
 
 @contextlib.contextmanager

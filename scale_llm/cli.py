@@ -527,8 +527,10 @@ def _bench_parser(sub) -> None:
     p.add_argument(
         "--checkpoint-io",
         metavar="DIR",
-        help="time a checkpoint save, its integrity record and its check, in a new folder "
-        "inside DIR (removed afterwards; nothing else in DIR is touched)",
+        help="time a checkpoint save (in the foreground, with and without its integrity "
+        "record, and in the background as checkpoint.async_mode writes it: the time it holds "
+        "the step), its record and its check, in a new folder inside DIR (removed afterwards; "
+        "nothing else in DIR is touched)",
     )
     p.add_argument(
         "--roofline",

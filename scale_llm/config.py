@@ -252,6 +252,15 @@ class CheckpointConfig:
         "`never`: start fresh (refused if the run dir already has checkpoints); or a "
         "checkpoint directory",
     )
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = config_key(
+        "disabled",
+        "`disabled`: a save holds the step until its files are written; `async`: the step "
+        "waits only while model and optimizer are copied to host memory, the files are written "
+        "in a background thread and the checkpoint is published when they are (one save in "
+        "flight; costs a host copy of this rank's model + optimizer state during the write); "
+        "`async_with_pinned_mem`: as async, into a host copy kept for the whole run "
+        "(page-locked on a GPU). Not with parallel.backend=deepspeed",
+    )
 
 
 @dataclass

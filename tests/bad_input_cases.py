@@ -300,6 +300,11 @@ CONFIG = [
         "offload_param=cpu needs parallel.deepspeed.zero_stage=3 (it is 2)",
     ),
     (
+        "background checkpoints with DeepSpeed",
+        ["config", *s("parallel.backend=deepspeed", "checkpoint.async_mode=async")],
+        "checkpoint.async_mode=async is not available with parallel.backend=deepspeed",
+    ),
+    (
         "fp16 DeepSpeed on CPU",
         ["train", TINY, *s("parallel.backend=deepspeed", "train.precision=fp16")],
         "needs a GPU",

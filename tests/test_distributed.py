@@ -125,6 +125,37 @@ def test_resume_continues_the_same_curve(backend, runs, data_dir):
         assert record == integrity_record(ckpt), ckpt
 
 
+@pytest.mark.parametrize(("backend", "mode"), [("ddp", "async"), ("fsdp", "async_with_pinned_mem")])
+def test_background_saves_resume_to_the_same_curve(backend, mode, runs, data_dir):
+    """checkpoint.async_mode on 2 ranks (the writer threads' collectives on a gloo group of
+    their own): the run trains the foreground run's curve, its checkpoints hold the same model
+    and optimizer bytes, and a resume from its step 2 continues that curve bit for bit."""
+    straight = runs(f"{backend}-split", 2, *BACKENDS[backend], *SPLIT)
+    async_mode = f"checkpoint.async_mode={mode}"
+    name = f"{backend}-{mode}"
+    rows = runs(name, 2, *BACKENDS[backend], *SPLIT, async_mode)
+    curve = ("loss", "grad_norm")
+    assert [[rows[s][k] for k in curve] for s in range(1, STEPS + 1)] == [
+        [straight[s][k] for k in curve] for s in range(1, STEPS + 1)
+    ]
+    step2 = runs.root / name / "checkpoints" / "step_00000002"
+    for ckpt in (step2, step2.parent / "step_00000004"):
+        record = json.loads((ckpt / INTEGRITY).read_text())["files"]
+        other = runs.root / f"{backend}-split" / "checkpoints" / ckpt.name
+        foreground = json.loads((other / INTEGRITY).read_text())["files"]
+        data = sorted(k for k in record if k.endswith(".distcp"))
+        assert len(data) == 2 and all(record[k] == foreground[k] for k in data), ckpt
+        assert record == integrity_record(ckpt)  # the record is the files' own
+    resumed = f"{backend}-from-{mode}"
+    args = [*common(data_dir, runs.root, resumed), *sets(*BACKENDS[backend], *SPLIT)]
+    proc = run(torchrun(2, *args, *sets(async_mode, f"checkpoint.resume={step2}")), runs.root)
+    assert "at step 2" in proc.stdout
+    after = rows_of(runs.root / resumed)
+    for step in (3, 4):
+        assert [after[step][k] for k in curve] == [straight[step][k] for k in curve], step
+    assert after[4]["val_loss"] == straight[4]["val_loss"]
+
+
 def test_a_planted_pickle_in_deepspeed_files_never_runs(runs, data_dir):
     """DeepSpeed reads its own files with weights_only=False; ours must not run a payload
     planted in them (2 ranks, exact ZeRO-2 resume path)."""

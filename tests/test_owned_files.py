@@ -65,7 +65,8 @@ def test_bench_checkpoint_io_works_in_a_folder_of_its_own(tmp_path, capsys):
     args = [*(a for k in TINY_MODEL for a in ("--set", k)), "--set", "train.device=cpu"]
     assert main(["bench", *args, "--checkpoint-io", str(cwd), "--rounds", "1"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [r["kind"] for r in rows] == ["plain", "with record"] and rows[0]["gb"] > 0
+    kinds = ["plain", "with record", "async", "async_with_pinned_mem"]
+    assert [r["kind"] for r in rows] == kinds and rows[0]["gb"] > 0
     assert snapshot(cwd) == before  # the timed saves happened in a folder it made, now gone
     new = tmp_path / "new" / "io"
     assert main(["bench", *args, "--checkpoint-io", str(new), "--rounds", "1"]) == 0

@@ -154,6 +154,116 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint(data_dir, root, ref
     assert not (ckpts / ".tmp-step_00000004").exists()  # the torn save was cleaned up
 
 
+def test_sigkill_during_a_background_save_keeps_the_previous_checkpoint(data_dir, root, reference):
+    """checkpoint.async_mode=async with keep_last=1, a checkpoint every step: the process is
+    killed from the writer thread while step 3's files are being written. Step 3 is neither
+    adopted nor counted (step 2 was not pruned for it), the relaunch resumes from step 2 and
+    continues bit-identically, and the torn save is cleaned up."""
+    name = "killed-mid-async-save"
+    background = ["checkpoint.async_mode=async", "checkpoint.every=1", "checkpoint.keep_last=1"]
+    args = [*common(data_dir, root, name), *sets(*SINGLE, *background)]
+    fault_env = {**env(), "SCALE_LLM_FAULT": "mid_save:3"}
+    proc = subprocess.run(
+        train_cmd(1, *args), cwd=root, env=fault_env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert "writing" in proc.stdout and "in the background" in proc.stdout
+    ckpts = root / name / "checkpoints"
+    assert (ckpts / ".tmp-step_00000003" / "dcp" / "__0_0.distcp").is_file()  # cut short
+    assert not (ckpts / ".tmp-step_00000003" / "integrity.json").exists()
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_00000002"]
+    assert Checkpointer(root / name, 1).latest_good() == ckpts / "step_00000002"
+    proc = run(train_cmd(1, *args), cwd=root)  # relaunch: resumes from the last good one
+    assert "at step 2" in proc.stdout
+    same_steps(rows_of(root / name), reference, range(3, STEPS + 1), tol=0.0)  # bit-identical
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000004"]  # keep_last=1, no .tmp
+
+
+def test_a_background_save_holds_its_step_while_training_goes_on(data_dir, tmp_path):
+    """The step waits only for the copy to host memory: with the write held in its thread,
+    `save` returns and the model takes another step. The checkpoint holds the weights of the
+    step it was taken at, appears only once written, and keep_last=1 keeps the previous one
+    until then; the kept copy (async_with_pinned_mem) is refilled by the next save."""
+    import dataclasses
+    import functools
+    import threading
+
+    import torch
+
+    from scale_llm.components.checkpoint import TRAINER_STATE, damage, load_model_weights
+    from scale_llm.components.serialization import background_save, save_file
+    from scale_llm.model import build_model, empty_state_dict
+    from scale_llm.parallel.backend import build_backend
+    from scale_llm.parallel.step import optimizer_step
+
+    cfg = make_config(data_dir, tmp_path)
+    plan = plan_for(cfg)
+    backend = build_backend(cfg, plan)
+    model = backend.setup(build_model(cfg.model))
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 33))
+
+    def train_one_step() -> dict:
+        optimizer_step(backend, model, [(tokens[:, :-1], tokens[:, 1:])])
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+    def write(tmp: Path, background=None):
+        writing = backend.save(tmp, background)
+        save_file({}, tmp / TRAINER_STATE)  # (what makes a step dir complete)
+        return writing
+
+    for mode in ("async", "async_with_pinned_mem"):
+        checkpointer = Checkpointer(tmp_path / mode, keep_last=1)
+        checkpointer.save(1, write)
+        held = threading.Event()
+        background = dataclasses.replace(
+            background_save(mode, plan.device), on_written=functools.partial(held.wait, 120)
+        )
+        for step in (2, 3):
+            weights = train_one_step()
+            try:
+                path = checkpointer.save(step, functools.partial(write, background=background))
+                assert [s for s, _ in checkpointer.complete()] == [step - 1]  # not yet
+                assert (checkpointer.dir / f".tmp-step_0000000{step}" / TRAINER_STATE).is_file()
+                after = train_one_step()  # the step goes on while the write is held
+                assert not all(torch.equal(after[k], weights[k]) for k in weights)
+            finally:
+                held.set()
+            assert checkpointer.wait() == path
+            held.clear()
+            assert [s for s, _ in checkpointer.complete()] == [step]  # step - 1 pruned now
+            assert damage(path) is None
+            saved = load_model_weights(path, empty_state_dict(cfg.model))
+            assert all(torch.equal(saved[k], weights[k]) for k in weights), mode
+
+
+def test_out_of_disk_in_a_background_write_is_the_foreground_saves_error(
+    data_dir, tmp_path, monkeypatch
+):
+    """The disk fills inside DCP's writer thread while step 4 is written in the background:
+    the end of training waits for it and stops with the message a foreground save gives, the
+    partial files removed and step 2 intact."""
+    import errno
+
+    import torch.distributed.checkpoint.filesystem as fs
+
+    from scale_llm.errors import UserError
+
+    cfg = make_config(data_dir, tmp_path, "checkpoint.every=2", "checkpoint.async_mode=async")
+    tr = Trainer(cfg, plan_for(cfg))
+    write_item = fs._write_item
+
+    def full_disk(transforms, stream, *args, **kwargs):
+        if "step_00000004" in stream.name:  # (the writer thread's file of step 4)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write_item(transforms, stream, *args, **kwargs)
+
+    monkeypatch.setattr(fs, "_write_item", full_disk)
+    with pytest.raises(UserError, match="out of disk space while writing checkpoint") as info:
+        tr.fit()
+    assert "step_00000004" in str(info.value) and "step_00000002 is intact" in str(info.value)
+    assert sorted(p.name for p in tr.checkpointer.dir.iterdir()) == ["step_00000002"]
+
+
 def test_torchrun_restarts_a_killed_rank_and_the_run_resumes(data_dir, root, reference):
     name = "restarted"
     args = [*common(data_dir, root, name), *sets(*BACKENDS["ddp"], *SPLIT)]
@@ -250,12 +360,12 @@ def test_resuming_an_older_checkpoint_moves_the_newer_ones_aside(data_dir, tmp_p
 
 
 def test_checkpoint_io_bench_times_the_save_and_its_integrity_record(data_dir, tmp_path):
-    from scale_llm.bench import bench_checkpoint
+    from scale_llm.bench import BACKGROUND, bench_checkpoint
 
     cfg = make_config(data_dir, tmp_path)
     rows = bench_checkpoint(cfg, plan_for(cfg), tmp_path / "io", rounds=1)
-    assert [r["kind"] for r in rows] == ["plain", "with record"]
-    assert all(r["gb"] > 0 and r["save_s"] > 0 for r in rows)
+    assert [r["kind"] for r in rows] == ["plain", "with record", *BACKGROUND]
+    assert all(r["gb"] > 0 and r["save_s"] >= r["blocking_s"] > 0 for r in rows)
     assert rows[1]["record_alone_s"] > 0 and rows[1]["verify_s"] > 0
     assert rows[1]["hashed_while_writing_gb"] > 0.9 * rows[1]["gb"]  # DCP's files: all of it
     assert 0 <= rows[1]["hash_stall_s"] < rows[1]["save_s"]

@@ -6,6 +6,11 @@ A checkpoint is a directory `checkpoints/step_00000100/`. It is written under a 
 process killed mid-save leaves the previous checkpoint as the newest complete one. Loading uses
 the allow-lists of scale_llm.components.serialization: never arbitrary objects.
 
+With `checkpoint.async_mode` the files are written in the background (the step waits only for
+the copy to host memory) and the same rename publishes the checkpoint once every rank's write
+is done, from a thread of the Checkpointer; until then it is not complete, so a crash, resume,
+keep_last and pruning see only the checkpoints before it. One save is in flight at most.
+
 Nothing in a checkpoint is believed unchecked: `damage` compares every file with the integrity
 record (whose shape is checked too; a missing record is damage unless the checkpoint predates
 records), a step directory or file that is a symlink is not the run's own, and
@@ -16,6 +21,7 @@ uses it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import json
@@ -26,7 +32,7 @@ import re
 import shutil
 import time
 from collections.abc import Callable, Collection
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -81,11 +87,14 @@ def _out_of_space(e: BaseException) -> OSError | None:
 
 
 class Checkpointer:
-    def __init__(self, run_dir: Path, keep_last: int, is_main: bool = True):
+    def __init__(self, run_dir: Path, keep_last: int, is_main: bool = True, group: Any = None):
         self.dir = run_dir / "checkpoints"
         self.keep_last = keep_last
         self.is_main = is_main  # the main rank creates, publishes and prunes directories
+        self.group = group  # the process group of background publishing (`side_group`)
         self._links_named: set[Path] = set()  # symlinked step dirs already warned about
+        self._pending: tuple[Path, Future] | None = None  # the save in flight: (step_N, done)
+        self._publisher = ThreadPoolExecutor(1, thread_name_prefix="scale-llm-checkpoint")
 
     def complete(self) -> list[tuple[int, Path]]:
         """(step, path) of every complete checkpoint, oldest first. A step directory that is a
@@ -166,9 +175,19 @@ class Checkpointer:
         fsync_dir(self.dir)
         return target
 
-    def save(self, step: int, write: Callable[[Path], None]) -> Path:
+    def save(self, step: int, write: Callable[[Path], Future | None]) -> Path:
         """Every rank calls `write(tmp_dir)` to fill a new checkpoint; then the main rank
-        publishes it atomically. Ranks meet at barriers so no rank reads a half-written one."""
+        publishes it atomically (record, rename, pruning). Ranks meet at barriers so no rank
+        reads a half-written one.
+
+        `write` may return the Future of a write still running in the background (DCP's
+        async_save): the checkpoint is then published by this Checkpointer's own thread, on
+        `group`'s collectives, once every rank's write is done, and this returns at once. Until
+        then step_N does not exist: resume, keep_last and pruning see only the checkpoints
+        before it, and a process killed meanwhile loses this save only. One save is in flight
+        at most: the next one, and `wait`, wait for it. (Such a `write` starts the background
+        write last: once it runs, nothing in `write` may fail.)"""
+        self.wait()
         final = self.dir / checkpoint_name(step)
         tmp = self.dir / f".tmp-{final.name}"
         if self.is_main:
@@ -176,36 +195,99 @@ class Checkpointer:
             _remove_stale(tmp)
             tmp.mkdir()
         barrier()
+        hashing = contextlib.ExitStack()
+        written = hashing.enter_context(digests.recording())  # files hashed as they are written
         try:
-            with digests.recording() as written:  # DCP's files are hashed as they are written
-                write(tmp)
+            running = write(tmp)
         except BaseException as e:
-            if self.is_main:
-                shutil.rmtree(tmp, ignore_errors=True)  # made above for this save
-            full = _out_of_space(e)
-            if full is not None:
-                previous = self.latest()
-                raise UserError(
-                    f"out of disk space while writing checkpoint {final} ({full.strerror}); the "
-                    f"partial files were removed and "
-                    + (
-                        f"the previous checkpoint {previous} is intact"
-                        if previous
-                        else "no earlier checkpoint exists"
-                    )
-                    + "; free space, lower checkpoint.keep_last, or move run.dir to a larger disk"
-                ) from None
+            hashing.close()
+            self._failed(e, tmp, final)
             raise
-        barrier()
-        record = finish_record(tmp, written, self.is_main)
+        if running is None:
+            hashing.close()
+            self._publish(tmp, final, written)
+            return final
+        self._pending = (
+            final,
+            self._publisher.submit(
+                self._publish_when_written, running, hashing, written, tmp, final
+            ),
+        )
+        return final
+
+    def wait(self, failing: bool = False) -> Path | None:
+        """Block until the save in flight, if any, is published; its path. What its background
+        write raised is raised here, unless `failing` (an error exit, whose own error is the
+        one to report: it is logged instead)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        final, future = pending
+        if not future.done():
+            log.info("checkpoint: waiting for %s to be written", final.name)
+        try:
+            return future.result()
+        except BaseException as e:
+            if not failing:
+                raise
+            log.warning("checkpoint: %s was not saved: %s", final, e)
+            return None
+
+    def _publish_when_written(
+        self,
+        running: Future,
+        hashing: contextlib.ExitStack,
+        written: digests.Recorded,
+        tmp: Path,
+        final: Path,
+    ) -> Path:
+        """In this Checkpointer's thread: wait for this rank's background write, then publish
+        the checkpoint with every other rank (on `group`)."""
+        try:
+            try:
+                running.result()
+            finally:
+                hashing.close()  # every digest taken
+        except BaseException as e:
+            self._failed(e, tmp, final)
+            raise
+        self._publish(tmp, final, written, self.group)
+        log.info("checkpoint: saved %s", final)
+        return final
+
+    def _publish(
+        self, tmp: Path, final: Path, written: digests.Recorded, group: Any = None
+    ) -> None:
+        """Once every rank has written its files: the integrity record, then the rename that
+        makes the checkpoint complete, then pruning (main rank)."""
+        barrier(group)
+        record = finish_record(tmp, written, self.is_main, group)
         if self.is_main:
             write_integrity(tmp, record)
             self._clear(final)
             tmp.rename(final)
             fsync_dir(self.dir)
             self.prune()
-        barrier()
-        return final
+        barrier(group)
+
+    def _failed(self, e: BaseException, tmp: Path, final: Path) -> None:
+        """A save that raised `e`: its partial files removed; out of disk space is a UserError
+        naming the intact previous checkpoint and the fix (raised here)."""
+        if self.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # made by `save` for this save
+        full = _out_of_space(e)
+        if full is not None:
+            previous = self.latest()
+            raise UserError(
+                f"out of disk space while writing checkpoint {final} ({full.strerror}); the "
+                f"partial files were removed and "
+                + (
+                    f"the previous checkpoint {previous} is intact"
+                    if previous
+                    else "no earlier checkpoint exists"
+                )
+                + "; free space, lower checkpoint.keep_last, or move run.dir to a larger disk"
+            ) from None
 
     def _clear(self, final: Path) -> None:
         """Make room for a checkpoint at `final`: this run's own directory of that step (saving
@@ -317,25 +399,28 @@ def written_entries(
 
 
 def finish_record(
-    ckpt_dir: Path, written: dict[Path, tuple[int, str]], is_main: bool
+    ckpt_dir: Path, written: dict[Path, tuple[int, str]], is_main: bool, group: Any = None
 ) -> dict[str, dict[str, Any]]:
     """The whole integrity record of a checkpoint every rank has just written (all ranks call
-    it): the digests taken during the writes, then the other files, each rank hashing its share
-    by size while the main rank fsyncs the tree (I/O-bound: both release the GIL)."""
-    known = gather_records(written_entries(ckpt_dir, written))
+    it, on `group`: default, the whole world): the digests taken during the writes, then the
+    other files, each rank hashing its share by size while the main rank fsyncs the tree
+    (I/O-bound: both release the GIL)."""
+    known = gather_records(written_entries(ckpt_dir, written), group)
     with ThreadPoolExecutor(1) as pool:
         share = pool.submit(integrity_record, ckpt_dir, *rank_and_world(), skip=known)
         if is_main:
             fsync_tree(ckpt_dir)
-        return {**known, **gather_records(share.result())}
+        return {**known, **gather_records(share.result(), group)}
 
 
-def gather_records(share: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Every rank's share of the integrity record, merged (all ranks get it)."""
+def gather_records(
+    share: dict[str, dict[str, Any]], group: Any = None
+) -> dict[str, dict[str, Any]]:
+    """Every rank's share of the integrity record, merged (all ranks of `group` get it)."""
     if not is_distributed():
         return share
-    parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, share)
+    parts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, share, group=group)
     return dict(sorted(item for part in parts for item in part.items()))
 
 

@@ -175,9 +175,20 @@ def rank_and_world() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def barrier() -> None:
+def barrier(group: dist.ProcessGroup | None = None) -> None:
+    """Every rank of `group` (default: the whole world) meets here; nothing in one process."""
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
+
+
+def side_group() -> dist.ProcessGroup | None:
+    """A gloo group of every rank for collectives run off the main thread (a background
+    checkpoint write): on the main group they could interleave with the training step's in a
+    different order on each rank. Every rank calls this at the same point; None in one
+    process."""
+    if not is_distributed():
+        return None
+    return dist.new_group(backend="gloo")
 
 
 def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:

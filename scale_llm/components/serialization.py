@@ -25,7 +25,8 @@ import io
 import pickle
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -238,18 +239,98 @@ def dcp_load(state: dict[str, Any], checkpoint_id: Path, no_dist: bool) -> None:
         raise
 
 
-def dcp_save(state: dict[str, Any], checkpoint_id: Path, no_dist: bool) -> None:
-    """torch.distributed.checkpoint's save with its default file writer, whose file system
-    also hashes the bytes as they are written (inside `digests.recording()`)."""
-    import torch.distributed.checkpoint as dcp
+@dataclasses.dataclass
+class BackgroundSave:
+    """How a DCP save runs in the background (`checkpoint.async_mode`): the process group its
+    writer thread's collectives use (one of its own, so they never interleave with the
+    training step's; None in one process), the stager that copies the state off the training
+    tensors (None: a fresh host copy per save, freed after the write; a kept
+    `DefaultStager`: the same host copy every save), and `on_written`, called in the writer
+    thread once this rank's data files are written (the crash tests' fault point)."""
+
+    group: Any = None
+    stager: Any = None
+    on_written: Callable[[], None] | None = None
+
+
+def background_save(async_mode: str, device: torch.device) -> BackgroundSave | None:
+    """What `checkpoint.async_mode` asks for (None: disabled). Every rank calls this at the
+    same point (it makes the writer's process group)."""
+    if async_mode == "disabled":
+        return None
+    from scale_llm.components.distributed import side_group
+
+    stager = kept_stager(device) if async_mode == "async_with_pinned_mem" else None
+    return BackgroundSave(group=side_group(), stager=stager)
+
+
+def kept_stager(device: torch.device) -> Any:
+    """A DCP stager whose host copy of the state is allocated at the first save and reused by
+    every later one: page-locked, and filled by non-blocking copies, on a GPU."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    gpu = device.type == "cuda"
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=gpu,
+            use_shared_memory=False,  # (for a writer process; ours is a thread)
+            use_async_staging=False,  # the copy is done when the save call returns
+            use_non_blocking_copy=gpu,
+        )
+    )
+
+
+def _writer(checkpoint_id: Path, on_written: Callable[[], None] | None = None) -> Any:
+    """DCP's file writer, through the file system that hashes the bytes as they are written
+    (inside `digests.recording()`); `on_written` runs after this rank's data files are."""
     from torch.distributed.checkpoint import FileSystemWriter
 
     from scale_llm.components.digests import HashingFileSystem
 
-    writer = FileSystemWriter(checkpoint_id)
+    class Writer(FileSystemWriter):
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            done = super().write_data(plan, planner)  # (written when it returns)
+            if on_written is not None:
+                on_written()
+            return done
+
+    writer = Writer(checkpoint_id)
     writer.fs = HashingFileSystem()
-    with _quiet_single_process():
-        dcp.save(state, storage_writer=writer, checkpoint_id=checkpoint_id, no_dist=no_dist)
+    return writer
+
+
+def dcp_save(
+    state: dict[str, Any],
+    checkpoint_id: Path,
+    no_dist: bool,
+    background: BackgroundSave | None = None,
+) -> Future | None:
+    """torch.distributed.checkpoint's save with its file writer (`_writer`). With `background`,
+    `async_save`: the state is copied to host memory before this returns (the training step
+    may then change its tensors), and the files are written by a thread; returns the Future
+    of that write (its result: DCP's metadata; its exception: the write's)."""
+    import torch.distributed.checkpoint as dcp
+
+    if background is None:
+        with _quiet_single_process():
+            dcp.save(
+                state,
+                storage_writer=_writer(checkpoint_id),
+                checkpoint_id=checkpoint_id,
+                no_dist=no_dist,
+            )
+        return None
+    # DCP's writer thread warns as the main thread's save would; the filter cannot be
+    # scoped to a block another thread runs
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    return dcp.async_save(
+        state,
+        storage_writer=_writer(checkpoint_id, background.on_written),
+        checkpoint_id=checkpoint_id,
+        process_group=background.group,
+        async_stager=background.stager,  # None: the writer stages (a fresh copy each save)
+        no_dist=no_dist,
+    )
 
 
 # ----------------------------------------------------------------------------- DeepSpeed

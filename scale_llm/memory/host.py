@@ -11,20 +11,33 @@ from scale_llm.memory.estimate import estimate
 from scale_llm.plan import RunPlan
 
 
-def host_memory_problem(cfg: Config, plan: RunPlan, models: int = 1) -> str | None:
+def host_memory_problem(
+    cfg: Config, plan: RunPlan, models: int = 1, staging: int | None = None
+) -> str | None:
     """Why `cfg` would not fit in this host's free memory on the CPU (None: it fits, it runs on
     a GPU, or the free memory cannot be read). `models`: copies of the model (with optimizer
-    state and activations) this process holds, e.g. 2 for a benchmark against a reference."""
+    state and activations) this process holds, e.g. 2 for a benchmark against a reference.
+    `staging`: host copies of the model and optimizer state held for background checkpoint
+    writes (default: the one checkpoint.async_mode makes, if it is on)."""
     available = host_available_bytes()
     if plan.device.type != "cpu" or available is None:
         return None
+    if staging is None:
+        staging = 0 if cfg.checkpoint.async_mode == "disabled" else 1
     est = estimate(cfg, plan)
-    per_rank = est.gpu["total"] + sum(est.cpu.values())
-    need = per_rank * plan.world_size * models  # CPU ranks share this host
+    copies_bytes = staging * checkpoint_state_bytes(cfg, plan, est.params)
+    per_rank = (est.gpu["total"] + sum(est.cpu.values())) * models + copies_bytes
+    need = per_rank * plan.world_size  # CPU ranks share this host
     if need <= available:
         return None
     m, gib = cfg.model, 2**30
     copies = f", {models} models at once" if models > 1 else ""
+    if staging:
+        copies += (
+            f", {staging} host {'copy' if staging == 1 else 'copies'} of the model and "
+            f"optimizer state for background checkpoint writes "
+            f"({copies_bytes * plan.world_size / gib:,.1f} GiB; checkpoint.async_mode)"
+        )
     return (
         f"this run needs about {need / gib:,.1f} GiB of host memory (`scale-llm estimate` "
         f"with these settings: {est.params / 1e6:,.0f}M parameters, d_model {m.d_model}, "
@@ -34,8 +47,19 @@ def host_memory_problem(cfg: Config, plan: RunPlan, models: int = 1) -> str | No
     )
 
 
-def check_host_memory(cfg: Config, plan: RunPlan, models: int = 1) -> None:
+def checkpoint_state_bytes(cfg: Config, plan: RunPlan, params: int) -> float:
+    """Bytes of one rank's model and optimizer state as a checkpoint holds them: fp32 weights
+    and AdamW's two fp32 moments (12 bytes a parameter), split over FSDP's shards."""
+    shards = 1
+    if plan.backend == "fsdp":
+        shards = max(1, plan.world_size // cfg.parallel.fsdp.replicate_degree)
+    return 12.0 * params / shards
+
+
+def check_host_memory(
+    cfg: Config, plan: RunPlan, models: int = 1, staging: int | None = None
+) -> None:
     """Stop with the estimate, before the model is built, when a CPU run cannot fit the host."""
-    problem = host_memory_problem(cfg, plan, models)
+    problem = host_memory_problem(cfg, plan, models, staging)
     if problem:
         raise UserError(problem)

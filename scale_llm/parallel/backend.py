@@ -12,6 +12,7 @@ so a run starts from the same weights whatever the backend, world size or device
 from __future__ import annotations
 
 import contextlib
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from scale_llm.components.distributed import is_distributed
 from scale_llm.components.loss import compiled_loss, cross_entropy
 from scale_llm.components.optim import build_optimizer, set_lr, step_if_finite
 from scale_llm.components.precision import Precision
-from scale_llm.components.serialization import dcp_load, dcp_save
+from scale_llm.components.serialization import BackgroundSave, dcp_load, dcp_save
 from scale_llm.config import Config, compiles
 from scale_llm.model import Transformer, materialize
 from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
@@ -148,14 +149,17 @@ class Backend:
         if state.get("scaler") and self.scaler is not None:
             self.scaler.load_state_dict(state["scaler"])
 
-    def save(self, ckpt_dir: Path) -> None:
+    def save(self, ckpt_dir: Path, background: BackgroundSave | None = None) -> Future | None:
         """Model and optimizer to torch.distributed.checkpoint, keyed by parameter name: the
-        same layout for single, DDP and FSDP, loadable on any of them and any world size."""
+        same layout for single, DDP and FSDP, loadable on any of them and any world size.
+        With `background` (checkpoint.async_mode), they are copied to host memory and the
+        Future of the write, which goes on in a thread, is returned."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        dcp_save(
+        return dcp_save(
             {"model": model_sd, "optimizer": optim_sd},
             ckpt_dir / DCP_DIR,
             no_dist=not is_distributed(),
+            background=background,
         )
 
     def load(self, ckpt_dir: Path) -> None:

@@ -29,6 +29,7 @@ from torch import nn
 from scale_llm.components.checkpoint import MODEL_WEIGHTS
 from scale_llm.components.optim import build_optimizer, param_groups, step_if_finite
 from scale_llm.components.serialization import (
+    BackgroundSave,
     guard_deepspeed_reader,
     hash_deepspeed_writes,
     save_file,
@@ -175,9 +176,12 @@ class DeepSpeedBackend(Backend):
         from anything else the model weights are loaded (see docs/backends.md)."""
         return layout == self.checkpoint_layout()
 
-    def save(self, ckpt_dir: Path) -> None:
+    def save(self, ckpt_dir: Path, background: BackgroundSave | None = None) -> None:
         """The engine's checkpoint, plus consolidated fp32 weights (`model.pt`) that any backend,
-        `generate` and `convert` can read without DeepSpeed."""
+        `generate` and `convert` can read without DeepSpeed. Always in the foreground: the
+        engine's writer has no background save (the config refuses checkpoint.async_mode)."""
+        if background is not None:
+            raise ValueError("DeepSpeed checkpoints are written in the foreground only")
         engine = self.model
         hash_deepspeed_writes(engine)  # so the integrity record needs no second read
         engine.save_checkpoint(str(ckpt_dir), tag=TAG)

@@ -169,4 +169,12 @@ def validate_parallel(cfg: Config) -> list[str]:
         )
     if ds.config and backend == "deepspeed":
         e.extend(passthrough_problems(ds.config))
+    mode = cfg.checkpoint.async_mode
+    if mode != "disabled" and backend == "deepspeed":
+        e.append(
+            f"checkpoint.async_mode={mode} is not available with parallel.backend=deepspeed "
+            f"(the DeepSpeed engine writes its own checkpoint files, which have no background "
+            f"save); set checkpoint.async_mode=disabled, or use parallel.backend=fsdp (its "
+            f"sharding is ZeRO-3's)"
+        )
     return e

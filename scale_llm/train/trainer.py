@@ -8,9 +8,13 @@ the device and are read (a host sync) only on logging steps.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import math
 import signal
+import sys
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +33,7 @@ from scale_llm.components.checkpoint import (
 from scale_llm.components.distributed import mean_over_ranks
 from scale_llm.components.hardware import cuda_memory_gib, peak_flops
 from scale_llm.components.optim import lr_at
-from scale_llm.components.serialization import save_file
+from scale_llm.components.serialization import background_save, save_file
 from scale_llm.config import Config, save_config, to_dict
 from scale_llm.data.loader import TokenWindows, TrainLoader, eval_batches
 from scale_llm.data.shards import open_split, read_manifest
@@ -102,7 +106,14 @@ class Trainer:
             raise
 
     def _setup(self, cfg: Config, plan: RunPlan) -> None:
-        self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep_last, plan.is_main)
+        # checkpoint.async_mode: how saves copy the state and where its files are written
+        self.background = background_save(cfg.checkpoint.async_mode, plan.device)
+        self.checkpointer = Checkpointer(
+            self.run_dir,
+            cfg.checkpoint.keep_last,
+            plan.is_main,
+            self.background.group if self.background else None,
+        )
         self.resume_from = resolve_resume(cfg.checkpoint.resume, self.checkpointer)
         resume_state = self._read_resume_state()
 
@@ -210,10 +221,15 @@ class Trainer:
                         result.stopped = stop
                         break
         finally:
-            result.seconds = self.clock.elapsed()
-            self.loader.close()
-            self.metrics.close()
-            self.lock.release()
+            try:  # a save still being written is published (or, on an error exit, abandoned)
+                self.checkpointer.wait(failing=sys.exc_info()[0] is not None)
+                if self.background and self.background.stager:
+                    self.background.stager.close()  # the kept host copy is freed
+            finally:
+                result.seconds = self.clock.elapsed()
+                self.loader.close()
+                self.metrics.close()
+                self.lock.release()
         result.steps = self.step
         return result
 
@@ -423,15 +439,28 @@ class Trainer:
                 self.step,
             )
 
-        def write(tmp: Path) -> None:
-            self.backend.save(tmp)
-            maybe_fail("mid_save", self.step, self.plan.rank)
+        fault = functools.partial(maybe_fail, "mid_save", self.step, self.plan.rank)
+        background = self.background and dataclasses.replace(self.background, on_written=fault)
+
+        def write_trainer_state(tmp: Path) -> None:
             state = self.state_dict()  # a collective (every rank's generators)
             if self.plan.is_main:
                 save_file(state, tmp / TRAINER_STATE)
 
+        def write(tmp: Path) -> Future | None:
+            if background:  # started last: once the write runs, nothing here can fail
+                write_trainer_state(tmp)
+                return self.backend.save(tmp, background)  # copied; written in a thread
+            self.backend.save(tmp)
+            fault()
+            write_trainer_state(tmp)
+            return None
+
         path = self.checkpointer.save(self.step, write)
-        log.info("checkpoint: saved %s", path)
+        if background:
+            log.info("checkpoint: writing %s in the background", path)
+        else:
+            log.info("checkpoint: saved %s", path)
         return path
 
     def state_dict(self) -> dict[str, Any]:
