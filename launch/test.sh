@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
-# Set up the virtual environment with the dev tools, then lint and run the whole test suite.
-#   bash launch/test.sh [pytest args]
+# Set up the virtual environment with the dev tools, then lint and run the tests.
+#   bash launch/test.sh [pytest args]          everything (what CI runs)
+#   bash launch/test.sh --fast [pytest args]   the inner loop: the in-process tests and one
+#                                              multi-process parity case (tests not marked slow)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
+select=()
+if [[ "${1:-}" == "--fast" ]]; then
+    shift
+    select=(-m "not slow")
+fi
 bash launch/setup.sh --dev
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc)}"
 start=$(date +%s)
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-.venv/bin/python -m pytest tests "$@"
+.venv/bin/python -m pytest tests ${select[@]+"${select[@]}"} "$@"
 echo "test.sh: lint + tests took $(( $(date +%s) - start ))s"

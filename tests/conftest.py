@@ -41,6 +41,59 @@ _DEEPSPEED_OPS += "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamB
 _prebuild: subprocess.Popen | None = None
 
 
+# ----------------------------------------------------------------------------- test tiers
+# `bash launch/test.sh --fast` runs what is not marked slow: the in-process tests and one
+# multi-process parity case. Marked here, in one place, from `pytest --durations` on 2 cores.
+SLOW_MODULES = {"test_distributed.py", "test_reliability.py", "test_offload_census.py"}
+FAST_WORLD = "test_distributed.py::test_backend_matches_single_process[ddp]"
+SLOW_TESTS = {  # over ~5 s each on 2 cores (pytest --durations), by module::function
+    "test_cli.py::test_a_wheel_installs_with_its_configs_and_runs_from_anywhere",
+    "test_cli.py::test_cli_user_errors_exit_2_without_traceback",
+    "test_cli.py::test_launchers_run_a_checkout_with_a_python3_that_has_only_the_dependencies",
+    "test_cli.py::test_launchers_use_the_active_python_then_the_venv_then_say_what_to_do",
+    "test_cli.py::test_prepare_train_generate_on_the_builtin_corpus",
+    "test_cli.py::test_the_gpu_check_stops_when_torch_cannot_use_the_gpus_nvidia_smi_lists",
+    "test_compile.py::test_a_missing_compiler_is_named_with_what_to_install",
+    "test_compile.py::test_compile_true_without_a_compiler_stops_the_launch_before_any_work",
+    "test_compile.py::test_compiled_run_follows_the_eager_curve",
+    "test_compile.py::test_ddp_runs_each_compiled_block_as_one_graph",
+    "test_compile.py::test_the_gpu_check_runs_on_the_cpu_and_writes_its_report",
+    "test_errors.py::test_a_leftover_world_size_says_what_it_waits_for_then_stops",
+    "test_hf.py::test_two_rank_runs_import_and_export_the_same_weights",
+    "test_memory.py::test_a_measured_step_has_the_estimated_parts_and_peak",
+    "test_memory.py::test_compiled_blocks_save_no_more_than_the_estimate",
+    "test_memory.py::test_estimate_command_json_and_fit",
+    "test_memory.py::test_estimate_measure_prints_the_step_next_to_the_estimate",
+    "test_memory.py::test_every_backend_at_two_ranks_peaks_where_the_estimate_says",
+    "test_memory.py::test_predicted_activations_match_counted_bytes",
+    "test_memory.py::test_prediction_at_400m_dimensions",
+    "test_memory_fake.py::test_125m_traced_on_fake_tensors_has_the_estimated_parts",
+    "test_model.py::test_past_seq_len_the_cache_starts_over_from_the_newest_half",
+    "test_owned_files.py::test_the_run_lock_admits_one_of_many_simultaneous_launches",
+    "test_train.py::test_a_checkpoint_in_the_previous_layout_still_resumes_exactly",
+    "test_train.py::test_a_cpu_run_keeps_the_memory_it_frees",
+    "test_train.py::test_bench_reference_runs_the_same_model_on_the_same_batch",
+    "test_train.py::test_bench_runs_the_training_step_on_synthetic_tokens",
+    "test_train.py::test_each_bench_compiles_for_its_own_static_shapes",
+    "test_train.py::test_every_launch_logs_its_first_and_the_last_step",
+    "test_train.py::test_loss_falls_on_real_text",
+    "test_train.py::test_metrics_rows_and_tensorboard_events",
+    "test_train.py::test_resume_continues_the_same_loss_curve",
+    "test_train.py::test_tensorboard_never_shows_a_step_twice",
+    "test_train.py::test_the_gpt2_reference_is_a_flop_matched_gpt2_and_learns",
+    "test_train.py::test_what_users_watch_tensorboard_wandb_samples_and_progress",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module, _, name = item.nodeid.rpartition("/")[2].partition("::")
+        if item.nodeid.endswith(FAST_WORLD):
+            continue
+        if module in SLOW_MODULES or f"{module}::{name.partition('[')[0]}" in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_collection_finish(session):
     global _prebuild
     if session.config.option.collectonly:  # listing tests builds nothing and waits on nothing
