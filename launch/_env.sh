@@ -32,8 +32,9 @@ fi
 # (from /, so that a scale_llm folder in the current directory proves nothing)
 if [[ -z "$PY" ]] || ! (cd / && "$PY" -c "import scale_llm, torch") >/dev/null 2>&1; then
   echo "launch: no Python that can import scale_llm (tried \$SCALE_LLM_PYTHON, the active" \
-    "python, $ROOT/.venv, python3 with this checkout on PYTHONPATH); run" \
-    "'bash launch/setup.sh' or 'pip install scale_llm' first" >&2
+    "python, $ROOT/.venv, python3 with this checkout on PYTHONPATH); in a checkout run" \
+    "'bash launch/setup.sh' first, or install a built wheel ('pip install" \
+    "scale_llm-VERSION-py3-none-any.whl', README: Installing as a package)" >&2
   exit 2
 fi
 

@@ -55,6 +55,55 @@ write_env_file() {
   done
 }
 
+# A port nothing listens on, for a one-node run without MASTER_PORT (DeepSpeed's default, 29500,
+# is every run's: a second run on the node failed to start), as torchrun --standalone picks one.
+free_port() {
+  local port
+  port=$("$PY" -c 'import socket
+s = socket.socket()
+s.bind(("127.0.0.1", 0))
+print(s.getsockname()[1])' 2>/dev/null | tail -n 1)
+  if [[ "$port" =~ ^[0-9]+$ ]]; then echo "$port"; fi
+}
+
+# DeepSpeed compiles some C++ ops the first time a process needs them, into torch's extension
+# cache, and the run is silent meanwhile: on the CPU its shared-memory collectives
+# (deepspeed_shm_comm) at every start, and CPUAdam (cpu_adam) for an optimizer offload. Each took
+# about 3 minutes on 2 CPU cores (2026-12-03, DeepSpeed 0.19.8). Prints "OPS... CACHE_DIR" for
+# the ops this run needs that are not built yet (nothing for a config train will refuse).
+read -r -d '' UNBUILT_OPS <<'PY' || true
+import os, sys  # which torch_extensions this run still has to build
+import torch
+from torch.utils.cpp_extension import get_default_build_root
+from scale_llm.cli import config_from_args, parse_args
+cfg = config_from_args(parse_args(["train", *sys.argv[1:]]))
+ops = ["deepspeed_shm_comm"] if os.environ.get("DS_ACCELERATOR") == "cpu" else []
+if cfg.parallel.deepspeed.offload_optimizer != "none":
+    ops.append("cpu_adam")
+root = os.environ.get("TORCH_EXTENSIONS_DIR")
+if not root:  # torch's own choice (torch.utils.cpp_extension._get_build_directory)
+    cuda = torch.version.cuda
+    device = "cu" + cuda.replace(".", "") if cuda else "cpu"
+    tag = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    root = os.path.join(get_default_build_root(), f"{tag}_{device}")
+todo = [op for op in ops if not os.path.isfile(os.path.join(root, op, op + ".so"))]
+if todo:
+    print(*todo, root)
+PY
+unbuilt_ops() {
+  "$PY" -c "$UNBUILT_OPS" "$@" 2>/dev/null | tail -n 1 || true
+}
+
+announce_op_builds() {
+  local words
+  read -ra words <<< "$(unbuilt_ops "$@")"
+  if [[ ${#words[@]} -lt 2 ]]; then return; fi
+  local cache="${words[-1]}" ops="${words[*]:0:${#words[@]}-1}"
+  echo "deepspeed.sh: DeepSpeed builds its C++ op(s) ${ops// /, } on first use, into $cache:" \
+    "about 3 minutes each on 2 CPU cores (once; later runs load them), while the run prints" \
+    "nothing" >&2
+}
+
 launcher=("$PY" -m deepspeed.launcher.runner --no_local_rank)
 env_file=""
 include=""
@@ -82,8 +131,14 @@ elif [[ "$gpus" -gt 0 && "$visible_gpus" -eq 0 ]]; then
 else
   launcher+=(--num_gpus "$NGPU")
 fi
-[[ -n "${MASTER_PORT:-}" ]] && launcher+=(--master_port "$MASTER_PORT")
+if [[ -n "${MASTER_PORT:-}" ]]; then
+  launcher+=(--master_port "$MASTER_PORT")
+elif [[ -z "${HOSTFILE:-}" ]]; then
+  port="$(free_port)"
+  if [[ -n "$port" ]]; then launcher+=(--master_port "$port"); fi
+fi
 run_prepare "$@"
+announce_op_builds "$@"
 
 # Not exec: on one node DeepSpeed's runner passes no signal on, so a SIGTERM to it would end the
 # runner and leave the workers training. The runner gets a process group of its own (job control

@@ -349,7 +349,13 @@ def test_deepspeed_launcher(data_dir, tmp_path):
         "deepspeed.sh", launcher_args(data_dir, tmp_path, "lds", "tiny-deepspeed.yaml"), tmp_path
     )
     assert "world 2" in proc.stdout and "done: 2 steps" in proc.stdout
-    assert "no launcher seen" not in proc.stdout + proc.stderr  # DeepSpeed's launch.py is one
+    console = proc.stdout + proc.stderr
+    assert "no launcher seen" not in console  # DeepSpeed's launch.py is one
+    # the consolidation's own lines, five per checkpoint, go to the run's log file
+    assert "Processing zero checkpoint" not in console and "Reconstructed fp32" not in console
+    assert "Reconstructed fp32 state dict" in (tmp_path / "lds" / "deepspeed.log").read_text()
+    # a port of its own, as torchrun --standalone takes (DeepSpeed's default was every run's)
+    assert "--master_port=29500" not in console and "--master_port=" in console
 
 
 def test_two_nodes_on_loopback(data_dir, tmp_path):

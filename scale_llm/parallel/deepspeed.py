@@ -41,6 +41,7 @@ from scale_llm.parallel.ds_config import deepspeed_config
 
 log = logging.getLogger(__name__)
 TAG = "deepspeed"  # the engine's checkpoint folder inside each step_XXXXXXXX directory
+DEEPSPEED_LOG = "deepspeed.log"  # in the run dir: what DeepSpeed prints while it consolidates
 
 
 @contextlib.contextmanager
@@ -196,8 +197,21 @@ class DeepSpeedBackend(Backend):
         else:  # rebuild the fp32 master weights from the optimizer partitions just written
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-            weights = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=TAG)
+            with self._output_to_log():
+                weights = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=TAG)
         return {k: v.detach().float().cpu().contiguous() for k, v in weights.items()}
+
+    @contextlib.contextmanager
+    def _output_to_log(self) -> Iterator[None]:
+        """What DeepSpeed prints while it consolidates a checkpoint (five lines and a progress
+        bar per save: "Processing zero checkpoint ...", "Reconstructed fp32 state dict ...")
+        goes to RUN_DIR/deepspeed.log, not among the step lines on the console."""
+        with (
+            open(self.cfg.run_dir / DEEPSPEED_LOG, "a", encoding="utf-8") as f,
+            contextlib.redirect_stdout(f),
+            contextlib.redirect_stderr(f),
+        ):
+            yield
 
     def load(self, ckpt_dir: Path) -> None:
         guard_deepspeed_reader(self.model)  # DeepSpeed's own reader unpickles anything

@@ -31,6 +31,7 @@ RUN_DIR_FILES = {
     "tokenizer.model": "its copy of the tokenizer",
     BUNDLE_FILE: "its copy of the tokenizer (a model's own: data.tokenizer)",
     "ds_config.json": "its DeepSpeed config",
+    "deepspeed.log": "what DeepSpeed prints while it consolidates a checkpoint",
     METRICS_FILE: "its metric rows",
     WANDB_ID_FILE: "its Weights & Biases run id",
 }
