@@ -48,7 +48,14 @@ def check_resume_state(
 
 # Keys that say how a run is carried out, not what it trains: the rest (the model, the data,
 # the seed and every train.* key that changes the updates) describe the experiment.
-HOW_NOT_WHAT = ("train.device", "train.compile", "train.gc_every", "train.exit_at_step")
+# model.init_from says where step 0's weights came from; a resume reads the checkpoint's.
+HOW_NOT_WHAT = (
+    "train.device",
+    "train.compile",
+    "train.gc_every",
+    "train.exit_at_step",
+    "model.init_from",
+)
 WHAT = ("model.", "train.", "data.dir", "run.seed")
 
 
