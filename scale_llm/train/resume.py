@@ -54,7 +54,9 @@ HOW_NOT_WHAT = (
     "train.compile",
     "train.gc_every",
     "train.exit_at_step",
+    "train.max_bad_steps",
     "model.init_from",
+    "model.attention",  # (sdpa or eager: the same attention, another kernel)
 )
 WHAT = ("model.", "train.", "data.dir", "run.seed")
 
