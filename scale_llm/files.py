@@ -388,7 +388,7 @@ def lock_holder(path: Path) -> str | None:
     (A reader that took the flock, even shared, could make a starting owner's non-blocking
     take fail; the record the owner writes is enough to tell.)"""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # (a FIFO: no wait)
     except OSError:
         return None
     try:

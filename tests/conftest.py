@@ -117,8 +117,8 @@ def stale_extension_locks(root: Path | None = None) -> list[Path]:
 
     A build creates its lock and keeps it open until it removes it; a build that was killed
     leaves it behind, and every later process that needs the op waits on it forever. On Linux
-    the holders are visible in /proc; where they are not all visible (another user's processes,
-    another OS) nothing is called stale."""
+    the holders are visible in /proc; where a process running as a lock's owner cannot be read
+    (or on another OS) nothing is called stale."""
     if root is None:
         from torch.utils.cpp_extension import get_default_build_root
 
@@ -126,12 +126,18 @@ def stale_extension_locks(root: Path | None = None) -> list[Path]:
     locks = sorted(root.glob("*/*/lock")) + sorted(root.glob("*/lock"))
     if not locks or not Path("/proc/self/fd").is_dir():
         return []
+    owners = {lock.stat().st_uid for lock in locks}  # (a build creates its lock as its user)
     held = set()
     for fds in Path("/proc").glob("[0-9]*/fd"):
         try:
             names = os.listdir(fds)
-        except PermissionError:  # another user's process: it might hold one, so say nothing
-            return []
+        except PermissionError:  # unreadable: if it runs as a lock's owner, it might hold it
+            try:
+                if fds.parent.stat().st_uid in owners:
+                    return []
+            except OSError:
+                pass
+            continue
         except OSError:  # gone meanwhile
             continue
         for name in names:

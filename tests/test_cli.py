@@ -156,9 +156,12 @@ def test_run_messages_count_this_launch_and_a_finished_run_is_left_alone(
     out, err = capsys.readouterr()
     assert "continuing" not in out and "nothing to do" not in out
     assert f"{run} holds a finished run (step 4 of its train.max_steps=4" in err
-    assert "train.micro_batch_size: 4 -> 2; train.lr: 0.001 -> 0.0003" in err
+    assert "train.lr: 0.001 -> 0.0003; train.micro_batch_size x train.grad_accum: 4 -> 2" in err
     assert "start a new run: --run-name NAME" in err
     assert {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()} == before
+    # the same batch split otherwise (a requeue on other hardware): the same, complete run
+    assert main([*args, "--set", "train.micro_batch_size=2", "--set", "train.grad_accum=2"]) == 0
+    assert "run already complete" in capsys.readouterr().out
     assert (
         main(
             [

@@ -426,3 +426,23 @@ def test_n_heads_suggestions_for_d_model_250():
     with pytest.raises(UserError) as err:
         load_config(None, ["model.d_model=250"])
     assert "pick n_heads among 1, 5, 25, 125, e.g. model.n_heads=5" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "heads", [("model.n_heads=0", "model.n_kv_heads=0"), ("model.n_heads=-4", "model.n_kv_heads=3")]
+)
+def test_kv_heads_against_impossible_heads_is_one_error_list(heads):
+    """The n_kv_heads message's example divided by n_heads' divisors: none when n_heads <= 0
+    (an IndexError once, a traceback instead of the list)."""
+    with pytest.raises(UserError, match="model.n_kv_heads=.* must be > 0 and divide"):
+        load_config(None, list(heads))
+
+
+def test_a_fifo_where_the_lock_file_is_names_no_holder_and_does_not_wait(tmp_path):
+    """`scale-llm runs` reads each run's lock record; a FIFO in its place would block the open."""
+    import os
+
+    from scale_llm.files import lock_holder
+
+    os.mkfifo(tmp_path / ".lock")
+    assert lock_holder(tmp_path / ".lock") is None

@@ -191,3 +191,20 @@ def test_init_from_refuses_weights_of_another_tokenizer_than_the_datas(continued
     assert load_init_weights(cfg, tok["sha256"], tok["files_sha256"])  # the same files: fine
     with pytest.raises(UserError, match="tokenizer files differ .* set data.tokenizer="):
         load_init_weights(cfg, tok["sha256"], "0" * 64)
+
+
+def test_a_planted_file_name_in_the_tokenizer_bundle_is_refused(continued, tmp_path):
+    """hf-tokenizer.json's files are written into an export by name: a name that is not a
+    tokenizer file's (an absolute path, `..`) must be refused when the bundle is read."""
+    from scale_llm.data.pretrained_tokenizer import _read_bundle
+    from scale_llm.errors import UserError
+
+    data, _, _ = continued
+    for name in (str(tmp_path / "planted.sh"), "../up.txt", "config.json"):
+        bundle = json.loads((data / "hf-tokenizer.json").read_text())
+        bundle["files"][name] = {"text": "echo planted"}
+        path = tmp_path / "hf-tokenizer.json"
+        path.write_text(json.dumps(bundle))
+        with pytest.raises(UserError, match="files is missing or of the wrong type"):
+            _read_bundle(path)
+    assert not (tmp_path / "planted.sh").exists()

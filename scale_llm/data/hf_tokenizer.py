@@ -15,8 +15,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from scale_llm.data.pretrained_tokenizer import PretrainedTokenizer
+from scale_llm.data.pretrained_tokenizer import TOKENIZER_FILES, PretrainedTokenizer
 from scale_llm.data.tokenizer import Tokenizer
+from scale_llm.errors import UserError
 
 SPACE = "\u2581"  # SentencePiece's visible space
 
@@ -101,6 +102,8 @@ def write_tokenizer_files(
     tokenizer (data.tokenizer) is written back as its folder held it."""
     if isinstance(tok, PretrainedTokenizer):
         for name, data in tok.files().items():
+            if name not in TOKENIZER_FILES:  # (the bundle's check refused such names already)
+                raise UserError(f"{name!r} is not a tokenizer file name; refusing to write it")
             (out_dir / name).write_bytes(data)
         return
     for name, text in tokenizer_files(tok, max_length).items():

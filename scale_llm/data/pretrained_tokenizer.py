@@ -280,8 +280,9 @@ def _bundle_problem(bundle: Any) -> str | None:
         "end_ids": lambda x: isinstance(x, list) and all(map(is_id, x)),
         "vocab_size": lambda x: is_id(x) and x > 0,
         "files_sha256": lambda x: isinstance(x, str),
-        "files": lambda x: (
+        "files": lambda x: (  # only the names a tokenizer folder holds: export writes them
             isinstance(x, dict)
+            and all(name in TOKENIZER_FILES for name in x)
             and all(isinstance(e, dict) and ("text" in e or "base64" in e) for e in x.values())
         ),
     }

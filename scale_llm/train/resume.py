@@ -57,6 +57,8 @@ HOW_NOT_WHAT = (
     "train.max_bad_steps",
     "model.init_from",
     "model.attention",  # (sdpa or eager: the same attention, another kernel)
+    "train.micro_batch_size",  # (their product is compared: the same batch split otherwise)
+    "train.grad_accum",
 )
 WHAT = ("model.", "train.", "data.dir", "run.seed")
 
@@ -66,12 +68,18 @@ def changed_settings(state: dict[str, Any], cfg: Config) -> list[str]:
     checkpoint's config and `cfg` (keys the checkpoint does not record are left out)."""
     saved = flat(state["config"])
     now = flat(to_dict(cfg))
-    return [
+    changed = [
         f"{key}: {short(saved[key], 40)} -> {short(value, 40)}"
         for key, value in now.items()
         if key.startswith(WHAT) and key not in HOW_NOT_WHAT and key in saved
         if saved[key] != value
     ]
+    split = ("train.micro_batch_size", "train.grad_accum")
+    if all(isinstance(saved.get(k), int) for k in split):  # the batch, however it is split
+        before, after = saved[split[0]] * saved[split[1]], now[split[0]] * now[split[1]]
+        if before != after:
+            changed.append(f"train.micro_batch_size x train.grad_accum: {before} -> {after}")
+    return changed
 
 
 def check_finished_run(state: dict[str, Any], ckpt: Path, cfg: Config) -> None:

@@ -221,7 +221,7 @@ class Trainer:
                         result.stopped = stop
                         break
         finally:
-            try:  # a save still being written is published (or, on an error exit, abandoned)
+            try:  # a save still being written is published (an error exit logs its failure)
                 self.checkpointer.wait(failing=sys.exc_info()[0] is not None)
                 if self.background and self.background.stager:
                     self.background.stager.close()  # the kept host copy is freed
@@ -356,7 +356,8 @@ class Trainer:
     def _check_divergence(self) -> None:
         streak = int(self.bad_streak.item())
         if streak >= self.cfg.train.max_bad_steps:
-            saved = self.checkpointer.complete()
+            self.checkpointer.wait(failing=True)  # a save in flight is published (and prunes)
+            saved = self.checkpointer.complete()  # before the message names the newest
             good = self.step - streak  # the last step whose update was applied
             holds = good if saved and saved[-1][0] > good else None  # saved inside the streak
             self.metrics.log(self.step, {"stopped": "diverged"})  # (what `scale-llm runs` reads)
