@@ -638,13 +638,18 @@ def _time_checkpoints(backend, plan: RunPlan, private: Path, rounds: int) -> lis
 
     rows = []
     main = plan.is_main
-    background = background_save("async", plan.device)  # (its process group, made once)
+    kinds = FOREGROUND + BACKGROUND
+    if plan.backend == "deepspeed":  # its engine saves in the foreground only
+        kinds = FOREGROUND
+        if main:
+            log.info("bench: DeepSpeed saves in the foreground only; no async rows")
+    background = background_save("async", plan.device) if kinds != FOREGROUND else None
     said = logging.getLogger("scale_llm.components.checkpoint")  # (stdout holds the rows only)
     level = said.level
     said.setLevel(logging.WARNING)
     try:
         for n in range(rounds):
-            for kind in FOREGROUND + BACKGROUND:
+            for kind in kinds:
                 directory = private / f"round{n}-{kind.replace(' ', '-')}"
                 if main:
                     directory.mkdir()  # new, inside this call's own folder

@@ -372,6 +372,25 @@ def test_checkpoint_io_bench_times_the_save_and_its_integrity_record(data_dir, t
     assert not (tmp_path / "io").exists()
 
 
+def test_checkpoint_io_bench_on_deepspeed_times_its_foreground_saves_only(tmp_path):
+    """DeepSpeed's engine has no background save: the bench's async rows were a traceback.
+    (A stand-in backend that saves one file, under a DeepSpeed plan.)"""
+    import dataclasses
+
+    from scale_llm.bench import _time_checkpoints
+    from tests.helpers import batch_plan
+
+    class Engine:
+        def save(self, directory, background=None):
+            assert background is None, "DeepSpeed was asked for a background save"
+            (directory / "mp_rank_00_model_states.pt").write_bytes(b"x" * 4096)
+
+    plan = dataclasses.replace(batch_plan(1, 1), backend="deepspeed")
+    (tmp_path / "io").mkdir()
+    rows = _time_checkpoints(Engine(), plan, tmp_path / "io", rounds=1)
+    assert [r["kind"] for r in rows] == ["plain", "with record"]
+
+
 def test_digests_taken_while_dcp_writes_are_the_files_own_and_a_seek_drops_them(tmp_path):
     """DCP's files are hashed as they are written (the record's cost rides along with the
     write); what a checkpoint records is what hashing the files afterwards gives, and a file
