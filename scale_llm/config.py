@@ -37,6 +37,7 @@ from scale_llm.parallel.options import (
     validate_parallel,
 )
 from scale_llm.schema import config_key
+from scale_llm.train.options import ProfileConfig, validate_profile
 
 __all__ = [  # the section schemas that live beside their owners, re-exported for convenience
     "ActivationCheckpointingConfig",
@@ -209,6 +210,7 @@ class TrainConfig:
         "parameter-gathering hooks sit inside each block), with one warning; the loss is still "
         "compiled. See [training.md](training.md)",
     )
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
 def compiles(train: TrainConfig, device_type: str) -> bool:
@@ -648,6 +650,14 @@ def _build(cls: type, raw: Any, prefix: str, errors: list[str]) -> Any:
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             kwargs[key] = _build(tp, value, f"{dotted}.", errors)
+        elif typing.get_origin(tp) is list:  # a list of entries, each a section (data.sources)
+            entry = typing.get_args(tp)[0]
+            if isinstance(value, list):
+                kwargs[key] = [
+                    _build(entry, v, f"{dotted}[{i}].", errors) for i, v in enumerate(value)
+                ]
+            else:
+                errors.append(f"{dotted}: expected a list of mappings, got {short(value)}")
         else:
             ok, converted, expected = _coerce(value, tp)
             if ok:
@@ -775,6 +785,7 @@ def validate(cfg: Config) -> list[str]:
     if t.global_batch_size is not None:
         positive("train.global_batch_size", t.global_batch_size)
     e.extend(validate_data(cfg.data))
+    e.extend(validate_profile(t.profile, t.max_steps))
     positive("logging.every", cfg.logging.every)
     if cfg.logging.peak_tflops is not None and cfg.logging.peak_tflops <= 0:
         e.append(

@@ -16,6 +16,8 @@ def config_key(default: Any, help: str, *, run_defining: bool = False) -> Any:
     if not help.strip():
         raise ValueError("a config key needs its meaning: config_key(default, help)")
     metadata = {"help": help, "run_defining": run_defining}
+    if isinstance(default, list):  # a fresh list per instance (dataclasses refuse a shared one)
+        return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
 
 

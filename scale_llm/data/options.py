@@ -2,9 +2,34 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, fields
 
 from scale_llm.schema import config_key
+
+SOURCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # a folder name and a metric tag
+
+
+@dataclass
+class SourceConfig:
+    """One entry of `data.sources`: what `data.source` and its reading keys say, plus a name and
+    a weight."""
+
+    name: str = config_key("", "the source's name: its folder in data.dir and its metric tags")
+    weight: float = config_key(1.0, "its share of the training tokens (weights are normalized)")
+    source: str = config_key("builtin", "as `data.source`")
+    text_field: str = config_key("text", "as `data.text_field`")
+    hf_config: str | None = config_key(None, "as `data.hf_config`")
+    hf_split: str = config_key("train", "as `data.hf_split`")
+    hf_revision: str | None = config_key(None, "as `data.hf_revision`")
+    streaming: bool = config_key(False, "as `data.streaming`")
+    max_documents: int | None = config_key(None, "as `data.max_documents`, for this source")
+    max_tokens: int | None = config_key(None, "as `data.max_tokens`, for this source")
+
+
+# the keys of `data` that describe the one source of `data.source`; an entry of data.sources
+# sets its own
+PER_SOURCE_KEYS = tuple(f.name for f in fields(SourceConfig) if f.name not in ("name", "weight"))
 
 
 @dataclass
@@ -16,6 +41,20 @@ class DataConfig:
         "directory, or a glob of `.txt`/`.md`/`.py` (one document per file), `.jsonl` "
         "(one per line) and `.parquet` (one per row)",
         run_defining=True,
+    )
+    sources: list[SourceConfig] = config_key(
+        [],
+        "a weighted mixture of sources, in place of `data.source`: a list of entries "
+        "`{name, weight, source, ...}`, each taking `source`, `text_field`, `hf_config`, "
+        "`hf_split`, `hf_revision`, `streaming`, `max_documents` and `max_tokens` as the "
+        "`data.` keys of those names do; `weight`: its share of the training tokens "
+        "(normalized); `name`: letters, digits, `_`, `-`, unique. See data.md",
+        run_defining=True,
+    )
+    repeat: bool = config_key(
+        True,
+        "a source whose training windows run out is read again in a new order (with a "
+        "warning); false: a run that would need that is an error before it starts",
     )
     dir: str = config_key("data/builtin", "where the tokenizer, shards and manifest live")
     tokenizer: str | None = config_key(
@@ -88,4 +127,45 @@ def validate_data(d: DataConfig) -> list[str]:
             f"data.val_fraction={d.val_fraction} must be between 0 and 1 (e.g. "
             f"data.val_fraction=0.01)"
         )
+    if d.sources:
+        e.extend(_sources_problems(d))
     return e
+
+
+def _sources_problems(d: DataConfig) -> list[str]:
+    """A mixture's entries: names, weights, caps, and no one-source key set beside them."""
+    e: list[str] = []
+    defaults = DataConfig()
+    for key in PER_SOURCE_KEYS:
+        if getattr(d, key) != getattr(defaults, key):
+            e.append(
+                f"data.{key}={getattr(d, key)!r} describes the one source of data.source, but "
+                f"data.sources is set: give it per entry (data.sources[i].{key}) and remove "
+                f"data.{key}"
+            )
+    seen: set[str] = set()
+    for i, s in enumerate(d.sources):
+        at = f"data.sources[{i}]"
+        if not SOURCE_NAME.fullmatch(s.name):
+            e.append(
+                f"{at}.name={s.name!r} must be 1-64 letters, digits, '_' or '-' (it names a "
+                f"folder and metric tags), e.g. name: web"
+            )
+        elif s.name.lower() in seen:
+            e.append(f"{at}.name={s.name!r} is used twice (names are unique, in any case)")
+        seen.add(s.name.lower())
+        if not s.weight > 0:
+            e.append(f"{at}.weight={s.weight} must be > 0 (drop the entry to leave it out)")
+        if not s.source.strip():
+            e.append(f"{at}.source is empty; give builtin, hf:NAME, or files")
+        for key in ("max_documents", "max_tokens"):
+            value = getattr(s, key)
+            if value is not None and value <= 0:
+                e.append(f"{at}.{key}={value} must be > 0")
+    return e
+
+
+def mixture_weights(d: DataConfig) -> dict[str, float]:
+    """{name: normalized weight} of data.sources (a one-source config: {} )."""
+    total = sum(s.weight for s in d.sources)
+    return {s.name: s.weight / total for s in d.sources}

@@ -75,11 +75,17 @@ SAMPLE_POOL = 4  # the tokenizer sample is drawn from the first 4x its size of t
 SPLITS = ("train", "val")
 
 
-def prepare(cfg: Config, force: bool = False) -> dict[str, Any]:
-    """Prepare `cfg.data.dir` from `cfg.data.source`; returns the manifest."""
+def prepare(cfg: Config, force: bool = False, tokenizer: bytes | None = None) -> dict[str, Any]:
+    """Prepare `cfg.data.dir` from `cfg.data.source` (or each of `cfg.data.sources`: mixture.py);
+    returns the manifest. `tokenizer`: the bytes of the tokenizer file to encode with (a
+    mixture's, shared by its sources) instead of training one or reading data.tokenizer's."""
+    if cfg.data.sources:
+        from scale_llm.data.mixture import prepare_mixture
+
+        return prepare_mixture(cfg, force)
     out = Path(cfg.data.dir)
     source = open_source(cfg.data)
-    bundle = _model_tokenizer(cfg)
+    bundle = tokenizer if tokenizer is not None else _model_tokenizer(cfg)
     fingerprint = _fingerprint(cfg, source, bundle)
     current = _up_to_date(out, fingerprint, force)  # read-only: a shared data dir needs no lock
     if current is not None:
@@ -328,6 +334,9 @@ def _fresh(cfg: Config, source, out: Path, fingerprint: str, bundle: bytes | Non
     docs = _documents(cfg, source)
     if bundle is None:
         tokenizer, stream = _train(cfg, docs, out)
+    elif cfg.data.tokenizer is None:  # a mixture's trained tokenizer, given
+        atomic_write_bytes(out / TOKENIZER_FILE, bundle)  # into prepare's own build folder
+        tokenizer, stream = load_tokenizer(out / TOKENIZER_FILE), docs
     else:
         atomic_write_bytes(out / BUNDLE_FILE, bundle)  # into prepare's own build folder
         tokenizer, stream = PretrainedTokenizer(out / BUNDLE_FILE), docs

@@ -1,0 +1,295 @@
+"""`data.sources`: a weighted mixture, prepared as one folder per source under one tokenizer.
+
+data.dir holds the shared tokenizer, `mixture.json` (the tokenizer's record and, per source,
+its fingerprint and token counts) and one folder per source, `data.dir/<name>/`, which is an
+ordinary prepared folder (manifest, shards, a copy of the tokenizer): prepare.py builds each
+one with everything it promises (resumable, published atomically, up-to-date check), so a
+source that changed, or was added, is re-prepared alone.
+
+The tokenizer is trained once, on a sample that takes from each source its weight's share of
+data.tokenizer_sample_bytes (a mixture of one source samples exactly as `data.source` does);
+later changes to the sources or weights keep it (so no other source is re-encoded), and
+`--force` trains it afresh and re-prepares every source.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from scale_llm.config import Config
+from scale_llm.data.options import PER_SOURCE_KEYS, SourceConfig, mixture_weights
+from scale_llm.data.pretrained_tokenizer import BUNDLE_FILE
+from scale_llm.data.shards import MANIFEST, check_tokenizer, read_manifest
+from scale_llm.data.sources import open_source
+from scale_llm.data.tokenizer import SP_FILE, file_sha256, train_tokenizer
+from scale_llm.errors import UserError, require_writable_dir
+from scale_llm.files import OwnerLock, atomic_write_bytes, atomic_write_json
+
+log = logging.getLogger(__name__)
+MIXTURE = "mixture.json"
+MIXTURE_FORMAT = 1
+
+
+def source_config(cfg: Config, entry: SourceConfig) -> Config:
+    """The one-source config that prepares (and describes) `entry` in data.dir/<name>."""
+    keys = {k: getattr(entry, k) for k in PER_SOURCE_KEYS}
+    if not keys["source"].startswith("hf:") and keys["source"] != "builtin":
+        keys["source"] = os.path.expanduser(keys["source"])
+    elif keys["source"].startswith("hf:~"):
+        keys["source"] = "hf:" + os.path.expanduser(keys["source"][3:])
+    data = dataclasses.replace(
+        cfg.data, sources=[], dir=str(Path(cfg.data.dir) / entry.name), **keys
+    )
+    return dataclasses.replace(cfg, data=data)
+
+
+def prepare_mixture(cfg: Config, force: bool = False) -> dict[str, Any]:
+    """Prepare every source of data.sources into data.dir/<name>; returns mixture.json."""
+    from scale_llm.data import prepare as one  # (prepare.py hands data.sources to this module)
+
+    out = Path(cfg.data.dir)
+    configs = [source_config(cfg, s) for s in cfg.data.sources]
+    sources = _open_all(cfg, configs)  # every unreadable source named before any work
+    bundle = one._model_tokenizer(cfg)
+    require_writable_dir(out, "data.dir")
+    made = [p for p in [out, *out.parents] if not (p.exists() or p.is_symlink())]
+    lock = OwnerLock(out / one.LOCK_FILE, f"data.dir={out}", "point data.dir elsewhere")
+    lock.acquire(wait=True, on_wait="data: waiting for another prepare of this data.dir (%s)")
+    try:
+        mixture = _claim(out)
+        tokenizer = _tokenizer(cfg, configs, sources, out, mixture, bundle, force)
+        for i, (entry, sub) in enumerate(zip(cfg.data.sources, configs)):
+            log.info("data: source %s (%s)", entry.name, sub.data.source)
+            try:
+                manifest = one.prepare(sub, force, tokenizer=tokenizer)
+            except UserError as e:
+                raise UserError(f"data.sources[{i}] (name {entry.name}): {e}") from None
+            mixture["sources"][entry.name] = _record(manifest)
+            atomic_write_json(out / MIXTURE, mixture)
+        _say_unused(out, mixture, cfg)
+        _log_mixture(cfg, mixture)
+        return mixture
+    finally:
+        lock.release()
+        for folder in made:  # the folders this call made, left empty by a refused prepare
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+
+
+def _open_all(cfg: Config, configs: list[Config]) -> list[Any]:
+    sources, problems = [], []
+    for i, sub in enumerate(configs):
+        try:
+            sources.append(open_source(sub.data))
+        except UserError as e:
+            problems.append(f"data.sources[{i}] (name {cfg.data.sources[i].name}): {e}")
+    if problems:
+        raise UserError("\n".join(problems))
+    return sources
+
+
+def _claim(out: Path) -> dict[str, Any]:
+    """mixture.json as found (a fresh one where there is none); refuses a data.dir that holds
+    one-source data, or a tokenizer no mixture.json of prepare's names."""
+    if (out / MANIFEST).exists():
+        raise UserError(
+            f"data.dir={out} holds the data of one source ({MANIFEST}); a mixture keeps one "
+            f"folder per source beside its own {MIXTURE}: point data.dir at a new folder"
+        )
+    found = _read(out / MIXTURE)
+    named = found["tokenizer"]["file"] if found else None
+    for name in (SP_FILE, BUNDLE_FILE):
+        if (out / name).exists() and name != named:
+            raise UserError(
+                f"data.dir={out} holds a {name} that no {MIXTURE} of prepare's names; prepare "
+                f"would replace it, so it stops. Point data.dir at a new folder, or move it away"
+            )
+    return found or {"format": MIXTURE_FORMAT, "kind": "mixture", "tokenizer": None, "sources": {}}
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    """mixture.json, checked for the shape prepare writes; None where there is none."""
+    if not (path.exists() or path.is_symlink()):
+        return None
+    try:
+        found = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        found = None
+    tok = found.get("tokenizer") if isinstance(found, dict) else None
+    if not (
+        isinstance(found, dict)
+        and found.get("kind") == "mixture"
+        and found.get("format") == MIXTURE_FORMAT
+        and isinstance(tok, dict)
+        and tok.get("file") in (SP_FILE, BUNDLE_FILE)
+        and isinstance(tok.get("sha256"), str)
+        and isinstance(found.get("sources"), dict)
+    ):
+        raise UserError(
+            f"{path} is not the {MIXTURE} prepare writes (edited by hand, or cut short); move "
+            f"it away, or point data.dir at a new folder, and run `scale-llm prepare` again"
+        )
+    return found
+
+
+def _record(manifest: dict[str, Any]) -> dict[str, Any]:
+    splits = manifest["splits"]
+    return {
+        "fingerprint": manifest["fingerprint"],
+        "source": manifest["source"],
+        "train_tokens": splits["train"]["tokens"],
+        "val_tokens": splits["val"]["tokens"],
+        "train_documents": splits["train"]["documents"],
+        "val_documents": splits["val"]["documents"],
+    }
+
+
+# ----------------------------------------------------------------------------- tokenizer
+def _tokenizer_fingerprint(cfg: Config, bundle: bytes | None) -> str:
+    """What decides the tokenizer: not the sources (they may change without retraining it)."""
+    d = cfg.data
+    settings: dict[str, Any] = {
+        "vocab_size": cfg.model.vocab_size,
+        "tokenizer_sample_bytes": d.tokenizer_sample_bytes,
+        "tokenizer_sample_documents": d.tokenizer_sample_documents,
+        "val_fraction": d.val_fraction,
+    }
+    if bundle is not None:
+        settings = {"tokenizer": hashlib.sha256(bundle).hexdigest()}
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+
+
+def _tokenizer(
+    cfg: Config,
+    configs: list[Config],
+    sources: list[Any],
+    out: Path,
+    mixture: dict[str, Any],
+    bundle: bytes | None,
+    force: bool,
+) -> bytes:
+    """The bytes of the mixture's tokenizer, written to data.dir: the one there if it was made
+    with these settings (and `force` is off), else data.tokenizer's or one trained afresh."""
+    fingerprint = _tokenizer_fingerprint(cfg, bundle)
+    name = BUNDLE_FILE if bundle is not None else SP_FILE
+    tok = mixture["tokenizer"]
+    if (
+        not force
+        and tok
+        and tok["file"] == name
+        and tok.get("fingerprint") == fingerprint
+        and (out / name).is_file()
+        and file_sha256(out / name) == tok["sha256"]
+    ):
+        return (out / name).read_bytes()
+    data = bundle if bundle is not None else _train(cfg, configs, sources, out)
+    if bundle is not None:
+        atomic_write_bytes(out / name, bundle)
+    if tok and tok["file"] != name:
+        (out / tok["file"]).unlink(missing_ok=True)  # named by prepare's own mixture.json
+    sha = hashlib.sha256(data).hexdigest()
+    mixture["tokenizer"] = {"file": name, "sha256": sha, "fingerprint": fingerprint}
+    mixture["sources"] = {}  # each source is re-encoded with the new tokenizer
+    atomic_write_json(out / MIXTURE, mixture)
+    return data
+
+
+def _train(cfg: Config, configs: list[Config], sources: list[Any], out: Path) -> bytes:
+    """A tokenizer trained on each source's weighted share of the sample; written to data.dir."""
+    from scale_llm.data import prepare as one
+
+    weights = mixture_weights(cfg.data)
+    d = cfg.data
+    sample: list[str] = []
+    for sub, source, entry in zip(configs, sources, d.sources):
+        w = weights[entry.name]
+        docs = None if d.tokenizer_sample_documents is None else d.tokenizer_sample_documents
+        share = dataclasses.replace(
+            sub.data,
+            tokenizer_sample_bytes=max(1, round(w * d.tokenizer_sample_bytes)),
+            tokenizer_sample_documents=None if docs is None else max(1, math.ceil(w * docs)),
+        )
+        share_cfg = dataclasses.replace(sub, data=share)
+        pool = one._sample_pool(one._documents(share_cfg, source), share_cfg)
+        taken = list(one._sample(pool, share_cfg))
+        if not taken:
+            one.raise_empty(sub)  # (names the entry's source and text field)
+        sample += taken
+    tokenizer = train_tokenizer(sample, cfg.model.vocab_size, out / SP_FILE)
+    log.info(
+        "data: trained a %d-piece BPE tokenizer on %.1f MB of %d sources, by their weights",
+        tokenizer.vocab_size,
+        sum(map(len, sample)) / 1e6,
+        len(configs),
+    )
+    return (out / SP_FILE).read_bytes()
+
+
+def _say_unused(out: Path, mixture: dict[str, Any], cfg: Config) -> None:
+    names = {s.name for s in cfg.data.sources}
+    for name in sorted(set(mixture["sources"]) - names):
+        log.info(
+            "data: %s holds source %s, no longer in data.sources: kept (delete the folder "
+            "when no run needs it)",
+            out,
+            name,
+        )
+
+
+def _log_mixture(cfg: Config, mixture: dict[str, Any]) -> None:
+    weights = mixture_weights(cfg.data)
+    for name, w in weights.items():
+        rec = mixture["sources"][name]
+        log.info(
+            "data: %-12s weight %.3f | %s train / %s val tokens",
+            name,
+            w,
+            f"{rec['train_tokens']:,}",
+            f"{rec['val_tokens']:,}",
+        )
+
+
+# ----------------------------------------------------------------------------- reading
+@dataclass
+class PreparedSource:
+    name: str
+    weight: float  # normalized
+    dir: Path
+    manifest: dict[str, Any]
+
+
+def read_mixture(cfg: Config) -> list[PreparedSource]:
+    """The prepared folder of every source of data.sources, each checked (shards, tokenizer)
+    and all encoded with data.dir's tokenizer."""
+    out = Path(cfg.data.dir)
+    prepare_fix = "run `scale-llm prepare CONFIG` (it prepares only what is missing or changed)"
+    mixture = _read(out / MIXTURE)
+    if mixture is None:
+        raise UserError(
+            f"data.dir={out} holds no prepared mixture ({MIXTURE} missing); " + prepare_fix
+        )
+    weights = mixture_weights(cfg.data)
+    found = []
+    for entry in cfg.data.sources:
+        if entry.name not in mixture["sources"]:
+            raise UserError(
+                f"data.sources: {entry.name} is not prepared in data.dir={out}; {prepare_fix}"
+            )
+        manifest = read_manifest(out / entry.name)
+        if manifest["tokenizer"]["sha256"] != mixture["tokenizer"]["sha256"]:
+            raise UserError(
+                f"data.dir={out}: source {entry.name} was encoded with another tokenizer than "
+                f"the mixture's; {prepare_fix}"
+            )
+        found.append(PreparedSource(entry.name, weights[entry.name], out / entry.name, manifest))
+    check_tokenizer(out, found[0].manifest)  # data.dir's copy, which runs take
+    return found
