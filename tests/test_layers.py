@@ -29,6 +29,7 @@ LAYERS = [
                 "scale_llm.version",
                 "scale_llm.parallel.options",
                 "scale_llm.data.options",
+                "scale_llm.train.options",
             )
         ],
     ),

@@ -58,6 +58,7 @@ from scale_llm.train.init_from import load_init_weights
 from scale_llm.train.lock import RunLock
 from scale_llm.train.metrics import MetricsLogger
 from scale_llm.train.preflight import check_run_dir, check_vocab, check_windows, out_of_memory
+from scale_llm.train.profiling import StepProfiler, check_profile
 from scale_llm.train.resume import (
     check_finished_run,
     check_resume_state,
@@ -93,6 +94,7 @@ class Trainer:
         self.run_dir = cfg.run_dir
         self.manifest = read_manifest(cfg.data.dir)
         check_vocab(cfg, self.manifest)
+        check_profile(cfg.train.profile, plan, self.run_dir)
         if plan.is_main:
             require_writable_dir(self.run_dir, "run.dir / run.name")  # before the model is built
             check_run_dir(self.run_dir)  # e.g. a file where checkpoints/ belongs: before any work
@@ -164,6 +166,7 @@ class Trainer:
         if resume_state is not None:
             self.load_state_dict(resume_state, exact)
         self.cadence = Cadence(cfg, self.step)
+        self.profiler = StepProfiler(cfg.train.profile, plan, self.run_dir, self.step)
         self.complete = self.step >= cfg.train.max_steps  # a finished run: write nothing
         if plan.is_main and not self.complete:
             self.lock.acquire()  # every check passed: from here on this launch owns the dir
@@ -201,7 +204,7 @@ class Trainer:
         log.info("plan: %s", self.plan.describe())
         self.clock = Throughput(self.plan.tokens_per_step, t.max_steps, self.step)
         try:
-            with StopSignals() as signals, self.collector as collector:
+            with StopSignals() as signals, self.collector as collector, self.profiler as profiler:
                 while self.step < t.max_steps:
                     try:
                         loss, grad_norm, lr = self.train_step()
@@ -216,6 +219,7 @@ class Trainer:
                     if self.cadence.checkpoints(self.step) or stop:
                         collector.before_checkpoint()
                         result.checkpoint = self.save_checkpoint()
+                    profiler.step_done(self.step)
                     if stop:
                         self._say_stop(stop)
                         result.stopped = stop

@@ -1,0 +1,147 @@
+"""train.profile: `torch.profiler` traces of chosen steps and a CUDA memory snapshot, per rank.
+
+The loop calls `step_done(step)` at the end of each optimizer step (after its logging, eval and
+checkpoint, which belong to the step). Each step runs inside a `record_function` named
+`scale_llm step N`, so the trace names the run's own step numbers. Traces are written as
+`RUN_DIR/<folder>/rank<R>_steps<A>-<B>.pt.trace.json` (the name TensorBoard's profiler plugin
+looks for; Perfetto and chrome://tracing open it as is); the memory snapshot, as a pickle that
+pytorch.org/memory_viz reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from scale_llm.errors import UserError
+from scale_llm.files import describe_kind
+from scale_llm.plan import RunPlan
+from scale_llm.train.options import ProfileConfig
+
+log = logging.getLogger(__name__)
+SNAPSHOT_ENTRIES = 100_000  # allocator events kept (torchtitan's default)
+
+
+def check_profile(p: ProfileConfig, plan: RunPlan, run_dir: Path) -> None:
+    """Before any work: what train.profile asks for can be done on this launch."""
+    if p.memory_snapshot_step is not None and plan.device.type != "cuda":
+        raise UserError(
+            f"train.profile.memory_snapshot_step={p.memory_snapshot_step}: a memory snapshot "
+            f"records the CUDA caching allocator, and this run is on {plan.device}; run on a GPU, "
+            f"or set train.profile.memory_snapshot_step=null (the CPU profiler's trace, "
+            f"train.profile.enabled=true, records CPU memory)"
+        )
+    folder = run_dir / p.folder
+    wanted = p.enabled or p.memory_snapshot_step is not None
+    if wanted and (folder.is_symlink() or folder.exists()) and not folder.is_dir():
+        raise UserError(
+            f"train.profile.folder: {folder} is {describe_kind(folder)}, not a directory; the "
+            f"profiler writes its traces there: move it away or set another train.profile.folder"
+        )
+
+
+class StepProfiler:
+    """A context around the loop: traces the configured steps and writes the memory snapshot."""
+
+    def __init__(self, p: ProfileConfig, plan: RunPlan, run_dir: Path, start_step: int):
+        self.p, self.rank, self.start_step = p, plan.rank, start_step
+        self.folder = run_dir / p.folder
+        self.cuda = plan.device.type == "cuda"
+        self.prof: Any = None
+        self.step_label: Any = None
+        self.snapshot_step = p.memory_snapshot_step
+        if self.snapshot_step is not None and self.snapshot_step <= start_step:
+            log.info(
+                "train.profile: no memory snapshot: this launch starts after step %d",
+                self.snapshot_step,
+            )
+            self.snapshot_step = None
+
+    def __enter__(self) -> StepProfiler:
+        if self.snapshot_step is not None:
+            torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_ENTRIES)
+        if self.p.enabled:
+            self._start_trace()
+        return self
+
+    def _start_trace(self) -> None:
+        p, first = self.p, self.p.start_step - self.p.warmup_steps
+        if first <= self.start_step:
+            log.info(
+                "train.profile: not traced: this launch starts after step %d, where the "
+                "profiler's warm-up begins (lower train.profile.start_step to trace this launch)",
+                first - 1,
+            )
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.cuda:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.prof = torch.profiler.profile(
+            activities=activities,
+            schedule=torch.profiler.schedule(
+                wait=first - self.start_step - 1,
+                warmup=p.warmup_steps,
+                active=p.active_steps,
+                repeat=1,
+            ),
+            on_trace_ready=self._write_trace,
+            record_shapes=True,
+            profile_memory=True,
+        )
+        self.prof.start()
+        self._label(self.start_step + 1)
+
+    def _label(self, step: int) -> None:
+        self.step_label = torch.profiler.record_function(f"scale_llm step {step}")
+        self.step_label.__enter__()
+
+    def _end_label(self) -> None:
+        if self.step_label is not None:
+            self.step_label.__exit__(None, None, None)
+            self.step_label = None
+
+    def step_done(self, step: int) -> None:
+        """Optimizer step `step` (its logging, eval and checkpoint included) is over."""
+        if self.prof is not None:
+            self._end_label()
+            self.prof.step()  # after the last traced step, this writes the trace
+            if step >= self.p.start_step + self.p.active_steps - 1:
+                self._stop_trace()
+            else:
+                self._label(step + 1)
+        if step == self.snapshot_step:
+            self._write_snapshot(step)
+
+    def _write_trace(self, prof: torch.profiler.profile) -> None:
+        first, last = self.p.start_step, self.p.start_step + self.p.active_steps - 1
+        path = self.folder / f"rank{self.rank}_steps{first}-{last}.pt.trace.json"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        prof.export_chrome_trace(str(tmp))
+        os.replace(tmp, path)
+        log.info("train.profile: steps %d-%d traced to %s", first, last, path)
+
+    def _write_snapshot(self, step: int) -> None:
+        path = self.folder / f"memory_snapshot_rank{self.rank}_step{step}.pickle"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        torch.cuda.memory._dump_snapshot(str(tmp))
+        os.replace(tmp, path)
+        torch.cuda.memory._record_memory_history(enabled=None)
+        self.snapshot_step = None
+        log.info("train.profile: CUDA memory snapshot after step %d written to %s", step, path)
+
+    def _stop_trace(self) -> None:
+        self._end_label()
+        self.prof.stop()  # inside the traced steps (a stop, an error): what was traced is written
+        self.prof = None
+
+    def __exit__(self, *exc: object) -> None:
+        if self.prof is not None:
+            self._stop_trace()
+        if self.snapshot_step is not None:  # stopped before the snapshot's step
+            torch.cuda.memory._record_memory_history(enabled=None)

@@ -1,0 +1,44 @@
+"""train.profile: a CPU run traces the configured steps to a Chrome-trace JSON without changing
+the loss curve; a memory snapshot (CUDA only) is refused on the CPU before any work."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from scale_llm.errors import UserError
+from scale_llm.train.trainer import Trainer
+from tests.helpers import make_config, plan_for
+
+
+def test_profiled_run_writes_the_traced_step_and_keeps_the_loss_curve(data_dir, tmp_path):
+    plain = make_config(data_dir, tmp_path, "run.name=plain", "train.max_steps=3")
+    traced = make_config(
+        data_dir,
+        tmp_path,
+        "train.max_steps=3",
+        "train.profile.enabled=true",
+        "train.profile.start_step=3",
+        "train.profile.warmup_steps=1",
+        "train.profile.active_steps=1",
+    )
+    expected = Trainer(plain, plan_for(plain)).fit().losses
+    assert Trainer(traced, plan_for(traced)).fit().losses == expected
+
+    folder = traced.run_dir / "profile"
+    assert sorted(p.name for p in folder.iterdir()) == ["rank0_steps3-3.pt.trace.json"]
+    events = json.loads((folder / "rank0_steps3-3.pt.trace.json").read_text())["traceEvents"]
+    steps = [e for e in events if str(e.get("name", "")).startswith("scale_llm step")]
+    assert [e["name"] for e in steps] == ["scale_llm step 3"]  # not the warm-up's step 2
+    start, end = steps[0]["ts"], steps[0]["ts"] + steps[0]["dur"]
+    inside = {e["name"] for e in events if e.get("ph") == "X" and start <= e["ts"] <= end}
+    assert {"aten::mm", "Optimizer.step#AdamW.step"} & inside, sorted(inside)[:20]
+    assert not (plain.run_dir / "profile").exists()
+
+
+def test_memory_snapshot_on_a_cpu_run_is_refused_before_any_work(data_dir, tmp_path):
+    cfg = make_config(data_dir, tmp_path, "train.profile.memory_snapshot_step=2")
+    with pytest.raises(UserError, match=r"memory_snapshot_step=2: .* on cpu; run on a GPU"):
+        Trainer(cfg, plan_for(cfg))
+    assert not cfg.run_dir.exists()
