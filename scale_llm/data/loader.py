@@ -6,6 +6,11 @@ visits every window once in an order drawn from (seed, epoch). A step's global b
 slice of it, micro-step k the k-th piece of that slice. So the set of sequences in a step does
 not depend on how it is split across micro-steps and ranks.
 
+A mixture (data.sources) decides each position's source by `SourceSchedule`: a fixed interleave
+that gives every stretch of the stream each source's weighted share, to within one sequence; the
+k-th sequence of source s is then the k-th window of s's own seeded order, epoch after epoch.
+One source is the plain stream above.
+
 Resume guarantee (docs/data.md): the state is the stream position. Resuming on any world size,
 micro-batch size or grad_accum continues at exactly that position, so no window is repeated or
 skipped; with the same global batch every later step holds exactly the sequences it would have
@@ -68,6 +73,48 @@ class TokenWindows:
         return torch.from_numpy(rows)
 
 
+PERIOD = 4096  # sequences after which a mixture's interleave of sources repeats
+
+
+class SourceSchedule:
+    """Which source stream position p reads, and which of that source's draws it is.
+
+    Each period of PERIOD positions holds `counts[s]` of source s (its weight's share, by largest
+    remainder, at least one), placed at the positions (j + 1/2) * PERIOD / counts[s], so any
+    stretch of the stream holds each source's share to within a sequence or two. Fixed by the
+    weights alone: the same on every rank, for any batch layout.
+    """
+
+    def __init__(self, weights: list[float]):
+        total = sum(weights)
+        exact = [w / total * PERIOD for w in weights]
+        counts = [max(1, int(x)) for x in exact]
+        by_remainder = sorted(range(len(weights)), key=lambda s: (int(x := exact[s]) - x, s))
+        for s in by_remainder[: PERIOD - sum(counts)]:
+            counts[s] += 1
+        while sum(counts) > PERIOD:  # (only when tiny weights were raised to one)
+            counts[counts.index(max(counts))] -= 1
+        self.counts = np.array(counts, dtype=np.int64)
+        slots = sorted(((j + 0.5) * PERIOD / c, s) for s, c in enumerate(counts) for j in range(c))
+        self.pattern = np.array([s for _, s in slots], dtype=np.int64)  # (PERIOD,)
+        # before[s, r]: positions < r of the period that read source s
+        onehot = self.pattern[None, :] == np.arange(len(counts))[:, None]
+        self.before = np.concatenate(
+            [np.zeros((len(counts), 1), np.int64), np.cumsum(onehot, axis=1)], axis=1
+        )
+
+    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(source, draw) of each stream position: draw k is source's k-th sequence."""
+        period, r = np.divmod(positions, PERIOD)
+        source = self.pattern[r]
+        return source, period * self.counts[source] + self.before[source, r]
+
+    def drawn(self, position: int) -> np.ndarray:
+        """How many sequences of each source the positions before `position` read."""
+        period, r = divmod(position, PERIOD)
+        return period * self.counts + self.before[:, r]
+
+
 class TrainLoader:
     """This rank's micro-batches of each step's global batch, in a seeded, resumable order.
 
@@ -76,15 +123,34 @@ class TrainLoader:
     `state_dict` always describes the next batch the trainer will get, not the read-ahead.
     """
 
-    def __init__(self, windows: TokenWindows, plan: RunPlan, seed: int, prefetch: int = 0):
+    def __init__(
+        self,
+        windows: TokenWindows,
+        plan: RunPlan,
+        seed: int,
+        prefetch: int = 0,
+        sources: dict[str, tuple[float, int]] | None = None,
+        repeat: bool = True,
+    ):
+        """`sources`: a mixture's {name: (weight, training windows)}, whose windows lie in
+        `windows` one source after the other, in this order; None: one source, all of them."""
         if len(windows) == 0:
             raise ValueError("no training windows")
         self.windows, self.seed, self.device = windows, seed, plan.device
+        self.mixture = sources
+        sources = sources or {"": (1.0, len(windows))}
+        self.names = list(sources)
+        self.sizes = np.array([n for _, n in sources.values()], dtype=np.int64)
+        self.bases = np.concatenate([[0], np.cumsum(self.sizes)[:-1]])
+        if self.sizes.sum() != len(windows) or not self.sizes.all():
+            raise ValueError("the sources' windows do not add up to the windows given")
+        self.schedule = SourceSchedule([w for w, _ in sources.values()])
+        self.repeat = repeat
         self.micro_batch_size, self.grad_accum = plan.micro_batch_size, plan.grad_accum
-        self.rank = plan.rank  # this rank's place among the data-parallel ranks
+        self.rank = plan.dp_rank  # this rank's place among the data-parallel ranks
         self.global_batch = plan.sequences_per_step
         self.position = 0  # sequences of the stream consumed so far, over all ranks
-        self._perm: tuple[int, np.ndarray] | None = None
+        self._perm: dict[int, tuple[int, np.ndarray]] = {}  # source -> (epoch, order)
         self._perm_lock = threading.Lock()
         self.prefetch = prefetch
         self._executor = (
@@ -128,34 +194,72 @@ class TrainLoader:
         self._ahead.clear()
 
     def _log_epoch_start(self, position: int) -> None:
-        n = len(self.windows)
-        first, last = position // n, (position + self.global_batch - 1) // n
-        if last > first or (position % n == 0 and position > 0):
-            log.info(
-                "data: epoch %d of %d training windows begins (stream position %d); the "
-                "windows repeat in a new order",
-                last,
-                n,
-                last * n,
-            )
+        if self.mixture is None:
+            n = len(self.windows)
+            first, last = position // n, (position + self.global_batch - 1) // n
+            if last > first or (position % n == 0 and position > 0):
+                if not self.repeat:
+                    raise UserError(repeat_refused("the training data", n, position))
+                log.info(
+                    "data: epoch %d of %d training windows begins (stream position %d); the "
+                    "windows repeat in a new order",
+                    last,
+                    n,
+                    last * n,
+                )
+            return
+        before = self.schedule.drawn(position)
+        after = self.schedule.drawn(position + self.global_batch)
+        for s, name in enumerate(self.names):
+            # the epochs of the draws before this batch and of its last one (-1: none yet)
+            prev, last = (before[s] - 1) // self.sizes[s], (after[s] - 1) // self.sizes[s]
+            if last > prev and last >= 1:
+                if not self.repeat:
+                    raise UserError(repeat_refused(f"source {name}", self.sizes[s], position))
+                log.warning(
+                    "data: source %s ran out after %d epoch(s) of its %d training windows; it "
+                    "is read again in a new order (stream position %d)",
+                    name,
+                    last,
+                    self.sizes[s],
+                    position,
+                )
 
     def _stream_indices(self, first: int, count: int) -> np.ndarray:
-        n = len(self.windows)
+        sources, draws = self.schedule.locate(np.arange(first, first + count))
         out = np.empty(count, dtype=np.int64)
-        for j, p in enumerate(range(first, first + count)):
-            out[j] = self._permutation(p // n)[p % n]
+        for j, (s, k) in enumerate(zip(sources.tolist(), draws.tolist())):
+            n = int(self.sizes[s])
+            out[j] = self.bases[s] + self._permutation(s, k // n)[k % n]
         return out
 
-    def _permutation(self, epoch: int) -> np.ndarray:
+    def _permutation(self, source: int, epoch: int) -> np.ndarray:
         with self._perm_lock:  # the prefetch thread and the caller may both read
-            if self._perm is None or self._perm[0] != epoch:
-                rng = np.random.default_rng([self.seed, epoch])
-                self._perm = (epoch, rng.permutation(len(self.windows)))
-            return self._perm[1]
+            cached = self._perm.get(source)
+            if cached is None or cached[0] != epoch:
+                # source 0 keeps the one-source key: a mixture of one source reads that stream
+                key = [self.seed, epoch] + ([source] if source else [])
+                rng = np.random.default_rng(key)
+                cached = self._perm[source] = (epoch, rng.permutation(int(self.sizes[source])))
+            return cached[1]
+
+    def drawn(self) -> dict[str, int]:
+        """Sequences each source has given so far (a mixture's; one source: {})."""
+        if self.mixture is None:
+            return {}
+        return dict(zip(self.names, self.schedule.drawn(self.position).tolist()))
+
+    def epochs(self, steps: int) -> dict[str, float]:
+        """Epochs of each source's training windows that `steps` optimizer steps read."""
+        drawn = self.schedule.drawn(steps * self.global_batch)
+        return {name: float(drawn[s] / self.sizes[s]) for s, name in enumerate(self.names)}
 
     def state_dict(self) -> dict[str, int]:
         """The position of the next batch `next_batches` returns (read-ahead not counted)."""
-        return {"position": self.position, "seed": self.seed, "num_windows": len(self.windows)}
+        state = {"position": self.position, "seed": self.seed, "num_windows": len(self.windows)}
+        if self.mixture is not None:
+            state["sources"] = {n: [float(w), int(k)] for n, (w, k) in self.mixture.items()}
+        return state
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue at the saved stream position, whatever the world size or batch layout now."""
@@ -169,6 +273,15 @@ class TrainLoader:
                 self.seed,
                 len(self.windows),
             )
+        saved = state.get("sources")
+        now = self.state_dict().get("sources")
+        if saved != now and (saved is not None or now is not None):
+            log.warning(
+                "data: the checkpoint's mixture (%s) differs from now (%s); continuing at the "
+                "same stream position of the new mixture",
+                saved or "one source",
+                now or "one source",
+            )
         self._drop_ahead()
         self.position = int(state["position"])
 
@@ -178,6 +291,14 @@ class TrainLoader:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
+
+
+def repeat_refused(what: str, windows: int, position: int) -> str:
+    return (
+        f"data.repeat=false: {what} ({windows:,} training windows) is used up at stream position "
+        f"{position:,}; prepare more data, lower train.max_steps, or set data.repeat=true to "
+        f"read it again in a new order"
+    )
 
 
 def eval_batches(windows: TokenWindows, plan: RunPlan, steps: int):
@@ -190,7 +311,7 @@ def eval_batches(windows: TokenWindows, plan: RunPlan, steps: int):
     n, mb = len(windows), plan.micro_batch_size
     per_rank = mb * plan.grad_accum
     for b in range(steps):
-        first = b * plan.sequences_per_step + plan.rank * per_rank
+        first = b * plan.sequences_per_step + plan.dp_rank * per_rank
         for k in range(plan.grad_accum):
             start = first + k * mb
             tokens = windows.get(np.arange(start, start + mb) % n).to(plan.device)

@@ -26,9 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from scale_llm.config import Config
+from scale_llm.data.loader import TokenWindows, TrainLoader
 from scale_llm.data.options import PER_SOURCE_KEYS, SourceConfig, mixture_weights
 from scale_llm.data.pretrained_tokenizer import BUNDLE_FILE
-from scale_llm.data.shards import MANIFEST, check_tokenizer, read_manifest
+from scale_llm.data.shards import MANIFEST, check_tokenizer, open_split, read_manifest
 from scale_llm.data.sources import open_source
 from scale_llm.data.tokenizer import SP_FILE, file_sha256, train_tokenizer
 from scale_llm.errors import UserError, require_writable_dir
@@ -293,3 +294,69 @@ def read_mixture(cfg: Config) -> list[PreparedSource]:
         found.append(PreparedSource(entry.name, weights[entry.name], out / entry.name, manifest))
     check_tokenizer(out, found[0].manifest)  # data.dir's copy, which runs take
     return found
+
+
+# ----------------------------------------------------------------------------- training
+@dataclass
+class TrainingData:
+    """What a run reads from data.dir: the tokenizer's record, one stream of training windows
+    (a mixture's sources one after the other) and each source's validation windows."""
+
+    manifest: dict[str, Any]  # its tokenizer record is data.dir's (a mixture: its first source's)
+    train: TokenWindows
+    val: dict[str, TokenWindows]  # one source: {"": windows}
+    sources: dict[str, tuple[float, int]] | None  # a mixture's {name: (weight, train windows)}
+
+
+def open_training_data(cfg: Config) -> TrainingData:
+    """data.dir's windows of model.seq_len, each batch checked against model.vocab_size."""
+    if cfg.data.sources:
+        folders = [(s.name, s.dir, s.manifest) for s in read_mixture(cfg)]
+    else:
+        folders = [("", Path(cfg.data.dir), read_manifest(cfg.data.dir))]
+    shards: dict[str, list] = {"train": [], "val": []}
+    names: dict[str, list[str]] = {"train": [], "val": []}
+    val, counts = {}, {}
+    for name, folder, manifest in folders:
+        for split in ("train", "val"):
+            maps = open_split(folder, manifest, split)
+            files = [str(folder / x["file"]) for x in manifest["splits"][split]["shards"]]
+            if split == "val":
+                val[name] = TokenWindows(maps, cfg.model.seq_len, cfg.model.vocab_size, files)
+            else:
+                counts[name] = len(TokenWindows(maps, cfg.model.seq_len))
+            shards[split] += maps
+            names[split] += files
+    train = TokenWindows(shards["train"], cfg.model.seq_len, cfg.model.vocab_size, names["train"])
+    weights = mixture_weights(cfg.data)
+    sources = {n: (weights[n], counts[n]) for n in counts} if cfg.data.sources else None
+    return TrainingData(folders[0][2], train, val, sources)
+
+
+def check_epochs(cfg: Config, loader: TrainLoader, data: TrainingData, is_main: bool) -> None:
+    """Before training: data.repeat=false refuses a run that would read any source twice; a
+    mixture's weights, tokens and the epochs train.max_steps implies are printed."""
+    epochs = loader.epochs(cfg.train.max_steps)
+    if not cfg.data.repeat:
+        over = [f"{n or 'the training data'}: {e:.2f} epochs" for n, e in epochs.items() if e > 1]
+        if over:
+            raise UserError(
+                f"data.repeat=false, but train.max_steps={cfg.train.max_steps} reads "
+                f"{'; '.join(over)} of data.dir={cfg.data.dir}; prepare more data, lower "
+                f"train.max_steps, or set data.repeat=true"
+            )
+    if data.sources is None or not is_main:
+        return
+    log.info("data: a mixture of %d sources (weights are shares of the tokens read)", len(epochs))
+    for name, (weight, windows) in data.sources.items():
+        log.info(
+            "data:   %-12s weight %.3f | %s training tokens in %s windows | %.2f epochs in "
+            "train.max_steps=%d%s",
+            name,
+            weight,
+            f"{windows * cfg.model.seq_len:,}",
+            f"{windows:,}",
+            epochs[name],
+            cfg.train.max_steps,
+            " (repeated)" if epochs[name] > 1 else "",
+        )

@@ -3,7 +3,7 @@ Weights & Biases; main rank only.
 
 TensorBoard also gets the config (as hparams, so runs can be compared in its HPARAMS tab, and
 as YAML text) and the sample generations (text plugin). Tags: loss/*, train/*, memory/*,
-samples/text, config/yaml.
+samples/text, config/yaml; a mixture's tokens/<source> and val_loss/<source>.
 """
 
 from __future__ import annotations
@@ -149,6 +149,8 @@ def _clean(value: Any) -> Any:
 
 
 def _tb_tag(key: str) -> str:
+    if "/" in key:  # names its own group: a mixture's tokens/<source>, val_loss/<source>
+        return key
     if key in ("loss", "val_loss", "val_perplexity"):
         return f"loss/{key}"
     if key.startswith("peak_"):

@@ -36,7 +36,7 @@ from scale_llm.components.optim import lr_at
 from scale_llm.components.serialization import background_save, save_file
 from scale_llm.config import Config, save_config, to_dict
 from scale_llm.data.loader import TokenWindows, TrainLoader, eval_batches
-from scale_llm.data.shards import open_split, read_manifest
+from scale_llm.data.mixture import check_epochs, open_training_data
 from scale_llm.data.tokenizer import load_tokenizer, run_copy_name
 from scale_llm.errors import UserError, require_writable_dir
 from scale_llm.files import atomic_write_bytes, atomic_write_json, atomic_write_text
@@ -92,7 +92,8 @@ class Trainer:
         self.cfg, self.plan = cfg, plan
         self.device = plan.device
         self.run_dir = cfg.run_dir
-        self.manifest = read_manifest(cfg.data.dir)
+        self.data = open_training_data(cfg)  # one source, or each of a mixture's
+        self.manifest = self.data.manifest
         check_vocab(cfg, self.manifest)
         check_profile(cfg.train.profile, plan, self.run_dir)
         if plan.is_main:
@@ -119,16 +120,8 @@ class Trainer:
         self.resume_from = resolve_resume(cfg.checkpoint.resume, self.checkpointer)
         resume_state = self._read_resume_state()
 
-        data_dir = Path(cfg.data.dir)
-        self.train_windows, self.val_windows = (
-            TokenWindows(
-                open_split(data_dir, self.manifest, split),
-                cfg.model.seq_len,
-                cfg.model.vocab_size,  # every batch is checked against it
-                [str(data_dir / x["file"]) for x in self.manifest["splits"][split]["shards"]],
-            )
-            for split in ("train", "val")
-        )
+        self.train_windows = self.data.train
+        self.val_windows = min(self.data.val.values(), key=len)  # (a mixture: its smallest)
         check_windows(cfg, plan, self.train_windows, self.val_windows)  # before memory checks
         check_host_memory(cfg, plan)
         self.backend = build_backend(cfg, plan)
@@ -157,10 +150,19 @@ class Trainer:
             log.info("init_from: not used: resuming %s (newer weights)", self.resume_from)
         self.model = self.backend.setup(model, initial)
 
-        self.loader = TrainLoader(self.train_windows, plan, cfg.run.seed, cfg.data.prefetch)
+        self.loader = TrainLoader(
+            self.train_windows,
+            plan,
+            cfg.run.seed,
+            cfg.data.prefetch,
+            self.data.sources,
+            cfg.data.repeat,
+        )
+        check_epochs(cfg, self.loader, self.data, plan.is_main)  # data.repeat; the mixture
         self.collector = GarbageCollector(cfg.train.gc_every)
         self.generators = Generators(plan.rank)
         self.step = 0
+        self.source_val_losses: dict[str, float] = {}  # a mixture's, at the last evaluation
         self.skipped_steps = torch.zeros((), dtype=torch.int64, device=self.device)
         self.bad_streak = torch.zeros((), dtype=torch.int64, device=self.device)
         if resume_state is not None:
@@ -276,6 +278,10 @@ class Trainer:
         if self.cadence.evaluates(self.step):
             row["val_loss"] = result.val_losses[self.step] = self.evaluate()
             row["val_perplexity"] = math.exp(min(row["val_loss"], 80.0))
+            row.update({f"val_loss/{n}": v for n, v in self.source_val_losses.items()})
+            if self.source_val_losses:
+                shown = " | ".join(f"{n} {v:.4f}" for n, v in self.source_val_losses.items())
+                log.info("step %d | val_loss by source: %s", self.step, shown)
             log.info(
                 "step %d | val_loss %.4f | val_perplexity %.2f",
                 self.step,
@@ -302,6 +308,8 @@ class Trainer:
             "tokens": self.plan.tokens_per_step * self.step,
             "skipped_steps": int(self.skipped_steps.item()),
         }
+        for name, sequences in self.loader.drawn().items():  # a mixture's, cumulative
+            row[f"tokens/{name}"] = sequences * self.cfg.model.seq_len
         scale = self.backend.loss_scale()
         if scale is not None:  # fp16: halved by an overflow, doubled after 2000 good steps
             row["loss_scale"] = scale
@@ -343,7 +351,7 @@ class Trainer:
         self.model.eval()
         for _ in range(cfg.eval.sample_tokens):
             with torch.no_grad(), self.backend.forward_context():
-                logits = self.model(window)
+                logits = self.backend.logits_for_sampling(self.model(window))
             token = int(logits[0, filled - 1].float().argmax().item())
             new.append(token)
             if filled < T:
@@ -417,14 +425,22 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss over eval.steps global batches of validation windows, over all ranks."""
+        """Mean loss over eval.steps global batches of validation windows, over all ranks. A
+        mixture's: each source's (kept in source_val_losses), weighted by data.sources."""
         self.model.eval()
+        losses = {name: self._val_loss(windows) for name, windows in self.data.val.items()}
+        self.model.train()
+        if self.data.sources is None:
+            return losses[""]
+        self.source_val_losses = losses
+        return sum(self.data.sources[n][0] * loss for n, loss in losses.items())
+
+    def _val_loss(self, windows: TokenWindows) -> float:
         total, count = torch.zeros((), device=self.device), 0
-        for inputs, targets in eval_batches(self.val_windows, self.plan, self.cfg.eval.steps):
+        for inputs, targets in eval_batches(windows, self.plan, self.cfg.eval.steps):
             with self.backend.forward_context():
                 total += self.backend.loss_fn(self.model(inputs), targets)
             count += 1
-        self.model.train()
         return mean_over_ranks(total / count).item()
 
     # ----------------------------------------------------------------- checkpoints
