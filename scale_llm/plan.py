@@ -69,14 +69,37 @@ class RunPlan:
     device: torch.device
     backend: str  # single | ddp | fsdp | deepspeed
     precision: str  # bf16 | fp16 | fp32
-    dp_degree: int  # ranks that split each global batch (every rank: data parallelism only)
+    dp_degree: int  # ranks that split each global batch: world_size / tp_degree
     micro_batch_size: int
     grad_accum: int
     seq_len: int
+    tp_degree: int = 1  # ranks that split each layer (tensor parallelism), consecutive ranks
+    replicate_degree: int = 1  # HSDP: data-parallel groups that replicate (fsdp only)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's place among the data-parallel ranks: the ranks of one tensor-parallel
+        group (consecutive ranks, `mesh`) read the same sequences."""
+        return self.rank // self.tp_degree
+
+    @property
+    def mesh(self) -> dict[str, Any]:
+        """The device mesh the backend builds: its dimension names and sizes, outermost first
+        (rank = ((replicate x shard) + shard) x tp + tp position)."""
+        if self.backend != "fsdp":
+            return {"names": ["dp"], "shape": [self.world_size]}
+        names, shape = [], []
+        replicas = self.replicate_degree
+        if replicas > 1:
+            names.append("replicate"), shape.append(replicas)
+        names.append("shard"), shape.append(self.dp_degree // replicas)
+        if self.tp_degree > 1:
+            names.append("tp"), shape.append(self.tp_degree)
+        return {"names": names, "shape": shape}
 
     @property
     def sequences_per_step(self) -> int:
@@ -96,14 +119,23 @@ class RunPlan:
         out["device"] = str(self.device)
         out["sequences_per_step"] = self.sequences_per_step
         out["tokens_per_step"] = self.tokens_per_step
+        out["mesh"] = self.mesh
         return out
 
     def describe(self) -> str:
         return (
             f"backend {self.backend}, precision {self.precision} on {self.device}, rank "
             f"{self.rank} of {self.world_size}; batch: micro {self.micro_batch_size} x seq_len "
-            f"{self.seq_len} x grad_accum {self.grad_accum} x world {self.dp_degree} = "
+            f"{self.seq_len} x grad_accum {self.grad_accum} x "
+            f"{'world' if self.tp_degree == 1 else 'data-parallel'} {self.dp_degree} = "
             f"{self.sequences_per_step} sequences = {self.tokens_per_step:,} tokens per step"
+            + (
+                f"; tensor parallel {self.tp_degree} (mesh "
+                + " x ".join(f"{n} {k}" for n, k in zip(self.mesh["names"], self.mesh["shape"]))
+                + ")"
+                if self.tp_degree > 1
+                else ""
+            )
         )
 
 
@@ -129,17 +161,21 @@ def resolve_plan(
         bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
     if device.type == "cuda" and launch.rank == 0:
         _warn_on_odd_widths(cfg)
+    backend = _backend(cfg.parallel.backend, launch.world_size)
+    tp = cfg.parallel.tensor_parallel
     return RunPlan(
         rank=launch.rank,
         local_rank=launch.local_rank,
         world_size=launch.world_size,
         device=device,
-        backend=_backend(cfg.parallel.backend, launch.world_size),
+        backend=backend,
         precision=_precision(cfg.train.precision, device, bf16),
-        dp_degree=launch.world_size,
+        dp_degree=launch.world_size // tp,
         micro_batch_size=cfg.train.micro_batch_size,
-        grad_accum=_grad_accum(cfg, launch.world_size),
+        grad_accum=_grad_accum(cfg, launch.world_size // tp),
         seq_len=cfg.model.seq_len,
+        tp_degree=tp,
+        replicate_degree=cfg.parallel.fsdp.replicate_degree if backend == "fsdp" else 1,
     )
 
 
@@ -210,7 +246,8 @@ def _warn_on_odd_widths(cfg: Config) -> None:
 
 
 def _grad_accum(cfg: Config, world_size: int) -> int:
-    """train.grad_accum, or the value train.global_batch_size implies for this world size."""
+    """train.grad_accum, or the value train.global_batch_size implies for this data-parallel
+    world size (`world_size`: the ranks that split the batch)."""
     g, mb, accum = cfg.train.global_batch_size, cfg.train.micro_batch_size, cfg.train.grad_accum
     if g is None:
         return accum
@@ -244,17 +281,27 @@ def launch_problems(cfg: Config, world_size: int, cuda: bool) -> list[str]:
             f"parallel.backend=single but {world_size} processes were launched; set "
             f"parallel.backend to ddp, fsdp or deepspeed, or launch one process"
         )
-    r = cfg.parallel.fsdp.replicate_degree
-    if backend == "fsdp" and world_size % r:
+    tp = cfg.parallel.tensor_parallel
+    if tp > 1 and world_size % tp:
+        fits = [k for k in range(1, world_size + 1) if world_size % k == 0 and k > 1]
         e.append(
-            f"parallel.fsdp.replicate_degree={r} does not divide the world size "
-            f"{world_size}; use a divisor of it (usually the number of nodes)"
+            f"parallel.tensor_parallel={tp} does not divide the world size {world_size}; use "
+            f"a divisor of it ({', '.join(map(str, fits)) or 'none above 1: launch more'}) "
+            f"or launch a multiple of {tp} processes"
         )
-    g, mb = cfg.train.global_batch_size, cfg.train.micro_batch_size
-    if g is not None and g % (mb * world_size):
+        tp = 1  # (the checks below: as if the world were data parallel)
+    r = cfg.parallel.fsdp.replicate_degree
+    if backend == "fsdp" and (world_size // tp) % r:
+        e.append(
+            f"parallel.fsdp.replicate_degree={r} does not divide the data-parallel degree "
+            f"{world_size // tp} (world {world_size} / tensor_parallel {tp}); use a divisor "
+            f"of it (usually the number of nodes)"
+        )
+    g, mb, dp = cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size // tp
+    if g is not None and g % (mb * dp):
         e.append(
             f"train.global_batch_size={g} is not divisible by train.micro_batch_size={mb} x "
-            f"world size {world_size} = {mb * world_size}; pick a global batch that is a "
-            f"multiple of {mb * world_size} or change micro_batch_size"
+            f"{'world size' if tp == 1 else 'data-parallel degree'} {dp} = {mb * dp}; pick a "
+            f"global batch that is a multiple of {mb * dp} or change micro_batch_size"
         )
     return e

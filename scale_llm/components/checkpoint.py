@@ -49,10 +49,12 @@ from scale_llm.files import atomic_write_text, describe_kind, fsync_dir, fsync_t
 log = logging.getLogger(__name__)
 TRAINER_STATE = "trainer.pt"  # the trainer's state_dict (step, data, RNG, config, plan, backend)
 # The shape of trainer.pt written now (its "format"). A state without a number there is format 1;
-# `upgrade_trainer_state` is the one place that knows older shapes.
-TRAINER_FORMAT = 2
+# `upgrade_trainer_state` is the one place that knows older shapes. Format 3: attention.wqkv's
+# rows are grouped by kv head (`model.fuse_qkv`); formats 1 and 2 stacked q, k and v.
+TRAINER_FORMAT = 3
 MODEL_WEIGHTS = "model.pt"  # consolidated fp32 weights (DeepSpeed checkpoints, `convert`)
 DCP_DIR = "dcp"  # torch.distributed.checkpoint: model + optimizer, keyed by parameter name
+QKV_KEY, STACKED = "qkv", "stacked"  # the backend layout's mark of a format 1-2 checkpoint
 SCALER_STATE = "scaler.pt"  # format 1 only: the GradScaler, before the backend kept its state
 INTEGRITY = "integrity.json"  # size + xxh3-64 of every other file: written last
 # In the trainer state of every checkpoint written with an integrity record: without it, a
@@ -669,6 +671,12 @@ def upgrade_trainer_state(state: dict[str, Any], ckpt_dir: Path) -> dict[str, An
         # no record of the precision: fp32, what an export of unknown precision defaults to
         plan = {"backend": name, "world_size": layout.get("world_size", 1), "precision": "fp32"}
         state.setdefault("plan", plan)
+    if version < 3 and isinstance(state.get("backend"), dict):
+        layout = state["backend"].get("layout")
+        if isinstance(layout, dict):  # (anything else: trainer_state_problems names it)
+            # weights with q, k, v stacked: `load_model_weights` and the DCP backends' load
+            # regroup them; a DeepSpeed engine cannot, so it takes the weights (can_restore)
+            state["backend"] = {**state["backend"], "layout": {**layout, QKV_KEY: STACKED}}
     if "rng" not in state or isinstance(state["rng"], dict):
         state["rng"] = None  # one process's generators only: not restored on resume
     state.setdefault("skipped_steps", 0)
@@ -787,14 +795,60 @@ def load_model_weights(
 
     DCP checkpoints (single, DDP, FSDP) are read shard by shard into `template` (a full state
     dict of the checkpoint's shape on the CPU, e.g. `model.empty_state_dict(cfg)`), whatever
-    world size wrote them; DeepSpeed checkpoints carry a consolidated `model.pt`.
+    world size wrote them; DeepSpeed checkpoints carry a consolidated `model.pt`. Weights of
+    formats 1 and 2 (q, k, v stacked in wqkv) come back regrouped.
     """
     if (ckpt_dir / DCP_DIR).is_dir():
         dcp_load({"model": template}, ckpt_dir / DCP_DIR, no_dist=not is_distributed())
-        return template
-    if (ckpt_dir / MODEL_WEIGHTS).is_file():
-        return load_file(ckpt_dir / MODEL_WEIGHTS)
-    raise UserError(
-        f"{ckpt_dir} holds no model weights ({DCP_DIR}/ or {MODEL_WEIGHTS}); "
-        f"point at a complete checkpoint directory"
-    )
+        weights = template
+    elif (ckpt_dir / MODEL_WEIGHTS).is_file():
+        weights = load_file(ckpt_dir / MODEL_WEIGHTS)
+    else:
+        raise UserError(
+            f"{ckpt_dir} holds no model weights ({DCP_DIR}/ or {MODEL_WEIGHTS}); "
+            f"point at a complete checkpoint directory"
+        )
+    if stacked_qkv(ckpt_dir):
+        regroup_qkv(weights, saved_model_config(read_trainer_state(ckpt_dir)))
+    return weights
+
+
+def stacked_qkv(ckpt_dir: Path) -> bool:
+    """Whether the checkpoint's attention.wqkv rows are q, k, v stacked (formats 1 and 2)."""
+    layout = read_trainer_state(ckpt_dir)["backend"].get("layout")
+    return isinstance(layout, dict) and layout.get(QKV_KEY) == STACKED
+
+
+def regroup_qkv(state: dict[str, Any], cfg: ModelConfig) -> None:
+    """Every stacked wqkv tensor of `state` (a model state dict, or its optimizer state keyed
+    by parameter name: Adam's moments share the weight's rows) regrouped in place, plain
+    tensors and DTensors alike."""
+    heads, kv, dim = cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, cfg.d_model // cfg.n_heads
+    q, k, v = torch.arange((heads + 2 * kv) * dim).split([heads * dim, kv * dim, kv * dim])
+    # per kv head g: the rows of its query heads, of k head g, of v head g (model.fuse_qkv)
+    groups = (q.view(kv, -1), k.view(kv, dim), v.view(kv, dim))
+    order = torch.cat(groups, dim=1).flatten()
+
+    def visit(tree: Any, name: str) -> None:
+        if isinstance(tree, dict):
+            for key, value in tree.items():
+                visit(value, f"{name}.{key}" if name else str(key))
+        elif (
+            isinstance(tree, torch.Tensor)
+            and "attention.wqkv" in name
+            and tree.dim() == 2
+            and tree.size(0) == order.numel()
+        ):
+            _permute_rows(tree, order)
+
+    visit(state, "")
+
+
+def _permute_rows(t: torch.Tensor, order: torch.Tensor) -> None:
+    if hasattr(t, "full_tensor"):  # a DTensor: regroup the whole, then take this rank's part
+        from torch.distributed.tensor import distribute_tensor
+
+        full = t.full_tensor()[order.to(t.device)]
+        t.copy_(distribute_tensor(full, t.device_mesh, t.placements))
+    else:
+        t.copy_(t[order.to(t.device)])

@@ -4,7 +4,8 @@ Pure mapping, no I/O and no `transformers` import, so that training (`model.init
 `scale-llm export` share it. The architectures agree term by term: RMSNorm, SwiGLU with
 w1 = gate_proj, w3 = up_proj, w2 = down_proj, and rotary embeddings that rotate the pairs
 (x[i], x[i + D/2]) -- the `rotate_half` convention of HF Llama -- so the q and k rows need no
-permutation; `attention.wqkv` is the rows of q_proj, k_proj and v_proj stacked in that order.
+permutation; `attention.wqkv` holds the rows of q_proj, k_proj and v_proj grouped by kv head
+(`fuse_qkv`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 
 from scale_llm.config import ModelConfig, short
-from scale_llm.model.transformer import mlp_hidden_size
+from scale_llm.model.transformer import fuse_qkv, mlp_hidden_size, split_qkv
 
 ARCHITECTURE = "LlamaForCausalLM"
 _PER_LAYER = {  # ours -> HF, inside layers.{i} / model.layers.{i}
@@ -76,14 +77,16 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def to_hf(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) for each of our parameters, popping them from `state` as it goes so
-    that a caller converting tensor by tensor never holds two copies. q/k/v are row views of
-    wqkv (contiguous, sharing its storage)."""
+    that a caller converting tensor by tensor never holds two copies. q/k/v are taken out of
+    wqkv's kv-head groups (`split_qkv`)."""
     for ours, theirs in _TOP.items():
         if ours != "output.weight" and ours in state:
             yield theirs, state.pop(ours)
     for i in range(cfg.n_layers):
         wqkv = state.pop(f"layers.{i}.attention.wqkv.weight")
-        for name, part in zip(_QKV, wqkv.split(qkv_sizes(cfg), dim=0)):
+        parts = split_qkv(wqkv, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads)
+        del wqkv
+        for name, part in zip(_QKV, parts):
             yield f"model.layers.{i}.{name}", part
         for ours, theirs in _PER_LAYER.items():
             yield f"model.layers.{i}.{theirs}", state.pop(f"layers.{i}.{ours}")
@@ -95,14 +98,15 @@ def to_hf(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> Iterator[tuple[st
 
 def from_hf(cfg: ModelConfig, get: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
     """Our state dict from HF tensors, read one at a time through `get(name)` (fp32); q/k/v
-    are fused back into wqkv. Shapes must already have been checked (`shape_problems`)."""
+    are fused back into wqkv's kv-head groups. Shapes must already have been checked
+    (`shape_problems`)."""
     state = {
         "tok_embeddings.weight": get("model.embed_tokens.weight"),
         "norm.weight": get("model.norm.weight"),
     }
     for i in range(cfg.n_layers):
         parts = [get(f"model.layers.{i}.{name}") for name in _QKV]
-        state[f"layers.{i}.attention.wqkv.weight"] = torch.cat(parts, dim=0)
+        state[f"layers.{i}.attention.wqkv.weight"] = fuse_qkv(*parts, cfg.n_kv_heads or cfg.n_heads)
         del parts
         for ours, theirs in _PER_LAYER.items():
             state[f"layers.{i}.{ours}"] = get(f"model.layers.{i}.{theirs}")

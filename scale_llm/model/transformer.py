@@ -79,7 +79,9 @@ class Attention(nn.Module):
         self.head_dim = cfg.d_model // cfg.n_heads
         self.eager = cfg.attention == "eager"
         qkv_width = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
-        self.wqkv = nn.Linear(cfg.d_model, qkv_width, bias=False)  # rows: q, k, v stacked
+        # rows grouped by kv head (`fuse_qkv`): a row block of whole groups is whole heads of
+        # q, k and v, which is what a tensor-parallel rank holds of it
+        self.wqkv = nn.Linear(cfg.d_model, qkv_width, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=False)
 
     def forward(
@@ -91,9 +93,11 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        q, k, v = self.wqkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
-        q, k = apply_rope(q.view(B, T, H, D), rope), apply_rope(k.view(B, T, Hkv, D), rope)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, T, Hkv, D).transpose(1, 2)
+        R = H // Hkv  # query heads per kv head (1 without GQA)
+        qkv = self.wqkv(x).view(B, T, Hkv, R + 2, D)  # per kv head: its R q heads, k, v
+        q, k, v = qkv[:, :, :, :R].reshape(B, T, H, D), qkv[:, :, :, R], qkv[:, :, :, R + 1]
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cache is not None:  # k, v become (B, Hkv, start_pos + T, D): every position so far
             k, v = cache.update(self.layer_id, k, v, start_pos)
         causal_mask = None
@@ -123,6 +127,33 @@ class Attention(nn.Module):
             scores = scores.masked_fill(~mask, float("-inf"))
         probs = F.softmax(scores.float(), dim=-1).type_as(q)
         return probs @ v  # (B, H, T, D)
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
+    """The wqkv weight from q, k and v projection weights (rows = heads x head_dim, as Hugging
+    Face's q_proj, k_proj, v_proj): rows grouped by kv head, each group its query heads' rows,
+    then its k rows, then its v rows (Megatron-LM's fused layout). Query head h belongs to group
+    h // (n_heads / n_kv_heads), the grouping GQA attends with, so any row block of whole groups
+    -- what tensor parallelism gives a rank -- holds whole heads of q, k and v."""
+    d = q.size(-1)
+    g = n_kv_heads
+    parts = (q.reshape(g, -1, d), k.reshape(g, -1, d), v.reshape(g, -1, d))
+    return torch.cat(parts, dim=1).reshape(-1, d)
+
+
+def split_qkv(
+    wqkv: torch.Tensor, n_heads: int, n_kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k and v projection weights from a wqkv weight (`fuse_qkv`): contiguous (copies, or
+    views where the rows already are)."""
+    d = wqkv.size(-1)
+    head_dim = wqkv.size(0) // (n_heads + 2 * n_kv_heads)
+    r = n_heads // n_kv_heads
+    groups = wqkv.view(n_kv_heads, r + 2, head_dim, d)
+    q = groups[:, :r].reshape(n_heads * head_dim, d)
+    k = groups[:, r].reshape(n_kv_heads * head_dim, d)
+    v = groups[:, r + 1].reshape(n_kv_heads * head_dim, d)
+    return q, k, v
 
 
 class FeedForward(nn.Module):

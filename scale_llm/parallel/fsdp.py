@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
@@ -41,17 +42,39 @@ from torch.distributed.fsdp import (
 
 from scale_llm.model import Transformer, build_model
 from scale_llm.parallel.backend import Backend
+from scale_llm.parallel.tensor_parallel import (
+    apply_tensor_parallel,
+    backward_context,
+    full_logits,
+    parallel_cross_entropy,
+    parameters_by_mesh,
+)
 
 
 class FSDPBackend(Backend):
+    def __init__(self, cfg, plan):
+        super().__init__(cfg, plan)
+        self.tp = plan.tp_degree
+        self.mesh: DeviceMesh | None = None
+        if self.tp > 1:
+            self.loss_fn = parallel_cross_entropy  # over the vocab shards (compiled or not)
+
     def device_mesh(self) -> DeviceMesh:
-        world, replicas = self.plan.world_size, self.cfg.parallel.fsdp.replicate_degree
-        device_type = self.plan.device.type
-        if replicas > 1:
-            return init_device_mesh(
-                device_type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard")
+        """The run plan's mesh: (replicate,) shard (, tp), built once."""
+        if self.mesh is None:
+            layout = self.plan.mesh
+            self.mesh = init_device_mesh(
+                self.plan.device.type, tuple(layout["shape"]), mesh_dim_names=tuple(layout["names"])
             )
-        return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+            if self.mesh.ndim > 1:  # a reduction over every dimension (the gradient norm's)
+                self.mesh._flatten("all")  # then runs as one collective, not one per dimension
+        return self.mesh
+
+    def data_parallel_mesh(self) -> DeviceMesh:
+        """What FSDP shards (and HSDP replicates) over: every mesh dimension but tp."""
+        mesh = self.device_mesh()
+        names = tuple(n for n in mesh.mesh_dim_names if n != "tp")
+        return mesh[names] if self.tp > 1 else mesh
 
     def mp_policy(self) -> MixedPrecisionPolicy:
         if self.precision.name == "fp32":
@@ -60,9 +83,12 @@ class FSDPBackend(Backend):
 
     def wrap(self, model: Transformer, initial_weights: dict | None = None) -> nn.Module:
         opts = self.cfg.parallel.fsdp
+        if self.tp > 1:  # tensor parallelism first, then checkpointing and compile (torchtitan)
+            mesh = self.device_mesh()["tp"]
+            apply_tensor_parallel(model, mesh, self.cfg.parallel.sequence_parallel)
         self.transform_blocks(model)  # checkpointing and compile before fully_shard
         common = dict(
-            mesh=self.device_mesh(),
+            mesh=self.data_parallel_mesh(),
             mp_policy=self.mp_policy(),
             offload_policy=CPUOffloadPolicy() if opts.cpu_offload else OffloadPolicy(),
         )
@@ -96,3 +122,28 @@ class FSDPBackend(Backend):
         every = self.cfg.parallel.fsdp.reduce_every_micro_step
         self.model.set_requires_gradient_sync(sync_gradients or every)
         return contextlib.nullcontext()
+
+    # ----------------------------------------------------------------- tensor parallelism
+    def backward(self, loss: torch.Tensor) -> None:
+        with backward_context() if self.tp > 1 else contextlib.nullcontext():
+            super().backward(loss)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """One global norm over parameters that may live on different meshes (with tensor
+        parallelism: the 2-D ones and, without sequence parallelism, the norms' 1-D ones): each
+        mesh's norm is reduced over its own ranks, then the squares are summed."""
+        groups = parameters_by_mesh(self.model)
+        if len(groups) <= 1:
+            return super().clip_grad_norm(max_norm)
+        norms = []
+        for params in groups.values():
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        total = torch.linalg.vector_norm(torch.stack(norms))
+        if max_norm > 0:
+            for params in groups.values():
+                torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+        return total
+
+    def logits_for_sampling(self, logits: torch.Tensor) -> torch.Tensor:
+        return full_logits(logits)

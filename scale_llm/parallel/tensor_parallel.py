@@ -1,0 +1,116 @@
+"""Tensor and sequence parallelism on DTensor (`parallel.tensor_parallel`), Megatron-LM's layout.
+
+Applied to the meta-device model before activation checkpointing, compile and FSDP2 (torchtitan's
+order), over the mesh's `tp` dimension (consecutive ranks: inside a node). Per block:
+
+- `attention.wqkv` column-wise: its rows are grouped by kv head (`model.fuse_qkv`), so a rank's
+  row block is whole heads of q, k and v (GQA included); RoPE and attention run on those local
+  heads. `attention.wo` row-wise: one reduction of the partial outputs.
+- `feed_forward.w1` / `w3` column-wise, `w2` row-wise: SwiGLU's element-wise product stays local.
+- With `parallel.sequence_parallel` (default), the norms and the residual stream hold 1/tp of the
+  sequence on each rank: the row-wise outputs are reduce-scattered over the sequence and the
+  column-wise inputs all-gathered (the same bytes as an all-reduce, and 1/tp of the activations
+  outside the matmuls). Without it the residual stream is whole on every rank and the row-wise
+  outputs are all-reduced.
+- The embedding is vocab-parallel (row-wise), the output projection column-wise into logits
+  sharded over the vocabulary, and the loss is computed on those shards (`loss_parallel`): no
+  rank holds the full (B, T, V) logits; each upcasts its own V/tp columns to fp32.
+
+The checkpoint is the same tensors under the same names as without tensor parallelism (DTensor's
+global view), so DCP reshards it to any other degree, world size or backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from scale_llm.model import Transformer
+
+
+def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Shard `model`'s layers over `mesh` (1-D: the tp ranks) in place (on the meta device)."""
+    tp = mesh.size()
+    stream = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout
+    norm = {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
+    for block in model.layers:
+        plan = {
+            "attention": PrepareModuleInput(
+                input_layouts=(stream, None, None, None),  # (x, rope, cache, start_pos)
+                desired_input_layouts=(Replicate(), None, None, None),
+                use_local_output=True,
+            ),
+            "attention.wqkv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=stream),
+            "feed_forward": PrepareModuleInput(
+                input_layouts=(stream,), desired_input_layouts=(Replicate(),), use_local_output=True
+            ),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=stream),
+            **(norm if sequence_parallel else {}),
+        }
+        parallelize_module(block, mesh, plan)
+        attention = block.attention
+        attention.n_heads //= tp  # the heads of this rank
+        attention.n_kv_heads //= tp
+    top = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)}
+    if sequence_parallel:
+        top["norm"] = SequenceParallel()
+    if model.output is not None:
+        top["output"] = ColwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False
+        )
+    parallelize_module(model, mesh, top)
+    # the output projection reads the whole sequence on every rank: the final norm's output
+    # (sequence shards, or the plain replicated tensor) becomes a replicated DTensor, which is
+    # also what a tied head's F.linear against the vocab-sharded embedding needs
+    model.norm.register_forward_hook(lambda _m, _i, out: _replicated(out, mesh))
+
+
+def _replicated(x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    if isinstance(x, DTensor):
+        return x.redistribute(mesh, [Replicate()])
+    return DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+
+
+def parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss of logits sharded over the vocabulary (a DTensor), softmax in fp32
+    over each rank's columns and reduced across the tp ranks: never the full logits. Returns a
+    plain tensor, the same on every tp rank (backward must run under `loss_parallel` too:
+    `TensorParallel.backward_context`)."""
+    with loss_parallel():
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    return loss.to_local() if isinstance(loss, DTensor) else loss
+
+
+def backward_context() -> contextlib.AbstractContextManager:
+    return loss_parallel()
+
+
+def full_logits(logits: torch.Tensor) -> torch.Tensor:
+    """The whole logits on every rank (sampling during training reads one row of them)."""
+    return logits.full_tensor() if isinstance(logits, DTensor) else logits
+
+
+def parameters_by_mesh(model: nn.Module) -> dict[object, list[nn.Parameter]]:
+    """Parameters with gradients, grouped by the mesh their DTensor lives on (None: plain)."""
+    groups: dict[object, list[nn.Parameter]] = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            mesh = p.device_mesh if isinstance(p, DTensor) else None
+            groups.setdefault(mesh, []).append(p)
+    return groups
