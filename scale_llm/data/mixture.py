@@ -206,25 +206,13 @@ def _tokenizer(
 
 def _train(cfg: Config, configs: list[Config], sources: list[Any], out: Path) -> bytes:
     """A tokenizer trained on each source's weighted share of the sample; written to data.dir."""
-    from scale_llm.data import prepare as one
-
     weights = mixture_weights(cfg.data)
-    d = cfg.data
     sample: list[str] = []
-    for sub, source, entry in zip(configs, sources, d.sources):
-        w = weights[entry.name]
-        docs = None if d.tokenizer_sample_documents is None else d.tokenizer_sample_documents
-        share = dataclasses.replace(
-            sub.data,
-            tokenizer_sample_bytes=max(1, round(w * d.tokenizer_sample_bytes)),
-            tokenizer_sample_documents=None if docs is None else max(1, math.ceil(w * docs)),
-        )
-        share_cfg = dataclasses.replace(sub, data=share)
-        pool = one._sample_pool(one._documents(share_cfg, source), share_cfg)
-        taken = list(one._sample(pool, share_cfg))
-        if not taken:
-            one.raise_empty(sub)  # (names the entry's source and text field)
-        sample += taken
+    for i, (sub, source, entry) in enumerate(zip(configs, sources, cfg.data.sources)):
+        try:
+            sample += _share(sub, source, weights[entry.name])
+        except UserError as e:
+            raise UserError(f"data.sources[{i}] (name {entry.name}): {e}") from None
     tokenizer = train_tokenizer(sample, cfg.model.vocab_size, out / SP_FILE)
     log.info(
         "data: trained a %d-piece BPE tokenizer on %.1f MB of %d sources, by their weights",
@@ -233,6 +221,26 @@ def _train(cfg: Config, configs: list[Config], sources: list[Any], out: Path) ->
         len(configs),
     )
     return (out / SP_FILE).read_bytes()
+
+
+def _share(sub: Config, source: Any, weight: float) -> list[str]:
+    """A source's part of the tokenizer sample: its weight's share of the budget, drawn as
+    prepare draws a one-source sample (with weight 1, exactly that sample)."""
+    from scale_llm.data import prepare as one
+
+    d = sub.data
+    docs = d.tokenizer_sample_documents
+    share = dataclasses.replace(
+        d,
+        tokenizer_sample_bytes=max(1, round(weight * d.tokenizer_sample_bytes)),
+        tokenizer_sample_documents=None if docs is None else max(1, math.ceil(weight * docs)),
+    )
+    share_cfg = dataclasses.replace(sub, data=share)
+    pool = one._sample_pool(one._documents(share_cfg, source), share_cfg)
+    taken = list(one._sample(pool, share_cfg))
+    if not taken:
+        one.raise_empty(sub)  # (names the entry's source and text field)
+    return taken
 
 
 def _say_unused(out: Path, mixture: dict[str, Any], cfg: Config) -> None:

@@ -10,6 +10,7 @@ checks: each returns or raises, nothing is restored here.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -199,6 +200,8 @@ def run_mismatches(state: dict[str, Any], cfg: Config, tokenizer_sha256: str) ->
     for key in run_defining_keys():
         old = lookup(state["config"], key)
         new = get_key(cfg, key)
+        if isinstance(new, list):  # data.sources: entries as the checkpoint saved them
+            new = [dataclasses.asdict(x) if dataclasses.is_dataclass(x) else x for x in new]
         if old != new:
             problems.append(f"{key}: the checkpoint has {old!r}, the config says {new!r}")
     if state["tokenizer_sha256"] != tokenizer_sha256:

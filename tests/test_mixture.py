@@ -1,0 +1,192 @@
+"""data.sources: a weighted mixture prepared per source, read by the weights, evaluated per source,
+resumed exactly; a mixture of one source is the one-source data and stream."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from scale_llm.cli import main
+from scale_llm.data.loader import PERIOD, SourceSchedule, TokenWindows, TrainLoader
+from scale_llm.data.prepare import prepare
+from scale_llm.train.trainer import Trainer
+from tests.helpers import (
+    batch_plan,
+    logged,
+    make_config,
+    plan_for,
+    prep_config,
+    random_texts,
+    snapshot,
+)
+
+WEIGHTS = {"web": 0.7, "code": 0.3}
+
+
+def corpus(folder: Path, label: str, seed: int, n: int = 40) -> Path:
+    folder.mkdir(parents=True)
+    for i, text in enumerate(random_texts(n, label + "{i:03d}", seed=seed, length=150)):
+        (folder / f"{i:03d}.txt").write_text(text)
+    return folder
+
+
+def sources_override(src: dict[str, Path], weights: dict[str, float] = WEIGHTS) -> str:
+    entries = ", ".join(
+        f"{{name: {n}, source: '{p}', weight: {weights[n]}}}" for n, p in src.items()
+    )
+    return f"data.sources=[{entries}]"
+
+
+@pytest.fixture(scope="module")
+def mixture(tmp_path_factory) -> tuple[Path, dict[str, Path]]:
+    """A prepared two-source mixture (web 0.7, code 0.3) of small random corpora (read only)."""
+    root = tmp_path_factory.mktemp("mixture")
+    src = {"web": corpus(root / "web", "web", 0), "code": corpus(root / "code", "code", 1)}
+    prepare(mixture_config(root / "data", src))
+    return root / "data", src
+
+
+def mixture_config(data_dir: Path, src: dict[str, Path], weights: dict[str, float] = WEIGHTS):
+    return prep_config("builtin", data_dir, sources_override(src, weights))
+
+
+def test_every_stretch_of_the_stream_holds_each_source_by_its_weight():
+    """The interleave: each source's k-th draw follows its (k-1)-th, and any window of the
+    stream holds each source's share to within two sequences."""
+    for weights in ([1.0], [0.7, 0.3], [1, 1, 1], [0.5, 0.25, 0.125, 0.125], [1e-5, 1]):
+        schedule = SourceSchedule(weights)
+        source, draw = schedule.locate(np.arange(2 * PERIOD + 100))
+        share = np.array(weights) / sum(weights)
+        for s in range(len(weights)):
+            assert (draw[source == s] == np.arange((source == s).sum())).all()
+        for start, length in ((0, 16), (1000, 160), (PERIOD - 50, 100), (0, PERIOD)):
+            counts = np.bincount(source[start : start + length], minlength=len(weights))
+            assert np.abs(counts - share * length).max() <= 2, (weights, start, length, counts)
+        assert schedule.counts.min() >= 1  # a tiny weight still gets read
+
+
+def test_a_mixture_of_one_source_is_the_one_source_data_and_stream(tmp_path):
+    src = corpus(tmp_path / "src", "doc", 0)
+    one = prepare(prep_config(src, tmp_path / "one"))
+    prepare(mixture_config(tmp_path / "mix", {"web": src}, {"web": 1.0}))
+    for split in ("train", "val"):
+        for shard in one["splits"][split]["shards"]:
+            a = (tmp_path / "one" / shard["file"]).read_bytes()
+            assert a == (tmp_path / "mix" / "web" / shard["file"]).read_bytes()
+    windows = TokenWindows([np.arange(2000, dtype=np.int64)], 8)
+    plan = batch_plan(4, 2)
+    plain = TrainLoader(windows, plan, seed=3)
+    mixed = TrainLoader(windows, plan, seed=3, sources={"web": (1.0, len(windows))})
+    for _ in range(40):  # past an epoch (249 windows)
+        a, b = plain.next_batches(), mixed.next_batches()
+        assert all(torch.equal(x[0], y[0]) for x, y in zip(a, b))
+
+
+def run(data_dir: Path, src: dict[str, Path], root: Path, *extra: str) -> Trainer:
+    cfg = make_config(
+        data_dir,
+        root,
+        sources_override(src),
+        "model.vocab_size=400",
+        "train.max_steps=8",
+        "train.micro_batch_size=5",
+        "logging.every=2",
+        "eval.every=4",
+        "eval.steps=1",
+        "checkpoint.every=4",
+        "data.prefetch=0",
+        *extra,
+    )
+    return Trainer(cfg, plan_for(cfg))
+
+
+def test_weights_per_source_losses_and_exact_resume(mixture, tmp_path):
+    data_dir, src = mixture
+    with logged() as lines:
+        straight = run(data_dir, src, tmp_path / "a").fit()
+    assert "data:   code         weight 0.300" in lines.text  # the mixture, said at start
+    rows = {r["step"]: r for r in map(json.loads, (straight.run_dir / "metrics.jsonl").open())}
+    read = rows[8]["tokens/web"] + rows[8]["tokens/code"]
+    assert read == rows[8]["tokens"] == 8 * 5 * 32
+    assert abs(rows[8]["tokens/code"] / read - 0.3) < 0.02  # 12 of the 40 sequences
+    for step in (4, 8):
+        by_source = {n: rows[step][f"val_loss/{n}"] for n in WEIGHTS}
+        assert by_source["web"] != by_source["code"]
+        weighted = sum(WEIGHTS[n] * v for n, v in by_source.items())
+        assert rows[step]["val_loss"] == pytest.approx(weighted, rel=1e-12)
+    assert "val_loss/web" not in rows[2]
+    first = run(data_dir, src, tmp_path / "b", "train.exit_at_step=4").fit()
+    resumed = run(data_dir, src, tmp_path / "b").fit()
+    assert first.steps == 4 and resumed.start_step == 4
+    for step in (6, 8):
+        assert resumed.losses[step] == straight.losses[step], step
+    assert resumed.val_losses[8] == straight.val_losses[8]
+
+
+def test_a_changed_source_is_prepared_alone(tmp_path):
+    src = {"web": corpus(tmp_path / "web", "web", 0), "code": corpus(tmp_path / "code", "code", 1)}
+    cfg = mixture_config(tmp_path / "data", src)
+    prepare(cfg)
+    web_before = snapshot(tmp_path / "data" / "web")
+    (src["code"] / "000.txt").write_text("a new first document of code")
+    with logged() as lines:
+        prepare(cfg)
+    assert snapshot(tmp_path / "data" / "web") == web_before
+    assert any("data/web is up to date" in x for x in lines)
+    assert any(x.startswith("data: tokenized") for x in lines)  # code, re-encoded
+    recorded = json.loads((tmp_path / "data" / "mixture.json").read_text())["sources"]
+    manifest = json.loads((tmp_path / "data" / "code" / "manifest.json").read_text())
+    assert recorded["code"]["fingerprint"] == manifest["fingerprint"]
+    assert recorded["code"]["train_tokens"] == manifest["splits"]["train"]["tokens"]
+
+
+def test_bad_mixtures_exit_2_naming_each_problem_and_writing_nothing(tmp_path, capsys):
+    good = corpus(tmp_path / "good", "doc", 0, n=8)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "a.jsonl").write_text('{"text": ""}\n{"text": " "}\n')
+    bad = "[{name: a, weight: 0, colour: red}, {name: a, source: 'x'}, {name: b/c}]"
+    cases = {
+        "config": (
+            [f"data.sources={bad}", "data.hf_split=test"],
+            [
+                "data.sources[0].colour: unknown key",
+                "data.sources[0].weight=0.0 must be > 0",
+                "data.sources[1].name='a' is used twice",
+                "data.sources[2].name='b/c' must be 1-64 letters",
+                "give it per entry (data.sources[i].hf_split)",
+            ],
+        ),
+        "no documents": (
+            [sources_override({"web": good, "code": empty})],
+            ["data.sources[1] (name code)", "too few non-empty documents"],
+        ),
+    }
+    for case, (overrides, said) in cases.items():
+        before = snapshot(tmp_path)
+        argv = [
+            "prepare",
+            "--set",
+            f"data.dir={tmp_path / 'data'}",
+            "--set",
+            "model.vocab_size=400",
+        ]
+        code = main(argv + [a for o in overrides for a in ("--set", o)])
+        err = capsys.readouterr().err
+        assert code == 2, case
+        assert "Traceback" not in err
+        for text in said:
+            assert text in err, (case, text, err)
+        assert snapshot(tmp_path) == before, case  # nothing written (no data.dir made)
+
+
+def test_repeat_false_refuses_a_run_that_would_read_a_source_twice(mixture, tmp_path):
+    from scale_llm.errors import UserError
+
+    data_dir, src = mixture
+    with pytest.raises(UserError, match=r"data.repeat=false.*code: \d+\.\d+ epochs"):
+        run(data_dir, src, tmp_path, "train.max_steps=2000", "data.repeat=false")
