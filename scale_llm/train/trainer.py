@@ -47,6 +47,7 @@ from scale_llm.parallel.step import optimizer_step
 from scale_llm.plan import RunPlan
 from scale_llm.train.cadence import Cadence
 from scale_llm.train.collector import GarbageCollector
+from scale_llm.train.eval_tasks import TaskEval
 from scale_llm.train.guards import (
     StopSignals,
     TrainingDiverged,
@@ -96,6 +97,8 @@ class Trainer:
         self.manifest = self.data.manifest
         check_vocab(cfg, self.manifest)
         check_profile(cfg.train.profile, plan, self.run_dir)
+        tokenizer = Path(cfg.data.dir) / self.manifest["tokenizer"]["file"]
+        self.task_eval = TaskEval(cfg, plan, tokenizer)  # eval.tasks looked up: before any work
         if plan.is_main:
             require_writable_dir(self.run_dir, "run.dir / run.name")  # before the model is built
             check_run_dir(self.run_dir)  # e.g. a file where checkpoints/ belongs: before any work
@@ -279,18 +282,20 @@ class Trainer:
             row["val_loss"] = result.val_losses[self.step] = self.evaluate()
             row["val_perplexity"] = math.exp(min(row["val_loss"], 80.0))
             row.update({f"val_loss/{n}": v for n, v in self.source_val_losses.items()})
-            if self.source_val_losses:
-                shown = " | ".join(f"{n} {v:.4f}" for n, v in self.source_val_losses.items())
-                log.info("step %d | val_loss by source: %s", self.step, shown)
             log.info(
                 "step %d | val_loss %.4f | val_perplexity %.2f",
                 self.step,
                 row["val_loss"],
                 row["val_perplexity"],
             )
+            if self.source_val_losses:
+                shown = " | ".join(f"{n} {v:.4f}" for n, v in self.source_val_losses.items())
+                log.info("step %d | val_loss by source: %s", self.step, shown)
         if self.cadence.samples(self.step):
             row["samples_text"] = self.sample()
             log.info("step %d | sample: %r", self.step, row["samples_text"][:200])
+        if self.task_eval.due(self.step):  # every rank: the weights are gathered collectively
+            row.update(self.task_eval.run(self.model, self.run_dir, self.step))
         if row:  # logging and eval rows carry the peak CUDA memory so far
             row.update(cuda_memory_gib(self.device))
             self.metrics.log(self.step, row)
