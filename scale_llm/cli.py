@@ -275,6 +275,10 @@ def missing_packages(cfg: Config, plan, command: str) -> None:
         and any((Path(init) / name).is_file() for name in (SAFETENSORS, SAFETENSORS_INDEX))
     ):
         needs.append((f"model.init_from={init}", "safetensors", f"`{install_hint('hf')}`"))
+    if command == "train" and cfg.eval.tasks:  # lm-eval reads an export of the weights
+        how = f"`{install_hint('hf')}` (or set eval.tasks=null)"
+        for module in ("lm_eval", "transformers", "accelerate", "safetensors", "tokenizers"):
+            needs.append((f"eval.tasks={cfg.eval.tasks}", module, how))
     missing = [n for n in needs if importlib.util.find_spec(n[1]) is None]
     if missing:
         raise UserError(

@@ -239,6 +239,22 @@ class EvalConfig:
         "", "prompt of the samples (after BOS); empty: a document's start"
     )
     sample_tokens: int = config_key(48, "tokens generated per sample")
+    tasks: str | None = config_key(
+        None,
+        "lm-evaluation-harness tasks to run while training, comma-separated as `scale-llm "
+        "eval --tasks` takes them (e.g. `hellaswag,arc_easy`); scores go to metrics.jsonl and "
+        "TensorBoard as `eval/<task>/<metric>`. Not with parallel.backend=deepspeed. See "
+        "[ecosystem.md](ecosystem.md); null: none",
+    )
+    tasks_every: int = config_key(
+        0, "optimizer steps between eval.tasks runs (and at the last step); 0: the last only"
+    )
+    tasks_include_path: str | None = config_key(
+        None, "a folder of extra task YAMLs for eval.tasks (as `scale-llm eval --include-path`)"
+    )
+    tasks_limit: int | None = config_key(
+        None, "examples per task (lm-eval's `--limit`); null: all of them"
+    )
 
 
 @dataclass
@@ -606,6 +622,7 @@ PATH_KEYS = (
     "data.tokenizer",
     "model.init_from",
     "checkpoint.resume",
+    "eval.tasks_include_path",
 )
 NOT_PATHS = {"data.source": ("builtin",), "checkpoint.resume": ("auto", "never")}
 
@@ -793,6 +810,7 @@ def validate(cfg: Config) -> list[str]:
             f"peak TFLOP/s), or null"
         )
     positive("eval.sample_tokens", cfg.eval.sample_tokens)
+    e.extend(eval_tasks_problems(cfg))
     positive("checkpoint.keep_last", cfg.checkpoint.keep_last)
     for key, value in (
         ("train.min_lr", t.min_lr),
@@ -926,6 +944,24 @@ def path_problems(cfg: Config) -> list[str]:
                 f"and with the {PATH_ROOM} bytes its files add the paths would pass the "
                 f"{most}-byte limit of this file system; use a shorter {key}"
             )
+    return e
+
+
+def eval_tasks_problems(cfg: Config) -> list[str]:
+    """eval.tasks' keys, and the backends that can run them (lm-eval reads a whole model)."""
+    ev, e = cfg.eval, []
+    if ev.tasks_every < 0:
+        e.append(f"eval.tasks_every={ev.tasks_every} must be >= 0 (0: the last step only)")
+    if ev.tasks_limit is not None and ev.tasks_limit <= 0:
+        e.append(f"eval.tasks_limit={ev.tasks_limit} must be > 0, or null for every example")
+    if ev.tasks is not None and not any(t.strip() for t in ev.tasks.split(",")):
+        e.append(f"eval.tasks={ev.tasks!r} names no task; give task names, or null")
+    if ev.tasks and cfg.parallel.backend == "deepspeed":
+        e.append(
+            "eval.tasks with parallel.backend=deepspeed: not supported (the DeepSpeed engine "
+            "gives no whole-model view to evaluate while it trains); evaluate its checkpoints "
+            "after training with `scale-llm eval RUN_DIR --tasks ...`, or train with ddp or fsdp"
+        )
     return e
 
 

@@ -95,10 +95,7 @@ def eval_run(
             "limit": limit,
             "num_fewshot": num_fewshot,
         }
-        for task, metrics in scores.items():
-            for name, value in metrics.items():
-                if "stderr" not in name and name != "sample_len":
-                    scalars[f"eval/{task}/{name}"] = value
+        scalars.update(task_scalars(scores))
     if perplexity is not None:
         ppl = held_out_perplexity(run_dir, cfg, plan, ckpt, Path(perplexity), limit, batch_size)
         new["perplexity"] = ppl
@@ -248,28 +245,34 @@ def make_eval_export(ckpt: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def task_manager(tasks: list[str], include_path: str | Path | None) -> Any:
+def task_manager(
+    tasks: list[str],
+    include_path: str | Path | None,
+    keys: tuple[str, str, str] = ("scale-llm eval", "--tasks", "--include-path"),
+) -> Any:
     """lm-eval's task manager that knows every one of `tasks`; an unknown name or a missing
-    --include-path is refused here, before the checkpoint is exported or read."""
-    require("scale-llm eval", "lm_eval", "transformers", "accelerate")
+    --include-path is refused here, before the checkpoint is exported or read. `keys`: what
+    the messages call the command, the task list and the folder (train names config keys)."""
+    command, tasks_key, include_key = keys
+    require(command, "lm_eval", "transformers", "accelerate")
     from lm_eval.tasks import TaskManager
 
     if include_path is not None and not Path(include_path).is_dir():
-        raise UserError(f"--include-path {include_path}: no such folder of task YAML files")
+        raise UserError(f"{include_key} {include_path}: no such folder of task YAML files")
     manager = _task_manager(TaskManager, tasks, include_path)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         raise UserError(
-            f"--tasks: {', '.join(unknown)} not found in lm-eval's registry"
+            f"{tasks_key}: {', '.join(unknown)} not found in lm-eval's registry"
             + (f" or in {include_path}" if include_path else "")
-            + "; `lm-eval ls tasks` lists them, --include-path DIR adds a folder of task YAMLs"
+            + f"; `lm-eval ls tasks` lists them, {include_key} DIR adds a folder of task YAMLs"
         )
     for task in tasks:
-        build_task(manager, task)
+        build_task(manager, task, tasks_key)
     return manager
 
 
-def build_task(manager: Any, task: str) -> None:
+def build_task(manager: Any, task: str, tasks_key: str = "--tasks") -> None:
     """Build `task` as lm-eval will (it reads the task's dataset here), so that a data file that
     is not there, or a Hub dataset neither cached nor reachable, is one paragraph before the
     export, not a traceback after it. (The datasets library caches what it read: the run that
@@ -284,14 +287,15 @@ def build_task(manager: Any, task: str) -> None:
     except UserError:
         raise
     except Exception as e:  # lm-eval and datasets raise many types (OSError, ValueError, ...)
-        raise UserError(task_data_problem(task, e)) from None
+        raise UserError(task_data_problem(task, e, tasks_key)) from None
 
 
-def task_data_problem(task: str, error: BaseException) -> str:
+def task_data_problem(task: str, error: BaseException, tasks_key: str = "--tasks") -> str:
     """What a task whose data cannot be read needs, by the kind of failure."""
     said = " ".join(str(error).split())[:300] or type(error).__name__
     head = (
-        f"--tasks {task}: lm-eval could not read the task's data ({type(error).__name__}: {said})"
+        f"{tasks_key} {task}: lm-eval could not read the task's data ({type(error).__name__}: "
+        f"{said})"
     )
     offline = [v for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE") if _env_on(v)]
     if isinstance(error, FileNotFoundError):
@@ -364,6 +368,16 @@ def run_tasks(
         log_samples=False,
     )
     return {task: _metrics(values) for task, values in out["results"].items()}
+
+
+def task_scalars(scores: dict[str, dict[str, float]]) -> dict[str, float]:
+    """eval/<task>/<metric> of each score (standard errors and sample lengths left out)."""
+    return {
+        f"eval/{task}/{name}": value
+        for task, metrics in scores.items()
+        for name, value in metrics.items()
+        if "stderr" not in name and name != "sample_len"
+    }
 
 
 def _task_manager(cls: Any, tasks: list[str], include_path: str | Path | None) -> Any:

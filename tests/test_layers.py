@@ -1,5 +1,6 @@
 """The layers point one way: cli -> train -> parallel -> {model, components, data} -> config
-(memory, the estimator, sits between parallel and train / bench / generate).
+(memory, the estimator, sits between parallel and train / bench / generate; generate, export
+and evaluate, below train, which runs eval.tasks through them).
 
 Every `import` of a scale_llm module inside scale_llm/ is read with `ast` (imports inside
 `if TYPE_CHECKING:` are annotations only and do not count) and must point to its own package or
@@ -40,13 +41,14 @@ LAYERS = [
     ("parallel", [("scale_llm.parallel",)]),
     ("memory (the estimator, read by train, bench and the cli)", [("scale_llm.memory",)]),
     (
+        # generate and the ecosystem bridges (export, eval): they read a finished run, and the
+        # loop runs eval.tasks through them
+        "generate and the ecosystem bridges",
+        [("scale_llm.generate", "scale_llm.export", "scale_llm.evaluate")],
+    ),
+    (
         "train and what sits beside it",
-        [
-            ("scale_llm.train",),
-            ("scale_llm.bench", "scale_llm.roofline"),
-            # generate and the ecosystem bridges (export, eval): they read a finished run
-            ("scale_llm.generate", "scale_llm.export", "scale_llm.evaluate"),
-        ],
+        [("scale_llm.train",), ("scale_llm.bench", "scale_llm.roofline")],
     ),
     ("cli", [("scale_llm.cli", "scale_llm.__main__", "scale_llm", "scale_llm.check")]),
 ]

@@ -155,6 +155,8 @@ def _tb_tag(key: str) -> str:
         return f"loss/{key}"
     if key.startswith("peak_"):
         return f"memory/{key}"
+    if key.startswith("eval/"):  # eval.tasks' scores: eval/<task>/<metric>, as `scale-llm eval`
+        return key
     return f"train/{key}"
 
 

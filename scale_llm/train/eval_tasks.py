@@ -1,0 +1,135 @@
+"""eval.tasks: lm-evaluation-harness tasks every eval.tasks_every steps (and at the last step).
+
+Rank 0 evaluates a consolidated copy of the model. Every rank takes part in gathering the whole
+weights (a collective under FSDP, where each rank holds a shard; the same call under DDP and in
+one process), rank 0 writes them as a Hugging Face folder in a scratch folder of the run dir and
+runs lm-eval's `hf` model on it, as `scale-llm eval` does (so its scores are the ones that
+command gives for a checkpoint of the same weights), and the other ranks wait at a barrier. The
+tasks are looked up, and their data read, when the trainer starts, before any work. lm-eval
+seeds Python's, NumPy's and torch's global generators; they are put back afterwards, so the
+training that follows is the one an unevaluated run does.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from scale_llm import evaluate
+from scale_llm.config import Config
+from scale_llm.data.tokenizer import load_tokenizer
+from scale_llm.export import default_dtype, write_hf_folder
+from scale_llm.plan import RunPlan
+
+log = logging.getLogger(__name__)
+KEYS = ("eval.tasks", "eval.tasks", "eval.tasks_include_path")  # what its errors call things
+BATCH_SIZE = 8  # lm-eval's requests per forward (scale-llm eval's default)
+
+
+def task_names(cfg: Config) -> list[str]:
+    return [t.strip() for t in (cfg.eval.tasks or "").split(",") if t.strip()]
+
+
+class TaskEval:
+    """Runs eval.tasks at its steps; built before any work (the tasks are checked here)."""
+
+    def __init__(self, cfg: Config, plan: RunPlan, tokenizer_path: Path):
+        self.cfg, self.plan, self.tokenizer_path = cfg, plan, tokenizer_path
+        self.tasks = task_names(cfg)
+        self.manager = None
+        if self.tasks and plan.is_main:  # (the other ranks only gather and wait)
+            self.manager = evaluate.task_manager(self.tasks, cfg.eval.tasks_include_path, KEYS)
+
+    def due(self, step: int) -> bool:
+        every, last = self.cfg.eval.tasks_every, self.cfg.train.max_steps
+        return bool(self.tasks) and (step == last or bool(every and step % every == 0))
+
+    def run(self, model: torch.nn.Module, run_dir: Path, step: int) -> dict[str, float]:
+        """eval/<task>/<metric> scores of `model` at `step` (on rank 0; {} elsewhere). Called
+        on every rank at the same step."""
+        weights = whole_weights(model)  # every rank: a collective where the model is sharded
+        scores: dict[str, float] = {}
+        if self.plan.is_main:
+            try:
+                with kept_generators():
+                    scores = self._evaluate(weights, run_dir, step)
+            except Exception as e:  # a failed eval costs its scores, not the run
+                log.warning(
+                    "eval.tasks: step %d not evaluated (%s: %s); training goes on",
+                    step,
+                    type(e).__name__,
+                    " ".join(str(e).split())[:300],
+                )
+        del weights
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()  # the other ranks wait here while rank 0 evaluates
+        return scores
+
+    def _evaluate(self, weights: dict[str, torch.Tensor], run_dir: Path, step: int) -> dict:
+        scratch = Path(tempfile.mkdtemp(prefix=".eval-tasks-", dir=run_dir))
+        try:
+            export_dir = scratch / "export"
+            write_hf_folder(
+                weights,
+                self.cfg.model,
+                load_tokenizer(self.tokenizer_path),
+                export_dir,
+                default_dtype(self.plan.precision),
+                info={"step": step, "trained_precision": self.plan.precision},
+            )
+            scores = evaluate.run_tasks(
+                export_dir,
+                self.tasks,
+                self.manager,
+                self.cfg.eval.tasks_limit,
+                BATCH_SIZE,
+                self.plan.device,
+            )
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        for task, metrics in scores.items():
+            shown = ", ".join(
+                f"{k} {v:.4f}"
+                for k, v in metrics.items()
+                if "stderr" not in k and k != "sample_len"
+            )
+            log.info("step %d | eval %s: %s", step, task, shown)
+        return evaluate.task_scalars(scores)
+
+
+def whole_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's whole (unsharded) state dict under its own names, on the CPU of rank 0;
+    gathered from every rank where the model is sharded (FSDP2, tensor parallel DTensors),
+    unwrapped from DDP and torch.compile."""
+    gathered = dist.is_initialized() and dist.get_world_size() > 1
+    options = StateDictOptions(full_state_dict=True, cpu_offload=gathered)
+    return get_model_state_dict(model, options=options)
+
+
+class kept_generators:
+    """Python's, NumPy's and torch's global random states, put back on exit."""
+
+    def __enter__(self) -> None:
+        self.states: tuple[Any, ...] = (
+            random.getstate(),
+            np.random.get_state(),
+            torch.random.get_rng_state(),
+            torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
+        )
+
+    def __exit__(self, *exc: object) -> None:
+        py, npy, cpu, cuda = self.states
+        random.setstate(py)
+        np.random.set_state(npy)
+        torch.random.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)

@@ -1,0 +1,73 @@
+"""eval.tasks: lm-eval tasks while training, on the project's offline task (tests/data/eval_task),
+with lm-eval itself: scores in metrics.jsonl at eval.tasks_every and the last step, the loss
+curve unchanged, a FSDP world's gathered model scored as its checkpoint is by `scale-llm eval`,
+and a task that cannot be read refused before any work."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from scale_llm.errors import UserError
+from scale_llm.train.metrics import _tb_tag
+from scale_llm.train.trainer import Trainer
+from tests.helpers import REPO, common, make_config, plan_for, rows_of, run, sets, torchrun
+
+pytest.importorskip("lm_eval")
+TASKS = REPO / "tests" / "data" / "eval_task"  # its data file is relative to the repository root
+
+
+def test_tasks_run_at_their_steps_and_leave_the_loss_curve_alone(data_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    plain = make_config(data_dir, tmp_path, "run.name=plain", "train.max_steps=3")
+    cfg = make_config(
+        data_dir,
+        tmp_path,
+        "train.max_steps=3",
+        "eval.tasks=scale_llm_tiny_mc",
+        f"eval.tasks_include_path={TASKS}",
+        "eval.tasks_every=2",
+        "eval.tasks_limit=4",
+    )
+    expected = Trainer(plain, plan_for(plain)).fit().losses
+    assert Trainer(cfg, plan_for(cfg)).fit().losses == expected
+    rows = rows_of(cfg.run_dir)
+    scored = [s for s, row in rows.items() if "eval/scale_llm_tiny_mc/acc" in row]
+    assert scored == [2, 3]  # every 2 steps, and the last
+    assert all(0 <= rows[s]["eval/scale_llm_tiny_mc/acc_norm"] <= 1 for s in scored)
+    assert not list(cfg.run_dir.glob(".eval-tasks-*"))  # the scratch export is gone
+    assert _tb_tag("eval/scale_llm_tiny_mc/acc") == "eval/scale_llm_tiny_mc/acc"
+
+
+def test_a_task_whose_data_is_missing_is_refused_before_any_work(data_dir, tmp_path):
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    yaml = (TASKS / "tiny_mc.yaml").read_text().replace("scale_llm_tiny_mc", "gone_mc")
+    (tasks / "gone.yaml").write_text(yaml.replace("tests/data/eval_task", str(tmp_path / "no")))
+    cfg = make_config(data_dir, tmp_path, "eval.tasks=gone_mc", f"eval.tasks_include_path={tasks}")
+    with pytest.raises(UserError, match=r"^eval.tasks gone_mc: lm-eval could not read"):
+        Trainer(cfg, plan_for(cfg))
+    assert not cfg.run_dir.exists()
+
+
+def test_fsdp_world_scores_the_whole_model_as_scale_llm_eval_does(data_dir, tmp_path, monkeypatch):
+    """Rank 0 scores the weights every rank gathered; `scale-llm eval` of the step-4
+    checkpoint (the same weights, read from the files) gives the same perplexity."""
+    from scale_llm.evaluate import eval_run
+
+    task = "scale_llm_tiny_rolling"  # continuous metrics: equal only for equal weights
+    args = [
+        *common(data_dir, tmp_path, "fsdp"),
+        *sets("parallel.backend=fsdp", f"eval.tasks={task}", f"eval.tasks_include_path={TASKS}"),
+        *sets("eval.tasks_limit=4", "checkpoint.every=0"),
+    ]
+    monkeypatch.chdir(REPO)
+    run(torchrun(2, *args), cwd=REPO)
+    during = rows_of(tmp_path / "fsdp")[4]
+    cfg = make_config(data_dir, tmp_path, "run.name=fsdp")
+    after = eval_run(tmp_path / "fsdp", plan_for(cfg), [task], 4, TASKS)[1]["tasks"][task]
+    assert math.isclose(
+        during[f"eval/{task}/word_perplexity"], after["word_perplexity"], rel_tol=1e-4
+    )
+    assert math.isclose(during[f"eval/{task}/bits_per_byte"], after["bits_per_byte"], rel_tol=1e-4)
