@@ -86,6 +86,30 @@ def test_a_mixture_of_one_source_is_the_one_source_data_and_stream(tmp_path):
         assert all(torch.equal(x[0], y[0]) for x, y in zip(a, b))
 
 
+def test_a_mixture_step_is_the_same_on_any_world_size_and_a_used_up_source_repeats():
+    """Two sources of 30 and 200 windows at 0.5 / 0.5: every step's global batch is the same
+    read by 1 rank or 3, and the small source's second epoch is announced."""
+    windows = TokenWindows([np.arange(241, dtype=np.int64), np.arange(1601) + 1000], 8)
+    sources = {"small": (0.5, 30), "big": (0.5, 200)}
+    one = TrainLoader(windows, batch_plan(6, 1), seed=1, sources=sources)
+    ranks = [TrainLoader(windows, batch_plan(2, 1, 3, r), 1, sources=sources) for r in range(3)]
+    with logged() as lines:
+        for _ in range(12):  # 72 sequences: 36 of "small", its 31st starts a second epoch
+            whole = one.next_batches()[0][0]
+            pieces = torch.cat([r.next_batches()[0][0] for r in ranks])
+            assert torch.equal(whole, pieces)
+    said = [x for x in lines if "ran out" in x]
+    assert (
+        said
+        == [
+            "data: source small ran out after 1 epoch(s) of its 30 training windows; it "
+            "is read again in a new order (stream position 60)"
+        ]
+        * 4
+    ), said
+    assert one.drawn() == {"small": 36, "big": 36}
+
+
 def run(data_dir: Path, src: dict[str, Path], root: Path, *extra: str) -> Trainer:
     cfg = make_config(
         data_dir,
