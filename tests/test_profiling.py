@@ -42,3 +42,18 @@ def test_memory_snapshot_on_a_cpu_run_is_refused_before_any_work(data_dir, tmp_p
     with pytest.raises(UserError, match=r"memory_snapshot_step=2: .* on cpu; run on a GPU"):
         Trainer(cfg, plan_for(cfg))
     assert not cfg.run_dir.exists()
+
+
+def test_profiling_settings_do_not_make_another_experiment(data_dir, tmp_path):
+    """A finished run relaunched to trace it is the same run (resume compares what it trains)."""
+    from scale_llm.config import to_dict
+    from scale_llm.train.resume import changed_settings
+
+    before = make_config(data_dir, tmp_path)
+    after = make_config(
+        data_dir, tmp_path, "train.profile.enabled=true", "train.profile.start_step=2"
+    )
+    assert changed_settings({"config": to_dict(before)}, after) == []
+    assert changed_settings(
+        {"config": to_dict(before)}, make_config(data_dir, tmp_path, "train.lr=0.5")
+    )

@@ -60,6 +60,13 @@ HOW_NOT_WHAT = (
     "model.attention",  # (sdpa or eager: the same attention, another kernel)
     "train.micro_batch_size",  # (their product is compared: the same batch split otherwise)
     "train.grad_accum",
+    # what is traced, not what is trained
+    "train.profile.enabled",
+    "train.profile.start_step",
+    "train.profile.warmup_steps",
+    "train.profile.active_steps",
+    "train.profile.folder",
+    "train.profile.memory_snapshot_step",
 )
 WHAT = ("model.", "train.", "data.dir", "run.seed")
 
