@@ -134,6 +134,18 @@ class ModelConfig:
         "`sdpa` (`scaled_dot_product_attention`, fused kernels) or `eager` (materializes "
         "the (B, n_heads, T, T) score matrix; for teaching and memory comparisons)",
     )
+    attention_mask: Literal["causal", "document"] = config_key(
+        "causal",
+        "`causal`: a token attends to every earlier token of its sequence; `document`: only to "
+        "those of its own document in the packed sequence (documents end at "
+        "`model.document_end_id`), as if each were run alone; see data.md",
+        run_defining=True,
+    )
+    document_end_id: int = config_key(
+        2,
+        "`attention_mask: document` only: the id that ends a document in the shards (the EOS "
+        "of data.dir's tokenizer: 2 for the one prepare trains); checked at the start of a run",
+    )
     norm_eps: float = config_key(1e-5, "RMSNorm epsilon", run_defining=True)
     rope_theta: float = config_key(10000.0, "rotary base", run_defining=True)
     init_std: float = config_key(
@@ -213,8 +225,11 @@ class TrainConfig:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
-def compiles(train: TrainConfig, device_type: str) -> bool:
-    """Whether train.compile means compiled blocks on this device type (auto: on a GPU)."""
+def compiles(train: TrainConfig, device_type: str, tensor_parallel: int = 1) -> bool:
+    """Whether train.compile means compiled blocks on this device type (auto: on a GPU, and
+    not under tensor parallelism, whose compiled blocks the config refuses)."""
+    if tensor_parallel > 1:
+        return False
     return train.compile is True or (train.compile == "auto" and device_type == "cuda")
 
 

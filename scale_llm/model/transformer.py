@@ -90,7 +90,10 @@ class Attention(nn.Module):
         rope: torch.Tensor,
         cache: KVCache | None = None,
         start_pos: int = 0,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`mask`: (B, 1, T, T) bool, True where a query may attend (attention_mask: document);
+        None: causal."""
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         R = H // Hkv  # query heads per kv head (1 without GQA)
@@ -105,6 +108,8 @@ class Attention(nn.Module):
             causal_mask = torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(
                 diagonal=k.size(2) - T
             )
+        if mask is not None:
+            causal_mask = mask  # (B, 1, T, T): causal, and within each document
         is_causal = T > 1 and causal_mask is None
         if self.eager:
             y = self._eager(q, k, v, is_causal, causal_mask)
@@ -156,6 +161,16 @@ def split_qkv(
     return q, k, v
 
 
+def document_mask(tokens: torch.Tensor, end_id: int) -> torch.Tensor:
+    """(B, 1, T, T) bool: query i may attend key j when j <= i and no document ends between
+    them (a document's end token is its last; the next token starts another)."""
+    ends = tokens == end_id  # (B, T)
+    doc = ends.cumsum(1) - ends.long()  # (B, T): documents ended before each position
+    T = tokens.size(1)
+    causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()
+    return (doc[:, :, None] == doc[:, None, :]).logical_and_(causal).unsqueeze(1)
+
+
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x)."""
 
@@ -184,8 +199,9 @@ class TransformerBlock(nn.Module):
         rope: torch.Tensor,
         cache: KVCache | None = None,
         start_pos: int = 0,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, cache, start_pos)
+        h = x + self.attention(self.attention_norm(x), rope, cache, start_pos, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -215,8 +231,11 @@ class Transformer(nn.Module):
             )
         h = self.tok_embeddings(tokens)  # (B, T, d_model)
         rope = self.rope(start_pos, T, h.device)
+        mask = None
+        if self.cfg.attention_mask == "document" and cache is None:
+            mask = document_mask(tokens, self.cfg.document_end_id)
         for layer in self.layers:
-            h = layer(h, rope, cache, start_pos)
+            h = layer(h, rope, cache, start_pos, mask)
         h = self.norm(h)
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight
         return F.linear(h, weight)

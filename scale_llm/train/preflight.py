@@ -87,6 +87,7 @@ def _check_kind(path: Path, kind: str, what: str) -> None:
 def check_vocab(cfg: Config, manifest: dict[str, Any]) -> None:
     """The model embeds every id of data.dir's tokenizer: exactly the pieces of the one prepare
     trained; at least the ids of a model's own (data.tokenizer), whose rows HF models pad."""
+    check_document_end(cfg, manifest)
     tok_vocab = manifest["tokenizer"]["vocab_size"]
     if manifest["tokenizer"]["file"] == BUNDLE_FILE:
         where = f"the tokenizer of data.dir={cfg.data.dir}"
@@ -101,6 +102,18 @@ def check_vocab(cfg: Config, manifest: dict[str, Any]) -> None:
             f"model.vocab_size={cfg.model.vocab_size} does not match the tokenizer in "
             f"data.dir={cfg.data.dir} ({tok_vocab} pieces); set model.vocab_size={tok_vocab}, or "
             f"re-run `scale-llm prepare` with the vocab size you want"
+        )
+
+
+def check_document_end(cfg: Config, manifest: dict[str, Any]) -> None:
+    """model.attention_mask=document splits sequences at model.document_end_id: it must be the
+    id that ends each document in the shards."""
+    eos = manifest["tokenizer"].get("eos_id")
+    if cfg.model.attention_mask == "document" and cfg.model.document_end_id != eos:
+        raise UserError(
+            f"model.attention_mask=document ends documents at model.document_end_id="
+            f"{cfg.model.document_end_id}, but the tokenizer of data.dir={cfg.data.dir} ends "
+            f"them with id {eos}; set model.document_end_id={eos}"
         )
 
 
