@@ -28,7 +28,12 @@ from scale_llm.errors import UserError
 
 
 def bench_prepare(cfg: Config, megabytes: float) -> dict[str, Any]:
-    """Timings of the three ways to encode the same text; see the module docstring."""
+    """Timings of the three ways to encode the same text; see the module docstring. A mixture
+    (data.sources) is timed on its first source."""
+    if cfg.data.sources:
+        from scale_llm.data.mixture import source_config
+
+        cfg = source_config(cfg, cfg.data.sources[0])
     source = open_source(cfg.data)
     docs = _read(source, int(megabytes * 1e6))
     if not docs:
