@@ -189,6 +189,10 @@ def test_bad_mixtures_exit_2_naming_each_problem_and_writing_nothing(tmp_path, c
             [sources_override({"web": good, "code": empty})],
             ["data.sources[1] (name code)", "too few non-empty documents"],
         ),
+        "a vocabulary too small": (
+            [sources_override({"web": good}, {"web": 1}), "model.vocab_size=100"],
+            ["set model.vocab_size to at least"],
+        ),
     }
     for case, (overrides, said) in cases.items():
         before = snapshot(tmp_path)

@@ -192,20 +192,43 @@ def _tokenizer(
         and file_sha256(out / name) == tok["sha256"]
     ):
         return (out / name).read_bytes()
-    data = bundle if bundle is not None else _train(cfg, configs, sources, out)
-    if bundle is not None:
+    sample = None if bundle is not None else _sample(cfg, configs, sources)  # (may refuse)
+    old = tok["file"] if tok else None
+    # mixture.json names the file before it is written: a prepare stopped in between leaves a
+    # tokenizer that is provably prepare's (its empty SHA-256 makes the next prepare redo it)
+    record = out / MIXTURE
+    before = record.read_bytes() if record.is_file() else None
+    mixture["tokenizer"] = {"file": name, "sha256": "", "fingerprint": ""}
+    mixture["sources"] = {}  # each source is re-encoded with the new tokenizer
+    atomic_write_json(record, mixture)
+    if sample is None:
         atomic_write_bytes(out / name, bundle)
-    if tok and tok["file"] != name:
-        (out / tok["file"]).unlink(missing_ok=True)  # named by prepare's own mixture.json
+    else:
+        try:
+            tokenizer = train_tokenizer(sample, cfg.model.vocab_size, out / SP_FILE)
+        except UserError:  # refused before writing it: the record goes back to what it was
+            if before is None:
+                record.unlink()  # (written just above)
+            else:
+                atomic_write_bytes(record, before)
+            raise
+        log.info(
+            "data: trained a %d-piece BPE tokenizer on %.1f MB of %d sources, by their weights",
+            tokenizer.vocab_size,
+            sum(map(len, sample)) / 1e6,
+            len(configs),
+        )
+    if old is not None and old != name:
+        (out / old).unlink(missing_ok=True)  # named by prepare's own mixture.json
+    data = (out / name).read_bytes()
     sha = hashlib.sha256(data).hexdigest()
     mixture["tokenizer"] = {"file": name, "sha256": sha, "fingerprint": fingerprint}
-    mixture["sources"] = {}  # each source is re-encoded with the new tokenizer
     atomic_write_json(out / MIXTURE, mixture)
     return data
 
 
-def _train(cfg: Config, configs: list[Config], sources: list[Any], out: Path) -> bytes:
-    """A tokenizer trained on each source's weighted share of the sample; written to data.dir."""
+def _sample(cfg: Config, configs: list[Config], sources: list[Any]) -> list[str]:
+    """The tokenizer's sample: each source's weighted share of it, in the order of the sources."""
     weights = mixture_weights(cfg.data)
     sample: list[str] = []
     for i, (sub, source, entry) in enumerate(zip(configs, sources, cfg.data.sources)):
@@ -213,14 +236,7 @@ def _train(cfg: Config, configs: list[Config], sources: list[Any], out: Path) ->
             sample += _share(sub, source, weights[entry.name])
         except UserError as e:
             raise UserError(f"data.sources[{i}] (name {entry.name}): {e}") from None
-    tokenizer = train_tokenizer(sample, cfg.model.vocab_size, out / SP_FILE)
-    log.info(
-        "data: trained a %d-piece BPE tokenizer on %.1f MB of %d sources, by their weights",
-        tokenizer.vocab_size,
-        sum(map(len, sample)) / 1e6,
-        len(configs),
-    )
-    return (out / SP_FILE).read_bytes()
+    return sample
 
 
 def _share(sub: Config, source: Any, weight: float) -> list[str]:
