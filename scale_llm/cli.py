@@ -298,7 +298,7 @@ def resolve_compile(cfg: Config, plan) -> Config:
     from scale_llm.config import with_changes
     from scale_llm.parallel.compile import toolchain_problem
 
-    if not compiles(cfg.train, plan.device.type):
+    if not compiles(cfg.train, plan.device.type, plan.tp_degree):
         return with_changes(cfg, {"train.compile": False})
     problem = toolchain_problem(plan.device)
     if all_ranks_agree(problem is None, plan.device):
@@ -460,7 +460,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
             "counted_saved_bytes": counted,
             "predicted_saved_bytes": predicted,
         }
-        compiled = compiles(cfg.train, plan.device.type)
+        compiled = compiles(cfg.train, plan.device.type, plan.tp_degree)
         compiled = compiled and cfg.activation_checkpointing.mode != "selective"
         text.append(
             f"measured on CPU (micro-batch {plan.micro_batch_size}"

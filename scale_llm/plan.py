@@ -292,10 +292,15 @@ def launch_problems(cfg: Config, world_size: int, cuda: bool) -> list[str]:
         tp = 1  # (the checks below: as if the world were data parallel)
     r = cfg.parallel.fsdp.replicate_degree
     if backend == "fsdp" and (world_size // tp) % r:
+        of = (
+            f"the world size {world_size}"
+            if tp == 1
+            else f"the data-parallel degree {world_size // tp} (world {world_size} / "
+            f"tensor_parallel {tp})"
+        )
         e.append(
-            f"parallel.fsdp.replicate_degree={r} does not divide the data-parallel degree "
-            f"{world_size // tp} (world {world_size} / tensor_parallel {tp}); use a divisor "
-            f"of it (usually the number of nodes)"
+            f"parallel.fsdp.replicate_degree={r} does not divide {of}; use a divisor of it "
+            f"(usually the number of nodes)"
         )
     g, mb, dp = cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size // tp
     if g is not None and g % (mb * dp):

@@ -486,7 +486,8 @@ def achieved(
     rates = RATES[device]
     model = cfg.model
     attention = attention_rate(device, model.d_model // model.n_heads, model.seq_len)
-    compiled = compiles(cfg.train, "cuda")  # eager: the element-wise traffic is paid in full
+    # eager: the element-wise traffic is paid in full
+    compiled = compiles(cfg.train, "cuda", cfg.parallel.tensor_parallel)
     elementwise = (
         grad_accum * counter.fused_bytes
         if compiled

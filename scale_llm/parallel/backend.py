@@ -43,7 +43,7 @@ class Backend:
         self.module: Transformer | None = None  # the model itself
         self.optimizer: torch.optim.Optimizer | None = None
         self.scaler = self.precision.grad_scaler()  # fp16 only
-        self.compile = compiles(cfg.train, plan.device.type)  # (auto: on a GPU)
+        self.compile = compiles(cfg.train, plan.device.type, plan.tp_degree)  # (auto: on a GPU)
         self.loss_fn = compiled_loss() if self.compile else cross_entropy
         # gradients that live in storage the backend keeps anyway (DDP's bucket views) are
         # zeroed in place after a step rather than freed: freeing them makes the next no_sync()

@@ -32,13 +32,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
 )
+from torch.distributed.tensor import DTensor
 
 from scale_llm.model import Transformer, build_model
 from scale_llm.parallel.backend import Backend
@@ -57,7 +57,7 @@ class FSDPBackend(Backend):
         self.tp = plan.tp_degree
         self.mesh: DeviceMesh | None = None
         if self.tp > 1:
-            self.loss_fn = parallel_cross_entropy  # over the vocab shards (compiled or not)
+            self.loss_fn = parallel_cross_entropy  # over the vocab shards
 
     def device_mesh(self) -> DeviceMesh:
         """The run plan's mesh: (replicate,) shard (, tp), built once."""

@@ -23,6 +23,7 @@ global view), so DCP reshards it to any other degree, world size or backend.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
@@ -48,22 +48,19 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
     norm = {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
     for block in model.layers:
         plan = {
-            "attention": PrepareModuleInput(
-                input_layouts=(stream, None, None, None),  # (x, rope, cache, start_pos)
-                desired_input_layouts=(Replicate(), None, None, None),
-                use_local_output=True,
-            ),
             "attention.wqkv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=stream),
-            "feed_forward": PrepareModuleInput(
-                input_layouts=(stream,), desired_input_layouts=(Replicate(),), use_local_output=True
-            ),
             "feed_forward.w1": ColwiseParallel(),
             "feed_forward.w3": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=stream),
             **(norm if sequence_parallel else {}),
         }
         parallelize_module(block, mesh, plan)
+        # attention and the MLP read the whole sequence: their first input is gathered (the
+        # other arguments, rope, cache, positions and mask, are the same on every rank)
+        gather = functools.partial(_whole_sequence, mesh=mesh, layout=stream)
+        block.attention.register_forward_pre_hook(gather)
+        block.feed_forward.register_forward_pre_hook(gather)
         attention = block.attention
         attention.n_heads //= tp  # the heads of this rank
         attention.n_kv_heads //= tp
@@ -79,6 +76,13 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
     # (sequence shards, or the plain replicated tensor) becomes a replicated DTensor, which is
     # also what a tied head's F.linear against the vocab-sharded embedding needs
     model.norm.register_forward_hook(lambda _m, _i, out: _replicated(out, mesh))
+
+
+def _whole_sequence(_module, args: tuple, mesh: DeviceMesh, layout) -> tuple:
+    x, *rest = args
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, [layout], run_check=False)
+    return (x.redistribute(mesh, [Replicate()]).to_local(), *rest)
 
 
 def _replicated(x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
