@@ -10,17 +10,14 @@ activation checkpointing, so each curve checks the split, accumulation and check
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from scale_llm.components.checkpoint import (
-    DCP_DIR,
     TRAINER_STATE,
     load_model_weights,
     read_trainer_state,
@@ -28,13 +25,23 @@ from scale_llm.components.checkpoint import (
     saved_model_config,
     write_integrity,
 )
-from scale_llm.components.serialization import dcp_save
 from scale_llm.config import load_config
 from scale_llm.model import empty_state_dict
 from scale_llm.model.hf import from_hf, to_hf
 from scale_llm.model.transformer import fuse_qkv, split_qkv
 from scale_llm.plan import Launch, resolve_plan
-from tests.helpers import REPO, STEPS, TOL, common, env, rows_of, run, sets, torchrun
+from tests.helpers import (
+    REPO,
+    STEPS,
+    TOL,
+    common,
+    env,
+    rows_of,
+    run,
+    sets,
+    stack_qkv,
+    torchrun,
+)
 
 GQA = ["model.n_kv_heads=2"]
 UNTIED = ["model.tie_embeddings=false"]
@@ -127,24 +134,7 @@ def test_a_checkpoint_with_stacked_qkv_resumes_regrouped(runs, tmp_path):
     ckpt = root / "old" / "checkpoints" / "step_00000002"
     state = torch.load(ckpt / TRAINER_STATE, weights_only=True)
     model = saved_model_config(read_trainer_state(ckpt))
-    # the whole DCP state (model and optimizer) as plain tensors: stacked, then written back
-    dcp_to_torch_save(ckpt / DCP_DIR, tmp_path / "full.pt")
-    full = torch.load(tmp_path / "full.pt", weights_only=True)
-    heads, kv = model.n_heads, model.n_kv_heads
-
-    def stack(tree, path=""):
-        for key, value in tree.items():
-            if isinstance(value, dict):
-                stack(value, f"{path}.{key}")
-            elif "attention.wqkv" in f"{path}.{key}" and getattr(value, "ndim", 0) == 2:
-                tree[key] = torch.cat(split_qkv(value, heads, kv))
-                stacked.append(f"{path}.{key}")
-
-    stacked = []
-    stack(full)
-    assert len(stacked) == 3 * model.n_layers  # the weights and both Adam moments
-    shutil.rmtree(ckpt / DCP_DIR)
-    dcp_save(full, ckpt / DCP_DIR, no_dist=True)
+    assert stack_qkv(ckpt, tmp_path) == 3 * model.n_layers  # the weights and both Adam moments
     state["format"] = 2
     torch.save(state, ckpt / TRAINER_STATE)
     write_integrity(ckpt)

@@ -17,7 +17,7 @@ from scale_llm.config import TrainConfig, load_config
 from scale_llm.errors import UserError
 from scale_llm.model import build_model
 from scale_llm.train.trainer import Trainer
-from tests.helpers import finished_run, make_config, plan_for
+from tests.helpers import finished_run, make_config, plan_for, stack_qkv
 
 
 def trainer(data_dir, tmp_path, *overrides) -> Trainer:
@@ -376,6 +376,7 @@ def test_a_checkpoint_in_the_previous_layout_still_resumes_exactly(data_dir, tmp
     save_file(state, ckpt / "trainer.pt")
     save_file({"scaler": backend["scaler"]}, ckpt / "scaler.pt")
     (ckpt / "integrity.json").unlink()  # nor did those checkpoints have integrity records
+    stack_qkv(ckpt, tmp_path)  # and q, k, v were stacked in wqkv
     resumed_trainer = trainer(data_dir, tmp_path, "run.name=old", *common)
     assert resumed_trainer.step == 2
     resumed = resumed_trainer.fit()
