@@ -373,7 +373,9 @@ def bench_scaling(
     backend.set_lr(cfg.train.lr)
     alone_backend = alone = None
     if plan.is_main:
-        solo = dataclasses.replace(plan, backend="single", world_size=1, dp_degree=1)
+        solo = dataclasses.replace(
+            plan, backend="single", world_size=1, dp_degree=1, tp_degree=1, replicate_degree=1
+        )
         solo_cfg = cfg
         if plan.backend == "deepspeed" and cfg.parallel.deepspeed.zero_stage == 3:
             solo_cfg = with_changes(cfg, {"train.compile": False})  # ZeRO-3's blocks run eager

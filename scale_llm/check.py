@@ -151,7 +151,9 @@ def run_check(
             curves(report, tiny, cuda)
         big = load_config(YAML / "400m.yaml") if cuda else tiny
         one_step = {"train.grad_accum": 1, "train.global_batch_size": None}
-        big = with_changes(big, {"parallel.backend": "single", **one_step})
+        big = with_changes(
+            big, {"parallel.backend": "single", "parallel.tensor_parallel": 1, **one_step}
+        )
         rows = (GPU_SWEEP if cuda else CPU_SWEEP) if "sweep" in wanted else []
         for mb, mode, compiled in rows[:2]:  # the headline layout, compiled and eager
             sweep(report, big, mb, mode, compiled)

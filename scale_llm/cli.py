@@ -793,15 +793,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+# a run's config, run by one process on whatever this machine has (generate, eval, export):
+# whatever backend, devices and tensor parallelism the run trained with
+ONE_PROCESS = {"parallel.backend": "single", "parallel.tensor_parallel": 1, "train.device": "auto"}
+
+
 def _one_process_plan(run_dir: str):
     """The plan of one process on whatever this machine has, whatever the run trained with."""
     from scale_llm.config import with_changes
     from scale_llm.generate import read_run_config
     from scale_llm.plan import Launch, resolve_plan
 
-    here = with_changes(
-        read_run_config(run_dir), {"parallel.backend": "single", "train.device": "auto"}
-    )
+    here = with_changes(read_run_config(run_dir), ONE_PROCESS)
     return resolve_plan(here, Launch())
 
 
@@ -896,7 +899,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UserError("; ".join(problems))
     cfg = read_run_config(args.run_dir)
     # one process on whatever this machine has, whatever the run was trained with
-    here = with_changes(cfg, {"parallel.backend": "single", "train.device": "auto"})
+    here = with_changes(cfg, ONE_PROCESS)
     text = generate_text(
         args.run_dir,
         cfg,

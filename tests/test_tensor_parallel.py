@@ -81,6 +81,16 @@ def test_tensor_parallel_alone_follows_one_process(runs):
     plan = json.loads((runs.root / "tp2" / "plan.json").read_text())
     assert plan["mesh"] == {"names": ["shard", "tp"], "shape": [1, 2]}
     assert plan["dp_degree"] == 1 and plan["tp_degree"] == 2 and plan["sequences_per_step"] == 8
+    # generate reads the run in one process whatever it trained with: the same greedy text
+    texts = [
+        run(
+            [sys.executable, "-m", "scale_llm", "generate", str(runs.root / name)]
+            + ["--prompt", "def ", "--max-new-tokens", "8"],
+            REPO,
+        ).stdout
+        for name in ("tp2", "single")
+    ]
+    assert texts[0] == texts[1] and len(texts[0]) > len("def ")
 
 
 def test_fsdp_x_tensor_parallel_resumes_at_another_degree(runs):
