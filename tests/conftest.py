@@ -73,6 +73,7 @@ SLOW_TESTS = {  # over ~5 s each on 2 cores (pytest --durations), by module::fun
     "test_memory.py::test_every_backend_at_two_ranks_peaks_where_the_estimate_says",
     "test_memory.py::test_predicted_activations_match_counted_bytes",
     "test_memory.py::test_prediction_at_400m_dimensions",
+    "test_memory.py::test_tensor_parallel_at_two_ranks_peaks_where_the_estimate_says",
     "test_memory_fake.py::test_125m_traced_on_fake_tensors_has_the_estimated_parts",
     "test_model.py::test_past_seq_len_the_cache_starts_over_from_the_newest_half",
     "test_owned_files.py::test_the_run_lock_admits_one_of_many_simultaneous_launches",

@@ -462,3 +462,64 @@ def test_every_backend_at_two_ranks_peaks_where_the_estimate_says(tmp_path):
         assert peak == pytest.approx(est["peak"], rel=r["tol"]), name
         assert_parts_at_the_peak(r, name)
         assert got["optimizer"] == pytest.approx(est["optimizer"], rel=0.01), name
+
+
+def test_tensor_parallel_states_and_the_70b_layout():
+    """Under tensor parallelism a rank holds 1/tp of every matmul weight, of the embedding and
+    of the head (the norms whole), and FSDP2 shards that over world / tp ranks; sequence
+    parallelism saves less. yaml/70b.yaml fits an 80 GB GPU at 64 ranks."""
+    from scale_llm.config import with_changes
+
+    cfg = load_config(REPO / "yaml" / "70b.yaml")
+    whole, local = ParamCounts.of(cfg.model), ParamCounts.of(cfg.model, 8)
+    m = cfg.model
+    norms = m.d_model * (2 * m.n_layers + 1)
+    assert local.total == pytest.approx((whole.total - norms) / 8 + norms, abs=1)
+    est = estimate(cfg, 64)
+    assert est.params == whole.total and 68.9e9 < whole.total < 69.0e9  # Llama-2-70B
+    assert est.gpu["optimizer"] == pytest.approx(8 * local.total / 8, rel=1e-9)
+    assert est.total < 80e9 * 0.9
+    no_sp = estimate(with_changes(cfg, {"parallel.sequence_parallel": False}), 64)
+    assert no_sp.gpu["activations"] > est.gpu["activations"]
+
+
+# FSDP2 x TP on 2 gloo ranks (tensor parallel 2, a data-parallel degree of 1), fp32: measured
+# the peak within 0.1% (no checkpointing) and 5.0% (full, estimate above) of the
+# estimate; bf16 cases measured alike (0.3-2.7%) are left out for time
+TP_CASES = [
+    ["parallel.backend=fsdp", "parallel.tensor_parallel=2", "train.precision=fp32"],
+    [
+        "parallel.backend=fsdp",
+        "parallel.tensor_parallel=2",
+        "train.precision=fp32",
+        "activation_checkpointing.mode=full",
+        "train.grad_accum=2",
+    ],
+]
+
+
+def test_tensor_parallel_at_two_ranks_peaks_where_the_estimate_says(tmp_path):
+    """A step of TP 2 with sequence parallelism, measured per rank: the peak is the estimate's
+    (it never under-predicts by more than 1%, over-predicts by at most 6%), the optimizer state
+    half the model's, and the activations at the peak no more than the estimate's."""
+    from tests.helpers import env
+
+    out = tmp_path / "measured.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(REPO / "tests" / "measure_world.py"),
+        str(out),
+        json.dumps([{"set": s} for s in TP_CASES]),
+    ]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for r in json.loads(out.read_text()):
+        got, est, name = r["measured"], r["estimated"], " ".join(r["set"])
+        peak = got["allocated_peak"]
+        assert 0.99 * peak <= est["peak"] <= 1.06 * peak, (name, peak, est["peak"])
+        assert got["optimizer"] == pytest.approx(est["optimizer"], rel=0.01), name
+        assert got["activations"] <= 1.01 * est["activations"], name

@@ -26,20 +26,34 @@ class Numerics:
                 the model's written-out backward (`model/cpu_kernels.py`); else (other devices)
                 as torch's composite: an fp32 copy of the input and of the normalized input,
                 and the rstd
+    tp: the tensor-parallel degree: each rank holds 1/tp of the heads, of the SwiGLU width and
+        of the vocabulary (`parallel/tensor_parallel.py`)
+    sequence_parallel: the norms and the residual stream hold 1/tp of the sequence; the
+        matmuls read the whole sequence, all-gathered
     """
 
     compute: int
     residual: int
     autocast: bool
     fused_norm: bool = False
+    tp: int = 1
+    sequence_parallel: bool = False
+
+    def stream_tokens(self, tokens: int) -> int:
+        """This rank's tokens of the residual stream and the norms (1/tp with sequence
+        parallelism)."""
+        return tokens // self.tp if self.sequence_parallel else tokens
 
 
-def numerics_for(precision: str, backend: str, fused_norm: bool = False) -> Numerics:
+def numerics_for(
+    precision: str, backend: str, fused_norm: bool = False, tp: int = 1, sp: bool = False
+) -> Numerics:
+    layout = {"tp": tp, "sequence_parallel": sp and tp > 1}
     if precision == "fp32":
-        return Numerics(4, 4, False, fused_norm)
+        return Numerics(4, 4, False, fused_norm, **layout)
     if backend in ("fsdp", "deepspeed"):
-        return Numerics(2, 2, False, fused_norm)
-    return Numerics(2, 4, True, fused_norm)
+        return Numerics(2, 2, False, fused_norm, **layout)
+    return Numerics(2, 4, True, fused_norm, **layout)
 
 
 def norm_saved_bytes(tokens: int, d: int, num: Numerics) -> int:
@@ -55,22 +69,25 @@ def norm_saved_bytes(tokens: int, d: int, num: Numerics) -> int:
     return 8 * tokens * d + 4 * tokens
 
 
-def _dims(m: ModelConfig) -> dict[str, int]:
+def _dims(m: ModelConfig, tp: int = 1) -> dict[str, int]:
+    """The widths one rank computes: under tensor parallelism 1/tp of the heads, of the SwiGLU
+    width and of the vocabulary; d_model whole."""
     head_dim = m.d_model // m.n_heads
     kv_heads = m.n_kv_heads or m.n_heads
     return {
         "d": m.d_model,
-        "dq": m.n_heads * head_dim,
-        "dkv": kv_heads * head_dim,
-        "F": mlp_hidden_size(m),
+        "dq": m.n_heads * head_dim // tp,
+        "dkv": kv_heads * head_dim // tp,
+        "F": mlp_hidden_size(m) // tp,
         "D": head_dim,
-        "H": m.n_heads,
-        "V": m.vocab_size,
+        "H": m.n_heads // tp,
+        "V": m.vocab_size // tp,
     }
 
 
-def block_matmul_params(m: ModelConfig) -> int:
-    g = _dims(m)
+def block_matmul_params(m: ModelConfig, tp: int = 1) -> int:
+    """Elements of one block's matmul weights (on one rank: 1/tp of them)."""
+    g = _dims(m, tp)
     return g["d"] * (g["dq"] + 2 * g["dkv"]) + g["dq"] * g["d"] + 3 * g["d"] * g["F"]
 
 
@@ -85,10 +102,13 @@ def block_activation_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
     the fused qkv output, which is kept whole). MLP: w1 and w3 outputs, SiLU output and the
     product (4 x N x mlp_hidden). Autocast saves each matmul's 16-bit input (w1 and w3 cast
     theirs separately) and 16-bit weight copies. 16-bit RoPE saves the rotary table rounded to
-    the compute dtype, cos and sin once for q and once for k (fp32 rotates by a view of it)."""
-    g, a, T = _dims(m), num.compute, m.seq_len
+    the compute dtype, cos and sin once for q and once for k (fp32 rotates by a view of it).
+    Tensor parallelism (`Numerics.tp`): attention and the MLP save 1/tp of their heads and
+    width, their inputs (the norms' outputs, all-gathered under sequence parallelism) whole;
+    with sequence parallelism the norms save 1/tp of the sequence (measured on 2 gloo ranks)."""
+    g, a, T = _dims(m, num.tp), num.compute, m.seq_len
     N = batch * T
-    norms = 2 * norm_saved_bytes(N, g["d"], num)
+    norms = 2 * norm_saved_bytes(num.stream_tokens(N), g["d"], num)
     norm_outputs = a * N * g["d"] * (3 if num.autocast else 2)
     if m.attention == "eager":
         scores = batch * g["H"] * T * T
@@ -98,36 +118,47 @@ def block_activation_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
     else:
         attention = a * N * (3 * g["dq"] + 3 * g["dkv"]) + 4 * batch * g["H"] * T
     mlp = 4 * a * N * g["F"]
-    weight_copies = 2 * block_matmul_params(m) if num.autocast else 0
+    weight_copies = 2 * block_matmul_params(m, num.tp) if num.autocast else 0
     rope = 2 * T * g["D"] * a if a != 4 else 0  # 16-bit cos and sin for q and k, (T, D / 2) each
     return norms + norm_outputs + attention + mlp + weight_copies + rope
 
 
 def selective_block_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
-    """Selective checkpointing keeps the block input and every matmul / attention output."""
-    g, a, T = _dims(m), num.compute, m.seq_len
+    """Selective checkpointing keeps the block input and every matmul / attention output (under
+    tensor parallelism the row-wise outputs before their reduction: whole sequence, d_model)."""
+    g, a, T = _dims(m, num.tp), num.compute, m.seq_len
     N = batch * T
     matmuls = a * N * ((g["dq"] + 2 * g["dkv"]) + g["d"] + 2 * g["F"] + g["d"])  # qkv wo w1 w3 w2
     if m.attention == "eager":
         attention = a * batch * g["H"] * T * T + a * N * g["dq"]  # q @ k^T and probs @ v
     else:
         attention = a * N * g["dq"] + 4 * batch * g["H"] * T  # output and log-sum-exp
-    return num.residual * N * g["d"] + matmuls + attention
+    return block_input_bytes(m, batch, num) + matmuls + attention
+
+
+def block_input_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
+    """A checkpointed block's input: the residual stream (this rank's part of the sequence)."""
+    return num.residual * num.stream_tokens(batch * m.seq_len) * m.d_model
 
 
 def head_activation_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
     """Outside the blocks: token ids and targets, rotary tables, the final norm and head input,
     autocast's copy of the output weight, and what the (chunked) loss keeps: the logits in the
-    compute dtype (its backward rebuilds the softmax from them)."""
-    g = _dims(m)
+    compute dtype (its backward rebuilds the softmax from them). Under tensor parallelism the
+    final norm saves this rank's part of the sequence, the head its whole-sequence input."""
+    g = _dims(m, num.tp)
     N = batch * m.seq_len
-    final_norm = norm_saved_bytes(N, g["d"], num) + num.compute * N * g["d"]
+    final_norm = norm_saved_bytes(num.stream_tokens(N), g["d"], num) + num.compute * N * g["d"]
     head_copy = 2 * g["V"] * g["d"] if num.autocast else 0
     return resident_input_bytes(m, batch) + final_norm + head_copy + logits_bytes(m, batch, num)
 
 
 def logits_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
-    """The (B, T, V) logits the loss keeps for backward, in the compute dtype."""
+    """The (B, T, V) logits the loss keeps for backward, in the compute dtype. Under tensor
+    parallelism (`parallel_cross_entropy`: no chunks) the fp32 log-softmax of this rank's V/tp
+    columns instead (the logits and their fp32 copy are not saved)."""
+    if num.tp > 1:
+        return 4 * batch * m.seq_len * (m.vocab_size // num.tp)
     return num.compute * batch * m.seq_len * m.vocab_size
 
 
@@ -147,7 +178,7 @@ def saved_activation_bytes(
     if ac.mode == "selective":
         per_ckpt = selective_block_bytes(m, batch, num)
     else:
-        per_ckpt = num.residual * batch * m.seq_len * m.d_model  # only the block input
+        per_ckpt = block_input_bytes(m, batch, num)  # only the block input
     return (m.n_layers - ckpt) * full + ckpt * per_ckpt + head_activation_bytes(m, batch, num)
 
 
@@ -177,7 +208,7 @@ def kept_per_block(
     if ac.mode == "selective":
         per_ckpt = selective_block_bytes(m, batch, num)
     else:
-        per_ckpt = num.residual * batch * m.seq_len * m.d_model
+        per_ckpt = block_input_bytes(m, batch, num)
     chosen = set(checkpointed_blocks(ac, m.n_layers))
     return [per_ckpt if i in chosen else full for i in range(m.n_layers)]
 
@@ -189,6 +220,8 @@ def loss_backward_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
     from scale_llm.components.loss import CHUNK_ELEMENTS
 
     N, V = batch * m.seq_len, m.vocab_size
+    if num.tp > 1:  # loss_parallel's backward peaks no higher than its forward (measured)
+        return loss_forward_bytes(m, batch, num)
     rows = max(1, CHUNK_ELEMENTS // V)
     fp32_work = loss_forward_bytes(m, batch, num)  # the same fp32 chunk (and its upcast)
     if rows >= N:  # one chunk: its buffer becomes the gradient
@@ -202,6 +235,10 @@ def loss_forward_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
     from scale_llm.components.loss import CHUNK_ELEMENTS
 
     N, V = batch * m.seq_len, m.vocab_size
+    if num.tp > 1:  # beyond the fp32 log-softmax it saves: the 16-bit logits, and two fp32
+        # buffers of loss_parallel's log-softmax at its peak (x - max, its exp), one of them
+        # where the saved log-softmax will be (measured on 2 gloo ranks, fp32 and bf16)
+        return (4 + (num.compute if num.compute != 4 else 0)) * N * (V // num.tp)
     rows = max(1, CHUNK_ELEMENTS // V)
     return (1 if num.compute == 4 else 2) * 4 * min(N, rows) * V
 
@@ -209,9 +246,13 @@ def loss_forward_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
 def block_backward_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
     """Gradients in flight inside one block's backward at its peak (the MLP product's
     backward): those of the MLP's three hidden-width tensors (compute dtype) and the one of the
-    residual stream's width flowing in (measured on 2 gloo ranks, every backend)."""
+    residual stream's width flowing in (measured on 2 gloo ranks, every backend). Under tensor
+    parallelism 1/tp of the width; with sequence parallelism the gradient flows in as this
+    rank's part of the sequence and is all-gathered whole (both alive)."""
     N = batch * m.seq_len
-    return 3 * num.compute * N * mlp_hidden_size(m) + num.residual * N * m.d_model
+    width = mlp_hidden_size(m) // num.tp
+    stream = N + (num.stream_tokens(N) if num.sequence_parallel else 0)
+    return 3 * num.compute * N * width + num.residual * stream * m.d_model
 
 
 def resident_input_bytes(m: ModelConfig, batch: int) -> int:

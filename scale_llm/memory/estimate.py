@@ -61,6 +61,13 @@ class Layout:
     ds_pin_memory: bool = True  # offload_optimizer.pin_memory: page-locked host buffers
     ds_grad_accum_dtype: str | None = None  # data_types.grad_accum_dtype (None: the params')
     pinned_round_limit: int | None = None  # bytes: larger pinned blocks are not rounded up
+    tp: int = 1  # tensor parallelism: each rank holds 1/tp of every matmul weight
+    sequence_parallel: bool = False
+
+    @property
+    def shards(self) -> int:
+        """Ranks one FSDP2 unit's states are sharded over: the world over the tp ranks."""
+        return self.world // self.tp
 
     @property
     def working_bytes(self) -> int:
@@ -77,6 +84,9 @@ class Layout:
             extra += " + cpu offload" if self.fsdp_offload else ""
         else:
             extra = ""
+        if self.tp > 1:
+            extra += f" x tensor parallel {self.tp}"
+            extra += " (sequence parallel)" if self.sequence_parallel else ""
         return f"{self.backend}{extra}, world {self.world}, {self.precision}"
 
 
@@ -107,6 +117,8 @@ def layout_of(cfg: Config, plan: RunPlan) -> Layout:
         and bool((zero.get("offload_optimizer") or {}).get("pin_memory", False)),
         ds_grad_accum_dtype=_dtype_name((ds.get("data_types") or {}).get("grad_accum_dtype")),
         pinned_round_limit=pinned_round_limit(os.environ),
+        tp=plan.tp_degree,
+        sequence_parallel=plan.tp_degree > 1 and p.sequence_parallel,
     )
 
 
@@ -131,13 +143,16 @@ class ParamCounts:
     root_tensors: tuple[int, ...] = ()
 
     @staticmethod
-    def of(m: ModelConfig) -> ParamCounts:
-        d, F = m.d_model, mlp_hidden_size(m)
-        dq = m.n_heads * (d // m.n_heads)
-        qkv = d * (dq + 2 * (m.n_kv_heads or m.n_heads) * (d // m.n_heads))
+    def of(m: ModelConfig, tp: int = 1) -> ParamCounts:
+        """The model's parameters, or one rank's under tensor parallelism `tp`: 1/tp of every
+        matmul weight and of the embedding and head (split by heads, width or vocabulary),
+        the norms whole on every rank."""
+        d, F = m.d_model, mlp_hidden_size(m) // tp
+        dq = m.n_heads * (d // m.n_heads) // tp
+        qkv = d * (dq + 2 * (m.n_kv_heads or m.n_heads) * (d // m.n_heads) // tp)
         block_tensors = (qkv, dq * d, d * F, d * F, F * d, d, d)  # wqkv wo w1 w3 w2, 2 norms
-        assert sum(block_tensors) == block_matmul_params(m) + 2 * d
-        embed = m.vocab_size * d
+        assert sum(block_tensors) == block_matmul_params(m, tp) + 2 * d
+        embed = m.vocab_size // tp * d
         root_tensors = (embed, d) if m.tie_embeddings else (embed, embed, d)
         per_block, root = sum(block_tensors), sum(root_tensors)
         total = root + m.n_layers * per_block
@@ -157,7 +172,8 @@ def state_bytes(n: ParamCounts, lay: Layout) -> tuple[dict[str, float], dict[str
     P, W = n.total, lay.world
     half = lay.precision != "fp32"
     c = lay.working_bytes
-    if lay.backend == "fsdp":
+    if lay.backend == "fsdp":  # (n: this rank's part under tensor parallelism)
+        W = lay.shards
         # sharded fp32 params / grads / Adam moments, and gathered c-byte params at their
         # largest (fsdp_gathered_params); no-sync accumulation keeps every gradient unsharded
         biggest = max(n.block, n.root)
@@ -504,8 +520,8 @@ class Estimate:
 
 
 def estimate_layout(m: ModelConfig, ac: ActivationCheckpointingConfig, lay: Layout) -> Estimate:
-    n = ParamCounts.of(m)
-    num = numerics_for(lay.precision, lay.backend, lay.fused_norm)
+    n = ParamCounts.of(m, lay.tp)
+    num = numerics_for(lay.precision, lay.backend, lay.fused_norm, lay.tp, lay.sequence_parallel)
     gpu, cpu = state_bytes(n, lay)
     parts, gpu["activations"], gpu["temporaries"] = step_phases(m, ac, lay, n, gpu, num)
     for k in ("activations", "temporaries"):  # (autocast's weight cache, a tied head's gradient)
@@ -517,7 +533,8 @@ def estimate_layout(m: ModelConfig, ac: ActivationCheckpointingConfig, lay: Layo
     traffic = {}
     if lay.backend == "deepspeed" and lay.offload_optimizer and lay.zero_stage in (1, 2):
         traffic = zero_offload_traffic(n, lay)
-    return Estimate(n.total, lay, m, ac, gpu, cpu, phases, parts, traffic)
+    total = ParamCounts.of(m).total  # the model's, not one tensor-parallel rank's
+    return Estimate(total, lay, m, ac, gpu, cpu, phases, parts, traffic)
 
 
 # PCIe 5.0 x16, each way: 16 lanes x 32 GT/s x 128/130 (encoding) / 8 bits
@@ -589,14 +606,14 @@ def step_phases(
         and not (lay.backend == "ddp" and lay.ddp_bucket_view)
         and lay.grad_accum == 1
     )
-    this_block = c * m.d_model * mlp_hidden_size(m) if kept_as_made else 0.0
+    this_block = c * m.d_model * (mlp_hidden_size(m) // lay.tp) if kept_as_made else 0.0
     # a tied head's gradient waits inside autograd (a temporary) until the embedding's
     # backward adds its part, at the end of the backward; an untied head's is a gradient
-    embed = m.vocab_size * m.d_model
+    embed = m.vocab_size // lay.tp * m.d_model
     waiting = c * embed if m.tie_embeddings else 0.0
     if fsdp:
         persistent = grads - fsdp_unsharded_grads(n, lay, max(n.block, n.root))
-        shard = 0.0 if lay.fsdp_offload else 1.0 / lay.world  # offload: shards on the host
+        shard = 0.0 if lay.fsdp_offload else 1.0 / lay.shards  # offload: shards on the host
         sharded_params = gpu["params"] - fsdp_gathered_params(n, lay, "largest")
     buckets = ds_reduce_buckets(lay)
     carry = persistent if (lay.grad_accum > 1 or lay.backend == "ddp") else 0.0  # DDP: buckets
@@ -652,7 +669,7 @@ def step_phases(
     head = (0 if m.tie_embeddings else embed) + m.d_model  # the head's and final norm's
     # a block's backward peaks at its MLP's product's backward: by then the product itself (the
     # down-projection's input) is freed, and the three hidden-width gradients are alive
-    product = num.compute * B * m.seq_len * mlp_hidden_size(m)
+    product = num.compute * B * m.seq_len * (mlp_hidden_size(m) // lay.tp)
     for i in reversed(range(L)):
         transient = this_block
         if fsdp:  # the root's unsharded gradients so far (the head's; reduced at the end of

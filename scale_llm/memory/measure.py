@@ -99,8 +99,13 @@ PARTS = ("params", "grads", "optimizer", "activations", "temporaries")
 # code of the backends (its frames name what they are doing: gathering parameters, reducing
 # gradients), the optimizers, activation checkpointing's recomputation, autograd's engine
 _BACKEND_CODE = ("/deepspeed/", "/torch/distributed/", "/torch/nn/parallel/")
-# a backend's compute, not its bookkeeping: ZeRO-3's linear layer, DTensor's op dispatch
-_TRANSPARENT = ("/deepspeed/runtime/zero/linear.py", "/torch/distributed/tensor/")
+# a backend's compute, not its bookkeeping: ZeRO-3's linear layer, DTensor's op dispatch and
+# the collectives its redistributions run (tensor parallelism's activations and their gradients)
+_TRANSPARENT = (
+    "/deepspeed/runtime/zero/linear.py",
+    "/torch/distributed/tensor/",
+    "/torch/distributed/_functional_collectives.py",
+)
 _GATHERING = re.compile("gather|unshard|fetch")
 _REDUCING = re.compile("reduce|grad|bucket|ipg")
 _OPTIMIZER_CODE = "/torch/optim/"
