@@ -622,3 +622,33 @@ def _span(d: dict[str, float], unit: float, fmt: str = ".0f", suffix: str = "") 
     """'point [low-high]' of a dict of the three."""
     p, lo, hi = (format(d[k] / unit, fmt) for k in ("point", "low", "high"))
     return f"{p}{suffix} [{lo}-{hi}{suffix}]"
+
+
+NETWORK_BYTES_PER_S = 400e9 / 8  # 400 Gb/s per GPU between nodes (one InfiniBand NDR port)
+
+
+def parallel_traffic(cfg: Config, world: int, micro_batch: int, grad_accum: int) -> dict[str, Any]:
+    """Bytes each GPU sends per optimizer step under FSDP2 x tensor parallelism, and their least
+    time: tensor parallelism's over NVLink (per block, with sequence parallelism, 2 all-gathers
+    and 2 reduce-scatters of the (B, T, d_model) activations in forward, as many in backward,
+    and the forward's again for a recomputed block), FSDP2's over the network (the 16-bit
+    parameters all-gathered for forward and, resharded, again for backward; the fp32 gradients
+    reduce-scattered: every micro-step). A ring moves (n - 1) / n of the whole tensor per GPU."""
+    from scale_llm.parallel.activation_checkpointing import checkpointed_blocks
+
+    m, tp = cfg.model, cfg.parallel.tensor_parallel
+    dp = world // tp
+    c = 2 if cfg.train.precision != "fp32" else 4
+    activation = c * micro_batch * m.seq_len * m.d_model
+    recomputed = len(checkpointed_blocks(cfg.activation_checkpointing, m.n_layers))
+    collectives = 8 * m.n_layers + 4 * recomputed  # 4 forward + 4 backward per block
+    tp_bytes = grad_accum * collectives * activation * (tp - 1) / tp if tp > 1 else 0.0
+    local = ParamCounts.of(m, tp).total
+    gathers = 2 if cfg.parallel.fsdp.reshard_after_forward else 1
+    fsdp_bytes = grad_accum * (gathers * c + 4) * local * (dp - 1) / dp if dp > 1 else 0.0
+    return {
+        "tp_bytes": tp_bytes,
+        "tp_ms": 1e3 * tp_bytes / NVLINK_BYTES_PER_S,
+        "fsdp_bytes": fsdp_bytes,
+        "fsdp_ms": 1e3 * fsdp_bytes / NETWORK_BYTES_PER_S,
+    }

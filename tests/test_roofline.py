@@ -128,3 +128,19 @@ def test_the_doc_states_the_400m_prediction_the_code_makes(predictions):
             ],
         }
         assert stated == made, f"{names[device]}: the doc says {stated}, the code {made}"
+
+
+def test_parallel_traffic_of_the_70b_layout():
+    """70b.yaml on 64 GPUs: tensor parallelism's 8 collectives per block of the (1, 4096, 8192)
+    bf16 activations, 7/8 of each sent, every micro-step; FSDP2's 16-bit gathers (forward and
+    backward) and fp32 reduce-scatter of one rank's 1/8 of the model over 8 nodes."""
+    from scale_llm.config import load_config
+    from scale_llm.memory import ParamCounts
+    from scale_llm.roofline import parallel_traffic
+
+    cfg = load_config(REPO / "yaml" / "70b.yaml")
+    r = parallel_traffic(cfg, 64, 1, 64)
+    assert r["tp_bytes"] == 64 * 8 * 80 * 2 * 4096 * 8192 * 7 / 8
+    local = ParamCounts.of(cfg.model, 8).total
+    assert r["fsdp_bytes"] == pytest.approx(64 * 8 * local * 7 / 8)
+    assert parallel_traffic(cfg, 8, 1, 1)["fsdp_bytes"] == 0  # one node: no data parallelism
