@@ -94,10 +94,10 @@ def test_tensor_parallel_alone_follows_one_process(runs):
 
 
 def test_fsdp_x_tensor_parallel_resumes_at_another_degree(runs):
-    """FSDP2 x TP on 2 x 2 ranks without sequence parallelism and with an untied head (the norms'
-    parameters then live on the data-parallel mesh alone: the gradient norm spans two meshes),
-    stopped after step 2's checkpoint; that checkpoint holds the one-process tensors, and TP 2 on
-    2 ranks resumes it (optimizer state included) on the one-process curve."""
+    """FSDP2 x TP on 2 x 2 ranks without sequence parallelism (the norms' weights replicated
+    over tp) and with an untied head, stopped after step 2's checkpoint; that checkpoint holds
+    the one-process tensors, and TP 2 on 2 ranks resumes it (optimizer state included) on the
+    one-process curve."""
     ref = runs("single-untied", 1, *UNTIED, *REFERENCE)
     layout = ["parallel.backend=fsdp", "parallel.tensor_parallel=2", *UNTIED]
     split = ["train.micro_batch_size=2", "train.grad_accum=2"]

@@ -38,7 +38,6 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
-from torch.distributed.tensor import DTensor
 
 from scale_llm.model import Transformer, build_model
 from scale_llm.parallel.backend import Backend
@@ -47,7 +46,6 @@ from scale_llm.parallel.tensor_parallel import (
     backward_context,
     full_logits,
     parallel_cross_entropy,
-    parameters_by_mesh,
 )
 
 
@@ -127,23 +125,6 @@ class FSDPBackend(Backend):
     def backward(self, loss: torch.Tensor) -> None:
         with backward_context() if self.tp > 1 else contextlib.nullcontext():
             super().backward(loss)
-
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """One global norm over parameters that may live on different meshes (with tensor
-        parallelism: the 2-D ones and, without sequence parallelism, the norms' 1-D ones): each
-        mesh's norm is reduced over its own ranks, then the squares are summed."""
-        groups = parameters_by_mesh(self.model)
-        if len(groups) <= 1:
-            return super().clip_grad_norm(max_norm)
-        norms = []
-        for params in groups.values():
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-        total = torch.linalg.vector_norm(torch.stack(norms))
-        if max_norm > 0:
-            for params in groups.values():
-                torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
-        return total
 
     def logits_for_sampling(self, logits: torch.Tensor) -> torch.Tensor:
         return full_logits(logits)

@@ -206,9 +206,9 @@ def tensor_parallel_problems(cfg: Config) -> list[str]:
     if cfg.train.compile is True:
         e.append(
             f"train.compile=true with parallel.tensor_parallel={tp}: "
-            "compiled tensor-parallel blocks give wrong gradients with this torch (measured: "
-            "the first step's gradient norm 42% above the eager one's on CPU gloo ranks, or a "
-            "failure in backward with activation checkpointing); set train.compile=auto (eager "
+            "compiled tensor-parallel blocks do not run with this torch (measured: with "
+            "activation checkpointing the first compiled step fails, without it the "
+            "evaluation's no-grad forward does); set train.compile=auto (eager "
             "under tensor parallelism) or false"
         )
     if backend != "fsdp":

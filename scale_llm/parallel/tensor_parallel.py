@@ -10,8 +10,11 @@ order), over the mesh's `tp` dimension (consecutive ranks: inside a node). Per b
 - With `parallel.sequence_parallel` (default), the norms and the residual stream hold 1/tp of the
   sequence on each rank: the row-wise outputs are reduce-scattered over the sequence and the
   column-wise inputs all-gathered (the same bytes as an all-reduce, and 1/tp of the activations
-  outside the matmuls). Without it the residual stream is whole on every rank and the row-wise
-  outputs are all-reduced.
+  outside the matmuls). Without it the residual stream is whole on every rank, the row-wise
+  outputs are all-reduced and the norms' weights are replicated DTensors.
+- The residual stream stays a DTensor between and inside blocks (plain local tensors exist only
+  inside attention and the MLP), the layout torchtitan uses: a compiled block whose borders
+  convert to and from local tensors got wrong gradients from AOTAutograd (torch 2.13, CPU).
 - The embedding is vocab-parallel (row-wise), the output projection column-wise into logits
   sharded over the vocabulary, and the loss is computed on those shards (`loss_parallel`): no
   rank holds the full (B, T, V) logits; each upcasts its own V/tp columns to fp32.
@@ -49,24 +52,33 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
     for block in model.layers:
         plan = {
             "attention.wqkv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=stream),
+            "attention.wo": RowwiseParallel(output_layouts=stream, use_local_output=False),
             "feed_forward.w1": ColwiseParallel(),
             "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=stream),
+            "feed_forward.w2": RowwiseParallel(output_layouts=stream, use_local_output=False),
             **(norm if sequence_parallel else {}),
         }
         parallelize_module(block, mesh, plan)
+        if not sequence_parallel:  # the norms read the whole (replicated) residual stream
+            _replicate_parameters(block.attention_norm, mesh)
+            _replicate_parameters(block.ffn_norm, mesh)
         # attention and the MLP read the whole sequence: their first input is gathered (the
         # other arguments, rope, cache, positions and mask, are the same on every rank)
-        gather = functools.partial(_whole_sequence, mesh=mesh, layout=stream)
+        gather = functools.partial(_whole_sequence, mesh=mesh)
         block.attention.register_forward_pre_hook(gather)
         block.feed_forward.register_forward_pre_hook(gather)
         attention = block.attention
         attention.n_heads //= tp  # the heads of this rank
         attention.n_kv_heads //= tp
-    top = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)}
+    top = {
+        "tok_embeddings": RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=stream, use_local_output=False
+        )
+    }
     if sequence_parallel:
         top["norm"] = SequenceParallel()
+    else:
+        _replicate_parameters(model.norm, mesh)
     if model.output is not None:
         top["output"] = ColwiseParallel(
             input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False
@@ -78,17 +90,21 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
     model.norm.register_forward_hook(lambda _m, _i, out: _replicated(out, mesh))
 
 
-def _whole_sequence(_module, args: tuple, mesh: DeviceMesh, layout) -> tuple:
-    x, *rest = args
-    if not isinstance(x, DTensor):
-        x = DTensor.from_local(x, mesh, [layout], run_check=False)
-    return (x.redistribute(mesh, [Replicate()]).to_local(), *rest)
+def _whole_sequence(_module, args: tuple, mesh: DeviceMesh) -> tuple:
+    x, *rest = args  # (the residual stream: a DTensor)
+    return (x.redistribute(mesh, [Replicate()]), *rest)
 
 
-def _replicated(x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
-    if isinstance(x, DTensor):
-        return x.redistribute(mesh, [Replicate()])
-    return DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+def _replicated(x: DTensor, mesh: DeviceMesh) -> DTensor:
+    return x.redistribute(mesh, [Replicate()])
+
+
+def _replicate_parameters(module: nn.Module, mesh: DeviceMesh) -> None:
+    """The module's parameters as DTensors replicated over `mesh` (no communication: every rank
+    initializes them alike, and FSDP2 then shards them over the data-parallel ranks)."""
+    for name, param in list(module.named_parameters(recurse=False)):
+        replicated = DTensor.from_local(param.data, mesh, [Replicate()], run_check=False)
+        module.register_parameter(name, nn.Parameter(replicated, param.requires_grad))
 
 
 def parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -108,13 +124,3 @@ def backward_context() -> contextlib.AbstractContextManager:
 def full_logits(logits: torch.Tensor) -> torch.Tensor:
     """The whole logits on every rank (sampling during training reads one row of them)."""
     return logits.full_tensor() if isinstance(logits, DTensor) else logits
-
-
-def parameters_by_mesh(model: nn.Module) -> dict[object, list[nn.Parameter]]:
-    """Parameters with gradients, grouped by the mesh their DTensor lives on (None: plain)."""
-    groups: dict[object, list[nn.Parameter]] = {}
-    for p in model.parameters():
-        if p.grad is not None:
-            mesh = p.device_mesh if isinstance(p, DTensor) else None
-            groups.setdefault(mesh, []).append(p)
-    return groups
