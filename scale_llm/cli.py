@@ -541,6 +541,13 @@ def _bench_parser(sub) -> None:
         choices=["H100-SXM", "H200", "A100-80GB"],
         help="no run: count FLOPs and bytes of one step on the meta device, per op class",
     )
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="--roofline: GPUs the run will use (default: $WORLD_SIZE, else 2)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -561,6 +568,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         cfg = config_from_args(args)
         world = launch_env().world_size if "WORLD_SIZE" in os.environ else 2
+        if args.world_size is not None:
+            if args.world_size < 1:
+                raise UserError(f"--world-size {args.world_size}: use the GPUs the run will use")
+            world = args.world_size
         plan = target_plan(cfg, world)
         r = roofline(cfg, plan.micro_batch_size, plan.grad_accum, args.roofline, world)
         print(json.dumps(r) if args.json else format_roofline(r))
@@ -571,6 +582,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         ("--rounds", args.rounds, 1, "timed rounds of --reference and --checkpoint-io"),
     ]
     bad = [f"{f} {n}: use a count >= {least} ({what})" for f, n, least, what in counts if n < least]
+    if args.world_size is not None:
+        bad.append("--world-size: only with --roofline (a run's world is its launcher's)")
     if bad:
         raise UserError("; ".join(bad))
     backends = [x.strip() for x in args.sweep_backend.split(",")] if args.sweep_backend else None

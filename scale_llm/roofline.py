@@ -264,8 +264,9 @@ class _Counter(TorchDispatchMode):
     """FLOPs and bytes per op class (eager), each GEMM's shape, and the traffic left after
     fusion: the element-wise ops between two other kernels are one kernel (see the module)."""
 
-    def __init__(self) -> None:
+    def __init__(self, micro_batch: int = 1) -> None:
         super().__init__()
+        self.micro_batch = micro_batch
         self.flops: dict[str, float] = defaultdict(float)
         self.bytes: dict[str, float] = defaultdict(float)
         self.gemms: dict[tuple[int, int, int], int] = defaultdict(int)  # (m, n, k) -> calls
@@ -384,7 +385,7 @@ def _count(cfg: Config, micro_batch: int) -> _Counter:
     """Run one micro-batch forward + backward, bf16 compute, under the counter."""
     model = build_model(cfg.model).to(torch.bfloat16)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)  # recompute is counted
-    counter = _Counter()
+    counter = _Counter(micro_batch)
     _FlashAttention.counter = counter
 
     def sdpa(q, k, v, **kwargs):
@@ -469,7 +470,9 @@ def roofline(
         "mfu_matmul_bound": mfu(model_flops, matmul_ms),
         "mfu_causal_eager": mfu(causal_flops, eager_ms),
         "mfu_causal_matmul_bound": mfu(causal_flops, matmul_ms),
-        "achieved": achieved(cfg, counter, rows, grad_accum, device, (model_flops, causal_flops)),
+        "achieved": achieved(
+            cfg, counter, rows, grad_accum, device, (model_flops, causal_flops), world
+        ),
     }
 
 
@@ -480,11 +483,14 @@ def achieved(
     grad_accum: int,
     device: str,
     model_flops: tuple[float, float],
+    world: int = 1,
 ) -> dict[str, Any]:
     """The step at the rates of RATES: per class, the time at the point rates and at the low
-    and high ones; the MFU of each (convention, causal)."""
+    and high ones; the MFU of each (convention, causal). Under tensor parallelism, one GPU's
+    share and the step's communication (`_split_over_tp`)."""
     rates = RATES[device]
     model = cfg.model
+    tp = cfg.parallel.tensor_parallel
     attention = attention_rate(device, model.d_model // model.n_heads, model.seq_len)
     # eager: the element-wise traffic is paid in full
     compiled = compiles(cfg.train, "cuda", cfg.parallel.tensor_parallel)
@@ -496,7 +502,8 @@ def achieved(
     classes: dict[str, dict[str, float]] = {}
     for way in ("low", "point", "high"):
         hbm = getattr(rates.hbm, way)
-        times = {"matmul": grad_accum * _gemm_seconds(counter, device, way, hbm)}
+        gemms = _gemm_seconds(counter, device, way, hbm, tp, model.seq_len)
+        times = {"matmul": grad_accum * gemms}
         times["attention"] = rows.get("attention", {}).get("flops", 0.0) / getattr(attention, way)
         times[FUSED_ROW if compiled else EAGER_ROW] = elementwise / hbm
         for cls in ("embedding", "optimizer (AdamW)"):
@@ -506,11 +513,17 @@ def achieved(
             times[OFFLOAD_ROW] = rows[OFFLOAD_ROW]["ms"] / 1e3
         for cls, seconds in times.items():
             classes.setdefault(cls, {})[way] = 1e3 * seconds
+    traffic = None
+    if tp > 1:
+        traffic = parallel_traffic(cfg, world, counter.micro_batch, grad_accum)
+        classes = _split_over_tp(classes, traffic, tp, _fsdp_shards(cfg, world))
     ms = {way: sum(c[way] for c in classes.values()) for way in ("low", "point", "high")}
-    flops, causal = model_flops
+    flops, causal = (f / tp for f in model_flops)  # one GPU's share of the model's FLOPs
     mfu = lambda f, way: f / (ms[way] / 1e3) / DEVICES[device][0]  # noqa: E731
-    matmul_flops = sum(calls * 2 * m * n * k for (m, n, k), calls in counter.gemms.items())
+    matmul_flops = sum(calls * 2 * m * n * k for (m, n, k), calls in counter.gemms.items()) / tp
     return {
+        "tensor_parallel": tp,
+        "parallel_traffic": traffic,
         # low rates give the slow end: "low"/"high" below name the rates a figure comes from
         "rates": {
             "matmul_flops_per_s": _effective(matmul_flops, classes["matmul"], grad_accum),
@@ -526,13 +539,64 @@ def achieved(
     }
 
 
-def _gemm_seconds(counter: _Counter, device: str, way: str, hbm: float) -> float:
-    """One micro-step's GEMMs, each at its shape's rate (or its traffic, if that is slower)."""
+def _gemm_seconds(
+    counter: _Counter, device: str, way: str, hbm: float, tp: int = 1, seq_len: int = 0
+) -> float:
+    """One micro-step's GEMMs on one GPU, each at its shape's rate (or its traffic, if that is
+    slower); under tensor parallelism each at one rank's shape (`tp_shape`)."""
     seconds = 0.0
-    for (m, n, k), calls in counter.gemms.items():
+    tokens = counter.micro_batch * seq_len
+    for shape, calls in counter.gemms.items():
+        m, n, k = tp_shape(shape, tp, tokens)
         rate = getattr(matmul_rate(device, m, n, k), way)
         seconds += calls * max(2 * m * n * k / rate, 2 * (m * k + k * n + m * n) / hbm)
     return seconds
+
+
+def tp_shape(shape: tuple[int, int, int], tp: int, tokens: int) -> tuple[int, int, int]:
+    """One tensor-parallel rank's part of a (m, n, k) GEMM of the whole model: every rank
+    multiplies all the tokens (sequence parallelism gathers them first) by 1/tp of a weight,
+    cut along heads x head_dim, the SwiGLU width or the vocabulary, which in a Llama shape is
+    the weight's wider side (or equal): the largest dimension that is not the token count."""
+    if tp == 1:
+        return shape
+    widths = [i for i, d in enumerate(shape) if d != tokens] or [0, 1, 2]
+    cut = max(widths, key=lambda i: shape[i])
+    return tuple(d // tp if i == cut else d for i, d in enumerate(shape))
+
+
+def _fsdp_shards(cfg: Config, world: int) -> int:
+    """Ranks FSDP2 shards a tensor-parallel rank's parameters over (HSDP: the shard dim)."""
+    from scale_llm.memory.estimate import layout_of
+
+    return layout_of(cfg, target_plan(cfg, world)).shards
+
+
+TP_ROW = "tensor-parallel collectives (NVLink, exposed)"
+FSDP_ROW = "FSDP2 collectives (network, exposed beyond compute)"
+
+
+def _split_over_tp(
+    classes: dict[str, dict[str, float]], traffic: dict[str, Any], tp: int, shards: int
+) -> dict[str, dict[str, float]]:
+    """One GPU's step under tensor parallelism x FSDP2: the counted work of the whole model
+    divided over the tp ranks (the matmuls already priced at a rank's shapes), AdamW over the
+    rank's FSDP2 shard (1 / (tp x shards) of the model), then the communication. The tensor-
+    parallel collectives sit between the matmuls that need their results and the step waits
+    for them: all exposed. FSDP2's gathers and reduce-scatters run on their own streams under
+    the compute: only what exceeds the compute is exposed."""
+    out: dict[str, dict[str, float]] = {}
+    for cls, ms in classes.items():
+        if cls == "matmul":
+            out[cls] = dict(ms)
+        elif cls == "optimizer (AdamW)":
+            out[cls] = {w: t / (tp * shards) for w, t in ms.items()}
+        else:
+            out[cls] = {w: t / tp for w, t in ms.items()}
+    compute = {w: sum(c[w] for c in out.values()) for w in ("low", "point", "high")}
+    out[TP_ROW] = {w: traffic["tp_ms"] for w in compute}
+    out[FSDP_ROW] = {w: max(0.0, traffic["fsdp_ms"] - t) for w, t in compute.items()}
+    return out
 
 
 def _effective(flops: float, ms: dict[str, float], grad_accum: int) -> dict[str, float]:
@@ -580,12 +644,17 @@ def format_roofline(r: dict[str, Any]) -> str:
             f"({OFFLOAD_ROW}: at PCIe 5.0 x16's {PCIE5_X16_BYTES_PER_S / 1e9:.0f} GB/s each way, "
             f"one after another; the AdamW step on the CPU is not in the totals)"
         )
+    if r["achieved"].get("tensor_parallel", 1) > 1:
+        lines.append("(the table and bounds: the whole model's work on one GPU, no communication)")
+    allreduce = (
+        f"; gradient all-reduce over {r['world']} GPUs on NVLink: {r['allreduce_ms']:.1f} ms "
+        f"(overlapped with backward by DDP's buckets)"
+    )
     lines.append(
         f"bounds: {r['eager_ms']:.0f} ms eager (MFU {r['mfu_eager']:.0%}, causal "
         f"{r['mfu_causal_eager']:.0%}) .. {r['matmul_bound_ms']:.0f} ms matmul-bound (MFU "
-        f"{r['mfu_matmul_bound']:.0%}, causal {r['mfu_causal_matmul_bound']:.0%}); gradient "
-        f"all-reduce over {r['world']} GPUs on NVLink: {r['allreduce_ms']:.1f} ms (overlapped "
-        f"with backward by DDP's buckets)"
+        f"{r['mfu_matmul_bound']:.0%}, causal {r['mfu_causal_matmul_bound']:.0%})"
+        + ("" if r["achieved"].get("tensor_parallel", 1) > 1 else allreduce)
     )
     lines += format_achieved(r["achieved"])
     lines.append(
@@ -610,6 +679,16 @@ def format_achieved(a: dict[str, Any]) -> list[str]:
     ]
     for cls, ms in sorted(a["classes"].items(), key=lambda kv: -kv[1]["point"]):
         lines.append(f"| {cls} | {ms['point']:.1f} [{ms['high']:.1f}-{ms['low']:.1f}] |")
+    if a.get("parallel_traffic"):
+        t = a["parallel_traffic"]
+        lines.append(
+            f"one GPU of tensor parallel {a['tensor_parallel']}: the counted work / "
+            f"{a['tensor_parallel']} (matmuls at a rank's shapes); per step it sends "
+            f"{t['tp_bytes'] / 1e9:,.0f} GB of tensor-parallel collectives ({t['tp_ms']:,.0f} ms "
+            f"at NVLink's {NVLINK_BYTES_PER_S / 1e9:.0f} GB/s, exposed) and "
+            f"{t['fsdp_bytes'] / 1e9:,.0f} GB of FSDP2 collectives ({t['fsdp_ms']:,.0f} ms at "
+            f"{8 * NETWORK_BYTES_PER_S / 1e9:.0f} Gb/s, overlapped with the compute)"
+        )
     ms, mfu, causal = a["ms"], a["mfu"], a["mfu_causal"]
     lines.append(
         f"predicted step: {ms['point']:.0f} ms [{ms['high']:.0f}-{ms['low']:.0f}]; MFU "
@@ -632,8 +711,9 @@ def parallel_traffic(cfg: Config, world: int, micro_batch: int, grad_accum: int)
     time: tensor parallelism's over NVLink (per block, with sequence parallelism, 2 all-gathers
     and 2 reduce-scatters of the (B, T, d_model) activations in forward, as many in backward,
     and the forward's again for a recomputed block), FSDP2's over the network (the 16-bit
-    parameters all-gathered for forward and, resharded, again for backward; the fp32 gradients
-    reduce-scattered: every micro-step). A ring moves (n - 1) / n of the whole tensor per GPU."""
+    parameters all-gathered for forward and, with `reshard_after_forward`, again for backward,
+    every micro-step; the fp32 gradients reduce-scattered every micro-step, or once per step
+    with `reduce_every_micro_step: false`). A ring moves (n - 1) / n of the tensor per GPU."""
     from scale_llm.parallel.activation_checkpointing import checkpointed_blocks
 
     m, tp = cfg.model, cfg.parallel.tensor_parallel
@@ -644,8 +724,10 @@ def parallel_traffic(cfg: Config, world: int, micro_batch: int, grad_accum: int)
     collectives = 8 * m.n_layers + 4 * recomputed  # 4 forward + 4 backward per block
     tp_bytes = grad_accum * collectives * activation * (tp - 1) / tp if tp > 1 else 0.0
     local = ParamCounts.of(m, tp).total
-    gathers = 2 if cfg.parallel.fsdp.reshard_after_forward else 1
-    fsdp_bytes = grad_accum * (gathers * c + 4) * local * (dp - 1) / dp if dp > 1 else 0.0
+    fsdp = cfg.parallel.fsdp
+    gathers = grad_accum * (2 if fsdp.reshard_after_forward else 1)
+    reductions = grad_accum if fsdp.reduce_every_micro_step else 1
+    fsdp_bytes = (gathers * c + reductions * 4) * local * (dp - 1) / dp if dp > 1 else 0.0
     return {
         "tp_bytes": tp_bytes,
         "tp_ms": 1e3 * tp_bytes / NVLINK_BYTES_PER_S,

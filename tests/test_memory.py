@@ -467,20 +467,39 @@ def test_every_backend_at_two_ranks_peaks_where_the_estimate_says(tmp_path):
 def test_tensor_parallel_states_and_the_70b_layout():
     """Under tensor parallelism a rank holds 1/tp of every matmul weight, of the embedding and
     of the head (the norms whole), and FSDP2 shards that over world / tp ranks; sequence
-    parallelism saves less. yaml/70b.yaml fits an 80 GB GPU at 64 ranks."""
+    parallelism saves less. yaml/70b.yaml fits an 80 GB GPU at 64 ranks with headroom."""
     from scale_llm.config import with_changes
 
     cfg = load_config(REPO / "yaml" / "70b.yaml")
-    whole, local = ParamCounts.of(cfg.model), ParamCounts.of(cfg.model, 8)
+    tp = cfg.parallel.tensor_parallel
+    whole, local = ParamCounts.of(cfg.model), ParamCounts.of(cfg.model, tp)
     m = cfg.model
     norms = m.d_model * (2 * m.n_layers + 1)
-    assert local.total == pytest.approx((whole.total - norms) / 8 + norms, abs=1)
+    assert local.total == pytest.approx((whole.total - norms) / tp + norms, abs=1)
     est = estimate(cfg, 64)
     assert est.params == whole.total and 68.9e9 < whole.total < 69.0e9  # Llama-2-70B
-    assert est.gpu["optimizer"] == pytest.approx(8 * local.total / 8, rel=1e-9)
-    assert est.total < 80e9 * 0.9
+    assert est.gpu["optimizer"] == pytest.approx(8 * local.total / (64 // tp), rel=1e-9)
+    assert est.total == pytest.approx(50.45 * 2**30, abs=0.01 * 2**30)  # the YAML's comment
+    assert est.total < 80e9 * 0.75
     no_sp = estimate(with_changes(cfg, {"parallel.sequence_parallel": False}), 64)
     assert no_sp.gpu["activations"] > est.gpu["activations"]
+
+
+def test_hsdp_under_tensor_parallelism_shards_over_the_shard_dimension():
+    """HSDP x TP: each replica holds a whole sharded copy, so a rank's fp32 states are its 1/tp
+    of the model over the mesh's shard dimension (world / tp / replicate), not world / tp."""
+    from scale_llm.config import with_changes
+
+    cfg = with_changes(
+        load_config(REPO / "yaml" / "70b.yaml"),
+        {"parallel.tensor_parallel": 8, "parallel.fsdp.replicate_degree": 2},
+    )
+    local = ParamCounts.of(cfg.model, 8).total
+    est = estimate(cfg, 64)
+    assert est.layout.shards == 4
+    assert est.gpu["optimizer"] == pytest.approx(8 * local / 4, rel=1e-9)
+    flat = estimate(with_changes(cfg, {"parallel.fsdp.replicate_degree": 1}), 64)
+    assert flat.gpu["optimizer"] == pytest.approx(est.gpu["optimizer"] / 2, rel=1e-9)
 
 
 # FSDP2 x TP on 2 gloo ranks (tensor parallel 2, a data-parallel degree of 1), fp32: measured

@@ -131,16 +131,48 @@ def test_the_doc_states_the_400m_prediction_the_code_makes(predictions):
 
 
 def test_parallel_traffic_of_the_70b_layout():
-    """70b.yaml on 64 GPUs: tensor parallelism's 8 collectives per block of the (1, 4096, 8192)
-    bf16 activations, 7/8 of each sent, every micro-step; FSDP2's 16-bit gathers (forward and
-    backward) and fp32 reduce-scatter of one rank's 1/8 of the model over 8 nodes."""
-    from scale_llm.config import load_config
+    """70b.yaml on 64 GPUs: tensor parallelism's 8 collectives per block of the (8, 4096, 8192)
+    bf16 activations and 4 more for the recomputed forward, 1/2 of each sent, every micro-step;
+    FSDP2's 16-bit gathers (forward and backward) and fp32 reduce-scatter of one rank's 1/2 of
+    the model over 32 ranks; one reduction per step without reduce_every_micro_step."""
+    from scale_llm.config import with_changes
     from scale_llm.memory import ParamCounts
     from scale_llm.roofline import parallel_traffic
 
     cfg = load_config(REPO / "yaml" / "70b.yaml")
-    r = parallel_traffic(cfg, 64, 1, 64)
-    assert r["tp_bytes"] == 64 * 8 * 80 * 2 * 4096 * 8192 * 7 / 8
-    local = ParamCounts.of(cfg.model, 8).total
-    assert r["fsdp_bytes"] == pytest.approx(64 * 8 * local * 7 / 8)
-    assert parallel_traffic(cfg, 8, 1, 1)["fsdp_bytes"] == 0  # one node: no data parallelism
+    assert cfg.parallel.tensor_parallel == 2 and cfg.activation_checkpointing.mode == "full"
+    r = parallel_traffic(cfg, 64, 8, 2)
+    assert r["tp_bytes"] == 2 * 12 * 80 * 2 * 8 * 4096 * 8192 / 2
+    local = ParamCounts.of(cfg.model, 2).total
+    assert r["fsdp_bytes"] == pytest.approx(2 * 8 * local * 31 / 32)
+    once = with_changes(cfg, {"parallel.fsdp.reduce_every_micro_step": False})
+    assert parallel_traffic(once, 64, 8, 2)["fsdp_bytes"] == pytest.approx(
+        (2 * 4 + 4) * local * 31 / 32
+    )
+    assert parallel_traffic(cfg, 2, 1, 1)["fsdp_bytes"] == 0  # tp ranks only: no FSDP2
+
+
+def test_a_tensor_parallel_rank_multiplies_all_tokens_by_a_slice_of_the_wider_side():
+    from scale_llm.roofline import tp_shape
+
+    assert tp_shape((4096, 28672, 8192), 8, 4096) == (4096, 3584, 8192)  # SwiGLU up, column
+    assert tp_shape((4096, 8192, 28672), 8, 4096) == (4096, 8192, 3584)  # down, row-wise
+    assert tp_shape((28672, 8192, 4096), 8, 4096) == (3584, 8192, 4096)  # its weight gradient
+    assert tp_shape((4096, 8192, 8192), 1, 4096) == (4096, 8192, 8192)
+
+
+def test_tensor_parallel_collectives_are_exposed_and_fsdp_only_beyond_the_compute():
+    from scale_llm.roofline import FSDP_ROW, TP_ROW, _split_over_tp
+
+    classes = {
+        "matmul": {"low": 900.0, "point": 800.0, "high": 700.0},  # already one rank's
+        "attention": {"low": 400.0, "point": 400.0, "high": 200.0},
+        "optimizer (AdamW)": {"low": 64.0, "point": 64.0, "high": 64.0},
+    }
+    traffic = {"tp_ms": 50.0, "fsdp_ms": 1000.0}
+    out = _split_over_tp(classes, traffic, tp=4, shards=16)
+    assert out["attention"]["point"] == 100.0 and out["optimizer (AdamW)"]["point"] == 1.0
+    assert out[TP_ROW]["point"] == 50.0
+    assert out[FSDP_ROW] == {"low": 0.0, "point": 99.0, "high": 249.0}  # 1000 - compute
+    hidden = _split_over_tp(classes, {"tp_ms": 0.0, "fsdp_ms": 500.0}, tp=4, shards=16)
+    assert hidden[FSDP_ROW]["point"] == 0.0

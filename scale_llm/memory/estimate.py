@@ -63,11 +63,13 @@ class Layout:
     pinned_round_limit: int | None = None  # bytes: larger pinned blocks are not rounded up
     tp: int = 1  # tensor parallelism: each rank holds 1/tp of every matmul weight
     sequence_parallel: bool = False
+    replicate: int = 1  # HSDP: data-parallel groups that each hold a whole sharded copy
 
     @property
     def shards(self) -> int:
-        """Ranks one FSDP2 unit's states are sharded over: the world over the tp ranks."""
-        return self.world // self.tp
+        """Ranks one FSDP2 unit's states are sharded over: the mesh's shard dimension (the
+        world over the tp ranks and, under HSDP, over the replicas)."""
+        return self.world // (self.tp * self.replicate)
 
     @property
     def working_bytes(self) -> int:
@@ -118,6 +120,7 @@ def layout_of(cfg: Config, plan: RunPlan) -> Layout:
         ds_grad_accum_dtype=_dtype_name((ds.get("data_types") or {}).get("grad_accum_dtype")),
         pinned_round_limit=pinned_round_limit(os.environ),
         tp=plan.tp_degree,
+        replicate=plan.replicate_degree,
         sequence_parallel=plan.tp_degree > 1 and p.sequence_parallel,
     )
 
