@@ -19,6 +19,7 @@ import importlib.util
 import itertools
 import logging
 import random
+import re
 import shutil
 import statistics
 import time
@@ -450,8 +451,21 @@ BACKENDS = ("single", "ddp", "fsdp", "zero0", "zero1", "zero2", "zero3")
 def backend_changes(name: str, world_size: int) -> dict[str, Any]:
     """The config changes that select `--sweep-backend` entry `name` (zeroN: DeepSpeed at ZeRO
     stage N); a UserError before any process group exists for one this launch cannot run."""
+    tp = re.fullmatch(r"fsdp-tp(\d+)", name)
+    if tp:  # FSDP2 x tensor parallelism of that degree (the rest of the ranks: FSDP2's)
+        degree = int(tp[1])
+        if degree < 2 or world_size % degree:
+            fits = [d for d in range(2, world_size + 1) if world_size % d == 0]
+            use = ", ".join(f"fsdp-tp{d}" for d in fits) or "fsdp (one rank has no tp)"
+            raise UserError(
+                f"--sweep-backend {name}: tensor parallelism {degree} does not divide this "
+                f"launch's {world_size} rank(s); use {use}"
+            )
+        return {"parallel.backend": "fsdp", "parallel.tensor_parallel": degree}
     if name not in BACKENDS:
-        raise UserError(f"--sweep-backend {name}: not a backend; use {', '.join(BACKENDS)}")
+        raise UserError(
+            f"--sweep-backend {name}: not a backend; use {', '.join(BACKENDS)} or fsdp-tpN"
+        )
     if name == "single" and world_size > 1:
         raise UserError(
             f"--sweep-backend single: one process only, and this launch has {world_size}; "
@@ -544,7 +558,10 @@ def bench_sweep(
         c = with_changes(cfg, changes)
         p = dataclasses.replace(plan, micro_batch_size=mb, grad_accum=1)
         if backend is not None:  # (else the plan's, `auto` resolved)
-            p = dataclasses.replace(p, backend=c.parallel.backend)
+            tp = c.parallel.tensor_parallel
+            p = dataclasses.replace(
+                p, backend=c.parallel.backend, tp_degree=tp, dp_degree=plan.world_size // tp
+            )
         if p.backend != "single":
             start(p)  # (a no-op once the process group exists)
         row: dict[str, Any] = {"backend": backend or plan.backend, "micro_batch": mb}

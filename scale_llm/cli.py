@@ -526,7 +526,8 @@ def _bench_parser(sub) -> None:
     p.add_argument(
         "--sweep-backend",
         help="backends to sweep (default: the config's): single (one process), or under a "
-        "multi-process launch ddp, fsdp, zero0..zero3 (DeepSpeed), e.g. ddp,fsdp,zero2",
+        "multi-process launch ddp, fsdp, fsdp-tpN (FSDP2 x tensor parallelism N), "
+        "zero0..zero3 (DeepSpeed), e.g. ddp,fsdp,fsdp-tp2,zero2",
     )
     p.add_argument(
         "--checkpoint-io",

@@ -584,6 +584,20 @@ def test_sweep_backends_name_their_config_and_refuse_what_the_launch_cannot_run(
         backend_changes("single", 2)
     with pytest.raises(UserError, match="--sweep-backend zero4: not a backend"):
         backend_changes("zero4", 1)
+    tp2 = {"parallel.backend": "fsdp", "parallel.tensor_parallel": 2}
+    assert backend_changes("fsdp-tp2", 4) == tp2
+    with pytest.raises(UserError, match="fsdp-tp3: tensor parallelism 3 does not divide .* 4 "):
+        backend_changes("fsdp-tp3", 4)
+    with pytest.raises(UserError, match="use fsdp-tp2$"):
+        backend_changes("fsdp-tp4", 2)
+
+
+def _tp_of(cfg, plan):
+    """1 without tensor parallelism, else what the config and the plan say of it."""
+    if cfg.parallel.tensor_parallel == 1 and plan.tp_degree == 1:
+        return 1
+    mesh = plan.mesh
+    return (cfg.parallel.tensor_parallel, plan.dp_degree, dict(zip(mesh["names"], mesh["shape"])))
 
 
 def test_a_sweep_runs_the_plans_backend_unless_given_others(tmp_path, monkeypatch):
@@ -597,14 +611,21 @@ def test_a_sweep_runs_the_plans_backend_unless_given_others(tmp_path, monkeypatc
     seen = []
     monkeypatch.setattr(distributed, "start", lambda plan: None)
     monkeypatch.setattr(
-        bench_module, "bench", lambda c, p, *_: seen.append(p.backend) or {"ms_per_step": 1.0}
+        bench_module,
+        "bench",
+        lambda c, p, *_: seen.append((p.backend, _tp_of(c, p))) or {"ms_per_step": 1.0},
     )
     cfg = make_config(tmp_path, tmp_path / "runs")  # parallel.backend: auto
-    plan = dataclasses.replace(plan_for(cfg), backend="ddp")  # as 2 ranks resolve it
+    plan = dataclasses.replace(  # as 2 ranks resolve it
+        plan_for(cfg), backend="ddp", world_size=2, dp_degree=2
+    )
     rows = bench_module.bench_sweep(cfg, plan, [2], ["none"], [False])
-    rows += bench_module.bench_sweep(cfg, plan, [2], ["none"], [False], backends=["fsdp", "zero1"])
-    assert seen == ["ddp", "fsdp", "deepspeed"]
-    assert [r["backend"] for r in rows] == ["ddp", "fsdp", "zero1"]
+    rows += bench_module.bench_sweep(
+        cfg, plan, [2], ["none"], [False], backends=["fsdp", "zero1", "fsdp-tp2"]
+    )
+    assert [b for b, _ in seen] == ["ddp", "fsdp", "deepspeed", "fsdp"]
+    assert [r["backend"] for r in rows] == ["ddp", "fsdp", "zero1", "fsdp-tp2"]
+    assert [tp for _, tp in seen] == [1, 1, 1, (2, 1, {"shard": 1, "tp": 2})]
 
 
 def test_bench_interleaves_the_loops_in_turn_and_reverses_the_order_every_other_round():
