@@ -305,6 +305,30 @@ CONFIG = [
         "checkpoint.async_mode=async is not available with parallel.backend=deepspeed",
     ),
     (
+        "tensor parallelism without fsdp",
+        ["config", *s("parallel.tensor_parallel=2")],
+        "parallel.tensor_parallel=2 needs parallel.backend=fsdp (it is auto)",
+    ),
+    (
+        "tensor parallelism over indivisible heads",
+        ["config", *s("parallel.backend=fsdp", "parallel.tensor_parallel=8")],
+        "model.n_heads=4 is not divisible by parallel.tensor_parallel=8 (each rank holds an "
+        "equal part of the query heads): model.n_heads=8 or parallel.tensor_parallel=4",
+    ),
+    (
+        "compiled tensor parallelism",
+        [
+            "config",
+            *s("parallel.backend=fsdp", "parallel.tensor_parallel=2", "train.compile=true"),
+        ],
+        "train.compile=true with parallel.tensor_parallel=2",
+    ),
+    (
+        "tensor parallelism larger than the world",
+        ["train", TINY, *s("parallel.backend=fsdp", "parallel.tensor_parallel=2")],
+        "parallel.tensor_parallel=2 does not divide the world size 1",
+    ),
+    (
         "fp16 DeepSpeed on CPU",
         ["train", TINY, *s("parallel.backend=deepspeed", "train.precision=fp16")],
         "needs a GPU",
