@@ -160,7 +160,8 @@ def _setup(backend: Backend, model: torch.nn.Module, plan: RunPlan) -> torch.nn.
         backend.device_mesh = lambda: mesh
         # rank 0's full CPU copy of the weights, broadcast into the shards: values only
         backend._load_full_weights = lambda module, initial: None
-        wrapped = backend.setup(model)
+        with _real_mesh_concatenation():  # (FSDP2 over tensor-parallel parameters)
+            wrapped = backend.setup(model)
     else:
         # Backend.wrap draws the weights on the CPU and moves them to the device; moving swaps
         # each fake parameter, which the fake mode's weak references forbid: draw them in place
@@ -169,6 +170,25 @@ def _setup(backend: Backend, model: torch.nn.Module, plan: RunPlan) -> torch.nn.
         backend.transform_blocks(model)
     backend.optimizer = build_optimizer(wrapped, backend.cfg.train)
     return wrapped
+
+
+@contextlib.contextmanager
+def _real_mesh_concatenation() -> Iterator[None]:
+    """FSDP2 joins its data-parallel mesh to a parameter's tensor-parallel one, which indexes
+    the ranks' small real tensor: done outside the fake mode, as the mesh itself was."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    concatenate = DeviceMesh._concatenate
+
+    def outside_fake(meshes):
+        with torch._subclasses.fake_tensor.unset_fake_temporarily():
+            return concatenate(meshes)
+
+    DeviceMesh._concatenate = staticmethod(outside_fake)
+    try:
+        yield
+    finally:
+        DeviceMesh._concatenate = staticmethod(concatenate)
 
 
 def _batches(plan: RunPlan, cfg: Config) -> Any:
