@@ -276,6 +276,14 @@ def launch_problems(cfg: Config, world_size: int, cuda: bool) -> list[str]:
             "parallel.fsdp.cpu_offload=true needs a GPU to offload from; on a CPU-only "
             "machine set it to false"
         )
+    snapshot = cfg.train.profile.memory_snapshot_step
+    if snapshot is not None and not on_gpu:
+        e.append(
+            f"train.profile.memory_snapshot_step={snapshot}: a memory snapshot records the CUDA "
+            f"caching allocator, and this run will not use a GPU; run on a GPU, or set "
+            f"train.profile.memory_snapshot_step=null (the CPU profiler's trace, "
+            f"train.profile.enabled=true, records CPU memory)"
+        )
     if world_size > 1 and backend == "single":
         e.append(
             f"parallel.backend=single but {world_size} processes were launched; set "
