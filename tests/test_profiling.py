@@ -8,6 +8,7 @@ import json
 import pytest
 
 from scale_llm.errors import UserError
+from scale_llm.train.options import ProfileConfig
 from scale_llm.train.trainer import Trainer
 from tests.helpers import make_config, plan_for
 
@@ -58,3 +59,15 @@ def test_profiling_settings_do_not_make_another_experiment(data_dir, tmp_path):
     assert changed_settings(
         {"config": to_dict(before)}, make_config(data_dir, tmp_path, "train.lr=0.5")
     )
+
+
+def test_the_profile_folder_may_not_be_a_name_the_run_dir_uses():
+    from scale_llm.train import preflight
+    from scale_llm.train.options import RUN_DIR_NAMES, validate_profile
+
+    for name in (*preflight.RUN_DIR_FOLDERS, *preflight.RUN_DIR_FILES, *preflight.RUN_MARKS):
+        assert name in RUN_DIR_NAMES, name
+    for folder in ("metrics.jsonl", "config.yaml", ".lock", "checkpoints/x", ".eval-tasks-1"):
+        p = ProfileConfig(enabled=True, start_step=2, folder=folder)
+        assert any("train.profile.folder" in m for m in validate_profile(p, 4)), folder
+    assert validate_profile(ProfileConfig(enabled=True, start_step=2, folder="prof"), 4) == []

@@ -29,6 +29,7 @@ from scale_llm.config import Config
 from scale_llm.data.tokenizer import load_tokenizer
 from scale_llm.export import default_dtype, write_hf_folder
 from scale_llm.plan import RunPlan
+from scale_llm.train.options import SCRATCH_PREFIX
 
 log = logging.getLogger(__name__)
 KEYS = ("eval.tasks", "eval.tasks", "eval.tasks_include_path")  # what its errors call things
@@ -75,7 +76,7 @@ class TaskEval:
         return scores
 
     def _evaluate(self, weights: dict[str, torch.Tensor], run_dir: Path, step: int) -> dict:
-        scratch = Path(tempfile.mkdtemp(prefix=".eval-tasks-", dir=run_dir))
+        scratch = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=run_dir))
         try:
             export_dir = scratch / "export"
             write_hf_folder(

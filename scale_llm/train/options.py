@@ -8,8 +8,15 @@ from pathlib import PurePath
 
 from scale_llm.schema import config_key
 
-# RUN_DIR's own names (train/preflight.py): the profile folder may not be one of them
-RUN_DIR_NAMES = ("checkpoints", "tensorboard", "wandb", "eval", "export")
+# RUN_DIR's own names (train/preflight.py's RUN_DIR_FOLDERS, RUN_DIR_FILES and RUN_MARKS, held
+# to this list by tests/test_profiling.py), and the prefix of eval.tasks' scratch exports: the
+# profile folder may not be one of them
+RUN_DIR_NAMES = (
+    *("checkpoints", "tensorboard", "wandb", "eval", "export"),
+    *("config.yaml", "plan.json", "tokenizer.model", "hf-tokenizer.json", "ds_config.json"),
+    *("deepspeed.log", "metrics.jsonl", "wandb-id.txt", ".lock"),
+)
+SCRATCH_PREFIX = ".eval-tasks-"
 
 
 @dataclass
@@ -79,9 +86,9 @@ def _folder_problems(folder: str) -> list[str]:
             f"train.profile.folder={folder!r} must be a folder inside the run dir (a relative "
             f"path without '..'), e.g. train.profile.folder=profile"
         ]
-    if path.parts[0] in RUN_DIR_NAMES:
+    if path.parts[0] in RUN_DIR_NAMES or path.parts[0].startswith(SCRATCH_PREFIX):
         return [
-            f"train.profile.folder={folder!r} is inside the run dir's own {path.parts[0]}/ "
-            f"folder; pick another name, e.g. train.profile.folder=profile"
+            f"train.profile.folder={folder!r} is (inside) the run dir's own {path.parts[0]}; "
+            f"pick another name, e.g. train.profile.folder=profile"
         ]
     return []
