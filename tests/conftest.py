@@ -47,6 +47,7 @@ _prebuild: subprocess.Popen | None = None
 SLOW_MODULES = {"test_distributed.py", "test_reliability.py", "test_offload_census.py"}
 FAST_WORLD = "test_distributed.py::test_backend_matches_single_process[ddp]"
 SLOW_TESTS = {  # over ~5 s each on 2 cores (pytest --durations), by module::function
+    "test_eval_tasks.py::test_an_unknown_task_stops_every_rank_with_the_message",
     "test_memory_fake.py::test_fsdp2_x_tensor_parallel_at_4_fake_ranks_peaks_where_the_estimate_says",
     "test_tensor_parallel.py::test_tensor_parallel_alone_follows_one_process",
     "test_tensor_parallel.py::test_fsdp_x_tensor_parallel_resumes_at_another_degree",

@@ -71,3 +71,27 @@ def test_fsdp_world_scores_the_whole_model_as_scale_llm_eval_does(data_dir, tmp_
         during[f"eval/{task}/word_perplexity"], after["word_perplexity"], rel_tol=1e-4
     )
     assert math.isclose(during[f"eval/{task}/bits_per_byte"], after["bits_per_byte"], rel_tol=1e-4)
+
+
+def test_an_unknown_task_stops_every_rank_with_the_message(data_dir, tmp_path):
+    """Rank 0 looks the tasks up; the other ranks stop with it, before the model is sharded
+    (they would otherwise wait in FSDP's broadcast for a rank that left)."""
+    import subprocess
+
+    from tests.helpers import env
+
+    args = [
+        *common(data_dir, tmp_path, "fsdp"),
+        *sets(
+            "parallel.backend=fsdp", "eval.tasks=no_such_task", f"eval.tasks_include_path={TASKS}"
+        ),
+    ]
+    proc = subprocess.run(
+        torchrun(2, *args), cwd=REPO, env=env(), capture_output=True, text=True, timeout=300
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "error: eval.tasks: no_such_task not found" in out
+    assert "error: eval.tasks: rank 0 could not use the tasks" in out
+    assert "[rank1]: Traceback" not in out and "[rank0]: Traceback" not in out
+    assert not (tmp_path / "fsdp").exists()

@@ -25,8 +25,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from scale_llm import evaluate
+from scale_llm.components.distributed import all_ranks_agree
 from scale_llm.config import Config
 from scale_llm.data.tokenizer import load_tokenizer
+from scale_llm.errors import UserError
 from scale_llm.export import default_dtype, write_hf_folder
 from scale_llm.plan import RunPlan
 from scale_llm.train.options import SCRATCH_PREFIX
@@ -47,8 +49,18 @@ class TaskEval:
         self.cfg, self.plan, self.tokenizer_path = cfg, plan, tokenizer_path
         self.tasks = task_names(cfg)
         self.manager = None
+        problem: UserError | None = None
         if self.tasks and plan.is_main:  # (the other ranks only gather and wait)
-            self.manager = evaluate.task_manager(self.tasks, cfg.eval.tasks_include_path, KEYS)
+            try:
+                self.manager = evaluate.task_manager(self.tasks, cfg.eval.tasks_include_path, KEYS)
+            except UserError as e:
+                problem = e
+        # every rank stops alike, before any collective of the setup would wait for rank 0
+        if self.tasks and not all_ranks_agree(problem is None, plan.device):
+            raise problem or UserError(
+                "eval.tasks: rank 0 could not use the tasks (its message says why); fix "
+                "eval.tasks or eval.tasks_include_path"
+            )
 
     def due(self, step: int) -> bool:
         every, last = self.cfg.eval.tasks_every, self.cfg.train.max_steps
