@@ -218,3 +218,30 @@ def test_repeat_false_refuses_a_run_that_would_read_a_source_twice(mixture, tmp_
     data_dir, src = mixture
     with pytest.raises(UserError, match=r"data.repeat=false.*code: \d+\.\d+ epochs"):
         run(data_dir, src, tmp_path, "train.max_steps=2000", "data.repeat=false")
+
+
+def test_a_source_folder_that_holds_other_data_is_refused_untouched(tmp_path, capsys):
+    """data.dir/<name> that this data.dir's mixture.json does not list as a source (a one-source
+    data folder, a file) is named with the fix, and nothing in data.dir changes."""
+    src = {"one": corpus(tmp_path / "a", "aa", 0, n=8), "two": corpus(tmp_path / "b", "bb", 1, n=8)}
+    data = tmp_path / "data"
+    prepare(prep_config(src["one"], data / "one"))
+    (data / "two").write_text("not a source folder")
+    before = snapshot(data)
+    argv = ["prepare", "--set", f"data.dir={data}", "--set", "model.vocab_size=400"]
+    assert main([*argv, "--set", sources_override(src, {"one": 1, "two": 1})]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    for text in (f"{data / 'one'}", f"{data / 'two'}", "Point data.dir at a new folder"):
+        assert text in err, (text, err)
+    assert snapshot(data) == before
+    # prepare's own source folders are continued, even before their sources are recorded (a
+    # prepare stopped while re-encoding them)
+    (data / "one").rename(tmp_path / "one")
+    (data / "two").unlink()
+    cfg = mixture_config(data, src, {"one": 1, "two": 1})
+    prepare(cfg)
+    record = json.loads((data / "mixture.json").read_text())
+    assert record["folders"] == ["one", "two"]
+    (data / "mixture.json").write_text(json.dumps({**record, "sources": {}}))
+    assert set(prepare(cfg)["sources"]) == {"one", "two"}

@@ -1,10 +1,12 @@
 """`data.sources`: a weighted mixture, prepared as one folder per source under one tokenizer.
 
-data.dir holds the shared tokenizer, `mixture.json` (the tokenizer's record and, per source,
-its fingerprint and token counts) and one folder per source, `data.dir/<name>/`, which is an
-ordinary prepared folder (manifest, shards, a copy of the tokenizer): prepare.py builds each
-one with everything it promises (resumable, published atomically, up-to-date check), so a
-source that changed, or was added, is re-prepared alone.
+data.dir holds the shared tokenizer, `mixture.json` (the tokenizer's record, the source folders
+prepare made there and, per source, its fingerprint and token counts) and one folder per source,
+`data.dir/<name>/`, which is an ordinary prepared folder (manifest, shards, a copy of the
+tokenizer): prepare.py builds each one with everything it promises (resumable, published
+atomically, up-to-date check), so a source that changed, or was added, is re-prepared alone.
+A `data.dir/<name>` that mixture.json does not name (data prepared there otherwise) is refused,
+never replaced.
 
 The tokenizer is trained once, on a sample that takes from each source its weight's share of
 data.tokenizer_sample_bytes (a mixture of one source samples exactly as `data.source` does);
@@ -66,10 +68,15 @@ def prepare_mixture(cfg: Config, force: bool = False) -> dict[str, Any]:
     lock = OwnerLock(out / one.LOCK_FILE, f"data.dir={out}", "point data.dir elsewhere")
     lock.acquire(wait=True, on_wait="data: waiting for another prepare of this data.dir (%s)")
     try:
-        mixture = _claim(out)
+        mixture = _claim(out, [s.name for s in cfg.data.sources])
         tokenizer = _tokenizer(cfg, configs, sources, out, mixture, bundle, force)
         for i, (entry, sub) in enumerate(zip(cfg.data.sources, configs)):
             log.info("data: source %s (%s)", entry.name, sub.data.source)
+            if entry.name not in mixture["folders"]:
+                # named before its folder is written: a stopped prepare leaves it prepare's own,
+                # so the next prepare continues it instead of refusing it
+                mixture["folders"].append(entry.name)
+                atomic_write_json(out / MIXTURE, mixture)
             try:
                 manifest = one.prepare(sub, force, tokenizer=tokenizer)
             except UserError as e:
@@ -98,9 +105,10 @@ def _open_all(cfg: Config, configs: list[Config]) -> list[Any]:
     return sources
 
 
-def _claim(out: Path) -> dict[str, Any]:
+def _claim(out: Path, names: list[str]) -> dict[str, Any]:
     """mixture.json as found (a fresh one where there is none); refuses a data.dir that holds
-    one-source data, or a tokenizer no mixture.json of prepare's names."""
+    one-source data, a tokenizer no mixture.json of prepare's names, or a data.dir/<name> of
+    `names` that it does not name (a source's prepare would re-encode and replace it)."""
     if (out / MANIFEST).exists():
         raise UserError(
             f"data.dir={out} holds the data of one source ({MANIFEST}); a mixture keeps one "
@@ -114,7 +122,31 @@ def _claim(out: Path) -> dict[str, Any]:
                 f"data.dir={out} holds a {name} that no {MIXTURE} of prepare's names; prepare "
                 f"would replace it, so it stops. Point data.dir at a new folder, or move it away"
             )
-    return found or {"format": MIXTURE_FORMAT, "kind": "mixture", "tokenizer": None, "sources": {}}
+    mixture = found or {"format": MIXTURE_FORMAT, "kind": "mixture", "tokenizer": None}
+    mixture.setdefault("sources", {})
+    mixture.setdefault("folders", list(mixture["sources"]))  # (a record without the key)
+    _refuse_foreign_folders(out, names, {*mixture["sources"], *mixture["folders"]})
+    return mixture
+
+
+def _refuse_foreign_folders(out: Path, names: list[str], ours: set[str]) -> None:
+    """Every data.dir/<name> that exists (a file, a link, a folder with anything in it) is one
+    this data.dir's mixture.json names, or prepare stops before writing anything."""
+    foreign = []
+    for i, name in enumerate(names):
+        path = out / name
+        if name in ours or not (path.exists() or path.is_symlink()):
+            continue
+        if path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
+            continue  # an empty folder holds nothing to replace
+        foreign.append(f"data.sources[{i}] (name {name}): {path}")
+    if foreign:
+        raise UserError(
+            f"data.dir={out} already holds {'; '.join(foreign)}, which its {MIXTURE} does not "
+            f"name as a source folder (one-source data prepared there earlier, say); prepare "
+            f"would re-encode and replace it, so it stops. Point data.dir at a new folder, "
+            f"rename the source (data.sources[i].name), or move the folder away"
+        )
 
 
 def _read(path: Path) -> dict[str, Any] | None:
@@ -134,6 +166,7 @@ def _read(path: Path) -> dict[str, Any] | None:
         and tok.get("file") in (SP_FILE, BUNDLE_FILE)
         and isinstance(tok.get("sha256"), str)
         and isinstance(found.get("sources"), dict)
+        and isinstance(found.get("folders", []), list)
     ):
         raise UserError(
             f"{path} is not the {MIXTURE} prepare writes (edited by hand, or cut short); move "
