@@ -126,6 +126,7 @@ def test_convert_writes_one_portable_file(data_dir, root, reference):
     out, n = convert(root / "from-ddp", root / "ddp-model.pt")
     blob = torch.load(out, weights_only=True)
     assert blob["step"] == 2 and blob["config"]["parallel"]["backend"] == "ddp"
+    assert blob["qkv_layout"] == "grouped"
     cfg = make_config(data_dir, root)
     direct = load_model_weights(ddp, empty_state_dict(cfg.model))
     assert blob["model"].keys() == direct.keys()

@@ -5,8 +5,10 @@ from scale_llm.model.transformer import (
     Transformer,
     build_model,
     empty_state_dict,
+    fuse_qkv,
     materialize,
     mlp_hidden_size,
+    split_qkv,
 )
 
 __all__ = [
@@ -14,6 +16,8 @@ __all__ = [
     "Transformer",
     "build_model",
     "empty_state_dict",
+    "fuse_qkv",
     "materialize",
     "mlp_hidden_size",
+    "split_qkv",
 ]

@@ -1,7 +1,10 @@
 """`scale-llm convert`: any checkpoint -> one self-describing fp32 file.
 
-The file holds {"model": state_dict, "config": the run's resolved config, "step": N}; it loads
-with `torch.load(path, weights_only=True)` anywhere, without torch.distributed or DeepSpeed.
+The file holds {"model": state_dict, "config": the run's resolved config, "step": N,
+"qkv_layout": "grouped"}; it loads with `torch.load(path, weights_only=True)` anywhere, without
+torch.distributed or DeepSpeed. "qkv_layout" says how attention.wqkv's rows are laid out:
+grouped by kv head (`scale_llm.model.split_qkv` takes q, k and v apart); files without it (from
+scale_llm before that layout) hold q, k and v stacked.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from scale_llm.errors import UserError, require_writable_dir
 from scale_llm.files import describe_kind, fsync_dir, temporary_sibling
 from scale_llm.model import empty_state_dict
 
+QKV_LAYOUT = "grouped"  # attention.wqkv's rows, as the file says under "qkv_layout"
+
 
 def convert(checkpoint: str | Path, out: str | Path, force: bool = False) -> tuple[Path, int]:
     out = Path(out)
@@ -41,7 +46,8 @@ def convert(checkpoint: str | Path, out: str | Path, force: bool = False) -> tup
     tmp = temporary_sibling(out)  # a fresh name: nothing else is ever written over
     try:
         with open(tmp, "xb") as f:
-            torch.save({"model": weights, "config": state["config"], "step": state["step"]}, f)
+            saved = {"model": weights, "config": state["config"], "step": state["step"]}
+            torch.save({**saved, "qkv_layout": QKV_LAYOUT}, f)
             f.flush()
             os.fsync(f.fileno())
         check_out(out, force)  # still absent, or still an earlier output, as checked at the start
@@ -80,10 +86,10 @@ def check_out(out: Path, force: bool) -> None:
 
 
 def is_convert_output(path: Path) -> bool:
-    """A torch file holding exactly {"model", "config", "step"} (read through mmap: the
-    tensors' bytes are not read)."""
+    """A torch file holding exactly {"model", "config", "step"} (and, since the kv-head grouped
+    wqkv, "qkv_layout"), read through mmap: the tensors' bytes are not read."""
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:  # not a torch zip file, or one with objects outside the allow-list
         return False
-    return isinstance(obj, dict) and set(obj) == {"model", "config", "step"}
+    return isinstance(obj, dict) and set(obj) - {"qkv_layout"} == {"model", "config", "step"}
