@@ -1730,6 +1730,11 @@ FLAGS = [
         for mb in ("nan", "inf", "0", "-1")
     ],
     (
+        "prepare --bench with a model's tokenizer",
+        ["prepare", TINY, "--bench", *s(f"data.tokenizer={TASK_DIR}")],
+        "prepare --bench times SentencePiece encoding (prepare's own tokenizer)",
+    ),
+    (
         "export: a shard size without a unit",
         ["export", ".", "--out", "hf", "--max-shard-size", "2G"],
         "--max-shard-size '2G': use a size above 0",

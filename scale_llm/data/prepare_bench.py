@@ -34,6 +34,13 @@ def bench_prepare(cfg: Config, megabytes: float) -> dict[str, Any]:
         from scale_llm.data.mixture import source_config
 
         cfg = source_config(cfg, cfg.data.sources[0])
+    if cfg.data.tokenizer:
+        raise UserError(
+            f"prepare --bench times SentencePiece encoding (prepare's own tokenizer); "
+            f"data.tokenizer={cfg.data.tokenizer} names a model's tokenizer, which it does not "
+            f"time: run it without data.tokenizer (--set data.tokenizer=null) to time the "
+            f"pipeline, or time `scale-llm prepare` itself on a copy of data.dir"
+        )
     source = open_source(cfg.data)
     docs = _read(source, int(megabytes * 1e6))
     if not docs:
