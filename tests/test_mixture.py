@@ -225,11 +225,13 @@ def test_a_source_folder_that_holds_other_data_is_refused_untouched(tmp_path, ca
     data folder, a file) is named with the fix, and nothing in data.dir changes."""
     src = {"one": corpus(tmp_path / "a", "aa", 0, n=8), "two": corpus(tmp_path / "b", "bb", 1, n=8)}
     data = tmp_path / "data"
-    prepare(prep_config(src["one"], data / "one"))
+    argv = ["prepare", "--set", "model.vocab_size=400", "--set"]
+    assert main([*argv, f"data.source={src['one']}", "--set", f"data.dir={data / 'one'}"]) == 0
     (data / "two").write_text("not a source folder")
     before = snapshot(data)
-    argv = ["prepare", "--set", f"data.dir={data}", "--set", "model.vocab_size=400"]
-    assert main([*argv, "--set", sources_override(src, {"one": 1, "two": 1})]) == 2
+    capsys.readouterr()
+    code = main([*argv, f"data.dir={data}", "--set", sources_override(src, {"one": 1, "two": 1})])
+    assert code == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
     for text in (f"{data / 'one'}", f"{data / 'two'}", "Point data.dir at a new folder"):
