@@ -69,6 +69,22 @@ def test_every_stretch_of_the_stream_holds_each_source_by_its_weight():
         assert schedule.counts.min() >= 1  # a tiny weight still gets read
 
 
+def test_tiny_weights_raised_to_one_sequence_take_their_slots_from_the_large_ones():
+    """Tiny weights each get one sequence a period; what that adds over the period comes off
+    the weights above one slot. Ordinary weights keep the counts their streams were read with."""
+    cases = {
+        (1e-6, 1e-6, 1.0): [1, 1, 4094],
+        (1e-6,) * 5 + (1.0,): [1] * 5 + [4091],
+        (1e-6, 1e-6, 1e-6, 1.0, 3.0): [1, 1, 1, 1023, 3070],
+        (0.7, 0.3): [2867, 1229],
+        (1, 1, 1): [1366, 1365, 1365],
+        (0.5, 0.25, 0.125, 0.125): [2048, 1024, 512, 512],
+        (1e-5, 1.0): [1, 4095],
+    }
+    for weights, counts in cases.items():
+        assert SourceSchedule(list(weights)).counts.tolist() == counts, weights
+
+
 def test_a_mixture_of_one_source_is_the_one_source_data_and_stream(tmp_path):
     src = corpus(tmp_path / "src", "doc", 0)
     one = prepare(prep_config(src, tmp_path / "one"))

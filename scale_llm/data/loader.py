@@ -76,6 +76,28 @@ class TokenWindows:
 PERIOD = 4096  # sequences after which a mixture's interleave of sources repeats
 
 
+def period_counts(weights: list[float]) -> list[int]:
+    """Each source's sequences in a period of PERIOD: its share by largest remainder, at least
+    one. Where raising tiny weights to one overfills the period, the extra slots come off the
+    counts above one, smallest remainder first (so equal weights keep equal counts)."""
+    if len(weights) > PERIOD:
+        raise ValueError(f"{len(weights)} sources: at most {PERIOD} fit in a period")
+    total = sum(weights)
+    exact = [w / total * PERIOD for w in weights]
+    counts = [max(1, int(x)) for x in exact]
+    short = PERIOD - sum(counts)
+    if short > 0:
+        by_remainder = sorted(range(len(weights)), key=lambda s: (int(x := exact[s]) - x, s))
+        for s in by_remainder[:short]:
+            counts[s] += 1
+    while short < 0:  # (only when tiny weights were raised to one)
+        above = [s for s in range(len(weights)) if counts[s] > 1]
+        for s in sorted(above, key=lambda s: (exact[s] - int(exact[s]), s))[:-short]:
+            counts[s] -= 1
+            short += 1
+    return counts
+
+
 class SourceSchedule:
     """Which source stream position p reads, and which of that source's draws it is.
 
@@ -86,15 +108,8 @@ class SourceSchedule:
     """
 
     def __init__(self, weights: list[float]):
-        total = sum(weights)
-        exact = [w / total * PERIOD for w in weights]
-        counts = [max(1, int(x)) for x in exact]
-        by_remainder = sorted(range(len(weights)), key=lambda s: (int(x := exact[s]) - x, s))
-        for s in by_remainder[: PERIOD - sum(counts)]:
-            counts[s] += 1
-        while sum(counts) > PERIOD:  # (only when tiny weights were raised to one)
-            counts[counts.index(max(counts))] -= 1
-        self.counts = np.array(counts, dtype=np.int64)
+        self.counts = np.array(period_counts(weights), dtype=np.int64)
+        counts = self.counts.tolist()
         slots = sorted(((j + 0.5) * PERIOD / c, s) for s, c in enumerate(counts) for j in range(c))
         self.pattern = np.array([s for _, s in slots], dtype=np.int64)  # (PERIOD,)
         # before[s, r]: positions < r of the period that read source s
