@@ -263,3 +263,24 @@ def test_a_source_folder_that_holds_other_data_is_refused_untouched(tmp_path, ca
     assert record["folders"] == ["one", "two"]
     (data / "mixture.json").write_text(json.dumps({**record, "sources": {}}))
     assert set(prepare(cfg)["sources"]) == {"one", "two"}
+
+
+def test_a_source_too_small_for_one_window_is_named_before_any_run_work(tmp_path):
+    from scale_llm.errors import UserError
+
+    """Source code has validation windows of model.seq_len=256 but no training window (its one
+    validation document, 7.txt by its id's hash, is the long one); web has both."""
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    for i, text in enumerate(random_texts(8, "t{i}", seed=2, length=4)):
+        (tiny / f"{i}.txt").write_text(text * (40 if i == 7 else 1))
+    src = {"web": corpus(tmp_path / "web", "web", 0, n=8), "code": tiny}
+    splits = prepare(mixture_config(tmp_path / "data", src))["sources"]["code"]
+    assert splits["train_tokens"] < 257 <= splits["val_tokens"]
+    with pytest.raises(UserError) as refused:
+        run(tmp_path / "data", src, tmp_path / "runs", "model.seq_len=256")
+    said = str(refused.value)
+    assert "data.sources[1] (name code)" in said and "web" not in said, said
+    assert f"{splits['train_tokens']} training tokens (0 windows)" in said, said
+    assert "model.seq_len=256" in said, said
+    assert not (tmp_path / "runs").exists()

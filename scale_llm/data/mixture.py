@@ -384,10 +384,38 @@ def open_training_data(cfg: Config) -> TrainingData:
                 counts[name] = len(TokenWindows(maps, cfg.model.seq_len))
             shards[split] += maps
             names[split] += files
+    if cfg.data.sources:
+        _check_windows(cfg, {name: manifest for name, _, manifest in folders}, counts, val)
     train = TokenWindows(shards["train"], cfg.model.seq_len, cfg.model.vocab_size, names["train"])
     weights = mixture_weights(cfg.data)
     sources = {n: (weights[n], counts[n]) for n in counts} if cfg.data.sources else None
     return TrainingData(folders[0][2], train, val, sources)
+
+
+def _check_windows(
+    cfg: Config,
+    manifests: dict[str, dict[str, Any]],
+    train: dict[str, int],
+    val: dict[str, TokenWindows],
+) -> None:
+    """Every source of a mixture has a training and a validation window of model.seq_len (the
+    run reads each source on its own, so the whole having windows is not enough)."""
+    problems = []
+    for i, name in enumerate(manifests):
+        if train[name] and len(val[name]):
+            continue
+        splits = manifests[name]["splits"]
+        problems.append(
+            f"data.sources[{i}] (name {name}): {Path(cfg.data.dir) / name} holds "
+            f"{splits['train']['tokens']:,} training tokens ({train[name]:,} windows) and "
+            f"{splits['val']['tokens']:,} validation tokens ({len(val[name]):,} windows)"
+        )
+    if problems:
+        raise UserError(
+            f"{'; '.join(problems)} of model.seq_len={cfg.model.seq_len} (a window is seq_len + 1 "
+            f"tokens of one shard), and a run needs at least one of each from every source; "
+            f"give the source more text, lower model.seq_len, or leave it out of data.sources"
+        )
 
 
 def check_epochs(cfg: Config, loader: TrainLoader, data: TrainingData, is_main: bool) -> None:
