@@ -95,3 +95,24 @@ def test_an_unknown_task_stops_every_rank_with_the_message(data_dir, tmp_path):
     assert "error: eval.tasks: rank 0 could not use the tasks" in out
     assert "[rank1]: Traceback" not in out and "[rank0]: Traceback" not in out
     assert not (tmp_path / "fsdp").exists()
+
+
+def test_a_name_no_built_in_task_file_holds_is_refused_without_indexing_the_registry(
+    monkeypatch,
+):
+    """lm-eval's task manager indexes its ~14k task files (~15 s) when built with its
+    registry: a name that none of those files holds is refused before that."""
+    import lm_eval.tasks
+
+    from scale_llm.evaluate import task_manager
+
+    def no_registry(*args, include_defaults=True, **kwargs):
+        assert not include_defaults, "the registry was indexed"
+        return real(*args, include_defaults=include_defaults, **kwargs)
+
+    real = lm_eval.tasks.TaskManager
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", no_registry)
+    with pytest.raises(UserError, match="hellaswg_typo not found in lm-eval's registry"):
+        task_manager(["hellaswg_typo"], None)
+    with pytest.raises(UserError, match="nope_task not found in lm-eval's registry or in"):
+        task_manager(["scale_llm_tiny_mc", "nope_task"], TASKS)
