@@ -1,7 +1,8 @@
 """The estimate against a whole optimizer step traced at full size on fake tensors
 (`scale_llm.memory.fake`): 125m.yaml as shipped (micro-batch 32, no checkpointing), FSDP2 at
-8 ranks of a fake process group on tiny-fsdp.yaml, and FSDP2 x tensor parallelism at 4. The trace counts every fake storage as a
-CPU measurement counts real ones (`measure.LiveStorages`)."""
+8 ranks of a fake process group on tiny-fsdp.yaml, and FSDP2 x tensor parallelism at 4. The
+trace counts every fake storage as a CPU measurement counts real ones
+(`measure.LiveStorages`)."""
 
 from __future__ import annotations
 
