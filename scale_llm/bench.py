@@ -474,8 +474,12 @@ def backend_changes(name: str, world_size: int) -> dict[str, Any]:
     if name.startswith("zero"):
         if importlib.util.find_spec("deepspeed") is None:
             raise UserError(f"--sweep-backend {name}: deepspeed is not installed")
-        return {"parallel.backend": "deepspeed", "parallel.deepspeed.zero_stage": int(name[-1])}
-    return {"parallel.backend": name}
+        return {
+            "parallel.backend": "deepspeed",
+            "parallel.deepspeed.zero_stage": int(name[-1]),
+            "parallel.tensor_parallel": 1,
+        }
+    return {"parallel.backend": name, "parallel.tensor_parallel": 1}  # (fsdp-tpN: with it)
 
 
 CHECKPOINTING_MODES = typing.get_args(

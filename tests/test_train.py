@@ -576,10 +576,12 @@ def test_bench_reference_runs_the_same_model_on_the_same_batch(tmp_path):
 def test_sweep_backends_name_their_config_and_refuse_what_the_launch_cannot_run():
     from scale_llm.bench import backend_changes
 
-    assert backend_changes("fsdp", 2) == {"parallel.backend": "fsdp"}
-    zero3 = {"parallel.backend": "deepspeed", "parallel.deepspeed.zero_stage": 3}
+    # every entry but fsdp-tpN runs without tensor parallelism, whatever the config says
+    plain = {"parallel.tensor_parallel": 1}
+    assert backend_changes("fsdp", 2) == {"parallel.backend": "fsdp", **plain}
+    zero3 = {"parallel.backend": "deepspeed", "parallel.deepspeed.zero_stage": 3, **plain}
     assert backend_changes("zero3", 2) == zero3
-    assert backend_changes("single", 1) == {"parallel.backend": "single"}
+    assert backend_changes("single", 1) == {"parallel.backend": "single", **plain}
     with pytest.raises(UserError, match="--sweep-backend single: one process only, and this"):
         backend_changes("single", 2)
     with pytest.raises(UserError, match="--sweep-backend zero4: not a backend"):
