@@ -174,6 +174,23 @@ BACKENDS = {
 SPLIT = ["train.micro_batch_size=2", "train.grad_accum=2", "activation_checkpointing.mode=full"]
 
 
+def cached_runs(data_dir: Path, root: Path, *always: str):
+    """`get(name, nproc, *overrides)`: a training run through torchrun under `root`, run at most
+    once per fixture (with the `always` overrides first), as its metrics rows by step."""
+    done: dict[str, dict[int, dict]] = {}
+
+    def get(name: str, nproc: int, *overrides: str) -> dict[int, dict]:
+        if name not in done:
+            args = [*common(data_dir, root, name), *sets(*always, *overrides)]
+            run(torchrun(nproc, *args), cwd=root)
+            done[name] = rows_of(root / name)
+        return done[name]
+
+    get.root = root
+    get.data_dir = data_dir
+    return get
+
+
 def sets(*items: str) -> list[str]:
     return [arg for s in items for arg in ("--set", s)]
 

@@ -32,6 +32,7 @@ from tests.helpers import (
     STEPS,
     TINY_MODEL,
     TOL,
+    cached_runs,
     common,
     env,
     plant_in_torch_file,
@@ -45,17 +46,7 @@ from tests.helpers import (
 @pytest.fixture(scope="module")
 def runs(data_dir, tmp_path_factory):
     """Runs on demand, each at most once per test session: name -> metrics rows by step."""
-    root = tmp_path_factory.mktemp("runs")
-    done: dict[str, dict[int, dict]] = {}
-
-    def get(name: str, nproc: int, *overrides: str) -> dict[int, dict]:
-        if name not in done:
-            run(torchrun(nproc, *common(data_dir, root, name), *sets(*overrides)), cwd=root)
-            done[name] = rows_of(root / name)
-        return done[name]
-
-    get.root = root
-    return get
+    return cached_runs(data_dir, tmp_path_factory.mktemp("runs"))
 
 
 @pytest.fixture(scope="module")

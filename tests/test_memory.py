@@ -427,33 +427,30 @@ WORLD_CASES = [
 ]
 
 
+def measured_at_two_ranks(cases: list[dict], tmp_path: Path, timeout: int) -> list[dict]:
+    """tests/measure_world.py's results for `cases` ({"set": overrides, ...}) on 2 gloo ranks."""
+    from tests.helpers import env
+
+    out = tmp_path / "measured.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += [str(REPO / "tests" / "measure_world.py"), str(out), json.dumps(cases)]
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
 def test_every_backend_at_two_ranks_peaks_where_the_estimate_says(tmp_path):
     """Each backend's step measured on 2 gloo ranks (rank 0's figures; 18 cases): the step's
     peak of every storage (DeepSpeed's flat buffers made at its engine's construction included)
     is the estimate's phase-aware peak within the case's tolerance, and what is alive at it, by
     category (parameters, gradients and optimizer state in every form the backend holds them,
     activations, temporaries), is what the estimate's peak phase holds, each within 3%."""
-    from tests.helpers import env
-
     cases = [{"set": s, "tol": tol} for s, tol in WORLD_CASES]
-    out = tmp_path / "measured.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(REPO / "tests" / "measure_world.py"),
-        str(out),
-        json.dumps(cases),
-    ]
     # 36 cases (2026-12-01) took 1 min 42 s on a CPU with native bf16 (AVX-512 BF16)
     # and 15 min where bf16 is emulated (AVX2 only): the limit only stops a hang
-    proc = subprocess.run(
-        cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=2400
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads(out.read_text())
+    results = measured_at_two_ranks(cases, tmp_path, timeout=2400)
     assert [r["set"] for r in results] == [c["set"] for c in cases]
     for r in results:
         got, est, name = r["measured"], r["estimated"], " ".join(r["set"])
@@ -521,22 +518,7 @@ def test_tensor_parallel_at_two_ranks_peaks_where_the_estimate_says(tmp_path):
     """A step of TP 2 with sequence parallelism, measured per rank: the peak is the estimate's
     (it never under-predicts by more than 1%, over-predicts by at most 6%), the optimizer state
     half the model's, and the activations at the peak no more than the estimate's."""
-    from tests.helpers import env
-
-    out = tmp_path / "measured.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(REPO / "tests" / "measure_world.py"),
-        str(out),
-        json.dumps([{"set": s} for s in TP_CASES]),
-    ]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    for r in json.loads(out.read_text()):
+    for r in measured_at_two_ranks([{"set": s} for s in TP_CASES], tmp_path, timeout=600):
         got, est, name = r["measured"], r["estimated"], " ".join(r["set"])
         peak = got["allocated_peak"]
         assert 0.99 * peak <= est["peak"] <= 1.06 * peak, (name, peak, est["peak"])

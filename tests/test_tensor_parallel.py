@@ -34,6 +34,7 @@ from tests.helpers import (
     REPO,
     STEPS,
     TOL,
+    cached_runs,
     common,
     env,
     rows_of,
@@ -50,18 +51,7 @@ REFERENCE = ["train.micro_batch_size=8", "train.grad_accum=1"]
 
 @pytest.fixture(scope="module")
 def runs(data_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("tp")
-    done: dict[str, dict[int, dict]] = {}
-
-    def get(name: str, nproc: int, *overrides: str) -> dict[int, dict]:
-        if name not in done:
-            run(torchrun(nproc, *common(data_dir, root, name), *sets(*GQA, *overrides)), cwd=root)
-            done[name] = rows_of(root / name)
-        return done[name]
-
-    get.root = root
-    get.data_dir = data_dir
-    return get
+    return cached_runs(data_dir, tmp_path_factory.mktemp("tp"), *GQA)
 
 
 def assert_same_curve(rows: dict[int, dict], ref: dict[int, dict], steps=range(1, STEPS + 1)):
