@@ -112,17 +112,104 @@ def describe_kind(path: Path) -> str:
     return "missing"
 
 
-def read_json_object(path: Path, what: str, fix: str) -> dict[str, Any]:
-    """A JSON file that must hold an object: anything else (unreadable, not JSON, a list, a
-    directory) is a UserError naming the file, what it is, and `fix`."""
+# ----------------------------------------------------------------------------- reading JSON
+# Every JSON file or line the project reads goes through `parse_json`: bounded in size and in
+# nesting, so a hostile file gives one UserError (or a skipped line), never a MemoryError or a
+# RecursionError from the decoder. What the project writes nests at most ~6 deep; Hugging Face
+# configs and tokenizer files about 10.
+MAX_JSON_DEPTH = 64
+MAX_JSON_BYTES = 1 << 30  # 1 GiB: a Hugging Face tokenizer.json is ~10 MB, a manifest ~1 MB
+
+
+class JSONProblem(ValueError):
+    """Why a text is not JSON this project reads (the reason, in words)."""
+
+
+def parse_json(text: str | bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """The value of a JSON text nested at most `max_depth` deep; JSONProblem otherwise."""
     try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
-        raise UserError(f"{path} ({what}) cannot be read as JSON ({reason}); {fix}") from None
-    if not isinstance(obj, dict):
-        raise UserError(f"{path} ({what}) holds a JSON {type(obj).__name__}, not an object; {fix}")
-    return obj
+        value = json.loads(text)
+    except RecursionError:  # the decoder recurses per level: ~1,000 levels exhaust the stack
+        raise JSONProblem(f"nested deeper than {max_depth} levels") from None
+    except UnicodeDecodeError:
+        raise JSONProblem("not UTF-8 text") from None
+    except ValueError as e:
+        raise JSONProblem(f"not JSON: {str(e)[:120]}") from None
+    if _depth_above(value, max_depth):
+        raise JSONProblem(f"nested deeper than {max_depth} levels")
+    return value
+
+
+def _depth_above(value: Any, limit: int) -> bool:
+    """Whether `value` nests more than `limit` containers deep (iteratively: no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            if depth > limit:
+                return True
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return False
+
+
+def read_json(
+    path: Path | str,
+    what: str,
+    fix: str,
+    kind: type = dict,
+    max_bytes: int = MAX_JSON_BYTES,
+    max_depth: int = MAX_JSON_DEPTH,
+) -> Any:
+    """The JSON value of the regular file `path`, which must be a `kind` (dict or list).
+    Anything else (missing, not a regular file, larger than `max_bytes`, not UTF-8 JSON, nested
+    deeper than `max_depth`, another type) is a UserError naming the file, `what` it is, and
+    `fix`. A symlink is followed (the Hub cache links its blobs); a FIFO is never opened."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        raise UserError(f"{path} ({what}) cannot be read ({e.strerror}); {fix}") from None
+    try:
+        st = os.fstat(fd)
+        if not _stat_is_file(st.st_mode):
+            raise UserError(f"{path} ({what}) is not a regular file; {fix}")
+        if st.st_size > max_bytes:
+            raise UserError(
+                f"{path} ({what}) is {st.st_size:,} bytes, more than the {max_bytes:,} such a "
+                f"file can hold; {fix}"
+            )
+        with os.fdopen(os.dup(fd), "rb") as f:
+            raw = f.read(max_bytes + 1)
+    except OSError as e:
+        raise UserError(f"{path} ({what}) cannot be read ({e.strerror}); {fix}") from None
+    finally:
+        os.close(fd)
+    try:
+        value = parse_json(raw, max_depth)
+    except JSONProblem as e:
+        raise UserError(f"{path} ({what}) cannot be read as JSON ({e}); {fix}") from None
+    if not isinstance(value, kind):
+        raise UserError(
+            f"{path} ({what}) holds a JSON {_json_kind(value)}, not {_json_kind(kind())}; {fix}"
+        )
+    return value
+
+
+def _stat_is_file(mode: int) -> bool:
+    import stat
+
+    return stat.S_ISREG(mode)
+
+
+def _json_kind(value: Any) -> str:
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
+    return names.get(type(value), "number")
+
+
+def read_json_object(path: Path, what: str, fix: str) -> dict[str, Any]:
+    """A JSON file that must hold an object (`read_json` with kind=dict)."""
+    return read_json(path, what, fix)
 
 
 # ----------------------------------------------------------------------------- ownership
