@@ -1838,7 +1838,39 @@ FAULT_SPECS = [
     "after_step:1:2:3",
 ]
 
-CASES = [*CONFIG, *PATHS, *DATA, *CHECKPOINTS, *OWNED, *FLAGS, *LAUNCH]
+# ========================================================================== hostile artifacts
+# Folders a command reads from (tokenizers, init_from, exports): code they name, links out of
+# them, and Hugging Face files of the wrong shape.
+HOSTILE_FOLDERS: list = []
+
+# ======================================================================= outputs the user owns
+# prepare's outputs over files it did not write, mixture source folders replaced by links.
+OWNED_OUTPUTS: list = []
+
+# ============================================================ JSON the project reads
+# Damaged, huge or deeply nested JSON files and lines (manifests, plan.json, records, metrics).
+JSON_READS: list = []
+
+# ===================================================================== what is reported is there
+REPORTS: list = []
+
+# ======================================================================= config ergonomics
+ERGONOMICS: list = []
+
+CASES = [
+    *CONFIG,
+    *PATHS,
+    *DATA,
+    *CHECKPOINTS,
+    *OWNED,
+    *FLAGS,
+    *LAUNCH,
+    *HOSTILE_FOLDERS,
+    *OWNED_OUTPUTS,
+    *JSON_READS,
+    *REPORTS,
+    *ERGONOMICS,
+]
 
 
 # ----------------------------------------------------------------------------- the case's folder
