@@ -979,7 +979,7 @@ COMMANDS = {
 }
 
 
-DOTTED = re.compile(r"^--([a-z_]+\.[a-z_.]+)(?:=(.*))?$")
+DOTTED = re.compile(r"^--([a-z_]+\.[a-z_.0-9\[\]]+)(?:=(.*))?$")  # (data.sources[0].weight)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

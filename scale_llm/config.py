@@ -17,6 +17,7 @@ import difflib
 import logging
 import math
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from typing import Any, Literal
 
 import yaml
 
-from scale_llm.data.options import DataConfig, validate_data
+from scale_llm.data.options import PER_SOURCE_KEYS, DataConfig, validate_data
 from scale_llm.errors import UserError
 from scale_llm.parallel.options import (
     ActivationCheckpointingConfig,
@@ -545,19 +546,103 @@ def parse_override(item: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+INDEXED = re.compile(r"([^\[\]]+)\[(\d+)\]")  # `sources[0]`: an entry of a list key
+WHOLE_LIST = "[{name: ..., source: ..., weight: ...}, ...]"
+
+
 def _apply_override(raw: dict[str, Any], item: str, errors: list[str]) -> None:
+    """Set one dotted key in the raw tree. `data.sources[0].weight=3` reaches into an entry of
+    a list key; a step that cannot be taken is one error naming the key and the form that works."""
     key, value = parse_override(item)
-    node = raw
     parts = key.split(".")
-    for i, part in enumerate(parts[:-1]):
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            errors.append(
-                f"{'.'.join(parts[: i + 1])}: is a value, not a section; cannot set {key}"
-            )
+    node: Any = raw
+    cls: Any = Config  # the schema of `node`; None below a key it does not know (_build says so)
+    for i in range(len(parts)):
+        step = _override_step(node, cls, parts, i, item.partition("=")[2])
+        if isinstance(step, str):
+            errors.append(step)
             return
-        node = child
-    node[parts[-1]] = value
+        holder, name, cls = step
+        if i == len(parts) - 1:
+            holder[name] = value
+            return
+        node = holder.setdefault(name, {}) if isinstance(holder, dict) else holder[name]
+        if not isinstance(node, dict):
+            at = ".".join(parts[: i + 1])
+            errors.append(f"{at}: is a value, not a section; cannot set {key}")
+            return
+
+
+def _override_step(
+    node: dict[str, Any], cls: Any, parts: list[str], i: int, text: str
+) -> tuple[Any, Any, Any] | str:
+    """Where parts[i] of an override lives: (the dict or list holding it, its key or index, the
+    schema below it), or the message that says why it cannot be set."""
+    part, key, at = parts[i], ".".join(parts), ".".join(parts[: i + 1])
+    if cls is None:
+        return node, part, None  # below an unknown key, which _build names
+    hints = typing.get_type_hints(cls)
+    indexed = INDEXED.fullmatch(part)
+    name = indexed.group(1) if indexed else part
+    if not indexed and ("[" in part or "]" in part):
+        fixed = ".".join([*parts[:i], part.split("[")[0] + "[0]", *parts[i + 1 :]])
+        return (
+            f"{key}: {part!r} is not KEY[INDEX]; an index is a whole number from 0, e.g. "
+            f"--set '{fixed}={text}'"
+        )
+    if name not in hints:
+        if not indexed:
+            return node, part, None  # (_build names the unknown key, with a did-you-mean)
+        prefix = at[: len(at) - len(part)]
+        return _unknown_key_message(prefix + name, name, list(hints), prefix)
+    tp = hints[name]
+    if typing.get_origin(tp) is not list:
+        if indexed:
+            plain = ".".join([*parts[:i], name, *parts[i + 1 :]])
+            return (
+                f"{key}: {at[: -len(part)]}{name} is not a list, so it takes no [index]; "
+                f"--set {plain}={text}"
+            )
+        return node, name, tp if dataclasses.is_dataclass(tp) else None
+    entry = typing.get_args(tp)[0]
+    if indexed:
+        listed = at[: -len(part)] + name
+        return _list_entry(node.get(name), int(indexed.group(2)), key, listed, entry)
+    if i + 1 < len(parts):
+        return _list_step_problem(key, at, parts[i + 1 :], text)
+    return node, name, None
+
+
+def _list_step_problem(key: str, listed: str, after: list[str], text: str) -> str:
+    """`data.sources.0.weight` or `data.sources.weight`: an entry's index goes in brackets."""
+    if after[0].isdigit():
+        fixed = ".".join([f"{listed}[{after[0]}]", *after[1:]])
+        return f"{key}: an entry of a list is written {listed}[{after[0]}]; --set '{fixed}={text}'"
+    fixed = ".".join([f"{listed}[0]", *after])
+    return (
+        f"{key}: {listed} is a list of entries; set a key of one entry by its index from 0 "
+        f"(--set '{fixed}={text}'), or give the whole list (--set '{listed}={WHOLE_LIST}')"
+    )
+
+
+def _list_entry(
+    entries: Any, index: int, key: str, listed: str, entry: Any
+) -> tuple[list[Any], int, Any] | str:
+    """Entry `index` of the list `listed` as the config so far holds it: (the list, the index,
+    the entries' schema), or why there is no such entry."""
+    count = len(entries) if isinstance(entries, list) else 0
+    if index < count:
+        return entries, index, entry
+    if count == 0:
+        return (
+            f"{key}: {listed} has no entries in this config; give the whole list first "
+            f"(--set '{listed}={WHOLE_LIST}')"
+        )
+    held = f"{count} entr{'y' if count == 1 else 'ies'}, {listed}[0] to {listed}[{count - 1}]"
+    return (
+        f"{key}: {listed} has {held}; use one of those indices, or give the whole list "
+        f"(--set '{listed}={WHOLE_LIST}')"
+    )
 
 
 # Keys that moved: old dotted key -> new dotted key. The old one is still read, with a note.
@@ -672,13 +757,15 @@ def _build(cls: type, raw: Any, prefix: str, errors: list[str]) -> Any:
         errors.append(f"{prefix.rstrip('.')}: expected a mapping of keys, got {short(raw)}")
         return cls()
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in raw.items():
         dotted = f"{prefix}{key}"
-        if key not in names:
-            errors.append(_unknown_key_message(dotted, str(key), names, prefix))
+        if key not in fields:
+            errors.append(_unknown_key_message(dotted, str(key), list(fields), prefix))
             continue
+        if value is None and fields[key].metadata.get("null_unsets"):
+            continue  # unset: the default (over a base: file's value)
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             kwargs[key] = _build(tp, value, f"{dotted}.", errors)
@@ -1019,7 +1106,13 @@ def to_dict(cfg: Config) -> dict[str, Any]:
 
 
 def dump_yaml(cfg: Config) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
+    """The config as YAML; a mixture's without the keys of one source (data.source, ...), which
+    its entries hold and which a mixture leaves at their defaults."""
+    tree = to_dict(cfg)
+    if cfg.data.sources:
+        for key in PER_SOURCE_KEYS:
+            del tree["data"][key]
+    return yaml.safe_dump(tree, sort_keys=False, default_flow_style=False)
 
 
 def save_config(cfg: Config, path: str | Path) -> None:

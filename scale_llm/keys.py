@@ -70,7 +70,10 @@ def key_rows() -> list[tuple[str, str, str, str]]:
     for key in all_keys(Config):
         f, hint = _field(key)
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        rows.append((key, _type(hint), _yaml(default), key_help(f) or ""))
+        type_, meaning = _type(hint), key_help(f) or ""
+        if f.metadata.get("null_unsets"):  # (null gives the default: config_key's null_unsets)
+            type_, meaning = f"{type_} \\| null", f"{meaning}; null: the default"
+        rows.append((key, type_, _yaml(default), meaning))
     return rows
 
 

@@ -1855,7 +1855,82 @@ JSON_READS: list = []
 REPORTS: list = []
 
 # ======================================================================= config ergonomics
-ERGONOMICS: list = []
+TWO_SOURCES = "data.sources=[{name: web}, {name: code}]"
+
+
+def _mixture_over_a_one_source_base(ctx: Ctx) -> list[str]:
+    """A base: file of one source and a mixture over it that does not unset data.source."""
+    (ctx.tmp / "one.yaml").write_text("data:\n  source: docs\n")
+    (ctx.tmp / "mix.yaml").write_text("base: one.yaml\ndata:\n  sources: [{name: web}]\n")
+    return ["config", str(ctx.tmp / "mix.yaml")]
+
+
+ERGONOMICS: list = [
+    (
+        "a list entry written data.sources.0.weight",
+        ["config", *s(TWO_SOURCES, "data.sources.0.weight=3")],
+        ("data.sources.0.weight", "--set 'data.sources[0].weight=3'"),
+    ),
+    (
+        "a list entry written --data.sources.0.weight",
+        ["config", *s(TWO_SOURCES), "--data.sources.0.weight", "3"],
+        "--set 'data.sources[0].weight=3'",
+    ),
+    (
+        "a list key without an index",
+        ["config", *s(TWO_SOURCES, "data.sources.weight=3")],
+        ("data.sources is a list of entries", "--set 'data.sources[0].weight=3'"),
+    ),
+    (
+        "a list index out of range",
+        ["config", *s(TWO_SOURCES, "data.sources[2].weight=3")],
+        ("data.sources[2].weight", "data.sources has 2 entries, data.sources[0] to"),
+    ),
+    (
+        "a list index into an unset list",
+        ["config", *s("data.sources[0].weight=3")],
+        ("data.sources has no entries", "--set 'data.sources=[{name: "),
+    ),
+    (
+        "a negative list index",
+        ["config", *s(TWO_SOURCES, "data.sources[-1].weight=3")],
+        ("'sources[-1]' is not KEY[INDEX]", "--set 'data.sources[0].weight=3'"),
+    ),
+    (
+        "an index on a key that is no list",
+        ["config", *s("train.lr[0]=3e-4")],
+        ("train.lr is not a list", "--set train.lr=3e-4"),
+    ),
+    (
+        "an index on a misspelt list key",
+        ["config", *s(TWO_SOURCES, "data.sorces[0].weight=3")],
+        "data.sorces: unknown key; did you mean data.sources?",
+    ),
+    (
+        "a misspelt key of a list entry",
+        ["config", *s(TWO_SOURCES, "data.sources[1].wieght=3")],
+        "data.sources[1].wieght: unknown key; did you mean data.sources[1].weight?",
+    ),
+    *[
+        (
+            f"a mixture weight of {weight}",
+            ["config", *s(f"data.sources=[{{name: a, weight: {weight}}}]")],
+            said,
+        )
+        for weight, said in (
+            ("0", "data.sources[0].weight=0.0 must be > 0"),
+            ("-1", "data.sources[0].weight=-1.0 must be > 0"),
+            ("inf", "data.sources[0].weight: expected a finite number, got 'inf'"),
+            (".nan", "data.sources[0].weight: expected a finite number, got nan"),
+            ("1e309", "data.sources[0].weight: expected a finite number"),
+        )
+    ],
+    (
+        "a mixture over a base file's data.source",
+        _mixture_over_a_one_source_base,
+        ("data.source='docs' describes the one source", "unset it: data.source: null"),
+    ),
+]
 
 CASES = [
     *CONFIG,

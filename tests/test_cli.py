@@ -712,3 +712,24 @@ def test_every_option_of_every_command_has_help_and_shows_its_default(monkeypatc
             assert "e.g. --set train.lr=3e-4" in text, name
         assert ("--report-memory" in text) == (name == "train"), name
     assert "(default: 5GB)" in sub.choices["export"].format_help()  # one that is not None
+
+
+def test_config_of_a_mixture_shows_no_keys_of_one_source(tmp_path, capsys):
+    """`scale-llm config` of a mixture prints its entries, not data.source, text_field, ...
+    (which only a one-source config reads), and what it prints loads as the same config."""
+    from scale_llm.cli import main
+    from scale_llm.config import load_config
+    from scale_llm.data.options import PER_SOURCE_KEYS
+
+    path = tmp_path / "mix.yaml"
+    path.write_text("data:\n  sources:\n    - {name: web, source: docs}\n    - {name: code}\n")
+    capsys.readouterr()
+    assert main(["config", str(path)]) == 0
+    shown = capsys.readouterr().out
+    data = yaml.safe_load(shown)["data"]
+    assert not set(PER_SOURCE_KEYS) & set(data), data.keys()
+    assert [s["name"] for s in data["sources"]] == ["web", "code"]
+    (tmp_path / "shown.yaml").write_text(shown)
+    assert load_config(tmp_path / "shown.yaml") == load_config(path)
+    assert main(["config"]) == 0  # one source: its keys are shown
+    assert set(PER_SOURCE_KEYS) <= set(yaml.safe_load(capsys.readouterr().out)["data"])

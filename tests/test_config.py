@@ -446,3 +446,50 @@ def test_a_fifo_where_the_lock_file_is_names_no_holder_and_does_not_wait(tmp_pat
 
     os.mkfifo(tmp_path / ".lock")
     assert lock_holder(tmp_path / ".lock") is None
+
+
+# ------------------------------------------------------------------------- config ergonomics
+MIXTURE_YAML = """\
+data:
+  dir: mixed
+  sources:
+    - {name: web, source: web_docs, weight: 1}
+    - {name: code, source: code_docs, weight: 2}
+"""
+
+
+def test_an_entry_of_a_list_is_set_from_the_command_line(tmp_path):
+    """`--set 'data.sources[0].weight=3'` sets one key of one entry (and `--data.sources[1]...`
+    as any `--section.key`); `data.sources[1]={...}` replaces the whole entry."""
+    from scale_llm.cli import parse_args
+
+    path = tmp_path / "mix.yaml"
+    path.write_text(MIXTURE_YAML)
+    cfg = load_config(path, ["data.sources[0].weight=3", "data.sources[1].max_documents=5"])
+    assert [(s.name, s.weight, s.max_documents) for s in cfg.data.sources] == [
+        ("web", 3.0, None),
+        ("code", 2.0, 5),
+    ]
+    cfg = load_config(path, ["data.sources[1]={name: books, source: book_docs}"])
+    assert [(s.name, s.source, s.weight) for s in cfg.data.sources][1] == ("books", "book_docs", 1)
+    args = parse_args(["config", str(path), "--data.sources[1].weight", "0.5"])
+    assert load_config(path, alias_overrides(args)).data.sources[1].weight == 0.5
+
+
+def test_a_mixture_unsets_the_source_its_base_file_sets_with_null(tmp_path):
+    """A base: file of one source (data.source, data.text_field), a mixture over it: `null`
+    unsets them (in YAML and from the command line); without it the error says how."""
+    (tmp_path / "base.yaml").write_text("data:\n  source: docs\n  text_field: content\n")
+    body = "base: base.yaml\n" + MIXTURE_YAML
+    (tmp_path / "mix.yaml").write_text(body)
+    said = errors_of(tmp_path / "mix.yaml")
+    assert "unset it: data.source: null" in said and "data.text_field: null" in said, said
+    (tmp_path / "unset.yaml").write_text(body + "  source: null\n  text_field: null\n")
+    cfg = load_config(tmp_path / "unset.yaml")
+    assert (cfg.data.source, cfg.data.text_field) == ("builtin", "text")
+    assert [s.name for s in cfg.data.sources] == ["web", "code"]
+    again = load_config(tmp_path / "mix.yaml", ["data.source=null", "data.text_field=null"])
+    assert again == cfg
+    assert load_config(None, ["data.hf_split=null"]).data.hf_split == "train"
+    # keys without null_unsets still refuse a null (a value forgotten after `key:`)
+    assert "train.lr: expected a finite number, got None" in errors_of(None, ["train.lr=null"])

@@ -284,3 +284,59 @@ def test_a_source_too_small_for_one_window_is_named_before_any_run_work(tmp_path
     assert f"{splits['train_tokens']} training tokens (0 windows)" in said, said
     assert "model.seq_len=256" in said, said
     assert not (tmp_path / "runs").exists()
+
+
+# ------------------------------------------------------------------------- config ergonomics
+def weights_config(weights: tuple[float, ...]):
+    from scale_llm.config import load_config
+
+    entries = ", ".join(f"{{name: s{i}, weight: {w!r}}}" for i, w in enumerate(weights))
+    return load_config(None, [f"data.sources=[{entries}]"])
+
+
+def test_huge_tiny_and_mixed_weights_read_as_their_scaled_down_equivalents():
+    """Weights are shares: 1e308, 1e308 (whose sum overflows) train as 1, 1, and 3e307, 7e307
+    as 0.3, 0.7, in the config's shares, the interleave of sources and the batches read."""
+    from scale_llm.data.options import mixture_weights
+
+    same = {
+        (1e308, 1e308): (1, 1),
+        (3e307, 7e307): (0.3, 0.7),
+        (1.5e308, 1.5e308, 1e-300): (1, 1, 1e-20),
+        (1e-308, 1e-308): (1, 1),
+        (3e-320, 7e-320): (0.3, 0.7),
+    }
+    for big, small in same.items():
+        shares = [mixture_weights(weights_config(w).data) for w in (big, small)]
+        assert shares[0] == pytest.approx(shares[1], rel=1e-12, abs=1e-15), (big, shares)
+        counts = [SourceSchedule(list(w)).counts.tolist() for w in (big, small)]
+        assert counts[0] == counts[1] and sum(counts[0]) == PERIOD, (big, counts)
+        size = 100  # windows per source
+        loaders = [
+            TrainLoader(
+                TokenWindows([np.arange(size * 8 * len(big) + 1, dtype=np.int64)], 8),
+                batch_plan(4, 1),
+                seed=0,
+                sources={n: (w, size) for n, w in share.items()},
+            )
+            for share in shares
+        ]
+        for _ in range(5):
+            a, b = (loader.next_batches()[0][0] for loader in loaders)
+            assert torch.equal(a, b), big
+
+
+def test_a_mixture_record_nested_100000_deep_is_refused_naming_it(tmp_path, capsys):
+    """mixture.json is read by the one JSON reader: bounded nesting, one paragraph naming the
+    file (a RecursionError before), nothing written."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "mixture.json").write_text("[" * 100_000 + "]" * 100_000)
+    src = {"web": corpus(tmp_path / "web", "web", 0, n=8)}
+    before = snapshot(tmp_path)
+    argv = ["prepare", "--set", "model.vocab_size=400", "--set", f"data.dir={data}"]
+    assert main([*argv, "--set", sources_override(src, {"web": 1})]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"{data / 'mixture.json'}" in err, err
+    assert "nested deeper than 64 levels" in err, err
+    assert snapshot(tmp_path) == before

@@ -28,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
+from scale_llm.data.options import normalized_weights
 from scale_llm.errors import UserError
 from scale_llm.plan import RunPlan
 
@@ -82,8 +83,7 @@ def period_counts(weights: list[float]) -> list[int]:
     counts above one, smallest remainder first (so equal weights keep equal counts)."""
     if len(weights) > PERIOD:
         raise ValueError(f"{len(weights)} sources: at most {PERIOD} fit in a period")
-    total = sum(weights)
-    exact = [w / total * PERIOD for w in weights]
+    exact = [share * PERIOD for share in normalized_weights(weights)]
     counts = [max(1, int(x)) for x in exact]
     short = PERIOD - sum(counts)
     if short > 0:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, fields
 
@@ -39,8 +40,10 @@ class DataConfig:
         "`builtin` (this interpreter's standard library .py files); `hf:NAME` (a Hugging "
         "Face dataset from the Hub) or `hf:PATH` (a local dataset folder); or a file, a "
         "directory, or a glob of `.txt`/`.md`/`.py` (one document per file), `.jsonl` "
-        "(one per line) and `.parquet` (one per row)",
+        "(one per line) and `.parquet` (one per row). A mixture (data.sources) leaves it "
+        "unset (`data.source: null` where a `base:` file sets it)",
         run_defining=True,
+        null_unsets=True,
     )
     sources: list[SourceConfig] = config_key(
         [],
@@ -48,8 +51,10 @@ class DataConfig:
         "`{name, weight, source, ...}`, each taking `source`, `text_field`, `hf_config`, "
         "`hf_split`, `hf_revision`, `streaming`, `max_documents` and `max_tokens` as the "
         "`data.` keys of those names do; `weight`: its share of the training tokens "
-        "(normalized); `name`: letters, digits, `_`, `-`, unique. See data.md",
+        "(normalized); `name`: letters, digits, `_`, `-`, unique. One entry's key from the "
+        "command line: `--set 'data.sources[0].weight=3'`. See data.md",
         run_defining=True,
+        null_unsets=True,
     )
     repeat: bool = config_key(
         True,
@@ -66,12 +71,12 @@ class DataConfig:
         "model needs `model.vocab_size` >= its ids. null: train one",
     )
     text_field: str = config_key(
-        "text", "field of `.jsonl` / `.parquet` / `hf:` records holding the text"
+        "text", "field of `.jsonl` / `.parquet` / `hf:` records holding the text", null_unsets=True
     )
     hf_config: str | None = config_key(
         None, "`hf:` only: the dataset's configuration (subset), e.g. `sample-10BT`"
     )
-    hf_split: str = config_key("train", "`hf:` only: the split to read")
+    hf_split: str = config_key("train", "`hf:` only: the split to read", null_unsets=True)
     hf_revision: str | None = config_key(
         None, "`hf:` only: a branch, tag or commit to pin; pin a commit for a reproducible corpus"
     )
@@ -79,6 +84,7 @@ class DataConfig:
         False,
         "`hf:` only: read the dataset as a stream (nothing stored but the shards) instead "
         "of downloading it whole into the Hugging Face cache",
+        null_unsets=True,
     )
     max_documents: int | None = config_key(
         None, "read at most this many documents (the first ones, in source order); null: all"
@@ -141,7 +147,7 @@ def _sources_problems(d: DataConfig) -> list[str]:
             e.append(
                 f"data.{key}={getattr(d, key)!r} describes the one source of data.source, but "
                 f"data.sources is set: give it per entry (data.sources[i].{key}) and remove "
-                f"data.{key}"
+                f"data.{key} (where a base: file sets it, unset it: data.{key}: null)"
             )
     seen: set[str] = set()
     for i, s in enumerate(d.sources):
@@ -165,7 +171,20 @@ def _sources_problems(d: DataConfig) -> list[str]:
     return e
 
 
+def normalized_weights(weights: list[float]) -> list[float]:
+    """Positive finite weights as shares that sum to 1. Weights whose sum overflows (1e308,
+    1e308) are first divided by the largest, so they give the shares of their scaled-down
+    equivalents (1, 1); other weights take the plain division, which keeps the shares (and the
+    streams) runs were read with."""
+    total = sum(weights)
+    if not math.isfinite(total):
+        top = max(weights)
+        weights = [w / top for w in weights]
+        total = sum(weights)
+    return [w / total for w in weights]
+
+
 def mixture_weights(d: DataConfig) -> dict[str, float]:
     """{name: normalized weight} of data.sources (a one-source config: {} )."""
-    total = sum(s.weight for s in d.sources)
-    return {s.name: s.weight / total for s in d.sources}
+    shares = normalized_weights([s.weight for s in d.sources])
+    return {s.name: share for s, share in zip(d.sources, shares)}
