@@ -36,7 +36,9 @@ from scale_llm.components.loss import cross_entropy
 from scale_llm.components.precision import Precision
 from scale_llm.config import Config
 from scale_llm.data.loader import TokenWindows
-from scale_llm.data.shards import open_split, read_manifest
+from scale_llm.data.mixture import MIXTURE
+from scale_llm.data.options import SOURCE_NAME, mixture_weights
+from scale_llm.data.shards import MANIFEST, open_split, read_manifest
 from scale_llm.data.tokenizer import EOS_ID, file_sha256, run_tokenizer_path
 from scale_llm.errors import UserError
 from scale_llm.export import DTYPES, EXPORT_INFO, export
@@ -99,7 +101,7 @@ def eval_run(
     if perplexity is not None:
         ppl = held_out_perplexity(run_dir, cfg, plan, ckpt, Path(perplexity), limit, batch_size)
         new["perplexity"] = ppl
-        scalars["eval/perplexity/loss"], scalars["eval/perplexity/ppl"] = ppl["loss"], ppl["ppl"]
+        scalars.update(perplexity_scalars(ppl))
     if stale:
         set_aside(path)
     record = merged(earlier or {}, new)
@@ -433,7 +435,28 @@ def held_out_perplexity(
     batch_size: int,
 ) -> dict[str, Any]:
     """Mean next-token loss and its exp over the validation windows of `data_dir` (all of them,
-    or the first `limit`), each window scored on its own as in training's val_loss."""
+    or the first `limit`), each window scored on its own as in training's val_loss. A mixture's
+    data dir (mixture.json and a folder per source): each source's, and their weighted mean."""
+    if (data_dir / MIXTURE).exists() and not (data_dir / MANIFEST).exists():
+        return mixture_perplexity(run_dir, cfg, plan, ckpt, data_dir, limit, batch_size)
+    windows, n = held_out_windows(run_dir, cfg, data_dir, limit)
+    model, _ = load_run(run_dir, cfg, plan, ckpt)
+    mean, tokens = mean_loss(model, windows, n, plan, batch_size)
+    return {
+        "data_dir": str(data_dir),
+        "split": "val",
+        "windows": n,
+        "tokens": tokens,
+        "loss": mean,
+        "ppl": math.exp(mean),
+    }
+
+
+def held_out_windows(
+    run_dir: Path, cfg: Config, data_dir: Path, limit: int | None
+) -> tuple[TokenWindows, int]:
+    """The validation windows of the prepared folder `data_dir` and how many to score, checked
+    to be encoded with the run's tokenizer."""
     manifest = read_manifest(data_dir)
     want = manifest["tokenizer"]["sha256"]
     if want != file_sha256(run_tokenizer_path(run_dir, want)):
@@ -445,7 +468,13 @@ def held_out_perplexity(
     n = len(windows) if limit is None else min(limit, len(windows))
     if n == 0:
         raise UserError(f"--perplexity {data_dir}: no validation window of seq_len tokens")
-    model, _ = load_run(run_dir, cfg, plan, ckpt)
+    return windows, n
+
+
+def mean_loss(
+    model: torch.nn.Module, windows: TokenWindows, n: int, plan: RunPlan, batch_size: int
+) -> tuple[float, int]:
+    """(mean next-token loss, tokens scored) over windows 0..n-1."""
     autocast = Precision(plan.precision, plan.device.type).autocast()
     total, tokens = 0.0, 0
     for start in range(0, n, batch_size):
@@ -454,15 +483,83 @@ def held_out_perplexity(
             loss = cross_entropy(model(batch[:, :-1]), batch[:, 1:])
         total += loss.item() * batch[:, 1:].numel()
         tokens += batch[:, 1:].numel()
-    mean = total / tokens
+    return total / tokens, tokens
+
+
+def mixture_perplexity(
+    run_dir: Path,
+    cfg: Config,
+    plan: RunPlan,
+    ckpt: Path,
+    data_dir: Path,
+    limit: int | None,
+    batch_size: int,
+) -> dict[str, Any]:
+    """Each source's perplexity on `data_dir/<name>` (the first `limit` windows of each), and
+    the mean of their losses weighted as training's val_loss is (`mixture_sources`). Every
+    source folder is checked before the model is loaded."""
+    names, weights, weighting = mixture_sources(cfg, data_dir)
+    found = {name: _source_windows(run_dir, cfg, data_dir, name, limit) for name in names}
+    model, _ = load_run(run_dir, cfg, plan, ckpt)
+    sources: dict[str, dict[str, Any]] = {}
+    for name, (windows, n) in found.items():
+        mean, tokens = mean_loss(model, windows, n, plan, batch_size)
+        sources[name] = {"windows": n, "tokens": tokens, "loss": mean, "ppl": math.exp(mean)}
+    if weights is None:  # by windows: the mean over every window scored, as one folder's is
+        total = sum(found[name][1] for name in names)
+        weights = {name: found[name][1] / total for name in names}
+    loss = sum(weights[name] * sources[name]["loss"] for name in names)
+    for name in names:
+        sources[name]["weight"] = weights[name]
     return {
         "data_dir": str(data_dir),
         "split": "val",
-        "windows": n,
-        "tokens": tokens,
-        "loss": mean,
-        "ppl": math.exp(mean),
+        "windows": sum(s["windows"] for s in sources.values()),
+        "tokens": sum(s["tokens"] for s in sources.values()),
+        "loss": loss,
+        "ppl": math.exp(loss),
+        "weighted_by": weighting,
+        "sources": sources,
     }
+
+
+def _source_windows(
+    run_dir: Path, cfg: Config, data_dir: Path, name: str, limit: int | None
+) -> tuple[TokenWindows, int]:
+    try:
+        return held_out_windows(run_dir, cfg, data_dir / name, limit)
+    except UserError as e:
+        raise UserError(
+            f"--perplexity {data_dir} is a mixture; its source {name} ({data_dir / name}): {e}"
+        ) from None
+
+
+def mixture_sources(cfg: Config, data_dir: Path) -> tuple[list[str], dict[str, float] | None, str]:
+    """(the sources to score, their weights, what the weights are). A run that trained on a
+    mixture whose sources `data_dir` holds: those, by its data.sources weights (its val_loss);
+    otherwise every source mixture.json names, by their validation windows (None here)."""
+    path = data_dir / MIXTURE
+    fix = "give the data dir `scale-llm prepare` made for a mixture, or prepare it again"
+    record = read_json_object(path, "a mixture's record", fix)
+    names = record.get("sources")
+    if not isinstance(names, dict) or not names:
+        raise UserError(f"{path} names no prepared source; {fix}")
+    bad = [n for n in names if not SOURCE_NAME.fullmatch(n)]
+    if bad:
+        raise UserError(f"{path} names a source {str(bad[0])[:60]!r} that is no folder name; {fix}")
+    trained = [s.name for s in cfg.data.sources]
+    if trained and set(trained) <= set(names):
+        return trained, mixture_weights(cfg.data), "the run's data.sources weights"
+    return list(names), None, "validation windows"
+
+
+def perplexity_scalars(ppl: dict[str, Any]) -> dict[str, float]:
+    """eval/perplexity/{loss,ppl}, and a mixture's eval/perplexity/<source>/{loss,ppl}."""
+    out = {"eval/perplexity/loss": ppl["loss"], "eval/perplexity/ppl": ppl["ppl"]}
+    for name, one in ppl.get("sources", {}).items():
+        out[f"eval/perplexity/{name}/loss"] = one["loss"]
+        out[f"eval/perplexity/{name}/ppl"] = one["ppl"]
+    return out
 
 
 def format_record(record: dict[str, Any]) -> str:
@@ -478,7 +575,13 @@ def format_record(record: dict[str, Any]) -> str:
         lines.append(
             f"  perplexity on {p['data_dir']} ({p['windows']} windows, {p['tokens']} tokens): "
             f"loss {p['loss']:.4f}, ppl {p['ppl']:.2f}"
+            + (f" (sources weighted by {p['weighted_by']})" if "sources" in p else "")
         )
+        for name, one in p.get("sources", {}).items():
+            lines.append(
+                f"    {name}: loss {one['loss']:.4f}, ppl {one['ppl']:.2f} ({one['windows']} "
+                f"windows, weight {one['weight']:.3f})"
+            )
     if record.get("kept"):
         lines.append(
             f"  (earlier results of these checkpoint bytes, not run again, are kept in "

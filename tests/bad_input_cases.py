@@ -1865,7 +1865,34 @@ def _mixture_over_a_one_source_base(ctx: Ctx) -> list[str]:
     return ["config", str(ctx.tmp / "mix.yaml")]
 
 
+def _perplexity_of_a_mixture(sources: list[str], said: str) -> Callable[[Ctx], Setup]:
+    """eval --perplexity of a mixture's data dir whose mixture.json names `sources`, of which
+    only `web` (a copy of the suite's data, the run's tokenizer) is prepared."""
+
+    def setup(ctx: Ctx) -> Setup:
+        run, mix = ctx.run(), ctx.tmp / "mix"
+        shutil.copytree(ctx.data_dir, mix / "web")
+        record = {"format": 1, "kind": "mixture", "sources": {name: {} for name in sources}}
+        (mix / "mixture.json").write_text(json.dumps(record))
+        argv = ["eval", str(run), "--perplexity", str(mix)]
+        return Setup(argv, expect=(said.format(mix=mix),))
+
+    return setup
+
+
 ERGONOMICS: list = [
+    (
+        "eval --perplexity of a mixture missing a source's folder",
+        _perplexity_of_a_mixture(
+            ["web", "code"], "{mix} is a mixture; its source code ({mix}/code): data.dir="
+        ),
+        "holds no prepared shards",
+    ),
+    (
+        "eval --perplexity of a mixture naming a source outside it",
+        _perplexity_of_a_mixture(["web", "../web"], "{mix}/mixture.json names a source '../web'"),
+        "that is no folder name",
+    ),
     (
         "a list entry written data.sources.0.weight",
         ["config", *s(TWO_SOURCES, "data.sources.0.weight=3")],

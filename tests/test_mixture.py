@@ -340,3 +340,35 @@ def test_a_mixture_record_nested_100000_deep_is_refused_naming_it(tmp_path, caps
     assert "Traceback" not in err and f"{data / 'mixture.json'}" in err, err
     assert "nested deeper than 64 levels" in err, err
     assert snapshot(tmp_path) == before
+
+
+def test_eval_perplexity_of_a_mixture_scores_each_source_as_training_does(
+    mixture, tmp_path, capsys
+):
+    """`eval --perplexity DATA_DIR` of a mixture's data dir: each source's loss on its first
+    windows, as training's val_loss/<name> at the same step, and their mean by the run's
+    weights (its val_loss); a run of one source weighs the sources by their windows."""
+    data_dir, src = mixture
+    trained = run(data_dir, src, tmp_path / "runs").fit()
+    rows = [json.loads(line) for line in (trained.run_dir / "metrics.jsonl").open()]
+    last = next(r for r in reversed(rows) if "val_loss" in r)
+    argv = ["eval", str(trained.run_dir), "--perplexity", str(data_dir), "--limit", "5"]
+    assert main([*argv, "--batch-size", "5"]) == 0  # eval.steps=1 batch of 5 sequences
+    out = capsys.readouterr().out
+    assert "weighted by the run's data.sources weights" in out and "    code: loss" in out, out
+    record = json.loads((trained.run_dir / "eval" / "step_00000008.json").read_text())
+    ppl = record["perplexity"]
+    for name in WEIGHTS:
+        assert ppl["sources"][name]["loss"] == pytest.approx(last[f"val_loss/{name}"], rel=1e-5)
+        assert ppl["sources"][name]["weight"] == pytest.approx(WEIGHTS[name])
+    assert ppl["loss"] == pytest.approx(last["val_loss"], rel=1e-5)
+    one = make_config(
+        data_dir / "web", tmp_path / "one", "model.vocab_size=400", "train.max_steps=1"
+    )
+    one = Trainer(one, plan_for(one)).fit()  # a run of one source, the mixture's tokenizer
+    assert main(["eval", str(one.run_dir), "--perplexity", str(data_dir)]) == 0
+    ppl = json.loads(next((one.run_dir / "eval").glob("*.json")).read_text())["perplexity"]
+    windows = {n: s["windows"] for n, s in ppl["sources"].items()}
+    assert set(windows) == set(WEIGHTS) and ppl["weighted_by"] == "validation windows"
+    pooled = sum(s["loss"] * s["windows"] for s in ppl["sources"].values()) / sum(windows.values())
+    assert ppl["loss"] == pytest.approx(pooled, rel=1e-12)
