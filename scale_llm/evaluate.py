@@ -18,7 +18,6 @@ set aside, not merged.
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import logging
 import math
 import os
@@ -44,6 +43,7 @@ from scale_llm.errors import UserError
 from scale_llm.export import DTYPES, EXPORT_INFO, export
 from scale_llm.files import (
     atomic_write_json,
+    custom_code_problem,
     describe_kind,
     fsync_dir,
     read_json_object,
@@ -223,7 +223,20 @@ def reusable_export(out: Path, digest: str) -> bool:
             f"{EXPORT_INFO} does not say made_by {MADE_BY!r}); eval exports the checkpoint "
             f"there and replaces only its own exports: move it away and run eval again"
         )
-    return info.get("checkpoint_digest") == digest
+    reuse = info.get("checkpoint_digest") == digest
+    if reuse:
+        refuse_custom_code(out)  # (before the tasks are looked up: a planted config.json)
+    return reuse
+
+
+def refuse_custom_code(export_dir: Path) -> None:
+    """An export whose configs name code is refused before lm-eval hands it to transformers
+    (eval's own exports name none: a folder that does was changed after it was written)."""
+    problem = custom_code_problem(export_dir, "eval's export")
+    if problem:
+        raise UserError(
+            f"{problem}. eval did not write this: remove {export_dir} and run eval again"
+        )
 
 
 def make_eval_export(ckpt: Path, out: Path) -> None:
@@ -355,6 +368,7 @@ def run_tasks(
     num_fewshot: int | None = None,
 ) -> dict[str, dict[str, float]]:
     """task -> {metric: value} from `lm_eval.simple_evaluate` on the exported folder."""
+    refuse_custom_code(export_dir)
     import lm_eval
 
     dtype = (_read_json(export_dir / EXPORT_INFO) or {}).get("dtype", "fp32")
@@ -370,6 +384,7 @@ def run_tasks(
             # (the tokenizer adds the BOS). lm-eval's default, BOS, scored a BOS after a BOS,
             # a pair training never shows, in every document of a perplexity task.
             "prefix_token_id": eos,
+            "trust_remote_code": False,  # never a folder's Python, nor a prompt asking for it
         },
         tasks=list(tasks),
         num_fewshot=num_fewshot,
@@ -459,7 +474,13 @@ def held_out_windows(
     to be encoded with the run's tokenizer."""
     manifest = read_manifest(data_dir)
     want = manifest["tokenizer"]["sha256"]
-    if want != file_sha256(run_tokenizer_path(run_dir, want)):
+    tok_path = run_tokenizer_path(run_dir, want)
+    if not tok_path.is_file():
+        raise UserError(
+            f"{tok_path} is missing: --perplexity needs the run's tokenizer; copy the data dir's "
+            f"{tok_path.name} (the one the run trained with) there"
+        )
+    if want != file_sha256(tok_path):
         raise UserError(
             f"--perplexity {data_dir}: its tokenizer is not the one {run_dir} trained with; "
             f"give a data dir prepared with the run's tokenizer"
@@ -602,8 +623,8 @@ def _to_tensorboard(log_dir: Path, scalars: dict[str, float], step: int) -> None
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON object of an export (bounded: `read_json`), or None where it is not one."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        return read_json_object(path, "an export's file", "")
+    except UserError:
         return None
-    return data if isinstance(data, dict) else None

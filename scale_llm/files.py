@@ -5,7 +5,8 @@ The one place for how scale_llm writes to disk, so every command keeps the same 
   disk, renamed into place, the directory entry flushed too);
 - a command deletes or replaces only what it can prove it created: a folder carrying the marker
   `mark_owned` wrote (with the kind of thing it is), or a name the command itself just made;
-- one process at a time builds a folder or trains in a run dir (`OwnerLock`).
+- one process at a time builds a folder or trains in a run dir (`OwnerLock`);
+- a folder a user names is read without running its Python or following links out of it.
 """
 
 from __future__ import annotations
@@ -210,6 +211,139 @@ def _json_kind(value: Any) -> str:
 def read_json_object(path: Path, what: str, fix: str) -> dict[str, Any]:
     """A JSON file that must hold an object (`read_json` with kind=dict)."""
     return read_json(path, what, fix)
+
+
+# ----------------------------------------------------------------------------- a stranger's folder
+# Folders a user names (data.tokenizer, model.init_from) and the exports eval reuses are read into
+# what the project writes (hf-tokenizer.json, checkpoints, exports) and handed to transformers.
+# Two rules keep their owner's other files out and their Python unrun:
+# - a symlink in such a folder is followed only to a regular file inside the folder itself, or
+#   inside the Hugging Face cache entry (`models--ORG--NAME`) the folder lies in: the Hub cache
+#   links snapshots/REV/FILE to ../../blobs/SHA. A link anywhere else is refused.
+# - a folder whose config names custom code (`custom_code_problem`) is refused before
+#   transformers reads it; transformers is called with trust_remote_code=False besides.
+HUB_ENTRY_PREFIX = "models--"
+CODE_KEYS = ("auto_map", "custom_pipelines")  # where transformers looks for a folder's classes
+LINK_FIX = "replace the link by the file itself, or remove it"
+
+
+def folder_file(folder: Path, name: str, what: str) -> Path | None:
+    """The path to open for the file `name` of `folder`: itself, or the target of a link the
+    rule above admits. None when no regular file of that name is there (a folder, a FIFO, a
+    dangling link inside); a UserError for a link that leads out of the folder."""
+    path = Path(folder) / name
+    if not path.is_symlink():
+        return path if path.is_file() else None
+    try:
+        target = path.resolve()  # every link of a chain followed: judged by where it ends
+    except (OSError, RuntimeError):  # a loop
+        raise UserError(f"{what}: {path} is a symlink that loops; {LINK_FIX}") from None
+    if not any(target.is_relative_to(root) for root in _link_roots(Path(folder))):
+        raise UserError(
+            f"{what}: {path} is a symlink to {target}, outside {folder}; scale_llm copies a "
+            f"folder's files into what it writes (data, checkpoints, exports), so it reads "
+            f"only files inside the folder (or inside its Hugging Face cache entry, "
+            f"{HUB_ENTRY_PREFIX}ORG--NAME): {LINK_FIX}"
+        )
+    return target if target.is_file() else None
+
+
+def _link_roots(folder: Path) -> list[Path]:
+    """Where a link in `folder` may lead: the folder, and the Hub cache entry holding it."""
+    real = folder.resolve()
+    entries = [p for p in (real, *real.parents) if p.name.startswith(HUB_ENTRY_PREFIX)]
+    return [real, *entries[:1]]
+
+
+def read_folder_file(
+    folder: Path, name: str, what: str, max_bytes: int = MAX_JSON_BYTES
+) -> bytes | None:
+    """The bytes of the file `name` of `folder` (None: no such regular file), found by
+    `folder_file` and opened without following a link (O_NOFOLLOW; fstat: a regular file)."""
+    path = folder_file(folder, name, what)
+    if path is None:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:  # ELOOP: replaced by a link since it was checked
+        raise UserError(f"{what}: {Path(folder) / name} cannot be read ({e.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not _stat_is_file(st.st_mode) or st.st_size > max_bytes:
+            raise UserError(
+                f"{what}: {Path(folder) / name} is not a regular file of at most {max_bytes:,} "
+                f"bytes; give a folder whose files are regular files"
+            )
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read(max_bytes + 1)
+    finally:
+        os.close(fd)
+
+
+def custom_code_problem(folder: Path, what: str) -> str | None:
+    """Why transformers would run Python from `folder` (None: it would not): a config
+    (`*config.json`) holding `auto_map` or `custom_pipelines`, or naming a `.py` file the folder
+    holds (e.g. "tokenizer_class": "evil_tok.EvilTokenizer" beside evil_tok.py)."""
+    folder = Path(folder)
+    modules = {p.stem for p in folder.glob("*.py")}
+    for config in sorted(folder.glob("*config.json")):
+        path = folder_file(folder, config.name, what)
+        if path is None:
+            continue
+        value = read_json(path, f"{what}'s {config.name}", "fix or remove the file", kind=object)
+        found = _code_reference(value, modules)
+        if found:
+            key, item, module = found
+            said = f"{module}.py, Python in the folder" if module else "custom code"
+            return (
+                f"{config} names {said} ({key}: {_cut(item)}); scale_llm never runs Python "
+                f"from a model folder (transformers' trust_remote_code stays off): remove "
+                f"{key} from {config.name} if transformers' own classes read the model, or "
+                f"give a folder without custom code"
+            )
+    return None
+
+
+def _code_reference(value: Any, modules: set[str]) -> tuple[str, Any, str | None] | None:
+    """(key, value, module or None) of the first entry naming code: a CODE_KEYS key first,
+    else a string naming one of `modules`."""
+    items = list(_json_items(value))
+    for key, item in items:
+        if key.rsplit(".", 1)[-1] in CODE_KEYS:
+            return key, item, None
+    for key, item in items:
+        module = _module_named(item, modules)
+        if module:
+            return key, item, module
+    return None
+
+
+def _json_items(value: Any) -> Iterator[tuple[str, Any]]:
+    """(dotted key, value) of every entry of a JSON value, iteratively (read_json bounded it)."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        key, item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend((f"{key}.{k}".lstrip("."), v) for k, v in item.items())
+        elif isinstance(item, list):
+            stack.extend((f"{key}[{i}]", v) for i, v in enumerate(item))
+        if key:
+            yield key, item
+
+
+def _module_named(item: Any, modules: set[str]) -> str | None:
+    """The module of `modules` a config string names: "mod", "mod.py", "mod.Class", or a
+    Hub reference "repo--mod.Class"."""
+    if not isinstance(item, str) or not modules:
+        return None
+    ref = item.rsplit("--", 1)[-1].removesuffix(".py")
+    head = ref.split(".", 1)[0]
+    return head if head in modules else None
+
+
+def _cut(value: Any, limit: int = 80) -> str:
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # ----------------------------------------------------------------------------- ownership

@@ -1841,7 +1841,182 @@ FAULT_SPECS = [
 # ========================================================================== hostile artifacts
 # Folders a command reads from (tokenizers, init_from, exports): code they name, links out of
 # them, and Hugging Face files of the wrong shape.
-HOSTILE_FOLDERS: list = []
+EVIL_MODULE = "evil_tok"
+CODE_CONFIGS = {"data.tokenizer": "tokenizer_config.json", "model.init_from": "config.json"}
+
+
+def plant_code(folder: Path, config: str, how: str = "auto_map") -> Path:
+    """`folder`'s `config` names evil_tok.py (planted beside it), whose import writes a marker:
+    the path it returns, which must never appear."""
+    marker = folder.parent / f"{folder.name}-code-ran"
+    (folder / f"{EVIL_MODULE}.py").write_text(
+        f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
+    )
+    entries = json.loads((folder / config).read_text()) if (folder / config).exists() else {}
+    if how == "auto_map":  # what transformers reads; the class names no class of its own
+        entries["tokenizer_class" if config.startswith("tokenizer") else "model_type"] = "evil"
+        classes = ("AutoConfig", "AutoTokenizer", "AutoModelForCausalLM")
+        entries["auto_map"] = {c: f"{EVIL_MODULE}.Evil" for c in classes}
+    else:  # a class name that points into the module
+        entries["tokenizer_class"] = f"{EVIL_MODULE}.EvilTokenizer"
+    (folder / config).write_text(json.dumps(entries))
+    return marker
+
+
+def _folder_naming_code(where: str, how: str = "auto_map") -> Callable[[Ctx], Setup]:
+    def setup(ctx: Ctx) -> Setup:
+        needs("transformers")
+        calls = []
+        if where == "data.tokenizer":
+            folder = word_tokenizer(ctx.tmp / "tok", 20)
+            argv = ["prepare", TINY, *s(f"data.tokenizer={folder}", "data.dir=d")]
+        elif where == "model.init_from":
+            folder = ctx.tmp / "hf"
+            shutil.copytree(ctx.exported, folder)
+            argv = ["train", ctx.config(f"model.init_from={folder}")]
+        else:  # eval's own export of these checkpoint bytes, reused, then planted
+            from scale_llm.evaluate import make_eval_export
+
+            run = ctx.run()
+            folder = run / "export" / STEP4
+            make_eval_export(run / "checkpoints" / STEP4, folder)
+            calls = stub_eval_tasks(ctx.monkeypatch)
+            argv = ["eval", str(run), "--tasks", "fake_task"]
+        config = CODE_CONFIGS.get(where, "config.json")
+        marker = plant_code(folder, config, how)
+
+        def never_ran():
+            assert not marker.exists() and calls == []
+
+        said = "custom code (auto_map" if how == "auto_map" else f"{EVIL_MODULE}.py, Python"
+        return Setup(argv, expect=(f"{folder / config} names {said}",), then=never_ran)
+
+    return setup
+
+
+def _linked_out(where: str, name: str) -> Callable[[Ctx], Setup]:
+    """A file of the folder is a link to a file elsewhere (its own bytes moved there)."""
+
+    def setup(ctx: Ctx) -> Setup:
+        needs("safetensors")
+        folder = ctx.tmp / "hf"
+        shutil.copytree(ctx.exported, folder)
+        argv = ["train", ctx.config(f"model.init_from={folder}")]
+        if where == "data.tokenizer":
+            argv = ["prepare", TINY, *s(f"data.tokenizer={folder}", "data.dir=d")]
+        secret = ctx.tmp / "secret" / name
+        secret.parent.mkdir()
+        if (folder / name).exists():
+            (folder / name).rename(secret)
+        else:
+            secret.write_text("{{ the user's own file }}")
+        (folder / name).symlink_to(secret)
+        said = f"{folder / name} is a symlink to {secret.resolve()}, outside {folder}"
+        return Setup(argv, expect=(said, "replace the link by the file itself, or remove it"))
+
+    return setup
+
+
+def _init_from_config(text: str) -> Callable[[Ctx], Setup]:
+    def setup(ctx: Ctx) -> Setup:
+        folder = ctx.tmp / "hf"
+        shutil.copytree(ctx.exported, folder)
+        (folder / "config.json").write_text(text)
+        return Setup(["train", ctx.config(f"model.init_from={folder}")])
+
+    return setup
+
+
+WEIGHT_MAPS = {
+    "a list": ["model.safetensors"],
+    "a number": 5,
+    "values that are lists": {"model.norm.weight": ["model.safetensors"]},
+    "a file name with a /": {"model.norm.weight": "../hf/model.safetensors"},
+}
+
+
+def _init_from_index(weight_map: Any) -> Callable[[Ctx], Setup]:
+    def setup(ctx: Ctx) -> Setup:
+        needs("safetensors")
+        folder = ctx.tmp / "hf"
+        shutil.copytree(ctx.exported, folder)
+        index = {"metadata": {}, "weight_map": weight_map}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+        return Setup(["train", ctx.config(f"model.init_from={folder}")])
+
+    return setup
+
+
+def _init_from_a_shard_without_its_tensor(ctx: Ctx) -> Setup:
+    """Two shards; the index sends model.norm.weight to the one that lacks it (a
+    SafetensorError from get_slice before)."""
+    from safetensors.torch import load_file, save_file
+
+    folder = ctx.tmp / "hf"
+    shutil.copytree(ctx.exported, folder)
+    tensors = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    names = sorted(tensors)
+    halves = {"a.safetensors": names[: len(names) // 2], "b.safetensors": names[len(names) // 2 :]}
+    weight_map = {}
+    for file, part in halves.items():
+        save_file({n: tensors[n] for n in part}, str(folder / file), {"format": "pt"})
+        weight_map.update(dict.fromkeys(part, file))
+    wrong = next(f for f in halves if "model.norm.weight" not in halves[f])
+    weight_map["model.norm.weight"] = wrong
+    index = {"metadata": {}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    said = f"sends model.norm.weight to {wrong}, which does not hold it"
+    return Setup(["train", ctx.config(f"model.init_from={folder}")], expect=(said,))
+
+
+def _perplexity_without_the_runs_tokenizer(ctx: Ctx) -> Setup:
+    run = ctx.run()
+    (run / "tokenizer.model").unlink()
+    said = f"{run / 'tokenizer.model'} is missing: --perplexity needs the run's tokenizer"
+    return Setup(["eval", str(run), "--perplexity", str(ctx.data_dir)], expect=(said,))
+
+
+HOSTILE_FOLDERS: list = [
+    *[
+        (f"{where} naming its own code ({how})", _folder_naming_code(where, how), ())
+        for where, how in [
+            ("data.tokenizer", "auto_map"),
+            ("data.tokenizer", "a class in a .py of the folder"),
+            ("model.init_from", "auto_map"),
+            ("eval's reused export", "auto_map"),
+        ]
+    ],
+    *[
+        (f"{where}'s {name} linked out of the folder", _linked_out(where, name), ())
+        for where, name in [
+            ("data.tokenizer", "chat_template.jinja"),
+            ("data.tokenizer", "tokenizer.json"),
+            ("model.init_from", "config.json"),
+            ("model.init_from", "model.safetensors"),
+            ("model.init_from", "tokenizer.model"),
+        ]
+    ],
+    (
+        "init_from config.json nested 100,000 deep",
+        _init_from_config('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"),
+        ("config.json", "nested deeper than 64 levels"),
+    ),
+    *[
+        (f"init_from index weight_map {kind}", _init_from_index(weight_map), "not a weight index")
+        for kind, weight_map in WEIGHT_MAPS.items()
+    ],
+    (
+        "init_from index sending a tensor to a shard that lacks it",
+        _init_from_a_shard_without_its_tensor,
+        (),
+    ),
+    (
+        "eval --perplexity of a run without its tokenizer",
+        _perplexity_without_the_runs_tokenizer,
+        (),
+    ),
+]
 
 # ======================================================================= outputs the user owns
 # prepare's outputs over files it did not write, mixture source folders replaced by links.

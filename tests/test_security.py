@@ -2,10 +2,24 @@
 DeepSpeed's own reader is swapped for one. (A pickle planted in any file a checkpoint holds,
 refused by every command, and a DCP metadata that points outside its checkpoint:
 tests/test_errors.py.)
+
+A stranger's folder (data.tokenizer, model.init_from, an export eval reuses) runs no code and
+brings nothing from outside itself: a folder whose config names Python is refused even with `y`
+on stdin, transformers and lm-eval are told trust_remote_code=False, and a link is followed only
+inside the folder or its Hugging Face cache entry. (Each refusal as a row of the bad-input
+table: HOSTILE_FOLDERS in tests/bad_input_cases.py.)
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,7 +31,17 @@ from scale_llm.components.serialization import (
     guard_deepspeed_reader,
     read_dcp_metadata,
 )
-from tests.helpers import Payload, finished_run
+from scale_llm.errors import UserError
+from scale_llm.files import custom_code_problem, read_folder_file
+from tests.bad_input_cases import EVIL_MODULE, TINY, plant_code, s
+from tests.helpers import (
+    Payload,
+    copy_run,
+    env,
+    finished_run,
+    make_config,
+    word_tokenizer,
+)
 
 
 @pytest.fixture(scope="module")
@@ -72,3 +96,245 @@ def test_deepspeed_files_are_read_weights_only(tmp_path):
     with pytest.raises(UnsafeCheckpoint, match="posix.system|os.system"):
         engine.checkpoint_engine.load(str(good), map_location="cpu")
     assert not marker.exists()
+
+
+# ----------------------------------------------------------------------------- a stranger's folder
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def exported(good_run, tmp_path_factory) -> Path:
+    """good_run's step 2 as a Hugging Face folder (fp32)."""
+    pytest.importorskip("safetensors")
+    from scale_llm.export import export
+
+    out = tmp_path_factory.mktemp("security_export") / "hf"
+    export(ckpt_of(good_run), out, dtype="fp32")
+    return out
+
+
+def with_y_on_stdin(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """`scale-llm ARGS` with "y" on stdin: what a prompt to run custom code would read."""
+    offline = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "scale_llm", *args],
+        input="y\n",
+        cwd=cwd,
+        env={**env(), **offline},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def folder_naming_code(where: str, data_dir, good_run, exported, tmp) -> tuple[list[str], Path]:
+    """(the command that reads a folder planted with auto_map -> evil_tok.py, the marker the
+    module would write)."""
+    if where == "data.tokenizer":
+        folder = word_tokenizer(tmp / "tok", 20)
+        args = ["prepare", TINY, *s(f"data.tokenizer={folder}", f"data.dir={tmp / 'd'}")]
+        return args, plant_code(folder, "tokenizer_config.json")
+    if where == "model.init_from":
+        from scale_llm.config import save_config
+
+        folder = tmp / "hf"
+        shutil.copytree(exported, folder)
+        cfg = make_config(data_dir, tmp / "runs", f"model.init_from={folder}")
+        save_config(cfg, tmp / "run.yaml")
+        return ["train", str(tmp / "run.yaml")], plant_code(folder, "config.json")
+    from scale_llm.evaluate import make_eval_export
+
+    run = copy_run(good_run, tmp)
+    folder = run / "export" / ckpt_of(run).name
+    make_eval_export(ckpt_of(run), folder)  # eval's own, of these bytes: eval reuses it
+    args = ["eval", str(run), "--tasks", "scale_llm_tiny_mc"]
+    return [*args, "--include-path", str(REPO / "tests/data/eval_task")], plant_code(
+        folder, "config.json"
+    )
+
+
+@pytest.mark.parametrize("where", ["data.tokenizer", "model.init_from", "eval"])
+def test_a_folder_naming_its_own_code_is_refused_even_with_y_on_stdin(
+    where, data_dir, good_run, exported, tmp_path
+):
+    """transformers asks "Do you wish to run the custom code? [y/N]" on stdin when not told:
+    with `y` there, prepare ran evil_tok.py; init_from trained from the folder; eval ended in
+    lm-eval's traceback. Now each is one paragraph naming the file and key, before transformers."""
+    pytest.importorskip("transformers")
+    args, marker = folder_naming_code(where, data_dir, good_run, exported, tmp_path)
+    proc = with_y_on_stdin(args, REPO if where == "eval" else tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr, proc.stderr
+    assert "config.json names custom code (auto_map" in proc.stderr, proc.stderr
+    assert "[y/N]" not in proc.stdout + proc.stderr
+    assert not marker.exists()
+
+
+def test_transformers_is_told_not_to_run_a_tokenizer_folders_code(tmp_path, monkeypatch):
+    """Behind the refusal: AutoTokenizer gets trust_remote_code=False, so `y` on stdin is never
+    read even where a folder got past the check."""
+    pytest.importorskip("transformers")
+    from scale_llm.data import pretrained_tokenizer
+
+    folder = word_tokenizer(tmp_path / "tok", 20)
+    marker = plant_code(folder, "tokenizer_config.json")
+    monkeypatch.setattr(pretrained_tokenizer, "custom_code_problem", lambda *a: None)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("y\n"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(UserError, match="AutoTokenizer cannot load it"):
+        pretrained_tokenizer._auto_tokenizer(folder)
+    assert not marker.exists()
+
+
+def test_lm_eval_is_told_not_to_run_an_exports_code(exported, tmp_path, monkeypatch):
+    lm_eval = pytest.importorskip("lm_eval")
+    from scale_llm.evaluate import run_tasks
+
+    calls = []
+
+    def simple_evaluate(**kwargs):
+        calls.append(kwargs)
+        return {"results": {"t": {"acc,none": 0.5}}}
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", simple_evaluate)
+    folder = tmp_path / "export"
+    shutil.copytree(exported, folder)
+    assert run_tasks(folder, ["t"], None, 1, 1, torch.device("cpu")) == {"t": {"acc": 0.5}}
+    assert calls[0]["model_args"]["trust_remote_code"] is False
+    marker = plant_code(folder, "config.json")
+    with pytest.raises(UserError, match="config.json names custom code"):
+        run_tasks(folder, ["t"], None, 1, 1, torch.device("cpu"))
+    assert len(calls) == 1 and not marker.exists()
+
+
+CODE_CONFIGS = {  # (file, what it holds, a module planted beside it) -> the key named
+    "config.json auto_map": ("config.json", {"auto_map": {"AutoConfig": "m.C"}}, None, "auto_map"),
+    "tokenizer_config.json auto_map as a list": (
+        "tokenizer_config.json",
+        {"auto_map": {"AutoTokenizer": ["m.T", None]}},
+        None,
+        "auto_map",
+    ),
+    "a preprocessor's auto_map": (
+        "preprocessor_config.json",
+        {"auto_map": {"AutoProcessor": "m.P"}},
+        None,
+        "auto_map",
+    ),
+    "custom pipelines": ("config.json", {"custom_pipelines": {"x": {}}}, None, "custom_pipelines"),
+    "a class in a module of the folder": (
+        "tokenizer_config.json",
+        {"tokenizer_class": "evil_tok.EvilTokenizer"},
+        "evil_tok",
+        "tokenizer_class",
+    ),
+    "a Hub reference to a module of the folder": (
+        "config.json",
+        {"architectures": ["org/repo--evil_tok.Evil"]},
+        "evil_tok",
+        "architectures[0]",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CODE_CONFIGS))
+def test_every_config_naming_code_is_found(case, tmp_path):
+    name, content, module, key = CODE_CONFIGS[case]
+    (tmp_path / name).write_text(json.dumps(content))
+    if module:
+        (tmp_path / f"{module}.py").write_text("")
+    problem = custom_code_problem(tmp_path, "data.tokenizer")
+    assert problem and f"{tmp_path / name} names" in problem and f"({key}: " in problem, problem
+
+
+def test_a_folder_without_custom_code_passes(exported, tmp_path):
+    """An export, and a folder whose tokenizer_class is transformers' own beside an unrelated
+    .py file (a config must name the module for it to count)."""
+    assert custom_code_problem(exported, "model.init_from") is None
+    folder = word_tokenizer(tmp_path / "tok", 5)
+    (folder / f"{EVIL_MODULE}.py").write_text("")
+    assert custom_code_problem(folder, "data.tokenizer") is None
+
+
+def hub_cache_entry(flat: Path, root: Path) -> Path:
+    """`flat`'s files laid out as the Hub cache does: models--org--tiny/blobs/<sha256> and
+    snapshots/<rev>/<name> -> ../../blobs/<sha256>; returns the snapshot folder."""
+    entry = root / "hub" / "models--org--tiny"
+    snapshot = entry / "snapshots" / "0123abc"
+    (entry / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for f in sorted(flat.iterdir()):
+        sha = hashlib.sha256(f.read_bytes()).hexdigest()
+        shutil.copyfile(f, entry / "blobs" / sha)
+        (snapshot / f.name).symlink_to(Path("..") / ".." / "blobs" / sha)
+    return snapshot
+
+
+def test_a_hub_cache_snapshot_is_read_through_its_blob_links(
+    exported, good_run, data_dir, tmp_path
+):
+    """Every file of a Hub cache snapshot is a link into ../../blobs: data.tokenizer and
+    init_from read it as they read the folder it came from."""
+    pytest.importorskip("transformers")
+    from scale_llm.data.pretrained_tokenizer import build_bundle
+    from scale_llm.data.shards import read_manifest
+    from scale_llm.generate import read_run_config
+    from scale_llm.train.init_from import load_init_weights
+
+    snapshot = hub_cache_entry(exported, tmp_path)
+    assert all(p.is_symlink() for p in snapshot.iterdir())
+    assert build_bundle(snapshot)[0] == build_bundle(exported)[0]
+    model = read_run_config(good_run).model
+    sha = read_manifest(data_dir)["tokenizer"]["sha256"]
+    theirs = load_init_weights(replace(model, init_from=str(snapshot)), sha)
+    ours = load_init_weights(replace(model, init_from=str(exported)), sha)
+    assert theirs.keys() == ours.keys() and all(theirs[k].equal(ours[k]) for k in ours)
+
+
+@pytest.mark.parametrize("how", ["a blob that links out", "a link past the entry"])
+def test_a_link_out_of_a_hub_cache_entry_is_refused(how, exported, tmp_path):
+    """Inside the entry a link may go anywhere; a chain that ends outside it is refused by
+    where it ends, naming the link in the snapshot."""
+    from scale_llm.data.pretrained_tokenizer import build_bundle
+
+    snapshot = hub_cache_entry(exported, tmp_path)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("the user's own file")
+    link = snapshot / "chat_template.jinja"
+    if how == "a blob that links out":
+        (snapshot.parents[1] / "blobs" / "feed").symlink_to(secret)
+        link.symlink_to(Path("..") / ".." / "blobs" / "feed")
+    else:
+        link.symlink_to(Path("..") / ".." / ".." / ".." / "secret.txt")
+    with pytest.raises(UserError) as e:
+        build_bundle(snapshot)
+    assert f"{link} is a symlink to {secret.resolve()}, outside {snapshot}" in str(e.value)
+
+
+def test_a_link_inside_the_folder_is_read(exported, tmp_path):
+    from scale_llm.data.pretrained_tokenizer import read_folder_files
+
+    folder = tmp_path / "tok"
+    shutil.copytree(exported, folder)
+    (folder / "templates").mkdir()
+    (folder / "templates" / "chat.jinja").write_text("{{ messages }}")
+    (folder / "chat_template.jinja").symlink_to(Path("templates") / "chat.jinja")
+    assert read_folder_files(folder)["chat_template.jinja"] == b"{{ messages }}"
+
+
+def test_a_folders_file_is_opened_without_following_a_link(tmp_path, monkeypatch):
+    """A file swapped for a link after it was checked is not read through the link
+    (O_NOFOLLOW); a named pipe is skipped, never opened (it would block)."""
+    import scale_llm.files as files
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text("the user's own file")
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer.json").symlink_to(secret)
+    monkeypatch.setattr(files, "folder_file", lambda folder, name, what: folder / name)
+    with pytest.raises(UserError, match="tokenizer.json cannot be read"):
+        read_folder_file(folder, "tokenizer.json", "data.tokenizer")
+    monkeypatch.undo()
+    os.mkfifo(folder / "chat_template.jinja")
+    assert read_folder_file(folder, "chat_template.jinja", "data.tokenizer") is None

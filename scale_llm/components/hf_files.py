@@ -8,7 +8,6 @@ read at a time. Older folders that only have `pytorch_model.bin` (a pickle) are 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -16,32 +15,33 @@ import torch
 
 from scale_llm.components.serialization import load_file
 from scale_llm.errors import UserError, require
+from scale_llm.files import custom_code_problem, folder_file, read_json
 
 CONFIG = "config.json"
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 PICKLE, PICKLE_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
+FOLDER_FIX = "fix it, or give the folder `save_pretrained` or `scale-llm export` wrote"
 
 
 def read_hf_config(folder: Path, what: str) -> dict[str, Any]:
-    """The config.json of a Hugging Face model folder; `what` names the setting it came from."""
+    """The config.json of a Hugging Face model folder; `what` names the setting it came from.
+    A folder whose configs name custom code is refused here, before anything reads it."""
     if not folder.exists():
         raise UserError(
             f"{what}={folder}: no such folder; give a local Hugging Face model folder (with "
             f"config.json and model.safetensors), e.g. one written by `scale-llm export` (a "
             f"model on the Hub must be downloaded first: hf download NAME --local-dir DIR)"
         )
-    if not (folder / CONFIG).is_file():
+    problem = custom_code_problem(folder, what)
+    if problem:
+        raise UserError(f"{what}: {problem}")
+    path = folder_file(folder, CONFIG, what)
+    if path is None:
         raise UserError(
             f"{what}={folder}: not a Hugging Face model folder (no {CONFIG} inside); give the "
             f"folder `save_pretrained` or `scale-llm export` wrote"
         )
-    try:
-        config = json.loads((folder / CONFIG).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise UserError(f"{what}: {folder / CONFIG} is not readable JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise UserError(f"{what}: {folder / CONFIG} must hold a JSON object")
-    return config
+    return read_json(path, f"{what}'s {CONFIG}", FOLDER_FIX)
 
 
 class HFWeights:
@@ -51,12 +51,12 @@ class HFWeights:
         self.folder, self.what = folder, what
         self._files: dict[str, Any] = {}  # file name -> open safetensors handle
         self._pickled: dict[str, torch.Tensor] | None = None
-        if (folder / SAFETENSORS_INDEX).is_file():
-            self.file_of = self._index(folder / SAFETENSORS_INDEX)
-        elif (folder / SAFETENSORS).is_file():
+        if self._path(SAFETENSORS_INDEX):
+            self.file_of = self._index(SAFETENSORS_INDEX)
+        elif self._path(SAFETENSORS):
             names = self._open(SAFETENSORS).keys()  # a safetensors handle, not a dict
             self.file_of = dict.fromkeys(names, SAFETENSORS)
-        elif (folder / PICKLE).is_file() or (folder / PICKLE_INDEX).is_file():
+        elif self._path(PICKLE) or self._path(PICKLE_INDEX):
             self.file_of = {}
             self._pickled = self._read_pickled()
         else:
@@ -71,10 +71,24 @@ class HFWeights:
                 k: tuple(v.shape) if isinstance(v, torch.Tensor) else ()
                 for k, v in self._pickled.items()
             }
+        self._check_shards()
         return {
             name: tuple(self._open(file).get_slice(name).get_shape())
             for name, file in self.file_of.items()
         }
+
+    def _check_shards(self) -> None:
+        """Each tensor the index sends to a shard is in that shard."""
+        for file in sorted(set(self.file_of.values())):
+            held = set(self._open(file).keys())
+            lacking = sorted(n for n, f in self.file_of.items() if f == file and n not in held)
+            if lacking:
+                raise UserError(
+                    f"{self.what}: {self.folder / SAFETENSORS_INDEX} sends {lacking[0]}"
+                    f"{f' (and {len(lacking) - 1} more tensors)' if len(lacking) > 1 else ''} "
+                    f"to {file}, which does not hold it; the index does not match its shards: "
+                    f"save the model again, or pick another folder"
+                )
 
     def get(self, name: str) -> torch.Tensor:
         """One tensor, as fp32 on the CPU: refused unless it holds floating-point weights, all
@@ -111,12 +125,18 @@ class HFWeights:
             )
         return tensor
 
+    def _path(self, file: str) -> Path | None:
+        """The file `file` of the folder (a link only inside it: `files.folder_file`)."""
+        return folder_file(self.folder, file, self.what)
+
     def _open(self, file: str) -> Any:
         if file not in self._files:
             require(self.what, "safetensors")
             from safetensors import safe_open
 
-            path = self.folder / file
+            path = self._path(file)
+            if path is None:
+                raise UserError(f"{self.what}: {self.folder / file} is not a regular file")
             try:
                 self._files[file] = safe_open(str(path), framework="pt")
             except Exception as e:
@@ -125,23 +145,32 @@ class HFWeights:
                 ) from None
         return self._files[file]
 
-    def _index(self, path: Path) -> dict[str, str]:
-        try:
-            weight_map = json.loads(path.read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise UserError(f"{self.what}: {path} is not a readable weight index ({e})") from None
-        for file in set(weight_map.values()):
-            if Path(file).name != file or not (self.folder / file).is_file():
-                raise UserError(f"{self.what}: {path} names {file!r}, which is not in the folder")
+    def _index(self, name: str) -> dict[str, str]:
+        """The index's weight_map: tensor name -> a file of the folder (by its bare name)."""
+        where = self.folder / name
+        index = read_json(self._path(name), f"{self.what}'s weight index", FOLDER_FIX)
+        weight_map = index.get("weight_map")
+        problem = _weight_map_problem(weight_map)
+        if problem:
+            raise UserError(
+                f"{self.what}: {where} is not a weight index ({problem}); its weight_map must map "
+                f"each tensor name to the file of the folder that holds it: {FOLDER_FIX}"
+            )
+        for file in sorted(set(weight_map.values())):
+            if self._path(file) is None:
+                raise UserError(f"{self.what}: {where} names {file!r}, which is not in the folder")
         return dict(weight_map)
 
     def _read_pickled(self) -> dict[str, torch.Tensor]:
         files = [PICKLE]
-        if (self.folder / PICKLE_INDEX).is_file():
-            files = sorted(set(self._index(self.folder / PICKLE_INDEX).values()))
+        if self._path(PICKLE_INDEX):
+            files = sorted(set(self._index(PICKLE_INDEX).values()))
         out: dict[str, torch.Tensor] = {}
         for file in files:
-            part = load_file(self.folder / file)  # weights_only: refuses planted objects
+            path = self._path(file)
+            if path is None:
+                raise UserError(f"{self.what}: {self.folder / file} is not a regular file")
+            part = load_file(path)  # weights_only: refuses planted objects
             if not isinstance(part, dict):
                 raise UserError(
                     f"{self.what}: {self.folder / file} holds a {type(part).__name__}, not a "
@@ -150,3 +179,15 @@ class HFWeights:
             self.file_of.update(dict.fromkeys(part, file))
             out.update(part)
         return out
+
+
+def _weight_map_problem(weight_map: Any) -> str | None:
+    """Why an index's weight_map is not {tensor name: file name of the folder} (None: it is)."""
+    if not isinstance(weight_map, dict) or not weight_map:
+        return "weight_map is missing, empty or not an object"
+    for name, file in weight_map.items():
+        if not isinstance(file, str):
+            return f"weight_map[{name[:80]!r}] is not a file name"
+        if file in ("", ".", "..") or "/" in file or "\\" in file or "\0" in file:
+            return f"weight_map[{name[:80]!r}] = {file[:80]!r} is not a file name of the folder"
+    return None

@@ -18,6 +18,7 @@ from typing import Any
 from scale_llm.data.pretrained_tokenizer import TOKENIZER_FILES, PretrainedTokenizer
 from scale_llm.data.tokenizer import Tokenizer
 from scale_llm.errors import UserError
+from scale_llm.files import read_folder_file
 
 SPACE = "\u2581"  # SentencePiece's visible space
 
@@ -108,4 +109,8 @@ def write_tokenizer_files(
         return
     for name, text in tokenizer_files(tok, max_length).items():
         (out_dir / name).write_text(text, encoding="utf-8")
-    (out_dir / "tokenizer.model").write_bytes(tok.path.read_bytes())
+    # the run's own copy, read as a folder's file: a link out of the run dir is not exported
+    data = read_folder_file(tok.path.parent, tok.path.name, "the run's tokenizer")
+    if data is None:
+        raise UserError(f"{tok.path} is not a regular file; restore the run's tokenizer.model")
+    (out_dir / "tokenizer.model").write_bytes(data)

@@ -8,7 +8,9 @@ ids, and the folder's tokenizer files byte for byte (`scale-llm export` writes t
 document becomes what AutoTokenizer gives for it with its special tokens (BOS first where the
 model's tokenizer adds one), then EOS. The file is written canonically: the same folder read by
 the same transformers gives the same bytes, whose SHA-256 is the tokenizer's identity in the
-manifest, in prepare's fingerprint and in every checkpoint.
+manifest, in prepare's fingerprint and in every checkpoint. The folder is a stranger's: a
+folder whose config names Python is refused before transformers reads it, and a link in it is
+followed only inside it (or its Hub cache entry): `scale_llm/files.py`, "a stranger's folder".
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from scale_llm.errors import UserError, require
-from scale_llm.files import describe_kind
+from scale_llm.files import custom_code_problem, describe_kind, read_folder_file, read_json
 
 BUNDLE_FILE = "hf-tokenizer.json"
 FORMAT = "scale_llm hf-tokenizer 1"
@@ -54,9 +56,7 @@ def read_folder_files(folder: str | Path, what: str = WHAT) -> dict[str, bytes]:
         found = "no such folder" if not (folder.exists() or folder.is_symlink()) else None
         found = found or f"{describe_kind(folder)}, not a folder"
         raise UserError(f"{what}={folder}: {found}; {FOLDER_HELP}")
-    files = {
-        name: (folder / name).read_bytes() for name in TOKENIZER_FILES if _is_file(folder, name)
-    }
+    files = folder_tokenizer_files(folder, what)
     if not any(name in files for name in ENCODERS):
         raise UserError(
             f"{what}={folder} holds neither tokenizer.json nor tokenizer.model; {FOLDER_HELP}"
@@ -64,8 +64,11 @@ def read_folder_files(folder: str | Path, what: str = WHAT) -> dict[str, bytes]:
     return files
 
 
-def _is_file(folder: Path, name: str) -> bool:
-    return (folder / name).is_file()  # (a symlink to a file counts: the Hub cache links blobs)
+def folder_tokenizer_files(folder: Path, what: str = WHAT) -> dict[str, bytes]:
+    """name -> bytes of each tokenizer file `folder` holds, read by `read_folder_file`: a link
+    is followed only inside the folder or its Hub cache entry (whose snapshots link blobs)."""
+    files = {name: read_folder_file(folder, name, what) for name in TOKENIZER_FILES}
+    return {name: data for name, data in files.items() if data is not None}
 
 
 def files_digest(files: dict[str, bytes]) -> str:
@@ -76,11 +79,9 @@ def files_digest(files: dict[str, bytes]) -> str:
     return h.hexdigest()
 
 
-def folder_digest(folder: Path) -> str | None:
+def folder_digest(folder: Path, what: str = WHAT) -> str | None:
     """`files_digest` of the tokenizer files `folder` holds; None when it holds no encoder."""
-    files = {
-        name: (folder / name).read_bytes() for name in TOKENIZER_FILES if _is_file(folder, name)
-    }
+    files = folder_tokenizer_files(folder, what)
     return files_digest(files) if any(name in files for name in ENCODERS) else None
 
 
@@ -127,11 +128,18 @@ def build_bundle(folder: str | Path) -> tuple[bytes, dict[str, Any]]:
 
 
 def _auto_tokenizer(folder: Path) -> Any:
+    """transformers' AutoTokenizer of `folder`, which must name no code: transformers never
+    runs a folder's Python here, nor asks whether it may (a prompt would stop the command)."""
+    problem = custom_code_problem(folder, WHAT)
+    if problem:
+        raise UserError(f"{WHAT}: {problem}")
     import transformers
 
     with _quiet(transformers):
         try:
-            return transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+            return transformers.AutoTokenizer.from_pretrained(
+                str(folder), local_files_only=True, trust_remote_code=False
+            )
         except Exception as e:  # transformers raises many types for a folder it cannot read
             reason = (str(e).strip().splitlines() or [""])[0][:300]
             raise UserError(
@@ -252,12 +260,7 @@ def _read_bundle(path: Path) -> dict[str, Any]:
         "restore it (a run directory's copy comes from its data.dir), or re-run `scale-llm "
         "prepare CONFIG --force`"
     )
-    try:
-        bundle = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise UserError(
-            f"tokenizer {path} cannot be read as JSON ({type(e).__name__}); {fix}"
-        ) from None
+    bundle = read_json(path, "the tokenizer prepare wrote", fix)
     problem = _bundle_problem(bundle)
     if problem:
         raise UserError(f"tokenizer {path} is not a tokenizer prepare wrote ({problem}); {fix}")

@@ -12,6 +12,7 @@ checkpoint holds newer weights.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from pathlib import Path
 
@@ -20,8 +21,8 @@ import torch
 from scale_llm.components.hf_files import HFWeights, read_hf_config
 from scale_llm.config import ModelConfig
 from scale_llm.data.pretrained_tokenizer import ENCODERS, folder_digest
-from scale_llm.data.tokenizer import file_sha256
 from scale_llm.errors import UserError
+from scale_llm.files import folder_file, read_folder_file
 from scale_llm.model.hf import config_problems, from_hf, from_hf_config, shape_problems
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ def load_init_weights(
 def _tokenizer_problems(
     folder: Path, data_sha256: str | None, files_sha256: str | None
 ) -> list[str]:
-    if not any((folder / name).is_file() for name in ENCODERS):
+    if not any(folder_file(folder, name, WHAT) for name in ENCODERS):
         log.warning(
             "init_from: %s has no tokenizer (tokenizer.json or tokenizer.model), so whether "
             "data.dir was tokenized with the tokenizer these weights learned cannot be checked; "
@@ -73,7 +74,7 @@ def _tokenizer_problems(
         return []
     prepare_with = f"set data.tokenizer={folder} and run `scale-llm prepare` (it encodes with it)"
     if files_sha256 is not None:  # data.dir was encoded with a folder's tokenizer
-        if folder_digest(folder) != files_sha256:
+        if folder_digest(folder, WHAT) != files_sha256:
             return [
                 f"{folder}'s tokenizer files differ from those of the data.tokenizer data.dir "
                 f"was encoded with: the weights learned other token ids; {prepare_with}"
@@ -82,12 +83,13 @@ def _tokenizer_problems(
     if data_sha256 is None:
         return []
     ours = folder / "tokenizer.model"
-    if not ours.is_file():
+    data = read_folder_file(folder, ours.name, WHAT)
+    if data is None:
         return [
             f"{folder} carries its own tokenizer (tokenizer.json), but data.dir was encoded "
             f"with one prepare trained: the weights learned other token ids; {prepare_with}"
         ]
-    if file_sha256(ours) != data_sha256:
+    if hashlib.sha256(data).hexdigest() != data_sha256:
         return [
             f"{ours} differs from the tokenizer of data.dir: the weights learned other token "
             f"ids; point data.dir at the data the exported run trained on, or {prepare_with}"
