@@ -829,7 +829,7 @@ DATA = [
     (
         "a manifest that is not UTF-8",
         _manifest_replaced("bytes"),
-        "cannot be read as JSON (UnicodeDecodeError)",
+        "cannot be read as JSON (",
     ),
     (
         "a manifest missing keys",
@@ -2020,7 +2020,168 @@ HOSTILE_FOLDERS: list = [
 
 # ======================================================================= outputs the user owns
 # prepare's outputs over files it did not write, mixture source folders replaced by links.
-OWNED_OUTPUTS: list = []
+
+
+def _prepared_once(ctx: Ctx) -> tuple[list[str], Path]:
+    """A small corpus prepared by `prepare` into ctx.tmp/data; (the command line, data)."""
+    from scale_llm.cli import main
+
+    argv = _prepare_argv(_small_corpus(ctx.tmp), ctx.tmp / "data")
+    assert main(argv) == 0
+    return argv, ctx.tmp / "data"
+
+
+def _prepare_over_a_users_manifest(force: bool, lists_files: bool = False) -> Callable:
+    """A folder of the user's holding a manifest.json of theirs (replaced before); with
+    `lists_files`, one that names their own files as shards and tokenizer (deleted before)."""
+
+    def setup(ctx: Ctx) -> list[str]:
+        data = ctx.tmp / "data"
+        data.mkdir()
+        manifest: dict[str, Any] = {"files": ["rows.csv"], "rows": 10}
+        if lists_files:
+            (data / "train_mine.bin").write_bytes(b"12345678")
+            (data / "notes.txt").write_text("mine")
+            manifest = {
+                "splits": {"train": {"shards": [{"file": "train_mine.bin", "tokens": 4}]}},
+                "tokenizer": {"file": "notes.txt"},
+            }
+        (data / "manifest.json").write_text(json.dumps(manifest))
+        return [*_prepare_argv(_small_corpus(ctx.tmp), data), *(["--force"] * force)]
+
+    return setup
+
+
+def _prepare_over_a_manifest_that_is(kind: str) -> Callable[[Ctx], list[str]]:
+    """manifest.json a symlink to a file of the user's (the link was replaced before) or a
+    folder (an IsADirectoryError while publishing before)."""
+
+    def setup(ctx: Ctx) -> list[str]:
+        data = ctx.tmp / "data"
+        data.mkdir()
+        if kind == "a symlink":
+            (ctx.tmp / "mine.json").write_text('{"mine": true}')
+            (data / "manifest.json").symlink_to(ctx.tmp / "mine.json")
+        else:
+            (data / "manifest.json").mkdir()
+            (data / "manifest.json" / "notes.txt").write_text("mine")
+        return _prepare_argv(_small_corpus(ctx.tmp), data)
+
+    return setup
+
+
+def _prepare_over_a_shard_replaced_by_a_folder(ctx: Ctx) -> list[str]:
+    """A shard prepare listed, now a folder of the user's (an IsADirectoryError before)."""
+    argv, data = _prepared_once(ctx)
+    (data / "train_00000.bin").unlink()
+    (data / "train_00000.bin").mkdir()
+    (data / "train_00000.bin" / "notes.txt").write_text("mine")
+    return [*argv, "--force"]
+
+
+def _prepare_over_a_build_folder_of_the_users(ctx: Ctx) -> list[str]:
+    """.prepare-build holding a manifest and a shard, without prepare's mark: published into
+    data.dir (and the folder deleted) before."""
+    data = ctx.tmp / "data"
+    (data / ".prepare-build").mkdir(parents=True)
+    (data / ".prepare-build" / "manifest.json").write_text('{"mine": true}')
+    (data / ".prepare-build" / "train_00000.bin").write_bytes(b"12345678")
+    return _prepare_argv(_small_corpus(ctx.tmp), data)
+
+
+def _prepare_over_a_deep_manifest(ctx: Ctx) -> list[str]:
+    """manifest.json nested 100,000 deep: a RecursionError before."""
+    argv, data = _prepared_once(ctx)
+    (data / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+    return [*argv, "--force"]
+
+
+def _mixture_source_folder_replaced_by(kind: str) -> Callable[[Ctx], list[str]]:
+    """A prepared mixture whose data.dir/web is then replaced by a symlink to a folder of the
+    user's, a file, or a folder of the user's holding a manifest.json; the next prepare wrote
+    the source's shards, tokenizer and manifest through the link, into the folder, or (a file)
+    retrained the tokenizer and rewrote mixture.json before stopping."""
+
+    def setup(ctx: Ctx) -> list[str]:
+        from scale_llm.cli import main
+
+        src = {}
+        for i, name in enumerate(("web", "code")):
+            src[name] = ctx.tmp / name
+            src[name].mkdir()
+            for j, text in enumerate(random_texts(24, name + "{i:03d}", seed=i, length=150)):
+                (src[name] / f"{j:03d}.txt").write_text(text)
+        entries = ", ".join(f"{{name: {n}, source: '{p}'}}" for n, p in src.items())
+        data = ctx.tmp / "data"
+        argv = ["prepare", *s(f"data.dir={data}", "model.vocab_size=400")]
+        argv += s(f"data.sources=[{entries}]")
+        assert main(argv) == 0
+        shutil.rmtree(data / "web")
+        mine = ctx.tmp / "mine"
+        mine.mkdir()
+        (mine / "notes.txt").write_text("mine")
+        if kind == "a symlink":
+            (data / "web").symlink_to(mine)
+        elif kind == "a file":
+            (data / "web").write_text("mine")
+        else:
+            (data / "web").mkdir()
+            (data / "web" / "manifest.json").write_text('{"mine": true}')
+        return [*argv, *(["--force"] * (kind == "a file"))]
+
+    return setup
+
+
+OWNED_OUTPUTS: list = [
+    *[
+        (
+            f"prepare{' --force' * force} over a manifest.json of the user's",
+            _prepare_over_a_users_manifest(force),
+            ("holds manifest.json, which prepare cannot prove it wrote", "move manifest.json away"),
+        )
+        for force in (False, True)
+    ],
+    (
+        "prepare over a manifest of the user's that lists files of the user's",
+        _prepare_over_a_users_manifest(False, lists_files=True),
+        ("holds manifest.json, which prepare cannot prove it wrote",),
+    ),
+    *[
+        (
+            f"prepare over a manifest.json that is {kind}",
+            _prepare_over_a_manifest_that_is(kind),
+            (f"manifest.json is {kind}", "move it away"),
+        )
+        for kind in ("a symlink", "a directory")
+    ],
+    (
+        "prepare --force over a shard replaced by a folder",
+        _prepare_over_a_shard_replaced_by_a_folder,
+        ("train_00000.bin is a directory", "move it away"),
+    ),
+    (
+        "prepare over a build folder it did not make",
+        _prepare_over_a_build_folder_of_the_users,
+        ("is not a build folder prepare made", "move it away"),
+    ),
+    (
+        "prepare --force over a manifest nested 100,000 deep",
+        _prepare_over_a_deep_manifest,
+        "named like prepare's outputs that no manifest of prepare's lists",
+    ),
+    *[
+        (
+            f"a mixture's source folder replaced by {kind}",
+            _mixture_source_folder_replaced_by(kind),
+            ("data.sources[0] (name web)", said),
+        )
+        for kind, said in [
+            ("a symlink", "web is a symlink"),
+            ("a file", "web is a file"),
+            ("a folder of the user's", "holds manifest.json, which prepare cannot prove it wrote"),
+        ]
+    ],
+]
 
 # ============================================================ JSON the project reads
 # Damaged, huge or deeply nested JSON files and lines (manifests, plan.json, records, metrics).

@@ -180,3 +180,18 @@ def test_a_prepare_over_a_looping_glob_reads_each_document_once(tmp_path):
     manifest = prepare(cfg)
     assert manifest["documents_read"] == 8
     assert sum(s["documents"] for s in manifest["splits"].values()) == 8
+
+
+# ----------------------------------------------------------------------------- damaged records
+def test_a_jsonl_record_nested_100000_deep_is_refused_naming_its_line(tmp_path):
+    """A record nested deeper than any corpus needs is not JSON this reader takes: refused as a
+    damaged line is (a RecursionError from the decoder before)."""
+    from scale_llm.errors import UserError
+
+    deep = json.dumps({"text": "ok"}) + "\n" + '{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n"
+    write_file(tmp_path / "c.jsonl", deep)
+    with pytest.raises(UserError, match=r"c\.jsonl:2 is not valid JSON \(nested deeper than 64"):
+        documents_of(tmp_path / "c.jsonl")
+    write_file(tmp_path / "d" / "c.jsonl", '{"text": "a", }\n')  # (the decoder's reason, as before)
+    with pytest.raises(UserError, match=r"c\.jsonl:1 is not valid JSON \(Expecting property name"):
+        documents_of(tmp_path / "d" / "c.jsonl")

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from scale_llm.cli import main
+from scale_llm.data.prepare import MARK
 from scale_llm.errors import UserError
 from scale_llm.files import OWNER_MARKER, OwnerLock
 from tests.helpers import TINY_MODEL, env, finished_run, prep_config, random_texts, snapshot
@@ -122,7 +123,34 @@ def test_prepare_leaves_files_it_did_not_write_and_its_manifest_decides_what_it_
     assert manifest["fingerprint"] != first["fingerprint"] and not shard_problems(data, manifest)
     listed = {s["file"] for split in manifest["splits"].values() for s in split["shards"]}
     names = {p.name for p in data.iterdir()}
-    assert names == listed | {"manifest.json", "tokenizer.model", "notes.txt"}
+    assert names == listed | {"manifest.json", "tokenizer.model", "notes.txt", MARK}
+
+
+def test_prepare_proves_on_every_run_that_what_it_replaces_is_its_own(tmp_path):
+    """Its mark beside a manifest proves the manifest prepare's (a damaged one too: --force
+    rebuilds it); a folder prepared before the mark, by a complete manifest; anything else
+    under its names is refused, the folder unchanged, on every run. (The refused cases:
+    tests/bad_input_cases.py, OWNED_OUTPUTS.)"""
+    from scale_llm.data.prepare import prepare
+    from scale_llm.data.shards import read_manifest
+
+    corpus = _corpus(tmp_path / "corpus")
+    data = tmp_path / "data"
+    prepare(prep_config(corpus, data))
+    manifest = json.loads((data / "manifest.json").read_text())
+    del manifest["tokenizer"]["sha256"]  # damaged by hand: still prepare's, rebuilt by --force
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    prepare(prep_config(corpus, data), force=True)
+    read_manifest(data)
+    (data / MARK).unlink()  # prepared before the mark: its complete manifest proves it
+    prepare(prep_config(corpus, data, "data.shard_tokens=2048"), force=True)
+    assert (data / MARK).is_file() and read_manifest(data)
+    (data / MARK).unlink()  # an incomplete manifest without the mark proves nothing
+    (data / "val_00000.bin").unlink()
+    before = snapshot(data)
+    with pytest.raises(UserError, match="holds manifest.json, which prepare cannot prove"):
+        prepare(prep_config(corpus, data), force=True)
+    assert snapshot(data) == before
 
 
 def test_two_prepares_of_one_data_dir_take_turns(tmp_path):

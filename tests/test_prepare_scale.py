@@ -278,3 +278,20 @@ def test_sigterm_during_prepare_says_what_was_kept(tmp_path):
     assert proc.returncode == 130, out[-2000:]
     assert "kept the shards written so far and progress.json" in out, out[-2000:]
     assert "Traceback" not in out
+
+
+def test_a_progress_record_nested_100000_deep_starts_the_prepare_afresh(tmp_path, caplog):
+    """prepare's own progress.json is read by the one JSON reader: a hostile one is damage,
+    said in one line, and the build starts over (a RecursionError before)."""
+    import logging
+
+    from tests.bad_input_cases import damaged_build
+
+    argv, out = damaged_build(tmp_path, "list")
+    record = out / ".prepare-build" / "progress.json"
+    record.write_text("[" * 100_000 + "]" * 100_000)
+    with caplog.at_level(logging.INFO, logger="scale_llm"):
+        assert main(argv) == 0
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert f"{record} is damaged (" in said and "nested deeper than 64 levels" in said, said
+    assert read_manifest(out)["splits"]["train"]["tokens"] > 0

@@ -6,7 +6,8 @@ prepare made there and, per source, its fingerprint and token counts) and one fo
 tokenizer): prepare.py builds each one with everything it promises (resumable, published
 atomically, up-to-date check), so a source that changed, or was added, is re-prepared alone.
 A `data.dir/<name>` that mixture.json does not name (data prepared there otherwise) is refused,
-never replaced.
+never replaced, and so is one it names that is no longer the folder prepare made (a link, a
+file), on every run before any work.
 
 The tokenizer is trained once, on a sample that takes from each source its weight's share of
 data.tokenizer_sample_bytes (a mixture of one source samples exactly as `data.source` does);
@@ -35,7 +36,13 @@ from scale_llm.data.shards import MANIFEST, check_tokenizer, open_split, read_ma
 from scale_llm.data.sources import open_source
 from scale_llm.data.tokenizer import SP_FILE, file_sha256, train_tokenizer
 from scale_llm.errors import UserError, require_writable_dir
-from scale_llm.files import OwnerLock, atomic_write_bytes, atomic_write_json
+from scale_llm.files import (
+    OwnerLock,
+    atomic_write_bytes,
+    atomic_write_json,
+    describe_kind,
+    read_json,
+)
 
 log = logging.getLogger(__name__)
 MIXTURE = "mixture.json"
@@ -107,13 +114,18 @@ def _open_all(cfg: Config, configs: list[Config]) -> list[Any]:
 
 def _claim(out: Path, names: list[str]) -> dict[str, Any]:
     """mixture.json as found (a fresh one where there is none); refuses a data.dir that holds
-    one-source data, a tokenizer no mixture.json of prepare's names, or a data.dir/<name> of
-    `names` that it does not name (a source's prepare would re-encode and replace it)."""
+    one-source data, a tokenizer no mixture.json of prepare's names, a link or folder where
+    prepare keeps mixture.json or the tokenizer, or a data.dir/<name> of `names` that it does
+    not name (a source's prepare would re-encode and replace it) or that is no longer the
+    folder prepare made there."""
+    from scale_llm.data.prepare import refuse_non_files
+
     if (out / MANIFEST).exists():
         raise UserError(
             f"data.dir={out} holds the data of one source ({MANIFEST}); a mixture keeps one "
             f"folder per source beside its own {MIXTURE}: point data.dir at a new folder"
         )
+    refuse_non_files(out / name for name in (MIXTURE, SP_FILE, BUNDLE_FILE))  # (it rewrites them)
     found = _read(out / MIXTURE)
     named = found["tokenizer"]["file"] if found else None
     for name in (SP_FILE, BUNDLE_FILE):
@@ -131,11 +143,19 @@ def _claim(out: Path, names: list[str]) -> dict[str, Any]:
 
 def _refuse_foreign_folders(out: Path, names: list[str], ours: set[str]) -> None:
     """Every data.dir/<name> that exists (a file, a link, a folder with anything in it) is one
-    this data.dir's mixture.json names, or prepare stops before writing anything."""
+    this data.dir's mixture.json names, or prepare stops before writing anything. One it names
+    is checked as its prepare will check it (`check_outputs`), and must be a folder, not a
+    link: a source's prepare writes through every part of data.dir/<name>."""
     foreign = []
     for i, name in enumerate(names):
         path = out / name
-        if name in ours or not (path.exists() or path.is_symlink()):
+        if not (path.exists() or path.is_symlink()):
+            continue
+        if name in ours:
+            try:
+                _check_source_folder(path)
+            except UserError as e:
+                raise UserError(f"data.sources[{i}] (name {name}): {e}") from None
             continue
         if path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
             continue  # an empty folder holds nothing to replace
@@ -149,28 +169,40 @@ def _refuse_foreign_folders(out: Path, names: list[str], ours: set[str]) -> None
         )
 
 
+def _check_source_folder(path: Path) -> None:
+    """A source folder prepare made, still a folder of its own (not a link, not a file), and
+    holding nothing its prepare would replace that it cannot prove it wrote."""
+    from scale_llm.data.prepare import check_outputs
+
+    if path.is_symlink() or not path.is_dir():
+        raise UserError(
+            f"{path} is {describe_kind(path)}, where prepare keeps the folder it made for this "
+            f"source ({MIXTURE} names it); it writes only into that folder itself (never "
+            f"through a link), so it stops: move {path} away (prepare makes the folder afresh), "
+            f"or point data.dir at a new folder"
+        )
+    check_outputs(path)
+
+
 def _read(path: Path) -> dict[str, Any] | None:
     """mixture.json, checked for the shape prepare writes; None where there is none."""
     if not (path.exists() or path.is_symlink()):
         return None
-    try:
-        found = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        found = None
-    tok = found.get("tokenizer") if isinstance(found, dict) else None
+    fix = "move it away, or point data.dir at a new folder, and run `scale-llm prepare` again"
+    found = read_json(path, f"the {MIXTURE} prepare writes", fix)
+    tok = found.get("tokenizer")
     if not (
-        isinstance(found, dict)
-        and found.get("kind") == "mixture"
+        found.get("kind") == "mixture"
         and found.get("format") == MIXTURE_FORMAT
         and isinstance(tok, dict)
         and tok.get("file") in (SP_FILE, BUNDLE_FILE)
         and isinstance(tok.get("sha256"), str)
         and isinstance(found.get("sources"), dict)
         and isinstance(found.get("folders", []), list)
+        and all(isinstance(name, str) for name in found.get("folders", []))
     ):
         raise UserError(
-            f"{path} is not the {MIXTURE} prepare writes (edited by hand, or cut short); move "
-            f"it away, or point data.dir at a new folder, and run `scale-llm prepare` again"
+            f"{path} is not the {MIXTURE} prepare writes (edited by hand, or cut short); {fix}"
         )
     return found
 

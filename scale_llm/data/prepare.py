@@ -7,12 +7,14 @@ model's (`pretrained_tokenizer.py`); encode every document as [BOS] ids [EOS] in
 stable hash of each document's id), until the stream or data.max_tokens ends; write
 manifest.json last. progress.json checkpoints the work, so an interrupted prepare continues where
 it stopped; a second run on unchanged input and settings finds the manifest's fingerprint equal
-and does no work.
+and does no work. Every run first checks that each name it writes in data.dir is absent or
+provably its own (`check_outputs`), with or without --force.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import hashlib
 import itertools
 import json
@@ -56,13 +58,16 @@ from scale_llm.data.sources import Document, open_source
 from scale_llm.data.tokenizer import SP_FILE, file_sha256, load_tokenizer, train_tokenizer
 from scale_llm.errors import UserError, require_writable_dir
 from scale_llm.files import (
+    OWNER_MARKER,
     OwnerLock,
     atomic_write_bytes,
+    atomic_write_json,
     describe_kind,
     fsync_dir,
     fsync_file,
     make_owned_dir,
     owned_kind,
+    read_json,
 )
 
 __all__ = ["prepare", "is_val_document"]
@@ -95,6 +100,7 @@ def prepare(cfg: Config, force: bool = False, tokenizer: bytes | None = None) ->
     lock = OwnerLock(out / LOCK_FILE, f"data.dir={out}", "point data.dir elsewhere")
     lock.acquire(wait=True, on_wait="data: waiting for another prepare of this data.dir (%s)")
     try:
+        check_outputs(out)  # every run: what is there now, before any work
         _finish_publish(out)
         current = _up_to_date(out, fingerprint, force)  # what the prepare waited for made
         if current is not None:
@@ -144,8 +150,8 @@ def _model_tokenizer(cfg: Config) -> bytes | None:
 def _build(
     cfg: Config, source, fingerprint: str, out: Path, force: bool, bundle: bytes | None
 ) -> dict[str, Any]:
-    """Build the data in out/.prepare-build/ and publish it into `out` (under the lock)."""
-    _refuse_foreign_files(out)
+    """Build the data in out/.prepare-build/ and publish it into `out` (under the lock, its
+    names checked: `check_outputs`)."""
     # Build beside the current data, in out/.prepare-build/: until the new manifest is complete
     # the existing data stays as it was (a bad source or an interruption costs nothing).
     fresh_build = not (out / BUILD_DIR).exists()
@@ -197,21 +203,108 @@ def _build(
 BUILD_DIR = ".prepare-build"  # inside data.dir: the next data while it is being written
 BUILD_KIND = "prepare build"
 PREVIOUS = "previous-manifest.json"  # in the build: what publishing it replaces in data.dir
+MARK = ".scale-llm-prepared.json"  # in data.dir, from its first publication: prepare's data
+MARK_KIND = "prepared data"
+OUTPUT_PATTERNS = ("train_*.bin*", "val_*.bin*", SP_FILE, BUNDLE_FILE)  # what prepare publishes
+
+
+# ----------------------------------------------------------------------------- what is prepare's
+# Every name prepare writes, replaces or removes in data.dir is checked under the lock on every
+# run, before any work (`check_outputs`): it is absent, or provably prepare's. manifest.json is
+# prepare's where prepare's mark lies beside it; a shard or tokenizer where a manifest of
+# prepare's lists it; the build folder where it carries its mark. Each is a regular file (a
+# link, a folder or a pipe there is never written through or replaced).
+def check_outputs(out: Path) -> None:
+    """Refuse a data.dir holding, under a name prepare writes, anything it cannot prove it
+    wrote (read-only; said before any work)."""
+    if not out.is_dir():
+        return  # nothing there yet (require_writable_dir refuses a file)
+    build = out / BUILD_DIR
+    _check_build_dir(build)
+    if _own_build(build):
+        said = (OWNER_MARKER, PROGRESS)  # (read_progress names a folder for its record)
+        refuse_non_files(p for p in build.iterdir() if p.name not in said)
+    refuse_non_files([out / MARK, out / MANIFEST, *_shaped_like_ours(out)])
+    ours = _owned_names(out)
+    if (out / MANIFEST).exists() and MANIFEST not in ours:
+        raise UserError(
+            f"data.dir={out} holds {MANIFEST}, which prepare cannot prove it wrote: the folder "
+            f"lacks {MARK}, the mark prepare leaves where it publishes, and the manifest is "
+            f"not a complete one of an earlier prepare. prepare would replace it, so it stops. "
+            f"Point data.dir at a new folder, or move {MANIFEST} away"
+        )
+    _refuse_foreign_files(out, ours)
+
+
+def _owned_names(out: Path) -> set[str]:
+    """The names in data.dir that are provably prepare's: none without its mark (or, in a
+    folder prepared before the mark, a complete manifest); with it, manifest.json and the
+    outputs a manifest of prepare's lists: the published one, and a build's records of what
+    its publication replaces and adds."""
+    current = _current_manifest(out)
+    if not (_marked(out) or _complete(out, current)):
+        return set()
+    names = manifest_files(current)
+    if _own_build(out / BUILD_DIR):
+        for record in (PREVIOUS, MANIFEST):
+            names |= manifest_files(_read_json(out / BUILD_DIR / record))
+    return {MANIFEST} | {name for name in names if _named_like_ours(name)}
+
+
+def _marked(out: Path) -> bool:
+    """Whether data.dir carries prepare's mark (one of another content is refused)."""
+    mark = out / MARK
+    if not mark.exists():
+        return False
+    fix = "prepare did not write it: move it away, or point data.dir at a new folder"
+    record = read_json(mark, "the mark prepare leaves where it publishes", fix, max_bytes=4096)
+    if record.get("kind") != MARK_KIND:
+        raise UserError(f"{mark} is not the mark prepare leaves where it publishes; {fix}")
+    return True
+
+
+def _complete(out: Path, manifest: dict[str, Any] | None) -> bool:
+    """A manifest of a prepare that left no mark yet: every field, shard and tokenizer exactly
+    as it records them (what no other program's manifest.json does)."""
+    return (
+        manifest is not None
+        and manifest.get("format") == FORMAT_VERSION
+        and not shard_problems(out, manifest)
+        and tokenizer_problem(out, manifest) is None
+    )
+
+
+def _mark(out: Path) -> None:
+    """Before publishing changes anything in data.dir: from then on its manifest is prepare's."""
+    if not (out / MARK).exists():
+        atomic_write_json(out / MARK, {"kind": MARK_KIND, "made_by": "scale-llm prepare"})
+
+
+def _named_like_ours(name: str) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in OUTPUT_PATTERNS)
 
 
 def _shaped_like_ours(directory: Path) -> list[Path]:
-    """Files in `directory` named as prepare names its outputs."""
-    found = [*directory.glob("train_*.bin*"), *directory.glob("val_*.bin*")]
-    return found + [directory / n for n in (SP_FILE, BUNDLE_FILE) if (directory / n).exists()]
+    """Entries of `directory` named as prepare names its outputs (links and folders too)."""
+    return sorted(p for p in directory.iterdir() if _named_like_ours(p.name))
 
 
-def _refuse_foreign_files(out: Path) -> None:
+def refuse_non_files(paths: Iterable[Path]) -> None:
+    """Each path is absent or a regular file: prepare replaces nothing else (in data.dir, in
+    its build folder, in a mixture's data.dir)."""
+    for path in paths:
+        if path.is_symlink() or (path.exists() and not path.is_file()):
+            raise UserError(
+                f"{path} is {describe_kind(path)}, where prepare keeps a file it writes; it "
+                f"replaces only regular files it wrote, so it stops: move it away, or point "
+                f"data.dir at a new folder"
+            )
+
+
+def _refuse_foreign_files(out: Path, ours: set[str]) -> None:
     """Publishing renames the new shards and tokenizer into data.dir: a file of such a name that
-    no manifest of prepare's accounts for is someone else's, and would be replaced. Refused
-    before any work."""
-    ours = manifest_files(_current_manifest(out))
-    ours |= manifest_files(_read_json(out / BUILD_DIR / PREVIOUS))
-    foreign = sorted(p.name for p in _shaped_like_ours(out) if p.name not in ours)
+    no manifest of prepare's accounts for is someone else's, and would be replaced."""
+    foreign = [p.name for p in _shaped_like_ours(out) if p.name not in ours]
     if foreign:
         shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
         raise UserError(
@@ -221,20 +314,33 @@ def _refuse_foreign_files(out: Path) -> None:
         )
 
 
+def _own_build(build: Path) -> bool:
+    return owned_kind(build) == BUILD_KIND
+
+
+def _check_build_dir(build: Path) -> None:
+    """out/.prepare-build is absent, empty (a prepare stopped before marking it, or while
+    removing it) or a folder prepare made (its mark)."""
+    if not (build.exists() or build.is_symlink()) or _own_build(build):
+        return
+    if build.is_dir() and not build.is_symlink() and not any(build.iterdir()):
+        return
+    raise UserError(
+        f"{build} is not a build folder prepare made ({describe_kind(build)} without its "
+        f"mark); prepare builds there: move it away"
+    )
+
+
 def _claim_build_dir(out: Path) -> Path:
-    """out/.prepare-build: created with prepare's mark, or an earlier prepare's (marked, or
-    holding its progress or manifest). Anything else there is refused."""
+    """out/.prepare-build, prepare's own (`check_outputs` has checked it): an earlier prepare's,
+    or created with prepare's mark."""
     build = out / BUILD_DIR
-    if not (build.exists() or build.is_symlink()):
-        out.mkdir(parents=True, exist_ok=True)
-        return make_owned_dir(build, BUILD_KIND)
-    earlier = (build / PROGRESS).is_file() or (build / MANIFEST).is_file()
-    if owned_kind(build) != BUILD_KIND and not (earlier and not build.is_symlink()):
-        raise UserError(
-            f"{build} is not a build folder prepare made ({describe_kind(build)} without its "
-            f"mark); prepare builds there: move it away"
-        )
-    return build
+    if _own_build(build):
+        return build
+    if build.is_dir():
+        build.rmdir()  # empty (`_check_build_dir`): marked afresh
+    out.mkdir(parents=True, exist_ok=True)
+    return make_owned_dir(build, BUILD_KIND)
 
 
 def _publish(build: Path, out: Path) -> None:
@@ -244,30 +350,39 @@ def _publish(build: Path, out: Path) -> None:
     leaves the complete build, which the next prepare publishes (`_finish_publish`)."""
     for path in build.iterdir():  # durable before the old data goes (the shards already are)
         fsync_file(path)
+    _mark(out)
     old = out / MANIFEST
     if old.is_file() and not (build / PREVIOUS).exists():
         atomic_write_bytes(build / PREVIOUS, old.read_bytes())
     old.unlink(missing_ok=True)
     for name in manifest_files(_read_json(build / PREVIOUS)):
-        (out / name).unlink(missing_ok=True)  # listed by prepare's own manifest: prepare's
+        if _named_like_ours(name):  # listed by prepare's own manifest: prepare's
+            (out / name).unlink(missing_ok=True)
     for new in _shaped_like_ours(build):
         new.rename(out / new.name)
     (build / MANIFEST).rename(out / MANIFEST)
     fsync_dir(out)
-    shutil.rmtree(build)  # prepare's own build folder (claimed in _claim_build_dir)
+    for path in build.iterdir():  # its mark last: a folder stopped half-removed stays its own
+        if path.name != OWNER_MARKER:
+            path.unlink()
+    shutil.rmtree(build)
 
 
 def _read_json(path: Path) -> Any:
+    """A JSON record of prepare's, or None: none there, or damaged (it then accounts for
+    nothing, so the files it meant are not provably prepare's)."""
+    if not path.is_file():
+        return None
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        return read_json(path, "a record of prepare's", "", kind=object)
+    except UserError:
         return None
 
 
 def _finish_publish(out: Path) -> None:
     """A prepare killed while publishing left a complete build: publish it now."""
     build = out / BUILD_DIR
-    if (build / MANIFEST).is_file() and not build.is_symlink():
+    if (build / MANIFEST).is_file() and _own_build(build):
         log.info("data: finishing the publication of a complete build in %s", build)
         _publish(build, out)
 

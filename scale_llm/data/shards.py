@@ -21,7 +21,7 @@ import numpy as np
 
 from scale_llm.data.tokenizer import file_sha256
 from scale_llm.errors import UserError
-from scale_llm.files import atomic_write_text, describe_kind, read_json_object
+from scale_llm.files import atomic_write_text, describe_kind, read_json
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -322,7 +322,11 @@ def read_manifest(data_dir: str | Path, check_shards: bool = True) -> dict[str, 
         raise UserError(
             f"{path} is {describe_kind(path)}, not the manifest prepare writes; {unreadable}"
         )
-    manifest = read_json_object(path, f"the manifest of data.dir={data_dir}", unreadable)
+    what = f"the manifest of data.dir={data_dir}"
+    manifest = read_json(path, what, unreadable, kind=object)  # (bounded: size, nesting)
+    if not isinstance(manifest, dict):
+        kind = type(manifest).__name__
+        raise UserError(f"{path} ({what}) holds a JSON {kind}, not an object; {unreadable}")
     if manifest.get("format") != FORMAT_VERSION or isinstance(manifest.get("format"), bool):
         raise UserError(
             f"{path} has format {_shown(manifest.get('format'))}, this version reads "
@@ -386,10 +390,11 @@ def read_progress(out_dir: Path) -> dict[str, Any] | None:
             f"{path} is {describe_kind(path)}, where prepare keeps its progress record (a "
             f"file); move it away and run `scale-llm prepare CONFIG` again"
         )
-    try:
-        progress = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        problems = [f"not JSON: {type(e).__name__}"]
+    what = "prepare's progress record"
+    try:  # (any JSON value: progress_problems names a wrong type)
+        progress = read_json(path, what, "starting afresh", kind=object)
+    except UserError as e:  # its reason, without the path and the fix repeated
+        problems = [str(e).removeprefix(f"{path} ({what}) ").removesuffix("; starting afresh")]
     else:
         problems = progress_problems(progress)
     if problems:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import fnmatch
 import glob
 import hashlib
-import json
 import logging
 import os
 import re
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from scale_llm.errors import UserError
+from scale_llm.files import JSONProblem, parse_json
 
 if TYPE_CHECKING:
     from scale_llm.config import DataConfig
@@ -173,10 +173,10 @@ class Source:
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
+                record = parse_json(line)  # (nesting bounded: a hostile line is not a crash)
+            except JSONProblem as e:
                 raise UserError(
-                    f"{f}:{lineno} is not valid JSON ({e.msg}); fix the line or "
+                    f"{f}:{lineno} is not valid JSON ({_json_reason(e)}); fix the line or "
                     f"remove the file from data.source{self._not_jsonl_hint(f)}"
                 ) from None
             if not isinstance(record, dict) or self.text_field not in record:
@@ -251,6 +251,13 @@ def _kind_mark(f: Path) -> str:
     Every other file adds only its path, size and time, so its prepared data stays current."""
     kind = file_kind(f)
     return f"|{kind}" if kind not in (None, "text") and f.suffix != f.suffix.lower() else ""
+
+
+def _json_reason(problem: JSONProblem) -> str:
+    """The decoder's reason without its position ("Expecting value"), or the reader's own
+    ("nested deeper than 64 levels"): the line number is already in the message."""
+    reason = str(problem).removeprefix("not JSON: ")
+    return re.sub(r": line \d+ column \d+ \(char \d+\)$", "", reason)
 
 
 def text_value(value: Any, where: str, field: str) -> str | None:
