@@ -295,3 +295,28 @@ def test_a_progress_record_nested_100000_deep_starts_the_prepare_afresh(tmp_path
     said = " ".join(r.getMessage() for r in caplog.records)
     assert f"{record} is damaged (" in said and "nested deeper than 64 levels" in said, said
     assert read_manifest(out)["splits"]["train"]["tokens"] > 0
+
+
+def test_a_prepare_stopped_after_publishing_its_manifest_leaves_no_stale_record(
+    tmp_path, monkeypatch
+):
+    """Stopped after the new manifest moved in, before its build folder was removed: the next
+    prepare removes the rest of that build, whose record of the old data is spent (it was
+    reused before: the shards of the data in place beyond that record's names were left behind,
+    and every later prepare refused them as files no manifest lists)."""
+    src = corpus(tmp_path)
+    out = tmp_path / "out"
+    prepare(config(src, out, "data.shard_tokens=4096"))
+    monkeypatch.setattr(prepare_mod, "fsync_dir", lambda path: (_ for _ in ()).throw(OSError()))
+    with pytest.raises(OSError):  # (fsync_dir follows the manifest's move)
+        prepare(config(src, out, "data.shard_tokens=1024"), force=True)
+    monkeypatch.undo()
+    assert (out / ".prepare-build" / "previous-manifest.json").is_file()
+    manifest = prepare(config(src, out, "data.shard_tokens=8192"), force=True)
+    listed = {s["file"] for split in manifest["splits"].values() for s in split["shards"]}
+    assert {p.name for p in out.iterdir()} == listed | {
+        "manifest.json",
+        "tokenizer.model",
+        prepare_mod.MARK,
+    }
+    prepare(config(src, out, "data.shard_tokens=2048"), force=True)  # and the next one too

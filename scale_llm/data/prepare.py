@@ -362,7 +362,12 @@ def _publish(build: Path, out: Path) -> None:
         new.rename(out / new.name)
     (build / MANIFEST).rename(out / MANIFEST)
     fsync_dir(out)
-    for path in build.iterdir():  # its mark last: a folder stopped half-removed stays its own
+    _remove_build(build)
+
+
+def _remove_build(build: Path) -> None:
+    """Its mark last: a build folder stopped half-removed is still prepare's own."""
+    for path in build.iterdir():
         if path.name != OWNER_MARKER:
             path.unlink()
     shutil.rmtree(build)
@@ -380,11 +385,16 @@ def _read_json(path: Path) -> Any:
 
 
 def _finish_publish(out: Path) -> None:
-    """A prepare killed while publishing left a complete build: publish it now."""
+    """A prepare killed while publishing left a complete build: publish it now (or, stopped
+    after its manifest moved, remove the rest of it: its record of the old data is spent)."""
     build = out / BUILD_DIR
-    if (build / MANIFEST).is_file() and _own_build(build):
+    if not _own_build(build):
+        return
+    if (build / MANIFEST).is_file():
         log.info("data: finishing the publication of a complete build in %s", build)
         _publish(build, out)
+    elif (build / PREVIOUS).exists():
+        _remove_build(build)
 
 
 @contextlib.contextmanager
