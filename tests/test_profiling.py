@@ -71,3 +71,30 @@ def test_the_profile_folder_may_not_be_a_name_the_run_dir_uses():
         p = ProfileConfig(enabled=True, start_step=2, folder=folder)
         assert any("train.profile.folder" in m for m in validate_profile(p, 4)), folder
     assert validate_profile(ProfileConfig(enabled=True, start_step=2, folder="prof"), 4) == []
+
+
+def test_a_stop_inside_the_traced_steps_writes_the_steps_that_ran(data_dir, tmp_path, logs):
+    """Stopped at step 4 of traced steps 3-5: the trace was named steps3-5 and held an empty
+    `scale_llm step 5`; a resume past the warm-up named the wrong step."""
+    profile = [
+        "train.profile.enabled=true",
+        "train.profile.start_step=3",
+        "train.profile.warmup_steps=1",
+        "train.profile.active_steps=3",
+    ]
+    cfg = make_config(data_dir, tmp_path, "train.max_steps=6", "train.exit_at_step=4", *profile)
+    Trainer(cfg, plan_for(cfg)).fit()
+    folder = cfg.run_dir / "profile"
+    assert sorted(p.name for p in folder.iterdir()) == ["rank0_steps3-4.pt.trace.json"]
+    events = json.loads((folder / "rank0_steps3-4.pt.trace.json").read_text())["traceEvents"]
+    names = {str(e.get("name")) for e in events if str(e.get("name")).startswith("scale_llm")}
+    assert names == {"scale_llm step 3", "scale_llm step 4"}
+
+    again = make_config(data_dir, tmp_path, "train.max_steps=6", *profile)
+    Trainer(again, plan_for(again)).fit()  # resumed at step 4: past the warm-up's step 2
+    said = [line for line in logs if "not traced" in line]
+    assert said == [
+        "train.profile: not traced: this launch starts after step 4, and the profiler's "
+        "warm-up begins at step 2 (set train.profile.start_step above 5 to trace this launch)"
+    ]
+    assert sorted(p.name for p in folder.iterdir()) == ["rank0_steps3-4.pt.trace.json"]

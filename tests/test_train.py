@@ -248,9 +248,36 @@ def test_every_launch_logs_its_first_and_the_last_step(data_dir, tmp_path):
     first step (not only step 1 and the last), so its summary reads 'loss (step 3) -> (step 4)'."""
     common = ["train.max_steps=4", "checkpoint.every=2", "logging.every=10", "eval.every=0"]
     first = trainer(data_dir, tmp_path, *common, "train.exit_at_step=2").fit()
-    assert sorted(first.losses) == [1]
+    assert sorted(first.losses) == [1, 2]  # (the step a launch stops at is logged too)
     second = trainer(data_dir, tmp_path, *common).fit()
     assert sorted(second.losses) == [3, 4]
+
+
+def test_a_stopped_launch_names_one_step_in_its_checkpoint_done_line_and_runs(
+    data_dir, tmp_path, logs, capsys
+):
+    """Stopped at step 7 between logging steps (every 2): the checkpoint was step_00000007 while
+    the `done:` line said "(step 6)" and `runs` "6/20"; the stop step is logged now."""
+    from scale_llm.cli import main
+    from scale_llm.config import save_config
+
+    cfg = make_config(
+        data_dir,
+        tmp_path / "runs",
+        "train.max_steps=20",
+        "logging.every=2",
+        "checkpoint.every=5",
+        "train.exit_at_step=7",
+    )
+    save_config(cfg, tmp_path / "run.yaml")
+    assert main(["train", str(tmp_path / "run.yaml")]) == 0
+    assert sorted(p.name for p in (cfg.run_dir / "checkpoints").iterdir())[-1] == "step_00000007"
+    (done,) = [line for line in logs if line.startswith("done:")]
+    assert "7 of 20 in total" in done and done.split(";")[2].endswith("(step 7)"), done
+    capsys.readouterr()
+    assert main(["runs", str(cfg.run_dir)]) == 0
+    row = capsys.readouterr().out.splitlines()[1].split()
+    assert row[1] == "7/20" and row[-3] == "step_00000007", row
 
 
 def test_metrics_rows_and_tensorboard_events(data_dir, tmp_path):

@@ -1,11 +1,12 @@
 """train.profile: `torch.profiler` traces of chosen steps and a CUDA memory snapshot, per rank.
 
-The loop calls `step_done(step)` at the end of each optimizer step (after its logging, eval and
-checkpoint, which belong to the step). Each step runs inside a `record_function` named
+The loop calls `step_done(step, last)` at the end of each optimizer step (after its logging,
+eval and checkpoint, which belong to the step). Each step runs inside a `record_function` named
 `scale_llm step N`, so the trace names the run's own step numbers. Traces are written as
 `RUN_DIR/<folder>/rank<R>_steps<A>-<B>.pt.trace.json` (the name TensorBoard's profiler plugin
-looks for; Perfetto and chrome://tracing open it as is); the memory snapshot, as a pickle that
-pytorch.org/memory_viz reads.
+looks for; Perfetto and chrome://tracing open it as is), A-B the steps it holds: a launch that
+stops inside the traced steps writes those that ran, and no step after its last. The memory
+snapshot is a pickle that pytorch.org/memory_viz reads.
 """
 
 from __future__ import annotations
@@ -53,10 +54,13 @@ class StepProfiler:
         self.cuda = plan.device.type == "cuda"
         self.prof: Any = None
         self.step_label: Any = None
+        self.last_step = start_step  # the last step done (what a stopped trace holds)
         self.snapshot_step = p.memory_snapshot_step
         if self.snapshot_step is not None and self.snapshot_step <= start_step:
             log.info(
-                "train.profile: no memory snapshot: this launch starts after step %d",
+                "train.profile: no memory snapshot: this launch starts after step %d, and the "
+                "snapshot is of step %d",
+                start_step,
                 self.snapshot_step,
             )
             self.snapshot_step = None
@@ -72,9 +76,12 @@ class StepProfiler:
         p, first = self.p, self.p.start_step - self.p.warmup_steps
         if first <= self.start_step:
             log.info(
-                "train.profile: not traced: this launch starts after step %d, where the "
-                "profiler's warm-up begins (lower train.profile.start_step to trace this launch)",
-                first - 1,
+                "train.profile: not traced: this launch starts after step %d, and the "
+                "profiler's warm-up begins at step %d (set train.profile.start_step above %d "
+                "to trace this launch)",
+                self.start_step,
+                first,
+                self.start_step + p.warmup_steps,
             )
             return
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -104,20 +111,29 @@ class StepProfiler:
             self.step_label.__exit__(None, None, None)
             self.step_label = None
 
-    def step_done(self, step: int) -> None:
-        """Optimizer step `step` (its logging, eval and checkpoint included) is over."""
+    def step_done(self, step: int, last: bool = False) -> None:
+        """Optimizer step `step` (its logging, eval and checkpoint included) is over; `last`:
+        the launch runs no further step (a stop, or train.max_steps)."""
+        self.last_step = step
         if self.prof is not None:
-            self._end_label()
-            self.prof.step()  # after the last traced step, this writes the trace
-            if step >= self.p.start_step + self.p.active_steps - 1:
-                self._stop_trace()
+            if last or step >= self.p.start_step + self.p.active_steps - 1:
+                if step < self.p.start_step:  # (stopped in the wait or warm-up: no trace)
+                    log.info(
+                        "train.profile: not traced: the launch stopped after step %d, before "
+                        "step %d",
+                        step,
+                        self.p.start_step,
+                    )
+                self._stop_trace()  # writes what was traced, opening no next step
             else:
+                self._end_label()
+                self.prof.step()
                 self._label(step + 1)
         if step == self.snapshot_step:
             self._write_snapshot(step)
 
     def _write_trace(self, prof: torch.profiler.profile) -> None:
-        first, last = self.p.start_step, self.p.start_step + self.p.active_steps - 1
+        first, last = self.p.start_step, self.last_step
         path = self.folder / f"rank{self.rank}_steps{first}-{last}.pt.trace.json"
         self.folder.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")

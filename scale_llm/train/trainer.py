@@ -218,13 +218,13 @@ class Trainer:
                     self.step += 1
                     maybe_fail("after_step", self.step, self.plan.rank)
                     self.clock.step_done(self.step)
-                    self._record(loss, grad_norm, lr, result)
+                    stop = self._stop_reason(signals)  # first: a stop's step is logged too
+                    self._record(loss, grad_norm, lr, result, stop is not None)
                     collector.step_done(self.step)
-                    stop = self._stop_reason(signals)
                     if self.cadence.checkpoints(self.step) or stop:
                         collector.before_checkpoint()
                         result.checkpoint = self.save_checkpoint()
-                    profiler.step_done(self.step)
+                    profiler.step_done(self.step, last=bool(stop) or self.step == t.max_steps)
                     if stop:
                         self._say_stop(stop)
                         result.stopped = stop
@@ -269,11 +269,18 @@ class Trainer:
         return loss, grad_norm, lr
 
     def _record(
-        self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, result: TrainResult
+        self,
+        loss: torch.Tensor,
+        grad_norm: torch.Tensor,
+        lr: float,
+        result: TrainResult,
+        stopping: bool = False,
     ) -> None:
-        """Metric row for logging and eval steps (the only places that read device values)."""
+        """Metric row for logging and eval steps (the only places that read device values).
+        The step a launch stops at is logged: its checkpoint, `runs` and the `done:` line then
+        name the same step."""
         row: dict[str, Any] = {}
-        if self.cadence.logs(self.step):
+        if self.cadence.logs(self.step) or stopping:
             row = self._train_metrics(loss, grad_norm, lr)
             result.losses[self.step] = row["loss"]
             result.grad_norms[self.step] = row["grad_norm"]
