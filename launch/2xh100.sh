@@ -11,4 +11,5 @@ if [[ "$visible_gpus" -eq 1 ]]; then  # two processes on one GPU: NCCL refuses t
   exit 2
 fi
 run_prepare "$@"
-exec "$PY" -m torch.distributed.run --standalone --nproc_per_node 2 -m scale_llm train "$@"
+run_job tell_workers "${TORCHRUN[@]}" --standalone --nproc_per_node 2 -m scale_llm train "$@"
+end_run "$@"  # (a stop signal: one line with the checkpoint, exit 128 + its number)

@@ -1,8 +1,8 @@
 # Sourced by the launchers: one place for the environment every run starts with.
 # Sets: ROOT, PY (the Python that runs scale_llm), gpus (the node's: nvidia-smi's count, else
 # torch's), visible_gpus (those CUDA_VISIBLE_DEVICES leaves), NGPU, OMP_NUM_THREADS,
-# PYTORCH_CUDA_ALLOC_CONF, DS_ACCELERATOR (no visible GPU), and the functions run_prepare and
-# require_config.
+# PYTORCH_CUDA_ALLOC_CONF, DS_ACCELERATOR (no visible GPU), TORCHRUN (the torchrun command), and
+# the functions run_prepare, require_config, run_job, tell_workers and end_run (how a run stops).
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # The Python to run: $SCALE_LLM_PYTHON if set; else the active python when it can import
@@ -110,4 +110,126 @@ require_config() {
     echo "usage: bash $0 CONFIG.yaml [scale-llm train args...]" >&2
     exit 2
   fi
+}
+
+# ----------------------------------------------------------------------------- stopping
+# SIGTERM, SIGINT or SIGHUP to a launcher stops the run the way the trainer stops on SIGTERM /
+# SIGINT: every rank finishes its step and saves a checkpoint. The launcher then ends with one
+# line naming that checkpoint and the command that continues the run, and exit code 128 + the
+# signal's number (143 for SIGTERM, 130 for SIGINT, 129 for SIGHUP), the same under every
+# launcher (docs/backends.md, Stopping).
+
+# torchrun, quiet when it is signalled itself (as Slurm signals every process of a job step): it
+# passes the signal on to its workers, waits for them, then raises SignalException (~25 lines of
+# traceback, exit 1). Here that ends it with 128 + the signal's number instead.
+read -r -d '' TORCHRUN_QUIET <<'PY' || true
+import signal, sys
+from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.run import main
+try:
+    main()
+except SignalException as e:
+    sys.exit(128 + int(e.sigval))
+except KeyboardInterrupt:  # a SIGINT before it handles signals (during its rendezvous)
+    sys.exit(128 + signal.SIGINT)
+PY
+TORCHRUN=("$PY" -c "$TORCHRUN_QUIET")
+
+job=""          # the process run_job started (torchrun, DeepSpeed's runner)
+stop_signal=""  # the last stop signal the launcher received: TERM, INT or HUP
+interrupted=""  # a signal came since the last `wait` began
+pass_on=""      # the launcher's function that tells the run of a stop signal
+
+# run_job PASS_ON CMD...: run CMD as a job of its own (a process group, so that a terminal's
+# Ctrl-C reaches the launcher alone; stdin from /dev/null, as for any background job) and wait
+# for it; each stop signal calls PASS_ON with the signal's name. Sets job_status to CMD's code.
+run_job() {
+  pass_on="$1"
+  shift
+  trap 'on_stop TERM' TERM
+  trap 'on_stop INT' INT
+  trap 'on_stop HUP' HUP  # a closed terminal: the run stops with a checkpoint
+  set -m
+  "$@" < /dev/null &
+  job=$!
+  set +m
+  job_status=0
+  wait "$job" || job_status=$?
+  # A signal ends `wait` early (status 128 + its number): wait again, for the job's own code
+  # (127: it had been collected already, and $job_status is its own).
+  local again
+  while [[ -n "$interrupted" ]]; do
+    interrupted=""
+    again=0
+    wait "$job" 2>/dev/null || again=$?
+    if [[ "$again" -ne 127 ]]; then job_status="$again"; fi
+  done
+}
+
+on_stop() {
+  stop_signal="$1"
+  interrupted=1
+  if [[ -z "$job" ]]; then exit $(( 128 + $(kill -l "$1") )); fi
+  "$pass_on" "$1"
+}
+
+# The processes whose parent is $1 (read from /proc: no ps needed).
+children_of() {
+  local stat fields
+  for stat in /proc/[0-9]*/stat; do
+    { read -r fields < "$stat"; } 2>/dev/null || continue
+    fields="${fields##*) }"  # after the command name, which may hold spaces and parentheses
+    fields="${fields#* }"    # after the state: the parent's id comes first
+    if [[ "${fields%% *}" == "$1" ]]; then
+      stat="${stat#/proc/}"
+      echo "${stat%/stat}"
+    fi
+  done
+}
+
+# PASS_ON for torchrun: its workers run in sessions of their own, and the signal goes to each
+# worker's process group (as torchrun's own shutdown sends it), not to torchrun, which then sees
+# its workers checkpoint and exit 0, and exits 0. Before it has started them (rendezvous),
+# torchrun itself gets the signal. SIGHUP reaches the workers as SIGTERM (the trainer's stop).
+tell_workers() {
+  local sig="$1" worker told=""
+  if [[ "$sig" == HUP ]]; then sig=TERM; fi
+  for worker in $(children_of "$job"); do
+    told=1
+    kill -s "$sig" -- "-$worker" 2>/dev/null || kill -s "$sig" "$worker" 2>/dev/null || true
+  done
+  if [[ -z "$told" ]]; then kill -s "$sig" "$job" 2>/dev/null || true; fi
+}
+
+# The stop line: the newest complete checkpoint of the run the train arguments describe, and the
+# command that continues it (argv: SIGNAL, the launcher as a shell command, the train arguments).
+read -r -d '' STOP_LINE <<'PY' || true
+import shlex, sys
+from scale_llm.cli import config_from_args, parse_args
+from scale_llm.train.guards import stop_line
+signal_name, launcher, *args = sys.argv[1:]
+cfg = config_from_args(parse_args(["train", *args]))
+print(stop_line(signal_name, cfg.run_dir, cfg.train.max_steps, f"{launcher} {shlex.join(args)}"))
+PY
+
+# end_run TRAIN_ARGS...: after run_job, exit with the job's code; after a stop signal, when the
+# job ended as a stopped run ends (0; 128 + a stop signal's number: torchrun signalled itself;
+# any code with stop_any_code=1, as DeepSpeed's runner's code says nothing about its workers'),
+# print the stop line (node 0 only) and exit 128 + the signal's number. How to continue:
+# SCALE_LLM_CONTINUE (slurm.sbatch sets it), else this script as it was started.
+end_run() {
+  if [[ -z "$stop_signal" ]] \
+      || ! [[ -n "${stop_any_code:-}" || "$job_status" =~ ^(0|129|130|143)$ ]]; then
+    exit "$job_status"
+  fi
+  local launcher="${SCALE_LLM_CONTINUE:-bash $(printf '%q' "$0")}" line=""
+  if [[ "${NODE_RANK:-0}" == "0" ]]; then
+    line=$("$PY" -c "$STOP_LINE" "SIG$stop_signal" "$launcher" "$@" 2>/dev/null | tail -n 1) \
+      || true
+    if [[ "$line" != stopped* ]]; then  # (no Python answer: the line without the checkpoint)
+      line="stopped by SIG$stop_signal; continue with: $launcher$(printf ' %q' "$@")"
+    fi
+    echo "$line"
+  fi
+  exit $(( 128 + $(kill -l "$stop_signal") ))
 }

@@ -5,7 +5,9 @@
 # A hostfile has one line per node: "node0 slots=8". MASTER_ADDR / MASTER_PORT are optional.
 # With HOSTFILE, run it once, on one node: DeepSpeed starts every node's processes over
 # passwordless ssh (pdsh), in this directory and with this Python, so the paths must be the same
-# on every node. SIGTERM / SIGINT to this script reach every process of the run.
+# on every node. SIGTERM / SIGINT to this script reach every process of the run, which saves a
+# checkpoint and stops; the script then prints where it is and how to continue, and exits 128 +
+# the signal's number (143 / 130), as every launcher does.
 set -euo pipefail
 user_ds_accelerator="${DS_ACCELERATOR:-}"  # (_env.sh sets it on this machine when it has no GPU)
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
@@ -70,11 +72,16 @@ print(s.getsockname()[1])' 2>/dev/null | tail -n 1)
 # cache, and the run is silent meanwhile: on the CPU its shared-memory collectives
 # (deepspeed_shm_comm) at every start, and CPUAdam (cpu_adam) for an optimizer offload. Each took
 # about 3 minutes on 2 CPU cores (2026-12-03, DeepSpeed 0.19.8). Prints "OPS... CACHE_DIR" for
-# the ops this run needs that are not built yet (nothing for a config train will refuse).
+# the ops this run needs that are not built for this Python yet (nothing for a config train will
+# refuse). A cached op counts as built when torch would reuse it: its build.ninja (which torch
+# writes again and ninja compares) names this torch's and this Python's headers and this
+# DeepSpeed's sources, and its library is newer than those; another venv's or checkout's build
+# of the same op, in the same cache, is built again.
 read -r -d '' UNBUILT_OPS <<'PY' || true
-import os, sys  # which torch_extensions this run still has to build
+import os, sys, sysconfig  # which torch_extensions this run still has to build
+from importlib.util import find_spec
 import torch
-from torch.utils.cpp_extension import get_default_build_root
+from torch.utils.cpp_extension import get_default_build_root, include_paths
 from scale_llm.cli import config_from_args, parse_args
 cfg = config_from_args(parse_args(["train", *sys.argv[1:]]))
 ops = ["deepspeed_shm_comm"] if os.environ.get("DS_ACCELERATOR") == "cpu" else []
@@ -86,7 +93,26 @@ if not root:  # torch's own choice (torch.utils.cpp_extension._get_build_directo
     device = "cu" + cuda.replace(".", "") if cuda else "cpu"
     tag = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
     root = os.path.join(get_default_build_root(), f"{tag}_{device}")
-todo = [op for op in ops if not os.path.isfile(os.path.join(root, op, op + ".so"))]
+spec = find_spec("deepspeed")
+deepspeed_dir = os.path.dirname(spec.origin) + os.sep if spec and spec.origin else None
+headers = [include_paths()[0], sysconfig.get_paths()["include"]]
+def built(op):
+    try:
+        with open(os.path.join(root, op, "build.ninja")) as f:
+            lines = [line.split() for line in f]
+        made = os.path.getmtime(os.path.join(root, op, op + ".so"))
+    except (OSError, UnicodeDecodeError):
+        return False
+    words = [w for line in lines for w in line]
+    sources = [w[3] for w in lines if len(w) > 3 and w[0] == "build" and w[2] == "compile"]
+    inputs = [*sources, os.path.join(headers[0], "torch", "extension.h")]
+    return (
+        all(h in words for h in headers)
+        and bool(sources)
+        and all(s.startswith(deepspeed_dir) for s in sources)
+        and all(os.path.isfile(s) and os.path.getmtime(s) <= made for s in inputs)
+    )
+todo = [op for op in ops if deepspeed_dir and not built(op)]
 if todo:
     print(*todo, root)
 PY
@@ -100,8 +126,9 @@ announce_op_builds() {
   if [[ ${#words[@]} -lt 2 ]]; then return; fi
   local cache="${words[-1]}" ops="${words[*]:0:${#words[@]}-1}"
   echo "deepspeed.sh: DeepSpeed builds its C++ op(s) ${ops// /, } on first use, into $cache:" \
-    "about 3 minutes each on 2 CPU cores (once; later runs load them), while the run prints" \
-    "nothing" >&2
+    "about 3 minutes each on 2 CPU cores, while the run prints nothing (once for this venv;" \
+    "a build there by another venv or checkout is replaced: TORCH_EXTENSIONS_DIR gives each" \
+    "its own cache)" >&2
 }
 
 launcher=("$PY" -m deepspeed.launcher.runner --no_local_rank)
@@ -141,52 +168,31 @@ run_prepare "$@"
 announce_op_builds "$@"
 
 # Not exec: on one node DeepSpeed's runner passes no signal on, so a SIGTERM to it would end the
-# runner and leave the workers training. The runner gets a process group of its own (job control
-# on while it starts; stdin from /dev/null, as for any background job), and a SIGTERM / SIGINT to
-# this script goes to that whole group: every worker gets it (the trainer checkpoints and stops),
-# as under torchrun; the runner's own handler (multi-node) stops the other nodes. Then wait for
-# the runner and for the rest of its group, and exit with the runner's code.
-runner=""
-signalled=""    # the last signal forwarded
-interrupted=""  # a signal came since the last `wait` began
-forward() {
-  signalled="$1"
-  interrupted=1
-  if [[ -z "$runner" ]]; then exit $(( 128 + $(kill -l "$1") )); fi
-  kill -s "$1" -- "-$runner" 2>/dev/null || true
+# runner and leave the workers training. The runner runs as a job of its own (run_job), and a stop
+# signal to this script goes to that whole process group as SIGTERM: every worker gets it (the
+# trainer checkpoints and stops), as under torchrun; DeepSpeed's `launch` and, on several nodes,
+# the runner's own handler (which stops the other nodes' processes) stop on it too, where a
+# SIGINT would end the one-node runner with a KeyboardInterrupt traceback.
+tell_group() {
+  kill -s TERM -- "-$job" 2>/dev/null || true
 }
 # Whether a process of the runner's group still runs (exited ones wait, as zombies, for whoever
 # adopted them to collect them; without ps, they count as running).
 group_running() {
   if command -v ps >/dev/null 2>&1; then
-    ps -e -o pgid= -o stat= | awk -v group="$runner" '$1 == group && $2 !~ /^Z/ { found = 1 }
+    ps -e -o pgid= -o stat= | awk -v group="$job" '$1 == group && $2 !~ /^Z/ { found = 1 }
       END { exit !found }'
   else
-    kill -0 -- "-$runner" 2>/dev/null
+    kill -0 -- "-$job" 2>/dev/null
   fi
 }
-trap 'forward TERM' TERM
-trap 'forward INT' INT
-trap 'forward HUP' HUP  # a closed terminal: the run is not left without its launcher
 if [[ -n "$env_file" ]]; then export DS_ENV_FILE="$env_file"; fi
 if [[ -n "$include" ]]; then unset CUDA_VISIBLE_DEVICES; fi
-set -m
-"${launcher[@]}" --module scale_llm train "$@" < /dev/null &
-runner=$!
-set +m
-status=0
-wait "$runner" || status=$?
-# A signal ends `wait` early (status 128 + its number): wait again, for the runner's own code
-# (127: it had been collected already, and $status is its own).
-while [[ -n "$interrupted" ]]; do
-  interrupted=""
-  again=0
-  wait "$runner" 2>/dev/null || again=$?
-  if [[ "$again" -ne 127 ]]; then status="$again"; fi
-done
-if [[ -n "$signalled" ]]; then  # the workers may outlive the runner while they checkpoint
+stop_any_code=1  # (after a stop signal the runner's code says nothing about the workers')
+run_job tell_group "${launcher[@]}" --module scale_llm train "$@"
+if [[ -n "$stop_signal" ]]; then  # the workers may outlive the runner while they checkpoint
   # (at most 2 minutes: DeepSpeed's launch kills its workers 30 s after the signal, and without
   # ps an unreaped worker would count as running for ever)
   for (( tick = 0; tick < 600; tick++ )); do group_running || break; sleep 0.2; done
 fi
-exit "$status"
+end_run "$@"  # the runner's code; after a stop signal, the stop line and 128 + its number

@@ -6,6 +6,8 @@
 # NGPU: processes per node (default: every GPU CUDA_VISIBLE_DEVICES leaves, or 2 without GPUs).
 # NODE_RANK: required when NNODES > 1 (0 on the node at MASTER_ADDR).
 # MASTER_PORT: rendezvous port on MASTER_ADDR (default 29500).
+# SIGTERM / SIGINT: every rank saves a checkpoint after its step; the script then prints where it
+# is and how to continue, and exits 128 + the signal's number (143 / 130).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 require_config "$@"
@@ -41,10 +43,15 @@ if [[ "$visible_gpus" -gt 0 && "$NGPU" -gt "$visible_gpus" ]]; then  # two ranks
 fi
 export NODE_RANK="${NODE_RANK:-0}"
 run_prepare "$@"
+# Not exec: the launcher stays to pass a stop signal on to the workers and to end with one line
+# saying where the checkpoint is and how to continue (_env.sh, stopping).
 if [[ "$NNODES" == "1" ]]; then
-  exec "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NGPU" \
+  run_job tell_workers "${TORCHRUN[@]}" --standalone --nproc_per_node "$NGPU" \
     -m scale_llm train "$@"
+else
+  run_job tell_workers "${TORCHRUN[@]}" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
+    --nproc_per_node "$NGPU" \
+    --master_addr "${MASTER_ADDR:?set MASTER_ADDR to the address of node 0}" \
+    --master_port "${MASTER_PORT:-29500}" -m scale_llm train "$@"
 fi
-exec "$PY" -m torch.distributed.run --nnodes "$NNODES" --node_rank "$NODE_RANK" \
-  --nproc_per_node "$NGPU" --master_addr "${MASTER_ADDR:?set MASTER_ADDR to the address of node 0}" \
-  --master_port "${MASTER_PORT:-29500}" -m scale_llm train "$@"
+end_run "$@"

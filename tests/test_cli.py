@@ -351,7 +351,7 @@ def test_the_gpu_check_stops_when_torch_cannot_use_the_gpus_nvidia_smi_lists(tmp
 LAUNCH_ENV = (
     "OMP_NUM_THREADS", "NGPU", "CUDA_VISIBLE_DEVICES", "NNODES", "NODE_RANK", "MASTER_ADDR",
     "MASTER_PORT", "HOSTFILE", "DS_ENV_FILE", "DS_ACCELERATOR", "SKIP_PREPARE",
-    "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "SCALE_LLM_ROOT",
+    "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "SCALE_LLM_ROOT", "SCALE_LLM_CONTINUE",
 )  # fmt: skip
 
 
@@ -379,7 +379,8 @@ def launch(script: str, env: dict[str, str], *args: str, **kw) -> subprocess.Com
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60, **kw)
 
 
-PRINT_LAUNCH = """torch.distributed.run) echo "OMP=$OMP_NUM_THREADS $*";;
+# (torchrun runs as `python -c CODE ARGS`, CODE calling torch.distributed.run's main: _env.sh)
+PRINT_LAUNCH = """*torch.distributed.run*) shift 2; echo "OMP=$OMP_NUM_THREADS $*";;
 deepspeed.launcher.runner) echo "OMP=$OMP_NUM_THREADS CVD=${CUDA_VISIBLE_DEVICES-unset} $*";;"""
 
 
@@ -503,32 +504,146 @@ def test_deepspeed_sh_says_when_it_builds_ops_and_takes_a_free_port(tmp_path):
     assert "C++ op" not in built.stderr and "--master_port 41234 " in built.stdout
 
 
-def test_a_sigterm_to_deepspeed_sh_reaches_the_workers(tmp_path):
-    """deepspeed.sh exec'd DeepSpeed's runner, which passes signals on only in multi-node runs:
-    a SIGTERM ended the runner and the workers trained on. Now every process of the run gets
-    it, the script waits for the workers to stop and exits with the runner's code. Stand-in:
-    a runner that exits 7 on SIGTERM, with a worker (which it does not signal) that takes a
-    moment to stop."""
-    worker = 'trap "sleep 0.3; echo stopped > \\"$0\\"; exit 0" TERM; '
-    worker += 'touch "$0.ready"; sleep 60 & wait'
-    runner = f"deepspeed.launcher.runner) trap 'exit 7' TERM; sh -c '{worker}' \"$MARK\" & wait;;"
-    mark = tmp_path / "stopped"
-    env = stand_in_node(tmp_path, runner) | {"MARK": str(mark)}
-    cmd = ["bash", str(REPO / "launch" / "deepspeed.sh"), "tiny.yaml"]
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+def test_deepspeed_sh_checks_that_a_cached_op_was_built_for_this_python(tmp_path):
+    """The op-build notice looked only for the op's .so: one built by another venv or checkout
+    into the same torch_extensions cache (which torch then builds again, ~3 minutes, in
+    silence) counted as built. Now the op's build.ninja must name this torch's and this
+    Python's headers and this DeepSpeed's sources. Stand-in node; the check runs in this
+    Python, on a cache in tmp_path."""
+    import sysconfig
+    from importlib.util import find_spec
+
+    from torch.utils.cpp_extension import include_paths
+
+    spec = find_spec("deepspeed")
+    if spec is None or spec.origin is None:
+        pytest.skip("DeepSpeed is not installed")
+    source = Path(spec.origin)  # (a file of this DeepSpeed: the sources' folder is what counts)
+    arms = f'*torch_extensions*) exec {sys.executable} "$@";;'
+    cache = tmp_path / "cache"
+    env = stand_in_node(tmp_path, arms, gpus=0) | {"TORCH_EXTENSIONS_DIR": str(cache)}
+    op = cache / "deepspeed_shm_comm"
+    op.mkdir(parents=True)
+    ours = [include_paths()[0], sysconfig.get_paths()["include"]]
+
+    def cached(headers: list[str], src: Path) -> str:
+        flags = " ".join(f"-isystem {h}" for h in headers)
+        (op / "build.ninja").write_text(
+            f"cflags = -I{src.parent}/includes {flags}\n"
+            f"rule compile\n  command = $cxx $cflags -c $in -o $out\n"
+            f"build shm.o: compile {src}\nbuild deepspeed_shm_comm.so: link shm.o\n"
+        )
+        (op / "deepspeed_shm_comm.so").write_bytes(b"")  # (newer than the sources)
+        return launch("deepspeed.sh", env).stderr
+
+    notice = "DeepSpeed builds its C++ op(s) deepspeed_shm_comm on first use, into"
+    assert notice not in cached(ours, source)
+    other = ["/other/venv/lib/python3.11/site-packages/torch/include", ours[1]]
+    assert notice in cached(other, source)  # another venv's torch
+    assert notice in cached(ours, Path("/other/checkout/deepspeed/ops/csrc/shm.cpp"))
+    (op / "build.ninja").unlink()  # a .so alone
+    assert f"{notice} {cache}: about 3 minutes" in launch("deepspeed.sh", env).stderr
+
+
+def signal_launcher(script: str, env: dict[str, str], ready: Path, sig: signal.Signals, *args):
+    """Start `script` (tiny.yaml, `args`), send `sig` once `ready` exists; (exit code, stdout)."""
+    cmd = ["bash", str(REPO / "launch" / script), "tiny.yaml", *args]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, start_new_session=True, text=True)
     try:
-        ready = mark.with_name("stopped.ready")
         for _ in range(600):  # up to 30 s on a loaded machine
             if ready.exists():
                 break
             time.sleep(0.05)
         assert ready.exists()
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=10) == 7
-        assert mark.exists() and mark.read_text() == "stopped\n"
+        proc.send_signal(sig)
+        out = proc.communicate(timeout=60)[0]
+        return proc.returncode, out
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_to_deepspeed_sh_reaches_the_workers(tmp_path, sig):
+    """deepspeed.sh exec'd DeepSpeed's runner, which passes signals on only in multi-node runs:
+    a SIGTERM ended the runner and the workers trained on. Now every process of the run gets
+    SIGTERM (a SIGINT would end the runner with a traceback), the script waits for the workers
+    to stop, then ends as every launcher does: the stop line, 128 + the signal's number.
+    Stand-in: a runner that exits 7 on SIGTERM, with a worker (which it does not signal) that
+    takes a moment to stop."""
+    worker = 'trap "sleep 0.3; echo stopped > \\"$0\\"; exit 0" TERM; '
+    worker += 'touch "$0.ready"; sleep 60 & wait'
+    runner = f"deepspeed.launcher.runner) trap 'exit 7' TERM; sh -c '{worker}' \"$MARK\" & wait;;"
+    mark = tmp_path / "stopped"
+    env = stand_in_node(tmp_path, runner) | {"MARK": str(mark)}
+    code, out = signal_launcher("deepspeed.sh", env, mark.with_name("stopped.ready"), sig)
+    assert code == 128 + sig and mark.read_text() == "stopped\n"
+    # (the stand-in Python names no checkpoint: the line without it)
+    assert out.splitlines()[-1] == (
+        f"stopped by {sig.name}; continue with: bash {REPO}/launch/deepspeed.sh tiny.yaml"
+    )
+
+
+# torchrun stand-in: starts a worker in a session of its own (as torchrun does), notes any signal
+# it gets itself in MARK.agent, and exits with the worker's code; the worker notes the signal it
+# gets in MARK and exits 0, as a rank that saved its checkpoint does.
+STAND_IN_AGENT = """import signal, subprocess, sys
+mark = sys.argv[1]
+got = []
+for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(s, lambda n, f: got.append(signal.Signals(n).name))
+worker = subprocess.Popen([sys.executable, "-c", sys.argv[2], mark], start_new_session=True)
+code = worker.wait()
+open(mark + ".agent", "w").write(" ".join(got))
+sys.exit(code)
+"""
+STAND_IN_WORKER = """import pathlib, signal, sys, time
+mark = pathlib.Path(sys.argv[1])
+def stop(n, f):
+    mark.write_text(signal.Signals(n).name)
+    sys.exit(0)
+for s in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(s, stop)
+mark.with_suffix(".ready").touch()
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize(
+    ("script", "sig", "worker_got"),
+    [
+        ("torchrun.sh", signal.SIGTERM, "SIGTERM"),
+        ("torchrun.sh", signal.SIGINT, "SIGINT"),
+        ("2xh100.sh", signal.SIGHUP, "SIGTERM"),  # (the trainer stops on SIGTERM and SIGINT)
+    ],
+)
+def test_a_stop_signal_to_the_torchrun_launchers_ends_with_the_checkpoint(
+    tmp_path, script, sig, worker_got
+):
+    """torchrun.sh and 2xh100.sh exec'd torchrun: on SIGTERM its agent stopped the workers, then
+    printed ~25 lines of SignalException traceback and exited 1. Now the launcher passes the
+    signal to the workers (torchrun sees them checkpoint and exit 0), prints where the checkpoint
+    is and how to continue (the real stop line, for a run dir holding step 3), and exits 128 +
+    the signal's number. Stand-ins for torchrun and a worker; the stop line is computed by
+    this Python."""
+    agent, worker = tmp_path / "agent.py", tmp_path / "worker.py"
+    agent.write_text(STAND_IN_AGENT)
+    worker.write_text(STAND_IN_WORKER)
+    arms = f"""*torch.distributed.run*) exec {sys.executable} {agent} "$MARK" "$(cat {worker})";;
+*stop_line*) exec {sys.executable} "$@";;"""
+    mark = tmp_path / "stopped"
+    env = stand_in_node(tmp_path, arms, gpus=0) | {"MARK": str(mark)}
+    checkpoint = tmp_path / "runs" / "r" / "checkpoints" / "step_00000003"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "trainer.pt").write_bytes(b"")
+    args = ["--set", f"run.dir={tmp_path / 'runs'}", "--set", "run.name=r"]
+    code, out = signal_launcher(script, env, mark.with_suffix(".ready"), sig, *args)
+    assert code == 128 + sig, out
+    assert mark.read_text() == worker_got and (tmp_path / "stopped.agent").read_text() == ""
+    assert out.splitlines()[-1] == (
+        f"stopped by {sig.name}: checkpoint {checkpoint} (step 3 of 150); continue with: "
+        f"bash {REPO}/launch/{script} tiny.yaml --set run.dir={tmp_path}/runs --set run.name=r"
+    )
 
 
 def test_torchrun_sh_needs_each_nodes_rank(tmp_path):
@@ -656,7 +771,7 @@ def test_torchrun_waits_long_enough_for_a_stopped_run_to_checkpoint(tmp_path):
     """After forwarding SIGTERM torchrun kills its workers 30 s later by default: less than a
     large model's last steps and checkpoint. The launchers give it 5 minutes (a user's own
     setting wins), and the Slurm script asks for SIGTERM 5 minutes before the time limit."""
-    shown = 'torch.distributed.run) echo "T=$TORCH_ELASTIC_SHUTDOWN_TIMEOUT";;'
+    shown = '*torch.distributed.run*) echo "T=$TORCH_ELASTIC_SHUTDOWN_TIMEOUT";;'
     env = stand_in_node(tmp_path, shown)
     for script in ("torchrun.sh", "2xh100.sh"):
         assert launch(script, env).stdout.strip() == "T=300", script

@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -396,13 +400,49 @@ def two_nodes(args: list[str], cwd: Path, port: str) -> tuple[list[str], list[in
     return outputs, [p.returncode for p in nodes]
 
 
-def test_launcher_quotes_arguments(data_dir, tmp_path):
-    """A value with spaces and shell characters reaches the config intact."""
+def test_a_stopped_launch_names_its_checkpoint_and_continues_from_it(data_dir, tmp_path):
+    """SIGTERM to torchrun.sh after step 1 ended with ~25 lines of torchrun's SignalException
+    traceback and exit code 1. Now the workers checkpoint, the launcher's last line names that
+    checkpoint and the command that continues the run (quoted: the run name holds spaces and
+    shell characters, which reach the config intact) and it exits 143; that command resumes."""
     name = "quoted $(touch pwned) 'x'"
-    args = launcher_args(data_dir, tmp_path, "q", "tiny-ddp.yaml") + ["--set", f"run.name={name}"]
-    launch("2xh100.sh", args, tmp_path)
-    assert (tmp_path / name / "metrics.jsonl").is_file()
-    assert not (tmp_path / "pwned").exists()
+    args = launcher_args(data_dir, tmp_path, "q", "tiny-ddp.yaml")
+    args += sets(f"run.name={name}", "train.max_steps=1000", "logging.every=1")
+    full_env = {**env(), "SCALE_LLM_PYTHON": sys.executable, "SKIP_PREPARE": "1"}
+    cmd = ["bash", str(REPO / "launch" / "torchrun.sh"), *args]
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "step 1/1000" in line:
+                proc.send_signal(signal.SIGTERM)
+                break
+        console = "".join(lines) + proc.communicate(timeout=300)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143, console[-3000:]
+    assert "Traceback" not in console and "SignalException" not in console, console[-3000:]
+    last = console.strip().splitlines()[-1]
+    stop = re.fullmatch(r"stopped by SIGTERM: checkpoint (.+) \(step (\d+) of 1000\); "
+                        r"continue with: (.+)", last)  # fmt: skip
+    assert stop, console[-3000:]
+    checkpoint, step = Path(stop[1]), int(stop[2])
+    assert checkpoint == tmp_path / name / "checkpoints" / f"step_{step:08d}"
+    assert (checkpoint / "trainer.pt").is_file() and not (tmp_path / "pwned").exists()
+    again = shlex.split(stop[3])
+    assert again == cmd
+    again += sets(f"train.max_steps={step + 1}")  # (one more step)
+    proc = subprocess.run(
+        again, cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"resume: continuing from {checkpoint} at step {step}" in proc.stdout
+    assert max(rows_of(tmp_path / name)) == step + 1
 
 
 @pytest.mark.parametrize(("offload", "expected"), [(False, "nccl"), (True, "cuda:nccl,cpu:gloo")])

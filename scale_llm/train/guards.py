@@ -9,6 +9,7 @@ import signal
 import threading
 from pathlib import Path
 
+from scale_llm.components.checkpoint import Checkpointer
 from scale_llm.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,21 @@ class StopSignals:
             "received %s: saving a checkpoint after this step, then stopping",
             signal.Signals(signum).name,
         )
+
+
+def stop_line(signal_name: str, run_dir: Path, max_steps: int, again: str) -> str:
+    """A launcher's last line after a stop signal: the checkpoint a relaunch continues from (the
+    newest complete one, which the ranks have just written) and `again`, the command to run."""
+    complete = Checkpointer(run_dir, 1).complete()
+    if not complete:
+        return f"stopped by {signal_name} before the first checkpoint; start again with: {again}"
+    step, latest = complete[-1]
+    if step >= max_steps:
+        return f"stopped by {signal_name} after the last step: checkpoint {latest}; run complete"
+    return (
+        f"stopped by {signal_name}: checkpoint {latest} (step {step} of {max_steps}); "
+        f"continue with: {again}"
+    )
 
 
 class TrainingDiverged(UserError):
