@@ -1,21 +1,46 @@
 #!/usr/bin/env bash
-# The whole path on one machine, no GPU needed: set up, prepare the built-in corpus,
-# train the tiny model (about two minutes on 2 CPU cores), and generate text from it.
+# The whole path on one machine, no GPU needed: set up, prepare the built-in corpus, train the
+# tiny model and generate text from it; a line says each phase as it starts, and the last lines
+# give the commands to look at the run (TensorBoard, `scale-llm runs`, `scale-llm export`).
 #   bash launch/quickstart.sh [CONFIG] [extra train args]
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+here="$PWD"
 cd "$root"
 config="${1:-yaml/tiny.yaml}"
 shift $(( $# > 0 ? 1 : 0 ))
+say() { echo "quickstart.sh: $*"; }
+
+if [[ -x .venv/bin/python ]]; then
+  say "[1/4] checking .venv (set up earlier: a few seconds)"
+else
+  say "[1/4] setting up .venv (first time: a few minutes; PyTorch and the other dependencies" \
+    "are downloaded, with pip's progress below)"
+fi
 bash launch/setup.sh
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
 start=$(date +%s)
-.venv/bin/scale-llm prepare --as-train "$config" "$@"  # the data the train args ask for
-.venv/bin/scale-llm train "$config" "$@"
-run_dir=$(.venv/bin/python -c 'import sys
+# What the run will use, read once from the config and the train args: run dir, its parent (the
+# run.dir), data dir, steps.
+{ read -r run_dir; read -r runs; read -r data_dir; read -r steps; } < <(.venv/bin/python -c '
+import sys
 from scale_llm.cli import config_from_args, parse_args
-args = parse_args(["train", *sys.argv[1:]])
-print(config_from_args(args).run_dir)' "$config" "$@")
+cfg = config_from_args(parse_args(["train", *sys.argv[1:]]))
+print(cfg.run_dir, cfg.run.dir, cfg.data.dir, cfg.train.max_steps, sep="\n")' "$config" "$@")
+say "[2/4] preparing data in $data_dir (first time only: a tokenizer, then token shards)"
+.venv/bin/scale-llm prepare --as-train "$config" "$@"  # the data the train args ask for
+say "[3/4] training $run_dir for $steps steps (a step line every logging.every steps)"
+.venv/bin/scale-llm train "$config" "$@"
+say "[4/4] generating text from $run_dir"
 echo "---- sample from $run_dir ----"
 .venv/bin/scale-llm generate "$run_dir" --prompt "def " --max-new-tokens 120 --seed 0
-echo "quickstart.sh: prepare + train + generate took $(( $(date +%s) - start ))s"
+say "prepare + train + generate took $(( $(date +%s) - start ))s"
+name="$(basename "$run_dir")"
+where=""
+if [[ "$here" != "$root" ]]; then where=" (from $root: cd $(printf '%q' "$root"))"; fi
+cat <<EOF
+Next$where:
+  .venv/bin/tensorboard --logdir $(printf '%q' "$runs")   # the curves and samples, on http://localhost:6006
+  .venv/bin/scale-llm runs $(printf '%q' "$runs")   # every run there: step, loss, status, checkpoint
+  .venv/bin/scale-llm export $(printf '%q' "$run_dir") --out $(printf '%q' "exports/$name")   # a Hugging Face folder (bash launch/setup.sh --dev first)
+EOF

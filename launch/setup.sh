@@ -31,6 +31,9 @@ if [[ ! -x "$venv/bin/python" ]]; then
   "$python_bin" -m venv "$venv"
 fi
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
+# On a terminal pip shows what it downloads and installs, with progress bars (a first install
+# takes minutes); in a log (CI) it stays quiet.
+if [[ ! -t 1 ]]; then pip+=(-q); fi
 
 stamp="$venv/.scale_llm-installed$(echo "$extras" | tr -d '[]' | tr ',' '-')"
 # (a new SCALE_LLM_TORCH is a new install: the torch it names is installed over the venv's)
@@ -41,19 +44,19 @@ if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
 fi
 
 if [[ -n "${SCALE_LLM_TORCH:-}" ]]; then
-  "${pip[@]}" install -q "$SCALE_LLM_TORCH"
+  "${pip[@]}" install "$SCALE_LLM_TORCH"
 elif ! "$venv/bin/python" -c "import torch" >/dev/null 2>&1; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     echo "setup.sh: NVIDIA GPU found; installing the default (CUDA) torch build"
-    "${pip[@]}" install -q torch
+    "${pip[@]}" install torch
   else
     echo "setup.sh: no GPU found; installing the CPU build torch==2.13.0"
-    "${pip[@]}" install -q torch==2.13.0
+    "${pip[@]}" install torch==2.13.0
   fi
 fi
 
 echo "setup.sh: installing scale_llm$extras (editable) and its dependencies"
-"${pip[@]}" install -q -e "$root$extras"
+"${pip[@]}" install -e "$root$extras"
 echo "$want" > "$stamp"
 "$venv/bin/python" -c "import torch, scale_llm; print(f'setup.sh: ready: torch {torch.__version__}, ' \
   f'cuda={torch.cuda.is_available()}, scale_llm {scale_llm.__version__}')"

@@ -413,7 +413,9 @@ def _estimate_parser(sub) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="GPUs the run will use (default: $WORLD_SIZE or 1)",
+        help="GPUs the run will use (default: $WORLD_SIZE; else the world the config's header "
+        "names in its `scale-llm estimate FILE --world-size N` line, as the shipped multi-GPU "
+        "configs do; else 1)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--fit", metavar="SIZE", help="memory per GPU to fit in, e.g. 80GiB")
@@ -442,13 +444,20 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if args.world_size is not None and args.world_size < 1:
         raise UserError(
             f"--world-size {args.world_size}: use the number of GPUs the run will use, >= 1 "
-            f"(or leave it out for $WORLD_SIZE, else 1)"
+            f"(or leave it out for $WORLD_SIZE, else the config's own, else 1)"
         )
-    world = launch_env().world_size if args.world_size is None else args.world_size
+    world, note = args.world_size, None
+    if world is None and "WORLD_SIZE" in os.environ:  # (under a launcher)
+        world = launch_env().world_size
+    if world is None:
+        world, note = memory.world_for_estimate(cfg, args.config)
     plan = target_plan(cfg, world)
     est = memory.estimate(cfg, plan)
     result = est.to_json()
-    text = [memory.format_report(est, cfg, plan, args.config or "defaults")]
+    text = [
+        *([note] if note else []),
+        memory.format_report(est, cfg, plan, args.config or "defaults"),
+    ]
     if args.measure:  # builds the whole model on this host: refused first if it cannot fit
         from scale_llm.config import with_changes
         from scale_llm.plan import resolve_plan

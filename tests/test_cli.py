@@ -767,6 +767,49 @@ def test_the_long_description_gets_absolute_links():
     assert not any("](docs/" in x or "](yaml/" in x for x in links)
 
 
+def test_the_quickstart_says_each_phase_and_ends_with_the_next_commands(tmp_path):
+    """A first quickstart sat silent through the venv's install (pip -q, minutes) and ended with
+    the sample. Now a line opens each phase and the last lines give the commands that look at
+    the run, with its paths. A checkout whose setup.sh and scale-llm are stand-ins (the config
+    is read by this Python), started from another directory."""
+    root = tmp_path / "checkout"
+    (root / "launch").mkdir(parents=True)
+    (root / "yaml").symlink_to(REPO / "yaml")
+    quickstart = root / "launch" / "quickstart.sh"
+    quickstart.write_text((REPO / "launch" / "quickstart.sh").read_text())
+    (root / "launch" / "setup.sh").write_text(
+        f"mkdir -p .venv/bin\nprintf '#!/bin/sh\\nexec {sys.executable} \"$@\"\\n' > "
+        f".venv/bin/python\nprintf '#!/bin/sh\\necho scale-llm \"$*\"\\n' > "
+        ".venv/bin/scale-llm\nchmod +x .venv/bin/*\necho 'setup.sh: ready'\n"
+    )
+    (tmp_path / "elsewhere").mkdir()
+    proc = subprocess.run(
+        ["bash", str(quickstart)], cwd=tmp_path / "elsewhere", capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[:2] == [
+        "quickstart.sh: [1/4] setting up .venv (first time: a few minutes; PyTorch and the "
+        "other dependencies are downloaded, with pip's progress below)",
+        "setup.sh: ready",
+    ]
+    phases = [line for line in lines if line.startswith("quickstart.sh: [")]
+    assert phases[1:] == [
+        "quickstart.sh: [2/4] preparing data in data/builtin-v2048 (first time only: a "
+        "tokenizer, then token shards)",
+        "quickstart.sh: [3/4] training runs/tiny for 150 steps (a step line every "
+        "logging.every steps)",
+        "quickstart.sh: [4/4] generating text from runs/tiny",
+    ]
+    assert lines.index(phases[1]) + 1 == lines.index("scale-llm prepare --as-train yaml/tiny.yaml")
+    assert [line.split("   #")[0] for line in lines[-4:]] == [
+        f"Next (from {root}: cd {root}):",
+        "  .venv/bin/tensorboard --logdir runs",
+        "  .venv/bin/scale-llm runs runs",
+        "  .venv/bin/scale-llm export runs/tiny --out exports/tiny",
+    ]
+
+
 def test_torchrun_waits_long_enough_for_a_stopped_run_to_checkpoint(tmp_path):
     """After forwarding SIGTERM torchrun kills its workers 30 s later by default: less than a
     large model's last steps and checkpoint. The launchers give it 5 minutes (a user's own
@@ -848,3 +891,53 @@ def test_config_of_a_mixture_shows_no_keys_of_one_source(tmp_path, capsys):
     assert load_config(tmp_path / "shown.yaml") == load_config(path)
     assert main(["config"]) == 0  # one source: its keys are shown
     assert set(PER_SOURCE_KEYS) <= set(yaml.safe_load(capsys.readouterr().out)["data"])
+
+
+@pytest.mark.parametrize(("config", "world"), [("70b", 64), ("7b", 8)])
+def test_estimate_of_a_config_for_many_gpus_predicts_for_its_layout(
+    config, world, capsys, monkeypatch
+):
+    """`scale-llm estimate yaml/70b.yaml` exited 2 ("... (none above 1: launch more)"), and
+    yaml/7b.yaml was predicted for FSDP2 on one GPU (134 GiB), not the 8 its header sizes it
+    for. Now both predict for the world their header's `scale-llm estimate` line names, say so
+    in their first line, and print what `--world-size N` prints; $WORLD_SIZE (a launcher's)
+    and --world-size still win."""
+    from scale_llm.cli import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.chdir(REPO)
+    assert main(["estimate", f"yaml/{config}.yaml"]) == 0
+    first, *report = capsys.readouterr().out.splitlines()
+    assert first == (
+        f"world size {world}: the layout yaml/{config}.yaml is written for (its header's "
+        f"`scale-llm estimate ... --world-size {world}`); --world-size N for N GPUs"
+    )
+    assert main(["estimate", f"yaml/{config}.yaml", "--world-size", str(world)]) == 0
+    assert capsys.readouterr().out.splitlines() == report
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    assert main(["estimate", f"yaml/{config}.yaml", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["layout"]["world"] == 16
+
+
+def test_estimate_of_a_layout_that_needs_more_gpus_gives_the_command_that_works(
+    tmp_path, capsys, monkeypatch
+):
+    """A config with tensor parallelism 2 whose header names no world: one line, exit 2, with
+    the smallest world it resolves on in a command that runs."""
+    from scale_llm.cli import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    config = tmp_path / "mine.yaml"
+    config.write_text(f"base: {REPO / 'yaml' / '70b.yaml'}\n")  # (70b's header is not its own)
+    assert main(["estimate", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"error: {config} is laid out for more than one GPU (the smallest world it resolves on "
+        f"is 2); give the GPUs the run will use: scale-llm estimate {config} --world-size 2\n"
+    )
+    assert main(["estimate", str(config), "--world-size", "2"]) == 0
+    capsys.readouterr()
+    assert main(["estimate", str(REPO / "yaml" / "400m-fsdp.yaml")]) == 0  # (FSDP2, no header)
+    assert capsys.readouterr().out.startswith(
+        "world size 1 (the default), though parallel.backend=fsdp shards over the GPUs; "
+    )

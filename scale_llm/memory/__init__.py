@@ -41,7 +41,15 @@ from scale_llm.memory.estimate import (
     zero3_gathered_params,
 )
 from scale_llm.memory.host import check_host_memory, host_memory_problem
-from scale_llm.memory.plan import Plan, fit, format_overrides, format_report, hints
+from scale_llm.memory.plan import (
+    Plan,
+    documented_world_size,
+    fit,
+    format_overrides,
+    format_report,
+    hints,
+    world_for_estimate,
+)
 
 __all__ = [
     "ds_reduce_buckets",
@@ -52,6 +60,7 @@ __all__ = [
     "ParamCounts",
     "Plan",
     "check_host_memory",
+    "documented_world_size",
     "estimate",
     "fit",
     "format_overrides",
@@ -64,5 +73,6 @@ __all__ = [
     "parse_bytes",
     "saved_activation_bytes",
     "with_changes",
+    "world_for_estimate",
     "zero3_gathered_params",
 ]
