@@ -240,7 +240,7 @@ def test_eval_batches_are_fixed_and_independent_of_the_layout():
     def seqs(mb, accum, world, rank):
         return [
             tuple(x.tolist())
-            for b, _ in eval_batches(w, batch_plan(mb, accum, world, rank), 3)
+            for b, _, _ in eval_batches(w, batch_plan(mb, accum, world, rank), 3)
             for x in b
         ]
 

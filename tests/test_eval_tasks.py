@@ -116,3 +116,35 @@ def test_a_name_no_built_in_task_file_holds_is_refused_without_indexing_the_regi
         task_manager(["hellaswg_typo"], None)
     with pytest.raises(UserError, match="nope_task not found in lm-eval's registry or in"):
         task_manager(["scale_llm_tiny_mc", "nope_task"], TASKS)
+
+
+def test_a_killed_launchs_scratch_export_is_removed_by_the_next_and_never_counted(
+    data_dir, tmp_path, monkeypatch
+):
+    """A launch killed while lm-eval ran left RUN_DIR/.eval-tasks-XXXX (a whole export) behind:
+    `runs` counted it as the run's size and no launch removed it. Now the next launch that owns
+    the run dir removes it (only a folder its marker proves eval.tasks'), and `runs` leaves it
+    out meanwhile."""
+    import scale_llm.evaluate as evaluate
+    import scale_llm.train.eval_tasks as eval_tasks
+    from scale_llm.train.runs import disk_usage
+
+    monkeypatch.setattr(evaluate, "task_manager", lambda *args: None)
+    monkeypatch.setattr(evaluate, "run_tasks", lambda *args, **kw: {"t": {"acc": 0.5}})
+    with monkeypatch.context() as killed:  # the folder stays, as after a SIGKILL
+        killed.setattr(eval_tasks.shutil, "rmtree", lambda *args, **kw: None)
+        cfg = make_config(data_dir, tmp_path, "train.max_steps=2", "eval.tasks=t")
+        Trainer(cfg, plan_for(cfg)).fit()
+    (left,) = cfg.run_dir.glob(".eval-tasks-*")
+    mine = cfg.run_dir / ".eval-tasks-mine"  # the same prefix, without eval.tasks' marker
+    (mine / "export").mkdir(parents=True)
+    (mine / "export" / "notes.txt").write_text("keep")
+
+    def blocks(folder):
+        return sum(p.lstat().st_blocks * 512 for p in folder.rglob("*") if p.is_file())
+
+    assert blocks(left / "export") > 100_000  # the model's weights, the tokenizer
+    assert disk_usage(cfg.run_dir) == blocks(cfg.run_dir) - blocks(left) - blocks(mine)
+    again = make_config(data_dir, tmp_path, "train.max_steps=3", "eval.tasks=t")
+    Trainer(again, plan_for(again)).fit()
+    assert not left.exists() and (mine / "export" / "notes.txt").read_text() == "keep"

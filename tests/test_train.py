@@ -280,6 +280,38 @@ def test_a_stopped_launch_names_one_step_in_its_checkpoint_done_line_and_runs(
     assert row[1] == "7/20" and row[-3] == "step_00000007", row
 
 
+def test_validation_smaller_than_one_evaluation_scores_each_window_once(data_dir, tmp_path, logs):
+    """eval.steps x the global batch beyond the validation windows: windows were scored again
+    (wrapped around) without a word; now each once, said at the start."""
+    import numpy as np
+
+    from scale_llm.components.loss import cross_entropy
+
+    tr = trainer(data_dir, tmp_path, "train.max_steps=1", "eval.every=1", "eval.steps=400")
+    n = len(tr.val_windows)
+    assert 4 * 400 > n > 4 * 200  # (the test data: ~1,000 windows)
+    (said,) = [line for line in logs if line.startswith("eval: ")]
+    assert said.startswith("eval: eval.steps=400 global batches of 4 sequences ask for 1600")
+    assert f"({n:,} in data.dir): each evaluation scores those once each" in said
+    assert said.endswith(f"or set eval.steps={n // 4} to score whole batches")
+    scored: list[int] = []  # rows of each validation loss (training's run with gradients)
+    loss_fn = tr.backend.loss_fn
+
+    def spy(logits, targets):
+        if not torch.is_grad_enabled():
+            scored.append(len(targets))
+        return loss_fn(logits, targets)
+
+    tr.backend.loss_fn = spy
+    val_loss = tr.fit().val_losses[1]
+    assert sum(scored) == n and scored[-1] == (n % 4 or 4)
+    tr.model.eval()
+    with torch.no_grad():  # the mean over windows, each once
+        batches = [tr.val_windows.get(np.arange(i, min(n, i + 4))) for i in range(0, n, 4)]
+        total = sum(cross_entropy(tr.model(b[:, :-1]), b[:, 1:]).item() * len(b) for b in batches)
+    assert val_loss == pytest.approx(total / n, rel=1e-5)
+
+
 def test_metrics_rows_and_tensorboard_events(data_dir, tmp_path):
     result = trainer(
         data_dir, tmp_path, "logging.tensorboard=true", "eval.every=2", "eval.steps=2"

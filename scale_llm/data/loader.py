@@ -317,17 +317,28 @@ def repeat_refused(what: str, windows: int, position: int) -> str:
 
 
 def eval_batches(windows: TokenWindows, plan: RunPlan, steps: int):
-    """`steps` global batches of validation windows, the same at every evaluation.
+    """(inputs, targets, rows to score) of `steps` global batches of validation windows, the
+    same at every evaluation.
 
     Laid out like training batches (rank r reads its slice of each global batch, in micro-batches),
     so the set of sequences evaluated does not depend on micro-batch size, accumulation or world
-    size, and neither does the mean loss.
+    size, and neither does the mean loss. Each window is scored once: validation smaller than
+    `steps` global batches ends with a batch in part, whose rows past the last window are
+    computed (every rank runs the same shapes and collectives) but not scored: the first `rows`
+    of each micro-batch are (`eval_windows` counts them).
     """
     n, mb = len(windows), plan.micro_batch_size
+    scored = eval_windows(n, plan.sequences_per_step, steps)
     per_rank = mb * plan.grad_accum
-    for b in range(steps):
+    for b in range(-(-scored // plan.sequences_per_step)):
         first = b * plan.sequences_per_step + plan.dp_rank * per_rank
         for k in range(plan.grad_accum):
             start = first + k * mb
             tokens = windows.get(np.arange(start, start + mb) % n).to(plan.device)
-            yield tokens[:, :-1], tokens[:, 1:]
+            yield tokens[:, :-1], tokens[:, 1:], min(mb, max(0, scored - start))
+
+
+def eval_windows(windows: int, per_batch: int, steps: int) -> int:
+    """Validation windows one evaluation scores: `steps` global batches of `per_batch`, or every
+    window once where there are fewer."""
+    return min(windows, steps * per_batch)

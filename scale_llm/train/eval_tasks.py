@@ -5,6 +5,8 @@ weights (a collective under FSDP, where each rank holds a shard; the same call u
 one process), rank 0 writes them as a Hugging Face folder in a scratch folder of the run dir and
 runs lm-eval's `hf` model on it, as `scale-llm eval` does (so its scores are the ones that
 command gives for a checkpoint of the same weights), and the other ranks wait at a barrier. The
+scratch folder carries an ownership marker: the next launch that owns the run dir removes one a
+killed launch left (`remove_scratch`), and `scale-llm runs` does not count it. The
 tasks are looked up, and their data read, when the trainer starts, before any work. lm-eval
 seeds Python's, NumPy's and torch's global generators; they are put back afterwards, so the
 training that follows is the one an unevaluated run does.
@@ -13,9 +15,11 @@ training that follows is the one an unevaluated run does.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +34,14 @@ from scale_llm.config import Config
 from scale_llm.data.tokenizer import load_tokenizer
 from scale_llm.errors import UserError
 from scale_llm.export import default_dtype, write_hf_folder
+from scale_llm.files import OWNER_MARKER, atomic_write_json, owned_kind, remove_owned_dir
 from scale_llm.plan import RunPlan
 from scale_llm.train.options import SCRATCH_PREFIX
 
 log = logging.getLogger(__name__)
 KEYS = ("eval.tasks", "eval.tasks", "eval.tasks_include_path")  # what its errors call things
 BATCH_SIZE = 8  # lm-eval's requests per forward (scale-llm eval's default)
+SCRATCH_KIND = "eval.tasks scratch"  # the ownership marker's kind of a scratch folder
 
 
 def task_names(cfg: Config) -> list[str]:
@@ -88,8 +94,10 @@ class TaskEval:
         return scores
 
     def _evaluate(self, weights: dict[str, torch.Tensor], run_dir: Path, step: int) -> dict:
-        scratch = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=run_dir))
+        scratch = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=run_dir))  # a new name
         try:
+            marker = {"kind": SCRATCH_KIND, "pid": os.getpid(), "at": time.time()}
+            atomic_write_json(scratch / OWNER_MARKER, marker)  # (a killed launch's: see above)
             export_dir = scratch / "export"
             write_hf_folder(
                 weights,
@@ -117,6 +125,18 @@ class TaskEval:
             )
             log.info("step %d | eval %s: %s", step, task, shown)
         return evaluate.task_scalars(scores)
+
+
+def remove_scratch(run_dir: Path) -> None:
+    """Remove the scratch folders of eval.tasks that a killed launch left in `run_dir`: only
+    those whose marker proves them eval.tasks' (a folder of that name without it stays).
+    Called by the launch that holds the run dir's lock, so none is in use."""
+    if not run_dir.is_dir():
+        return
+    for path in sorted(run_dir.glob(f"{SCRATCH_PREFIX}*")):
+        if owned_kind(path) == SCRATCH_KIND:
+            remove_owned_dir(path, SCRATCH_KIND)
+            log.info("eval.tasks: removed %s, left by a launch that was stopped", path)
 
 
 def whole_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:

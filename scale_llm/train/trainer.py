@@ -47,7 +47,7 @@ from scale_llm.parallel.step import optimizer_step
 from scale_llm.plan import RunPlan
 from scale_llm.train.cadence import Cadence
 from scale_llm.train.collector import GarbageCollector
-from scale_llm.train.eval_tasks import TaskEval
+from scale_llm.train.eval_tasks import TaskEval, remove_scratch
 from scale_llm.train.guards import (
     StopSignals,
     TrainingDiverged,
@@ -175,6 +175,7 @@ class Trainer:
         self.complete = self.step >= cfg.train.max_steps  # a finished run: write nothing
         if plan.is_main and not self.complete:
             self.lock.acquire()  # every check passed: from here on this launch owns the dir
+            remove_scratch(self.run_dir)  # eval.tasks' of a killed launch
             if self.resume_from is not None:
                 self.checkpointer.abandon_after(self.step)
             self._write_run_dir()
@@ -187,6 +188,7 @@ class Trainer:
                 self.lock.release()
             raise
         self._warn_about_warmup()
+        self._warn_about_validation()
 
     # ----------------------------------------------------------------- loop
     def fit(self) -> TrainResult:
@@ -448,12 +450,39 @@ class Trainer:
         return sum(self.data.sources[n][0] * loss for n, loss in losses.items())
 
     def _val_loss(self, windows: TokenWindows) -> float:
-        total, count = torch.zeros((), device=self.device), 0
-        for inputs, targets in eval_batches(windows, self.plan, self.cfg.eval.steps):
+        """The mean loss of the windows one evaluation scores, each once (`eval_batches`: the
+        rows of a batch in part past the last window are run, not scored), over all ranks."""
+        total = torch.zeros(2, device=self.device)  # (sum of window losses, windows)
+        for inputs, targets, rows in eval_batches(windows, self.plan, self.cfg.eval.steps):
             with self.backend.forward_context():
-                total += self.backend.loss_fn(self.model(inputs), targets)
-            count += 1
-        return mean_over_ranks(total / count).item()
+                logits = self.model(inputs)  # every rank, every batch: the same collectives
+                if rows:
+                    part = logits if rows == len(inputs) else logits[:rows]
+                    total[0] += self.backend.loss_fn(part, targets[:rows]) * rows
+            total[1] += rows
+        loss_sum, scored = mean_over_ranks(total).tolist()  # (a ratio of sums: means will do)
+        return loss_sum / scored
+
+    def _warn_about_validation(self) -> None:
+        """Validation smaller than one evaluation (eval.steps global batches): each window is
+        scored once, so an evaluation scores fewer sequences than asked; said once, here."""
+        e, per_batch = self.cfg.eval, self.plan.sequences_per_step
+        asked = e.steps * per_batch
+        small = {name or "data.dir": len(w) for name, w in self.data.val.items() if len(w) < asked}
+        if not (e.every and e.steps and small and self.plan.is_main and not self.complete):
+            return
+        held = ", ".join(f"{n:,} in {name}" for name, n in small.items())
+        whole = min(small.values()) // per_batch  # whole global batches the smallest holds
+        log.warning(
+            "eval: eval.steps=%d global batches of %d sequences ask for %d validation windows, "
+            "but there are fewer (%s): each evaluation scores those once each; prepare more "
+            "validation data (data.val_fraction)%s",
+            e.steps,
+            per_batch,
+            asked,
+            held,
+            f" or set eval.steps={whole} to score whole batches" if whole else "",
+        )
 
     # ----------------------------------------------------------------- checkpoints
     def save_checkpoint(self) -> Path:
