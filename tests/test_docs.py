@@ -233,3 +233,43 @@ def test_the_command_reader_joins_lines_and_drops_comments_and_placeholders():
     lines = fenced_lines(text)
     assert lines[0] == (2, "scale-llm estimate yaml/400m.yaml --world-size 2 --set a=1   # note")
     assert [n for n, _ in lines] == [2, 4, 5]
+
+
+# ----------------------------------------------------------------------------- the README
+
+# What goes stale in a README: test counts, durations, dated measurements, speeds, and "the same
+# values" (of a run on one day). They live in benchmarks/, one dated report per topic.
+DRIFTING = re.compile(
+    r"\b\d[\d,]*\s+(?:of\s+\d[\d,]*\s+)?tests\b"  # 585 of 699 tests, 705 tests
+    r"|\b(?:\d+(?:\.\d+)?|one|two|three|four|five|ten)[\s-]*(?:min|mins|minutes?|hours?)\b"
+    r"|\b\d+(?:\.\d+)?\s?(?:s|secs?|seconds?)\b"  # 89.2s, 17 s
+    r"|\b\d[\d,.]*\s*(?:tok|tokens)/s\b"  # 6463 tok/s
+    r"|\b20\d\d-\d\d-\d\d\b"  # a date
+    r"|\bthe same (?:lines and )?values\b",
+    re.IGNORECASE,
+)
+
+
+def test_the_readme_carries_no_figure_that_drifts():
+    """The README said "about 2 minutes on 2 busy CPU cores (585 of 699 tests, 2026-12-03)",
+    "705 tests passed in 17.1 minutes", a run's output at 8084 tok/s and that a later run
+    "printed the same lines and values": each was true on one day. The README links to the
+    reports in benchmarks/ instead; this test keeps it so."""
+    for stale in (
+        "about 2 minutes on 2 busy CPU cores (585 of 699 tests, 2026-12-03)",
+        "about two minutes on 2 CPU cores",
+        "705 tests passed in 17.1 minutes, 19.4 with the setup",
+        "done: 150 steps in 89.2s",
+        "| 6682 tok/s | elapsed 1m09s",
+        "it printed the same lines and values but the speed",
+    ):
+        assert DRIFTING.search(stale), stale
+    readme = (REPO / "README.md").read_text()
+    found = [  # (over the whole text: a figure may wrap onto the next line)
+        f"README.md:{readme.count(chr(10), 0, m.start()) + 1}: {m.group(0)!r}"
+        for m in DRIFTING.finditer(readme)
+    ]
+    assert not found, "figures that drift belong in benchmarks/ (link them):\n" + "\n".join(found)
+    assert "benchmarks/cpu-2core-avx2-test-suite.md" in readme
+    assert "benchmarks/cpu-2core-avx512-quickstart.md" in readme
+    assert "bash launch/quickstart.sh\n" in readme and "bash launch/test.sh\n" in readme
