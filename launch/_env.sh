@@ -229,7 +229,7 @@ end_run() {
     if [[ "$line" != stopped* ]]; then  # (no Python answer: the line without the checkpoint)
       line="stopped by SIG$stop_signal; continue with: $launcher$(printf ' %q' "$@")"
     fi
-    echo "$line"
+    echo "$line" || true  # (after SIGHUP the terminal may be gone)
   fi
   exit $(( 128 + $(kill -l "$stop_signal") ))
 }
