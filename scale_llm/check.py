@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import os
 import shutil
@@ -54,11 +53,14 @@ from scale_llm.data.prepare import prepare
 from scale_llm.errors import UserError
 from scale_llm.files import (
     OWNER_MARKER,
+    JSONProblem,
     atomic_write_json,
     atomic_write_text,
     describe_kind,
     make_owned_dir,
     owned_kind,
+    parse_json,
+    read_json,
     remove_owned_dir,
 )
 from scale_llm.plan import Launch, resolve_plan
@@ -91,6 +93,7 @@ class Report:
             "torch": torch.__version__,
             "seconds": 0.0,
             "errors": [],
+            "finished": False,  # until the last item: a report of a stopped check says so
         }
 
     def attempt(self, section: str, label: str, fn: Callable[[], dict[str, Any]]) -> dict:
@@ -117,7 +120,9 @@ class Report:
     def save(self) -> None:
         self.data["seconds"] = time.perf_counter() - self.started
         curves = self.data.get("curves", [])
-        self.data["ok"] = all(c.get("ok") for c in curves) and not self.data["errors"]
+        self.data["ok"] = (
+            all(c.get("ok") for c in curves) and not self.data["errors"] and self.data["finished"]
+        )
         # OUT is the check's (claim_out); whole files only: a run killed at its time limit while
         # saving keeps the last report
         atomic_write_json(self.out / "report.json", self.data)
@@ -133,8 +138,9 @@ def run_check(
     only: set[str] | None = None,
 ) -> dict[str, Any]:
     """`only`: a subset of SECTIONS (e.g. a second short call for what a budget skipped)."""
-    claim_out(out)
     scratch = scratch or default_scratch()
+    tiny_config(scratch, scratch / "runs", steps, overrides or [])  # refused: before any write
+    claim_out(out)
     runs = new_runs_dir(scratch)
     wanted = SECTIONS if only is None else only
     with _log_to(out / "check.log"):
@@ -170,6 +176,7 @@ def run_check(
             report.attempt("scaling", label, lambda: scaling_row(ref, runs, cuda))
         for mb, mode, compiled in rows[2:]:  # the other layouts, while the budget lasts
             sweep(report, big, mb, mode, compiled)
+        report.data["finished"] = True
         report.save()
         log.info("check: done in %.0f s, %s", report.data["seconds"], _verdict(report.data))
     return report.data
@@ -276,6 +283,7 @@ def offload_host_bytes() -> float:
 
 
 REPORT_FILES = ("report.json", "report.md", "check.log")
+REPORT_BYTES = 64 << 20  # a report is a few KB
 OUT_KIND, RUNS_KIND = "check report", "check runs"
 
 
@@ -305,11 +313,12 @@ def claim_out(out: Path) -> None:
 
 
 def _is_check_report(path: Path) -> bool:
+    """Whether `path` reads as a check's report.json (bounded: `read_json`)."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        data = read_json(path, "a check's report", "", max_bytes=REPORT_BYTES)
+    except UserError:  # unreadable, too large, not JSON, nested too deep, not an object
         return False
-    return isinstance(data, dict) and {"device", "torch", "errors"} <= set(data)
+    return {"device", "torch", "errors"} <= set(data)
 
 
 def new_runs_dir(scratch: Path) -> Path:
@@ -458,7 +467,13 @@ def scaling_row(cfg: Config, runs: Path, cuda: bool) -> dict[str, Any]:
     rows = [line for line in out.splitlines() if line.startswith("{")]
     if rc != 0 or not rows:
         raise RuntimeError(f"bench --reference scaling: rc {rc}: {err[-800:]}")
-    return json.loads(rows[-1])
+    try:
+        row = parse_json(rows[-1])
+    except JSONProblem as e:  # (the item's error, not the whole check's)
+        raise RuntimeError(f"bench --reference scaling printed no result row ({e})") from None
+    if not isinstance(row, dict):
+        raise RuntimeError(f"bench --reference scaling printed {rows[-1][:80]!r}, not a row")
+    return row
 
 
 SCALING_TIMEOUT_S = 1200
@@ -501,6 +516,11 @@ def _log_to(path: Path) -> Iterator[None]:
 
 def _verdict(report: dict[str, Any]) -> str:
     curves = [c.get("ok") for c in report.get("curves", [])]
+    if not report.get("finished", True):  # (a report from before "finished" was recorded)
+        return (
+            f"the check did not finish (stopped, or still running): {len(report['errors'])} "
+            f"errors so far; curves ok: {curves}"
+        )
     if report["ok"]:
         return "all curves ok, no errors" if curves else "no errors (no curves run)"
     return f"{len(report['errors'])} errors; curves ok: {curves}"

@@ -153,14 +153,16 @@ def earlier_record(path: Path, digest: str) -> tuple[dict[str, Any] | None, bool
             f"{path} is {describe_kind(path)}, not eval's record file; eval writes its results "
             f"there: move it away and run eval again"
         )
-    record = read_json_object(
-        path,
-        "eval's record of earlier results",
-        "move it away and run eval again (eval merges only a record it can read)",
-    )
-    if record.get("checkpoint_digest") == digest:
-        return record, False
-    return None, True
+    fix = "move it away and run eval again (eval merges only a record it can read)"
+    record = read_json_object(path, "eval's record of earlier results", fix)
+    if record.get("checkpoint_digest") != digest:
+        return None, True
+    tasks, ppl = record.get("tasks", {}), record.get("perplexity", {})
+    if not (isinstance(tasks, dict) and all(isinstance(m, dict) for m in tasks.values())):
+        raise UserError(f"{path}: its tasks are not {{task: {{metric: value}}}}; {fix}")
+    if not isinstance(ppl, dict):
+        raise UserError(f"{path}: its perplexity is not an object; {fix}")
+    return record, False
 
 
 def set_aside(path: Path) -> None:

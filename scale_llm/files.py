@@ -348,6 +348,7 @@ def _cut(value: Any, limit: int = 80) -> str:
 
 # ----------------------------------------------------------------------------- ownership
 OWNER_MARKER = ".scale-llm-owner.json"  # in a folder a command created and may remove again
+MAX_RECORD_BYTES = 4096  # an owner record or marker: {"kind", "pid", "host", "at"}, ~100 bytes
 
 
 def make_owned_dir(path: Path, kind: str) -> Path:
@@ -367,8 +368,8 @@ def owned_kind(path: Path) -> str | None:
     if marker.is_symlink() or not marker.is_file():
         return None
     try:
-        kind = json.loads(marker.read_text(encoding="utf-8")).get("kind")
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        kind = read_json(marker, "ownership marker", "", max_bytes=MAX_RECORD_BYTES).get("kind")
+    except UserError:  # unreadable, too large, not JSON, too deep, not an object: not ours
         return None
     return kind if isinstance(kind, str) else None
 
@@ -539,13 +540,14 @@ class OwnerLock:
         return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
     def _read_owner(self, fd: int) -> dict[str, Any] | None:
-        """The owner record; {} for an empty file; None for a damaged one."""
-        raw = os.pread(fd, 4096, 0)
+        """The owner record; {} for an empty file; None for a damaged one (not JSON, nested
+        too deep, longer than a record)."""
+        raw = os.pread(fd, MAX_RECORD_BYTES + 1, 0)
         if not raw.strip():
             return {}
         try:
-            owner = json.loads(raw)
-        except (UnicodeDecodeError, ValueError):
+            owner = _owner_json(raw)
+        except JSONProblem:
             return None
         ok = (
             isinstance(owner, dict)
@@ -613,14 +615,14 @@ def lock_holder(path: Path) -> str | None:
     except OSError:
         return None
     try:
-        raw = os.pread(fd, 4096, 0)
+        raw = os.pread(fd, MAX_RECORD_BYTES + 1, 0)
     except OSError:
         return None
     finally:
         os.close(fd)
     try:
-        owner = json.loads(raw)
-    except (UnicodeDecodeError, ValueError):
+        owner = _owner_json(raw)
+    except JSONProblem:
         return None
     pid, host = (owner.get("pid"), owner.get("host")) if isinstance(owner, dict) else (None, None)
     if not isinstance(pid, int) or isinstance(pid, bool) or not isinstance(host, str):
@@ -628,6 +630,14 @@ def lock_holder(path: Path) -> str | None:
     if host != socket.gethostname():
         return f"pid {pid} on {host}"
     return f"pid {pid}" if _alive(pid) else None
+
+
+def _owner_json(raw: bytes) -> Any:
+    """An owner record's JSON value: JSONProblem when it is longer than a record, not JSON or
+    nested deeper than a record (a record never nests: `parse_json` bounds the decoder)."""
+    if len(raw) > MAX_RECORD_BYTES:
+        raise JSONProblem(f"longer than {MAX_RECORD_BYTES} bytes")
+    return parse_json(raw, max_depth=2)
 
 
 def _alive(pid: int) -> bool:

@@ -2185,10 +2185,123 @@ OWNED_OUTPUTS: list = [
 
 # ============================================================ JSON the project reads
 # Damaged, huge or deeply nested JSON files and lines (manifests, plan.json, records, metrics).
-JSON_READS: list = []
+DEEP = "[" * 100_000 + "]" * 100_000  # JSON's decoder recursed once per level
+
+
+def _deep_record(ctx: Ctx) -> Setup:
+    ckpt = ctx.ckpt()
+    (ckpt / "integrity.json").write_text(DEEP)
+    argv = ["convert", str(ckpt), "--out", str(ctx.tmp / "out.pt")]
+    return Setup(argv, expect=(f"{ckpt / 'integrity.json'} is not readable JSON",))
+
+
+def deep_trainer_state(ckpt: Path) -> None:
+    """trainer.pt's step as a list nested 100,000 deep (pickle opcodes build it without
+    recursion; repr() and recursive readers of it fail), its integrity record rewritten."""
+    import io
+    import zipfile
+
+    from scale_llm.components.checkpoint import write_integrity
+
+    path, mark = ckpt / "trainer.pt", "PLANTED-DEPTH-MARK"
+    state = torch.load(path, weights_only=True)
+    state["step"] = mark
+    saved = io.BytesIO()
+    torch.save(state, saved, pickle_protocol=2)  # a str is 'X' + 4 length bytes + UTF-8
+    packed = io.BytesIO()
+    with zipfile.ZipFile(saved) as old, zipfile.ZipFile(packed, "w") as new:
+        for info in old.infolist():
+            data = old.read(info.filename)
+            if info.filename.endswith("data.pkl"):
+                at = data.index(mark.encode()) - 5
+                deep = b"]" * 100_000 + b"a" * 99_999  # empty lists, each appended to the last
+                data = data[:at] + deep + data[at + 5 + len(mark) :]
+            new.writestr(info, data)
+    path.write_bytes(packed.getvalue())
+    write_integrity(ckpt)
+
+
+def _deep_trainer_state(command: str) -> Callable[[Ctx], Setup]:
+    def setup(ctx: Ctx) -> Setup:
+        ckpt = ctx.ckpt()
+        deep_trainer_state(ckpt)
+        if command == "train":
+            return Setup(["train", ctx.config("checkpoint.every=2", "train.max_steps=6")])
+        return Setup(["convert", str(ckpt), "--out", str(ctx.tmp / "out.pt")])
+
+    return setup
+
+
+def _deep_lock(ctx: Ctx) -> Setup:
+    run = ctx.run()
+    (run / ".lock").write_text("[" * 4000)  # (the reader reads 4 KB of it)
+    return Setup(["train", ctx.config("train.max_steps=6")], expect=(str(run / ".lock"),))
+
+
+def _deep_check_report(ctx: Ctx) -> list[str]:
+    (ctx.tmp / "out").mkdir()
+    (ctx.tmp / "out" / "report.json").write_text(DEEP)
+    return ["check", "out", "--scratch", "scratch", "--only", "reference"]
+
+
+def _eval_record_of_another_shape(ctx: Ctx) -> list[str]:
+    """eval's record of these checkpoint bytes, its tasks edited into a string: merged and
+    listed letter by letter as the results kept."""
+    from scale_llm.components.checkpoint import checkpoint_digest
+
+    run = ctx.run()
+    ckpt = run / "checkpoints" / STEP4
+    digest = checkpoint_digest(ckpt)
+    record = {"step": 4, "checkpoint": str(ckpt), "checkpoint_digest": digest, "tasks": "acc"}
+    (run / "eval").mkdir()
+    (run / "eval" / f"{STEP4}.json").write_text(json.dumps(record))
+    return ["eval", str(run), "--perplexity", str(ctx.data_dir)]
+
+
+JSON_READS: list = [
+    (
+        "convert: integrity.json nested 100,000 deep",
+        _deep_record,
+        ("is damaged", "(nested deeper than 64 levels); pick another checkpoint"),
+    ),
+    *[
+        (
+            f"{command}: trainer.pt nested 100,000 deep",
+            _deep_trainer_state(command),
+            (NO_RUN_SAVED, "it nests containers deeper than 64 levels (a state nests 6)"),
+        )
+        for command in ("convert", "train")
+    ],
+    (
+        "train: a lock file nested 4,000 deep",
+        _deep_lock,
+        ("(the lock of", 'is damaged: it does not hold the {"pid", "host", "started"} record'),
+    ),
+    (
+        "check: OUT holds a report.json nested 100,000 deep",
+        _deep_check_report,
+        "check OUT out holds files the check did not write (report.json)",
+    ),
+    (
+        "eval: its record of the checkpoint holds tasks of another shape",
+        _eval_record_of_another_shape,
+        ("its tasks are not {task: {metric: value}}; move it away and run eval again",),
+    ),
+]
 
 # ===================================================================== what is reported is there
-REPORTS: list = []
+REPORTS: list = [
+    (
+        "check: --steps 0 writes no report",
+        ["check", "out", "--scratch", "scratch", "--steps", "0"],
+        "train.max_steps=0 must be > 0",
+    ),
+    (
+        "check: a refused --set writes no report",
+        ["check", "out", "--scratch", "scratch", "--set", "train.lr=-1"],
+        "train.lr=-1",
+    ),
+]
 
 # ======================================================================= config ergonomics
 TWO_SOURCES = "data.sources=[{name: web}, {name: code}]"

@@ -217,6 +217,56 @@ def test_runs_lists_each_run_and_writes_nothing(data_dir, tmp_path, capsys):
     assert not (tmp_path / "missing").exists()
 
 
+def test_runs_shows_a_run_as_a_relaunch_finds_it(data_dir, tmp_path, capsys):
+    """A damaged newest checkpoint was listed as `complete`; the rows a resume drops (logged
+    after the newest checkpoint, by a launch that was killed) were its step; a metrics line or
+    a lock file nested thousands deep was a RecursionError. Now: the checkpoint a relaunch
+    takes, the damaged one named, the rows up to it; damaged lines and records skipped."""
+    import shutil
+
+    from scale_llm.cli import main
+    from tests.helpers import finished_run
+
+    run = finished_run(data_dir, tmp_path, "checkpoint.every=2", "checkpoint.keep_last=2")
+    for name in ("damaged", "killed"):
+        shutil.copytree(run, tmp_path / name)
+    weights = tmp_path / "damaged" / "checkpoints" / "step_00000004" / "dcp" / "__0_0.distcp"
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated
+    shutil.rmtree(tmp_path / "killed" / "checkpoints" / "step_00000004")  # killed before it
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write("[" * 100_000 + "]" * 100_000 + "\n")
+    (run / ".lock").write_text("[" * 4000)  # (read as no owner: the run is not running)
+    assert main(["runs", str(tmp_path)]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    lines = (run / "metrics.jsonl").read_text().splitlines()[:4]
+    losses = {r["step"]: r["loss"] for r in map(json.loads, lines)}
+    damaged = rows["damaged"].split()
+    assert damaged[1] == "2/4" and float(damaged[2]) == pytest.approx(losses[2], abs=1e-4)
+    assert "stopped (step_00000004 damaged)  step_00000002" in rows["damaged"], rows["damaged"]
+    killed = rows["killed"].split()
+    assert killed[1] == "2/4" and killed[4:6] == ["stopped", "step_00000002"], killed
+    test = rows["test"].split()
+    assert test[1] == "4/4" and test[4:6] == ["complete", "step_00000004"], test
+
+
+def test_a_check_report_says_no_errors_only_once_the_check_has_finished(tmp_path):
+    """The report is rewritten after each item: one left by a check that stopped (its time
+    limit, a refused setting, Ctrl-C) said "no errors (no curves run)" and ok: true."""
+    from scale_llm.check import Report
+
+    report = Report(tmp_path, budget_minutes=None)
+    report.save()  # (as after the preflight)
+    said = (tmp_path / "report.md").read_text()
+    assert "the check did not finish (stopped, or still running): 0 errors so far" in said
+    assert (
+        "no errors" not in said
+        and json.loads((tmp_path / "report.json").read_text())["ok"] is False
+    )
+    report.data["finished"] = True
+    report.save()
+    assert "no errors (no curves run)" in (tmp_path / "report.md").read_text()
+
+
 def test_generate_reads_the_prompt_from_a_file_or_stdin_and_says_when_it_is_cut(
     data_dir, tmp_path, monkeypatch, capsys
 ):

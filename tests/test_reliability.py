@@ -457,3 +457,40 @@ def test_ranks_split_the_integrity_hashing_and_cover_every_file_once(tmp_path):
     assert {k: v for s in shares for k, v in s.items()} == whole
     sizes = [sum(v["size"] for v in s.values()) for s in shares]
     assert max(sizes) == 5000  # the largest file alone; the rest spread over the other two
+
+
+@pytest.mark.parametrize(
+    ("keep_last", "earlier", "advice"),
+    [
+        (1, 1, "; free space, or move run.dir to a larger disk"),
+        (3, 0, "no earlier checkpoint exists; free space, or move run.dir to a larger disk"),
+        (3, 1, "; free space, or move run.dir to a larger disk"),
+        (
+            3,
+            2,
+            "; free space, lower checkpoint.keep_last (now 3: 2 earlier checkpoints stay on disk "
+            "while the next is written), or move run.dir to a larger disk",
+        ),
+    ],
+)
+def test_out_of_disk_advice_names_keep_last_only_where_lowering_it_frees_room(
+    tmp_path, keep_last, earlier, advice
+):
+    """'lower checkpoint.keep_last' was advised at keep_last 1 and with no earlier checkpoint,
+    where it frees nothing (pruning follows a save)."""
+    import errno
+
+    from scale_llm.components.checkpoint import TRAINER_STATE, checkpoint_name
+    from scale_llm.errors import UserError
+
+    checkpointer = Checkpointer(tmp_path, keep_last=keep_last)
+    for step in range(1, earlier + 1):
+        (checkpointer.dir / checkpoint_name(step)).mkdir(parents=True)
+        (checkpointer.dir / checkpoint_name(step) / TRAINER_STATE).write_bytes(b"x")
+
+    def full_disk(tmp: Path) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(UserError) as info:
+        checkpointer.save(9, full_disk)
+    assert str(info.value).endswith(advice), str(info.value)

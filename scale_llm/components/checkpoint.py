@@ -44,7 +44,15 @@ from scale_llm.components.distributed import barrier, is_distributed, rank_and_w
 from scale_llm.components.serialization import dcp_load, load_file
 from scale_llm.config import Config, ModelConfig, _build, short, validate
 from scale_llm.errors import UserError
-from scale_llm.files import atomic_write_text, describe_kind, fsync_dir, fsync_tree
+from scale_llm.files import (
+    MAX_JSON_DEPTH,
+    JSONProblem,
+    atomic_write_text,
+    describe_kind,
+    fsync_dir,
+    fsync_tree,
+    parse_json,
+)
 
 log = logging.getLogger(__name__)
 TRAINER_STATE = "trainer.pt"  # the trainer's state_dict (step, data, RNG, config, plan, backend)
@@ -279,17 +287,30 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)  # made by `save` for this save
         full = _out_of_space(e)
         if full is not None:
-            previous = self.latest()
+            done = self.complete()
             raise UserError(
                 f"out of disk space while writing checkpoint {final} ({full.strerror}); the "
                 f"partial files were removed and "
                 + (
-                    f"the previous checkpoint {previous} is intact"
-                    if previous
+                    f"the previous checkpoint {done[-1][1]} is intact"
+                    if done
                     else "no earlier checkpoint exists"
                 )
-                + "; free space, lower checkpoint.keep_last, or move run.dir to a larger disk"
+                + f"; {self._room_advice(len(done))}"
             ) from None
+
+    def _room_advice(self, earlier: int) -> str:
+        """What frees room for the next save. Pruning follows a save, so the earlier complete
+        checkpoints all stay on disk while it is written: a lower keep_last helps only where it
+        keeps more than one (never at keep_last 1, nor with none or one on disk)."""
+        ways = ["free space"]
+        if self.keep_last > 1 and earlier > 1:
+            ways.append(
+                f"lower checkpoint.keep_last (now {self.keep_last}: {earlier} earlier "
+                f"checkpoints stay on disk while the next is written)"
+            )
+        ways.append("move run.dir to a larger disk")
+        return ", ".join(ways[:-1]) + f", or {ways[-1]}"
 
     def _clear(self, final: Path) -> None:
         """Make room for a checkpoint at `final`: this run's own directory of that step (saving
@@ -454,21 +475,23 @@ class _Damage(Exception):
     """What is wrong with a checkpoint's files: one line naming the file."""
 
 
-def damage(ckpt_dir: Path) -> str | None:
+def damage(ckpt_dir: Path, checksums: bool = True) -> str | None:
     """What is wrong with a checkpoint's files (one line naming the file), or None.
 
     Every file must be the checkpoint's own (no symlink), be listed in integrity.json and
     match its size and checksum; the record must list trainer.pt and the weights. A missing
     record is damage when trainer.pt says the checkpoint was written with one; checkpoints
-    written before records existed (no such mark) are taken as they are."""
+    written before records existed (no such mark) are taken as they are. Without `checksums`
+    (`scale-llm runs`: reading every byte takes minutes for a large model), all but the
+    checksums is checked."""
     try:
-        _check_files(ckpt_dir)
+        _check_files(ckpt_dir, checksums)
     except _Damage as e:
         return str(e)
     return None
 
 
-def _check_files(ckpt_dir: Path) -> None:
+def _check_files(ckpt_dir: Path, checksums: bool = True) -> None:
     links = sorted(
         Path(top, name)
         for top, dirs, files in os.walk(ckpt_dir)
@@ -503,7 +526,7 @@ def _check_files(ckpt_dir: Path) -> None:
             raise _Damage(
                 f"{f} has {size} bytes, {want['size']} were written (truncated or replaced)"
             )
-        if digests.file_digest(f, mapped=False) != want["xxh3_64"]:
+        if checksums and digests.file_digest(f, mapped=False) != want["xxh3_64"]:
             raise _Damage(f"{f} does not match its checksum (its bytes changed after the save)")
 
 
@@ -524,9 +547,11 @@ def read_record(ckpt_dir: Path) -> dict[str, dict[str, Any]] | None:
     if path.stat().st_size > MAX_RECORD_BYTES:
         raise _Damage(f"{path} has {path.stat().st_size:,} bytes, too many for a record")
     try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
+        obj = parse_json(path.read_bytes())
+    except OSError as e:
         raise _Damage(f"{path} is not readable JSON ({type(e).__name__})") from None
+    except JSONProblem as e:  # (bounded: a record nested 100,000 deep is damage, not a crash)
+        raise _Damage(f"{path} is not readable JSON ({e})") from None
     files = obj.get("files") if isinstance(obj, dict) else None
     if not isinstance(files, dict):
         raise _Damage(
@@ -602,9 +627,12 @@ def read_trainer_state(ckpt_dir: Path) -> dict[str, Any]:
     plan. An impossible value is a UserError naming the file and the field."""
     path = ckpt_dir / TRAINER_STATE
     state = load_file(path)
-    if isinstance(state, dict):
-        state = upgrade_trainer_state(state, ckpt_dir)
-    problems = trainer_state_problems(state, ckpt_dir)
+    if nested_deeper(state, MAX_JSON_DEPTH):  # (every reader below recurses or repr()s it)
+        problems = [f"it nests containers deeper than {MAX_JSON_DEPTH} levels (a state nests 6)"]
+    else:
+        if isinstance(state, dict):
+            state = upgrade_trainer_state(state, ckpt_dir)
+        problems = trainer_state_problems(state, ckpt_dir)
     if problems:
         raise UserError(
             f"{path} holds values no run could have saved (damaged, or not scale_llm's):\n  - "
@@ -613,6 +641,19 @@ def read_trainer_state(ckpt_dir: Path) -> dict[str, Any]:
             "good one)."
         )
     return state
+
+
+def nested_deeper(value: Any, limit: int) -> bool:
+    """Whether `value` nests dicts, lists or tuples more than `limit` deep, found without
+    recursion: a crafted pickle nests 100,000 deep, where repr() and any recursive reader fail."""
+    stack = [(value, 1)] if isinstance(value, dict | list | tuple) else []
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        stack += [(c, depth + 1) for c in children if isinstance(c, dict | list | tuple)]
+    return False
 
 
 # Every key of a trainer state in the current format (RECORDED aside: its absence has a meaning).

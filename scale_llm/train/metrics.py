@@ -17,7 +17,7 @@ from typing import Any
 
 from scale_llm.config import Config, dump_yaml, to_dict
 from scale_llm.errors import UserError, install_hint
-from scale_llm.files import atomic_write_text
+from scale_llm.files import JSONProblem, atomic_write_text, parse_json
 from scale_llm.train.preflight import METRICS_FILE, WANDB_ID_FILE, check_metrics_file
 
 log = logging.getLogger(__name__)
@@ -182,10 +182,11 @@ def _truncate_after(path: Path, step: int) -> None:
 
 
 def _row(line: bytes) -> dict[str, Any] | None:
-    """A metrics.jsonl line as its row (a JSON object with an integer step), or None."""
+    """A metrics.jsonl line as its row (a JSON object with an integer step), or None: also for
+    a line nested too deep (`parse_json` bounds the decoder: never a RecursionError)."""
     try:
-        row = json.loads(line.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
+        row = parse_json(line.decode("utf-8"))
+    except (UnicodeDecodeError, JSONProblem):
         return None
     ok = isinstance(row, dict) and isinstance(row.get("step"), int)
     return row if ok and not isinstance(row["step"], bool) else None

@@ -148,11 +148,21 @@ def resume_state_problems(state: dict[str, Any]) -> list[str]:
 def _data_problems(data: Any) -> list[str]:
     if not isinstance(data, dict):
         return [f"data: {short(data, 40)} is not the data loader's position"]
-    return [
+    out = [
         f"data.{key}: {short(data.get(key), 40)} is not an integer >= 0"
         for key in ("position", "seed", "num_windows")
         if not is_count(data.get(key))
     ]
+    sources = data.get("sources")  # a mixture's: {name: [weight, sequences drawn]}
+    if sources is not None and not (
+        isinstance(sources, dict)
+        and all(
+            isinstance(name, str) and isinstance(v, list | tuple) and len(v) == 2
+            for name, v in sources.items()
+        )
+    ):
+        out.append(f"data.sources: {short(sources, 40)} is not {{source: [weight, drawn]}}")
+    return out
 
 
 def _rng_problems(states: list[Any]) -> list[str]:

@@ -1,13 +1,18 @@
 """`scale-llm runs [DIR]`: one line per run directory under DIR (run.dir's default, `runs`).
 
 Each line: the run's name, its step of train.max_steps, the last logged loss and val_loss, its
-status, the newest complete checkpoint and the size on disk. Read-only: nothing is written,
-created or locked (a live run is told by the owner record of its lock file, not by taking it).
+status, the checkpoint a relaunch resumes from and the size on disk. Read-only: nothing is
+written, created or locked (a live run is told by the owner record of its lock file, not by
+taking it).
+
+A run that is not running is shown as a relaunch finds it: the newest checkpoint whose files
+match its integrity record (by size: checksums read every byte, which `train` does), with the
+newer damaged ones named in its status, and the rows logged up to that checkpoint's step (a
+resume drops the rest). eval.tasks' scratch folders are not the run's size.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -15,11 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scale_llm.components.checkpoint import TRAINER_STATE
+from scale_llm.components.checkpoint import TRAINER_STATE, damage
 from scale_llm.config import RunConfig, load_config
 from scale_llm.errors import UserError
-from scale_llm.files import describe_kind, lock_holder
+from scale_llm.files import JSONProblem, describe_kind, lock_holder, parse_json
 from scale_llm.train.lock import LOCK
+from scale_llm.train.options import SCRATCH_PREFIX
 from scale_llm.train.preflight import METRICS_FILE
 
 CONFIG_FILE = "config.yaml"
@@ -35,7 +41,7 @@ class RunSummary:
     loss: float | None
     val_loss: float | None
     status: str
-    checkpoint: str | None  # the newest complete checkpoint's folder name
+    checkpoint: str | None  # the folder name of the checkpoint a relaunch resumes from
     size: int  # bytes on disk
 
 
@@ -62,10 +68,11 @@ def summarize(run_dir: Path) -> RunSummary:
     except UserError:  # an edited or damaged config.yaml: the rest can still be listed
         max_steps = None
     rows = metric_rows(run_dir / METRICS_FILE)
-    loss = next((r["loss"] for r in reversed(rows) if "loss" in r), None)
-    val = next((r["val_loss"] for r in reversed(rows) if "val_loss" in r), None)
-    ckpt_step, ckpt = newest_checkpoint(run_dir / "checkpoints")
     holder = lock_holder(run_dir / LOCK)
+    if holder is not None:  # (its files change meanwhile: the newest complete one is shown)
+        (ckpt_step, ckpt), damaged = newest_checkpoint(run_dir / "checkpoints"), []
+    else:
+        (ckpt_step, ckpt), damaged = resumed_checkpoint(run_dir / "checkpoints")
     if holder is not None:
         status = f"running ({holder})"
     elif rows and rows[-1].get("stopped") == DIVERGED:
@@ -74,6 +81,12 @@ def summarize(run_dir: Path) -> RunSummary:
         status = "complete"
     else:
         status = "stopped"
+    if damaged:
+        status += f" ({', '.join(damaged)} damaged)"
+    if holder is None and ckpt_step is not None:  # what a relaunch keeps
+        rows = [r for r in rows if r["step"] <= ckpt_step]
+    loss = next((r["loss"] for r in reversed(rows) if "loss" in r), None)
+    val = next((r["val_loss"] for r in reversed(rows) if "val_loss" in r), None)
     return RunSummary(
         name=run_dir.name,
         step=rows[-1]["step"] if rows else ckpt_step,
@@ -93,9 +106,9 @@ def metric_rows(path: Path) -> list[dict[str, Any]]:
     rows = []
     with open(path, "rb") as f:
         for line in f:
-            try:
-                row = json.loads(line)
-            except (UnicodeDecodeError, ValueError):
+            try:  # (bounded: a line nested 100,000 deep is skipped, not a RecursionError)
+                row = parse_json(line.decode("utf-8"))
+            except (UnicodeDecodeError, JSONProblem):
                 continue
             step = row.get("step") if isinstance(row, dict) else None
             if isinstance(step, int) and not isinstance(step, bool):
@@ -103,23 +116,43 @@ def metric_rows(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def newest_checkpoint(folder: Path) -> tuple[int | None, str | None]:
-    """(step, name) of the newest complete checkpoint (a step folder with its trainer state;
-    symlinked ones are not the run's own), or (None, None)."""
+def complete_checkpoints(folder: Path) -> list[tuple[int, str]]:
+    """(step, name) of every complete checkpoint (a step folder with its trainer state;
+    symlinked ones are not the run's own), oldest first."""
     if not folder.is_dir():
-        return None, None
-    found = [
+        return []
+    return sorted(
         (int(m.group(1)), p.name)
         for p in folder.iterdir()
         if (m := STEP_DIR.match(p.name)) and not p.is_symlink() and (p / TRAINER_STATE).is_file()
-    ]
-    return max(found) if found else (None, None)
+    )
+
+
+def newest_checkpoint(folder: Path) -> tuple[int | None, str | None]:
+    """(step, name) of the newest complete checkpoint, or (None, None)."""
+    found = complete_checkpoints(folder)
+    return found[-1] if found else (None, None)
+
+
+def resumed_checkpoint(folder: Path) -> tuple[tuple[int | None, str | None], list[str]]:
+    """((step, name) of the checkpoint `checkpoint.resume=auto` takes: the newest complete one
+    whose files match its record, or (None, None); the names of the damaged newer ones). Sizes
+    are compared, not checksums: those read every byte (the launch itself does)."""
+    damaged = []
+    for step, name in reversed(complete_checkpoints(folder)):
+        if damage(folder / name, checksums=False) is None:
+            return (step, name), damaged
+        damaged.insert(0, name)
+    return (None, None), damaged
 
 
 def disk_usage(folder: Path) -> int:
-    """Bytes the files under `folder` take on disk (symlinks not followed)."""
+    """Bytes the files under `folder` take on disk (symlinks not followed), but for eval.tasks'
+    scratch exports: a launch removes them (the one that made them, or the next)."""
     total = 0
-    for parent, _, files in os.walk(folder):
+    for parent, dirs, files in os.walk(folder):
+        if parent == str(folder):
+            dirs[:] = [d for d in dirs if not d.startswith(SCRATCH_PREFIX)]
         for name in files:
             try:
                 total += os.lstat(os.path.join(parent, name)).st_blocks * 512
