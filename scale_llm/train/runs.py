@@ -8,7 +8,8 @@ taking it).
 A run that is not running is shown as a relaunch finds it: the newest checkpoint whose files
 match its integrity record (by size: checksums read every byte, which `train` does), with the
 newer damaged ones named in its status, and the rows logged up to that checkpoint's step (a
-resume drops the rest). eval.tasks' scratch folders are not the run's size.
+resume drops the rest; a diverged run shows the step it stopped at). eval.tasks' scratch
+folders are not the run's size.
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ def summarize(run_dir: Path) -> RunSummary:
         status = "stopped"
     if damaged:
         status += f" ({', '.join(damaged)} damaged)"
-    if holder is None and ckpt_step is not None:  # what a relaunch keeps
-        rows = [r for r in rows if r["step"] <= ckpt_step]
+    if holder is None and ckpt_step is not None and status != DIVERGED:  # a relaunch's rows
+        rows = [r for r in rows if r["step"] <= ckpt_step]  # (diverged: the step it stopped at)
     loss = next((r["loss"] for r in reversed(rows) if "loss" in r), None)
     val = next((r["val_loss"] for r in reversed(rows) if "val_loss" in r), None)
     return RunSummary(
