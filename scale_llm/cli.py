@@ -187,7 +187,7 @@ def cmd_config(args: argparse.Namespace) -> int:
         print(f"configs: {configs}\nlaunchers: {launch}")
         return 0
     if args.keys or args.markdown:
-        from scale_llm.keys import markdown_keys, text_keys
+        from scale_llm.config.keys import markdown_keys, text_keys
 
         print(markdown_keys() if args.markdown else text_keys())
         return 0
@@ -239,14 +239,14 @@ def start_distributed(args: argparse.Namespace):
     """Load the config, resolve it against the launch into the run plan, then start the process
     group. Every check that can fail on user input runs before any process group exists."""
     from scale_llm.components.distributed import start
-    from scale_llm.plan import launch_env, resolve_plan
+    from scale_llm.config.plan import launch_env, resolve_plan
 
     cfg = config_from_args(args)
     launch = launch_env()
     setup_logging(launch.rank)
     plan = resolve_plan(cfg, launch)
     if getattr(args, "fit", None) and args.fit != "auto":
-        from scale_llm.memory import parse_bytes
+        from scale_llm.analysis.memory import parse_bytes
 
         parse_bytes(args.fit)  # a bad size is an error before any process group exists
     missing_packages(cfg, plan, args.command)
@@ -322,9 +322,9 @@ def fit_at_launch(cfg: Config, plan, size: str):
     stays: its process group exists), applied to the config; prints the overrides."""
     import torch
 
-    from scale_llm import memory
+    from scale_llm.analysis import memory
     from scale_llm.config import with_changes
-    from scale_llm.plan import launch_env, resolve_plan
+    from scale_llm.config.plan import launch_env, resolve_plan
 
     if size == "auto":
         if plan.device.type != "cuda":
@@ -375,7 +375,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.fit:
         cfg, plan = fit_at_launch(cfg, plan, args.fit)
     if args.report_memory and plan.is_main:
-        from scale_llm import memory
+        from scale_llm.analysis import memory
 
         est = memory.estimate(cfg, plan)
         log.info(memory.format_report(est, cfg, plan, args.config or "defaults"))
@@ -437,8 +437,8 @@ def _estimate_parser(sub) -> None:
 def cmd_estimate(args: argparse.Namespace) -> int:
     import json
 
-    from scale_llm import memory
-    from scale_llm.plan import launch_env, target_plan
+    from scale_llm.analysis import memory
+    from scale_llm.config.plan import launch_env, target_plan
 
     cfg = config_from_args(args)
     if args.world_size is not None and args.world_size < 1:
@@ -460,7 +460,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     ]
     if args.measure:  # builds the whole model on this host: refused first if it cannot fit
         from scale_llm.config import with_changes
-        from scale_llm.plan import resolve_plan
+        from scale_llm.config.plan import resolve_plan
 
         here = with_changes(cfg, {"train.device": "cpu", "train.compile": False})
         memory.check_host_memory(here, resolve_plan(here, launch_env()))
@@ -479,12 +479,12 @@ def cmd_estimate(args: argparse.Namespace) -> int:
             + ("; the prediction counts eager blocks, an upper bound" if compiled else "")
             + ")"
         )
-        from scale_llm.memory.measure import format_measurement, measure_step
+        from scale_llm.analysis.memory.measure import format_measurement, measure_step
 
         result["measured_step_cpu"] = step = measure_step(cfg)
         text.append(format_measurement(step))
     if args.fake:
-        from scale_llm.memory.fake import format_trace, trace_step
+        from scale_llm.analysis.memory.fake import format_trace, trace_step
 
         result["traced_step_fake"] = traced = trace_step(cfg, world)
         text.append(format_trace(traced))
@@ -564,7 +564,7 @@ def _bench_parser(sub) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     import json
 
-    from scale_llm.bench import (
+    from scale_llm.analysis.bench import (
         bench,
         bench_reference,
         bench_scaling,
@@ -573,8 +573,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
 
     if args.roofline:
-        from scale_llm.plan import launch_env, target_plan
-        from scale_llm.roofline import format_roofline, roofline
+        from scale_llm.analysis.roofline import format_roofline, roofline
+        from scale_llm.config.plan import launch_env, target_plan
 
         cfg = config_from_args(args)
         world = launch_env().world_size if "WORLD_SIZE" in os.environ else 2
@@ -598,8 +598,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise UserError("; ".join(bad))
     backends = [x.strip() for x in args.sweep_backend.split(",")] if args.sweep_backend else None
     if args.sweep:  # before any process group is started
-        from scale_llm.bench import backend_changes, sweep_axes
-        from scale_llm.plan import launch_env
+        from scale_llm.analysis.bench import backend_changes, sweep_axes
+        from scale_llm.config.plan import launch_env
 
         axes = sweep_axes(args.sweep_micro, args.sweep_ac, args.sweep_compile)
         for name in backends or []:
@@ -610,7 +610,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         require_writable_dir(args.checkpoint_io, "--checkpoint-io")
     cfg, plan = start_distributed(args)
     if args.checkpoint_io:
-        from scale_llm.bench import bench_checkpoint
+        from scale_llm.analysis.bench import bench_checkpoint
 
         rows = bench_checkpoint(cfg, plan, Path(args.checkpoint_io), args.rounds)
         if plan.is_main:
@@ -684,7 +684,7 @@ def _check_parser(sub) -> None:
 def cmd_check(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from scale_llm.check import SECTIONS, run_check
+    from scale_llm.analysis.check import SECTIONS, run_check
 
     scratch = Path(args.scratch) if args.scratch else None
     only = None if args.only is None else {x.strip() for x in args.only.split(",")}
@@ -736,8 +736,8 @@ def _export_parser(sub) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from scale_llm.analysis.memory import parse_bytes
     from scale_llm.export import export
-    from scale_llm.memory import parse_bytes
 
     try:
         shard = parse_bytes(args.max_shard_size)
@@ -824,8 +824,8 @@ ONE_PROCESS = {"parallel.backend": "single", "parallel.tensor_parallel": 1, "tra
 def _one_process_plan(run_dir: str):
     """The plan of one process on whatever this machine has, whatever the run trained with."""
     from scale_llm.config import with_changes
+    from scale_llm.config.plan import Launch, resolve_plan
     from scale_llm.generate import read_run_config
-    from scale_llm.plan import Launch, resolve_plan
 
     here = with_changes(read_run_config(run_dir), ONE_PROCESS)
     return resolve_plan(here, Launch())
@@ -912,8 +912,8 @@ def _generate_parser(sub) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from scale_llm.config import with_changes
+    from scale_llm.config.plan import Launch, resolve_plan
     from scale_llm.generate import generate_text, read_run_config
-    from scale_llm.plan import Launch, resolve_plan
 
     if args.prompt_file is not None:
         args.prompt = read_prompt_file(args.prompt_file)

@@ -11,6 +11,12 @@ class UserError(Exception):
     exit_code = 2
 
 
+def short(value: object, limit: int = 80) -> str:
+    """repr(value) for a message, cut to `limit` characters: a config value can be huge."""
+    text = repr(value) if len(str(value)) < 10 * limit else repr(str(value)[: 2 * limit])
+    return text if len(text) <= limit else text[: limit - 15] + f"... ({len(str(value)):,} chars)"
+
+
 def require(command: str, *modules: str) -> None:
     """A UserError saying how to install the Hugging Face extras when one is missing."""
     import importlib.util

@@ -34,9 +34,10 @@ from scale_llm.components.hf_files import require
 from scale_llm.components.loss import cross_entropy
 from scale_llm.components.precision import Precision
 from scale_llm.config import Config
+from scale_llm.config.data import SOURCE_NAME, mixture_weights
+from scale_llm.config.plan import RunPlan
 from scale_llm.data.loader import TokenWindows
 from scale_llm.data.mixture import MIXTURE
-from scale_llm.data.options import SOURCE_NAME, mixture_weights
 from scale_llm.data.shards import MANIFEST, open_split, read_manifest
 from scale_llm.data.tokenizer import EOS_ID, file_sha256, run_tokenizer_path
 from scale_llm.errors import UserError
@@ -50,7 +51,6 @@ from scale_llm.files import (
     temporary_sibling,
 )
 from scale_llm.generate import load_run, read_run_config
-from scale_llm.plan import RunPlan
 
 log = logging.getLogger(__name__)
 MADE_BY = "scale-llm eval"  # export info's "made_by" in the exports eval makes (and may replace)

@@ -26,11 +26,11 @@ from scale_llm.components.checkpoint import (
 )
 from scale_llm.components.precision import Precision
 from scale_llm.config import Config, get_key, load_config, run_defining_keys
+from scale_llm.config.plan import RunPlan
 from scale_llm.data.pretrained_tokenizer import PretrainedTokenizer
 from scale_llm.data.tokenizer import Tokenizer, load_tokenizer, run_tokenizer_path
 from scale_llm.errors import UserError
 from scale_llm.model import KVCache, Transformer, build_model, empty_state_dict
-from scale_llm.plan import RunPlan
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import sys
 
 def _int_env(name: str, default: int) -> int:
     """An integer from the environment; an unparsable one is reported by the launch plan
-    (scale_llm.plan.launch_env), so logging just falls back to the default here."""
+    (scale_llm.config.plan.launch_env), so logging just falls back to the default here."""
     try:
         return int(os.environ.get(name, default))
     except ValueError:

@@ -12,10 +12,10 @@ from torch._dynamo.utils import counters
 
 from scale_llm.components.distributed import start
 from scale_llm.config import load_config
+from scale_llm.config.plan import Launch, resolve_plan
 from scale_llm.model import build_model
 from scale_llm.parallel.backend import build_backend
 from scale_llm.parallel.step import optimizer_step
-from scale_llm.plan import Launch, resolve_plan
 
 # d_model 256: a block holds 0.79M parameters, 3.1 MB of fp32 gradients: 4 buckets of 1 MB
 SETTINGS = ["model.d_model=256", "model.n_layers=2", "model.n_heads=4", "model.seq_len=64"]

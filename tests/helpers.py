@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from scale_llm.config import Config, load_config
-from scale_llm.plan import Launch, RunPlan, resolve_plan
+from scale_llm.config.plan import Launch, RunPlan, resolve_plan
 
 TINY_MODEL = [
     "model.vocab_size=512",

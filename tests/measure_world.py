@@ -7,8 +7,8 @@ import json
 import os
 import sys
 
+from scale_llm.analysis.memory.measure import measure_step
 from scale_llm.config import load_config
-from scale_llm.memory.measure import measure_step
 
 SHAPE = [
     "model.vocab_size=2048",

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from scale_llm.components.distributed import start
 from scale_llm.config import load_config
-from scale_llm.plan import launch_env, resolve_plan
+from scale_llm.config.plan import launch_env, resolve_plan
 from scale_llm.train.trainer import Trainer
 
 

@@ -252,7 +252,7 @@ def test_runs_shows_a_run_as_a_relaunch_finds_it(data_dir, tmp_path, capsys):
 def test_a_check_report_says_no_errors_only_once_the_check_has_finished(tmp_path):
     """The report is rewritten after each item: one left by a check that stopped (its time
     limit, a refused setting, Ctrl-C) said "no errors (no curves run)" and ok: true."""
-    from scale_llm.check import Report
+    from scale_llm.analysis.check import Report
 
     report = Report(tmp_path, budget_minutes=None)
     report.save()  # (as after the preflight)
@@ -927,7 +927,7 @@ def test_config_of_a_mixture_shows_no_keys_of_one_source(tmp_path, capsys):
     (which only a one-source config reads), and what it prints loads as the same config."""
     from scale_llm.cli import main
     from scale_llm.config import load_config
-    from scale_llm.data.options import PER_SOURCE_KEYS
+    from scale_llm.config.data import PER_SOURCE_KEYS
 
     path = tmp_path / "mix.yaml"
     path.write_text("data:\n  sources:\n    - {name: web, source: docs}\n    - {name: code}\n")

@@ -80,7 +80,7 @@ def test_compiled_resume_is_exact(data_dir, compiled):
 
 def test_the_gpu_check_runs_on_the_cpu_and_writes_its_report(data_dir, corpus_dir, tmp_path):
     """launch/gpu-check.sh's checks without a GPU, at the test corpus's tiny size."""
-    from scale_llm.check import run_check
+    from scale_llm.analysis.check import run_check
     from tests.helpers import TINY_MODEL
 
     same_data = [  # the test session's prepared data: prepare finds it up to date
@@ -141,7 +141,7 @@ def test_the_gpu_check_runs_on_the_cpu_and_writes_its_report(data_dir, corpus_di
 def test_the_checks_scaling_item_counts_the_gpus_the_user_left_visible(tmp_path, monkeypatch):
     """gpu-check.sh shows the check one GPU and says how many there were: with one (or one
     left visible of eight) the scaling item says why it has no figure, before any launch."""
-    from scale_llm.check import scaling_row
+    from scale_llm.analysis.check import scaling_row
     from scale_llm.config import load_config
 
     cfg = load_config("tiny")
@@ -159,7 +159,7 @@ def test_the_checks_scaling_item_counts_the_gpus_the_user_left_visible(tmp_path,
 def test_a_launch_past_its_time_is_stopped_with_sigterm_first(tmp_path):
     """torchrun's workers run in sessions of their own: a SIGKILL to torchrun would leave them
     holding the GPUs. Past its time the launch gets SIGTERM (torchrun stops its workers)."""
-    from scale_llm.check import _run_stoppable
+    from scale_llm.analysis.check import _run_stoppable
 
     termed = tmp_path / "termed"
     code = "import pathlib, signal, sys, time\n"
@@ -176,7 +176,7 @@ def test_a_launch_past_its_time_is_stopped_with_sigterm_first(tmp_path):
 def test_a_check_item_that_fails_or_starts_late_is_reported_and_the_rest_go_on(tmp_path):
     """A lent GPU's minutes are few: one broken item must not lose the others' numbers, and a
     budget stops new items while the report keeps what was measured."""
-    from scale_llm.check import Report
+    from scale_llm.analysis.check import Report
 
     report = Report(tmp_path, budget_minutes=None)
     report.attempt("curves", "broken", lambda: 1 / 0)
@@ -200,7 +200,7 @@ def test_bench_times_the_compiled_step_against_the_same_step_eager(data_dir, tmp
     """bench --reference eager: the framework's step with train.compile forced on against the
     same step eager, from the same weights on the same batch (the curve test's shapes, so
     inductor's cache already holds the graphs)."""
-    from scale_llm.bench import bench_reference
+    from scale_llm.analysis.bench import bench_reference
 
     counters.clear()
     cfg = make_config(data_dir, tmp_path, *COMMON)  # train.compile off in the config
@@ -219,10 +219,10 @@ def test_compiled_blocks_compose_with_every_checkpointing_mode(mode):
     block's graph) and every_k (some blocks plain) give eager's loss and gradients compiled."""
     from scale_llm.components.loss import cross_entropy
     from scale_llm.config import ModelConfig
+    from scale_llm.config.parallel import ActivationCheckpointingConfig
     from scale_llm.model import build_model
     from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
     from scale_llm.parallel.compile import compile_blocks
-    from scale_llm.parallel.options import ActivationCheckpointingConfig
 
     cfg = ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, seq_len=32)
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1))
@@ -249,7 +249,7 @@ def test_compiled_blocks_compose_with_every_checkpointing_mode(mode):
 def test_the_gpu_checks_order_and_configs_on_a_stub_gpu(tmp_path, monkeypatch):
     """What only a GPU runs, with each item's work stubbed: which items, in which order, on
     which configs (400m.yaml's model, the headline layout first), and the report they make."""
-    import scale_llm.check as check
+    import scale_llm.analysis.check as check
 
     monkeypatch.setattr(check.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(check.torch.cuda, "get_device_name", lambda *_: "NVIDIA H200")
@@ -427,7 +427,7 @@ def test_the_preflight_names_a_small_dev_shm_and_the_fix(monkeypatch):
     with two GPUs the preflight says so and names --ipc=host / --shm-size."""
     import types
 
-    from scale_llm import check
+    from scale_llm.analysis import check
 
     monkeypatch.setattr(
         check.os, "statvfs", lambda p: types.SimpleNamespace(f_frsize=4096, f_blocks=16384)

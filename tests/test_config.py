@@ -113,8 +113,8 @@ def test_every_key_has_a_meaning_and_docs_config_md_is_generated_from_them():
     docs/config.md's key tables are generated from them (`scale-llm config --keys --markdown`):
     a key added without a meaning, removed or given another default without regenerating fails
     here."""
-    from scale_llm.keys import BEGIN, END, key_rows, markdown_keys
-    from scale_llm.schema import config_key
+    from scale_llm.config.keys import BEGIN, END, key_rows, markdown_keys
+    from scale_llm.config.schema import config_key
 
     silent = [key for key, _, _, meaning in key_rows() if not meaning.strip()]
     assert not silent, f"declare these with config_key(default, help): {silent}"
@@ -154,8 +154,8 @@ def test_every_shipped_yaml_is_valid():
 
 
 def test_generated_deepspeed_config_follows_the_common_keys():
+    from scale_llm.config.plan import target_plan
     from scale_llm.parallel.ds_config import deepspeed_config
-    from scale_llm.plan import target_plan
 
     cfg = load_config(
         None,
@@ -184,8 +184,8 @@ def test_generated_deepspeed_config_follows_the_common_keys():
 
 
 def test_launch_checks_world_size_batch_and_devices():
-    from scale_llm.plan import Launch, resolve_plan
-    from scale_llm.plan import launch_problems as validate_world
+    from scale_llm.config.plan import Launch, resolve_plan
+    from scale_llm.config.plan import launch_problems as validate_world
 
     def plan(cfg, world, cuda=False):
         return resolve_plan(cfg, Launch(world_size=world), cuda=cuda)

@@ -455,7 +455,7 @@ def test_fsdp_cpu_offload_gets_gloo_next_to_nccl(offload, expected, monkeypatch)
     import torch.distributed as dist
 
     from scale_llm.components import distributed
-    from scale_llm.plan import RunPlan
+    from scale_llm.config.plan import RunPlan
 
     seen = {}
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)

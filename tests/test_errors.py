@@ -251,10 +251,10 @@ def test_running_out_of_device_memory_is_one_paragraph_with_the_ways_to_fit(data
 
 
 def test_bench_checks_host_memory_before_allocating_and_a_sweep_row_says_so(tmp_path, monkeypatch):
-    from scale_llm.bench import bench_sweep
+    from scale_llm.analysis.bench import bench_sweep
+    from scale_llm.analysis.memory import check_host_memory, host_memory_problem
+    from scale_llm.analysis.memory import host as host_mod
     from scale_llm.config import load_config
-    from scale_llm.memory import check_host_memory, host_memory_problem
-    from scale_llm.memory import host as host_mod
     from tests.helpers import TINY_MODEL
 
     cfg = load_config(None, [*TINY_MODEL, "train.device=cpu"])
@@ -267,7 +267,7 @@ def test_bench_checks_host_memory_before_allocating_and_a_sweep_row_says_so(tmp_
     def never(*a, **k):
         raise AssertionError("a row that does not fit the host was run")
 
-    monkeypatch.setattr("scale_llm.bench.build_model", never)
+    monkeypatch.setattr("scale_llm.analysis.bench.build_model", never)
     rows = bench_sweep(cfg, plan, [1, 2], ["none"], [False], steps=1, warmup=0)
     assert [r["oom"] for r in rows] == [True, True]
     assert all("GiB of host memory" in r["host_memory"] for r in rows)
@@ -905,7 +905,7 @@ def test_a_trainer_with_a_missing_init_folder_stops_with_a_clear_error(data_dir,
 
 
 def test_sweep_entries_are_read_with_spaces_and_any_case():
-    from scale_llm.bench import sweep_axes
+    from scale_llm.analysis.bench import sweep_axes
 
     assert sweep_axes(" 1, 2", "none, full", "False, yes") == (
         [1, 2],

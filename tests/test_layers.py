@@ -1,6 +1,9 @@
-"""The layers point one way: cli -> train -> parallel -> {model, components, data} -> config
-(memory, the estimator, sits between parallel and train / bench / generate; generate, export
-and evaluate, below train, which runs eval.tasks through them).
+"""The layers point one way (docs/architecture.md draws them):
+config -> {model, components, data} -> parallel -> analysis.memory -> {generate, export,
+evaluate} -> train -> analysis (bench, roofline, check) -> cli, each arrow read "is imported by".
+The memory estimator sits below train because the preflight checks host memory with it and an
+out-of-memory error quotes it; generate, export and evaluate sit below train, which runs
+eval.tasks through them; check runs a few training steps, so the analysis tools sit above train.
 
 Every `import` of a scale_llm module inside scale_llm/ is read with `ast` (imports inside
 `if TYPE_CHECKING:` are annotations only and do not count) and must point to its own package or
@@ -17,20 +20,14 @@ PACKAGE = Path(__file__).resolve().parents[1] / "scale_llm"
 # Lowest first. Each entry: (layer name, its units); a unit is a module or package prefix.
 LAYERS = [
     (
-        "config",  # one unit: the loading, the plan, and the section schemas beside their owners
+        "config",  # the config tree, its loading and checks, the plan; file and error helpers
         [
             (
                 "scale_llm.config",
-                "scale_llm.plan",
-                "scale_llm.schema",
-                "scale_llm.keys",
                 "scale_llm.errors",
                 "scale_llm.files",
                 "scale_llm.log",
                 "scale_llm.version",
-                "scale_llm.parallel.options",
-                "scale_llm.data.options",
-                "scale_llm.train.options",
             )
         ],
     ),
@@ -39,18 +36,14 @@ LAYERS = [
         [("scale_llm.model",), ("scale_llm.components",), ("scale_llm.data",)],
     ),
     ("parallel", [("scale_llm.parallel",)]),
-    ("memory (the estimator, read by train, bench and the cli)", [("scale_llm.memory",)]),
+    ("the memory estimator", [("scale_llm.analysis.memory",)]),
     (
-        # generate and the ecosystem bridges (export, eval): they read a finished run, and the
-        # loop runs eval.tasks through them
         "generate and the ecosystem bridges",
         [("scale_llm.generate", "scale_llm.export", "scale_llm.evaluate")],
     ),
-    (
-        "train and what sits beside it",
-        [("scale_llm.train",), ("scale_llm.bench", "scale_llm.roofline")],
-    ),
-    ("cli", [("scale_llm.cli", "scale_llm.__main__", "scale_llm", "scale_llm.check")]),
+    ("train", [("scale_llm.train",)]),
+    ("analysis", [("scale_llm.analysis",)]),
+    ("cli", [("scale_llm.cli", "scale_llm.__main__", "scale_llm")]),
 ]
 
 
@@ -96,10 +89,20 @@ def imports(source: str, module: str) -> list[tuple[int, str]]:
             if node.level:  # relative import
                 base = ".".join(module.split(".")[: -node.level] + [node.module])
             if base.startswith("scale_llm"):
-                # `from scale_llm import memory` imports the module scale_llm.memory
-                subs = [f"{base}.{a.name}" for a in node.names] if base == "scale_llm" else [base]
+                # `from scale_llm.analysis import memory` imports the module
+                # scale_llm.analysis.memory; `from scale_llm.config import Config` the package
+                subs = [
+                    f"{base}.{a.name}" if _is_module(f"{base}.{a.name}") else base
+                    for a in node.names
+                ]
                 out += [(node.lineno, s) for s in subs]
     return out
+
+
+def _is_module(name: str) -> bool:
+    parts = name.split(".")[1:]
+    path = PACKAGE.joinpath(*parts)
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
 def upward_edges(module: str, source: str) -> list[str]:
@@ -126,7 +129,7 @@ def test_the_check_sees_an_upward_or_sideways_edge():
     assert upward_edges("scale_llm.model.transformer", "from scale_llm.parallel import fsdp")
     assert upward_edges("scale_llm.components.optim", "import scale_llm.train.trainer")
     assert upward_edges("scale_llm.data.loader", "from scale_llm.components import loss")
-    assert upward_edges("scale_llm.memory.plan", "from scale_llm.train.trainer import x")
+    assert upward_edges("scale_llm.analysis.memory.plan", "from scale_llm.train.trainer import x")
     assert upward_edges("scale_llm.config", "def f():\n    from scale_llm.cli import main\n")
     typing_only = (
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from scale_llm.train import t\n"

@@ -12,9 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scale_llm.config import ModelConfig, load_config
-from scale_llm.errors import UserError
-from scale_llm.memory import (
+from scale_llm.analysis.memory import (
     Numerics,
     ParamCounts,
     ds_reduce_buckets,
@@ -25,10 +23,12 @@ from scale_llm.memory import (
     saved_activation_bytes,
     zero3_gathered_params,
 )
+from scale_llm.config import ModelConfig, load_config
+from scale_llm.config.parallel import ActivationCheckpointingConfig as AC
+from scale_llm.errors import UserError
 from scale_llm.model import build_model
 from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
 from scale_llm.parallel.compile import compile_blocks
-from scale_llm.parallel.options import ActivationCheckpointingConfig as AC
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = ["none", "full", "every_k", "selective"]
@@ -265,7 +265,7 @@ def test_human_report_ends_with_hints(tmp_path):
 
 
 def test_roofline_counts_every_matmul_and_a_causal_flash_attention():
-    from scale_llm.roofline import count_micro_step, roofline
+    from scale_llm.analysis.roofline import count_micro_step, roofline
 
     cfg = load_config(None, SMALL_ARGS)
     m, B, T = cfg.model, 3, cfg.model.seq_len
@@ -367,8 +367,8 @@ def test_a_measured_step_has_the_estimated_parts_and_peak(precision, ac, micro, 
     model was built: the estimate's peak phase is `phase`, and what is alive at the step's peak,
     by category, is what that phase holds (`assert_parts_at_the_peak`); each part's own largest
     is at least that; and the old total, a sum of per-part maxima, would be above the peak."""
+    from scale_llm.analysis.memory.measure import measure_step
     from scale_llm.config import load_config
-    from scale_llm.memory.measure import measure_step
     from tests.measure_world import SHAPE  # the shape the 2-rank cases measure
 
     overrides = [

@@ -1,16 +1,16 @@
 """The estimate against a whole optimizer step traced at full size on fake tensors
-(`scale_llm.memory.fake`): 125m.yaml as shipped (micro-batch 32, no checkpointing), FSDP2 at
-8 ranks of a fake process group on tiny-fsdp.yaml, and FSDP2 x tensor parallelism at 4. The
-trace counts every fake storage as a CPU measurement counts real ones
+(`scale_llm.analysis.memory.fake`): 125m.yaml as shipped (micro-batch 32, no checkpointing),
+FSDP2 at 8 ranks of a fake process group on tiny-fsdp.yaml, and FSDP2 x tensor parallelism at 4.
+The trace counts every fake storage as a CPU measurement counts real ones
 (`measure.LiveStorages`)."""
 
 from __future__ import annotations
 
 import pytest
 
+from scale_llm.analysis.memory.fake import format_trace, trace_step
 from scale_llm.config import load_config, with_changes
 from scale_llm.errors import UserError
-from scale_llm.memory.fake import format_trace, trace_step
 from tests.helpers import REPO
 
 

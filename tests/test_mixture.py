@@ -297,7 +297,7 @@ def weights_config(weights: tuple[float, ...]):
 def test_huge_tiny_and_mixed_weights_read_as_their_scaled_down_equivalents():
     """Weights are shares: 1e308, 1e308 (whose sum overflows) train as 1, 1, and 3e307, 7e307
     as 0.3, 0.7, in the config's shares, the interleave of sources and the batches read."""
-    from scale_llm.data.options import mixture_weights
+    from scale_llm.config.data import mixture_weights
 
     same = {
         (1e308, 1e308): (1, 1),

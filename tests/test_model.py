@@ -10,10 +10,10 @@ import torch
 
 from scale_llm.components.loss import cross_entropy
 from scale_llm.config import ModelConfig
+from scale_llm.config.parallel import ActivationCheckpointingConfig as AC
 from scale_llm.generate import generate, sample_next
 from scale_llm.model import KVCache, build_model
 from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
-from scale_llm.parallel.options import ActivationCheckpointingConfig as AC
 
 
 def small(**kw) -> ModelConfig:
@@ -332,7 +332,7 @@ def test_shipped_configs_use_tensor_core_widths():
 
 def test_odd_widths_warn_on_gpu_plans_only(logs):
     from scale_llm.config import Config
-    from scale_llm.plan import Launch, resolve_plan
+    from scale_llm.config.plan import Launch, resolve_plan
 
     cfg = Config()
     cfg.model.vocab_size = 50257

@@ -26,8 +26,7 @@ import torch
 import yaml
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from scale_llm.config import Config, load_config
-from scale_llm.memory.estimate import (
+from scale_llm.analysis.memory.estimate import (
     PINNED_BLOCKS,
     Estimate,
     GiB,
@@ -43,7 +42,8 @@ from scale_llm.memory.estimate import (
     zero_offload_host_blocks,
     zero_offload_traffic,
 )
-from scale_llm.plan import target_plan
+from scale_llm.config import Config, load_config
+from scale_llm.config.plan import target_plan
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = [  # parameters of five sizes, a partition boundary cutting one; untied, as 7B
@@ -173,9 +173,9 @@ class CrossingCopies(TorchDispatchMode):
 def run_case(overrides: list[str]) -> dict[str, Any]:
     """Two optimizer steps: the census between the second's micro-steps and after it, and the
     bytes the second copies across the host line."""
+    from scale_llm.config.plan import launch_env, resolve_plan
     from scale_llm.model import build_model
     from scale_llm.parallel.backend import build_backend
-    from scale_llm.plan import launch_env, resolve_plan
 
     cfg = load_config(None, [*SHAPE, *overrides])
     plan = resolve_plan(cfg, launch_env())
@@ -201,7 +201,7 @@ def run_case(overrides: list[str]) -> dict[str, Any]:
 
 def main(out: str) -> None:
     from scale_llm.components.distributed import start
-    from scale_llm.plan import launch_env, resolve_plan
+    from scale_llm.config.plan import launch_env, resolve_plan
 
     start(resolve_plan(load_config(None, SHAPE), launch_env()))  # one world for every case
     results = {name: run_case(overrides) for name, overrides in CASES.items()}
@@ -342,7 +342,7 @@ def test_fp32_accumulation_on_the_gpu_removes_the_per_micro_step_copies(monkeypa
 def test_the_roofline_puts_the_offload_copies_in_the_optimizers_place():
     """bench --roofline of an offload layout: no GPU AdamW row; a PCIe row with the estimate's
     bytes per step, in both totals."""
-    from scale_llm.roofline import OFFLOAD_ROW, format_roofline, roofline
+    from scale_llm.analysis.roofline import OFFLOAD_ROW, format_roofline, roofline
 
     cfg, lay = case("zero2")
     r = roofline(cfg, 2, 2, "H200", 2)

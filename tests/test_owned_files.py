@@ -75,7 +75,7 @@ def test_bench_checkpoint_io_works_in_a_folder_of_its_own(tmp_path, capsys):
 
 
 def test_check_keeps_to_its_own_report_and_runs_folders(tmp_path):
-    from scale_llm.check import claim_out, new_runs_dir
+    from scale_llm.analysis.check import claim_out, new_runs_dir
 
     scratch = tmp_path / "scratch"
     (scratch / "runs" / "mine").mkdir(parents=True)  # a user's runs where the check once put its

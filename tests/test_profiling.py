@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from scale_llm.config.profile import ProfileConfig
 from scale_llm.errors import UserError
-from scale_llm.train.options import ProfileConfig
 from scale_llm.train.trainer import Trainer
 from tests.helpers import make_config, plan_for
 
@@ -62,8 +62,8 @@ def test_profiling_settings_do_not_make_another_experiment(data_dir, tmp_path):
 
 
 def test_the_profile_folder_may_not_be_a_name_the_run_dir_uses():
+    from scale_llm.config.profile import RUN_DIR_NAMES, validate_profile
     from scale_llm.train import preflight
-    from scale_llm.train.options import RUN_DIR_NAMES, validate_profile
 
     for name in (*preflight.RUN_DIR_FOLDERS, *preflight.RUN_DIR_FILES, *preflight.RUN_MARKS):
         assert name in RUN_DIR_NAMES, name

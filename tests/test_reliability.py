@@ -364,7 +364,7 @@ def test_resuming_an_older_checkpoint_moves_the_newer_ones_aside(data_dir, tmp_p
 
 
 def test_checkpoint_io_bench_times_the_save_and_its_integrity_record(data_dir, tmp_path):
-    from scale_llm.bench import BACKGROUND, bench_checkpoint
+    from scale_llm.analysis.bench import BACKGROUND, bench_checkpoint
 
     cfg = make_config(data_dir, tmp_path)
     rows = bench_checkpoint(cfg, plan_for(cfg), tmp_path / "io", rounds=1)
@@ -381,7 +381,7 @@ def test_checkpoint_io_bench_on_deepspeed_times_its_foreground_saves_only(tmp_pa
     (A stand-in backend that saves one file, under a DeepSpeed plan.)"""
     import dataclasses
 
-    from scale_llm.bench import _time_checkpoints
+    from scale_llm.analysis.bench import _time_checkpoints
     from tests.helpers import batch_plan
 
     class Engine:

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from scale_llm.config import load_config
-from scale_llm.roofline import (
+from scale_llm.analysis.roofline import (
     DEVICES,
     FUSED_ROW,
     RATES,
@@ -22,6 +21,7 @@ from scale_llm.roofline import (
     matmul_rate,
     roofline,
 )
+from scale_llm.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 T = 1e12
@@ -135,9 +135,9 @@ def test_parallel_traffic_of_the_70b_layout():
     bf16 activations and 4 more for the recomputed forward, 1/2 of each sent, every micro-step;
     FSDP2's 16-bit gathers (forward and backward) and fp32 reduce-scatter of one rank's 1/2 of
     the model over 32 ranks; one reduction per step without reduce_every_micro_step."""
+    from scale_llm.analysis.memory import ParamCounts
+    from scale_llm.analysis.roofline import parallel_traffic
     from scale_llm.config import with_changes
-    from scale_llm.memory import ParamCounts
-    from scale_llm.roofline import parallel_traffic
 
     cfg = load_config(REPO / "yaml" / "70b.yaml")
     assert cfg.parallel.tensor_parallel == 2 and cfg.activation_checkpointing.mode == "full"
@@ -153,7 +153,7 @@ def test_parallel_traffic_of_the_70b_layout():
 
 
 def test_a_tensor_parallel_rank_multiplies_all_tokens_by_a_slice_of_the_wider_side():
-    from scale_llm.roofline import tp_shape
+    from scale_llm.analysis.roofline import tp_shape
 
     assert tp_shape((4096, 28672, 8192), 8, 4096) == (4096, 3584, 8192)  # SwiGLU up, column
     assert tp_shape((4096, 8192, 28672), 8, 4096) == (4096, 8192, 3584)  # down, row-wise
@@ -162,7 +162,7 @@ def test_a_tensor_parallel_rank_multiplies_all_tokens_by_a_slice_of_the_wider_si
 
 
 def test_tensor_parallel_collectives_are_exposed_and_fsdp_only_beyond_the_compute():
-    from scale_llm.roofline import FSDP_ROW, TP_ROW, _split_over_tp
+    from scale_llm.analysis.roofline import FSDP_ROW, TP_ROW, _split_over_tp
 
     classes = {
         "matmul": {"low": 900.0, "point": 800.0, "high": 700.0},  # already one rank's

@@ -26,10 +26,10 @@ from scale_llm.components.checkpoint import (
     write_integrity,
 )
 from scale_llm.config import load_config
+from scale_llm.config.plan import Launch, resolve_plan
 from scale_llm.model import empty_state_dict
 from scale_llm.model.hf import from_hf, to_hf
 from scale_llm.model.transformer import fuse_qkv, split_qkv
-from scale_llm.plan import Launch, resolve_plan
 from tests.helpers import (
     REPO,
     STEPS,

@@ -578,7 +578,7 @@ def test_no_weight_decay_on_norms_and_embeddings():
 
 
 def test_bench_runs_the_training_step_on_synthetic_tokens(tmp_path):
-    from scale_llm.bench import bench
+    from scale_llm.analysis.bench import bench
 
     cfg = make_config(tmp_path, tmp_path / "runs", "train.grad_accum=2")
     result = bench(cfg, plan_for(cfg), steps=2, warmup=1)
@@ -592,7 +592,7 @@ def test_each_bench_compiles_for_its_own_static_shapes(tmp_path, monkeypatch):
     """A process that measures one layout after another (the sweep, `scale-llm check`) compiles
     each as a fresh run would: with static shapes, not the dynamic ones torch.compile turns to
     when the same code meets a second shape (the recording backend stands in for inductor)."""
-    from scale_llm.bench import bench
+    from scale_llm.analysis.bench import bench
 
     graphs: list[list[str]] = []
 
@@ -632,7 +632,7 @@ def test_every_generator_state_round_trips_through_a_checkpoint_file(tmp_path):
 
 
 def test_bench_reference_runs_the_same_model_on_the_same_batch(tmp_path):
-    from scale_llm.bench import bench_reference
+    from scale_llm.analysis.bench import bench_reference
 
     cfg = make_config(tmp_path, tmp_path / "runs", "train.grad_accum=2")
     result = bench_reference(cfg, plan_for(cfg), steps=1, warmup=0, rounds=1)
@@ -645,7 +645,7 @@ def test_bench_reference_runs_the_same_model_on_the_same_batch(tmp_path):
 
 
 def test_sweep_backends_name_their_config_and_refuse_what_the_launch_cannot_run():
-    from scale_llm.bench import backend_changes
+    from scale_llm.analysis.bench import backend_changes
 
     # every entry but fsdp-tpN runs without tensor parallelism, whatever the config says
     plain = {"parallel.tensor_parallel": 1}
@@ -678,7 +678,7 @@ def test_a_sweep_runs_the_plans_backend_unless_given_others(tmp_path, monkeypatc
     ranks), not the config's word for it."""
     import dataclasses
 
-    import scale_llm.bench as bench_module
+    import scale_llm.analysis.bench as bench_module
     import scale_llm.components.distributed as distributed
 
     seen = []
@@ -702,7 +702,7 @@ def test_a_sweep_runs_the_plans_backend_unless_given_others(tmp_path, monkeypatc
 
 
 def test_bench_interleaves_the_loops_in_turn_and_reverses_the_order_every_other_round():
-    from scale_llm.bench import interleaved_times
+    from scale_llm.analysis.bench import interleaved_times
 
     calls = []
 
@@ -718,7 +718,7 @@ def test_the_median_interval_brackets_the_median_and_narrows_with_rounds():
     """bench --reference's bootstrap 95% interval of the median of the rounds' ratios."""
     import statistics
 
-    from scale_llm.bench import median_interval
+    from scale_llm.analysis.bench import median_interval
 
     assert median_interval([1.02] * 5) == (1.02, 1.02)
     noisy = [1.0 + 0.01 * ((7 * i) % 11 - 5) for i in range(11)]  # 0.95 .. 1.05, median 1.0
@@ -736,7 +736,7 @@ def test_the_gpt2_reference_is_a_flop_matched_gpt2_and_learns(tmp_path):
     GPT-2 block layout, FLOPs counted as the trainer counts them, by hand here) and trains."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from scale_llm.bench import GPT2Reference, bench_reference, reference_step
+    from scale_llm.analysis.bench import GPT2Reference, bench_reference, reference_step
 
     V, d, L, H, T = 512, 32, 2, 4, 32
     g = GPT2Reference(V, d, L, H, T)

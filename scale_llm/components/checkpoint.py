@@ -42,7 +42,7 @@ import torch.distributed as dist
 from scale_llm.components import digests
 from scale_llm.components.distributed import barrier, is_distributed, rank_and_world
 from scale_llm.components.serialization import dcp_load, load_file
-from scale_llm.config import Config, ModelConfig, _build, short, validate
+from scale_llm.config import Config, ModelConfig, build_section, short, validate
 from scale_llm.errors import UserError
 from scale_llm.files import (
     MAX_JSON_DEPTH,
@@ -785,7 +785,7 @@ def saved_section(cls: type, name: str, saved: dict[str, Any]) -> tuple[Any, lis
     since (older checkpoints) are left out."""
     names = {f.name for f in dataclasses.fields(cls)}
     errors: list[str] = []
-    section = _build(cls, {k: v for k, v in saved.items() if k in names}, f"{name}.", errors)
+    section = build_section(cls, {k: v for k, v in saved.items() if k in names}, f"{name}.", errors)
     failed = [msg.split(":", 1)[0] for msg in errors]
     errors += [
         msg

@@ -1,7 +1,7 @@
 """The process group: started from the run plan, used through a few small helpers.
 
 NCCL on CUDA, gloo on the CPU. Which device, rank and world size a process has is decided by
-`scale_llm.plan` (from RANK / LOCAL_RANK / WORLD_SIZE, which torchrun, the deepspeed launcher
+`scale_llm.config.plan` (from RANK / LOCAL_RANK / WORLD_SIZE, which torchrun, the deepspeed launcher
 and srun + torchrun all set); this module only acts on it.
 """
 
@@ -20,7 +20,7 @@ from scale_llm.components.hardware import keep_freed_cpu_memory
 from scale_llm.errors import UserError
 
 if TYPE_CHECKING:
-    from scale_llm.plan import RunPlan
+    from scale_llm.config.plan import RunPlan
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The precision policy, in one place: bf16 autocast, fp16 autocast + GradScaler, or fp32.
 
-Which precision a run uses is decided by `scale_llm.plan` (precision `auto`); this module says
-what each one means for the forward pass and the gradients."""
+Which precision a run uses is decided by the run plan (`scale_llm.config.plan`, precision
+`auto`); this module says what each one means for the forward pass and the gradients."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 @dataclass(frozen=True)
 class Precision:
-    name: str  # bf16 | fp16 | fp32 (never auto: scale_llm.plan resolves that)
+    name: str  # bf16 | fp16 | fp32 (never auto: scale_llm.config.plan resolves that)
     device_type: str
 
     @property

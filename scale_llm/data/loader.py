@@ -28,9 +28,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from scale_llm.data.options import normalized_weights
+from scale_llm.config.data import normalized_weights
+from scale_llm.config.plan import RunPlan
 from scale_llm.errors import UserError
-from scale_llm.plan import RunPlan
 
 log = logging.getLogger(__name__)
 

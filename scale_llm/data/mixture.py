@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from scale_llm.config import Config
+from scale_llm.config.data import PER_SOURCE_KEYS, SourceConfig, mixture_weights
 from scale_llm.data.loader import TokenWindows, TrainLoader
-from scale_llm.data.options import PER_SOURCE_KEYS, SourceConfig, mixture_weights
 from scale_llm.data.pretrained_tokenizer import BUNDLE_FILE
 from scale_llm.data.shards import MANIFEST, check_tokenizer, open_split, read_manifest
 from scale_llm.data.sources import open_source

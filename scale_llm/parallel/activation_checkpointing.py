@@ -25,7 +25,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from scale_llm.parallel.options import ActivationCheckpointingConfig
+from scale_llm.config.parallel import ActivationCheckpointingConfig
 
 _aten = torch.ops.aten
 # Ops whose outputs selective checkpointing keeps: the expensive ones (matmuls, attention).

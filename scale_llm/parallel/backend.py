@@ -27,10 +27,10 @@ from scale_llm.components.optim import build_optimizer, set_lr, step_if_finite
 from scale_llm.components.precision import Precision
 from scale_llm.components.serialization import BackgroundSave, dcp_load, dcp_save
 from scale_llm.config import Config, compiles
+from scale_llm.config.plan import RunPlan
 from scale_llm.model import Transformer, materialize
 from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
 from scale_llm.parallel.compile import compile_blocks
-from scale_llm.plan import RunPlan
 
 
 class Backend:

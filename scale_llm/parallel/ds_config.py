@@ -3,7 +3,7 @@
 `train.micro_batch_size`, `train.grad_accum`, `train.grad_clip` and `train.precision` mean the
 same thing under DeepSpeed as elsewhere; `parallel.deepspeed.*` picks the ZeRO stage and offload.
 Experts may add raw entries in `parallel.deepspeed.config`; entries that would contradict the
-framework's own keys are refused (`parallel/options.py`), naming the key to use instead.
+framework's own keys are refused (`config/parallel.py`), naming the key to use instead.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import copy
 from typing import Any
 
 from scale_llm.config import Config, deep_merge
-from scale_llm.plan import RunPlan
+from scale_llm.config.plan import RunPlan
 
 
 def deepspeed_config(cfg: Config, plan: RunPlan) -> dict[str, Any]:

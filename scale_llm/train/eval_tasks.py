@@ -31,12 +31,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from scale_llm import evaluate
 from scale_llm.components.distributed import all_ranks_agree
 from scale_llm.config import Config
+from scale_llm.config.plan import RunPlan
+from scale_llm.config.profile import SCRATCH_PREFIX
 from scale_llm.data.tokenizer import load_tokenizer
 from scale_llm.errors import UserError
 from scale_llm.export import default_dtype, write_hf_folder
 from scale_llm.files import OWNER_MARKER, atomic_write_json, owned_kind, remove_owned_dir
-from scale_llm.plan import RunPlan
-from scale_llm.train.options import SCRATCH_PREFIX
 
 log = logging.getLogger(__name__)
 KEYS = ("eval.tasks", "eval.tasks", "eval.tasks_include_path")  # what its errors call things

@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from scale_llm.config import Config
+from scale_llm.config.plan import RunPlan
 from scale_llm.data.pretrained_tokenizer import BUNDLE_FILE, vocab_problem
 from scale_llm.errors import UserError
 from scale_llm.files import describe_kind
-from scale_llm.plan import RunPlan
 
 METRICS_FILE = "metrics.jsonl"  # one JSON object per logged step
 WANDB_ID_FILE = "wandb-id.txt"  # the W&B run id, so that a resumed run logs to the same run
@@ -142,7 +142,7 @@ def out_of_memory(error: Exception, cfg: Config, plan: RunPlan, step: int) -> st
     out, what the estimate says of these settings, and the ways to fit."""
     import torch
 
-    from scale_llm.memory import estimate
+    from scale_llm.analysis.memory import estimate
 
     est, gib = estimate(cfg, plan), 2**30
     what = str(error).strip().splitlines()[0] if str(error).strip() else "out of memory"

@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
+from scale_llm.config.plan import RunPlan
+from scale_llm.config.profile import ProfileConfig
 from scale_llm.errors import UserError
 from scale_llm.files import describe_kind
-from scale_llm.plan import RunPlan
-from scale_llm.train.options import ProfileConfig
 
 log = logging.getLogger(__name__)
 SNAPSHOT_ENTRIES = 100_000  # allocator events kept (torchtitan's default)

@@ -23,10 +23,10 @@ from typing import Any
 
 from scale_llm.components.checkpoint import TRAINER_STATE, damage
 from scale_llm.config import RunConfig, load_config
+from scale_llm.config.profile import SCRATCH_PREFIX
 from scale_llm.errors import UserError
 from scale_llm.files import JSONProblem, describe_kind, lock_holder, parse_json
 from scale_llm.train.lock import LOCK
-from scale_llm.train.options import SCRATCH_PREFIX
 from scale_llm.train.preflight import METRICS_FILE
 
 CONFIG_FILE = "config.yaml"

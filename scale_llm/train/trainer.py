@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from scale_llm.analysis.memory import check_host_memory
 from scale_llm.components.checkpoint import (
     RECORDED,
     TRAINER_FORMAT,
@@ -35,16 +36,15 @@ from scale_llm.components.hardware import cuda_memory_gib, peak_flops
 from scale_llm.components.optim import lr_at
 from scale_llm.components.serialization import background_save, save_file
 from scale_llm.config import Config, save_config, to_dict
+from scale_llm.config.plan import RunPlan
 from scale_llm.data.loader import TokenWindows, TrainLoader, eval_batches
 from scale_llm.data.mixture import check_epochs, open_training_data
 from scale_llm.data.tokenizer import load_tokenizer, run_copy_name
 from scale_llm.errors import UserError, require_writable_dir
 from scale_llm.files import atomic_write_bytes, atomic_write_json, atomic_write_text
-from scale_llm.memory import check_host_memory
 from scale_llm.model import Transformer, build_model, empty_state_dict
 from scale_llm.parallel.backend import build_backend
 from scale_llm.parallel.step import optimizer_step
-from scale_llm.plan import RunPlan
 from scale_llm.train.cadence import Cadence
 from scale_llm.train.collector import GarbageCollector
 from scale_llm.train.eval_tasks import TaskEval, remove_scratch

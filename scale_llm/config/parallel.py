@@ -1,8 +1,7 @@
 """The `parallel:` and `activation_checkpointing:` config sections, with their checks.
 
-A schema module: it sits beside the code that uses these options but imports nothing from
-scale_llm but `scale_llm.schema` (how a key is declared), so `scale_llm.config` can assemble the
-whole tree from it.
+One section module of the config package: it imports only `schema` (how a key is declared),
+so `sections.py` can assemble the whole tree from it.
 """
 
 from __future__ import annotations
@@ -10,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from scale_llm.schema import config_key
+from scale_llm.config.schema import config_key
 
 if TYPE_CHECKING:
     from scale_llm.config import Config
@@ -80,7 +79,7 @@ class DeepSpeedConfig:
 @dataclass
 class ParallelConfig:
     backend: Literal["auto", "single", "ddp", "fsdp", "deepspeed"] = (
-        config_key(  # (see scale_llm.plan)
+        config_key(  # (see scale_llm.config.plan)
             "auto",
             "`auto` (`single` when run as one process, `ddp` when a launcher starts several; "
             "the resolved name is in the run dir's `plan.json`), `single` (one process, no "

@@ -2,7 +2,7 @@
 (generated: `scale-llm config --keys --markdown`; a test fails when the file is stale).
 
 Everything comes from the schema: each key's type and default from its dataclass field, its
-meaning from the field's metadata (`scale_llm.schema.config_key`). Only the rendering lives here.
+meaning from the field's metadata (`config_key` in schema.py). Only the rendering lives here.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import typing
 from typing import Any
 
 from scale_llm.config import Config, all_keys
-from scale_llm.schema import key_help
+from scale_llm.config.schema import key_help
 
 # a line under a section's heading in docs/config.md
 SECTION_NOTES = {

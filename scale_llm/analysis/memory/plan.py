@@ -8,16 +8,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scale_llm.config import Config, resolve_config_path, with_changes
-from scale_llm.errors import UserError
-from scale_llm.memory.estimate import (
+from scale_llm.analysis.memory.estimate import (
     OVERHEAD_FRACTION,
     Estimate,
     estimate,
     format_offload_traffic,
     gib,
 )
-from scale_llm.plan import RunPlan, target_plan
+from scale_llm.config import Config, resolve_config_path, with_changes
+from scale_llm.config.plan import RunPlan, target_plan
+from scale_llm.errors import UserError
 
 # ----------------------------------------------------------------------------- report and hints
 

@@ -51,17 +51,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from scale_llm.components.loss import plain_cross_entropy
-from scale_llm.config import Config, compiles
-from scale_llm.memory.estimate import (
+from scale_llm.analysis.memory.estimate import (
     PCIE5_X16_BYTES_PER_S,
     ParamCounts,
     layout_of,
     zero_offload_traffic,
 )
+from scale_llm.components.loss import plain_cross_entropy
+from scale_llm.config import Config, compiles
+from scale_llm.config.plan import target_plan
 from scale_llm.model import build_model
 from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
-from scale_llm.plan import target_plan
 
 # (name, dense bf16 FLOP/s, HBM bytes/s), from the vendors' data sheets
 DEVICES = {
@@ -567,7 +567,7 @@ def tp_shape(shape: tuple[int, int, int], tp: int, tokens: int) -> tuple[int, in
 
 def _fsdp_shards(cfg: Config, world: int) -> int:
     """Ranks FSDP2 shards a tensor-parallel rank's parameters over (HSDP: the shard dim)."""
-    from scale_llm.memory.estimate import layout_of
+    from scale_llm.analysis.memory.estimate import layout_of
 
     return layout_of(cfg, target_plan(cfg, world)).shards
 
@@ -669,7 +669,7 @@ def format_achieved(a: dict[str, Any]) -> list[str]:
     rates = a["rates"]
     traffic = "after compile's fusion" if a["compiled"] else "eager (train.compile off)"
     lines = [
-        "at achieved rates (RATES in scale_llm/roofline.py, each with its source; point "
+        "at achieved rates (RATES in scale_llm/analysis/roofline.py, each with its source; point "
         f"[low-high]): matmul {_span(rates['matmul_flops_per_s'], 1e12)} TFLOP/s, attention "
         f"{_span(rates['attention_flops_per_s'], 1e12)} TFLOP/s, HBM "
         f"{_span(rates['hbm_bytes_per_s'], 1e12, '.2f')} TB/s; element-wise traffic {traffic}: "

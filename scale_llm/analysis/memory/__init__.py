@@ -22,14 +22,13 @@ The activation formula follows this project's model op by op (see `block_activat
 is checked against `measure_saved_bytes`, which counts what autograd really saves on the CPU.
 """
 
-from scale_llm.config import with_changes
-from scale_llm.memory.activations import (
+from scale_llm.analysis.memory.activations import (
     Numerics,
     measure_activations,
     measure_saved_bytes,
     saved_activation_bytes,
 )
-from scale_llm.memory.estimate import (
+from scale_llm.analysis.memory.estimate import (
     Estimate,
     GiB,
     Layout,
@@ -40,8 +39,8 @@ from scale_llm.memory.estimate import (
     parse_bytes,
     zero3_gathered_params,
 )
-from scale_llm.memory.host import check_host_memory, host_memory_problem
-from scale_llm.memory.plan import (
+from scale_llm.analysis.memory.host import check_host_memory, host_memory_problem
+from scale_llm.analysis.memory.plan import (
     Plan,
     documented_world_size,
     fit,
@@ -50,6 +49,7 @@ from scale_llm.memory.plan import (
     hints,
     world_for_estimate,
 )
+from scale_llm.config import with_changes
 
 __all__ = [
     "ds_reduce_buckets",

@@ -46,9 +46,10 @@ from typing import Any
 
 import torch
 
-from scale_llm.bench import bench_reference, bench_sweep, fresh_start, markdown_table
+from scale_llm.analysis.bench import bench_reference, bench_sweep, fresh_start, markdown_table
 from scale_llm.components.distributed import shutdown_distributed
 from scale_llm.config import Config, load_config, save_config, with_changes
+from scale_llm.config.plan import Launch, resolve_plan
 from scale_llm.data.prepare import prepare
 from scale_llm.errors import UserError
 from scale_llm.files import (
@@ -63,11 +64,10 @@ from scale_llm.files import (
     read_json,
     remove_owned_dir,
 )
-from scale_llm.plan import Launch, resolve_plan
 from scale_llm.train.trainer import Trainer
 
 log = logging.getLogger(__name__)
-YAML = Path(__file__).resolve().parents[1] / "yaml"
+YAML = Path(__file__).resolve().parents[2] / "yaml"
 TOLERANCE = {"fp32": 1e-3, "bf16": 5e-2, "fp16": 5e-2}  # |step-1 loss - CPU fp32 step-1 loss|
 # (micro-batch, checkpointing, compile) of 400m.yaml on a GPU: the headline layout first
 GPU_SWEEP = [(16, "none", True), (16, "none", False), (8, "none", True), (32, "none", True)]
@@ -275,8 +275,8 @@ def _shm_row(cuda: bool, path: str = "/dev/shm") -> dict[str, Any]:
 
 def offload_host_bytes() -> float:
     """Host bytes per rank yaml/7b-1xh200.yaml's optimizer offload needs, by the estimate."""
-    from scale_llm.memory import estimate
-    from scale_llm.plan import target_plan
+    from scale_llm.analysis.memory import estimate
+    from scale_llm.config.plan import target_plan
 
     cfg = load_config(YAML / "7b-1xh200.yaml")
     return sum(estimate(cfg, target_plan(cfg, 1)).cpu.values())

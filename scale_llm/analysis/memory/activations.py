@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from scale_llm.config import ActivationCheckpointingConfig, Config, ModelConfig, compiles
+from scale_llm.config.plan import RunPlan
 from scale_llm.model import mlp_hidden_size
-from scale_llm.plan import RunPlan
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,12 @@
-"""The schema of train.profile (which steps to trace, the CUDA memory snapshot) and its checks,
-beside the loop that reads it (scale_llm.train.profiling)."""
+"""The `train.profile` config section (which steps to trace, the CUDA memory snapshot) and its
+checks; the loop's profiler (scale_llm.train.profiling) reads it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import PurePath
 
-from scale_llm.schema import config_key
+from scale_llm.config.schema import config_key
 
 # RUN_DIR's own names (train/preflight.py's RUN_DIR_FOLDERS, RUN_DIR_FILES and RUN_MARKS, held
 # to this list by tests/test_profiling.py), and the prefix of eval.tasks' scratch exports: the

@@ -4,11 +4,11 @@ OOM killer, with no message). Train and bench call it alike."""
 
 from __future__ import annotations
 
+from scale_llm.analysis.memory.estimate import estimate
 from scale_llm.components.hardware import host_available_bytes
 from scale_llm.config import Config
+from scale_llm.config.plan import RunPlan
 from scale_llm.errors import UserError
-from scale_llm.memory.estimate import estimate
-from scale_llm.plan import RunPlan
 
 
 def host_memory_problem(

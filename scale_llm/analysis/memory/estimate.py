@@ -12,9 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from scale_llm.config import ActivationCheckpointingConfig, Config, ModelConfig
-from scale_llm.errors import UserError
-from scale_llm.memory.activations import (
+from scale_llm.analysis.memory.activations import (
     Numerics,
     block_activation_bytes,
     block_backward_bytes,
@@ -27,9 +25,11 @@ from scale_llm.memory.activations import (
     resident_input_bytes,
     saved_activation_bytes,
 )
+from scale_llm.config import ActivationCheckpointingConfig, Config, ModelConfig
+from scale_llm.config.plan import RunPlan, target_plan
+from scale_llm.errors import UserError
 from scale_llm.model import mlp_hidden_size
 from scale_llm.parallel.ds_config import deepspeed_config
-from scale_llm.plan import RunPlan, target_plan
 
 GiB = 1 << 30
 OVERHEAD_FRACTION = 0.05
@@ -703,7 +703,7 @@ def step_phases(
 
 def estimate(cfg: Config, target: RunPlan | int) -> Estimate:
     """Per-GPU bytes of `cfg` run as `target`: the run's own plan, or a world size of
-    bf16-capable GPUs (`scale_llm.plan.target_plan`)."""
+    bf16-capable GPUs (`scale_llm.config.plan.target_plan`)."""
     plan = target_plan(cfg, target) if isinstance(target, int) else target
     return estimate_layout(cfg.model, cfg.activation_checkpointing, layout_of(cfg, plan))
 

@@ -36,14 +36,14 @@ from typing import Any
 
 import torch
 
+from scale_llm.analysis.memory.estimate import estimate_layout, layout_of
+from scale_llm.analysis.memory.measure import LiveStorages, measured_steps, parts_table
 from scale_llm.components.optim import build_optimizer
 from scale_llm.config import Config, with_changes
+from scale_llm.config.plan import RunPlan, target_plan
 from scale_llm.errors import UserError
-from scale_llm.memory.estimate import estimate_layout, layout_of
-from scale_llm.memory.measure import LiveStorages, measured_steps, parts_table
 from scale_llm.model import build_model, materialize
 from scale_llm.parallel.backend import Backend, build_backend
-from scale_llm.plan import RunPlan, target_plan
 
 GiB = 1 << 30
 # What a fake trace cannot see, per GPU, as (name, low, high bytes, why). Not added to the

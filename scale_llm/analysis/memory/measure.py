@@ -41,12 +41,12 @@ from typing import Any
 
 import torch
 
+from scale_llm.analysis.memory.estimate import estimate
 from scale_llm.config import Config, with_changes
-from scale_llm.memory.estimate import estimate
+from scale_llm.config.plan import launch_env, resolve_plan
 from scale_llm.model import build_model
 from scale_llm.parallel.backend import build_backend
 from scale_llm.parallel.step import optimizer_step
-from scale_llm.plan import launch_env, resolve_plan
 
 
 def measure_step(cfg: Config) -> dict[str, Any]:

@@ -10,7 +10,7 @@ def config_key(
     default: Any, help: str, *, run_defining: bool = False, null_unsets: bool = False
 ) -> Any:
     """A config key: its default and its meaning, the one source of `scale-llm config --keys`
-    and of docs/config.md's key tables (scale_llm.keys renders them).
+    and of docs/config.md's key tables (scale_llm.config.keys renders them).
 
     `run_defining`: a change of this key makes a checkpoint belong to a different run, so
     resuming across it is refused (the trainer reads this metadata; no list to keep in sync).

@@ -1,4 +1,4 @@
-"""The `data:` config section and its checks (a schema module: see parallel/options.py)."""
+"""The `data:` config section and its checks (a schema module of scale_llm.config)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 import re
 from dataclasses import dataclass, fields
 
-from scale_llm.schema import config_key
+from scale_llm.config.schema import config_key
 
 SOURCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # a folder name and a metric tag
 

@@ -31,18 +31,18 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from scale_llm.analysis.memory.host import check_host_memory, host_memory_problem
 from scale_llm.components.hardware import cuda_memory_gib, peak_flops
 from scale_llm.components.loss import plain_cross_entropy
 from scale_llm.config import ActivationCheckpointingConfig, Config, compiles, with_changes
+from scale_llm.config.plan import RunPlan
 from scale_llm.errors import UserError
 from scale_llm.files import private_dir
-from scale_llm.memory.host import check_host_memory, host_memory_problem
 from scale_llm.model import build_model, materialize
 from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
 from scale_llm.parallel.backend import build_backend
 from scale_llm.parallel.compile import compile_blocks
 from scale_llm.parallel.step import optimizer_step
-from scale_llm.plan import RunPlan
 
 log = logging.getLogger(__name__)
 
@@ -543,9 +543,9 @@ def bench_sweep(
     """`bench` over backend x micro-batch x activation-checkpointing mode x compile (grad_accum
     1), each row with the estimator's prediction next to the measured peak. Out-of-memory is a
     row. `backends` (`--sweep-backend`): names of BACKENDS; default the plan's own."""
+    from scale_llm.analysis.memory import estimate
+    from scale_llm.analysis.memory.estimate import estimate_layout
     from scale_llm.components.distributed import start
-    from scale_llm.memory import estimate
-    from scale_llm.memory.estimate import estimate_layout
 
     rows = []
     sweep = itertools.product(backends or [None], compiles, modes, micro_batches)

@@ -1,0 +1,569 @@
+"""Loading a config: YAML (with `base:`), dotted `--set` overrides, typing every value against
+the tree, and writing it back. Precedence: CLI overrides > YAML > defaults. Every problem
+(unknown key, wrong type, impossible value or combination) is collected and reported in one
+`UserError` that names each key and the fix, before any model or process group exists."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+import math
+import os
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from scale_llm.config.data import PER_SOURCE_KEYS
+from scale_llm.config.sections import (
+    Config,
+    get_key,
+)
+from scale_llm.config.validate import PATH_KEYS, format_errors, path_value, validate
+from scale_llm.errors import UserError, short
+
+log = logging.getLogger(__name__)
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults, then the YAML file at `path` (if any), then `key.path=value` overrides."""
+    raw: dict[str, Any] = {}
+    where = "defaults"
+    if path is not None:
+        raw = read_yaml_with_base(Path(path))
+        where = str(path)
+    errors: list[str] = []
+    for item in overrides or []:
+        _apply_override(raw, item, errors)
+    if overrides:
+        where += " + command-line overrides"
+    _move_deprecated_keys(raw, errors)
+    cfg = expand_home(build_section(Config, raw, "", errors))
+    # Check values too, skipping messages about keys that already failed (they hold defaults).
+    failed = [msg.split(":", 1)[0] for msg in errors]
+    errors.extend(m for m in validate(cfg) if not any(k in m for k in failed))
+    if errors:
+        raise UserError(format_errors(errors, where))
+    return cfg
+
+
+MAX_CONFIG_BYTES = 1_000_000  # the shipped configs are ~2 KB
+MAX_CONFIG_VALUES = 10_000  # scalars + containers after expanding YAML aliases (~150 in 7b.yaml)
+MAX_CONFIG_DEPTH = 20  # nesting levels (parallel.deepspeed.config's entries are the deepest)
+
+
+def shipped_config_dir() -> Path | None:
+    """The shipped configs: inside an installed wheel (scale_llm/configs), or the checkout's
+    yaml/ folder beside the package."""
+    for candidate in (
+        Path(__file__).parents[1] / "configs",
+        Path(__file__).resolve().parents[2] / "yaml",
+    ):
+        if candidate.is_dir() and any(candidate.glob("*.yaml")):
+            return candidate
+    return None
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """A config path as given, or a shipped config by name (`tiny`, `400m`, `7b.yaml`) when no
+    such file exists here."""
+    p = Path(path)
+    if p.is_file() or len(p.parts) != 1:
+        return p
+    shipped = shipped_config_dir()
+    if shipped is not None:
+        for name in (p.name, p.name + ".yaml"):
+            if (shipped / name).is_file():
+                return shipped / name
+    return p
+
+
+def _shipped_names() -> str:
+    shipped = shipped_config_dir()
+    names = sorted(q.stem for q in shipped.glob("*.yaml")) if shipped else []
+    return f" Shipped configs (by name): {', '.join(names)}." if names else ""
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    p = resolve_config_path(path)
+    if not p.is_file():
+        what = "is a directory" if p.is_dir() else "does not exist"
+        raise UserError(
+            f"config file {p} {what}; pass the path of a YAML file or a shipped config's "
+            f"name.{_shipped_names()}"
+        )
+    size = p.stat().st_size
+    if size > MAX_CONFIG_BYTES:
+        raise UserError(
+            f"config file {p} is {size:,} bytes; a config is a few KB of YAML (limit "
+            f"{MAX_CONFIG_BYTES:,}): is this the right file?"
+        )
+    raw_bytes = p.read_bytes()
+    try:
+        if b"\0" in raw_bytes:
+            raise UnicodeDecodeError("utf-8", raw_bytes, 0, 1, "NUL byte")
+        text = raw_bytes.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UserError(
+            f"config file {p} is not UTF-8 text (a binary file?); pass a YAML config"
+        ) from None
+    try:
+        _check_yaml_shape(text, p)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise UserError(f"config file {p} is not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(
+            f"config file {p} must hold a mapping of sections (run:, model:, ...), "
+            f"not a {type(data).__name__}"
+        )
+    _empty_sections_as_mappings(data, Config)
+    return data
+
+
+def _empty_sections_as_mappings(raw: dict[str, Any], cls: type) -> None:
+    """A section written with no keys (`model:` with every line under it commented out) is
+    YAML null; read it as an empty section, which changes nothing."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in raw and dataclasses.is_dataclass(hints[f.name]):
+            if raw[f.name] is None:
+                raw[f.name] = {}
+            elif isinstance(raw[f.name], dict):
+                _empty_sections_as_mappings(raw[f.name], hints[f.name])
+
+
+def _check_yaml_shape(text: str, path: Path) -> None:
+    """Refuse alias bombs and absurd nesting before anything expands them: count the values
+    the document would expand to on the composed node graph (aliases are shared nodes there,
+    so this takes time linear in the file, however large the expansion)."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except RecursionError:
+        raise UserError(
+            f"config file {path} nests too deeply to read; a config is a few levels of "
+            f"sections and keys"
+        ) from None
+    if root is None:
+        return
+    sizes: dict[int, int] = {}
+
+    def expanded(node: yaml.Node, depth: int) -> int:
+        if depth > MAX_CONFIG_DEPTH:
+            raise UserError(
+                f"config file {path} nests deeper than {MAX_CONFIG_DEPTH} levels; a config is "
+                f"a few levels of sections and keys"
+            )
+        if id(node) in sizes:
+            return sizes[id(node)]
+        if isinstance(node, yaml.MappingNode):
+            n = 1 + sum(expanded(k, depth + 1) + expanded(v, depth + 1) for k, v in node.value)
+        elif isinstance(node, yaml.SequenceNode):
+            n = 1 + sum(expanded(v, depth + 1) for v in node.value)
+        else:
+            n = 1
+        sizes[id(node)] = n
+        if n > MAX_CONFIG_VALUES:
+            raise UserError(
+                f"config file {path} expands to more than {MAX_CONFIG_VALUES:,} values (YAML "
+                f"aliases repeating aliases?); a config has a few hundred at most"
+            )
+        return n
+
+    expanded(root, 0)
+    _refuse_duplicate_keys(root, path)  # (a walk the limits above keep short)
+
+
+def _refuse_duplicate_keys(root: yaml.Node, path: Path) -> None:
+    """A key written twice in one mapping (PyYAML silently keeps the last one) is an error
+    naming the key and both lines. Walks the composed nodes before anything is constructed,
+    once `_check_yaml_shape`'s limits have bounded the walk."""
+    todo: list[tuple[yaml.Node, str]] = [(root, "")]
+    while todo:
+        node, prefix = todo.pop()
+        children = node.value if isinstance(node, yaml.SequenceNode) else []
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[tuple[str, str], int] = {}
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                    line = key.start_mark.line + 1
+                    first = seen.get((key.tag, key.value))
+                    if first is not None:
+                        lines = f"line {line}" if first == line else f"lines {first} and {line}"
+                        raise UserError(
+                            f"config file {path}: {prefix}{key.value} is written twice ({lines}); "
+                            f"YAML would silently keep only the last, so merge the two into one"
+                        )
+                    seen[(key.tag, key.value)] = line
+                    prefix_here = f"{prefix}{key.value}."
+                else:
+                    prefix_here = prefix
+                todo.append((value, prefix_here))
+        todo.extend((child, prefix) for child in children)
+
+
+def read_yaml_with_base(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A YAML file, merged over the file its optional top-level `base:` names (relative to it)."""
+    raw = read_yaml(path)
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    if not isinstance(base, str):
+        raise UserError(
+            f"{path}: base must be the path of another YAML file, not {str(base)[:60]!r}"
+        )
+    path = resolve_config_path(path)
+    base_path = (path.parent / os.path.expanduser(base)).resolve()
+    if base_path in seen:
+        raise UserError(f"{path}: base: {base} leads back to itself; remove the cycle")
+    return deep_merge(read_yaml_with_base(base_path, (*seen, path.resolve())), raw)
+
+
+def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """`top` over `base`, section by section (neither is modified)."""
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """`a.b=value` -> ("a.b", value), the value parsed as a YAML scalar."""
+    key, sep, text = item.partition("=")
+    if not sep or not key.strip():
+        raise UserError(
+            f"override {short(item)} must look like section.key=value, e.g. --set train.lr=3e-4"
+        )
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError:
+        value = text
+    return key.strip(), value
+
+
+INDEXED = re.compile(r"([^\[\]]+)\[(\d+)\]")  # `sources[0]`: an entry of a list key
+WHOLE_LIST = "[{name: ..., source: ..., weight: ...}, ...]"
+
+
+def _apply_override(raw: dict[str, Any], item: str, errors: list[str]) -> None:
+    """Set one dotted key in the raw tree. `data.sources[0].weight=3` reaches into an entry of
+    a list key; a step that cannot be taken is one error naming the key and the form that works."""
+    key, value = parse_override(item)
+    parts = key.split(".")
+    node: Any = raw
+    cls: Any = Config  # the schema of `node`; None below a key it does not know (_build says so)
+    for i in range(len(parts)):
+        step = _override_step(node, cls, parts, i, item.partition("=")[2])
+        if isinstance(step, str):
+            errors.append(step)
+            return
+        holder, name, cls = step
+        if i == len(parts) - 1:
+            holder[name] = value
+            return
+        node = holder.setdefault(name, {}) if isinstance(holder, dict) else holder[name]
+        if not isinstance(node, dict):
+            at = ".".join(parts[: i + 1])
+            errors.append(f"{at}: is a value, not a section; cannot set {key}")
+            return
+
+
+def _override_step(
+    node: dict[str, Any], cls: Any, parts: list[str], i: int, text: str
+) -> tuple[Any, Any, Any] | str:
+    """Where parts[i] of an override lives: (the dict or list holding it, its key or index, the
+    schema below it), or the message that says why it cannot be set."""
+    part, key, at = parts[i], ".".join(parts), ".".join(parts[: i + 1])
+    if cls is None:
+        return node, part, None  # below an unknown key, which _build names
+    hints = typing.get_type_hints(cls)
+    indexed = INDEXED.fullmatch(part)
+    name = indexed.group(1) if indexed else part
+    if not indexed and ("[" in part or "]" in part):
+        fixed = ".".join([*parts[:i], part.split("[")[0] + "[0]", *parts[i + 1 :]])
+        return (
+            f"{key}: {part!r} is not KEY[INDEX]; an index is a whole number from 0, e.g. "
+            f"--set '{fixed}={text}'"
+        )
+    if name not in hints:
+        if not indexed:
+            return node, part, None  # (_build names the unknown key, with a did-you-mean)
+        prefix = at[: len(at) - len(part)]
+        return _unknown_key_message(prefix + name, name, list(hints), prefix)
+    tp = hints[name]
+    if typing.get_origin(tp) is not list:
+        if indexed:
+            plain = ".".join([*parts[:i], name, *parts[i + 1 :]])
+            return (
+                f"{key}: {at[: -len(part)]}{name} is not a list, so it takes no [index]; "
+                f"--set {plain}={text}"
+            )
+        return node, name, tp if dataclasses.is_dataclass(tp) else None
+    entry = typing.get_args(tp)[0]
+    if indexed:
+        listed = at[: -len(part)] + name
+        return _list_entry(node.get(name), int(indexed.group(2)), key, listed, entry)
+    if i + 1 < len(parts):
+        return _list_step_problem(key, at, parts[i + 1 :], text)
+    return node, name, None
+
+
+def _list_step_problem(key: str, listed: str, after: list[str], text: str) -> str:
+    """`data.sources.0.weight` or `data.sources.weight`: an entry's index goes in brackets."""
+    if after[0].isdigit():
+        fixed = ".".join([f"{listed}[{after[0]}]", *after[1:]])
+        return f"{key}: an entry of a list is written {listed}[{after[0]}]; --set '{fixed}={text}'"
+    fixed = ".".join([f"{listed}[0]", *after])
+    return (
+        f"{key}: {listed} is a list of entries; set a key of one entry by its index from 0 "
+        f"(--set '{fixed}={text}'), or give the whole list (--set '{listed}={WHOLE_LIST}')"
+    )
+
+
+def _list_entry(
+    entries: Any, index: int, key: str, listed: str, entry: Any
+) -> tuple[list[Any], int, Any] | str:
+    """Entry `index` of the list `listed` as the config so far holds it: (the list, the index,
+    the entries' schema), or why there is no such entry."""
+    count = len(entries) if isinstance(entries, list) else 0
+    if index < count:
+        return entries, index, entry
+    if count == 0:
+        return (
+            f"{key}: {listed} has no entries in this config; give the whole list first "
+            f"(--set '{listed}={WHOLE_LIST}')"
+        )
+    held = f"{count} entr{'y' if count == 1 else 'ies'}, {listed}[0] to {listed}[{count - 1}]"
+    return (
+        f"{key}: {listed} has {held}; use one of those indices, or give the whole list "
+        f"(--set '{listed}={WHOLE_LIST}')"
+    )
+
+
+# Keys that moved: old dotted key -> new dotted key. The old one is still read, with a note.
+MOVED = {
+    "model.activation_checkpointing": "activation_checkpointing.mode",
+    "model.activation_checkpointing_k": "activation_checkpointing.k",
+}
+
+
+def _move_deprecated_keys(raw: dict[str, Any], errors: list[str]) -> None:
+    """Rewrite moved keys to their new place, with one deprecation line each; a key given in
+    both places is an error naming both."""
+    for old, new in MOVED.items():
+        old_section, old_key = old.split(".")
+        new_section, new_key = new.split(".")
+        section = raw.get(old_section)
+        if not isinstance(section, dict) or old_key not in section:
+            continue
+        value = section.pop(old_key)
+        target = raw.setdefault(new_section, {})
+        if not isinstance(target, dict):
+            continue  # reported as a malformed section by _build
+        if new_key in target:
+            errors.append(
+                f"{old}: moved to {new}, and both are set ({short(value)} and "
+                f"{short(target[new_key])}); keep only {new}"
+            )
+            continue
+        target[new_key] = value
+        log.warning("config: %s is deprecated; use %s (read as %s=%s)", old, new, new, value)
+
+
+def run_defining_keys(cls: type = None, prefix: str = "") -> list[str]:
+    """Dotted keys marked `run_defining` in the schema: a checkpoint resumes only if they match."""
+    cls = cls or Config
+    out: list[str] = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out.extend(run_defining_keys(hints[f.name], f"{prefix}{f.name}."))
+        elif f.metadata.get("run_defining"):
+            out.append(f"{prefix}{f.name}")
+    return out
+
+
+def with_changes(cfg: Config, changes: dict[str, Any]) -> Config:
+    """A copy of cfg with dotted keys replaced (values already typed)."""
+    sections: dict[str, dict[str, Any]] = {}
+    for key, value in changes.items():
+        parts = key.split(".")
+        sections.setdefault(".".join(parts[:-1]), {})[parts[-1]] = value
+    out = cfg
+    for path, values in sections.items():
+        names = path.split(".")
+        parents = [out]
+        for name in names:
+            parents.append(getattr(parents[-1], name))
+        node = dataclasses.replace(parents[-1], **values)
+        for parent, name in zip(reversed(parents[:-1]), reversed(names)):
+            node = dataclasses.replace(parent, **{name: node})
+        out = node
+    return out
+
+
+# Keys that hold a path. `~` in them is expanded once, as the config is loaded, so every reader
+# (and the config.yaml written into the run dir) sees the path the run used.
+def expand_home(cfg: Config) -> Config:
+    """`~` and `~user` at the start of a path key, expanded (os.path.expanduser)."""
+    changes = {}
+    for key in PATH_KEYS:
+        path = path_value(cfg, key)
+        if path is None or not path.startswith("~"):
+            continue
+        value = get_key(cfg, key)
+        changes[key] = value[: len(value) - len(path)] + os.path.expanduser(path)
+    return with_changes(cfg, changes) if changes else cfg
+
+
+# ----------------------------------------------------------------------------- typing
+
+
+def build_section(cls: type, raw: Any, prefix: str, errors: list[str]) -> Any:
+    """Instantiate dataclass `cls` from a raw mapping, recording every problem in `errors`."""
+    if not isinstance(raw, dict):
+        errors.append(f"{prefix.rstrip('.')}: expected a mapping of keys, got {short(raw)}")
+        return cls()
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        dotted = f"{prefix}{key}"
+        if key not in fields:
+            errors.append(_unknown_key_message(dotted, str(key), list(fields), prefix))
+            continue
+        if value is None and fields[key].metadata.get("null_unsets"):
+            continue  # unset: the default (over a base: file's value)
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = build_section(tp, value, f"{dotted}.", errors)
+        elif typing.get_origin(tp) is list:  # a list of entries, each a section (data.sources)
+            entry = typing.get_args(tp)[0]
+            if isinstance(value, list):
+                kwargs[key] = [
+                    build_section(entry, v, f"{dotted}[{i}].", errors) for i, v in enumerate(value)
+                ]
+            else:
+                errors.append(f"{dotted}: expected a list of mappings, got {short(value)}")
+        else:
+            ok, converted, expected = _coerce(value, tp)
+            if ok:
+                kwargs[key] = converted
+            else:
+                errors.append(f"{dotted}: expected {expected}, got {short(value)}")
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, tp: Any) -> tuple[bool, Any, str]:
+    """Check `value` against annotation `tp`: (ok, converted value, what was expected)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is Literal:
+        choices = " | ".join(str(a).lower() if isinstance(a, bool) else str(a) for a in args)
+        if any(type(a) is type(value) and a == value for a in args):  # (1 is not true)
+            return True, value, f"one of {choices}"
+        near = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        return False, value, f"one of {choices}{hint}"
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        if value is None:
+            return True, None, ""
+        ok, converted, expected = _coerce(value, inner[0])
+        return ok, converted, f"{expected} or null"
+    if tp is bool:
+        return isinstance(value, bool), value, "true or false"
+    if tp is int:
+        if isinstance(value, bool):
+            return False, value, "an integer"
+        if isinstance(value, int):
+            return True, value, "an integer"
+        number = _as_float(value)
+        if number is not None and number.is_integer():
+            return True, int(number), "an integer"
+        return False, value, "an integer"
+    if tp is float:
+        number = None if isinstance(value, bool) else _as_float(value)
+        if number is not None and math.isfinite(number):
+            return True, number, "a number"
+        return False, value, "a finite number"
+    if tp is str:
+        return isinstance(value, str), value, "a string"
+    if tp is dict:
+        return isinstance(value, dict), value, "a mapping"
+    raise TypeError(f"unsupported config annotation {tp!r}")
+
+
+def _as_float(value: Any) -> float | None:
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):  # PyYAML reads 3e-4 (no dot) as a string
+        try:
+            return float(value.replace("_", ""))
+        except ValueError:
+            return None
+    return None
+
+
+def _unknown_key_message(dotted: str, key: str, names: list[str], prefix: str) -> str:
+    kind = "key" if prefix else "section"
+    near = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+    if near:
+        return f"{dotted}: unknown {kind}; did you mean {prefix}{near[0]}?"
+    elsewhere = [p for p in all_keys() if p.rsplit(".", 1)[-1] == key]
+    if elsewhere:
+        return f"{dotted}: unknown {kind} here; it lives at {elsewhere[0]}"
+    return f"{dotted}: unknown {kind}; valid {kind}s here: {', '.join(names)}"
+
+
+def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
+    """Every dotted key of the config tree, e.g. ['run.name', ..., 'parallel.backend']."""
+    out: list[str] = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            out.extend(all_keys(tp, f"{prefix}{f.name}."))
+        else:
+            out.append(f"{prefix}{f.name}")
+    return out
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def dump_yaml(cfg: Config) -> str:
+    """The config as YAML; a mixture's without the keys of one source (data.source, ...), which
+    its entries hold and which a mixture leaves at their defaults."""
+    tree = to_dict(cfg)
+    if cfg.data.sources:
+        for key in PER_SOURCE_KEYS:
+            del tree["data"][key]
+    return yaml.safe_dump(tree, sort_keys=False, default_flow_style=False)
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    """Write the config (as the user set it: `auto` stays `auto`; the resolved values go to
+    plan.json) atomically; feeding it back to `train` reproduces the run."""
+    from scale_llm.files import atomic_write_text
+
+    atomic_write_text(
+        path,
+        "# scale_llm config as given (defaults filled in); plan.json beside it holds what `auto`\n"
+        "# resolved to; `scale-llm train` accepts this file as is\n" + dump_yaml(cfg),
+    )

@@ -1,0 +1,273 @@
+"""Values and combinations of a config that typing cannot catch, each message naming the key
+and the fix."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from scale_llm.config.data import validate_data
+from scale_llm.config.parallel import (
+    validate_activation_checkpointing,
+    validate_parallel,
+)
+from scale_llm.config.profile import validate_profile
+from scale_llm.config.sections import Config, ModelConfig, get_key
+from scale_llm.errors import short
+
+# ----------------------------------------------------------------------------- validation
+
+PATH_KEYS = (
+    "run.dir",
+    "data.dir",
+    "data.source",
+    "data.tokenizer",
+    "model.init_from",
+    "checkpoint.resume",
+    "eval.tasks_include_path",
+)
+NOT_PATHS = {"data.source": ("builtin",), "checkpoint.resume": ("auto", "never")}
+
+
+def path_value(cfg: Config, key: str) -> str | None:
+    """The file-system path a path key names, or None (unset, or a word such as `builtin`);
+    `hf:PATH` names PATH."""
+    value = get_key(cfg, key)
+    if value is None or value in NOT_PATHS.get(key, ()):
+        return None
+    return value[3:] if key == "data.source" and value.startswith("hf:") else value
+
+
+MAX_LAYERS = 10_000  # far past any trained model, short of a build that never ends
+
+
+def validate(cfg: Config) -> list[str]:
+    """Values and combinations that type checks cannot catch; each message names key and fix."""
+    e: list[str] = []
+    m, t = cfg.model, cfg.train
+
+    def positive(key: str, value: float) -> None:
+        if value <= 0:
+            e.append(f"{key}={value} must be > 0")
+
+    def non_negative(key: str, value: float) -> None:
+        if value < 0:
+            e.append(f"{key}={value} must be >= 0")
+
+    for key in ("vocab_size", "d_model", "n_layers", "n_heads", "seq_len"):
+        positive(f"model.{key}", getattr(m, key))
+    if m.n_layers > MAX_LAYERS:  # the estimate and the model build walk every block
+        e.append(
+            f"model.n_layers={m.n_layers}: at most {MAX_LAYERS:,} blocks are accepted (the "
+            f"deepest transformers trained have about 1,000); lower model.n_layers"
+        )
+    defaults = ModelConfig()
+    for key in ("norm_eps", "rope_theta", "init_std"):  # 0 or less: NaN or an error in step 1
+        if getattr(m, key) <= 0:
+            e.append(
+                f"model.{key}={getattr(m, key)} must be > 0 (the default is "
+                f"{getattr(defaults, key)})"
+            )
+    for key in ("micro_batch_size", "grad_accum", "max_steps"):
+        positive(f"train.{key}", getattr(t, key))
+    positive("train.lr", t.lr)
+    positive("train.max_bad_steps", t.max_bad_steps)
+    if t.gc_every < 0:
+        e.append(f"train.gc_every={t.gc_every} must be >= 0 (0: Python's automatic collection)")
+    if t.exit_at_step is not None:
+        positive("train.exit_at_step", t.exit_at_step)
+    if t.global_batch_size is not None:
+        positive("train.global_batch_size", t.global_batch_size)
+    e.extend(validate_data(cfg.data))
+    e.extend(validate_profile(t.profile, t.max_steps))
+    positive("logging.every", cfg.logging.every)
+    if cfg.logging.peak_tflops is not None and cfg.logging.peak_tflops <= 0:
+        e.append(
+            f"logging.peak_tflops={cfg.logging.peak_tflops} must be > 0 (the device's dense "
+            f"peak TFLOP/s), or null"
+        )
+    positive("eval.sample_tokens", cfg.eval.sample_tokens)
+    e.extend(eval_tasks_problems(cfg))
+    positive("checkpoint.keep_last", cfg.checkpoint.keep_last)
+    for key, value in (
+        ("train.min_lr", t.min_lr),
+        ("train.warmup_steps", t.warmup_steps),
+        ("train.weight_decay", t.weight_decay),
+        ("train.grad_clip", t.grad_clip),
+        ("train.eps", t.eps),
+        ("eval.every", cfg.eval.every),
+        ("eval.steps", cfg.eval.steps),
+        ("eval.sample_every", cfg.eval.sample_every),
+        ("checkpoint.every", cfg.checkpoint.every),
+    ):
+        non_negative(key, value)
+    if m.d_model > 0 and m.n_heads > 0 and m.d_model % m.n_heads:
+        e.append(
+            f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; "
+            f"{_head_fix(m)}"
+        )
+    elif m.d_model > 0 and m.n_heads > 0 and (m.d_model // m.n_heads) % 2:
+        e.append(
+            f"model.d_model / model.n_heads = {m.d_model // m.n_heads} must be even for "
+            f"rotary embeddings; {_head_fix(m)}"
+        )
+    if m.n_kv_heads is not None and (m.n_kv_heads <= 0 or m.n_heads % m.n_kv_heads):
+        kv = [d for d in range(1, m.n_heads + 1) if m.n_heads % d == 0][-6:]
+        example = (  # (none while n_heads itself is refused above)
+            f" (e.g. model.n_kv_heads={kv[-2] if len(kv) > 1 else kv[0]}, among "
+            f"{', '.join(map(str, kv))})"
+            if kv
+            else ""
+        )
+        e.append(
+            f"model.n_kv_heads={m.n_kv_heads} must be > 0 and divide model.n_heads="
+            f"{m.n_heads}{example}; use null for plain multi-head attention"
+        )
+    e.extend(validate_activation_checkpointing(cfg.activation_checkpointing))
+    if m.init_from is not None and not m.init_from.strip():
+        e.append("model.init_from is empty; give a Hugging Face model folder, or null")
+    if m.mlp_hidden is not None and m.mlp_hidden <= 0:
+        e.append(f"model.mlp_hidden={m.mlp_hidden} must be > 0, or null for the default")
+    if not 0.0 < t.decay_fraction <= 1.0:
+        e.append(
+            f"train.decay_fraction={t.decay_fraction} must lie in (0, 1] (the share of "
+            f"max_steps that train.lr_schedule=wsd spends decaying; e.g. "
+            f"train.decay_fraction=0.2)"
+        )
+    if t.min_lr > t.lr:
+        e.append(
+            f"train.min_lr={t.min_lr} is above train.lr={t.lr}; set min_lr <= lr, e.g. "
+            f"train.min_lr={t.lr / 10:g}"
+        )
+    if not 0.0 <= t.beta1 < 1.0 or not 0.0 <= t.beta2 < 1.0:
+        e.append(f"train.beta1={t.beta1} / train.beta2={t.beta2} must lie in [0, 1)")
+    if not 0 <= cfg.run.seed < 2**63:
+        e.append(
+            f"run.seed={cfg.run.seed} must be an integer in [0, 2**63) (torch and numpy seed "
+            f"from it); e.g. run.seed=1337"
+        )
+    name = cfg.run.name or ""
+    if (
+        name in ("", ".", "..")
+        or name.startswith("-")
+        or any(c in "/\\" or ord(c) < 32 for c in name)
+    ):
+        e.append(
+            f"run.name={name[:60]!r} must be a plain name (no path separators, not . or .., "
+            f"not starting with '-'); put the parent folder in run.dir"
+        )
+    else:
+        e.extend(path_problems(cfg))
+    e.extend(validate_parallel(cfg))
+    return e
+
+
+# Room left for what a command writes below its folder: the run dir's deepest files (e.g.
+# checkpoints/.step_00000001.tmp-PID-RANDOM/__0_0.distcp, tensorboard/events.out.tfevents.
+# TIME.HOST.PID.N with a host name of up to 64 bytes), data.dir's (.prepare-build/...).
+PATH_ROOM = 256
+NAME_MAX, PATH_MAX = 255, 4096  # Linux's, where the file system cannot be asked
+
+
+def _limit(path: str, name: str, default: int) -> int:
+    """os.pathconf's limit `name` on the file system `path` would be on (its deepest
+    existing folder), or `default` where that cannot be asked."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing) and existing != os.path.dirname(existing):
+        existing = os.path.dirname(existing)
+    try:
+        return os.pathconf(existing, name)
+    except (OSError, ValueError):
+        return default
+
+
+def path_problems(cfg: Config) -> list[str]:
+    """Paths the file system cannot hold (a NUL character, a name over its NAME_MAX bytes, a
+    run dir or data dir whose files would pass PATH_MAX), found here instead of as an OSError
+    deep inside a save. Names are counted in bytes, as the file system counts them."""
+    e: list[str] = []
+    paths = {key: path_value(cfg, key) for key in PATH_KEYS}
+    paths["run.name"] = cfg.run.name
+    for key, path in paths.items():
+        if path is None:
+            continue
+        try:
+            encoded = os.fsencode(path)
+        except UnicodeEncodeError:
+            e.append(f"{key}={short(path)} cannot be written as a file name (not UTF-8); rename")
+            continue
+        if b"\0" in encoded:
+            e.append(
+                f"{key}={short(path)} holds a NUL character, which no file name can; remove it"
+            )
+            continue
+        where = cfg.run.dir if key == "run.name" else path
+        most = _limit(where, "PC_NAME_MAX", NAME_MAX)
+        for part in Path(path).parts:
+            if len(os.fsencode(part)) > most:
+                e.append(
+                    f"{key}: the name {short(part, 40)} is {len(os.fsencode(part)):,} bytes, over "
+                    f"the {most} bytes a file name may have on this file system; shorten it"
+                )
+                break
+    if e:
+        return e
+    for key, path in (("run.dir / run.name", str(cfg.run_dir)), ("data.dir", cfg.data.dir)):
+        full = len(os.fsencode(os.path.abspath(path)))
+        most = _limit(path, "PC_PATH_MAX", PATH_MAX)
+        if full + PATH_ROOM > most:
+            e.append(
+                f"{key}: the folder {short(os.path.abspath(path), 60)} is {full:,} bytes long, "
+                f"and with the {PATH_ROOM} bytes its files add the paths would pass the "
+                f"{most}-byte limit of this file system; use a shorter {key}"
+            )
+    return e
+
+
+def eval_tasks_problems(cfg: Config) -> list[str]:
+    """eval.tasks' keys, and the backends that can run them (lm-eval reads a whole model)."""
+    ev, e = cfg.eval, []
+    if ev.tasks_every < 0:
+        e.append(f"eval.tasks_every={ev.tasks_every} must be >= 0 (0: the last step only)")
+    if ev.tasks_limit is not None and ev.tasks_limit <= 0:
+        e.append(f"eval.tasks_limit={ev.tasks_limit} must be > 0, or null for every example")
+    if ev.tasks is not None and not any(t.strip() for t in ev.tasks.split(",")):
+        e.append(f"eval.tasks={ev.tasks!r} names no task; give task names, or null")
+    if ev.tasks and cfg.parallel.backend == "deepspeed":
+        e.append(
+            "eval.tasks with parallel.backend=deepspeed: not supported (the DeepSpeed engine "
+            "gives no whole-model view to evaluate while it trains); evaluate its checkpoints "
+            "after training with `scale-llm eval RUN_DIR --tasks ...`, or train with ddp or fsdp"
+        )
+    return e
+
+
+MAX_HEADS = 4096  # far past any model's head count: the search stays short for any d_model
+
+
+def _head_fix(m: ModelConfig) -> str:
+    """Values of model.n_heads that pass every rule with this d_model (they divide it, leave an
+    even head size for rotary embeddings, and are divisible by n_kv_heads when it is set), or,
+    where none does, the nearest d_model that works with this n_heads."""
+    kv = m.n_kv_heads if m.n_kv_heads and m.n_kv_heads > 0 else 1
+    heads = [
+        h
+        for h in range(kv, min(m.d_model // 2, MAX_HEADS) + 1, kv)
+        if m.d_model % h == 0 and (m.d_model // h) % 2 == 0
+    ]
+    if heads:
+        near = sorted(sorted(heads, key=lambda h: abs(h - m.n_heads))[:8])
+        best = min(near, key=lambda h: (abs(h - m.n_heads), h))
+        return f"pick n_heads among {', '.join(map(str, near))}, e.g. model.n_heads={best}"
+    step = 2 * m.n_heads  # head size even: d_model a multiple of 2 x n_heads
+    up = -(-m.d_model // step) * step
+    kv_set = f" and model.n_kv_heads={m.n_kv_heads}" if m.n_kv_heads else ""
+    return (
+        f"no n_heads works with model.d_model={m.d_model}{kv_set}: make d_model a multiple of "
+        f"2 x n_heads, e.g. model.d_model={up}"
+    )
+
+
+def format_errors(errors: list[str], where: str) -> str:
+    head = f"{len(errors)} problem{'s' if len(errors) > 1 else ''} in the config ({where}):"
+    return "\n".join([head] + [f"  - {msg}" for msg in errors])
