@@ -605,7 +605,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         for name in backends or []:
             backend_changes(name, launch_env().world_size)
     if args.checkpoint_io:
-        from scale_llm.errors import require_writable_dir
+        from scale_llm.files import require_writable_dir
 
         require_writable_dir(args.checkpoint_io, "--checkpoint-io")
     cfg, plan = start_distributed(args)

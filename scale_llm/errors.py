@@ -29,28 +29,6 @@ def require(command: str, *modules: str) -> None:
         )
 
 
-def require_writable_dir(path, key: str) -> None:
-    """Before any work: `path` (the value of config key `key`) is, or can become, a writable
-    directory. Names the first existing part of the path that is a file or read-only."""
-    import os
-    from pathlib import Path
-
-    p = Path(path).absolute()
-    existing = p
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise UserError(
-            f"{key}={path}: {existing} is a file, not a directory; point {key} at a directory "
-            f"(or move the file away)"
-        )
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(
-            f"{key}={path}: {existing} is not writable by this user; point {key} at a "
-            f"directory you can write to"
-        )
-
-
 def install_hint(extra: str | None = None, packages: tuple[str, ...] = ()) -> str:
     """The command that installs setup.py's optional `extra` (hf, wandb), or `packages`, into
     the Python running this one: in a checkout, its editable install with that extra (e.g.

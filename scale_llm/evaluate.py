@@ -49,6 +49,7 @@ from scale_llm.files import (
     fsync_dir,
     read_json_object,
     temporary_sibling,
+    unwritable_dir,
 )
 from scale_llm.generate import load_run, read_run_config
 
@@ -127,20 +128,20 @@ def check_outputs(run_dir: Path, tasks: bool, tensorboard: bool) -> None:
     if tensorboard:
         targets.append((run_dir / "tensorboard", "TensorBoard's scalars"))
     for target, what in targets:
-        existing = target
-        while not existing.exists() and existing != existing.parent:
-            existing = existing.parent
-        if not existing.is_dir():
+        problem = unwritable_dir(target)
+        if problem is None:
+            continue
+        existing, why = problem
+        if why == "file":
             raise UserError(
                 f"{existing} is {describe_kind(existing)}, not a directory; eval writes {what} "
                 f"to {target}: move it away and run eval again"
             )
-        if not os.access(existing, os.W_OK | os.X_OK):
-            raise UserError(
-                f"{existing} is not writable by this user, and eval writes {what} to {target}; "
-                f"make it writable, or copy the run directory somewhere you can write and "
-                f"evaluate the copy"
-            )
+        raise UserError(
+            f"{existing} is not writable by this user, and eval writes {what} to {target}; "
+            f"make it writable, or copy the run directory somewhere you can write and "
+            f"evaluate the copy"
+        )
 
 
 def earlier_record(path: Path, digest: str) -> tuple[dict[str, Any] | None, bool]:

@@ -34,7 +34,7 @@ from scale_llm.config import ModelConfig
 from scale_llm.data.hf_tokenizer import write_tokenizer_files
 from scale_llm.data.pretrained_tokenizer import PretrainedTokenizer
 from scale_llm.data.tokenizer import Tokenizer, load_tokenizer, run_tokenizer_path
-from scale_llm.errors import UserError, require_writable_dir
+from scale_llm.errors import UserError
 from scale_llm.files import (
     atomic_write_json,
     describe_kind,
@@ -42,6 +42,7 @@ from scale_llm.files import (
     fsync_tree,
     new_file_mode,
     read_json_object,
+    require_writable_dir,
     temporary_sibling,
 )
 from scale_llm.model import empty_state_dict

@@ -113,6 +113,38 @@ def describe_kind(path: Path) -> str:
     return "missing"
 
 
+def unwritable_dir(path: Path | str) -> tuple[Path, str] | None:
+    """Why `path` is not, and cannot become, a writable directory: (the first existing part of
+    the path, "file" when it is not a directory or "read-only" when this user cannot write
+    there); None when it is or can be made one."""
+    existing = Path(path).absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return existing, "file"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return existing, "read-only"
+    return None
+
+
+def require_writable_dir(path: Path | str, key: str) -> None:
+    """Before any work: `path` (the value of config key `key`) is, or can become, a writable
+    directory. Names the first existing part of the path that is a file or read-only."""
+    problem = unwritable_dir(path)
+    if problem is None:
+        return
+    existing, why = problem
+    if why == "file":
+        raise UserError(
+            f"{key}={path}: {existing} is a file, not a directory; point {key} at a directory "
+            f"(or move the file away)"
+        )
+    raise UserError(
+        f"{key}={path}: {existing} is not writable by this user; point {key} at a "
+        f"directory you can write to"
+    )
+
+
 # ----------------------------------------------------------------------------- reading JSON
 # Every JSON file or line the project reads goes through `parse_json`: bounded in size and in
 # nesting, so a hostile file gives one UserError (or a skipped line), never a MemoryError or a

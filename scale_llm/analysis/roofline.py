@@ -490,10 +490,10 @@ def achieved(
     share and the step's communication (`_split_over_tp`)."""
     rates = RATES[device]
     model = cfg.model
-    tp = cfg.parallel.tensor_parallel
+    tp = target_plan(cfg, world).tp_degree
     attention = attention_rate(device, model.d_model // model.n_heads, model.seq_len)
     # eager: the element-wise traffic is paid in full
-    compiled = compiles(cfg.train, "cuda", cfg.parallel.tensor_parallel)
+    compiled = compiles(cfg.train, "cuda", tp)
     elementwise = (
         grad_accum * counter.fused_bytes
         if compiled
@@ -716,7 +716,7 @@ def parallel_traffic(cfg: Config, world: int, micro_batch: int, grad_accum: int)
     with `reduce_every_micro_step: false`). A ring moves (n - 1) / n of the tensor per GPU."""
     from scale_llm.parallel.activation_checkpointing import checkpointed_blocks
 
-    m, tp = cfg.model, cfg.parallel.tensor_parallel
+    m, tp = cfg.model, target_plan(cfg, world).tp_degree
     dp = world // tp
     c = 2 if cfg.train.precision != "fp32" else 4
     activation = c * micro_batch * m.seq_len * m.d_model

@@ -180,7 +180,6 @@ def validate_parallel(cfg: Config) -> list[str]:
         )
     if ds.config and backend == "deepspeed":
         e.extend(passthrough_problems(ds.config))
-    e.extend(tensor_parallel_problems(cfg))
     mode = cfg.checkpoint.async_mode
     if mode != "disabled" and backend == "deepspeed":
         e.append(
@@ -189,64 +188,4 @@ def validate_parallel(cfg: Config) -> list[str]:
             f"save); set checkpoint.async_mode=disabled, or use parallel.backend=fsdp (its "
             f"sharding is ZeRO-3's)"
         )
-    return e
-
-
-def tensor_parallel_problems(cfg: Config) -> list[str]:
-    """parallel.tensor_parallel against the backend and the model's widths: every rank must hold
-    whole heads (q and kv), an equal part of the SwiGLU width and of the vocabulary, and with
-    sequence parallelism an equal part of the sequence."""
-    tp, backend, m = cfg.parallel.tensor_parallel, cfg.parallel.backend, cfg.model
-    if tp < 1:
-        return [f"parallel.tensor_parallel={tp} must be >= 1 (1: no tensor parallelism)"]
-    if tp == 1:
-        return []
-    e = []
-    if cfg.train.compile is True:
-        e.append(
-            f"train.compile=true with parallel.tensor_parallel={tp}: "
-            "compiled tensor-parallel blocks do not run with this torch (measured: with "
-            "activation checkpointing the first compiled step fails, without it the "
-            "evaluation's no-grad forward does); set train.compile=auto (eager "
-            "under tensor parallelism) or false"
-        )
-    if backend != "fsdp":
-        e.append(
-            f"parallel.tensor_parallel={tp} needs parallel.backend=fsdp (it is {backend}): "
-            f"tensor parallelism splits layers with DTensor and composes with FSDP2 over the "
-            f"remaining ranks (tensor_parallel = world size: tensor parallelism alone); set "
-            f"parallel.backend=fsdp, or parallel.tensor_parallel=1"
-        )
-    kv = m.n_kv_heads or m.n_heads
-    # model.mlp_hidden_size's default width: 8/3 d_model rounded up to a multiple of 128
-    hidden = m.mlp_hidden if m.mlp_hidden is not None else 128 * -(-8 * m.d_model // 3 // 128)
-    widths = [
-        ("model.n_heads", m.n_heads, "query heads"),
-        *([("model.n_kv_heads", kv, "key/value heads")] if m.n_kv_heads else []),
-        ("model.mlp_hidden", hidden, "SwiGLU width"),
-        ("model.vocab_size", m.vocab_size, "vocabulary rows"),
-    ]
-    if cfg.parallel.sequence_parallel:
-        widths.append(("model.seq_len", m.seq_len, "sequence positions"))
-    for key, value, what in widths:
-        if value > 0 and value % tp:
-            near = sorted({tp * max(1, value // tp), tp * (value // tp + 1)})
-            if what == "query heads":  # whole heads of an even width (RoPE), kv heads a divisor
-                near = [n for n in near if m.d_model % n == 0 and m.d_model // n % 2 == 0]
-                near = [n for n in near if n % kv == 0] if m.n_kv_heads else near
-            elif what == "key/value heads":
-                near = [n for n in near if m.n_heads % n == 0]
-            fits = [k for k in range(2, tp + 1) if value % k == 0]
-            e.append(
-                f"{key}={value} is not divisible by parallel.tensor_parallel={tp} (each rank "
-                f"holds an equal part of the {what}): "
-                + (
-                    " or ".join(
-                        [f"{key}={n}" for n in near]
-                        + ([f"parallel.tensor_parallel={fits[-1]}"] if fits else [])
-                    )
-                    or f"a {what[:-1]} count divisible by {tp}"
-                )
-                + (" (sequence_parallel=false lifts this one)" if key == "model.seq_len" else "")
-            )
     return e

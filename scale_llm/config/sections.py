@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -126,6 +127,17 @@ class ModelConfig:
         "a fresh run (continued pretraining); not used when resuming; see "
         "[ecosystem.md](ecosystem.md)",
     )
+
+
+WIDTH_MULTIPLE = 128  # tensor-core friendly widths: the MLP default; vocab sizes are checked
+
+
+def mlp_hidden_size(m: ModelConfig) -> int:
+    """SwiGLU hidden width: model.mlp_hidden, or 8/3 * d_model (the parameters of a 4x GELU
+    MLP) rounded up to a multiple of 128 so that the MLP matmuls tile evenly on tensor cores."""
+    if m.mlp_hidden is not None:
+        return m.mlp_hidden
+    return WIDTH_MULTIPLE * math.ceil(8 * m.d_model / 3 / WIDTH_MULTIPLE)
 
 
 @dataclass

@@ -35,13 +35,14 @@ from scale_llm.data.pretrained_tokenizer import BUNDLE_FILE
 from scale_llm.data.shards import MANIFEST, check_tokenizer, open_split, read_manifest
 from scale_llm.data.sources import open_source
 from scale_llm.data.tokenizer import SP_FILE, file_sha256, train_tokenizer
-from scale_llm.errors import UserError, require_writable_dir
+from scale_llm.errors import UserError
 from scale_llm.files import (
     OwnerLock,
     atomic_write_bytes,
     atomic_write_json,
     describe_kind,
     read_json,
+    require_writable_dir,
 )
 
 log = logging.getLogger(__name__)

@@ -56,7 +56,7 @@ from scale_llm.data.shards import (
 )
 from scale_llm.data.sources import Document, open_source
 from scale_llm.data.tokenizer import SP_FILE, file_sha256, load_tokenizer, train_tokenizer
-from scale_llm.errors import UserError, require_writable_dir
+from scale_llm.errors import UserError
 from scale_llm.files import (
     OWNER_MARKER,
     OwnerLock,
@@ -68,6 +68,7 @@ from scale_llm.files import (
     make_owned_dir,
     owned_kind,
     read_json,
+    require_writable_dir,
 )
 
 __all__ = ["prepare", "is_val_document"]

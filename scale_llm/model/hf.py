@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from scale_llm.config import ModelConfig, short
-from scale_llm.model.transformer import fuse_qkv, mlp_hidden_size, split_qkv
+from scale_llm.config.sections import mlp_hidden_size
+from scale_llm.model.transformer import fuse_qkv, split_qkv
 
 ARCHITECTURE = "LlamaForCausalLM"
 _PER_LAYER = {  # ours -> HF, inside layers.{i} / model.layers.{i}

@@ -15,18 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from scale_llm.config import ModelConfig
+from scale_llm.config.sections import mlp_hidden_size
 from scale_llm.model import cpu_kernels
 from scale_llm.model.kv_cache import KVCache
-
-WIDTH_MULTIPLE = 128  # tensor-core friendly widths: the MLP default; vocab sizes are checked
-
-
-def mlp_hidden_size(cfg: ModelConfig) -> int:
-    """SwiGLU hidden width: 8/3 * d_model (same parameters as a 4x GELU MLP), rounded up to a
-    multiple of 128 so that the MLP matmuls tile evenly on tensor cores."""
-    if cfg.mlp_hidden is not None:
-        return cfg.mlp_hidden
-    return WIDTH_MULTIPLE * math.ceil(8 * cfg.d_model / 3 / WIDTH_MULTIPLE)
 
 
 def rope_table(head_dim: int, seq_len: int, theta: float, device=None) -> torch.Tensor:

@@ -21,8 +21,8 @@ from scale_llm.components.checkpoint import (
     resolve_checkpoint,
     saved_model_config,
 )
-from scale_llm.errors import UserError, require_writable_dir
-from scale_llm.files import describe_kind, fsync_dir, temporary_sibling
+from scale_llm.errors import UserError
+from scale_llm.files import describe_kind, fsync_dir, require_writable_dir, temporary_sibling
 from scale_llm.model import empty_state_dict
 
 QKV_LAYOUT = "grouped"  # attention.wqkv's rows, as the file says under "qkv_layout"

@@ -40,8 +40,13 @@ from scale_llm.config.plan import RunPlan
 from scale_llm.data.loader import TokenWindows, TrainLoader, eval_batches
 from scale_llm.data.mixture import check_epochs, open_training_data
 from scale_llm.data.tokenizer import load_tokenizer, run_copy_name
-from scale_llm.errors import UserError, require_writable_dir
-from scale_llm.files import atomic_write_bytes, atomic_write_json, atomic_write_text
+from scale_llm.errors import UserError
+from scale_llm.files import (
+    atomic_write_bytes,
+    atomic_write_json,
+    atomic_write_text,
+    require_writable_dir,
+)
 from scale_llm.model import Transformer, build_model, empty_state_dict
 from scale_llm.parallel.backend import build_backend
 from scale_llm.parallel.step import optimizer_step

@@ -10,7 +10,7 @@ import torch
 
 from scale_llm.config import ActivationCheckpointingConfig, Config, ModelConfig, compiles
 from scale_llm.config.plan import RunPlan
-from scale_llm.model import mlp_hidden_size
+from scale_llm.config.sections import mlp_hidden_size
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,8 @@ from scale_llm.analysis.memory.activations import (
 )
 from scale_llm.config import ActivationCheckpointingConfig, Config, ModelConfig
 from scale_llm.config.plan import RunPlan, target_plan
+from scale_llm.config.sections import mlp_hidden_size
 from scale_llm.errors import UserError
-from scale_llm.model import mlp_hidden_size
 from scale_llm.parallel.ds_config import deepspeed_config
 
 GiB = 1 << 30
