@@ -245,6 +245,16 @@ def start_distributed(args: argparse.Namespace):
     launch = launch_env()
     setup_logging(launch.rank)
     plan = resolve_plan(cfg, launch)
+    laid_out = cfg.parallel.world_size
+    if plan.is_main and laid_out not in (None, plan.world_size):
+        log.warning(
+            "parallel.world_size=%d: the config is laid out for %d ranks; this launch has %d "
+            "(the global batch stays; grad_accum is %d)",
+            laid_out,
+            laid_out,
+            plan.world_size,
+            plan.grad_accum,
+        )
     if getattr(args, "fit", None) and args.fit != "auto":
         from scale_llm.analysis.memory import parse_bytes
 

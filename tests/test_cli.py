@@ -949,9 +949,8 @@ def test_estimate_of_a_config_for_many_gpus_predicts_for_its_layout(
 ):
     """`scale-llm estimate yaml/70b.yaml` exited 2 ("... (none above 1: launch more)"), and
     yaml/7b.yaml was predicted for FSDP2 on one GPU (134 GiB), not the 8 its header sizes it
-    for. Now both predict for the world their header's `scale-llm estimate` line names, say so
-    in their first line, and print what `--world-size N` prints; $WORLD_SIZE (a launcher's)
-    and --world-size still win."""
+    for. Now both predict for their parallel.world_size, say so in their first line, and print
+    what `--world-size N` prints; $WORLD_SIZE (a launcher's) and --world-size still win."""
     from scale_llm.cli import main
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -959,8 +958,8 @@ def test_estimate_of_a_config_for_many_gpus_predicts_for_its_layout(
     assert main(["estimate", f"yaml/{config}.yaml"]) == 0
     first, *report = capsys.readouterr().out.splitlines()
     assert first == (
-        f"world size {world}: the layout yaml/{config}.yaml is written for (its header's "
-        f"`scale-llm estimate ... --world-size {world}`); --world-size N for N GPUs"
+        f"world size {world}: the layout yaml/{config}.yaml is written for "
+        f"(parallel.world_size); --world-size N for N GPUs"
     )
     assert main(["estimate", f"yaml/{config}.yaml", "--world-size", str(world)]) == 0
     assert capsys.readouterr().out.splitlines() == report
@@ -972,13 +971,13 @@ def test_estimate_of_a_config_for_many_gpus_predicts_for_its_layout(
 def test_estimate_of_a_layout_that_needs_more_gpus_gives_the_command_that_works(
     tmp_path, capsys, monkeypatch
 ):
-    """A config with tensor parallelism 2 whose header names no world: one line, exit 2, with
-    the smallest world it resolves on in a command that runs."""
+    """A config with tensor parallelism 2 that states no parallel.world_size: one line, exit 2,
+    with the smallest world it resolves on in a command that runs."""
     from scale_llm.cli import main
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     config = tmp_path / "mine.yaml"
-    config.write_text(f"base: {REPO / 'yaml' / '70b.yaml'}\n")  # (70b's header is not its own)
+    config.write_text(f"base: {REPO / 'yaml' / '70b.yaml'}\nparallel: {{world_size: null}}\n")
     assert main(["estimate", str(config)]) == 2
     err = capsys.readouterr().err
     assert err == (
@@ -987,7 +986,7 @@ def test_estimate_of_a_layout_that_needs_more_gpus_gives_the_command_that_works(
     )
     assert main(["estimate", str(config), "--world-size", "2"]) == 0
     capsys.readouterr()
-    assert main(["estimate", str(REPO / "yaml" / "400m-fsdp.yaml")]) == 0  # (FSDP2, no header)
+    assert main(["estimate", str(REPO / "yaml" / "400m-fsdp.yaml")]) == 0  # (FSDP2, no world)
     assert capsys.readouterr().out.startswith(
         "world size 1 (the default), though parallel.backend=fsdp shards over the GPUs; "
     )

@@ -87,6 +87,12 @@ class ParallelConfig:
             "[backends.md](backends.md)",
         )
     )
+    world_size: int | None = config_key(
+        None,
+        "the ranks (GPUs) this config is laid out for, e.g. 64 in yaml/70b.yaml: `estimate` "
+        "predicts for it when no --world-size is given; `train` runs on the ranks its launcher "
+        "starts (one warning when they differ); null: not stated",
+    )
     tensor_parallel: int = config_key(
         1,
         "ranks that split each layer's matmuls (Megatron-style tensor parallelism on "
@@ -150,6 +156,12 @@ def validate_parallel(cfg: Config) -> list[str]:
         e.append(
             f"parallel.deepspeed.zero_stage={ds.zero_stage} must be 0, 1, 2 or 3 (e.g. "
             f"parallel.deepspeed.zero_stage=2)"
+        )
+    if p.world_size is not None and (p.world_size < 1 or p.world_size % max(p.tensor_parallel, 1)):
+        e.append(
+            f"parallel.world_size={p.world_size} must be >= 1 and a multiple of "
+            f"parallel.tensor_parallel={p.tensor_parallel} (the ranks the layout is written for), "
+            f"or null"
         )
     if fsdp.replicate_degree < 1:
         e.append(f"parallel.fsdp.replicate_degree={fsdp.replicate_degree} must be >= 1")

@@ -42,7 +42,6 @@ from scale_llm.analysis.memory.estimate import (
 from scale_llm.analysis.memory.host import check_host_memory, host_memory_problem
 from scale_llm.analysis.memory.plan import (
     Plan,
-    documented_world_size,
     fit,
     format_overrides,
     format_report,
@@ -60,7 +59,6 @@ __all__ = [
     "ParamCounts",
     "Plan",
     "check_host_memory",
-    "documented_world_size",
     "estimate",
     "fit",
     "format_overrides",

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from scale_llm.analysis.memory.estimate import (
@@ -15,7 +13,7 @@ from scale_llm.analysis.memory.estimate import (
     format_offload_traffic,
     gib,
 )
-from scale_llm.config import Config, resolve_config_path, with_changes
+from scale_llm.config import Config, with_changes
 from scale_llm.config.plan import RunPlan, target_plan
 from scale_llm.errors import UserError
 
@@ -116,29 +114,7 @@ def format_report(est: Estimate, cfg: Config, plan: RunPlan, source: str) -> str
 # A config's header (its leading comment lines) names the layout it is written for with the
 # estimate command it was sized with, e.g. yaml/70b.yaml's
 #   # Per GPU (`scale-llm estimate yaml/70b.yaml --world-size 64`): 50.45 GiB predicted.
-_DOCUMENTED = re.compile(r"scale-llm estimate (\S+)[^`\n]*?--world-size[ =](\d+)")
 MAX_WORLD = 1024  # the largest world searched for the smallest one a layout resolves on
-
-
-def documented_world_size(config: str | Path | None) -> int | None:
-    """N of the `scale-llm estimate FILE --world-size N` line in the header of the config file
-    `config` names (FILE: that file's name), or None."""
-    if config is None:
-        return None
-    path = resolve_config_path(config)
-    try:
-        lines = path.read_text().splitlines()
-    except (OSError, UnicodeDecodeError):
-        return None
-    header = []
-    for line in lines:
-        if not line.startswith("#"):
-            break
-        header.append(line)
-    for m in _DOCUMENTED.finditer("\n".join(header)):
-        if Path(m[1]).name == path.name and int(m[2]) >= 1:
-            return int(m[2])
-    return None
 
 
 def _resolves(cfg: Config, world: int) -> bool:
@@ -151,15 +127,15 @@ def _resolves(cfg: Config, world: int) -> bool:
 
 def world_for_estimate(cfg: Config, config: str | None) -> tuple[int, str | None]:
     """The world size `estimate` predicts for when neither --world-size nor $WORLD_SIZE says:
-    the one the config's header documents, else 1; and a line saying so (None for 1 where the
-    backend does not shard). A layout that needs more than one GPU and documents no world is a
+    parallel.world_size (the layout the config is written for), else 1; and a line saying so
+    (None for 1 where the backend does not shard). A layout that needs more than one GPU and documents no world is a
     UserError giving the command that works."""
     name = config or "the default config"
-    documented = documented_world_size(config)
-    if documented is not None and _resolves(cfg, documented):
+    documented = cfg.parallel.world_size
+    if documented is not None:
         return documented, (
-            f"world size {documented}: the layout {name} is written for (its header's "
-            f"`scale-llm estimate ... --world-size {documented}`); --world-size N for N GPUs"
+            f"world size {documented}: the layout {name} is written for (parallel.world_size); "
+            f"--world-size N for N GPUs"
         )
     if _resolves(cfg, 1):
         shards = cfg.parallel.backend in ("fsdp", "deepspeed")  # (per-GPU memory depends on N)
