@@ -13,6 +13,7 @@ to a lower layer. Packages of one layer do not import each other.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "scale_llm"
@@ -136,3 +137,38 @@ def test_the_check_sees_an_upward_or_sideways_edge():
     )
     assert not upward_edges("scale_llm.model.transformer", typing_only)
     assert not upward_edges("scale_llm.parallel.fsdp", "from scale_llm.parallel.backend import B")
+
+
+# ----------------------------------------------------------------------------- the map
+
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
+
+
+def documented_layers(text: str) -> list[list[tuple[str, ...]]]:
+    """The units of each row of the `| layer | packages | ... |` table, in order: `;` separates
+    the units of a layer, the modules of a unit are the backticked names between."""
+    rows, in_table = [], False
+    for line in text.splitlines():
+        if line.startswith("| layer | packages |"):
+            in_table = True
+        elif in_table and not line.startswith("|"):
+            break
+        elif in_table and not set(line) <= set("|-: "):
+            cell = line.split("|")[2]
+            rows.append([tuple(re.findall(r"`([\w.]+)`", unit)) for unit in cell.split(";")])
+    return rows
+
+
+def test_docs_architecture_lists_the_layers_in_their_order():
+    """docs/architecture.md's table of packages by layer is LAYERS: the same layers, units and
+    modules, lowest first, so the map cannot drift from what this file enforces."""
+    documented = documented_layers(ARCHITECTURE.read_text())
+    assert documented == [units for _, units in LAYERS], (
+        "docs/architecture.md's 'Packages by layer' table differs from LAYERS in "
+        f"tests/test_layers.py:\n{documented}"
+    )
+
+
+def test_the_map_reader_sees_units_and_order():
+    text = "| layer | packages | what |\n|---|---|---|\n| a | `x.a`, `x.b`; `x.c` | . |\n\nafter\n"
+    assert documented_layers(text) == [[("x.a", "x.b"), ("x.c",)]]
