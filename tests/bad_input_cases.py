@@ -689,7 +689,7 @@ def _prepare_over_a_manifest_of_type(change: str) -> Callable[[Ctx], list[str]]:
 def damaged_build(tmp: Path, kind: str) -> tuple[list[str], Path]:
     """A corpus, and a data dir whose prepare build folder (made by prepare, with a tokenizer)
     holds a progress.json damaged as `kind` says; the prepare command line."""
-    from scale_llm.data.prepare import BUILD_DIR, BUILD_KIND, _fingerprint
+    from scale_llm.data.prepare_source import BUILD_DIR, BUILD_KIND, _fingerprint
     from scale_llm.data.sources import open_source
     from scale_llm.data.tokenizer import file_sha256
     from scale_llm.files import make_owned_dir

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from scale_llm.data import prepare as prepare_mod
+from scale_llm.data import prepare_source as prepare_mod
 from scale_llm.data.loader import TokenWindows, TrainLoader, eval_batches
 from scale_llm.data.prepare import prepare
 from scale_llm.data.shards import open_split, read_manifest

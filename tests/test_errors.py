@@ -525,9 +525,10 @@ def test_a_path_a_corpus_cannot_read_is_skipped_and_said(case, tmp_path):
 
 @pytest.fixture
 def small_limit(monkeypatch):
-    from scale_llm.data import sources
+    from scale_llm.data import documents, sources
 
-    monkeypatch.setattr(sources, "MAX_DOCUMENT_CHARS", 1000)
+    for module in (documents, sources):  # (a record's text; a file's or a line's bytes)
+        monkeypatch.setattr(module, "MAX_DOCUMENT_CHARS", 1000)
 
 
 def test_a_jsonl_line_over_the_limit_is_refused_before_it_is_read_whole(tmp_path, small_limit):

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from scale_llm.cli import main
-from scale_llm.data.prepare import MARK
+from scale_llm.data.prepare_source import MARK
 from scale_llm.errors import UserError
 from scale_llm.files import OWNER_MARKER, OwnerLock
 from tests.helpers import TINY_MODEL, env, finished_run, prep_config, random_texts, snapshot

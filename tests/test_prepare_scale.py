@@ -15,7 +15,7 @@ import pytest
 from scale_llm.cli import main
 from scale_llm.config import load_config
 from scale_llm.data import encode as encode_mod
-from scale_llm.data import prepare as prepare_mod
+from scale_llm.data import prepare_source as prepare_mod
 from scale_llm.data.encode import Encoder, batched
 from scale_llm.data.prepare import prepare
 from scale_llm.data.shards import read_manifest

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from scale_llm.data.documents import Document
 from scale_llm.data.pretrained_tokenizer import PretrainedTokenizer
 from scale_llm.data.shards import token_dtype
-from scale_llm.data.sources import Document
 from scale_llm.data.tokenizer import Tokenizer, load_tokenizer
 
 BATCH_CHARS = 1 << 20  # characters of text per batch sent to a worker

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from scale_llm.data.sources import Document, text_value
+from scale_llm.data.documents import Document, text_value
 from scale_llm.errors import UserError, install_hint
 
 if TYPE_CHECKING:

@@ -3,7 +3,7 @@
 data.dir holds the shared tokenizer, `mixture.json` (the tokenizer's record, the source folders
 prepare made there and, per source, its fingerprint and token counts) and one folder per source,
 `data.dir/<name>/`, which is an ordinary prepared folder (manifest, shards, a copy of the
-tokenizer): prepare.py builds each one with everything it promises (resumable, published
+tokenizer): prepare_source.py builds each one with everything it promises (resumable, published
 atomically, up-to-date check), so a source that changed, or was added, is re-prepared alone.
 A `data.dir/<name>` that mixture.json does not name (data prepared there otherwise) is refused,
 never replaced, and so is one it names that is no longer the folder prepare made (a link, a
@@ -17,7 +17,6 @@ later changes to the sources or weights keep it (so no other source is re-encode
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -31,19 +30,21 @@ from typing import Any
 from scale_llm.config import Config
 from scale_llm.config.data import PER_SOURCE_KEYS, SourceConfig, mixture_weights
 from scale_llm.data.loader import TokenWindows, TrainLoader
+from scale_llm.data.prepare_source import (
+    check_outputs,
+    data_dir_lock,
+    draw_sample,
+    model_tokenizer,
+    prepare_source,
+    read_documents,
+    refuse_non_files,
+)
 from scale_llm.data.pretrained_tokenizer import BUNDLE_FILE
 from scale_llm.data.shards import MANIFEST, check_tokenizer, open_split, read_manifest
 from scale_llm.data.sources import open_source
 from scale_llm.data.tokenizer import SP_FILE, file_sha256, train_tokenizer
 from scale_llm.errors import UserError
-from scale_llm.files import (
-    OwnerLock,
-    atomic_write_bytes,
-    atomic_write_json,
-    describe_kind,
-    read_json,
-    require_writable_dir,
-)
+from scale_llm.files import atomic_write_bytes, atomic_write_json, describe_kind, read_json
 
 log = logging.getLogger(__name__)
 MIXTURE = "mixture.json"
@@ -65,17 +66,11 @@ def source_config(cfg: Config, entry: SourceConfig) -> Config:
 
 def prepare_mixture(cfg: Config, force: bool = False) -> dict[str, Any]:
     """Prepare every source of data.sources into data.dir/<name>; returns mixture.json."""
-    from scale_llm.data import prepare as one  # (prepare.py hands data.sources to this module)
-
     out = Path(cfg.data.dir)
     configs = [source_config(cfg, s) for s in cfg.data.sources]
     sources = _open_all(cfg, configs)  # every unreadable source named before any work
-    bundle = one._model_tokenizer(cfg)
-    require_writable_dir(out, "data.dir")
-    made = [p for p in [out, *out.parents] if not (p.exists() or p.is_symlink())]
-    lock = OwnerLock(out / one.LOCK_FILE, f"data.dir={out}", "point data.dir elsewhere")
-    lock.acquire(wait=True, on_wait="data: waiting for another prepare of this data.dir (%s)")
-    try:
+    bundle = model_tokenizer(cfg)
+    with data_dir_lock(out):
         mixture = _claim(out, [s.name for s in cfg.data.sources])
         tokenizer = _tokenizer(cfg, configs, sources, out, mixture, bundle, force)
         for i, (entry, sub) in enumerate(zip(cfg.data.sources, configs)):
@@ -86,7 +81,7 @@ def prepare_mixture(cfg: Config, force: bool = False) -> dict[str, Any]:
                 mixture["folders"].append(entry.name)
                 atomic_write_json(out / MIXTURE, mixture)
             try:
-                manifest = one.prepare(sub, force, tokenizer=tokenizer)
+                manifest = prepare_source(sub, force, tokenizer=tokenizer)
             except UserError as e:
                 raise UserError(f"data.sources[{i}] (name {entry.name}): {e}") from None
             mixture["sources"][entry.name] = _record(manifest)
@@ -94,11 +89,6 @@ def prepare_mixture(cfg: Config, force: bool = False) -> dict[str, Any]:
         _say_unused(out, mixture, cfg)
         _log_mixture(cfg, mixture)
         return mixture
-    finally:
-        lock.release()
-        for folder in made:  # the folders this call made, left empty by a refused prepare
-            with contextlib.suppress(OSError):
-                folder.rmdir()
 
 
 def _open_all(cfg: Config, configs: list[Config]) -> list[Any]:
@@ -119,8 +109,6 @@ def _claim(out: Path, names: list[str]) -> dict[str, Any]:
     prepare keeps mixture.json or the tokenizer, or a data.dir/<name> of `names` that it does
     not name (a source's prepare would re-encode and replace it) or that is no longer the
     folder prepare made there."""
-    from scale_llm.data.prepare import refuse_non_files
-
     if (out / MANIFEST).exists():
         raise UserError(
             f"data.dir={out} holds the data of one source ({MANIFEST}); a mixture keeps one "
@@ -173,8 +161,6 @@ def _refuse_foreign_folders(out: Path, names: list[str], ours: set[str]) -> None
 def _check_source_folder(path: Path) -> None:
     """A source folder prepare made, still a folder of its own (not a link, not a file), and
     holding nothing its prepare would replace that it cannot prove it wrote."""
-    from scale_llm.data.prepare import check_outputs
-
     if path.is_symlink() or not path.is_dir():
         raise UserError(
             f"{path} is {describe_kind(path)}, where prepare keeps the folder it made for this "
@@ -308,8 +294,6 @@ def _sample(cfg: Config, configs: list[Config], sources: list[Any]) -> list[str]
 def _share(sub: Config, source: Any, weight: float) -> list[str]:
     """A source's part of the tokenizer sample: its weight's share of the budget, drawn as
     prepare draws a one-source sample (with weight 1, exactly that sample)."""
-    from scale_llm.data import prepare as one
-
     d = sub.data
     docs = d.tokenizer_sample_documents
     share = dataclasses.replace(
@@ -318,11 +302,7 @@ def _share(sub: Config, source: Any, weight: float) -> list[str]:
         tokenizer_sample_documents=None if docs is None else max(1, math.ceil(weight * docs)),
     )
     share_cfg = dataclasses.replace(sub, data=share)
-    pool = one._sample_pool(one._documents(share_cfg, source), share_cfg)
-    taken = list(one._sample(pool, share_cfg))
-    if not taken:
-        one.raise_empty(sub)  # (names the entry's source and text field)
-    return taken
+    return draw_sample(share_cfg, read_documents(share_cfg, source))[0]  # (refused if empty)
 
 
 def _say_unused(out: Path, mixture: dict[str, Any], cfg: Config) -> None:

@@ -19,10 +19,11 @@ import numpy as np
 import sentencepiece as spm
 
 from scale_llm.config import Config
+from scale_llm.data.documents import Document
 from scale_llm.data.encode import Encoder, batched, cpu_count
-from scale_llm.data.prepare import TOKENIZER_FILE
+from scale_llm.data.prepare_source import TOKENIZER_FILE
 from scale_llm.data.shards import token_dtype
-from scale_llm.data.sources import Document, open_source
+from scale_llm.data.sources import open_source
 from scale_llm.data.tokenizer import train_tokenizer
 from scale_llm.errors import UserError
 

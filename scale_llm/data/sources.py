@@ -24,10 +24,10 @@ import stat
 import sys
 import sysconfig
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from scale_llm.data.documents import MAX_DOCUMENT_CHARS, Document, text_value
 from scale_llm.errors import UserError
 from scale_llm.files import JSONProblem, parse_json
 
@@ -42,12 +42,6 @@ PARQUET_SUFFIXES = (".parquet",)
 COMPRESSED_SUFFIXES = (".gz", ".tgz", ".bz2", ".xz", ".zst", ".zstd", ".lz4", ".zip", ".7z")
 KINDS = ("text", "jsonl", "parquet")
 _PARQUET_BATCH = 1024  # rows per Arrow record batch
-# One document is at most this many characters. Encoding costs ~50 bytes of memory per character
-# (the text, its pieces, their ids), so this bounds prepare's memory per document at a few GB. A
-# .jsonl line or a text file is read at most this many bytes (a character takes at least one),
-# so a longer one is refused before it is read whole.
-MAX_DOCUMENT_CHARS = 50_000_000
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def file_kind(path: Path) -> str | None:
@@ -58,12 +52,6 @@ def file_kind(path: Path) -> str | None:
         if suffix in suffixes:
             return kind
     return None
-
-
-@dataclass(frozen=True)
-class Document:
-    doc_id: str  # stable name: the file (and line or row) it came from; decides the split
-    text: str
 
 
 class Source:
@@ -258,33 +246,6 @@ def _json_reason(problem: JSONProblem) -> str:
     ("nested deeper than 64 levels"): the line number is already in the message."""
     reason = str(problem).removeprefix("not JSON: ")
     return re.sub(r": line \d+ column \d+ \(char \d+\)$", "", reason)
-
-
-def text_value(value: Any, where: str, field: str) -> str | None:
-    """The text of one record; None for null or blank; a clear error for a non-string, for a
-    document over MAX_DOCUMENT_CHARS and for text that is not Unicode (a lone surrogate)."""
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise UserError(
-            f"{where}: field {field!r} holds {type(value).__name__}, not text; set "
-            f"data.text_field to a string field"
-        )
-    if len(value) > MAX_DOCUMENT_CHARS:
-        raise UserError(
-            f"{where}: field {field!r} holds {len(value):,} characters, more than the "
-            f"{MAX_DOCUMENT_CHARS:,} one document may hold; split it into smaller documents"
-        )
-    # JSON can spell half of a UTF-16 pair (\ud800): valid syntax, but no UTF-8 text, and the
-    # tokenizer would fail on it far from here. Only non-ASCII text can hold one.
-    if not value.isascii() and (bad := _SURROGATE.search(value)):
-        raise UserError(
-            f"{where}: field {field!r} holds a lone surrogate (\\u{ord(bad.group()):04x} at "
-            f"character {bad.start()}): half of a UTF-16 pair, which is not text; add the "
-            f"missing half (\\ud83d\\ude00 is one emoji) or remove the record or the file "
-            f"from data.source"
-        )
-    return value if value.strip() else None
 
 
 def builtin_source() -> Source:

@@ -1,0 +1,715 @@
+"""Prepare one source: corpus -> SentencePiece tokenizer -> token shards + manifest in data.dir.
+
+`data.source` is prepared here, and so is each source of a mixture (mixture.py prepares it into
+data.dir/<name> with the mixture's tokenizer). Steps: stream the source's documents in a fixed
+order (capped by data.max_documents); train the tokenizer on a sample of the first train
+documents, or, with data.tokenizer, take a Hugging Face model's (`pretrained_tokenizer.py`);
+encode every document as [BOS] ids [EOS] in `data.num_proc` processes, in order, into
+fixed-size train / val shards (the split decided by a stable hash of each document's id), until
+the stream or data.max_tokens ends; write manifest.json last. progress.json checkpoints the
+work, so an interrupted prepare continues where it stopped; a second run on unchanged input and
+settings finds the manifest's fingerprint equal and does no work. Every run first checks that
+each name it writes in data.dir is absent or provably its own (`check_outputs`), with or without
+--force.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import hashlib
+import itertools
+import json
+import logging
+import shutil
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from scale_llm.config import Config
+from scale_llm.data.documents import Document
+from scale_llm.data.encode import EncodedBatch, Encoder, batched, is_val_document
+from scale_llm.data.pretrained_tokenizer import (
+    BUNDLE_FILE,
+    WHAT,
+    PretrainedTokenizer,
+    build_bundle,
+    vocab_problem,
+)
+from scale_llm.data.progress import Progress
+from scale_llm.data.shards import (
+    FORMAT_VERSION,
+    MANIFEST,
+    PROGRESS,
+    ShardWriter,
+    StaleProgress,
+    manifest_files,
+    read_progress,
+    shard_problems,
+    token_dtype,
+    tokenizer_problem,
+    write_manifest,
+    write_progress,
+)
+from scale_llm.data.sources import open_source
+from scale_llm.data.tokenizer import SP_FILE, file_sha256, load_tokenizer, train_tokenizer
+from scale_llm.errors import UserError
+from scale_llm.files import (
+    OWNER_MARKER,
+    OwnerLock,
+    atomic_write_bytes,
+    atomic_write_json,
+    describe_kind,
+    fsync_dir,
+    fsync_file,
+    make_owned_dir,
+    owned_kind,
+    read_json,
+    require_writable_dir,
+)
+
+log = logging.getLogger(__name__)
+TOKENIZER_FILE = SP_FILE  # the tokenizer prepare trains (data.tokenizer's: BUNDLE_FILE)
+PIPELINE_VERSION = 3  # bump when the same input and settings would give different shards
+CHECKPOINT_SECONDS = 30.0  # progress.json is rewritten this often (and at every finished shard)
+SAMPLE_POOL = 4  # the tokenizer sample is drawn from the first 4x its size of train documents
+SPLITS = ("train", "val")
+
+
+def prepare_source(
+    cfg: Config, force: bool = False, tokenizer: bytes | None = None
+) -> dict[str, Any]:
+    """Prepare `cfg.data.dir` from `cfg.data.source`; returns the manifest. `tokenizer`: the
+    bytes of the tokenizer file to encode with (a mixture's, shared by its sources) instead of
+    training one or reading data.tokenizer's."""
+    out = Path(cfg.data.dir)
+    source = open_source(cfg.data)
+    bundle = tokenizer if tokenizer is not None else model_tokenizer(cfg)
+    fingerprint = _fingerprint(cfg, source, bundle)
+    current = _up_to_date(out, fingerprint, force)  # read-only: a shared data dir needs no lock
+    if current is not None:
+        return current
+    with data_dir_lock(out):
+        check_outputs(out)  # every run: what is there now, before any work
+        _finish_publish(out)
+        current = _up_to_date(out, fingerprint, force)  # what the prepare waited for made
+        if current is not None:
+            return current
+        return _build(cfg, source, fingerprint, out, force, bundle)
+
+
+LOCK_FILE = ".prepare.lock"  # in data.dir: one prepare at a time builds and publishes there
+
+
+@contextlib.contextmanager
+def data_dir_lock(out: Path) -> Iterator[None]:
+    """Hold data.dir's lock (one prepare builds and publishes there at a time, one source's or
+    a mixture's); the folders made for it are removed again if left empty (a refused prepare)."""
+    require_writable_dir(out, "data.dir")  # before anything is read or removed
+    made = [p for p in [out, *out.parents] if not (p.exists() or p.is_symlink())]
+    lock = OwnerLock(out / LOCK_FILE, f"data.dir={out}", "point data.dir elsewhere")
+    lock.acquire(wait=True, on_wait="data: waiting for another prepare of this data.dir (%s)")
+    try:
+        yield
+    finally:
+        lock.release()
+        for folder in made:  # the folders this call made, left empty by a refused prepare
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+
+
+def _up_to_date(out: Path, fingerprint: str, force: bool) -> dict[str, Any] | None:
+    current = _current_manifest(out)
+    if (
+        force
+        or not current
+        or current.get("fingerprint") != fingerprint
+        or shard_problems(out, current)
+        or tokenizer_problem(out, current)
+    ):
+        return None
+    log.info(
+        "data: %s is up to date (%s train tokens); nothing to do",
+        out,
+        f"{current['splits']['train']['tokens']:,}",
+    )
+    return current
+
+
+def model_tokenizer(cfg: Config) -> bytes | None:
+    """data.tokenizer's tokenizer as the file prepare keeps (None: prepare trains one), checked
+    against model.vocab_size before any work."""
+    if cfg.data.tokenizer is None:
+        return None
+    bundle, info = build_bundle(cfg.data.tokenizer)
+    where = f"{WHAT}={cfg.data.tokenizer}"
+    problem = vocab_problem(where, info["vocab_size"], cfg.model.vocab_size, cfg.model.init_from)
+    if problem:
+        raise UserError(problem)
+    return bundle
+
+
+def _build(
+    cfg: Config, source, fingerprint: str, out: Path, force: bool, bundle: bytes | None
+) -> dict[str, Any]:
+    """Build the data in out/.prepare-build/ and publish it into `out` (under the lock, its
+    names checked: `check_outputs`)."""
+    # Build beside the current data, in out/.prepare-build/: until the new manifest is complete
+    # the existing data stays as it was (a bad source or an interruption costs nothing).
+    fresh_build = not (out / BUILD_DIR).exists()
+    build = _claim_build_dir(out)
+    t0 = time.perf_counter()
+    log.info("data: reading %s", source.describe())
+    try:
+        progress, writers, stream = _resume(cfg, source, build, fingerprint, force) or _fresh(
+            cfg, source, build, fingerprint, bundle
+        )
+    except UserError:  # refused before any work worth keeping: leave no build behind
+        if fresh_build:
+            shutil.rmtree(build, ignore_errors=True)  # made by this call (_claim_build_dir)
+        raise
+    written_before = progress["tokens"]
+    try:
+        with _sigterm_interrupts():
+            _tokenize(cfg, source, build, stream, progress, writers)
+    except KeyboardInterrupt:
+        log.info(
+            "data: interrupted; kept the shards written so far and progress.json in %s (%s "
+            "documents read); `scale-llm prepare` with the same settings continues from there. "
+            "%s itself is unchanged%s",
+            build,
+            f"{(read_progress(build) or {}).get('documents_read', 0):,}",
+            out,
+            " (it holds the previous data)" if (out / MANIFEST).is_file() else "",
+        )
+        raise
+    splits = _finish(writers)
+    manifest = _manifest(cfg, source, build, fingerprint, progress, splits)
+    (build / PROGRESS).unlink(missing_ok=True)  # (the build folder is prepare's own)
+    write_manifest(build, manifest)  # the build is complete from here on
+    _publish(build, out)
+    seconds = time.perf_counter() - t0
+    log.info(
+        "data: wrote %s train / %s val tokens (%d / %d documents) to %s in %.1fs (%.2fM tokens/s)",
+        f"{splits['train']['tokens']:,}",
+        f"{splits['val']['tokens']:,}",
+        splits["train"]["documents"],
+        splits["val"]["documents"],
+        out,
+        seconds,
+        (progress["tokens"] - written_before) / seconds / 1e6,
+    )
+    return manifest
+
+
+BUILD_DIR = ".prepare-build"  # inside data.dir: the next data while it is being written
+BUILD_KIND = "prepare build"
+PREVIOUS = "previous-manifest.json"  # in the build: what publishing it replaces in data.dir
+MARK = ".scale-llm-prepared.json"  # in data.dir, from its first publication: prepare's data
+MARK_KIND = "prepared data"
+OUTPUT_PATTERNS = ("train_*.bin*", "val_*.bin*", SP_FILE, BUNDLE_FILE)  # what prepare publishes
+
+
+# ----------------------------------------------------------------------------- what is prepare's
+# Every name prepare writes, replaces or removes in data.dir is checked under the lock on every
+# run, before any work (`check_outputs`): it is absent, or provably prepare's. manifest.json is
+# prepare's where prepare's mark lies beside it; a shard or tokenizer where a manifest of
+# prepare's lists it; the build folder where it carries its mark. Each is a regular file (a
+# link, a folder or a pipe there is never written through or replaced).
+def check_outputs(out: Path) -> None:
+    """Refuse a data.dir holding, under a name prepare writes, anything it cannot prove it
+    wrote (read-only; said before any work)."""
+    if not out.is_dir():
+        return  # nothing there yet (require_writable_dir refuses a file)
+    build = out / BUILD_DIR
+    _check_build_dir(build)
+    if _own_build(build):
+        said = (OWNER_MARKER, PROGRESS)  # (read_progress names a folder for its record)
+        refuse_non_files(p for p in build.iterdir() if p.name not in said)
+    refuse_non_files([out / MARK, out / MANIFEST, *_shaped_like_ours(out)])
+    ours = _owned_names(out)
+    if (out / MANIFEST).exists() and MANIFEST not in ours:
+        raise UserError(
+            f"data.dir={out} holds {MANIFEST}, which prepare cannot prove it wrote: the folder "
+            f"lacks {MARK}, the mark prepare leaves where it publishes, and the manifest is "
+            f"not a complete one of an earlier prepare. prepare would replace it, so it stops. "
+            f"Point data.dir at a new folder, or move {MANIFEST} away"
+        )
+    _refuse_foreign_files(out, ours)
+
+
+def _owned_names(out: Path) -> set[str]:
+    """The names in data.dir that are provably prepare's: none without its mark (or, in a
+    folder prepared before the mark, a complete manifest); with it, manifest.json and the
+    outputs a manifest of prepare's lists: the published one, and a build's records of what
+    its publication replaces and adds."""
+    current = _current_manifest(out)
+    if not (_marked(out) or _complete(out, current)):
+        return set()
+    names = manifest_files(current)
+    if _own_build(out / BUILD_DIR):
+        for record in (PREVIOUS, MANIFEST):
+            names |= manifest_files(_read_json(out / BUILD_DIR / record))
+    return {MANIFEST} | {name for name in names if _named_like_ours(name)}
+
+
+def _marked(out: Path) -> bool:
+    """Whether data.dir carries prepare's mark (one of another content is refused)."""
+    mark = out / MARK
+    if not mark.exists():
+        return False
+    fix = "prepare did not write it: move it away, or point data.dir at a new folder"
+    record = read_json(mark, "the mark prepare leaves where it publishes", fix, max_bytes=4096)
+    if record.get("kind") != MARK_KIND:
+        raise UserError(f"{mark} is not the mark prepare leaves where it publishes; {fix}")
+    return True
+
+
+def _complete(out: Path, manifest: dict[str, Any] | None) -> bool:
+    """A manifest of a prepare that left no mark yet: every field, shard and tokenizer exactly
+    as it records them (what no other program's manifest.json does)."""
+    return (
+        manifest is not None
+        and manifest.get("format") == FORMAT_VERSION
+        and not shard_problems(out, manifest)
+        and tokenizer_problem(out, manifest) is None
+    )
+
+
+def _mark(out: Path) -> None:
+    """Before publishing changes anything in data.dir: from then on its manifest is prepare's."""
+    if not (out / MARK).exists():
+        atomic_write_json(out / MARK, {"kind": MARK_KIND, "made_by": "scale-llm prepare"})
+
+
+def _named_like_ours(name: str) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in OUTPUT_PATTERNS)
+
+
+def _shaped_like_ours(directory: Path) -> list[Path]:
+    """Entries of `directory` named as prepare names its outputs (links and folders too)."""
+    return sorted(p for p in directory.iterdir() if _named_like_ours(p.name))
+
+
+def refuse_non_files(paths: Iterable[Path]) -> None:
+    """Each path is absent or a regular file: prepare replaces nothing else (in data.dir, in
+    its build folder, in a mixture's data.dir)."""
+    for path in paths:
+        if path.is_symlink() or (path.exists() and not path.is_file()):
+            raise UserError(
+                f"{path} is {describe_kind(path)}, where prepare keeps a file it writes; it "
+                f"replaces only regular files it wrote, so it stops: move it away, or point "
+                f"data.dir at a new folder"
+            )
+
+
+def _refuse_foreign_files(out: Path, ours: set[str]) -> None:
+    """Publishing renames the new shards and tokenizer into data.dir: a file of such a name that
+    no manifest of prepare's accounts for is someone else's, and would be replaced."""
+    foreign = [p.name for p in _shaped_like_ours(out) if p.name not in ours]
+    if foreign:
+        shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
+        raise UserError(
+            f"data.dir={out} holds {len(foreign)} file(s) named like prepare's outputs that no "
+            f"manifest of prepare's lists ({shown}); prepare would replace them, so it stops. "
+            f"Point data.dir at a new folder, or move those files away"
+        )
+
+
+def _own_build(build: Path) -> bool:
+    return owned_kind(build) == BUILD_KIND
+
+
+def _check_build_dir(build: Path) -> None:
+    """out/.prepare-build is absent, empty (a prepare stopped before marking it, or while
+    removing it) or a folder prepare made (its mark)."""
+    if not (build.exists() or build.is_symlink()) or _own_build(build):
+        return
+    if build.is_dir() and not build.is_symlink() and not any(build.iterdir()):
+        return
+    raise UserError(
+        f"{build} is not a build folder prepare made ({describe_kind(build)} without its "
+        f"mark); prepare builds there: move it away"
+    )
+
+
+def _claim_build_dir(out: Path) -> Path:
+    """out/.prepare-build, prepare's own (`check_outputs` has checked it): an earlier prepare's,
+    or created with prepare's mark."""
+    build = out / BUILD_DIR
+    if _own_build(build):
+        return build
+    if build.is_dir():
+        build.rmdir()  # empty (`_check_build_dir`): marked afresh
+    out.mkdir(parents=True, exist_ok=True)
+    return make_owned_dir(build, BUILD_KIND)
+
+
+def _publish(build: Path, out: Path) -> None:
+    """Move a complete build into `out`: the old manifest goes first (from then on `out` reads
+    as unprepared; the build keeps a copy, which says which old files to remove), then the old
+    files that manifest lists, then the new files, the new manifest last. A crash in between
+    leaves the complete build, which the next prepare publishes (`_finish_publish`)."""
+    for path in build.iterdir():  # durable before the old data goes (the shards already are)
+        fsync_file(path)
+    _mark(out)
+    old = out / MANIFEST
+    if old.is_file() and not (build / PREVIOUS).exists():
+        atomic_write_bytes(build / PREVIOUS, old.read_bytes())
+    old.unlink(missing_ok=True)
+    for name in manifest_files(_read_json(build / PREVIOUS)):
+        if _named_like_ours(name):  # listed by prepare's own manifest: prepare's
+            (out / name).unlink(missing_ok=True)
+    for new in _shaped_like_ours(build):
+        new.rename(out / new.name)
+    (build / MANIFEST).rename(out / MANIFEST)
+    fsync_dir(out)
+    _remove_build(build)
+
+
+def _remove_build(build: Path) -> None:
+    """Its mark last: a build folder stopped half-removed is still prepare's own."""
+    for path in build.iterdir():
+        if path.name != OWNER_MARKER:
+            path.unlink()
+    shutil.rmtree(build)
+
+
+def _read_json(path: Path) -> Any:
+    """A JSON record of prepare's, or None: none there, or damaged (it then accounts for
+    nothing, so the files it meant are not provably prepare's)."""
+    if not path.is_file():
+        return None
+    try:
+        return read_json(path, "a record of prepare's", "", kind=object)
+    except UserError:
+        return None
+
+
+def _finish_publish(out: Path) -> None:
+    """A prepare killed while publishing left a complete build: publish it now (or, stopped
+    after its manifest moved, remove the rest of it: its record of the old data is spent)."""
+    build = out / BUILD_DIR
+    if not _own_build(build):
+        return
+    if (build / MANIFEST).is_file():
+        log.info("data: finishing the publication of a complete build in %s", build)
+        _publish(build, out)
+    elif (build / PREVIOUS).exists():
+        _remove_build(build)
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts():
+    """SIGTERM (a job being stopped) ends prepare like Ctrl-C: workers shut down, what was
+    written is kept and said so."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_empty(cfg: Config) -> None:
+    raise UserError(
+        f"data.source={cfg.data.source!r} yielded too few non-empty documents; "
+        f"check the files and data.text_field={cfg.data.text_field!r}"
+    )
+
+
+# ----------------------------------------------------------------------------- start or continue
+def _resume(cfg: Config, source, out: Path, fingerprint: str, force: bool):
+    """(progress, writers, stream) continuing an interrupted prepare, or None."""
+    progress = read_progress(out)
+    tok = out / _tokenizer_file(cfg)
+    if force or not progress or progress.get("fingerprint") != fingerprint:
+        return None
+    if not tok.is_file() or file_sha256(tok) != progress["tokenizer_sha256"]:
+        log.info("data: %s changed since the interrupted prepare; starting afresh", tok)
+        return None
+    try:
+        writers = _writers(cfg, out, np.dtype(progress["dtype"]), progress["splits"])
+    except StaleProgress as e:
+        log.info("data: cannot continue the interrupted prepare (%s); starting afresh", e)
+        return None
+    log.info(
+        "data: continuing an interrupted prepare after %s documents (%s tokens written)",
+        f"{progress['documents_read']:,}",
+        f"{progress['tokens']:,}",
+    )
+    stream = itertools.islice(read_documents(cfg, source), progress["documents_read"], None)
+    return progress, writers, stream
+
+
+def _tokenizer_file(cfg: Config) -> str:
+    return BUNDLE_FILE if cfg.data.tokenizer is not None else TOKENIZER_FILE
+
+
+def _fresh(cfg: Config, source, out: Path, fingerprint: str, bundle: bytes | None):
+    """Clear the build folder (prepare's own: `_claim_build_dir`) of an earlier attempt, train
+    the tokenizer (or write data.tokenizer's); (progress, writers, stream) from document 0."""
+    earlier = [*out.glob("train_*.bin*"), *out.glob("val_*.bin*"), out / PROGRESS]
+    for stale in [*earlier, out / SP_FILE, out / BUNDLE_FILE]:  # (a tokenizer of either kind)
+        stale.unlink(missing_ok=True)
+    docs = read_documents(cfg, source)
+    if bundle is None:
+        tokenizer, stream = _train(cfg, docs, out)
+    elif cfg.data.tokenizer is None:  # a mixture's trained tokenizer, given
+        atomic_write_bytes(out / TOKENIZER_FILE, bundle)  # into prepare's own build folder
+        tokenizer, stream = load_tokenizer(out / TOKENIZER_FILE), docs
+    else:
+        atomic_write_bytes(out / BUNDLE_FILE, bundle)  # into prepare's own build folder
+        tokenizer, stream = PretrainedTokenizer(out / BUNDLE_FILE), docs
+        log.info(
+            "data: encoding with the tokenizer of data.tokenizer=%s (%d ids; each document: "
+            "%s text %s)",
+            cfg.data.tokenizer,
+            tokenizer.vocab_size,
+            tokenizer.doc_start,
+            tokenizer.doc_end,
+        )
+    dtype = token_dtype(tokenizer.vocab_size)
+    progress = {
+        "fingerprint": fingerprint,
+        "tokenizer_sha256": tokenizer.sha256(),
+        "dtype": dtype.name,
+        "documents_read": 0,
+        "tokens": 0,
+        "capped": False,
+        "splits": {name: None for name in SPLITS},
+    }
+    writers = _writers(cfg, out, dtype, progress["splits"])
+    write_progress(out, progress)
+    return progress, writers, stream
+
+
+def _train(cfg: Config, docs: Iterator[Document], out: Path):
+    """A tokenizer trained on a sample of the first train documents; (it, the whole stream)."""
+    t0 = time.perf_counter()
+    sample, pool = draw_sample(cfg, docs)
+    tokenizer = train_tokenizer(sample, cfg.model.vocab_size, out / TOKENIZER_FILE)
+    log.info(
+        "data: trained a %d-piece BPE tokenizer on %.1f MB (%d documents) in %.1fs",
+        tokenizer.vocab_size,
+        sum(map(len, sample)) / 1e6,
+        len(sample),
+        time.perf_counter() - t0,
+    )
+    return tokenizer, itertools.chain(pool, docs)
+
+
+def _writers(cfg: Config, out: Path, dtype: np.dtype, states: dict) -> dict[str, ShardWriter]:
+    return {n: ShardWriter(out, n, cfg.data.shard_tokens, dtype, states[n]) for n in SPLITS}
+
+
+def read_documents(cfg: Config, source) -> Iterator[Document]:
+    """The source's documents, in order, up to data.max_documents."""
+    return itertools.islice(source.documents(), cfg.data.max_documents)
+
+
+# ----------------------------------------------------------------------------- tokenizer sample
+def draw_sample(cfg: Config, docs: Iterator[Document]) -> tuple[list[str], list[Document]]:
+    """The tokenizer's sample from the first documents of the stream (refused when they hold
+    no text), and those documents (the pool it was drawn from, read off the stream)."""
+    pool = _sample_pool(docs, cfg)
+    sample = list(_sample(pool, cfg))
+    if not sample:
+        _raise_empty(cfg)
+    return sample, pool
+
+
+def _sample_pool(docs: Iterator[Document], cfg: Config) -> list[Document]:
+    """The first documents of the stream, until its train documents hold SAMPLE_POOL times the
+    tokenizer sample (characters, and documents when data.tokenizer_sample_documents is set)."""
+    d = cfg.data
+    max_chars = SAMPLE_POOL * d.tokenizer_sample_bytes
+    max_docs = SAMPLE_POOL * d.tokenizer_sample_documents if d.tokenizer_sample_documents else None
+    pool: list[Document] = []
+    chars = train_docs = 0
+    bar = Progress("reading the tokenizer sample")
+    for doc in docs:
+        pool.append(doc)
+        bar.update(1, chars=len(doc.text))
+        if not is_val_document(doc.doc_id, d.val_fraction):
+            chars += len(doc.text)
+            train_docs += 1
+            if chars >= max_chars or (max_docs is not None and train_docs >= max_docs):
+                break
+    bar.close()
+    return pool
+
+
+def _sample(pool: list[Document], cfg: Config) -> Iterator[str]:
+    """Train documents of the pool in a fixed pseudo-random order, until the budget is taken."""
+    d = cfg.data
+    train = [doc for doc in pool if not is_val_document(doc.doc_id, d.val_fraction)]
+    order = sorted(
+        train,
+        key=lambda doc: hashlib.blake2b(
+            doc.doc_id.encode(), digest_size=8, person=b"tok-sample"
+        ).digest(),
+    )
+    if d.tokenizer_sample_documents is not None:
+        order = order[: d.tokenizer_sample_documents]
+    taken = 0
+    for doc in order:
+        if taken >= d.tokenizer_sample_bytes:
+            return
+        text = doc.text[: d.tokenizer_sample_bytes - taken]
+        taken += len(text)
+        yield text
+
+
+# ----------------------------------------------------------------------------- tokenization
+def _tokenize(
+    cfg: Config,
+    source,
+    out: Path,
+    stream: Iterable[Document],
+    progress: dict[str, Any],
+    writers: dict[str, ShardWriter],
+) -> None:
+    """Encode the stream into the writers, checkpointing progress; stops at data.max_tokens."""
+    max_tokens = cfg.data.max_tokens
+    if progress["capped"] or (max_tokens is not None and progress["tokens"] >= max_tokens):
+        return
+    remaining = getattr(source, "num_rows", None)
+    total = min(filter(None, [remaining, cfg.data.max_documents]), default=None)
+    bar = Progress("tokenizing", total=total, initial=progress["documents_read"])
+    last_checkpoint = time.perf_counter()
+    tok = out / _tokenizer_file(cfg)
+    with Encoder(tok, cfg.data.val_fraction, cfg.data.num_proc) as encoder:
+        for batch in encoder.map(batched(stream)):
+            n_docs = _docs_within_cap(batch, progress["tokens"], max_tokens)
+            finished = _write(writers, batch, n_docs)
+            tokens = int(batch.lengths[:n_docs].sum())
+            progress["documents_read"] += n_docs
+            progress["tokens"] += tokens
+            progress["capped"] = n_docs < len(batch.lengths) or (
+                max_tokens is not None and progress["tokens"] >= max_tokens
+            )
+            bar.update(n_docs, tokens=tokens)
+            now = time.perf_counter()
+            if finished or progress["capped"] or now - last_checkpoint >= CHECKPOINT_SECONDS:
+                _checkpoint(out, progress, writers)
+                last_checkpoint = now
+            if progress["capped"]:
+                log.info("data: reached data.max_tokens=%s", f"{max_tokens:,}")
+                break
+    bar.close()
+    log.info(
+        "data: tokenized %s with %d process%s",
+        bar.summary(time.perf_counter() - bar.start),
+        encoder.processes,
+        "es" if encoder.processes > 1 else "",
+    )
+
+
+def _docs_within_cap(batch: EncodedBatch, written: int, max_tokens: int | None) -> int:
+    """Documents of the batch to keep: all, or up to the one that reaches max_tokens."""
+    n = len(batch.lengths)
+    if max_tokens is None or n == 0:
+        return n
+    cumulative = np.cumsum(batch.lengths)
+    if written + cumulative[-1] < max_tokens:
+        return n
+    return int(np.searchsorted(cumulative, max_tokens - written, side="left")) + 1
+
+
+def _write(writers: dict[str, ShardWriter], batch: EncodedBatch, n_docs: int) -> int:
+    """Append the batch's first n_docs documents to their splits; returns shards finished."""
+    lengths, is_val = batch.lengths[:n_docs], batch.is_val[:n_docs]
+    tokens = batch.tokens[: int(lengths.sum())]
+    val_tokens = np.repeat(is_val, lengths)  # (tokens,) bool
+    finished = writers["train"].add(tokens[~val_tokens], lengths[~is_val])
+    return finished + writers["val"].add(tokens[val_tokens], lengths[is_val])
+
+
+def _checkpoint(out: Path, progress: dict[str, Any], writers: dict[str, ShardWriter]) -> None:
+    """Shard data first, then the record of it: a crash in between only repeats work."""
+    progress["splits"] = {name: w.sync() for name, w in writers.items()}
+    write_progress(out, progress)
+
+
+def _finish(writers: dict[str, ShardWriter]) -> dict[str, Any]:
+    """Close both splits; a tiny corpus with no validation document gives its last one to val."""
+    if writers["val"].documents == 0 and writers["train"].documents > 1:
+        last = writers["train"].pop_last_document()
+        if last is not None:
+            writers["val"].add(last, np.array([last.size]))
+    splits = {name: w.close() for name, w in writers.items()}
+    for name in SPLITS:
+        if not splits[name]["documents"]:
+            raise UserError(
+                f"prepare produced no {name} documents; use a larger corpus (check "
+                f"data.max_documents / data.max_tokens) or a different data.val_fraction"
+            )
+    return splits
+
+
+# ----------------------------------------------------------------------------- manifest
+def _manifest(cfg: Config, source, out: Path, fingerprint: str, progress, splits) -> dict:
+    name = _tokenizer_file(cfg)
+    tokenizer = load_tokenizer(out / name)
+    model_tokenizer = {}
+    if isinstance(tokenizer, PretrainedTokenizer):  # where it came from, and its files' digest
+        model_tokenizer = {"from": cfg.data.tokenizer, "files_sha256": tokenizer.files_sha256}
+    return {
+        "format": FORMAT_VERSION,
+        "fingerprint": fingerprint,
+        "source": source.spec,
+        "python": sys.version.split()[0],
+        "dtype": progress["dtype"],
+        "documents_read": progress["documents_read"],
+        "capped_at_max_tokens": progress["capped"],
+        "tokenizer": {
+            "file": name,
+            "sha256": progress["tokenizer_sha256"],
+            "vocab_size": tokenizer.vocab_size,
+            "bos_id": tokenizer.bos_id,
+            "eos_id": tokenizer.eos_id,
+            **model_tokenizer,
+        },
+        "splits": splits,
+    }
+
+
+def _fingerprint(cfg: Config, source, bundle: bytes | None = None) -> str:
+    """Everything that decides the output; num_proc does not (the output is the same). With
+    data.tokenizer, its file's SHA-256 replaces the settings of the tokenizer prepare trains."""
+    d = cfg.data
+    settings: dict[str, Any] = {
+        "format": FORMAT_VERSION,
+        "pipeline": PIPELINE_VERSION,
+        "source": source.fingerprint(),
+        "vocab_size": cfg.model.vocab_size,
+        "val_fraction": d.val_fraction,
+        "tokenizer_sample_bytes": d.tokenizer_sample_bytes,
+        "tokenizer_sample_documents": d.tokenizer_sample_documents,
+        "shard_tokens": d.shard_tokens,
+        "max_documents": d.max_documents,
+        "max_tokens": d.max_tokens,
+    }
+    if bundle is not None:
+        for key in ("vocab_size", "tokenizer_sample_bytes", "tokenizer_sample_documents"):
+            del settings[key]
+        settings["tokenizer"] = hashlib.sha256(bundle).hexdigest()
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+
+
+def _current_manifest(out: Path) -> dict[str, Any] | None:
+    manifest = _read_json(out / MANIFEST)
+    return manifest if isinstance(manifest, dict) else None
