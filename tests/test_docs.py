@@ -273,3 +273,43 @@ def test_the_readme_carries_no_figure_that_drifts():
     assert "benchmarks/cpu-2core-avx2-test-suite.md" in readme
     assert "benchmarks/cpu-2core-avx512-quickstart.md" in readme
     assert "bash launch/quickstart.sh\n" in readme and "bash launch/test.sh\n" in readme
+
+
+# ----------------------------------------------------------------------------- guides and reports
+
+# A date or a commit id marks a measurement taken once: it lives in a report in benchmarks/ (with
+# its command, commit, date and hardware), and the guide in docs/ links to it.
+DATED = re.compile(r"\b20\d\d-\d\d-\d\d\b|\bcommits?\s+`?[0-9a-f]{7,40}\b", re.IGNORECASE)
+
+
+def test_the_guides_carry_no_dated_measurement():
+    """docs/memory.md had a table with commit, date and hardware columns, docs/backends.md parity
+    tables "at commit 45e9c45 ... 2026-12-03": each true on one day. They moved to benchmarks/."""
+    assert DATED.search("Commit a1c2019; 2026-12-03") and DATED.search("at commit\n45e9c45")
+    assert not DATED.search("commit the checkpoint; 2^63; transformers#48163")
+    found = [
+        f"{md.relative_to(REPO).as_posix()}: {m.group(0)!r}"
+        for md in sorted((REPO / "docs").glob("*.md"))
+        for m in DATED.finditer("\n".join(prose_lines(md.read_text())))
+    ]
+    assert not found, "dated measurements belong in benchmarks/ (link the report):\n" + "\n".join(
+        found
+    )
+
+
+def test_every_report_names_its_hardware_commit_date_and_command():
+    """A figure without its command, commit, date and hardware cannot be checked or redone."""
+    reports = sorted((REPO / "benchmarks").glob("*.md"))
+    assert reports
+    lacking = []
+    for md in reports:
+        text = md.read_text()
+        for what, found in (
+            ("**Hardware**", "**Hardware**" in text),
+            ("a commit", re.search(r"\bcommits?\s+`?[0-9a-f]{7,40}\b", text, re.IGNORECASE)),
+            ("a date", re.search(r"\b20\d\d-\d\d-\d\d\b", text)),
+            ("a command", "```bash" in text),
+        ):
+            if not found:
+                lacking.append(f"{md.relative_to(REPO).as_posix()}: no {what}")
+    assert not lacking, "\n".join(lacking)
