@@ -1242,12 +1242,6 @@ def plant_in_dcp_byte_item(ckpt: Path, marker: Path) -> Path:
     return ckpt / "dcp"
 
 
-def plant_legacy_scaler(ckpt: Path, marker: Path) -> Path:
-    """Checkpoints written before the scaler moved into trainer.pt keep it in scaler.pt."""
-    torch.save({"scaler": {}, "planted": Payload(marker)}, ckpt / "scaler.pt")
-    return ckpt / "scaler.pt"
-
-
 def weights_as_model_pt(ckpt: Path, marker: Path) -> Path:
     """A checkpoint in DeepSpeed's layout (consolidated model.pt, no dcp/) with a payload."""
     from scale_llm.components.checkpoint import load_model_weights
@@ -1270,7 +1264,6 @@ PLANTS = {  # where the payload goes: (plant it, the commands that open that fil
         lambda ckpt, m: plant_in_torch_file(ckpt / "trainer.pt", m),
         ["convert", "train"],
     ),
-    "legacy-scaler": (plant_legacy_scaler, ["train"]),
     "model-weights": (weights_as_model_pt, ["generate", "convert"]),
 }
 
@@ -1300,6 +1293,66 @@ def _planted(plant: str, command: str) -> Callable[[Ctx], Setup]:
         return Setup(argv, expect=(str(target),), then=never_ran)
 
     return setup
+
+
+# Checkpoints and convert files of formats from before 1c59fbf / 14fc0dd (2026-12-03): read
+# and upgraded once (q, k, v regrouped), now refused with the version that wrote them.
+OLD_FORMAT = (
+    "was written by scale_llm before 1c59fbf of 2026-12-03 (trainer-state format",
+    "this scale_llm reads format 3 only: retrain, or export it with the scale_llm that wrote it",
+)
+
+
+def _older_format(command: str) -> Callable[[Ctx], Setup]:
+    """A trainer.pt in trainer-state format 2 (q, k, v stacked in wqkv), its checksums right."""
+
+    def setup(ctx: Ctx) -> Setup:
+        run = ctx.run()
+        ckpt = run / "checkpoints" / STEP4
+        rewrite_state(ckpt, format=2)
+        said = (str(ckpt / "trainer.pt"), "(trainer-state format 2, q/k/v stacked)")
+        if command == "train":  # resume auto: refused, not skipped for step 2
+            argv = ["train", ctx.config("checkpoint.every=2", "train.max_steps=6")]
+        elif command == "convert":
+            argv = ["convert", str(ckpt), "--out", str(ctx.tmp / "out.pt")]
+        elif command == "generate":
+            argv = ["generate", str(run), "--checkpoint", str(ckpt), "--max-new-tokens", "2"]
+        else:
+            needs("safetensors")
+            argv = ["export", str(ckpt), "--out", str(ctx.tmp / "hf")]
+        return Setup(argv, expect=said)
+
+    return setup
+
+
+def _format_1_with_a_scaler(ctx: Ctx) -> Setup:
+    """Format 1 named its layout under "format" and kept the GradScaler in scaler.pt, which a
+    resume unpickled: a payload planted there never runs now, as nothing reads the file."""
+    run = ctx.run()
+    ckpt = run / "checkpoints" / STEP4
+    marker = ctx.tmp / "pwned"
+    torch.save({"scaler": {}, "planted": Payload(marker)}, ckpt / "scaler.pt")
+    rewrite_state(ckpt, format="dcp")  # (and the integrity record, listing scaler.pt)
+
+    def never_ran():
+        assert not marker.exists(), "the planted code ran"
+
+    said = (str(ckpt / "trainer.pt"), "(trainer-state format 1, q/k/v stacked)")
+    argv = ["train", ctx.config("checkpoint.every=2", "train.max_steps=6")]
+    return Setup(argv, expect=said, then=never_ran)
+
+
+def _convert_over_an_older_output(ctx: Ctx) -> Setup:
+    """A convert file without "qkv_layout" (q, k, v stacked, before 14fc0dd) was replaced by
+    --force as convert's own; now it is named and left alone."""
+    out = ctx.tmp / "model.pt"
+    torch.save({"model": {"w": torch.zeros(2)}, "config": {}, "step": 4}, out)
+    said = (
+        f"--out {out} was written by scale-llm convert before 14fc0dd of 2026-12-03 (no "
+        "qkv_layout: q/k/v stacked, or not recorded)",
+        "so --force leaves it alone: move it away, or pick another --out",
+    )
+    return Setup(["convert", str(ctx.run()), "--out", str(out), "--force"], expect=said)
 
 
 def _finished_run_relaunched(ctx: Ctx) -> Setup:
@@ -1374,6 +1427,12 @@ CHECKPOINTS = [
         for plant, (_, commands) in PLANTS.items()
         for command in commands
     ],
+    *[
+        (f"{command}: a checkpoint in trainer-state format 2", _older_format(command), OLD_FORMAT)
+        for command in ("train", "convert", "generate", "export")
+    ],
+    ("train: a checkpoint in format 1 with scaler.pt", _format_1_with_a_scaler, OLD_FORMAT),
+    ("convert --force over an older convert file", _convert_over_an_older_output, ()),
 ]
 
 

@@ -51,7 +51,6 @@ SLOW_TESTS = {  # over ~5 s each on 2 cores (pytest --durations), by module::fun
     "test_memory_fake.py::test_fsdp2_x_tensor_parallel_at_4_fake_ranks_peaks_where_the_estimate_says",
     "test_tensor_parallel.py::test_tensor_parallel_alone_follows_one_process",
     "test_tensor_parallel.py::test_fsdp_x_tensor_parallel_resumes_at_another_degree",
-    "test_tensor_parallel.py::test_a_checkpoint_with_stacked_qkv_resumes_regrouped",
     "test_mixture.py::test_weights_per_source_losses_and_exact_resume",
     "test_cli.py::test_a_wheel_installs_with_its_configs_and_runs_from_anywhere",
     "test_cli.py::test_cli_user_errors_exit_2_without_traceback",

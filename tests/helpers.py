@@ -408,37 +408,3 @@ def greedy_texts(run_dir: Path, export_dir: Path, prompt: str, tokens: int) -> t
     ids = hf_tok(prompt, return_tensors="pt").input_ids
     new = model.eval().generate(ids, do_sample=False, max_new_tokens=tokens)[0, ids.shape[1] :]
     return out.getvalue(), prompt + hf_tok.decode(new, skip_special_tokens=True) + "\n"
-
-
-def stack_qkv(ckpt: Path, tmp: Path) -> int:
-    """Rewrite a checkpoint's DCP files with attention.wqkv as trainer-state formats 1-2 kept it
-    (q, k, v stacked) in the weights and in Adam's moments; returns how many tensors changed.
-    The caller writes the older trainer.pt (and its integrity record, if any) itself."""
-    import shutil
-
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    from scale_llm.components.checkpoint import DCP_DIR, read_trainer_state, saved_model_config
-    from scale_llm.components.serialization import dcp_save
-    from scale_llm.model.transformer import split_qkv
-
-    model = saved_model_config(read_trainer_state(ckpt))
-    heads, kv = model.n_heads, model.n_kv_heads or model.n_heads
-    dcp_to_torch_save(ckpt / DCP_DIR, tmp / "full.pt")
-    full = torch.load(tmp / "full.pt", weights_only=True)
-    changed = []
-
-    def stack(tree, path=""):
-        for key, value in tree.items():
-            if isinstance(value, dict):
-                stack(value, f"{path}.{key}")
-            elif "attention.wqkv" in f"{path}.{key}" and getattr(value, "ndim", 0) == 2:
-                tree[key] = torch.cat(split_qkv(value, heads, kv))
-                changed.append(f"{path}.{key}")
-
-    stack(full)
-    shutil.rmtree(ckpt / DCP_DIR)
-    dcp_save(full, ckpt / DCP_DIR, no_dist=True)
-    (tmp / "full.pt").unlink()
-    return len(changed)

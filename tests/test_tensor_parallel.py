@@ -1,5 +1,5 @@
 """Tensor parallelism (parallel.tensor_parallel) on real gloo ranks, its config checks, and the
-wqkv layout it needs (rows grouped by kv head, with older checkpoints regrouped on load).
+wqkv layout it needs (rows grouped by kv head).
 
 The model has grouped-query attention (4 query heads, 2 kv heads) so that a rank's heads of q,
 k and v must line up. The references run in one process with micro-batch 8; the tensor-parallel
@@ -18,12 +18,9 @@ import pytest
 import torch
 
 from scale_llm.components.checkpoint import (
-    TRAINER_STATE,
     load_model_weights,
     read_trainer_state,
-    regroup_qkv,
     saved_model_config,
-    write_integrity,
 )
 from scale_llm.config import load_config
 from scale_llm.config.plan import Launch, resolve_plan
@@ -40,7 +37,6 @@ from tests.helpers import (
     rows_of,
     run,
     sets,
-    stack_qkv,
     torchrun,
 )
 
@@ -124,34 +120,6 @@ def test_fsdp_x_tensor_parallel_resumes_at_another_degree(runs):
     assert_same_curve(rows_of(runs.root / "2d"), ref)
 
 
-def test_a_checkpoint_with_stacked_qkv_resumes_regrouped(runs, tmp_path):
-    """A trainer-state format 2 checkpoint (q, k, v stacked in wqkv, Adam's moments alike)
-    resumes under TP 2 on the curve of the checkpoint it was made from: weights and moments
-    regrouped as DTensors."""
-    ref = runs("single", 1, *REFERENCE)
-    root = tmp_path / "runs"
-    args = [*common(runs.data_dir, root, "old"), *sets(*GQA, *REFERENCE)]
-    run([sys.executable, "-m", "scale_llm", "train", *args, *sets("train.exit_at_step=2")], REPO)
-    ckpt = root / "old" / "checkpoints" / "step_00000002"
-    state = torch.load(ckpt / TRAINER_STATE, weights_only=True)
-    model = saved_model_config(read_trainer_state(ckpt))
-    assert stack_qkv(ckpt, tmp_path) == 3 * model.n_layers  # the weights and both Adam moments
-    state["format"] = 2
-    torch.save(state, ckpt / TRAINER_STATE)
-    write_integrity(ckpt)
-    assert read_trainer_state(ckpt)["backend"]["layout"]["qkv"] == "stacked"
-    # resumed under TP 2 on 2 ranks: regrouped as DTensors (in one process, plain tensors:
-    # tests/test_train.py::test_a_checkpoint_in_the_previous_layout_still_resumes_exactly)
-    tp = [*common(runs.data_dir, root, "old"), *sets(*GQA, "parallel.backend=fsdp")]
-    tp += sets("parallel.tensor_parallel=2", "train.micro_batch_size=4", "train.grad_accum=2")
-    proc = run(torchrun(2, *tp), cwd=root)
-    assert "at step 2" in proc.stdout
-    rows = rows_of(root / "old")
-    for step in (3, 4):  # the regrouped moments too: a fresh optimizer steps elsewhere
-        assert abs(rows[step]["loss"] - ref[step]["loss"]) <= TOL, step
-        assert abs(rows[step]["grad_norm"] / ref[step]["grad_norm"] - 1) <= TOL, step
-
-
 # ----------------------------------------------------------------------------- in one process
 
 
@@ -171,11 +139,6 @@ def test_wqkv_groups_whole_heads_and_maps_to_hugging_face_and_back():
     hf = dict(to_hf(cfg, dict(state)))
     back = from_hf(cfg, hf.__getitem__)
     assert all(torch.equal(back[n], t) for n, t in state.items())
-
-    stacked = {"layers.0.attention.wqkv.weight": torch.cat((q, k, v))}
-    cfg = load_config(None, ["model.d_model=32", "model.n_heads=8", "model.n_kv_heads=2"]).model
-    regroup_qkv(stacked, cfg)
-    assert torch.equal(stacked["layers.0.attention.wqkv.weight"], w)
 
 
 def check(*overrides: str, world: int = 4) -> str:

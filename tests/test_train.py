@@ -17,7 +17,7 @@ from scale_llm.config import TrainConfig, load_config
 from scale_llm.errors import UserError
 from scale_llm.model import build_model
 from scale_llm.train.trainer import Trainer
-from tests.helpers import finished_run, make_config, plan_for, stack_qkv
+from tests.helpers import finished_run, make_config, plan_for
 
 
 def trainer(data_dir, tmp_path, *overrides) -> Trainer:
@@ -424,35 +424,6 @@ def test_what_users_watch_tensorboard_wandb_samples_and_progress(
     assert run.project == "scale-llm-tests" and run.display_name == "test"
     config = {i.key: i.value_json for i in run.config.update}
     assert json.loads(config["train.max_steps"]) == 4
-
-
-def test_a_checkpoint_in_the_previous_layout_still_resumes_exactly(data_dir, tmp_path):
-    """Before the backend described its own state, trainer.pt held the layout among its keys
-    (format / backend / world_size / zero_stage), the scaler sat in scaler.pt, and the config
-    had model.activation_checkpointing."""
-    from scale_llm.components.serialization import load_file, save_file
-
-    common = ["train.max_steps=4", "checkpoint.every=2", "train.grad_accum=2"]
-    straight = trainer(data_dir, tmp_path, "run.name=straight", *common).fit()
-    run_until(trainer(data_dir, tmp_path, "run.name=old", *common), stop_at=3)
-    ckpt = tmp_path / "runs" / "old" / "checkpoints" / "step_00000002"
-    state = load_file(ckpt / "trainer.pt")
-    backend = state.pop("backend")
-    state.pop("plan")
-    state.pop("integrity")  # (the layout from before integrity records)
-    state.update(format="dcp", backend="single", world_size=1, zero_stage=2)
-    state["config"]["model"]["activation_checkpointing"] = state["config"].pop(
-        "activation_checkpointing"
-    )["mode"]
-    save_file(state, ckpt / "trainer.pt")
-    save_file({"scaler": backend["scaler"]}, ckpt / "scaler.pt")
-    (ckpt / "integrity.json").unlink()  # nor did those checkpoints have integrity records
-    stack_qkv(ckpt, tmp_path)  # and q, k, v were stacked in wqkv
-    resumed_trainer = trainer(data_dir, tmp_path, "run.name=old", *common)
-    assert resumed_trainer.step == 2
-    resumed = resumed_trainer.fit()
-    for step in (3, 4):
-        assert resumed.losses[step] == straight.losses[step], step
 
 
 def test_effective_batch_is_printed(data_dir, tmp_path, logs):

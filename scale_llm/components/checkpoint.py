@@ -14,9 +14,9 @@ keep_last and pruning see only the checkpoints before it. One save is in flight 
 Nothing in a checkpoint is believed unchecked: `damage` compares every file with the integrity
 record (whose shape is checked too; a missing record is damage unless the checkpoint predates
 records), a step directory or file that is a symlink is not the run's own, and
-`read_trainer_state` brings trainer.pt of any format into the current one (`upgrade_trainer_state`,
-the one place that knows older shapes) and checks each field for type and range before anyone
-uses it.
+`read_trainer_state` reads trainer.pt in the current format only (an older one is refused,
+naming the scale_llm that wrote it) and checks each field for type and range before anyone uses
+it.
 """
 
 from __future__ import annotations
@@ -56,14 +56,13 @@ from scale_llm.files import (
 
 log = logging.getLogger(__name__)
 TRAINER_STATE = "trainer.pt"  # the trainer's state_dict (step, data, RNG, config, plan, backend)
-# The shape of trainer.pt written now (its "format"). A state without a number there is format 1;
-# `upgrade_trainer_state` is the one place that knows older shapes. Format 3: attention.wqkv's
-# rows are grouped by kv head (`model.fuse_qkv`); formats 1 and 2 stacked q, k and v.
+# The shape of trainer.pt (its "format"): the one this version writes and reads. Format 3 grouped
+# attention.wqkv's rows by kv head (`model.fuse_qkv`); formats 1 and 2 (format 1: a layout name
+# or nothing under the key) stacked q, k and v, and are refused (`refuse_other_format`).
 TRAINER_FORMAT = 3
+FORMAT_SINCE = "1c59fbf of 2026-12-03"  # the scale_llm that first wrote TRAINER_FORMAT
 MODEL_WEIGHTS = "model.pt"  # consolidated fp32 weights (DeepSpeed checkpoints, `convert`)
 DCP_DIR = "dcp"  # torch.distributed.checkpoint: model + optimizer, keyed by parameter name
-QKV_KEY, STACKED = "qkv", "stacked"  # the backend layout's mark of a format 1-2 checkpoint
-SCALER_STATE = "scaler.pt"  # format 1 only: the GradScaler, before the backend kept its state
 INTEGRITY = "integrity.json"  # size + xxh3-64 of every other file: written last
 # In the trainer state of every checkpoint written with an integrity record: without it, a
 # missing record is an older checkpoint's; with it, a missing record is damage.
@@ -620,8 +619,8 @@ def checkpoint_digest(ckpt_dir: Path) -> str:
 
 
 def read_trainer_state(ckpt_dir: Path) -> dict[str, Any]:
-    """A checkpoint's trainer state (trainer.pt) in the current format, whatever format it was
-    written in, every field its readers use checked for type and range first: the step (a
+    """A checkpoint's trainer state (trainer.pt, in the current format: an older or newer one
+    is refused), every field its readers use checked for type and range first: the step (a
     count equal to the directory's step_N), the saved model section (the rules of a user
     config, and no larger than the checkpoint's files can hold), the tokenizer hash and the
     plan. An impossible value is a UserError naming the file and the field."""
@@ -631,7 +630,7 @@ def read_trainer_state(ckpt_dir: Path) -> dict[str, Any]:
         problems = [f"it nests containers deeper than {MAX_JSON_DEPTH} levels (a state nests 6)"]
     else:
         if isinstance(state, dict):
-            state = upgrade_trainer_state(state, ckpt_dir)
+            refuse_other_format(state, path)
         problems = trainer_state_problems(state, ckpt_dir)
     if problems:
         raise UserError(
@@ -669,61 +668,27 @@ TRAINER_KEYS = (
     "tokenizer_sha256",
     "backend",
 )
-LAYOUT_KEYS = ("format", "zero_stage", "world_size")  # format 1 kept the layout among its keys
 
 
-def upgrade_trainer_state(state: dict[str, Any], ckpt_dir: Path) -> dict[str, Any]:
-    """A trainer state of any format, in the current one (TRAINER_FORMAT), so that every reader
-    reads one shape. Values are left for `trainer_state_problems` to check; a format newer than
-    this version reads is a UserError.
-
-    Format 1 grew over time: what later states added, earlier ones lack. Before the backend
-    kept its own state, its layout sat among the trainer's keys (format, zero_stage,
-    world_size) beside the backend's name, with the GradScaler in scaler.pt and no plan; the
-    bad-step streak came later still, and the oldest kept one process's RNG, not every rank's."""
-    version = state.get("format", 1)
+def refuse_other_format(state: dict[str, Any], path: Path) -> None:
+    """Refuse a trainer state of another format than TRAINER_FORMAT, naming the scale_llm that
+    wrote it. A value that is no format at all is left for `trainer_state_problems`."""
+    version = state.get("format", 1)  # (the first format 1 states had no such key)
     if isinstance(version, str):  # format 1's layout ("dcp", "deepspeed"), under the same key
         version = 1
-    if not is_count(version) or version == 0:
-        return state  # not a format at all: trainer_state_problems names it
-    scaler_file = ckpt_dir / SCALER_STATE
+    if not is_count(version) or version in (0, TRAINER_FORMAT):
+        return
     if version > TRAINER_FORMAT:
         raise UserError(
-            f"{ckpt_dir / TRAINER_STATE} is in trainer-state format {version}, written by a "
-            f"newer scale_llm (this one reads formats 1 to {TRAINER_FORMAT}); upgrade scale_llm "
-            f"to read it"
+            f"{path} is in trainer-state format {version}, written by a newer scale_llm (this "
+            f"one reads format {TRAINER_FORMAT} only); upgrade scale_llm to read it"
         )
-    if version == TRAINER_FORMAT:
-        if scaler_file.exists() or scaler_file.is_symlink():
-            raise UserError(
-                f"refusing to load {scaler_file}: checkpoints in trainer-state format "
-                f"{TRAINER_FORMAT} keep the GradScaler in {TRAINER_STATE}, so this file is not "
-                f"one their run wrote. Nothing from it was loaded. Delete the file, or resume "
-                f"from another checkpoint"
-            )
-        return state
-    state = dict(state)
-    if isinstance(state.get("backend"), str | None):  # its name, or (oldest) nothing
-        layout = {k: state.pop(k) for k in LAYOUT_KEYS if k in state}
-        name = state.pop("backend", None) or "single"  # (the oldest ran one process only)
-        saved = load_file(scaler_file) if scaler_file.is_file() else {}
-        scaler = saved.get("scaler", {}) if isinstance(saved, dict) else saved
-        state["backend"] = {"layout": layout, "scaler": scaler}
-        # no record of the precision: fp32, what an export of unknown precision defaults to
-        plan = {"backend": name, "world_size": layout.get("world_size", 1), "precision": "fp32"}
-        state.setdefault("plan", plan)
-    if version < 3 and isinstance(state.get("backend"), dict):
-        layout = state["backend"].get("layout")
-        if isinstance(layout, dict):  # (anything else: trainer_state_problems names it)
-            # weights with q, k, v stacked: `load_model_weights` and the DCP backends' load
-            # regroup them; a DeepSpeed engine cannot, so it takes the weights (can_restore)
-            state["backend"] = {**state["backend"], "layout": {**layout, QKV_KEY: STACKED}}
-    if "rng" not in state or isinstance(state["rng"], dict):
-        state["rng"] = None  # one process's generators only: not restored on resume
-    state.setdefault("skipped_steps", 0)
-    state.setdefault("bad_streak", 0)
-    state["format"] = TRAINER_FORMAT
-    return state
+    raise UserError(
+        f"{path} was written by scale_llm before {FORMAT_SINCE} (trainer-state format "
+        f"{version}, q/k/v stacked); this scale_llm reads format {TRAINER_FORMAT} only: retrain, "
+        f"or export it with the scale_llm that wrote it (`scale-llm export`) and start from the "
+        f"export (model.init_from)"
+    )
 
 
 def trainer_state_problems(state: Any, ckpt_dir: Path) -> list[str]:
@@ -732,7 +697,7 @@ def trainer_state_problems(state: Any, ckpt_dir: Path) -> list[str]:
     if not isinstance(state, dict):
         return [f"it holds a {type(state).__name__}, not the trainer state mapping"]
     version = state.get("format")
-    if not (is_count(version) and version == TRAINER_FORMAT):  # (upgraded, if it was older)
+    if not (is_count(version) and version == TRAINER_FORMAT):  # (another format: refused)
         return [f"format: {short(version, 40)} is not a trainer-state format"]
     missing = [key for key in TRAINER_KEYS if key not in state]
     if missing:
@@ -836,60 +801,13 @@ def load_model_weights(
 
     DCP checkpoints (single, DDP, FSDP) are read shard by shard into `template` (a full state
     dict of the checkpoint's shape on the CPU, e.g. `model.empty_state_dict(cfg)`), whatever
-    world size wrote them; DeepSpeed checkpoints carry a consolidated `model.pt`. Weights of
-    formats 1 and 2 (q, k, v stacked in wqkv) come back regrouped.
-    """
+    world size wrote them; DeepSpeed checkpoints carry a consolidated `model.pt`."""
     if (ckpt_dir / DCP_DIR).is_dir():
         dcp_load({"model": template}, ckpt_dir / DCP_DIR, no_dist=not is_distributed())
-        weights = template
-    elif (ckpt_dir / MODEL_WEIGHTS).is_file():
-        weights = load_file(ckpt_dir / MODEL_WEIGHTS)
-    else:
-        raise UserError(
-            f"{ckpt_dir} holds no model weights ({DCP_DIR}/ or {MODEL_WEIGHTS}); "
-            f"point at a complete checkpoint directory"
-        )
-    if stacked_qkv(ckpt_dir):
-        regroup_qkv(weights, saved_model_config(read_trainer_state(ckpt_dir)))
-    return weights
-
-
-def stacked_qkv(ckpt_dir: Path) -> bool:
-    """Whether the checkpoint's attention.wqkv rows are q, k, v stacked (formats 1 and 2)."""
-    layout = read_trainer_state(ckpt_dir)["backend"].get("layout")
-    return isinstance(layout, dict) and layout.get(QKV_KEY) == STACKED
-
-
-def regroup_qkv(state: dict[str, Any], cfg: ModelConfig) -> None:
-    """Every stacked wqkv tensor of `state` (a model state dict, or its optimizer state keyed
-    by parameter name: Adam's moments share the weight's rows) regrouped in place, plain
-    tensors and DTensors alike."""
-    heads, kv, dim = cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, cfg.d_model // cfg.n_heads
-    q, k, v = torch.arange((heads + 2 * kv) * dim).split([heads * dim, kv * dim, kv * dim])
-    # per kv head g: the rows of its query heads, of k head g, of v head g (model.fuse_qkv)
-    groups = (q.view(kv, -1), k.view(kv, dim), v.view(kv, dim))
-    order = torch.cat(groups, dim=1).flatten()
-
-    def visit(tree: Any, name: str) -> None:
-        if isinstance(tree, dict):
-            for key, value in tree.items():
-                visit(value, f"{name}.{key}" if name else str(key))
-        elif (
-            isinstance(tree, torch.Tensor)
-            and "attention.wqkv" in name
-            and tree.dim() == 2
-            and tree.size(0) == order.numel()
-        ):
-            _permute_rows(tree, order)
-
-    visit(state, "")
-
-
-def _permute_rows(t: torch.Tensor, order: torch.Tensor) -> None:
-    if hasattr(t, "full_tensor"):  # a DTensor: regroup the whole, then take this rank's part
-        from torch.distributed.tensor import distribute_tensor
-
-        full = t.full_tensor()[order.to(t.device)]
-        t.copy_(distribute_tensor(full, t.device_mesh, t.placements))
-    else:
-        t.copy_(t[order.to(t.device)])
+        return template
+    if (ckpt_dir / MODEL_WEIGHTS).is_file():
+        return load_file(ckpt_dir / MODEL_WEIGHTS)
+    raise UserError(
+        f"{ckpt_dir} holds no model weights ({DCP_DIR}/ or {MODEL_WEIGHTS}); "
+        f"point at a complete checkpoint directory"
+    )

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from scale_llm.components.checkpoint import DCP_DIR, regroup_qkv, stacked_qkv
+from scale_llm.components.checkpoint import DCP_DIR
 from scale_llm.components.distributed import is_distributed
 from scale_llm.components.loss import compiled_loss, cross_entropy
 from scale_llm.components.optim import build_optimizer, set_lr, step_if_finite
@@ -170,8 +170,6 @@ class Backend:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         state = {"model": model_sd, "optimizer": optim_sd}
         dcp_load(state, ckpt_dir / DCP_DIR, no_dist=not is_distributed())
-        if stacked_qkv(ckpt_dir):  # formats 1-2: the weights and Adam's moments regrouped
-            regroup_qkv(state, self.cfg.model)
         set_state_dict(
             self.model,
             self.optimizer,

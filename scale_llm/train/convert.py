@@ -3,14 +3,15 @@
 The file holds {"model": state_dict, "config": the run's resolved config, "step": N,
 "qkv_layout": "grouped"}; it loads with `torch.load(path, weights_only=True)` anywhere, without
 torch.distributed or DeepSpeed. "qkv_layout" says how attention.wqkv's rows are laid out:
-grouped by kv head (`scale_llm.model.split_qkv` takes q, k and v apart); files without it (from
-scale_llm before that layout) hold q, k and v stacked.
+grouped by kv head (`scale_llm.model.split_qkv` takes q, k and v apart). A file without it is
+an older convert's (q, k and v stacked, or unrecorded): --force does not replace it.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,6 +27,8 @@ from scale_llm.files import describe_kind, fsync_dir, require_writable_dir, temp
 from scale_llm.model import empty_state_dict
 
 QKV_LAYOUT = "grouped"  # attention.wqkv's rows, as the file says under "qkv_layout"
+OUTPUT_KEYS = {"model", "config", "step", "qkv_layout"}  # exactly what a convert output holds
+LAYOUT_SINCE = "14fc0dd of 2026-12-03"  # the first convert that wrote "qkv_layout"
 
 
 def convert(checkpoint: str | Path, out: str | Path, force: bool = False) -> tuple[Path, int]:
@@ -47,7 +50,7 @@ def convert(checkpoint: str | Path, out: str | Path, force: bool = False) -> tup
     try:
         with open(tmp, "xb") as f:
             saved = {"model": weights, "config": state["config"], "step": state["step"]}
-            torch.save({**saved, "qkv_layout": QKV_LAYOUT}, f)
+            torch.save({**saved, "qkv_layout": QKV_LAYOUT}, f)  # (OUTPUT_KEYS)
             f.flush()
             os.fsync(f.fileno())
         check_out(out, force)  # still absent, or still an earlier output, as checked at the start
@@ -78,18 +81,28 @@ def check_out(out: Path, force: bool) -> None:
             f"--out {out} already exists; pick another --out, or pass --force to replace it "
             f"(--force replaces only a file that scale-llm convert wrote)"
         )
-    if not is_convert_output(out):
+    saved = _read_mapping(out)
+    keys = set(saved) if saved is not None else set()
+    if keys == OUTPUT_KEYS - {"qkv_layout"}:
+        raise UserError(
+            f"--out {out} was written by scale-llm convert before {LAYOUT_SINCE} (no "
+            f"qkv_layout: q/k/v stacked, or not recorded); this scale_llm replaces only a file "
+            f"of its own layout (qkv_layout: {QKV_LAYOUT}), so --force leaves it alone: move "
+            f"it away, or pick another --out"
+        )
+    if keys != OUTPUT_KEYS or saved["qkv_layout"] != QKV_LAYOUT:
         raise UserError(
             f"--out {out} is not a file scale-llm convert wrote (it does not hold exactly "
-            f"model, config and step), so --force leaves it alone; pick another --out"
+            f"model, config, step and qkv_layout: {QKV_LAYOUT}), so --force leaves it alone; "
+            f"pick another --out"
         )
 
 
-def is_convert_output(path: Path) -> bool:
-    """A torch file holding exactly {"model", "config", "step"} (and, since the kv-head grouped
-    wqkv, "qkv_layout"), read through mmap: the tensors' bytes are not read."""
+def _read_mapping(path: Path) -> dict[str, Any] | None:
+    """A torch file's top-level mapping, read through mmap (the tensors' bytes are not read);
+    None for anything else."""
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:  # not a torch zip file, or one with objects outside the allow-list
-        return False
-    return isinstance(obj, dict) and set(obj) - {"qkv_layout"} == {"model", "config", "step"}
+        return None
+    return obj if isinstance(obj, dict) else None

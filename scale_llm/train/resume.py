@@ -1,11 +1,11 @@
 """What a resume checks in a checkpoint's trainer state before the trainer uses any of it.
 
-`components.checkpoint.read_trainer_state` brings a state of any format into the current one
-and checks what every reader of a checkpoint uses (the step, the saved model section, the
-tokenizer hash, the plan). Here: what only a resume reads
-(the data position, the random generators, the skipped-step counts, the backend's layout and
-the saved schedule), and whether the checkpoint belongs to the run that resumes it. Pure
-checks: each returns or raises, nothing is restored here.
+`components.checkpoint.read_trainer_state` reads a state of the current format only and checks
+what every reader of a checkpoint uses (the step, the saved model section, the tokenizer hash,
+the plan). Here: what only a resume reads (the data position, the random generators, the
+skipped-step counts, the backend's layout and the saved schedule), and whether the checkpoint
+belongs to the run that resumes it. Pure checks: each returns or raises, nothing is restored
+here.
 """
 
 from __future__ import annotations
@@ -130,10 +130,10 @@ def resume_state_problems(state: dict[str, Any]) -> list[str]:
         value = state[key]
         if not is_count(value) or value > step:
             out.append(f"{key}: {short(value, 40)} is not a count of steps within 0..{step}")
-    rng = state["rng"]  # (None: a format-1 checkpoint kept one process's generators only)
-    if not isinstance(rng, list | None):
+    rng = state["rng"]
+    if not isinstance(rng, list):
         out.append(f"rng: {short(rng, 40)} is not a list of every rank's generator states")
-    elif rng is not None:
+    else:
         out += _rng_problems(rng)
     backend = state["backend"]
     if not (
