@@ -277,20 +277,44 @@ def test_the_readme_carries_no_figure_that_drifts():
 
 # ----------------------------------------------------------------------------- guides and reports
 
-# A date or a commit id marks a measurement taken once: it lives in a report in benchmarks/ (with
-# its command, commit, date and hardware), and the guide in docs/ links to it.
+# A figure next to a date or a commit id is a measurement taken once: it lives in a report in
+# benchmarks/ (with its command, commit, date and hardware), and the guide in docs/ links to it. A
+# date or commit that only says when something changed ("checkpoints from before 1c59fbf") may stay.
 DATED = re.compile(r"\b20\d\d-\d\d-\d\d\b|\bcommits?\s+`?[0-9a-f]{7,40}\b", re.IGNORECASE)
+FIGURE = re.compile(
+    r"\b\d[\d,.]*\s?(?:ms|s|min|GiB|MiB|KiB|GB|MB|GB/s|TB/s|TFLOP/s|tok/s|tokens/s|%)(?![\w/])"
+    r"|\b\d(?:\.\d+)?e-\d+\b"  # a tolerance met: 9.5e-7
+)
+
+
+def dated_figures(text: str) -> list[str]:
+    """The paragraphs, list items and table rows of a markdown text (outside fences) that hold
+    both a date or commit id and a measured figure."""
+    blocks, block = [], []
+    for line in prose_lines(text) + [""]:
+        item = re.match(r"\s*(?:[-*]|\d+\.)\s", line)
+        if block and (not line.strip() or line.startswith("|") or item):
+            blocks.append(" ".join(block))
+            block = []
+        if line.startswith("|"):
+            blocks.append(line)
+        elif line.strip():
+            block.append(line)
+    return [b for b in blocks if DATED.search(b) and FIGURE.search(b)]
 
 
 def test_the_guides_carry_no_dated_measurement():
     """docs/memory.md had a table with commit, date and hardware columns, docs/backends.md parity
     tables "at commit 45e9c45 ... 2026-12-03": each true on one day. They moved to benchmarks/."""
-    assert DATED.search("Commit a1c2019; 2026-12-03") and DATED.search("at commit\n45e9c45")
-    assert not DATED.search("commit the checkpoint; 2^63; transformers#48163")
+    assert dated_figures("Measured (commit 83ae3f0,\n2026-12-03): 986.4 ms.\n\nNext.")
+    assert dated_figures("| ddp | 9.5e-7 | 07934fb | commit 07934fb |")
+    assert not dated_figures("Checkpoints from before 1c59fbf (2026-12-03) are refused.\n")
+    assert not dated_figures("A step of 543 ms.\n\nCommit abc1234 changed it.\n")
+    assert not dated_figures("- within 1e-5\n- refused before 1c59fbf (2026-12-03)\n")
     found = [
-        f"{md.relative_to(REPO).as_posix()}: {m.group(0)!r}"
+        f"{md.relative_to(REPO).as_posix()}: {b[:120]}"
         for md in sorted((REPO / "docs").glob("*.md"))
-        for m in DATED.finditer("\n".join(prose_lines(md.read_text())))
+        for b in dated_figures(md.read_text())
     ]
     assert not found, "dated measurements belong in benchmarks/ (link the report):\n" + "\n".join(
         found
