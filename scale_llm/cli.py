@@ -237,7 +237,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 def start_distributed(args: argparse.Namespace):
     """Load the config, resolve it against the launch into the run plan, then start the process
-    group. Every check that can fail on user input runs before any process group exists."""
+    group. The config's and the plan's checks run before any process group exists; what needs
+    the data, the run dir or the other ranks is the preflight's (train/preflight.py)."""
     from scale_llm.components.distributed import start
     from scale_llm.config.plan import launch_env, resolve_plan
 
@@ -261,7 +262,7 @@ def start_distributed(args: argparse.Namespace):
         parse_bytes(args.fit)  # a bad size is an error before any process group exists
     missing_packages(cfg, plan, args.command)
     start(plan, cpu_collectives=cfg.parallel.fsdp.cpu_offload)  # (validated: fsdp only)
-    return resolve_compile(cfg, plan), plan
+    return cfg, plan
 
 
 def missing_packages(cfg: Config, plan, command: str) -> None:
@@ -297,34 +298,6 @@ def missing_packages(cfg: Config, plan, command: str) -> None:
                 for key, module, how in missing
             )
         )
-
-
-def resolve_compile(cfg: Config, plan) -> Config:
-    """train.compile as true or false for this run, before the model is built: compiled blocks
-    need inductor's toolchain on this machine (one small function is compiled to find out).
-    Every rank must agree: one rank without it makes every rank run eager (auto) or stop
-    (true). Nothing below sees `auto`."""
-    from scale_llm.components.distributed import all_ranks_agree
-    from scale_llm.config import with_changes
-    from scale_llm.parallel.compile import toolchain_problem
-
-    if not compiles(cfg.train, plan.device.type, plan.tp_degree):
-        return with_changes(cfg, {"train.compile": False})
-    problem = toolchain_problem(plan.device)
-    if all_ranks_agree(problem is None, plan.device):
-        return with_changes(cfg, {"train.compile": True})
-    problem = problem or "another rank's machine cannot compile (its log says why)"
-    if cfg.train.compile is True:
-        raise UserError(
-            f"train.compile=true, but {problem}. Install it, or run the blocks eager: --set "
-            f"train.compile=false (or auto: eager with a warning where the toolchain is missing)"
-        )
-    log.warning(
-        "train.compile=auto: %s; the blocks run eager (slower on a GPU). Install it to compile "
-        "them, or set train.compile=false to run eager without this warning",
-        problem,
-    )
-    return with_changes(cfg, {"train.compile": False})
 
 
 def fit_at_launch(cfg: Config, plan, size: str):
@@ -619,6 +592,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         require_writable_dir(args.checkpoint_io, "--checkpoint-io")
     cfg, plan = start_distributed(args)
+    from scale_llm.train.preflight import settle_compile
+
+    cfg = settle_compile(cfg, plan)  # (bench builds its models itself)
     if args.checkpoint_io:
         from scale_llm.analysis.bench import bench_checkpoint
 

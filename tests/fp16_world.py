@@ -23,6 +23,7 @@ from scale_llm.components.distributed import start
 from scale_llm.config import load_config
 from scale_llm.config.plan import launch_env, resolve_plan
 from scale_llm.train.trainer import Trainer
+from tests.helpers import trainer_for
 
 RANK = int(os.environ.get("RANK", "0"))
 
@@ -31,7 +32,7 @@ def trainer(settings: list[str], name: str, *extra: str) -> Trainer:
     cfg = load_config(None, [*settings, f"run.name={name}", *extra])
     plan = resolve_plan(cfg, launch_env())
     start(plan)  # the process group (once), as the CLI does
-    return Trainer(cfg, plan)
+    return trainer_for(cfg, plan)
 
 
 def nan_loss_on_rank_1(tr: Trainer, steps: set[int]) -> None:

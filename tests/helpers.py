@@ -72,16 +72,32 @@ def prep_config(source: Path | str, out: Path | str, *extra: str) -> Config:
 
 def finished_run(data_dir: Path, root: Path, *overrides: str) -> Path:
     """Train `make_config(data_dir, root, *overrides)` to the end in this process; its run dir."""
-    from scale_llm.train.trainer import Trainer
-
     cfg = make_config(data_dir, root, *overrides)
-    Trainer(cfg, plan_for(cfg)).fit()
+    trainer_for(cfg).fit()
     return cfg.run_dir
 
 
 def plan_for(cfg: Config) -> RunPlan:
     """The plan of a one-process run of `cfg` in this process."""
     return resolve_plan(cfg, Launch())
+
+
+def trainer_for(cfg: Config, plan: RunPlan | None = None):
+    """The trainer of `cfg` (one process in this process, unless `plan` says otherwise), built
+    as `scale-llm train` builds it: preflight, then build."""
+    from scale_llm.train.preflight import preflight
+    from scale_llm.train.trainer import Trainer
+
+    return Trainer(preflight(cfg, plan or plan_for(cfg)))
+
+
+def init_weights(cfg, tokenizer_sha256, tokenizer_files_sha256=None):
+    """model.init_from's weights as a fresh run takes them: the folder checked against the
+    model and data.dir's tokenizer (the preflight's `check_init_from`), then loaded."""
+    from scale_llm.train.init_from import check_init_from, load_init_weights
+
+    folder = check_init_from(cfg, tokenizer_sha256, tokenizer_files_sha256)
+    return load_init_weights(cfg, folder)
 
 
 def batch_plan(micro_batch: int, grad_accum: int, world: int = 1, rank: int = 0) -> RunPlan:

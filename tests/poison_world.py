@@ -17,7 +17,7 @@ import torch.distributed as dist
 from scale_llm.components.distributed import start
 from scale_llm.config import load_config
 from scale_llm.config.plan import launch_env, resolve_plan
-from scale_llm.train.trainer import Trainer
+from tests.helpers import trainer_for
 
 
 def main(out: str, settings: list[str], cases: dict[str, list[str]], poisoned: list[int]) -> None:
@@ -28,7 +28,7 @@ def main(out: str, settings: list[str], cases: dict[str, list[str]], poisoned: l
         cfg = load_config(None, [*settings, f"run.name={name}", *overrides])
         plan = resolve_plan(cfg, launch_env())
         start(plan)  # the process group (once), as the CLI does
-        tr = Trainer(cfg, plan)
+        tr = trainer_for(cfg, plan)
         if rank == 1:
             loss_fn = tr.backend.loss_fn
 

@@ -22,9 +22,9 @@ from tests.helpers import (
     copy_run,
     finished_run,
     make_config,
-    plan_for,
     rewrite_state,
     stub_eval_tasks,
+    trainer_for,
     tree,
 )
 
@@ -42,7 +42,7 @@ def resume_auto(data_dir: Path, tmp_path: Path, *overrides: str) -> Trainer:
     cfg = make_config(
         data_dir, tmp_path / "runs", "checkpoint.every=2", "train.max_steps=6", *overrides
     )
-    return Trainer(cfg, plan_for(cfg))
+    return trainer_for(cfg)
 
 
 # ----------------------------------------------------------------------------- 1: old checkpoints
@@ -110,9 +110,9 @@ def init_model(data_dir: Path, tmp_path: Path, folder: Path):
 
 
 def test_a_good_export_still_inits(exported, data_dir, tmp_path):
-    from scale_llm.train.init_from import load_init_weights
+    from tests.helpers import init_weights
 
-    state = load_init_weights(init_model(data_dir, tmp_path, exported), None)
+    state = init_weights(init_model(data_dir, tmp_path, exported), None)
     assert all(t.dtype == torch.float32 for t in state.values())
 
 
@@ -145,7 +145,7 @@ def test_eval_reuses_an_export_only_of_the_same_checkpoint_bytes(data_dir, tmp_p
     cfg = make_config(
         data_dir, tmp_path / "runs", *common, "train.lr=5e-3", f"checkpoint.resume={step2}"
     )
-    Trainer(cfg, plan_for(cfg)).fit()
+    trainer_for(cfg).fit()
     assert export_for_eval(ckpt, run) == first
     assert (first / "config.json").stat().st_ino != made
     assert not torch.equal(load_st(first / "model.safetensors")["model.norm.weight"], old)

@@ -14,7 +14,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from scale_llm.train.trainer import Trainer
-from tests.helpers import make_config, plan_for
+from tests.helpers import make_config, plan_for, trainer_for
 
 STEPS = 4
 COMMON = [f"train.max_steps={STEPS}", "train.lr=1e-2", "activation_checkpointing.mode=full"]
@@ -22,7 +22,7 @@ COMMON = [f"train.max_steps={STEPS}", "train.lr=1e-2", "activation_checkpointing
 
 def fit(data_dir, root, name, *overrides) -> tuple[Trainer, dict[int, float]]:
     cfg = make_config(data_dir, root, f"run.name={name}", *COMMON, *overrides)
-    tr = Trainer(cfg, plan_for(cfg))
+    tr = trainer_for(cfg)
     return tr, tr.fit().losses
 
 
@@ -34,10 +34,10 @@ def eager(data_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def compiled(data_dir, tmp_path_factory):
     torch._dynamo.reset()
-    counters.clear()
     root = tmp_path_factory.mktemp("compiled")
     cfg = make_config(data_dir, root, "run.name=compiled", *COMMON, "train.compile=true")
-    tr = Trainer(cfg, plan_for(cfg))
+    tr = trainer_for(cfg)
+    counters.clear()  # (the preflight's toolchain probe compiled one function of its own)
     graphs = []
     step = tr.train_step
 
@@ -69,9 +69,9 @@ def test_compiled_resume_is_exact(data_dir, compiled):
     losses, _, _, root = compiled
     name = ["run.name=compiled-resumed", "train.compile=true"]
     cfg = make_config(data_dir, root, *name, *COMMON, "train.exit_at_step=2", "checkpoint.every=2")
-    Trainer(cfg, plan_for(cfg)).fit()
+    trainer_for(cfg).fit()
     cfg = make_config(data_dir, root, *name, *COMMON)
-    resumed = Trainer(cfg, plan_for(cfg))
+    resumed = trainer_for(cfg)
     assert resumed.step == 2
     again = resumed.fit().losses
     for step in (3, 4):
@@ -378,10 +378,10 @@ def test_compile_auto_compiles_on_a_gpu_only_and_falls_back_to_eager_with_a_warn
     with one warning, and true stops. (The GPU is the plan's device: nothing runs on it.)"""
     import dataclasses
 
-    from scale_llm import cli
     from scale_llm.config import load_config
     from scale_llm.errors import UserError
     from scale_llm.parallel import compile as compile_module
+    from scale_llm.train.preflight import settle_compile
     from tests.helpers import plan_for
 
     asked = []
@@ -393,19 +393,17 @@ def test_compile_auto_compiles_on_a_gpu_only_and_falls_back_to_eager_with_a_warn
     monkeypatch.setattr(compile_module, "toolchain_problem", missing)
     cfg = load_config(None, ["train.device=cpu"])
     cpu = plan_for(cfg)
-    assert cli.resolve_compile(cfg, cpu).train.compile is False and asked == []
+    assert settle_compile(cfg, cpu).train.compile is False and asked == []
     gpu = dataclasses.replace(cpu, device=torch.device("cuda", 0))
-    assert cli.resolve_compile(cfg, gpu).train.compile is False
+    assert settle_compile(cfg, gpu).train.compile is False
     assert "train.compile=auto: torch.compile cannot build kernels on cuda here" in logs.text
     assert asked == ["cuda"]
     strict = load_config(None, ["train.device=cpu", "train.compile=true"])
     with pytest.raises(UserError, match="train.compile=true, but torch.compile cannot build"):
-        cli.resolve_compile(strict, gpu)
+        settle_compile(strict, gpu)
     monkeypatch.setattr(compile_module, "toolchain_problem", lambda device: None)
-    assert cli.resolve_compile(cfg, gpu).train.compile is True
-    assert (
-        cli.resolve_compile(load_config(None, ["train.compile=false"]), gpu).train.compile is False
-    )
+    assert settle_compile(cfg, gpu).train.compile is True
+    assert settle_compile(load_config(None, ["train.compile=false"]), gpu).train.compile is False
 
 
 def test_ddp_runs_each_compiled_block_as_one_graph(tmp_path):

@@ -25,12 +25,12 @@ from scale_llm.data.shards import open_split, read_manifest
 from scale_llm.errors import UserError
 from scale_llm.export import export
 from scale_llm.generate import load_run, read_run_config
-from scale_llm.train.init_from import load_init_weights
 from tests.helpers import (
     TINY_MODEL,
     finished_run,
     first_batch_loss,
     greedy_texts,
+    init_weights,
     plan_for,
     random_texts,
     rows_of,
@@ -188,9 +188,9 @@ def test_init_from_refuses_weights_of_another_tokenizer_than_the_datas(continued
     data, run, again = continued
     tok = read_manifest(data)["tokenizer"]
     cfg = replace(read_run_config(run).model, init_from=str(again))
-    assert load_init_weights(cfg, tok["sha256"], tok["files_sha256"])  # the same files: fine
+    assert init_weights(cfg, tok["sha256"], tok["files_sha256"])  # the same files: fine
     with pytest.raises(UserError, match="tokenizer files differ .* set data.tokenizer="):
-        load_init_weights(cfg, tok["sha256"], "0" * 64)
+        init_weights(cfg, tok["sha256"], "0" * 64)
 
 
 def test_a_planted_file_name_in_the_tokenizer_bundle_is_refused(continued, tmp_path):

@@ -59,6 +59,7 @@ from tests.helpers import (
     plan_for,
     random_texts,
     snapshot,
+    trainer_for,
     tree,
     write_file,
     write_jsonl,
@@ -87,7 +88,7 @@ def exported(four_steps, tmp_path_factory) -> Path:
 
 def trainer(data_dir: Path, tmp_path: Path, *overrides: str) -> Trainer:
     cfg = make_config(data_dir, tmp_path / "runs", *overrides)
-    return Trainer(cfg, plan_for(cfg))
+    return trainer_for(cfg)
 
 
 def resume_auto(data_dir: Path, tmp_path: Path, *overrides: str) -> Trainer:
@@ -777,7 +778,7 @@ def test_init_from_config_fields_are_checked_for_json_type_and_range(
     case, exported, data_dir, tmp_path
 ):
     """ "false" was read as true, zero heads and infinities were tracebacks."""
-    from scale_llm.train.init_from import load_init_weights
+    from tests.helpers import init_weights
 
     folder = tmp_path / "hf"
     shutil.copytree(exported, folder)
@@ -786,7 +787,7 @@ def test_init_from_config_fields_are_checked_for_json_type_and_range(
     hf.update(changes)
     (folder / "config.json").write_text(json.dumps(hf))  # (inf / nan as Infinity / NaN)
     with pytest.raises(UserError) as e:
-        load_init_weights(init_model(data_dir, tmp_path, folder), None)
+        init_weights(init_model(data_dir, tmp_path, folder), None)
     assert str(folder) in str(e.value) and said in str(e.value), str(e.value)
     assert "config.json" in str(e.value)
 
@@ -796,7 +797,7 @@ def test_init_from_weights_must_be_finite_floats(case, exported, data_dir, tmp_p
     from safetensors.torch import load_file as load_st
     from safetensors.torch import save_file as save_st
 
-    from scale_llm.train.init_from import load_init_weights
+    from tests.helpers import init_weights
 
     folder = tmp_path / "hf"
     shutil.copytree(exported, folder)
@@ -806,7 +807,7 @@ def test_init_from_weights_must_be_finite_floats(case, exported, data_dir, tmp_p
     tensors[name] = change(tensors[name])
     save_st(tensors, str(folder / "model.safetensors"), {"format": "pt"})
     with pytest.raises(UserError) as e:
-        load_init_weights(init_model(data_dir, tmp_path, folder), None)
+        init_weights(init_model(data_dir, tmp_path, folder), None)
     msg = str(e.value)
     assert name in msg and str(folder / "model.safetensors") in msg and said in msg, msg
 
@@ -816,17 +817,17 @@ def test_init_from_errors_name_what_is_wrong(four_steps, exported, data_dir, tmp
 
     from scale_llm.data.shards import read_manifest
     from scale_llm.generate import read_run_config
-    from scale_llm.train.init_from import load_init_weights
+    from tests.helpers import init_weights
 
     good = replace(read_run_config(four_steps).model, init_from=str(exported))
     sha = read_manifest(data_dir)["tokenizer"]["sha256"]
     with pytest.raises(UserError, match="no such folder"):
-        load_init_weights(replace(good, init_from=str(tmp_path / "nope")), None)
+        init_weights(replace(good, init_from=str(tmp_path / "nope")), None)
     with pytest.raises(UserError, match="no config.json"):
-        load_init_weights(replace(good, init_from=str(tmp_path)), None)
+        init_weights(replace(good, init_from=str(tmp_path)), None)
     # a model section that differs: the key, both values, and the shapes it changes
     with pytest.raises(UserError) as e:
-        load_init_weights(replace(good, d_model=64), sha)
+        init_weights(replace(good, d_model=64), sha)
     assert "model.d_model=64" in str(e.value) and "has 32: set model.d_model=32" in str(e.value)
     assert "model.embed_tokens.weight: shape (512, 32) in the checkpoint, (512, 64)" in str(e.value)
     # one tensor of another shape (config.json as it should be)
@@ -837,7 +838,7 @@ def test_init_from_errors_name_what_is_wrong(four_steps, exported, data_dir, tmp
     save_st(tensors, bad / "model.safetensors", {"format": "pt"})
     wrong = r"model\.layers\.1\.mlp\.up_proj\.weight: shape \(64, 32\) in the checkpoint, "
     with pytest.raises(UserError, match=wrong + r"\(128, 32\) in the model"):
-        load_init_weights(replace(good, init_from=str(bad)), sha)
+        init_weights(replace(good, init_from=str(bad)), sha)
     # configurations the model cannot run: each field is named
     odd = tmp_path / "unsupported"
     shutil.copytree(exported, odd)
@@ -846,7 +847,7 @@ def test_init_from_errors_name_what_is_wrong(four_steps, exported, data_dir, tmp
     hf.update(hidden_act="gelu", mlp_bias=True)
     (odd / "config.json").write_text(json.dumps(hf))
     with pytest.raises(UserError) as e:
-        load_init_weights(replace(good, init_from=str(odd)), sha)
+        init_weights(replace(good, init_from=str(odd)), sha)
     for field in ("rope_scaling=", "attention_bias=True", "hidden_act='gelu'", "mlp_bias=True"):
         assert field in str(e.value)
     # weights another tokenizer learned
@@ -854,19 +855,19 @@ def test_init_from_errors_name_what_is_wrong(four_steps, exported, data_dir, tmp
     shutil.copytree(exported, other)
     (other / "tokenizer.model").write_bytes(b"not our tokenizer")
     with pytest.raises(UserError, match="differs from the tokenizer of data.dir"):
-        load_init_weights(replace(good, init_from=str(other)), sha)
+        init_weights(replace(good, init_from=str(other)), sha)
     # no weights at all
     empty = tmp_path / "no_weights"
     empty.mkdir()
     shutil.copy(exported / "config.json", empty)
     with pytest.raises(UserError, match="no weights found"):
-        load_init_weights(replace(good, init_from=str(empty)), None)
+        init_weights(replace(good, init_from=str(empty)), None)
 
 
 def test_init_from_a_pickled_folder_goes_through_the_safe_loader(four_steps, exported, tmp_path):
     from scale_llm.components.serialization import UnsafeCheckpoint
     from scale_llm.generate import read_run_config
-    from scale_llm.train.init_from import load_init_weights
+    from tests.helpers import init_weights
 
     folder = tmp_path / "bin"
     folder.mkdir()
@@ -875,8 +876,8 @@ def test_init_from_a_pickled_folder_goes_through_the_safe_loader(four_steps, exp
     torch.save(tensors, folder / "pytorch_model.bin")
     model = read_run_config(four_steps).model
     cfg = replace(model, init_from=str(folder))
-    state = load_init_weights(cfg, None)
-    expected = load_init_weights(replace(model, init_from=str(exported)), None)
+    state = init_weights(cfg, None)
+    expected = init_weights(replace(model, init_from=str(exported)), None)
     assert state.keys() == expected.keys()
     for name in state:
         assert state[name].dtype == expected[name].dtype, name
@@ -885,7 +886,7 @@ def test_init_from_a_pickled_folder_goes_through_the_safe_loader(four_steps, exp
     tensors["planted"] = Payload(marker)
     torch.save(tensors, folder / "pytorch_model.bin")
     with pytest.raises(UnsafeCheckpoint, match="pytorch_model.bin"):
-        load_init_weights(cfg, None)
+        init_weights(cfg, None)
     assert not marker.exists()
 
 

@@ -11,8 +11,17 @@ import pytest
 
 from scale_llm.errors import UserError
 from scale_llm.train.metrics import _tb_tag
-from scale_llm.train.trainer import Trainer
-from tests.helpers import REPO, common, make_config, plan_for, rows_of, run, sets, torchrun
+from tests.helpers import (
+    REPO,
+    common,
+    make_config,
+    plan_for,
+    rows_of,
+    run,
+    sets,
+    torchrun,
+    trainer_for,
+)
 
 pytest.importorskip("lm_eval")
 TASKS = REPO / "tests" / "data" / "eval_task"  # its data file is relative to the repository root
@@ -30,8 +39,8 @@ def test_tasks_run_at_their_steps_and_leave_the_loss_curve_alone(data_dir, tmp_p
         "eval.tasks_every=2",
         "eval.tasks_limit=4",
     )
-    expected = Trainer(plain, plan_for(plain)).fit().losses
-    assert Trainer(cfg, plan_for(cfg)).fit().losses == expected
+    expected = trainer_for(plain).fit().losses
+    assert trainer_for(cfg).fit().losses == expected
     rows = rows_of(cfg.run_dir)
     scored = [s for s, row in rows.items() if "eval/scale_llm_tiny_mc/acc" in row]
     assert scored == [2, 3]  # every 2 steps, and the last
@@ -47,7 +56,7 @@ def test_a_task_whose_data_is_missing_is_refused_before_any_work(data_dir, tmp_p
     (tasks / "gone.yaml").write_text(yaml.replace("tests/data/eval_task", str(tmp_path / "no")))
     cfg = make_config(data_dir, tmp_path, "eval.tasks=gone_mc", f"eval.tasks_include_path={tasks}")
     with pytest.raises(UserError, match=r"^eval.tasks gone_mc: lm-eval could not read"):
-        Trainer(cfg, plan_for(cfg))
+        trainer_for(cfg)
     assert not cfg.run_dir.exists()
 
 
@@ -134,7 +143,7 @@ def test_a_killed_launchs_scratch_export_is_removed_by_the_next_and_never_counte
     with monkeypatch.context() as killed:  # the folder stays, as after a SIGKILL
         killed.setattr(eval_tasks.shutil, "rmtree", lambda *args, **kw: None)
         cfg = make_config(data_dir, tmp_path, "train.max_steps=2", "eval.tasks=t")
-        Trainer(cfg, plan_for(cfg)).fit()
+        trainer_for(cfg).fit()
     (left,) = cfg.run_dir.glob(".eval-tasks-*")
     mine = cfg.run_dir / ".eval-tasks-mine"  # the same prefix, without eval.tasks' marker
     (mine / "export").mkdir(parents=True)
@@ -146,5 +155,5 @@ def test_a_killed_launchs_scratch_export_is_removed_by_the_next_and_never_counte
     assert blocks(left / "export") > 100_000  # the model's weights, the tokenizer
     assert disk_usage(cfg.run_dir) == blocks(cfg.run_dir) - blocks(left) - blocks(mine)
     again = make_config(data_dir, tmp_path, "train.max_steps=3", "eval.tasks=t")
-    Trainer(again, plan_for(again)).fit()
+    trainer_for(again).fit()
     assert not left.exists() and (mine / "export" / "notes.txt").read_text() == "keep"

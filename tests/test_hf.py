@@ -26,7 +26,6 @@ from scale_llm.errors import UserError
 from scale_llm.export import default_dtype, export, write_hf_folder
 from scale_llm.generate import generate, load_run, read_run_config
 from scale_llm.model import build_model
-from scale_llm.train.init_from import load_init_weights
 from tests.helpers import (
     BACKENDS,
     REPO,
@@ -34,11 +33,13 @@ from tests.helpers import (
     common,
     finished_run,
     first_batch_loss,
+    init_weights,
     plan_for,
     rows_of,
     run,
     sets,
     torchrun,
+    trainer_for,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -335,7 +336,7 @@ def test_import_then_export_is_bit_identical(dtype, run_dir, exported, data_dir,
         first = tmp_path / "first"
         export(run_dir, first, dtype="bf16")
     cfg = init_cfg(run_dir, first)
-    state = load_init_weights(cfg, sha(data_dir))
+    state = init_weights(cfg, sha(data_dir))
     info = json.loads((first / "scale_llm_export.json").read_text())
     info.pop("dtype")
     tok = Tokenizer(first / "tokenizer.model")
@@ -354,13 +355,12 @@ def test_a_run_from_init_from_starts_at_the_source_loss(run_dir, exported, their
     assert abs(rows_of(run)[1]["loss"] - source) <= 1e-5
     assert abs(rows_of(run_dir)[1]["loss"] - source) > 1e-2  # a fresh init starts elsewhere
     # a resume ignores init_from: the checkpoint's weights are newer
-    from scale_llm.train.trainer import Trainer
     from tests.helpers import make_config
 
     cfg = make_config(
         data_dir, root, "model.init_from=/nowhere", "train.max_steps=1", "run.name=init"
     )
-    assert Trainer(cfg, plan_for(cfg)).fit().complete
+    assert trainer_for(cfg).fit().complete
 
 
 @pytest.mark.parametrize("backend", ["ddp", "fsdp", "zero3"])

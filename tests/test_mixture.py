@@ -18,10 +18,10 @@ from tests.helpers import (
     batch_plan,
     logged,
     make_config,
-    plan_for,
     prep_config,
     random_texts,
     snapshot,
+    trainer_for,
 )
 
 WEIGHTS = {"web": 0.7, "code": 0.3}
@@ -141,7 +141,7 @@ def run(data_dir: Path, src: dict[str, Path], root: Path, *extra: str) -> Traine
         "data.prefetch=0",
         *extra,
     )
-    return Trainer(cfg, plan_for(cfg))
+    return trainer_for(cfg)
 
 
 def test_weights_per_source_losses_and_exact_resume(mixture, tmp_path):
@@ -365,7 +365,7 @@ def test_eval_perplexity_of_a_mixture_scores_each_source_as_training_does(
     one = make_config(
         data_dir / "web", tmp_path / "one", "model.vocab_size=400", "train.max_steps=1"
     )
-    one = Trainer(one, plan_for(one)).fit()  # a run of one source, the mixture's tokenizer
+    one = trainer_for(one).fit()  # a run of one source, the mixture's tokenizer
     assert main(["eval", str(one.run_dir), "--perplexity", str(data_dir)]) == 0
     ppl = json.loads(next((one.run_dir / "eval").glob("*.json")).read_text())["perplexity"]
     windows = {n: s["windows"] for n, s in ppl["sources"].items()}

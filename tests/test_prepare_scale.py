@@ -21,8 +21,7 @@ from scale_llm.data.prepare import prepare
 from scale_llm.data.shards import read_manifest
 from scale_llm.data.sources import Document
 from scale_llm.errors import UserError
-from scale_llm.train.trainer import Trainer
-from tests.helpers import make_config, plan_for, prep_config, random_texts
+from tests.helpers import make_config, prep_config, random_texts, trainer_for
 
 
 def corpus(tmp_path, n=60):
@@ -152,7 +151,7 @@ def test_shards_of_another_tokenizer_are_refused(tmp_path, data_dir, corpus_dir)
     # 2. resuming a run on data tokenized with a different tokenizer
     runs = tmp_path / "runs"
     first = make_config(data_dir, runs, "train.max_steps=1")
-    Trainer(first, plan_for(first)).fit()
+    trainer_for(first).fit()
     assert (runs / "test" / "tokenizer.model").read_bytes() == (
         data_dir / "tokenizer.model"
     ).read_bytes()  # the tokenizer travels with the run
@@ -171,7 +170,7 @@ def test_shards_of_another_tokenizer_are_refused(tmp_path, data_dir, corpus_dir)
     )
     with pytest.raises(UserError, match="its tokenizer differs"):
         again = make_config(retokenized, runs, "train.max_steps=2")
-        Trainer(again, plan_for(again))
+        trainer_for(again)
 
 
 def test_prepare_bench_prints_tokens_per_second(data_dir, corpus_dir, capsys, monkeypatch):

@@ -9,8 +9,7 @@ import pytest
 
 from scale_llm.config.profile import ProfileConfig
 from scale_llm.errors import UserError
-from scale_llm.train.trainer import Trainer
-from tests.helpers import make_config, plan_for
+from tests.helpers import make_config, trainer_for
 
 
 def test_profiled_run_writes_the_traced_step_and_keeps_the_loss_curve(data_dir, tmp_path):
@@ -24,8 +23,8 @@ def test_profiled_run_writes_the_traced_step_and_keeps_the_loss_curve(data_dir, 
         "train.profile.warmup_steps=1",
         "train.profile.active_steps=1",
     )
-    expected = Trainer(plain, plan_for(plain)).fit().losses
-    assert Trainer(traced, plan_for(traced)).fit().losses == expected
+    expected = trainer_for(plain).fit().losses
+    assert trainer_for(traced).fit().losses == expected
 
     folder = traced.run_dir / "profile"
     assert sorted(p.name for p in folder.iterdir()) == ["rank0_steps3-3.pt.trace.json"]
@@ -42,7 +41,7 @@ def test_memory_snapshot_on_a_cpu_run_is_refused_before_any_work(data_dir, tmp_p
     cfg = make_config(data_dir, tmp_path, "train.profile.memory_snapshot_step=2")
     # with the launch's checks, among the config's problems, before the trainer exists
     with pytest.raises(UserError, match=r"memory_snapshot_step=2: .* will not use a GPU; run on"):
-        Trainer(cfg, plan_for(cfg))
+        trainer_for(cfg)
     assert not cfg.run_dir.exists()
 
 
@@ -83,7 +82,7 @@ def test_a_stop_inside_the_traced_steps_writes_the_steps_that_ran(data_dir, tmp_
         "train.profile.active_steps=3",
     ]
     cfg = make_config(data_dir, tmp_path, "train.max_steps=6", "train.exit_at_step=4", *profile)
-    Trainer(cfg, plan_for(cfg)).fit()
+    trainer_for(cfg).fit()
     folder = cfg.run_dir / "profile"
     assert sorted(p.name for p in folder.iterdir()) == ["rank0_steps3-4.pt.trace.json"]
     events = json.loads((folder / "rank0_steps3-4.pt.trace.json").read_text())["traceEvents"]
@@ -91,7 +90,7 @@ def test_a_stop_inside_the_traced_steps_writes_the_steps_that_ran(data_dir, tmp_
     assert names == {"scale_llm step 3", "scale_llm step 4"}
 
     again = make_config(data_dir, tmp_path, "train.max_steps=6", *profile)
-    Trainer(again, plan_for(again)).fit()  # resumed at step 4: past the warm-up's step 2
+    trainer_for(again).fit()  # resumed at step 4: past the warm-up's step 2
     said = [line for line in logs if "not traced" in line]
     assert said == [
         "train.profile: not traced: this launch starts after step 4, and the profiler's "

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from scale_llm.components.checkpoint import Checkpointer
-from scale_llm.train.trainer import Trainer
 from tests.helpers import (
     BACKENDS,
+    SINGLE,
     SPLIT,
     TOL,
     common,
@@ -28,12 +28,30 @@ from tests.helpers import (
     plan_for,
     rows_of,
     run,
+    selected,
     sets,
+    split_run,
     torchrun,
+    trainer_for,
 )
 
 STEPS = 4
-SINGLE = ["train.micro_batch_size=8", "train.grad_accum=1"]  # the same 8 sequences per step
+STEP2 = "checkpoints/step_00000002"
+# name: (ranks, overrides, the 2-rank run whose step-2 checkpoint it resumes); the sources are
+# the session's straight runs (tests/test_distributed.py reads them too)
+MOVES = {
+    "ddp-to-fsdp": (2, [*BACKENDS["fsdp"], *SPLIT], "ddp"),
+    "ddp-to-single": (1, SINGLE, "ddp"),
+    "fsdp-2-to-1": (1, [*BACKENDS["fsdp"], "train.micro_batch_size=4", "train.grad_accum=2"], "fsdp"),
+    "zero2-to-ddp": (2, [*BACKENDS["ddp"], *SPLIT], "zero2"),
+    "ddp-to-zero3": (2, [*BACKENDS["zero3"], *SPLIT], "ddp"),
+}
+NEEDS = {  # test: the moves it makes
+    "test_dcp_checkpoints_move_between_backends_and_world_sizes": [
+        "ddp-to-fsdp", "ddp-to-single", "fsdp-2-to-1"
+    ],
+    "test_deepspeed_and_dcp_exchange_model_weights": ["zero2-to-ddp", "ddp-to-zero3"],
+}  # fmt: skip
 
 
 def train_cmd(nproc: int, *args: str) -> list[str]:
@@ -48,23 +66,28 @@ def root(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(data_dir, root):
-    """One process, 8 sequences per step, straight through (also defines the LR schedule)."""
-    run(train_cmd(1, *common(data_dir, root, "reference"), *sets(*SINGLE)), cwd=root)
-    return rows_of(root / "reference")
+def moved(runs, request):
+    """`moved(name)`: (console, metrics rows) of the move `name` (MOVES): its source's step-2
+    checkpoint resumed. The selected tests' sources train first, together, then their moves
+    (one launch per world size)."""
+    wanted = [m for test, names in NEEDS.items() for _ in selected(request, test) for m in names]
+    runs.start({f"{MOVES[m][2]}-split": split_run(MOVES[m][2]) for m in wanted})
 
+    def spec(name: str) -> tuple[int, list[str]]:
+        nproc, overrides, source = MOVES[name]
+        ckpt = runs.root / f"{source}-split" / STEP2
+        assert ckpt.is_dir(), ckpt  # (keep_last 2 keeps it beside step 4's)
+        return nproc, [*overrides, f"checkpoint.resume={ckpt}"]
 
-def stopped_at_2(data_dir: Path, root: Path, name: str, nproc: int, *overrides: str) -> Path:
-    args = [*common(data_dir, root, name), *sets(*overrides, "train.exit_at_step=2")]
-    run(train_cmd(nproc, *args), cwd=root)
-    return root / name / "checkpoints" / "step_00000002"
+    runs.start({m: spec(m) for m in wanted})
 
+    def get(name: str) -> tuple[str, dict[int, dict]]:
+        nproc, overrides = spec(name)
+        rows = runs(name, nproc, *overrides)
+        assert "at step 2" in runs.stdout[name]
+        return runs.stdout[name], rows
 
-def resume_from(ckpt: Path, data_dir: Path, root: Path, name: str, nproc: int, *overrides: str):
-    args = [*common(data_dir, root, name), *sets(*overrides, f"checkpoint.resume={ckpt}")]
-    proc = run(train_cmd(nproc, *args), cwd=root)
-    assert "at step 2" in proc.stdout
-    return proc, rows_of(root / name)
+    return get
 
 
 def same_steps(rows: dict, ref: dict, steps, tol: float = TOL) -> None:
@@ -75,54 +98,33 @@ def same_steps(rows: dict, ref: dict, steps, tol: float = TOL) -> None:
 # ----------------------------------------------------------------------------- portability
 
 
-def test_dcp_checkpoints_move_between_backends_and_world_sizes(data_dir, root, reference):
+def test_dcp_checkpoints_move_between_backends_and_world_sizes(moved, reference):
     """DDP (2 ranks) -> FSDP (2 ranks), -> one process, and FSDP (2 ranks) -> FSDP (1 rank):
     model and optimizer restored, so the curve continues as if never stopped."""
-    ddp = stopped_at_2(data_dir, root, "from-ddp", 2, *BACKENDS["ddp"], *SPLIT)
-    _, rows = resume_from(ddp, data_dir, root, "ddp-to-fsdp", 2, *BACKENDS["fsdp"], *SPLIT)
-    same_steps(rows, reference, range(3, STEPS + 1))
-    _, rows = resume_from(ddp, data_dir, root, "ddp-to-single", 1, *SINGLE)
-    same_steps(rows, reference, range(3, STEPS + 1))
-    fsdp = stopped_at_2(data_dir, root, "from-fsdp", 2, *BACKENDS["fsdp"], *SPLIT)
-    _, rows = resume_from(
-        fsdp,
-        data_dir,
-        root,
-        "fsdp-2-to-1",
-        1,
-        *BACKENDS["fsdp"],
-        "train.micro_batch_size=4",
-        "train.grad_accum=2",
-    )
-    same_steps(rows, reference, range(3, STEPS + 1))
+    for name in ("ddp-to-fsdp", "ddp-to-single", "fsdp-2-to-1"):
+        _, rows = moved(name)
+        same_steps(rows, reference, range(3, STEPS + 1))
 
 
-def test_deepspeed_and_dcp_exchange_model_weights(data_dir, root, reference):
+def test_deepspeed_and_dcp_exchange_model_weights(runs, moved, reference):
     """Across the DeepSpeed boundary the fp32 weights move exactly (the loss of step 3, computed
     with the restored weights, matches); the optimizer moments start again, as the log says."""
-    ds = stopped_at_2(data_dir, root, "from-zero2", 2, *BACKENDS["zero2"], *SPLIT)
-    assert (ds / "model.pt").is_file()
-    proc, rows = resume_from(ds, data_dir, root, "zero2-to-ddp", 2, *BACKENDS["ddp"], *SPLIT)
-    assert "loading its model weights only" in proc.stdout
-    same_steps(rows, reference, [3])
-    ddp = root / "from-ddp" / "checkpoints" / "step_00000002"
-    if not ddp.is_dir():
-        ddp = stopped_at_2(data_dir, root, "from-ddp", 2, *BACKENDS["ddp"], *SPLIT)
-    proc, rows = resume_from(ddp, data_dir, root, "ddp-to-zero3", 2, *BACKENDS["zero3"], *SPLIT)
-    assert "loading its model weights only" in proc.stdout
-    same_steps(rows, reference, [3])
+    assert (runs.root / "zero2-split" / STEP2 / "model.pt").is_file()
+    for name in ("zero2-to-ddp", "ddp-to-zero3"):
+        console, rows = moved(name)
+        assert "loading its model weights only" in console, name
+        same_steps(rows, reference, [3])
 
 
-def test_convert_writes_one_portable_file(data_dir, root, reference):
+def test_convert_writes_one_portable_file(runs, data_dir, root):
     import torch
 
     from scale_llm.components.checkpoint import load_model_weights
     from scale_llm.model import empty_state_dict
     from scale_llm.train.convert import convert
 
-    ddp = root / "from-ddp" / "checkpoints" / "step_00000002"
-    if not ddp.is_dir():
-        ddp = stopped_at_2(data_dir, root, "from-ddp", 2, *BACKENDS["ddp"], *SPLIT)
+    runs("ddp-split", *split_run("ddp"))
+    ddp = runs.root / "ddp-split" / "checkpoints" / "step_00000004"  # the run's latest
     out, n = convert(root / "from-ddp", root / "ddp-model.pt")
     blob = torch.load(out, weights_only=True)
     assert blob["step"] == 2 and blob["config"]["parallel"]["backend"] == "ddp"
@@ -253,7 +255,7 @@ def test_out_of_disk_in_a_background_write_is_the_foreground_saves_error(
     from scale_llm.errors import UserError
 
     cfg = make_config(data_dir, tmp_path, "checkpoint.every=2", "checkpoint.async_mode=async")
-    tr = Trainer(cfg, plan_for(cfg))
+    tr = trainer_for(cfg)
     write_item = fs._write_item
 
     def full_disk(transforms, stream, *args, **kwargs):
@@ -339,13 +341,13 @@ def test_resuming_an_older_checkpoint_moves_the_newer_ones_aside(data_dir, tmp_p
     reach of auto and pruning), and the new branch continues from the chosen step."""
     common = ["train.max_steps=4", "checkpoint.every=1", "checkpoint.keep_last=5"]
     cfg = make_config(data_dir, tmp_path / "runs", *common)
-    Trainer(cfg, plan_for(cfg)).fit()
+    trainer_for(cfg).fit()
     ckpts = cfg.run_dir / "checkpoints"
     old4 = (ckpts / "step_00000004" / "trainer.pt").read_bytes()
     branch = make_config(
         data_dir, tmp_path / "runs", *common, f"checkpoint.resume={ckpts / 'step_00000002'}"
     )
-    tr = Trainer(branch, plan_for(branch))
+    tr = trainer_for(branch)
     assert tr.step == 2 and "starts a new branch" in logs.text
     (aside,) = ckpts.glob("abandoned-*")
     assert sorted(p.name for p in aside.iterdir()) == ["step_00000003", "step_00000004"]
@@ -356,7 +358,7 @@ def test_resuming_an_older_checkpoint_moves_the_newer_ones_aside(data_dir, tmp_p
     again = make_config(data_dir, tmp_path / "runs", *common)
     assert Checkpointer(cfg.run_dir, 5).latest() == ckpts / "step_00000004"
     assert (ckpts / "step_00000004" / "trainer.pt").read_bytes() != old4
-    assert Trainer(again, plan_for(again)).complete
+    assert trainer_for(again).complete
     assert sorted(p.name for p in aside.iterdir()) == ["step_00000003", "step_00000004"]
 
 
@@ -431,7 +433,7 @@ def test_a_saved_checkpoints_record_equals_hashing_its_files_afterwards(data_dir
     from scale_llm.components.checkpoint import INTEGRITY, damage, integrity_record
 
     cfg = make_config(data_dir, tmp_path, "train.max_steps=2", "checkpoint.every=2")
-    Trainer(cfg, plan_for(cfg)).fit()
+    trainer_for(cfg).fit()
     ckpt = Checkpointer(Path(cfg.run.dir) / cfg.run.name, 1).latest()
     record = json.loads((ckpt / INTEGRITY).read_text())["files"]
     assert record == integrity_record(ckpt) and "dcp/__0_0.distcp" in record

@@ -279,15 +279,15 @@ def test_a_hub_cache_snapshot_is_read_through_its_blob_links(
     from scale_llm.data.pretrained_tokenizer import build_bundle
     from scale_llm.data.shards import read_manifest
     from scale_llm.generate import read_run_config
-    from scale_llm.train.init_from import load_init_weights
+    from tests.helpers import init_weights
 
     snapshot = hub_cache_entry(exported, tmp_path)
     assert all(p.is_symlink() for p in snapshot.iterdir())
     assert build_bundle(snapshot)[0] == build_bundle(exported)[0]
     model = read_run_config(good_run).model
     sha = read_manifest(data_dir)["tokenizer"]["sha256"]
-    theirs = load_init_weights(replace(model, init_from=str(snapshot)), sha)
-    ours = load_init_weights(replace(model, init_from=str(exported)), sha)
+    theirs = init_weights(replace(model, init_from=str(snapshot)), sha)
+    ours = init_weights(replace(model, init_from=str(exported)), sha)
     assert theirs.keys() == ours.keys() and all(theirs[k].equal(ours[k]) for k in ours)
 
 

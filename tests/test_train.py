@@ -17,12 +17,12 @@ from scale_llm.config import TrainConfig, load_config
 from scale_llm.errors import UserError
 from scale_llm.model import build_model
 from scale_llm.train.trainer import Trainer
-from tests.helpers import finished_run, make_config, plan_for
+from tests.helpers import finished_run, make_config, plan_for, trainer_for
 
 
 def trainer(data_dir, tmp_path, *overrides) -> Trainer:
     cfg = make_config(data_dir, tmp_path / "runs", *overrides)
-    return Trainer(cfg, plan_for(cfg))
+    return trainer_for(cfg)
 
 
 def capture_grads(tr: Trainer) -> dict[str, torch.Tensor]:
@@ -441,7 +441,7 @@ def test_effective_batch_is_printed(data_dir, tmp_path, logs):
 def test_the_run_dir_keeps_auto_and_the_plan_keeps_what_it_resolved_to(data_dir, tmp_path):
     cfg = make_config(data_dir, tmp_path / "runs", "train.precision=auto", "train.max_steps=1")
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch_size=8))
-    result = Trainer(cfg, plan_for(cfg)).fit()
+    result = trainer_for(cfg).fit()
     written = load_config(result.run_dir / "config.yaml")
     assert written.parallel.backend == "auto" and written.train.precision == "auto"
     assert written.train.global_batch_size == 8 and written.train.grad_accum == 1
@@ -517,12 +517,11 @@ def test_extending_a_run_warns_about_an_lr_jump_unless_the_schedule_extends(
 ):
     """Issue 13: --train_steps 150 after 30 jumped the LR silently. Now a resume whose settings
     give another LR at that step warns once with both values; wsd before its decay does not."""
-    from scale_llm.train.trainer import Trainer
 
     first = ["train.max_steps=10", "train.exit_at_step=3", f"train.lr_schedule={schedule}"]
     finished_run(data_dir, tmp_path, *first)
     cfg = make_config(data_dir, tmp_path, "train.max_steps=30", f"train.lr_schedule={schedule}")
-    trainer = Trainer(cfg, plan_for(cfg))
+    trainer = trainer_for(cfg)
     trainer.loader.close()
     trainer.lock.release()
     assert trainer.step == 3

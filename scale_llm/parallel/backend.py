@@ -131,14 +131,10 @@ class Backend:
 
     # ----------------------------------------------------------------- state
     def checkpoint_layout(self) -> dict[str, Any]:
-        """An opaque description of how `save` lays out model and optimizer, stored with the
-        checkpoint; only this backend's `can_restore` interprets it."""
-        return {"format": "dcp"}
-
-    def can_restore(self, layout: dict[str, Any]) -> bool:
-        """Whether a checkpoint with this layout restores model and optimizer exactly here; if
-        not, only its model weights are loaded."""
-        return layout.get("format") == "dcp"
+        """How `save` lays out model and optimizer, stored with the checkpoint
+        (`checkpoint_layout`, below: a function of the plan, so a resume is judged before any
+        backend exists)."""
+        return checkpoint_layout(self.cfg, self.plan)
 
     def loss_scale(self) -> float | None:
         """fp16's current loss scale (a host sync; logging steps only), None without one."""
@@ -176,6 +172,22 @@ class Backend:
             model_state_dict=state["model"],
             optim_state_dict=state["optimizer"],
         )
+
+
+def checkpoint_layout(cfg: Config, plan: RunPlan) -> dict[str, Any]:
+    """How the plan's backend lays out model and optimizer in a checkpoint: DCP (one
+    process, DDP and FSDP2 alike, any world size) or DeepSpeed's own files, which restore only
+    onto the same ZeRO stage and world size."""
+    if plan.backend == "deepspeed":
+        stage = cfg.parallel.deepspeed.zero_stage
+        return {"format": "deepspeed", "zero_stage": stage, "world_size": plan.world_size}
+    return {"format": "dcp"}
+
+
+def restores_exactly(cfg: Config, plan: RunPlan, layout: Any) -> bool:
+    """Whether a checkpoint of `layout` restores model and optimizer exactly under `plan`'s
+    backend; if not, only its model weights are loaded (see docs/backends.md)."""
+    return layout == checkpoint_layout(cfg, plan)
 
 
 def build_backend(cfg: Config, plan: RunPlan) -> Backend:

@@ -165,18 +165,6 @@ class DeepSpeedBackend(Backend):
             scale = getattr(getattr(engine.optimizer, "loss_scaler", None), "cur_scale", None)
         return None if scale is None else float(scale)
 
-    def checkpoint_layout(self) -> dict:
-        return {
-            "format": "deepspeed",
-            "zero_stage": self.cfg.parallel.deepspeed.zero_stage,
-            "world_size": self.plan.world_size,
-        }
-
-    def can_restore(self, layout: dict) -> bool:
-        """DeepSpeed's own format restores exactly only onto the same ZeRO stage and world size;
-        from anything else the model weights are loaded (see docs/backends.md)."""
-        return layout == self.checkpoint_layout()
-
     def save(self, ckpt_dir: Path, background: BackgroundSave | None = None) -> None:
         """The engine's checkpoint, plus consolidated fp32 weights (`model.pt`) that any backend,
         `generate` and `convert` can read without DeepSpeed. Always in the foreground: the

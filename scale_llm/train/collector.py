@@ -11,26 +11,30 @@ frozen out of every scan. `train.gc_every: 0` leaves Python's automatic collecti
 from __future__ import annotations
 
 import gc
-from types import TracebackType
+from typing import TYPE_CHECKING
+
+from scale_llm.train.callbacks import Callback, StepEnd
+
+if TYPE_CHECKING:
+    from scale_llm.train.trainer import Trainer
 
 
-class GarbageCollector:
+class GarbageCollector(Callback):
     def __init__(self, every: int):
         self.every = every
         self.collecting = False  # inside one of our collections (the test's witness)
         self._was_enabled = gc.isenabled()
 
-    def __enter__(self) -> GarbageCollector:
+    def start(self, trainer: Trainer) -> None:
         if self.every:
             self._was_enabled = gc.isenabled()
             gc.disable()
             self.collect(2)
             gc.freeze()  # the objects of the set-up: never scanned again
-        return self
 
-    def step_done(self, step: int) -> None:
+    def step_end(self, trainer: Trainer, s: StepEnd) -> None:
         """At the end of an optimizer step: the young generations every `every` steps."""
-        if self.every and step % self.every == 0:
+        if self.every and s.step % self.every == 0:
             self.collect(1)
 
     def before_checkpoint(self) -> None:
@@ -44,12 +48,7 @@ class GarbageCollector:
         finally:
             self.collecting = False
 
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def end(self, trainer: Trainer, failing: bool) -> None:
         if self.every:
             gc.unfreeze()
             if self._was_enabled:

@@ -9,7 +9,10 @@ import signal
 import threading
 from pathlib import Path
 
+from scale_llm.analysis.memory import estimate
 from scale_llm.components.checkpoint import Checkpointer
+from scale_llm.config import Config
+from scale_llm.config.plan import RunPlan
 from scale_llm.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -135,3 +138,28 @@ def maybe_fail(point: str, step: int, rank: int) -> None:
     if fault is not None and fault[:2] == (point, step) and fault[2] in (None, rank):
         log.warning("fault injection: killing rank %d at %s of step %d", rank, point, step)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def out_of_memory(error: Exception, cfg: Config, plan: RunPlan, step: int) -> str:
+    """The one paragraph a device's out-of-memory error in step `step + 1` becomes: what ran
+    out, what the estimate says of these settings, and the ways to fit."""
+    import torch
+
+    est, gib = estimate(cfg, plan), 2**30
+    what = str(error).strip().splitlines()[0] if str(error).strip() else "out of memory"
+    size, capacity = "SIZE", ""
+    if plan.device.type == "cuda":
+        total = torch.cuda.get_device_properties(plan.device).total_memory
+        size, capacity = f"{total / gib:.0f}GiB", f" of its {total / gib:.1f} GiB"
+    config = cfg.run_dir / "config.yaml"
+    return (
+        f"rank {plan.rank} ran out of {plan.device.type.upper()} memory{capacity} in step "
+        f"{step + 1} ({what}). The estimate for these settings is {est.gpu['total'] / gib:,.1f} "
+        f"GiB per device (micro-batch {plan.micro_batch_size} x seq_len {cfg.model.seq_len}, "
+        f"activation_checkpointing.mode={cfg.activation_checkpointing.mode}, backend "
+        f"{plan.backend}, {plan.world_size} process(es)); `scale-llm estimate {config} --fit "
+        f"{size}` prints settings that fit, as --set overrides, and `train --fit auto` applies "
+        f"them at launch. By hand: a smaller train.micro_batch_size (with train.grad_accum "
+        f"raised to keep the batch), activation_checkpointing.mode=full, or "
+        f"parallel.backend=fsdp to shard the model over more GPUs."
+    )

@@ -30,18 +30,18 @@ WHAT = "model.init_from"
 MAX_SHAPE_LINES = 8
 
 
-def load_init_weights(
+def check_init_from(
     cfg: ModelConfig, tokenizer_sha256: str | None, tokenizer_files_sha256: str | None = None
-) -> dict[str, torch.Tensor]:
-    """Our full state dict from the folder `cfg.init_from`, after checking it fits `cfg`.
-    `tokenizer_sha256`: data.dir's tokenizer file; `tokenizer_files_sha256`: the digest of the
-    folder data.tokenizer named, when prepare encoded data.dir with a model's tokenizer."""
+) -> Path:
+    """The folder `cfg.init_from`, after checking that it fits `cfg` and holds the tokenizer
+    of data.dir: `tokenizer_sha256` is data.dir's tokenizer file's, `tokenizer_files_sha256` the
+    digest of the folder data.tokenizer named, when prepare encoded data.dir with a model's
+    tokenizer. Reads the config and the tensors' shapes, not the weights."""
     folder = Path(cfg.init_from)
     hf_config = read_hf_config(folder, WHAT)
     values, problems = from_hf_config(hf_config)
     problems += config_problems(cfg, values, f"{folder}/config.json")
-    weights = HFWeights(folder, WHAT)
-    shapes = shape_problems(cfg, weights.shapes())
+    shapes = shape_problems(cfg, HFWeights(folder, WHAT).shapes())
     problems += shapes[:MAX_SHAPE_LINES]
     if len(shapes) > MAX_SHAPE_LINES:
         problems.append(f"... and {len(shapes) - MAX_SHAPE_LINES} more tensors")
@@ -52,7 +52,12 @@ def load_init_weights(
             + "\n  - ".join(problems)
             + "\nMake the model section match the checkpoint, or pick another folder."
         )
-    state = from_hf(cfg, weights.get)
+    return folder
+
+
+def load_init_weights(cfg: ModelConfig, folder: Path) -> dict[str, torch.Tensor]:
+    """Our full state dict from `folder` (checked by `check_init_from`), as fp32 on the CPU."""
+    state = from_hf(cfg, HFWeights(folder, WHAT).get)
     log.info(
         "init_from: %s: %.2fM parameters loaded (the optimizer starts from zero)",
         folder,

@@ -1,18 +1,205 @@
-"""The trainer's checks of what is already on disk, run before any work: pure functions that
-read the file system and raise a UserError naming the path and the fix, so that a run dir the
-loop could not write into stops at launch, not at the first save after hours of training."""
+"""The one preflight: every check that can be known before work, in one report, and the frozen
+description of the run they establish (`RunSpec`), which the trainer only builds and loops.
+
+`preflight(cfg, plan)` reads (the data manifest and shards, the tokenizer, the checkpoint a
+resume would take, an init_from folder, the run dir and its lock, eval.tasks' registry, this
+host's memory and compiler) and writes nothing. Each group of checks reads what the earlier ones
+established; a group whose input failed is skipped (the failure is already in the report).
+Every rank runs it; the ranks agree on the verdict before any of them builds, so one rank's
+problem stops every rank with a message, not a hang in the first collective.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sized
+import logging
+from collections.abc import Callable, Sized
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from scale_llm.config import Config
+from scale_llm.analysis.memory import check_host_memory
+from scale_llm.components.distributed import all_ranks_agree
+from scale_llm.components.optim import lr_at
+from scale_llm.config import Config, compiles, with_changes
 from scale_llm.config.plan import RunPlan
+from scale_llm.data.loader import TrainLoader
+from scale_llm.data.mixture import TrainingData, check_epochs, open_training_data
 from scale_llm.data.pretrained_tokenizer import BUNDLE_FILE, vocab_problem
 from scale_llm.errors import UserError
-from scale_llm.files import describe_kind
+from scale_llm.files import describe_kind, require_writable_dir
+from scale_llm.parallel import compile as block_compile
+from scale_llm.train.eval_tasks import TaskEval
+from scale_llm.train.guards import check_fault_spec
+from scale_llm.train.init_from import check_init_from
+from scale_llm.train.lock import RunLock
+from scale_llm.train.profiling import check_profile
+from scale_llm.train.resume import Resume, choose_resume
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What the trainer builds, every part checked: nothing here is `auto` or unread."""
+
+    cfg: Config  # train.compile settled to true or false for this machine
+    plan: RunPlan
+    data: TrainingData  # the windows of data.dir (a mixture: each source's)
+    tokenizer: Path  # data.dir's tokenizer file (the run dir gets a copy)
+    resume: Resume | None  # the checkpoint this launch continues, its state checked
+    init_from: Path | None  # a Hugging Face folder whose weights start a fresh run
+    tasks: TaskEval  # eval.tasks, looked up (none: nothing to run)
+
+    @property
+    def complete(self) -> bool:
+        """The run already reached train.max_steps: the launch says so and writes nothing."""
+        return self.resume is not None and self.resume.step >= self.cfg.train.max_steps
+
+
+class Report:
+    """The problems of one preflight: each check runs, its UserError is kept, and the launch
+    stops once with all of them."""
+
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+
+    def check(self, fn: Callable[..., T], *args: Any) -> T | None:
+        try:
+            return fn(*args)
+        except UserError as e:
+            self.problems.append(str(e))
+            return None
+
+    def raise_if_any(self, plan: RunPlan) -> None:
+        """Stop every rank when any rank has a problem (each rank with its own, or a line
+        saying another rank's message tells)."""
+        if all_ranks_agree(not self.problems, plan.device):
+            return
+        if not self.problems:
+            raise UserError(
+                "another rank found problems that stop this launch before any work (its "
+                "message says what they are, and how to fix them)"
+            )
+        if len(self.problems) == 1:
+            raise UserError(self.problems[0])
+        raise UserError(
+            f"{len(self.problems)} problems stop this launch before any work:\n  - "
+            + "\n  - ".join(self.problems)
+        )
+
+
+def preflight(cfg: Config, plan: RunPlan) -> RunSpec:
+    """Check everything a run of `cfg` under `plan` can be known to need, writing nothing;
+    the RunSpec the trainer builds from, or one UserError naming every problem."""
+    check_fault_spec()  # a malformed SCALE_LLM_FAULT: before anything else
+    report = Report()
+    data = report.check(open_training_data, cfg)  # manifest, mixture, shards, tokenizer
+    tokenizer = Path(cfg.data.dir) / data.manifest["tokenizer"]["file"] if data else None
+    if data is not None:
+        report.check(check_data_fits, cfg, plan, data)
+    if plan.is_main:
+        report.check(check_run_dir_state, cfg)
+    resume = report.check(choose_resume, cfg, plan, data.manifest) if data else None
+    init_from = None
+    if data is not None and cfg.model.init_from:
+        if resume is None:
+            tok = data.manifest["tokenizer"]
+            init_from = report.check(
+                check_init_from, cfg.model, tok["sha256"], tok.get("files_sha256")
+            )
+        else:
+            log.info("init_from: not used: resuming %s (newer weights)", resume.checkpoint)
+    report.check(check_host_memory, cfg, plan)
+    report.check(check_profile, cfg.train.profile, plan, cfg.run_dir)
+    tasks = report.check(TaskEval, cfg, plan, tokenizer)  # every rank: they agree on it
+    cfg = report.check(settle_compile, cfg, plan) or cfg  # every rank: they agree on it
+    report.raise_if_any(plan)
+    spec = RunSpec(cfg, plan, data, tokenizer, resume, init_from, tasks)
+    if plan.is_main and not spec.complete:
+        warn_about_warmup(cfg)
+        warn_about_validation(cfg, plan, data)
+    return spec
+
+
+# ----------------------------------------------------------------------------- the data
+def check_data_fits(cfg: Config, plan: RunPlan, data: TrainingData) -> None:
+    """data.dir can feed this model and this batch for train.max_steps."""
+    check_vocab(cfg, data.manifest)
+    check_windows(cfg, plan, data.train, min(data.val.values(), key=len))
+    loader = TrainLoader(data.train, plan, cfg.run.seed, 0, data.sources, cfg.data.repeat)
+    check_epochs(cfg, loader, data, plan.is_main)  # data.repeat; a mixture's epochs printed
+
+
+def warn_about_validation(cfg: Config, plan: RunPlan, data: TrainingData) -> None:
+    """Validation smaller than one evaluation (eval.steps global batches): each window is
+    scored once, so an evaluation scores fewer sequences than asked; said once, here."""
+    e, per_batch = cfg.eval, plan.sequences_per_step
+    asked = e.steps * per_batch
+    small = {name or "data.dir": len(w) for name, w in data.val.items() if len(w) < asked}
+    if not (e.every and e.steps and small):
+        return
+    held = ", ".join(f"{n:,} in {name}" for name, n in small.items())
+    whole = min(small.values()) // per_batch  # whole global batches the smallest holds
+    log.warning(
+        "eval: eval.steps=%d global batches of %d sequences ask for %d validation windows, "
+        "but there are fewer (%s): each evaluation scores those once each; prepare more "
+        "validation data (data.val_fraction)%s",
+        e.steps,
+        per_batch,
+        asked,
+        held,
+        f" or set eval.steps={whole} to score whole batches" if whole else "",
+    )
+
+
+def warn_about_warmup(cfg: Config) -> None:
+    """warmup >= max_steps: the LR never reaches train.lr (fine for smoke runs; say so)."""
+    t = cfg.train
+    if t.warmup_steps >= t.max_steps:
+        log.warning(
+            "train.warmup_steps=%d >= train.max_steps=%d: the learning rate rises to %.3g "
+            "at the last step (train.lr=%g) and never decays; fine for a smoke run",
+            t.warmup_steps,
+            t.max_steps,
+            lr_at(t.max_steps - 1, t),
+            t.lr,
+        )
+
+
+# ----------------------------------------------------------------------------- the run dir
+def check_run_dir_state(cfg: Config) -> None:
+    """The run dir can be written (new, empty or a run's; each name of the kind the run
+    writes) and no live launch holds it. Main rank: it alone writes there."""
+    require_writable_dir(cfg.run_dir, "run.dir / run.name")
+    check_run_dir(cfg.run_dir)
+    RunLock(cfg.run_dir).check()
+
+
+# ----------------------------------------------------------------------------- compile
+def settle_compile(cfg: Config, plan: RunPlan) -> Config:
+    """train.compile as true or false for this run: compiled blocks need inductor's toolchain
+    on this machine (one small function is compiled to find out). Every rank must agree: one
+    rank without it makes every rank run eager (auto) or stop (true). Nothing below sees
+    `auto`."""
+    if not compiles(cfg.train, plan.device.type, plan.tp_degree):
+        return with_changes(cfg, {"train.compile": False})
+    problem = block_compile.toolchain_problem(plan.device)
+    if all_ranks_agree(problem is None, plan.device):
+        return with_changes(cfg, {"train.compile": True})
+    problem = problem or "another rank's machine cannot compile (its log says why)"
+    if cfg.train.compile is True:
+        raise UserError(
+            f"train.compile=true, but {problem}. Install it, or run the blocks eager: --set "
+            f"train.compile=false (or auto: eager with a warning where the toolchain is missing)"
+        )
+    log.warning(
+        "train.compile=auto: %s; the blocks run eager (slower on a GPU). Install it to compile "
+        "them, or set train.compile=false to run eager without this warning",
+        problem,
+    )
+    return with_changes(cfg, {"train.compile": False})
+
 
 METRICS_FILE = "metrics.jsonl"  # one JSON object per logged step
 WANDB_ID_FILE = "wandb-id.txt"  # the W&B run id, so that a resumed run logs to the same run
@@ -135,30 +322,3 @@ def check_windows(cfg: Config, plan: RunPlan, train: Sized, val: Sized) -> None:
             f"model.seq_len {cfg.model.seq_len}: every step would repeat the data; lower "
             f"train.grad_accum or train.micro_batch_size, or prepare more data"
         )
-
-
-def out_of_memory(error: Exception, cfg: Config, plan: RunPlan, step: int) -> str:
-    """The one paragraph a device's out-of-memory error in step `step + 1` becomes: what ran
-    out, what the estimate says of these settings, and the ways to fit."""
-    import torch
-
-    from scale_llm.analysis.memory import estimate
-
-    est, gib = estimate(cfg, plan), 2**30
-    what = str(error).strip().splitlines()[0] if str(error).strip() else "out of memory"
-    size, capacity = "SIZE", ""
-    if plan.device.type == "cuda":
-        total = torch.cuda.get_device_properties(plan.device).total_memory
-        size, capacity = f"{total / gib:.0f}GiB", f" of its {total / gib:.1f} GiB"
-    config = cfg.run_dir / "config.yaml"
-    return (
-        f"rank {plan.rank} ran out of {plan.device.type.upper()} memory{capacity} in step "
-        f"{step + 1} ({what}). The estimate for these settings is {est.gpu['total'] / gib:,.1f} "
-        f"GiB per device (micro-batch {plan.micro_batch_size} x seq_len {cfg.model.seq_len}, "
-        f"activation_checkpointing.mode={cfg.activation_checkpointing.mode}, backend "
-        f"{plan.backend}, {plan.world_size} process(es)); `scale-llm estimate {config} --fit "
-        f"{size}` prints settings that fit, as --set overrides, and `train --fit auto` applies "
-        f"them at launch. By hand: a smaller train.micro_batch_size (with train.grad_accum "
-        f"raised to keep the batch), activation_checkpointing.mode=full, or "
-        f"parallel.backend=fsdp to shard the model over more GPUs."
-    )

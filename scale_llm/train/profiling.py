@@ -1,6 +1,6 @@
 """train.profile: `torch.profiler` traces of chosen steps and a CUDA memory snapshot, per rank.
 
-The loop calls `step_done(step, last)` at the end of each optimizer step (after its logging,
+A callback of the loop: `step_end` runs at the end of each optimizer step (after its logging,
 eval and checkpoint, which belong to the step). Each step runs inside a `record_function` named
 `scale_llm step N`, so the trace names the run's own step numbers. Traces are written as
 `RUN_DIR/<folder>/rank<R>_steps<A>-<B>.pt.trace.json` (the name TensorBoard's profiler plugin
@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,6 +22,10 @@ from scale_llm.config.plan import RunPlan
 from scale_llm.config.profile import ProfileConfig
 from scale_llm.errors import UserError
 from scale_llm.files import describe_kind
+from scale_llm.train.callbacks import Callback, StepEnd
+
+if TYPE_CHECKING:
+    from scale_llm.train.trainer import Trainer
 
 log = logging.getLogger(__name__)
 SNAPSHOT_ENTRIES = 100_000  # allocator events kept (torchtitan's default)
@@ -45,7 +49,7 @@ def check_profile(p: ProfileConfig, plan: RunPlan, run_dir: Path) -> None:
         )
 
 
-class StepProfiler:
+class StepProfiler(Callback):
     """A context around the loop: traces the configured steps and writes the memory snapshot."""
 
     def __init__(self, p: ProfileConfig, plan: RunPlan, run_dir: Path, start_step: int):
@@ -65,12 +69,11 @@ class StepProfiler:
             )
             self.snapshot_step = None
 
-    def __enter__(self) -> StepProfiler:
+    def start(self, trainer: Trainer) -> None:
         if self.snapshot_step is not None:
             torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_ENTRIES)
         if self.p.enabled:
             self._start_trace()
-        return self
 
     def _start_trace(self) -> None:
         p, first = self.p, self.p.start_step - self.p.warmup_steps
@@ -111,9 +114,12 @@ class StepProfiler:
             self.step_label.__exit__(None, None, None)
             self.step_label = None
 
+    def step_end(self, trainer: Trainer, s: StepEnd) -> None:
+        """Optimizer step `s.step` (its logging, eval and checkpoint included) is over."""
+        self.step_done(s.step, last=bool(s.stop) or s.step == trainer.cfg.train.max_steps)
+
     def step_done(self, step: int, last: bool = False) -> None:
-        """Optimizer step `step` (its logging, eval and checkpoint included) is over; `last`:
-        the launch runs no further step (a stop, or train.max_steps)."""
+        """`last`: the launch runs no further step (a stop, or train.max_steps)."""
         self.last_step = step
         if self.prof is not None:
             if last or step >= self.p.start_step + self.p.active_steps - 1:
@@ -156,7 +162,7 @@ class StepProfiler:
         self.prof.stop()  # inside the traced steps (a stop, an error): what was traced is written
         self.prof = None
 
-    def __exit__(self, *exc: object) -> None:
+    def end(self, trainer: Trainer, failing: bool) -> None:
         if self.prof is not None:
             self._stop_trace()
         if self.snapshot_step is not None:  # stopped before the snapshot's step

@@ -12,15 +12,25 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from scale_llm.components.checkpoint import TRAINER_STATE, is_count, saved_section
+from scale_llm.components.checkpoint import (
+    TRAINER_STATE,
+    Checkpointer,
+    is_count,
+    read_trainer_state,
+    resolve_resume,
+    saved_section,
+)
 from scale_llm.components.optim import SCHEDULE_KEYS, lr_at
 from scale_llm.config import Config, TrainConfig, get_key, run_defining_keys, short, to_dict
+from scale_llm.config.plan import RunPlan
 from scale_llm.errors import UserError
+from scale_llm.parallel.backend import restores_exactly
 
 MT_KEYS = 624  # numpy's MT19937 state: 624 words and a position in [0, 624]
 
@@ -273,3 +283,31 @@ def schedule_change(state: dict[str, Any], now: TrainConfig, step: int) -> str |
         f"the LR schedule changed ({', '.join(changed) or 'settings'}): the LR at step {step} "
         f"is {new:.3g}, not the {old:.3g} the checkpoint's settings give{wsd}"
     )
+
+
+@dataclass(frozen=True)
+class Resume:
+    """The checkpoint a launch continues: its trainer state (every field checked) and whether
+    this backend restores model and optimizer from its files exactly (else the weights only)."""
+
+    checkpoint: Path
+    state: dict[str, Any]
+    exact: bool
+
+    @property
+    def step(self) -> int:
+        return int(self.state["step"])
+
+
+def choose_resume(cfg: Config, plan: RunPlan, manifest: dict[str, Any]) -> Resume | None:
+    """checkpoint.resume's choice (auto: the newest good checkpoint of the run dir), its state
+    read and checked, and refused when it belongs to another run than `cfg` on data.dir's
+    tokenizer (`manifest`); None for a fresh start."""
+    checkpoints = Checkpointer(cfg.run_dir, cfg.checkpoint.keep_last, plan.is_main)
+    ckpt = resolve_resume(cfg.checkpoint.resume, checkpoints)
+    if ckpt is None:
+        return None
+    state = read_trainer_state(ckpt)
+    check_resume_state(state, ckpt, cfg, manifest["tokenizer"]["sha256"], checkpoints.dir)
+    check_finished_run(state, ckpt, cfg)  # other settings: a new run
+    return Resume(ckpt, state, restores_exactly(cfg, plan, state["backend"]["layout"]))

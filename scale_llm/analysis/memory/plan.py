@@ -128,8 +128,8 @@ def _resolves(cfg: Config, world: int) -> bool:
 def world_for_estimate(cfg: Config, config: str | None) -> tuple[int, str | None]:
     """The world size `estimate` predicts for when neither --world-size nor $WORLD_SIZE says:
     parallel.world_size (the layout the config is written for), else 1; and a line saying so
-    (None for 1 where the backend does not shard). A layout that needs more than one GPU and documents no world is a
-    UserError giving the command that works."""
+    (None for 1 where the backend does not shard). A layout that needs more than one GPU and
+    states no world is a UserError giving the command that works."""
     name = config or "the default config"
     documented = cfg.parallel.world_size
     if documented is not None:

@@ -1,0 +1,261 @@
+"""What happens around a training step: small callbacks on the loop (`Trainer.fit`).
+
+After each optimizer step the loop hands a `StepEnd` to every callback, in order. A callback
+reads the trainer (model, backend, loader, clock, cadence) and may add to the step's metric row;
+`WriteMetrics`, near the end, writes the row. `start` runs before the first step and `end` after
+the last (also when the loop fails). Adding something around the step is adding a callback here,
+not editing the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from scale_llm.components.distributed import mean_over_ranks
+from scale_llm.components.hardware import cuda_memory_gib
+from scale_llm.data.loader import TokenWindows, eval_batches
+from scale_llm.data.tokenizer import load_tokenizer
+from scale_llm.train.guards import TrainingDiverged, diverged_message
+
+if TYPE_CHECKING:
+    from scale_llm.train.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepEnd:
+    """One finished optimizer step, as the callbacks see it."""
+
+    step: int
+    loss: torch.Tensor  # this rank's, on the device (read on logging steps only)
+    grad_norm: torch.Tensor  # the global pre-clip norm, on the device
+    lr: float
+    stop: str | None  # why the launch stops after this step (every rank agrees), or None
+    row: dict[str, Any] = field(default_factory=dict)  # the step's metric row, if any
+
+
+class Callback:
+    """A hook on the loop; each method does nothing unless overridden."""
+
+    def start(self, trainer: Trainer) -> None:
+        """Before the first step of this launch."""
+
+    def step_end(self, trainer: Trainer, s: StepEnd) -> None:
+        """After each optimizer step."""
+
+    def end(self, trainer: Trainer, failing: bool) -> None:
+        """After the last step of this launch, or when the loop fails (`failing`)."""
+
+
+class TrainMetrics(Callback):
+    """Logging steps (and a stop's step, so that its checkpoint, `runs` and the done: line
+    name one step): loss, LR, gradient norm, tokens/s and MFU to the row and the console."""
+
+    def step_end(self, trainer: Trainer, s: StepEnd) -> None:
+        if not (trainer.cadence.logs(s.step) or s.stop):
+            return
+        tokens_per_s = trainer.clock.tokens_per_s(s.step)
+        row = {
+            "loss": mean_over_ranks(s.loss).item(),
+            "lr": s.lr,
+            "grad_norm": s.grad_norm.item(),
+            "tokens_per_s": tokens_per_s,
+            "tokens": trainer.plan.tokens_per_step * s.step,
+            "skipped_steps": int(trainer.skipped_steps.item()),
+        }
+        for name, sequences in trainer.loader.drawn().items():  # a mixture's, cumulative
+            row[f"tokens/{name}"] = sequences * trainer.cfg.model.seq_len
+        scale = trainer.backend.loss_scale()
+        if scale is not None:  # fp16: halved by an overflow, doubled after 2000 good steps
+            row["loss_scale"] = scale
+        if trainer.peak_flops:
+            per_gpu = tokens_per_s / trainer.plan.world_size / trainer.peak_flops
+            row["mfu"] = trainer.flops_per_token * per_gpu
+            row["mfu_causal"] = trainer.causal_flops_per_token * per_gpu
+        max_steps = trainer.cfg.train.max_steps
+        log.info(
+            "step %d/%d (%s) | loss %.4f | lr %.2e | grad_norm %.3f | %.0f tok/s%s | %s",
+            s.step,
+            max_steps,
+            f"{s.step / max_steps:.0%}",
+            row["loss"],
+            s.lr,
+            row["grad_norm"],
+            tokens_per_s,
+            f" | mfu {row['mfu']:.1%} (causal {row['mfu_causal']:.1%})" if "mfu" in row else "",
+            trainer.clock.progress(s.step),
+        )
+        trainer.result.losses[s.step] = row["loss"]
+        trainer.result.grad_norms[s.step] = row["grad_norm"]
+        s.row.update(row)
+
+
+class NaNGuard(Callback):
+    """Runs of skipped (non-finite) steps: counted on the device every step (no host sync),
+    read on logging steps and before checkpoints; train.max_bad_steps of them in a row stop the
+    run (TrainingDiverged, exit 3) naming the last checkpoint of good weights."""
+
+    def step_end(self, trainer: Trainer, s: StepEnd) -> None:
+        if trainer.cadence.logs(s.step) or s.stop:
+            self.check(trainer)
+
+    def check(self, trainer: Trainer) -> None:
+        streak = int(trainer.bad_streak.item())
+        step, cfg = trainer.step, trainer.cfg
+        if streak >= cfg.train.max_bad_steps:
+            trainer.checkpointer.wait(failing=True)  # a save in flight is published (and prunes)
+            saved = trainer.checkpointer.complete()  # before the message names the newest
+            good = step - streak  # the last step whose update was applied
+            holds = good if saved and saved[-1][0] > good else None  # saved inside the streak
+            trainer.metrics.log(step, {"stopped": "diverged"})  # (what `scale-llm runs` reads)
+            raise TrainingDiverged(
+                diverged_message(
+                    streak,
+                    step,
+                    cfg.train.lr,
+                    trainer.plan.precision,
+                    cfg.data.dir,
+                    saved[-1][1] if saved else None,
+                    holds,
+                )
+            )
+        if streak:
+            log.warning(
+                "step %d: %d consecutive steps skipped (non-finite loss or gradients)",
+                step,
+                streak,
+            )
+
+
+class Validation(Callback):
+    """Evaluation steps: the mean loss over eval.steps global batches of validation windows
+    (each window scored once per evaluation), over all ranks; a mixture's per source, and their
+    mean weighted by data.sources."""
+
+    def step_end(self, trainer: Trainer, s: StepEnd) -> None:
+        if not trainer.cadence.evaluates(s.step):
+            return
+        losses = self.evaluate(trainer)
+        val = trainer.result.val_losses[s.step] = s.row["val_loss"] = losses.pop("")
+        s.row["val_perplexity"] = math.exp(min(val, 80.0))
+        s.row.update({f"val_loss/{n}": v for n, v in losses.items()})
+        log.info(
+            "step %d | val_loss %.4f | val_perplexity %.2f", s.step, val, s.row["val_perplexity"]
+        )
+        if losses:
+            shown = " | ".join(f"{n} {v:.4f}" for n, v in losses.items())
+            log.info("step %d | val_loss by source: %s", s.step, shown)
+
+    @torch.no_grad()
+    def evaluate(self, trainer: Trainer) -> dict[str, float]:
+        """{"": the validation loss, and a mixture's sources by name}."""
+        trainer.model.eval()
+        losses = {name: self._loss(trainer, w) for name, w in trainer.data.val.items()}
+        trainer.model.train()
+        sources = trainer.data.sources
+        if sources is None:
+            return losses
+        return {"": sum(sources[n][0] * loss for n, loss in losses.items()), **losses}
+
+    def _loss(self, trainer: Trainer, windows: TokenWindows) -> float:
+        """The mean loss of the windows one evaluation scores, each once (`eval_batches`: the
+        rows of a batch in part past the last window are run, not scored), over all ranks."""
+        backend = trainer.backend
+        total = torch.zeros(2, device=trainer.device)  # (sum of window losses, windows)
+        for inputs, targets, rows in eval_batches(windows, trainer.plan, trainer.cfg.eval.steps):
+            with backend.forward_context():
+                logits = trainer.model(inputs)  # every rank, every batch: the same collectives
+                if rows:
+                    part = logits if rows == len(inputs) else logits[:rows]
+                    total[0] += backend.loss_fn(part, targets[:rows]) * rows
+            total[1] += rows
+        loss_sum, scored = mean_over_ranks(total).tolist()  # (a ratio of sums: means will do)
+        return loss_sum / scored
+
+
+class Samples(Callback):
+    """Sample steps: a greedy continuation of eval.sample_prompt, decoded on every rank in
+    lockstep.
+
+    Every forward is a full seq_len window (right-padded: causal attention never sees the
+    padding), so sharded backends run the same collectives on each rank; with train.compile the
+    prompt row is repeated to (micro_batch_size, seq_len), the shape the blocks were compiled
+    for; a fixed number of tokens is generated (no early stop that ranks could disagree on), and
+    the text is cut at the first EOS."""
+
+    def step_end(self, trainer: Trainer, s: StepEnd) -> None:
+        if trainer.cadence.samples(s.step):
+            s.row["samples_text"] = self.sample(trainer)
+            log.info("step %d | sample: %r", s.step, s.row["samples_text"][:200])
+
+    def sample(self, trainer: Trainer) -> str:
+        cfg, backend = trainer.cfg, trainer.backend
+        tokenizer = load_tokenizer(trainer.spec.tokenizer)
+        T = cfg.model.seq_len
+        ids = tokenizer.encode(cfg.eval.sample_prompt, bos=True)[-(T - 1) :]
+        rows = trainer.plan.micro_batch_size if backend.compile else 1  # compiled: its shape
+        window = torch.full((rows, T), tokenizer.eos_id, dtype=torch.long)
+        window[:, : len(ids)] = torch.tensor(ids)
+        window, filled, new = window.to(trainer.device), len(ids), []
+        trainer.model.eval()
+        for _ in range(cfg.eval.sample_tokens):
+            with torch.no_grad(), backend.forward_context():
+                logits = backend.logits_for_sampling(trainer.model(window))
+            token = int(logits[0, filled - 1].float().argmax().item())
+            new.append(token)
+            if filled < T:
+                window[:, filled] = token
+                filled += 1
+            else:  # a full window slides: the oldest token leaves
+                window = torch.roll(window, -1, dims=1)
+                window[:, -1] = token
+        trainer.model.train()
+        if tokenizer.eos_id in new:
+            new = new[: new.index(tokenizer.eos_id)]
+        return cfg.eval.sample_prompt + tokenizer.decode(new)
+
+
+class TaskScores(Callback):
+    """eval.tasks' steps: lm-eval's scores of the model (rank 0 evaluates; every rank gathers
+    the weights, a collective where the model is sharded)."""
+
+    def step_end(self, trainer: Trainer, s: StepEnd) -> None:
+        tasks = trainer.spec.tasks
+        if tasks.due(s.step):
+            s.row.update(tasks.run(trainer.model, trainer.run_dir, s.step))
+
+
+class WriteMetrics(Callback):
+    """A step with a metric row: the row (with the peak CUDA memory so far) to metrics.jsonl,
+    TensorBoard and W&B (main rank)."""
+
+    def step_end(self, trainer: Trainer, s: StepEnd) -> None:
+        if s.row:
+            s.row.update(cuda_memory_gib(trainer.device))
+            trainer.metrics.log(s.step, s.row)
+            trainer.clock.row_written(s.step)
+
+    def end(self, trainer: Trainer, failing: bool) -> None:
+        trainer.metrics.close()
+
+
+class Checkpoints(Callback):
+    """checkpoint.every, the last step and a stop's step: a checkpoint (after Python's full
+    collection); at the end, a save still being written is published (an error exit logs its
+    failure) and the host copy kept for background saves is freed."""
+
+    def step_end(self, trainer: Trainer, s: StepEnd) -> None:
+        if trainer.cadence.checkpoints(s.step) or s.stop:
+            trainer.collector.before_checkpoint()
+            trainer.result.checkpoint = trainer.save_checkpoint()
+
+    def end(self, trainer: Trainer, failing: bool) -> None:
+        trainer.checkpointer.wait(failing=failing)
+        if trainer.background and trainer.background.stager:
+            trainer.background.stager.close()
