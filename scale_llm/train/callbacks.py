@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -22,10 +22,10 @@ from scale_llm.data.loader import TokenWindows, eval_batches
 from scale_llm.data.tokenizer import load_tokenizer
 from scale_llm.train.guards import TrainingDiverged, diverged_message
 
-if TYPE_CHECKING:
-    from scale_llm.train.trainer import Trainer
-
 log = logging.getLogger(__name__)
+# The trainer (train/trainer.py) whose loop calls the callbacks; that module imports this one,
+# so the type is named, not imported.
+Trainer = Any
 
 
 @dataclass

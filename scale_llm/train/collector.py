@@ -11,12 +11,8 @@ frozen out of every scan. `train.gc_every: 0` leaves Python's automatic collecti
 from __future__ import annotations
 
 import gc
-from typing import TYPE_CHECKING
 
-from scale_llm.train.callbacks import Callback, StepEnd
-
-if TYPE_CHECKING:
-    from scale_llm.train.trainer import Trainer
+from scale_llm.train.callbacks import Callback, StepEnd, Trainer
 
 
 class GarbageCollector(Callback):

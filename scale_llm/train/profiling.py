@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -22,10 +22,7 @@ from scale_llm.config.plan import RunPlan
 from scale_llm.config.profile import ProfileConfig
 from scale_llm.errors import UserError
 from scale_llm.files import describe_kind
-from scale_llm.train.callbacks import Callback, StepEnd
-
-if TYPE_CHECKING:
-    from scale_llm.train.trainer import Trainer
+from scale_llm.train.callbacks import Callback, StepEnd, Trainer
 
 log = logging.getLogger(__name__)
 SNAPSHOT_ENTRIES = 100_000  # allocator events kept (torchtitan's default)
