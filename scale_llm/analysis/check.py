@@ -64,7 +64,7 @@ from scale_llm.files import (
     read_json,
     remove_owned_dir,
 )
-from scale_llm.train.trainer import Trainer
+from scale_llm.train.trainer import train
 
 log = logging.getLogger(__name__)
 YAML = Path(__file__).resolve().parents[2] / "yaml"
@@ -394,7 +394,7 @@ def curve_row(
     near."""
     cfg = with_changes(cfg, changes)
     fresh_start(torch.device(cfg.train.device))  # (the curves name their device)
-    losses = Trainer(cfg, resolve_plan(cfg, Launch())).fit().losses
+    losses = train(cfg, resolve_plan(cfg, Launch())).losses
     if not reference:
         reference.append(losses)
     first, last = losses[min(losses)], losses[max(losses)]
