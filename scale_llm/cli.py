@@ -167,6 +167,12 @@ def _config_parser(sub) -> None:
         action="store_true",
         help="where the shipped configs and launchers are (in a checkout or an installed wheel)",
     )
+    p.add_argument(
+        "--preflight",
+        action="store_true",
+        help="run train's preflight for this machine (data, run dir, resume, init_from, memory, "
+        "toolchain, eval.tasks) and print its verdict; writes nothing",
+    )
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -193,7 +199,27 @@ def cmd_config(args: argparse.Namespace) -> int:
         return 0
     from scale_llm.config import dump_yaml
 
-    print(dump_yaml(config_from_args(args)), end="")
+    cfg = config_from_args(args)
+    if args.preflight:
+        return preflight_verdict(cfg)
+    print(dump_yaml(cfg), end="")
+    return 0
+
+
+def preflight_verdict(cfg: Config) -> int:
+    """`config --preflight`: what `train` would find before any work, on this machine as one
+    process; one line when it would start, the report (exit 2) when it would not."""
+    from scale_llm.config.plan import Launch, resolve_plan
+    from scale_llm.train.preflight import preflight
+
+    spec = preflight(cfg, resolve_plan(cfg, Launch()))
+    if spec.resume is None:
+        start = "a fresh run" + (f" from {spec.init_from}" if spec.init_from else "")
+    elif spec.complete:
+        start = f"nothing to do: {spec.resume.checkpoint} is at train.max_steps"
+    else:
+        start = f"resumes {spec.resume.checkpoint} at step {spec.resume.step}"
+    print(f"preflight: ok: {start}; run dir {cfg.run_dir}")
     return 0
 
 

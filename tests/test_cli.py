@@ -990,3 +990,25 @@ def test_estimate_of_a_layout_that_needs_more_gpus_gives_the_command_that_works(
     assert capsys.readouterr().out.startswith(
         "world size 1 (the default), though parallel.backend=fsdp shards over the GPUs; "
     )
+
+
+def test_config_preflight_says_what_train_would_find_and_writes_nothing(
+    data_dir, tmp_path, capsys
+):
+    """`scale-llm config CONFIG --preflight` runs train's preflight: one line when the run would
+    start, every problem in one report (exit 2) when it would not; no run dir is made."""
+    from scale_llm.cli import main
+    from tests.helpers import TINY_MODEL
+
+    runs = tmp_path / "runs"
+    args = [*(f"--set={s}" for s in TINY_MODEL), f"--set=data.dir={data_dir}"]
+    assert main(["config", *args, f"--set=run.dir={runs}", "--preflight"]) == 0
+    assert capsys.readouterr().out == f"preflight: ok: a fresh run; run dir {runs}/defaults\n"
+    assert not runs.exists()
+    (tmp_path / "afile").write_text("mine")
+    bad = [*args, f"--set=data.dir={tmp_path / 'nope'}", f"--set=run.dir={tmp_path / 'afile'}"]
+    assert main(["config", *bad, "--preflight"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: 2 problems stop this launch before any work:\n  - data.dir=")
+    assert "holds no prepared shards" in err and "is a file, not a directory" in err
+    assert (tmp_path / "afile").read_text() == "mine"
