@@ -1,23 +1,19 @@
-"""Files the commands write: durable writes, publication by rename, ownership, and locks.
-
-The one place for how scale_llm writes to disk, so every command keeps the same promises:
-- a file or folder appears complete or not at all (written under a temporary name, flushed to
-  disk, renamed into place, the directory entry flushed too);
-- a command deletes or replaces only what it can prove it created: a folder carrying the marker
-  `mark_owned` wrote (with the kind of thing it is), or a name the command itself just made;
-- one process at a time builds a folder or trains in a run dir (`OwnerLock`);
-- a folder a user names is read without running its Python or following links out of it.
+"""How scale_llm writes to disk: a file appears complete or not at all (temporary name, fsync,
+rename); a command removes only what its marker proves it made; one process at a time holds a
+folder (`OwnerLock`); a user's folder is read without running its Python or leaving it by a link.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import json
 import logging
 import os
 import shutil
 import socket
+import stat
 import tempfile
 import time
 from collections.abc import Iterator
@@ -29,7 +25,6 @@ from scale_llm.errors import UserError
 log = logging.getLogger(__name__)
 
 
-# ----------------------------------------------------------------------------- durable writes
 def fsync_file(path: Path | str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -59,8 +54,7 @@ def temporary_sibling(path: Path, tag: str = "tmp") -> Path:
 
 
 def atomic_write_bytes(path: Path | str, data: bytes) -> None:
-    """Write `data` to `path` atomically and durably: readers see the old file or the new one.
-    A symlink or a special file at `path` is not written through: it is an error."""
+    """Readers see the old file or the new one; a symlink or special file there is refused."""
     path = Path(path)
     if path.is_symlink() or (path.exists() and not path.is_file()):
         raise UserError(
@@ -98,25 +92,25 @@ def new_file_mode() -> int:
 
 def describe_kind(path: Path) -> str:
     """'a symlink', 'a directory', 'a named pipe', ... for messages about a path's type."""
-    if path.is_symlink():
-        return "a symlink"
-    if path.is_dir():
-        return "a directory"
-    if path.is_fifo():
-        return "a named pipe"
-    if path.is_socket():
-        return "a socket"
-    if path.is_block_device() or path.is_char_device():
-        return "a device"
-    if path.is_file():
-        return "a file"
+    for test, kind in _KINDS:
+        if test(path):
+            return kind
     return "missing"
 
 
+_KINDS = (
+    (Path.is_symlink, "a symlink"),
+    (Path.is_dir, "a directory"),
+    (Path.is_fifo, "a named pipe"),
+    (Path.is_socket, "a socket"),
+    (lambda p: p.is_block_device() or p.is_char_device(), "a device"),
+    (Path.is_file, "a file"),
+)
+
+
 def unwritable_dir(path: Path | str) -> tuple[Path, str] | None:
-    """Why `path` is not, and cannot become, a writable directory: (the first existing part of
-    the path, "file" when it is not a directory or "read-only" when this user cannot write
-    there); None when it is or can be made one."""
+    """(the first existing part of `path`, "file" or "read-only") when `path` is not and cannot
+    become a writable directory; None when it is or can."""
     existing = Path(path).absolute()
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
@@ -128,12 +122,10 @@ def unwritable_dir(path: Path | str) -> tuple[Path, str] | None:
 
 
 def require_writable_dir(path: Path | str, key: str) -> None:
-    """Before any work: `path` (the value of config key `key`) is, or can become, a writable
-    directory. Names the first existing part of the path that is a file or read-only."""
-    problem = unwritable_dir(path)
-    if problem is None:
+    """Before any work: `path` (config key `key`) is, or can become, a writable directory."""
+    existing, why = unwritable_dir(path) or (None, None)
+    if why is None:
         return
-    existing, why = problem
     if why == "file":
         raise UserError(
             f"{key}={path}: {existing} is a file, not a directory; point {key} at a directory "
@@ -145,11 +137,8 @@ def require_writable_dir(path: Path | str, key: str) -> None:
     )
 
 
-# ----------------------------------------------------------------------------- reading JSON
-# Every JSON file or line the project reads goes through `parse_json`: bounded in size and in
-# nesting, so a hostile file gives one UserError (or a skipped line), never a MemoryError or a
-# RecursionError from the decoder. What the project writes nests at most ~6 deep; Hugging Face
-# configs and tokenizer files about 10.
+# Every JSON the project reads goes through `parse_json`, bounded in size and nesting: a hostile
+# file gives a UserError, never a MemoryError or RecursionError (ours nest ~6 deep, HF's ~10).
 MAX_JSON_DEPTH = 64
 MAX_JSON_BYTES = 1 << 30  # 1 GiB: a Hugging Face tokenizer.json is ~10 MB, a manifest ~1 MB
 
@@ -174,7 +163,7 @@ def parse_json(text: str | bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
 
 
 def _depth_above(value: Any, limit: int) -> bool:
-    """Whether `value` nests more than `limit` containers deep (iteratively: no recursion)."""
+    """Whether `value` nests more than `limit` containers deep (no recursion)."""
     stack = [(value, 1)]
     while stack:
         item, depth = stack.pop()
@@ -194,10 +183,9 @@ def read_json(
     max_bytes: int = MAX_JSON_BYTES,
     max_depth: int = MAX_JSON_DEPTH,
 ) -> Any:
-    """The JSON value of the regular file `path`, which must be a `kind` (dict or list).
-    Anything else (missing, not a regular file, larger than `max_bytes`, not UTF-8 JSON, nested
-    deeper than `max_depth`, another type) is a UserError naming the file, `what` it is, and
-    `fix`. A symlink is followed (the Hub cache links its blobs); a FIFO is never opened."""
+    """The JSON value of the regular file `path`, which must be a `kind`; anything else is a
+    UserError naming the file, `what` it is, and `fix`. A symlink is followed (the Hub cache links
+    its blobs); a FIFO is never opened."""
     path = Path(path)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
@@ -205,7 +193,7 @@ def read_json(
         raise UserError(f"{path} ({what}) cannot be read ({e.strerror}); {fix}") from None
     try:
         st = os.fstat(fd)
-        if not _stat_is_file(st.st_mode):
+        if not stat.S_ISREG(st.st_mode):
             raise UserError(f"{path} ({what}) is not a regular file; {fix}")
         if st.st_size > max_bytes:
             raise UserError(
@@ -229,40 +217,27 @@ def read_json(
     return value
 
 
-def _stat_is_file(mode: int) -> bool:
-    import stat
-
-    return stat.S_ISREG(mode)
-
-
 def _json_kind(value: Any) -> str:
     names = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
     return names.get(type(value), "number")
 
 
 def read_json_object(path: Path, what: str, fix: str) -> dict[str, Any]:
-    """A JSON file that must hold an object (`read_json` with kind=dict)."""
     return read_json(path, what, fix)
 
 
-# ----------------------------------------------------------------------------- a stranger's folder
-# Folders a user names (data.tokenizer, model.init_from) and the exports eval reuses are read into
-# what the project writes (hf-tokenizer.json, checkpoints, exports) and handed to transformers.
-# Two rules keep their owner's other files out and their Python unrun:
-# - a symlink in such a folder is followed only to a regular file inside the folder itself, or
-#   inside the Hugging Face cache entry (`models--ORG--NAME`) the folder lies in: the Hub cache
-#   links snapshots/REV/FILE to ../../blobs/SHA. A link anywhere else is refused.
-# - a folder whose config names custom code (`custom_code_problem`) is refused before
-#   transformers reads it; transformers is called with trust_remote_code=False besides.
+# A folder a user names (data.tokenizer, model.init_from, an export) is copied into what the
+# project writes and handed to transformers, so: a symlink in it is followed only to a file inside
+# it or inside its Hub cache entry (`models--ORG--NAME`: snapshots/REV/FILE links ../../blobs/SHA);
+# a folder whose config names custom code is refused (and trust_remote_code stays False).
 HUB_ENTRY_PREFIX = "models--"
 CODE_KEYS = ("auto_map", "custom_pipelines")  # where transformers looks for a folder's classes
 LINK_FIX = "replace the link by the file itself, or remove it"
 
 
 def folder_file(folder: Path, name: str, what: str) -> Path | None:
-    """The path to open for the file `name` of `folder`: itself, or the target of a link the
-    rule above admits. None when no regular file of that name is there (a folder, a FIFO, a
-    dangling link inside); a UserError for a link that leads out of the folder."""
+    """The path to open for file `name` of `folder` (itself, or an admitted link's target); None
+    when no regular file of that name is there; a UserError for a link out of the folder."""
     path = Path(folder) / name
     if not path.is_symlink():
         return path if path.is_file() else None
@@ -290,8 +265,7 @@ def _link_roots(folder: Path) -> list[Path]:
 def read_folder_file(
     folder: Path, name: str, what: str, max_bytes: int = MAX_JSON_BYTES
 ) -> bytes | None:
-    """The bytes of the file `name` of `folder` (None: no such regular file), found by
-    `folder_file` and opened without following a link (O_NOFOLLOW; fstat: a regular file)."""
+    """The bytes of file `name` of `folder` (None: no such regular file), opened O_NOFOLLOW."""
     path = folder_file(folder, name, what)
     if path is None:
         return None
@@ -301,7 +275,7 @@ def read_folder_file(
         raise UserError(f"{what}: {Path(folder) / name} cannot be read ({e.strerror})") from None
     try:
         st = os.fstat(fd)
-        if not _stat_is_file(st.st_mode) or st.st_size > max_bytes:
+        if not stat.S_ISREG(st.st_mode) or st.st_size > max_bytes:
             raise UserError(
                 f"{what}: {Path(folder) / name} is not a regular file of at most {max_bytes:,} "
                 f"bytes; give a folder whose files are regular files"
@@ -313,9 +287,8 @@ def read_folder_file(
 
 
 def custom_code_problem(folder: Path, what: str) -> str | None:
-    """Why transformers would run Python from `folder` (None: it would not): a config
-    (`*config.json`) holding `auto_map` or `custom_pipelines`, or naming a `.py` file the folder
-    holds (e.g. "tokenizer_class": "evil_tok.EvilTokenizer" beside evil_tok.py)."""
+    """Why transformers would run Python from `folder` (None: it would not): a `*config.json`
+    holding a CODE_KEYS key, or naming a `.py` file the folder holds."""
     folder = Path(folder)
     modules = {p.stem for p in folder.glob("*.py")}
     for config in sorted(folder.glob("*config.json")):
@@ -323,8 +296,7 @@ def custom_code_problem(folder: Path, what: str) -> str | None:
         if path is None:
             continue
         value = read_json(path, f"{what}'s {config.name}", "fix or remove the file", kind=object)
-        found = _code_reference(value, modules)
-        if found:
+        if found := _code_reference(value, modules):
             key, item, module = found
             said = f"{module}.py, Python in the folder" if module else "custom code"
             return (
@@ -337,21 +309,16 @@ def custom_code_problem(folder: Path, what: str) -> str | None:
 
 
 def _code_reference(value: Any, modules: set[str]) -> tuple[str, Any, str | None] | None:
-    """(key, value, module or None) of the first entry naming code: a CODE_KEYS key first,
-    else a string naming one of `modules`."""
+    """(key, value, module or None) of the first entry naming code: a CODE_KEYS key first."""
     items = list(_json_items(value))
     for key, item in items:
         if key.rsplit(".", 1)[-1] in CODE_KEYS:
             return key, item, None
-    for key, item in items:
-        module = _module_named(item, modules)
-        if module:
-            return key, item, module
-    return None
+    return next(((k, v, m) for k, v in items if (m := _module_named(v, modules))), None)
 
 
 def _json_items(value: Any) -> Iterator[tuple[str, Any]]:
-    """(dotted key, value) of every entry of a JSON value, iteratively (read_json bounded it)."""
+    """(dotted key, value) of every entry of a JSON value, iteratively."""
     stack: list[tuple[str, Any]] = [("", value)]
     while stack:
         key, item = stack.pop()
@@ -364,13 +331,11 @@ def _json_items(value: Any) -> Iterator[tuple[str, Any]]:
 
 
 def _module_named(item: Any, modules: set[str]) -> str | None:
-    """The module of `modules` a config string names: "mod", "mod.py", "mod.Class", or a
-    Hub reference "repo--mod.Class"."""
+    """The module a config string names: "mod", "mod.py", "mod.Class" or "repo--mod.Class"."""
     if not isinstance(item, str) or not modules:
         return None
     ref = item.rsplit("--", 1)[-1].removesuffix(".py")
-    head = ref.split(".", 1)[0]
-    return head if head in modules else None
+    return head if (head := ref.split(".", 1)[0]) in modules else None
 
 
 def _cut(value: Any, limit: int = 80) -> str:
@@ -378,22 +343,19 @@ def _cut(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-# ----------------------------------------------------------------------------- ownership
 OWNER_MARKER = ".scale-llm-owner.json"  # in a folder a command created and may remove again
 MAX_RECORD_BYTES = 4096  # an owner record or marker: {"kind", "pid", "host", "at"}, ~100 bytes
 
 
 def make_owned_dir(path: Path, kind: str) -> Path:
-    """Create the folder `path` (it must not exist: an existing folder is not ours) with the
-    ownership marker of `kind` inside; returns it."""
+    """Create folder `path` (an existing one is not ours) with the marker of `kind` inside."""
     path.mkdir(parents=False, exist_ok=False)
     atomic_write_json(path / OWNER_MARKER, {"kind": kind, "pid": os.getpid(), "at": time.time()})
     return path
 
 
 def owned_kind(path: Path) -> str | None:
-    """The kind recorded by `make_owned_dir` in folder `path`, or None (not ours, or damaged).
-    A symlink is never ours: removing it would remove what it points to, or nothing."""
+    """The kind `make_owned_dir` recorded in `path`, or None (not ours, damaged, a symlink)."""
     if path.is_symlink() or not path.is_dir():
         return None
     marker = path / OWNER_MARKER
@@ -420,14 +382,9 @@ def remove_owned_dir(path: Path, kind: str) -> None:
 
 @contextlib.contextmanager
 def private_dir(parent: Path, prefix: str) -> Iterator[Path]:
-    """A new folder inside `parent` that only this block uses (`tempfile.mkdtemp`: a fresh
-    name, so nothing that was there before is touched); removed at the end. `parent` is
-    created if missing, and removed again if this block created it and left it empty."""
-    created = []
-    for p in [parent, *parent.parents]:
-        if p.exists() or p.is_symlink():
-            break
-        created.append(p)
+    """A fresh folder inside `parent` for this block only, removed at the end; `parent` is
+    created if missing and removed again if this block made it and left it empty."""
+    created = list(itertools.takewhile(_absent, [parent, *parent.parents]))
     parent.mkdir(parents=True, exist_ok=True)
     path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
     try:
@@ -439,22 +396,18 @@ def private_dir(parent: Path, prefix: str) -> Iterator[Path]:
                 p.rmdir()
 
 
-# ----------------------------------------------------------------------------- locks
+def _absent(path: Path) -> bool:
+    return not (path.exists() or path.is_symlink())
+
+
 _HELD: dict[str, OwnerLock] = {}  # lock path -> the holder in this process
 
 
 class OwnerLock:
-    """One process at a time: `path` is held open with an exclusive `flock` for as long as the
-    lock is held, and names its owner (pid, host, start time) for the message others get.
-
-    The kernel drops the flock when the owner dies, however it dies, so a lock file with no
-    flock on it is stale: taken over with a warning when its owner is a process of this host
-    that has exited, refused when it names another host (a file system without cross-host
-    locks cannot tell) or is damaged. The file is created and filled by the process holding
-    the flock, and checked to still be the file at `path` after locking (a concurrent release
-    unlinks it), so two processes can never both hold it. Within one process, a new holder
-    takes the lock over from an earlier one that did not release it (one process, one run:
-    an earlier Trainer object of the same process is done).
+    """One process at a time: `path` is held with an exclusive `flock` and names its owner (pid,
+    host, start time). The kernel drops a dead owner's flock, so an unflocked file is stale:
+    taken over (warned) when its pid on this host has exited, refused for another host or damage.
+    An earlier holder in this process that did not release is taken over (one process, one run).
     """
 
     def __init__(self, path: Path, what: str, fix: str):
@@ -469,12 +422,9 @@ class OwnerLock:
 
     def check(self) -> None:
         """Refuse now (creating nothing) if a live process holds the lock."""
-        if self.held or not (self.path.exists() or self.path.is_symlink()):
+        if self.held or _absent(self.path) or self._key() in _HELD:  # (acquire takes ours over)
             return
-        if self._key() in _HELD:  # this process holds it: acquire takes it over
-            return
-        fd = self._open(create=False)
-        if fd is None:
+        if (fd := self._open(create=False)) is None:
             return
         try:
             if not self._try_flock(fd, wait=False):
@@ -488,8 +438,7 @@ class OwnerLock:
         owner releases it (logging `on_wait` once first)."""
         if self.held:
             return
-        earlier = _HELD.get(self._key())
-        if earlier is not None:
+        if (earlier := _HELD.get(self._key())) is not None:
             earlier.release()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(100):  # each retry follows a release that unlinked the file under us
@@ -530,7 +479,6 @@ class OwnerLock:
         os.close(self._fd)
         self._fd = None
 
-    # --------------------------------------------------------------- internals
     def _key(self) -> str:
         return os.path.abspath(self.path)
 
@@ -572,22 +520,9 @@ class OwnerLock:
         return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
     def _read_owner(self, fd: int) -> dict[str, Any] | None:
-        """The owner record; {} for an empty file; None for a damaged one (not JSON, nested
-        too deep, longer than a record)."""
+        """The owner record; {} for an empty file; None for a damaged one."""
         raw = os.pread(fd, MAX_RECORD_BYTES + 1, 0)
-        if not raw.strip():
-            return {}
-        try:
-            owner = _owner_json(raw)
-        except JSONProblem:
-            return None
-        ok = (
-            isinstance(owner, dict)
-            and isinstance(owner.get("pid"), int)
-            and not isinstance(owner.get("pid"), bool)
-            and isinstance(owner.get("host"), str)
-        )
-        return owner if ok else None
+        return _owner(raw) if raw.strip() else {}
 
     def _owner_text(self, fd: int) -> str:
         owner = self._read_owner(fd) or {}
@@ -637,11 +572,8 @@ class OwnerLock:
 
 
 def lock_holder(path: Path) -> str | None:
-    """Who holds the OwnerLock at `path`, read without locking or writing anything: "pid N" for
-    a live process of this host, "pid N on HOST" for another host's (which cannot be checked
-    from here), None when the file is absent, unreadable, or names a process that has exited.
-    (A reader that took the flock, even shared, could make a starting owner's non-blocking
-    take fail; the record the owner writes is enough to tell.)"""
+    """Who holds the OwnerLock at `path`: "pid N" (alive, this host), "pid N on HOST", or None.
+    Read without taking the flock, which could make a starting owner's non-blocking take fail."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # (a FIFO: no wait)
     except OSError:
@@ -652,24 +584,26 @@ def lock_holder(path: Path) -> str | None:
         return None
     finally:
         os.close(fd)
-    try:
-        owner = _owner_json(raw)
-    except JSONProblem:
+    if (owner := _owner(raw)) is None:
         return None
-    pid, host = (owner.get("pid"), owner.get("host")) if isinstance(owner, dict) else (None, None)
-    if not isinstance(pid, int) or isinstance(pid, bool) or not isinstance(host, str):
-        return None
+    pid, host = owner["pid"], owner["host"]
     if host != socket.gethostname():
         return f"pid {pid} on {host}"
     return f"pid {pid}" if _alive(pid) else None
 
 
-def _owner_json(raw: bytes) -> Any:
-    """An owner record's JSON value: JSONProblem when it is longer than a record, not JSON or
-    nested deeper than a record (a record never nests: `parse_json` bounds the decoder)."""
-    if len(raw) > MAX_RECORD_BYTES:
-        raise JSONProblem(f"longer than {MAX_RECORD_BYTES} bytes")
-    return parse_json(raw, max_depth=2)
+def _owner(raw: bytes) -> dict[str, Any] | None:
+    """An owner record {"pid": int, "host": str, ...}, or None: longer than a record, not JSON,
+    nested (`parse_json` bounds the decoder) or of another shape."""
+    try:
+        if len(raw) > MAX_RECORD_BYTES:
+            return None
+        owner = parse_json(raw, max_depth=2)
+    except JSONProblem:
+        return None
+    pid = owner.get("pid") if isinstance(owner, dict) else None
+    ok = isinstance(pid, int) and not isinstance(pid, bool) and isinstance(owner.get("host"), str)
+    return owner if ok else None
 
 
 def _alive(pid: int) -> bool:
@@ -677,10 +611,8 @@ def _alive(pid: int) -> bool:
         return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):
         return False
     except PermissionError:
         return True
-    except OverflowError:
-        return False
     return True
