@@ -1,18 +1,8 @@
-"""`scale-llm eval`: benchmark tasks (lm-evaluation-harness) and held-out perplexity of a run.
-
-Tasks run on the newest good checkpoint through lm-eval's own Hugging Face model class (`hf`),
-pointed at an export of that checkpoint in RUN_DIR/export/step_XXXXXXXX (made once, reused while
-it provably holds these checkpoint bytes), so the scores are what anyone loading the export would
-get. Perplexity runs our own model over the validation windows of a prepared data dir (the windows
-`train` evaluates val_loss on). Results go to RUN_DIR/eval/step_XXXXXXXX.json (merged with
-earlier evals of the same checkpoint bytes) and to the run's TensorBoard as eval/<task>/<metric>
-at the checkpoint's step.
-
-A step number does not name weights: resuming from an older checkpoint abandons the newer ones
-and trains to the same step again. So an export or a record is reused only when it carries the
-digest of this checkpoint's integrity record (`checkpoint_digest`); an export is replaced only
-when eval made it (its scale_llm_export.json says so), and an earlier record of other weights is
-set aside, not merged.
+"""`scale-llm eval`: lm-eval tasks (through lm-eval's `hf` model on an export in RUN_DIR/export/)
+and held-out perplexity of a run's newest good checkpoint, into RUN_DIR/eval/step_N.json and
+TensorBoard. A step number does not name weights (a resume may train it again), so an export or
+record is reused only when it carries this checkpoint's `checkpoint_digest`; an export is replaced
+only when eval made it, and a record of other weights is set aside, not merged.
 """
 
 from __future__ import annotations
@@ -41,12 +31,11 @@ from scale_llm.data.mixture import MIXTURE
 from scale_llm.data.shards import MANIFEST, open_split, read_manifest
 from scale_llm.data.tokenizer import EOS_ID, file_sha256, run_tokenizer_path
 from scale_llm.errors import UserError
-from scale_llm.export import DTYPES, EXPORT_INFO, export
+from scale_llm.export import DTYPES, EXPORT_INFO, export, publish
 from scale_llm.files import (
     atomic_write_json,
     custom_code_problem,
     describe_kind,
-    fsync_dir,
     read_json_object,
     temporary_sibling,
     unwritable_dir,
@@ -67,8 +56,8 @@ def eval_run(
     batch_size: int = 8,
     num_fewshot: int | None = None,
 ) -> tuple[Path, dict[str, Any]]:
-    """Evaluate the run's newest good checkpoint: (the eval json written, this call's results,
-    with "kept" naming the earlier results of the same checkpoint that the json also holds)."""
+    """(the eval json written, this call's results, with "kept" naming the earlier results of
+    the same checkpoint that the json also holds)."""
     if not tasks and perplexity is None:
         raise UserError("scale-llm eval needs --tasks T1,T2 and/or --perplexity DATA_DIR")
     run_dir = Path(run_dir)
@@ -91,13 +80,9 @@ def eval_run(
         if not reuse:
             make_eval_export(ckpt, export_dir)
         scores = run_tasks(export_dir, tasks, manager, limit, batch_size, plan.device, num_fewshot)
-        new["tasks"] = scores
-        new["export"] = str(export_dir)
-        new["lm_eval"] = {
-            "version": importlib.metadata.version("lm_eval"),
-            "limit": limit,
-            "num_fewshot": num_fewshot,
-        }
+        version = importlib.metadata.version("lm_eval")
+        lm_eval = {"version": version, "limit": limit, "num_fewshot": num_fewshot}
+        new.update(tasks=scores, export=str(export_dir), lm_eval=lm_eval)
         scalars.update(task_scalars(scores))
     if perplexity is not None:
         ppl = held_out_perplexity(run_dir, cfg, plan, ckpt, Path(perplexity), limit, batch_size)
@@ -114,8 +99,7 @@ def eval_run(
 
 
 def check_outputs(run_dir: Path, tasks: bool, tensorboard: bool) -> None:
-    """Before any work: eval can write its record (RUN_DIR/eval/), its export (RUN_DIR/export/)
-    and TensorBoard's scalars, each a directory (or absent under a writable one)."""
+    """Before any work: eval can write its record, its export and TensorBoard's scalars."""
     eval_dir = run_dir / "eval"
     if (eval_dir.exists() or eval_dir.is_symlink()) and not eval_dir.is_dir():
         raise UserError(
@@ -128,8 +112,7 @@ def check_outputs(run_dir: Path, tasks: bool, tensorboard: bool) -> None:
     if tensorboard:
         targets.append((run_dir / "tensorboard", "TensorBoard's scalars"))
     for target, what in targets:
-        problem = unwritable_dir(target)
-        if problem is None:
+        if (problem := unwritable_dir(target)) is None:
             continue
         existing, why = problem
         if why == "file":
@@ -145,8 +128,8 @@ def check_outputs(run_dir: Path, tasks: bool, tensorboard: bool) -> None:
 
 
 def earlier_record(path: Path, digest: str) -> tuple[dict[str, Any] | None, bool]:
-    """(the earlier eval record of these checkpoint bytes, or None; whether the file holds
-    another checkpoint's results at this step, to be set aside)."""
+    """(the earlier record of these checkpoint bytes, or None; whether the file holds another
+    checkpoint's results at this step, to be set aside)."""
     if not (path.exists() or path.is_symlink()):
         return None, False
     if path.is_symlink() or not path.is_file():
@@ -167,8 +150,7 @@ def earlier_record(path: Path, digest: str) -> tuple[dict[str, Any] | None, bool
 
 
 def set_aside(path: Path) -> None:
-    """Keep an eval record of other weights at this step (an abandoned branch, or a record
-    from before records named their checkpoint bytes) under a new name."""
+    """Keep an eval record of other weights at this step under a new name."""
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     target = path.with_name(f"{path.stem}.other-weights-{stamp}.json")
     n = 1
@@ -201,8 +183,7 @@ def kept(earlier: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 
 def export_for_eval(ckpt: Path, run_dir: Path) -> Path:
-    """RUN_DIR/export/step_XXXXXXXX: eval's export of exactly these checkpoint bytes, made (or
-    remade) unless it is there already."""
+    """RUN_DIR/export/step_N: eval's export of exactly these checkpoint bytes, made if needed."""
     out = run_dir / "export" / ckpt.name
     if not reusable_export(out, checkpoint_digest(ckpt)):
         make_eval_export(ckpt, out)
@@ -210,8 +191,8 @@ def export_for_eval(ckpt: Path, run_dir: Path) -> Path:
 
 
 def reusable_export(out: Path, digest: str) -> bool:
-    """Whether RUN_DIR/export/step_N is eval's export of exactly these checkpoint bytes. A
-    folder there that eval did not make is refused: eval replaces only its own exports."""
+    """Whether `out` is eval's export of these checkpoint bytes; a folder eval did not make
+    is refused (eval replaces only its own exports)."""
     if not (out.exists() or out.is_symlink()):
         return False
     info = None
@@ -226,41 +207,30 @@ def reusable_export(out: Path, digest: str) -> bool:
             f"{EXPORT_INFO} does not say made_by {MADE_BY!r}); eval exports the checkpoint "
             f"there and replaces only its own exports: move it away and run eval again"
         )
-    reuse = info.get("checkpoint_digest") == digest
-    if reuse:
+    if reuse := info.get("checkpoint_digest") == digest:
         refuse_custom_code(out)  # (before the tasks are looked up: a planted config.json)
     return reuse
 
 
 def refuse_custom_code(export_dir: Path) -> None:
-    """An export whose configs name code is refused before lm-eval hands it to transformers
-    (eval's own exports name none: a folder that does was changed after it was written)."""
-    problem = custom_code_problem(export_dir, "eval's export")
-    if problem:
+    """An export whose configs name code (eval's own name none) is refused before lm-eval."""
+    if problem := custom_code_problem(export_dir, "eval's export"):
         raise UserError(
             f"{problem}. eval did not write this: remove {export_dir} and run eval again"
         )
 
 
 def make_eval_export(ckpt: Path, out: Path) -> None:
-    """Export `ckpt` to `out`, marked as eval's (made under a fresh name, then renamed into
-    place, replacing eval's earlier export of other bytes, if any)."""
+    """Export `ckpt` to `out` marked as eval's: made under a fresh name, renamed into place."""
     staging = temporary_sibling(out, "eval")
-    old = None
     try:
         export(ckpt, staging)
         info = read_json_object(staging / EXPORT_INFO, "export info", "export it again")
         atomic_write_json(staging / EXPORT_INFO, {**info, "made_by": MADE_BY})
-        if out.exists():  # eval's own (reusable_export refused anything else)
-            old = temporary_sibling(out, "old")
-            out.rename(old)
-        staging.rename(out)
-        fsync_dir(out.parent)
+        publish(staging, out)  # over eval's own export (reusable_export refused anything else)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def task_manager(
@@ -268,9 +238,8 @@ def task_manager(
     include_path: str | Path | None,
     keys: tuple[str, str, str] = ("scale-llm eval", "--tasks", "--include-path"),
 ) -> Any:
-    """lm-eval's task manager that knows every one of `tasks`; an unknown name or a missing
-    --include-path is refused here, before the checkpoint is exported or read. `keys`: what
-    the messages call the command, the task list and the folder (train names config keys)."""
+    """lm-eval's task manager that knows every one of `tasks` (an unknown one is refused before
+    any export). `keys`: what messages call the command, the task list and the folder."""
     command, tasks_key, include_key = keys
     require(command, "lm_eval", "transformers", "accelerate")
     from lm_eval.tasks import TaskManager
@@ -300,10 +269,8 @@ def task_manager(
 
 
 def build_task(manager: Any, task: str, tasks_key: str = "--tasks") -> None:
-    """Build `task` as lm-eval will (it reads the task's dataset here), so that a data file that
-    is not there, or a Hub dataset neither cached nor reachable, is one paragraph before the
-    export, not a traceback after it. (The datasets library caches what it read: the run that
-    follows reads it again from the cache.)"""
+    """Build `task` as lm-eval will (reading its dataset, which `datasets` caches), so missing
+    data is one paragraph before the export, not a traceback after it."""
     try:
         if hasattr(manager, "load"):  # lm-eval >= 0.4.10
             manager.load([task])
@@ -319,11 +286,9 @@ def build_task(manager: Any, task: str, tasks_key: str = "--tasks") -> None:
 
 def task_data_problem(task: str, error: BaseException, tasks_key: str = "--tasks") -> str:
     """What a task whose data cannot be read needs, by the kind of failure."""
-    said = " ".join(str(error).split())[:300] or type(error).__name__
-    head = (
-        f"{tasks_key} {task}: lm-eval could not read the task's data ({type(error).__name__}: "
-        f"{said})"
-    )
+    kind = type(error).__name__
+    said = " ".join(str(error).split())[:300] or kind
+    head = f"{tasks_key} {task}: lm-eval could not read the task's data ({kind}: {said})"
     offline = [v for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE") if _env_on(v)]
     if isinstance(error, FileNotFoundError):
         return (
@@ -335,9 +300,8 @@ def task_data_problem(task: str, error: BaseException, tasks_key: str = "--tasks
         return (
             f"{head}. Its dataset is not in the local Hugging Face cache (HF_HOME), and "
             f"{' and '.join(f'{v}=1' for v in offline)} forbid{'s' * (len(offline) == 1)} "
-            f"downloading it: run the eval "
-            f"once where the network is reachable, without that setting (the dataset is cached "
-            f"for later offline runs), or copy that cache here"
+            f"downloading it: run the eval once where the network is reachable, without that "
+            f"setting (the dataset is cached for later offline runs), or copy that cache here"
         )
     if isinstance(error, ConnectionError):
         return (
@@ -382,10 +346,8 @@ def run_tasks(
             "pretrained": str(export_dir),
             "dtype": str(DTYPES[dtype]).removeprefix("torch."),
             "device": str(device),
-            # what precedes a text scored from its start (rolling tasks, empty contexts): EOS,
-            # the end of the document before it, as in training's stream `... [EOS] [BOS] doc`
-            # (the tokenizer adds the BOS). lm-eval's default, BOS, scored a BOS after a BOS,
-            # a pair training never shows, in every document of a perplexity task.
+            # before a text scored from its start: EOS, as in training's `... [EOS] [BOS] doc`
+            # (lm-eval's default BOS scores a BOS after a BOS, which training never shows)
             "prefix_token_id": eos,
             "trust_remote_code": False,  # never a folder's Python, nor a prompt asking for it
         },
@@ -410,10 +372,8 @@ def task_scalars(scores: dict[str, dict[str, float]]) -> dict[str, float]:
 
 
 def _mentioned(task: str) -> bool:
-    """Whether any file of lm-eval's built-in tasks holds the text `task`: a name none of them
-    holds is unknown for certain, found in about a second instead of the ~15 s lm-eval's task
-    manager takes to index its ~14k task YAMLs (only the --include-path folder is indexed when
-    it holds every task; the registry only when a name may be in it)."""
+    """Whether any file of lm-eval's built-in tasks holds the text `task`: a name none holds is
+    unknown for certain, found in ~1 s instead of the ~15 s the task manager takes to index."""
     import importlib.util
 
     spec = importlib.util.find_spec("lm_eval.tasks")
@@ -431,8 +391,7 @@ def _mentioned(task: str) -> bool:
 
 
 def _metrics(values: dict[str, Any]) -> dict[str, float]:
-    """lm-eval's "acc,none" / "acc_stderr,none" keys as "acc" / "acc_stderr" (other filters
-    kept as "metric_filter"); only numbers."""
+    """lm-eval's "acc,none" keys as "acc" (other filters as "acc_filter"); only numbers."""
     out = {}
     for key, value in values.items():
         metric, _, filt = key.partition(",")
@@ -452,29 +411,24 @@ def held_out_perplexity(
     limit: int | None,
     batch_size: int,
 ) -> dict[str, Any]:
-    """Mean next-token loss and its exp over the validation windows of `data_dir` (all of them,
-    or the first `limit`), each window scored on its own as in training's val_loss. A mixture's
-    data dir (mixture.json and a folder per source): each source's, and their weighted mean."""
+    """Mean next-token loss and its exp over the first `limit` (or all) validation windows of
+    `data_dir`, as training's val_loss; a mixture's: each source's and their weighted mean."""
     if (data_dir / MIXTURE).exists() and not (data_dir / MANIFEST).exists():
         return mixture_perplexity(run_dir, cfg, plan, ckpt, data_dir, limit, batch_size)
     windows, n = held_out_windows(run_dir, cfg, data_dir, limit)
     model, _ = load_run(run_dir, cfg, plan, ckpt)
     mean, tokens = mean_loss(model, windows, n, plan, batch_size)
-    return {
-        "data_dir": str(data_dir),
-        "split": "val",
-        "windows": n,
-        "tokens": tokens,
-        "loss": mean,
-        "ppl": math.exp(mean),
-    }
+    return {"data_dir": str(data_dir), "split": "val", **_scores(n, tokens, mean)}
+
+
+def _scores(windows: int, tokens: int, loss: float) -> dict[str, Any]:
+    return {"windows": windows, "tokens": tokens, "loss": loss, "ppl": math.exp(loss)}
 
 
 def held_out_windows(
     run_dir: Path, cfg: Config, data_dir: Path, limit: int | None
 ) -> tuple[TokenWindows, int]:
-    """The validation windows of the prepared folder `data_dir` and how many to score, checked
-    to be encoded with the run's tokenizer."""
+    """The validation windows of `data_dir` (encoded with the run's tokenizer); how many."""
     manifest = read_manifest(data_dir)
     want = manifest["tokenizer"]["sha256"]
     tok_path = run_tokenizer_path(run_dir, want)
@@ -519,32 +473,24 @@ def mixture_perplexity(
     limit: int | None,
     batch_size: int,
 ) -> dict[str, Any]:
-    """Each source's perplexity on `data_dir/<name>` (the first `limit` windows of each), and
-    the mean of their losses weighted as training's val_loss is (`mixture_sources`). Every
-    source folder is checked before the model is loaded."""
+    """Each source's perplexity on `data_dir/<name>` and their mean weighted as training's
+    val_loss is; every source folder is checked before the model is loaded."""
     names, weights, weighting = mixture_sources(cfg, data_dir)
     found = {name: _source_windows(run_dir, cfg, data_dir, name, limit) for name in names}
     model, _ = load_run(run_dir, cfg, plan, ckpt)
     sources: dict[str, dict[str, Any]] = {}
     for name, (windows, n) in found.items():
         mean, tokens = mean_loss(model, windows, n, plan, batch_size)
-        sources[name] = {"windows": n, "tokens": tokens, "loss": mean, "ppl": math.exp(mean)}
+        sources[name] = _scores(n, tokens, mean)
     if weights is None:  # by windows: the mean over every window scored, as one folder's is
         total = sum(found[name][1] for name in names)
         weights = {name: found[name][1] / total for name in names}
     loss = sum(weights[name] * sources[name]["loss"] for name in names)
     for name in names:
         sources[name]["weight"] = weights[name]
-    return {
-        "data_dir": str(data_dir),
-        "split": "val",
-        "windows": sum(s["windows"] for s in sources.values()),
-        "tokens": sum(s["tokens"] for s in sources.values()),
-        "loss": loss,
-        "ppl": math.exp(loss),
-        "weighted_by": weighting,
-        "sources": sources,
-    }
+    n, tokens = (sum(s[k] for s in sources.values()) for k in ("windows", "tokens"))
+    scores = {"data_dir": str(data_dir), "split": "val", **_scores(n, tokens, loss)}
+    return {**scores, "weighted_by": weighting, "sources": sources}
 
 
 def _source_windows(
@@ -559,17 +505,16 @@ def _source_windows(
 
 
 def mixture_sources(cfg: Config, data_dir: Path) -> tuple[list[str], dict[str, float] | None, str]:
-    """(the sources to score, their weights, what the weights are). A run that trained on a
-    mixture whose sources `data_dir` holds: those, by its data.sources weights (its val_loss);
-    otherwise every source mixture.json names, by their validation windows (None here)."""
+    """(the sources to score, their weights, what the weights are): the run's data.sources by
+    their weights where `data_dir` holds them all, else every source of mixture.json by windows
+    (weights None)."""
     path = data_dir / MIXTURE
     fix = "give the data dir `scale-llm prepare` made for a mixture, or prepare it again"
     record = read_json_object(path, "a mixture's record", fix)
     names = record.get("sources")
     if not isinstance(names, dict) or not names:
         raise UserError(f"{path} names no prepared source; {fix}")
-    bad = [n for n in names if not SOURCE_NAME.fullmatch(n)]
-    if bad:
+    if bad := [n for n in names if not SOURCE_NAME.fullmatch(n)]:
         raise UserError(f"{path} names a source {str(bad[0])[:60]!r} that is no folder name; {fix}")
     trained = [s.name for s in cfg.data.sources]
     if trained and set(trained) <= set(names):
@@ -626,7 +571,7 @@ def _to_tensorboard(log_dir: Path, scalars: dict[str, float], step: int) -> None
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
-    """A JSON object of an export (bounded: `read_json`), or None where it is not one."""
+    """A JSON object of an export, or None where it is not one."""
     try:
         return read_json_object(path, "an export's file", "")
     except UserError:

@@ -1,14 +1,7 @@
-"""`scale-llm export`: a checkpoint of any backend -> a Hugging Face Llama folder.
-
-The folder loads with `transformers` (`LlamaForCausalLM`, `AutoTokenizer`) and serves with vLLM:
-config.json, model.safetensors (or shards + model.safetensors.index.json past --max-shard-size),
-generation_config.json, the tokenizer (tokenizer.json built from our SentencePiece model,
-tokenizer_config.json, special_tokens_map.json, tokenizer.model; for a run on data encoded with a
-model's own tokenizer, data.tokenizer's files as they were) and scale_llm_export.json (which
-run, step and tokenizer it came from). The weights are read once (`load_model_weights` reads
-single, DDP, FSDP2 and DeepSpeed checkpoints on the CPU) and converted tensor by tensor, so the
-export holds one copy of the model plus one shard. It is built in a temporary folder beside
---out and renamed into place at the end: --out is either absent or complete.
+"""`scale-llm export`: a checkpoint of any backend -> a Hugging Face Llama folder (transformers,
+vLLM): config, safetensors weights, the tokenizer and scale_llm_export.json (its origin). Weights
+are converted tensor by tensor (one copy of the model plus one shard) in a temporary folder beside
+--out, renamed into place at the end: --out is either absent or complete.
 """
 
 from __future__ import annotations
@@ -111,8 +104,7 @@ def read_source(path: str | Path) -> Source:
 
 
 def default_dtype(precision: str) -> str:
-    """bf16 for runs that trained in bf16 or fp16 (bf16 keeps fp16's range problems away),
-    fp32 for fp32 runs."""
+    """bf16 for bf16 and fp16 runs (bf16 keeps fp16's range problems away), fp32 for fp32."""
     return "bf16" if precision in ("bf16", "fp16") else "fp32"
 
 
@@ -176,7 +168,7 @@ def write_hf_folder(
         # written last, naming every file: what proves later that the folder is an export
         atomic_write_json(tmp / EXPORT_INFO, {**(info or {}), "dtype": dtype, "files": files})
         fsync_tree(tmp)
-        _publish(tmp, out)
+        publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -184,8 +176,8 @@ def write_hf_folder(
 
 
 def check_out(out: Path, force: bool) -> None:
-    """--out can become the export folder: absent, or an earlier export with --force (nothing
-    else is ever replaced), in a directory that is, or can become, writable."""
+    """--out can become the export folder: absent, or an earlier export with --force, in a
+    directory that is, or can become, writable."""
     if out.is_symlink():
         raise UserError(
             f"--out {out} is a symlink; give the folder itself (an export replaces only a folder "
@@ -201,20 +193,17 @@ def check_out(out: Path, force: bool) -> None:
             f"--out {out} is {describe_kind(out)}, and the export is a folder; remove it or pick "
             f"another --out (--force replaces only a folder that scale-llm export wrote)"
         )
-    if out.exists():
-        problem = not_an_export(out)
-        if problem:
-            raise UserError(
-                f"--out {out} is not an earlier export ({problem}), so --force leaves it alone: "
-                f"it replaces only a folder that scale-llm export wrote, holding "
-                f"{EXPORT_INFO} and the files it lists; pick another --out"
-            )
+    if out.exists() and (problem := not_an_export(out)):
+        raise UserError(
+            f"--out {out} is not an earlier export ({problem}), so --force leaves it alone: it "
+            f"replaces only a folder that scale-llm export wrote, holding {EXPORT_INFO} and the "
+            f"files it lists; pick another --out"
+        )
     require_writable_dir(out.parent if out.exists() else out, "--out")  # (renamed in place)
 
 
 def not_an_export(folder: Path) -> str | None:
-    """Why `folder` is not a complete export as `scale-llm export` writes it (None if it is):
-    its export info must be there, and no file may be anything but an export's own."""
+    """Why `folder` is not a complete export (None if it is): its info, and only its files."""
     info_path = folder / EXPORT_INFO
     if info_path.is_symlink() or not info_path.is_file():
         return f"it has no {EXPORT_INFO}"
@@ -237,8 +226,7 @@ def not_an_export(folder: Path) -> str | None:
 
 
 def check_not_inside_source(out: Path, src: Source) -> None:
-    """The export must not land on the run it reads: not the run dir or any folder above it,
-    and nothing inside its checkpoints folder."""
+    """The export must not land on the run dir, a folder above it, or inside its checkpoints."""
     target = out.absolute().resolve()
     run, ckpts = src.run_dir.absolute().resolve(), src.checkpoint.parent.absolute().resolve()
     if target == run or run.is_relative_to(target) or target.is_relative_to(ckpts):
@@ -317,9 +305,8 @@ def _name_shards(folder: Path, written: list[str], weight_map: dict[str, str], t
     atomic_write_json(folder / "model.safetensors.index.json", index)
 
 
-def _publish(tmp: Path, out: Path) -> None:
-    """Rename the finished folder into place (an existing --out, with --force, is replaced
-    only once the new one is complete)."""
+def publish(tmp: Path, out: Path) -> None:
+    """Rename the finished folder into place (replacing an existing `out` once it is complete)."""
     old = None
     if out.exists():
         old = temporary_sibling(out, "old")

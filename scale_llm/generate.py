@@ -1,11 +1,6 @@
-"""Sampling from a trained run: temperature, top-k, top-p, with a KV cache.
-
-With the cache each new token costs one position's forward pass; without it the whole context is
-recomputed. Greedy decoding (temperature 0) gives the same tokens either way while the prompt and
-the new tokens fit in model.seq_len. Past it, the cached path starts over from the newest
-seq_len // 2 tokens each time the cache is full (one prefill every seq_len // 2 tokens: the
-model then sees between half and all of seq_len), while the uncached path slides a full window
-one token at a time, so the two can differ from there on.
+"""Sampling from a trained run: temperature, top-k, top-p, with a KV cache. Greedy decoding gives
+the same tokens with or without the cache within model.seq_len; past it, a full cache starts over
+from the newest seq_len // 2 tokens while the uncached path slides a full window, so they differ.
 """
 
 from __future__ import annotations
@@ -49,13 +44,11 @@ def read_run_config(run_dir: str | Path) -> Config:
 def load_run(
     run_dir: str | Path, cfg: Config, plan: RunPlan, checkpoint: str | Path | None = None
 ) -> tuple[Transformer, Tokenizer | PretrainedTokenizer]:
-    """The model of a run's newest (or the given) checkpoint on the plan's device, with the
-    run's tokenizer."""
+    """The model of a run's newest (or the given) checkpoint on the plan's device; its tokenizer."""
     run_dir = Path(run_dir)
     ckpt = run_checkpoint(run_dir, checkpoint)
     state = read_trainer_state(ckpt)  # checked: the step, the model section, the tokenizer hash
-    differs = model_differences(state["config"], cfg)
-    if differs:
+    if differs := model_differences(state["config"], cfg):
         raise UserError(
             f"{ckpt} belongs to another run: its model differs from {run_dir}'s "
             f"config.yaml in {'; '.join(differs)}; generate from that checkpoint's own run "
@@ -80,15 +73,13 @@ def load_run(
     weights = load_model_weights(ckpt, empty_state_dict(cfg.model))
     model = build_model(cfg.model)
     model.load_state_dict(weights, assign=True)
-    model.to(plan.device)
-    model.eval()
+    model.to(plan.device).eval()
     return model, tokenizer
 
 
 def run_checkpoint(run_dir: Path, checkpoint: str | Path | None) -> Path:
-    """The checkpoint `--checkpoint` names (a checkpoint directory, or a run directory: its
-    newest good one), or the run's newest good one; refused when damaged or absent, saying
-    which checkpoints the run has."""
+    """The checkpoint `--checkpoint` names (a checkpoint, or a run directory's newest good one),
+    or the run's newest good one; refused when damaged or absent."""
     if checkpoint is None:
         ckpt = Checkpointer(run_dir, 1).latest_good()
         if ckpt is None:
@@ -112,8 +103,8 @@ def run_checkpoint(run_dir: Path, checkpoint: str | Path | None) -> Path:
 
 
 def model_differences(saved: dict[str, Any], cfg: Config) -> list[str]:
-    """The model keys that make a checkpoint's weights another run's: "key (X in the
-    checkpoint, Y in the run)" for each run-defining model.* key the checkpoint records."""
+    """For each run-defining model.* key the checkpoint records and the run differs in (its
+    weights are another run's): "key (X in the checkpoint, Y in the run)"."""
     model = saved.get("model") or {}
     out = []
     for key in run_defining_keys():
@@ -173,14 +164,11 @@ def generate(
     """Continue `prompt` by up to max_new_tokens ids (stops early at eos_id)."""
     device = model.tok_embeddings.weight.device
     seq_len = model.cfg.seq_len
-    generator = None
-    if seed is not None:
-        generator = torch.Generator(device=device).manual_seed(seed)
+    generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
     tokens = list(prompt[-seq_len:])
     cache = KVCache(model.cfg.n_layers, seq_len) if use_cache else None
-    autocast = autocast or contextlib.nullcontext()
     out: list[int] = []
-    with autocast:
+    with autocast or contextlib.nullcontext():
         logits = _forward(model, tokens, cache, 0)
         pos = len(tokens)
         for _ in range(max_new_tokens):
