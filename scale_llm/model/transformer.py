@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +17,7 @@ from torch import nn
 
 from scale_llm.config import ModelConfig
 from scale_llm.config.sections import mlp_hidden_size
-from scale_llm.model import cpu_kernels
+from scale_llm.model import attention, cpu_kernels
 from scale_llm.model.kv_cache import KVCache
 
 
@@ -82,10 +83,9 @@ class Attention(nn.Module):
         rope: torch.Tensor,
         cache: KVCache | None = None,
         start_pos: int = 0,
-        mask: torch.Tensor | None = None,
+        docs: Documents | None = None,
     ) -> torch.Tensor:
-        """`mask`: (B, 1, T, T) bool, True where a query may attend (attention_mask: document);
-        None: causal."""
+        """`docs`: attention within each document (attention_mask: document); None: causal."""
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         R = H // Hkv  # query heads per kv head (1 without GQA)
@@ -97,20 +97,18 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cache is not None:  # k, v become (B, Hkv, start_pos + T, D): every position so far
             k, v = cache.update(self.layer_id, k, v, start_pos)
-        causal_mask = None
-        if k.size(2) != T and T > 1:  # prefill after earlier tokens: queries sit at the end
-            causal_mask = torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(
+        mask = docs.mask if docs is not None else None  # (B, 1, T, T): within each document
+        if mask is None and k.size(2) != T and T > 1:  # prefill after earlier tokens
+            mask = torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(
                 diagonal=k.size(2) - T
             )
-        if mask is not None:
-            causal_mask = mask  # (B, 1, T, T): causal, and within each document
-        is_causal = T > 1 and causal_mask is None
+        is_causal = T > 1 and mask is None and docs is None
         if self.eager:
-            y = self._eager(q, k, v, is_causal, causal_mask)
+            y = self._eager(q, k, v, is_causal, mask)
         else:
-            y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=causal_mask, is_causal=is_causal, enable_gqa=Hkv != H
-            )
+            kernel = attention.choose(q.device.type, q.dtype, docs is not None, Hkv != H, D)
+            bounds = docs.bounds if docs is not None else None
+            y = attention.attend(q, k, v, kernel, is_causal, mask, bounds)
         return self.wo(y.transpose(1, 2).reshape(B, T, H * D))
 
     def _eager(self, q, k, v, is_causal: bool, mask: torch.Tensor | None) -> torch.Tensor:
@@ -155,6 +153,22 @@ def split_qkv(
     return q, k, v
 
 
+@dataclass
+class Documents:
+    """Where the documents packed in a batch start and end, in the form the attention kernel
+    takes: a (B, 1, T, T) bool `mask` for SDPA's dense kernels, or `bounds` (cu_seqlens,
+    max_len) for FlashAttention's varlen kernel (model/attention.py decides which)."""
+
+    mask: torch.Tensor | None = None
+    bounds: tuple[torch.Tensor, int] | None = None
+
+
+def documents(tokens: torch.Tensor, end_id: int, kernel: attention.Kernel) -> Documents:
+    if kernel.name == "flash_varlen":
+        return Documents(bounds=attention.document_bounds(tokens, end_id))
+    return Documents(mask=document_mask(tokens, end_id))
+
+
 def document_mask(tokens: torch.Tensor, end_id: int) -> torch.Tensor:
     """(B, 1, T, T) bool: query i may attend key j when j <= i and no document ends between
     them (a document's end token is its last; the next token starts another)."""
@@ -193,9 +207,9 @@ class TransformerBlock(nn.Module):
         rope: torch.Tensor,
         cache: KVCache | None = None,
         start_pos: int = 0,
-        mask: torch.Tensor | None = None,
+        docs: Documents | None = None,
     ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, cache, start_pos, mask)
+        h = x + self.attention(self.attention_norm(x), rope, cache, start_pos, docs)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -225,14 +239,21 @@ class Transformer(nn.Module):
             )
         h = self.tok_embeddings(tokens)  # (B, T, d_model)
         rope = self.rope(start_pos, T, h.device)
-        mask = None
+        docs = None
         if self.cfg.attention_mask == "document" and cache is None:
-            mask = document_mask(tokens, self.cfg.document_end_id)
+            docs = documents(tokens, self.cfg.document_end_id, self._kernel(h))
         for layer in self.layers:
-            h = layer(h, rope, cache, start_pos, mask)
+            h = layer(h, rope, cache, start_pos, docs)
         h = self.norm(h)
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight
         return F.linear(h, weight)
+
+    def _kernel(self, h: torch.Tensor) -> attention.Kernel:
+        """The kernel the blocks' attention will run (its dtype: autocast's, else h's)."""
+        cfg, device = self.cfg, h.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
+        gqa = cfg.n_kv_heads not in (None, cfg.n_heads)
+        return attention.choose(device, dtype, True, gqa, cfg.d_model // cfg.n_heads)
 
     def rope(self, start_pos: int, length: int, device: torch.device) -> torch.Tensor:
         """A view of the rotary table (2, length, head_dim // 2) for positions start_pos.. .

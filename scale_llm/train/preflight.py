@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import torch
+
 from scale_llm.analysis.memory import check_host_memory
 from scale_llm.components.distributed import all_ranks_agree
 from scale_llm.components.optim import lr_at
@@ -27,6 +29,7 @@ from scale_llm.data.mixture import TrainingData, check_epochs, open_training_dat
 from scale_llm.data.pretrained_tokenizer import BUNDLE_FILE, vocab_problem
 from scale_llm.errors import UserError
 from scale_llm.files import describe_kind, require_writable_dir
+from scale_llm.model import attention
 from scale_llm.parallel import compile as block_compile
 from scale_llm.train.eval_tasks import TaskEval
 from scale_llm.train.guards import check_fault_spec
@@ -119,6 +122,7 @@ def preflight(cfg: Config, plan: RunPlan) -> RunSpec:
     if plan.is_main and not spec.complete:
         warn_about_warmup(cfg)
         warn_about_validation(cfg, plan, data)
+        warn_about_attention(cfg, plan)
     return spec
 
 
@@ -151,6 +155,26 @@ def warn_about_validation(cfg: Config, plan: RunPlan, data: TrainingData) -> Non
         held,
         f" or set eval.steps={whole} to score whole batches" if whole else "",
     )
+
+
+def warn_about_attention(cfg: Config, plan: RunPlan) -> None:
+    """A GPU run whose attention materializes a (T, T) tensor per head or per sequence, where a
+    fused kernel would not (model/attention.py has the kernel table)."""
+    if plan.device.type != "cuda":
+        return
+    m = cfg.model
+    if m.attention == "eager":
+        log.warning(
+            "model.attention=eager materializes the (B, n_heads, T, T) score matrix on the GPU "
+            "(for teaching and memory studies); model.attention=sdpa runs a fused kernel"
+        )
+        return
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.precision, torch.float32)
+    problem = attention.problem(
+        "cuda", dtype, m.attention_mask == "document", m.d_model // m.n_heads
+    )
+    if problem:
+        log.warning("attention: %s", problem)
 
 
 def warn_about_warmup(cfg: Config) -> None:

@@ -1,0 +1,139 @@
+"""Which attention kernel runs, decided once per call from what the kernels accept.
+
+On a GPU, `scaled_dot_product_attention` picks a fused kernel when one accepts the inputs and
+silently falls back to the math kernel, which materializes the (B, H, T, T) score matrix
+(8 GiB of bf16 at B=8, H=32, T=4096), when none does: FlashAttention takes no explicit mask and
+no fp32; the memory-efficient kernel takes masks and fp32 but not grouped-query attention. So
+the model picks itself, and pins SDPA to its pick (an unsupported input is then an error, never
+a silent T x T matrix):
+
+| device | dtype | mask | kernel |
+|---|---|---|---|
+| CUDA | bf16 / fp16 | causal | FlashAttention (GQA native) |
+| CUDA | bf16 / fp16 | document | FlashAttention's varlen kernel: each document a sequence |
+| CUDA | fp32 | causal | memory-efficient; with GQA the kv heads are repeated first |
+| CUDA | fp32 | document | memory-efficient with a (B, 1, T, T) bool mask, kv heads repeated |
+| CPU | any | any | SDPA's own choice (the CPU's flash kernel, or math for a mask) |
+
+FlashAttention needs head_dim <= 256 and a multiple of 8: other head sizes run the
+memory-efficient kernel with kv heads repeated. `problem()` says what a GPU run of a config would
+still materialize; the preflight prints it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+FLASH_MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str  # flash | flash_varlen | efficient | sdpa (the CPU: SDPA chooses)
+    repeat_kv: bool = False  # kv heads repeated to the query heads first (no GQA in the kernel)
+    dense_mask: bool = False  # the document mask as a (B, 1, T, T) bool tensor
+
+    @property
+    def backend(self) -> SDPBackend | None:
+        return {
+            "flash": SDPBackend.FLASH_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        }.get(self.name)
+
+
+@cache  # one object per choice: compiled blocks see the same constant
+def choose(
+    device_type: str, dtype: torch.dtype, document: bool, gqa: bool, head_dim: int
+) -> Kernel:
+    """The kernel for attention on `device_type` in `dtype` (the activations' dtype under
+    autocast), with the document mask or the causal one, with grouped-query attention or not."""
+    if device_type != "cuda":
+        return Kernel("sdpa", dense_mask=document)
+    flash_shape = head_dim <= FLASH_MAX_HEAD_DIM and head_dim % 8 == 0
+    if dtype in (torch.bfloat16, torch.float16) and flash_shape:
+        return Kernel("flash_varlen" if document else "flash")
+    return Kernel("efficient", repeat_kv=gqa, dense_mask=document)
+
+
+def problem(device_type: str, dtype: torch.dtype, document: bool, head_dim: int) -> str | None:
+    """What a GPU run with these settings materializes that a fused kernel would not (None:
+    nothing): the document mask in fp32 or at a head size FlashAttention cannot take."""
+    kernel = choose(device_type, dtype, document, False, head_dim)
+    if not kernel.dense_mask or device_type != "cuda":
+        return None
+    why = (
+        "fp32"
+        if dtype == torch.float32
+        else f"head_dim {head_dim} (FlashAttention: <= 256, a multiple of 8)"
+    )
+    return (
+        f"model.attention_mask=document with {why}: FlashAttention's varlen kernel cannot run "
+        f"it, so the memory-efficient kernel reads a (B, 1, T, T) mask per micro-batch"
+    )
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kernel: Kernel,
+    is_causal: bool,
+    mask: torch.Tensor | None = None,
+    documents: tuple[torch.Tensor, int] | None = None,
+) -> torch.Tensor:
+    """Attention of q (B, H, T, D) over k, v (B, Hkv, S, D) with `kernel`: causal, or within
+    each document (`mask` (B, 1, T, S) bool for a dense kernel, `documents` = (cu_seqlens,
+    max_len) for the varlen one). Returns (B, H, T, D)."""
+    H, Hkv = q.size(1), k.size(1)
+    if kernel.name == "flash_varlen" and documents is not None:
+        return _varlen(q, k, v, *documents)
+    if kernel.repeat_kv and Hkv != H:
+        k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
+    gqa = k.size(1) != H
+    if kernel.backend is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa
+        )
+    with sdpa_kernel([kernel.backend]):
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa
+        )
+
+
+def _varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int
+) -> torch.Tensor:
+    """FlashAttention over the documents packed in each row: (B, H, T, D) in and out, each
+    document a causal sequence of its own (no (T, T) mask anywhere)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    B, H, T, D = q.shape
+    packed = [x.transpose(1, 2).reshape(B * T, x.size(1), D) for x in (q, k, v)]  # (B*T, h, D)
+    y = varlen_attn(
+        *packed,
+        cu_seqlens,
+        cu_seqlens,
+        max_len,
+        max_len,
+        window_size=(-1, 0),  # causal within each document
+        enable_gqa=k.size(1) != H,
+    )
+    return y.view(B, T, H, D).transpose(1, 2)
+
+
+def document_bounds(tokens: torch.Tensor, end_id: int) -> tuple[torch.Tensor, int]:
+    """(cu_seqlens, max_len) of the documents packed in `tokens` (B, T), row by row: int32
+    offsets into the B*T positions where each document starts, and the longest document's
+    length bound (T: a constant, so compiled blocks see one value). A document ends with its
+    `end_id` token; a row's end ends the document it holds."""
+    B, T = tokens.shape
+    ends = tokens == end_id
+    ends[:, -1] = True  # (the last position closes each row's last document)
+    positions = torch.nonzero(ends.reshape(-1), as_tuple=True)[0] + 1  # an offset past each end
+    zero = torch.zeros(1, dtype=positions.dtype, device=tokens.device)
+    return torch.cat([zero, positions]).to(torch.int32), T
