@@ -197,3 +197,19 @@ def test_the_preflight_names_a_gpu_run_that_would_read_a_t_by_t_mask(caplog):
         warn_about_attention(cfg, dataclasses.replace(gpu, precision="fp32"))
     assert "model.attention_mask=document with fp32" in caplog.text
     assert "reads a (B, 1, T, T) mask" in caplog.text
+
+
+def test_a_masked_call_on_a_flash_pick_takes_the_kernel_that_reads_masks(monkeypatch):
+    """Generation's prefill after earlier tokens passes a (T, S) mask: FlashAttention takes none,
+    so that call runs the memory-efficient kernel (kv heads repeated) instead of failing."""
+    seen = []
+
+    def record_sdpa(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False):
+        seen.append((torch.backends.cuda.mem_efficient_sdp_enabled(), k.size(1), enable_gqa))
+        return q
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", record_sdpa)
+    kernel = attention.choose("cuda", BF16, False, True, 64)
+    q, k = torch.zeros(1, 8, 3, 64), torch.zeros(1, 2, 7, 64)
+    attention.attend(q, k, k, kernel, False, torch.ones(3, 7, dtype=torch.bool))
+    assert seen == [(True, 8, False)]

@@ -92,6 +92,8 @@ def attend(
     H, Hkv = q.size(1), k.size(1)
     if kernel.name == "flash_varlen" and documents is not None:
         return _varlen(q, k, v, *documents)
+    if mask is not None and kernel.name in ("flash", "flash_varlen"):  # (generate's prefill)
+        kernel = Kernel("efficient", repeat_kv=True, dense_mask=True)
     if kernel.repeat_kv and Hkv != H:
         k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
     gqa = k.size(1) != H
