@@ -1,5 +1,3 @@
 """What the training loop and the backends share: optimizer and LR schedule, precision policy,
-loss, checkpoint files, process-group utilities, device readings.
-
-A layer below `parallel/` and `train/`: nothing here imports either of them.
+loss, checkpoint files, process-group utilities, device readings (below parallel/ and train/).
 """

@@ -1,22 +1,11 @@
-"""Checkpoint directories: the file layout, atomic writes, keep_last pruning, and choosing what to
-resume from.
+"""Checkpoint directories: layout, atomic publication, keep_last pruning, what to resume from.
 
-A checkpoint is a directory `checkpoints/step_00000100/`. It is written under a temporary name
-(`.tmp-step_00000100`), every file is flushed to disk, and only then renamed into place, so a
-process killed mid-save leaves the previous checkpoint as the newest complete one. Loading uses
-the allow-lists of scale_llm.components.serialization: never arbitrary objects.
-
-With `checkpoint.async_mode` the files are written in the background (the step waits only for
-the copy to host memory) and the same rename publishes the checkpoint once every rank's write
-is done, from a thread of the Checkpointer; until then it is not complete, so a crash, resume,
-keep_last and pruning see only the checkpoints before it. One save is in flight at most.
-
-Nothing in a checkpoint is believed unchecked: `damage` compares every file with the integrity
-record (whose shape is checked too; a missing record is damage unless the checkpoint predates
-records), a step directory or file that is a symlink is not the run's own, and
-`read_trainer_state` reads trainer.pt in the current format only (an older one is refused,
-naming the scale_llm that wrote it) and checks each field for type and range before anyone uses
-it.
+checkpoints/step_00000100/ is written as .tmp-step_00000100, flushed, then renamed, so a killed
+save leaves the previous checkpoint the newest complete one (with checkpoint.async_mode the rename
+follows the background write, from the Checkpointer's thread). Nothing read is believed unchecked:
+`damage` compares every file with the integrity record, a symlink is not the run's own, and
+`read_trainer_state` checks trainer.pt's format and each field before use. Loading never
+unpickles arbitrary objects (serialization.py's allow-lists).
 """
 
 from __future__ import annotations
@@ -56,17 +45,13 @@ from scale_llm.files import (
 
 log = logging.getLogger(__name__)
 TRAINER_STATE = "trainer.pt"  # the trainer's state_dict (step, data, RNG, config, plan, backend)
-# The shape of trainer.pt (its "format"): the one this version writes and reads. Format 3 grouped
-# attention.wqkv's rows by kv head (`model.fuse_qkv`); formats 1 and 2 (format 1: a layout name
-# or nothing under the key) stacked q, k and v, and are refused (`refuse_other_format`).
+# trainer.pt's format: 3 groups attention.wqkv's rows by kv head; 1 and 2 stacked q, k, v.
 TRAINER_FORMAT = 3
 FORMAT_SINCE = "1c59fbf of 2026-12-03"  # the scale_llm that first wrote TRAINER_FORMAT
 MODEL_WEIGHTS = "model.pt"  # consolidated fp32 weights (DeepSpeed checkpoints, `convert`)
 DCP_DIR = "dcp"  # torch.distributed.checkpoint: model + optimizer, keyed by parameter name
 INTEGRITY = "integrity.json"  # size + xxh3-64 of every other file: written last
-# In the trainer state of every checkpoint written with an integrity record: without it, a
-# missing record is an older checkpoint's; with it, a missing record is damage.
-RECORDED = "integrity"
+RECORDED = "integrity"  # in trainer.pt when written with a record: its absence is then damage
 MAX_RECORD_BYTES = 64 << 20  # a record lists a few entries per rank (~100 bytes each)
 WEIGHT_FILES = (f"{DCP_DIR}/.metadata", MODEL_WEIGHTS)  # one of them names the model's weights
 _NAME = re.compile(r"^step_(\d{8})$")
@@ -77,8 +62,7 @@ def checkpoint_name(step: int) -> str:
 
 
 def _out_of_space(e: BaseException) -> OSError | None:
-    """The ENOSPC / EDQUOT error behind `e`, if any: raised directly, chained, or wrapped per
-    rank in torch.distributed.checkpoint's CheckpointException (what a DCP save raises)."""
+    """The ENOSPC / EDQUOT error behind `e`: raised, chained, or in a DCP CheckpointException."""
     seen: set[int] = set()
     todo = [e]
     while todo:
@@ -106,9 +90,8 @@ class Checkpointer:
         self._publisher = ThreadPoolExecutor(1, thread_name_prefix="scale-llm-checkpoint")
 
     def complete(self) -> list[tuple[int, Path]]:
-        """(step, path) of every complete checkpoint, oldest first. A step directory that is a
-        symlink is not one this run wrote (it may be another run's): it is skipped with a
-        warning, so it is never resumed, counted for keep_last, or pruned."""
+        """(step, path) of every complete checkpoint, oldest first; a symlinked step directory
+        is not this run's: skipped with a warning (never resumed, counted or pruned)."""
         if not self.dir.is_dir():
             return []
         found = []
@@ -137,20 +120,16 @@ class Checkpointer:
         return done[-1][1] if done else None
 
     def latest_good(self) -> Path | None:
-        """The newest complete checkpoint whose files match its integrity record; a damaged
-        newer one is skipped with a warning that names it and what is wrong."""
+        """The newest complete checkpoint matching its integrity record (damaged ones warned)."""
         for _, path in reversed(self.complete()):
-            problem = damage(path)
-            if problem is None:
+            if (problem := damage(path)) is None:
                 return path
             log.warning("checkpoint: skipping %s: %s; falling back to an older one", path, problem)
         return None
 
     def abandon_after(self, step: int) -> Path | None:
-        """Move every checkpoint newer than `step` (a resume from an older one starts a new
-        branch) into checkpoints/abandoned-<UTC time>/, out of reach of `auto` and of pruning;
-        nothing is deleted (a symlink moves as a link). Main rank only; returns the folder, or
-        None if nothing was newer."""
+        """Move every checkpoint newer than `step` (a resume starts a new branch) into
+        checkpoints/abandoned-<UTC time>/, deleting nothing (main rank); the folder or None."""
         newer = sorted(  # complete or not, damaged or not
             p
             for p in self.dir.glob("step_*")
@@ -185,17 +164,9 @@ class Checkpointer:
         return target
 
     def save(self, step: int, write: Callable[[Path], Future | None]) -> Path:
-        """Every rank calls `write(tmp_dir)` to fill a new checkpoint; then the main rank
-        publishes it atomically (record, rename, pruning). Ranks meet at barriers so no rank
-        reads a half-written one.
-
-        `write` may return the Future of a write still running in the background (DCP's
-        async_save): the checkpoint is then published by this Checkpointer's own thread, on
-        `group`'s collectives, once every rank's write is done, and this returns at once. Until
-        then step_N does not exist: resume, keep_last and pruning see only the checkpoints
-        before it, and a process killed meanwhile loses this save only. One save is in flight
-        at most: the next one, and `wait`, wait for it. (Such a `write` starts the background
-        write last: once it runs, nothing in `write` may fail.)"""
+        """Every rank calls `write(tmp_dir)`; then the main rank publishes it (record, rename,
+        pruning). A `write` returning a Future (DCP's async_save, started last) is published by
+        this Checkpointer's thread on `group` once done; one save is in flight at most."""
         self.wait()
         final = self.dir / checkpoint_name(step)
         tmp = self.dir / f".tmp-{final.name}"
@@ -225,9 +196,8 @@ class Checkpointer:
         return final
 
     def wait(self, failing: bool = False) -> Path | None:
-        """Block until the save in flight, if any, is published; its path. What its background
-        write raised is raised here, unless `failing` (an error exit, whose own error is the
-        one to report: it is logged instead)."""
+        """Block until the save in flight is published; its path. Its error is raised, or only
+        logged when `failing` (an error exit has its own error to report)."""
         pending, self._pending = self._pending, None
         if pending is None:
             return None
@@ -250,8 +220,7 @@ class Checkpointer:
         tmp: Path,
         final: Path,
     ) -> Path:
-        """In this Checkpointer's thread: wait for this rank's background write, then publish
-        the checkpoint with every other rank (on `group`)."""
+        """In this Checkpointer's thread: wait for the background write, then publish."""
         try:
             try:
                 running.result()
@@ -267,8 +236,7 @@ class Checkpointer:
     def _publish(
         self, tmp: Path, final: Path, written: digests.Recorded, group: Any = None
     ) -> None:
-        """Once every rank has written its files: the integrity record, then the rename that
-        makes the checkpoint complete, then pruning (main rank)."""
+        """Once every rank has written: the integrity record, the rename, pruning (main rank)."""
         barrier(group)
         record = finish_record(tmp, written, self.is_main, group)
         if self.is_main:
@@ -280,28 +248,22 @@ class Checkpointer:
         barrier(group)
 
     def _failed(self, e: BaseException, tmp: Path, final: Path) -> None:
-        """A save that raised `e`: its partial files removed; out of disk space is a UserError
-        naming the intact previous checkpoint and the fix (raised here)."""
+        """Remove a failed save's files; out of disk space is raised as a UserError."""
         if self.is_main:
             shutil.rmtree(tmp, ignore_errors=True)  # made by `save` for this save
         full = _out_of_space(e)
         if full is not None:
             done = self.complete()
+            intact = f"the previous checkpoint {done[-1][1]} is intact" if done else None
             raise UserError(
                 f"out of disk space while writing checkpoint {final} ({full.strerror}); the "
-                f"partial files were removed and "
-                + (
-                    f"the previous checkpoint {done[-1][1]} is intact"
-                    if done
-                    else "no earlier checkpoint exists"
-                )
-                + f"; {self._room_advice(len(done))}"
+                f"partial files were removed and {intact or 'no earlier checkpoint exists'}; "
+                f"{self._room_advice(len(done))}"
             ) from None
 
     def _room_advice(self, earlier: int) -> str:
-        """What frees room for the next save. Pruning follows a save, so the earlier complete
-        checkpoints all stay on disk while it is written: a lower keep_last helps only where it
-        keeps more than one (never at keep_last 1, nor with none or one on disk)."""
+        """What frees room for the next save (pruning follows a save: a lower keep_last helps
+        only where more than one earlier checkpoint stays on disk)."""
         ways = ["free space"]
         if self.keep_last > 1 and earlier > 1:
             ways.append(
@@ -312,9 +274,8 @@ class Checkpointer:
         return ", ".join(ways[:-1]) + f", or {ways[-1]}"
 
     def _clear(self, final: Path) -> None:
-        """Make room for a checkpoint at `final`: this run's own directory of that step (saving
-        the same step again, e.g. the last step after a resume) is replaced; anything else
-        there (a symlink) is moved aside, never followed."""
+        """Make room at `final`: this run's own directory of that step is replaced, a symlink
+        moved aside (never followed)."""
         if final.is_symlink():
             target = self._move_aside([final])
             log.warning("checkpoint: %s was a symlink; moved it to %s", final, target)
@@ -330,8 +291,7 @@ class Checkpointer:
 
 
 def _remove_stale(tmp: Path) -> None:
-    """Remove a `.tmp-` folder of an interrupted save; a symlink there is unlinked, never
-    followed (what it points to is not this run's)."""
+    """Remove a `.tmp-` folder of an interrupted save; a symlink is unlinked, never followed."""
     if tmp.is_symlink():
         tmp.unlink()
     else:
@@ -357,8 +317,7 @@ def resolve_resume(resume: str, checkpointer: Checkpointer) -> Path | None:
             f"(no {TRAINER_STATE} inside); give a path like "
             f"{checkpointer.dir}/{checkpoint_name(100)}, or use auto / never"
         )
-    problem = damage(path)
-    if problem is not None:
+    if (problem := damage(path)) is not None:
         raise UserError(
             f"checkpoint.resume={resume}: the checkpoint is damaged: {problem}; resume from "
             f"another one (checkpoint.resume=auto picks the newest good one)"
@@ -367,8 +326,7 @@ def resolve_resume(resume: str, checkpointer: Checkpointer) -> Path | None:
 
 
 def followed(path: Path, what: str) -> Path:
-    """A checkpoint named explicitly is taken where it really is: a symlink is resolved (and
-    said so), so its own directory name and files are the ones checked."""
+    """A checkpoint named explicitly, taken where it really is (a symlink resolved, and said)."""
     if not path.is_symlink():
         return path
     target = path.resolve()
@@ -379,11 +337,9 @@ def followed(path: Path, what: str) -> Path:
 def integrity_record(
     ckpt_dir: Path, rank: int = 0, world: int = 1, skip: Collection[str] = ()
 ) -> dict[str, dict[str, Any]]:
-    """Size and xxh3-64 of the checkpoint's files (all but the record itself and the names in
-    `skip`, relative to ckpt_dir), or of this rank's share of them when `world` ranks split the
-    work (largest files first, each to the least loaded rank: every rank computes the same
-    split). Files are hashed in parallel threads (xxhash releases the GIL), each read through
-    mmap (no copy out of the page cache)."""
+    """Size and xxh3-64 of the checkpoint's files but the record and `skip`, or this rank's
+    share when `world` ranks split them (largest first, each to the least loaded rank), hashed
+    in threads (xxhash releases the GIL)."""
     files = sorted(
         (
             p
@@ -410,8 +366,7 @@ def integrity_record(
 def written_entries(
     ckpt_dir: Path, written: dict[Path, tuple[int, str]]
 ) -> dict[str, dict[str, Any]]:
-    """Record entries for the files in ckpt_dir that this process hashed while writing them
-    (`digests.recording()`), where the file on disk still has the size that was written."""
+    """Record entries of the files this process hashed while writing them, still that size."""
     root = ckpt_dir.absolute()
     out = {}
     for path, (size, digest) in written.items():
@@ -423,10 +378,8 @@ def written_entries(
 def finish_record(
     ckpt_dir: Path, written: dict[Path, tuple[int, str]], is_main: bool, group: Any = None
 ) -> dict[str, dict[str, Any]]:
-    """The whole integrity record of a checkpoint every rank has just written (all ranks call
-    it, on `group`: default, the whole world): the digests taken during the writes, then the
-    other files, each rank hashing its share by size while the main rank fsyncs the tree
-    (I/O-bound: both release the GIL)."""
+    """The whole integrity record of a checkpoint all ranks of `group` just wrote: the digests
+    taken while writing, then each rank hashes its share of the rest as the main rank fsyncs."""
     known = gather_records(written_entries(ckpt_dir, written), group)
     with ThreadPoolExecutor(1) as pool:
         share = pool.submit(integrity_record, ckpt_dir, *rank_and_world(), skip=known)
@@ -448,11 +401,10 @@ def gather_records(
 
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint directory as given (refused when damaged), or a run directory's newest
-    complete, undamaged checkpoint (for convert, export and eval)."""
+    good checkpoint (for convert, export and eval)."""
     path = followed(Path(path), "checkpoint")
     if (path / TRAINER_STATE).is_file():
-        problem = damage(path)
-        if problem is not None:
+        if (problem := damage(path)) is not None:
             raise UserError(f"{path} is damaged: {problem}; pick another checkpoint")
         return path
     latest = Checkpointer(path, 1).latest_good() if path.is_dir() else None
@@ -475,14 +427,9 @@ class _Damage(Exception):
 
 
 def damage(ckpt_dir: Path, checksums: bool = True) -> str | None:
-    """What is wrong with a checkpoint's files (one line naming the file), or None.
-
-    Every file must be the checkpoint's own (no symlink), be listed in integrity.json and
-    match its size and checksum; the record must list trainer.pt and the weights. A missing
-    record is damage when trainer.pt says the checkpoint was written with one; checkpoints
-    written before records existed (no such mark) are taken as they are. Without `checksums`
-    (`scale-llm runs`: reading every byte takes minutes for a large model), all but the
-    checksums is checked."""
+    """What is wrong with a checkpoint's files (one line naming the file), or None: each file
+    no symlink, listed in integrity.json with its size and checksum (skipped without
+    `checksums`: `scale-llm runs`); a missing record is damage where trainer.pt says RECORDED."""
     try:
         _check_files(ckpt_dir, checksums)
     except _Damage as e:
@@ -510,18 +457,16 @@ def _check_files(ckpt_dir: Path, checksums: bool = True) -> None:
         for p in ckpt_dir.rglob("*")
         if p.is_file() and p != ckpt_dir / INTEGRITY
     )
-    extra = [name for name in on_disk if name not in files]
-    if extra:
+    if extra := [name for name in on_disk if name not in files]:
         raise _Damage(
-            f"{ckpt_dir / extra[0]} is not in {ckpt_dir / INTEGRITY} (added or renamed after the "
-            f"save)"
+            f"{ckpt_dir / extra[0]} is not in {ckpt_dir / INTEGRITY} (added or renamed after "
+            f"the save)"
         )
     for name, want in files.items():
         f = ckpt_dir / name
         if not f.is_file():
             raise _Damage(f"{f} is missing")
-        size = f.stat().st_size
-        if size != want["size"]:
+        if (size := f.stat().st_size) != want["size"]:
             raise _Damage(
                 f"{f} has {size} bytes, {want['size']} were written (truncated or replaced)"
             )
@@ -531,8 +476,7 @@ def _check_files(ckpt_dir: Path, checksums: bool = True) -> None:
 
 def read_record(ckpt_dir: Path) -> dict[str, dict[str, Any]] | None:
     """The checked `files` of a checkpoint's integrity record ({name: {size, xxh3_64}}), or None
-    for a checkpoint written before records existed. Raises _Damage for a record of the wrong
-    shape, one naming paths outside the checkpoint, or one missing trainer.pt or the weights."""
+    for a checkpoint written before records existed; _Damage for a record of any other shape."""
     path = ckpt_dir / INTEGRITY
     if not path.exists() and not path.is_symlink():
         if _written_with_record(ckpt_dir):
@@ -602,9 +546,8 @@ def _written_with_record(ckpt_dir: Path) -> bool:
 
 
 def checkpoint_digest(ckpt_dir: Path) -> str:
-    """One xxh3-64 over the checkpoint's integrity record (each file's name, size and
-    checksum): equal digests mean the same bytes. A checkpoint without a record (written
-    before records existed) is hashed now, to the digest its record would have had."""
+    """One xxh3-64 over the checkpoint's integrity record (or the record it would have had):
+    equal digests mean the same bytes."""
     try:
         files = read_record(ckpt_dir)
     except _Damage as e:
@@ -615,15 +558,9 @@ def checkpoint_digest(ckpt_dir: Path) -> str:
     return digests.text_digest(json.dumps(canonical, sort_keys=True, separators=(",", ":")))
 
 
-# ----------------------------------------------------------------------------- trainer state
-
-
 def read_trainer_state(ckpt_dir: Path) -> dict[str, Any]:
-    """A checkpoint's trainer state (trainer.pt, in the current format: an older or newer one
-    is refused), every field its readers use checked for type and range first: the step (a
-    count equal to the directory's step_N), the saved model section (the rules of a user
-    config, and no larger than the checkpoint's files can hold), the tokenizer hash and the
-    plan. An impossible value is a UserError naming the file and the field."""
+    """A checkpoint's trainer.pt in the current format, each field its readers use (step,
+    model section, tokenizer hash, plan) checked for type and range: a UserError names each."""
     path = ckpt_dir / TRAINER_STATE
     state = load_file(path)
     if nested_deeper(state, MAX_JSON_DEPTH):  # (every reader below recurses or repr()s it)
@@ -644,7 +581,7 @@ def read_trainer_state(ckpt_dir: Path) -> dict[str, Any]:
 
 def nested_deeper(value: Any, limit: int) -> bool:
     """Whether `value` nests dicts, lists or tuples more than `limit` deep, found without
-    recursion: a crafted pickle nests 100,000 deep, where repr() and any recursive reader fail."""
+    recursion (a crafted pickle nests 100,000 deep)."""
     stack = [(value, 1)] if isinstance(value, dict | list | tuple) else []
     while stack:
         item, depth = stack.pop()
@@ -656,23 +593,14 @@ def nested_deeper(value: Any, limit: int) -> bool:
 
 
 # Every key of a trainer state in the current format (RECORDED aside: its absence has a meaning).
-TRAINER_KEYS = (
-    "format",
-    "step",
-    "data",
-    "rng",
-    "skipped_steps",
-    "bad_streak",
-    "config",
-    "plan",
-    "tokenizer_sha256",
-    "backend",
+TRAINER_KEYS = tuple(
+    "format step data rng skipped_steps bad_streak config plan tokenizer_sha256 backend".split()
 )
 
 
 def refuse_other_format(state: dict[str, Any], path: Path) -> None:
     """Refuse a trainer state of another format than TRAINER_FORMAT, naming the scale_llm that
-    wrote it. A value that is no format at all is left for `trainer_state_problems`."""
+    wrote it (a value that is no format is left for `trainer_state_problems`)."""
     version = state.get("format", 1)  # (the first format 1 states had no such key)
     if isinstance(version, str):  # format 1's layout ("dcp", "deepspeed"), under the same key
         version = 1
@@ -692,15 +620,13 @@ def refuse_other_format(state: dict[str, Any], path: Path) -> None:
 
 
 def trainer_state_problems(state: Any, ckpt_dir: Path) -> list[str]:
-    """One line per field of a trainer state (in the current format) that no run could have
-    saved."""
+    """One line per field of a trainer state that no run could have saved."""
     if not isinstance(state, dict):
         return [f"it holds a {type(state).__name__}, not the trainer state mapping"]
     version = state.get("format")
     if not (is_count(version) and version == TRAINER_FORMAT):  # (another format: refused)
         return [f"format: {short(version, 40)} is not a trainer-state format"]
-    missing = [key for key in TRAINER_KEYS if key not in state]
-    if missing:
+    if missing := [key for key in TRAINER_KEYS if key not in state]:
         return [f"{key}: missing (every trainer state holds it)" for key in missing]
     out = []
     step = state["step"]
@@ -725,8 +651,7 @@ def trainer_state_problems(state: Any, ckpt_dir: Path) -> list[str]:
 
 
 def _plan_problems(plan: Any) -> list[str]:
-    """The saved run plan: what its readers use (the backend and world size a resume names,
-    the precision an export's default dtype follows)."""
+    """The saved run plan's fields its readers use (backend, world size, precision)."""
     if not isinstance(plan, dict):
         return [f"plan: {short(plan, 40)} is not the saved run plan"]
     if plan.get("precision") not in ("bf16", "fp16", "fp32"):
@@ -745,9 +670,8 @@ def is_count(value: Any) -> bool:
 
 
 def saved_section(cls: type, name: str, saved: dict[str, Any]) -> tuple[Any, list[str]]:
-    """Section `name` (of dataclass `cls`) of a saved config, read by the rules of a user
-    config: (the section, one line per problem, each naming name.<key>). Keys that have moved
-    since (older checkpoints) are left out."""
+    """Section `name` (dataclass `cls`) of a saved config, read by a user config's rules: (the
+    section, one line per problem naming name.<key>); keys that have moved since are left out."""
     names = {f.name for f in dataclasses.fields(cls)}
     errors: list[str] = []
     section = build_section(cls, {k: v for k, v in saved.items() if k in names}, f"{name}.", errors)
@@ -774,9 +698,8 @@ def saved_model_config(state: dict[str, Any]) -> ModelConfig:
 
 
 def _size_problems(cfg: ModelConfig, ckpt_dir: Path) -> list[str]:
-    """The model must fit in the checkpoint's files: weights are saved in 32 bits, so even at
-    16 bits a parameter takes 2 bytes. A lower bound on the parameter count (embeddings,
-    attention and MLP matrices) keeps this free of the model code."""
+    """The model must fit in the checkpoint's files (2 bytes a parameter at least), by a lower
+    bound on the parameter count that keeps this free of the model code."""
     d, heads = cfg.d_model, cfg.n_heads
     kv = (cfg.n_kv_heads or heads) * (d // heads)
     hidden = cfg.mlp_hidden or math.ceil(8 * d / 3)  # (the default rounds up from here)
@@ -797,11 +720,8 @@ def _size_problems(cfg: ModelConfig, ckpt_dir: Path) -> list[str]:
 def load_model_weights(
     ckpt_dir: Path, template: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    """The full fp32 model state dict of any checkpoint, on the CPU, in one process.
-
-    DCP checkpoints (single, DDP, FSDP) are read shard by shard into `template` (a full state
-    dict of the checkpoint's shape on the CPU, e.g. `model.empty_state_dict(cfg)`), whatever
-    world size wrote them; DeepSpeed checkpoints carry a consolidated `model.pt`."""
+    """The full fp32 model state dict of any checkpoint, on the CPU, in one process: DCP is read
+    into `template` (e.g. `model.empty_state_dict(cfg)`); DeepSpeed's carry a `model.pt`."""
     if (ckpt_dir / DCP_DIR).is_dir():
         dcp_load({"model": template}, ckpt_dir / DCP_DIR, no_dist=not is_distributed())
         return template

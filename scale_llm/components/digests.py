@@ -1,14 +1,9 @@
 """Checksums of checkpoint files, taken while the bytes are written.
 
-A checkpoint's integrity record (`integrity.json`) holds the size and xxh3-64 of every file.
-Hashing the files after the save reads every byte again (4-5% of a warm 400m save on a
-2-core machine). Instead, inside `recording()`, files that torch.distributed.checkpoint opens
-through `HashingFileSystem` hash each buffer as it is written, in a second thread while the
-write copies the same buffer into the page cache: the hash rides along with the write and costs
-almost no wall time. A file is recorded only if it was written front to back exactly once (no
-seek, every byte through `write`), so its digest is the file's; anything else (a seek, a
-rename this module did not see, files other writers make, e.g. DeepSpeed's) is hashed after the
-save as before.
+Hashing after the save reads every byte again; inside `recording()`, files opened through
+`HashingFileSystem` hash each buffer in a second thread while it is written, at almost no wall
+time. A file is recorded only if written front to back exactly once (no seek); anything else is
+hashed after the save.
 """
 
 from __future__ import annotations
@@ -31,9 +26,8 @@ PARALLEL_MIN = 1 << 20  # buffers from 1 MiB are hashed in the helper thread dur
 
 
 class Recorded(dict):
-    """{absolute path: (size, xxh3-64 hex)}, and `stalled_s`: the seconds writers spent on
-    hashing beyond their writes (small buffers hashed inline, and waiting for the helper
-    thread after a write returned): the wall time the digests added to the save."""
+    """{absolute path: (size, xxh3-64 hex)}, and `stalled_s`: the wall time hashing added to
+    the writes (small buffers hashed inline, waits for the helper thread)."""
 
     stalled_s: float = 0.0
 
@@ -45,8 +39,7 @@ _pool: ThreadPoolExecutor | None = None
 
 @contextlib.contextmanager
 def recording() -> Iterator[Recorded]:
-    """Collect the size and digest of the files written through `HashingFileSystem` in this
-    block (any thread of this process)."""
+    """Collect size and digest of the files written through `HashingFileSystem` in this block."""
     global _recorded, _pool
     with _lock:
         if _recorded is not None:
@@ -61,9 +54,8 @@ def recording() -> Iterator[Recorded]:
 
 
 def file_digest(path: Path, mapped: bool = True) -> str:
-    """xxh3-64 of a file. mapped: through mmap, no copy out of the page cache (for the files
-    this process just wrote); else read in chunks (loading: a file another process truncates
-    meanwhile must not SIGBUS us)."""
+    """xxh3-64 of a file: through mmap (files this process just wrote), or read in chunks (a file
+    another process truncates meanwhile must not SIGBUS us)."""
     with open(path, "rb") as f:
         if mapped and os.fstat(f.fileno()).st_size > 0:
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
@@ -139,8 +131,7 @@ class _HashingWriter:
 
 
 class HashingFileSystem(FileSystem):
-    """DCP's local file system, recording the digest of each file it writes while
-    `recording()` is active (and behaving exactly like `FileSystem` otherwise)."""
+    """DCP's local file system, recording each file's digest while `recording()` is active."""
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
@@ -170,7 +161,5 @@ class HashingFileSystem(FileSystem):
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         super().rename(path, new_path)
         with _lock:
-            if _recorded is not None:
-                entry = _recorded.pop(Path(path).absolute(), None)
-                if entry is not None:
-                    _recorded[Path(new_path).absolute()] = entry
+            if _recorded is not None and (entry := _recorded.pop(Path(path).absolute(), None)):
+                _recorded[Path(new_path).absolute()] = entry

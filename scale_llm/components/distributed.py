@@ -1,9 +1,5 @@
-"""The process group: started from the run plan, used through a few small helpers.
-
-NCCL on CUDA, gloo on the CPU. Which device, rank and world size a process has is decided by
-`scale_llm.config.plan` (from RANK / LOCAL_RANK / WORLD_SIZE, which torchrun, the deepspeed launcher
-and srun + torchrun all set); this module only acts on it.
-"""
+"""The process group (NCCL on CUDA, gloo on the CPU), started from the run plan (which decides
+device, rank and world size), and a few small helpers."""
 
 from __future__ import annotations
 
@@ -28,17 +24,15 @@ _JOINED_MULTI_PROCESS = False  # this process has been part of a group of severa
 
 
 def joined_multi_process() -> bool:
-    """Whether this process joined a process group of more than one rank (the CLI then skips
-    the interpreter teardown that gloo has been seen to abort in)."""
+    """Whether this process joined a group of several ranks (the CLI then skips the interpreter
+    teardown gloo has been seen to abort in)."""
     return _JOINED_MULTI_PROCESS
 
 
 def start(plan: RunPlan, cpu_collectives: bool = False) -> None:
-    """Select this rank's device and, for every backend but `single`, join (or start) the
-    process group the plan describes. A CPU run keeps the memory it frees for its next step
-    (`keep_freed_cpu_memory`). `cpu_collectives`: a CUDA run whose collectives also reduce CPU
-    tensors (FSDP2's CPU offload: the gradient norm over the offloaded gradients, fp16's
-    found-inf check) gets gloo for those next to NCCL, as torchtitan does."""
+    """Select this rank's device and, for every backend but `single`, join the plan's process
+    group. `cpu_collectives`: a CUDA run that also reduces CPU tensors (FSDP2's CPU offload)
+    gets gloo for those next to NCCL, as torchtitan does."""
     if plan.device.type == "cuda":
         torch.cuda.set_device(plan.device)
     elif plan.device.type == "cpu":
@@ -82,8 +76,7 @@ def start(plan: RunPlan, cpu_collectives: bool = False) -> None:
         )
     if world > 1:
         _say_what_we_wait_for(plan, timeout)
-    # A world of one keeps its store in memory: no TCP listener at all (torch's TCPStore
-    # binds every interface whatever MASTER_ADDR says).
+    # A world of one keeps its store in memory: TCPStore binds every interface, whatever MASTER_ADDR
     try:
         store = dist.HashStore() if world == 1 else _restart_safe_store(world, timeout)
         dist.init_process_group(
@@ -107,9 +100,8 @@ def start(plan: RunPlan, cpu_collectives: bool = False) -> None:
 
 
 def _say_what_we_wait_for(plan: RunPlan, timeout: datetime.timedelta) -> None:
-    """Joining a process group blocks until every rank arrives. Started by a launcher that is
-    routine (one INFO line); with a leftover WORLD_SIZE in a plain shell nobody else will come,
-    so say on every rank what this process waits for, where, and for how long."""
+    """Joining blocks until every rank arrives: routine under a launcher (INFO), a warning
+    without one (a leftover WORLD_SIZE: nobody else will come)."""
     where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     launched = (
         any(
@@ -136,13 +128,9 @@ def _say_what_we_wait_for(plan: RunPlan, timeout: datetime.timedelta) -> None:
 
 
 def _restart_safe_store(world: int, timeout: datetime.timedelta) -> dist.Store | None:
-    """Under torchrun, the agent's store with this restart attempt's own key prefix.
-
-    torchrun hands every restart attempt the same shared TCPStore without a per-attempt prefix,
-    so after `--max-restarts` brings a dead rank back, a peer can read the previous attempt's
-    gloo/NCCL address of rank 0 and fail with "Connection refused" (seen on torch 2.13; compare
-    pytorch/pytorch#167288). None (plain env:// rendezvous) outside torchrun.
-    """
+    """Under torchrun, the agent's store with this restart attempt's own key prefix (a shared
+    one lets a restarted peer read the previous attempt's rank-0 address: "Connection refused",
+    pytorch/pytorch#167288); None outside torchrun."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -158,7 +146,7 @@ def _restart_safe_store(world: int, timeout: datetime.timedelta) -> dist.Store |
 
 def shutdown_distributed(clean: bool = True) -> None:
     """Leave the process group; after a failure, without waiting for ranks that may be stuck."""
-    if dist.is_available() and dist.is_initialized():
+    if is_distributed():
         if clean:
             dist.barrier()
         dist.destroy_process_group()
@@ -177,23 +165,19 @@ def rank_and_world() -> tuple[int, int]:
 
 def barrier(group: dist.ProcessGroup | None = None) -> None:
     """Every rank of `group` (default: the whole world) meets here; nothing in one process."""
-    if dist.is_available() and dist.is_initialized():
+    if is_distributed():
         dist.barrier(group=group)
 
 
 def side_group() -> dist.ProcessGroup | None:
-    """A gloo group of every rank for collectives run off the main thread (a background
-    checkpoint write): on the main group they could interleave with the training step's in a
-    different order on each rank. Every rank calls this at the same point; None in one
-    process."""
-    if not is_distributed():
-        return None
-    return dist.new_group(backend="gloo")
+    """A gloo group for collectives off the main thread (a background checkpoint write), which
+    on the main group could interleave with the step's; collective; None in one process."""
+    return dist.new_group(backend="gloo") if is_distributed() else None
 
 
 def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
     """The mean of a scalar tensor over all ranks (itself when not distributed)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not is_distributed() or dist.get_world_size() == 1:
         return value
     value = value.detach().clone().float()
     dist.all_reduce(value, op=dist.ReduceOp.SUM)
@@ -202,7 +186,7 @@ def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
 
 def all_ranks_agree(ok: bool, device: torch.device) -> bool:
     """True when `ok` holds on every rank (this rank's own verdict when not distributed)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not is_distributed() or dist.get_world_size() == 1:
         return ok
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)

@@ -1,11 +1,6 @@
 """Readings of the device a rank runs on: peak FLOP/s for MFU, peak CUDA memory; and how a CPU
-run keeps the memory it frees (`keep_freed_cpu_memory`).
-
-Peak figures are dense (no 2:4 sparsity) tensor-core throughput from the vendors' data sheets,
-per GPU, in FLOP/s, for the precision the run computes in (fp32 runs: the non-tensor fp32 rate;
-TF32 is not used by default). Names are matched against `torch.cuda.get_device_name()` in the
-order below, as whole words, so the more specific entry (e.g. "H100 PCIe") wins over the
-general ("H100") and "L4" is not taken for an "L40".
+run keeps the memory it frees. Peaks are dense tensor-core FLOP/s per GPU from data sheets
+(fp32: the non-tensor rate), matched as whole words in order: "H100 PCIe" before "H100".
 """
 
 from __future__ import annotations
@@ -38,8 +33,7 @@ PEAKS: list[tuple[str, dict[str, float]]] = [
 def peak_flops(
     device: torch.device, precision: str = "bf16", override_tflops: float | None = None
 ) -> float | None:
-    """Dense peak FLOP/s of `device` in `precision`; `override_tflops` (logging.peak_tflops)
-    wins. None where unknown (CPUs, unlisted GPUs): no MFU is reported then."""
+    """Dense peak FLOP/s of `device` in `precision` (`override_tflops` wins); None: unknown."""
     if override_tflops:
         return override_tflops * T
     if device.type != "cuda":
@@ -81,19 +75,10 @@ _MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABL
 
 
 def keep_freed_cpu_memory() -> bool:
-    """Let glibc keep the CPU memory a step frees for the next step, as CUDA's caching allocator
-    does on a GPU. By default glibc serves every allocation over its mmap threshold (at most 32
-    MiB; the logits and the loss's chunks of a small model are that size) with fresh pages and
-    gives freed heap back to the kernel, so each step pays a page fault per 4 KiB it touches
-    again: 24-40 thousand faults and 46-74 ms of system time in a tiny.yaml step on 2 vCPUs
-    (docs/performance.md). Serving allocations under 1 GiB from the heap and never trimming it
-    takes them out; the process keeps its high-water mark of CPU memory, which a training run
-    reaches every step anyway, plus what glibc's aligned allocation leaves unmerged while its
-    heap settles (up to 7 blocks of a repeated size; +4-7% peak RSS in a tiny.yaml run,
-    docs/performance.md). Left alone where the user has chosen (MALLOC_MMAP_THRESHOLD_,
-    MALLOC_TRIM_THRESHOLD_, GLIBC_TUNABLES, an LD_PRELOADed allocator,
-    SCALE_LLM_CPU_MALLOC=system) and off glibc.
-    True if it was set."""
+    """Let glibc keep the CPU memory a step frees for the next, as CUDA's caching allocator
+    does: by default large allocations get fresh pages and each step pays a page fault per 4 KiB
+    (docs/performance.md). Left alone where the user chose (_MALLOC_ENV,
+    SCALE_LLM_CPU_MALLOC=system) and off glibc; True if it was set."""
     if os.environ.get("SCALE_LLM_CPU_MALLOC") == "system":
         return False
     if sys.platform != "linux" or any(os.environ.get(k) for k in _MALLOC_ENV):

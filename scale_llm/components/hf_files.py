@@ -1,9 +1,6 @@
-"""Reading a local Hugging Face model folder: config.json and the weights, tensor by tensor.
-
-Weights come from `model.safetensors` (or the shards named by `model.safetensors.index.json`):
-safetensors holds raw tensors and a JSON header, nothing that runs on load, and lets one tensor be
-read at a time. Older folders that only have `pytorch_model.bin` (a pickle) are read through
-`serialization.load_file` (weights_only, an allow-list), never with plain `torch.load`.
+"""Reading a local Hugging Face model folder: config.json and the weights, tensor by tensor, from
+safetensors (nothing runs on load), or a `pytorch_model.bin` pickle through
+`serialization.load_file` (weights_only), never plain `torch.load`.
 """
 
 from __future__ import annotations
@@ -24,19 +21,17 @@ FOLDER_FIX = "fix it, or give the folder `save_pretrained` or `scale-llm export`
 
 
 def read_hf_config(folder: Path, what: str) -> dict[str, Any]:
-    """The config.json of a Hugging Face model folder; `what` names the setting it came from.
-    A folder whose configs name custom code is refused here, before anything reads it."""
+    """The config.json of a Hugging Face model folder (`what`: the setting naming it); a folder
+    whose configs name custom code is refused before anything reads it."""
     if not folder.exists():
         raise UserError(
             f"{what}={folder}: no such folder; give a local Hugging Face model folder (with "
             f"config.json and model.safetensors), e.g. one written by `scale-llm export` (a "
             f"model on the Hub must be downloaded first: hf download NAME --local-dir DIR)"
         )
-    problem = custom_code_problem(folder, what)
-    if problem:
+    if problem := custom_code_problem(folder, what):
         raise UserError(f"{what}: {problem}")
-    path = folder_file(folder, CONFIG, what)
-    if path is None:
+    if (path := folder_file(folder, CONFIG, what)) is None:
         raise UserError(
             f"{what}={folder}: not a Hugging Face model folder (no {CONFIG} inside); give the "
             f"folder `save_pretrained` or `scale-llm export` wrote"
@@ -81,8 +76,7 @@ class HFWeights:
         """Each tensor the index sends to a shard is in that shard."""
         for file in sorted(set(self.file_of.values())):
             held = set(self._open(file).keys())
-            lacking = sorted(n for n, f in self.file_of.items() if f == file and n not in held)
-            if lacking:
+            if lacking := sorted(n for n, f in self.file_of.items() if f == file and n not in held):
                 raise UserError(
                     f"{self.what}: {self.folder / SAFETENSORS_INDEX} sends {lacking[0]}"
                     f"{f' (and {len(lacking) - 1} more tensors)' if len(lacking) > 1 else ''} "
@@ -91,8 +85,7 @@ class HFWeights:
                 )
 
     def get(self, name: str) -> torch.Tensor:
-        """One tensor, as fp32 on the CPU: refused unless it holds floating-point weights, all
-        finite (checked tensor by tensor as they are read, so memory stays flat)."""
+        """One tensor as fp32 on the CPU, refused unless floating-point and finite."""
         if self._pickled is not None:
             tensor = self._pickled.pop(name)
         else:
@@ -115,8 +108,7 @@ class HFWeights:
                 f"(fp32, bf16 or fp16), or pick another folder"
             )
         tensor = tensor.float()
-        finite = torch.isfinite(tensor)
-        if not finite.all():
+        if not (finite := torch.isfinite(tensor)).all():
             bad = tensor.numel() - int(finite.sum())
             raise UserError(
                 f"{self.what}: {name} in {where} holds {bad:,} NaN or infinite values (of "
@@ -134,8 +126,7 @@ class HFWeights:
             require(self.what, "safetensors")
             from safetensors import safe_open
 
-            path = self._path(file)
-            if path is None:
+            if (path := self._path(file)) is None:
                 raise UserError(f"{self.what}: {self.folder / file} is not a regular file")
             try:
                 self._files[file] = safe_open(str(path), framework="pt")
@@ -150,8 +141,7 @@ class HFWeights:
         where = self.folder / name
         index = read_json(self._path(name), f"{self.what}'s weight index", FOLDER_FIX)
         weight_map = index.get("weight_map")
-        problem = _weight_map_problem(weight_map)
-        if problem:
+        if problem := _weight_map_problem(weight_map):
             raise UserError(
                 f"{self.what}: {where} is not a weight index ({problem}); its weight_map must map "
                 f"each tensor name to the file of the folder that holds it: {FOLDER_FIX}"
@@ -167,8 +157,7 @@ class HFWeights:
             files = sorted(set(self._index(PICKLE_INDEX).values()))
         out: dict[str, torch.Tensor] = {}
         for file in files:
-            path = self._path(file)
-            if path is None:
+            if (path := self._path(file)) is None:
                 raise UserError(f"{self.what}: {self.folder / file} is not a regular file")
             part = load_file(path)  # weights_only: refuses planted objects
             if not isinstance(part, dict):

@@ -30,9 +30,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW, fused: one kernel updates every parameter, on a GPU and on the CPU alike (on 2
-    AVX2 cores 3-4x faster than `foreach` for tiny.yaml's parameters), so the CPU runs the
-    optimizer path a GPU runs, its on-device skip of a non-finite step included."""
+    """AdamW, fused on a GPU and the CPU alike (faster than `foreach` there), so the CPU runs the
+    GPU's optimizer path, its on-device skip of a non-finite step included."""
     return torch.optim.AdamW(
         param_groups(model, cfg.weight_decay),
         lr=cfg.lr,
@@ -45,12 +44,9 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
 def step_if_finite(
     optimizer: torch.optim.Optimizer, norm: torch.Tensor, step: Callable[[], Any] | None = None
 ) -> None:
-    """One optimizer step unless the gradient norm is not finite (the step is skipped).
-
-    A fused optimizer gets the verdict as a device tensor and skips inside its kernel, as it
-    does for a GradScaler: no host sync. Any other reads it (a host sync; free on the CPU).
-    `step` is the optimizer's own step method when its attribute has been replaced.
-    """
+    """One optimizer step unless the gradient norm is not finite. A fused optimizer skips inside
+    its kernel (found_inf, as for a GradScaler: no host sync). `step`: the optimizer's own step
+    method when its attribute has been replaced."""
     step = optimizer.step if step is None else step
     if getattr(optimizer, "defaults", {}).get("fused"):
         optimizer.found_inf = (~torch.isfinite(norm)).float().reshape(())
@@ -64,25 +60,13 @@ def step_if_finite(
 
 
 # the keys lr_at reads: a resume that changes one of them may change the LR it continues with
-SCHEDULE_KEYS = (
-    "lr",
-    "min_lr",
-    "warmup_steps",
-    "max_steps",
-    "lr_schedule",
-    "decay_fraction",
-)
+SCHEDULE_KEYS = ("lr", "min_lr", "warmup_steps", "max_steps", "lr_schedule", "decay_fraction")
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning rate for optimizer step `step` (0-based).
-
-    Linear warmup over warmup_steps, then train.lr_schedule:
-    - cosine / linear: from lr down to min_lr at max_steps;
-    - wsd (warmup-stable-decay): lr until the last decay_fraction of max_steps, then linear to
-      min_lr; raising max_steps before the decay starts leaves every LR so far unchanged;
-    - constant: lr.
-    """
+    """Learning rate for optimizer step `step` (0-based): linear warmup, then train.lr_schedule
+    (cosine / linear to min_lr at max_steps; wsd: lr until the last decay_fraction, then linear;
+    constant)."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     schedule = cfg.lr_schedule

@@ -1,7 +1,5 @@
-"""The precision policy, in one place: bf16 autocast, fp16 autocast + GradScaler, or fp32.
-
-Which precision a run uses is decided by the run plan (`scale_llm.config.plan`, precision
-`auto`); this module says what each one means for the forward pass and the gradients."""
+"""The precision policy, in one place: bf16 autocast, fp16 autocast + GradScaler, or fp32 (which
+one a run uses, the run plan decides)."""
 
 from __future__ import annotations
 
@@ -28,8 +26,6 @@ class Precision:
         return torch.autocast(device_type=self.device_type, dtype=self.dtype)
 
     def grad_scaler(self) -> torch.amp.GradScaler | None:
-        """fp16: dynamic loss scaling. bf16 / fp32 have fp32's exponent range: no scaler, no
-        unscale pass; a non-finite step is caught by the norm that clipping computes anyway."""
-        if self.name == "fp16":
-            return torch.amp.GradScaler(self.device_type)
-        return None
+        """fp16: dynamic loss scaling; bf16 / fp32 have fp32's exponent range: no scaler (the
+        clipping norm catches a non-finite step)."""
+        return torch.amp.GradScaler(self.device_type) if self.name == "fp16" else None

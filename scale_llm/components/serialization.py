@@ -1,19 +1,10 @@
 """Reading and writing the pickled files a run leaves behind, without ever running their code.
 
-A pickle can name any importable callable and call it while it loads, so every pickled file
-scale_llm opens goes through an allow-list:
-
-- our own `.pt` files (trainer state, scaler, consolidated weights, `convert` output) and the byte
-  items inside a DCP checkpoint: `torch.load(weights_only=True)` (tensors, dtypes, sizes, plain
-  containers), with a clear error naming the file instead of torch's traceback;
-- the DCP metadata file (`dcp/.metadata`, a plain pickle that PyTorch reads with `pickle.load`):
-  a restricted unpickler that admits only DCP's metadata dataclasses and enums, `torch.Size`,
-  dtypes, layouts and paths;
-- DeepSpeed's checkpoint files (read by DeepSpeed with `weights_only=False`): the engine's
-  checkpoint reader is swapped for `weights_only=True` plus the three DeepSpeed classes those
-  files hold (its loss scaler, the ZeRO stage enum, a fragment-address tuple).
-
-Anything else in such a file is refused with `UnsafeCheckpoint`, before it is called.
+A pickle can call any importable callable while it loads, so every pickled file goes through an
+allow-list: our `.pt` files and DCP's byte items `torch.load(weights_only=True)`; DCP's .metadata
+a restricted unpickler (DCP's metadata dataclasses and enums, torch.Size, dtypes, layouts,
+paths); DeepSpeed's files `weights_only=True` plus the three DeepSpeed classes they hold.
+Anything else is refused with `UnsafeCheckpoint` before it is called.
 """
 
 from __future__ import annotations
@@ -61,13 +52,9 @@ def damaged(path: Path | str, reason: str) -> DamagedCheckpoint:
     )
 
 
-# ----------------------------------------------------------------------------- torch.load
-
-
 def _refused_global(e: Exception) -> str | None:
     """The name torch's weights-only unpickler refused, if that is why it failed."""
-    m = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)", str(e))
-    if m:
+    if m := re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)", str(e)):
         return m.group(1)
     if "Weights only load failed" in str(e):
         m = re.search(r"Unsupported operand \d+|Unsupported class [\w.]+|Trying to [^.\n]+", str(e))
@@ -85,27 +72,22 @@ def load_file(
     try:
         with torch.serialization.safe_globals(list(safe_globals)):
             return torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as e:
-        name = _refused_global(e)
-        if name is not None:
-            raise refused(path, f"`{name}`") from None
-        raise damaged(path, str(e).splitlines()[0] if str(e) else type(e).__name__) from None
-    except (RuntimeError, EOFError, ValueError, KeyError, OSError) as e:
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, KeyError, OSError) as e:
         if isinstance(e, FileNotFoundError | PermissionError):
             raise
+        name = _refused_global(e) if isinstance(e, pickle.UnpicklingError) else None
+        if name is not None:
+            raise refused(path, f"`{name}`") from None
         raise damaged(path, str(e).splitlines()[0] if str(e) else type(e).__name__) from None
 
 
 def save_file(obj: Any, path: Path | str) -> None:
-    """torch.save, through the file system that hashes checkpoint files as they are written.
-    Only ever into a checkpoint's own `.tmp-step_N` folder (Checkpointer.save made it)."""
+    """torch.save through the hashing file system, into a checkpoint's own `.tmp-step_N`."""
     from scale_llm.components.digests import HashingFileSystem
 
     with HashingFileSystem().create_stream(path, "wb") as f:
         torch.save(obj, f)
 
-
-# ----------------------------------------------------------------------------- DCP
 
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 _PLAIN = {
@@ -167,9 +149,8 @@ def read_dcp_metadata(path: Path | str) -> Any:
 
 
 def _safe_reader_and_planner(checkpoint_id: Path, metadata: Any) -> tuple[Any, Any]:
-    """A FileSystemReader that returns the metadata already read through the allow-list, and a
-    planner that reads byte items with weights_only=True (DCP's own use pickle.load and
-    torch.load(weights_only=False))."""
+    """A FileSystemReader returning the metadata read through the allow-list, and a planner
+    reading byte items weights_only (DCP's own use pickle.load and weights_only=False)."""
     from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
     from torch.distributed.checkpoint._traverse import set_element
     from torch.distributed.checkpoint.metadata import StorageMeta
@@ -197,8 +178,7 @@ def _load_bytes(value: io.BytesIO, what: str) -> Any:
     try:
         return torch.load(value, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        name = _refused_global(e)
-        if name is not None:
+        if (name := _refused_global(e)) is not None:
             raise refused(what, f"`{name}`") from None
         raise damaged(what, str(e).splitlines()[0]) from None
 
@@ -212,8 +192,7 @@ def _quiet_single_process() -> Iterator[None]:
 
 
 def dcp_load(state: dict[str, Any], checkpoint_id: Path, no_dist: bool) -> None:
-    """`torch.distributed.checkpoint.load` into `state` in place, reading the metadata and the
-    byte items through the allow-lists above."""
+    """`torch.distributed.checkpoint.load` into `state`, through the allow-lists above."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -241,12 +220,9 @@ def dcp_load(state: dict[str, Any], checkpoint_id: Path, no_dist: bool) -> None:
 
 @dataclasses.dataclass
 class BackgroundSave:
-    """How a DCP save runs in the background (`checkpoint.async_mode`): the process group its
-    writer thread's collectives use (one of its own, so they never interleave with the
-    training step's; None in one process), the stager that copies the state off the training
-    tensors (None: a fresh host copy per save, freed after the write; a kept
-    `DefaultStager`: the same host copy every save), and `on_written`, called in the writer
-    thread once this rank's data files are written (the crash tests' fault point)."""
+    """How a DCP save runs in the background (`checkpoint.async_mode`): the writer thread's own
+    process group (None in one process), the stager (None: a fresh host copy per save; a kept
+    `DefaultStager`: one reused copy), and `on_written` (the crash tests' fault point)."""
 
     group: Any = None
     stager: Any = None
@@ -254,8 +230,7 @@ class BackgroundSave:
 
 
 def background_save(async_mode: str, device: torch.device) -> BackgroundSave | None:
-    """What `checkpoint.async_mode` asks for (None: disabled). Every rank calls this at the
-    same point (it makes the writer's process group)."""
+    """What `checkpoint.async_mode` asks for (None: disabled); collective (makes a group)."""
     if async_mode == "disabled":
         return None
     from scale_llm.components.distributed import side_group
@@ -265,8 +240,7 @@ def background_save(async_mode: str, device: torch.device) -> BackgroundSave | N
 
 
 def kept_stager(device: torch.device) -> Any:
-    """A DCP stager whose host copy of the state is allocated at the first save and reused by
-    every later one: page-locked, and filled by non-blocking copies, on a GPU."""
+    """A DCP stager reusing one host copy of the state (page-locked and non-blocking on a GPU)."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     gpu = device.type == "cuda"
@@ -281,8 +255,7 @@ def kept_stager(device: torch.device) -> Any:
 
 
 def _writer(checkpoint_id: Path, on_written: Callable[[], None] | None = None) -> Any:
-    """DCP's file writer, through the file system that hashes the bytes as they are written
-    (inside `digests.recording()`); `on_written` runs after this rank's data files are."""
+    """DCP's file writer through the hashing file system; `on_written` runs after the data."""
     from torch.distributed.checkpoint import FileSystemWriter
 
     from scale_llm.components.digests import HashingFileSystem
@@ -305,10 +278,8 @@ def dcp_save(
     no_dist: bool,
     background: BackgroundSave | None = None,
 ) -> Future | None:
-    """torch.distributed.checkpoint's save with its file writer (`_writer`). With `background`,
-    `async_save`: the state is copied to host memory before this returns (the training step
-    may then change its tensors), and the files are written by a thread; returns the Future
-    of that write (its result: DCP's metadata; its exception: the write's)."""
+    """torch.distributed.checkpoint's save through `_writer`. With `background`, `async_save`:
+    the state is copied to host memory before this returns, and the Future of the write is."""
     import torch.distributed.checkpoint as dcp
 
     if background is None:
@@ -320,8 +291,7 @@ def dcp_save(
                 no_dist=no_dist,
             )
         return None
-    # DCP's writer thread warns as the main thread's save would; the filter cannot be
-    # scoped to a block another thread runs
+    # DCP's writer thread warns too; a filter cannot be scoped to a block another thread runs
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     return dcp.async_save(
         state,
@@ -333,12 +303,8 @@ def dcp_save(
     )
 
 
-# ----------------------------------------------------------------------------- DeepSpeed
-
-
 def deepspeed_safe_globals() -> list[Any]:
-    """The DeepSpeed classes its ZeRO checkpoint files hold (seen in ZeRO 0-3, fp32 / bf16,
-    with and without CPU offload, DeepSpeed 0.19)."""
+    """The DeepSpeed classes its ZeRO checkpoint files hold (ZeRO 0-3, DeepSpeed 0.19)."""
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
@@ -347,8 +313,7 @@ def deepspeed_safe_globals() -> list[Any]:
 
 
 def hash_deepspeed_writes(engine: Any) -> None:
-    """Make a DeepSpeed engine's torch checkpoint engine write through the file system that
-    hashes checkpoint files as they are written (other checkpoint engines are left alone)."""
+    """Make a DeepSpeed engine's torch checkpoint engine write through the hashing file system."""
     from scale_llm.components.digests import HashingFileSystem
 
     writer = engine.checkpoint_engine
@@ -364,8 +329,7 @@ def hash_deepspeed_writes(engine: Any) -> None:
 
 
 def guard_deepspeed_reader(engine: Any) -> None:
-    """Make a DeepSpeed engine read its checkpoint files with `weights_only=True` (DeepSpeed's
-    own reader unpickles anything)."""
+    """Make a DeepSpeed engine read its files `weights_only` (its own unpickles anything)."""
     allowed = deepspeed_safe_globals()
 
     def load(path: str, map_location: Any = None) -> Any:
