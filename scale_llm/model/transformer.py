@@ -8,7 +8,9 @@ and then materialized with `init_weights`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -273,22 +275,29 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Initialize every parameter in place (after `to_empty` from the meta device).
+        """Initialize every parameter in place (after `to_empty` from the meta device)."""
+        params = dict(self.named_parameters())
+        for name, fill in self.init_fills():
+            fill(params[name])
+
+    def init_fills(self) -> Iterator[tuple[str, Callable[[torch.Tensor], object]]]:
+        """(parameter name, what fills a tensor of its shape) in the order the initialization
+        draws from torch's generator: a layout that fills each whole parameter in this order
+        from the same seed (one at a time, then keeps its shard) gets one process's weights.
 
         Linear and embedding weights ~ N(0, init_std); the projections that write into the
         residual stream (attention.wo, feed_forward.w2) use init_std / sqrt(2 * n_layers) so the
-        residual variance does not grow with depth (GPT-2 / Llama practice).
-        """
+        residual variance does not grow with depth (GPT-2 / Llama practice); norms are ones."""
         cfg = self.cfg
-        std = cfg.init_std
-        residual_std = std / math.sqrt(2 * cfg.n_layers)
-        nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
+        std, residual_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        yield "tok_embeddings.weight", functools.partial(nn.init.normal_, mean=0.0, std=std)
         for name, module in self.named_modules():
             if isinstance(module, RMSNorm):
-                module.reset_parameters()
+                yield f"{name}.weight", nn.init.ones_
             elif isinstance(module, nn.Linear):
-                is_residual = name.endswith("attention.wo") or name.endswith("feed_forward.w2")
-                nn.init.normal_(module.weight, mean=0.0, std=residual_std if is_residual else std)
+                residual = name.endswith("attention.wo") or name.endswith("feed_forward.w2")
+                sigma = residual_std if residual else std
+                yield f"{name}.weight", functools.partial(nn.init.normal_, mean=0.0, std=sigma)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())

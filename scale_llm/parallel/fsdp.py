@@ -2,8 +2,8 @@
 
 Wrapping order (torchtitan's): activation checkpointing on each block, then `fully_shard` on each
 block and on the root, all on the meta device; then storage is allocated for the local shards and
-filled from a full CPU initialization broadcast by rank 0, so FSDP starts from the same weights as
-every other backend.
+each rank fills its own, one whole parameter at a time from run.seed (`_fill_shards`), so FSDP
+starts from the same weights as every other backend and no host ever holds the whole model.
 
 - Precision: `MixedPrecisionPolicy` (bf16 or fp16 compute params, fp32 gradient reduction); the
   sharded fp32 params stay the optimizer's master weights. fp16 uses `torch.amp.GradScaler`, which
@@ -24,13 +24,10 @@ every other backend.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    set_model_state_dict,
-)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -38,8 +35,9 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
+from torch.distributed.tensor import distribute_tensor
 
-from scale_llm.model import Transformer, build_model
+from scale_llm.model import Transformer
 from scale_llm.parallel.backend import Backend
 from scale_llm.parallel.tensor_parallel import (
     apply_tensor_parallel,
@@ -98,20 +96,24 @@ class FSDPBackend(Backend):
             )
         fully_shard(model, reshard_after_forward=opts.reshard_after_forward, **common)
         model.to_empty(device="cpu" if opts.cpu_offload else self.plan.device)
-        self._load_full_weights(model, initial_weights)
+        self._fill_shards(model, initial_weights)
         return model
 
-    def _load_full_weights(self, model: nn.Module, initial: dict | None) -> None:
-        """Rank 0 initializes the full model on the CPU (or takes `initial`) and broadcasts it
-        into the shards."""
-        full = {}
-        if self.plan.is_main:
-            full = initial
-            if full is None:
-                full = self.materialize_on_cpu(build_model(self.cfg.model)).state_dict()
-        set_model_state_dict(
-            model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        )
+    def _fill_shards(self, model: Transformer, initial: Mapping | None) -> None:
+        """Each rank fills its own shards, one whole parameter at a time: drawn from run.seed
+        in the initialization's order (`init_fills`: the weights one process draws), or read
+        from `initial` (name -> tensor, read when asked). No host holds more than its shards
+        and one full fp32 parameter (the 70B model would be 280 GB on one host)."""
+        params = dict(model.named_parameters())
+        if initial is None:
+            torch.manual_seed(self.cfg.run.seed)
+            for name, fill in model.init_fills():
+                full = torch.empty(params[name].shape)  # fp32 on the CPU, as one process draws
+                fill(full)
+                _copy_shard(params[name], full)
+        else:
+            for name, param in params.items():
+                _copy_shard(param, initial[name])
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()  # the MixedPrecisionPolicy casts params for compute
@@ -128,3 +130,11 @@ class FSDPBackend(Backend):
 
     def logits_for_sampling(self, logits: torch.Tensor) -> torch.Tensor:
         return full_logits(logits)
+
+
+@torch.no_grad()
+def _copy_shard(param: nn.Parameter, full: torch.Tensor) -> None:
+    """This rank's part of the whole tensor `full` into the sharded parameter (every rank
+    holds the same `full`: no communication)."""
+    shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+    param.to_local().copy_(shard.to_local())
