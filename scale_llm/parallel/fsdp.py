@@ -35,7 +35,7 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
-from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from scale_llm.model import Transformer
 from scale_llm.parallel.backend import Backend
@@ -135,6 +135,10 @@ class FSDPBackend(Backend):
 @torch.no_grad()
 def _copy_shard(param: nn.Parameter, full: torch.Tensor) -> None:
     """This rank's part of the whole tensor `full` into the sharded parameter (every rank
-    holds the same `full`: no communication)."""
-    shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-    param.to_local().copy_(shard.to_local())
+    holds the same `full`: no communication). The part is one block of `full` (DCP reads
+    shards by the same offsets), copied from a view: no second copy of the parameter."""
+    shape, offset = compute_local_shape_and_global_offset(
+        full.shape, param.device_mesh, param.placements
+    )
+    block = tuple(slice(start, start + size) for start, size in zip(offset, shape, strict=True))
+    param.to_local().copy_(full[block])
