@@ -1,9 +1,5 @@
-"""A document, the unit every source yields, and the checks one record's text passes.
-
-Both kinds of source (local files and builtin: sources.py; Hugging Face datasets: hf_source.py)
-read records into `Document`s through `text_value`, so a record is refused the same way
-whichever source it came from.
-"""
+"""A document, the unit every source yields, and the checks one record's text passes (the same
+for every kind of source: `text_value`)."""
 
 from __future__ import annotations
 
@@ -13,10 +9,8 @@ from typing import Any
 
 from scale_llm.errors import UserError
 
-# One document is at most this many characters. Encoding costs ~50 bytes of memory per character
-# (the text, its pieces, their ids), so this bounds prepare's memory per document at a few GB. A
-# .jsonl line or a text file is read at most this many bytes (a character takes at least one),
-# so a longer one is refused before it is read whole.
+# At ~50 bytes of encoding memory a character, this bounds prepare's memory per document at a few
+# GB; a .jsonl line or text file is read at most this many bytes, so a longer one is refused early.
 MAX_DOCUMENT_CHARS = 50_000_000
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -28,8 +22,8 @@ class Document:
 
 
 def text_value(value: Any, where: str, field: str) -> str | None:
-    """The text of one record; None for null or blank; a clear error for a non-string, for a
-    document over MAX_DOCUMENT_CHARS and for text that is not Unicode (a lone surrogate)."""
+    """The text of one record; None for null or blank; a UserError for a non-string, a text over
+    MAX_DOCUMENT_CHARS or a lone surrogate."""
     if value is None:
         return None
     if not isinstance(value, str):
@@ -42,8 +36,7 @@ def text_value(value: Any, where: str, field: str) -> str | None:
             f"{where}: field {field!r} holds {len(value):,} characters, more than the "
             f"{MAX_DOCUMENT_CHARS:,} one document may hold; split it into smaller documents"
         )
-    # JSON can spell half of a UTF-16 pair (\ud800): valid syntax, but no UTF-8 text, and the
-    # tokenizer would fail on it far from here. Only non-ASCII text can hold one.
+    # JSON can spell half a UTF-16 pair (\ud800), which the tokenizer would fail on far from here
     if not value.isascii() and (bad := _SURROGATE.search(value)):
         raise UserError(
             f"{where}: field {field!r} holds a lone surrogate (\\u{ord(bad.group()):04x} at "

@@ -1,11 +1,6 @@
-"""Parallel, ordered tokenization: batches of documents in, token arrays out, in input order.
-
-`Encoder.map` sends batches of documents to `num_proc` worker processes (each loads the
-tokenizer once: our SentencePiece model, or a model's own, `pretrained_tokenizer.py`) and
-yields their results in the order the batches went in, with a bounded number in flight, so
-memory stays flat on any corpus size and the output is the same for every `num_proc`. With
-`num_proc=1` it encodes in this process, without a pool.
-This module imports no torch: workers start fast.
+"""Parallel, ordered tokenization: batches of documents go to `num_proc` worker processes and
+come back in input order with a bounded number in flight, so memory stays flat and the output is
+the same for every `num_proc`. This module imports no torch: workers start fast.
 """
 
 from __future__ import annotations
@@ -55,8 +50,7 @@ class EncodedBatch:
 def encode_batch(
     tok: Tokenizer | PretrainedTokenizer, docs: list[tuple[str, str]], val_fraction: float
 ) -> EncodedBatch:
-    """doc_start ids doc_end ([BOS] ids [EOS] for ours) for each (doc_id, text), in one
-    batched, single-threaded encode call."""
+    """doc_start ids doc_end for each (doc_id, text), in one single-threaded encode call."""
     encoded = tok.encode_many([text for _, text in docs])
     dtype = token_dtype(tok.vocab_size)
     start, end = np.array(tok.doc_start, dtype=dtype), np.array(tok.doc_end, dtype=dtype)
@@ -89,7 +83,6 @@ def batched(docs: Iterable[Document]) -> Iterator[list[tuple[str, str]]]:
         yield batch
 
 
-# ----------------------------------------------------------------------------- worker side
 _worker: dict = {}
 
 
@@ -105,8 +98,7 @@ def _encode_in_worker(docs: list[tuple[str, str]]) -> EncodedBatch:
 
 
 def _die_with(parent: int) -> None:
-    """Linux: the kernel sends this worker SIGKILL when its parent dies (even by SIGKILL), so no
-    orphaned workers keep tokenizing; elsewhere, workers notice at their next batch."""
+    """Linux: the kernel kills this worker when its parent dies, so no orphan keeps working."""
     try:
         import ctypes
 
@@ -118,13 +110,9 @@ def _die_with(parent: int) -> None:
         os._exit(1)
 
 
-# ----------------------------------------------------------------------------- parent side
 class Encoder:
-    """Ordered map of `encode_batch` over batches, in `num_proc` processes (0: one per core).
-
-    The pool starts only when there is more than one batch of work: a small corpus is encoded in
-    this process rather than paying for worker start-up.
-    """
+    """Ordered map of `encode_batch` over batches, in `num_proc` processes (0: one per core);
+    the pool starts only for more than one batch of work."""
 
     def __init__(self, model_path: str | os.PathLike, val_fraction: float, num_proc: int = 0):
         self.model_path, self.val_fraction = str(model_path), val_fraction

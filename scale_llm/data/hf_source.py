@@ -1,10 +1,6 @@
-"""Hugging Face datasets as a source: `data.source: hf:NAME` (the Hub) or `hf:PATH` (local folder).
-
-NAME goes to `datasets.load_dataset(NAME, data.hf_config, split=data.hf_split,
-revision=data.hf_revision, streaming=data.streaming)`. A local folder of data files (.parquet,
-.jsonl, .csv, .txt) takes the same call, so tests exercise the Hub's code path offline; a folder
-written by `Dataset.save_to_disk` is opened with `load_from_disk`. Nothing is opened until the
-documents are read, so a finished prepare stays a no-op on a machine without network.
+"""Hugging Face datasets as a source: `data.source: hf:NAME` (the Hub) or `hf:PATH` (local folder),
+through `datasets.load_dataset` (a `save_to_disk` folder: `load_from_disk`). Nothing is opened
+until the documents are read, so a finished prepare stays a no-op without network.
 """
 
 from __future__ import annotations
@@ -54,10 +50,8 @@ class HFSource:
         return f"{self.spec} ({where}, config {self.config}, split {self.split}{extra})"
 
     def fingerprint(self) -> str:
-        """The settings, plus every file's size and mtime for a local folder; no network.
-
-        A Hub dataset that changes upstream is only noticed if data.hf_revision pins a commit.
-        """
+        """The settings, and a local folder's file sizes and times; no network (a Hub dataset's
+        change upstream is noticed only with data.hf_revision)."""
         settings = [self.spec, self.config, self.split, self.revision, self.streaming]
         h = hashlib.sha256(f"{settings}|{self.text_field}".encode())
         if self.local:
@@ -140,8 +134,7 @@ class HFSource:
         return ds
 
     def _malformed_fix(self, bad: BaseException) -> str:
-        """The reason, and how to find the bad record: a local folder's .jsonl / .parquet files
-        read as a local source (without hf:) name its file and line."""
+        """The reason, and how to find the bad record (a local source names file and line)."""
         text = f"{type(bad).__name__}: {bad}. A record in the dataset's files is malformed"
         if self.local is None:
             return f"{text}; pin another data.hf_revision or tell the dataset's authors"
@@ -169,9 +162,8 @@ class HFSource:
 
 
 def _malformed(e: BaseException) -> BaseException | None:
-    """The error in `e`'s chain that says a data file's content cannot be parsed (Arrow's JSON /
-    CSV parsers, a decode error), as opposed to the network or a missing dataset: reading again
-    cannot help. A DatasetGenerationError is one too; its cause says why."""
+    """The error in `e`'s chain saying a data file cannot be parsed (reading again cannot help);
+    a DatasetGenerationError is one too, its cause saying why."""
     import pyarrow as pa
 
     chain = [e]

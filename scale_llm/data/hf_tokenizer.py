@@ -1,12 +1,8 @@
 """Our SentencePiece BPE model as a Hugging Face `tokenizer.json` (built with `tokenizers`).
 
-SentencePiece BPE stores pieces and scores, not merges; it encodes by repeatedly joining the
-adjacent pair whose joined piece scores highest. The same greedy order in `tokenizers` is a BPE
-model whose merge list is ranked by the score of the piece each merge makes. The rest mirrors our
-training settings (scale_llm/data/tokenizer.py): spaces become "▁" and nothing else is normalized,
-no dummy prefix, bytes for characters outside the vocabulary (`<0xNN>` pieces), and each text
-starts with BOS. `tests/test_hf.py` checks the ids against SentencePiece on code, whitespace runs,
-tabs, emoji, CJK and digits.
+SentencePiece joins the adjacent pair whose joined piece scores highest: in `tokenizers` that is a
+BPE model whose merges are ranked by the score of the piece each makes. The rest mirrors our
+training settings (spaces as "▁", no dummy prefix, byte fallback, BOS first).
 """
 
 from __future__ import annotations
@@ -70,8 +66,7 @@ def build_tokenizer_json(tok: Tokenizer) -> str:
 
 
 def tokenizer_files(tok: Tokenizer, max_length: int) -> dict[str, str]:
-    """file name -> text of the Hugging Face tokenizer files for `tok` (tokenizer.model, our
-    SentencePiece file, is copied beside them by the caller)."""
+    """file name -> text of the Hugging Face tokenizer files for `tok` (but tokenizer.model)."""
     sp = tok.sp
     unk = sp.id_to_piece(sp.unk_id())
     bos, eos = sp.id_to_piece(tok.bos_id), sp.id_to_piece(tok.eos_id)
@@ -99,8 +94,7 @@ def tokenizer_files(tok: Tokenizer, max_length: int) -> dict[str, str]:
 def write_tokenizer_files(
     tok: Tokenizer | PretrainedTokenizer, out_dir: Path, max_length: int
 ) -> None:
-    """Into `out_dir`, a folder the caller made (export's temporary folder). A model's own
-    tokenizer (data.tokenizer) is written back as its folder held it."""
+    """Into `out_dir`, export's own new folder; a model's own tokenizer is written back as is."""
     if isinstance(tok, PretrainedTokenizer):
         for name, data in tok.files().items():
             if name not in TOKENIZER_FILES:  # (the bundle's check refused such names already)

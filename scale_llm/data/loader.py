@@ -1,21 +1,10 @@
 """Batches from memory-mapped token shards, fixed by (seed, position) and resumable.
 
-The train split is cut into windows of seq_len + 1 tokens (inputs and shifted targets). Each epoch
-visits every window once in an order drawn from (seed, epoch). A step's global batch is the next
-`micro_batch_size * grad_accum * world_size` windows of that stream; rank r reads its contiguous
-slice of it, micro-step k the k-th piece of that slice. So the set of sequences in a step does
-not depend on how it is split across micro-steps and ranks.
-
-A mixture (data.sources) decides each position's source by `SourceSchedule`: a fixed interleave
-that gives every stretch of the stream each source's weighted share, to within one sequence; the
-k-th sequence of source s is then the k-th window of s's own seeded order, epoch after epoch.
-One source is the plain stream above.
-
-Resume guarantee (docs/data.md): the state is the stream position. Resuming on any world size,
-micro-batch size or grad_accum continues at exactly that position, so no window is repeated or
-skipped; with the same global batch every later step holds exactly the sequences it would have
-held without the interruption; with another global batch the same continuation is cut into
-steps of the new size.
+Windows of seq_len + 1 tokens are visited once per epoch in an order drawn from (seed, epoch). A
+step's global batch is the next `micro_batch_size * grad_accum * world_size` windows of that
+stream, rank r reading its contiguous slice, so a step's sequences do not depend on the layout.
+A mixture interleaves its sources by `SourceSchedule`. The state is the stream position: a resume
+on any layout continues there (docs/data.md), no window repeated or skipped.
 """
 
 from __future__ import annotations
@@ -61,8 +50,7 @@ class TokenWindows:
             start = int(i - self.offsets[s]) * self.seq_len
             rows[row] = self.shards[s][start : start + self.seq_len + 1]
         if self.vocab_size is not None and len(rows) and int(rows.max()) >= self.vocab_size:
-            # a damaged or foreign shard: the embedding would fail deep inside (on CUDA, a
-            # device-side assert); one max over the batch costs microseconds
+            # a damaged or foreign shard: the embedding would fail deep inside (a CUDA assert)
             row = int(np.argmax(rows.max(axis=1)))
             s = int(shard_ids[row])
             name = self.names[s] if self.names else f"shard {s}"
@@ -79,8 +67,7 @@ PERIOD = 4096  # sequences after which a mixture's interleave of sources repeats
 
 def period_counts(weights: list[float]) -> list[int]:
     """Each source's sequences in a period of PERIOD: its share by largest remainder, at least
-    one. Where raising tiny weights to one overfills the period, the extra slots come off the
-    counts above one, smallest remainder first (so equal weights keep equal counts)."""
+    one (an overfilled period takes back from counts above one, smallest remainder first)."""
     if len(weights) > PERIOD:
         raise ValueError(f"{len(weights)} sources: at most {PERIOD} fit in a period")
     exact = [share * PERIOD for share in normalized_weights(weights)]
@@ -99,13 +86,9 @@ def period_counts(weights: list[float]) -> list[int]:
 
 
 class SourceSchedule:
-    """Which source stream position p reads, and which of that source's draws it is.
-
-    Each period of PERIOD positions holds `counts[s]` of source s (its weight's share, by largest
-    remainder, at least one), placed at the positions (j + 1/2) * PERIOD / counts[s], so any
-    stretch of the stream holds each source's share to within a sequence or two. Fixed by the
-    weights alone: the same on every rank, for any batch layout.
-    """
+    """Which source stream position p reads, and which of that source's draws it is: each period
+    holds `counts[s]` of source s at positions (j + 1/2) * PERIOD / counts[s], so any stretch
+    holds each share to within a sequence or two. Fixed by the weights alone."""
 
     def __init__(self, weights: list[float]):
         self.counts = np.array(period_counts(weights), dtype=np.int64)
@@ -131,12 +114,8 @@ class SourceSchedule:
 
 
 class TrainLoader:
-    """This rank's micro-batches of each step's global batch, in a seeded, resumable order.
-
-    With `prefetch` > 0 a background thread reads the next batches (and pins them on CUDA) while
-    the model computes; it reads exactly the batches `next_batches` would have read, in order, and
-    `state_dict` always describes the next batch the trainer will get, not the read-ahead.
-    """
+    """This rank's micro-batches of each step's global batch, in a seeded, resumable order. With
+    `prefetch` > 0 a thread reads the next batches ahead (the state never counts them)."""
 
     def __init__(
         self,
@@ -147,8 +126,8 @@ class TrainLoader:
         sources: dict[str, tuple[float, int]] | None = None,
         repeat: bool = True,
     ):
-        """`sources`: a mixture's {name: (weight, training windows)}, whose windows lie in
-        `windows` one source after the other, in this order; None: one source, all of them."""
+        """`sources`: a mixture's {name: (weight, training windows)}, laid out in `windows` in
+        this order; None: one source."""
         if len(windows) == 0:
             raise ValueError("no training windows")
         self.windows, self.seed, self.device = windows, seed, plan.device
@@ -178,10 +157,8 @@ class TrainLoader:
         tokens = self._take(self.position)  # (micro_batch_size * grad_accum, seq_len + 1)
         self._log_epoch_start(self.position)
         self.position += self.global_batch
-        # pinned host memory lets the copy run asynchronously with the compute stream
-        tokens = tokens.to(self.device, non_blocking=tokens.is_pinned())
-        pieces = tokens.split(self.micro_batch_size)
-        return [(p[:, :-1], p[:, 1:]) for p in pieces]
+        tokens = tokens.to(self.device, non_blocking=tokens.is_pinned())  # (async when pinned)
+        return [(p[:, :-1], p[:, 1:]) for p in tokens.split(self.micro_batch_size)]
 
     def _read(self, position: int) -> torch.Tensor:
         """This rank's slice of the global batch that starts at stream `position`."""
@@ -288,8 +265,7 @@ class TrainLoader:
                 self.seed,
                 len(self.windows),
             )
-        saved = state.get("sources")
-        now = self.state_dict().get("sources")
+        saved, now = state.get("sources"), self.state_dict().get("sources")
         if saved != now and (saved is not None or now is not None):
             log.warning(
                 "data: the checkpoint's mixture (%s) differs from now (%s); continuing at the "
@@ -317,18 +293,11 @@ def repeat_refused(what: str, windows: int, position: int) -> str:
 
 
 def eval_batches(windows: TokenWindows, plan: RunPlan, steps: int):
-    """(inputs, targets, rows to score) of `steps` global batches of validation windows, the
-    same at every evaluation.
-
-    Laid out like training batches (rank r reads its slice of each global batch, in micro-batches),
-    so the set of sequences evaluated does not depend on micro-batch size, accumulation or world
-    size, and neither does the mean loss. Each window is scored once: validation smaller than
-    `steps` global batches ends with a batch in part, whose rows past the last window are
-    computed (every rank runs the same shapes and collectives) but not scored: the first `rows`
-    of each micro-batch are (`eval_windows` counts them).
-    """
+    """(inputs, targets, rows to score) of `steps` global batches of validation windows, laid out
+    like training batches, so the loss does not depend on the layout. Rows past the last window
+    are computed (every rank runs the same shapes) but not scored."""
     n, mb = len(windows), plan.micro_batch_size
-    scored = eval_windows(n, plan.sequences_per_step, steps)
+    scored = min(n, steps * plan.sequences_per_step)  # every window once where there are fewer
     per_rank = mb * plan.grad_accum
     for b in range(-(-scored // plan.sequences_per_step)):
         first = b * plan.sequences_per_step + plan.dp_rank * per_rank
@@ -336,9 +305,3 @@ def eval_batches(windows: TokenWindows, plan: RunPlan, steps: int):
             start = first + k * mb
             tokens = windows.get(np.arange(start, start + mb) % n).to(plan.device)
             yield tokens[:, :-1], tokens[:, 1:], min(mb, max(0, scored - start))
-
-
-def eval_windows(windows: int, per_batch: int, steps: int) -> int:
-    """Validation windows one evaluation scores: `steps` global batches of `per_batch`, or every
-    window once where there are fewer."""
-    return min(windows, steps * per_batch)

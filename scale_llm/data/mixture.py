@@ -1,18 +1,10 @@
 """`data.sources`: a weighted mixture, prepared as one folder per source under one tokenizer.
 
-data.dir holds the shared tokenizer, `mixture.json` (the tokenizer's record, the source folders
-prepare made there and, per source, its fingerprint and token counts) and one folder per source,
-`data.dir/<name>/`, which is an ordinary prepared folder (manifest, shards, a copy of the
-tokenizer): prepare_source.py builds each one with everything it promises (resumable, published
-atomically, up-to-date check), so a source that changed, or was added, is re-prepared alone.
-A `data.dir/<name>` that mixture.json does not name (data prepared there otherwise) is refused,
-never replaced, and so is one it names that is no longer the folder prepare made (a link, a
-file), on every run before any work.
-
-The tokenizer is trained once, on a sample that takes from each source its weight's share of
-data.tokenizer_sample_bytes (a mixture of one source samples exactly as `data.source` does);
-later changes to the sources or weights keep it (so no other source is re-encoded), and
-`--force` trains it afresh and re-prepares every source.
+data.dir holds the tokenizer, `mixture.json` (its record, the source folders prepare made, each
+source's fingerprint and counts) and `data.dir/<name>/`, an ordinary prepared folder per source
+(prepare_source.py), so a changed or added source is re-prepared alone. A `data.dir/<name>` that
+mixture.json does not name, or that is no longer prepare's folder, is refused before any work.
+The tokenizer is trained once on each source's weighted share of the sample; `--force` retrains.
 """
 
 from __future__ import annotations
@@ -104,11 +96,8 @@ def _open_all(cfg: Config, configs: list[Config]) -> list[Any]:
 
 
 def _claim(out: Path, names: list[str]) -> dict[str, Any]:
-    """mixture.json as found (a fresh one where there is none); refuses a data.dir that holds
-    one-source data, a tokenizer no mixture.json of prepare's names, a link or folder where
-    prepare keeps mixture.json or the tokenizer, or a data.dir/<name> of `names` that it does
-    not name (a source's prepare would re-encode and replace it) or that is no longer the
-    folder prepare made there."""
+    """mixture.json as found (or fresh); refuses one-source data, a tokenizer or source folder
+    of `names` no mixture.json of prepare's names, and a non-file where prepare writes."""
     if (out / MANIFEST).exists():
         raise UserError(
             f"data.dir={out} holds the data of one source ({MANIFEST}); a mixture keeps one "
@@ -131,10 +120,8 @@ def _claim(out: Path, names: list[str]) -> dict[str, Any]:
 
 
 def _refuse_foreign_folders(out: Path, names: list[str], ours: set[str]) -> None:
-    """Every data.dir/<name> that exists (a file, a link, a folder with anything in it) is one
-    this data.dir's mixture.json names, or prepare stops before writing anything. One it names
-    is checked as its prepare will check it (`check_outputs`), and must be a folder, not a
-    link: a source's prepare writes through every part of data.dir/<name>."""
+    """Every existing, non-empty data.dir/<name> is one mixture.json names (`ours`), checked as
+    its prepare will check it, or prepare stops before writing anything."""
     foreign = []
     for i, name in enumerate(names):
         path = out / name
@@ -159,8 +146,7 @@ def _refuse_foreign_folders(out: Path, names: list[str], ours: set[str]) -> None
 
 
 def _check_source_folder(path: Path) -> None:
-    """A source folder prepare made, still a folder of its own (not a link, not a file), and
-    holding nothing its prepare would replace that it cannot prove it wrote."""
+    """A source folder prepare made: still a folder (not a link), holding nothing foreign."""
     if path.is_symlink() or not path.is_dir():
         raise UserError(
             f"{path} is {describe_kind(path)}, where prepare keeps the folder it made for this "
@@ -196,17 +182,10 @@ def _read(path: Path) -> dict[str, Any] | None:
 
 def _record(manifest: dict[str, Any]) -> dict[str, Any]:
     splits = manifest["splits"]
-    return {
-        "fingerprint": manifest["fingerprint"],
-        "source": manifest["source"],
-        "train_tokens": splits["train"]["tokens"],
-        "val_tokens": splits["val"]["tokens"],
-        "train_documents": splits["train"]["documents"],
-        "val_documents": splits["val"]["documents"],
-    }
+    counts = {f"{s}_{k}": splits[s][k] for k in ("tokens", "documents") for s in ("train", "val")}
+    return {"fingerprint": manifest["fingerprint"], "source": manifest["source"], **counts}
 
 
-# ----------------------------------------------------------------------------- tokenizer
 def _tokenizer_fingerprint(cfg: Config, bundle: bytes | None) -> str:
     """What decides the tokenizer: not the sources (they may change without retraining it)."""
     d = cfg.data
@@ -230,8 +209,8 @@ def _tokenizer(
     bundle: bytes | None,
     force: bool,
 ) -> bytes:
-    """The bytes of the mixture's tokenizer, written to data.dir: the one there if it was made
-    with these settings (and `force` is off), else data.tokenizer's or one trained afresh."""
+    """The mixture's tokenizer, in data.dir: the one there if made with these settings (and not
+    `force`), else data.tokenizer's or one trained afresh."""
     fingerprint = _tokenizer_fingerprint(cfg, bundle)
     name = BUNDLE_FILE if bundle is not None else SP_FILE
     tok = mixture["tokenizer"]
@@ -292,8 +271,7 @@ def _sample(cfg: Config, configs: list[Config], sources: list[Any]) -> list[str]
 
 
 def _share(sub: Config, source: Any, weight: float) -> list[str]:
-    """A source's part of the tokenizer sample: its weight's share of the budget, drawn as
-    prepare draws a one-source sample (with weight 1, exactly that sample)."""
+    """A source's weighted share of the tokenizer sample, drawn as for one source."""
     d = sub.data
     docs = d.tokenizer_sample_documents
     share = dataclasses.replace(
@@ -317,8 +295,7 @@ def _say_unused(out: Path, mixture: dict[str, Any], cfg: Config) -> None:
 
 
 def _log_mixture(cfg: Config, mixture: dict[str, Any]) -> None:
-    weights = mixture_weights(cfg.data)
-    for name, w in weights.items():
+    for name, w in mixture_weights(cfg.data).items():
         rec = mixture["sources"][name]
         log.info(
             "data: %-12s weight %.3f | %s train / %s val tokens",
@@ -329,7 +306,6 @@ def _log_mixture(cfg: Config, mixture: dict[str, Any]) -> None:
         )
 
 
-# ----------------------------------------------------------------------------- reading
 @dataclass
 class PreparedSource:
     name: str
@@ -339,12 +315,10 @@ class PreparedSource:
 
 
 def read_mixture(cfg: Config) -> list[PreparedSource]:
-    """The prepared folder of every source of data.sources, each checked (shards, tokenizer)
-    and all encoded with data.dir's tokenizer."""
+    """The prepared folder of every source of data.sources, checked, all with one tokenizer."""
     out = Path(cfg.data.dir)
     prepare_fix = "run `scale-llm prepare CONFIG` (it prepares only what is missing or changed)"
-    mixture = _read(out / MIXTURE)
-    if mixture is None:
+    if (mixture := _read(out / MIXTURE)) is None:
         raise UserError(
             f"data.dir={out} holds no prepared mixture ({MIXTURE} missing); " + prepare_fix
         )
@@ -366,7 +340,6 @@ def read_mixture(cfg: Config) -> list[PreparedSource]:
     return found
 
 
-# ----------------------------------------------------------------------------- training
 @dataclass
 class TrainingData:
     """What a run reads from data.dir: the tokenizer's record, one stream of training windows
@@ -411,8 +384,7 @@ def _check_windows(
     train: dict[str, int],
     val: dict[str, TokenWindows],
 ) -> None:
-    """Every source of a mixture has a training and a validation window of model.seq_len (the
-    run reads each source on its own, so the whole having windows is not enough)."""
+    """Every source of a mixture has a training and a validation window (each is read alone)."""
     problems = []
     for i, name in enumerate(manifests):
         if train[name] and len(val[name]):
@@ -432,17 +404,16 @@ def _check_windows(
 
 
 def check_epochs(cfg: Config, loader: TrainLoader, data: TrainingData, is_main: bool) -> None:
-    """Before training: data.repeat=false refuses a run that would read any source twice; a
-    mixture's weights, tokens and the epochs train.max_steps implies are printed."""
+    """data.repeat=false refuses a run that would read any source twice; a mixture's weights,
+    tokens and epochs are printed."""
     epochs = loader.epochs(cfg.train.max_steps)
-    if not cfg.data.repeat:
-        over = [f"{n or 'the training data'}: {e:.2f} epochs" for n, e in epochs.items() if e > 1]
-        if over:
-            raise UserError(
-                f"data.repeat=false, but train.max_steps={cfg.train.max_steps} reads "
-                f"{'; '.join(over)} of data.dir={cfg.data.dir}; prepare more data, lower "
-                f"train.max_steps, or set data.repeat=true"
-            )
+    over = [f"{n or 'the training data'}: {e:.2f} epochs" for n, e in epochs.items() if e > 1]
+    if over and not cfg.data.repeat:
+        raise UserError(
+            f"data.repeat=false, but train.max_steps={cfg.train.max_steps} reads "
+            f"{'; '.join(over)} of data.dir={cfg.data.dir}; prepare more data, lower "
+            f"train.max_steps, or set data.repeat=true"
+        )
     if data.sources is None or not is_main:
         return
     log.info("data: a mixture of %d sources (weights are shares of the tokens read)", len(epochs))

@@ -1,11 +1,6 @@
-"""`scale-llm prepare --bench`: tokenization throughput of prepare's pipeline vs a plain loop.
-
-Reads the first `megabytes` of the source's documents into memory, then encodes the same texts
-and reports tokens/s for: a plain one-process loop (`sp.encode(text)` per document, then a numpy
-array with BOS/EOS), prepare's pipeline in this process (`data.num_proc=1`: batched encode,
-split hashing, arrays), and the pipeline in `data.num_proc` worker processes (start-up
-included). Reading and writing are not timed. The tokenizer is data.dir's if there is one, else
-one is trained on the text first (not timed).
+"""`scale-llm prepare --bench`: tokens/s of prepare's pipeline (in this process, and in
+`data.num_proc` workers, start-up included) vs a plain `sp.encode` loop, on the first `megabytes`
+of the source in memory, with data.dir's tokenizer or one trained first (not timed).
 """
 
 from __future__ import annotations
@@ -29,8 +24,7 @@ from scale_llm.errors import UserError
 
 
 def bench_prepare(cfg: Config, megabytes: float) -> dict[str, Any]:
-    """Timings of the three ways to encode the same text; see the module docstring. A mixture
-    (data.sources) is timed on its first source."""
+    """Timings of the three ways to encode the same text (a mixture: its first source)."""
     if cfg.data.sources:
         from scale_llm.data.mixture import source_config
 
@@ -43,8 +37,7 @@ def bench_prepare(cfg: Config, megabytes: float) -> dict[str, Any]:
             f"pipeline, or time `scale-llm prepare` itself on a copy of data.dir"
         )
     source = open_source(cfg.data)
-    docs = _read(source, int(megabytes * 1e6))
-    if not docs:
+    if not (docs := _read(source, int(megabytes * 1e6))):
         raise UserError(f"data.source={cfg.data.source!r} yielded no documents to benchmark")
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(cfg.data.dir) / TOKENIZER_FILE
@@ -113,10 +106,5 @@ def _pipeline(docs: list[Document], model: Path, val_fraction: float, num_proc: 
 
 
 def _row(method: str, processes: int, seconds: float, tokens: int) -> dict[str, Any]:
-    return {
-        "method": method,
-        "processes": processes,
-        "seconds": seconds,
-        "tokens": tokens,
-        "tokens_per_s": tokens / seconds,
-    }
+    row = dict(method=method, processes=processes, seconds=seconds, tokens=tokens)
+    return {**row, "tokens_per_s": tokens / seconds}

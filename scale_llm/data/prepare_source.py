@@ -1,16 +1,10 @@
-"""Prepare one source: corpus -> SentencePiece tokenizer -> token shards + manifest in data.dir.
+"""Prepare one source (`data.source`, or a mixture's): corpus -> tokenizer -> shards + manifest.
 
-`data.source` is prepared here, and so is each source of a mixture (mixture.py prepares it into
-data.dir/<name> with the mixture's tokenizer). Steps: stream the source's documents in a fixed
-order (capped by data.max_documents); train the tokenizer on a sample of the first train
-documents, or, with data.tokenizer, take a Hugging Face model's (`pretrained_tokenizer.py`);
-encode every document as [BOS] ids [EOS] in `data.num_proc` processes, in order, into
-fixed-size train / val shards (the split decided by a stable hash of each document's id), until
-the stream or data.max_tokens ends; write manifest.json last. progress.json checkpoints the
-work, so an interrupted prepare continues where it stopped; a second run on unchanged input and
-settings finds the manifest's fingerprint equal and does no work. Every run first checks that
-each name it writes in data.dir is absent or provably its own (`check_outputs`), with or without
---force.
+Stream the documents in a fixed order; train a tokenizer on a sample of the first train
+documents (or take data.tokenizer's); encode each as [BOS] ids [EOS] in `data.num_proc`
+processes into train / val shards (split by a stable hash of the document id); write
+manifest.json last. progress.json lets an interrupted prepare continue; an equal fingerprint
+means no work. Every run first checks each name it writes is absent or its own (`check_outputs`).
 """
 
 from __future__ import annotations
@@ -85,21 +79,18 @@ SPLITS = ("train", "val")
 def prepare_source(
     cfg: Config, force: bool = False, tokenizer: bytes | None = None
 ) -> dict[str, Any]:
-    """Prepare `cfg.data.dir` from `cfg.data.source`; returns the manifest. `tokenizer`: the
-    bytes of the tokenizer file to encode with (a mixture's, shared by its sources) instead of
-    training one or reading data.tokenizer's."""
+    """Prepare `cfg.data.dir` from `cfg.data.source`; the manifest. `tokenizer`: a mixture's
+    tokenizer file to encode with, instead of training one or reading data.tokenizer's."""
     out = Path(cfg.data.dir)
     source = open_source(cfg.data)
     bundle = tokenizer if tokenizer is not None else model_tokenizer(cfg)
     fingerprint = _fingerprint(cfg, source, bundle)
-    current = _up_to_date(out, fingerprint, force)  # read-only: a shared data dir needs no lock
-    if current is not None:
+    if (current := _up_to_date(out, fingerprint, force)) is not None:  # read-only: no lock
         return current
     with data_dir_lock(out):
         check_outputs(out)  # every run: what is there now, before any work
         _finish_publish(out)
-        current = _up_to_date(out, fingerprint, force)  # what the prepare waited for made
-        if current is not None:
+        if (current := _up_to_date(out, fingerprint, force)) is not None:  # made meanwhile
             return current
         return _build(cfg, source, fingerprint, out, force, bundle)
 
@@ -109,8 +100,7 @@ LOCK_FILE = ".prepare.lock"  # in data.dir: one prepare at a time builds and pub
 
 @contextlib.contextmanager
 def data_dir_lock(out: Path) -> Iterator[None]:
-    """Hold data.dir's lock (one prepare builds and publishes there at a time, one source's or
-    a mixture's); the folders made for it are removed again if left empty (a refused prepare)."""
+    """Hold data.dir's lock (one prepare at a time); folders made for it go again if left empty."""
     require_writable_dir(out, "data.dir")  # before anything is read or removed
     made = [p for p in [out, *out.parents] if not (p.exists() or p.is_symlink())]
     lock = OwnerLock(out / LOCK_FILE, f"data.dir={out}", "point data.dir elsewhere")
@@ -158,10 +148,8 @@ def model_tokenizer(cfg: Config) -> bytes | None:
 def _build(
     cfg: Config, source, fingerprint: str, out: Path, force: bool, bundle: bytes | None
 ) -> dict[str, Any]:
-    """Build the data in out/.prepare-build/ and publish it into `out` (under the lock, its
-    names checked: `check_outputs`)."""
-    # Build beside the current data, in out/.prepare-build/: until the new manifest is complete
-    # the existing data stays as it was (a bad source or an interruption costs nothing).
+    """Build the data in out/.prepare-build/ and publish it into `out` (under the lock): until
+    the new manifest is complete the existing data stays as it was."""
     fresh_build = not (out / BUILD_DIR).exists()
     build = _claim_build_dir(out)
     t0 = time.perf_counter()
@@ -216,15 +204,11 @@ MARK_KIND = "prepared data"
 OUTPUT_PATTERNS = ("train_*.bin*", "val_*.bin*", SP_FILE, BUNDLE_FILE)  # what prepare publishes
 
 
-# ----------------------------------------------------------------------------- what is prepare's
-# Every name prepare writes, replaces or removes in data.dir is checked under the lock on every
-# run, before any work (`check_outputs`): it is absent, or provably prepare's. manifest.json is
-# prepare's where prepare's mark lies beside it; a shard or tokenizer where a manifest of
-# prepare's lists it; the build folder where it carries its mark. Each is a regular file (a
-# link, a folder or a pipe there is never written through or replaced).
 def check_outputs(out: Path) -> None:
-    """Refuse a data.dir holding, under a name prepare writes, anything it cannot prove it
-    wrote (read-only; said before any work)."""
+    """Refuse a data.dir holding, under a name prepare writes, anything it cannot prove it wrote
+    (read-only, before any work): manifest.json is prepare's beside its mark, a shard or
+    tokenizer where a manifest of prepare's lists it, the build folder with its mark; each a
+    regular file (never a link, folder or pipe)."""
     if not out.is_dir():
         return  # nothing there yet (require_writable_dir refuses a file)
     build = out / BUILD_DIR
@@ -245,10 +229,9 @@ def check_outputs(out: Path) -> None:
 
 
 def _owned_names(out: Path) -> set[str]:
-    """The names in data.dir that are provably prepare's: none without its mark (or, in a
-    folder prepared before the mark, a complete manifest); with it, manifest.json and the
-    outputs a manifest of prepare's lists: the published one, and a build's records of what
-    its publication replaces and adds."""
+    """The names in data.dir provably prepare's: with its mark (or a complete manifest from
+    before marks), manifest.json and the outputs a manifest of prepare's lists (the published
+    one, a build's records)."""
     current = _current_manifest(out)
     if not (_marked(out) or _complete(out, current)):
         return set()
@@ -272,20 +255,14 @@ def _marked(out: Path) -> bool:
 
 
 def _complete(out: Path, manifest: dict[str, Any] | None) -> bool:
-    """A manifest of a prepare that left no mark yet: every field, shard and tokenizer exactly
-    as it records them (what no other program's manifest.json does)."""
+    """A manifest of a prepare that left no mark yet: every field, shard and tokenizer as it
+    records them."""
     return (
         manifest is not None
         and manifest.get("format") == FORMAT_VERSION
         and not shard_problems(out, manifest)
         and tokenizer_problem(out, manifest) is None
     )
-
-
-def _mark(out: Path) -> None:
-    """Before publishing changes anything in data.dir: from then on its manifest is prepare's."""
-    if not (out / MARK).exists():
-        atomic_write_json(out / MARK, {"kind": MARK_KIND, "made_by": "scale-llm prepare"})
 
 
 def _named_like_ours(name: str) -> bool:
@@ -298,8 +275,7 @@ def _shaped_like_ours(directory: Path) -> list[Path]:
 
 
 def refuse_non_files(paths: Iterable[Path]) -> None:
-    """Each path is absent or a regular file: prepare replaces nothing else (in data.dir, in
-    its build folder, in a mixture's data.dir)."""
+    """Each path is absent or a regular file: prepare replaces nothing else."""
     for path in paths:
         if path.is_symlink() or (path.exists() and not path.is_file()):
             raise UserError(
@@ -310,10 +286,9 @@ def refuse_non_files(paths: Iterable[Path]) -> None:
 
 
 def _refuse_foreign_files(out: Path, ours: set[str]) -> None:
-    """Publishing renames the new shards and tokenizer into data.dir: a file of such a name that
-    no manifest of prepare's accounts for is someone else's, and would be replaced."""
-    foreign = [p.name for p in _shaped_like_ours(out) if p.name not in ours]
-    if foreign:
+    """A file named like prepare's outputs that no manifest of prepare's lists is someone
+    else's, and publishing would replace it."""
+    if foreign := [p.name for p in _shaped_like_ours(out) if p.name not in ours]:
         shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
         raise UserError(
             f"data.dir={out} holds {len(foreign)} file(s) named like prepare's outputs that no "
@@ -327,8 +302,7 @@ def _own_build(build: Path) -> bool:
 
 
 def _check_build_dir(build: Path) -> None:
-    """out/.prepare-build is absent, empty (a prepare stopped before marking it, or while
-    removing it) or a folder prepare made (its mark)."""
+    """out/.prepare-build is absent, empty (a prepare stopped early) or carries prepare's mark."""
     if not (build.exists() or build.is_symlink()) or _own_build(build):
         return
     if build.is_dir() and not build.is_symlink() and not any(build.iterdir()):
@@ -340,8 +314,7 @@ def _check_build_dir(build: Path) -> None:
 
 
 def _claim_build_dir(out: Path) -> Path:
-    """out/.prepare-build, prepare's own (`check_outputs` has checked it): an earlier prepare's,
-    or created with prepare's mark."""
+    """out/.prepare-build, prepare's own: an earlier prepare's, or created with the mark."""
     build = out / BUILD_DIR
     if _own_build(build):
         return build
@@ -352,13 +325,13 @@ def _claim_build_dir(out: Path) -> Path:
 
 
 def _publish(build: Path, out: Path) -> None:
-    """Move a complete build into `out`: the old manifest goes first (from then on `out` reads
-    as unprepared; the build keeps a copy, which says which old files to remove), then the old
-    files that manifest lists, then the new files, the new manifest last. A crash in between
+    """Move a complete build into `out`: the old manifest first (the build keeps a copy naming
+    the old files), the old files, the new ones, the new manifest last. A crash in between
     leaves the complete build, which the next prepare publishes (`_finish_publish`)."""
     for path in build.iterdir():  # durable before the old data goes (the shards already are)
         fsync_file(path)
-    _mark(out)
+    if not (out / MARK).exists():  # before anything changes: from here on the manifest is ours
+        atomic_write_json(out / MARK, {"kind": MARK_KIND, "made_by": "scale-llm prepare"})
     old = out / MANIFEST
     if old.is_file() and not (build / PREVIOUS).exists():
         atomic_write_bytes(build / PREVIOUS, old.read_bytes())
@@ -382,8 +355,7 @@ def _remove_build(build: Path) -> None:
 
 
 def _read_json(path: Path) -> Any:
-    """A JSON record of prepare's, or None: none there, or damaged (it then accounts for
-    nothing, so the files it meant are not provably prepare's)."""
+    """A JSON record of prepare's, or None: none there, or damaged (it accounts for nothing)."""
     if not path.is_file():
         return None
     try:
@@ -393,8 +365,7 @@ def _read_json(path: Path) -> Any:
 
 
 def _finish_publish(out: Path) -> None:
-    """A prepare killed while publishing left a complete build: publish it now (or, stopped
-    after its manifest moved, remove the rest of it: its record of the old data is spent)."""
+    """Publish a complete build a killed prepare left (or remove one whose manifest moved)."""
     build = out / BUILD_DIR
     if not _own_build(build):
         return
@@ -407,8 +378,7 @@ def _finish_publish(out: Path) -> None:
 
 @contextlib.contextmanager
 def _sigterm_interrupts():
-    """SIGTERM (a job being stopped) ends prepare like Ctrl-C: workers shut down, what was
-    written is kept and said so."""
+    """SIGTERM (a job being stopped) ends prepare like Ctrl-C: what was written is kept."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -423,14 +393,6 @@ def _sigterm_interrupts():
         signal.signal(signal.SIGTERM, previous)
 
 
-def _raise_empty(cfg: Config) -> None:
-    raise UserError(
-        f"data.source={cfg.data.source!r} yielded too few non-empty documents; "
-        f"check the files and data.text_field={cfg.data.text_field!r}"
-    )
-
-
-# ----------------------------------------------------------------------------- start or continue
 def _resume(cfg: Config, source, out: Path, fingerprint: str, force: bool):
     """(progress, writers, stream) continuing an interrupted prepare, or None."""
     progress = read_progress(out)
@@ -459,8 +421,8 @@ def _tokenizer_file(cfg: Config) -> str:
 
 
 def _fresh(cfg: Config, source, out: Path, fingerprint: str, bundle: bytes | None):
-    """Clear the build folder (prepare's own: `_claim_build_dir`) of an earlier attempt, train
-    the tokenizer (or write data.tokenizer's); (progress, writers, stream) from document 0."""
+    """Clear the build folder of an earlier attempt, train the tokenizer (or write the one
+    given); (progress, writers, stream) from document 0."""
     earlier = [*out.glob("train_*.bin*"), *out.glob("val_*.bin*"), out / PROGRESS]
     for stale in [*earlier, out / SP_FILE, out / BUNDLE_FILE]:  # (a tokenizer of either kind)
         stale.unlink(missing_ok=True)
@@ -520,20 +482,21 @@ def read_documents(cfg: Config, source) -> Iterator[Document]:
     return itertools.islice(source.documents(), cfg.data.max_documents)
 
 
-# ----------------------------------------------------------------------------- tokenizer sample
 def draw_sample(cfg: Config, docs: Iterator[Document]) -> tuple[list[str], list[Document]]:
     """The tokenizer's sample from the first documents of the stream (refused when they hold
-    no text), and those documents (the pool it was drawn from, read off the stream)."""
+    no text), and the pool it was drawn from (read off the stream)."""
     pool = _sample_pool(docs, cfg)
-    sample = list(_sample(pool, cfg))
-    if not sample:
-        _raise_empty(cfg)
+    if not (sample := list(_sample(pool, cfg))):
+        raise UserError(
+            f"data.source={cfg.data.source!r} yielded too few non-empty documents; "
+            f"check the files and data.text_field={cfg.data.text_field!r}"
+        )
     return sample, pool
 
 
 def _sample_pool(docs: Iterator[Document], cfg: Config) -> list[Document]:
     """The first documents of the stream, until its train documents hold SAMPLE_POOL times the
-    tokenizer sample (characters, and documents when data.tokenizer_sample_documents is set)."""
+    tokenizer sample."""
     d = cfg.data
     max_chars = SAMPLE_POOL * d.tokenizer_sample_bytes
     max_docs = SAMPLE_POOL * d.tokenizer_sample_documents if d.tokenizer_sample_documents else None
@@ -573,7 +536,6 @@ def _sample(pool: list[Document], cfg: Config) -> Iterator[str]:
         yield text
 
 
-# ----------------------------------------------------------------------------- tokenization
 def _tokenize(
     cfg: Config,
     source,
@@ -604,7 +566,8 @@ def _tokenize(
             bar.update(n_docs, tokens=tokens)
             now = time.perf_counter()
             if finished or progress["capped"] or now - last_checkpoint >= CHECKPOINT_SECONDS:
-                _checkpoint(out, progress, writers)
+                progress["splits"] = {name: w.sync() for name, w in writers.items()}
+                write_progress(out, progress)  # shard data first: a crash only repeats work
                 last_checkpoint = now
             if progress["capped"]:
                 log.info("data: reached data.max_tokens=%s", f"{max_tokens:,}")
@@ -638,12 +601,6 @@ def _write(writers: dict[str, ShardWriter], batch: EncodedBatch, n_docs: int) ->
     return finished + writers["val"].add(tokens[val_tokens], lengths[is_val])
 
 
-def _checkpoint(out: Path, progress: dict[str, Any], writers: dict[str, ShardWriter]) -> None:
-    """Shard data first, then the record of it: a crash in between only repeats work."""
-    progress["splits"] = {name: w.sync() for name, w in writers.items()}
-    write_progress(out, progress)
-
-
 def _finish(writers: dict[str, ShardWriter]) -> dict[str, Any]:
     """Close both splits; a tiny corpus with no validation document gives its last one to val."""
     if writers["val"].documents == 0 and writers["train"].documents > 1:
@@ -660,7 +617,6 @@ def _finish(writers: dict[str, ShardWriter]) -> dict[str, Any]:
     return splits
 
 
-# ----------------------------------------------------------------------------- manifest
 def _manifest(cfg: Config, source, out: Path, fingerprint: str, progress, splits) -> dict:
     name = _tokenizer_file(cfg)
     tokenizer = load_tokenizer(out / name)
@@ -688,8 +644,8 @@ def _manifest(cfg: Config, source, out: Path, fingerprint: str, progress, splits
 
 
 def _fingerprint(cfg: Config, source, bundle: bytes | None = None) -> str:
-    """Everything that decides the output; num_proc does not (the output is the same). With
-    data.tokenizer, its file's SHA-256 replaces the settings of the tokenizer prepare trains."""
+    """Everything that decides the output (not num_proc); a given tokenizer's SHA-256 replaces
+    the settings of the one prepare would train."""
     d = cfg.data
     settings: dict[str, Any] = {
         "format": FORMAT_VERSION,

@@ -1,16 +1,9 @@
 """A Hugging Face model's own tokenizer (`data.tokenizer`), kept by prepare as one file.
 
-prepare reads the folder once with transformers' AutoTokenizer, the tokenizer a user of the
-model gets, and writes `hf-tokenizer.json` into data.dir: the `tokenizers` pipeline AutoTokenizer
-built from the folder (what encodes, in prepare's workers, the trainer and generate, without
-importing transformers), the ids AutoTokenizer puts around a text, BOS / EOS / pad, the number of
-ids, and the folder's tokenizer files byte for byte (`scale-llm export` writes them back). A
-document becomes what AutoTokenizer gives for it with its special tokens (BOS first where the
-model's tokenizer adds one), then EOS. The file is written canonically: the same folder read by
-the same transformers gives the same bytes, whose SHA-256 is the tokenizer's identity in the
-manifest, in prepare's fingerprint and in every checkpoint. The folder is a stranger's: a
-folder whose config names Python is refused before transformers reads it, and a link in it is
-followed only inside it (or its Hub cache entry): `scale_llm/files.py`, "a stranger's folder".
+prepare reads the folder once with AutoTokenizer and writes `hf-tokenizer.json`: its `tokenizers`
+pipeline (which encodes without transformers), the ids it puts around a text, BOS / EOS / pad and
+the folder's tokenizer files byte for byte (export writes them back). Written canonically, its
+SHA-256 is the tokenizer's identity. The folder is a stranger's (`scale_llm/files.py`).
 """
 
 from __future__ import annotations
@@ -48,7 +41,6 @@ FOLDER_HELP = (
 )
 
 
-# ----------------------------------------------------------------------------- the folder
 def read_folder_files(folder: str | Path, what: str = WHAT) -> dict[str, bytes]:
     """name -> bytes of the tokenizer files in `folder` (it must hold an encoder)."""
     folder = Path(folder)
@@ -65,8 +57,7 @@ def read_folder_files(folder: str | Path, what: str = WHAT) -> dict[str, bytes]:
 
 
 def folder_tokenizer_files(folder: Path, what: str = WHAT) -> dict[str, bytes]:
-    """name -> bytes of each tokenizer file `folder` holds, read by `read_folder_file`: a link
-    is followed only inside the folder or its Hub cache entry (whose snapshots link blobs)."""
+    """name -> bytes of each tokenizer file `folder` holds (`read_folder_file`: links inside)."""
     files = {name: read_folder_file(folder, name, what) for name in TOKENIZER_FILES}
     return {name: data for name, data in files.items() if data is not None}
 
@@ -86,14 +77,12 @@ def folder_digest(folder: Path, what: str = WHAT) -> str | None:
 
 
 def build_bundle(folder: str | Path) -> tuple[bytes, dict[str, Any]]:
-    """The bytes of `hf-tokenizer.json` for the tokenizer in `folder`, and what it says (ids,
-    BOS, EOS). Every problem is a UserError naming data.tokenizer."""
+    """The bytes of `hf-tokenizer.json` for the tokenizer in `folder`, and what it says."""
     folder = Path(folder)
     files = read_folder_files(folder)
     require(f"{WHAT}={folder}", "transformers", "tokenizers")
     tok = _auto_tokenizer(folder)
-    backend = getattr(tok, "backend_tokenizer", None)
-    if backend is None:
+    if (backend := getattr(tok, "backend_tokenizer", None)) is None:
         raise UserError(
             f"{WHAT}={folder}: transformers loads it as {type(tok).__name__}, a tokenizer "
             f"without a `tokenizers` pipeline (not a fast tokenizer); give a folder with "
@@ -128,10 +117,9 @@ def build_bundle(folder: str | Path) -> tuple[bytes, dict[str, Any]]:
 
 
 def _auto_tokenizer(folder: Path) -> Any:
-    """transformers' AutoTokenizer of `folder`, which must name no code: transformers never
-    runs a folder's Python here, nor asks whether it may (a prompt would stop the command)."""
-    problem = custom_code_problem(folder, WHAT)
-    if problem:
+    """transformers' AutoTokenizer of `folder`, which must name no code (never run, nor asked
+    about: a prompt would stop the command)."""
+    if problem := custom_code_problem(folder, WHAT):
         raise UserError(f"{WHAT}: {problem}")
     import transformers
 
@@ -160,8 +148,7 @@ def _quiet(transformers: Any) -> Iterator[None]:
 
 
 def _check_pipeline(tok: Any, backend: Any, folder: Path) -> None:
-    """The pipeline alone must give AutoTokenizer's ids (a class that changes them in Python,
-    after its pipeline, would make prepare's ids differ from the model's)."""
+    """The pipeline alone must give AutoTokenizer's ids (a class may change them in Python)."""
     for text in PROBES:
         theirs = tok(text, add_special_tokens=False)["input_ids"]
         if backend.encode(text, add_special_tokens=False).ids != theirs:
@@ -194,7 +181,6 @@ def _file_entry(data: bytes) -> dict[str, str]:
         return {"base64": base64.b64encode(data).decode("ascii")}
 
 
-# ----------------------------------------------------------------------------- using it
 class PretrainedTokenizer:
     """The tokenizer of `hf-tokenizer.json`: the same interface as the SentencePiece one."""
 
@@ -230,8 +216,7 @@ class PretrainedTokenizer:
         return end if end[-1:] == [self.eos_id] else [*end, self.eos_id]
 
     def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
-        """`bos`: the start of a document as training saw it: the tokenizer's own start ids, or,
-        for a tokenizer that adds none, the EOS that ended the document before."""
+        """`bos`: a document's start as training saw it (the start ids, or else the EOS before)."""
         ids = self.backend.encode(text, add_special_tokens=False).ids
         start = (self.doc_start or [self.eos_id]) if bos else []
         return start + ids + (self.doc_end if eos else [])
@@ -261,8 +246,7 @@ def _read_bundle(path: Path) -> dict[str, Any]:
         "prepare CONFIG --force`"
     )
     bundle = read_json(path, "the tokenizer prepare wrote", fix)
-    problem = _bundle_problem(bundle)
-    if problem:
+    if problem := _bundle_problem(bundle):
         raise UserError(f"tokenizer {path} is not a tokenizer prepare wrote ({problem}); {fix}")
     return bundle
 
@@ -297,7 +281,7 @@ def _bundle_problem(bundle: Any) -> str | None:
 
 def vocab_problem(where: str, ids: int, vocab_size: int, init_from: str | None) -> str | None:
     """Why a model of `vocab_size` rows cannot learn a tokenizer of `ids` ids (None: it can;
-    a model larger than its tokenizer is fine, as Hugging Face models often pad the rows)."""
+    padded rows are fine)."""
     if ids <= vocab_size:
         return None
     fix = (

@@ -1,8 +1,5 @@
-"""Progress of a long data job: a tqdm bar on a terminal, and a log line every so often.
-
-The bar shows documents and tokens per second; it is off when stderr is not a terminal (a batch
-job's log), where the periodic INFO line carries the same numbers instead.
-"""
+"""Progress of a long data job: a tqdm bar on a terminal, and an INFO line every so often (which
+carries the same numbers where stderr is not a terminal)."""
 
 from __future__ import annotations
 

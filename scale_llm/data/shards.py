@@ -1,10 +1,8 @@
 """Token shards on disk: flat uint16/uint32 arrays plus a manifest.json that says what is complete.
 
 A shard is filled under a `.partial` name and renamed when complete; the manifest is written last.
-A directory is taken as prepared only when its manifest exists, every shard it lists has exactly
-the size the manifest states and the tokenizer file has the recorded SHA-256, so an interrupted
-prepare is never mistaken for a finished one. While prepare runs, progress.json records a point it
-can continue from (shards done, tokens in the partial shard, documents read).
+A directory is prepared only when every shard its manifest lists has its size and the tokenizer
+its SHA-256. progress.json records a point an interrupted prepare can continue from.
 """
 
 from __future__ import annotations
@@ -36,13 +34,9 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 class ShardWriter:
-    """Appends token ids to fixed-size shards <split>_<index>.bin in `out_dir` (prepare's own
-    build folder: every file it names there is its own to write, replace and remove).
-
-    The shard being filled is written to <split>_<index>.bin.partial and renamed only once it
-    holds exactly `shard_tokens` tokens (or the split ends), so a complete name always means a
-    complete shard. `state()` after `sync()` is a point an interrupted prepare can continue from.
-    """
+    """Appends token ids to shards <split>_<index>.bin of `shard_tokens` in `out_dir` (prepare's
+    own build folder), each filled as .bin.partial and renamed when complete. `state()` after
+    `sync()` is a point an interrupted prepare can continue from."""
 
     def __init__(
         self,
@@ -143,10 +137,7 @@ class ShardWriter:
         self.partial_tokens = 0
 
     def _restore(self) -> None:
-        """Bring the files back to the state given: shards listed, partial cut to its length.
-
-        Raises StaleProgress when the files on disk cannot give that state.
-        """
+        """Bring the files back to the state given (StaleProgress where they cannot)."""
         itemsize = self.dtype.itemsize
         for shard in self.shards:
             path = self.out_dir / shard["file"]
@@ -174,10 +165,8 @@ def write_manifest(out_dir: Path, manifest: dict[str, Any]) -> None:
     atomic_write_text(out_dir / MANIFEST, json.dumps(manifest, indent=2))
 
 
-# ----------------------------------------------------------------------------- shapes
-# The state files are read back by this version only after every field is checked for its type
-# and range: a manifest or progress record edited by hand, cut short or written by something
-# else must never reach numpy or a path join as a list, a string or a negative count.
+# The state files are read back only after every field is checked for its type and range: a
+# record edited by hand or cut short must never reach numpy or a path join.
 _MISSING = object()
 
 
@@ -227,13 +216,12 @@ class _Shape:
                 return  # one bad shard is enough to name
 
     def problems(self) -> list[str]:
-        lacks = [f"lacks {', '.join(self.missing)}"] if self.missing else []
-        return lacks + self.wrong
+        return ([f"lacks {', '.join(self.missing)}"] if self.missing else []) + self.wrong
 
 
 def manifest_problems(manifest: dict[str, Any]) -> list[str]:
     """What in a manifest is missing or of another type than prepare writes: ["lacks a, b",
-    "c is 'x', not ..."]; empty when training and prepare can read every field they use."""
+    "c is 'x', not ..."]; empty when it can be read."""
     shape = _Shape()
     shape.get(manifest, "dtype", "dtype", lambda x: x in DTYPES, " or ".join(DTYPES))
     tok = shape.get(manifest, "tokenizer", "tokenizer", lambda x: isinstance(x, dict), "a mapping")
@@ -283,9 +271,8 @@ def progress_problems(progress: Any) -> list[str]:
 
 
 def manifest_files(manifest: Any) -> set[str]:
-    """The names in data.dir a manifest accounts for (its shards and its tokenizer), read from
-    whatever it holds: an entry of another shape accounts for nothing (the files it meant are
-    then not provably prepare's, and are left alone)."""
+    """The names in data.dir a manifest accounts for (its shards and tokenizer), from whatever it
+    holds: an entry of another shape accounts for nothing."""
     if not isinstance(manifest, dict):
         return set()
     names = set()
@@ -302,8 +289,7 @@ def manifest_files(manifest: Any) -> set[str]:
 
 
 def read_manifest(data_dir: str | Path, check_shards: bool = True) -> dict[str, Any]:
-    """The manifest of a prepared data dir, every field checked for its type, with every listed
-    shard checked for its size."""
+    """The manifest of a prepared data dir, every field checked, and its shards' sizes."""
     data_dir = Path(data_dir)
     path = data_dir / MANIFEST
     if not (path.exists() or path.is_symlink()):
@@ -332,8 +318,7 @@ def read_manifest(data_dir: str | Path, check_shards: bool = True) -> dict[str, 
             f"{path} has format {_shown(manifest.get('format'))}, this version reads "
             f"{FORMAT_VERSION}; run `scale-llm prepare CONFIG` again"
         )
-    problems = manifest_problems(manifest)
-    if problems:
+    if problems := manifest_problems(manifest):
         shown = "; ".join(problems[:4]) + (
             f" (and {len(problems) - 4} more)" if len(problems) > 4 else ""
         )
@@ -342,8 +327,7 @@ def read_manifest(data_dir: str | Path, check_shards: bool = True) -> dict[str, 
             f"`scale-llm prepare CONFIG --force` to rebuild data.dir={data_dir}"
         )
     if check_shards:
-        problems = shard_problems(data_dir, manifest)
-        if problems:
+        if problems := shard_problems(data_dir, manifest):
             raise UserError(
                 f"data.dir={data_dir} is incomplete: {problems[0]}"
                 f"{f' (and {len(problems) - 1} more)' if len(problems) > 1 else ''}; "
@@ -355,8 +339,7 @@ def read_manifest(data_dir: str | Path, check_shards: bool = True) -> dict[str, 
 
 def check_tokenizer(data_dir: Path, manifest: dict[str, Any]) -> None:
     """Refuse shards whose tokenizer file is not the one they were encoded with."""
-    problem = tokenizer_problem(data_dir, manifest)
-    if problem:
+    if problem := tokenizer_problem(data_dir, manifest):
         raise UserError(
             f"{problem}: every token id would mean something else. Restore the original "
             f"file or run `scale-llm prepare CONFIG --force` to rebuild"
@@ -364,8 +347,8 @@ def check_tokenizer(data_dir: Path, manifest: dict[str, Any]) -> None:
 
 
 def tokenizer_problem(data_dir: Path, manifest: dict[str, Any]) -> str | None:
-    """Why the manifest's tokenizer file is not the one it records (None: it is); the manifest
-    has passed `manifest_problems` (shard_problems checks that first)."""
+    """Why the manifest's tokenizer file is not the one it records (None: it is); for a
+    manifest that passed `manifest_problems`."""
     path = Path(data_dir) / manifest["tokenizer"]["file"]
     want = manifest["tokenizer"]["sha256"]
     got = file_sha256(path) if path.is_file() else None
@@ -379,9 +362,8 @@ def tokenizer_problem(data_dir: Path, manifest: dict[str, Any]) -> str | None:
 
 
 def read_progress(out_dir: Path) -> dict[str, Any] | None:
-    """The record of an interrupted prepare in its build folder, or None: none there, or one
-    that is not what prepare writes (it is prepare's own scratch: a damaged one only means
-    starting afresh, said in one line). A folder or pipe in its place is an error."""
+    """The record of an interrupted prepare in its build folder, or None: none there, or
+    damaged (starting afresh, said in one line). A folder or pipe in its place is an error."""
     path = out_dir / PROGRESS
     if not (path.exists() or path.is_symlink()):
         return None
@@ -408,8 +390,7 @@ def write_progress(out_dir: Path, progress: dict[str, Any]) -> None:
 
 
 def shard_problems(data_dir: Path, manifest: dict[str, Any]) -> list[str]:
-    """Why the shards a manifest lists are not all there at their sizes (empty: they are); a
-    manifest of another shape is one problem, not an exception."""
+    """Why the shards a manifest lists are not all there at their sizes (empty: they are)."""
     shape = manifest_problems(manifest) if isinstance(manifest, dict) else ["not a mapping"]
     if shape:
         return [f"{MANIFEST} {shape[0]}"]

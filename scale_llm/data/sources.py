@@ -1,15 +1,9 @@
 """Corpus sources: where documents come from, in a fixed order, with a cheap fingerprint.
 
-`data.source` selects one:
-  builtin            the running interpreter's standard library .py files (tens of MB, offline)
-  hf:NAME            a Hugging Face dataset, from the Hub or a local dataset folder (hf_source.py)
-  PATH | DIR | GLOB  local files: .txt/.md/.py (one document per file), .jsonl (one per line),
-                     .parquet (one per row); text in data.text_field. A file's kind is its suffix,
-                     in any case. A directory or glob follows symlinks, reads each real file once
-                     and reports what it skips (unknown suffixes, duplicates, symlink loops, ...)
-
-Every source yields its documents as a stream (never the whole corpus in memory, and no document
-over MAX_DOCUMENT_CHARS), each with a stable id that decides its train/val split.
+`data.source`: `builtin` (the standard library's .py files, offline), `hf:NAME` (hf_source.py),
+or local files: .txt/.md/.py (a document per file), .jsonl (per line), .parquet (per row), by
+suffix in any case; a directory or glob reads each real file once and reports what it skips.
+Documents stream (none over MAX_DOCUMENT_CHARS), each with a stable id deciding its split.
 """
 
 from __future__ import annotations
@@ -45,8 +39,7 @@ _PARQUET_BATCH = 1024  # rows per Arrow record batch
 
 
 def file_kind(path: Path) -> str | None:
-    """'text', 'jsonl' or 'parquet' by the lower-cased suffix (a.JSONL is JSON Lines); None for
-    any other suffix."""
+    """'text', 'jsonl' or 'parquet' by the lower-cased suffix; None for any other."""
     suffix = path.suffix.lower()
     for kind, suffixes in zip(KINDS, (TEXT_SUFFIXES, JSONL_SUFFIXES, PARQUET_SUFFIXES)):
         if suffix in suffixes:
@@ -148,8 +141,7 @@ class Source:
             ) from None
 
     def _jsonl_documents(self, f: Path, name: str) -> Iterator[Document]:
-        """One record per line, read line by line: a file of any size streams, and a line is
-        read at most MAX_DOCUMENT_CHARS bytes."""
+        """One record per line, streamed (a line is read at most MAX_DOCUMENT_CHARS bytes)."""
         for lineno, raw in _lines(f, lambda: self._not_jsonl_hint(f)):
             try:
                 line = raw.decode("utf-8")
@@ -179,8 +171,7 @@ class Source:
                 yield Document(f"{name}:{lineno}", text)
 
     def _not_jsonl_hint(self, f: Path) -> str:
-        """For a .json file: it was read as JSON Lines, and may be a stray metadata file (a
-        prepared data dir's manifest.json, a dataset's dataset_info.json) in a directory."""
+        """For a .json file, read as JSON Lines: it may be a stray metadata file."""
         if f.suffix.lower() != ".json":
             return ""
         others = [p.suffix for p in self.files if p != f and file_kind(p) == "jsonl"]
@@ -219,8 +210,8 @@ class Source:
 
 
 def _lines(f: Path, hint: Callable[[], str]) -> Iterator[tuple[int, bytes]]:
-    """(line number, bytes) of each line, none read past MAX_DOCUMENT_CHARS bytes: one huge
-    line is refused at the limit instead of being read whole. `hint` ends the message."""
+    """(line number, bytes) of each line; one over MAX_DOCUMENT_CHARS bytes is refused at the
+    limit, not read whole. `hint` ends the message."""
     with open(f, "rb") as fh:
         lineno = 0
         while raw := fh.readline(MAX_DOCUMENT_CHARS + 1):
@@ -234,16 +225,14 @@ def _lines(f: Path, hint: Callable[[], str]) -> Iterator[tuple[int, bytes]]:
 
 
 def _kind_mark(f: Path) -> str:
-    """Earlier versions read a file with an upper-case JSON Lines or Parquet suffix (a.JSONL) as
-    plain text: such a file is marked, so data prepared from its raw text is prepared again.
-    Every other file adds only its path, size and time, so its prepared data stays current."""
+    """A mark for a file with an upper-case JSON Lines or Parquet suffix (a.JSONL), which earlier
+    versions read as plain text, so its data is prepared again; "" for every other file."""
     kind = file_kind(f)
     return f"|{kind}" if kind not in (None, "text") and f.suffix != f.suffix.lower() else ""
 
 
 def _json_reason(problem: JSONProblem) -> str:
-    """The decoder's reason without its position ("Expecting value"), or the reader's own
-    ("nested deeper than 64 levels"): the line number is already in the message."""
+    """The decoder's reason without its position (the message names the line)."""
     reason = str(problem).removeprefix("not JSON: ")
     return re.sub(r": line \d+ column \d+ \(char \d+\)$", "", reason)
 
@@ -265,8 +254,7 @@ def builtin_source() -> Source:
 
 def local_source(spec: str, text_field: str) -> Source:
     listing = _list_files(spec)
-    paths = listing.files
-    if not paths:
+    if not (paths := listing.files):
         skipped = listing.summary()
         packed = " (compressed files are not read: decompress them first)"
         note = f" it reads{packed if 'compressed' in listing.not_read else ''}"
@@ -276,8 +264,7 @@ def local_source(spec: str, text_field: str) -> Source:
             f"of .txt/.jsonl/.parquet files, a glob like 'corpus/*.jsonl', 'hf:NAME' for a "
             f"Hugging Face dataset, or 'builtin' for the offline corpus"
         )
-    compressed = [p for p in paths if p.suffix.lower() in COMPRESSED_SUFFIXES]
-    if compressed:
+    if compressed := [p for p in paths if p.suffix.lower() in COMPRESSED_SUFFIXES]:
         raise UserError(
             f"data.source={spec!r} matches compressed files ({', '.join(map(str, compressed[:3]))}"
             f"{', ...' if len(compressed) > 3 else ''}), which are not read; decompress them "
@@ -292,12 +279,9 @@ def local_source(spec: str, text_field: str) -> Source:
     if listing.not_read:
         log.warning("data.source=%r skips %s", spec, listing.summary(rules=True))
     # Documents are named relative to the corpus, so the val split does not depend on where it lies.
-    root = Path(spec).expanduser() if Path(spec).expanduser().is_dir() else _common_parent(paths)
+    common = Path(os.path.commonpath([str(p.absolute().parent) for p in paths]))
+    root = Path(spec).expanduser() if Path(spec).expanduser().is_dir() else common
     return Source(spec, paths, text_field=text_field, root=root, not_read=listing.not_read)
-
-
-def _common_parent(paths: list[Path]) -> Path:
-    return Path(os.path.commonpath([str(p.absolute().parent) for p in paths]))
 
 
 def _examples(paths: list[str], root: Path | None, n: int = 3) -> str:
@@ -305,7 +289,6 @@ def _examples(paths: list[str], root: Path | None, n: int = 3) -> str:
     return ", ".join(shown) + (", ..." if len(paths) > n else "")
 
 
-# ----------------------------------------------------------------------------- listing files
 # why a directory or glob source leaves a path out: (one, several, the rule or the fix)
 _SKIP_REASONS = {
     "suffix": (
@@ -332,12 +315,9 @@ _SKIP_REASONS = {
 
 
 class _Listing:
-    """The files a directory or glob source reads, and the paths it leaves out, by reason.
-
-    Walks like `glob.glob(recursive=True)` (a directory source: like `rglob('*')`, hidden names
-    included), but follows a symlinked directory only when it does not lead back into a
-    directory being walked (a loop), and keeps one path per real file ((st_dev, st_ino)).
-    """
+    """The files a directory or glob source reads, and the paths it leaves out, by reason:
+    walks like `glob.glob(recursive=True)`, but never into a loop of symlinked directories, and
+    keeps one path per real file."""
 
     def __init__(self, base: Path, include_hidden: bool):
         self.base, self.include_hidden = base, include_hidden
@@ -355,8 +335,8 @@ class _Listing:
             return str(path)
 
     def summary(self, rules: bool = False) -> str:
-        """'3 paths: 2 files with unknown suffixes (a.csv, b.log), 1 duplicate path (x/y.txt =
-        y.txt)', and with `rules` why each is left out."""
+        """'3 paths: 2 files with unknown suffixes (a.csv, b.log), 1 duplicate path (...)', and
+        with `rules` why each is left out."""
         parts, notes = [], []
         for reason, (one, several, note) in _SKIP_REASONS.items():
             paths = sorted(self.not_read.get(reason, []))
@@ -372,8 +352,8 @@ class _Listing:
         return f"{total} path{'s' if total != 1 else ''}: {', '.join(parts)}{why}"
 
     def walk(self, directory: Path, parts: tuple[str, ...], ancestors: frozenset, links: int):
-        """Match `parts` (pattern components) below `directory`; `ancestors`: (st_dev, st_ino)
-        of every directory on the way, so a link back into one is seen."""
+        """Match `parts` (pattern components) below `directory`; `ancestors`: the ids of the
+        directories on the way, so a link back into one is seen."""
         head, rest = parts[0], parts[1:]
         if head == "**":
             self.walk(directory, rest, ancestors, links)  # zero directories
@@ -411,8 +391,7 @@ class _Listing:
         ]
 
     def _descend(self, directory: Path, entry: os.DirEntry, parts, ancestors, links) -> None:
-        """Walk into `entry` if it is a directory (through a symlink too) but not into one
-        of its own ancestors: that is a loop, reported."""
+        """Walk into `entry` if it is a directory, but not into an ancestor (a loop, reported)."""
         try:
             if not entry.is_dir():  # follows a symlink; from the directory listing otherwise
                 return

@@ -1,10 +1,6 @@
-"""SentencePiece BPE tokenizer: trained on a sample of the corpus, lossless on code and text.
-
-Settings chosen for a lossless round trip (decode(encode(text)) == text): identity normalization,
-whitespace kept as is, byte fallback for anything outside the vocabulary, no dummy prefix.
-Each document is encoded as [BOS] + tokens + [EOS] (encode.py); EOS doubles as the document
-separator. The trained file lives next to the shards, its SHA-256 in the manifest, and is copied
-into every run directory.
+"""SentencePiece BPE tokenizer, trained on a sample of the corpus: lossless on code and text
+(identity normalization, whitespace kept, byte fallback, no dummy prefix). Documents are
+[BOS] tokens [EOS]; the file's SHA-256 is in the manifest and every run directory has a copy.
 """
 
 from __future__ import annotations
@@ -88,14 +84,13 @@ def load_tokenizer(path: str | Path) -> Tokenizer | PretrainedTokenizer:
 
 
 def run_copy_name(manifest_file: str) -> str:
-    """The name a run dir keeps its copy of data.dir's tokenizer under (never another run
-    file's, whatever a manifest says)."""
+    """The name a run dir keeps its copy of data.dir's tokenizer under (never another file's)."""
     return manifest_file if manifest_file in TOKENIZER_NAMES else SP_FILE
 
 
 def run_tokenizer_path(run_dir: Path, sha256: str) -> Path:
-    """The run dir's tokenizer with this SHA-256 (the one its checkpoint records); when none
-    matches, the one there (tokenizer.model if both or neither are), for the error to name."""
+    """The run dir's tokenizer with this SHA-256, else the one there (or tokenizer.model), for
+    the error to name."""
     present = [run_dir / name for name in TOKENIZER_NAMES if (run_dir / name).is_file()]
     for path in present:
         if file_sha256(path) == sha256:
@@ -143,9 +138,8 @@ def train_tokenizer(
 
 
 def _training_failed(error: str, vocab_size: int) -> str:
-    """SentencePiece's refusal as which way to move which key: its "too high" means fewer
-    pieces, its "smaller than required_chars" more (one piece per character the sample must
-    cover, on top of the byte and special pieces)."""
+    """SentencePiece's refusal as which way to move which key ("too high": fewer pieces,
+    "smaller than required_chars": more)."""
     most = re.search(r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)", error)
     if most and int(most[1]) >= MIN_VOCAB:
         return (
@@ -159,8 +153,7 @@ def _training_failed(error: str, vocab_size: int) -> str:
             f"the {MIN_VOCAB} a byte-fallback tokenizer needs: give it more text (raise "
             f"data.tokenizer_sample_bytes, or use a larger data.source)"
         )
-    least = re.search(r"smaller than required_chars\. \d+ vs (\d+)", error)
-    if least:
+    if least := re.search(r"smaller than required_chars\. \d+ vs (\d+)", error):
         return (
             f"model.vocab_size={vocab_size} is fewer pieces than the tokenizer's sample needs: "
             f"it holds so many distinct characters that one piece each, with the byte and "
