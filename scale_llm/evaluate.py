@@ -63,8 +63,7 @@ def eval_run(
     run_dir = Path(run_dir)
     cfg = read_run_config(run_dir)
     check_outputs(run_dir, bool(tasks), cfg.logging.tensorboard)  # before any work
-    ckpt = Checkpointer(run_dir, 1).latest_good()
-    if ckpt is None:
+    if (ckpt := Checkpointer(run_dir, 1).latest_good()) is None:
         raise UserError(f"{run_dir} has no complete checkpoint to evaluate; train it first")
     step = read_trainer_state(ckpt)["step"]
     digest = checkpoint_digest(ckpt)
@@ -90,9 +89,8 @@ def eval_run(
         scalars.update(perplexity_scalars(ppl))
     if stale:
         set_aside(path)
-    record = merged(earlier or {}, new)
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(path, record)
+    atomic_write_json(path, merged(earlier or {}, new))
     if cfg.logging.tensorboard:
         _to_tensorboard(run_dir / "tensorboard", scalars, step)
     return path, {**new, "kept": kept(earlier or {}, new), "file": str(path), "written": written}
@@ -112,19 +110,18 @@ def check_outputs(run_dir: Path, tasks: bool, tensorboard: bool) -> None:
     if tensorboard:
         targets.append((run_dir / "tensorboard", "TensorBoard's scalars"))
     for target, what in targets:
-        if (problem := unwritable_dir(target)) is None:
-            continue
-        existing, why = problem
+        existing, why = unwritable_dir(target) or (None, None)
         if why == "file":
             raise UserError(
                 f"{existing} is {describe_kind(existing)}, not a directory; eval writes {what} "
                 f"to {target}: move it away and run eval again"
             )
-        raise UserError(
-            f"{existing} is not writable by this user, and eval writes {what} to {target}; "
-            f"make it writable, or copy the run directory somewhere you can write and "
-            f"evaluate the copy"
-        )
+        if why == "read-only":
+            raise UserError(
+                f"{existing} is not writable by this user, and eval writes {what} to {target}; "
+                f"make it writable, or copy the run directory somewhere you can write and "
+                f"evaluate the copy"
+            )
 
 
 def earlier_record(path: Path, digest: str) -> tuple[dict[str, Any] | None, bool]:
@@ -195,13 +192,9 @@ def reusable_export(out: Path, digest: str) -> bool:
     is refused (eval replaces only its own exports)."""
     if not (out.exists() or out.is_symlink()):
         return False
-    info = None
-    if out.is_dir() and not out.is_symlink() and (out / EXPORT_INFO).is_file():
-        try:
-            info = read_json_object(out / EXPORT_INFO, "export info", "")
-        except UserError:
-            info = None
-    if info is None or info.get("made_by") != MADE_BY:
+    own = out.is_dir() and not out.is_symlink()
+    info = (_read_json(out / EXPORT_INFO) if own else None) or {}
+    if info.get("made_by") != MADE_BY:
         raise UserError(
             f"{out} exists, but eval did not make it (it is {describe_kind(out)} whose "
             f"{EXPORT_INFO} does not say made_by {MADE_BY!r}); eval exports the checkpoint "

@@ -33,9 +33,7 @@ def fsync_file(path: Path | str) -> None:
         os.close(fd)
 
 
-def fsync_dir(path: Path | str) -> None:
-    """Flush a directory's entries (a rename or a new file in it survives a power cut)."""
-    fsync_file(path)
+fsync_dir = fsync_file  # a directory's entries: a rename or a new file in it survives a power cut
 
 
 def fsync_tree(root: Path | str) -> None:
@@ -124,17 +122,16 @@ def unwritable_dir(path: Path | str) -> tuple[Path, str] | None:
 def require_writable_dir(path: Path | str, key: str) -> None:
     """Before any work: `path` (config key `key`) is, or can become, a writable directory."""
     existing, why = unwritable_dir(path) or (None, None)
-    if why is None:
-        return
     if why == "file":
         raise UserError(
             f"{key}={path}: {existing} is a file, not a directory; point {key} at a directory "
             f"(or move the file away)"
         )
-    raise UserError(
-        f"{key}={path}: {existing} is not writable by this user; point {key} at a "
-        f"directory you can write to"
-    )
+    if why == "read-only":
+        raise UserError(
+            f"{key}={path}: {existing} is not writable by this user; point {key} at a directory "
+            f"you can write to"
+        )
 
 
 # Every JSON the project reads goes through `parse_json`, bounded in size and nesting: a hostile
@@ -157,31 +154,27 @@ def parse_json(text: str | bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
         raise JSONProblem("not UTF-8 text") from None
     except ValueError as e:
         raise JSONProblem(f"not JSON: {str(e)[:120]}") from None
-    if _depth_above(value, max_depth):
+    if nested_deeper(value, max_depth):
         raise JSONProblem(f"nested deeper than {max_depth} levels")
     return value
 
 
-def _depth_above(value: Any, limit: int) -> bool:
-    """Whether `value` nests more than `limit` containers deep (no recursion)."""
+def nested_deeper(value: Any, limit: int) -> bool:
+    """Whether `value` nests dicts, lists or tuples more than `limit` deep, found without
+    recursion (a crafted file nests 100,000 deep, where any recursive reader fails)."""
     stack = [(value, 1)]
     while stack:
         item, depth = stack.pop()
-        if isinstance(item, dict | list):
+        if isinstance(item, dict | list | tuple):
             if depth > limit:
                 return True
             children = item.values() if isinstance(item, dict) else item
-            stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+            stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list | tuple))
     return False
 
 
 def read_json(
-    path: Path | str,
-    what: str,
-    fix: str,
-    kind: type = dict,
-    max_bytes: int = MAX_JSON_BYTES,
-    max_depth: int = MAX_JSON_DEPTH,
+    path: Path | str, what: str, fix: str, kind: type = dict, max_bytes: int = MAX_JSON_BYTES
 ) -> Any:
     """The JSON value of the regular file `path`, which must be a `kind`; anything else is a
     UserError naming the file, `what` it is, and `fix`. A symlink is followed (the Hub cache links
@@ -207,7 +200,7 @@ def read_json(
     finally:
         os.close(fd)
     try:
-        value = parse_json(raw, max_depth)
+        value = parse_json(raw)
     except JSONProblem as e:
         raise UserError(f"{path} ({what}) cannot be read as JSON ({e}); {fix}") from None
     if not isinstance(value, kind):
@@ -262,9 +255,7 @@ def _link_roots(folder: Path) -> list[Path]:
     return [real, *entries[:1]]
 
 
-def read_folder_file(
-    folder: Path, name: str, what: str, max_bytes: int = MAX_JSON_BYTES
-) -> bytes | None:
+def read_folder_file(folder: Path, name: str, what: str) -> bytes | None:
     """The bytes of file `name` of `folder` (None: no such regular file), opened O_NOFOLLOW."""
     path = folder_file(folder, name, what)
     if path is None:
@@ -275,13 +266,13 @@ def read_folder_file(
         raise UserError(f"{what}: {Path(folder) / name} cannot be read ({e.strerror})") from None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > max_bytes:
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_JSON_BYTES:
             raise UserError(
-                f"{what}: {Path(folder) / name} is not a regular file of at most {max_bytes:,} "
-                f"bytes; give a folder whose files are regular files"
+                f"{what}: {Path(folder) / name} is not a regular file of at most "
+                f"{MAX_JSON_BYTES:,} bytes; give a folder whose files are regular files"
             )
         with os.fdopen(os.dup(fd), "rb") as f:
-            return f.read(max_bytes + 1)
+            return f.read(MAX_JSON_BYTES + 1)
     finally:
         os.close(fd)
 

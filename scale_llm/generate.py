@@ -58,7 +58,7 @@ def load_run(
     tok_path = run_tokenizer_path(run_dir, trained_with)
     tokenizer = load_tokenizer(tok_path)
     if tokenizer.sha256() != trained_with:
-        if not _inside(ckpt, run_dir):
+        if not ckpt.resolve().is_relative_to(run_dir.resolve()):
             raise UserError(
                 f"{ckpt} belongs to another run: it was trained with another "
                 f"tokenizer than {tok_path} (sha256 {trained_with[:12]}... "
@@ -116,10 +116,6 @@ def model_differences(saved: dict[str, Any], cfg: Config) -> list[str]:
                 f"{key} ({model[name]!r} in the checkpoint, {get_key(cfg, key)!r} in the run)"
             )
     return out
-
-
-def _inside(ckpt: Path, run_dir: Path) -> bool:
-    return ckpt.resolve().is_relative_to(run_dir.resolve())
 
 
 def sample_next(

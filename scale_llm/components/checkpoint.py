@@ -40,6 +40,7 @@ from scale_llm.files import (
     describe_kind,
     fsync_dir,
     fsync_tree,
+    nested_deeper,
     parse_json,
 )
 
@@ -577,19 +578,6 @@ def read_trainer_state(ckpt_dir: Path) -> dict[str, Any]:
             "good one)."
         )
     return state
-
-
-def nested_deeper(value: Any, limit: int) -> bool:
-    """Whether `value` nests dicts, lists or tuples more than `limit` deep, found without
-    recursion (a crafted pickle nests 100,000 deep)."""
-    stack = [(value, 1)] if isinstance(value, dict | list | tuple) else []
-    while stack:
-        item, depth = stack.pop()
-        if depth > limit:
-            return True
-        children = item.values() if isinstance(item, dict) else item
-        stack += [(c, depth + 1) for c in children if isinstance(c, dict | list | tuple)]
-    return False
 
 
 # Every key of a trainer state in the current format (RECORDED aside: its absence has a meaning).
