@@ -478,7 +478,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
             "counted_saved_bytes": counted,
             "predicted_saved_bytes": predicted,
         }
-        compiled = compiles(cfg.train, plan.device.type, plan.tp_degree)
+        compiled = compiles(cfg.train, plan.device.type)
         compiled = compiled and cfg.activation_checkpointing.mode != "selective"
         text.append(
             f"measured on CPU (micro-batch {plan.micro_batch_size}"

@@ -413,7 +413,7 @@ def bench_scaling(
         "world_size": plan.world_size,
         "device": str(device),
         "precision": plan.precision,
-        "compile": compiles(cfg.train, plan.device.type, plan.tp_degree),
+        "compile": compiles(cfg.train, plan.device.type),
         "activation_checkpointing": cfg.activation_checkpointing.mode,
         "tokens_per_step_per_rank": per_rank,
         "first_loss_together": first["together"].item(),

@@ -493,7 +493,7 @@ def achieved(
     tp = target_plan(cfg, world).tp_degree
     attention = attention_rate(device, model.d_model // model.n_heads, model.seq_len)
     # eager: the element-wise traffic is paid in full
-    compiled = compiles(cfg.train, "cuda", tp)
+    compiled = compiles(cfg.train, "cuda")
     elementwise = (
         grad_accum * counter.fused_bytes
         if compiled

@@ -206,11 +206,8 @@ class TrainConfig:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
-def compiles(train: TrainConfig, device_type: str, tensor_parallel: int = 1) -> bool:
-    """Whether train.compile means compiled blocks on this device type (auto: on a GPU, and
-    not under tensor parallelism, whose compiled blocks the config refuses)."""
-    if tensor_parallel > 1:
-        return False
+def compiles(train: TrainConfig, device_type: str) -> bool:
+    """Whether train.compile means compiled blocks on this device type (auto: on a GPU)."""
     return train.compile is True or (train.compile == "auto" and device_type == "cuda")
 
 

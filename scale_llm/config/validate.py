@@ -173,14 +173,6 @@ def tensor_parallel_problems(cfg: Config) -> list[str]:
     if tp == 1:
         return []
     e = []
-    if cfg.train.compile is True:
-        e.append(
-            f"train.compile=true with parallel.tensor_parallel={tp}: "
-            "compiled tensor-parallel blocks do not run with this torch (measured: with "
-            "activation checkpointing the first compiled step fails, without it the "
-            "evaluation's no-grad forward does); set train.compile=auto (eager "
-            "under tensor parallelism) or false"
-        )
     if backend != "fsdp":
         e.append(
             f"parallel.tensor_parallel={tp} needs parallel.backend=fsdp (it is {backend}): "

@@ -43,7 +43,7 @@ class Backend:
         self.module: Transformer | None = None  # the model itself
         self.optimizer: torch.optim.Optimizer | None = None
         self.scaler = self.precision.grad_scaler()  # fp16 only
-        self.compile = compiles(cfg.train, plan.device.type, plan.tp_degree)  # (auto: on a GPU)
+        self.compile = compiles(cfg.train, plan.device.type)  # (auto: on a GPU)
         self.loss_fn = compiled_loss() if self.compile else cross_entropy
         # gradients that live in storage the backend keeps anyway (DDP's bucket views) are
         # zeroed in place after a step rather than freed: freeing them makes the next no_sync()
@@ -67,10 +67,18 @@ class Backend:
 
     def transform_blocks(self, model: Transformer) -> None:
         """Per block, in torchtitan's order: activation checkpointing, then torch.compile (both
-        before any sharding or wrapping, which the subclasses add after this)."""
-        apply_activation_checkpointing(model, self.cfg.activation_checkpointing)
+        before any sharding or wrapping, which the subclasses add after this). Under tensor
+        parallelism full and every-k checkpointing go around the compiled block instead: a
+        checkpoint inside the graph makes torch 2.13's AOTAutograd save a DeviceMesh among its
+        tensors and fail (selective checkpointing works inside)."""
+        ac = self.cfg.activation_checkpointing
+        around = self.compile and self.plan.tp_degree > 1 and ac.mode != "selective"
+        if not around:
+            apply_activation_checkpointing(model, ac)
         if self.compile:
             compile_blocks(model)
+        if around:
+            apply_activation_checkpointing(model, ac)
 
     def materialize_on_cpu(self, model: Transformer, initial: dict | None = None) -> Transformer:
         """The model's weights on the CPU: drawn from run.seed, or `initial` (a full state

@@ -31,6 +31,7 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -62,6 +63,10 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
         if not sequence_parallel:  # the norms read the whole (replicated) residual stream
             _replicate_parameters(block.attention_norm, mesh)
             _replicate_parameters(block.ffn_norm, mesh)
+        # a block's input arrives from the embedding's reduce-scatter still in flight (an
+        # AsyncCollectiveTensor inside the DTensor), which torch 2.13's compiled code cannot
+        # unwrap in a no-grad forward: it is waited for before the block
+        block.register_forward_pre_hook(_settled)
         # attention and the MLP read the whole sequence: their first input is gathered (the
         # other arguments, rope, cache, positions and mask, are the same on every rank)
         gather = functools.partial(_whole_sequence, mesh=mesh)
@@ -88,6 +93,15 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
     # (sequence shards, or the plain replicated tensor) becomes a replicated DTensor, which is
     # also what a tied head's F.linear against the vocab-sharded embedding needs
     model.norm.register_forward_hook(lambda _m, _i, out: _replicated(out, mesh))
+
+
+def _settled(_module, args: tuple) -> tuple:
+    """The residual stream with its local tensor waited for (a plain tensor in a DTensor)."""
+    x, *rest = args
+    if isinstance(x, DTensor) and isinstance(x._local_tensor, AsyncCollectiveTensor):
+        local = x.to_local().wait()
+        x = DTensor.from_local(local, x.device_mesh, x.placements, run_check=False)
+    return (x, *rest)
 
 
 def _whole_sequence(_module, args: tuple, mesh: DeviceMesh) -> tuple:

@@ -206,7 +206,7 @@ def settle_compile(cfg: Config, plan: RunPlan) -> Config:
     on this machine (one small function is compiled to find out). Every rank must agree: one
     rank without it makes every rank run eager (auto) or stop (true). Nothing below sees
     `auto`."""
-    if not compiles(cfg.train, plan.device.type, plan.tp_degree):
+    if not compiles(cfg.train, plan.device.type):
         return with_changes(cfg, {"train.compile": False})
     problem = block_compile.toolchain_problem(plan.device)
     if all_ranks_agree(problem is None, plan.device):

@@ -351,7 +351,7 @@ def measure_activations(cfg: Config, plan: RunPlan) -> tuple[int, int]:
     if num.compute == 2 and not num.autocast:
         model = model.to(torch.bfloat16)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
-    compiled = compiles(cfg.train, plan.device.type, plan.tp_degree)
+    compiled = compiles(cfg.train, plan.device.type)
     compiled = compiled and cfg.activation_checkpointing.mode != "selective"
     if compiled:  # (selective keeps its cache outside autograd: counted eager only)
         from scale_llm.parallel.compile import compile_blocks
