@@ -316,14 +316,6 @@ CONFIG = [
         "equal part of the query heads): model.n_heads=8 or parallel.tensor_parallel=4",
     ),
     (
-        "compiled tensor parallelism",
-        [
-            "config",
-            *s("parallel.backend=fsdp", "parallel.tensor_parallel=2", "train.compile=true"),
-        ],
-        "train.compile=true with parallel.tensor_parallel=2",
-    ),
-    (
         "tensor parallelism larger than the world",
         ["train", TINY, *s("parallel.backend=fsdp", "parallel.tensor_parallel=2")],
         "parallel.tensor_parallel=2 does not divide the world size 1",
