@@ -257,8 +257,7 @@ def _link_roots(folder: Path) -> list[Path]:
 
 def read_folder_file(folder: Path, name: str, what: str) -> bytes | None:
     """The bytes of file `name` of `folder` (None: no such regular file), opened O_NOFOLLOW."""
-    path = folder_file(folder, name, what)
-    if path is None:
+    if (path := folder_file(folder, name, what)) is None:
         return None
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
@@ -283,8 +282,7 @@ def custom_code_problem(folder: Path, what: str) -> str | None:
     folder = Path(folder)
     modules = {p.stem for p in folder.glob("*.py")}
     for config in sorted(folder.glob("*config.json")):
-        path = folder_file(folder, config.name, what)
-        if path is None:
+        if (path := folder_file(folder, config.name, what)) is None:
             continue
         value = read_json(path, f"{what}'s {config.name}", "fix or remove the file", kind=object)
         if found := _code_reference(value, modules):
@@ -433,8 +431,7 @@ class OwnerLock:
             earlier.release()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(100):  # each retry follows a release that unlinked the file under us
-            fd = self._open(create=True)
-            if fd is None:
+            if (fd := self._open(create=True)) is None:
                 continue
             try:
                 if not self._try_flock(fd, wait=False):
@@ -529,8 +526,7 @@ class OwnerLock:
 
     def _judge(self, fd: int, warn: bool = True) -> None:
         """With the flock held: take over a stale owner (with a warning) or refuse."""
-        owner = self._read_owner(fd)
-        if owner is None:
+        if (owner := self._read_owner(fd)) is None:
             raise UserError(
                 f"{self.path} (the lock of {self.what}) is damaged: it does not hold the "
                 f'{{"pid", "host", "started"}} record scale_llm writes; if no other launch is '

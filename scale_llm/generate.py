@@ -81,8 +81,7 @@ def run_checkpoint(run_dir: Path, checkpoint: str | Path | None) -> Path:
     """The checkpoint `--checkpoint` names (a checkpoint, or a run directory's newest good one),
     or the run's newest good one; refused when damaged or absent."""
     if checkpoint is None:
-        ckpt = Checkpointer(run_dir, 1).latest_good()
-        if ckpt is None:
+        if (ckpt := Checkpointer(run_dir, 1).latest_good()) is None:
             raise UserError(
                 f"{run_dir} has no complete checkpoint; train longer or set checkpoint.every "
                 f"so that one is saved"

@@ -252,8 +252,7 @@ class Checkpointer:
         """Remove a failed save's files; out of disk space is raised as a UserError."""
         if self.is_main:
             shutil.rmtree(tmp, ignore_errors=True)  # made by `save` for this save
-        full = _out_of_space(e)
-        if full is not None:
+        if (full := _out_of_space(e)) is not None:
             done = self.complete()
             intact = f"the previous checkpoint {done[-1][1]} is intact" if done else None
             raise UserError(
@@ -450,8 +449,7 @@ def _check_files(ckpt_dir: Path, checksums: bool = True) -> None:
             f"{links[0]} is a symlink (to {os.readlink(links[0])}); a checkpoint holds only the "
             f"files its run wrote"
         )
-    files = read_record(ckpt_dir)
-    if files is None:
+    if (files := read_record(ckpt_dir)) is None:
         return
     on_disk = sorted(
         str(p.relative_to(ckpt_dir))

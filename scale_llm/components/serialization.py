@@ -63,9 +63,7 @@ def _refused_global(e: Exception) -> str | None:
 
 
 def load_file(
-    path: Path | str,
-    map_location: Any = "cpu",
-    safe_globals: list[Any] | tuple[Any, ...] = (),
+    path: Path | str, map_location: Any = "cpu", safe_globals: list[Any] | tuple[Any, ...] = ()
 ) -> Any:
     """`torch.load(weights_only=True)` of one file; a refused global or a damaged file becomes
     a UserError naming the file."""

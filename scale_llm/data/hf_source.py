@@ -87,8 +87,7 @@ class HFSource:
             self._check_field(list(batch))
             for value in batch[self.text_field]:
                 row += 1
-                text = text_value(value, f"{self.spec} row {row}", self.text_field)
-                if text:
+                if text := text_value(value, f"{self.spec} row {row}", self.text_field):
                     yield Document(f"{prefix}:{row}", text)
 
     def _check_field(self, columns: list[str]) -> None:
@@ -139,8 +138,7 @@ class HFSource:
         if self.local is None:
             return f"{text}; pin another data.hf_revision or tell the dataset's authors"
         kinds = [f.suffix.lower() for f in _files(self.local)]
-        kinds = [k for k in kinds if k in (".jsonl", ".json", ".parquet")]
-        if not kinds:
+        if not (kinds := [k for k in kinds if k in (".jsonl", ".json", ".parquet")]):
             return f"{text}; fix or remove it"
         where = self.local.as_posix().rstrip("/")
         return (

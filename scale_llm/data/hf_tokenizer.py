@@ -104,7 +104,6 @@ def write_tokenizer_files(
     for name, text in tokenizer_files(tok, max_length).items():
         (out_dir / name).write_text(text, encoding="utf-8")
     # the run's own copy, read as a folder's file: a link out of the run dir is not exported
-    data = read_folder_file(tok.path.parent, tok.path.name, "the run's tokenizer")
-    if data is None:
+    if (data := read_folder_file(tok.path.parent, tok.path.name, "the run's tokenizer")) is None:
         raise UserError(f"{tok.path} is not a regular file; restore the run's tokenizer.model")
     (out_dir / "tokenizer.model").write_bytes(data)

@@ -9,14 +9,13 @@ import time
 from tqdm import tqdm
 
 log = logging.getLogger(__name__)
+LOG_EVERY = 30.0  # seconds between INFO lines
 
 
 class Progress:
-    def __init__(
-        self, desc: str, total: int | None = None, initial: int = 0, log_every: float = 30.0
-    ):
+    def __init__(self, desc: str, total: int | None = None, initial: int = 0):
         """`initial`: documents done before this run (a resumed job); rates exclude them."""
-        self.desc, self.log_every = desc, log_every
+        self.desc = desc
         self.bar = tqdm(
             total=total, initial=initial, desc=desc, unit="doc", disable=None, dynamic_ncols=True
         )
@@ -30,7 +29,7 @@ class Progress:
         self.bar.update(docs)
         now = time.perf_counter()
         self.bar.set_postfix_str(self.rates(now - self.start), refresh=False)
-        if now - self.last_log >= self.log_every:
+        if now - self.last_log >= LOG_EVERY:
             self.last_log = now
             log.info("data: %s: %s", self.desc, self.summary(now - self.start))
 

@@ -288,7 +288,7 @@ def manifest_files(manifest: Any) -> set[str]:
     return names
 
 
-def read_manifest(data_dir: str | Path, check_shards: bool = True) -> dict[str, Any]:
+def read_manifest(data_dir: str | Path) -> dict[str, Any]:
     """The manifest of a prepared data dir, every field checked, and its shards' sizes."""
     data_dir = Path(data_dir)
     path = data_dir / MANIFEST
@@ -326,14 +326,13 @@ def read_manifest(data_dir: str | Path, check_shards: bool = True) -> dict[str, 
             f"{path} {shown} (edited by hand, or cut short); run "
             f"`scale-llm prepare CONFIG --force` to rebuild data.dir={data_dir}"
         )
-    if check_shards:
-        if problems := shard_problems(data_dir, manifest):
-            raise UserError(
-                f"data.dir={data_dir} is incomplete: {problems[0]}"
-                f"{f' (and {len(problems) - 1} more)' if len(problems) > 1 else ''}; "
-                f"run `scale-llm prepare CONFIG` again to rebuild it"
-            )
-        check_tokenizer(data_dir, manifest)
+    if problems := shard_problems(data_dir, manifest):
+        raise UserError(
+            f"data.dir={data_dir} is incomplete: {problems[0]}"
+            f"{f' (and {len(problems) - 1} more)' if len(problems) > 1 else ''}; "
+            f"run `scale-llm prepare CONFIG` again to rebuild it"
+        )
+    check_tokenizer(data_dir, manifest)
     return manifest
 
 

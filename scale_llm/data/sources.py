@@ -166,8 +166,7 @@ class Source:
                     f"set data.text_field to the field holding the text"
                     f"{self._not_jsonl_hint(f)}"
                 )
-            text = text_value(record[self.text_field], f"{f}:{lineno}", self.text_field)
-            if text:
+            if text := text_value(record[self.text_field], f"{f}:{lineno}", self.text_field):
                 yield Document(f"{name}:{lineno}", text)
 
     def _not_jsonl_hint(self, f: Path) -> str:
@@ -204,8 +203,7 @@ class Source:
         for batch in pf.iter_batches(batch_size=_PARQUET_BATCH, columns=[self.text_field]):
             for value in batch.column(0).to_pylist():
                 row += 1
-                text = text_value(value, f"{f} row {row}", self.text_field)
-                if text:
+                if text := text_value(value, f"{f} row {row}", self.text_field):
                     yield Document(f"{name}:{row}", text)
 
 
@@ -339,8 +337,7 @@ class _Listing:
         with `rules` why each is left out."""
         parts, notes = [], []
         for reason, (one, several, note) in _SKIP_REASONS.items():
-            paths = sorted(self.not_read.get(reason, []))
-            if paths:
+            if paths := sorted(self.not_read.get(reason, [])):
                 noun = one if len(paths) == 1 else several
                 parts.append(f"{len(paths)} {noun} ({_examples(paths, None)})")
                 notes += [note] if note else []

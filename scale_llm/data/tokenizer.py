@@ -98,9 +98,7 @@ def run_tokenizer_path(run_dir: Path, sha256: str) -> Path:
     return present[0] if len(present) == 1 else run_dir / SP_FILE
 
 
-def train_tokenizer(
-    texts: Iterable[str], vocab_size: int, out_path: str | Path, num_threads: int = 0
-) -> Tokenizer:
+def train_tokenizer(texts: Iterable[str], vocab_size: int, out_path: str | Path) -> Tokenizer:
     """Train a BPE model on `texts` and write it atomically to `out_path`."""
     if vocab_size < MIN_VOCAB:
         raise UserError(
@@ -127,7 +125,7 @@ def train_tokenizer(
             bos_id=BOS_ID,
             eos_id=EOS_ID,
             pad_id=-1,
-            num_threads=num_threads or os.cpu_count() or 1,
+            num_threads=os.cpu_count() or 1,
             minloglevel=2,
         )
     except RuntimeError as e:  # e.g. a sample with too few distinct pieces for vocab_size
