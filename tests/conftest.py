@@ -17,7 +17,7 @@ import torch
 from scale_llm.config import load_config
 from scale_llm.data.prepare import prepare
 from scale_llm.log import setup_logging
-from tests.helpers import TINY_MODEL, Lines, env, logged
+from tests.helpers import SINGLE, TINY_MODEL, Lines, Runs, env, finished_run, logged
 
 setup_logging(0)
 
@@ -209,6 +209,40 @@ def data_dir(corpus_dir, tmp_path_factory) -> Path:
     )
     prepare(cfg)
     return out
+
+
+@pytest.fixture(scope="session")
+def four_steps(data_dir, tmp_path_factory) -> Path:
+    """A finished 4-step run with checkpoints at steps 2 and 4 (read only: tests copy it)."""
+    root = tmp_path_factory.mktemp("four_steps")
+    return finished_run(data_dir, root, "checkpoint.every=2", "checkpoint.keep_last=2")
+
+
+@pytest.fixture(scope="session")
+def exported(four_steps, tmp_path_factory) -> Path:
+    """four_steps' step 4 exported as a Hugging Face folder (fp32)."""
+    pytest.importorskip("safetensors")
+    from scale_llm.export import export
+
+    out = tmp_path_factory.mktemp("exported") / "hf"
+    export(four_steps / "checkpoints" / "step_00000004", out, dtype="fp32")
+    return out
+
+
+@pytest.fixture(scope="session")
+def runs(data_dir, tmp_path_factory) -> Runs:
+    """The session's torchrun training runs of the tiny model (`tests.helpers.Runs`): a run that
+    several modules read (the one-process reference, a backend's 2-rank run) starts once."""
+    return Runs(data_dir, tmp_path_factory.mktemp("runs"))
+
+
+@pytest.fixture(scope="session")
+def reference(runs) -> dict[int, dict]:
+    """One process, 8 sequences per step, straight through: the curve each layout of the same 8
+    sequences follows. Clipping is really exercised: max norm 0.3 is below steps 1 and 2's."""
+    rows = runs("single", 1, *SINGLE)
+    assert all(rows[s]["grad_norm"] > 0.3 for s in (1, 2))
+    return rows
 
 
 @pytest.fixture(autouse=True)

@@ -188,23 +188,93 @@ BACKENDS = {
     "zero3": ["parallel.backend=deepspeed", "parallel.deepspeed.zero_stage=3"],
 }
 SPLIT = ["train.micro_batch_size=2", "train.grad_accum=2", "activation_checkpointing.mode=full"]
+SINGLE = ["train.micro_batch_size=8", "train.grad_accum=1"]  # the same 8 sequences in one process
 
 
-def cached_runs(data_dir: Path, root: Path, *always: str):
-    """`get(name, nproc, *overrides)`: a training run through torchrun under `root`, run at most
-    once per fixture (with the `always` overrides first), as its metrics rows by step."""
-    done: dict[str, dict[int, dict]] = {}
+def split_run(backend: str, *extra: str) -> tuple[int, list[str]]:
+    """A `Runs` spec: `backend` on 2 ranks x micro-batch 2 x grad_accum 2 with checkpointing,
+    the 8 sequences of a `SINGLE` step."""
+    return 2, [*BACKENDS[backend], *SPLIT, *extra]
 
-    def get(name: str, nproc: int, *overrides: str) -> dict[int, dict]:
-        if name not in done:
-            args = [*common(data_dir, root, name), *sets(*always, *overrides)]
-            run(torchrun(nproc, *args), cwd=root)
-            done[name] = rows_of(root / name)
-        return done[name]
 
-    get.root = root
-    get.data_dir = data_dir
-    return get
+class Runs:
+    """Training runs through torchrun under `root` (`common`'s settings, the `always` overrides,
+    then each run's own), each run at most once: `runs(name, nproc, *overrides)` gives its
+    metrics rows by step, `runs.stdout[name]` its console, `runs.plan[name]` its plan.json (as
+    each was when the run ended). `runs.start({name: (nproc,
+    overrides)})` runs those not run yet together, one launch per world size (`train_world`):
+    a launch's start costs more than a tiny run. A run whose overrides set another run.name
+    writes there (a stopped run and its resume: two names, one run dir)."""
+
+    def __init__(self, data_dir: Path, root: Path, *always: str) -> None:
+        self.data_dir, self.root, self.always = Path(data_dir), Path(root), always
+        self.rows: dict[str, dict[int, dict]] = {}
+        self.stdout: dict[str, str] = {}
+        self.plan: dict[str, dict] = {}
+
+    def __call__(self, name: str, nproc: int, *overrides: str) -> dict[int, dict]:
+        self.start({name: (nproc, list(overrides))})
+        return self.rows[name]
+
+    def args(self, name: str, overrides: list[str]) -> list[str]:
+        return [*common(self.data_dir, self.root, name), *sets(*self.always, *overrides)]
+
+    def start(self, wanted: dict[str, tuple[int, list[str]]]) -> None:
+        todo = {name: spec for name, spec in wanted.items() if name not in self.rows}
+        for nproc in dict.fromkeys(n for n, _ in todo.values()):  # (in the order asked)
+            group = {name: self.args(name, o) for name, (n, o) in todo.items() if n == nproc}
+            if len(group) == 1:  # one run: the CLI's own launch
+                ((name, args),) = group.items()
+                self.stdout[name] = run(torchrun(nproc, *args), cwd=self.root).stdout
+                run_dir = self.root / [a for a in args if a.startswith("run.name=")][-1][9:]
+                self.rows[name] = rows_of(run_dir)
+                self.plan[name] = json.loads((run_dir / "plan.json").read_text())
+                continue
+            for name, result in train_world(nproc, group, self.root).items():
+                self.rows[name], self.stdout[name] = result["rows"], result["stdout"]
+                self.plan[name] = result["plan"]
+
+
+def train_world(nproc: int, commands: dict[str, list[str]], cwd: Path) -> dict[str, dict]:
+    """`scale-llm train` with each command's arguments, one after another in one torchrun
+    launch of `nproc` ranks (tests/train_world.py), every one expected to succeed: {label:
+    {"rows": its metrics rows by step and "plan": its plan.json when it ended, "stdout": its
+    console, rank by rank}}."""
+    import tempfile
+
+    out = Path(tempfile.mkdtemp(prefix="world-", dir=cwd))
+    (out / "commands.json").write_text(json.dumps(commands))
+    script = str(REPO / "tests" / "train_world.py")
+    proc = subprocess.run(
+        [*torchrun(nproc)[:5], script, str(out)], cwd=cwd, env=env(), capture_output=True,
+        text=True, timeout=3600,
+    )  # fmt: skip
+    results = {}
+    for label in commands:
+        consoles = sorted(out.glob(f"{label}.rank*.txt"))
+        stdout = "".join(p.read_text() for p in consoles)
+        where = f"{label}: rc={proc.returncode}\n{stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        assert (out / f"{label}.json").is_file(), f"not run or cut short: {where}"
+        result = json.loads((out / f"{label}.json").read_text())
+        assert result["codes"] == [0] * nproc, f"exit codes {result['codes']}: {where}"
+        rows = {r["step"]: r for r in result["rows"]}
+        results[label] = {"rows": rows, "plan": result["plan"], "stdout": stdout}
+    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stderr[-5000:]}"
+    return results
+
+
+def wanted(request, needs: dict[str, list[str]]) -> set[str]:
+    """The runs the session's selected tests of the requesting module read (what a module
+    fixture starts all at once): `needs` maps a test function to its runs' names, each
+    formatted with the test's parameters ("{backend}-split")."""
+    missing = set(needs) - set(vars(request.module))
+    assert not missing, f"needs names no test of {request.module.__name__}: {missing}"
+    out = set()
+    for item in request.session.items:
+        if item.module is request.module and item.originalname in needs:
+            params = item.callspec.params if hasattr(item, "callspec") else {}
+            out |= {name.format(**params) for name in needs[item.originalname]}
+    return out
 
 
 def sets(*items: str) -> list[str]:

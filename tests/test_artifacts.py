@@ -31,13 +31,6 @@ from tests.helpers import (
 STEP2, STEP4 = "step_00000002", "step_00000004"
 
 
-@pytest.fixture(scope="module")
-def four_steps(data_dir, tmp_path_factory) -> Path:
-    """A finished 4-step run with checkpoints at steps 2 and 4 (read only: tests copy it)."""
-    root = tmp_path_factory.mktemp("artifacts")
-    return finished_run(data_dir, root, "checkpoint.every=2", "checkpoint.keep_last=2")
-
-
 def resume_auto(data_dir: Path, tmp_path: Path, *overrides: str) -> Trainer:
     cfg = make_config(
         data_dir, tmp_path / "runs", "checkpoint.every=2", "train.max_steps=6", *overrides
@@ -93,16 +86,6 @@ def test_a_good_trainer_state_reads_back(four_steps):
 
 
 # ----------------------------------------------------------------------------- 4: init_from
-
-
-@pytest.fixture(scope="module")
-def exported(four_steps, tmp_path_factory) -> Path:
-    pytest.importorskip("safetensors")
-    from scale_llm.export import export
-
-    out = tmp_path_factory.mktemp("exported") / "hf"
-    export(four_steps / "checkpoints" / STEP4, out, dtype="fp32")
-    return out
 
 
 def init_model(data_dir: Path, tmp_path: Path, folder: Path):

@@ -36,28 +36,89 @@ from tests.helpers import (
     STEPS,
     TINY_MODEL,
     TOL,
-    cached_runs,
     common,
     env,
     plant_in_torch_file,
     rows_of,
     run,
     sets,
+    split_run,
     torchrun,
+    wanted,
 )
 
+COMPILED = ["ddp", "fsdp", "zero2"]
+RESUMED = ["ddp", "fsdp", "zero2", "zero3"]
+BACKGROUND = [("ddp", "async"), ("fsdp", "async_with_pinned_mem")]
+MIXED = [("ddp", "bf16"), ("fsdp", "fp16"), ("zero2", "bf16")]
+_7B = yaml.safe_load((REPO / "yaml" / "7b-1xh200.yaml").read_text())["parallel"]["deepspeed"]
+SINGLE_H200_7B = [  # yaml/7b-1xh200.yaml's layout: ZeRO-2, optimizer state and step on the CPU
+    "parallel.backend=deepspeed",
+    f"parallel.deepspeed.zero_stage={_7B['zero_stage']}",
+    f"parallel.deepspeed.offload_optimizer={_7B['offload_optimizer']}",
+    *SPLIT,
+]
+OFFLOAD = ["parallel.deepspeed.offload_optimizer=cpu", "parallel.deepspeed.offload_param=cpu"]
+# The runs the tests below read, by name: each is trained at most once a session (the `runs`
+# fixture), and those the selected tests read start together, in one launch, before the first
+# test (`ran`); the resumes of stopped runs in a second launch. (Compiled ones last.)
+RUNS = {
+    **{f"{b}-split": split_run(b) for b in BACKENDS},
+    **{
+        f"{b}-stopped": split_run(b, f"run.name={b}-resumed", "train.exit_at_step=2")
+        for b in RESUMED
+    },
+    **{f"{b}-{mode}": split_run(b, f"checkpoint.async_mode={mode}") for b, mode in BACKGROUND},
+    **{f"{b}-{p}": split_run(b, f"train.precision={p}") for b, p in MIXED},
+    "zero3-offload": split_run("zero3", *OFFLOAD),
+    "zero2-offload": (2, SINGLE_H200_7B),
+    "logs": (2, ["parallel.backend=ddp", "train.micro_batch_size=4", "train.max_steps=1"]),
+    **{f"{b}-compiled": split_run(b, "train.compile=true") for b in COMPILED},
+}
+NEEDS = {  # test: the runs it reads ({backend}, {mode}, {precision}: its parameters)
+    "test_backend_matches_single_process": ["{backend}-split"],
+    "test_compiled_backend_follows_the_reference": ["{backend}-compiled"],
+    "test_resume_continues_the_same_curve": [
+        "{backend}-split", "{backend}-stopped", "{backend}-resumed"
+    ],
+    "test_background_saves_resume_to_the_same_curve": [
+        "{backend}-split", "{backend}-{mode}", "{backend}-from-{mode}"
+    ],
+    "test_a_planted_pickle_in_deepspeed_files_never_runs": ["zero2-split"],
+    "test_zero3_with_cpu_offload_trains": ["zero3-offload"],
+    "test_the_single_h200_7b_layout_trains_at_tiny_size": ["zero2-offload"],
+    "test_mixed_precision_follows_the_fp32_curve": ["{backend}-{precision}"],
+    "test_only_rank_0_logs_info": ["logs"],
+    "test_deepspeed_writes_its_generated_config": ["zero2-split"],
+}  # fmt: skip
+
+
+def resumes(root: Path) -> dict[str, tuple[int, list[str]]]:
+    """The second launch's runs: each stopped run resumed (found by `auto`), and each run with
+    background saves resumed from its step 2 in a run dir of its own."""
+    step2 = "checkpoints/step_00000002"
+    return {
+        **{f"{b}-resumed": split_run(b) for b in RESUMED},
+        **{
+            f"{b}-from-{mode}": split_run(
+                b,
+                f"checkpoint.async_mode={mode}",
+                f"checkpoint.resume={root / f'{b}-{mode}' / step2}",
+            )
+            for b, mode in BACKGROUND
+        },
+    }
+
 
 @pytest.fixture(scope="module")
-def runs(data_dir, tmp_path_factory):
-    """Runs on demand, each at most once per test session: name -> metrics rows by step."""
-    return cached_runs(data_dir, tmp_path_factory.mktemp("runs"))
-
-
-@pytest.fixture(scope="module")
-def reference(runs):
-    rows = runs("single", 1, "train.micro_batch_size=8", "train.grad_accum=1")
-    assert all(rows[s]["grad_norm"] > 0.3 for s in (1, 2))  # clipping is really exercised
-    return rows
+def ran(runs, request):
+    """`ran(name)`: the metrics rows by step of the run `name` (RUNS, `resumes`); what the
+    session's selected tests here read is started together first."""
+    later, read = resumes(runs.root), wanted(request, NEEDS)
+    runs.start({name: spec for name, spec in RUNS.items() if name in read})
+    runs.start({name: spec for name, spec in later.items() if name in read})
+    every = RUNS | later
+    return lambda name: runs(name, every[name][0], *every[name][1])
 
 
 def assert_same_curve(
@@ -82,33 +143,32 @@ def assert_same_curve(
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
-def test_backend_matches_single_process(backend, runs, reference):
+def test_backend_matches_single_process(backend, ran, reference):
     """2 ranks x micro-batch 2 x grad_accum 2 with checkpointing vs one process with micro-batch
     8 without: one run checks the rank split, accumulation = big batch, checkpointing on = off
     and the clipped global norm, all against the same reference."""
-    split = runs(f"{backend}-split", 2, *BACKENDS[backend], *SPLIT)
+    split = ran(f"{backend}-split")
     diff = assert_same_curve(split, reference, TOL)
     print(f"\nparity {backend}: max |diff| vs single = {diff:.1e}")
 
 
-@pytest.mark.parametrize("backend", ["ddp", "fsdp", "zero2"])
-def test_compiled_backend_follows_the_reference(backend, runs, reference):
+@pytest.mark.parametrize("backend", COMPILED)
+def test_compiled_backend_follows_the_reference(backend, ran, reference):
     """train.compile on 2 ranks (per-block compile before the wrapping / sharding)."""
-    rows = runs(f"{backend}-compiled", 2, *BACKENDS[backend], *SPLIT, "train.compile=true")
+    rows = ran(f"{backend}-compiled")
     diff = assert_same_curve(rows, reference, 1e-4)
     print(f"\ncompiled {backend}: max |diff| vs eager single = {diff:.1e}")
 
 
-@pytest.mark.parametrize("backend", ["ddp", "fsdp", "zero2", "zero3"])
-def test_resume_continues_the_same_curve(backend, runs, data_dir):
-    straight = runs(f"{backend}-split", 2, *BACKENDS[backend], *SPLIT)
+@pytest.mark.parametrize("backend", RESUMED)
+def test_resume_continues_the_same_curve(backend, runs, ran):
+    """A run stopped after step 2's checkpoint (train.exit_at_step), launched again: the
+    launch finds that checkpoint and continues the straight run's curve bit for bit."""
+    straight = ran(f"{backend}-split")
+    assert max(ran(f"{backend}-stopped")) == 2  # stopped after the checkpoint of step 2
     name = f"{backend}-resumed"
-    args = [*common(data_dir, runs.root, name), *sets(*BACKENDS[backend], *SPLIT)]
-    run(torchrun(2, *args, *sets("train.exit_at_step=2")), cwd=runs.root)
-    assert max(rows_of(runs.root / name)) == 2  # stopped after the checkpoint of step 2
-    proc = run(torchrun(2, *args), cwd=runs.root)
-    assert "resume: continuing from" in proc.stdout and "at step 2" in proc.stdout
-    resumed = rows_of(runs.root / name)
+    resumed = ran(name)
+    assert "resume: continuing from" in runs.stdout[name] and "at step 2" in runs.stdout[name]
     assert sorted(resumed) == [1, 2, 3, 4]
     for step in (3, 4):  # bit-identical on CPU in fp32
         assert resumed[step]["loss"] == straight[step]["loss"], step
@@ -120,15 +180,14 @@ def test_resume_continues_the_same_curve(backend, runs, data_dir):
         assert record == integrity_record(ckpt), ckpt
 
 
-@pytest.mark.parametrize(("backend", "mode"), [("ddp", "async"), ("fsdp", "async_with_pinned_mem")])
-def test_background_saves_resume_to_the_same_curve(backend, mode, runs, data_dir):
+@pytest.mark.parametrize(("backend", "mode"), BACKGROUND)
+def test_background_saves_resume_to_the_same_curve(backend, mode, runs, ran):
     """checkpoint.async_mode on 2 ranks (the writer threads' collectives on a gloo group of
     their own): the run trains the foreground run's curve, its checkpoints hold the same model
     and optimizer bytes, and a resume from its step 2 continues that curve bit for bit."""
-    straight = runs(f"{backend}-split", 2, *BACKENDS[backend], *SPLIT)
-    async_mode = f"checkpoint.async_mode={mode}"
+    straight = ran(f"{backend}-split")
     name = f"{backend}-{mode}"
-    rows = runs(name, 2, *BACKENDS[backend], *SPLIT, async_mode)
+    rows = ran(name)
     curve = ("loss", "grad_norm")
     assert [[rows[s][k] for k in curve] for s in range(1, STEPS + 1)] == [
         [straight[s][k] for k in curve] for s in range(1, STEPS + 1)
@@ -141,23 +200,19 @@ def test_background_saves_resume_to_the_same_curve(backend, mode, runs, data_dir
         data = sorted(k for k in record if k.endswith(".distcp"))
         assert len(data) == 2 and all(record[k] == foreground[k] for k in data), ckpt
         assert record == integrity_record(ckpt)  # the record is the files' own
-    resumed = f"{backend}-from-{mode}"
-    args = [*common(data_dir, runs.root, resumed), *sets(*BACKENDS[backend], *SPLIT)]
-    proc = run(torchrun(2, *args, *sets(async_mode, f"checkpoint.resume={step2}")), runs.root)
-    assert "at step 2" in proc.stdout
-    after = rows_of(runs.root / resumed)
+    resumed = f"{backend}-from-{mode}"  # (resumed from `step2`, background saves on)
+    after = ran(resumed)
+    assert "at step 2" in runs.stdout[resumed]
     for step in (3, 4):
         assert [after[step][k] for k in curve] == [straight[step][k] for k in curve], step
     assert after[4]["val_loss"] == straight[4]["val_loss"]
 
 
-def test_a_planted_pickle_in_deepspeed_files_never_runs(runs, data_dir):
+def test_a_planted_pickle_in_deepspeed_files_never_runs(runs, ran, data_dir):
     """DeepSpeed reads its own files with weights_only=False; ours must not run a payload
     planted in them (2 ranks, exact ZeRO-2 resume path)."""
-    ckpt = runs.root / "zero2-resumed" / "checkpoints" / "step_00000002"
-    args = [*common(data_dir, runs.root, "zero2-resumed"), *sets(*BACKENDS["zero2"], *SPLIT)]
-    if not ckpt.is_dir():
-        run(torchrun(2, *args, *sets("train.exit_at_step=2")), cwd=runs.root)
+    ran("zero2-split")
+    ckpt = runs.root / "zero2-split" / "checkpoints" / "step_00000002"
     hostile = runs.root / "zero2-hostile" / "step_00000002"
     shutil.copytree(ckpt, hostile)
     marker = runs.root / "pwned"
@@ -171,42 +226,22 @@ def test_a_planted_pickle_in_deepspeed_files_never_runs(runs, data_dir):
     assert f"error: refusing to load {target}" in proc.stderr, proc.stderr[-3000:]
 
 
-def test_zero3_with_cpu_offload_trains(runs, reference):
-    rows = runs(
-        "zero3-offload",
-        2,
-        *BACKENDS["zero3"],
-        *SPLIT,
-        "parallel.deepspeed.offload_optimizer=cpu",
-        "parallel.deepspeed.offload_param=cpu",
-    )
+def test_zero3_with_cpu_offload_trains(ran, reference):
+    rows = ran("zero3-offload")
     # DeepSpeedCPUAdam's vectorized update rounds differently from torch.optim.AdamW
     assert_same_curve(rows, reference, 1e-4)
 
 
-def test_the_single_h200_7b_layout_trains_at_tiny_size(runs, reference):
+def test_the_single_h200_7b_layout_trains_at_tiny_size(ran, reference):
     """yaml/7b-1xh200.yaml's layout (ZeRO-2, optimizer state and step on the CPU with
     DeepSpeedCPUAdam) on the tiny model: the same curve as without offload."""
-    layout = yaml.safe_load((REPO / "yaml" / "7b-1xh200.yaml").read_text())["parallel"]
-    ds = layout["deepspeed"]
-    rows = runs(
-        "zero2-offload",
-        2,
-        "parallel.backend=deepspeed",
-        f"parallel.deepspeed.zero_stage={ds['zero_stage']}",
-        f"parallel.deepspeed.offload_optimizer={ds['offload_optimizer']}",
-        *SPLIT,
-    )
+    rows = ran("zero2-offload")
     assert_same_curve(rows, reference, 1e-4)  # CPU Adam rounds differently from torch's
 
 
-@pytest.mark.parametrize(
-    ("backend", "precision"), [("ddp", "bf16"), ("fsdp", "fp16"), ("zero2", "bf16")]
-)
-def test_mixed_precision_follows_the_fp32_curve(backend, precision, runs, reference):
-    rows = runs(
-        f"{backend}-{precision}", 2, *BACKENDS[backend], *SPLIT, f"train.precision={precision}"
-    )
+@pytest.mark.parametrize(("backend", "precision"), MIXED)
+def test_mixed_precision_follows_the_fp32_curve(backend, precision, ran, reference):
+    rows = ran(f"{backend}-{precision}")
     # 16-bit matmuls: losses within 3e-2. Grad norms move more: DeepSpeed's bf16 mode keeps
     # weights and gradients in bf16 (accumulated in bf16 under ZeRO-2), and how far that drifts
     # depends on the CPU's bf16 kernels (0.7% on one machine, 3.8% on another); a missing
@@ -246,21 +281,14 @@ def test_a_step_made_nan_on_one_rank_is_skipped_by_every_rank_of_every_backend(d
             assert r["checkpoint"] == f"step_{STEPS:08d}", where
 
 
-def test_only_rank_0_logs_info(runs, data_dir):
-    proc = run(
-        torchrun(
-            2,
-            *common(data_dir, runs.root, "logs"),
-            *sets("parallel.backend=ddp", "train.micro_batch_size=4", "train.max_steps=1"),
-        ),
-        cwd=runs.root,
-    )
-    assert "[rank 0] step 1/1" in proc.stdout
-    assert "[rank 1]" not in proc.stdout
+def test_only_rank_0_logs_info(runs, ran):
+    ran("logs")
+    assert "[rank 0] step 1/1" in runs.stdout["logs"]
+    assert "[rank 1]" not in runs.stdout["logs"]
 
 
-def test_deepspeed_writes_its_generated_config(runs, reference):
-    runs("zero2-split", 2, *BACKENDS["zero2"], *SPLIT)
+def test_deepspeed_writes_its_generated_config(runs, ran):
+    ran("zero2-split")
     ds = json.loads((runs.root / "zero2-split" / "ds_config.json").read_text())
     assert ds["train_micro_batch_size_per_gpu"] == 2
     assert ds["gradient_accumulation_steps"] == 2

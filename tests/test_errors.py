@@ -68,24 +68,6 @@ from tests.helpers import (
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def four_steps(data_dir, tmp_path_factory) -> Path:
-    """A finished 4-step run with checkpoints at steps 2 and 4 (read only: tests copy it)."""
-    root = tmp_path_factory.mktemp("errors")
-    return finished_run(data_dir, root, "checkpoint.every=2", "checkpoint.keep_last=2")
-
-
-@pytest.fixture(scope="module")
-def exported(four_steps, tmp_path_factory) -> Path:
-    """four_steps' step 4 exported as a Hugging Face folder (fp32)."""
-    pytest.importorskip("safetensors")
-    from scale_llm.export import export
-
-    out = tmp_path_factory.mktemp("exported") / "hf"
-    export(four_steps / "checkpoints" / STEP4, out, dtype="fp32")
-    return out
-
-
 def trainer(data_dir: Path, tmp_path: Path, *overrides: str) -> Trainer:
     cfg = make_config(data_dir, tmp_path / "runs", *overrides)
     return trainer_for(cfg)

@@ -30,16 +30,14 @@ from tests.helpers import (
     BACKENDS,
     REPO,
     SPLIT,
-    common,
+    Runs,
     finished_run,
     first_batch_loss,
     init_weights,
     plan_for,
     rows_of,
-    run,
-    sets,
-    torchrun,
     trainer_for,
+    wanted,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -363,22 +361,34 @@ def test_a_run_from_init_from_starts_at_the_source_loss(run_dir, exported, their
     assert trainer_for(cfg).fit().complete
 
 
-@pytest.mark.parametrize("backend", ["ddp", "fsdp", "zero3"])
+IMPORTED = ["ddp", "fsdp", "zero3"]
+
+
+@pytest.fixture(scope="module")
+def imported(exported, data_dir, tmp_path_factory, request) -> Runs:
+    """One 1-step 2-rank run per backend (those the selected tests name, in one launch) started
+    from the export, at lr 1e-30: the weights cannot move in fp32."""
+    runs = Runs(data_dir, tmp_path_factory.mktemp("imported"))
+    overrides = [*SPLIT, f"model.init_from={exported}", "train.lr=1e-30", "train.min_lr=0"]
+    overrides += ["train.max_steps=1", "eval.every=0"]
+    read = wanted(request, {"test_two_rank_runs_import_and_export_the_same_weights": ["{backend}"]})
+    runs.start({b: (2, [*BACKENDS[b], *overrides]) for b in IMPORTED if b in read})
+    return runs
+
+
+@pytest.mark.parametrize("backend", IMPORTED)
 def test_two_rank_runs_import_and_export_the_same_weights(
-    backend, exported, theirs, data_dir, tmp_path
+    backend, imported, exported, theirs, data_dir, tmp_path
 ):
     """A 2-rank DDP / FSDP2 / ZeRO-3 run started from the export (lr 1e-30: the weights cannot move
     in fp32) saves a sharded checkpoint; its export holds the source's exact tensors, and its
     first loss is the source model's on the same 8 sequences."""
-    overrides = [*BACKENDS[backend], *SPLIT, f"model.init_from={exported}", "train.lr=1e-30"]
-    overrides += ["train.min_lr=0", "train.max_steps=1", "eval.every=0"]
-    run(torchrun(2, *common(data_dir, tmp_path, backend), *sets(*overrides)), cwd=tmp_path)
-    ckpt = tmp_path / backend / "checkpoints" / "step_00000001"
+    ckpt = imported.root / backend / "checkpoints" / "step_00000001"
     assert (ckpt / ("deepspeed" if backend.startswith("zero") else "dcp")).is_dir()
     export(ckpt, tmp_path / "out")
     assert_same_tensors(hf_tensors(tmp_path / "out"), hf_tensors(exported))
     source = first_batch_loss(theirs, data_dir, 8)
-    assert abs(rows_of(tmp_path / backend)[1]["loss"] - source) <= 1e-5
+    assert abs(imported.rows[backend][1]["loss"] - source) <= 1e-5
 
 
 def test_an_hf_config_without_optional_fields_takes_llamas_defaults():

@@ -236,17 +236,22 @@ def test_estimate_command_json_and_fit(tmp_path):
     assert bad.returncode == 2 and "'12 parsecs' is not understood" in bad.stderr
 
 
-def test_estimate_measure_prints_the_step_next_to_the_estimate(tmp_path):
+def test_estimate_measure_prints_the_step_next_to_the_estimate(capsys):
     """`estimate --measure` on a small real run: the activation count, then the whole step by
     part at the peak / the estimate's peak phase / each part's own largest, the peak's phase
-    named, in text and JSON."""
-    small = [a for pair in zip(["--set"] * len(SMALL_ARGS), SMALL_ARGS, strict=True) for a in pair]
-    proc = estimate_cli(tmp_path, *small, "--measure")
-    assert proc.returncode == 0, proc.stderr
-    assert "the forward pass saved" in proc.stdout
-    assert "at the peak    estimated  own largest (est.)" in proc.stdout
-    assert "next to the estimate of its peak, loss forward)" in proc.stdout
-    out = json.loads(estimate_cli(tmp_path, *small, "--measure", "--json").stdout)
+    named, in text and JSON. (In this process; the JSON one counts activations eager: its
+    assertions are the step's, and one inductor compile is enough.)"""
+    from scale_llm import cli
+
+    small = [a for s in SMALL_ARGS for a in ("--set", s)]
+    assert cli.main(["estimate", *small, "--measure"]) == 0
+    text = capsys.readouterr().out
+    assert "the forward pass saved" in text
+    assert "at the peak    estimated  own largest (est.)" in text
+    assert "next to the estimate of its peak, loss forward)" in text
+    eager = ["--set", "train.compile=false"]
+    assert cli.main(["estimate", *small, *eager, "--measure", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
     step = out["measured_step_cpu"]
     assert abs(step["measured"]["allocated_peak"] / step["estimated"]["peak"] - 1) < 0.02
     assert step["estimated_peak_parts"].keys() <= step["measured"].keys()
@@ -427,31 +432,46 @@ WORLD_CASES = [
 ]
 
 
-def measured_at_two_ranks(cases: list[dict], tmp_path: Path, timeout: int) -> list[dict]:
-    """tests/measure_world.py's results for `cases` ({"set": overrides, ...}) on 2 gloo ranks."""
-    from tests.helpers import env
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, request) -> dict[str, list[dict]]:
+    """tests/measure_world.py's results on 2 gloo ranks, {test: its cases' results}, for the
+    cases of the selected tests below (every backend's; tensor parallelism's), all measured in
+    one launch."""
+    from tests.helpers import env, wanted
 
-    out = tmp_path / "measured.json"
+    tests = {
+        "test_every_backend_at_two_ranks_peaks_where_the_estimate_says": [
+            {"set": s, "tol": tol} for s, tol in WORLD_CASES
+        ],
+        "test_tensor_parallel_at_two_ranks_peaks_where_the_estimate_says": [
+            {"set": s} for s in TP_CASES
+        ],
+    }
+    read = wanted(request, {test: [test] for test in tests})
+    cases = [
+        {**case, "test": test} for test, some in tests.items() if test in read for case in some
+    ]
+    tmp = tmp_path_factory.mktemp("two_ranks")
+    out = tmp / "measured.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     cmd += [str(REPO / "tests" / "measure_world.py"), str(out), json.dumps(cases)]
-    proc = subprocess.run(
-        cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=timeout
-    )
+    # 36 cases (2026-12-01) took 1 min 42 s on a CPU with native bf16 (AVX-512 BF16) and 15 min
+    # where bf16 is emulated (AVX2 only): the limit only stops a hang
+    proc = subprocess.run(cmd, cwd=tmp, env=env(), capture_output=True, text=True, timeout=2400)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    results = json.loads(out.read_text())
+    assert [r["set"] for r in results] == [c["set"] for c in cases]
+    return {test: [r for r in results if r["test"] == test] for test in tests}
 
 
-def test_every_backend_at_two_ranks_peaks_where_the_estimate_says(tmp_path):
+def test_every_backend_at_two_ranks_peaks_where_the_estimate_says(two_ranks):
     """Each backend's step measured on 2 gloo ranks (rank 0's figures; 18 cases): the step's
     peak of every storage (DeepSpeed's flat buffers made at its engine's construction included)
     is the estimate's phase-aware peak within the case's tolerance, and what is alive at it, by
     category (parameters, gradients and optimizer state in every form the backend holds them,
     activations, temporaries), is what the estimate's peak phase holds, each within 3%."""
-    cases = [{"set": s, "tol": tol} for s, tol in WORLD_CASES]
-    # 36 cases (2026-12-01) took 1 min 42 s on a CPU with native bf16 (AVX-512 BF16)
-    # and 15 min where bf16 is emulated (AVX2 only): the limit only stops a hang
-    results = measured_at_two_ranks(cases, tmp_path, timeout=2400)
-    assert [r["set"] for r in results] == [c["set"] for c in cases]
+    results = two_ranks["test_every_backend_at_two_ranks_peaks_where_the_estimate_says"]
+    assert [r["set"] for r in results] == [s for s, _ in WORLD_CASES]
     for r in results:
         got, est, name = r["measured"], r["estimated"], " ".join(r["set"])
         peak = got["allocated_peak"]
@@ -514,11 +534,13 @@ TP_CASES = [
 ]
 
 
-def test_tensor_parallel_at_two_ranks_peaks_where_the_estimate_says(tmp_path):
+def test_tensor_parallel_at_two_ranks_peaks_where_the_estimate_says(two_ranks):
     """A step of TP 2 with sequence parallelism, measured per rank: the peak is the estimate's
     (it never under-predicts by more than 1%, over-predicts by at most 6%), the optimizer state
     half the model's, and the activations at the peak no more than the estimate's."""
-    for r in measured_at_two_ranks([{"set": s} for s in TP_CASES], tmp_path, timeout=600):
+    results = two_ranks["test_tensor_parallel_at_two_ranks_peaks_where_the_estimate_says"]
+    assert [r["set"] for r in results] == TP_CASES
+    for r in results:
         got, est, name = r["measured"], r["estimated"], " ".join(r["set"])
         peak = got["allocated_peak"]
         assert 0.99 * peak <= est["peak"] <= 1.06 * peak, (name, peak, est["peak"])

@@ -28,11 +28,11 @@ from tests.helpers import (
     plan_for,
     rows_of,
     run,
-    selected,
     sets,
     split_run,
     torchrun,
     trainer_for,
+    wanted,
 )
 
 STEPS = 4
@@ -42,7 +42,11 @@ STEP2 = "checkpoints/step_00000002"
 MOVES = {
     "ddp-to-fsdp": (2, [*BACKENDS["fsdp"], *SPLIT], "ddp"),
     "ddp-to-single": (1, SINGLE, "ddp"),
-    "fsdp-2-to-1": (1, [*BACKENDS["fsdp"], "train.micro_batch_size=4", "train.grad_accum=2"], "fsdp"),
+    "fsdp-2-to-1": (
+        1,
+        [*BACKENDS["fsdp"], "train.micro_batch_size=4", "train.grad_accum=2"],
+        "fsdp",
+    ),
     "zero2-to-ddp": (2, [*BACKENDS["ddp"], *SPLIT], "zero2"),
     "ddp-to-zero3": (2, [*BACKENDS["zero3"], *SPLIT], "ddp"),
 }
@@ -70,8 +74,8 @@ def moved(runs, request):
     """`moved(name)`: (console, metrics rows) of the move `name` (MOVES): its source's step-2
     checkpoint resumed. The selected tests' sources train first, together, then their moves
     (one launch per world size)."""
-    wanted = [m for test, names in NEEDS.items() for _ in selected(request, test) for m in names]
-    runs.start({f"{MOVES[m][2]}-split": split_run(MOVES[m][2]) for m in wanted})
+    moves = [m for m in MOVES if m in wanted(request, NEEDS)]
+    runs.start({f"{MOVES[m][2]}-split": split_run(MOVES[m][2]) for m in moves})
 
     def spec(name: str) -> tuple[int, list[str]]:
         nproc, overrides, source = MOVES[name]
@@ -79,7 +83,7 @@ def moved(runs, request):
         assert ckpt.is_dir(), ckpt  # (keep_last 2 keeps it beside step 4's)
         return nproc, [*overrides, f"checkpoint.resume={ckpt}"]
 
-    runs.start({m: spec(m) for m in wanted})
+    runs.start({m: spec(m) for m in moves})
 
     def get(name: str) -> tuple[str, dict[int, dict]]:
         nproc, overrides = spec(name)
@@ -123,11 +127,12 @@ def test_convert_writes_one_portable_file(runs, data_dir, root):
     from scale_llm.model import empty_state_dict
     from scale_llm.train.convert import convert
 
-    runs("ddp-split", *split_run("ddp"))
+    nproc, overrides = split_run("ddp")
+    runs("ddp-split", nproc, *overrides)
     ddp = runs.root / "ddp-split" / "checkpoints" / "step_00000004"  # the run's latest
-    out, n = convert(root / "from-ddp", root / "ddp-model.pt")
+    out, n = convert(runs.root / "ddp-split", root / "ddp-model.pt")
     blob = torch.load(out, weights_only=True)
-    assert blob["step"] == 2 and blob["config"]["parallel"]["backend"] == "ddp"
+    assert blob["step"] == 4 and blob["config"]["parallel"]["backend"] == "ddp"
     assert blob["qkv_layout"] == "grouped"
     cfg = make_config(data_dir, root)
     direct = load_model_weights(ddp, empty_state_dict(cfg.model))

@@ -9,7 +9,8 @@ activation checkpointing, so each curve checks the split, accumulation and check
 
 from __future__ import annotations
 
-import json
+import contextlib
+import io
 import subprocess
 import sys
 from pathlib import Path
@@ -29,25 +30,53 @@ from scale_llm.model.hf import from_hf, to_hf
 from scale_llm.model.transformer import fuse_qkv, split_qkv
 from tests.helpers import (
     REPO,
+    SINGLE,
     STEPS,
     TOL,
-    cached_runs,
-    common,
+    Runs,
     env,
-    rows_of,
-    run,
     sets,
-    torchrun,
+    wanted,
 )
 
 GQA = ["model.n_kv_heads=2"]
 UNTIED = ["model.tie_embeddings=false"]
-REFERENCE = ["train.micro_batch_size=8", "train.grad_accum=1"]
+LAYOUT_2D = ["parallel.backend=fsdp", "parallel.tensor_parallel=2", *UNTIED]
+# The runs below by launch, each launch's runs together (those the selected tests read): the
+# one-process references; FSDP2 x TP on 4 ranks, stopped after step 2; then on 2 ranks, TP 2
+# alone and the 2d run resumed at TP 2.
+STAGES = [
+    {"single": (1, SINGLE), "single-untied": (1, [*UNTIED, *SINGLE])},
+    {
+        "2d-stopped": (
+            4,
+            [*LAYOUT_2D, "parallel.sequence_parallel=false", "train.micro_batch_size=2"]
+            + ["train.grad_accum=2", "activation_checkpointing.mode=selective"]
+            + ["train.exit_at_step=2", "run.name=2d"],
+        )
+    },
+    {
+        "tp2": (
+            2,
+            ["parallel.backend=fsdp", "parallel.tensor_parallel=2", "train.micro_batch_size=4"]
+            + ["train.grad_accum=2", "activation_checkpointing.mode=full"],
+        ),
+        "2d": (2, [*LAYOUT_2D, "train.micro_batch_size=4", "train.grad_accum=2"]),
+    },
+]
+NEEDS = {
+    "test_tensor_parallel_alone_follows_one_process": ["single", "tp2"],
+    "test_fsdp_x_tensor_parallel_resumes_at_another_degree": ["single-untied", "2d-stopped", "2d"],
+}
 
 
 @pytest.fixture(scope="module")
-def runs(data_dir, tmp_path_factory):
-    return cached_runs(data_dir, tmp_path_factory.mktemp("tp"), *GQA)
+def runs(data_dir, tmp_path_factory, request) -> Runs:
+    """This module's runs (grouped-query attention), those the selected tests read trained."""
+    runs, read = Runs(data_dir, tmp_path_factory.mktemp("tp"), *GQA), wanted(request, NEEDS)
+    for stage in STAGES:
+        runs.start({name: spec for name, spec in stage.items() if name in read})
+    return runs
 
 
 def assert_same_curve(rows: dict[int, dict], ref: dict[int, dict], steps=range(1, STEPS + 1)):
@@ -57,25 +86,27 @@ def assert_same_curve(rows: dict[int, dict], ref: dict[int, dict], steps=range(1
     assert abs(rows[STEPS]["val_loss"] - ref[STEPS]["val_loss"]) <= TOL
 
 
+def generated(run_dir: Path) -> str:
+    """What `scale-llm generate RUN_DIR` prints for the prompt "def ", 8 tokens."""
+    from scale_llm import cli
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert (
+            cli.main(["generate", str(run_dir), "--prompt", "def ", "--max-new-tokens", "8"]) == 0
+        )
+    return out.getvalue()
+
+
 def test_tensor_parallel_alone_follows_one_process(runs):
     """TP 2 on 2 ranks (the mesh is shard 1 x tp 2), sequence parallel, tied embeddings:
     vocab-parallel embedding used again as the head, loss on the vocab shards."""
-    ref = runs("single", 1, *REFERENCE)
-    split = ["train.micro_batch_size=4", "train.grad_accum=2", "activation_checkpointing.mode=full"]
-    rows = runs("tp2", 2, "parallel.backend=fsdp", "parallel.tensor_parallel=2", *split)
-    assert_same_curve(rows, ref)
-    plan = json.loads((runs.root / "tp2" / "plan.json").read_text())
+    assert_same_curve(runs.rows["tp2"], runs.rows["single"])
+    plan = runs.plan["tp2"]
     assert plan["mesh"] == {"names": ["shard", "tp"], "shape": [1, 2]}
     assert plan["dp_degree"] == 1 and plan["tp_degree"] == 2 and plan["sequences_per_step"] == 8
     # generate reads the run in one process whatever it trained with: the same greedy text
-    texts = [
-        run(
-            [sys.executable, "-m", "scale_llm", "generate", str(runs.root / name)]
-            + ["--prompt", "def ", "--max-new-tokens", "8"],
-            REPO,
-        ).stdout
-        for name in ("tp2", "single")
-    ]
+    texts = [generated(runs.root / name) for name in ("tp2", "single")]
     assert texts[0] == texts[1] and len(texts[0]) > len("def ")
 
 
@@ -84,22 +115,13 @@ def test_fsdp_x_tensor_parallel_resumes_at_another_degree(runs):
     over tp) and with an untied head, stopped after step 2's checkpoint; that checkpoint holds
     the one-process tensors, and TP 2 on 2 ranks resumes it (optimizer state included) on the
     one-process curve."""
-    ref = runs("single-untied", 1, *UNTIED, *REFERENCE)
-    layout = ["parallel.backend=fsdp", "parallel.tensor_parallel=2", *UNTIED]
-    split = ["train.micro_batch_size=2", "train.grad_accum=2"]
-    args = [
-        *common(runs.data_dir, runs.root, "2d"),
-        *sets(*GQA, *layout, "parallel.sequence_parallel=false", *split),
-        *sets("activation_checkpointing.mode=selective", "train.exit_at_step=2"),
-    ]
-    run(torchrun(4, *args), cwd=runs.root)
-    rows = rows_of(runs.root / "2d")
+    ref = runs.rows["single-untied"]
+    rows = runs.rows["2d-stopped"]
     assert sorted(rows) == [1, 2]
     for step in (1, 2):
         assert abs(rows[step]["loss"] - ref[step]["loss"]) <= TOL, step
         assert abs(rows[step]["grad_norm"] / ref[step]["grad_norm"] - 1) <= TOL, step
-    plan = json.loads((runs.root / "2d" / "plan.json").read_text())
-    assert plan["mesh"] == {"names": ["shard", "tp"], "shape": [2, 2]}
+    assert runs.plan["2d-stopped"]["mesh"] == {"names": ["shard", "tp"], "shape": [2, 2]}
 
     step2 = runs.root / "2d" / "checkpoints" / "step_00000002"
     model = saved_model_config(read_trainer_state(step2))
@@ -111,13 +133,10 @@ def test_fsdp_x_tensor_parallel_resumes_at_another_degree(runs):
         # first steps at lr 1e-2 turn the ranks' 1e-7 rounding into measured <= 2.4e-5)
         torch.testing.assert_close(ours[name], tensor, rtol=0, atol=1e-4, msg=name)
 
-    resume = [
-        *common(runs.data_dir, runs.root, "2d"),
-        *sets(*GQA, *layout, "train.micro_batch_size=4", "train.grad_accum=2"),
-    ]
-    proc = run(torchrun(2, *resume), cwd=runs.root)
-    assert "resume: continuing from" in proc.stdout and "at step 2" in proc.stdout
-    assert_same_curve(rows_of(runs.root / "2d"), ref)
+    console = runs.stdout["2d"]  # (launched again at TP 2 on 2 ranks)
+    assert "resume: continuing from" in console and "at step 2" in console
+    assert runs.plan["2d"]["mesh"] == {"names": ["shard", "tp"], "shape": [1, 2]}
+    assert_same_curve(runs.rows["2d"], ref)
 
 
 # ----------------------------------------------------------------------------- in one process
