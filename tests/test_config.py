@@ -183,6 +183,43 @@ def test_generated_deepspeed_config_follows_the_common_keys():
     assert zero["offload_optimizer"]["device"] == "cpu" and zero["offload_param"]["device"] == "cpu"
 
 
+def test_deepspeed_sums_and_reduces_bf16_gradients_in_fp32_as_fsdp2_does(caplog):
+    """bf16 under ZeRO-2/3: gradients accumulate over micro-steps and reduce over ranks in fp32
+    (DeepSpeed's own default is bf16 for both), under ZeRO-1 they reduce in fp32; an expert's raw
+    entry still wins; the preflight names ZeRO-0 and -1, which sum in bf16."""
+    import logging
+
+    from scale_llm.config.plan import target_plan
+    from scale_llm.parallel.ds_config import deepspeed_config
+    from scale_llm.train.preflight import warn_about_deepspeed
+
+    def generated(*overrides, precision="bf16"):
+        cfg = load_config(None, ["parallel.backend=deepspeed", "train.grad_accum=4", *overrides])
+        plan = dataclasses.replace(target_plan(cfg, 2), precision=precision)
+        return cfg, plan, deepspeed_config(cfg, plan)
+
+    for stage in (2, 3):
+        _, _, ds = generated(f"parallel.deepspeed.zero_stage={stage}")
+        assert ds["data_types"] == {"grad_accum_dtype": "fp32"}, stage
+        assert ds["communication_data_type"] == "fp32", stage
+    _, _, ds = generated("parallel.deepspeed.zero_stage=1")  # (fp32 sums: its BF16_Optimizer)
+    assert "data_types" not in ds and ds["communication_data_type"] == "fp32"
+    _, _, ds = generated("parallel.deepspeed.config={communication_data_type: bf16}")
+    assert ds["communication_data_type"] == "bf16"  # (the expert's raw entry)
+    _, _, ds = generated(precision="fp32")
+    assert "data_types" not in ds and "communication_data_type" not in ds
+    cfg, plan, ds = generated("parallel.deepspeed.zero_stage=0")
+    assert "data_types" not in ds and "communication_data_type" not in ds
+    with caplog.at_level(logging.WARNING):
+        for stage in (0, 1, 2, 3):
+            warn_about_deepspeed(*generated(f"parallel.deepspeed.zero_stage={stage}")[:2])
+    assert (
+        "zero_stage=0 in bf16: DeepSpeed sums the micro-steps' gradients in bf16 and "
+        "reduces them in bf16" in caplog.text
+    )
+    assert "zero_stage=1 in bf16" in caplog.text and "zero_stage=2" not in caplog.text
+
+
 def test_launch_checks_world_size_batch_and_devices():
     from scale_llm.config.plan import Launch, resolve_plan
     from scale_llm.config.plan import launch_problems as validate_world

@@ -54,11 +54,17 @@ def deepspeed_config(cfg: Config, plan: RunPlan) -> dict[str, Any]:
         "wall_clock_breakdown": False,
     }
     offloaded_zero2 = ds.zero_stage == 2 and ds.offload_optimizer == "cpu"
-    if offloaded_zero2 and precision != "fp32" and plan.grad_accum > 1:
-        # accumulate the micro-steps' gradients in an fp32 partition on the GPU (4 B/param /
-        # world), copied to the host once per step. DeepSpeed's default keeps 16-bit copies on
-        # the host and sends each to the GPU and back on every micro-step (stage_1_and_2.py,
-        # `async_accumulate_grad_in_cpu_via_gpu`): 2 x grad_accum copies of 2 B/param over
-        # PCIe per step, 2 B/param more pinned host memory, and sums in 16 bits
-        generated["data_types"] = {"grad_accum_dtype": "fp32"}
+    if precision == "fp16" and offloaded_zero2 and plan.grad_accum > 1:
+        generated["data_types"] = {"grad_accum_dtype": "fp32"}  # (the offload reason below)
+    if precision == "bf16" and ds.zero_stage >= 1:
+        # gradients reduced over the ranks in fp32, as FSDP2's reduce_dtype does (DeepSpeed's
+        # default for bf16 is bf16), and under ZeRO-2/3 summed over the micro-steps in fp32
+        # too. ZeRO-2 with optimizer offload then keeps the fp32 sums in a partition on the GPU
+        # (4 B/param / world), copied to the host once per step, instead of 16-bit copies sent
+        # to the GPU and back on every micro-step (`async_accumulate_grad_in_cpu_via_gpu`).
+        # ZeRO-0 and -1 have no such path that keeps DeepSpeed's checkpoint format (stage 1's
+        # is its BF16_Optimizer): the preflight says so.
+        generated["communication_data_type"] = "fp32"
+        if ds.zero_stage >= 2:
+            generated["data_types"] = {"grad_accum_dtype": "fp32"}
     return copy.deepcopy(deep_merge(generated, ds.config or {}))

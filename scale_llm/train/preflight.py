@@ -123,6 +123,7 @@ def preflight(cfg: Config, plan: RunPlan) -> RunSpec:
         warn_about_warmup(cfg)
         warn_about_validation(cfg, plan, data)
         warn_about_attention(cfg, plan)
+        warn_about_deepspeed(cfg, plan)
     return spec
 
 
@@ -175,6 +176,21 @@ def warn_about_attention(cfg: Config, plan: RunPlan) -> None:
     )
     if problem:
         log.warning("attention: %s", problem)
+
+
+def warn_about_deepspeed(cfg: Config, plan: RunPlan) -> None:
+    """ZeRO-0 and -1 in bf16 sum the micro-steps' gradients in bf16 (parallel/ds_config.py
+    gives stages 2 and 3 fp32 sums, and 1-3 an fp32 reduction)."""
+    stage = cfg.parallel.deepspeed.zero_stage
+    if plan.backend == "deepspeed" and plan.precision == "bf16" and stage <= 1:
+        reduced = "reduces them in bf16" if stage == 0 else "reduces them in fp32"
+        log.warning(
+            "parallel.deepspeed.zero_stage=%d in bf16: DeepSpeed sums the micro-steps' "
+            "gradients in bf16 and %s; zero_stage 2 or 3, or parallel.backend=ddp or fsdp, "
+            "keep them in fp32",
+            stage,
+            reduced,
+        )
 
 
 def warn_about_warmup(cfg: Config) -> None:
