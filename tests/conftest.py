@@ -231,8 +231,8 @@ def exported(four_steps, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def runs(data_dir, tmp_path_factory) -> Runs:
-    """The session's torchrun training runs of the tiny model (`tests.helpers.Runs`): a run that
-    several modules read (the one-process reference, a backend's 2-rank run) starts once."""
+    """The test session's torchrun training runs of the tiny model (`tests.helpers.Runs`): a run
+    that several modules read (the one-process reference, a backend's 2-rank run) starts once."""
     return Runs(data_dir, tmp_path_factory.mktemp("runs"))
 
 

@@ -264,7 +264,7 @@ def train_world(nproc: int, commands: dict[str, list[str]], cwd: Path) -> dict[s
 
 
 def wanted(request, needs: dict[str, list[str]]) -> set[str]:
-    """The runs the session's selected tests of the requesting module read (what a module
+    """The runs the test session's selected tests of the requesting module read (what a module
     fixture starts all at once): `needs` maps a test function to its runs' names, each
     formatted with the test's parameters ("{backend}-split")."""
     missing = set(needs) - set(vars(request.module))

@@ -59,7 +59,7 @@ SINGLE_H200_7B = [  # yaml/7b-1xh200.yaml's layout: ZeRO-2, optimizer state and 
     *SPLIT,
 ]
 OFFLOAD = ["parallel.deepspeed.offload_optimizer=cpu", "parallel.deepspeed.offload_param=cpu"]
-# The runs the tests below read, by name: each is trained at most once a session (the `runs`
+# The runs the tests below read, by name: each is trained at most once a test session (the `runs`
 # fixture), and those the selected tests read start together, in one launch, before the first
 # test (`ran`); the resumes of stopped runs in a second launch. (Compiled ones last.)
 RUNS = {
@@ -113,7 +113,7 @@ def resumes(root: Path) -> dict[str, tuple[int, list[str]]]:
 @pytest.fixture(scope="module")
 def ran(runs, request):
     """`ran(name)`: the metrics rows by step of the run `name` (RUNS, `resumes`); what the
-    session's selected tests here read is started together first."""
+    test session's selected tests here read is started together first."""
     later, read = resumes(runs.root), wanted(request, NEEDS)
     runs.start({name: spec for name, spec in RUNS.items() if name in read})
     runs.start({name: spec for name, spec in later.items() if name in read})

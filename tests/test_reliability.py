@@ -38,7 +38,7 @@ from tests.helpers import (
 STEPS = 4
 STEP2 = "checkpoints/step_00000002"
 # name: (ranks, overrides, the 2-rank run whose step-2 checkpoint it resumes); the sources are
-# the session's straight runs (tests/test_distributed.py reads them too)
+# the test session's straight runs (tests/test_distributed.py reads them too)
 MOVES = {
     "ddp-to-fsdp": (2, [*BACKENDS["fsdp"], *SPLIT], "ddp"),
     "ddp-to-single": (1, SINGLE, "ddp"),
