@@ -287,7 +287,8 @@ def start_distributed(args: argparse.Namespace):
 
         parse_bytes(args.fit)  # a bad size is an error before any process group exists
     missing_packages(cfg, plan, args.command)
-    start(plan, cpu_collectives=cfg.parallel.fsdp.cpu_offload)  # (validated: fsdp only)
+    trace = str(cfg.run_dir / "comm_trace" / "rank")  # (NCCL's flight recorder, on a timeout)
+    start(plan, cpu_collectives=cfg.parallel.fsdp.cpu_offload, trace_prefix=trace)
     return cfg, plan
 
 

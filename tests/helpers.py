@@ -211,6 +211,7 @@ class Runs:
         self.rows: dict[str, dict[int, dict]] = {}
         self.stdout: dict[str, str] = {}
         self.plan: dict[str, dict] = {}
+        self.comm: dict[str, list[dict]] = {}  # a world's runs: each rank's settings
 
     def __call__(self, name: str, nproc: int, *overrides: str) -> dict[int, dict]:
         self.start({name: (nproc, list(overrides))})
@@ -232,7 +233,7 @@ class Runs:
                 continue
             for name, result in train_world(nproc, group, self.root).items():
                 self.rows[name], self.stdout[name] = result["rows"], result["stdout"]
-                self.plan[name] = result["plan"]
+                self.plan[name], self.comm[name] = result["plan"], result["comm"]
 
 
 def train_world(nproc: int, commands: dict[str, list[str]], cwd: Path) -> dict[str, dict]:
@@ -259,6 +260,7 @@ def train_world(nproc: int, commands: dict[str, list[str]], cwd: Path) -> dict[s
         assert result["codes"] == [0] * nproc, f"exit codes {result['codes']}: {where}"
         rows = {r["step"]: r for r in result["rows"]}
         results[label] = {"rows": rows, "plan": result["plan"], "stdout": stdout}
+        results[label]["comm"] = result["comm"]  # each rank's communication settings
     assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stderr[-5000:]}"
     return results
 

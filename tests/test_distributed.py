@@ -90,6 +90,7 @@ NEEDS = {  # test: the runs it reads ({backend}, {mode}, {precision}: its parame
     "test_mixed_precision_follows_the_fp32_curve": ["{backend}-{precision}"],
     "test_only_rank_0_logs_info": ["logs"],
     "test_deepspeed_writes_its_generated_config": ["zero2-split"],
+    "test_every_rank_gets_the_communication_settings": ["ddp-split", "fsdp-split"],
 }  # fmt: skip
 
 
@@ -538,3 +539,24 @@ def test_fp16_loss_scale_resumes_and_an_overflow_in_one_shard_is_skipped_everywh
                 assert r["shard_skipped"] == 1, where
                 assert r["shard_rows"]["2"]["loss_scale"] == 2.0**15, where
                 assert r["shard_rows"]["1"]["loss_scale"] == 2.0**16, where
+
+
+def test_every_rank_gets_the_communication_settings(runs, ran):
+    """NCCL's flight recorder and async error handling are in every rank's environment when
+    its process group is made, the dumps go to the run dir's comm_trace/, and after the first
+    step every rank's collectives time out in SCALE_LLM_STEP_TIMEOUT_MIN (10 min), not the
+    start-up's 30."""
+    for name in ("ddp-split", "fsdp-split"):
+        ran(name)
+        ranks = runs.comm[name]  # (the two runs share one launch: each rank's settings)
+        assert len(ranks) == 2
+        for settings in ranks:
+            env = settings["env"]
+            assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "20000"
+            assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+            assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+            trace = Path(env["TORCH_FR_DUMP_TEMP_FILE"])
+            assert trace.name == "rank" and trace.parent.name == "comm_trace"
+            assert trace.parent.is_dir()
+            assert settings["timeout_s"] == 600.0
+        assert (runs.root / name / "comm_trace").is_dir()

@@ -17,6 +17,7 @@ import sys
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from scale_llm import cli
@@ -44,15 +45,27 @@ def train(argv: list[str], console: Path) -> tuple[int, Path | None]:
     return code, run_dir
 
 
-def everyone(code: int) -> list[int]:
-    """Every rank's exit code of the command that just ended."""
+def everyone(code: int) -> list[tuple[int, dict]]:
+    """Every rank's exit code of the command that just ended, and its communication settings
+    (the environment torch's process groups read, the default group's timeout now)."""
+    mine = (code, comm_settings())
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        return [code]
+        return [mine]
     if not dist.is_initialized():  # (it failed before the CLI started the process group)
         dist.init_process_group("gloo")
-    codes = [None] * dist.get_world_size()
-    dist.all_gather_object(codes, code)
-    return codes
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return gathered
+
+
+def comm_settings() -> dict:
+    from scale_llm.components.distributed import COMM_ENV, TRACE_FILE
+
+    timeout = None
+    if dist.is_initialized():
+        group = dist.distributed_c10d._get_default_group()
+        timeout = group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    return {"env": {k: os.environ.get(k) for k in (*COMM_ENV, TRACE_FILE)}, "timeout_s": timeout}
 
 
 def read_run(run_dir: Path | None) -> dict:
@@ -69,9 +82,10 @@ def main(out: Path, commands: dict[str, list[str]]) -> None:
     for label, argv in commands.items():
         print(f"train_world: {label}", file=sys.stderr, flush=True)
         code, run_dir = train(argv, out / f"{label}.rank{RANK}.txt")
-        codes = everyone(code)
+        ranks = everyone(code)
+        codes = [c for c, _ in ranks]
         if RANK == 0:
-            result = {"codes": codes, **read_run(run_dir)}
+            result = {"codes": codes, "comm": [s for _, s in ranks], **read_run(run_dir)}
             (out / f"{label}.json").write_text(json.dumps(result))
         gc.collect()
         if any(codes):

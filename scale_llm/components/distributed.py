@@ -1,12 +1,20 @@
 """The process group (NCCL on CUDA, gloo on the CPU), started from the run plan (which decides
-device, rank and world size), and a few small helpers."""
+device, rank and world size), and a few small helpers.
+
+Collectives fail fast and leave a trace, as torchtitan's do: NCCL's flight recorder keeps each
+rank's last collectives and writes them when one times out (`COMM_ENV`; `torch.distributed.
+flight_recorder` reads the files), a failed collective aborts the process instead of hanging it,
+and the timeout is long until the first step is done (start-up: compiling, loading) and short
+after it (`shorten_timeouts`). Every setting is an environment variable a user may set first."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
 import socket
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,7 +37,75 @@ def joined_multi_process() -> bool:
     return _JOINED_MULTI_PROCESS
 
 
-def start(plan: RunPlan, cpu_collectives: bool = False) -> None:
+# torch's NCCL settings a run starts with, each kept when already set
+COMM_ENV = {
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "20000",  # the flight recorder: each rank's last collectives
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",  # ... written out when a collective times out
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",  # a failed collective ends the process (torchrun's)
+}
+START_TIMEOUT_MIN, STEP_TIMEOUT_MIN = 30.0, 10.0  # (SCALE_LLM_PG_TIMEOUT_MIN, _STEP_TIMEOUT_MIN)
+
+
+TRACE_FILE = "TORCH_FR_DUMP_TEMP_FILE"  # the flight recorder's files: this prefix + the rank
+_GIVEN = {k: os.environ[k] for k in (*COMM_ENV, TRACE_FILE) if k in os.environ}  # (the user's)
+
+
+def comm_environment(trace_prefix: str | None) -> dict[str, str]:
+    """COMM_ENV, with the flight recorder's files at `trace_prefix` + rank (the run dir's
+    comm_trace/rank); what the environment held when the process started wins."""
+    wanted = {**COMM_ENV, **({TRACE_FILE: trace_prefix} if trace_prefix else {})}
+    return {**wanted, **_GIVEN}
+
+
+def timeout_minutes(name: str, default: float) -> datetime.timedelta:
+    """The timeout environment variable `name` sets (minutes above 0), else `default`."""
+    minutes = os.environ.get(name, str(default))
+    try:
+        timeout = datetime.timedelta(minutes=float(minutes))
+        if timeout <= datetime.timedelta(0):
+            raise ValueError
+    except (ValueError, OverflowError):  # not a number, inf or nan, zero or negative
+        raise UserError(
+            f"{name}={minutes!r} is not a number of minutes above 0; unset it ({default:g}) or "
+            f"set e.g. 60"
+        ) from None
+    return timeout
+
+
+_step_timeout: datetime.timedelta | None = None  # set by `shorten_timeouts`
+
+
+def shorten_timeouts() -> datetime.timedelta | None:
+    """After the first step: every process group of this rank times out after
+    SCALE_LLM_STEP_TIMEOUT_MIN (a stuck collective is found in minutes, not half an hour)."""
+    global _step_timeout
+    if not is_distributed():
+        return None
+    _step_timeout = timeout_minutes("SCALE_LLM_STEP_TIMEOUT_MIN", STEP_TIMEOUT_MIN)
+    _set_timeouts(_step_timeout)
+    return _step_timeout
+
+
+@contextlib.contextmanager
+def start_timeouts() -> Iterator[None]:
+    """The start-up timeout for a while (the other ranks wait while rank 0 runs eval.tasks or
+    writes a file of minutes), the step timeout again afterwards."""
+    if _step_timeout is None or not is_distributed():
+        yield
+        return
+    _set_timeouts(timeout_minutes("SCALE_LLM_PG_TIMEOUT_MIN", START_TIMEOUT_MIN))
+    try:
+        yield
+    finally:
+        _set_timeouts(_step_timeout)
+
+
+def _set_timeouts(timeout: datetime.timedelta) -> None:
+    for group in list(dist.distributed_c10d._world.pg_map):
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def start(plan: RunPlan, cpu_collectives: bool = False, trace_prefix: str | None = None) -> None:
     """Select this rank's device and, for every backend but `single`, join the plan's process
     group. `cpu_collectives`: a CUDA run that also reduces CPU tensors (FSDP2's CPU offload)
     gets gloo for those next to NCCL, as torchtitan does."""
@@ -58,16 +134,9 @@ def start(plan: RunPlan, cpu_collectives: bool = False) -> None:
     pg_backend = "nccl" if plan.device.type == "cuda" else "gloo"
     if pg_backend == "nccl" and cpu_collectives:
         pg_backend = "cuda:nccl,cpu:gloo"  # NCCL alone: "No backend type associated with cpu"
-    minutes = os.environ.get("SCALE_LLM_PG_TIMEOUT_MIN", "30")
-    try:
-        timeout = datetime.timedelta(minutes=float(minutes))
-        if timeout <= datetime.timedelta(0):
-            raise ValueError
-    except (ValueError, OverflowError):  # not a number, inf or nan, zero or negative
-        raise UserError(
-            f"SCALE_LLM_PG_TIMEOUT_MIN={minutes!r} is not a number of minutes above 0; unset "
-            f"it (30) or set e.g. 60"
-        ) from None
+    timeout = timeout_minutes("SCALE_LLM_PG_TIMEOUT_MIN", START_TIMEOUT_MIN)
+    timeout_minutes("SCALE_LLM_STEP_TIMEOUT_MIN", STEP_TIMEOUT_MIN)  # (checked before any work)
+    os.environ.update(comm_environment(trace_prefix))  # (read when the group is made)
     port = os.environ.get("MASTER_PORT", "")
     if not (port.isdigit() and 0 < int(port) < 65536):
         raise UserError(

@@ -12,7 +12,7 @@ from scale_llm.config.schema import config_key
 # to this list by tests/test_profiling.py), and the prefix of eval.tasks' scratch exports: the
 # profile folder may not be one of them
 RUN_DIR_NAMES = (
-    *("checkpoints", "tensorboard", "wandb", "eval", "export"),
+    *("checkpoints", "tensorboard", "wandb", "eval", "export", "comm_trace"),
     *("config.yaml", "plan.json", "tokenizer.model", "hf-tokenizer.json", "ds_config.json"),
     *("deepspeed.log", "metrics.jsonl", "wandb-id.txt", ".lock"),
 )

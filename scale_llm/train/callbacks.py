@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from scale_llm.components.distributed import mean_over_ranks
+from scale_llm.components.distributed import mean_over_ranks, shorten_timeouts, start_timeouts
 from scale_llm.components.hardware import cuda_memory_gib
 from scale_llm.data.loader import TokenWindows, eval_batches
 from scale_llm.data.tokenizer import load_tokenizer
@@ -245,6 +245,21 @@ class WriteMetrics(Callback):
         trainer.metrics.close()
 
 
+class CommTimeouts(Callback):
+    """After this launch's first step (compiled, loaded, every collective seen once), a stuck
+    collective times out in SCALE_LLM_STEP_TIMEOUT_MIN, not the start-up's timeout."""
+
+    def step_end(self, trainer: Trainer, s: StepEnd) -> None:
+        if s.step == trainer.result.start_step + 1:
+            timeout = shorten_timeouts()
+            if timeout is not None:
+                log.info(
+                    "dist: collectives time out after %.3g min from here on "
+                    "(SCALE_LLM_STEP_TIMEOUT_MIN)",
+                    timeout.total_seconds() / 60,
+                )
+
+
 class Checkpoints(Callback):
     """checkpoint.every, the last step and a stop's step: a checkpoint (after Python's full
     collection); at the end, a save still being written is published (an error exit logs its
@@ -253,7 +268,8 @@ class Checkpoints(Callback):
     def step_end(self, trainer: Trainer, s: StepEnd) -> None:
         if trainer.cadence.checkpoints(s.step) or s.stop:
             trainer.collector.before_checkpoint()
-            trainer.result.checkpoint = trainer.save_checkpoint()
+            with start_timeouts():  # (ranks wait while one writes a large file)
+                trainer.result.checkpoint = trainer.save_checkpoint()
 
     def end(self, trainer: Trainer, failing: bool) -> None:
         trainer.checkpointer.wait(failing=failing)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from scale_llm import evaluate
-from scale_llm.components.distributed import all_ranks_agree
+from scale_llm.components.distributed import all_ranks_agree, start_timeouts
 from scale_llm.config import Config
 from scale_llm.config.plan import RunPlan
 from scale_llm.config.profile import SCRATCH_PREFIX
@@ -90,7 +90,8 @@ class TaskEval:
                 )
         del weights
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.barrier()  # the other ranks wait here while rank 0 evaluates
+            with start_timeouts():  # (lm-eval may take longer than a step's timeout)
+                dist.barrier()  # the other ranks wait here while rank 0 evaluates
         return scores
 
     def _evaluate(self, weights: dict[str, torch.Tensor], run_dir: Path, step: int) -> dict:

@@ -247,8 +247,10 @@ WANDB_ID_FILE = "wandb-id.txt"  # the W&B run id, so that a resumed run logs to 
 # What the trainer creates inside RUN_DIR, by the kind it must be: a name that exists as
 # another kind (a file where a folder belongs, a folder or named pipe where a file belongs)
 # would fail at its first write, or block on the pipe.
+COMM_TRACE = "comm_trace"  # where NCCL's flight recorder writes when a collective times out
 RUN_DIR_FOLDERS = {
     "checkpoints": "its checkpoints",
+    COMM_TRACE: "what NCCL's flight recorder writes when a collective times out",
     "tensorboard": "its TensorBoard event files",
     "wandb": "its offline Weights & Biases logs",
 }

@@ -50,7 +50,7 @@ from scale_llm.train.guards import StopSignals, maybe_fail, out_of_memory
 from scale_llm.train.init_from import load_init_weights
 from scale_llm.train.lock import RunLock
 from scale_llm.train.metrics import MetricsLogger
-from scale_llm.train.preflight import RunSpec, preflight
+from scale_llm.train.preflight import COMM_TRACE, RunSpec, preflight
 from scale_llm.train.profiling import StepProfiler
 from scale_llm.train.resume import foreign_layout, schedule_change
 from scale_llm.train.rng import Generators
@@ -139,6 +139,7 @@ class Trainer:
             callbacks.Samples(),
             callbacks.TaskScores(),
             callbacks.WriteMetrics(),
+            callbacks.CommTimeouts(),
             self.collector,
             callbacks.Checkpoints(),
             self.profiler,
@@ -353,7 +354,7 @@ class Trainer:
     def _write_run_dir(self) -> None:
         """The run's own files, each replaced whole (the run dir is this launch's: locked, and
         checked to be new, empty or a run's by the preflight)."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / COMM_TRACE).mkdir(parents=True, exist_ok=True)  # (a timeout's dumps)
         save_config(self.cfg, self.run_dir / "config.yaml")  # as the user wrote it
         atomic_write_json(self.run_dir / PLAN_FILE, self.plan.to_json())
         for name, text in self.backend.run_files().items():

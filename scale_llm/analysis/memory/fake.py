@@ -158,8 +158,8 @@ def _setup(backend: Backend, model: torch.nn.Module, plan: RunPlan) -> torch.nn.
         with torch._subclasses.fake_tensor.unset_fake_temporarily():
             mesh = backend.device_mesh()
         backend.device_mesh = lambda: mesh
-        # rank 0's full CPU copy of the weights, broadcast into the shards: values only
-        backend._load_full_weights = lambda module, initial: None
+        # each rank's fill of its shards from whole parameters: values only
+        backend._fill_shards = lambda module, initial: None
         with _real_mesh_concatenation():  # (FSDP2 over tensor-parallel parameters)
             wrapped = backend.setup(model)
     else:
