@@ -15,33 +15,17 @@ from scale_llm.config.sections import mlp_hidden_size
 
 @dataclass(frozen=True)
 class Numerics:
-    """How tensors are stored in the forward pass.
+    """How tensors are stored in the forward pass."""
 
-    compute: bytes of matmul inputs/outputs (2 under bf16/fp16, 4 in fp32)
-    residual: bytes of the residual stream (4 with fp32 params + autocast; 2 when the whole module
-              runs in 16 bits, as under FSDP's MixedPrecisionPolicy or DeepSpeed bf16/fp16)
-    autocast: matmul inputs and weights are cast per op (and the casts saved for backward)
-    fused_norm: RMSNorm saves its input, the weight and the fp32 rstd: CUDA's kernel
-                (`aten::_fused_rms_norm`, autograd node FusedRmsNormBackward0) and, on the CPU,
-                the model's written-out backward (`model/cpu_kernels.py`); else (other devices)
-                as torch's composite: an fp32 copy of the input and of the normalized input,
-                and the rstd
-    tp: the tensor-parallel degree: each rank holds 1/tp of the heads, of the SwiGLU width and
-        of the vocabulary (`parallel/tensor_parallel.py`)
-    sequence_parallel: the norms and the residual stream hold 1/tp of the sequence; the
-        matmuls read the whole sequence, all-gathered
-    """
-
-    compute: int
-    residual: int
-    autocast: bool
-    fused_norm: bool = False
-    tp: int = 1
-    sequence_parallel: bool = False
+    compute: int  # bytes of matmul inputs / outputs (2 under bf16 / fp16, 4 in fp32)
+    residual: int  # bytes of the residual stream (4 with fp32 params + autocast; 2 in 16 bits)
+    autocast: bool  # matmul inputs and weights are cast per op (the casts saved for backward)
+    fused_norm: bool = False  # RMSNorm saves its input and rstd (CUDA, the CPU's cpu_kernels)
+    tp: int = 1  # each rank holds 1/tp of the heads, the SwiGLU width and the vocabulary
+    sequence_parallel: bool = False  # the norms and the residual stream: 1/tp of the sequence
 
     def stream_tokens(self, tokens: int) -> int:
-        """This rank's tokens of the residual stream and the norms (1/tp with sequence
-        parallelism)."""
+        """This rank's tokens of the residual stream and the norms."""
         return tokens // self.tp if self.sequence_parallel else tokens
 
 
@@ -58,22 +42,14 @@ def numerics_for(
 
 def norm_saved_bytes(tokens: int, d: int, num: Numerics) -> int:
     """What one RMSNorm over `tokens` x `d` saves for backward: its input and the fp32 rstd
-    (CUDA's fused kernel, the CPU's `cpu_kernels.rms_norm`), or an fp32 copy of its input (the
-    input itself when it is fp32), the fp32 normalized input and the rstd (torch's composite,
-    which autograd differentiates where no backward kernel exists: measured on the CPU to 0.3%
-    with the CPU kernel switched off). From torch 2.13's source: `rms_norm` calls
-    `_fused_rms_norm` wherever input and weight share a dtype (not on MPS), which has a CUDA
-    kernel each way and on other devices a forward that decomposes and no backward."""
-    if num.fused_norm:
-        return num.residual * tokens * d + 4 * tokens
-    return 8 * tokens * d + 4 * tokens
+    (CUDA's fused kernel, the CPU's `cpu_kernels.rms_norm`), or torch's composite elsewhere: an
+    fp32 copy of its input, the fp32 normalized input and the rstd (measured on the CPU to 0.3%)."""
+    return (num.residual if num.fused_norm else 8) * tokens * d + 4 * tokens
 
 
 def _dims(m: ModelConfig, tp: int = 1) -> dict[str, int]:
-    """The widths one rank computes: under tensor parallelism 1/tp of the heads, of the SwiGLU
-    width and of the vocabulary; d_model whole."""
-    head_dim = m.d_model // m.n_heads
-    kv_heads = m.n_kv_heads or m.n_heads
+    """The widths one rank computes: 1/tp of the heads, the SwiGLU width and the vocabulary."""
+    head_dim, kv_heads = m.d_model // m.n_heads, m.n_kv_heads or m.n_heads
     return {
         "d": m.d_model,
         "dq": m.n_heads * head_dim // tp,
@@ -92,20 +68,10 @@ def block_matmul_params(m: ModelConfig, tp: int = 1) -> int:
 
 
 def block_activation_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
-    """Bytes one transformer block saves for backward without checkpointing.
-
-    Per RMSNorm (`norm_saved_bytes`): its input and the rsqrt (4 B x N) on CUDA and the CPU;
-    torch's composite elsewhere keeps an fp32 copy of the input and of input * rsqrt instead.
-    Attention (sdpa): q, k, the fused qkv output that v views, the output and the log-sum-exp.
-    Attention (eager): contiguous q, k, v and output copies, the causal mask, the fp32 softmax
-    (B x heads x T x T) and, under 16 bits, its cast (at batch 1 without GQA, v stays a view of
-    the fused qkv output, which is kept whole). MLP: w1 and w3 outputs, SiLU output and the
-    product (4 x N x mlp_hidden). Autocast saves each matmul's 16-bit input (w1 and w3 cast
-    theirs separately) and 16-bit weight copies. 16-bit RoPE saves the rotary table rounded to
-    the compute dtype, cos and sin once for q and once for k (fp32 rotates by a view of it).
-    Tensor parallelism (`Numerics.tp`): attention and the MLP save 1/tp of their heads and
-    width, their inputs (the norms' outputs, all-gathered under sequence parallelism) whole;
-    with sequence parallelism the norms save 1/tp of the sequence (measured on 2 gloo ranks)."""
+    """Bytes one transformer block saves for backward without checkpointing, op by op (the table
+    in docs/memory.md, "Where memory goes"). Under tensor parallelism attention and the MLP save
+    1/tp of their heads and width, their inputs whole; with sequence parallelism the norms save
+    1/tp of the sequence (measured on 2 gloo ranks)."""
     g, a, T = _dims(m, num.tp), num.compute, m.seq_len
     N = batch * T
     norms = 2 * norm_saved_bytes(num.stream_tokens(N), g["d"], num)
@@ -143,9 +109,8 @@ def block_input_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
 
 def head_activation_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
     """Outside the blocks: token ids and targets, rotary tables, the final norm and head input,
-    autocast's copy of the output weight, and what the (chunked) loss keeps: the logits in the
-    compute dtype (its backward rebuilds the softmax from them). Under tensor parallelism the
-    final norm saves this rank's part of the sequence, the head its whole-sequence input."""
+    autocast's copy of the output weight, and the logits the loss keeps (its backward rebuilds
+    the softmax from them); under sequence parallelism the final norm's part of the sequence."""
     g = _dims(m, num.tp)
     N = batch * m.seq_len
     final_norm = norm_saved_bytes(num.stream_tokens(N), g["d"], num) + num.compute * N * g["d"]
@@ -154,9 +119,8 @@ def head_activation_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
 
 
 def logits_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
-    """The (B, T, V) logits the loss keeps for backward, in the compute dtype. Under tensor
-    parallelism (`parallel_cross_entropy`: no chunks) the fp32 log-softmax of this rank's V/tp
-    columns instead (the logits and their fp32 copy are not saved)."""
+    """The (B, T, V) logits the loss keeps for backward, in the compute dtype; under tensor
+    parallelism (`parallel_cross_entropy`) the fp32 log-softmax of this rank's V/tp instead."""
     if num.tp > 1:
         return 4 * batch * m.seq_len * (m.vocab_size // num.tp)
     return num.compute * batch * m.seq_len * m.vocab_size
@@ -171,30 +135,8 @@ def checkpointed_count(m: ModelConfig, ac: ActivationCheckpointingConfig) -> int
 def saved_activation_bytes(
     m: ModelConfig, ac: ActivationCheckpointingConfig, batch: int, num: Numerics
 ) -> int:
-    """Everything the forward pass (with loss) saves for backward: what `measure_saved_bytes`
-    counts on the CPU."""
-    full = block_activation_bytes(m, batch, num)
-    ckpt = checkpointed_count(m, ac)
-    if ac.mode == "selective":
-        per_ckpt = selective_block_bytes(m, batch, num)
-    else:
-        per_ckpt = block_input_bytes(m, batch, num)  # only the block input
-    return (m.n_layers - ckpt) * full + ckpt * per_ckpt + head_activation_bytes(m, batch, num)
-
-
-def recompute_bytes(
-    m: ModelConfig, ac: ActivationCheckpointingConfig, batch: int, num: Numerics
-) -> int:
-    """Extra during backward: the one checkpointed block whose forward is being recomputed."""
-    if checkpointed_count(m, ac) == 0:
-        return 0
-    full = block_activation_bytes(m, batch, num)
-    if ac.mode == "selective":
-        return full - selective_block_bytes(m, batch, num)
-    return full
-
-
-# ----------------------------------------------------------------------------- over the step
+    """Everything the forward pass (with loss) saves for backward, as `measure_saved_bytes`."""
+    return sum(kept_per_block(m, ac, batch, num)) + head_activation_bytes(m, batch, num)
 
 
 def kept_per_block(
@@ -205,18 +147,15 @@ def kept_per_block(
     from scale_llm.parallel.activation_checkpointing import checkpointed_blocks
 
     full = block_activation_bytes(m, batch, num)
-    if ac.mode == "selective":
-        per_ckpt = selective_block_bytes(m, batch, num)
-    else:
-        per_ckpt = block_input_bytes(m, batch, num)
+    selective = ac.mode == "selective"
+    per_ckpt = (selective_block_bytes if selective else block_input_bytes)(m, batch, num)
     chosen = set(checkpointed_blocks(ac, m.n_layers))
     return [per_ckpt if i in chosen else full for i in range(m.n_layers)]
 
 
 def loss_backward_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
-    """The chunked loss's backward beyond the kept logits: the gradient of the logits (compute
-    dtype) and the fp32 work of one chunk (in 16 bits the upcast copy and the softmax buffer
-    briefly coexist; in fp32 one chunk is the gradient itself)."""
+    """The chunked loss's backward beyond the kept logits: the logits' gradient and one chunk's
+    fp32 work (in 16 bits the upcast and the softmax buffer coexist; in fp32 it is the gradient)."""
     from scale_llm.components.loss import CHUNK_ELEMENTS
 
     N, V = batch * m.seq_len, m.vocab_size
@@ -244,11 +183,9 @@ def loss_forward_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
 
 
 def block_backward_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
-    """Gradients in flight inside one block's backward at its peak (the MLP product's
-    backward): those of the MLP's three hidden-width tensors (compute dtype) and the one of the
-    residual stream's width flowing in (measured on 2 gloo ranks, every backend). Under tensor
-    parallelism 1/tp of the width; with sequence parallelism the gradient flows in as this
-    rank's part of the sequence and is all-gathered whole (both alive)."""
+    """Gradients in flight at a block's backward peak (the MLP product's backward): the three
+    hidden-width ones and the residual stream's flowing in (measured on 2 gloo ranks); with
+    sequence parallelism that one both as this rank's part and all-gathered."""
     N = batch * m.seq_len
     width = mlp_hidden_size(m) // num.tp
     stream = N + (num.stream_tokens(N) if num.sequence_parallel else 0)
@@ -261,26 +198,15 @@ def resident_input_bytes(m: ModelConfig, batch: int) -> int:
     return 8 * batch * (T + 1) + 8 * batch * T + 4 * T * (m.d_model // m.n_heads)
 
 
-# ----------------------------------------------------------------------------- measurement
-
-
 def measure_saved_bytes(
     model: torch.nn.Module,
     tokens: torch.Tensor,
     autocast: contextlib.AbstractContextManager | None = None,
     compiled: bool = False,
 ) -> int:
-    """Bytes of the distinct storages the forward pass and loss keep for backward.
-
-    saved_tensors_hooks see everything autograd saves (checkpointed blocks save only their
-    inputs). Selective checkpointing keeps matmul outputs in its own cache rather than through
-    autograd, so a dispatch mode also records every op output and counts those still alive
-    after the forward pass. Parameters are not activations and are left out.
-
-    compiled: the blocks are torch.compile'd (and the loss is the compiled one): a dispatch mode
-    cannot run around compiled code, so only what autograd saves is counted (enough: compiled
-    graphs save through autograd), after a first forward and backward that compiles them.
-    """
+    """Bytes of the distinct storages (not parameters) the forward and loss keep for backward:
+    what saved_tensors_hooks see and (selective checkpointing's own cache) every op output alive
+    after the forward. `compiled` (which a dispatch mode cannot run around): only the former."""
     from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -318,11 +244,8 @@ def measure_saved_bytes(
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             with autocast or contextlib.nullcontext():
                 logits = model(inputs)
-            loss = loss_fn(logits, targets)
-        del logits
-        total = sum(saved.values())
-        del loss
-        return total
+            loss_fn(logits, targets)
+        return sum(saved.values())
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), Outputs():
         with autocast or contextlib.nullcontext():
             logits = model(inputs)
@@ -334,9 +257,7 @@ def measure_saved_bytes(
         if not ref.expired() and ptr not in params
     }
     alive.pop(loss.untyped_storage().data_ptr(), None)
-    total = sum({**alive, **saved}.values())
-    del loss
-    return total
+    return sum({**alive, **saved}.values())
 
 
 def measure_activations(cfg: Config, plan: RunPlan) -> tuple[int, int]:

@@ -33,8 +33,7 @@ from scale_llm.parallel.ds_config import deepspeed_config
 
 GiB = 1 << 30
 OVERHEAD_FRACTION = 0.05
-
-# ----------------------------------------------------------------------------- model states
+PARTS = ("params", "grads", "optimizer", "activations", "temporaries")
 
 
 @dataclass(frozen=True)
@@ -67,8 +66,7 @@ class Layout:
 
     @property
     def shards(self) -> int:
-        """Ranks one FSDP2 unit's states are sharded over: the mesh's shard dimension (the
-        world over the tp ranks and, under HSDP, over the replicas)."""
+        """Ranks one FSDP2 unit's states are sharded over: the world over tp and replicas."""
         return self.world // (self.tp * self.replicate)
 
     @property
@@ -77,6 +75,7 @@ class Layout:
         return 2 if self.precision != "fp32" else 4
 
     def describe(self) -> str:
+        extra = ""
         if self.backend == "deepspeed":
             extra = f" ZeRO-{self.zero_stage}"
             extra += " + optimizer offload" if self.offload_optimizer else ""
@@ -84,8 +83,6 @@ class Layout:
         elif self.backend == "fsdp":
             extra = " (reshard_after_forward)" if self.reshard_after_forward else " (no reshard)"
             extra += " + cpu offload" if self.fsdp_offload else ""
-        else:
-            extra = ""
         if self.tp > 1:
             extra += f" x tensor parallel {self.tp}"
             extra += " (sequence parallel)" if self.sequence_parallel else ""
@@ -148,8 +145,7 @@ class ParamCounts:
     @staticmethod
     def of(m: ModelConfig, tp: int = 1) -> ParamCounts:
         """The model's parameters, or one rank's under tensor parallelism `tp`: 1/tp of every
-        matmul weight and of the embedding and head (split by heads, width or vocabulary),
-        the norms whole on every rank."""
+        matmul weight and of the embedding and head, the norms whole."""
         d, F = m.d_model, mlp_hidden_size(m) // tp
         dq = m.n_heads * (d // m.n_heads) // tp
         qkv = d * (dq + 2 * (m.n_kv_heads or m.n_heads) * (d // m.n_heads) // tp)
@@ -163,56 +159,39 @@ class ParamCounts:
 
     def below(self, threshold: int) -> tuple[int, int]:
         """Elements of the parameters smaller than `threshold`: (per block, in the root)."""
-
-        def small(tensors: tuple[int, ...]) -> int:
-            return sum(t for t in tensors if t < threshold)
-
-        return small(self.block_tensors), small(self.root_tensors)
+        b, r = self.block_tensors, self.root_tensors
+        return sum(t for t in b if t < threshold), sum(t for t in r if t < threshold)
 
 
 def state_bytes(n: ParamCounts, lay: Layout) -> tuple[dict[str, float], dict[str, float]]:
     """(gpu, cpu) bytes for params, grads and optimizer under the layout."""
-    P, W = n.total, lay.world
-    half = lay.precision != "fp32"
-    c = lay.working_bytes
+    P = n.total
     if lay.backend == "fsdp":  # (n: this rank's part under tensor parallelism)
-        W = lay.shards
         # sharded fp32 params / grads / Adam moments, and gathered c-byte params at their
         # largest (fsdp_gathered_params); no-sync accumulation keeps every gradient unsharded
-        biggest = max(n.block, n.root)
-        working = fsdp_gathered_params(n, lay, "largest")
-        sharded = {"params": 4 * P / W, "grads": 4 * P / W, "optimizer": 8 * P / W}
-        unsharded = fsdp_unsharded_grads(n, lay, biggest)
+        unsharded = fsdp_unsharded_grads(n, lay, max(n.block, n.root))
         if lay.grad_accum > 1 and not lay.fsdp_reduce_every:
             unsharded += 4 * P  # fp32 (the reduce dtype) until the last micro-step's reduction
-        gpu = {"params": working, "grads": unsharded, "optimizer": 0.0}
+        gpu = {"params": fsdp_gathered_params(n, lay, "largest"), "grads": unsharded}
+        gpu["optimizer"] = 0.0
         cpu = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
         target = cpu if lay.fsdp_offload else gpu
-        for k, v in sharded.items():
-            target[k] += v
+        for k, per_param in (("params", 4), ("grads", 4), ("optimizer", 8)):
+            target[k] += per_param * P / lay.shards
         return gpu, cpu
     if lay.backend == "deepspeed":
-        return _deepspeed_states(n, lay, c, half)
-    # single / ddp: fp32 params and grads (autocast casts per op), AdamW moments. DDP's buckets
-    # hold the gradients with gradient_as_bucket_view (zeroed in place between steps, so the
-    # no_sync() micro-steps accumulate into them too); without it, buckets and .grad: 2x
+        return _deepspeed_states(n, lay, lay.working_bytes, lay.precision != "fp32")
+    # single / ddp: fp32 params and grads, AdamW moments; DDP's buckets hold the gradients with
+    # gradient_as_bucket_view (no_sync() accumulates into them too), else buckets and .grad: 2x
     grads = 8 * P if lay.backend == "ddp" and not lay.ddp_bucket_view else 4 * P
     return {"params": 4 * P, "grads": grads, "optimizer": 8 * P}, {}
 
 
 def fsdp_gathered_params(n: ParamCounts, lay: Layout, at: int | str) -> float:
-    """FSDP2's gathered (unsharded, compute-dtype) parameters while block `at` runs its
-    backward, during the loss (`at` "loss"), or at their largest over the step ("largest"),
-    from FSDP2's unshard / reshard order and measured on 2 gloo ranks:
-    - resharding: the block computing (the last block during the loss: it is never resharded
-      after forward) and, from the root's pre-backward (after the loss's backward: the root is
-      resharded after its forward like the blocks) to the end, the root (embeddings, head),
-      plus in a block's backward the all-gather output
-      of the block below, prefetched (none below block 0). At their largest, also the
-      all-gather output of the larger of root and block next to both (the forward's deferred
-      free, the root's re-gather): fake-tensor traces at 8 ranks, 400m and 1b exact.
-    - without resharding: everything through the loss; in block i's backward the root and
-      blocks 0..i (each block reshards after its own backward)."""
+    """FSDP2's gathered (compute-dtype) parameters while block `at` runs its backward, during
+    the loss (`at` "loss"), or at their largest ("largest"), measured on 2 gloo ranks and in
+    fake traces at 8: resharded, the block computing, the root from its pre-backward on and the
+    block below, prefetched; else everything through the loss, then the root and blocks 0..i."""
     c = lay.working_bytes
     if not lay.reshard_after_forward:
         if at == "largest":
@@ -226,17 +205,14 @@ def fsdp_gathered_params(n: ParamCounts, lay: Layout, at: int | str) -> float:
 
 
 def fsdp_unsharded_grads(n: ParamCounts, lay: Layout, unit: int) -> float:
-    """FSDP2's unsharded gradients of one unit of `unit` parameters before its reduce-scatter
-    (16-bit, and the fp32 reduce-scatter input). Its largest is the largest unit's: a block, or
-    the root (embeddings, head) where that is larger, as traces of 400m/1b/7b at 8 ranks showed."""
+    """FSDP2's unsharded gradients of a unit of `unit` parameters before its reduce-scatter
+    (16-bit, and the fp32 reduce-scatter input); at their largest the largest unit's."""
     return float((lay.working_bytes + 4) * unit)
 
 
 def ds_reduce_buckets(lay: Layout) -> float:
     """Bytes of DeepSpeed's gradient reduce buckets (ZeRO >= 1), whatever the model's size:
-    reduce_bucket_size elements in the gradients' dtype, two with overlap_comm in ZeRO-1/2
-    (made at a backward's first gradient, freed after it), one in ZeRO-3 (made with the
-    engine)."""
+    reduce_bucket_size elements each, two with overlap_comm in ZeRO-1/2, one in ZeRO-3."""
     if lay.backend != "deepspeed" or lay.zero_stage < 1:
         return 0.0
     count = 1 if lay.zero_stage >= 3 else (2 if lay.ds_overlap_comm else 1)
@@ -244,16 +220,10 @@ def ds_reduce_buckets(lay: Layout) -> float:
 
 
 def zero3_gathered_params(n: ParamCounts, lay: Layout) -> float:
-    """ZeRO-3's 16-bit (fp32 runs: 32-bit) parameters held whole beyond this rank's partition.
-    Parameters smaller than stage3_param_persistence_threshold are never partitioned. The
-    others are gathered for the module using them; DeepSpeed's parameter coordinator keeps what
-    its prefetcher fetched or skipped for later use and what is reused soon, up to
-    stage3_max_live_parameters elements (1e9 by default: a model under 1B parameters stays
-    whole). Measured on 2 gloo ranks (DeepSpeed 0.19): the whole 16-bit model at the loss's
-    backward at d_model 256 x 4 layers, whatever the reuse distance and prefetch bucket (with
-    stage3_max_live_parameters 1 too: the peak did not move); at d_model 1024 x 8 layers, 36
-    of 197 MiB with stage3_max_live_parameters 2e7 (38 MiB). Counted: max_live elements, at
-    least the root and a block, at most every parameter; released by the optimizer step."""
+    """ZeRO-3's 16-bit (fp32 runs: 32-bit) parameters held whole beyond this rank's partition:
+    those under stage3_param_persistence_threshold, never partitioned, and what the parameter
+    coordinator keeps gathered, up to stage3_max_live_parameters elements (at least the root
+    and a block; measured on 2 gloo ranks, DeepSpeed 0.19). Released by the optimizer step."""
     small_block, small_root = n.below(lay.ds_persistence_threshold)
     persistent = n.layers * small_block + small_root
     partitioned = n.total - persistent
@@ -262,13 +232,9 @@ def zero3_gathered_params(n: ParamCounts, lay: Layout) -> float:
 
 
 def _deepspeed_states(n: ParamCounts, lay: Layout, c: int, half: bool):
-    """ZeRO (Rajbhandari et al. 2020): c-byte params and grads, and the optimizer's fp32 master
-    weights (16-bit modes) plus two moments, partitioned by stage. In 16-bit modes with a
-    partitioned optimizer (stage >= 1) the step also holds an fp32 copy of this rank's gradient
-    partition: DeepSpeed's own estimator counts it ("4_grads_32bit"), and so does this one.
-    Measured on 2 gloo ranks (DeepSpeed 0.19): without accumulation ZeRO-1 keeps no full
-    gradients either (it reduces through the same buckets into the partition, like ZeRO-2);
-    the reduce buckets are `ds_reduce_buckets`."""
+    """ZeRO: c-byte params and grads, the fp32 master weights (16-bit modes) and two moments,
+    partitioned by stage; from stage 1 in 16-bit modes also the fp32 gradient partition the
+    step reads (DeepSpeed's estimator's "4_grads_32bit"). Measured on 2 gloo ranks."""
     P, W, s = n.total, lay.world, lay.zero_stage
     # fp32 master weights: in fp32 mode ZeRO-1/2/3 still keep a separate flat fp32 partition
     # (measured; ZeRO-3 clones it in _create_fp32_partitions); ZeRO-0 steps on the parameters
@@ -298,13 +264,9 @@ def _deepspeed_states(n: ParamCounts, lay: Layout, c: int, half: bool):
     return gpu, cpu
 
 
-# ----------------------------------------------------------------------------- ZeRO-Offload
-
-
 def optimizer_groups(n: ParamCounts) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Elements of each parameter of the optimizer's two groups in the model's order, as
-    DeepSpeed flattens them (`components.optim.param_groups`): weight decay on the blocks'
-    matmul weights and an untied head; none on the embedding and the norms."""
+    """Elements of each parameter of the optimizer's two groups, as DeepSpeed flattens them
+    (`components.optim.param_groups`): matmul weights and an untied head (decayed); the rest."""
     embed, d = n.root_tensors[0], n.root_tensors[-1]
     matmuls, norms = n.block_tensors[:5], n.block_tensors[5:]
     head = () if len(n.root_tensors) == 2 else (embed,)  # (embed, d) when tied
@@ -313,9 +275,8 @@ def optimizer_groups(n: ParamCounts) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 @dataclass(frozen=True)
 class RankPartition:
-    """One rank's share of one flattened parameter group under ZeRO-1/2 (DeepSpeed's
-    `get_partition_info`): the group is padded to a multiple of 2 x world elements and cut into
-    `world` equal partitions; a parameter belongs to every partition it overlaps."""
+    """One rank's share of a flattened parameter group under ZeRO-1/2 (`get_partition_info`):
+    padded to a multiple of 2 x world, cut in `world`; a parameter is in each it overlaps."""
 
     elements: int  # the partition, padding included
     overlapping: tuple[int, ...]  # whole sizes of the parameters that overlap it
@@ -339,36 +300,25 @@ def zero_offload_compact(lay: Layout) -> bool:
     """ZeRO-2 with offload accumulates a step's gradients in an fp32 partition on the GPU
     (`_use_compact_grad_partition_buffer`) when `data_types.grad_accum_dtype` is fp32 and the
     parameters are 16-bit; otherwise in 16-bit copies on the host, sent back each micro-step.
-    (ZeRO-1 with fp32 accumulation also keeps fp32 copies of whole gradients on the GPU, which
-    the estimate does not count: the generated ds_config asks for it under ZeRO-2 only.)"""
+    (ZeRO-1's fp32 accumulation is not counted: the generated config asks for it at ZeRO-2.)"""
     return lay.zero_stage == 2 and lay.ds_grad_accum_dtype == "fp32" and lay.precision != "fp32"
 
 
 def zero_offload_accumulates(lay: Layout) -> bool:
-    """Whether ZeRO-Offload accumulates gradients on the host, in `accumulated_grads_in_cpu`:
-    ZeRO-2 with grad_accum > 1 unless `zero_offload_compact`. ZeRO-1 reduces only at a step's
-    last micro-step, from 16-bit gradients kept on the GPU until then, and makes none (counted
-    on 2 gloo ranks: its `micro_step_id` is still 0 there)."""
+    """Whether ZeRO-Offload accumulates gradients on the host (`accumulated_grads_in_cpu`):
+    ZeRO-2 with grad_accum > 1 unless compact; ZeRO-1 reduces only at a step's last micro-step."""
     return lay.zero_stage == 2 and lay.grad_accum > 1 and not zero_offload_compact(lay)
 
 
 def zero_offload_host_blocks(n: ParamCounts, lay: Layout, rank: int = 0) -> dict[str, list[int]]:
-    """The host buffers of ZeRO-1/2's optimizer offload on `rank`, each allocation's bytes, by
-    DeepSpeed's own names (deepspeed/runtime/zero/stage_1_and_2.py, 0.19), per parameter group:
-    - `single_partition_of_fp32_groups`: the fp32 master partition (pinned with pin_memory);
-    - its `.grad`: the fp32 gradient partition the CPU step reads (pinned);
-    - `state` of DeepSpeedCPUAdam: exp_avg and exp_avg_sq, fp32 (pageable `zeros_like`);
-    - `param_buffer_of_bit16_for_cpu_offload_groups`: the updated parameters in their own
-      dtype, staged for the copy to the GPU (pinned);
-    - `accumulated_grads_in_cpu` (`zero_offload_accumulates`): one parameter-dtype copy of
-      every parameter overlapping the partition, whole (pinned each);
-    and once, `temp_grad_buffer_for_cpu_offload`: the largest parameter in the parameters'
-    dtype (pinned; allocated, never read in this version)."""
-    c = lay.working_bytes
-    blocks: dict[str, list[int]] = {
-        name: [] for name in ("master", "grads", "moments", "staging", "accumulators")
-    }
-    groups = optimizer_groups(n)
+    """The host buffers of ZeRO-1/2's optimizer offload on `rank`, each allocation's bytes
+    (deepspeed/runtime/zero/stage_1_and_2.py, 0.19), per parameter group: the fp32 master
+    partition and its fp32 `.grad` (pinned), DeepSpeedCPUAdam's two moments (pageable), the
+    16-bit staging copy for the GPU (pinned), with `zero_offload_accumulates` a whole copy of
+    each overlapping parameter (pinned); and once, `temp_grad_buffer_for_cpu_offload`."""
+    c, groups = lay.working_bytes, optimizer_groups(n)
+    blocks: dict[str, list[int]] = {k: [] for k in ("master", "grads", "moments", "staging")}
+    blocks["accumulators"] = []
     for sizes in groups:
         part = RankPartition.of(sizes, lay.world, rank)
         blocks["master"].append(4 * part.elements)
@@ -385,46 +335,32 @@ PINNED_BLOCKS = ("master", "grads", "staging", "accumulators", "copy buffer")
 
 
 def zero_offload_host(n: ParamCounts, lay: Layout, rank: int = 0) -> dict[str, float]:
-    """`rank`'s host bytes of ZeRO-1/2 optimizer offload (`zero_offload_host_blocks`) as the
-    estimate reports them: optimizer (fp32 master + moments), grads, staging, accumulators,
-    copy buffer, and `pinned rounding`, what torch's pinned allocator adds to the pinned ones
-    (`pinned_block_bytes`); none without pin_memory."""
+    """`rank`'s host bytes of ZeRO-1/2 optimizer offload by the report's parts, with `pinned
+    rounding`: what torch's pinned allocator adds to the pinned blocks (none unpinned)."""
     blocks = zero_offload_host_blocks(n, lay, rank)
     pinned = [b for name in PINNED_BLOCKS for b in blocks[name]] if lay.ds_pin_memory else []
     rounding = sum(pinned_block_bytes(b, lay.pinned_round_limit) - b for b in pinned)
-    return {
-        "optimizer": float(sum(blocks["master"]) + sum(blocks["moments"])),
-        "grads": float(sum(blocks["grads"])),
-        "staging": float(sum(blocks["staging"])),
-        "accumulators": float(sum(blocks["accumulators"])),
-        "copy buffer": float(sum(blocks["copy buffer"])),
-        "pinned rounding": float(rounding),
-    }
+    host = {"optimizer": float(sum(blocks["master"]) + sum(blocks["moments"]))}
+    host |= {k: float(sum(blocks[k])) for k in ("grads", "staging", "accumulators", "copy buffer")}
+    return host | {"pinned rounding": float(rounding)}
 
 
 def zero_offload_gpu_grads(n: ParamCounts, lay: Layout) -> float:
-    """ZeRO-1/2 with optimizer offload keeps no 16-bit gradient partition on the GPU (counted
-    between micro-steps on 2 gloo ranks, ZeRO-2): each reduced gradient leaves from the reduce
-    bucket (`ds_reduce_buckets`, counted apart) through `temp_grad_buffer_for_gpu_offload` (the
-    largest parameter, in its dtype), and, with `zero_offload_compact`, an fp32 accumulation
-    partition per group lives from a step's first reduction to the step."""
-    largest = max(max(sizes) for sizes in optimizer_groups(n))
+    """ZeRO-1/2 with optimizer offload keeps no 16-bit gradient partition on the GPU: a reduced
+    gradient leaves through `temp_grad_buffer_for_gpu_offload` (the largest parameter), plus
+    with `zero_offload_compact` an fp32 accumulation partition per group."""
+    groups = optimizer_groups(n)
     compact = 0
     if zero_offload_compact(lay):
-        compact = sum(4 * RankPartition.of(g, lay.world, 0).elements for g in optimizer_groups(n))
-    return float(lay.working_bytes * largest + compact)
+        compact = sum(4 * RankPartition.of(g, lay.world, 0).elements for g in groups)
+    return float(lay.working_bytes * max(max(sizes) for sizes in groups) + compact)
 
 
 def zero_offload_traffic(n: ParamCounts, lay: Layout, rank: int = 0) -> dict[str, dict[str, float]]:
     """Bytes copied between host and GPU per optimizer step on `rank` under ZeRO-1/2 optimizer
-    offload, by direction and reason (stage_1_and_2.py, 0.19):
-    - to the host, fp32 gradients: at the step's last micro-step each reduced gradient's part
-      in the partition, cast to fp32 on the GPU, into the fp32 gradient partition;
-    - to the GPU, parameters: the updated partition, from the staging copy;
-    - with `zero_offload_accumulates` (grad_accum N > 1), the gradient accumulators
-      (`async_accumulate_grad_in_cpu_via_gpu`): every overlapping parameter's gradient goes to
-      the host on each of the N micro-steps and the sum so far comes back to the GPU to be
-      added to on each after the first (N and N - 1 copies of each)."""
+    offload, by direction and reason: the partition's fp32 gradients to the host, the updated
+    parameters back, and with `zero_offload_accumulates` each overlapping parameter's gradient
+    to the host on each of the N micro-steps and back on each after the first."""
     c, N = lay.working_bytes, lay.grad_accum
     to_host: dict[str, float] = {"fp32 gradients": 0.0}
     to_gpu: dict[str, float] = {"parameters": 0.0}
@@ -439,17 +375,10 @@ def zero_offload_traffic(n: ParamCounts, lay: Layout, rank: int = 0) -> dict[str
     return {"to host": to_host, "to GPU": to_gpu}
 
 
-# ----------------------------------------------------------------------------- pinned memory
-
-
 def pinned_block_bytes(nbytes: int, round_limit: int | None = None) -> int:
-    """The bytes torch's pinned host allocator takes for an `nbytes` request (`tensor.pin_memory()`
-    and `pin_memory=True` go through it): CachingHostAllocatorImpl::allocate rounds each block
-    up to the next power of two (ATen/core/CachingHostAllocator.h, torch 2.13), except blocks
-    larger than `round_limit` (`pinned_round_limit`). Blocks are never split or shared, so
-    a 25.1 GiB fp32 partition takes 32 GiB. `pinned_use_cuda_host_register` (malloc +
-    cudaHostRegister) and `pinned_reserve_segment_size_mb` (one segment reserved up front) still
-    allocate the rounded size; expandable_segments is the GPU's allocator only."""
+    """The bytes torch's pinned host allocator takes for an `nbytes` request: the next power of
+    two (CachingHostAllocator.h, torch 2.13), except above `round_limit`. Blocks are never split
+    or shared, so a 25.1 GiB fp32 partition takes 32 GiB."""
     if nbytes <= 0 or (round_limit is not None and nbytes > round_limit):
         return max(nbytes, 0)
     return 1 << (nbytes - 1).bit_length()
@@ -457,12 +386,9 @@ def pinned_block_bytes(nbytes: int, round_limit: int | None = None) -> int:
 
 def pinned_round_limit(environ: Mapping[str, str]) -> int | None:
     """Bytes above which torch's pinned allocator does not round a block up (None: it rounds
-    every block, the default): `pinned_max_round_threshold_mb` and `pinned_max_cached_size_mb`
-    (MiB; torch >= 2.13), read as torch reads them, from PYTORCH_ALLOC_CONF if set, else
-    PYTORCH_CUDA_ALLOC_CONF (c10/core/AllocatorConfig.cpp)."""
-    settings = environ.get("PYTORCH_ALLOC_CONF")
-    if settings is None:
-        settings = environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    every block): `pinned_max_round_threshold_mb` / `pinned_max_cached_size_mb`, read as torch
+    reads them, from PYTORCH_ALLOC_CONF if set, else PYTORCH_CUDA_ALLOC_CONF."""
+    settings = environ.get("PYTORCH_ALLOC_CONF", environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
     limits = [
         int(mib) << 20
         for key, mib in re.findall(r"(?:^|,)\s*(\w+)\s*:\s*(\d+)", settings)
@@ -471,16 +397,10 @@ def pinned_round_limit(environ: Mapping[str, str]) -> int | None:
     return min(limits) if limits else None
 
 
-# ----------------------------------------------------------------------------- the estimate
-
-
 @dataclass
 class Estimate:
-    """Per-GPU bytes. `gpu` holds each part at its own largest over the step (params, grads,
-    optimizer, activations, logits, temporaries), `peak` the largest sum of what is alive at
-    once (`phases`: the loss's backward, each block's backward, the optimizer step), and
-    `total` the peak plus the allocator allowance (`overhead`). `parts` holds what each phase
-    is made of, by the same five categories (`peak_parts`: the peak phase's)."""
+    """Per-GPU bytes: `gpu` each part at its own largest over the step, `peak` (the largest
+    sum of `phases`) and `total` (the peak plus `overhead`); `parts` each phase's parts."""
 
     params: int
     layout: Layout
@@ -545,10 +465,8 @@ PCIE5_X16_BYTES_PER_S = 16 * 32e9 * 128 / 130 / 8
 
 
 def format_offload_traffic(est: Estimate) -> str:
-    """One line for the report: the offload's host <-> GPU bytes per optimizer step (per rank)
-    by direction and reason, and the least time they take over PCIe 5.0 x16. DeepSpeed issues
-    them one after another, so the time is their sum over one direction's bandwidth. "" when
-    the layout offloads nothing (or is ZeRO-3's, not modelled here)."""
+    """The report's line for the offload's host <-> GPU bytes per optimizer step and their
+    least time over PCIe 5.0 x16 (issued one after another); "" without ZeRO-1/2 offload."""
     if not est.traffic:
         return ""
     ways = []
@@ -572,36 +490,18 @@ def step_phases(
     num: Numerics,
 ) -> tuple[dict[str, dict[str, float]], float, float]:
     """(bytes alive at each moment a step can peak, by category, the largest activations, the
-    largest temporaries) given the model states in `gpu` (params, grads, optimizer). The
-    categories are those `measure.LiveStorages` gives what it sees: the backends' transient
-    gradient buffers (reduce buckets, reduce-scatter inputs, unsharded gradients) are
-    gradients, their gathered parameters parameters, what the forward (or a recomputation)
-    keeps activations, and the work of the moment (the loss's chunk, the logits' gradient, a
-    block's backward, the optimizer's own) temporaries.
-
-    The parts do not peak together: gradients are absent at the start of the first backward
-    (`zero_grad(set_to_none=True)`) and complete only at its end, activations are freed block by
-    block as the backward walks down. With grad_accum > 1 the gradients of the earlier
-    micro-steps are there throughout (the last micro-step is the fullest); DDP's buckets and
-    ZeRO-3's reduce bucket and flat gradient partition exist from the start whatever the
-    accumulation, ZeRO-1/2's reduce buckets only through a backward.
-    - loss forward / loss: all that the forward saved (the kept logits too) and the loss's own
-      work: one fp32 chunk's log-softmax, or in backward the logits' gradient and its chunk;
-    - block i (from the top): the gradients so far (the head and the blocks above, or their
-      shards), what the blocks below keep, block i's activations (kept or recomputed) less its
-      MLP product, and the gradients in flight inside it; under FSDP2 the gathered parameters
-      and in-flight gradients of that moment (`fsdp_gathered_params`);
-    - step: all gradients (fused AdamW, on every device, updates in place: no temporaries).
-    """
+    largest temporaries) given the model states in `gpu`, in `measure.LiveStorages`'
+    categories (a backend's transient buffers are gradients, its gathered copies parameters).
+    The parts do not peak together (docs/memory.md, "The step's peak"): the loss's forward and
+    backward, each block's backward from the top, and the optimizer step. With grad_accum > 1
+    the earlier micro-steps' gradients are there throughout; DDP's buckets and ZeRO-3's bucket
+    and gradient partition from the start, ZeRO-1/2's buckets only through a backward."""
     B, L = lay.micro_batch, m.n_layers
     loss_params = gpu["params"]  # the parameters held through the loss
-    grads = gpu["grads"]
-    bytes_per_grad, shard = 4.0, 1.0
-    persistent = grads
-    # the gradient a block's backward has made by its peak: the MLP down-projection's weight
-    # gradient, in the parameters' dtype, where it is kept as made (FSDP2's unsharded
-    # gradients; a first micro-step's .grad); one added into a DDP bucket, a DeepSpeed bucket
-    # or an earlier micro-step's .grad is freed by then (measured on 2 gloo ranks)
+    bytes_per_grad, shard, persistent = 4.0, 1.0, gpu["grads"]
+    # the gradient a block's backward has made by its peak: the MLP down-projection's, where
+    # it is kept as made (FSDP2's unsharded gradients, a first micro-step's .grad); one added
+    # into a bucket or an earlier .grad is freed by then (measured on 2 gloo ranks)
     c = lay.working_bytes if lay.backend in ("fsdp", "deepspeed") else 4  # (else fp32 params)
     fsdp = lay.backend == "fsdp"
     kept_as_made = fsdp or (
@@ -610,12 +510,11 @@ def step_phases(
         and lay.grad_accum == 1
     )
     this_block = c * m.d_model * (mlp_hidden_size(m) // lay.tp) if kept_as_made else 0.0
-    # a tied head's gradient waits inside autograd (a temporary) until the embedding's
-    # backward adds its part, at the end of the backward; an untied head's is a gradient
+    # a tied head's gradient waits in autograd (a temporary) until the embedding's backward
     embed = m.vocab_size // lay.tp * m.d_model
     waiting = c * embed if m.tie_embeddings else 0.0
     if fsdp:
-        persistent = grads - fsdp_unsharded_grads(n, lay, max(n.block, n.root))
+        persistent -= fsdp_unsharded_grads(n, lay, max(n.block, n.root))
         shard = 0.0 if lay.fsdp_offload else 1.0 / lay.shards  # offload: shards on the host
         sharded_params = gpu["params"] - fsdp_gathered_params(n, lay, "largest")
     buckets = ds_reduce_buckets(lay)
@@ -640,14 +539,12 @@ def step_phases(
     in_block = block_backward_bytes(m, B, num)
     saved = saved_activation_bytes(m, ac, B, num)  # incl. the logits the loss keeps
     activations = saved
-    # autocast caches its bf16 weight copies until the forward's autocast region ends: for the
-    # checkpointed blocks (whose copies are not saved for backward) they are extra until then
+    # autocast caches its bf16 weight copies until the forward ends: extra for checkpointed blocks
     cast_cache = 2 * block_matmul_params(m) * checkpointed_count(m, ac) if num.autocast else 0
     if fsdp:
         loss_params = sharded_params + fsdp_gathered_params(n, lay, "loss")
-    # ZeRO-1/2 allocate their reduce buckets at a backward's first gradient (an untied head's
-    # as the loss's backward ends; a tied head's waits, so the final norm's) and free them
-    # after it; ZeRO-3 holds its one from the start
+    # ZeRO-1/2 allocate their reduce buckets at a backward's first gradient and free them after
+    # it; ZeRO-3 holds its one from the start
     per_backward = buckets if lay.backend == "deepspeed" and lay.zero_stage in (1, 2) else 0.0
     # ZeRO-1 with accumulation keeps them from the first micro-step's backward to the last's
     # reduction: the last micro-step's forward and loss have them (measured on 2 gloo ranks)
@@ -655,13 +552,7 @@ def step_phases(
     loss_carry = carry - (0.0 if kept_buckets else per_backward)
 
     def at(params: float, grads: float, activations: float, temporaries: float):
-        return {
-            "params": params,
-            "grads": grads,
-            "optimizer": gpu["optimizer"],
-            "activations": activations,
-            "temporaries": temporaries,
-        }
+        return dict(zip(PARTS, (params, grads, gpu["optimizer"], activations, temporaries)))
 
     phases = {
         "loss forward": at(
@@ -670,8 +561,7 @@ def step_phases(
         "loss backward": at(loss_params, loss_carry, saved, loss_bwd),
     }
     head = (0 if m.tie_embeddings else embed) + m.d_model  # the head's and final norm's
-    # a block's backward peaks at its MLP's product's backward: by then the product itself (the
-    # down-projection's input) is freed, and the three hidden-width gradients are alive
+    # a block's backward peaks at its MLP product's backward: the product is freed by then
     product = num.compute * B * m.seq_len * (mlp_hidden_size(m) // lay.tp)
     for i in reversed(range(L)):
         transient = this_block
@@ -696,32 +586,19 @@ def step_phases(
     step_params = sharded_params if fsdp else gpu["params"]  # FSDP: all resharded by now
     if lay.backend == "deepspeed" and lay.zero_stage >= 3:  # released after the backward
         step_params -= zero3_gathered_params(n, lay)
-    step_grads = persistent - per_backward
-    phases["optimizer step"] = at(step_params, step_grads, 0.0, 0.0)  # fused AdamW: in place
+    phases["optimizer step"] = at(step_params, persistent - per_backward, 0.0, 0.0)  # in place
     return phases, activations, max(loss_bwd, in_block)
 
 
 def estimate(cfg: Config, target: RunPlan | int) -> Estimate:
-    """Per-GPU bytes of `cfg` run as `target`: the run's own plan, or a world size of
-    bf16-capable GPUs (`scale_llm.config.plan.target_plan`)."""
+    """Per-GPU bytes of `cfg` run as `target`: a plan, or a world size of bf16 GPUs."""
     plan = target_plan(cfg, target) if isinstance(target, int) else target
     return estimate_layout(cfg.model, cfg.activation_checkpointing, layout_of(cfg, plan))
 
 
-# ----------------------------------------------------------------------------- units
-
-
-_UNITS = {
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
-    "tib": 1 << 40,
-}
+# b; kb, mb, gb, tb (powers of 1000); kib, mib, gib, tib (powers of 1024)
+_UNITS = {"b": 1, **{f"{p}b": 10 ** (3 * i) for i, p in enumerate("kmgt", 1)}}
+_UNITS |= {f"{p}ib": 1 << (10 * i) for i, p in enumerate("kmgt", 1)}
 
 
 def parse_bytes(text: str) -> int:

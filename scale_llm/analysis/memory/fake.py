@@ -1,30 +1,10 @@
 """A whole optimizer step traced at full size on fake tensors, next to the estimate for the GPUs.
 
-`scale-llm estimate CONFIG --fake [--world-size N]` builds the model and backend as the trainer
-does, but under `FakeTensorMode`: every tensor has its shape, dtype and device and no storage,
-so a 7B model on one rank of 8 costs seconds of Python and no memory. It runs the optimizer
-steps of `measure.measured_steps` (single, or FSDP2 as rank 0 of a fake process group of N
-ranks, whose collectives only produce outputs of the right shape) under the same count of every
-storage as a CPU measurement (`measure.LiveStorages`, on fake storages), and reports the step's
-peak and what is alive at it by category, next to `estimate(cfg, N)`: the plan of a bf16 CUDA
-run of N GPUs, what `scale-llm estimate` prints. (PyTorch's MemTracker and FSDPMemTracker
-count this too, but their categories differ from the estimate's where a tied head's
-gradient waits in autograd or a block is recomputed.)
-
-The tensors are fake *CPU* tensors. On a CPU-only build of torch (2.13) fake CUDA tensors trace
-the forward pass (once a no-op CUDA device guard is registered; `_ensureCUDADeviceGuardSet`
-installs one only on CUDA builds without a GPU), but their backward fails inside the autograd
-engine, which asks for the accelerator's current stream ("Cannot access accelerator device when
-none is available"). So the trace keeps what a CUDA run decides (bf16 autocast, the fused AdamW
-that CUDA runs use, FSDP2's mixed precision, the checkpointing mode, the chunked loss) and runs
-the CPU's kernels: CPU autocast and CPU flash attention, whose saved tensors equal the CUDA
-ones for this model's ops (docs/memory.md says where they may not).
-
-Left as they are: compiled blocks (`train.compile`) run eager, as a fake run cannot compile;
-grad_accum is traced as 1 (the same peak: micro-steps are alike). What no fake run sees (CUDA
-context, allocator caching, library workspaces, NCCL buffers) is listed in `ALLOWANCES`, apart
-from the traced figure. DeepSpeed builds its engine with real collectives and flat buffers it
-fills in place: not traced here.
+`estimate CONFIG --fake [--world-size N]` builds the model and backend as the trainer does under
+`FakeTensorMode` (no storage: a 7B model costs seconds) and runs `measure.measured_steps` (single,
+or FSDP2 as rank 0 of a fake process group) under `measure.LiveStorages`. The tensors are fake
+CPU tensors (a CPU torch cannot take fake CUDA ones through a backward) with a CUDA run's
+choices; compiled blocks run eager, grad_accum is 1, DeepSpeed is not traced (docs/memory.md).
 """
 
 from __future__ import annotations
@@ -81,9 +61,8 @@ ALLOWANCES = (
 
 
 def trace_step(cfg: Config, world_size: int = 1) -> dict[str, Any]:
-    """{"measured": {part: bytes at the peak, "total": peak}, "category_maxima": {...},
-    "estimated": {...}} of one optimizer step of `cfg` on rank 0 of `world_size` GPUs, traced
-    on fake tensors; the result has measure_step's shape."""
+    """One optimizer step of `cfg` on rank 0 of `world_size` GPUs traced on fake tensors, in
+    `measure_step`'s shape (with the allowances), next to the estimate for those GPUs."""
     here = _traced_config(cfg, world_size)
     target = target_plan(here, world_size)  # what the estimate is for: bf16 CUDA GPUs
     plan = dataclasses.replace(target, device=torch.device("cpu"))  # what the trace runs
@@ -94,13 +73,18 @@ def trace_step(cfg: Config, world_size: int = 1) -> dict[str, Any]:
         )
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    def batches():
+        shape = (plan.micro_batch_size, here.model.seq_len + 1)
+        tokens = torch.randint(0, here.model.vocab_size, shape, device=plan.device)
+        return [(tokens[:, :-1], tokens[:, 1:])]
+
     with _fake_process_group(plan):
         backend = build_backend(here, plan)
         model = build_model(here.model)  # on meta, outside the mode: materialized inside it
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         with fake_mode, LiveStorages(fake=True) as storages:  # before the weights are drawn
             model = _setup(backend, model, plan)
-            measured = measured_steps(storages, backend, model, _batches(plan, here))
+            measured = measured_steps(storages, backend, model, batches)
     on_cuda = with_changes(here, {"train.device": "cuda"})
     lay = layout_of(on_cuda, target)
     # the trace runs the CPU's kernels, which save what CUDA's do (RMSNorm: its input and rstd)
@@ -189,17 +173,6 @@ def _real_mesh_concatenation() -> Iterator[None]:
         yield
     finally:
         DeviceMesh._concatenate = staticmethod(concatenate)
-
-
-def _batches(plan: RunPlan, cfg: Config) -> Any:
-    m = cfg.model
-
-    def batches():
-        shape = (plan.micro_batch_size, m.seq_len + 1)
-        tokens = torch.randint(0, m.vocab_size, shape, device=plan.device)
-        return [(tokens[:, :-1], tokens[:, 1:])]
-
-    return batches
 
 
 def format_trace(r: dict[str, Any]) -> str:

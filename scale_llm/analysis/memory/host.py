@@ -15,10 +15,8 @@ def host_memory_problem(
     cfg: Config, plan: RunPlan, models: int = 1, staging: int | None = None
 ) -> str | None:
     """Why `cfg` would not fit in this host's free memory on the CPU (None: it fits, it runs on
-    a GPU, or the free memory cannot be read). `models`: copies of the model (with optimizer
-    state and activations) this process holds, e.g. 2 for a benchmark against a reference.
-    `staging`: host copies of the model and optimizer state held for background checkpoint
-    writes (default: the one checkpoint.async_mode makes, if it is on)."""
+    a GPU, or the free memory is unknown). `models`: copies of the model this process holds;
+    `staging`: host copies for background checkpoint writes (default: checkpoint.async_mode's)."""
     available = host_available_bytes()
     if plan.device.type != "cpu" or available is None:
         return None

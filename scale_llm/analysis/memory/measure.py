@@ -1,32 +1,10 @@
 """A whole optimizer step measured on the CPU, by category, next to the estimate for that run.
 
-`scale-llm estimate CONFIG --measure` runs real steps of the config's backend in this process
-(on the CPU, synthetic tokens; one process, or each rank under torchrun) and counts every
-tensor storage made from before the backend builds the model (`LiveStorages`): the step's
-peak (`allocated_peak`) is what `torch.cuda.max_memory_allocated` reports on a GPU, the
-buffers a backend makes at construction included (DeepSpeed's flat partitions, ZeRO-3's
-gradient buffer and reduce bucket). The next step, alike, says what is alive at that peak, by
-category:
-- parameters, gradients and optimizer state by what holds each storage at that moment: the
-  model's parameters and their gradients in every form a backend gives them (FSDP2's shards,
-  all-gather outputs and unsharded parameters, ZeRO-3's partitions), the optimizer's state,
-  and the tensors a ZeRO optimizer keeps (its 16-bit groups, fp32 master partitions, reduce
-  buckets and gradient partitions);
-- the rest by what made it: a backend's gathering (parameters) or reducing (gradients), the
-  model's forward or a checkpointed block's recomputation (activations), everything else (the
-  loss, the backward's and the optimizer's own work: temporaries).
-The estimate it is compared with is the one for the same CPU run (`estimate(cfg, plan)`): its
-peak phase's parts (`peak_parts`) and each part at its own largest (`gpu`).
-
-PyTorch's MemTracker was used before: it sees only the tensors that pass through its dispatch
-mode or that it is told about (it missed 14% of ZeRO-3's bf16 step), files a checkpointed
-block's recomputation partly under temporaries, and attributes transient buffers by module
-phase, so its categories could not be compared with the estimate's beyond a few percent.
-torch.profiler's allocation events were tried for the peak and dropped: a storage freed on
-another thread (a gloo collective's) never reports its free there.
-
-grad_accum > 1 is measured with 2 micro-steps (the later ones are alike: the gradients of the
-earlier ones are kept); under torchrun each rank measures its own step of the config's backend.
+`estimate CONFIG --measure` runs real steps of the config's backend on the CPU (each rank its own
+under torchrun) and counts every tensor storage from before the model is built (`LiveStorages`):
+the peak, as max_memory_allocated counts it, and what is alive at it by what holds or made each
+storage (docs/memory.md). PyTorch's MemTracker missed 14% of ZeRO-3's bf16 step, and
+torch.profiler misses frees on other threads: hence this count.
 """
 
 from __future__ import annotations
@@ -41,7 +19,7 @@ from typing import Any
 
 import torch
 
-from scale_llm.analysis.memory.estimate import estimate
+from scale_llm.analysis.memory.estimate import PARTS, estimate
 from scale_llm.config import Config, with_changes
 from scale_llm.config.plan import launch_env, resolve_plan
 from scale_llm.model import build_model
@@ -68,13 +46,11 @@ def measure_step(cfg: Config) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(here.run.seed)
 
     def batches():
-        out = []
-        for _ in range(plan.grad_accum):
-            tokens = torch.randint(
-                0, m.vocab_size, (plan.micro_batch_size, m.seq_len + 1), generator=gen
-            )
-            out.append((tokens[:, :-1], tokens[:, 1:]))
-        return out
+        shape = (plan.micro_batch_size, m.seq_len + 1)
+        rows = [
+            torch.randint(0, m.vocab_size, shape, generator=gen) for _ in range(plan.grad_accum)
+        ]
+        return [(t[:, :-1], t[:, 1:]) for t in rows]
 
     with LiveStorages() as storages:  # from before the model's storage exists
         backend = build_backend(here, plan)
@@ -95,7 +71,6 @@ def measure_step(cfg: Config) -> dict[str, Any]:
     }
 
 
-PARTS = ("params", "grads", "optimizer", "activations", "temporaries")
 # code of the backends (its frames name what they are doing: gathering parameters, reducing
 # gradients), the optimizers, activation checkpointing's recomputation, autograd's engine
 _BACKEND_CODE = ("/deepspeed/", "/torch/distributed/", "/torch/nn/parallel/")
@@ -117,10 +92,9 @@ _OWN_CODE = "/scale_llm/"
 def measured_steps(
     storages: LiveStorages, backend: Any, model: torch.nn.Module, batches: Any
 ) -> dict[str, int]:
-    """Three optimizer steps of a backend set up under `storages`: the first makes the
-    optimizer state, the second gives the peak, the third (alike) what is alive at it, by
-    category. {part: bytes, "total": the classified moment's live bytes, "allocated_peak",
-    "allocated_before": the live bytes as the second step began}."""
+    """Three optimizer steps under `storages`: the first makes the optimizer state, the second
+    gives the peak, the third what is alive at it, by category ({part: bytes, "total",
+    "allocated_peak", "allocated_before": the live bytes as the second step began})."""
     optimizer = backend.optimizer
     # DeepSpeed's ZeRO optimizer wraps the torch optimizer that holds its fp32 partitions
     inner = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer.optimizer
@@ -150,28 +124,19 @@ def _follow_phases(storages: LiveStorages, backend: Any, model: torch.nn.Module)
 
         return run
 
-    def forward(*_: Any) -> None:
-        storages.phase = "forward"
-
-    def after(*_: Any) -> None:
-        storages.phase = "other"
-
     backend.loss_fn = phased("loss", backend.loss_fn)
     backend.backward = phased("backward", backend.backward)
     backend.clip_and_step = phased("step", backend.clip_and_step)
     # before any hook of the backend's (FSDP2's root gathers its parameters in one)
-    model.register_forward_pre_hook(forward, prepend=True)
-    model.register_forward_hook(after, always_call=True)
+    model.register_forward_pre_hook(lambda *_: setattr(storages, "phase", "forward"), prepend=True)
+    model.register_forward_hook(lambda *_: setattr(storages, "phase", "other"), always_call=True)
     storages.phase = "other"
 
 
 def _owners(model: torch.nn.Module, optimizer: Any, inner: torch.optim.Optimizer) -> Any:
-    """() -> {category: tensors}: what the model, the optimizer and the backend hold now.
-    Parameters in every form (FSDP2's shards, all-gather outputs and unsharded parameters;
-    ZeRO-3's partitions), their gradients (FSDP2's sharded and accumulated ones too), the
-    optimizer's state and the fp32 master partitions a ZeRO optimizer steps, and the tensors a
-    ZeRO optimizer keeps, by their names: gradients (`grad`, `ipg`), fp32 master copies
-    (`fp32`, `single_partition`), else its 16-bit flat parameter groups."""
+    """() -> {category: tensors}: what the model, the optimizer and the backend hold now:
+    parameters and gradients in every form (FSDP2's shards and gathered copies, ZeRO-3's
+    partitions), the optimizer's state, and a ZeRO optimizer's tensors by their names."""
 
     def held(obj: Any) -> Iterator[tuple[str, torch.Tensor]]:
         for name, value in vars(obj).items():
@@ -246,16 +211,9 @@ def _deepspeed_object(value: Any) -> bool:
 class LiveStorages:
     """Every tensor storage created while it is active, with its size at each moment: the live
     bytes after every op, and their peak within `window()`. A dispatch mode sees each op's
-    outputs (subclasses such as DTensor flattened to the tensors they hold); a weak reference
-    per storage subtracts it when it is freed, on whichever thread that happens; storage
-    resizes (FSDP2 frees and refills its gathered parameters so) are followed by wrapping
-    `UntypedStorage.resize_`, which no dispatch mode sees. Entered before the backend builds
-    the model, it sees every buffer a backend allocates, as an allocator would.
-
-    Each storage also gets a category where it is made (`_made_as`), from the step's phase
-    (`phase`, which measure_step sets around the forward, the loss, the backward and the
-    optimizer step) and the code making it; `classify()` gives the live bytes by category, with
-    what the model, the optimizer and the backend hold now (`owners`) taking precedence."""
+    outputs, a weak reference per storage its free (on any thread), a wrapped
+    `UntypedStorage.resize_` FSDP2's resizes. Each storage gets a category where it is made
+    (`_made_as`); `classify()` gives the live bytes by category, `owners` taking precedence."""
 
     def __init__(self, fake: bool = False) -> None:
         """fake: the tensors are fake (FakeTensorMode, entered first): their storages are on
@@ -283,12 +241,11 @@ class LiveStorages:
         self._size: dict[int, int] = {}
         self._tokens = itertools.count()
         self.live = self.peak = self.before = 0
-        self._in_window = False
+        self._in_window = self._classifying = False
         self._made: dict[int, str] = {}  # token -> the category it was made as
         self.phase = "construction"
         self.owners: Any = None  # () -> {category: tensors held now}, set by measure_step
         self._classify_from: float | None = None  # live bytes from which to classify
-        self._classifying = False
         self.parts: dict[str, int] = {}  # by category, at the largest live from _classify_from
         self.parts_live = 0
 
@@ -327,14 +284,9 @@ class LiveStorages:
         self._made.pop(token, None)
 
     def _made_as(self) -> str:
-        """The category of a storage being made now. The innermost frame of the backends' code,
-        the optimizers', autograd's or this project's decides: a backend's gathering is
-        parameters, its reducing (buckets, reduce-scatter inputs) gradients, else by phase (in
-        the backward and the step gradients, else parameters; its compute, ZeRO-3's linear
-        layer and DTensor's dispatch, is looked through); an optimizer's work is temporary; the
-        model's code makes activations in the forward and in a checkpointed block's recomputation,
-        temporaries otherwise (the loss, the backward's work). With none of these, the phase:
-        the construction makes parameters, the forward activations, the rest temporaries."""
+        """The category of a storage being made now, by the innermost frame of a backend's
+        code (gathering: parameters, reducing: gradients, else by phase), an optimizer's
+        (temporaries), a recomputation's (activations), or else by the phase alone."""
         phase = self.phase
         frame = sys._getframe(3)
         backend_default = None
@@ -358,9 +310,9 @@ class LiveStorages:
             elif _ENGINE_CODE in name or (_OWN_CODE in name and phase != "backward"):
                 break  # autograd's own work in the backward; this project's code otherwise
             frame = frame.f_back
-        if backend_default is not None:
-            return backend_default
-        return {"construction": "params", "forward": "activations"}.get(phase, "temporaries")
+        return backend_default or {"construction": "params", "forward": "activations"}.get(
+            phase, "temporaries"
+        )
 
     def classify(self) -> dict[str, int]:
         """Live bytes by category: what `owners()` names (parameters, gradients, optimizer
@@ -439,15 +391,12 @@ def format_measurement(r: dict[str, Any]) -> str:
     lines = [
         f"measured on CPU: one optimizer step, {r['backend']}, {r['precision']}, checkpointing "
         f"{r['activation_checkpointing']}, micro-batch {r['micro_batch_size']}, this process "
-        f"(what is alive at the step's peak, next to the estimate of its peak, "
-        f"{r['peak_phase']})",
+        f"(what is alive at the step's peak, next to the estimate of its peak, {r['peak_phase']})",
         *parts_table(r),
-    ]
-    lines.append(
         "  (total: the peak of every tensor storage, counted from before the model was built, "
         "as max_memory_allocated counts on a GPU; the parts: each storage alive at that peak, "
-        "by what holds it or, for the rest, what made it: docs/memory.md)"
-    )
+        "by what holds it or, for the rest, what made it: docs/memory.md)",
+    ]
     if r.get("measured_eager"):
         lines.append(
             "  (train.compile is on: the step is measured eager, since the dispatch mode that "

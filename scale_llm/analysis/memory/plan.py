@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 from scale_llm.analysis.memory.estimate import (
     OVERHEAD_FRACTION,
+    PARTS,
     Estimate,
     estimate,
     format_offload_traffic,
@@ -16,9 +18,6 @@ from scale_llm.analysis.memory.estimate import (
 from scale_llm.config import Config, with_changes
 from scale_llm.config.plan import RunPlan, target_plan
 from scale_llm.errors import UserError
-
-# ----------------------------------------------------------------------------- report and hints
-
 
 _DESCRIPTIONS = {
     "params": "parameter storage (fp32 master weights, 16-bit copies, shards or gathered blocks)",
@@ -34,45 +33,32 @@ _DESCRIPTIONS = {
 
 
 def format_overrides(changes: dict[str, Any]) -> str:
-    def fmt(v: Any) -> str:
-        return str(v).lower() if isinstance(v, bool) else str(v)
-
-    return " ".join(f"--set {k}={fmt(v)}" for k, v in changes.items())
+    shown = {k: str(v).lower() if isinstance(v, bool) else v for k, v in changes.items()}
+    return " ".join(f"--set {k}={v}" for k, v in shown.items())
 
 
 def hints(cfg: Config, plan: RunPlan) -> list[tuple[str, float]]:
     """(flags, predicted total) for the usual ways to save memory from this config."""
     ac, p, world = cfg.activation_checkpointing, cfg.parallel, plan.world_size
-    options: list[tuple[str, dict[str, Any]]] = []
+    options: list[tuple[str, dict[str, Any]]] = []  # (flags, changes), --set flags by default
+
+    def option(changes: dict[str, Any], flags: str = "") -> None:
+        options.append((flags or format_overrides(changes), changes))
+
     if ac.mode != "full":
-        options.append(("--grad-checkpointing", {"activation_checkpointing.mode": "full"}))
+        option({"activation_checkpointing.mode": "full"}, "--grad-checkpointing")
     if ac.mode in ("none", "every_k"):
-        options.append(
-            (
-                "--set activation_checkpointing.mode=selective",
-                {"activation_checkpointing.mode": "selective"},
-            )
-        )
+        option({"activation_checkpointing.mode": "selective"})
     if plan.micro_batch_size > 1:
         mb = plan.micro_batch_size // 2
         accum = plan.grad_accum * plan.micro_batch_size // mb
         if mb * accum == plan.micro_batch_size * plan.grad_accum:
-            options.append(
-                (
-                    f"--batch_size {mb} --grad-accum {accum}",
-                    {"train.micro_batch_size": mb, "train.grad_accum": accum},
-                )
-            )
+            changes = {"train.micro_batch_size": mb, "train.grad_accum": accum}
+            option(changes, f"--batch_size {mb} --grad-accum {accum}")
     if p.backend in ("auto", "single", "ddp") and world > 1:
-        options.append(("--set parallel.backend=fsdp", {"parallel.backend": "fsdp"}))
+        option({"parallel.backend": "fsdp"})
     if p.backend == "deepspeed" and p.deepspeed.zero_stage < 3:
-        stage = p.deepspeed.zero_stage + 1
-        options.append(
-            (
-                f"--set parallel.deepspeed.zero_stage={stage}",
-                {"parallel.deepspeed.zero_stage": stage},
-            )
-        )
+        option({"parallel.deepspeed.zero_stage": p.deepspeed.zero_stage + 1})
     return [(flags, estimate(with_changes(cfg, ch), world).total) for flags, ch in options]
 
 
@@ -84,13 +70,9 @@ def format_report(est: Estimate, cfg: Config, plan: RunPlan, source: str) -> str
         f"activation_checkpointing {ac.mode}" + (f" (k={ac.k})" if ac.mode == "every_k" else ""),
         "per GPU:",
     ]
-    for key in ("params", "grads", "optimizer", "activations", "temporaries"):
-        lines.append(f"  {key:<12} {gib(est.gpu[key]):>12}   {_DESCRIPTIONS[key]}")
-    lines.append(
-        f"  {'peak':<12} {gib(est.gpu['peak']):>12}   {_DESCRIPTIONS['peak']}: at the "
-        f"{est.peak_phase}"
-    )
-    lines.append(f"  {'overhead':<12} {gib(est.gpu['overhead']):>12}   {_DESCRIPTIONS['overhead']}")
+    for key in (*PARTS, "peak", "overhead"):
+        at = f": at the {est.peak_phase}" if key == "peak" else ""
+        lines.append(f"  {key:<12} {gib(est.gpu[key]):>12}   {_DESCRIPTIONS[key]}{at}")
     lines.append(f"  {'total':<12} {gib(est.total):>12}")
     cpu = {k: v for k, v in est.cpu.items() if v}
     if cpu:
@@ -109,11 +91,6 @@ def format_report(est: Estimate, cfg: Config, plan: RunPlan, source: str) -> str
     return "\n".join(lines)
 
 
-# ----------------------------------------------------------------------------- the world
-
-# A config's header (its leading comment lines) names the layout it is written for with the
-# estimate command it was sized with, e.g. yaml/70b.yaml's
-#   # Per GPU (`scale-llm estimate yaml/70b.yaml --world-size 64`): 50.45 GiB predicted.
 MAX_WORLD = 1024  # the largest world searched for the smallest one a layout resolves on
 
 
@@ -127,9 +104,8 @@ def _resolves(cfg: Config, world: int) -> bool:
 
 def world_for_estimate(cfg: Config, config: str | None) -> tuple[int, str | None]:
     """The world size `estimate` predicts for when neither --world-size nor $WORLD_SIZE says:
-    parallel.world_size (the layout the config is written for), else 1; and a line saying so
-    (None for 1 where the backend does not shard). A layout that needs more than one GPU and
-    states no world is a UserError giving the command that works."""
+    parallel.world_size, else 1; and a line saying so (None for 1 without sharding). A layout
+    that needs more than one GPU and states no world is a UserError naming the command."""
     name = config or "the default config"
     documented = cfg.parallel.world_size
     if documented is not None:
@@ -138,12 +114,11 @@ def world_for_estimate(cfg: Config, config: str | None) -> tuple[int, str | None
             f"--world-size N for N GPUs"
         )
     if _resolves(cfg, 1):
-        shards = cfg.parallel.backend in ("fsdp", "deepspeed")  # (per-GPU memory depends on N)
-        return 1, (
+        if cfg.parallel.backend not in ("fsdp", "deepspeed"):
+            return 1, None
+        return 1, (  # a sharding backend: per-GPU memory depends on N
             f"world size 1 (the default), though parallel.backend={cfg.parallel.backend} "
             f"shards over the GPUs; --world-size N for N GPUs"
-            if shards
-            else None
         )
     smallest = next((w for w in range(2, MAX_WORLD + 1) if _resolves(cfg, w)), None)
     if smallest is None:
@@ -155,68 +130,27 @@ def world_for_estimate(cfg: Config, config: str | None) -> tuple[int, str | None
     )
 
 
-# ----------------------------------------------------------------------------- fit plan
-
 # Rough throughput cost of each choice (1.0 = free); the plan picks the cheapest layout that fits.
 _AC_COST = {"none": 1.0, "selective": 1.1, "every_k": 1.17, "full": 1.33}  # recompute share
-
-
-def _micro_batch_cost(mb: int) -> float:
-    return {1: 1.25, 2: 1.1}.get(mb, 1.0)  # small micro-batches leave a GPU underused
+_MICRO_BATCH_COST = {1: 1.25, 2: 1.1}  # small micro-batches leave a GPU underused (else 1.0)
 
 
 def _shard_options(cfg: Config) -> list[tuple[dict[str, Any], float]]:
     """Backend settings from least to most memory-saving, with their rough cost."""
     b = cfg.parallel.backend
-    fsdp = [
-        ({"parallel.backend": "fsdp", "parallel.fsdp.reshard_after_forward": False}, 1.02),
-        ({"parallel.backend": "fsdp", "parallel.fsdp.reshard_after_forward": True}, 1.1),
-        (
-            {
-                "parallel.backend": "fsdp",
-                "parallel.fsdp.reshard_after_forward": True,
-                "parallel.fsdp.cpu_offload": True,
-            },
-            1.6,
-        ),
-    ]
-    no_offload = {
-        "parallel.deepspeed.offload_optimizer": "none",
-        "parallel.deepspeed.offload_param": "none",
-    }  # each layout says its offload, or the base config's would leak into e.g. ZeRO-0
-    ds = [
-        ({"parallel.backend": "deepspeed", "parallel.deepspeed.zero_stage": s, **no_offload}, c)
-        for s, c in ((0, 1.0), (1, 1.0), (2, 1.02), (3, 1.1))
-    ]
-    ds += [
-        (
-            {
-                "parallel.backend": "deepspeed",
-                "parallel.deepspeed.zero_stage": 2,
-                "parallel.deepspeed.offload_optimizer": "cpu",
-                "parallel.deepspeed.offload_param": "none",
-            },
-            1.5,
-        ),
-        (
-            {
-                "parallel.backend": "deepspeed",
-                "parallel.deepspeed.zero_stage": 3,
-                "parallel.deepspeed.offload_optimizer": "cpu",
-                "parallel.deepspeed.offload_param": "none",
-            },
-            1.6,
-        ),
-    ]
-    last = (
-        {
-            "parallel.backend": "deepspeed",
-            "parallel.deepspeed.zero_stage": 3,
-            "parallel.deepspeed.offload_optimizer": "cpu",
-            "parallel.deepspeed.offload_param": "cpu",
-        },
-        2.0,
-    )
+    kept = {"parallel.backend": "fsdp", "parallel.fsdp.reshard_after_forward": False}
+    resharded = {**kept, "parallel.fsdp.reshard_after_forward": True}
+    fsdp = [(kept, 1.02), (resharded, 1.1), ({**resharded, "parallel.fsdp.cpu_offload": True}, 1.6)]
+
+    def zero(stage: int, optimizer: str = "none", param: str = "none") -> dict[str, Any]:
+        # each layout says its offload, or the base config's would leak into e.g. ZeRO-0
+        keys = ("zero_stage", "offload_optimizer", "offload_param")
+        ds = {f"parallel.deepspeed.{k}": v for k, v in zip(keys, (stage, optimizer, param))}
+        return {"parallel.backend": "deepspeed", **ds}
+
+    ds = [(zero(s), c) for s, c in ((0, 1.0), (1, 1.0), (2, 1.02), (3, 1.1))]
+    ds += [(zero(2, "cpu"), 1.5), (zero(3, "cpu"), 1.6)]
+    last = (zero(3, "cpu", "cpu"), 2.0)
     if b == "deepspeed":
         return [*ds, last]
     if b == "fsdp":
@@ -232,11 +166,9 @@ class Plan:
 
 
 def fit(cfg: Config, target: RunPlan | int, budget: int, keep_backend: bool = False) -> Plan:
-    """The cheapest layout (by the rough cost model above) whose estimate fits in `budget`.
-
-    Keeps the sequences per step: micro_batch x grad_accum stays the same. `keep_backend`
-    (a launched run: its process group exists) varies only checkpointing and micro-batch.
-    """
+    """The cheapest layout (by the rough cost model above) whose estimate fits in `budget`,
+    keeping micro_batch x grad_accum. `keep_backend` (a launched run: its process group
+    exists) varies only checkpointing and micro-batch."""
     plan = target_plan(cfg, target) if isinstance(target, int) else target
     world = plan.world_size
     per_rank = plan.micro_batch_size * plan.grad_accum
@@ -256,17 +188,15 @@ def fit(cfg: Config, target: RunPlan | int, budget: int, keep_backend: bool = Fa
                 if mode == "every_k":
                     changes["activation_checkpointing.k"] = 2
                 est = estimate(with_changes(cfg, changes), _replan(plan, changes, world))
-                option = Plan(changes, est, shard_cost * ac_cost * _micro_batch_cost(mb))
+                option = Plan(changes, est, shard_cost * ac_cost * _MICRO_BATCH_COST.get(mb, 1.0))
                 if smallest is None or est.total < smallest.estimate.total:
                     smallest = option
                 if est.total <= budget and (best is None or option.cost < best.cost):
                     best = option
     if best is None:
-        tried = (
-            f"with backend {plan.backend} as launched"
-            if keep_backend
-            else "even with DeepSpeed ZeRO-3, optimizer and parameter offload"
-        )
+        tried = "even with DeepSpeed ZeRO-3, optimizer and parameter offload"
+        if keep_backend:
+            tried = f"with backend {plan.backend} as launched"
         raise UserError(
             f"nothing fits in {gib(budget)} per GPU, {tried}, full activation checkpointing "
             f"and micro-batch 1: the smallest total reachable is "
@@ -283,19 +213,9 @@ def _replan(plan: RunPlan, changes: dict[str, Any], world: int) -> RunPlan | int
     the candidate's batch split; a hypothetical one is planned afresh for `world` GPUs."""
     if "parallel.backend" in changes:
         return world
-    return dataclasses.replace(
-        plan,
-        micro_batch_size=changes["train.micro_batch_size"],
-        grad_accum=changes["train.grad_accum"],
-    )
+    mb, accum = changes["train.micro_batch_size"], changes["train.grad_accum"]
+    return dataclasses.replace(plan, micro_batch_size=mb, grad_accum=accum)
 
 
 def _only_changed(cfg: Config, changes: dict[str, Any]) -> dict[str, Any]:
-    out = {}
-    for key, value in changes.items():
-        node: Any = cfg
-        for part in key.split("."):
-            node = getattr(node, part)
-        if node != value:
-            out[key] = value
-    return out
+    return {key: value for key, value in changes.items() if attrgetter(key)(cfg) != value}
