@@ -1,41 +1,11 @@
 """`scale-llm bench CONFIG --roofline`: where the time of one training step goes, on paper.
 
-One micro-batch forward + backward of the config's model runs on the meta device (no memory, no
-compute) in the compute dtype (bf16 weights, as autocast / FSDP's policy compute), under a
-dispatch mode that counts, for every aten op, its FLOPs (torch's FLOP registry) and the bytes it
-reads and writes (inputs + outputs, i.e. no fusion). Attention is counted as a flash kernel
-would run it (causal: half the T x T work; reads Q, K, V, writes O; backward 2.5x the forward
-FLOPs), not as the meta device's math fallback. The loss is the plain fp32 cross-entropy
-(what `train.compile`, on in the GPU configs, compiles; eager runs use the chunked form, which
-trades a second read of the logits for memory). The AdamW step is added analytically (fused:
-reads param, grad, two moments; writes param and moments, all fp32) once per optimizer step.
-Under DeepSpeed ZeRO-1/2 with `offload_optimizer: cpu` the step runs on the CPU instead (its
-time is not modelled: it depends on the host), and the copies between host and GPU take its
-row: the estimator's bytes per step (`zero_offload_traffic`, by direction and reason) over
-PCIe 5.0 x16, counted whole in both totals (an upper bound: DeepSpeed issues the gradients'
-copies on its reduction stream during the last micro-step's backward).
-
-Each op class then takes max(FLOPs / peak FLOP/s, bytes / peak bandwidth): a roofline. Two
-totals bound the step time: `eager` (every op's traffic, nothing fused or overlapped) and
-`matmul-bound` (only matmuls, attention and the optimizer cost time: what perfect fusion of the
-element-wise work would approach).
-
-The prediction (`achieved`) prices the same counts at the rates published measurements reach
-(`RATES`: one table per GPU kind, every figure with its source): each matmul at the measured
-rate of GEMMs of its arithmetic intensity, attention at the published causal forward + backward
-rate for the config's head_dim and seq_len, and the memory-bound work at the HBM bandwidth that
-streaming kernels reach. The element-wise work is priced after compile's fusion (unfused, as
-counted, where `train.compile` is off), by one rule: the element-wise, norm and loss ops that
-run between two other kernels (matmul, attention, embedding) are one kernel, which reads each
-tensor it takes from another kernel once and writes each tensor a later kernel reads once
-(tensors the backward reads are written in forward; inductor's partitioner may recompute some
-of them instead, so this errs on the side of more traffic). Every rate has a low and a high
-(the sources' spread), so the step time and its MFU come as a point with a range; nothing
-overlaps (kernels run one after another).
-
-MFU uses the model FLOPs the trainer reports, in two conventions: `mfu` counts attention over
-the full T x T score matrix (6N + 12 L d T per token, PaLM's and nanoGPT's convention, the one
-published MFU figures use), `mfu_causal` counts the causal half that the kernel computes.
+One micro-batch forward + backward on the meta device in bf16, every aten op's FLOPs and bytes
+counted (attention as a causal flash kernel, the loss as compiled fp32 cross-entropy), plus the
+fused AdamW step (or ZeRO-1/2 offload's PCIe copies). Two bounds (`eager`, `matmul-bound`) and a
+prediction at the rates published measurements reach (`RATES`, each with its source and range):
+docs/performance.md, "How the prediction is made". `mfu` counts attention over the full T x T
+(PaLM's convention), `mfu_causal` its causal half.
 """
 
 from __future__ import annotations
@@ -51,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
+from scale_llm.analysis.memory.activations import checkpointed_count
 from scale_llm.analysis.memory.estimate import (
     PCIE5_X16_BYTES_PER_S,
     ParamCounts,
@@ -64,11 +35,8 @@ from scale_llm.model import build_model
 from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
 
 # (name, dense bf16 FLOP/s, HBM bytes/s), from the vendors' data sheets
-DEVICES = {
-    "H100-SXM": (989e12, 3.35e12),
-    "H200": (989e12, 4.8e12),
-    "A100-80GB": (312e12, 2.04e12),
-}
+DEVICES = {"H100-SXM": (989e12, 3.35e12), "H200": (989e12, 4.8e12), "A100-80GB": (312e12, 2.04e12)}
+WAYS = ("low", "point", "high")  # a rate's (and a time's) three figures
 MATMUL_OPS = {"mm", "addmm", "bmm", "matmul", "linear"}
 VIEWS = {  # ops that move no data (views, allocations)
     *("view", "_unsafe_view", "expand", "transpose", "t", "detach", "alias", "split"),
@@ -110,8 +78,8 @@ TERA = 1e12
 
 
 def _gemms(rows: int, figures: dict[tuple[int, int], tuple[tuple[float, ...], ...]]):
-    """Anchors from measured TFLOP/s at (n, k): point the mean of the first group (the shape at
-    `rows` rows, both operand orders), low / high the extremes over every group."""
+    """Anchors from measured TFLOP/s at (n, k): the mean of the first group (`rows` rows, both
+    operand orders), low and high the extremes over every group."""
     anchors = []
     for (n, k), groups in figures.items():
         every = [x for group in groups for x in group]
@@ -122,18 +90,15 @@ def _gemms(rows: int, figures: dict[tuple[int, int], tuple[tuple[float, ...], ..
 
 # --- The achieved-rate table: every figure below is a published measurement. -----------------
 #
-# Matmuls, H100 SXM (H200: the same SMs and clocks; "H200 is the same", ML Engineering's MAMF
-# table, below): XLA's measured GEMM table for sm_90, "bf16xbf16->bf16" entries of
-# xla/service/gpu/model/matmul_interpolator_data.h (OpenXLA; read in github.com/tensorflow/
-# tensorflow, third_party/xla/, commit 372d578b; rates up to 808 TFLOP/s, above an H100 PCIe's
-# 756 peak: an SXM part). Taken: its batched entries b=4 x m=4096 =
-# 16,384 rows (a 400m micro-batch's tokens), both operand orders (n, k) and (k, n); with them,
-# for the low end, the same shapes at b=2 (8,192 rows), which stand for GEMMs with fewer output
-# tiles (the weight gradients'). Its top agrees with the two large-shape figures published for
-# an H100 SXM: 794.5 TFLOP/s, the best shape mamf-finder found (S. Bekman, "Machine Learning
-# Engineering", compute/accelerator/README.md, Maximum Achievable Matmul FLOPS comparison
-# table), and 78% of peak = 771 TFLOP/s, torchao's figure for large GEMMs (pytorch/ao,
-# torchao/testing/training/roofline_utils.py).
+# Matmuls, H100 SXM (H200: the same SMs and clocks, as ML Engineering's MAMF table says): XLA's
+# measured GEMM table for sm_90, "bf16xbf16->bf16" entries of xla/service/gpu/model/
+# matmul_interpolator_data.h (read in github.com/tensorflow/tensorflow, third_party/xla/, commit
+# 372d578b; up to 808 TFLOP/s, above an H100 PCIe's 756 peak: an SXM part): its batched entries
+# of 16,384 rows (b=4 x m=4096, a 400m micro-batch's tokens), both operand orders, and for the
+# low end 8,192 rows (fewer output tiles, as the weight gradients'). Its top agrees with 794.5
+# TFLOP/s, mamf-finder's best shape (S. Bekman, "Machine Learning Engineering",
+# compute/accelerator/README.md, MAMF table), and torchao's 78% of peak = 771 TFLOP/s for large
+# GEMMs (pytorch/ao, torchao/testing/training/roofline_utils.py).
 HOPPER_MATMUL = _gemms(
     16384,
     {  # (n, k): ((16,384 rows: (n, k), (k, n)), (8,192 rows: the same)), TFLOP/s
@@ -147,25 +112,20 @@ HOPPER_MATMUL = _gemms(
         (4096, 4096): ((793.1,), (807.7,)),
     },
 )
-# Matmuls, A100 SXM4 80GB: cuBLASLt GEMMs of square shapes, fp16 (the same tensor-core peak as
-# bf16), from Azure's published ND A100 v4 results (github.com/Azure/AI-benchmarking-guide,
-# Azure_Results/ND_A100_v4_results.md, "GEMM CuBLASLt"; 1024^3, 119.4, is left out: its 64
-# output tiles leave 44 of 108 SMs idle, unlike any GEMM of these models). High: the best shape
-# mamf-finder found on an A100 SXM, 271.2 TFLOP/s at 1024 x 10240 x 5120 (ML Engineering's MAMF
-# table), an intensity (788 FLOP/B) inside the range of these GEMMs.
+# Matmuls, A100 SXM4 80GB: cuBLASLt fp16 GEMMs of square shapes (bf16's peak), Azure's ND A100 v4
+# results (github.com/Azure/AI-benchmarking-guide, Azure_Results/ND_A100_v4_results.md; 1024^3
+# left out: its 64 output tiles leave 44 of 108 SMs idle). High: mamf-finder's best A100 SXM
+# shape, 271.2 TFLOP/s at 1024 x 10240 x 5120 (ML Engineering's MAMF table, 788 FLOP/B).
 AMPERE_MATMUL = tuple(
     ((n, n, n), Spread(tflops * TERA, tflops * TERA, 271.2 * TERA))
     for n, tflops in ((2048, 221.8), (4096, 228.0), (8192, 253.7), (16384, 256.5))
 )
-# Attention, causal, forward + backward, TFLOP/s counted as FlashAttention's benchmarks count
-# them (and as the counter above does): causal half of 4 B H T^2 D forward, backward 2.5x.
-# FlashAttention-2 (what torch's SDPA runs first on these GPUs: it tries flash before cuDNN,
-# github.com/huggingface/transformers/pull/48163): the repository's own H100 and A100 figures
-# (github.com/Dao-AILab/flash-attention, assets/flash2_h100_fwd_bwd_benchmark.png and
-# flash2_a100_fwd_bwd_benchmark.png, panels "with causal mask", shown in its README). cuDNN on
-# H100 (torch's CUDNN_ATTENTION backend): the FlashAttention-3 paper (Shah et al. 2024,
-# arXiv:2407.08608), Figure 5 (forward with causal mask, BF16) and Figure 6 (backward; the paper
-# has no causal backward figure, so the unmasked one: the high end is optimistic by that much).
+# Attention, causal, forward + backward, TFLOP/s as FlashAttention's benchmarks (and the counter
+# above) count them: the causal half of 4 B H T^2 D forward, backward 2.5x. FlashAttention-2,
+# which SDPA tries before cuDNN (github.com/huggingface/transformers/pull/48163): its H100 and
+# A100 figures (github.com/Dao-AILab/flash-attention, assets/flash2_{h100,a100}_fwd_bwd_
+# benchmark.png, "with causal mask"). cuDNN on H100: the FlashAttention-3 paper (arXiv:2407.08608),
+# Figure 5 (causal forward) and 6 (backward, unmasked: the high end is optimistic by that much).
 SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384)
 HOPPER_ATTENTION = {
     64: {  # seq_len: (FA2 causal fwd+bwd, cuDNN causal fwd, cuDNN bwd)
@@ -236,11 +196,7 @@ def matmul_rate(device: str, m: int, n: int, k: int) -> Spread:
     """The FLOP/s a GEMM of this shape reaches: the measured rates interpolated by intensity."""
     anchors = sorted((intensity(*shape), rate) for shape, rate in RATES[device].matmul)
     at = intensity(m, n, k)
-    low, point, high = (
-        _log_interpolate([(x, getattr(r, f)) for x, r in anchors], at)
-        for f in ("low", "point", "high")
-    )
-    return Spread(low, point, high)
+    return Spread(*(_log_interpolate([(x, getattr(r, w)) for x, r in anchors], at) for w in WAYS))
 
 
 def attention_rate(device: str, head_dim: int, seq_len: int) -> Spread:
@@ -316,8 +272,7 @@ class _Counter(TorchDispatchMode):
             self._written.discard(key)
 
     def boundary(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor] = ()) -> None:
-        """Another kernel runs: what it reads of the element-wise work has been written, and
-        the element-wise ops after it are the next kernel."""
+        """Another kernel runs: what it reads has been written; the ops after it are the next."""
         for t in inputs:
             if _storage(t) in self._made:
                 self._write(_storage(t))
@@ -416,10 +371,9 @@ def count_micro_step(cfg: Config, micro_batch: int) -> tuple[dict[str, float], d
 def roofline(
     cfg: Config, micro_batch: int, grad_accum: int, device: str = "H100-SXM", world: int = 2
 ) -> dict[str, Any]:
-    """The per-class roofline of one optimizer step (grad_accum micro-steps + one AdamW step)
-    on one GPU of `device`, the MFU each bound implies, the prediction at achieved rates, and
-    the time DDP's gradient all-reduce over `world` GPUs on NVLink needs (overlapped with
-    backward, so not added)."""
+    """The per-class roofline of one optimizer step on one GPU of `device`, the MFU each bound
+    implies, the prediction at achieved rates, and DDP's all-reduce over `world` GPUs on NVLink
+    (overlapped with backward: not added)."""
     peak, bandwidth = DEVICES[device]
     counter = _count(cfg, micro_batch)
     model = build_model(cfg.model)
@@ -431,18 +385,12 @@ def roofline(
     traffic = offload_traffic(cfg, micro_batch, grad_accum, world)
     if traffic:  # the step runs on the CPU; the GPU waits for the copies
         copied = sum(sum(parts.values()) for parts in traffic.values())
-        rows[OFFLOAD_ROW] = {
-            "flops": 0.0,
-            "bytes": copied,
-            "ms": 1e3 * copied / PCIE5_X16_BYTES_PER_S,
-        }
+        ms = 1e3 * copied / PCIE5_X16_BYTES_PER_S
+        rows[OFFLOAD_ROW] = {"flops": 0.0, "bytes": copied, "ms": ms}
     else:
         opt_bytes = 28 * n_params  # fused AdamW, fp32: read p g m v, write p m v
-        rows["optimizer (AdamW)"] = {
-            "flops": 0.0,
-            "bytes": opt_bytes,
-            "ms": 1e3 * opt_bytes / bandwidth,
-        }
+        ms = 1e3 * opt_bytes / bandwidth
+        rows["optimizer (AdamW)"] = {"flops": 0.0, "bytes": opt_bytes, "ms": ms}
     tokens = micro_batch * grad_accum * cfg.model.seq_len
     model_flops = model.flops_per_token() * tokens
     causal_flops = model.flops_per_token(causal=True) * tokens
@@ -492,15 +440,11 @@ def achieved(
     model = cfg.model
     tp = target_plan(cfg, world).tp_degree
     attention = attention_rate(device, model.d_model // model.n_heads, model.seq_len)
-    # eager: the element-wise traffic is paid in full
     compiled = compiles(cfg.train, "cuda")
-    elementwise = (
-        grad_accum * counter.fused_bytes
-        if compiled
-        else sum(rows[c]["bytes"] for c in FUSED if c in rows)
-    )
+    eager = sum(rows[c]["bytes"] for c in FUSED if c in rows)  # the traffic paid in full
+    elementwise = grad_accum * counter.fused_bytes if compiled else eager
     classes: dict[str, dict[str, float]] = {}
-    for way in ("low", "point", "high"):
+    for way in WAYS:
         hbm = getattr(rates.hbm, way)
         gemms = _gemm_seconds(counter, device, way, hbm, tp, model.seq_len)
         times = {"matmul": grad_accum * gemms}
@@ -517,16 +461,18 @@ def achieved(
     if tp > 1:
         traffic = parallel_traffic(cfg, world, counter.micro_batch, grad_accum)
         classes = _split_over_tp(classes, traffic, tp, _fsdp_shards(cfg, world))
-    ms = {way: sum(c[way] for c in classes.values()) for way in ("low", "point", "high")}
+    ms = {way: sum(c[way] for c in classes.values()) for way in WAYS}
     flops, causal = (f / tp for f in model_flops)  # one GPU's share of the model's FLOPs
     mfu = lambda f, way: f / (ms[way] / 1e3) / DEVICES[device][0]  # noqa: E731
     matmul_flops = sum(calls * 2 * m * n * k for (m, n, k), calls in counter.gemms.items()) / tp
+    matmul = classes["matmul"]
+    per_s = {w: grad_accum * matmul_flops / (t / 1e3) if t else 0.0 for w, t in matmul.items()}
     return {
         "tensor_parallel": tp,
         "parallel_traffic": traffic,
         # low rates give the slow end: "low"/"high" below name the rates a figure comes from
         "rates": {
-            "matmul_flops_per_s": _effective(matmul_flops, classes["matmul"], grad_accum),
+            "matmul_flops_per_s": per_s,
             "attention_flops_per_s": dataclasses.asdict(attention),
             "hbm_bytes_per_s": dataclasses.asdict(rates.hbm),
         },
@@ -554,10 +500,9 @@ def _gemm_seconds(
 
 
 def tp_shape(shape: tuple[int, int, int], tp: int, tokens: int) -> tuple[int, int, int]:
-    """One tensor-parallel rank's part of a (m, n, k) GEMM of the whole model: every rank
-    multiplies all the tokens (sequence parallelism gathers them first) by 1/tp of a weight,
-    cut along heads x head_dim, the SwiGLU width or the vocabulary, which in a Llama shape is
-    the weight's wider side (or equal): the largest dimension that is not the token count."""
+    """One tensor-parallel rank's part of a (m, n, k) GEMM of the whole model: all the tokens
+    times 1/tp of a weight, cut along its wider side (heads, SwiGLU width or vocabulary): the
+    largest dimension that is not the token count."""
     if tp == 1:
         return shape
     widths = [i for i, d in enumerate(shape) if d != tokens] or [0, 1, 2]
@@ -567,8 +512,6 @@ def tp_shape(shape: tuple[int, int, int], tp: int, tokens: int) -> tuple[int, in
 
 def _fsdp_shards(cfg: Config, world: int) -> int:
     """Ranks FSDP2 shards a tensor-parallel rank's parameters over (HSDP: the shard dim)."""
-    from scale_llm.analysis.memory.estimate import layout_of
-
     return layout_of(cfg, target_plan(cfg, world)).shards
 
 
@@ -579,12 +522,9 @@ FSDP_ROW = "FSDP2 collectives (network, exposed beyond compute)"
 def _split_over_tp(
     classes: dict[str, dict[str, float]], traffic: dict[str, Any], tp: int, shards: int
 ) -> dict[str, dict[str, float]]:
-    """One GPU's step under tensor parallelism x FSDP2: the counted work of the whole model
-    divided over the tp ranks (the matmuls already priced at a rank's shapes), AdamW over the
-    rank's FSDP2 shard (1 / (tp x shards) of the model), then the communication. The tensor-
-    parallel collectives sit between the matmuls that need their results and the step waits
-    for them: all exposed. FSDP2's gathers and reduce-scatters run on their own streams under
-    the compute: only what exceeds the compute is exposed."""
+    """One GPU's step under tensor parallelism x FSDP2: the counted work over the tp ranks (the
+    matmuls already at a rank's shapes), AdamW over the rank's shard, then the communication:
+    tensor parallelism's all exposed (the matmuls wait for it), FSDP2's beyond the compute."""
     out: dict[str, dict[str, float]] = {}
     for cls, ms in classes.items():
         if cls == "matmul":
@@ -593,14 +533,10 @@ def _split_over_tp(
             out[cls] = {w: t / (tp * shards) for w, t in ms.items()}
         else:
             out[cls] = {w: t / tp for w, t in ms.items()}
-    compute = {w: sum(c[w] for c in out.values()) for w in ("low", "point", "high")}
+    compute = {w: sum(c[w] for c in out.values()) for w in WAYS}
     out[TP_ROW] = {w: traffic["tp_ms"] for w in compute}
     out[FSDP_ROW] = {w: max(0.0, traffic["fsdp_ms"] - t) for w, t in compute.items()}
     return out
-
-
-def _effective(flops: float, ms: dict[str, float], grad_accum: int) -> dict[str, float]:
-    return {way: grad_accum * flops / (t / 1e3) if t else 0.0 for way, t in ms.items()}
 
 
 OFFLOAD_ROW = "offload copies (PCIe)"
@@ -609,12 +545,10 @@ OFFLOAD_ROW = "offload copies (PCIe)"
 def offload_traffic(
     cfg: Config, micro_batch: int, grad_accum: int, world: int
 ) -> dict[str, dict[str, float]]:
-    """Host <-> GPU bytes per optimizer step of ZeRO-1/2 optimizer offload, by direction and
-    reason ({} for any other layout)."""
+    """Host <-> GPU bytes per step of ZeRO-1/2 optimizer offload by direction and reason, or {}."""
     ds = cfg.parallel.deepspeed
-    if cfg.parallel.backend != "deepspeed" or ds.offload_optimizer != "cpu":
-        return {}
-    if ds.zero_stage not in (1, 2):
+    offloads = cfg.parallel.backend == "deepspeed" and ds.offload_optimizer == "cpu"
+    if not offloads or ds.zero_stage not in (1, 2):
         return {}
     plan = dataclasses.replace(
         target_plan(cfg, world), micro_batch_size=micro_batch, grad_accum=grad_accum
@@ -644,7 +578,8 @@ def format_roofline(r: dict[str, Any]) -> str:
             f"({OFFLOAD_ROW}: at PCIe 5.0 x16's {PCIE5_X16_BYTES_PER_S / 1e9:.0f} GB/s each way, "
             f"one after another; the AdamW step on the CPU is not in the totals)"
         )
-    if r["achieved"].get("tensor_parallel", 1) > 1:
+    split = r["achieved"].get("tensor_parallel", 1) > 1
+    if split:
         lines.append("(the table and bounds: the whole model's work on one GPU, no communication)")
     allreduce = (
         f"; gradient all-reduce over {r['world']} GPUs on NVLink: {r['allreduce_ms']:.1f} ms "
@@ -654,7 +589,7 @@ def format_roofline(r: dict[str, Any]) -> str:
         f"bounds: {r['eager_ms']:.0f} ms eager (MFU {r['mfu_eager']:.0%}, causal "
         f"{r['mfu_causal_eager']:.0%}) .. {r['matmul_bound_ms']:.0f} ms matmul-bound (MFU "
         f"{r['mfu_matmul_bound']:.0%}, causal {r['mfu_causal_matmul_bound']:.0%})"
-        + ("" if r["achieved"].get("tensor_parallel", 1) > 1 else allreduce)
+        + ("" if split else allreduce)
     )
     lines += format_achieved(r["achieved"])
     lines.append(
@@ -708,19 +643,14 @@ NETWORK_BYTES_PER_S = 400e9 / 8  # 400 Gb/s per GPU between nodes (one InfiniBan
 
 def parallel_traffic(cfg: Config, world: int, micro_batch: int, grad_accum: int) -> dict[str, Any]:
     """Bytes each GPU sends per optimizer step under FSDP2 x tensor parallelism, and their least
-    time: tensor parallelism's over NVLink (per block, with sequence parallelism, 2 all-gathers
-    and 2 reduce-scatters of the (B, T, d_model) activations in forward, as many in backward,
-    and the forward's again for a recomputed block), FSDP2's over the network (the 16-bit
-    parameters all-gathered for forward and, with `reshard_after_forward`, again for backward,
-    every micro-step; the fp32 gradients reduce-scattered every micro-step, or once per step
-    with `reduce_every_micro_step: false`). A ring moves (n - 1) / n of the tensor per GPU."""
-    from scale_llm.parallel.activation_checkpointing import checkpointed_blocks
-
+    time: tensor parallelism's over NVLink (4 collectives of the activations per block forward,
+    4 backward, 4 recomputed), FSDP2's gathers and reduce-scatters over the network; a ring
+    moves (n - 1) / n of the tensor per GPU."""
     m, tp = cfg.model, target_plan(cfg, world).tp_degree
     dp = world // tp
     c = 2 if cfg.train.precision != "fp32" else 4
     activation = c * micro_batch * m.seq_len * m.d_model
-    recomputed = len(checkpointed_blocks(cfg.activation_checkpointing, m.n_layers))
+    recomputed = checkpointed_count(m, cfg.activation_checkpointing)
     collectives = 8 * m.n_layers + 4 * recomputed  # 4 forward + 4 backward per block
     tp_bytes = grad_accum * collectives * activation * (tp - 1) / tp if tp > 1 else 0.0
     local = ParamCounts.of(m, tp).total
