@@ -1,13 +1,9 @@
 """`scale-llm bench`: training throughput of a config on synthetic tokens (no data needed).
 
-Runs the same optimizer step as the trainer (same backend, precision, accumulation and
-checkpointing) on random tokens, and reports tokens/s, ms per step, MFU and peak memory.
-`--reference` times that step against a bare PyTorch loop of the same model, side by side;
-`--reference gpt2` against a bare loop over a GPT-2-style model of the same widths (LayerNorm,
-learned positions, 4d GELU MLP: what the lean single-file trainers run), compared per FLOP;
-`--reference eager` the framework's step compiled (`train.compile`) against the same step eager;
-`--reference scaling` (under torchrun) the step of N processes against one of them alone;
-`--sweep` tabulates micro-batch x checkpointing x compile against the memory estimate.
+The trainer's optimizer step (same backend, precision, accumulation and checkpointing) on random
+tokens: tokens/s, ms per step, MFU and peak memory. `--reference` times it against a bare loop
+(of the same model, or of a GPT-2-style one), compiled against eager, or N processes against
+one; `--sweep` tabulates layouts against the memory estimate; `--checkpoint-io` times saves.
 """
 
 from __future__ import annotations
@@ -54,10 +50,8 @@ def synchronize(device: torch.device) -> None:
 
 def fresh_start(device: torch.device) -> None:
     """Before a measurement in a process that measured something else: free the last one's
-    models (compiled and checkpointed blocks hold reference cycles, which only the cycle
-    collector frees; CUDA's peak counter would start above zero) and forget what torch.compile
-    saw (code compiled again for other shapes is compiled with dynamic shapes, and every
-    recompilation counts to its limit). Compiled kernels stay cached on disk."""
+    models (compiled and checkpointed blocks hold reference cycles) and forget what torch.compile
+    saw (other shapes would compile with dynamic shapes, each recompilation counting to a limit)."""
     gc.collect()
     torch._dynamo.reset()
     if device.type == "cuda":
@@ -80,12 +74,9 @@ def bench(cfg: Config, plan: RunPlan, steps: int = 10, warmup: int = 3) -> dict[
     gen = torch.Generator(device=device).manual_seed(cfg.run.seed + plan.rank)
 
     def batches():
-        out = []
-        for _ in range(plan.grad_accum):
-            shape = (plan.micro_batch_size, m.seq_len + 1)
-            tokens = torch.randint(0, m.vocab_size, shape, generator=gen, device=device)
-            out.append((tokens[:, :-1], tokens[:, 1:]))
-        return out
+        shape = (plan.micro_batch_size, m.seq_len + 1)
+        draw = lambda: torch.randint(0, m.vocab_size, shape, generator=gen, device=device)
+        return [(t[:, :-1], t[:, 1:]) for t in (draw() for _ in range(plan.grad_accum))]
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -115,14 +106,10 @@ def bench(cfg: Config, plan: RunPlan, steps: int = 10, warmup: int = 3) -> dict[
     return result
 
 
-# ----------------------------------------------------------------------------- --reference
-
-
 def reference_step(
     model: torch.nn.Module, optimizer, batches, grad_clip: float, loss_fn=plain_cross_entropy
 ) -> torch.Tensor:
-    """A bare PyTorch training step: no backend, no guards, no metrics, no schedule; the
-    textbook loss unless given another."""
+    """A bare PyTorch training step: no backend, guards, metrics or schedule."""
     total = torch.zeros((), device=batches[0][0].device)
     for inputs, targets in batches:
         loss = loss_fn(model(inputs), targets) / len(batches)
@@ -136,8 +123,7 @@ def reference_step(
 
 
 class GPT2Block(torch.nn.Module):
-    """A GPT-2 block as the single-file trainers write it: pre-LayerNorm, fused qkv, causal
-    sdpa, 4d GELU MLP, no biases (nanoGPT's bias=False)."""
+    """A GPT-2 block as nanoGPT writes it: pre-LayerNorm, fused qkv, sdpa, GELU MLP, no bias."""
 
     def __init__(self, d: int, heads: int):
         super().__init__()
@@ -197,17 +183,10 @@ def bench_reference(
     rounds: int = 5,
     kind: str = "bare",
 ) -> dict[str, Any]:
-    """The framework's optimizer step against a reference, the same batches, timed in one
-    process, interleaved (framework, reference, reference, framework, ...), best of `rounds`;
-    also the median over the rounds of the two neighbours' ratio, with a bootstrap 95% interval.
-
-    kind "bare": the same model with the same activation checkpointing / compile in a bare loop
-    (the overhead of the framework itself, in %). kind "gpt2": a GPT-2-style model of the same
-    widths in the bare loop (compiled per block when train.compile is on, never checkpointed);
-    the two models' FLOPs differ by a few %, so they are compared as model FLOP/s. kind "eager":
-    the framework's step with train.compile on against the same step eager (the same backend,
-    weights and batches): what compiling buys on this machine (< 0: compiled is faster). One
-    process only."""
+    """The framework's step against a reference on the same batches, interleaved in one process,
+    best of `rounds`, with the median of the rounds' ratios and its bootstrap 95% interval:
+    "bare" (the same model in a bare loop: the overhead, in %), "gpt2" (a GPT-2-style model of
+    the same widths, per FLOP), "eager" (compiled against eager; < 0: compiled is faster)."""
     if plan.world_size != 1:
         raise UserError(
             f"bench --reference {kind} compares one process; launch it without torchrun (under "
@@ -274,10 +253,6 @@ def bench_reference(
     )
     best = {name: min(seconds) for name, seconds in times.items()}
     tokens = plan.tokens_per_step
-    tflops = {
-        "framework": flops_framework * tokens / best["framework"] / 1e12,
-        "reference": flops_reference * tokens / best["reference"] / 1e12,
-    }
     # time per FLOP of the framework over the reference's, in each round (its two runs were
     # neighbours, so a machine that slows for a while slows both): their median is the
     # steadier figure on a shared machine; best-of-rounds is the classic one
@@ -298,8 +273,8 @@ def bench_reference(
         "flops_per_token_reference": flops_reference,
         "ms_per_step_framework": best["framework"] * 1e3,
         "ms_per_step_reference": best["reference"] * 1e3,
-        "model_tflops_framework": tflops["framework"],
-        "model_tflops_reference": tflops["reference"],
+        "model_tflops_framework": flops_framework * tokens / best["framework"] / 1e12,
+        "model_tflops_reference": flops_reference * tokens / best["reference"] / 1e12,
         # bare: time overhead of the framework; gpt2: how much less FLOP/s it gets (< 0: more);
         # eager: compiled step time over eager's (< 0: compiled is faster)
         "overhead_percent": (best_ratio - 1) * 100,
@@ -314,9 +289,8 @@ def bench_reference(
 def median_interval(
     values: list[float], resamples: int = 2000, seed: int = 0
 ) -> tuple[float, float]:
-    """A bootstrap 95% interval of the median of `values` (percentile method, a fixed seed so
-    a report can be reproduced from its rounds): it says whether a few-% difference on a
-    shared machine is there at all."""
+    """A bootstrap 95% interval of the median of `values` (percentile method, a fixed seed): it
+    says whether a few-% difference on a shared machine is there at all."""
     rng = random.Random(seed)
     medians = sorted(
         statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples)
@@ -327,9 +301,8 @@ def median_interval(
 def interleaved_times(
     fns: dict[str, Any], rounds: int, steps: int, device: torch.device, before=None
 ) -> dict[str, list[float]]:
-    """Seconds per step of each function in each round: `steps` steps each, in turn, the order
-    reversed every other round (so neither always runs on the other's leftovers); `before` is
-    called ahead of each timed run (scaling: a barrier)."""
+    """Seconds per step of each function in each round, the order reversed every other round
+    (neither always runs on the other's leftovers); `before` runs ahead of each (a barrier)."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     for r in range(rounds):
         for name in list(fns) if r % 2 == 0 else list(fns)[::-1]:
@@ -345,21 +318,13 @@ def interleaved_times(
     return times
 
 
-# ----------------------------------------------------------------------------- --reference scaling
-
-
 def bench_scaling(
     cfg: Config, plan: RunPlan, steps: int = 10, warmup: int = 3, rounds: int = 5
 ) -> dict[str, Any]:
-    """Weak scaling of this launch: its optimizer step on all N ranks (the plan's backend, each
-    rank its own micro-batches) against the same per-rank step on rank 0 alone (the one-process
-    backend on the same device; the other ranks wait), interleaved, best of `rounds`.
-
-    Efficiency = step time alone / step time together = tokens/s of the N ranks over N times
-    the tokens/s of one (1.0: the N ranks lose nothing to communication or to each other), with
-    the median of the rounds' pairs and its bootstrap 95% interval. Rank 0 holds both models.
-    Under DDP both compute the same (equal first losses); FSDP2's and DeepSpeed's bf16
-    parameters are their own arithmetic next to the one-process backend's autocast."""
+    """Weak scaling: this launch's step on all N ranks against the same per-rank step on rank 0
+    alone (the others wait), interleaved, best of `rounds`; efficiency = time alone / together
+    (1.0: nothing lost), with the median of the rounds' pairs and its bootstrap 95% interval.
+    Rank 0 holds both models; only DDP's first losses match the one-process backend's."""
     import torch.distributed as dist
 
     if plan.world_size < 2:
@@ -442,9 +407,6 @@ SCALING_NEEDS_A_WORLD = (
 )
 
 
-# ----------------------------------------------------------------------------- --sweep
-
-
 BACKENDS = ("single", "ddp", "fsdp", "zero0", "zero1", "zero2", "zero3")
 
 
@@ -504,27 +466,15 @@ def sweep_axes(micro: str, modes: str, compiles: str) -> tuple[list[int], list[s
             )
         return values
 
+    size = lambda x: int(x) if x.isdigit() and int(x) >= 1 else None
+    mode = lambda x: x if x in CHECKPOINTING_MODES else None
+    flag = lambda x: _BOOLS.get(x.lower())
     sizes = entries(
-        "--sweep-micro",
-        micro,
-        lambda x: int(x) if x.isdigit() and int(x) >= 1 else None,
-        "a micro-batch size",
-        "integers >= 1, e.g. 1,2,4,8",
+        "--sweep-micro", micro, size, "a micro-batch size", "integers >= 1, e.g. 1,2,4,8"
     )
-    ac = entries(
-        "--sweep-ac",
-        modes,
-        lambda x: x if x in CHECKPOINTING_MODES else None,
-        "a checkpointing mode",
-        ", ".join(CHECKPOINTING_MODES),
-    )
-    compiled = entries(
-        "--sweep-compile",
-        compiles,
-        lambda x: _BOOLS.get(x.lower()),
-        "true or false",
-        "true, false (or yes / no, 1 / 0), e.g. false,true",
-    )
+    ac = entries("--sweep-ac", modes, mode, "a checkpointing mode", ", ".join(CHECKPOINTING_MODES))
+    accepted = "true, false (or yes / no, 1 / 0), e.g. false,true"
+    compiled = entries("--sweep-compile", compiles, flag, "true or false", accepted)
     if problems:
         raise UserError("; ".join(problems))
     return sizes, ac, compiled
@@ -540,9 +490,8 @@ def bench_sweep(
     warmup: int = 2,
     backends: list[str] | None = None,
 ) -> list[dict[str, Any]]:
-    """`bench` over backend x micro-batch x activation-checkpointing mode x compile (grad_accum
-    1), each row with the estimator's prediction next to the measured peak. Out-of-memory is a
-    row. `backends` (`--sweep-backend`): names of BACKENDS; default the plan's own."""
+    """`bench` over backend x micro-batch x checkpointing x compile (grad_accum 1), each row with
+    the estimate beside the measured peak; out-of-memory is a row. `backends`: of BACKENDS."""
     from scale_llm.analysis.memory import estimate
     from scale_llm.analysis.memory.estimate import estimate_layout
     from scale_llm.components.distributed import start
@@ -612,35 +561,22 @@ COLUMNS = [
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     """The sweep as a markdown table (docs/benchmarks.md); OOM rows say so."""
     lines = ["| " + " | ".join(c[1] for c in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+
+    def cell(row: dict[str, Any], key: str, fmt: str) -> str:
+        if row.get(key) is None:
+            return "OOM" if row.get("oom") else "-"
+        return fmt.format(row[key])
+
     for row in rows:
-        cells = []
-        for key, _, fmt in COLUMNS:
-            value = row.get(key)
-            cells.append(
-                "OOM"
-                if row.get("oom") and value is None
-                else ("-" if value is None else fmt.format(value))
-            )
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(cell(row, key, fmt) for key, _, fmt in COLUMNS) + " |")
     return "\n".join(lines)
 
 
-# ----------------------------------------------------------------------------- --checkpoint-io
-
-
 def bench_checkpoint(cfg: Config, plan: RunPlan, directory: Path, rounds: int = 2) -> list[dict]:
-    """Time checkpoint saves (model + AdamW state, fsynced) with and without the integrity
-    record, and in the background (checkpoint.async_mode), interleaved `rounds` times each, in
-    a new private folder inside `directory` (removed afterwards: nothing that was in
-    `directory` before is touched).
-
-    "plain": save + fsync. "with record": as `Checkpointer.save` does in the foreground: the
-    save hashing DCP's files as it writes them, then the other files hashed while the tree is
-    fsynced, and the record written. The cost of hashing every file after the save (the record
-    without the digests taken during the writes) and the verification on load are timed too.
-    "async" and "async_with_pinned_mem": `Checkpointer.save` with a background write, as
-    training does it: `blocking_s` is what holds the step (the copy to host memory), `save_s`
-    the time until the checkpoint is published (`_time_background_saves`)."""
+    """Time checkpoint saves, `rounds` times each, interleaved, in a new private folder inside
+    `directory` (removed afterwards): "plain" (save + fsync), "with record" (as
+    `Checkpointer.save` in the foreground; the record alone and its check timed too), "async" /
+    "async_with_pinned_mem" (`blocking_s` holds the step, `save_s` until it is published)."""
     check_host_memory(cfg, plan, staging=1)
     backend = build_backend(cfg, plan)
     model = backend.setup(build_model(cfg.model))
@@ -693,50 +629,39 @@ def _time_checkpoints(backend, plan: RunPlan, private: Path, rounds: int) -> lis
 
 
 def _time_foreground_save(backend, main: bool, directory: Path, kind: str) -> dict[str, Any]:
+    from scale_llm.components import checkpoint as ck
     from scale_llm.components import digests
-    from scale_llm.components.checkpoint import (
-        damage,
-        finish_record,
-        fsync_tree,
-        gather_records,
-        integrity_record,
-        write_integrity,
-        written_entries,
-    )
     from scale_llm.components.distributed import barrier, rank_and_world
 
+    plain = kind == "plain"
     start = time.perf_counter()
-    if kind == "plain":
+    with contextlib.nullcontext() if plain else digests.recording() as hashed:
         backend.save(directory)
-        barrier()
-        written = time.perf_counter()
+    barrier()
+    written = time.perf_counter()
+    if plain and main:
+        ck.fsync_tree(directory)
+    elif not plain:  # as Checkpointer.save
+        record = ck.finish_record(directory, hashed, main)
         if main:
-            fsync_tree(directory)
-    else:  # as Checkpointer.save
-        with digests.recording() as hashed:
-            backend.save(directory)
-        barrier()
-        written = time.perf_counter()
-        record = finish_record(directory, hashed, main)
-        if main:
-            write_integrity(directory, record)
+            ck.write_integrity(directory, record)
     barrier()
     done = time.perf_counter()
     row = {"blocking_s": done - start, "save_s": done - start, "write_s": written - start}
     if kind == "with record":  # (outside the timed save from here on)
-        during = gather_records(written_entries(directory, hashed))
+        during = ck.gather_records(ck.written_entries(directory, hashed))
         row["hashed_while_writing_gb"] = sum(e["size"] for e in during.values()) / 1e9
         # the wall time the record added: writers stalled on hashing, and what follows
         # the write (the other files hashed, fsync, the record written)
         row["hash_stall_s"] = hashed.stalled_s
         row["after_write_s"] = done - written
         t0 = time.perf_counter()
-        gather_records(integrity_record(directory, *rank_and_world()))  # hashing alone
+        ck.gather_records(ck.integrity_record(directory, *rank_and_world()))  # hashing alone
         barrier()
         row["record_alone_s"] = time.perf_counter() - t0
         if main:
             t0 = time.perf_counter()
-            assert damage(directory) is None
+            assert ck.damage(directory) is None
             row["verify_s"] = time.perf_counter() - t0
     return row
 
@@ -744,11 +669,9 @@ def _time_foreground_save(backend, main: bool, directory: Path, kind: str) -> di
 def _time_background_saves(
     backend, main: bool, directory: Path, background, kind: str
 ) -> dict[str, Any]:
-    """A save as the trainer makes it with checkpoint.async_mode=`kind` (into directory/
-    checkpoints/): until `save` returns (`blocking_s`), then until it is published. The kept
-    copy of async_with_pinned_mem lives for the round only (two copies alive at once would
-    not be a run's memory): its first save, which allocates it, is `first_blocking_s`; the
-    timed one is the next, as every later save of a run."""
+    """A save as the trainer makes it with checkpoint.async_mode=`kind`: until `save` returns
+    (`blocking_s`), then until it is published. async_with_pinned_mem's kept copy lives for the
+    round only; its first save, which allocates it, is `first_blocking_s`, the next is timed."""
     from scale_llm.components.checkpoint import Checkpointer, damage
     from scale_llm.components.distributed import barrier
     from scale_llm.components.serialization import kept_stager
@@ -783,8 +706,7 @@ def _gigabytes(directory: Path) -> float:
 
 @contextlib.contextmanager
 def shared_private_dir(parent: Path, prefix: str, is_main: bool) -> Iterator[Path]:
-    """`files.private_dir` made by the main rank, its path given to every rank (one host's
-    ranks, or ranks sharing a file system), removed by the main rank at the end."""
+    """`files.private_dir` made and removed by the main rank, its path given to every rank."""
     import torch.distributed as dist
 
     from scale_llm.components.distributed import barrier, is_distributed

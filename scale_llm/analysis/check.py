@@ -1,31 +1,9 @@
 """`scale-llm check OUT_DIR` (`launch/gpu-check.sh`): what anyone with a GPU runs first.
 
-First a preflight (seconds): what would make the rest fail or mislead, each with its fix: the
-compiler toolchain, the GPUs torch sees against those the machine lists, /dev/shm in a container
-(NCCL's shared memory), the host memory the optimizer-offload layout needs, free disk.
-Then on one GPU, in a few minutes, in this order (the most telling numbers first):
-  (a) curves: tiny.yaml for a few steps on the CPU in fp32 (the reference), then on the GPU in
-      bf16 and fp16, eager and compiled; each must lower the loss and start within a tolerance
-      of the CPU curve;
-  (b) sweep: `bench` rows of 400m.yaml, each with the memory estimate beside the measured
-      peak: the headline layout (micro-batch 16, no recomputation, compiled), the same eager;
-  (c) reference: the headline layout's step against a bare PyTorch loop of the same model;
-  (d) parameter dtype: the same under FSDP2 at world size 1 (bf16 parameters, fp32 master
-      weights) against (b)'s first row (fp32 parameters under autocast);
-  (e) scaling: on a machine with two or more GPUs, the headline layout's DDP step on two
-      against one of them alone (`bench --reference scaling`, a torchrun launch of its own);
-  then the rest of (b): micro-batch 8 and 32, full and selective checkpointing.
-Without a GPU the same runs on the CPU at tiny size (fp32, eager and compiled; (e) on two CPU
-processes), which is how the test suite runs it.
-
-Every item is tried on its own: one that fails records its error and the rest go on, and the
-report (OUT_DIR/report.json, report.md, with the whole log in check.log) is rewritten after each,
-so a run stopped at a time limit still leaves what it measured. With `budget_minutes`, no item
-starts after that much time. Scratch data and runs go to `scratch`, outside OUT_DIR.
-
-OUT_DIR is new, empty, or an earlier check's (its report files are the only ones replaced);
-the runs go to a new folder in `scratch` (`runs-XXXX`, marked as the check's), and an earlier
-check's runs folders, recognized by that mark, are the only things removed there.
+A preflight, then the sections of SECTIONS, the most telling numbers first (docs/performance.md,
+"The GPU check"); without a GPU the same at tiny size on the CPU. Each item is tried alone and
+the report rewritten after each, so a stopped check keeps what it measured. OUT_DIR is new,
+empty or an earlier check's; the runs go to a marked `runs-XXXX` folder in `scratch`.
 """
 
 from __future__ import annotations
@@ -101,9 +79,7 @@ class Report:
         t0 = time.perf_counter()
         elapsed = t0 - self.started
         if self.budget_s is not None and elapsed > self.budget_s:
-            log.warning(
-                "check: %s: skipped (%.0f s > budget %.0f s)", label, elapsed, self.budget_s
-            )
+            log.warning(f"check: {label}: skipped ({elapsed:.0f} s > budget {self.budget_s:.0f} s)")
             row = {"label": label, "skipped": f"over the time budget ({elapsed:.0f} s)"}
         else:
             try:
@@ -119,10 +95,8 @@ class Report:
 
     def save(self) -> None:
         self.data["seconds"] = time.perf_counter() - self.started
-        curves = self.data.get("curves", [])
-        self.data["ok"] = (
-            all(c.get("ok") for c in curves) and not self.data["errors"] and self.data["finished"]
-        )
+        curves_ok = all(c.get("ok") for c in self.data.get("curves", []))
+        self.data["ok"] = curves_ok and not self.data["errors"] and self.data["finished"]
         # OUT is the check's (claim_out); whole files only: a run killed at its time limit while
         # saving keeps the last report
         atomic_write_json(self.out / "report.json", self.data)
@@ -156,17 +130,13 @@ def run_check(
             report.attempt("prepare", "tiny.yaml's data", lambda: prepared(tiny))
             curves(report, tiny, cuda)
         big = load_config(YAML / "400m.yaml") if cuda else tiny
-        one_step = {"train.grad_accum": 1, "train.global_batch_size": None}
-        big = with_changes(
-            big, {"parallel.backend": "single", "parallel.tensor_parallel": 1, **one_step}
-        )
+        single = {"parallel.backend": "single", "parallel.tensor_parallel": 1}
+        big = with_changes(big, {**single, "train.grad_accum": 1, "train.global_batch_size": None})
         rows = (GPU_SWEEP if cuda else CPU_SWEEP) if "sweep" in wanted else []
         for mb, mode, compiled in rows[:2]:  # the headline layout, compiled and eager
             sweep(report, big, mb, mode, compiled)
-        headline = GPU_SWEEP[0] if cuda else CPU_SWEEP[0]
-        ref = with_changes(
-            big, {"train.micro_batch_size": headline[0], "train.compile": headline[2]}
-        )
+        mb, _, compiled = GPU_SWEEP[0] if cuda else CPU_SWEEP[0]  # the headline layout
+        ref = with_changes(big, {"train.micro_batch_size": mb, "train.compile": compiled})
         if "reference" in wanted:
             report.attempt("reference", "bare loop", lambda: reference_row(ref))
         if "param_dtype" in wanted:
@@ -187,27 +157,22 @@ DISK_NEEDED = 10 * 10**9  # the check's data, runs and one 400m checkpoint, with
 
 
 def preflight(cuda: bool, scratch: Path, out: Path) -> list[dict[str, Any]]:
-    """Rows {item, ok, found, fix}: what would fail or mislead the rest of the check (and the
-    first real run), found in seconds."""
+    """Rows {item, ok, found, fix}: what would fail or mislead the check (and a first run)."""
     from scale_llm.components.hardware import host_available_bytes
     from scale_llm.parallel.compile import toolchain_problem
 
     device = torch.device("cuda" if cuda else "cpu")
-    rows = []
     problem = toolchain_problem(device)
-    rows.append(
+    available, need = host_available_bytes(), offload_host_bytes()
+    rows = [
         _row(
             "toolchain",
             problem is None,
             f"torch.compile builds kernels on {device.type}" if problem is None else problem,
             "install what it names, or run with train.compile=false (auto goes eager by itself)",
-        )
-    )
-    rows.append(_gpus_row(cuda))
-    rows.append(_shm_row(cuda))
-    available = host_available_bytes()
-    need = offload_host_bytes()
-    rows.append(
+        ),
+        _gpus_row(cuda),
+        _shm_row(cuda),
         _row(
             "host memory",
             not cuda or available is None or available >= need,
@@ -215,8 +180,8 @@ def preflight(cuda: bool, scratch: Path, out: Path) -> list[dict[str, Any]]:
             f"{_gib(need)} (scale-llm estimate yaml/7b-1xh200.yaml --world-size 1"
             + (")" if cuda else "; no GPU here to offload from)"),
             "offload layouts need a larger host; the other configs keep their state on the GPUs",
-        )
-    )
+        ),
+    ]
     for what, where in (("scratch", scratch), ("report", out)):
         free = shutil.disk_usage(where).free
         rows.append(
@@ -289,8 +254,7 @@ OUT_KIND, RUNS_KIND = "check report", "check runs"
 
 def claim_out(out: Path) -> None:
     """OUT_DIR becomes the check's: new, empty, or an earlier check's (marked, or holding only
-    report files whose report.json reads as a check's). Anything else is refused before any
-    work, so a check never writes its report over files it did not write."""
+    its report files); anything else is refused before any work."""
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise UserError(f"check OUT {out} is {describe_kind(out)}; give a folder for the report")
     if not out.exists():
@@ -322,9 +286,8 @@ def _is_check_report(path: Path) -> bool:
 
 
 def new_runs_dir(scratch: Path) -> Path:
-    """A new runs folder in `scratch`, marked as the check's; the earlier check's runs folders
-    (that mark alone proves them the check's) are removed first. Nothing else in `scratch` is
-    touched: its data dir is prepare's (reused when up to date)."""
+    """A new runs folder in `scratch`, marked as the check's, after removing the earlier ones
+    (that mark alone proves them the check's); nothing else in `scratch` is touched."""
     if scratch.is_symlink() or (scratch.exists() and not scratch.is_dir()):
         raise UserError(f"--scratch {scratch} is {describe_kind(scratch)}; give a folder")
     scratch.mkdir(parents=True, exist_ok=True)
@@ -337,22 +300,11 @@ def new_runs_dir(scratch: Path) -> Path:
 
 
 def tiny_config(scratch: Path, runs: Path, steps: int, overrides: list[str]) -> Config:
-    return load_config(
-        YAML / "tiny.yaml",
-        [
-            f"data.dir={scratch / 'data'}",
-            f"run.dir={runs}",
-            f"train.max_steps={steps}",
-            "train.warmup_steps=2",
-            "logging.every=1",
-            "logging.tensorboard=false",
-            "eval.every=0",
-            "eval.sample_every=0",  # (a sample is one more compile for each compiled curve)
-            "checkpoint.every=0",
-            "checkpoint.resume=never",
-            *overrides,
-        ],
-    )
+    where = [f"data.dir={scratch / 'data'}", f"run.dir={runs}", f"train.max_steps={steps}"]
+    quiet = ["train.warmup_steps=2", "logging.every=1", "logging.tensorboard=false", "eval.every=0"]
+    # no samples (each would be one more compile for each compiled curve), no checkpoints
+    quiet += ["eval.sample_every=0", "checkpoint.every=0", "checkpoint.resume=never"]
+    return load_config(YAML / "tiny.yaml", [*where, *quiet, *overrides])
 
 
 def prepared(cfg: Config) -> dict[str, Any]:
@@ -362,36 +314,24 @@ def prepared(cfg: Config) -> dict[str, Any]:
 
 def curves(report: Report, cfg: Config, cuda: bool) -> None:
     """Short tiny.yaml runs: CPU fp32 first, then each device variant against it."""
-    variants = [("cpu", "fp32", False)]
-    if cuda:  # (fp32 on a GPU is nobody's training setting; the CPU's fp32 is the reference)
-        variants += [("cuda", p, c) for p in ("bf16", "fp16") for c in (False, True)]
-    else:
-        variants += [("cpu", "fp32", True)]
+    # (fp32 on a GPU is nobody's training setting; the CPU's fp32 is the reference)
+    gpu = [("cuda", p, c) for p in ("bf16", "fp16") for c in (False, True)]
+    variants = [("cpu", "fp32", False), *(gpu if cuda else [("cpu", "fp32", True)])]
     reference: list[dict[int, float]] = []
     for device, precision, compiled in variants:
         name = f"check-{device}-{precision}-{'compiled' if compiled else 'eager'}"
-        changes = {
-            "run.name": name,
-            "train.device": device,
-            "train.precision": precision,
-            "train.compile": compiled,
-        }
+        changes = {"run.name": name, "train.device": device, "train.precision": precision}
+        changes["train.compile"] = compiled
         row = report.attempt("curves", name, functools.partial(curve_row, cfg, changes, reference))
         if "first_loss" in row:
-            log.info(
-                "check: %s: loss %.4f -> %.4f, %s",
-                name,
-                row["first_loss"],
-                row["last_loss"],
-                "ok" if row["ok"] else "FAIL",
-            )
+            losses = f"{row['first_loss']:.4f} -> {row['last_loss']:.4f}"
+            log.info(f"check: {name}: loss {losses}, {'ok' if row['ok'] else 'FAIL'}")
 
 
 def curve_row(
     cfg: Config, changes: dict[str, Any], reference: list[dict[int, float]]
 ) -> dict[str, Any]:
-    """One short run of cfg with changes; the first one run is the reference the others start
-    near."""
+    """One short run of cfg with changes; the first is the reference the others start near."""
     cfg = with_changes(cfg, changes)
     fresh_start(torch.device(cfg.train.device))  # (the curves name their device)
     losses = train(cfg, resolve_plan(cfg, Launch())).losses
@@ -430,9 +370,8 @@ def reference_row(cfg: Config) -> dict[str, Any]:
 
 
 def fsdp_row(cfg: Config) -> dict[str, Any]:
-    """The sweep's headline row again under FSDP2 in a world of one: the parameters in the
-    compute dtype (MixedPrecisionPolicy) with fp32 master shards, against autocast over fp32
-    parameters. Decides the parameter-dtype policy (docs/performance.md)."""
+    """The sweep's headline row under FSDP2 in a world of one (16-bit parameters, fp32 master
+    shards) against autocast over fp32 parameters: the parameter-dtype policy's measurement."""
     t, mode = cfg.train, cfg.activation_checkpointing.mode
     try:
         return sweep_row(cfg, t.micro_batch_size, mode, t.compile, backend="fsdp")
@@ -441,9 +380,8 @@ def fsdp_row(cfg: Config) -> dict[str, Any]:
 
 
 def scaling_row(cfg: Config, runs: Path, cuda: bool) -> dict[str, Any]:
-    """The headline layout's DDP step on two processes against one of them alone, in a torchrun
-    launch of its own: two GPUs (gpu-check.sh keeps one visible to the check itself and says
-    how many the machine has), or two CPU processes without a GPU."""
+    """The headline layout's DDP step on two processes against one alone, in a torchrun launch
+    of its own: two GPUs (gpu-check.sh says which and how many), or two CPU processes."""
     env = dict(os.environ)
     if cuda:
         gpus = torch.cuda.device_count()  # run directly: the GPUs the user left visible
@@ -498,8 +436,7 @@ def _run_stoppable(cmd: list[str], env: dict[str, str], timeout: float) -> tuple
 
 @contextlib.contextmanager
 def _log_to(path: Path) -> Iterator[None]:
-    """The whole check's log (INFO and up) in `path` too: a remote run returns only the tail
-    of its output."""
+    """The whole check's log (INFO and up) in `path` too: a remote run returns only its tail."""
     handler = logging.FileHandler(path, mode="w")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
     ours = logging.getLogger("scale_llm")
@@ -527,22 +464,16 @@ def _verdict(report: dict[str, Any]) -> str:
 
 
 def markdown_report(report: dict[str, Any]) -> str:
-    lines = [
-        f"# scale_llm check on {report['device']} (torch {report['torch']})",
-        "",
-        f"{_verdict(report)}; {report['seconds']:.0f} s",
-        "",
-        "## Preflight",
-        "",
-        "| item | ok | found | fix |",
-        "|---|---|---|---|",
+    lines = [  # (a "\n" ending an item: an empty line after it)
+        f"# scale_llm check on {report['device']} (torch {report['torch']})\n",
+        f"{_verdict(report)}; {report['seconds']:.0f} s\n",
+        "## Preflight\n",
+        "| item | ok | found | fix |\n|---|---|---|---|",
         *(
             f"| {r['item']} | {'yes' if r['ok'] else 'NO'} | {r['found']} | {r['fix']} |"
             for r in report.get("preflight", [])
         ),
-        "",
-        "## (a) tiny.yaml curves vs the CPU fp32 curve",
-        "",
+        "\n## (a) tiny.yaml curves vs the CPU fp32 curve\n",
         "| device | precision | compile | loss first -> last | step-1 diff vs CPU fp32 | ok |",
         "|---|---|---|---|---|---|",
     ]
@@ -608,10 +539,9 @@ def _scaling_line(r: dict[str, Any]) -> str:
         return f"{r['label']}: {_why_none(r)}"
     return (
         f"{r['backend']}, {r['world_size']} processes: {r['ms_per_step_together']:.1f} ms/step "
-        f"together, {r['ms_per_step_alone']:.1f} alone: efficiency "
-        f"{r['scaling_efficiency']:.3f} (median of the rounds' pairs "
-        f"{r['scaling_efficiency_median_of_rounds']:.3f}, 95% interval "
-        f"[{r['scaling_efficiency_median_low95']:.3f}, "
+        f"together, {r['ms_per_step_alone']:.1f} alone: efficiency {r['scaling_efficiency']:.3f} "
+        f"(median of the rounds' pairs {r['scaling_efficiency_median_of_rounds']:.3f}, 95% "
+        f"interval [{r['scaling_efficiency_median_low95']:.3f}, "
         f"{r['scaling_efficiency_median_high95']:.3f}]; {r['tokens_per_s_together']:,.0f} "
         f"tokens/s, {r['precision']}, compile {r['compile']})"
     )
