@@ -1,15 +1,13 @@
 """`scale-llm` / `python -m scale_llm`: one command per job (`scale-llm COMMAND --help`).
 
-Each command's parser is built by its own `_<command>_parser`, just above the `cmd_<command>`
-that runs it; `build_parser` only adds them, in PARSERS' order.
-
-User mistakes (scale_llm.errors.UserError) print one clear message and exit with code 2; anything
-else keeps its traceback, because it is a bug to fix.
+Each `_<command>_parser` sits above the `cmd_<command>` that runs it. A UserError prints one
+message and exits 2; anything else keeps its traceback: it is a bug to fix.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import importlib.util
 import json
@@ -34,29 +32,29 @@ KEYS_EPILOG = (
 
 
 class HelpFormatter(argparse.HelpFormatter):
-    """Each option's help ends with its default where it has one. (argparse's
-    ArgumentDefaultsHelpFormatter also prints `None` and `False`, which say nothing: an
-    option without a default says in its help what leaving it out means.)"""
+    """Each option's help ends with its default where it has one (not `None` or `False`, which
+    say nothing: an option without a default says in its help what leaving it out means)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        default = action.default
-        if (
-            "%(default)" in text
-            or default is None
-            or default is False
-            or default in ("", [])
-            or default == argparse.SUPPRESS
-            or not (action.option_strings or action.nargs == argparse.OPTIONAL)
-        ):
+        text, default = action.help or "", action.default
+        silent = default is None or default is False or default in ("", [], argparse.SUPPRESS)
+        if "%(default)" in text or silent or not (action.option_strings or action.nargs == "?"):
             return text
         return f"{text} (default: %(default)s)"
 
 
-def _command(sub, name: str, summary: str, **kwargs) -> argparse.ArgumentParser:
+def _command(sub, name: str, summary: str) -> argparse.ArgumentParser:
     """A subcommand's parser: its summary both in `scale-llm --help` and atop its own help."""
-    return sub.add_parser(
-        name, help=summary, description=summary, formatter_class=HelpFormatter, **kwargs
+    return sub.add_parser(name, help=summary, description=summary, formatter_class=HelpFormatter)
+
+
+def _flag(p: argparse.ArgumentParser, name: str, help: str) -> None:
+    p.add_argument(name, action="store_true", help=help)
+
+
+def _add_set(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=help
     )
 
 
@@ -64,13 +62,9 @@ def _add_config_args(p: argparse.ArgumentParser, training: bool = True) -> None:
     """CONFIG and --set (and with `training`, the seed's familiar flags as aliases of keys)."""
     p.epilog = p.epilog or KEYS_EPILOG
     p.add_argument("config", nargs="?", help="YAML config (default: the built-in tiny defaults)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override any config key (scale-llm config --keys lists them), e.g. --set "
+    _add_set(
+        p,
+        "override any config key (scale-llm config --keys lists them), e.g. --set "
         "train.lr=3e-4 (repeatable; --train.lr 3e-4 and --train.lr=3e-4 work too)",
     )
     p.add_argument(
@@ -83,59 +77,30 @@ def _add_config_args(p: argparse.ArgumentParser, training: bool = True) -> None:
     p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     p.set_defaults(grad_accum=None, grad_checkpointing=False, amp=False, amp_dtype=None)
     p.set_defaults(batch_size=None, train_steps=None)
-    if training:
-        _add_training_aliases(p)
-
-
-def _add_training_aliases(p: argparse.ArgumentParser) -> None:
+    if not training:
+        return
     p.add_argument("--grad-accum", type=int, metavar="N", help="alias of train.grad_accum")
-    p.add_argument(
-        "--grad-checkpointing",
-        action="store_true",
-        help="alias of activation_checkpointing.mode=full",
-    )
-    p.add_argument("--amp", action="store_true", help="mixed precision (bf16 unless --amp-dtype)")
-    p.add_argument(
-        "--amp-dtype",
-        choices=["bf16", "fp16"],
-        help="alias of train.precision (fp16 adds a GradScaler)",
-    )
-    p.add_argument(
-        "--batch_size",
-        "--batch-size",
-        dest="batch_size",
-        type=int,
-        metavar="N",
-        help="alias of train.micro_batch_size",
-    )
-    p.add_argument(
-        "--train_steps",
-        "--train-steps",
-        dest="train_steps",
-        type=int,
-        metavar="N",
-        help="alias of train.max_steps",
-    )
+    _flag(p, "--grad-checkpointing", "alias of activation_checkpointing.mode=full")
+    _flag(p, "--amp", "mixed precision (bf16 unless --amp-dtype)")
+    amp_dtype = "alias of train.precision (fp16 adds a GradScaler)"
+    p.add_argument("--amp-dtype", choices=["bf16", "fp16"], help=amp_dtype)
+    for flag, key in (("batch_size", "micro_batch_size"), ("train_steps", "max_steps")):
+        names = (f"--{flag}", f"--{flag.replace('_', '-')}")  # (dest: the first, flag)
+        p.add_argument(*names, type=int, metavar="N", help=f"alias of train.{key}")
 
 
 def alias_overrides(args: argparse.Namespace) -> list[str]:
     """The seed project's familiar flags as dotted overrides; explicit --set comes after them."""
-    out = []
-    if args.run_name is not None:  # (quoted: a name such as 2024 stays a string)
-        out.append(f"run.name={json.dumps(args.run_name)}")
-    if args.grad_accum is not None:
-        out.append(f"train.grad_accum={args.grad_accum}")
-    if args.grad_checkpointing:
-        out.append("activation_checkpointing.mode=full")
-    if args.amp_dtype:
-        out.append(f"train.precision={args.amp_dtype}")
-    elif args.amp:
-        out.append("train.precision=bf16")
-    if args.batch_size is not None:
-        out.append(f"train.micro_batch_size={args.batch_size}")
-    if args.train_steps is not None:
-        out.append(f"train.max_steps={args.train_steps}")
-    return out + list(args.overrides)
+    name = None if args.run_name is None else json.dumps(args.run_name)  # (2024 stays a string)
+    aliases = [
+        ("run.name", name),
+        ("train.grad_accum", args.grad_accum),
+        ("activation_checkpointing.mode", "full" if args.grad_checkpointing else None),
+        ("train.precision", args.amp_dtype or ("bf16" if args.amp else None)),
+        ("train.micro_batch_size", args.batch_size),
+        ("train.max_steps", args.train_steps),
+    ]
+    return [f"{key}={value}" for key, value in aliases if value is not None] + list(args.overrides)
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
@@ -148,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"scale_llm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add_parser in PARSERS:
+    for _, add_parser, _ in _COMMANDS:
         add_parser(sub)
     return parser
 
@@ -156,21 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
 def _config_parser(sub) -> None:
     p = _command(sub, "config", "print the resolved config; --keys lists every key")
     _add_config_args(p, training=False)
-    p.add_argument(
-        "--keys", action="store_true", help="list every key with its type, default and meaning"
-    )
-    p.add_argument(
-        "--markdown", action="store_true", help="--keys as docs/config.md's generated tables"
-    )
-    p.add_argument(
-        "--paths",
-        action="store_true",
-        help="where the shipped configs and launchers are (in a checkout or an installed wheel)",
-    )
-    p.add_argument(
+    _flag(p, "--keys", "list every key with its type, default and meaning")
+    _flag(p, "--markdown", "--keys as docs/config.md's generated tables")
+    where = "where the shipped configs and launchers are (in a checkout or an installed wheel)"
+    _flag(p, "--paths", where)
+    _flag(
+        p,
         "--preflight",
-        action="store_true",
-        help="run train's preflight for this machine (data, run dir, resume, init_from, memory, "
+        "run train's preflight for this machine (data, run dir, resume, init_from, memory, "
         "toolchain, eval.tasks) and print its verdict; writes nothing",
     )
 
@@ -180,17 +138,9 @@ def cmd_config(args: argparse.Namespace) -> int:
     if args.paths:
         from scale_llm.config import shipped_config_dir
 
-        configs = shipped_config_dir()
-        package = Path(__file__).resolve().parent
-        launch = next(
-            (
-                d
-                for d in (package / "launch", package.parent / "launch")
-                if (d / "_env.sh").is_file()
-            ),
-            None,
-        )
-        print(f"configs: {configs}\nlaunchers: {launch}")
+        here = Path(__file__).resolve().parent
+        found = [d for d in (here / "launch", here.parent / "launch") if (d / "_env.sh").is_file()]
+        print(f"configs: {shipped_config_dir()}\nlaunchers: {found[0] if found else None}")
         return 0
     if args.keys or args.markdown:
         from scale_llm.config.keys import markdown_keys, text_keys
@@ -226,17 +176,14 @@ def preflight_verdict(cfg: Config) -> int:
 def _prepare_parser(sub) -> None:
     p = _command(sub, "prepare", "train the tokenizer and write token shards")
     _add_config_args(p, training=False)
-    p.add_argument("--force", action="store_true", help="rebuild even if up to date")
-    p.add_argument(
-        "--bench",
-        action="store_true",
-        help="only measure tokens/s of the pipeline vs a plain encode loop (writes nothing)",
-    )
+    _flag(p, "--force", "rebuild even if up to date")
+    bench = "only measure tokens/s of the pipeline vs a plain encode loop (writes nothing)"
+    _flag(p, "--bench", bench)
     p.add_argument("--bench-mb", type=float, default=16.0, help="MB of text for --bench")
-    p.add_argument(
+    _flag(
+        p,
         "--as-train",
-        action="store_true",
-        help="read every other argument as `train` would (its flags allowed and checked) and "
+        "read every other argument as `train` would (its flags allowed and checked) and "
         "prepare that run's data: what the launchers run before training",
     )
 
@@ -244,27 +191,25 @@ def _prepare_parser(sub) -> None:
 def cmd_prepare(args: argparse.Namespace) -> int:
     from scale_llm.data.prepare import prepare
 
-    if args.bench:
-        import math
-
-        from scale_llm.data.prepare_bench import bench_prepare, format_report
-
-        if not (math.isfinite(args.bench_mb) and args.bench_mb * 1e6 >= 1):
-            raise UserError(
-                f"--bench-mb {args.bench_mb}: use a number of megabytes of text to encode, "
-                f"above 0 (e.g. --bench-mb 16)"
-            )
-
-        print(format_report(bench_prepare(config_from_args(args), args.bench_mb)))
+    if not args.bench:
+        prepare(config_from_args(args), force=args.force)
         return 0
-    prepare(config_from_args(args), force=args.force)
+    import math
+
+    from scale_llm.data.prepare_bench import bench_prepare, format_report
+
+    if not (math.isfinite(args.bench_mb) and args.bench_mb * 1e6 >= 1):
+        raise UserError(
+            f"--bench-mb {args.bench_mb}: use a number of megabytes of text to encode, "
+            f"above 0 (e.g. --bench-mb 16)"
+        )
+    print(format_report(bench_prepare(config_from_args(args), args.bench_mb)))
     return 0
 
 
 def start_distributed(args: argparse.Namespace):
-    """Load the config, resolve it against the launch into the run plan, then start the process
-    group. The config's and the plan's checks run before any process group exists; what needs
-    the data, the run dir or the other ranks is the preflight's (train/preflight.py)."""
+    """Load the config and resolve the run plan (their checks first), then start the process
+    group; what needs the data, the run dir or the other ranks is the preflight's."""
     from scale_llm.components.distributed import start
     from scale_llm.config.plan import launch_env, resolve_plan
 
@@ -275,12 +220,9 @@ def start_distributed(args: argparse.Namespace):
     laid_out = cfg.parallel.world_size
     if plan.is_main and laid_out not in (None, plan.world_size):
         log.warning(
-            "parallel.world_size=%d: the config is laid out for %d ranks; this launch has %d "
-            "(the global batch stays; grad_accum is %d)",
-            laid_out,
-            laid_out,
-            plan.world_size,
-            plan.grad_accum,
+            f"parallel.world_size={laid_out}: the config is laid out for {laid_out} ranks; this "
+            f"launch has {plan.world_size} (the global batch stays; grad_accum is "
+            f"{plan.grad_accum})"
         )
     if getattr(args, "fit", None) and args.fit != "auto":
         from scale_llm.analysis.memory import parse_bytes
@@ -293,9 +235,7 @@ def start_distributed(args: argparse.Namespace):
 
 
 def missing_packages(cfg: Config, plan, command: str) -> None:
-    """The optional packages this command needs for this config, checked with the config:
-    before any process group, model or run directory exists (W&B started only after the run
-    dir was written, and a missing package stopped it there)."""
+    """The optional packages this command needs for this config, checked before any work."""
     from scale_llm.components.hf_files import SAFETENSORS, SAFETENSORS_INDEX
     from scale_llm.errors import install_hint
 
@@ -303,27 +243,20 @@ def missing_packages(cfg: Config, plan, command: str) -> None:
     if plan.backend == "deepspeed":
         how = f"`{install_hint(packages=('deepspeed',))}` (launch/setup.sh installs it)"
         needs.append(("parallel.backend=deepspeed", "deepspeed", f"{how} or pick ddp or fsdp"))
-    w, init = cfg.logging.wandb, cfg.model.init_from
-    if command == "train" and w.project:
+    w, init, train = cfg.logging.wandb, cfg.model.init_from, command == "train"
+    if train and w.project:
         how = f"`{install_hint('wandb')}` (or set logging.wandb.project=null)"
         needs.append((f"logging.wandb.project={w.project}", "wandb", how))
-    if (
-        command == "train"
-        and init
-        and any((Path(init) / name).is_file() for name in (SAFETENSORS, SAFETENSORS_INDEX))
-    ):
+    if train and init and any((Path(init) / n).is_file() for n in (SAFETENSORS, SAFETENSORS_INDEX)):
         needs.append((f"model.init_from={init}", "safetensors", f"`{install_hint('hf')}`"))
-    if command == "train" and cfg.eval.tasks:  # lm-eval reads an export of the weights
+    if train and cfg.eval.tasks:  # lm-eval reads an export of the weights
         how = f"`{install_hint('hf')}` (or set eval.tasks=null)"
-        for module in ("lm_eval", "transformers", "accelerate", "safetensors", "tokenizers"):
-            needs.append((f"eval.tasks={cfg.eval.tasks}", module, how))
+        modules = ("lm_eval", "transformers", "accelerate", "safetensors", "tokenizers")
+        needs += [(f"eval.tasks={cfg.eval.tasks}", module, how) for module in modules]
     missing = [n for n in needs if importlib.util.find_spec(n[1]) is None]
     if missing:
         raise UserError(
-            "; ".join(
-                f"{key} needs {module}, and {module} is not installed: {how}"
-                for key, module, how in missing
-            )
+            "; ".join(f"{k} needs {m}, and {m} is not installed: {how}" for k, m, how in missing)
         )
 
 
@@ -346,12 +279,9 @@ def fit_at_launch(cfg: Config, plan, size: str):
     else:
         budget = memory.parse_bytes(size)
     fitted = memory.fit(cfg, plan, budget, keep_backend=True)
-    log.info(
-        "fit: %s per GPU -> %s (predicted %s)",
-        memory.gib(budget),
-        memory.format_overrides(fitted.changes) or "no change needed",
-        memory.gib(fitted.estimate.total),
-    )
+    flags = memory.format_overrides(fitted.changes) or "no change needed"
+    total = memory.gib(fitted.estimate.total)
+    log.info(f"fit: {memory.gib(budget)} per GPU -> {flags} (predicted {total})")
     lay, ac = fitted.estimate.layout, fitted.estimate.ac
     chosen = {
         "train.micro_batch_size": lay.micro_batch,
@@ -373,11 +303,7 @@ def _train_parser(sub) -> None:
         help="before training, choose micro-batch, grad_accum and checkpointing to fit SIZE per "
         "GPU (e.g. 80GiB; auto: the GPU's free memory), keeping the global batch",
     )
-    p.add_argument(
-        "--report-memory",
-        action="store_true",
-        help="print the predicted per-GPU memory before training",
-    )
+    _flag(p, "--report-memory", "print the predicted per-GPU memory before training")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -391,26 +317,16 @@ def cmd_train(args: argparse.Namespace) -> int:
         log.info(memory.format_report(est, cfg, plan, args.config or "defaults"))
     from scale_llm.train.trainer import train
 
-    result = train(cfg, plan)
-    if result.losses:
-        (s0, l0), (s1, l1) = next(iter(result.losses.items())), list(result.losses.items())[-1]
-        val = list(result.val_losses.values())
-        ran = result.steps - result.start_step
-        where = f" (steps {result.start_step + 1}-{result.steps})" if result.start_step else ""
+    r = train(cfg, plan)
+    if r.losses:
+        (s0, l0), (s1, l1) = next(iter(r.losses.items())), list(r.losses.items())[-1]
+        val = list(r.val_losses.values())
+        where = f" (steps {r.start_step + 1}-{r.steps})" if r.start_step else ""
         log.info(
-            "done: %d steps%s in %.1fs; %d of %d in total; loss %.3f (step %d) -> %.3f (step "
-            "%d)%s; run dir %s",
-            ran,
-            where,
-            result.seconds,
-            result.steps,
-            cfg.train.max_steps,
-            l0,
-            s0,
-            l1,
-            s1,
-            f"; val_loss {val[-1]:.3f}" if val else "",
-            result.run_dir,
+            f"done: {r.steps - r.start_step} steps{where} in {r.seconds:.1f}s; {r.steps} of "
+            f"{cfg.train.max_steps} in total; loss {l0:.3f} (step {s0}) -> {l1:.3f} (step {s1})"
+            + (f"; val_loss {val[-1]:.3f}" if val else "")
+            + f"; run dir {r.run_dir}"
         )
     return 0
 
@@ -421,32 +337,29 @@ def _estimate_parser(sub) -> None:
     p.add_argument(
         "--world-size",
         type=int,
-        default=None,
         metavar="N",
         help="GPUs the run will use (default: $WORLD_SIZE; else the world the config's header "
         "names in its `scale-llm estimate FILE --world-size N` line, as the shipped multi-GPU "
         "configs do; else 1)",
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    _flag(p, "--json", "print one JSON object")
     p.add_argument("--fit", metavar="SIZE", help="memory per GPU to fit in, e.g. 80GiB")
-    p.add_argument(
+    _flag(
+        p,
         "--measure",
-        action="store_true",
-        help="also count the activation bytes a CPU forward pass saves for backward, and "
+        "also count the activation bytes a CPU forward pass saves for backward, and "
         "measure one whole optimizer step on the CPU by category (params, grads, optimizer, "
         "activations, temporaries)",
     )
-    p.add_argument(
+    _flag(
+        p,
         "--fake",
-        action="store_true",
-        help="also trace one whole optimizer step at full size on fake tensors (no memory "
+        "also trace one whole optimizer step at full size on fake tensors (no memory "
         "used) for rank 0 of --world-size GPUs, by category, next to the estimate",
     )
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    import json
-
     from scale_llm.analysis import memory
     from scale_llm.config.plan import launch_env, target_plan
 
@@ -464,21 +377,18 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     plan = target_plan(cfg, world)
     est = memory.estimate(cfg, plan)
     result = est.to_json()
-    text = [
-        *([note] if note else []),
-        memory.format_report(est, cfg, plan, args.config or "defaults"),
-    ]
+    text = [note] if note else []
+    text.append(memory.format_report(est, cfg, plan, args.config or "defaults"))
     if args.measure:  # builds the whole model on this host: refused first if it cannot fit
+        from scale_llm.analysis.memory.measure import format_measurement, measure_step
         from scale_llm.config import with_changes
         from scale_llm.config.plan import resolve_plan
 
         here = with_changes(cfg, {"train.device": "cpu", "train.compile": False})
         memory.check_host_memory(here, resolve_plan(here, launch_env()))
         counted, predicted = memory.measure_activations(cfg, plan)
-        result["measured_cpu"] = {
-            "counted_saved_bytes": counted,
-            "predicted_saved_bytes": predicted,
-        }
+        saved = {"counted_saved_bytes": counted, "predicted_saved_bytes": predicted}
+        result["measured_cpu"] = saved
         compiled = compiles(cfg.train, plan.device.type)
         compiled = compiled and cfg.activation_checkpointing.mode != "selective"
         text.append(
@@ -489,8 +399,6 @@ def cmd_estimate(args: argparse.Namespace) -> int:
             + ("; the prediction counts eager blocks, an upper bound" if compiled else "")
             + ")"
         )
-        from scale_llm.analysis.memory.measure import format_measurement, measure_step
-
         result["measured_step_cpu"] = step = measure_step(cfg)
         text.append(format_measurement(step))
     if args.fake:
@@ -501,17 +409,14 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if args.fit:
         budget = memory.parse_bytes(args.fit)
         fitted = memory.fit(cfg, plan, budget)
-        result["fit"] = {
-            "budget": budget,
-            "overrides": fitted.changes,
-            "bytes_per_gpu": {k: int(v) for k, v in fitted.estimate.gpu.items()},
-        }
-        flags = memory.format_overrides(fitted.changes) or "(no change needed)"
         est, lay = fitted.estimate, fitted.estimate.layout
+        gpu = {k: int(v) for k, v in est.gpu.items()}
+        result["fit"] = {"budget": budget, "overrides": fitted.changes, "bytes_per_gpu": gpu}
         text.append(
             f"fits in {memory.gib(budget)}: total {memory.gib(est.total)} "
             f"({lay.describe()}, activation_checkpointing {est.ac.mode}, micro_batch "
-            f"{lay.micro_batch} x grad_accum {lay.grad_accum})\n  {flags}"
+            f"{lay.micro_batch} x grad_accum {lay.grad_accum})\n  "
+            + (memory.format_overrides(fitted.changes) or "(no change needed)")
         )
     print(json.dumps(result) if args.json else "\n".join(text))
     return 0
@@ -534,11 +439,7 @@ def _bench_parser(sub) -> None:
         "--rounds, with the median of the rounds' pairs",
     )
     p.add_argument("--rounds", type=int, default=5, help="--reference: timed rounds of each")
-    p.add_argument(
-        "--sweep",
-        action="store_true",
-        help="a table over --sweep-micro x --sweep-ac x --sweep-compile (grad_accum 1)",
-    )
+    _flag(p, "--sweep", "a table over --sweep-micro x --sweep-ac x --sweep-compile (grad_accum 1)")
     p.add_argument("--sweep-micro", default="1,2,4,8", help="micro-batch sizes to sweep")
     p.add_argument("--sweep-ac", default="none,selective,full", help="checkpointing modes")
     p.add_argument("--sweep-compile", default="false,true", help="compile settings")
@@ -556,35 +457,20 @@ def _bench_parser(sub) -> None:
         "the step), its record and its check, in a new folder inside DIR (removed afterwards; "
         "nothing else in DIR is touched)",
     )
-    p.add_argument(
-        "--roofline",
-        choices=["H100-SXM", "H200", "A100-80GB"],
-        help="no run: count FLOPs and bytes of one step on the meta device, per op class",
-    )
-    p.add_argument(
-        "--world-size",
-        type=int,
-        default=None,
-        metavar="N",
-        help="--roofline: GPUs the run will use (default: $WORLD_SIZE, else 2)",
-    )
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    roofline = "no run: count FLOPs and bytes of one step on the meta device, per op class"
+    p.add_argument("--roofline", choices=["H100-SXM", "H200", "A100-80GB"], help=roofline)
+    world = "--roofline: GPUs the run will use (default: $WORLD_SIZE, else 2)"
+    p.add_argument("--world-size", type=int, metavar="N", help=world)
+    _flag(p, "--json", "print one JSON object")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    import json
-
-    from scale_llm.analysis.bench import (
-        bench,
-        bench_reference,
-        bench_scaling,
-        bench_sweep,
-        markdown_table,
-    )
+    from scale_llm.analysis import bench as b
+    from scale_llm.config.plan import launch_env
 
     if args.roofline:
         from scale_llm.analysis.roofline import format_roofline, roofline
-        from scale_llm.config.plan import launch_env, target_plan
+        from scale_llm.config.plan import target_plan
 
         cfg = config_from_args(args)
         world = launch_env().world_size if "WORLD_SIZE" in os.environ else 2
@@ -608,12 +494,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise UserError("; ".join(bad))
     backends = [x.strip() for x in args.sweep_backend.split(",")] if args.sweep_backend else None
     if args.sweep:  # before any process group is started
-        from scale_llm.analysis.bench import backend_changes, sweep_axes
-        from scale_llm.config.plan import launch_env
-
-        axes = sweep_axes(args.sweep_micro, args.sweep_ac, args.sweep_compile)
+        axes = b.sweep_axes(args.sweep_micro, args.sweep_ac, args.sweep_compile)
         for name in backends or []:
-            backend_changes(name, launch_env().world_size)
+            b.backend_changes(name, launch_env().world_size)
     if args.checkpoint_io:
         from scale_llm.files import require_writable_dir
 
@@ -623,37 +506,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     cfg = settle_compile(cfg, plan)  # (bench builds its models itself)
     if args.checkpoint_io:
-        from scale_llm.analysis.bench import bench_checkpoint
-
-        rows = bench_checkpoint(cfg, plan, Path(args.checkpoint_io), args.rounds)
+        rows = b.bench_checkpoint(cfg, plan, Path(args.checkpoint_io), args.rounds)
         if plan.is_main:
             print("\n".join(json.dumps(r) for r in rows))
         return 0
     if args.sweep:
-        rows = bench_sweep(
-            cfg,
-            plan,
-            *axes,
-            args.steps,
-            args.warmup,
-            backends,
-        )
+        rows = b.bench_sweep(cfg, plan, *axes, args.steps, args.warmup, backends)
         if plan.is_main:
-            print("\n".join(json.dumps(r) for r in rows) if args.json else markdown_table(rows))
+            print("\n".join(json.dumps(r) for r in rows) if args.json else b.markdown_table(rows))
         return 0
+    timing = (args.steps, args.warmup)
     if args.reference == "scaling":
-        result = bench_scaling(cfg, plan, args.steps, args.warmup, args.rounds)
+        result = b.bench_scaling(cfg, plan, *timing, args.rounds)
     elif args.reference:
-        result = bench_reference(
-            cfg, plan, args.steps, args.warmup, args.rounds, kind=args.reference
-        )
+        result = b.bench_reference(cfg, plan, *timing, args.rounds, kind=args.reference)
     else:
-        result = bench(cfg, plan, args.steps, args.warmup)
-    if not plan.is_main:
-        return 0
-    if args.json:
+        result = b.bench(cfg, plan, *timing)
+    if plan.is_main and args.json:
         print(json.dumps(result))
-    else:
+    elif plan.is_main:
         width = max(map(len, result))
         for key, value in result.items():
             shown = f"{value:,.4g}" if isinstance(value, float) else value
@@ -662,24 +533,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _check_parser(sub) -> None:
-    p = _command(
-        sub, "check", "the first run on a new machine: curves, sweep, reference (a report)"
-    )
+    summary = "the first run on a new machine: curves, sweep, reference (a report)"
+    p = _command(sub, "check", summary)
     p.add_argument("out", nargs="?", default="check", help="directory for report.json / .md")
     p.add_argument("--steps", type=int, default=8, help="steps of each tiny.yaml curve")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key of every run the check makes, e.g. --set "
+    _add_set(
+        p,
+        "override a config key of every run the check makes, e.g. --set "
         "train.micro_batch_size=4 (repeatable; scale-llm config --keys lists the keys)",
     )
-    p.add_argument(
-        "--scratch",
-        help="where the check's data and runs go (default: TMPDIR/scale-llm-check, reused)",
-    )
+    scratch = "where the check's data and runs go (default: TMPDIR/scale-llm-check, reused)"
+    p.add_argument("--scratch", help=scratch)
     p.add_argument(
         "--budget-min",
         type=float,
@@ -687,16 +551,11 @@ def _check_parser(sub) -> None:
         help="start no item after this many minutes (the report says which were skipped); "
         "default: no limit",
     )
-    p.add_argument(
-        "--only",
-        metavar="SECTIONS",
-        help="a comma list of curves, sweep, reference, param_dtype, scaling (default: all)",
-    )
+    only = "a comma list of curves, sweep, reference, param_dtype, scaling (default: all)"
+    p.add_argument("--only", metavar="SECTIONS", help=only)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from scale_llm.analysis.check import SECTIONS, run_check
 
     scratch = Path(args.scratch) if args.scratch else None
@@ -715,9 +574,7 @@ def _convert_parser(sub) -> None:
     p = _command(sub, "convert", "write a checkpoint as one consolidated fp32 file")
     p.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its newest)")
     p.add_argument("--out", required=True, help="the file to write, e.g. model.pt")
-    p.add_argument(
-        "--force", action="store_true", help="replace --out if an earlier convert wrote it"
-    )
+    _flag(p, "--force", "replace --out if an earlier convert wrote it")
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -733,19 +590,11 @@ def _export_parser(sub) -> None:
     p.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its newest)")
     p.add_argument("--out", required=True, help="the folder to write, e.g. exports/tiny")
     p.add_argument("--format", choices=["hf"], default="hf", help="hf: transformers / vLLM")
-    p.add_argument(
-        "--dtype",
-        choices=["bf16", "fp16", "fp32"],
-        default=None,
-        help="weights dtype (default: bf16 for runs trained in bf16/fp16, fp32 otherwise)",
-    )
-    p.add_argument(
-        "--max-shard-size",
-        default="5GB",
-        metavar="SIZE",
-        help="split the weights into files of at most SIZE, with an index",
-    )
-    p.add_argument("--force", action="store_true", help="replace --out if it is an earlier export")
+    dtype = "weights dtype (default: bf16 for runs trained in bf16/fp16, fp32 otherwise)"
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help=dtype)
+    shard = "split the weights into files of at most SIZE, with an index"
+    p.add_argument("--max-shard-size", default="5GB", metavar="SIZE", help=shard)
+    _flag(p, "--force", "replace --out if it is an earlier export")
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -774,56 +623,36 @@ def cmd_export(args: argparse.Namespace) -> int:
 def _eval_parser(sub) -> None:
     p = _command(sub, "eval", "lm-evaluation-harness tasks and held-out perplexity")
     p.add_argument("run_dir", help="a run directory; its newest good checkpoint is evaluated")
-    p.add_argument("--tasks", default=None, metavar="T1,T2", help="lm-eval task names")
-    p.add_argument(
-        "--include-path", default=None, metavar="DIR", help="a folder of extra task YAMLs"
-    )
+    p.add_argument("--tasks", metavar="T1,T2", help="lm-eval task names")
+    p.add_argument("--include-path", metavar="DIR", help="a folder of extra task YAMLs")
     p.add_argument(
         "--limit",
         type=int,
-        default=None,
         metavar="N",
         help="at most N examples per task (and N validation windows for --perplexity); "
         "default: all",
     )
-    p.add_argument(
-        "--num-fewshot",
-        type=int,
-        default=None,
-        metavar="K",
-        help="examples shown before each question (default: each task's own setting)",
-    )
-    p.add_argument(
-        "--batch-size", type=int, default=8, help="sequences per forward pass of the model"
-    )
-    p.add_argument(
-        "--perplexity",
-        default=None,
-        metavar="DATA_DIR",
-        help="loss and perplexity on the validation split of a prepared data dir",
-    )
+    fewshot = "examples shown before each question (default: each task's own setting)"
+    p.add_argument("--num-fewshot", type=int, metavar="K", help=fewshot)
+    batch = "sequences per forward pass of the model"
+    p.add_argument("--batch-size", type=int, default=8, help=batch)
+    perplexity = "loss and perplexity on the validation split of a prepared data dir"
+    p.add_argument("--perplexity", metavar="DATA_DIR", help=perplexity)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from scale_llm.evaluate import eval_run, format_record
+    from scale_llm.generate import read_run_config
 
-    for key in ("limit", "batch_size", "num_fewshot"):
+    for key, least in (("limit", 1), ("batch_size", 1), ("num_fewshot", 0)):
         value = getattr(args, key)
-        least = 0 if key == "num_fewshot" else 1
         if value is not None and value < least:
             flag = key.replace("_", "-")
             raise UserError(f"--{flag} {value}: use a count >= {least} (or leave it out)")
     tasks = [t.strip() for t in (args.tasks or "").split(",") if t.strip()]
-    path, record = eval_run(
-        args.run_dir,
-        _one_process_plan(args.run_dir),
-        tasks,
-        args.limit,
-        args.include_path,
-        args.perplexity,
-        args.batch_size,
-        args.num_fewshot,
-    )
+    plan = _one_process_plan(read_run_config(args.run_dir))
+    options = (args.limit, args.include_path, args.perplexity, args.batch_size, args.num_fewshot)
+    path, record = eval_run(args.run_dir, plan, tasks, *options)
     print(format_record(record))
     print(f"wrote {path}")
     return 0
@@ -834,14 +663,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
 ONE_PROCESS = {"parallel.backend": "single", "parallel.tensor_parallel": 1, "train.device": "auto"}
 
 
-def _one_process_plan(run_dir: str):
-    """The plan of one process on whatever this machine has, whatever the run trained with."""
+def _one_process_plan(cfg: Config):
+    """The plan of a run's config as one process on whatever this machine has."""
     from scale_llm.config import with_changes
     from scale_llm.config.plan import Launch, resolve_plan
-    from scale_llm.generate import read_run_config
 
-    here = with_changes(read_run_config(run_dir), ONE_PROCESS)
-    return resolve_plan(here, Launch())
+    return resolve_plan(with_changes(cfg, ONE_PROCESS), Launch())
 
 
 def generation_problems(args: argparse.Namespace) -> list[str]:
@@ -876,15 +703,11 @@ MAX_PROMPT_BYTES = 16 * 2**20  # far past any context; a prompt is read and toke
 def read_prompt_file(path: str) -> str:
     """The prompt `--prompt-file` names: a UTF-8 text file, or standard input for `-`."""
     where = "standard input" if path == "-" else path
-    if path == "-":
-        data = sys.stdin.buffer.read(MAX_PROMPT_BYTES + 1)
-    else:
-        file = Path(path)
-        if not file.is_file():
-            found = "no such file" if not file.exists() else "not a regular file"
-            raise UserError(f"--prompt-file {path}: {found}; give a text file, or - for stdin")
-        with open(file, "rb") as f:
-            data = f.read(MAX_PROMPT_BYTES + 1)
+    if path != "-" and not Path(path).is_file():
+        found = "no such file" if not Path(path).exists() else "not a regular file"
+        raise UserError(f"--prompt-file {path}: {found}; give a text file, or - for stdin")
+    with open(path, "rb") if path != "-" else contextlib.nullcontext(sys.stdin.buffer) as f:
+        data = f.read(MAX_PROMPT_BYTES + 1)
     if len(data) > MAX_PROMPT_BYTES:
         raise UserError(
             f"--prompt-file {where}: more than {MAX_PROMPT_BYTES // 2**20} MiB; the model reads "
@@ -916,16 +739,12 @@ def _generate_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate")
     p.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
     p.add_argument("--top-k", type=int, default=50, help="0 disables")
-    p.add_argument(
-        "--top-p", type=float, default=None, help="nucleus sampling threshold (default: none)"
-    )
+    p.add_argument("--top-p", type=float, help="nucleus sampling threshold (default: none)")
     p.add_argument("--seed", type=int, default=0, help="seeds the sampling")
-    p.add_argument("--checkpoint", default=None, help="a checkpoint dir (default: the newest)")
+    p.add_argument("--checkpoint", help="a checkpoint dir (default: the newest)")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from scale_llm.config import with_changes
-    from scale_llm.config.plan import Launch, resolve_plan
     from scale_llm.generate import generate_text, read_run_config
 
     if args.prompt_file is not None:
@@ -934,21 +753,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if problems:
         raise UserError("; ".join(problems))
     cfg = read_run_config(args.run_dir)
-    # one process on whatever this machine has, whatever the run was trained with
-    here = with_changes(cfg, ONE_PROCESS)
-    text = generate_text(
-        args.run_dir,
-        cfg,
-        resolve_plan(here, Launch()),
-        args.prompt,
-        args.max_new_tokens,
-        args.temperature,
-        args.top_k or None,
-        args.top_p,
-        args.seed,
-        args.checkpoint,
-    )
-    print(text)
+    sampling = (args.max_new_tokens, args.temperature, args.top_k or None, args.top_p, args.seed)
+    plan = _one_process_plan(cfg)
+    print(generate_text(args.run_dir, cfg, plan, args.prompt, *sampling, args.checkpoint))
     return 0
 
 
@@ -956,12 +763,8 @@ def _runs_parser(sub) -> None:
     from scale_llm.config import RunConfig
 
     p = _command(sub, "runs", "list the runs of a run.dir: step, loss, status, size")
-    p.add_argument(
-        "dir",
-        nargs="?",
-        default=RunConfig().dir,
-        help="a run.dir (the parent of run directories), or one run directory",
-    )
+    where = "a run.dir (the parent of run directories), or one run directory"
+    p.add_argument("dir", nargs="?", default=RunConfig().dir, help=where)
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
@@ -972,33 +775,20 @@ def cmd_runs(args: argparse.Namespace) -> int:
     return 0
 
 
-# Each command's parser, in `scale-llm --help`'s order.
-PARSERS = (
-    _prepare_parser,
-    _train_parser,
-    _config_parser,
-    _estimate_parser,
-    _bench_parser,
-    _check_parser,
-    _convert_parser,
-    _export_parser,
-    _eval_parser,
-    _generate_parser,
-    _runs_parser,
+_COMMANDS = (  # each command's parser and what runs it, in `scale-llm --help`'s order
+    ("prepare", _prepare_parser, cmd_prepare),
+    ("train", _train_parser, cmd_train),
+    ("config", _config_parser, cmd_config),
+    ("estimate", _estimate_parser, cmd_estimate),
+    ("bench", _bench_parser, cmd_bench),
+    ("check", _check_parser, cmd_check),
+    ("convert", _convert_parser, cmd_convert),
+    ("export", _export_parser, cmd_export),
+    ("eval", _eval_parser, cmd_eval),
+    ("generate", _generate_parser, cmd_generate),
+    ("runs", _runs_parser, cmd_runs),
 )
-COMMANDS = {
-    "prepare": cmd_prepare,
-    "train": cmd_train,
-    "estimate": cmd_estimate,
-    "bench": cmd_bench,
-    "check": cmd_check,
-    "config": cmd_config,
-    "convert": cmd_convert,
-    "export": cmd_export,
-    "eval": cmd_eval,
-    "generate": cmd_generate,
-    "runs": cmd_runs,
-}
+COMMANDS = {name: run for name, _, run in _COMMANDS}
 
 
 DOTTED = re.compile(r"^--([a-z_]+\.[a-z_.0-9\[\]]+)(?:=(.*))?$")  # (data.sources[0].weight)
@@ -1011,8 +801,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["prepare"] and "--as-train" in argv:
         # the launchers pass their whole command line; `train` checks it, so a typo stops here
-        rest = [a for a in argv[1:] if a != "--as-train"]
-        args = parse_args(["train", *rest])
+        args = parse_args(["train", *(a for a in argv[1:] if a != "--as-train")])
         args.command, args.force, args.bench, args.as_train = "prepare", False, False, True
         return args
     rewritten, i = [], 0
@@ -1063,9 +852,8 @@ def main(argv: list[str] | None = None) -> int:
             shutdown_distributed(clean=code == 0)
             joined = joined_multi_process()
     if joined:
-        # Multi-process gloo runs have been seen to abort during interpreter shutdown after
-        # all work finished (SIGABRT, "terminate called without an active exception"). With
-        # the process group destroyed and output flushed, leave without that teardown.
+        # gloo worlds have aborted in interpreter shutdown after all work (SIGABRT, "terminate
+        # called without an active exception"): group destroyed, output flushed, skip teardown
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
