@@ -65,7 +65,7 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
             _replicate_parameters(block.ffn_norm, mesh)
         # a block's input arrives from the embedding's reduce-scatter still in flight (an
         # AsyncCollectiveTensor inside the DTensor), which torch 2.13's compiled code cannot
-        # unwrap in a no-grad forward: it is waited for before the block
+        # unwrap in a no-grad forward (evaluation, samples): there it is waited for first
         block.register_forward_pre_hook(_settled)
         # attention and the MLP read the whole sequence: their first input is gathered (the
         # other arguments, rope, cache, positions and mask, are the same on every rank)
@@ -96,8 +96,11 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
 
 
 def _settled(_module, args: tuple) -> tuple:
-    """The residual stream with its local tensor waited for (a plain tensor in a DTensor)."""
+    """In a no-grad forward, the residual stream with its local tensor waited for (a plain
+    tensor in a DTensor; `wait` leaves autograd's graph, which a no-grad forward has none of)."""
     x, *rest = args
+    if torch.is_grad_enabled():
+        return args
     if isinstance(x, DTensor) and isinstance(x._local_tensor, AsyncCollectiveTensor):
         local = x.to_local().wait()
         x = DTensor.from_local(local, x.device_mesh, x.placements, run_check=False)
