@@ -552,7 +552,7 @@ def test_every_rank_gets_the_communication_settings(runs, ran):
         assert len(ranks) == 2
         for settings in ranks:
             env = settings["env"]
-            assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "20000"
+            assert env["TORCH_FR_BUFFER_SIZE"] == "20000"
             assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
             assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
             trace = Path(env["TORCH_FR_DUMP_TEMP_FILE"])

@@ -42,32 +42,47 @@ from tests.helpers import (
 GQA = ["model.n_kv_heads=2"]
 UNTIED = ["model.tie_embeddings=false"]
 LAYOUT_2D = ["parallel.backend=fsdp", "parallel.tensor_parallel=2", *UNTIED]
+SAMPLE = ["eval.sample_every=4", "eval.sample_tokens=6"]  # a no-grad forward beside the eval's
+TP2 = ["parallel.backend=fsdp", "parallel.tensor_parallel=2", "train.micro_batch_size=4"]
+COMPILED = ["train.compile=true", *SAMPLE]
 # The runs below by launch, each launch's runs together (those the selected tests read): the
-# one-process references; FSDP2 x TP on 4 ranks, stopped after step 2; then on 2 ranks, TP 2
-# alone and the 2d run resumed at TP 2.
+# one-process references; FSDP2 x TP on 4 ranks, stopped after step 2, and compiled; then on 2
+# ranks, TP 2 alone (eager and compiled) and the 2d run resumed at TP 2.
 STAGES = [
-    {"single": (1, SINGLE), "single-untied": (1, [*UNTIED, *SINGLE])},
+    {"single": (1, [*SINGLE, *SAMPLE]), "single-untied": (1, [*UNTIED, *SINGLE])},
     {
         "2d-stopped": (
             4,
             [*LAYOUT_2D, "parallel.sequence_parallel=false", "train.micro_batch_size=2"]
             + ["train.grad_accum=2", "activation_checkpointing.mode=selective"]
             + ["train.exit_at_step=2", "run.name=2d"],
-        )
+        ),
+        "2d-compiled": (
+            4,
+            ["parallel.backend=fsdp", "parallel.tensor_parallel=2", "train.micro_batch_size=2"]
+            + ["train.grad_accum=2", "activation_checkpointing.mode=selective", *COMPILED],
+        ),
     },
     {
-        "tp2": (
-            2,
-            ["parallel.backend=fsdp", "parallel.tensor_parallel=2", "train.micro_batch_size=4"]
-            + ["train.grad_accum=2", "activation_checkpointing.mode=full"],
-        ),
+        "tp2": (2, [*TP2, "train.grad_accum=2", "activation_checkpointing.mode=full"]),
         "2d": (2, [*LAYOUT_2D, "train.micro_batch_size=4", "train.grad_accum=2"]),
+        **{
+            f"tp2-compiled-{mode}": (
+                2,
+                [*TP2, "train.grad_accum=2", f"activation_checkpointing.mode={mode}", *COMPILED]
+                + ["activation_checkpointing.k=2"],
+            )
+            for mode in ("full", "every_k")
+        },
     },
 ]
 NEEDS = {
     "test_tensor_parallel_alone_follows_one_process": ["single", "tp2"],
     "test_fsdp_x_tensor_parallel_resumes_at_another_degree": ["single-untied", "2d-stopped", "2d"],
-}
+    "test_compiled_tensor_parallel_blocks_follow_one_process": [
+        "single", "2d-compiled", "tp2-compiled-full", "tp2-compiled-every_k"
+    ],
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +123,17 @@ def test_tensor_parallel_alone_follows_one_process(runs):
     # generate reads the run in one process whatever it trained with: the same greedy text
     texts = [generated(runs.root / name) for name in ("tp2", "single")]
     assert texts[0] == texts[1] and len(texts[0]) > len("def ")
+
+
+def test_compiled_tensor_parallel_blocks_follow_one_process(runs):
+    """train.compile under tensor parallelism: TP 2 with full and every-k checkpointing (around
+    the compiled block) and FSDP2 x TP 2 x 2 with selective checkpointing (inside it) follow the
+    one-process curve, evaluation and the greedy sample (no-grad forwards) included."""
+    ref = runs.rows["single"]
+    for name in ("2d-compiled", "tp2-compiled-full", "tp2-compiled-every_k"):
+        assert_same_curve(runs.rows[name], ref)
+        assert runs.rows[name][STEPS]["samples_text"] == ref[STEPS]["samples_text"], name
+    assert runs.plan["2d-compiled"]["mesh"] == {"names": ["shard", "tp"], "shape": [2, 2]}
 
 
 def test_fsdp_x_tensor_parallel_resumes_at_another_degree(runs):

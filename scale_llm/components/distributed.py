@@ -39,7 +39,7 @@ def joined_multi_process() -> bool:
 
 # torch's NCCL settings a run starts with, each kept when already set
 COMM_ENV = {
-    "TORCH_NCCL_TRACE_BUFFER_SIZE": "20000",  # the flight recorder: each rank's last collectives
+    "TORCH_FR_BUFFER_SIZE": "20000",  # the flight recorder: each rank's last collectives
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",  # ... written out when a collective times out
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",  # a failed collective ends the process (torchrun's)
 }
