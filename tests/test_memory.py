@@ -156,12 +156,15 @@ def test_state_bytes_per_backend():
     # ZeRO-1 reduces into gradient partitions through the same buckets as ZeRO-2, but with
     # grad_accum > 1 it accumulates whole 16-bit gradients between micro-steps (measured with
     # DeepSpeed 0.19 on 2 gloo ranks)
-    assert zero[1].layout.grad_accum > 1 and totals[1] == totals[2] + 2 * P
+    # ZeRO-2 in bf16 also sums the micro-steps in an fp32 partition (the generated config's
+    # data_types.grad_accum_dtype; ZeRO-1 sums in its whole 16-bit gradients)
+    assert zero[1].layout.grad_accum > 1 and totals[1] == totals[2] + 2 * P - 4 * P / 8
     buckets = 2 * 2 * 50_000_000  # two bf16 reduce buckets of reduce_bucket_size elements
-    assert totals[2] == 2 * P + (2 + 4 + 12) * P / 8 + buckets
-    # ZeRO-3: one bucket, and the 16-bit parameters its coordinator holds gathered
+    assert totals[2] == 2 * P + (2 + 4 + 4 + 12) * P / 8 + buckets
+    # ZeRO-3: one bucket (fp32: the generated config's communication_data_type), an fp32
+    # gradient partition (its grad_accum_dtype) and the 16-bit parameters held gathered
     held = zero3_gathered_params(ParamCounts.of(zero[3].model), zero[3].layout)
-    assert totals[3] == pytest.approx((2 + 2 + 4 + 12) * P / 8 + held + buckets / 2, rel=1e-9)
+    assert totals[3] == pytest.approx((2 + 4 + 4 + 12) * P / 8 + held + buckets, rel=1e-9)
     assert totals[0] > totals[2]
     off = estimate(
         cfg_with(
@@ -294,8 +297,9 @@ SMALL_ARGS = ["model.vocab_size=512", "model.d_model=64", "model.n_layers=2"]
 def test_model_states_agree_with_deepspeeds_own_estimators(name, monkeypatch, capsys):
     """DeepSpeed's estimate_zero{2,3}_model_states_mem_needs (arithmetic on the parameter count)
     next to ours for the shipped configs at 2 and 8 GPUs, bf16, no offload. ZeRO-2: the same
-    2P + 18P/N. ZeRO-3: DeepSpeed's 18P/N + 4 B x its largest layer; ours is 18P/N, the 16-bit
-    gradient partition (2P/N) and the 16-bit parameters its coordinator holds gathered
+    2P + 18P/N, besides the fp32 accumulation partition (4P/N) DeepSpeed's arithmetic leaves
+    out. ZeRO-3: DeepSpeed's 18P/N + 4 B x its largest layer; ours is 18P/N, the fp32 gradient
+    partition (4P/N) and the 16-bit parameters its coordinator holds gathered
     (`zero3_gathered_params`, measured on 2 ranks) instead of the largest layer."""
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     deepspeed = pytest.importorskip("deepspeed")
@@ -316,6 +320,8 @@ def test_model_states_agree_with_deepspeeds_own_estimators(name, monkeypatch, ca
             est = estimate(cfg, world)  # DeepSpeed's estimators leave out the reduce buckets
             states = sum(est.gpu[k] for k in ("params", "grads", "optimizer"))
             ours[stage] = states - ds_reduce_buckets(est.layout)
+            if stage == 2:  # ... and the fp32 accumulation partition (grad_accum_dtype fp32)
+                ours[stage] -= 4 * est.params / world
         P = est.params
         _, ds2 = estimate_zero2_model_states_mem_needs(P, world, 1, cpu_offload=False)
         _, ds3, _ = estimate_zero3_model_states_mem_needs(P, largest, world, 1, cpu_offload=False)
@@ -327,7 +333,8 @@ def test_model_states_agree_with_deepspeeds_own_estimators(name, monkeypatch, ca
         assert ours[2] == pytest.approx(ds2, rel=1e-6)
         lay = est.layout
         held = zero3_gathered_params(ParamCounts.of(m), lay)
-        assert ours[3] == pytest.approx(ds3 - 4 * largest + 2 * P / world + held, rel=1e-6)
+        # (its gradient partition in fp32: grad_accum_dtype)
+        assert ours[3] == pytest.approx(ds3 - 4 * largest + 4 * P / world + held, rel=1e-6)
 
 
 def test_train_fit_keeps_the_global_batch_and_the_backend(data_dir, tmp_path):

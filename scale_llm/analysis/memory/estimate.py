@@ -59,6 +59,7 @@ class Layout:
     ds_persistence_threshold: int = 100_000  # ZeRO-3: smaller params are never partitioned
     ds_pin_memory: bool = True  # offload_optimizer.pin_memory: page-locked host buffers
     ds_grad_accum_dtype: str | None = None  # data_types.grad_accum_dtype (None: the params')
+    ds_comm_dtype: str | None = None  # communication_data_type (None: the params')
     pinned_round_limit: int | None = None  # bytes: larger pinned blocks are not rounded up
     tp: int = 1  # tensor parallelism: each rank holds 1/tp of every matmul weight
     sequence_parallel: bool = False
@@ -115,6 +116,7 @@ def layout_of(cfg: Config, plan: RunPlan) -> Layout:
         ds_pin_memory=plan.device.type == "cuda"
         and bool((zero.get("offload_optimizer") or {}).get("pin_memory", False)),
         ds_grad_accum_dtype=_dtype_name((ds.get("data_types") or {}).get("grad_accum_dtype")),
+        ds_comm_dtype=_dtype_name(ds.get("communication_data_type")),
         pinned_round_limit=pinned_round_limit(os.environ),
         tp=plan.tp_degree,
         replicate=plan.replicate_degree,
@@ -216,7 +218,9 @@ def ds_reduce_buckets(lay: Layout) -> float:
     if lay.backend != "deepspeed" or lay.zero_stage < 1:
         return 0.0
     count = 1 if lay.zero_stage >= 3 else (2 if lay.ds_overlap_comm else 1)
-    return float(count * lay.working_bytes * lay.ds_bucket_elements)
+    # ZeRO-3 makes its bucket in the communication dtype, ZeRO-1/2 in the parameters'
+    width = 4 if lay.zero_stage >= 3 and lay.ds_comm_dtype == "fp32" else lay.working_bytes
+    return float(count * width * lay.ds_bucket_elements)
 
 
 def zero3_gathered_params(n: ParamCounts, lay: Layout) -> float:
@@ -241,8 +245,12 @@ def _deepspeed_states(n: ParamCounts, lay: Layout, c: int, half: bool):
     optim = (12 if half or s >= 1 else 8) * P
     params = c * P / W if s >= 3 else c * P
     grads = c * P / W if s >= 1 else c * P
+    if s >= 3 and lay.ds_grad_accum_dtype == "fp32":  # its flat gradient partition, in fp32
+        grads = 4 * P / W
     if half and s >= 1 and not lay.offload_optimizer:
         grads += 4 * P / W  # the fp32 gradient partition the optimizer steps on
+        if zero_offload_compact(lay):  # ... and the fp32 accumulation partition beside it
+            grads += 4 * P / W
     grads += ds_reduce_buckets(lay)
     if s == 1 and lay.grad_accum > 1:  # ZeRO-1 accumulates whole gradients in .grad between
         grads += c * P  # micro-steps and partitions them at the boundary (measured: c x P more)
@@ -297,10 +305,11 @@ class RankPartition:
 
 
 def zero_offload_compact(lay: Layout) -> bool:
-    """ZeRO-2 with offload accumulates a step's gradients in an fp32 partition on the GPU
+    """ZeRO-2 accumulates a step's gradients in an fp32 partition on the GPU
     (`_use_compact_grad_partition_buffer`) when `data_types.grad_accum_dtype` is fp32 and the
-    parameters are 16-bit; otherwise in 16-bit copies on the host, sent back each micro-step.
-    (ZeRO-1's fp32 accumulation is not counted: the generated config asks for it at ZeRO-2.)"""
+    parameters are 16-bit (the generated config's choice in bf16); with offload otherwise in
+    16-bit copies on the host, sent back each micro-step. (ZeRO-1's fp32 accumulation is not
+    counted: the generated config does not ask for it.)"""
     return lay.zero_stage == 2 and lay.ds_grad_accum_dtype == "fp32" and lay.precision != "fp32"
 
 
@@ -587,6 +596,12 @@ def step_phases(
     if lay.backend == "deepspeed" and lay.zero_stage >= 3:  # released after the backward
         step_params -= zero3_gathered_params(n, lay)
     phases["optimizer step"] = at(step_params, persistent - per_backward, 0.0, 0.0)  # in place
+    if lay.backend == "deepspeed" and zero_offload_compact(lay) and not lay.offload_optimizer:
+        # the end of a backward's reduction into the fp32 partition: the reduced bucket in fp32
+        # and its 16-bit copy, less this rank's part, beside everything else (fitted on 2 and 4
+        # gloo ranks, DeepSpeed 0.19.8: 6 x (1 - 1/world) bytes a gradient element, exact)
+        moving = min(n.total, lay.ds_bucket_elements) * 6 * (1 - 1 / lay.world)
+        phases["gradient reduction"] = at(gpu["params"], persistent + moving, 0.0, 0.0)
     return phases, activations, max(loss_bwd, in_block)
 
 
