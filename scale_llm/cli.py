@@ -338,9 +338,8 @@ def _estimate_parser(sub) -> None:
         "--world-size",
         type=int,
         metavar="N",
-        help="GPUs the run will use (default: $WORLD_SIZE; else the world the config's header "
-        "names in its `scale-llm estimate FILE --world-size N` line, as the shipped multi-GPU "
-        "configs do; else 1)",
+        help="GPUs the run will use (default: $WORLD_SIZE; else the config's "
+        "parallel.world_size, as the shipped multi-GPU configs set it; else 1)",
     )
     _flag(p, "--json", "print one JSON object")
     p.add_argument("--fit", metavar="SIZE", help="memory per GPU to fit in, e.g. 80GiB")
