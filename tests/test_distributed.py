@@ -48,6 +48,7 @@ from tests.helpers import (
 )
 
 COMPILED = ["ddp", "fsdp", "zero2"]
+SUM8 = ["train.micro_batch_size=1", "train.grad_accum=8"]
 RESUMED = ["ddp", "fsdp", "zero2", "zero3"]
 BACKGROUND = [("ddp", "async"), ("fsdp", "async_with_pinned_mem")]
 MIXED = [("ddp", "bf16"), ("fsdp", "fp16"), ("zero2", "bf16")]
@@ -74,6 +75,11 @@ RUNS = {
     "zero2-offload": (2, SINGLE_H200_7B),
     "logs": (2, ["parallel.backend=ddp", "train.micro_batch_size=4", "train.max_steps=1"]),
     **{f"{b}-compiled": split_run(b, "train.compile=true") for b in COMPILED},
+    # 8 micro-steps of 1 sequence on each rank a step: sums over micro-steps
+    **{
+        f"{b}-{p}-sum8": (2, [*BACKENDS[b], f"train.precision={p}", *SUM8])
+        for b, p in (("fsdp", "bf16"), ("fsdp", "fp32"), ("zero2", "bf16"))
+    },
 }
 NEEDS = {  # test: the runs it reads ({backend}, {mode}, {precision}: its parameters)
     "test_backend_matches_single_process": ["{backend}-split"],
@@ -91,6 +97,9 @@ NEEDS = {  # test: the runs it reads ({backend}, {mode}, {precision}: its parame
     "test_only_rank_0_logs_info": ["logs"],
     "test_deepspeed_writes_its_generated_config": ["zero2-split"],
     "test_every_rank_gets_the_communication_settings": ["ddp-split", "fsdp-split"],
+    "test_deepspeed_sums_and_reduces_bf16_gradients_as_fsdp2_does": [
+        "fsdp-bf16-sum8", "fsdp-fp32-sum8", "zero2-bf16-sum8"
+    ],
 }  # fmt: skip
 
 
@@ -250,6 +259,22 @@ def test_mixed_precision_follows_the_fp32_curve(backend, precision, ran, referen
     diff = assert_same_curve(rows, reference, 3e-2, grad_tol=1e-1)
     print(f"\n{precision} {backend}: max |diff| vs fp32 single = {diff:.1e}")
     assert rows[STEPS]["skipped_steps"] == 0  # fp16: the GradScaler found no overflow here
+
+
+def test_deepspeed_sums_and_reduces_bf16_gradients_as_fsdp2_does(runs, ran):
+    """ZeRO-2 in bf16 sums the micro-steps' gradients and reduces them in fp32, as FSDP2 does
+    (DeepSpeed's default for bf16: both in bf16), as its engine says, and over 8 micro-steps a
+    step follows FSDP2's bf16 curve within what bf16 against fp32 shows."""
+    fsdp, fp32, zero2 = (ran(f"{n}-sum8") for n in ("fsdp-bf16", "fsdp-fp32", "zero2-bf16"))
+    said = "deepspeed: ZeRO-2, gradients summed in float32 and reduced in float32"
+    assert said in runs.stdout["zero2-bf16-sum8"]
+
+    def worst(a, b):
+        return max(abs(a[s]["loss"] - b[s]["loss"]) for s in range(1, STEPS + 1))
+
+    bf16_vs_fp32, deepspeed_vs_fsdp = worst(fsdp, fp32), worst(zero2, fsdp)
+    print(f"\nbf16 vs fp32 {bf16_vs_fp32:.1e}; ZeRO-2 bf16 vs FSDP2 bf16 {deepspeed_vs_fsdp:.1e}")
+    assert 0 < deepspeed_vs_fsdp <= bf16_vs_fp32
 
 
 def test_a_step_made_nan_on_one_rank_is_skipped_by_every_rank_of_every_backend(data_dir, tmp_path):

@@ -20,8 +20,9 @@ import json
 import logging
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -60,7 +61,7 @@ def _step_only_if_finite(optimizer: torch.optim.Optimizer, norm: torch.Tensor) -
 
 
 class DeepSpeedBackend(Backend):
-    def setup(self, model: Transformer, initial_weights: dict | None = None) -> nn.Module:
+    def setup(self, model: Transformer, initial_weights: Mapping | None = None) -> nn.Module:
         # DeepSpeed still calls collectives that torch 2.13 deprecates, warning on every call
         warnings.filterwarnings(
             "ignore", category=FutureWarning, message=r"`torch\.distributed\.\w+` is deprecated"
@@ -77,7 +78,21 @@ class DeepSpeedBackend(Backend):
         )
         self.model, self.optimizer = engine, optimizer
         self._boundary = True
+        self._say_gradient_dtypes(engine)
         return engine
+
+    def _say_gradient_dtypes(self, engine: Any) -> None:
+        """What the engine really sums the micro-steps' gradients and reduces them in (read from
+        it, not from the config we gave it)."""
+        if self.plan.is_main and self.plan.precision != "fp32":
+            summed = getattr(engine.optimizer, "gradient_accumulation_dtype", None)
+            summed = summed or engine.get_data_types()[1]
+            log.info(
+                "deepspeed: ZeRO-%d, gradients summed in %s and reduced in %s",
+                self.cfg.parallel.deepspeed.zero_stage,
+                str(summed).removeprefix("torch."),
+                str(engine.communication_data_type).removeprefix("torch."),
+            )
 
     def transform_blocks(self, model: Transformer) -> None:
         if self.compile and self.cfg.parallel.deepspeed.zero_stage == 3:
