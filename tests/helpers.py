@@ -97,7 +97,7 @@ def init_weights(cfg, tokenizer_sha256, tokenizer_files_sha256=None):
     from scale_llm.train.init_from import check_init_from, load_init_weights
 
     folder = check_init_from(cfg, tokenizer_sha256, tokenizer_files_sha256)
-    return load_init_weights(cfg, folder)
+    return dict(load_init_weights(cfg, folder))  # (every tensor read, and checked, now)
 
 
 def batch_plan(micro_batch: int, grad_accum: int, world: int = 1, rank: int = 0) -> RunPlan:

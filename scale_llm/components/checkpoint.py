@@ -20,7 +20,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from scale_llm.components import digests
 from scale_llm.components.distributed import barrier, is_distributed, rank_and_world
-from scale_llm.components.serialization import dcp_load, load_file
+from scale_llm.components.serialization import dcp_load, dcp_metadata, load_file
 from scale_llm.config import Config, ModelConfig, build_section, short, validate
 from scale_llm.errors import UserError
 from scale_llm.files import (
@@ -711,9 +711,37 @@ def load_model_weights(
     if (ckpt_dir / DCP_DIR).is_dir():
         dcp_load({"model": template}, ckpt_dir / DCP_DIR, no_dist=not is_distributed())
         return template
-    if (ckpt_dir / MODEL_WEIGHTS).is_file():
-        return load_file(ckpt_dir / MODEL_WEIGHTS)
-    raise UserError(
-        f"{ckpt_dir} holds no model weights ({DCP_DIR}/ or {MODEL_WEIGHTS}); "
-        f"point at a complete checkpoint directory"
-    )
+    return dict(CheckpointWeights(ckpt_dir, template))
+
+
+class CheckpointWeights(Mapping[str, torch.Tensor]):
+    """Any checkpoint's fp32 model weights by name, each read when asked, so that a caller taking
+    them one at a time (a sharded start, a streamed export) holds one full parameter at a time:
+    DCP reads that tensor's bytes alone; DeepSpeed's `model.pt` is memory-mapped. `template`:
+    the model's tensors (their names and shapes; meta tensors will do)."""
+
+    def __init__(self, ckpt_dir: Path, template: dict[str, torch.Tensor]):
+        self.ckpt_dir, self.shapes = ckpt_dir, {n: t.shape for n, t in template.items()}
+        self._dcp = self._mapped = None
+        if (ckpt_dir / DCP_DIR).is_dir():
+            self._dcp = dcp_metadata(ckpt_dir / DCP_DIR)
+        elif (ckpt_dir / MODEL_WEIGHTS).is_file():
+            self._mapped = load_file(ckpt_dir / MODEL_WEIGHTS, mmap=True)
+        else:
+            raise UserError(
+                f"{ckpt_dir} holds no model weights ({DCP_DIR}/ or {MODEL_WEIGHTS}); "
+                f"point at a complete checkpoint directory"
+            )
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if self._mapped is not None:
+            return self._mapped[name].float()
+        tensor = torch.empty(self.shapes[name])
+        dcp_load({"model": {name: tensor}}, self.ckpt_dir / DCP_DIR, True, self._dcp)
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes if self._mapped is None else self._mapped)
+
+    def __len__(self) -> int:
+        return len(self.shapes if self._mapped is None else self._mapped)

@@ -91,6 +91,9 @@ class HFWeights:
         else:
             try:
                 tensor = self._open(self.file_of[name]).get_tensor(name)
+                # the file is mapped while open: closed after each read, so the pages read stay
+                # out of this process (a 70B folder read tensor by tensor is not held whole)
+                self._files.pop(self.file_of[name])
             except Exception as e:  # safetensors' own error type for a short or garbled file
                 raise UserError(
                     f"{self.what}: cannot read {name} from {self.folder / self.file_of[name]} "
@@ -108,8 +111,9 @@ class HFWeights:
                 f"(fp32, bf16 or fp16), or pick another folder"
             )
         tensor = tensor.float()
-        if not (finite := torch.isfinite(tensor)).all():
-            bad = tensor.numel() - int(finite.sum())
+        # counted in chunks: a mask of the whole tensor would be one more quarter of it
+        bad = sum(int((~torch.isfinite(c)).sum()) for c in tensor.view(-1).split(1 << 22))
+        if bad:
             raise UserError(
                 f"{self.what}: {name} in {where} holds {bad:,} NaN or infinite values (of "
                 f"{tensor.numel():,}, read as fp32); the weights are damaged or diverged: start "

@@ -63,13 +63,16 @@ def _refused_global(e: Exception) -> str | None:
 
 
 def load_file(
-    path: Path | str, map_location: Any = "cpu", safe_globals: list[Any] | tuple[Any, ...] = ()
+    path: Path | str,
+    map_location: Any = "cpu",
+    safe_globals: list[Any] | tuple[Any, ...] = (),
+    mmap: bool = False,
 ) -> Any:
-    """`torch.load(weights_only=True)` of one file; a refused global or a damaged file becomes
-    a UserError naming the file."""
+    """`torch.load(weights_only=True)` of one file (`mmap`: its tensors mapped, read when
+    touched); a refused global or a damaged file becomes a UserError naming the file."""
     try:
         with torch.serialization.safe_globals(list(safe_globals)):
-            return torch.load(path, map_location=map_location, weights_only=True)
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, KeyError, OSError) as e:
         if isinstance(e, FileNotFoundError | PermissionError):
             raise
@@ -124,6 +127,14 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         raise refused(self.path, "persistent reference")
+
+
+def dcp_metadata(checkpoint_id: Path) -> Any:
+    """The checked metadata of the DCP checkpoint folder `checkpoint_id`."""
+    metadata_file = Path(checkpoint_id) / ".metadata"
+    if not metadata_file.is_file():
+        raise damaged(checkpoint_id, "its .metadata file is missing")
+    return read_dcp_metadata(metadata_file)  # errors here name the file (DCP's would not)
 
 
 def read_dcp_metadata(path: Path | str) -> Any:
@@ -189,16 +200,16 @@ def _quiet_single_process() -> Iterator[None]:
         yield
 
 
-def dcp_load(state: dict[str, Any], checkpoint_id: Path, no_dist: bool) -> None:
-    """`torch.distributed.checkpoint.load` into `state`, through the allow-lists above."""
+def dcp_load(
+    state: dict[str, Any], checkpoint_id: Path, no_dist: bool, metadata: Any = None
+) -> None:
+    """`torch.distributed.checkpoint.load` into `state`, through the allow-lists above
+    (`metadata`: the checkpoint's, already read by `dcp_metadata`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     checkpoint_id = Path(checkpoint_id)
-    metadata_file = checkpoint_id / ".metadata"
-    if not metadata_file.is_file():
-        raise damaged(checkpoint_id, "its .metadata file is missing")
-    metadata = read_dcp_metadata(metadata_file)  # errors here name the file (DCP's would not)
+    metadata = metadata or dcp_metadata(checkpoint_id)
     reader, planner = _safe_reader_and_planner(checkpoint_id, metadata)
     try:
         with _quiet_single_process():

@@ -11,7 +11,7 @@ permutation; `attention.wqkv` holds the rows of q_proj, k_proj and v_proj groupe
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import fields
 from typing import Any
 
@@ -101,19 +101,36 @@ def from_hf(cfg: ModelConfig, get: Callable[[str], torch.Tensor]) -> dict[str, t
     """Our state dict from HF tensors, read one at a time through `get(name)` (fp32); q/k/v
     are fused back into wqkv's kv-head groups. Shapes must already have been checked
     (`shape_problems`)."""
-    state = {
-        "tok_embeddings.weight": get("model.embed_tokens.weight"),
-        "norm.weight": get("model.norm.weight"),
-    }
-    for i in range(cfg.n_layers):
-        parts = [get(f"model.layers.{i}.{name}") for name in _QKV]
-        state[f"layers.{i}.attention.wqkv.weight"] = fuse_qkv(*parts, cfg.n_kv_heads or cfg.n_heads)
-        del parts
-        for ours, theirs in _PER_LAYER.items():
-            state[f"layers.{i}.{ours}"] = get(f"model.layers.{i}.{theirs}")
-    if not cfg.tie_embeddings:
-        state["output.weight"] = get("lm_head.weight")
-    return state
+    return dict(FromHF(cfg, get))
+
+
+class FromHF(Mapping[str, torch.Tensor]):
+    """Our parameters by name, each made from its HF tensors when asked (`from_hf` takes them
+    all): a sharded start holds one full parameter at a time."""
+
+    def __init__(self, cfg: ModelConfig, get: Callable[[str], torch.Tensor]):
+        self.cfg, self.get = cfg, get
+        self.names = ["tok_embeddings.weight", "norm.weight"]
+        for i in range(cfg.n_layers):
+            self.names += [f"layers.{i}.attention.wqkv.weight"]
+            self.names += [f"layers.{i}.{ours}" for ours in _PER_LAYER]
+        if not cfg.tie_embeddings:
+            self.names.append("output.weight")
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in _TOP:
+            return self.get(_TOP[name])
+        _, i, ours = name.split(".", 2)
+        if ours == "attention.wqkv.weight":
+            parts = [self.get(f"model.layers.{i}.{theirs}") for theirs in _QKV]
+            return fuse_qkv(*parts, self.cfg.n_kv_heads or self.cfg.n_heads)
+        return self.get(f"model.layers.{i}.{_PER_LAYER[ours]}")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
 
 
 def shape_problems(cfg: ModelConfig, found: dict[str, tuple[int, ...]]) -> list[str]:

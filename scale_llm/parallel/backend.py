@@ -12,6 +12,7 @@ so a run starts from the same weights whatever the backend, world size or device
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -51,16 +52,16 @@ class Backend:
         self.zero_grads_in_place = False
 
     # ----------------------------------------------------------------- setup
-    def setup(self, model: Transformer, initial_weights: dict | None = None) -> nn.Module:
+    def setup(self, model: Transformer, initial_weights: Mapping | None = None) -> nn.Module:
         """Materialize, checkpoint blocks, wrap and build the optimizer; returns the model to
-        call forward on. `initial_weights` (a full state dict) replaces the seeded init, e.g.
-        when resuming from another backend's checkpoint."""
+        call forward on. `initial_weights` (name -> tensor, read when asked) replace the
+        seeded init, e.g. when resuming from another backend's checkpoint."""
         self.module = model
         self.model = self.wrap(model, initial_weights)
         self.optimizer = build_optimizer(self.model, self.cfg.train)
         return self.model
 
-    def wrap(self, model: Transformer, initial_weights: dict | None = None) -> nn.Module:
+    def wrap(self, model: Transformer, initial_weights: Mapping | None = None) -> nn.Module:
         self.materialize_on_cpu(model, initial_weights).to(self.plan.device)
         self.transform_blocks(model)
         return model
@@ -80,7 +81,7 @@ class Backend:
         if around:
             apply_activation_checkpointing(model, ac)
 
-    def materialize_on_cpu(self, model: Transformer, initial: dict | None = None) -> Transformer:
+    def materialize_on_cpu(self, model: Transformer, initial: Mapping | None = None) -> Transformer:
         """The model's weights on the CPU: drawn from run.seed, or `initial` (a full state
         dict), the same for every backend."""
         torch.manual_seed(self.cfg.run.seed)

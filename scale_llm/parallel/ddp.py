@@ -8,6 +8,7 @@ global norm and the optimizer state is replicated (torch.distributed.checkpoint 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -18,7 +19,7 @@ from scale_llm.parallel.backend import Backend
 
 
 class DDPBackend(Backend):
-    def wrap(self, model: Transformer, initial_weights: dict | None = None) -> nn.Module:
+    def wrap(self, model: Transformer, initial_weights: Mapping | None = None) -> nn.Module:
         if self.compile:
             # Dynamo's DDPOptimizer would split each compiled block at gradient-bucket borders
             # (3 graphs per 400m block at 25 MB buckets) so that a bucket's all-reduce can start

@@ -77,7 +77,7 @@ class FSDPBackend(Backend):
             return MixedPrecisionPolicy()
         return MixedPrecisionPolicy(param_dtype=self.precision.dtype, reduce_dtype=torch.float32)
 
-    def wrap(self, model: Transformer, initial_weights: dict | None = None) -> nn.Module:
+    def wrap(self, model: Transformer, initial_weights: Mapping | None = None) -> nn.Module:
         opts = self.cfg.parallel.fsdp
         if self.tp > 1:  # tensor parallelism first, then checkpointing and compile (torchtitan)
             mesh = self.device_mesh()["tp"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -23,7 +24,7 @@ from scale_llm.config import ModelConfig
 from scale_llm.data.pretrained_tokenizer import ENCODERS, folder_digest
 from scale_llm.errors import UserError
 from scale_llm.files import folder_file, read_folder_file
-from scale_llm.model.hf import config_problems, from_hf, from_hf_config, shape_problems
+from scale_llm.model.hf import FromHF, config_problems, from_hf_config, shape_problems
 
 log = logging.getLogger(__name__)
 WHAT = "model.init_from"
@@ -55,15 +56,11 @@ def check_init_from(
     return folder
 
 
-def load_init_weights(cfg: ModelConfig, folder: Path) -> dict[str, torch.Tensor]:
-    """Our full state dict from `folder` (checked by `check_init_from`), as fp32 on the CPU."""
-    state = from_hf(cfg, HFWeights(folder, WHAT).get)
-    log.info(
-        "init_from: %s: %.2fM parameters loaded (the optimizer starts from zero)",
-        folder,
-        sum(t.numel() for t in state.values()) / 1e6,
-    )
-    return state
+def load_init_weights(cfg: ModelConfig, folder: Path) -> Mapping[str, torch.Tensor]:
+    """Our parameters from `folder` (checked by `check_init_from`), as fp32 on the CPU, each
+    read when asked: a sharded start holds one full parameter at a time."""
+    log.info("init_from: %s: the optimizer starts from zero", folder)
+    return FromHF(cfg, HFWeights(folder, WHAT).get)
 
 
 def _tokenizer_problems(

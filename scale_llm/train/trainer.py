@@ -16,6 +16,7 @@ import functools
 import logging
 import signal
 import sys
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +29,7 @@ from scale_llm.components.checkpoint import (
     TRAINER_FORMAT,
     TRAINER_STATE,
     Checkpointer,
-    load_model_weights,
+    CheckpointWeights,
 )
 from scale_llm.components.hardware import peak_flops
 from scale_llm.components.optim import lr_at
@@ -39,7 +40,7 @@ from scale_llm.data.loader import TrainLoader
 from scale_llm.data.tokenizer import run_copy_name
 from scale_llm.errors import UserError
 from scale_llm.files import atomic_write_bytes, atomic_write_json, atomic_write_text
-from scale_llm.model import Transformer, build_model, empty_state_dict
+from scale_llm.model import Transformer, build_model
 from scale_llm.parallel.backend import build_backend
 from scale_llm.parallel.step import optimizer_step
 from scale_llm.train import callbacks
@@ -166,14 +167,16 @@ class Trainer:
                 plan.precision,
             )
 
-    def _initial_weights(self) -> dict[str, torch.Tensor] | None:
-        """Weights that replace the seeded init: a checkpoint this backend cannot restore
-        exactly (another backend, or DeepSpeed with another ZeRO stage or world size: the
-        optimizer starts afresh), or model.init_from's."""
+    def _initial_weights(self) -> Mapping[str, torch.Tensor] | None:
+        """Weights that replace the seeded init, each read when the backend asks for it (a
+        sharded backend takes one whole parameter at a time): a checkpoint this backend
+        cannot restore exactly (another backend, or DeepSpeed with another ZeRO stage or world
+        size: the optimizer starts afresh), or model.init_from's."""
         resume = self.spec.resume
         if resume is not None and not resume.exact:
             log.warning("resume: %s", foreign_layout(resume.state, resume.checkpoint))
-            return load_model_weights(resume.checkpoint, empty_state_dict(self.cfg.model))
+            shapes = build_model(self.cfg.model).state_dict()  # (meta tensors: no memory)
+            return CheckpointWeights(resume.checkpoint, shapes)
         if self.spec.init_from is not None:
             return load_init_weights(self.cfg.model, self.spec.init_from)
         return None
