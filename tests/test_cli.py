@@ -992,9 +992,7 @@ def test_estimate_of_a_layout_that_needs_more_gpus_gives_the_command_that_works(
     )
 
 
-def test_config_preflight_says_what_train_would_find_and_writes_nothing(
-    data_dir, tmp_path, capsys
-):
+def test_config_preflight_says_what_train_would_find_and_writes_nothing(data_dir, tmp_path, capsys):
     """`scale-llm config CONFIG --preflight` runs train's preflight: one line when the run would
     start, every problem in one report (exit 2) when it would not; no run dir is made."""
     from scale_llm.cli import main
