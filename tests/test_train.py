@@ -958,3 +958,21 @@ def test_the_cadence_of_logging_eval_samples_and_checkpoints():
     assert [s for s in steps if c.samples(s)] == [6, 12]
     assert [s for s in steps if c.checkpoints(s)] == [8, 12]
     assert [s for s in steps if c.syncs(s)] == [3, 4, 5, 7, 8, 10, 12]
+
+
+def test_every_callback_ends_when_one_of_them_fails(data_dir, tmp_path):
+    """A callback whose end raises (a background save that failed, say) does not keep the
+    others from ending: Python's garbage collector is on again, and the error is raised."""
+    import gc
+
+    from scale_llm.train.callbacks import Callback
+
+    class Failing(Callback):
+        def end(self, trainer, failing):
+            raise OSError("no space left on device")
+
+    tr = trainer(data_dir, tmp_path, "train.max_steps=2", "train.gc_every=2")
+    tr.callbacks.append(Failing())
+    with pytest.raises(OSError, match="no space left"):
+        tr.fit()
+    assert gc.isenabled()

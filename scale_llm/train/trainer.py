@@ -223,16 +223,26 @@ class Trainer:
                         result.stopped = end.stop
                         break
         finally:
-            failing = sys.exc_info()[0] is not None
             try:
-                for callback in reversed(started):
-                    callback.end(self, failing)
+                self._end(started, failing=sys.exc_info()[0] is not None)
             finally:
                 result.seconds = self.clock.elapsed()
                 self.loader.close()
                 self.lock.release()
         result.steps = self.step
         return result
+
+    def _end(self, started: list[callbacks.Callback], failing: bool) -> None:
+        """Every started callback's `end`, last first, each even when another's raised (the
+        first error is raised after all have run: GC back on, the profiler stopped)."""
+        error: BaseException | None = None
+        for callback in reversed(started):
+            try:
+                callback.end(self, failing or error is not None)
+            except BaseException as e:  # (as nested `with` blocks would exit)
+                error = error or e
+        if error is not None:
+            raise error
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step over grad_accum micro-batches; returns (loss, grad_norm, lr).
