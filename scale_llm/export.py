@@ -9,6 +9,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import shutil
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,8 @@ from typing import Any
 import torch
 
 from scale_llm.components.checkpoint import (
+    CheckpointWeights,
     checkpoint_digest,
-    load_model_weights,
     read_trainer_state,
     resolve_checkpoint,
     saved_model_config,
@@ -38,7 +39,7 @@ from scale_llm.files import (
     require_writable_dir,
     temporary_sibling,
 )
-from scale_llm.model import empty_state_dict
+from scale_llm.model import build_model
 from scale_llm.model.hf import to_hf, to_hf_config
 from scale_llm.version import __version__
 
@@ -121,7 +122,8 @@ def export(
     src = read_source(path)
     check_not_inside_source(Path(out), src)
     dtype = dtype or default_dtype(src.precision)
-    weights = load_model_weights(src.checkpoint, empty_state_dict(src.model))
+    # read tensor by tensor as they are written: one safetensors shard in memory, not the model
+    weights = OneAtATime(CheckpointWeights(src.checkpoint, build_model(src.model).state_dict()))
     info = {
         "scale_llm_version": __version__,
         "run_dir": str(src.run_dir.resolve()),
@@ -137,8 +139,28 @@ def export(
     )
 
 
+class OneAtATime:
+    """A Mapping's tensors handed out once each, as `to_hf` pops them (read when popped)."""
+
+    def __init__(self, source: Mapping[str, torch.Tensor]):
+        self.source, self.left = source, dict.fromkeys(source)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.left
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.left)
+
+    def __len__(self) -> int:
+        return len(self.left)
+
+    def pop(self, name: str) -> torch.Tensor:
+        del self.left[name]
+        return self.source[name]
+
+
 def write_hf_folder(
-    state: dict[str, torch.Tensor],
+    state: dict[str, torch.Tensor] | OneAtATime,
     cfg: ModelConfig,
     tokenizer: Tokenizer | PretrainedTokenizer,
     out: str | Path,
