@@ -553,3 +553,23 @@ def test_tensor_parallel_at_two_ranks_peaks_where_the_estimate_says(two_ranks):
         assert 0.99 * peak <= est["peak"] <= 1.06 * peak, (name, peak, est["peak"])
         assert got["optimizer"] == pytest.approx(est["optimizer"], rel=0.01), name
         assert got["activations"] <= 1.01 * est["activations"], name
+
+
+def test_a_gpu_run_is_refused_when_its_host_cannot_build_the_model(monkeypatch):
+    """A GPU run builds the model on the host first: DDP the whole fp32 model per rank, FSDP2
+    each rank's shards and one parameter at a time. Eight DDP ranks of yaml/7b.yaml need 8 x
+    25 GiB of the host; FSDP2 about 4 GiB each; the estimate says both."""
+    import dataclasses
+
+    from scale_llm.analysis.memory import host
+    from scale_llm.config.plan import target_plan
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setattr(host, "host_available_bytes", lambda: 64 * 2**30)
+    fsdp = load_config(REPO / "yaml" / "7b.yaml")
+    ddp = load_config(REPO / "yaml" / "7b.yaml", ["parallel.backend=ddp"])
+    assert host.host_memory_problem(fsdp, target_plan(fsdp, 8)) is None
+    problem = host.host_memory_problem(ddp, dataclasses.replace(target_plan(ddp, 8)))
+    assert problem.startswith("building the model needs about 200.8 GiB of this host's memory (8")
+    assert "parallel.backend=fsdp builds each rank's shard" in problem
+    assert estimate(fsdp, 8).startup_host < 5 * 2**30 < 25 * 2**30 < estimate(ddp, 8).startup_host

@@ -421,6 +421,7 @@ class Estimate:
     parts: dict[str, dict[str, float]] = field(default_factory=dict)
     # host <-> GPU bytes per optimizer step of optimizer offload, by direction and reason
     traffic: dict[str, dict[str, float]] = field(default_factory=dict)
+    startup_host: float = 0.0  # one rank's host bytes while the model is built
 
     @property
     def peak_parts(self) -> dict[str, float]:
@@ -466,7 +467,19 @@ def estimate_layout(m: ModelConfig, ac: ActivationCheckpointingConfig, lay: Layo
     if lay.backend == "deepspeed" and lay.offload_optimizer and lay.zero_stage in (1, 2):
         traffic = zero_offload_traffic(n, lay)
     total = ParamCounts.of(m).total  # the model's, not one tensor-parallel rank's
-    return Estimate(total, lay, m, ac, gpu, cpu, phases, parts, traffic)
+    est = Estimate(total, lay, m, ac, gpu, cpu, phases, parts, traffic)
+    est.startup_host = startup_host_bytes(m, n, lay)
+    return est
+
+
+def startup_host_bytes(m: ModelConfig, n: ParamCounts, lay: Layout) -> float:
+    """One rank's host bytes while the model is built: FSDP2 and tensor parallelism fill their
+    fp32 shards one whole parameter at a time (with a reader's copy of it from init_from or a
+    checkpoint); the other backends build the whole fp32 model on the CPU first."""
+    if lay.backend != "fsdp":
+        return 4.0 * ParamCounts.of(m).total
+    largest = max(ParamCounts.of(m).block_tensors + ParamCounts.of(m).root_tensors)
+    return 4.0 * n.total / lay.shards + 2 * 4.0 * largest
 
 
 # PCIe 5.0 x16, each way: 16 lanes x 32 GT/s x 128/130 (encoding) / 8 bits

@@ -1,6 +1,7 @@
-"""Host memory for runs on the CPU: the estimate against what this host has free, checked before
-anything is allocated (a CPU model too large for the host swaps, or is killed by the kernel's
-OOM killer, with no message). Train and bench call it alike."""
+"""Host memory: the estimate against what this host has free, checked before anything is
+allocated (a model too large for the host swaps, or is killed by the kernel's OOM killer, with
+no message): a CPU run's whole step, a GPU run's start-up (the model is built on the host
+first). Train and bench call it alike."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ def host_memory_problem(
     a GPU, or the free memory is unknown). `models`: copies of the model this process holds;
     `staging`: host copies for background checkpoint writes (default: checkpoint.async_mode's)."""
     available = host_available_bytes()
-    if plan.device.type != "cpu" or available is None:
+    if available is None:
         return None
+    if plan.device.type != "cpu":
+        return startup_problem(cfg, plan, available)
     if staging is None:
         staging = 0 if cfg.checkpoint.async_mode == "disabled" else 1
     est = estimate(cfg, plan)
@@ -61,3 +64,25 @@ def check_host_memory(
     problem = host_memory_problem(cfg, plan, models, staging)
     if problem:
         raise UserError(problem)
+
+
+def startup_problem(cfg: Config, plan: RunPlan, available: int) -> str | None:
+    """Why the ranks of this host cannot build the model in its memory (a GPU run: the model
+    is built on the host first, whole or one parameter at a time; `estimate` says how much)."""
+    import os
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)  # (torchrun's ranks per node)
+    need = estimate(cfg, plan).startup_host * local
+    if need <= available:
+        return None
+    gib = 2**30
+    fix = (
+        "parallel.backend=fsdp builds each rank's shard, one parameter at a time"
+        if plan.backend != "fsdp"
+        else "use more nodes (fewer ranks a host) or a host with more memory"
+    )
+    return (
+        f"building the model needs about {need / gib:,.1f} GiB of this host's memory ({local} "
+        f"rank(s) here, {need / local / gib:,.1f} GiB each: `scale-llm estimate`) but "
+        f"{available / gib:,.1f} GiB is available; {fix}"
+    )

@@ -80,6 +80,12 @@ def format_report(est: Estimate, cfg: Config, plan: RunPlan, source: str) -> str
             "per rank in CPU memory (offloaded): "
             + ", ".join(f"{k} {gib(v)}" for k, v in cpu.items())
         )
+    built = (
+        "its fp32 shards, filled one whole parameter at a time"
+        if lay.backend == "fsdp"
+        else "the whole fp32 model, built on the CPU before it moves to the GPU"
+    )
+    lines.append(f"per rank in host memory at start-up: {gib(est.startup_host)} ({built})")
     traffic = format_offload_traffic(est)
     if traffic:
         lines.append(traffic)
