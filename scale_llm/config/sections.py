@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from scale_llm.config.data import DataConfig
+from scale_llm.config.fp8 import Fp8Config
 from scale_llm.config.parallel import (
     ActivationCheckpointingConfig,
     ParallelConfig,
@@ -204,6 +205,7 @@ class TrainConfig:
         "compiled. See [training.md](training.md)",
     )
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    fp8: Fp8Config = field(default_factory=Fp8Config)
 
 
 def compiles(train: TrainConfig, device_type: str) -> bool:

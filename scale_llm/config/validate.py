@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from scale_llm.config.data import validate_data
+from scale_llm.config.fp8 import validate_fp8
 from scale_llm.config.parallel import (
     validate_activation_checkpointing,
     validate_parallel,
@@ -80,6 +81,7 @@ def validate(cfg: Config) -> list[str]:
         positive("train.global_batch_size", t.global_batch_size)
     e.extend(validate_data(cfg.data))
     e.extend(validate_profile(t.profile, t.max_steps))
+    e.extend(validate_fp8(t.fp8))
     positive("logging.every", cfg.logging.every)
     if cfg.logging.peak_tflops is not None and cfg.logging.peak_tflops <= 0:
         e.append(
