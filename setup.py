@@ -84,6 +84,9 @@ setup(
             "lm-eval>=0.4.9",
             "accelerate>=0.26",  # lm-eval's `hf` model class imports it
         ],
+        # train.fp8: torchao's Float8Linear (0.18.0 loads beside torch 2.11 and newer; its float8
+        # API moves between releases, so one tested version)
+        "fp8": ["torchao==0.18.0"],
     },
     entry_points={"console_scripts": ["scale-llm=scale_llm.cli:main"]},
     cmdclass={"build_py": BuildWithConfigs},

@@ -2,9 +2,9 @@
 # Create (or refresh) the project's virtual environment in .venv and install scale_llm into it.
 #
 #   bash launch/setup.sh          # runtime dependencies
-#   bash launch/setup.sh --dev    # plus the test and lint tools (pytest, ruff) and the
+#   bash launch/setup.sh --dev    # plus the test and lint tools (pytest, ruff), the
 #                                 # Hugging Face bridges their tests use ([hf]: transformers,
-#                                 # safetensors, lm-eval)
+#                                 # safetensors, lm-eval) and torchao for train.fp8 ([fp8])
 #
 # torch: on a machine without an NVIDIA GPU the CPU build is pinned (torch==2.13.0) so pip never
 # pulls several GB of CUDA wheels. With a GPU, a torch already in the venv is kept; otherwise pip
@@ -16,7 +16,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${SCALE_LLM_VENV:-$root/.venv}"
 extras=""
-[[ "${1:-}" == "--dev" ]] && extras="[dev,hf]"
+[[ "${1:-}" == "--dev" ]] && extras="[dev,hf,fp8]"
 
 python_bin="${PYTHON:-}"
 if [[ -z "$python_bin" ]]; then
