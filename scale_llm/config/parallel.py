@@ -76,6 +76,46 @@ class DeepSpeedConfig:
     )
 
 
+PIPELINE_SCHEDULES = (
+    "1f1b",
+    "gpipe",
+    "interleaved_1f1b",
+    "zero_bubble",
+    "dualpipev",
+    "looped_bfs",
+)
+V_SCHEDULES = ("zero_bubble", "dualpipev")  # two stages a rank, in a V (first and last)
+LOOPED_SCHEDULES = ("interleaved_1f1b", "looped_bfs", *V_SCHEDULES)  # several stages a rank
+
+
+@dataclass
+class PipelineConfig:
+    schedule: Literal[
+        "1f1b", "gpipe", "interleaved_1f1b", "zero_bubble", "dualpipev", "looped_bfs"
+    ] = config_key(
+        "1f1b",
+        "with pipeline_parallel > 1: torch.distributed.pipelining's schedule: `1f1b`, `gpipe`, "
+        "`interleaved_1f1b` (several stages a rank: a smaller bubble), `zero_bubble` (ZBV), "
+        "`dualpipev` or `looped_bfs`; see [backends.md](backends.md#pipeline-parallelism)",
+    )
+    microbatches: int | None = config_key(
+        None,
+        "pieces each micro-batch is cut into for the pipeline (train.micro_batch_size must be "
+        "a multiple); null: the number of stages, the fewest the schedule runs",
+    )
+    stages_per_rank: int | None = config_key(
+        None,
+        "model chunks each pipeline rank holds: 1 for `1f1b` / `gpipe`, 2 for `zero_bubble` / "
+        "`dualpipev`, 2 or more for `interleaved_1f1b` / `looped_bfs`; null: the schedule's "
+        "smallest",
+    )
+    layers_per_stage: int | None = config_key(
+        None,
+        "transformer blocks in each stage (stages x layers_per_stage = model.n_layers); null: "
+        "balanced, the embedding and the output head each weighed as one block",
+    )
+
+
 @dataclass
 class ParallelConfig:
     backend: Literal["auto", "single", "ddp", "fsdp", "deepspeed"] = (
@@ -105,6 +145,13 @@ class ParallelConfig:
         "with tensor_parallel > 1: norms and residuals hold 1/tensor_parallel of the sequence "
         "on each rank (activations divided too); false keeps them whole on every rank",
     )
+    pipeline_parallel: int = config_key(
+        1,
+        "pipeline degree: the blocks are split into consecutive stages held by this many groups "
+        "of ranks (the outermost mesh dimension: across nodes); must divide the world size; "
+        "needs parallel.backend=fsdp; see [backends.md](backends.md#pipeline-parallelism)",
+    )
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
