@@ -1,11 +1,6 @@
-"""What happens around a training step: small callbacks on the loop (`Trainer.fit`).
-
-After each optimizer step the loop hands a `StepEnd` to every callback, in order. A callback
-reads the trainer (model, backend, loader, clock, cadence) and may add to the step's metric row;
-`WriteMetrics`, near the end, writes the row. `start` runs before the first step and `end` after
-the last (also when the loop fails). Adding something around the step is adding a callback here,
-not editing the loop.
-"""
+"""What happens around a training step: small callbacks on the loop (`Trainer.fit`), each
+handed a `StepEnd` after every optimizer step, in order; they may add to the step's metric row,
+which `WriteMetrics` writes. A feature around the step is a callback here, not a loop edit."""
 
 from __future__ import annotations
 
@@ -23,9 +18,7 @@ from scale_llm.data.tokenizer import load_tokenizer
 from scale_llm.train.guards import TrainingDiverged, diverged_message
 
 log = logging.getLogger(__name__)
-# The trainer (train/trainer.py) whose loop calls the callbacks; that module imports this one,
-# so the type is named, not imported.
-Trainer = Any
+Trainer = Any  # train/trainer.py's, which imports this module: named, not imported
 
 
 @dataclass
@@ -78,18 +71,12 @@ class TrainMetrics(Callback):
             per_gpu = tokens_per_s / trainer.plan.world_size / trainer.peak_flops
             row["mfu"] = trainer.flops_per_token * per_gpu
             row["mfu_causal"] = trainer.causal_flops_per_token * per_gpu
-        max_steps = trainer.cfg.train.max_steps
+        last = trainer.cfg.train.max_steps
+        mfu = f" | mfu {row['mfu']:.1%} (causal {row['mfu_causal']:.1%})" if "mfu" in row else ""
         log.info(
-            "step %d/%d (%s) | loss %.4f | lr %.2e | grad_norm %.3f | %.0f tok/s%s | %s",
-            s.step,
-            max_steps,
-            f"{s.step / max_steps:.0%}",
-            row["loss"],
-            s.lr,
-            row["grad_norm"],
-            tokens_per_s,
-            f" | mfu {row['mfu']:.1%} (causal {row['mfu_causal']:.1%})" if "mfu" in row else "",
-            trainer.clock.progress(s.step),
+            f"step {s.step}/{last} ({s.step / last:.0%}) | loss {row['loss']:.4f} | lr {s.lr:.2e} "
+            f"| grad_norm {row['grad_norm']:.3f} | {tokens_per_s:.0f} tok/s{mfu} | "
+            f"{trainer.clock.progress(s.step)}"
         )
         trainer.result.losses[s.step] = row["loss"]
         trainer.result.grad_norms[s.step] = row["grad_norm"]
@@ -114,22 +101,12 @@ class NaNGuard(Callback):
             good = step - streak  # the last step whose update was applied
             holds = good if saved and saved[-1][0] > good else None  # saved inside the streak
             trainer.metrics.log(step, {"stopped": "diverged"})  # (what `scale-llm runs` reads)
-            raise TrainingDiverged(
-                diverged_message(
-                    streak,
-                    step,
-                    cfg.train.lr,
-                    trainer.plan.precision,
-                    cfg.data.dir,
-                    saved[-1][1] if saved else None,
-                    holds,
-                )
-            )
+            last = saved[-1][1] if saved else None
+            precision = trainer.plan.precision
+            raise TrainingDiverged(diverged_message(streak, step, cfg, precision, last, holds))
         if streak:
             log.warning(
-                "step %d: %d consecutive steps skipped (non-finite loss or gradients)",
-                step,
-                streak,
+                f"step {step}: {streak} consecutive steps skipped (non-finite loss or gradients)"
             )
 
 
@@ -181,13 +158,8 @@ class Validation(Callback):
 
 class Samples(Callback):
     """Sample steps: a greedy continuation of eval.sample_prompt, decoded on every rank in
-    lockstep.
-
-    Every forward is a full seq_len window (right-padded: causal attention never sees the
-    padding), so sharded backends run the same collectives on each rank; with train.compile the
-    prompt row is repeated to (micro_batch_size, seq_len), the shape the blocks were compiled
-    for; a fixed number of tokens is generated (no early stop that ranks could disagree on), and
-    the text is cut at the first EOS."""
+    lockstep: full seq_len windows (compiled: micro_batch_size rows, the compiled shape) and a
+    fixed token count, so every rank runs the same collectives; cut at the first EOS."""
 
     def step_end(self, trainer: Trainer, s: StepEnd) -> None:
         if trainer.cadence.samples(s.step):
@@ -253,10 +225,10 @@ class CommTimeouts(Callback):
         if s.step == trainer.result.start_step + 1:
             timeout = shorten_timeouts()
             if timeout is not None:
+                minutes = timeout.total_seconds() / 60
                 log.info(
-                    "dist: collectives time out after %.3g min from here on "
-                    "(SCALE_LLM_STEP_TIMEOUT_MIN)",
-                    timeout.total_seconds() / 60,
+                    f"dist: collectives time out after {minutes:.3g} min from here on "
+                    "(SCALE_LLM_STEP_TIMEOUT_MIN)"
                 )
 
 

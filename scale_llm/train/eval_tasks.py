@@ -1,15 +1,8 @@
 """eval.tasks: lm-evaluation-harness tasks every eval.tasks_every steps (and at the last step).
 
-Rank 0 evaluates a consolidated copy of the model. Every rank takes part in gathering the whole
-weights (a collective under FSDP, where each rank holds a shard; the same call under DDP and in
-one process), rank 0 writes them as a Hugging Face folder in a scratch folder of the run dir and
-runs lm-eval's `hf` model on it, as `scale-llm eval` does (so its scores are the ones that
-command gives for a checkpoint of the same weights), and the other ranks wait at a barrier. The
-scratch folder carries an ownership marker: the next launch that owns the run dir removes one a
-killed launch left (`remove_scratch`), and `scale-llm runs` does not count it. The
-tasks are looked up, and their data read, when the trainer starts, before any work. lm-eval
-seeds Python's, NumPy's and torch's global generators; they are put back afterwards, so the
-training that follows is the one an unevaluated run does.
+Every rank gathers the whole weights; rank 0 writes them as a Hugging Face folder in a marked
+scratch folder of the run dir and scores it as `scale-llm eval` does, while the others wait. The
+global generators lm-eval seeds are put back, so training goes on as an unevaluated run's.
 """
 
 from __future__ import annotations
@@ -82,12 +75,8 @@ class TaskEval:
                 with kept_generators():
                     scores = self._evaluate(weights, run_dir, step)
             except Exception as e:  # a failed eval costs its scores, not the run
-                log.warning(
-                    "eval.tasks: step %d not evaluated (%s: %s); training goes on",
-                    step,
-                    type(e).__name__,
-                    " ".join(str(e).split())[:300],
-                )
+                why = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+                log.warning(f"eval.tasks: step {step} not evaluated ({why}); training goes on")
         del weights
         if dist.is_initialized() and dist.get_world_size() > 1:
             with start_timeouts():  # (lm-eval may take longer than a step's timeout)
@@ -99,51 +88,35 @@ class TaskEval:
         try:
             marker = {"kind": SCRATCH_KIND, "pid": os.getpid(), "at": time.time()}
             atomic_write_json(scratch / OWNER_MARKER, marker)  # (a killed launch's: see above)
-            export_dir = scratch / "export"
-            write_hf_folder(
-                weights,
-                self.cfg.model,
-                load_tokenizer(self.tokenizer_path),
-                export_dir,
-                default_dtype(self.plan.precision),
-                info={"step": step, "trained_precision": self.plan.precision},
-            )
-            scores = evaluate.run_tasks(
-                export_dir,
-                self.tasks,
-                self.manager,
-                self.cfg.eval.tasks_limit,
-                BATCH_SIZE,
-                self.plan.device,
-            )
+            out, precision = scratch / "export", self.plan.precision
+            tokenizer, dtype = load_tokenizer(self.tokenizer_path), default_dtype(precision)
+            info = {"step": step, "trained_precision": precision}
+            write_hf_folder(weights, self.cfg.model, tokenizer, out, dtype, info=info)
+            limit, device = self.cfg.eval.tasks_limit, self.plan.device
+            scores = evaluate.run_tasks(out, self.tasks, self.manager, limit, BATCH_SIZE, device)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         for task, metrics in scores.items():
-            shown = ", ".join(
-                f"{k} {v:.4f}"
-                for k, v in metrics.items()
-                if "stderr" not in k and k != "sample_len"
-            )
-            log.info("step %d | eval %s: %s", step, task, shown)
+            kept = {k: v for k, v in metrics.items() if "stderr" not in k and k != "sample_len"}
+            shown = ", ".join(f"{k} {v:.4f}" for k, v in kept.items())
+            log.info(f"step {step} | eval {task}: {shown}")
         return evaluate.task_scalars(scores)
 
 
 def remove_scratch(run_dir: Path) -> None:
-    """Remove the scratch folders of eval.tasks that a killed launch left in `run_dir`: only
-    those whose marker proves them eval.tasks' (a folder of that name without it stays).
-    Called by the launch that holds the run dir's lock, so none is in use."""
+    """Remove the eval.tasks scratch folders a killed launch left in `run_dir` (only those whose
+    marker proves them eval.tasks'). Called by the launch holding the lock: none is in use."""
     if not run_dir.is_dir():
         return
     for path in sorted(run_dir.glob(f"{SCRATCH_PREFIX}*")):
         if owned_kind(path) == SCRATCH_KIND:
             remove_owned_dir(path, SCRATCH_KIND)
-            log.info("eval.tasks: removed %s, left by a launch that was stopped", path)
+            log.info(f"eval.tasks: removed {path}, left by a launch that was stopped")
 
 
 def whole_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's whole (unsharded) state dict under its own names, on the CPU of rank 0;
-    gathered from every rank where the model is sharded (FSDP2, tensor parallel DTensors),
-    unwrapped from DDP and torch.compile."""
+    """The model's whole (unsharded) state dict under its own names, on the CPU of rank 0
+    (a collective where the model is sharded)."""
     gathered = dist.is_initialized() and dist.get_world_size() > 1
     options = StateDictOptions(full_state_dict=True, cpu_offload=gathered)
     return get_model_state_dict(model, options=options)

@@ -41,10 +41,8 @@ class StopSignals:
         if self.received == signal.SIGINT and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.received = signum
-        log.warning(
-            "received %s: saving a checkpoint after this step, then stopping",
-            signal.Signals(signum).name,
-        )
+        name = signal.Signals(signum).name
+        log.warning(f"received {name}: saving a checkpoint after this step, then stopping")
 
 
 def stop_line(signal_name: str, run_dir: Path, max_steps: int, again: str) -> str:
@@ -69,17 +67,11 @@ class TrainingDiverged(UserError):
 
 
 def diverged_message(
-    streak: int,
-    step: int,
-    lr: float,
-    precision: str,
-    data_dir: str,
-    last_good: Path | None,
-    last_good_step: int | None = None,
+    streak: int, step: int, cfg: Config, precision: str, last_good: Path | None, held: int | None
 ) -> str:
-    """`last_good_step`: when the checkpoint was saved inside the run of skipped steps, the
-    step whose weights it holds (a skipped step changes none)."""
-    holds = f" (it holds step {last_good_step}'s weights)" if last_good_step is not None else ""
+    """`held`: the step whose weights `last_good` holds when it was saved inside the run of
+    skipped steps (a skipped step changes none)."""
+    holds = f" (it holds step {held}'s weights)" if held is not None else ""
     resume = (
         f"The last good checkpoint is {last_good}{holds}; resume from it with "
         f"--set checkpoint.resume={last_good} after changing the cause."
@@ -89,8 +81,8 @@ def diverged_message(
     return (
         f"training stopped at step {step}: the last {streak} optimizer steps had a "
         f"non-finite loss or gradient norm (they were skipped). Likely causes: a learning "
-        f"rate too high for this model (train.lr={lr:g}); fp16 overflow (train.precision="
-        f"{precision}; bf16 has fp32's range); or bad data (check data.dir={data_dir} with "
+        f"rate too high for this model (train.lr={cfg.train.lr:g}); fp16 overflow (train.precision="
+        f"{precision}; bf16 has fp32's range); or bad data (check data.dir={cfg.data.dir} with "
         f"`scale-llm prepare --force`). {resume}"
     )
 
@@ -100,9 +92,8 @@ FAULT_POINTS = ("after_step", "mid_save")
 
 
 def fault_spec() -> tuple[str, int, int | None] | None:
-    """SCALE_LLM_FAULT read as (point, step, rank or None for every rank); None when unset.
-    A malformed value is a UserError naming the variable and its forms: a fire drill that
-    silently injects nothing (or a traceback mid-run) would pass for a drill that worked."""
+    """SCALE_LLM_FAULT as (point, step, rank or None for every rank); None when unset. A
+    malformed value is a UserError: a drill that silently injects nothing would pass for one."""
     spec = os.environ.get(FAULT_VARIABLE, "")
     if not spec.strip():
         return None
@@ -130,19 +121,18 @@ def check_fault_spec() -> None:
 
 def maybe_fail(point: str, step: int, rank: int) -> None:
     """Fault injection: SCALE_LLM_FAULT=POINT:STEP[:RANK] makes this process SIGKILL itself at
-    POINT (after_step | mid_save) of step STEP, on the first launch only (torchrun restarts run
-    clean). Used by the crash-safety tests; harmless when unset."""
+    POINT of step STEP, on the first launch only (torchrun restarts run clean)."""
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
     fault = fault_spec()
     if fault is not None and fault[:2] == (point, step) and fault[2] in (None, rank):
-        log.warning("fault injection: killing rank %d at %s of step %d", rank, point, step)
+        log.warning(f"fault injection: killing rank {rank} at {point} of step {step}")
         os.kill(os.getpid(), signal.SIGKILL)
 
 
 def out_of_memory(error: Exception, cfg: Config, plan: RunPlan, step: int) -> str:
-    """The one paragraph a device's out-of-memory error in step `step + 1` becomes: what ran
-    out, what the estimate says of these settings, and the ways to fit."""
+    """The paragraph a device's out-of-memory error in step `step + 1` becomes: what ran out,
+    the estimate for these settings, and the ways to fit."""
     import torch
 
     est, gib = estimate(cfg, plan), 2**30

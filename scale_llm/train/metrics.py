@@ -1,10 +1,5 @@
-"""Metric rows to RUN_DIR/metrics.jsonl, and the same scalars to TensorBoard and (optionally)
-Weights & Biases; main rank only.
-
-TensorBoard also gets the config (as hparams, so runs can be compared in its HPARAMS tab, and
-as YAML text) and the sample generations (text plugin). Tags: loss/*, train/*, memory/*,
-samples/text, config/yaml; a mixture's tokens/<source> and val_loss/<source>.
-"""
+"""Metric rows to RUN_DIR/metrics.jsonl, and the same scalars to TensorBoard (with the config
+as hparams and YAML text, and the samples as text) and optionally Weights & Biases; main rank."""
 
 from __future__ import annotations
 
@@ -29,10 +24,8 @@ class MetricsLogger:
     """Appends one JSON object per logged step; mirrors numeric values to the trackers."""
 
     def __init__(self, run_dir: Path, enabled: bool, cfg: Config, resume_step: int):
-        self.enabled = enabled
-        self.path = run_dir / METRICS_FILE
-        self.writer = None
-        self.wandb = None
+        self.enabled, self.path = enabled, run_dir / METRICS_FILE
+        self.writer = self.wandb = None
         if not enabled:
             return
         check_metrics_file(self.path)
@@ -40,9 +33,8 @@ class MetricsLogger:
         if cfg.logging.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            # Hide every earlier event from the first step this launch writes on: after a resume
-            # (steps past the checkpoint were lost) and after a fresh restart in the same run
-            # directory (checkpoints deleted), so no step appears twice.
+            # Hide every earlier event from this launch's first step on (after a resume or a fresh
+            # restart in the same run dir), so no step appears twice.
             self.writer = SummaryWriter(
                 log_dir=str(run_dir / "tensorboard"), purge_step=resume_step + 1
             )
@@ -89,8 +81,7 @@ class MetricsLogger:
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{"train": {"lr": 1e-3}} -> {"train.lr": 1e-3}; values TensorBoard's hparams accept (None
-    and containers become strings)."""
+    """{"train": {"lr": 1e-3}} -> {"train.lr": 1e-3}; None and containers as JSON strings."""
     out: dict[str, Any] = {}
     for key, value in tree.items():
         name = f"{prefix}{key}"
@@ -110,8 +101,7 @@ def _start_wandb(cfg: Config, run_dir: Path, resume_step: int):
     except ImportError:
         raise UserError(
             f"logging.wandb.project={w.project} needs the wandb package: "
-            f"{install_hint('wandb')} "
-            f"(or set logging.wandb.project=null)"
+            f"{install_hint('wandb')} (or set logging.wandb.project=null)"
         ) from None
     id_file = run_dir / WANDB_ID_FILE
     if resume_step == 0 or not id_file.is_file():  # a fresh start is a new W&B run
@@ -133,7 +123,7 @@ def _start_wandb(cfg: Config, run_dir: Path, resume_step: int):
             f"(`wandb login`, or set WANDB_API_KEY), or set logging.wandb.mode=offline to log "
             f"into the run directory and `wandb sync` it later, or logging.wandb.project=null"
         ) from None
-    log.info("wandb: logging to project %s, run %s (%s)", w.project, run.id, w.mode)
+    log.info(f"wandb: logging to project {w.project}, run {run.id} ({w.mode})")
     return run
 
 
@@ -149,21 +139,16 @@ def _clean(value: Any) -> Any:
 
 
 def _tb_tag(key: str) -> str:
-    if "/" in key:  # names its own group: a mixture's tokens/<source>, val_loss/<source>
+    if "/" in key:  # its own group: tokens/<source>, val_loss/<source>, eval/<task>/<metric>
         return key
     if key in ("loss", "val_loss", "val_perplexity"):
         return f"loss/{key}"
-    if key.startswith("peak_"):
-        return f"memory/{key}"
-    if key.startswith("eval/"):  # eval.tasks' scores: eval/<task>/<metric>, as `scale-llm eval`
-        return key
-    return f"train/{key}"
+    return f"memory/{key}" if key.startswith("peak_") else f"train/{key}"
 
 
 def _truncate_after(path: Path, step: int) -> None:
-    """Drop rows past `step` (a resumed run rewrites them) and everything on a fresh start.
-    A line that is not a JSON row (one cut short when the process was killed mid-write, or
-    an edit) is dropped with a warning: it holds no step to keep."""
+    """Drop rows past `step` (a resumed run rewrites them) and everything on a fresh start; a
+    line that is not a JSON row (cut short by a kill, or an edit) is dropped with a warning."""
     if not path.exists():
         return
     if step == 0:  # a fresh start in this run dir (checked to be a run's): its rows are void
@@ -171,19 +156,19 @@ def _truncate_after(path: Path, step: int) -> None:
         return
     keep, damaged = [], 0
     for line in path.read_bytes().splitlines():
-        row = _row(line)
+        row = metric_row(line)
         if row is None:
             damaged += bool(line.strip())
         elif row["step"] <= step:
             keep.append(line.decode("utf-8") + "\n")
     if damaged:
-        log.warning("metrics: dropped %d line(s) of %s that are not metric rows", damaged, path)
+        log.warning(f"metrics: dropped {damaged} line(s) of {path} that are not metric rows")
     atomic_write_text(path, "".join(keep))  # all rows or the old file: never half of it
 
 
-def _row(line: bytes) -> dict[str, Any] | None:
-    """A metrics.jsonl line as its row (a JSON object with an integer step), or None: also for
-    a line nested too deep (`parse_json` bounds the decoder: never a RecursionError)."""
+def metric_row(line: bytes) -> dict[str, Any] | None:
+    """A metrics.jsonl line as its row (a JSON object with an integer step), or None (also for
+    a line nested too deep: `parse_json` is bounded)."""
     try:
         row = parse_json(line.decode("utf-8"))
     except (UnicodeDecodeError, JSONProblem):

@@ -1,13 +1,7 @@
 """The one preflight: every check that can be known before work, in one report, and the frozen
-description of the run they establish (`RunSpec`), which the trainer only builds and loops.
-
-`preflight(cfg, plan)` reads (the data manifest and shards, the tokenizer, the checkpoint a
-resume would take, an init_from folder, the run dir and its lock, eval.tasks' registry, this
-host's memory and compiler) and writes nothing. Each group of checks reads what the earlier ones
-established; a group whose input failed is skipped (the failure is already in the report).
-Every rank runs it; the ranks agree on the verdict before any of them builds, so one rank's
-problem stops every rank with a message, not a hang in the first collective.
-"""
+`RunSpec` they establish, which the trainer only builds and loops. It reads and writes nothing;
+every rank runs it and the ranks agree on the verdict before any builds, so one rank's problem
+stops every rank with a message, not a hang in the first collective."""
 
 from __future__ import annotations
 
@@ -61,8 +55,7 @@ class RunSpec:
 
 
 class Report:
-    """The problems of one preflight: each check runs, its UserError is kept, and the launch
-    stops once with all of them."""
+    """The problems of one preflight: each check's UserError is kept; the launch stops once."""
 
     def __init__(self) -> None:
         self.problems: list[str] = []
@@ -75,8 +68,7 @@ class Report:
             return None
 
     def raise_if_any(self, plan: RunPlan) -> None:
-        """Stop every rank when any rank has a problem (each rank with its own, or a line
-        saying another rank's message tells)."""
+        """Stop every rank when any rank has a problem (each with its own, or a pointer)."""
         if all_ranks_agree(not self.problems, plan.device):
             return
         if not self.problems:
@@ -93,8 +85,8 @@ class Report:
 
 
 def preflight(cfg: Config, plan: RunPlan) -> RunSpec:
-    """Check everything a run of `cfg` under `plan` can be known to need, writing nothing;
-    the RunSpec the trainer builds from, or one UserError naming every problem."""
+    """The RunSpec of `cfg` under `plan`, or one UserError naming every problem. A check whose
+    input failed is skipped (that failure is already in the report)."""
     check_fault_spec()  # a malformed SCALE_LLM_FAULT: before anything else
     report = Report()
     data = report.check(open_training_data, cfg)  # manifest, mixture, shards, tokenizer
@@ -127,7 +119,6 @@ def preflight(cfg: Config, plan: RunPlan) -> RunSpec:
     return spec
 
 
-# ----------------------------------------------------------------------------- the data
 def check_data_fits(cfg: Config, plan: RunPlan, data: TrainingData) -> None:
     """data.dir can feed this model and this batch for train.max_steps."""
     check_vocab(cfg, data.manifest)
@@ -138,7 +129,7 @@ def check_data_fits(cfg: Config, plan: RunPlan, data: TrainingData) -> None:
 
 def warn_about_validation(cfg: Config, plan: RunPlan, data: TrainingData) -> None:
     """Validation smaller than one evaluation (eval.steps global batches): each window is
-    scored once, so an evaluation scores fewer sequences than asked; said once, here."""
+    scored once, so an evaluation scores fewer sequences than asked."""
     e, per_batch = cfg.eval, plan.sequences_per_step
     asked = e.steps * per_batch
     small = {name or "data.dir": len(w) for name, w in data.val.items() if len(w) < asked}
@@ -146,21 +137,16 @@ def warn_about_validation(cfg: Config, plan: RunPlan, data: TrainingData) -> Non
         return
     held = ", ".join(f"{n:,} in {name}" for name, n in small.items())
     whole = min(small.values()) // per_batch  # whole global batches the smallest holds
+    fix = f" or set eval.steps={whole} to score whole batches" if whole else ""
     log.warning(
-        "eval: eval.steps=%d global batches of %d sequences ask for %d validation windows, "
-        "but there are fewer (%s): each evaluation scores those once each; prepare more "
-        "validation data (data.val_fraction)%s",
-        e.steps,
-        per_batch,
-        asked,
-        held,
-        f" or set eval.steps={whole} to score whole batches" if whole else "",
+        f"eval: eval.steps={e.steps} global batches of {per_batch} sequences ask for {asked} "
+        f"validation windows, but there are fewer ({held}): each evaluation scores those once "
+        f"each; prepare more validation data (data.val_fraction){fix}"
     )
 
 
 def warn_about_attention(cfg: Config, plan: RunPlan) -> None:
-    """A GPU run whose attention materializes a (T, T) tensor per head or per sequence, where a
-    fused kernel would not (model/attention.py has the kernel table)."""
+    """A GPU run whose attention materializes a (T, T) tensor where a fused kernel would not."""
     if plan.device.type != "cuda":
         return
     m = cfg.model
@@ -171,10 +157,9 @@ def warn_about_attention(cfg: Config, plan: RunPlan) -> None:
         )
         return
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.precision, torch.float32)
-    problem = attention.problem(
+    if problem := attention.problem(
         "cuda", dtype, m.attention_mask == "document", m.d_model // m.n_heads
-    )
-    if problem:
+    ):
         log.warning("attention: %s", problem)
 
 
@@ -183,13 +168,10 @@ def warn_about_deepspeed(cfg: Config, plan: RunPlan) -> None:
     gives stages 2 and 3 fp32 sums, and 1-3 an fp32 reduction)."""
     stage = cfg.parallel.deepspeed.zero_stage
     if plan.backend == "deepspeed" and plan.precision == "bf16" and stage <= 1:
-        reduced = "reduces them in bf16" if stage == 0 else "reduces them in fp32"
         log.warning(
-            "parallel.deepspeed.zero_stage=%d in bf16: DeepSpeed sums the micro-steps' "
-            "gradients in bf16 and %s; zero_stage 2 or 3, or parallel.backend=ddp or fsdp, "
-            "keep them in fp32",
-            stage,
-            reduced,
+            f"parallel.deepspeed.zero_stage={stage} in bf16: DeepSpeed sums the micro-steps' "
+            f"gradients in bf16 and reduces them in {'bf16' if stage == 0 else 'fp32'}; "
+            f"zero_stage 2 or 3, or parallel.backend=ddp or fsdp, keep them in fp32"
         )
 
 
@@ -198,16 +180,12 @@ def warn_about_warmup(cfg: Config) -> None:
     t = cfg.train
     if t.warmup_steps >= t.max_steps:
         log.warning(
-            "train.warmup_steps=%d >= train.max_steps=%d: the learning rate rises to %.3g "
-            "at the last step (train.lr=%g) and never decays; fine for a smoke run",
-            t.warmup_steps,
-            t.max_steps,
-            lr_at(t.max_steps - 1, t),
-            t.lr,
+            f"train.warmup_steps={t.warmup_steps} >= train.max_steps={t.max_steps}: the learning "
+            f"rate rises to {lr_at(t.max_steps - 1, t):.3g} at the last step (train.lr={t.lr:g}) "
+            f"and never decays; fine for a smoke run"
         )
 
 
-# ----------------------------------------------------------------------------- the run dir
 def check_run_dir_state(cfg: Config) -> None:
     """The run dir can be written (new, empty or a run's; each name of the kind the run
     writes) and no live launch holds it. Main rank: it alone writes there."""
@@ -216,12 +194,10 @@ def check_run_dir_state(cfg: Config) -> None:
     RunLock(cfg.run_dir).check()
 
 
-# ----------------------------------------------------------------------------- compile
 def settle_compile(cfg: Config, plan: RunPlan) -> Config:
-    """train.compile as true or false for this run: compiled blocks need inductor's toolchain
-    on this machine (one small function is compiled to find out). Every rank must agree: one
-    rank without it makes every rank run eager (auto) or stop (true). Nothing below sees
-    `auto`."""
+    """train.compile as true or false: compiled blocks need inductor's toolchain (one small
+    function is compiled to find out); one rank without it makes every rank run eager (auto) or
+    stop (true)."""
     if not compiles(cfg.train, plan.device.type):
         return with_changes(cfg, {"train.compile": False})
     problem = block_compile.toolchain_problem(plan.device)
@@ -234,9 +210,8 @@ def settle_compile(cfg: Config, plan: RunPlan) -> Config:
             f"train.compile=false (or auto: eager with a warning where the toolchain is missing)"
         )
     log.warning(
-        "train.compile=auto: %s; the blocks run eager (slower on a GPU). Install it to compile "
-        "them, or set train.compile=false to run eager without this warning",
-        problem,
+        f"train.compile=auto: {problem}; the blocks run eager (slower on a GPU). Install it to "
+        f"compile them, or set train.compile=false to run eager without this warning"
     )
     return with_changes(cfg, {"train.compile": False})
 
@@ -244,9 +219,8 @@ def settle_compile(cfg: Config, plan: RunPlan) -> Config:
 METRICS_FILE = "metrics.jsonl"  # one JSON object per logged step
 WANDB_ID_FILE = "wandb-id.txt"  # the W&B run id, so that a resumed run logs to the same run
 
-# What the trainer creates inside RUN_DIR, by the kind it must be: a name that exists as
-# another kind (a file where a folder belongs, a folder or named pipe where a file belongs)
-# would fail at its first write, or block on the pipe.
+# What the trainer creates in RUN_DIR, by kind: a name of another kind (a file where a folder
+# belongs, a folder or named pipe where a file belongs) would fail at its first write, or block.
 COMM_TRACE = "comm_trace"  # where NCCL's flight recorder writes when a collective times out
 RUN_DIR_FOLDERS = {
     "checkpoints": "its checkpoints",
@@ -264,17 +238,13 @@ RUN_DIR_FILES = {
     METRICS_FILE: "its metric rows",
     WANDB_ID_FILE: "its Weights & Biases run id",
 }
-
-
-# What only a run dir holds: a folder with none of these (and anything at all in it) is someone
-# else's, whose files (a config.yaml, say) the run would replace.
+# What only a run dir holds: a folder with none of these (and anything in it) is someone else's.
 RUN_MARKS = ("plan.json", "checkpoints", METRICS_FILE, ".lock")
 
 
 def check_run_dir(run_dir: Path) -> None:
     """`run_dir` is new, empty or a run's, and every name the trainer writes there is missing
-    or of the kind it writes (a symlinked folder is fine, e.g. checkpoints on another disk; a
-    symlinked file is not: the run writes its files itself, by rename)."""
+    or of its kind (a symlinked folder is fine; a symlinked file is not: files go by rename)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return  # a new run dir (require_writable_dir checks that it can be made)
@@ -293,8 +263,7 @@ def check_run_dir(run_dir: Path) -> None:
 
 
 def check_metrics_file(path: Path) -> None:
-    """RUN_DIR/metrics.jsonl is missing or a regular file: a folder cannot be appended to, and
-    opening a named pipe blocks until something reads it."""
+    """RUN_DIR/metrics.jsonl is missing or a regular file (appending to a pipe would block)."""
     _check_kind(path, "a regular file", RUN_DIR_FILES[METRICS_FILE])
 
 

@@ -1,12 +1,6 @@
-"""What a resume checks in a checkpoint's trainer state before the trainer uses any of it.
-
-`components.checkpoint.read_trainer_state` reads a state of the current format only and checks
-what every reader of a checkpoint uses (the step, the saved model section, the tokenizer hash,
-the plan). Here: what only a resume reads (the data position, the random generators, the
-skipped-step counts, the backend's layout and the saved schedule), and whether the checkpoint
-belongs to the run that resumes it. Pure checks: each returns or raises, nothing is restored
-here.
-"""
+"""What a resume checks in a checkpoint's trainer state before the trainer uses any of it: what
+only a resume reads (`read_trainer_state` checks what every reader uses), and whether the
+checkpoint belongs to the run that resumes it. Pure checks: nothing is restored here."""
 
 from __future__ import annotations
 
@@ -57,9 +51,9 @@ def check_resume_state(
         )
 
 
-# Keys that say how a run is carried out, not what it trains: the rest (the model, the data,
-# the seed and every train.* key that changes the updates) describe the experiment.
-# model.init_from says where step 0's weights came from; a resume reads the checkpoint's.
+# Keys that say how a run is carried out, not what it trains (train.profile.*: what is traced):
+# the rest of WHAT describes the experiment. A resume reads the checkpoint's weights, not
+# model.init_from's.
 HOW_NOT_WHAT = (
     "train.device",
     "train.compile",
@@ -70,13 +64,6 @@ HOW_NOT_WHAT = (
     "model.attention",  # (sdpa or eager: the same attention, another kernel)
     "train.micro_batch_size",  # (their product is compared: the same batch split otherwise)
     "train.grad_accum",
-    # what is traced, not what is trained
-    "train.profile.enabled",
-    "train.profile.start_step",
-    "train.profile.warmup_steps",
-    "train.profile.active_steps",
-    "train.profile.folder",
-    "train.profile.memory_snapshot_step",
 )
 WHAT = ("model.", "train.", "data.dir", "run.seed")
 
@@ -90,7 +77,7 @@ def changed_settings(state: dict[str, Any], cfg: Config) -> list[str]:
         f"{key}: {short(saved[key], 40)} -> {short(value, 40)}"
         for key, value in now.items()
         if key.startswith(WHAT) and key not in HOW_NOT_WHAT and key in saved
-        if saved[key] != value
+        if not key.startswith("train.profile.") and saved[key] != value
     ]
     split = ("train.micro_batch_size", "train.grad_accum")
     if all(isinstance(saved.get(k), int) for k in split):  # the batch, however it is split
@@ -101,9 +88,8 @@ def changed_settings(state: dict[str, Any], cfg: Config) -> list[str]:
 
 
 def check_finished_run(state: dict[str, Any], ckpt: Path, cfg: Config) -> None:
-    """A finished run relaunched with other settings: they describe a new experiment, which
-    this run dir cannot hold (resuming would train nothing). Refused before any work, with
-    the way to start it as a run of its own."""
+    """A finished run relaunched with other settings (a new experiment: resuming would train
+    nothing) is refused, with the way to start it as a run of its own."""
     if state["step"] < cfg.train.max_steps:
         return
     changed = changed_settings(state, cfg)
@@ -213,8 +199,7 @@ def _byte_tensor(value: Any) -> bool:
 
 
 def train_problems(saved: Any) -> list[str]:
-    """The saved train section (its schedule is compared with the new one), read by the rules
-    of a user config."""
+    """The saved train section, read by the rules of a user config (its schedule is compared)."""
     if not isinstance(saved, dict):
         return [f"config.train: {short(saved, 40)} is not the saved train section"]
     return [f"config.{msg}" for msg in saved_section(TrainConfig, "train", saved)[1]]
@@ -250,8 +235,7 @@ def lookup(tree: dict[str, Any], dotted: str) -> Any:
 
 
 def foreign_layout(state: dict[str, Any], ckpt: Path) -> str:
-    """What a resume says when this backend cannot restore the checkpoint exactly (another
-    backend, or DeepSpeed with another ZeRO stage or world size): weights only."""
+    """What a resume says when this backend cannot restore the checkpoint exactly: weights only."""
     plan = state["plan"]
     return (
         f"{ckpt} was written by {plan['backend']} on {plan['world_size']} ranks (layout "
@@ -261,10 +245,8 @@ def foreign_layout(state: dict[str, Any], ckpt: Path) -> str:
 
 
 def schedule_change(state: dict[str, Any], now: TrainConfig, step: int) -> str | None:
-    """A resume with another schedule (typically a raised train.max_steps) goes on from the LR
-    the new settings give at this step: what to say when that LR is not the one the
-    checkpoint's run would have used (wsd and constant extend without a jump), else None."""
-    # (checked by check_resume_state; read with the same coercions as a user config)
+    """A resume with another schedule (a raised train.max_steps) goes on from the new LR: what
+    to say when it is not the one the checkpoint's run would have used, else None."""
     before = saved_section(TrainConfig, "train", state["config"]["train"])[0]
     old, new = lr_at(step, before), lr_at(step, now)
     if math.isclose(old, new, rel_tol=1e-9, abs_tol=0.0):
@@ -300,9 +282,8 @@ class Resume:
 
 
 def choose_resume(cfg: Config, plan: RunPlan, manifest: dict[str, Any]) -> Resume | None:
-    """checkpoint.resume's choice (auto: the newest good checkpoint of the run dir), its state
-    read and checked, and refused when it belongs to another run than `cfg` on data.dir's
-    tokenizer (`manifest`); None for a fresh start."""
+    """checkpoint.resume's choice, its state read and checked (refused when it belongs to
+    another run than `cfg` on data.dir's tokenizer); None for a fresh start."""
     checkpoints = Checkpointer(cfg.run_dir, cfg.checkpoint.keep_last, plan.is_main)
     ckpt = resolve_resume(cfg.checkpoint.resume, checkpoints)
     if ckpt is None:

@@ -61,9 +61,8 @@ def restore_for_rank(states: list[dict[str, Any]], rank: int) -> None:
     affect which data is read, which is fixed by the stream position)."""
     if len(states) != _world():
         log.info(
-            "rng: checkpoint from %d ranks, now %d: every rank takes rank 0's generator states",
-            len(states),
-            _world(),
+            f"rng: checkpoint from {len(states)} ranks, now {_world()}: every rank takes rank 0's "
+            f"generator states"
         )
         rank = 0
     restore(states[rank])
@@ -71,17 +70,3 @@ def restore_for_rank(states: list[dict[str, Any]], rank: int) -> None:
 
 def _world() -> int:
     return dist.get_world_size() if is_distributed() else 1
-
-
-class Generators:
-    """Every rank's random generators as one piece of checkpoint state."""
-
-    def __init__(self, rank: int):
-        self.rank = rank
-
-    def state_dict(self) -> list[dict[str, Any]]:
-        """All ranks' states in rank order (a collective: call it on every rank)."""
-        return gather_all_ranks()
-
-    def load_state_dict(self, states: list[dict[str, Any]]) -> None:
-        restore_for_rank(states, self.rank)

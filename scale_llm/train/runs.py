@@ -1,15 +1,8 @@
 """`scale-llm runs [DIR]`: one line per run directory under DIR (run.dir's default, `runs`).
 
-Each line: the run's name, its step of train.max_steps, the last logged loss and val_loss, its
-status, the checkpoint a relaunch resumes from and the size on disk. Read-only: nothing is
-written, created or locked (a live run is told by the owner record of its lock file, not by
-taking it).
-
-A run that is not running is shown as a relaunch finds it: the newest checkpoint whose files
-match its integrity record (by size: checksums read every byte, which `train` does), with the
-newer damaged ones named in its status, and the rows logged up to that checkpoint's step (a
-resume drops the rest; a diverged run shows the step it stopped at). eval.tasks' scratch
-folders are not the run's size.
+Read-only (a live run is told by its lock file's owner record, not by taking it). A run that is
+not running is shown as a relaunch finds it: its newest checkpoint whose files match their
+integrity record (by size), and the rows logged up to that checkpoint's step.
 """
 
 from __future__ import annotations
@@ -25,8 +18,9 @@ from scale_llm.components.checkpoint import TRAINER_STATE, damage
 from scale_llm.config import RunConfig, load_config
 from scale_llm.config.profile import SCRATCH_PREFIX
 from scale_llm.errors import UserError
-from scale_llm.files import JSONProblem, describe_kind, lock_holder, parse_json
+from scale_llm.files import describe_kind, lock_holder
 from scale_llm.train.lock import LOCK
+from scale_llm.train.metrics import metric_row
 from scale_llm.train.preflight import METRICS_FILE
 
 CONFIG_FILE = "config.yaml"
@@ -71,7 +65,8 @@ def summarize(run_dir: Path) -> RunSummary:
     rows = metric_rows(run_dir / METRICS_FILE)
     holder = lock_holder(run_dir / LOCK)
     if holder is not None:  # (its files change meanwhile: the newest complete one is shown)
-        (ckpt_step, ckpt), damaged = newest_checkpoint(run_dir / "checkpoints"), []
+        found = complete_checkpoints(run_dir / "checkpoints")
+        (ckpt_step, ckpt), damaged = found[-1] if found else (None, None), []
     else:
         (ckpt_step, ckpt), damaged = resumed_checkpoint(run_dir / "checkpoints")
     if holder is not None:
@@ -88,33 +83,17 @@ def summarize(run_dir: Path) -> RunSummary:
         rows = [r for r in rows if r["step"] <= ckpt_step]  # (diverged: the step it stopped at)
     loss = next((r["loss"] for r in reversed(rows) if "loss" in r), None)
     val = next((r["val_loss"] for r in reversed(rows) if "val_loss" in r), None)
-    return RunSummary(
-        name=run_dir.name,
-        step=rows[-1]["step"] if rows else ckpt_step,
-        max_steps=max_steps,
-        loss=_number(loss),
-        val_loss=_number(val),
-        status=status,
-        checkpoint=ckpt,
-        size=disk_usage(run_dir),
-    )
+    step = rows[-1]["step"] if rows else ckpt_step
+    loss, val = _number(loss), _number(val)
+    return RunSummary(run_dir.name, step, max_steps, loss, val, status, ckpt, disk_usage(run_dir))
 
 
 def metric_rows(path: Path) -> list[dict[str, Any]]:
     """The rows of metrics.jsonl that are JSON objects with an integer step (others skipped)."""
     if not path.is_file() or path.is_symlink():
         return []
-    rows = []
     with open(path, "rb") as f:
-        for line in f:
-            try:  # (bounded: a line nested 100,000 deep is skipped, not a RecursionError)
-                row = parse_json(line.decode("utf-8"))
-            except (UnicodeDecodeError, JSONProblem):
-                continue
-            step = row.get("step") if isinstance(row, dict) else None
-            if isinstance(step, int) and not isinstance(step, bool):
-                rows.append(row)
-    return rows
+        return [row for line in f if (row := metric_row(line)) is not None]
 
 
 def complete_checkpoints(folder: Path) -> list[tuple[int, str]]:
@@ -129,16 +108,9 @@ def complete_checkpoints(folder: Path) -> list[tuple[int, str]]:
     )
 
 
-def newest_checkpoint(folder: Path) -> tuple[int | None, str | None]:
-    """(step, name) of the newest complete checkpoint, or (None, None)."""
-    found = complete_checkpoints(folder)
-    return found[-1] if found else (None, None)
-
-
 def resumed_checkpoint(folder: Path) -> tuple[tuple[int | None, str | None], list[str]]:
-    """((step, name) of the checkpoint `checkpoint.resume=auto` takes: the newest complete one
-    whose files match its record, or (None, None); the names of the damaged newer ones). Sizes
-    are compared, not checksums: those read every byte (the launch itself does)."""
+    """((step, name) of the checkpoint `checkpoint.resume=auto` takes, or (None, None); the
+    damaged newer ones). Sizes are compared, not checksums: the launch itself reads every byte."""
     damaged = []
     for step, name in reversed(complete_checkpoints(folder)):
         if damage(folder / name, checksums=False) is None:
@@ -169,18 +141,9 @@ def format_runs(runs: list[RunSummary], root: str | Path | None = None) -> str:
         return f"no runs in {where} (a run directory holds the config.yaml `train` writes)"
     rows = [("run", "step", "loss", "val_loss", "status", "checkpoint", "size")]
     for r in runs:
-        step = "-" if r.step is None else str(r.step)
-        rows.append(
-            (
-                r.name,
-                f"{step}/{'?' if r.max_steps is None else r.max_steps}",
-                _shown(r.loss),
-                _shown(r.val_loss),
-                r.status,
-                r.checkpoint or "-",
-                _size(r.size),
-            )
-        )
+        step = f"{'-' if r.step is None else r.step}/{'?' if r.max_steps is None else r.max_steps}"
+        cells = (r.name, step, _shown(r.loss), _shown(r.val_loss), r.status)
+        rows.append((*cells, r.checkpoint or "-", _size(r.size)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join(
         "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows
@@ -189,16 +152,12 @@ def format_runs(runs: list[RunSummary], root: str | Path | None = None) -> str:
 
 def _number(value: Any) -> float | None:
     """A logged value as a float (non-finite ones are logged as strings: "nan", "inf")."""
-    if isinstance(value, bool):
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
         return None
-    if isinstance(value, int | float):
+    try:
         return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return None
-    return None
+    except ValueError:
+        return None
 
 
 def _shown(value: float | None) -> str:

@@ -1,13 +1,6 @@
-"""The trainer: it builds a checked run (`RunSpec`, from `preflight`) and loops.
-
-Build: the backend parallelizes, shards and materializes the meta-device model; the loader, the
-run dir's files and the callbacks follow. Loop, per optimizer step: set the LR; for each of
-grad_accum micro-batches run forward under the backend's precision context, divide the loss by
-grad_accum and backward (gradients are synced only on the last micro-step); then one global-norm
-clip and one optimizer step; then the callbacks (metrics, validation, samples, eval.tasks,
-checkpoints, GC, the profiler; train/callbacks.py). Losses and norms stay on the device and are
-read (a host sync) only on logging steps.
-"""
+"""The trainer: it builds a checked run (`RunSpec`, from `preflight`) and loops: one optimizer
+step (`optimizer_step`: loss/N accumulation, one clip), then the callbacks (train/callbacks.py).
+Losses and norms stay on the device, read (a host sync) only on logging steps."""
 
 from __future__ import annotations
 
@@ -43,7 +36,7 @@ from scale_llm.files import atomic_write_bytes, atomic_write_json, atomic_write_
 from scale_llm.model import Transformer, build_model
 from scale_llm.parallel.backend import build_backend
 from scale_llm.parallel.step import optimizer_step
-from scale_llm.train import callbacks
+from scale_llm.train import callbacks, rng
 from scale_llm.train.cadence import Cadence
 from scale_llm.train.collector import GarbageCollector
 from scale_llm.train.eval_tasks import remove_scratch
@@ -54,7 +47,6 @@ from scale_llm.train.metrics import MetricsLogger
 from scale_llm.train.preflight import COMM_TRACE, RunSpec, preflight
 from scale_llm.train.profiling import StepProfiler
 from scale_llm.train.resume import foreign_layout, schedule_change
-from scale_llm.train.rng import Generators
 from scale_llm.train.throughput import Throughput
 
 log = logging.getLogger(__name__)
@@ -93,10 +85,8 @@ class Trainer:
         """The smallest validation split (a mixture's smallest source)."""
         return min(self.data.val.values(), key=len)
 
-    # ----------------------------------------------------------------- build
     def _build(self) -> None:
-        cfg, plan = self.cfg, self.plan
-        # checkpoint.async_mode: how saves copy the state and where its files are written
+        cfg, plan, data = self.cfg, self.plan, self.data
         self.background = background_save(cfg.checkpoint.async_mode, plan.device)
         group = self.background.group if self.background else None
         self.checkpointer = Checkpointer(
@@ -107,29 +97,22 @@ class Trainer:
         self._measure(model)
         self.model = self.backend.setup(model, self._initial_weights())
         self.loader = TrainLoader(
-            self.data.train,
-            plan,
-            cfg.run.seed,
-            cfg.data.prefetch,
-            self.data.sources,
-            cfg.data.repeat,
+            data.train, plan, cfg.run.seed, cfg.data.prefetch, data.sources, cfg.data.repeat
         )
-        self.generators = Generators(plan.rank)
         self.step = 0
         self.skipped_steps = torch.zeros((), dtype=torch.int64, device=self.device)
         self.bad_streak = torch.zeros((), dtype=torch.int64, device=self.device)
         if self.spec.resume is not None:
             self.load_state_dict(self.spec.resume.state, self.spec.resume.exact)
         self.cadence = Cadence(cfg, self.step)
-        if plan.is_main and not self.complete:
+        writes = plan.is_main and not self.complete
+        if writes:
             self.lock.acquire()  # every check passed: from here on this launch owns the dir
             remove_scratch(self.run_dir)  # eval.tasks' of a killed launch
             if self.resume_from is not None:
                 self.checkpointer.abandon_after(self.step)
             self._write_run_dir()
-        self.metrics = MetricsLogger(
-            self.run_dir, plan.is_main and not self.complete, cfg, self.step
-        )
+        self.metrics = MetricsLogger(self.run_dir, writes, cfg, self.step)
         self.collector = GarbageCollector(cfg.train.gc_every)
         self.profiler = StepProfiler(cfg.train.profile, plan, self.run_dir, self.step)
         self.nan_guard = callbacks.NaNGuard()
@@ -148,30 +131,23 @@ class Trainer:
 
     def _measure(self, model: Transformer) -> None:
         """The model's size in the log, and what MFU divides by."""
+        m, plan = self.cfg.model, self.plan
         log.info(
-            "model: %.2fM parameters (%.2fM without embeddings), %d layers, d_model %d",
-            model.num_params() / 1e6,
-            model.num_params(exclude_embeddings=True) / 1e6,
-            self.cfg.model.n_layers,
-            self.cfg.model.d_model,
+            f"model: {model.num_params() / 1e6:.2f}M parameters ({model.num_params(True) / 1e6:.2f}"
+            f"M without embeddings), {m.n_layers} layers, d_model {m.d_model}"
         )
         self.flops_per_token = model.flops_per_token()  # MFU's convention: attention whole
         self.causal_flops_per_token = model.flops_per_token(causal=True)  # the work done
-        plan = self.plan
         self.peak_flops = peak_flops(plan.device, plan.precision, self.cfg.logging.peak_tflops)
         if self.peak_flops is None:
             log.info(
-                "mfu: not reported: no known peak FLOP/s for %s in %s (set "
-                "logging.peak_tflops to the device's dense peak to report it)",
-                plan.device,
-                plan.precision,
+                f"mfu: not reported: no known peak FLOP/s for {plan.device} in {plan.precision} "
+                f"(set logging.peak_tflops to the device's dense peak to report it)"
             )
 
     def _initial_weights(self) -> Mapping[str, torch.Tensor] | None:
-        """Weights that replace the seeded init, each read when the backend asks for it (a
-        sharded backend takes one whole parameter at a time): a checkpoint this backend
-        cannot restore exactly (another backend, or DeepSpeed with another ZeRO stage or world
-        size: the optimizer starts afresh), or model.init_from's."""
+        """Weights that replace the seeded init, read one parameter at a time: a checkpoint this
+        backend cannot restore exactly (the optimizer starts afresh), or model.init_from's."""
         resume = self.spec.resume
         if resume is not None and not resume.exact:
             log.warning("resume: %s", foreign_layout(resume.state, resume.checkpoint))
@@ -181,19 +157,16 @@ class Trainer:
             return load_init_weights(self.cfg.model, self.spec.init_from)
         return None
 
-    # ----------------------------------------------------------------- loop
     def fit(self) -> TrainResult:
         """Train to train.max_steps; stop early (with a checkpoint) at train.exit_at_step or on
-        SIGTERM / SIGINT. The callbacks log, evaluate and checkpoint on the way."""
+        SIGTERM / SIGINT."""
         t = self.cfg.train
         self.result = result = TrainResult(self.run_dir, self.step, start_step=self.step)
         if self.complete:
             log.info(
-                "run already complete: %s is at step %d of train.max_steps=%d; nothing to do "
-                "(raise train.max_steps to train further, or start a new run: --run-name NAME)",
-                self.resume_from,
-                self.step,
-                t.max_steps,
+                f"run already complete: {self.resume_from} is at step {self.step} of train."
+                f"max_steps={t.max_steps}; nothing to do (raise train.max_steps to train further, "
+                f"or start a new run: --run-name NAME)"
             )
             result.complete = True
             self.loader.close()
@@ -245,13 +218,9 @@ class Trainer:
             raise error
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """One optimizer step over grad_accum micro-batches; returns (loss, grad_norm, lr).
-
-        A non-finite norm means the step was skipped (a non-finite loss makes its gradients
-        non-finite too); runs of them are counted on the device (no host sync) for the NaN
-        guard. The verdict comes from the global norm alone, the same on every rank (this
-        rank's own loss is not), so every rank decides alike whether to stop.
-        """
+        """One optimizer step over grad_accum micro-batches; returns (loss, grad_norm, lr). A
+        non-finite global norm (the same on every rank, unlike the loss) marks a skipped step;
+        runs of them are counted on the device for the NaN guard."""
         lr = lr_at(self.step, self.cfg.train)
         self.backend.set_lr(lr)
         loss, grad_norm = optimizer_step(self.backend, self.model, self.loader.next_batches())
@@ -261,11 +230,8 @@ class Trainer:
         return loss, grad_norm, lr
 
     def _stop(self, signals: StopSignals) -> str | None:
-        """Why to stop after this step, agreed by every rank.
-
-        With several ranks the signal flag is all-reduced (a host sync) only on logging steps
-        and before a checkpoint, which already sync: a SIGTERM is acted on within
-        `logging.every` steps, and every rank sees it at the same step."""
+        """Why to stop after this step, agreed by every rank: the signal flag is all-reduced only
+        on steps that sync anyway, so a SIGTERM acts within `logging.every` steps."""
         received = signals.received
         if self.plan.world_size > 1:
             if not self.cadence.syncs(self.step):
@@ -280,31 +246,21 @@ class Trainer:
         return None
 
     def _say_stop(self, why: str) -> None:
-        t = self.cfg.train
-        then = (
-            f"launch again to continue to step {t.max_steps}"
-            if self.step < t.max_steps
-            else "the run is complete"
-        )
-        log.info("stop: %s after step %d; %s", why, self.step, then)
+        last, then = self.cfg.train.max_steps, "the run is complete"
+        if self.step < last:
+            then = f"launch again to continue to step {last}"
+        log.info(f"stop: {why} after step {self.step}; {then}")
 
-    # ----------------------------------------------------------------- checkpoints
     def save_checkpoint(self) -> Path:
-        """Save (atomically). A skipped step changed no weight and no optimizer state, so a
-        checkpoint due on one is still written (the final one, a stop's, an fp16 overflow's):
-        it holds the last good weights, with the data position past the skipped batches. A run
-        of train.max_bad_steps skipped steps stops here instead (TrainingDiverged)."""
+        """Save (atomically). A skipped step changed no weight or optimizer state, so a checkpoint
+        due on one holds the last good weights; train.max_bad_steps of them stop here instead."""
         streak = int(self.bad_streak.item())
         if streak:
             self.nan_guard.check(self)  # raises at train.max_bad_steps
             log.warning(
-                "checkpoint: step %d was skipped (not finite): step %d's weights and optimizer "
-                "state are saved as step %d",
-                self.step,
-                self.step - streak,
-                self.step,
+                f"checkpoint: step {self.step} was skipped (not finite): step "
+                f"{self.step - streak}'s weights and optimizer state are saved as step {self.step}"
             )
-
         fault = functools.partial(maybe_fail, "mid_save", self.step, self.plan.rank)
         background = self.background and dataclasses.replace(self.background, on_written=fault)
 
@@ -323,10 +279,8 @@ class Trainer:
             return None
 
         path = self.checkpointer.save(self.step, write)
-        if background:
-            log.info("checkpoint: writing %s in the background", path)
-        else:
-            log.info("checkpoint: saved %s", path)
+        what = f"writing {path} in the background" if background else f"saved {path}"
+        log.info(f"checkpoint: {what}")
         return path
 
     def state_dict(self) -> dict[str, Any]:
@@ -335,7 +289,7 @@ class Trainer:
             "format": TRAINER_FORMAT,
             "step": self.step,
             "data": self.loader.state_dict(),
-            "rng": self.generators.state_dict(),  # one entry per rank
+            "rng": rng.gather_all_ranks(),  # one entry per rank (a collective)
             "skipped_steps": int(self.skipped_steps.item()),
             # a checkpoint can fall inside a run of skipped steps: a resume continues its count
             "bad_streak": int(self.bad_streak.item()),
@@ -356,17 +310,15 @@ class Trainer:
         self.loader.load_state_dict(state["data"])
         self.skipped_steps.fill_(int(state["skipped_steps"]))
         self.bad_streak.fill_(int(state["bad_streak"]))
-        self.generators.load_state_dict(state["rng"])
+        rng.restore_for_rank(state["rng"], self.plan.rank)
         if self.step < self.cfg.train.max_steps:  # (a finished run says so, and stops, in fit)
-            log.info("resume: continuing from %s at step %d", self.resume_from, self.step)
+            log.info(f"resume: continuing from {self.resume_from} at step {self.step}")
         changed = schedule_change(state, self.cfg.train, self.step)
         if changed and self.plan.is_main:
             log.warning("resume: %s", changed)
 
-    # ----------------------------------------------------------------- run dir
     def _write_run_dir(self) -> None:
-        """The run's own files, each replaced whole (the run dir is this launch's: locked, and
-        checked to be new, empty or a run's by the preflight)."""
+        """The run's own files, each replaced whole (in the locked, preflight-checked run dir)."""
         (self.run_dir / COMM_TRACE).mkdir(parents=True, exist_ok=True)  # (a timeout's dumps)
         save_config(self.cfg, self.run_dir / "config.yaml")  # as the user wrote it
         atomic_write_json(self.run_dir / PLAN_FILE, self.plan.to_json())
