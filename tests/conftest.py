@@ -43,7 +43,8 @@ _prebuild: subprocess.Popen | None = None
 
 # ----------------------------------------------------------------------------- test tiers
 # `bash launch/test.sh --fast` runs what is not marked slow: the in-process tests and one
-# multi-process parity case. Marked here, in one place, from `pytest --durations` on 2 cores.
+# multi-process parity case. Marked here, in one place: every test that reads torchrun runs (the
+# `runs` fixture) but FAST_WORLD, and by `pytest --durations` on 2 cores.
 SLOW_MODULES = {"test_distributed.py", "test_reliability.py", "test_offload_census.py"}
 FAST_WORLD = "test_distributed.py::test_backend_matches_single_process[ddp]"
 SLOW_TESTS = {  # over ~5 s each on 2 cores (pytest --durations), by module::function
@@ -103,7 +104,8 @@ def pytest_collection_modifyitems(config, items):
         module, _, name = item.nodeid.rpartition("/")[2].partition("::")
         if item.nodeid.endswith(FAST_WORLD):
             continue
-        if module in SLOW_MODULES or f"{module}::{name.partition('[')[0]}" in SLOW_TESTS:
+        listed = module in SLOW_MODULES or f"{module}::{name.partition('[')[0]}" in SLOW_TESTS
+        if listed or "runs" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
 
 
