@@ -204,11 +204,12 @@ def validate_parallel(cfg: Config) -> list[str]:
             f"parallel.deepspeed.zero_stage={ds.zero_stage} must be 0, 1, 2 or 3 (e.g. "
             f"parallel.deepspeed.zero_stage=2)"
         )
-    if p.world_size is not None and (p.world_size < 1 or p.world_size % max(p.tensor_parallel, 1)):
+    split = max(p.tensor_parallel, 1) * max(p.pipeline_parallel, 1)
+    if p.world_size is not None and (p.world_size < 1 or p.world_size % split):
         e.append(
             f"parallel.world_size={p.world_size} must be >= 1 and a multiple of "
-            f"parallel.tensor_parallel={p.tensor_parallel} (the ranks the layout is written for), "
-            f"or null"
+            f"parallel.tensor_parallel={p.tensor_parallel} x parallel.pipeline_parallel="
+            f"{p.pipeline_parallel} (the ranks the layout is written for), or null"
         )
     if fsdp.replicate_degree < 1:
         e.append(f"parallel.fsdp.replicate_degree={fsdp.replicate_degree} must be >= 1")
@@ -239,6 +240,7 @@ def validate_parallel(cfg: Config) -> list[str]:
         )
     if ds.config and backend == "deepspeed":
         e.extend(passthrough_problems(ds.config))
+    e.extend(pipeline_problems(cfg))
     mode = cfg.checkpoint.async_mode
     if mode != "disabled" and backend == "deepspeed":
         e.append(
@@ -248,3 +250,142 @@ def validate_parallel(cfg: Config) -> list[str]:
             f"sharding is ZeRO-3's)"
         )
     return e
+
+
+# ----------------------------------------------------------------------------- pipeline
+
+
+def stages_per_rank(pipe: PipelineConfig) -> int:
+    """The model chunks a pipeline rank holds: parallel.pipeline.stages_per_rank, or the
+    fewest its schedule runs (1 for 1F1B / GPipe, 2 for the looped and V schedules)."""
+    if pipe.stages_per_rank is not None:
+        return pipe.stages_per_rank
+    return 2 if pipe.schedule in LOOPED_SCHEDULES else 1
+
+
+def pipeline_microbatches(p: ParallelConfig) -> int:
+    """The pieces each micro-batch is cut into: parallel.pipeline.microbatches, or the number
+    of stages (the fewest every schedule runs; more shrink the bubble)."""
+    if p.pipeline.microbatches is not None:
+        return p.pipeline.microbatches
+    return p.pipeline_parallel * stages_per_rank(p.pipeline)
+
+
+def pipeline_problems(cfg: Config) -> list[str]:
+    """parallel.pipeline_parallel against the backend, the model and the batch: each invalid
+    combination one error naming values that work."""
+    pp = cfg.parallel.pipeline_parallel
+    if pp < 1:
+        return [f"parallel.pipeline_parallel={pp} must be >= 1 (1: no pipeline parallelism)"]
+    if pp == 1:
+        return []
+    e = [*_pipeline_companions(cfg), *_pipeline_stage_problems(cfg)]
+    if not e:
+        e.extend(_pipeline_batch_problems(cfg))
+    return e
+
+
+def _pipeline_companions(cfg: Config) -> list[str]:
+    """Settings pipeline parallelism does not compose with, each with its fix."""
+    p, m = cfg.parallel, cfg.model
+    pp, e = p.pipeline_parallel, []
+    if p.backend != "fsdp":
+        e.append(
+            f"parallel.pipeline_parallel={pp} needs parallel.backend=fsdp (it is {p.backend}): "
+            f"each pipeline stage is sharded with FSDP2 over its data-parallel ranks (DDP and "
+            f"DeepSpeed wrap the whole model); set parallel.backend=fsdp, or "
+            f"parallel.pipeline_parallel=1"
+        )
+    if m.tie_embeddings:
+        e.append(
+            f"model.tie_embeddings=true with parallel.pipeline_parallel={pp}: the embedding "
+            f"lives on the first stage and the output head on the last, so one tied matrix "
+            f"cannot be both; set model.tie_embeddings=false, or parallel.pipeline_parallel=1"
+        )
+    if m.attention_mask == "document":
+        e.append(
+            f"model.attention_mask=document with parallel.pipeline_parallel={pp}: the "
+            f"document bounds come from the tokens, which only the first stage sees; set "
+            f"model.attention_mask=causal, or parallel.pipeline_parallel=1"
+        )
+    if not p.fsdp.reduce_every_micro_step:
+        e.append(
+            f"parallel.fsdp.reduce_every_micro_step=false with parallel.pipeline_parallel={pp}: "
+            f"a pipeline stage reduce-scatters its gradients after each schedule run; set "
+            f"parallel.fsdp.reduce_every_micro_step=true"
+        )
+    if cfg.eval.tasks:
+        e.append(
+            f"eval.tasks={cfg.eval.tasks} with parallel.pipeline_parallel={pp}: lm-eval needs "
+            f"the whole model in one process; run `scale-llm eval` on a checkpoint instead, "
+            f"or set eval.tasks=null"
+        )
+    return e
+
+
+def _pipeline_stage_problems(cfg: Config) -> list[str]:
+    """The schedule's stages a rank, and the blocks each stage holds."""
+    p, pipe, n = cfg.parallel, cfg.parallel.pipeline, cfg.model.n_layers
+    pp, name, e = p.pipeline_parallel, pipe.schedule, []
+    chunks = stages_per_rank(pipe)
+    if name in V_SCHEDULES:
+        allowed = [2]
+    elif name in LOOPED_SCHEDULES:
+        allowed = list(range(2, max(2, n // pp) + 1))
+    else:
+        allowed = [1]
+    if chunks not in allowed:
+        e.append(
+            f"parallel.pipeline.stages_per_rank={chunks} does not fit "
+            f"parallel.pipeline.schedule={name}: use parallel.pipeline.stages_per_rank="
+            f"{allowed[0]}"
+            + (f" (up to {allowed[-1]})" if len(allowed) > 1 else "")
+            + ", or null (the schedule's own)"
+        )
+        return e
+    stages, per = pp * chunks, pipe.layers_per_stage
+    if per is not None and per * stages != n:
+        fits = [k for k in range(2, n + 1) if n % (k * chunks) == 0]
+        e.append(
+            f"parallel.pipeline.layers_per_stage={per} x {stages} stages (pipeline_parallel "
+            f"{pp} x stages_per_rank {chunks}) is not model.n_layers={n}: use "
+            + (f"parallel.pipeline.layers_per_stage={n // stages}, " if n % stages == 0 else "")
+            + "parallel.pipeline.layers_per_stage=null (balanced)"
+            + (f", or parallel.pipeline_parallel={fits[0]}" if fits and n % stages else "")
+        )
+    elif n < stages:
+        e.append(
+            f"model.n_layers={n} is fewer than the {stages} pipeline stages (pipeline_parallel "
+            f"{pp} x stages_per_rank {chunks}): each stage holds at least one block; use "
+            f"parallel.pipeline_parallel={max(1, n // chunks)} or more layers"
+        )
+    return e
+
+
+def _pipeline_batch_problems(cfg: Config) -> list[str]:
+    """The microbatches against the stages and train.micro_batch_size."""
+    p, mb = cfg.parallel, cfg.train.micro_batch_size
+    stages = p.pipeline_parallel * stages_per_rank(p.pipeline)
+    m = pipeline_microbatches(p)
+    if m < stages:
+        return [
+            f"parallel.pipeline.microbatches={m} is fewer than the {stages} pipeline stages: "
+            f"every stage needs a microbatch in flight; use parallel.pipeline.microbatches="
+            f"{stages} or more (train.micro_batch_size a multiple of it)"
+        ]
+    if p.pipeline.schedule in LOOPED_SCHEDULES and m % p.pipeline_parallel:
+        up = -(-m // p.pipeline_parallel) * p.pipeline_parallel
+        return [
+            f"parallel.pipeline.microbatches={m} is not a multiple of parallel."
+            f"pipeline_parallel={p.pipeline_parallel}, as parallel.pipeline.schedule="
+            f"{p.pipeline.schedule} runs them in rounds; use parallel.pipeline.microbatches={up}"
+        ]
+    if mb % m:
+        rounds = p.pipeline_parallel if p.pipeline.schedule in LOOPED_SCHEDULES else 1
+        down = [k for k in range(stages, mb + 1) if mb % k == 0 and k % rounds == 0]
+        return [
+            f"train.micro_batch_size={mb} cannot be cut into parallel.pipeline.microbatches={m} "
+            f"equal pieces: use train.micro_batch_size={-(-mb // m) * m}"
+            + (f" or parallel.pipeline.microbatches={down[0]}" if down else "")
+        ]
+    return []

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from scale_llm.config import Config, format_errors
+from scale_llm.config.parallel import pipeline_microbatches, stages_per_rank
 from scale_llm.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -69,12 +70,15 @@ class RunPlan:
     device: torch.device
     backend: str  # single | ddp | fsdp | deepspeed
     precision: str  # bf16 | fp16 | fp32
-    dp_degree: int  # ranks that split each global batch: world_size / tp_degree
+    dp_degree: int  # ranks that split each global batch: world_size / (tp_degree x pp_degree)
     micro_batch_size: int
     grad_accum: int
     seq_len: int
     tp_degree: int = 1  # ranks that split each layer (tensor parallelism), consecutive ranks
     replicate_degree: int = 1  # HSDP: data-parallel groups that replicate (fsdp only)
+    pp_degree: int = 1  # pipeline stages' rank groups, the outermost mesh dimension
+    pp_stages_per_rank: int = 1  # model chunks a pipeline rank holds (looped / V schedules)
+    pp_microbatches: int = 1  # pieces the pipeline cuts each micro-batch into
 
     @property
     def is_main(self) -> bool:
@@ -83,16 +87,24 @@ class RunPlan:
     @property
     def dp_rank(self) -> int:
         """This rank's place among the data-parallel ranks: the ranks of one tensor-parallel
-        group (consecutive ranks, `mesh`) read the same sequences."""
-        return self.rank // self.tp_degree
+        group (consecutive ranks, `mesh`) read the same sequences, and so do the pipeline
+        stages of one data-parallel rank."""
+        return (self.rank // self.tp_degree) % self.dp_degree
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's place in its pipeline (0: the first stage), the mesh's outermost index."""
+        return self.rank // (self.world_size // self.pp_degree)
 
     @property
     def mesh(self) -> dict[str, Any]:
         """The device mesh the backend builds: its dimension names and sizes, outermost first
-        (rank = ((replicate x shard) + shard) x tp + tp position)."""
+        (rank = ((pp x replicate + replicate) x shard + shard) x tp + tp position)."""
         if self.backend != "fsdp":
             return {"names": ["dp"], "shape": [self.world_size]}
         names, shape = [], []
+        if self.pp_degree > 1:
+            names.append("pp"), shape.append(self.pp_degree)
         replicas = self.replicate_degree
         if replicas > 1:
             names.append("replicate"), shape.append(replicas)
@@ -123,20 +135,27 @@ class RunPlan:
         return out
 
     def describe(self) -> str:
+        split = self.tp_degree > 1 or self.pp_degree > 1
         return (
             f"backend {self.backend}, precision {self.precision} on {self.device}, rank "
             f"{self.rank} of {self.world_size}; batch: micro {self.micro_batch_size} x seq_len "
             f"{self.seq_len} x grad_accum {self.grad_accum} x "
-            f"{'world' if self.tp_degree == 1 else 'data-parallel'} {self.dp_degree} = "
+            f"{'data-parallel' if split else 'world'} {self.dp_degree} = "
             f"{self.sequences_per_step} sequences = {self.tokens_per_step:,} tokens per step"
-            + (
-                f"; tensor parallel {self.tp_degree} (mesh "
-                + " x ".join(f"{n} {k}" for n, k in zip(self.mesh["names"], self.mesh["shape"]))
-                + ")"
-                if self.tp_degree > 1
-                else ""
-            )
+            + (f"; {self._layout()}" if split else "")
         )
+
+    def _layout(self) -> str:
+        """The model split, for the start line: the degrees and the mesh."""
+        parts = [f"tensor parallel {self.tp_degree}"] if self.tp_degree > 1 else []
+        if self.pp_degree > 1:
+            parts.insert(
+                0,
+                f"pipeline parallel {self.pp_degree} ({self.pp_degree * self.pp_stages_per_rank} "
+                f"stages, {self.pp_microbatches} microbatches a micro-batch)",
+            )
+        mesh = " x ".join(f"{n} {k}" for n, k in zip(self.mesh["names"], self.mesh["shape"]))
+        return ", ".join(parts) + f" (mesh {mesh})"
 
 
 def resolve_plan(
@@ -162,7 +181,8 @@ def resolve_plan(
     if device.type == "cuda" and launch.rank == 0:
         _warn_on_odd_widths(cfg)
     backend = _backend(cfg.parallel.backend, launch.world_size)
-    tp = cfg.parallel.tensor_parallel
+    tp, pp = cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel
+    dp = launch.world_size // (tp * pp)
     return RunPlan(
         rank=launch.rank,
         local_rank=launch.local_rank,
@@ -170,12 +190,15 @@ def resolve_plan(
         device=device,
         backend=backend,
         precision=_precision(cfg.train.precision, device, bf16),
-        dp_degree=launch.world_size // tp,
+        dp_degree=dp,
         micro_batch_size=cfg.train.micro_batch_size,
-        grad_accum=_grad_accum(cfg, launch.world_size // tp),
+        grad_accum=_grad_accum(cfg, dp),
         seq_len=cfg.model.seq_len,
         tp_degree=tp,
         replicate_degree=cfg.parallel.fsdp.replicate_degree if backend == "fsdp" else 1,
+        pp_degree=pp,
+        pp_stages_per_rank=stages_per_rank(cfg.parallel.pipeline) if pp > 1 else 1,
+        pp_microbatches=pipeline_microbatches(cfg.parallel) if pp > 1 else 1,
     )
 
 
@@ -298,23 +321,33 @@ def launch_problems(cfg: Config, world_size: int, cuda: bool) -> list[str]:
             f"or launch a multiple of {tp} processes"
         )
         tp = 1  # (the checks below: as if the world were data parallel)
+    pp = cfg.parallel.pipeline_parallel
+    if pp > 1 and world_size % (tp * pp):
+        fits = [k for k in range(2, world_size // tp + 1) if world_size % (tp * k) == 0]
+        e.append(
+            f"parallel.pipeline_parallel={pp} x parallel.tensor_parallel={tp} does not divide "
+            f"the world size {world_size}; use parallel.pipeline_parallel="
+            f"{' or '.join(map(str, fits)) or '1'}, or launch a multiple of {tp * pp} processes"
+        )
+        pp = 1
+    split = tp * pp
     r = cfg.parallel.fsdp.replicate_degree
-    if backend == "fsdp" and (world_size // tp) % r:
+    if backend == "fsdp" and (world_size // split) % r:
         of = (
             f"the world size {world_size}"
-            if tp == 1
-            else f"the data-parallel degree {world_size // tp} (world {world_size} / "
-            f"tensor_parallel {tp})"
+            if split == 1
+            else f"the data-parallel degree {world_size // split} (world {world_size} / "
+            f"tensor_parallel {tp} / pipeline_parallel {pp})"
         )
         e.append(
             f"parallel.fsdp.replicate_degree={r} does not divide {of}; use a divisor of it "
             f"(usually the number of nodes)"
         )
-    g, mb, dp = cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size // tp
+    g, mb, dp = cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size // split
     if g is not None and g % (mb * dp):
         e.append(
             f"train.global_batch_size={g} is not divisible by train.micro_batch_size={mb} x "
-            f"{'world size' if tp == 1 else 'data-parallel degree'} {dp} = {mb * dp}; pick a "
+            f"{'world size' if split == 1 else 'data-parallel degree'} {dp} = {mb * dp}; pick a "
             f"global batch that is a multiple of {mb * dp} or change micro_batch_size"
         )
     return e

@@ -32,6 +32,7 @@ from scale_llm.config.plan import RunPlan
 from scale_llm.model import Transformer, materialize
 from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
 from scale_llm.parallel.compile import compile_blocks
+from scale_llm.parallel.fp8 import apply_fp8
 
 
 class Backend:
@@ -57,6 +58,7 @@ class Backend:
         call forward on. `initial_weights` (name -> tensor, read when asked) replace the
         seeded init, e.g. when resuming from another backend's checkpoint."""
         self.module = model
+        apply_fp8(model, self.cfg, self.plan)  # first: TP, checkpointing, compile, FSDP wrap it
         self.model = self.wrap(model, initial_weights)
         self.optimizer = build_optimizer(self.model, self.cfg.train)
         return self.model
@@ -101,6 +103,16 @@ class Backend:
     def sync_context(self, sync_gradients: bool) -> contextlib.AbstractContextManager:
         """Entered around each micro-step; gradients are reduced only when sync_gradients."""
         return contextlib.nullcontext()
+
+    def forward_backward(
+        self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, accum: int
+    ) -> torch.Tensor:
+        """One micro-step: forward, the loss divided by `accum`, backward; returns that
+        loss, detached (a pipeline runs its schedule here instead)."""
+        with self.forward_context():
+            loss = self.loss_fn(model(inputs), targets) / accum
+        self.backward(loss)
+        return loss.detach()
 
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
@@ -202,7 +214,9 @@ def restores_exactly(cfg: Config, plan: RunPlan, layout: Any) -> bool:
 def build_backend(cfg: Config, plan: RunPlan) -> Backend:
     """The backend class for the plan's backend (imported lazily: deepspeed is heavy)."""
     name = plan.backend
-    if name == "ddp":
+    if name == "fsdp" and plan.pp_degree > 1:
+        from scale_llm.parallel.pipeline import PipelineBackend as cls
+    elif name == "ddp":
         from scale_llm.parallel.ddp import DDPBackend as cls
     elif name == "fsdp":
         from scale_llm.parallel.fsdp import FSDPBackend as cls

@@ -56,21 +56,28 @@ class FSDPBackend(Backend):
             self.loss_fn = parallel_cross_entropy  # over the vocab shards
 
     def device_mesh(self) -> DeviceMesh:
-        """The run plan's mesh: (replicate,) shard (, tp), built once."""
+        """The run plan's mesh: (pp,) (replicate,) shard (, tp), built once."""
         if self.mesh is None:
             layout = self.plan.mesh
             self.mesh = init_device_mesh(
                 self.plan.device.type, tuple(layout["shape"]), mesh_dim_names=tuple(layout["names"])
             )
-            if self.mesh.ndim > 1:  # a reduction over every dimension (the gradient norm's)
-                self.mesh._flatten("all")  # then runs as one collective, not one per dimension
+            within = self.layout_mesh()  # what a stage's parameters live on
+            if within.ndim > 1:  # a reduction over every dimension (the gradient norm's)
+                within._flatten("all")  # then runs as one collective, not one per dimension
         return self.mesh
 
+    def layout_mesh(self) -> DeviceMesh:
+        """Every mesh dimension but pp: the ranks of one pipeline stage."""
+        mesh = self.device_mesh() if self.mesh is None else self.mesh
+        names = tuple(n for n in mesh.mesh_dim_names if n != "pp")
+        return mesh[names] if len(names) < mesh.ndim else mesh
+
     def data_parallel_mesh(self) -> DeviceMesh:
-        """What FSDP shards (and HSDP replicates) over: every mesh dimension but tp."""
+        """What FSDP shards (and HSDP replicates) over: every mesh dimension but pp and tp."""
         mesh = self.device_mesh()
-        names = tuple(n for n in mesh.mesh_dim_names if n != "tp")
-        return mesh[names] if self.tp > 1 else mesh
+        names = tuple(n for n in mesh.mesh_dim_names if n not in ("tp", "pp"))
+        return mesh[names] if len(names) < mesh.ndim else mesh
 
     def mp_policy(self) -> MixedPrecisionPolicy:
         if self.precision.name == "fp32":
@@ -78,39 +85,59 @@ class FSDPBackend(Backend):
         return MixedPrecisionPolicy(param_dtype=self.precision.dtype, reduce_dtype=torch.float32)
 
     def wrap(self, model: Transformer, initial_weights: Mapping | None = None) -> nn.Module:
-        opts = self.cfg.parallel.fsdp
-        if self.tp > 1:  # tensor parallelism first, then checkpointing and compile (torchtitan)
+        self.parallelize(model)
+        self.shard(model)
+        model.to_empty(device=self.storage_device())
+        self._fill_shards(model, initial_weights)
+        return model
+
+    def parallelize(self, model: Transformer) -> None:
+        """On the meta device, before any sharding: tensor parallelism first, then
+        checkpointing and compile per block (torchtitan's order)."""
+        if self.tp > 1:
             mesh = self.device_mesh()["tp"]
             apply_tensor_parallel(model, mesh, self.cfg.parallel.sequence_parallel)
-        self.transform_blocks(model)  # checkpointing and compile before fully_shard
+        self.transform_blocks(model)
+
+    def shard(self, module: nn.Module) -> None:
+        """fully_shard on each block of `module` (a model or a pipeline stage), then on it."""
+        opts = self.cfg.parallel.fsdp
         common = dict(
             mesh=self.data_parallel_mesh(),
             mp_policy=self.mp_policy(),
             offload_policy=CPUOffloadPolicy() if opts.cpu_offload else OffloadPolicy(),
         )
-        for i, block in enumerate(model.layers):
+        layers = module.layers
+        blocks = list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
+        for i, block in enumerate(blocks):
             # the last block's params are needed again at once by backward: keep them gathered
-            last = i == len(model.layers) - 1
+            last = i == len(blocks) - 1
             fully_shard(
                 block, reshard_after_forward=opts.reshard_after_forward and not last, **common
             )
-        fully_shard(model, reshard_after_forward=opts.reshard_after_forward, **common)
-        model.to_empty(device="cpu" if opts.cpu_offload else self.plan.device)
-        self._fill_shards(model, initial_weights)
-        return model
+        fully_shard(module, reshard_after_forward=opts.reshard_after_forward, **common)
 
-    def _fill_shards(self, model: Transformer, initial: Mapping | None) -> None:
+    def storage_device(self) -> torch.device | str:
+        return "cpu" if self.cfg.parallel.fsdp.cpu_offload else self.plan.device
+
+    def _fill_shards(
+        self, model: nn.Module, initial: Mapping | None, whole: Transformer | None = None
+    ) -> None:
         """Each rank fills its own shards, one whole parameter at a time: drawn from run.seed
-        in the initialization's order (`init_fills`: the weights one process draws), or read
-        from `initial` (name -> tensor, read when asked). No host holds more than its shards
-        and one full fp32 parameter (the 70B model would be 280 GB on one host)."""
+        in the initialization's order (`init_fills` of the `whole` model: the weights one
+        process draws, those of other pipeline stages drawn and dropped), or read from
+        `initial` (name -> tensor, read when asked). No host holds more than its shards and
+        one full fp32 parameter (the 70B model would be 280 GB on one host)."""
         params = dict(model.named_parameters())
         if initial is None:
+            whole = whole or model
+            shapes = {name: p.shape for name, p in whole.named_parameters()}
             torch.manual_seed(self.cfg.run.seed)
-            for name, fill in model.init_fills():
-                full = torch.empty(params[name].shape)  # fp32 on the CPU, as one process draws
+            for name, fill in whole.init_fills():
+                full = torch.empty(shapes[name])  # fp32 on the CPU, as one process draws
                 fill(full)
-                _copy_shard(params[name], full)
+                if name in params:
+                    _copy_shard(params[name], full)
         else:
             for name, param in params.items():
                 _copy_shard(param, initial[name])

@@ -12,13 +12,10 @@ def optimizer_step(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Accumulate over the micro-batches (each loss divided by their number, gradients synced
     on the last only), then one clip + step; returns (mean loss, pre-clip grad norm), both
-    still on the device."""
+    still on the device. A pipeline runs each micro-batch through its schedule."""
     accum = len(batches)
     loss_sum = torch.zeros((), device=batches[0][0].device)
     for i, (inputs, targets) in enumerate(batches):
         with backend.sync_context(sync_gradients=i == accum - 1):
-            with backend.forward_context():
-                loss = backend.loss_fn(model(inputs), targets) / accum
-            backend.backward(loss)
-        loss_sum += loss.detach()
+            loss_sum += backend.forward_backward(model, inputs, targets, accum)
     return loss_sum, backend.clip_and_step()

@@ -1,0 +1,268 @@
+"""Pipeline parallelism (`parallel.pipeline_parallel`) on torch.distributed.pipelining.
+
+The blocks are cut into consecutive stages; the mesh's outermost dimension (`pp`) says which
+group of ranks holds which. Each rank keeps only its stages' modules of the meta-device model
+(the embedding on the first stage, the final norm, head and loss on the last), after tensor
+parallelism, checkpointing and compile were applied to the whole model and before FSDP2 shards
+each stage over its data-parallel ranks (torchtitan's order). A stage keys its blocks by their
+one-process index (`layers.7...`), so parameter names, checkpoints and optimizer state do not
+depend on the pipeline degree: DCP reshards a checkpoint to any other degree or to one process.
+
+Numerics are one process's: each micro-batch is cut into `parallel.pipeline.microbatches`
+pieces, each piece's loss is its token mean divided by (pieces x grad_accum) and the schedule's
+own gradient scaling is off, so the gradients are those of the token mean over the global batch;
+the gradient norm is reduced over the stages too before the one clip; the loss is summed over
+the stages (only the last computes it) so every rank holds it. Evaluation and samples run the
+stages' forwards in order, passing activations rank to rank, and every rank gets the logits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleSingle,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+)
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from scale_llm.config.parallel import V_SCHEDULES
+from scale_llm.config.plan import RunPlan
+from scale_llm.model import Transformer
+from scale_llm.parallel.fsdp import FSDPBackend
+from scale_llm.parallel.tensor_parallel import backward_context
+
+SCHEDULES = {
+    "1f1b": Schedule1F1B,
+    "gpipe": ScheduleGPipe,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "zero_bubble": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
+    "looped_bfs": ScheduleLoopedBFS,
+}
+
+
+# ----------------------------------------------------------------------------- the split
+
+
+def stage_blocks(n_layers: int, stages: int, layers_per_stage: int | None) -> list[range]:
+    """The blocks of each stage: `layers_per_stage` each, or balanced: every stage one block,
+    then each further block to the stage that costs least so far, the embedding and the
+    output head (with its loss) each counted as one block (torchtitan weighs them alike)."""
+    if layers_per_stage is not None:
+        counts = [layers_per_stage] * stages
+    else:
+        counts = [1] * stages
+        extra = [1 if s in (0, stages - 1) else 0 for s in range(stages)]
+        if stages == 1:
+            extra = [2]
+        for _ in range(n_layers - stages):
+            cheapest = min(range(stages), key=lambda s: (counts[s] + extra[s], -s))
+            counts[cheapest] += 1
+    starts = [sum(counts[:s]) for s in range(stages)]
+    return [range(start, start + n) for start, n in zip(starts, counts, strict=True)]
+
+
+def stage_owner(stage: int, plan: RunPlan, schedule: str) -> int:
+    """The pipeline rank holding `stage`: looped (stage s on rank s mod pp) or, for the V
+    schedules, down and back up (rank r holds stages r and 2 pp - 1 - r)."""
+    pp = plan.pp_degree
+    if schedule in V_SCHEDULES and stage >= pp:
+        return 2 * pp - 1 - stage
+    return stage % pp
+
+
+class Stage(nn.Module):
+    """One pipeline stage of a Transformer: its blocks under their one-process names, the
+    embedding if first, the final norm and head if last. Between stages the residual stream
+    travels as a plain tensor (this rank's sequence part under sequence parallelism)."""
+
+    def __init__(self, model: Transformer, blocks: range, first: bool, last: bool, tp_mesh=None):
+        super().__init__()
+        self.tok_embeddings = model.tok_embeddings if first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in blocks})
+        self.norm = model.norm if last else None
+        self.output = model.output if last else None
+        self.rope = model.rope  # (a bound method: the table cache, not a submodule)
+        self.tp_mesh, self.sequence_parallel = tp_mesh, False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else self._arrived(x)
+        rope = self.rope(0, h.size(1), h.device)  # (h's global shape under tensor parallelism)
+        for layer in self.layers.values():
+            h = layer(h, rope)
+        if self.norm is None:
+            return h.to_local() if isinstance(h, DTensor) else h
+        return F.linear(self.norm(h), self.output.weight)  # (as Transformer.forward)
+
+    def _arrived(self, x: torch.Tensor) -> torch.Tensor:
+        """The residual stream from the previous stage, as the blocks take it."""
+        if self.tp_mesh is None:
+            return x
+        layout = Shard(1) if self.sequence_parallel else Replicate()
+        return DTensor.from_local(x, self.tp_mesh, [layout], run_check=False)
+
+
+class PipelinedModel(nn.Module):
+    """This rank's stages under one-process names (what the optimizer, the checkpoint and the
+    trainer see); calling it runs every stage's forward in order across the pipeline ranks
+    (evaluation, samples) and returns the logits on every rank."""
+
+    def __init__(self, stages: dict[int, Stage], plan: RunPlan, schedule: str, group) -> None:
+        super().__init__()
+        held = list(stages.values())
+        for name in ("tok_embeddings", "norm", "output"):
+            found = [getattr(s, name) for s in held if getattr(s, name) is not None]
+            setattr(self, name, found[0] if found else None)
+        self.layers = nn.ModuleDict({k: b for s in held for k, b in s.layers.items()})
+        self.stages = stages  # (a plain dict: the modules are registered above, once)
+        self.plan, self.schedule, self.group = plan, schedule, group
+        self.n_stages = plan.pp_degree * plan.pp_stages_per_rank
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = tokens
+        for s in range(self.n_stages):
+            here = stage_owner(s, self.plan, self.schedule)
+            if here == self.plan.pp_rank:
+                x = self.stages[s](x)
+            after = stage_owner(s + 1, self.plan, self.schedule) if s + 1 < self.n_stages else -1
+            if after >= 0 and after != here:
+                x = self._pass(x, here, after)
+        return self._everywhere(x, here)
+
+    def _rank(self, pp_rank: int) -> int:
+        return dist.get_global_rank(self.group, pp_rank)
+
+    def _pass(self, x: torch.Tensor | None, src: int, dst: int) -> torch.Tensor | None:
+        """x from pipeline rank `src` to `dst` (its shape and dtype first); None elsewhere."""
+        me = self.plan.pp_rank
+        if me == src:
+            dist.send(_header(x), self._rank(dst), group=self.group)
+            dist.send(x.contiguous(), self._rank(dst), group=self.group)
+        elif me == dst:
+            header = torch.zeros(8, dtype=torch.int64)
+            dist.recv(header, self._rank(src), group=self.group)
+            x = _empty_like_header(header, self.plan.device)
+            dist.recv(x, self._rank(src), group=self.group)
+        return x if me in (src, dst) else None
+
+    def _everywhere(self, logits: torch.Tensor | None, src: int) -> torch.Tensor:
+        """The last stage's logits broadcast to every pipeline rank (as a DTensor sharded over
+        the vocabulary again where tensor parallelism made them one)."""
+        mine = self.plan.pp_rank == src
+        local = logits.to_local() if mine and isinstance(logits, DTensor) else logits
+        header = _header(local) if mine else torch.zeros(8, dtype=torch.int64)
+        dist.broadcast(header, self._rank(src), group=self.group)
+        if not mine:
+            local = _empty_like_header(header, self.plan.device)
+        dist.broadcast(local.contiguous(), self._rank(src), group=self.group)
+        if mine:
+            return logits
+        mesh = next(iter(self.stages.values())).tp_mesh
+        return local if mesh is None else DTensor.from_local(local, mesh, [Shard(-1)])
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+def _header(x: torch.Tensor) -> torch.Tensor:
+    """(dtype index, ndim, *shape) in 8 int64s: what a receiver allocates."""
+    values = [_DTYPES.index(x.dtype), x.dim(), *x.shape]
+    return torch.tensor(values + [0] * (8 - len(values)), dtype=torch.int64)
+
+
+def _empty_like_header(header: torch.Tensor, device: torch.device) -> torch.Tensor:
+    dtype, ndim, *shape = header.tolist()
+    return torch.empty(shape[:ndim], dtype=_DTYPES[dtype], device=device)
+
+
+# ----------------------------------------------------------------------------- the backend
+
+
+class PipelineBackend(FSDPBackend):
+    """FSDP2 (and tensor parallelism) within each pipeline stage, the schedule across them."""
+
+    def wrap(self, model: Transformer, initial_weights: Mapping | None = None) -> nn.Module:
+        self.parallelize(model)  # the whole meta model: TP, checkpointing, compile per block
+        pipe, plan = self.cfg.parallel.pipeline, self.plan
+        n_stages = plan.pp_degree * plan.pp_stages_per_rank
+        blocks = stage_blocks(model.cfg.n_layers, n_stages, pipe.layers_per_stage)
+        tp_mesh = self.device_mesh()["tp"] if self.tp > 1 else None
+        stages = {}
+        for s in range(n_stages):
+            if stage_owner(s, plan, pipe.schedule) == plan.pp_rank:
+                stage = Stage(model, blocks[s], s == 0, s == n_stages - 1, tp_mesh)
+                stage.sequence_parallel = self.cfg.parallel.sequence_parallel
+                self.shard(stage)
+                stage.to_empty(device=self.storage_device())
+                stages[s] = stage
+        group = self.device_mesh()["pp"].get_group()
+        wrapped = PipelinedModel(stages, plan, pipe.schedule, group)
+        self._fill_shards(wrapped, initial_weights, whole=model)
+        self.schedule = self._schedule(stages, n_stages, group)
+        return wrapped
+
+    def _schedule(self, stages: dict[int, Stage], n_stages: int, group):
+        """torch's schedule over this rank's stages; the loss scaled here, not by it."""
+        pipe_stages = [
+            PipelineStage(module, s, n_stages, self.plan.device, group=group)
+            for s, module in sorted(stages.items())
+        ]
+        cls = SCHEDULES[self.cfg.parallel.pipeline.schedule]
+        single = issubclass(cls, PipelineScheduleSingle)
+        return cls(
+            pipe_stages[0] if single else pipe_stages,
+            n_microbatches=self.plan.pp_microbatches,
+            loss_fn=self._piece_loss,
+            scale_grads=False,
+        )
+
+    def _piece_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """A piece's share of the step's token-mean loss: its mean over pieces x grad_accum
+        (every piece holds the same number of tokens)."""
+        return self.loss_fn(logits, targets) / (self.plan.pp_microbatches * self.accum)
+
+    def forward_backward(
+        self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, accum: int
+    ) -> torch.Tensor:
+        """One micro-batch through the schedule (its pieces' forwards and backwards); returns
+        its loss / accum on every rank (summed over the stages: the last one has it)."""
+        self.accum, losses = accum, []
+        with backward_context() if self.tp > 1 else contextlib.nullcontext():
+            self.schedule.step(inputs, target=targets, losses=losses, return_outputs=False)
+        loss = torch.zeros((), device=inputs.device)
+        for piece in losses:  # (the last stage's pieces; none elsewhere)
+            loss += piece.detach().float().reshape(())
+        dist.all_reduce(loss, group=self.model.group)
+        return loss
+
+    def sync_context(self, sync_gradients: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # each stage reduce-scatters after its schedule run
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """The global norm over every stage's gradients (the stages' squares summed), then one
+        clip with it: the one-process norm, the same on every rank."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        square = norm.float() ** 2
+        dist.all_reduce(square, group=self.model.group)
+        norm = square.sqrt()
+        if self.scaler is not None:  # fp16: a stage that overflowed skips the step everywhere
+            state = self.scaler._per_optimizer_states[id(self.optimizer)]
+            for found in state["found_inf_per_device"].values():
+                found.copy_(torch.maximum(found, (~torch.isfinite(norm)).float()))
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        return norm
