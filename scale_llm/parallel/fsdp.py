@@ -99,9 +99,12 @@ class FSDPBackend(Backend):
             apply_tensor_parallel(model, mesh, self.cfg.parallel.sequence_parallel)
         self.transform_blocks(model)
 
-    def shard(self, module: nn.Module) -> None:
-        """fully_shard on each block of `module` (a model or a pipeline stage), then on it."""
+    def shard(self, module: nn.Module, reshard_after_forward: bool | None = None) -> None:
+        """fully_shard on each block of `module` (a model or a pipeline stage), then on it;
+        `reshard_after_forward`: parallel.fsdp's unless given."""
         opts = self.cfg.parallel.fsdp
+        if reshard_after_forward is None:
+            reshard_after_forward = opts.reshard_after_forward
         common = dict(
             mesh=self.data_parallel_mesh(),
             mp_policy=self.mp_policy(),
@@ -112,10 +115,8 @@ class FSDPBackend(Backend):
         for i, block in enumerate(blocks):
             # the last block's params are needed again at once by backward: keep them gathered
             last = i == len(blocks) - 1
-            fully_shard(
-                block, reshard_after_forward=opts.reshard_after_forward and not last, **common
-            )
-        fully_shard(module, reshard_after_forward=opts.reshard_after_forward, **common)
+            fully_shard(block, reshard_after_forward=reshard_after_forward and not last, **common)
+        fully_shard(module, reshard_after_forward=reshard_after_forward, **common)
 
     def storage_device(self) -> torch.device | str:
         return "cpu" if self.cfg.parallel.fsdp.cpu_offload else self.plan.device

@@ -204,7 +204,10 @@ class PipelineBackend(FSDPBackend):
             if stage_owner(s, plan, pipe.schedule) == plan.pp_rank:
                 stage = Stage(model, blocks[s], s == 0, s == n_stages - 1, tp_mesh)
                 stage.sequence_parallel = self.cfg.parallel.sequence_parallel
-                self.shard(stage)
+                # the V schedules run a backward's weight half after its input half: the
+                # gathered weights must stay until then (resharded, the weight half read freed
+                # storage: wrong gradients on 2 gloo ranks)
+                self.shard(stage, False if pipe.schedule in V_SCHEDULES else None)
                 stage.to_empty(device=self.storage_device())
                 stages[s] = stage
         group = self.device_mesh()["pp"].get_group()
