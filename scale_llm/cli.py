@@ -457,7 +457,9 @@ def _bench_parser(sub) -> None:
         "nothing else in DIR is touched)",
     )
     roofline = "no run: count FLOPs and bytes of one step on the meta device, per op class"
-    p.add_argument("--roofline", choices=["H100-SXM", "H200", "A100-80GB"], help=roofline)
+    p.add_argument(
+        "--roofline", choices=["H100-SXM", "H100-500W", "H200", "A100-80GB"], help=roofline
+    )
     world = "--roofline: GPUs the run will use (default: $WORLD_SIZE, else 2)"
     p.add_argument("--world-size", type=int, metavar="N", help=world)
     _flag(p, "--json", "print one JSON object")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,11 +32,19 @@ from scale_llm.analysis.memory.estimate import (
 from scale_llm.components.loss import plain_cross_entropy
 from scale_llm.config import Config, compiles
 from scale_llm.config.plan import target_plan
+from scale_llm.config.sections import mlp_hidden_size
 from scale_llm.model import build_model
 from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
 
-# (name, dense bf16 FLOP/s, HBM bytes/s), from the vendors' data sheets
-DEVICES = {"H100-SXM": (989e12, 3.35e12), "H200": (989e12, 4.8e12), "A100-80GB": (312e12, 2.04e12)}
+# (name, dense bf16 FLOP/s, HBM bytes/s), from the vendors' data sheets. H100-500W: Meta's Grand
+# Teton H100 (96 GB HBM2e at 2.4 TB/s, power-capped at 500 W), torchtitan's benchmark machine;
+# MFU against the SXM peak, as torchtitan counts it
+DEVICES = {
+    "H100-SXM": (989e12, 3.35e12),
+    "H100-500W": (989e12, 2.4e12),
+    "H200": (989e12, 4.8e12),
+    "A100-80GB": (312e12, 2.04e12),
+}
 WAYS = ("low", "point", "high")  # a rate's (and a time's) three figures
 MATMUL_OPS = {"mm", "addmm", "bmm", "matmul", "linear"}
 VIEWS = {  # ops that move no data (views, allocations)
@@ -72,6 +81,9 @@ class Rates:
     # cuDNN bwd); None where nothing is published
     attention: dict[int, dict[int, tuple[float, float | None, float | None]]]
     hbm: Spread  # bytes/s of streaming (element-wise) kernels
+    # the share of the rated clock tensor-core work keeps (a power cap lowers it); it scales
+    # the matmul and attention rates, measured at full power
+    clock: Spread = Spread(1.0, 1.0, 1.0)
 
 
 TERA = 1e12
@@ -162,6 +174,17 @@ RATES = {
         # high: torchao's 92% of peak for pointwise Triton kernels (roofline_utils.py, above)
         hbm=Spread(2.90e12, 2.97e12, 0.92 * 3.35e12),
     ),
+    "H100-500W": Rates(
+        matmul=HOPPER_MATMUL,
+        attention=HOPPER_ATTENTION,
+        # Azure's H100 SXM shares of the rated 3.35 TB/s (Copy 87%, Triad 89%, torchao's 92%)
+        # applied to the HBM2e's 2.4 TB/s
+        hbm=Spread(2.90 / 3.35 * 2.4e12, 2.97 / 3.35 * 2.4e12, 0.92 * 2.4e12),
+        # torchtitan: this part's peak "is between SXM and NVL" (benchmarks/
+        # llama3_h100_202412_torchtitan.md): the H100 NVL's 835 of 989 TFLOP/s at the low end,
+        # the SXM's clock at the high end, the middle taken
+        clock=Spread(835 / 989, 0.92, 1.0),
+    ),
     "H200": Rates(
         matmul=HOPPER_MATMUL,
         # the same kernels on the same SMs: Azure's FlashAttention-2 figure (head dim 128,
@@ -175,6 +198,82 @@ RATES = {
         hbm=Spread(1.61e12, 1.70e12, 1.70e12),  # Azure ND A100 v4: Copy 1.61, Triad 1.70 TB/s
     ),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """The terms the counts alone take as exact, set so that every published run of PUBLISHED
+    falls inside its predicted range (docs/performance.md, "Calibration"); "low" is the slow
+    end of each, as for the rates."""
+
+    busy: Spread  # the share of a step the counted kernels fill: launches, host work, kernel
+    # tails and collectives nothing hides take the rest
+    fused: Spread  # the share of the element-wise traffic compile could remove that it does
+    link: Spread  # the share of NVLink's rate tensor parallelism's collectives reach
+
+
+CALIBRATION = Calibration(
+    busy=Spread(0.76, 0.84, 0.90), fused=Spread(0.50, 0.75, 1.0), link=Spread(0.55, 0.70, 0.85)
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Published:
+    """A published run the prediction is checked against (yaml/<config>.yaml holds its
+    settings): tokens/s per GPU as its authors report it, on `world` GPUs of `device`."""
+
+    config: str
+    device: str
+    world: int
+    tokens_per_s_per_gpu: float
+    source: str
+    # "every second matmul": torchtitan's per-op selective checkpointing, which this
+    # framework's `selective` mode does not do (it keeps every matmul's output)
+    recompute: str = ""
+
+
+YAML = Path(__file__).resolve().parents[2] / "yaml"
+TORCHTITAN_2412 = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 1"
+TORCHTITAN_2506 = "pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md"
+PUBLISHED = {
+    p.config: p
+    for p in (
+        Published("llama3-8b", "H100-500W", 8, 5762, TORCHTITAN_2412, "every second matmul"),
+        Published(
+            "llama3-8b-compiled", "H100-500W", 8, 6667, TORCHTITAN_2412, "every second matmul"
+        ),
+        Published("llama3-8b-tp8", "H100-500W", 64, 4378, TORCHTITAN_2506, "every second matmul"),
+        Published("llama3-70b", "H100-500W", 256, 597.3, TORCHTITAN_2506),
+        Published("nanochat-d32", "H100-SXM", 8, 41693, "karpathy/nanochat run1000.sh, fae3aca"),
+    )
+}
+
+
+def predict_published(run: Published) -> dict[str, Any]:
+    """The prediction of a published run from its yaml/ config, its figure and their ratio."""
+    from scale_llm.config import load_config
+
+    cfg = load_config(YAML / f"{run.config}.yaml", [])
+    plan = target_plan(cfg, run.world)
+    r = roofline(cfg, plan.micro_batch_size, plan.grad_accum, run.device, run.world)
+    predicted = r["achieved"]["tokens_per_s_per_gpu"]
+    return {
+        "config": f"yaml/{run.config}.yaml",
+        "device": run.device,
+        "world": run.world,
+        "published": run.tokens_per_s_per_gpu,
+        "predicted": predicted,
+        "ratio": run.tokens_per_s_per_gpu / predicted["point"],
+        "mfu": r["achieved"]["mfu"],
+        "source": run.source,
+    }
+
+
+def published_recompute(cfg: Config) -> str:
+    """The published run's own recompute policy where cfg is one of PUBLISHED's configs."""
+    run = PUBLISHED.get(cfg.run.name)
+    selective = cfg.activation_checkpointing.mode == "selective"
+    return run.recompute if run and selective else ""
 
 
 def _log_interpolate(points: list[tuple[float, float]], x: float) -> float:
@@ -194,14 +293,20 @@ def intensity(m: int, n: int, k: int) -> float:
 
 def matmul_rate(device: str, m: int, n: int, k: int) -> Spread:
     """The FLOP/s a GEMM of this shape reaches: the measured rates interpolated by intensity."""
-    anchors = sorted((intensity(*shape), rate) for shape, rate in RATES[device].matmul)
+    rates = RATES[device]
+    anchors = sorted((intensity(*shape), rate) for shape, rate in rates.matmul)
     at = intensity(m, n, k)
-    return Spread(*(_log_interpolate([(x, getattr(r, w)) for x, r in anchors], at) for w in WAYS))
+    return Spread(
+        *(
+            _log_interpolate([(x, getattr(r, w)) for x, r in anchors], at) * getattr(rates.clock, w)
+            for w in WAYS
+        )
+    )
 
 
 def attention_rate(device: str, head_dim: int, seq_len: int) -> Spread:
     """Causal forward + backward FLOP/s at the nearest published head_dim, by seq_len."""
-    table = RATES[device].attention
+    table, clock = RATES[device].attention, RATES[device].clock
     figures = table[min(table, key=lambda d: abs(math.log(d / head_dim)))]
     lengths = sorted(figures)
     fa2 = _log_interpolate([(t, figures[t][0]) for t in lengths], seq_len)
@@ -209,7 +314,8 @@ def attention_rate(device: str, head_dim: int, seq_len: int) -> Spread:
     if all(figures[t][1] for t in lengths):  # 3.5 units of work: 1 forward, 2.5 backward
         combined = [(t, 3.5 / (1 / figures[t][1] + 2.5 / figures[t][2])) for t in lengths]
         cudnn = _log_interpolate(combined, seq_len)
-    return Spread(min(fa2, cudnn) * TERA, fa2 * TERA, max(fa2, cudnn) * TERA)
+    low, point, high = min(fa2, cudnn), fa2, max(fa2, cudnn)
+    return Spread(low * TERA * clock.low, point * TERA * clock.point, high * TERA * clock.high)
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -359,7 +465,25 @@ def _count(cfg: Config, micro_batch: int) -> _Counter:
             loss.backward()
     finally:
         F.scaled_dot_product_attention = original
+    if published_recompute(cfg) == "every second matmul":
+        _recompute_every_second_matmul(cfg, counter)
     return counter
+
+
+def _recompute_every_second_matmul(cfg: Config, counter: _Counter) -> None:
+    """torchtitan's per-op selective checkpointing saves every matmul's output but every
+    second one's (torchtitan/distributed/activation_checkpoint.py): of a block's seven in call
+    order (wq wk wv wo w1 w3 w2) the backward recomputes wk, wo and w3."""
+    m = cfg.model
+    tokens, head_dim = counter.micro_batch * m.seq_len, m.d_model // m.n_heads
+    kv = (m.n_kv_heads or m.n_heads) * head_dim
+    for n, k in (
+        (kv, m.d_model),
+        (m.d_model, m.n_heads * head_dim),
+        (mlp_hidden_size(m), m.d_model),
+    ):
+        counter.gemms[(tokens, n, k)] += m.n_layers
+        counter.flops["matmul"] += m.n_layers * 2 * tokens * n * k
 
 
 def count_micro_step(cfg: Config, micro_batch: int) -> tuple[dict[str, float], dict[str, float]]:
@@ -433,23 +557,23 @@ def achieved(
     model_flops: tuple[float, float],
     world: int = 1,
 ) -> dict[str, Any]:
-    """The step at the rates of RATES: per class, the time at the point rates and at the low
-    and high ones; the MFU of each (convention, causal). Under tensor parallelism, one GPU's
-    share and the step's communication (`_split_over_tp`)."""
-    rates = RATES[device]
+    """The step at the rates of RATES and the terms of CALIBRATION: per class, the time at the
+    point rates and at the low and high ones; the MFU of each (convention, causal) and the
+    tokens/s of one GPU. Under tensor parallelism, one GPU's share and the step's communication
+    (`_split_over_tp`)."""
     model = cfg.model
     tp = target_plan(cfg, world).tp_degree
+    shards = _fsdp_shards(cfg, world)
     attention = attention_rate(device, model.d_model // model.n_heads, model.seq_len)
     compiled = compiles(cfg.train, "cuda")
-    eager = sum(rows[c]["bytes"] for c in FUSED if c in rows)  # the traffic paid in full
-    elementwise = grad_accum * counter.fused_bytes if compiled else eager
+    elementwise = _elementwise_bytes(rows, grad_accum * counter.fused_bytes, compiled)
     classes: dict[str, dict[str, float]] = {}
     for way in WAYS:
-        hbm = getattr(rates.hbm, way)
+        hbm = getattr(RATES[device].hbm, way)
         gemms = _gemm_seconds(counter, device, way, hbm, tp, model.seq_len)
         times = {"matmul": grad_accum * gemms}
         times["attention"] = rows.get("attention", {}).get("flops", 0.0) / getattr(attention, way)
-        times[FUSED_ROW if compiled else EAGER_ROW] = elementwise / hbm
+        times[FUSED_ROW if compiled else EAGER_ROW] = elementwise[way] / hbm
         for cls in ("embedding", "optimizer (AdamW)"):
             if cls in rows:
                 times[cls] = rows[cls]["bytes"] / hbm
@@ -460,13 +584,19 @@ def achieved(
     traffic = None
     if tp > 1:
         traffic = parallel_traffic(cfg, world, counter.micro_batch, grad_accum)
-        classes = _split_over_tp(classes, traffic, tp, _fsdp_shards(cfg, world))
+        classes = _split_over_tp(classes, traffic, tp, shards)
+    elif shards > 1 and "optimizer (AdamW)" in classes:  # FSDP2: AdamW over the rank's shard
+        classes["optimizer (AdamW)"] = {
+            w: t / shards for w, t in classes["optimizer (AdamW)"].items()
+        }
+    classes[IDLE_ROW] = _idle(classes)
     ms = {way: sum(c[way] for c in classes.values()) for way in WAYS}
     flops, causal = (f / tp for f in model_flops)  # one GPU's share of the model's FLOPs
     mfu = lambda f, way: f / (ms[way] / 1e3) / DEVICES[device][0]  # noqa: E731
     matmul_flops = sum(calls * 2 * m * n * k for (m, n, k), calls in counter.gemms.items()) / tp
     matmul = classes["matmul"]
     per_s = {w: grad_accum * matmul_flops / (t / 1e3) if t else 0.0 for w, t in matmul.items()}
+    tokens = counter.micro_batch * grad_accum * model.seq_len / tp  # one GPU's share
     return {
         "tensor_parallel": tp,
         "parallel_traffic": traffic,
@@ -474,15 +604,39 @@ def achieved(
         "rates": {
             "matmul_flops_per_s": per_s,
             "attention_flops_per_s": dataclasses.asdict(attention),
-            "hbm_bytes_per_s": dataclasses.asdict(rates.hbm),
+            "hbm_bytes_per_s": dataclasses.asdict(RATES[device].hbm),
         },
+        "calibration": dataclasses.asdict(CALIBRATION),
+        "recompute": published_recompute(cfg),
         "compiled": compiled,
-        "elementwise_bytes_per_step": elementwise,
+        "elementwise_bytes_per_step": elementwise["point"],
         "classes": classes,
         "ms": ms,
         "mfu": {way: mfu(flops, way) for way in ms},
         "mfu_causal": {way: mfu(causal, way) for way in ms},
+        "tokens_per_s_per_gpu": {way: tokens / (t / 1e3) for way, t in ms.items()},
     }
+
+
+IDLE_ROW = "outside the counted kernels (CALIBRATION.busy)"
+
+
+def _elementwise_bytes(
+    rows: dict[str, dict[str, float]], fused: float, compiled: bool
+) -> dict[str, float]:
+    """Element-wise, norm and loss bytes of a step: eager pays every op's traffic; compile
+    removes CALIBRATION.fused's share of what the fusion rule says it could."""
+    eager = sum(rows[c]["bytes"] for c in FUSED if c in rows)
+    if not compiled:
+        return {way: eager for way in WAYS}
+    share = CALIBRATION.fused
+    return {way: eager - getattr(share, way) * max(0.0, eager - fused) for way in WAYS}
+
+
+def _idle(classes: dict[str, dict[str, float]]) -> dict[str, float]:
+    """The time outside the counted kernels: the step is their sum / CALIBRATION.busy."""
+    busy = CALIBRATION.busy
+    return {w: sum(c[w] for c in classes.values()) * (1 / getattr(busy, w) - 1) for w in WAYS}
 
 
 def _gemm_seconds(
@@ -534,7 +688,7 @@ def _split_over_tp(
         else:
             out[cls] = {w: t / tp for w, t in ms.items()}
     compute = {w: sum(c[w] for c in out.values()) for w in WAYS}
-    out[TP_ROW] = {w: traffic["tp_ms"] for w in compute}
+    out[TP_ROW] = {w: traffic["tp_ms"] / getattr(CALIBRATION.link, w) for w in compute}
     out[FSDP_ROW] = {w: max(0.0, traffic["fsdp_ms"] - t) for w, t in compute.items()}
     return out
 
@@ -624,10 +778,13 @@ def format_achieved(a: dict[str, Any]) -> list[str]:
             f"{t['fsdp_bytes'] / 1e9:,.0f} GB of FSDP2 collectives ({t['fsdp_ms']:,.0f} ms at "
             f"{8 * NETWORK_BYTES_PER_S / 1e9:.0f} Gb/s, overlapped with the compute)"
         )
+    if a.get("recompute"):
+        lines.append(f"recomputed as the published run does: {a['recompute']} of each block")
     ms, mfu, causal = a["ms"], a["mfu"], a["mfu_causal"]
     lines.append(
         f"predicted step: {ms['point']:.0f} ms [{ms['high']:.0f}-{ms['low']:.0f}]; MFU "
-        f"{_span(mfu, 0.01, '.0f', '%')}, causal {_span(causal, 0.01, '.0f', '%')}"
+        f"{_span(mfu, 0.01, '.0f', '%')}, causal {_span(causal, 0.01, '.0f', '%')}; "
+        f"{_span(a['tokens_per_s_per_gpu'], 1, ',.0f')} tokens/s per GPU"
     )
     return lines
 
