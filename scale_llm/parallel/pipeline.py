@@ -37,11 +37,12 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from scale_llm.components.loss import cross_entropy
 from scale_llm.config.parallel import V_SCHEDULES
 from scale_llm.config.plan import RunPlan
 from scale_llm.model import Transformer
 from scale_llm.parallel.fsdp import FSDPBackend
-from scale_llm.parallel.tensor_parallel import backward_context
+from scale_llm.parallel.tensor_parallel import full_logits
 
 SCHEDULES = {
     "1f1b": Schedule1F1B,
@@ -233,8 +234,14 @@ class PipelineBackend(FSDPBackend):
 
     def _piece_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """A piece's share of the step's token-mean loss: its mean over pieces x grad_accum
-        (every piece holds the same number of tokens)."""
-        return self.loss_fn(logits, targets) / (self.plan.pp_microbatches * self.accum)
+        (every piece holds the same number of tokens). Under tensor parallelism the pieces'
+        logits are gathered whole first: the schedule's shape inference runs a backward that
+        the vocabulary-parallel loss fails in (torch 2.13: 'nll_loss_backward got mixed
+        torch.Tensor and DTensor')."""
+        pieces = self.plan.pp_microbatches * self.accum
+        if self.tp > 1:
+            return cross_entropy(full_logits(logits), targets) / pieces
+        return self.loss_fn(logits, targets) / pieces
 
     def forward_backward(
         self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, accum: int
@@ -242,8 +249,7 @@ class PipelineBackend(FSDPBackend):
         """One micro-batch through the schedule (its pieces' forwards and backwards); returns
         its loss / accum on every rank (summed over the stages: the last one has it)."""
         self.accum, losses = accum, []
-        with backward_context() if self.tp > 1 else contextlib.nullcontext():
-            self.schedule.step(inputs, target=targets, losses=losses, return_outputs=False)
+        self.schedule.step(inputs, target=targets, losses=losses, return_outputs=False)
         loss = torch.zeros((), device=inputs.device)
         for piece in losses:  # (the last stage's pieces; none elsewhere)
             loss += piece.detach().float().reshape(())
