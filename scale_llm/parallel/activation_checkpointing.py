@@ -33,6 +33,7 @@ SAVED_OPS = {
     _aten.mm.default,
     _aten.addmm.default,
     _aten.bmm.default,
+    _aten._scaled_mm.default,  # train.fp8's matmuls (on a GPU)
     _aten._scaled_dot_product_flash_attention.default,
     _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_cudnn_attention.default,

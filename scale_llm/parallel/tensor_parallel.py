@@ -43,6 +43,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from scale_llm.model import Transformer
+from scale_llm.parallel.fp8 import tp_styles
 
 
 def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool) -> None:
@@ -51,12 +52,13 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
     stream = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout
     norm = {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
     for block in model.layers:
+        colwise, rowwise = tp_styles(block, mesh)  # (torchao's Float8 styles, for fp8 on GPUs)
         plan = {
-            "attention.wqkv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=stream, use_local_output=False),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=stream, use_local_output=False),
+            "attention.wqkv": colwise(),
+            "attention.wo": rowwise(output_layouts=stream, use_local_output=False),
+            "feed_forward.w1": colwise(),
+            "feed_forward.w3": colwise(),
+            "feed_forward.w2": rowwise(output_layouts=stream, use_local_output=False),
             **(norm if sequence_parallel else {}),
         }
         parallelize_module(block, mesh, plan)

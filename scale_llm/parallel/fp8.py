@@ -1,0 +1,155 @@
+"""FP8 matmuls in the transformer blocks' linears (`train.fp8`), through torchao's Float8Linear.
+
+A parallelize step: applied to the meta-device model before tensor parallelism, activation
+checkpointing, compile and FSDP2 (torchtitan's order), so those wrap the converted linears.
+Float8Linear keeps its weight in high precision (a plain parameter under the same name) and
+casts weight, input and output gradient to fp8 with a dynamic scale in each matmul, so the
+optimizer, the gradients and checkpoints see the same tensors as without fp8.
+
+- Only the blocks' linears: the embedding and the output head stay in the run's precision (as
+  torchtitan keeps them), and so does any linear whose dims are not multiples of 16 (what the
+  fp8 GEMM requires); those are named in the log.
+- `tensorwise` (one scale per tensor) or `rowwise` (one scale per row) scaling. With tensorwise,
+  FSDP2 can all-gather the weights in fp8 (`train.fp8.fsdp_float8_all_gather`), and tensor
+  parallelism on GPUs uses torchao's Float8 styles (activations gathered in fp8); rowwise uses
+  the plain styles, as torchtitan does, and so does the CPU (gloo has no fp8 collectives).
+- On the CPU the matmuls are emulated (fp8 values, fp32 GEMM): the curve of an fp8 run, not its
+  speed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from scale_llm.config import Config
+from scale_llm.config.fp8 import fp8_all_gathers
+from scale_llm.config.plan import RunPlan
+from scale_llm.errors import UserError, install_hint
+
+log = logging.getLogger(__name__)
+
+FP8_CAPABILITY = (8, 9)  # Ada (L4, RTX 4090) and Hopper (H100, H200): the first with fp8 GEMMs
+BACKENDS = ("single", "fsdp")  # DDP and DeepSpeed: not tested with Float8Linear
+
+
+def check_fp8(cfg: Config, plan: RunPlan, capability: tuple[int, int] | None = None) -> None:
+    """Preflight: torchao, an fp8 GPU (`capability`: this rank's GPU's, asked when None), a
+    backend and a precision that fp8 linears work with. One UserError naming the fix."""
+    if not cfg.train.fp8.enabled:
+        return
+    if importlib.util.find_spec("torchao") is None:
+        raise UserError(
+            f"train.fp8.enabled=true needs torchao (its Float8Linear), which is not installed: "
+            f"{install_hint('fp8')}; or set train.fp8.enabled=false"
+        )
+    if plan.backend not in BACKENDS:
+        raise UserError(
+            f"train.fp8.enabled=true works with parallel.backend=fsdp (or one process), not "
+            f"{plan.backend}: set parallel.backend=fsdp (FSDP2 also gathers fp8 weights), or "
+            f"train.fp8.enabled=false"
+        )
+    if plan.precision == "fp16":
+        raise UserError(
+            "train.fp8.enabled=true keeps what is not fp8 in bf16, not fp16 (every GPU with "
+            "fp8 matmuls has bf16, which needs no loss scaling): set train.precision=bf16"
+        )
+    if plan.device.type == "cuda":
+        major, minor = capability or torch.cuda.get_device_capability(plan.device)
+        if (major, minor) < FP8_CAPABILITY:
+            raise UserError(
+                f"train.fp8.enabled=true needs fp8 matmuls, which GPUs of compute capability "
+                f"8.9 or newer have (L4, RTX 4090, H100, H200); {plan.device} is {major}.{minor}: "
+                f"set train.fp8.enabled=false"
+            )
+
+
+def float8_config(cfg: Config, plan: RunPlan):  # -> torchao.float8.Float8LinearConfig
+    """torchao's config for `train.fp8` on this plan: the recipe, emulated GEMMs off a GPU, and
+    FSDP2's fp8 all-gather where FSDP2 shards the weights."""
+    from torchao.float8 import Float8LinearConfig
+
+    fp8 = cfg.train.fp8
+    config = Float8LinearConfig.from_recipe_name(fp8.recipe)
+    gathers = plan.backend == "fsdp" and fp8_all_gathers(fp8)
+    emulate = plan.device.type != "cuda"
+    return dataclasses.replace(config, emulate=emulate, enable_fsdp_float8_all_gather=gathers)
+
+
+def convertible(linear: nn.Linear) -> bool:
+    """Whether the fp8 GEMM takes this linear's shape (both dims multiples of 16)."""
+    return linear.in_features % 16 == 0 and linear.out_features % 16 == 0
+
+
+def apply_fp8(model: nn.Module, cfg: Config, plan: RunPlan) -> None:
+    """Swap the blocks' linears for Float8Linear in place (on the meta device), when
+    train.fp8.enabled; says what was converted, what was skipped, and whether it is emulated."""
+    if not cfg.train.fp8.enabled:
+        return
+    from torchao.float8 import convert_to_float8_training
+
+    config = float8_config(cfg, plan)
+    if cfg.train.fp8.recipe == "rowwise":  # torchtitan's workaround for pytorch#150859
+        torch._inductor.config.emulate_precision_casts = True
+    skipped, converted = [], 0
+    for i, block in enumerate(model.layers):
+        for name, module in block.named_modules():
+            if isinstance(module, nn.Linear) and not convertible(module):
+                skipped.append(f"layers.{i}.{name} ({module.in_features} x {module.out_features})")
+        convert_to_float8_training(
+            block, config=config, module_filter_fn=lambda m, _fqn: convertible(m)
+        )
+        converted += sum(1 for m in block.modules() if _is_float8(m))
+    _say(cfg, config, converted, skipped)
+
+
+def _say(cfg: Config, config, converted: int, skipped: list[str]) -> None:
+    where = (
+        "emulated on the CPU (fp8 values, fp32 matmuls: the curve, not the speed)"
+        if config.emulate
+        else "fp8 matmuls"
+    )
+    gather = ", FSDP2 gathers fp8 weights" if config.enable_fsdp_float8_all_gather else ""
+    log.info(
+        f"fp8: {cfg.train.fp8.recipe} scaling in {converted} block linears, {where}{gather}; "
+        f"the embedding and the output head stay in high precision"
+    )
+    if skipped:
+        log.warning(
+            f"fp8: {len(skipped)} linears stay in high precision, their dims not multiples of "
+            f"16: {', '.join(skipped[:4])}{' ...' if len(skipped) > 4 else ''}"
+        )
+
+
+def _is_float8(module: nn.Module) -> bool:
+    from torchao.float8.float8_linear import Float8Linear
+
+    return isinstance(module, Float8Linear)
+
+
+def tp_styles(block: nn.Module, mesh: DeviceMesh) -> tuple[type, type]:
+    """(column-wise, row-wise) tensor-parallel styles for `block`'s linears: torchao's Float8
+    styles for tensorwise fp8 linears on GPUs (the input is cast to fp8 before the sharded
+    matmul, the output gradient is cast in backward and gathered in fp8), torch's plain ones
+    otherwise: rowwise, as torchtitan, and on the CPU, where gloo cannot carry fp8 tensors (its
+    all-gather fails with "Invalid scalar type")."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    linears = [m for m in block.modules() if isinstance(m, nn.Linear)]
+    fp8 = all(_is_float8(m) and _tensorwise(m) for m in linears)  # (a skipped one: plain)
+    if not fp8 or mesh.device_type != "cuda":
+        return ColwiseParallel, RowwiseParallel
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    return Float8ColwiseParallel, Float8RowwiseParallel
+
+
+def _tensorwise(linear: nn.Module) -> bool:
+    from torchao.float8.config import ScalingGranularity
+
+    return linear.config.cast_config_input.scaling_granularity is ScalingGranularity.TENSORWISE
