@@ -660,8 +660,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 # a run's config, run by one process on whatever this machine has (generate, eval, export):
-# whatever backend, devices and tensor parallelism the run trained with
-ONE_PROCESS = {"parallel.backend": "single", "parallel.tensor_parallel": 1, "train.device": "auto"}
+# whatever backend, devices, tensor and pipeline parallelism the run trained with
+ONE_PROCESS = {
+    "parallel.backend": "single",
+    "parallel.tensor_parallel": 1,
+    "parallel.pipeline_parallel": 1,
+    "train.device": "auto",
+}
 
 
 def _one_process_plan(cfg: Config):
