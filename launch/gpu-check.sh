@@ -6,9 +6,12 @@
 #   (c) the framework's step vs a bare PyTorch loop
 #   (d) the headline row under FSDP2 in a world of one (bf16 parameters, fp32 master shards)
 #   (e) with 2+ GPUs: the headline row's DDP step on 2 GPUs against 1 alone (weak scaling)
+#   (f) 400m.yaml compiled vs eager at TP 1 (and FSDP2 x TP 2 with 2+ GPUs), the attention
+#       kernel that ran, each process's peak host memory, MFU against the calibrated roofline
+#       (report.md's last section, report.json's "issue40"); --calibration-only runs it alone
 # Writes OUT_DIR/report.json and OUT_DIR/report.md (record the tables as a report in benchmarks/:
 # docs/benchmarks.md).
-#   bash launch/gpu-check.sh [OUT_DIR] [--steps N] [--budget-min M] [--only curves,sweep,...]
+#   bash launch/gpu-check.sh [OUT_DIR] [--calibration-only] [--steps N] [--budget-min M] [--only curves,sweep,...]
 #                            [--scratch DIR] [--set key=value ...]
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
@@ -29,4 +32,122 @@ if [[ "$gpus" -gt 0 && "${SCALE_LLM_CHECK_ALLOW_CPU:-0}" != "1" ]] \
 fi
 out=gpu-check
 if [[ $# -gt 0 && "$1" != -* ]]; then out="$1"; shift; fi
-exec "$PY" -m scale_llm check "$out" "$@"
+# --calibration-only: section (f) alone (a second call on a warm machine)
+only_f=0
+if [[ $# -gt 0 && "$1" == "--calibration-only" ]]; then only_f=1; shift; fi
+rc=0
+if [[ "$only_f" == 0 ]]; then "$PY" -m scale_llm check "$out" "$@" || rc=$?; fi
+[[ "$rc" == 2 ]] && exit 2  # refused before any work
+# (f) what issue 40 changed, measured: compiled vs eager at TP 1 (and TP 2 with 2+ GPUs), the
+# attention kernel that ran, the start's host memory, MFU against the calibrated roofline.
+# On a GPU always; on a CPU with SCALE_LLM_CHECK_CALIBRATION=1 (tiny.yaml, one step each).
+if [[ "$gpus" -gt 0 || "${SCALE_LLM_CHECK_CALIBRATION:-0}" == "1" ]]; then
+  ROOT="$ROOT" "$PY" - "$out" "$only_f" <<'PYEOF' || rc=1
+import json, os, subprocess, sys, tempfile, threading
+from pathlib import Path
+
+import torch
+
+from scale_llm.analysis.check import claim_out
+from scale_llm.analysis.roofline import roofline
+from scale_llm.config import load_config, with_changes
+
+out, only = Path(sys.argv[1]), sys.argv[2] == "1"
+if only:  # the folder becomes the check's before any work, as the check's own start does
+    claim_out(out)
+root = Path(os.environ.get("ROOT", "."))
+cuda = torch.cuda.is_available()
+ngpu = int(os.environ.get("SCALE_LLM_CHECK_NGPU") or 0)
+config = root / "yaml" / ("400m.yaml" if cuda else "tiny.yaml")
+steps = os.environ.get("SCALE_LLM_CHECK_STEPS", "5" if cuda else "1")
+sets = ["--set", "train.grad_accum=1"]
+device = next((d for f, d in (("H100", "H100-SXM"), ("H200", "H200"), ("A100", "A100-80GB"))
+               if cuda and f in torch.cuda.get_device_name()), None)
+
+
+def bench(compiled, tp=1):
+    """One `bench --json` process (torchrun for tp > 1): its row, or its error; its peak RSS."""
+    args = ["bench", str(config), "--json", "--steps", steps, "--warmup", "1", *sets,
+            "--set", f"train.compile={str(compiled).lower()}"]
+    if tp > 1:
+        args += ["--set", "parallel.backend=fsdp", "--set", f"parallel.tensor_parallel={tp}"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={tp}", "-m", "scale_llm", *args]
+    else:
+        cmd = [sys.executable, "-m", "scale_llm", *args]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("SCALE_LLM_CHECK_VISIBLE") or
+               ",".join(map(str, range(max(tp, 1)))) if cuda else "")
+    with tempfile.TemporaryFile() as log:
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        timer = threading.Timer(900, p.kill)
+        timer.start()
+        _, status, usage = os.wait4(p.pid, 0)  # usage: this process and the ranks it waited for
+        timer.cancel()
+        log.seek(0)
+        text = log.read().decode(errors="replace")
+    row = {"compiled": compiled, "tp": tp, "host_peak_gib": usage.ru_maxrss / 2**20}
+    lines = [x for x in text.splitlines() if x.startswith("{")]
+    if os.waitstatus_to_exitcode(status) != 0 or not lines:
+        return {**row, "error": text[-2000:]}
+    return {**row, **json.loads(lines[-1])}
+
+
+def attention_kernels():
+    """The attention kernels one block's forward ran (profiler names), bf16 on CUDA."""
+    from scale_llm.model import build_model
+
+    cfg = load_config(config, ["model.n_layers=1"])
+    dev = "cuda" if cuda else "cpu"
+    model = build_model(cfg.model).to_empty(device=dev)  # the values do not pick the kernel
+    tokens = torch.zeros((1, cfg.model.seq_len), dtype=torch.long, device=dev)
+    kinds = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=kinds) as prof, torch.autocast(dev, torch.bfloat16):
+        model(tokens)
+    names = {e.name for e in prof.events()}
+    return sorted(n for n in names if any(w in n.lower() for w in ("attention", "flash", "fmha")))
+
+
+def predicted(compiled):
+    cfg = with_changes(load_config(config, sets[1::2]), {"train.compile": compiled})
+    if device is None:
+        return None
+    return roofline(cfg, cfg.train.micro_batch_size, 1, device, 1)["achieved"]["mfu"]
+
+
+rows = [bench(c) for c in (True, False)]
+if ngpu >= 2 or not cuda:  # the CPU runs TP 2 on 2 gloo ranks
+    rows += [bench(c, 2) for c in (True, False)]
+for row in rows:
+    if row["tp"] == 1:
+        row["mfu_predicted"] = predicted(row["compiled"])
+report = {"rows": rows, "attention_kernels": attention_kernels(), "config": str(config)}
+md = ["", "## (f) issue 40 on this machine", "",
+      f"{config.name}, grad_accum 1, {steps} timed step(s); attention kernels run: "
+      + (", ".join(report["attention_kernels"]) or "none named"), "",
+      "| compiled | TP | tokens/s per rank | MFU | predicted MFU (range) | host peak GiB, a rank |",
+      "|---|---|---|---|---|---|"]
+failed = False
+for r in rows:
+    if "error" in r:
+        failed = True
+        md.append(f"| {r['compiled']} | {r['tp']} | failed: {r['error'][-200:]!r} | | | |")
+        continue
+    mfu, want = r.get("mfu"), r.get("mfu_predicted")
+    span = f"{want['point']:.0%} ({want['low']:.0%}-{want['high']:.0%})" if want else "n/a"
+    inside = "" if not (mfu and want) else (" in" if want["low"] <= mfu <= want["high"] else " OUT")
+    md.append(f"| {r['compiled']} | {r['tp']} | {r['tokens_per_s_per_rank']:,.0f} | "
+              f"{(f'{mfu:.1%}' if mfu else 'n/a')}{inside} | {span} | {r['host_peak_gib']:.2f} |")
+path = out / "report.json"
+data = json.loads(path.read_text()) if path.exists() else {
+    "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+    "errors": []}
+data["issue40"] = report
+path.write_text(json.dumps(data, indent=1))
+with open(out / "report.md", "a") as f:
+    f.write("\n".join(md) + "\n")
+print("\n".join(md))
+sys.exit(1 if failed else 0)
+PYEOF
+fi
+exit "$rc"

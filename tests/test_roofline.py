@@ -289,3 +289,18 @@ def test_the_shipped_configs_state_the_prediction_the_code_makes():
         )
         header = (REPO / "yaml" / f"{name}.yaml").read_text().replace("\n# ", " ")
         assert stated in header, f"yaml/{name}.yaml does not say {stated}"
+
+
+def test_the_gpu_checks_calibration_section_parses_and_measures_what_issue_40_changed():
+    """launch/gpu-check.sh's section (f) (a GPU's, or a CPU's with SCALE_LLM_CHECK_CALIBRATION=1:
+    ~75 s on tiny.yaml, run by hand): bash parses the script, Python compiles its program, and
+    the program benches compiled and eager at TP 1 and 2, profiles the attention kernel, and
+    sets the measured MFU against the roofline's range."""
+    import subprocess
+
+    script = (REPO / "launch" / "gpu-check.sh").read_text()
+    assert subprocess.run(["bash", "-n", str(REPO / "launch" / "gpu-check.sh")]).returncode == 0
+    program = script.split("<<'PYEOF'", 1)[1].split("\n", 1)[1].split("\nPYEOF\n", 1)[0]
+    compile(program, "gpu-check.sh (f)", "exec")
+    for needed in ("bench(c) for c in (True, False)", "bench(c, 2)", "torch.profiler", "roofline("):
+        assert needed in program
