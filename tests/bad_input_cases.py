@@ -1028,8 +1028,8 @@ def _missing_record(how: str) -> Callable[[Path], str]:
             record["files"] = {k: v for k, v in record["files"].items() if not k.startswith("dcp/")}
             (ckpt / INTEGRITY).write_text(json.dumps(record))
             return "lists no model weights"
-        (ckpt / "model.pt").write_bytes(b"weights from elsewhere")  # a loader would read it
-        return "model.pt is not in"
+        (ckpt / "dcp" / "__9_0.distcp").write_bytes(b"weights from elsewhere")  # (not listed)
+        return "__9_0.distcp is not in"
 
     return damage
 
@@ -1234,8 +1234,11 @@ def plant_in_dcp_byte_item(ckpt: Path, marker: Path) -> Path:
     return ckpt / "dcp"
 
 
-def weights_as_model_pt(ckpt: Path, marker: Path) -> Path:
-    """A checkpoint in DeepSpeed's layout (consolidated model.pt, no dcp/) with a payload."""
+def as_deepspeed(ckpt: Path, world: int = 2) -> Path:
+    """The checkpoint rewritten in DeepSpeed's ZeRO-2 layout of `world` ranks, as its engine
+    writes it: rank 0's model states (the module and the parameters' shapes) and each rank's
+    slice of the one flat fp32 group; dcp/ gone, the trainer state's layout DeepSpeed's. The
+    integrity record is rewritten: what is in the files must be refused. Its deepspeed/."""
     from scale_llm.components.checkpoint import load_model_weights
     from scale_llm.config import load_config
     from scale_llm.model import empty_state_dict
@@ -1243,9 +1246,40 @@ def weights_as_model_pt(ckpt: Path, marker: Path) -> Path:
     cfg = load_config(ckpt.parents[1] / "config.yaml")
     weights = load_model_weights(ckpt, empty_state_dict(cfg.model))
     shutil.rmtree(ckpt / "dcp")
-    weights["planted"] = Payload(marker)
-    torch.save(weights, ckpt / "model.pt")
-    return ckpt / "model.pt"
+    ds = ckpt / "deepspeed"
+    ds.mkdir()
+    shapes = [{name: w.shape for name, w in weights.items()}]
+    states = {"module": weights, "param_shapes": shapes, "buffer_names": [], "shared_params": {}}
+    torch.save(states, ds / "mp_rank_00_model_states.pt")
+    flat = torch.cat([w.flatten() for w in weights.values()])
+    flat = torch.nn.functional.pad(flat, (0, -len(flat) % world))  # (equal slices)
+    for rank, part in enumerate(flat.chunk(world)):
+        inner = {"zero_stage": 2, "partition_count": world}
+        inner["single_partition_of_fp32_groups"] = [part.clone()]
+        torch.save({"optimizer_state_dict": inner}, ds / partition(rank))
+    layout = {"format": "deepspeed", "zero_stage": 2, "world_size": world}
+    rewrite_state(ckpt, backend__layout=layout, plan__backend="deepspeed")
+    return ds
+
+
+def partition(rank: int) -> str:
+    return f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def plant_in_deepspeed_file(name: str) -> Callable[[Path, Path], Path]:
+    """A payload in a file of a checkpoint of DeepSpeed's layout (`name` in deepspeed/)."""
+
+    def plant(ckpt: Path, marker: Path) -> Path:
+        from scale_llm.components.serialization import deepspeed_safe_globals
+
+        target = as_deepspeed(ckpt) / name
+        with torch.serialization.safe_globals(deepspeed_safe_globals()):
+            state = torch.load(target, weights_only=True)  # our own good file
+        state["planted"] = Payload(marker)
+        torch.save(state, target)
+        return target
+
+    return plant
 
 
 PLANTS = {  # where the payload goes: (plant it, the commands that open that file)
@@ -1256,7 +1290,11 @@ PLANTS = {  # where the payload goes: (plant it, the commands that open that fil
         lambda ckpt, m: plant_in_torch_file(ckpt / "trainer.pt", m),
         ["convert", "train"],
     ),
-    "model-weights": (weights_as_model_pt, ["generate", "convert"]),
+    "deepspeed-model-states": (
+        plant_in_deepspeed_file("mp_rank_00_model_states.pt"),
+        ["generate", "convert", "train"],
+    ),
+    "deepspeed-partition": (plant_in_deepspeed_file(partition(1)), ["generate", "convert"]),
 }
 
 
@@ -2459,6 +2497,160 @@ ERGONOMICS: list = [
     ),
 ]
 
+# pipeline parallelism (parallel.pipeline_parallel, parallel.pipeline.*)
+PP = ("parallel.backend=fsdp", "parallel.pipeline_parallel=2", "model.tie_embeddings=false")
+PIPELINE: list = [
+    (
+        "pipeline parallelism without fsdp",
+        ["config", TINY, *s("parallel.pipeline_parallel=2", "model.tie_embeddings=false")],
+        "parallel.pipeline_parallel=2 needs parallel.backend=fsdp (it is auto)",
+    ),
+    (
+        "pipeline parallelism with a tied head",
+        ["config", TINY, *s("parallel.backend=fsdp", "parallel.pipeline_parallel=2")],
+        "model.tie_embeddings=true with parallel.pipeline_parallel=2",
+    ),
+    (
+        "pipeline layers not divisible into stages",
+        ["config", TINY, *s(*PP, "parallel.pipeline.layers_per_stage=3")],
+        "parallel.pipeline.layers_per_stage=3 x 2 stages (pipeline_parallel 2 x stages_per_rank "
+        "1) is not model.n_layers=4: use parallel.pipeline.layers_per_stage=2",
+    ),
+    (
+        "pipeline microbatches fewer than stages",
+        ["config", TINY, *s(*PP, "parallel.pipeline.schedule=interleaved_1f1b")]
+        + s("parallel.pipeline.microbatches=2"),
+        "parallel.pipeline.microbatches=2 is fewer than the 4 pipeline stages",
+    ),
+    (
+        "pipeline batch not divisible into microbatches",
+        ["config", TINY, *s(*PP, "parallel.pipeline.microbatches=3")],
+        "train.micro_batch_size=16 cannot be cut into parallel.pipeline.microbatches=3 equal "
+        "pieces: use train.micro_batch_size=18 or parallel.pipeline.microbatches=4",
+    ),
+    (
+        "pipeline stages per rank against the schedule",
+        ["config", TINY, *s(*PP, "parallel.pipeline.schedule=zero_bubble")]
+        + s("parallel.pipeline.stages_per_rank=1"),
+        "parallel.pipeline.stages_per_rank=1 does not fit parallel.pipeline.schedule="
+        "zero_bubble: use parallel.pipeline.stages_per_rank=2",
+    ),
+    (
+        "pipeline parallelism larger than the world",
+        ["train", TINY, *s(*PP)],
+        "parallel.pipeline_parallel=2 x parallel.tensor_parallel=1 does not divide the world "
+        "size 1",
+    ),
+]
+
+
+# FP8 training (train.fp8.*)
+def _fp8_without_torchao(ctx: Ctx) -> list[str]:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    ctx.monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name)
+    )
+    return ["train", ctx.config("train.fp8.enabled=true")]
+
+
+FP8: list = [
+    (
+        "fp8 without torchao",
+        _fp8_without_torchao,
+        ("train.fp8.enabled=true needs torchao", "install -e", "[fp8]", "train.fp8.enabled=false"),
+    ),
+    (
+        "fp8 under ddp",
+        ["train", TINY, *s("train.fp8.enabled=true", "parallel.backend=ddp")],
+        ("works with parallel.backend=fsdp", "not ddp", "set parallel.backend=fsdp"),
+    ),
+    (
+        "fp8 under deepspeed",
+        ["train", TINY, *s("train.fp8.enabled=true", "parallel.backend=deepspeed")],
+        ("works with parallel.backend=fsdp", "not deepspeed"),
+    ),
+    (
+        "fp8 with fp16",
+        ["train", TINY, *s("train.fp8.enabled=true", "train.precision=fp16")],
+        ("keeps what is not fp8 in bf16, not fp16", "set train.precision=bf16"),
+    ),
+    (
+        "fp8 weights gathered with rowwise scales",
+        ["config", *s("train.fp8.recipe=rowwise", "train.fp8.fsdp_float8_all_gather=true")],
+        ("fsdp_float8_all_gather=true needs train.fp8.recipe=tensorwise", "auto or false"),
+    ),
+    (
+        "an unknown fp8 recipe",
+        ["config", *s("train.fp8.recipe=blockwise")],
+        ("train.fp8.recipe", "tensorwise", "rowwise"),
+    ),
+]
+
+
+# moving a run between DeepSpeed and the other backends
+def _missing_partition(ds: Path) -> None:
+    (ds / partition(1)).unlink()
+
+
+def _partial_partition(ds: Path) -> None:
+    state = torch.load(ds / partition(1), weights_only=True)
+    group = state["optimizer_state_dict"]["single_partition_of_fp32_groups"]
+    group[0] = group[0][: len(group[0]) // 2].clone()  # (a write cut short)
+    torch.save(state, ds / partition(1))
+
+
+def _another_world(ds: Path) -> None:
+    for rank in (0, 1):
+        state = torch.load(ds / partition(rank), weights_only=True)
+        state["optimizer_state_dict"]["partition_count"] = 4
+        torch.save(state, ds / partition(rank))
+
+
+def _partition_of_rank_3(ds: Path) -> None:
+    (ds / partition(1)).rename(ds / partition(3))
+
+
+ZERO_DAMAGE = {  # how: (damage deepspeed/, what the refusal says)
+    "a partition missing": (_missing_partition, "1 optimizer partitions of a save by 2 ranks"),
+    "a partition cut short": (_partial_partition, "its optimizer partitions end inside"),
+    "partitions of another world": (_another_world, "2 optimizer partitions of a save by 4 ranks"),
+    "a gap in the ranks": (_partition_of_rank_3, "its optimizer partitions are of ranks [0, 3]"),
+}
+
+
+def _damaged_zero(how: str, command: str) -> Callable[[Ctx], Setup]:
+    """A ZeRO-2 checkpoint of 2 ranks whose partitions do not make the model, its integrity
+    record rewritten to match (a copy that lost files, or a save cut short before the record
+    existed): convert, generate and a resume on another backend refuse it before any work."""
+
+    def setup(ctx: Ctx) -> Setup:
+        from scale_llm.components.checkpoint import write_integrity
+
+        run = ctx.run()
+        ckpt = run / "checkpoints" / STEP4
+        ZERO_DAMAGE[how][0](as_deepspeed(ckpt))
+        write_integrity(ckpt)
+        if command == "convert":
+            return Setup(["convert", str(ckpt), "--out", str(ctx.tmp / "out.pt")])
+        if command == "generate":
+            return Setup(["generate", str(run), "--checkpoint", str(ckpt), "--max-new-tokens", "2"])
+        return Setup(["train", ctx.config("checkpoint.every=2", "train.max_steps=6")])
+
+    return setup
+
+
+PORTABILITY: list = [
+    (
+        f"{command}: a DeepSpeed checkpoint with {how}",
+        _damaged_zero(how, command),
+        (said, "resume from an earlier checkpoint or delete this one"),
+    )
+    for how, (_, said) in ZERO_DAMAGE.items()
+    for command in ("convert", "generate", "train")
+]
+
 CASES = [
     *CONFIG,
     *PATHS,
@@ -2472,6 +2664,9 @@ CASES = [
     *JSON_READS,
     *REPORTS,
     *ERGONOMICS,
+    *PIPELINE,
+    *FP8,
+    *PORTABILITY,
 ]
 
 

@@ -25,6 +25,7 @@ from scale_llm.errors import UserError
 from scale_llm.files import describe_kind, require_writable_dir
 from scale_llm.model import attention
 from scale_llm.parallel import compile as block_compile
+from scale_llm.parallel.fp8 import check_fp8
 from scale_llm.train.eval_tasks import TaskEval
 from scale_llm.train.guards import check_fault_spec
 from scale_llm.train.init_from import check_init_from
@@ -106,6 +107,7 @@ def preflight(cfg: Config, plan: RunPlan) -> RunSpec:
         else:
             log.info("init_from: not used: resuming %s (newer weights)", resume.checkpoint)
     report.check(check_host_memory, cfg, plan)
+    report.check(check_fp8, cfg, plan)  # torchao, an fp8 GPU, the backend
     report.check(check_profile, cfg.train.profile, plan, cfg.run_dir)
     tasks = report.check(TaskEval, cfg, plan, tokenizer)  # every rank: they agree on it
     cfg = report.check(settle_compile, cfg, plan) or cfg  # every rank: they agree on it
@@ -234,7 +236,6 @@ RUN_DIR_FILES = {
     "tokenizer.model": "its copy of the tokenizer",
     BUNDLE_FILE: "its copy of the tokenizer (a model's own: data.tokenizer)",
     "ds_config.json": "its DeepSpeed config",
-    "deepspeed.log": "what DeepSpeed prints while it consolidates a checkpoint",
     METRICS_FILE: "its metric rows",
     WANDB_ID_FILE: "its Weights & Biases run id",
 }
