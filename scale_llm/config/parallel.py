@@ -386,6 +386,11 @@ def _pipeline_batch_problems(cfg: Config) -> list[str]:
         return [
             f"train.micro_batch_size={mb} cannot be cut into parallel.pipeline.microbatches={m} "
             f"equal pieces: use train.micro_batch_size={-(-mb // m) * m}"
-            + (f" or parallel.pipeline.microbatches={down[0]}" if down else "")
+            + (f" or parallel.pipeline.microbatches={_nearest(down, m)}" if down else "")
         ]
     return []
+
+
+def _nearest(values: list[int], target: int) -> int:
+    """The value closest to `target`, the larger one on a tie (more microbatches: less bubble)."""
+    return min(values, key=lambda v: (abs(v - target), -v))
