@@ -36,6 +36,7 @@ from tests.helpers import (
     STEPS,
     TINY_MODEL,
     TOL,
+    Payload,
     common,
     env,
     plant_in_torch_file,
@@ -91,6 +92,7 @@ NEEDS = {  # test: the runs it reads ({backend}, {mode}, {precision}: its parame
         "{backend}-split", "{backend}-{mode}", "{backend}-from-{mode}"
     ],
     "test_a_planted_pickle_in_deepspeed_files_never_runs": ["zero2-split"],
+    "test_deepspeed_saves_write_their_partitions_only": ["{backend}-split"],
     "test_zero3_with_cpu_offload_trains": ["zero3-offload"],
     "test_the_single_h200_7b_layout_trains_at_tiny_size": ["zero2-offload"],
     "test_mixed_precision_follows_the_fp32_curve": ["{backend}-{precision}"],
@@ -234,6 +236,63 @@ def test_a_planted_pickle_in_deepspeed_files_never_runs(runs, ran, data_dir):
     assert proc.returncode != 0
     assert not marker.exists(), "the planted code ran"
     assert f"error: refusing to load {target}" in proc.stderr, proc.stderr[-3000:]
+    # the weights' own reader (convert, generate, export, another backend) refuses a payload
+    # in a partition file too
+    shutil.rmtree(hostile)
+    shutil.copytree(ckpt, hostile)
+    target = plant_in_deepspeed_file(hostile / "deepspeed" / PARTITION_1, marker)
+    write_integrity(hostile)
+    cmd = [sys.executable, "-m", "scale_llm", "convert", str(hostile), "--out", "out.pt"]
+    proc = subprocess.run(cmd, cwd=runs.root, env=env(), capture_output=True, text=True)
+    assert proc.returncode == 2 and not marker.exists(), proc.stderr[-3000:]
+    assert f"error: refusing to load {target}" in proc.stderr, proc.stderr[-3000:]
+
+
+PARTITION_1 = "zero_pp_rank_1_mp_rank_00_optim_states.pt"  # rank 1's fp32 partition (fp32 run)
+
+
+def plant_in_deepspeed_file(path: Path, marker: Path) -> Path:
+    """plant_in_torch_file for a file holding DeepSpeed's classes (a partition file)."""
+    import torch
+
+    from scale_llm.components.serialization import deepspeed_safe_globals
+
+    with torch.serialization.safe_globals(deepspeed_safe_globals()):
+        real = torch.load(path, weights_only=True)
+    real["planted"] = Payload(marker)
+    torch.save(real, path)
+    return path
+
+
+@pytest.mark.parametrize("backend", ["zero0", "zero1", "zero2", "zero3"])
+def test_deepspeed_saves_write_their_partitions_only(backend, runs, ran):
+    """A DeepSpeed save writes the engine's own files and no consolidated copy of the weights;
+    what the other backends, generate, export and convert read from those files is DeepSpeed's
+    own consolidation bit for bit (ZeRO-0: the module's state), tensor by tensor."""
+    import torch
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from scale_llm.components.checkpoint import (
+        CheckpointWeights,
+        read_record,
+        read_trainer_state,
+        saved_model_config,
+    )
+    from scale_llm.model import empty_state_dict
+
+    ran(f"{backend}-split")
+    ckpt = runs.root / f"{backend}-split" / "checkpoints" / "step_00000002"
+    assert not (ckpt / "model.pt").exists() and "model.pt" not in read_record(ckpt)
+    template = empty_state_dict(saved_model_config(read_trainer_state(ckpt)))
+    ours = CheckpointWeights(ckpt, template)
+    if backend == "zero0":  # our own files, just written: DeepSpeed's reader is trusted here
+        theirs = torch.load(ckpt / "deepspeed" / "mp_rank_00_model_states.pt", weights_only=False)
+        theirs = theirs["module"]
+    else:
+        theirs = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag="deepspeed")
+    assert sorted(ours) == sorted(theirs) == sorted(template)
+    for name in template:
+        assert ours[name].dtype == torch.float32 and torch.equal(ours[name], theirs[name]), name
 
 
 def test_zero3_with_cpu_offload_trains(ran, reference):
@@ -400,9 +459,9 @@ def test_deepspeed_launcher(data_dir, tmp_path):
     assert "world 2" in proc.stdout and "done: 2 steps" in proc.stdout
     console = proc.stdout + proc.stderr
     assert "no launcher seen" not in console  # DeepSpeed's launch.py is one
-    # the consolidation's own lines, five per checkpoint, go to the run's log file
+    # a save writes DeepSpeed's partitions only: no consolidation on rank 0, nothing it says
     assert "Processing zero checkpoint" not in console and "Reconstructed fp32" not in console
-    assert "Reconstructed fp32 state dict" in (tmp_path / "lds" / "deepspeed.log").read_text()
+    assert not list((tmp_path / "lds" / "checkpoints").glob("step_*/model.pt"))
     # a port of its own, as torchrun --standalone takes (DeepSpeed's default was every run's)
     assert "--master_port=29500" not in console and "--master_port=" in console
 

@@ -110,10 +110,10 @@ def test_dcp_checkpoints_move_between_backends_and_world_sizes(moved, reference)
         same_steps(rows, reference, range(3, STEPS + 1))
 
 
-def test_deepspeed_and_dcp_exchange_model_weights(runs, moved, reference):
+def test_deepspeed_and_dcp_exchange_model_weights(moved, reference):
     """Across the DeepSpeed boundary the fp32 weights move exactly (the loss of step 3, computed
-    with the restored weights, matches); the optimizer moments start again, as the log says."""
-    assert (runs.root / "zero2-split" / STEP2 / "model.pt").is_file()
+    with the restored weights, matches; DeepSpeed's read from its partitions, one tensor at a
+    time); the optimizer moments start again, as the log says."""
     for name in ("zero2-to-ddp", "ddp-to-zero3"):
         console, rows = moved(name)
         assert "loading its model weights only" in console, name

@@ -30,7 +30,8 @@ import torch.distributed as dist
 
 from scale_llm.components import digests
 from scale_llm.components.distributed import barrier, is_distributed, rank_and_world
-from scale_llm.components.serialization import dcp_load, dcp_metadata, load_file
+from scale_llm.components.serialization import damaged, dcp_load, dcp_metadata, load_file
+from scale_llm.components.zero_weights import MODEL_STATES, ZeroWeights
 from scale_llm.config import Config, ModelConfig, build_section, short, validate
 from scale_llm.errors import UserError
 from scale_llm.files import (
@@ -49,12 +50,13 @@ TRAINER_STATE = "trainer.pt"  # the trainer's state_dict (step, data, RNG, confi
 # trainer.pt's format: 3 groups attention.wqkv's rows by kv head; 1 and 2 stacked q, k, v.
 TRAINER_FORMAT = 3
 FORMAT_SINCE = "1c59fbf of 2026-12-03"  # the scale_llm that first wrote TRAINER_FORMAT
-MODEL_WEIGHTS = "model.pt"  # consolidated fp32 weights (DeepSpeed checkpoints, `convert`)
 DCP_DIR = "dcp"  # torch.distributed.checkpoint: model + optimizer, keyed by parameter name
+DEEPSPEED_DIR = "deepspeed"  # DeepSpeed's own files (its engine's tag): each rank's partitions
 INTEGRITY = "integrity.json"  # size + xxh3-64 of every other file: written last
 RECORDED = "integrity"  # in trainer.pt when written with a record: its absence is then damage
 MAX_RECORD_BYTES = 64 << 20  # a record lists a few entries per rank (~100 bytes each)
-WEIGHT_FILES = (f"{DCP_DIR}/.metadata", MODEL_WEIGHTS)  # one of them names the model's weights
+# one of them names the model's weights (DeepSpeed's: rank 0's model states, ZeRO 0-2 or 3)
+WEIGHT_FILES = (f"{DCP_DIR}/.metadata", *(f"{DEEPSPEED_DIR}/{name}" for name in MODEL_STATES))
 _NAME = re.compile(r"^step_(\d{8})$")
 
 
@@ -707,7 +709,8 @@ def load_model_weights(
     ckpt_dir: Path, template: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
     """The full fp32 model state dict of any checkpoint, on the CPU, in one process: DCP is read
-    into `template` (e.g. `model.empty_state_dict(cfg)`); DeepSpeed's carry a `model.pt`."""
+    into `template` (e.g. `model.empty_state_dict(cfg)`); DeepSpeed's is assembled from its
+    partitions, one tensor at a time."""
     if (ckpt_dir / DCP_DIR).is_dir():
         dcp_load({"model": template}, ckpt_dir / DCP_DIR, no_dist=not is_distributed())
         return template
@@ -717,31 +720,44 @@ def load_model_weights(
 class CheckpointWeights(Mapping[str, torch.Tensor]):
     """Any checkpoint's fp32 model weights by name, each read when asked, so that a caller taking
     them one at a time (a sharded start, a streamed export) holds one full parameter at a time:
-    DCP reads that tensor's bytes alone; DeepSpeed's `model.pt` is memory-mapped. `template`:
-    the model's tensors (their names and shapes; meta tensors will do)."""
+    DCP reads that tensor's bytes alone; DeepSpeed's are put together from the ranks' partitions
+    (`ZeroWeights`; a `model.pt` of an older save is not read). `template`: the model's tensors
+    (their names and shapes; meta tensors will do)."""
 
     def __init__(self, ckpt_dir: Path, template: dict[str, torch.Tensor]):
         self.ckpt_dir, self.shapes = ckpt_dir, {n: t.shape for n, t in template.items()}
-        self._dcp = self._mapped = None
+        self._dcp = self._zero = None
         if (ckpt_dir / DCP_DIR).is_dir():
             self._dcp = dcp_metadata(ckpt_dir / DCP_DIR)
-        elif (ckpt_dir / MODEL_WEIGHTS).is_file():
-            self._mapped = load_file(ckpt_dir / MODEL_WEIGHTS, mmap=True)
+        elif (ckpt_dir / DEEPSPEED_DIR).is_dir():
+            self._zero = ZeroWeights(ckpt_dir / DEEPSPEED_DIR)
+            if differs := _shape_differences(self._zero.shapes, self.shapes):
+                raise damaged(ckpt_dir / DEEPSPEED_DIR, f"{differs}, unlike the model it records")
         else:
             raise UserError(
-                f"{ckpt_dir} holds no model weights ({DCP_DIR}/ or {MODEL_WEIGHTS}); "
+                f"{ckpt_dir} holds no model weights ({DCP_DIR}/ or {DEEPSPEED_DIR}/); "
                 f"point at a complete checkpoint directory"
             )
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        if self._mapped is not None:
-            return self._mapped[name].float()
+        if self._zero is not None:
+            return self._zero[name]
         tensor = torch.empty(self.shapes[name])
         dcp_load({"model": {name: tensor}}, self.ckpt_dir / DCP_DIR, True, self._dcp)
         return tensor
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.shapes if self._mapped is None else self._mapped)
+        return iter(self.shapes)
 
     def __len__(self) -> int:
-        return len(self.shapes if self._mapped is None else self._mapped)
+        return len(self.shapes)
+
+
+def _shape_differences(found: Mapping[str, torch.Size], want: Mapping[str, torch.Size]) -> str:
+    """The first difference between a checkpoint's tensors and the model's, or ''."""
+    if missing := [n for n in want if n not in found]:
+        return f"it holds no {missing[0]!r}"
+    if extra := [n for n in found if n not in want]:
+        return f"it holds {extra[0]!r}, which the model has not"
+    bad = next((n for n in want if tuple(found[n]) != tuple(want[n])), None)
+    return f"its {bad!r} is {tuple(found[bad])}, not {tuple(want[bad])}" if bad else ""

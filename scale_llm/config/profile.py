@@ -14,7 +14,7 @@ from scale_llm.config.schema import config_key
 RUN_DIR_NAMES = (
     *("checkpoints", "tensorboard", "wandb", "eval", "export", "comm_trace"),
     *("config.yaml", "plan.json", "tokenizer.model", "hf-tokenizer.json", "ds_config.json"),
-    *("deepspeed.log", "metrics.jsonl", "wandb-id.txt", ".lock"),
+    *("metrics.jsonl", "wandb-id.txt", ".lock"),
 )
 SCRATCH_PREFIX = ".eval-tasks-"
 

@@ -27,13 +27,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from scale_llm.components.checkpoint import MODEL_WEIGHTS
+from scale_llm.components.checkpoint import DEEPSPEED_DIR
 from scale_llm.components.optim import build_optimizer, param_groups, step_if_finite
 from scale_llm.components.serialization import (
     BackgroundSave,
     guard_deepspeed_reader,
     hash_deepspeed_writes,
-    save_file,
 )
 from scale_llm.model import Transformer
 from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
@@ -41,8 +40,7 @@ from scale_llm.parallel.backend import Backend
 from scale_llm.parallel.ds_config import deepspeed_config
 
 log = logging.getLogger(__name__)
-TAG = "deepspeed"  # the engine's checkpoint folder inside each step_XXXXXXXX directory
-DEEPSPEED_LOG = "deepspeed.log"  # in the run dir: what DeepSpeed prints while it consolidates
+TAG = DEEPSPEED_DIR  # the engine's checkpoint folder inside each step_XXXXXXXX directory
 
 
 @contextlib.contextmanager
@@ -181,40 +179,14 @@ class DeepSpeedBackend(Backend):
         return None if scale is None else float(scale)
 
     def save(self, ckpt_dir: Path, background: BackgroundSave | None = None) -> None:
-        """The engine's checkpoint, plus consolidated fp32 weights (`model.pt`) that any backend,
-        `generate` and `convert` can read without DeepSpeed. Always in the foreground: the
+        """The engine's own checkpoint: each rank writes its partitions, and nothing is gathered
+        (other backends, `generate`, `export` and `convert` put the fp32 weights together from
+        them, one tensor at a time: components/zero_weights.py). Always in the foreground: the
         engine's writer has no background save (the config refuses checkpoint.async_mode)."""
         if background is not None:
             raise ValueError("DeepSpeed checkpoints are written in the foreground only")
-        engine = self.model
-        hash_deepspeed_writes(engine)  # so the integrity record needs no second read
-        engine.save_checkpoint(str(ckpt_dir), tag=TAG)
-        torch.distributed.barrier()
-        if self.plan.is_main:
-            save_file(self._fp32_weights(ckpt_dir), ckpt_dir / MODEL_WEIGHTS)
-
-    def _fp32_weights(self, ckpt_dir: Path) -> dict[str, torch.Tensor]:
-        if self.cfg.parallel.deepspeed.zero_stage == 0:
-            # no partitioned optimizer files: the module holds the weights (16-bit under bf16)
-            weights = self.model.module.state_dict()
-        else:  # rebuild the fp32 master weights from the optimizer partitions just written
-            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-            with self._output_to_log():
-                weights = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=TAG)
-        return {k: v.detach().float().cpu().contiguous() for k, v in weights.items()}
-
-    @contextlib.contextmanager
-    def _output_to_log(self) -> Iterator[None]:
-        """What DeepSpeed prints while it consolidates a checkpoint (five lines and a progress
-        bar per save: "Processing zero checkpoint ...", "Reconstructed fp32 state dict ...")
-        goes to RUN_DIR/deepspeed.log, not among the step lines on the console."""
-        with (
-            open(self.cfg.run_dir / DEEPSPEED_LOG, "a", encoding="utf-8") as f,
-            contextlib.redirect_stdout(f),
-            contextlib.redirect_stderr(f),
-        ):
-            yield
+        hash_deepspeed_writes(self.model)  # so the integrity record needs no second read
+        self.model.save_checkpoint(str(ckpt_dir), tag=TAG)
 
     def load(self, ckpt_dir: Path) -> None:
         guard_deepspeed_reader(self.model)  # DeepSpeed's own reader unpickles anything

@@ -24,9 +24,6 @@ def deepspeed_config(cfg: Config, plan: RunPlan) -> dict[str, Any]:
         "overlap_comm": True,
         "reduce_bucket_size": 5e7,
     }
-    if ds.zero_stage == 3:
-        # gather full weights when DeepSpeed saves, so consolidated weights can be written
-        zero["stage3_gather_16bit_weights_on_model_save"] = True
     if ds.offload_optimizer == "cpu":
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if ds.offload_param == "cpu":

@@ -15,6 +15,7 @@ import torch
 from scale_llm.components.checkpoint import (
     TRAINER_STATE,
     Checkpointer,
+    CheckpointWeights,
     is_count,
     read_trainer_state,
     resolve_resume,
@@ -24,6 +25,7 @@ from scale_llm.components.optim import SCHEDULE_KEYS, lr_at
 from scale_llm.config import Config, TrainConfig, get_key, run_defining_keys, short, to_dict
 from scale_llm.config.plan import RunPlan
 from scale_llm.errors import UserError
+from scale_llm.model import build_model
 from scale_llm.parallel.backend import restores_exactly
 
 MT_KEYS = 624  # numpy's MT19937 state: 624 words and a position in [0, 624]
@@ -291,4 +293,7 @@ def choose_resume(cfg: Config, plan: RunPlan, manifest: dict[str, Any]) -> Resum
     state = read_trainer_state(ckpt)
     check_resume_state(state, ckpt, cfg, manifest["tokenizer"]["sha256"], checkpoints.dir)
     check_finished_run(state, ckpt, cfg)  # other settings: a new run
-    return Resume(ckpt, state, restores_exactly(cfg, plan, state["backend"]["layout"]))
+    exact = restores_exactly(cfg, plan, state["backend"]["layout"])
+    if not exact:  # its weights are read at build: missing or partial partitions stop it here
+        CheckpointWeights(ckpt, build_model(cfg.model).state_dict())  # (meta: no memory)
+    return Resume(ckpt, state, exact)
