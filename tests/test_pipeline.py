@@ -1,0 +1,191 @@
+"""Pipeline parallelism (parallel.pipeline_parallel) on real gloo ranks, its config checks and
+its stage split.
+
+The model has 4 blocks, grouped-query attention (4 query heads, 2 kv heads) and an untied head
+(a tied one is refused with a pipeline). The reference runs in one process with micro-batch 8;
+the pipelined runs take the same 8 sequences per step as micro-batch x grad_accum x
+data-parallel ranks, each micro-batch cut into the schedule's microbatches, with activation
+checkpointing, an evaluation and a sample: each curve checks the split, the loss scaling over
+microbatches and accumulation, the clip over the stages and the forward through the pipeline.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from scale_llm.components.checkpoint import (
+    load_model_weights,
+    read_trainer_state,
+    saved_model_config,
+)
+from scale_llm.config import load_config
+from scale_llm.config.plan import Launch, resolve_plan
+from scale_llm.errors import UserError
+from scale_llm.model import empty_state_dict
+from scale_llm.parallel.pipeline import stage_blocks, stage_owner
+from tests.helpers import SINGLE, STEPS, TOL, Runs, batch_plan, wanted
+
+MODEL = ["model.n_kv_heads=2", "model.n_layers=4", "model.tie_embeddings=false"]
+SAMPLE = ["eval.sample_every=4", "eval.sample_tokens=6"]  # a no-grad forward beside the eval's
+PP2 = ["parallel.backend=fsdp", "parallel.pipeline_parallel=2", *SAMPLE]
+SPLIT = ["train.micro_batch_size=4", "train.grad_accum=2"]  # x 1 data-parallel rank
+# By launch (those the selected tests read): one process (the reference, and a run stopped
+# after step 2); 2 ranks (PP 2 with three schedules, a PP 2 run stopped after step 2, the
+# one-process run resumed at PP 2); 4 ranks (PP 2 x FSDP2 2, PP 2 x TP 2, the PP 2 run resumed
+# at PP 4).
+STAGES = [
+    {
+        "single": (1, [*SINGLE, *SAMPLE]),
+        "single-stopped": (1, [*SINGLE, "train.exit_at_step=2", "run.name=from-single"]),
+    },
+    {
+        "1f1b": (2, [*PP2, *SPLIT, "activation_checkpointing.mode=full"]),
+        "interleaved_1f1b": (
+            2,
+            [*PP2, *SPLIT, "parallel.pipeline.schedule=interleaved_1f1b"]
+            + ["activation_checkpointing.mode=selective"],
+        ),
+        "zero_bubble": (2, [*PP2, *SPLIT, "parallel.pipeline.schedule=zero_bubble"]),
+        "pp2-stopped": (2, [*PP2, *SPLIT, "train.exit_at_step=2", "run.name=from-pp2"]),
+        "single-at-pp2": (2, [*PP2, *SPLIT, "run.name=from-single"]),
+    },
+    {
+        "pp2-fsdp2": (
+            4,
+            [*PP2, "train.micro_batch_size=2", "train.grad_accum=2"]
+            + ["activation_checkpointing.mode=full"],
+        ),
+        "pp2-tp2": (4, [*PP2, *SPLIT, "parallel.tensor_parallel=2"]),
+        "pp2-at-pp4": (
+            4,
+            ["parallel.backend=fsdp", "parallel.pipeline_parallel=4", *SAMPLE]
+            + ["train.micro_batch_size=8", "run.name=from-pp2"],
+        ),
+    },
+]
+NEEDS = {
+    "test_pipeline_alone_follows_one_process": ["single", "{schedule}"],
+    "test_pipeline_x_fsdp2_and_x_tensor_parallel_follow_one_process": [
+        "single", "pp2-fsdp2", "pp2-tp2"
+    ],
+    "test_a_pipeline_checkpoint_resumes_at_another_degree": [
+        "single", "single-stopped", "single-at-pp2", "pp2-stopped", "pp2-at-pp4"
+    ],
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs(data_dir, tmp_path_factory, request) -> Runs:
+    runs, read = Runs(data_dir, tmp_path_factory.mktemp("pp"), *MODEL), wanted(request, NEEDS)
+    for stage in STAGES:
+        runs.start({name: spec for name, spec in stage.items() if name in read})
+    return runs
+
+
+def assert_same_curve(rows: dict[int, dict], ref: dict[int, dict], steps=range(1, STEPS + 1)):
+    for step in steps:
+        assert abs(rows[step]["loss"] - ref[step]["loss"]) <= TOL, step
+        assert abs(rows[step]["grad_norm"] / ref[step]["grad_norm"] - 1) <= TOL, step
+    assert abs(rows[STEPS]["val_loss"] - ref[STEPS]["val_loss"]) <= TOL
+    assert rows[STEPS]["samples_text"] == ref[STEPS]["samples_text"]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b", "zero_bubble"])
+def test_pipeline_alone_follows_one_process(runs, schedule):
+    """PP 2 on 2 ranks: 1F1B (one stage a rank), interleaved 1F1B (two, looped) and ZBV zero
+    bubble (two, in a V, its backward split in two halves) follow one process's losses, grad
+    norms, validation loss and greedy sample."""
+    assert_same_curve(runs.rows[schedule], runs.rows["single"])
+    assert runs.plan[schedule]["mesh"] == {"names": ["pp", "shard"], "shape": [2, 1]}
+    assert runs.plan[schedule]["pp_stages_per_rank"] == (1 if schedule == "1f1b" else 2)
+
+
+def test_pipeline_x_fsdp2_and_x_tensor_parallel_follow_one_process(runs):
+    """4 ranks: PP 2 x FSDP2 2 (micro-batch 2 x grad_accum 2 x 2 data-parallel ranks) and PP 2
+    x TP 2 (sequence parallel), each on the one-process curve."""
+    ref = runs.rows["single"]
+    assert_same_curve(runs.rows["pp2-fsdp2"], ref)
+    assert runs.plan["pp2-fsdp2"]["mesh"] == {"names": ["pp", "shard"], "shape": [2, 2]}
+    assert_same_curve(runs.rows["pp2-tp2"], ref)
+    assert runs.plan["pp2-tp2"]["mesh"] == {"names": ["pp", "shard", "tp"], "shape": [2, 1, 2]}
+    assert "pipeline parallel 2 (2 stages" in runs.stdout["pp2-tp2"]
+
+
+def test_a_pipeline_checkpoint_resumes_at_another_degree(runs):
+    """A checkpoint does not depend on the pipeline: PP 2's step-2 checkpoint holds the
+    one-process tensors under their names, and PP 4 resumes it (optimizer state included); a
+    one-process checkpoint resumes at PP 2. Both continue the one-process curve."""
+    ref = runs.rows["single"]
+    step2 = runs.root / "from-pp2" / "checkpoints" / "step_00000002"
+    model = saved_model_config(read_trainer_state(step2))
+    ours = load_model_weights(step2, empty_state_dict(model))
+    theirs = load_model_weights(
+        runs.root / "from-single" / "checkpoints" / "step_00000002", empty_state_dict(model)
+    )
+    assert sorted(ours) == sorted(theirs)
+    for name, tensor in theirs.items():  # (Adam's first steps at lr 1e-2: rounding to ~1e-5)
+        torch.testing.assert_close(ours[name], tensor, rtol=0, atol=1e-4, msg=name)
+
+    for resumed in ("pp2-at-pp4", "single-at-pp2"):
+        assert "resume: continuing from" in runs.stdout[resumed], resumed
+        assert sorted(runs.rows[resumed]) == [3, 4]
+        assert_same_curve(runs.rows[resumed], ref, steps=(3, 4))
+    assert runs.plan["pp2-at-pp4"]["mesh"] == {"names": ["pp", "shard"], "shape": [4, 1]}
+
+
+# ----------------------------------------------------------------------------- in one process
+
+
+def test_stages_are_balanced_and_placed_as_the_schedules_expect():
+    """The embedding and the head weigh one block each: Llama 3.1 405B's 126 blocks in 16
+    stages are 7 on the first and last, 8 elsewhere; an explicit layers_per_stage is kept. The
+    looped schedules place stage s on rank s mod pp, the V schedules rank r's two stages on r
+    and 2 pp - 1 - r (torch's stage-to-rank mappings)."""
+    blocks = stage_blocks(126, 16, None)
+    assert [len(b) for b in blocks] == [7] + [8] * 14 + [7]
+    assert blocks[0].start == 0 and blocks[-1].stop == 126
+    assert all(a.stop == b.start for a, b in zip(blocks, blocks[1:]))
+    assert stage_blocks(8, 4, 2) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    plan = batch_plan(1, 1, world=8)
+    plan = type(plan)(**{**vars(plan), "pp_degree": 4, "pp_stages_per_rank": 2})
+    assert [stage_owner(s, plan, "interleaved_1f1b") for s in range(8)] == [0, 1, 2, 3] * 2
+    assert [stage_owner(s, plan, "zero_bubble") for s in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+
+
+def check(*overrides: str, world: int = 4) -> str:
+    """The config error of `overrides`, or '' when the config is accepted for `world` ranks."""
+    base = ["parallel.backend=fsdp", "model.tie_embeddings=false", "model.n_layers=4"]
+    try:
+        cfg = load_config(None, [*base, "train.micro_batch_size=8", *overrides])
+        resolve_plan(cfg, Launch(world_size=world), cuda=False)
+    except UserError as e:
+        return str(e)
+    return ""
+
+
+def test_pipeline_config_errors_name_values_that_work():
+    """Each invalid combination is one error whose suggestion, applied, is accepted."""
+    pp2, pp3 = "parallel.pipeline_parallel=2", "parallel.pipeline_parallel=3"
+    interleaved = "parallel.pipeline.schedule=interleaved_1f1b"
+    assert check(pp2) == ""
+    cases = [
+        ([pp2, "parallel.backend=ddp"], "parallel.backend="),
+        ([pp2, "model.tie_embeddings=true"], "model.tie_embeddings="),
+        ([pp2, "parallel.pipeline.layers_per_stage=3"], "parallel.pipeline.layers_per_stage="),
+        ([pp2, "parallel.pipeline.microbatches=1"], "parallel.pipeline.microbatches="),
+        ([pp2, "parallel.pipeline.microbatches=3"], "parallel.pipeline.microbatches="),
+        ([pp2, "parallel.pipeline.microbatches=3"], "train.micro_batch_size="),
+        ([pp2, interleaved, "parallel.pipeline.microbatches=6"], "parallel.pipeline.microbatches="),
+        (
+            [pp2, "parallel.pipeline.schedule=dualpipev", "parallel.pipeline.stages_per_rank=1"],
+            "parallel.pipeline.stages_per_rank=",
+        ),
+        ([pp3, "train.micro_batch_size=6"], "parallel.pipeline_parallel="),
+        (["parallel.pipeline_parallel=8"], "parallel.pipeline_parallel="),
+    ]
+    for overrides, key in cases:
+        text = check(*overrides)
+        assert text.count("\n  - ") == 1, text  # one problem, one line
+        fix = key + text.split(key, 2)[-1].split()[0].rstrip(",;)")
+        assert check(*overrides, fix) == "", (overrides, fix, check(*overrides, fix))
