@@ -1237,8 +1237,9 @@ def plant_in_dcp_byte_item(ckpt: Path, marker: Path) -> Path:
 def as_deepspeed(ckpt: Path, world: int = 2) -> Path:
     """The checkpoint rewritten in DeepSpeed's ZeRO-2 layout of `world` ranks, as its engine
     writes it: rank 0's model states (the module and the parameters' shapes) and each rank's
-    slice of the one flat fp32 group; dcp/ gone, the trainer state's layout DeepSpeed's. The
-    integrity record is rewritten: what is in the files must be refused. Its deepspeed/."""
+    slice of the one flat fp32 group (no optimizer state); dcp/ gone, the trainer state's
+    layout DeepSpeed's, its integrity record rewritten (what is in the files must be refused).
+    Its deepspeed/."""
     from scale_llm.components.checkpoint import load_model_weights
     from scale_llm.config import load_config
     from scale_llm.model import empty_state_dict
@@ -2620,7 +2621,7 @@ ZERO_DAMAGE = {  # how: (damage deepspeed/, what the refusal says)
 }
 
 
-def _damaged_zero(how: str, command: str) -> Callable[[Ctx], Setup]:
+def _damaged_zero(how: str | None, command: str) -> Callable[[Ctx], Setup]:
     """A ZeRO-2 checkpoint of 2 ranks whose partitions do not make the model, its integrity
     record rewritten to match (a copy that lost files, or a save cut short before the record
     existed): convert, generate and a resume on another backend refuse it before any work."""
@@ -2630,7 +2631,9 @@ def _damaged_zero(how: str, command: str) -> Callable[[Ctx], Setup]:
 
         run = ctx.run()
         ckpt = run / "checkpoints" / STEP4
-        ZERO_DAMAGE[how][0](as_deepspeed(ckpt))
+        ds = as_deepspeed(ckpt)
+        if how is not None:
+            ZERO_DAMAGE[how][0](ds)
         write_integrity(ckpt)
         if command == "convert":
             return Setup(["convert", str(ckpt), "--out", str(ctx.tmp / "out.pt")])
@@ -2649,6 +2652,12 @@ PORTABILITY: list = [
     )
     for how, (_, said) in ZERO_DAMAGE.items()
     for command in ("convert", "generate", "train")
+] + [
+    (  # its weights are whole; a resume also moves Adam's moments, which are not there
+        "train: a DeepSpeed checkpoint without the optimizer's state",
+        _damaged_zero(None, "train"),
+        ("holds no optimizer state per parameter group", "resume from an earlier checkpoint"),
+    ),
 ]
 
 CASES = [

@@ -48,13 +48,19 @@ MOVES = {
         "fsdp",
     ),
     "zero2-to-ddp": (2, [*BACKENDS["ddp"], *SPLIT], "zero2"),
+    "zero2-to-fsdp": (2, [*BACKENDS["fsdp"], *SPLIT], "zero2"),
+    "zero3-to-fsdp": (2, [*BACKENDS["fsdp"], *SPLIT], "zero3"),
+    "zero2-to-single": (1, SINGLE, "zero2"),
     "ddp-to-zero3": (2, [*BACKENDS["zero3"], *SPLIT], "ddp"),
 }
 NEEDS = {  # test: the moves it makes
     "test_dcp_checkpoints_move_between_backends_and_world_sizes": [
         "ddp-to-fsdp", "ddp-to-single", "fsdp-2-to-1"
     ],
-    "test_deepspeed_and_dcp_exchange_model_weights": ["zero2-to-ddp", "ddp-to-zero3"],
+    "test_deepspeed_and_dcp_exchange_model_weights": ["ddp-to-zero3"],
+    "test_deepspeed_runs_continue_exactly_on_the_other_backends": [
+        "zero2-to-fsdp", "zero3-to-fsdp", "zero2-to-ddp", "zero2-to-single"
+    ],
 }  # fmt: skip
 
 
@@ -110,14 +116,24 @@ def test_dcp_checkpoints_move_between_backends_and_world_sizes(moved, reference)
         same_steps(rows, reference, range(3, STEPS + 1))
 
 
-def test_deepspeed_and_dcp_exchange_model_weights(moved, reference):
-    """Across the DeepSpeed boundary the fp32 weights move exactly (the loss of step 3, computed
-    with the restored weights, matches; DeepSpeed's read from its partitions, one tensor at a
-    time); the optimizer moments start again, as the log says."""
-    for name in ("zero2-to-ddp", "ddp-to-zero3"):
+def test_deepspeed_runs_continue_exactly_on_the_other_backends(moved, reference):
+    """ZeRO-2 and ZeRO-3 stopped at step 2 and continued under FSDP2, DDP and one process: the
+    fp32 weights, Adam's moments and step come from the partitions one parameter at a time, so
+    the next steps follow the uninterrupted run."""
+    for name in ("zero2-to-fsdp", "zero3-to-fsdp", "zero2-to-ddp", "zero2-to-single"):
         console, rows = moved(name)
-        assert "loading its model weights only" in console, name
-        same_steps(rows, reference, [3])
+        assert "weights only" not in console, name
+        same_steps(rows, reference, range(3, STEPS + 1))
+        for step in range(3, STEPS + 1):
+            assert abs(rows[step]["grad_norm"] - reference[step]["grad_norm"]) <= TOL, name
+
+
+def test_deepspeed_and_dcp_exchange_model_weights(moved, reference):
+    """Into DeepSpeed the fp32 weights move exactly (the loss of step 3, computed with the
+    restored weights, matches); the optimizer moments start again, as the log says."""
+    console, rows = moved("ddp-to-zero3")
+    assert "loading its model weights only" in console
+    same_steps(rows, reference, [3])
 
 
 def test_convert_writes_one_portable_file(runs, data_dir, root):

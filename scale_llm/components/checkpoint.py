@@ -717,6 +717,42 @@ def load_model_weights(
     return dict(CheckpointWeights(ckpt_dir, template))
 
 
+def load_state_into(state: dict[str, Any], ckpt_dir: Path) -> None:
+    """Fill `state` ({"model": ..., "optimizer": ...} as torch's `get_state_dict` gives them:
+    keyed by parameter name, each tensor whole or this rank's DTensor shard) from any
+    checkpoint: DCP reads it; DeepSpeed's partitions are read one parameter at a time (its fp32
+    values, Adam's moments and step), so no rank holds the model's optimizer state whole."""
+    if (ckpt_dir / DCP_DIR).is_dir():
+        dcp_load(state, ckpt_dir / DCP_DIR, no_dist=not is_distributed())
+        return
+    zero = ZeroWeights(ckpt_dir / DEEPSPEED_DIR)
+    step = zero.optimizer_step()
+    for name, tensor in state["model"].items():
+        _fill(tensor, zero[name])
+    for name, moments in state["optimizer"]["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            _fill(moments[key], zero.read(name, key))
+        moments["step"].fill_(step)  # (AdamW's per-parameter step: a scalar tensor)
+
+
+@torch.no_grad()
+def _fill(dst: torch.Tensor, full: torch.Tensor) -> None:
+    """`full` (every rank holds the same) into `dst`: whole, or this rank's block of a
+    DTensor (the block DCP would read for it: no communication)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(dst, DTensor):
+        dst.copy_(full)
+        return
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(
+        full.shape, dst.device_mesh, dst.placements
+    )
+    block = tuple(slice(start, start + size) for start, size in zip(offset, shape, strict=True))
+    dst.to_local().copy_(full[block])
+
+
 class CheckpointWeights(Mapping[str, torch.Tensor]):
     """Any checkpoint's fp32 model weights by name, each read when asked, so that a caller taking
     them one at a time (a sharded start, a streamed export) holds one full parameter at a time:

@@ -84,14 +84,38 @@ class ZeroWeights(Mapping[str, torch.Tensor]):
             self.shapes[alias], self.where[alias] = self.shapes[name], self.where[name]
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        shape, pieces = self.shapes[name], self.where[name]
-        if pieces is None:  # (a buffer, or ZeRO-0)
+        if self.where[name] is None:  # (a buffer, or ZeRO-0)
             return _open(self.model_file)["module"][name].to(torch.float32, copy=True)
+        return self.read(name)
+
+    def read(self, name: str, key: str | None = None) -> torch.Tensor:
+        """Parameter `name`'s fp32 values (`key` None), or its optimizer state `key` (Adam's
+        exp_avg, exp_avg_sq): each lies in the partitions as the fp32 values do."""
+        shape, pieces = self.shapes[name], self.where[name]
+        if pieces is None:
+            raise damaged(self.model_file, f"{name!r} has no optimizer state (ZeRO-0?)")
         if not pieces:  # (no values: nothing to read)
             return torch.zeros(shape)
-        files = {p.rank: _fp32_groups(self.partitions[p.rank]) for p in pieces}
+        files = {p.rank: _flat_groups(self.partitions[p.rank], key) for p in pieces}
         flat = torch.cat([files[p.rank][p.group].narrow(0, p.start, p.length) for p in pieces])
         return flat[: shape.numel()].view(shape).float()  # (a copy: the files are let go)
+
+    def check_optimizer_state(self) -> None:
+        """Every partition holds Adam's moments laid out as its fp32 values, and one step."""
+        for path in self.partitions:
+            for key in ("exp_avg", "exp_avg_sq"):
+                _flat_groups(path, key)
+        self.optimizer_step()
+
+    def optimizer_step(self) -> int:
+        """The optimizer steps taken (the base optimizer's `step`, one for every group)."""
+        if not self.partitions:
+            raise damaged(self.model_file.parent, "it holds no optimizer partitions (ZeRO-0)")
+        path = self.partitions[0]
+        steps = {_step(s) for s in _base_state(path)}
+        if len(steps) != 1 or None in steps:
+            raise damaged(path, f"its optimizer groups' steps are {sorted(map(str, steps))}")
+        return steps.pop()
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.shapes)
@@ -151,11 +175,49 @@ def _fp32_groups(path: Path) -> list[torch.Tensor]:
     """A partition file's flat fp32 slices, one per parameter group."""
     inner = _optimizer_state(path)
     groups = inner.get("fp32_flat_groups", inner.get("single_partition_of_fp32_groups"))
-    if not isinstance(groups, list) or not all(
-        isinstance(g, torch.Tensor) and g.dim() == 1 and g.dtype == torch.float32 for g in groups
-    ):
+    if not isinstance(groups, list) or not all(_is_flat(g) for g in groups):
         raise damaged(path, "its fp32 groups are not a list of flat fp32 tensors")
     return groups
+
+
+def _is_flat(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() == 1 and t.dtype == torch.float32
+
+
+def _base_state(path: Path) -> list[dict[str, Any]]:
+    """The base optimizer's state of each group's flat partition (ZeRO-1/2: its torch
+    state_dict, or a list when written elastic; ZeRO-3: its torch state_dict)."""
+    inner = _optimizer_state(path)
+    base = inner.get("base_optimizer_state", inner.get("optimizer_state_dict"))
+    if isinstance(base, dict):
+        state = base.get("state")
+        base = [state.get(g) for g in range(len(state))] if isinstance(state, dict) else None
+    if not isinstance(base, list) or not all(isinstance(s, dict) for s in base):
+        raise damaged(path, "it holds no optimizer state per parameter group")
+    return base
+
+
+def _step(state: dict[str, Any]) -> int | None:
+    step = state.get("step")
+    if isinstance(step, torch.Tensor) and step.numel() == 1:
+        step = step.item()
+    if isinstance(step, float) and step.is_integer():
+        step = int(step)
+    return step if type(step) is int and step >= 0 else None
+
+
+def _flat_groups(path: Path, key: str | None) -> list[torch.Tensor]:
+    """A partition file's flat fp32 values (`key` None) or optimizer state `key`, per group;
+    a state is as long as the group's values or longer (DeepSpeed's end padding)."""
+    groups = _fp32_groups(path)
+    if key is None:
+        return groups
+    states = [s.get(key) for s in _base_state(path)]
+    if len(states) != len(groups) or not all(
+        _is_flat(s) and len(s) >= len(g) for s, g in zip(states, groups, strict=True)
+    ):
+        raise damaged(path, f"its optimizer state {key!r} is not one flat fp32 tensor per group")
+    return states
 
 
 def _stage_and_sizes(partitions: list[Path]) -> tuple[int, list[list[int]]]:

@@ -21,12 +21,12 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from scale_llm.components.checkpoint import DCP_DIR
+from scale_llm.components.checkpoint import DCP_DIR, load_state_into
 from scale_llm.components.distributed import is_distributed
 from scale_llm.components.loss import compiled_loss, cross_entropy
 from scale_llm.components.optim import build_optimizer, set_lr, step_if_finite
 from scale_llm.components.precision import Precision
-from scale_llm.components.serialization import BackgroundSave, dcp_load, dcp_save
+from scale_llm.components.serialization import BackgroundSave, dcp_save
 from scale_llm.config import Config, compiles
 from scale_llm.config.plan import RunPlan
 from scale_llm.model import Transformer, materialize
@@ -186,7 +186,7 @@ class Backend:
     def load(self, ckpt_dir: Path) -> None:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         state = {"model": model_sd, "optimizer": optim_sd}
-        dcp_load(state, ckpt_dir / DCP_DIR, no_dist=not is_distributed())
+        load_state_into(state, ckpt_dir)  # (DCP's, or DeepSpeed's partitions)
         set_state_dict(
             self.model,
             self.optimizer,

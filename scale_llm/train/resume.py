@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from scale_llm.components.checkpoint import (
+    DEEPSPEED_DIR,
     TRAINER_STATE,
     Checkpointer,
     CheckpointWeights,
@@ -22,11 +23,12 @@ from scale_llm.components.checkpoint import (
     saved_section,
 )
 from scale_llm.components.optim import SCHEDULE_KEYS, lr_at
+from scale_llm.components.zero_weights import ZeroWeights
 from scale_llm.config import Config, TrainConfig, get_key, run_defining_keys, short, to_dict
 from scale_llm.config.plan import RunPlan
 from scale_llm.errors import UserError
 from scale_llm.model import build_model
-from scale_llm.parallel.backend import restores_exactly
+from scale_llm.parallel.backend import checkpoint_layout, restores_exactly
 
 MT_KEYS = 624  # numpy's MT19937 state: 624 words and a position in [0, 624]
 
@@ -293,7 +295,24 @@ def choose_resume(cfg: Config, plan: RunPlan, manifest: dict[str, Any]) -> Resum
     state = read_trainer_state(ckpt)
     check_resume_state(state, ckpt, cfg, manifest["tokenizer"]["sha256"], checkpoints.dir)
     check_finished_run(state, ckpt, cfg)  # other settings: a new run
-    exact = restores_exactly(cfg, plan, state["backend"]["layout"])
-    if not exact:  # its weights are read at build: missing or partial partitions stop it here
+    layout = state["backend"]["layout"]
+    exact = moves_exactly(cfg, plan, layout)
+    if not restores_exactly(cfg, plan, layout):  # read across formats: damage stops it here
         CheckpointWeights(ckpt, build_model(cfg.model).state_dict())  # (meta: no memory)
+        if exact and layout["format"] == "deepspeed":
+            ZeroWeights(ckpt / DEEPSPEED_DIR).check_optimizer_state()
     return Resume(ckpt, state, exact)
+
+
+def moves_exactly(cfg: Config, plan: RunPlan, layout: Any) -> bool:
+    """Whether this backend restores model and optimizer (Adam's moments and step) from a
+    checkpoint of `layout`: its own layout, or DeepSpeed ZeRO 1-3's partitions into a DCP
+    backend (single, DDP, FSDP2, TP: read one parameter at a time). Else the weights only."""
+    if restores_exactly(cfg, plan, layout):
+        return True
+    here = checkpoint_layout(cfg, plan)["format"]
+    return (
+        here == "dcp"
+        and layout.get("format") == "deepspeed"
+        and layout.get("zero_stage") in (1, 2, 3)
+    )
