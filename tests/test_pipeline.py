@@ -129,7 +129,6 @@ def test_a_pipeline_checkpoint_resumes_at_another_degree(runs):
 
     for resumed in ("pp2-at-pp4", "single-at-pp2"):
         assert "resume: continuing from" in runs.stdout[resumed], resumed
-        assert sorted(runs.rows[resumed]) == [3, 4]
         assert_same_curve(runs.rows[resumed], ref, steps=(3, 4))
     assert runs.plan["pp2-at-pp4"]["mesh"] == {"names": ["pp", "shard"], "shape": [4, 1]}
 
