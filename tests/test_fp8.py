@@ -160,3 +160,68 @@ def test_float8_config_follows_the_recipe_and_the_backend(data_dir, tmp_path):
     rowwise = config("fsdp", "cuda:0", "train.fp8.recipe=rowwise")
     assert not rowwise.enable_fsdp_float8_all_gather
     assert rowwise.cast_config_input.scaling_granularity is ScalingGranularity.AXISWISE
+
+
+# ----------------------------------------------------------------------------- the estimate
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_cast_term_is_what_a_linear_backward_allocates(recipe):
+    """The estimate's eager fp8 casts (`fp8_cast_bytes`) are what an fp8 linear of the MLP's
+    up-projection shape allocates in its backward beyond its input gradient, traced on fake
+    tensors with the GPU's fp8 GEMM (not emulated): to the byte."""
+    import dataclasses
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from scale_llm.analysis.memory.activations import fp8_cast_bytes, numerics_for
+    from scale_llm.analysis.memory.measure import LiveStorages
+    from scale_llm.config import load_config
+    from scale_llm.config.sections import mlp_hidden_size
+
+    m = load_config(None, ["model.d_model=256", "model.seq_len=128"]).model
+    batch, K, N = 4, m.d_model, mlp_hidden_size(m)
+    M = batch * m.seq_len
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=False)
+    with FakeTensorMode():
+        linear = nn.Sequential(nn.Linear(K, N, bias=False, dtype=torch.bfloat16))
+        linear = convert_to_float8_training(linear, config=config)[0]
+        live = LiveStorages(fake=True)
+        with live._mode:
+            x = torch.randn(M, K, dtype=torch.bfloat16).requires_grad_()
+            y = linear(x)
+            grad, start = torch.ones_like(y), live.live
+            live.peak, live._in_window = live.live, True
+            y.backward(grad)
+    num = numerics_for("bf16", "fsdp", fp8=True)
+    assert live.peak - start - 2 * M * K == fp8_cast_bytes(m, batch, num, recipe, fused=False)
+
+
+def test_estimate_counts_fp8_casts_and_the_fp8_gather():
+    """7B on 8 GPUs under FSDP2: the fp8 gather holds the blocks' linear weights at 1 byte
+    (the gathered parameters at the peak drop by their other byte), and each block's backward
+    holds the casts; one process in bf16 saves no autocast copies of the linears' weights."""
+    from scale_llm.analysis.memory.activations import block_matmul_params
+    from scale_llm.analysis.memory.estimate import estimate
+    from scale_llm.config import load_config
+    from tests.helpers import REPO
+
+    def est(*keys: str, world: int = 8):
+        cfg = load_config(REPO / "yaml" / "7b.yaml", ["parallel.backend=fsdp", *keys])
+        return estimate(cfg, world)
+
+    bf16, fp8 = est(), est(*FP8)
+    phase = "block 31 backward"  # the last block: the root and two blocks gathered
+    saved = 2 * block_matmul_params(fp8.model)  # two blocks' linears (2 bytes -> 1)
+    assert bf16.parts[phase]["params"] - fp8.parts[phase]["params"] == saved
+    m, tokens, F = fp8.model, fp8.layout.micro_batch * fp8.model.seq_len, 11008
+    casts = 2 * tokens * F + m.d_model * F + tokens * m.d_model + 12  # compiled: fused
+    assert fp8.parts[phase]["temporaries"] - bf16.parts[phase]["temporaries"] == casts
+    assert "fp8 tensorwise linears" in fp8.layout.describe()
+    rowwise = est(*FP8, "train.fp8.recipe=rowwise")
+    assert rowwise.parts[phase]["params"] == bf16.parts[phase]["params"]  # gathered in bf16
+    one = [est("parallel.backend=single", *keys, world=1) for keys in ([], FP8)]
+    drop = {
+        p: one[0].parts[p]["activations"] - one[1].parts[p]["activations"] for p in one[0].parts
+    }
+    copies = 2 * block_matmul_params(m)  # a block's autocast copies (all 32 checkpointed)
+    assert drop["loss forward"] == 32 * copies and drop["block 0 backward"] == copies

@@ -23,6 +23,7 @@ class Numerics:
     fused_norm: bool = False  # RMSNorm saves its input and rstd (CUDA, the CPU's cpu_kernels)
     tp: int = 1  # each rank holds 1/tp of the heads, the SwiGLU width and the vocabulary
     sequence_parallel: bool = False  # the norms and the residual stream: 1/tp of the sequence
+    fp8: bool = False  # train.fp8: the blocks' linears cast their own weights (no autocast copy)
 
     def stream_tokens(self, tokens: int) -> int:
         """This rank's tokens of the residual stream and the norms."""
@@ -30,9 +31,14 @@ class Numerics:
 
 
 def numerics_for(
-    precision: str, backend: str, fused_norm: bool = False, tp: int = 1, sp: bool = False
+    precision: str,
+    backend: str,
+    fused_norm: bool = False,
+    tp: int = 1,
+    sp: bool = False,
+    fp8: bool = False,
 ) -> Numerics:
-    layout = {"tp": tp, "sequence_parallel": sp and tp > 1}
+    layout = {"tp": tp, "sequence_parallel": sp and tp > 1, "fp8": fp8}
     if precision == "fp32":
         return Numerics(4, 4, False, fused_norm, **layout)
     if backend in ("fsdp", "deepspeed"):
@@ -84,7 +90,8 @@ def block_activation_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
     else:
         attention = a * N * (3 * g["dq"] + 3 * g["dkv"]) + 4 * batch * g["H"] * T
     mlp = 4 * a * N * g["F"]
-    weight_copies = 2 * block_matmul_params(m, num.tp) if num.autocast else 0
+    # autocast's 16-bit weight copies (an fp8 linear saves its fp32 weight itself: no copy)
+    weight_copies = 2 * block_matmul_params(m, num.tp) if num.autocast and not num.fp8 else 0
     rope = 2 * T * g["D"] * a if a != 4 else 0  # 16-bit cos and sin for q and k, (T, D / 2) each
     return norms + norm_outputs + attention + mlp + weight_copies + rope
 
@@ -190,6 +197,21 @@ def block_backward_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
     width = mlp_hidden_size(m) // num.tp
     stream = N + (num.stream_tokens(N) if num.sequence_parallel else 0)
     return 3 * num.compute * N * width + num.residual * stream * m.d_model
+
+
+def fp8_cast_bytes(m: ModelConfig, batch: int, num: Numerics, recipe: str, fused: bool) -> int:
+    """train.fp8's casts alive beside a block's backward gradients, at their largest: the MLP
+    up-projection's weight-gradient cast (K = d_model, N = the hidden width on this rank, M the
+    micro-batch's tokens, whole under sequence parallelism). Eager, each cast makes fp32
+    scaled and clamped copies before its fp8 one: the output gradient's second cast (8 MN)
+    beside its first (MN) and its own (MN), and the weight's (KN). Compiled, the casts fuse:
+    the fp8 copies alone (the output gradient twice, the weight, the input). Plus the fp32
+    scales: one a tensor, or rowwise one a row of each operand (4 (M + N + K))."""
+    if not num.fp8:
+        return 0
+    M, K, N = batch * m.seq_len, m.d_model, mlp_hidden_size(m) // num.tp
+    casts = 2 * M * N + K * N + M * K if fused else 10 * M * N + K * N
+    return casts + (4 * (M + N + K) if recipe == "rowwise" else 12)
 
 
 def resident_input_bytes(m: ModelConfig, batch: int) -> int:

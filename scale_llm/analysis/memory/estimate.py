@@ -18,6 +18,7 @@ from scale_llm.analysis.memory.activations import (
     block_backward_bytes,
     block_matmul_params,
     checkpointed_count,
+    fp8_cast_bytes,
     kept_per_block,
     loss_backward_bytes,
     loss_forward_bytes,
@@ -25,7 +26,8 @@ from scale_llm.analysis.memory.activations import (
     resident_input_bytes,
     saved_activation_bytes,
 )
-from scale_llm.config import ActivationCheckpointingConfig, Config, ModelConfig
+from scale_llm.config import ActivationCheckpointingConfig, Config, ModelConfig, compiles
+from scale_llm.config.fp8 import fp8_all_gathers
 from scale_llm.config.plan import RunPlan, target_plan
 from scale_llm.config.sections import mlp_hidden_size
 from scale_llm.errors import UserError
@@ -64,6 +66,9 @@ class Layout:
     tp: int = 1  # tensor parallelism: each rank holds 1/tp of every matmul weight
     sequence_parallel: bool = False
     replicate: int = 1  # HSDP: data-parallel groups that each hold a whole sharded copy
+    fp8: str = ""  # train.fp8's recipe (tensorwise | rowwise); "": off
+    fp8_gather: bool = False  # FSDP2 gathers the blocks' linear weights in fp8 (1 byte)
+    compiled: bool = True  # compiled blocks: fp8's casts fuse into their fp8 outputs
 
     @property
     def shards(self) -> int:
@@ -87,7 +92,8 @@ class Layout:
         if self.tp > 1:
             extra += f" x tensor parallel {self.tp}"
             extra += " (sequence parallel)" if self.sequence_parallel else ""
-        return f"{self.backend}{extra}, world {self.world}, {self.precision}"
+        fp8 = f" + fp8 {self.fp8} linears" if self.fp8 else ""
+        return f"{self.backend}{extra}, world {self.world}, {self.precision}{fp8}"
 
 
 def layout_of(cfg: Config, plan: RunPlan) -> Layout:
@@ -121,7 +127,17 @@ def layout_of(cfg: Config, plan: RunPlan) -> Layout:
         tp=plan.tp_degree,
         replicate=plan.replicate_degree,
         sequence_parallel=plan.tp_degree > 1 and p.sequence_parallel,
+        **_fp8_layout(cfg, plan),
     )
+
+
+def _fp8_layout(cfg: Config, plan: RunPlan) -> dict[str, Any]:
+    """train.fp8's part of the layout (the backends that take fp8 linears: single and FSDP2)."""
+    fp8 = cfg.train.fp8
+    if not fp8.enabled or plan.backend not in ("single", "fsdp"):
+        return {}
+    gather = plan.backend == "fsdp" and fp8_all_gathers(fp8)
+    return {"fp8": fp8.recipe, "fp8_gather": gather, "compiled": compiles(cfg.train, "cuda")}
 
 
 def _dtype_name(value: Any) -> str | None:
@@ -195,15 +211,27 @@ def fsdp_gathered_params(n: ParamCounts, lay: Layout, at: int | str) -> float:
     fake traces at 8: resharded, the block computing, the root from its pre-backward on and the
     block below, prefetched; else everything through the loss, then the root and blocks 0..i."""
     c = lay.working_bytes
+    root, block = c * n.root, gathered_block_bytes(n, lay)
     if not lay.reshard_after_forward:
+        every = root + n.layers * block
         if at == "largest":
-            return c * (n.total + n.block)
-        return c * (n.total if at == "loss" else n.root + (int(at) + 1) * n.block)
+            return every + block
+        return every if at == "loss" else root + (int(at) + 1) * block
     if at == "largest":
-        return c * (n.root + n.block + max(n.block, n.root))
+        return root + block + max(block, root)
     if at == "loss":  # measured on 2 gloo ranks (the live storages, by owner)
-        return c * n.block
-    return c * (n.root + (2 if int(at) > 0 else 1) * n.block)
+        return block
+    return root + (2 if int(at) > 0 else 1) * block
+
+
+def gathered_block_bytes(n: ParamCounts, lay: Layout) -> float:
+    """One block's gathered parameters: in the compute dtype, or its linears' weights in fp8
+    (1 byte; cast before the all-gather) under train.fp8's FSDP2 gather."""
+    c = lay.working_bytes
+    if not lay.fp8_gather:
+        return float(c * n.block)
+    matmul = sum(n.block_tensors[:5])  # wqkv wo w1 w3 w2 (ParamCounts.of's order)
+    return float(matmul + c * (n.block - matmul))
 
 
 def fsdp_unsharded_grads(n: ParamCounts, lay: Layout, unit: int) -> float:
@@ -454,7 +482,9 @@ class Estimate:
 
 def estimate_layout(m: ModelConfig, ac: ActivationCheckpointingConfig, lay: Layout) -> Estimate:
     n = ParamCounts.of(m, lay.tp)
-    num = numerics_for(lay.precision, lay.backend, lay.fused_norm, lay.tp, lay.sequence_parallel)
+    num = numerics_for(
+        lay.precision, lay.backend, lay.fused_norm, lay.tp, lay.sequence_parallel, bool(lay.fp8)
+    )
     gpu, cpu = state_bytes(n, lay)
     parts, gpu["activations"], gpu["temporaries"] = step_phases(m, ac, lay, n, gpu, num)
     for k in ("activations", "temporaries"):  # (autocast's weight cache, a tied head's gradient)
@@ -563,6 +593,8 @@ def step_phases(
     activations = saved
     # autocast caches its bf16 weight copies until the forward ends: extra for checkpointed blocks
     cast_cache = 2 * block_matmul_params(m) * checkpointed_count(m, ac) if num.autocast else 0
+    cast_cache = 0 if num.fp8 else cast_cache  # (fp8 linears cast their weights themselves)
+    fp8_casts = fp8_cast_bytes(m, B, num, lay.fp8, lay.compiled)  # beside a block's backward
     if fsdp:
         loss_params = sharded_params + fsdp_gathered_params(n, lay, "loss")
     # ZeRO-1/2 allocate their reduce buckets at a backward's first gradient and free them after
@@ -603,7 +635,10 @@ def step_phases(
         alive = resident + sum(kept[:i]) + full_block
         activations = max(activations, alive)
         phases[f"block {i} backward"] = at(
-            params_now, max(carry, so_far) + transient, alive - product, in_block + waiting
+            params_now,
+            max(carry, so_far) + transient,
+            alive - product,
+            in_block + waiting + fp8_casts,
         )
     step_params = sharded_params if fsdp else gpu["params"]  # FSDP: all resharded by now
     if lay.backend == "deepspeed" and lay.zero_stage >= 3:  # released after the backward
