@@ -244,6 +244,8 @@ PUBLISHED = {
         ),
         Published("llama3-8b-tp8", "H100-500W", 64, 4378, TORCHTITAN_2506, "every second matmul"),
         Published("llama3-70b", "H100-500W", 256, 597.3, TORCHTITAN_2506),
+        Published("llama3-8b-fp8", "H100-500W", 8, 8532, TORCHTITAN_2412, "every second matmul"),
+        Published("llama3-70b-fp8", "H100-500W", 256, 809.8, TORCHTITAN_2506),
         Published("nanochat-d32", "H100-SXM", 8, 41693, "karpathy/nanochat run1000.sh, fae3aca"),
     )
 }
@@ -545,7 +547,13 @@ def roofline(
         "achieved": achieved(
             cfg, counter, rows, grad_accum, device, (model_flops, causal_flops), world
         ),
+        # under pipeline parallelism: one GPU's step at its stage (the rest: the whole model)
+        "pipeline": pipeline_step(cfg, world, device) if _pp(cfg, world) > 1 else None,
     }
+
+
+def _pp(cfg: Config, world: int) -> int:
+    return target_plan(cfg, world).pp_degree
 
 
 def achieved(
@@ -570,8 +578,12 @@ def achieved(
     classes: dict[str, dict[str, float]] = {}
     for way in WAYS:
         hbm = getattr(RATES[device].hbm, way)
-        gemms = _gemm_seconds(counter, device, way, hbm, tp, model.seq_len)
+        fp8 = model.vocab_size if cfg.train.fp8.enabled else None
+        gemms = _gemm_seconds(counter, device, way, hbm, tp, model.seq_len, fp8)
         times = {"matmul": grad_accum * gemms}
+        if fp8 is not None:
+            cast = fp8_cast_seconds(cfg, counter.micro_batch, device, way)  # split over tp below
+            times[FP8_ROW] = grad_accum * cast
         times["attention"] = rows.get("attention", {}).get("flops", 0.0) / getattr(attention, way)
         times[FUSED_ROW if compiled else EAGER_ROW] = elementwise[way] / hbm
         for cls in ("embedding", "optimizer (AdamW)"):
@@ -609,6 +621,7 @@ def achieved(
         "calibration": dataclasses.asdict(CALIBRATION),
         "recompute": published_recompute(cfg),
         "compiled": compiled,
+        "fp8": cfg.train.fp8.recipe if cfg.train.fp8.enabled else None,
         "elementwise_bytes_per_step": elementwise["point"],
         "classes": classes,
         "ms": ms,
@@ -619,6 +632,8 @@ def achieved(
 
 
 IDLE_ROW = "outside the counted kernels (CALIBRATION.busy)"
+FP8_ROW = "FP8 casts and scales"
+FP8_PEAK_NOTE = "bf16's achieved share of peak times the FP8 peak (1979 TFLOP/s)"
 
 
 def _elementwise_bytes(
@@ -640,17 +655,92 @@ def _idle(classes: dict[str, dict[str, float]]) -> dict[str, float]:
 
 
 def _gemm_seconds(
-    counter: _Counter, device: str, way: str, hbm: float, tp: int = 1, seq_len: int = 0
+    counter: _Counter,
+    device: str,
+    way: str,
+    hbm: float,
+    tp: int = 1,
+    seq_len: int = 0,
+    fp8_except: int | None = None,
 ) -> float:
     """One micro-step's GEMMs on one GPU, each at its shape's rate (or its traffic, if that is
-    slower); under tensor parallelism each at one rank's shape (`tp_shape`)."""
+    slower); under tensor parallelism each at one rank's shape (`tp_shape`). `fp8_except`: FP8
+    linears, every GEMM but those with this dimension (the vocabulary: the output head)."""
     seconds = 0.0
     tokens = counter.micro_batch * seq_len
     for shape, calls in counter.gemms.items():
         m, n, k = tp_shape(shape, tp, tokens)
+        if fp8_except is not None and fp8_except not in shape:
+            seconds += calls * fp8_gemm_seconds(device, way, hbm, m, n, k)
+            continue
         rate = getattr(matmul_rate(device, m, n, k), way)
         seconds += calls * max(2 * m * n * k / rate, 2 * (m * k + k * n + m * n) / hbm)
     return seconds
+
+
+# Dense FP8 tensor-core peaks (data sheets): twice bf16's on Hopper; none on an A100
+FP8_PEAK = {"H100-SXM": 1979e12, "H100-500W": 1979e12, "H200": 1979e12}
+
+
+def fp8_gemm_seconds(device: str, way: str, hbm: float, m: int, n: int, k: int) -> float:
+    """An FP8 GEMM (fp8 operands, bf16 output): bf16's achieved rate at its shape scaled by the
+    FP8 peak over the bf16 one (the same share of peak, as torchao's roofline takes), or its
+    traffic if that is slower."""
+    if device not in FP8_PEAK:
+        raise ValueError(f"{device} has no FP8 tensor cores: train.fp8 needs an H100 or H200")
+    rate = getattr(matmul_rate(device, m, n, k), way) * FP8_PEAK[device] / DEVICES[device][0]
+    return max(2 * m * n * k / rate, ((m * k + k * n) + 2 * m * n) / hbm)
+
+
+# Bytes per element of torchao's casts of one linear's operands over forward + backward
+# (torchao/testing/training/roofline_utils.py, get_tensor_memory_traffic_ovhd_s): (input,
+# weight, grad_output), each as (unfused, with the amax read fused into the op before).
+# Tensorwise: an amax read (2) and a bf16 read with fp8 writes (row- and column-major); rowwise:
+# a cast per orientation, the weight's transposed in bf16 between.
+FP8_CAST_BYTES = {
+    "tensorwise": ((6, 4), (8, 8), (6, 4)),
+    "rowwise": ((8, 6), (10, 10), (8, 6)),
+}
+
+
+def fp8_cast_bytes(tokens: int, n: int, k: int, recipe: str, fused: float = 0.0) -> float:
+    """Bytes the FP8 casts and scales of one (tokens x k) @ (k x n) linear move per forward +
+    backward; `fused`: the share of the fusable amax reads that compile fuses (0..1)."""
+    sizes = (tokens * k, k * n, tokens * n)  # input, weight, grad_output
+    return sum(
+        size * (plain - fused * (plain - merged))
+        for size, (plain, merged) in zip(sizes, FP8_CAST_BYTES[recipe])
+    )
+
+
+def block_linears(cfg: Config) -> list[tuple[int, int]]:
+    """(out, in) features of one block's linears: wqkv, wo, w1, w3, w2."""
+    m = cfg.model
+    head_dim, hidden = m.d_model // m.n_heads, mlp_hidden_size(m)
+    qkv = (m.n_heads + 2 * (m.n_kv_heads or m.n_heads)) * head_dim
+    wo = (m.d_model, m.n_heads * head_dim)
+    return [(qkv, m.d_model), wo, (hidden, m.d_model), (hidden, m.d_model), (m.d_model, hidden)]
+
+
+def fp8_cast_seconds(cfg: Config, micro_batch: int, device: str, way: str, tp: int = 1) -> float:
+    """One micro-step's FP8 casts of every block linear on one GPU (a tp rank casts 1/tp)."""
+    tokens = micro_batch * cfg.model.seq_len
+    fused = getattr(CALIBRATION.fused, way) if compiles(cfg.train, "cuda") else 0.0
+    recipe = cfg.train.fp8.recipe
+    per_block = sum(fp8_cast_bytes(tokens, n, k, recipe, fused) for n, k in block_linears(cfg))
+    return cfg.model.n_layers * per_block / tp / getattr(RATES[device].hbm, way)
+
+
+def fp8_linear_gain(
+    device: str, tokens: int, n: int, k: int, recipe: str = "tensorwise", fused: float = 1.0
+) -> float:
+    """bf16 time / FP8 time of one linear's three GEMMs (forward, dgrad, wgrad) with FP8's casts,
+    at the point rates: below 1, FP8 does not pay (narrow linears: the casts outweigh the GEMMs)."""
+    hbm = RATES[device].hbm.point
+    shapes = ((tokens, n, k), (tokens, k, n), (k, n, tokens))
+    bf16 = sum(2 * a * b * c / matmul_rate(device, a, b, c).point for a, b, c in shapes)
+    fp8 = sum(fp8_gemm_seconds(device, "point", hbm, a, b, c) for a, b, c in shapes)
+    return bf16 / (fp8 + fp8_cast_bytes(tokens, n, k, recipe, fused) / hbm)
 
 
 def tp_shape(shape: tuple[int, int, int], tp: int, tokens: int) -> tuple[int, int, int]:
@@ -746,6 +836,8 @@ def format_roofline(r: dict[str, Any]) -> str:
         + ("" if split else allreduce)
     )
     lines += format_achieved(r["achieved"])
+    if r.get("pipeline"):
+        lines += format_pipeline(r["pipeline"])
     lines.append(
         "MFU counts attention over the full T x T score matrix (6N + 12 L d T per token, PaLM's "
         "convention, as the trainer's mfu); causal: its causal half, the work the kernel does"
@@ -777,6 +869,11 @@ def format_achieved(a: dict[str, Any]) -> list[str]:
             f"at NVLink's {NVLINK_BYTES_PER_S / 1e9:.0f} GB/s, exposed) and "
             f"{t['fsdp_bytes'] / 1e9:,.0f} GB of FSDP2 collectives ({t['fsdp_ms']:,.0f} ms at "
             f"{8 * NETWORK_BYTES_PER_S / 1e9:.0f} Gb/s, overlapped with the compute)"
+        )
+    if a.get("fp8"):
+        lines.append(
+            f"FP8 linears ({a['fp8']}): the blocks' GEMMs at {FP8_PEAK_NOTE}, their casts and "
+            f"scales in '{FP8_ROW}'"
         )
     if a.get("recompute"):
         lines.append(f"recomputed as the published run does: {a['recompute']} of each block")
@@ -821,3 +918,157 @@ def parallel_traffic(cfg: Config, world: int, micro_batch: int, grad_accum: int)
         "fsdp_bytes": fsdp_bytes,
         "fsdp_ms": 1e3 * fsdp_bytes / NETWORK_BYTES_PER_S,
     }
+
+
+def pipeline_bubble(
+    stages: int, microbatches: int, schedule: str, stages_per_rank: int = 1
+) -> float:
+    """The share of a pipelined step a rank waits, `stages` ranks deep, `microbatches` pieces a
+    step: 1F1B and GPipe (N - 1) / (m + N - 1); interleaved and looped schedules cut each rank's
+    fill and drain by its v stages, (N - 1) / (v m + N - 1); zero-bubble schedules (ZBV,
+    DualPipeV) fill a third of that again with the weight gradients, whose backward they split
+    off (ZB-H1's bubble is 1/3 of 1F1B's: Qi et al., arXiv:2401.10241)."""
+    n, m, v = stages, microbatches, stages_per_rank
+    if n == 1:
+        return 0.0
+    if schedule in ("1f1b", "gpipe"):
+        return (n - 1) / (m + n - 1)
+    if schedule in ("interleaved_1f1b", "looped_bfs"):
+        return (n - 1) / (v * m + n - 1)
+    if schedule in ("zero_bubble", "dualpipev"):
+        return (n - 1) / (3 * v * m + n - 1)
+    raise ValueError(f"unknown pipeline schedule {schedule!r}")
+
+
+def pipeline_p2p_bytes(
+    piece_tokens: int, d_model: int, microbatches: int, stages_per_rank: int, tp: int, c: int = 2
+) -> float:
+    """Bytes one rank sends to its neighbours per step: each of its v stages sends each piece's
+    activations forward and their gradients back, (piece_tokens, d_model) in `c`-byte elements,
+    1/tp of them per tensor-parallel rank (sequence-parallel activations)."""
+    return 2 * microbatches * stages_per_rank * piece_tokens * d_model * c / tp
+
+
+PP_ROW = "pipeline bubble"
+P2P_ROW = "pipeline sends (network, exposed)"
+
+
+def pipeline_step(
+    cfg: Config,
+    world: int,
+    device: str = "H100-SXM",
+    microbatches: int | None = None,
+    stages_per_rank: int | None = None,
+) -> dict[str, Any]:
+    """One GPU's step under pipeline parallelism x FSDP2 x TP (parallel.pipeline_parallel and
+    parallel.pipeline.*, read through the plan): the worst stage's blocks (the balanced split,
+    the head weighed as one block, on the last stage) priced by `roofline` one piece at a time
+    at the stage's TP x FSDP2 layout, every piece of the step, the bubble of the schedule on
+    top, and the sends between stages at the network's rate. `microbatches` and
+    `stages_per_rank` replace the plan's (a published run's, which this framework's checks may
+    refuse: torchtitan ran interleaved 1F1B with fewer microbatches than stages)."""
+    from scale_llm.config import with_changes
+
+    plan = target_plan(cfg, world)
+    pp = plan.pp_degree
+    v = stages_per_rank or plan.pp_stages_per_rank
+    pieces = microbatches or plan.pp_microbatches
+    m = cfg.model
+    blocks = max(1, math.ceil((m.n_layers + 2) / pp) - 1)
+    # the schedule keeps FSDP2's gathered parameters for the step and reduces once at its end
+    # (torch.distributed.pipelining: set_reshard_after_backward / set_requires_gradient_sync)
+    once = {"parallel.fsdp.reshard_after_forward": False}
+    once["parallel.fsdp.reduce_every_micro_step"] = False
+    stage = with_changes(
+        cfg,
+        {"model.n_layers": blocks, "parallel.pipeline_parallel": 1, "parallel.world_size": None}
+        | once,
+    )
+    piece = plan.micro_batch_size // pieces
+    a = roofline(stage, piece, 1, device, world // pp)["achieved"]
+    count = pieces * plan.grad_accum  # pieces a step
+    classes = {c: {w: t * count for w, t in ms.items()} for c, ms in a["classes"].items()}
+    classes.pop(FSDP_ROW, None)  # priced once a step below, not once a piece
+    schedule = cfg.parallel.pipeline.schedule
+    bubble = pipeline_bubble(pp, count, schedule, v)
+    work = {w: sum(c[w] for c in classes.values()) for w in WAYS}
+    if a["parallel_traffic"]:
+        fsdp = a["parallel_traffic"]["fsdp_ms"]
+        classes[FSDP_ROW] = {w: max(0.0, fsdp - t) for w, t in work.items()}
+    classes[PP_ROW] = {w: t * bubble / (1 - bubble) for w, t in work.items()}
+    p2p = pipeline_p2p_bytes(piece * m.seq_len, m.d_model, count, v, plan.tp_degree)
+    classes[P2P_ROW] = {w: 1e3 * p2p / NETWORK_BYTES_PER_S if pp > 1 else 0.0 for w in WAYS}
+    ms = {w: sum(c[w] for c in classes.values()) for w in WAYS}
+    tokens = plan.micro_batch_size * plan.grad_accum * m.seq_len * plan.dp_degree / world
+    flops = build_model(m).flops_per_token() * tokens  # one GPU's share of the model's FLOPs
+    return {
+        "pipeline": {"stages": pp, "stages_per_rank": v, "schedule": schedule, "pieces": count},
+        "blocks_per_stage": blocks,
+        "bubble": bubble,
+        "p2p_bytes": p2p,
+        "classes": classes,
+        "ms": ms,
+        "mfu": {w: flops / (t / 1e3) / DEVICES[device][0] for w, t in ms.items()},
+        "tokens_per_s_per_gpu": {w: tokens / (t / 1e3) for w, t in ms.items()},
+    }
+
+
+def format_pipeline(p: dict[str, Any]) -> list[str]:
+    """The pipeline's lines: one GPU's step at its stage, the bubble and the sends."""
+    pipe = p["pipeline"]
+    lines = [
+        f"under pipeline parallel {pipe['stages']} ({pipe['schedule']}, {pipe['stages_per_rank']} "
+        f"stage(s) a rank, {pipe['pieces']} microbatches a step): the above is the whole model; "
+        f"one GPU holds {p['blocks_per_stage']} blocks (the last stage, with the head)",
+        "| op class | ms at achieved rates [at high rates - at low rates] |",
+        "|---|---|",
+    ]
+    for cls, ms in sorted(p["classes"].items(), key=lambda kv: -kv[1]["point"]):
+        lines.append(f"| {cls} | {ms['point']:.1f} [{ms['high']:.1f}-{ms['low']:.1f}] |")
+    ms = p["ms"]
+    lines.append(
+        f"pipelined step: {ms['point']:.0f} ms [{ms['high']:.0f}-{ms['low']:.0f}], bubble "
+        f"{p['bubble']:.1%}; MFU {_span(p['mfu'], 0.01, '.0f', '%')}; "
+        f"{_span(p['tokens_per_s_per_gpu'], 1, ',.0f')} tokens/s per GPU"
+    )
+    return lines
+
+
+# Llama 3.1 405B (Meta's config.json) as torchtitan trained it on 512 H100s (benchmarks/
+# llama3_h100_202412_torchtitan.md, Table 5): seq 8192, full checkpointing, compiled, Float8
+# tensorwise, local batch 32, global 256
+LLAMA_405B = [
+    *("model.vocab_size=128256", "model.d_model=16384", "model.n_layers=126"),
+    *("model.n_heads=128", "model.n_kv_heads=8", "model.mlp_hidden=53248"),
+    *("model.seq_len=8192", "model.rope_theta=500000.0", "model.tie_embeddings=false"),
+    *("activation_checkpointing.mode=full", "train.compile=true", "parallel.backend=fsdp"),
+    *("train.fp8.enabled=true", "train.fp8.recipe=tensorwise"),
+]
+# (tp, pp, schedule, stages a rank, micro-batch (local batch), microbatches, published
+# tokens/s/GPU): torchtitan's two rows first (8 microbatches, its default: the pipeline degree)
+PIPELINE_CANDIDATES = (
+    (8, 8, "1f1b", 1, 32, 8, 100),
+    (8, 8, "interleaved_1f1b", 2, 32, 8, 128),
+    (8, 8, "1f1b", 1, 32, 32, None),
+    (8, 8, "interleaved_1f1b", 2, 32, 32, None),
+    (8, 8, "zero_bubble", 2, 32, 32, None),
+    (8, 4, "interleaved_1f1b", 2, 16, 16, None),
+    (8, 16, "interleaved_1f1b", 2, 64, 32, None),
+)
+
+
+def pipeline_candidates(world: int = 512, device: str = "H100-500W") -> list[dict[str, Any]]:
+    """LLAMA_405B at each PIPELINE_CANDIDATES layout on `world` GPUs: the pipelined step."""
+    from scale_llm.config import load_config
+
+    rows = []
+    for tp, pp, schedule, v, local, pieces, published in PIPELINE_CANDIDATES:
+        dp = world // (tp * pp)
+        keys = {"tensor_parallel": tp, "pipeline_parallel": pp, "pipeline.schedule": schedule}
+        keys |= {"pipeline.stages_per_rank": v, "pipeline.microbatches": max(pieces, pp * v)}
+        sets = [f"parallel.{k}={x}" for k, x in keys.items()]
+        sets += [f"train.micro_batch_size={local}", f"train.global_batch_size={local * dp}"]
+        cfg = load_config(None, [*LLAMA_405B, *sets])
+        step = pipeline_step(cfg, world, device, microbatches=pieces)
+        rows.append({"layout": (dp, tp, pp, schedule, v, pieces), "published": published, **step})
+    return rows
