@@ -225,3 +225,22 @@ def test_estimate_counts_fp8_casts_and_the_fp8_gather():
     }
     copies = 2 * block_matmul_params(m)  # a block's autocast copies (all 32 checkpointed)
     assert drop["loss forward"] == 32 * copies and drop["block 0 backward"] == copies
+
+
+def test_torchao_imports_quietly_off_a_gpu():
+    """On the CPU, importing torchao says nothing of the CUDA kernel libraries and Triton it
+    cannot load, nor torch's deprecation of how it registers an enum (a fresh interpreter:
+    torchao imports once)."""
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO, env
+
+    code = "import logging; logging.basicConfig(); from scale_llm.parallel import fp8; "
+    proc = subprocess.run(
+        [sys.executable, "-c", code + "fp8._import_torchao(quiet=True)"],
+        cwd=REPO, env=env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "Failed to load" not in proc.stderr and "triton" not in proc.stderr, proc.stderr
+    assert "KernelPreference" not in proc.stderr

@@ -91,6 +91,7 @@ def apply_fp8(model: nn.Module, cfg: Config, plan: RunPlan) -> None:
     train.fp8.enabled; says what was converted, what was skipped, and whether it is emulated."""
     if not cfg.train.fp8.enabled:
         return
+    _import_torchao(quiet=plan.device.type != "cuda")
     from torchao.float8 import convert_to_float8_training
 
     config = float8_config(cfg, plan)
@@ -106,6 +107,22 @@ def apply_fp8(model: nn.Module, cfg: Config, plan: RunPlan) -> None:
         )
         converted += sum(1 for m in block.modules() if _is_float8(m))
     _say(cfg, config, converted, skipped)
+
+
+def _import_torchao(quiet: bool) -> None:
+    """Import torchao without torch's deprecation warning about how torchao registers an enum
+    (nothing a user can act on); `quiet`: nor torchao's about the CUDA kernel libraries and
+    Triton it cannot load (a CPU machine has neither; the emulated path needs neither)."""
+    names = ["torch.utils._pytree", *(["torchao"] if quiet else [])]
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        import torchao.float8  # noqa: F401
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
 
 
 def _say(cfg: Config, config, converted: int, skipped: list[str]) -> None:
