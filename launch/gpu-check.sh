@@ -40,7 +40,8 @@ if [[ "$only_f" == 0 ]]; then "$PY" -m scale_llm check "$out" "$@" || rc=$?; fi
 [[ "$rc" == 2 ]] && exit 2  # refused before any work
 # (f) what issue 40 changed, measured: compiled vs eager at TP 1 (and TP 2 with 2+ GPUs), the
 # attention kernel that ran, the start's host memory, MFU against the calibrated roofline.
-# On a GPU always; on a CPU with SCALE_LLM_CHECK_CALIBRATION=1 (tiny.yaml, one step each).
+# On a GPU always; on a CPU with SCALE_LLM_CHECK_CALIBRATION=1 (tiny.yaml, one step each;
+# SCALE_LLM_CHECK_ROOFLINE=H100-SXM prices its rows as that GPU's, to try the arithmetic).
 if [[ "$gpus" -gt 0 || "${SCALE_LLM_CHECK_CALIBRATION:-0}" == "1" ]]; then
   ROOT="$ROOT" "$PY" - "$out" "$only_f" <<'PYEOF' || rc=1
 import json, os, subprocess, sys, tempfile, threading
@@ -61,8 +62,9 @@ ngpu = int(os.environ.get("SCALE_LLM_CHECK_NGPU") or 0)
 config = root / "yaml" / ("400m.yaml" if cuda else "tiny.yaml")
 steps = os.environ.get("SCALE_LLM_CHECK_STEPS", "5" if cuda else "1")
 sets = ["--set", "train.grad_accum=1"]
-device = next((d for f, d in (("H100", "H100-SXM"), ("H200", "H200"), ("A100", "A100-80GB"))
-               if cuda and f in torch.cuda.get_device_name()), None)
+device = os.environ.get("SCALE_LLM_CHECK_ROOFLINE") or next(  # (set: the CPU's dry run)
+    (d for f, d in (("H100", "H100-SXM"), ("H200", "H200"), ("A100", "A100-80GB"))
+     if cuda and f in torch.cuda.get_device_name()), None)
 
 
 def bench(compiled, tp=1):
@@ -108,23 +110,38 @@ def attention_kernels():
     return sorted(n for n in names if any(w in n.lower() for w in ("attention", "flash", "fmha")))
 
 
-def predicted(compiled):
-    cfg = with_changes(load_config(config, sets[1::2]), {"train.compile": compiled})
+def predicted(compiled, tp):
+    """The calibrated roofline's MFU (point, low, high) for the row's layout on this GPU kind."""
     if device is None:
         return None
-    return roofline(cfg, cfg.train.micro_batch_size, 1, device, 1)["achieved"]["mfu"]
+    changes = {"train.compile": compiled}
+    if tp > 1:
+        changes |= {"parallel.backend": "fsdp", "parallel.tensor_parallel": tp}
+    cfg = with_changes(load_config(config, sets[1::2]), changes)
+    return roofline(cfg, cfg.train.micro_batch_size, 1, device, tp)["achieved"]["mfu"]
+
+
+def decided():
+    """The kernel scale_llm.model.attention picks for the config on a GPU in bf16."""
+    from scale_llm.model.attention import choose
+
+    m = load_config(config, []).model
+    gqa = bool(m.n_kv_heads) and m.n_kv_heads != m.n_heads
+    document = m.attention_mask == "document"
+    return choose("cuda", torch.bfloat16, document, gqa, m.d_model // m.n_heads).name
 
 
 rows = [bench(c) for c in (True, False)]
 if ngpu >= 2 or not cuda:  # the CPU runs TP 2 on 2 gloo ranks
     rows += [bench(c, 2) for c in (True, False)]
 for row in rows:
-    if row["tp"] == 1:
-        row["mfu_predicted"] = predicted(row["compiled"])
+    row["mfu_predicted"] = predicted(row["compiled"], row["tp"])
 report = {"rows": rows, "attention_kernels": attention_kernels(), "config": str(config)}
+report["attention_decided"] = decided()
 md = ["", "## (f) issue 40 on this machine", "",
       f"{config.name}, grad_accum 1, {steps} timed step(s); attention kernels run: "
-      + (", ".join(report["attention_kernels"]) or "none named"), "",
+      + (", ".join(report["attention_kernels"]) or "none named")
+      + f" (scale_llm.model.attention picks `{report['attention_decided']}` on a GPU)", "",
       "| compiled | TP | tokens/s per rank | MFU | predicted MFU (range) | host peak GiB, a rank |",
       "|---|---|---|---|---|---|"]
 failed = False
