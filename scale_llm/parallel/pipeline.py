@@ -244,19 +244,27 @@ class PipelineBackend(FSDPBackend):
         torch.Tensor and DTensor')."""
         pieces = self.plan.pp_microbatches * self.accum
         if self.tp > 1:
-            return cross_entropy(full_logits(logits), targets) / pieces
-        return self.loss_fn(logits, targets) / pieces
+            loss = cross_entropy(full_logits(logits), targets) / pieces
+        else:
+            loss = self.loss_fn(logits, targets) / pieces
+        return loss if self.scale is None else loss * self.scale  # (fp16: the scaler's)
 
     def forward_backward(
         self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, accum: int
     ) -> torch.Tensor:
         """One micro-batch through the schedule (its pieces' forwards and backwards); returns
         its loss / accum on every rank (summed over the stages: the last one has it)."""
-        self.accum, losses = accum, []
+        self.accum, losses, device = accum, [], inputs.device
+        # fp16: the scaler's factor, made on every stage (each unscales its own gradients)
+        self.scale = (
+            None if self.scaler is None else self.scaler.scale(torch.ones((), device=device))
+        )
         self.schedule.step(inputs, target=targets, losses=losses, return_outputs=False)
-        loss = torch.zeros((), device=inputs.device)
+        loss = torch.zeros((), device=device)
         for piece in losses:  # (the last stage's pieces; none elsewhere)
             loss += piece.detach().float().reshape(())
+        if self.scale is not None:
+            loss /= self.scale
         dist.all_reduce(loss, group=self.model.group)
         return loss
 
