@@ -52,12 +52,18 @@ MOVES = {
     "zero3-to-fsdp": (2, [*BACKENDS["fsdp"], *SPLIT], "zero3"),
     "zero2-to-single": (1, SINGLE, "zero2"),
     "ddp-to-zero3": (2, [*BACKENDS["zero3"], *SPLIT], "ddp"),
+    "fsdp-to-zero2": (2, [*BACKENDS["zero2"], *SPLIT], "fsdp"),
+    "zero0-to-fsdp": (2, [*BACKENDS["fsdp"], *SPLIT], "zero0"),
+    "zero3-to-zero2": (2, [*BACKENDS["zero2"], *SPLIT], "zero3"),
 }
 NEEDS = {  # test: the moves it makes
     "test_dcp_checkpoints_move_between_backends_and_world_sizes": [
         "ddp-to-fsdp", "ddp-to-single", "fsdp-2-to-1"
     ],
-    "test_deepspeed_and_dcp_exchange_model_weights": ["ddp-to-zero3"],
+    "test_dcp_runs_continue_exactly_under_deepspeed": [
+        "fsdp-to-zero2", "ddp-to-zero3", "zero3-to-zero2"
+    ],
+    "test_zero0_moves_its_weights_only": ["zero0-to-fsdp"],
     "test_deepspeed_runs_continue_exactly_on_the_other_backends": [
         "zero2-to-fsdp", "zero3-to-fsdp", "zero2-to-ddp", "zero2-to-single"
     ],
@@ -128,10 +134,20 @@ def test_deepspeed_runs_continue_exactly_on_the_other_backends(moved, reference)
             assert abs(rows[step]["grad_norm"] - reference[step]["grad_norm"]) <= TOL, name
 
 
-def test_deepspeed_and_dcp_exchange_model_weights(moved, reference):
-    """Into DeepSpeed the fp32 weights move exactly (the loss of step 3, computed with the
-    restored weights, matches); the optimizer moments start again, as the log says."""
-    console, rows = moved("ddp-to-zero3")
+def test_dcp_runs_continue_exactly_under_deepspeed(moved, reference):
+    """FSDP2 and DDP stopped at step 2 and continued under ZeRO-2 and ZeRO-3, and ZeRO-3 under
+    ZeRO-2: each parameter's fp32 weights, Adam's moments and step are handed to DeepSpeed's
+    setters, which keep each rank's partition, so the next steps follow the uninterrupted run."""
+    for name in ("fsdp-to-zero2", "ddp-to-zero3", "zero3-to-zero2"):
+        console, rows = moved(name)
+        assert "weights only" not in console, name
+        same_steps(rows, reference, range(3, STEPS + 1))
+
+
+def test_zero0_moves_its_weights_only(moved, reference):
+    """ZeRO-0 keeps no partitions: its fp32 weights move exactly (the loss of step 3, computed
+    with them, matches); the optimizer moments start again, as the log says."""
+    console, rows = moved("zero0-to-fsdp")
     assert "loading its model weights only" in console
     same_steps(rows, reference, [3])
 

@@ -789,6 +789,39 @@ class CheckpointWeights(Mapping[str, torch.Tensor]):
         return len(self.shapes)
 
 
+class CheckpointMoments:
+    """Any checkpoint's Adam state by parameter name, each tensor read when asked (DCP reads
+    its bytes alone; DeepSpeed's is put together from the partitions), and its step."""
+
+    def __init__(self, ckpt_dir: Path, template: dict[str, torch.Tensor]):
+        self.weights = CheckpointWeights(ckpt_dir, template)
+
+    def read(self, name: str, key: str) -> torch.Tensor:
+        """`key` (exp_avg, exp_avg_sq) of parameter `name`, whole, fp32."""
+        w = self.weights
+        if w._zero is not None:
+            return w._zero.read(name, key)
+        tensor = torch.empty(w.shapes[name])
+        dcp_load(
+            {"optimizer": {"state": {name: {key: tensor}}}}, w.ckpt_dir / DCP_DIR, True, w._dcp
+        )
+        return tensor
+
+    def step(self) -> int:
+        """The optimizer steps taken (AdamW's per-parameter step, the same for every one)."""
+        w = self.weights
+        if w._zero is not None:
+            return w._zero.optimizer_step()
+        step = torch.empty(())
+        name = next(iter(w.shapes))
+        dcp_load(
+            {"optimizer": {"state": {name: {"step": step}}}}, w.ckpt_dir / DCP_DIR, True, w._dcp
+        )
+        if not (step.item() >= 0 and float(step.item()).is_integer()):
+            raise damaged(w.ckpt_dir / DCP_DIR, f"the optimizer's step is {step.item()}")
+        return int(step.item())
+
+
 def _shape_differences(found: Mapping[str, torch.Size], want: Mapping[str, torch.Size]) -> str:
     """The first difference between a checkpoint's tensors and the model's, or ''."""
     if missing := [n for n in want if n not in found]:

@@ -27,14 +27,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from scale_llm.components.checkpoint import DEEPSPEED_DIR
+from scale_llm.components.checkpoint import DEEPSPEED_DIR, TRAINER_STATE, CheckpointMoments
 from scale_llm.components.optim import build_optimizer, param_groups, step_if_finite
 from scale_llm.components.serialization import (
     BackgroundSave,
     guard_deepspeed_reader,
     hash_deepspeed_writes,
+    load_file,
 )
-from scale_llm.model import Transformer
+from scale_llm.model import Transformer, build_model
 from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
 from scale_llm.parallel.backend import Backend
 from scale_llm.parallel.ds_config import deepspeed_config
@@ -189,9 +190,61 @@ class DeepSpeedBackend(Backend):
         self.model.save_checkpoint(str(ckpt_dir), tag=TAG)
 
     def load(self, ckpt_dir: Path) -> None:
+        """The engine's own checkpoint of this ZeRO stage and world size; any other (DCP's, or
+        DeepSpeed's of another stage or world) one parameter at a time: `_load_per_parameter`."""
+        if load_file(ckpt_dir / TRAINER_STATE)["backend"]["layout"] != self.checkpoint_layout():
+            self._load_per_parameter(ckpt_dir)
+            return
         guard_deepspeed_reader(self.model)  # DeepSpeed's own reader unpickles anything
         path, _ = self.model.load_checkpoint(
             str(ckpt_dir), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False
         )
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint in {ckpt_dir / TAG}")
+
+    @torch.no_grad()
+    def _load_per_parameter(self, ckpt_dir: Path) -> None:
+        """Another layout's fp32 weights, Adam's moments and step, read one parameter at a time
+        and handed to DeepSpeed's own setters (each rank keeps its partition of them)."""
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        source = CheckpointMoments(ckpt_dir, build_model(self.cfg.model).state_dict())
+        zero = self.model.optimizer
+        _create_moments(zero, source.step())
+        for name, param in self.model.module.named_parameters():
+            safe_set_full_fp32_param(param, source.weights[name].to(self.plan.device))
+            for key in ("exp_avg", "exp_avg_sq"):
+                safe_set_full_optimizer_state(param, source.read(name, key).to(param.device), key)
+        _fp32_to_module(zero)
+
+
+def _create_moments(zero: Any, step: int) -> None:
+    """Adam's state beside each flat fp32 partition, at `step` (ZeRO-1/2 create it at the first
+    step, ZeRO-3 at start), linked to the parameters' fragments as a first step links it."""
+    flats = getattr(zero, "single_partition_of_fp32_groups", None)  # ZeRO-1/2
+    if flats is None:
+        flats = zero.fp32_partitioned_groups_flat  # ZeRO-3
+    for flat in flats:
+        state = zero.optimizer.state[flat]
+        for key in ("exp_avg", "exp_avg_sq"):
+            state.setdefault(key, torch.zeros_like(flat))
+        old = state.get("step")
+        # (torch's AdamW: a float32 scalar tensor beside its parameter; DeepSpeed's CPU Adam: int)
+        state["step"] = step if type(old) is int else torch.tensor(float(step), device=flat.device)
+    if flats is getattr(zero, "single_partition_of_fp32_groups", None):
+        zero._hp_optimizer_states_linked = False
+        zero._lazy_init_hp_params_optimizer_state()
+
+
+def _fp32_to_module(zero: Any) -> None:
+    """The module's weights from the fp32 partitions just set, as DeepSpeed does after it loads
+    a universal checkpoint (ZeRO-1/2: copied and gathered; ZeRO-3: each rank's partition)."""
+    if hasattr(zero, "update_lp_params"):
+        zero.update_lp_params()
+        return
+    for fp32, lp in zip(zero.fp32_partitioned_groups_flat, zero.fp16_partitioned_groups_flat):
+        if fp32.numel():
+            lp.data.copy_(fp32.data)
+    for flat, params in zip(zero.fp16_partitioned_groups_flat, zero.fp16_partitioned_groups):
+        for param, values in zip(params, zero.unflatten(flat, params)):
+            param.data = values.data

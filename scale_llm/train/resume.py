@@ -306,13 +306,15 @@ def choose_resume(cfg: Config, plan: RunPlan, manifest: dict[str, Any]) -> Resum
 
 def moves_exactly(cfg: Config, plan: RunPlan, layout: Any) -> bool:
     """Whether this backend restores model and optimizer (Adam's moments and step) from a
-    checkpoint of `layout`: its own layout, or DeepSpeed ZeRO 1-3's partitions into a DCP
-    backend (single, DDP, FSDP2, TP: read one parameter at a time). Else the weights only."""
+    checkpoint of `layout`: its own layout, or any move between DCP (single, DDP, FSDP2, TP)
+    and DeepSpeed ZeRO 1-3 of any world size, read one parameter at a time. ZeRO-0 keeps no
+    partitions: to or from it, the weights only."""
     if restores_exactly(cfg, plan, layout):
         return True
-    here = checkpoint_layout(cfg, plan)["format"]
-    return (
-        here == "dcp"
-        and layout.get("format") == "deepspeed"
-        and layout.get("zero_stage") in (1, 2, 3)
+    return _partitioned(layout) and _partitioned(checkpoint_layout(cfg, plan))
+
+
+def _partitioned(layout: dict[str, Any]) -> bool:
+    return layout.get("format") == "dcp" or (
+        layout.get("format") == "deepspeed" and layout.get("zero_stage") in (1, 2, 3)
     )
