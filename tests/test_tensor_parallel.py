@@ -208,6 +208,16 @@ def test_fp8_under_fsdp_x_tensor_parallel_follows_one_process(runs):
     assert "FSDP2 gathers fp8 weights" in console
     assert "FSDP2 gathers" not in runs.stdout["fp8-2d-rowwise"]
     assert runs.plan["fp8-2d-rowwise"]["mesh"] == {"names": ["shard", "tp"], "shape": [2, 2]}
+    # the sharded fp8 run's checkpoint (weights gathered in fp8) holds the one-process fp32
+    # tensors under their names: any layout, with or without fp8, loads it
+    from torch.distributed.checkpoint import FileSystemReader
+
+    dcp = runs.root / "fp8-2d-tensorwise" / "checkpoints" / "step_00000004" / "dcp"
+    meta = FileSystemReader(str(dcp)).read_metadata().state_dict_metadata
+    saved = {k.removeprefix("model."): v for k, v in meta.items() if k.startswith("model.")}
+    plain = empty_state_dict(saved_model_config(read_trainer_state(dcp.parent)))
+    assert {k: tuple(v.size) for k, v in saved.items()} == {k: v.shape for k, v in plain.items()}
+    assert {v.properties.dtype for v in saved.values()} == {torch.float32}
 
 
 # ----------------------------------------------------------------------------- in one process
