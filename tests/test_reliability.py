@@ -55,7 +55,24 @@ MOVES = {
     "fsdp-to-zero2": (2, [*BACKENDS["zero2"], *SPLIT], "fsdp"),
     "zero0-to-fsdp": (2, [*BACKENDS["fsdp"], *SPLIT], "zero0"),
     "zero3-to-zero2": (2, [*BACKENDS["zero2"], *SPLIT], "zero3"),
+    "zero3-offload-to-fsdp": (2, [*BACKENDS["fsdp"], *SPLIT], "zero3-offload"),
+    "fsdp-to-zero2-offload": (
+        2,
+        [*BACKENDS["zero2"], "parallel.deepspeed.offload_optimizer=cpu", *SPLIT],
+        "fsdp",
+    ),
 }
+OFFLOAD = ["parallel.deepspeed.offload_optimizer=cpu", "parallel.deepspeed.offload_param=cpu"]
+SOURCES = {"zero3-offload": split_run("zero3", *OFFLOAD)}  # (as tests/test_distributed.py's)
+
+
+def source(backend: str) -> tuple[str, tuple[int, list[str]]]:
+    """A move's source run: its name and spec (a 2-rank split run of `backend` by default)."""
+    if backend in SOURCES:
+        return backend, SOURCES[backend]
+    return f"{backend}-split", split_run(backend)
+
+
 NEEDS = {  # test: the moves it makes
     "test_dcp_checkpoints_move_between_backends_and_world_sizes": [
         "ddp-to-fsdp", "ddp-to-single", "fsdp-2-to-1"
@@ -64,6 +81,7 @@ NEEDS = {  # test: the moves it makes
         "fsdp-to-zero2", "ddp-to-zero3", "zero3-to-zero2"
     ],
     "test_zero0_moves_its_weights_only": ["zero0-to-fsdp"],
+    "test_offloaded_optimizer_state_moves_too": ["zero3-offload-to-fsdp", "fsdp-to-zero2-offload"],
     "test_deepspeed_runs_continue_exactly_on_the_other_backends": [
         "zero2-to-fsdp", "zero3-to-fsdp", "zero2-to-ddp", "zero2-to-single"
     ],
@@ -87,11 +105,11 @@ def moved(runs, request):
     checkpoint resumed. The selected tests' sources train first, together, then their moves
     (one launch per world size)."""
     moves = [m for m in MOVES if m in wanted(request, NEEDS)]
-    runs.start({f"{MOVES[m][2]}-split": split_run(MOVES[m][2]) for m in moves})
+    runs.start(dict(source(MOVES[m][2]) for m in moves))
 
     def spec(name: str) -> tuple[int, list[str]]:
-        nproc, overrides, source = MOVES[name]
-        ckpt = runs.root / f"{source}-split" / STEP2
+        nproc, overrides, src = MOVES[name]
+        ckpt = runs.root / source(src)[0] / STEP2
         assert ckpt.is_dir(), ckpt  # (keep_last 2 keeps it beside step 4's)
         return nproc, [*overrides, f"checkpoint.resume={ckpt}"]
 
@@ -142,6 +160,16 @@ def test_dcp_runs_continue_exactly_under_deepspeed(moved, reference):
         console, rows = moved(name)
         assert "weights only" not in console, name
         same_steps(rows, reference, range(3, STEPS + 1))
+
+
+def test_offloaded_optimizer_state_moves_too(moved, reference):
+    """ZeRO-3 with its optimizer and parameters on the CPU continued under FSDP2, and FSDP2
+    under ZeRO-2 with DeepSpeed's CPU Adam (its step an int): the same curve within CPU Adam's
+    rounding (1e-4, as the offloaded runs themselves)."""
+    for name in ("zero3-offload-to-fsdp", "fsdp-to-zero2-offload"):
+        console, rows = moved(name)
+        assert "weights only" not in console, name
+        same_steps(rows, reference, range(3, STEPS + 1), tol=1e-4)
 
 
 def test_zero0_moves_its_weights_only(moved, reference):

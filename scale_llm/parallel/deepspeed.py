@@ -228,9 +228,11 @@ def _create_moments(zero: Any, step: int) -> None:
         state = zero.optimizer.state[flat]
         for key in ("exp_avg", "exp_avg_sq"):
             state.setdefault(key, torch.zeros_like(flat))
-        old = state.get("step")
         # (torch's AdamW: a float32 scalar tensor beside its parameter; DeepSpeed's CPU Adam: int)
-        state["step"] = step if type(old) is int else torch.tensor(float(step), device=flat.device)
+        if isinstance(zero.optimizer, torch.optim.AdamW):
+            state["step"] = torch.tensor(float(step), device=flat.device)
+        else:
+            state["step"] = step
     if flats is getattr(zero, "single_partition_of_fp32_groups", None):
         zero._hp_optimizer_states_linked = False
         zero._lazy_init_hp_params_optimizer_state()
