@@ -1,4 +1,5 @@
-"""A DeepSpeed checkpoint's fp32 model weights, read one tensor at a time from its own files.
+"""A DeepSpeed checkpoint's fp32 model weights and Adam state, read one tensor at a time from
+its own files.
 
 A DeepSpeed save writes each rank's partitions and nothing else; the full weights are put
 together where they are needed (a resume on another backend, generate, export, convert):
@@ -6,6 +7,8 @@ together where they are needed (a resume on another backend, generate, export, c
   parameters end to end in `param_shapes` order, each followed by its alignment padding);
 - ZeRO-3: each rank holds ceil(numel / world) values of every parameter, end to end;
 - ZeRO-0 has no partitions: the module's state is the weights (16-bit under bf16).
+The base optimizer's state (Adam's exp_avg, exp_avg_sq) of each group lies beside its flat fp32
+slice, value for value (plus DeepSpeed's end padding), so a moment is read by the same pieces.
 Every file is read through `load_file` (weights_only, DeepSpeed's three classes allowed) and
 memory-mapped; a tensor opens the files it spans, copies its values out and lets them go, so
 the reader holds one full parameter at a time, never the model.
