@@ -38,7 +38,7 @@ if [[ $# -gt 0 && "$1" == "--calibration-only" ]]; then only_f=1; shift; fi
 rc=0
 if [[ "$only_f" == 0 ]]; then "$PY" -m scale_llm check "$out" "$@" || rc=$?; fi
 [[ "$rc" == 2 ]] && exit 2  # refused before any work
-# (f) what issue 40 changed, measured: compiled vs eager at TP 1 (and TP 2 with 2+ GPUs), the
+# (f) speed and start-up as the roofline predicts them, measured: compiled vs eager at TP 1 (and TP 2 with 2+ GPUs), the
 # attention kernel that ran, the start's host memory, MFU against the calibrated roofline.
 # On a GPU always; on a CPU with SCALE_LLM_CHECK_CALIBRATION=1 (tiny.yaml, one step each;
 # SCALE_LLM_CHECK_ROOFLINE=H100-SXM prices its rows as that GPU's, to try the arithmetic).
@@ -138,7 +138,7 @@ for row in rows:
     row["mfu_predicted"] = predicted(row["compiled"], row["tp"])
 report = {"rows": rows, "attention_kernels": attention_kernels(), "config": str(config)}
 report["attention_decided"] = decided()
-md = ["", "## (f) issue 40 on this machine", "",
+md = ["", "## (f) compiled vs eager, attention kernels, start-up memory, MFU against the roofline", "",
       f"{config.name}, grad_accum 1, {steps} timed step(s); attention kernels run: "
       + (", ".join(report["attention_kernels"]) or "none named")
       + f" (scale_llm.model.attention picks `{report['attention_decided']}` on a GPU)", "",

@@ -460,7 +460,9 @@ def _bench_parser(sub) -> None:
     p.add_argument(
         "--roofline", choices=["H100-SXM", "H100-500W", "H200", "A100-80GB"], help=roofline
     )
-    world = "--roofline: GPUs the run will use (default: $WORLD_SIZE, else 2)"
+    world = (
+        "--roofline: GPUs the run will use (default: $WORLD_SIZE, else parallel.world_size, else 2)"
+    )
     p.add_argument("--world-size", type=int, metavar="N", help=world)
     _flag(p, "--json", "print one JSON object")
 
@@ -474,7 +476,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from scale_llm.config.plan import target_plan
 
         cfg = config_from_args(args)
-        world = launch_env().world_size if "WORLD_SIZE" in os.environ else 2
+        world = cfg.parallel.world_size or 2  # (a config laid out for N GPUs says N)
+        if "WORLD_SIZE" in os.environ:
+            world = launch_env().world_size
         if args.world_size is not None:
             if args.world_size < 1:
                 raise UserError(f"--world-size {args.world_size}: use the GPUs the run will use")

@@ -327,8 +327,7 @@ def env_sh_python(root: Path, path_dirs: list[Path]) -> subprocess.CompletedProc
 
 
 def test_launchers_use_the_active_python_then_the_venv_then_say_what_to_do(tmp_path):
-    """Issue 13: the launchers refused to run without .venv even where scale_llm was installed
-    in the active Python."""
+    """The launchers run where scale_llm is installed in the active Python, without .venv."""
     active = tmp_path / "active-env" / "bin"
     active.mkdir(parents=True)
     (active / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')  # imports it
@@ -751,7 +750,7 @@ def test_shipped_configs_are_found_by_name_from_any_directory(tmp_path, monkeypa
 
 
 def test_a_wheel_installs_with_its_configs_and_runs_from_anywhere(tmp_path):
-    """Issue 13: a wheel install had no configs or launchers. Build the wheel, install it into
+    """A wheel install carries the configs and launchers. Build the wheel, install it into
     a fresh venv (its dependencies borrowed from this one through a .pth file, no download),
     and run `scale-llm prepare tiny && scale-llm train tiny --train_steps 2` elsewhere."""
     import site

@@ -291,7 +291,7 @@ def test_the_shipped_configs_state_the_prediction_the_code_makes():
         assert stated in header, f"yaml/{name}.yaml does not say {stated}"
 
 
-def test_the_gpu_checks_calibration_section_parses_and_measures_what_issue_40_changed():
+def test_the_gpu_checks_calibration_section_parses_and_measures_speed_and_startup():
     """launch/gpu-check.sh's section (f) (a GPU's, or a CPU's with SCALE_LLM_CHECK_CALIBRATION=1:
     ~75 s on tiny.yaml, run by hand): bash parses the script, Python compiles its program, and
     the program benches compiled and eager at TP 1 and 2, profiles the attention kernel, and
@@ -456,3 +456,18 @@ def test_the_doc_states_the_405b_candidates_the_code_makes(candidates):
             f"{100 * row['mfu']['point']:.0f}% | {row['published'] or '-'} |"
         )
         assert line in doc, f"docs/performance.md lacks: {line}"
+
+
+def test_bench_roofline_prices_the_world_the_config_is_laid_out_for(capsys, monkeypatch):
+    """`bench --roofline` of a config with parallel.world_size prices that many GPUs (llama3-8b:
+    8 ranks, so micro-batch 2 x 8 = the global 16 and no accumulation); --world-size overrides."""
+    import json
+
+    from scale_llm.cli import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    config = str(Path(__file__).parent.parent / "yaml" / "llama3-8b.yaml")
+    for extra, world, accum in (([], 8, 1), (["--world-size", "2"], 2, 4)):
+        assert main(["bench", config, "--roofline", "H100-500W", "--json", *extra]) == 0
+        got = json.loads(capsys.readouterr().out)
+        assert (got["world"], got["grad_accum"]) == (world, accum)
