@@ -204,3 +204,29 @@ def test_pipeline_config_errors_name_values_that_work():
         assert text.count("\n  - ") == 1, text  # one problem, one line
         fix = key + text.split(key, 2)[-1].split()[0].rstrip(",;)")
         assert check(*overrides, fix) == "", (overrides, fix, check(*overrides, fix))
+
+
+def test_the_memory_estimate_is_the_first_pipeline_ranks():
+    """A rank holds its stages' states and its schedule's pieces in flight: the estimate of
+    yaml/405b.yaml (16 stages of at most 8 blocks, 2 a rank) has the optimizer state of 16
+    blocks plus the embedding and head on 8 tensor-parallel ranks, sharded 8 ways (was: all
+    126 blocks sharded 64 ways, and the whole micro-batch's activations: 196.6 GiB). The
+    pieces in flight are torch's warm-up forwards plus one."""
+    import dataclasses
+
+    from torch.distributed.pipelining.schedules import _get_warmup_ops
+
+    from scale_llm.analysis.memory.estimate import ParamCounts, estimate
+    from scale_llm.analysis.memory.pipeline import in_flight
+    from tests.helpers import REPO
+
+    cfg = load_config(REPO / "yaml" / "405b.yaml")
+    est = estimate(cfg, 512)
+    held = ParamCounts.of(dataclasses.replace(cfg.model, n_layers=16), tp=8).total
+    assert est.gpu["optimizer"] == 8 * held / 8
+    assert est.total < 80 * 2**30 and est.params == ParamCounts.of(cfg.model).total
+    assert in_flight("1f1b", 8, 1, 32) == 8 and in_flight("gpipe", 8, 1, 32) == 32
+    for rank in (0, 3, 7):
+        assert (
+            in_flight("interleaved_1f1b", 8, 2, 32, rank) == _get_warmup_ops(rank, 2, 8, 8, 32) + 1
+        )

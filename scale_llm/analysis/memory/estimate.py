@@ -66,14 +66,15 @@ class Layout:
     tp: int = 1  # tensor parallelism: each rank holds 1/tp of every matmul weight
     sequence_parallel: bool = False
     replicate: int = 1  # HSDP: data-parallel groups that each hold a whole sharded copy
+    pp: int = 1  # pipeline parallelism: groups of ranks that each hold some stages
     fp8: str = ""  # train.fp8's recipe (tensorwise | rowwise); "": off
     fp8_gather: bool = False  # FSDP2 gathers the blocks' linear weights in fp8 (1 byte)
     compiled: bool = True  # compiled blocks: fp8's casts fuse into their fp8 outputs
 
     @property
     def shards(self) -> int:
-        """Ranks one FSDP2 unit's states are sharded over: the world over tp and replicas."""
-        return self.world // (self.tp * self.replicate)
+        """Ranks one FSDP2 unit's states are sharded over: the world over tp, pp and replicas."""
+        return self.world // (self.tp * self.replicate * self.pp)
 
     @property
     def working_bytes(self) -> int:
@@ -92,6 +93,8 @@ class Layout:
         if self.tp > 1:
             extra += f" x tensor parallel {self.tp}"
             extra += " (sequence parallel)" if self.sequence_parallel else ""
+        if self.pp > 1:
+            extra += f" x pipeline parallel {self.pp}"
         fp8 = f" + fp8 {self.fp8} linears" if self.fp8 else ""
         return f"{self.backend}{extra}, world {self.world}, {self.precision}{fp8}"
 
@@ -126,6 +129,7 @@ def layout_of(cfg: Config, plan: RunPlan) -> Layout:
         pinned_round_limit=pinned_round_limit(os.environ),
         tp=plan.tp_degree,
         replicate=plan.replicate_degree,
+        pp=plan.pp_degree,
         sequence_parallel=plan.tp_degree > 1 and p.sequence_parallel,
         **_fp8_layout(cfg, plan),
     )
@@ -656,6 +660,10 @@ def step_phases(
 def estimate(cfg: Config, target: RunPlan | int) -> Estimate:
     """Per-GPU bytes of `cfg` run as `target`: a plan, or a world size of bf16 GPUs."""
     plan = target_plan(cfg, target) if isinstance(target, int) else target
+    if plan.pp_degree > 1:
+        from scale_llm.analysis.memory.pipeline import pipeline_estimate
+
+        return pipeline_estimate(cfg, plan, layout_of(cfg, plan))
     return estimate_layout(cfg.model, cfg.activation_checkpointing, layout_of(cfg, plan))
 
 
