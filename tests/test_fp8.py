@@ -269,3 +269,27 @@ def test_torchao_imports_quietly_off_a_gpu():
     assert proc.returncode == 0, proc.stderr
     assert "Failed to load" not in proc.stderr and "triton" not in proc.stderr, proc.stderr
     assert "KernelPreference" not in proc.stderr
+
+
+def test_runs_without_fp8_never_import_torchao():
+    """Tensor parallelism asks each block for its styles, and the backends convert: without
+    train.fp8 neither imports torchao (a fresh interpreter), so runs work where it is absent."""
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO, env
+
+    code = (
+        "import sys, types; from scale_llm.config import load_config; "
+        "from scale_llm.model import build_model; from scale_llm.parallel import fp8; "
+        "from tests.helpers import plan_for; cfg = load_config(None, []); "
+        "model = build_model(cfg.model); fp8.apply_fp8(model, cfg, plan_for(cfg)); "
+        "print(fp8.tp_styles(model.layers[0], types.SimpleNamespace(device_type='cuda'))); "
+        "assert 'torchao' not in sys.modules, 'imported'"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env(), capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "ColwiseParallel" in proc.stdout and "Float8" not in proc.stdout

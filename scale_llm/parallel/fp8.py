@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
+import sys
 
 import torch
 from torch import nn
@@ -144,9 +145,10 @@ def _say(cfg: Config, config, converted: int, skipped: list[str]) -> None:
 
 
 def _is_float8(module: nn.Module) -> bool:
-    from torchao.float8.float8_linear import Float8Linear
-
-    return isinstance(module, Float8Linear)
+    """Whether `module` is torchao's Float8Linear (never imports torchao: a run without
+    train.fp8 needs none, and without it imported no Float8Linear exists)."""
+    linear = sys.modules.get("torchao.float8.float8_linear")
+    return linear is not None and isinstance(module, linear.Float8Linear)
 
 
 def tp_styles(block: nn.Module, mesh: DeviceMesh) -> tuple[type, type]:
