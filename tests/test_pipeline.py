@@ -11,6 +11,10 @@ microbatches and accumulation, the clip over the stages and the forward through 
 
 from __future__ import annotations
 
+import contextlib
+import io
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -90,6 +94,17 @@ def runs(data_dir, tmp_path_factory, request) -> Runs:
     return runs
 
 
+def generated(run_dir: Path) -> str:
+    """What `scale-llm generate RUN_DIR` prints for the prompt "def ", 8 tokens."""
+    from scale_llm import cli
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        argv = ["generate", str(run_dir), "--prompt", "def ", "--max-new-tokens", "8"]
+        assert cli.main(argv) == 0
+    return out.getvalue()
+
+
 def assert_same_curve(rows, ref, steps=range(1, STEPS + 1), tol=TOL):
     for step in steps:
         assert abs(rows[step]["loss"] - ref[step]["loss"]) <= tol, step
@@ -147,6 +162,10 @@ def test_a_pipeline_checkpoint_resumes_at_another_degree(runs):
         assert "resume: continuing from" in runs.stdout[resumed], resumed
         assert_same_curve(runs.rows[resumed], ref, steps=(3, 4))
     assert runs.plan["pp2-at-pp4"]["mesh"] == {"names": ["pp", "shard"], "shape": [4, 1]}
+    # generate reads a pipelined run in one process (it was refused: "does not divide the
+    # world size 1") and continues the prompt as the one-process run does
+    texts = [generated(runs.root / name) for name in ("from-pp2", "single")]
+    assert texts[0] == texts[1] and len(texts[0]) > len("def ")
 
 
 # ----------------------------------------------------------------------------- in one process
