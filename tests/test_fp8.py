@@ -97,7 +97,7 @@ def test_conversion_keeps_names_head_and_odd_widths(data_dir, tmp_path):
 def test_fp8_checkpoint_resumes_without_fp8_exports_and_generates(data_dir, tmp_path):
     """An fp8 run's checkpoint holds the fp32 weights under the one-process names; the run goes
     on without fp8 from it (exactly: model, optimizer and step), exports to Hugging Face and
-    `generate` reads it."""
+    `eval` and `generate` read it."""
     from torch.distributed.checkpoint import FileSystemReader
 
     from scale_llm import cli
@@ -112,6 +112,11 @@ def test_fp8_checkpoint_resumes_without_fp8_exports_and_generates(data_dir, tmp_
     plain = build_model(cfg.model).state_dict()
     assert set(saved) == set(plain)
     assert {v.properties.dtype for v in saved.values()} == {torch.float32}
+    scores = io.StringIO()  # `eval` reads the newest checkpoint: the fp8 run's, before resuming
+    with contextlib.redirect_stdout(scores):
+        argv = ["eval", str(cfg.run_dir), "--perplexity", str(data_dir), "--limit", "2"]
+        assert cli.main(argv) == 0
+    assert "perplexity" in scores.getvalue()
     on = make_config(data_dir, tmp_path, *common, "train.max_steps=6")  # fp8 off, resumed
     with logged() as lines:
         result = trainer_for(on).fit()
