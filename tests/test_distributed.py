@@ -265,7 +265,7 @@ def plant_in_deepspeed_file(path: Path, marker: Path) -> Path:
 
 
 @pytest.mark.parametrize("backend", ["zero0", "zero1", "zero2", "zero3"])
-def test_deepspeed_saves_write_their_partitions_only(backend, runs, ran):
+def test_deepspeed_saves_write_their_partitions_only(backend, runs, ran, tmp_path):
     """A DeepSpeed save writes the engine's own files and no consolidated copy of the weights;
     what the other backends, generate, export and convert read from those files is DeepSpeed's
     own consolidation bit for bit (ZeRO-0: the module's state), tensor by tensor."""
@@ -293,6 +293,17 @@ def test_deepspeed_saves_write_their_partitions_only(backend, runs, ran):
     assert sorted(ours) == sorted(theirs) == sorted(template)
     for name in template:
         assert ours[name].dtype == torch.float32 and torch.equal(ours[name], theirs[name]), name
+    # convert writes the same tensors; generate samples from them
+    from scale_llm.train.convert import convert
+
+    out, _ = convert(ckpt, tmp_path / "model.pt")
+    converted = torch.load(out, weights_only=True)["model"]
+    assert all(torch.equal(converted[name], theirs[name]) for name in template)
+    if backend == "zero3":
+        cmd = [sys.executable, "-m", "scale_llm", "generate", str(ckpt.parents[1])]
+        cmd += ["--checkpoint", str(ckpt), "--max-new-tokens", "2", "--prompt", "def"]
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def test_zero3_with_cpu_offload_trains(ran, reference):
