@@ -239,9 +239,9 @@ class PipelineBackend(FSDPBackend):
     def _piece_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """A piece's share of the step's token-mean loss: its mean over pieces x grad_accum
         (every piece holds the same number of tokens). Under tensor parallelism the pieces'
-        logits are gathered whole first: the schedule's shape inference runs a backward that
-        the vocabulary-parallel loss fails in (torch 2.13: 'nll_loss_backward got mixed
-        torch.Tensor and DTensor')."""
+        logits are gathered whole first: the stages' backward (the shape inference's and the
+        schedule's) fails with the vocabulary-parallel loss, inside loss_parallel too (torch
+        2.13: 'nll_loss_backward got mixed torch.Tensor and DTensor')."""
         pieces = self.plan.pp_microbatches * self.accum
         if self.tp > 1:
             loss = cross_entropy(full_logits(logits), targets) / pieces
