@@ -153,10 +153,10 @@ class PipelinedModel(nn.Module):
         """x from pipeline rank `src` to `dst` (its shape and dtype first); None elsewhere."""
         me = self.plan.pp_rank
         if me == src:
-            dist.send(_header(x), self._rank(dst), group=self.group)
+            dist.send(_header(x, x.device), self._rank(dst), group=self.group)
             dist.send(x.contiguous(), self._rank(dst), group=self.group)
         elif me == dst:
-            header = torch.zeros(8, dtype=torch.int64)
+            header = torch.zeros(8, dtype=torch.int64, device=self.plan.device)
             dist.recv(header, self._rank(src), group=self.group)
             x = _empty_like_header(header, self.plan.device)
             dist.recv(x, self._rank(src), group=self.group)
@@ -167,7 +167,10 @@ class PipelinedModel(nn.Module):
         the vocabulary again where tensor parallelism made them one)."""
         mine = self.plan.pp_rank == src
         local = logits.to_local() if mine and isinstance(logits, DTensor) else logits
-        header = _header(local) if mine else torch.zeros(8, dtype=torch.int64)
+        device = self.plan.device
+        header = (
+            _header(local, device) if mine else torch.zeros(8, dtype=torch.int64, device=device)
+        )
         dist.broadcast(header, self._rank(src), group=self.group)
         if not mine:
             local = _empty_like_header(header, self.plan.device)
@@ -181,10 +184,11 @@ class PipelinedModel(nn.Module):
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 
-def _header(x: torch.Tensor) -> torch.Tensor:
-    """(dtype index, ndim, *shape) in 8 int64s: what a receiver allocates."""
+def _header(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """(dtype index, ndim, *shape) in 8 int64s: what a receiver allocates (on the device:
+    NCCL sends device tensors only)."""
     values = [_DTYPES.index(x.dtype), x.dim(), *x.shape]
-    return torch.tensor(values + [0] * (8 - len(values)), dtype=torch.int64)
+    return torch.tensor(values + [0] * (8 - len(values)), dtype=torch.int64, device=device)
 
 
 def _empty_like_header(header: torch.Tensor, device: torch.device) -> torch.Tensor:
