@@ -37,6 +37,7 @@ from tests.helpers import (
 
 STEPS = 4
 STEP2 = "checkpoints/step_00000002"
+OFFLOAD = ["parallel.deepspeed.offload_optimizer=cpu", "parallel.deepspeed.offload_param=cpu"]
 # name: (ranks, overrides, the 2-rank run whose step-2 checkpoint it resumes); the sources are
 # the test session's straight runs (tests/test_distributed.py reads them too)
 MOVES = {
@@ -56,13 +57,13 @@ MOVES = {
     "zero0-to-fsdp": (2, [*BACKENDS["fsdp"], *SPLIT], "zero0"),
     "zero3-to-zero2": (2, [*BACKENDS["zero2"], *SPLIT], "zero3"),
     "zero3-offload-to-fsdp": (2, [*BACKENDS["fsdp"], *SPLIT], "zero3-offload"),
+    "ddp-to-zero3-offload": (2, [*BACKENDS["zero3"], *OFFLOAD, *SPLIT], "ddp"),
     "fsdp-to-zero2-offload": (
         2,
         [*BACKENDS["zero2"], "parallel.deepspeed.offload_optimizer=cpu", *SPLIT],
         "fsdp",
     ),
 }
-OFFLOAD = ["parallel.deepspeed.offload_optimizer=cpu", "parallel.deepspeed.offload_param=cpu"]
 SOURCES = {"zero3-offload": split_run("zero3", *OFFLOAD)}  # (as tests/test_distributed.py's)
 
 
@@ -81,7 +82,9 @@ NEEDS = {  # test: the moves it makes
         "fsdp-to-zero2", "ddp-to-zero3", "zero3-to-zero2"
     ],
     "test_zero0_moves_its_weights_only": ["zero0-to-fsdp"],
-    "test_offloaded_optimizer_state_moves_too": ["zero3-offload-to-fsdp", "fsdp-to-zero2-offload"],
+    "test_offloaded_optimizer_state_moves_too": [
+        "zero3-offload-to-fsdp", "ddp-to-zero3-offload", "fsdp-to-zero2-offload"
+    ],
     "test_deepspeed_runs_continue_exactly_on_the_other_backends": [
         "zero2-to-fsdp", "zero3-to-fsdp", "zero2-to-ddp", "zero2-to-single"
     ],
@@ -163,10 +166,10 @@ def test_dcp_runs_continue_exactly_under_deepspeed(moved, reference):
 
 
 def test_offloaded_optimizer_state_moves_too(moved, reference):
-    """ZeRO-3 with its optimizer and parameters on the CPU continued under FSDP2, and FSDP2
-    under ZeRO-2 with DeepSpeed's CPU Adam (its step an int): the same curve within CPU Adam's
-    rounding (1e-4, as the offloaded runs themselves)."""
-    for name in ("zero3-offload-to-fsdp", "fsdp-to-zero2-offload"):
+    """ZeRO-3 with its optimizer and parameters on the CPU continued under FSDP2 and the other
+    way, and FSDP2 under ZeRO-2 with DeepSpeed's CPU Adam (its step an int): the same curve
+    within CPU Adam's rounding (1e-4, as the offloaded runs themselves)."""
+    for name in ("zero3-offload-to-fsdp", "ddp-to-zero3-offload", "fsdp-to-zero2-offload"):
         console, rows = moved(name)
         assert "weights only" not in console, name
         same_steps(rows, reference, range(3, STEPS + 1), tol=1e-4)
