@@ -2542,6 +2542,12 @@ PIPELINE: list = [
         "parallel.pipeline_parallel=2 x parallel.tensor_parallel=1 does not divide the world "
         "size 1",
     ),
+    (
+        "a fake trace of a pipeline",
+        ["estimate", str(REPO / "yaml" / "405b.yaml"), "--fake"],
+        "estimate --fake traces one rank's step alone, and a pipeline's needs its other stages "
+        "(parallel.pipeline_parallel=8)",
+    ),
 ]
 
 

@@ -71,6 +71,13 @@ def trace_step(cfg: Config, world_size: int = 1) -> dict[str, Any]:
             f"estimate --fake traces parallel.backend single (world 1) and fsdp, not "
             f"{plan.backend}; use --world-size 1 or --set parallel.backend=fsdp"
         )
+    if plan.pp_degree > 1:  # (its schedule sends to and waits for the other stages' ranks)
+        raise UserError(
+            f"estimate --fake traces one rank's step alone, and a pipeline's needs its other "
+            f"stages (parallel.pipeline_parallel={plan.pp_degree}); leave out --fake (the "
+            f"estimate is the first pipeline rank's), or trace the layout without it: --set "
+            f"parallel.pipeline_parallel=1"
+        )
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     def batches():
