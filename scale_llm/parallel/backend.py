@@ -32,7 +32,7 @@ from scale_llm.config.plan import RunPlan
 from scale_llm.model import Transformer, materialize
 from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
 from scale_llm.parallel.compile import compile_blocks
-from scale_llm.parallel.fp8 import apply_fp8
+from scale_llm.parallel.fp8 import apply_fp8, precompute_scales_after_steps
 
 
 class Backend:
@@ -61,6 +61,7 @@ class Backend:
         apply_fp8(model, self.cfg, self.plan)  # first: TP, checkpointing, compile, FSDP wrap it
         self.model = self.wrap(model, initial_weights)
         self.optimizer = build_optimizer(self.model, self.cfg.train)
+        precompute_scales_after_steps(self.model, self.optimizer, self.cfg, self.plan)
         return self.model
 
     def wrap(self, model: Transformer, initial_weights: Mapping | None = None) -> nn.Module:

@@ -110,6 +110,24 @@ def apply_fp8(model: nn.Module, cfg: Config, plan: RunPlan) -> None:
     _say(cfg, config, converted, skipped)
 
 
+def precompute_scales_after_steps(
+    model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Config, plan: RunPlan
+) -> None:
+    """Where FSDP2 gathers tensorwise fp8 weights: after each optimizer step, every weight's
+    scale in one all-reduce (torchao's precompute_float8_dynamic_scale_for_fsdp, as torchtitan
+    calls it), not one all-reduce of its amax per weight in the next forward's gathers. The
+    scale is the same max / amax of the whole weight, so the curve does not change."""
+    if not (cfg.train.fp8.enabled and plan.backend == "fsdp" and fp8_all_gathers(cfg.train.fp8)):
+        return
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    # a post hook of optimizer.step: whatever steps (the trainer, bench) gets the new scales,
+    # and a skipped step (non-finite gradients) keeps the weights and the scales they had
+    optimizer.register_step_post_hook(
+        lambda _optimizer, _args, _kwargs: precompute_float8_dynamic_scale_for_fsdp(model)
+    )
+
+
 def _import_torchao(quiet: bool) -> None:
     """Import torchao without torch's deprecation warning about how torchao registers an enum
     (nothing a user can act on); `quiet`: nor torchao's about the CUDA kernel libraries and
