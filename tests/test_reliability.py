@@ -38,6 +38,7 @@ from tests.helpers import (
 STEPS = 4
 STEP2 = "checkpoints/step_00000002"
 OFFLOAD = ["parallel.deepspeed.offload_optimizer=cpu", "parallel.deepspeed.offload_param=cpu"]
+TP2 = ["parallel.backend=fsdp", "parallel.tensor_parallel=2"]  # (data-parallel degree 1)
 # name: (ranks, overrides, the 2-rank run whose step-2 checkpoint it resumes); the sources are
 # the test session's straight runs (tests/test_distributed.py reads them too)
 MOVES = {
@@ -52,6 +53,7 @@ MOVES = {
     "zero2-to-fsdp": (2, [*BACKENDS["fsdp"], *SPLIT], "zero2"),
     "zero3-to-fsdp": (2, [*BACKENDS["fsdp"], *SPLIT], "zero3"),
     "zero2-to-single": (1, SINGLE, "zero2"),
+    "zero2-to-tp": (2, [*TP2, "train.micro_batch_size=4", "train.grad_accum=2"], "zero2"),
     "ddp-to-zero3": (2, [*BACKENDS["zero3"], *SPLIT], "ddp"),
     "fsdp-to-zero2": (2, [*BACKENDS["zero2"], *SPLIT], "fsdp"),
     "zero0-to-fsdp": (2, [*BACKENDS["fsdp"], *SPLIT], "zero0"),
@@ -86,7 +88,7 @@ NEEDS = {  # test: the moves it makes
         "zero3-offload-to-fsdp", "ddp-to-zero3-offload", "fsdp-to-zero2-offload"
     ],
     "test_deepspeed_runs_continue_exactly_on_the_other_backends": [
-        "zero2-to-fsdp", "zero3-to-fsdp", "zero2-to-ddp", "zero2-to-single"
+        "zero2-to-fsdp", "zero3-to-fsdp", "zero2-to-ddp", "zero2-to-single", "zero2-to-tp"
     ],
 }  # fmt: skip
 
@@ -144,10 +146,16 @@ def test_dcp_checkpoints_move_between_backends_and_world_sizes(moved, reference)
 
 
 def test_deepspeed_runs_continue_exactly_on_the_other_backends(moved, reference):
-    """ZeRO-2 and ZeRO-3 stopped at step 2 and continued under FSDP2, DDP and one process: the
+    """ZeRO-2 and ZeRO-3 stopped at step 2 and continued under FSDP2, TP, DDP and one process: the
     fp32 weights, Adam's moments and step come from the partitions one parameter at a time, so
     the next steps follow the uninterrupted run."""
-    for name in ("zero2-to-fsdp", "zero3-to-fsdp", "zero2-to-ddp", "zero2-to-single"):
+    for name in (
+        "zero2-to-fsdp",
+        "zero3-to-fsdp",
+        "zero2-to-ddp",
+        "zero2-to-single",
+        "zero2-to-tp",
+    ):
         console, rows = moved(name)
         assert "weights only" not in console, name
         same_steps(rows, reference, range(3, STEPS + 1))
