@@ -245,6 +245,16 @@ def test_the_memory_estimate_is_the_first_pipeline_ranks():
     assert est.gpu["optimizer"] == 8 * held / 8
     assert est.total < 80 * 2**30 and est.params == ParamCounts.of(cfg.model).total
     assert in_flight("1f1b", 8, 1, 32) == 8 and in_flight("gpipe", 8, 1, 32) == 32
+    # --fit keeps a pipeline's pieces whole and its stages on FSDP2: its proposal validates
+    from scale_llm.analysis.memory.plan import fit
+    from scale_llm.config import with_changes
+
+    proposal = fit(cfg, 512, 20 * 2**30)
+    assert proposal.changes == {"parallel.fsdp.cpu_offload": True}
+    fitted = with_changes(cfg, proposal.changes)
+    assert fitted.train.micro_batch_size % 32 == 0 and fitted.parallel.backend == "fsdp"
+    with pytest.raises(UserError, match="nothing fits"):  # (DeepSpeed cannot hold a pipeline)
+        fit(cfg, 512, 12 * 2**30)
     for rank in (0, 3, 7):
         assert (
             in_flight("interleaved_1f1b", 8, 2, 32, rank) == _get_warmup_ops(rank, 2, 8, 8, 32) + 1

@@ -71,5 +71,5 @@ def pipeline_estimate(cfg: Config, plan: RunPlan, lay: Layout) -> Estimate:
     gpu["peak"] = max(est.phases.values())
     gpu["overhead"] = OVERHEAD_FRACTION * gpu["peak"]
     gpu["total"] = gpu["peak"] + gpu["overhead"]
-    est.params, est.model = ParamCounts.of(m).total, m
+    est.params, est.model, est.layout = ParamCounts.of(m).total, m, lay  # (the whole micro-batch)
     return est

@@ -52,7 +52,8 @@ def hints(cfg: Config, plan: RunPlan) -> list[tuple[str, float]]:
     if plan.micro_batch_size > 1:
         mb = plan.micro_batch_size // 2
         accum = plan.grad_accum * plan.micro_batch_size // mb
-        if mb * accum == plan.micro_batch_size * plan.grad_accum:
+        same = mb * accum == plan.micro_batch_size * plan.grad_accum
+        if same and mb % plan.pp_microbatches == 0:  # (a pipeline's pieces stay whole)
             changes = {"train.micro_batch_size": mb, "train.grad_accum": accum}
             option(changes, f"--batch_size {mb} --grad-accum {accum}")
     if p.backend in ("auto", "single", "ddp") and world > 1:
@@ -159,6 +160,8 @@ def _shard_options(cfg: Config) -> list[tuple[dict[str, Any], float]]:
     last = (zero(3, "cpu", "cpu"), 2.0)
     if b == "deepspeed":
         return [*ds, last]
+    if cfg.parallel.pipeline_parallel > 1:  # (a pipeline's stages are sharded by FSDP2 only)
+        return fsdp
     if b == "fsdp":
         return [*fsdp, last]
     return [({"parallel.backend": b}, 1.0), *fsdp, last]
@@ -178,7 +181,9 @@ def fit(cfg: Config, target: RunPlan | int, budget: int, keep_backend: bool = Fa
     plan = target_plan(cfg, target) if isinstance(target, int) else target
     world = plan.world_size
     per_rank = plan.micro_batch_size * plan.grad_accum
-    micro_batches = [d for d in range(per_rank, 0, -1) if per_rank % d == 0]
+    # (a pipeline cuts each micro-batch into parallel.pipeline.microbatches pieces)
+    pieces = plan.pp_microbatches
+    micro_batches = [d for d in range(per_rank, 0, -1) if per_rank % d == 0 and d % pieces == 0]
     best: Plan | None = None
     smallest: Plan | None = None
     shard_options = [({}, 1.0)] if keep_backend else _shard_options(cfg)
