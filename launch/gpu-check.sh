@@ -8,10 +8,13 @@
 #   (e) with 2+ GPUs: the headline row's DDP step on 2 GPUs against 1 alone (weak scaling)
 #   (f) 400m.yaml compiled vs eager at TP 1 (and FSDP2 x TP 2 with 2+ GPUs), the attention
 #       kernel that ran, each process's peak host memory, MFU against the calibrated roofline
-#       (report.md's last section, report.json's "issue40"); --calibration-only runs it alone
+#       (report.md's section (f), report.json's "issue40"); --calibration-only runs it alone
+#   (g) bf16 against fp8 (train.fp8, both recipes) on one GPU: the same config compiled, the
+#       speed-up and the loss difference after a fixed number of steps (report.json's "fp8");
+#       --fp8-only runs it alone
 # Writes OUT_DIR/report.json and OUT_DIR/report.md (record the tables as a report in benchmarks/:
 # docs/benchmarks.md).
-#   bash launch/gpu-check.sh [OUT_DIR] [--calibration-only] [--steps N] [--budget-min M] [--only curves,sweep,...]
+#   bash launch/gpu-check.sh [OUT_DIR] [--calibration-only | --fp8-only] [--steps N] [--budget-min M] [--only curves,sweep,...]
 #                            [--scratch DIR] [--set key=value ...]
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
@@ -32,17 +35,19 @@ if [[ "$gpus" -gt 0 && "${SCALE_LLM_CHECK_ALLOW_CPU:-0}" != "1" ]] \
 fi
 out=gpu-check
 if [[ $# -gt 0 && "$1" != -* ]]; then out="$1"; shift; fi
-# --calibration-only: section (f) alone (a second call on a warm machine)
-only_f=0
+# --calibration-only: section (f) alone; --fp8-only: section (g) alone (second calls on a warm
+# machine)
+only_f=0 only_g=0
 if [[ $# -gt 0 && "$1" == "--calibration-only" ]]; then only_f=1; shift; fi
+if [[ $# -gt 0 && "$1" == "--fp8-only" ]]; then only_g=1; shift; fi
 rc=0
-if [[ "$only_f" == 0 ]]; then "$PY" -m scale_llm check "$out" "$@" || rc=$?; fi
+if [[ "$only_f" == 0 && "$only_g" == 0 ]]; then "$PY" -m scale_llm check "$out" "$@" || rc=$?; fi
 [[ "$rc" == 2 ]] && exit 2  # refused before any work
 # (f) speed and start-up as the roofline predicts them, measured: compiled vs eager at TP 1 (and TP 2 with 2+ GPUs), the
 # attention kernel that ran, the start's host memory, MFU against the calibrated roofline.
 # On a GPU always; on a CPU with SCALE_LLM_CHECK_CALIBRATION=1 (tiny.yaml, one step each;
 # SCALE_LLM_CHECK_ROOFLINE=H100-SXM prices its rows as that GPU's, to try the arithmetic).
-if [[ "$gpus" -gt 0 || "${SCALE_LLM_CHECK_CALIBRATION:-0}" == "1" ]]; then
+if [[ "$only_g" == 0 && ( "$gpus" -gt 0 || "${SCALE_LLM_CHECK_CALIBRATION:-0}" == "1" ) ]]; then
   ROOT="$ROOT" "$PY" - "$out" "$only_f" <<'PYEOF' || rc=1
 import json, os, subprocess, sys, tempfile, threading
 from pathlib import Path
@@ -166,5 +171,145 @@ with open(out / "report.md", "a") as f:
 print("\n".join(md))
 sys.exit(1 if failed else 0)
 PYEOF
+fi
+# (g) fp8 against bf16: three `scale-llm train` runs of one config on one GPU (bf16, then
+# train.fp8 tensorwise and rowwise), compiled, the same data, seed and schedule; tokens/s over
+# the last logged interval, the losses at the logged steps. On a GPU always (skipped, and said,
+# below compute capability 8.9 or without torchao); on a CPU with SCALE_LLM_CHECK_FP8=1 or
+# --fp8-only: tiny.yaml eager, emulated fp8 (the curve, not the speed), 4 steps. The runs take
+# the --set values given. SCALE_LLM_CHECK_FP8_STEPS: the steps (100 on a GPU).
+if [[ "$only_f" == 0 && ( "$gpus" -gt 0 || "$only_g" == 1 \
+    || "${SCALE_LLM_CHECK_FP8:-0}" == "1" ) ]]; then
+  ROOT="$ROOT" "$PY" - "$out" "$only_g" "$@" <<'FP8EOF' || rc=1
+import importlib.util, json, os, shutil, subprocess, sys, tempfile
+from pathlib import Path
+
+import torch
+
+from scale_llm.analysis.check import claim_out, default_scratch
+
+out, only, args = Path(sys.argv[1]), sys.argv[2] == "1", sys.argv[3:]
+if only:  # the folder becomes the check's before any work, as the check's own start does
+    claim_out(out)
+root = Path(os.environ.get("ROOT", "."))
+cuda = torch.cuda.is_available()
+config = root / "yaml" / ("400m.yaml" if cuda else "tiny.yaml")
+steps = int(os.environ.get("SCALE_LLM_CHECK_FP8_STEPS") or (100 if cuda else 4))
+every = max(steps // 10, 1)
+scratch = default_scratch()
+scratch.mkdir(parents=True, exist_ok=True)
+sets = ["parallel.backend=single", "parallel.tensor_parallel=1", "train.grad_accum=1",
+        f"train.max_steps={steps}", f"train.warmup_steps={every}", f"logging.every={every}",
+        "logging.tensorboard=false", "eval.every=0", "eval.sample_every=0",
+        "checkpoint.every=0", "checkpoint.resume=never", "train.precision=bf16",
+        f"train.compile={str(cuda).lower()}"]  # (the CPU's emulated GEMMs time nothing)
+if cuda:  # offline: the built-in corpus at the config's vocabulary (a small tokenizer sample)
+    sets += ["data.source=builtin", f"data.dir={scratch / 'data-builtin-v32000'}",
+             "data.tokenizer_sample_bytes=8000000"]
+else:
+    sets += [f"data.dir={scratch / 'data'}"]  # tiny.yaml's, where the check's (a) prepares it
+sets += [a for i, a in enumerate(args) if i and args[i - 1] == "--set"]  # the check's --set
+RUNS = {"bf16": [], "fp8 tensorwise": ["train.fp8.enabled=true", "train.fp8.recipe=tensorwise"],
+        "fp8 rowwise": ["train.fp8.enabled=true", "train.fp8.recipe=rowwise"]}
+# the tolerance tests/test_fp8.py derives for the emulated curve: e4m3's rounding, unbiased
+LAST_TOL, STEP_TOL = 0.02, 0.05
+
+
+def scale_llm(*argv, keys=()):
+    cmd = [sys.executable, "-m", "scale_llm", *argv, str(config)]
+    cmd += [x for k in [*sets, *keys] for x in ("--set", k)]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    except subprocess.TimeoutExpired as e:
+        return 124, f"timed out after 1800 s: {(e.stdout or b'')[-1500:]!r}"
+    return p.returncode, p.stdout + p.stderr
+
+
+def train(name, keys, runs):
+    """One run: its logged losses, its last interval's tokens/s and peak memory, its fp8 line."""
+    code, text = scale_llm("train", keys=[*keys, f"run.dir={runs}", f"run.name=fp8-check-{name}"])
+    if code != 0:
+        return {"run": name, "error": text[-2000:]}
+    lines = (runs / f"fp8-check-{name}" / "metrics.jsonl").read_text().splitlines()
+    rows = [r for r in map(json.loads, lines) if "loss" in r]
+    said = [x.split("fp8: ", 1)[1] for x in text.splitlines() if "fp8: " in x]
+    return {"run": name, "losses": {r["step"]: r["loss"] for r in rows},
+            "tokens_per_s": rows[-1]["tokens_per_s"], "peak_alloc_gib": rows[-1].get(
+                "peak_alloc_gib"), "fp8": said[0] if said else None}
+
+
+def against(row, bf16):
+    """Speed-up and loss differences (relative, fp8 - bf16) against the bf16 run."""
+    if "error" in row or "error" in bf16:
+        return
+    mine, base = row["losses"], bf16["losses"]
+    rel = {s: mine[s] / base[s] - 1 for s in base}
+    last = sorted(rel)[-3:]  # the last 3 logged steps: one batch each is noisy
+    row["speedup"] = row["tokens_per_s"] / bf16["tokens_per_s"]
+    row["loss_diff_last"] = rel[max(rel)]
+    row["loss_diff_last3_mean"] = sum(mine[s] for s in last) / sum(base[s] for s in last) - 1
+    row["loss_diff_worst"] = max(rel.values(), key=abs)
+    row["ok"] = abs(row["loss_diff_last3_mean"]) <= LAST_TOL and abs(
+        row["loss_diff_worst"]) <= STEP_TOL
+
+
+def skipped():
+    """Why fp8 cannot run here (None: it can)."""
+    if importlib.util.find_spec("torchao") is None:
+        return "torchao is not installed (pip install -e '.[fp8]')"
+    if cuda and torch.cuda.get_device_capability() < (8, 9):
+        return f"{torch.cuda.get_device_name()} has no fp8 matmuls (compute capability < 8.9)"
+    return None
+
+
+report = {"config": str(config), "steps": steps, "every": every, "rows": [],
+          "skipped": skipped(), "emulated": not cuda}
+if report["skipped"] is None:
+    code, text = scale_llm("prepare")
+    runs = Path(tempfile.mkdtemp(prefix="fp8-runs-", dir=scratch))
+    try:
+        rows = [train(n, k, runs) for n, k in RUNS.items()] if code == 0 else [
+            {"run": "prepare", "error": text[-2000:]}]
+    finally:
+        shutil.rmtree(runs, ignore_errors=True)
+    for row in rows[1:]:
+        against(row, rows[0])
+    report["rows"] = rows
+md = ["", "## (g) fp8 against bf16 (train.fp8: torchao's Float8Linear in the blocks' linears)",
+      "", f"{config.name} in bf16 autocast, one process, "
+      + ("compiled" if cuda else "eager, fp8 emulated on the CPU (the curve, not the speed)")
+      + f", {steps} steps (the same data, seed and schedule); tokens/s over the last {every} "
+      f"step(s); loss differences relative to bf16 at the logged steps (ok: the last 3 within "
+      f"{LAST_TOL:.0%}, every one within {STEP_TOL:.0%})", ""]
+failed = False
+if report["skipped"]:
+    md.append(f"skipped: {report['skipped']}")
+else:
+    md += ["| run | tokens/s | speed-up | loss at step {} | vs bf16 | last 3 vs bf16 | worst "
+           "step | peak GiB |".format(steps), "|---|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        if "error" in r:
+            failed = True
+            md.append(f"| {r['run']} | failed: {r['error'][-300:]!r} | | | | | | |")
+            continue
+        pct = lambda key: f"{r[key]:+.2%}" if key in r else ""
+        speed = f"{r['speedup']:.2f}x" if "speedup" in r else ""
+        ok = "" if "ok" not in r else (" ok" if r["ok"] else " OUT")
+        peak = f"{r['peak_alloc_gib']:.1f}" if r["peak_alloc_gib"] else "n/a"
+        md.append(f"| {r['run']} | {r['tokens_per_s']:,.0f} | {speed} | "
+                  f"{r['losses'][max(r['losses'])]:.4f} | "
+                  f"{pct('loss_diff_last')} | {pct('loss_diff_last3_mean')}{ok} | "
+                  f"{pct('loss_diff_worst')} | {peak} |")
+path = out / "report.json"
+data = json.loads(path.read_text()) if path.exists() else {
+    "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+    "errors": []}
+data["fp8"] = report
+path.write_text(json.dumps(data, indent=1))
+with open(out / "report.md", "a") as f:
+    f.write("\n".join(md) + "\n")
+print("\n".join(md))
+sys.exit(1 if failed else 0)
+FP8EOF
 fi
 exit "$rc"

@@ -71,6 +71,7 @@ SLOW_TESTS = {  # over ~5 s each on 2 cores (pytest --durations), by module::fun
     "test_compile.py::test_the_gpu_check_runs_on_the_cpu_and_writes_its_report",
     "test_errors.py::test_a_leftover_world_size_says_what_it_waits_for_then_stops",
     "test_fp8.py::test_compiled_fp8_blocks_follow_eager_without_graph_breaks",
+    "test_fp8.py::test_gpu_check_compares_fp8_with_bf16_in_its_report",
     "test_eval_tasks.py::test_fsdp_world_scores_the_whole_model_as_scale_llm_eval_does",
     "test_eval_tasks.py::test_tasks_run_at_their_steps_and_leave_the_loss_curve_alone",
     "test_hf.py::test_two_rank_runs_import_and_export_the_same_weights",

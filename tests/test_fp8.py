@@ -375,3 +375,38 @@ def test_fsdp2_fp8_gather_precomputes_the_scales_after_each_step(recipe):
             assert precomputed == pytest.approx(expected, rel=1e-6)
     assert all(s is None for step in off["scales"] for s in step)
     assert on["losses"] == off["losses"]
+
+
+# ----------------------------------------------------------------------------- gpu-check (g)
+def test_gpu_check_compares_fp8_with_bf16_in_its_report(corpus_dir, data_dir, tmp_path):
+    """launch/gpu-check.sh --fp8-only on the CPU (its dry run: eager, emulated fp8, the tiny
+    model over the tests' data, 4 steps): three runs of one config, bf16 then fp8 tensorwise
+    and rowwise; report.json's "fp8" holds each run's losses and tokens/s, the speed-up and the
+    loss differences against bf16; report.md gains section (g)."""
+    import subprocess
+
+    from tests.helpers import REPO, TINY_MODEL, env
+
+    data = [f"data.source={corpus_dir}", f"data.dir={data_dir}", "data.val_fraction=0.1"]
+    data += ["data.tokenizer_sample_bytes=500000", "train.micro_batch_size=4"]
+    sets = [x for key in [*TINY_MODEL, *data] for x in ("--set", key)]
+    out = tmp_path / "report"
+    environ = env() | {"TMPDIR": str(tmp_path), "SCALE_LLM_CHECK_FP8_STEPS": "4"}
+    proc = subprocess.run(
+        ["bash", str(REPO / "launch" / "gpu-check.sh"), str(out), "--fp8-only", *sets],
+        cwd=REPO, env=environ, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())["fp8"]
+    assert report["skipped"] is None and report["emulated"] and report["steps"] == 4
+    bf16, *fp8 = report["rows"]
+    assert [r["run"] for r in report["rows"]] == ["bf16", "fp8 tensorwise", "fp8 rowwise"]
+    assert bf16["fp8"] is None and sorted(bf16["losses"]) == ["1", "2", "3", "4"]
+    for row, recipe in zip(fp8, ("tensorwise", "rowwise"), strict=True):
+        assert row["fp8"].startswith(f"{recipe} scaling in 10 block linears, emulated on the CPU")
+        assert row["speedup"] > 0 and row["tokens_per_s"] > 0
+        last = row["losses"]["4"] / bf16["losses"]["4"] - 1
+        assert row["loss_diff_last"] == pytest.approx(last) and row["ok"], row
+    text = (out / "report.md").read_text()
+    assert "## (g) fp8 against bf16" in text and "| fp8 rowwise |" in text
+    print(text)
