@@ -193,7 +193,10 @@ CONFIG = [
     (
         "bad choice",
         ["train", TINY, *s("train.precision=fp8")],
-        "expected one of auto | bf16 | fp16 | fp32",
+        (
+            "expected one of auto | bf16 | fp16 | fp32, got 'fp8'; to train in fp8",
+            "bf16 and set train.fp8.enabled: true",
+        ),
     ),
     ("impossible value", ["train", TINY, *s("train.lr=-1")], "train.lr=-1.0 must be > 0"),
     (

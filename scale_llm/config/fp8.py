@@ -36,6 +36,15 @@ class Fp8Config:
     )
 
 
+# values of other keys that ask for fp8: what the loader says instead of a near match
+WRONG_VALUES = {
+    ("train.precision", "fp8"): (
+        "to train in fp8, keep train.precision=bf16 and set train.fp8.enabled: true (FP8 "
+        "matmuls in the blocks' linears, through torchao)"
+    ),
+}
+
+
 def fp8_all_gathers(fp8: Fp8Config) -> bool:
     """Whether FSDP2 gathers the fp8 linears' weights in fp8 (auto: with tensorwise scales)."""
     if fp8.fsdp_float8_all_gather == "auto":

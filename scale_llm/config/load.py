@@ -19,6 +19,7 @@ from typing import Any, Literal
 import yaml
 
 from scale_llm.config.data import PER_SOURCE_KEYS
+from scale_llm.config.fp8 import WRONG_VALUES
 from scale_llm.config.sections import (
     Config,
     get_key,
@@ -460,6 +461,12 @@ def build_section(cls: type, raw: Any, prefix: str, errors: list[str]) -> Any:
             ok, converted, expected = _coerce(value, tp)
             if ok:
                 kwargs[key] = converted
+            elif (dotted, value) in WRONG_VALUES:  # (a value meant for another key)
+                expected = expected.split(" (did you mean")[0]
+                errors.append(
+                    f"{dotted}: expected {expected}, got {short(value)}; "
+                    f"{WRONG_VALUES[dotted, value]}"
+                )
             else:
                 errors.append(f"{dotted}: expected {expected}, got {short(value)}")
     return cls(**kwargs)
