@@ -34,6 +34,7 @@ MODEL = ["model.n_kv_heads=2", "model.n_layers=4", "model.tie_embeddings=false"]
 SAMPLE = ["eval.sample_every=4", "eval.sample_tokens=6"]  # a no-grad forward beside the eval's
 PP2 = ["parallel.backend=fsdp", "parallel.pipeline_parallel=2", *SAMPLE]
 SPLIT = ["train.micro_batch_size=4", "train.grad_accum=2"]  # x 1 data-parallel rank
+FP8_ROWWISE = ["train.fp8.enabled=true", "train.fp8.recipe=rowwise"]  # (emulated)
 # By launch (those the selected tests read): one process (the reference, and a run stopped
 # after step 2); 2 ranks (PP 2 with three schedules, a PP 2 run stopped after step 2, the
 # one-process run resumed at PP 2); 4 ranks (PP 2 x FSDP2 2, PP 2 x TP 2, the PP 2 run resumed
@@ -42,6 +43,7 @@ STAGES = [
     {
         "single": (1, [*SINGLE, *SAMPLE]),
         "single-stopped": (1, [*SINGLE, "train.exit_at_step=2", "run.name=from-single"]),
+        "single-fp8-rowwise": (1, [*SINGLE, *SAMPLE, *FP8_ROWWISE]),
     },
     {
         "1f1b": (2, [*PP2, *SPLIT, "activation_checkpointing.mode=full"]),
@@ -54,6 +56,7 @@ STAGES = [
         "pp2-stopped": (2, [*PP2, *SPLIT, "train.exit_at_step=2", "run.name=from-pp2"]),
         "single-at-pp2": (2, [*PP2, *SPLIT, "run.name=from-single"]),
         "pp2-fp16": (2, [*PP2, *SPLIT, "train.precision=fp16"]),
+        "pp2-fp8-rowwise": (2, [*PP2, *SPLIT, *FP8_ROWWISE]),
         "fsdp2-fp16": (
             2,
             ["parallel.backend=fsdp", "train.micro_batch_size=2", "train.grad_accum=2"]
@@ -80,6 +83,7 @@ NEEDS = {
         "single", "pp2-fsdp2", "pp2-tp2"
     ],
     "test_fp16_pipeline_follows_fsdp2": ["pp2-fp16", "fsdp2-fp16"],
+    "test_fp8_rowwise_pipeline_follows_one_process": ["single-fp8-rowwise", "pp2-fp8-rowwise"],
     "test_a_pipeline_checkpoint_resumes_at_another_degree": [
         "single", "single-stopped", "single-at-pp2", "pp2-stopped", "pp2-at-pp4"
     ],
@@ -259,3 +263,13 @@ def test_the_memory_estimate_is_the_first_pipeline_ranks():
         assert (
             in_flight("interleaved_1f1b", 8, 2, 32, rank) == _get_warmup_ops(rank, 2, 8, 8, 32) + 1
         )
+
+
+def test_fp8_rowwise_pipeline_follows_one_process(runs):
+    """train.fp8 rowwise (emulated) under PP 2 on 2 ranks: the stages keep their blocks'
+    Float8Linear layers and follow the same fp8 run in one process (losses, grad norms,
+    validation loss and sample)."""
+    pp, one = runs.rows["pp2-fp8-rowwise"], runs.rows["single-fp8-rowwise"]
+    print("max |loss diff|", max(abs(pp[s]["loss"] - one[s]["loss"]) for s in range(1, STEPS + 1)))
+    assert_same_curve(pp, one)
+    assert "fp8: rowwise scaling in 20 block linears" in runs.stdout["pp2-fp8-rowwise"]
