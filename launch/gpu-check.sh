@@ -177,7 +177,7 @@ fi
 # the last logged interval, the losses at the logged steps. On a GPU always (skipped, and said,
 # below compute capability 8.9 or without torchao); on a CPU with SCALE_LLM_CHECK_FP8=1 or
 # --fp8-only: tiny.yaml eager, emulated fp8 (the curve, not the speed), 4 steps. The runs take
-# the --set values given. SCALE_LLM_CHECK_FP8_STEPS: the steps (100 on a GPU).
+# the --set values and --scratch given. SCALE_LLM_CHECK_FP8_STEPS: the steps (100 on a GPU).
 if [[ "$only_f" == 0 && ( "$gpus" -gt 0 || "$only_g" == 1 \
     || "${SCALE_LLM_CHECK_FP8:-0}" == "1" ) ]]; then
   ROOT="$ROOT" "$PY" - "$out" "$only_g" "$@" <<'FP8EOF' || rc=1
@@ -196,7 +196,8 @@ cuda = torch.cuda.is_available()
 config = root / "yaml" / ("400m.yaml" if cuda else "tiny.yaml")
 steps = int(os.environ.get("SCALE_LLM_CHECK_FP8_STEPS") or (100 if cuda else 4))
 every = max(steps // 10, 1)
-scratch = default_scratch()
+given = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--scratch"]  # the check's
+scratch = Path(given[-1]) if given else default_scratch()
 scratch.mkdir(parents=True, exist_ok=True)
 sets = ["parallel.backend=single", "parallel.tensor_parallel=1", "train.grad_accum=1",
         f"train.max_steps={steps}", f"train.warmup_steps={every}", f"logging.every={every}",

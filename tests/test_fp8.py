@@ -391,7 +391,8 @@ def test_gpu_check_compares_fp8_with_bf16_in_its_report(corpus_dir, data_dir, tm
     data += ["data.tokenizer_sample_bytes=500000", "train.micro_batch_size=4"]
     sets = [x for key in [*TINY_MODEL, *data] for x in ("--set", key)]
     out = tmp_path / "report"
-    environ = env() | {"TMPDIR": str(tmp_path), "SCALE_LLM_CHECK_FP8_STEPS": "4"}
+    environ = env() | {"SCALE_LLM_CHECK_FP8_STEPS": "4"}
+    sets += ["--scratch", str(tmp_path / "scratch")]
     proc = subprocess.run(
         ["bash", str(REPO / "launch" / "gpu-check.sh"), str(out), "--fp8-only", *sets],
         cwd=REPO, env=environ, capture_output=True, text=True, timeout=600,
@@ -409,4 +410,5 @@ def test_gpu_check_compares_fp8_with_bf16_in_its_report(corpus_dir, data_dir, tm
         assert row["loss_diff_last"] == pytest.approx(last) and row["ok"], row
     text = (out / "report.md").read_text()
     assert "## (g) fp8 against bf16" in text and "| fp8 rowwise |" in text
+    assert [p.name for p in (tmp_path / "scratch").iterdir()] == []  # its runs removed
     print(text)
