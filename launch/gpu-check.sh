@@ -8,7 +8,7 @@
 #   (e) with 2+ GPUs: the headline row's DDP step on 2 GPUs against 1 alone (weak scaling)
 #   (f) 400m.yaml compiled vs eager at TP 1 (and FSDP2 x TP 2 with 2+ GPUs), the attention
 #       kernel that ran, each process's peak host memory, MFU against the calibrated roofline
-#       (report.md's section (f), report.json's "issue40"); --calibration-only runs it alone
+#       (report.md's section (f), report.json's "calibration"); --calibration-only runs it alone
 #   (g) bf16 against fp8 (train.fp8, both recipes) on one GPU: the same config compiled, the
 #       speed-up and the loss difference after a fixed number of steps (report.json's "fp8");
 #       --fp8-only runs it alone
@@ -164,7 +164,7 @@ path = out / "report.json"
 data = json.loads(path.read_text()) if path.exists() else {
     "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
     "errors": []}
-data["issue40"] = report
+data["calibration"] = report
 path.write_text(json.dumps(data, indent=1))
 with open(out / "report.md", "a") as f:
     f.write("\n".join(md) + "\n")
