@@ -464,6 +464,11 @@ def _bench_parser(sub) -> None:
         "--roofline: GPUs the run will use (default: $WORLD_SIZE, else parallel.world_size, else 2)"
     )
     p.add_argument("--world-size", type=int, metavar="N", help=world)
+    network = (
+        "--roofline: the link between nodes of 8 GPUs that collectives spanning nodes run on: "
+        "ib-ndr (InfiniBand, 400 Gb/s per GPU; the default) or eth-100g (100 Gb/s per node)"
+    )
+    p.add_argument("--network", choices=["ib-ndr", "eth-100g"], help=network)
     _flag(p, "--json", "print one JSON object")
 
 
@@ -484,7 +489,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 raise UserError(f"--world-size {args.world_size}: use the GPUs the run will use")
             world = args.world_size
         plan = target_plan(cfg, world)
-        r = roofline(cfg, plan.micro_batch_size, plan.grad_accum, args.roofline, world)
+        network = args.network or "ib-ndr"
+        r = roofline(cfg, plan.micro_batch_size, plan.grad_accum, args.roofline, world, network)
         print(json.dumps(r) if args.json else format_roofline(r))
         return 0
     counts = [  # (flag, value, least, what it counts)
@@ -495,6 +501,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     bad = [f"{f} {n}: use a count >= {least} ({what})" for f, n, least, what in counts if n < least]
     if args.world_size is not None:
         bad.append("--world-size: only with --roofline (a run's world is its launcher's)")
+    if args.network is not None:
+        bad.append("--network: only with --roofline (a run goes over the network it has)")
     if bad:
         raise UserError("; ".join(bad))
     backends = [x.strip() for x in args.sweep_backend.split(",")] if args.sweep_backend else None

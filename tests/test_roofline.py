@@ -390,7 +390,7 @@ def test_the_pipeline_sends_each_pieces_activations_and_gradients_per_stage():
 
 def test_a_pipelined_step_is_its_stages_pieces_plus_the_bubble_and_the_sends():
     """A tiny model, PP 2 x TP 2 on 4 ranks, interleaved: the stage's one-piece roofline times
-    the pieces, the bubble's share on top, the sends at the network's rate; bench --roofline
+    the pieces, the bubble's share on top, the sends at NVLink's rate; bench --roofline
     carries it under `pipeline`."""
     from scale_llm.analysis.roofline import P2P_ROW, PP_ROW, pipeline_bubble, pipeline_step
     from scale_llm.config import with_changes
@@ -420,7 +420,8 @@ def test_a_pipelined_step_is_its_stages_pieces_plus_the_bubble_and_the_sends():
     bubble = pipeline_bubble(2, 4, "interleaved_1f1b", 2)
     assert p["bubble"] == bubble == pytest.approx(1 / 9)
     assert p["classes"][PP_ROW]["point"] == pytest.approx(4 * one * bubble / (1 - bubble))
-    sends = 2 * 4 * 2 * cfg.model.seq_len * cfg.model.d_model * 2 / 2 / 50e9 * 1e3
+    # 4 ranks in one node: the stages' sends go over NVLink
+    sends = 2 * 4 * 2 * cfg.model.seq_len * cfg.model.d_model * 2 / 2 / 450e9 * 1e3
     assert p["classes"][P2P_ROW]["point"] == pytest.approx(sends)
     assert p["ms"]["point"] == pytest.approx(4 * one / (1 - bubble) + sends)
     assert roofline(cfg, 4, 1, "H100-SXM", 4)["pipeline"]["ms"] == p["ms"]
@@ -471,3 +472,180 @@ def test_bench_roofline_prices_the_world_the_config_is_laid_out_for(capsys, monk
         assert main(["bench", config, "--roofline", "H100-500W", "--json", *extra]) == 0
         got = json.loads(capsys.readouterr().out)
         assert (got["world"], got["grad_accum"]) == (world, accum)
+
+
+# --- The link between nodes: which mesh dims cross it, and at what rate -------------------
+
+
+def test_a_mesh_dim_crosses_nodes_when_it_and_the_dims_inside_it_span_more_than_a_node():
+    """8 GPUs a node, tp innermost: TP 8 stays in a node, FSDP2 2 outside it crosses; FSDP2 4
+    x TP 2 fills one node; a pipeline of 64 ranks (pp outermost) crosses. Across nodes each GPU
+    gets its share of the network: 400 Gb/s (InfiniBand NDR) or 100 Gb/s / 8 (Ethernet)."""
+    from scale_llm.analysis.roofline import NETWORKS, NVLINK_BYTES_PER_S, crosses_nodes, link_of
+
+    assert not crosses_nodes(8, 1) and crosses_nodes(2, 8) and crosses_nodes(32, 2)
+    assert not crosses_nodes(4, 2) and crosses_nodes(8, 8) and not crosses_nodes(1, 64)
+    assert NETWORKS == {"ib-ndr": 50e9, "eth-100g": 100e9 / 8 / 8}
+    assert link_of(4, 2, "eth-100g") == (NVLINK_BYTES_PER_S, "NVLink")
+    assert link_of(8, 8, "eth-100g")[0] == 1.5625e9 and link_of(8, 8, "ib-ndr")[0] == 50e9
+
+
+def test_the_network_prices_the_collectives_that_cross_nodes_and_only_those():
+    """70b.yaml on 64 GPUs: FSDP2 32 over 4 nodes' worth of TP 2 pairs crosses, 32x slower on
+    100 Gb/s a node than on 400 Gb/s a GPU; TP 2 stays on NVLink. FSDP2 8 alone on one node of
+    8 GPUs goes over NVLink whatever the network."""
+    from scale_llm.analysis.roofline import parallel_traffic
+
+    cfg = load_config(REPO / "yaml" / "70b.yaml")
+    fast, slow = (parallel_traffic(cfg, 64, 8, 2, n) for n in ("ib-ndr", "eth-100g"))
+    assert slow["fsdp_bytes"] == fast["fsdp_bytes"]
+    assert slow["fsdp_ms"] == pytest.approx(32 * fast["fsdp_ms"])
+    assert slow["fsdp_ms"] == pytest.approx(1e3 * slow["fsdp_bytes"] / 1.5625e9)
+    assert slow["tp_ms"] == fast["tp_ms"] == pytest.approx(1e3 * fast["tp_bytes"] / 450e9)
+    one_node = load_config(REPO / "yaml" / "llama3-8b.yaml")
+    inside = parallel_traffic(one_node, 8, 2, 1, "eth-100g")
+    assert inside["fsdp_link"] == "NVLink"
+    assert inside["fsdp_ms"] == pytest.approx(1e3 * inside["fsdp_bytes"] / 450e9)
+
+
+def test_fsdp2_without_tensor_parallelism_prices_and_states_its_gathers_and_reduce_scatters(
+    capsys, monkeypatch
+):
+    """llama3-8b.yaml (FSDP2 8, TP 1): the step prices FSDP2's all-gathers (forward and
+    backward: 2 x 2 bytes) and fp32 reduce-scatter of 7/8 of every parameter, hidden under the
+    compute on one node's NVLink, and the text says so (not DDP's all-reduce). On 16 GPUs over
+    100 Gb/s a node the same traffic crosses the nodes and its excess over the compute is added
+    to the step, outside CALIBRATION.busy's share."""
+    import json
+
+    from scale_llm.analysis.memory import ParamCounts
+    from scale_llm.analysis.roofline import FSDP_ROW, format_roofline
+    from scale_llm.cli import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    cfg = load_config(REPO / "yaml" / "llama3-8b.yaml")
+    r = roofline(cfg, 2, 1, "H100-500W", 8)
+    a, n = r["achieved"], ParamCounts.of(cfg.model).total
+    assert a["parallel_traffic"]["fsdp_bytes"] == pytest.approx((2 * 2 + 4) * n * 7 / 8)
+    assert a["classes"][FSDP_ROW] == {"low": 0.0, "point": 0.0, "high": 0.0}
+    text = format_roofline(r)
+    assert (
+        "FSDP2 over 8 GPUs on NVLink: all-gathers of the parameters (forward and backward" in text
+    )
+    assert "reduce-scatters of the fp32 gradients" in text and "DDP" not in text
+    config = str(REPO / "yaml" / "llama3-8b.yaml")
+    args = ["bench", config, "--roofline", "H100-500W", "--world-size", "16", "--json"]
+    args += ["--set", "train.global_batch_size=32"]
+    assert main([*args, "--network", "eth-100g"]) == 0
+    slow = json.loads(capsys.readouterr().out)["achieved"]
+    t = slow["parallel_traffic"]
+    assert t["fsdp_link"] == "100 Gb/s per node"
+    kernels = sum(ms["point"] for c, ms in slow["classes"].items() if c != FSDP_ROW)
+    busy = kernels - slow["classes"]["outside the counted kernels (CALIBRATION.busy)"]["point"]
+    assert slow["classes"][FSDP_ROW]["point"] == pytest.approx(t["fsdp_ms"] - busy)
+    assert slow["ms"]["point"] == pytest.approx(busy / 0.84 + t["fsdp_ms"] - busy)
+    assert main(["bench", config, "--network", "eth-100g"]) == 2  # a --roofline flag
+    assert "--network: only with --roofline" in capsys.readouterr().err
+
+
+def test_a_ddp_run_states_its_all_reduce_on_the_link_its_ranks_span():
+    from scale_llm.analysis.roofline import format_roofline
+
+    cfg = load_config(REPO / "yaml" / "nanochat-d32.yaml")
+    assert cfg.parallel.backend == "ddp"
+    for world, link in ((8, "NVLink"), (16, "100 Gb/s per node")):
+        text = format_roofline(roofline(cfg, 1, 1, "H100-SXM", world, "eth-100g"))
+        assert f"gradient all-reduce over {world} GPUs on {link}" in text
+
+
+def test_each_accumulation_step_fills_and_drains_the_pipeline():
+    """PP 2 x FSDP2 2, 1F1B, 2 microbatches a schedule run, grad_accum 2: 4 pieces a step, the
+    bubble of one run of 2, (2 - 1) / (2 + 2 - 1), not of 4 pieces in one run."""
+    from scale_llm.analysis.roofline import pipeline_step
+
+    sets = ["parallel.backend=fsdp", "parallel.pipeline_parallel=2", "model.tie_embeddings=false"]
+    sets += ["parallel.pipeline.schedule=1f1b", "parallel.pipeline.microbatches=2"]
+    sets += ["train.micro_batch_size=2", "train.global_batch_size=8", "model.n_layers=4"]
+    p = pipeline_step(load_config(REPO / "yaml" / "tiny.yaml", sets), 4, "H100-SXM")
+    assert p["pipeline"]["pieces"] == 4 and p["bubble"] == pytest.approx(1 / 3)
+
+
+def test_the_pipelines_sends_cross_nodes_at_the_networks_rate():
+    """yaml/70b-pp.yaml: 64 sequences a step on each of 8 data-parallel ranks, each piece's
+    (4096, 8192) bf16 activations forward and gradients back, over 100 Gb/s a node (5.5 s) or
+    400 Gb/s a GPU (0.17 s); everything else the same."""
+    from scale_llm.analysis.roofline import P2P_ROW, pipeline_step
+
+    cfg = load_config(REPO / "yaml" / "70b-pp.yaml")
+    slow, fast = (pipeline_step(cfg, 64, "H100-SXM", network=n) for n in ("eth-100g", "ib-ndr"))
+    assert slow["p2p_bytes"] == fast["p2p_bytes"] == 2 * 64 * 4096 * 8192 * 2
+    assert slow["classes"][P2P_ROW]["point"] == pytest.approx(1e3 * slow["p2p_bytes"] / 1.5625e9)
+    assert fast["classes"][P2P_ROW]["point"] == pytest.approx(1e3 * fast["p2p_bytes"] / 50e9)
+    rest = {c: ms for c, ms in slow["classes"].items() if c != P2P_ROW}
+    assert rest == {c: ms for c, ms in fast["classes"].items() if c != P2P_ROW}
+
+
+def _mfu_span(mfu: dict) -> str:
+    return "{:.0f}% [{:.0f}-{:.0f}%]".format(*(100 * mfu[w] for w in ("point", "low", "high")))
+
+
+def test_the_shipped_pipeline_configs_state_the_prediction_the_code_makes():
+    """yaml/70b-pp.yaml's header states its GiB and its pipelined MFU on both networks (and
+    70b.yaml's on the slow one); yaml/405b.yaml's its MFU and tokens/s on H100 SXM."""
+    from scale_llm.analysis.memory.estimate import estimate
+    from scale_llm.analysis.roofline import pipeline_step
+
+    header = lambda name: (REPO / "yaml" / name).read_text().replace("\n# ", " ")  # noqa: E731
+    pp = load_config(REPO / "yaml" / "70b-pp.yaml")
+    stated = [f"{estimate(pp, 64).total / 2**30:.2f} GiB predicted"]
+    for network in ("eth-100g", "ib-ndr"):
+        stated.append(f"MFU {_mfu_span(pipeline_step(pp, 64, 'H100-SXM', network=network)['mfu'])}")
+    flat = load_config(REPO / "yaml" / "70b.yaml")
+    slow = roofline(flat, 8, 2, "H100-SXM", 64, "eth-100g")["achieved"]["mfu"]
+    stated.append(f"yaml/70b.yaml on that network: MFU {_mfu_span(slow)}")
+    for text in stated:
+        assert text in header("70b-pp.yaml"), f"yaml/70b-pp.yaml does not say {text}"
+    p = pipeline_step(load_config(REPO / "yaml" / "405b.yaml"), 512, "H100-SXM")
+    q = p["tokens_per_s_per_gpu"]
+    text = f"MFU {_mfu_span(p['mfu'])}, {q['point']:.0f} [{q['low']:.0f}-{q['high']:.0f}] tokens/s"
+    assert text in header("405b.yaml"), f"yaml/405b.yaml does not say {text}"
+
+
+@pytest.fixture(scope="module")
+def layouts():
+    from scale_llm.analysis.roofline import layout_candidates
+
+    return layout_candidates()
+
+
+def test_the_doc_states_the_70b_layouts_the_code_makes_and_the_yamls_are_the_best(layouts):
+    """docs/performance.md's 70B table, row by row; the fastest layout on InfiniBand is
+    yaml/70b.yaml's, on 100 Gb/s a node yaml/70b-pp.yaml's, and both fit 80 GB."""
+    doc = (REPO / "docs" / "performance.md").read_text()
+    for row in layouts:
+        pp, tp, schedule, v, _, pieces = row["layout"]
+        plan = row["plan"]
+        name = f"FSDP {plan.dp_degree} x TP {tp}" + (f" x PP {pp}" if pp > 1 else "")
+        mfus = [
+            _mfu_span(row["steps"][n]["mfu"]).replace("[", "(").replace("]", ")")
+            for n in ("ib-ndr", "eth-100g")
+        ]
+        line = (
+            f"| {name} | {'`' + schedule + '`' if pp > 1 else '-'} | {v if pp > 1 else '-'} | "
+            f"{pieces if pp > 1 else '-'} | {plan.micro_batch_size} x {plan.grad_accum} | "
+            f"{row['steps']['ib-ndr']['bubble']:.0%} | {row['gib']:.2f} | {mfus[0]} | {mfus[1]} |"
+        )
+        assert line in doc, f"docs/performance.md lacks: {line}"
+    best = {
+        n: max(layouts, key=lambda r: r["steps"][n]["mfu"]["point"]) for n in ("ib-ndr", "eth-100g")
+    }
+    for network, name in (("ib-ndr", "70b.yaml"), ("eth-100g", "70b-pp.yaml")):
+        cfg = load_config(REPO / "yaml" / name)
+        plan = best[network]["plan"]
+        assert (plan.pp_degree, plan.tp_degree, plan.micro_batch_size) == (
+            cfg.parallel.pipeline_parallel,
+            cfg.parallel.tensor_parallel,
+            cfg.train.micro_batch_size,
+        )
+        assert best[network]["layout"][2] in ("-", cfg.parallel.pipeline.schedule)
+        assert best[network]["gib"] < 80

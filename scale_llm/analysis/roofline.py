@@ -57,6 +57,27 @@ FUSED = {"element-wise and copies", "rms_norm", "loss"}  # what compile fuses be
 FUSED_ROW = "element-wise, norms, loss (fused)"
 EAGER_ROW = "element-wise, norms, loss (eager)"
 NVLINK_BYTES_PER_S = 450e9  # H100 / H200 SXM NVLink 4: 900 GB/s bidirectional per GPU
+GPUS_PER_NODE = 8  # an HGX H100 / H200 node: NVLink inside it, the network between nodes
+# `bench --network`: each GPU's share of the links between nodes, bytes/s each way
+NETWORKS = {
+    "ib-ndr": 400e9 / 8,  # InfiniBand NDR, one 400 Gb/s port per GPU (H100 clusters)
+    "eth-100g": 100e9 / 8 / GPUS_PER_NODE,  # one 100 Gb/s Ethernet port per node of 8
+}
+NETWORK_NAMES = {"ib-ndr": "InfiniBand NDR 400 Gb/s per GPU", "eth-100g": "100 Gb/s per node"}
+
+
+def crosses_nodes(size: int, inner: int) -> bool:
+    """Whether a mesh dim of `size` ranks spans nodes: its ranks lie `inner` apart (the product
+    of the dims inside it, tp innermost), so its group covers size x inner consecutive ranks."""
+    return size > 1 and size * inner > GPUS_PER_NODE
+
+
+def link_of(size: int, inner: int, network: str) -> tuple[float, str]:
+    """(bytes/s per GPU, name) of the link a mesh dim's collectives run on: NVLink inside a
+    node; across nodes, every GPU at its share of `network` (its slowest hop sets a ring's pace)."""
+    if crosses_nodes(size, inner):
+        return NETWORKS[network], NETWORK_NAMES[network]
+    return NVLINK_BYTES_PER_S, "NVLink"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -495,11 +516,17 @@ def count_micro_step(cfg: Config, micro_batch: int) -> tuple[dict[str, float], d
 
 
 def roofline(
-    cfg: Config, micro_batch: int, grad_accum: int, device: str = "H100-SXM", world: int = 2
+    cfg: Config,
+    micro_batch: int,
+    grad_accum: int,
+    device: str = "H100-SXM",
+    world: int = 2,
+    network: str = "ib-ndr",
 ) -> dict[str, Any]:
     """The per-class roofline of one optimizer step on one GPU of `device`, the MFU each bound
-    implies, the prediction at achieved rates, and DDP's all-reduce over `world` GPUs on NVLink
-    (overlapped with backward: not added)."""
+    implies, and the prediction at achieved rates; collectives whose group spans nodes run at
+    `network`'s rate (NETWORKS). DDP's all-reduce over `world` GPUs is overlapped with backward
+    (stated, not added); FSDP2's and tensor parallelism's traffic is priced in `achieved`."""
     peak, bandwidth = DEVICES[device]
     counter = _count(cfg, micro_batch)
     model = build_model(cfg.model)
@@ -525,10 +552,13 @@ def roofline(
     matmul_ms = sum(rows[c]["ms"] for c in bound if c in rows)
     grad_bytes = 4 * n_params  # fp32 gradients (autocast keeps fp32 params)
     ring = 2 * (world - 1) / world * grad_bytes  # bytes each GPU sends in a ring all-reduce
+    rate, link = link_of(world, 1, network)
     mfu = lambda flops, ms: flops / (ms / 1e3) / peak  # noqa: E731
     return {
         "device": device,
-        "allreduce_ms": 1e3 * ring / NVLINK_BYTES_PER_S if world > 1 else 0.0,
+        "network": network,
+        "allreduce_ms": 1e3 * ring / rate if world > 1 else 0.0,
+        "allreduce_link": link,
         "world": world,
         "micro_batch": micro_batch,
         "grad_accum": grad_accum,
@@ -545,10 +575,12 @@ def roofline(
         "mfu_causal_eager": mfu(causal_flops, eager_ms),
         "mfu_causal_matmul_bound": mfu(causal_flops, matmul_ms),
         "achieved": achieved(
-            cfg, counter, rows, grad_accum, device, (model_flops, causal_flops), world
+            cfg, counter, rows, grad_accum, device, (model_flops, causal_flops), world, network
         ),
         # under pipeline parallelism: one GPU's step at its stage (the rest: the whole model)
-        "pipeline": pipeline_step(cfg, world, device) if _pp(cfg, world) > 1 else None,
+        "pipeline": pipeline_step(cfg, world, device, network=network)
+        if _pp(cfg, world) > 1
+        else None,
     }
 
 
@@ -564,13 +596,15 @@ def achieved(
     device: str,
     model_flops: tuple[float, float],
     world: int = 1,
+    network: str = "ib-ndr",
 ) -> dict[str, Any]:
     """The step at the rates of RATES and the terms of CALIBRATION: per class, the time at the
     point rates and at the low and high ones; the MFU of each (convention, causal) and the
-    tokens/s of one GPU. Under tensor parallelism, one GPU's share and the step's communication
-    (`_split_over_tp`)."""
+    tokens/s of one GPU. Under tensor parallelism or FSDP2 over several ranks, one GPU's share
+    and the step's communication (`_split_over_tp`)."""
     model = cfg.model
-    tp = target_plan(cfg, world).tp_degree
+    plan = target_plan(cfg, world)
+    tp = plan.tp_degree
     shards = _fsdp_shards(cfg, world)
     attention = attention_rate(device, model.d_model // model.n_heads, model.seq_len)
     compiled = compiles(cfg.train, "cuda")
@@ -594,8 +628,8 @@ def achieved(
         for cls, seconds in times.items():
             classes.setdefault(cls, {})[way] = 1e3 * seconds
     traffic = None
-    if tp > 1:
-        traffic = parallel_traffic(cfg, world, counter.micro_batch, grad_accum)
+    if tp > 1 or (cfg.parallel.backend == "fsdp" and plan.dp_degree > 1):
+        traffic = parallel_traffic(cfg, world, counter.micro_batch, grad_accum, network)
         classes = _split_over_tp(classes, traffic, tp, shards)
     elif shards > 1 and "optimizer (AdamW)" in classes:  # FSDP2: AdamW over the rank's shard
         classes["optimizer (AdamW)"] = {
@@ -649,9 +683,11 @@ def _elementwise_bytes(
 
 
 def _idle(classes: dict[str, dict[str, float]]) -> dict[str, float]:
-    """The time outside the counted kernels: the step is their sum / CALIBRATION.busy."""
+    """The time outside the counted kernels: the step is their sum / CALIBRATION.busy. FSDP2's
+    exposed wait is no kernel's: it stays out of the sum (a pipeline prices it once a step)."""
     busy = CALIBRATION.busy
-    return {w: sum(c[w] for c in classes.values()) * (1 / getattr(busy, w) - 1) for w in WAYS}
+    kernels = [ms for cls, ms in classes.items() if cls != FSDP_ROW]
+    return {w: sum(c[w] for c in kernels) * (1 / getattr(busy, w) - 1) for w in WAYS}
 
 
 def _gemm_seconds(
@@ -759,8 +795,8 @@ def _fsdp_shards(cfg: Config, world: int) -> int:
     return layout_of(cfg, target_plan(cfg, world)).shards
 
 
-TP_ROW = "tensor-parallel collectives (NVLink, exposed)"
-FSDP_ROW = "FSDP2 collectives (network, exposed beyond compute)"
+TP_ROW = "tensor-parallel collectives (exposed)"
+FSDP_ROW = "FSDP2 collectives (exposed beyond compute)"
 
 
 def _split_over_tp(
@@ -778,7 +814,8 @@ def _split_over_tp(
         else:
             out[cls] = {w: t / tp for w, t in ms.items()}
     compute = {w: sum(c[w] for c in out.values()) for w in WAYS}
-    out[TP_ROW] = {w: traffic["tp_ms"] / getattr(CALIBRATION.link, w) for w in compute}
+    if tp > 1:
+        out[TP_ROW] = {w: traffic["tp_ms"] / getattr(CALIBRATION.link, w) for w in compute}
     out[FSDP_ROW] = {w: max(0.0, traffic["fsdp_ms"] - t) for w, t in compute.items()}
     return out
 
@@ -826,14 +863,15 @@ def format_roofline(r: dict[str, Any]) -> str:
     if split:
         lines.append("(the table and bounds: the whole model's work on one GPU, no communication)")
     allreduce = (
-        f"; gradient all-reduce over {r['world']} GPUs on NVLink: {r['allreduce_ms']:.1f} ms "
-        f"(overlapped with backward by DDP's buckets)"
+        f"; gradient all-reduce over {r['world']} GPUs on {r['allreduce_link']}: "
+        f"{r['allreduce_ms']:.1f} ms (overlapped with backward by DDP's buckets, not added)"
     )
+    sharded = r["achieved"].get("parallel_traffic") is not None  # FSDP2: priced below
     lines.append(
         f"bounds: {r['eager_ms']:.0f} ms eager (MFU {r['mfu_eager']:.0%}, causal "
         f"{r['mfu_causal_eager']:.0%}) .. {r['matmul_bound_ms']:.0f} ms matmul-bound (MFU "
         f"{r['mfu_matmul_bound']:.0%}, causal {r['mfu_causal_matmul_bound']:.0%})"
-        + ("" if split else allreduce)
+        + ("" if split or sharded or r["world"] < 2 else allreduce)
     )
     lines += format_achieved(r["achieved"])
     if r.get("pipeline"):
@@ -861,15 +899,7 @@ def format_achieved(a: dict[str, Any]) -> list[str]:
     for cls, ms in sorted(a["classes"].items(), key=lambda kv: -kv[1]["point"]):
         lines.append(f"| {cls} | {ms['point']:.1f} [{ms['high']:.1f}-{ms['low']:.1f}] |")
     if a.get("parallel_traffic"):
-        t = a["parallel_traffic"]
-        lines.append(
-            f"one GPU of tensor parallel {a['tensor_parallel']}: the counted work / "
-            f"{a['tensor_parallel']} (matmuls at a rank's shapes); per step it sends "
-            f"{t['tp_bytes'] / 1e9:,.0f} GB of tensor-parallel collectives ({t['tp_ms']:,.0f} ms "
-            f"at NVLink's {NVLINK_BYTES_PER_S / 1e9:.0f} GB/s, exposed) and "
-            f"{t['fsdp_bytes'] / 1e9:,.0f} GB of FSDP2 collectives ({t['fsdp_ms']:,.0f} ms at "
-            f"{8 * NETWORK_BYTES_PER_S / 1e9:.0f} Gb/s, overlapped with the compute)"
-        )
+        lines += format_traffic(a["parallel_traffic"], a["tensor_parallel"])
     if a.get("fp8"):
         lines.append(
             f"FP8 linears ({a['fp8']}): the blocks' GEMMs at {FP8_PEAK_NOTE}, their casts and "
@@ -886,20 +916,43 @@ def format_achieved(a: dict[str, Any]) -> list[str]:
     return lines
 
 
+def format_traffic(t: dict[str, Any], tp: int) -> list[str]:
+    """What each GPU sends a step under tensor parallelism and FSDP2, on which link, and how
+    it is priced (the rows TP_ROW and FSDP_ROW)."""
+    lines = []
+    if tp > 1:
+        lines.append(
+            f"one GPU of tensor parallel {tp}: the counted work / {tp} (matmuls at a rank's "
+            f"shapes); per step it sends {t['tp_bytes'] / 1e9:,.1f} GB of tensor-parallel "
+            f"collectives on {t['tp_link']}: {t['tp_ms']:,.0f} ms at the full rate, exposed "
+            f"('{TP_ROW}': at CALIBRATION.link's share)"
+        )
+    if t["data_parallel"] > 1:
+        backward = " and backward" if t["fsdp_reshard"] else ""
+        lines.append(
+            f"FSDP2 over {t['data_parallel']} GPUs on {t['fsdp_link']}: all-gathers of the "
+            f"parameters (forward{backward}, {t['fsdp_gathers']} a step) and reduce-scatters of "
+            f"the fp32 gradients ({t['fsdp_reductions']} a step), {t['fsdp_bytes'] / 1e9:,.1f} GB "
+            f"a GPU, {t['fsdp_ms']:,.0f} ms; overlapped with the compute, only what exceeds it "
+            f"is added ('{FSDP_ROW}')"
+        )
+    return lines
+
+
 def _span(d: dict[str, float], unit: float, fmt: str = ".0f", suffix: str = "") -> str:
     """'point [low-high]' of a dict of the three."""
     p, lo, hi = (format(d[k] / unit, fmt) for k in ("point", "low", "high"))
     return f"{p}{suffix} [{lo}-{hi}{suffix}]"
 
 
-NETWORK_BYTES_PER_S = 400e9 / 8  # 400 Gb/s per GPU between nodes (one InfiniBand NDR port)
-
-
-def parallel_traffic(cfg: Config, world: int, micro_batch: int, grad_accum: int) -> dict[str, Any]:
+def parallel_traffic(
+    cfg: Config, world: int, micro_batch: int, grad_accum: int, network: str = "ib-ndr"
+) -> dict[str, Any]:
     """Bytes each GPU sends per optimizer step under FSDP2 x tensor parallelism, and their least
-    time: tensor parallelism's over NVLink (4 collectives of the activations per block forward,
-    4 backward, 4 recomputed), FSDP2's gathers and reduce-scatters over the network; a ring
-    moves (n - 1) / n of the tensor per GPU."""
+    time: tensor parallelism's (4 collectives of the activations per block forward, 4 backward,
+    4 recomputed), FSDP2's all-gathers of the parameters (forward, and backward when resharded)
+    and reduce-scatters of the gradients; a ring moves (n - 1) / n of the tensor per GPU. Each
+    on its mesh dim's link (`link_of`): tp innermost, the data-parallel ranks outside it."""
     m, tp = cfg.model, target_plan(cfg, world).tp_degree
     dp = world // tp
     c = 2 if cfg.train.precision != "fp32" else 4
@@ -912,11 +965,18 @@ def parallel_traffic(cfg: Config, world: int, micro_batch: int, grad_accum: int)
     gathers = grad_accum * (2 if fsdp.reshard_after_forward else 1)
     reductions = grad_accum if fsdp.reduce_every_micro_step else 1
     fsdp_bytes = (gathers * c + reductions * 4) * local * (dp - 1) / dp if dp > 1 else 0.0
+    (tp_rate, tp_link), (fsdp_rate, fsdp_link) = link_of(tp, 1, network), link_of(dp, tp, network)
     return {
         "tp_bytes": tp_bytes,
-        "tp_ms": 1e3 * tp_bytes / NVLINK_BYTES_PER_S,
+        "tp_ms": 1e3 * tp_bytes / tp_rate,
+        "tp_link": tp_link,
         "fsdp_bytes": fsdp_bytes,
-        "fsdp_ms": 1e3 * fsdp_bytes / NETWORK_BYTES_PER_S,
+        "fsdp_ms": 1e3 * fsdp_bytes / fsdp_rate,
+        "fsdp_link": fsdp_link,
+        "fsdp_gathers": gathers,
+        "fsdp_reshard": fsdp.reshard_after_forward,
+        "fsdp_reductions": reductions,
+        "data_parallel": dp,
     }
 
 
@@ -950,7 +1010,7 @@ def pipeline_p2p_bytes(
 
 
 PP_ROW = "pipeline bubble"
-P2P_ROW = "pipeline sends (network, exposed)"
+P2P_ROW = "pipeline sends (exposed)"
 
 
 def pipeline_step(
@@ -959,12 +1019,14 @@ def pipeline_step(
     device: str = "H100-SXM",
     microbatches: int | None = None,
     stages_per_rank: int | None = None,
+    network: str = "ib-ndr",
 ) -> dict[str, Any]:
     """One GPU's step under pipeline parallelism x FSDP2 x TP (parallel.pipeline_parallel and
     parallel.pipeline.*, read through the plan): the worst stage's blocks (the balanced split,
     the head weighed as one block, on the last stage) priced by `roofline` one piece at a time
     at the stage's TP x FSDP2 layout, every piece of the step, the bubble of the schedule on
-    top, and the sends between stages at the network's rate. `microbatches` and
+    top (once per schedule run: each accumulation step fills and drains the pipeline), and the
+    sends between stages on their link (across nodes: `network`'s rate). `microbatches` and
     `stages_per_rank` replace the plan's (a published run's, which this framework's checks may
     refuse: torchtitan ran interleaved 1F1B with fewer microbatches than stages)."""
     from scale_llm.config import with_changes
@@ -985,19 +1047,20 @@ def pipeline_step(
         | once,
     )
     piece = plan.micro_batch_size // pieces
-    a = roofline(stage, piece, 1, device, world // pp)["achieved"]
+    a = roofline(stage, piece, 1, device, world // pp, network)["achieved"]
     count = pieces * plan.grad_accum  # pieces a step
     classes = {c: {w: t * count for w, t in ms.items()} for c, ms in a["classes"].items()}
     classes.pop(FSDP_ROW, None)  # priced once a step below, not once a piece
     schedule = cfg.parallel.pipeline.schedule
-    bubble = pipeline_bubble(pp, count, schedule, v)
+    bubble = pipeline_bubble(pp, pieces, schedule, v)  # each schedule run's fill and drain
     work = {w: sum(c[w] for c in classes.values()) for w in WAYS}
     if a["parallel_traffic"]:
         fsdp = a["parallel_traffic"]["fsdp_ms"]
         classes[FSDP_ROW] = {w: max(0.0, fsdp - t) for w, t in work.items()}
     classes[PP_ROW] = {w: t * bubble / (1 - bubble) for w, t in work.items()}
     p2p = pipeline_p2p_bytes(piece * m.seq_len, m.d_model, count, v, plan.tp_degree)
-    classes[P2P_ROW] = {w: 1e3 * p2p / NETWORK_BYTES_PER_S if pp > 1 else 0.0 for w in WAYS}
+    rate, link = link_of(pp, world // pp, network)  # pp outermost: its neighbours
+    classes[P2P_ROW] = {w: 1e3 * p2p / rate if pp > 1 else 0.0 for w in WAYS}
     ms = {w: sum(c[w] for c in classes.values()) for w in WAYS}
     tokens = plan.micro_batch_size * plan.grad_accum * m.seq_len * plan.dp_degree / world
     flops = build_model(m).flops_per_token() * tokens  # one GPU's share of the model's FLOPs
@@ -1006,6 +1069,7 @@ def pipeline_step(
         "blocks_per_stage": blocks,
         "bubble": bubble,
         "p2p_bytes": p2p,
+        "p2p_link": link,
         "classes": classes,
         "ms": ms,
         "mfu": {w: flops / (t / 1e3) / DEVICES[device][0] for w, t in ms.items()},
@@ -1019,7 +1083,8 @@ def format_pipeline(p: dict[str, Any]) -> list[str]:
     lines = [
         f"under pipeline parallel {pipe['stages']} ({pipe['schedule']}, {pipe['stages_per_rank']} "
         f"stage(s) a rank, {pipe['pieces']} microbatches a step): the above is the whole model; "
-        f"one GPU holds {p['blocks_per_stage']} blocks (the last stage, with the head)",
+        f"one GPU holds {p['blocks_per_stage']} blocks (the last stage, with the head); "
+        f"the stages' sends: {p['p2p_bytes'] / 1e9:,.1f} GB a GPU on {p['p2p_link']}",
         "| op class | ms at achieved rates [at high rates - at low rates] |",
         "|---|---|",
     ]
@@ -1071,4 +1136,63 @@ def pipeline_candidates(world: int = 512, device: str = "H100-500W") -> list[dic
         cfg = load_config(None, [*LLAMA_405B, *sets])
         step = pipeline_step(cfg, world, device, microbatches=pieces)
         rows.append({"layout": (dp, tp, pp, schedule, v, pieces), "published": published, **step})
+    return rows
+
+
+# Llama-2-70B (yaml/70b.yaml) on 64 H100s, 8 nodes x 8, 512 sequences a step, full
+# checkpointing: (pp, tp, schedule, stages a rank, micro-batch, microbatches). The data-parallel
+# ranks are the rest (FSDP2); grad_accum = 512 / (micro-batch x dp). Mesh pp x shard x tp: a
+# dim spans nodes when it and the dims inside it hold more than 8 ranks (`crosses_nodes`)
+LAYOUTS_70B = (
+    (1, 2, "-", 1, 8, 1),  # yaml/70b.yaml: FSDP2 32 x TP 2
+    (1, 8, "-", 1, 8, 1),
+    (4, 8, "interleaved_1f1b", 2, 32, 32),  # FSDP2 2 across nodes
+    (8, 8, "1f1b", 1, 64, 64),  # no data parallelism: one pipeline of 64 ranks
+    (8, 4, "interleaved_1f1b", 2, 64, 64),  # FSDP2 2 x TP 4: one node a stage
+    (8, 2, "interleaved_1f1b", 2, 64, 64),  # FSDP2 4 x TP 2
+    (8, 1, "1f1b", 1, 64, 64),  # FSDP2 8 inside a node, no tensor parallelism
+    (8, 1, "interleaved_1f1b", 2, 64, 64),
+    (8, 1, "zero_bubble", 2, 64, 64),
+    (8, 1, "interleaved_1f1b", 2, 32, 32),
+    (16, 1, "interleaved_1f1b", 2, 64, 64),  # FSDP2 4 inside half a node
+)
+
+
+def layout_config(pp: int, tp: int, schedule: str, v: int, micro: int, pieces: int) -> Config:
+    """yaml/70b.yaml at one LAYOUTS_70B row on 64 GPUs."""
+    from scale_llm.config import load_config
+
+    sets = [f"parallel.tensor_parallel={tp}", f"parallel.pipeline_parallel={pp}"]
+    sets += [f"train.micro_batch_size={micro}", f"parallel.sequence_parallel={tp > 1}"]
+    if pp > 1:
+        sets += [
+            f"parallel.pipeline.schedule={schedule}",
+            f"parallel.pipeline.microbatches={pieces}",
+        ]
+        sets += [f"parallel.pipeline.stages_per_rank={v}"]
+    return load_config(YAML / "70b.yaml", sets)
+
+
+def layout_step(cfg: Config, world: int, device: str, network: str) -> dict[str, Any]:
+    """One GPU's predicted step of `cfg` on `world` GPUs: the pipelined step under pipeline
+    parallelism, else the step at achieved rates."""
+    plan = target_plan(cfg, world)
+    if plan.pp_degree > 1:
+        return pipeline_step(cfg, world, device, network=network)
+    r = roofline(cfg, plan.micro_batch_size, plan.grad_accum, device, world, network)
+    return {"bubble": 0.0, **r["achieved"]}
+
+
+def layout_candidates(world: int = 64, device: str = "H100-SXM") -> list[dict[str, Any]]:
+    """Each LAYOUTS_70B row: the plan, the memory estimate's GiB per GPU, and the predicted step
+    on each of NETWORKS."""
+    from scale_llm.analysis.memory.estimate import estimate
+
+    rows = []
+    for layout in LAYOUTS_70B:
+        cfg = layout_config(*layout)
+        plan = target_plan(cfg, world)
+        steps = {n: layout_step(cfg, world, device, n) for n in NETWORKS}
+        gib = estimate(cfg, plan).total / 2**30
+        rows.append({"layout": layout, "plan": plan, "gib": gib, "steps": steps})
     return rows
