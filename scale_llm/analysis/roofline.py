@@ -1150,6 +1150,7 @@ LAYOUTS_70B = (
     (8, 8, "1f1b", 1, 64, 64),  # no data parallelism: one pipeline of 64 ranks
     (8, 4, "interleaved_1f1b", 2, 64, 64),  # FSDP2 2 x TP 4: one node a stage
     (8, 2, "interleaved_1f1b", 2, 64, 64),  # FSDP2 4 x TP 2
+    (8, 2, "1f1b", 1, 64, 64),
     (8, 1, "1f1b", 1, 64, 64),  # FSDP2 8 inside a node, no tensor parallelism
     (8, 1, "interleaved_1f1b", 2, 64, 64),
     (8, 1, "zero_bubble", 2, 64, 64),
