@@ -1,11 +1,14 @@
 """Run under torchrun (2 gloo ranks) by tests/test_memory.py: one optimizer step per case,
-measured by category on every rank with `measure_step`; rank 0 writes the results as JSON."""
+measured by category on every rank with `measure_step`; rank 0 writes the results as JSON (its
+own, and every rank's under "ranks")."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+
+import torch.distributed as dist
 
 from scale_llm.analysis.memory.measure import measure_step
 from scale_llm.config import load_config
@@ -26,7 +29,11 @@ def main(out: str, cases: list[dict]) -> None:
     results = []
     for case in cases:
         cfg = load_config(None, [*SHAPE, *case["set"]])
-        results.append({**case, **measure_step(cfg)})
+        mine = measure_step(cfg)
+        ranks = [None] * dist.get_world_size() if dist.is_initialized() else [mine]
+        if dist.is_initialized():
+            dist.all_gather_object(ranks, mine)
+        results.append({**case, **mine, "ranks": ranks})
     if int(os.environ.get("RANK", "0")) == 0:
         with open(out, "w") as f:
             json.dump(results, f)

@@ -453,7 +453,7 @@ def two_ranks(tmp_path_factory, request) -> dict[str, list[dict]]:
         "test_tensor_parallel_at_two_ranks_peaks_where_the_estimate_says": [
             {"set": s} for s in TP_CASES
         ],
-        "test_the_first_pipeline_rank_peaks_under_the_estimate": [{"set": s} for s in PP_CASES],
+        "test_every_pipeline_rank_peaks_where_its_estimate_says": [{"set": s} for s in PP_CASES],
     }
     read = wanted(request, {test: [test] for test in tests})
     cases = [
@@ -556,9 +556,9 @@ def test_tensor_parallel_at_two_ranks_peaks_where_the_estimate_says(two_ranks):
         assert got["activations"] <= 1.01 * est["activations"], name
 
 
-# PP 2 on 2 gloo ranks, fp32, the first pipeline rank (the most pieces in flight) measured:
-# 80.6 MiB against 92.9 estimated (1F1B, 2 pieces), 52.1 / 56.1 (full checkpointing, 4
-# pieces), 80.4 / 91.4 (GPipe, 4 pieces): the estimate counts the head and the loss there too
+# PP 2 on 2 gloo ranks, fp32, both pipeline ranks measured (MiB, measured / estimated): 1F1B
+# with 2 pieces 80.6 / 82.4 and 73.9 / 70.9; full checkpointing with 4 pieces 52.1 / 51.3 and
+# 52.9 / 52.9; GPipe with 4 pieces 80.4 / 80.6 and 89.9 / 90.1
 PP = ["parallel.backend=fsdp", "parallel.pipeline_parallel=2", "model.tie_embeddings=false"]
 PP_CASES = [
     [*PP, "train.precision=fp32"],
@@ -569,17 +569,28 @@ PP_CASES = [
 ]
 
 
-def test_the_first_pipeline_rank_peaks_under_the_estimate(two_ranks):
-    """A step of PP 2, measured on the first pipeline rank: the estimate (that rank's chunks
-    and pieces in flight, the head and the loss counted on it too) never under-predicts the
-    peak and over-predicts it by at most 20%; its optimizer state is that rank's."""
-    results = two_ranks["test_the_first_pipeline_rank_peaks_under_the_estimate"]
+def test_every_pipeline_rank_peaks_where_its_estimate_says(two_ranks):
+    """A step of PP 2, measured on both pipeline ranks: each rank's estimate (its stages'
+    blocks, the embedding on the first, the head and loss on the last, its schedule's pieces
+    in flight) is its measured peak within 5%, and the layout's estimate names the rank that
+    peaks highest; the optimizer state is the rank's own (measured with the embedding's or the
+    head's gradient beside it, which the count files there)."""
+    results = two_ranks["test_every_pipeline_rank_peaks_where_its_estimate_says"]
     assert [r["set"] for r in results] == PP_CASES
     for r in results:
-        got, est, name = r["measured"], r["estimated"], " ".join(r["set"])
-        peak = got["allocated_peak"]
-        assert peak <= est["peak"] <= 1.2 * peak, (name, peak, est["peak"])
-        assert got["optimizer"] <= est["optimizer"] <= 1.2 * got["optimizer"], name
+        name, ranks = " ".join(r["set"]), r["ranks"]
+        assert [x["pipeline_rank"] for x in ranks] == [0, 1], name
+        peaks = [x["measured"]["allocated_peak"] for x in ranks]
+        for x, peak in zip(ranks, peaks, strict=True):
+            est = x["estimated"]
+            print(
+                f"{name} rank {x['pipeline_rank']}: {peak / 2**20:.2f} MiB measured, "
+                f"{est['peak'] / 2**20:.2f} estimated"
+            )
+            assert est["peak"] == pytest.approx(peak, rel=0.05), (name, x["pipeline_rank"])
+            got = x["measured"]["optimizer"]
+            assert est["optimizer"] <= got <= 1.15 * est["optimizer"], name
+        assert r["worst_pipeline_rank"] == peaks.index(max(peaks)), name
 
 
 def test_a_gpu_run_is_refused_when_its_host_cannot_build_the_model(monkeypatch):

@@ -229,23 +229,28 @@ def test_pipeline_config_errors_name_values_that_work():
         assert check(*overrides, fix) == "", (overrides, fix, check(*overrides, fix))
 
 
-def test_the_memory_estimate_is_the_first_pipeline_ranks():
+def test_the_memory_estimate_is_the_worst_pipeline_ranks():
     """A rank holds its stages' states and its schedule's pieces in flight: the estimate of
-    yaml/405b.yaml (16 stages of at most 8 blocks, 2 a rank) has the optimizer state of 16
-    blocks plus the embedding and head on 8 tensor-parallel ranks, sharded 8 ways (was: all
-    126 blocks sharded 64 ways, and the whole micro-batch's activations: 196.6 GiB). The
-    pieces in flight are torch's warm-up forwards plus one."""
+    yaml/405b.yaml (16 stages, 2 a rank, looped) is its worst rank's, the last (stages 7 and
+    15: their blocks and the head, not the embedding, on 8 tensor-parallel ranks, sharded 8
+    ways; was: every rank counted with all 126 blocks sharded 64 ways, 196.6 GiB, then the
+    first rank with the head too). The pieces in flight are torch's warm-up forwards plus one."""
     import dataclasses
 
     from torch.distributed.pipelining.schedules import _get_warmup_ops
 
     from scale_llm.analysis.memory.estimate import ParamCounts, estimate
     from scale_llm.analysis.memory.pipeline import in_flight
+    from scale_llm.parallel.pipeline import stage_blocks
     from tests.helpers import REPO
 
     cfg = load_config(REPO / "yaml" / "405b.yaml")
     est = estimate(cfg, 512)
-    held = ParamCounts.of(dataclasses.replace(cfg.model, n_layers=16), tp=8).total
+    blocks = stage_blocks(cfg.model.n_layers, 16, None)
+    assert est.pipeline_rank == 7 and len(est.pipeline_ranks) == 8
+    assert est.gpu["peak"] == max(r.gpu["peak"] for r in est.pipeline_ranks)
+    rank7 = dataclasses.replace(cfg.model, n_layers=len(blocks[7]) + len(blocks[15]))
+    held = ParamCounts.of(rank7, tp=8, embedding=False, head=True).total
     assert est.gpu["optimizer"] == 8 * held / 8
     assert est.total < 80 * 2**30 and est.params == ParamCounts.of(cfg.model).total
     assert in_flight("1f1b", 8, 1, 32) == 8 and in_flight("gpipe", 8, 1, 32) == 32
@@ -253,16 +258,41 @@ def test_the_memory_estimate_is_the_first_pipeline_ranks():
     from scale_llm.analysis.memory.plan import fit
     from scale_llm.config import with_changes
 
-    proposal = fit(cfg, 512, 20 * 2**30)
+    proposal = fit(cfg, 512, 40 * 2**30)
     assert proposal.changes == {"parallel.fsdp.cpu_offload": True}
     fitted = with_changes(cfg, proposal.changes)
     assert fitted.train.micro_batch_size % 32 == 0 and fitted.parallel.backend == "fsdp"
     with pytest.raises(UserError, match="nothing fits"):  # (DeepSpeed cannot hold a pipeline)
-        fit(cfg, 512, 12 * 2**30)
+        fit(cfg, 512, 30 * 2**30)
     for rank in (0, 3, 7):
         assert (
             in_flight("interleaved_1f1b", 8, 2, 32, rank) == _get_warmup_ops(rank, 2, 8, 8, 32) + 1
         )
+
+
+def test_check_and_bench_run_a_pipelined_config_in_one_process():
+    """`scale-llm check --set parallel.pipeline_parallel=2` sweeps one process, and bench's
+    scaling reference runs the model on rank 0 alone: both plans reset the pipeline degree
+    (was: check refused 'pipeline_parallel=2 ... does not divide the world size 1'; bench's
+    solo plan kept pp_degree 2: ZeroDivisionError in pp_rank)."""
+    from scale_llm.analysis.bench import solo_layout
+    from scale_llm.analysis.check import one_process
+    from scale_llm.model import build_model
+    from scale_llm.parallel.backend import build_backend
+    from scale_llm.parallel.step import optimizer_step
+    from tests.helpers import REPO
+
+    pp = ["parallel.backend=fsdp", "parallel.pipeline_parallel=2", "model.tie_embeddings=false"]
+    cfg = load_config(REPO / "yaml" / "tiny.yaml", [*pp, "train.device=cpu"])
+    plan = resolve_plan(one_process(cfg), Launch())
+    assert (plan.backend, plan.pp_degree, plan.world_size) == ("single", 1, 1)
+    solo_cfg, solo = solo_layout(cfg, resolve_plan(cfg, Launch(world_size=2)))
+    assert (solo.pp_degree, solo.pp_microbatches, solo.pp_rank, solo.backend) == (1, 1, 0, "single")
+    backend = build_backend(solo_cfg, solo)
+    model = backend.setup(build_model(solo_cfg.model))
+    tokens = torch.randint(0, solo_cfg.model.vocab_size, (solo.micro_batch_size, 17))
+    loss = optimizer_step(backend, model, [(tokens[:, :-1], tokens[:, 1:])])[0]
+    assert torch.isfinite(loss)
 
 
 def test_fp8_rowwise_pipeline_follows_one_process(runs):

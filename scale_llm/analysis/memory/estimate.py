@@ -67,6 +67,8 @@ class Layout:
     sequence_parallel: bool = False
     replicate: int = 1  # HSDP: data-parallel groups that each hold a whole sharded copy
     pp: int = 1  # pipeline parallelism: groups of ranks that each hold some stages
+    holds_embedding: bool = True  # a pipeline rank without the first stage has no embedding
+    holds_head: bool = True  # ... without the last no final norm, head or loss
     fp8: str = ""  # train.fp8's recipe (tensorwise | rowwise); "": off
     fp8_gather: bool = False  # FSDP2 gathers the blocks' linear weights in fp8 (1 byte)
     compiled: bool = True  # compiled blocks: fp8's casts fuse into their fp8 outputs
@@ -165,9 +167,10 @@ class ParamCounts:
     root_tensors: tuple[int, ...] = ()
 
     @staticmethod
-    def of(m: ModelConfig, tp: int = 1) -> ParamCounts:
+    def of(m: ModelConfig, tp: int = 1, embedding: bool = True, head: bool = True) -> ParamCounts:
         """The model's parameters, or one rank's under tensor parallelism `tp`: 1/tp of every
-        matmul weight and of the embedding and head, the norms whole."""
+        matmul weight and of the embedding and head, the norms whole; a pipeline rank's holds
+        the `embedding` (the first stage's) and the final norm and `head` (the last's) or not."""
         d, F = m.d_model, mlp_hidden_size(m) // tp
         dq = m.n_heads * (d // m.n_heads) // tp
         qkv = d * (dq + 2 * (m.n_kv_heads or m.n_heads) * (d // m.n_heads) // tp)
@@ -175,6 +178,8 @@ class ParamCounts:
         assert sum(block_tensors) == block_matmul_params(m, tp) + 2 * d
         embed = m.vocab_size // tp * d
         root_tensors = (embed, d) if m.tie_embeddings else (embed, embed, d)
+        if not (embedding and head):  # (a pipeline's stages: the head is never tied there)
+            root_tensors = ((embed,) if embedding else ()) + ((embed, d) if head else ())
         per_block, root = sum(block_tensors), sum(root_tensors)
         total = root + m.n_layers * per_block
         return ParamCounts(total, per_block, root, m.n_layers, block_tensors, root_tensors)
@@ -454,6 +459,9 @@ class Estimate:
     # host <-> GPU bytes per optimizer step of optimizer offload, by direction and reason
     traffic: dict[str, dict[str, float]] = field(default_factory=dict)
     startup_host: float = 0.0  # one rank's host bytes while the model is built
+    # a pipeline: each pipeline rank's own estimate; this one is the worst (`pipeline_rank`'s)
+    pipeline_ranks: list[Estimate] = field(default_factory=list)
+    pipeline_rank: int = 0
 
     @property
     def peak_parts(self) -> dict[str, float]:
@@ -467,6 +475,12 @@ class Estimate:
     def peak_phase(self) -> str:
         return max(self.phases, key=self.phases.__getitem__)
 
+    def _pipeline_json(self) -> dict[str, Any]:
+        if not self.pipeline_ranks:
+            return {}
+        peaks = [int(r.gpu["peak"]) for r in self.pipeline_ranks]
+        return {"pipeline_rank": self.pipeline_rank, "pipeline_rank_peaks": peaks}
+
     def to_json(self) -> dict[str, Any]:
         return {
             "params": self.params,
@@ -479,13 +493,14 @@ class Estimate:
                 way: {k: int(v) for k, v in parts.items()} for way, parts in self.traffic.items()
             },
             "layout": dataclasses.asdict(self.layout),
+            **self._pipeline_json(),
             "activation_checkpointing": self.ac.mode,
             "attention": self.model.attention,
         }
 
 
 def estimate_layout(m: ModelConfig, ac: ActivationCheckpointingConfig, lay: Layout) -> Estimate:
-    n = ParamCounts.of(m, lay.tp)
+    n = ParamCounts.of(m, lay.tp, lay.holds_embedding, lay.holds_head)
     num = numerics_for(
         lay.precision, lay.backend, lay.fused_norm, lay.tp, lay.sequence_parallel, bool(lay.fp8)
     )
@@ -594,6 +609,8 @@ def step_phases(
     loss_bwd = loss_backward_bytes(m, B, num)
     in_block = block_backward_bytes(m, B, num)
     saved = saved_activation_bytes(m, ac, B, num)  # incl. the logits the loss keeps
+    if not lay.holds_head:  # a pipeline stage before the last: its blocks' and the inputs
+        saved = sum(kept) + resident
     activations = saved
     # autocast caches its bf16 weight copies until the forward ends: extra for checkpointed blocks
     cast_cache = 2 * block_matmul_params(m) * checkpointed_count(m, ac) if num.autocast else 0
@@ -619,6 +636,8 @@ def step_phases(
         "loss backward": at(loss_params, loss_carry, saved, loss_bwd),
     }
     head = (0 if m.tie_embeddings else embed) + m.d_model  # the head's and final norm's
+    if not lay.holds_head:  # (a pipeline stage before the last computes no loss)
+        phases, head = {}, 0
     # a block's backward peaks at its MLP product's backward: the product is freed by then
     product = num.compute * B * m.seq_len * (mlp_hidden_size(m) // lay.tp)
     for i in reversed(range(L)):

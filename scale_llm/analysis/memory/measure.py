@@ -57,7 +57,11 @@ def measure_step(cfg: Config) -> dict[str, Any]:
         model = backend.setup(build_model(here.model))
         measured = measured_steps(storages, backend, model, batches)
     est = estimate(here, plan)
+    worst = est.pipeline_rank
+    est = est.pipeline_ranks[plan.pp_rank] if est.pipeline_ranks else est  # (this rank's)
     return {
+        "pipeline_rank": plan.pp_rank,
+        "worst_pipeline_rank": worst,
         "measured_eager": cfg.train.compile is not False,  # (auto: compiled on the GPU target)
         "peak_phase": est.peak_phase,
         "backend": plan.backend,
