@@ -339,12 +339,9 @@ def bench_scaling(
     backend.set_lr(cfg.train.lr)
     alone_backend = alone = None
     if plan.is_main:
-        solo = dataclasses.replace(
-            plan, backend="single", world_size=1, dp_degree=1, tp_degree=1, replicate_degree=1
-        )
-        solo_cfg = cfg
+        solo_cfg, solo = solo_layout(cfg, plan)
         if plan.backend == "deepspeed" and cfg.parallel.deepspeed.zero_stage == 3:
-            solo_cfg = with_changes(cfg, {"train.compile": False})  # ZeRO-3's blocks run eager
+            solo_cfg = with_changes(solo_cfg, {"train.compile": False})  # ZeRO-3's: eager
         alone_backend = build_backend(solo_cfg, solo)
         alone_backend.loss_fn = backend.loss_fn  # (compiled with train.compile)
         alone = alone_backend.setup(build_model(m))  # the same seeded weights
@@ -405,6 +402,16 @@ SCALING_NEEDS_A_WORLD = (
     "alone: start it with 2 or more, e.g. `torchrun --nproc_per_node 2 -m scale_llm bench "
     "CONFIG --reference scaling`"
 )
+
+
+def solo_layout(cfg: Config, plan: RunPlan) -> tuple[Config, RunPlan]:
+    """The config and plan of `plan`'s model run by rank 0 alone (the scaling reference): one
+    process, no tensor or pipeline parallelism, on this rank's device."""
+    solo = dataclasses.replace(
+        plan, backend="single", world_size=1, dp_degree=1, tp_degree=1, replicate_degree=1,
+        pp_degree=1, pp_stages_per_rank=1, pp_microbatches=1,
+    )  # fmt: skip
+    return with_changes(cfg, {"parallel.pipeline_parallel": 1}), solo
 
 
 BACKENDS = ("single", "ddp", "fsdp", "zero0", "zero1", "zero2", "zero3")

@@ -130,8 +130,7 @@ def run_check(
             report.attempt("prepare", "tiny.yaml's data", lambda: prepared(tiny))
             curves(report, tiny, cuda)
         big = load_config(YAML / "400m.yaml") if cuda else tiny
-        single = {"parallel.backend": "single", "parallel.tensor_parallel": 1}
-        big = with_changes(big, {**single, "train.grad_accum": 1, "train.global_batch_size": None})
+        big = one_process(big)
         rows = (GPU_SWEEP if cuda else CPU_SWEEP) if "sweep" in wanted else []
         for mb, mode, compiled in rows[:2]:  # the headline layout, compiled and eager
             sweep(report, big, mb, mode, compiled)
@@ -297,6 +296,21 @@ def new_runs_dir(scratch: Path) -> Path:
     runs = Path(tempfile.mkdtemp(prefix="runs-", dir=scratch))  # a fresh name: this check's
     atomic_write_json(runs / OWNER_MARKER, {"kind": RUNS_KIND})
     return runs
+
+
+# the sweep's and the reference's layout: one process, whatever the config is laid out for
+ONE_PROCESS = {
+    "parallel.backend": "single",
+    "parallel.tensor_parallel": 1,
+    "parallel.pipeline_parallel": 1,
+    "train.grad_accum": 1,
+    "train.global_batch_size": None,
+}
+
+
+def one_process(cfg: Config) -> Config:
+    """`cfg` run by one process: no tensor or pipeline parallelism, one micro-batch a step."""
+    return with_changes(cfg, ONE_PROCESS)
 
 
 def tiny_config(scratch: Path, runs: Path, steps: int, overrides: list[str]) -> Config:
