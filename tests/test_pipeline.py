@@ -241,6 +241,7 @@ def test_the_memory_estimate_is_the_worst_pipeline_ranks():
 
     from scale_llm.analysis.memory.estimate import ParamCounts, estimate
     from scale_llm.analysis.memory.pipeline import in_flight
+    from scale_llm.config.plan import target_plan
     from scale_llm.parallel.pipeline import stage_blocks
     from tests.helpers import REPO
 
@@ -252,6 +253,11 @@ def test_the_memory_estimate_is_the_worst_pipeline_ranks():
     rank7 = dataclasses.replace(cfg.model, n_layers=len(blocks[7]) + len(blocks[15]))
     held = ParamCounts.of(rank7, tp=8, embedding=False, head=True).total
     assert est.gpu["optimizer"] == 8 * held / 8
+    from scale_llm.analysis.memory.plan import format_report
+
+    report = format_report(est, cfg, target_plan(cfg, 512), "yaml/405b.yaml")
+    assert "the worst pipeline rank's: 7 (each rank's peak: 0: " in report
+    assert est.to_json()["pipeline_rank"] == 7
     assert est.total < 80 * 2**30 and est.params == ParamCounts.of(cfg.model).total
     assert in_flight("1f1b", 8, 1, 32) == 8 and in_flight("gpipe", 8, 1, 32) == 32
     # --fit keeps a pipeline's pieces whole and its stages on FSDP2: its proposal validates

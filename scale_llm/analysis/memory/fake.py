@@ -75,7 +75,7 @@ def trace_step(cfg: Config, world_size: int = 1) -> dict[str, Any]:
         raise UserError(
             f"estimate --fake traces one rank's step alone, and a pipeline's needs its other "
             f"stages (parallel.pipeline_parallel={plan.pp_degree}); leave out --fake (the "
-            f"estimate is the first pipeline rank's), or trace the layout without it: --set "
+            f"estimate is the worst pipeline rank's), or trace the layout without it: --set "
             f"parallel.pipeline_parallel=1"
         )
     from torch._subclasses.fake_tensor import FakeTensorMode

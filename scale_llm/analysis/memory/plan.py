@@ -75,6 +75,9 @@ def format_report(est: Estimate, cfg: Config, plan: RunPlan, source: str) -> str
         at = f": at the {est.peak_phase}" if key == "peak" else ""
         lines.append(f"  {key:<12} {gib(est.gpu[key]):>12}   {_DESCRIPTIONS[key]}{at}")
     lines.append(f"  {'total':<12} {gib(est.total):>12}")
+    if est.pipeline_ranks:  # (the figures above are the worst rank's)
+        peaks = ", ".join(f"{r}: {gib(e.gpu['peak'])}" for r, e in enumerate(est.pipeline_ranks))
+        lines.append(f"the worst pipeline rank's: {est.pipeline_rank} (each rank's peak: {peaks})")
     cpu = {k: v for k, v in est.cpu.items() if v}
     if cpu:
         lines.append(
