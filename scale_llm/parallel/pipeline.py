@@ -39,9 +39,8 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from scale_llm.components.checkpoint import DCP_DIR
+from scale_llm.components.checkpoint import load_state_into
 from scale_llm.components.loss import cross_entropy
-from scale_llm.components.serialization import dcp_load
 from scale_llm.config.parallel import V_SCHEDULES
 from scale_llm.config.plan import RunPlan
 from scale_llm.model import Transformer
@@ -273,13 +272,14 @@ class PipelineBackend(FSDPBackend):
         return loss
 
     def load(self, ckpt_dir: Path) -> None:
-        """The base class's DCP load, with each optimizer param group listing this rank's
-        parameters: DCP keeps one rank's `param_groups` (rank 0's names), and a stage's own
-        names missing from them left its groups without hyperparameters (KeyError: 'betas')."""
+        """The base class's load (DCP's files, or DeepSpeed's partitions one parameter at a
+        time: weights, Adam's moments and step), with each optimizer param group listing this
+        rank's parameters: DCP keeps one rank's `param_groups` (rank 0's names), and a stage's
+        own names missing from them left its groups without hyperparameters (KeyError: 'betas')."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         mine = [group["params"] for group in optim_sd["param_groups"]]
         state = {"model": model_sd, "optimizer": optim_sd}
-        dcp_load(state, ckpt_dir / DCP_DIR, no_dist=False)
+        load_state_into(state, ckpt_dir)
         for group, names in zip(state["optimizer"]["param_groups"], mine, strict=True):
             group["params"] = names
         set_state_dict(

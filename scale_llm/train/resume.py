@@ -308,11 +308,9 @@ def moves_exactly(cfg: Config, plan: RunPlan, layout: Any) -> bool:
     """Whether this backend restores model and optimizer (Adam's moments and step) from a
     checkpoint of `layout`: its own layout, or any move between DCP (single, DDP, FSDP2, TP)
     and DeepSpeed ZeRO 1-3 of any world size, read one parameter at a time. ZeRO-0 keeps no
-    partitions: to or from it, the weights only; so is DeepSpeed's into a pipeline."""
+    partitions: to or from it, the weights only."""
     if restores_exactly(cfg, plan, layout):
         return True
-    if plan.pp_degree > 1:  # (a pipeline stage's load reads DCP's files alone)
-        return layout.get("format") == "dcp"
     return _partitioned(layout) and _partitioned(checkpoint_layout(cfg, plan))
 
 
