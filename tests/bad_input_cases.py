@@ -2577,6 +2577,11 @@ FP8: list = [
         ("works with parallel.backend=fsdp", "not ddp", "set parallel.backend=fsdp"),
     ),
     (
+        "fp8 bench under ddp",
+        ["bench", TINY, *s("train.fp8.enabled=true", "parallel.backend=ddp"), "--steps", "1"],
+        ("works with parallel.backend=fsdp", "not ddp", "set parallel.backend=fsdp"),
+    ),
+    (
         "fp8 under deepspeed",
         ["train", TINY, *s("train.fp8.enabled=true", "parallel.backend=deepspeed")],
         ("works with parallel.backend=fsdp", "not deepspeed"),
@@ -2622,11 +2627,48 @@ def _partition_of_rank_3(ds: Path) -> None:
     (ds / partition(1)).rename(ds / partition(3))
 
 
+def _param_shapes(change: Callable[[dict], None]) -> Callable[[Path], None]:
+    """Rank 0's model states with `change` made to param_shapes' one group."""
+
+    def damage(ds: Path) -> None:
+        states = torch.load(ds / "mp_rank_00_model_states.pt", weights_only=True)
+        change(states["param_shapes"][0])
+        torch.save(states, ds / "mp_rank_00_model_states.pt")
+
+    return damage
+
+
+def _first(shape: tuple[int, ...]) -> Callable[[dict], None]:
+    return lambda group: group.update({next(iter(group)): shape})
+
+
+def _bf16_twin(ds: Path) -> None:  # (what a bf16 save of rank 1 would be called)
+    shutil.copyfile(ds / partition(1), ds / f"bf16_{partition(1)}")
+
+
 ZERO_DAMAGE = {  # how: (damage deepspeed/, what the refusal says)
     "a partition missing": (_missing_partition, "1 optimizer partitions of a save by 2 ranks"),
     "a partition cut short": (_partial_partition, "its optimizer partitions end inside"),
     "partitions of another world": (_another_world, "2 optimizer partitions of a save by 4 ranks"),
     "a gap in the ranks": (_partition_of_rank_3, "its optimizer partitions are of ranks [0, 3]"),
+}
+ZERO_SHAPES = {  # how: (damage deepspeed/, what the refusal says); convert alone reads them
+    "a dimension of 10**30 in param_shapes": (
+        _param_shapes(_first((10**30,))),
+        "param_shapes is not a list of {name: shape}, one per group",
+    ),
+    "a parameter of 2**64 values in param_shapes": (  # (torch.Size's numel wraps to 0)
+        _param_shapes(_first((2**47, 2**17))),
+        re.compile(r"param_shapes lists '[\w.]+' of 18446744073709551616 values"),
+    ),
+    "values param_shapes does not use": (
+        _param_shapes(lambda group: group.pop(next(reversed(group)))),
+        re.compile(r"hold \d+ values in group 0, param_shapes lists \d+"),
+    ),
+    "two partition files of one rank": (
+        _bf16_twin,
+        f"rank 1 has two optimizer partitions, bf16_{partition(1)} and {partition(1)}",
+    ),
 }
 
 
@@ -2642,7 +2684,7 @@ def _damaged_zero(how: str | None, command: str) -> Callable[[Ctx], Setup]:
         ckpt = run / "checkpoints" / STEP4
         ds = as_deepspeed(ckpt)
         if how is not None:
-            ZERO_DAMAGE[how][0](ds)
+            {**ZERO_DAMAGE, **ZERO_SHAPES}[how][0](ds)
         write_integrity(ckpt)
         if command == "convert":
             return Setup(["convert", str(ckpt), "--out", str(ctx.tmp / "out.pt")])
@@ -2653,21 +2695,32 @@ def _damaged_zero(how: str | None, command: str) -> Callable[[Ctx], Setup]:
     return setup
 
 
-PORTABILITY: list = [
-    (
-        f"{command}: a DeepSpeed checkpoint with {how}",
-        _damaged_zero(how, command),
-        (said, "resume from an earlier checkpoint or delete this one"),
-    )
-    for how, (_, said) in ZERO_DAMAGE.items()
-    for command in ("convert", "generate", "train")
-] + [
-    (  # its weights are whole; a resume also moves Adam's moments, which are not there
-        "train: a DeepSpeed checkpoint without the optimizer's state",
-        _damaged_zero(None, "train"),
-        ("holds no optimizer state per parameter group", "resume from an earlier checkpoint"),
-    ),
-]
+PORTABILITY: list = (
+    [
+        (
+            f"{command}: a DeepSpeed checkpoint with {how}",
+            _damaged_zero(how, command),
+            (said, "resume from an earlier checkpoint or delete this one"),
+        )
+        for how, (_, said) in ZERO_DAMAGE.items()
+        for command in ("convert", "generate", "train")
+    ]
+    + [
+        (
+            f"convert: a DeepSpeed checkpoint with {how}",
+            _damaged_zero(how, "convert"),
+            (said, "resume from an earlier checkpoint or delete this one"),
+        )
+        for how, (_, said) in ZERO_SHAPES.items()
+    ]
+    + [
+        (  # its weights are whole; a resume also moves Adam's moments, which are not there
+            "train: a DeepSpeed checkpoint without the optimizer's state",
+            _damaged_zero(None, "train"),
+            ("holds no optimizer state per parameter group", "resume from an earlier checkpoint"),
+        ),
+    ]
+)
 
 CASES = [
     *CONFIG,

@@ -229,6 +229,7 @@ def _shape(group: int, name: str, shape: tuple[int, ...]):
         (2, _shape(1, "layers.1.w", (2, 6)), "hold 38 values in group 1, param_shapes lists 36"),
         (3, _shape(1, "layers.1.w", (2, 6)), "of rank 0 hold 27 values, param_shapes lists 26"),
     ],
+    ids=["dimension", "2**64 values", "zero3 2**60 values", "zero2 left over", "zero3 left over"],
 )
 def test_param_shapes_that_do_not_use_the_partitions_up_are_refused(stage, change, said, tmp_path):
     WRITERS[stage](tmp_path)

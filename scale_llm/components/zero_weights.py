@@ -108,7 +108,7 @@ class ZeroWeights(Mapping[str, torch.Tensor]):
         flat = torch.cat(
             [self._flat(p.rank, key)[p.group].narrow(0, p.start, p.length) for p in pieces]
         )
-        return flat[: shape.numel()].view(shape).float()  # (a copy: the files are let go)
+        return flat[: shape.numel()].view(shape).float()  # (a copy, the mapping untouched)
 
     def check_optimizer_state(self) -> None:
         """Every partition holds Adam's moments laid out as its fp32 values, and one step."""

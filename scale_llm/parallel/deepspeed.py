@@ -219,8 +219,10 @@ class DeepSpeedBackend(Backend):
 
 
 def _create_moments(zero: Any, step: int) -> None:
-    """Adam's state beside each flat fp32 partition, at `step` (ZeRO-1/2 create it at the first
-    step, ZeRO-3 at start), linked to the parameters' fragments as a first step links it."""
+    """Adam's state beside each flat fp32 partition, at `step`, linked to the parameters'
+    fragments as a first step links it. DeepSpeed 0.19 creates it at the first step under every
+    stage (ZeRO-3's initialize_optimizer_states no longer steps the optimizer), and its setters
+    (`safe_set_full_optimizer_state`) write into it, so it is made here for ZeRO-3 too."""
     flats = getattr(zero, "single_partition_of_fp32_groups", None)  # ZeRO-1/2
     if flats is None:
         flats = zero.fp32_partitioned_groups_flat  # ZeRO-3
