@@ -6,6 +6,7 @@ names), and the preflight's checks. Under FSDP2 x tensor parallelism: tests/test
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import time
@@ -92,6 +93,30 @@ def test_conversion_keeps_names_head_and_odd_widths(data_dir, tmp_path):
     converted = {n for n, m in model.named_modules() if isinstance(m, Float8Linear)}
     assert len(converted) == 10 and all(n.startswith("layers.") for n in converted)
     assert type(model.output) is nn.Linear and type(model.tok_embeddings) is nn.Embedding
+
+
+def test_conversion_checks_the_widths_each_tensor_parallel_rank_multiplies(data_dir, tmp_path):
+    """Under tensor parallelism each rank's fp8 GEMM has 1/tp of a column-wise linear's outputs
+    (wqkv, w1, w3) and of a row-wise one's inputs (wo, w2): an MLP 2752 wide at TP 8 is 344 a
+    rank, not a multiple of 16, so its three linears stay and are named with their rank's
+    shape; attention (384 and 128 wide: 48 and 16 a rank) converts. One process converts all."""
+    keys = ["model.d_model=128", "model.n_heads=8", "model.mlp_hidden=2752"]
+    cfg = make_config(data_dir, tmp_path, *FP8, *keys)
+
+    def converted(tp: int) -> set[str]:
+        model = build_model(cfg.model)
+        apply_fp8(model, cfg, dataclasses.replace(plan_for(cfg), tp_degree=tp))
+        return {n.split(".", 2)[2] for n, m in model.named_modules() if isinstance(m, Float8Linear)}
+
+    assert converted(1) == {"attention.wqkv", "attention.wo", *MLP}
+    with logged() as lines:
+        assert converted(8) == {"attention.wqkv", "attention.wo"}
+    assert "fp8: 6 linears stay in high precision" in lines.text
+    assert "layers.0.feed_forward.w1 (128 x 2752, 128 x 344 on each of 8 tp ranks)" in lines.text
+    assert "layers.0.feed_forward.w2 (2752 x 128, 344 x 128 on each of 8 tp ranks)" in lines.text
+
+
+MLP = ("feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
 
 
 def test_fp8_checkpoint_resumes_without_fp8_exports_and_generates(data_dir, tmp_path):
@@ -298,6 +323,122 @@ def test_runs_without_fp8_never_import_torchao():
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "ColwiseParallel" in proc.stdout and "Float8" not in proc.stdout
+
+
+# ------------------------------------------------------------- tensor parallelism's activations
+TP_GATHERS = r"""
+import dataclasses, json, types
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
+from scale_llm.config import load_config
+from scale_llm.model import build_model
+from scale_llm.parallel import fp8, tensor_parallel
+from tests.helpers import TINY_MODEL, plan_for
+
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+mesh = DeviceMesh("cpu", torch.arange(2))
+cfg = load_config(None, TINY_MODEL + ["train.fp8.enabled=true", "train.device=cpu"])
+plan = plan_for(cfg)
+plan = dataclasses.replace(plan, tp_degree=2)
+real = fp8.tp_styles
+
+
+class Gathers(TorchDispatchMode):  # what each all-gather carries: (tensor type, element dtype)
+    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+        if "all_gather" in str(func):
+            data = getattr(args[0], "_data", args[0])  # (a Float8TrainingTensor's fp8 data)
+            self.seen.append((type(args[0]).__name__, str(data.dtype)))
+        return func(*args, **(kwargs or {}))
+
+
+def gathers(gpu):
+    # the styles a GPU's mesh gets (a CPU one's otherwise), on a CPU mesh whose process group
+    # carries any dtype (torch's fake one: no data moves, so only the structure is real)
+    tensor_parallel.tp_styles = lambda block, m: real(block, types.SimpleNamespace(
+        device_type="cuda" if gpu else m.device_type))
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    fp8.apply_fp8(model, cfg, plan)
+    tensor_parallel.apply_tensor_parallel(model, mesh, sequence_parallel=True)
+    mode = Gathers()
+    mode.seen = []
+    with mode:
+        out = model(torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_len)))
+    out.to_local().float().square().mean().backward()  # (runs: the values are the fake's)
+    return {"gathers": mode.seen}
+
+
+print(json.dumps({"gpu": gathers(True), "cpu": gathers(False)}))
+"""
+
+
+def test_tensor_parallel_gathers_fp8_activations_on_gpus():
+    """The fp8 tensor-parallel plan a GPU gets (tensorwise): attention's and the MLP's input
+    is cast to fp8 on its sequence shard and all-gathered as fp8 once, which wqkv, or w1 and
+    w3, read as it is (torchao's PrepareFloat8ModuleInput, torchtitan's plan); the final norm's
+    output, read by the high-precision head, is gathered as it was. Its forward and backward
+    run on 2 fake ranks (torch's fake process group: gloo carries no fp8, and no GPU here);
+    the CPU's plain plan gathers every activation in the run's precision."""
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO, env
+
+    proc = subprocess.run(
+        [sys.executable, "-c", TP_GATHERS], cwd=REPO, env=env(), capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.splitlines()[-1])
+    fp8, plain = ["Float8TrainingTensor", "torch.float8_e4m3fn"], ["Tensor", "torch.float32"]
+    assert result["gpu"]["gathers"] == [fp8] * 4 + [plain]  # 2 blocks x (attention, MLP), norm
+    assert result["cpu"]["gathers"] == [plain] * 5
+
+
+def test_fp8_tensor_parallel_plan_on_gpus():
+    """The block plan of the fp8 path: PrepareFloat8ModuleInput takes attention's and the MLP's
+    first input from the sequence shards (Shard(1)) to Replicate, in fp8; the column-wise
+    Float8 styles take it replicated, the row-wise ones reduce-scatter into the stream. The
+    CPU and the rowwise recipe keep the plain styles and gather in the run's precision."""
+    import types
+
+    from torch.distributed.tensor import Replicate, Shard
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    from scale_llm.config import load_config
+    from scale_llm.parallel.fp8 import tp_styles
+    from scale_llm.parallel.tensor_parallel import block_plan
+    from tests.helpers import TINY_MODEL
+
+    def block(*keys: str) -> nn.Module:
+        cfg = load_config(None, [*TINY_MODEL, *FP8, "train.device=cpu", *keys])
+        model = build_model(cfg.model)
+        apply_fp8(model, cfg, plan_for(cfg))
+        return model.layers[0]
+
+    gpu, cpu = types.SimpleNamespace(device_type="cuda"), types.SimpleNamespace(device_type="cpu")
+    styles = tp_styles(block(), gpu)
+    assert styles == (Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput)
+    plan = block_plan(*styles, Shard(1))
+    assert type(plan["attention"]) is type(plan["feed_forward"]) is PrepareFloat8ModuleInput
+    assert plan["attention"].input_layouts == (Shard(1), None, None, None, None)
+    assert plan["attention"].desired_input_layouts == (Replicate(), None, None, None, None)
+    assert plan["feed_forward"].input_layouts == (Shard(1),)
+    assert plan["feed_forward"].desired_input_layouts == (Replicate(),)
+    for name in ("attention.wqkv", "feed_forward.w1", "feed_forward.w3"):
+        assert type(plan[name]) is Float8ColwiseParallel
+        assert plan[name].input_layouts == (Replicate(),)
+    for name in ("attention.wo", "feed_forward.w2"):
+        assert type(plan[name]) is Float8RowwiseParallel
+        assert plan[name].output_layouts == (Shard(1),)
+    for styles in (tp_styles(block(), cpu), tp_styles(block("train.fp8.recipe=rowwise"), gpu)):
+        assert styles[2] is None and "attention" not in block_plan(*styles, Shard(1))
 
 
 # ----------------------------------------------------------------------------- FSDP2's scales

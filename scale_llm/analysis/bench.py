@@ -38,6 +38,7 @@ from scale_llm.model import build_model, materialize
 from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
 from scale_llm.parallel.backend import build_backend
 from scale_llm.parallel.compile import compile_blocks
+from scale_llm.parallel.fp8 import check_fp8
 from scale_llm.parallel.step import optimizer_step
 
 log = logging.getLogger(__name__)
@@ -58,8 +59,15 @@ def fresh_start(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def preflight(cfg: Config, plan: RunPlan, **host: int) -> None:
+    """What the trainer's preflight would refuse of a bench (fp8 with its backend and GPU), and
+    the host's memory (`host`: check_host_memory's counts), before any model is built."""
+    check_fp8(cfg, plan)
+    check_host_memory(cfg, plan, **host)
+
+
 def bench(cfg: Config, plan: RunPlan, steps: int = 10, warmup: int = 3) -> dict[str, Any]:
-    check_host_memory(cfg, plan)  # before the model is allocated
+    preflight(cfg, plan)  # before the model is allocated
     device = plan.device
     fresh_start(device)
     backend = build_backend(cfg, plan)
@@ -196,7 +204,7 @@ def bench_reference(
         raise UserError(f"bench --reference {kind}: use {', '.join(REFERENCES)} (bare: default)")
     if kind == "eager":
         cfg = with_changes(cfg, {"train.compile": True})
-    check_host_memory(cfg, plan, models=2)  # the framework's model and the reference
+    preflight(cfg, plan, models=2)  # the framework's model and the reference
     device, t, m = plan.device, cfg.train, cfg.model
     fresh_start(device)
     backend = build_backend(cfg, plan)
@@ -329,7 +337,7 @@ def bench_scaling(
 
     if plan.world_size < 2:
         raise UserError(SCALING_NEEDS_A_WORLD)
-    check_host_memory(cfg, plan)
+    preflight(cfg, plan)
     device, m = plan.device, cfg.model
     fresh_start(device)
     backend = build_backend(cfg, plan)
@@ -584,7 +592,7 @@ def bench_checkpoint(cfg: Config, plan: RunPlan, directory: Path, rounds: int = 
     `directory` (removed afterwards): "plain" (save + fsync), "with record" (as
     `Checkpointer.save` in the foreground; the record alone and its check timed too), "async" /
     "async_with_pinned_mem" (`blocking_s` holds the step, `save_s` until it is published)."""
-    check_host_memory(cfg, plan, staging=1)
+    preflight(cfg, plan, staging=1)
     backend = build_backend(cfg, plan)
     model = backend.setup(build_model(cfg.model))
     # one real step on a 16-token row, so the optimizer state exists (on every backend)

@@ -8,11 +8,16 @@ optimizer, the gradients and checkpoints see the same tensors as without fp8.
 
 - Only the blocks' linears: the embedding and the output head stay in the run's precision (as
   torchtitan keeps them), and so does any linear whose dims are not multiples of 16 (what the
-  fp8 GEMM requires); those are named in the log.
+  fp8 GEMM requires) on each rank: under tensor parallelism a rank's GEMM has 1/tp of a
+  column-wise linear's outputs and of a row-wise one's inputs. Those are named in the log.
 - `tensorwise` (one scale per tensor) or `rowwise` (one scale per row) scaling. With tensorwise,
   FSDP2 can all-gather the weights in fp8 (`train.fp8.fsdp_float8_all_gather`), and tensor
-  parallelism on GPUs uses torchao's Float8 styles (activations gathered in fp8); rowwise uses
-  the plain styles, as torchtitan does, and so does the CPU (gloo has no fp8 collectives).
+  parallelism on GPUs uses torchao's Float8 styles: attention's and the MLP's input is cast to
+  fp8 once on its sequence shard and all-gathered in fp8 (PrepareFloat8ModuleInput, which wqkv,
+  or w1 and w3, then read), and the row-wise linears' output gradient is cast to fp8 in
+  backward. Rowwise uses the plain styles, as torchtitan does, and so does the CPU (gloo has no
+  fp8 collectives): there those inputs are gathered in the run's precision and each linear casts
+  its own.
 - On the CPU the matmuls are emulated (fp8 values, fp32 GEMM): the curve of an fp8 run, not its
   speed.
 """
@@ -82,9 +87,17 @@ def float8_config(cfg: Config, plan: RunPlan):  # -> torchao.float8.Float8Linear
     return dataclasses.replace(config, emulate=emulate, enable_fsdp_float8_all_gather=gathers)
 
 
-def convertible(linear: nn.Linear) -> bool:
-    """Whether the fp8 GEMM takes this linear's shape (both dims multiples of 16)."""
-    return linear.in_features % 16 == 0 and linear.out_features % 16 == 0
+# the blocks' linears that tensor parallelism splits row-wise (their inputs); the others it
+# splits column-wise (their outputs): parallel/tensor_parallel.py's plan
+ROW_WISE = ("attention.wo", "feed_forward.w2")
+
+
+def convertible(linear: nn.Linear, tp: int = 1, row_wise: bool = False) -> bool:
+    """Whether the fp8 GEMM takes the shape this linear has on each rank (both dims multiples
+    of 16): under tensor parallelism of degree `tp`, 1/tp of its outputs, or of its inputs when
+    `row_wise`."""
+    split_in, split_out = (tp, 1) if row_wise else (1, tp)
+    return linear.in_features % (16 * split_in) == 0 and linear.out_features % (16 * split_out) == 0
 
 
 def apply_fp8(model: nn.Module, cfg: Config, plan: RunPlan) -> None:
@@ -98,16 +111,25 @@ def apply_fp8(model: nn.Module, cfg: Config, plan: RunPlan) -> None:
     config = float8_config(cfg, plan)
     if cfg.train.fp8.recipe == "rowwise":  # torchtitan's workaround for pytorch#150859
         torch._inductor.config.emulate_precision_casts = True
+    tp = plan.tp_degree
+    fits = lambda m, fqn: convertible(m, tp, fqn in ROW_WISE)  # (fqn: in the block)
     skipped, converted = [], 0
     for i, block in enumerate(model.layers):
         for name, module in block.named_modules():
-            if isinstance(module, nn.Linear) and not convertible(module):
-                skipped.append(f"layers.{i}.{name} ({module.in_features} x {module.out_features})")
-        convert_to_float8_training(
-            block, config=config, module_filter_fn=lambda m, _fqn: convertible(m)
-        )
+            if isinstance(module, nn.Linear) and not fits(module, name):
+                skipped.append(f"layers.{i}.{name} ({_shape(module, tp, name in ROW_WISE)})")
+        convert_to_float8_training(block, config=config, module_filter_fn=fits)
         converted += sum(1 for m in block.modules() if _is_float8(m))
     _say(cfg, config, converted, skipped)
+
+
+def _shape(linear: nn.Linear, tp: int, row_wise: bool) -> str:
+    """`in x out`, and under tensor parallelism what each rank's GEMM has of it."""
+    n_in, n_out = linear.in_features, linear.out_features
+    if tp == 1:
+        return f"{n_in} x {n_out}"
+    local = f"{n_in // tp} x {n_out}" if row_wise else f"{n_in} x {n_out // tp}"
+    return f"{n_in} x {n_out}, {local} on each of {tp} tp ranks"
 
 
 def precompute_scales_after_steps(
@@ -157,8 +179,8 @@ def _say(cfg: Config, config, converted: int, skipped: list[str]) -> None:
     )
     if skipped:
         log.warning(
-            f"fp8: {len(skipped)} linears stay in high precision, their dims not multiples of "
-            f"16: {', '.join(skipped[:4])}{' ...' if len(skipped) > 4 else ''}"
+            f"fp8: {len(skipped)} linears stay in high precision, their dims (on each rank) "
+            f"not multiples of 16: {', '.join(skipped[:4])}{' ...' if len(skipped) > 4 else ''}"
         )
 
 
@@ -169,21 +191,27 @@ def _is_float8(module: nn.Module) -> bool:
     return linear is not None and isinstance(module, linear.Float8Linear)
 
 
-def tp_styles(block: nn.Module, mesh: DeviceMesh) -> tuple[type, type]:
-    """(column-wise, row-wise) tensor-parallel styles for `block`'s linears: torchao's Float8
-    styles for tensorwise fp8 linears on GPUs (the input is cast to fp8 before the sharded
-    matmul, the output gradient is cast in backward and gathered in fp8), torch's plain ones
-    otherwise: rowwise, as torchtitan, and on the CPU, where gloo cannot carry fp8 tensors (its
-    all-gather fails with "Invalid scalar type")."""
+def tp_styles(block: nn.Module, mesh: DeviceMesh) -> tuple[type, type, type | None]:
+    """(column-wise, row-wise, input preparation) tensor-parallel styles for `block`: torchao's
+    Float8 styles for tensorwise fp8 linears on GPUs, as torchtitan: PrepareFloat8ModuleInput
+    casts attention's and the MLP's input to fp8 once, on its sequence shard, and gathers it in
+    fp8 for wqkv, or w1 and w3, to read as it is; the row-wise styles cast the output gradient
+    in backward. Torch's plain ones otherwise, with None (the input gathered in the run's
+    precision, each linear casting its own): rowwise, as torchtitan, and on the CPU, where gloo
+    cannot carry fp8 tensors (its all-gather fails with "Invalid scalar type")."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     linears = [m for m in block.modules() if isinstance(m, nn.Linear)]
     fp8 = all(_is_float8(m) and _tensorwise(m) for m in linears)  # (a skipped one: plain)
     if not fp8 or mesh.device_type != "cuda":
-        return ColwiseParallel, RowwiseParallel
-    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+        return ColwiseParallel, RowwiseParallel, None
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
 
-    return Float8ColwiseParallel, Float8RowwiseParallel
+    return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
 
 
 def _tensorwise(linear: nn.Module) -> bool:

@@ -33,9 +33,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
@@ -52,16 +53,9 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
     stream = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout
     norm = {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
     for block in model.layers:
-        colwise, rowwise = tp_styles(block, mesh)  # (torchao's Float8 styles, for fp8 on GPUs)
-        plan = {
-            "attention.wqkv": colwise(),
-            "attention.wo": rowwise(output_layouts=stream, use_local_output=False),
-            "feed_forward.w1": colwise(),
-            "feed_forward.w3": colwise(),
-            "feed_forward.w2": rowwise(output_layouts=stream, use_local_output=False),
-            **(norm if sequence_parallel else {}),
-        }
-        parallelize_module(block, mesh, plan)
+        styles = tp_styles(block, mesh)  # (torchao's Float8 styles, for fp8 on GPUs)
+        plan = block_plan(*styles, stream)
+        parallelize_module(block, mesh, {**plan, **(norm if sequence_parallel else {})})
         if not sequence_parallel:  # the norms read the whole (replicated) residual stream
             _replicate_parameters(block.attention_norm, mesh)
             _replicate_parameters(block.ffn_norm, mesh)
@@ -69,11 +63,12 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
         # AsyncCollectiveTensor inside the DTensor), which torch 2.13's compiled code cannot
         # unwrap in a no-grad forward (evaluation, samples): there it is waited for first
         block.register_forward_pre_hook(_settled)
-        # attention and the MLP read the whole sequence: their first input is gathered (the
-        # other arguments, rope, cache, positions and mask, are the same on every rank)
-        gather = functools.partial(_whole_sequence, mesh=mesh)
-        block.attention.register_forward_pre_hook(gather)
-        block.feed_forward.register_forward_pre_hook(gather)
+        if "attention" not in plan:  # (fp8 on GPUs: the plan gathers it, in fp8)
+            # attention and the MLP read the whole sequence: their first input is gathered (the
+            # other arguments, rope, cache, positions and mask, are the same on every rank)
+            gather = functools.partial(_whole_sequence, mesh=mesh)
+            block.attention.register_forward_pre_hook(gather)
+            block.feed_forward.register_forward_pre_hook(gather)
         attention = block.attention
         attention.n_heads //= tp  # the heads of this rank
         attention.n_kv_heads //= tp
@@ -95,6 +90,32 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
     # (sequence shards, or the plain replicated tensor) becomes a replicated DTensor, which is
     # also what a tied head's F.linear against the vocab-sharded embedding needs
     model.norm.register_forward_hook(lambda _m, _i, out: _replicated(out, mesh))
+
+
+def block_plan(
+    colwise: type, rowwise: type, prepare: type | None, stream: Placement
+) -> dict[str, ParallelStyle]:
+    """A block's linears' styles (`tp_styles`'s); with `prepare` (fp8's), also attention's and
+    the MLP's input: cast to fp8 on its `stream` layout and gathered whole in fp8 once, which
+    the column-wise linears take as their replicated input (torchtitan's fp8 plan). Without,
+    `apply_tensor_parallel` gathers it in the run's precision."""
+    plan = {
+        "attention.wqkv": colwise(input_layouts=Replicate()),
+        "attention.wo": rowwise(output_layouts=stream, use_local_output=False),
+        "feed_forward.w1": colwise(input_layouts=Replicate()),
+        "feed_forward.w3": colwise(input_layouts=Replicate()),
+        "feed_forward.w2": rowwise(output_layouts=stream, use_local_output=False),
+    }
+    if prepare is None:
+        return plan
+    rest = (None, None, None, None)  # rope, cache, start_pos, docs: the same on every rank
+    return {
+        "attention": prepare(
+            input_layouts=(stream, *rest), desired_input_layouts=(Replicate(), *rest)
+        ),
+        "feed_forward": prepare(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
+        **plan,
+    }
 
 
 def _settled(_module, args: tuple) -> tuple:
