@@ -127,7 +127,7 @@ def test_every_key_has_a_meaning_and_docs_config_md_is_generated_from_them():
         "docs/config.md is stale: regenerate its key tables with "
         "`scale-llm config --keys --markdown` (between the markers)"
     )
-    assert "| `train.max_bad_steps` | int | `20` |" in written  # issue 13: it was missing
+    assert "| `train.max_bad_steps` | int | `20` |" in written  # (a key easy to leave out of the table)
     assert "| `run.name` | str | `defaults` |" in written
 
 
