@@ -2522,9 +2522,17 @@ PIPELINE: list = [
     ),
     (
         "pipeline microbatches fewer than stages",
+        ["config", TINY, *s(*PP, "parallel.pipeline.microbatches=1")],
+        "parallel.pipeline.microbatches=1 is fewer than the 2 that parallel.pipeline.schedule="
+        "1f1b needs here (one a stage); use parallel.pipeline.microbatches=2",
+    ),
+    (
+        "pipeline microbatches in unequal rounds",
         ["config", TINY, *s(*PP, "parallel.pipeline.schedule=interleaved_1f1b")]
-        + s("parallel.pipeline.microbatches=2"),
-        "parallel.pipeline.microbatches=2 is fewer than the 4 pipeline stages",
+        + s("parallel.pipeline.microbatches=5"),
+        "parallel.pipeline.microbatches=5 is not a multiple of its 2 rounds (parallel.pipeline."
+        "schedule=interleaved_1f1b runs microbatches // pipeline_parallel rounds of equal size); "
+        "use parallel.pipeline.microbatches=4",
     ),
     (
         "pipeline batch not divisible into microbatches",

@@ -127,7 +127,9 @@ def test_every_key_has_a_meaning_and_docs_config_md_is_generated_from_them():
         "docs/config.md is stale: regenerate its key tables with "
         "`scale-llm config --keys --markdown` (between the markers)"
     )
-    assert "| `train.max_bad_steps` | int | `20` |" in written  # (a key easy to leave out of the table)
+    assert (
+        "| `train.max_bad_steps` | int | `20` |" in written
+    )  # (a key easy to leave out of the table)
     assert "| `run.name` | str | `defaults` |" in written
 
 
@@ -530,3 +532,22 @@ def test_a_mixture_unsets_the_source_its_base_file_sets_with_null(tmp_path):
     assert load_config(None, ["data.hf_split=null"]).data.hf_split == "train"
     # keys without null_unsets still refuse a null (a value forgotten after `key:`)
     assert "train.lr: expected a finite number, got None" in errors_of(None, ["train.lr=null"])
+
+
+def test_pipeline_microbatches_follow_torchs_schedules():
+    """The microbatch counts accepted are torch 2.13's: 1F1B at least one a stage, DualPipeV one
+    a stage of its V, interleaved 1F1B in max(1, M // N) equal rounds, GPipe / looped BFS / ZBV
+    any. torchtitan's 405B layout (PP 8, 2 stages a rank, interleaved, 8 microbatches for 16
+    stages) is accepted."""
+    from scale_llm.config import load_config
+    from scale_llm.config.parallel import microbatches_fit
+
+    assert [m for m in range(1, 9) if microbatches_fit("1f1b", m, 4)] == [4, 5, 6, 7, 8]
+    assert [m for m in range(1, 9) if microbatches_fit("dualpipev", m, 2)] == [4, 5, 6, 7, 8]
+    bad = [m for m in range(1, 13) if not microbatches_fit("interleaved_1f1b", m, 4)]
+    assert bad == [9, 11]  # (2 rounds of 4.5 and 5.5)
+    for name in ("gpipe", "looped_bfs", "zero_bubble"):
+        assert all(microbatches_fit(name, m, 4) for m in range(1, 9))
+    keys = ("pipeline.microbatches=8", "pipeline.schedule=interleaved_1f1b")
+    cfg = load_config(REPO / "yaml" / "405b.yaml", [f"parallel.{k}" for k in keys])
+    assert (cfg.parallel.pipeline.microbatches, cfg.parallel.pipeline_parallel) == (8, 8)

@@ -363,32 +363,48 @@ def _pipeline_stage_problems(cfg: Config) -> list[str]:
 
 
 def _pipeline_batch_problems(cfg: Config) -> list[str]:
-    """The microbatches against the stages and train.micro_batch_size."""
+    """The microbatches against the schedule's rule (torch 2.13's: `microbatches_fit`) and
+    train.micro_batch_size; each suggestion is a count that meets both."""
     p, mb = cfg.parallel, cfg.train.micro_batch_size
-    stages = p.pipeline_parallel * stages_per_rank(p.pipeline)
+    pp, name = p.pipeline_parallel, p.pipeline.schedule
     m = pipeline_microbatches(p)
-    if m < stages:
+    fits = [k for k in range(1, mb + 1) if mb % k == 0 and microbatches_fit(name, k, pp)]
+    use = f"use parallel.pipeline.microbatches={_nearest(fits, m)}" if fits else ""
+    if not microbatches_fit(name, m, pp):
+        least = _least_microbatches(name, pp)
+        if m < least:
+            return [
+                f"parallel.pipeline.microbatches={m} is fewer than the {least} that parallel."
+                f"pipeline.schedule={name} needs here (one a stage); "
+                + (use or f"use train.micro_batch_size={least} and microbatches={least}")
+            ]
         return [
-            f"parallel.pipeline.microbatches={m} is fewer than the {stages} pipeline stages: "
-            f"every stage needs a microbatch in flight; use parallel.pipeline.microbatches="
-            f"{stages} or more (train.micro_batch_size a multiple of it)"
-        ]
-    if p.pipeline.schedule in LOOPED_SCHEDULES and m % p.pipeline_parallel:
-        up = -(-m // p.pipeline_parallel) * p.pipeline_parallel
-        return [
-            f"parallel.pipeline.microbatches={m} is not a multiple of parallel."
-            f"pipeline_parallel={p.pipeline_parallel}, as parallel.pipeline.schedule="
-            f"{p.pipeline.schedule} runs them in rounds; use parallel.pipeline.microbatches={up}"
+            f"parallel.pipeline.microbatches={m} is not a multiple of its {max(1, m // pp)} "
+            f"rounds (parallel.pipeline.schedule={name} runs microbatches // pipeline_parallel "
+            f"rounds of equal size); "
+            + (use or f"use parallel.pipeline.microbatches={pp} and train.micro_batch_size={pp}")
         ]
     if mb % m:
-        rounds = p.pipeline_parallel if p.pipeline.schedule in LOOPED_SCHEDULES else 1
-        down = [k for k in range(stages, mb + 1) if mb % k == 0 and k % rounds == 0]
         return [
             f"train.micro_batch_size={mb} cannot be cut into parallel.pipeline.microbatches={m} "
             f"equal pieces: use train.micro_batch_size={-(-mb // m) * m}"
-            + (f" or parallel.pipeline.microbatches={_nearest(down, m)}" if down else "")
+            + (f" or parallel.pipeline.microbatches={_nearest(fits, m)}" if fits else "")
         ]
     return []
+
+
+def _least_microbatches(schedule: str, pp: int) -> int:
+    """The fewest microbatches `schedule` runs on `pp` pipeline ranks (torch 2.13): 1F1B one
+    per stage, DualPipeV one per stage of its V (2 x pp), the others one."""
+    return {"1f1b": pp, "dualpipev": 2 * pp}.get(schedule, 1)
+
+
+def microbatches_fit(schedule: str, m: int, pp: int) -> bool:
+    """Whether torch 2.13's `schedule` runs `m` microbatches on `pp` ranks: the least above,
+    and interleaved 1F1B's rounds (max(1, m // pp) of them) of equal size."""
+    if m < _least_microbatches(schedule, pp):
+        return False
+    return schedule != "interleaved_1f1b" or m % max(1, m // pp) == 0
 
 
 def _nearest(values: list[int], target: int) -> int:
