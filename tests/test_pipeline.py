@@ -301,6 +301,37 @@ def test_check_and_bench_run_a_pipelined_config_in_one_process():
     assert torch.isfinite(loss)
 
 
+def test_evaluation_sends_the_loss_and_a_sample_one_position():
+    """What the last stage sends the other pipeline ranks: an evaluation batch's loss (one
+    number, not the (B, T, V) logits: 4 x 8192 x 128256 fp32 is 16 GiB at 405B's size), and
+    for a sample the one position's (V,) logits; val_loss and the samples stay one process's
+    (test_pipeline_alone_follows_one_process)."""
+    from scale_llm.parallel.pipeline import PipelineBackend
+
+    sent = []
+    logits = torch.randn(4, 16, 512)
+    targets = torch.randint(0, 512, (4, 16))
+
+    class LastStage:  # this rank holds the last stage (pipeline rank 1)
+        def through_stages(self, tokens):
+            return logits, 1
+
+        def broadcast(self, x, src):
+            sent.append((tuple(x.shape), src))
+            return x
+
+    backend = PipelineBackend.__new__(PipelineBackend)
+    backend.loss_fn = lambda out, t: torch.nn.functional.cross_entropy(
+        out.flatten(0, 1), t.flatten()
+    )
+    loss = backend.eval_loss(LastStage(), targets, targets, 3)
+    expected = backend.loss_fn(logits[:3], targets[:3]) * 3
+    assert torch.allclose(loss, expected)
+    row = backend.next_token_logits(LastStage(), targets, 5)
+    assert torch.equal(row, logits[0, 5])
+    assert sent == [((1,), 1), ((512,), 1)]
+
+
 def test_fp8_rowwise_pipeline_follows_one_process(runs):
     """train.fp8 rowwise (emulated) under PP 2 on 2 ranks: the stages keep their blocks'
     Float8Linear layers and follow the same fp8 run in one process (losses, grad norms,

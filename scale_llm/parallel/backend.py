@@ -151,6 +151,23 @@ class Backend:
         """The model's output as whole logits on this rank (tensor parallelism shards them)."""
         return logits
 
+    def eval_loss(
+        self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, rows: int
+    ) -> torch.Tensor:
+        """The summed token-mean losses of the first `rows` rows (0 for none), on every rank;
+        every rank runs the forward (the same collectives)."""
+        logits = model(inputs)
+        if not rows:
+            return torch.zeros((), device=inputs.device)
+        part = logits if rows == len(inputs) else logits[:rows]
+        return self.loss_fn(part, targets[:rows]) * rows
+
+    def next_token_logits(
+        self, model: nn.Module, window: torch.Tensor, position: int
+    ) -> torch.Tensor:
+        """The whole (V,) logits of the first row at `position`, on every rank."""
+        return self.logits_for_sampling(model(window))[0, position]
+
     # ----------------------------------------------------------------- state
     def checkpoint_layout(self) -> dict[str, Any]:
         """How `save` lays out model and optimizer, stored with the checkpoint

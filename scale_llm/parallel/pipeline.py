@@ -13,7 +13,9 @@ pieces, each piece's loss is its token mean divided by (pieces x grad_accum) and
 own gradient scaling is off, so the gradients are those of the token mean over the global batch;
 the gradient norm is reduced over the stages too before the one clip; the loss is summed over
 the stages (only the last computes it) so every rank holds it. Evaluation and samples run the
-stages' forwards in order, passing activations rank to rank, and every rank gets the logits.
+stages' forwards in order, passing activations rank to rank; the last stage sends every rank
+the evaluation's loss, or the one position's logits a sample reads (calling the model still
+gives every rank the whole logits).
 """
 
 from __future__ import annotations
@@ -135,6 +137,10 @@ class PipelinedModel(nn.Module):
         self.n_stages = plan.pp_degree * plan.pp_stages_per_rank
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self._everywhere(*self.through_stages(tokens))
+
+    def through_stages(self, tokens: torch.Tensor) -> tuple[torch.Tensor | None, int]:
+        """(the logits on the last stage's pipeline rank, None elsewhere; that rank)."""
         x = tokens
         for s in range(self.n_stages):
             here = stage_owner(s, self.plan, self.schedule)
@@ -143,7 +149,7 @@ class PipelinedModel(nn.Module):
             after = stage_owner(s + 1, self.plan, self.schedule) if s + 1 < self.n_stages else -1
             if after >= 0 and after != here:
                 x = self._pass(x, here, after)
-        return self._everywhere(x, here)
+        return (x if here == self.plan.pp_rank else None), here
 
     def _rank(self, pp_rank: int) -> int:
         return dist.get_global_rank(self.group, pp_rank)
@@ -165,19 +171,22 @@ class PipelinedModel(nn.Module):
         """The last stage's logits broadcast to every pipeline rank (as a DTensor sharded over
         the vocabulary again where tensor parallelism made them one)."""
         mine = self.plan.pp_rank == src
-        local = logits.to_local() if mine and isinstance(logits, DTensor) else logits
-        device = self.plan.device
-        header = (
-            _header(local, device) if mine else torch.zeros(8, dtype=torch.int64, device=device)
-        )
-        dist.broadcast(header, self._rank(src), group=self.group)
-        if not mine:
-            local = _empty_like_header(header, self.plan.device)
-        dist.broadcast(local.contiguous(), self._rank(src), group=self.group)
+        local = self.broadcast(logits.to_local() if isinstance(logits, DTensor) else logits, src)
         if mine:
             return logits
         mesh = next(iter(self.stages.values())).tp_mesh
         return local if mesh is None else DTensor.from_local(local, mesh, [Shard(-1)])
+
+    def broadcast(self, x: torch.Tensor | None, src: int) -> torch.Tensor:
+        """Pipeline rank `src`'s plain tensor `x` on every pipeline rank (its shape first)."""
+        mine, device = self.plan.pp_rank == src, self.plan.device
+        header = _header(x, device) if mine else torch.zeros(8, dtype=torch.int64, device=device)
+        dist.broadcast(header, self._rank(src), group=self.group)
+        if not mine:
+            x = _empty_like_header(header, device)
+        x = x.contiguous()
+        dist.broadcast(x, self._rank(src), group=self.group)
+        return x
 
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -291,6 +300,26 @@ class PipelineBackend(FSDPBackend):
 
     def sync_context(self, sync_gradients: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()  # each stage reduce-scatters after its schedule run
+
+    def eval_loss(
+        self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, rows: int
+    ) -> torch.Tensor:
+        """The last stage computes the loss and sends that scalar, not the (B, T, V) logits."""
+        logits, src = model.through_stages(inputs)
+        loss = torch.zeros((), device=inputs.device)
+        if logits is not None and rows:
+            part = logits if rows == len(inputs) else logits[:rows]
+            loss = self.loss_fn(part, targets[:rows]) * rows
+            loss = (loss.full_tensor() if isinstance(loss, DTensor) else loss).float()
+        return model.broadcast(loss.reshape(1), src)[0]
+
+    def next_token_logits(
+        self, model: nn.Module, window: torch.Tensor, position: int
+    ) -> torch.Tensor:
+        """The last stage sends the one position's whole (V,) logits a sample reads."""
+        logits, src = model.through_stages(window)
+        row = None if logits is None else self.logits_for_sampling(logits)[0, position]
+        return model.broadcast(row, src)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """The global norm over every stage's gradients (the stages' squares summed), then one

@@ -146,11 +146,8 @@ class Validation(Callback):
         backend = trainer.backend
         total = torch.zeros(2, device=trainer.device)  # (sum of window losses, windows)
         for inputs, targets, rows in eval_batches(windows, trainer.plan, trainer.cfg.eval.steps):
-            with backend.forward_context():
-                logits = trainer.model(inputs)  # every rank, every batch: the same collectives
-                if rows:
-                    part = logits if rows == len(inputs) else logits[:rows]
-                    total[0] += backend.loss_fn(part, targets[:rows]) * rows
+            with backend.forward_context():  # every rank, every batch: the same collectives
+                total[0] += backend.eval_loss(trainer.model, inputs, targets, rows)
             total[1] += rows
         loss_sum, scored = mean_over_ranks(total).tolist()  # (a ratio of sums: means will do)
         return loss_sum / scored
@@ -178,8 +175,8 @@ class Samples(Callback):
         trainer.model.eval()
         for _ in range(cfg.eval.sample_tokens):
             with torch.no_grad(), backend.forward_context():
-                logits = backend.logits_for_sampling(trainer.model(window))
-            token = int(logits[0, filled - 1].float().argmax().item())
+                logits = backend.next_token_logits(trainer.model, window, filled - 1)
+            token = int(logits.float().argmax().item())
             new.append(token)
             if filled < T:
                 window[:, filled] = token
