@@ -303,7 +303,7 @@ def test_check_and_bench_run_a_pipelined_config_in_one_process():
 
 def test_evaluation_sends_the_loss_and_a_sample_one_position():
     """What the last stage sends the other pipeline ranks: an evaluation batch's loss (one
-    number, not the (B, T, V) logits: 4 x 8192 x 128256 fp32 is 16 GiB at 405B's size), and
+    number, not the (B, T, V) logits: 4 x 8192 x 128256 fp32 is 15.7 GiB at 405B's size), and
     for a sample the one position's (V,) logits; val_loss and the samples stay one process's
     (test_pipeline_alone_follows_one_process)."""
     from scale_llm.parallel.pipeline import PipelineBackend
