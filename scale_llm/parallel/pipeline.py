@@ -284,7 +284,7 @@ class PipelineBackend(FSDPBackend):
         """The base class's load (DCP's files, or DeepSpeed's partitions one parameter at a
         time: weights, Adam's moments and step), with each optimizer param group listing this
         rank's parameters: DCP keeps one rank's `param_groups` (rank 0's names), and a stage's
-        own names missing from them left its groups without hyperparameters (KeyError: 'betas')."""
+        own names missing from them would leave its groups without hyperparameters ('betas')."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         mine = [group["params"] for group in optim_sd["param_groups"]]
         state = {"model": model_sd, "optimizer": optim_sd}
