@@ -256,7 +256,7 @@ def test_estimate_counts_fp8_casts_and_the_fp8_gather():
     (the gathered parameters at the peak drop by their other byte), and each block's backward
     holds the casts; one process in bf16 saves no autocast copies of the linears' weights."""
     from scale_llm.analysis.memory.activations import block_matmul_params
-    from scale_llm.analysis.memory.estimate import estimate
+    from scale_llm.analysis.memory.gpu import estimate
     from scale_llm.config import load_config
     from tests.helpers import REPO
 

@@ -239,7 +239,8 @@ def test_the_memory_estimate_is_the_worst_pipeline_ranks():
 
     from torch.distributed.pipelining.schedules import _get_warmup_ops
 
-    from scale_llm.analysis.memory.estimate import ParamCounts, estimate
+    from scale_llm.analysis.memory.estimate import ParamCounts
+    from scale_llm.analysis.memory.gpu import estimate
     from scale_llm.analysis.memory.pipeline import in_flight
     from scale_llm.config.plan import target_plan
     from scale_llm.parallel.pipeline import stage_blocks

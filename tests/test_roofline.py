@@ -593,7 +593,7 @@ def _mfu_span(mfu: dict) -> str:
 def test_the_shipped_pipeline_configs_state_the_prediction_the_code_makes():
     """yaml/70b-pp.yaml's header states its GiB and its pipelined MFU on both networks (and
     70b.yaml's on the slow one); yaml/405b.yaml's its MFU and tokens/s on H100 SXM."""
-    from scale_llm.analysis.memory.estimate import estimate
+    from scale_llm.analysis.memory.gpu import estimate
     from scale_llm.analysis.roofline import pipeline_step
 
     header = lambda name: (REPO / "yaml" / name).read_text().replace("\n# ", " ")  # noqa: E731

@@ -1187,7 +1187,7 @@ def layout_step(cfg: Config, world: int, device: str, network: str) -> dict[str,
 def layout_candidates(world: int = 64, device: str = "H100-SXM") -> list[dict[str, Any]]:
     """Each LAYOUTS_70B row: the plan, the memory estimate's GiB per GPU, and the predicted step
     on each of NETWORKS."""
-    from scale_llm.analysis.memory.estimate import estimate
+    from scale_llm.analysis.memory.gpu import estimate
 
     rows = []
     for layout in LAYOUTS_70B:

@@ -13,11 +13,11 @@ from scale_llm.analysis.memory.activations import (
 from scale_llm.analysis.memory.estimate import (
     ParamCounts,
     ds_reduce_buckets,
-    estimate,
     gib,
     parse_bytes,
     zero3_gathered_params,
 )
+from scale_llm.analysis.memory.gpu import estimate
 from scale_llm.analysis.memory.host import check_host_memory, host_memory_problem
 from scale_llm.analysis.memory.plan import fit, format_overrides, format_report, world_for_estimate
 

@@ -28,7 +28,7 @@ from scale_llm.analysis.memory.activations import (
 )
 from scale_llm.config import ActivationCheckpointingConfig, Config, ModelConfig, compiles
 from scale_llm.config.fp8 import fp8_all_gathers
-from scale_llm.config.plan import RunPlan, target_plan
+from scale_llm.config.plan import RunPlan
 from scale_llm.config.sections import mlp_hidden_size
 from scale_llm.errors import UserError
 from scale_llm.parallel.ds_config import deepspeed_config
@@ -674,16 +674,6 @@ def step_phases(
         moving = min(n.total, lay.ds_bucket_elements) * 6 * (1 - 1 / lay.world)
         phases["gradient reduction"] = at(gpu["params"], persistent + moving, 0.0, 0.0)
     return phases, activations, max(loss_bwd, in_block)
-
-
-def estimate(cfg: Config, target: RunPlan | int) -> Estimate:
-    """Per-GPU bytes of `cfg` run as `target`: a plan, or a world size of bf16 GPUs."""
-    plan = target_plan(cfg, target) if isinstance(target, int) else target
-    if plan.pp_degree > 1:
-        from scale_llm.analysis.memory.pipeline import pipeline_estimate
-
-        return pipeline_estimate(cfg, plan, layout_of(cfg, plan))
-    return estimate_layout(cfg.model, cfg.activation_checkpointing, layout_of(cfg, plan))
 
 
 # b; kb, mb, gb, tb (powers of 1000); kib, mib, gib, tib (powers of 1024)

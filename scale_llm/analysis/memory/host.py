@@ -5,7 +5,7 @@ first). Train and bench call it alike."""
 
 from __future__ import annotations
 
-from scale_llm.analysis.memory.estimate import estimate
+from scale_llm.analysis.memory.gpu import estimate
 from scale_llm.components.hardware import host_available_bytes
 from scale_llm.config import Config
 from scale_llm.config.plan import RunPlan

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from scale_llm.analysis.memory.estimate import PARTS, estimate
+from scale_llm.analysis.memory.estimate import PARTS
+from scale_llm.analysis.memory.gpu import estimate
 from scale_llm.config import Config, with_changes
 from scale_llm.config.plan import launch_env, resolve_plan
 from scale_llm.model import build_model

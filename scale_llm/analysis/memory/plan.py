@@ -11,10 +11,10 @@ from scale_llm.analysis.memory.estimate import (
     OVERHEAD_FRACTION,
     PARTS,
     Estimate,
-    estimate,
     format_offload_traffic,
     gib,
 )
+from scale_llm.analysis.memory.gpu import estimate
 from scale_llm.config import Config, with_changes
 from scale_llm.config.plan import RunPlan, target_plan
 from scale_llm.errors import UserError
