@@ -14,11 +14,11 @@ from scale_llm.config.schema import config_key
 class Fp8Config:
     enabled: bool = config_key(
         False,
-        "FP8 matmuls in the transformer blocks' linears (torchao's `Float8Linear`; the "
-        "embedding, the output head and any linear whose dims, per tensor-parallel rank, are not "
-        "multiples of 16 stay in the run's precision). Weights, gradients and optimizer state stay in high precision, "
-        "so checkpoints do not change. Needs torchao (`pip install -e '.[fp8]'`) and a GPU of "
-        "compute capability 8.9 or newer (H100, H200, L4, RTX 4090); on the CPU an emulated "
+        "FP8 matmuls in the transformer blocks' linears (torchao's `Float8Linear`; the embedding, "
+        "the output head and any linear whose dims, per tensor-parallel rank, are not multiples of "
+        "16 stay in the run's precision). Weights, gradients and optimizer state stay in high "
+        "precision, so checkpoints do not change. Needs torchao (`pip install -e '.[fp8]'`) and a "
+        "GPU of compute capability 8.9 or newer (H100, H200, L4, RTX 4090); on the CPU an emulated "
         "path runs (for tests and to see the curve). With parallel.backend=single or fsdp. See "
         "[performance.md](performance.md)",
     )
