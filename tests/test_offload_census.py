@@ -32,7 +32,6 @@ from scale_llm.analysis.memory.estimate import (
     GiB,
     Layout,
     ParamCounts,
-    estimate,
     estimate_layout,
     format_offload_traffic,
     layout_of,
@@ -42,6 +41,7 @@ from scale_llm.analysis.memory.estimate import (
     zero_offload_host_blocks,
     zero_offload_traffic,
 )
+from scale_llm.analysis.memory.gpu import estimate
 from scale_llm.config import Config, load_config
 from scale_llm.config.plan import target_plan
 
