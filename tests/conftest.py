@@ -258,3 +258,20 @@ def reference(runs) -> dict[int, dict]:
 def _deterministic():
     torch.manual_seed(0)
     yield
+
+
+LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
+
+
+@pytest.fixture(autouse=True)
+def _launch_environment():
+    """A run in the test's process sets the launch variables it lacks (as torchrun would have,
+    components/distributed.py); a later in-process command would read them as its launch (an
+    estimate 'launched with 1 processes'). Each test ends with the environment it began with."""
+    before = {k: os.environ.get(k) for k in LAUNCH_VARIABLES}
+    yield
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
