@@ -2527,6 +2527,12 @@ PIPELINE: list = [
         "1f1b needs here (one a stage); use parallel.pipeline.microbatches=2",
     ),
     (
+        "pipeline parallelism with eval.tasks",
+        ["config", TINY, *s(*PP, "eval.tasks=hellaswag")],
+        "eval.tasks=hellaswag with parallel.pipeline_parallel=2: lm-eval needs the whole model "
+        "in one process",
+    ),
+    (
         "pipeline microbatches in unequal rounds",
         ["config", TINY, *s(*PP, "parallel.pipeline.schedule=interleaved_1f1b")]
         + s("parallel.pipeline.microbatches=5"),

@@ -91,6 +91,25 @@ def trainer_for(cfg: Config, plan: RunPlan | None = None):
     return Trainer(preflight(cfg, plan or plan_for(cfg)))
 
 
+def fit_counting_graphs(trainer) -> tuple[dict[int, float], list[int], dict[str, int]]:
+    """`trainer.fit()` with torch._dynamo's counters read after every step: (its losses, the
+    unique graphs compiled so far at each step, the graph breaks). The counters start from zero
+    (the preflight's toolchain probe compiled one function of its own)."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    graphs, step = [], trainer.train_step
+
+    def counted_step():
+        out = step()
+        graphs.append(counters["stats"]["unique_graphs"])
+        return out
+
+    trainer.train_step = counted_step
+    losses = trainer.fit().losses
+    return losses, graphs, dict(counters["graph_break"])
+
+
 def init_weights(cfg, tokenizer_sha256, tokenizer_files_sha256=None):
     """model.init_from's weights as a fresh run takes them: the folder checked against the
     model and data.dir's tokenizer (the preflight's `check_init_from`), then loaded."""

@@ -14,7 +14,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from scale_llm.train.trainer import Trainer
-from tests.helpers import make_config, plan_for, trainer_for
+from tests.helpers import fit_counting_graphs, make_config, plan_for, trainer_for
 
 STEPS = 4
 COMMON = [f"train.max_steps={STEPS}", "train.lr=1e-2", "activation_checkpointing.mode=full"]
@@ -37,18 +37,7 @@ def compiled(data_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("compiled")
     cfg = make_config(data_dir, root, "run.name=compiled", *COMMON, "train.compile=true")
     tr = trainer_for(cfg)
-    counters.clear()  # (the preflight's toolchain probe compiled one function of its own)
-    graphs = []
-    step = tr.train_step
-
-    def counted_step():
-        out = step()
-        graphs.append(counters["stats"]["unique_graphs"])
-        return out
-
-    tr.train_step = counted_step
-    losses = tr.fit().losses
-    return losses, graphs, dict(counters["graph_break"]), root
+    return (*fit_counting_graphs(tr), root)
 
 
 def test_compiled_run_follows_the_eager_curve(eager, compiled):

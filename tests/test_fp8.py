@@ -18,7 +18,7 @@ from torch import nn
 from scale_llm.config.plan import RunPlan
 from scale_llm.errors import UserError
 from scale_llm.model import build_model
-from tests.helpers import logged, make_config, plan_for, trainer_for
+from tests.helpers import fit_counting_graphs, logged, make_config, plan_for, trainer_for
 
 pytest.importorskip("torchao")
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402
@@ -162,23 +162,12 @@ def test_fp8_checkpoint_resumes_without_fp8_exports_and_generates(data_dir, tmp_
 def test_compiled_fp8_blocks_follow_eager_without_graph_breaks(data_dir, tmp_path):
     """train.compile with fp8 linears (emulated, bf16, 3 steps): each block one graph, no graph
     break, no recompilation after the first step, and the eager fp8 curve within 1e-4."""
-    from torch._dynamo.utils import counters
-
     keys = [*FP8, "train.precision=bf16", "train.max_steps=3"]
     eager = trainer_for(make_config(data_dir, tmp_path / "eager", *keys)).fit().losses
     torch._dynamo.reset()
     trainer = trainer_for(make_config(data_dir, tmp_path / "compiled", *keys, "train.compile=true"))
-    counters.clear()  # (the preflight's toolchain probe compiled one function of its own)
-    graphs, step = [], trainer.train_step
-
-    def counted_step():
-        out = step()
-        graphs.append(counters["stats"]["unique_graphs"])
-        return out
-
-    trainer.train_step = counted_step
-    compiled = trainer.fit().losses
-    assert dict(counters["graph_break"]) == {}
+    compiled, graphs, breaks = fit_counting_graphs(trainer)
+    assert breaks == {}
     assert graphs == [2] * 3  # one graph for every block, one for the loss; none recompiled
     for s in eager:
         assert abs(compiled[s] - eager[s]) <= 1e-4 * eager[s], s

@@ -314,12 +314,6 @@ def _pipeline_companions(cfg: Config) -> list[str]:
             f"a pipeline stage reduce-scatters its gradients after each schedule run; set "
             f"parallel.fsdp.reduce_every_micro_step=true"
         )
-    if cfg.eval.tasks:
-        e.append(
-            f"eval.tasks={cfg.eval.tasks} with parallel.pipeline_parallel={pp}: lm-eval needs "
-            f"the whole model in one process; run `scale-llm eval` on a checkpoint instead, "
-            f"or set eval.tasks=null"
-        )
     return e
 
 

@@ -293,6 +293,12 @@ def eval_tasks_problems(cfg: Config) -> list[str]:
             "gives no whole-model view to evaluate while it trains); evaluate its checkpoints "
             "after training with `scale-llm eval RUN_DIR --tasks ...`, or train with ddp or fsdp"
         )
+    if ev.tasks and (pp := cfg.parallel.pipeline_parallel) > 1:
+        e.append(
+            f"eval.tasks={ev.tasks} with parallel.pipeline_parallel={pp}: lm-eval needs the whole "
+            f"model in one process; run `scale-llm eval` on a checkpoint instead, or set "
+            f"eval.tasks=null"
+        )
     return e
 
 

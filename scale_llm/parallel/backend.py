@@ -202,9 +202,17 @@ class Backend:
         )
 
     def load(self, ckpt_dir: Path) -> None:
+        """Model and optimizer from DCP's files, or DeepSpeed's partitions one parameter at a
+        time (weights, Adam's moments and step). Each optimizer param group keeps listing this
+        rank's parameters: DCP keeps one rank's `param_groups` (rank 0's names), and where a
+        rank holds other parameters (a pipeline stage) its groups would lose their
+        hyperparameters ('betas')."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        mine = [group["params"] for group in optim_sd["param_groups"]]
         state = {"model": model_sd, "optimizer": optim_sd}
-        load_state_into(state, ckpt_dir)  # (DCP's, or DeepSpeed's partitions)
+        load_state_into(state, ckpt_dir)
+        for group, names in zip(state["optimizer"]["param_groups"], mine, strict=True):
+            group["params"] = names
         set_state_dict(
             self.model,
             self.optimizer,

@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleSingle,
@@ -41,7 +39,6 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from scale_llm.components.checkpoint import load_state_into
 from scale_llm.components.loss import cross_entropy
 from scale_llm.config.parallel import V_SCHEDULES
 from scale_llm.config.plan import RunPlan
@@ -279,24 +276,6 @@ class PipelineBackend(FSDPBackend):
             loss /= self.scale
         dist.all_reduce(loss, group=self.model.group)
         return loss
-
-    def load(self, ckpt_dir: Path) -> None:
-        """The base class's load (DCP's files, or DeepSpeed's partitions one parameter at a
-        time: weights, Adam's moments and step), with each optimizer param group listing this
-        rank's parameters: DCP keeps one rank's `param_groups` (rank 0's names), and a stage's
-        own names missing from them would leave its groups without hyperparameters ('betas')."""
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        mine = [group["params"] for group in optim_sd["param_groups"]]
-        state = {"model": model_sd, "optimizer": optim_sd}
-        load_state_into(state, ckpt_dir)
-        for group, names in zip(state["optimizer"]["param_groups"], mine, strict=True):
-            group["params"] = names
-        set_state_dict(
-            self.model,
-            self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optimizer"],
-        )
 
     def sync_context(self, sync_gradients: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()  # each stage reduce-scatters after its schedule run
