@@ -1,9 +1,6 @@
-"""`scale-llm eval`: lm-eval tasks (through lm-eval's `hf` model on an export in RUN_DIR/export/)
-and held-out perplexity of a run's newest good checkpoint, into RUN_DIR/eval/step_N.json and
-TensorBoard. A step number does not name weights (a resume may train it again), so an export or
-record is reused only when it carries this checkpoint's `checkpoint_digest`; an export is replaced
-only when eval made it, and a record of other weights is set aside, not merged.
-"""
+"""`scale-llm eval`: lm-eval tasks (on an export in RUN_DIR/export/) and held-out perplexity of a
+run's newest good checkpoint, into RUN_DIR/eval/step_N.json and TensorBoard. A resume may train a
+step again, so exports and records are reused only with this checkpoint's `checkpoint_digest`."""
 
 from __future__ import annotations
 
@@ -56,8 +53,7 @@ def eval_run(
     batch_size: int = 8,
     num_fewshot: int | None = None,
 ) -> tuple[Path, dict[str, Any]]:
-    """(the eval json written, this call's results, with "kept" naming the earlier results of
-    the same checkpoint that the json also holds)."""
+    """(the eval json written, this call's results; "kept" names earlier results it holds)."""
     if not tasks and perplexity is None:
         raise UserError("scale-llm eval needs --tasks T1,T2 and/or --perplexity DATA_DIR")
     run_dir = Path(run_dir)
@@ -69,7 +65,9 @@ def eval_run(
     digest = checkpoint_digest(ckpt)
     path = run_dir / "eval" / f"{ckpt.name}.json"
     earlier, stale = earlier_record(path, digest)
-    written = _written_at(path) if earlier else None  # when the results kept were written
+    written = None  # when the results kept were written (UTC)
+    if earlier:
+        written = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(path.stat().st_mtime))
     export_dir = run_dir / "export" / ckpt.name
     reuse = bool(tasks) and reusable_export(export_dir, digest)
     manager = task_manager(tasks, include_path) if tasks else None  # before the export
@@ -92,7 +90,11 @@ def eval_run(
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(path, merged(earlier or {}, new))
     if cfg.logging.tensorboard:
-        _to_tensorboard(run_dir / "tensorboard", scalars, step)
+        from torch.utils.tensorboard import SummaryWriter
+
+        with SummaryWriter(log_dir=str(run_dir / "tensorboard")) as writer:
+            for tag, value in scalars.items():
+                writer.add_scalar(tag, value, step)
     return path, {**new, "kept": kept(earlier or {}, new), "file": str(path), "written": written}
 
 
@@ -125,8 +127,8 @@ def check_outputs(run_dir: Path, tasks: bool, tensorboard: bool) -> None:
 
 
 def earlier_record(path: Path, digest: str) -> tuple[dict[str, Any] | None, bool]:
-    """(the earlier record of these checkpoint bytes, or None; whether the file holds another
-    checkpoint's results at this step, to be set aside)."""
+    """(the earlier record of these checkpoint bytes, or None; whether the file holds other
+    weights' results at this step, to be set aside)."""
     if not (path.exists() or path.is_symlink()):
         return None, False
     if path.is_symlink() or not path.is_file():
@@ -156,10 +158,8 @@ def set_aside(path: Path) -> None:
         target = path.with_name(f"{path.stem}.other-weights-{stamp}-{n}.json")
     path.rename(target)
     log.warning(
-        "eval: %s held results of other weights at this step (not these checkpoint bytes: an "
-        "abandoned branch, or an older record); kept as %s",
-        path,
-        target,
+        f"eval: {path} held results of other weights at this step (not these checkpoint bytes: "
+        f"an abandoned branch, or an older record); kept as {target}"
     )
 
 
@@ -188,8 +188,8 @@ def export_for_eval(ckpt: Path, run_dir: Path) -> Path:
 
 
 def reusable_export(out: Path, digest: str) -> bool:
-    """Whether `out` is eval's export of these checkpoint bytes; a folder eval did not make
-    is refused (eval replaces only its own exports)."""
+    """Whether `out` is eval's export of these checkpoint bytes; refuses a folder eval did not
+    make."""
     if not (out.exists() or out.is_symlink()):
         return False
     own = out.is_dir() and not out.is_symlink()
@@ -231,8 +231,8 @@ def task_manager(
     include_path: str | Path | None,
     keys: tuple[str, str, str] = ("scale-llm eval", "--tasks", "--include-path"),
 ) -> Any:
-    """lm-eval's task manager that knows every one of `tasks` (an unknown one is refused before
-    any export). `keys`: what messages call the command, the task list and the folder."""
+    """lm-eval's task manager that knows every one of `tasks` (refused before any export).
+    `keys`: what messages call the command, the task list and the folder."""
     command, tasks_key, include_key = keys
     require(command, "lm_eval", "transformers", "accelerate")
     from lm_eval.tasks import TaskManager
@@ -262,8 +262,8 @@ def task_manager(
 
 
 def build_task(manager: Any, task: str, tasks_key: str = "--tasks") -> None:
-    """Build `task` as lm-eval will (reading its dataset, which `datasets` caches), so missing
-    data is one paragraph before the export, not a traceback after it."""
+    """Build `task` as lm-eval will (reading its dataset): missing data is refused before the
+    export, not a traceback after it."""
     try:
         if hasattr(manager, "load"):  # lm-eval >= 0.4.10
             manager.load([task])
@@ -282,7 +282,8 @@ def task_data_problem(task: str, error: BaseException, tasks_key: str = "--tasks
     kind = type(error).__name__
     said = " ".join(str(error).split())[:300] or kind
     head = f"{tasks_key} {task}: lm-eval could not read the task's data ({kind}: {said})"
-    offline = [v for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE") if _env_on(v)]
+    on = lambda v: os.environ.get(v, "").strip().upper() in ("1", "ON", "YES", "TRUE")
+    offline = [v for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE") if on(v)]
     if isinstance(error, FileNotFoundError):
         return (
             f"{head}. A task YAML's data_files are read relative to the working directory "
@@ -307,15 +308,6 @@ def task_data_problem(task: str, error: BaseException, tasks_key: str = "--tasks
         f"{head}. Check the task's YAML (dataset_path, dataset_name, dataset_kwargs, the "
         f"split names) or try another task"
     )
-
-
-def _written_at(path: Path) -> str:
-    """The time `path` was last written, in UTC (e.g. 2026-12-04 10:12 UTC)."""
-    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(path.stat().st_mtime))
-
-
-def _env_on(name: str) -> bool:
-    return os.environ.get(name, "").strip().upper() in ("1", "ON", "YES", "TRUE")
 
 
 def run_tasks(
@@ -360,13 +352,17 @@ def task_scalars(scores: dict[str, dict[str, float]]) -> dict[str, float]:
         f"eval/{task}/{name}": value
         for task, metrics in scores.items()
         for name, value in metrics.items()
-        if "stderr" not in name and name != "sample_len"
+        if _shown(name)
     }
 
 
+def _shown(metric: str) -> bool:
+    return "stderr" not in metric and metric != "sample_len"
+
+
 def _mentioned(task: str) -> bool:
-    """Whether any file of lm-eval's built-in tasks holds the text `task`: a name none holds is
-    unknown for certain, found in ~1 s instead of the ~15 s the task manager takes to index."""
+    """Whether any file of lm-eval's built-in tasks holds `task`: a name none holds is unknown
+    for certain, found in ~1 s instead of the task manager's ~15 s of indexing."""
     import importlib.util
 
     spec = importlib.util.find_spec("lm_eval.tasks")
@@ -388,9 +384,8 @@ def _metrics(values: dict[str, Any]) -> dict[str, float]:
     out = {}
     for key, value in values.items():
         metric, _, filt = key.partition(",")
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            continue
-        out[metric if filt in ("", "none") else f"{metric}_{filt}"] = float(value)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            out[metric if filt in ("", "none") else f"{metric}_{filt}"] = float(value)
     return out
 
 
@@ -405,16 +400,31 @@ def held_out_perplexity(
     batch_size: int,
 ) -> dict[str, Any]:
     """Mean next-token loss and its exp over the first `limit` (or all) validation windows of
-    `data_dir`, as training's val_loss; a mixture's: each source's and their weighted mean."""
-    if (data_dir / MIXTURE).exists() and not (data_dir / MANIFEST).exists():
-        return mixture_perplexity(run_dir, cfg, plan, ckpt, data_dir, limit, batch_size)
-    windows, n = held_out_windows(run_dir, cfg, data_dir, limit)
+    `data_dir`, as training's val_loss. A mixture's: each source's and their mean weighted as
+    training's val_loss is (every source folder checked before the model is loaded)."""
+    head = {"data_dir": str(data_dir), "split": "val"}
+    if not (data_dir / MIXTURE).exists() or (data_dir / MANIFEST).exists():
+        windows, n = held_out_windows(run_dir, cfg, data_dir, limit)
+        model, _ = load_run(run_dir, cfg, plan, ckpt)
+        return {**head, **_scores(n, *mean_loss(model, windows, n, plan, batch_size))}
+    names, weights, weighting = mixture_sources(cfg, data_dir)
+    found = {name: _source_windows(run_dir, cfg, data_dir, name, limit) for name in names}
     model, _ = load_run(run_dir, cfg, plan, ckpt)
-    mean, tokens = mean_loss(model, windows, n, plan, batch_size)
-    return {"data_dir": str(data_dir), "split": "val", **_scores(n, tokens, mean)}
+    sources = {
+        name: _scores(n, *mean_loss(model, windows, n, plan, batch_size))
+        for name, (windows, n) in found.items()
+    }
+    if weights is None:  # by windows: the mean over every window scored, as one folder's is
+        total = sum(found[name][1] for name in names)
+        weights = {name: found[name][1] / total for name in names}
+    loss = sum(weights[name] * sources[name]["loss"] for name in names)
+    for name in names:
+        sources[name]["weight"] = weights[name]
+    n, tokens = (sum(s[k] for s in sources.values()) for k in ("windows", "tokens"))
+    return {**head, **_scores(n, loss, tokens), "weighted_by": weighting, "sources": sources}
 
 
-def _scores(windows: int, tokens: int, loss: float) -> dict[str, Any]:
+def _scores(windows: int, loss: float, tokens: int) -> dict[str, Any]:
     return {"windows": windows, "tokens": tokens, "loss": loss, "ppl": math.exp(loss)}
 
 
@@ -457,35 +467,6 @@ def mean_loss(
     return total / tokens, tokens
 
 
-def mixture_perplexity(
-    run_dir: Path,
-    cfg: Config,
-    plan: RunPlan,
-    ckpt: Path,
-    data_dir: Path,
-    limit: int | None,
-    batch_size: int,
-) -> dict[str, Any]:
-    """Each source's perplexity on `data_dir/<name>` and their mean weighted as training's
-    val_loss is; every source folder is checked before the model is loaded."""
-    names, weights, weighting = mixture_sources(cfg, data_dir)
-    found = {name: _source_windows(run_dir, cfg, data_dir, name, limit) for name in names}
-    model, _ = load_run(run_dir, cfg, plan, ckpt)
-    sources: dict[str, dict[str, Any]] = {}
-    for name, (windows, n) in found.items():
-        mean, tokens = mean_loss(model, windows, n, plan, batch_size)
-        sources[name] = _scores(n, tokens, mean)
-    if weights is None:  # by windows: the mean over every window scored, as one folder's is
-        total = sum(found[name][1] for name in names)
-        weights = {name: found[name][1] / total for name in names}
-    loss = sum(weights[name] * sources[name]["loss"] for name in names)
-    for name in names:
-        sources[name]["weight"] = weights[name]
-    n, tokens = (sum(s[k] for s in sources.values()) for k in ("windows", "tokens"))
-    scores = {"data_dir": str(data_dir), "split": "val", **_scores(n, tokens, loss)}
-    return {**scores, "weighted_by": weighting, "sources": sources}
-
-
 def _source_windows(
     run_dir: Path, cfg: Config, data_dir: Path, name: str, limit: int | None
 ) -> tuple[TokenWindows, int]:
@@ -498,9 +479,8 @@ def _source_windows(
 
 
 def mixture_sources(cfg: Config, data_dir: Path) -> tuple[list[str], dict[str, float] | None, str]:
-    """(the sources to score, their weights, what the weights are): the run's data.sources by
-    their weights where `data_dir` holds them all, else every source of mixture.json by windows
-    (weights None)."""
+    """(sources, weights, what the weights are): the run's data.sources by their weights where
+    `data_dir` holds them all, else every source of mixture.json by windows (weights None)."""
     path = data_dir / MIXTURE
     fix = "give the data dir `scale-llm prepare` made for a mixture, or prepare it again"
     record = read_json_object(path, "a mixture's record", fix)
@@ -517,20 +497,15 @@ def mixture_sources(cfg: Config, data_dir: Path) -> tuple[list[str], dict[str, f
 
 def perplexity_scalars(ppl: dict[str, Any]) -> dict[str, float]:
     """eval/perplexity/{loss,ppl}, and a mixture's eval/perplexity/<source>/{loss,ppl}."""
-    out = {"eval/perplexity/loss": ppl["loss"], "eval/perplexity/ppl": ppl["ppl"]}
-    for name, one in ppl.get("sources", {}).items():
-        out[f"eval/perplexity/{name}/loss"] = one["loss"]
-        out[f"eval/perplexity/{name}/ppl"] = one["ppl"]
-    return out
+    named = [("", ppl), *((f"{name}/", one) for name, one in ppl.get("sources", {}).items())]
+    return {f"eval/perplexity/{n}{k}": one[k] for n, one in named for k in ("loss", "ppl")}
 
 
 def format_record(record: dict[str, Any]) -> str:
     """This call's results (eval_run's second value), and where the earlier ones are."""
     lines = [f"step {record['step']} ({record['checkpoint']})"]
     for task, metrics in record.get("tasks", {}).items():
-        shown = ", ".join(
-            f"{k} {v:.4f}" for k, v in metrics.items() if "stderr" not in k and k != "sample_len"
-        )
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if _shown(k))
         lines.append(f"  {task}: {shown}")
     if "perplexity" in record:
         p = record["perplexity"]
@@ -550,17 +525,6 @@ def format_record(record: dict[str, Any]) -> str:
             f"{record['file']}: {', '.join(record['kept'])}; written {record['written']})"
         )
     return "\n".join(lines)
-
-
-def _to_tensorboard(log_dir: Path, scalars: dict[str, float], step: int) -> None:
-    from torch.utils.tensorboard import SummaryWriter
-
-    writer = SummaryWriter(log_dir=str(log_dir))
-    try:
-        for tag, value in scalars.items():
-            writer.add_scalar(tag, value, step)
-    finally:
-        writer.close()
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
