@@ -1,9 +1,6 @@
 """A Llama-style decoder: RMSNorm, rotary positions, SwiGLU MLP, causal self-attention.
-
-Architecture only: no process groups, no wrappers, no checkpointing. Parallelism and activation
-checkpointing are applied from outside (scale_llm.parallel) to a model built on the meta device
-and then materialized with `init_weights`.
-"""
+Architecture only: parallelism and checkpointing are applied from outside (scale_llm.parallel) to
+a model built on the meta device, then materialized with `init_weights`."""
 
 from __future__ import annotations
 
@@ -27,12 +24,8 @@ def rope_table(head_dim: int, seq_len: int, theta: float, device=None) -> torch.
     """(2, seq_len, head_dim // 2) fp32: the cos and the sin of each position's angles; fp32
     even under autocast."""
     device = torch.device(device or "cpu")
-    no_autocast = (
-        torch.autocast(device.type, enabled=False)
-        if device.type != "meta"  # (the meta device has no autocast; roofline counts run there)
-        else contextlib.nullcontext()
-    )
-    with no_autocast:
+    meta = device.type == "meta"  # (no autocast there; roofline counts run there)
+    with contextlib.nullcontext() if meta else torch.autocast(device.type, enabled=False):
         exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
         inv_freq = 1.0 / (theta**exponents)
         angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
@@ -40,12 +33,9 @@ def rope_table(head_dim: int, seq_len: int, theta: float, device=None) -> torch.
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate each pair (x[..., i], x[..., i + D/2]) of q or k (B, T, heads..., D) by its angle: the
-    half-split layout of Hugging Face's Llama (`rotate_half`), so its q_proj and k_proj rows are
-    ours unpermuted. In x's dtype (the compute dtype: bf16 under autocast) with the fp32 table
-    rounded to it: no fp32 copy of q and k. Measured against a float64 reference at T=2048,
-    D=64: rms relative error 2.7e-3 in bf16, against 1.7e-3 for fp32 math rounded to bf16 once.
-    """
+    """Rotate each pair (x[..., i], x[..., i + D/2]) of q or k (B, T, heads..., D) by its angle, as
+    HF Llama's `rotate_half`. In x's dtype with the table rounded to it: no fp32 copy of q and k
+    (bf16 rms relative error 2.7e-3 against float64, 1.7e-3 for fp32 math rounded once)."""
     x1, x2 = x.chunk(2, dim=-1)
     shape = (rope.size(1),) + (1,) * (x.dim() - 3) + (-1,)  # (T, 1, [1,] D/2): over the heads
     cos, sin = (t.to(x.dtype).view(shape) for t in rope)
@@ -60,9 +50,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_kernels.rms_norm(x, self.weight, self.eps)  # F.rms_norm (eager CPU: see there)
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
 
 
 class Attention(nn.Module):
@@ -129,15 +116,11 @@ class Attention(nn.Module):
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
-    """The wqkv weight from q, k and v projection weights (rows = heads x head_dim, as Hugging
-    Face's q_proj, k_proj, v_proj): rows grouped by kv head, each group its query heads' rows,
-    then its k rows, then its v rows (Megatron-LM's fused layout). Query head h belongs to group
-    h // (n_heads / n_kv_heads), the grouping GQA attends with, so any row block of whole groups
-    -- what tensor parallelism gives a rank -- holds whole heads of q, k and v."""
+    """The wqkv weight from HF's q_proj, k_proj, v_proj weights: rows grouped by kv head, each
+    group its query heads' rows, then its k rows, then its v rows (Megatron-LM's layout), so a
+    row block of whole groups (a tensor-parallel rank's) holds whole heads of q, k and v."""
     d = q.size(-1)
-    g = n_kv_heads
-    parts = (q.reshape(g, -1, d), k.reshape(g, -1, d), v.reshape(g, -1, d))
-    return torch.cat(parts, dim=1).reshape(-1, d)
+    return torch.cat([t.reshape(n_kv_heads, -1, d) for t in (q, k, v)], dim=1).reshape(-1, d)
 
 
 def split_qkv(
@@ -145,21 +128,15 @@ def split_qkv(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k and v projection weights from a wqkv weight (`fuse_qkv`): contiguous (copies, or
     views where the rows already are)."""
-    d = wqkv.size(-1)
-    head_dim = wqkv.size(0) // (n_heads + 2 * n_kv_heads)
-    r = n_heads // n_kv_heads
-    groups = wqkv.view(n_kv_heads, r + 2, head_dim, d)
-    q = groups[:, :r].reshape(n_heads * head_dim, d)
-    k = groups[:, r].reshape(n_kv_heads * head_dim, d)
-    v = groups[:, r + 1].reshape(n_kv_heads * head_dim, d)
-    return q, k, v
+    d, r = wqkv.size(-1), n_heads // n_kv_heads
+    groups = wqkv.view(n_kv_heads, r + 2, -1, d)  # (groups, r q heads + k + v, head_dim, d)
+    return tuple(groups[:, part].reshape(-1, d) for part in (slice(r), r, r + 1))
 
 
 @dataclass
 class Documents:
-    """Where the documents packed in a batch start and end, in the form the attention kernel
-    takes: a (B, 1, T, T) bool `mask` for SDPA's dense kernels, or `bounds` (cu_seqlens,
-    max_len) for FlashAttention's varlen kernel (model/attention.py decides which)."""
+    """The documents packed in a batch as the attention kernel takes them: a (B, 1, T, T) bool
+    `mask` for SDPA's dense kernels, or `bounds` (cu_seqlens, max_len) for FlashAttention's."""
 
     mask: torch.Tensor | None = None
     bounds: tuple[torch.Tensor, int] | None = None
@@ -203,15 +180,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: torch.Tensor,
-        cache: KVCache | None = None,
-        start_pos: int = 0,
-        docs: Documents | None = None,
-    ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, cache, start_pos, docs)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, *rest) -> torch.Tensor:
+        """`rest`: Attention.forward's cache, start_pos and docs."""
+        h = x + self.attention(self.attention_norm(x), rope, *rest)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -258,12 +229,9 @@ class Transformer(nn.Module):
         return attention.choose(device, dtype, True, gqa, cfg.d_model // cfg.n_heads)
 
     def rope(self, start_pos: int, length: int, device: torch.device) -> torch.Tensor:
-        """A view of the rotary table (2, length, head_dim // 2) for positions start_pos.. .
-
-        The fp32 table for all seq_len positions is computed once per device and kept in a
-        plain attribute, not a buffer: it stays fp32 when a backend casts the module to bf16,
-        is not in the state dict, and needs no materialization after meta init.
-        """
+        """A view of the rotary table (2, length, head_dim // 2) for positions start_pos.. . The
+        fp32 table is made once per device and kept in a plain attribute, not a buffer: it stays
+        fp32 under a bf16 cast, is not in the state dict, and needs no materialization."""
         table = self._rope_tables.get(device)
         if table is None:
             cfg = self.cfg
@@ -281,13 +249,10 @@ class Transformer(nn.Module):
             fill(params[name])
 
     def init_fills(self) -> Iterator[tuple[str, Callable[[torch.Tensor], object]]]:
-        """(parameter name, what fills a tensor of its shape) in the order the initialization
-        draws from torch's generator: a layout that fills each whole parameter in this order
-        from the same seed (one at a time, then keeps its shard) gets one process's weights.
-
-        Linear and embedding weights ~ N(0, init_std); the projections that write into the
-        residual stream (attention.wo, feed_forward.w2) use init_std / sqrt(2 * n_layers) so the
-        residual variance does not grow with depth (GPT-2 / Llama practice); norms are ones."""
+        """(parameter name, what fills it) in the order the initialization draws from torch's
+        generator, so a sharded layout filling whole parameters in turn gets one process's
+        weights. N(0, init_std); wo and w2 (into the residual stream) init_std / sqrt(2 n_layers)
+        so the residual variance does not grow with depth (GPT-2 / Llama); norms are ones."""
         cfg = self.cfg
         std, residual_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
         yield "tok_embeddings.weight", functools.partial(nn.init.normal_, mean=0.0, std=std)
@@ -300,20 +265,13 @@ class Transformer(nn.Module):
                 yield f"{name}.weight", functools.partial(nn.init.normal_, mean=0.0, std=sigma)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
-        n = sum(p.numel() for p in self.parameters())
-        if exclude_embeddings:
-            n -= self.tok_embeddings.weight.numel()
-        return n
+        embeddings = self.tok_embeddings.weight.numel() if exclude_embeddings else 0
+        return sum(p.numel() for p in self.parameters()) - embeddings
 
     def flops_per_token(self, causal: bool = False) -> int:
-        """Training FLOPs per token (forward + backward): 6 x matmul parameters + attention.
-
-        The attention term 12 * n_layers * d_model * seq_len counts QK^T and AV over the whole
-        (T, T) score matrix, as PaLM (appendix B) and nanoGPT count it for MFU; a causal kernel
-        (FlashAttention, SDPA's is_causal) computes only the lower half, so `causal` counts
-        half of it: the work actually done. The output projection counts as a matmul even when
-        tied to the embedding.
-        """
+        """Training FLOPs per token: 6 x matmul parameters (a tied head too) + attention's
+        12 * n_layers * d_model * seq_len over the whole (T, T) scores, as PaLM and nanoGPT count
+        it for MFU; `causal`: half of it, what a causal kernel actually computes."""
         cfg = self.cfg
         matmul_params = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
         if self.output is None:  # the tied head is a (vocab x d_model) matmul all the same
