@@ -1,10 +1,7 @@
 """Prepare one source (`data.source`, or a mixture's): corpus -> tokenizer -> shards + manifest.
 
-Stream the documents in a fixed order; train a tokenizer on a sample of the first train
-documents (or take data.tokenizer's); encode each as [BOS] ids [EOS] in `data.num_proc`
-processes into train / val shards (split by a stable hash of the document id); write
-manifest.json last. progress.json lets an interrupted prepare continue; an equal fingerprint
-means no work. Every run first checks each name it writes is absent or its own (`check_outputs`).
+Documents stream in a fixed order into train / val shards (split by a stable hash of their id);
+manifest.json is written last, progress.json lets an interrupted prepare continue.
 """
 
 from __future__ import annotations
@@ -29,13 +26,7 @@ import numpy as np
 from scale_llm.config import Config
 from scale_llm.data.documents import Document
 from scale_llm.data.encode import EncodedBatch, Encoder, batched, is_val_document
-from scale_llm.data.pretrained_tokenizer import (
-    BUNDLE_FILE,
-    WHAT,
-    PretrainedTokenizer,
-    build_bundle,
-    vocab_problem,
-)
+from scale_llm.data.pretrained_tokenizer import BUNDLE_FILE, WHAT, build_bundle, vocab_problem
 from scale_llm.data.progress import Progress
 from scale_llm.data.shards import (
     FORMAT_VERSION,
@@ -74,6 +65,13 @@ PIPELINE_VERSION = 3  # bump when the same input and settings would give differe
 CHECKPOINT_SECONDS = 30.0  # progress.json is rewritten this often (and at every finished shard)
 SAMPLE_POOL = 4  # the tokenizer sample is drawn from the first 4x its size of train documents
 SPLITS = ("train", "val")
+LOCK_FILE = ".prepare.lock"  # in data.dir: one prepare at a time builds and publishes there
+BUILD_DIR = ".prepare-build"  # inside data.dir: the next data while it is being written
+BUILD_KIND = "prepare build"
+PREVIOUS = "previous-manifest.json"  # in the build: what publishing it replaces in data.dir
+MARK = ".scale-llm-prepared.json"  # in data.dir, from its first publication: prepare's data
+MARK_KIND = "prepared data"
+OUTPUT_PATTERNS = ("train_*.bin*", "val_*.bin*", SP_FILE, BUNDLE_FILE)  # what prepare publishes
 
 
 def prepare_source(
@@ -95,9 +93,6 @@ def prepare_source(
         return _build(cfg, source, fingerprint, out, force, bundle)
 
 
-LOCK_FILE = ".prepare.lock"  # in data.dir: one prepare at a time builds and publishes there
-
-
 @contextlib.contextmanager
 def data_dir_lock(out: Path) -> Iterator[None]:
     """Hold data.dir's lock (one prepare at a time); folders made for it go again if left empty."""
@@ -116,20 +111,17 @@ def data_dir_lock(out: Path) -> Iterator[None]:
 
 def _up_to_date(out: Path, fingerprint: str, force: bool) -> dict[str, Any] | None:
     current = _current_manifest(out)
-    if (
-        force
-        or not current
-        or current.get("fingerprint") != fingerprint
-        or shard_problems(out, current)
-        or tokenizer_problem(out, current)
-    ):
+    fresh = not force and current and current.get("fingerprint") == fingerprint
+    if not (fresh and _sound(out, current)):
         return None
-    log.info(
-        "data: %s is up to date (%s train tokens); nothing to do",
-        out,
-        f"{current['splits']['train']['tokens']:,}",
-    )
+    tokens = current["splits"]["train"]["tokens"]
+    log.info(f"data: {out} is up to date ({tokens:,} train tokens); nothing to do")
     return current
+
+
+def _sound(out: Path, m: dict[str, Any] | None) -> bool:
+    """Every shard and the tokenizer of the manifest are there as it records them."""
+    return bool(m) and not (shard_problems(out, m) or tokenizer_problem(out, m))
 
 
 def model_tokenizer(cfg: Config) -> bytes | None:
@@ -138,9 +130,8 @@ def model_tokenizer(cfg: Config) -> bytes | None:
     if cfg.data.tokenizer is None:
         return None
     bundle, info = build_bundle(cfg.data.tokenizer)
-    where = f"{WHAT}={cfg.data.tokenizer}"
-    problem = vocab_problem(where, info["vocab_size"], cfg.model.vocab_size, cfg.model.init_from)
-    if problem:
+    where, model = f"{WHAT}={cfg.data.tokenizer}", cfg.model
+    if problem := vocab_problem(where, info["vocab_size"], model.vocab_size, model.init_from):
         raise UserError(problem)
     return bundle
 
@@ -167,14 +158,12 @@ def _build(
         with _sigterm_interrupts():
             _tokenize(cfg, source, build, stream, progress, writers)
     except KeyboardInterrupt:
+        read = (read_progress(build) or {}).get("documents_read", 0)
+        held = " (it holds the previous data)" if (out / MANIFEST).is_file() else ""
         log.info(
-            "data: interrupted; kept the shards written so far and progress.json in %s (%s "
-            "documents read); `scale-llm prepare` with the same settings continues from there. "
-            "%s itself is unchanged%s",
-            build,
-            f"{(read_progress(build) or {}).get('documents_read', 0):,}",
-            out,
-            " (it holds the previous data)" if (out / MANIFEST).is_file() else "",
+            f"data: interrupted; kept the shards written so far and progress.json in {build} "
+            f"({read:,} documents read); `scale-llm prepare` with the same settings continues "
+            f"from there. {out} itself is unchanged{held}"
         )
         raise
     splits = _finish(writers)
@@ -183,39 +172,25 @@ def _build(
     write_manifest(build, manifest)  # the build is complete from here on
     _publish(build, out)
     seconds = time.perf_counter() - t0
+    rate = (progress["tokens"] - written_before) / seconds / 1e6
+    train, val = splits["train"], splits["val"]
     log.info(
-        "data: wrote %s train / %s val tokens (%d / %d documents) to %s in %.1fs (%.2fM tokens/s)",
-        f"{splits['train']['tokens']:,}",
-        f"{splits['val']['tokens']:,}",
-        splits["train"]["documents"],
-        splits["val"]["documents"],
-        out,
-        seconds,
-        (progress["tokens"] - written_before) / seconds / 1e6,
+        f"data: wrote {train['tokens']:,} train / {val['tokens']:,} val tokens "
+        f"({train['documents']} / {val['documents']} documents) to {out} in {seconds:.1f}s "
+        f"({rate:.2f}M tokens/s)"
     )
     return manifest
 
 
-BUILD_DIR = ".prepare-build"  # inside data.dir: the next data while it is being written
-BUILD_KIND = "prepare build"
-PREVIOUS = "previous-manifest.json"  # in the build: what publishing it replaces in data.dir
-MARK = ".scale-llm-prepared.json"  # in data.dir, from its first publication: prepare's data
-MARK_KIND = "prepared data"
-OUTPUT_PATTERNS = ("train_*.bin*", "val_*.bin*", SP_FILE, BUNDLE_FILE)  # what prepare publishes
-
-
 def check_outputs(out: Path) -> None:
     """Refuse a data.dir holding, under a name prepare writes, anything it cannot prove it wrote
-    (read-only, before any work): manifest.json is prepare's beside its mark, a shard or
-    tokenizer where a manifest of prepare's lists it, the build folder with its mark; each a
-    regular file (never a link, folder or pipe)."""
+    (read-only, before any work), or anything but a regular file there."""
     if not out.is_dir():
         return  # nothing there yet (require_writable_dir refuses a file)
     build = out / BUILD_DIR
     _check_build_dir(build)
-    if _own_build(build):
-        said = (OWNER_MARKER, PROGRESS)  # (read_progress names a folder for its record)
-        refuse_non_files(p for p in build.iterdir() if p.name not in said)
+    if _own_build(build):  # (read_progress names a folder in place of its record)
+        refuse_non_files(p for p in build.iterdir() if p.name not in (OWNER_MARKER, PROGRESS))
     refuse_non_files([out / MARK, out / MANIFEST, *_shaped_like_ours(out)])
     ours = _owned_names(out)
     if (out / MANIFEST).exists() and MANIFEST not in ours:
@@ -225,15 +200,21 @@ def check_outputs(out: Path) -> None:
             f"not a complete one of an earlier prepare. prepare would replace it, so it stops. "
             f"Point data.dir at a new folder, or move {MANIFEST} away"
         )
-    _refuse_foreign_files(out, ours)
+    # named like prepare's outputs but listed by no manifest of prepare's: someone else's
+    if foreign := [p.name for p in _shaped_like_ours(out) if p.name not in ours]:
+        shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
+        raise UserError(
+            f"data.dir={out} holds {len(foreign)} file(s) named like prepare's outputs that no "
+            f"manifest of prepare's lists ({shown}); prepare would replace them, so it stops. "
+            f"Point data.dir at a new folder, or move those files away"
+        )
 
 
 def _owned_names(out: Path) -> set[str]:
-    """The names in data.dir provably prepare's: with its mark (or a complete manifest from
-    before marks), manifest.json and the outputs a manifest of prepare's lists (the published
-    one, a build's records)."""
+    """The names in data.dir provably prepare's (it has the mark, or a complete manifest from
+    before marks): manifest.json and the outputs a manifest of prepare's lists."""
     current = _current_manifest(out)
-    if not (_marked(out) or _complete(out, current)):
+    if not (_marked(out) or (_sound(out, current) and current.get("format") == FORMAT_VERSION)):
         return set()
     names = manifest_files(current)
     if _own_build(out / BUILD_DIR):
@@ -244,25 +225,13 @@ def _owned_names(out: Path) -> set[str]:
 
 def _marked(out: Path) -> bool:
     """Whether data.dir carries prepare's mark (one of another content is refused)."""
-    mark = out / MARK
-    if not mark.exists():
+    if not (mark := out / MARK).exists():
         return False
     fix = "prepare did not write it: move it away, or point data.dir at a new folder"
     record = read_json(mark, "the mark prepare leaves where it publishes", fix, max_bytes=4096)
     if record.get("kind") != MARK_KIND:
         raise UserError(f"{mark} is not the mark prepare leaves where it publishes; {fix}")
     return True
-
-
-def _complete(out: Path, manifest: dict[str, Any] | None) -> bool:
-    """A manifest of a prepare that left no mark yet: every field, shard and tokenizer as it
-    records them."""
-    return (
-        manifest is not None
-        and manifest.get("format") == FORMAT_VERSION
-        and not shard_problems(out, manifest)
-        and tokenizer_problem(out, manifest) is None
-    )
 
 
 def _named_like_ours(name: str) -> bool:
@@ -283,18 +252,6 @@ def refuse_non_files(paths: Iterable[Path]) -> None:
                 f"replaces only regular files it wrote, so it stops: move it away, or point "
                 f"data.dir at a new folder"
             )
-
-
-def _refuse_foreign_files(out: Path, ours: set[str]) -> None:
-    """A file named like prepare's outputs that no manifest of prepare's lists is someone
-    else's, and publishing would replace it."""
-    if foreign := [p.name for p in _shaped_like_ours(out) if p.name not in ours]:
-        shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
-        raise UserError(
-            f"data.dir={out} holds {len(foreign)} file(s) named like prepare's outputs that no "
-            f"manifest of prepare's lists ({shown}); prepare would replace them, so it stops. "
-            f"Point data.dir at a new folder, or move those files away"
-        )
 
 
 def _own_build(build: Path) -> bool:
@@ -356,12 +313,10 @@ def _remove_build(build: Path) -> None:
 
 def _read_json(path: Path) -> Any:
     """A JSON record of prepare's, or None: none there, or damaged (it accounts for nothing)."""
-    if not path.is_file():
-        return None
-    try:
-        return read_json(path, "a record of prepare's", "", kind=object)
-    except UserError:
-        return None
+    if path.is_file():
+        with contextlib.suppress(UserError):
+            return read_json(path, "a record of prepare's", "", kind=object)
+    return None
 
 
 def _finish_publish(out: Path) -> None:
@@ -382,11 +337,7 @@ def _sigterm_interrupts():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # KeyboardInterrupt
     try:
         yield
     finally:
@@ -408,9 +359,8 @@ def _resume(cfg: Config, source, out: Path, fingerprint: str, force: bool):
         log.info("data: cannot continue the interrupted prepare (%s); starting afresh", e)
         return None
     log.info(
-        "data: continuing an interrupted prepare after %s documents (%s tokens written)",
-        f"{progress['documents_read']:,}",
-        f"{progress['tokens']:,}",
+        f"data: continuing an interrupted prepare after {progress['documents_read']:,} documents "
+        f"({progress['tokens']:,} tokens written)"
     )
     stream = itertools.islice(read_documents(cfg, source), progress["documents_read"], None)
     return progress, writers, stream
@@ -429,19 +379,14 @@ def _fresh(cfg: Config, source, out: Path, fingerprint: str, bundle: bytes | Non
     docs = read_documents(cfg, source)
     if bundle is None:
         tokenizer, stream = _train(cfg, docs, out)
-    elif cfg.data.tokenizer is None:  # a mixture's trained tokenizer, given
-        atomic_write_bytes(out / TOKENIZER_FILE, bundle)  # into prepare's own build folder
-        tokenizer, stream = load_tokenizer(out / TOKENIZER_FILE), docs
-    else:
-        atomic_write_bytes(out / BUNDLE_FILE, bundle)  # into prepare's own build folder
-        tokenizer, stream = PretrainedTokenizer(out / BUNDLE_FILE), docs
+    else:  # a mixture's trained tokenizer, or data.tokenizer's
+        atomic_write_bytes(out / _tokenizer_file(cfg), bundle)  # into prepare's own build folder
+        tokenizer, stream = load_tokenizer(out / _tokenizer_file(cfg)), docs
+    if cfg.data.tokenizer is not None:
         log.info(
-            "data: encoding with the tokenizer of data.tokenizer=%s (%d ids; each document: "
-            "%s text %s)",
-            cfg.data.tokenizer,
-            tokenizer.vocab_size,
-            tokenizer.doc_start,
-            tokenizer.doc_end,
+            f"data: encoding with the tokenizer of data.tokenizer={cfg.data.tokenizer} "
+            f"({tokenizer.vocab_size} ids; each document: {tokenizer.doc_start} text "
+            f"{tokenizer.doc_end})"
         )
     dtype = token_dtype(tokenizer.vocab_size)
     progress = {
@@ -464,11 +409,9 @@ def _train(cfg: Config, docs: Iterator[Document], out: Path):
     sample, pool = draw_sample(cfg, docs)
     tokenizer = train_tokenizer(sample, cfg.model.vocab_size, out / TOKENIZER_FILE)
     log.info(
-        "data: trained a %d-piece BPE tokenizer on %.1f MB (%d documents) in %.1fs",
-        tokenizer.vocab_size,
-        sum(map(len, sample)) / 1e6,
-        len(sample),
-        time.perf_counter() - t0,
+        f"data: trained a {tokenizer.vocab_size}-piece BPE tokenizer on "
+        f"{sum(map(len, sample)) / 1e6:.1f} MB ({len(sample)} documents) in "
+        f"{time.perf_counter() - t0:.1f}s"
     )
     return tokenizer, itertools.chain(pool, docs)
 
@@ -524,9 +467,7 @@ def _sample(pool: list[Document], cfg: Config) -> Iterator[str]:
         key=lambda doc: hashlib.blake2b(
             doc.doc_id.encode(), digest_size=8, person=b"tok-sample"
         ).digest(),
-    )
-    if d.tokenizer_sample_documents is not None:
-        order = order[: d.tokenizer_sample_documents]
+    )[: d.tokenizer_sample_documents]  # (None: all)
     taken = 0
     for doc in order:
         if taken >= d.tokenizer_sample_bytes:
@@ -548,8 +489,9 @@ def _tokenize(
     max_tokens = cfg.data.max_tokens
     if progress["capped"] or (max_tokens is not None and progress["tokens"] >= max_tokens):
         return
-    remaining = getattr(source, "num_rows", None)
-    total = min(filter(None, [remaining, cfg.data.max_documents]), default=None)
+    total = min(
+        filter(None, [getattr(source, "num_rows", None), cfg.data.max_documents]), default=None
+    )
     bar = Progress("tokenizing", total=total, initial=progress["documents_read"])
     last_checkpoint = time.perf_counter()
     tok = out / _tokenizer_file(cfg)
@@ -573,12 +515,8 @@ def _tokenize(
                 log.info("data: reached data.max_tokens=%s", f"{max_tokens:,}")
                 break
     bar.close()
-    log.info(
-        "data: tokenized %s with %d process%s",
-        bar.summary(time.perf_counter() - bar.start),
-        encoder.processes,
-        "es" if encoder.processes > 1 else "",
-    )
+    n, done = encoder.processes, bar.summary(time.perf_counter() - bar.start)
+    log.info(f"data: tokenized {done} with {n} process{'es' if n > 1 else ''}")
 
 
 def _docs_within_cap(batch: EncodedBatch, written: int, max_tokens: int | None) -> int:
@@ -621,7 +559,7 @@ def _manifest(cfg: Config, source, out: Path, fingerprint: str, progress, splits
     name = _tokenizer_file(cfg)
     tokenizer = load_tokenizer(out / name)
     model_tokenizer = {}
-    if isinstance(tokenizer, PretrainedTokenizer):  # where it came from, and its files' digest
+    if name == BUNDLE_FILE:  # a model's: where it came from, and its files' digest
         model_tokenizer = {"from": cfg.data.tokenizer, "files_sha256": tokenizer.files_sha256}
     return {
         "format": FORMAT_VERSION,
@@ -644,25 +582,21 @@ def _manifest(cfg: Config, source, out: Path, fingerprint: str, progress, splits
 
 
 def _fingerprint(cfg: Config, source, bundle: bytes | None = None) -> str:
-    """Everything that decides the output (not num_proc); a given tokenizer's SHA-256 replaces
-    the settings of the one prepare would train."""
-    d = cfg.data
-    settings: dict[str, Any] = {
-        "format": FORMAT_VERSION,
-        "pipeline": PIPELINE_VERSION,
-        "source": source.fingerprint(),
-        "vocab_size": cfg.model.vocab_size,
-        "val_fraction": d.val_fraction,
-        "tokenizer_sample_bytes": d.tokenizer_sample_bytes,
-        "tokenizer_sample_documents": d.tokenizer_sample_documents,
-        "shard_tokens": d.shard_tokens,
-        "max_documents": d.max_documents,
-        "max_tokens": d.max_tokens,
-    }
+    """Everything that decides the output (not num_proc)."""
+    keys = ("val_fraction", "shard_tokens", "max_documents", "max_tokens")
+    fixed = {"format": FORMAT_VERSION, "pipeline": PIPELINE_VERSION, "source": source.fingerprint()}
+    return digest(fixed | {k: getattr(cfg.data, k) for k in keys} | tokenizer_settings(cfg, bundle))
+
+
+def tokenizer_settings(cfg: Config, bundle: bytes | None) -> dict[str, Any]:
+    """What decides the tokenizer: a given one's SHA-256, else the settings prepare trains with."""
     if bundle is not None:
-        for key in ("vocab_size", "tokenizer_sample_bytes", "tokenizer_sample_documents"):
-            del settings[key]
-        settings["tokenizer"] = hashlib.sha256(bundle).hexdigest()
+        return {"tokenizer": hashlib.sha256(bundle).hexdigest()}
+    keys = ("tokenizer_sample_bytes", "tokenizer_sample_documents")
+    return {"vocab_size": cfg.model.vocab_size} | {key: getattr(cfg.data, key) for key in keys}
+
+
+def digest(settings: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
 
