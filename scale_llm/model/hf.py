@@ -1,12 +1,6 @@
 """Our decoder <-> Hugging Face `LlamaForCausalLM`: parameter names, the fused qkv weight, config.
-
-Pure mapping, no I/O and no `transformers` import, so that training (`model.init_from`) and
-`scale-llm export` share it. The architectures agree term by term: RMSNorm, SwiGLU with
-w1 = gate_proj, w3 = up_proj, w2 = down_proj, and rotary embeddings that rotate the pairs
-(x[i], x[i + D/2]) -- the `rotate_half` convention of HF Llama -- so the q and k rows need no
-permutation; `attention.wqkv` holds the rows of q_proj, k_proj and v_proj grouped by kv head
-(`fuse_qkv`).
-"""
+Pure mapping (no I/O, no `transformers`), shared by `model.init_from` and `scale-llm export`; the
+architectures agree term by term (RoPE as `rotate_half`: q and k rows need no permutation)."""
 
 from __future__ import annotations
 
@@ -84,9 +78,8 @@ def to_hf(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> Iterator[tuple[st
         if ours != "output.weight" and ours in state:
             yield theirs, state.pop(ours)
     for i in range(cfg.n_layers):
-        wqkv = state.pop(f"layers.{i}.attention.wqkv.weight")
-        parts = split_qkv(wqkv, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads)
-        del wqkv
+        wqkv = f"layers.{i}.attention.wqkv.weight"
+        parts = split_qkv(state.pop(wqkv), cfg.n_heads, cfg.n_kv_heads or cfg.n_heads)
         for name, part in zip(_QKV, parts):
             yield f"model.layers.{i}.{name}", part
         for ours, theirs in _PER_LAYER.items():
@@ -98,15 +91,14 @@ def to_hf(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> Iterator[tuple[st
 
 
 def from_hf(cfg: ModelConfig, get: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our state dict from HF tensors, read one at a time through `get(name)` (fp32); q/k/v
-    are fused back into wqkv's kv-head groups. Shapes must already have been checked
-    (`shape_problems`)."""
+    """Our state dict from HF tensors read one at a time through `get(name)` (fp32), shapes
+    already checked (`shape_problems`)."""
     return dict(FromHF(cfg, get))
 
 
 class FromHF(Mapping[str, torch.Tensor]):
-    """Our parameters by name, each made from its HF tensors when asked (`from_hf` takes them
-    all): a sharded start holds one full parameter at a time."""
+    """Our parameters by name, each made from its HF tensors when asked: a sharded start holds
+    one full parameter at a time."""
 
     def __init__(self, cfg: ModelConfig, get: Callable[[str], torch.Tensor]):
         self.cfg, self.get = cfg, get
@@ -185,10 +177,8 @@ def to_hf_config(
 
 
 def from_hf_config(hf: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """(our model.* values, problems) for an HF config dict: each unsupported field or
-    architecture, and each field of the wrong JSON type or out of range (a string "false",
-    zero heads, an infinite epsilon), is one problem line naming it; `values` holds the fields
-    that passed."""
+    """(our model.* values that passed, problems) for an HF config dict: a line for each
+    unsupported field or architecture, or field of the wrong JSON type or range."""
     problems = []
     model_type = hf.get("model_type")
     if model_type != "llama":
@@ -277,12 +267,8 @@ def _positive_int(value: Any) -> bool:
 
 
 def _positive_number(value: Any) -> bool:
-    return (
-        isinstance(value, int | float)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and value > 0
-    )
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    return number and math.isfinite(value) and value > 0
 
 
 def _wrong(key: str, value: Any, expected: str) -> str:
@@ -308,7 +294,10 @@ def config_problems(cfg: ModelConfig, values: dict[str, Any], where: str) -> lis
             mine = given or cfg.n_heads
         elif f.name == "mlp_hidden":
             mine = mlp_hidden_size(cfg)
-            if given is None and _default_mlp(values) == values["mlp_hidden"]:
+            default = "d_model" in values and mlp_hidden_size(
+                ModelConfig(d_model=values["d_model"])
+            )
+            if given is None and default == values["mlp_hidden"]:
                 continue  # the default follows d_model: fixing d_model fixes it
         if mine != values[f.name]:
             shown = _yaml(given) if given == mine else f"{_yaml(given)} (= {mine!r})"
@@ -317,12 +306,6 @@ def config_problems(cfg: ModelConfig, values: dict[str, Any], where: str) -> lis
                 f"model.{f.name}={values[f.name]!r}"
             )
     return out
-
-
-def _default_mlp(values: dict[str, Any]) -> int | None:
-    if "d_model" not in values:
-        return None
-    return mlp_hidden_size(ModelConfig(d_model=values["d_model"]))
 
 
 def _yaml(value: Any) -> str:
