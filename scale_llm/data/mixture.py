@@ -1,17 +1,13 @@
 """`data.sources`: a weighted mixture, prepared as one folder per source under one tokenizer.
 
-data.dir holds the tokenizer, `mixture.json` (its record, the source folders prepare made, each
-source's fingerprint and counts) and `data.dir/<name>/`, an ordinary prepared folder per source
-(prepare_source.py), so a changed or added source is re-prepared alone. A `data.dir/<name>` that
-mixture.json does not name, or that is no longer prepare's folder, is refused before any work.
-The tokenizer is trained once on each source's weighted share of the sample; `--force` retrains.
+data.dir holds the tokenizer, `mixture.json` (the source folders prepare made, each source's
+fingerprint and counts) and `data.dir/<name>/` per source, so a changed source is re-prepared alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import logging
 import math
 import os
@@ -25,11 +21,13 @@ from scale_llm.data.loader import TokenWindows, TrainLoader
 from scale_llm.data.prepare_source import (
     check_outputs,
     data_dir_lock,
+    digest,
     draw_sample,
     model_tokenizer,
     prepare_source,
     read_documents,
     refuse_non_files,
+    tokenizer_settings,
 )
 from scale_llm.data.pretrained_tokenizer import BUNDLE_FILE
 from scale_llm.data.shards import MANIFEST, check_tokenizer, open_split, read_manifest
@@ -78,8 +76,7 @@ def prepare_mixture(cfg: Config, force: bool = False) -> dict[str, Any]:
                 raise UserError(f"data.sources[{i}] (name {entry.name}): {e}") from None
             mixture["sources"][entry.name] = _record(manifest)
             atomic_write_json(out / MIXTURE, mixture)
-        _say_unused(out, mixture, cfg)
-        _log_mixture(cfg, mixture)
+        _log_mixture(out, mixture, cfg)
         return mixture
 
 
@@ -186,20 +183,6 @@ def _record(manifest: dict[str, Any]) -> dict[str, Any]:
     return {"fingerprint": manifest["fingerprint"], "source": manifest["source"], **counts}
 
 
-def _tokenizer_fingerprint(cfg: Config, bundle: bytes | None) -> str:
-    """What decides the tokenizer: not the sources (they may change without retraining it)."""
-    d = cfg.data
-    settings: dict[str, Any] = {
-        "vocab_size": cfg.model.vocab_size,
-        "tokenizer_sample_bytes": d.tokenizer_sample_bytes,
-        "tokenizer_sample_documents": d.tokenizer_sample_documents,
-        "val_fraction": d.val_fraction,
-    }
-    if bundle is not None:
-        settings = {"tokenizer": hashlib.sha256(bundle).hexdigest()}
-    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
-
-
 def _tokenizer(
     cfg: Config,
     configs: list[Config],
@@ -211,7 +194,9 @@ def _tokenizer(
 ) -> bytes:
     """The mixture's tokenizer, in data.dir: the one there if made with these settings (and not
     `force`), else data.tokenizer's or one trained afresh."""
-    fingerprint = _tokenizer_fingerprint(cfg, bundle)
+    # not the sources: they may change without retraining it
+    trained = {"val_fraction": cfg.data.val_fraction} if bundle is None else {}
+    fingerprint = digest(tokenizer_settings(cfg, bundle) | trained)
     name = BUNDLE_FILE if bundle is not None else SP_FILE
     tok = mixture["tokenizer"]
     if (
@@ -244,10 +229,8 @@ def _tokenizer(
                 atomic_write_bytes(record, before)
             raise
         log.info(
-            "data: trained a %d-piece BPE tokenizer on %.1f MB of %d sources, by their weights",
-            tokenizer.vocab_size,
-            sum(map(len, sample)) / 1e6,
-            len(configs),
+            f"data: trained a {tokenizer.vocab_size}-piece BPE tokenizer on "
+            f"{sum(map(len, sample)) / 1e6:.1f} MB of {len(configs)} sources, by their weights"
         )
     if old is not None and old != name:
         (out / old).unlink(missing_ok=True)  # named by prepare's own mixture.json
@@ -283,46 +266,28 @@ def _share(sub: Config, source: Any, weight: float) -> list[str]:
     return draw_sample(share_cfg, read_documents(share_cfg, source))[0]  # (refused if empty)
 
 
-def _say_unused(out: Path, mixture: dict[str, Any], cfg: Config) -> None:
-    names = {s.name for s in cfg.data.sources}
-    for name in sorted(set(mixture["sources"]) - names):
+def _log_mixture(out: Path, mixture: dict[str, Any], cfg: Config) -> None:
+    for name in sorted(set(mixture["sources"]) - {s.name for s in cfg.data.sources}):
         log.info(
-            "data: %s holds source %s, no longer in data.sources: kept (delete the folder "
-            "when no run needs it)",
-            out,
-            name,
+            f"data: {out} holds source {name}, no longer in data.sources: kept (delete the folder "
+            f"when no run needs it)"
         )
-
-
-def _log_mixture(cfg: Config, mixture: dict[str, Any]) -> None:
     for name, w in mixture_weights(cfg.data).items():
         rec = mixture["sources"][name]
         log.info(
-            "data: %-12s weight %.3f | %s train / %s val tokens",
-            name,
-            w,
-            f"{rec['train_tokens']:,}",
-            f"{rec['val_tokens']:,}",
+            f"data: {name:<12} weight {w:.3f} | {rec['train_tokens']:,} train / "
+            f"{rec['val_tokens']:,} val tokens"
         )
 
 
-@dataclass
-class PreparedSource:
-    name: str
-    weight: float  # normalized
-    dir: Path
-    manifest: dict[str, Any]
-
-
-def read_mixture(cfg: Config) -> list[PreparedSource]:
-    """The prepared folder of every source of data.sources, checked, all with one tokenizer."""
+def _read_mixture(cfg: Config) -> list[tuple[str, Path, dict[str, Any]]]:
+    """(name, folder, manifest) of every source of data.sources, checked, all with one tokenizer."""
     out = Path(cfg.data.dir)
     prepare_fix = "run `scale-llm prepare CONFIG` (it prepares only what is missing or changed)"
     if (mixture := _read(out / MIXTURE)) is None:
         raise UserError(
             f"data.dir={out} holds no prepared mixture ({MIXTURE} missing); " + prepare_fix
         )
-    weights = mixture_weights(cfg.data)
     found = []
     for entry in cfg.data.sources:
         if entry.name not in mixture["sources"]:
@@ -335,8 +300,8 @@ def read_mixture(cfg: Config) -> list[PreparedSource]:
                 f"data.dir={out}: source {entry.name} was encoded with another tokenizer than "
                 f"the mixture's; {prepare_fix}"
             )
-        found.append(PreparedSource(entry.name, weights[entry.name], out / entry.name, manifest))
-    check_tokenizer(out, found[0].manifest)  # data.dir's copy, which runs take
+        found.append((entry.name, out / entry.name, manifest))
+    check_tokenizer(out, found[0][2])  # data.dir's copy, which runs take
     return found
 
 
@@ -354,42 +319,36 @@ class TrainingData:
 def open_training_data(cfg: Config) -> TrainingData:
     """data.dir's windows of model.seq_len, each batch checked against model.vocab_size."""
     if cfg.data.sources:
-        folders = [(s.name, s.dir, s.manifest) for s in read_mixture(cfg)]
+        folders = _read_mixture(cfg)
     else:
         folders = [("", Path(cfg.data.dir), read_manifest(cfg.data.dir))]
-    shards: dict[str, list] = {"train": [], "val": []}
-    names: dict[str, list[str]] = {"train": [], "val": []}
-    val, counts = {}, {}
+    seq_len, vocab_size = cfg.model.seq_len, cfg.model.vocab_size
+    shards, names, val, counts = [], [], {}, {}  # the training windows of every source, in order
     for name, folder, manifest in folders:
         for split in ("train", "val"):
             maps = open_split(folder, manifest, split)
             files = [str(folder / x["file"]) for x in manifest["splits"][split]["shards"]]
             if split == "val":
-                val[name] = TokenWindows(maps, cfg.model.seq_len, cfg.model.vocab_size, files)
+                val[name] = TokenWindows(maps, seq_len, vocab_size, files)
             else:
-                counts[name] = len(TokenWindows(maps, cfg.model.seq_len))
-            shards[split] += maps
-            names[split] += files
+                counts[name] = len(TokenWindows(maps, seq_len))
+                shards += maps
+                names += files
     if cfg.data.sources:
-        _check_windows(cfg, {name: manifest for name, _, manifest in folders}, counts, val)
-    train = TokenWindows(shards["train"], cfg.model.seq_len, cfg.model.vocab_size, names["train"])
+        _check_windows(cfg, folders, counts, val)
+    train = TokenWindows(shards, seq_len, vocab_size, names)
     weights = mixture_weights(cfg.data)
     sources = {n: (weights[n], counts[n]) for n in counts} if cfg.data.sources else None
     return TrainingData(folders[0][2], train, val, sources)
 
 
-def _check_windows(
-    cfg: Config,
-    manifests: dict[str, dict[str, Any]],
-    train: dict[str, int],
-    val: dict[str, TokenWindows],
-) -> None:
+def _check_windows(cfg: Config, folders: list, train: dict[str, int], val: dict) -> None:
     """Every source of a mixture has a training and a validation window (each is read alone)."""
     problems = []
-    for i, name in enumerate(manifests):
+    for i, (name, _, manifest) in enumerate(folders):
         if train[name] and len(val[name]):
             continue
-        splits = manifests[name]["splits"]
+        splits = manifest["splits"]
         problems.append(
             f"data.sources[{i}] (name {name}): {Path(cfg.data.dir) / name} holds "
             f"{splits['train']['tokens']:,} training tokens ({train[name]:,} windows) and "
@@ -416,16 +375,10 @@ def check_epochs(cfg: Config, loader: TrainLoader, data: TrainingData, is_main: 
         )
     if data.sources is None or not is_main:
         return
-    log.info("data: a mixture of %d sources (weights are shares of the tokens read)", len(epochs))
+    log.info(f"data: a mixture of {len(epochs)} sources (weights are shares of the tokens read)")
     for name, (weight, windows) in data.sources.items():
         log.info(
-            "data:   %-12s weight %.3f | %s training tokens in %s windows | %.2f epochs in "
-            "train.max_steps=%d%s",
-            name,
-            weight,
-            f"{windows * cfg.model.seq_len:,}",
-            f"{windows:,}",
-            epochs[name],
-            cfg.train.max_steps,
-            " (repeated)" if epochs[name] > 1 else "",
+            f"data:   {name:<12} weight {weight:.3f} | {windows * cfg.model.seq_len:,} training "
+            f"tokens in {windows:,} windows | {epochs[name]:.2f} epochs in "
+            f"train.max_steps={cfg.train.max_steps}{' (repeated)' if epochs[name] > 1 else ''}"
         )
