@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 from pathlib import Path
 
 import pytest
@@ -29,17 +30,29 @@ from scale_llm.config.plan import Launch, resolve_plan
 from scale_llm.errors import UserError
 from scale_llm.model import empty_state_dict
 from scale_llm.parallel.pipeline import stage_blocks, stage_owner
-from tests.helpers import SINGLE, STEPS, TOL, Runs, batch_plan, wanted
+from tests.helpers import (
+    SINGLE,
+    STEPS,
+    TOL,
+    Runs,
+    batch_plan,
+    logged,
+    rows_of,
+    trainer_for,
+    wanted,
+)
 
 MODEL = ["model.n_kv_heads=2", "model.n_layers=4", "model.tie_embeddings=false"]
 SAMPLE = ["eval.sample_every=4", "eval.sample_tokens=6"]  # a no-grad forward beside the eval's
 PP2 = ["parallel.backend=fsdp", "parallel.pipeline_parallel=2", *SAMPLE]
 SPLIT = ["train.micro_batch_size=4", "train.grad_accum=2"]  # x 1 data-parallel rank
 FP8_ROWWISE = ["train.fp8.enabled=true", "train.fp8.recipe=rowwise"]  # (emulated)
+FROM_PP2 = ["run.name=from-pp2", "checkpoint.keep_last=3"]  # (PP 2's step 2 kept to be read)
 # By launch (those the selected tests read): one process (the reference, and a run stopped
 # after step 2); 2 ranks (PP 2 with three schedules, a PP 2 run stopped after step 2, the
 # one-process run resumed at PP 2); 8 ranks (PP 2 x FSDP2 2 x TP 2, the PP 2 run resumed at
-# PP 4 x FSDP2 2: 19 s of the module's 43 here).
+# PP 4 x FSDP2 2 for step 3: 19 s of the module's 43 here); then, in this process, that run
+# finished in one process.
 STAGES = [
     {
         "single": (1, [*SINGLE, *SAMPLE]),
@@ -54,7 +67,7 @@ STAGES = [
             + ["activation_checkpointing.mode=selective"],
         ),
         "zero_bubble": (2, [*PP2, *SPLIT, "parallel.pipeline.schedule=zero_bubble"]),
-        "pp2-stopped": (2, [*PP2, *SPLIT, "train.exit_at_step=2", "run.name=from-pp2"]),
+        "pp2-stopped": (2, [*PP2, *SPLIT, "train.exit_at_step=2", *FROM_PP2]),
         "single-at-pp2": (2, [*PP2, *SPLIT, "run.name=from-single"]),
         "pp2-fp16": (2, [*PP2, *SPLIT, "train.precision=fp16"]),
         "pp2-fp8-rowwise": (2, [*PP2, *SPLIT, *FP8_ROWWISE]),
@@ -73,10 +86,11 @@ STAGES = [
         "pp2-at-pp4": (
             8,
             ["parallel.backend=fsdp", "parallel.pipeline_parallel=4", *SAMPLE]
-            + ["train.micro_batch_size=4", "run.name=from-pp2"],
+            + ["train.micro_batch_size=4", "train.exit_at_step=3", *FROM_PP2],
         ),
     },
 ]
+PP4_IN_ONE_PROCESS = [*SINGLE, *SAMPLE, *FROM_PP2]
 NEEDS = {
     "test_pipeline_alone_follows_one_process": ["single", "{schedule}"],
     "test_pipeline_x_fsdp2_x_tensor_parallel_follows_one_process": [
@@ -85,7 +99,8 @@ NEEDS = {
     "test_fp16_pipeline_follows_fsdp2": ["pp2-fp16", "fsdp2-fp16"],
     "test_fp8_rowwise_pipeline_follows_one_process": ["single-fp8-rowwise", "pp2-fp8-rowwise"],
     "test_a_pipeline_checkpoint_resumes_at_another_degree": [
-        "single", "single-stopped", "single-at-pp2", "pp2-stopped", "pp2-at-pp4"
+        "single", "single-stopped", "single-at-pp2", "pp2-stopped", "pp2-at-pp4",
+        "pp4-in-one-process",
     ],
 }  # fmt: skip
 
@@ -95,7 +110,18 @@ def runs(data_dir, tmp_path_factory, request) -> Runs:
     runs, read = Runs(data_dir, tmp_path_factory.mktemp("pp"), *MODEL), wanted(request, NEEDS)
     for stage in STAGES:
         runs.start({name: spec for name, spec in stage.items() if name in read})
+    if "pp4-in-one-process" in read:
+        in_this_process(runs, "pp4-in-one-process", PP4_IN_ONE_PROCESS)
     return runs
+
+
+def in_this_process(runs: Runs, name: str, overrides: list[str]) -> None:
+    """Train `name` in the test's own process (no launch), recorded as `runs` records a run."""
+    cfg = load_config(None, runs.args(name, overrides)[1::2])  # (the values of its --set pairs)
+    with logged() as lines:
+        trainer_for(cfg).fit()
+    runs.rows[name], runs.stdout[name] = rows_of(cfg.run_dir), lines.text
+    runs.plan[name] = json.loads((cfg.run_dir / "plan.json").read_text())
 
 
 def generated(run_dir: Path) -> str:
@@ -147,27 +173,34 @@ def test_fp16_pipeline_follows_fsdp2(runs):
 
 def test_a_pipeline_checkpoint_resumes_at_another_degree(runs):
     """A checkpoint does not depend on the pipeline: PP 2's step-2 checkpoint holds the
-    one-process tensors under their names, and PP 4 x FSDP2 2 resumes it (optimizer state
-    included); a one-process checkpoint resumes at PP 2. Both continue the one-process curve."""
+    one-process tensors under their names; PP 4 x FSDP2 2 resumes it for step 3, and one
+    process without a pipeline resumes that for step 4; a one-process checkpoint resumes at
+    PP 2. Each continues the one-process curve, optimizer state included (step 4's update: the
+    validation loss, the sample and the final weights)."""
     ref = runs.rows["single"]
-    step2 = runs.root / "from-pp2" / "checkpoints" / "step_00000002"
-    model = saved_model_config(read_trainer_state(step2))
-    ours = load_model_weights(step2, empty_state_dict(model))
-    theirs = load_model_weights(
-        runs.root / "from-single" / "checkpoints" / "step_00000002", empty_state_dict(model)
-    )
+    for name in ("step_00000002", "step_00000004"):
+        assert_same_weights(runs.root / "from-pp2" / "checkpoints" / name, runs.root / "single")
+    for resumed in ("pp2-at-pp4", "pp4-in-one-process", "single-at-pp2"):
+        assert "resume: continuing from" in runs.stdout[resumed], resumed
+    assert_same_curve(runs.rows["single-at-pp2"], ref, steps=(3, 4))
+    assert_same_curve(runs.rows["pp4-in-one-process"], ref, steps=(3, 4))  # (3: PP 4's row)
+    assert runs.rows["pp2-at-pp4"][3]["loss"] == runs.rows["pp4-in-one-process"][3]["loss"]
+    assert runs.plan["pp2-at-pp4"]["mesh"] == {"names": ["pp", "shard"], "shape": [4, 2]}
+    assert runs.plan["pp4-in-one-process"]["pp_degree"] == 1
+    # generate reads a pipelined run in one process (its plan resets the pipeline degree) and
+    # continues the prompt as the one-process run does
+    texts = [generated(runs.root / name) for name in ("from-single", "single")]
+    assert texts[0] == texts[1] and len(texts[0]) > len("def ")
+
+
+def assert_same_weights(ckpt: Path, single: Path) -> None:
+    """`ckpt` holds the one-process run's tensors of its step under their names."""
+    model = saved_model_config(read_trainer_state(ckpt))
+    ours = load_model_weights(ckpt, empty_state_dict(model))
+    theirs = load_model_weights(single / "checkpoints" / ckpt.name, empty_state_dict(model))
     assert sorted(ours) == sorted(theirs)
     for name, tensor in theirs.items():  # (Adam's first steps at lr 1e-2: rounding to ~1e-5)
         torch.testing.assert_close(ours[name], tensor, rtol=0, atol=1e-4, msg=name)
-
-    for resumed in ("pp2-at-pp4", "single-at-pp2"):
-        assert "resume: continuing from" in runs.stdout[resumed], resumed
-        assert_same_curve(runs.rows[resumed], ref, steps=(3, 4))
-    assert runs.plan["pp2-at-pp4"]["mesh"] == {"names": ["pp", "shard"], "shape": [4, 2]}
-    # generate reads a pipelined run in one process (its plan resets the pipeline degree) and
-    # continues the prompt as the one-process run does
-    texts = [generated(runs.root / name) for name in ("from-pp2", "single")]
-    assert texts[0] == texts[1] and len(texts[0]) > len("def ")
 
 
 # ----------------------------------------------------------------------------- in one process
