@@ -2,10 +2,8 @@
 
 One micro-batch forward + backward on the meta device in bf16, every aten op's FLOPs and bytes
 counted (attention as a causal flash kernel, the loss as compiled fp32 cross-entropy), plus the
-fused AdamW step (or ZeRO-1/2 offload's PCIe copies). Two bounds (`eager`, `matmul-bound`) and a
-prediction at the rates published measurements reach (`RATES`, each with its source and range):
-docs/performance.md, "How the prediction is made". `mfu` counts attention over the full T x T
-(PaLM's convention), `mfu_causal` its causal half.
+fused AdamW step (or ZeRO-1/2 offload's PCIe copies). Two bounds and a prediction at published
+rates (`RATES`, each with its source): docs/performance.md, "How the prediction is made".
 """
 
 from __future__ import annotations
@@ -15,6 +13,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +28,9 @@ from scale_llm.analysis.memory.estimate import (
     layout_of,
     zero_offload_traffic,
 )
+from scale_llm.analysis.memory.gpu import estimate
 from scale_llm.components.loss import plain_cross_entropy
-from scale_llm.config import Config, compiles
+from scale_llm.config import Config, compiles, load_config, with_changes
 from scale_llm.config.plan import target_plan
 from scale_llm.config.sections import mlp_hidden_size
 from scale_llm.model import build_model
@@ -45,6 +45,8 @@ DEVICES = {
     "H200": (989e12, 4.8e12),
     "A100-80GB": (312e12, 2.04e12),
 }
+# Dense FP8 tensor-core peaks (data sheets): twice bf16's on Hopper; none on an A100
+FP8_PEAK = {"H100-SXM": 1979e12, "H100-500W": 1979e12, "H200": 1979e12}
 WAYS = ("low", "point", "high")  # a rate's (and a time's) three figures
 MATMUL_OPS = {"mm", "addmm", "bmm", "matmul", "linear"}
 VIEWS = {  # ops that move no data (views, allocations)
@@ -56,6 +58,14 @@ ALLOCATIONS = {"empty", "empty_like", "new_empty"}
 FUSED = {"element-wise and copies", "rms_norm", "loss"}  # what compile fuses between kernels
 FUSED_ROW = "element-wise, norms, loss (fused)"
 EAGER_ROW = "element-wise, norms, loss (eager)"
+IDLE_ROW = "outside the counted kernels (CALIBRATION.busy)"
+FP8_ROW = "FP8 casts and scales"
+FP8_PEAK_NOTE = "bf16's achieved share of peak times the FP8 peak (1979 TFLOP/s)"
+TP_ROW = "tensor-parallel collectives (exposed)"
+FSDP_ROW = "FSDP2 collectives (exposed beyond compute)"
+OFFLOAD_ROW = "offload copies (PCIe)"
+PP_ROW = "pipeline bubble"
+P2P_ROW = "pipeline sends (exposed)"
 NVLINK_BYTES_PER_S = 450e9  # H100 / H200 SXM NVLink 4: 900 GB/s bidirectional per GPU
 GPUS_PER_NODE = 8  # an HGX H100 / H200 node: NVLink inside it, the network between nodes
 # `bench --network`: each GPU's share of the links between nodes, bytes/s each way
@@ -67,8 +77,8 @@ NETWORK_NAMES = {"ib-ndr": "InfiniBand NDR 400 Gb/s per GPU", "eth-100g": "100 G
 
 
 def crosses_nodes(size: int, inner: int) -> bool:
-    """Whether a mesh dim of `size` ranks spans nodes: its ranks lie `inner` apart (the product
-    of the dims inside it, tp innermost), so its group covers size x inner consecutive ranks."""
+    """Whether a mesh dim of `size` ranks, `inner` apart (the dims inside it: tp innermost),
+    spans nodes."""
     return size > 1 and size * inner > GPUS_PER_NODE
 
 
@@ -111,8 +121,7 @@ TERA = 1e12
 
 
 def _gemms(rows: int, figures: dict[tuple[int, int], tuple[tuple[float, ...], ...]]):
-    """Anchors from measured TFLOP/s at (n, k): the mean of the first group (`rows` rows, both
-    operand orders), low and high the extremes over every group."""
+    """Anchors from TFLOP/s at (n, k): the first group's mean (`rows` rows), the extremes."""
     anchors = []
     for (n, k), groups in figures.items():
         every = [x for group in groups for x in group]
@@ -223,9 +232,8 @@ RATES = {
 
 @dataclasses.dataclass(frozen=True)
 class Calibration:
-    """The terms the counts alone take as exact, set so that the bf16 runs of PUBLISHED fall
-    inside their predicted ranges (its Float8 runs were held out: docs/performance.md,
-    "Calibration"); "low" is the slow end of each, as for the rates."""
+    """The terms the counts alone take as exact, set so PUBLISHED's bf16 runs fall in their
+    predicted ranges (docs/performance.md, "Calibration"); "low" is the slow end of each."""
 
     busy: Spread  # the share of a step the counted kernels fill: launches, host work, kernel
     # tails and collectives nothing hides take the rest
@@ -256,16 +264,15 @@ class Published:
 YAML = Path(__file__).resolve().parents[2] / "yaml"
 TORCHTITAN_2412 = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 1"
 TORCHTITAN_2506 = "pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md"
+EVERY_SECOND = "every second matmul"
 PUBLISHED = {
     p.config: p
     for p in (
-        Published("llama3-8b", "H100-500W", 8, 5762, TORCHTITAN_2412, "every second matmul"),
-        Published(
-            "llama3-8b-compiled", "H100-500W", 8, 6667, TORCHTITAN_2412, "every second matmul"
-        ),
-        Published("llama3-8b-tp8", "H100-500W", 64, 4378, TORCHTITAN_2506, "every second matmul"),
+        Published("llama3-8b", "H100-500W", 8, 5762, TORCHTITAN_2412, EVERY_SECOND),
+        Published("llama3-8b-compiled", "H100-500W", 8, 6667, TORCHTITAN_2412, EVERY_SECOND),
+        Published("llama3-8b-tp8", "H100-500W", 64, 4378, TORCHTITAN_2506, EVERY_SECOND),
         Published("llama3-70b", "H100-500W", 256, 597.3, TORCHTITAN_2506),
-        Published("llama3-8b-fp8", "H100-500W", 8, 8532, TORCHTITAN_2412, "every second matmul"),
+        Published("llama3-8b-fp8", "H100-500W", 8, 8532, TORCHTITAN_2412, EVERY_SECOND),
         Published("llama3-70b-fp8", "H100-500W", 256, 809.8, TORCHTITAN_2506),
         Published("nanochat-d32", "H100-SXM", 8, 41693, "karpathy/nanochat run1000.sh, fae3aca"),
     )
@@ -274,8 +281,6 @@ PUBLISHED = {
 
 def predict_published(run: Published) -> dict[str, Any]:
     """The prediction of a published run from its yaml/ config, its figure and their ratio."""
-    from scale_llm.config import load_config
-
     cfg = load_config(YAML / f"{run.config}.yaml", [])
     plan = target_plan(cfg, run.world)
     r = roofline(cfg, plan.micro_batch_size, plan.grad_accum, run.device, run.world)
@@ -316,15 +321,10 @@ def intensity(m: int, n: int, k: int) -> float:
 
 def matmul_rate(device: str, m: int, n: int, k: int) -> Spread:
     """The FLOP/s a GEMM of this shape reaches: the measured rates interpolated by intensity."""
-    rates = RATES[device]
+    rates, at = RATES[device], intensity(m, n, k)
     anchors = sorted((intensity(*shape), rate) for shape, rate in rates.matmul)
-    at = intensity(m, n, k)
-    return Spread(
-        *(
-            _log_interpolate([(x, getattr(r, w)) for x, r in anchors], at) * getattr(rates.clock, w)
-            for w in WAYS
-        )
-    )
+    ways = [_log_interpolate([(x, getattr(r, w)) for x, r in anchors], at) for w in WAYS]
+    return Spread(*(rate * getattr(rates.clock, w) for rate, w in zip(ways, WAYS)))
 
 
 def attention_rate(device: str, head_dim: int, seq_len: int) -> Spread:
@@ -479,24 +479,18 @@ def _count(cfg: Config, micro_batch: int) -> _Counter:
         return _FlashAttention.apply(q, k, v)
 
     tokens = torch.zeros((micro_batch, cfg.model.seq_len + 1), dtype=torch.long, device="meta")
-    original = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = sdpa
-    try:
-        with counter:
-            loss = plain_cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
-            counter.boundary([])  # backward is another graph: no kernel spans both
-            loss.backward()
-    finally:
-        F.scaled_dot_product_attention = original
-    if published_recompute(cfg) == "every second matmul":
+    with mock.patch.object(F, "scaled_dot_product_attention", sdpa), counter:
+        loss = plain_cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+        counter.boundary([])  # backward is another graph: no kernel spans both
+        loss.backward()
+    if published_recompute(cfg) == EVERY_SECOND:
         _recompute_every_second_matmul(cfg, counter)
     return counter
 
 
 def _recompute_every_second_matmul(cfg: Config, counter: _Counter) -> None:
-    """torchtitan's per-op selective checkpointing saves every matmul's output but every
-    second one's (torchtitan/distributed/activation_checkpoint.py): of a block's seven in call
-    order (wq wk wv wo w1 w3 w2) the backward recomputes wk, wo and w3."""
+    """torchtitan's per-op selective checkpointing recomputes every second matmul: of a block's
+    wq wk wv wo w1 w3 w2, the backward recomputes wk, wo and w3."""
     m = cfg.model
     tokens, head_dim = counter.micro_batch * m.seq_len, m.d_model // m.n_heads
     kv = (m.n_kv_heads or m.n_heads) * head_dim
@@ -524,9 +518,8 @@ def roofline(
     network: str = "ib-ndr",
 ) -> dict[str, Any]:
     """The per-class roofline of one optimizer step on one GPU of `device`, the MFU each bound
-    implies, and the prediction at achieved rates; collectives whose group spans nodes run at
-    `network`'s rate (NETWORKS). DDP's all-reduce over `world` GPUs is overlapped with backward
-    (stated, not added); FSDP2's and tensor parallelism's traffic is priced in `achieved`."""
+    implies, and the prediction at achieved rates (`achieved`, which prices FSDP2's and TP's
+    traffic); DDP's all-reduce over `world` GPUs is overlapped with backward (stated, not added)."""
     peak, bandwidth = DEVICES[device]
     counter = _count(cfg, micro_batch)
     model = build_model(cfg.model)
@@ -537,13 +530,12 @@ def roofline(
         rows[cls] = {"flops": f, "bytes": b, "ms": 1e3 * max(f / peak, b / bandwidth)}
     traffic = offload_traffic(cfg, micro_batch, grad_accum, world)
     if traffic:  # the step runs on the CPU; the GPU waits for the copies
-        copied = sum(sum(parts.values()) for parts in traffic.values())
-        ms = 1e3 * copied / PCIE5_X16_BYTES_PER_S
-        rows[OFFLOAD_ROW] = {"flops": 0.0, "bytes": copied, "ms": ms}
+        moved = sum(sum(parts.values()) for parts in traffic.values())
+        cls, ms = OFFLOAD_ROW, 1e3 * moved / PCIE5_X16_BYTES_PER_S
     else:
-        opt_bytes = 28 * n_params  # fused AdamW, fp32: read p g m v, write p m v
-        ms = 1e3 * opt_bytes / bandwidth
-        rows["optimizer (AdamW)"] = {"flops": 0.0, "bytes": opt_bytes, "ms": ms}
+        moved = 28 * n_params  # fused AdamW, fp32: read p g m v, write p m v
+        cls, ms = "optimizer (AdamW)", 1e3 * moved / bandwidth
+    rows[cls] = {"flops": 0.0, "bytes": moved, "ms": ms}
     tokens = micro_batch * grad_accum * cfg.model.seq_len
     model_flops = model.flops_per_token() * tokens
     causal_flops = model.flops_per_token(causal=True) * tokens
@@ -579,13 +571,9 @@ def roofline(
         ),
         # under pipeline parallelism: one GPU's step at its stage (the rest: the whole model)
         "pipeline": pipeline_step(cfg, world, device, network=network)
-        if _pp(cfg, world) > 1
+        if target_plan(cfg, world).pp_degree > 1
         else None,
     }
-
-
-def _pp(cfg: Config, world: int) -> int:
-    return target_plan(cfg, world).pp_degree
 
 
 def achieved(
@@ -598,21 +586,20 @@ def achieved(
     world: int = 1,
     network: str = "ib-ndr",
 ) -> dict[str, Any]:
-    """The step at the rates of RATES and the terms of CALIBRATION: per class, the time at the
-    point rates and at the low and high ones; the MFU of each (convention, causal) and the
-    tokens/s of one GPU. Under tensor parallelism or FSDP2 over several ranks, one GPU's share
-    and the step's communication (`_split_over_tp`)."""
+    """The step at the rates of RATES and the terms of CALIBRATION, per class at the point, low
+    and high rates; its MFU and one GPU's tokens/s. Under TP or FSDP2, one GPU's share and the
+    step's communication (`_split_over_tp`)."""
     model = cfg.model
     plan = target_plan(cfg, world)
     tp = plan.tp_degree
-    shards = _fsdp_shards(cfg, world)
+    shards = layout_of(cfg, plan).shards  # FSDP2's shard dim (HSDP: not the replicas)
     attention = attention_rate(device, model.d_model // model.n_heads, model.seq_len)
     compiled = compiles(cfg.train, "cuda")
     elementwise = _elementwise_bytes(rows, grad_accum * counter.fused_bytes, compiled)
     classes: dict[str, dict[str, float]] = {}
+    fp8 = model.vocab_size if cfg.train.fp8.enabled else None
     for way in WAYS:
         hbm = getattr(RATES[device].hbm, way)
-        fp8 = model.vocab_size if cfg.train.fp8.enabled else None
         gemms = _gemm_seconds(counter, device, way, hbm, tp, model.seq_len, fp8)
         times = {"matmul": grad_accum * gemms}
         if fp8 is not None:
@@ -665,11 +652,6 @@ def achieved(
     }
 
 
-IDLE_ROW = "outside the counted kernels (CALIBRATION.busy)"
-FP8_ROW = "FP8 casts and scales"
-FP8_PEAK_NOTE = "bf16's achieved share of peak times the FP8 peak (1979 TFLOP/s)"
-
-
 def _elementwise_bytes(
     rows: dict[str, dict[str, float]], fused: float, compiled: bool
 ) -> dict[str, float]:
@@ -683,25 +665,18 @@ def _elementwise_bytes(
 
 
 def _idle(classes: dict[str, dict[str, float]]) -> dict[str, float]:
-    """The time outside the counted kernels: the step is their sum / CALIBRATION.busy. FSDP2's
-    exposed wait is no kernel's: it stays out of the sum (a pipeline prices it once a step)."""
+    """The time outside the counted kernels (the step is their sum / CALIBRATION.busy); FSDP2's
+    exposed wait is no kernel's."""
     busy = CALIBRATION.busy
     kernels = [ms for cls, ms in classes.items() if cls != FSDP_ROW]
     return {w: sum(c[w] for c in kernels) * (1 / getattr(busy, w) - 1) for w in WAYS}
 
 
 def _gemm_seconds(
-    counter: _Counter,
-    device: str,
-    way: str,
-    hbm: float,
-    tp: int = 1,
-    seq_len: int = 0,
-    fp8_except: int | None = None,
+    counter: _Counter, device: str, way: str, hbm: float, tp: int, seq_len: int, fp8_except
 ) -> float:
-    """One micro-step's GEMMs on one GPU, each at its shape's rate (or its traffic, if that is
-    slower); under tensor parallelism each at one rank's shape (`tp_shape`). `fp8_except`: FP8
-    linears, every GEMM but those with this dimension (the vocabulary: the output head)."""
+    """One micro-step's GEMMs on one GPU at a tp rank's shape, each at its rate or traffic;
+    `fp8_except`: FP8 for every GEMM but those with this dimension (the vocabulary: the head)."""
     seconds = 0.0
     tokens = counter.micro_batch * seq_len
     for shape, calls in counter.gemms.items():
@@ -714,14 +689,9 @@ def _gemm_seconds(
     return seconds
 
 
-# Dense FP8 tensor-core peaks (data sheets): twice bf16's on Hopper; none on an A100
-FP8_PEAK = {"H100-SXM": 1979e12, "H100-500W": 1979e12, "H200": 1979e12}
-
-
 def fp8_gemm_seconds(device: str, way: str, hbm: float, m: int, n: int, k: int) -> float:
-    """An FP8 GEMM (fp8 operands, bf16 output): bf16's achieved rate at its shape scaled by the
-    FP8 peak over the bf16 one (the same share of peak, as torchao's roofline takes), or its
-    traffic if that is slower."""
+    """An FP8 GEMM (bf16 output) at bf16's achieved share of peak, as torchao's roofline takes,
+    or its traffic if that is slower."""
     if device not in FP8_PEAK:
         raise ValueError(f"{device} has no FP8 tensor cores: train.fp8 needs an H100 or H200")
     rate = getattr(matmul_rate(device, m, n, k), way) * FP8_PEAK[device] / DEVICES[device][0]
@@ -758,13 +728,14 @@ def block_linears(cfg: Config) -> list[tuple[int, int]]:
     return [(qkv, m.d_model), wo, (hidden, m.d_model), (hidden, m.d_model), (m.d_model, hidden)]
 
 
-def fp8_cast_seconds(cfg: Config, micro_batch: int, device: str, way: str, tp: int = 1) -> float:
-    """One micro-step's FP8 casts of every block linear on one GPU (a tp rank casts 1/tp)."""
+def fp8_cast_seconds(cfg: Config, micro_batch: int, device: str, way: str) -> float:
+    """One micro-step's FP8 casts of every block linear, the whole model's (`achieved` splits
+    them over tp)."""
     tokens = micro_batch * cfg.model.seq_len
     fused = getattr(CALIBRATION.fused, way) if compiles(cfg.train, "cuda") else 0.0
     recipe = cfg.train.fp8.recipe
     per_block = sum(fp8_cast_bytes(tokens, n, k, recipe, fused) for n, k in block_linears(cfg))
-    return cfg.model.n_layers * per_block / tp / getattr(RATES[device].hbm, way)
+    return cfg.model.n_layers * per_block / getattr(RATES[device].hbm, way)
 
 
 def fp8_linear_gain(
@@ -780,9 +751,8 @@ def fp8_linear_gain(
 
 
 def tp_shape(shape: tuple[int, int, int], tp: int, tokens: int) -> tuple[int, int, int]:
-    """One tensor-parallel rank's part of a (m, n, k) GEMM of the whole model: all the tokens
-    times 1/tp of a weight, cut along its wider side (heads, SwiGLU width or vocabulary): the
-    largest dimension that is not the token count."""
+    """One tp rank's part of a (m, n, k) GEMM: 1/tp of the weight, cut along the largest
+    dimension that is not the token count (heads, SwiGLU width or vocabulary)."""
     if tp == 1:
         return shape
     widths = [i for i, d in enumerate(shape) if d != tokens] or [0, 1, 2]
@@ -790,21 +760,11 @@ def tp_shape(shape: tuple[int, int, int], tp: int, tokens: int) -> tuple[int, in
     return tuple(d // tp if i == cut else d for i, d in enumerate(shape))
 
 
-def _fsdp_shards(cfg: Config, world: int) -> int:
-    """Ranks FSDP2 shards a tensor-parallel rank's parameters over (HSDP: the shard dim)."""
-    return layout_of(cfg, target_plan(cfg, world)).shards
-
-
-TP_ROW = "tensor-parallel collectives (exposed)"
-FSDP_ROW = "FSDP2 collectives (exposed beyond compute)"
-
-
 def _split_over_tp(
     classes: dict[str, dict[str, float]], traffic: dict[str, Any], tp: int, shards: int
 ) -> dict[str, dict[str, float]]:
-    """One GPU's step under tensor parallelism x FSDP2: the counted work over the tp ranks (the
-    matmuls already at a rank's shapes), AdamW over the rank's shard, then the communication:
-    tensor parallelism's all exposed (the matmuls wait for it), FSDP2's beyond the compute."""
+    """One GPU's step under TP x FSDP2: the work over the tp ranks (matmuls already a rank's),
+    AdamW over the shard; TP's collectives all exposed, FSDP2's beyond the compute."""
     out: dict[str, dict[str, float]] = {}
     for cls, ms in classes.items():
         if cls == "matmul":
@@ -818,9 +778,6 @@ def _split_over_tp(
         out[TP_ROW] = {w: traffic["tp_ms"] / getattr(CALIBRATION.link, w) for w in compute}
     out[FSDP_ROW] = {w: max(0.0, traffic["fsdp_ms"] - t) for w, t in compute.items()}
     return out
-
-
-OFFLOAD_ROW = "offload copies (PCIe)"
 
 
 def offload_traffic(
@@ -893,11 +850,8 @@ def format_achieved(a: dict[str, Any]) -> list[str]:
         f"{_span(rates['attention_flops_per_s'], 1e12)} TFLOP/s, HBM "
         f"{_span(rates['hbm_bytes_per_s'], 1e12, '.2f')} TB/s; element-wise traffic {traffic}: "
         f"{a['elementwise_bytes_per_step'] / 1e9:.1f} GB",
-        "| op class | ms at achieved rates [at high rates - at low rates] |",
-        "|---|---|",
+        *_ms_table(a["classes"]),
     ]
-    for cls, ms in sorted(a["classes"].items(), key=lambda kv: -kv[1]["point"]):
-        lines.append(f"| {cls} | {ms['point']:.1f} [{ms['high']:.1f}-{ms['low']:.1f}] |")
     if a.get("parallel_traffic"):
         lines += format_traffic(a["parallel_traffic"], a["tensor_parallel"])
     if a.get("fp8"):
@@ -914,6 +868,18 @@ def format_achieved(a: dict[str, Any]) -> list[str]:
         f"{_span(a['tokens_per_s_per_gpu'], 1, ',.0f')} tokens/s per GPU"
     )
     return lines
+
+
+def _ms_table(classes: dict[str, dict[str, float]]) -> list[str]:
+    """Each class's time at the three rates, the largest first."""
+    return [
+        "| op class | ms at achieved rates [at high rates - at low rates] |",
+        "|---|---|",
+        *(
+            f"| {cls} | {ms['point']:.1f} [{ms['high']:.1f}-{ms['low']:.1f}] |"
+            for cls, ms in sorted(classes.items(), key=lambda kv: -kv[1]["point"])
+        ),
+    ]
 
 
 def format_traffic(t: dict[str, Any], tp: int) -> list[str]:
@@ -948,11 +914,10 @@ def _span(d: dict[str, float], unit: float, fmt: str = ".0f", suffix: str = "") 
 def parallel_traffic(
     cfg: Config, world: int, micro_batch: int, grad_accum: int, network: str = "ib-ndr"
 ) -> dict[str, Any]:
-    """Bytes each GPU sends per optimizer step under FSDP2 x tensor parallelism, and their least
-    time: tensor parallelism's (4 collectives of the activations per block forward, 4 backward,
-    4 recomputed), FSDP2's all-gathers of the parameters (forward, and backward when resharded)
-    and reduce-scatters of the gradients; a ring moves (n - 1) / n of the tensor per GPU. Each
-    on its mesh dim's link (`link_of`): tp innermost, the data-parallel ranks outside it."""
+    """Bytes each GPU sends per optimizer step under FSDP2 x TP, and their least time, each on its
+    mesh dim's link (tp innermost): TP's 4 collectives of the activations per block forward, 4
+    backward, 4 recomputed; FSDP2's all-gathers and reduce-scatters; a ring moves (n - 1) / n."""
+
     m, tp = cfg.model, target_plan(cfg, world).tp_degree
     dp = world // tp
     c = 2 if cfg.train.precision != "fp32" else 4
@@ -984,33 +949,24 @@ def pipeline_bubble(
     stages: int, microbatches: int, schedule: str, stages_per_rank: int = 1
 ) -> float:
     """The share of a pipelined step a rank waits, `stages` ranks deep, `microbatches` pieces a
-    step: 1F1B and GPipe (N - 1) / (m + N - 1); interleaved and looped schedules cut each rank's
-    fill and drain by its v stages, (N - 1) / (v m + N - 1); zero-bubble schedules (ZBV,
-    DualPipeV) fill a third of that again with the weight gradients, whose backward they split
-    off (ZB-H1's bubble is 1/3 of 1F1B's: Qi et al., arXiv:2401.10241)."""
+    step: (N - 1) / (w m + N - 1), w = 1 (1F1B, GPipe), v (interleaved and looped: each rank's
+    v stages) or 3 v (ZBV, DualPipeV: ZB-H1's bubble is 1/3 of 1F1B's, arXiv:2401.10241)."""
     n, m, v = stages, microbatches, stages_per_rank
     if n == 1:
         return 0.0
-    if schedule in ("1f1b", "gpipe"):
-        return (n - 1) / (m + n - 1)
-    if schedule in ("interleaved_1f1b", "looped_bfs"):
-        return (n - 1) / (v * m + n - 1)
-    if schedule in ("zero_bubble", "dualpipev"):
-        return (n - 1) / (3 * v * m + n - 1)
-    raise ValueError(f"unknown pipeline schedule {schedule!r}")
+    widths = {"1f1b": 1, "gpipe": 1, "interleaved_1f1b": v, "looped_bfs": v}
+    widths |= {"zero_bubble": 3 * v, "dualpipev": 3 * v}
+    if schedule not in widths:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}")
+    return (n - 1) / (widths[schedule] * m + n - 1)
 
 
 def pipeline_p2p_bytes(
     piece_tokens: int, d_model: int, microbatches: int, stages_per_rank: int, tp: int, c: int = 2
 ) -> float:
-    """Bytes one rank sends to its neighbours per step: each of its v stages sends each piece's
-    activations forward and their gradients back, (piece_tokens, d_model) in `c`-byte elements,
-    1/tp of them per tensor-parallel rank (sequence-parallel activations)."""
+    """Bytes one rank sends its neighbours per step: each of its v stages sends each piece's
+    (piece_tokens, d_model) activations forward and gradients back, 1/tp per tp rank."""
     return 2 * microbatches * stages_per_rank * piece_tokens * d_model * c / tp
-
-
-PP_ROW = "pipeline bubble"
-P2P_ROW = "pipeline sends (exposed)"
 
 
 def pipeline_step(
@@ -1021,31 +977,23 @@ def pipeline_step(
     stages_per_rank: int | None = None,
     network: str = "ib-ndr",
 ) -> dict[str, Any]:
-    """One GPU's step under pipeline parallelism x FSDP2 x TP (parallel.pipeline_parallel and
-    parallel.pipeline.*, read through the plan): the worst stage's blocks (the balanced split,
-    the head weighed as one block, on the last stage) priced by `roofline` one piece at a time
-    at the stage's TP x FSDP2 layout, every piece of the step, the bubble of the schedule on
-    top (once per schedule run: each accumulation step fills and drains the pipeline), and the
-    sends between stages on their link (across nodes: `network`'s rate). `microbatches` and
-    `stages_per_rank` replace the plan's (a published run's, which this framework's checks may
-    refuse: torchtitan ran interleaved 1F1B with fewer microbatches than stages)."""
-    from scale_llm.config import with_changes
-
-    plan = target_plan(cfg, world)
+    """One GPU's step under pipeline parallelism x FSDP2 x TP: the worst stage's blocks (the
+    head weighed as one block, on the last stage) priced by `roofline` one piece at a time, the
+    schedule's bubble once per accumulation step, and the sends between stages on their link.
+    `microbatches` and `stages_per_rank` replace the plan's (a published run's, which this
+    framework's checks may refuse: torchtitan ran interleaved 1F1B with fewer microbatches)."""
+    plan, m = target_plan(cfg, world), cfg.model
     pp = plan.pp_degree
     v = stages_per_rank or plan.pp_stages_per_rank
     pieces = microbatches or plan.pp_microbatches
-    m = cfg.model
     blocks = max(1, math.ceil((m.n_layers + 2) / pp) - 1)
+    stage = {"model.n_layers": blocks, "parallel.pipeline_parallel": 1, "parallel.world_size": None}
     # the schedule keeps FSDP2's gathered parameters for the step and reduces once at its end
     # (torch.distributed.pipelining: set_reshard_after_backward / set_requires_gradient_sync)
-    once = {"parallel.fsdp.reshard_after_forward": False}
-    once["parallel.fsdp.reduce_every_micro_step"] = False
-    stage = with_changes(
-        cfg,
-        {"model.n_layers": blocks, "parallel.pipeline_parallel": 1, "parallel.world_size": None}
-        | once,
-    )
+    for key in ("reshard_after_forward", "reduce_every_micro_step"):
+        stage[f"parallel.fsdp.{key}"] = False
+    stage = with_changes(cfg, stage)
+
     piece = plan.micro_batch_size // pieces
     a = roofline(stage, piece, 1, device, world // pp, network)["achieved"]
     count = pieces * plan.grad_accum  # pieces a step
@@ -1085,11 +1033,8 @@ def format_pipeline(p: dict[str, Any]) -> list[str]:
         f"stage(s) a rank, {pipe['pieces']} microbatches a step): the above is the whole model; "
         f"one GPU holds {p['blocks_per_stage']} blocks (the last stage, with the head); "
         f"the stages' sends: {p['p2p_bytes'] / 1e9:,.1f} GB a GPU on {p['p2p_link']}",
-        "| op class | ms at achieved rates [at high rates - at low rates] |",
-        "|---|---|",
+        *_ms_table(p["classes"]),
     ]
-    for cls, ms in sorted(p["classes"].items(), key=lambda kv: -kv[1]["point"]):
-        lines.append(f"| {cls} | {ms['point']:.1f} [{ms['high']:.1f}-{ms['low']:.1f}] |")
     ms = p["ms"]
     lines.append(
         f"pipelined step: {ms['point']:.0f} ms [{ms['high']:.0f}-{ms['low']:.0f}], bubble "
@@ -1124,8 +1069,6 @@ PIPELINE_CANDIDATES = (
 
 def pipeline_candidates(world: int = 512, device: str = "H100-500W") -> list[dict[str, Any]]:
     """LLAMA_405B at each PIPELINE_CANDIDATES layout on `world` GPUs: the pipelined step."""
-    from scale_llm.config import load_config
-
     rows = []
     for tp, pp, schedule, v, local, pieces, published in PIPELINE_CANDIDATES:
         dp = world // (tp * pp)
@@ -1161,22 +1104,16 @@ LAYOUTS_70B = (
 
 def layout_config(pp: int, tp: int, schedule: str, v: int, micro: int, pieces: int) -> Config:
     """yaml/70b.yaml at one LAYOUTS_70B row on 64 GPUs."""
-    from scale_llm.config import load_config
-
     sets = [f"parallel.tensor_parallel={tp}", f"parallel.pipeline_parallel={pp}"]
     sets += [f"train.micro_batch_size={micro}", f"parallel.sequence_parallel={tp > 1}"]
     if pp > 1:
-        sets += [
-            f"parallel.pipeline.schedule={schedule}",
-            f"parallel.pipeline.microbatches={pieces}",
-        ]
-        sets += [f"parallel.pipeline.stages_per_rank={v}"]
+        pipe = {"schedule": schedule, "microbatches": pieces, "stages_per_rank": v}
+        sets += [f"parallel.pipeline.{k}={x}" for k, x in pipe.items()]
     return load_config(YAML / "70b.yaml", sets)
 
 
 def layout_step(cfg: Config, world: int, device: str, network: str) -> dict[str, Any]:
-    """One GPU's predicted step of `cfg` on `world` GPUs: the pipelined step under pipeline
-    parallelism, else the step at achieved rates."""
+    """One GPU's predicted step of `cfg` on `world` GPUs (pipelined where pp > 1)."""
     plan = target_plan(cfg, world)
     if plan.pp_degree > 1:
         return pipeline_step(cfg, world, device, network=network)
@@ -1185,10 +1122,7 @@ def layout_step(cfg: Config, world: int, device: str, network: str) -> dict[str,
 
 
 def layout_candidates(world: int = 64, device: str = "H100-SXM") -> list[dict[str, Any]]:
-    """Each LAYOUTS_70B row: the plan, the memory estimate's GiB per GPU, and the predicted step
-    on each of NETWORKS."""
-    from scale_llm.analysis.memory.gpu import estimate
-
+    """Each LAYOUTS_70B row: the plan, the estimate's GiB per GPU, the step on each NETWORKS."""
     rows = []
     for layout in LAYOUTS_70B:
         cfg = layout_config(*layout)
