@@ -1,12 +1,8 @@
 """The backend interface the trainer calls, the single-process backend, and the registry.
 
-A backend decides how the model is spread over ranks: it materializes the meta-device model,
-applies activation checkpointing, wraps it, owns the optimizer and the gradient scaler, and
-implements the steps of accumulation (the sync-skipping context, backward, one clip + one step)
-and checkpoint save / load. The trainer calls these methods and never asks which backend it holds.
-
-Every backend initializes weights the same way: on the CPU from `run.seed`, then moved or sharded,
-so a run starts from the same weights whatever the backend, world size or device.
+A backend materializes, checkpoints and wraps the meta-device model, owns optimizer and scaler,
+runs accumulation and checkpoint save / load; the trainer never asks which one it holds. Every
+backend draws the weights from `run.seed` as one process does, so runs start alike anywhere.
 """
 
 from __future__ import annotations
@@ -47,16 +43,13 @@ class Backend:
         self.scaler = self.precision.grad_scaler()  # fp16 only
         self.compile = compiles(cfg.train, plan.device.type)  # (auto: on a GPU)
         self.loss_fn = compiled_loss() if self.compile else cross_entropy
-        # gradients that live in storage the backend keeps anyway (DDP's bucket views) are
-        # zeroed in place after a step rather than freed: freeing them makes the next no_sync()
-        # micro-steps accumulate into fresh tensors next to the buckets (one more gradient copy)
+        # gradients in storage kept anyway (DDP's bucket views) are zeroed, not freed: else the
+        # next no_sync() micro-steps accumulate into fresh tensors (one more gradient copy)
         self.zero_grads_in_place = False
 
-    # ----------------------------------------------------------------- setup
     def setup(self, model: Transformer, initial_weights: Mapping | None = None) -> nn.Module:
         """Materialize, checkpoint blocks, wrap and build the optimizer; returns the model to
-        call forward on. `initial_weights` (name -> tensor, read when asked) replace the
-        seeded init, e.g. when resuming from another backend's checkpoint."""
+        call forward on. `initial_weights` (name -> tensor) replace the seeded init."""
         self.module = model
         apply_fp8(model, self.cfg, self.plan)  # first: TP, checkpointing, compile, FSDP wrap it
         self.model = self.wrap(model, initial_weights)
@@ -70,11 +63,9 @@ class Backend:
         return model
 
     def transform_blocks(self, model: Transformer) -> None:
-        """Per block, in torchtitan's order: activation checkpointing, then torch.compile (both
-        before any sharding or wrapping, which the subclasses add after this). Under tensor
-        parallelism full and every-k checkpointing go around the compiled block instead: a
-        checkpoint inside the graph makes torch 2.13's AOTAutograd save a DeviceMesh among its
-        tensors and fail (selective checkpointing works inside)."""
+        """Per block, before any sharding: activation checkpointing, then torch.compile. Under
+        tensor parallelism full / every-k checkpointing goes around the compiled block (inside,
+        torch 2.13's AOTAutograd saves a DeviceMesh among its tensors and fails)."""
         ac = self.cfg.activation_checkpointing
         around = self.compile and self.plan.tp_degree > 1 and ac.mode != "selective"
         if not around:
@@ -85,8 +76,7 @@ class Backend:
             apply_activation_checkpointing(model, ac)
 
     def materialize_on_cpu(self, model: Transformer, initial: Mapping | None = None) -> Transformer:
-        """The model's weights on the CPU: drawn from run.seed, or `initial` (a full state
-        dict), the same for every backend."""
+        """The model's weights on the CPU: drawn from run.seed, or `initial` (a full state dict)."""
         torch.manual_seed(self.cfg.run.seed)
         materialize(model, "cpu")
         if initial is not None:
@@ -97,7 +87,6 @@ class Backend:
         """Extra files (name -> text) the run directory should hold, e.g. a generated config."""
         return {}
 
-    # ----------------------------------------------------------------- one step
     def forward_context(self) -> contextlib.AbstractContextManager:
         return self.precision.autocast()
 
@@ -108,8 +97,8 @@ class Backend:
     def forward_backward(
         self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, accum: int
     ) -> torch.Tensor:
-        """One micro-step: forward, the loss divided by `accum`, backward; returns that
-        loss, detached (a pipeline runs its schedule here instead)."""
+        """One micro-step: forward, the loss divided by `accum`, backward; returns that loss,
+        detached."""
         with self.forward_context():
             loss = self.loss_fn(model(inputs), targets) / accum
         self.backward(loss)
@@ -122,12 +111,8 @@ class Backend:
         set_lr(self.optimizer, lr)
 
     def clip_and_step(self) -> torch.Tensor:
-        """Clip to train.grad_clip, step, zero grads; returns the pre-clip global norm, still on
-        the device. A non-finite norm means the step was skipped.
-
-        fp16: the GradScaler unscales first and skips overflowing steps (adjusting its scale).
-        bf16 / fp32: no scaler; the norm clipping computes is the finite check.
-        """
+        """Clip to train.grad_clip, step, zero grads; returns the pre-clip global norm (on the
+        device), non-finite where the step was skipped (fp16: by the GradScaler)."""
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
             norm = self.clip_grad_norm(self.cfg.train.grad_clip)
@@ -154,8 +139,8 @@ class Backend:
     def eval_loss(
         self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, rows: int
     ) -> torch.Tensor:
-        """The summed token-mean losses of the first `rows` rows (0 for none), on every rank;
-        every rank runs the forward (the same collectives)."""
+        """The summed token-mean losses of the first `rows` rows (0 for none), on every rank,
+        which all run the forward."""
         logits = model(inputs)
         if not rows:
             return torch.zeros((), device=inputs.device)
@@ -168,11 +153,8 @@ class Backend:
         """The whole (V,) logits of the first row at `position`, on every rank."""
         return self.logits_for_sampling(model(window))[0, position]
 
-    # ----------------------------------------------------------------- state
     def checkpoint_layout(self) -> dict[str, Any]:
-        """How `save` lays out model and optimizer, stored with the checkpoint
-        (`checkpoint_layout`, below: a function of the plan, so a resume is judged before any
-        backend exists)."""
+        """How `save` lays out model and optimizer, stored with the checkpoint."""
         return checkpoint_layout(self.cfg, self.plan)
 
     def loss_scale(self) -> float | None:
@@ -189,10 +171,8 @@ class Backend:
             self.scaler.load_state_dict(state["scaler"])
 
     def save(self, ckpt_dir: Path, background: BackgroundSave | None = None) -> Future | None:
-        """Model and optimizer to torch.distributed.checkpoint, keyed by parameter name: the
-        same layout for single, DDP and FSDP, loadable on any of them and any world size.
-        With `background` (checkpoint.async_mode), they are copied to host memory and the
-        Future of the write, which goes on in a thread, is returned."""
+        """Model and optimizer to DCP, keyed by parameter name: loadable on any backend and world
+        size. With `background`, the Future of the write going on in a thread is returned."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         return dcp_save(
             {"model": model_sd, "optimizer": optim_sd},
@@ -203,10 +183,8 @@ class Backend:
 
     def load(self, ckpt_dir: Path) -> None:
         """Model and optimizer from DCP's files, or DeepSpeed's partitions one parameter at a
-        time (weights, Adam's moments and step). Each optimizer param group keeps listing this
-        rank's parameters: DCP keeps one rank's `param_groups` (rank 0's names), and where a
-        rank holds other parameters (a pipeline stage) its groups would lose their
-        hyperparameters ('betas')."""
+        time. Each param group keeps this rank's names: DCP keeps rank 0's, and a rank holding
+        other parameters (a pipeline stage) would lose their hyperparameters."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         mine = [group["params"] for group in optim_sd["param_groups"]]
         state = {"model": model_sd, "optimizer": optim_sd}
@@ -222,9 +200,8 @@ class Backend:
 
 
 def checkpoint_layout(cfg: Config, plan: RunPlan) -> dict[str, Any]:
-    """How the plan's backend lays out model and optimizer in a checkpoint: DCP (one
-    process, DDP and FSDP2 alike, any world size) or DeepSpeed's own files, which restore only
-    onto the same ZeRO stage and world size."""
+    """How the plan's backend lays out a checkpoint: DCP (any world size) or DeepSpeed's own
+    files (only the same ZeRO stage and world size)."""
     if plan.backend == "deepspeed":
         stage = cfg.parallel.deepspeed.zero_stage
         return {"format": "deepspeed", "zero_stage": stage, "world_size": plan.world_size}
@@ -232,8 +209,7 @@ def checkpoint_layout(cfg: Config, plan: RunPlan) -> dict[str, Any]:
 
 
 def restores_exactly(cfg: Config, plan: RunPlan, layout: Any) -> bool:
-    """Whether a checkpoint of `layout` restores model and optimizer exactly under `plan`'s
-    backend; if not, only its model weights are loaded (see docs/backends.md)."""
+    """Whether a checkpoint of `layout` restores model and optimizer exactly under `plan`."""
     return layout == checkpoint_layout(cfg, plan)
 
 
