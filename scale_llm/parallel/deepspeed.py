@@ -1,16 +1,9 @@
 """DeepSpeed ZeRO 0-3, with optional CPU offload of optimizer state and parameters.
 
-The engine owns backward, accumulation, clipping and loss scaling; its config is generated from
-the same YAML keys as every other backend (scale_llm.parallel.ds_config). Mapping of the
-trainer's calls onto the engine's protocol:
-
-- backward(loss): the trainer already divides each micro-loss by grad_accum, so the engine's own
-  division is turned off (`scale_wrt_gas=False`). On non-final micro-steps `engine.step()` is
-  called too: DeepSpeed counts micro-steps there and only updates at the accumulation boundary.
-- clip_and_step(): the boundary `engine.step()`: gradient reduction (ZeRO 0-2), clipping to
-  train.grad_clip, loss-scale update (fp16) and the optimizer step.
-- bf16 / fp16 are DeepSpeed's own modes (16-bit module, fp32 master weights in the optimizer), so
-  no autocast is entered.
+The engine owns backward, accumulation, clipping and loss scaling (config: parallel/ds_config.py).
+The trainer divides each micro-loss by grad_accum, so the engine's division is off; non-final
+micro-steps call `engine.step()` too (DeepSpeed counts them and updates at the boundary). bf16 /
+fp16 are DeepSpeed's own modes (fp32 master weights in the optimizer): no autocast.
 """
 
 from __future__ import annotations
@@ -81,8 +74,7 @@ class DeepSpeedBackend(Backend):
         return engine
 
     def _say_gradient_dtypes(self, engine: Any) -> None:
-        """What the engine really sums the micro-steps' gradients and reduces them in (read from
-        it, not from the config we gave it)."""
+        """What the engine really sums and reduces the gradients in (read from it)."""
         if self.plan.is_main and self.plan.precision != "fp32":
             summed = getattr(engine.optimizer, "gradient_accumulation_dtype", None)
             summed = summed or engine.get_data_types()[1]
@@ -140,35 +132,24 @@ class DeepSpeedBackend(Backend):
         if not engine.is_gradient_accumulation_boundary():
             raise RuntimeError("DeepSpeed's micro-step count is out of step with grad_accum")
         fallback = None
-        if self._plain_optimizer_step():
-            # the engine clips the reduced gradients in place but neither reports their norm
-            # nor checks it: the norm is taken here, and the optimizer steps only if it is
-            # finite (every other stage and precision skips a non-finite step inside DeepSpeed)
+        zero = self.cfg.parallel.deepspeed.zero_stage
+        if not (zero or engine.fp16_enabled() or engine.bfloat16_enabled()):
+            # ZeRO-0 in fp32 hands its step to the client optimizer as it is: the engine clips
+            # but neither reports the norm nor checks it, so the norm is taken here and the
+            # optimizer steps only if it is finite (the other modes skip one inside DeepSpeed)
             fallback = self.clip_grad_norm(0)
             with _step_only_if_finite(engine.optimizer, fallback):
                 engine.step()
         else:
             engine.step()
         norm = engine.get_global_grad_norm()
-        if norm is None:
-            norm = fallback
+        norm = fallback if norm is None else norm
         if not engine.was_step_applied():  # fp16 overflow: the step was skipped
             norm = math.inf
         if isinstance(norm, torch.Tensor):
             return norm.detach().float().reshape(())
         return torch.tensor(float("nan") if norm is None else norm, device=self.plan.device)
 
-    def _plain_optimizer_step(self) -> bool:
-        """ZeRO-0 in fp32: the engine hands its step to the client optimizer as it is (no ZeRO
-        optimizer, no bf16 / fp16 wrapper around it)."""
-        engine = self.model
-        return not (
-            self.cfg.parallel.deepspeed.zero_stage
-            or engine.fp16_enabled()
-            or engine.bfloat16_enabled()
-        )
-
-    # ----------------------------------------------------------------- state
     def loss_scale(self) -> float | None:
         """DeepSpeed's own fp16 loss scale (its engine owns the scaler), None in bf16 / fp32."""
         engine = self.model
@@ -180,18 +161,16 @@ class DeepSpeedBackend(Backend):
         return None if scale is None else float(scale)
 
     def save(self, ckpt_dir: Path, background: BackgroundSave | None = None) -> None:
-        """The engine's own checkpoint: each rank writes its partitions, and nothing is gathered
-        (other backends, `generate`, `export` and `convert` put the fp32 weights together from
-        them, one tensor at a time: components/zero_weights.py). Always in the foreground: the
-        engine's writer has no background save (the config refuses checkpoint.async_mode)."""
+        """The engine's own checkpoint: each rank writes its partitions, nothing is gathered
+        (components/zero_weights.py reads them). Foreground only: the engine has no other."""
         if background is not None:
             raise ValueError("DeepSpeed checkpoints are written in the foreground only")
         hash_deepspeed_writes(self.model)  # so the integrity record needs no second read
         self.model.save_checkpoint(str(ckpt_dir), tag=TAG)
 
     def load(self, ckpt_dir: Path) -> None:
-        """The engine's own checkpoint of this ZeRO stage and world size; any other (DCP's, or
-        DeepSpeed's of another stage or world) one parameter at a time: `_load_per_parameter`."""
+        """The engine's own checkpoint of this ZeRO stage and world size; any other one
+        parameter at a time (`_load_per_parameter`)."""
         if load_file(ckpt_dir / TRAINER_STATE)["backend"]["layout"] != self.checkpoint_layout():
             self._load_per_parameter(ckpt_dir)
             return
@@ -219,10 +198,8 @@ class DeepSpeedBackend(Backend):
 
 
 def _create_moments(zero: Any, step: int) -> None:
-    """Adam's state beside each flat fp32 partition, at `step`, linked to the parameters'
-    fragments as a first step links it. DeepSpeed 0.19 creates it at the first step under every
-    stage (ZeRO-3's initialize_optimizer_states no longer steps the optimizer), and its setters
-    (`safe_set_full_optimizer_state`) write into it, so it is made here for ZeRO-3 too."""
+    """Adam's state beside each flat fp32 partition at `step`, linked to the parameters as a first
+    step links it: DeepSpeed 0.19 makes it only at the first step, and its setters write into it."""
     flats = getattr(zero, "single_partition_of_fp32_groups", None)  # ZeRO-1/2
     if flats is None:
         flats = zero.fp32_partitioned_groups_flat  # ZeRO-3
@@ -230,19 +207,16 @@ def _create_moments(zero: Any, step: int) -> None:
         state = zero.optimizer.state[flat]
         for key in ("exp_avg", "exp_avg_sq"):
             state.setdefault(key, torch.zeros_like(flat))
-        # (torch's AdamW: a float32 scalar tensor beside its parameter; DeepSpeed's CPU Adam: int)
-        if isinstance(zero.optimizer, torch.optim.AdamW):
-            state["step"] = torch.tensor(float(step), device=flat.device)
-        else:
-            state["step"] = step
+        adamw = isinstance(zero.optimizer, torch.optim.AdamW)  # (a float32 tensor; CPU Adam: int)
+        state["step"] = torch.tensor(float(step), device=flat.device) if adamw else step
     if flats is getattr(zero, "single_partition_of_fp32_groups", None):
         zero._hp_optimizer_states_linked = False
         zero._lazy_init_hp_params_optimizer_state()
 
 
 def _fp32_to_module(zero: Any) -> None:
-    """The module's weights from the fp32 partitions just set, as DeepSpeed does after it loads
-    a universal checkpoint (ZeRO-1/2: copied and gathered; ZeRO-3: each rank's partition)."""
+    """The module's weights from the fp32 partitions just set, as DeepSpeed does after loading a
+    universal checkpoint."""
     if hasattr(zero, "update_lp_params"):
         zero.update_lp_params()
         return
