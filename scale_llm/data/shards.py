@@ -1,6 +1,5 @@
 """Token shards on disk: flat uint16/uint32 arrays plus a manifest.json that says what is complete.
 
-A shard is filled under a `.partial` name and renamed when complete; the manifest is written last.
 A directory is prepared only when every shard its manifest lists has its size and the tokenizer
 its SHA-256. progress.json records a point an interrupted prepare can continue from.
 """
@@ -26,6 +25,7 @@ MANIFEST = "manifest.json"
 PROGRESS = "progress.json"  # checkpoint of a prepare in progress; removed when it finishes
 FORMAT_VERSION = 1
 DTYPES = ("uint16", "uint32")
+_COUNTS = ("partial_tokens", "documents", "last_doc")  # a split's state beside its shards
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -35,34 +35,24 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 class ShardWriter:
     """Appends token ids to shards <split>_<index>.bin of `shard_tokens` in `out_dir` (prepare's
-    own build folder), each filled as .bin.partial and renamed when complete. `state()` after
-    `sync()` is a point an interrupted prepare can continue from."""
+    own build folder), each filled as .bin.partial and renamed when complete. What `sync()`
+    returns is a point an interrupted prepare can continue from."""
 
     def __init__(
-        self,
-        out_dir: Path,
-        split: str,
-        shard_tokens: int,
-        dtype: np.dtype,
-        state: dict[str, Any] | None = None,
+        self, out_dir: Path, split: str, shard_tokens: int, dtype: np.dtype, state: dict | None
     ):
         self.out_dir, self.split, self.dtype = out_dir, split, np.dtype(dtype)
         self.shard_tokens = shard_tokens
-        state = state or {"shards": [], "partial_tokens": 0, "documents": 0, "last_doc": 0}
+        state = state or {"shards": [], **dict.fromkeys(_COUNTS, 0)}
         self.shards: list[dict[str, Any]] = [dict(s) for s in state["shards"]]
-        self.partial_tokens = int(state["partial_tokens"])
-        self.documents = int(state["documents"])
-        self.last_doc = int(state["last_doc"])  # tokens of the last document added
+        # last_doc: tokens of the last document added
+        self.partial_tokens, self.documents, self.last_doc = (int(state[k]) for k in _COUNTS)
         self._file: Any = None
         self._restore()
 
     @property
     def partial_path(self) -> Path:
         return self.out_dir / f"{self.split}_{len(self.shards):05d}.bin.partial"
-
-    @property
-    def tokens(self) -> int:
-        return sum(s["tokens"] for s in self.shards) + self.partial_tokens
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray) -> int:
         """Append whole documents (`lengths` tokens each); returns the shards completed."""
@@ -86,15 +76,7 @@ class ShardWriter:
         if self._file is not None:
             self._file.flush()
             os.fsync(self._file.fileno())
-        return self.state()
-
-    def state(self) -> dict[str, Any]:
-        return {
-            "shards": [dict(s) for s in self.shards],
-            "partial_tokens": self.partial_tokens,
-            "documents": self.documents,
-            "last_doc": self.last_doc,
-        }
+        return {"shards": [dict(s) for s in self.shards], **{k: getattr(self, k) for k in _COUNTS}}
 
     def pop_last_document(self) -> np.ndarray | None:
         """Take back the last document added, if it lies wholly in the unfinished shard."""
@@ -118,7 +100,8 @@ class ShardWriter:
             self._file.close()
             self._file = None
             self.partial_path.unlink(missing_ok=True)
-        return {"documents": self.documents, "tokens": self.tokens, "shards": self.shards}
+        tokens = sum(s["tokens"] for s in self.shards)  # (none left in a partial shard)
+        return {"documents": self.documents, "tokens": tokens, "shards": self.shards}
 
     def _open(self) -> Any:
         if self._file is None:  # stays open across add() calls: closed in _complete / close
@@ -263,7 +246,7 @@ def progress_problems(progress: Any) -> list[str]:
         if not isinstance(state, dict):
             shape.wrong.append(f"{where} is {_shown(state)}, not a mapping")
             continue
-        for key in ("partial_tokens", "documents", "last_doc"):
+        for key in _COUNTS:
             shape.get(state, key, f"{where}.{key}", _count, "a count")
         own = re.compile(rf"{re.escape(name)}_\d+\.bin")  # ShardWriter's names, nothing else
         shape.shards(state, where, lambda x, own=own: isinstance(x, str) and own.fullmatch(x))
