@@ -3,9 +3,9 @@
 checkpoints/step_00000100/ is written as .tmp-step_00000100, flushed, then renamed, so a killed
 save leaves the previous checkpoint the newest complete one (with checkpoint.async_mode the rename
 follows the background write, from the Checkpointer's thread). Nothing read is believed unchecked:
-`damage` compares every file with the integrity record, a symlink is not the run's own, and
-`read_trainer_state` checks trainer.pt's format and each field before use. Loading never
-unpickles arbitrary objects (serialization.py's allow-lists).
+`damage` holds every file against the integrity record, a symlink is not the run's own, and
+`read_trainer_state` checks trainer.pt's format and fields. Loading never unpickles arbitrary
+objects (serialization.py's allow-lists).
 """
 
 from __future__ import annotations
@@ -47,8 +47,7 @@ from scale_llm.files import (
 
 log = logging.getLogger(__name__)
 TRAINER_STATE = "trainer.pt"  # the trainer's state_dict (step, data, RNG, config, plan, backend)
-# trainer.pt's format: 3 groups attention.wqkv's rows by kv head; 1 and 2 stacked q, k, v.
-TRAINER_FORMAT = 3
+TRAINER_FORMAT = 3  # trainer.pt's: 3 groups attention.wqkv's rows by kv head; 1 and 2 stacked
 FORMAT_SINCE = "1c59fbf of 2026-12-03"  # the scale_llm that first wrote TRAINER_FORMAT
 DCP_DIR = "dcp"  # torch.distributed.checkpoint: model + optimizer, keyed by parameter name
 DEEPSPEED_DIR = "deepspeed"  # DeepSpeed's own files (its engine's tag): each rank's partitions
@@ -58,25 +57,28 @@ MAX_RECORD_BYTES = 64 << 20  # a record lists a few entries per rank (~100 bytes
 # one of them names the model's weights (DeepSpeed's: rank 0's model states, ZeRO 0-2 or 3)
 WEIGHT_FILES = (f"{DCP_DIR}/.metadata", *(f"{DEEPSPEED_DIR}/{name}" for name in MODEL_STATES))
 _NAME = re.compile(r"^step_(\d{8})$")
+Record = dict[str, dict[str, Any]]  # integrity.json's files: {name: {"size", "xxh3_64"}}
 
 
 def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def _step_of(path: Path) -> int:
+    """The step a step_N folder's name says; -1 for another name."""
+    return int(m.group(1)) if (m := _NAME.match(path.name)) else -1
+
+
 def _out_of_space(e: BaseException) -> OSError | None:
     """The ENOSPC / EDQUOT error behind `e`: raised, chained, or in a DCP CheckpointException."""
-    seen: set[int] = set()
-    todo = [e]
+    seen, todo = set(), [e]
     while todo:
-        x = todo.pop()
-        if x is None or id(x) in seen:
+        if (x := todo.pop()) is None or id(x) in seen:
             continue
         seen.add(id(x))
         if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT):
             return x
-        failures = getattr(x, "failures", None)
-        if isinstance(failures, dict):
+        if isinstance(failures := getattr(x, "failures", None), dict):
             todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
         todo += [x.__cause__, x.__context__]
     return None
@@ -84,8 +86,7 @@ def _out_of_space(e: BaseException) -> OSError | None:
 
 class Checkpointer:
     def __init__(self, run_dir: Path, keep_last: int, is_main: bool = True, group: Any = None):
-        self.dir = run_dir / "checkpoints"
-        self.keep_last = keep_last
+        self.dir, self.keep_last = run_dir / "checkpoints", keep_last
         self.is_main = is_main  # the main rank creates, publishes and prunes directories
         self.group = group  # the process group of background publishing (`side_group`)
         self._links_named: set[Path] = set()  # symlinked step dirs already warned about
@@ -95,15 +96,12 @@ class Checkpointer:
     def complete(self) -> list[tuple[int, Path]]:
         """(step, path) of every complete checkpoint, oldest first; a symlinked step directory
         is not this run's: skipped with a warning (never resumed, counted or pruned)."""
-        if not self.dir.is_dir():
-            return []
         found = []
-        for p in self.dir.iterdir():
-            m = _NAME.match(p.name)
-            if m and p.is_symlink():
+        for p in self.dir.iterdir() if self.dir.is_dir() else ():
+            if (step := _step_of(p)) >= 0 and p.is_symlink():
                 self._warn_link(p)
-            elif m and p.is_dir() and (p / TRAINER_STATE).is_file():
-                found.append((int(m.group(1)), p))
+            elif step >= 0 and p.is_dir() and (p / TRAINER_STATE).is_file():
+                found.append((step, p))
         return sorted(found)
 
     def _warn_link(self, path: Path) -> None:
@@ -136,9 +134,7 @@ class Checkpointer:
         newer = sorted(  # complete or not, damaged or not
             p
             for p in self.dir.glob("step_*")
-            if (p.is_symlink() or p.is_dir())
-            and (m := _NAME.match(p.name))
-            and int(m.group(1)) > step
+            if _step_of(p) > step and (p.is_symlink() or p.is_dir())
         )
         if not newer or not self.is_main:
             return None
@@ -154,12 +150,11 @@ class Checkpointer:
 
     def _move_aside(self, paths: list[Path]) -> Path:
         """Rename `paths` (entries of self.dir) into a new checkpoints/abandoned-<UTC time>/."""
-        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-        target = self.dir / f"abandoned-{stamp}"
-        n = 1
+        target = self.dir / f"abandoned-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+        first, n = target, 1
         while target.exists() or target.is_symlink():
             n += 1
-            target = self.dir / f"abandoned-{stamp}-{n}"
+            target = first.with_name(f"{first.name}-{n}")
         target.mkdir()
         for path in paths:
             path.rename(target / path.name)  # a symlink is renamed itself, never followed
@@ -190,12 +185,21 @@ class Checkpointer:
             hashing.close()
             self._publish(tmp, final, written)
             return final
-        self._pending = (
-            final,
-            self._publisher.submit(
-                self._publish_when_written, running, hashing, written, tmp, final
-            ),
-        )
+
+        def publish_when_written() -> Path:  # (in this Checkpointer's thread)
+            try:
+                try:
+                    running.result()
+                finally:
+                    hashing.close()  # every digest taken
+            except BaseException as e:
+                self._failed(e, tmp, final)
+                raise
+            self._publish(tmp, final, written, self.group)
+            log.info("checkpoint: saved %s", final)
+            return final
+
+        self._pending = (final, self._publisher.submit(publish_when_written))
         return final
 
     def wait(self, failing: bool = False) -> Path | None:
@@ -215,36 +219,17 @@ class Checkpointer:
             log.warning("checkpoint: %s was not saved: %s", final, e)
             return None
 
-    def _publish_when_written(
-        self,
-        running: Future,
-        hashing: contextlib.ExitStack,
-        written: digests.Recorded,
-        tmp: Path,
-        final: Path,
-    ) -> Path:
-        """In this Checkpointer's thread: wait for the background write, then publish."""
-        try:
-            try:
-                running.result()
-            finally:
-                hashing.close()  # every digest taken
-        except BaseException as e:
-            self._failed(e, tmp, final)
-            raise
-        self._publish(tmp, final, written, self.group)
-        log.info("checkpoint: saved %s", final)
-        return final
-
-    def _publish(
-        self, tmp: Path, final: Path, written: digests.Recorded, group: Any = None
-    ) -> None:
+    def _publish(self, tmp: Path, final: Path, written: digests.Recorded, group: Any = None):
         """Once every rank has written: the integrity record, the rename, pruning (main rank)."""
         barrier(group)
         record = finish_record(tmp, written, self.is_main, group)
         if self.is_main:
             write_integrity(tmp, record)
-            self._clear(final)
+            if final.is_symlink():  # (moved aside, never followed; our own step_N is replaced)
+                target = self._move_aside([final])
+                log.warning("checkpoint: %s was a symlink; moved it to %s", final, target)
+            elif final.exists():
+                shutil.rmtree(final)
             tmp.rename(final)
             fsync_dir(self.dir)
             self.prune()
@@ -254,35 +239,21 @@ class Checkpointer:
         """Remove a failed save's files; out of disk space is raised as a UserError."""
         if self.is_main:
             shutil.rmtree(tmp, ignore_errors=True)  # made by `save` for this save
-        if (full := _out_of_space(e)) is not None:
-            done = self.complete()
-            intact = f"the previous checkpoint {done[-1][1]} is intact" if done else None
-            raise UserError(
-                f"out of disk space while writing checkpoint {final} ({full.strerror}); the "
-                f"partial files were removed and {intact or 'no earlier checkpoint exists'}; "
-                f"{self._room_advice(len(done))}"
-            ) from None
-
-    def _room_advice(self, earlier: int) -> str:
-        """What frees room for the next save (pruning follows a save: a lower keep_last helps
-        only where more than one earlier checkpoint stays on disk)."""
-        ways = ["free space"]
-        if self.keep_last > 1 and earlier > 1:
-            ways.append(
-                f"lower checkpoint.keep_last (now {self.keep_last}: {earlier} earlier "
-                f"checkpoints stay on disk while the next is written)"
+        if (full := _out_of_space(e)) is None:
+            return
+        done = self.complete()
+        intact = f"the previous checkpoint {done[-1][1]} is intact" if done else None
+        lower = ""  # (pruning follows a save: a lower keep_last helps from 2 earlier ones on disk)
+        if self.keep_last > 1 and len(done) > 1:
+            lower = (
+                f"lower checkpoint.keep_last (now {self.keep_last}: {len(done)} earlier "
+                f"checkpoints stay on disk while the next is written), "
             )
-        ways.append("move run.dir to a larger disk")
-        return ", ".join(ways[:-1]) + f", or {ways[-1]}"
-
-    def _clear(self, final: Path) -> None:
-        """Make room at `final`: this run's own directory of that step is replaced, a symlink
-        moved aside (never followed)."""
-        if final.is_symlink():
-            target = self._move_aside([final])
-            log.warning("checkpoint: %s was a symlink; moved it to %s", final, target)
-        elif final.exists():
-            shutil.rmtree(final)
+        raise UserError(
+            f"out of disk space while writing checkpoint {final} ({full.strerror}); the partial "
+            f"files were removed and {intact or 'no earlier checkpoint exists'}; free space, "
+            f"{lower}or move run.dir to a larger disk"
+        ) from None
 
     def prune(self) -> None:
         done = self.complete()  # (symlinks are not among them)
@@ -305,9 +276,9 @@ def resolve_resume(resume: str, checkpointer: Checkpointer) -> Path | None:
     if resume == "never":
         if checkpointer.complete():
             raise UserError(
-                f"checkpoint.resume=never but {checkpointer.dir} already holds "
-                f"checkpoints; pick a new run.name, delete that directory, or set "
-                f"checkpoint.resume=auto to continue the run"
+                f"checkpoint.resume=never but {checkpointer.dir} already holds checkpoints; pick "
+                f"a new run.name, delete that directory, or set checkpoint.resume=auto to "
+                f"continue the run"
             )
         return None
     if resume == "auto":
@@ -315,9 +286,9 @@ def resolve_resume(resume: str, checkpointer: Checkpointer) -> Path | None:
     path = followed(Path(resume), f"checkpoint.resume={resume}")
     if not (path / TRAINER_STATE).is_file():
         raise UserError(
-            f"checkpoint.resume={resume}: not a complete checkpoint directory "
-            f"(no {TRAINER_STATE} inside); give a path like "
-            f"{checkpointer.dir}/{checkpoint_name(100)}, or use auto / never"
+            f"checkpoint.resume={resume}: not a complete checkpoint directory (no {TRAINER_STATE} "
+            f"inside); give a path like {checkpointer.dir}/{checkpoint_name(100)}, or use auto / "
+            f"never"
         )
     if (problem := damage(path)) is not None:
         raise UserError(
@@ -338,26 +309,22 @@ def followed(path: Path, what: str) -> Path:
 
 def integrity_record(
     ckpt_dir: Path, rank: int = 0, world: int = 1, skip: Collection[str] = ()
-) -> dict[str, dict[str, Any]]:
+) -> Record:
     """Size and xxh3-64 of the checkpoint's files but the record and `skip`, or this rank's
     share when `world` ranks split them (largest first, each to the least loaded rank), hashed
     in threads (xxhash releases the GIL)."""
-    files = sorted(
-        (
-            p
-            for p in ckpt_dir.rglob("*")
-            if p.is_file() and p.name != INTEGRITY and str(p.relative_to(ckpt_dir)) not in skip
-        ),
-        key=lambda p: (-p.stat().st_size, str(p)),
-    )
+    files = [
+        p
+        for p in ckpt_dir.rglob("*")
+        if p.is_file() and p.name != INTEGRITY and str(p.relative_to(ckpt_dir)) not in skip
+    ]
     load, mine = [0] * world, []
-    for path in files:
+    for path in sorted(files, key=lambda p: (-p.stat().st_size, str(p))):
         owner = min(range(world), key=lambda r: (load[r], r))
         load[owner] += path.stat().st_size
         if owner == rank:
             mine.append(path)
-    workers = max(1, min(4, os.cpu_count() or 1, len(mine)))
-    with ThreadPoolExecutor(workers) as pool:
+    with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1, len(mine)))) as pool:
         hashes = dict(zip(mine, pool.map(digests.file_digest, mine)))
     return {
         str(p.relative_to(ckpt_dir)): {"size": p.stat().st_size, "xxh3_64": hashes[p]}
@@ -365,21 +332,19 @@ def integrity_record(
     }
 
 
-def written_entries(
-    ckpt_dir: Path, written: dict[Path, tuple[int, str]]
-) -> dict[str, dict[str, Any]]:
+def written_entries(ckpt_dir: Path, written: dict[Path, tuple[int, str]]) -> Record:
     """Record entries of the files this process hashed while writing them, still that size."""
     root = ckpt_dir.absolute()
-    out = {}
-    for path, (size, digest) in written.items():
-        if path.is_relative_to(root) and path.is_file() and path.stat().st_size == size:
-            out[str(path.relative_to(root))] = {"size": size, "xxh3_64": digest}
-    return out
+    return {
+        str(path.relative_to(root)): {"size": size, "xxh3_64": digest}
+        for path, (size, digest) in written.items()
+        if path.is_relative_to(root) and path.is_file() and path.stat().st_size == size
+    }
 
 
 def finish_record(
     ckpt_dir: Path, written: dict[Path, tuple[int, str]], is_main: bool, group: Any = None
-) -> dict[str, dict[str, Any]]:
+) -> Record:
     """The whole integrity record of a checkpoint all ranks of `group` just wrote: the digests
     taken while writing, then each rank hashes its share of the rest as the main rank fsyncs."""
     known = gather_records(written_entries(ckpt_dir, written), group)
@@ -390,9 +355,7 @@ def finish_record(
         return {**known, **gather_records(share.result(), group)}
 
 
-def gather_records(
-    share: dict[str, dict[str, Any]], group: Any = None
-) -> dict[str, dict[str, Any]]:
+def gather_records(share: Record, group: Any = None) -> Record:
     """Every rank's share of the integrity record, merged (all ranks of `group` get it)."""
     if not is_distributed():
         return share
@@ -409,8 +372,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
         if (problem := damage(path)) is not None:
             raise UserError(f"{path} is damaged: {problem}; pick another checkpoint")
         return path
-    latest = Checkpointer(path, 1).latest_good() if path.is_dir() else None
-    if latest is None:
+    if (latest := Checkpointer(path, 1).latest_good() if path.is_dir() else None) is None:
         raise UserError(
             f"{path} is neither a checkpoint directory nor a run directory with a complete "
             f"checkpoint; pass e.g. runs/tiny or runs/tiny/checkpoints/step_00000150"
@@ -418,7 +380,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return latest
 
 
-def write_integrity(ckpt_dir: Path, record: dict[str, dict[str, Any]] | None = None) -> None:
+def write_integrity(ckpt_dir: Path, record: Record | None = None) -> None:
     """Write the integrity record (the last file of a checkpoint), computing it unless given."""
     record = integrity_record(ckpt_dir) if record is None else record
     atomic_write_text(ckpt_dir / INTEGRITY, json.dumps({"files": record}, indent=1) + "\n")
@@ -439,7 +401,7 @@ def damage(ckpt_dir: Path, checksums: bool = True) -> str | None:
     return None
 
 
-def _check_files(ckpt_dir: Path, checksums: bool = True) -> None:
+def _check_files(ckpt_dir: Path, checksums: bool) -> None:
     links = sorted(
         Path(top, name)
         for top, dirs, files in os.walk(ckpt_dir)
@@ -453,19 +415,14 @@ def _check_files(ckpt_dir: Path, checksums: bool = True) -> None:
         )
     if (files := read_record(ckpt_dir)) is None:
         return
-    on_disk = sorted(
-        str(p.relative_to(ckpt_dir))
-        for p in ckpt_dir.rglob("*")
-        if p.is_file() and p != ckpt_dir / INTEGRITY
-    )
-    if extra := [name for name in on_disk if name not in files]:
+    on_disk = (p for p in ckpt_dir.rglob("*") if p.is_file() and p != ckpt_dir / INTEGRITY)
+    if extra := sorted(n for p in on_disk if (n := str(p.relative_to(ckpt_dir))) not in files):
         raise _Damage(
-            f"{ckpt_dir / extra[0]} is not in {ckpt_dir / INTEGRITY} (added or renamed after "
-            f"the save)"
+            f"{ckpt_dir / extra[0]} is not in {ckpt_dir / INTEGRITY} (added or renamed after the "
+            f"save)"
         )
     for name, want in files.items():
-        f = ckpt_dir / name
-        if not f.is_file():
+        if not (f := ckpt_dir / name).is_file():
             raise _Damage(f"{f} is missing")
         if (size := f.stat().st_size) != want["size"]:
             raise _Damage(
@@ -475,7 +432,7 @@ def _check_files(ckpt_dir: Path, checksums: bool = True) -> None:
             raise _Damage(f"{f} does not match its checksum (its bytes changed after the save)")
 
 
-def read_record(ckpt_dir: Path) -> dict[str, dict[str, Any]] | None:
+def read_record(ckpt_dir: Path) -> Record | None:
     """The checked `files` of a checkpoint's integrity record ({name: {size, xxh3_64}}), or None
     for a checkpoint written before records existed; _Damage for a record of any other shape."""
     path = ckpt_dir / INTEGRITY
@@ -498,10 +455,8 @@ def read_record(ckpt_dir: Path) -> dict[str, dict[str, Any]] | None:
         raise _Damage(f"{path} is not readable JSON ({e})") from None
     files = obj.get("files") if isinstance(obj, dict) else None
     if not isinstance(files, dict):
-        raise _Damage(
-            f'{path} holds {short(obj, 60)}, not {{"files": {{name: {{"size": ..., '
-            f'"xxh3_64": ...}}}}}}'
-        )
+        shape = '{"files": {name: {"size": ..., "xxh3_64": ...}}}'
+        raise _Damage(f"{path} holds {short(obj, 60)}, not {shape}")
     for name, entry in files.items():
         _check_entry(path, name, entry)
     if (ckpt_dir / TRAINER_STATE).exists():  # (a bare record of backend files: bench)
@@ -527,7 +482,7 @@ def _check_entry(path: Path, name: Any, entry: Any) -> None:
     if not isinstance(entry, dict):
         raise _Damage(f"{path}: the entry of {name!r} is {short(entry, 60)}, not {{size, xxh3_64}}")
     size, digest = entry.get("size"), entry.get("xxh3_64")
-    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+    if not is_count(size):
         raise _Damage(f"{path}: the size of {name!r} is {short(size, 40)}, not a byte count")
     if not digests.is_digest(digest):
         raise _Damage(
@@ -567,8 +522,7 @@ def read_trainer_state(ckpt_dir: Path) -> dict[str, Any]:
     if nested_deeper(state, MAX_JSON_DEPTH):  # (every reader below recurses or repr()s it)
         problems = [f"it nests containers deeper than {MAX_JSON_DEPTH} levels (a state nests 6)"]
     else:
-        if isinstance(state, dict):
-            refuse_other_format(state, path)
+        refuse_other_format(state, path)
         problems = trainer_state_problems(state, ckpt_dir)
     if problems:
         raise UserError(
@@ -586,12 +540,12 @@ TRAINER_KEYS = tuple(
 )
 
 
-def refuse_other_format(state: dict[str, Any], path: Path) -> None:
+def refuse_other_format(state: Any, path: Path) -> None:
     """Refuse a trainer state of another format than TRAINER_FORMAT, naming the scale_llm that
     wrote it (a value that is no format is left for `trainer_state_problems`)."""
-    version = state.get("format", 1)  # (the first format 1 states had no such key)
-    if isinstance(version, str):  # format 1's layout ("dcp", "deepspeed"), under the same key
-        version = 1
+    # (the first format 1 states had no such key; later ones held their layout under it)
+    version = state.get("format", 1) if isinstance(state, dict) else 0
+    version = 1 if isinstance(version, str) else version
     if not is_count(version) or version in (0, TRAINER_FORMAT):
         return
     if version > TRAINER_FORMAT:
@@ -616,22 +570,18 @@ def trainer_state_problems(state: Any, ckpt_dir: Path) -> list[str]:
         return [f"format: {short(version, 40)} is not a trainer-state format"]
     if missing := [key for key in TRAINER_KEYS if key not in state]:
         return [f"{key}: missing (every trainer state holds it)" for key in missing]
-    out = []
-    step = state["step"]
-    m = _NAME.match(ckpt_dir.name)
+    out, step, named = [], state["step"], _step_of(ckpt_dir)
     if not is_count(step):
         out.append(f"step: {short(step, 40)} is not a step count (an integer >= 0)")
-    elif m and step != int(m.group(1)):
-        out.append(f"step: {step}, but the directory {ckpt_dir.name} is step {int(m.group(1))}")
+    elif named >= 0 and step != named:
+        out.append(f"step: {step}, but the directory {ckpt_dir.name} is step {named}")
     config = state["config"]
     model = config.get("model") if isinstance(config, dict) else None
     if not isinstance(model, dict):
         out.append(f"config.model: {short(model, 40)} is not the saved model section")
     else:
-        cfg, problems = model_config(model)
-        out += [f"config.{p}" for p in problems]
-        if not problems:
-            out += _size_problems(cfg, ckpt_dir)
+        cfg, problems = saved_section(ModelConfig, "model", model)
+        out += [f"config.{p}" for p in problems] or _size_problems(cfg, ckpt_dir)
     sha = state["tokenizer_sha256"]
     if not (isinstance(sha, str) and re.fullmatch(r"[0-9a-f]{64}", sha)):
         out.append(f"tokenizer_sha256: {short(sha, 40)} is not a SHA-256 hex digest")
@@ -672,14 +622,9 @@ def saved_section(cls: type, name: str, saved: dict[str, Any]) -> tuple[Any, lis
     return section, errors
 
 
-def model_config(saved: dict[str, Any]) -> tuple[ModelConfig, list[str]]:
-    """A saved model section as a ModelConfig, and its problems (see saved_section)."""
-    return saved_section(ModelConfig, "model", saved)
-
-
 def saved_model_config(state: dict[str, Any]) -> ModelConfig:
     """The model a checkpoint's trainer state (from read_trainer_state) records."""
-    cfg, problems = model_config(state["config"]["model"])
+    cfg, problems = saved_section(ModelConfig, "model", state["config"]["model"])
     if problems:  # (read_trainer_state refused these already)
         raise UserError(f"{TRAINER_STATE}: config.{problems[0]}")
     return cfg
@@ -740,12 +685,11 @@ def _fill(dst: torch.Tensor, full: torch.Tensor) -> None:
     """`full` (every rank holds the same) into `dst`: whole, or this rank's block of a
     DTensor (the block DCP would read for it: no communication)."""
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if not isinstance(dst, DTensor):
         dst.copy_(full)
         return
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     shape, offset = compute_local_shape_and_global_offset(
         full.shape, dst.device_mesh, dst.placements
     )
@@ -756,19 +700,16 @@ def _fill(dst: torch.Tensor, full: torch.Tensor) -> None:
 class CheckpointWeights(Mapping[str, torch.Tensor]):
     """Any checkpoint's fp32 model weights by name, each read when asked, so that a caller taking
     them one at a time (a sharded start, a streamed export) holds one full parameter at a time:
-    DCP reads that tensor's bytes alone; DeepSpeed's are put together from the ranks' partitions
-    (`ZeroWeights`; a `model.pt` of an older save is not read). `template`: the model's tensors
-    (their names and shapes; meta tensors will do)."""
+    `source` reads DCP's bytes of that tensor alone, or puts DeepSpeed's together from the ranks'
+    partitions (`ZeroWeights`). `template`: the model's tensors (names and shapes; meta will do)."""
 
     def __init__(self, ckpt_dir: Path, template: dict[str, torch.Tensor]):
-        self.ckpt_dir, self.shapes = ckpt_dir, {n: t.shape for n, t in template.items()}
-        self._dcp = self._zero = None
+        self.shapes = {n: t.shape for n, t in template.items()}
+        self.source: _DcpTensors | ZeroWeights
         if (ckpt_dir / DCP_DIR).is_dir():
-            self._dcp = dcp_metadata(ckpt_dir / DCP_DIR)
+            self.source = _DcpTensors(ckpt_dir / DCP_DIR, self.shapes)
         elif (ckpt_dir / DEEPSPEED_DIR).is_dir():
-            self._zero = ZeroWeights(ckpt_dir / DEEPSPEED_DIR)
-            if differs := _shape_differences(self._zero.shapes, self.shapes):
-                raise damaged(ckpt_dir / DEEPSPEED_DIR, f"{differs}, unlike the model it records")
+            self.source = ZeroWeights(ckpt_dir / DEEPSPEED_DIR, self.shapes)
         else:
             raise UserError(
                 f"{ckpt_dir} holds no model weights ({DCP_DIR}/ or {DEEPSPEED_DIR}/); "
@@ -776,11 +717,7 @@ class CheckpointWeights(Mapping[str, torch.Tensor]):
             )
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        if self._zero is not None:
-            return self._zero[name]
-        tensor = torch.empty(self.shapes[name])
-        dcp_load({"model": {name: tensor}}, self.ckpt_dir / DCP_DIR, True, self._dcp)
-        return tensor
+        return self.source[name]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.shapes)
@@ -790,43 +727,38 @@ class CheckpointWeights(Mapping[str, torch.Tensor]):
 
 
 class CheckpointMoments:
-    """Any checkpoint's Adam state by parameter name, each tensor read when asked (DCP reads
-    its bytes alone; DeepSpeed's is put together from the partitions), and its step."""
+    """Any checkpoint's Adam state by parameter name, each tensor read when asked, and its step."""
 
     def __init__(self, ckpt_dir: Path, template: dict[str, torch.Tensor]):
         self.weights = CheckpointWeights(ckpt_dir, template)
 
     def read(self, name: str, key: str) -> torch.Tensor:
         """`key` (exp_avg, exp_avg_sq) of parameter `name`, whole, fp32."""
-        w = self.weights
-        if w._zero is not None:
-            return w._zero.read(name, key)
-        tensor = torch.empty(w.shapes[name])
-        dcp_load(
-            {"optimizer": {"state": {name: {key: tensor}}}}, w.ckpt_dir / DCP_DIR, True, w._dcp
-        )
-        return tensor
+        return self.weights.source.read(name, key)
 
     def step(self) -> int:
         """The optimizer steps taken (AdamW's per-parameter step, the same for every one)."""
-        w = self.weights
-        if w._zero is not None:
-            return w._zero.optimizer_step()
-        step = torch.empty(())
-        name = next(iter(w.shapes))
-        dcp_load(
-            {"optimizer": {"state": {name: {"step": step}}}}, w.ckpt_dir / DCP_DIR, True, w._dcp
-        )
-        if not (step.item() >= 0 and float(step.item()).is_integer()):
-            raise damaged(w.ckpt_dir / DCP_DIR, f"the optimizer's step is {step.item()}")
-        return int(step.item())
+        return self.weights.source.optimizer_step()
 
 
-def _shape_differences(found: Mapping[str, torch.Size], want: Mapping[str, torch.Size]) -> str:
-    """The first difference between a checkpoint's tensors and the model's, or ''."""
-    if missing := [n for n in want if n not in found]:
-        return f"it holds no {missing[0]!r}"
-    if extra := [n for n in found if n not in want]:
-        return f"it holds {extra[0]!r}, which the model has not"
-    bad = next((n for n in want if tuple(found[n]) != tuple(want[n])), None)
-    return f"its {bad!r} is {tuple(found[bad])}, not {tuple(want[bad])}" if bad else ""
+class _DcpTensors:
+    """A DCP checkpoint's tensors as ZeroWeights gives DeepSpeed's, each read alone."""
+
+    def __init__(self, dcp_dir: Path, shapes: dict[str, torch.Size]):
+        self.dir, self.shapes, self.metadata = dcp_dir, shapes, dcp_metadata(dcp_dir)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.read(name)
+
+    def read(self, name: str, key: str | None = None, shape: Any = None) -> torch.Tensor:
+        """Parameter `name` (`key` None), or its optimizer state `key`."""
+        tensor = torch.empty(self.shapes[name] if shape is None else shape)
+        state = {name: tensor} if key is None else {"state": {name: {key: tensor}}}
+        dcp_load({"optimizer" if key else "model": state}, self.dir, True, self.metadata)
+        return tensor
+
+    def optimizer_step(self) -> int:
+        step = self.read(next(iter(self.shapes)), "step", ()).item()
+        if not (step >= 0 and float(step).is_integer()):
+            raise damaged(self.dir, f"the optimizer's step is {step}")
+        return int(step)

@@ -58,10 +58,10 @@ def _load(path: Path) -> Any:
 
 class ZeroWeights(Mapping[str, torch.Tensor]):
     """The fp32 weights of DeepSpeed's checkpoint folder `ds_dir` by name, each assembled from
-    the partitions when asked."""
+    the partitions when asked; `model`: the shapes they must have (None: any)."""
 
     @_refusing
-    def __init__(self, ds_dir: Path):
+    def __init__(self, ds_dir: Path, model: Mapping[str, torch.Size] | None = None):
         found = [ds_dir / n for n in MODEL_STATES if (ds_dir / n).is_file()]
         if not found:
             raise _Damaged(ds_dir, f"neither {' nor '.join(MODEL_STATES)} is there")
@@ -87,6 +87,8 @@ class ZeroWeights(Mapping[str, torch.Tensor]):
             if not isinstance(alias, str) or name not in self.shapes:
                 raise _Damaged(self.model_file, f"shared_params names {name!r}, no parameter")
             self.shapes[alias], self.where[alias] = self.shapes[name], self.where[name]
+        if model is not None and (differs := _shape_differences(self.shapes, model)):
+            raise _Damaged(ds_dir, f"{differs}, unlike the model it records")
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if self.where[name] is None:  # (a buffer, or ZeRO-0)
@@ -325,3 +327,13 @@ def _zero3_pieces(groups: Groups, sizes: list[list[int]]) -> dict[str, Pieces]:
         if (held := sum(per_group)) != offset:
             raise _Layout(f"of rank {rank} hold {held} values, param_shapes lists {offset}")
     return out
+
+
+def _shape_differences(found: Mapping[str, torch.Size], want: Mapping[str, torch.Size]) -> str:
+    """The first difference between a checkpoint's tensors and the model's, or ''."""
+    if missing := [n for n in want if n not in found]:
+        return f"it holds no {missing[0]!r}"
+    if extra := [n for n in found if n not in want]:
+        return f"it holds {extra[0]!r}, which the model has not"
+    bad = next((n for n in want if tuple(found[n]) != tuple(want[n])), None)
+    return f"its {bad!r} is {tuple(found[bad])}, not {tuple(want[bad])}" if bad else ""
