@@ -1,25 +1,10 @@
 """FP8 matmuls in the transformer blocks' linears (`train.fp8`), through torchao's Float8Linear.
 
-A parallelize step: applied to the meta-device model before tensor parallelism, activation
-checkpointing, compile and FSDP2 (torchtitan's order), so those wrap the converted linears.
-Float8Linear keeps its weight in high precision (a plain parameter under the same name) and
-casts weight, input and output gradient to fp8 with a dynamic scale in each matmul, so the
-optimizer, the gradients and checkpoints see the same tensors as without fp8.
-
-- Only the blocks' linears: the embedding and the output head stay in the run's precision (as
-  torchtitan keeps them), and so does any linear whose dims are not multiples of 16 (what the
-  fp8 GEMM requires) on each rank: under tensor parallelism a rank's GEMM has 1/tp of a
-  column-wise linear's outputs and of a row-wise one's inputs. Those are named in the log.
-- `tensorwise` (one scale per tensor) or `rowwise` (one scale per row) scaling. With tensorwise,
-  FSDP2 can all-gather the weights in fp8 (`train.fp8.fsdp_float8_all_gather`), and tensor
-  parallelism on GPUs uses torchao's Float8 styles: attention's and the MLP's input is cast to
-  fp8 once on its sequence shard and all-gathered in fp8 (PrepareFloat8ModuleInput, which wqkv,
-  or w1 and w3, then read), and the row-wise linears' output gradient is cast to fp8 in
-  backward. Rowwise uses the plain styles, as torchtitan does, and so does the CPU (gloo has no
-  fp8 collectives): there those inputs are gathered in the run's precision and each linear casts
-  its own.
-- On the CPU the matmuls are emulated (fp8 values, fp32 GEMM): the curve of an fp8 run, not its
-  speed.
+A parallelize step on the meta model before TP, checkpointing, compile and FSDP2 (torchtitan's
+order). Float8Linear keeps its weight in high precision under the same name and casts to fp8 in
+each matmul, so optimizer, gradients and checkpoints are as without fp8. The embedding, the head
+and linears whose dims (on each rank) are not multiples of 16 stay in the run's precision. On
+the CPU the matmuls are emulated (fp8 values, fp32 GEMM): the curve of an fp8 run, not its speed.
 """
 
 from __future__ import annotations
@@ -87,15 +72,13 @@ def float8_config(cfg: Config, plan: RunPlan):  # -> torchao.float8.Float8Linear
     return dataclasses.replace(config, emulate=emulate, enable_fsdp_float8_all_gather=gathers)
 
 
-# the blocks' linears that tensor parallelism splits row-wise (their inputs); the others it
-# splits column-wise (their outputs): parallel/tensor_parallel.py's plan
+# the blocks' linears that tensor parallelism splits row-wise (the others: column-wise)
 ROW_WISE = ("attention.wo", "feed_forward.w2")
 
 
 def convertible(linear: nn.Linear, tp: int = 1, row_wise: bool = False) -> bool:
-    """Whether the fp8 GEMM takes the shape this linear has on each rank (both dims multiples
-    of 16): under tensor parallelism of degree `tp`, 1/tp of its outputs, or of its inputs when
-    `row_wise`."""
+    """Whether the fp8 GEMM takes this linear's shape on each rank (both dims multiples of 16):
+    under tensor parallelism 1/tp of its outputs, or of its inputs when `row_wise`."""
     split_in, split_out = (tp, 1) if row_wise else (1, tp)
     return linear.in_features % (16 * split_in) == 0 and linear.out_features % (16 * split_out) == 0
 
@@ -135,25 +118,21 @@ def _shape(linear: nn.Linear, tp: int, row_wise: bool) -> str:
 def precompute_scales_after_steps(
     model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Config, plan: RunPlan
 ) -> None:
-    """Where FSDP2 gathers tensorwise fp8 weights: after each optimizer step, every weight's
-    scale in one all-reduce (torchao's precompute_float8_dynamic_scale_for_fsdp, as torchtitan
-    calls it), not one all-reduce of its amax per weight in the next forward's gathers. The
-    scale is the same max / amax of the whole weight, so the curve does not change."""
+    """Where FSDP2 gathers tensorwise fp8 weights: every weight's scale in one all-reduce after
+    each optimizer step (as torchtitan), not one per weight in the next forward (same scales)."""
     if not (cfg.train.fp8.enabled and plan.backend == "fsdp" and fp8_all_gathers(cfg.train.fp8)):
         return
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
-    # a post hook of optimizer.step: whatever steps (the trainer, bench) gets the new scales,
-    # and a skipped step (non-finite gradients) keeps the weights and the scales they had
+    # whatever steps (trainer, bench) gets new scales; a skipped step keeps weights and scales
     optimizer.register_step_post_hook(
         lambda _optimizer, _args, _kwargs: precompute_float8_dynamic_scale_for_fsdp(model)
     )
 
 
 def _import_torchao(quiet: bool) -> None:
-    """Import torchao without torch's deprecation warning about how torchao registers an enum
-    (nothing a user can act on); `quiet`: nor torchao's about the CUDA kernel libraries and
-    Triton it cannot load (a CPU machine has neither; the emulated path needs neither)."""
+    """Import torchao without torch's deprecation warning about its enum (nothing a user can act
+    on); `quiet`: nor torchao's about CUDA kernels and Triton (the emulated path needs neither)."""
     names = ["torch.utils._pytree", *(["torchao"] if quiet else [])]
     loggers = [logging.getLogger(name) for name in names]
     levels = [logger.level for logger in loggers]
@@ -185,20 +164,15 @@ def _say(cfg: Config, config, converted: int, skipped: list[str]) -> None:
 
 
 def _is_float8(module: nn.Module) -> bool:
-    """Whether `module` is torchao's Float8Linear (never imports torchao: a run without
-    train.fp8 needs none, and without it imported no Float8Linear exists)."""
+    """Whether `module` is torchao's Float8Linear (never imports torchao: not imported, none)."""
     linear = sys.modules.get("torchao.float8.float8_linear")
     return linear is not None and isinstance(module, linear.Float8Linear)
 
 
 def tp_styles(block: nn.Module, mesh: DeviceMesh) -> tuple[type, type, type | None]:
     """(column-wise, row-wise, input preparation) tensor-parallel styles for `block`: torchao's
-    Float8 styles for tensorwise fp8 linears on GPUs, as torchtitan: PrepareFloat8ModuleInput
-    casts attention's and the MLP's input to fp8 once, on its sequence shard, and gathers it in
-    fp8 for wqkv, or w1 and w3, to read as it is; the row-wise styles cast the output gradient
-    in backward. Torch's plain ones otherwise, with None (the input gathered in the run's
-    precision, each linear casting its own): rowwise, as torchtitan, and on the CPU, where gloo
-    cannot carry fp8 tensors (its all-gather fails with "Invalid scalar type")."""
+    Float8 ones for tensorwise fp8 linears on GPUs (the input cast and gathered in fp8 once),
+    else torch's plain ones and None: rowwise, as torchtitan, and gloo, which carries no fp8."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     linears = [m for m in block.modules() if isinstance(m, nn.Linear)]
