@@ -1,24 +1,10 @@
 """FSDP2 (`fully_shard`): parameters, gradients and optimizer state sharded over ranks.
 
-Wrapping order (torchtitan's): activation checkpointing on each block, then `fully_shard` on each
-block and on the root, all on the meta device; then storage is allocated for the local shards and
-each rank fills its own, one whole parameter at a time from run.seed (`_fill_shards`), so FSDP
-starts from the same weights as every other backend and no host ever holds the whole model.
-
-- Precision: `MixedPrecisionPolicy` (bf16 or fp16 compute params, fp32 gradient reduction); the
-  sharded fp32 params stay the optimizer's master weights. fp16 uses `torch.amp.GradScaler`, which
-  handles DTensor gradients (the inf check is reduced over the mesh).
-- `parallel.fsdp.reshard_after_forward`: true frees gathered params after forward and gathers them
-  again for backward (ZeRO-3-like); false keeps them until backward (ZeRO-2-like).
-- Accumulation: every micro-step's gradients are reduce-scattered into the fp32 shards, so a
-  rank never holds more than one unit's unsharded gradients (torchtitan's choice: the traffic
-  hides under the backward). `parallel.fsdp.reduce_every_micro_step: false` switches reduction
-  off on the non-final micro-steps instead: one reduce-scatter per step, but every rank keeps
-  the whole model's gradients unsharded in fp32 until then (4 B/param; 25 GiB at 7B).
-- HSDP: `parallel.fsdp.replicate_degree` > 1 builds a (replicate, shard) mesh: shard within a
-  group of ranks (a node), replicate across groups.
-- Checkpoints: the base class's torch.distributed.checkpoint format, parameter-name keyed and
-  reshardable, so FSDP, DDP and single-process runs load each other's checkpoints.
+On the meta device (torchtitan's order): tensor parallelism, checkpointing and compile per block,
+then `fully_shard` on each block and the root; then each rank fills its own shards one whole
+parameter at a time from run.seed (`_fill_shards`): the weights of every other backend, and no
+host holds the whole model. Compute in the precision's dtype, gradients reduced in fp32 into the
+fp32 shards the optimizer steps; HSDP replicates over `parallel.fsdp.replicate_degree` groups.
 """
 
 from __future__ import annotations
@@ -62,21 +48,18 @@ class FSDPBackend(Backend):
             self.mesh = init_device_mesh(
                 self.plan.device.type, tuple(layout["shape"]), mesh_dim_names=tuple(layout["names"])
             )
-            within = self.layout_mesh()  # what a stage's parameters live on
+            within = self._mesh_without("pp")  # what a stage's parameters live on
             if within.ndim > 1:  # a reduction over every dimension (the gradient norm's)
                 within._flatten("all")  # then runs as one collective, not one per dimension
         return self.mesh
 
-    def layout_mesh(self) -> DeviceMesh:
-        """Every mesh dimension but pp: the ranks of one pipeline stage."""
-        mesh = self.device_mesh() if self.mesh is None else self.mesh
-        names = tuple(n for n in mesh.mesh_dim_names if n != "pp")
-        return mesh[names] if len(names) < mesh.ndim else mesh
-
     def data_parallel_mesh(self) -> DeviceMesh:
         """What FSDP shards (and HSDP replicates) over: every mesh dimension but pp and tp."""
+        return self._mesh_without("tp", "pp")
+
+    def _mesh_without(self, *dims: str) -> DeviceMesh:
         mesh = self.device_mesh()
-        names = tuple(n for n in mesh.mesh_dim_names if n not in ("tp", "pp"))
+        names = tuple(n for n in mesh.mesh_dim_names if n not in dims)
         return mesh[names] if len(names) < mesh.ndim else mesh
 
     def mp_policy(self) -> MixedPrecisionPolicy:
@@ -124,11 +107,9 @@ class FSDPBackend(Backend):
     def _fill_shards(
         self, model: nn.Module, initial: Mapping | None, whole: Transformer | None = None
     ) -> None:
-        """Each rank fills its own shards, one whole parameter at a time: drawn from run.seed
-        in the initialization's order (`init_fills` of the `whole` model: the weights one
-        process draws, those of other pipeline stages drawn and dropped), or read from
-        `initial` (name -> tensor, read when asked). No host holds more than its shards and
-        one full fp32 parameter (the 70B model would be 280 GB on one host)."""
+        """Each rank fills its own shards one whole parameter at a time: drawn from run.seed as
+        the `whole` model's `init_fills` (other pipeline stages' drawn and dropped), or read
+        from `initial`. No host holds more than its shards and one full fp32 parameter."""
         params = dict(model.named_parameters())
         if initial is None:
             whole = whole or model
@@ -151,7 +132,6 @@ class FSDPBackend(Backend):
         self.model.set_requires_gradient_sync(sync_gradients or every)
         return contextlib.nullcontext()
 
-    # ----------------------------------------------------------------- tensor parallelism
     def backward(self, loss: torch.Tensor) -> None:
         with backward_context() if self.tp > 1 else contextlib.nullcontext():
             super().backward(loss)
@@ -162,9 +142,8 @@ class FSDPBackend(Backend):
 
 @torch.no_grad()
 def _copy_shard(param: nn.Parameter, full: torch.Tensor) -> None:
-    """This rank's part of the whole tensor `full` into the sharded parameter (every rank
-    holds the same `full`: no communication). The part is one block of `full` (DCP reads
-    shards by the same offsets), copied from a view: no second copy of the parameter."""
+    """This rank's block of `full` (the same on every rank: no communication) into the sharded
+    parameter, copied from a view."""
     shape, offset = compute_local_shape_and_global_offset(
         full.shape, param.device_mesh, param.placements
     )
