@@ -1,26 +1,11 @@
 """Tensor and sequence parallelism on DTensor (`parallel.tensor_parallel`), Megatron-LM's layout.
 
-Applied to the meta-device model before activation checkpointing, compile and FSDP2 (torchtitan's
-order), over the mesh's `tp` dimension (consecutive ranks: inside a node). Per block:
-
-- `attention.wqkv` column-wise: its rows are grouped by kv head (`model.fuse_qkv`), so a rank's
-  row block is whole heads of q, k and v (GQA included); RoPE and attention run on those local
-  heads. `attention.wo` row-wise: one reduction of the partial outputs.
-- `feed_forward.w1` / `w3` column-wise, `w2` row-wise: SwiGLU's element-wise product stays local.
-- With `parallel.sequence_parallel` (default), the norms and the residual stream hold 1/tp of the
-  sequence on each rank: the row-wise outputs are reduce-scattered over the sequence and the
-  column-wise inputs all-gathered (the same bytes as an all-reduce, and 1/tp of the activations
-  outside the matmuls). Without it the residual stream is whole on every rank, the row-wise
-  outputs are all-reduced and the norms' weights are replicated DTensors.
-- The residual stream stays a DTensor between and inside blocks (plain local tensors exist only
-  inside attention and the MLP), the layout torchtitan uses: a compiled block whose borders
-  convert to and from local tensors got wrong gradients from AOTAutograd (torch 2.13, CPU).
-- The embedding is vocab-parallel (row-wise), the output projection column-wise into logits
-  sharded over the vocabulary, and the loss is computed on those shards (`loss_parallel`): no
-  rank holds the full (B, T, V) logits; each upcasts its own V/tp columns to fp32.
-
-The checkpoint is the same tensors under the same names as without tensor parallelism (DTensor's
-global view), so DCP reshards it to any other degree, world size or backend.
+On the meta model before checkpointing, compile and FSDP2, over the mesh's `tp` dimension: wqkv
+(rows grouped by kv head: whole heads per rank), w1 and w3 column-wise; wo and w2 row-wise. The
+residual stream stays a DTensor (sequence shards with `parallel.sequence_parallel`): a compiled
+block whose borders convert to local tensors got wrong gradients (torch 2.13). The embedding is
+vocab-parallel and the loss runs on the vocabulary shards of the logits. Checkpoints keep the
+names and global shapes, so DCP reshards them to any degree or backend.
 """
 
 from __future__ import annotations
@@ -69,9 +54,8 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
             gather = functools.partial(_whole_sequence, mesh=mesh)
             block.attention.register_forward_pre_hook(gather)
             block.feed_forward.register_forward_pre_hook(gather)
-        attention = block.attention
-        attention.n_heads //= tp  # the heads of this rank
-        attention.n_kv_heads //= tp
+        block.attention.n_heads //= tp  # the heads of this rank
+        block.attention.n_kv_heads //= tp
     top = {
         "tok_embeddings": RowwiseParallel(
             input_layouts=Replicate(), output_layouts=stream, use_local_output=False
@@ -89,16 +73,14 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
     # the output projection reads the whole sequence on every rank: the final norm's output
     # (sequence shards, or the plain replicated tensor) becomes a replicated DTensor, which is
     # also what a tied head's F.linear against the vocab-sharded embedding needs
-    model.norm.register_forward_hook(lambda _m, _i, out: _replicated(out, mesh))
+    model.norm.register_forward_hook(lambda _m, _i, out: out.redistribute(mesh, [Replicate()]))
 
 
 def block_plan(
     colwise: type, rowwise: type, prepare: type | None, stream: Placement
 ) -> dict[str, ParallelStyle]:
-    """A block's linears' styles (`tp_styles`'s); with `prepare` (fp8's), also attention's and
-    the MLP's input: cast to fp8 on its `stream` layout and gathered whole in fp8 once, which
-    the column-wise linears take as their replicated input (torchtitan's fp8 plan). Without,
-    `apply_tensor_parallel` gathers it in the run's precision."""
+    """A block's linears' styles (`tp_styles`'s); with `prepare` (fp8's), attention's and the
+    MLP's input is also cast to fp8 and gathered whole once (else a pre-hook gathers it)."""
     plan = {
         "attention.wqkv": colwise(input_layouts=Replicate()),
         "attention.wo": rowwise(output_layouts=stream, use_local_output=False),
@@ -119,8 +101,8 @@ def block_plan(
 
 
 def _settled(_module, args: tuple) -> tuple:
-    """In a no-grad forward, the residual stream with its local tensor waited for (a plain
-    tensor in a DTensor; `wait` leaves autograd's graph, which a no-grad forward has none of)."""
+    """In a no-grad forward, the residual stream with its local tensor waited for (`wait` leaves
+    autograd's graph, which a no-grad forward has none of)."""
     x, *rest = args
     if torch.is_grad_enabled():
         return args
@@ -135,23 +117,16 @@ def _whole_sequence(_module, args: tuple, mesh: DeviceMesh) -> tuple:
     return (x.redistribute(mesh, [Replicate()]), *rest)
 
 
-def _replicated(x: DTensor, mesh: DeviceMesh) -> DTensor:
-    return x.redistribute(mesh, [Replicate()])
-
-
 def _replicate_parameters(module: nn.Module, mesh: DeviceMesh) -> None:
-    """The module's parameters as DTensors replicated over `mesh` (no communication: every rank
-    initializes them alike, and FSDP2 then shards them over the data-parallel ranks)."""
+    """The module's parameters as DTensors replicated over `mesh` (every rank has them alike)."""
     for name, param in list(module.named_parameters(recurse=False)):
         replicated = DTensor.from_local(param.data, mesh, [Replicate()], run_check=False)
         module.register_parameter(name, nn.Parameter(replicated, param.requires_grad))
 
 
 def parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss of logits sharded over the vocabulary (a DTensor), softmax in fp32
-    over each rank's columns and reduced across the tp ranks: never the full logits. Returns a
-    plain tensor, the same on every tp rank (backward must run under `loss_parallel` too:
-    `TensorParallel.backward_context`)."""
+    """Mean next-token loss of logits sharded over the vocabulary, never gathered: a plain tensor,
+    the same on every tp rank (backward must run under `backward_context`)."""
     with loss_parallel():
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
     return loss.to_local() if isinstance(loss, DTensor) else loss
