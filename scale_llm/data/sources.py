@@ -1,9 +1,7 @@
 """Corpus sources: where documents come from, in a fixed order, with a cheap fingerprint.
 
-`data.source`: `builtin` (the standard library's .py files, offline), `hf:NAME` (hf_source.py),
-or local files: .txt/.md/.py (a document per file), .jsonl (per line), .parquet (per row), by
-suffix in any case; a directory or glob reads each real file once and reports what it skips.
-Documents stream (none over MAX_DOCUMENT_CHARS), each with a stable id deciding its split.
+`data.source`: `builtin` (the standard library's .py files), `hf:NAME` (hf_source.py), or local
+files: .txt/.md/.py (a document per file), .jsonl (per line), .parquet (per row).
 """
 
 from __future__ import annotations
@@ -18,6 +16,7 @@ import stat
 import sys
 import sysconfig
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,37 +34,28 @@ JSONL_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)
 COMPRESSED_SUFFIXES = (".gz", ".tgz", ".bz2", ".xz", ".zst", ".zstd", ".lz4", ".zip", ".7z")
 KINDS = ("text", "jsonl", "parquet")
+_KIND = {
+    s: k for k, ss in zip(KINDS, (TEXT_SUFFIXES, JSONL_SUFFIXES, PARQUET_SUFFIXES)) for s in ss
+}
 _PARQUET_BATCH = 1024  # rows per Arrow record batch
 
 
 def file_kind(path: Path) -> str | None:
     """'text', 'jsonl' or 'parquet' by the lower-cased suffix; None for any other."""
-    suffix = path.suffix.lower()
-    for kind, suffixes in zip(KINDS, (TEXT_SUFFIXES, JSONL_SUFFIXES, PARQUET_SUFFIXES)):
-        if suffix in suffixes:
-            return kind
-    return None
+    return _KIND.get(path.suffix.lower())
 
 
+@dataclass
 class Source:
     """A fixed, ordered list of files and how to read documents out of them."""
 
-    def __init__(
-        self,
-        spec: str,
-        files: list[Path],
-        text_field: str = "text",
-        skip_undecodable: bool = False,
-        root: Path | None = None,
-        not_read: dict[str, list[str]] | None = None,
-    ):
-        self.spec = spec
-        self.files = files
-        self.text_field = text_field
-        self.skip_undecodable = skip_undecodable
-        self.root = root
-        self.not_read = not_read or {}  # reason -> paths the listing left out (see _Listing)
-        self.skipped: list[str] = []  # files skipped while reading (not UTF-8)
+    spec: str
+    files: list[Path]
+    text_field: str = "text"
+    skip_undecodable: bool = False
+    root: Path | None = None
+    not_read: dict[str, list[str]] = field(default_factory=dict)  # reason -> paths left out
+    skipped: list[str] = field(default_factory=list, init=False)  # files not UTF-8, skipped
 
     def kinds(self) -> dict[str, int]:
         """Files of each kind; a file or glob reads an unknown suffix as plain text."""
@@ -110,12 +100,10 @@ class Source:
                 text = self._read_text(f)
                 if text is not None and text.strip():
                     yield Document(name, text)
-        if self.skipped:
+        if n := len(self.skipped):
             log.info(
-                "data: skipped %d file%s that %s not UTF-8 (%s)",
-                len(self.skipped),
-                *(("", "is") if len(self.skipped) == 1 else ("s", "are")),
-                _examples(self.skipped, self.root),
+                f"data: skipped {n} file{'' if n == 1 else 's'} that {'is' if n == 1 else 'are'} "
+                f"not UTF-8 ({_examples(self.skipped, self.root)})"
             )
 
     def _read_text(self, f: Path) -> str | None:
@@ -239,11 +227,7 @@ def builtin_source() -> Source:
     """The standard library's own .py files: real code, on every machine, no network."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(
-        (
-            p
-            for p in root.rglob("*.py")
-            if "site-packages" not in p.parts and "__pycache__" not in p.parts
-        ),
+        (p for p in root.rglob("*.py") if not {"site-packages", "__pycache__"} & set(p.parts)),
         key=lambda p: p.relative_to(root).as_posix(),
     )
     spec = f"builtin:python{sys.version_info.major}.{sys.version_info.minor}"
@@ -262,12 +246,11 @@ def local_source(spec: str, text_field: str) -> Source:
             f"of .txt/.jsonl/.parquet files, a glob like 'corpus/*.jsonl', 'hf:NAME' for a "
             f"Hugging Face dataset, or 'builtin' for the offline corpus"
         )
-    if compressed := [p for p in paths if p.suffix.lower() in COMPRESSED_SUFFIXES]:
+    if compressed := [str(p) for p in paths if p.suffix.lower() in COMPRESSED_SUFFIXES]:
         raise UserError(
-            f"data.source={spec!r} matches compressed files ({', '.join(map(str, compressed[:3]))}"
-            f"{', ...' if len(compressed) > 3 else ''}), which are not read; decompress them "
-            f"(e.g. gunzip -k, zstd -d, xz -dk) and point data.source at the .txt/.jsonl/.parquet "
-            f"files"
+            f"data.source={spec!r} matches compressed files ({_examples(compressed, None)}), "
+            f"which are not read; decompress them (e.g. gunzip -k, zstd -d, xz -dk) and point "
+            f"data.source at the .txt/.jsonl/.parquet files"
         )
     empty = [p for p in paths if p.stat().st_size == 0]
     if len(empty) == len(paths):
