@@ -1,10 +1,8 @@
 """Batches from memory-mapped token shards, fixed by (seed, position) and resumable.
 
-Windows of seq_len + 1 tokens are visited once per epoch in an order drawn from (seed, epoch). A
-step's global batch is the next `micro_batch_size * grad_accum * world_size` windows of that
-stream, rank r reading its contiguous slice, so a step's sequences do not depend on the layout.
-A mixture interleaves its sources by `SourceSchedule`. The state is the stream position: a resume
-on any layout continues there (docs/data.md), no window repeated or skipped.
+Windows of seq_len + 1 tokens are visited once per epoch in an order drawn from (seed, epoch); a
+step's global batch is the next windows of that stream, rank r reading its contiguous slice, so a
+step's sequences do not depend on the layout. The state is the stream position (docs/data.md).
 """
 
 from __future__ import annotations
@@ -130,8 +128,7 @@ class TrainLoader:
         this order; None: one source."""
         if len(windows) == 0:
             raise ValueError("no training windows")
-        self.windows, self.seed, self.device = windows, seed, plan.device
-        self.mixture = sources
+        self.windows, self.seed, self.device, self.mixture = windows, seed, plan.device, sources
         sources = sources or {"": (1.0, len(windows))}
         self.names = list(sources)
         self.sizes = np.array([n for _, n in sources.values()], dtype=np.int64)
@@ -139,14 +136,13 @@ class TrainLoader:
         if self.sizes.sum() != len(windows) or not self.sizes.all():
             raise ValueError("the sources' windows do not add up to the windows given")
         self.schedule = SourceSchedule([w for w, _ in sources.values()])
-        self.repeat = repeat
+        self.repeat, self.prefetch = repeat, prefetch
         self.micro_batch_size, self.grad_accum = plan.micro_batch_size, plan.grad_accum
         self.rank = plan.dp_rank  # this rank's place among the data-parallel ranks
         self.global_batch = plan.sequences_per_step
         self.position = 0  # sequences of the stream consumed so far, over all ranks
         self._perm: dict[int, tuple[int, np.ndarray]] = {}  # source -> (epoch, order)
         self._perm_lock = threading.Lock()
-        self.prefetch = prefetch
         self._executor = (
             ThreadPoolExecutor(1, thread_name_prefix="data-prefetch") if prefetch > 0 else None
         )
@@ -193,11 +189,8 @@ class TrainLoader:
                 if not self.repeat:
                     raise UserError(repeat_refused("the training data", n, position))
                 log.info(
-                    "data: epoch %d of %d training windows begins (stream position %d); the "
-                    "windows repeat in a new order",
-                    last,
-                    n,
-                    last * n,
+                    f"data: epoch {last} of {n} training windows begins (stream position "
+                    f"{last * n}); the windows repeat in a new order"
                 )
             return
         before = self.schedule.drawn(position)
@@ -209,12 +202,9 @@ class TrainLoader:
                 if not self.repeat:
                     raise UserError(repeat_refused(f"source {name}", self.sizes[s], position))
                 log.warning(
-                    "data: source %s ran out after %d epoch(s) of its %d training windows; it "
-                    "is read again in a new order (stream position %d)",
-                    name,
-                    last,
-                    self.sizes[s],
-                    position,
+                    f"data: source {name} ran out after {last} epoch(s) of its {self.sizes[s]} "
+                    f"training windows; it is read again in a new order (stream position "
+                    f"{position})"
                 )
 
     def _stream_indices(self, first: int, count: int) -> np.ndarray:
@@ -257,21 +247,16 @@ class TrainLoader:
         """Continue at the saved stream position, whatever the world size or batch layout now."""
         if state["num_windows"] != len(self.windows) or state["seed"] != self.seed:
             log.warning(
-                "data: the checkpoint's data order (seed %s, %s windows) differs from "
-                "now (seed %s, %s windows); continuing at the same position of the new "
-                "order",
-                state["seed"],
-                state["num_windows"],
-                self.seed,
-                len(self.windows),
+                f"data: the checkpoint's data order (seed {state['seed']}, {state['num_windows']} "
+                f"windows) differs from now (seed {self.seed}, {len(self.windows)} windows); "
+                f"continuing at the same position of the new order"
             )
         saved, now = state.get("sources"), self.state_dict().get("sources")
         if saved != now and (saved is not None or now is not None):
             log.warning(
-                "data: the checkpoint's mixture (%s) differs from now (%s); continuing at the "
-                "same stream position of the new mixture",
-                saved or "one source",
-                now or "one source",
+                f"data: the checkpoint's mixture ({saved or 'one source'}) differs from now "
+                f"({now or 'one source'}); continuing at the same stream position of the new "
+                f"mixture"
             )
         self._drop_ahead()
         self.position = int(state["position"])
