@@ -1,9 +1,7 @@
 """A Hugging Face model's own tokenizer (`data.tokenizer`), kept by prepare as one file.
 
-prepare reads the folder once with AutoTokenizer and writes `hf-tokenizer.json`: its `tokenizers`
-pipeline (which encodes without transformers), the ids it puts around a text, BOS / EOS / pad and
-the folder's tokenizer files byte for byte (export writes them back). Written canonically, its
-SHA-256 is the tokenizer's identity. The folder is a stranger's (`scale_llm/files.py`).
+`hf-tokenizer.json` holds its `tokenizers` pipeline (encoding without transformers), the ids it puts
+around a text and the folder's tokenizer files byte for byte; its SHA-256 is the identity.
 """
 
 from __future__ import annotations
@@ -45,8 +43,8 @@ def read_folder_files(folder: str | Path, what: str = WHAT) -> dict[str, bytes]:
     """name -> bytes of the tokenizer files in `folder` (it must hold an encoder)."""
     folder = Path(folder)
     if not folder.is_dir():
-        found = "no such folder" if not (folder.exists() or folder.is_symlink()) else None
-        found = found or f"{describe_kind(folder)}, not a folder"
+        there = folder.exists() or folder.is_symlink()
+        found = f"{describe_kind(folder)}, not a folder" if there else "no such folder"
         raise UserError(f"{what}={folder}: {found}; {FOLDER_HELP}")
     files = folder_tokenizer_files(folder, what)
     if not any(name in files for name in ENCODERS):
@@ -199,21 +197,13 @@ class PretrainedTokenizer:
         self.backend.encode_special_tokens = bundle["split_special_tokens"]
         self.bos_id, self.eos_id = bundle["bos_id"], bundle["eos_id"]
         self.pad_id = bundle["pad_id"] if bundle["pad_id"] is not None else self.eos_id
-        self.start_ids, self.end_ids = bundle["start_ids"], bundle["end_ids"]
         self.vocab_size = bundle["vocab_size"]
         self.files_sha256 = bundle["files_sha256"]
         self._files = bundle["files"]
-
-    @property
-    def doc_start(self) -> list[int]:
-        """Ids before each document's text: what AutoTokenizer puts first (BOS, or nothing)."""
-        return self.start_ids
-
-    @property
-    def doc_end(self) -> list[int]:
-        """Ids after each document's text: what AutoTokenizer appends, ending with EOS."""
-        end = self.end_ids
-        return end if end[-1:] == [self.eos_id] else [*end, self.eos_id]
+        # the ids around each document's text: what AutoTokenizer puts first (BOS, or nothing)
+        # and what it appends, ending with EOS
+        self.doc_start, end = bundle["start_ids"], bundle["end_ids"]
+        self.doc_end = end if end[-1:] == [self.eos_id] else [*end, self.eos_id]
 
     def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
         """`bos`: a document's start as training saw it (the start ids, or else the EOS before)."""
