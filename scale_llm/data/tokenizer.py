@@ -42,22 +42,9 @@ class Tokenizer:
                 f"`scale-llm prepare CONFIG --force`"
             ) from None
         self.bos_id, self.eos_id = self.sp.bos_id(), self.sp.eos_id()
-
-    @property
-    def vocab_size(self) -> int:
-        return self.sp.get_piece_size()
-
-    @property
-    def doc_start(self) -> list[int]:
-        return [self.bos_id]  # each document is [BOS] ids [EOS]
-
-    @property
-    def doc_end(self) -> list[int]:
-        return [self.eos_id]
-
-    @property
-    def pad_id(self) -> int:
-        return self.eos_id  # no pad piece: a model's export pads with EOS
+        self.vocab_size = self.sp.get_piece_size()
+        self.doc_start, self.doc_end = [self.bos_id], [self.eos_id]  # each is [BOS] ids [EOS]
+        self.pad_id = self.eos_id  # no pad piece: a model's export pads with EOS
 
     def encode_many(self, texts: list[str]) -> list[list[int]]:
         """The ids of each text, without BOS / EOS, in one single-threaded call."""
