@@ -5,6 +5,7 @@ the same for every `num_proc`. This module imports no torch: workers start fast.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import multiprocessing
@@ -88,26 +89,18 @@ _worker: dict = {}
 
 def _init_worker(model_path: str, val_fraction: float, parent: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    _die_with(parent)
-    _worker["tok"] = load_tokenizer(model_path)
-    _worker["val_fraction"] = val_fraction
+    # Linux: the kernel kills this worker when its parent dies, so no orphan keeps working
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+    _worker.update(tok=load_tokenizer(model_path), val_fraction=val_fraction)
 
 
 def _encode_in_worker(docs: list[tuple[str, str]]) -> EncodedBatch:
     return encode_batch(_worker["tok"], docs, _worker["val_fraction"])
-
-
-def _die_with(parent: int) -> None:
-    """Linux: the kernel kills this worker when its parent dies, so no orphan keeps working."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os._exit(1)
 
 
 class Encoder:
