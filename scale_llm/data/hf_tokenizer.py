@@ -39,16 +39,13 @@ def vocab_and_merges(tok: Tokenizer) -> tuple[dict[str, int], list[tuple[str, st
     return vocab, [pair for _, pair in ranked]
 
 
-def build_tokenizer_json(tok: Tokenizer) -> str:
+def _tokenizer_json(tok: Tokenizer, unk: str, bos: str, eos: str) -> str:
     """The serialized `tokenizers.Tokenizer` equivalent to `tok` (encode: BOS + ids)."""
     from tokenizers import AddedToken, decoders, models, normalizers
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers.processors import TemplateProcessing
 
-    sp = tok.sp
     vocab, merges = vocab_and_merges(tok)
-    unk = sp.id_to_piece(sp.unk_id())
-    bos, eos = sp.id_to_piece(tok.bos_id), sp.id_to_piece(tok.eos_id)
     hf = HFTokenizer(
         models.BPE(vocab=vocab, merges=merges, unk_token=unk, byte_fallback=True, fuse_unk=True)
     )
@@ -85,7 +82,7 @@ def tokenizer_files(tok: Tokenizer, max_length: int) -> dict[str, str]:
         "padding_side": "left",
     }
     return {
-        "tokenizer.json": build_tokenizer_json(tok),
+        "tokenizer.json": _tokenizer_json(tok, unk, bos, eos),
         "tokenizer_config.json": json.dumps(config, indent=2) + "\n",
         "special_tokens_map.json": json.dumps(special, indent=2) + "\n",
     }
