@@ -1,27 +1,14 @@
 """Which attention kernel runs, decided once per call from what the kernels accept.
 
-On a GPU, `scaled_dot_product_attention` picks a fused kernel when one accepts the inputs and
-silently falls back to the math kernel, which materializes the (B, H, T, T) score matrix
-(8 GiB of bf16 at B=8, H=32, T=4096), when none does: FlashAttention takes no explicit mask and
-no fp32; the memory-efficient kernel takes masks and fp32 but not grouped-query attention. So
-the model picks itself, and pins SDPA to its pick (an unsupported input is then an error, never
-a silent T x T matrix):
-
-| device | dtype | mask | kernel |
-|---|---|---|---|
-| CUDA | bf16 / fp16 | causal | FlashAttention (GQA native) |
-| CUDA | bf16 / fp16 | document | FlashAttention's varlen kernel: each document a sequence |
-| CUDA | fp32 | causal | memory-efficient; with GQA the kv heads are repeated first |
-| CUDA | fp32 | document | memory-efficient with a (B, 1, T, T) bool mask, kv heads repeated |
-| CPU | any | any | SDPA's own choice (the CPU's flash kernel, or math for a mask) |
-
-FlashAttention needs head_dim <= 256 and a multiple of 8: other head sizes run the
-memory-efficient kernel with kv heads repeated. `problem()` says what a GPU run of a config would
-still materialize; the preflight prints it.
+Where no fused kernel accepts its inputs, SDPA silently falls back to the math kernel and its
+(B, H, T, T) scores, so the model picks (bf16 / fp16: FlashAttention, varlen for documents; fp32
+or head sizes flash cannot take: memory-efficient, kv heads repeated) and pins SDPA to it. On
+the CPU SDPA chooses. `problem()` says what a GPU run would still materialize.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from functools import cache
 
@@ -62,7 +49,7 @@ def choose(
 
 def problem(device_type: str, dtype: torch.dtype, document: bool, head_dim: int) -> str | None:
     """What a GPU run with these settings materializes that a fused kernel would not (None:
-    nothing): the document mask in fp32 or at a head size FlashAttention cannot take."""
+    nothing)."""
     kernel = choose(device_type, dtype, document, False, head_dim)
     if not kernel.dense_mask or device_type != "cuda":
         return None
@@ -86,9 +73,8 @@ def attend(
     mask: torch.Tensor | None = None,
     documents: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
-    """Attention of q (B, H, T, D) over k, v (B, Hkv, S, D) with `kernel`: causal, or within
-    each document (`mask` (B, 1, T, S) bool for a dense kernel, `documents` = (cu_seqlens,
-    max_len) for the varlen one). Returns (B, H, T, D)."""
+    """Attention of q (B, H, T, D) over k, v (B, Hkv, S, D) -> (B, H, T, D): causal, or within
+    each document (`mask` for a dense kernel, `documents` (cu_seqlens, max_len) for varlen)."""
     H, Hkv = q.size(1), k.size(1)
     if kernel.name == "flash_varlen" and documents is not None:
         return _varlen(q, k, v, *documents)
@@ -97,11 +83,7 @@ def attend(
     if kernel.repeat_kv and Hkv != H:
         k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
     gqa = k.size(1) != H
-    if kernel.backend is None:
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa
-        )
-    with sdpa_kernel([kernel.backend]):
+    with sdpa_kernel([kernel.backend]) if kernel.backend is not None else contextlib.nullcontext():
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa
         )
@@ -110,8 +92,7 @@ def attend(
 def _varlen(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int
 ) -> torch.Tensor:
-    """FlashAttention over the documents packed in each row: (B, H, T, D) in and out, each
-    document a causal sequence of its own (no (T, T) mask anywhere)."""
+    """FlashAttention over the documents packed in each row, each its own causal sequence."""
     from torch.nn.attention.varlen import varlen_attn
 
     B, H, T, D = q.shape
@@ -129,10 +110,8 @@ def _varlen(
 
 
 def document_bounds(tokens: torch.Tensor, end_id: int) -> tuple[torch.Tensor, int]:
-    """(cu_seqlens, max_len) of the documents packed in `tokens` (B, T), row by row: int32
-    offsets into the B*T positions where each document starts, and the longest document's
-    length bound (T: a constant, so compiled blocks see one value). A document ends with its
-    `end_id` token; a row's end ends the document it holds."""
+    """(cu_seqlens, max_len) of the documents packed in `tokens` (B, T): int32 offsets into the
+    B*T positions where each starts (an `end_id` token or a row's end ends one), and T."""
     B, T = tokens.shape
     ends = tokens == end_id
     ends[:, -1] = True  # (the last position closes each row's last document)
