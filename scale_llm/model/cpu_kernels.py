@@ -1,19 +1,9 @@
 """The one kernel the model adds for eager CPU code: RMSNorm's backward, written out.
 
-torch 2.13's `F.rms_norm` runs `aten::_fused_rms_norm`, which has a kernel each way on CUDA but
-only a forward on the CPU: there autograd differentiates its decomposition (pow, mean, rsqrt and
-the products, each way) and keeps an fp32 normalized copy of the input besides the input.
-`rms_norm` keeps F.rms_norm's forward, bit for bit, and computes the backward from what CUDA's
-kernel keeps (the input, the weight and the fp32 rstd). What it earns, measured on torch 2.13.0
-(CPU wheel), 2 cores, yaml/tiny.yaml in fp32, 2026-12-03:
-
-- memory: 286.5 MiB saved for backward per micro-batch against 313.5 MiB for the decomposition
-  (-8.6%), and exactly what CUDA's kernel saves, so the CPU measurements that check the memory
-  estimate count the norm as a GPU does (docs/memory.md);
-- speed: none that a step shows (with it and without, interleaved, best of 6: 1.13-1.19 s per
-  step at 1 thread, 0.58-0.66 s at 2): the matmuls dominate.
-
-`enabled` is the switch: compiled code and CUDA take `F.rms_norm` itself.
+torch 2.13's `aten::_fused_rms_norm` has no CPU backward: autograd differentiates its
+decomposition and keeps an fp32 normalized copy of the input. `rms_norm` keeps the forward bit for
+bit and saves what CUDA's kernel saves (input, weight, fp32 rstd: -8.6% saved memory on tiny), so
+CPU measurements of the memory estimate count the norm as a GPU does. No speed change.
 """
 
 from __future__ import annotations
@@ -23,9 +13,9 @@ import torch.nn.functional as F
 
 
 def enabled(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `rms_norm` runs the written-out backward: eager code on the CPU with input and
-    weight of one dtype, where F.rms_norm has no backward kernel (inductor fuses its own)."""
-    same_dtype = x.dtype == weight.dtype  # (else F.rms_norm does not call the fused op)
+    """Whether `rms_norm` runs the written-out backward: eager CPU code with input and weight of
+    one dtype (else F.rms_norm does not call the fused op; inductor fuses its own)."""
+    same_dtype = x.dtype == weight.dtype
     return x.device.type == "cpu" and same_dtype and not torch.compiler.is_compiling()
 
 
@@ -37,10 +27,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class _RMSNorm(torch.autograd.Function):
-    """F.rms_norm's forward; the backward with r = rstd, in fp32, in 7 passes over the input:
-
-    grad_x = r (g w) - x r^3 <g w, x> / D        grad_w = sum over rows of r (g x)
-    """
+    """F.rms_norm's forward; the backward in fp32 with r = rstd:
+    grad_x = r (g w) - x r^3 <g w, x> / D, grad_w = sum over rows of r (g x)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
