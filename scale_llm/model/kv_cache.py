@@ -6,14 +6,8 @@ import torch
 
 
 class KVCache:
-    """Holds k, v of shape (B, n_kv_heads, max_len, head_dim) per layer, allocated on first use
-    with the dtype the model produces (bf16 under autocast, fp32 otherwise).
-
-    Keys are kept in the head-dim order the model's RoPE left them in (rotated pairs adjacent in
-    eager fp32, half-split in 16 bits or compiled code): only attention reads them, against
-    queries rotated the same way, so one cache is filled and read in one precision, eager or
-    compiled (as `generate` does).
-    """
+    """k, v (B, n_kv_heads, max_len, head_dim) per layer, allocated on first use in the dtype
+    the model produces. Filled and read in one precision and mode (as `generate` does)."""
 
     def __init__(self, n_layers: int, max_len: int):
         self.max_len = max_len
