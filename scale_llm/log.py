@@ -1,8 +1,5 @@
 """Logging: INFO from the main rank, warnings and errors from every rank (tagged with the rank).
-
-Info lines are `HH:MM:SS message`; a warning or an error carries its level after the time
-(`HH:MM:SS WARNING: message`), so it stands out among the step lines and can be grepped.
-"""
+Lines are `HH:MM:SS message`; warnings and errors carry their level (`HH:MM:SS WARNING: ...`)."""
 
 from __future__ import annotations
 
@@ -12,8 +9,7 @@ import sys
 
 
 def _int_env(name: str, default: int) -> int:
-    """An integer from the environment; an unparsable one is reported by the launch plan
-    (scale_llm.config.plan.launch_env), so logging just falls back to the default here."""
+    """An integer from the environment, else `default` (the launch plan reports a bad one)."""
     try:
         return int(os.environ.get(name, default))
     except ValueError:
@@ -30,16 +26,13 @@ class _Formatter(logging.Formatter):
         )
 
     def format(self, record: logging.LogRecord) -> str:
-        if record.levelno >= logging.WARNING:
-            return self._marked.format(record)
-        return super().format(record)
+        marked = record.levelno >= logging.WARNING
+        return self._marked.format(record) if marked else super().format(record)
 
 
 def setup_logging(rank: int | None = None) -> None:
-    if rank is None:
-        rank = _int_env("RANK", 0)
-    world = _int_env("WORLD_SIZE", 1)
-    prefix = f"[rank {rank}] " if world > 1 else ""
+    rank = _int_env("RANK", 0) if rank is None else rank
+    prefix = f"[rank {rank}] " if _int_env("WORLD_SIZE", 1) > 1 else ""
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(_Formatter(prefix))
     handler.scale_llm_console = True  # the one handler this replaces on a second call
