@@ -1,17 +1,7 @@
-"""Activation checkpointing per transformer block, applied from outside the model definition.
-
-Modes (`activation_checkpointing.mode`):
-  none       every block keeps what its backward needs
-  full       every block keeps only its input and recomputes its forward during backward
-  every_k    blocks 0, k, 2k, ... are checkpointed (`activation_checkpointing.k`), the others
-             keep everything: a memory / recompute trade-off between none and full
-  selective  op-level: every block keeps the outputs of its matmuls and attention kernels and
-             recomputes the cheap element-wise ops (norms, casts, rotary, SiLU, products)
-
-All use torch.utils.checkpoint with use_reentrant=False, so numerics equal `none`. A block's
-`forward` is wrapped in place rather than the block being replaced by a wrapper module, so
-parameter names (and so checkpoints) are the same in every mode.
-"""
+"""Activation checkpointing per transformer block (`activation_checkpointing.mode`: none, full,
+every_k: blocks 0, k, 2k, ..., selective: matmul and attention outputs kept, element-wise ops
+recomputed). Non-reentrant, so numerics equal `none`; a block's `forward` is wrapped in place, so
+parameter names (and checkpoints) are the same in every mode."""
 
 from __future__ import annotations
 
@@ -52,7 +42,8 @@ def checkpointed_blocks(ac: ActivationCheckpointingConfig, n_layers: int) -> lis
 
 def apply_activation_checkpointing(model: nn.Module, ac: ActivationCheckpointingConfig) -> int:
     """Checkpoint the blocks of `model.layers` that `ac` selects; returns how many."""
-    context_fn = _selective_context if ac.mode == "selective" else None
+    selective = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)
+    context_fn = selective if ac.mode == "selective" else None
     chosen = checkpointed_blocks(ac, len(model.layers))
     for i in chosen:
         checkpoint_module(model.layers[i], context_fn)
@@ -61,10 +52,6 @@ def apply_activation_checkpointing(model: nn.Module, ac: ActivationCheckpointing
 
 def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _selective_context():
-    return create_selective_checkpoint_contexts(_keep_matmuls)
 
 
 def checkpoint_module(module: nn.Module, context_fn=None) -> None:
