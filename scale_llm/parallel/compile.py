@@ -1,10 +1,6 @@
-"""torch.compile per transformer block (`train.compile`), torchtitan's way.
-
-Each block's `forward` is compiled with `fullgraph=True` (a graph break is an error, not a silent
-slowdown). The blocks share one code object, so one graph serves every block; activation
-checkpointing (applied first) is traced as part of it. Compiling the bound `forward` rather than
-the module's `__call__` keeps the parameter names (and so checkpoints) unchanged and leaves
-module hooks (FSDP2's all-gathers, DeepSpeed's) outside the compiled region.
+"""torch.compile per transformer block (`train.compile`), torchtitan's way: each block's bound
+`forward` with `fullgraph=True` (one graph serves every block; a break is an error), so parameter
+names stay and module hooks (FSDP2's all-gathers, DeepSpeed's) stay outside the compiled region.
 """
 
 from __future__ import annotations
@@ -22,17 +18,12 @@ def compile_blocks(model: nn.Module) -> int:
     return len(model.layers)
 
 
-def _probe(x: torch.Tensor) -> torch.Tensor:
-    return torch.sin(x) * 2.0 + 1.0
-
-
 def toolchain_problem(device: torch.device) -> str | None:
-    """Why torch.compile cannot build kernels on `device` on this machine, in a sentence that
-    names what to install; None when it can. Inductor needs a C++ compiler for CPU kernels, and
-    Triton, a C compiler and Python's headers for GPU ones: without them the first compiled
-    step dies with inductor's traceback, so this compiles one small function first."""
+    """Why torch.compile cannot build kernels on `device` here, naming what to install (None:
+    it can), found by compiling one small function rather than dying in the first step."""
     try:
-        torch.compile(_probe, fullgraph=True)(torch.ones(8, device=device))
+        probe = torch.compile(lambda x: torch.sin(x) * 2.0 + 1.0, fullgraph=True)
+        probe(torch.ones(8, device=device))
     except Exception as e:  # inductor raises many types; every one means "cannot compile here"
         return _explain(e, device)
     return None
