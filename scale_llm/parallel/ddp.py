@@ -1,9 +1,5 @@
-"""DistributedDataParallel: every rank holds the whole model; gradients are all-reduced.
-
-Accumulation: non-final micro-steps run under `no_sync()`, so gradients are reduced once per
-optimizer step. After the reduction every rank holds the same gradients, so the local norm is the
-global norm and the optimizer state is replicated (torch.distributed.checkpoint writes it once).
-"""
+"""DistributedDataParallel: every rank holds the whole model; gradients are all-reduced once per
+step (non-final micro-steps under `no_sync()`), so the local norm is the global one."""
 
 from __future__ import annotations
 
@@ -21,16 +17,12 @@ from scale_llm.parallel.backend import Backend
 class DDPBackend(Backend):
     def wrap(self, model: Transformer, initial_weights: Mapping | None = None) -> nn.Module:
         if self.compile:
-            # Dynamo's DDPOptimizer would split each compiled block at gradient-bucket borders
-            # (3 graphs per 400m block at 25 MB buckets) so that a bucket's all-reduce can start
-            # inside the block's backward. Blocks are compiled one by one already, so the
-            # all-reduce of a block's buckets overlaps the backward of the block below it; a
-            # split costs fusion across its borders and activations saved at them, for overlap
-            # finer than one block that buys little. One graph per block.
+            # Dynamo's DDPOptimizer would split each compiled block at bucket borders; blocks
+            # compiled one by one already overlap a block's all-reduce with the next backward,
+            # and a split costs fusion and saved activations: one graph per block
             torch._dynamo.config.optimize_ddp = False
         model = super().wrap(model, initial_weights)
-        opts = self.cfg.parallel.ddp
-        device = self.plan.device
+        opts, device = self.cfg.parallel.ddp, self.plan.device
         self.zero_grads_in_place = opts.gradient_as_bucket_view
         return DDP(
             model,
