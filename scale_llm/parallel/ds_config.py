@@ -1,10 +1,5 @@
-"""The DeepSpeed config, generated in one place from the same YAML keys every backend reads.
-
-`train.micro_batch_size`, `train.grad_accum`, `train.grad_clip` and `train.precision` mean the
-same thing under DeepSpeed as elsewhere; `parallel.deepspeed.*` picks the ZeRO stage and offload.
-Experts may add raw entries in `parallel.deepspeed.config`; entries that would contradict the
-framework's own keys are refused (`config/parallel.py`), naming the key to use instead.
-"""
+"""The DeepSpeed config, generated in one place from the same YAML keys every backend reads, plus
+the raw entries of `parallel.deepspeed.config` (config/parallel.py refuses contradicting ones)."""
 
 from __future__ import annotations
 
@@ -54,13 +49,9 @@ def deepspeed_config(cfg: Config, plan: RunPlan) -> dict[str, Any]:
     if precision == "fp16" and offloaded_zero2 and plan.grad_accum > 1:
         generated["data_types"] = {"grad_accum_dtype": "fp32"}  # (the offload reason below)
     if precision == "bf16" and ds.zero_stage >= 1:
-        # gradients reduced over the ranks in fp32, as FSDP2's reduce_dtype does (DeepSpeed's
-        # default for bf16 is bf16), and under ZeRO-2/3 summed over the micro-steps in fp32
-        # too. ZeRO-2 with optimizer offload then keeps the fp32 sums in a partition on the GPU
-        # (4 B/param / world), copied to the host once per step, instead of 16-bit copies sent
-        # to the GPU and back on every micro-step (`async_accumulate_grad_in_cpu_via_gpu`).
-        # ZeRO-0 and -1 have no such path that keeps DeepSpeed's checkpoint format (stage 1's
-        # is its BF16_Optimizer): the preflight says so.
+        # gradients reduced in fp32 as FSDP2's are (DeepSpeed's bf16 default: bf16), and under
+        # ZeRO-2/3 summed over micro-steps in fp32 too (with offload: one copy to the host a
+        # step, not 16-bit round trips per micro-step); ZeRO-0/1 have no such path
         generated["communication_data_type"] = "fp32"
         if ds.zero_stage >= 2:
             generated["data_types"] = {"grad_accum_dtype": "fp32"}
