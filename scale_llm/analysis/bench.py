@@ -25,11 +25,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+from scale_llm.analysis.memory import estimate
+from scale_llm.analysis.memory.estimate import estimate_layout
 from scale_llm.analysis.memory.host import check_host_memory, host_memory_problem
+from scale_llm.components import checkpoint as ck
+from scale_llm.components import digests
+from scale_llm.components.distributed import barrier, is_distributed, rank_and_world
 from scale_llm.components.hardware import cuda_memory_gib, peak_flops
 from scale_llm.components.loss import plain_cross_entropy
+from scale_llm.components.serialization import background_save, kept_stager
 from scale_llm.config import ActivationCheckpointingConfig, Config, compiles, with_changes
 from scale_llm.config.plan import RunPlan
 from scale_llm.errors import UserError
@@ -50,9 +57,8 @@ def synchronize(device: torch.device) -> None:
 
 
 def fresh_start(device: torch.device) -> None:
-    """Before a measurement in a process that measured something else: free the last one's
-    models (compiled and checkpointed blocks hold reference cycles) and forget what torch.compile
-    saw (other shapes would compile with dynamic shapes, each recompilation counting to a limit)."""
+    """Free the last measurement's models (compiled blocks hold reference cycles) and what
+    torch.compile saw (other shapes would compile dynamic, each recompile counting to a limit)."""
     gc.collect()
     torch._dynamo.reset()
     if device.type == "cuda":
@@ -68,35 +74,23 @@ def preflight(cfg: Config, plan: RunPlan, **host: int) -> None:
 
 def bench(cfg: Config, plan: RunPlan, steps: int = 10, warmup: int = 3) -> dict[str, Any]:
     preflight(cfg, plan)  # before the model is allocated
-    device = plan.device
+    device, m = plan.device, cfg.model
     fresh_start(device)
     backend = build_backend(cfg, plan)
-    model = build_model(cfg.model)
-    flops_per_token = model.flops_per_token()
-    causal_flops_per_token = model.flops_per_token(causal=True)
+    model = build_model(m)
+    flops = {"mfu": model.flops_per_token(), "mfu_causal": model.flops_per_token(causal=True)}
     n_params = model.num_params()
     wrapped = backend.setup(model)
-    m = cfg.model
     # drawn on the device: no host-to-device copy (a synchronizing one, from pageable memory)
     # inside the timed steps; the trainer's loader copies from pinned memory without blocking
     gen = torch.Generator(device=device).manual_seed(cfg.run.seed + plan.rank)
-
-    def batches():
-        shape = (plan.micro_batch_size, m.seq_len + 1)
-        draw = lambda: torch.randint(0, m.vocab_size, shape, generator=gen, device=device)
-        return [(t[:, :-1], t[:, 1:]) for t in (draw() for _ in range(plan.grad_accum))]
-
+    shape = (plan.micro_batch_size, m.seq_len + 1)
+    draw = lambda: torch.randint(0, m.vocab_size, shape, generator=gen, device=device)
+    batches = lambda: [(t[:, :-1], t[:, 1:]) for t in (draw() for _ in range(plan.grad_accum))]
+    step = lambda: optimizer_step(backend, wrapped, batches())[0]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    for _ in range(warmup):
-        optimizer_step(backend, wrapped, batches())
-    synchronize(device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        loss, _ = optimizer_step(backend, wrapped, batches())
-    loss.item()
-    synchronize(device)
-    seconds = (time.perf_counter() - start) / steps
+    seconds = interleaved_times({"bench": step}, 1, steps, device, warmup=warmup)["bench"][0]
     tokens = plan.tokens_per_step_per_rank
     result: dict[str, Any] = {
         "params": n_params,
@@ -108,8 +102,7 @@ def bench(cfg: Config, plan: RunPlan, steps: int = 10, warmup: int = 3) -> dict[
     }
     peak = peak_flops(device, plan.precision, cfg.logging.peak_tflops)
     if peak:  # MFU counts attention whole (the convention); mfu_causal, the half computed
-        result["mfu"] = flops_per_token * tokens / seconds / peak
-        result["mfu_causal"] = causal_flops_per_token * tokens / seconds / peak
+        result |= {key: per_token * tokens / seconds / peak for key, per_token in flops.items()}
     result.update(cuda_memory_gib(device))
     return result
 
@@ -191,10 +184,9 @@ def bench_reference(
     rounds: int = 5,
     kind: str = "bare",
 ) -> dict[str, Any]:
-    """The framework's step against a reference on the same batches, interleaved in one process,
-    best of `rounds`, with the median of the rounds' ratios and its bootstrap 95% interval:
-    "bare" (the same model in a bare loop: the overhead, in %), "gpt2" (a GPT-2-style model of
-    the same widths, per FLOP), "eager" (compiled against eager; < 0: compiled is faster)."""
+    """The framework's step against a reference on the same batches, interleaved, best of
+    `rounds` and the median ratio's bootstrap 95% interval: "bare" (the same model in a bare
+    loop), "gpt2" (a GPT-2-style model of the same widths, per FLOP), "eager" (uncompiled)."""
     if plan.world_size != 1:
         raise UserError(
             f"bench --reference {kind} compares one process; launch it without torchrun (under "
@@ -216,19 +208,13 @@ def bench_reference(
     shape = (plan.micro_batch_size * plan.grad_accum, m.seq_len + 1)
     tokens = torch.randint(0, m.vocab_size, shape, generator=gen).to(device)
     batches = [(b[:, :-1], b[:, 1:]) for b in tokens.split(plan.micro_batch_size)]
-
-    def run_framework() -> torch.Tensor:
-        return optimizer_step(backend, framework, batches)[0]
-
+    run_framework = lambda: optimizer_step(backend, framework, batches)[0]
     if kind == "eager":  # the same backend and seed, compile off
         eager_backend = build_backend(with_changes(cfg, {"train.compile": False}), plan)
         eager = eager_backend.setup(build_model(m))
         eager_backend.set_lr(t.lr)
         flops_reference = flops_framework
-
-        def run_reference() -> torch.Tensor:
-            return optimizer_step(eager_backend, eager, batches)[0]
-
+        run_reference = lambda: optimizer_step(eager_backend, eager, batches)[0]
     else:
         torch.manual_seed(cfg.run.seed)  # the same initial weights as the backend drew
         if kind == "bare":
@@ -253,13 +239,11 @@ def bench_reference(
             with backend.precision.autocast():  # (fp32: no autocast)
                 return reference_step(bare, optimizer, batches, t.grad_clip, loss_fn)
 
-    first = (run_framework().item(), run_reference().item())  # same weights, same batch
-    for _ in range(warmup):
-        run_framework(), run_reference()
-    times = interleaved_times(
-        {"framework": run_framework, "reference": run_reference}, rounds, steps, device
-    )
+    fns = {"framework": run_framework, "reference": run_reference}
+    first = {name: fn().item() for name, fn in fns.items()}  # same weights, same batch
+    times = interleaved_times(fns, rounds, steps, device, warmup=warmup)
     best = {name: min(seconds) for name, seconds in times.items()}
+    flops = {"framework": flops_framework, "reference": flops_reference}
     tokens = plan.tokens_per_step
     # time per FLOP of the framework over the reference's, in each round (its two runs were
     # neighbours, so a machine that slows for a while slows both): their median is the
@@ -275,14 +259,10 @@ def bench_reference(
         "compile": compiles(t, device.type),
         "activation_checkpointing": cfg.activation_checkpointing.mode,
         "tokens_per_step": tokens,
-        "first_loss_framework": first[0],
-        "first_loss_reference": first[1],
-        "flops_per_token_framework": flops_framework,
-        "flops_per_token_reference": flops_reference,
-        "ms_per_step_framework": best["framework"] * 1e3,
-        "ms_per_step_reference": best["reference"] * 1e3,
-        "model_tflops_framework": flops_framework * tokens / best["framework"] / 1e12,
-        "model_tflops_reference": flops_reference * tokens / best["reference"] / 1e12,
+        **{f"first_loss_{name}": first[name] for name in fns},
+        **{f"flops_per_token_{name}": flops[name] for name in fns},
+        **{f"ms_per_step_{name}": best[name] * 1e3 for name in fns},
+        **{f"model_tflops_{name}": flops[name] * tokens / best[name] / 1e12 for name in fns},
         # bare: time overhead of the framework; gpt2: how much less FLOP/s it gets (< 0: more);
         # eager: compiled step time over eager's (< 0: compiled is faster)
         "overhead_percent": (best_ratio - 1) * 100,
@@ -307,10 +287,14 @@ def median_interval(
 
 
 def interleaved_times(
-    fns: dict[str, Any], rounds: int, steps: int, device: torch.device, before=None
+    fns: dict[str, Any], rounds: int, steps: int, device: torch.device, before=None, warmup=0
 ) -> dict[str, list[float]]:
-    """Seconds per step of each function in each round, the order reversed every other round
-    (neither always runs on the other's leftovers); `before` runs ahead of each (a barrier)."""
+    """Seconds per step of each function in each round after `warmup` calls of each, the order
+    reversed every other round (neither always runs on the other's leftovers); `before` runs
+    ahead of each (a barrier)."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     for r in range(rounds):
         for name in list(fns) if r % 2 == 0 else list(fns)[::-1]:
@@ -329,12 +313,9 @@ def interleaved_times(
 def bench_scaling(
     cfg: Config, plan: RunPlan, steps: int = 10, warmup: int = 3, rounds: int = 5
 ) -> dict[str, Any]:
-    """Weak scaling: this launch's step on all N ranks against the same per-rank step on rank 0
-    alone (the others wait), interleaved, best of `rounds`; efficiency = time alone / together
-    (1.0: nothing lost), with the median of the rounds' pairs and its bootstrap 95% interval.
+    """Weak scaling: this launch's step on all N ranks against rank 0 alone (the others wait),
+    interleaved as bench_reference; efficiency = time alone / together (1.0: nothing lost).
     Rank 0 holds both models; only DDP's first losses match the one-process backend's."""
-    import torch.distributed as dist
-
     if plan.world_size < 2:
         raise UserError(SCALING_NEEDS_A_WORLD)
     preflight(cfg, plan)
@@ -358,20 +339,14 @@ def bench_scaling(
     shape = (plan.micro_batch_size * plan.grad_accum, m.seq_len + 1)
     tokens = torch.randint(0, m.vocab_size, shape, generator=gen, device=device)
     batches = [(b[:, :-1], b[:, 1:]) for b in tokens.split(plan.micro_batch_size)]
-
     idle = torch.zeros((), device=device)
-
-    def run_together() -> torch.Tensor:
-        return optimizer_step(backend, together, batches)[0]
-
-    def run_alone() -> torch.Tensor:  # the other ranks: nothing (they wait at the barrier)
-        return optimizer_step(alone_backend, alone, batches)[0] if plan.is_main else idle
-
-    first = {"together": run_together(), "alone": run_alone()}  # same weights, same batch
-    for _ in range(warmup):
-        run_together(), run_alone()
-    fns = {"together": run_together, "alone": run_alone}
-    times = interleaved_times(fns, rounds, steps, device, before=dist.barrier)
+    fns = {
+        "together": lambda: optimizer_step(backend, together, batches)[0],
+        # the other ranks: nothing (they wait at the barrier)
+        "alone": lambda: optimizer_step(alone_backend, alone, batches)[0] if plan.is_main else idle,
+    }
+    first = {name: fn() for name, fn in fns.items()}  # same weights, same batch
+    times = interleaved_times(fns, rounds, steps, device, before=dist.barrier, warmup=warmup)
     dist.barrier()
     best = {name: min(seconds) for name, seconds in times.items()}
     paired = [a / t for a, t in zip(times["alone"], times["together"])]
@@ -507,20 +482,14 @@ def bench_sweep(
 ) -> list[dict[str, Any]]:
     """`bench` over backend x micro-batch x checkpointing x compile (grad_accum 1), each row with
     the estimate beside the measured peak; out-of-memory is a row. `backends`: of BACKENDS."""
-    from scale_llm.analysis.memory import estimate
-    from scale_llm.analysis.memory.estimate import estimate_layout
-    from scale_llm.components.distributed import start
+    from scale_llm.components.distributed import start  # (looked up here: tests replace it)
 
     rows = []
     sweep = itertools.product(backends or [None], compiles, modes, micro_batches)
     for backend, compile_, mode, mb in sweep:
-        changes = {
-            "train.compile": compile_,
-            "activation_checkpointing.mode": mode,
-            "train.micro_batch_size": mb,
-            "train.grad_accum": 1,
-            "train.global_batch_size": None,
-        }
+        changes = {"train.compile": compile_, "activation_checkpointing.mode": mode}
+        changes |= {"train.micro_batch_size": mb, "train.grad_accum": 1}
+        changes["train.global_batch_size"] = None
         if backend is not None:
             changes.update(backend_changes(backend, plan.world_size))
         c = with_changes(cfg, changes)
@@ -533,8 +502,7 @@ def bench_sweep(
         if p.backend != "single":
             start(p)  # (a no-op once the process group exists)
         row: dict[str, Any] = {"backend": backend or plan.backend, "micro_batch": mb}
-        row["activation_checkpointing"] = mode
-        row["compile"] = compile_
+        row |= {"activation_checkpointing": mode, "compile": compile_}
         est = estimate(c, p)
         row["predicted_gib"] = est.total / 2**30
         # max_memory_allocated sees no allocator slack: compare it with the peak itself
@@ -588,10 +556,9 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 
 
 def bench_checkpoint(cfg: Config, plan: RunPlan, directory: Path, rounds: int = 2) -> list[dict]:
-    """Time checkpoint saves, `rounds` times each, interleaved, in a new private folder inside
-    `directory` (removed afterwards): "plain" (save + fsync), "with record" (as
-    `Checkpointer.save` in the foreground; the record alone and its check timed too), "async" /
-    "async_with_pinned_mem" (`blocking_s` holds the step, `save_s` until it is published)."""
+    """Checkpoint saves timed `rounds` times each in a new private folder in `directory`: "plain"
+    (save + fsync), "with record" (as `Checkpointer.save`), "async" / "async_with_pinned_mem"
+    (`blocking_s` holds the step, `save_s` until it is published)."""
     preflight(cfg, plan, staging=1)
     backend = build_backend(cfg, plan)
     model = backend.setup(build_model(cfg.model))
@@ -607,17 +574,12 @@ BACKGROUND = ("async", "async_with_pinned_mem")  # checkpoint.async_mode's value
 
 
 def _time_checkpoints(backend, plan: RunPlan, private: Path, rounds: int) -> list[dict]:
-    from scale_llm.components.distributed import barrier
-    from scale_llm.components.serialization import background_save
-
-    rows = []
-    main = plan.is_main
-    kinds = FOREGROUND + BACKGROUND
-    if plan.backend == "deepspeed":  # its engine saves in the foreground only
-        kinds = FOREGROUND
-        if main:
-            log.info("bench: DeepSpeed saves in the foreground only; no async rows")
-    background = background_save("async", plan.device) if kinds != FOREGROUND else None
+    rows, main = [], plan.is_main
+    foreground_only = plan.backend == "deepspeed"  # its engine saves in the foreground only
+    if foreground_only and main:
+        log.info("bench: DeepSpeed saves in the foreground only; no async rows")
+    kinds = FOREGROUND if foreground_only else FOREGROUND + BACKGROUND
+    background = None if foreground_only else background_save("async", plan.device)
     said = logging.getLogger("scale_llm.components.checkpoint")  # (stdout holds the rows only)
     level = said.level
     said.setLevel(logging.WARNING)
@@ -644,10 +606,6 @@ def _time_checkpoints(backend, plan: RunPlan, private: Path, rounds: int) -> lis
 
 
 def _time_foreground_save(backend, main: bool, directory: Path, kind: str) -> dict[str, Any]:
-    from scale_llm.components import checkpoint as ck
-    from scale_llm.components import digests
-    from scale_llm.components.distributed import barrier, rank_and_world
-
     plain = kind == "plain"
     start = time.perf_counter()
     with contextlib.nullcontext() if plain else digests.recording() as hashed:
@@ -687,14 +645,10 @@ def _time_background_saves(
     """A save as the trainer makes it with checkpoint.async_mode=`kind`: until `save` returns
     (`blocking_s`), then until it is published. async_with_pinned_mem's kept copy lives for the
     round only; its first save, which allocates it, is `first_blocking_s`, the next is timed."""
-    from scale_llm.components.checkpoint import Checkpointer, damage
-    from scale_llm.components.distributed import barrier
-    from scale_llm.components.serialization import kept_stager
-
     row: dict[str, Any] = {}
     if kind == "async_with_pinned_mem":
         background = dataclasses.replace(background, stager=kept_stager(backend.plan.device))
-    checkpointer = Checkpointer(directory, 1, main, background.group)
+    checkpointer = ck.Checkpointer(directory, 1, main, background.group)
     try:
         for step in (1, 2) if background.stager else (1,):
             start = time.perf_counter()
@@ -710,7 +664,7 @@ def _time_background_saves(
         if background.stager is not None:
             background.stager.close()  # the kept copy freed
     if main:
-        assert damage(path) is None
+        assert ck.damage(path) is None
         row["gb"] = _gigabytes(path)  # (the last checkpoint: the first one is still there)
     return row
 
@@ -722,10 +676,6 @@ def _gigabytes(directory: Path) -> float:
 @contextlib.contextmanager
 def shared_private_dir(parent: Path, prefix: str, is_main: bool) -> Iterator[Path]:
     """`files.private_dir` made and removed by the main rank, its path given to every rank."""
-    import torch.distributed as dist
-
-    from scale_llm.components.distributed import barrier, is_distributed
-
     with contextlib.ExitStack() as stack:
         path = [stack.enter_context(private_dir(parent, prefix)) if is_main else None]
         if is_distributed():
