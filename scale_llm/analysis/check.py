@@ -25,9 +25,10 @@ from typing import Any
 import torch
 
 from scale_llm.analysis.bench import bench_reference, bench_sweep, fresh_start, markdown_table
+from scale_llm.analysis.memory import estimate
 from scale_llm.components.distributed import shutdown_distributed
 from scale_llm.config import Config, load_config, save_config, with_changes
-from scale_llm.config.plan import Launch, resolve_plan
+from scale_llm.config.plan import Launch, resolve_plan, target_plan
 from scale_llm.data.prepare import prepare
 from scale_llm.errors import UserError
 from scale_llm.files import (
@@ -239,9 +240,6 @@ def _shm_row(cuda: bool, path: str = "/dev/shm") -> dict[str, Any]:
 
 def offload_host_bytes() -> float:
     """Host bytes per rank yaml/7b-1xh200.yaml's optimizer offload needs, by the estimate."""
-    from scale_llm.analysis.memory import estimate
-    from scale_llm.config.plan import target_plan
-
     cfg = load_config(YAML / "7b-1xh200.yaml")
     return sum(estimate(cfg, target_plan(cfg, 1)).cpu.values())
 
