@@ -12,19 +12,18 @@ import errno
 import importlib.util
 import json
 import logging
+import math
 import os
 import re
 import sys
 from pathlib import Path
 
-from scale_llm.config import Config, compiles, load_config
+from scale_llm.config import Config, compiles, load_config, with_changes
 from scale_llm.errors import UserError
 from scale_llm.log import setup_logging
 from scale_llm.version import __version__
 
 log = logging.getLogger("scale_llm")
-
-
 KEYS_EPILOG = (
     "every config key, with its type, default and meaning: scale-llm config --keys; the "
     "config a command would run with: scale-llm config CONFIG [--set ...]"
@@ -32,8 +31,8 @@ KEYS_EPILOG = (
 
 
 class HelpFormatter(argparse.HelpFormatter):
-    """Each option's help ends with its default where it has one (not `None` or `False`, which
-    say nothing: an option without a default says in its help what leaving it out means)."""
+    """Each option's help ends with its default where it has one (not `None` or `False`: an
+    option without one says in its help what leaving it out means)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text, default = action.help or "", action.default
@@ -60,19 +59,14 @@ def _add_set(p: argparse.ArgumentParser, help: str) -> None:
 
 def _add_config_args(p: argparse.ArgumentParser, training: bool = True) -> None:
     """CONFIG and --set (and with `training`, the seed's familiar flags as aliases of keys)."""
-    p.epilog = p.epilog or KEYS_EPILOG
+    p.epilog = KEYS_EPILOG
     p.add_argument("config", nargs="?", help="YAML config (default: the built-in tiny defaults)")
-    _add_set(
-        p,
-        "override any config key (scale-llm config --keys lists them), e.g. --set "
-        "train.lr=3e-4 (repeatable; --train.lr 3e-4 and --train.lr=3e-4 work too)",
-    )
-    p.add_argument(
-        "--run-name",
-        metavar="NAME",
-        help="alias of run.name: the run directory is <run.dir>/NAME, e.g. --run-name tiny-lr3e-4 "
-        "for a new experiment beside a finished run (default: the config's run.name)",
-    )
+    over = "override any config key (scale-llm config --keys lists them), e.g. --set "
+    over += "train.lr=3e-4 (repeatable; --train.lr 3e-4 and --train.lr=3e-4 work too)"
+    _add_set(p, over)
+    name = "alias of run.name: the run directory is <run.dir>/NAME, e.g. --run-name tiny-lr3e-4 "
+    name += "for a new experiment beside a finished run (default: the config's run.name)"
+    p.add_argument("--run-name", metavar="NAME", help=name)
     # the deepspeed launcher appends --local_rank=N; the rank is read from the environment
     p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     p.set_defaults(grad_accum=None, grad_checkpointing=False, amp=False, amp_dtype=None)
@@ -125,12 +119,9 @@ def _config_parser(sub) -> None:
     _flag(p, "--markdown", "--keys as docs/config.md's generated tables")
     where = "where the shipped configs and launchers are (in a checkout or an installed wheel)"
     _flag(p, "--paths", where)
-    _flag(
-        p,
-        "--preflight",
-        "run train's preflight for this machine (data, run dir, resume, init_from, memory, "
-        "toolchain, eval.tasks) and print its verdict; writes nothing",
-    )
+    preflight = "run train's preflight for this machine (data, run dir, resume, init_from, memory, "
+    preflight += "toolchain, eval.tasks) and print its verdict; writes nothing"
+    _flag(p, "--preflight", preflight)
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -180,12 +171,9 @@ def _prepare_parser(sub) -> None:
     bench = "only measure tokens/s of the pipeline vs a plain encode loop (writes nothing)"
     _flag(p, "--bench", bench)
     p.add_argument("--bench-mb", type=float, default=16.0, help="MB of text for --bench")
-    _flag(
-        p,
-        "--as-train",
-        "read every other argument as `train` would (its flags allowed and checked) and "
-        "prepare that run's data: what the launchers run before training",
-    )
+    as_train = "read every other argument as `train` would (its flags allowed and checked) and "
+    as_train += "prepare that run's data: what the launchers run before training"
+    _flag(p, "--as-train", as_train)
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -194,8 +182,6 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     if not args.bench:
         prepare(config_from_args(args), force=args.force)
         return 0
-    import math
-
     from scale_llm.data.prepare_bench import bench_prepare, format_report
 
     if not (math.isfinite(args.bench_mb) and args.bench_mb * 1e6 >= 1):
@@ -266,7 +252,6 @@ def fit_at_launch(cfg: Config, plan, size: str):
     import torch
 
     from scale_llm.analysis import memory
-    from scale_llm.config import with_changes
     from scale_llm.config.plan import launch_env, resolve_plan
 
     if size == "auto":
@@ -297,12 +282,9 @@ def fit_at_launch(cfg: Config, plan, size: str):
 def _train_parser(sub) -> None:
     p = _command(sub, "train", "train a model")
     _add_config_args(p)
-    p.add_argument(
-        "--fit",
-        metavar="SIZE|auto",
-        help="before training, choose micro-batch, grad_accum and checkpointing to fit SIZE per "
-        "GPU (e.g. 80GiB; auto: the GPU's free memory), keeping the global batch",
-    )
+    fit = "before training, choose micro-batch, grad_accum and checkpointing to fit SIZE per "
+    fit += "GPU (e.g. 80GiB; auto: the GPU's free memory), keeping the global batch"
+    p.add_argument("--fit", metavar="SIZE|auto", help=fit)
     _flag(p, "--report-memory", "print the predicted per-GPU memory before training")
 
 
@@ -334,28 +316,18 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _estimate_parser(sub) -> None:
     p = _command(sub, "estimate", "predict per-GPU memory; --fit proposes settings")
     _add_config_args(p)
-    p.add_argument(
-        "--world-size",
-        type=int,
-        metavar="N",
-        help="GPUs the run will use (default: $WORLD_SIZE; else the config's "
-        "parallel.world_size, as the shipped multi-GPU configs set it; else 1)",
-    )
+    world = "GPUs the run will use (default: $WORLD_SIZE; else the config's "
+    world += "parallel.world_size, as the shipped multi-GPU configs set it; else 1)"
+    p.add_argument("--world-size", type=int, metavar="N", help=world)
     _flag(p, "--json", "print one JSON object")
     p.add_argument("--fit", metavar="SIZE", help="memory per GPU to fit in, e.g. 80GiB")
-    _flag(
-        p,
-        "--measure",
-        "also count the activation bytes a CPU forward pass saves for backward, and "
-        "measure one whole optimizer step on the CPU by category (params, grads, optimizer, "
-        "activations, temporaries)",
-    )
-    _flag(
-        p,
-        "--fake",
-        "also trace one whole optimizer step at full size on fake tensors (no memory "
-        "used) for rank 0 of --world-size GPUs, by category, next to the estimate",
-    )
+    measure = "also count the activation bytes a CPU forward pass saves for backward, and "
+    measure += "measure one whole optimizer step on the CPU by category (params, grads, optimizer, "
+    measure += "activations, temporaries)"
+    _flag(p, "--measure", measure)
+    fake = "also trace one whole optimizer step at full size on fake tensors (no memory "
+    fake += "used) for rank 0 of --world-size GPUs, by category, next to the estimate"
+    _flag(p, "--fake", fake)
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
@@ -380,7 +352,6 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     text.append(memory.format_report(est, cfg, plan, args.config or "defaults"))
     if args.measure:  # builds the whole model on this host: refused first if it cannot fit
         from scale_llm.analysis.memory.measure import format_measurement, measure_step
-        from scale_llm.config import with_changes
         from scale_llm.config.plan import resolve_plan
 
         here = with_changes(cfg, {"train.device": "cpu", "train.compile": False})
@@ -426,48 +397,36 @@ def _bench_parser(sub) -> None:
     _add_config_args(p)
     p.add_argument("--steps", type=int, default=10, help="timed optimizer steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
-    p.add_argument(
-        "--reference",
-        nargs="?",
-        const="bare",
-        choices=["bare", "gpt2", "eager", "scaling"],
-        help="time the framework's step against a bare PyTorch loop of the same model (bare, "
-        "what --reference alone means), of a GPT-2-style model of the same widths (gpt2), or "
-        "compiled against eager (eager), or, under torchrun, the step of every process "
-        "against one of them alone (scaling: weak-scaling efficiency); interleaved, best of "
-        "--rounds, with the median of the rounds' pairs",
-    )
+    reference = "time the framework's step against a bare PyTorch loop of the same model (bare, "
+    reference += "what --reference alone means), of a GPT-2-style model of the same widths (gpt2), "
+    reference += "or compiled against eager (eager), or, under torchrun, the step of every process "
+    reference += "against one of them alone (scaling: weak-scaling efficiency); interleaved, best "
+    reference += "of --rounds, with the median of the rounds' pairs"
+    kinds = ["bare", "gpt2", "eager", "scaling"]
+    p.add_argument("--reference", nargs="?", const="bare", choices=kinds, help=reference)
     p.add_argument("--rounds", type=int, default=5, help="--reference: timed rounds of each")
     _flag(p, "--sweep", "a table over --sweep-micro x --sweep-ac x --sweep-compile (grad_accum 1)")
     p.add_argument("--sweep-micro", default="1,2,4,8", help="micro-batch sizes to sweep")
     p.add_argument("--sweep-ac", default="none,selective,full", help="checkpointing modes")
     p.add_argument("--sweep-compile", default="false,true", help="compile settings")
-    p.add_argument(
-        "--sweep-backend",
-        help="backends to sweep (default: the config's): single (one process), or under a "
-        "multi-process launch ddp, fsdp, fsdp-tpN (FSDP2 x tensor parallelism N), "
-        "zero0..zero3 (DeepSpeed), e.g. ddp,fsdp,fsdp-tp2,zero2",
-    )
-    p.add_argument(
-        "--checkpoint-io",
-        metavar="DIR",
-        help="time a checkpoint save (in the foreground, with and without its integrity "
-        "record, and in the background as checkpoint.async_mode writes it: the time it holds "
-        "the step), its record and its check, in a new folder inside DIR (removed afterwards; "
-        "nothing else in DIR is touched)",
-    )
+    backends = "backends to sweep (default: the config's): single (one process), or under a "
+    backends += "multi-process launch ddp, fsdp, fsdp-tpN (FSDP2 x tensor parallelism N), "
+    backends += "zero0..zero3 (DeepSpeed), e.g. ddp,fsdp,fsdp-tp2,zero2"
+    p.add_argument("--sweep-backend", help=backends)
+    io = "time a checkpoint save (in the foreground, with and without its integrity "
+    io += "record, and in the background as checkpoint.async_mode writes it: the time it holds "
+    io += "the step), its record and its check, in a new folder inside DIR (removed afterwards; "
+    io += "nothing else in DIR is touched)"
+    p.add_argument("--checkpoint-io", metavar="DIR", help=io)
     roofline = "no run: count FLOPs and bytes of one step on the meta device, per op class"
-    p.add_argument(
-        "--roofline", choices=["H100-SXM", "H100-500W", "H200", "A100-80GB"], help=roofline
-    )
-    world = (
-        "--roofline: GPUs the run will use (default: $WORLD_SIZE, else parallel.world_size, else 2)"
-    )
+    devices = ["H100-SXM", "H100-500W", "H200", "A100-80GB"]
+    p.add_argument("--roofline", choices=devices, help=roofline)
+    world = "--roofline: GPUs the run will use "
+    world += "(default: $WORLD_SIZE, else parallel.world_size, else 2)"
     p.add_argument("--world-size", type=int, metavar="N", help=world)
-    network = (
-        "--roofline: the link between nodes of 8 GPUs that collectives spanning nodes run on: "
-        "ib-ndr (InfiniBand, 400 Gb/s per GPU; the default) or eth-100g (100 Gb/s per node)"
-    )
+    network = "--roofline: the link between nodes of 8 GPUs that collectives spanning nodes "
+    network += "run on: ib-ndr (InfiniBand, 400 Gb/s per GPU; the default) or eth-100g "
+    network += "(100 Gb/s per node)"
     p.add_argument("--network", choices=["ib-ndr", "eth-100g"], help=network)
     _flag(p, "--json", "print one JSON object")
 
@@ -550,20 +509,14 @@ def _check_parser(sub) -> None:
     p = _command(sub, "check", summary)
     p.add_argument("out", nargs="?", default="check", help="directory for report.json / .md")
     p.add_argument("--steps", type=int, default=8, help="steps of each tiny.yaml curve")
-    _add_set(
-        p,
-        "override a config key of every run the check makes, e.g. --set "
-        "train.micro_batch_size=4 (repeatable; scale-llm config --keys lists the keys)",
-    )
+    over = "override a config key of every run the check makes, e.g. --set "
+    over += "train.micro_batch_size=4 (repeatable; scale-llm config --keys lists the keys)"
+    _add_set(p, over)
     scratch = "where the check's data and runs go (default: TMPDIR/scale-llm-check, reused)"
     p.add_argument("--scratch", help=scratch)
-    p.add_argument(
-        "--budget-min",
-        type=float,
-        metavar="MINUTES",
-        help="start no item after this many minutes (the report says which were skipped); "
-        "default: no limit",
-    )
+    budget = "start no item after this many minutes (the report says which were skipped); "
+    budget += "default: no limit"
+    p.add_argument("--budget-min", type=float, metavar="MINUTES", help=budget)
     only = "a comma list of curves, sweep, reference, param_dtype, scaling (default: all)"
     p.add_argument("--only", metavar="SECTIONS", help=only)
 
@@ -638,13 +591,8 @@ def _eval_parser(sub) -> None:
     p.add_argument("run_dir", help="a run directory; its newest good checkpoint is evaluated")
     p.add_argument("--tasks", metavar="T1,T2", help="lm-eval task names")
     p.add_argument("--include-path", metavar="DIR", help="a folder of extra task YAMLs")
-    p.add_argument(
-        "--limit",
-        type=int,
-        metavar="N",
-        help="at most N examples per task (and N validation windows for --perplexity); "
-        "default: all",
-    )
+    limit = "at most N examples per task (and N validation windows for --perplexity); default: all"
+    p.add_argument("--limit", type=int, metavar="N", help=limit)
     fewshot = "examples shown before each question (default: each task's own setting)"
     p.add_argument("--num-fewshot", type=int, metavar="K", help=fewshot)
     batch = "sequences per forward pass of the model"
@@ -683,7 +631,6 @@ ONE_PROCESS = {
 
 def _one_process_plan(cfg: Config):
     """The plan of a run's config as one process on whatever this machine has."""
-    from scale_llm.config import with_changes
     from scale_llm.config.plan import Launch, resolve_plan
 
     return resolve_plan(with_changes(cfg, ONE_PROCESS), Launch())
@@ -691,8 +638,6 @@ def _one_process_plan(cfg: Config):
 
 def generation_problems(args: argparse.Namespace) -> list[str]:
     """Sampling settings that would fail deep inside torch (or silently mean something else)."""
-    import math
-
     e = []
     if args.max_new_tokens < 1:
         e.append("--max-new-tokens must be at least 1")
@@ -745,15 +690,11 @@ def _generate_parser(sub) -> None:
     p = _command(sub, "generate", "sample text from a trained run")
     p.add_argument("run_dir", help="a run directory written by `scale-llm train`, e.g. runs/tiny")
     given = p.add_mutually_exclusive_group()
-    given.add_argument(
-        "--prompt", default="", help="text to continue (default: none: a new document)"
-    )
-    given.add_argument(
-        "--prompt-file",
-        metavar="PATH",
-        help="read the prompt from a UTF-8 text file, as it is (a final newline included), or "
-        "from standard input with -",
-    )
+    prompt = "text to continue (default: none: a new document)"
+    given.add_argument("--prompt", default="", help=prompt)
+    prompt_file = "read the prompt from a UTF-8 text file, as it is (a final newline included), "
+    prompt_file += "or from standard input with -"
+    given.add_argument("--prompt-file", metavar="PATH", help=prompt_file)
     p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate")
     p.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
     p.add_argument("--top-k", type=int, default=50, help="0 disables")
