@@ -478,33 +478,25 @@ def _sample(pool: list[Document], cfg: Config) -> Iterator[str]:
 
 
 def _tokenize(
-    cfg: Config,
-    source,
-    out: Path,
-    stream: Iterable[Document],
-    progress: dict[str, Any],
-    writers: dict[str, ShardWriter],
+    cfg: Config, source, out: Path, stream: Iterable[Document], progress: dict, writers: dict
 ) -> None:
     """Encode the stream into the writers, checkpointing progress; stops at data.max_tokens."""
     max_tokens = cfg.data.max_tokens
-    if progress["capped"] or (max_tokens is not None and progress["tokens"] >= max_tokens):
+    reached = lambda: max_tokens is not None and progress["tokens"] >= max_tokens
+    if progress["capped"] or reached():
         return
-    total = min(
-        filter(None, [getattr(source, "num_rows", None), cfg.data.max_documents]), default=None
-    )
+    rows = getattr(source, "num_rows", None)
+    total = min(filter(None, [rows, cfg.data.max_documents]), default=None)
     bar = Progress("tokenizing", total=total, initial=progress["documents_read"])
     last_checkpoint = time.perf_counter()
-    tok = out / _tokenizer_file(cfg)
-    with Encoder(tok, cfg.data.val_fraction, cfg.data.num_proc) as encoder:
+    with Encoder(out / _tokenizer_file(cfg), cfg.data.val_fraction, cfg.data.num_proc) as encoder:
         for batch in encoder.map(batched(stream)):
             n_docs = _docs_within_cap(batch, progress["tokens"], max_tokens)
             finished = _write(writers, batch, n_docs)
             tokens = int(batch.lengths[:n_docs].sum())
             progress["documents_read"] += n_docs
             progress["tokens"] += tokens
-            progress["capped"] = n_docs < len(batch.lengths) or (
-                max_tokens is not None and progress["tokens"] >= max_tokens
-            )
+            progress["capped"] = n_docs < len(batch.lengths) or reached()
             bar.update(n_docs, tokens=tokens)
             now = time.perf_counter()
             if finished or progress["capped"] or now - last_checkpoint >= CHECKPOINT_SECONDS:
