@@ -15,6 +15,7 @@ import re
 import stat
 import sys
 import sysconfig
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,10 +60,8 @@ class Source:
 
     def kinds(self) -> dict[str, int]:
         """Files of each kind; a file or glob reads an unknown suffix as plain text."""
-        counts = dict.fromkeys(KINDS, 0)
-        for f in self.files:
-            counts[file_kind(f) or "text"] += 1
-        return {kind: n for kind, n in counts.items() if n}
+        counts = Counter(file_kind(f) or "text" for f in self.files)
+        return {kind: counts[kind] for kind in KINDS if counts[kind]}
 
     def describe(self) -> str:
         kinds = self.kinds()
@@ -97,8 +96,7 @@ class Source:
             elif kind == "parquet":
                 yield from self._parquet_documents(f, name)
             else:
-                text = self._read_text(f)
-                if text is not None and text.strip():
+                if (text := self._read_text(f)) and text.strip():
                     yield Document(name, text)
         if n := len(self.skipped):
             log.info(
@@ -151,8 +149,7 @@ class Source:
                 keys = list(record)[:8] if isinstance(record, dict) else type(record).__name__
                 raise UserError(
                     f"{f}:{lineno} has no field {self.text_field!r} (found {keys}); "
-                    f"set data.text_field to the field holding the text"
-                    f"{self._not_jsonl_hint(f)}"
+                    f"set data.text_field to the field holding the text{self._not_jsonl_hint(f)}"
                 )
             if text := text_value(record[self.text_field], f"{f}:{lineno}", self.text_field):
                 yield Document(f"{name}:{lineno}", text)
@@ -187,21 +184,17 @@ class Source:
                 f"{f} has no column {self.text_field!r} (found {columns[:8]}); "
                 f"set data.text_field to the column holding the text"
             )
-        row = 0
-        for batch in pf.iter_batches(batch_size=_PARQUET_BATCH, columns=[self.text_field]):
-            for value in batch.column(0).to_pylist():
-                row += 1
-                if text := text_value(value, f"{f} row {row}", self.text_field):
-                    yield Document(f"{name}:{row}", text)
+        batches = pf.iter_batches(batch_size=_PARQUET_BATCH, columns=[self.text_field])
+        for row, value in enumerate((v for b in batches for v in b.column(0).to_pylist()), 1):
+            if text := text_value(value, f"{f} row {row}", self.text_field):
+                yield Document(f"{name}:{row}", text)
 
 
 def _lines(f: Path, hint: Callable[[], str]) -> Iterator[tuple[int, bytes]]:
     """(line number, bytes) of each line; one over MAX_DOCUMENT_CHARS bytes is refused at the
     limit, not read whole. `hint` ends the message."""
     with open(f, "rb") as fh:
-        lineno = 0
-        while raw := fh.readline(MAX_DOCUMENT_CHARS + 1):
-            lineno += 1
+        for lineno, raw in enumerate(iter(lambda: fh.readline(MAX_DOCUMENT_CHARS + 1), b""), 1):
             if len(raw) > MAX_DOCUMENT_CHARS and not raw.endswith(b"\n"):
                 raise UserError(
                     f"{f}:{lineno} is longer than {MAX_DOCUMENT_CHARS:,} bytes, the most one "
