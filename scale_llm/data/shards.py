@@ -174,9 +174,9 @@ class _Shape:
         self.missing: list[str] = []
         self.wrong: list[str] = []
 
-    def get(self, tree: Any, key: str, where: str, ok: Callable[[Any], bool], what: str) -> Any:
-        """tree[key] if it passes `ok` (else _MISSING, with the problem recorded)."""
-        value = tree.get(key, _MISSING)
+    def get(self, tree: Any, key: str, ok: Callable[[Any], bool], what: str, at: str = "") -> Any:
+        """tree[key] if it passes `ok` (else _MISSING, with the problem recorded at `at`.key)."""
+        where, value = f"{at}.{key}" if at else key, tree.get(key, _MISSING)
         if value is _MISSING:
             self.missing.append(where)
         elif not ok(value):
@@ -185,16 +185,14 @@ class _Shape:
         return value
 
     def shards(self, split: dict, where: str, name_ok: Callable[[Any], bool]) -> None:
-        shards = self.get(
-            split, "shards", f"{where}.shards", lambda x: isinstance(x, list), "a list"
-        )
+        shards = self.get(split, "shards", lambda x: isinstance(x, list), "a list", where)
         for i, shard in enumerate([] if shards is _MISSING else shards):
             at = f"{where}.shards[{i}]"
             if not isinstance(shard, dict):
                 self.wrong.append(f"{at} is {_shown(shard)}, not a mapping of file and tokens")
                 return
-            self.get(shard, "file", f"{at}.file", name_ok, "a shard's file name in the folder")
-            self.get(shard, "tokens", f"{at}.tokens", _count, "a count of tokens")
+            self.get(shard, "file", name_ok, "a shard's file name in the folder", at)
+            self.get(shard, "tokens", _count, "a count of tokens", at)
             if self.wrong:
                 return  # one bad shard is enough to name
 
@@ -206,23 +204,21 @@ def manifest_problems(manifest: dict[str, Any]) -> list[str]:
     """What in a manifest is missing or of another type than prepare writes: ["lacks a, b",
     "c is 'x', not ..."]; empty when it can be read."""
     shape = _Shape()
-    shape.get(manifest, "dtype", "dtype", lambda x: x in DTYPES, " or ".join(DTYPES))
-    tok = shape.get(manifest, "tokenizer", "tokenizer", lambda x: isinstance(x, dict), "a mapping")
-    if tok is not _MISSING:
-        shape.get(tok, "file", "tokenizer.file", _file_name, "a file name in the folder")
-        shape.get(tok, "sha256", "tokenizer.sha256", lambda x: isinstance(x, str), "a SHA-256")
-        vocab_ok = lambda x: _count(x) and x > 0  # noqa: E731
-        shape.get(tok, "vocab_size", "tokenizer.vocab_size", vocab_ok, "a count of pieces")
-    splits = shape.get(manifest, "splits", "splits", lambda x: isinstance(x, dict), "a mapping")
-    if splits is not _MISSING:
+    is_dict = lambda x: isinstance(x, dict)
+    shape.get(manifest, "dtype", lambda x: x in DTYPES, " or ".join(DTYPES))
+    if (tok := shape.get(manifest, "tokenizer", is_dict, "a mapping")) is not _MISSING:
+        shape.get(tok, "file", _file_name, "a file name in the folder", "tokenizer")
+        shape.get(tok, "sha256", lambda x: isinstance(x, str), "a SHA-256", "tokenizer")
+        shape.get(
+            tok, "vocab_size", lambda x: _count(x) and x > 0, "a count of pieces", "tokenizer"
+        )
+    if (splits := shape.get(manifest, "splits", is_dict, "a mapping")) is not _MISSING:
         for name in sorted({"train", "val", *splits}, key=str):
-            where = f"splits.{name}"
-            split = shape.get(splits, name, where, lambda x: isinstance(x, dict), "a mapping")
-            if split is _MISSING:
+            if (split := shape.get(splits, name, is_dict, "a mapping", "splits")) is _MISSING:
                 continue
             for key in ("documents", "tokens"):
-                shape.get(split, key, f"{where}.{key}", _count, "a count")
-            shape.shards(split, where, _file_name)
+                shape.get(split, key, _count, "a count", f"splits.{name}")
+            shape.shards(split, f"splits.{name}", _file_name)
     return shape.problems()
 
 
@@ -232,13 +228,13 @@ def progress_problems(progress: Any) -> list[str]:
         return [f"it holds a JSON {type(progress).__name__}, not an object"]
     shape = _Shape()
     for key in ("fingerprint", "tokenizer_sha256"):
-        shape.get(progress, key, key, lambda x: isinstance(x, str), "a string")
-    shape.get(progress, "dtype", "dtype", lambda x: x in DTYPES, " or ".join(DTYPES))
+        shape.get(progress, key, lambda x: isinstance(x, str), "a string")
+    shape.get(progress, "dtype", lambda x: x in DTYPES, " or ".join(DTYPES))
     for key in ("documents_read", "tokens"):
-        shape.get(progress, key, key, _count, "a count")
-    shape.get(progress, "capped", "capped", lambda x: isinstance(x, bool), "true or false")
-    is_splits = lambda x: isinstance(x, dict) and set(x) == {"train", "val"}  # noqa: E731
-    splits = shape.get(progress, "splits", "splits", is_splits, "a mapping of train and val")
+        shape.get(progress, key, _count, "a count")
+    shape.get(progress, "capped", lambda x: isinstance(x, bool), "true or false")
+    is_splits = lambda x: isinstance(x, dict) and set(x) == {"train", "val"}
+    splits = shape.get(progress, "splits", is_splits, "a mapping of train and val")
     for name, state in ({} if splits is _MISSING else splits).items():
         if state is None:
             continue  # (no shard written yet)
@@ -247,7 +243,7 @@ def progress_problems(progress: Any) -> list[str]:
             shape.wrong.append(f"{where} is {_shown(state)}, not a mapping")
             continue
         for key in _COUNTS:
-            shape.get(state, key, f"{where}.{key}", _count, "a count")
+            shape.get(state, key, _count, "a count", where)
         own = re.compile(rf"{re.escape(name)}_\d+\.bin")  # ShardWriter's names, nothing else
         shape.shards(state, where, lambda x, own=own: isinstance(x, str) and own.fullmatch(x))
     return shape.problems()
