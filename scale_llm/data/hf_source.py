@@ -56,10 +56,8 @@ class HFSource:
         h = hashlib.sha256(f"{settings}|{self.text_field}".encode())
         if self.local:
             for f in _files(self.local):
-                st = f.stat()
-                h.update(
-                    f"{f.relative_to(self.local.parent)}|{st.st_size}|{st.st_mtime_ns}\n".encode()
-                )
+                st, name = f.stat(), f.relative_to(self.local.parent)
+                h.update(f"{name}|{st.st_size}|{st.st_mtime_ns}\n".encode())
         return h.hexdigest()
 
     def documents(self) -> Iterator[Document]:
@@ -107,7 +105,14 @@ class HFSource:
             ) from None
         try:
             if self.local and _saved_to_disk(self.local):
-                ds = self._from_disk(datasets)
+                ds = datasets.load_from_disk(str(self.local))
+                if isinstance(ds, datasets.DatasetDict):
+                    if self.split not in ds:
+                        raise UserError(
+                            f"{self.local} has no split {self.split!r} (found {list(ds)}); set "
+                            f"data.hf_split to one of them"
+                        )
+                    ds = ds[self.split]
             else:
                 ds = datasets.load_dataset(
                     str(self.local or self.name),
@@ -146,17 +151,6 @@ class HFSource:
             f"local source: data.source={where}/**/*{max(sorted(set(kinds)), key=kinds.count)} "
             f"(without hf:) names them"
         )
-
-    def _from_disk(self, datasets: Any) -> Any:
-        ds = datasets.load_from_disk(str(self.local))
-        if isinstance(ds, datasets.DatasetDict):
-            if self.split not in ds:
-                raise UserError(
-                    f"{self.local} has no split {self.split!r} (found {list(ds)}); set "
-                    f"data.hf_split to one of them"
-                )
-            ds = ds[self.split]
-        return ds
 
 
 def _malformed(e: BaseException) -> BaseException | None:
