@@ -1,6 +1,6 @@
 """Per-GPU bytes of model states for each backend layout, and the whole estimate; for ZeRO-1/2's
-optimizer offload also its host buffers (with what torch's pinned allocator rounds them up to)
-and the bytes it copies between host and GPU per step."""
+optimizer offload also its host buffers (as torch's pinned allocator rounds them) and the bytes
+it copies between host and GPU per step."""
 
 from __future__ import annotations
 
@@ -193,15 +193,13 @@ class ParamCounts:
 def state_bytes(n: ParamCounts, lay: Layout) -> tuple[dict[str, float], dict[str, float]]:
     """(gpu, cpu) bytes for params, grads and optimizer under the layout."""
     P = n.total
-    if lay.backend == "fsdp":  # (n: this rank's part under tensor parallelism)
-        # sharded fp32 params / grads / Adam moments, and gathered c-byte params at their
-        # largest (fsdp_gathered_params); no-sync accumulation keeps every gradient unsharded
-        unsharded = fsdp_unsharded_grads(n, lay, max(n.block, n.root))
+    if lay.backend == "fsdp":  # sharded fp32 params / grads / Adam moments, gathered c-byte
+        # params at their largest; no-sync accumulation keeps every gradient unsharded
+        unsharded = fsdp_unsharded_grads(n, lay)
         if lay.grad_accum > 1 and not lay.fsdp_reduce_every:
             unsharded += 4 * P  # fp32 (the reduce dtype) until the last micro-step's reduction
         gpu = {"params": fsdp_gathered_params(n, lay, "largest"), "grads": unsharded}
-        gpu["optimizer"] = 0.0
-        cpu = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
+        gpu["optimizer"], cpu = 0.0, dict.fromkeys(("params", "grads", "optimizer"), 0.0)
         target = cpu if lay.fsdp_offload else gpu
         for k, per_param in (("params", 4), ("grads", 4), ("optimizer", 8)):
             target[k] += per_param * P / lay.shards
@@ -215,12 +213,13 @@ def state_bytes(n: ParamCounts, lay: Layout) -> tuple[dict[str, float], dict[str
 
 
 def fsdp_gathered_params(n: ParamCounts, lay: Layout, at: int | str) -> float:
-    """FSDP2's gathered (compute-dtype) parameters while block `at` runs its backward, during
-    the loss (`at` "loss"), or at their largest ("largest"), measured on 2 gloo ranks and in
-    fake traces at 8: resharded, the block computing, the root from its pre-backward on and the
-    block below, prefetched; else everything through the loss, then the root and blocks 0..i."""
+    """FSDP2's gathered parameters while block `at` runs its backward, during the "loss", or at
+    their "largest" (measured on 2 gloo ranks, fake traces at 8): resharded, the block computing,
+    the root from its pre-backward on and the block below, prefetched; else everything through
+    the loss, then the root and blocks 0..i. With fp8_gather a block's linears gather in fp8."""
     c = lay.working_bytes
-    root, block = c * n.root, gathered_block_bytes(n, lay)
+    matmul = sum(n.block_tensors[:5]) if lay.fp8_gather else 0  # wqkv wo w1 w3 w2
+    root, block = c * n.root, float(matmul + c * (n.block - matmul))
     if not lay.reshard_after_forward:
         every = root + n.layers * block
         if at == "largest":
@@ -233,20 +232,10 @@ def fsdp_gathered_params(n: ParamCounts, lay: Layout, at: int | str) -> float:
     return root + (2 if int(at) > 0 else 1) * block
 
 
-def gathered_block_bytes(n: ParamCounts, lay: Layout) -> float:
-    """One block's gathered parameters: in the compute dtype, or its linears' weights in fp8
-    (1 byte; cast before the all-gather) under train.fp8's FSDP2 gather."""
-    c = lay.working_bytes
-    if not lay.fp8_gather:
-        return float(c * n.block)
-    matmul = sum(n.block_tensors[:5])  # wqkv wo w1 w3 w2 (ParamCounts.of's order)
-    return float(matmul + c * (n.block - matmul))
-
-
-def fsdp_unsharded_grads(n: ParamCounts, lay: Layout, unit: int) -> float:
-    """FSDP2's unsharded gradients of a unit of `unit` parameters before its reduce-scatter
-    (16-bit, and the fp32 reduce-scatter input); at their largest the largest unit's."""
-    return float((lay.working_bytes + 4) * unit)
+def fsdp_unsharded_grads(n: ParamCounts, lay: Layout) -> float:
+    """FSDP2's unsharded gradients of its largest unit before their reduce-scatter (16-bit, and
+    the fp32 reduce-scatter input)."""
+    return float((lay.working_bytes + 4) * max(n.block, n.root))
 
 
 def ds_reduce_buckets(lay: Layout) -> float:
@@ -261,10 +250,9 @@ def ds_reduce_buckets(lay: Layout) -> float:
 
 
 def zero3_gathered_params(n: ParamCounts, lay: Layout) -> float:
-    """ZeRO-3's 16-bit (fp32 runs: 32-bit) parameters held whole beyond this rank's partition:
-    those under stage3_param_persistence_threshold, never partitioned, and what the parameter
-    coordinator keeps gathered, up to stage3_max_live_parameters elements (at least the root
-    and a block; measured on 2 gloo ranks, DeepSpeed 0.19). Released by the optimizer step."""
+    """ZeRO-3's working-dtype parameters held whole beyond this rank's partition until the step:
+    those under stage3_param_persistence_threshold, and up to stage3_max_live_parameters the
+    coordinator keeps gathered (at least the root and a block; 2 gloo ranks, DeepSpeed 0.19)."""
     small_block, small_root = n.below(lay.ds_persistence_threshold)
     persistent = n.layers * small_block + small_root
     partitioned = n.total - persistent
@@ -273,9 +261,8 @@ def zero3_gathered_params(n: ParamCounts, lay: Layout) -> float:
 
 
 def _deepspeed_states(n: ParamCounts, lay: Layout, c: int, half: bool):
-    """ZeRO: c-byte params and grads, the fp32 master weights (16-bit modes) and two moments,
-    partitioned by stage; from stage 1 in 16-bit modes also the fp32 gradient partition the
-    step reads (DeepSpeed's estimator's "4_grads_32bit"). Measured on 2 gloo ranks."""
+    """ZeRO: c-byte params and grads, fp32 master weights and two moments, partitioned by stage;
+    from stage 1 in 16 bits the fp32 gradient partition the step reads. 2 gloo ranks."""
     P, W, s = n.total, lay.world, lay.zero_stage
     # fp32 master weights: in fp32 mode ZeRO-1/2/3 still keep a separate flat fp32 partition
     # (measured; ZeRO-3 clones it in _create_fp32_partitions); ZeRO-0 steps on the parameters
@@ -343,10 +330,8 @@ class RankPartition:
 
 def zero_offload_compact(lay: Layout) -> bool:
     """ZeRO-2 accumulates a step's gradients in an fp32 partition on the GPU
-    (`_use_compact_grad_partition_buffer`) when `data_types.grad_accum_dtype` is fp32 and the
-    parameters are 16-bit (the generated config's choice in bf16); with offload otherwise in
-    16-bit copies on the host, sent back each micro-step. (ZeRO-1's fp32 accumulation is not
-    counted: the generated config does not ask for it.)"""
+    (`_use_compact_grad_partition_buffer`) with grad_accum_dtype fp32 and 16-bit parameters (the
+    generated config's bf16 choice); else offload sums on the host. (ZeRO-1's: not asked for.)"""
     return lay.zero_stage == 2 and lay.ds_grad_accum_dtype == "fp32" and lay.precision != "fp32"
 
 
@@ -357,11 +342,9 @@ def zero_offload_accumulates(lay: Layout) -> bool:
 
 
 def zero_offload_host_blocks(n: ParamCounts, lay: Layout, rank: int = 0) -> dict[str, list[int]]:
-    """The host buffers of ZeRO-1/2's optimizer offload on `rank`, each allocation's bytes
-    (deepspeed/runtime/zero/stage_1_and_2.py, 0.19), per parameter group: the fp32 master
-    partition and its fp32 `.grad` (pinned), DeepSpeedCPUAdam's two moments (pageable), the
-    16-bit staging copy for the GPU (pinned), with `zero_offload_accumulates` a whole copy of
-    each overlapping parameter (pinned); and once, `temp_grad_buffer_for_cpu_offload`."""
+    """Each host allocation of ZeRO-1/2's optimizer offload on `rank` (stage_1_and_2.py, 0.19),
+    per group: the fp32 master partition, its `.grad`, the 16-bit staging copy, accumulators
+    (pinned); CPUAdam's two moments (pageable); once, `temp_grad_buffer_for_cpu_offload`."""
     c, groups = lay.working_bytes, optimizer_groups(n)
     blocks: dict[str, list[int]] = {k: [] for k in ("master", "grads", "moments", "staging")}
     blocks["accumulators"] = []
@@ -403,10 +386,9 @@ def zero_offload_gpu_grads(n: ParamCounts, lay: Layout) -> float:
 
 
 def zero_offload_traffic(n: ParamCounts, lay: Layout, rank: int = 0) -> dict[str, dict[str, float]]:
-    """Bytes copied between host and GPU per optimizer step on `rank` under ZeRO-1/2 optimizer
-    offload, by direction and reason: the partition's fp32 gradients to the host, the updated
-    parameters back, and with `zero_offload_accumulates` each overlapping parameter's gradient
-    to the host on each of the N micro-steps and back on each after the first."""
+    """Host <-> GPU bytes per step on `rank` under ZeRO-1/2 optimizer offload, by direction and
+    reason: fp32 gradients out, parameters back, and when it accumulates on the host each
+    overlapping parameter's gradient out on all N micro-steps and back on all but the first."""
     c, N = lay.working_bytes, lay.grad_accum
     to_host: dict[str, float] = {"fp32 gradients": 0.0}
     to_gpu: dict[str, float] = {"parameters": 0.0}
@@ -422,9 +404,8 @@ def zero_offload_traffic(n: ParamCounts, lay: Layout, rank: int = 0) -> dict[str
 
 
 def pinned_block_bytes(nbytes: int, round_limit: int | None = None) -> int:
-    """The bytes torch's pinned host allocator takes for an `nbytes` request: the next power of
-    two (CachingHostAllocator.h, torch 2.13), except above `round_limit`. Blocks are never split
-    or shared, so a 25.1 GiB fp32 partition takes 32 GiB."""
+    """The bytes torch's pinned host allocator takes for `nbytes`: the next power of two
+    (CachingHostAllocator.h, torch 2.13; never split or shared) up to `round_limit`."""
     if nbytes <= 0 or (round_limit is not None and nbytes > round_limit):
         return max(nbytes, 0)
     return 1 << (nbytes - 1).bit_length()
@@ -475,13 +456,9 @@ class Estimate:
     def peak_phase(self) -> str:
         return max(self.phases, key=self.phases.__getitem__)
 
-    def _pipeline_json(self) -> dict[str, Any]:
-        if not self.pipeline_ranks:
-            return {}
-        peaks = [int(r.gpu["peak"]) for r in self.pipeline_ranks]
-        return {"pipeline_rank": self.pipeline_rank, "pipeline_rank_peaks": peaks}
-
     def to_json(self) -> dict[str, Any]:
+        peaks = [int(r.gpu["peak"]) for r in self.pipeline_ranks]
+        pipeline = {"pipeline_rank": self.pipeline_rank, "pipeline_rank_peaks": peaks}
         return {
             "params": self.params,
             "bytes_per_gpu": {k: int(v) for k, v in self.gpu.items()},
@@ -493,7 +470,7 @@ class Estimate:
                 way: {k: int(v) for k, v in parts.items()} for way, parts in self.traffic.items()
             },
             "layout": dataclasses.asdict(self.layout),
-            **self._pipeline_json(),
+            **(pipeline if peaks else {}),
             "activation_checkpointing": self.ac.mode,
             "attention": self.model.attention,
         }
@@ -516,19 +493,18 @@ def estimate_layout(m: ModelConfig, ac: ActivationCheckpointingConfig, lay: Layo
     if lay.backend == "deepspeed" and lay.offload_optimizer and lay.zero_stage in (1, 2):
         traffic = zero_offload_traffic(n, lay)
     total = ParamCounts.of(m).total  # the model's, not one tensor-parallel rank's
-    est = Estimate(total, lay, m, ac, gpu, cpu, phases, parts, traffic)
-    est.startup_host = startup_host_bytes(m, n, lay)
-    return est
+    host = startup_host_bytes(m, n, lay)
+    return Estimate(total, lay, m, ac, gpu, cpu, phases, parts, traffic, host)
 
 
 def startup_host_bytes(m: ModelConfig, n: ParamCounts, lay: Layout) -> float:
     """One rank's host bytes while the model is built: FSDP2 and tensor parallelism fill their
     fp32 shards one whole parameter at a time (with a reader's copy of it from init_from or a
     checkpoint); the other backends build the whole fp32 model on the CPU first."""
+    whole = ParamCounts.of(m)
     if lay.backend != "fsdp":
-        return 4.0 * ParamCounts.of(m).total
-    largest = max(ParamCounts.of(m).block_tensors + ParamCounts.of(m).root_tensors)
-    return 4.0 * n.total / lay.shards + 2 * 4.0 * largest
+        return 4.0 * whole.total
+    return 4.0 * n.total / lay.shards + 2 * 4.0 * max(whole.block_tensors + whole.root_tensors)
 
 
 # PCIe 5.0 x16, each way: 16 lanes x 32 GT/s x 128/130 (encoding) / 8 bits
@@ -560,13 +536,9 @@ def step_phases(
     gpu: dict[str, float],
     num: Numerics,
 ) -> tuple[dict[str, dict[str, float]], float, float]:
-    """(bytes alive at each moment a step can peak, by category, the largest activations, the
-    largest temporaries) given the model states in `gpu`, in `measure.LiveStorages`'
-    categories (a backend's transient buffers are gradients, its gathered copies parameters).
-    The parts do not peak together (docs/memory.md, "The step's peak"): the loss's forward and
-    backward, each block's backward from the top, and the optimizer step. With grad_accum > 1
-    the earlier micro-steps' gradients are there throughout; DDP's buckets and ZeRO-3's bucket
-    and gradient partition from the start, ZeRO-1/2's buckets only through a backward."""
+    """(bytes alive by category at each moment a step can peak: the loss's forward and backward,
+    each block's backward, the optimizer step; the largest activations; the largest
+    temporaries), given the states in `gpu`, in `LiveStorages`' categories (docs/memory.md)."""
     B, L = lay.micro_batch, m.n_layers
     loss_params = gpu["params"]  # the parameters held through the loss
     bytes_per_grad, shard, persistent = 4.0, 1.0, gpu["grads"]
@@ -575,19 +547,17 @@ def step_phases(
     # into a bucket or an earlier .grad is freed by then (measured on 2 gloo ranks)
     c = lay.working_bytes if lay.backend in ("fsdp", "deepspeed") else 4  # (else fp32 params)
     fsdp = lay.backend == "fsdp"
-    kept_as_made = fsdp or (
-        lay.backend != "deepspeed"
-        and not (lay.backend == "ddp" and lay.ddp_bucket_view)
-        and lay.grad_accum == 1
-    )
+    bucketed = lay.backend == "deepspeed" or (lay.backend == "ddp" and lay.ddp_bucket_view)
+    kept_as_made = fsdp or (not bucketed and lay.grad_accum == 1)
     this_block = c * m.d_model * (mlp_hidden_size(m) // lay.tp) if kept_as_made else 0.0
     # a tied head's gradient waits in autograd (a temporary) until the embedding's backward
     embed = m.vocab_size // lay.tp * m.d_model
     waiting = c * embed if m.tie_embeddings else 0.0
     if fsdp:
-        persistent -= fsdp_unsharded_grads(n, lay, max(n.block, n.root))
+        persistent -= fsdp_unsharded_grads(n, lay)
         shard = 0.0 if lay.fsdp_offload else 1.0 / lay.shards  # offload: shards on the host
         sharded_params = gpu["params"] - fsdp_gathered_params(n, lay, "largest")
+        loss_params = sharded_params + fsdp_gathered_params(n, lay, "loss")
     buckets = ds_reduce_buckets(lay)
     carry = persistent if (lay.grad_accum > 1 or lay.backend == "ddp") else 0.0  # DDP: buckets
     if lay.backend == "deepspeed":  # the reduce buckets from the first backward on; the fp32
@@ -608,16 +578,13 @@ def step_phases(
     full_block = block_activation_bytes(m, B, num)
     loss_bwd = loss_backward_bytes(m, B, num)
     in_block = block_backward_bytes(m, B, num)
-    saved = saved_activation_bytes(m, ac, B, num)  # incl. the logits the loss keeps
-    if not lay.holds_head:  # a pipeline stage before the last: its blocks' and the inputs
-        saved = sum(kept) + resident
+    # incl. the logits the loss keeps; a pipeline stage before the last: its blocks' and inputs
+    saved = saved_activation_bytes(m, ac, B, num) if lay.holds_head else sum(kept) + resident
     activations = saved
     # autocast caches its bf16 weight copies until the forward ends: extra for checkpointed blocks
     cast_cache = 2 * block_matmul_params(m) * checkpointed_count(m, ac) if num.autocast else 0
     cast_cache = 0 if num.fp8 else cast_cache  # (fp8 linears cast their weights themselves)
     fp8_casts = fp8_cast_bytes(m, B, num, lay.fp8, lay.compiled)  # beside a block's backward
-    if fsdp:
-        loss_params = sharded_params + fsdp_gathered_params(n, lay, "loss")
     # ZeRO-1/2 allocate their reduce buckets at a backward's first gradient and free them after
     # it; ZeRO-3 holds its one from the start
     per_backward = buckets if lay.backend == "deepspeed" and lay.zero_stage in (1, 2) else 0.0
@@ -629,17 +596,15 @@ def step_phases(
     def at(params: float, grads: float, activations: float, temporaries: float):
         return dict(zip(PARTS, (params, grads, gpu["optimizer"], activations, temporaries)))
 
-    phases = {
-        "loss forward": at(
-            loss_params, loss_carry, saved + cast_cache, loss_forward_bytes(m, B, num)
-        ),
-        "loss backward": at(loss_params, loss_carry, saved, loss_bwd),
-    }
-    head = (0 if m.tie_embeddings else embed) + m.d_model  # the head's and final norm's
-    if not lay.holds_head:  # (a pipeline stage before the last computes no loss)
-        phases, head = {}, 0
+    phases, head = {}, 0  # (a pipeline stage before the last computes no loss)
+    if lay.holds_head:
+        head = (0 if m.tie_embeddings else embed) + m.d_model  # the head's and final norm's
+        fwd = loss_forward_bytes(m, B, num)
+        phases["loss forward"] = at(loss_params, loss_carry, saved + cast_cache, fwd)
+        phases["loss backward"] = at(loss_params, loss_carry, saved, loss_bwd)
     # a block's backward peaks at its MLP product's backward: the product is freed by then
     product = num.compute * B * m.seq_len * (mlp_hidden_size(m) // lay.tp)
+    temporaries = in_block + waiting + fp8_casts
     for i in reversed(range(L)):
         transient = this_block
         if fsdp:  # the root's unsharded gradients so far (the head's; reduced at the end of
@@ -657,12 +622,8 @@ def step_phases(
         so_far = min(so_far, persistent)  # never more than the step holds
         alive = resident + sum(kept[:i]) + full_block
         activations = max(activations, alive)
-        phases[f"block {i} backward"] = at(
-            params_now,
-            max(carry, so_far) + transient,
-            alive - product,
-            in_block + waiting + fp8_casts,
-        )
+        grads_now = max(carry, so_far) + transient
+        phases[f"block {i} backward"] = at(params_now, grads_now, alive - product, temporaries)
     step_params = sharded_params if fsdp else gpu["params"]  # FSDP: all resharded by now
     if lay.backend == "deepspeed" and lay.zero_stage >= 3:  # released after the backward
         step_params -= zero3_gathered_params(n, lay)
