@@ -8,9 +8,15 @@ from dataclasses import dataclass
 
 import torch
 
+from scale_llm.components.loss import CHUNK_ELEMENTS, compiled_loss, cross_entropy
 from scale_llm.config import ActivationCheckpointingConfig, Config, ModelConfig, compiles
 from scale_llm.config.plan import RunPlan
 from scale_llm.config.sections import mlp_hidden_size
+from scale_llm.model import build_model
+from scale_llm.parallel.activation_checkpointing import (
+    apply_activation_checkpointing,
+    checkpointed_blocks,
+)
 
 
 @dataclass(frozen=True)
@@ -38,12 +44,9 @@ def numerics_for(
     sp: bool = False,
     fp8: bool = False,
 ) -> Numerics:
-    layout = {"tp": tp, "sequence_parallel": sp and tp > 1, "fp8": fp8}
-    if precision == "fp32":
-        return Numerics(4, 4, False, fused_norm, **layout)
-    if backend in ("fsdp", "deepspeed"):
-        return Numerics(2, 2, False, fused_norm, **layout)
-    return Numerics(2, 4, True, fused_norm, **layout)
+    sharded = backend in ("fsdp", "deepspeed")  # (16-bit modules; else fp32 params + autocast)
+    kind = (4, 4, False) if precision == "fp32" else (2, 2, False) if sharded else (2, 4, True)
+    return Numerics(*kind, fused_norm, tp=tp, sequence_parallel=sp and tp > 1, fp8=fp8)
 
 
 def norm_saved_bytes(tokens: int, d: int, num: Numerics) -> int:
@@ -116,26 +119,18 @@ def block_input_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
 
 def head_activation_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
     """Outside the blocks: token ids and targets, rotary tables, the final norm and head input,
-    autocast's copy of the output weight, and the logits the loss keeps (its backward rebuilds
-    the softmax from them); under sequence parallelism the final norm's part of the sequence."""
+    autocast's copy of the output weight, and the (B, T, V) logits the loss keeps (its backward
+    rebuilds the softmax from them; under tensor parallelism `parallel_cross_entropy` keeps the
+    fp32 log-softmax of V/tp); under sequence parallelism the final norm's part of the sequence."""
     g = _dims(m, num.tp)
     N = batch * m.seq_len
     final_norm = norm_saved_bytes(num.stream_tokens(N), g["d"], num) + num.compute * N * g["d"]
     head_copy = 2 * g["V"] * g["d"] if num.autocast else 0
-    return resident_input_bytes(m, batch) + final_norm + head_copy + logits_bytes(m, batch, num)
-
-
-def logits_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
-    """The (B, T, V) logits the loss keeps for backward, in the compute dtype; under tensor
-    parallelism (`parallel_cross_entropy`) the fp32 log-softmax of this rank's V/tp instead."""
-    if num.tp > 1:
-        return 4 * batch * m.seq_len * (m.vocab_size // num.tp)
-    return num.compute * batch * m.seq_len * m.vocab_size
+    logits = 4 * N * (m.vocab_size // num.tp) if num.tp > 1 else num.compute * N * m.vocab_size
+    return resident_input_bytes(m, batch) + final_norm + head_copy + logits
 
 
 def checkpointed_count(m: ModelConfig, ac: ActivationCheckpointingConfig) -> int:
-    from scale_llm.parallel.activation_checkpointing import checkpointed_blocks
-
     return len(checkpointed_blocks(ac, m.n_layers))
 
 
@@ -151,26 +146,20 @@ def kept_per_block(
 ) -> list[int]:
     """What each block keeps from the forward until its backward (its input when
     checkpointed, the selective subset, or everything)."""
-    from scale_llm.parallel.activation_checkpointing import checkpointed_blocks
-
     full = block_activation_bytes(m, batch, num)
-    selective = ac.mode == "selective"
-    per_ckpt = (selective_block_bytes if selective else block_input_bytes)(m, batch, num)
+    kept = (selective_block_bytes if ac.mode == "selective" else block_input_bytes)(m, batch, num)
     chosen = set(checkpointed_blocks(ac, m.n_layers))
-    return [per_ckpt if i in chosen else full for i in range(m.n_layers)]
+    return [kept if i in chosen else full for i in range(m.n_layers)]
 
 
 def loss_backward_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
     """The chunked loss's backward beyond the kept logits: the logits' gradient and one chunk's
     fp32 work (in 16 bits the upcast and the softmax buffer coexist; in fp32 it is the gradient)."""
-    from scale_llm.components.loss import CHUNK_ELEMENTS
-
     N, V = batch * m.seq_len, m.vocab_size
-    if num.tp > 1:  # loss_parallel's backward peaks no higher than its forward (measured)
-        return loss_forward_bytes(m, batch, num)
-    rows = max(1, CHUNK_ELEMENTS // V)
     fp32_work = loss_forward_bytes(m, batch, num)  # the same fp32 chunk (and its upcast)
-    if rows >= N:  # one chunk: its buffer becomes the gradient
+    if num.tp > 1:  # loss_parallel's backward peaks no higher than its forward (measured)
+        return fp32_work
+    if max(1, CHUNK_ELEMENTS // V) >= N:  # one chunk: its buffer becomes the gradient
         return fp32_work if num.compute == 4 else max(fp32_work, (4 + num.compute) * N * V)
     return num.compute * N * V + fp32_work
 
@@ -178,8 +167,6 @@ def loss_backward_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
 def loss_forward_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
     """The chunked loss's forward beyond what is saved: one chunk's fp32 log-softmax (and in 16
     bits the upcast copy it is computed from)."""
-    from scale_llm.components.loss import CHUNK_ELEMENTS
-
     N, V = batch * m.seq_len, m.vocab_size
     if num.tp > 1:  # beyond the fp32 log-softmax it saves: the 16-bit logits, and two fp32
         # buffers of loss_parallel's log-softmax at its peak (x - max, its exp), one of them
@@ -200,13 +187,11 @@ def block_backward_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
 
 
 def fp8_cast_bytes(m: ModelConfig, batch: int, num: Numerics, recipe: str, fused: bool) -> int:
-    """train.fp8's casts alive beside a block's backward gradients, at their largest: the MLP
-    up-projection's weight-gradient cast (K = d_model, N = the hidden width on this rank, M the
-    micro-batch's tokens, whole under sequence parallelism). Eager, each cast makes fp32
-    scaled and clamped copies before its fp8 one: the output gradient's second cast (8 MN)
-    beside its first (MN) and its own (MN), and the weight's (KN). Compiled, the casts fuse:
-    the fp8 copies alone (the output gradient twice, the weight, the input). Plus the fp32
-    scales: one a tensor, or rowwise one a row of each operand (4 (M + N + K))."""
+    """train.fp8's casts beside a block's backward at their largest: the MLP up-projection's
+    weight-gradient cast (K = d_model, N = this rank's hidden width, M tokens). Eager, each cast
+    makes fp32 scaled, clamped copies first (the output gradient's second: 8 MN, beside its first
+    and own: MN each, and the weight's: KN); compiled, only the fp8 copies (2 MN, KN, MK). Plus
+    fp32 scales: one a tensor, or rowwise one a row of each operand (4 (M + N + K))."""
     if not num.fp8:
         return 0
     M, K, N = batch * m.seq_len, m.d_model, mlp_hidden_size(m) // num.tp
@@ -232,8 +217,6 @@ def measure_saved_bytes(
     from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from scale_llm.components.loss import cross_entropy
-
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
     outputs: dict[int, tuple[StorageWeakRef, int]] = {}
@@ -254,22 +237,22 @@ def measure_saved_bytes(
             return out
 
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    autocast = autocast or contextlib.nullcontext()
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
     if compiled:
-        from scale_llm.components.loss import compiled_loss
-
         loss_fn = compiled_loss()
-        with autocast or contextlib.nullcontext():
+        with autocast:
             warm = model(inputs)
         loss_fn(warm, targets).backward()  # compiles the blocks and the loss
         model.zero_grad(set_to_none=True)
         del warm
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            with autocast or contextlib.nullcontext():
+        with hooks:
+            with autocast:
                 logits = model(inputs)
             loss_fn(logits, targets)
         return sum(saved.values())
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), Outputs():
-        with autocast or contextlib.nullcontext():
+    with hooks, Outputs():
+        with autocast:
             logits = model(inputs)
         loss = cross_entropy(logits, targets)
     del logits
@@ -285,9 +268,6 @@ def measure_saved_bytes(
 def measure_activations(cfg: Config, plan: RunPlan) -> tuple[int, int]:
     """(counted, predicted) saved bytes for cfg's model at the plan's micro-batch, on the CPU,
     with the precision the plan's backend would use (autocast, fp32 or a 16-bit module)."""
-    from scale_llm.model import build_model
-    from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
-
     num = numerics_for(plan.precision, plan.backend, fused_norm=True)  # the CPU's RMSNorm
     torch.manual_seed(cfg.run.seed)
     model = build_model(cfg.model, "cpu")
