@@ -1,11 +1,7 @@
-"""A whole optimizer step measured on the CPU, by category, next to the estimate for that run.
-
-`estimate CONFIG --measure` runs real steps of the config's backend on the CPU (each rank its own
-under torchrun) and counts every tensor storage from before the model is built (`LiveStorages`):
-the peak, as max_memory_allocated counts it, and what is alive at it by what holds or made each
-storage (docs/memory.md). PyTorch's MemTracker missed 14% of ZeRO-3's bf16 step, and
-torch.profiler misses frees on other threads: hence this count.
-"""
+"""A whole optimizer step measured on the CPU, by category, next to the estimate for that run:
+real steps of the config's backend (each rank its own under torchrun), every tensor storage
+counted from before the model is built (`LiveStorages`; PyTorch's MemTracker missed 14% of
+ZeRO-3's bf16 step, torch.profiler misses frees on other threads): docs/memory.md."""
 
 from __future__ import annotations
 
@@ -19,7 +15,7 @@ from typing import Any
 
 import torch
 
-from scale_llm.analysis.memory.estimate import PARTS
+from scale_llm.analysis.memory.estimate import PARTS, GiB
 from scale_llm.analysis.memory.gpu import estimate
 from scale_llm.config import Config, with_changes
 from scale_llm.config.plan import launch_env, resolve_plan
@@ -47,10 +43,8 @@ def measure_step(cfg: Config) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(here.run.seed)
 
     def batches():
-        shape = (plan.micro_batch_size, m.seq_len + 1)
-        rows = [
-            torch.randint(0, m.vocab_size, shape, generator=gen) for _ in range(plan.grad_accum)
-        ]
+        shape, n = (plan.micro_batch_size, m.seq_len + 1), plan.grad_accum
+        rows = [torch.randint(0, m.vocab_size, shape, generator=gen) for _ in range(n)]
         return [(t[:, :-1], t[:, 1:]) for t in rows]
 
     with LiveStorages() as storages:  # from before the model's storage exists
@@ -142,16 +136,10 @@ def _owners(model: torch.nn.Module, optimizer: Any, inner: torch.optim.Optimizer
     """() -> {category: tensors}: what the model, the optimizer and the backend hold now:
     parameters and gradients in every form (FSDP2's shards and gathered copies, ZeRO-3's
     partitions), the optimizer's state, and a ZeRO optimizer's tensors by their names."""
-
-    def held(obj: Any) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, value in vars(obj).items():
-            for t in _tensors_in(value):
-                yield name, t
+    held = lambda obj: ((name, t) for name, v in vars(obj).items() for t in _tensors_in(v))
 
     def owners() -> dict[str, list[torch.Tensor]]:
-        params: list[torch.Tensor] = []
-        grads: list[torch.Tensor] = []
-        optim: list[torch.Tensor] = []
+        params, grads, optim = [], [], []  # (tensors)
         for p in model.parameters():
             params.append(p)
             if isinstance(getattr(p, "ds_tensor", None), torch.Tensor):
@@ -214,11 +202,10 @@ def _deepspeed_object(value: Any) -> bool:
 
 
 class LiveStorages:
-    """Every tensor storage created while it is active, with its size at each moment: the live
-    bytes after every op, and their peak within `window()`. A dispatch mode sees each op's
-    outputs, a weak reference per storage its free (on any thread), a wrapped
-    `UntypedStorage.resize_` FSDP2's resizes. Each storage gets a category where it is made
-    (`_made_as`); `classify()` gives the live bytes by category, `owners` taking precedence."""
+    """Every tensor storage made while active, with its size: the live bytes after every op and
+    their peak within `window()`, seen by a dispatch mode (outputs), a weak reference (frees, on
+    any thread) and a wrapped `UntypedStorage.resize_` (FSDP2's). Each storage gets a category
+    where it is made (`_made_as`); `classify()` gives live bytes by it, `owners` first."""
 
     def __init__(self, fake: bool = False) -> None:
         """fake: the tensors are fake (FakeTensorMode, entered first): their storages are on
@@ -275,14 +262,13 @@ class LiveStorages:
         if self._in_window:
             self.peak = max(self.peak, self.live)
         start = self._classify_from
-        if start is None or self._classifying:
+        if start is None or self._classifying or self.live < start or self.live <= self.parts_live:
             return
-        if self.live >= start and self.live > self.parts_live:
-            self._classifying = True
-            try:
-                self.parts, self.parts_live = self.classify(), self.live
-            finally:
-                self._classifying = False
+        self._classifying = True
+        try:
+            self.parts, self.parts_live = self.classify(), self.live
+        finally:
+            self._classifying = False
 
     def _freed(self, token: int) -> None:  # the storage itself is gone
         self.live -= self._size.pop(token)
@@ -375,15 +361,12 @@ class LiveStorages:
 def parts_table(r: dict[str, Any], total_note: str = "") -> list[str]:
     """The lines of a measurement's (or trace's) table: each part at the peak, the estimate's
     peak phase and the estimate's own largest, then the peak measured and estimated."""
-    gib = 2**30
     got, est = r["measured"], r["estimated_peak_parts"]
     lines = [f"  {'':<12} {'at the peak':>12} {'estimated':>12} {'own largest (est.)':>19}"]
     for part in PARTS:
-        own = r["estimated"][part] / gib
-        lines.append(
-            f"  {part:<12} {got[part] / gib:8.3f} GiB {est[part] / gib:8.3f} GiB {own:15.3f} GiB"
-        )
-    peak, predicted = got["allocated_peak"] / gib, r["estimated"]["peak"] / gib
+        at, at_est, own = got[part] / GiB, est[part] / GiB, r["estimated"][part] / GiB
+        lines.append(f"  {part:<12} {at:8.3f} GiB {at_est:8.3f} GiB {own:15.3f} GiB")
+    peak, predicted = got["allocated_peak"] / GiB, r["estimated"]["peak"] / GiB
     lines.append(
         f"  {'total':<12} {peak:8.3f} GiB {predicted:8.3f} GiB "
         f"({predicted / peak - 1:+.1%}{total_note})"
@@ -392,7 +375,6 @@ def parts_table(r: dict[str, Any], total_note: str = "") -> list[str]:
 
 
 def format_measurement(r: dict[str, Any]) -> str:
-    gib = 2**30
     lines = [
         f"measured on CPU: one optimizer step, {r['backend']}, {r['precision']}, checkpointing "
         f"{r['activation_checkpointing']}, micro-batch {r['micro_batch_size']}, this process "
@@ -410,7 +392,7 @@ def format_measurement(r: dict[str, Any]) -> str:
         )
     lines.append(
         f"  (own largest: each part of the estimate at its largest over the step, as the "
-        f"report lists them; a GPU adds the {r['estimated']['overhead'] / gib:.3f} GiB allocator "
+        f"report lists them; a GPU adds the {r['estimated']['overhead'] / GiB:.3f} GiB allocator "
         f"allowance)"
     )
     return "\n".join(lines)
