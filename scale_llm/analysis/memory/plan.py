@@ -78,17 +78,12 @@ def format_report(est: Estimate, cfg: Config, plan: RunPlan, source: str) -> str
     if est.pipeline_ranks:  # (the figures above are the worst rank's)
         peaks = ", ".join(f"{r}: {gib(e.gpu['peak'])}" for r, e in enumerate(est.pipeline_ranks))
         lines.append(f"the worst pipeline rank's: {est.pipeline_rank} (each rank's peak: {peaks})")
-    cpu = {k: v for k, v in est.cpu.items() if v}
+    cpu = ", ".join(f"{k} {gib(v)}" for k, v in est.cpu.items() if v)
     if cpu:
-        lines.append(
-            "per rank in CPU memory (offloaded): "
-            + ", ".join(f"{k} {gib(v)}" for k, v in cpu.items())
-        )
-    built = (
-        "its fp32 shards, filled one whole parameter at a time"
-        if lay.backend == "fsdp"
-        else "the whole fp32 model, built on the CPU before it moves to the GPU"
-    )
+        lines.append(f"per rank in CPU memory (offloaded): {cpu}")
+    built = "the whole fp32 model, built on the CPU before it moves to the GPU"
+    if lay.backend == "fsdp":
+        built = "its fp32 shards, filled one whole parameter at a time"
     lines.append(f"per rank in host memory at start-up: {gib(est.startup_host)} ({built})")
     traffic = format_offload_traffic(est)
     if traffic:
@@ -182,15 +177,13 @@ def fit(cfg: Config, target: RunPlan | int, budget: int, keep_backend: bool = Fa
     keeping micro_batch x grad_accum. `keep_backend` (a launched run: its process group
     exists) varies only checkpointing and micro-batch."""
     plan = target_plan(cfg, target) if isinstance(target, int) else target
-    world = plan.world_size
     per_rank = plan.micro_batch_size * plan.grad_accum
     # (a pipeline cuts each micro-batch into parallel.pipeline.microbatches pieces)
     pieces = plan.pp_microbatches
     micro_batches = [d for d in range(per_rank, 0, -1) if per_rank % d == 0 and d % pieces == 0]
     best: Plan | None = None
     smallest: Plan | None = None
-    shard_options = [({}, 1.0)] if keep_backend else _shard_options(cfg)
-    for shard, shard_cost in shard_options:
+    for shard, shard_cost in [({}, 1.0)] if keep_backend else _shard_options(cfg):
         for mode, ac_cost in _AC_COST.items():
             for mb in micro_batches:
                 changes = {
@@ -201,7 +194,7 @@ def fit(cfg: Config, target: RunPlan | int, budget: int, keep_backend: bool = Fa
                 }
                 if mode == "every_k":
                     changes["activation_checkpointing.k"] = 2
-                est = estimate(with_changes(cfg, changes), _replan(plan, changes, world))
+                est = estimate(with_changes(cfg, changes), _replan(plan, changes))
                 option = Plan(changes, est, shard_cost * ac_cost * _MICRO_BATCH_COST.get(mb, 1.0))
                 if smallest is None or est.total < smallest.estimate.total:
                     smallest = option
@@ -218,18 +211,14 @@ def fit(cfg: Config, target: RunPlan | int, budget: int, keep_backend: bool = Fa
             f"Use more GPUs, a sharding backend (`scale-llm estimate CONFIG --fit SIZE` "
             f"proposes one), a shorter model.seq_len or a smaller model"
         )
-    best.changes = _only_changed(cfg, best.changes)
+    best.changes = {key: v for key, v in best.changes.items() if attrgetter(key)(cfg) != v}
     return best
 
 
-def _replan(plan: RunPlan, changes: dict[str, Any], world: int) -> RunPlan | int:
+def _replan(plan: RunPlan, changes: dict[str, Any]) -> RunPlan | int:
     """The plan of a candidate: a launched run keeps its own (device, backend, precision) with
-    the candidate's batch split; a hypothetical one is planned afresh for `world` GPUs."""
+    the candidate's batch split; a hypothetical one is planned afresh for the plan's world."""
     if "parallel.backend" in changes:
-        return world
+        return plan.world_size
     mb, accum = changes["train.micro_batch_size"], changes["train.grad_accum"]
     return dataclasses.replace(plan, micro_batch_size=mb, grad_accum=accum)
-
-
-def _only_changed(cfg: Config, changes: dict[str, Any]) -> dict[str, Any]:
-    return {key: value for key, value in changes.items() if attrgetter(key)(cfg) != value}
