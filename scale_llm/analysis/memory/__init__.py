@@ -1,8 +1,6 @@
 """Per-GPU memory: a prediction before training (`scale-llm estimate`, `train --report-memory`),
-a plan that fits a budget (`--fit 80GiB`), and CPU measurements and fake traces that keep the
-prediction honest. Each part (params, grads, optimizer, activations, temporaries) at its own
-largest, the `peak` of what is alive at once, and `total` = peak + a 5% allowance: docs/memory.md.
-"""
+a plan that fits a budget (`--fit 80GiB`), CPU measurements and fake traces that keep it honest.
+Each part at its own largest, the `peak` alive at once, `total` = peak + 5%: docs/memory.md."""
 
 from scale_llm.analysis.memory.activations import (
     Numerics,
