@@ -1,15 +1,13 @@
-"""`scale-llm export`: a checkpoint of any backend -> a Hugging Face Llama folder (transformers,
-vLLM): config, safetensors weights, the tokenizer and scale_llm_export.json (its origin). Weights
-are converted tensor by tensor (one copy of the model plus one shard) in a temporary folder beside
---out, renamed into place at the end: --out is either absent or complete.
-"""
+"""`scale-llm export`: a checkpoint of any backend -> a Hugging Face Llama folder (config,
+safetensors, tokenizer, scale_llm_export.json), converted tensor by tensor in a temporary folder
+renamed into place at the end: --out is either absent or complete."""
 
 from __future__ import annotations
 
 import fnmatch
 import os
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,8 +44,7 @@ from scale_llm.version import __version__
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_MAX_SHARD = 5 * 10**9  # bytes per safetensors file (transformers' usual 5GB)
 EXPORT_INFO = "scale_llm_export.json"
-# What an export folder holds (export info's "files" lists the exact names since they are
-# recorded; older exports are recognized by these patterns): --force replaces nothing else.
+# What an export folder holds (older exports than info's "files"): --force replaces nothing else
 EXPORT_FILES = (
     "config.json",
     "generation_config.json",
@@ -139,23 +136,15 @@ def export(
     )
 
 
-class OneAtATime:
+class OneAtATime(dict):
     """A Mapping's tensors handed out once each, as `to_hf` pops them (read when popped)."""
 
     def __init__(self, source: Mapping[str, torch.Tensor]):
-        self.source, self.left = source, dict.fromkeys(source)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.left
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.left)
-
-    def __len__(self) -> int:
-        return len(self.left)
+        super().__init__(dict.fromkeys(source))
+        self.source = source
 
     def pop(self, name: str) -> torch.Tensor:
-        del self.left[name]
+        del self[name]
         return self.source[name]
 
 
@@ -199,7 +188,7 @@ def write_hf_folder(
 
 def check_out(out: Path, force: bool) -> None:
     """--out can become the export folder: absent, or an earlier export with --force, in a
-    directory that is, or can become, writable."""
+    writable directory."""
     if out.is_symlink():
         raise UserError(
             f"--out {out} is a symlink; give the folder itself (an export replaces only a folder "
@@ -283,7 +272,7 @@ def _write_weights(
     from safetensors.torch import save_file
 
     shard: dict[str, torch.Tensor] = {}
-    shard_bytes, written, weight_map, total, n_params = 0, [], {}, 0, 0
+    written, weight_map, total, n_params = [], {}, 0, 0
 
     def flush() -> None:
         name = f"part-{len(written):05d}.safetensors"
@@ -297,13 +286,10 @@ def _write_weights(
         # a copy in the export dtype: q/k/v views of wqkv must not share storage on disk
         t = tensor.detach().to(device="cpu", dtype=dtype, copy=True).contiguous()
         del tensor
-        nbytes = t.numel() * t.element_size()
-        if shard and shard_bytes + nbytes > max_shard_bytes:
+        if shard and sum(x.nbytes for x in shard.values()) + t.nbytes > max_shard_bytes:
             flush()
-            shard_bytes = 0
         shard[name] = t
-        shard_bytes += nbytes
-        total += nbytes
+        total += t.nbytes
         n_params += t.numel()
     flush()
     _name_shards(folder, written, weight_map, total)
