@@ -1,7 +1,5 @@
-"""Sampling from a trained run: temperature, top-k, top-p, with a KV cache. Greedy decoding gives
-the same tokens with or without the cache within model.seq_len; past it, a full cache starts over
-from the newest seq_len // 2 tokens while the uncached path slides a full window, so they differ.
-"""
+"""Sampling from a trained run: temperature, top-k, top-p, with a KV cache. Past model.seq_len a
+full cache starts over from the newest seq_len // 2 tokens (the uncached path slides a window)."""
 
 from __future__ import annotations
 
@@ -139,8 +137,7 @@ def sample_next(
         drop = cum - sorted_logits.softmax(dim=-1) > top_p  # keep the smallest set reaching top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator)
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
 
 
 @torch.no_grad()
@@ -185,8 +182,7 @@ def generate(
 def _forward(
     model: Transformer, ids: list[int], cache: KVCache | None, start_pos: int
 ) -> torch.Tensor:
-    device = model.tok_embeddings.weight.device
-    x = torch.tensor([ids], dtype=torch.long, device=device)
+    x = torch.tensor([ids], dtype=torch.long, device=model.tok_embeddings.weight.device)
     return model(x, cache=cache, start_pos=start_pos)
 
 
@@ -203,26 +199,14 @@ def generate_text(
     checkpoint: str | Path | None = None,
 ) -> str:
     model, tokenizer = load_run(run_dir, cfg, plan, checkpoint)
-    precision = Precision(plan.precision, plan.device.type)
-    prompt_ids = tokenizer.encode(prompt, bos=True)
-    if len(prompt_ids) > cfg.model.seq_len:
+    autocast = Precision(plan.precision, plan.device.type).autocast()
+    prompt_ids, seq_len = tokenizer.encode(prompt, bos=True), cfg.model.seq_len
+    if len(prompt_ids) > seq_len:
         log.warning(
-            "generate: the prompt is %d tokens (with BOS), more than the model's context of "
-            "model.seq_len=%d: only its last %d tokens are read (the text printed starts with "
-            "the whole prompt)",
-            len(prompt_ids),
-            cfg.model.seq_len,
-            cfg.model.seq_len,
+            f"generate: the prompt is {len(prompt_ids)} tokens (with BOS), more than the model's "
+            f"context of model.seq_len={seq_len}: only its last {seq_len} tokens are read (the "
+            f"text printed starts with the whole prompt)"
         )
-    ids = generate(
-        model,
-        prompt_ids,
-        max_new_tokens,
-        temperature,
-        top_k,
-        top_p,
-        seed,
-        eos_id=tokenizer.eos_id,
-        autocast=precision.autocast(),
-    )
+    sampling = (max_new_tokens, temperature, top_k, top_p, seed)
+    ids = generate(model, prompt_ids, *sampling, eos_id=tokenizer.eos_id, autocast=autocast)
     return prompt + tokenizer.decode(ids)
