@@ -62,7 +62,8 @@ def prepare_mixture(cfg: Config, force: bool = False) -> dict[str, Any]:
     bundle = model_tokenizer(cfg)
     with data_dir_lock(out):
         mixture = _claim(out, [s.name for s in cfg.data.sources])
-        tokenizer = _tokenizer(cfg, configs, sources, out, mixture, bundle, force)
+        draw = lambda: _sample(cfg, configs, sources)
+        tokenizer = _tokenizer(cfg, out, mixture, bundle, force, draw)
         for i, (entry, sub) in enumerate(zip(cfg.data.sources, configs)):
             log.info("data: source %s (%s)", entry.name, sub.data.source)
             if entry.name not in mixture["folders"]:
@@ -184,31 +185,19 @@ def _record(manifest: dict[str, Any]) -> dict[str, Any]:
 
 
 def _tokenizer(
-    cfg: Config,
-    configs: list[Config],
-    sources: list[Any],
-    out: Path,
-    mixture: dict[str, Any],
-    bundle: bytes | None,
-    force: bool,
+    cfg: Config, out: Path, mixture: dict, bundle: bytes | None, force: bool, draw
 ) -> bytes:
-    """The mixture's tokenizer, in data.dir: the one there if made with these settings (and not
-    `force`), else data.tokenizer's or one trained afresh."""
+    """The mixture's tokenizer: data.dir's if made with these settings, else made afresh (trained
+    on the sample `draw()` returns)."""
     # not the sources: they may change without retraining it
     trained = {"val_fraction": cfg.data.val_fraction} if bundle is None else {}
     fingerprint = digest(tokenizer_settings(cfg, bundle) | trained)
     name = BUNDLE_FILE if bundle is not None else SP_FILE
     tok = mixture["tokenizer"]
-    if (
-        not force
-        and tok
-        and tok["file"] == name
-        and tok.get("fingerprint") == fingerprint
-        and (out / name).is_file()
-        and file_sha256(out / name) == tok["sha256"]
-    ):
+    same = tok and tok["file"] == name and tok.get("fingerprint") == fingerprint
+    if not force and same and (out / name).is_file() and file_sha256(out / name) == tok["sha256"]:
         return (out / name).read_bytes()
-    sample = None if bundle is not None else _sample(cfg, configs, sources)  # (may refuse)
+    sample = None if bundle is not None else draw()  # (may refuse)
     old = tok["file"] if tok else None
     # mixture.json names the file before it is written: a prepare stopped in between leaves a
     # tokenizer that is provably prepare's (its empty SHA-256 makes the next prepare redo it)
@@ -230,7 +219,8 @@ def _tokenizer(
             raise
         log.info(
             f"data: trained a {tokenizer.vocab_size}-piece BPE tokenizer on "
-            f"{sum(map(len, sample)) / 1e6:.1f} MB of {len(configs)} sources, by their weights"
+            f"{sum(map(len, sample)) / 1e6:.1f} MB of {len(cfg.data.sources)} sources, by their "
+            f"weights"
         )
     if old is not None and old != name:
         (out / old).unlink(missing_ok=True)  # named by prepare's own mixture.json
@@ -363,8 +353,7 @@ def _check_windows(cfg: Config, folders: list, train: dict[str, int], val: dict)
 
 
 def check_epochs(cfg: Config, loader: TrainLoader, data: TrainingData, is_main: bool) -> None:
-    """data.repeat=false refuses a run that would read any source twice; a mixture's weights,
-    tokens and epochs are printed."""
+    """Refuse reading any source twice under data.repeat=false; print a mixture's epochs."""
     epochs = loader.epochs(cfg.train.max_steps)
     over = [f"{n or 'the training data'}: {e:.2f} epochs" for n, e in epochs.items() if e > 1]
     if over and not cfg.data.repeat:
