@@ -124,8 +124,7 @@ class TrainLoader:
         sources: dict[str, tuple[float, int]] | None = None,
         repeat: bool = True,
     ):
-        """`sources`: a mixture's {name: (weight, training windows)}, laid out in `windows` in
-        this order; None: one source."""
+        """`sources`: a mixture's {name: (weight, training windows)}, in `windows` in this order."""
         if len(windows) == 0:
             raise ValueError("no training windows")
         self.windows, self.seed, self.device, self.mixture = windows, seed, plan.device, sources
@@ -159,8 +158,7 @@ class TrainLoader:
     def _read(self, position: int) -> torch.Tensor:
         """This rank's slice of the global batch that starts at stream `position`."""
         per_rank = self.micro_batch_size * self.grad_accum
-        ids = self._stream_indices(position + self.rank * per_rank, per_rank)
-        tokens = self.windows.get(ids)
+        tokens = self.windows.get(self._stream_indices(position + self.rank * per_rank, per_rank))
         return tokens.pin_memory() if self.device.type == "cuda" else tokens
 
     def _take(self, position: int) -> torch.Tensor:
@@ -171,8 +169,7 @@ class TrainLoader:
             self._ahead.append((position, self._executor.submit(self._read, position)))
         _, future = self._ahead.popleft()
         while len(self._ahead) < self.prefetch:
-            last = self._ahead[-1][0] if self._ahead else position
-            nxt = last + self.global_batch
+            nxt = (self._ahead[-1][0] if self._ahead else position) + self.global_batch
             self._ahead.append((nxt, self._executor.submit(self._read, nxt)))
         return future.result()
 
