@@ -64,9 +64,7 @@ def encode_batch(
         tokens[pos + a : pos + n - b] = ids
         tokens[pos + n - b : pos + n] = end
         pos += n
-    is_val = np.fromiter(
-        (is_val_document(doc_id, val_fraction) for doc_id, _ in docs), dtype=bool, count=len(docs)
-    )
+    is_val = np.array([is_val_document(doc_id, val_fraction) for doc_id, _ in docs], dtype=bool)
     return EncodedBatch(tokens, lengths, is_val, sum(len(text) for _, text in docs))
 
 
@@ -104,8 +102,7 @@ def _encode_in_worker(docs: list[tuple[str, str]]) -> EncodedBatch:
 
 
 class Encoder:
-    """Ordered map of `encode_batch` over batches, in `num_proc` processes (0: one per core);
-    the pool starts only for more than one batch of work."""
+    """Ordered map of `encode_batch` in `num_proc` processes (0: one per core) for over a batch."""
 
     def __init__(self, model_path: str | os.PathLike, val_fraction: float, num_proc: int = 0):
         self.model_path, self.val_fraction = str(model_path), val_fraction
