@@ -22,8 +22,7 @@ class Document:
 
 
 def text_value(value: Any, where: str, field: str) -> str | None:
-    """The text of one record; None for null or blank; a UserError for a non-string, a text over
-    MAX_DOCUMENT_CHARS or a lone surrogate."""
+    """The text of one record (None: null or blank); refused unless it is a string of text."""
     if value is None:
         return None
     if not isinstance(value, str):
