@@ -77,8 +77,7 @@ OUTPUT_PATTERNS = ("train_*.bin*", "val_*.bin*", SP_FILE, BUNDLE_FILE)  # what p
 def prepare_source(
     cfg: Config, force: bool = False, tokenizer: bytes | None = None
 ) -> dict[str, Any]:
-    """Prepare `cfg.data.dir` from `cfg.data.source`; the manifest. `tokenizer`: a mixture's
-    tokenizer file to encode with, instead of training one or reading data.tokenizer's."""
+    """Prepare `cfg.data.dir` from `cfg.data.source`; the manifest. `tokenizer`: a mixture's."""
     out = Path(cfg.data.dir)
     source = open_source(cfg.data)
     bundle = tokenizer if tokenizer is not None else model_tokenizer(cfg)
@@ -125,8 +124,7 @@ def _sound(out: Path, m: dict[str, Any] | None) -> bool:
 
 
 def model_tokenizer(cfg: Config) -> bytes | None:
-    """data.tokenizer's tokenizer as the file prepare keeps (None: prepare trains one), checked
-    against model.vocab_size before any work."""
+    """data.tokenizer's tokenizer as the file prepare keeps, checked against model.vocab_size."""
     if cfg.data.tokenizer is None:
         return None
     bundle, info = build_bundle(cfg.data.tokenizer)
@@ -139,8 +137,7 @@ def model_tokenizer(cfg: Config) -> bytes | None:
 def _build(
     cfg: Config, source, fingerprint: str, out: Path, force: bool, bundle: bytes | None
 ) -> dict[str, Any]:
-    """Build the data in out/.prepare-build/ and publish it into `out` (under the lock): until
-    the new manifest is complete the existing data stays as it was."""
+    """Build the data in out/.prepare-build/, then publish it: until then `out` stays as it was."""
     fresh_build = not (out / BUILD_DIR).exists()
     build = _claim_build_dir(out)
     t0 = time.perf_counter()
@@ -371,8 +368,7 @@ def _tokenizer_file(cfg: Config) -> str:
 
 
 def _fresh(cfg: Config, source, out: Path, fingerprint: str, bundle: bytes | None):
-    """Clear the build folder of an earlier attempt, train the tokenizer (or write the one
-    given); (progress, writers, stream) from document 0."""
+    """(progress, writers, stream) from document 0, with the tokenizer trained or given."""
     earlier = [*out.glob("train_*.bin*"), *out.glob("val_*.bin*"), out / PROGRESS]
     for stale in [*earlier, out / SP_FILE, out / BUNDLE_FILE]:  # (a tokenizer of either kind)
         stale.unlink(missing_ok=True)
@@ -426,8 +422,7 @@ def read_documents(cfg: Config, source) -> Iterator[Document]:
 
 
 def draw_sample(cfg: Config, docs: Iterator[Document]) -> tuple[list[str], list[Document]]:
-    """The tokenizer's sample from the first documents of the stream (refused when they hold
-    no text), and the pool it was drawn from (read off the stream)."""
+    """The tokenizer's sample from the first documents, and the pool read off the stream for it."""
     pool = _sample_pool(docs, cfg)
     if not (sample := list(_sample(pool, cfg))):
         raise UserError(
@@ -438,8 +433,7 @@ def draw_sample(cfg: Config, docs: Iterator[Document]) -> tuple[list[str], list[
 
 
 def _sample_pool(docs: Iterator[Document], cfg: Config) -> list[Document]:
-    """The first documents of the stream, until its train documents hold SAMPLE_POOL times the
-    tokenizer sample."""
+    """The first documents, until their train ones hold SAMPLE_POOL times the tokenizer sample."""
     d = cfg.data
     max_chars = SAMPLE_POOL * d.tokenizer_sample_bytes
     max_docs = SAMPLE_POOL * d.tokenizer_sample_documents if d.tokenizer_sample_documents else None
