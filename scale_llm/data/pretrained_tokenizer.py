@@ -270,8 +270,7 @@ def _bundle_problem(bundle: Any) -> str | None:
 
 
 def vocab_problem(where: str, ids: int, vocab_size: int, init_from: str | None) -> str | None:
-    """Why a model of `vocab_size` rows cannot learn a tokenizer of `ids` ids (None: it can;
-    padded rows are fine)."""
+    """Why a model of `vocab_size` rows cannot learn a tokenizer of `ids` ids (None: it can)."""
     if ids <= vocab_size:
         return None
     fix = (
