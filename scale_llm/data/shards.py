@@ -201,8 +201,7 @@ class _Shape:
 
 
 def manifest_problems(manifest: dict[str, Any]) -> list[str]:
-    """What in a manifest is missing or of another type than prepare writes: ["lacks a, b",
-    "c is 'x', not ..."]; empty when it can be read."""
+    """What in a manifest is missing or of another type than prepare writes (["lacks a", ...])."""
     shape = _Shape()
     is_dict = lambda x: isinstance(x, dict)
     shape.get(manifest, "dtype", lambda x: x in DTYPES, " or ".join(DTYPES))
@@ -325,8 +324,7 @@ def check_tokenizer(data_dir: Path, manifest: dict[str, Any]) -> None:
 
 
 def tokenizer_problem(data_dir: Path, manifest: dict[str, Any]) -> str | None:
-    """Why the manifest's tokenizer file is not the one it records (None: it is); for a
-    manifest that passed `manifest_problems`."""
+    """Why the tokenizer file of a well-formed manifest is not the one it records (None: it is)."""
     path = Path(data_dir) / manifest["tokenizer"]["file"]
     want = manifest["tokenizer"]["sha256"]
     got = file_sha256(path) if path.is_file() else None
