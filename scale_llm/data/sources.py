@@ -191,8 +191,7 @@ class Source:
 
 
 def _lines(f: Path, hint: Callable[[], str]) -> Iterator[tuple[int, bytes]]:
-    """(line number, bytes) of each line; one over MAX_DOCUMENT_CHARS bytes is refused at the
-    limit, not read whole. `hint` ends the message."""
+    """(line number, bytes) of each line; one over MAX_DOCUMENT_CHARS is refused, not read whole."""
     with open(f, "rb") as fh:
         for lineno, raw in enumerate(iter(lambda: fh.readline(MAX_DOCUMENT_CHARS + 1), b""), 1):
             if len(raw) > MAX_DOCUMENT_CHARS and not raw.endswith(b"\n"):
@@ -346,8 +345,7 @@ class _Listing:
                     self._candidate(directory / entry.name, links + entry.is_symlink())
 
     def _entries(self, directory: Path, pattern: str) -> list[os.DirEntry]:
-        """Entries of `directory` whose names match `pattern`, sorted by name; hidden names
-        only for a pattern that starts with '.' (or a directory source)."""
+        """Entries of `directory` matching `pattern`, by name; hidden ones only where asked for."""
         try:
             with os.scandir(directory) as it:
                 entries = sorted(it, key=lambda e: e.name)
