@@ -76,8 +76,7 @@ def run_copy_name(manifest_file: str) -> str:
 
 
 def run_tokenizer_path(run_dir: Path, sha256: str) -> Path:
-    """The run dir's tokenizer with this SHA-256, else the one there (or tokenizer.model), for
-    the error to name."""
+    """The run dir's tokenizer with this SHA-256, else the one there for the error to name."""
     present = [run_dir / name for name in TOKENIZER_NAMES if (run_dir / name).is_file()]
     for path in present:
         if file_sha256(path) == sha256:
@@ -123,8 +122,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_path: str | Path)
 
 
 def _training_failed(error: str, vocab_size: int) -> str:
-    """SentencePiece's refusal as which way to move which key ("too high": fewer pieces,
-    "smaller than required_chars": more)."""
+    """SentencePiece's refusal as which way to move which key."""
     most = re.search(r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)", error)
     if most and int(most[1]) >= MIN_VOCAB:
         return (
