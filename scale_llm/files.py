@@ -90,10 +90,7 @@ def new_file_mode() -> int:
 
 def describe_kind(path: Path) -> str:
     """'a symlink', 'a directory', 'a named pipe', ... for messages about a path's type."""
-    for test, kind in _KINDS:
-        if test(path):
-            return kind
-    return "missing"
+    return next((kind for test, kind in _KINDS if test(path)), "missing")
 
 
 _KINDS = (
@@ -114,24 +111,16 @@ def unwritable_dir(path: Path | str) -> tuple[Path, str] | None:
         existing = existing.parent
     if not existing.is_dir():
         return existing, "file"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return existing, "read-only"
-    return None
+    return None if os.access(existing, os.W_OK | os.X_OK) else (existing, "read-only")
 
 
 def require_writable_dir(path: Path | str, key: str) -> None:
     """Before any work: `path` (config key `key`) is, or can become, a writable directory."""
-    existing, why = unwritable_dir(path) or (None, None)
-    if why == "file":
-        raise UserError(
-            f"{key}={path}: {existing} is a file, not a directory; point {key} at a directory "
-            f"(or move the file away)"
-        )
-    if why == "read-only":
-        raise UserError(
-            f"{key}={path}: {existing} is not writable by this user; point {key} at a directory "
-            f"you can write to"
-        )
+    if found := unwritable_dir(path):
+        existing, why = found
+        what = "a file, not a directory" if why == "file" else "not writable by this user"
+        fix = "(or move the file away)" if why == "file" else "you can write to"
+        raise UserError(f"{key}={path}: {existing} is {what}; point {key} at a directory {fix}")
 
 
 # Every JSON the project reads goes through `parse_json`, bounded in size and nesting: a hostile
@@ -182,23 +171,21 @@ def read_json(
     path = Path(path)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise UserError(f"{path} ({what}) is not a regular file; {fix}")
+            if st.st_size > max_bytes:
+                raise UserError(
+                    f"{path} ({what}) is {st.st_size:,} bytes, more than the {max_bytes:,} such "
+                    f"a file can hold; {fix}"
+                )
+            with os.fdopen(os.dup(fd), "rb") as f:
+                raw = f.read(max_bytes + 1)
+        finally:
+            os.close(fd)
     except OSError as e:
         raise UserError(f"{path} ({what}) cannot be read ({e.strerror}); {fix}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise UserError(f"{path} ({what}) is not a regular file; {fix}")
-        if st.st_size > max_bytes:
-            raise UserError(
-                f"{path} ({what}) is {st.st_size:,} bytes, more than the {max_bytes:,} such a "
-                f"file can hold; {fix}"
-            )
-        with os.fdopen(os.dup(fd), "rb") as f:
-            raw = f.read(max_bytes + 1)
-    except OSError as e:
-        raise UserError(f"{path} ({what}) cannot be read ({e.strerror}); {fix}") from None
-    finally:
-        os.close(fd)
     try:
         value = parse_json(raw)
     except JSONProblem as e:
@@ -215,8 +202,7 @@ def _json_kind(value: Any) -> str:
     return names.get(type(value), "number")
 
 
-def read_json_object(path: Path, what: str, fix: str) -> dict[str, Any]:
-    return read_json(path, what, fix)
+read_json_object = read_json  # (a JSON object: read_json's default kind)
 
 
 # A folder a user names (data.tokenizer, model.init_from, an export) is copied into what the
@@ -345,10 +331,8 @@ def make_owned_dir(path: Path, kind: str) -> Path:
 
 def owned_kind(path: Path) -> str | None:
     """The kind `make_owned_dir` recorded in `path`, or None (not ours, damaged, a symlink)."""
-    if path.is_symlink() or not path.is_dir():
-        return None
     marker = path / OWNER_MARKER
-    if marker.is_symlink() or not marker.is_file():
+    if path.is_symlink() or not path.is_dir() or marker.is_symlink() or not marker.is_file():
         return None
     try:
         kind = read_json(marker, "ownership marker", "", max_bytes=MAX_RECORD_BYTES).get("kind")
@@ -400,18 +384,13 @@ class OwnerLock:
     """
 
     def __init__(self, path: Path, what: str, fix: str):
-        self.path = path
+        self.path, self._fd = path, None
         self.what = what  # e.g. "runs/tiny" or "data.dir=data/tiny"
         self.fix = fix  # how to get past a live owner, e.g. "pick another run.name"
-        self._fd: int | None = None
-
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
 
     def check(self) -> None:
         """Refuse now (creating nothing) if a live process holds the lock."""
-        if self.held or _absent(self.path) or self._key() in _HELD:  # (acquire takes ours over)
+        if self._fd is not None or _absent(self.path) or self._key() in _HELD:  # (acquire: ours)
             return
         if (fd := self._open(create=False)) is None:
             return
@@ -425,7 +404,7 @@ class OwnerLock:
     def acquire(self, wait: bool = False, on_wait: str | None = None) -> None:
         """Take the lock, or raise UserError naming its owner. With `wait`, block until a live
         owner releases it (logging `on_wait` once first)."""
-        if self.held:
+        if self._fd is not None:
             return
         if (earlier := _HELD.get(self._key())) is not None:
             earlier.release()
@@ -563,14 +542,12 @@ def lock_holder(path: Path) -> str | None:
     Read without taking the flock, which could make a starting owner's non-blocking take fail."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # (a FIFO: no wait)
+        try:
+            raw = os.pread(fd, MAX_RECORD_BYTES + 1, 0)
+        finally:
+            os.close(fd)
     except OSError:
         return None
-    try:
-        raw = os.pread(fd, MAX_RECORD_BYTES + 1, 0)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
     if (owner := _owner(raw)) is None:
         return None
     pid, host = owner["pid"], owner["host"]
@@ -583,9 +560,7 @@ def _owner(raw: bytes) -> dict[str, Any] | None:
     """An owner record {"pid": int, "host": str, ...}, or None: longer than a record, not JSON,
     nested (`parse_json` bounds the decoder) or of another shape."""
     try:
-        if len(raw) > MAX_RECORD_BYTES:
-            return None
-        owner = parse_json(raw, max_depth=2)
+        owner = parse_json(raw, max_depth=2) if len(raw) <= MAX_RECORD_BYTES else None
     except JSONProblem:
         return None
     pid = owner.get("pid") if isinstance(owner, dict) else None
