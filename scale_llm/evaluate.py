@@ -127,8 +127,7 @@ def check_outputs(run_dir: Path, tasks: bool, tensorboard: bool) -> None:
 
 
 def earlier_record(path: Path, digest: str) -> tuple[dict[str, Any] | None, bool]:
-    """(the earlier record of these checkpoint bytes, or None; whether the file holds other
-    weights' results at this step, to be set aside)."""
+    """(these bytes' earlier record or None; whether it holds other weights', to set aside)."""
     if not (path.exists() or path.is_symlink()):
         return None, False
     if path.is_symlink() or not path.is_file():
@@ -188,8 +187,7 @@ def export_for_eval(ckpt: Path, run_dir: Path) -> Path:
 
 
 def reusable_export(out: Path, digest: str) -> bool:
-    """Whether `out` is eval's export of these checkpoint bytes; refuses a folder eval did not
-    make."""
+    """Whether `out` is eval's export of these checkpoint bytes; refuses one eval did not make."""
     if not (out.exists() or out.is_symlink()):
         return False
     own = out.is_dir() and not out.is_symlink()
@@ -262,8 +260,7 @@ def task_manager(
 
 
 def build_task(manager: Any, task: str, tasks_key: str = "--tasks") -> None:
-    """Build `task` as lm-eval will (reading its dataset): missing data is refused before the
-    export, not a traceback after it."""
+    """Build `task` as lm-eval will: missing data refused before the export, not a traceback."""
     try:
         if hasattr(manager, "load"):  # lm-eval >= 0.4.10
             manager.load([task])
@@ -361,8 +358,7 @@ def _shown(metric: str) -> bool:
 
 
 def _mentioned(task: str) -> bool:
-    """Whether any file of lm-eval's built-in tasks holds `task`: a name none holds is unknown
-    for certain, found in ~1 s instead of the task manager's ~15 s of indexing."""
+    """Whether lm-eval's task files hold the text `task`: ~1 s, not ~15 s of indexing, to refuse."""
     import importlib.util
 
     spec = importlib.util.find_spec("lm_eval.tasks")
@@ -479,8 +475,7 @@ def _source_windows(
 
 
 def mixture_sources(cfg: Config, data_dir: Path) -> tuple[list[str], dict[str, float] | None, str]:
-    """(sources, weights, what the weights are): the run's data.sources by their weights where
-    `data_dir` holds them all, else every source of mixture.json by windows (weights None)."""
+    """(sources, weights, what weighs): the run's data.sources, else mixture.json's by windows."""
     path = data_dir / MIXTURE
     fix = "give the data dir `scale-llm prepare` made for a mixture, or prepare it again"
     record = read_json_object(path, "a mixture's record", fix)
