@@ -158,8 +158,7 @@ def write_hf_folder(
     force: bool = False,
     info: dict[str, Any] | None = None,
 ) -> Exported:
-    """Write our state dict (consumed: each tensor is dropped once written) as a Hugging Face
-    folder at `out`, atomically."""
+    """Write our state dict (consumed as written) as a Hugging Face folder at `out`, atomically."""
     out = Path(out)
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
@@ -187,8 +186,7 @@ def write_hf_folder(
 
 
 def check_out(out: Path, force: bool) -> None:
-    """--out can become the export folder: absent, or an earlier export with --force, in a
-    writable directory."""
+    """--out can become the export: absent, or an earlier export with --force; writable."""
     if out.is_symlink():
         raise UserError(
             f"--out {out} is a symlink; give the folder itself (an export replaces only a folder "
@@ -267,8 +265,7 @@ def _write_weights(
     folder: Path,
     max_shard_bytes: int,
 ) -> int:
-    """model.safetensors, or model-0000k-of-0000n.safetensors + the index past the threshold;
-    returns the number of parameters written."""
+    """model.safetensors, or shards and their index past the threshold; the parameters written."""
     from safetensors.torch import save_file
 
     shard: dict[str, torch.Tensor] = {}
