@@ -76,8 +76,7 @@ def load_run(
 
 
 def run_checkpoint(run_dir: Path, checkpoint: str | Path | None) -> Path:
-    """The checkpoint `--checkpoint` names (a checkpoint, or a run directory's newest good one),
-    or the run's newest good one; refused when damaged or absent."""
+    """The checkpoint `--checkpoint` names (or its run's newest good one), else the run's."""
     if checkpoint is None:
         if (ckpt := Checkpointer(run_dir, 1).latest_good()) is None:
             raise UserError(
@@ -100,8 +99,7 @@ def run_checkpoint(run_dir: Path, checkpoint: str | Path | None) -> Path:
 
 
 def model_differences(saved: dict[str, Any], cfg: Config) -> list[str]:
-    """For each run-defining model.* key the checkpoint records and the run differs in (its
-    weights are another run's): "key (X in the checkpoint, Y in the run)"."""
+    """ "key (X in the checkpoint, Y in the run)" for each run-defining model.* key that differs."""
     model = saved.get("model") or {}
     out = []
     for key in run_defining_keys():
