@@ -37,8 +37,7 @@ class Kernel:
 def choose(
     device_type: str, dtype: torch.dtype, document: bool, gqa: bool, head_dim: int
 ) -> Kernel:
-    """The kernel for attention on `device_type` in `dtype` (the activations' dtype under
-    autocast), with the document mask or the causal one, with grouped-query attention or not."""
+    """The kernel for attention in `dtype` (autocast's), document or causal, GQA or not."""
     if device_type != "cuda":
         return Kernel("sdpa", dense_mask=document)
     flash_shape = head_dim <= FLASH_MAX_HEAD_DIM and head_dim % 8 == 0
@@ -48,8 +47,7 @@ def choose(
 
 
 def problem(device_type: str, dtype: torch.dtype, document: bool, head_dim: int) -> str | None:
-    """What a GPU run with these settings materializes that a fused kernel would not (None:
-    nothing)."""
+    """What a GPU run with these settings materializes that a fused kernel would not, or None."""
     kernel = choose(device_type, dtype, document, False, head_dim)
     if not kernel.dense_mask or device_type != "cuda":
         return None
