@@ -71,9 +71,7 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def to_hf(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) for each of our parameters, popping them from `state` as it goes so
-    that a caller converting tensor by tensor never holds two copies. q/k/v are taken out of
-    wqkv's kv-head groups (`split_qkv`)."""
+    """(HF name, tensor) for each of our parameters, popped from `state` (never two copies held)."""
     for ours, theirs in _TOP.items():
         if ours != "output.weight" and ours in state:
             yield theirs, state.pop(ours)
@@ -91,14 +89,12 @@ def to_hf(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> Iterator[tuple[st
 
 
 def from_hf(cfg: ModelConfig, get: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our state dict from HF tensors read one at a time through `get(name)` (fp32), shapes
-    already checked (`shape_problems`)."""
+    """Our state dict from HF tensors read one at a time through `get(name)`, shapes checked."""
     return dict(FromHF(cfg, get))
 
 
 class FromHF(Mapping[str, torch.Tensor]):
-    """Our parameters by name, each made from its HF tensors when asked: a sharded start holds
-    one full parameter at a time."""
+    """Our parameters by name, each made from its HF tensors when asked (one at a time)."""
 
     def __init__(self, cfg: ModelConfig, get: Callable[[str], torch.Tensor]):
         self.cfg, self.get = cfg, get
@@ -143,8 +139,7 @@ def shape_problems(cfg: ModelConfig, found: dict[str, tuple[int, ...]]) -> list[
 def to_hf_config(
     cfg: ModelConfig, dtype: torch.dtype, bos_id: int, eos_id: int, pad_id: int
 ) -> dict[str, Any]:
-    """The `config.json` of a `LlamaForCausalLM` with `cfg`'s shape. RoPE is written both as
-    `rope_theta` (transformers 4, vLLM) and `rope_parameters` (transformers 5)."""
+    """`LlamaForCausalLM`'s config.json for `cfg` (RoPE for transformers 4 and vLLM, and 5)."""
     dtype_name = str(dtype).removeprefix("torch.")
     return {
         "architectures": [ARCHITECTURE],
@@ -177,8 +172,7 @@ def to_hf_config(
 
 
 def from_hf_config(hf: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """(our model.* values that passed, problems) for an HF config dict: a line for each
-    unsupported field or architecture, or field of the wrong JSON type or range."""
+    """(model.* values that passed, a line per unsupported or ill-typed field) of an HF config."""
     problems = []
     model_type = hf.get("model_type")
     if model_type != "llama":
