@@ -6,8 +6,7 @@ import torch
 
 
 class KVCache:
-    """k, v (B, n_kv_heads, max_len, head_dim) per layer, allocated on first use in the dtype
-    the model produces. Filled and read in one precision and mode (as `generate` does)."""
+    """k, v (B, n_kv_heads, max_len, head_dim) per layer, made at first use in the model's dtype."""
 
     def __init__(self, n_layers: int, max_len: int):
         self.max_len = max_len
