@@ -21,8 +21,7 @@ from scale_llm.model.kv_cache import KVCache
 
 
 def rope_table(head_dim: int, seq_len: int, theta: float, device=None) -> torch.Tensor:
-    """(2, seq_len, head_dim // 2) fp32: the cos and the sin of each position's angles; fp32
-    even under autocast."""
+    """(2, seq_len, head_dim // 2): each position's cos and sin, fp32 even under autocast."""
     device = torch.device(device or "cpu")
     meta = device.type == "meta"  # (no autocast there; roofline counts run there)
     with contextlib.nullcontext() if meta else torch.autocast(device.type, enabled=False):
@@ -126,8 +125,7 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_kv_heads: int)
 def split_qkv(
     wqkv: torch.Tensor, n_heads: int, n_kv_heads: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k and v projection weights from a wqkv weight (`fuse_qkv`): contiguous (copies, or
-    views where the rows already are)."""
+    """q, k and v projection weights, contiguous, from a wqkv weight (`fuse_qkv`)."""
     d, r = wqkv.size(-1), n_heads // n_kv_heads
     groups = wqkv.view(n_kv_heads, r + 2, -1, d)  # (groups, r q heads + k + v, head_dim, d)
     return tuple(groups[:, part].reshape(-1, d) for part in (slice(r), r, r + 1))
@@ -149,8 +147,7 @@ def documents(tokens: torch.Tensor, end_id: int, kernel: attention.Kernel) -> Do
 
 
 def document_mask(tokens: torch.Tensor, end_id: int) -> torch.Tensor:
-    """(B, 1, T, T) bool: query i may attend key j when j <= i and no document ends between
-    them (a document's end token is its last; the next token starts another)."""
+    """(B, 1, T, T) bool: i may attend j <= i when no document ends (with end_id) between them."""
     ends = tokens == end_id  # (B, T)
     doc = ends.cumsum(1) - ends.long()  # (B, T): documents ended before each position
     T = tokens.size(1)
