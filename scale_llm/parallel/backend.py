@@ -48,8 +48,7 @@ class Backend:
         self.zero_grads_in_place = False
 
     def setup(self, model: Transformer, initial_weights: Mapping | None = None) -> nn.Module:
-        """Materialize, checkpoint blocks, wrap and build the optimizer; returns the model to
-        call forward on. `initial_weights` (name -> tensor) replace the seeded init."""
+        """Materialize, wrap, build the optimizer; `initial_weights` replace the seeded init."""
         self.module = model
         apply_fp8(model, self.cfg, self.plan)  # first: TP, checkpointing, compile, FSDP wrap it
         self.model = self.wrap(model, initial_weights)
@@ -97,8 +96,7 @@ class Backend:
     def forward_backward(
         self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, accum: int
     ) -> torch.Tensor:
-        """One micro-step: forward, the loss divided by `accum`, backward; returns that loss,
-        detached."""
+        """One micro-step: forward, the loss / `accum`, backward; returns that loss, detached."""
         with self.forward_context():
             loss = self.loss_fn(model(inputs), targets) / accum
         self.backward(loss)
@@ -111,8 +109,7 @@ class Backend:
         set_lr(self.optimizer, lr)
 
     def clip_and_step(self) -> torch.Tensor:
-        """Clip to train.grad_clip, step, zero grads; returns the pre-clip global norm (on the
-        device), non-finite where the step was skipped (fp16: by the GradScaler)."""
+        """Clip, step, zero grads; returns the pre-clip norm, non-finite if the step was skipped."""
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
             norm = self.clip_grad_norm(self.cfg.train.grad_clip)
@@ -139,8 +136,7 @@ class Backend:
     def eval_loss(
         self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, rows: int
     ) -> torch.Tensor:
-        """The summed token-mean losses of the first `rows` rows (0 for none), on every rank,
-        which all run the forward."""
+        """The summed token-mean losses of the first `rows` rows, on every rank (all run it)."""
         logits = model(inputs)
         if not rows:
             return torch.zeros((), device=inputs.device)
@@ -171,8 +167,7 @@ class Backend:
             self.scaler.load_state_dict(state["scaler"])
 
     def save(self, ckpt_dir: Path, background: BackgroundSave | None = None) -> Future | None:
-        """Model and optimizer to DCP, keyed by parameter name: loadable on any backend and world
-        size. With `background`, the Future of the write going on in a thread is returned."""
+        """Model and optimizer to DCP by name (any backend, world size); `background`: a Future."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         return dcp_save(
             {"model": model_sd, "optimizer": optim_sd},
@@ -200,8 +195,7 @@ class Backend:
 
 
 def checkpoint_layout(cfg: Config, plan: RunPlan) -> dict[str, Any]:
-    """How the plan's backend lays out a checkpoint: DCP (any world size) or DeepSpeed's own
-    files (only the same ZeRO stage and world size)."""
+    """DCP (any world size) or DeepSpeed's files (its ZeRO stage and world size only)."""
     if plan.backend == "deepspeed":
         stage = cfg.parallel.deepspeed.zero_stage
         return {"format": "deepspeed", "zero_stage": stage, "world_size": plan.world_size}
