@@ -19,8 +19,7 @@ def compile_blocks(model: nn.Module) -> int:
 
 
 def toolchain_problem(device: torch.device) -> str | None:
-    """Why torch.compile cannot build kernels on `device` here, naming what to install (None:
-    it can), found by compiling one small function rather than dying in the first step."""
+    """Why torch.compile cannot build kernels on `device` here (what to install), or None."""
     try:
         probe = torch.compile(lambda x: torch.sin(x) * 2.0 + 1.0, fullgraph=True)
         probe(torch.ones(8, device=device))
