@@ -169,8 +169,7 @@ class DeepSpeedBackend(Backend):
         self.model.save_checkpoint(str(ckpt_dir), tag=TAG)
 
     def load(self, ckpt_dir: Path) -> None:
-        """The engine's own checkpoint of this ZeRO stage and world size; any other one
-        parameter at a time (`_load_per_parameter`)."""
+        """The engine's own checkpoint of this layout; any other one parameter at a time."""
         if load_file(ckpt_dir / TRAINER_STATE)["backend"]["layout"] != self.checkpoint_layout():
             self._load_per_parameter(ckpt_dir)
             return
@@ -183,8 +182,7 @@ class DeepSpeedBackend(Backend):
 
     @torch.no_grad()
     def _load_per_parameter(self, ckpt_dir: Path) -> None:
-        """Another layout's fp32 weights, Adam's moments and step, read one parameter at a time
-        and handed to DeepSpeed's own setters (each rank keeps its partition of them)."""
+        """Another layout's weights, Adam's moments and step, through DeepSpeed's own setters."""
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
         source = CheckpointMoments(ckpt_dir, build_model(self.cfg.model).state_dict())
@@ -215,8 +213,7 @@ def _create_moments(zero: Any, step: int) -> None:
 
 
 def _fp32_to_module(zero: Any) -> None:
-    """The module's weights from the fp32 partitions just set, as DeepSpeed does after loading a
-    universal checkpoint."""
+    """The module's weights from the fp32 partitions, as after DeepSpeed's universal load."""
     if hasattr(zero, "update_lp_params"):
         zero.update_lp_params()
         return
