@@ -61,8 +61,7 @@ def check_fp8(cfg: Config, plan: RunPlan, capability: tuple[int, int] | None = N
 
 
 def float8_config(cfg: Config, plan: RunPlan):  # -> torchao.float8.Float8LinearConfig
-    """torchao's config for `train.fp8` on this plan: the recipe, emulated GEMMs off a GPU, and
-    FSDP2's fp8 all-gather where FSDP2 shards the weights."""
+    """torchao's config for `train.fp8`: the recipe, emulation off a GPU, FSDP2's fp8 gathers."""
     from torchao.float8 import Float8LinearConfig
 
     fp8 = cfg.train.fp8
@@ -84,8 +83,7 @@ def convertible(linear: nn.Linear, tp: int = 1, row_wise: bool = False) -> bool:
 
 
 def apply_fp8(model: nn.Module, cfg: Config, plan: RunPlan) -> None:
-    """Swap the blocks' linears for Float8Linear in place (on the meta device), when
-    train.fp8.enabled; says what was converted, what was skipped, and whether it is emulated."""
+    """Swap the blocks' linears for Float8Linear in place (meta device); logs what and how."""
     if not cfg.train.fp8.enabled:
         return
     _import_torchao(quiet=plan.device.type != "cuda")
