@@ -75,16 +75,14 @@ class FSDPBackend(Backend):
         return model
 
     def parallelize(self, model: Transformer) -> None:
-        """On the meta device, before any sharding: tensor parallelism first, then
-        checkpointing and compile per block (torchtitan's order)."""
+        """On the meta device: tensor parallelism, then checkpointing and compile per block."""
         if self.tp > 1:
             mesh = self.device_mesh()["tp"]
             apply_tensor_parallel(model, mesh, self.cfg.parallel.sequence_parallel)
         self.transform_blocks(model)
 
     def shard(self, module: nn.Module, reshard_after_forward: bool | None = None) -> None:
-        """fully_shard on each block of `module` (a model or a pipeline stage), then on it;
-        `reshard_after_forward`: parallel.fsdp's unless given."""
+        """fully_shard on each block of `module` (a model or a pipeline stage), then on it."""
         opts = self.cfg.parallel.fsdp
         if reshard_after_forward is None:
             reshard_after_forward = opts.reshard_after_forward
@@ -142,8 +140,7 @@ class FSDPBackend(Backend):
 
 @torch.no_grad()
 def _copy_shard(param: nn.Parameter, full: torch.Tensor) -> None:
-    """This rank's block of `full` (the same on every rank: no communication) into the sharded
-    parameter, copied from a view."""
+    """This rank's block of `full` (alike on every rank) into the sharded parameter."""
     shape, offset = compute_local_shape_and_global_offset(
         full.shape, param.device_mesh, param.placements
     )
