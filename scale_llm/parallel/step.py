@@ -10,8 +10,7 @@ from scale_llm.parallel.backend import Backend
 def optimizer_step(
     backend: Backend, model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Accumulate over the micro-batches (gradients synced on the last only), then one clip +
-    step; returns (mean loss, pre-clip grad norm), both still on the device."""
+    """Accumulate the micro-batches, then clip + step: (mean loss, pre-clip norm) on the device."""
     accum = len(batches)
     loss_sum = torch.zeros((), device=batches[0][0].device)
     for i, (inputs, targets) in enumerate(batches):
