@@ -101,8 +101,7 @@ def block_plan(
 
 
 def _settled(_module, args: tuple) -> tuple:
-    """In a no-grad forward, the residual stream with its local tensor waited for (`wait` leaves
-    autograd's graph, which a no-grad forward has none of)."""
+    """The residual stream's tensor waited for, in a no-grad forward (`wait` leaves autograd)."""
     x, *rest = args
     if torch.is_grad_enabled():
         return args
