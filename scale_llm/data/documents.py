@@ -39,8 +39,7 @@ def text_value(value: Any, where: str, field: str) -> str | None:
     if not value.isascii() and (bad := _SURROGATE.search(value)):
         raise UserError(
             f"{where}: field {field!r} holds a lone surrogate (\\u{ord(bad.group()):04x} at "
-            f"character {bad.start()}): half of a UTF-16 pair, which is not text; add the "
-            f"missing half (\\ud83d\\ude00 is one emoji) or remove the record or the file "
-            f"from data.source"
+            f"character {bad.start()}): half of a UTF-16 pair, which is not text; add the missing "
+            f"half (\\ud83d\\ude00 is one emoji) or remove the record or the file from data.source"
         )
     return value if value.strip() else None
