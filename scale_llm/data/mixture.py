@@ -48,10 +48,8 @@ def source_config(cfg: Config, entry: SourceConfig) -> Config:
         keys["source"] = os.path.expanduser(keys["source"])
     elif keys["source"].startswith("hf:~"):
         keys["source"] = "hf:" + os.path.expanduser(keys["source"][3:])
-    data = dataclasses.replace(
-        cfg.data, sources=[], dir=str(Path(cfg.data.dir) / entry.name), **keys
-    )
-    return dataclasses.replace(cfg, data=data)
+    keys |= {"sources": [], "dir": str(Path(cfg.data.dir) / entry.name)}
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **keys))
 
 
 def prepare_mixture(cfg: Config, force: bool = False) -> dict[str, Any]:
