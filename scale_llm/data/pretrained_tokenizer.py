@@ -82,9 +82,8 @@ def build_bundle(folder: str | Path) -> tuple[bytes, dict[str, Any]]:
     tok = _auto_tokenizer(folder)
     if (backend := getattr(tok, "backend_tokenizer", None)) is None:
         raise UserError(
-            f"{WHAT}={folder}: transformers loads it as {type(tok).__name__}, a tokenizer "
-            f"without a `tokenizers` pipeline (not a fast tokenizer); give a folder with "
-            f"tokenizer.json"
+            f"{WHAT}={folder}: transformers loads it as {type(tok).__name__}, a tokenizer without "
+            f"a `tokenizers` pipeline (not a fast tokenizer); give a folder with tokenizer.json"
         )
     if tok.eos_token_id is None:
         raise UserError(
