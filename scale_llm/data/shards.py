@@ -253,17 +253,12 @@ def manifest_files(manifest: Any) -> set[str]:
     holds: an entry of another shape accounts for nothing."""
     if not isinstance(manifest, dict):
         return set()
-    names = set()
-    splits = manifest.get("splits")
+    entries, splits = [manifest.get("tokenizer")], manifest.get("splits")
     for split in splits.values() if isinstance(splits, dict) else ():
         shards = split.get("shards") if isinstance(split, dict) else None
-        for shard in shards if isinstance(shards, list) else ():
-            if isinstance(shard, dict) and isinstance(shard.get("file"), str):
-                names.add(Path(shard["file"]).name)
-    tok = manifest.get("tokenizer")
-    if isinstance(tok, dict) and isinstance(tok.get("file"), str):
-        names.add(Path(tok["file"]).name)
-    return names
+        entries += shards if isinstance(shards, list) else []
+    files = [e.get("file") for e in entries if isinstance(e, dict)]
+    return {Path(file).name for file in files if isinstance(file, str)}
 
 
 def read_manifest(data_dir: str | Path) -> dict[str, Any]:
@@ -272,9 +267,8 @@ def read_manifest(data_dir: str | Path) -> dict[str, Any]:
     path = data_dir / MANIFEST
     if not (path.exists() or path.is_symlink()):
         raise UserError(
-            f"data.dir={data_dir} holds no prepared shards ({MANIFEST} missing); "
-            f"run `scale-llm prepare CONFIG` first, or point data.dir at a prepared "
-            f"directory"
+            f"data.dir={data_dir} holds no prepared shards ({MANIFEST} missing); run `scale-llm "
+            f"prepare CONFIG` first, or point data.dir at a prepared directory"
         )
     unreadable = (
         f"it cannot say which files in data.dir={data_dir} are prepare's, so prepare will not "
