@@ -46,7 +46,7 @@ def file_kind(path: Path) -> str | None:
     return _KIND.get(path.suffix.lower())
 
 
-@dataclass
+@dataclass(eq=False)  # (compared and hashed as itself)
 class Source:
     """A fixed, ordered list of files and how to read documents out of them."""
 
