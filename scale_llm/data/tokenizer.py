@@ -116,7 +116,6 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_path: str | Path)
         )
     except RuntimeError as e:  # e.g. a sample with too few distinct pieces for vocab_size
         raise UserError(_training_failed(str(e), vocab_size)) from None
-    out_path = Path(out_path)
     atomic_write_bytes(out_path, buf.getvalue())  # into prepare's own build folder
     return Tokenizer(out_path)
 
