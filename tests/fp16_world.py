@@ -47,6 +47,10 @@ def nan_loss_on_rank_1(tr: Trainer, steps: set[int]) -> None:
     tr.backend.loss_fn = poisoned
 
 
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 def inf_in_rank_1s_shard(tr: Trainer, step: int) -> dict[str, bool]:
     """After the reduction, before the unscale: rank 1 alone holds an inf in its shard. Returns
     {"changed": whether this rank's shard changed in that step}, filled in when it ran."""
@@ -56,14 +60,14 @@ def inf_in_rank_1s_shard(tr: Trainer, step: int) -> dict[str, bool]:
     def poisoned():
         if tr.step != step:
             return clip_and_step()
-        params = list(tr.backend.module.parameters())
+        params = list(tr.backend.model.parameters())  # (a pipeline's: this rank's stage)
         if RANK == 1:
-            grad = params[0].grad
-            local = grad.to_local() if hasattr(grad, "to_local") else grad
-            local.view(-1)[0] = float("inf")
-        before = [p.detach().clone() for p in params]
+            local(params[0].grad).view(-1)[0] = float("inf")
+        before = [local(p.detach()).clone() for p in params]
         norm = clip_and_step()
-        seen["changed"] = any(not torch.equal(b, p.detach()) for b, p in zip(before, params))
+        # (this rank's shards: a DTensor's torch.equal all-reduces over every rank, and the
+        # pipeline's stages hold different parameters)
+        seen["changed"] = any(not torch.equal(b, local(p.detach())) for b, p in zip(before, params))
         return norm
 
     tr.backend.clip_and_step = poisoned
@@ -96,6 +100,7 @@ def main(out: str, settings: list[str], cases: dict[str, list[str]]) -> None:
             tr.fit()
             seen["shard_rows"] = rows(tr)
             seen["shard_skipped"] = int(tr.skipped_steps)
+            seen["shard_scale"] = tr.backend.loss_scale()
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, seen)
         results[name] = everyone

@@ -600,10 +600,13 @@ def test_fp16_loss_scale_resumes_and_an_overflow_in_one_shard_is_skipped_everywh
     DDP and FSDP2 halve the loss scale on an overflow (step 1's NaN loss on rank 1) and a
     resume from step 2 continues with the saved scale and the same curve; under FSDP2 an inf
     that only rank 1's gradient shard holds (after the reduction) is seen by every rank, which
-    all skip the step, leave their shards unchanged and halve their scales alike."""
+    all skip the step, leave their shards unchanged and halve their scales alike. PP 2 over
+    FSDP2 does all of it too, its inf in the last stage's gradients alone."""
     cases = {
         "ddp-fp16": [*BACKENDS["ddp"], "train.precision=fp16"],
         "fsdp-fp16": [*BACKENDS["fsdp"], "train.precision=fp16"],
+        "fsdp-pp2-fp16": [*BACKENDS["fsdp"], "train.precision=fp16"]  # (a stage a rank)
+        + ["parallel.pipeline_parallel=2", "model.tie_embeddings=false"],
     }
     settings = [
         *common(data_dir, tmp_path, "unused")[1::2],  # the values of its --set pairs
@@ -632,6 +635,7 @@ def test_fp16_loss_scale_resumes_and_an_overflow_in_one_shard_is_skipped_everywh
                 where = f"{name} rank {rank}"
                 assert r["shard"] == {"changed": False}, where  # the step was skipped here too
                 assert r["shard_skipped"] == 1, where
+                assert r["shard_scale"] == 2.0**15, where  # (this rank's scaler, not rank 0's log)
                 assert r["shard_rows"]["2"]["loss_scale"] == 2.0**15, where
                 assert r["shard_rows"]["1"]["loss_scale"] == 2.0**16, where
 
