@@ -1,7 +1,6 @@
 """Loading a config: YAML (with `base:`), dotted `--set` overrides, typing every value against
-the tree, and writing it back. Precedence: CLI overrides > YAML > defaults. Every problem
-(unknown key, wrong type, impossible value or combination) is collected and reported in one
-`UserError` that names each key and the fix, before any model or process group exists."""
+the tree, and writing it back. Precedence: CLI overrides > YAML > defaults. Every problem is
+collected into one `UserError` naming each key and the fix, before any model or process group."""
 
 from __future__ import annotations
 
@@ -13,6 +12,7 @@ import os
 import re
 import types
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,25 +20,17 @@ import yaml
 
 from scale_llm.config.data import PER_SOURCE_KEYS
 from scale_llm.config.fp8 import WRONG_VALUES
-from scale_llm.config.sections import (
-    Config,
-    get_key,
-)
+from scale_llm.config.sections import Config, get_key
 from scale_llm.config.validate import PATH_KEYS, format_errors, path_value, validate
 from scale_llm.errors import UserError, short
 
 log = logging.getLogger(__name__)
 
-# ----------------------------------------------------------------------------- loading
-
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults, then the YAML file at `path` (if any), then `key.path=value` overrides."""
-    raw: dict[str, Any] = {}
-    where = "defaults"
-    if path is not None:
-        raw = read_yaml_with_base(Path(path))
-        where = str(path)
+    raw = {} if path is None else read_yaml_with_base(Path(path))
+    where = "defaults" if path is None else str(path)
     errors: list[str] = []
     for item in overrides or []:
         _apply_override(raw, item, errors)
@@ -60,12 +52,9 @@ MAX_CONFIG_DEPTH = 20  # nesting levels (parallel.deepspeed.config's entries are
 
 
 def shipped_config_dir() -> Path | None:
-    """The shipped configs: inside an installed wheel (scale_llm/configs), or the checkout's
-    yaml/ folder beside the package."""
-    for candidate in (
-        Path(__file__).parents[1] / "configs",
-        Path(__file__).resolve().parents[2] / "yaml",
-    ):
+    """The shipped configs: an installed wheel's scale_llm/configs, or the checkout's yaml/."""
+    here = Path(__file__)
+    for candidate in (here.parents[1] / "configs", here.resolve().parents[2] / "yaml"):
         if candidate.is_dir() and any(candidate.glob("*.yaml")):
             return candidate
     return None
@@ -75,45 +64,32 @@ def resolve_config_path(path: str | Path) -> Path:
     """A config path as given, or a shipped config by name (`tiny`, `400m`, `7b.yaml`) when no
     such file exists here."""
     p = Path(path)
-    if p.is_file() or len(p.parts) != 1:
-        return p
-    shipped = shipped_config_dir()
-    if shipped is not None:
-        for name in (p.name, p.name + ".yaml"):
-            if (shipped / name).is_file():
-                return shipped / name
-    return p
-
-
-def _shipped_names() -> str:
-    shipped = shipped_config_dir()
-    names = sorted(q.stem for q in shipped.glob("*.yaml")) if shipped else []
-    return f" Shipped configs (by name): {', '.join(names)}." if names else ""
+    shipped = None if p.is_file() or len(p.parts) != 1 else shipped_config_dir()
+    names = (p.name, p.name + ".yaml") if shipped else ()
+    return next((shipped / n for n in names if (shipped / n).is_file()), p)
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
     p = resolve_config_path(path)
     if not p.is_file():
-        what = "is a directory" if p.is_dir() else "does not exist"
+        shipped = shipped_config_dir()
+        names = ", ".join(sorted(q.stem for q in shipped.glob("*.yaml"))) if shipped else ""
         raise UserError(
-            f"config file {p} {what}; pass the path of a YAML file or a shipped config's "
-            f"name.{_shipped_names()}"
+            f"config file {p} {'is a directory' if p.is_dir() else 'does not exist'}; pass the "
+            f"path of a YAML file or a shipped config's name."
+            + (f" Shipped configs (by name): {names}." if names else "")
         )
-    size = p.stat().st_size
-    if size > MAX_CONFIG_BYTES:
+    if (size := p.stat().st_size) > MAX_CONFIG_BYTES:
         raise UserError(
             f"config file {p} is {size:,} bytes; a config is a few KB of YAML (limit "
             f"{MAX_CONFIG_BYTES:,}): is this the right file?"
         )
-    raw_bytes = p.read_bytes()
     try:
-        if b"\0" in raw_bytes:
-            raise UnicodeDecodeError("utf-8", raw_bytes, 0, 1, "NUL byte")
-        text = raw_bytes.decode("utf-8")
+        text = p.read_bytes().decode("utf-8")
     except UnicodeDecodeError:
-        raise UserError(
-            f"config file {p} is not UTF-8 text (a binary file?); pass a YAML config"
-        ) from None
+        text = "\0"
+    if "\0" in text:
+        raise UserError(f"config file {p} is not UTF-8 text (a binary file?); pass a YAML config")
     try:
         _check_yaml_shape(text, p)
         data = yaml.safe_load(text)
@@ -131,21 +107,20 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def _empty_sections_as_mappings(raw: dict[str, Any], cls: type) -> None:
-    """A section written with no keys (`model:` with every line under it commented out) is
-    YAML null; read it as an empty section, which changes nothing."""
+    """A section written with no keys (every line under `model:` commented out) is YAML null;
+    read it as an empty section, which changes nothing."""
     hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if f.name in raw and dataclasses.is_dataclass(hints[f.name]):
-            if raw[f.name] is None:
-                raw[f.name] = {}
-            elif isinstance(raw[f.name], dict):
-                _empty_sections_as_mappings(raw[f.name], hints[f.name])
+    for name in raw.keys() & hints.keys():
+        if dataclasses.is_dataclass(hints[name]):
+            if raw[name] is None:
+                raw[name] = {}
+            elif isinstance(raw[name], dict):
+                _empty_sections_as_mappings(raw[name], hints[name])
 
 
 def _check_yaml_shape(text: str, path: Path) -> None:
     """Refuse alias bombs and absurd nesting before anything expands them: count the values
-    the document would expand to on the composed node graph (aliases are shared nodes there,
-    so this takes time linear in the file, however large the expansion)."""
+    on the composed node graph (aliases are shared nodes there: linear in the file)."""
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except RecursionError:
@@ -163,21 +138,17 @@ def _check_yaml_shape(text: str, path: Path) -> None:
                 f"config file {path} nests deeper than {MAX_CONFIG_DEPTH} levels; a config is "
                 f"a few levels of sections and keys"
             )
-        if id(node) in sizes:
-            return sizes[id(node)]
-        if isinstance(node, yaml.MappingNode):
-            n = 1 + sum(expanded(k, depth + 1) + expanded(v, depth + 1) for k, v in node.value)
-        elif isinstance(node, yaml.SequenceNode):
-            n = 1 + sum(expanded(v, depth + 1) for v in node.value)
-        else:
-            n = 1
-        sizes[id(node)] = n
-        if n > MAX_CONFIG_VALUES:
-            raise UserError(
-                f"config file {path} expands to more than {MAX_CONFIG_VALUES:,} values (YAML "
-                f"aliases repeating aliases?); a config has a few hundred at most"
-            )
-        return n
+        if id(node) not in sizes:
+            children = node.value if isinstance(node, yaml.SequenceNode) else []
+            if isinstance(node, yaml.MappingNode):
+                children = [child for pair in node.value for child in pair]
+            sizes[id(node)] = 1 + sum(expanded(c, depth + 1) for c in children)
+            if sizes[id(node)] > MAX_CONFIG_VALUES:
+                raise UserError(
+                    f"config file {path} expands to more than {MAX_CONFIG_VALUES:,} values (YAML "
+                    f"aliases repeating aliases?); a config has a few hundred at most"
+                )
+        return sizes[id(node)]
 
     expanded(root, 0)
     _refuse_duplicate_keys(root, path)  # (a walk the limits above keep short)
@@ -185,8 +156,7 @@ def _check_yaml_shape(text: str, path: Path) -> None:
 
 def _refuse_duplicate_keys(root: yaml.Node, path: Path) -> None:
     """A key written twice in one mapping (PyYAML silently keeps the last one) is an error
-    naming the key and both lines. Walks the composed nodes before anything is constructed,
-    once `_check_yaml_shape`'s limits have bounded the walk."""
+    naming the key and both lines; `_check_yaml_shape`'s limits bound this walk."""
     todo: list[tuple[yaml.Node, str]] = [(root, "")]
     while todo:
         node, prefix = todo.pop()
@@ -204,10 +174,9 @@ def _refuse_duplicate_keys(root: yaml.Node, path: Path) -> None:
                             f"YAML would silently keep only the last, so merge the two into one"
                         )
                     seen[(key.tag, key.value)] = line
-                    prefix_here = f"{prefix}{key.value}."
+                    todo.append((value, f"{prefix}{key.value}."))
                 else:
-                    prefix_here = prefix
-                todo.append((value, prefix_here))
+                    todo.append((value, prefix))
         todo.extend((child, prefix) for child in children)
 
 
@@ -232,10 +201,8 @@ def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     """`top` over `base`, section by section (neither is modified)."""
     out = dict(base)
     for key, value in top.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
-        else:
-            out[key] = value
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = deep_merge(out[key], value) if both else value
     return out
 
 
@@ -275,8 +242,9 @@ def _apply_override(raw: dict[str, Any], item: str, errors: list[str]) -> None:
             return
         node = holder.setdefault(name, {}) if isinstance(holder, dict) else holder[name]
         if not isinstance(node, dict):
-            at = ".".join(parts[: i + 1])
-            errors.append(f"{at}: is a value, not a section; cannot set {key}")
+            errors.append(
+                f"{'.'.join(parts[: i + 1])}: is a value, not a section; cannot set {key}"
+            )
             return
 
 
@@ -290,7 +258,7 @@ def _override_step(
         return node, part, None  # below an unknown key, which _build names
     hints = typing.get_type_hints(cls)
     indexed = INDEXED.fullmatch(part)
-    name = indexed.group(1) if indexed else part
+    name, above = indexed.group(1) if indexed else part, at[: len(at) - len(part)]
     if not indexed and ("[" in part or "]" in part):
         fixed = ".".join([*parts[:i], part.split("[")[0] + "[0]", *parts[i + 1 :]])
         return (
@@ -298,23 +266,20 @@ def _override_step(
             f"--set '{fixed}={text}'"
         )
     if name not in hints:
-        if not indexed:
-            return node, part, None  # (_build names the unknown key, with a did-you-mean)
-        prefix = at[: len(at) - len(part)]
-        return _unknown_key_message(prefix + name, name, list(hints), prefix)
+        if indexed:
+            return _unknown_key_message(above + name, name, list(hints), above)
+        return node, part, None  # (_build names the unknown key, with a did-you-mean)
     tp = hints[name]
     if typing.get_origin(tp) is not list:
         if indexed:
             plain = ".".join([*parts[:i], name, *parts[i + 1 :]])
             return (
-                f"{key}: {at[: -len(part)]}{name} is not a list, so it takes no [index]; "
-                f"--set {plain}={text}"
+                f"{key}: {above}{name} is not a list, so it takes no [index]; --set {plain}={text}"
             )
         return node, name, tp if dataclasses.is_dataclass(tp) else None
-    entry = typing.get_args(tp)[0]
     if indexed:
-        listed = at[: -len(part)] + name
-        return _list_entry(node.get(name), int(indexed.group(2)), key, listed, entry)
+        entry = typing.get_args(tp)[0]
+        return _list_entry(node.get(name), int(indexed.group(2)), key, above + name, entry)
     if i + 1 < len(parts):
         return _list_step_problem(key, at, parts[i + 1 :], text)
     return node, name, None
@@ -363,8 +328,7 @@ def _move_deprecated_keys(raw: dict[str, Any], errors: list[str]) -> None:
     """Rewrite moved keys to their new place, with one deprecation line each; a key given in
     both places is an error naming both."""
     for old, new in MOVED.items():
-        old_section, old_key = old.split(".")
-        new_section, new_key = new.split(".")
+        (old_section, old_key), (new_section, new_key) = old.split("."), new.split(".")
         section = raw.get(old_section)
         if not isinstance(section, dict) or old_key not in section:
             continue
@@ -382,53 +346,54 @@ def _move_deprecated_keys(raw: dict[str, Any], errors: list[str]) -> None:
         log.warning("config: %s is deprecated; use %s (read as %s=%s)", old, new, new, value)
 
 
-def run_defining_keys(cls: type = None, prefix: str = "") -> list[str]:
-    """Dotted keys marked `run_defining` in the schema: a checkpoint resumes only if they match."""
-    cls = cls or Config
-    out: list[str] = []
+def key_fields(cls: type = Config, prefix: str = "") -> Iterator[tuple[str, Any, Any]]:
+    """(dotted key, dataclass field, type) of every key of the tree, in the dataclasses' order."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if dataclasses.is_dataclass(hints[f.name]):
-            out.extend(run_defining_keys(hints[f.name], f"{prefix}{f.name}."))
-        elif f.metadata.get("run_defining"):
-            out.append(f"{prefix}{f.name}")
-    return out
+            yield from key_fields(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", f, hints[f.name]
+
+
+def all_keys() -> list[str]:
+    """Every dotted key of the config tree, e.g. ['run.name', ..., 'parallel.backend']."""
+    return [key for key, _, _ in key_fields()]
+
+
+def run_defining_keys() -> list[str]:
+    """Dotted keys marked `run_defining` in the schema: a checkpoint resumes only if they match."""
+    return [key for key, f, _ in key_fields() if f.metadata.get("run_defining")]
 
 
 def with_changes(cfg: Config, changes: dict[str, Any]) -> Config:
     """A copy of cfg with dotted keys replaced (values already typed)."""
     sections: dict[str, dict[str, Any]] = {}
     for key, value in changes.items():
-        parts = key.split(".")
-        sections.setdefault(".".join(parts[:-1]), {})[parts[-1]] = value
-    out = cfg
+        path, _, name = key.rpartition(".")
+        sections.setdefault(path, {})[name] = value
     for path, values in sections.items():
         names = path.split(".")
-        parents = [out]
+        parents = [cfg]
         for name in names:
             parents.append(getattr(parents[-1], name))
         node = dataclasses.replace(parents[-1], **values)
         for parent, name in zip(reversed(parents[:-1]), reversed(names)):
             node = dataclasses.replace(parent, **{name: node})
-        out = node
-    return out
+        cfg = node
+    return cfg
 
 
-# Keys that hold a path. `~` in them is expanded once, as the config is loaded, so every reader
-# (and the config.yaml written into the run dir) sees the path the run used.
 def expand_home(cfg: Config) -> Config:
-    """`~` and `~user` at the start of a path key, expanded (os.path.expanduser)."""
+    """`~` and `~user` at the start of a path key, expanded (os.path.expanduser) once, as the
+    config is loaded, so every reader and the run dir's config.yaml see the path the run used."""
     changes = {}
     for key in PATH_KEYS:
         path = path_value(cfg, key)
-        if path is None or not path.startswith("~"):
-            continue
-        value = get_key(cfg, key)
-        changes[key] = value[: len(value) - len(path)] + os.path.expanduser(path)
+        if path is not None and path.startswith("~"):
+            value = get_key(cfg, key)
+            changes[key] = value[: len(value) - len(path)] + os.path.expanduser(path)
     return with_changes(cfg, changes) if changes else cfg
-
-
-# ----------------------------------------------------------------------------- typing
 
 
 def build_section(cls: type, raw: Any, prefix: str, errors: list[str]) -> Any:
@@ -461,66 +426,52 @@ def build_section(cls: type, raw: Any, prefix: str, errors: list[str]) -> Any:
             ok, converted, expected = _coerce(value, tp)
             if ok:
                 kwargs[key] = converted
-            elif (dotted, value) in WRONG_VALUES:  # (a value meant for another key)
+                continue
+            if wrong := WRONG_VALUES.get((dotted, value)):  # (a value meant for another key)
                 expected = expected.split(" (did you mean")[0]
-                errors.append(
-                    f"{dotted}: expected {expected}, got {short(value)}; "
-                    f"{WRONG_VALUES[dotted, value]}"
-                )
-            else:
-                errors.append(f"{dotted}: expected {expected}, got {short(value)}")
+            got = f"{short(value)}; {wrong}" if wrong else short(value)
+            errors.append(f"{dotted}: expected {expected}, got {got}")
     return cls(**kwargs)
 
 
 def _coerce(value: Any, tp: Any) -> tuple[bool, Any, str]:
     """Check `value` against annotation `tp`: (ok, converted value, what was expected)."""
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is Literal:
         choices = " | ".join(str(a).lower() if isinstance(a, bool) else str(a) for a in args)
         if any(type(a) is type(value) and a == value for a in args):  # (1 is not true)
             return True, value, f"one of {choices}"
         near = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
-        hint = f" (did you mean {near[0]}?)" if near else ""
-        return False, value, f"one of {choices}{hint}"
+        return False, value, f"one of {choices}" + (f" (did you mean {near[0]}?)" if near else "")
     if origin in (typing.Union, types.UnionType):
-        inner = [a for a in args if a is not type(None)]
         if value is None:
             return True, None, ""
-        ok, converted, expected = _coerce(value, inner[0])
+        ok, converted, expected = _coerce(value, next(a for a in args if a is not type(None)))
         return ok, converted, f"{expected} or null"
-    if tp is bool:
-        return isinstance(value, bool), value, "true or false"
     if tp is int:
-        if isinstance(value, bool):
-            return False, value, "an integer"
-        if isinstance(value, int):
+        if isinstance(value, int) and not isinstance(value, bool):
             return True, value, "an integer"
-        number = _as_float(value)
-        if number is not None and number.is_integer():
-            return True, int(number), "an integer"
-        return False, value, "an integer"
+        number = None if isinstance(value, bool) else _as_float(value)
+        whole = number is not None and number.is_integer()
+        return whole, int(number) if whole else value, "an integer"
     if tp is float:
         number = None if isinstance(value, bool) else _as_float(value)
         if number is not None and math.isfinite(number):
             return True, number, "a number"
         return False, value, "a finite number"
-    if tp is str:
-        return isinstance(value, str), value, "a string"
-    if tp is dict:
-        return isinstance(value, dict), value, "a mapping"
+    simple = {bool: (bool, "true or false"), str: (str, "a string"), dict: (dict, "a mapping")}
+    if tp in simple:
+        return isinstance(value, simple[tp][0]), value, simple[tp][1]
     raise TypeError(f"unsupported config annotation {tp!r}")
 
 
 def _as_float(value: Any) -> float | None:
-    if isinstance(value, (int, float)):
-        return float(value)
     if isinstance(value, str):  # PyYAML reads 3e-4 (no dot) as a string
         try:
             return float(value.replace("_", ""))
         except ValueError:
             return None
-    return None
+    return float(value) if isinstance(value, (int, float)) else None
 
 
 def _unknown_key_message(dotted: str, key: str, names: list[str], prefix: str) -> str:
@@ -534,22 +485,6 @@ def _unknown_key_message(dotted: str, key: str, names: list[str], prefix: str) -
     return f"{dotted}: unknown {kind}; valid {kind}s here: {', '.join(names)}"
 
 
-def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
-    """Every dotted key of the config tree, e.g. ['run.name', ..., 'parallel.backend']."""
-    out: list[str] = []
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
-            out.extend(all_keys(tp, f"{prefix}{f.name}."))
-        else:
-            out.append(f"{prefix}{f.name}")
-    return out
-
-
-# ----------------------------------------------------------------------------- output
-
-
 def to_dict(cfg: Config) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
@@ -558,9 +493,8 @@ def dump_yaml(cfg: Config) -> str:
     """The config as YAML; a mixture's without the keys of one source (data.source, ...), which
     its entries hold and which a mixture leaves at their defaults."""
     tree = to_dict(cfg)
-    if cfg.data.sources:
-        for key in PER_SOURCE_KEYS:
-            del tree["data"][key]
+    for key in PER_SOURCE_KEYS if cfg.data.sources else ():
+        del tree["data"][key]
     return yaml.safe_dump(tree, sort_keys=False, default_flow_style=False)
 
 
