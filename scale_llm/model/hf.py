@@ -41,16 +41,10 @@ _SUPPORTED = {
 }
 
 
-def qkv_sizes(cfg: ModelConfig) -> tuple[int, int, int]:
-    """Rows of q, k and v in the fused wqkv weight."""
-    head_dim = cfg.d_model // cfg.n_heads
-    kv = (cfg.n_kv_heads or cfg.n_heads) * head_dim
-    return cfg.n_heads * head_dim, kv, kv
-
-
 def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor of the HF checkpoint of `cfg`'s model and its shape."""
-    d, hidden, (q, kv, _) = cfg.d_model, mlp_hidden_size(cfg), qkv_sizes(cfg)
+    d, hidden, head_dim = cfg.d_model, mlp_hidden_size(cfg), cfg.d_model // cfg.n_heads
+    q, kv = cfg.n_heads * head_dim, (cfg.n_kv_heads or cfg.n_heads) * head_dim
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,)}
     per_layer = {
         "input_layernorm.weight": (d,),
