@@ -174,7 +174,8 @@ def tp_styles(block: nn.Module, mesh: DeviceMesh) -> tuple[type, type, type | No
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     linears = [m for m in block.modules() if isinstance(m, nn.Linear)]
-    fp8 = all(_is_float8(m) and _tensorwise(m) for m in linears)  # (a skipped one: plain)
+    granularity = lambda m: m.config.cast_config_input.scaling_granularity.name
+    fp8 = all(_is_float8(m) and granularity(m) == "TENSORWISE" for m in linears)  # (skipped: plain)
     if not fp8 or mesh.device_type != "cuda":
         return ColwiseParallel, RowwiseParallel, None
     from torchao.float8.float8_tensor_parallel import (
@@ -184,9 +185,3 @@ def tp_styles(block: nn.Module, mesh: DeviceMesh) -> tuple[type, type, type | No
     )
 
     return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
-
-
-def _tensorwise(linear: nn.Module) -> bool:
-    from torchao.float8.config import ScalingGranularity
-
-    return linear.config.cast_config_input.scaling_granularity is ScalingGranularity.TENSORWISE
