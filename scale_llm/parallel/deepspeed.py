@@ -70,12 +70,7 @@ class DeepSpeedBackend(Backend):
         )
         self.model, self.optimizer = engine, optimizer
         self._boundary = True
-        self._say_gradient_dtypes(engine)
-        return engine
-
-    def _say_gradient_dtypes(self, engine: Any) -> None:
-        """What the engine really sums and reduces the gradients in (read from it)."""
-        if self.plan.is_main and self.plan.precision != "fp32":
+        if self.plan.is_main and self.plan.precision != "fp32":  # (read from the engine)
             summed = getattr(engine.optimizer, "gradient_accumulation_dtype", None)
             summed = summed or engine.get_data_types()[1]
             log.info(
@@ -84,6 +79,7 @@ class DeepSpeedBackend(Backend):
                 str(summed).removeprefix("torch."),
                 str(engine.communication_data_type).removeprefix("torch."),
             )
+        return engine
 
     def transform_blocks(self, model: Transformer) -> None:
         if self.compile and self.cfg.parallel.deepspeed.zero_stage == 3:
