@@ -23,12 +23,9 @@ def toolchain_problem(device: torch.device) -> str | None:
     try:
         probe = torch.compile(lambda x: torch.sin(x) * 2.0 + 1.0, fullgraph=True)
         probe(torch.ones(8, device=device))
-    except Exception as e:  # inductor raises many types; every one means "cannot compile here"
-        return _explain(e, device)
-    return None
-
-
-def _explain(error: Exception, device: torch.device) -> str:
+        return None
+    except Exception as e:  # inductor raises many types; each means "cannot compile here"
+        error = e
     text = f"{type(error).__name__}: {error}"
     first = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
     if "InvalidCxxCompiler" in text or "C++ compiler" in text:
