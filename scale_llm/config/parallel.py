@@ -1,8 +1,5 @@
-"""The `parallel:` and `activation_checkpointing:` config sections, with their checks.
-
-One section module of the config package: it imports only `schema` (how a key is declared),
-so `sections.py` can assemble the whole tree from it.
-"""
+"""The `parallel:` and `activation_checkpointing:` config sections, with their checks (only
+`schema` imported, so `sections.py` can assemble the tree from it)."""
 
 from __future__ import annotations
 
@@ -19,10 +16,9 @@ if TYPE_CHECKING:
 class ActivationCheckpointingConfig:
     mode: Literal["none", "full", "every_k", "selective"] = config_key(
         "none",
-        "`none`, `full` (every block recomputes its forward in backward), `every_k` "
-        "(blocks 0, k, 2k, ...), `selective` (keep matmul and attention outputs, "
-        "recompute element-wise ops); numerics identical in all modes; see "
-        "[memory.md](memory.md)",
+        "`none`, `full` (every block recomputes its forward in backward), `every_k` (blocks 0, k, "
+        "2k, ...), `selective` (keep matmul and attention outputs, recompute element-wise ops); "
+        "numerics identical in all modes; see [memory.md](memory.md)",
     )
     k: int = config_key(2, "k for `every_k`")
 
@@ -76,14 +72,6 @@ class DeepSpeedConfig:
     )
 
 
-PIPELINE_SCHEDULES = (
-    "1f1b",
-    "gpipe",
-    "interleaved_1f1b",
-    "zero_bubble",
-    "dualpipev",
-    "looped_bfs",
-)
 V_SCHEDULES = ("zero_bubble", "dualpipev")  # two stages a rank, in a V (first and last)
 LOOPED_SCHEDULES = ("interleaved_1f1b", "looped_bfs", *V_SCHEDULES)  # several stages a rank
 
@@ -118,14 +106,11 @@ class PipelineConfig:
 
 @dataclass
 class ParallelConfig:
-    backend: Literal["auto", "single", "ddp", "fsdp", "deepspeed"] = (
-        config_key(  # (see scale_llm.config.plan)
-            "auto",
-            "`auto` (`single` when run as one process, `ddp` when a launcher starts several; "
-            "the resolved name is in the run dir's `plan.json`), `single` (one process, no "
-            "process group), `ddp`, `fsdp` (FSDP2) or `deepspeed`; see "
-            "[backends.md](backends.md)",
-        )
+    backend: Literal["auto", "single", "ddp", "fsdp", "deepspeed"] = config_key(
+        "auto",
+        "`auto` (`single` when run as one process, `ddp` when a launcher starts several; the "
+        "resolved name is in the run dir's `plan.json`), `single` (one process, no process group), "
+        "`ddp`, `fsdp` (FSDP2) or `deepspeed`; see [backends.md](backends.md)",
     )
     world_size: int | None = config_key(
         None,
@@ -182,16 +167,9 @@ def passthrough_problems(raw: dict[str, Any]) -> list[str]:
     problems = []
     for key, instead in OWNED.items():
         head, _, tail = key.partition(".")
-        present = head in raw and (not tail or (isinstance(raw[head], dict) and tail in raw[head]))
-        if present:
+        if head in raw and (not tail or (isinstance(raw[head], dict) and tail in raw[head])):
             problems.append(f"parallel.deepspeed.config.{key}: set by {instead}; remove it here")
     return problems
-
-
-def validate_activation_checkpointing(ac: ActivationCheckpointingConfig) -> list[str]:
-    if ac.k < 1:
-        return [f"activation_checkpointing.k={ac.k} must be >= 1"]
-    return []
 
 
 def validate_parallel(cfg: Config) -> list[str]:
@@ -241,8 +219,7 @@ def validate_parallel(cfg: Config) -> list[str]:
     if ds.config and backend == "deepspeed":
         e.extend(passthrough_problems(ds.config))
     e.extend(pipeline_problems(cfg))
-    mode = cfg.checkpoint.async_mode
-    if mode != "disabled" and backend == "deepspeed":
+    if (mode := cfg.checkpoint.async_mode) != "disabled" and backend == "deepspeed":
         e.append(
             f"checkpoint.async_mode={mode} is not available with parallel.backend=deepspeed "
             f"(the DeepSpeed engine writes its own checkpoint files, which have no background "
@@ -252,23 +229,20 @@ def validate_parallel(cfg: Config) -> list[str]:
     return e
 
 
-# ----------------------------------------------------------------------------- pipeline
-
-
 def stages_per_rank(pipe: PipelineConfig) -> int:
     """The model chunks a pipeline rank holds: parallel.pipeline.stages_per_rank, or the
     fewest its schedule runs (1 for 1F1B / GPipe, 2 for the looped and V schedules)."""
-    if pipe.stages_per_rank is not None:
-        return pipe.stages_per_rank
-    return 2 if pipe.schedule in LOOPED_SCHEDULES else 1
+    if pipe.stages_per_rank is None:
+        return 2 if pipe.schedule in LOOPED_SCHEDULES else 1
+    return pipe.stages_per_rank
 
 
 def pipeline_microbatches(p: ParallelConfig) -> int:
     """The pieces each micro-batch is cut into: parallel.pipeline.microbatches, or the number
     of stages (the fewest every schedule runs; more shrink the bubble)."""
-    if p.pipeline.microbatches is not None:
-        return p.pipeline.microbatches
-    return p.pipeline_parallel * stages_per_rank(p.pipeline)
+    if p.pipeline.microbatches is None:
+        return p.pipeline_parallel * stages_per_rank(p.pipeline)
+    return p.pipeline.microbatches
 
 
 def pipeline_problems(cfg: Config) -> list[str]:
@@ -280,9 +254,7 @@ def pipeline_problems(cfg: Config) -> list[str]:
     if pp == 1:
         return []
     e = [*_pipeline_companions(cfg), *_pipeline_stage_problems(cfg)]
-    if not e:
-        e.extend(_pipeline_batch_problems(cfg))
-    return e
+    return e or _pipeline_batch_problems(cfg)
 
 
 def _pipeline_companions(cfg: Config) -> list[str]:
@@ -319,49 +291,42 @@ def _pipeline_companions(cfg: Config) -> list[str]:
 
 def _pipeline_stage_problems(cfg: Config) -> list[str]:
     """The schedule's stages a rank, and the blocks each stage holds."""
-    p, pipe, n = cfg.parallel, cfg.parallel.pipeline, cfg.model.n_layers
-    pp, name, e = p.pipeline_parallel, pipe.schedule, []
-    chunks = stages_per_rank(pipe)
-    if name in V_SCHEDULES:
-        allowed = [2]
-    elif name in LOOPED_SCHEDULES:
-        allowed = list(range(2, max(2, n // pp) + 1))
-    else:
-        allowed = [1]
+    pipe, n, pp = cfg.parallel.pipeline, cfg.model.n_layers, cfg.parallel.pipeline_parallel
+    name, chunks = pipe.schedule, stages_per_rank(pipe)
+    allowed = [1]
+    if name in LOOPED_SCHEDULES:
+        allowed = [2] if name in V_SCHEDULES else list(range(2, max(2, n // pp) + 1))
     if chunks not in allowed:
-        e.append(
+        return [
             f"parallel.pipeline.stages_per_rank={chunks} does not fit "
-            f"parallel.pipeline.schedule={name}: use parallel.pipeline.stages_per_rank="
-            f"{allowed[0]}"
+            f"parallel.pipeline.schedule={name}: use parallel.pipeline.stages_per_rank={allowed[0]}"
             + (f" (up to {allowed[-1]})" if len(allowed) > 1 else "")
             + ", or null (the schedule's own)"
-        )
-        return e
+        ]
     stages, per = pp * chunks, pipe.layers_per_stage
     if per is not None and per * stages != n:
         fits = [k for k in range(2, n + 1) if n % (k * chunks) == 0]
-        e.append(
+        return [
             f"parallel.pipeline.layers_per_stage={per} x {stages} stages (pipeline_parallel "
             f"{pp} x stages_per_rank {chunks}) is not model.n_layers={n}: use "
             + (f"parallel.pipeline.layers_per_stage={n // stages}, " if n % stages == 0 else "")
             + "parallel.pipeline.layers_per_stage=null (balanced)"
             + (f", or parallel.pipeline_parallel={fits[0]}" if fits and n % stages else "")
-        )
-    elif n < stages:
-        e.append(
+        ]
+    if n < stages:
+        return [
             f"model.n_layers={n} is fewer than the {stages} pipeline stages (pipeline_parallel "
             f"{pp} x stages_per_rank {chunks}): each stage holds at least one block; use "
             f"parallel.pipeline_parallel={max(1, n // chunks)} or more layers"
-        )
-    return e
+        ]
+    return []
 
 
 def _pipeline_batch_problems(cfg: Config) -> list[str]:
     """The microbatches against the schedule's rule (torch 2.13's: `microbatches_fit`) and
     train.micro_batch_size; each suggestion is a count that meets both."""
     p, mb = cfg.parallel, cfg.train.micro_batch_size
-    pp, name = p.pipeline_parallel, p.pipeline.schedule
-    m = pipeline_microbatches(p)
+    pp, name, m = p.pipeline_parallel, p.pipeline.schedule, pipeline_microbatches(p)
     fits = [k for k in range(1, mb + 1) if mb % k == 0 and microbatches_fit(name, k, pp)]
     use = f"use parallel.pipeline.microbatches={_nearest(fits, m)}" if fits else ""
     if not microbatches_fit(name, m, pp):

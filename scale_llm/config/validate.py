@@ -8,24 +8,14 @@ from pathlib import Path
 
 from scale_llm.config.data import validate_data
 from scale_llm.config.fp8 import validate_fp8
-from scale_llm.config.parallel import (
-    validate_activation_checkpointing,
-    validate_parallel,
-)
+from scale_llm.config.parallel import validate_parallel
 from scale_llm.config.profile import validate_profile
 from scale_llm.config.sections import Config, ModelConfig, get_key, mlp_hidden_size
 from scale_llm.errors import short
 
-# ----------------------------------------------------------------------------- validation
-
-PATH_KEYS = (
-    "run.dir",
-    "data.dir",
-    "data.source",
-    "data.tokenizer",
-    "model.init_from",
-    "checkpoint.resume",
-    "eval.tasks_include_path",
+PATH_KEYS = tuple(
+    "run.dir data.dir data.source data.tokenizer model.init_from checkpoint.resume "
+    "eval.tasks_include_path".split()
 )
 NOT_PATHS = {"data.source": ("builtin",), "checkpoint.resume": ("auto", "never")}
 
@@ -47,16 +37,12 @@ def validate(cfg: Config) -> list[str]:
     e: list[str] = []
     m, t = cfg.model, cfg.train
 
-    def positive(key: str, value: float) -> None:
-        if value <= 0:
-            e.append(f"{key}={value} must be > 0")
+    def positive(section: str, *names: str) -> None:  # (an unset optional key passes)
+        for key in (f"{section}.{name}" for name in names):
+            if (value := get_key(cfg, key)) is not None and value <= 0:
+                e.append(f"{key}={value} must be > 0")
 
-    def non_negative(key: str, value: float) -> None:
-        if value < 0:
-            e.append(f"{key}={value} must be >= 0")
-
-    for key in ("vocab_size", "d_model", "n_layers", "n_heads", "seq_len"):
-        positive(f"model.{key}", getattr(m, key))
+    positive("model", "vocab_size", "d_model", "n_layers", "n_heads", "seq_len")
     if m.n_layers > MAX_LAYERS:  # the estimate and the model build walk every block
         e.append(
             f"model.n_layers={m.n_layers}: at most {MAX_LAYERS:,} blocks are accepted (the "
@@ -69,40 +55,28 @@ def validate(cfg: Config) -> list[str]:
                 f"model.{key}={getattr(m, key)} must be > 0 (the default is "
                 f"{getattr(defaults, key)})"
             )
-    for key in ("micro_batch_size", "grad_accum", "max_steps"):
-        positive(f"train.{key}", getattr(t, key))
-    positive("train.lr", t.lr)
-    positive("train.max_bad_steps", t.max_bad_steps)
+    positive("train", "micro_batch_size", "grad_accum", "max_steps", "lr", "max_bad_steps")
     if t.gc_every < 0:
         e.append(f"train.gc_every={t.gc_every} must be >= 0 (0: Python's automatic collection)")
-    if t.exit_at_step is not None:
-        positive("train.exit_at_step", t.exit_at_step)
-    if t.global_batch_size is not None:
-        positive("train.global_batch_size", t.global_batch_size)
+    positive("train", "exit_at_step", "global_batch_size")
     e.extend(validate_data(cfg.data))
     e.extend(validate_profile(t.profile, t.max_steps))
     e.extend(validate_fp8(t.fp8))
-    positive("logging.every", cfg.logging.every)
+    positive("logging", "every")
     if cfg.logging.peak_tflops is not None and cfg.logging.peak_tflops <= 0:
         e.append(
             f"logging.peak_tflops={cfg.logging.peak_tflops} must be > 0 (the device's dense "
             f"peak TFLOP/s), or null"
         )
-    positive("eval.sample_tokens", cfg.eval.sample_tokens)
+    positive("eval", "sample_tokens")
     e.extend(eval_tasks_problems(cfg))
-    positive("checkpoint.keep_last", cfg.checkpoint.keep_last)
-    for key, value in (
-        ("train.min_lr", t.min_lr),
-        ("train.warmup_steps", t.warmup_steps),
-        ("train.weight_decay", t.weight_decay),
-        ("train.grad_clip", t.grad_clip),
-        ("train.eps", t.eps),
-        ("eval.every", cfg.eval.every),
-        ("eval.steps", cfg.eval.steps),
-        ("eval.sample_every", cfg.eval.sample_every),
-        ("checkpoint.every", cfg.checkpoint.every),
-    ):
-        non_negative(key, value)
+    positive("checkpoint", "keep_last")
+    for key in (
+        "train.min_lr train.warmup_steps train.weight_decay train.grad_clip train.eps eval.every "
+        "eval.steps eval.sample_every checkpoint.every"
+    ).split():
+        if (value := get_key(cfg, key)) < 0:
+            e.append(f"{key}={value} must be >= 0")
     if m.d_model > 0 and m.n_heads > 0 and m.d_model % m.n_heads:
         e.append(
             f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; "
@@ -125,16 +99,16 @@ def validate(cfg: Config) -> list[str]:
             f"model.n_kv_heads={m.n_kv_heads} must be > 0 and divide model.n_heads="
             f"{m.n_heads}{example}; use null for plain multi-head attention"
         )
-    e.extend(validate_activation_checkpointing(cfg.activation_checkpointing))
+    if (k := cfg.activation_checkpointing.k) < 1:
+        e.append(f"activation_checkpointing.k={k} must be >= 1")
     if m.init_from is not None and not m.init_from.strip():
         e.append("model.init_from is empty; give a Hugging Face model folder, or null")
     if m.mlp_hidden is not None and m.mlp_hidden <= 0:
         e.append(f"model.mlp_hidden={m.mlp_hidden} must be > 0, or null for the default")
     if not 0.0 < t.decay_fraction <= 1.0:
         e.append(
-            f"train.decay_fraction={t.decay_fraction} must lie in (0, 1] (the share of "
-            f"max_steps that train.lr_schedule=wsd spends decaying; e.g. "
-            f"train.decay_fraction=0.2)"
+            f"train.decay_fraction={t.decay_fraction} must lie in (0, 1] (the share of max_steps "
+            f"that train.lr_schedule=wsd spends decaying; e.g. train.decay_fraction=0.2)"
         )
     if t.min_lr > t.lr:
         e.append(
@@ -149,11 +123,7 @@ def validate(cfg: Config) -> list[str]:
             f"from it); e.g. run.seed=1337"
         )
     name = cfg.run.name or ""
-    if (
-        name in ("", ".", "..")
-        or name.startswith("-")
-        or any(c in "/\\" or ord(c) < 32 for c in name)
-    ):
+    if name in ("", ".", "..") or name[0] == "-" or any(c in "/\\" or ord(c) < 32 for c in name):
         e.append(
             f"run.name={name[:60]!r} must be a plain name (no path separators, not . or .., "
             f"not starting with '-'); put the parent folder in run.dir"
