@@ -1,11 +1,6 @@
-"""The run plan: every `auto` settled once, at start-up, from the config and the launch.
-
-`resolve_plan(cfg)` reads the launcher's environment (rank, world size), picks the device, the
-backend, the precision and the accumulation, checks what needs the launch to check, and returns
-one frozen `RunPlan`. Everything below the CLI (trainer, backends, loader, metrics, estimator,
-bench, generate) reads the plan and never looks at an `auto` again; the run directory keeps the
-config as the user wrote it (`config.yaml`) and the plan as it ran (`plan.json`).
-"""
+"""The run plan: every `auto` (device, backend, precision, accumulation) settled once, at
+start-up, from the config and the launch, into one frozen `RunPlan` that everything below the CLI
+reads; the run dir keeps the config as written (`config.yaml`) and the plan as run (`plan.json`)."""
 
 from __future__ import annotations
 
@@ -35,12 +30,9 @@ class Launch:
 
 def launch_env() -> Launch:
     """RANK / LOCAL_RANK / WORLD_SIZE from the environment; a world of one when run directly."""
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
     try:
-        launch = Launch(
-            rank=int(os.environ.get("RANK", "0")),
-            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-            world_size=int(os.environ.get("WORLD_SIZE", "1")),
-        )
+        launch = Launch(*(int(os.environ.get(k, "1" if k == "WORLD_SIZE" else "0")) for k in names))
     except ValueError as e:
         raise UserError(
             f"RANK / LOCAL_RANK / WORLD_SIZE must be integers ({e}); start "
@@ -49,7 +41,6 @@ def launch_env() -> Launch:
     r, lr, w = launch.rank, launch.local_rank, launch.world_size
     if not (w >= 1 and 0 <= r < w and 0 <= lr < w):
         # e.g. RANK=1 left in a shell: this process would run as a silent non-main rank
-        names = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
         shown = ", ".join(f"{k}={os.environ.get(k, '(unset)')}" for k in names)
         raise UserError(
             f"the launch environment is inconsistent ({shown}): a launcher sets WORLD_SIZE >= "
@@ -102,16 +93,10 @@ class RunPlan:
         (rank = ((pp x replicate + replicate) x shard + shard) x tp + tp position)."""
         if self.backend != "fsdp":
             return {"names": ["dp"], "shape": [self.world_size]}
-        names, shape = [], []
-        if self.pp_degree > 1:
-            names.append("pp"), shape.append(self.pp_degree)
-        replicas = self.replicate_degree
-        if replicas > 1:
-            names.append("replicate"), shape.append(replicas)
-        names.append("shard"), shape.append(self.dp_degree // replicas)
-        if self.tp_degree > 1:
-            names.append("tp"), shape.append(self.tp_degree)
-        return {"names": names, "shape": shape}
+        dims = [("pp", self.pp_degree), ("replicate", self.replicate_degree)]
+        dims += [("shard", self.dp_degree // self.replicate_degree), ("tp", self.tp_degree)]
+        dims = [(name, n) for name, n in dims if n > 1 or name == "shard"]
+        return {"names": [name for name, _ in dims], "shape": [n for _, n in dims]}
 
     @property
     def sequences_per_step(self) -> int:
@@ -165,11 +150,9 @@ def resolve_plan(
     cuda: bool | None = None,
     bf16: bool | None = None,
 ) -> RunPlan:
-    """The plan for `cfg` under `launch` (default: this process's launcher environment).
-
-    `cuda` / `bf16` say whether a (bf16-capable) GPU is usable; default: ask torch. Every check
-    that needs the launch runs here, before any process group, model or run directory exists.
-    """
+    """The plan for `cfg` under `launch` (default: this process's launcher environment); `cuda`
+    / `bf16`: whether a (bf16-capable) GPU is usable (default: ask torch). Every check that needs
+    the launch runs here, before any process group, model or run directory exists."""
     launch = launch or launch_env()
     cuda = torch.cuda.is_available() if cuda is None else cuda
     errors = launch_problems(cfg, launch.world_size, cuda)
@@ -180,7 +163,9 @@ def resolve_plan(
         bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
     if device.type == "cuda" and launch.rank == 0:
         _warn_on_odd_widths(cfg)
-    backend = _backend(cfg.parallel.backend, launch.world_size)
+    backend = cfg.parallel.backend  # auto: single for one process, ddp for a launcher's several
+    if backend == "auto":
+        backend = "single" if launch.world_size == 1 else "ddp"
     tp, pp = cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel
     dp = launch.world_size // (tp * pp)
     return RunPlan(
@@ -209,9 +194,6 @@ def target_plan(cfg: Config, world_size: int) -> RunPlan:
     return dataclasses.replace(plan, device=torch.device("cuda", 0))
 
 
-# ----------------------------------------------------------------------------- each auto
-
-
 def _device(requested: str, local_rank: int, cuda: bool) -> torch.device:
     """`auto`: this rank's CUDA GPU when one is visible, else the CPU."""
     if requested == "cuda" and not cuda:
@@ -225,17 +207,10 @@ def _device(requested: str, local_rank: int, cuda: bool) -> torch.device:
     return torch.device("cpu")
 
 
-def _backend(requested: str, world_size: int) -> str:
-    """`auto`: single for one process, ddp when a launcher starts several."""
-    if requested != "auto":
-        return requested
-    return "single" if world_size == 1 else "ddp"
-
-
 def _precision(requested: str, device: torch.device, bf16: bool) -> str:
     """`auto`: bf16 on a bf16-capable GPU, fp32 otherwise (CPUs without AMX emulate bf16)."""
     name = requested
-    if requested == "auto":
+    if name == "auto":
         name = "bf16" if device.type == "cuda" and bf16 else "fp32"
     if name == "bf16" and device.type == "cuda" and not bf16:
         raise UserError(
@@ -244,9 +219,8 @@ def _precision(requested: str, device: torch.device, bf16: bool) -> str:
         )
     if name != "fp32" and device.type == "cpu":
         log.warning(
-            "train.precision=%s on CPU: autocast works but is usually slower than "
-            "fp32 on CPUs without native bf16/fp16 matmuls",
-            name,
+            f"train.precision={name} on CPU: autocast works but is usually slower than fp32 on "
+            f"CPUs without native bf16/fp16 matmuls"
         )
     return name
 
@@ -259,12 +233,9 @@ def _warn_on_odd_widths(cfg: Config) -> None:
     for key, value in (("vocab_size", cfg.model.vocab_size), ("mlp_hidden", cfg.model.mlp_hidden)):
         if value is not None and value % m:
             log.warning(
-                "model.%s=%d is not a multiple of %d: its matmuls run slower on tensor cores; "
-                "%d is (the tokenizer and the model follow model.vocab_size)",
-                key,
-                value,
-                m,
-                m * -(-value // m),
+                f"model.{key}={value} is not a multiple of {m}: its matmuls run slower on tensor "
+                f"cores; {m * -(-value // m)} is (the tokenizer and the model follow "
+                f"model.vocab_size)"
             )
 
 
@@ -277,9 +248,8 @@ def _grad_accum(cfg: Config, world_size: int) -> int:
     implied = g // (mb * world_size)
     if accum not in (1, implied):
         raise UserError(
-            f"train.grad_accum={accum} contradicts train.global_batch_size={g} "
-            f"(micro_batch_size {mb} x world {world_size} gives grad_accum {implied}); set only "
-            f"one of them"
+            f"train.grad_accum={accum} contradicts train.global_batch_size={g} (micro_batch_size "
+            f"{mb} x world {world_size} gives grad_accum {implied}); set only one of them"
         )
     return implied
 
