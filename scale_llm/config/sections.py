@@ -1,10 +1,9 @@
-"""The config tree: one dataclass per section, each key declared with its default and its help
-(`schema.config_key`). The sections of one area live in their own module of this package
-(data.py, parallel.py, profile.py); this one holds the rest and assembles `Config`."""
+"""The config tree: one dataclass per section, each key declared with its default and help
+(`schema.config_key`); an area's sections live in their own module (data, parallel, profile,
+fp8), this one holds the rest and assembles `Config`."""
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,15 +11,9 @@ from typing import Any, Literal
 
 from scale_llm.config.data import DataConfig
 from scale_llm.config.fp8 import Fp8Config
-from scale_llm.config.parallel import (
-    ActivationCheckpointingConfig,
-    ParallelConfig,
-)
+from scale_llm.config.parallel import ActivationCheckpointingConfig, ParallelConfig
 from scale_llm.config.profile import ProfileConfig
 from scale_llm.config.schema import config_key
-
-log = logging.getLogger(__name__)
-Precision = Literal["auto", "bf16", "fp16", "fp32"]
 
 
 @dataclass
@@ -41,10 +34,9 @@ class RunConfig:
 class WandbConfig:
     project: str | None = config_key(
         None,
-        "Weights & Biases project to log to (the same scalars, samples and the config; needs "
-        "the `wandb` package: `.venv/bin/pip install -e '.[wandb]'` in a checkout); null: no "
-        "W&B. A resumed run logs to the same W&B run (its id is kept in "
-        "`RUN_DIR/wandb-id.txt`)",
+        "Weights & Biases project to log to (the same scalars, samples and the config; needs the "
+        "`wandb` package: `.venv/bin/pip install -e '.[wandb]'` in a checkout); null: no W&B. A "
+        "resumed run logs to the same W&B run (its id is kept in `RUN_DIR/wandb-id.txt`)",
     )
     name: str | None = config_key(None, "the W&B run's display name; null: run.name")
     mode: Literal["online", "offline", "disabled"] = config_key(
@@ -124,9 +116,8 @@ class ModelConfig:
     )
     init_from: str | None = config_key(
         None,
-        "a local Hugging Face Llama folder (or a `scale-llm export`) whose weights start "
-        "a fresh run (continued pretraining); not used when resuming; see "
-        "[ecosystem.md](ecosystem.md)",
+        "a local Hugging Face Llama folder (or a `scale-llm export`) whose weights start a fresh "
+        "run (continued pretraining); not used when resuming; see [ecosystem.md](ecosystem.md)",
     )
 
 
@@ -150,8 +141,7 @@ class TrainConfig:
     global_batch_size: int | None = config_key(
         None,
         "sequences per step over all ranks; when set, grad_accum = global_batch_size / "
-        "(micro_batch_size x world size), and a world size that does not divide it is an "
-        "error",
+        "(micro_batch_size x world size), and a world size that does not divide it is an error",
     )
     max_steps: int = config_key(200, "optimizer steps")
     max_bad_steps: int = config_key(
@@ -182,7 +172,7 @@ class TrainConfig:
         0.1, "AdamW decay on matrices (not on norms, biases, embeddings)"
     )
     grad_clip: float = config_key(1.0, "max global gradient norm per step; 0 disables clipping")
-    precision: Precision = config_key(
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = config_key(
         "auto",
         "`auto` (bf16 on a bf16-capable GPU, fp32 on CPU), `bf16` (autocast, no scaler), "
         "`fp16` (autocast + GradScaler), `fp32`",
@@ -195,14 +185,13 @@ class TrainConfig:
     )
     compile: Literal["auto", True, False] = config_key(
         "auto",
-        "`torch.compile` each transformer block (`fullgraph=True`, after activation "
-        "checkpointing, before DDP / FSDP / DeepSpeed wrap) and the loss. `auto`: on a GPU "
-        "(the toolchain is checked at start-up, by compiling one small function; without a "
-        "C++/C compiler, Triton or Python's headers the run goes eager with one warning), "
-        "never on the CPU; `true`: always, and a missing toolchain stops the launch naming "
-        "what to install; `false`: never. Under DeepSpeed ZeRO-3 the blocks stay eager (its "
-        "parameter-gathering hooks sit inside each block), with one warning; the loss is still "
-        "compiled. See [training.md](training.md)",
+        "`torch.compile` each transformer block (`fullgraph=True`, after activation checkpointing, "
+        "before DDP / FSDP / DeepSpeed wrap) and the loss. `auto`: on a GPU (the toolchain is "
+        "checked at start-up, by compiling one small function; without a C++/C compiler, Triton or "
+        "Python's headers the run goes eager with one warning), never on the CPU; `true`: always, "
+        "and a missing toolchain stops the launch naming what to install; `false`: never. Under "
+        "DeepSpeed ZeRO-3 the blocks stay eager (its parameter-gathering hooks sit inside each "
+        "block), with one warning; the loss is still compiled. See [training.md](training.md)",
     )
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     fp8: Fp8Config = field(default_factory=Fp8Config)
@@ -220,15 +209,13 @@ class EvalConfig:
     )
     steps: int = config_key(
         10,
-        "validation batches per evaluation, each the size of a training step's global "
-        "batch; the same windows each time, whatever the micro-batch, accumulation or "
-        "world size",
+        "validation batches per evaluation, each the size of a training step's global batch; the "
+        "same windows each time, whatever the micro-batch, accumulation or world size",
     )
     sample_every: int = config_key(
         0,
-        "optimizer steps between sample generations (and at the last step): a greedy "
-        "continuation of eval.sample_prompt in TensorBoard's text tab, metrics.jsonl and the "
-        "console; 0: none",
+        "optimizer steps between sample generations (and at the last step): a greedy continuation "
+        "of eval.sample_prompt in TensorBoard's text tab, metrics.jsonl and the console; 0: none",
     )
     sample_prompt: str = config_key(
         "", "prompt of the samples (after BOS); empty: a document's start"
@@ -261,9 +248,8 @@ class CheckpointConfig:
     keep_last: int = config_key(2, "complete checkpoints kept; older ones are deleted")
     resume: str = config_key(
         "auto",
-        "`auto`: continue from the newest complete checkpoint in the run dir, if any; "
-        "`never`: start fresh (refused if the run dir already has checkpoints); or a "
-        "checkpoint directory",
+        "`auto`: continue from the newest complete checkpoint in the run dir, if any; `never`: "
+        "start fresh (refused if the run dir already has checkpoints); or a checkpoint directory",
     )
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = config_key(
         "disabled",
