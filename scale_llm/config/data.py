@@ -28,8 +28,7 @@ class SourceConfig:
     max_tokens: int | None = config_key(None, "as `data.max_tokens`, for this source")
 
 
-# the keys of `data` that describe the one source of `data.source`; an entry of data.sources
-# sets its own
+# the keys of `data` that describe the one source of `data.source` (data.sources' entries own)
 PER_SOURCE_KEYS = tuple(f.name for f in fields(SourceConfig) if f.name not in ("name", "weight"))
 
 
@@ -116,12 +115,10 @@ class DataConfig:
 
 def validate_data(d: DataConfig) -> list[str]:
     e: list[str] = []
-    for key in ("tokenizer_sample_bytes", "shard_tokens"):
-        if getattr(d, key) <= 0:
-            e.append(f"data.{key}={getattr(d, key)} must be > 0")
-    for key in ("max_documents", "max_tokens", "tokenizer_sample_documents"):
-        value = getattr(d, key)
-        if value is not None and value <= 0:
+    for key in (
+        "tokenizer_sample_bytes shard_tokens max_documents max_tokens tokenizer_sample_documents"
+    ).split():
+        if (value := getattr(d, key)) is not None and value <= 0:  # (None: no limit)
             e.append(f"data.{key}={value} must be > 0")
     for key in ("num_proc", "prefetch"):
         if getattr(d, key) < 0:
@@ -173,9 +170,8 @@ def _sources_problems(d: DataConfig) -> list[str]:
 
 def normalized_weights(weights: list[float]) -> list[float]:
     """Positive finite weights as shares that sum to 1. Weights whose sum overflows (1e308,
-    1e308) are first divided by the largest, so they give the shares of their scaled-down
-    equivalents (1, 1); other weights take the plain division, which keeps the shares (and the
-    streams) runs were read with."""
+    1e308) are first divided by the largest; others take the plain division, which keeps the
+    shares (and the streams) runs were read with."""
     total = sum(weights)
     if not math.isfinite(total):
         top = max(weights)
