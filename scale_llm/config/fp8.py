@@ -24,9 +24,8 @@ class Fp8Config:
     )
     recipe: Literal["tensorwise", "rowwise"] = config_key(
         "tensorwise",
-        "how scales are taken: `tensorwise` (one scale per tensor; fastest, torchtitan's "
-        "default) or `rowwise` (one scale per row of each operand; closer to bf16, a little "
-        "slower)",
+        "how scales are taken: `tensorwise` (one scale per tensor; fastest, torchtitan's default) "
+        "or `rowwise` (one scale per row of each operand; closer to bf16, a little slower)",
     )
     fsdp_float8_all_gather: Literal["auto", True, False] = config_key(
         "auto",
