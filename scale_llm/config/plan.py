@@ -38,8 +38,7 @@ def launch_env() -> Launch:
             f"RANK / LOCAL_RANK / WORLD_SIZE must be integers ({e}); start "
             f"multi-process runs with the scripts in launch/"
         ) from None
-    r, lr, w = launch.rank, launch.local_rank, launch.world_size
-    if not (w >= 1 and 0 <= r < w and 0 <= lr < w):
+    if not (0 <= launch.rank < launch.world_size and 0 <= launch.local_rank < launch.world_size):
         # e.g. RANK=1 left in a shell: this process would run as a silent non-main rank
         shown = ", ".join(f"{k}={os.environ.get(k, '(unset)')}" for k in names)
         raise UserError(
@@ -77,9 +76,8 @@ class RunPlan:
 
     @property
     def dp_rank(self) -> int:
-        """This rank's place among the data-parallel ranks: the ranks of one tensor-parallel
-        group (consecutive ranks, `mesh`) read the same sequences, and so do the pipeline
-        stages of one data-parallel rank."""
+        """This rank's place among the data-parallel ranks (the ranks of one tensor-parallel
+        group, and the pipeline stages of one data-parallel rank, read the same sequences)."""
         return (self.rank // self.tp_degree) % self.dp_degree
 
     @property
@@ -256,9 +254,7 @@ def _grad_accum(cfg: Config, world_size: int) -> int:
 
 def launch_problems(cfg: Config, world_size: int, cuda: bool) -> list[str]:
     """Checks that need the launch: the number of processes and whether a GPU will be used."""
-    e: list[str] = []
-    backend = cfg.parallel.backend
-    on_gpu = cuda and cfg.train.device != "cpu"
+    e, backend, on_gpu = [], cfg.parallel.backend, cuda and cfg.train.device != "cpu"
     if backend == "deepspeed" and cfg.train.precision == "fp16" and not on_gpu:
         e.append(
             "train.precision=fp16 with parallel.backend=deepspeed needs a GPU (DeepSpeed's "
@@ -269,8 +265,7 @@ def launch_problems(cfg: Config, world_size: int, cuda: bool) -> list[str]:
             "parallel.fsdp.cpu_offload=true needs a GPU to offload from; on a CPU-only "
             "machine set it to false"
         )
-    snapshot = cfg.train.profile.memory_snapshot_step
-    if snapshot is not None and not on_gpu:
+    if (snapshot := cfg.train.profile.memory_snapshot_step) is not None and not on_gpu:
         e.append(
             f"train.profile.memory_snapshot_step={snapshot}: a memory snapshot records the CUDA "
             f"caching allocator, and this run will not use a GPU; run on a GPU, or set "
@@ -282,17 +277,15 @@ def launch_problems(cfg: Config, world_size: int, cuda: bool) -> list[str]:
             f"parallel.backend=single but {world_size} processes were launched; set "
             f"parallel.backend to ddp, fsdp or deepspeed, or launch one process"
         )
-    tp = cfg.parallel.tensor_parallel
-    if tp > 1 and world_size % tp:
-        fits = [k for k in range(1, world_size + 1) if world_size % k == 0 and k > 1]
+    if (tp := cfg.parallel.tensor_parallel) > 1 and world_size % tp:
+        fits = [k for k in range(2, world_size + 1) if world_size % k == 0]
         e.append(
             f"parallel.tensor_parallel={tp} does not divide the world size {world_size}; use "
             f"a divisor of it ({', '.join(map(str, fits)) or 'none above 1: launch more'}) "
             f"or launch a multiple of {tp} processes"
         )
         tp = 1  # (the checks below: as if the world were data parallel)
-    pp = cfg.parallel.pipeline_parallel
-    if pp > 1 and world_size % (tp * pp):
+    if (pp := cfg.parallel.pipeline_parallel) > 1 and world_size % (tp * pp):
         fits = [k for k in range(2, world_size // tp + 1) if world_size % (tp * k) == 0]
         e.append(
             f"parallel.pipeline_parallel={pp} x parallel.tensor_parallel={tp} does not divide "
@@ -300,8 +293,7 @@ def launch_problems(cfg: Config, world_size: int, cuda: bool) -> list[str]:
             f"{' or '.join(map(str, fits)) or '1'}, or launch a multiple of {tp * pp} processes"
         )
         pp = 1
-    split = tp * pp
-    r = cfg.parallel.fsdp.replicate_degree
+    split, r = tp * pp, cfg.parallel.fsdp.replicate_degree
     if backend == "fsdp" and (world_size // split) % r:
         of = (
             f"the world size {world_size}"
