@@ -153,11 +153,10 @@ def tensor_parallel_problems(cfg: Config) -> list[str]:
             f"parallel.backend=fsdp, or parallel.tensor_parallel=1"
         )
     kv = m.n_kv_heads or m.n_heads
-    hidden = mlp_hidden_size(m)
     widths = [
         ("model.n_heads", m.n_heads, "query heads"),
         *([("model.n_kv_heads", kv, "key/value heads")] if m.n_kv_heads else []),
-        ("model.mlp_hidden", hidden, "SwiGLU width"),
+        ("model.mlp_hidden", mlp_hidden_size(m), "SwiGLU width"),
         ("model.vocab_size", m.vocab_size, "vocabulary rows"),
     ]
     if cfg.parallel.sequence_parallel:
@@ -170,17 +169,12 @@ def tensor_parallel_problems(cfg: Config) -> list[str]:
                 near = [n for n in near if n % kv == 0] if m.n_kv_heads else near
             elif what == "key/value heads":
                 near = [n for n in near if m.n_heads % n == 0]
-            fits = [k for k in range(2, tp + 1) if value % k == 0]
+            fits = [f"parallel.tensor_parallel={k}" for k in range(2, tp + 1) if value % k == 0]
+            fix = " or ".join([f"{key}={n}" for n in near] + fits[-1:])
             e.append(
                 f"{key}={value} is not divisible by parallel.tensor_parallel={tp} (each rank "
                 f"holds an equal part of the {what}): "
-                + (
-                    " or ".join(
-                        [f"{key}={n}" for n in near]
-                        + ([f"parallel.tensor_parallel={fits[-1]}"] if fits else [])
-                    )
-                    or f"a {what[:-1]} count divisible by {tp}"
-                )
+                + (fix or f"a {what[:-1]} count divisible by {tp}")
                 + (" (sequence_parallel=false lifts this one)" if key == "model.seq_len" else "")
             )
     return e
@@ -210,8 +204,7 @@ def path_problems(cfg: Config) -> list[str]:
     run dir or data dir whose files would pass PATH_MAX), found here instead of as an OSError
     deep inside a save. Names are counted in bytes, as the file system counts them."""
     e: list[str] = []
-    paths = {key: path_value(cfg, key) for key in PATH_KEYS}
-    paths["run.name"] = cfg.run.name
+    paths = {**{key: path_value(cfg, key) for key in PATH_KEYS}, "run.name": cfg.run.name}
     for key, path in paths.items():
         if path is None:
             continue
@@ -225,8 +218,7 @@ def path_problems(cfg: Config) -> list[str]:
                 f"{key}={short(path)} holds a NUL character, which no file name can; remove it"
             )
             continue
-        where = cfg.run.dir if key == "run.name" else path
-        most = _limit(where, "PC_NAME_MAX", NAME_MAX)
+        most = _limit(cfg.run.dir if key == "run.name" else path, "PC_NAME_MAX", NAME_MAX)
         for part in Path(path).parts:
             if len(os.fsencode(part)) > most:
                 e.append(
