@@ -4,6 +4,7 @@ fp8), this one holds the rest and assembles `Config`."""
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -282,6 +283,4 @@ class Config:
 
 
 def get_key(cfg: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
+    return functools.reduce(getattr, dotted.split("."), cfg)
