@@ -91,15 +91,12 @@ def save_file(obj: Any, path: Path | str) -> None:
 
 
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+_PATHS = ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")
 _PLAIN = {
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),  # looks a layout up by name among torch's layouts
     ("collections", "OrderedDict"),
-    ("pathlib", "Path"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "PureWindowsPath"),
+    *(("pathlib", name) for name in _PATHS),
 }
 
 
