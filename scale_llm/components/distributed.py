@@ -172,14 +172,10 @@ def _say_what_we_wait_for(plan: RunPlan, timeout: datetime.timedelta) -> None:
     """Joining blocks until every rank arrives: routine under a launcher (INFO), a warning
     without one (a leftover WORLD_SIZE: nobody else will come)."""
     where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-    launched = (
-        any(
-            k in os.environ
-            # torchrun, mpirun, srun, DeepSpeed's launcher (its launch.py sets CROSS_RANK)
-            for k in ("TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID", "CROSS_RANK")
-        )
-        or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    )
+    # torchrun, mpirun, srun, DeepSpeed's launcher (its launch.py sets CROSS_RANK)
+    launchers = ("TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID", "CROSS_RANK")
+    launched = any(k in os.environ for k in launchers)
+    launched = launched or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     message = (
         "dist: rank %d waits for %d processes to join at %s (gives up after %.3g min; "
         "SCALE_LLM_PG_TIMEOUT_MIN)"
