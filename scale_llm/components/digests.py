@@ -89,11 +89,8 @@ class _HashingWriter:
     """A binary file opened for writing that hashes what passes through `write`."""
 
     def __init__(self, f: Any, pool: ThreadPoolExecutor):
-        self._f, self._pool = f, pool
-        self._hash = xxhash.xxh3_64()
-        self.written = 0
-        self.sequential = True
-        self.stalled_s = 0.0
+        self._f, self._pool, self._hash = f, pool, xxhash.xxh3_64()
+        self.written, self.sequential, self.stalled_s = 0, True, 0.0
 
     def write(self, b: Any) -> int:
         view = memoryview(b).cast("B")
