@@ -21,8 +21,7 @@ def require(command: str, *modules: str) -> None:
     """A UserError saying how to install the Hugging Face extras when one is missing."""
     import importlib.util
 
-    missing = [m for m in modules if importlib.util.find_spec(m) is None]
-    if missing:
+    if missing := [m for m in modules if importlib.util.find_spec(m) is None]:
         raise UserError(
             f"{command} needs {'/'.join(modules)} (missing: {', '.join(missing)}): "
             f"{install_hint('hf')}"
@@ -31,9 +30,8 @@ def require(command: str, *modules: str) -> None:
 
 def install_hint(extra: str | None = None, packages: tuple[str, ...] = ()) -> str:
     """The command that installs setup.py's optional `extra` (hf, wandb), or `packages`, into
-    the Python running this one: in a checkout, its editable install with that extra (e.g.
-    `.venv/bin/pip install -e '.[hf]'`); elsewhere the extra's requirements as the installed
-    package's metadata lists them."""
+    this Python: in a checkout its editable install with that extra (`.venv/bin/pip install -e
+    '.[hf]'), elsewhere the extra's requirements as the installed package's metadata lists them."""
     import importlib.metadata
     import os
     import shlex
