@@ -131,16 +131,13 @@ def _gemms(rows: int, figures: dict[tuple[int, int], tuple[tuple[float, ...], ..
 
 
 # --- The achieved-rate table: every figure below is a published measurement. -----------------
-#
-# Matmuls, H100 SXM (H200: the same SMs and clocks, as ML Engineering's MAMF table says): XLA's
-# measured GEMM table for sm_90, "bf16xbf16->bf16" entries of xla/service/gpu/model/
-# matmul_interpolator_data.h (read in github.com/tensorflow/tensorflow, third_party/xla/, commit
-# 372d578b; up to 808 TFLOP/s, above an H100 PCIe's 756 peak: an SXM part): its batched entries
-# of 16,384 rows (b=4 x m=4096, a 400m micro-batch's tokens), both operand orders, and for the
-# low end 8,192 rows (fewer output tiles, as the weight gradients'). Its top agrees with 794.5
-# TFLOP/s, mamf-finder's best shape (S. Bekman, "Machine Learning Engineering",
-# compute/accelerator/README.md, MAMF table), and torchao's 78% of peak = 771 TFLOP/s for large
-# GEMMs (pytorch/ao, torchao/testing/training/roofline_utils.py).
+# Matmuls, H100 SXM (H200: the same SMs and clocks, per ML Engineering's MAMF table): XLA's
+# measured sm_90 "bf16xbf16->bf16" GEMMs (github.com/tensorflow/tensorflow, third_party/xla/xla/
+# service/gpu/model/matmul_interpolator_data.h, commit 372d578b; up to 808 TFLOP/s: an SXM part),
+# batched entries of 16,384 rows (a 400m micro-batch's tokens), both operand orders; the low end
+# 8,192 rows (fewer output tiles, as the weight gradients'). Its top agrees with mamf-finder's
+# best, 794.5 TFLOP/s (S. Bekman, "Machine Learning Engineering", compute/accelerator/README.md)
+# and torchao's 78% of peak for big GEMMs (pytorch/ao, torchao/testing/training/roofline_utils.py).
 HOPPER_MATMUL = _gemms(
     16384,
     {  # (n, k): ((16,384 rows: (n, k), (k, n)), (8,192 rows: the same)), TFLOP/s
@@ -434,8 +431,7 @@ def _class_of(name: str) -> str:
 def _gemm_shape(name: str, args: tuple) -> tuple[int, int, int]:
     """(m, n, k) of a matmul op's (m, k) x (k, n); a batch of them counts as m rows."""
     a, b = (args[1], args[2]) if name == "addmm" else (args[0], args[1])
-    m = math.prod(a.shape[:-1])
-    return m, b.shape[-1], a.shape[-1]
+    return math.prod(a.shape[:-1]), b.shape[-1], a.shape[-1]
 
 
 class _FlashAttention(torch.autograd.Function):
@@ -703,10 +699,7 @@ def fp8_gemm_seconds(device: str, way: str, hbm: float, m: int, n: int, k: int) 
 # weight, grad_output), each as (unfused, with the amax read fused into the op before).
 # Tensorwise: an amax read (2) and a bf16 read with fp8 writes (row- and column-major); rowwise:
 # a cast per orientation, the weight's transposed in bf16 between.
-FP8_CAST_BYTES = {
-    "tensorwise": ((6, 4), (8, 8), (6, 4)),
-    "rowwise": ((8, 6), (10, 10), (8, 6)),
-}
+FP8_CAST_BYTES = {"tensorwise": ((6, 4), (8, 8), (6, 4)), "rowwise": ((8, 6), (10, 10), (8, 6))}
 
 
 def fp8_cast_bytes(tokens: int, n: int, k: int, recipe: str, fused: float = 0.0) -> float:
