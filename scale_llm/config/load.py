@@ -61,8 +61,7 @@ def shipped_config_dir() -> Path | None:
 
 
 def resolve_config_path(path: str | Path) -> Path:
-    """A config path as given, or a shipped config by name (`tiny`, `400m`, `7b.yaml`) when no
-    such file exists here."""
+    """A config path as given, or else a shipped config by name (`tiny`, `7b.yaml`)."""
     p = Path(path)
     shipped = None if p.is_file() or len(p.parts) != 1 else shipped_config_dir()
     names = (p.name, p.name + ".yaml") if shipped else ()
@@ -107,8 +106,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def _empty_sections_as_mappings(raw: dict[str, Any], cls: type) -> None:
-    """A section written with no keys (every line under `model:` commented out) is YAML null;
-    read it as an empty section, which changes nothing."""
+    """A section with no keys (all commented out) is YAML null: read it as empty."""
     hints = typing.get_type_hints(cls)
     for name in raw.keys() & hints.keys():
         if dataclasses.is_dataclass(hints[name]):
@@ -155,8 +153,7 @@ def _check_yaml_shape(text: str, path: Path) -> None:
 
 
 def _refuse_duplicate_keys(root: yaml.Node, path: Path) -> None:
-    """A key written twice in one mapping (PyYAML silently keeps the last one) is an error
-    naming the key and both lines; `_check_yaml_shape`'s limits bound this walk."""
+    """A key written twice in one mapping (PyYAML keeps the last) is an error naming both lines."""
     todo: list[tuple[yaml.Node, str]] = [(root, "")]
     while todo:
         node, prefix = todo.pop()
@@ -300,8 +297,7 @@ def _list_step_problem(key: str, listed: str, after: list[str], text: str) -> st
 def _list_entry(
     entries: Any, index: int, key: str, listed: str, entry: Any
 ) -> tuple[list[Any], int, Any] | str:
-    """Entry `index` of the list `listed` as the config so far holds it: (the list, the index,
-    the entries' schema), or why there is no such entry."""
+    """(the list, the index, the entries' schema) of entry `index` of `listed`, or why none."""
     count = len(entries) if isinstance(entries, list) else 0
     if index < count:
         return entries, index, entry
@@ -325,8 +321,7 @@ MOVED = {
 
 
 def _move_deprecated_keys(raw: dict[str, Any], errors: list[str]) -> None:
-    """Rewrite moved keys to their new place, with one deprecation line each; a key given in
-    both places is an error naming both."""
+    """Moved keys to their new place, with a deprecation line; set in both places: an error."""
     for old, new in MOVED.items():
         (old_section, old_key), (new_section, new_key) = old.split("."), new.split(".")
         section = raw.get(old_section)
@@ -490,8 +485,7 @@ def to_dict(cfg: Config) -> dict[str, Any]:
 
 
 def dump_yaml(cfg: Config) -> str:
-    """The config as YAML; a mixture's without the keys of one source (data.source, ...), which
-    its entries hold and which a mixture leaves at their defaults."""
+    """The config as YAML; a mixture's without the one-source keys its entries hold instead."""
     tree = to_dict(cfg)
     for key in PER_SOURCE_KEYS if cfg.data.sources else ():
         del tree["data"][key]
