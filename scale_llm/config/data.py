@@ -13,8 +13,7 @@ SOURCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # a folder name and
 
 @dataclass
 class SourceConfig:
-    """One entry of `data.sources`: what `data.source` and its reading keys say, plus a name and
-    a weight."""
+    """One entry of `data.sources`: `data.source`'s reading keys, plus a name and a weight."""
 
     name: str = config_key("", "the source's name: its folder in data.dir and its metric tags")
     weight: float = config_key(1.0, "its share of the training tokens (weights are normalized)")
