@@ -230,24 +230,21 @@ def validate_parallel(cfg: Config) -> list[str]:
 
 
 def stages_per_rank(pipe: PipelineConfig) -> int:
-    """The model chunks a pipeline rank holds: parallel.pipeline.stages_per_rank, or the
-    fewest its schedule runs (1 for 1F1B / GPipe, 2 for the looped and V schedules)."""
+    """parallel.pipeline.stages_per_rank, or its schedule's fewest (2: looped and V, else 1)."""
     if pipe.stages_per_rank is None:
         return 2 if pipe.schedule in LOOPED_SCHEDULES else 1
     return pipe.stages_per_rank
 
 
 def pipeline_microbatches(p: ParallelConfig) -> int:
-    """The pieces each micro-batch is cut into: parallel.pipeline.microbatches, or the number
-    of stages (the fewest every schedule runs; more shrink the bubble)."""
+    """parallel.pipeline.microbatches, or the stages' count (the fewest every schedule runs)."""
     if p.pipeline.microbatches is None:
         return p.pipeline_parallel * stages_per_rank(p.pipeline)
     return p.pipeline.microbatches
 
 
 def pipeline_problems(cfg: Config) -> list[str]:
-    """parallel.pipeline_parallel against the backend, the model and the batch: each invalid
-    combination one error naming values that work."""
+    """parallel.pipeline_parallel against the backend, the model and the batch."""
     pp = cfg.parallel.pipeline_parallel
     if pp < 1:
         return [f"parallel.pipeline_parallel={pp} must be >= 1 (1: no pipeline parallelism)"]
