@@ -76,8 +76,7 @@ class RunPlan:
 
     @property
     def dp_rank(self) -> int:
-        """This rank's place among the data-parallel ranks (the ranks of one tensor-parallel
-        group, and the pipeline stages of one data-parallel rank, read the same sequences)."""
+        """This rank's place among the data-parallel ranks (a TP group reads the same data)."""
         return (self.rank // self.tp_degree) % self.dp_degree
 
     @property
@@ -142,19 +141,14 @@ class RunPlan:
 
 
 def resolve_plan(
-    cfg: Config,
-    launch: Launch | None = None,
-    *,
-    cuda: bool | None = None,
-    bf16: bool | None = None,
+    cfg: Config, launch: Launch | None = None, *, cuda: bool | None = None, bf16: bool | None = None
 ) -> RunPlan:
     """The plan for `cfg` under `launch` (default: this process's launcher environment); `cuda`
     / `bf16`: whether a (bf16-capable) GPU is usable (default: ask torch). Every check that needs
     the launch runs here, before any process group, model or run directory exists."""
     launch = launch or launch_env()
     cuda = torch.cuda.is_available() if cuda is None else cuda
-    errors = launch_problems(cfg, launch.world_size, cuda)
-    if errors:
+    if errors := launch_problems(cfg, launch.world_size, cuda):
         raise UserError(format_errors(errors, f"launched with {launch.world_size} processes"))
     device = _device(cfg.train.device, launch.local_rank, cuda)
     if bf16 is None:
@@ -186,8 +180,7 @@ def resolve_plan(
 
 
 def target_plan(cfg: Config, world_size: int) -> RunPlan:
-    """The plan `cfg` would get on `world_size` bf16-capable GPUs (what `estimate` predicts
-    for), whatever this machine has."""
+    """The plan `cfg` would get on `world_size` bf16-capable GPUs (what `estimate` predicts)."""
     plan = resolve_plan(cfg, Launch(world_size=world_size), cuda=True, bf16=True)
     return dataclasses.replace(plan, device=torch.device("cuda", 0))
 
@@ -238,8 +231,7 @@ def _warn_on_odd_widths(cfg: Config) -> None:
 
 
 def _grad_accum(cfg: Config, world_size: int) -> int:
-    """train.grad_accum, or the value train.global_batch_size implies for this data-parallel
-    world size (`world_size`: the ranks that split the batch)."""
+    """train.grad_accum, or what train.global_batch_size implies on `world_size` (dp) ranks."""
     g, mb, accum = cfg.train.global_batch_size, cfg.train.micro_batch_size, cfg.train.grad_accum
     if g is None:
         return accum
