@@ -21,8 +21,7 @@ NOT_PATHS = {"data.source": ("builtin",), "checkpoint.resume": ("auto", "never")
 
 
 def path_value(cfg: Config, key: str) -> str | None:
-    """The file-system path a path key names, or None (unset, or a word such as `builtin`);
-    `hf:PATH` names PATH."""
+    """The path a path key names (`hf:PATH`: PATH), or None (unset, or a word: `builtin`)."""
     value = get_key(cfg, key)
     if value is None or value in NOT_PATHS.get(key, ()):
         return None
@@ -188,8 +187,7 @@ NAME_MAX, PATH_MAX = 255, 4096  # Linux's, where the file system cannot be asked
 
 
 def _limit(path: str, name: str, default: int) -> int:
-    """os.pathconf's limit `name` on the file system `path` would be on (its deepest
-    existing folder), or `default` where that cannot be asked."""
+    """os.pathconf's `name` for `path`'s deepest existing folder, or `default`."""
     existing = os.path.abspath(path)
     while not os.path.exists(existing) and existing != os.path.dirname(existing):
         existing = os.path.dirname(existing)
