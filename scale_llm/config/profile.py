@@ -8,9 +8,8 @@ from pathlib import PurePath
 
 from scale_llm.config.schema import config_key
 
-# RUN_DIR's own names (train/preflight.py's RUN_DIR_FOLDERS, RUN_DIR_FILES and RUN_MARKS, held
-# to this list by tests/test_profiling.py), and the prefix of eval.tasks' scratch exports: the
-# profile folder may not be one of them
+# RUN_DIR's own names (train/preflight.py's, held to this list by tests/test_profiling.py) and
+# the prefix of eval.tasks' scratch exports: the profile folder may not be one of them
 RUN_DIR_NAMES = (
     *("checkpoints", "tensorboard", "wandb", "eval", "export", "comm_trace"),
     *("config.yaml", "plan.json", "tokenizer.model", "hf-tokenizer.json", "ds_config.json"),
@@ -36,8 +35,7 @@ class ProfileConfig:
     )
     active_steps: int = config_key(2, "optimizer steps traced, from start_step on")
     folder: str = config_key(
-        "profile",
-        "where traces and memory snapshots go, relative to the run dir",
+        "profile", "where traces and memory snapshots go, relative to the run dir"
     )
     memory_snapshot_step: int | None = config_key(
         None,
@@ -50,8 +48,7 @@ class ProfileConfig:
 
 def validate_profile(p: ProfileConfig, max_steps: int) -> list[str]:
     """What is wrong with train.profile, each message naming its key and the fix."""
-    e: list[str] = []
-    key = "train.profile"
+    e, key = [], "train.profile"
     if p.enabled:
         if p.warmup_steps < 0:
             e.append(f"{key}.warmup_steps={p.warmup_steps} must be >= 0")
@@ -63,20 +60,17 @@ def validate_profile(p: ProfileConfig, max_steps: int) -> list[str]:
                 f"{p.warmup_steps} before it (steps count from 1); e.g. {key}.start_step="
                 f"{max(p.warmup_steps, 0) + 1}"
             )
-        last = p.start_step + max(p.active_steps, 1) - 1
-        if last > max_steps > 0:
+        if (last := p.start_step + max(p.active_steps, 1) - 1) > max_steps > 0:
             e.append(
                 f"{key}: the traced steps end at step {last}, after train.max_steps="
                 f"{max_steps}; lower {key}.start_step or {key}.active_steps"
             )
-    step = p.memory_snapshot_step
-    if step is not None and not 1 <= step <= max(max_steps, 1):
+    if (step := p.memory_snapshot_step) is not None and not 1 <= step <= max(max_steps, 1):
         e.append(
             f"{key}.memory_snapshot_step={step} must lie in [1, train.max_steps={max_steps}] "
             f"(the optimizer step after which the snapshot is written), or null"
         )
-    e.extend(_folder_problems(p.folder))
-    return e
+    return e + _folder_problems(p.folder)
 
 
 def _folder_problems(folder: str) -> list[str]:
