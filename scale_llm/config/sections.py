@@ -243,8 +243,7 @@ class EvalConfig:
 @dataclass
 class CheckpointConfig:
     every: int = config_key(
-        100,
-        "optimizer steps between checkpoints; the last step is always saved; 0 = only the last",
+        100, "optimizer steps between checkpoints; the last step is always saved; 0 = only the last"
     )
     keep_last: int = config_key(2, "complete checkpoints kept; older ones are deleted")
     resume: str = config_key(
