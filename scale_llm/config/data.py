@@ -129,15 +129,12 @@ def validate_data(d: DataConfig) -> list[str]:
             f"data.val_fraction={d.val_fraction} must be between 0 and 1 (e.g. "
             f"data.val_fraction=0.01)"
         )
-    if d.sources:
-        e.extend(_sources_problems(d))
-    return e
+    return e + (_sources_problems(d) if d.sources else [])
 
 
 def _sources_problems(d: DataConfig) -> list[str]:
     """A mixture's entries: names, weights, caps, and no one-source key set beside them."""
-    e: list[str] = []
-    defaults = DataConfig()
+    e, defaults = [], DataConfig()
     for key in PER_SOURCE_KEYS:
         if getattr(d, key) != getattr(defaults, key):
             e.append(
@@ -161,8 +158,7 @@ def _sources_problems(d: DataConfig) -> list[str]:
         if not s.source.strip():
             e.append(f"{at}.source is empty; give builtin, hf:NAME, or files")
         for key in ("max_documents", "max_tokens"):
-            value = getattr(s, key)
-            if value is not None and value <= 0:
+            if (value := getattr(s, key)) is not None and value <= 0:
                 e.append(f"{at}.{key}={value} must be > 0")
     return e
 
@@ -181,5 +177,4 @@ def normalized_weights(weights: list[float]) -> list[float]:
 
 def mixture_weights(d: DataConfig) -> dict[str, float]:
     """{name: normalized weight} of data.sources (a one-source config: {} )."""
-    shares = normalized_weights([s.weight for s in d.sources])
-    return {s.name: share for s, share in zip(d.sources, shares)}
+    return dict(zip([s.name for s in d.sources], normalized_weights([s.weight for s in d.sources])))
