@@ -33,8 +33,7 @@ MAX_LAYERS = 10_000  # far past any trained model, short of a build that never e
 
 def validate(cfg: Config) -> list[str]:
     """Values and combinations that type checks cannot catch; each message names key and fix."""
-    e: list[str] = []
-    m, t = cfg.model, cfg.train
+    e, m, t = [], cfg.model, cfg.train
 
     def positive(section: str, *names: str) -> None:  # (an unset optional key passes)
         for key in (f"{section}.{name}" for name in names):
@@ -47,12 +46,11 @@ def validate(cfg: Config) -> list[str]:
             f"model.n_layers={m.n_layers}: at most {MAX_LAYERS:,} blocks are accepted (the "
             f"deepest transformers trained have about 1,000); lower model.n_layers"
         )
-    defaults = ModelConfig()
     for key in ("norm_eps", "rope_theta", "init_std"):  # 0 or less: NaN or an error in step 1
         if getattr(m, key) <= 0:
             e.append(
                 f"model.{key}={getattr(m, key)} must be > 0 (the default is "
-                f"{getattr(defaults, key)})"
+                f"{getattr(ModelConfig, key)})"
             )
     positive("train", "micro_batch_size", "grad_accum", "max_steps", "lr", "max_bad_steps")
     if t.gc_every < 0:
