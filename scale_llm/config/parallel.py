@@ -174,8 +174,7 @@ def passthrough_problems(raw: dict[str, Any]) -> list[str]:
 
 def validate_parallel(cfg: Config) -> list[str]:
     """Backend options that only make sense with one backend, or not at all together."""
-    e: list[str] = []
-    p, backend = cfg.parallel, cfg.parallel.backend
+    e, p, backend = [], cfg.parallel, cfg.parallel.backend
     ds, fsdp = p.deepspeed, p.fsdp
     if not 0 <= ds.zero_stage <= 3:
         e.append(
