@@ -328,6 +328,13 @@ def _estimate_parser(sub) -> None:
     fake = "also trace one whole optimizer step at full size on fake tensors (no memory "
     fake += "used) for rank 0 of --world-size GPUs, by category, next to the estimate"
     _flag(p, "--fake", fake)
+    p.add_argument(
+        "--pipeline-rank",
+        type=int,
+        metavar="R",
+        help="--fake under pipeline parallelism: trace pipeline rank R (default: the rank the "
+        "estimate names worst)",
+    )
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
@@ -374,7 +381,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if args.fake:
         from scale_llm.analysis.memory.fake import format_trace, trace_step
 
-        result["traced_step_fake"] = traced = trace_step(cfg, world)
+        result["traced_step_fake"] = traced = trace_step(cfg, world, args.pipeline_rank)
         text.append(format_trace(traced))
     if args.fit:
         budget = memory.parse_bytes(args.fit)

@@ -2560,10 +2560,16 @@ PIPELINE: list = [
         "size 1",
     ),
     (
-        "a fake trace of a pipeline",
-        ["estimate", str(REPO / "yaml" / "405b.yaml"), "--fake"],
-        "estimate --fake traces one rank's step alone, and a pipeline's needs its other stages "
-        "(parallel.pipeline_parallel=8)",
+        "a fake trace of a pipeline rank it does not have",
+        ["estimate", str(REPO / "yaml" / "405b.yaml"), "--fake", "--pipeline-rank", "8"],
+        "--pipeline-rank 8 is not a rank of this pipeline (parallel.pipeline_parallel=8); use 0 "
+        "to 7",
+    ),
+    (
+        "a fake trace of a pipeline rank without a pipeline",
+        ["estimate", TINY, "--fake", "--pipeline-rank", "1"],
+        "--pipeline-rank 1 picks a rank of a pipeline, and this layout has none (parallel."
+        "pipeline_parallel=1); leave --pipeline-rank out",
     ),
 ]
 

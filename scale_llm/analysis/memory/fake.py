@@ -18,12 +18,14 @@ import torch
 
 from scale_llm.analysis.memory.estimate import estimate_layout, layout_of
 from scale_llm.analysis.memory.measure import LiveStorages, measured_steps, parts_table
+from scale_llm.analysis.memory.pipeline import pipeline_estimate
 from scale_llm.components.optim import build_optimizer
 from scale_llm.config import Config, with_changes
 from scale_llm.config.plan import RunPlan, target_plan
 from scale_llm.errors import UserError
 from scale_llm.model import build_model, materialize
 from scale_llm.parallel.backend import Backend, build_backend
+from scale_llm.parallel.pipeline import stage_owner
 
 GiB = 1 << 30
 # What a fake trace cannot see, per GPU, as (name, low, high bytes, why). Not added to the
@@ -60,9 +62,13 @@ ALLOWANCES = (
 )
 
 
-def trace_step(cfg: Config, world_size: int = 1) -> dict[str, Any]:
+def trace_step(
+    cfg: Config, world_size: int = 1, pipeline_rank: int | None = None
+) -> dict[str, Any]:
     """One optimizer step of `cfg` on rank 0 of `world_size` GPUs traced on fake tensors, in
-    `measure_step`'s shape (with the allowances), next to the estimate for those GPUs."""
+    `measure_step`'s shape (with the allowances), next to the estimate for those GPUs. Under
+    pipeline parallelism the rank is the first of pipeline rank `pipeline_rank` (default: the
+    one the estimate names worst), its schedule run without the other stages (`_alone`)."""
     here = _traced_config(cfg, world_size)
     target = target_plan(here, world_size)  # what the estimate is for: bf16 CUDA GPUs
     plan = dataclasses.replace(target, device=torch.device("cpu"))  # what the trace runs
@@ -71,37 +77,32 @@ def trace_step(cfg: Config, world_size: int = 1) -> dict[str, Any]:
             f"estimate --fake traces parallel.backend single (world 1) and fsdp, not "
             f"{plan.backend}; use --world-size 1 or --set parallel.backend=fsdp"
         )
-    if plan.pp_degree > 1:  # (its schedule sends to and waits for the other stages' ranks)
-        raise UserError(
-            f"estimate --fake traces one rank's step alone, and a pipeline's needs its other "
-            f"stages (parallel.pipeline_parallel={plan.pp_degree}); leave out --fake (the "
-            f"estimate is the worst pipeline rank's), or trace the layout without it: --set "
-            f"parallel.pipeline_parallel=1"
-        )
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    def batches():
-        shape = (plan.micro_batch_size, here.model.seq_len + 1)
-        tokens = torch.randint(0, here.model.vocab_size, shape, device=plan.device)
-        return [(tokens[:, :-1], tokens[:, 1:])]
-
-    with _fake_process_group(plan):
-        backend = build_backend(here, plan)
-        model = build_model(here.model)  # on meta, outside the mode: materialized inside it
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with fake_mode, LiveStorages(fake=True) as storages:  # before the weights are drawn
-            model = _setup(backend, model, plan)
-            measured = measured_steps(storages, backend, model, batches)
     on_cuda = with_changes(here, {"train.device": "cuda"})
     lay = layout_of(on_cuda, target)
-    # the trace runs the CPU's kernels, which save what CUDA's do (RMSNorm: its input and rstd)
-    est = estimate_layout(on_cuda.model, on_cuda.activation_checkpointing, lay)
+    worst = None
+    if plan.pp_degree > 1:
+        est = pipeline_estimate(on_cuda, target, lay)
+        worst = est.pipeline_rank
+        rank = worst if pipeline_rank is None else _checked_rank(pipeline_rank, plan)
+        est = est.pipeline_ranks[rank]
+        plan = dataclasses.replace(plan, rank=rank * (world_size // plan.pp_degree))
+    else:
+        if pipeline_rank is not None:
+            raise UserError(
+                f"--pipeline-rank {pipeline_rank} picks a rank of a pipeline, and this layout "
+                f"has none (parallel.pipeline_parallel=1); leave --pipeline-rank out"
+            )
+        # the trace runs the CPU's kernels, which save what CUDA's do (RMSNorm: its input, rstd)
+        est = estimate_layout(on_cuda.model, on_cuda.activation_checkpointing, lay)
+    measured = _traced(here, plan)
     return {
         "backend": plan.backend,
         "precision": plan.precision,
         "activation_checkpointing": here.activation_checkpointing.mode,
         "micro_batch_size": plan.micro_batch_size,
         "world_size": world_size,
+        "rank": plan.rank,
+        **({} if worst is None else _pipeline_facts(here, plan, worst)),
         "measured": measured,
         "estimated": {k: int(v) for k, v in est.gpu.items()},
         "estimated_peak_parts": {k: int(v) for k, v in est.peak_parts.items()},
@@ -109,6 +110,49 @@ def trace_step(cfg: Config, world_size: int = 1) -> dict[str, Any]:
         "allowances": [
             {"name": n, "low": lo, "high": hi, "why": why} for n, lo, hi, why in ALLOWANCES
         ],
+    }
+
+
+def _traced(here: Config, plan: RunPlan) -> dict[str, int]:
+    """`measured_steps` of `here` run as `plan` on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def batches():
+        shape = (plan.micro_batch_size, here.model.seq_len + 1)
+        tokens = torch.randint(0, here.model.vocab_size, shape, device=plan.device)
+        return [(tokens[:, :-1], tokens[:, 1:])]
+
+    with _fake_process_group(plan), _no_pipeline_sends():
+        backend = build_backend(here, plan)
+        model = build_model(here.model)  # on meta, outside the mode: materialized inside it
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with fake_mode, LiveStorages(fake=True) as storages:  # before the weights are drawn
+            model = _setup(backend, model, plan)
+            if plan.pp_degree > 1:
+                _alone(backend, plan, storages)
+            return measured_steps(storages, backend, model, batches)
+
+
+def _checked_rank(rank: int, plan: RunPlan) -> int:
+    if not 0 <= rank < plan.pp_degree:
+        raise UserError(
+            f"--pipeline-rank {rank} is not a rank of this pipeline "
+            f"(parallel.pipeline_parallel={plan.pp_degree}); use 0 to {plan.pp_degree - 1}"
+        )
+    return rank
+
+
+def _pipeline_facts(cfg: Config, plan: RunPlan, worst: int) -> dict[str, Any]:
+    """Which pipeline rank was traced, its stages, and the rank the estimate names worst."""
+    schedule = cfg.parallel.pipeline.schedule
+    stages = plan.pp_degree * plan.pp_stages_per_rank
+    mine = [s for s in range(stages) if stage_owner(s, plan, schedule) == plan.pp_rank]
+    return {
+        "pipeline_rank": plan.pp_rank,
+        "worst_pipeline_rank": worst,
+        "pipeline_stages": mine,
+        "pipeline_schedule": schedule,
+        "pipeline_microbatches": plan.pp_microbatches,
     }
 
 
@@ -134,11 +178,16 @@ def _fake_process_group(plan: RunPlan) -> Iterator[None]:
         raise UserError("estimate --fake runs outside a process group; start it without torchrun")
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=plan.rank, world_size=plan.world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        # DTensor's sharding decisions are cached by mesh shape, and hold this group's meshes:
+        # a later trace (another layout, another pipeline rank) would run on destroyed groups
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+        _clear_sharding_prop_cache()
 
 
 def _setup(backend: Backend, model: torch.nn.Module, plan: RunPlan) -> torch.nn.Module:
@@ -150,7 +199,7 @@ def _setup(backend: Backend, model: torch.nn.Module, plan: RunPlan) -> torch.nn.
             mesh = backend.device_mesh()
         backend.device_mesh = lambda: mesh
         # each rank's fill of its shards from whole parameters: values only
-        backend._fill_shards = lambda module, initial: None
+        backend._fill_shards = lambda module, initial, whole=None: None
         with _real_mesh_concatenation():  # (FSDP2 over tensor-parallel parameters)
             wrapped = backend.setup(model)
     else:
@@ -161,6 +210,69 @@ def _setup(backend: Backend, model: torch.nn.Module, plan: RunPlan) -> torch.nn.
         backend.transform_blocks(model)
     backend.optimizer = build_optimizer(wrapped, backend.cfg.train)
     return wrapped
+
+
+@contextlib.contextmanager
+def _no_pipeline_sends() -> Iterator[None]:
+    """torch's schedules with every send and receive left out: each goes through
+    `_batch_p2p`, and a receive's buffer is the fake tensor the stage made for it already."""
+    from torch.distributed.pipelining import schedules
+
+    batch = schedules._batch_p2p
+    schedules._batch_p2p = lambda ops, desc=None: []
+    try:
+        yield
+    finally:
+        schedules._batch_p2p = batch
+
+
+def _alone(backend: Backend, plan: RunPlan, storages: LiveStorages) -> None:
+    """This pipeline rank's schedule runs alone: its stages told the shapes they receive and
+    send (what torch's stages otherwise learn from their neighbours), and the storages' phase
+    set around each stage's forward and backward (the schedule calls them, not the model)."""
+    from torch.distributed.pipelining._utils import InferenceMode, _StageMeta, extract_tensor_metas
+
+    schedule = backend.schedule
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]
+    for stage in stages:
+        stage._user_meta = _StageMeta(
+            inputs=extract_tensor_metas(_stage_tensors(backend, plan, stage.is_first)),
+            outputs=extract_tensor_metas(_stage_tensors(backend, plan, stage.is_last)),
+        )
+        stage.submod.register_forward_pre_hook(lambda *_: setattr(storages, "phase", "forward"))
+        stage.submod.register_forward_hook(lambda *_: setattr(storages, "phase", "other"))
+        for name in ("backward_one_chunk", "backward_weight_one_chunk"):
+            setattr(stage, name, _in_phase(storages, "backward", getattr(stage, name)))
+
+    def static(stages: list, *_: Any) -> None:  # (in place of the neighbours' vote)
+        for stage in stages:
+            stage._inference_mode = InferenceMode.STATIC
+
+    schedule._warmup_p2p = static
+
+
+def _stage_tensors(backend: Backend, plan: RunPlan, end: bool) -> tuple[torch.Tensor]:
+    """What a stage receives or sends: the residual stream of one piece, (piece, T, d_model)
+    (T / tp under sequence parallelism) in the compute dtype; at the pipeline's ends the
+    tokens or logits, whose shapes the schedule does not read."""
+    m, piece = backend.cfg.model, plan.micro_batch_size // plan.pp_microbatches
+    seq = m.seq_len // plan.tp_degree if backend.cfg.parallel.sequence_parallel else m.seq_len
+    dtype = backend.mp_policy().param_dtype or torch.float32
+    with torch._subclasses.fake_tensor.unset_fake_temporarily():  # (metadata: not counted)
+        if end:
+            return (torch.empty(piece, m.seq_len, dtype=torch.long, device="meta"),)
+        return (torch.empty(piece, seq, m.d_model, dtype=dtype, device="meta").requires_grad_(),)
+
+
+def _in_phase(storages: LiveStorages, phase: str, fn: Any) -> Any:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        before, storages.phase = storages.phase, phase
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            storages.phase = before
+
+    return run
 
 
 @contextlib.contextmanager
