@@ -74,9 +74,7 @@ MARK_KIND = "prepared data"
 OUTPUT_PATTERNS = ("train_*.bin*", "val_*.bin*", SP_FILE, BUNDLE_FILE)  # what prepare publishes
 
 
-def prepare_source(
-    cfg: Config, force: bool = False, tokenizer: bytes | None = None
-) -> dict[str, Any]:
+def prepare_source(cfg: Config, force: bool = False, tokenizer: bytes | None = None) -> dict:
     """Prepare `cfg.data.dir` from `cfg.data.source`; the manifest. `tokenizer`: a mixture's."""
     out = Path(cfg.data.dir)
     source = open_source(cfg.data)
