@@ -241,9 +241,7 @@ def _read_bundle(path: Path) -> dict[str, Any]:
 
 
 def _bundle_problem(bundle: Any) -> str | None:
-    def is_id(x: Any) -> bool:
-        return isinstance(x, int) and not isinstance(x, bool) and x >= 0
-
+    is_id = lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0
     if not isinstance(bundle, dict) or bundle.get("format") != FORMAT:
         return f"format is not {FORMAT!r}"
     checks = {
