@@ -302,10 +302,9 @@ class _Listing:
         self.not_read.setdefault(reason, []).append(self._name(path) + note)
 
     def _name(self, path: Path) -> str:
-        try:
-            return path.relative_to(self.base).as_posix()
-        except ValueError:
-            return str(path)
+        return (
+            path.relative_to(self.base).as_posix() if path.is_relative_to(self.base) else str(path)
+        )
 
     def summary(self, rules: bool = False) -> str:
         """'3 paths: 2 files with unknown suffixes (a.csv, b.log), 1 duplicate path (...)', and
