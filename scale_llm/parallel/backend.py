@@ -1,9 +1,5 @@
-"""The backend interface the trainer calls, the single-process backend, and the registry.
-
-A backend materializes, checkpoints and wraps the meta-device model, owns optimizer and scaler,
-runs accumulation and checkpoint save / load; the trainer never asks which one it holds. Every
-backend draws the weights from `run.seed` as one process does, so runs start alike anywhere.
-"""
+"""The backend interface the trainer calls (it never asks which one it holds), the single-process
+backend, and the registry. Every backend draws the weights from `run.seed` as one process does."""
 
 from __future__ import annotations
 
