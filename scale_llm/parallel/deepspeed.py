@@ -1,10 +1,6 @@
-"""DeepSpeed ZeRO 0-3, with optional CPU offload of optimizer state and parameters.
-
-The engine owns backward, accumulation, clipping and loss scaling (config: parallel/ds_config.py).
-The trainer divides each micro-loss by grad_accum, so the engine's division is off; non-final
-micro-steps call `engine.step()` too (DeepSpeed counts them and updates at the boundary). bf16 /
-fp16 are DeepSpeed's own modes (fp32 master weights in the optimizer): no autocast.
-"""
+"""DeepSpeed ZeRO 0-3, with optional CPU offload; the engine owns backward, accumulation,
+clipping and loss scaling (the trainer's micro-losses come divided already), and bf16 / fp16 are
+its own modes (no autocast)."""
 
 from __future__ import annotations
 
