@@ -1,11 +1,6 @@
-"""FSDP2 (`fully_shard`): parameters, gradients and optimizer state sharded over ranks.
-
-On the meta device (torchtitan's order): tensor parallelism, checkpointing and compile per block,
-then `fully_shard` on each block and the root; then each rank fills its own shards one whole
-parameter at a time from run.seed (`_fill_shards`): the weights of every other backend, and no
-host holds the whole model. Compute in the precision's dtype, gradients reduced in fp32 into the
-fp32 shards the optimizer steps; HSDP replicates over `parallel.fsdp.replicate_degree` groups.
-"""
+"""FSDP2 (`fully_shard`, HSDP with replicate_degree > 1): parameters, gradients and optimizer
+state sharded over ranks, wrapped on the meta device in torchtitan's order; each rank fills its
+own shards from run.seed (`_fill_shards`), so no host holds the whole model."""
 
 from __future__ import annotations
 
