@@ -1,12 +1,6 @@
-"""Tensor and sequence parallelism on DTensor (`parallel.tensor_parallel`), Megatron-LM's layout.
-
-On the meta model before checkpointing, compile and FSDP2, over the mesh's `tp` dimension: wqkv
-(rows grouped by kv head: whole heads per rank), w1 and w3 column-wise; wo and w2 row-wise. The
-residual stream stays a DTensor (sequence shards with `parallel.sequence_parallel`): a compiled
-block whose borders convert to local tensors got wrong gradients (torch 2.13). The embedding is
-vocab-parallel and the loss runs on the vocabulary shards of the logits. Checkpoints keep the
-names and global shapes, so DCP reshards them to any degree or backend.
-"""
+"""Tensor and sequence parallelism on DTensor (`parallel.tensor_parallel`), Megatron-LM's layout
+(docs/backends.md). The residual stream stays a DTensor between and inside blocks: a compiled
+block whose borders convert to local tensors got wrong gradients (torch 2.13)."""
 
 from __future__ import annotations
 
