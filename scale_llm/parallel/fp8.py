@@ -1,11 +1,6 @@
-"""FP8 matmuls in the transformer blocks' linears (`train.fp8`), through torchao's Float8Linear.
-
-A parallelize step on the meta model before TP, checkpointing, compile and FSDP2 (torchtitan's
-order). Float8Linear keeps its weight in high precision under the same name and casts to fp8 in
-each matmul, so optimizer, gradients and checkpoints are as without fp8. The embedding, the head
-and linears whose dims (on each rank) are not multiples of 16 stay in the run's precision. On
-the CPU the matmuls are emulated (fp8 values, fp32 GEMM): the curve of an fp8 run, not its speed.
-"""
+"""FP8 matmuls in the transformer blocks' linears (`train.fp8`) through torchao's Float8Linear,
+applied first on the meta model: weights stay high precision under their names, so optimizer and
+checkpoints are as without fp8. Emulated on the CPU: the curve of an fp8 run, not its speed."""
 
 from __future__ import annotations
 
