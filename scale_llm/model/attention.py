@@ -1,9 +1,5 @@
-"""Which attention kernel runs, decided once per call from what the kernels accept.
-
-Where no fused kernel accepts its inputs, SDPA silently falls back to the math kernel and its
-(B, H, T, T) scores, so the model picks (bf16 / fp16: FlashAttention, varlen for documents; fp32
-or head sizes flash cannot take: memory-efficient, kv heads repeated) and pins SDPA to it. On
-the CPU SDPA chooses. `problem()` says what a GPU run would still materialize.
+"""Which attention kernel runs, decided once per call from what the kernels accept and pinned:
+where no fused kernel accepts its inputs, SDPA would silently materialize the (B, H, T, T) scores.
 """
 
 from __future__ import annotations
