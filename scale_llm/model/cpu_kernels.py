@@ -1,10 +1,6 @@
-"""The one kernel the model adds for eager CPU code: RMSNorm's backward, written out.
-
-torch 2.13's `aten::_fused_rms_norm` has no CPU backward: autograd differentiates its
-decomposition and keeps an fp32 normalized copy of the input. `rms_norm` keeps the forward bit for
-bit and saves what CUDA's kernel saves (input, weight, fp32 rstd: -8.6% saved memory on tiny), so
-CPU measurements of the memory estimate count the norm as a GPU does. No speed change.
-"""
+"""RMSNorm's backward written out for eager CPU code (torch 2.13 has none: autograd keeps an fp32
+copy of the input): it saves what CUDA's kernel saves, so CPU memory measurements count the norm
+as a GPU does."""
 
 from __future__ import annotations
 
