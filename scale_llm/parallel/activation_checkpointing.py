@@ -1,7 +1,5 @@
-"""Activation checkpointing per transformer block (`activation_checkpointing.mode`: none, full,
-every_k: blocks 0, k, 2k, ..., selective: matmul and attention outputs kept, element-wise ops
-recomputed). Non-reentrant, so numerics equal `none`; a block's `forward` is wrapped in place, so
-parameter names (and checkpoints) are the same in every mode."""
+"""Activation checkpointing per block (`activation_checkpointing.mode`), non-reentrant (numerics
+equal `none`); a block's `forward` is wrapped in place, so parameter names stay the same."""
 
 from __future__ import annotations
 
