@@ -86,10 +86,8 @@ class Attention(nn.Module):
         if cache is not None:  # k, v become (B, Hkv, start_pos + T, D): every position so far
             k, v = cache.update(self.layer_id, k, v, start_pos)
         mask = docs.mask if docs is not None else None  # (B, 1, T, T): within each document
-        if mask is None and k.size(2) != T and T > 1:  # prefill after earlier tokens
-            mask = torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(
-                diagonal=k.size(2) - T
-            )
+        if mask is None and (S := k.size(2)) != T and T > 1:  # prefill after earlier tokens
+            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
         is_causal = T > 1 and mask is None and docs is None
         if self.eager:
             y = self._eager(q, k, v, is_causal, mask)
