@@ -48,11 +48,12 @@ PP2 = ["parallel.backend=fsdp", "parallel.pipeline_parallel=2", *SAMPLE]
 SPLIT = ["train.micro_batch_size=4", "train.grad_accum=2"]  # x 1 data-parallel rank
 FP8_ROWWISE = ["train.fp8.enabled=true", "train.fp8.recipe=rowwise"]  # (emulated)
 FROM_PP2 = ["run.name=from-pp2", "checkpoint.keep_last=3"]  # (PP 2's step 2 kept to be read)
-# By launch (those the selected tests read): one process (the reference, and a run stopped
-# after step 2); 2 ranks (PP 2 with three schedules, a PP 2 run stopped after step 2, the
-# one-process run resumed at PP 2); 8 ranks (PP 2 x FSDP2 2 x TP 2, the PP 2 run resumed at
-# PP 4 x FSDP2 2 for step 3: 19 s of the module's 43 here); then, in this process, that run
-# finished in one process.
+# By stage (the runs the selected tests read), in the test's own process where one process
+# runs (a launch's start costs more than a tiny run): one process (the reference, and a run
+# stopped after step 2); 2 ranks (PP 2 with three schedules, a PP 2 run stopped after step 2,
+# the one-process run resumed at PP 2); 8 ranks (PP 2 x FSDP2 2 x TP 2, the PP 2 run resumed
+# at PP 4 x FSDP2 2 for step 3: 19 s of the module's 32 here); one process (that run finished
+# without a pipeline).
 STAGES = [
     {
         "single": (1, [*SINGLE, *SAMPLE]),
@@ -89,8 +90,8 @@ STAGES = [
             + ["train.micro_batch_size=4", "train.exit_at_step=3", *FROM_PP2],
         ),
     },
+    {"pp4-in-one-process": (1, [*SINGLE, *SAMPLE, *FROM_PP2])},
 ]
-PP4_IN_ONE_PROCESS = [*SINGLE, *SAMPLE, *FROM_PP2]
 NEEDS = {
     "test_pipeline_alone_follows_one_process": ["single", "{schedule}"],
     "test_pipeline_x_fsdp2_x_tensor_parallel_follows_one_process": [
@@ -109,9 +110,11 @@ NEEDS = {
 def runs(data_dir, tmp_path_factory, request) -> Runs:
     runs, read = Runs(data_dir, tmp_path_factory.mktemp("pp"), *MODEL), wanted(request, NEEDS)
     for stage in STAGES:
-        runs.start({name: spec for name, spec in stage.items() if name in read})
-    if "pp4-in-one-process" in read:
-        in_this_process(runs, "pp4-in-one-process", PP4_IN_ONE_PROCESS)
+        todo = {name: spec for name, spec in stage.items() if name in read}
+        for name, (nproc, overrides) in todo.items():
+            if nproc == 1:  # (a launch's start would cost more than the run)
+                in_this_process(runs, name, overrides)
+        runs.start({name: spec for name, spec in todo.items() if spec[0] > 1})
     return runs
 
 
