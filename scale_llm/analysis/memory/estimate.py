@@ -184,11 +184,6 @@ class ParamCounts:
         total = root + m.n_layers * per_block
         return ParamCounts(total, per_block, root, m.n_layers, block_tensors, root_tensors)
 
-    def below(self, threshold: int) -> tuple[int, int]:
-        """Elements of the parameters smaller than `threshold`: (per block, in the root)."""
-        b, r = self.block_tensors, self.root_tensors
-        return sum(t for t in b if t < threshold), sum(t for t in r if t < threshold)
-
 
 def state_bytes(n: ParamCounts, lay: Layout) -> tuple[dict[str, float], dict[str, float]]:
     """(gpu, cpu) bytes for params, grads and optimizer under the layout."""
@@ -253,7 +248,9 @@ def zero3_gathered_params(n: ParamCounts, lay: Layout) -> float:
     """ZeRO-3's working-dtype parameters held whole beyond this rank's partition until the step:
     those under stage3_param_persistence_threshold, and up to stage3_max_live_parameters the
     coordinator keeps gathered (at least the root and a block; 2 gloo ranks, DeepSpeed 0.19)."""
-    small_block, small_root = n.below(lay.ds_persistence_threshold)
+    small = lay.ds_persistence_threshold
+    small_block = sum(t for t in n.block_tensors if t < small)
+    small_root = sum(t for t in n.root_tensors if t < small)
     persistent = n.layers * small_block + small_root
     partitioned = n.total - persistent
     held = min(partitioned, max(lay.ds_max_live, (n.root - small_root) + (n.block - small_block)))
