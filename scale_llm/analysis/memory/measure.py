@@ -14,6 +14,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch._guards import active_fake_mode
+from torch.distributed._tools.common_utils import get_untyped_storages
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
 
 from scale_llm.analysis.memory.estimate import PARTS, GiB
 from scale_llm.analysis.memory.gpu import estimate
@@ -210,12 +215,6 @@ class LiveStorages:
     def __init__(self, fake: bool = False) -> None:
         """fake: the tensors are fake (FakeTensorMode, entered first): their storages are on
         the meta device and count; the nested fake modes DTensor propagates shapes in do not."""
-        from torch._guards import active_fake_mode
-        from torch.distributed._tools.common_utils import get_untyped_storages
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils._pytree import tree_leaves
-        from torch.utils.weak import WeakIdKeyDictionary
-
         tracker = self
 
         class Mode(TorchDispatchMode):
@@ -228,7 +227,6 @@ class LiveStorages:
         self._mode = Mode()
         self._fake = fake
         self._fake_mode = active_fake_mode() if fake else None
-        self._leaves, self._storages = tree_leaves, get_untyped_storages  # (imported late)
         self._token: Any = WeakIdKeyDictionary()  # storage -> its key in _size
         self._size: dict[int, int] = {}
         self._tokens = itertools.count()
@@ -242,10 +240,10 @@ class LiveStorages:
         self.parts_live = 0
 
     def _add(self, out: Any) -> None:
-        for t in self._leaves(out):
+        for t in tree_leaves(out):
             if not isinstance(t, torch.Tensor):
                 continue
-            for st in self._storages(t):
+            for st in get_untyped_storages(t):
                 if st.device.type == "meta" and not self._fake:  # a size without memory
                     continue  # (DeepSpeed makes a meta copy of every parameter)
                 if st not in self._token:
@@ -311,7 +309,7 @@ class LiveStorages:
         claimed: dict[int, str] = {}
         for part, tensors in (self.owners() if self.owners else {}).items():
             for t in tensors:
-                for st in self._storages(t):
+                for st in get_untyped_storages(t):
                     token = self._token.get(st)
                     if token is not None:
                         claimed[token] = part
