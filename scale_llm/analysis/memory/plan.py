@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from itertools import product
 from operator import attrgetter
 from typing import Any
 
@@ -181,26 +182,26 @@ def fit(cfg: Config, target: RunPlan | int, budget: int, keep_backend: bool = Fa
     # (a pipeline cuts each micro-batch into parallel.pipeline.microbatches pieces)
     pieces = plan.pp_microbatches
     micro_batches = [d for d in range(per_rank, 0, -1) if per_rank % d == 0 and d % pieces == 0]
-    best: Plan | None = None
-    smallest: Plan | None = None
-    for shard, shard_cost in [({}, 1.0)] if keep_backend else _shard_options(cfg):
-        for mode, ac_cost in _AC_COST.items():
-            for mb in micro_batches:
-                changes = {
-                    **shard,
-                    "activation_checkpointing.mode": mode,
-                    "train.micro_batch_size": mb,
-                    "train.grad_accum": per_rank // mb,
-                }
-                if mode == "every_k":
-                    changes["activation_checkpointing.k"] = 2
-                est = estimate(with_changes(cfg, changes), _replan(plan, changes))
-                option = Plan(changes, est, shard_cost * ac_cost * _MICRO_BATCH_COST.get(mb, 1.0))
-                if smallest is None or est.total < smallest.estimate.total:
-                    smallest = option
-                if est.total <= budget and (best is None or option.cost < best.cost):
-                    best = option
-    if best is None:
+    shards = [({}, 1.0)] if keep_backend else _shard_options(cfg)
+    options: list[Plan] = []
+    grid = product(shards, _AC_COST.items(), micro_batches)
+    for (shard, shard_cost), (mode, ac_cost), mb in grid:
+        changes = {
+            **shard,
+            "activation_checkpointing.mode": mode,
+            "train.micro_batch_size": mb,
+            "train.grad_accum": per_rank // mb,
+        }
+        if mode == "every_k":
+            changes["activation_checkpointing.k"] = 2
+        planned = plan.world_size  # (a hypothetical layout: planned afresh)
+        if "parallel.backend" not in shard:  # a launched run: its own plan, this batch split
+            planned = dataclasses.replace(plan, micro_batch_size=mb, grad_accum=per_rank // mb)
+        est = estimate(with_changes(cfg, changes), planned)
+        options.append(Plan(changes, est, shard_cost * ac_cost * _MICRO_BATCH_COST.get(mb, 1.0)))
+    fitting = [o for o in options if o.estimate.total <= budget]
+    if not fitting:
+        smallest = min(options, key=lambda o: o.estimate.total)
         tried = "even with DeepSpeed ZeRO-3, optimizer and parameter offload"
         if keep_backend:
             tried = f"with backend {plan.backend} as launched"
@@ -211,14 +212,6 @@ def fit(cfg: Config, target: RunPlan | int, budget: int, keep_backend: bool = Fa
             f"Use more GPUs, a sharding backend (`scale-llm estimate CONFIG --fit SIZE` "
             f"proposes one), a shorter model.seq_len or a smaller model"
         )
+    best = min(fitting, key=attrgetter("cost"))
     best.changes = {key: v for key, v in best.changes.items() if attrgetter(key)(cfg) != v}
     return best
-
-
-def _replan(plan: RunPlan, changes: dict[str, Any]) -> RunPlan | int:
-    """The plan of a candidate: a launched run keeps its own (device, backend, precision) with
-    the candidate's batch split; a hypothetical one is planned afresh for the plan's world."""
-    if "parallel.backend" in changes:
-        return plan.world_size
-    mb, accum = changes["train.micro_batch_size"], changes["train.grad_accum"]
-    return dataclasses.replace(plan, micro_batch_size=mb, grad_accum=accum)
