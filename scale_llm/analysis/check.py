@@ -66,9 +66,8 @@ class Report:
     def __init__(self, out: Path, budget_minutes: float | None):
         self.out, self.budget_s = out, None if budget_minutes is None else budget_minutes * 60
         self.started = time.perf_counter()
-        cuda = torch.cuda.is_available()
         self.data: dict[str, Any] = {
-            "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__,
             "seconds": 0.0,
             "errors": [],
