@@ -16,7 +16,6 @@ from scale_llm.config.plan import RunPlan
 from scale_llm.errors import UserError
 
 log = logging.getLogger(__name__)
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class StopSignals:
@@ -29,7 +28,7 @@ class StopSignals:
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
-            for sig in STOP_SIGNALS:
+            for sig in (signal.SIGTERM, signal.SIGINT):
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -46,8 +45,7 @@ class StopSignals:
 
 
 def stop_line(signal_name: str, run_dir: Path, max_steps: int, again: str) -> str:
-    """A launcher's last line after a stop signal: the checkpoint a relaunch continues from (the
-    newest complete one, which the ranks have just written) and `again`, the command to run."""
+    """A launcher's last line after a stop signal: the checkpoint to continue from, and `again`."""
     complete = Checkpointer(run_dir, 1).complete()
     if not complete:
         return f"stopped by {signal_name} before the first checkpoint; start again with: {again}"
@@ -131,8 +129,7 @@ def maybe_fail(point: str, step: int, rank: int) -> None:
 
 
 def out_of_memory(error: Exception, cfg: Config, plan: RunPlan, step: int) -> str:
-    """The paragraph a device's out-of-memory error in step `step + 1` becomes: what ran out,
-    the estimate for these settings, and the ways to fit."""
+    """What a device's out-of-memory error in step `step + 1` becomes: the estimate, and fixes."""
     import torch
 
     est, gib = estimate(cfg, plan), 2**30
