@@ -1,14 +1,6 @@
-"""`model.init_from`: start a fresh run from the weights of a Hugging Face Llama folder.
-
-The folder's config must describe the model the run's config builds (each differing model.* key
-is named with the value to set), its tensors must have that model's shapes, and when it carries
-a tokenizer that must be the tokenizer of data.dir: the same files data.tokenizer named when
-prepare encoded data.dir with a model's tokenizer, else our `tokenizer.model` (as `scale-llm
-export` writes it) with the SHA-256 of data.dir's. The weights come back as one full fp32
-state dict on the CPU: what every backend's `setup(model, initial_weights)` already accepts when
-it materializes the model, before it shards or wraps it. A resume ignores init_from: the
-checkpoint holds newer weights.
-"""
+"""`model.init_from`: start a fresh run from a Hugging Face Llama folder whose config, tensor
+shapes and tokenizer (if it carries one) match the run's model and data.dir; its weights reach
+the backend's `setup` as fp32 on the CPU. A resume ignores it (the checkpoint is newer)."""
 
 from __future__ import annotations
 
@@ -34,10 +26,8 @@ MAX_SHAPE_LINES = 8
 def check_init_from(
     cfg: ModelConfig, tokenizer_sha256: str | None, tokenizer_files_sha256: str | None = None
 ) -> Path:
-    """The folder `cfg.init_from`, after checking that it fits `cfg` and holds the tokenizer
-    of data.dir: `tokenizer_sha256` is data.dir's tokenizer file's, `tokenizer_files_sha256` the
-    digest of the folder data.tokenizer named, when prepare encoded data.dir with a model's
-    tokenizer. Reads the config and the tensors' shapes, not the weights."""
+    """The folder `cfg.init_from`, checked to fit `cfg` and data.dir's tokenizer (its file's
+    SHA-256, or the digest of data.tokenizer's folder); reads config and shapes, not weights."""
     folder = Path(cfg.init_from)
     hf_config = read_hf_config(folder, WHAT)
     values, problems = from_hf_config(hf_config)
@@ -57,8 +47,7 @@ def check_init_from(
 
 
 def load_init_weights(cfg: ModelConfig, folder: Path) -> Mapping[str, torch.Tensor]:
-    """Our parameters from `folder` (checked by `check_init_from`), as fp32 on the CPU, each
-    read when asked: a sharded start holds one full parameter at a time."""
+    """Our parameters from `folder` as fp32 on the CPU, each read when asked (one at a time)."""
     log.info("init_from: %s: the optimizer starts from zero", folder)
     return FromHF(cfg, HFWeights(folder, WHAT).get)
 
@@ -68,20 +57,19 @@ def _tokenizer_problems(
 ) -> list[str]:
     if not any(folder_file(folder, name, WHAT) for name in ENCODERS):
         log.warning(
-            "init_from: %s has no tokenizer (tokenizer.json or tokenizer.model), so whether "
+            f"init_from: {folder} has no tokenizer (tokenizer.json or tokenizer.model), so whether "
             "data.dir was tokenized with the tokenizer these weights learned cannot be checked; "
-            "the ids must mean the same pieces or training starts from nonsense",
-            folder,
+            "the ids must mean the same pieces or training starts from nonsense"
         )
         return []
     prepare_with = f"set data.tokenizer={folder} and run `scale-llm prepare` (it encodes with it)"
     if files_sha256 is not None:  # data.dir was encoded with a folder's tokenizer
-        if folder_digest(folder, WHAT) != files_sha256:
-            return [
-                f"{folder}'s tokenizer files differ from those of the data.tokenizer data.dir "
-                f"was encoded with: the weights learned other token ids; {prepare_with}"
-            ]
-        return []
+        if folder_digest(folder, WHAT) == files_sha256:
+            return []
+        return [
+            f"{folder}'s tokenizer files differ from those of the data.tokenizer data.dir "
+            f"was encoded with: the weights learned other token ids; {prepare_with}"
+        ]
     if data_sha256 is None:
         return []
     ours = folder / "tokenizer.model"
