@@ -1,8 +1,5 @@
-"""Which steps log, evaluate, sample, checkpoint and read device values: the rules in one place.
-
-Step numbers count finished optimizer steps (1 after the first). A launch's first step and the
-run's last are always logged, so every launch's console starts and ends with a loss.
-"""
+"""Which steps log, evaluate, sample, checkpoint and read device values, in one place. Steps
+count finished optimizer steps; a launch's first step and the run's last always log."""
 
 from __future__ import annotations
 
@@ -36,13 +33,8 @@ class Cadence:
 
     def syncs(self, step: int) -> bool:
         """Steps that read device values or save anyway: where a collective costs nothing."""
-        t = self.cfg.train
-        return (
-            self.logs(step)
-            or self.evaluates(step)
-            or self.checkpoints(step)
-            or step == t.exit_at_step
-        )
+        exits = step == self.cfg.train.exit_at_step
+        return self.logs(step) or self.evaluates(step) or self.checkpoints(step) or exits
 
     def _last(self, step: int) -> bool:
         return step == self.cfg.train.max_steps
