@@ -32,24 +32,18 @@ class MetricsLogger:
         _truncate_after(self.path, resume_step)
         if cfg.logging.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard.summary import hparams
 
             # Hide every earlier event from this launch's first step on (after a resume or a fresh
             # restart in the same run dir), so no step appears twice.
-            self.writer = SummaryWriter(
-                log_dir=str(run_dir / "tensorboard"), purge_step=resume_step + 1
-            )
-            self._write_config(cfg, resume_step)
+            self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step + 1)
+            # the run dir holds the hparams session: the HPARAMS tab lists it with its scalars
+            metrics = {"loss/val_loss": math.nan, "loss/loss": math.nan}
+            for summary in hparams(flatten(to_dict(cfg)), metrics):
+                self.writer.file_writer.add_summary(summary)
+            self.writer.add_text("config/yaml", _code_block(dump_yaml(cfg)), resume_step)
         if cfg.logging.wandb.project:
             self.wandb = _start_wandb(cfg, run_dir, resume_step)
-
-    def _write_config(self, cfg: Config, step: int) -> None:
-        from torch.utils.tensorboard.summary import hparams
-
-        flat = flatten(to_dict(cfg))
-        # the run's directory holds the hparams session: the HPARAMS tab lists it with its scalars
-        for summary in hparams(flat, {"loss/val_loss": math.nan, "loss/loss": math.nan}):
-            self.writer.file_writer.add_summary(summary)
-        self.writer.add_text("config/yaml", _code_block(dump_yaml(cfg)), step)
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         """One row per step: numbers become scalars, `samples_text` a text entry."""
