@@ -6,8 +6,8 @@ stops every rank with a message, not a hang in the first collective."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sized
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -55,11 +55,11 @@ class RunSpec:
         return self.resume is not None and self.resume.step >= self.cfg.train.max_steps
 
 
+@dataclass
 class Report:
     """The problems of one preflight: each check's UserError is kept; the launch stops once."""
 
-    def __init__(self) -> None:
-        self.problems: list[str] = []
+    problems: list[str] = field(default_factory=list)
 
     def check(self, fn: Callable[..., T], *args: Any) -> T | None:
         try:
@@ -122,16 +122,30 @@ def preflight(cfg: Config, plan: RunPlan) -> RunSpec:
 
 
 def check_data_fits(cfg: Config, plan: RunPlan, data: TrainingData) -> None:
-    """data.dir can feed this model and this batch for train.max_steps."""
+    """data.dir can feed this model and this batch for train.max_steps: windows of seq_len in
+    both splits, more training windows than one optimizer step reads, and data.repeat's epochs."""
     check_vocab(cfg, data.manifest)
-    check_windows(cfg, plan, data.train, min(data.val.values(), key=len))
+    train, val = data.train, min(data.val.values(), key=len)
+    if len(train) == 0 or len(val) == 0:
+        raise UserError(
+            f"data.dir={cfg.data.dir} has too few tokens for model.seq_len={cfg.model.seq_len} "
+            f"(train windows: {len(train)}, val windows: {len(val)}); use a larger corpus or a "
+            f"shorter seq_len"
+        )
+    if (per_step := plan.sequences_per_step) > len(train):
+        raise UserError(
+            f"one optimizer step reads {per_step:,} sequences (train.micro_batch_size "
+            f"{plan.micro_batch_size} x train.grad_accum {plan.grad_accum} x {plan.dp_degree} "
+            f"rank(s)) but data.dir={cfg.data.dir} holds {len(train):,} training windows of "
+            f"model.seq_len {cfg.model.seq_len}: every step would repeat the data; lower "
+            f"train.grad_accum or train.micro_batch_size, or prepare more data"
+        )
     loader = TrainLoader(data.train, plan, cfg.run.seed, 0, data.sources, cfg.data.repeat)
     check_epochs(cfg, loader, data, plan.is_main)  # data.repeat; a mixture's epochs printed
 
 
 def warn_about_validation(cfg: Config, plan: RunPlan, data: TrainingData) -> None:
-    """Validation smaller than one evaluation (eval.steps global batches): each window is
-    scored once, so an evaluation scores fewer sequences than asked."""
+    """Validation smaller than one evaluation (each window is scored once): say so."""
     e, per_batch = cfg.eval, plan.sequences_per_step
     asked = e.steps * per_batch
     small = {name or "data.dir": len(w) for name, w in data.val.items() if len(w) < asked}
@@ -159,15 +173,13 @@ def warn_about_attention(cfg: Config, plan: RunPlan) -> None:
         )
         return
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.precision, torch.float32)
-    if problem := attention.problem(
-        "cuda", dtype, m.attention_mask == "document", m.d_model // m.n_heads
-    ):
+    document = m.attention_mask == "document"
+    if problem := attention.problem("cuda", dtype, document, m.d_model // m.n_heads):
         log.warning("attention: %s", problem)
 
 
 def warn_about_deepspeed(cfg: Config, plan: RunPlan) -> None:
-    """ZeRO-0 and -1 in bf16 sum the micro-steps' gradients in bf16 (parallel/ds_config.py
-    gives stages 2 and 3 fp32 sums, and 1-3 an fp32 reduction)."""
+    """ZeRO-0 and -1 in bf16 sum the micro-steps' gradients in bf16 (parallel/ds_config.py)."""
     stage = cfg.parallel.deepspeed.zero_stage
     if plan.backend == "deepspeed" and plan.precision == "bf16" and stage <= 1:
         log.warning(
@@ -189,17 +201,15 @@ def warn_about_warmup(cfg: Config) -> None:
 
 
 def check_run_dir_state(cfg: Config) -> None:
-    """The run dir can be written (new, empty or a run's; each name of the kind the run
-    writes) and no live launch holds it. Main rank: it alone writes there."""
+    """The run dir can be written, holds what a run writes there, and no live launch holds it."""
     require_writable_dir(cfg.run_dir, "run.dir / run.name")
     check_run_dir(cfg.run_dir)
     RunLock(cfg.run_dir).check()
 
 
 def settle_compile(cfg: Config, plan: RunPlan) -> Config:
-    """train.compile as true or false: compiled blocks need inductor's toolchain (one small
-    function is compiled to find out); one rank without it makes every rank run eager (auto) or
-    stop (true)."""
+    """train.compile as true or false: one rank without inductor's toolchain (a small function
+    is compiled to find out) makes every rank run eager (auto) or stop (true)."""
     if not compiles(cfg.train, plan.device.type):
         return with_changes(cfg, {"train.compile": False})
     problem = block_compile.toolchain_problem(plan.device)
@@ -220,10 +230,8 @@ def settle_compile(cfg: Config, plan: RunPlan) -> Config:
 
 METRICS_FILE = "metrics.jsonl"  # one JSON object per logged step
 WANDB_ID_FILE = "wandb-id.txt"  # the W&B run id, so that a resumed run logs to the same run
-
-# What the trainer creates in RUN_DIR, by kind: a name of another kind (a file where a folder
-# belongs, a folder or named pipe where a file belongs) would fail at its first write, or block.
 COMM_TRACE = "comm_trace"  # where NCCL's flight recorder writes when a collective times out
+# What the trainer creates in RUN_DIR, by kind: another kind fails at its first write, or blocks.
 RUN_DIR_FOLDERS = {
     "checkpoints": "its checkpoints",
     COMM_TRACE: "what NCCL's flight recorder writes when a collective times out",
@@ -269,9 +277,9 @@ def check_metrics_file(path: Path) -> None:
 
 
 def _check_kind(path: Path, kind: str, what: str) -> None:
-    if not (path.exists() or path.is_symlink()):
-        return
-    if path.is_dir() if kind == "a folder" else (path.is_file() and not path.is_symlink()):
+    if not (path.exists() or path.is_symlink()) or (
+        path.is_dir() if kind == "a folder" else (path.is_file() and not path.is_symlink())
+    ):
         return
     found = describe_kind(path)
     if path.is_symlink():
@@ -292,8 +300,7 @@ def check_vocab(cfg: Config, manifest: dict[str, Any]) -> None:
         where = f"the tokenizer of data.dir={cfg.data.dir}"
         if isinstance(manifest["tokenizer"].get("from"), str):
             where += f" (prepared with data.tokenizer={manifest['tokenizer']['from']})"
-        problem = vocab_problem(where, tok_vocab, cfg.model.vocab_size, cfg.model.init_from)
-        if problem:
+        if problem := vocab_problem(where, tok_vocab, cfg.model.vocab_size, cfg.model.init_from):
             raise UserError(problem)
         return
     if tok_vocab != cfg.model.vocab_size:
@@ -305,32 +312,11 @@ def check_vocab(cfg: Config, manifest: dict[str, Any]) -> None:
 
 
 def check_document_end(cfg: Config, manifest: dict[str, Any]) -> None:
-    """model.attention_mask=document splits sequences at model.document_end_id: it must be the
-    id that ends each document in the shards."""
+    """model.attention_mask=document splits at model.document_end_id: the shards' end id."""
     eos = manifest["tokenizer"].get("eos_id")
     if cfg.model.attention_mask == "document" and cfg.model.document_end_id != eos:
         raise UserError(
             f"model.attention_mask=document ends documents at model.document_end_id="
             f"{cfg.model.document_end_id}, but the tokenizer of data.dir={cfg.data.dir} ends "
             f"them with id {eos}; set model.document_end_id={eos}"
-        )
-
-
-def check_windows(cfg: Config, plan: RunPlan, train: Sized, val: Sized) -> None:
-    """The data can feed this run: windows of seq_len in both splits, and more training
-    windows than one optimizer step reads."""
-    if len(train) == 0 or len(val) == 0:
-        raise UserError(
-            f"data.dir={cfg.data.dir} has too few tokens for model.seq_len={cfg.model.seq_len} "
-            f"(train windows: {len(train)}, val windows: {len(val)}); use a larger corpus or a "
-            f"shorter seq_len"
-        )
-    per_step = plan.sequences_per_step
-    if per_step > len(train):
-        raise UserError(
-            f"one optimizer step reads {per_step:,} sequences (train.micro_batch_size "
-            f"{plan.micro_batch_size} x train.grad_accum {plan.grad_accum} x {plan.dp_degree} "
-            f"rank(s)) but data.dir={cfg.data.dir} holds {len(train):,} training windows of "
-            f"model.seq_len {cfg.model.seq_len}: every step would repeat the data; lower "
-            f"train.grad_accum or train.micro_batch_size, or prepare more data"
         )
