@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from scale_llm.components.distributed import is_distributed
+from scale_llm.components.distributed import rank_and_world
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +48,10 @@ def restore(state: dict[str, Any]) -> None:
 
 def gather_all_ranks() -> list[dict[str, Any]]:
     """Every rank's states, in rank order (a collective: call it on every rank)."""
-    mine = capture()
-    if _world() == 1:
+    mine, world = capture(), rank_and_world()[1]
+    if world == 1:
         return [mine]
-    states: list[Any] = [None] * dist.get_world_size()
+    states: list[Any] = [None] * world
     dist.all_gather_object(states, mine)
     return states
 
@@ -59,14 +59,10 @@ def gather_all_ranks() -> list[dict[str, Any]]:
 def restore_for_rank(states: list[dict[str, Any]], rank: int) -> None:
     """This rank's saved states; on a different world size, rank 0's (the generators do not
     affect which data is read, which is fixed by the stream position)."""
-    if len(states) != _world():
+    if len(states) != (world := rank_and_world()[1]):
         log.info(
-            f"rng: checkpoint from {len(states)} ranks, now {_world()}: every rank takes rank 0's "
+            f"rng: checkpoint from {len(states)} ranks, now {world}: every rank takes rank 0's "
             f"generator states"
         )
         rank = 0
     restore(states[rank])
-
-
-def _world() -> int:
-    return dist.get_world_size() if is_distributed() else 1
