@@ -1,12 +1,6 @@
-"""Python's garbage collector, run by the loop instead of by allocation counts.
-
-The cyclic collector pauses the process for as long as a scan takes, whenever enough objects
-were allocated: on one rank of many, mid-step, that pause stalls every other rank at the next
-collective. During training it is off; the loop collects the young generations at the end of
-every `train.gc_every`-th step (every rank at the same step), and everything before a
-checkpoint; what was alive when training began (modules, the dataset's index, imports) is
-frozen out of every scan. `train.gc_every: 0` leaves Python's automatic collection on.
-"""
+"""Python's garbage collector, run by the loop (every train.gc_every steps, all ranks alike)
+instead of by allocation counts: a mid-step scan on one rank stalls every rank at the next
+collective. The set-up's objects are frozen out of every scan; gc_every 0 leaves it automatic."""
 
 from __future__ import annotations
 
@@ -29,7 +23,6 @@ class GarbageCollector(Callback):
             gc.freeze()  # the objects of the set-up: never scanned again
 
     def step_end(self, trainer: Trainer, s: StepEnd) -> None:
-        """At the end of an optimizer step: the young generations every `every` steps."""
         if self.every and s.step % self.every == 0:
             self.collect(1)
 
