@@ -36,17 +36,14 @@ MT_KEYS = 624  # numpy's MT19937 state: 624 words and a position in [0, 624]
 def check_resume_state(
     state: dict[str, Any], ckpt: Path, cfg: Config, tokenizer_sha256: str, checkpoints: Path
 ) -> None:
-    """Refuse a trainer state (already through read_trainer_state) that no run could have
-    saved, or that belongs to another run than `cfg` on data with `tokenizer_sha256`."""
-    problems = resume_state_problems(state)
-    if problems:
+    """Refuse a trainer state no run could have saved, or another run's (config, tokenizer)."""
+    if problems := resume_state_problems(state):
         raise UserError(
             f"{ckpt / TRAINER_STATE} holds values no run could have saved (damaged, or not "
             f"scale_llm's):\n  - " + "\n  - ".join(problems) + "\nResume from another "
             "checkpoint (checkpoint.resume=auto picks the newest good one)."
         )
-    problems = run_mismatches(state, cfg, tokenizer_sha256)
-    if problems:
+    if problems := run_mismatches(state, cfg, tokenizer_sha256):
         raise UserError(
             f"cannot resume {ckpt}: it belongs to a different run.\n  - "
             + "\n  - ".join(problems)
@@ -73,10 +70,8 @@ WHAT = ("model.", "train.", "data.dir", "run.seed")
 
 
 def changed_settings(state: dict[str, Any], cfg: Config) -> list[str]:
-    """`key: old -> new` for each key that describes the experiment and differs between the
-    checkpoint's config and `cfg` (keys the checkpoint does not record are left out)."""
-    saved = flat(state["config"])
-    now = flat(to_dict(cfg))
+    """`key: old -> new` for each experiment key the checkpoint records and `cfg` changes."""
+    saved, now = flat(state["config"]), flat(to_dict(cfg))
     changed = [
         f"{key}: {short(saved[key], 40)} -> {short(value, 40)}"
         for key, value in now.items()
@@ -92,12 +87,10 @@ def changed_settings(state: dict[str, Any], cfg: Config) -> list[str]:
 
 
 def check_finished_run(state: dict[str, Any], ckpt: Path, cfg: Config) -> None:
-    """A finished run relaunched with other settings (a new experiment: resuming would train
-    nothing) is refused, with the way to start it as a run of its own."""
+    """A finished run relaunched with other settings (it would train nothing) is refused."""
     if state["step"] < cfg.train.max_steps:
         return
-    changed = changed_settings(state, cfg)
-    if not changed:
+    if not (changed := changed_settings(state, cfg)):
         return  # the same run, relaunched: the trainer says it is complete
     run_dir = ckpt.parent.parent
     raise UserError(
@@ -130,19 +123,15 @@ def resume_state_problems(state: dict[str, Any]) -> list[str]:
         value = state[key]
         if not is_count(value) or value > step:
             out.append(f"{key}: {short(value, 40)} is not a count of steps within 0..{step}")
-    rng = state["rng"]
-    if not isinstance(rng, list):
-        out.append(f"rng: {short(rng, 40)} is not a list of every rank's generator states")
-    else:
-        out += _rng_problems(rng)
+    out += _rng_problems(state["rng"])
     backend = state["backend"]
-    if not (
-        isinstance(backend, dict)
-        and isinstance(backend.get("layout"), dict)
-        and isinstance(backend.get("scaler"), dict)
-    ):
+    parts = [backend.get(k) for k in ("layout", "scaler")] if isinstance(backend, dict) else [0]
+    if not all(isinstance(part, dict) for part in parts):
         out.append(f"backend: {short(backend, 40)} is not a backend state with a layout")
-    return out + train_problems(state["config"].get("train"))
+    saved = state["config"].get("train")  # read by the rules of a user config
+    if not isinstance(saved, dict):
+        return [*out, f"config.train: {short(saved, 40)} is not the saved train section"]
+    return out + [f"config.{msg}" for msg in saved_section(TrainConfig, "train", saved)[1]]
 
 
 def _data_problems(data: Any) -> list[str]:
@@ -154,19 +143,18 @@ def _data_problems(data: Any) -> list[str]:
         if not is_count(data.get(key))
     ]
     sources = data.get("sources")  # a mixture's: {name: [weight, sequences drawn]}
-    if sources is not None and not (
-        isinstance(sources, dict)
-        and all(
-            isinstance(name, str) and isinstance(v, list | tuple) and len(v) == 2
-            for name, v in sources.items()
-        )
+    pairs = sources.items() if isinstance(sources, dict) else [(None, None)]
+    if sources is not None and not all(
+        isinstance(name, str) and isinstance(v, list | tuple) and len(v) == 2 for name, v in pairs
     ):
         out.append(f"data.sources: {short(sources, 40)} is not {{source: [weight, drawn]}}")
     return out
 
 
-def _rng_problems(states: list[Any]) -> list[str]:
+def _rng_problems(states: Any) -> list[str]:
     """Each rank's generator states must have the shapes `train.rng.restore` sets."""
+    if not isinstance(states, list):
+        return [f"rng: {short(states, 40)} is not a list of every rank's generator states"]
     if not states:
         return ["rng: an empty list (one entry per rank was saved)"]
     for rank, s in enumerate(states):
@@ -202,20 +190,11 @@ def _byte_tensor(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1
 
 
-def train_problems(saved: Any) -> list[str]:
-    """The saved train section, read by the rules of a user config (its schedule is compared)."""
-    if not isinstance(saved, dict):
-        return [f"config.train: {short(saved, 40)} is not the saved train section"]
-    return [f"config.{msg}" for msg in saved_section(TrainConfig, "train", saved)[1]]
-
-
 def run_mismatches(state: dict[str, Any], cfg: Config, tokenizer_sha256: str) -> list[str]:
-    """Each run-defining key whose value differs between the checkpoint and `cfg`, and the
-    tokenizer if it differs from the data's."""
+    """Each run-defining key (and the tokenizer) that differs between the checkpoint and now."""
     problems = []
     for key in run_defining_keys():
-        old = lookup(state["config"], key)
-        new = get_key(cfg, key)
+        old, new = lookup(state["config"], key), get_key(cfg, key)
         if isinstance(new, list):  # data.sources: entries as the checkpoint saved them
             new = [dataclasses.asdict(x) if dataclasses.is_dataclass(x) else x for x in new]
         if old != new:
@@ -286,8 +265,7 @@ class Resume:
 
 
 def choose_resume(cfg: Config, plan: RunPlan, manifest: dict[str, Any]) -> Resume | None:
-    """checkpoint.resume's choice, its state read and checked (refused when it belongs to
-    another run than `cfg` on data.dir's tokenizer); None for a fresh start."""
+    """checkpoint.resume's choice, its state read and checked; None for a fresh start."""
     checkpoints = Checkpointer(cfg.run_dir, cfg.checkpoint.keep_last, plan.is_main)
     ckpt = resolve_resume(cfg.checkpoint.resume, checkpoints)
     if ckpt is None:
@@ -305,10 +283,8 @@ def choose_resume(cfg: Config, plan: RunPlan, manifest: dict[str, Any]) -> Resum
 
 
 def moves_exactly(cfg: Config, plan: RunPlan, layout: Any) -> bool:
-    """Whether this backend restores model and optimizer (Adam's moments and step) from a
-    checkpoint of `layout`: its own layout, or any move between DCP (single, DDP, FSDP2, TP)
-    and DeepSpeed ZeRO 1-3 of any world size, read one parameter at a time. ZeRO-0 keeps no
-    partitions: to or from it, the weights only."""
+    """Whether this backend restores model and optimizer from a checkpoint of `layout`: its own,
+    or any move between DCP and DeepSpeed ZeRO 1-3 (ZeRO-0 keeps no partitions: weights only)."""
     if restores_exactly(cfg, plan, layout):
         return True
     return _partitioned(layout) and _partitioned(checkpoint_layout(cfg, plan))
