@@ -1,10 +1,5 @@
-"""Tokens per second, elapsed time and the ETA of a launch: the loop's clock.
-
-tokens/s is measured over the steps since the last metric row. The ETA is the mean step time of
-this launch times the steps left, measured from the end of its first SETTLE steps: those hold
-the one-off costs (compiling, the allocator's first blocks, the data's first reads), and an
-ETA that counted them would promise too long a run.
-"""
+"""The loop's clock: tokens/s since the last metric row, elapsed time, and an ETA measured from
+the end of the first SETTLE steps (they hold one-off costs: compiling, first allocations)."""
 
 from __future__ import annotations
 
