@@ -4,14 +4,13 @@ Losses and norms stay on the device, read (a host sync) only on logging steps.""
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import logging
 import signal
 import sys
 from collections.abc import Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +49,6 @@ from scale_llm.train.resume import foreign_layout, schedule_change
 from scale_llm.train.throughput import Throughput
 
 log = logging.getLogger(__name__)
-PLAN_FILE = "plan.json"
 
 
 @dataclass
@@ -158,8 +156,7 @@ class Trainer:
         return None
 
     def fit(self) -> TrainResult:
-        """Train to train.max_steps; stop early (with a checkpoint) at train.exit_at_step or on
-        SIGTERM / SIGINT."""
+        """Train to train.max_steps, or stop early with a checkpoint (exit_at_step, a signal)."""
         t = self.cfg.train
         self.result = result = TrainResult(self.run_dir, self.step, start_step=self.step)
         if self.complete:
@@ -192,7 +189,10 @@ class Trainer:
                     for callback in self.callbacks:
                         callback.step_end(self, end)
                     if end.stop:
-                        self._say_stop(end.stop)
+                        then = f"launch again to continue to step {t.max_steps}"
+                        if self.step >= t.max_steps:
+                            then = "the run is complete"
+                        log.info(f"stop: {end.stop} after step {self.step}; {then}")
                         result.stopped = end.stop
                         break
         finally:
@@ -218,9 +218,8 @@ class Trainer:
             raise error
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """One optimizer step over grad_accum micro-batches; returns (loss, grad_norm, lr). A
-        non-finite global norm (the same on every rank, unlike the loss) marks a skipped step;
-        runs of them are counted on the device for the NaN guard."""
+        """One optimizer step; returns (loss, grad_norm, lr). A non-finite global norm (the same on
+        every rank, unlike the loss) marks a skipped step, counted on the device."""
         lr = lr_at(self.step, self.cfg.train)
         self.backend.set_lr(lr)
         loss, grad_norm = optimizer_step(self.backend, self.model, self.loader.next_batches())
@@ -245,12 +244,6 @@ class Trainer:
             return "train.exit_at_step"
         return None
 
-    def _say_stop(self, why: str) -> None:
-        last, then = self.cfg.train.max_steps, "the run is complete"
-        if self.step < last:
-            then = f"launch again to continue to step {last}"
-        log.info(f"stop: {why} after step {self.step}; {then}")
-
     def save_checkpoint(self) -> Path:
         """Save (atomically). A skipped step changed no weight or optimizer state, so a checkpoint
         due on one holds the last good weights; train.max_bad_steps of them stop here instead."""
@@ -261,8 +254,8 @@ class Trainer:
                 f"checkpoint: step {self.step} was skipped (not finite): step "
                 f"{self.step - streak}'s weights and optimizer state are saved as step {self.step}"
             )
-        fault = functools.partial(maybe_fail, "mid_save", self.step, self.plan.rank)
-        background = self.background and dataclasses.replace(self.background, on_written=fault)
+        fault = partial(maybe_fail, "mid_save", self.step, self.plan.rank)
+        background = self.background and replace(self.background, on_written=fault)
 
         def write_trainer_state(tmp: Path) -> None:
             state = self.state_dict()  # a collective (every rank's generators)
@@ -301,8 +294,7 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict[str, Any], exact: bool) -> None:
-        """Restore from a checkpoint's trainer state; with `exact`, the backend also restores
-        model and optimizer from its own files (otherwise only the weights were loaded)."""
+        """Restore a checkpoint's trainer state (`exact`: the backend's model and optimizer too)."""
         if exact:
             self.backend.load(self.resume_from)
             self.backend.load_state_dict(state["backend"])
@@ -321,7 +313,7 @@ class Trainer:
         """The run's own files, each replaced whole (in the locked, preflight-checked run dir)."""
         (self.run_dir / COMM_TRACE).mkdir(parents=True, exist_ok=True)  # (a timeout's dumps)
         save_config(self.cfg, self.run_dir / "config.yaml")  # as the user wrote it
-        atomic_write_json(self.run_dir / PLAN_FILE, self.plan.to_json())
+        atomic_write_json(self.run_dir / "plan.json", self.plan.to_json())
         for name, text in self.backend.run_files().items():
             atomic_write_text(self.run_dir / name, text)
         name = run_copy_name(self.spec.tokenizer.name)
