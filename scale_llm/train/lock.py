@@ -1,10 +1,5 @@
-"""One launch per run directory: `RUN_DIR/.lock`, held by the main rank (scale_llm.files.OwnerLock).
-
-The main rank takes it once every check has passed and before the run writes anything; a second
-launch on a live run dir stops with exit 2 naming the owner. A lock whose owner has exited (on
-this host) is taken over with a warning; one naming another host, or a damaged one, is refused
-with the fix.
-"""
+"""One launch per run directory: `RUN_DIR/.lock`, taken by the main rank once every check has
+passed (scale_llm.files.OwnerLock: a dead owner's lock is taken over, a live one's refused)."""
 
 from __future__ import annotations
 
