@@ -1,9 +1,6 @@
-"""`scale-llm runs [DIR]`: one line per run directory under DIR (run.dir's default, `runs`).
-
-Read-only (a live run is told by its lock file's owner record, not by taking it). A run that is
-not running is shown as a relaunch finds it: its newest checkpoint whose files match their
-integrity record (by size), and the rows logged up to that checkpoint's step.
-"""
+"""`scale-llm runs [DIR]`: one line per run directory under DIR (run.dir's default, `runs`),
+read-only (a live run is told by its lock's owner record). A stopped run is shown as a relaunch
+finds it: its newest checkpoint whose files match their record by size, and the rows up to it."""
 
 from __future__ import annotations
 
@@ -67,24 +64,20 @@ def summarize(run_dir: Path) -> RunSummary:
     if holder is not None:  # (its files change meanwhile: the newest complete one is shown)
         found = complete_checkpoints(run_dir / "checkpoints")
         (ckpt_step, ckpt), damaged = found[-1] if found else (None, None), []
+        status = f"running ({holder})"
     else:
         (ckpt_step, ckpt), damaged = resumed_checkpoint(run_dir / "checkpoints")
-    if holder is not None:
-        status = f"running ({holder})"
-    elif rows and rows[-1].get("stopped") == DIVERGED:
-        status = DIVERGED
-    elif ckpt_step is not None and max_steps is not None and ckpt_step >= max_steps:
-        status = "complete"
-    else:
-        status = "stopped"
+        done = ckpt_step is not None and max_steps is not None and ckpt_step >= max_steps
+        status = "complete" if done else "stopped"
+        if rows and rows[-1].get("stopped") == DIVERGED:
+            status = DIVERGED
     if damaged:
         status += f" ({', '.join(damaged)} damaged)"
     if holder is None and ckpt_step is not None and status != DIVERGED:  # a relaunch's rows
         rows = [r for r in rows if r["step"] <= ckpt_step]  # (diverged: the step it stopped at)
-    loss = next((r["loss"] for r in reversed(rows) if "loss" in r), None)
-    val = next((r["val_loss"] for r in reversed(rows) if "val_loss" in r), None)
+    loss = _number(next((r["loss"] for r in reversed(rows) if "loss" in r), None))
+    val = _number(next((r["val_loss"] for r in reversed(rows) if "val_loss" in r), None))
     step = rows[-1]["step"] if rows else ckpt_step
-    loss, val = _number(loss), _number(val)
     return RunSummary(run_dir.name, step, max_steps, loss, val, status, ckpt, disk_usage(run_dir))
 
 
@@ -97,8 +90,7 @@ def metric_rows(path: Path) -> list[dict[str, Any]]:
 
 
 def complete_checkpoints(folder: Path) -> list[tuple[int, str]]:
-    """(step, name) of every complete checkpoint (a step folder with its trainer state;
-    symlinked ones are not the run's own), oldest first."""
+    """(step, name) of every complete checkpoint (a symlinked one is not ours), oldest first."""
     if not folder.is_dir():
         return []
     return sorted(
