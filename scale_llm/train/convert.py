@@ -1,17 +1,11 @@
-"""`scale-llm convert`: any checkpoint -> one self-describing fp32 file.
-
-The file holds {"model": state_dict, "config": the run's resolved config, "step": N,
-"qkv_layout": "grouped"}; it loads with `torch.load(path, weights_only=True)` anywhere, without
-torch.distributed or DeepSpeed. "qkv_layout" says how attention.wqkv's rows are laid out:
-grouped by kv head (`scale_llm.model.split_qkv` takes q, k and v apart). A file without it is
-an older convert's (q, k and v stacked, or unrecorded): --force does not replace it.
-"""
+"""`scale-llm convert`: any checkpoint -> one fp32 file of {model, config, step, qkv_layout}
+that `torch.load(path, weights_only=True)` reads anywhere. qkv_layout "grouped": wqkv's rows by
+kv head (`scale_llm.model.split_qkv`); a file without it is an older convert's."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -42,8 +36,7 @@ def convert(checkpoint: str | Path, out: str | Path, force: bool = False) -> tup
             f"--out {ckpt.parent.parent.name}.pt"
         )
     state = read_trainer_state(ckpt)  # checked: the step, and a shape its files can hold
-    model_cfg = saved_model_config(state)  # the checkpoint records its own shape
-    loaded = load_model_weights(ckpt, empty_state_dict(model_cfg))
+    loaded = load_model_weights(ckpt, empty_state_dict(saved_model_config(state)))  # its shape
     weights = {k: v.float().contiguous() for k, v in loaded.items()}
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_sibling(out)  # a fresh name: nothing else is ever written over
@@ -63,8 +56,7 @@ def convert(checkpoint: str | Path, out: str | Path, force: bool = False) -> tup
 
 
 def check_out(out: Path, force: bool) -> None:
-    """--out names a new file, or (with --force) a regular file an earlier `convert` wrote:
-    never a directory, a link, a pipe or any other file."""
+    """--out is new, or (with --force) a regular file an earlier `convert` wrote: nothing else."""
     if not (out.exists() or out.is_symlink()):
         return
     if out.is_dir() and not out.is_symlink():
@@ -81,8 +73,11 @@ def check_out(out: Path, force: bool) -> None:
             f"--out {out} already exists; pick another --out, or pass --force to replace it "
             f"(--force replaces only a file that scale-llm convert wrote)"
         )
-    saved = _read_mapping(out)
-    keys = set(saved) if saved is not None else set()
+    try:  # the top-level mapping, through mmap (the tensors' bytes are not read)
+        saved = torch.load(out, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # not a torch zip file, or one with objects outside the allow-list
+        saved = None
+    keys = set(saved) if isinstance(saved, dict) else set()
     if keys == OUTPUT_KEYS - {"qkv_layout"}:
         raise UserError(
             f"--out {out} was written by scale-llm convert before {LAYOUT_SINCE} (no "
@@ -96,13 +91,3 @@ def check_out(out: Path, force: bool) -> None:
             f"model, config, step and qkv_layout: {QKV_LAYOUT}), so --force leaves it alone; "
             f"pick another --out"
         )
-
-
-def _read_mapping(path: Path) -> dict[str, Any] | None:
-    """A torch file's top-level mapping, read through mmap (the tensors' bytes are not read);
-    None for anything else."""
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # not a torch zip file, or one with objects outside the allow-list
-        return None
-    return obj if isinstance(obj, dict) else None
