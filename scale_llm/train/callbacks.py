@@ -64,9 +64,8 @@ class TrainMetrics(Callback):
         }
         for name, sequences in trainer.loader.drawn().items():  # a mixture's, cumulative
             row[f"tokens/{name}"] = sequences * trainer.cfg.model.seq_len
-        scale = trainer.backend.loss_scale()
-        if scale is not None:  # fp16: halved by an overflow, doubled after 2000 good steps
-            row["loss_scale"] = scale
+        if (scale := trainer.backend.loss_scale()) is not None:
+            row["loss_scale"] = scale  # fp16: halved by an overflow, doubled after 2000 good steps
         if trainer.peak_flops:
             per_gpu = tokens_per_s / trainer.plan.world_size / trainer.peak_flops
             row["mfu"] = trainer.flops_per_token * per_gpu
@@ -84,9 +83,8 @@ class TrainMetrics(Callback):
 
 
 class NaNGuard(Callback):
-    """Runs of skipped (non-finite) steps: counted on the device every step (no host sync),
-    read on logging steps and before checkpoints; train.max_bad_steps of them in a row stop the
-    run (TrainingDiverged, exit 3) naming the last checkpoint of good weights."""
+    """Runs of skipped (non-finite) steps, read on logging steps and before checkpoints:
+    train.max_bad_steps in a row stop the run (exit 3) naming the last good checkpoint."""
 
     def step_end(self, trainer: Trainer, s: StepEnd) -> None:
         if trainer.cadence.logs(s.step) or s.stop:
@@ -111,20 +109,17 @@ class NaNGuard(Callback):
 
 
 class Validation(Callback):
-    """Evaluation steps: the mean loss over eval.steps global batches of validation windows
-    (each window scored once per evaluation), over all ranks; a mixture's per source, and their
-    mean weighted by data.sources."""
+    """Evaluation steps: the mean loss over eval.steps global batches of validation windows, over
+    all ranks; a mixture's per source, and their mean weighted by data.sources."""
 
     def step_end(self, trainer: Trainer, s: StepEnd) -> None:
         if not trainer.cadence.evaluates(s.step):
             return
         losses = self.evaluate(trainer)
         val = trainer.result.val_losses[s.step] = s.row["val_loss"] = losses.pop("")
-        s.row["val_perplexity"] = math.exp(min(val, 80.0))
+        ppl = s.row["val_perplexity"] = math.exp(min(val, 80.0))
         s.row.update({f"val_loss/{n}": v for n, v in losses.items()})
-        log.info(
-            "step %d | val_loss %.4f | val_perplexity %.2f", s.step, val, s.row["val_perplexity"]
-        )
+        log.info(f"step {s.step} | val_loss {val:.4f} | val_perplexity {ppl:.2f}")
         if losses:
             shown = " | ".join(f"{n} {v:.4f}" for n, v in losses.items())
             log.info("step %d | val_loss by source: %s", s.step, shown)
@@ -154,9 +149,8 @@ class Validation(Callback):
 
 
 class Samples(Callback):
-    """Sample steps: a greedy continuation of eval.sample_prompt, decoded on every rank in
-    lockstep: full seq_len windows (compiled: micro_batch_size rows, the compiled shape) and a
-    fixed token count, so every rank runs the same collectives; cut at the first EOS."""
+    """Sample steps: a greedy continuation of eval.sample_prompt, decoded by every rank in lockstep
+    (full windows of the compiled shape, a fixed token count); cut at the first EOS."""
 
     def step_end(self, trainer: Trainer, s: StepEnd) -> None:
         if trainer.cadence.samples(s.step):
@@ -191,18 +185,15 @@ class Samples(Callback):
 
 
 class TaskScores(Callback):
-    """eval.tasks' steps: lm-eval's scores of the model (rank 0 evaluates; every rank gathers
-    the weights, a collective where the model is sharded)."""
+    """eval.tasks' steps: lm-eval's scores of the model (train/eval_tasks.py)."""
 
     def step_end(self, trainer: Trainer, s: StepEnd) -> None:
-        tasks = trainer.spec.tasks
-        if tasks.due(s.step):
-            s.row.update(tasks.run(trainer.model, trainer.run_dir, s.step))
+        if trainer.spec.tasks.due(s.step):
+            s.row.update(trainer.spec.tasks.run(trainer.model, trainer.run_dir, s.step))
 
 
 class WriteMetrics(Callback):
-    """A step with a metric row: the row (with the peak CUDA memory so far) to metrics.jsonl,
-    TensorBoard and W&B (main rank)."""
+    """A step's metric row, with the peak CUDA memory so far, to metrics.jsonl, TensorBoard, W&B."""
 
     def step_end(self, trainer: Trainer, s: StepEnd) -> None:
         if s.row:
@@ -219,20 +210,18 @@ class CommTimeouts(Callback):
     collective times out in SCALE_LLM_STEP_TIMEOUT_MIN, not the start-up's timeout."""
 
     def step_end(self, trainer: Trainer, s: StepEnd) -> None:
-        if s.step == trainer.result.start_step + 1:
-            timeout = shorten_timeouts()
-            if timeout is not None:
-                minutes = timeout.total_seconds() / 60
-                log.info(
-                    f"dist: collectives time out after {minutes:.3g} min from here on "
-                    "(SCALE_LLM_STEP_TIMEOUT_MIN)"
-                )
+        first = s.step == trainer.result.start_step + 1
+        if first and (timeout := shorten_timeouts()) is not None:
+            minutes = timeout.total_seconds() / 60
+            log.info(
+                f"dist: collectives time out after {minutes:.3g} min from here on "
+                "(SCALE_LLM_STEP_TIMEOUT_MIN)"
+            )
 
 
 class Checkpoints(Callback):
-    """checkpoint.every, the last step and a stop's step: a checkpoint (after Python's full
-    collection); at the end, a save still being written is published (an error exit logs its
-    failure) and the host copy kept for background saves is freed."""
+    """checkpoint.every, the last step and a stop's step: a checkpoint; at the end, a save still
+    being written is published and the host copy kept for background saves is freed."""
 
     def step_end(self, trainer: Trainer, s: StepEnd) -> None:
         if trainer.cadence.checkpoints(s.step) or s.stop:
