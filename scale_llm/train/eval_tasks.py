@@ -1,20 +1,18 @@
-"""eval.tasks: lm-evaluation-harness tasks every eval.tasks_every steps (and at the last step).
-
-Every rank gathers the whole weights; rank 0 writes them as a Hugging Face folder in a marked
-scratch folder of the run dir and scores it as `scale-llm eval` does, while the others wait. The
-global generators lm-eval seeds are put back, so training goes on as an unevaluated run's.
-"""
+"""eval.tasks: lm-evaluation-harness tasks every eval.tasks_every steps and at the last. Rank 0
+scores the gathered weights as a Hugging Face folder in a marked scratch folder while the others
+wait; the generators lm-eval seeds are put back, so training goes on as an unevaluated run's."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -37,18 +35,13 @@ BATCH_SIZE = 8  # lm-eval's requests per forward (scale-llm eval's default)
 SCRATCH_KIND = "eval.tasks scratch"  # the ownership marker's kind of a scratch folder
 
 
-def task_names(cfg: Config) -> list[str]:
-    return [t.strip() for t in (cfg.eval.tasks or "").split(",") if t.strip()]
-
-
 class TaskEval:
     """Runs eval.tasks at its steps; built before any work (the tasks are checked here)."""
 
     def __init__(self, cfg: Config, plan: RunPlan, tokenizer_path: Path):
         self.cfg, self.plan, self.tokenizer_path = cfg, plan, tokenizer_path
-        self.tasks = task_names(cfg)
-        self.manager = None
-        problem: UserError | None = None
+        self.tasks = [t.strip() for t in (cfg.eval.tasks or "").split(",") if t.strip()]
+        self.manager, problem = None, None
         if self.tasks and plan.is_main:  # (the other ranks only gather and wait)
             try:
                 self.manager = evaluate.task_manager(self.tasks, cfg.eval.tasks_include_path, KEYS)
@@ -66,9 +59,10 @@ class TaskEval:
         return bool(self.tasks) and (step == last or bool(every and step % every == 0))
 
     def run(self, model: torch.nn.Module, run_dir: Path, step: int) -> dict[str, float]:
-        """eval/<task>/<metric> scores of `model` at `step` (on rank 0; {} elsewhere). Called
-        on every rank at the same step."""
-        weights = whole_weights(model)  # every rank: a collective where the model is sharded
+        """eval/<task>/<metric> scores of `model` (rank 0; {} elsewhere); every rank calls it."""
+        gathered = dist.is_initialized() and dist.get_world_size() > 1
+        options = StateDictOptions(full_state_dict=True, cpu_offload=gathered)
+        weights = get_model_state_dict(model, options=options)  # whole; a collective if sharded
         scores: dict[str, float] = {}
         if self.plan.is_main:
             try:
@@ -78,7 +72,7 @@ class TaskEval:
                 why = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
                 log.warning(f"eval.tasks: step {step} not evaluated ({why}); training goes on")
         del weights
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if gathered:
             with start_timeouts():  # (lm-eval may take longer than a step's timeout)
                 dist.barrier()  # the other ranks wait here while rank 0 evaluates
         return scores
@@ -114,27 +108,14 @@ def remove_scratch(run_dir: Path) -> None:
             log.info(f"eval.tasks: removed {path}, left by a launch that was stopped")
 
 
-def whole_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's whole (unsharded) state dict under its own names, on the CPU of rank 0
-    (a collective where the model is sharded)."""
-    gathered = dist.is_initialized() and dist.get_world_size() > 1
-    options = StateDictOptions(full_state_dict=True, cpu_offload=gathered)
-    return get_model_state_dict(model, options=options)
-
-
-class kept_generators:
+@contextlib.contextmanager
+def kept_generators() -> Iterator[None]:
     """Python's, NumPy's and torch's global random states, put back on exit."""
-
-    def __enter__(self) -> None:
-        self.states: tuple[Any, ...] = (
-            random.getstate(),
-            np.random.get_state(),
-            torch.random.get_rng_state(),
-            torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
-        )
-
-    def __exit__(self, *exc: object) -> None:
-        py, npy, cpu, cuda = self.states
+    py, npy, cpu = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
         random.setstate(py)
         np.random.set_state(npy)
         torch.random.set_rng_state(cpu)
