@@ -1,18 +1,12 @@
-"""train.profile: `torch.profiler` traces of chosen steps and a CUDA memory snapshot, per rank.
-
-A callback of the loop: `step_end` runs at the end of each optimizer step (after its logging,
-eval and checkpoint, which belong to the step). Each step runs inside a `record_function` named
-`scale_llm step N`, so the trace names the run's own step numbers. Traces are written as
-`RUN_DIR/<folder>/rank<R>_steps<A>-<B>.pt.trace.json` (the name TensorBoard's profiler plugin
-looks for; Perfetto and chrome://tracing open it as is), A-B the steps it holds: a launch that
-stops inside the traced steps writes those that ran, and no step after its last. The memory
-snapshot is a pickle that pytorch.org/memory_viz reads.
-"""
+"""train.profile: `torch.profiler` traces of chosen steps (each step a `record_function` named
+`scale_llm step N`; a stopped launch writes the steps that ran) and a CUDA memory snapshot, per
+rank: `rank<R>_steps<A>-<B>.pt.trace.json` for TensorBoard or Perfetto, a pickle for memory_viz."""
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,41 +53,29 @@ class StepProfiler(Callback):
         self.snapshot_step = p.memory_snapshot_step
         if self.snapshot_step is not None and self.snapshot_step <= start_step:
             log.info(
-                "train.profile: no memory snapshot: this launch starts after step %d, and the "
-                "snapshot is of step %d",
-                start_step,
-                self.snapshot_step,
+                f"train.profile: no memory snapshot: this launch starts after step {start_step}, "
+                f"and the snapshot is of step {self.snapshot_step}"
             )
             self.snapshot_step = None
 
     def start(self, trainer: Trainer) -> None:
         if self.snapshot_step is not None:
             torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_ENTRIES)
-        if self.p.enabled:
-            self._start_trace()
-
-    def _start_trace(self) -> None:
         p, first = self.p, self.p.start_step - self.p.warmup_steps
+        if not p.enabled:
+            return
         if first <= self.start_step:
             log.info(
-                "train.profile: not traced: this launch starts after step %d, and the "
-                "profiler's warm-up begins at step %d (set train.profile.start_step above %d "
-                "to trace this launch)",
-                self.start_step,
-                first,
-                self.start_step + p.warmup_steps,
+                f"train.profile: not traced: this launch starts after step {self.start_step}, and "
+                f"the profiler's warm-up begins at step {first} (set train.profile.start_step "
+                f"above {self.start_step + p.warmup_steps} to trace this launch)"
             )
             return
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if self.cuda:
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        kinds, wait = torch.profiler.ProfilerActivity, first - self.start_step - 1
         self.prof = torch.profiler.profile(
-            activities=activities,
+            activities=[kinds.CPU, kinds.CUDA] if self.cuda else [kinds.CPU],
             schedule=torch.profiler.schedule(
-                wait=first - self.start_step - 1,
-                warmup=p.warmup_steps,
-                active=p.active_steps,
-                repeat=1,
+                wait=wait, warmup=p.warmup_steps, active=p.active_steps, repeat=1
             ),
             on_trace_ready=self._write_trace,
             record_shapes=True,
@@ -122,10 +104,8 @@ class StepProfiler(Callback):
             if last or step >= self.p.start_step + self.p.active_steps - 1:
                 if step < self.p.start_step:  # (stopped in the wait or warm-up: no trace)
                     log.info(
-                        "train.profile: not traced: the launch stopped after step %d, before "
-                        "step %d",
-                        step,
-                        self.p.start_step,
+                        f"train.profile: not traced: the launch stopped after step {step}, before "
+                        f"step {self.p.start_step}"
                     )
                 self._stop_trace()  # writes what was traced, opening no next step
             else:
@@ -133,26 +113,26 @@ class StepProfiler(Callback):
                 self.prof.step()
                 self._label(step + 1)
         if step == self.snapshot_step:
-            self._write_snapshot(step)
+            name = f"memory_snapshot_rank{self.rank}_step{step}.pickle"
+            path = self._write(name, torch.cuda.memory._dump_snapshot)
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self.snapshot_step = None
+            log.info(f"train.profile: CUDA memory snapshot after step {step} written to {path}")
+
+    def _write(self, name: str, dump: Callable[[str], Any]) -> Path:
+        """`dump` writes a temporary sibling, renamed to `name` in the folder once whole."""
+        path = self.folder / name
+        self.folder.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        dump(str(tmp))
+        os.replace(tmp, path)
+        return path
 
     def _write_trace(self, prof: torch.profiler.profile) -> None:
         first, last = self.p.start_step, self.last_step
-        path = self.folder / f"rank{self.rank}_steps{first}-{last}.pt.trace.json"
-        self.folder.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        prof.export_chrome_trace(str(tmp))
-        os.replace(tmp, path)
-        log.info("train.profile: steps %d-%d traced to %s", first, last, path)
-
-    def _write_snapshot(self, step: int) -> None:
-        path = self.folder / f"memory_snapshot_rank{self.rank}_step{step}.pickle"
-        self.folder.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        torch.cuda.memory._dump_snapshot(str(tmp))
-        os.replace(tmp, path)
-        torch.cuda.memory._record_memory_history(enabled=None)
-        self.snapshot_step = None
-        log.info("train.profile: CUDA memory snapshot after step %d written to %s", step, path)
+        name = f"rank{self.rank}_steps{first}-{last}.pt.trace.json"
+        path = self._write(name, prof.export_chrome_trace)
+        log.info(f"train.profile: steps {first}-{last} traced to {path}")
 
     def _stop_trace(self) -> None:
         self._end_label()
