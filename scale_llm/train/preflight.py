@@ -1,7 +1,6 @@
 """The one preflight: every check that can be known before work, in one report, and the frozen
-`RunSpec` they establish, which the trainer only builds and loops. It reads and writes nothing;
-every rank runs it and the ranks agree on the verdict before any builds, so one rank's problem
-stops every rank with a message, not a hang in the first collective."""
+`RunSpec` the trainer builds. Every rank runs it (writing nothing) and the ranks agree on the
+verdict, so one rank's problem stops every rank with a message, not a hang in a collective."""
 
 from __future__ import annotations
 
