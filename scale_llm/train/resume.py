@@ -52,9 +52,8 @@ def check_resume_state(
         )
 
 
-# Keys that say how a run is carried out, not what it trains (train.profile.*: what is traced):
-# the rest of WHAT describes the experiment. A resume reads the checkpoint's weights, not
-# model.init_from's.
+# Keys that say how a run is carried out, not what it trains (so are train.profile.*): the rest
+# of WHAT describes the experiment. A resume reads the checkpoint's weights, not init_from's.
 HOW_NOT_WHAT = (
     "train.device",
     "train.compile",
