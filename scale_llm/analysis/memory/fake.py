@@ -2,7 +2,9 @@
 
 `estimate CONFIG --fake [--world-size N]` builds the model and backend as the trainer does under
 `FakeTensorMode` (no storage: a 7B model costs seconds) and runs `measure.measured_steps` (single,
-or FSDP2 as rank 0 of a fake process group) under `measure.LiveStorages`. The tensors are fake
+or FSDP2 as rank 0 of a fake process group) under `measure.LiveStorages`. Under pipeline
+parallelism it is one pipeline rank's first rank (`--pipeline-rank R`, default the worst), its
+stages' part of torch's schedule run without the others (`_alone`). The tensors are fake
 CPU tensors (a CPU torch cannot take fake CUDA ones through a backward) with a CUDA run's
 choices; compiled blocks run eager, grad_accum is 1, DeepSpeed is not traced (docs/memory.md).
 """
@@ -299,8 +301,8 @@ def format_trace(r: dict[str, Any]) -> str:
     lines = [
         f"traced on fake tensors: one optimizer step, {r['backend']}, {r['precision']}, "
         f"checkpointing {r['activation_checkpointing']}, micro-batch {r['micro_batch_size']}, "
-        f"rank 0 of {r['world_size']} (what is alive at the step's peak, next to the estimate "
-        f"of its peak, {r['peak_phase']})",
+        f"{_which_rank(r)} (what is alive at the step's peak, next to the estimate of its "
+        f"peak, {r['peak_phase']})",
         *parts_table(r, "; the estimate before the allocator allowance"),
     ]
     lines.append("not seen by the trace (add on top):")
@@ -308,3 +310,15 @@ def format_trace(r: dict[str, Any]) -> str:
         high = "?" if a["high"] is None else f"{a['high'] / GiB:.2f}"
         lines.append(f"  {a['name']:<36} {a['low'] / GiB:.2f}-{high} GiB  {a['why']}")
     return "\n".join(lines)
+
+
+def _which_rank(r: dict[str, Any]) -> str:
+    if "pipeline_rank" not in r:
+        return f"rank {r['rank']} of {r['world_size']}"
+    stages = ", ".join(map(str, r["pipeline_stages"]))
+    worst = "the estimate's worst; " if r["pipeline_rank"] == r["worst_pipeline_rank"] else ""
+    return (
+        f"pipeline rank {r['pipeline_rank']} ({worst}stages {stages}; {r['pipeline_schedule']}, "
+        f"{r['pipeline_microbatches']} pieces a schedule run), rank {r['rank']} of "
+        f"{r['world_size']}"
+    )
