@@ -265,6 +265,23 @@ CONFIG = [
         ["estimate", TINY, *s("model.n_layers=1e30")],
         ": at most 10,000 blocks are accepted",
     ),
+    (  # a mapping is unhashable: the lookup of values meant for another key raised TypeError
+        "a mapping where a name belongs",
+        ["train", TINY, *s("run.name={a: 1}")],
+        "run.name: expected a string, got {'a': 1}",
+    ),
+    (  # its suggestions walked every count up to 10^308: no end
+        "a tensor-parallel degree of 10^308",
+        ["train", TINY, *s("parallel.backend=fsdp", "parallel.tensor_parallel=1e308")],
+        "model.n_heads=4 is not divisible by parallel.tensor_parallel=1000000000",
+    ),
+    (  # the microbatch suggestions walked every divisor of 10^15: no end
+        "a pipeline micro-batch of 10^15",
+        ["train", TINY, *s("parallel.backend=fsdp", "parallel.pipeline_parallel=2")]
+        + s("model.tie_embeddings=false", "train.micro_batch_size=1e15")
+        + s("parallel.pipeline.microbatches=3"),
+        "train.micro_batch_size=1000000000000000 cannot be cut into parallel.pipeline.microbatches",
+    ),
     (
         "ZeRO stage",
         ["train", TINY, *s("parallel.backend=deepspeed", "parallel.deepspeed.zero_stage=4")],

@@ -12,7 +12,7 @@ import os
 import re
 import types
 import typing
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -422,7 +422,8 @@ def build_section(cls: type, raw: Any, prefix: str, errors: list[str]) -> Any:
             if ok:
                 kwargs[key] = converted
                 continue
-            if wrong := WRONG_VALUES.get((dotted, value)):  # (a value meant for another key)
+            wrong = isinstance(value, Hashable) and WRONG_VALUES.get((dotted, value))
+            if wrong:  # (a value meant for another key)
                 expected = expected.split(" (did you mean")[0]
             got = f"{short(value)}; {wrong}" if wrong else short(value)
             errors.append(f"{dotted}: expected {expected}, got {got}")

@@ -323,7 +323,8 @@ def _pipeline_batch_problems(cfg: Config) -> list[str]:
     train.micro_batch_size; each suggestion is a count that meets both."""
     p, mb = cfg.parallel, cfg.train.micro_batch_size
     pp, name, m = p.pipeline_parallel, p.pipeline.schedule, pipeline_microbatches(p)
-    fits = [k for k in range(1, mb + 1) if mb % k == 0 and microbatches_fit(name, k, pp)]
+    most = min(mb, 1 << 16)  # (counts past that are no suggestion; a huge batch is still read)
+    fits = [k for k in range(1, most + 1) if mb % k == 0 and microbatches_fit(name, k, pp)]
     use = f"use parallel.pipeline.microbatches={_nearest(fits, m)}" if fits else ""
     if not microbatches_fit(name, m, pp):
         least = _least_microbatches(name, pp)

@@ -166,7 +166,8 @@ def tensor_parallel_problems(cfg: Config) -> list[str]:
                 near = [n for n in near if n % kv == 0] if m.n_kv_heads else near
             elif what == "key/value heads":
                 near = [n for n in near if m.n_heads % n == 0]
-            fits = [f"parallel.tensor_parallel={k}" for k in range(2, tp + 1) if value % k == 0]
+            ks = range(2, min(tp, value) + 1)  # (a divisor of value is at most value)
+            fits = [f"parallel.tensor_parallel={k}" for k in ks if value % k == 0]
             fix = " or ".join([f"{key}={n}" for n in near] + fits[-1:])
             e.append(
                 f"{key}={value} is not divisible by parallel.tensor_parallel={tp} (each rank "
