@@ -50,10 +50,10 @@ FP8_ROWWISE = ["train.fp8.enabled=true", "train.fp8.recipe=rowwise"]  # (emulate
 FROM_PP2 = ["run.name=from-pp2", "checkpoint.keep_last=3"]  # (PP 2's step 2 kept to be read)
 # By stage (the runs the selected tests read), in the test's own process where one process
 # runs (a launch's start costs more than a tiny run): one process (the reference, and a run
-# stopped after step 2); 2 ranks (PP 2 with three schedules, a PP 2 run stopped after step 2,
-# the one-process run resumed at PP 2); 8 ranks (PP 2 x FSDP2 2 x TP 2, the PP 2 run resumed
-# at PP 4 x FSDP2 2 for step 3: 19 s of the module's 32 here); one process (that run finished
-# without a pipeline).
+# stopped after step 2); 2 ranks (PP 2 with three schedules and compiled, a PP 2 run stopped
+# after step 2, the one-process run resumed at PP 2); 8 ranks (PP 2 x FSDP2 2 x TP 2, the PP 2
+# run resumed at PP 4 x FSDP2 2 for step 3: 19 s of the module's 32 here); one process (that
+# run finished without a pipeline).
 STAGES = [
     {
         "single": (1, [*SINGLE, *SAMPLE]),
@@ -72,6 +72,10 @@ STAGES = [
         "single-at-pp2": (2, [*PP2, *SPLIT, "run.name=from-single"]),
         "pp2-fp16": (2, [*PP2, *SPLIT, "train.precision=fp16"]),
         "pp2-fp8-rowwise": (2, [*PP2, *SPLIT, *FP8_ROWWISE]),
+        "pp2-compiled": (
+            2,
+            [*PP2, *SPLIT, "train.compile=true", "activation_checkpointing.mode=full"],
+        ),
         "fsdp2-fp16": (
             2,
             ["parallel.backend=fsdp", "train.micro_batch_size=2", "train.grad_accum=2"]
@@ -99,6 +103,7 @@ NEEDS = {
     ],
     "test_fp16_pipeline_follows_fsdp2": ["pp2-fp16", "fsdp2-fp16"],
     "test_fp8_rowwise_pipeline_follows_one_process": ["single-fp8-rowwise", "pp2-fp8-rowwise"],
+    "test_compiled_pipeline_follows_one_process_eager": ["single", "1f1b", "pp2-compiled"],
     "test_a_pipeline_checkpoint_resumes_at_another_degree": [
         "single", "single-stopped", "single-at-pp2", "pp2-stopped", "pp2-at-pp4",
         "pp4-in-one-process",
@@ -374,3 +379,16 @@ def test_fp8_rowwise_pipeline_follows_one_process(runs):
     pp, one = runs.rows["pp2-fp8-rowwise"], runs.rows["single-fp8-rowwise"]
     assert_same_curve(pp, one)
     assert "fp8: rowwise scaling in 20 block linears" in runs.stdout["pp2-fp8-rowwise"]
+
+
+def test_compiled_pipeline_follows_one_process_eager(runs):
+    """train.compile under PP 2 (1F1B, full checkpointing) follows the one-process eager curve
+    and PP 2 eager within test_compile's tolerance, its blocks compiled: torch._dynamo's
+    counters on each rank are the start-up's probe, one graph for all the stage's blocks and
+    one for the evaluation's no-grad forward (the last stage: the loss's two more), no graph
+    break. Compile silently off would count none."""
+    compiled = runs.rows["pp2-compiled"]
+    assert_same_curve(compiled, runs.rows["single"], tol=1e-4)
+    assert_same_curve(compiled, runs.rows["1f1b"], tol=1e-4)
+    counted = [rank["dynamo"] for rank in runs.comm["pp2-compiled"]]
+    assert counted == [{"unique_graphs": 3, "breaks": {}}, {"unique_graphs": 5, "breaks": {}}]

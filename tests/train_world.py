@@ -48,7 +48,7 @@ def train(argv: list[str], console: Path) -> tuple[int, Path | None]:
 def everyone(code: int) -> list[tuple[int, dict]]:
     """Every rank's exit code of the command that just ended, and its communication settings
     (the environment torch's process groups read, the default group's timeout now)."""
-    mine = (code, comm_settings())
+    mine = (code, {**comm_settings(), "dynamo": compiled_graphs()})
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return [mine]
     if not dist.is_initialized():  # (it failed before the CLI started the process group)
@@ -68,6 +68,17 @@ def comm_settings() -> dict:
     return {"env": {k: os.environ.get(k) for k in (*COMM_ENV, TRACE_FILE)}, "timeout_s": timeout}
 
 
+def compiled_graphs() -> dict:
+    """What torch.compile did in this process since the command started: the graphs it compiled
+    and the graph breaks (torch._dynamo's counters, cleared before each command)."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "unique_graphs": counters["stats"]["unique_graphs"],
+        "breaks": dict(counters["graph_break"]),
+    }
+
+
 def read_run(run_dir: Path | None) -> dict:
     """A run dir's metrics rows and plan as they are now (a later command may change them)."""
     rows, plan = [], None
@@ -81,6 +92,7 @@ def read_run(run_dir: Path | None) -> dict:
 def main(out: Path, commands: dict[str, list[str]]) -> None:
     for label, argv in commands.items():
         print(f"train_world: {label}", file=sys.stderr, flush=True)
+        torch._dynamo.utils.counters.clear()
         code, run_dir = train(argv, out / f"{label}.rank{RANK}.txt")
         ranks = everyone(code)
         codes = [c for c, _ in ranks]
