@@ -16,13 +16,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from scale_llm.components.checkpoint import DEEPSPEED_DIR, TRAINER_STATE, CheckpointMoments
+from scale_llm.components.checkpoint import DEEPSPEED_DIR, CheckpointMoments
 from scale_llm.components.optim import build_optimizer, param_groups, step_if_finite
 from scale_llm.components.serialization import (
     BackgroundSave,
     guard_deepspeed_reader,
     hash_deepspeed_writes,
-    load_file,
 )
 from scale_llm.model import Transformer, build_model
 from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
@@ -160,9 +159,9 @@ class DeepSpeedBackend(Backend):
         hash_deepspeed_writes(self.model)  # so the integrity record needs no second read
         self.model.save_checkpoint(str(ckpt_dir), tag=TAG)
 
-    def load(self, ckpt_dir: Path) -> None:
+    def load(self, ckpt_dir: Path, layout: dict[str, Any]) -> None:
         """The engine's own checkpoint of this layout; any other one parameter at a time."""
-        if load_file(ckpt_dir / TRAINER_STATE)["backend"]["layout"] != self.checkpoint_layout():
+        if layout != self.checkpoint_layout():
             self._load_per_parameter(ckpt_dir)
             return
         guard_deepspeed_reader(self.model)  # DeepSpeed's own reader unpickles anything

@@ -296,7 +296,7 @@ class Trainer:
     def load_state_dict(self, state: dict[str, Any], exact: bool) -> None:
         """Restore a checkpoint's trainer state (`exact`: the backend's model and optimizer too)."""
         if exact:
-            self.backend.load(self.resume_from)
+            self.backend.load(self.resume_from, state["backend"]["layout"])
             self.backend.load_state_dict(state["backend"])
         self.step = int(state["step"])
         self.loader.load_state_dict(state["data"])
