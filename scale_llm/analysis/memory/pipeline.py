@@ -130,6 +130,7 @@ def rank_estimate(cfg: Config, plan: RunPlan, lay: Layout, rank: int) -> Estimat
             piece_lay,
             grad_accum=lay.grad_accum * pieces,
             fsdp_reduce_every=lay.fsdp_reduce_every and lay.backend != "fsdp",
+            reshard_after_forward=False,
         )
         n = ParamCounts.of(rank_model, lay.tp, first, last).total
         sharded = 4.0 * n / lay.shards if lay.backend == "fsdp" else 0.0
