@@ -326,7 +326,8 @@ def _estimate_parser(sub) -> None:
     measure += "activations, temporaries)"
     _flag(p, "--measure", measure)
     fake = "also trace one whole optimizer step at full size on fake tensors (no memory "
-    fake += "used) for rank 0 of --world-size GPUs, by category, next to the estimate"
+    fake += "used) for rank 0 of --world-size GPUs (under a pipeline: the first rank of "
+    fake += "--pipeline-rank's stage), by category, next to the estimate"
     _flag(p, "--fake", fake)
     p.add_argument(
         "--pipeline-rank",
@@ -346,6 +347,11 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         raise UserError(
             f"--world-size {args.world_size}: use the number of GPUs the run will use, >= 1 "
             f"(or leave it out for $WORLD_SIZE, else the config's own, else 1)"
+        )
+    if args.pipeline_rank is not None and not args.fake:
+        raise UserError(
+            f"--pipeline-rank {args.pipeline_rank} picks the pipeline rank that --fake traces; "
+            f"add --fake, or leave --pipeline-rank out (the estimate reports every pipeline rank)"
         )
     world, note = args.world_size, None
     if world is None and "WORLD_SIZE" in os.environ:  # (under a launcher)

@@ -2582,6 +2582,11 @@ PIPELINE: list = [
         "--pipeline-rank 8 is not a rank of this pipeline (parallel.pipeline_parallel=8); use 0 "
         "to 7",
     ),
+    (  # it was read only under --fake: silently ignored without it
+        "--pipeline-rank without --fake",
+        ["estimate", str(REPO / "yaml" / "405b.yaml"), "--pipeline-rank", "3"],
+        "--pipeline-rank 3 picks the pipeline rank that --fake traces; add --fake",
+    ),
     (
         "a fake trace of a pipeline rank without a pipeline",
         ["estimate", TINY, "--fake", "--pipeline-rank", "1"],

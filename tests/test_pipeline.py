@@ -192,7 +192,9 @@ def test_a_pipeline_checkpoint_resumes_at_another_degree(runs):
         assert "resume: continuing from" in runs.stdout[resumed], resumed
     assert_same_curve(runs.rows["single-at-pp2"], ref, steps=(3, 4))
     assert_same_curve(runs.rows["pp4-in-one-process"], ref, steps=(3, 4))  # (3: PP 4's row)
-    assert runs.rows["pp2-at-pp4"][3]["loss"] == runs.rows["pp4-in-one-process"][3]["loss"]
+    pp4 = runs.rows["pp2-at-pp4"][3]  # PP 4's own step (its run stopped after it)
+    assert abs(pp4["loss"] - ref[3]["loss"]) <= TOL
+    assert abs(pp4["grad_norm"] / ref[3]["grad_norm"] - 1) <= TOL
     assert runs.plan["pp2-at-pp4"]["mesh"] == {"names": ["pp", "shard"], "shape": [4, 2]}
     assert runs.plan["pp4-in-one-process"]["pp_degree"] == 1
     # generate reads a pipelined run in one process (its plan resets the pipeline degree) and
