@@ -54,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-from scale_llm.analysis.check import claim_out
+from scale_llm.analysis.check import add_report_section, claim_out
 from scale_llm.analysis.roofline import roofline
 from scale_llm.config import load_config, with_changes
 
@@ -160,14 +160,7 @@ for r in rows:
     inside = "" if not (mfu and want) else (" in" if want["low"] <= mfu <= want["high"] else " OUT")
     md.append(f"| {r['compiled']} | {r['tp']} | {r['tokens_per_s_per_rank']:,.0f} | "
               f"{(f'{mfu:.1%}' if mfu else 'n/a')}{inside} | {span} | {r['host_peak_gib']:.2f} |")
-path = out / "report.json"
-data = json.loads(path.read_text()) if path.exists() else {
-    "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-    "errors": []}
-data["calibration"] = report
-path.write_text(json.dumps(data, indent=1))
-with open(out / "report.md", "a") as f:
-    f.write("\n".join(md) + "\n")
+add_report_section(out, "calibration", report, md)
 print("\n".join(md))
 sys.exit(1 if failed else 0)
 PYEOF
@@ -186,7 +179,7 @@ from pathlib import Path
 
 import torch
 
-from scale_llm.analysis.check import claim_out, default_scratch
+from scale_llm.analysis.check import add_report_section, claim_out, default_scratch
 
 out, only, args = Path(sys.argv[1]), sys.argv[2] == "1", sys.argv[3:]
 if only:  # the folder becomes the check's before any work, as the check's own start does
@@ -301,14 +294,7 @@ else:
                   f"{r['losses'][max(r['losses'])]:.4f} | "
                   f"{pct('loss_diff_last')} | {pct('loss_diff_last3_mean')}{ok} | "
                   f"{pct('loss_diff_worst')} | {peak} |")
-path = out / "report.json"
-data = json.loads(path.read_text()) if path.exists() else {
-    "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-    "errors": []}
-data["fp8"] = report
-path.write_text(json.dumps(data, indent=1))
-with open(out / "report.md", "a") as f:
-    f.write("\n".join(md) + "\n")
+add_report_section(out, "fp8", report, md)
 print("\n".join(md))
 sys.exit(1 if failed else 0)
 FP8EOF

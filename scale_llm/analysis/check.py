@@ -248,6 +248,20 @@ REPORT_BYTES = 64 << 20  # a report is a few KB
 OUT_KIND, RUNS_KIND = "check report", "check runs"
 
 
+def add_report_section(out: Path, key: str, report: Any, lines: list[str]) -> None:
+    """A section launch/gpu-check.sh runs after the check ((f), (g)): `report` under `key` in
+    OUT/report.json (a new one where the check wrote none) and `lines` after OUT/report.md."""
+    path, md = out / "report.json", out / "report.md"
+    if path.exists():
+        data = read_json(path, "the check's report", "give a new or empty folder")
+    else:
+        name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        data = {"device": name, "torch": torch.__version__, "errors": []}
+    data[key] = report
+    atomic_write_json(path, data)
+    atomic_write_text(md, (md.read_text() if md.exists() else "") + "\n".join(lines) + "\n")
+
+
 def claim_out(out: Path) -> None:
     """OUT_DIR becomes the check's: new, empty, or an earlier check's (marked, or holding only
     its report files); anything else is refused before any work."""

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from scale_llm.analysis.memory.estimate import estimate_layout, layout_of
-from scale_llm.analysis.memory.measure import LiveStorages, measured_steps, parts_table
+from scale_llm.analysis.memory.measure import LiveStorages, in_phase, measured_steps, parts_table
 from scale_llm.analysis.memory.pipeline import pipeline_estimate
 from scale_llm.components.optim import build_optimizer
 from scale_llm.config import Config, with_changes
@@ -244,7 +244,7 @@ def _alone(backend: Backend, plan: RunPlan, storages: LiveStorages) -> None:
         stage.submod.register_forward_pre_hook(lambda *_: setattr(storages, "phase", "forward"))
         stage.submod.register_forward_hook(lambda *_: setattr(storages, "phase", "other"))
         for name in ("backward_one_chunk", "backward_weight_one_chunk"):
-            setattr(stage, name, _in_phase(storages, "backward", getattr(stage, name)))
+            setattr(stage, name, in_phase(storages, "backward", getattr(stage, name)))
 
     def static(stages: list, *_: Any) -> None:  # (in place of the neighbours' vote)
         for stage in stages:
@@ -264,17 +264,6 @@ def _stage_tensors(backend: Backend, plan: RunPlan, end: bool) -> tuple[torch.Te
         if end:
             return (torch.empty(piece, m.seq_len, dtype=torch.long, device="meta"),)
         return (torch.empty(piece, seq, m.d_model, dtype=dtype, device="meta").requires_grad_(),)
-
-
-def _in_phase(storages: LiveStorages, phase: str, fn: Any) -> Any:
-    def run(*args: Any, **kwargs: Any) -> Any:
-        before, storages.phase = storages.phase, phase
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            storages.phase = before
-
-    return run
 
 
 @contextlib.contextmanager

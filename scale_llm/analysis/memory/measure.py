@@ -6,6 +6,7 @@ ZeRO-3's bf16 step, torch.profiler misses frees on other threads): docs/memory.m
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import re
 import sys
@@ -115,19 +116,22 @@ def measured_steps(
     return measured
 
 
+def in_phase(storages: LiveStorages, phase: str, fn: Any) -> Any:
+    """`fn`, with `storages.phase` set to `phase` while it runs."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        before, storages.phase = storages.phase, phase
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            storages.phase = before
+
+    return run
+
+
 def _follow_phases(storages: LiveStorages, backend: Any, model: torch.nn.Module) -> None:
     """Set `storages.phase` around the model's forward, the loss, the backward and the step."""
-
-    def phased(phase: str, fn: Any) -> Any:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            before, storages.phase = storages.phase, phase
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                storages.phase = before
-
-        return run
-
+    phased = functools.partial(in_phase, storages)
     backend.loss_fn = phased("loss", backend.loss_fn)
     backend.backward = phased("backward", backend.backward)
     backend.clip_and_step = phased("step", backend.clip_and_step)
