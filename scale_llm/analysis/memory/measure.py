@@ -224,7 +224,13 @@ class LiveStorages:
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
-                if active_fake_mode() is tracker._fake_mode:
+                if active_fake_mode() is not tracker._fake_mode:
+                    return out
+                if tracker._fake and str(func) == "_c10d_functional.wait_tensor.default":
+                    # a collective's wait returns its input, the fake one a new tensor: count
+                    # none, and keep the input's storage alive as long as its stand-in
+                    out._waited_on = args[0]
+                else:
                     tracker._add(out)
                 return out
 
@@ -245,7 +251,9 @@ class LiveStorages:
 
     def _add(self, out: Any) -> None:
         for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
+            # a fake tensor's device is the one it stands for: one on meta (a meta-device
+            # model's tensor-parallel shards, made inside the fake mode) holds no memory
+            if not isinstance(t, torch.Tensor) or (self._fake and t.device.type == "meta"):
                 continue
             for st in get_untyped_storages(t):
                 if st.device.type == "meta" and not self._fake:  # a size without memory
