@@ -7,10 +7,9 @@ around a text and the folder's tokenizer files byte for byte; its SHA-256 is the
 from __future__ import annotations
 
 import base64
-import contextlib
 import hashlib
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,11 @@ TOKENIZER_FILES = (
 )
 # Texts on which AutoTokenizer and the pipeline it built must agree (see `_check_pipeline`)
 PROBES = ("a", "Hello, world!", "  two  spaces\tand a tab\n", "café 😀 中文 1234", "<s></s><|x|>")
+# How to mend a damaged tokenizer file of prepare's (either kind)
+RESTORE_FIX = (
+    "restore it (a run directory's copy comes from its data.dir), or re-run `scale-llm prepare "
+    "CONFIG --force`"
+)
 FOLDER_HELP = (
     "give the folder of a Hugging Face model's tokenizer (tokenizer.json and/or "
     "tokenizer.model), e.g. the folder model.init_from names or one `scale-llm export` wrote (a "
@@ -120,26 +124,18 @@ def _auto_tokenizer(folder: Path) -> Any:
         raise UserError(f"{WHAT}: {problem}")
     import transformers
 
-    with _quiet(transformers):
-        try:
-            return transformers.AutoTokenizer.from_pretrained(
-                str(folder), local_files_only=True, trust_remote_code=False
-            )
-        except Exception as e:  # transformers raises many types for a folder it cannot read
-            reason = (str(e).strip().splitlines() or [""])[0][:300]
-            raise UserError(
-                f"{WHAT}={folder}: transformers' AutoTokenizer cannot load it ("
-                f"{type(e).__name__}: {reason}); {FOLDER_HELP}"
-            ) from None
-
-
-@contextlib.contextmanager
-def _quiet(transformers: Any) -> Iterator[None]:
-    """transformers' warnings off while it reads the folder: a refusal is one paragraph."""
     level = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
+    transformers.logging.set_verbosity_error()  # its warnings off: a refusal is one paragraph
     try:
-        yield
+        return transformers.AutoTokenizer.from_pretrained(
+            str(folder), local_files_only=True, trust_remote_code=False
+        )
+    except Exception as e:  # transformers raises many types for a folder it cannot read
+        reason = (str(e).strip().splitlines() or [""])[0][:300]
+        raise UserError(
+            f"{WHAT}={folder}: transformers' AutoTokenizer cannot load it ("
+            f"{type(e).__name__}: {reason}); {FOLDER_HELP}"
+        ) from None
     finally:
         transformers.logging.set_verbosity(level)
 
@@ -230,13 +226,11 @@ class PretrainedTokenizer:
 
 def _read_bundle(path: Path) -> dict[str, Any]:
     """hf-tokenizer.json with every field this class reads checked for its type."""
-    fix = (
-        "restore it (a run directory's copy comes from its data.dir), or re-run `scale-llm "
-        "prepare CONFIG --force`"
-    )
-    bundle = read_json(path, "the tokenizer prepare wrote", fix)
+    bundle = read_json(path, "the tokenizer prepare wrote", RESTORE_FIX)
     if problem := _bundle_problem(bundle):
-        raise UserError(f"tokenizer {path} is not a tokenizer prepare wrote ({problem}); {fix}")
+        raise UserError(
+            f"tokenizer {path} is not a tokenizer prepare wrote ({problem}); {RESTORE_FIX}"
+        )
     return bundle
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from scale_llm.data.pretrained_tokenizer import BUNDLE_FILE, PretrainedTokenizer
+from scale_llm.data.pretrained_tokenizer import BUNDLE_FILE, RESTORE_FIX, PretrainedTokenizer
 from scale_llm.errors import UserError
 from scale_llm.files import atomic_write_bytes
 
@@ -38,8 +38,7 @@ class Tokenizer:
         except (RuntimeError, OSError) as e:
             raise UserError(
                 f"tokenizer {self.path} is not a SentencePiece model ({str(e).splitlines()[0]}); "
-                f"restore it (a run directory's copy comes from its data.dir), or re-run "
-                f"`scale-llm prepare CONFIG --force`"
+                f"{RESTORE_FIX}"
             ) from None
         self.bos_id, self.eos_id = self.sp.bos_id(), self.sp.eos_id()
         self.vocab_size = self.sp.get_piece_size()
