@@ -179,29 +179,26 @@ class TrainLoader:
         self._ahead.clear()
 
     def _log_epoch_start(self, position: int) -> None:
-        if self.mixture is None:
-            n = len(self.windows)
-            first, last = position // n, (position + self.global_batch - 1) // n
-            if last > first or (position % n == 0 and position > 0):
-                if not self.repeat:
-                    raise UserError(repeat_refused("the training data", n, position))
+        before = self.schedule.drawn(position)  # (one source: `position` itself)
+        after = self.schedule.drawn(position + self.global_batch)
+        for s, name in enumerate(self.names):
+            # the epochs of the draws before this batch and of its last one (-1: none yet)
+            n = int(self.sizes[s])
+            prev, last = int(before[s] - 1) // n, int(after[s] - 1) // n
+            if last <= prev or last < 1:
+                continue
+            what = "the training data" if self.mixture is None else f"source {name}"
+            if not self.repeat:
+                raise UserError(repeat_refused(what, n, position))
+            if self.mixture is None:
                 log.info(
                     f"data: epoch {last} of {n} training windows begins (stream position "
                     f"{last * n}); the windows repeat in a new order"
                 )
-            return
-        before = self.schedule.drawn(position)
-        after = self.schedule.drawn(position + self.global_batch)
-        for s, name in enumerate(self.names):
-            # the epochs of the draws before this batch and of its last one (-1: none yet)
-            prev, last = (before[s] - 1) // self.sizes[s], (after[s] - 1) // self.sizes[s]
-            if last > prev and last >= 1:
-                if not self.repeat:
-                    raise UserError(repeat_refused(f"source {name}", self.sizes[s], position))
+            else:
                 log.warning(
-                    f"data: source {name} ran out after {last} epoch(s) of its {self.sizes[s]} "
-                    f"training windows; it is read again in a new order (stream position "
-                    f"{position})"
+                    f"data: {what} ran out after {last} epoch(s) of its {n} training windows; it "
+                    f"is read again in a new order (stream position {position})"
                 )
 
     def _stream_indices(self, first: int, count: int) -> np.ndarray:
