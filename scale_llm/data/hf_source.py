@@ -74,13 +74,12 @@ class HFSource:
             except StopIteration:
                 return
             except Exception as e:  # network drops, corrupt files: name the place, then resume
+                failed = f"reading {self.spec} failed after {row} rows"
                 if bad := _malformed(e):
-                    raise UserError(
-                        f"reading {self.spec} failed after {row} rows: {self._malformed_fix(bad)}"
-                    ) from e
+                    raise UserError(f"{failed}: {self._malformed_fix(bad)}") from e
                 raise UserError(
-                    f"reading {self.spec} failed after {row} rows ({type(e).__name__}: {e}); run "
-                    f"`scale-llm prepare` again: it continues from its last checkpoint"
+                    f"{failed} ({type(e).__name__}: {e}); run `scale-llm prepare` again: it "
+                    f"continues from its last checkpoint"
                 ) from e
             self._check_field(list(batch))
             for value in batch[self.text_field]:

@@ -159,16 +159,15 @@ def _read(path: Path) -> dict[str, Any] | None:
         return None
     fix = "move it away, or point data.dir at a new folder, and run `scale-llm prepare` again"
     found = read_json(path, f"the {MIXTURE} prepare writes", fix)
-    tok = found.get("tokenizer")
+    tok, folders = found.get("tokenizer"), found.get("folders", [])
     if not (
-        found.get("kind") == "mixture"
-        and found.get("format") == MIXTURE_FORMAT
+        (found.get("kind"), found.get("format")) == ("mixture", MIXTURE_FORMAT)
         and isinstance(tok, dict)
         and tok.get("file") in (SP_FILE, BUNDLE_FILE)
         and isinstance(tok.get("sha256"), str)
         and isinstance(found.get("sources"), dict)
-        and isinstance(found.get("folders", []), list)
-        and all(isinstance(name, str) for name in found.get("folders", []))
+        and isinstance(folders, list)
+        and all(isinstance(name, str) for name in folders)
     ):
         raise UserError(
             f"{path} is not the {MIXTURE} prepare writes (edited by hand, or cut short); {fix}"

@@ -341,8 +341,7 @@ def _sigterm_interrupts():
 
 def _resume(cfg: Config, source, out: Path, fingerprint: str, force: bool):
     """(progress, writers, stream) continuing an interrupted prepare, or None."""
-    progress = read_progress(out)
-    tok = out / _tokenizer_file(cfg)
+    progress, tok = read_progress(out), out / _tokenizer_file(cfg)
     if force or not progress or progress.get("fingerprint") != fingerprint:
         return None
     if not tok.is_file() or file_sha256(tok) != progress["tokenizer_sha256"]:

@@ -40,10 +40,10 @@ class Progress:
         return f"{self.chars / seconds / 1e6:.1f} MB/s"
 
     def summary(self, seconds: float) -> str:
-        done = f"{self.docs:,} documents, " + (
-            f"{self.tokens:,} tokens" if self.tokens else f"{self.chars / 1e6:.1f} MB"
-        )
-        return f"{done} in {seconds:.0f}s ({self.docs / max(seconds, 1e-9):,.0f} docs/s, " + (
+        done = f"{self.tokens:,} tokens" if self.tokens else f"{self.chars / 1e6:.1f} MB"
+        per_s = self.docs / max(seconds, 1e-9)
+        return (
+            f"{self.docs:,} documents, {done} in {seconds:.0f}s ({per_s:,.0f} docs/s, "
             f"{self.rates(seconds)})"
         )
 

@@ -95,9 +95,8 @@ class Source:
                 yield from self._jsonl_documents(f, name)
             elif kind == "parquet":
                 yield from self._parquet_documents(f, name)
-            else:
-                if (text := self._read_text(f)) and text.strip():
-                    yield Document(name, text)
+            elif (text := self._read_text(f)) and text.strip():
+                yield Document(name, text)
         if n := len(self.skipped):
             log.info(
                 f"data: skipped {n} file{'' if n == 1 else 's'} that {'is' if n == 1 else 'are'} "
