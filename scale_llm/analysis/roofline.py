@@ -166,35 +166,23 @@ AMPERE_MATMUL = tuple(
 # benchmark.png, "with causal mask"). cuDNN on H100: the FlashAttention-3 paper (arXiv:2407.08608),
 # Figure 5 (causal forward) and 6 (backward, unmasked: the high end is optimistic by that much).
 SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384)
-HOPPER_ATTENTION = {
-    64: {  # seq_len: (FA2 causal fwd+bwd, cuDNN causal fwd, cuDNN bwd)
-        512: (141, 225, 266),
-        1024: (192, 288, 348),
-        2048: (232, 334, 395),
-        4096: (257, 363, 417),
-        8192: (273, 379, 432),
-        16384: (284, 388, 433),
-    },
-    128: {
-        512: (163, 315, 305),
-        1024: (221, 410, 408),
-        2048: (265, 484, 465),
-        4096: (294, 518, 499),
-        8192: (308, 529, 518),
-        16384: (328, 539, 516),
-    },
+# head_dim: TFLOP/s at each of SEQ_LENS: FA2 causal fwd+bwd, cuDNN causal fwd (_FWD), bwd (_BWD)
+HOPPER_FA2 = {64: (141, 192, 232, 257, 273, 284), 128: (163, 221, 265, 294, 308, 328)}
+HOPPER_CUDNN_FWD = {64: (225, 288, 334, 363, 379, 388), 128: (315, 410, 484, 518, 529, 539)}
+HOPPER_CUDNN_BWD = {64: (266, 348, 395, 417, 432, 433), 128: (305, 408, 465, 499, 518, 516)}
+AMPERE_FA2 = {64: (88, 119, 140, 156, 165, 171), 128: (99, 133, 155, 173, 182, 189)}
+HOPPER_ATTENTION = {  # seq_len: (FA2 causal fwd+bwd, cuDNN causal fwd, cuDNN bwd)
+    d: dict(zip(SEQ_LENS, zip(HOPPER_FA2[d], HOPPER_CUDNN_FWD[d], HOPPER_CUDNN_BWD[d])))
+    for d in HOPPER_FA2
 }
 AMPERE_ATTENTION = {  # FlashAttention-2 only: nothing published for cuDNN at these shapes
-    head_dim: {t: (tflops, None, None) for t, tflops in zip(SEQ_LENS, figures)}
-    for head_dim, figures in (
-        (64, (88, 119, 140, 156, 165, 171)),
-        (128, (99, 133, 155, 173, 182, 189)),
-    )
+    d: {t: (tflops, None, None) for t, tflops in zip(SEQ_LENS, figures)}
+    for d, figures in AMPERE_FA2.items()
 }
+HOPPER = {"matmul": HOPPER_MATMUL, "attention": HOPPER_ATTENTION}
 RATES = {
     "H100-SXM": Rates(
-        matmul=HOPPER_MATMUL,
-        attention=HOPPER_ATTENTION,
+        **HOPPER,
         # Azure ND H100 v5 "HBM Bandwidth" (AI-benchmarking-guide, Azure_Results/
         # ND_H100_v5_results.md, read in the fork github.com/samuel-bohman/AI-benchmarking-guide):
         # Copy 2.90 TB/s (low), Triad 2.97 (point: two reads and a write, as a fused kernel);
@@ -202,8 +190,7 @@ RATES = {
         hbm=Spread(2.90e12, 2.97e12, 0.92 * 3.35e12),
     ),
     "H100-500W": Rates(
-        matmul=HOPPER_MATMUL,
-        attention=HOPPER_ATTENTION,
+        **HOPPER,
         # Azure's H100 SXM shares of the rated 3.35 TB/s (Copy 87%, Triad 89%, torchao's 92%)
         # applied to the HBM2e's 2.4 TB/s
         hbm=Spread(2.90 / 3.35 * 2.4e12, 2.97 / 3.35 * 2.4e12, 0.92 * 2.4e12),
@@ -212,18 +199,12 @@ RATES = {
         # the SXM's clock at the high end, the middle taken
         clock=Spread(835 / 989, 0.92, 1.0),
     ),
-    "H200": Rates(
-        matmul=HOPPER_MATMUL,
-        # the same kernels on the same SMs: Azure's FlashAttention-2 figure (head dim 128,
-        # 8k tokens) is 327.9 TFLOP/s on an H100 and 329.3 on an H200 (ND H100 v5 / H200 v5)
-        attention=HOPPER_ATTENTION,
-        hbm=Spread(4.01e12, 4.15e12, 4.15e12),  # Azure ND H200 v5: Copy 4.01, Triad 4.15 TB/s
-    ),
-    "A100-80GB": Rates(
-        matmul=AMPERE_MATMUL,
-        attention=AMPERE_ATTENTION,
-        hbm=Spread(1.61e12, 1.70e12, 1.70e12),  # Azure ND A100 v4: Copy 1.61, Triad 1.70 TB/s
-    ),
+    # H200: the same kernels on the same SMs (Azure's FlashAttention-2 figure, head dim 128, 8k
+    # tokens, is 327.9 TFLOP/s on an H100 and 329.3 on an H200: ND H100 v5 / H200 v5); HBM:
+    # Azure ND H200 v5, Copy 4.01, Triad 4.15 TB/s
+    "H200": Rates(**HOPPER, hbm=Spread(4.01e12, 4.15e12, 4.15e12)),
+    # HBM: Azure ND A100 v4, Copy 1.61, Triad 1.70 TB/s
+    "A100-80GB": Rates(AMPERE_MATMUL, AMPERE_ATTENTION, hbm=Spread(1.61e12, 1.70e12, 1.70e12)),
 }
 
 
@@ -440,24 +421,26 @@ class _FlashAttention(torch.autograd.Function):
     counter: _Counter | None = None
 
     @staticmethod
+    def _record(flops: float, moved: int, read: list[torch.Tensor]) -> None:
+        counter = _FlashAttention.counter
+        counter.flops["attention"] += flops
+        counter.bytes["attention"] += moved
+        counter.boundary(read)
+
+    @staticmethod
     def forward(ctx, q, k, v):  # (B, H, T, D)
         B, H, T, D = q.shape
         flops = 2 * B * H * T * T * D  # QK^T and AV, causal half: 2 x (2 B H T^2 D) / 2
         moved = 4 * q.numel() * q.element_size()  # read Q K V, write O
-        counter = _FlashAttention.counter
-        counter.flops["attention"] += flops
-        counter.bytes["attention"] += moved
-        counter.boundary([q, k, v])
+        _FlashAttention._record(flops, moved, [q, k, v])
         ctx.shape = (flops, moved)
         return torch.empty_like(q)
 
     @staticmethod
     def backward(ctx, grad):
         flops, moved = ctx.shape
-        counter = _FlashAttention.counter
-        counter.flops["attention"] += 2.5 * flops  # dQ dK dV + recompute
-        counter.bytes["attention"] += 2 * moved  # read Q K V O dO, write dQ dK dV
-        counter.boundary([grad])
+        # dQ dK dV + recompute; read Q K V O dO, write dQ dK dV
+        _FlashAttention._record(2.5 * flops, 2 * moved, [grad])
         return torch.empty_like(grad), torch.empty_like(grad), torch.empty_like(grad)
 
 
@@ -490,11 +473,8 @@ def _recompute_every_second_matmul(cfg: Config, counter: _Counter) -> None:
     m = cfg.model
     tokens, head_dim = counter.micro_batch * m.seq_len, m.d_model // m.n_heads
     kv = (m.n_kv_heads or m.n_heads) * head_dim
-    for n, k in (
-        (kv, m.d_model),
-        (m.d_model, m.n_heads * head_dim),
-        (mlp_hidden_size(m), m.d_model),
-    ):
+    wk, wo, w3 = (kv, m.d_model), (m.d_model, m.n_heads * head_dim), (mlp_hidden_size(m), m.d_model)
+    for n, k in (wk, wo, w3):
         counter.gemms[(tokens, n, k)] += m.n_layers
         counter.flops["matmul"] += m.n_layers * 2 * tokens * n * k
 
@@ -615,9 +595,7 @@ def achieved(
         traffic = parallel_traffic(cfg, world, counter.micro_batch, grad_accum, network)
         classes = _split_over_tp(classes, traffic, tp, shards)
     elif shards > 1 and "optimizer (AdamW)" in classes:  # FSDP2: AdamW over the rank's shard
-        classes["optimizer (AdamW)"] = {
-            w: t / shards for w, t in classes["optimizer (AdamW)"].items()
-        }
+        classes["optimizer (AdamW)"] = _divided(classes["optimizer (AdamW)"], shards)
     classes[IDLE_ROW] = _idle(classes)
     ms = {way: sum(c[way] for c in classes.values()) for way in WAYS}
     flops, causal = (f / tp for f in model_flops)  # one GPU's share of the model's FLOPs
@@ -753,6 +731,10 @@ def tp_shape(shape: tuple[int, int, int], tp: int, tokens: int) -> tuple[int, in
     return tuple(d // tp if i == cut else d for i, d in enumerate(shape))
 
 
+def _divided(ms: dict[str, float], by: float) -> dict[str, float]:
+    return {w: t / by for w, t in ms.items()}
+
+
 def _split_over_tp(
     classes: dict[str, dict[str, float]], traffic: dict[str, Any], tp: int, shards: int
 ) -> dict[str, dict[str, float]]:
@@ -762,10 +744,8 @@ def _split_over_tp(
     for cls, ms in classes.items():
         if cls == "matmul":
             out[cls] = dict(ms)
-        elif cls == "optimizer (AdamW)":
-            out[cls] = {w: t / (tp * shards) for w, t in ms.items()}
         else:
-            out[cls] = {w: t / tp for w, t in ms.items()}
+            out[cls] = _divided(ms, tp * shards if cls == "optimizer (AdamW)" else tp)
     compute = {w: sum(c[w] for c in out.values()) for w in WAYS}
     if tp > 1:
         out[TP_ROW] = {w: traffic["tp_ms"] / getattr(CALIBRATION.link, w) for w in compute}
