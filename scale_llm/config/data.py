@@ -6,7 +6,7 @@ import math
 import re
 from dataclasses import dataclass, fields
 
-from scale_llm.config.schema import config_key
+from scale_llm.config.schema import bound_problems, config_key
 
 SOURCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # a folder name and a metric tag
 
@@ -113,15 +113,11 @@ class DataConfig:
 
 
 def validate_data(d: DataConfig) -> list[str]:
-    e: list[str] = []
-    for key in (
+    limits = (
         "tokenizer_sample_bytes shard_tokens max_documents max_tokens tokenizer_sample_documents"
-    ).split():
-        if (value := getattr(d, key)) is not None and value <= 0:  # (None: no limit)
-            e.append(f"data.{key}={value} must be > 0")
-    for key in ("num_proc", "prefetch"):
-        if getattr(d, key) < 0:
-            e.append(f"data.{key}={getattr(d, key)} must be >= 0")
+    )
+    e = bound_problems(d, limits, prefix="data.")  # (None: no limit)
+    e += bound_problems(d, "num_proc prefetch", ">= 0", "data.")
     if d.tokenizer is not None and not d.tokenizer.strip():
         e.append("data.tokenizer is empty; give a Hugging Face tokenizer folder, or null")
     if not 0.0 < d.val_fraction < 1.0:
@@ -153,13 +149,10 @@ def _sources_problems(d: DataConfig) -> list[str]:
         elif s.name.lower() in seen:
             e.append(f"{at}.name={s.name!r} is used twice (names are unique, in any case)")
         seen.add(s.name.lower())
-        if not s.weight > 0:
-            e.append(f"{at}.weight={s.weight} must be > 0 (drop the entry to leave it out)")
+        e += bound_problems(s, "weight", "> 0 (drop the entry to leave it out)", f"{at}.")
         if not s.source.strip():
             e.append(f"{at}.source is empty; give builtin, hf:NAME, or files")
-        for key in ("max_documents", "max_tokens"):
-            if (value := getattr(s, key)) is not None and value <= 0:
-                e.append(f"{at}.{key}={value} must be > 0")
+        e += bound_problems(s, "max_documents max_tokens", prefix=f"{at}.")
     return e
 
 

@@ -361,21 +361,12 @@ def run_defining_keys() -> list[str]:
     return [key for key, f, _ in key_fields() if f.metadata.get("run_defining")]
 
 
-def with_changes(cfg: Config, changes: dict[str, Any]) -> Config:
-    """A copy of cfg with dotted keys replaced (values already typed)."""
-    sections: dict[str, dict[str, Any]] = {}
+def with_changes(cfg: Any, changes: dict[str, Any]) -> Any:
+    """A copy of a config (or of a section) with dotted keys replaced (values already typed)."""
     for key, value in changes.items():
-        path, _, name = key.rpartition(".")
-        sections.setdefault(path, {})[name] = value
-    for path, values in sections.items():
-        names = path.split(".")
-        parents = [cfg]
-        for name in names:
-            parents.append(getattr(parents[-1], name))
-        node = dataclasses.replace(parents[-1], **values)
-        for parent, name in zip(reversed(parents[:-1]), reversed(names)):
-            node = dataclasses.replace(parent, **{name: node})
-        cfg = node
+        name, _, rest = key.partition(".")
+        value = with_changes(getattr(cfg, name), {rest: value}) if rest else value
+        cfg = dataclasses.replace(cfg, **{name: value})
     return cfg
 
 

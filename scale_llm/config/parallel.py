@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from scale_llm.config.schema import config_key
+from scale_llm.config.schema import bound_problems, config_key
 
 if TYPE_CHECKING:
     from scale_llm.config import Config
@@ -188,8 +188,7 @@ def validate_parallel(cfg: Config) -> list[str]:
             f"parallel.tensor_parallel={p.tensor_parallel} x parallel.pipeline_parallel="
             f"{p.pipeline_parallel} (the ranks the layout is written for), or null"
         )
-    if fsdp.replicate_degree < 1:
-        e.append(f"parallel.fsdp.replicate_degree={fsdp.replicate_degree} must be >= 1")
+    e += bound_problems(fsdp, "replicate_degree", ">= 1", "parallel.fsdp.")
     if fsdp.cpu_offload and backend != "fsdp":
         e.append(
             f"parallel.fsdp.cpu_offload=true needs parallel.backend=fsdp (it is {backend}): "

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import PurePath
 
-from scale_llm.config.schema import config_key
+from scale_llm.config.schema import bound_problems, config_key
 
 # RUN_DIR's own names (train/preflight.py's, held to this list by tests/test_profiling.py) and
 # the prefix of eval.tasks' scratch exports: the profile folder may not be one of them
@@ -50,10 +50,8 @@ def validate_profile(p: ProfileConfig, max_steps: int) -> list[str]:
     """What is wrong with train.profile, each message naming its key and the fix."""
     e, key = [], "train.profile"
     if p.enabled:
-        if p.warmup_steps < 0:
-            e.append(f"{key}.warmup_steps={p.warmup_steps} must be >= 0")
-        if p.active_steps < 1:
-            e.append(f"{key}.active_steps={p.active_steps} must be >= 1 (steps traced)")
+        e += bound_problems(p, "warmup_steps", ">= 0", f"{key}.")
+        e += bound_problems(p, "active_steps", ">= 1 (steps traced)", f"{key}.")
         if p.start_step - max(p.warmup_steps, 0) < 1:
             e.append(
                 f"{key}.start_step={p.start_step} leaves no room for {key}.warmup_steps="

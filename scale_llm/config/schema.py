@@ -1,8 +1,11 @@
-"""How every config section declares its keys, wherever its schema lives."""
+"""How every config section declares its keys, wherever its schema lives, and the bounds check
+the sections' validations share."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import re
 from typing import Any
 
 
@@ -19,3 +22,15 @@ def config_key(
     if isinstance(default, list):  # a fresh list per instance (dataclasses refuse a shared one)
         return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
+
+
+def bound_problems(section: Any, keys: str, rule: str = "> 0", prefix: str = "") -> list[str]:
+    """`KEY=VALUE must be RULE` for each of `keys` (dotted, space-separated) whose value, where
+    set (not null), breaks `rule`: `> N` or `>= N`, then what the message adds."""
+    op, bound, tail = re.fullmatch(r"(>=?) (\d+)(.*)", rule).groups()
+    e = []
+    for key in keys.split():
+        value = functools.reduce(getattr, key.split("."), section)
+        if value is not None and (value <= int(bound) if op == ">" else value < int(bound)):
+            e.append(f"{prefix}{key}={value} must be {op} {bound}{tail}")
+    return e

@@ -10,6 +10,7 @@ from scale_llm.config.data import validate_data
 from scale_llm.config.fp8 import validate_fp8
 from scale_llm.config.parallel import validate_parallel
 from scale_llm.config.profile import validate_profile
+from scale_llm.config.schema import bound_problems
 from scale_llm.config.sections import Config, ModelConfig, get_key, mlp_hidden_size
 from scale_llm.errors import short
 
@@ -33,47 +34,30 @@ MAX_LAYERS = 10_000  # far past any trained model, short of a build that never e
 
 def validate(cfg: Config) -> list[str]:
     """Values and combinations that type checks cannot catch; each message names key and fix."""
-    e, m, t = [], cfg.model, cfg.train
-
-    def positive(section: str, *names: str) -> None:  # (an unset optional key passes)
-        for key in (f"{section}.{name}" for name in names):
-            if (value := get_key(cfg, key)) is not None and value <= 0:
-                e.append(f"{key}={value} must be > 0")
-
-    positive("model", "vocab_size", "d_model", "n_layers", "n_heads", "seq_len")
+    m, t = cfg.model, cfg.train
+    e = bound_problems(
+        cfg, "model.vocab_size model.d_model model.n_layers model.n_heads model.seq_len"
+    )
     if m.n_layers > MAX_LAYERS:  # the estimate and the model build walk every block
         e.append(
             f"model.n_layers={m.n_layers}: at most {MAX_LAYERS:,} blocks are accepted (the "
             f"deepest transformers trained have about 1,000); lower model.n_layers"
         )
     for key in ("norm_eps", "rope_theta", "init_std"):  # 0 or less: NaN or an error in step 1
-        if getattr(m, key) <= 0:
-            e.append(
-                f"model.{key}={getattr(m, key)} must be > 0 (the default is "
-                f"{getattr(ModelConfig, key)})"
-            )
-    positive("train", "micro_batch_size", "grad_accum", "max_steps", "lr", "max_bad_steps")
-    if t.gc_every < 0:
-        e.append(f"train.gc_every={t.gc_every} must be >= 0 (0: Python's automatic collection)")
-    positive("train", "exit_at_step", "global_batch_size")
-    e.extend(validate_data(cfg.data))
-    e.extend(validate_profile(t.profile, t.max_steps))
-    e.extend(validate_fp8(t.fp8))
-    positive("logging", "every")
-    if cfg.logging.peak_tflops is not None and cfg.logging.peak_tflops <= 0:
-        e.append(
-            f"logging.peak_tflops={cfg.logging.peak_tflops} must be > 0 (the device's dense "
-            f"peak TFLOP/s), or null"
-        )
-    positive("eval", "sample_tokens")
-    e.extend(eval_tasks_problems(cfg))
-    positive("checkpoint", "keep_last")
-    for key in (
-        "train.min_lr train.warmup_steps train.weight_decay train.grad_clip train.eps eval.every "
-        "eval.steps eval.sample_every checkpoint.every"
-    ).split():
-        if (value := get_key(cfg, key)) < 0:
-            e.append(f"{key}={value} must be >= 0")
+        e += bound_problems(m, key, f"> 0 (the default is {getattr(ModelConfig, key)})", "model.")
+    e += bound_problems(cfg, "train.micro_batch_size train.grad_accum train.max_steps train.lr")
+    e += bound_problems(cfg, "train.max_bad_steps")
+    e += bound_problems(cfg, "train.gc_every", ">= 0 (0: Python's automatic collection)")
+    e += bound_problems(cfg, "train.exit_at_step train.global_batch_size")
+    e += [*validate_data(cfg.data), *validate_profile(t.profile, t.max_steps)]
+    e += [*validate_fp8(t.fp8), *bound_problems(cfg, "logging.every")]
+    peak = "> 0 (the device's dense peak TFLOP/s), or null"
+    e += bound_problems(cfg, "logging.peak_tflops", peak)
+    e += [*bound_problems(cfg, "eval.sample_tokens"), *eval_tasks_problems(cfg)]
+    e += bound_problems(cfg, "checkpoint.keep_last")
+    e += bound_problems(cfg, "train.min_lr train.warmup_steps train.weight_decay", ">= 0")
+    e += bound_problems(cfg, "train.grad_clip train.eps eval.every eval.steps", ">= 0")
+    e += bound_problems(cfg, "eval.sample_every checkpoint.every", ">= 0")
     if m.d_model > 0 and m.n_heads > 0 and m.d_model % m.n_heads:
         e.append(
             f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; "
@@ -96,12 +80,10 @@ def validate(cfg: Config) -> list[str]:
             f"model.n_kv_heads={m.n_kv_heads} must be > 0 and divide model.n_heads="
             f"{m.n_heads}{example}; use null for plain multi-head attention"
         )
-    if (k := cfg.activation_checkpointing.k) < 1:
-        e.append(f"activation_checkpointing.k={k} must be >= 1")
+    e += bound_problems(cfg, "activation_checkpointing.k", ">= 1")
     if m.init_from is not None and not m.init_from.strip():
         e.append("model.init_from is empty; give a Hugging Face model folder, or null")
-    if m.mlp_hidden is not None and m.mlp_hidden <= 0:
-        e.append(f"model.mlp_hidden={m.mlp_hidden} must be > 0, or null for the default")
+    e += bound_problems(cfg, "model.mlp_hidden", "> 0, or null for the default")
     if not 0.0 < t.decay_fraction <= 1.0:
         e.append(
             f"train.decay_fraction={t.decay_fraction} must lie in (0, 1] (the share of max_steps "
@@ -239,11 +221,9 @@ def path_problems(cfg: Config) -> list[str]:
 
 def eval_tasks_problems(cfg: Config) -> list[str]:
     """eval.tasks' keys, and the backends that can run them (lm-eval reads a whole model)."""
-    ev, e = cfg.eval, []
-    if ev.tasks_every < 0:
-        e.append(f"eval.tasks_every={ev.tasks_every} must be >= 0 (0: the last step only)")
-    if ev.tasks_limit is not None and ev.tasks_limit <= 0:
-        e.append(f"eval.tasks_limit={ev.tasks_limit} must be > 0, or null for every example")
+    ev = cfg.eval
+    e = bound_problems(ev, "tasks_every", ">= 0 (0: the last step only)", "eval.")
+    e += bound_problems(ev, "tasks_limit", "> 0, or null for every example", "eval.")
     if ev.tasks is not None and not any(t.strip() for t in ev.tasks.split(",")):
         e.append(f"eval.tasks={ev.tasks!r} names no task; give task names, or null")
     if ev.tasks and cfg.parallel.backend == "deepspeed":
