@@ -107,7 +107,7 @@ def data_dir_lock(out: Path) -> Iterator[None]:
 
 
 def _up_to_date(out: Path, fingerprint: str, force: bool) -> dict[str, Any] | None:
-    current = _current_manifest(out)
+    current = _read_json(out / MANIFEST, dict)
     fresh = not force and current and current.get("fingerprint") == fingerprint
     if not (fresh and _sound(out, current)):
         return None
@@ -208,7 +208,7 @@ def check_outputs(out: Path) -> None:
 def _owned_names(out: Path) -> set[str]:
     """The names in data.dir provably prepare's (it has the mark, or a complete manifest from
     before marks): manifest.json and the outputs a manifest of prepare's lists."""
-    current = _current_manifest(out)
+    current = _read_json(out / MANIFEST, dict)
     if not (_marked(out) or (_sound(out, current) and current.get("format") == FORMAT_VERSION)):
         return set()
     names = manifest_files(current)
@@ -306,11 +306,12 @@ def _remove_build(build: Path) -> None:
     shutil.rmtree(build)
 
 
-def _read_json(path: Path) -> Any:
-    """A JSON record of prepare's, or None: none there, or damaged (it accounts for nothing)."""
+def _read_json(path: Path, kind: type = object) -> Any:
+    """A JSON record of prepare's, or None: none there, not a `kind`, or damaged (it accounts
+    for nothing)."""
     if path.is_file():
         with contextlib.suppress(UserError):
-            return read_json(path, "a record of prepare's", "", kind=object)
+            return read_json(path, "a record of prepare's", "", kind=kind)
     return None
 
 
@@ -581,8 +582,3 @@ def tokenizer_settings(cfg: Config, bundle: bytes | None) -> dict[str, Any]:
 
 def digest(settings: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
-
-
-def _current_manifest(out: Path) -> dict[str, Any] | None:
-    manifest = _read_json(out / MANIFEST)
-    return manifest if isinstance(manifest, dict) else None
