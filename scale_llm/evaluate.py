@@ -33,7 +33,8 @@ from scale_llm.files import (
     atomic_write_json,
     custom_code_problem,
     describe_kind,
-    read_json_object,
+    json_object_or_none,
+    read_json,
     temporary_sibling,
     unwritable_dir,
 )
@@ -136,7 +137,7 @@ def earlier_record(path: Path, digest: str) -> tuple[dict[str, Any] | None, bool
             f"there: move it away and run eval again"
         )
     fix = "move it away and run eval again (eval merges only a record it can read)"
-    record = read_json_object(path, "eval's record of earlier results", fix)
+    record = read_json(path, "eval's record of earlier results", fix)
     if record.get("checkpoint_digest") != digest:
         return None, True
     tasks, ppl = record.get("tasks", {}), record.get("perplexity", {})
@@ -191,7 +192,7 @@ def reusable_export(out: Path, digest: str) -> bool:
     if not (out.exists() or out.is_symlink()):
         return False
     own = out.is_dir() and not out.is_symlink()
-    info = (_read_json(out / EXPORT_INFO) if own else None) or {}
+    info = (json_object_or_none(out / EXPORT_INFO) if own else None) or {}
     if info.get("made_by") != MADE_BY:
         raise UserError(
             f"{out} exists, but eval did not make it (it is {describe_kind(out)} whose "
@@ -216,7 +217,7 @@ def make_eval_export(ckpt: Path, out: Path) -> None:
     staging = temporary_sibling(out, "eval")
     try:
         export(ckpt, staging)
-        info = read_json_object(staging / EXPORT_INFO, "export info", "export it again")
+        info = read_json(staging / EXPORT_INFO, "export info", "export it again")
         atomic_write_json(staging / EXPORT_INFO, {**info, "made_by": MADE_BY})
         publish(staging, out)  # over eval's own export (reusable_export refused anything else)
     except BaseException:
@@ -320,8 +321,8 @@ def run_tasks(
     refuse_custom_code(export_dir)
     import lm_eval
 
-    dtype = (_read_json(export_dir / EXPORT_INFO) or {}).get("dtype", "fp32")
-    eos = (_read_json(export_dir / "config.json") or {}).get("eos_token_id", EOS_ID)
+    dtype = (json_object_or_none(export_dir / EXPORT_INFO) or {}).get("dtype", "fp32")
+    eos = (json_object_or_none(export_dir / "config.json") or {}).get("eos_token_id", EOS_ID)
     out = lm_eval.simple_evaluate(
         model="hf",
         model_args={
@@ -478,7 +479,7 @@ def mixture_sources(cfg: Config, data_dir: Path) -> tuple[list[str], dict[str, f
     """(sources, weights, what weighs): the run's data.sources, else mixture.json's by windows."""
     path = data_dir / MIXTURE
     fix = "give the data dir `scale-llm prepare` made for a mixture, or prepare it again"
-    record = read_json_object(path, "a mixture's record", fix)
+    record = read_json(path, "a mixture's record", fix)
     names = record.get("sources")
     if not isinstance(names, dict) or not names:
         raise UserError(f"{path} names no prepared source; {fix}")
@@ -520,11 +521,3 @@ def format_record(record: dict[str, Any]) -> str:
             f"{record['file']}: {', '.join(record['kept'])}; written {record['written']})"
         )
     return "\n".join(lines)
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    """A JSON object of an export, or None where it is not one."""
-    try:
-        return read_json_object(path, "an export's file", "")
-    except UserError:
-        return None

@@ -32,8 +32,8 @@ from scale_llm.files import (
     describe_kind,
     fsync_dir,
     fsync_tree,
+    json_object_or_none,
     new_file_mode,
-    read_json_object,
     require_writable_dir,
     temporary_sibling,
 )
@@ -225,9 +225,7 @@ def not_an_export(folder: Path) -> str | None:
     info_path = folder / EXPORT_INFO
     if info_path.is_symlink() or not info_path.is_file():
         return f"it has no {EXPORT_INFO}"
-    try:
-        info = read_json_object(info_path, "export info", "")
-    except UserError:
+    if (info := json_object_or_none(info_path)) is None:
         return f"its {EXPORT_INFO} is not a JSON object"
     listed = info.get("files")
     entries = sorted(p.name for p in folder.iterdir())

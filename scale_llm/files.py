@@ -197,12 +197,17 @@ def read_json(
     return value
 
 
+def json_object_or_none(path: Path | str, max_bytes: int = MAX_JSON_BYTES) -> dict[str, Any] | None:
+    """The JSON object in `path`, or None where there is none (missing, unreadable, not one)."""
+    try:
+        return read_json(path, "", "", max_bytes=max_bytes)
+    except UserError:
+        return None
+
+
 def _json_kind(value: Any) -> str:
     names = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
     return names.get(type(value), "number")
-
-
-read_json_object = read_json  # (a JSON object: read_json's default kind)
 
 
 # A folder a user names (data.tokenizer, model.init_from, an export) is copied into what the
@@ -334,11 +339,8 @@ def owned_kind(path: Path) -> str | None:
     marker = path / OWNER_MARKER
     if path.is_symlink() or not path.is_dir() or marker.is_symlink() or not marker.is_file():
         return None
-    try:
-        kind = read_json(marker, "ownership marker", "", max_bytes=MAX_RECORD_BYTES).get("kind")
-    except UserError:  # unreadable, too large, not JSON, too deep, not an object: not ours
-        return None
-    return kind if isinstance(kind, str) else None
+    kind = (json_object_or_none(marker, MAX_RECORD_BYTES) or {}).get("kind")
+    return kind if isinstance(kind, str) else None  # (unreadable, damaged, too large: not ours)
 
 
 def remove_owned_dir(path: Path, kind: str) -> None:
@@ -396,7 +398,7 @@ class OwnerLock:
             return
         try:
             if not self._try_flock(fd, wait=False):
-                self._refuse_live(fd)
+                raise self._in_use(self._owner_text(fd))
             self._judge(fd, warn=False)  # a stale owner is taken over by acquire (and said then)
         finally:
             os.close(fd)
@@ -415,7 +417,7 @@ class OwnerLock:
             try:
                 if not self._try_flock(fd, wait=False):
                     if not wait:
-                        self._refuse_live(fd)
+                        raise self._in_use(self._owner_text(fd))
                     if on_wait:
                         log.info(on_wait, self._owner_text(fd))
                         on_wait = None
@@ -497,10 +499,10 @@ class OwnerLock:
             return "a process that is starting"
         return f"pid {owner['pid']} on {owner['host']}"
 
-    def _refuse_live(self, fd: int) -> None:
-        raise UserError(
-            f"{self.what} is in use by another launch ({self._owner_text(fd)}, lock file "
-            f"{self.path}); wait for it, stop it, or {self.fix}"
+    def _in_use(self, owner: str, then: str = "") -> UserError:
+        return UserError(
+            f"{self.what} is in use by another launch ({owner}, lock file {self.path}); wait for "
+            f"it, stop it, or {self.fix}{then}"
         )
 
     def _judge(self, fd: int, warn: bool = True) -> None:
@@ -523,17 +525,12 @@ class OwnerLock:
         if pid == os.getpid():  # this process, an earlier user of the lock that did not release
             return
         if _alive(pid):  # alive yet not holding the flock: pid reuse, or an older scale_llm
-            raise UserError(
-                f"{self.what} is in use by another launch (pid {pid} on {host}, lock file "
-                f"{self.path}); wait for it, stop it, or {self.fix}. If pid {pid} is not a "
-                f"scale_llm process, delete {self.path}"
-            )
+            then = f". If pid {pid} is not a scale_llm process, delete {self.path}"
+            raise self._in_use(f"pid {pid} on {host}", then)
         if warn:
             log.warning(
-                "lock %s was left by pid %d on %s, which has exited; taking it over",
-                self.path,
-                pid,
-                host,
+                f"lock {self.path} was left by pid {pid} on {host}, which has exited; "
+                f"taking it over"
             )
 
 
