@@ -239,8 +239,7 @@ def missing_packages(cfg: Config, plan, command: str) -> None:
         how = f"`{install_hint('hf')}` (or set eval.tasks=null)"
         modules = ("lm_eval", "transformers", "accelerate", "safetensors", "tokenizers")
         needs += [(f"eval.tasks={cfg.eval.tasks}", module, how) for module in modules]
-    missing = [n for n in needs if importlib.util.find_spec(n[1]) is None]
-    if missing:
+    if missing := [n for n in needs if importlib.util.find_spec(n[1]) is None]:
         raise UserError(
             "; ".join(f"{k} needs {m}, and {m} is not installed: {how}" for k, m, how in missing)
         )
@@ -721,8 +720,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if args.prompt_file is not None:
         args.prompt = read_prompt_file(args.prompt_file)
-    problems = generation_problems(args)
-    if problems:
+    if problems := generation_problems(args):
         raise UserError("; ".join(problems))
     cfg = read_run_config(args.run_dir)
     sampling = (args.max_new_tokens, args.temperature, args.top_k or None, args.top_p, args.seed)

@@ -104,12 +104,9 @@ def model_differences(saved: dict[str, Any], cfg: Config) -> list[str]:
     out = []
     for key in run_defining_keys():
         section, name = key.split(".", 1)
-        if section != "model" or name not in model:
-            continue  # (older checkpoints lack keys added since)
-        if model[name] != get_key(cfg, key):
-            out.append(
-                f"{key} ({model[name]!r} in the checkpoint, {get_key(cfg, key)!r} in the run)"
-            )
+        # (older checkpoints lack keys added since)
+        if section == "model" and name in model and model[name] != (now := get_key(cfg, key)):
+            out.append(f"{key} ({model[name]!r} in the checkpoint, {now!r} in the run)")
     return out
 
 
