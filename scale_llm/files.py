@@ -360,15 +360,27 @@ def private_dir(parent: Path, prefix: str) -> Iterator[Path]:
     """A fresh folder inside `parent` for this block only, removed at the end; `parent` is
     created if missing and removed again if this block made it and left it empty."""
     created = list(itertools.takewhile(_absent, [parent, *parent.parents]))
-    parent.mkdir(parents=True, exist_ok=True)
-    path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    try:  # (a check of the permissions passes where a filesystem refuses: root in /proc)
+        parent.mkdir(parents=True, exist_ok=True)
+        path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    except OSError as e:
+        _remove_empty(created)
+        raise UserError(
+            f"{parent}: cannot make a folder there ({e.strerror}); point it at a directory you "
+            f"can write to"
+        ) from None
     try:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
-        for p in created:  # innermost first; only folders this block made, only when empty
-            with contextlib.suppress(OSError):
-                p.rmdir()
+        _remove_empty(created)
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove `folders` (innermost first: only ones a block made) where they are empty."""
+    for p in folders:
+        with contextlib.suppress(OSError):
+            p.rmdir()
 
 
 def _absent(path: Path) -> bool:

@@ -74,6 +74,21 @@ def test_bench_checkpoint_io_works_in_a_folder_of_its_own(tmp_path, capsys):
     assert not (tmp_path / "new").exists()  # made for the call, removed after it
 
 
+def test_a_scratch_folder_the_filesystem_refuses_is_one_paragraph(tmp_path, monkeypatch):
+    """A folder the permission check passes but the filesystem refuses (root in /proc): one
+    paragraph naming it, and the parents the attempt made are removed again."""
+    from scale_llm.files import private_dir
+
+    def refused(*args, **kwargs):
+        raise FileNotFoundError(2, "No such file or directory")
+
+    monkeypatch.setattr("tempfile.mkdtemp", refused)
+    refusal = r"new/io: cannot make a folder there \(No such file"
+    with pytest.raises(UserError, match=refusal), private_dir(tmp_path / "new" / "io", "x-"):
+        pass
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_check_keeps_to_its_own_report_and_runs_folders(tmp_path):
     from scale_llm.analysis.check import claim_out, new_runs_dir
 
