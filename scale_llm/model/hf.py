@@ -92,12 +92,10 @@ class FromHF(Mapping[str, torch.Tensor]):
 
     def __init__(self, cfg: ModelConfig, get: Callable[[str], torch.Tensor]):
         self.cfg, self.get = cfg, get
+        per_layer = ["attention.wqkv.weight", *_PER_LAYER]
         self.names = ["tok_embeddings.weight", "norm.weight"]
-        for i in range(cfg.n_layers):
-            self.names += [f"layers.{i}.attention.wqkv.weight"]
-            self.names += [f"layers.{i}.{ours}" for ours in _PER_LAYER]
-        if not cfg.tie_embeddings:
-            self.names.append("output.weight")
+        self.names += [f"layers.{i}.{ours}" for i in range(cfg.n_layers) for ours in per_layer]
+        self.names += [] if cfg.tie_embeddings else ["output.weight"]
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name in _TOP:
@@ -186,43 +184,41 @@ def from_hf_config(hf: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         problems.append(
             f"rope_parameters.rope_type={rope['rope_type']!r}: unsupported (only 'default' RoPE)"
         )
+    # rope_parameters' rope_theta (transformers 5) comes before the top-level one (4)
+    given = {**hf, "rope_theta": rope.get("rope_theta", hf.get("rope_theta", 10000.0))}
     values: dict[str, Any] = {}
-    for key, ours in _SIZES.items():
-        value = hf.get(key)
-        if _positive_int(value):
-            values[ours] = value
-        else:
-            problems.append(_wrong(key, value, "an integer > 0"))
-    kv = hf.get("num_key_value_heads")  # absent or null: as many as the attention heads
-    if kv is None and "n_heads" in values:
-        values["n_kv_heads"] = values["n_heads"]
-    elif kv is not None and _positive_int(kv):
-        values["n_kv_heads"] = kv
-    elif kv is not None:
-        problems.append(_wrong("num_key_value_heads", kv, "an integer > 0 or null"))
-    tie = hf.get("tie_word_embeddings", False)
-    if isinstance(tie, bool):
-        values["tie_embeddings"] = tie
-    else:
-        problems.append(_wrong("tie_word_embeddings", tie, "true or false"))
-    for key, ours, value in (
-        ("rms_norm_eps", "norm_eps", hf.get("rms_norm_eps", 1e-6)),
-        ("rope_theta", "rope_theta", rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-    ):
-        if _positive_number(value):
-            values[ours] = float(value)
-        else:
-            problems.append(_wrong(key, value, "a finite number > 0"))
+    for key, (ours, default, ok, expected) in _FIELDS.items():
+        value = given.get(key, default)
+        if key == "num_key_value_heads" and value is None:  # absent or null: one per head
+            value = values.get("n_heads", _UNSET)
+        if ok(value):
+            values[ours] = float(value) if ok is _positive_number else value
+        elif value is not _UNSET:
+            problems.append(_wrong(key, value, expected))
     return values, problems + _head_problems(hf, values)
 
 
-# HF size fields -> our model.* keys: each a JSON integer > 0
-_SIZES = {
-    "vocab_size": "vocab_size",
-    "hidden_size": "d_model",
-    "num_hidden_layers": "n_layers",
-    "num_attention_heads": "n_heads",
-    "intermediate_size": "mlp_hidden",
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _positive_number(value: Any) -> bool:
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    return number and math.isfinite(value) and value > 0
+
+
+_UNSET = object()  # null num_key_value_heads and an ill-typed num_attention_heads: no value
+# HF config field -> (our model.* key, its value when absent, its check, what it must be)
+_FIELDS: dict[str, tuple[str, Any, Callable[[Any], bool], str]] = {
+    "vocab_size": ("vocab_size", None, _positive_int, "an integer > 0"),
+    "hidden_size": ("d_model", None, _positive_int, "an integer > 0"),
+    "num_hidden_layers": ("n_layers", None, _positive_int, "an integer > 0"),
+    "num_attention_heads": ("n_heads", None, _positive_int, "an integer > 0"),
+    "intermediate_size": ("mlp_hidden", None, _positive_int, "an integer > 0"),
+    "num_key_value_heads": ("n_kv_heads", None, _positive_int, "an integer > 0 or null"),
+    "tie_word_embeddings": ("tie_embeddings", False, lambda v: type(v) is bool, "true or false"),
+    "rms_norm_eps": ("norm_eps", 1e-6, _positive_number, "a finite number > 0"),
+    "rope_theta": ("rope_theta", 10000.0, _positive_number, "a finite number > 0"),
 }
 
 
@@ -248,15 +244,6 @@ def _head_problems(hf: dict[str, Any], values: dict[str, Any]) -> list[str]:
             f"num_key_value_heads={kv} does not divide num_attention_heads={heads}; fix config.json"
         )
     return out
-
-
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-def _positive_number(value: Any) -> bool:
-    number = isinstance(value, int | float) and not isinstance(value, bool)
-    return number and math.isfinite(value) and value > 0
 
 
 def _wrong(key: str, value: Any, expected: str) -> str:
