@@ -121,17 +121,19 @@ class HFWeights:
             )
         return tensor
 
-    def _path(self, file: str) -> Path | None:
-        """The file `file` of the folder (a link only inside it: `files.folder_file`)."""
-        return folder_file(self.folder, file, self.what)
+    def _path(self, file: str, required: bool = False) -> Path | None:
+        """The file `file` of the folder (a link only inside it: `files.folder_file`); `required`:
+        refused when it is not one."""
+        if (path := folder_file(self.folder, file, self.what)) is None and required:
+            raise UserError(f"{self.what}: {self.folder / file} is not a regular file")
+        return path
 
     def _open(self, file: str) -> Any:
         if file not in self._files:
             require(self.what, "safetensors")
             from safetensors import safe_open
 
-            if (path := self._path(file)) is None:
-                raise UserError(f"{self.what}: {self.folder / file} is not a regular file")
+            path = self._path(file, required=True)
             try:
                 self._files[file] = safe_open(str(path), framework="pt")
             except Exception as e:
@@ -161,9 +163,7 @@ class HFWeights:
             files = sorted(set(self._index(PICKLE_INDEX).values()))
         out: dict[str, torch.Tensor] = {}
         for file in files:
-            if (path := self._path(file)) is None:
-                raise UserError(f"{self.what}: {self.folder / file} is not a regular file")
-            part = load_file(path)  # weights_only: refuses planted objects
+            part = load_file(self._path(file, required=True))  # weights_only: no planted objects
             if not isinstance(part, dict):
                 raise UserError(
                     f"{self.what}: {self.folder / file} holds a {type(part).__name__}, not a "

@@ -14,15 +14,10 @@ from scale_llm.config import TrainConfig
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Weight decay on 2-D matmul weights; none on norms, biases and embeddings."""
-    embedding_params = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    decay, no_decay = [], []
-    for p in model.parameters():
-        if not p.requires_grad:
-            continue
-        if p.ndim >= 2 and id(p) not in embedding_params:
-            decay.append(p)
-        else:
-            no_decay.append(p)
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    trained = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trained if p.ndim >= 2 and id(p) not in embeddings]
+    no_decay = [p for p in trained if p.ndim < 2 or id(p) in embeddings]
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

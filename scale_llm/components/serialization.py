@@ -288,20 +288,16 @@ def dcp_save(
     the state is copied to host memory before this returns, and the Future of the write is."""
     import torch.distributed.checkpoint as dcp
 
+    writer = _writer(checkpoint_id, background and background.on_written)
     if background is None:
         with _quiet_single_process():
-            dcp.save(
-                state,
-                storage_writer=_writer(checkpoint_id),
-                checkpoint_id=checkpoint_id,
-                no_dist=no_dist,
-            )
+            dcp.save(state, storage_writer=writer, checkpoint_id=checkpoint_id, no_dist=no_dist)
         return None
     # DCP's writer thread warns too; a filter cannot be scoped to a block another thread runs
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     return dcp.async_save(
         state,
-        storage_writer=_writer(checkpoint_id, background.on_written),
+        storage_writer=writer,
         checkpoint_id=checkpoint_id,
         process_group=background.group,
         async_stager=background.stager,  # None: the writer stages (a fresh copy each save)

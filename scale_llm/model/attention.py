@@ -91,14 +91,9 @@ def _varlen(
 
     B, H, T, D = q.shape
     packed = [x.transpose(1, 2).reshape(B * T, x.size(1), D) for x in (q, k, v)]  # (B*T, h, D)
-    y = varlen_attn(
-        *packed,
-        cu_seqlens,
-        cu_seqlens,
-        max_len,
-        max_len,
-        window_size=(-1, 0),  # causal within each document
-        enable_gqa=k.size(1) != H,
+    gqa = k.size(1) != H
+    y = varlen_attn(  # window (-1, 0): causal within each document
+        *packed, cu_seqlens, cu_seqlens, max_len, max_len, window_size=(-1, 0), enable_gqa=gqa
     )
     return y.view(B, T, H, D).transpose(1, 2)
 
