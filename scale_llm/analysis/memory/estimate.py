@@ -25,6 +25,7 @@ from scale_llm.analysis.memory.activations import (
     numerics_for,
     resident_input_bytes,
     saved_activation_bytes,
+    widths,
 )
 from scale_llm.config import ActivationCheckpointingConfig, Config, ModelConfig, compiles
 from scale_llm.config.fp8 import fp8_all_gathers
@@ -102,7 +103,8 @@ class Layout:
 
 
 def layout_of(cfg: Config, plan: RunPlan) -> Layout:
-    p = cfg.parallel
+    p, fp8 = cfg.parallel, cfg.train.fp8
+    linears = fp8.enabled and plan.backend in ("single", "fsdp")  # (the ones taking fp8 linears)
     ds = deepspeed_config(cfg, plan)  # DeepSpeed's settings as the run will pass them
     zero = ds["zero_optimization"]
     return Layout(
@@ -133,17 +135,10 @@ def layout_of(cfg: Config, plan: RunPlan) -> Layout:
         replicate=plan.replicate_degree,
         pp=plan.pp_degree,
         sequence_parallel=plan.tp_degree > 1 and p.sequence_parallel,
-        **_fp8_layout(cfg, plan),
+        fp8=fp8.recipe if linears else "",
+        fp8_gather=linears and plan.backend == "fsdp" and fp8_all_gathers(fp8),
+        compiled=compiles(cfg.train, "cuda") if linears else True,
     )
-
-
-def _fp8_layout(cfg: Config, plan: RunPlan) -> dict[str, Any]:
-    """train.fp8's part of the layout (the backends that take fp8 linears: single and FSDP2)."""
-    fp8 = cfg.train.fp8
-    if not fp8.enabled or plan.backend not in ("single", "fsdp"):
-        return {}
-    gather = plan.backend == "fsdp" and fp8_all_gathers(fp8)
-    return {"fp8": fp8.recipe, "fp8_gather": gather, "compiled": compiles(cfg.train, "cuda")}
 
 
 def _dtype_name(value: Any) -> str | None:
@@ -171,12 +166,10 @@ class ParamCounts:
         """The model's parameters, or one rank's under tensor parallelism `tp`: 1/tp of every
         matmul weight and of the embedding and head, the norms whole; a pipeline rank's holds
         the `embedding` (the first stage's) and the final norm and `head` (the last's) or not."""
-        d, F = m.d_model, mlp_hidden_size(m) // tp
-        dq = m.n_heads * (d // m.n_heads) // tp
-        qkv = d * (dq + 2 * (m.n_kv_heads or m.n_heads) * (d // m.n_heads) // tp)
-        block_tensors = (qkv, dq * d, d * F, d * F, F * d, d, d)  # wqkv wo w1 w3 w2, 2 norms
-        assert sum(block_tensors) == block_matmul_params(m, tp) + 2 * d
-        embed = m.vocab_size // tp * d
+        g = widths(m, tp)
+        d, F, embed = g["d"], g["F"], g["V"] * g["d"]
+        qkv = d * (g["dq"] + 2 * g["dkv"])
+        block_tensors = (qkv, g["dq"] * d, d * F, d * F, F * d, d, d)  # wqkv wo w1 w3 w2, 2 norms
         root_tensors = (embed, d) if m.tie_embeddings else (embed, embed, d)
         if not (embedding and head):  # (a pipeline's stages: the head is never tied there)
             root_tensors = ((embed,) if embedding else ()) + ((embed, d) if head else ())
@@ -263,8 +256,8 @@ def _deepspeed_states(n: ParamCounts, lay: Layout, c: int, half: bool):
     P, W, s = n.total, lay.world, lay.zero_stage
     # fp32 master weights: in fp32 mode ZeRO-1/2/3 still keep a separate flat fp32 partition
     # (measured; ZeRO-3 clones it in _create_fp32_partitions); ZeRO-0 steps on the parameters
-    optim = (12 if half or s >= 1 else 8) * P
-    params = c * P / W if s >= 3 else c * P
+    optim = 12 * P / W if s >= 1 else (12 if half else 8) * P
+    params = c * P / W + zero3_gathered_params(n, lay) if s >= 3 else c * P
     grads = c * P / W if s >= 1 else c * P
     if s >= 3 and lay.ds_grad_accum_dtype == "fp32":  # its flat gradient partition, in fp32
         grads = 4 * P / W
@@ -275,11 +268,8 @@ def _deepspeed_states(n: ParamCounts, lay: Layout, c: int, half: bool):
     grads += ds_reduce_buckets(lay)
     if s == 1 and lay.grad_accum > 1:  # ZeRO-1 accumulates whole gradients in .grad between
         grads += c * P  # micro-steps and partitions them at the boundary (measured: c x P more)
-    optim = optim / W if s >= 1 else optim
     gpu = {"params": params, "grads": grads, "optimizer": optim}
     cpu = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
-    if s >= 3:
-        gpu["params"] += zero3_gathered_params(n, lay)
     if lay.offload_optimizer and s in (1, 2):
         gpu["optimizer"] = 0.0
         gpu["grads"] += zero_offload_gpu_grads(n, lay) - c * P / W
@@ -343,8 +333,7 @@ def zero_offload_host_blocks(n: ParamCounts, lay: Layout, rank: int = 0) -> dict
     per group: the fp32 master partition, its `.grad`, the 16-bit staging copy, accumulators
     (pinned); CPUAdam's two moments (pageable); once, `temp_grad_buffer_for_cpu_offload`."""
     c, groups = lay.working_bytes, optimizer_groups(n)
-    blocks: dict[str, list[int]] = {k: [] for k in ("master", "grads", "moments", "staging")}
-    blocks["accumulators"] = []
+    blocks = {k: [] for k in ("master", "grads", "moments", "staging", "accumulators")}
     for sizes in groups:
         part = RankPartition.of(sizes, lay.world, rank)
         blocks["master"].append(4 * part.elements)
@@ -375,11 +364,9 @@ def zero_offload_gpu_grads(n: ParamCounts, lay: Layout) -> float:
     """ZeRO-1/2 with optimizer offload keeps no 16-bit gradient partition on the GPU: a reduced
     gradient leaves through `temp_grad_buffer_for_gpu_offload` (the largest parameter), plus
     with `zero_offload_compact` an fp32 accumulation partition per group."""
-    groups = optimizer_groups(n)
-    compact = 0
-    if zero_offload_compact(lay):
-        compact = sum(4 * RankPartition.of(g, lay.world, 0).elements for g in groups)
-    return float(lay.working_bytes * max(max(sizes) for sizes in groups) + compact)
+    groups, compact = optimizer_groups(n), zero_offload_compact(lay)
+    fp32 = sum(4 * RankPartition.of(g, lay.world, 0).elements for g in groups) if compact else 0
+    return float(lay.working_bytes * max(max(sizes) for sizes in groups) + fp32)
 
 
 def zero_offload_traffic(n: ParamCounts, lay: Layout, rank: int = 0) -> dict[str, dict[str, float]]:
@@ -413,12 +400,9 @@ def pinned_round_limit(environ: Mapping[str, str]) -> int | None:
     every block): `pinned_max_round_threshold_mb` / `pinned_max_cached_size_mb`, read as torch
     reads them, from PYTORCH_ALLOC_CONF if set, else PYTORCH_CUDA_ALLOC_CONF."""
     settings = environ.get("PYTORCH_ALLOC_CONF", environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
-    limits = [
-        int(mib) << 20
-        for key, mib in re.findall(r"(?:^|,)\s*(\w+)\s*:\s*(\d+)", settings)
-        if key in ("pinned_max_round_threshold_mb", "pinned_max_cached_size_mb")
-    ]
-    return min(limits) if limits else None
+    pairs = re.findall(r"(?:^|,)\s*(\w+)\s*:\s*(\d+)", settings)
+    keys = ("pinned_max_round_threshold_mb", "pinned_max_cached_size_mb")
+    return min((int(mib) << 20 for key, mib in pairs if key in keys), default=None)
 
 
 @dataclass
