@@ -56,7 +56,7 @@ def norm_saved_bytes(tokens: int, d: int, num: Numerics) -> int:
     return (num.residual if num.fused_norm else 8) * tokens * d + 4 * tokens
 
 
-def _dims(m: ModelConfig, tp: int = 1) -> dict[str, int]:
+def widths(m: ModelConfig, tp: int = 1) -> dict[str, int]:
     """The widths one rank computes: 1/tp of the heads, the SwiGLU width and the vocabulary."""
     head_dim, kv_heads = m.d_model // m.n_heads, m.n_kv_heads or m.n_heads
     return {
@@ -72,7 +72,7 @@ def _dims(m: ModelConfig, tp: int = 1) -> dict[str, int]:
 
 def block_matmul_params(m: ModelConfig, tp: int = 1) -> int:
     """Elements of one block's matmul weights (on one rank: 1/tp of them)."""
-    g = _dims(m, tp)
+    g = widths(m, tp)
     return g["d"] * (g["dq"] + 2 * g["dkv"]) + g["dq"] * g["d"] + 3 * g["d"] * g["F"]
 
 
@@ -81,7 +81,7 @@ def block_activation_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
     in docs/memory.md, "Where memory goes"). Under tensor parallelism attention and the MLP save
     1/tp of their heads and width, their inputs whole; with sequence parallelism the norms save
     1/tp of the sequence (measured on 2 gloo ranks)."""
-    g, a, T = _dims(m, num.tp), num.compute, m.seq_len
+    g, a, T = widths(m, num.tp), num.compute, m.seq_len
     N = batch * T
     norms = 2 * norm_saved_bytes(num.stream_tokens(N), g["d"], num)
     norm_outputs = a * N * g["d"] * (3 if num.autocast else 2)
@@ -102,7 +102,7 @@ def block_activation_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
 def selective_block_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
     """Selective checkpointing keeps the block input and every matmul / attention output (under
     tensor parallelism the row-wise outputs before their reduction: whole sequence, d_model)."""
-    g, a, T = _dims(m, num.tp), num.compute, m.seq_len
+    g, a, T = widths(m, num.tp), num.compute, m.seq_len
     N = batch * T
     matmuls = a * N * ((g["dq"] + 2 * g["dkv"]) + g["d"] + 2 * g["F"] + g["d"])  # qkv wo w1 w3 w2
     if m.attention == "eager":
@@ -122,7 +122,7 @@ def head_activation_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
     autocast's copy of the output weight, and the (B, T, V) logits the loss keeps (its backward
     rebuilds the softmax from them; under tensor parallelism `parallel_cross_entropy` keeps the
     fp32 log-softmax of V/tp); under sequence parallelism the final norm's part of the sequence."""
-    g = _dims(m, num.tp)
+    g = widths(m, num.tp)
     N = batch * m.seq_len
     final_norm = norm_saved_bytes(num.stream_tokens(N), g["d"], num) + num.compute * N * g["d"]
     head_copy = 2 * g["V"] * g["d"] if num.autocast else 0
@@ -238,30 +238,23 @@ def measure_saved_bytes(
 
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     autocast = autocast or contextlib.nullcontext()
-    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    loss_fn = compiled_loss() if compiled else cross_entropy
     if compiled:
-        loss_fn = compiled_loss()
         with autocast:
             warm = model(inputs)
         loss_fn(warm, targets).backward()  # compiles the blocks and the loss
         model.zero_grad(set_to_none=True)
         del warm
-        with hooks:
-            with autocast:
-                logits = model(inputs)
-            loss_fn(logits, targets)
-        return sum(saved.values())
-    with hooks, Outputs():
+    counting = contextlib.nullcontext() if compiled else Outputs()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), counting:
         with autocast:
             logits = model(inputs)
-        loss = cross_entropy(logits, targets)
+        loss = loss_fn(logits, targets)
+    if compiled:
+        return sum(saved.values())
     del logits
-    alive = {
-        ptr: nbytes
-        for ptr, (ref, nbytes) in outputs.items()
-        if not ref.expired() and ptr not in params
-    }
-    alive.pop(loss.untyped_storage().data_ptr(), None)
+    gone = params | {loss.untyped_storage().data_ptr()}  # (the loss is no saved activation)
+    alive = {ptr: n for ptr, (ref, n) in outputs.items() if not ref.expired() and ptr not in gone}
     return sum({**alive, **saved}.values())
 
 
@@ -269,19 +262,18 @@ def measure_activations(cfg: Config, plan: RunPlan) -> tuple[int, int]:
     """(counted, predicted) saved bytes for cfg's model at the plan's micro-batch, on the CPU,
     with the precision the plan's backend would use (autocast, fp32 or a 16-bit module)."""
     num = numerics_for(plan.precision, plan.backend, fused_norm=True)  # the CPU's RMSNorm
+    m, ac, mb = cfg.model, cfg.activation_checkpointing, plan.micro_batch_size
     torch.manual_seed(cfg.run.seed)
-    model = build_model(cfg.model, "cpu")
+    model = build_model(m, "cpu")
     if num.compute == 2 and not num.autocast:
         model = model.to(torch.bfloat16)
-    apply_activation_checkpointing(model, cfg.activation_checkpointing)
-    compiled = compiles(cfg.train, plan.device.type)
-    compiled = compiled and cfg.activation_checkpointing.mode != "selective"
+    apply_activation_checkpointing(model, ac)
+    compiled = compiles(cfg.train, plan.device.type) and ac.mode != "selective"
     if compiled:  # (selective keeps its cache outside autograd: counted eager only)
         from scale_llm.parallel.compile import compile_blocks
 
         compile_blocks(model)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if num.autocast else None
-    mb = plan.micro_batch_size
-    tokens = torch.randint(0, cfg.model.vocab_size, (mb, cfg.model.seq_len + 1))
-    predicted = saved_activation_bytes(cfg.model, cfg.activation_checkpointing, mb, num)
+    tokens = torch.randint(0, m.vocab_size, (mb, m.seq_len + 1))
+    predicted = saved_activation_bytes(m, ac, mb, num)
     return measure_saved_bytes(model, tokens, autocast, compiled), predicted
