@@ -37,9 +37,8 @@ def measure_step(cfg: Config) -> dict[str, Any]:
 
     # the count is a dispatch mode, which torch.compile refuses to trace under: the whole step
     # is measured eager (compiled blocks save less: `measure_activations` counts that)
-    here = with_changes(cfg, {"train.device": "cpu", "train.compile": False})
-    if here.train.global_batch_size is not None:
-        here = with_changes(here, {"train.global_batch_size": None})
+    eager_cpu = {"train.device": "cpu", "train.compile": False, "train.global_batch_size": None}
+    here = with_changes(cfg, eager_cpu)
     plan = resolve_plan(here, launch_env())
     # micro-steps after the second are alike (the gradients of the earlier ones are kept)
     here = with_changes(here, {"train.grad_accum": min(plan.grad_accum, 2)})
@@ -92,6 +91,7 @@ _OPTIMIZER_CODE = "/torch/optim/"
 _RECOMPUTE_CODE = "/torch/utils/checkpoint.py"
 _ENGINE_CODE = "/torch/autograd/graph.py"
 _OWN_CODE = "/scale_llm/"
+_MADE_IN_PHASE = {"construction": "params", "forward": "activations"}  # else temporaries
 
 
 def measured_steps(
@@ -110,10 +110,8 @@ def measured_steps(
         optimizer_step(backend, model, batches())
     with storages.classifying(0.98 * storages.peak):  # the largest moment from just below it
         optimizer_step(backend, model, batches())
-    measured: dict[str, int] = dict(storages.parts)
-    measured["total"] = storages.parts_live
-    measured["allocated_peak"], measured["allocated_before"] = storages.peak, storages.before
-    return measured
+    peaks = {"allocated_peak": storages.peak, "allocated_before": storages.before}
+    return {**storages.parts, "total": storages.parts_live, **peaks}
 
 
 def in_phase(storages: LiveStorages, phase: str, fn: Any) -> Any:
@@ -191,11 +189,8 @@ def _tensors_in(value: Any, depth: int = 3) -> Iterator[torch.Tensor]:
     ZeRO-3 reduce bucket is one), `depth` levels down."""
     if isinstance(value, torch.Tensor):
         yield value
-    elif depth and isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors_in(v, depth - 1)
-    elif depth and isinstance(value, dict):
-        for v in value.values():
+    elif depth and isinstance(value, (list, tuple, dict)):
+        for v in value.values() if isinstance(value, dict) else value:
             yield from _tensors_in(v, depth - 1)
     elif depth and _deepspeed_object(value):
         for v in vars(value).values():
@@ -203,11 +198,8 @@ def _tensors_in(value: Any, depth: int = 3) -> Iterator[torch.Tensor]:
 
 
 def _deepspeed_object(value: Any) -> bool:
-    return (
-        type(value).__module__.startswith("deepspeed.")
-        and hasattr(value, "__dict__")
-        and not isinstance(value, torch.nn.Module)
-    )
+    ours = type(value).__module__.startswith("deepspeed.") and hasattr(value, "__dict__")
+    return ours and not isinstance(value, torch.nn.Module)
 
 
 class LiveStorages:
@@ -311,9 +303,7 @@ class LiveStorages:
             elif _ENGINE_CODE in name or (_OWN_CODE in name and phase != "backward"):
                 break  # autograd's own work in the backward; this project's code otherwise
             frame = frame.f_back
-        return backend_default or {"construction": "params", "forward": "activations"}.get(
-            phase, "temporaries"
-        )
+        return backend_default or _MADE_IN_PHASE.get(phase, "temporaries")
 
     def classify(self) -> dict[str, int]:
         """Live bytes by category: what `owners()` names (parameters, gradients, optimizer
@@ -377,11 +367,8 @@ def parts_table(r: dict[str, Any], total_note: str = "") -> list[str]:
         at, at_est, own = got[part] / GiB, est[part] / GiB, r["estimated"][part] / GiB
         lines.append(f"  {part:<12} {at:8.3f} GiB {at_est:8.3f} GiB {own:15.3f} GiB")
     peak, predicted = got["allocated_peak"] / GiB, r["estimated"]["peak"] / GiB
-    lines.append(
-        f"  {'total':<12} {peak:8.3f} GiB {predicted:8.3f} GiB "
-        f"({predicted / peak - 1:+.1%}{total_note})"
-    )
-    return lines
+    total = f"{peak:8.3f} GiB {predicted:8.3f} GiB ({predicted / peak - 1:+.1%}{total_note})"
+    return [*lines, f"  {'total':<12} {total}"]
 
 
 def format_measurement(r: dict[str, Any]) -> str:
