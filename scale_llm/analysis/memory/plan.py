@@ -41,27 +41,24 @@ def format_overrides(changes: dict[str, Any]) -> str:
 def hints(cfg: Config, plan: RunPlan) -> list[tuple[str, float]]:
     """(flags, predicted total) for the usual ways to save memory from this config."""
     ac, p, world = cfg.activation_checkpointing, cfg.parallel, plan.world_size
-    options: list[tuple[str, dict[str, Any]]] = []  # (flags, changes), --set flags by default
-
-    def option(changes: dict[str, Any], flags: str = "") -> None:
-        options.append((flags or format_overrides(changes), changes))
-
+    options: list[tuple[dict[str, Any], str]] = []  # (changes, flags: "" for their --set flags)
     if ac.mode != "full":
-        option({"activation_checkpointing.mode": "full"}, "--grad-checkpointing")
+        options.append(({"activation_checkpointing.mode": "full"}, "--grad-checkpointing"))
     if ac.mode in ("none", "every_k"):
-        option({"activation_checkpointing.mode": "selective"})
+        options.append(({"activation_checkpointing.mode": "selective"}, ""))
     if plan.micro_batch_size > 1:
         mb = plan.micro_batch_size // 2
         accum = plan.grad_accum * plan.micro_batch_size // mb
         same = mb * accum == plan.micro_batch_size * plan.grad_accum
         if same and mb % plan.pp_microbatches == 0:  # (a pipeline's pieces stay whole)
             changes = {"train.micro_batch_size": mb, "train.grad_accum": accum}
-            option(changes, f"--batch_size {mb} --grad-accum {accum}")
+            options.append((changes, f"--batch_size {mb} --grad-accum {accum}"))
     if p.backend in ("auto", "single", "ddp") and world > 1:
-        option({"parallel.backend": "fsdp"})
+        options.append(({"parallel.backend": "fsdp"}, ""))
     if p.backend == "deepspeed" and p.deepspeed.zero_stage < 3:
-        option({"parallel.deepspeed.zero_stage": p.deepspeed.zero_stage + 1})
-    return [(flags, estimate(with_changes(cfg, ch), world).total) for flags, ch in options]
+        options.append(({"parallel.deepspeed.zero_stage": p.deepspeed.zero_stage + 1}, ""))
+    totals = [estimate(with_changes(cfg, changes), world).total for changes, _ in options]
+    return [(flags or format_overrides(ch), t) for (ch, flags), t in zip(options, totals)]
 
 
 def format_report(est: Estimate, cfg: Config, plan: RunPlan, source: str) -> str:
@@ -186,12 +183,8 @@ def fit(cfg: Config, target: RunPlan | int, budget: int, keep_backend: bool = Fa
     options: list[Plan] = []
     grid = product(shards, _AC_COST.items(), micro_batches)
     for (shard, shard_cost), (mode, ac_cost), mb in grid:
-        changes = {
-            **shard,
-            "activation_checkpointing.mode": mode,
-            "train.micro_batch_size": mb,
-            "train.grad_accum": per_rank // mb,
-        }
+        batch = {"train.micro_batch_size": mb, "train.grad_accum": per_rank // mb}
+        changes = {**shard, "activation_checkpointing.mode": mode, **batch}
         if mode == "every_k":
             changes["activation_checkpointing.k"] = 2
         planned = plan.world_size  # (a hypothetical layout: planned afresh)
