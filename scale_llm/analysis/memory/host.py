@@ -5,6 +5,9 @@ first). Train and bench call it alike."""
 
 from __future__ import annotations
 
+import os
+
+from scale_llm.analysis.memory.estimate import GiB
 from scale_llm.analysis.memory.gpu import estimate
 from scale_llm.components.hardware import host_available_bytes
 from scale_llm.config import Config
@@ -31,19 +34,19 @@ def host_memory_problem(
     need = per_rank * plan.world_size  # CPU ranks share this host
     if need <= available:
         return None
-    m, gib = cfg.model, 2**30
+    m = cfg.model
     copies = f", {models} models at once" if models > 1 else ""
     if staging:
         copies += (
             f", {staging} host {'copy' if staging == 1 else 'copies'} of the model and "
             f"optimizer state for background checkpoint writes "
-            f"({copies_bytes * plan.world_size / gib:,.1f} GiB; checkpoint.async_mode)"
+            f"({copies_bytes * plan.world_size / GiB:,.1f} GiB; checkpoint.async_mode)"
         )
     return (
-        f"this run needs about {need / gib:,.1f} GiB of host memory (`scale-llm estimate` "
+        f"this run needs about {need / GiB:,.1f} GiB of host memory (`scale-llm estimate` "
         f"with these settings: {est.params / 1e6:,.0f}M parameters, d_model {m.d_model}, "
         f"{m.n_layers} layers, micro-batch {plan.micro_batch_size} x seq_len {m.seq_len}, "
-        f"{plan.world_size} process(es){copies}) but {available / gib:,.1f} GiB is available; "
+        f"{plan.world_size} process(es){copies}) but {available / GiB:,.1f} GiB is available; "
         f"shrink the model or train.micro_batch_size, or run on a GPU"
     )
 
@@ -69,20 +72,15 @@ def check_host_memory(
 def startup_problem(cfg: Config, plan: RunPlan, available: int) -> str | None:
     """Why the ranks of this host cannot build the model in its memory (a GPU run: the model
     is built on the host first, whole or one parameter at a time; `estimate` says how much)."""
-    import os
-
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)  # (torchrun's ranks per node)
     need = estimate(cfg, plan).startup_host * local
     if need <= available:
         return None
-    gib = 2**30
-    fix = (
-        "parallel.backend=fsdp builds each rank's shard, one parameter at a time"
-        if plan.backend != "fsdp"
-        else "use more nodes (fewer ranks a host) or a host with more memory"
-    )
+    fix = "use more nodes (fewer ranks a host) or a host with more memory"
+    if plan.backend != "fsdp":
+        fix = "parallel.backend=fsdp builds each rank's shard, one parameter at a time"
     return (
-        f"building the model needs about {need / gib:,.1f} GiB of this host's memory ({local} "
-        f"rank(s) here, {need / local / gib:,.1f} GiB each: `scale-llm estimate`) but "
-        f"{available / gib:,.1f} GiB is available; {fix}"
+        f"building the model needs about {need / GiB:,.1f} GiB of this host's memory ({local} "
+        f"rank(s) here, {need / local / GiB:,.1f} GiB each: `scale-llm estimate`) but "
+        f"{available / GiB:,.1f} GiB is available; {fix}"
     )
