@@ -19,10 +19,9 @@ def deepspeed_config(cfg: Config, plan: RunPlan) -> dict[str, Any]:
         "overlap_comm": True,
         "reduce_bucket_size": 5e7,
     }
-    if ds.offload_optimizer == "cpu":
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    if ds.offload_param == "cpu":
-        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    for offload in ("offload_optimizer", "offload_param"):
+        if getattr(ds, offload) == "cpu":
+            zero[offload] = {"device": "cpu", "pin_memory": True}
     generated: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": plan.micro_batch_size,
         "gradient_accumulation_steps": plan.grad_accum,

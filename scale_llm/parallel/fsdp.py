@@ -17,12 +17,12 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.parallel import loss_parallel
 
 from scale_llm.model import Transformer
 from scale_llm.parallel.backend import Backend
 from scale_llm.parallel.tensor_parallel import (
     apply_tensor_parallel,
-    backward_context,
     full_logits,
     parallel_cross_entropy,
 )
@@ -126,7 +126,7 @@ class FSDPBackend(Backend):
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
-        with backward_context() if self.tp > 1 else contextlib.nullcontext():
+        with loss_parallel() if self.tp > 1 else contextlib.nullcontext():  # (vocab shards)
             super().backward(loss)
 
     def logits_for_sampling(self, logits: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,6 @@ block whose borders convert to local tensors got wrong gradients (torch 2.13).""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
@@ -119,14 +118,10 @@ def _replicate_parameters(module: nn.Module, mesh: DeviceMesh) -> None:
 
 def parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token loss of logits sharded over the vocabulary, never gathered: a plain tensor,
-    the same on every tp rank (backward must run under `backward_context`)."""
+    the same on every tp rank (backward must run under `loss_parallel`)."""
     with loss_parallel():
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
     return loss.to_local() if isinstance(loss, DTensor) else loss
-
-
-def backward_context() -> contextlib.AbstractContextManager:
-    return loss_parallel()
 
 
 def full_logits(logits: torch.Tensor) -> torch.Tensor:
