@@ -14,6 +14,7 @@ from scale_llm.config import Config, dump_yaml, to_dict
 from scale_llm.errors import UserError, install_hint
 from scale_llm.files import JSONProblem, atomic_write_text, parse_json
 from scale_llm.train.preflight import METRICS_FILE, WANDB_ID_FILE, check_metrics_file
+from scale_llm.train.resume import flat
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ class MetricsLogger:
             self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step + 1)
             # the run dir holds the hparams session: the HPARAMS tab lists it with its scalars
             metrics = {"loss/val_loss": math.nan, "loss/loss": math.nan}
-            for summary in hparams(flatten(to_dict(cfg)), metrics):
+            for summary in hparams(flat(to_dict(cfg), tracker=True), metrics):
                 self.writer.file_writer.add_summary(summary)
             self.writer.add_text("config/yaml", _code_block(dump_yaml(cfg)), resume_step)
         if cfg.logging.wandb.project:
@@ -74,20 +75,6 @@ class MetricsLogger:
             self.wandb = None
 
 
-def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{"train": {"lr": 1e-3}} -> {"train.lr": 1e-3}; None and containers as JSON strings."""
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict) and value and all(isinstance(k, str) for k in value):
-            out.update(flatten(value, name + "."))
-        elif isinstance(value, (bool, int, float, str)):
-            out[name] = value
-        else:
-            out[name] = json.dumps(value)
-    return out
-
-
 def _start_wandb(cfg: Config, run_dir: Path, resume_step: int):
     w = cfg.logging.wandb
     try:
@@ -108,7 +95,7 @@ def _start_wandb(cfg: Config, run_dir: Path, resume_step: int):
             dir=str(run_dir),
             id=id_file.read_text().strip(),
             resume="allow",
-            config=flatten(to_dict(cfg)),
+            config=flat(to_dict(cfg), tracker=True),
         )
     except wandb.errors.Error as e:  # no API key on this node, the service unreachable, ...
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -21,14 +21,13 @@ from scale_llm.data.loader import TrainLoader
 from scale_llm.data.mixture import TrainingData, check_epochs, open_training_data
 from scale_llm.data.pretrained_tokenizer import BUNDLE_FILE, vocab_problem
 from scale_llm.errors import UserError
-from scale_llm.files import describe_kind, require_writable_dir
+from scale_llm.files import OwnerLock, describe_kind, require_writable_dir
 from scale_llm.model import attention
 from scale_llm.parallel import compile as block_compile
 from scale_llm.parallel.fp8 import check_fp8
 from scale_llm.train.eval_tasks import TaskEval
 from scale_llm.train.guards import check_fault_spec
 from scale_llm.train.init_from import check_init_from
-from scale_llm.train.lock import RunLock
 from scale_llm.train.profiling import check_profile
 from scale_llm.train.resume import Resume, choose_resume
 
@@ -107,7 +106,7 @@ def preflight(cfg: Config, plan: RunPlan) -> RunSpec:
             log.info("init_from: not used: resuming %s (newer weights)", resume.checkpoint)
     report.check(check_host_memory, cfg, plan)
     report.check(check_fp8, cfg, plan)  # torchao, an fp8 GPU, the backend
-    report.check(check_profile, cfg.train.profile, plan, cfg.run_dir)
+    report.check(check_profile, cfg.train.profile, cfg.run_dir)
     tasks = report.check(TaskEval, cfg, plan, tokenizer)  # every rank: they agree on it
     cfg = report.check(settle_compile, cfg, plan) or cfg  # every rank: they agree on it
     report.raise_if_any(plan)
@@ -203,7 +202,7 @@ def check_run_dir_state(cfg: Config) -> None:
     """The run dir can be written, holds what a run writes there, and no live launch holds it."""
     require_writable_dir(cfg.run_dir, "run.dir / run.name")
     check_run_dir(cfg.run_dir)
-    RunLock(cfg.run_dir).check()
+    run_lock(cfg.run_dir).check()
 
 
 def settle_compile(cfg: Config, plan: RunPlan) -> Config:
@@ -247,7 +246,14 @@ RUN_DIR_FILES = {
     WANDB_ID_FILE: "its Weights & Biases run id",
 }
 # What only a run dir holds: a folder with none of these (and anything in it) is someone else's.
-RUN_MARKS = ("plan.json", "checkpoints", METRICS_FILE, ".lock")
+LOCK = ".lock"
+RUN_MARKS = ("plan.json", "checkpoints", METRICS_FILE, LOCK)
+
+
+def run_lock(run_dir: Path) -> OwnerLock:
+    """One launch per run directory, taken by the main rank once every check has passed (a dead
+    owner's lock is taken over, a live one's refused)."""
+    return OwnerLock(run_dir / LOCK, str(run_dir), "pick another run.name")
 
 
 def check_run_dir(run_dir: Path) -> None:
@@ -264,10 +270,9 @@ def check_run_dir(run_dir: Path) -> None:
             f"{shown}; a run writes its config and files there, so it stops. Pick another "
             f"run.name (or run.dir), or empty that folder"
         )
-    for name, what in RUN_DIR_FOLDERS.items():
-        _check_kind(run_dir / name, "a folder", what)
-    for name, what in RUN_DIR_FILES.items():
-        _check_kind(run_dir / name, "a regular file", what)
+    for kind, names in (("a folder", RUN_DIR_FOLDERS), ("a regular file", RUN_DIR_FILES)):
+        for name, what in names.items():
+            _check_kind(run_dir / name, kind, what)
 
 
 def check_metrics_file(path: Path) -> None:

@@ -5,6 +5,7 @@ checkpoint belongs to the run that resumes it. Pure checks: nothing is restored 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,14 +104,24 @@ def check_finished_run(state: dict[str, Any], ckpt: Path, cfg: Config) -> None:
     )
 
 
-def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """A saved config as {dotted key: value}."""
+def flat(tree: dict[str, Any], prefix: str = "", tracker: bool = False) -> dict[str, Any]:
+    """A config as {dotted key: value}, a raw `*config` dict (ds_config) kept whole. For a
+    `tracker` (TensorBoard's hparams, W&B): every dict of str keys is opened, and None and
+    containers become JSON strings."""
     out: dict[str, Any] = {}
     for key, value in tree.items():
-        if isinstance(value, dict) and not key.endswith("config"):  # (a raw ds_config stays)
-            out.update(flat(value, f"{prefix}{key}."))
+        name = f"{prefix}{key}"
+        opens = isinstance(value, dict) and (
+            bool(value) and all(isinstance(k, str) for k in value)
+            if tracker
+            else not key.endswith("config")
+        )
+        if opens:
+            out.update(flat(value, f"{name}.", tracker))
+        elif tracker and not isinstance(value, bool | int | float | str):
+            out[name] = json.dumps(value)
         else:
-            out[f"{prefix}{key}"] = value
+            out[name] = value
     return out
 
 
@@ -214,16 +225,6 @@ def lookup(tree: dict[str, Any], dotted: str) -> Any:
             return None
         node = node[part]
     return node
-
-
-def foreign_layout(state: dict[str, Any], ckpt: Path) -> str:
-    """What a resume says when this backend cannot restore the checkpoint exactly: weights only."""
-    plan = state["plan"]
-    return (
-        f"{ckpt} was written by {plan['backend']} on {plan['world_size']} ranks (layout "
-        f"{state['backend']['layout']}); loading its model weights only: the optimizer moments "
-        f"start again from zero"
-    )
 
 
 def schedule_change(state: dict[str, Any], now: TrainConfig, step: int) -> str | None:

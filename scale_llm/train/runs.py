@@ -16,9 +16,8 @@ from scale_llm.config import RunConfig, load_config
 from scale_llm.config.profile import SCRATCH_PREFIX
 from scale_llm.errors import UserError
 from scale_llm.files import describe_kind, lock_holder
-from scale_llm.train.lock import LOCK
 from scale_llm.train.metrics import metric_row
-from scale_llm.train.preflight import METRICS_FILE
+from scale_llm.train.preflight import LOCK, METRICS_FILE
 
 CONFIG_FILE = "config.yaml"
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -159,10 +158,8 @@ def _shown(value: float | None) -> str:
 
 
 def _size(n: float) -> str:
-    if n < 1024:
-        return f"{n:.0f} B"
-    for unit in ("KiB", "MiB", "GiB"):
-        n /= 1024
+    for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024:
-            return f"{n:.1f} {unit}"
-    return f"{n / 1024:.1f} TiB"
+            return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"

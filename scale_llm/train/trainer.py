@@ -37,15 +37,13 @@ from scale_llm.parallel.backend import build_backend
 from scale_llm.parallel.step import optimizer_step
 from scale_llm.train import callbacks, rng
 from scale_llm.train.cadence import Cadence
-from scale_llm.train.collector import GarbageCollector
 from scale_llm.train.eval_tasks import remove_scratch
 from scale_llm.train.guards import StopSignals, maybe_fail, out_of_memory
 from scale_llm.train.init_from import load_init_weights
-from scale_llm.train.lock import RunLock
 from scale_llm.train.metrics import MetricsLogger
-from scale_llm.train.preflight import COMM_TRACE, RunSpec, preflight
+from scale_llm.train.preflight import COMM_TRACE, RunSpec, preflight, run_lock
 from scale_llm.train.profiling import StepProfiler
-from scale_llm.train.resume import foreign_layout, schedule_change
+from scale_llm.train.resume import schedule_change
 from scale_llm.train.throughput import Throughput
 
 log = logging.getLogger(__name__)
@@ -71,7 +69,7 @@ class Trainer:
         self.device, self.run_dir, self.data = spec.plan.device, spec.cfg.run_dir, spec.data
         self.resume_from = spec.resume.checkpoint if spec.resume else None
         self.complete = spec.complete  # a finished run: write nothing
-        self.lock = RunLock(self.run_dir)
+        self.lock = run_lock(self.run_dir)
         try:
             self._build()
         except BaseException:
@@ -111,7 +109,7 @@ class Trainer:
                 self.checkpointer.abandon_after(self.step)
             self._write_run_dir()
         self.metrics = MetricsLogger(self.run_dir, writes, cfg, self.step)
-        self.collector = GarbageCollector(cfg.train.gc_every)
+        self.collector = callbacks.GarbageCollector(cfg.train.gc_every)
         self.profiler = StepProfiler(cfg.train.profile, plan, self.run_dir, self.step)
         self.nan_guard = callbacks.NaNGuard()
         self.callbacks: list[callbacks.Callback] = [
@@ -148,7 +146,12 @@ class Trainer:
         backend cannot restore exactly (the optimizer starts afresh), or model.init_from's."""
         resume = self.spec.resume
         if resume is not None and not resume.exact:
-            log.warning("resume: %s", foreign_layout(resume.state, resume.checkpoint))
+            plan, layout = resume.state["plan"], resume.state["backend"]["layout"]
+            log.warning(
+                f"resume: {resume.checkpoint} was written by {plan['backend']} on "
+                f"{plan['world_size']} ranks (layout {layout}); loading its model weights only: "
+                f"the optimizer moments start again from zero"
+            )
             shapes = build_model(self.cfg.model).state_dict()  # (meta tensors: no memory)
             return CheckpointWeights(resume.checkpoint, shapes)
         if self.spec.init_from is not None:
