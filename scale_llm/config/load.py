@@ -438,12 +438,11 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any, str]:
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return True, value, "an integer"
-        number = None if isinstance(value, bool) else _as_float(value)
+        number = _as_float(value)
         whole = number is not None and number.is_integer()
         return whole, int(number) if whole else value, "an integer"
     if tp is float:
-        number = None if isinstance(value, bool) else _as_float(value)
-        if number is not None and math.isfinite(number):
+        if (number := _as_float(value)) is not None and math.isfinite(number):
             return True, number, "a number"
         return False, value, "a finite number"
     simple = {bool: (bool, "true or false"), str: (str, "a string"), dict: (dict, "a mapping")}
@@ -458,7 +457,7 @@ def _as_float(value: Any) -> float | None:
             return float(value.replace("_", ""))
         except ValueError:
             return None
-    return float(value) if isinstance(value, (int, float)) else None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _unknown_key_message(dotted: str, key: str, names: list[str], prefix: str) -> str:

@@ -229,9 +229,8 @@ def validate_parallel(cfg: Config) -> list[str]:
 
 def stages_per_rank(pipe: PipelineConfig) -> int:
     """parallel.pipeline.stages_per_rank, or its schedule's fewest (2: looped and V, else 1)."""
-    if pipe.stages_per_rank is None:
-        return 2 if pipe.schedule in LOOPED_SCHEDULES else 1
-    return pipe.stages_per_rank
+    fewest = 2 if pipe.schedule in LOOPED_SCHEDULES else 1
+    return fewest if pipe.stages_per_rank is None else pipe.stages_per_rank
 
 
 def pipeline_microbatches(p: ParallelConfig) -> int:

@@ -14,6 +14,7 @@ import torch
 
 from scale_llm.config import Config, format_errors
 from scale_llm.config.parallel import pipeline_microbatches, stages_per_rank
+from scale_llm.config.sections import WIDTH_MULTIPLE
 from scale_llm.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -161,9 +162,7 @@ def resolve_plan(
     tp, pp = cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel
     dp = launch.world_size // (tp * pp)
     return RunPlan(
-        rank=launch.rank,
-        local_rank=launch.local_rank,
-        world_size=launch.world_size,
+        **dataclasses.asdict(launch),
         device=device,
         backend=backend,
         precision=_precision(cfg.train.precision, device, bf16),
@@ -220,7 +219,7 @@ def _warn_on_odd_widths(cfg: Config) -> None:
     """Matmul widths that are not multiples of 128 leave tensor-core tiles part empty. The MLP
     default is rounded (model.mlp_hidden: null); the vocabulary is the tokenizer's own size, so
     an odd one is the user's choice: say what the nearest fast size is."""
-    m = 128
+    m = WIDTH_MULTIPLE
     for key, value in (("vocab_size", cfg.model.vocab_size), ("mlp_hidden", cfg.model.mlp_hidden)):
         if value is not None and value % m:
             log.warning(
