@@ -201,7 +201,7 @@ def bench_reference(
     fresh_start(device)
     backend = build_backend(cfg, plan)
     ours = build_model(m)
-    flops_framework = ours.flops_per_token()
+    flops_framework = flops_reference = ours.flops_per_token()  # (gpt2: its own, below)
     framework = backend.setup(ours)
     backend.set_lr(t.lr)
     gen = torch.Generator(device="cpu").manual_seed(cfg.run.seed)
@@ -213,14 +213,12 @@ def bench_reference(
         eager_backend = build_backend(with_changes(cfg, {"train.compile": False}), plan)
         eager = eager_backend.setup(build_model(m))
         eager_backend.set_lr(t.lr)
-        flops_reference = flops_framework
         run_reference = lambda: optimizer_step(eager_backend, eager, batches)[0]
     else:
         torch.manual_seed(cfg.run.seed)  # the same initial weights as the backend drew
         if kind == "bare":
             bare = materialize(build_model(m), "cpu").to(device)
             apply_activation_checkpointing(bare, cfg.activation_checkpointing)
-            flops_reference = flops_framework
         else:
             bare = GPT2Reference(m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.seq_len)
             bare = bare.to(device)
