@@ -696,11 +696,10 @@ def _fill(dst: torch.Tensor, full: torch.Tensor) -> None:
 
 
 class CheckpointWeights(Mapping[str, torch.Tensor]):
-    """Any checkpoint's fp32 model weights by name (and its Adam state), each read when asked, so
-    that a caller taking them one at a time (a sharded start, a streamed export) holds one full
-    parameter at a time: `source` reads DCP's bytes of that tensor alone, or puts DeepSpeed's
-    together from the ranks' partitions (`ZeroWeights`). `template`: the model's tensors (names
-    and shapes; meta will do)."""
+    """Any checkpoint's fp32 model weights by name, each read when asked, so that a caller taking
+    them one at a time (a sharded start, a streamed export) holds one full parameter at a time:
+    `source` reads DCP's bytes of that tensor alone, or puts DeepSpeed's together from the ranks'
+    partitions (`ZeroWeights`). `template`: the model's tensors (names and shapes; meta will do)."""
 
     def __init__(self, ckpt_dir: Path, template: dict[str, torch.Tensor]):
         self.shapes = {n: t.shape for n, t in template.items()}
@@ -724,16 +723,20 @@ class CheckpointWeights(Mapping[str, torch.Tensor]):
     def __len__(self) -> int:
         return len(self.shapes)
 
+
+class CheckpointMoments:
+    """Any checkpoint's Adam state by parameter name, each tensor read when asked, and its step."""
+
+    def __init__(self, ckpt_dir: Path, template: dict[str, torch.Tensor]):
+        self.weights = CheckpointWeights(ckpt_dir, template)
+
     def read(self, name: str, key: str) -> torch.Tensor:
         """`key` (exp_avg, exp_avg_sq) of parameter `name`, whole, fp32."""
-        return self.source.read(name, key)
+        return self.weights.source.read(name, key)
 
     def step(self) -> int:
         """The optimizer steps taken (AdamW's per-parameter step, the same for every one)."""
-        return self.source.optimizer_step()
-
-
-CheckpointMoments = CheckpointWeights  # (its Adam state: `read`, `step`)
+        return self.weights.source.optimizer_step()
 
 
 class _DcpTensors:
