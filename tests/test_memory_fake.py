@@ -113,19 +113,23 @@ def test_a_pipeline_rank_traced_alone_peaks_where_its_estimate_says(rank):
     assert f"pipeline rank {rank} (" in format_trace(r)
 
 
-def test_a_pipeline_x_tensor_parallel_trace_counts_its_own_stage_only():
-    """PP 2 x TP 2: tensor parallelism is applied to the whole model on the meta device before
-    the split, which makes new (meta) shards inside the fake mode. They hold no memory: the
-    first rank's traced parameters are its stage's and its peak is the estimate's within 6%
-    (-3.7%; -15% when the other stage's shards were counted)."""
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_pipeline_x_tensor_parallel_rank_peaks_where_its_estimate_says(rank):
+    """PP 2 x TP 2. Tensor parallelism is applied to the whole model on the meta device before
+    the split, which makes new (meta) shards inside the fake mode: they hold no memory, so the
+    first rank's traced parameters are its stage's (5.1 MB counting every block's, 3.6 est.).
+    The last stage gathers the whole vocabulary's logits for the loss (torch's stages cannot
+    run the vocabulary-parallel loss backward). Each rank within 5% (measured 2026-12-05:
+    -0.9% and -1.2%; -15% and -22% counting the other stage's shards and sharded logits)."""
     cfg = with_changes(
         load_config(REPO / "yaml" / "tiny.yaml"),
         {**PIPELINE, "parallel.tensor_parallel": 2, "model.n_kv_heads": 2},
     )
-    r = trace_step(cfg, world_size=4, pipeline_rank=0)
+    r = trace_step(cfg, world_size=4, pipeline_rank=rank)
     got, est = r["measured"], r["estimated_peak_parts"]
-    assert got["params"] <= est["params"], (got, est)  # (5.1 MB with every block's, 3.6 est.)
-    assert r["estimated"]["peak"] == pytest.approx(got["allocated_peak"], rel=0.06)
+    if rank == 0:
+        assert got["params"] <= est["params"], (got, est)
+    assert r["estimated"]["peak"] == pytest.approx(got["allocated_peak"], rel=0.05)
 
 
 def test_a_pipeline_trace_defaults_to_the_worst_rank():

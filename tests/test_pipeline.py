@@ -307,7 +307,10 @@ def test_the_memory_estimate_is_the_worst_pipeline_ranks():
     from scale_llm.config import with_changes
 
     proposal = fit(cfg, 512, 48 * 2**30)
-    assert proposal.changes == {"parallel.fsdp.cpu_offload": True}
+    assert proposal.changes == {
+        "parallel.fsdp.reshard_after_forward": True,
+        "parallel.fsdp.cpu_offload": True,
+    }
     fitted = with_changes(cfg, proposal.changes)
     assert fitted.train.micro_batch_size % 32 == 0 and fitted.parallel.backend == "fsdp"
     with pytest.raises(UserError, match="nothing fits"):  # (DeepSpeed cannot hold a pipeline)
@@ -316,6 +319,26 @@ def test_the_memory_estimate_is_the_worst_pipeline_ranks():
         assert (
             in_flight("interleaved_1f1b", 8, 2, 32, rank) == _get_warmup_ops(rank, 2, 8, 8, 32) + 1
         )
+
+
+def test_a_backward_split_in_two_keeps_what_its_weight_half_reads():
+    """ZBV runs a piece's backward as an input half and a weight half: between them the piece
+    keeps its saved activations and what the weight half reads (`split`), and only the weight
+    half frees them. Rank 7 of ZBV at PP 8 defers up to 15 weight halves."""
+    from scale_llm.analysis.memory.pipeline import in_flight_bytes, rank_actions
+
+    actions = [("F", 0), ("F", 0), ("I", 0), ("I", 0), ("W", 0), ("W", 0)]
+    assert in_flight_bytes(actions, {0: 1.0}, {0: 10.0}) == (12.0, 22.0)
+    assert in_flight_bytes(actions, {0: 1.0}) == (2.0, 2.0)
+    zbv = rank_actions("zero_bubble", 8, 2, 64, 7)
+    for stage in (7, 8):
+        kinds = [k for k, s in zbv if s == stage]
+        assert kinds.count("F") == kinds.count("I") == kinds.count("W") == 64
+    waiting = most = 0
+    for kind, _ in zbv:
+        waiting += (kind == "I") - (kind == "W")
+        most = max(most, waiting)
+    assert most == 15
 
 
 def test_check_and_bench_run_a_pipelined_config_in_one_process():

@@ -572,9 +572,10 @@ def test_each_accumulation_step_fills_and_drains_the_pipeline():
 
 
 def test_the_pipelines_sends_cross_nodes_at_the_networks_rate():
-    """yaml/70b-pp.yaml: 64 sequences a step on each of 8 data-parallel ranks, each piece's
-    (4096, 8192) bf16 activations forward and gradients back, over 100 Gb/s a node (5.5 s) or
-    400 Gb/s a GPU (0.17 s); everything else the same."""
+    """yaml/70b-pp.yaml: 128 sequences a step on each of 4 data-parallel ranks (grad_accum 2),
+    each piece's (2048, 8192) bf16 activations (a tensor-parallel rank's half of the sequence)
+    forward and gradients back, over 100 Gb/s a node (5.5 s) or 400 Gb/s a GPU (0.17 s);
+    everything else the same."""
     from scale_llm.analysis.roofline import P2P_ROW, pipeline_step
 
     cfg = load_config(REPO / "yaml" / "70b-pp.yaml")
@@ -621,7 +622,8 @@ def layouts():
 
 def test_the_doc_states_the_70b_layouts_the_code_makes_and_the_yamls_are_the_best(layouts):
     """docs/performance.md's 70B table, row by row; the fastest layout on InfiniBand is
-    yaml/70b.yaml's, on 100 Gb/s a node yaml/70b-pp.yaml's, and both fit 80 GB."""
+    yaml/70b.yaml's, on 100 Gb/s a node yaml/70b-pp.yaml's, among the layouts that fit an 80 GB
+    H100 with the 5% the trainer's fit keeps for the CUDA context (76 GiB)."""
     doc = (REPO / "docs" / "performance.md").read_text()
     for row in layouts:
         pp, tp, schedule, v, _, pieces = row["layout"]
@@ -637,8 +639,10 @@ def test_the_doc_states_the_70b_layouts_the_code_makes_and_the_yamls_are_the_bes
             f"{row['steps']['ib-ndr']['bubble']:.0%} | {row['gib']:.2f} | {mfus[0]} | {mfus[1]} |"
         )
         assert line in doc, f"docs/performance.md lacks: {line}"
+    fit = [r for r in layouts if r["gib"] <= 0.95 * 80]
+    assert len(fit) < len(layouts)  # (FSDP2 8 x PP 8 without tensor parallelism does not)
     best = {
-        n: max(layouts, key=lambda r: r["steps"][n]["mfu"]["point"]) for n in ("ib-ndr", "eth-100g")
+        n: max(fit, key=lambda r: r["steps"][n]["mfu"]["point"]) for n in ("ib-ndr", "eth-100g")
     }
     for network, name in (("ib-ndr", "70b.yaml"), ("eth-100g", "70b-pp.yaml")):
         cfg = load_config(REPO / "yaml" / name)
@@ -649,4 +653,3 @@ def test_the_doc_states_the_70b_layouts_the_code_makes_and_the_yamls_are_the_bes
             cfg.train.micro_batch_size,
         )
         assert best[network]["layout"][2] in ("-", cfg.parallel.pipeline.schedule)
-        assert best[network]["gib"] < 80

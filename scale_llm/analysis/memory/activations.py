@@ -30,6 +30,12 @@ class Numerics:
     tp: int = 1  # each rank holds 1/tp of the heads, the SwiGLU width and the vocabulary
     sequence_parallel: bool = False  # the norms and the residual stream: 1/tp of the sequence
     fp8: bool = False  # train.fp8: the blocks' linears cast their own weights (no autocast copy)
+    whole_logits: bool = False  # the loss gathers the vocabulary (a pipeline's, under TP)
+
+    @property
+    def vocab_sharded(self) -> bool:
+        """The loss reads 1/tp of the vocabulary's logits (`parallel_cross_entropy`)."""
+        return self.tp > 1 and not self.whole_logits
 
     def stream_tokens(self, tokens: int) -> int:
         """This rank's tokens of the residual stream and the norms."""
@@ -43,10 +49,12 @@ def numerics_for(
     tp: int = 1,
     sp: bool = False,
     fp8: bool = False,
+    whole_logits: bool = False,
 ) -> Numerics:
     sharded = backend in ("fsdp", "deepspeed")  # (16-bit modules; else fp32 params + autocast)
     kind = (4, 4, False) if precision == "fp32" else (2, 2, False) if sharded else (2, 4, True)
-    return Numerics(*kind, fused_norm, tp=tp, sequence_parallel=sp and tp > 1, fp8=fp8)
+    sp = sp and tp > 1
+    return Numerics(*kind, fused_norm, tp, sequence_parallel=sp, fp8=fp8, whole_logits=whole_logits)
 
 
 def norm_saved_bytes(tokens: int, d: int, num: Numerics) -> int:
@@ -126,7 +134,9 @@ def head_activation_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
     N = batch * m.seq_len
     final_norm = norm_saved_bytes(num.stream_tokens(N), g["d"], num) + num.compute * N * g["d"]
     head_copy = 2 * g["V"] * g["d"] if num.autocast else 0
-    logits = 4 * N * (m.vocab_size // num.tp) if num.tp > 1 else num.compute * N * m.vocab_size
+    logits = num.compute * N * m.vocab_size
+    if num.vocab_sharded:
+        logits = 4 * N * (m.vocab_size // num.tp)
     return resident_input_bytes(m, batch) + final_norm + head_copy + logits
 
 
@@ -157,7 +167,7 @@ def loss_backward_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
     fp32 work (in 16 bits the upcast and the softmax buffer coexist; in fp32 it is the gradient)."""
     N, V = batch * m.seq_len, m.vocab_size
     fp32_work = loss_forward_bytes(m, batch, num)  # the same fp32 chunk (and its upcast)
-    if num.tp > 1:  # loss_parallel's backward peaks no higher than its forward (measured)
+    if num.vocab_sharded:  # loss_parallel's backward peaks no higher than its forward
         return fp32_work
     if max(1, CHUNK_ELEMENTS // V) >= N:  # one chunk: its buffer becomes the gradient
         return fp32_work if num.compute == 4 else max(fp32_work, (4 + num.compute) * N * V)
@@ -168,7 +178,7 @@ def loss_forward_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
     """The chunked loss's forward beyond what is saved: one chunk's fp32 log-softmax (and in 16
     bits the upcast copy it is computed from)."""
     N, V = batch * m.seq_len, m.vocab_size
-    if num.tp > 1:  # beyond the fp32 log-softmax it saves: the 16-bit logits, and two fp32
+    if num.vocab_sharded:  # beyond the fp32 log-softmax it saves: the 16-bit logits, two fp32
         # buffers of loss_parallel's log-softmax at its peak (x - max, its exp), one of them
         # where the saved log-softmax will be (measured on 2 gloo ranks, fp32 and bf16)
         return (4 + (num.compute if num.compute != 4 else 0)) * N * (V // num.tp)

@@ -460,7 +460,13 @@ class Estimate:
 def estimate_layout(m: ModelConfig, ac: ActivationCheckpointingConfig, lay: Layout) -> Estimate:
     n = ParamCounts.of(m, lay.tp, lay.holds_embedding, lay.holds_head)
     num = numerics_for(
-        lay.precision, lay.backend, lay.fused_norm, lay.tp, lay.sequence_parallel, bool(lay.fp8)
+        lay.precision,
+        lay.backend,
+        lay.fused_norm,
+        lay.tp,
+        lay.sequence_parallel,
+        bool(lay.fp8),
+        whole_logits=lay.pp > 1,  # (a pipeline's loss gathers the vocabulary under TP)
     )
     gpu, cpu = state_bytes(n, lay)
     parts, gpu["activations"], gpu["temporaries"] = step_phases(m, ac, lay, n, gpu, num)

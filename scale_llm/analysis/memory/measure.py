@@ -87,6 +87,7 @@ _TRANSPARENT = (
 )
 _GATHERING = re.compile("gather|unshard|fetch")
 _REDUCING = re.compile("reduce|grad|bucket|ipg")
+_PIPELINE_CODE = "/torch/distributed/pipelining/"
 _OPTIMIZER_CODE = "/torch/optim/"
 _RECOMPUTE_CODE = "/torch/utils/checkpoint.py"
 _ENGINE_CODE = "/torch/autograd/graph.py"
@@ -288,6 +289,8 @@ class LiveStorages:
             name = code.co_filename.replace("\\", "/")
             if any(part in name for part in _TRANSPARENT):
                 pass
+            elif _PIPELINE_CODE in name and backend_default is None:
+                return "activations"  # a stage's receive buffers: pieces' inputs, gradients
             elif any(part in name for part in _BACKEND_CODE):
                 if _GATHERING.search(code.co_name):
                     return "params"

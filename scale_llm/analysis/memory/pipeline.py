@@ -19,10 +19,14 @@ import types
 from torch.distributed.pipelining.schedules import _ComputationType
 
 from scale_llm.analysis.memory.activations import (
+    Numerics,
+    block_activation_bytes,
+    block_input_bytes,
     head_activation_bytes,
     kept_per_block,
     numerics_for,
     resident_input_bytes,
+    widths,
 )
 from scale_llm.analysis.memory.estimate import (
     OVERHEAD_FRACTION,
@@ -31,16 +35,16 @@ from scale_llm.analysis.memory.estimate import (
     ParamCounts,
     estimate_layout,
 )
-from scale_llm.config import Config
+from scale_llm.config import ActivationCheckpointingConfig, Config, ModelConfig
 from scale_llm.config.plan import RunPlan
 from scale_llm.parallel.pipeline import SCHEDULES, stage_blocks, stage_owner
 
 
 def rank_actions(schedule: str, pp: int, chunks: int, microbatches: int, rank: int):
     """Pipeline rank `rank`'s forwards and backwards in the order its schedule runs them:
-    ("F" | "B", stage). 1F1B and GPipe as torch 2.13's Schedule1F1B / ScheduleGPipe run them;
-    the multi-stage schedules from torch's own `_calculate_single_rank_operations` (a backward
-    split in two frees a piece's activations with its weight half)."""
+    ("F" | "B", stage), a backward split in two as its input half "I" and weight half "W".
+    1F1B and GPipe as torch 2.13's Schedule1F1B / ScheduleGPipe run them; the multi-stage
+    schedules from torch's own `_calculate_single_rank_operations`."""
     m = microbatches
     if schedule == "gpipe":
         return [("F", rank)] * m + [("B", rank)] * m
@@ -58,7 +62,8 @@ def rank_actions(schedule: str, pp: int, chunks: int, microbatches: int, rank: i
     kinds = {
         _ComputationType.FORWARD: "F",
         _ComputationType.FULL_BACKWARD: "B",
-        _ComputationType.BACKWARD_WEIGHT: "B",
+        _ComputationType.BACKWARD_INPUT: "I",
+        _ComputationType.BACKWARD_WEIGHT: "W",
     }
     out = []
     for op in (o for o in ops if o is not None):
@@ -68,22 +73,29 @@ def rank_actions(schedule: str, pp: int, chunks: int, microbatches: int, rank: i
     return out
 
 
-def in_flight_bytes(actions, per_piece: dict[int, float]) -> tuple[float, float]:
+def in_flight_bytes(
+    actions, per_piece: dict[int, float], split: dict[int, float] | None = None
+) -> tuple[float, float]:
     """The most saved bytes in flight (`per_piece`: a piece's, by stage) at a backward: (at the
-    first backward, at any later one), the piece being run back counted."""
-    held = dict.fromkeys(per_piece, 0)
+    first backward, at any later one), the piece being run back counted. A piece whose
+    backward's input half ran keeps its saved activations and `split` (by stage) more until its
+    weight half."""
+    split = split or dict.fromkeys(per_piece, 0.0)
+    held, halves = dict.fromkeys(per_piece, 0), dict.fromkeys(per_piece, 0)
     first = later = 0.0
     seen_backward = False
     for kind, stage in actions:
         if kind == "F":
             held[stage] += 1
             continue
-        now = sum(held[s] * per_piece[s] for s in held)
+        halves[stage] += kind == "I"
+        now = sum(held[s] * per_piece[s] + halves[s] * split[s] for s in held)
         if seen_backward:
             later = max(later, now)
         else:
             first, seen_backward = now, True
-        held[stage] -= 1
+        held[stage] -= kind != "I"
+        halves[stage] -= kind == "W"
     return first, later
 
 
@@ -110,19 +122,24 @@ def rank_estimate(cfg: Config, plan: RunPlan, lay: Layout, rank: int) -> Estimat
     num = numerics_for(
         lay.precision, lay.backend, lay.fused_norm, lay.tp, lay.sequence_parallel, bool(lay.fp8)
     )
-    per_piece = {}  # one piece's saved activations in each of the rank's stages
+    sent = block_input_bytes(m, piece, num)  # a piece's residual stream between two stages
+    per_piece, held, split = {}, {}, {}  # a piece's saved activations in each of its stages
     for s in mine:
         stage_model = dataclasses.replace(m, n_layers=len(blocks[s]))
         per_piece[s] = float(sum(kept_per_block(stage_model, ac, piece, num)))
         if s == stages - 1:
             per_piece[s] += head_activation_bytes(m, piece, num) - resident_input_bytes(m, piece)
+        # held in flight: a stage keeps its output for the backward, its input is a buffer
+        held[s] = per_piece[s] + sent * ((s < stages - 1) - (s > 0))
+        split[s] = weight_half_bytes(stage_model, ac, piece, num)
+    # torch's stages hold a receive buffer for every piece from the first step on: its input
+    # (all but the first stage) and its output's gradient (all but the last)
+    buffers = pieces * sent * sum((s > 0) + (s < stages - 1) for s in mine)
     actions = rank_actions(pipe.schedule, plan.pp_degree, chunks, pieces, rank)
-    at_first, at_later = in_flight_bytes(actions, per_piece)
-    # the base step's own piece, taken as one of its largest stage's: taken as one of every
-    # stage's, the multi-stage schedules came 9-11% under their measured peaks (2 gloo ranks)
-    counted = max(per_piece.values())
+    at_first, at_later = in_flight_bytes(actions, held, split)
+    base = sum(per_piece.values())  # the base step's own piece of every stage
     est = estimate_layout(rank_model, ac, piece_lay)
-    est = _with_in_flight(est, max(0.0, at_first - counted), 0.0)
+    est = _with_in_flight(est, at_first - base, 0.0, buffers)
     if pieces > 1:
         # torch's stages run every backward but the last without FSDP2's reduction: each piece
         # is a micro-step accumulating whole gradients; the sharded ones are made after the last
@@ -134,17 +151,34 @@ def rank_estimate(cfg: Config, plan: RunPlan, lay: Layout, rank: int) -> Estimat
         )
         n = ParamCounts.of(rank_model, lay.tp, first, last).total
         sharded = 4.0 * n / lay.shards if lay.backend == "fsdp" else 0.0
-        others = max(0.0, at_later - counted)
-        est_later = _with_in_flight(estimate_layout(rank_model, ac, later), others, sharded)
+        est_later = estimate_layout(rank_model, ac, later)
+        est_later = _with_in_flight(est_later, at_later - base, sharded, buffers)
         est = max(est, est_later, key=lambda e: e.gpu["peak"])
     est.params, est.model, est.layout = ParamCounts.of(m).total, m, lay  # (the whole micro-batch)
     return est
 
 
-def _with_in_flight(est: Estimate, others: float, not_yet: float) -> Estimate:
+def weight_half_bytes(
+    m: ModelConfig, ac: ActivationCheckpointingConfig, piece: int, num: Numerics
+) -> float:
+    """What a piece's backward split in two (the V schedules) keeps from its input half to its
+    weight half in a stage of `m`'s blocks: the gradient at every linear's output (what the
+    weight gradients read, torch's `stage_backward_input` keeps them) and, for a checkpointed
+    block, its recomputed activations beyond the input it kept."""
+    w = widths(m, num.tp)  # the outputs of q, k, v, o, w1, w3 and w2
+    output_grads = (
+        num.compute * piece * m.seq_len * (w["dq"] + 2 * w["dkv"] + 2 * w["F"] + 2 * w["d"])
+    )
+    full = block_activation_bytes(m, piece, num)
+    return float(sum(output_grads + full - kept for kept in kept_per_block(m, ac, piece, num)))
+
+
+def _with_in_flight(est: Estimate, others: float, not_yet: float, buffers: float) -> Estimate:
     """`est` with `others` bytes of saved activations more until the optimizer step (every
-    piece's backward has run by then) and `not_yet` gradient bytes less before it."""
+    piece's backward has run by then), `not_yet` gradient bytes less before it, and the
+    receive `buffers` throughout."""
     for name, parts in est.parts.items():
+        parts["activations"] += buffers
         if name != "optimizer step":
             parts["activations"] += others
             parts["grads"] -= not_yet
