@@ -14,10 +14,7 @@ class Cadence:
     start_step: int  # the step this launch began from (a resume's checkpoint step, else 0)
 
     def logs(self, step: int) -> bool:
-        return step % self.cfg.logging.every == 0 or step in (
-            self.start_step + 1,
-            self.cfg.train.max_steps,
-        )
+        return step % self.cfg.logging.every == 0 or step == self.start_step + 1 or self._last(step)
 
     def evaluates(self, step: int) -> bool:
         e = self.cfg.eval
