@@ -366,8 +366,8 @@ def private_dir(parent: Path, prefix: str) -> Iterator[Path]:
     except OSError as e:
         _remove_empty(created)
         raise UserError(
-            f"{parent}: cannot make a folder there ({e.strerror}); point it at a directory you "
-            f"can write to"
+            f"{parent}: cannot make a folder there ({e.strerror or e}); point it at a directory "
+            f"you can write to"
         ) from None
     try:
         yield path
