@@ -341,6 +341,22 @@ def test_a_backward_split_in_two_keeps_what_its_weight_half_reads():
     assert most == 15
 
 
+@pytest.mark.parametrize("schedule", ["zero_bubble", "1f1b"])
+def test_the_report_says_a_v_schedule_with_checkpointing_is_estimated_low(schedule):
+    """What a split backward keeps between its halves under checkpointing is not counted
+    (docs/memory.md): the report says so for the V schedules, and only for them."""
+    from scale_llm.analysis.memory.gpu import estimate
+    from scale_llm.analysis.memory.plan import format_report
+    from scale_llm.config.plan import target_plan
+    from tests.helpers import REPO
+
+    sets = ["parallel.backend=fsdp", "parallel.pipeline_parallel=2", "model.tie_embeddings=false"]
+    sets += [f"parallel.pipeline.schedule={schedule}", "activation_checkpointing.mode=full"]
+    cfg = load_config(REPO / "yaml" / "tiny.yaml", sets)
+    report = format_report(estimate(cfg, 2), cfg, target_plan(cfg, 2), "tiny")
+    assert ("(low: zero_bubble with activation checkpointing" in report) == (schedule != "1f1b")
+
+
 def test_check_and_bench_run_a_pipelined_config_in_one_process():
     """`scale-llm check --set parallel.pipeline_parallel=2` sweeps one process, and bench's
     scaling reference runs the model on rank 0 alone: both plans reset the pipeline degree

@@ -17,6 +17,7 @@ from scale_llm.analysis.memory.estimate import (
 )
 from scale_llm.analysis.memory.gpu import estimate
 from scale_llm.config import Config, with_changes
+from scale_llm.config.parallel import V_SCHEDULES
 from scale_llm.config.plan import RunPlan, target_plan
 from scale_llm.errors import UserError
 
@@ -76,6 +77,11 @@ def format_report(est: Estimate, cfg: Config, plan: RunPlan, source: str) -> str
     if est.pipeline_ranks:  # (the figures above are the worst rank's)
         peaks = ", ".join(f"{r}: {gib(e.gpu['peak'])}" for r, e in enumerate(est.pipeline_ranks))
         lines.append(f"the worst pipeline rank's: {est.pipeline_rank} (each rank's peak: {peaks})")
+        if cfg.parallel.pipeline.schedule in V_SCHEDULES and ac.mode != "none":
+            lines.append(
+                f"  (low: {cfg.parallel.pipeline.schedule} with activation checkpointing holds "
+                f"more between a backward's two halves than counted; docs/memory.md)"
+            )
     cpu = ", ".join(f"{k} {gib(v)}" for k, v in est.cpu.items() if v)
     if cpu:
         lines.append(f"per rank in CPU memory (offloaded): {cpu}")
