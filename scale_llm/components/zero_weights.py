@@ -11,9 +11,10 @@ never the model. param_shapes must use the values up exactly, as DeepSpeed's zer
 
 from __future__ import annotations
 
+import functools
 import math
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +29,26 @@ Pieces = list[tuple[int, int, int, int]]  # (rank, group, start, length) of a ra
 _MAX_DIM = 2**48  # (no real dimension comes near; a larger one is damage, not a shape)
 
 
+class _Damaged(Exception):
+    """(the file, what is wrong with it): a check's refusal."""
+
+
 class _Layout(Exception):
     """The partitions do not hold the parameters param_shapes lists (one line: what)."""
+
+
+def _refusing(method: Callable[..., Any]) -> Callable[..., Any]:
+    """The reader's one way out for its checks' refusals: `_Damaged` leaves as serialization's
+    DamagedCheckpoint."""
+
+    @functools.wraps(method)
+    def refusing(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        except _Damaged as e:
+            raise damaged(*e.args) from None
+
+    return refusing
 
 
 def _load(path: Path) -> Any:
@@ -41,10 +60,11 @@ class ZeroWeights(Mapping[str, torch.Tensor]):
     """The fp32 weights of DeepSpeed's checkpoint folder `ds_dir` by name, each assembled from
     the partitions when asked; `model`: the shapes they must have (None: any)."""
 
+    @_refusing
     def __init__(self, ds_dir: Path, model: Mapping[str, torch.Size] | None = None):
         found = [ds_dir / n for n in MODEL_STATES if (ds_dir / n).is_file()]
         if not found:
-            raise damaged(ds_dir, f"neither {' nor '.join(MODEL_STATES)} is there")
+            raise _Damaged(ds_dir, f"neither {' nor '.join(MODEL_STATES)} is there")
         self.model_file = found[0]
         self._states = states = _load(self.model_file)
         module, groups = _module_and_groups(states, self.model_file)
@@ -65,27 +85,29 @@ class ZeroWeights(Mapping[str, torch.Tensor]):
                     self.shapes[name], self.where[name] = module[name].shape, None
         for alias, name in (states.get("shared_params") or {}).items():
             if not isinstance(alias, str) or name not in self.shapes:
-                raise damaged(self.model_file, f"shared_params names {name!r}, no parameter")
+                raise _Damaged(self.model_file, f"shared_params names {name!r}, no parameter")
             self.shapes[alias], self.where[alias] = self.shapes[name], self.where[name]
         if model is not None and (differs := _shape_differences(self.shapes, model)):
-            raise damaged(ds_dir, f"{differs}, unlike the model it records")
+            raise _Damaged(ds_dir, f"{differs}, unlike the model it records")
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if self.where[name] is None:  # (a buffer, or ZeRO-0)
             return self._states["module"][name].to(torch.float32, copy=True)
         return self.read(name)
 
+    @_refusing
     def read(self, name: str, key: str | None = None) -> torch.Tensor:
         """Parameter `name`'s fp32 values (`key` None), or its optimizer state `key` (Adam's
         exp_avg, exp_avg_sq): each lies in the partitions as the fp32 values do."""
         shape, pieces = self.shapes[name], self.where[name]
         if pieces is None:
-            raise damaged(self.model_file, f"{name!r} has no optimizer state (ZeRO-0?)")
+            raise _Damaged(self.model_file, f"{name!r} has no optimizer state (ZeRO-0?)")
         if not pieces:  # (no values: nothing to read)
             return torch.zeros(shape)
         flat = torch.cat([self._flat(r, key)[g].narrow(0, s, n) for r, g, s, n in pieces])
         return flat[: shape.numel()].view(shape).float()  # (a copy, the mapping untouched)
 
+    @_refusing
     def check_optimizer_state(self) -> None:
         """Every partition holds Adam's moments laid out as its fp32 values, and one step."""
         for rank in range(len(self.partitions)):
@@ -93,14 +115,15 @@ class ZeroWeights(Mapping[str, torch.Tensor]):
                 self._flat(rank, key)
         self.optimizer_step()
 
+    @_refusing
     def optimizer_step(self) -> int:
         """The optimizer steps taken (the base optimizer's `step`, one for every group)."""
         if not self.partitions:
-            raise damaged(self.model_file.parent, "it holds no optimizer partitions (ZeRO-0)")
+            raise _Damaged(self.model_file.parent, "it holds no optimizer partitions (ZeRO-0)")
         path = self.partitions[0]
         steps = {_step(s) for s in _base_state(self._inners[0], path)}
         if len(steps) != 1 or None in steps:
-            raise damaged(path, f"its optimizer groups' steps are {sorted(map(str, steps))}")
+            raise _Damaged(path, f"its optimizer groups' steps are {sorted(map(str, steps))}")
         return steps.pop()
 
     def __iter__(self) -> Iterator[str]:
@@ -130,7 +153,7 @@ def _module_and_groups(states: Any, path: Path) -> tuple[dict[str, torch.Tensor]
     if not isinstance(module, dict) or not all(
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in module.items()
     ):
-        raise damaged(path, "its module state is not a {name: tensor} mapping")
+        raise _Damaged(path, "its module state is not a {name: tensor} mapping")
     groups = states.get("param_shapes")
     if groups is None:
         return module, None
@@ -138,9 +161,9 @@ def _module_and_groups(states: Any, path: Path) -> tuple[dict[str, torch.Tensor]
         isinstance(g, dict) and all(isinstance(k, str) and _is_shape(s) for k, s in g.items())
         for g in groups
     ):
-        raise damaged(path, "param_shapes is not a list of {name: shape}, one per group")
+        raise _Damaged(path, "param_shapes is not a list of {name: shape}, one per group")
     if states.get("frozen_param_shapes"):  # (a scale_llm run trains every parameter)
-        raise damaged(path, "it lists frozen parameters, which no scale_llm run has")
+        raise _Damaged(path, "it lists frozen parameters, which no scale_llm run has")
     return module, [{k: torch.Size(s) for k, s in g.items()} for g in groups]
 
 
@@ -151,17 +174,17 @@ def _partition_files(ds_dir: Path) -> list[Path]:
         if (m := _PARTITION.match(path.name)) and path.is_file():
             if (rank := int(m.group(1))) in found:  # (which one the save wrote is unknowable)
                 two = f"{found[rank].name} and {path.name}"
-                raise damaged(ds_dir, f"rank {rank} has two optimizer partitions, {two}")
+                raise _Damaged(ds_dir, f"rank {rank} has two optimizer partitions, {two}")
             found[rank] = path
     if not found or sorted(found) != list(range(len(found))):
-        raise damaged(ds_dir, f"its optimizer partitions are of ranks {sorted(found)}")
+        raise _Damaged(ds_dir, f"its optimizer partitions are of ranks {sorted(found)}")
     return [found[rank] for rank in range(len(found))]
 
 
 def _optimizer_state(state: Any, path: Path) -> dict[str, Any]:
     inner = state.get("optimizer_state_dict") if isinstance(state, dict) else None
     if not isinstance(inner, dict):
-        raise damaged(path, "it holds no optimizer_state_dict")
+        raise _Damaged(path, "it holds no optimizer_state_dict")
     return inner
 
 
@@ -169,7 +192,7 @@ def _fp32_groups(inner: dict[str, Any], path: Path) -> list[torch.Tensor]:
     """A partition file's flat fp32 slices, one per parameter group."""
     groups = inner.get("fp32_flat_groups", inner.get("single_partition_of_fp32_groups"))
     if not isinstance(groups, list) or not all(_is_flat(g) for g in groups):
-        raise damaged(path, "its fp32 groups are not a list of flat fp32 tensors")
+        raise _Damaged(path, "its fp32 groups are not a list of flat fp32 tensors")
     return groups
 
 
@@ -181,7 +204,7 @@ def _base_state(inner: dict[str, Any], path: Path) -> list[dict[str, Any]]:
         state = base.get("state")
         base = [state.get(g) for g in range(len(state))] if isinstance(state, dict) else None
     if not isinstance(base, list) or not all(isinstance(s, dict) for s in base):
-        raise damaged(path, "it holds no optimizer state per parameter group")
+        raise _Damaged(path, "it holds no optimizer state per parameter group")
     return base
 
 
@@ -204,7 +227,7 @@ def _flat_groups(inner: dict[str, Any], path: Path, key: str | None) -> list[tor
     if len(states) != len(groups) or not all(
         _is_flat(s) and len(s) >= len(g) for s, g in zip(states, groups, strict=True)
     ):
-        raise damaged(path, f"its optimizer state {key!r} is not one flat fp32 tensor per group")
+        raise _Damaged(path, f"its optimizer state {key!r} is not one flat fp32 tensor per group")
     return states
 
 
@@ -215,10 +238,10 @@ def _pieces(
     stage, count = inners[0].get("zero_stage"), inners[0].get("partition_count")
     count = max(count) if isinstance(count, list) and count else count
     if not isinstance(stage, int) or stage not in (1, 2, 3):  # (an IntEnum in the file)
-        raise damaged(partitions[0], f"zero_stage {stage!r} is not 1, 2 or 3")
+        raise _Damaged(partitions[0], f"zero_stage {stage!r} is not 1, 2 or 3")
     if count != len(partitions):
         saved = f"{len(partitions)} optimizer partitions of a save by {count!r} ranks"
-        raise damaged(ds_dir, f"it holds {saved}")
+        raise _Damaged(ds_dir, f"it holds {saved}")
     sizes = [  # the length of each rank's fp32 groups: [rank][group]
         [g.numel() for g in _fp32_groups(i, p)] for i, p in zip(inners, partitions, strict=True)
     ]
@@ -226,13 +249,13 @@ def _pieces(
     for name, shape in ((n, s) for group in groups for n, s in group.items()):
         if (numel := math.prod(shape)) > held:
             lists = f"param_shapes lists {name!r} of {numel} values"
-            raise damaged(ds_dir, f"its optimizer partitions hold {held} values, but {lists}")
+            raise _Damaged(ds_dir, f"its optimizer partitions hold {held} values, but {lists}")
     try:
         if stage == 3:
             return _zero3_pieces(groups, sizes)
         return _zero12_pieces(groups, sizes, _paddings(inners[0], partitions[0]))
     except _Layout as e:
-        raise damaged(ds_dir, f"its optimizer partitions {e}") from None
+        raise _Damaged(ds_dir, f"its optimizer partitions {e}") from None
 
 
 def _paddings(inner: dict[str, Any], partition: Path) -> list[list[int]] | None:
@@ -242,7 +265,7 @@ def _paddings(inner: dict[str, Any], partition: Path) -> list[list[int]] | None:
         isinstance(paddings, list)
         and all(isinstance(g, list) and all(type(n) is int and n >= 0 for n in g) for g in paddings)
     ):
-        raise damaged(partition, "param_alignment_paddings is not a list of counts per group")
+        raise _Damaged(partition, "param_alignment_paddings is not a list of counts per group")
     return paddings
 
 
