@@ -84,6 +84,13 @@ class Layout:
         """Bytes per element of a 16-bit working copy (fp32 runs: 4)."""
         return 2 if self.precision != "fp32" else 4
 
+    def numerics(self) -> Numerics:
+        """How this layout's tensors are stored (a pipeline's loss gathers the vocabulary)."""
+        sp, fp8 = self.sequence_parallel, bool(self.fp8)
+        return numerics_for(
+            self.precision, self.backend, self.fused_norm, self.tp, sp, fp8, self.pp > 1
+        )
+
     def describe(self) -> str:
         extra = ""
         if self.backend == "deepspeed":
@@ -459,15 +466,7 @@ class Estimate:
 
 def estimate_layout(m: ModelConfig, ac: ActivationCheckpointingConfig, lay: Layout) -> Estimate:
     n = ParamCounts.of(m, lay.tp, lay.holds_embedding, lay.holds_head)
-    num = numerics_for(
-        lay.precision,
-        lay.backend,
-        lay.fused_norm,
-        lay.tp,
-        lay.sequence_parallel,
-        bool(lay.fp8),
-        whole_logits=lay.pp > 1,  # (a pipeline's loss gathers the vocabulary under TP)
-    )
+    num = lay.numerics()
     gpu, cpu = state_bytes(n, lay)
     parts, gpu["activations"], gpu["temporaries"] = step_phases(m, ac, lay, n, gpu, num)
     for k in ("activations", "temporaries"):  # (autocast's weight cache, a tied head's gradient)

@@ -25,7 +25,6 @@ from scale_llm.analysis.memory.activations import (
     block_input_bytes,
     head_activation_bytes,
     kept_per_block,
-    numerics_for,
     resident_input_bytes,
     widths,
 )
@@ -121,15 +120,7 @@ def rank_estimate(cfg: Config, plan: RunPlan, lay: Layout, rank: int) -> Estimat
     rank_model = dataclasses.replace(m, n_layers=sum(len(blocks[s]) for s in mine))
     piece = max(1, lay.micro_batch // pieces)
     piece_lay = dataclasses.replace(lay, micro_batch=piece, holds_embedding=first, holds_head=last)
-    num = numerics_for(
-        lay.precision,
-        lay.backend,
-        lay.fused_norm,
-        lay.tp,
-        lay.sequence_parallel,
-        bool(lay.fp8),
-        whole_logits=True,  # (as estimate_layout's for a pipeline)
-    )
+    num = lay.numerics()
     sent = block_input_bytes(m, piece, num)  # a piece's residual stream between two stages
     per_piece, held, split = {}, {}, {}  # a piece's saved activations in each of its stages
     for s in mine:
