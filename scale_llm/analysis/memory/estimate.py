@@ -86,9 +86,9 @@ class Layout:
 
     def numerics(self) -> Numerics:
         """How this layout's tensors are stored (a pipeline's loss gathers the vocabulary)."""
-        sp, fp8 = self.sequence_parallel, bool(self.fp8)
+        sp, fp8, whole = self.sequence_parallel, bool(self.fp8), self.pp > 1
         return numerics_for(
-            self.precision, self.backend, self.fused_norm, self.tp, sp, fp8, self.pp > 1
+            self.precision, self.backend, self.fused_norm, self.tp, sp, fp8, whole_logits=whole
         )
 
     def describe(self) -> str:

@@ -213,13 +213,14 @@ class LiveStorages:
         """fake: the tensors are fake (FakeTensorMode, entered first): their storages are on
         the meta device and count; the nested fake modes DTensor propagates shapes in do not."""
         tracker = self
+        wait = torch.ops._c10d_functional.wait_tensor.default
 
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
                 if active_fake_mode() is not tracker._fake_mode:
                     return out
-                if tracker._fake and str(func) == "_c10d_functional.wait_tensor.default":
+                if tracker._fake and func is wait:
                     # a collective's wait returns its input, the fake one a new tensor: count
                     # none, and keep the input's storage alive as long as its stand-in
                     out._waited_on = args[0]
