@@ -631,21 +631,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-# a run's config, run by one process on whatever this machine has (generate, eval, export):
-# whatever backend, devices, tensor and pipeline parallelism the run trained with
-ONE_PROCESS = {
-    "parallel.backend": "single",
-    "parallel.tensor_parallel": 1,
-    "parallel.pipeline_parallel": 1,
-    "train.device": "auto",
-}
-
-
 def _one_process_plan(cfg: Config):
-    """The plan of a run's config as one process on whatever this machine has."""
+    """The plan of a run's config as one process on whatever this machine has (generate, eval,
+    export): whatever backend, devices, tensor and pipeline parallelism the run trained with."""
+    from scale_llm.config.parallel import ONE_PROCESS
     from scale_llm.config.plan import Launch, resolve_plan
 
-    return resolve_plan(with_changes(cfg, ONE_PROCESS), Launch())
+    return resolve_plan(with_changes(cfg, {**ONE_PROCESS, "train.device": "auto"}), Launch())
 
 
 def generation_problems(args: argparse.Namespace) -> list[str]:

@@ -28,6 +28,7 @@ from scale_llm.analysis.bench import bench_reference, bench_sweep, fresh_start, 
 from scale_llm.analysis.memory import estimate
 from scale_llm.components.distributed import shutdown_distributed
 from scale_llm.config import Config, load_config, save_config, with_changes
+from scale_llm.config.parallel import ONE_PROCESS
 from scale_llm.config.plan import Launch, resolve_plan, target_plan
 from scale_llm.data.prepare import prepare
 from scale_llm.errors import UserError
@@ -309,19 +310,11 @@ def new_runs_dir(scratch: Path) -> Path:
     return runs
 
 
-# the sweep's and the reference's layout: one process, whatever the config is laid out for
-ONE_PROCESS = {
-    "parallel.backend": "single",
-    "parallel.tensor_parallel": 1,
-    "parallel.pipeline_parallel": 1,
-    "train.grad_accum": 1,
-    "train.global_batch_size": None,
-}
-
-
 def one_process(cfg: Config) -> Config:
-    """`cfg` run by one process: no tensor or pipeline parallelism, one micro-batch a step."""
-    return with_changes(cfg, ONE_PROCESS)
+    """`cfg` run by one process, the sweep's and the reference's layout, whatever the config is
+    laid out for: no tensor or pipeline parallelism, one micro-batch a step."""
+    one_micro_batch = {"train.grad_accum": 1, "train.global_batch_size": None}
+    return with_changes(cfg, {**ONE_PROCESS, **one_micro_batch})
 
 
 def tiny_config(scratch: Path, runs: Path, steps: int, overrides: list[str]) -> Config:

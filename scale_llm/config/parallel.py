@@ -142,6 +142,15 @@ class ParallelConfig:
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
 
 
+# one process, whatever backend, tensor and pipeline parallelism a config is laid out for
+# (`eval` and `generate` run a trained run's config so, `check` its sweep and bare loop)
+ONE_PROCESS = {
+    "parallel.backend": "single",
+    "parallel.tensor_parallel": 1,
+    "parallel.pipeline_parallel": 1,
+}
+
+
 # ds_config entries the framework owns -> the YAML key that sets them
 OWNED = {
     "train_batch_size": "train.micro_batch_size x train.grad_accum x world size",
