@@ -38,6 +38,7 @@ from scale_llm.files import (
     atomic_write_json,
     atomic_write_text,
     describe_kind,
+    json_object_or_none,
     make_owned_dir,
     owned_kind,
     parse_json,
@@ -289,11 +290,9 @@ def claim_out(out: Path) -> None:
 
 def _is_check_report(path: Path) -> bool:
     """Whether `path` reads as a check's report.json (bounded: `read_json`)."""
-    try:
-        data = read_json(path, "a check's report", "", max_bytes=REPORT_BYTES)
-    except UserError:  # unreadable, too large, not JSON, nested too deep, not an object
-        return False
-    return {"device", "torch", "errors"} <= set(data)
+    # None: unreadable, too large, not JSON, nested too deep, not an object
+    data = json_object_or_none(path, max_bytes=REPORT_BYTES)
+    return data is not None and {"device", "torch", "errors"} <= set(data)
 
 
 def new_runs_dir(scratch: Path) -> Path:
