@@ -31,6 +31,8 @@ class MetricsLogger:
             return
         check_metrics_file(self.path)
         _truncate_after(self.path, resume_step)
+        trackers = cfg.logging.tensorboard or cfg.logging.wandb.project
+        tracked = flat(to_dict(cfg), tracker=True) if trackers else {}  # as the trackers show it
         if cfg.logging.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             from torch.utils.tensorboard.summary import hparams
@@ -40,11 +42,11 @@ class MetricsLogger:
             self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step + 1)
             # the run dir holds the hparams session: the HPARAMS tab lists it with its scalars
             metrics = {"loss/val_loss": math.nan, "loss/loss": math.nan}
-            for summary in hparams(flat(to_dict(cfg), tracker=True), metrics):
+            for summary in hparams(tracked, metrics):
                 self.writer.file_writer.add_summary(summary)
             self.writer.add_text("config/yaml", _code_block(dump_yaml(cfg)), resume_step)
         if cfg.logging.wandb.project:
-            self.wandb = _start_wandb(cfg, run_dir, resume_step)
+            self.wandb = _start_wandb(cfg, run_dir, resume_step, tracked)
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         """One row per step: numbers become scalars, `samples_text` a text entry."""
@@ -75,7 +77,7 @@ class MetricsLogger:
             self.wandb = None
 
 
-def _start_wandb(cfg: Config, run_dir: Path, resume_step: int):
+def _start_wandb(cfg: Config, run_dir: Path, resume_step: int, tracked: dict[str, Any]):
     w = cfg.logging.wandb
     try:
         import wandb
@@ -95,7 +97,7 @@ def _start_wandb(cfg: Config, run_dir: Path, resume_step: int):
             dir=str(run_dir),
             id=id_file.read_text().strip(),
             resume="allow",
-            config=flat(to_dict(cfg), tracker=True),
+            config=tracked,
         )
     except wandb.errors.Error as e:  # no API key on this node, the service unreachable, ...
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
