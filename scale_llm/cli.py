@@ -18,7 +18,8 @@ import re
 import sys
 from pathlib import Path
 
-from scale_llm.config import Config, compiles, load_config, with_changes
+from scale_llm.config import Config, load_config, with_changes
+from scale_llm.config.sections import measures_compiled
 from scale_llm.errors import UserError
 from scale_llm.log import setup_logging
 from scale_llm.version import __version__
@@ -371,8 +372,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         counted, predicted = memory.measure_activations(cfg, plan)
         saved = {"counted_saved_bytes": counted, "predicted_saved_bytes": predicted}
         result["measured_cpu"] = saved
-        compiled = compiles(cfg.train, plan.device.type)
-        compiled = compiled and cfg.activation_checkpointing.mode != "selective"
+        compiled = measures_compiled(cfg, plan.device.type)
         text.append(
             f"measured on CPU (micro-batch {plan.micro_batch_size}"
             + (", compiled blocks" if compiled else "")

@@ -203,6 +203,13 @@ def compiles(train: TrainConfig, device_type: str) -> bool:
     return train.compile is True or (train.compile == "auto" and device_type == "cuda")
 
 
+def measures_compiled(cfg: Config, device_type: str) -> bool:
+    """Whether `estimate --measure` counts the saved activations of compiled blocks: as
+    `compiles`, but never under selective checkpointing, whose cache lives outside autograd
+    (its blocks are counted eager)."""
+    return compiles(cfg.train, device_type) and cfg.activation_checkpointing.mode != "selective"
+
+
 @dataclass
 class EvalConfig:
     every: int = config_key(

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import torch
 
 from scale_llm.components.loss import CHUNK_ELEMENTS, compiled_loss, cross_entropy
-from scale_llm.config import ActivationCheckpointingConfig, Config, ModelConfig, compiles
+from scale_llm.config import ActivationCheckpointingConfig, Config, ModelConfig
 from scale_llm.config.plan import RunPlan
-from scale_llm.config.sections import mlp_hidden_size
+from scale_llm.config.sections import measures_compiled, mlp_hidden_size
 from scale_llm.model import build_model
 from scale_llm.parallel.activation_checkpointing import (
     apply_activation_checkpointing,
@@ -278,8 +278,8 @@ def measure_activations(cfg: Config, plan: RunPlan) -> tuple[int, int]:
     if num.compute == 2 and not num.autocast:
         model = model.to(torch.bfloat16)
     apply_activation_checkpointing(model, ac)
-    compiled = compiles(cfg.train, plan.device.type) and ac.mode != "selective"
-    if compiled:  # (selective keeps its cache outside autograd: counted eager only)
+    compiled = measures_compiled(cfg, plan.device.type)
+    if compiled:
         from scale_llm.parallel.compile import compile_blocks
 
         compile_blocks(model)
