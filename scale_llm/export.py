@@ -4,7 +4,6 @@ renamed into place at the end: --out is either absent or complete."""
 
 from __future__ import annotations
 
-import fnmatch
 import os
 import shutil
 from collections.abc import Iterator, Mapping
@@ -26,7 +25,7 @@ from scale_llm.config import ModelConfig
 from scale_llm.data.hf_tokenizer import write_tokenizer_files
 from scale_llm.data.pretrained_tokenizer import PretrainedTokenizer
 from scale_llm.data.tokenizer import Tokenizer, load_tokenizer, run_tokenizer_path
-from scale_llm.errors import UserError
+from scale_llm.errors import UserError, short
 from scale_llm.files import (
     atomic_write_json,
     describe_kind,
@@ -44,19 +43,8 @@ from scale_llm.version import __version__
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_MAX_SHARD = 5 * 10**9  # bytes per safetensors file (transformers' usual 5GB)
 EXPORT_INFO = "scale_llm_export.json"
-# What an export folder holds (older exports than info's "files"): --force replaces nothing else
-EXPORT_FILES = (
-    "config.json",
-    "generation_config.json",
-    "model.safetensors",
-    "model-*-of-*.safetensors",
-    "model.safetensors.index.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    EXPORT_INFO,
-)
+FILES_SINCE = "ef32426 of 2026-12-03"  # the first export whose info lists its files
+UNLISTED = f"its {EXPORT_INFO} lists no files"  # an export written before FILES_SINCE
 
 
 @dataclass
@@ -211,7 +199,14 @@ def check_out(out: Path, force: bool) -> None:
             f"--out {out} is {describe_kind(out)}, and the export is a folder; remove it or pick "
             f"another --out (--force replaces only a folder that scale-llm export wrote)"
         )
-    if out.exists() and (problem := not_an_export(out)):
+    problem = not_an_export(out) if out.exists() else None
+    if problem == UNLISTED:
+        raise UserError(
+            f"--out {out} was written by scale-llm export before {FILES_SINCE} ({problem}); "
+            f"this scale_llm replaces only an export that names every file it wrote, so --force "
+            f"leaves it alone: move it away, or pick another --out"
+        )
+    if problem:
         raise UserError(
             f"--out {out} is not an earlier export ({problem}), so --force leaves it alone: it "
             f"replaces only a folder that scale-llm export wrote, holding {EXPORT_INFO} and the "
@@ -227,12 +222,12 @@ def not_an_export(folder: Path) -> str | None:
         return f"it has no {EXPORT_INFO}"
     if (info := json_object_or_none(info_path)) is None:
         return f"its {EXPORT_INFO} is not a JSON object"
-    listed = info.get("files")
+    if "files" not in info:
+        return UNLISTED
+    if not isinstance(listed := info["files"], list) or not all(isinstance(x, str) for x in listed):
+        return f"its {EXPORT_INFO} holds files: {short(listed, 40)}, not a list of file names"
     entries = sorted(p.name for p in folder.iterdir())
-    if isinstance(listed, list) and all(isinstance(x, str) for x in listed):
-        foreign = [e for e in entries if e not in listed]
-    else:  # an export from before the file list was recorded
-        foreign = [e for e in entries if not any(fnmatch.fnmatch(e, f) for f in EXPORT_FILES)]
+    foreign = [e for e in entries if e not in listed]
     foreign += [e for e in entries if e not in foreign and not (folder / e).is_file()]
     foreign += [e for e in entries if e not in foreign and (folder / e).is_symlink()]
     if foreign:

@@ -2764,6 +2764,83 @@ PORTABILITY: list = (
     ]
 )
 
+
+# ============================================================ outputs of an older scale_llm
+# Exports, prepared data and mixture records from before a format's first commit: read (or
+# recognized as the command's own) once, now refused with the version that wrote them.
+def _export_over_an_older_export(ctx: Ctx) -> Setup:
+    """An export whose scale_llm_export.json lists no files (before ef32426): --force replaced
+    it when its names matched an export's; now it is named and left alone."""
+    needs("safetensors")
+    out = ctx.tmp / "hf"
+    shutil.copytree(ctx.exported, out)
+    info = json.loads((out / "scale_llm_export.json").read_text())
+    del info["files"]
+    (out / "scale_llm_export.json").write_text(json.dumps(info))
+    return Setup(["export", str(ctx.run()), "--out", str(out), "--force"])
+
+
+def _prepare_over_unmarked_data(force: bool) -> Callable[[Ctx], list[str]]:
+    """data.dir prepared before 697de94 (no .scale-llm-prepared.json): its complete manifest
+    proved it prepare's, reported up to date or rebuilt; now refused."""
+
+    def setup(ctx: Ctx) -> list[str]:
+        from scale_llm.data.prepare_source import MARK
+
+        argv, data = _prepared_once(ctx)
+        (data / MARK).unlink()
+        return [*argv, *(["--force"] * force)]
+
+    return setup
+
+
+def _prepare_over_a_mixture_without_folders(ctx: Ctx) -> list[str]:
+    """A mixture.json without "folders" (before 7214b00): its sources stood for its folders."""
+    from scale_llm.cli import main
+
+    corpus, data = _small_corpus(ctx.tmp), ctx.tmp / "data"
+    entries = f"data.sources=[{{name: web, source: '{corpus}'}}]"
+    argv = ["prepare", *s(f"data.dir={data}", "model.vocab_size=400", entries)]
+    assert main(argv) == 0
+    record = json.loads((data / "mixture.json").read_text())
+    del record["folders"]
+    (data / "mixture.json").write_text(json.dumps(record))
+    return argv
+
+
+UNMARKED = (
+    "holds manifest.json, which prepare cannot prove it wrote",
+    "(since 697de94 of 2026-12-04: data prepared by an earlier scale_llm lacks it too)",
+    "Point data.dir at a new folder and run `scale-llm prepare` again",
+)
+COMPAT: list = [
+    (
+        "export --force over an export from before ef32426",
+        _export_over_an_older_export,
+        (
+            "was written by scale-llm export before ef32426 of 2026-12-03 (its "
+            "scale_llm_export.json lists no files)",
+            "--force leaves it alone: move it away, or pick another --out",
+        ),
+    ),
+    *[
+        (
+            f"prepare{' --force' * force} over data prepared before 697de94",
+            _prepare_over_unmarked_data(force),
+            UNMARKED,
+        )
+        for force in (False, True)
+    ],
+    (
+        "prepare over a mixture.json from before 7214b00",
+        _prepare_over_a_mixture_without_folders,
+        (
+            "mixture.json was written by scale-llm prepare before 7214b00 of 2026-12-03",
+            "point data.dir at a new folder, and run `scale-llm prepare` again",
+        ),
+    ),
+]
+
 CASES = [
     *CONFIG,
     *PATHS,
@@ -2780,6 +2857,7 @@ CASES = [
     *PIPELINE,
     *FP8,
     *PORTABILITY,
+    *COMPAT,
 ]
 
 

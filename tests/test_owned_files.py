@@ -143,9 +143,9 @@ def test_prepare_leaves_files_it_did_not_write_and_its_manifest_decides_what_it_
 
 def test_prepare_proves_on_every_run_that_what_it_replaces_is_its_own(tmp_path):
     """Its mark beside a manifest proves the manifest prepare's (a damaged one too: --force
-    rebuilds it); a folder prepared before the mark, by a complete manifest; anything else
-    under its names is refused, the folder unchanged, on every run. (The refused cases:
-    tests/bad_input_cases.py, OWNED_OUTPUTS.)"""
+    rebuilds it); without the mark (a folder prepared before it, a complete manifest too)
+    anything under its names is refused, the folder unchanged, on every run. (The refused
+    cases: tests/bad_input_cases.py, OWNED_OUTPUTS and COMPAT.)"""
     from scale_llm.data.prepare import prepare
     from scale_llm.data.shards import read_manifest
 
@@ -157,15 +157,12 @@ def test_prepare_proves_on_every_run_that_what_it_replaces_is_its_own(tmp_path):
     (data / "manifest.json").write_text(json.dumps(manifest))
     prepare(prep_config(corpus, data), force=True)
     read_manifest(data)
-    (data / MARK).unlink()  # prepared before the mark: its complete manifest proves it
-    prepare(prep_config(corpus, data, "data.shard_tokens=2048"), force=True)
-    assert (data / MARK).is_file() and read_manifest(data)
-    (data / MARK).unlink()  # an incomplete manifest without the mark proves nothing
-    (data / "val_00000.bin").unlink()
-    before = snapshot(data)
-    with pytest.raises(UserError, match="holds manifest.json, which prepare cannot prove"):
-        prepare(prep_config(corpus, data), force=True)
-    assert snapshot(data) == before
+    (data / MARK).unlink()  # as prepared before the mark: a complete manifest proves nothing
+    for settings, force in [((), False), (("data.shard_tokens=2048",), True)]:
+        before = snapshot(data)
+        with pytest.raises(UserError, match="holds manifest.json, which prepare cannot prove"):
+            prepare(prep_config(corpus, data, *settings), force=force)
+        assert snapshot(data) == before
 
 
 def test_two_prepares_of_one_data_dir_take_turns(tmp_path):

@@ -39,6 +39,7 @@ from scale_llm.files import atomic_write_bytes, atomic_write_json, describe_kind
 log = logging.getLogger(__name__)
 MIXTURE = "mixture.json"
 MIXTURE_FORMAT = 1
+FOLDERS_SINCE = "7214b00 of 2026-12-03"  # the first prepare whose mixture.json named "folders"
 
 
 def source_config(cfg: Config, entry: SourceConfig) -> Config:
@@ -108,9 +109,8 @@ def _claim(out: Path, names: list[str]) -> dict[str, Any]:
                 f"data.dir={out} holds a {name} that no {MIXTURE} of prepare's names; prepare "
                 f"would replace it, so it stops. Point data.dir at a new folder, or move it away"
             )
-    mixture = found or {"format": MIXTURE_FORMAT, "kind": "mixture", "tokenizer": None}
-    mixture.setdefault("sources", {})
-    mixture.setdefault("folders", list(mixture["sources"]))  # (a record without the key)
+    fresh = {"format": MIXTURE_FORMAT, "kind": "mixture", "tokenizer": None}
+    mixture = found or {**fresh, "sources": {}, "folders": []}
     _refuse_foreign_folders(out, names, {*mixture["sources"], *mixture["folders"]})
     return mixture
 
@@ -159,7 +159,12 @@ def _read(path: Path) -> dict[str, Any] | None:
         return None
     fix = "move it away, or point data.dir at a new folder, and run `scale-llm prepare` again"
     found = read_json(path, f"the {MIXTURE} prepare writes", fix)
-    tok, folders = found.get("tokenizer"), found.get("folders", [])
+    if found.get("kind") == "mixture" and "folders" not in found:
+        raise UserError(
+            f"{path} was written by scale-llm prepare before {FOLDERS_SINCE} (it names no "
+            f"source folders), and this scale_llm reads only a {MIXTURE} that does; {fix}"
+        )
+    tok, folders = found.get("tokenizer"), found.get("folders")
     if not (
         (found.get("kind"), found.get("format")) == ("mixture", MIXTURE_FORMAT)
         and isinstance(tok, dict)

@@ -70,6 +70,7 @@ BUILD_DIR = ".prepare-build"  # inside data.dir: the next data while it is being
 BUILD_KIND = "prepare build"
 PREVIOUS = "previous-manifest.json"  # in the build: what publishing it replaces in data.dir
 MARK = ".scale-llm-prepared.json"  # in data.dir, from its first publication: prepare's data
+MARK_SINCE = "697de94 of 2026-12-04"  # the first prepare that left MARK
 MARK_KIND = "prepared data"
 OUTPUT_PATTERNS = ("train_*.bin*", "val_*.bin*", SP_FILE, BUNDLE_FILE)  # what prepare publishes
 
@@ -109,7 +110,7 @@ def data_dir_lock(out: Path) -> Iterator[None]:
 def _up_to_date(out: Path, fingerprint: str, force: bool) -> dict[str, Any] | None:
     current = _read_json(out / MANIFEST, dict)
     fresh = not force and current and current.get("fingerprint") == fingerprint
-    if not (fresh and _sound(out, current)):
+    if not (fresh and _marked(out) and _sound(out, current)):  # (unmarked: refused, locked)
         return None
     tokens = current["splits"]["train"]["tokens"]
     log.info(f"data: {out} is up to date ({tokens:,} train tokens); nothing to do")
@@ -191,9 +192,10 @@ def check_outputs(out: Path) -> None:
     if (out / MANIFEST).exists() and MANIFEST not in ours:
         raise UserError(
             f"data.dir={out} holds {MANIFEST}, which prepare cannot prove it wrote: the folder "
-            f"lacks {MARK}, the mark prepare leaves where it publishes, and the manifest is "
-            f"not a complete one of an earlier prepare. prepare would replace it, so it stops. "
-            f"Point data.dir at a new folder, or move {MANIFEST} away"
+            f"lacks {MARK}, the mark prepare leaves where it publishes (since {MARK_SINCE}: "
+            f"data prepared by an earlier scale_llm lacks it too). prepare would replace it, so "
+            f"it stops. Point data.dir at a new folder and run `scale-llm prepare` again, or "
+            f"move {MANIFEST} away"
         )
     # named like prepare's outputs but listed by no manifest of prepare's: someone else's
     if foreign := [p.name for p in _shaped_like_ours(out) if p.name not in ours]:
@@ -206,12 +208,11 @@ def check_outputs(out: Path) -> None:
 
 
 def _owned_names(out: Path) -> set[str]:
-    """The names in data.dir provably prepare's (it has the mark, or a complete manifest from
-    before marks): manifest.json and the outputs a manifest of prepare's lists."""
-    current = _read_json(out / MANIFEST, dict)
-    if not (_marked(out) or (_sound(out, current) and current.get("format") == FORMAT_VERSION)):
+    """The names in data.dir provably prepare's (where it has the mark): manifest.json and the
+    outputs a manifest of prepare's lists."""
+    if not _marked(out):
         return set()
-    names = manifest_files(current)
+    names = manifest_files(_read_json(out / MANIFEST, dict))
     if _own_build(out / BUILD_DIR):
         for record in (PREVIOUS, MANIFEST):
             names |= manifest_files(_read_json(out / BUILD_DIR / record))

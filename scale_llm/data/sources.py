@@ -79,7 +79,7 @@ class Source:
         h = hashlib.sha256(f"{self.spec}|{self.text_field}".encode())
         for f in self.files:
             st = f.stat()
-            h.update(f"{f}|{st.st_size}|{st.st_mtime_ns}{_kind_mark(f)}\n".encode())
+            h.update(f"{f}|{st.st_size}|{st.st_mtime_ns}\n".encode())
         return h.hexdigest()
 
     def total_bytes(self) -> int:
@@ -199,13 +199,6 @@ def _lines(f: Path, hint: Callable[[], str]) -> Iterator[tuple[int, bytes]]:
                     f"document may hold; split the document into several records (lines){hint()}"
                 )
             yield lineno, raw
-
-
-def _kind_mark(f: Path) -> str:
-    """A mark for a file with an upper-case JSON Lines or Parquet suffix (a.JSONL), which earlier
-    versions read as plain text, so its data is prepared again; "" for every other file."""
-    kind = file_kind(f)
-    return f"|{kind}" if kind not in (None, "text") and f.suffix != f.suffix.lower() else ""
 
 
 def _json_reason(problem: JSONProblem) -> str:
