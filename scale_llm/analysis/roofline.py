@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from scale_llm.analysis.memory.activations import checkpointed_count
+from scale_llm.analysis.memory.activations import checkpointed_count, widths
 from scale_llm.analysis.memory.estimate import (
     PCIE5_X16_BYTES_PER_S,
     ParamCounts,
@@ -32,7 +32,6 @@ from scale_llm.analysis.memory.gpu import estimate
 from scale_llm.components.loss import plain_cross_entropy
 from scale_llm.config import Config, compiles, load_config, with_changes
 from scale_llm.config.plan import target_plan
-from scale_llm.config.sections import mlp_hidden_size
 from scale_llm.model import build_model
 from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
 
@@ -470,11 +469,9 @@ def _count(cfg: Config, micro_batch: int) -> _Counter:
 def _recompute_every_second_matmul(cfg: Config, counter: _Counter) -> None:
     """torchtitan's per-op selective checkpointing recomputes every second matmul: of a block's
     wq wk wv wo w1 w3 w2, the backward recomputes wk, wo and w3."""
-    m = cfg.model
-    tokens, head_dim = counter.micro_batch * m.seq_len, m.d_model // m.n_heads
-    kv = (m.n_kv_heads or m.n_heads) * head_dim
-    wk, wo, w3 = (kv, m.d_model), (m.d_model, m.n_heads * head_dim), (mlp_hidden_size(m), m.d_model)
-    for n, k in (wk, wo, w3):
+    m, g = cfg.model, widths(cfg.model)
+    tokens = counter.micro_batch * m.seq_len
+    for n, k in ((g["dkv"], g["d"]), (g["d"], g["dq"]), (g["F"], g["d"])):  # wk, wo, w3
         counter.gemms[(tokens, n, k)] += m.n_layers
         counter.flops["matmul"] += m.n_layers * 2 * tokens * n * k
 
@@ -692,11 +689,9 @@ def fp8_cast_bytes(tokens: int, n: int, k: int, recipe: str, fused: float = 0.0)
 
 def block_linears(cfg: Config) -> list[tuple[int, int]]:
     """(out, in) features of one block's linears: wqkv, wo, w1, w3, w2."""
-    m = cfg.model
-    head_dim, hidden = m.d_model // m.n_heads, mlp_hidden_size(m)
-    qkv = (m.n_heads + 2 * (m.n_kv_heads or m.n_heads)) * head_dim
-    wo = (m.d_model, m.n_heads * head_dim)
-    return [(qkv, m.d_model), wo, (hidden, m.d_model), (hidden, m.d_model), (m.d_model, hidden)]
+    g = widths(cfg.model)
+    d, f = g["d"], g["F"]
+    return [(g["dq"] + 2 * g["dkv"], d), (d, g["dq"]), (f, d), (f, d), (d, f)]
 
 
 def fp8_cast_seconds(cfg: Config, micro_batch: int, device: str, way: str) -> float:
