@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from scale_llm.analysis.memory import estimate
-from scale_llm.analysis.memory.estimate import estimate_layout
+from scale_llm.analysis.memory.estimate import GiB, estimate_layout
 from scale_llm.analysis.memory.host import check_host_memory, host_memory_problem
 from scale_llm.components import checkpoint as ck
 from scale_llm.components import digests
@@ -502,14 +502,14 @@ def bench_sweep(
         row: dict[str, Any] = {"backend": backend or plan.backend, "micro_batch": mb}
         row |= {"activation_checkpointing": mode, "compile": compile_}
         est = estimate(c, p)
-        row["predicted_gib"] = est.total / 2**30
+        row["predicted_gib"] = est.total / GiB
         # max_memory_allocated sees no allocator slack: compare it with the peak itself
-        row["predicted_peak_gib"] = est.gpu["peak"] / 2**30
+        row["predicted_peak_gib"] = est.gpu["peak"] / GiB
         # the estimate's one count read from torch's source, not measured: CUDA's fused RMSNorm
         # saves less than the composite (docs/memory.md); the composite's peak tells which holds
         composite = dataclasses.replace(est.layout, fused_norm=False)
         row["predicted_peak_composite_norm_gib"] = (
-            estimate_layout(c.model, c.activation_checkpointing, composite).gpu["peak"] / 2**30
+            estimate_layout(c.model, c.activation_checkpointing, composite).gpu["peak"] / GiB
         )
         too_big = host_memory_problem(c, p)
         if too_big:  # a row, like a GPU's out-of-memory, not the end of the sweep

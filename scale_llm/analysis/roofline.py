@@ -24,6 +24,7 @@ from torch.utils.flop_counter import flop_registry
 from scale_llm.analysis.memory.activations import checkpointed_count, widths
 from scale_llm.analysis.memory.estimate import (
     PCIE5_X16_BYTES_PER_S,
+    GiB,
     ParamCounts,
     layout_of,
     zero_offload_traffic,
@@ -1096,6 +1097,6 @@ def layout_candidates(world: int = 64, device: str = "H100-SXM") -> list[dict[st
         cfg = layout_config(*layout)
         plan = target_plan(cfg, world)
         steps = {n: layout_step(cfg, world, device, n) for n in NETWORKS}
-        gib = estimate(cfg, plan).total / 2**30
+        gib = estimate(cfg, plan).total / GiB
         rows.append({"layout": layout, "plan": plan, "gib": gib, "steps": steps})
     return rows
