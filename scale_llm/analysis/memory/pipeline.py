@@ -5,7 +5,8 @@ A rank holds its stages' blocks (looped: stages r, r + pp, ...; the V schedules:
 holds the last, all sharded by FSDP2 over the stage's data-parallel ranks; the saved
 activations of every piece its schedule has run forward but not yet backward, counted stage by
 stage in the order torch 2.13's schedule runs them (`rank_actions`; the last stage's pieces keep
-their logits too), with what a split backward keeps between its halves; and torch's receive
+their logits too), with what a split backward keeps between its halves and what its weight
+half recomputes under checkpointing (`weight_run_bytes`); and torch's receive
 buffers, one a piece. Each rank's estimate is the base estimator's on a model of that rank's
 blocks at one piece's size, plus the rest; the layout's is the worst rank's. Measured on 2 gloo
 ranks (tests/test_memory.py): every rank within 5% for 1F1B, GPipe, ZBV and interleaved 1F1B
@@ -25,6 +26,7 @@ from scale_llm.analysis.memory.activations import (
     block_input_bytes,
     head_activation_bytes,
     kept_per_block,
+    norm_saved_bytes,
     resident_input_bytes,
     widths,
 )
@@ -38,6 +40,7 @@ from scale_llm.analysis.memory.estimate import (
 from scale_llm.config import ActivationCheckpointingConfig, Config, ModelConfig
 from scale_llm.config.parallel import V_SCHEDULES
 from scale_llm.config.plan import RunPlan
+from scale_llm.parallel.activation_checkpointing import checkpointed_blocks
 from scale_llm.parallel.pipeline import SCHEDULES, stage_blocks, stage_owner
 
 
@@ -75,42 +78,49 @@ def rank_actions(schedule: str, pp: int, chunks: int, microbatches: int, rank: i
 
 
 def in_flight_bytes(
-    actions, per_piece: dict[int, float], split: dict[int, float] | None = None
-) -> tuple[float, float]:
-    """The most saved bytes in flight (`per_piece`: a piece's, by stage) at a backward: (at the
-    first backward, at any later one), the piece being run back counted. A piece whose
-    backward's input half ran keeps its saved activations and `split` (by stage) more until its
-    weight half."""
+    actions,
+    per_piece: dict[int, float],
+    split: dict[int, float] | None = None,
+    run: dict[int, float] | None = None,
+) -> tuple[tuple[float, float], tuple[float, float]]:
+    """The most saved bytes in flight (`per_piece`: a piece's, by stage) at a backward, the
+    piece being run back counted: ((at any backward, at a weight half) before the first
+    weight gradient is made, (the same) after). A piece whose backward's input half ran keeps
+    its saved activations and `split` (by stage) more until its weight half, which at its peak
+    holds `run` (by stage) in place of its own `split` where that is more."""
     split = split or dict.fromkeys(per_piece, 0.0)
+    run = run or dict.fromkeys(per_piece, 0.0)
     held, halves = dict.fromkeys(per_piece, 0), dict.fromkeys(per_piece, 0)
-    first = later = 0.0
-    seen_backward = False
+    moments = [[0.0, 0.0], [0.0, 0.0]]  # [before, after the first weight gradient][any, W]
+    made_grads = False
     for kind, stage in actions:
         if kind == "F":
             held[stage] += 1
             continue
         halves[stage] += kind == "I"
         now = sum(held[s] * per_piece[s] + halves[s] * split[s] for s in held)
-        if seen_backward:
-            later = max(later, now)
-        else:
-            first, seen_backward = now, True
+        moment = moments[made_grads]
+        moment[0] = max(moment[0], now)
+        if kind == "W":
+            moment[1] = max(moment[1], now + max(0.0, run[stage] - split[stage]))
         held[stage] -= kind != "I"
         halves[stage] -= kind == "W"
-    return first, later
+        made_grads = made_grads or kind != "I"
+    return tuple(moments[0]), tuple(moments[1])
 
 
 def in_flight(schedule: str, pp: int, chunks: int, microbatches: int, rank: int = 0) -> int:
     """Chunk-pieces whose saved activations pipeline rank `rank` holds at once at most."""
     actions = rank_actions(schedule, pp, chunks, microbatches, rank)
-    return int(in_flight_bytes(actions, {s: 1.0 for _, s in actions})[0])
+    return int(in_flight_bytes(actions, {s: 1.0 for _, s in actions})[0][0])
 
 
 def rank_estimate(cfg: Config, plan: RunPlan, lay: Layout, rank: int) -> Estimate:
     """Pipeline rank `rank`'s estimate: its stages' states and one piece's step (the base
     estimator on a model of its blocks) with the other pieces its schedule holds in flight,
-    at the larger of two moments: its first backward (no gradients yet) and a later one
-    (gradients accumulated)."""
+    at the larger of two moments: before its first weight gradient (none yet) and after
+    (gradients accumulated); at each, a split backward's weight half where it holds more than
+    a block's backward."""
     m, ac, pipe = cfg.model, cfg.activation_checkpointing, cfg.parallel.pipeline
     chunks, pieces = plan.pp_stages_per_rank, plan.pp_microbatches
     stages = plan.pp_degree * chunks
@@ -122,21 +132,12 @@ def rank_estimate(cfg: Config, plan: RunPlan, lay: Layout, rank: int) -> Estimat
     piece_lay = dataclasses.replace(lay, micro_batch=piece, holds_embedding=first, holds_head=last)
     num = lay.numerics()
     sent = block_input_bytes(m, piece, num)  # a piece's residual stream between two stages
-    per_piece, held, split = {}, {}, {}  # a piece's saved activations in each of its stages
-    for s in mine:
-        stage_model = dataclasses.replace(m, n_layers=len(blocks[s]))
-        per_piece[s] = float(sum(kept_per_block(stage_model, ac, piece, num)))
-        if s == stages - 1:
-            per_piece[s] += head_activation_bytes(m, piece, num) - resident_input_bytes(m, piece)
-        # held in flight: a stage keeps its output for the backward, its input is a buffer
-        held[s] = per_piece[s] + sent * ((s < stages - 1) - (s > 0))
-        # (the first stage has no input half: its whole backward runs as the weight half)
-        split[s] = weight_half_bytes(stage_model, ac, piece, num) if s > 0 else 0.0
+    per_piece, held, split, run = _pieces(m, ac, [(s, blocks[s]) for s in mine], stages, piece, num)
     # torch's stages hold a receive buffer for every piece from the first step on: its input
     # (all but the first stage) and its output's gradient (all but the last)
     buffers = pieces * sent * sum((s > 0) + (s < stages - 1) for s in mine)
     actions = rank_actions(pipe.schedule, plan.pp_degree, chunks, pieces, rank)
-    at_first, at_later = in_flight_bytes(actions, held, split)
+    (at_first, w_first), (at_later, w_later) = in_flight_bytes(actions, held, split, run)
     # a split backward's input half leaves its gradient on the input's buffer until the next
     # step: at the optimizer step every piece's (within the step, the estimate's later moment
     # takes the most pieces in flight and the whole gradients together, which do not coincide:
@@ -145,7 +146,8 @@ def rank_estimate(cfg: Config, plan: RunPlan, lay: Layout, rank: int) -> Estimat
     at_step = buffers + pieces * sent * grads_left
     base = sum(per_piece.values())  # the base step's own piece of every stage
     est = estimate_layout(rank_model, ac, piece_lay)
-    est = _with_in_flight(est, at_first - base, 0.0, buffers, at_step)
+    resident = resident_input_bytes(m, piece)  # (at a weight half: beside what is in flight)
+    est = _with_in_flight(est, at_first - base, 0.0, buffers, at_step, resident + w_first)
     if pieces > 1:
         # torch's stages run every backward but the last without FSDP2's reduction: each piece
         # is a micro-step accumulating whole gradients; the sharded ones are made after the last
@@ -158,37 +160,106 @@ def rank_estimate(cfg: Config, plan: RunPlan, lay: Layout, rank: int) -> Estimat
         n = ParamCounts.of(rank_model, lay.tp, first, last).total
         sharded = 4.0 * n / lay.shards if lay.backend == "fsdp" else 0.0
         est_later = estimate_layout(rank_model, ac, later)
-        est_later = _with_in_flight(est_later, at_later - base, sharded, buffers, at_step)
+        w_later += resident
+        est_later = _with_in_flight(est_later, at_later - base, sharded, buffers, at_step, w_later)
         est = max(est, est_later, key=lambda e: e.gpu["peak"])
     est.params, est.model, est.layout = ParamCounts.of(m).total, m, lay  # (the whole micro-batch)
     return est
 
 
-def weight_half_bytes(
-    m: ModelConfig, ac: ActivationCheckpointingConfig, piece: int, num: Numerics
-) -> float:
+def _pieces(
+    m: ModelConfig,
+    ac: ActivationCheckpointingConfig,
+    stages: list[tuple[int, range]],
+    n: int,
+    piece: int,
+    num: Numerics,
+) -> tuple[dict[int, float], ...]:
+    """By stage (`stages`: (stage, its blocks) of `n`): a piece's saved activations, what it
+    holds in flight, what its input half leaves to its weight half and what that weight half
+    holds at its peak beyond the piece's saved activations (`weight_run_bytes`; none on the
+    first stage, which has no input half: its whole backward is the weight half).
+    Checkpointing goes by the blocks' one-process index (every_k: 0, k, ...), as applied."""
+    kept = kept_per_block(m, ac, piece, num)
+    recomputed = set(checkpointed_blocks(ac, m.n_layers))
+    sent = block_input_bytes(m, piece, num)
+    per_piece, held, split, run = {}, {}, {}, {}
+    for s, blocks in stages:
+        per_piece[s] = float(sum(kept[i] for i in blocks))
+        if s == n - 1:
+            per_piece[s] += head_activation_bytes(m, piece, num) - resident_input_bytes(m, piece)
+        # held in flight: a stage keeps its output for the backward, its input is a buffer
+        held[s] = per_piece[s] + sent * ((s < n - 1) - (s > 0))
+        ours = len(recomputed.intersection(blocks)) if s > 0 else 0
+        split[s] = weight_half_bytes(dataclasses.replace(m, n_layers=len(blocks)), piece, num)
+        split[s] *= s > 0
+        run[s] = weight_run_bytes(m, ours, piece, num)
+    return per_piece, held, split, run
+
+
+def weight_half_bytes(m: ModelConfig, piece: int, num: Numerics) -> float:
     """What a piece's backward split in two (the V schedules) keeps from its input half to its
     weight half in a stage of `m`'s blocks: the gradient at every linear's and norm's output
-    (what the weight gradients read, torch's `stage_backward_input` keeps them) and, for a
-    checkpointed block, its recomputed activations beyond the input it kept."""
+    (what the weight gradients read; torch's `stage_backward_input` keeps them). A checkpointed
+    block keeps nothing more: the input half's recomputation is read whole and freed by it."""
     w = widths(m, num.tp)  # the outputs of q, k, v, o, w1, w3 and w2
     linears = w["dq"] + 2 * w["dkv"] + 2 * w["F"] + 2 * w["d"]
-    output_grads = num.compute * piece * m.seq_len * (linears + 2 * w["d"])  # (+ the 2 norms)
-    full = block_activation_bytes(m, piece, num)
-    return float(sum(output_grads + full - kept for kept in kept_per_block(m, ac, piece, num)))
+    return float(num.compute * piece * m.seq_len * (linears + 2 * w["d"]) * m.n_layers)
+
+
+def weight_run_bytes(m: ModelConfig, checkpointed: int, piece: int, num: Numerics) -> float:
+    """A stage's weight half at its peak, beyond the piece's kept activations, with
+    `checkpointed` of its blocks checkpointed. torch 2.13's `stage_backward_weight` makes one
+    autograd call a weight (a block's 7: its norms, wqkv, wo, w1, w3, w2, in that order), and
+    non-reentrant checkpointing recomputes a block once per call: each call's recomputation
+    stays but for what that call's and the earlier calls' ops read, until the stage's last
+    call frees its graph. Every checkpointed block before the last leaves 7 copies of what
+    no weight's op reads (attention's and the SwiGLU's saved tensors); the last peaks at its
+    k-th call with k copies of what is still unread."""
+    if not checkpointed:
+        return 0.0
+    g, a, n = widths(m, num.tp), num.compute, piece * m.seq_len
+    stream = num.stream_tokens(n)
+    # what each call's ops read and free, in order: the first norm's rstd (its input is the
+    # block's, kept), wqkv's input, nothing (wo's input is attention's output, attention keeps
+    # it), the second norm's input and rstd, nothing (w1's input is w3's too), w3's input, the
+    # MLP product
+    rstd = 4 * stream
+    norm_out = a * n * g["d"]
+    read = [rstd, norm_out, 0, norm_saved_bytes(stream, g["d"], num), 0, norm_out, a * n * g["F"]]
+    alive = block_activation_bytes(m, piece, num) - block_input_bytes(m, piece, num)
+    unread = alive - sum(read)
+    worst = 0.0
+    for k, freed in enumerate(read, 1):
+        worst = max(worst, k * alive)  # (the k-th call's recomputation and k - 1 earlier ones)
+        alive -= freed
+    return float((checkpointed - 1) * len(read) * unread + worst)
 
 
 def _with_in_flight(
-    est: Estimate, others: float, not_yet: float, buffers: float, at_step: float
+    est: Estimate,
+    others: float,
+    not_yet: float,
+    buffers: float,
+    at_step: float,
+    weight_half: float = 0.0,
 ) -> Estimate:
     """`est` with `others` bytes of saved activations more until the optimizer step (every
     piece's backward has run by then), `not_yet` gradient bytes less before it, the receive
-    `buffers` before it and `at_step` bytes at it."""
+    `buffers` before it and `at_step` bytes at it; and, where a split backward's weight half
+    holds more than a block's backward (`weight_half` activations, the pieces in flight
+    counted), a phase of its own with the states of the block backward holding the most."""
     for name, parts in est.parts.items():
         parts["activations"] += at_step if name == "optimizer step" else buffers
         if name != "optimizer step":
             parts["activations"] += others
             parts["grads"] -= not_yet
+    blocks = [p for name, p in est.parts.items() if name.startswith("block ")]
+    states = max(blocks, key=lambda p: p["params"] + p["grads"], default=None)
+    if states and weight_half + buffers > states["activations"] + states["temporaries"]:
+        # (what the weight half computes beside: a weight's gradient, counted in grads)
+        at_weights = {**states, "activations": weight_half + buffers, "temporaries": 0.0}
+        est.parts["weight half backward"] = at_weights
     est.phases = {name: sum(parts.values()) for name, parts in est.parts.items()}
     gpu = est.gpu
     gpu["activations"] = max(p["activations"] for p in est.parts.values())

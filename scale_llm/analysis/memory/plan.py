@@ -77,10 +77,11 @@ def format_report(est: Estimate, cfg: Config, plan: RunPlan, source: str) -> str
     if est.pipeline_ranks:  # (the figures above are the worst rank's)
         peaks = ", ".join(f"{r}: {gib(e.gpu['peak'])}" for r, e in enumerate(est.pipeline_ranks))
         lines.append(f"the worst pipeline rank's: {est.pipeline_rank} (each rank's peak: {peaks})")
-        if cfg.parallel.pipeline.schedule in V_SCHEDULES and ac.mode != "none":
+        if cfg.parallel.pipeline.schedule in V_SCHEDULES and ac.mode == "selective":
             lines.append(
-                f"  (low: {cfg.parallel.pipeline.schedule} with activation checkpointing holds "
-                f"more between a backward's two halves than counted; docs/memory.md)"
+                f"  (selective checkpointing fails under {cfg.parallel.pipeline.schedule} in "
+                f"torch 2.13: a backward's weight half recomputes each block again, which "
+                f"selective checkpointing refuses; use full or every_k; docs/memory.md)"
             )
     cpu = ", ".join(f"{k} {gib(v)}" for k, v in est.cpu.items() if v)
     if cpu:
