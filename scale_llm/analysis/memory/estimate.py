@@ -471,16 +471,23 @@ def estimate_layout(m: ModelConfig, ac: ActivationCheckpointingConfig, lay: Layo
     parts, gpu["activations"], gpu["temporaries"] = step_phases(m, ac, lay, n, gpu, num)
     for k in ("activations", "temporaries"):  # (autocast's weight cache, a tied head's gradient)
         gpu[k] = max(gpu[k], *(p[k] for p in parts.values()))
-    phases = {name: sum(p.values()) for name, p in parts.items()}
-    gpu["peak"] = max(phases.values())
-    gpu["overhead"] = OVERHEAD_FRACTION * gpu["peak"]
-    gpu["total"] = gpu["peak"] + gpu["overhead"]
+    phases = phase_totals(parts, gpu)
     traffic = {}
     if lay.backend == "deepspeed" and lay.offload_optimizer and lay.zero_stage in (1, 2):
         traffic = zero_offload_traffic(n, lay)
     total = ParamCounts.of(m).total  # the model's, not one tensor-parallel rank's
     host = startup_host_bytes(m, n, lay)
     return Estimate(total, lay, m, ac, gpu, cpu, phases, parts, traffic, host)
+
+
+def phase_totals(parts: dict[str, dict[str, float]], gpu: dict[str, float]) -> dict[str, float]:
+    """Each phase's bytes (the sum of its `parts`); `gpu`'s peak (the largest), allocator
+    allowance and total set from them."""
+    phases = {name: sum(p.values()) for name, p in parts.items()}
+    gpu["peak"] = max(phases.values())
+    gpu["overhead"] = OVERHEAD_FRACTION * gpu["peak"]
+    gpu["total"] = gpu["peak"] + gpu["overhead"]
+    return phases
 
 
 def startup_host_bytes(m: ModelConfig, n: ParamCounts, lay: Layout) -> float:

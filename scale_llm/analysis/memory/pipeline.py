@@ -31,11 +31,11 @@ from scale_llm.analysis.memory.activations import (
     widths,
 )
 from scale_llm.analysis.memory.estimate import (
-    OVERHEAD_FRACTION,
     Estimate,
     Layout,
     ParamCounts,
     estimate_layout,
+    phase_totals,
 )
 from scale_llm.config import ActivationCheckpointingConfig, Config, ModelConfig
 from scale_llm.config.parallel import V_SCHEDULES
@@ -260,12 +260,8 @@ def _with_in_flight(
         # (what the weight half computes beside: a weight's gradient, counted in grads)
         at_weights = {**states, "activations": weight_half + buffers, "temporaries": 0.0}
         est.parts["weight half backward"] = at_weights
-    est.phases = {name: sum(parts.values()) for name, parts in est.parts.items()}
-    gpu = est.gpu
-    gpu["activations"] = max(p["activations"] for p in est.parts.values())
-    gpu["peak"] = max(est.phases.values())
-    gpu["overhead"] = OVERHEAD_FRACTION * gpu["peak"]
-    gpu["total"] = gpu["peak"] + gpu["overhead"]
+    est.gpu["activations"] = max(p["activations"] for p in est.parts.values())
+    est.phases = phase_totals(est.parts, est.gpu)
     return est
 
 
