@@ -2571,6 +2571,13 @@ PIPELINE: list = [
         "zero_bubble: use parallel.pipeline.stages_per_rank=2",
     ),
     (
+        "a V schedule with selective checkpointing",
+        ["train", TINY, *s(*PP, "parallel.pipeline.schedule=dualpipev")]
+        + s("activation_checkpointing.mode=selective"),
+        "activation_checkpointing.mode=selective with parallel.pipeline.schedule=dualpipev: its "
+        "weight half runs a block's backward once a weight",
+    ),
+    (
         "pipeline parallelism larger than the world",
         ["train", TINY, *s(*PP)],
         "parallel.pipeline_parallel=2 x parallel.tensor_parallel=1 does not divide the world "

@@ -389,7 +389,7 @@ def test_a_v_schedule_with_checkpointing_peaks_where_its_estimate_says(schedule,
     """tiny.yaml as PP 2 x FSDP2 2, 4 pieces, each pipeline rank's step traced alone on fake
     tensors: within 5% of its estimate (measured 2026-12-05: ZBV full -0.3% / +0.1%, DualPipeV
     every_k +0.4% / +0.7%; before the weight half's recomputations were counted -20.9% / -9.4%
-    and +16.1% / -26.1%). Selective checkpointing fails there: the report says so."""
+    and +16.1% / -26.1%). Selective checkpointing fails there: never proposed."""
     from scale_llm.analysis.memory.fake import trace_step
     from scale_llm.analysis.memory.gpu import estimate
     from scale_llm.analysis.memory.plan import format_report
@@ -406,10 +406,13 @@ def test_a_v_schedule_with_checkpointing_peaks_where_its_estimate_says(schedule,
         peak = r["measured"]["allocated_peak"]
         assert r["estimated"]["peak"] == pytest.approx(peak, rel=0.05), (rank, peak, r)
     report = format_report(estimate(cfg, 4), cfg, target_plan(cfg, 4), "tiny")
-    assert "fails" not in report
-    selective = with_changes(cfg, {"activation_checkpointing.mode": "selective"})
-    report = format_report(estimate(selective, 4), selective, target_plan(selective, 4), "tiny")
-    assert f"(selective checkpointing fails under {schedule}" in report
+    # selective checkpointing fails under a V schedule (torch recomputes a block once): the
+    # config refuses it (tests/bad_input_cases.py), and no proposal to save memory offers it
+    assert "activation_checkpointing.mode=selective" not in report
+    none = with_changes(cfg, {"activation_checkpointing.mode": "none"})
+    assert "activation_checkpointing.mode=selective" not in format_report(
+        estimate(none, 4), none, target_plan(none, 4), "tiny"
+    )
 
 
 def test_check_and_bench_run_a_pipelined_config_in_one_process():

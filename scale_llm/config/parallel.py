@@ -283,6 +283,14 @@ def _pipeline_companions(cfg: Config) -> list[str]:
             f"document bounds come from the tokens, which only the first stage sees; set "
             f"model.attention_mask=causal, or parallel.pipeline_parallel=1"
         )
+    if p.pipeline.schedule in V_SCHEDULES and cfg.activation_checkpointing.mode == "selective":
+        e.append(
+            f"activation_checkpointing.mode=selective with parallel.pipeline.schedule="
+            f"{p.pipeline.schedule}: its weight half runs a block's backward once a weight, and "
+            f"selective checkpointing recomputes a block for one backward only (PyTorch fails "
+            f"the second); set activation_checkpointing.mode=full or every_k, or another "
+            f"parallel.pipeline.schedule"
+        )
     if not p.fsdp.reduce_every_micro_step:
         e.append(
             f"parallel.fsdp.reduce_every_micro_step=false with parallel.pipeline_parallel={pp}: "

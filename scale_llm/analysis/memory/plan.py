@@ -45,7 +45,8 @@ def hints(cfg: Config, plan: RunPlan) -> list[tuple[str, float]]:
     options: list[tuple[dict[str, Any], str]] = []  # (changes, flags: "" for their --set flags)
     if ac.mode != "full":
         options.append(({"activation_checkpointing.mode": "full"}, "--grad-checkpointing"))
-    if ac.mode in ("none", "every_k"):
+    v_pipeline = plan.pp_degree > 1 and p.pipeline.schedule in V_SCHEDULES  # (no selective)
+    if ac.mode in ("none", "every_k") and not v_pipeline:
         options.append(({"activation_checkpointing.mode": "selective"}, ""))
     if plan.micro_batch_size > 1:
         mb = plan.micro_batch_size // 2
@@ -77,12 +78,6 @@ def format_report(est: Estimate, cfg: Config, plan: RunPlan, source: str) -> str
     if est.pipeline_ranks:  # (the figures above are the worst rank's)
         peaks = ", ".join(f"{r}: {gib(e.gpu['peak'])}" for r, e in enumerate(est.pipeline_ranks))
         lines.append(f"the worst pipeline rank's: {est.pipeline_rank} (each rank's peak: {peaks})")
-        if cfg.parallel.pipeline.schedule in V_SCHEDULES and ac.mode == "selective":
-            lines.append(
-                f"  (selective checkpointing fails under {cfg.parallel.pipeline.schedule} in "
-                f"torch 2.13: a backward's weight half recomputes each block again, which "
-                f"selective checkpointing refuses; use full or every_k; docs/memory.md)"
-            )
     cpu = ", ".join(f"{k} {gib(v)}" for k, v in est.cpu.items() if v)
     if cpu:
         lines.append(f"per rank in CPU memory (offloaded): {cpu}")
