@@ -256,6 +256,31 @@ def test_bench_checks_host_memory_before_allocating_and_a_sweep_row_says_so(tmp_
     assert all("GiB of host memory" in r["host_memory"] for r in rows)
 
 
+def test_a_sweep_row_the_config_refuses_is_not_run(monkeypatch):
+    """A row's changes can make a config the preflight refuses (selective checkpointing under a
+    V schedule, a micro-batch a pipeline cannot cut): the row says why and nothing runs."""
+    from scale_llm.analysis.bench import bench_sweep, markdown_table
+    from scale_llm.config import load_config
+    from scale_llm.config.plan import Launch, resolve_plan
+    from tests.helpers import REPO
+
+    sets = ["parallel.backend=fsdp", "parallel.pipeline_parallel=2", "model.tie_embeddings=false"]
+    sets += ["parallel.pipeline.schedule=zero_bubble", "activation_checkpointing.mode=full"]
+    cfg = load_config(REPO / "yaml" / "tiny.yaml", sets)
+
+    def never(*a, **k):
+        raise AssertionError("a refused row was run")
+
+    monkeypatch.setattr("scale_llm.analysis.bench.build_model", never)
+    monkeypatch.setattr("scale_llm.components.distributed.start", never)
+    plan = resolve_plan(cfg, Launch(world_size=2))
+    rows = bench_sweep(cfg, plan, [1], ["selective", "full"], [False])
+    refused = [r.get("refused", "") for r in rows]
+    assert "activation_checkpointing.mode=selective with parallel.pipeline.schedule" in refused[0]
+    assert "train.micro_batch_size=1 cannot be cut" in refused[1] and len(rows) == 2
+    assert "| - |" in markdown_table(rows) and "OOM" not in markdown_table(rows)
+
+
 # ================================================================================ paths and run dir
 
 

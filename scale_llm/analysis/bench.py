@@ -37,7 +37,7 @@ from scale_llm.components.distributed import barrier, is_distributed, rank_and_w
 from scale_llm.components.hardware import cuda_memory_gib, peak_flops
 from scale_llm.components.loss import plain_cross_entropy
 from scale_llm.components.serialization import background_save, kept_stager
-from scale_llm.config import ActivationCheckpointingConfig, Config, compiles, with_changes
+from scale_llm.config import ActivationCheckpointingConfig, Config, compiles, validate, with_changes
 from scale_llm.config.plan import RunPlan
 from scale_llm.errors import UserError
 from scale_llm.files import private_dir
@@ -491,6 +491,12 @@ def bench_sweep(
         if backend is not None:
             changes.update(backend_changes(backend, plan.world_size))
         c = with_changes(cfg, changes)
+        row: dict[str, Any] = {"backend": backend or plan.backend, "micro_batch": mb}
+        row |= {"activation_checkpointing": mode, "compile": compile_}
+        if refused := validate(c):  # (a pipeline's pieces, a V schedule's checkpointing)
+            log.warning("bench: sweep row not run (%s, micro-batch %d): %s", mode, mb, refused[0])
+            rows.append({**row, "refused": refused[0]})
+            continue
         p = dataclasses.replace(plan, micro_batch_size=mb, grad_accum=1)
         if backend is not None:  # (else the plan's, `auto` resolved)
             tp = c.parallel.tensor_parallel
@@ -499,8 +505,6 @@ def bench_sweep(
             )
         if p.backend != "single":
             start(p)  # (a no-op once the process group exists)
-        row: dict[str, Any] = {"backend": backend or plan.backend, "micro_batch": mb}
-        row |= {"activation_checkpointing": mode, "compile": compile_}
         est = estimate(c, p)
         row["predicted_gib"] = est.total / GiB
         # max_memory_allocated sees no allocator slack: compare it with the peak itself
