@@ -6,11 +6,12 @@ holds the last, all sharded by FSDP2 over the stage's data-parallel ranks; the s
 activations of every piece its schedule has run forward but not yet backward, counted stage by
 stage in the order torch 2.13's schedule runs them (`rank_actions`; the last stage's pieces keep
 their logits too), with what a split backward keeps between its halves and what its weight
-half recomputes under checkpointing (`weight_run_bytes`); and torch's receive
-buffers, one a piece. Each rank's estimate is the base estimator's on a model of that rank's
-blocks at one piece's size, plus the rest; the layout's is the worst rank's. Measured on 2 gloo
-ranks (tests/test_memory.py): every rank within 5% for 1F1B, GPipe, ZBV and interleaved 1F1B
-but interleaved 1F1B's second rank (-5.7%).
+half recomputes under checkpointing (`weight_run_bytes`); torch's receive buffers, one a
+piece; the sends the looped schedules keep until the step ends (`sends_held`); and on the last
+stage's rank the head's backward beside the logits the stage keeps. Each rank's estimate is the
+base estimator's on a model of that rank's blocks at one piece's size, plus the rest; the
+layout's is the worst rank's. Measured on 2 gloo ranks (tests/test_memory.py): every rank
+within 5% for 1F1B, GPipe, ZBV and interleaved 1F1B.
 """
 
 from __future__ import annotations
@@ -82,23 +83,31 @@ def in_flight_bytes(
     per_piece: dict[int, float],
     split: dict[int, float] | None = None,
     run: dict[int, float] | None = None,
+    sends: tuple[dict[int, float], dict[int, float]] | None = None,
 ) -> tuple[tuple[float, float], tuple[float, float]]:
     """The most saved bytes in flight (`per_piece`: a piece's, by stage) at a backward, the
     piece being run back counted: ((at any backward, at a weight half) before the first
     weight gradient is made, (the same) after). A piece whose backward's input half ran keeps
     its saved activations and `split` (by stage) more until its weight half, which at its peak
-    holds `run` (by stage) in place of its own `split` where that is more."""
+    holds `run` (by stage) in place of its own `split` where that is more. `sends` (forward,
+    backward; by stage): what a send keeps alive until the step ends, an output once its
+    piece has run back, an input gradient once made."""
     split = split or dict.fromkeys(per_piece, 0.0)
     run = run or dict.fromkeys(per_piece, 0.0)
+    fwd_send, bwd_send = sends or (dict.fromkeys(per_piece, 0.0),) * 2
     held, halves = dict.fromkeys(per_piece, 0), dict.fromkeys(per_piece, 0)
+    forwards, backwards = dict.fromkeys(per_piece, 0), dict.fromkeys(per_piece, 0)
     moments = [[0.0, 0.0], [0.0, 0.0]]  # [before, after the first weight gradient][any, W]
     made_grads = False
     for kind, stage in actions:
         if kind == "F":
             held[stage] += 1
+            forwards[stage] += 1
             continue
         halves[stage] += kind == "I"
         now = sum(held[s] * per_piece[s] + halves[s] * split[s] for s in held)
+        now += sum(fwd_send[s] * (forwards[s] - held[s]) + bwd_send[s] * backwards[s] for s in held)
+        backwards[stage] += kind != "W"  # (its input's gradient, sent after this backward)
         moment = moments[made_grads]
         moment[0] = max(moment[0], now)
         if kind == "W":
@@ -120,7 +129,7 @@ def rank_estimate(cfg: Config, plan: RunPlan, lay: Layout, rank: int) -> Estimat
     estimator on a model of its blocks) with the other pieces its schedule holds in flight,
     at the larger of two moments: before its first weight gradient (none yet) and after
     (gradients accumulated); at each, a split backward's weight half where it holds more than
-    a block's backward."""
+    a block's backward, and on the last stage's rank the head's backward."""
     m, ac, pipe = cfg.model, cfg.activation_checkpointing, cfg.parallel.pipeline
     chunks, pieces = plan.pp_stages_per_rank, plan.pp_microbatches
     stages = plan.pp_degree * chunks
@@ -137,7 +146,8 @@ def rank_estimate(cfg: Config, plan: RunPlan, lay: Layout, rank: int) -> Estimat
     # (all but the first stage) and its output's gradient (all but the last)
     buffers = pieces * sent * sum((s > 0) + (s < stages - 1) for s in mine)
     actions = rank_actions(pipe.schedule, plan.pp_degree, chunks, pieces, rank)
-    (at_first, w_first), (at_later, w_later) = in_flight_bytes(actions, held, split, run)
+    sends = sends_held(plan, pipe.schedule, rank, sent)
+    (at_first, w_first), (at_later, w_later) = in_flight_bytes(actions, held, split, run, sends)
     # a split backward's input half leaves its gradient on the input's buffer until the next
     # step: at the optimizer step every piece's (within the step, the estimate's later moment
     # takes the most pieces in flight and the whole gradients together, which do not coincide:
@@ -145,7 +155,7 @@ def rank_estimate(cfg: Config, plan: RunPlan, lay: Layout, rank: int) -> Estimat
     grads_left = sum(s > 0 for s in mine) if pipe.schedule in V_SCHEDULES else 0
     at_step = buffers + pieces * sent * grads_left
     base = sum(per_piece.values())  # the base step's own piece of every stage
-    est = estimate_layout(rank_model, ac, piece_lay)
+    est = _with_head_backward(estimate_layout(rank_model, ac, piece_lay), m, piece, lay)
     resident = resident_input_bytes(m, piece)  # (at a weight half: beside what is in flight)
     est = _with_in_flight(est, at_first - base, 0.0, buffers, at_step, resident + w_first)
     if pieces > 1:
@@ -159,11 +169,52 @@ def rank_estimate(cfg: Config, plan: RunPlan, lay: Layout, rank: int) -> Estimat
         )
         n = ParamCounts.of(rank_model, lay.tp, first, last).total
         sharded = 4.0 * n / lay.shards if lay.backend == "fsdp" else 0.0
-        est_later = estimate_layout(rank_model, ac, later)
+        est_later = _with_head_backward(estimate_layout(rank_model, ac, later), m, piece, lay)
         w_later += resident
         est_later = _with_in_flight(est_later, at_later - base, sharded, buffers, at_step, w_later)
         est = max(est, est_later, key=lambda e: e.gpu["peak"])
     est.params, est.model, est.layout = ParamCounts.of(m).total, m, lay  # (the whole micro-batch)
+    return est
+
+
+# torch 2.13's schedules whose sends stay alive until the step ends: _PipelineScheduleRuntime
+# waits every send there (Schedule1F1B waits each before its next; ScheduleGPipe its forwards'
+# after the last forward, when the stage still holds those outputs, its backwards' after the
+# last backward). The V schedules run the same runtime, but across ranks they send only the
+# first stage's outputs and the last's input gradients, which their estimate counts already
+# (2 gloo ranks: ZBV within 2% without them)
+SENDS_KEPT_TO_THE_END = ("interleaved_1f1b", "looped_bfs")
+
+
+def sends_held(
+    plan: RunPlan, schedule: str, rank: int, sent: float
+) -> tuple[dict[int, float], dict[int, float]]:
+    """By stage of pipeline rank `rank`: the bytes of a piece's forward send (its output, to
+    another rank's next stage) and of its backward send (its input's gradient, to another
+    rank's previous stage) that torch's schedule keeps alive until the step ends; none where
+    it waits each send while the stage still holds the tensor."""
+    stages = plan.pp_degree * plan.pp_stages_per_rank
+    owner = [stage_owner(s, plan, schedule) for s in range(stages)]
+    kept = schedule in SENDS_KEPT_TO_THE_END
+    mine = [s for s in range(stages) if owner[s] == rank]
+    fwd = {s: sent * (kept and s < stages - 1 and owner[s + 1] != rank) for s in mine}
+    bwd = {s: sent * (kept and s > 0 and owner[s - 1] != rank) for s in mine}
+    return fwd, bwd
+
+
+def _with_head_backward(est: Estimate, m: ModelConfig, piece: int, lay: Layout) -> Estimate:
+    """`est` with the head's backward, on the rank holding the last stage: torch's stage keeps
+    its output, the logits, through the piece's whole backward (one process frees them after
+    the loss's backward), so the head's matmul backward runs beside them, their gradient, its
+    weight's new gradient and its input's gradient (in 16 bits the loss's fp32 work is
+    usually more). Measured on 2 gloo ranks, fp32: 4.25 MiB of temporaries there."""
+    if "loss backward" not in est.parts:
+        return est
+    num, n = lay.numerics(), piece * m.seq_len
+    head = lay.working_bytes * (m.vocab_size // lay.tp) * m.d_model
+    made = num.compute * n * m.vocab_size + head + num.compute * n * m.d_model
+    est.parts["head backward"] = {**est.parts["loss backward"], "temporaries": float(made)}
+    est.gpu["temporaries"] = max(est.gpu["temporaries"], float(made))
     return est
 
 
