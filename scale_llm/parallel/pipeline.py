@@ -38,6 +38,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.utils.checkpoint import GraphExecGroup
 
 from scale_llm.components.loss import cross_entropy
 from scale_llm.config.parallel import V_SCHEDULES
@@ -201,6 +202,30 @@ def _empty_like_header(header: torch.Tensor, device: torch.device) -> torch.Tens
     return torch.empty(shape[:ndim], dtype=_DTYPES[dtype], device=device)
 
 
+class WeightGroupedStage(PipelineStage):
+    """torch's stage with a split backward's weight half run as one `GraphExecGroup`
+    (torch.utils.checkpoint, 2.13). The weight half makes one autograd call per weight group
+    (7 a block); non-reentrant checkpointing would recompute the block in each call (its own
+    graph task) and keep what a call does not read until the last. In one group each block
+    is recomputed once, with the same gradients. The input half stays apart: it reads the
+    same saved tensors, which a group unpacks once. Selective checkpointing still fails under
+    the V schedules: its cache hands each saved op's output to one recomputation only."""
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
+        with GraphExecGroup():
+            super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+
+
+def pipeline_stages(
+    stages: dict[int, Stage], n_stages: int, device: torch.device, group=None
+) -> list[PipelineStage]:
+    """torch's stages over this rank's `stages` (of `n_stages`), in order."""
+    return [
+        WeightGroupedStage(module, s, n_stages, device, group=group)
+        for s, module in sorted(stages.items())
+    ]
+
+
 # ----------------------------------------------------------------------------- the backend
 
 
@@ -232,10 +257,7 @@ class PipelineBackend(FSDPBackend):
 
     def _schedule(self, stages: dict[int, Stage], n_stages: int, group):
         """torch's schedule over this rank's stages; the loss scaled here, not by it."""
-        pipe_stages = [
-            PipelineStage(module, s, n_stages, self.plan.device, group=group)
-            for s, module in sorted(stages.items())
-        ]
+        pipe_stages = pipeline_stages(stages, n_stages, self.plan.device, group)
         cls = SCHEDULES[self.cfg.parallel.pipeline.schedule]
         single = issubclass(cls, PipelineScheduleSingle)
         return cls(
