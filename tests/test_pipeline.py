@@ -535,3 +535,20 @@ def test_compiled_pipeline_follows_one_process_eager(runs):
     assert_same_curve(compiled, runs.rows["1f1b"], tol=1e-4)
     counted = [rank["dynamo"] for rank in runs.comm["pp2-compiled"]]
     assert counted == [{"unique_graphs": 3, "breaks": {}}, {"unique_graphs": 5, "breaks": {}}]
+
+
+def test_fit_never_proposes_what_the_config_refuses():
+    """Selective checkpointing is the cheapest fitting mode for yaml/70b-pp.yaml as a V schedule
+    at a budget just above its estimate, but the config refuses it there (a weight half
+    recomputes each block): --fit, and so `train --fit`, proposes every_k instead."""
+    from scale_llm.analysis.memory.gpu import estimate
+    from scale_llm.analysis.memory.plan import fit
+    from scale_llm.config import validate, with_changes
+    from tests.helpers import REPO
+
+    v = ["parallel.pipeline.schedule=zero_bubble", "parallel.pipeline.stages_per_rank=2"]
+    cfg = load_config(REPO / "yaml" / "70b-pp.yaml", v)
+    selective = estimate(with_changes(cfg, {"activation_checkpointing.mode": "selective"}), 64)
+    proposal = fit(cfg, 64, int(selective.total * 1.001))
+    assert proposal.changes["activation_checkpointing.mode"] == "every_k"
+    assert not validate(with_changes(cfg, proposal.changes))

@@ -16,8 +16,7 @@ from scale_llm.analysis.memory.estimate import (
     gib,
 )
 from scale_llm.analysis.memory.gpu import estimate
-from scale_llm.config import Config, with_changes
-from scale_llm.config.parallel import V_SCHEDULES
+from scale_llm.config import Config, validate, with_changes
 from scale_llm.config.plan import RunPlan, target_plan
 from scale_llm.errors import UserError
 
@@ -45,8 +44,7 @@ def hints(cfg: Config, plan: RunPlan) -> list[tuple[str, float]]:
     options: list[tuple[dict[str, Any], str]] = []  # (changes, flags: "" for their --set flags)
     if ac.mode != "full":
         options.append(({"activation_checkpointing.mode": "full"}, "--grad-checkpointing"))
-    v_pipeline = plan.pp_degree > 1 and p.pipeline.schedule in V_SCHEDULES  # (no selective)
-    if ac.mode in ("none", "every_k") and not v_pipeline:
+    if ac.mode in ("none", "every_k"):
         options.append(({"activation_checkpointing.mode": "selective"}, ""))
     if plan.micro_batch_size > 1:
         mb = plan.micro_batch_size // 2
@@ -59,6 +57,9 @@ def hints(cfg: Config, plan: RunPlan) -> list[tuple[str, float]]:
         options.append(({"parallel.backend": "fsdp"}, ""))
     if p.backend == "deepspeed" and p.deepspeed.zero_stage < 3:
         options.append(({"parallel.deepspeed.zero_stage": p.deepspeed.zero_stage + 1}, ""))
+    # (a hint the config refuses is none: selective under a V schedule, a batch a pipeline
+    # cannot cut)
+    options = [(ch, flags) for ch, flags in options if not validate(with_changes(cfg, ch))]
     totals = [estimate(with_changes(cfg, changes), world).total for changes, _ in options]
     return [(flags or format_overrides(ch), t) for (ch, flags), t in zip(options, totals)]
 
@@ -189,10 +190,12 @@ def fit(cfg: Config, target: RunPlan | int, budget: int, keep_backend: bool = Fa
         changes = {**shard, "activation_checkpointing.mode": mode, **batch}
         if mode == "every_k":
             changes["activation_checkpointing.k"] = 2
+        if validate(proposed := with_changes(cfg, changes)):  # (e.g. selective, V schedule)
+            continue
         planned = plan.world_size  # (a hypothetical layout: planned afresh)
         if "parallel.backend" not in shard:  # a launched run: its own plan, this batch split
             planned = dataclasses.replace(plan, micro_batch_size=mb, grad_accum=per_rank // mb)
-        est = estimate(with_changes(cfg, changes), planned)
+        est = estimate(proposed, planned)
         options.append(Plan(changes, est, shard_cost * ac_cost * _MICRO_BATCH_COST.get(mb, 1.0)))
     fitting = [o for o in options if o.estimate.total <= budget]
     if not fitting:
