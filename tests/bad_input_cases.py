@@ -2575,7 +2575,8 @@ PIPELINE: list = [
         ["train", TINY, *s(*PP, "parallel.pipeline.schedule=dualpipev")]
         + s("activation_checkpointing.mode=selective"),
         "activation_checkpointing.mode=selective with parallel.pipeline.schedule=dualpipev: its "
-        "weight half runs a block's backward once a weight",
+        "backward runs in two halves (inputs, then weights) that each recompute a checkpointed "
+        "block",
     ),
     (
         "pipeline parallelism larger than the world",

@@ -286,9 +286,10 @@ def _pipeline_companions(cfg: Config) -> list[str]:
     if p.pipeline.schedule in V_SCHEDULES and cfg.activation_checkpointing.mode == "selective":
         e.append(
             f"activation_checkpointing.mode=selective with parallel.pipeline.schedule="
-            f"{p.pipeline.schedule}: its weight half runs a block's backward once a weight, and "
-            f"selective checkpointing recomputes a block for one backward only (PyTorch fails "
-            f"the second); set activation_checkpointing.mode=full or every_k, or another "
+            f"{p.pipeline.schedule}: its backward runs in two halves (inputs, then weights) "
+            f"that each recompute a checkpointed block, and a selective block is recomputed "
+            f"for one backward only (PyTorch fails the second); set "
+            f"activation_checkpointing.mode=full or every_k, or another "
             f"parallel.pipeline.schedule"
         )
     if not p.fsdp.reduce_every_micro_step:
