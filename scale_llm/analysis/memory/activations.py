@@ -4,6 +4,7 @@ project's model, and measured on the CPU to keep the prediction honest."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -140,26 +141,46 @@ def head_activation_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
     return resident_input_bytes(m, batch) + final_norm + head_copy + logits
 
 
-def checkpointed_count(m: ModelConfig, ac: ActivationCheckpointingConfig) -> int:
-    return len(checkpointed_blocks(ac, m.n_layers))
+def checkpointed_flags(
+    m: ModelConfig, ac: ActivationCheckpointingConfig, flags: Sequence[bool] | None = None
+) -> list[bool]:
+    """Whether each of `m`'s blocks is checkpointed: `flags` where given (a pipeline rank's
+    blocks, which every_k picks by their one-process index), else as `ac` picks them."""
+    if flags is not None:
+        return list(flags)
+    chosen = set(checkpointed_blocks(ac, m.n_layers))
+    return [i in chosen for i in range(m.n_layers)]
+
+
+def checkpointed_count(
+    m: ModelConfig, ac: ActivationCheckpointingConfig, flags: Sequence[bool] | None = None
+) -> int:
+    return sum(checkpointed_flags(m, ac, flags))
 
 
 def saved_activation_bytes(
-    m: ModelConfig, ac: ActivationCheckpointingConfig, batch: int, num: Numerics
+    m: ModelConfig,
+    ac: ActivationCheckpointingConfig,
+    batch: int,
+    num: Numerics,
+    flags: Sequence[bool] | None = None,
 ) -> int:
     """Everything the forward pass (with loss) saves for backward, as `measure_saved_bytes`."""
-    return sum(kept_per_block(m, ac, batch, num)) + head_activation_bytes(m, batch, num)
+    return sum(kept_per_block(m, ac, batch, num, flags)) + head_activation_bytes(m, batch, num)
 
 
 def kept_per_block(
-    m: ModelConfig, ac: ActivationCheckpointingConfig, batch: int, num: Numerics
+    m: ModelConfig,
+    ac: ActivationCheckpointingConfig,
+    batch: int,
+    num: Numerics,
+    flags: Sequence[bool] | None = None,
 ) -> list[int]:
     """What each block keeps from the forward until its backward (its input when
-    checkpointed, the selective subset, or everything)."""
+    checkpointed, the selective subset, or everything); `flags`: `checkpointed_flags`'."""
     full = block_activation_bytes(m, batch, num)
     kept = (selective_block_bytes if ac.mode == "selective" else block_input_bytes)(m, batch, num)
-    chosen = set(checkpointed_blocks(ac, m.n_layers))
-    return [kept if i in chosen else full for i in range(m.n_layers)]
+    return [kept if chosen else full for chosen in checkpointed_flags(m, ac, flags)]
 
 
 def loss_backward_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:

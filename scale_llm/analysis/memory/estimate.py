@@ -8,7 +8,7 @@ import dataclasses
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,12 +19,12 @@ from scale_llm.analysis.memory.activations import (
     block_matmul_params,
     checkpointed_count,
     fp8_cast_bytes,
+    head_activation_bytes,
     kept_per_block,
     loss_backward_bytes,
     loss_forward_bytes,
     numerics_for,
     resident_input_bytes,
-    saved_activation_bytes,
     widths,
 )
 from scale_llm.config import ActivationCheckpointingConfig, Config, ModelConfig, compiles
@@ -464,11 +464,18 @@ class Estimate:
         }
 
 
-def estimate_layout(m: ModelConfig, ac: ActivationCheckpointingConfig, lay: Layout) -> Estimate:
+def estimate_layout(
+    m: ModelConfig,
+    ac: ActivationCheckpointingConfig,
+    lay: Layout,
+    flags: Sequence[bool] | None = None,
+) -> Estimate:
+    """One rank's estimate for `m`'s blocks; `flags`: which are checkpointed, where not as `ac`
+    picks them by their index in `m` (a pipeline rank's blocks: `checkpointed_flags`)."""
     n = ParamCounts.of(m, lay.tp, lay.holds_embedding, lay.holds_head)
     num = lay.numerics()
     gpu, cpu = state_bytes(n, lay)
-    parts, gpu["activations"], gpu["temporaries"] = step_phases(m, ac, lay, n, gpu, num)
+    parts, gpu["activations"], gpu["temporaries"] = step_phases(m, ac, lay, n, gpu, num, flags)
     for k in ("activations", "temporaries"):  # (autocast's weight cache, a tied head's gradient)
         gpu[k] = max(gpu[k], *(p[k] for p in parts.values()))
     phases = phase_totals(parts, gpu)
@@ -528,6 +535,7 @@ def step_phases(
     n: ParamCounts,
     gpu: dict[str, float],
     num: Numerics,
+    flags: Sequence[bool] | None = None,
 ) -> tuple[dict[str, dict[str, float]], float, float]:
     """(bytes alive by category at each moment a step can peak: the loss's forward and backward,
     each block's backward, the optimizer step; the largest activations; the largest
@@ -567,15 +575,16 @@ def step_phases(
         bytes_per_grad = 2.0 if half else 4.0
         shard = 1.0 / lay.world if partitioned else 1.0
     resident = resident_input_bytes(m, B)
-    kept = kept_per_block(m, ac, B, num)
+    kept = kept_per_block(m, ac, B, num, flags)
     full_block = block_activation_bytes(m, B, num)
     loss_bwd = loss_backward_bytes(m, B, num)
     in_block = block_backward_bytes(m, B, num)
     # incl. the logits the loss keeps; a pipeline stage before the last: its blocks' and inputs
-    saved = saved_activation_bytes(m, ac, B, num) if lay.holds_head else sum(kept) + resident
+    saved = sum(kept) + (head_activation_bytes(m, B, num) if lay.holds_head else resident)
     activations = saved
     # autocast caches its bf16 weight copies until the forward ends: extra for checkpointed blocks
-    cast_cache = 2 * block_matmul_params(m) * checkpointed_count(m, ac) if num.autocast else 0
+    recomputed = checkpointed_count(m, ac, flags)
+    cast_cache = 2 * block_matmul_params(m) * recomputed if num.autocast else 0
     cast_cache = 0 if num.fp8 else cast_cache  # (fp8 linears cast their weights themselves)
     fp8_casts = fp8_cast_bytes(m, B, num, lay.fp8, lay.compiled)  # beside a block's backward
     # ZeRO-1/2 allocate their reduce buckets at a backward's first gradient and free them after

@@ -25,6 +25,7 @@ from scale_llm.analysis.memory.activations import (
     Numerics,
     block_activation_bytes,
     block_input_bytes,
+    checkpointed_flags,
     head_activation_bytes,
     kept_per_block,
     norm_saved_bytes,
@@ -41,7 +42,6 @@ from scale_llm.analysis.memory.estimate import (
 from scale_llm.config import ActivationCheckpointingConfig, Config, ModelConfig
 from scale_llm.config.parallel import V_SCHEDULES
 from scale_llm.config.plan import RunPlan
-from scale_llm.parallel.activation_checkpointing import checkpointed_blocks
 from scale_llm.parallel.pipeline import SCHEDULES, stage_blocks, stage_owner
 
 
@@ -137,6 +137,8 @@ def rank_estimate(cfg: Config, plan: RunPlan, lay: Layout, rank: int) -> Estimat
     mine = [s for s in range(stages) if stage_owner(s, plan, pipe.schedule) == rank]
     first, last = 0 in mine, stages - 1 in mine
     rank_model = dataclasses.replace(m, n_layers=sum(len(blocks[s]) for s in mine))
+    # every_k picks blocks by their one-process index, as applied: the rank's blocks' flags
+    flags = [checkpointed_flags(m, ac)[i] for s in mine for i in blocks[s]]
     piece = max(1, lay.micro_batch // pieces)
     piece_lay = dataclasses.replace(lay, micro_batch=piece, holds_embedding=first, holds_head=last)
     num = lay.numerics()
@@ -155,7 +157,7 @@ def rank_estimate(cfg: Config, plan: RunPlan, lay: Layout, rank: int) -> Estimat
     grads_left = sum(s > 0 for s in mine) if pipe.schedule in V_SCHEDULES else 0
     at_step = buffers + pieces * sent * grads_left
     base = sum(per_piece.values())  # the base step's own piece of every stage
-    est = _with_head_backward(estimate_layout(rank_model, ac, piece_lay), m, piece, lay)
+    est = _with_head_backward(estimate_layout(rank_model, ac, piece_lay, flags), m, piece, lay)
     resident = resident_input_bytes(m, piece)  # (at a weight half: beside what is in flight)
     est = _with_in_flight(est, at_first - base, 0.0, buffers, at_step, resident + w_first)
     if pieces > 1:
@@ -169,7 +171,8 @@ def rank_estimate(cfg: Config, plan: RunPlan, lay: Layout, rank: int) -> Estimat
         )
         n = ParamCounts.of(rank_model, lay.tp, first, last).total
         sharded = 4.0 * n / lay.shards if lay.backend == "fsdp" else 0.0
-        est_later = _with_head_backward(estimate_layout(rank_model, ac, later), m, piece, lay)
+        est_later = estimate_layout(rank_model, ac, later, flags)
+        est_later = _with_head_backward(est_later, m, piece, lay)
         w_later += resident
         est_later = _with_in_flight(est_later, at_later - base, sharded, buffers, at_step, w_later)
         est = max(est, est_later, key=lambda e: e.gpu["peak"])
@@ -232,7 +235,7 @@ def _pieces(
     first stage, which has no input half: its whole backward is the weight half).
     Checkpointing goes by the blocks' one-process index (every_k: 0, k, ...), as applied."""
     kept = kept_per_block(m, ac, piece, num)
-    recomputed = set(checkpointed_blocks(ac, m.n_layers))
+    recomputed = checkpointed_flags(m, ac)
     sent = block_input_bytes(m, piece, num)
     per_piece, held, split, run = {}, {}, {}, {}
     for s, blocks in stages:
@@ -241,10 +244,9 @@ def _pieces(
             per_piece[s] += head_activation_bytes(m, piece, num) - resident_input_bytes(m, piece)
         # held in flight: a stage keeps its output for the backward, its input is a buffer
         held[s] = per_piece[s] + sent * ((s < n - 1) - (s > 0))
-        ours = len(recomputed.intersection(blocks)) if s > 0 else 0
         split[s] = weight_half_bytes(dataclasses.replace(m, n_layers=len(blocks)), piece, num)
         split[s] *= s > 0
-        run[s] = weight_run_bytes(m, ours, piece, num)
+        run[s] = weight_run_bytes(m, [recomputed[i] for i in blocks], piece, num) * (s > 0)
     return per_piece, held, split, run
 
 
@@ -258,16 +260,18 @@ def weight_half_bytes(m: ModelConfig, piece: int, num: Numerics) -> float:
     return float(num.compute * piece * m.seq_len * (linears + 2 * w["d"]) * m.n_layers)
 
 
-def weight_run_bytes(m: ModelConfig, checkpointed: int, piece: int, num: Numerics) -> float:
-    """A stage's weight half at its peak, beyond the piece's kept activations, with
-    `checkpointed` of its blocks checkpointed. torch 2.13's `stage_backward_weight` makes one
-    autograd call a weight (a block's 7: its norms, wqkv, wo, w1, w3, w2, in that order), and
-    non-reentrant checkpointing recomputes a block once per call: each call's recomputation
-    stays but for what that call's and the earlier calls' ops read, until the stage's last
-    call frees its graph. Every checkpointed block before the last leaves 7 copies of what
-    no weight's op reads (attention's and the SwiGLU's saved tensors); the last peaks at its
-    k-th call with k copies of what is still unread."""
-    if not checkpointed:
+def weight_run_bytes(m: ModelConfig, checkpointed: list[bool], piece: int, num: Numerics) -> float:
+    """A stage's weight half at its peak beyond the piece's kept activations, its input half's
+    `split` still held counted (`checkpointed`: each of the stage's blocks, in order). torch
+    2.13's `stage_backward_weight` makes one autograd call a weight group, a block's 7 in
+    order: attention_norm, wqkv, wo, ffn_norm, w1, w3, w2; block by block from the first.
+    The trainer's stage runs them as one `GraphExecGroup` (`WeightGroupedStage`): a
+    checkpointed block is recomputed once, at its first call, and what no weight's op reads
+    (attention's and the SwiGLU's saved tensors) stays until the weight half ends; a block
+    not checkpointed frees what its weights' ops read. The peak is at a checkpointed block's
+    first call: its recomputation, the first norm's fp32 scratch (3 residual streams, 5 with
+    16-bit ones: measured on real CPU tensors) and the `split` of it and the blocks after."""
+    if not any(checkpointed):
         return 0.0
     g, a, n = widths(m, num.tp), num.compute, piece * m.seq_len
     stream = num.stream_tokens(n)
@@ -275,16 +279,19 @@ def weight_run_bytes(m: ModelConfig, checkpointed: int, piece: int, num: Numeric
     # block's, kept), wqkv's input, nothing (wo's input is attention's output, attention keeps
     # it), the second norm's input and rstd, nothing (w1's input is w3's too), w3's input, the
     # MLP product
-    rstd = 4 * stream
-    norm_out = a * n * g["d"]
+    rstd, norm_out = 4 * stream, a * n * g["d"]
     read = [rstd, norm_out, 0, norm_saved_bytes(stream, g["d"], num), 0, norm_out, a * n * g["F"]]
     alive = block_activation_bytes(m, piece, num) - block_input_bytes(m, piece, num)
     unread = alive - sum(read)
-    worst = 0.0
-    for k, freed in enumerate(read, 1):
-        worst = max(worst, k * alive)  # (the k-th call's recomputation and k - 1 earlier ones)
-        alive -= freed
-    return float((checkpointed - 1) * len(read) * unread + worst)
+    # the first norm's backward (`cpu_kernels`), in fp32: 3 buffers, and 16-bit inputs' copies
+    scratch = 4 * stream * m.d_model * (3 + 2 * (num.residual < 4))
+    split = weight_half_bytes(dataclasses.replace(m, n_layers=1), piece, num)
+    worst, left = 0.0, 0.0  # (left: the blocks before's recomputations kept, less reads freed)
+    for j, recomputed in enumerate(checkpointed):
+        if recomputed:
+            worst = max(worst, left + alive + scratch + split * (len(checkpointed) - j))
+        left += unread if recomputed else unread - alive
+    return float(worst)
 
 
 def _with_in_flight(
