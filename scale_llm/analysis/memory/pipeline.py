@@ -138,7 +138,8 @@ def rank_estimate(cfg: Config, plan: RunPlan, lay: Layout, rank: int) -> Estimat
     first, last = 0 in mine, stages - 1 in mine
     rank_model = dataclasses.replace(m, n_layers=sum(len(blocks[s]) for s in mine))
     # every_k picks blocks by their one-process index, as applied: the rank's blocks' flags
-    flags = [checkpointed_flags(m, ac)[i] for s in mine for i in blocks[s]]
+    recomputed = checkpointed_flags(m, ac)
+    flags = [recomputed[i] for s in mine for i in blocks[s]]
     piece = max(1, lay.micro_batch // pieces)
     piece_lay = dataclasses.replace(lay, micro_batch=piece, holds_embedding=first, holds_head=last)
     num = lay.numerics()
