@@ -166,6 +166,16 @@ def _shard_options(cfg: Config) -> list[tuple[dict[str, Any], float]]:
     return [({"parallel.backend": b}, 1.0), *fsdp, last]
 
 
+def _tried(options: list[Plan]) -> str:
+    """The most memory-saving layout among `options` (the candidates the config accepts)."""
+    changes = [o.changes for o in options]
+    if any(c.get("parallel.deepspeed.offload_param") == "cpu" for c in changes):
+        return "even with DeepSpeed ZeRO-3, optimizer and parameter offload"
+    if any(c.get("parallel.fsdp.cpu_offload") for c in changes):
+        return "even with FSDP2 and CPU offload"
+    return "with every layout the config accepts"
+
+
 @dataclass
 class Plan:
     changes: dict[str, Any]
@@ -200,9 +210,7 @@ def fit(cfg: Config, target: RunPlan | int, budget: int, keep_backend: bool = Fa
     fitting = [o for o in options if o.estimate.total <= budget]
     if not fitting:
         smallest = min(options, key=lambda o: o.estimate.total)
-        tried = "even with DeepSpeed ZeRO-3, optimizer and parameter offload"
-        if keep_backend:
-            tried = f"with backend {plan.backend} as launched"
+        tried = f"with backend {plan.backend} as launched" if keep_backend else _tried(options)
         raise UserError(
             f"nothing fits in {gib(budget)} per GPU, {tried}, full activation checkpointing "
             f"and micro-batch 1: the smallest total reachable is "
