@@ -4,7 +4,8 @@
 `FakeTensorMode` (no storage: a 7B model costs seconds) and runs `measure.measured_steps` (single,
 or FSDP2 as rank 0 of a fake process group) under `measure.LiveStorages`. Under pipeline
 parallelism it is one pipeline rank's first rank (`--pipeline-rank R`, default the worst), its
-stages' part of torch's schedule run without the others (`_alone`). The tensors are fake
+stages' part of torch's schedule run without the others (`_alone`), each send's tensor kept
+while the schedule keeps its work (`_HeldSend`), as a real run's. The tensors are fake
 CPU tensors (a CPU torch cannot take fake CUDA ones through a backward) with a CUDA run's
 choices; compiled blocks run eager, grad_accum is 1, DeepSpeed is not traced (docs/memory.md).
 """
@@ -124,7 +125,7 @@ def _traced(here: Config, plan: RunPlan) -> dict[str, int]:
         tokens = torch.randint(0, here.model.vocab_size, shape, device=plan.device)
         return [(tokens[:, :-1], tokens[:, 1:])]
 
-    with _fake_process_group(plan), _no_pipeline_sends():
+    with _fake_process_group(plan), _fake_pipeline_sends():
         backend = build_backend(here, plan)
         model = build_model(here.model)  # on meta, outside the mode: materialized inside it
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -214,14 +215,34 @@ def _setup(backend: Backend, model: torch.nn.Module, plan: RunPlan) -> torch.nn.
     return wrapped
 
 
+class _HeldSend:
+    """A point-to-point op's work as gloo's and NCCL's are: a send's keeps the tensor it sends
+    alive for as long as the schedule keeps the work, waited or not (torch 2.13's
+    `_PipelineScheduleRuntime` and GPipe keep every send's until the step ends, 1F1B one at a
+    time). A receive's holds nothing more: its buffer is the stage's."""
+
+    def __init__(self, op: Any) -> None:
+        import torch.distributed as dist
+
+        self.tensor = op.tensor if op.op is dist.isend else None
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
 @contextlib.contextmanager
-def _no_pipeline_sends() -> Iterator[None]:
-    """torch's schedules with every send and receive left out: each goes through
-    `_batch_p2p`, and a receive's buffer is the fake tensor the stage made for it already."""
+def _fake_pipeline_sends() -> Iterator[None]:
+    """torch's schedules with every send and receive done at once: each goes through
+    `_batch_p2p`, whose works the schedule keeps (`_HeldSend`: a send's tensor stays alive
+    where the real one would), and a receive's buffer is the fake tensor the stage made for it
+    already."""
     from torch.distributed.pipelining import schedules
 
     batch = schedules._batch_p2p
-    schedules._batch_p2p = lambda ops, desc=None: []
+    schedules._batch_p2p = lambda ops, desc=None: [_HeldSend(op) for op in ops]
     try:
         yield
     finally:

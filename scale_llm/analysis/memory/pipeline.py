@@ -7,10 +7,10 @@ activations of every piece its schedule has run forward but not yet backward, co
 stage in the order torch 2.13's schedule runs them (`rank_actions`; the last stage's pieces keep
 their logits too), with what a split backward keeps between its halves and what its weight
 half recomputes under checkpointing (`weight_run_bytes`); torch's receive buffers, one a
-piece; the sends the looped schedules keep until the step ends (`sends_held`); and on the last
-stage's rank the head's backward beside the logits the stage keeps. Each rank's estimate is the
-base estimator's on a model of that rank's blocks at one piece's size, plus the rest; the
-layout's is the worst rank's. Measured on 2 gloo ranks (tests/test_memory.py): every rank
+piece; the sends every schedule but 1F1B keeps until the step ends (`sends_held`); and on the
+last stage's rank the head's backward beside the logits the stage keeps. Each rank's estimate
+is the base estimator's on a model of that rank's blocks at one piece's size, plus the rest;
+the layout's is the worst rank's. Measured on 2 gloo ranks (tests/test_memory.py): every rank
 within 5% for 1F1B, GPipe, ZBV and interleaved 1F1B.
 """
 
@@ -91,7 +91,7 @@ def in_flight_bytes(
     its saved activations and `split` (by stage) more until its weight half, which at its peak
     holds `run` (by stage) in place of its own `split` where that is more. `sends` (forward,
     backward; by stage): what a send keeps alive until the step ends, an output once its
-    piece has run back, an input gradient once made."""
+    piece has run back, an input gradient once a whole backward made it."""
     split = split or dict.fromkeys(per_piece, 0.0)
     run = run or dict.fromkeys(per_piece, 0.0)
     fwd_send, bwd_send = sends or (dict.fromkeys(per_piece, 0.0),) * 2
@@ -107,7 +107,10 @@ def in_flight_bytes(
         halves[stage] += kind == "I"
         now = sum(held[s] * per_piece[s] + halves[s] * split[s] for s in held)
         now += sum(fwd_send[s] * (forwards[s] - held[s]) + bwd_send[s] * backwards[s] for s in held)
-        backwards[stage] += kind != "W"  # (its input's gradient, sent after this backward)
+        # a whole backward's input gradient is sent after it, the send alone keeping it; an
+        # input half's stays on the receive buffer's .grad until the next step whatever the
+        # send does (torch's stage_backward_input), counted at the optimizer step
+        backwards[stage] += kind == "B"
         moment = moments[made_grads]
         moment[0] = max(moment[0], now)
         if kind == "W":
@@ -181,13 +184,15 @@ def rank_estimate(cfg: Config, plan: RunPlan, lay: Layout, rank: int) -> Estimat
     return est
 
 
-# torch 2.13's schedules whose sends stay alive until the step ends: _PipelineScheduleRuntime
-# waits every send there (Schedule1F1B waits each before its next; ScheduleGPipe its forwards'
-# after the last forward, when the stage still holds those outputs, its backwards' after the
-# last backward). The V schedules run the same runtime, but across ranks they send only the
-# first stage's outputs and the last's input gradients, which their estimate counts already
-# (2 gloo ranks: ZBV within 2% without them)
-SENDS_KEPT_TO_THE_END = ("interleaved_1f1b", "looped_bfs")
+# torch 2.13's schedules whose sends stay alive until the step ends (a send's work keeps its
+# tensor while the schedule keeps the work, waited or not): _PipelineScheduleRuntime, which
+# interleaved 1F1B, looped BFS and the V schedules run, waits every send there; ScheduleGPipe
+# keeps its forwards' works and its backwards' to the end too (its peak, the first backward,
+# holds every output anyway). Schedule1F1B drops each send's work at its next send (an output
+# of the warm-up's second-to-last piece stays through the steady state: one piece's stream,
+# not counted). Across ranks a V schedule sends from both its stages: at PP 2 rank 0 stage 0's
+# outputs and stage 3's input gradients, rank 1 stage 2's outputs and stage 1's gradients
+SENDS_KEPT_TO_THE_END = ("interleaved_1f1b", "looped_bfs", "gpipe", *V_SCHEDULES)
 
 
 def sends_held(
