@@ -559,7 +559,7 @@ def test_tensor_parallel_at_two_ranks_peaks_where_the_estimate_says(two_ranks):
 # PP 2 on 2 gloo ranks, fp32, both pipeline ranks measured (MiB, measured / estimated): 1F1B
 # with 2 pieces 80.6 / 84.4 and 73.9 / 76.6; full checkpointing with 4 pieces 52.1 / 52.8 and
 # 52.9 / 53.6; GPipe with 4 pieces 80.4 / 82.6 and 89.9 / 90.1; ZBV (rank 0: the first and the
-# last stage) 86.6 / 87.1 and 64.1 / 65.4; interleaved 1F1B 76.6 / 77.6 and 70.4 / 70.4 (its
+# last stage) 86.6 / 87.4 and 64.1 / 66.1; interleaved 1F1B 76.6 / 77.6 and 70.4 / 70.4 (their
 # sends kept until the step ends, the head's backward beside the logits: docs/memory.md)
 PP = ["parallel.backend=fsdp", "parallel.pipeline_parallel=2", "model.tie_embeddings=false"]
 PIECES4 = "parallel.pipeline.microbatches=4"
