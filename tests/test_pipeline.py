@@ -314,7 +314,8 @@ def test_the_memory_estimate_is_the_worst_pipeline_ranks():
     }
     fitted = with_changes(cfg, proposal.changes)
     assert fitted.train.micro_batch_size % 32 == 0 and fitted.parallel.backend == "fsdp"
-    with pytest.raises(UserError, match="GiB per GPU, even with FSDP2 and CPU offload, full"):
+    fsdp_only = "GiB per GPU, even with FSDP2 and CPU offload, full activation checkpointing and"
+    with pytest.raises(UserError, match=f"{fsdp_only} micro-batch 32: "):
         # (DeepSpeed cannot hold a pipeline: the refusal does not say it tried it)
         fit(cfg, 512, 30 * 2**30)
     for rank in (0, 3, 7):

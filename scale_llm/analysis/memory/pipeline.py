@@ -290,6 +290,7 @@ def weight_run_bytes(m: ModelConfig, checkpointed: list[bool], piece: int, num: 
     alive = block_activation_bytes(m, piece, num) - block_input_bytes(m, piece, num)
     unread = alive - sum(read)
     # the first norm's backward (`cpu_kernels`), in fp32: 3 buffers, and 16-bit inputs' copies
+    # (measured on the CPU's kernel; CUDA's fused one makes less: an upper bound there)
     scratch = 4 * stream * m.d_model * (3 + 2 * (num.residual < 4))
     split = weight_half_bytes(dataclasses.replace(m, n_layers=1), piece, num)
     worst, left = 0.0, 0.0  # (left: the blocks before's recomputations kept, less reads freed)

@@ -213,7 +213,7 @@ def fit(cfg: Config, target: RunPlan | int, budget: int, keep_backend: bool = Fa
         tried = f"with backend {plan.backend} as launched" if keep_backend else _tried(options)
         raise UserError(
             f"nothing fits in {gib(budget)} per GPU, {tried}, full activation checkpointing "
-            f"and micro-batch 1: the smallest total reachable is "
+            f"and micro-batch {min(micro_batches)}: the smallest total reachable is "
             f"{gib(smallest.estimate.total)} ({format_overrides(smallest.changes)}). "
             f"Use more GPUs, a sharding backend (`scale-llm estimate CONFIG --fit SIZE` "
             f"proposes one), a shorter model.seq_len or a smaller model"
