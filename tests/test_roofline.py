@@ -653,3 +653,17 @@ def test_the_doc_states_the_70b_layouts_the_code_makes_and_the_yamls_are_the_bes
             cfg.train.micro_batch_size,
         )
         assert best[network]["layout"][2] in ("-", cfg.parallel.pipeline.schedule)
+
+
+def test_a_split_backward_prices_its_second_recomputation():
+    """ZBV's input and weight halves each recompute a checkpointed block: its step has one
+    recomputation a piece more than 1F1B's at the same layout, none without checkpointing."""
+    from scale_llm.analysis.roofline import RECOMPUTE_ROW, layout_config, pipeline_step
+    from scale_llm.config import with_changes
+
+    zbv = layout_config(8, 1, "zero_bubble", 2, 64, 64)
+    classes = pipeline_step(zbv, 64)["classes"]
+    assert classes[RECOMPUTE_ROW]["point"] > 0.1 * sum(c["point"] for c in classes.values())
+    assert RECOMPUTE_ROW not in pipeline_step(layout_config(8, 1, "1f1b", 1, 64, 64), 64)["classes"]
+    bare = with_changes(zbv, {"activation_checkpointing.mode": "none"})
+    assert RECOMPUTE_ROW not in pipeline_step(bare, 64)["classes"]

@@ -32,6 +32,7 @@ from scale_llm.analysis.memory.estimate import (
 from scale_llm.analysis.memory.gpu import estimate
 from scale_llm.components.loss import plain_cross_entropy
 from scale_llm.config import Config, compiles, load_config, with_changes
+from scale_llm.config.parallel import V_SCHEDULES
 from scale_llm.config.plan import target_plan
 from scale_llm.model import build_model
 from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
@@ -66,6 +67,7 @@ FSDP_ROW = "FSDP2 collectives (exposed beyond compute)"
 OFFLOAD_ROW = "offload copies (PCIe)"
 PP_ROW = "pipeline bubble"
 P2P_ROW = "pipeline sends (exposed)"
+RECOMPUTE_ROW = "recomputation in a split backward's weight half"
 NVLINK_BYTES_PER_S = 450e9  # H100 / H200 SXM NVLink 4: 900 GB/s bidirectional per GPU
 GPUS_PER_NODE = 8  # an HGX H100 / H200 node: NVLink inside it, the network between nodes
 # `bench --network`: each GPU's share of the links between nodes, bytes/s each way
@@ -969,6 +971,14 @@ def pipeline_step(
     classes = {c: {w: t * count for w, t in ms.items()} for c, ms in a["classes"].items()}
     classes.pop(FSDP_ROW, None)  # priced once a step below, not once a piece
     schedule = cfg.parallel.pipeline.schedule
+    if schedule in V_SCHEDULES and cfg.activation_checkpointing.mode != "none":
+        # a split backward recomputes a checkpointed block in each half: one recomputation a
+        # piece more than `roofline` counts (the step with checkpointing less the step without)
+        eager = with_changes(stage, {"activation_checkpointing.mode": "none"})
+        bare = roofline(eager, piece, 1, device, world // pp, network)["achieved"]["classes"]
+        own = {w: sum(t[w] for c, t in a["classes"].items() if c != FSDP_ROW) for w in WAYS}
+        less = {w: sum(t[w] for c, t in bare.items() if c != FSDP_ROW) for w in WAYS}
+        classes[RECOMPUTE_ROW] = {w: count * max(0.0, own[w] - less[w]) for w in WAYS}
     bubble = pipeline_bubble(pp, pieces, schedule, v)  # each schedule run's fill and drain
     work = {w: sum(c[w] for c in classes.values()) for w in WAYS}
     if a["parallel_traffic"]:
