@@ -324,6 +324,41 @@ def test_the_memory_estimate_is_the_worst_pipeline_ranks():
         )
 
 
+def test_a_v_schedules_weight_half_keeps_its_16_bit_gradients_until_the_next_input_half():
+    """FSDP2 folds a block's 16-bit gradients into its fp32 accumulation in the input half (its
+    hooks sit on the block's input), so those a weight half makes stay until that stage's next
+    input half (counted at it): moment by moment, beside what is in flight."""
+    from scale_llm.analysis.memory.pipeline import stage_moments
+
+    actions = [("F", 1), ("F", 2), ("I", 2), ("W", 2), ("I", 1), ("W", 1), ("F", 1)]
+    actions += [("I", 1), ("W", 1)]
+    zero = {1: 0.0, 2: 0.0}
+    moments = stage_moments(actions, {1: 1.0, 2: 1.0}, zero, zero, (zero, zero), zero, 0, 9, {
+        1: 100.0, 2: 10.0
+    })  # fmt: skip
+    assert {k: v[3] for k, v in moments.items()} == {
+        (False, "I", 2): 0.0,
+        (False, "W", 2): 10.0,
+        (True, "I", 1): 110.0,
+        (True, "W", 1): 110.0,
+    }
+
+
+def test_the_70b_zero_bubble_rows_gradients_as_traced():
+    """The 70B zero-bubble row's worst rank (7) at its peak, a weight half: the fp32
+    accumulation of its 20 blocks (31.875 GiB) and the bf16 gradients its stages' weight
+    halves keep (15.50 GiB); its fake trace (full size, sends stubbed) holds 47.38 GiB of
+    gradients there. No reduce-scatter input: none runs during the backwards."""
+    from scale_llm.analysis import roofline
+    from scale_llm.analysis.memory.gpu import estimate
+    from scale_llm.config.plan import target_plan
+
+    cfg = roofline.layout_config(8, 1, "zero_bubble", 2, 64, 64)
+    est = estimate(cfg, target_plan(cfg, 64))
+    assert est.pipeline_rank == 7 and est.peak_phase == "weight half backward"
+    assert est.peak_parts["grads"] / 2**30 == pytest.approx(47.38, rel=0.02)
+
+
 def test_a_backward_split_in_two_keeps_what_its_weight_half_reads():
     """ZBV runs a piece's backward as an input half and a weight half: between them the piece
     keeps its saved activations and what the weight half reads (`split`), and only the weight

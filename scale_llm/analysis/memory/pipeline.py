@@ -42,6 +42,7 @@ from scale_llm.analysis.memory.estimate import (
 from scale_llm.config import ActivationCheckpointingConfig, Config, ModelConfig
 from scale_llm.config.parallel import V_SCHEDULES
 from scale_llm.config.plan import RunPlan
+from scale_llm.config.sections import mlp_hidden_size
 from scale_llm.parallel.pipeline import SCHEDULES, stage_blocks, stage_owner
 
 
@@ -121,6 +122,69 @@ def in_flight_bytes(
     return tuple(moments[0]), tuple(moments[1])
 
 
+def stage_moments(
+    actions,
+    per_piece: dict[int, float],
+    split: dict[int, float],
+    run: dict[int, float],
+    sends: tuple[dict[int, float], dict[int, float]],
+    grads: dict[int, float],
+    first: int,
+    last: int,
+    grads16: dict[int, float] | None = None,
+) -> dict[tuple[bool, str, int], tuple[float, float, float, float]]:
+    """Moment by moment, the bytes in flight at each action that runs a block's backward, a
+    weight half or the loss, by (after the first weight gradient, what runs, stage): the
+    worst moment's (bytes in flight, whole gradients of the other stages not yet made, the
+    running stage's where this is its first backward, the 16-bit gradients held). What runs:
+    "B" a full backward (the first stage's weight half is its whole backward), "I" an input
+    half, "W" a later stage's weight half (with `run` in place of its `split`), "F" the last
+    stage's forward (its loss). In flight: every stage's pieces run forward but
+    not back (the running one's counted: the caller takes its own saved activations out),
+    what input halves left to their weight halves, the sends kept; `grads` (by stage): the
+    whole gradients a stage accumulates from its first backward on; `grads16` (by stage): the
+    16-bit gradients a stage's weight half makes and keeps until its next input half."""
+    fwd_send, bwd_send = sends
+    grads16 = grads16 or dict.fromkeys(per_piece, 0.0)
+    made16 = dict.fromkeys(per_piece, False)  # (a stage's weight half ran, its next I not yet)
+    held, halves = dict.fromkeys(per_piece, 0), dict.fromkeys(per_piece, 0)
+    forwards, backwards = dict.fromkeys(per_piece, 0), dict.fromkeys(per_piece, 0)
+    made: set[int] = set()
+    out: dict[tuple[bool, str, int], tuple[float, float, float, float]] = {}
+
+    def seen(key: tuple[bool, str, int], now: float, stage: int) -> None:
+        others = sum(grads[s] for s in per_piece if s not in made and s != stage)
+        fresh = grads[stage] * (stage not in made)  # (its first backward: making them)
+        held16 = sum(grads16[s] for s in per_piece if made16[s])
+        if key not in out or now + held16 - others - fresh > _net(out[key]):
+            out[key] = (now, others, fresh, held16)
+
+    for kind, stage in actions:
+        halves[stage] += kind == "I"
+        made16[stage] = made16[stage] or kind == "W"
+        now = sum(held[s] * per_piece[s] + halves[s] * split[s] for s in held)
+        now += sum(fwd_send[s] * (forwards[s] - held[s]) + bwd_send[s] * backwards[s] for s in held)
+        if kind == "F":
+            if stage == last:
+                seen((bool(made), "F", stage), now, stage)
+            held[stage] += 1
+            forwards[stage] += 1
+            continue
+        if kind == "I" and stage != first:  # (the first stage's I: nothing)
+            seen((bool(made), "I", stage), now, stage)
+        elif kind == "B" or kind == "W" and stage == first:
+            seen((bool(made), "B", stage), now, stage)
+        elif kind == "W":
+            seen((bool(made), "W", stage), now + max(0.0, run[stage] - split[stage]), stage)
+        backwards[stage] += kind == "B"  # (as in_flight_bytes: a whole backward's send)
+        held[stage] -= kind != "I"
+        halves[stage] -= kind == "W"
+        made16[stage] = made16[stage] and kind != "I"  # (FSDP2's post-backward folded them)
+        if kind != "I":
+            made.add(stage)
+    return out
+
+
 def in_flight(schedule: str, pp: int, chunks: int, microbatches: int, rank: int = 0) -> int:
     """Chunk-pieces whose saved activations pipeline rank `rank` holds at once at most."""
     actions = rank_actions(schedule, pp, chunks, microbatches, rank)
@@ -153,17 +217,46 @@ def rank_estimate(cfg: Config, plan: RunPlan, lay: Layout, rank: int) -> Estimat
     buffers = pieces * sent * sum((s > 0) + (s < stages - 1) for s in mine)
     actions = rank_actions(pipe.schedule, plan.pp_degree, chunks, pieces, rank)
     sends = sends_held(plan, pipe.schedule, rank, sent)
-    (at_first, w_first), (at_later, w_later) = in_flight_bytes(actions, held, split, run, sends)
+    # the whole gradients a stage accumulates from its first backward on (FSDP2 reduces them
+    # after the last piece's): fp32, beside its shards
+    whole = {
+        s: 4.0 * ParamCounts.of(_of(m, blocks[s]), lay.tp, s == 0, s == stages - 1).total
+        for s in mine
+    }
+    if lay.backend != "fsdp":
+        whole = dict.fromkeys(mine, 0.0)
+    grads16 = _weight_half_grads(m, lay, [(s, blocks[s]) for s in mine], stages, pipe.schedule)
+    moments = stage_moments(actions, held, split, run, sends, whole, 0, stages - 1, grads16)
+    if pieces == 1:  # (one piece: the rank's only moments are its first)
+        moments = {(False, *k[1:]): v for k, v in sorted(moments.items())}
     # a split backward's input half leaves its gradient on the input's buffer until the next
     # step: at the optimizer step every piece's (within the step, the estimate's later moment
     # takes the most pieces in flight and the whole gradients together, which do not coincide:
     # counting them there came 5% over on 2 gloo ranks)
     grads_left = sum(s > 0 for s in mine) if pipe.schedule in V_SCHEDULES else 0
     at_step = buffers + pieces * sent * grads_left
-    base = sum(per_piece.values())  # the base step's own piece of every stage
+    # the base step (one piece of the rank's blocks, stage after stage) counts at a stage's
+    # block the saved activations of the stages before it: their pieces are counted as the
+    # moment holds them instead
+    stage_of = [s for s in mine for _ in blocks[s]]
+    before = {s: sum(per_piece[t] for t in mine if t < s) for s in mine}
+    at = _Moments(moments, stage_of, before, per_piece, stages - 1, buffers, at_step, held=held)
+    at.resident = resident_input_bytes(m, piece)  # (at a weight half: beside what is in flight)
+    for i, s in enumerate(stage_of):  # (a checkpointed block's, and those below it)
+        below = i - stage_of.index(s) + 1
+        at.unmade[f"block {i} backward"] = split[s] / len(blocks[s]) * below * flags[i]
+    if lay.backend == "fsdp":  # a stage's first backward has made its blocks' above the running
+        # one (and the head's) by then
+        n_rank = ParamCounts.of(rank_model, lay.tp, first, last)
+        head = 4.0 * (m.vocab_size // lay.tp * m.d_model + m.d_model) * last
+        for i, s in enumerate(stage_of):
+            above = len(stage_of) - 1 - i - sum(t > s for t in stage_of)
+            made = 4.0 * n_rank.block * above + head * (s == stages - 1)
+            at.made_above[f"block {i} backward"] = made
+        at.made_above["head backward"] = at.made_above["loss backward"] = 0.0
+        at.reduce_input = 4.0 * ParamCounts.of(rank_model, lay.tp, first, last).block
     est = _with_head_backward(estimate_layout(rank_model, ac, piece_lay, flags), m, piece, lay)
-    resident = resident_input_bytes(m, piece)  # (at a weight half: beside what is in flight)
-    est = _with_in_flight(est, at_first - base, 0.0, buffers, at_step, resident + w_first)
+    est = _at_moments(est, at, False, 0.0)
     if pieces > 1:
         # torch's stages run every backward but the last without FSDP2's reduction: each piece
         # is a micro-step accumulating whole gradients; the sharded ones are made after the last
@@ -177,8 +270,10 @@ def rank_estimate(cfg: Config, plan: RunPlan, lay: Layout, rank: int) -> Estimat
         sharded = 4.0 * n / lay.shards if lay.backend == "fsdp" else 0.0
         est_later = estimate_layout(rank_model, ac, later, flags)
         est_later = _with_head_backward(est_later, m, piece, lay)
-        w_later += resident
-        est_later = _with_in_flight(est_later, at_later - base, sharded, buffers, at_step, w_later)
+        if pipe.schedule in V_SCHEDULES and lay.backend == "fsdp":
+            est_later = _without_reduce_scatter(est_later, rank_model, later)
+            at.reduce_input = 0.0  # (taken out of every block's phase already)
+        est_later = _at_moments(est_later, at, True, sharded)
         est = max(est, est_later, key=lambda e: e.gpu["peak"])
     est.params, est.model, est.layout = ParamCounts.of(m).total, m, lay  # (the whole micro-batch)
     return est
@@ -301,33 +396,136 @@ def weight_run_bytes(m: ModelConfig, checkpointed: list[bool], piece: int, num: 
     return float(worst)
 
 
-def _with_in_flight(
-    est: Estimate,
-    others: float,
-    not_yet: float,
-    buffers: float,
-    at_step: float,
-    weight_half: float = 0.0,
-) -> Estimate:
-    """`est` with `others` bytes of saved activations more until the optimizer step (every
-    piece's backward has run by then), `not_yet` gradient bytes less before it, the receive
-    `buffers` before it and `at_step` bytes at it; and, where a split backward's weight half
-    holds more than a block's backward (`weight_half` activations, the pieces in flight
-    counted), a phase of its own with the states of the block backward holding the most."""
+def _weight_half_grads(
+    m: ModelConfig, lay: Layout, stages: list[tuple[int, range]], n: int, schedule: str
+) -> dict[int, float]:
+    """By stage (`stages`: (stage, its blocks) of `n`): the 16-bit gradients a V schedule's
+    weight half leaves beside FSDP2's fp32 accumulation until the stage's next input half.
+    FSDP2's post-backward, hooked on each block's input, runs in the input half and folds the
+    block's .grad into its fp32 accumulation; the weight half then makes new ones (the blocks'
+    only: a fake trace keeps no 16-bit head gradient, 70B zero_bubble rank 7 and tiny ZBV
+    rank 0). Stage 0's weight half is its whole backward, and fp32 runs add into the
+    accumulation: none."""
+    out = {s: 0.0 for s, _ in stages}
+    if schedule not in V_SCHEDULES or lay.backend != "fsdp" or lay.precision == "fp32":
+        return out
+    one = ParamCounts.of(m, lay.tp, False, False).block
+    for s, b in stages:
+        out[s] = float(lay.working_bytes * len(b) * one) * (s > 0)
+    return out
+
+
+def _without_reduce_scatter(est: Estimate, m: ModelConfig, lay: Layout) -> Estimate:
+    """`est` (a V schedule's micro-step, FSDP2) with no reduce-scatter in its backwards (the
+    schedule runs them without gradient sync; it reduces after the last piece's): no fp32
+    reduce-scatter input of the block above, and the running block's (and head's) new 16-bit
+    gradient counted with the stage's (`_weight_half_grads`)."""
+    one = ParamCounts.of(m, lay.tp, False, False).block
+    this_block = lay.working_bytes * m.d_model * (mlp_hidden_size(m) // lay.tp)
+    head = lay.working_bytes * (m.vocab_size // lay.tp * m.d_model + m.d_model) * lay.holds_head
     for name, parts in est.parts.items():
-        parts["activations"] += at_step if name == "optimizer step" else buffers
-        if name != "optimizer step":
-            parts["activations"] += others
-            parts["grads"] -= not_yet
-    blocks = [p for name, p in est.parts.items() if name.startswith("block ")]
-    states = max(blocks, key=lambda p: p["params"] + p["grads"], default=None)
-    if states and weight_half + buffers > states["activations"] + states["temporaries"]:
-        # (what the weight half computes beside: a weight's gradient, counted in grads)
-        at_weights = {**states, "activations": weight_half + buffers, "temporaries": 0.0}
-        est.parts["weight half backward"] = at_weights
+        if name.startswith("block "):
+            above = int(name.split()[1]) < m.n_layers - 1
+            parts["grads"] -= this_block + head + 4.0 * one * above
+    return est
+
+
+def _of(m: ModelConfig, blocks: range) -> ModelConfig:
+    return dataclasses.replace(m, n_layers=len(blocks))
+
+
+@dataclasses.dataclass
+class _Moments:
+    """A rank's `stage_moments` and what places a base-step phase among them."""
+
+    moments: dict[tuple[bool, str, int], tuple[float, float, float, float]]
+    stage_of: list[int]  # the rank model's blocks' stages
+    before: dict[int, float]  # the saved activations the base step counts below a stage's
+    per_piece: dict[int, float]
+    last: int
+    buffers: float
+    at_step: float
+    resident: float = 0.0
+    reduce_input: float = 0.0  # FSDP2's fp32 reduce-scatter input of a block (below the top)
+    held: dict[int, float] = dataclasses.field(default_factory=dict)
+    made_above: dict[str, float] = dataclasses.field(default_factory=dict)  # by phase
+    unmade: dict[str, float] = dataclasses.field(default_factory=dict)  # by phase
+
+
+def _at_moments(est: Estimate, at: _Moments, later: bool, not_yet: float) -> Estimate:
+    """`est` (the base step of one piece of every stage) moment by moment: each phase at the
+    worst moment its stage runs it (after the rank's first weight gradient or before, as
+    `later`), with that moment's pieces in flight and whole gradients; a phase that never
+    runs then dropped. `not_yet` gradient bytes less before the optimizer step, the receive
+    buffers before it and `at.at_step` bytes at it; and, where a split backward's weight half
+    holds more than its stage's block backward, a phase of its own with the states of that
+    stage's block backward holding the most."""
+    kept, states, gathered = {}, {}, 0.0  # states: by stage, the block backward holding the most
+    missing_of, held16_of = {}, {}  # by stage: the gradients its `states` lack, 16-bit held
+    top = len(at.stage_of) - 1
+    for name, parts in est.parts.items():
+        if name == "optimizer step":
+            parts["activations"] += at.at_step
+            kept[name] = parts
+            continue
+        s = at.stage_of[int(name.split()[1])] if name.startswith("block ") else at.last
+        running = "F" if name == "loss forward" else "B"
+        # an input half (retain_graph) keeps what it reads and makes the `split` as it goes,
+        # but a checkpointed block's recomputation is freed as read: at its peak (its start)
+        # the `split` of it and the blocks below is not made yet
+        keys = [(later, running, s)] + [(later, "I", s)] * (running == "B")
+        options = [
+            (at.moments[k][0] - at.unmade.get(name, 0.0) * (k[1] == "I"), *at.moments[k][1:])
+            for k in keys
+            if k in at.moments
+        ]
+        if not options:
+            continue
+        now, others, fresh, held16 = max(options, key=_net)
+        # the whole gradients of the stages yet to run back, and of a stage running its first
+        # backward those below the running block (before the rank's first: none counted)
+        missing = (others + max(0.0, fresh - at.made_above.get(name, 0.0))) * later
+        # the base step's piece is the running one: as held in flight (a forward's: not yet)
+        own = at.per_piece[s] - (at.held[s] if running == "F" else 0.0)
+        parts["activations"] += at.buffers + now - own - at.before[s]
+        parts["grads"] += held16 - not_yet - missing
+        kept[name] = parts
+        if not name.startswith("block "):
+            continue
+        gathered = max(gathered, parts["params"])
+        if s not in states or _states(parts) > _states(states[s][1]):
+            states[s], missing_of[s] = (int(name.split()[1]), parts), missing
+            held16_of[s] = held16
+    for (moment, running, s), (now, others, _, held16) in at.moments.items():
+        if moment != later or running != "W" or not states:
+            continue
+        i, base = states.get(s) or max(states.values(), key=lambda x: _states(x[1]))
+        parts = {**base, "activations": at.resident + now + at.buffers, "temporaries": 0.0}
+        # (its own stage's as made: a weight half makes them)
+        parts["grads"] += missing_of.get(s, others * later) - others * later
+        parts["grads"] += held16 - held16_of.get(s, 0.0)
+        # a weight half reduces nothing (FSDP2 reduces after the last piece's backward), and
+        # the rank's blocks are all gathered by then (each stays from its first backward on)
+        parts["grads"] -= at.reduce_input * (i < top)
+        parts["params"] = max(gathered, base["params"])
+        if parts["activations"] > base["activations"] + base["temporaries"]:
+            old = kept.get("weight half backward")
+            if old is None or sum(parts.values()) > sum(old.values()):
+                kept["weight half backward"] = parts
+    est.parts = kept
     est.gpu["activations"] = max(p["activations"] for p in est.parts.values())
     est.phases = phase_totals(est.parts, est.gpu)
     return est
+
+
+def _net(moment: tuple[float, float, float, float]) -> float:
+    """A `stage_moments` moment's bytes: in flight and 16-bit gradients, less those not made."""
+    now, others, fresh, held16 = moment
+    return now + held16 - others - fresh
+
+
+def _states(parts: dict[str, float]) -> float:
+    return parts["params"] + parts["grads"]
 
 
 def pipeline_estimate(cfg: Config, plan: RunPlan, lay: Layout) -> Estimate:
