@@ -179,7 +179,8 @@ def stage_moments(
         backwards[stage] += kind == "B"  # (as in_flight_bytes: a whole backward's send)
         held[stage] -= kind != "I"
         halves[stage] -= kind == "W"
-        made16[stage] = made16[stage] and kind != "I"  # (FSDP2's post-backward folded them)
+        # (FSDP2's post-backward, in an input half or a whole backward, folded them)
+        made16[stage] = made16[stage] and kind not in ("I", "B")
         if kind != "I":
             made.add(stage)
     return out
@@ -403,8 +404,8 @@ def _weight_half_grads(
     weight half leaves beside FSDP2's fp32 accumulation until the stage's next input half.
     FSDP2's post-backward, hooked on each block's input, runs in the input half and folds the
     block's .grad into its fp32 accumulation; the weight half then makes new ones (the blocks'
-    only: a fake trace keeps no 16-bit head gradient, 70B zero_bubble rank 7 and tiny ZBV
-    rank 0). Stage 0's weight half is its whole backward, and fp32 runs add into the
+    only: tiny ZBV's rank 0, which holds the head, keeps no 16-bit head gradient in its fake
+    trace). Stage 0's weight half is its whole backward, and fp32 runs add into the
     accumulation: none."""
     out = {s: 0.0 for s, _ in stages}
     if schedule not in V_SCHEDULES or lay.backend != "fsdp" or lay.precision == "fp32":
@@ -423,6 +424,8 @@ def _without_reduce_scatter(est: Estimate, m: ModelConfig, lay: Layout) -> Estim
     one = ParamCounts.of(m, lay.tp, False, False).block
     this_block = lay.working_bytes * m.d_model * (mlp_hidden_size(m) // lay.tp)
     head = lay.working_bytes * (m.vocab_size // lay.tp * m.d_model + m.d_model) * lay.holds_head
+    if lay.precision == "fp32":  # (no 16-bit gradients counted apart: the new ones stay here)
+        this_block = head = 0.0
     for name, parts in est.parts.items():
         if name.startswith("block "):
             above = int(name.split()[1]) < m.n_layers - 1
