@@ -667,3 +667,49 @@ def test_a_split_backward_prices_its_second_recomputation():
     assert RECOMPUTE_ROW not in pipeline_step(layout_config(8, 1, "1f1b", 1, 64, 64), 64)["classes"]
     bare = with_changes(zbv, {"activation_checkpointing.mode": "none"})
     assert RECOMPUTE_ROW not in pipeline_step(bare, 64)["classes"]
+
+
+def _tiny_pipeline(schedule: str, mode: str, *more: str):
+    sets = ["parallel.backend=fsdp", "parallel.pipeline_parallel=2", "model.tie_embeddings=false"]
+    sets += [f"parallel.pipeline.schedule={schedule}", f"activation_checkpointing.mode={mode}"]
+    sets += ["train.micro_batch_size=4", "train.grad_accum=1", *more]
+    return load_config(REPO / "yaml" / "tiny.yaml", sets)
+
+
+def test_a_split_backward_recomputes_twice_only_where_torch_splits_it():
+    """torch 2.13 runs every ZBV backward in halves, DualPipeV's in a few pieces only, and the
+    first stage's input half does nothing (its weight half is the whole backward): PP 2, 6
+    blocks split [1, 2, 2, 1], rank 0 holding stages 0 and 3. The step waits for the rank that
+    recomputes most: DualPipeV's second recomputation a quarter of ZBV's."""
+    from scale_llm.analysis.roofline import RECOMPUTE_ROW, pipeline_step, recomputed_shares
+    from scale_llm.config.plan import target_plan
+
+    zbv = _tiny_pipeline("zero_bubble", "full", "model.n_layers=6")
+    assert recomputed_shares(zbv, target_plan(zbv, 4), 4, 2) == [(1.0, 0.5), (1.0, 1.0)]
+    dual = _tiny_pipeline("dualpipev", "full", "model.n_layers=6")
+    # DualPipeV at 4 pieces: rank 0 splits 2 of stage 0's backwards and 1 of stage 3's, rank 1
+    # 1 of stage 1's and 1 of stage 2's
+    assert recomputed_shares(dual, target_plan(dual, 4), 4, 2) == [(1.0, 1 / 8), (1.0, 1 / 4)]
+    split = pipeline_step(zbv, 4)["classes"][RECOMPUTE_ROW]["point"]
+    assert split > 0
+    assert pipeline_step(dual, 4)["classes"][RECOMPUTE_ROW]["point"] == pytest.approx(split / 4)
+
+
+def test_every_k_is_priced_by_the_one_process_block_index():
+    """every_k picks blocks by their one-process index, as the trainer checkpoints them: 7
+    blocks at PP 2 split [3, 4], k 2 checkpoints 0, 2, 4, 6: rank 0 two of its three blocks (a
+    stage of its own four blocks would checkpoint two). The stage's recomputation is that
+    share of the whole's (full less none)."""
+    from scale_llm.analysis.roofline import pipeline_step, recomputed_shares
+    from scale_llm.config.plan import target_plan
+
+    k = ("model.n_layers=7", "activation_checkpointing.k=2")
+    cfg = _tiny_pipeline("1f1b", "every_k", *k)
+    assert recomputed_shares(cfg, target_plan(cfg, 4), 4, 1) == [(2 / 3, 0.0), (0.5, 0.0)]
+    matmul = {
+        mode: pipeline_step(_tiny_pipeline("1f1b", mode, *k), 4)["classes"]["matmul"]["point"]
+        for mode in ("none", "every_k", "full")
+    }
+    # the stage prices 4 blocks: 2 / 3 of them recomputed
+    share = (matmul["every_k"] - matmul["none"]) / (matmul["full"] - matmul["none"])
+    assert share == pytest.approx(2 / 3)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from scale_llm.analysis.memory.activations import checkpointed_count, widths
+from scale_llm.analysis.memory.activations import checkpointed_count, checkpointed_flags, widths
 from scale_llm.analysis.memory.estimate import (
     PCIE5_X16_BYTES_PER_S,
     GiB,
@@ -30,12 +30,14 @@ from scale_llm.analysis.memory.estimate import (
     zero_offload_traffic,
 )
 from scale_llm.analysis.memory.gpu import estimate
+from scale_llm.analysis.memory.pipeline import rank_actions
 from scale_llm.components.loss import plain_cross_entropy
 from scale_llm.config import Config, compiles, load_config, with_changes
 from scale_llm.config.parallel import V_SCHEDULES
-from scale_llm.config.plan import target_plan
+from scale_llm.config.plan import RunPlan, target_plan
 from scale_llm.model import build_model
 from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
+from scale_llm.parallel.pipeline import stage_blocks, stage_owner
 
 # (name, dense bf16 FLOP/s, HBM bytes/s), from the vendors' data sheets. H100-500W: Meta's Grand
 # Teton H100 (96 GB HBM2e at 2.4 TB/s, power-capped at 500 W), torchtitan's benchmark machine;
@@ -940,6 +942,32 @@ def pipeline_p2p_bytes(
     return 2 * microbatches * stages_per_rank * piece_tokens * d_model * c / tp
 
 
+def recomputed_shares(
+    cfg: Config, plan: RunPlan, pieces: int, stages_per_rank: int
+) -> list[tuple[float, float]]:
+    """By pipeline rank: the share of its blocks a piece's backward recomputes once, and the
+    share it recomputes a second time, as the trainer runs them. every_k picks blocks by their
+    one-process index. torch 2.13 runs a V schedule's backward in halves (an input half "I",
+    a weight half "W") where its schedule says so (ZBV always, DualPipeV in a few pieces), and
+    each half recomputes a checkpointed block; the first stage's input half does nothing (no
+    input needs a gradient) and its weight half runs the whole backward, once."""
+    m, pipe = cfg.model, cfg.parallel.pipeline
+    n = plan.pp_degree * stages_per_rank
+    blocks = stage_blocks(m.n_layers, n, pipe.layers_per_stage)
+    flags = checkpointed_flags(m, cfg.activation_checkpointing)
+    shares = []
+    for rank in range(plan.pp_degree):
+        mine = [s for s in range(n) if stage_owner(s, plan, pipe.schedule) == rank]
+        halves = Counter()
+        if pipe.schedule in V_SCHEDULES:
+            halves = Counter(rank_actions(pipe.schedule, plan.pp_degree, 2, pieces, rank))
+        held = sum(len(blocks[s]) for s in mine)
+        once = sum(flags[i] for s in mine for i in blocks[s])
+        twice = sum(halves["I", s] / pieces * sum(flags[i] for i in blocks[s]) for s in mine if s)
+        shares.append((once / held, twice / held))
+    return shares
+
+
 def pipeline_step(
     cfg: Config,
     world: int,
@@ -949,8 +977,9 @@ def pipeline_step(
     network: str = "ib-ndr",
 ) -> dict[str, Any]:
     """One GPU's step under pipeline parallelism x FSDP2 x TP: the worst stage's blocks (the
-    head weighed as one block, on the last stage) priced by `roofline` one piece at a time, the
-    schedule's bubble once per accumulation step, and the sends between stages on their link.
+    head weighed as one block, on the last stage) priced by `roofline` one piece at a time, with
+    the recomputation of the rank that recomputes most (`recomputed_shares`), the schedule's
+    bubble once per accumulation step, and the sends between stages on their link.
     `microbatches` and `stages_per_rank` replace the plan's (a published run's, which this
     framework's checks may refuse: torchtitan ran interleaved 1F1B with fewer microbatches)."""
     plan, m = target_plan(cfg, world), cfg.model
@@ -971,14 +1000,21 @@ def pipeline_step(
     classes = {c: {w: t * count for w, t in ms.items()} for c, ms in a["classes"].items()}
     classes.pop(FSDP_ROW, None)  # priced once a step below, not once a piece
     schedule = cfg.parallel.pipeline.schedule
-    if schedule in V_SCHEDULES and cfg.activation_checkpointing.mode != "none":
-        # a split backward recomputes a checkpointed block in each half: one recomputation a
-        # piece more than `roofline` counts (the step with checkpointing less the step without)
+    # `roofline` recomputes the stage's own blocks 0..blocks-1 once a piece; the trainer
+    # recomputes the slowest rank's share of them, some twice (the step less the step without)
+    once, twice = max(recomputed_shares(cfg, plan, pieces, v), key=sum)
+    local = checkpointed_count(stage.model, stage.activation_checkpointing)
+    scale = once * blocks / local if local else 1.0
+    if scale != 1 or twice:
         eager = with_changes(stage, {"activation_checkpointing.mode": "none"})
         bare = roofline(eager, piece, 1, device, world // pp, network)["achieved"]["classes"]
-        own = {w: sum(t[w] for c, t in a["classes"].items() if c != FSDP_ROW) for w in WAYS}
-        less = {w: sum(t[w] for c, t in bare.items() if c != FSDP_ROW) for w in WAYS}
-        classes[RECOMPUTE_ROW] = {w: count * max(0.0, own[w] - less[w]) for w in WAYS}
+        more = {c: {w: t[w] - bare[c][w] for w in WAYS} for c, t in a["classes"].items()}
+        more.pop(FSDP_ROW, None)
+        for c, t in more.items():
+            classes[c] = {w: classes[c][w] + count * t[w] * (scale - 1) for w in WAYS}
+        if twice:
+            extra = {w: max(0.0, sum(t[w] for t in more.values())) for w in WAYS}
+            classes[RECOMPUTE_ROW] = {w: count * extra[w] * twice * blocks / local for w in WAYS}
     bubble = pipeline_bubble(pp, pieces, schedule, v)  # each schedule run's fill and drain
     work = {w: sum(c[w] for c in classes.values()) for w in WAYS}
     if a["parallel_traffic"]:
