@@ -29,8 +29,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from scale_llm.analysis.memory import estimate
-from scale_llm.analysis.memory.estimate import GiB, estimate_layout
+from scale_llm.analysis.memory.estimate import Estimate, GiB, estimate_layout
 from scale_llm.analysis.memory.host import check_host_memory, host_memory_problem
+from scale_llm.analysis.memory.pipeline import pipeline_estimate
 from scale_llm.components import checkpoint as ck
 from scale_llm.components import digests
 from scale_llm.components.distributed import barrier, is_distributed, rank_and_world
@@ -511,10 +512,7 @@ def bench_sweep(
         row["predicted_peak_gib"] = est.gpu["peak"] / GiB
         # the estimate's one count read from torch's source, not measured: CUDA's fused RMSNorm
         # saves less than the composite (docs/memory.md); the composite's peak tells which holds
-        composite = dataclasses.replace(est.layout, fused_norm=False)
-        row["predicted_peak_composite_norm_gib"] = (
-            estimate_layout(c.model, c.activation_checkpointing, composite).gpu["peak"] / GiB
-        )
+        row["predicted_peak_composite_norm_gib"] = composite_norm_peak(c, p, est) / GiB
         too_big = host_memory_problem(c, p)
         if too_big:  # a row, like a GPU's out-of-memory, not the end of the sweep
             log.warning("bench: sweep row not run (%s, micro-batch %d): %s", mode, mb, too_big)
@@ -526,6 +524,15 @@ def bench_sweep(
             row["oom"] = True
         rows.append(row)
     return rows
+
+
+def composite_norm_peak(cfg: Config, plan: RunPlan, est: Estimate) -> float:
+    """`est`'s peak bytes with a composite RMSNorm in place of the fused one; under a pipeline
+    the worst rank's, each rank's norms its stages' blocks' at its pieces' size."""
+    composite = dataclasses.replace(est.layout, fused_norm=False)
+    if plan.pp_degree > 1:
+        return pipeline_estimate(cfg, plan, composite).gpu["peak"]
+    return estimate_layout(cfg.model, cfg.activation_checkpointing, composite).gpu["peak"]
 
 
 COLUMNS = [
