@@ -243,6 +243,9 @@ def rank_estimate(cfg: Config, plan: RunPlan, lay: Layout, rank: int) -> Estimat
     before = {s: sum(per_piece[t] for t in mine if t < s) for s in mine}
     at = _Moments(moments, stage_of, before, per_piece, stages - 1, buffers, at_step, held=held)
     at.resident = resident_input_bytes(m, piece)  # (at a weight half: beside what is in flight)
+    # the last stage keeps its output, the piece's logits (this rank's part of the vocabulary),
+    # through the piece's whole backward: its blocks' too, which one process runs without them
+    at.logits = num.compute * piece * m.seq_len * (m.vocab_size // lay.tp) * last
     for i, s in enumerate(stage_of):  # (a checkpointed block's, and those below it)
         below = i - stage_of.index(s) + 1
         at.unmade[f"block {i} backward"] = split[s] / len(blocks[s]) * below * flags[i]
@@ -250,9 +253,11 @@ def rank_estimate(cfg: Config, plan: RunPlan, lay: Layout, rank: int) -> Estimat
         # one (and the head's) by then
         n_rank = ParamCounts.of(rank_model, lay.tp, first, last)
         head = 4.0 * (m.vocab_size // lay.tp * m.d_model + m.d_model) * last
+        # (and the running block's down-projection's, where it is not counted as made apart)
+        this_block = 4.0 * m.d_model * (mlp_hidden_size(m) // lay.tp) * _in_place(lay, pipe)
         for i, s in enumerate(stage_of):
             above = len(stage_of) - 1 - i - sum(t > s for t in stage_of)
-            made = 4.0 * n_rank.block * above + head * (s == stages - 1)
+            made = 4.0 * n_rank.block * above + head * (s == stages - 1) + this_block
             at.made_above[f"block {i} backward"] = made
         at.made_above["head backward"] = at.made_above["loss backward"] = 0.0
         at.reduce_input = 4.0 * ParamCounts.of(rank_model, lay.tp, first, last).block
@@ -274,6 +279,8 @@ def rank_estimate(cfg: Config, plan: RunPlan, lay: Layout, rank: int) -> Estimat
         if pipe.schedule in V_SCHEDULES and lay.backend == "fsdp":
             est_later = _without_reduce_scatter(est_later, rank_model, later)
             at.reduce_input = 0.0  # (taken out of every block's phase already)
+        elif _in_place(lay, pipe):
+            est_later = _added_in_place(est_later, rank_model, later)
         est_later = _at_moments(est_later, at, True, sharded)
         est = max(est, est_later, key=lambda e: e.gpu["peak"])
     est.params, est.model, est.layout = ParamCounts.of(m).total, m, lay  # (the whole micro-batch)
@@ -433,6 +440,26 @@ def _without_reduce_scatter(est: Estimate, m: ModelConfig, lay: Layout) -> Estim
     return est
 
 
+def _in_place(lay: Layout, pipe) -> bool:
+    """Whether a later backward adds its new gradients into the whole ones in place: fp32
+    under FSDP2 (the parameters' dtype is the reduce dtype), a schedule without split
+    backwards (a weight half makes its gradients whole first)."""
+    return lay.backend == "fsdp" and lay.precision == "fp32" and pipe.schedule not in V_SCHEDULES
+
+
+def _added_in_place(est: Estimate, m: ModelConfig, lay: Layout) -> Estimate:
+    """`est` (a later piece's step, `_in_place`) without the new gradients its block backwards
+    count beside the whole ones (the running block's down-projection's, the head's): autograd
+    adds each into its parameter's `.grad` in place and frees it at once. A stage's first
+    backward keeps them as made, counted with the made ones (`made_above`)."""
+    this_block = 4.0 * m.d_model * (mlp_hidden_size(m) // lay.tp)
+    head = 4.0 * (m.vocab_size // lay.tp * m.d_model + m.d_model) * lay.holds_head
+    for name, parts in est.parts.items():
+        if name.startswith("block "):
+            parts["grads"] -= this_block + head
+    return est
+
+
 def _of(m: ModelConfig, blocks: range) -> ModelConfig:
     return dataclasses.replace(m, n_layers=len(blocks))
 
@@ -449,6 +476,7 @@ class _Moments:
     buffers: float
     at_step: float
     resident: float = 0.0
+    logits: float = 0.0  # the last stage's output, kept through its piece's block backwards
     reduce_input: float = 0.0  # FSDP2's fp32 reduce-scatter input of a block (below the top)
     held: dict[int, float] = dataclasses.field(default_factory=dict)
     made_above: dict[str, float] = dataclasses.field(default_factory=dict)  # by phase
@@ -491,6 +519,8 @@ def _at_moments(est: Estimate, at: _Moments, later: bool, not_yet: float) -> Est
         # the base step's piece is the running one: as held in flight (a forward's: not yet)
         own = at.per_piece[s] - (at.held[s] if running == "F" else 0.0)
         parts["activations"] += at.buffers + now - own - at.before[s]
+        if name.startswith("block ") and s == at.last:
+            parts["activations"] += at.logits
         parts["grads"] += held16 - not_yet - missing
         kept[name] = parts
         if not name.startswith("block "):
