@@ -37,6 +37,7 @@ from scale_llm.analysis.memory.estimate import (
     Layout,
     ParamCounts,
     estimate_layout,
+    fsdp_gathered_params,
     phase_totals,
 )
 from scale_llm.config import ActivationCheckpointingConfig, Config, ModelConfig
@@ -79,85 +80,56 @@ def rank_actions(schedule: str, pp: int, chunks: int, microbatches: int, rank: i
     return out
 
 
-def in_flight_bytes(
+def stage_moments(
     actions,
     per_piece: dict[int, float],
     split: dict[int, float] | None = None,
     run: dict[int, float] | None = None,
     sends: tuple[dict[int, float], dict[int, float]] | None = None,
-) -> tuple[tuple[float, float], tuple[float, float]]:
-    """The most saved bytes in flight (`per_piece`: a piece's, by stage) at a backward, the
-    piece being run back counted: ((at any backward, at a weight half) before the first
-    weight gradient is made, (the same) after). A piece whose backward's input half ran keeps
-    its saved activations and `split` (by stage) more until its weight half, which at its peak
-    holds `run` (by stage) in place of its own `split` where that is more. `sends` (forward,
-    backward; by stage): what a send keeps alive until the step ends, an output once its
-    piece has run back, an input gradient once a whole backward made it."""
-    split = split or dict.fromkeys(per_piece, 0.0)
-    run = run or dict.fromkeys(per_piece, 0.0)
-    fwd_send, bwd_send = sends or (dict.fromkeys(per_piece, 0.0),) * 2
-    held, halves = dict.fromkeys(per_piece, 0), dict.fromkeys(per_piece, 0)
-    forwards, backwards = dict.fromkeys(per_piece, 0), dict.fromkeys(per_piece, 0)
-    moments = [[0.0, 0.0], [0.0, 0.0]]  # [before, after the first weight gradient][any, W]
-    made_grads = False
-    for kind, stage in actions:
-        if kind == "F":
-            held[stage] += 1
-            forwards[stage] += 1
-            continue
-        halves[stage] += kind == "I"
-        now = sum(held[s] * per_piece[s] + halves[s] * split[s] for s in held)
-        now += sum(fwd_send[s] * (forwards[s] - held[s]) + bwd_send[s] * backwards[s] for s in held)
-        # a whole backward's input gradient is sent after it, the send alone keeping it; an
-        # input half's stays on the receive buffer's .grad until the next step whatever the
-        # send does (torch's stage_backward_input), counted at the optimizer step
-        backwards[stage] += kind == "B"
-        moment = moments[made_grads]
-        moment[0] = max(moment[0], now)
-        if kind == "W":
-            moment[1] = max(moment[1], now + max(0.0, run[stage] - split[stage]))
-        held[stage] -= kind != "I"
-        halves[stage] -= kind == "W"
-        made_grads = made_grads or kind != "I"
-    return tuple(moments[0]), tuple(moments[1])
-
-
-def stage_moments(
-    actions,
-    per_piece: dict[int, float],
-    split: dict[int, float],
-    run: dict[int, float],
-    sends: tuple[dict[int, float], dict[int, float]],
-    grads: dict[int, float],
-    first: int,
-    last: int,
+    grads: dict[int, float] | None = None,
+    first: int | None = None,
+    last: int | None = None,
     grads16: dict[int, float] | None = None,
-) -> dict[tuple[bool, str, int], tuple[float, float, float, float]]:
+    gathered: Gathered | None = None,
+) -> dict[tuple[bool, str, int], tuple]:
     """Moment by moment, the bytes in flight at each action that runs a block's backward, a
     weight half or the loss, by (after the first weight gradient, what runs, stage): the
     worst moment's (bytes in flight, whole gradients of the other stages not yet made, the
-    running stage's where this is its first backward, the 16-bit gradients held). What runs:
-    "B" a full backward (the first stage's weight half is its whole backward), "I" an input
-    half, "W" a later stage's weight half (with `run` in place of its `split`), "F" the last
-    stage's forward (its loss). In flight: every stage's pieces run forward but
-    not back (the running one's counted: the caller takes its own saved activations out),
-    what input halves left to their weight halves, the sends kept; `grads` (by stage): the
-    whole gradients a stage accumulates from its first backward on; `grads16` (by stage): the
-    16-bit gradients a stage's weight half makes and keeps until its next input half."""
-    fwd_send, bwd_send = sends
-    grads16 = grads16 or dict.fromkeys(per_piece, 0.0)
+    running stage's where this is its first backward, the 16-bit gradients held, ...). What
+    runs: "B" a full backward (the `first` stage's weight half is its whole backward), "I" an
+    input half, "W" a later stage's weight half (with `run` in place of its `split`), "F" the
+    `last` stage's forward (its loss). In flight (`per_piece`: a piece's saved bytes, by
+    stage): every stage's pieces run forward but not back (the running one's counted: the
+    caller takes its own saved activations out); what input halves left to their weight
+    halves (`split`, by stage); the sends kept (`sends`: (forward, backward) by stage, an
+    output once its piece has run back, an input gradient once a whole backward made it,
+    kept until the step ends); `grads` (by stage): the whole gradients a stage accumulates
+    from its first backward on; `grads16` (by stage): the 16-bit gradients a stage's weight
+    half makes and keeps until its next input half;
+    `gathered`: FSDP2's gathered parameters at a moment, counted in choosing the worst one
+    and given with it (the bytes, then each stage's last action, "F", "B" or "" (none since
+    the step began or its last backward), and whether this is the running stage's last
+    backward)."""
+    nothing = dict.fromkeys(per_piece, 0.0)
+    split, run, grads, grads16 = (x or nothing for x in (split, run, grads, grads16))
+    fwd_send, bwd_send = sends or (nothing, nothing)
     made16 = dict.fromkeys(per_piece, False)  # (a stage's weight half ran, its next I not yet)
     held, halves = dict.fromkeys(per_piece, 0), dict.fromkeys(per_piece, 0)
     forwards, backwards = dict.fromkeys(per_piece, 0), dict.fromkeys(per_piece, 0)
     made: set[int] = set()
-    out: dict[tuple[bool, str, int], tuple[float, float, float, float]] = {}
+    out: dict[tuple[bool, str, int], tuple] = {}
+    last_action = dict.fromkeys(per_piece, "")
+    left = {s: sum(a == ("B", s) for a in actions) for s in per_piece}  # (whole backwards)
 
     def seen(key: tuple[bool, str, int], now: float, stage: int) -> None:
         others = sum(grads[s] for s in per_piece if s not in made and s != stage)
         fresh = grads[stage] * (stage not in made)  # (its first backward: making them)
         held16 = sum(grads16[s] for s in per_piece if made16[s])
-        if key not in out or now + held16 - others - fresh > _net(out[key]):
-            out[key] = (now, others, fresh, held16)
+        states = (dict(last_action), key[1] == "B" and left[stage] == 1)
+        params = gathered(*states, stage if key[1] != "F" else None) if gathered else 0.0
+        moment = (now, others, fresh, held16, params, *states)
+        if key not in out or _net(moment) > _net(out[key]):
+            out[key] = moment
 
     for kind, stage in actions:
         halves[stage] += kind == "I"
@@ -165,6 +137,7 @@ def stage_moments(
         now = sum(held[s] * per_piece[s] + halves[s] * split[s] for s in held)
         now += sum(fwd_send[s] * (forwards[s] - held[s]) + bwd_send[s] * backwards[s] for s in held)
         if kind == "F":
+            last_action[stage] = "F"  # (the loss runs after the forward)
             if stage == last:
                 seen((bool(made), "F", stage), now, stage)
             held[stage] += 1
@@ -176,20 +149,26 @@ def stage_moments(
             seen((bool(made), "B", stage), now, stage)
         elif kind == "W":
             seen((bool(made), "W", stage), now + max(0.0, run[stage] - split[stage]), stage)
-        backwards[stage] += kind == "B"  # (as in_flight_bytes: a whole backward's send)
+        # a whole backward's input gradient is sent after it, the send alone keeping it; an
+        # input half's stays on the receive buffer's .grad until the next step whatever the
+        # send does (torch's stage_backward_input), counted at the optimizer step
+        backwards[stage] += kind == "B"
         held[stage] -= kind != "I"
         halves[stage] -= kind == "W"
         # (FSDP2's post-backward, in an input half or a whole backward, folded them)
         made16[stage] = made16[stage] and kind not in ("I", "B")
         if kind != "I":
             made.add(stage)
+        left[stage] -= kind == "B"
+        last_action[stage] = "B" if left[stage] or kind != "B" else ""  # (resharded after it)
     return out
 
 
 def in_flight(schedule: str, pp: int, chunks: int, microbatches: int, rank: int = 0) -> int:
     """Chunk-pieces whose saved activations pipeline rank `rank` holds at once at most."""
     actions = rank_actions(schedule, pp, chunks, microbatches, rank)
-    return int(in_flight_bytes(actions, {s: 1.0 for _, s in actions})[0][0])
+    moments = stage_moments(actions, {s: 1.0 for _, s in actions})
+    return int(max(v[0] for (later, _, _), v in moments.items() if not later))
 
 
 def rank_estimate(cfg: Config, plan: RunPlan, lay: Layout, rank: int) -> Estimate:
@@ -227,7 +206,8 @@ def rank_estimate(cfg: Config, plan: RunPlan, lay: Layout, rank: int) -> Estimat
     if lay.backend != "fsdp":
         whole = dict.fromkeys(mine, 0.0)
     grads16 = _weight_half_grads(m, lay, [(s, blocks[s]) for s in mine], stages, pipe.schedule)
-    moments = stage_moments(actions, held, split, run, sends, whole, 0, stages - 1, grads16)
+    gather = _gathered_of(m, lay, {s: blocks[s] for s in mine}, stages, pipe.schedule)
+    moments = stage_moments(actions, held, split, run, sends, whole, 0, stages - 1, grads16, gather)
     if pieces == 1:  # (one piece: the rank's only moments are its first)
         moments = {(False, *k[1:]): v for k, v in sorted(moments.items())}
     # a split backward's input half leaves its gradient on the input's buffer until the next
@@ -243,6 +223,9 @@ def rank_estimate(cfg: Config, plan: RunPlan, lay: Layout, rank: int) -> Estimat
     before = {s: sum(per_piece[t] for t in mine if t < s) for s in mine}
     at = _Moments(moments, stage_of, before, per_piece, stages - 1, buffers, at_step, held=held)
     at.resident = resident_input_bytes(m, piece)  # (at a weight half: beside what is in flight)
+    at.gathered = gather
+    n_rank = ParamCounts.of(rank_model, lay.tp, first, last)
+    at.sharded = 4.0 * n_rank.total / lay.shards * (not lay.fsdp_offload)
     # the last stage keeps its output, the piece's logits (this rank's part of the vocabulary),
     # through the piece's whole backward: its blocks' too, which one process runs without them
     at.logits = num.compute * piece * m.seq_len * (m.vocab_size // lay.tp) * last
@@ -440,6 +423,21 @@ def _without_reduce_scatter(est: Estimate, m: ModelConfig, lay: Layout) -> Estim
     return est
 
 
+def _gathered_of(
+    m: ModelConfig, lay: Layout, blocks: dict[int, range], n: int, schedule: str
+) -> Gathered | None:
+    """`Gathered` for a rank's stages (`blocks`: by stage, of `n`) under FSDP2 and a schedule
+    without split backwards; None else (the estimate's base step counts them)."""
+    if lay.backend != "fsdp" or schedule in V_SCHEDULES:
+        return None
+    sizes = {}
+    for s, b in blocks.items():
+        counts = ParamCounts.of(_of(m, b), lay.tp, s == 0, s == n - 1)
+        one = fsdp_gathered_params(counts, dataclasses.replace(lay, reshard_after_forward=True), 0)
+        sizes[s] = (lay.working_bytes * counts.root, one - lay.working_bytes * counts.root, len(b))
+    return Gathered(sizes, lay.reshard_after_forward)
+
+
 def _in_place(lay: Layout, pipe) -> bool:
     """Whether a later backward adds its new gradients into the whole ones in place: fp32
     under FSDP2 (the parameters' dtype is the reduce dtype), a schedule without split
@@ -480,6 +478,8 @@ class _Moments:
     reduce_input: float = 0.0  # FSDP2's fp32 reduce-scatter input of a block (below the top)
     held: dict[int, float] = dataclasses.field(default_factory=dict)
     made_above: dict[str, float] = dataclasses.field(default_factory=dict)  # by phase
+    gathered: Gathered | None = None  # FSDP2's gathered parameters moment by moment, beside
+    sharded: float = 0.0  # the rank's shards
     unmade: dict[str, float] = dataclasses.field(default_factory=dict)  # by phase
 
 
@@ -512,7 +512,14 @@ def _at_moments(est: Estimate, at: _Moments, later: bool, not_yet: float) -> Est
         ]
         if not options:
             continue
-        now, others, fresh, held16 = max(options, key=_net)
+        chosen = max(options, key=_net)
+        now, others, fresh, held16 = chosen[:4]
+        if at.gathered is not None:
+            parts["params"] = at.sharded + _gathered_at(at, name, s, chosen)
+            # FSDP2 reduce-scatters in a stage's last backward only: no reduce-scatter input
+            # of the block above before it
+            below_top = name.startswith("block ") and int(name.split()[1]) < len(at.stage_of) - 1
+            parts["grads"] -= at.reduce_input * (below_top and not chosen[6])
         # the whole gradients of the stages yet to run back, and of a stage running its first
         # backward those below the running block (before the rank's first: none counted)
         missing = (others + max(0.0, fresh - at.made_above.get(name, 0.0))) * later
@@ -529,7 +536,7 @@ def _at_moments(est: Estimate, at: _Moments, later: bool, not_yet: float) -> Est
         if s not in states or _states(parts) > _states(states[s][1]):
             states[s], missing_of[s] = (int(name.split()[1]), parts), missing
             held16_of[s] = held16
-    for (moment, running, s), (now, others, _, held16) in at.moments.items():
+    for (moment, running, s), (now, others, _, held16, *_) in at.moments.items():
         if moment != later or running != "W" or not states:
             continue
         i, base = states.get(s) or max(states.values(), key=lambda x: _states(x[1]))
@@ -551,10 +558,60 @@ def _at_moments(est: Estimate, at: _Moments, later: bool, not_yet: float) -> Est
     return est
 
 
-def _net(moment: tuple[float, float, float, float]) -> float:
-    """A `stage_moments` moment's bytes: in flight and 16-bit gradients, less those not made."""
-    now, others, fresh, held16 = moment
-    return now + held16 - others - fresh
+def _gathered_at(at: _Moments, name: str, s: int, moment: tuple) -> float:
+    """The gathered parameters of phase `name` (of stage `s`) at `moment`: a block's backward
+    with those of its stage above it (and below, where gathered already); the loss after the
+    last stage's forward; the head's backward with its root gathered by then."""
+    states, last = moment[5], moment[6]
+    if name.startswith("block "):
+        i = int(name.split()[1])
+        return at.gathered(states, last, s, i - at.stage_of.index(s))
+    params = at.gathered(states, last, None)
+    whole = states[s] == "B" or not at.gathered.reshard_after_forward
+    if name == "head backward" and not whole:
+        params += at.gathered.sizes[s][0]
+    return params
+
+
+def _net(moment: tuple) -> float:
+    """A `stage_moments` moment's bytes: in flight, 16-bit gradients and gathered parameters,
+    less the gradients not made."""
+    now, others, fresh, held16, params = moment[:5]
+    return now + held16 - others - fresh + params
+
+
+@dataclasses.dataclass
+class Gathered:
+    """FSDP2's gathered parameters of a rank's stages under a schedule without split backwards
+    (torch 2.13: every piece's backward but a stage's last runs with reshard after backward
+    off): a stage's blocks gathered in a backward stay until its next forward, which reshards
+    all but its last (reshard_after_forward; its root too: the trainer sets it, so FSDP2 does
+    not keep the root); its last backward reshards each block after it. `sizes` by stage:
+    (its root's gathered bytes, a block's, its blocks)."""
+
+    sizes: dict[int, tuple[float, float, int]]
+    reshard_after_forward: bool
+
+    def __call__(
+        self, states: dict[int, str], last: bool, stage: int | None, j: int | None = None
+    ) -> float:
+        """Gathered at a moment (`states`: `stage_moments`') while `stage`'s block j runs its
+        backward (j None: its top one), or (`stage` None) its loss after its forward."""
+        total = 0.0
+        for u, state in states.items():
+            root, block, n = self.sizes[u]
+            whole = state == "B" or state == "F" and not self.reshard_after_forward
+            if u == stage:  # (its root from its pre-backward on, the block below prefetched)
+                j = n - 1 if j is None else j
+                if last:  # the blocks above resharded after their backward
+                    total += root + block * (j + 1 if whole else 1 + (j > 0))
+                else:
+                    total += root + block * (n if whole else n - j + (j > 0))
+            elif whole:
+                total += root + block * n
+            elif state == "F":  # its last block is not resharded after its forward
+                total += block
+        return total
 
 
 def _states(parts: dict[str, float]) -> float:
