@@ -91,6 +91,7 @@ def stage_moments(
     last: int | None = None,
     grads16: dict[int, float] | None = None,
     gathered: Gathered | None = None,
+    left_grads: dict[int, float] | None = None,
 ) -> dict[tuple[bool, str, int], tuple]:
     """Moment by moment, the bytes in flight at each action that runs a block's backward, a
     weight half or the loss, by (after the first weight gradient, what runs, stage): the
@@ -109,9 +110,13 @@ def stage_moments(
     `gathered`: FSDP2's gathered parameters at a moment, counted in choosing the worst one
     and given with it (the bytes, then each stage's last action, "F", "B" or "" (none since
     the step began or its last backward), and whether this is the running stage's last
-    backward)."""
+    backward); `left_grads` (by stage): what a piece's input half leaves on its receive
+    buffer's `.grad` until the step ends, counted from its weight half on."""
     nothing = dict.fromkeys(per_piece, 0.0)
-    split, run, grads, grads16 = (x or nothing for x in (split, run, grads, grads16))
+    split, run, grads, grads16, left_grads = (
+        x or nothing for x in (split, run, grads, grads16, left_grads)
+    )
+    weighed = dict.fromkeys(per_piece, 0)  # (weight halves run)
     fwd_send, bwd_send = sends or (nothing, nothing)
     made16 = dict.fromkeys(per_piece, False)  # (a stage's weight half ran, its next I not yet)
     held, halves = dict.fromkeys(per_piece, 0), dict.fromkeys(per_piece, 0)
@@ -136,6 +141,7 @@ def stage_moments(
         made16[stage] = made16[stage] or kind == "W"
         now = sum(held[s] * per_piece[s] + halves[s] * split[s] for s in held)
         now += sum(fwd_send[s] * (forwards[s] - held[s]) + bwd_send[s] * backwards[s] for s in held)
+        now += sum(left_grads[s] * weighed[s] for s in held)
         if kind == "F":
             last_action[stage] = "F"  # (the loss runs after the forward)
             if stage == last:
@@ -150,9 +156,9 @@ def stage_moments(
         elif kind == "W":
             seen((bool(made), "W", stage), now + max(0.0, run[stage] - split[stage]), stage)
         # a whole backward's input gradient is sent after it, the send alone keeping it; an
-        # input half's stays on the receive buffer's .grad until the next step whatever the
-        # send does (torch's stage_backward_input), counted at the optimizer step
+        # input half's is kept from its weight half on (`left_grads`)
         backwards[stage] += kind == "B"
+        weighed[stage] += kind == "W"
         held[stage] -= kind != "I"
         halves[stage] -= kind == "W"
         # (FSDP2's post-backward, in an input half or a whole backward, folded them)
@@ -193,8 +199,12 @@ def rank_estimate(cfg: Config, plan: RunPlan, lay: Layout, rank: int) -> Estimat
     sent = block_input_bytes(m, piece, num)  # a piece's residual stream between two stages
     per_piece, held, split, run = _pieces(m, ac, [(s, blocks[s]) for s in mine], stages, piece, num)
     # torch's stages hold a receive buffer for every piece from the first step on: its input
-    # (all but the first stage) and its output's gradient (all but the last)
-    buffers = pieces * sent * sum((s > 0) + (s < stages - 1) for s in mine)
+    # (all but the first stage) and its output's gradient (all but the last), from another
+    # rank (a V schedule's last rank holds two neighbouring stages: they pass each other theirs)
+    apart = sum(
+        (s - 1 not in mine) * (s > 0) + (s + 1 not in mine) * (s < stages - 1) for s in mine
+    )
+    buffers = pieces * sent * apart
     actions = rank_actions(pipe.schedule, plan.pp_degree, chunks, pieces, rank)
     sends = sends_held(plan, pipe.schedule, rank, sent)
     # the whole gradients a stage accumulates from its first backward on (FSDP2 reduces them
@@ -207,15 +217,13 @@ def rank_estimate(cfg: Config, plan: RunPlan, lay: Layout, rank: int) -> Estimat
         whole = dict.fromkeys(mine, 0.0)
     grads16 = _weight_half_grads(m, lay, [(s, blocks[s]) for s in mine], stages, pipe.schedule)
     gather = _gathered_of(m, lay, {s: blocks[s] for s in mine}, stages, pipe.schedule)
-    moments = stage_moments(actions, held, split, run, sends, whole, 0, stages - 1, grads16, gather)
+    kept, left = _v_kept(sends, mine, stages, sent, pipe.schedule)
+    moments = stage_moments(
+        actions, held, split, run, kept, whole, 0, stages - 1, grads16, gather, left
+    )
     if pieces == 1:  # (one piece: the rank's only moments are its first)
         moments = {(False, *k[1:]): v for k, v in sorted(moments.items())}
-    # a split backward's input half leaves its gradient on the input's buffer until the next
-    # step: at the optimizer step every piece's (within the step, the estimate's later moment
-    # takes the most pieces in flight and the whole gradients together, which do not coincide:
-    # counting them there came 5% over on 2 gloo ranks)
-    grads_left = sum(s > 0 for s in mine) if pipe.schedule in V_SCHEDULES else 0
-    at_step = buffers + pieces * sent * grads_left
+    at_step = buffers + pieces * sum(left.values())  # (every piece's input half's by then)
     # the base step (one piece of the rank's blocks, stage after stage) counts at a stage's
     # block the saved activations of the stages before it: their pieces are counted as the
     # moment holds them instead
@@ -295,6 +303,25 @@ def sends_held(
     fwd = {s: sent * (kept and s < stages - 1 and owner[s + 1] != rank) for s in mine}
     bwd = {s: sent * (kept and s > 0 and owner[s - 1] != rank) for s in mine}
     return fwd, bwd
+
+
+def _v_kept(
+    sends: tuple[dict[int, float], dict[int, float]],
+    mine: list[int],
+    n: int,
+    sent: float,
+    schedule: str,
+) -> tuple[tuple[dict[int, float], dict[int, float]], dict[int, float]]:
+    """(`sends` as the rank keeps them, what an input half leaves), by stage of `mine` (of
+    `n`). A V schedule's input half leaves its input's gradient (torch's
+    `stage_backward_input`), kept from the piece's weight half on until the step ends; its last
+    rank's two neighbouring stages pass each other their outputs and input gradients, and
+    torch's stage keeps what it was passed as long as a send (traced on fake tensors)."""
+    if schedule not in V_SCHEDULES:
+        return sends, dict.fromkeys(mine, 0.0)
+    left = {s: sent * (s > 0) for s in mine}
+    fwd = {s: max(sends[0][s], sent * (s < n - 1)) for s in mine}
+    return (fwd, {s: max(sends[1][s], left[s]) for s in mine}), left
 
 
 def _with_head_backward(est: Estimate, m: ModelConfig, piece: int, lay: Layout) -> Estimate:
@@ -517,9 +544,11 @@ def _at_moments(est: Estimate, at: _Moments, later: bool, not_yet: float) -> Est
         if at.gathered is not None:
             parts["params"] = at.sharded + _gathered_at(at, name, s, chosen)
             # FSDP2 reduce-scatters in a stage's last backward only: no reduce-scatter input
-            # of the block above before it
-            below_top = name.startswith("block ") and int(name.split()[1]) < len(at.stage_of) - 1
-            parts["grads"] -= at.reduce_input * (below_top and not chosen[6])
+            # of the block above before it, nor of another stage's (its root frees it at the
+            # end of that stage's backward)
+            i = int(name.split()[1]) if name.startswith("block ") else len(at.stage_of) - 1
+            above = at.stage_of[i + 1 : i + 2]
+            parts["grads"] -= at.reduce_input * bool(above and (above[0] != s or not chosen[6]))
         # the whole gradients of the stages yet to run back, and of a stage running its first
         # backward those below the running block (before the rank's first: none counted)
         missing = (others + max(0.0, fresh - at.made_above.get(name, 0.0))) * later
