@@ -67,6 +67,7 @@ FP8_PEAK_NOTE = "bf16's achieved share of peak times the FP8 peak (1979 TFLOP/s)
 TP_ROW = "tensor-parallel collectives (exposed)"
 FSDP_ROW = "FSDP2 collectives (exposed beyond compute)"
 OFFLOAD_ROW = "offload copies (PCIe)"
+ADAMW_ROW = "optimizer (AdamW)"
 PP_ROW = "pipeline bubble"
 P2P_ROW = "pipeline sends (exposed)"
 RECOMPUTE_ROW = "recomputation in a split backward's weight half"
@@ -81,8 +82,7 @@ NETWORK_NAMES = {"ib-ndr": "InfiniBand NDR 400 Gb/s per GPU", "eth-100g": "100 G
 
 
 def crosses_nodes(size: int, inner: int) -> bool:
-    """Whether a mesh dim of `size` ranks, `inner` apart (the dims inside it: tp innermost),
-    spans nodes."""
+    """Whether a mesh dim of `size` ranks, `inner` apart (tp innermost), spans nodes."""
     return size > 1 and size * inner > GPUS_PER_NODE
 
 
@@ -282,8 +282,7 @@ def predict_published(run: Published) -> dict[str, Any]:
 def published_recompute(cfg: Config) -> str:
     """The published run's own recompute policy where cfg is one of PUBLISHED's configs."""
     run = PUBLISHED.get(cfg.run.name)
-    selective = cfg.activation_checkpointing.mode == "selective"
-    return run.recompute if run and selective else ""
+    return run.recompute if run and cfg.activation_checkpointing.mode == "selective" else ""
 
 
 def _log_interpolate(points: list[tuple[float, float]], x: float) -> float:
@@ -352,8 +351,7 @@ class _Counter(TorchDispatchMode):
                 self._forget(tree_flatten(out)[0])
             return out  # no data moves
         cls = _class_of(name)
-        packet = func._overloadpacket
-        if packet in flop_registry:
+        if (packet := func._overloadpacket) in flop_registry:
             self.flops[cls] += flop_registry[packet](*args, **kwargs, out_val=out)
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
@@ -452,8 +450,7 @@ def _count(cfg: Config, micro_batch: int) -> _Counter:
     """Run one micro-batch forward + backward, bf16 compute, under the counter."""
     model = build_model(cfg.model).to(torch.bfloat16)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)  # recompute is counted
-    counter = _Counter(micro_batch)
-    _FlashAttention.counter = counter
+    _FlashAttention.counter = counter = _Counter(micro_batch)
 
     def sdpa(q, k, v, **kwargs):
         if k.size(1) != q.size(1):  # grouped-query attention: the kernel reads fewer K / V
@@ -483,8 +480,7 @@ def _recompute_every_second_matmul(cfg: Config, counter: _Counter) -> None:
 
 def count_micro_step(cfg: Config, micro_batch: int) -> tuple[dict[str, float], dict[str, float]]:
     """(FLOPs, bytes) by op class of one micro-batch forward + backward, bf16 compute."""
-    counter = _count(cfg, micro_batch)
-    return dict(counter.flops), dict(counter.bytes)
+    return dict((counter := _count(cfg, micro_batch)).flops), dict(counter.bytes)
 
 
 def roofline(
@@ -512,16 +508,16 @@ def roofline(
         cls, ms = OFFLOAD_ROW, 1e3 * moved / PCIE5_X16_BYTES_PER_S
     else:
         moved = 28 * n_params  # fused AdamW, fp32: read p g m v, write p m v
-        cls, ms = "optimizer (AdamW)", 1e3 * moved / bandwidth
+        cls, ms = ADAMW_ROW, 1e3 * moved / bandwidth
     rows[cls] = {"flops": 0.0, "bytes": moved, "ms": ms}
     tokens = micro_batch * grad_accum * cfg.model.seq_len
     model_flops = model.flops_per_token() * tokens
     causal_flops = model.flops_per_token(causal=True) * tokens
     eager_ms = sum(r["ms"] for r in rows.values())
-    bound = ("matmul", "attention", "optimizer (AdamW)", OFFLOAD_ROW)
+    bound = ("matmul", "attention", ADAMW_ROW, OFFLOAD_ROW)
     matmul_ms = sum(rows[c]["ms"] for c in bound if c in rows)
-    grad_bytes = 4 * n_params  # fp32 gradients (autocast keeps fp32 params)
-    ring = 2 * (world - 1) / world * grad_bytes  # bytes each GPU sends in a ring all-reduce
+    # what each GPU sends in a ring all-reduce of the fp32 gradients (autocast keeps fp32 params)
+    ring = 2 * (world - 1) / world * (4 * n_params)
     rate, link = link_of(world, 1, network)
     mfu = lambda flops, ms: flops / (ms / 1e3) / peak  # noqa: E731
     return {
@@ -567,10 +563,9 @@ def achieved(
     """The step at the rates of RATES and the terms of CALIBRATION, per class at the point, low
     and high rates; its MFU and one GPU's tokens/s. Under TP or FSDP2, one GPU's share and the
     step's communication (`_split_over_tp`)."""
-    model = cfg.model
-    plan = target_plan(cfg, world)
-    tp = plan.tp_degree
-    shards = layout_of(cfg, plan).shards  # FSDP2's shard dim (HSDP: not the replicas)
+    model, plan = cfg.model, target_plan(cfg, world)
+    # shards: FSDP2's shard dim (HSDP: not the replicas)
+    tp, shards = plan.tp_degree, layout_of(cfg, plan).shards
     attention = attention_rate(device, model.d_model // model.n_heads, model.seq_len)
     compiled = compiles(cfg.train, "cuda")
     elementwise = _elementwise_bytes(rows, grad_accum * counter.fused_bytes, compiled)
@@ -580,14 +575,11 @@ def achieved(
         hbm = getattr(RATES[device].hbm, way)
         gemms = _gemm_seconds(counter, device, way, hbm, tp, model.seq_len, fp8)
         times = {"matmul": grad_accum * gemms}
-        if fp8 is not None:
-            cast = fp8_cast_seconds(cfg, counter.micro_batch, device, way)  # split over tp below
-            times[FP8_ROW] = grad_accum * cast
+        if fp8 is not None:  # the casts: split over tp below
+            times[FP8_ROW] = grad_accum * fp8_cast_seconds(cfg, counter.micro_batch, device, way)
         times["attention"] = rows.get("attention", {}).get("flops", 0.0) / getattr(attention, way)
         times[FUSED_ROW if compiled else EAGER_ROW] = elementwise[way] / hbm
-        for cls in ("embedding", "optimizer (AdamW)"):
-            if cls in rows:
-                times[cls] = rows[cls]["bytes"] / hbm
+        times |= {c: rows[c]["bytes"] / hbm for c in ("embedding", ADAMW_ROW) if c in rows}
         if OFFLOAD_ROW in rows:
             times[OFFLOAD_ROW] = rows[OFFLOAD_ROW]["ms"] / 1e3
         for cls, seconds in times.items():
@@ -596,8 +588,8 @@ def achieved(
     if tp > 1 or (cfg.parallel.backend == "fsdp" and plan.dp_degree > 1):
         traffic = parallel_traffic(cfg, world, counter.micro_batch, grad_accum, network)
         classes = _split_over_tp(classes, traffic, tp, shards)
-    elif shards > 1 and "optimizer (AdamW)" in classes:  # FSDP2: AdamW over the rank's shard
-        classes["optimizer (AdamW)"] = _divided(classes["optimizer (AdamW)"], shards)
+    elif shards > 1 and ADAMW_ROW in classes:  # FSDP2: AdamW over the rank's shard
+        classes[ADAMW_ROW] = _divided(classes[ADAMW_ROW], shards)
     classes[IDLE_ROW] = _idle(classes)
     ms = {way: sum(c[way] for c in classes.values()) for way in WAYS}
     flops, causal = (f / tp for f in model_flops)  # one GPU's share of the model's FLOPs
@@ -636,16 +628,14 @@ def _elementwise_bytes(
     eager = sum(rows[c]["bytes"] for c in FUSED if c in rows)
     if not compiled:
         return {way: eager for way in WAYS}
-    share = CALIBRATION.fused
-    return {way: eager - getattr(share, way) * max(0.0, eager - fused) for way in WAYS}
+    return {way: eager - getattr(CALIBRATION.fused, way) * max(0.0, eager - fused) for way in WAYS}
 
 
 def _idle(classes: dict[str, dict[str, float]]) -> dict[str, float]:
     """The time outside the counted kernels (the step is their sum / CALIBRATION.busy); FSDP2's
     exposed wait is no kernel's."""
-    busy = CALIBRATION.busy
     kernels = [ms for cls, ms in classes.items() if cls != FSDP_ROW]
-    return {w: sum(c[w] for c in kernels) * (1 / getattr(busy, w) - 1) for w in WAYS}
+    return {w: sum(c[w] for c in kernels) * (1 / getattr(CALIBRATION.busy, w) - 1) for w in WAYS}
 
 
 def _gemm_seconds(
@@ -653,8 +643,7 @@ def _gemm_seconds(
 ) -> float:
     """One micro-step's GEMMs on one GPU at a tp rank's shape, each at its rate or traffic;
     `fp8_except`: FP8 for every GEMM but those with this dimension (the vocabulary: the head)."""
-    seconds = 0.0
-    tokens = counter.micro_batch * seq_len
+    seconds, tokens = 0.0, counter.micro_batch * seq_len
     for shape, calls in counter.gemms.items():
         m, n, k = tp_shape(shape, tp, tokens)
         if fp8_except is not None and fp8_except not in shape:
@@ -726,8 +715,7 @@ def tp_shape(shape: tuple[int, int, int], tp: int, tokens: int) -> tuple[int, in
     dimension that is not the token count (heads, SwiGLU width or vocabulary)."""
     if tp == 1:
         return shape
-    widths = [i for i, d in enumerate(shape) if d != tokens] or [0, 1, 2]
-    cut = max(widths, key=lambda i: shape[i])
+    cut = max([i for i, d in enumerate(shape) if d != tokens] or [0, 1, 2], key=shape.__getitem__)
     return tuple(d // tp if i == cut else d for i, d in enumerate(shape))
 
 
@@ -740,12 +728,8 @@ def _split_over_tp(
 ) -> dict[str, dict[str, float]]:
     """One GPU's step under TP x FSDP2: the work over the tp ranks (matmuls already a rank's),
     AdamW over the shard; TP's collectives all exposed, FSDP2's beyond the compute."""
-    out: dict[str, dict[str, float]] = {}
-    for cls, ms in classes.items():
-        if cls == "matmul":
-            out[cls] = dict(ms)
-        else:
-            out[cls] = _divided(ms, tp * shards if cls == "optimizer (AdamW)" else tp)
+    out = {c: _divided(ms, tp * (shards if c == ADAMW_ROW else 1)) for c, ms in classes.items()}
+    out["matmul"] = dict(classes["matmul"])
     compute = {w: sum(c[w] for c in out.values()) for w in WAYS}
     if tp > 1:
         out[TP_ROW] = {w: traffic["tp_ms"] / getattr(CALIBRATION.link, w) for w in compute}
@@ -789,8 +773,7 @@ def format_roofline(r: dict[str, Any]) -> str:
             f"({OFFLOAD_ROW}: at PCIe 5.0 x16's {PCIE5_X16_BYTES_PER_S / 1e9:.0f} GB/s each way, "
             f"one after another; the AdamW step on the CPU is not in the totals)"
         )
-    split = r["achieved"].get("tensor_parallel", 1) > 1
-    if split:
+    if split := r["achieved"].get("tensor_parallel", 1) > 1:
         lines.append("(the table and bounds: the whole model's work on one GPU, no communication)")
     allreduce = (
         f"; gradient all-reduce over {r['world']} GPUs on {r['allreduce_link']}: "
@@ -890,7 +873,6 @@ def parallel_traffic(
     """Bytes each GPU sends per optimizer step under FSDP2 x TP, and their least time, each on its
     mesh dim's link (tp innermost): TP's 4 collectives of the activations per block forward, 4
     backward, 4 recomputed; FSDP2's all-gathers and reduce-scatters; a ring moves (n - 1) / n."""
-
     m, tp = cfg.model, target_plan(cfg, world).tp_degree
     dp = world // tp
     c = 2 if cfg.train.precision != "fp32" else 4
