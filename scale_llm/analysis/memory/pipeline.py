@@ -106,12 +106,13 @@ def stage_moments(
     output once its piece has run back, an input gradient once a whole backward made it,
     kept until the step ends); `grads` (by stage): the whole gradients a stage accumulates
     from its first backward on; `grads16` (by stage): the 16-bit gradients a stage's weight
-    half makes and keeps until its next input half;
-    `gathered`: FSDP2's gathered parameters at a moment, counted in choosing the worst one
-    and given with it (the bytes, then each stage's last action, "F", "B" or "" (none since
-    the step began or its last backward), and whether this is the running stage's last
-    backward); `left_grads` (by stage): what a piece's input half leaves on its receive
-    buffer's `.grad` until the step ends, counted from its weight half on."""
+    half makes and keeps until its next input half, or its last weight gradients (torch
+    reduces a stage's gradients after its last backward); `gathered`: FSDP2's gathered
+    parameters at a moment, counted in choosing the worst one and given with it (the bytes,
+    then each stage's last action: "F", "B" or "" (none since the step began or since its
+    last backward, after which torch reduces and reshards it)); `left_grads` (by stage):
+    what a piece's input half leaves on its receive buffer's `.grad` until the step ends,
+    counted from its weight half on."""
     nothing = dict.fromkeys(per_piece, 0.0)
     split, run, grads, grads16, left_grads = (
         x or nothing for x in (split, run, grads, grads16, left_grads)
@@ -125,14 +126,15 @@ def stage_moments(
     out: dict[tuple[bool, str, int], tuple] = {}
     last_action = dict.fromkeys(per_piece, "")
     left = {s: sum(a == ("B", s) for a in actions) for s in per_piece}  # (whole backwards)
+    weights = {s: sum(a in (("B", s), ("W", s)) for a in actions) for s in per_piece}
 
     def seen(key: tuple[bool, str, int], now: float, stage: int) -> None:
         others = sum(grads[s] for s in per_piece if s not in made and s != stage)
         fresh = grads[stage] * (stage not in made)  # (its first backward: making them)
         held16 = sum(grads16[s] for s in per_piece if made16[s])
-        states = (dict(last_action), key[1] == "B" and left[stage] == 1)
-        params = gathered(*states, stage if key[1] != "F" else None) if gathered else 0.0
-        moment = (now, others, fresh, held16, params, *states)
+        states = dict(last_action)
+        params = gathered(states, stage if key[1] != "F" else None) if gathered else 0.0
+        moment = (now, others, fresh, held16, params, states)
         if key not in out or _net(moment) > _net(out[key]):
             out[key] = moment
 
@@ -161,8 +163,10 @@ def stage_moments(
         weighed[stage] += kind == "W"
         held[stage] -= kind != "I"
         halves[stage] -= kind == "W"
-        # (FSDP2's post-backward, in an input half or a whole backward, folded them)
-        made16[stage] = made16[stage] and kind not in ("I", "B")
+        # (FSDP2's post-backward, in an input half or a whole backward, folded them; the
+        # stage's last weight gradients reduced them)
+        weights[stage] -= kind in ("B", "W")
+        made16[stage] = made16[stage] and kind not in ("I", "B") and weights[stage] > 0
         if kind != "I":
             made.add(stage)
         left[stage] -= kind == "B"
@@ -237,9 +241,13 @@ def rank_estimate(cfg: Config, plan: RunPlan, lay: Layout, rank: int) -> Estimat
     # the last stage keeps its output, the piece's logits (this rank's part of the vocabulary),
     # through the piece's whole backward: its blocks' too, which one process runs without them
     at.logits = num.compute * piece * m.seq_len * (m.vocab_size // lay.tp) * last
+    one = weight_half_bytes(dataclasses.replace(m, n_layers=1), piece, num)
     for i, s in enumerate(stage_of):  # (a checkpointed block's, and those below it)
         below = i - stage_of.index(s) + 1
-        at.unmade[f"block {i} backward"] = split[s] / len(blocks[s]) * below * flags[i]
+        at.unmade[f"block {i} backward"] = one * (s > 0) * below * flags[i]
+    if last:  # (the loss's and the head's backward come before any block's; the gradient at
+        # the head's output is the logits' gradient, counted with the loss's backward)
+        at.unmade["loss backward"] = at.unmade["head backward"] = split[stages - 1]
     if lay.backend == "fsdp":  # a stage's first backward has made its blocks' above the running
         # one (and the head's) by then
         n_rank = ParamCounts.of(rank_model, lay.tp, first, last)
@@ -364,8 +372,11 @@ def _pieces(
         # held in flight: a stage keeps its output for the backward, its input is a buffer
         held[s] = per_piece[s] + sent * ((s < n - 1) - (s > 0))
         split[s] = weight_half_bytes(dataclasses.replace(m, n_layers=len(blocks)), piece, num)
-        split[s] *= s > 0
-        run[s] = weight_run_bytes(m, [recomputed[i] for i in blocks], piece, num) * (s > 0)
+        run[s] = weight_run_bytes(m, [recomputed[i] for i in blocks], piece, num)
+        # the last stage's: the gradient at the head's and the final norm's outputs too
+        head = num.compute * piece * m.seq_len * (m.vocab_size // num.tp + m.d_model)
+        split[s] = (split[s] + head * (s == n - 1)) * (s > 0)
+        run[s] *= s > 0
     return per_piece, held, split, run
 
 
@@ -543,12 +554,10 @@ def _at_moments(est: Estimate, at: _Moments, later: bool, not_yet: float) -> Est
         now, others, fresh, held16 = chosen[:4]
         if at.gathered is not None:
             parts["params"] = at.sharded + _gathered_at(at, name, s, chosen)
-            # FSDP2 reduce-scatters in a stage's last backward only: no reduce-scatter input
-            # of the block above before it, nor of another stage's (its root frees it at the
-            # end of that stage's backward)
-            i = int(name.split()[1]) if name.startswith("block ") else len(at.stage_of) - 1
-            above = at.stage_of[i + 1 : i + 2]
-            parts["grads"] -= at.reduce_input * bool(above and (above[0] != s or not chosen[6]))
+            # torch's stages run every backward without FSDP2's gradient sync and reduce a
+            # stage's gradients after its last one: no reduce-scatter input in a backward
+            below_top = name.startswith("block ") and int(name.split()[1]) < len(at.stage_of) - 1
+            parts["grads"] -= at.reduce_input * below_top
         # the whole gradients of the stages yet to run back, and of a stage running its first
         # backward those below the running block (before the rank's first: none counted)
         missing = (others + max(0.0, fresh - at.made_above.get(name, 0.0))) * later
@@ -591,11 +600,11 @@ def _gathered_at(at: _Moments, name: str, s: int, moment: tuple) -> float:
     """The gathered parameters of phase `name` (of stage `s`) at `moment`: a block's backward
     with those of its stage above it (and below, where gathered already); the loss after the
     last stage's forward; the head's backward with its root gathered by then."""
-    states, last = moment[5], moment[6]
+    states = moment[5]
     if name.startswith("block "):
         i = int(name.split()[1])
-        return at.gathered(states, last, s, i - at.stage_of.index(s))
-    params = at.gathered(states, last, None)
+        return at.gathered(states, s, i - at.stage_of.index(s))
+    params = at.gathered(states, None)
     whole = states[s] == "B" or not at.gathered.reshard_after_forward
     if name == "head backward" and not whole:
         params += at.gathered.sizes[s][0]
@@ -612,18 +621,16 @@ def _net(moment: tuple) -> float:
 @dataclasses.dataclass
 class Gathered:
     """FSDP2's gathered parameters of a rank's stages under a schedule without split backwards
-    (torch 2.13: every piece's backward but a stage's last runs with reshard after backward
-    off): a stage's blocks gathered in a backward stay until its next forward, which reshards
-    all but its last (reshard_after_forward; its root too: the trainer sets it, so FSDP2 does
-    not keep the root); its last backward reshards each block after it. `sizes` by stage:
-    (its root's gathered bytes, a block's, its blocks)."""
+    (torch 2.13 runs every backward with reshard after backward off, and reduces and
+    reshards a stage after its last one): a stage's blocks gathered in a backward stay until
+    its next forward, which reshards all but its last (reshard_after_forward; its root too:
+    the trainer sets it, so FSDP2 does not keep the root). `sizes` by stage: (its root's
+    gathered bytes, a block's, its blocks)."""
 
     sizes: dict[int, tuple[float, float, int]]
     reshard_after_forward: bool
 
-    def __call__(
-        self, states: dict[int, str], last: bool, stage: int | None, j: int | None = None
-    ) -> float:
+    def __call__(self, states: dict[int, str], stage: int | None, j: int | None = None) -> float:
         """Gathered at a moment (`states`: `stage_moments`') while `stage`'s block j runs its
         backward (j None: its top one), or (`stage` None) its loss after its forward."""
         total = 0.0
@@ -632,10 +639,7 @@ class Gathered:
             whole = state == "B" or state == "F" and not self.reshard_after_forward
             if u == stage:  # (its root from its pre-backward on, the block below prefetched)
                 j = n - 1 if j is None else j
-                if last:  # the blocks above resharded after their backward
-                    total += root + block * (j + 1 if whole else 1 + (j > 0))
-                else:
-                    total += root + block * (n if whole else n - j + (j > 0))
+                total += root + block * (n if whole else n - j + (j > 0))
             elif whole:
                 total += root + block * n
             elif state == "F":  # its last block is not resharded after its forward
