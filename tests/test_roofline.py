@@ -407,7 +407,9 @@ def test_a_pipelined_step_is_its_stages_pieces_plus_the_bubble_and_the_sends():
         "schedule": "interleaved_1f1b",
         "pieces": 4,
     }
-    assert p["blocks_per_stage"] == 3  # (6 blocks + embedding + head) / 2 - the head
+    # stages [1, 2, 2, 1] (the embedding and the head weigh a block each): rank 1 holds stages 1
+    # and 3, 3 blocks and the head; rank 0 3 blocks and the embedding, a gather
+    assert p["slowest_rank"] == {"rank": 1, "blocks": 3, "embedding": False, "head": True}
     stage = with_changes(
         cfg,
         {
@@ -417,14 +419,18 @@ def test_a_pipelined_step_is_its_stages_pieces_plus_the_bubble_and_the_sends():
             "parallel.fsdp.reduce_every_micro_step": False,
         },
     )
-    one = roofline(stage, 1, 1, "H100-SXM", 2)["achieved"]["ms"]["point"]
+    one = roofline(stage, 1, 1, "H100-SXM", 2)["achieved"]["classes"]
+    assert p["classes"]["matmul"] == pytest.approx({w: 4 * t for w, t in one["matmul"].items()})
+    assert "embedding" in one and "embedding" not in p["classes"]
     bubble = pipeline_bubble(2, 4, "interleaved_1f1b", 2)
     assert p["bubble"] == bubble == pytest.approx(1 / 9)
-    assert p["classes"][PP_ROW]["point"] == pytest.approx(4 * one * bubble / (1 - bubble))
+    work = p["rank_work_ms"][1]
+    assert work == max(p["rank_work_ms"])
+    assert p["classes"][PP_ROW]["point"] == pytest.approx(work * bubble / (1 - bubble))
     # 4 ranks in one node: the stages' sends go over NVLink
     sends = 2 * 4 * 2 * cfg.model.seq_len * cfg.model.d_model * 2 / 2 / 450e9 * 1e3
     assert p["classes"][P2P_ROW]["point"] == pytest.approx(sends)
-    assert p["ms"]["point"] == pytest.approx(4 * one / (1 - bubble) + sends)
+    assert p["ms"]["point"] == pytest.approx(work / (1 - bubble) + sends)
     assert roofline(cfg, 4, 1, "H100-SXM", 4)["pipeline"]["ms"] == p["ms"]
 
 
@@ -697,9 +703,10 @@ def test_a_split_backward_recomputes_twice_only_where_torch_splits_it():
 
 def test_every_k_is_priced_by_the_one_process_block_index():
     """every_k picks blocks by their one-process index, as the trainer checkpoints them: 7
-    blocks at PP 2 split [3, 4], k 2 checkpoints 0, 2, 4, 6: rank 0 two of its three blocks (a
-    stage of its own four blocks would checkpoint two). The stage's recomputation is that
-    share of the whole's (full less none)."""
+    blocks at PP 2 split [3, 4], k 2 checkpoints 0, 2, 4, 6: rank 0 two of its three blocks,
+    rank 1 two of its four (a stage of its own four blocks would checkpoint 0 and 2 of them).
+    The step is rank 1's (four blocks and the head): its recomputation is that share of the
+    whole's (full less none)."""
     from scale_llm.analysis.roofline import pipeline_step, recomputed_shares
     from scale_llm.config.plan import target_plan
 
@@ -710,6 +717,56 @@ def test_every_k_is_priced_by_the_one_process_block_index():
         mode: pipeline_step(_tiny_pipeline("1f1b", mode, *k), 4)["classes"]["matmul"]["point"]
         for mode in ("none", "every_k", "full")
     }
-    # the stage prices 4 blocks: 2 / 3 of them recomputed
     share = (matmul["every_k"] - matmul["none"]) / (matmul["full"] - matmul["none"])
-    assert share == pytest.approx(2 / 3)
+    assert share == pytest.approx(1 / 2)
+
+
+def _stage_matmul(cfg, blocks: int, world: int) -> float:
+    """The matmul ms of one piece of one sequence on a pipeline stage of `blocks` blocks with the
+    embedding and the head (`roofline` of a model that deep on its `world` GPUs)."""
+    from scale_llm.config import with_changes
+
+    changes = {"model.n_layers": blocks, "parallel.pipeline_parallel": 1}
+    stage = with_changes(cfg, changes | {"parallel.world_size": None})
+    return roofline(stage, 1, 1, "H100-SXM", world)["achieved"]["classes"]["matmul"]["point"]
+
+
+def test_a_v_schedule_is_priced_at_the_rank_holding_the_most_blocks():
+    """70B, PP 8 x 2 stages a rank, zero_bubble: the balanced split's 16 stages hold 4-6 blocks
+    (the embedding and the head weighed as a block each) and rank r holds stages r and 15 - r:
+    rank 1 holds 11 blocks, more than the last stage's rank prices beside the head (10). The
+    step is rank 1's: its matmuls are 11 blocks', each recomputed once (a 12-block stage's less
+    a 1-block stage's: the embedding and the head cancel)."""
+    from scale_llm.analysis.roofline import layout_config, pipeline_step, rank_holdings
+    from scale_llm.config.plan import target_plan
+
+    cfg = layout_config(8, 1, "zero_bubble", 2, 64, 64)
+    held = rank_holdings(cfg, target_plan(cfg, 64), 2)
+    assert held[:3] == [(9, True, True), (11, False, False), (10, False, False)]
+    p = pipeline_step(cfg, 64)
+    assert p["slowest_rank"] == {"rank": 1, "blocks": 11, "embedding": False, "head": False}
+    assert p["rank_work_ms"][1] == max(p["rank_work_ms"]) > p["rank_work_ms"][0]
+    pieces = p["pipeline"]["pieces"]
+    eleven = pieces * (_stage_matmul(cfg, 12, 8) - _stage_matmul(cfg, 1, 8))
+    assert p["classes"]["matmul"]["point"] == pytest.approx(eleven)
+    assert eleven > pieces * _stage_matmul(cfg, 10, 8)  # (10 blocks and the head)
+
+
+def test_the_pipelined_step_prices_the_trainers_split_balanced_or_by_layers_per_stage():
+    """70B, 1F1B over 8 ranks: balanced, 82 block-weights over 8 stages put 11 blocks on rank 6
+    (the later stages take the two extra), the slowest; with layers_per_stage 10 the last rank's
+    10 blocks and the head are the step, a little shorter. No rank with the embedding is."""
+    from scale_llm.analysis.roofline import layout_config, pipeline_step
+    from scale_llm.config import with_changes
+
+    cfg = layout_config(8, 1, "1f1b", 1, 64, 64)
+    even = with_changes(cfg, {"parallel.pipeline.layers_per_stage": 10})
+    p, q = pipeline_step(cfg, 64), pipeline_step(even, 64)
+    assert p["slowest_rank"] == {"rank": 6, "blocks": 11, "embedding": False, "head": False}
+    assert q["slowest_rank"] == {"rank": 7, "blocks": 10, "embedding": False, "head": True}
+    pieces = p["pipeline"]["pieces"]
+    eleven = pieces * (_stage_matmul(cfg, 12, 8) - _stage_matmul(cfg, 1, 8))
+    assert p["classes"]["matmul"]["point"] == pytest.approx(eleven)
+    assert q["classes"]["matmul"]["point"] == pytest.approx(pieces * _stage_matmul(even, 10, 8))
+    assert "embedding" not in p["classes"] and "embedding" not in q["classes"]
+    assert q["ms"]["point"] < p["ms"]["point"]

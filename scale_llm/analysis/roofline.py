@@ -32,7 +32,7 @@ from scale_llm.analysis.memory.estimate import (
 from scale_llm.analysis.memory.gpu import estimate
 from scale_llm.analysis.memory.pipeline import rank_actions
 from scale_llm.components.loss import plain_cross_entropy
-from scale_llm.config import Config, compiles, load_config, with_changes
+from scale_llm.config import Config, ModelConfig, compiles, load_config, with_changes
 from scale_llm.config.parallel import V_SCHEDULES
 from scale_llm.config.plan import RunPlan, target_plan
 from scale_llm.model import build_model
@@ -950,6 +950,99 @@ def recomputed_shares(
     return shares
 
 
+def rank_holdings(cfg: Config, plan: RunPlan, stages_per_rank: int) -> list[tuple[int, bool, bool]]:
+    """By pipeline rank, what the trainer's split gives it (`stage_blocks`, `stage_owner`): how
+    many blocks, whether the embedding (the first stage) and whether the head (the last)."""
+    pipe = cfg.parallel.pipeline
+    n = plan.pp_degree * stages_per_rank
+    blocks = stage_blocks(cfg.model.n_layers, n, pipe.layers_per_stage)
+    owner = [stage_owner(s, plan, pipe.schedule) for s in range(n)]
+    held = [sum(len(blocks[s]) for s in range(n) if owner[s] == r) for r in range(plan.pp_degree)]
+    return [(held[r], owner[0] == r, owner[-1] == r) for r in range(plan.pp_degree)]
+
+
+def _kernels(a: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """`achieved`'s classes a piece is made of: not AdamW, FSDP2's wait or the idle time."""
+    return {c: t for c, t in a["classes"].items() if c not in (ADAMW_ROW, FSDP_ROW, IDLE_ROW)}
+
+
+def _weighted(
+    terms: list[tuple[float, dict[str, dict[str, float]]]],
+) -> dict[str, dict[str, float]]:
+    """The sum of weight x classes over `terms`, class by class; no row where that is 0 (the
+    embedding's row of a difference of two models, a term weighing 0)."""
+    out: dict[str, dict[str, float]] = {}
+    for weight, classes in terms:
+        for c, t in classes.items():
+            if weight:
+                row = out.setdefault(c, dict.fromkeys(WAYS, 0.0))
+                out[c] = {w: row[w] + weight * t[w] for w in WAYS}
+    return {c: t for c, t in out.items() if any(t.values())}
+
+
+def stage_parts(stage: Config, piece: int, device: str, world: int, network: str) -> dict:
+    """One GPU's work of one piece in the parts a pipeline rank may hold: a block, a block's
+    recomputation, the embedding, the head (with the final norm and the loss), as differences
+    of `roofline`s of a one-block and a two-block model (a class is a sum over its ops);
+    AdamW's time and FSDP2's traffic per parameter."""
+    models = {"bare": (1, "none"), "two": (2, "none")}
+    if stage.activation_checkpointing.mode != "none":
+        models["checkpointed"] = (1, stage.activation_checkpointing.mode)
+    a = {
+        name: roofline(
+            with_changes(stage, {"model.n_layers": n, "activation_checkpointing.mode": mode}),
+            *(piece, 1, device, world, network),
+        )["achieved"]
+        for name, (n, mode) in models.items()
+    }
+    block = _weighted([(1, _kernels(a["two"])), (-1, _kernels(a["bare"]))])
+    root = _weighted([(1, _kernels(a["bare"])), (-1, block)])
+    embedding = {"embedding": root.pop("embedding")} if "embedding" in root else {}
+    recompute = {}
+    if "checkpointed" in a:
+        recompute = _weighted([(1, _kernels(a["checkpointed"])), (-1, _kernels(a["bare"]))])
+    m, tp = with_changes(stage, {"model.n_layers": 1}).model, target_plan(stage, world).tp_degree
+    traffic = a["bare"]["parallel_traffic"]
+    return {
+        "block": block,
+        "recompute": recompute,
+        "embedding": embedding,
+        "head": root,
+        "adamw_per_param": _divided(a["bare"]["classes"][ADAMW_ROW], ParamCounts.of(m).total),
+        "fsdp_ms_per_param": traffic["fsdp_ms"] / ParamCounts.of(m, tp).total if traffic else 0.0,
+    }
+
+
+def rank_work(
+    parts: dict,
+    m: ModelConfig,
+    tp: int,
+    count: int,
+    held: tuple[int, bool, bool],
+    shares: tuple[float, float],
+) -> tuple[dict[str, dict[str, float]], float]:
+    """One pipeline rank's step of `count` pieces without the bubble and the sends: its
+    blocks, the embedding and the head where it holds them (`held`, as `rank_holdings`), its
+    recomputation (`shares`, as `recomputed_shares`); and its FSDP2 traffic's least time."""
+    (blocks, first, last), (once, twice) = held, shares
+    classes = _weighted(
+        [
+            (count * blocks, parts["block"]),
+            (count * blocks * once, parts["recompute"]),
+            (count * first, parts["embedding"]),
+            (count * last, parts["head"]),
+        ]
+    )
+    if twice:  # a split backward's second recomputation
+        extra = {w: max(0.0, sum(t[w] for t in parts["recompute"].values())) for w in WAYS}
+        classes[RECOMPUTE_ROW] = {w: count * blocks * twice * t for w, t in extra.items()}
+    own = [ParamCounts.of(m, k, first, last) for k in (1, tp)]
+    params = [n.root + blocks * n.block for n in own]
+    classes[ADAMW_ROW] = {w: count * params[0] * t for w, t in parts["adamw_per_param"].items()}
+    classes[IDLE_ROW] = _idle(classes)
+    return classes, parts["fsdp_ms_per_param"] * params[1]
+
+
 def pipeline_step(
     cfg: Config,
     world: int,
@@ -958,49 +1051,34 @@ def pipeline_step(
     stages_per_rank: int | None = None,
     network: str = "ib-ndr",
 ) -> dict[str, Any]:
-    """One GPU's step under pipeline parallelism x FSDP2 x TP: the worst stage's blocks (the
-    head weighed as one block, on the last stage) priced by `roofline` one piece at a time, with
-    the recomputation of the rank that recomputes most (`recomputed_shares`), the schedule's
-    bubble once per accumulation step, and the sends between stages on their link.
-    `microbatches` and `stages_per_rank` replace the plan's (a published run's, which this
-    framework's checks may refuse: torchtitan ran interleaved 1F1B with fewer microbatches)."""
+    """One GPU's step under pipeline parallelism x FSDP2 x TP at the slowest pipeline rank:
+    each rank's blocks, embedding and head as the trainer splits them, priced one piece at a
+    time with its own recomputation (`rank_work`), the schedule's bubble once per accumulation
+    step, and the sends between stages on their link. `microbatches` and `stages_per_rank`
+    replace the plan's (a published run's, which this framework's checks may refuse:
+    torchtitan ran interleaved 1F1B with fewer microbatches)."""
     plan, m = target_plan(cfg, world), cfg.model
     pp = plan.pp_degree
     v = stages_per_rank or plan.pp_stages_per_rank
     pieces = microbatches or plan.pp_microbatches
-    blocks = max(1, math.ceil((m.n_layers + 2) / pp) - 1)
-    stage = {"model.n_layers": blocks, "parallel.pipeline_parallel": 1, "parallel.world_size": None}
+    stage = {"parallel.pipeline_parallel": 1, "parallel.world_size": None}
     # the schedule keeps FSDP2's gathered parameters for the step and reduces once at its end
     # (torch.distributed.pipelining: set_reshard_after_backward / set_requires_gradient_sync)
     for key in ("reshard_after_forward", "reduce_every_micro_step"):
         stage[f"parallel.fsdp.{key}"] = False
-    stage = with_changes(cfg, stage)
-
     piece = plan.micro_batch_size // pieces
-    a = roofline(stage, piece, 1, device, world // pp, network)["achieved"]
+    parts = stage_parts(with_changes(cfg, stage), piece, device, world // pp, network)
     count = pieces * plan.grad_accum  # pieces a step
-    classes = {c: {w: t * count for w, t in ms.items()} for c, ms in a["classes"].items()}
-    classes.pop(FSDP_ROW, None)  # priced once a step below, not once a piece
+    ranks = list(zip(rank_holdings(cfg, plan, v), recomputed_shares(cfg, plan, pieces, v)))
+    # one price per distinct rank: the step waits for the slowest
+    priced = {r: rank_work(parts, m, plan.tp_degree, count, *r) for r in set(ranks)}
+    work_of = {r: sum(t["point"] for t in c.values()) for r, (c, _) in priced.items()}
+    slowest = max(ranks, key=work_of.get)
+    classes, fsdp = priced[slowest]
     schedule = cfg.parallel.pipeline.schedule
-    # `roofline` recomputes the stage's own blocks 0..blocks-1 once a piece; the trainer
-    # recomputes the slowest rank's share of them, some twice (the step less the step without)
-    once, twice = max(recomputed_shares(cfg, plan, pieces, v), key=sum)
-    local = checkpointed_count(stage.model, stage.activation_checkpointing)
-    scale = once * blocks / local if local else 1.0
-    if scale != 1 or twice:
-        eager = with_changes(stage, {"activation_checkpointing.mode": "none"})
-        bare = roofline(eager, piece, 1, device, world // pp, network)["achieved"]["classes"]
-        more = {c: {w: t[w] - bare[c][w] for w in WAYS} for c, t in a["classes"].items()}
-        more.pop(FSDP_ROW, None)
-        for c, t in more.items():
-            classes[c] = {w: classes[c][w] + count * t[w] * (scale - 1) for w in WAYS}
-        if twice:
-            extra = {w: max(0.0, sum(t[w] for t in more.values())) for w in WAYS}
-            classes[RECOMPUTE_ROW] = {w: count * extra[w] * twice * blocks / local for w in WAYS}
     bubble = pipeline_bubble(pp, pieces, schedule, v)  # each schedule run's fill and drain
     work = {w: sum(c[w] for c in classes.values()) for w in WAYS}
-    if a["parallel_traffic"]:
-        fsdp = a["parallel_traffic"]["fsdp_ms"]
+    if fsdp:
         classes[FSDP_ROW] = {w: max(0.0, fsdp - t) for w, t in work.items()}
     classes[PP_ROW] = {w: t * bubble / (1 - bubble) for w, t in work.items()}
     p2p = pipeline_p2p_bytes(piece * m.seq_len, m.d_model, count, v, plan.tp_degree)
@@ -1009,9 +1087,12 @@ def pipeline_step(
     ms = {w: sum(c[w] for c in classes.values()) for w in WAYS}
     tokens = plan.micro_batch_size * plan.grad_accum * m.seq_len * plan.dp_degree / world
     flops = build_model(m).flops_per_token() * tokens  # one GPU's share of the model's FLOPs
+    (blocks, first, last), _ = slowest
+    rank = {"rank": ranks.index(slowest), "blocks": blocks, "embedding": first, "head": last}
     return {
         "pipeline": {"stages": pp, "stages_per_rank": v, "schedule": schedule, "pieces": count},
-        "blocks_per_stage": blocks,
+        "slowest_rank": rank,
+        "rank_work_ms": [work_of[r] for r in ranks],
         "bubble": bubble,
         "p2p_bytes": p2p,
         "p2p_link": link,
@@ -1023,12 +1104,14 @@ def pipeline_step(
 
 
 def format_pipeline(p: dict[str, Any]) -> list[str]:
-    """The pipeline's lines: one GPU's step at its stage, the bubble and the sends."""
-    pipe = p["pipeline"]
+    """The pipeline's lines: one GPU's step at the slowest rank, the bubble and the sends."""
+    pipe, rank = p["pipeline"], p["slowest_rank"]
+    held = " and ".join(part for part in ("embedding", "head") if rank[part])
     lines = [
         f"under pipeline parallel {pipe['stages']} ({pipe['schedule']}, {pipe['stages_per_rank']} "
         f"stage(s) a rank, {pipe['pieces']} microbatches a step): the above is the whole model; "
-        f"one GPU holds {p['blocks_per_stage']} blocks (the last stage, with the head); "
+        f"the slowest rank, {rank['rank']}, holds {rank['blocks']} blocks"
+        f"{' with the ' + held if held else ''}; "
         f"the stages' sends: {p['p2p_bytes'] / 1e9:,.1f} GB a GPU on {p['p2p_link']}",
         *_ms_table(p["classes"]),
     ]
