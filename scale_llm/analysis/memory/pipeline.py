@@ -433,14 +433,17 @@ def _weight_half_grads(
     FSDP2's post-backward, hooked on each block's input, runs in the input half and folds the
     block's .grad into its fp32 accumulation; the weight half then makes new ones (the blocks'
     only: tiny ZBV's rank 0, which holds the head, keeps no 16-bit head gradient in its fake
-    trace). Stage 0's weight half is its whole backward, and fp32 runs add into the
-    accumulation: none."""
+    trace), until the stage's next input half or its reduction after its last backward.
+    Stage 0's weight half is its whole backward: its blocks' are folded in it, the embedding's
+    kept until the stage's reduction. fp32 runs add into the accumulation: none."""
     out = {s: 0.0 for s, _ in stages}
     if schedule not in V_SCHEDULES or lay.backend != "fsdp" or lay.precision == "fp32":
         return out
     one = ParamCounts.of(m, lay.tp, False, False).block
     for s, b in stages:
         out[s] = float(lay.working_bytes * len(b) * one) * (s > 0)
+    if 0 in out:
+        out[0] = float(lay.working_bytes * m.vocab_size // lay.tp * m.d_model)
     return out
 
 
