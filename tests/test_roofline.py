@@ -770,3 +770,19 @@ def test_the_pipelined_step_prices_the_trainers_split_balanced_or_by_layers_per_
     assert q["classes"]["matmul"]["point"] == pytest.approx(pieces * _stage_matmul(even, 10, 8))
     assert "embedding" not in p["classes"] and "embedding" not in q["classes"]
     assert q["ms"]["point"] < p["ms"]["point"]
+
+
+def test_the_pipelined_step_runs_the_optimizer_once_a_step():
+    """70B, 1F1B over 8 ranks, FSDP2 8 inside a node, 64 pieces a step: AdamW reads and writes
+    its 28 bytes a parameter once a step over the slowest rank's shard (1/8 of rank 6's 11
+    blocks), not once a piece."""
+    from scale_llm.analysis.memory import ParamCounts
+    from scale_llm.analysis.roofline import ADAMW_ROW, WAYS, layout_config, pipeline_step
+
+    cfg = layout_config(8, 1, "1f1b", 1, 64, 64)
+    p = pipeline_step(cfg, 64)
+    assert p["slowest_rank"]["blocks"] == 11 and p["pipeline"]["pieces"] == 64
+    moved = 28 * 11 * ParamCounts.of(cfg.model).block / 8
+    for w in WAYS:
+        hbm = getattr(RATES["H100-SXM"].hbm, w)
+        assert p["classes"][ADAMW_ROW][w] == pytest.approx(1e3 * moved / hbm)

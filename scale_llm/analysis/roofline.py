@@ -1038,7 +1038,8 @@ def rank_work(
         classes[RECOMPUTE_ROW] = {w: count * blocks * twice * t for w, t in extra.items()}
     own = [ParamCounts.of(m, k, first, last) for k in (1, tp)]
     params = [n.root + blocks * n.block for n in own]
-    classes[ADAMW_ROW] = {w: count * params[0] * t for w, t in parts["adamw_per_param"].items()}
+    # the optimizer steps once a step, over the rank's parameters
+    classes[ADAMW_ROW] = {w: params[0] * t for w, t in parts["adamw_per_param"].items()}
     classes[IDLE_ROW] = _idle(classes)
     return classes, parts["fsdp_ms_per_param"] * params[1]
 
