@@ -337,14 +337,21 @@ def _with_head_backward(est: Estimate, m: ModelConfig, piece: int, lay: Layout) 
     its output, the logits, through the piece's whole backward (one process frees them after
     the loss's backward), so the head's matmul backward runs beside them, their gradient, its
     weight's new gradient and its input's gradient (in 16 bits the loss's fp32 work is
-    usually more). Measured on 2 gloo ranks, fp32: 4.25 MiB of temporaries there."""
+    usually more). Measured on 2 gloo ranks, fp32: 4.25 MiB of temporaries there. Under
+    tensor parallelism the loss's forward gathers the whole vocabulary's logits, three
+    buffers of them at once as the gather reorders them (traced at 405B's last rank: 3 x 1.96
+    GiB at its peak)."""
     if "loss backward" not in est.parts:
         return est
     num, n = lay.numerics(), piece * m.seq_len
     head = lay.working_bytes * (m.vocab_size // lay.tp) * m.d_model
     made = num.compute * n * m.vocab_size + head + num.compute * n * m.d_model
     est.parts["head backward"] = {**est.parts["loss backward"], "temporaries": float(made)}
-    est.gpu["temporaries"] = max(est.gpu["temporaries"], float(made))
+    if lay.tp > 1:  # the loss's forward gathers the whole vocabulary's logits: as the gather
+        # reorders them, its output and a copy beside them (its fp32 work comes later)
+        loss = est.parts["loss forward"]
+        loss["temporaries"] = max(loss["temporaries"], 2.0 * num.compute * n * m.vocab_size)
+    est.gpu["temporaries"] = max(p["temporaries"] for p in est.parts.values())
     return est
 
 
