@@ -329,15 +329,13 @@ def test_a_v_schedules_weight_half_keeps_its_16_bit_gradients_until_the_next_inp
     hooks sit on the block's input), so those a weight half makes stay until that stage's next
     input half (counted at it): moment by moment, beside what is in flight. After a stage's
     last weight half torch reduces its gradients: none stay."""
-    from scale_llm.analysis.memory.pipeline import stage_moments
+    from scale_llm.analysis.memory.pipeline import StageBytes, stage_moments
 
     actions = [("F", 1), ("F", 2), ("I", 2), ("W", 2), ("I", 1), ("W", 1), ("F", 1)]
     actions += [("I", 1), ("W", 1)]
-    zero = {1: 0.0, 2: 0.0}
-    moments = stage_moments(actions, {1: 1.0, 2: 1.0}, zero, zero, (zero, zero), zero, 0, 9, {
-        1: 100.0, 2: 10.0
-    })  # fmt: skip
-    assert {k: v[3] for k, v in moments.items()} == {
+    by = StageBytes({1: 1.0, 2: 1.0}, grads16={1: 100.0, 2: 10.0})
+    moments = stage_moments(actions, by, 0, 9)
+    assert {k: v.held16 for k, v in moments.items()} == {
         (False, "I", 2): 0.0,
         (False, "W", 2): 10.0,
         (True, "I", 1): 100.0,  # (stage 2's reduced after its last weight half)
@@ -366,17 +364,17 @@ def test_a_backward_split_in_two_keeps_what_its_weight_half_reads():
     half frees them; at its peak a weight half holds `run` in place of its own `split`. The
     moments before the first weight gradient (the weight half included) are apart from the
     later ones. Rank 7 of ZBV at PP 8 defers up to 15 weight halves."""
-    from scale_llm.analysis.memory.pipeline import rank_actions, stage_moments
+    from scale_llm.analysis.memory.pipeline import StageBytes, rank_actions, stage_moments
 
-    def in_flight(*args):  # (by (after the first weight gradient, what runs, stage))
-        return {k: v[0] for k, v in stage_moments(*args).items()}
+    def held_at(actions, *by):  # (by (after the first weight gradient, what runs, stage))
+        return {k: v.now for k, v in stage_moments(actions, StageBytes(*by)).items()}
 
     actions = [("F", 0), ("F", 0), ("I", 0), ("I", 0), ("W", 0), ("W", 0)]
     before, after = (False, "W", 0), (True, "W", 0)
     held = {(False, "I", 0): 22.0, before: 22.0, after: 11.0}
-    assert in_flight(actions, {0: 1.0}, {0: 10.0}) == held
-    assert in_flight(actions, {0: 1.0}, {0: 10.0}, {0: 30.0}) == {**held, before: 42.0, after: 31.0}
-    assert in_flight(actions, {0: 1.0}) == {(False, "I", 0): 2.0, before: 2.0, after: 1.0}
+    assert held_at(actions, {0: 1.0}, {0: 10.0}) == held
+    assert held_at(actions, {0: 1.0}, {0: 10.0}, {0: 30.0}) == {**held, before: 42.0, after: 31.0}
+    assert held_at(actions, {0: 1.0}) == {(False, "I", 0): 2.0, before: 2.0, after: 1.0}
     zbv = rank_actions("zero_bubble", 8, 2, 64, 7)
     for stage in (7, 8):
         kinds = [k for k, s in zbv if s == stage]
@@ -404,19 +402,25 @@ def test_sends_kept_until_the_step_ends_and_the_heads_backward_are_counted():
     import dataclasses
 
     from scale_llm.analysis.memory.gpu import estimate
-    from scale_llm.analysis.memory.pipeline import rank_actions, sends_held, stage_moments
+    from scale_llm.analysis.memory.pipeline import (
+        StageBytes,
+        rank_actions,
+        sends_held,
+        stage_moments,
+    )
     from scale_llm.config.plan import target_plan
 
     # the bytes in flight by (after the first weight gradient, what runs, stage)
-    def in_flight(actions, per_piece, sends=None):
-        return {k: v[0] for k, v in stage_moments(actions, per_piece, sends=sends).items()}
+    def held_at(actions, per_piece, sends=None):
+        moments = stage_moments(actions, StageBytes(per_piece, sends=sends))
+        return {k: v.now for k, v in moments.items()}
 
     actions = [("F", 0), ("F", 0), ("B", 0), ("B", 0)]
-    assert in_flight(actions, {0: 1.0}) == {(False, "B", 0): 2.0, (True, "B", 0): 1.0}
+    assert held_at(actions, {0: 1.0}) == {(False, "B", 0): 2.0, (True, "B", 0): 1.0}
     sends = ({0: 10.0}, {0: 100.0})
-    assert in_flight(actions, {0: 1.0}, sends) == {(False, "B", 0): 2.0, (True, "B", 0): 111.0}
+    assert held_at(actions, {0: 1.0}, sends) == {(False, "B", 0): 2.0, (True, "B", 0): 111.0}
     split = [("F", 0), ("F", 0), ("I", 0), ("W", 0), ("I", 0), ("W", 0)]  # (no gradient sent)
-    assert in_flight(split, {0: 1.0}, sends) == {
+    assert held_at(split, {0: 1.0}, sends) == {
         (False, "I", 0): 2.0, (False, "W", 0): 2.0, (True, "I", 0): 11.0, (True, "W", 0): 11.0
     }  # fmt: skip
     sets = ["model.vocab_size=2048", "model.d_model=256", "model.n_layers=4"]
@@ -432,8 +436,7 @@ def test_sends_kept_until_the_step_ends_and_the_heads_backward_are_counted():
         sends = sends_held(plan, schedule, 1, 1.0)
         upto = (actions[: top + 1], actions)
         got = [
-            max(v for (later, _, _), v in in_flight(a, nothing, sends).items() if later)
-            for a in upto
+            max(v for (later, _, _), v in held_at(a, nothing, sends).items() if later) for a in upto
         ]
         assert tuple(got) == held, schedule
     held = {
@@ -745,12 +748,12 @@ def test_a_v_schedule_keeps_each_input_halfs_gradient_and_what_its_stages_pass()
     2026-12-05: 39.58 MiB traced, 37.51 estimated before (-5.2%: 13 such gradients at its
     last weight halves), 39.95 after (+0.9%))."""
     from scale_llm.analysis.memory.fake import trace_step
-    from scale_llm.analysis.memory.pipeline import stage_moments
+    from scale_llm.analysis.memory.pipeline import StageBytes, stage_moments
     from tests.helpers import REPO
 
     split = [("F", 0), ("F", 0), ("I", 0), ("W", 0), ("I", 0), ("W", 0)]
-    moments = stage_moments(split, {0: 1.0}, left_grads={0: 100.0})
-    assert {k: v[0] for k, v in moments.items()} == {
+    moments = stage_moments(split, StageBytes({0: 1.0}, left_grads={0: 100.0}))
+    assert {k: v.now for k, v in moments.items()} == {
         (False, "I", 0): 2.0, (False, "W", 0): 2.0, (True, "I", 0): 101.0, (True, "W", 0): 101.0
     }  # fmt: skip
     sets = ["parallel.backend=fsdp", "model.tie_embeddings=false", "train.micro_batch_size=8"]

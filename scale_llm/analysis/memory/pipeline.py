@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
+from typing import NamedTuple
 
 from torch.distributed.pipelining.schedules import _ComputationType
 
@@ -80,105 +81,159 @@ def rank_actions(schedule: str, pp: int, chunks: int, microbatches: int, rank: i
     return out
 
 
+class Moment(NamedTuple):
+    """What `stage_moments` gives at a moment."""
+
+    now: float  # the bytes in flight
+    others: float  # the whole gradients of the other stages not yet made
+    fresh: float  # the running stage's, where this is its first backward (being made)
+    held16: float  # the 16-bit gradients weight halves keep
+    params: float  # FSDP2's gathered parameters (`Gathered`)
+    states: dict[int, str]  # each stage's last action: "F", "B" or "" (none, or reduced)
+
+    @property
+    def net(self) -> float:
+        """In flight, 16-bit gradients and gathered parameters, less the gradients not made."""
+        return self.now + self.held16 - self.others - self.fresh + self.params
+
+
+@dataclasses.dataclass
+class StageBytes:
+    """By stage, what `stage_moments` counts in flight (a stage missing: none). `per_piece`:
+    a piece's saved bytes; `split`: what an input half leaves to its weight half; `run`: what
+    a weight half holds at its peak in place of its `split`; `sends`: (forward, backward) a
+    piece's output kept once the piece has run back, an input gradient once a whole backward
+    made it, both until the step ends; `grads`: the whole gradients a stage accumulates from
+    its first backward on; `grads16`: the 16-bit gradients a weight half makes and keeps
+    until the stage's next input half, or its last weight gradients (torch reduces a stage's
+    gradients after its last backward); `left_grads`: what a piece's input half leaves on its
+    receive buffer's `.grad` until the step ends, counted from its weight half on."""
+
+    per_piece: dict[int, float]
+    split: dict[int, float] | None = None
+    run: dict[int, float] | None = None
+    sends: tuple[dict[int, float], dict[int, float]] | None = None
+    grads: dict[int, float] | None = None
+    grads16: dict[int, float] | None = None
+    left_grads: dict[int, float] | None = None
+
+    def __post_init__(self) -> None:
+        nothing = dict.fromkeys(self.per_piece, 0.0)
+        for name in ("split", "run", "grads", "grads16", "left_grads"):
+            setattr(self, name, getattr(self, name) or nothing)
+        self.sends = self.sends or (nothing, nothing)
+
+
 def stage_moments(
     actions,
-    per_piece: dict[int, float],
-    split: dict[int, float] | None = None,
-    run: dict[int, float] | None = None,
-    sends: tuple[dict[int, float], dict[int, float]] | None = None,
-    grads: dict[int, float] | None = None,
+    by: StageBytes,
     first: int | None = None,
     last: int | None = None,
-    grads16: dict[int, float] | None = None,
     gathered: Gathered | None = None,
-    left_grads: dict[int, float] | None = None,
-) -> dict[tuple[bool, str, int], tuple]:
-    """Moment by moment, the bytes in flight at each action that runs a block's backward, a
-    weight half or the loss, by (after the first weight gradient, what runs, stage): the
-    worst moment's (bytes in flight, whole gradients of the other stages not yet made, the
-    running stage's where this is its first backward, the 16-bit gradients held, ...). What
-    runs: "B" a full backward (the `first` stage's weight half is its whole backward), "I" an
-    input half, "W" a later stage's weight half (with `run` in place of its `split`), "F" the
-    `last` stage's forward (its loss). In flight (`per_piece`: a piece's saved bytes, by
-    stage): every stage's pieces run forward but not back (the running one's counted: the
-    caller takes its own saved activations out); what input halves left to their weight
-    halves (`split`, by stage); the sends kept (`sends`: (forward, backward) by stage, an
-    output once its piece has run back, an input gradient once a whole backward made it,
-    kept until the step ends); `grads` (by stage): the whole gradients a stage accumulates
-    from its first backward on; `grads16` (by stage): the 16-bit gradients a stage's weight
-    half makes and keeps until its next input half, or its last weight gradients (torch
-    reduces a stage's gradients after its last backward); `gathered`: FSDP2's gathered
-    parameters at a moment, counted in choosing the worst one and given with it (the bytes,
-    then each stage's last action: "F", "B" or "" (none since the step began or since its
-    last backward, after which torch reduces and reshards it)); `left_grads` (by stage):
-    what a piece's input half leaves on its receive buffer's `.grad` until the step ends,
-    counted from its weight half on."""
-    nothing = dict.fromkeys(per_piece, 0.0)
-    split, run, grads, grads16, left_grads = (
-        x or nothing for x in (split, run, grads, grads16, left_grads)
-    )
-    weighed = dict.fromkeys(per_piece, 0)  # (weight halves run)
-    fwd_send, bwd_send = sends or (nothing, nothing)
-    made16 = dict.fromkeys(per_piece, False)  # (a stage's weight half ran, its next I not yet)
-    held, halves = dict.fromkeys(per_piece, 0), dict.fromkeys(per_piece, 0)
-    forwards, backwards = dict.fromkeys(per_piece, 0), dict.fromkeys(per_piece, 0)
-    made: set[int] = set()
-    out: dict[tuple[bool, str, int], tuple] = {}
-    last_action = dict.fromkeys(per_piece, "")
-    left = {s: sum(a == ("B", s) for a in actions) for s in per_piece}  # (whole backwards)
-    weights = {s: sum(a in (("B", s), ("W", s)) for a in actions) for s in per_piece}
-
-    def seen(key: tuple[bool, str, int], now: float, stage: int) -> None:
-        others = sum(grads[s] for s in per_piece if s not in made and s != stage)
-        fresh = grads[stage] * (stage not in made)  # (its first backward: making them)
-        held16 = sum(grads16[s] for s in per_piece if made16[s])
-        states = dict(last_action)
-        params = gathered(states, stage if key[1] != "F" else None) if gathered else 0.0
-        moment = (now, others, fresh, held16, params, states)
-        if key not in out or _net(moment) > _net(out[key]):
-            out[key] = moment
-
+) -> dict[tuple[bool, str, int], Moment]:
+    """Moment by moment, the bytes in flight (`by`) at each action that runs a block's
+    backward, a weight half or the loss, by (after the first weight gradient, what runs,
+    stage): the worst moment's (`Moment.net`). What runs: "B" a full backward (the `first`
+    stage's weight half is its whole backward), "I" an input half, "W" a later stage's weight
+    half (with `by.run` in place of its `split`), "F" the `last` stage's forward (its loss).
+    In flight: every stage's pieces run forward but not back (the running one's counted: the
+    caller takes its own saved activations out). `gathered`: FSDP2's gathered parameters at
+    a moment, counted in choosing the worst one."""
+    walk, out = _Walk(by, actions), {}
     for kind, stage in actions:
-        halves[stage] += kind == "I"
-        made16[stage] = made16[stage] or kind == "W"
-        now = sum(held[s] * per_piece[s] + halves[s] * split[s] for s in held)
-        now += sum(fwd_send[s] * (forwards[s] - held[s]) + bwd_send[s] * backwards[s] for s in held)
-        now += sum(left_grads[s] * weighed[s] for s in held)
+        walk.starts(kind, stage)
+        now = walk.in_flight()
+        what = _what_runs(kind, stage, first, last)
+        if what == "W":
+            now += max(0.0, by.run[stage] - by.split[stage])
+        if what:
+            moment = walk.moment(now, stage, gathered, what == "F")
+            key = (bool(walk.made), what, stage)
+            if key not in out or moment.net > out[key].net:
+                out[key] = moment
+        walk.ran(kind, stage)
+    return out
+
+
+def _what_runs(kind: str, stage: int, first: int | None, last: int | None) -> str:
+    """The moment an action is (`stage_moments`), "" for none: a forward's only on the last
+    stage (its loss), the first stage's input half none and its weight half a whole one."""
+    if kind == "F":
+        return "F" if stage == last else ""
+    if kind == "I":
+        return "I" if stage != first else ""
+    return "B" if kind == "B" or stage == first else "W"
+
+
+class _Walk:
+    """`stage_moments`' counts by stage as a rank's actions run."""
+
+    def __init__(self, by: StageBytes, actions) -> None:
+        s = by.per_piece
+        self.by = by
+        self.held, self.halves = dict.fromkeys(s, 0), dict.fromkeys(s, 0)
+        self.forwards, self.backwards = dict.fromkeys(s, 0), dict.fromkeys(s, 0)
+        self.weighed = dict.fromkeys(s, 0)  # (weight halves run)
+        self.made16 = dict.fromkeys(s, False)  # (a stage's weight half ran, its next I not yet)
+        self.made: set[int] = set()
+        self.last_action = dict.fromkeys(s, "")
+        self.left = {u: sum(a == ("B", u) for a in actions) for u in s}  # (whole backwards)
+        self.weights = {u: sum(a in (("B", u), ("W", u)) for a in actions) for u in s}
+
+    def starts(self, kind: str, stage: int) -> None:
+        self.halves[stage] += kind == "I"
+        self.made16[stage] = self.made16[stage] or kind == "W"
         if kind == "F":
-            last_action[stage] = "F"  # (the loss runs after the forward)
-            if stage == last:
-                seen((bool(made), "F", stage), now, stage)
-            held[stage] += 1
-            forwards[stage] += 1
-            continue
-        if kind == "I" and stage != first:  # (the first stage's I: nothing)
-            seen((bool(made), "I", stage), now, stage)
-        elif kind == "B" or kind == "W" and stage == first:
-            seen((bool(made), "B", stage), now, stage)
-        elif kind == "W":
-            seen((bool(made), "W", stage), now + max(0.0, run[stage] - split[stage]), stage)
+            self.last_action[stage] = "F"  # (the loss runs after the forward)
+
+    def in_flight(self) -> float:
+        by, held = self.by, self.held
+        fwd_send, bwd_send = by.sends
+        now = sum(held[s] * by.per_piece[s] + self.halves[s] * by.split[s] for s in held)
+        now += sum(
+            fwd_send[s] * (self.forwards[s] - held[s]) + bwd_send[s] * self.backwards[s]
+            for s in held
+        )
+        return now + sum(by.left_grads[s] * self.weighed[s] for s in held)
+
+    def moment(self, now: float, stage: int, gathered: Gathered | None, loss: bool) -> Moment:
+        by, made = self.by, self.made
+        others = sum(by.grads[s] for s in by.per_piece if s not in made and s != stage)
+        fresh = by.grads[stage] * (stage not in made)  # (its first backward: making them)
+        held16 = sum(by.grads16[s] for s in by.per_piece if self.made16[s])
+        states = dict(self.last_action)
+        params = gathered(states, None if loss else stage) if gathered else 0.0
+        return Moment(now, others, fresh, held16, params, states)
+
+    def ran(self, kind: str, stage: int) -> None:
+        if kind == "F":
+            self.held[stage] += 1
+            self.forwards[stage] += 1
+            return
         # a whole backward's input gradient is sent after it, the send alone keeping it; an
         # input half's is kept from its weight half on (`left_grads`)
-        backwards[stage] += kind == "B"
-        weighed[stage] += kind == "W"
-        held[stage] -= kind != "I"
-        halves[stage] -= kind == "W"
+        self.backwards[stage] += kind == "B"
+        self.weighed[stage] += kind == "W"
+        self.held[stage] -= kind != "I"
+        self.halves[stage] -= kind == "W"
         # (FSDP2's post-backward, in an input half or a whole backward, folded them; the
         # stage's last weight gradients reduced them)
-        weights[stage] -= kind in ("B", "W")
-        made16[stage] = made16[stage] and kind not in ("I", "B") and weights[stage] > 0
+        self.weights[stage] -= kind in ("B", "W")
+        self.made16[stage] = (
+            self.made16[stage] and kind not in ("I", "B") and self.weights[stage] > 0
+        )
         if kind != "I":
-            made.add(stage)
-        left[stage] -= kind == "B"
-        last_action[stage] = "B" if left[stage] or kind != "B" else ""  # (resharded after it)
-    return out
+            self.made.add(stage)
+        self.left[stage] -= kind == "B"
+        # (a stage's last whole backward: torch reduces and reshards it after it)
+        self.last_action[stage] = "B" if self.left[stage] or kind != "B" else ""
 
 
 def in_flight(schedule: str, pp: int, chunks: int, microbatches: int, rank: int = 0) -> int:
     """Chunk-pieces whose saved activations pipeline rank `rank` holds at once at most."""
     actions = rank_actions(schedule, pp, chunks, microbatches, rank)
-    moments = stage_moments(actions, {s: 1.0 for _, s in actions})
-    return int(max(v[0] for (later, _, _), v in moments.items() if not later))
+    moments = stage_moments(actions, StageBytes({s: 1.0 for _, s in actions}))
+    return int(max(v.now for (later, _, _), v in moments.items() if not later))
 
 
 def rank_estimate(cfg: Config, plan: RunPlan, lay: Layout, rank: int) -> Estimate:
@@ -187,103 +242,171 @@ def rank_estimate(cfg: Config, plan: RunPlan, lay: Layout, rank: int) -> Estimat
     at the larger of two moments: before its first weight gradient (none yet) and after
     (gradients accumulated); at each, a split backward's weight half where it holds more than
     a block's backward, and on the last stage's rank the head's backward."""
+    r = _rank_of(cfg, plan, lay, rank)
+    at = _moments_of(r, plan, rank)
+    piece_lay = dataclasses.replace(
+        lay, micro_batch=r.piece, holds_embedding=r.first, holds_head=r.last
+    )
+    est = estimate_layout(r.model, r.ac, piece_lay, r.flags)
+    est = _at_moments(_with_head_backward(est, r.m, r.piece, lay), at, False, 0.0)
+    if r.pieces > 1:
+        est = max(est, _later_step(r, piece_lay, at), key=lambda e: e.gpu["peak"])
+    est.params, est.model, est.layout = ParamCounts.of(r.m).total, r.m, lay  # (the whole batch)
+    return est
+
+
+@dataclasses.dataclass
+class _Rank:
+    """A pipeline rank's share of a layout, as `rank_estimate`'s steps read it."""
+
+    m: ModelConfig
+    ac: ActivationCheckpointingConfig
+    lay: Layout
+    schedule: str
+    blocks: list[range]  # by stage, every stage's
+    mine: list[int]  # the rank's stages
+    pieces: int
+    piece: int  # a piece's sequences
+    model: ModelConfig  # a model of the rank's blocks
+    counts: ParamCounts  # their parameters on this rank
+    flags: list[bool]  # their checkpointing, as applied
+
+    @property
+    def stages(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def first(self) -> bool:
+        return 0 in self.mine
+
+    @property
+    def last(self) -> bool:
+        return self.stages - 1 in self.mine
+
+    @property
+    def stage_of(self) -> list[int]:  # (the rank model's blocks' stages)
+        return [s for s in self.mine for _ in self.blocks[s]]
+
+
+def _rank_of(cfg: Config, plan: RunPlan, lay: Layout, rank: int) -> _Rank:
     m, ac, pipe = cfg.model, cfg.activation_checkpointing, cfg.parallel.pipeline
-    chunks, pieces = plan.pp_stages_per_rank, plan.pp_microbatches
-    stages = plan.pp_degree * chunks
+    stages = plan.pp_degree * plan.pp_stages_per_rank
     blocks = stage_blocks(m.n_layers, stages, pipe.layers_per_stage)
     mine = [s for s in range(stages) if stage_owner(s, plan, pipe.schedule) == rank]
-    first, last = 0 in mine, stages - 1 in mine
-    rank_model = dataclasses.replace(m, n_layers=sum(len(blocks[s]) for s in mine))
+    model = dataclasses.replace(m, n_layers=sum(len(blocks[s]) for s in mine))
     # every_k picks blocks by their one-process index, as applied: the rank's blocks' flags
     recomputed = checkpointed_flags(m, ac)
     flags = [recomputed[i] for s in mine for i in blocks[s]]
-    piece = max(1, lay.micro_batch // pieces)
-    piece_lay = dataclasses.replace(lay, micro_batch=piece, holds_embedding=first, holds_head=last)
-    num = lay.numerics()
-    sent = block_input_bytes(m, piece, num)  # a piece's residual stream between two stages
-    per_piece, held, split, run = _pieces(m, ac, [(s, blocks[s]) for s in mine], stages, piece, num)
-    # torch's stages hold a receive buffer for every piece from the first step on: its input
-    # (all but the first stage) and its output's gradient (all but the last), from another
-    # rank (a V schedule's last rank holds two neighbouring stages: they pass each other theirs)
-    apart = sum(
-        (s - 1 not in mine) * (s > 0) + (s + 1 not in mine) * (s < stages - 1) for s in mine
+    counts = ParamCounts.of(model, lay.tp, 0 in mine, stages - 1 in mine)
+    piece = max(1, lay.micro_batch // plan.pp_microbatches)
+    return _Rank(
+        m, ac, lay, pipe.schedule, blocks, mine, plan.pp_microbatches, piece, model, counts, flags
     )
-    buffers = pieces * sent * apart
-    actions = rank_actions(pipe.schedule, plan.pp_degree, chunks, pieces, rank)
-    sends = sends_held(plan, pipe.schedule, rank, sent)
-    # the whole gradients a stage accumulates from its first backward on (FSDP2 reduces them
-    # after the last piece's): fp32, beside its shards
-    whole = {
-        s: 4.0 * ParamCounts.of(_of(m, blocks[s]), lay.tp, s == 0, s == stages - 1).total
-        for s in mine
-    }
-    if lay.backend != "fsdp":
-        whole = dict.fromkeys(mine, 0.0)
-    grads16 = _weight_half_grads(m, lay, [(s, blocks[s]) for s in mine], stages, pipe.schedule)
-    gather = _gathered_of(m, lay, {s: blocks[s] for s in mine}, stages, pipe.schedule)
-    kept, left = _v_kept(sends, mine, stages, sent, pipe.schedule)
-    moments = stage_moments(
-        actions, held, split, run, kept, whole, 0, stages - 1, grads16, gather, left
-    )
-    if pieces == 1:  # (one piece: the rank's only moments are its first)
+
+
+def _moments_of(r: _Rank, plan: RunPlan, rank: int) -> _Moments:
+    """Rank `r`'s `stage_moments` with what places a base-step phase among them."""
+    m, lay, mine, stages, num = r.m, r.lay, r.mine, r.stages, r.lay.numerics()
+    sent = block_input_bytes(m, r.piece, num)  # a piece's residual stream between two stages
+    own = [(s, r.blocks[s]) for s in mine]
+    per_piece, held, split, run = _pieces(m, r.ac, own, stages, r.piece, num)
+    buffers = r.pieces * sent * _received(mine, stages)
+    actions = rank_actions(r.schedule, plan.pp_degree, plan.pp_stages_per_rank, r.pieces, rank)
+    sends = sends_held(plan, r.schedule, rank, sent)
+    grads16 = _weight_half_grads(m, lay, own, stages, r.schedule)
+    gather = _gathered_of(m, lay, dict(own), stages, r.schedule)
+    kept, left = _v_kept(sends, mine, stages, sent, r.schedule)
+    by = StageBytes(held, split, run, kept, _whole_grads(r), grads16, left)
+    moments = stage_moments(actions, by, 0, stages - 1, gather)
+    if r.pieces == 1:  # (one piece: the rank's only moments are its first)
         moments = {(False, *k[1:]): v for k, v in sorted(moments.items())}
-    at_step = buffers + pieces * sum(left.values())  # (every piece's input half's by then)
+    at_step = buffers + r.pieces * sum(left.values())  # (every piece's input half's by then)
     # the base step (one piece of the rank's blocks, stage after stage) counts at a stage's
     # block the saved activations of the stages before it: their pieces are counted as the
     # moment holds them instead
-    stage_of = [s for s in mine for _ in blocks[s]]
     before = {s: sum(per_piece[t] for t in mine if t < s) for s in mine}
-    at = _Moments(moments, stage_of, before, per_piece, stages - 1, buffers, at_step, held=held)
-    at.resident = resident_input_bytes(m, piece)  # (at a weight half: beside what is in flight)
+    at = _Moments(moments, r.stage_of, before, per_piece, stages - 1, buffers, at_step, held=held)
+    at.resident = resident_input_bytes(m, r.piece)  # (at a weight half: beside what is in flight)
     at.gathered = gather
-    n_rank = ParamCounts.of(rank_model, lay.tp, first, last)
-    at.sharded = 4.0 * n_rank.total / lay.shards * (not lay.fsdp_offload)
+    at.sharded = 4.0 * r.counts.total / lay.shards * (not lay.fsdp_offload)
     # the last stage keeps its output, the piece's logits (this rank's part of the vocabulary),
     # through the piece's whole backward: its blocks' too, which one process runs without them
-    at.logits = num.compute * piece * m.seq_len * (m.vocab_size // lay.tp) * last
-    one = weight_half_bytes(dataclasses.replace(m, n_layers=1), piece, num)
+    at.logits = num.compute * r.piece * m.seq_len * (m.vocab_size // lay.tp) * r.last
+    _unmade(at, r, split[stages - 1] if r.last else 0.0)
+    if lay.backend == "fsdp":
+        _made_above(at, r)
+    return at
+
+
+def _received(mine: list[int], stages: int) -> int:
+    """The receive buffers a piece holds on a rank of stages `mine` (of `stages`): torch's
+    stages hold one for every piece from the first step on, its input (all but the first
+    stage) and its output's gradient (all but the last), from another rank (a V schedule's
+    last rank holds two neighbouring stages: they pass each other theirs)."""
+    return sum((s - 1 not in mine) * (s > 0) + (s + 1 not in mine) * (s < stages - 1) for s in mine)
+
+
+def _whole_grads(r: _Rank) -> dict[int, float]:
+    """By stage of rank `r`: the whole gradients it accumulates from its first backward on
+    (FSDP2 reduces them after the last piece's), fp32 beside its shards; none but FSDP2's."""
+    if r.lay.backend != "fsdp":
+        return dict.fromkeys(r.mine, 0.0)
+    n = r.stages
+    return {
+        s: 4.0 * ParamCounts.of(_of(r.m, r.blocks[s]), r.lay.tp, s == 0, s == n - 1).total
+        for s in r.mine
+    }
+
+
+def _unmade(at: _Moments, r: _Rank, last_split: float) -> None:
+    """What an input half has not made yet at its peak, by phase: a checkpointed block's
+    `split` and those below it; the last stage's at the loss's and the head's backward."""
+    one = weight_half_bytes(dataclasses.replace(r.m, n_layers=1), r.piece, r.lay.numerics())
+    stage_of = r.stage_of
     for i, s in enumerate(stage_of):  # (a checkpointed block's, and those below it)
         below = i - stage_of.index(s) + 1
-        at.unmade[f"block {i} backward"] = one * (s > 0) * below * flags[i]
-    if last:  # (the loss's and the head's backward come before any block's; the gradient at
+        at.unmade[f"block {i} backward"] = one * (s > 0) * below * r.flags[i]
+    if r.last:  # (the loss's and the head's backward come before any block's; the gradient at
         # the head's output is the logits' gradient, counted with the loss's backward)
-        at.unmade["loss backward"] = at.unmade["head backward"] = split[stages - 1]
-    if lay.backend == "fsdp":  # a stage's first backward has made its blocks' above the running
-        # one (and the head's) by then
-        n_rank = ParamCounts.of(rank_model, lay.tp, first, last)
-        head = 4.0 * (m.vocab_size // lay.tp * m.d_model + m.d_model) * last
-        # (and the running block's down-projection's, where it is not counted as made apart)
-        this_block = 4.0 * m.d_model * (mlp_hidden_size(m) // lay.tp) * _in_place(lay, pipe)
-        for i, s in enumerate(stage_of):
-            above = len(stage_of) - 1 - i - sum(t > s for t in stage_of)
-            made = 4.0 * n_rank.block * above + head * (s == stages - 1) + this_block
-            at.made_above[f"block {i} backward"] = made
-        at.made_above["head backward"] = at.made_above["loss backward"] = 0.0
-        at.reduce_input = 4.0 * ParamCounts.of(rank_model, lay.tp, first, last).block
-    est = _with_head_backward(estimate_layout(rank_model, ac, piece_lay, flags), m, piece, lay)
-    est = _at_moments(est, at, False, 0.0)
-    if pieces > 1:
-        # torch's stages run every backward but the last without FSDP2's reduction: each piece
-        # is a micro-step accumulating whole gradients; the sharded ones are made after the last
-        later = dataclasses.replace(
-            piece_lay,
-            grad_accum=lay.grad_accum * pieces,
-            fsdp_reduce_every=lay.fsdp_reduce_every and lay.backend != "fsdp",
-            reshard_after_forward=False,
-        )
-        n = ParamCounts.of(rank_model, lay.tp, first, last).total
-        sharded = 4.0 * n / lay.shards if lay.backend == "fsdp" else 0.0
-        est_later = estimate_layout(rank_model, ac, later, flags)
-        est_later = _with_head_backward(est_later, m, piece, lay)
-        if pipe.schedule in V_SCHEDULES and lay.backend == "fsdp":
-            est_later = _without_reduce_scatter(est_later, rank_model, later)
-            at.reduce_input = 0.0  # (taken out of every block's phase already)
-        elif _in_place(lay, pipe):
-            est_later = _added_in_place(est_later, rank_model, later)
-        est_later = _at_moments(est_later, at, True, sharded)
-        est = max(est, est_later, key=lambda e: e.gpu["peak"])
-    est.params, est.model, est.layout = ParamCounts.of(m).total, m, lay  # (the whole micro-batch)
-    return est
+        at.unmade["loss backward"] = at.unmade["head backward"] = last_split
+
+
+def _made_above(at: _Moments, r: _Rank) -> None:
+    """FSDP2: the whole gradients a stage's first backward has made by a phase, the blocks'
+    above the running one (and the head's), and a block's reduce-scatter input."""
+    m, lay = r.m, r.lay
+    head = 4.0 * (m.vocab_size // lay.tp * m.d_model + m.d_model) * r.last
+    # (and the running block's down-projection's, where it is not counted as made apart)
+    this_block = 4.0 * m.d_model * (mlp_hidden_size(m) // lay.tp) * _in_place(lay, r.schedule)
+    stage_of = r.stage_of
+    for i, s in enumerate(stage_of):
+        above = len(stage_of) - 1 - i - sum(t > s for t in stage_of)
+        made = 4.0 * r.counts.block * above + head * (s == r.stages - 1) + this_block
+        at.made_above[f"block {i} backward"] = made
+    at.made_above["head backward"] = at.made_above["loss backward"] = 0.0
+    at.reduce_input = 4.0 * r.counts.block
+
+
+def _later_step(r: _Rank, piece_lay: Layout, at: _Moments) -> Estimate:
+    """The rank's step after its first weight gradient: torch's stages run every backward but
+    the last without FSDP2's reduction, so each piece is a micro-step accumulating whole
+    gradients; the sharded ones are made after the last."""
+    lay = r.lay
+    later = dataclasses.replace(
+        piece_lay,
+        grad_accum=lay.grad_accum * r.pieces,
+        fsdp_reduce_every=lay.fsdp_reduce_every and lay.backend != "fsdp",
+        reshard_after_forward=False,
+    )
+    sharded = 4.0 * r.counts.total / lay.shards if lay.backend == "fsdp" else 0.0
+    est = estimate_layout(r.model, r.ac, later, r.flags)
+    est = _with_head_backward(est, r.m, r.piece, lay)
+    if r.schedule in V_SCHEDULES and lay.backend == "fsdp":
+        est = _without_reduce_scatter(est, r.model, later)
+        at.reduce_input = 0.0  # (taken out of every block's phase already)
+    elif _in_place(lay, r.schedule):
+        est = _added_in_place(est, r.model, later)
+    return _at_moments(est, at, True, sharded)
 
 
 # torch 2.13's schedules whose sends stay alive until the step ends (a send's work keeps its
@@ -486,11 +609,11 @@ def _gathered_of(
     return Gathered(sizes, lay.reshard_after_forward)
 
 
-def _in_place(lay: Layout, pipe) -> bool:
+def _in_place(lay: Layout, schedule: str) -> bool:
     """Whether a later backward adds its new gradients into the whole ones in place: fp32
     under FSDP2 (the parameters' dtype is the reduce dtype), a schedule without split
     backwards (a weight half makes its gradients whole first)."""
-    return lay.backend == "fsdp" and lay.precision == "fp32" and pipe.schedule not in V_SCHEDULES
+    return lay.backend == "fsdp" and lay.precision == "fp32" and schedule not in V_SCHEDULES
 
 
 def _added_in_place(est: Estimate, m: ModelConfig, lay: Layout) -> Estimate:
@@ -514,7 +637,7 @@ def _of(m: ModelConfig, blocks: range) -> ModelConfig:
 class _Moments:
     """A rank's `stage_moments` and what places a base-step phase among them."""
 
-    moments: dict[tuple[bool, str, int], tuple[float, float, float, float]]
+    moments: dict[tuple[bool, str, int], Moment]
     stage_of: list[int]  # the rank model's blocks' stages
     before: dict[int, float]  # the saved activations the base step counts below a stage's
     per_piece: dict[int, float]
@@ -526,7 +649,7 @@ class _Moments:
     reduce_input: float = 0.0  # FSDP2's fp32 reduce-scatter input of a block (below the top)
     held: dict[int, float] = dataclasses.field(default_factory=dict)
     made_above: dict[str, float] = dataclasses.field(default_factory=dict)  # by phase
-    gathered: Gathered | None = None  # FSDP2's gathered parameters moment by moment, beside
+    gathered: Gathered | None = None  # FSDP2's gathered parameters moment by moment
     sharded: float = 0.0  # the rank's shards
     unmade: dict[str, float] = dataclasses.field(default_factory=dict)  # by phase
 
@@ -539,78 +662,116 @@ def _at_moments(est: Estimate, at: _Moments, later: bool, not_yet: float) -> Est
     buffers before it and `at.at_step` bytes at it; and, where a split backward's weight half
     holds more than its stage's block backward, a phase of its own with the states of that
     stage's block backward holding the most."""
-    kept, states, gathered = {}, {}, 0.0  # states: by stage, the block backward holding the most
-    missing_of, held16_of = {}, {}  # by stage: the gradients its `states` lack, 16-bit held
-    top = len(at.stage_of) - 1
+    kept: dict[str, dict[str, float]] = {}
+    states: dict[int, _Worst] = {}  # by stage: its block backward holding the most
     for name, parts in est.parts.items():
         if name == "optimizer step":
             parts["activations"] += at.at_step
             kept[name] = parts
             continue
-        s = at.stage_of[int(name.split()[1])] if name.startswith("block ") else at.last
-        running = "F" if name == "loss forward" else "B"
-        # an input half (retain_graph) keeps what it reads and makes the `split` as it goes,
-        # but a checkpointed block's recomputation is freed as read: at its peak (its start)
-        # the `split` of it and the blocks below is not made yet
-        keys = [(later, running, s)] + [(later, "I", s)] * (running == "B")
-        options = [
-            (at.moments[k][0] - at.unmade.get(name, 0.0) * (k[1] == "I"), *at.moments[k][1:])
-            for k in keys
-            if k in at.moments
-        ]
-        if not options:
+        placed = _placed(name, parts, at, later, not_yet)
+        if placed is None:
             continue
-        chosen = max(options, key=_net)
-        now, others, fresh, held16 = chosen[:4]
-        if at.gathered is not None:
-            parts["params"] = at.sharded + _gathered_at(at, name, s, chosen)
-            # torch's stages run every backward without FSDP2's gradient sync and reduce a
-            # stage's gradients after its last one: no reduce-scatter input in a backward
-            below_top = name.startswith("block ") and int(name.split()[1]) < len(at.stage_of) - 1
-            parts["grads"] -= at.reduce_input * below_top
-        # the whole gradients of the stages yet to run back, and of a stage running its first
-        # backward those below the running block (before the rank's first: none counted)
-        missing = (others + max(0.0, fresh - at.made_above.get(name, 0.0))) * later
-        # the base step's piece is the running one: as held in flight (a forward's: not yet)
-        own = at.per_piece[s] - (at.held[s] if running == "F" else 0.0)
-        parts["activations"] += at.buffers + now - own - at.before[s]
-        if name.startswith("block ") and s == at.last:
-            parts["activations"] += at.logits
-        parts["grads"] += held16 - not_yet - missing
         kept[name] = parts
-        if not name.startswith("block "):
-            continue
-        gathered = max(gathered, parts["params"])
-        if s not in states or _states(parts) > _states(states[s][1]):
-            states[s], missing_of[s] = (int(name.split()[1]), parts), missing
-            held16_of[s] = held16
-    for (moment, running, s), (now, others, _, held16, *_) in at.moments.items():
-        if moment != later or running != "W" or not states:
-            continue
-        i, base = states.get(s) or max(states.values(), key=lambda x: _states(x[1]))
-        parts = {**base, "activations": at.resident + now + at.buffers, "temporaries": 0.0}
-        # (its own stage's as made: a weight half makes them)
-        parts["grads"] += missing_of.get(s, others * later) - others * later
-        parts["grads"] += held16 - held16_of.get(s, 0.0)
-        # a weight half reduces nothing (FSDP2 reduces after the last piece's backward), and
-        # the rank's blocks are all gathered by then (each stays from its first backward on)
-        parts["grads"] -= at.reduce_input * (i < top)
-        parts["params"] = max(gathered, base["params"])
-        if parts["activations"] > base["activations"] + base["temporaries"]:
-            old = kept.get("weight half backward")
-            if old is None or sum(parts.values()) > sum(old.values()):
-                kept["weight half backward"] = parts
+        s, missing, held16 = placed
+        if name.startswith("block ") and (s not in states or _states(parts) > states[s].states):
+            states[s] = _Worst(int(name.split()[1]), parts, missing, held16)
+    gathered = max([0.0, *(kept[n]["params"] for n in kept if n.startswith("block "))])
+    for key, moment in at.moments.items():
+        parts = _weight_half(at, key, moment, later, states, gathered)
+        old = kept.get("weight half backward")
+        if parts and (old is None or sum(parts.values()) > sum(old.values())):
+            kept["weight half backward"] = parts
     est.parts = kept
     est.gpu["activations"] = max(p["activations"] for p in est.parts.values())
     est.phases = phase_totals(est.parts, est.gpu)
     return est
 
 
-def _gathered_at(at: _Moments, name: str, s: int, moment: tuple) -> float:
+class _Worst(NamedTuple):
+    """A stage's block backward holding the most states (`_at_moments`)."""
+
+    block: int
+    parts: dict[str, float]
+    missing: float  # the gradients its parts lack
+    held16: float  # the 16-bit gradients they hold
+
+    @property
+    def states(self) -> float:
+        return _states(self.parts)
+
+
+def _placed(
+    name: str, parts: dict[str, float], at: _Moments, later: bool, not_yet: float
+) -> tuple[int, float, float] | None:
+    """Phase `name`'s `parts` (in place) at the worst moment its stage runs it (`_at_moments`):
+    (its stage, the gradients they lack, the 16-bit ones they hold); None where it never runs
+    then."""
+    s = at.stage_of[int(name.split()[1])] if name.startswith("block ") else at.last
+    running = "F" if name == "loss forward" else "B"
+    # an input half (retain_graph) keeps what it reads and makes the `split` as it goes,
+    # but a checkpointed block's recomputation is freed as read: at its peak (its start)
+    # the `split` of it and the blocks below is not made yet
+    keys = [(later, running, s)] + [(later, "I", s)] * (running == "B")
+    options = [
+        at.moments[k]._replace(now=at.moments[k].now - at.unmade.get(name, 0.0) * (k[1] == "I"))
+        for k in keys
+        if k in at.moments
+    ]
+    if not options:
+        return None
+    chosen = max(options, key=lambda o: o.net)
+    if at.gathered is not None:
+        parts["params"] = at.sharded + _gathered_at(at, name, s, chosen)
+        # torch's stages run every backward without FSDP2's gradient sync and reduce a
+        # stage's gradients after its last one: no reduce-scatter input in a backward
+        below_top = name.startswith("block ") and int(name.split()[1]) < len(at.stage_of) - 1
+        parts["grads"] -= at.reduce_input * below_top
+    # the whole gradients of the stages yet to run back, and of a stage running its first
+    # backward those below the running block (before the rank's first: none counted)
+    missing = (chosen.others + max(0.0, chosen.fresh - at.made_above.get(name, 0.0))) * later
+    # the base step's piece is the running one: as held in flight (a forward's: not yet)
+    own = at.per_piece[s] - (at.held[s] if running == "F" else 0.0)
+    parts["activations"] += at.buffers + chosen.now - own - at.before[s]
+    if name.startswith("block ") and s == at.last:
+        parts["activations"] += at.logits
+    parts["grads"] += chosen.held16 - not_yet - missing
+    return s, missing, chosen.held16
+
+
+def _weight_half(
+    at: _Moments,
+    key: tuple[bool, str, int],
+    moment: Moment,
+    later: bool,
+    states: dict[int, _Worst],
+    gathered: float,
+) -> dict[str, float] | None:
+    """A weight half's phase at `moment` (`_at_moments`): what is in flight with the states of
+    its stage's block backward holding the most; None where it holds no more than that."""
+    if key[0] != later or key[1] != "W" or not states:
+        return None
+    s, others = key[2], moment.others
+    worst = states.get(s) or max(states.values(), key=lambda x: x.states)
+    base = worst.parts
+    parts = {**base, "activations": at.resident + moment.now + at.buffers, "temporaries": 0.0}
+    # (its own stage's as made: a weight half makes them)
+    parts["grads"] += (worst.missing if s in states else others * later) - others * later
+    parts["grads"] += moment.held16 - (worst.held16 if s in states else 0.0)
+    # a weight half reduces nothing (FSDP2 reduces after the last piece's backward), and
+    # the rank's blocks are all gathered by then (each stays from its first backward on)
+    parts["grads"] -= at.reduce_input * (worst.block < len(at.stage_of) - 1)
+    parts["params"] = max(gathered, base["params"])
+    if parts["activations"] > base["activations"] + base["temporaries"]:
+        return parts
+    return None
+
+
+def _gathered_at(at: _Moments, name: str, s: int, moment: Moment) -> float:
     """The gathered parameters of phase `name` (of stage `s`) at `moment`: a block's backward
     with those of its stage above it (and below, where gathered already); the loss after the
     last stage's forward; the head's backward with its root gathered by then."""
-    states = moment[5]
+    states = moment.states
     if name.startswith("block "):
         i = int(name.split()[1])
         return at.gathered(states, s, i - at.stage_of.index(s))
@@ -619,13 +780,6 @@ def _gathered_at(at: _Moments, name: str, s: int, moment: tuple) -> float:
     if name == "head backward" and not whole:
         params += at.gathered.sizes[s][0]
     return params
-
-
-def _net(moment: tuple) -> float:
-    """A `stage_moments` moment's bytes: in flight, 16-bit gradients and gathered parameters,
-    less the gradients not made."""
-    now, others, fresh, held16, params = moment[:5]
-    return now + held16 - others - fresh + params
 
 
 @dataclasses.dataclass
