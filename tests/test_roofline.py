@@ -393,7 +393,13 @@ def test_a_pipelined_step_is_its_stages_pieces_plus_the_bubble_and_the_sends():
     """A tiny model, PP 2 x TP 2 on 4 ranks, interleaved: the stage's one-piece roofline times
     the pieces, the bubble's share on top, the sends at NVLink's rate; bench --roofline
     carries it under `pipeline`."""
-    from scale_llm.analysis.roofline import P2P_ROW, PP_ROW, pipeline_bubble, pipeline_step
+    from scale_llm.analysis.roofline import (
+        ADAMW_ROW,
+        P2P_ROW,
+        PP_ROW,
+        pipeline_bubble,
+        pipeline_step,
+    )
     from scale_llm.config import with_changes
 
     sets = ["parallel.backend=fsdp", "parallel.pipeline_parallel=2", "parallel.tensor_parallel=2"]
@@ -426,11 +432,13 @@ def test_a_pipelined_step_is_its_stages_pieces_plus_the_bubble_and_the_sends():
     assert p["bubble"] == bubble == pytest.approx(1 / 9)
     work = p["rank_work_ms"][1]
     assert work == max(p["rank_work_ms"])
-    assert p["classes"][PP_ROW]["point"] == pytest.approx(work * bubble / (1 - bubble))
+    # the bubble waits for the pieces, not for AdamW (and its idle share), after the drain
+    adamw = p["classes"][ADAMW_ROW]["point"] / 0.84
+    assert p["classes"][PP_ROW]["point"] == pytest.approx((work - adamw) * bubble / (1 - bubble))
     # 4 ranks in one node: the stages' sends go over NVLink
     sends = 2 * 4 * 2 * cfg.model.seq_len * cfg.model.d_model * 2 / 2 / 450e9 * 1e3
     assert p["classes"][P2P_ROW]["point"] == pytest.approx(sends)
-    assert p["ms"]["point"] == pytest.approx(work / (1 - bubble) + sends)
+    assert p["ms"]["point"] == pytest.approx(adamw + (work - adamw) / (1 - bubble) + sends)
     assert roofline(cfg, 4, 1, "H100-SXM", 4)["pipeline"]["ms"] == p["ms"]
 
 
@@ -786,3 +794,97 @@ def test_the_pipelined_step_runs_the_optimizer_once_a_step():
     for w in WAYS:
         hbm = getattr(RATES["H100-SXM"].hbm, w)
         assert p["classes"][ADAMW_ROW][w] == pytest.approx(1e3 * moved / hbm)
+
+
+def test_fsdp2_regathers_a_stage_as_torch_runs_the_schedule():
+    """torch 2.13 runs a stage's backwards without resharding (gathered until its next forward)
+    and reshards after each run; under reshard_after_forward a forward reshards all but the
+    stage's last block. 1F1B at PP 2, 4 pieces, 4 blocks split [2, 2]: rank 0 runs F F B F B F
+    B B, rank 1 F B F B F B F B: each gathers its stage 5 times a run (the first forwards and
+    every backward after a forward), 4 of them without the block kept gathered; GPipe (F F F F
+    B B B B) too. Without reshard_after_forward, or under a V schedule (the trainer turns it
+    off there), once a run."""
+    from scale_llm.analysis.memory import ParamCounts
+    from scale_llm.analysis.roofline import gathered_params
+    from scale_llm.config.plan import target_plan
+
+    for schedule in ("1f1b", "gpipe"):
+        cfg = _tiny_pipeline(schedule, "none", "model.n_layers=4")
+        counts = [ParamCounts.of(cfg.model, 1, r == 0, r == 1) for r in (0, 1)]
+        stage = [n.root + 2 * n.block for n in counts]
+        regathered = [5 * stage[r] - 4 * counts[r].block for r in (0, 1)]
+        assert gathered_params(cfg, target_plan(cfg, 4), 4, 1) == regathered
+        kept = _tiny_pipeline(schedule, "none", "model.n_layers=4", RESHARD_OFF)
+        assert gathered_params(kept, target_plan(kept, 4), 4, 1) == stage
+    zbv = _tiny_pipeline("zero_bubble", "none", "model.n_layers=6")
+    blocks = [[1, 1], [2, 2]]  # rank 0: stages 0 and 3, rank 1: 1 and 2 ([1, 2, 2, 1])
+    once = [
+        sum(ParamCounts.of(zbv.model, 1, s == 0, s == 3).root for s in stages)
+        + sum(blocks[r]) * ParamCounts.of(zbv.model).block
+        for r, stages in enumerate([(0, 3), (1, 2)])
+    ]
+    assert gathered_params(zbv, target_plan(zbv, 4), 4, 2) == once
+
+
+RESHARD_OFF = "parallel.fsdp.reshard_after_forward=false"
+
+
+def test_fsdp2_reduces_once_a_schedule_run_and_regathers_where_it_reshards():
+    """torch reduces a stage's gradients at the end of every schedule run: grad_accum 2 runs
+    move twice one run's FSDP2 bytes. 1F1B, PP 2 x FSDP2 2, 4 blocks, 4 pieces: the last rank
+    (2 blocks and the head: P parameters, B a block) gathers 2-byte parameters 5 P - 4 B with
+    reshard_after_forward, P without, and reduce-scatters 4-byte gradients P each run."""
+    from scale_llm.analysis.memory import ParamCounts
+    from scale_llm.analysis.roofline import pipeline_step
+
+    more = ("model.n_layers=4", "parallel.pipeline.microbatches=4")
+    one, two = (
+        pipeline_step(_tiny_pipeline("1f1b", "none", *more, f"train.grad_accum={a}"), 4)
+        for a in (1, 2)
+    )
+    assert one["pipeline"]["pieces"] == 4 and two["pipeline"]["pieces"] == 8
+    assert two["fsdp_ms"] == pytest.approx(2 * one["fsdp_ms"]) and one["fsdp_ms"] > 0
+    kept = pipeline_step(_tiny_pipeline("1f1b", "none", *more, RESHARD_OFF), 4)
+    assert one["slowest_rank"]["head"] and kept["slowest_rank"]["head"]
+    n = ParamCounts.of(_tiny_pipeline("1f1b", "none", *more).model, 1, False, True)
+    p, b = n.root + 2 * n.block, n.block
+    ratio = (2 * (5 * p - 4 * b) + 4 * p) / (2 * p + 4 * p)
+    assert one["fsdp_ms"] / kept["fsdp_ms"] == pytest.approx(ratio)
+
+
+def test_the_bubble_waits_for_the_pieces_not_the_optimizer():
+    """AdamW runs once after the last run's drain: two schedule runs a step (grad_accum 2) wait
+    in twice one run's fill and drain, AdamW the same once a step."""
+    from scale_llm.analysis.roofline import ADAMW_ROW, PP_ROW, pipeline_step
+
+    more = ("model.n_layers=4", "parallel.pipeline.microbatches=4")
+    one, two = (
+        pipeline_step(_tiny_pipeline("1f1b", "none", *more, f"train.grad_accum={a}"), 4)
+        for a in (1, 2)
+    )
+    assert one["bubble"] == two["bubble"] == pytest.approx(1 / 5)
+    assert two["classes"][ADAMW_ROW] == one["classes"][ADAMW_ROW]
+    for w in ("low", "point", "high"):
+        assert two["classes"][PP_ROW][w] == pytest.approx(2 * one["classes"][PP_ROW][w])
+
+
+def test_a_pipelines_head_under_tp_computes_the_whole_loss_after_gathering_the_logits():
+    """Under a pipeline the trainer gathers a piece's logits whole on every tp rank and takes
+    the loss whole: at TP 2 the head's non-matmul work is TP 1's (not half of it), and its TP
+    row is the gather of half of a piece's (256, 2048) bf16 logits on NVLink: 0.52 MB at 450
+    GB/s x 0.70 (CALIBRATION.link), 1.66 us."""
+    from scale_llm.analysis.roofline import TP_ROW, stage_parts
+    from scale_llm.config import with_changes
+
+    parts = {}
+    for tp in (1, 2):
+        cfg = _tiny_pipeline("1f1b", "none", "model.n_layers=4", f"parallel.tensor_parallel={tp}")
+        changes = {"parallel.pipeline_parallel": 1, "parallel.world_size": None}
+        changes |= {"parallel.fsdp.reshard_after_forward": False}
+        changes |= {"parallel.fsdp.reduce_every_micro_step": False}
+        parts[tp] = stage_parts(with_changes(cfg, changes), 1, "H100-SXM", 2, "ib-ndr")
+    whole, split = parts[1]["head"], parts[2]["head"]
+    loss = [c for c in whole if c != "matmul"]
+    assert loss and all(split[c] == pytest.approx(whole[c]) for c in loss)
+    assert split[TP_ROW]["point"] == pytest.approx(2 * 256 * 2048 / 2 / 450e9 * 1e3 / 0.70)
+    assert TP_ROW not in whole

@@ -942,12 +942,38 @@ def recomputed_shares(
         mine = [s for s in range(n) if stage_owner(s, plan, pipe.schedule) == rank]
         halves = Counter()
         if pipe.schedule in V_SCHEDULES:
-            halves = Counter(rank_actions(pipe.schedule, plan.pp_degree, 2, pieces, rank))
+            halves = Counter(
+                rank_actions(pipe.schedule, plan.pp_degree, stages_per_rank, pieces, rank)
+            )
         held = sum(len(blocks[s]) for s in mine)
         once = sum(flags[i] for s in mine for i in blocks[s])
         twice = sum(halves["I", s] / pieces * sum(flags[i] for i in blocks[s]) for s in mine if s)
         shares.append((once / held, twice / held))
     return shares
+
+
+def gathered_params(cfg: Config, plan: RunPlan, pieces: int, stages_per_rank: int) -> list[int]:
+    """By pipeline rank: the parameters (one tp rank's) FSDP2 all-gathers in one schedule run as
+    torch 2.13 runs it: every backward leaves them gathered (reshard after backward off) until
+    the stage's next forward, which reshards all but its last block where reshard_after_forward
+    (the trainer turns it off under the V schedules); the run's end reshards. 1F1B or GPipe,
+    m pieces: m + 1 gathers a stage (each backward after a forward, the first forwards), one
+    without reshard_after_forward; a re-gather leaves out the block kept gathered."""
+    m, pipe, n = cfg.model, cfg.parallel.pipeline, plan.pp_degree * stages_per_rank
+    blocks = stage_blocks(m.n_layers, n, pipe.layers_per_stage)
+    reshard = cfg.parallel.fsdp.reshard_after_forward and pipe.schedule not in V_SCHEDULES
+    out = []
+    for rank in range(plan.pp_degree):
+        gathers, gathered = Counter(), set()
+        for kind, s in rank_actions(pipe.schedule, plan.pp_degree, stages_per_rank, pieces, rank):
+            gathers[s] += s not in gathered
+            (gathered.discard if kind == "F" and reshard else gathered.add)(s)
+        params = 0
+        for s, g in gathers.items():
+            own = ParamCounts.of(m, plan.tp_degree, s == 0, s == n - 1)
+            params += g * (own.root + len(blocks[s]) * own.block) - (g - 1) * own.block
+        out.append(params)
+    return out
 
 
 def rank_holdings(cfg: Config, plan: RunPlan, stages_per_rank: int) -> list[tuple[int, bool, bool]]:
@@ -1002,15 +1028,32 @@ def stage_parts(stage: Config, piece: int, device: str, world: int, network: str
     if "checkpointed" in a:
         recompute = _weighted([(1, _kernels(a["checkpointed"])), (-1, _kernels(a["bare"]))])
     m, tp = with_changes(stage, {"model.n_layers": 1}).model, target_plan(stage, world).tp_degree
-    traffic = a["bare"]["parallel_traffic"]
+    traffic, c = a["bare"]["parallel_traffic"], 2 if stage.train.precision != "fp32" else 4
+    # (one gather of c bytes a parameter and one fp32 reduce-scatter: pipeline_step's stage)
+    per_byte = traffic["fsdp_ms"] / (c + 4) / ParamCounts.of(m, tp).total if traffic else 0.0
     return {
         "block": block,
         "recompute": recompute,
         "embedding": embedding,
-        "head": root,
+        "head": _whole_loss(root, m, piece, tp, c, network) if tp > 1 else root,
         "adamw_per_param": _divided(a["bare"]["classes"][ADAMW_ROW], ParamCounts.of(m).total),
-        "fsdp_ms_per_param": traffic["fsdp_ms"] / ParamCounts.of(m, tp).total if traffic else 0.0,
+        "gather_ms_per_param": c * per_byte,
+        "reduce_ms_per_param": 4 * per_byte,
     }
+
+
+def _whole_loss(
+    head: dict[str, dict[str, float]], m: ModelConfig, piece: int, tp: int, c: int, network: str
+) -> dict[str, dict[str, float]]:
+    """A pipeline's head under TP: the trainer gathers a piece's logits whole on every tp rank
+    and computes the loss whole (`PipelineBackend._piece_loss`): the loss's work (the head's
+    but its matmul: the final norm is d_model / vocab of it) tp times a rank's share, and the
+    gather's (tp - 1) / tp of the logits on the TP link (its backward a slice: no collective)."""
+    out = {cls: ms if cls == "matmul" else _divided(ms, 1 / tp) for cls, ms in head.items()}
+    logits = c * piece * m.seq_len * m.vocab_size * (tp - 1) / tp
+    ms = 1e3 * logits / link_of(tp, 1, network)[0]
+    out[TP_ROW] = {w: ms / getattr(CALIBRATION.link, w) for w in WAYS}
+    return out
 
 
 def rank_work(
@@ -1020,10 +1063,14 @@ def rank_work(
     count: int,
     held: tuple[int, bool, bool],
     shares: tuple[float, float],
+    gathered: int,
+    runs: int,
 ) -> tuple[dict[str, dict[str, float]], float]:
-    """One pipeline rank's step of `count` pieces without the bubble and the sends: its
-    blocks, the embedding and the head where it holds them (`held`, as `rank_holdings`), its
-    recomputation (`shares`, as `recomputed_shares`); and its FSDP2 traffic's least time."""
+    """One pipeline rank's step of `count` pieces in `runs` schedule runs without the bubble and
+    the sends: its blocks, the embedding and the head where it holds them (`held`, as
+    `rank_holdings`), its recomputation (`shares`, as `recomputed_shares`); and its FSDP2
+    traffic's least time: each run's gathers (`gathered` parameters, as `gathered_params`) and
+    one reduce-scatter of its gradients (torch reduces at every schedule run's end)."""
     (blocks, first, last), (once, twice) = held, shares
     classes = _weighted(
         [
@@ -1041,7 +1088,8 @@ def rank_work(
     # the optimizer steps once a step, over the rank's parameters
     classes[ADAMW_ROW] = {w: params[0] * t for w, t in parts["adamw_per_param"].items()}
     classes[IDLE_ROW] = _idle(classes)
-    return classes, parts["fsdp_ms_per_param"] * params[1]
+    fsdp = parts["gather_ms_per_param"] * gathered + parts["reduce_ms_per_param"] * params[1]
+    return classes, runs * fsdp
 
 
 def pipeline_step(
@@ -1063,16 +1111,22 @@ def pipeline_step(
     v = stages_per_rank or plan.pp_stages_per_rank
     pieces = microbatches or plan.pp_microbatches
     stage = {"parallel.pipeline_parallel": 1, "parallel.world_size": None}
-    # the schedule keeps FSDP2's gathered parameters for the step and reduces once at its end
-    # (torch.distributed.pipelining: set_reshard_after_backward / set_requires_gradient_sync)
+    # a stage priced for one gather and one reduce-scatter: rank_work counts them by rank
     for key in ("reshard_after_forward", "reduce_every_micro_step"):
         stage[f"parallel.fsdp.{key}"] = False
     piece = plan.micro_batch_size // pieces
     parts = stage_parts(with_changes(cfg, stage), piece, device, world // pp, network)
     count = pieces * plan.grad_accum  # pieces a step
-    ranks = list(zip(rank_holdings(cfg, plan, v), recomputed_shares(cfg, plan, pieces, v)))
+    ranks = list(
+        zip(
+            rank_holdings(cfg, plan, v),
+            recomputed_shares(cfg, plan, pieces, v),
+            gathered_params(cfg, plan, pieces, v),
+        )
+    )
     # one price per distinct rank: the step waits for the slowest
-    priced = {r: rank_work(parts, m, plan.tp_degree, count, *r) for r in set(ranks)}
+    runs = plan.grad_accum  # schedule runs a step
+    priced = {r: rank_work(parts, m, plan.tp_degree, count, *r, runs) for r in set(ranks)}
     work_of = {r: sum(t["point"] for t in c.values()) for r, (c, _) in priced.items()}
     slowest = max(ranks, key=work_of.get)
     classes, fsdp = priced[slowest]
@@ -1081,19 +1135,24 @@ def pipeline_step(
     work = {w: sum(c[w] for c in classes.values()) for w in WAYS}
     if fsdp:
         classes[FSDP_ROW] = {w: max(0.0, fsdp - t) for w, t in work.items()}
-    classes[PP_ROW] = {w: t * bubble / (1 - bubble) for w, t in work.items()}
+    # the pieces wait in the fill and drain; AdamW (and its share of the idle) runs after
+    pieces_ms = {
+        w: t - classes[ADAMW_ROW][w] / getattr(CALIBRATION.busy, w) for w, t in work.items()
+    }
+    classes[PP_ROW] = {w: t * bubble / (1 - bubble) for w, t in pieces_ms.items()}
     p2p = pipeline_p2p_bytes(piece * m.seq_len, m.d_model, count, v, plan.tp_degree)
     rate, link = link_of(pp, world // pp, network)  # pp outermost: its neighbours
     classes[P2P_ROW] = {w: 1e3 * p2p / rate if pp > 1 else 0.0 for w in WAYS}
     ms = {w: sum(c[w] for c in classes.values()) for w in WAYS}
     tokens = plan.micro_batch_size * plan.grad_accum * m.seq_len * plan.dp_degree / world
     flops = build_model(m).flops_per_token() * tokens  # one GPU's share of the model's FLOPs
-    (blocks, first, last), _ = slowest
+    (blocks, first, last), *_ = slowest
     rank = {"rank": ranks.index(slowest), "blocks": blocks, "embedding": first, "head": last}
     return {
         "pipeline": {"stages": pp, "stages_per_rank": v, "schedule": schedule, "pieces": count},
         "slowest_rank": rank,
         "rank_work_ms": [work_of[r] for r in ranks],
+        "fsdp_ms": fsdp,
         "bubble": bubble,
         "p2p_bytes": p2p,
         "p2p_link": link,
