@@ -823,3 +823,21 @@ def test_the_405b_last_ranks_loss_forward_holds_the_gathered_logits_as_they_are_
     logits = 2 * cfg.model.seq_len * cfg.model.vocab_size  # (bf16, one piece of one sequence)
     assert last.parts["loss forward"]["temporaries"] == 2 * logits
     assert last.gpu["peak"] / 2**30 == pytest.approx(58.03, rel=0.03)
+
+
+def test_a_v_schedules_block_backwards_hold_no_reduce_scatter_input_before_its_first_weight_half():
+    """torch 2.13 runs a V schedule's backwards without FSDP2's gradient sync and reduces a
+    stage after its last weight half: before the rank's first weight gradient too, no block
+    phase holds a reduce-scatter input (nor the running block's new 16-bit gradient: an
+    input half makes none). tiny.yaml with 8 layers as PP 2 (ZBV, one piece, bf16), rank 0's
+    step traced alone on fake tensors holds no gradients at its peak, a block's backward
+    (measured 2026-12-05: 0.94 MiB of gradients estimated there before, none after)."""
+    from scale_llm.analysis.memory.fake import trace_step
+    from tests.helpers import REPO
+
+    sets = ["parallel.backend=fsdp", "model.tie_embeddings=false", "train.micro_batch_size=8"]
+    sets += ["parallel.pipeline_parallel=2", "parallel.pipeline.microbatches=1"]
+    sets += ["parallel.pipeline.schedule=zero_bubble", "model.n_layers=8"]
+    r = trace_step(load_config(REPO / "yaml" / "tiny.yaml", sets), world_size=4, pipeline_rank=0)
+    assert r["peak_phase"].startswith("block ") and r["measured"]["grads"] == 0
+    assert r["estimated_peak_parts"]["grads"] == 0

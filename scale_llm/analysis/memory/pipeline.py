@@ -247,8 +247,10 @@ def rank_estimate(cfg: Config, plan: RunPlan, lay: Layout, rank: int) -> Estimat
     piece_lay = dataclasses.replace(
         lay, micro_batch=r.piece, holds_embedding=r.first, holds_head=r.last
     )
-    est = estimate_layout(r.model, r.ac, piece_lay, r.flags)
-    est = _at_moments(_with_head_backward(est, r.m, r.piece, lay), at, False, 0.0)
+    est = _with_head_backward(estimate_layout(r.model, r.ac, piece_lay, r.flags), r.m, r.piece, lay)
+    if _split_under_fsdp(r):  # (before the first weight gradient too)
+        est = _without_reduce_scatter(est, r.model, piece_lay)
+    est = _at_moments(est, at, False, 0.0)
     if r.pieces > 1:
         est = max(est, _later_step(r, piece_lay, at), key=lambda e: e.gpu["peak"])
     est.params, est.model, est.layout = ParamCounts.of(r.m).total, r.m, lay  # (the whole batch)
@@ -384,7 +386,15 @@ def _made_above(at: _Moments, r: _Rank) -> None:
         made = 4.0 * r.counts.block * above + head * (s == r.stages - 1) + this_block
         at.made_above[f"block {i} backward"] = made
     at.made_above["head backward"] = at.made_above["loss backward"] = 0.0
-    at.reduce_input = 4.0 * r.counts.block
+    # (a V schedule's block phases have it taken out already: `_without_reduce_scatter`)
+    at.reduce_input = 4.0 * r.counts.block * (not _split_under_fsdp(r))
+
+
+def _split_under_fsdp(r: _Rank) -> bool:
+    """A V schedule under FSDP2: torch runs its backwards, split or whole, without gradient
+    sync and reduces a stage after its last weight half, so no block phase holds a
+    reduce-scatter input, before the rank's first weight gradient or after."""
+    return r.schedule in V_SCHEDULES and r.lay.backend == "fsdp"
 
 
 def _later_step(r: _Rank, piece_lay: Layout, at: _Moments) -> Estimate:
@@ -401,9 +411,8 @@ def _later_step(r: _Rank, piece_lay: Layout, at: _Moments) -> Estimate:
     sharded = 4.0 * r.counts.total / lay.shards if lay.backend == "fsdp" else 0.0
     est = estimate_layout(r.model, r.ac, later, r.flags)
     est = _with_head_backward(est, r.m, r.piece, lay)
-    if r.schedule in V_SCHEDULES and lay.backend == "fsdp":
+    if _split_under_fsdp(r):
         est = _without_reduce_scatter(est, r.model, later)
-        at.reduce_input = 0.0  # (taken out of every block's phase already)
     elif _in_place(lay, r.schedule):
         est = _added_in_place(est, r.model, later)
     return _at_moments(est, at, True, sharded)
