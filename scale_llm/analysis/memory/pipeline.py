@@ -140,7 +140,9 @@ def stage_moments(
     caller takes its own saved activations out). `gathered`: FSDP2's gathered parameters at
     a moment, counted in choosing the worst one."""
     walk, out = _Walk(by, actions), {}
-    for kind, stage in actions:
+    for i, (kind, stage) in enumerate(actions):
+        if gathered is not None and gathered.runtime:
+            walk.unshards(actions[i:])
         walk.starts(kind, stage)
         now = walk.in_flight()
         what = _what_runs(kind, stage, first, last)
@@ -177,8 +179,26 @@ class _Walk:
         self.made16 = dict.fromkeys(s, False)  # (a stage's weight half ran, its next I not yet)
         self.made: set[int] = set()
         self.last_action = dict.fromkeys(s, "")
+        self.active: set[int] = set()  # (torch's runtime: the stages it keeps unsharded)
         self.left = {u: sum(a == ("B", u) for a in actions) for u in s}  # (whole backwards)
         self.weights = {u: sum(a in (("B", u), ("W", u)) for a in actions) for u in s}
+
+    def unshards(self, coming) -> None:
+        """torch's runtime before an action (`coming`: it and those after): the next
+        `ACTIVE_STAGES` stages to run kept unsharded, a stage fetched gathered whole (as after
+        a backward, "B"), one dropped resharded whole ("")."""
+        nearest: list[int] = []
+        for _, s in coming:
+            if s not in nearest:
+                nearest.append(s)
+                if len(nearest) == ACTIVE_STAGES:
+                    break
+        for s in [s for s in self.active if s not in nearest]:
+            self.active.remove(s)
+            self.last_action[s] = ""
+        for s in [s for s in nearest if s not in self.active]:
+            self.active.add(s)
+            self.last_action[s] = "B"
 
     def starts(self, kind: str, stage: int) -> None:
         self.halves[stage] += kind == "I"
@@ -418,6 +438,10 @@ def _later_step(r: _Rank, piece_lay: Layout, at: _Moments) -> Estimate:
     return _at_moments(est, at, True, sharded)
 
 
+# torch 2.13's `_PipelineScheduleRuntime` schedules without split backwards, which unshard and
+# reshard whole stages (`_add_unshard_reshard`, at most `max_active_stages` 3 at once)
+RUNTIME_UNSHARDS, ACTIVE_STAGES = ("interleaved_1f1b", "looped_bfs"), 3
+
 # torch 2.13's schedules whose sends stay alive until the step ends (a send's work keeps its
 # tensor while the schedule keeps the work, waited or not): _PipelineScheduleRuntime, which
 # interleaved 1F1B, looped BFS and the V schedules run, waits every send there; ScheduleGPipe
@@ -615,7 +639,7 @@ def _gathered_of(
         counts = ParamCounts.of(_of(m, b), lay.tp, s == 0, s == n - 1)
         one = fsdp_gathered_params(counts, dataclasses.replace(lay, reshard_after_forward=True), 0)
         sizes[s] = (lay.working_bytes * counts.root, one - lay.working_bytes * counts.root, len(b))
-    return Gathered(sizes, lay.reshard_after_forward)
+    return Gathered(sizes, lay.reshard_after_forward, schedule in RUNTIME_UNSHARDS)
 
 
 def _in_place(lay: Layout, schedule: str) -> bool:
@@ -798,10 +822,14 @@ class Gathered:
     reshards a stage after its last one): a stage's blocks gathered in a backward stay until
     its next forward, which reshards all but its last (reshard_after_forward; its root too:
     the trainer sets it, so FSDP2 does not keep the root). `sizes` by stage: (its root's
-    gathered bytes, a block's, its blocks)."""
+    gathered bytes, a block's, its blocks). `runtime`: torch's `_PipelineScheduleRuntime`
+    (interleaved 1F1B, looped BFS) unshards the next `ACTIVE_STAGES` stages a rank runs
+    whole ahead of them and reshards whole a stage it drops (`_add_unshard_reshard`): with
+    up to 3 stages a rank only at the step's start, before any stage has run."""
 
     sizes: dict[int, tuple[float, float, int]]
     reshard_after_forward: bool
+    runtime: bool = False
 
     def __call__(self, states: dict[int, str], stage: int | None, j: int | None = None) -> float:
         """Gathered at a moment (`states`: `stage_moments`') while `stage`'s block j runs its
