@@ -494,9 +494,12 @@ def _with_head_backward(est: Estimate, m: ModelConfig, piece: int, lay: Layout) 
     the loss's backward), so the head's matmul backward runs beside them, their gradient, its
     weight's new gradient and its input's gradient (in 16 bits the loss's fp32 work is
     usually more). Measured on 2 gloo ranks, fp32: 4.25 MiB of temporaries there. Under
-    tensor parallelism the loss's forward gathers the whole vocabulary's logits, three
+    tensor parallelism the loss's forward gathers the whole vocabulary's logits: three
     buffers of them at once as the gather reorders them (traced at 405B's last rank: 3 x 1.96
-    GiB at its peak)."""
+    GiB at its peak), the whole logits the loss keeps (counted with the saved activations)
+    and the gather's output and its reordered copy (counted here, 2x); and beside them, or
+    beside the loss's fp32 work where that is more (tiny.yaml), the stage's output, this
+    rank's part of the vocabulary."""
     if "loss backward" not in est.parts:
         return est
     num, n = lay.numerics(), piece * m.seq_len
@@ -504,9 +507,11 @@ def _with_head_backward(est: Estimate, m: ModelConfig, piece: int, lay: Layout) 
     made = num.compute * n * m.vocab_size + head + num.compute * n * m.d_model
     est.parts["head backward"] = {**est.parts["loss backward"], "temporaries": float(made)}
     if lay.tp > 1:  # the loss's forward gathers the whole vocabulary's logits: as the gather
-        # reorders them, its output and a copy beside them (its fp32 work comes later)
+        # reorders them, its output and a copy beside them (its fp32 work comes later); the
+        # stage's output, its part of them, kept through the piece's backward
         loss = est.parts["loss forward"]
-        loss["temporaries"] = max(loss["temporaries"], 2.0 * num.compute * n * m.vocab_size)
+        gather = max(loss["temporaries"], 2.0 * num.compute * n * m.vocab_size)
+        loss["temporaries"] = gather + num.compute * n * (m.vocab_size // lay.tp)
     est.gpu["temporaries"] = max(p["temporaries"] for p in est.parts.values())
     return est
 
