@@ -99,15 +99,19 @@ class Stage(nn.Module):
         self.norm = model.norm if last else None
         self.output = model.output if last else None
         self.rope = model.rope  # (a bound method: the table cache, not a submodule)
-        self.tp_mesh, self.sequence_parallel = tp_mesh, False
+        self.tp_mesh, self.sequence_parallel, self.split_backward = tp_mesh, False, False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else self._arrived(x)
         rope = self.rope(0, h.size(1), h.device)  # (h's global shape under tensor parallelism)
         for layer in self.layers.values():
             h = layer(h, rope)
+        if self.norm is None and isinstance(h, DTensor):
+            # a split backward detaches each stage's output in place (torch's
+            # stage_backward_input), which the view to_local() returns refuses
+            return h.to_local().clone() if self.split_backward else h.to_local()
         if self.norm is None:
-            return h.to_local() if isinstance(h, DTensor) else h
+            return h
         return F.linear(self.norm(h), self.output.weight)  # (as Transformer.forward)
 
     def _arrived(self, x: torch.Tensor) -> torch.Tensor:
@@ -243,6 +247,7 @@ class PipelineBackend(FSDPBackend):
             if stage_owner(s, plan, pipe.schedule) == plan.pp_rank:
                 stage = Stage(model, blocks[s], s == 0, s == n_stages - 1, tp_mesh)
                 stage.sequence_parallel = self.cfg.parallel.sequence_parallel
+                stage.split_backward = pipe.schedule in V_SCHEDULES
                 # the V schedules run a backward's weight half after its input half: the
                 # gathered weights must stay until then (resharded, the weight half read freed
                 # storage: wrong gradients on 2 gloo ranks)
