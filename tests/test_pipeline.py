@@ -115,7 +115,7 @@ NEEDS = {
     "test_fp8_rowwise_pipeline_follows_one_process": ["single-fp8-rowwise", "pp2-fp8-rowwise"],
     "test_compiled_pipeline_follows_one_process_eager": ["single", "1f1b", "pp2-compiled"],
     "test_a_compiled_split_backward_follows_one_process_eager": [
-        "single", "zero_bubble", "pp2-compiled-zero_bubble"
+        "single", "zero_bubble", "pp2-compiled", "pp2-compiled-zero_bubble"
     ],
     "test_a_pipeline_checkpoint_resumes_at_another_degree": [
         "single", "single-stopped", "single-at-pp2", "pp2-stopped", "pp2-at-pp4",
@@ -669,12 +669,17 @@ def test_compiled_pipeline_follows_one_process_eager(runs):
 def test_a_compiled_split_backward_follows_one_process_eager(runs):
     """train.compile under ZBV: the input half keeps each compiled block's backward graph for
     the weight half (retain_graph), which a compiled backward that donates its saved buffers
-    refuses at the first step; with donation off the curve is one process's, no graph break."""
+    refuses at the first step; with donation off the curve is one process's, no graph break,
+    and after a compiled 1F1B run in the same processes (donation on) the graphs are new."""
     run = "pp2-compiled-zero_bubble"
     assert_same_curve(runs.rows[run], runs.rows["single"], tol=1e-4)
     assert_same_curve(runs.rows[run], runs.rows["zero_bubble"], tol=1e-4)
     counted = [rank["dynamo"] for rank in runs.comm[run]]
-    assert all(c["unique_graphs"] >= 2 and c["breaks"] == {} for c in counted), counted
+    # each rank compiles its blocks' own graphs (training and no-grad forward; the loss's two
+    # on rank 0, which holds the last stage), none reused from a graph compiled earlier in the
+    # process with donation on (+1: the start-up's probe, compiled once a process)
+    graphs = [c["unique_graphs"] for c in counted]
+    assert graphs in ([4, 2], [5, 3]) and all(c["breaks"] == {} for c in counted), counted
 
 
 def test_fit_never_proposes_what_the_config_refuses():

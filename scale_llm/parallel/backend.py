@@ -30,6 +30,8 @@ from scale_llm.parallel.fp8 import apply_fp8, precompute_scales_after_steps
 class Backend:
     """One process, one device: the reference every other backend must agree with."""
 
+    donates_buffers = True  # (compiled blocks' backwards reuse their saved buffers)
+
     def __init__(self, cfg: Config, plan: RunPlan):
         self.cfg, self.plan = cfg, plan
         self.precision = Precision(plan.precision, plan.device.type)
@@ -66,7 +68,7 @@ class Backend:
         if not around:
             apply_activation_checkpointing(model, ac)
         if self.compile:
-            compile_blocks(model)
+            compile_blocks(model, donate=self.donates_buffers)
         if around:
             apply_activation_checkpointing(model, ac)
 

@@ -6,11 +6,19 @@ names stay and module hooks (FSDP2's all-gathers, DeepSpeed's) stay outside the 
 from __future__ import annotations
 
 import torch
+import torch._functorch.config
 from torch import nn
 
 
-def compile_blocks(model: nn.Module) -> int:
-    """Compile the forward of every block of `model.layers`; returns how many."""
+def compile_blocks(model: nn.Module, donate: bool = True) -> int:
+    """Compile the forward of every block of `model.layers`; returns how many. `donate`: the
+    compiled backward may reuse its saved buffers; not where one graph's backward runs twice (a
+    pipeline's split backward keeps the graph: torch refuses donation under retain_graph)."""
+    if torch._functorch.config.donated_buffer != donate:
+        # (one graph serves every block of every model in the process: one compiled under the
+        # other setting would be reused, and torch checks donation only while it is on)
+        torch._dynamo.reset()
+        torch._functorch.config.donated_buffer = donate
     for block in model.layers:
         if not getattr(block, "_scale_llm_compiled", False):
             block.forward = torch.compile(block.forward, fullgraph=True)

@@ -236,12 +236,14 @@ def pipeline_stages(
 class PipelineBackend(FSDPBackend):
     """FSDP2 (and tensor parallelism) within each pipeline stage, the schedule across them."""
 
+    @property
+    def donates_buffers(self) -> bool:
+        """Not under a V schedule: a split backward's input half keeps each compiled block's
+        graph for its weight half (retain_graph), which a donating backward refuses."""
+        return self.cfg.parallel.pipeline.schedule not in V_SCHEDULES
+
     def wrap(self, model: Transformer, initial_weights: Mapping | None = None) -> nn.Module:
         pipe, plan = self.cfg.parallel.pipeline, self.plan
-        if self.compile and pipe.schedule in V_SCHEDULES:
-            # a split backward's input half keeps the graph for its weight half (retain_graph),
-            # which a compiled backward refuses once it donates its saved buffers
-            torch._functorch.config.donated_buffer = False
         self.parallelize(model)  # the whole meta model: TP, checkpointing, compile per block
         n_stages = plan.pp_degree * plan.pp_stages_per_rank
         blocks = stage_blocks(model.cfg.n_layers, n_stages, pipe.layers_per_stage)
