@@ -438,8 +438,9 @@ def _later_step(r: _Rank, piece_lay: Layout, at: _Moments) -> Estimate:
     return _at_moments(est, at, True, sharded)
 
 
-# torch 2.13's `_PipelineScheduleRuntime` schedules without split backwards, which unshard and
-# reshard whole stages (`_add_unshard_reshard`, at most `max_active_stages` 3 at once)
+# torch 2.13's `_PipelineScheduleRuntime` unshards and reshards whole stages
+# (`_add_unshard_reshard`, at most `max_active_stages` 3 at once); the V schedules run through it
+# too, but with their 2 stages a rank the limit never binds
 RUNTIME_UNSHARDS, ACTIVE_STAGES = ("interleaved_1f1b", "looped_bfs"), 3
 
 # torch 2.13's schedules whose sends stay alive until the step ends (a send's work keeps its
