@@ -829,6 +829,42 @@ def test_fsdp2_regathers_a_stage_as_torch_runs_the_schedule():
 RESHARD_OFF = "parallel.fsdp.reshard_after_forward=false"
 
 
+def test_fsdp2_gathers_a_stage_again_where_torchs_runtime_drops_it():
+    """Interleaved 1F1B with 4 stages a rank: torch's runtime keeps only the next 3 stages to
+    run gathered and reshards a dropped stage whole, so it gathers stages again within a run.
+    Each stage's gathers are the UNSHARDs torch's own lowering (`_add_unshard_reshard`) puts in
+    the rank's actions (reshard_after_forward off: no other gather)."""
+    from collections import Counter
+
+    from torch.distributed.pipelining.schedules import (
+        UNSHARD,
+        _Action,
+        _add_unshard_reshard,
+        _ComputationType,
+    )
+
+    from scale_llm.analysis.memory import ParamCounts
+    from scale_llm.analysis.memory.pipeline import rank_actions
+    from scale_llm.analysis.roofline import gathered_params
+    from scale_llm.config import with_changes
+    from scale_llm.config.plan import target_plan
+
+    cfg = _tiny_pipeline("interleaved_1f1b", "none", "model.n_layers=8", RESHARD_OFF)
+    cfg = with_changes(cfg, {"parallel.pipeline.stages_per_rank": 4})
+    kinds = {"F": _ComputationType.FORWARD, "B": _ComputationType.FULL_BACKWARD}
+    block = ParamCounts.of(cfg.model).block  # (8 blocks over 8 stages: one a stage)
+    expected = []
+    for rank in (0, 1):
+        ours = rank_actions("interleaved_1f1b", 2, 4, 4, rank)
+        actions = [_Action(s, kinds[k], 0) for k, s in ours]
+        lowered = _add_unshard_reshard(actions)
+        unshards = Counter(a.stage_index for a in lowered if a.computation_type == UNSHARD)
+        assert sum(unshards.values()) > 4  # (torch drops and gathers again)
+        roots = {s: ParamCounts.of(cfg.model, 1, s == 0, s == 7).root for s in unshards}
+        expected.append(sum(n * (roots[s] + block) for s, n in unshards.items()))
+    assert gathered_params(cfg, target_plan(cfg, 4), 4, 4) == expected
+
+
 def test_fsdp2_reduces_once_a_schedule_run_and_regathers_where_it_reshards():
     """torch reduces a stage's gradients at the end of every schedule run: grad_accum 2 runs
     move twice one run's FSDP2 bytes. 1F1B, PP 2 x FSDP2 2, 4 blocks, 4 pieces: the last rank

@@ -30,7 +30,7 @@ from scale_llm.analysis.memory.estimate import (
     zero_offload_traffic,
 )
 from scale_llm.analysis.memory.gpu import estimate
-from scale_llm.analysis.memory.pipeline import rank_actions
+from scale_llm.analysis.memory.pipeline import ACTIVE_STAGES, RUNTIME_UNSHARDS, rank_actions
 from scale_llm.components.loss import plain_cross_entropy
 from scale_llm.config import Config, ModelConfig, compiles, load_config, with_changes
 from scale_llm.config.parallel import V_SCHEDULES
@@ -964,16 +964,34 @@ def gathered_params(cfg: Config, plan: RunPlan, pieces: int, stages_per_rank: in
     reshard = cfg.parallel.fsdp.reshard_after_forward and pipe.schedule not in V_SCHEDULES
     out = []
     for rank in range(plan.pp_degree):
-        gathers, gathered = Counter(), set()
-        for kind, s in rank_actions(pipe.schedule, plan.pp_degree, stages_per_rank, pieces, rank):
-            gathers[s] += s not in gathered
-            (gathered.discard if kind == "F" and reshard else gathered.add)(s)
+        actions = rank_actions(pipe.schedule, plan.pp_degree, stages_per_rank, pieces, rank)
+        whole, less_one = _gathers(actions, reshard, pipe.schedule in RUNTIME_UNSHARDS)
         params = 0
-        for s, g in gathers.items():
+        for s in whole.keys() | less_one.keys():
             own = ParamCounts.of(m, plan.tp_degree, s == 0, s == n - 1)
-            params += g * (own.root + len(blocks[s]) * own.block) - (g - 1) * own.block
+            params += whole[s] * (own.root + len(blocks[s]) * own.block)
+            params += less_one[s] * (own.root + (len(blocks[s]) - 1) * own.block)
         out.append(params)
     return out
+
+
+def _gathers(actions, reshard: bool, runtime: bool) -> tuple[Counter, Counter]:
+    """By stage, its whole gathers and those that leave out the block a forward kept gathered
+    (reshard_after_forward). torch's runtime (`runtime`: interleaved 1F1B, looped BFS) keeps the
+    next `ACTIVE_STAGES` stages to run gathered and reshards a stage it drops whole
+    (`_add_unshard_reshard`): past that many stages a rank, a stage is gathered again whole."""
+    whole, less_one, gathered, kept = Counter(), Counter(), set(), set()
+    for i, (kind, s) in enumerate(actions):
+        near = list(dict.fromkeys(u for _, u in actions[i:]))[:ACTIVE_STAGES] if runtime else [s]
+        for u in (gathered | kept) - set(near) if runtime else ():
+            gathered.discard(u), kept.discard(u)  # (dropped: resharded whole)
+        for u in near:
+            if u not in gathered:
+                (less_one if u in kept else whole)[u] += 1
+                gathered.add(u)
+        if kind == "F" and reshard:
+            gathered.discard(s), kept.add(s)
+    return whole, less_one
 
 
 def rank_holdings(cfg: Config, plan: RunPlan, stages_per_rank: int) -> list[tuple[int, bool, bool]]:
