@@ -594,10 +594,20 @@ def test_deepspeed_sh_checks_that_a_cached_op_was_built_for_this_python(tmp_path
     assert f"{notice} {cache}: about 3 minutes" in launch("deepspeed.sh", env).stderr
 
 
+def _stop_signals_as_a_terminal_has_them() -> None:
+    """A suite started in the background or under nohup ignores SIGINT / SIGHUP, and a signal
+    ignored at exec stays ignored: the launcher under test could not trap it."""
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def signal_launcher(script: str, env: dict[str, str], ready: Path, sig: signal.Signals, *args):
     """Start `script` (tiny.yaml, `args`), send `sig` once `ready` exists; (exit code, stdout)."""
     cmd = ["bash", str(REPO / "launch" / script), "tiny.yaml", *args]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, start_new_session=True, text=True)
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, start_new_session=True, text=True,
+        preexec_fn=_stop_signals_as_a_terminal_has_them,
+    )  # fmt: skip
     try:
         for _ in range(600):  # up to 30 s on a loaded machine
             if ready.exists():
