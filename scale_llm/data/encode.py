@@ -11,6 +11,7 @@ import itertools
 import multiprocessing
 import os
 import signal
+import threading
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -101,6 +102,26 @@ def _encode_in_worker(docs: list[tuple[str, str]]) -> EncodedBatch:
     return encode_batch(_worker["tok"], docs, _worker["val_fraction"])
 
 
+@contextlib.contextmanager
+def _stop_signals_after_spawn(spawning: bool):
+    """SIGINT / SIGTERM held while a worker is spawned, delivered after: one landing between a
+    worker's start and the parent's write of its start-up data ends that worker with an
+    EOFError traceback (the handlers in place then run as usual, right after)."""
+    if not spawning or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    stops = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, lambda n, _: held.append(n)) for sig in stops}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for sig in dict.fromkeys(held):
+            signal.raise_signal(sig)
+
+
 class Encoder:
     """Ordered map of `encode_batch` in `num_proc` processes (0: one per core) for over a batch."""
 
@@ -128,7 +149,8 @@ class Encoder:
         )
         pending: deque[Future] = deque()
         for batch in itertools.chain(head, batches):
-            pending.append(self._pool.submit(_encode_in_worker, batch))
+            with _stop_signals_after_spawn(len(pending) < self.num_proc):
+                pending.append(self._pool.submit(_encode_in_worker, batch))  # (may spawn one)
             if len(pending) >= 2 * self.num_proc:  # bounded: reading never runs far ahead
                 yield pending.popleft().result()
         while pending:
