@@ -23,7 +23,7 @@ from scale_llm.components.distributed import start
 from scale_llm.config import load_config
 from scale_llm.config.plan import launch_env, resolve_plan
 from scale_llm.train.trainer import Trainer
-from tests.helpers import trainer_for
+from tests.helpers import leave_world, trainer_for
 
 RANK = int(os.environ.get("RANK", "0"))
 
@@ -107,7 +107,7 @@ def main(out: str, settings: list[str], cases: dict[str, list[str]]) -> None:
     if RANK == 0:
         with open(out, "w") as f:
             json.dump(results, f)
-    dist.barrier()
+    leave_world()
 
 
 if __name__ == "__main__":

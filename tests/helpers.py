@@ -175,6 +175,18 @@ def run(cmd: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedPr
     return proc
 
 
+def leave_world() -> None:
+    """End a tests/*_world.py rank as the CLI ends a multi-process run: leave the process group
+    and exit without interpreter teardown, in which gloo has been seen to abort a rank
+    ("terminate called without an active exception", SIGABRT) after its work was done."""
+    from scale_llm.components.distributed import shutdown_distributed
+
+    shutdown_distributed()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def torchrun(nproc: int, *args: str) -> list[str]:
     return [
         sys.executable,

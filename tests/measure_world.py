@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from scale_llm.analysis.memory.measure import measure_step
 from scale_llm.config import load_config
+from tests.helpers import leave_world
 
 SHAPE = [
     "model.vocab_size=2048",
@@ -37,6 +38,7 @@ def main(out: str, cases: list[dict]) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         with open(out, "w") as f:
             json.dump(results, f)
+    leave_world()
 
 
 if __name__ == "__main__":

@@ -11,13 +11,12 @@ import json
 import os
 import sys
 
-import torch
 import torch.distributed as dist
 
 from scale_llm.components.distributed import start
 from scale_llm.config import load_config
 from scale_llm.config.plan import launch_env, resolve_plan
-from tests.helpers import trainer_for
+from tests.helpers import leave_world, trainer_for
 
 
 def main(out: str, settings: list[str], cases: dict[str, list[str]], poisoned: list[int]) -> None:
@@ -50,7 +49,7 @@ def main(out: str, settings: list[str], cases: dict[str, list[str]], poisoned: l
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
-    torch.distributed.barrier()
+    leave_world()
 
 
 if __name__ == "__main__":

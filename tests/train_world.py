@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 from scale_llm import cli
-from scale_llm.components.distributed import shutdown_distributed
 from scale_llm.errors import UserError
 from scale_llm.log import setup_logging
+from tests.helpers import leave_world
 
 RANK = int(os.environ.get("RANK", "0"))
 
@@ -102,12 +102,7 @@ def main(out: Path, commands: dict[str, list[str]]) -> None:
         gc.collect()
         if any(codes):
             break
-    shutdown_distributed()
-    # as the CLI does after a multi-process run: no interpreter teardown, which gloo has been
-    # seen to abort in
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_world()
 
 
 if __name__ == "__main__":
