@@ -16,6 +16,7 @@ from scale_llm.config.plan import Launch, resolve_plan
 from scale_llm.model import build_model
 from scale_llm.parallel.backend import build_backend
 from scale_llm.parallel.step import optimizer_step
+from tests.helpers import leave_world
 
 # d_model 256: a block holds 0.79M parameters, 3.1 MB of fp32 gradients: 4 buckets of 1 MB
 SETTINGS = ["model.d_model=256", "model.n_layers=2", "model.n_heads=4", "model.seq_len=64"]
@@ -34,6 +35,7 @@ def main(split: bool) -> None:
     x = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_len + 1))
     optimizer_step(backend, model, [(x[:, :-1], x[:, 1:])])
     print(json.dumps({"graphs": counters["aot_autograd"]["total"]}))
+    leave_world()
 
 
 if __name__ == "__main__":
