@@ -1,21 +1,12 @@
 """Pipeline parallelism (`parallel.pipeline_parallel`) on torch.distributed.pipelining.
 
-The blocks are cut into consecutive stages; the mesh's outermost dimension (`pp`) says which
-group of ranks holds which. Each rank keeps only its stages' modules of the meta-device model
-(the embedding on the first stage, the final norm, head and loss on the last), after tensor
-parallelism, checkpointing and compile were applied to the whole model and before FSDP2 shards
-each stage over its data-parallel ranks (torchtitan's order). A stage keys its blocks by their
-one-process index (`layers.7...`), so parameter names, checkpoints and optimizer state do not
-depend on the pipeline degree: DCP reshards a checkpoint to any other degree or to one process.
-
-Numerics are one process's: each micro-batch is cut into `parallel.pipeline.microbatches`
-pieces, each piece's loss is its token mean divided by (pieces x grad_accum) and the schedule's
-own gradient scaling is off, so the gradients are those of the token mean over the global batch;
-the gradient norm is reduced over the stages too before the one clip; the loss is summed over
-the stages (only the last computes it) so every rank holds it. Evaluation and samples run the
-stages' forwards in order, passing activations rank to rank; the last stage sends every rank
-the evaluation's loss, or the one position's logits a sample reads (calling the model still
-gives every rank the whole logits).
+The blocks are cut into consecutive stages over the mesh's `pp` dimension. Each rank keeps its
+stages of the meta model after TP, checkpointing and compile, before FSDP2 shards each stage
+(torchtitan's order). Blocks keep their one-process names (`layers.7...`): checkpoints do not
+depend on the pipeline degree. Numerics are one process's: a piece's loss is its token mean over
+(pieces x grad_accum), the schedule's own scaling off, the gradient norm reduced over the stages
+before the one clip. Evaluation and samples run the stages' forwards in order; the last stage
+sends every rank the loss or the logits a sample reads (calling the model gives every rank all).
 """
 
 from __future__ import annotations
@@ -68,9 +59,7 @@ def stage_blocks(n_layers: int, stages: int, layers_per_stage: int | None) -> li
         counts = [layers_per_stage] * stages
     else:
         counts = [1] * stages
-        extra = [1 if s in (0, stages - 1) else 0 for s in range(stages)]
-        if stages == 1:
-            extra = [2]
+        extra = [(s == 0) + (s == stages - 1) for s in range(stages)]  # embedding, head
         for _ in range(n_layers - stages):
             cheapest = min(range(stages), key=lambda s: (counts[s] + extra[s], -s))
             counts[cheapest] += 1
@@ -106,13 +95,13 @@ class Stage(nn.Module):
         rope = self.rope(0, h.size(1), h.device)  # (h's global shape under tensor parallelism)
         for layer in self.layers.values():
             h = layer(h, rope)
-        if self.norm is None and isinstance(h, DTensor):
+        if self.norm is not None:
+            return F.linear(self.norm(h), self.output.weight)  # (as Transformer.forward)
+        if isinstance(h, DTensor):
             # a split backward detaches each stage's output in place (torch's
             # stage_backward_input), which the view to_local() returns refuses
             return h.to_local().clone() if self.split_backward else h.to_local()
-        if self.norm is None:
-            return h
-        return F.linear(self.norm(h), self.output.weight)  # (as Transformer.forward)
+        return h
 
     def _arrived(self, x: torch.Tensor) -> torch.Tensor:
         """The residual stream from the previous stage, as the blocks take it."""
@@ -139,18 +128,24 @@ class PipelinedModel(nn.Module):
         self.n_stages = plan.pp_degree * plan.pp_stages_per_rank
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self._everywhere(*self.through_stages(tokens))
+        """The last stage's logits broadcast to every pipeline rank (as a DTensor sharded over
+        the vocabulary again where tensor parallelism made them one)."""
+        logits, src = self.through_stages(tokens)
+        local = self.broadcast(logits.to_local() if isinstance(logits, DTensor) else logits, src)
+        if self.plan.pp_rank == src:
+            return logits
+        mesh = next(iter(self.stages.values())).tp_mesh
+        return local if mesh is None else DTensor.from_local(local, mesh, [Shard(-1)])
 
     def through_stages(self, tokens: torch.Tensor) -> tuple[torch.Tensor | None, int]:
         """(the logits on the last stage's pipeline rank, None elsewhere; that rank)."""
+        owners = [stage_owner(s, self.plan, self.schedule) for s in range(self.n_stages)]
         x = tokens
-        for s in range(self.n_stages):
-            here = stage_owner(s, self.plan, self.schedule)
+        for s, here in enumerate(owners):
             if here == self.plan.pp_rank:
                 x = self.stages[s](x)
-            after = stage_owner(s + 1, self.plan, self.schedule) if s + 1 < self.n_stages else -1
-            if after >= 0 and after != here:
-                x = self._pass(x, here, after)
+            if s + 1 < len(owners) and owners[s + 1] != here:
+                x = self._pass(x, here, owners[s + 1])
         return (x if here == self.plan.pp_rank else None), here
 
     def _rank(self, pp_rank: int) -> int:
@@ -163,30 +158,18 @@ class PipelinedModel(nn.Module):
             dist.send(_header(x, x.device), self._rank(dst), group=self.group)
             dist.send(x.contiguous(), self._rank(dst), group=self.group)
         elif me == dst:
-            header = torch.zeros(8, dtype=torch.int64, device=self.plan.device)
+            header = _header(None, self.plan.device)
             dist.recv(header, self._rank(src), group=self.group)
             x = _empty_like_header(header, self.plan.device)
             dist.recv(x, self._rank(src), group=self.group)
         return x if me in (src, dst) else None
 
-    def _everywhere(self, logits: torch.Tensor | None, src: int) -> torch.Tensor:
-        """The last stage's logits broadcast to every pipeline rank (as a DTensor sharded over
-        the vocabulary again where tensor parallelism made them one)."""
-        mine = self.plan.pp_rank == src
-        local = self.broadcast(logits.to_local() if isinstance(logits, DTensor) else logits, src)
-        if mine:
-            return logits
-        mesh = next(iter(self.stages.values())).tp_mesh
-        return local if mesh is None else DTensor.from_local(local, mesh, [Shard(-1)])
-
     def broadcast(self, x: torch.Tensor | None, src: int) -> torch.Tensor:
         """Pipeline rank `src`'s plain tensor `x` on every pipeline rank (its shape first)."""
         mine, device = self.plan.pp_rank == src, self.plan.device
-        header = _header(x, device) if mine else torch.zeros(8, dtype=torch.int64, device=device)
+        header = _header(x if mine else None, device)
         dist.broadcast(header, self._rank(src), group=self.group)
-        if not mine:
-            x = _empty_like_header(header, device)
-        x = x.contiguous()
+        x = x.contiguous() if mine else _empty_like_header(header, device)
         dist.broadcast(x, self._rank(src), group=self.group)
         return x
 
@@ -194,10 +177,10 @@ class PipelinedModel(nn.Module):
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 
-def _header(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """(dtype index, ndim, *shape) in 8 int64s: what a receiver allocates (on the device:
-    NCCL sends device tensors only)."""
-    values = [_DTYPES.index(x.dtype), x.dim(), *x.shape]
+def _header(x: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """(dtype index, ndim, *shape) in 8 int64s, zeros for a receiver to fill: what it allocates
+    (on the device: NCCL sends device tensors only)."""
+    values = [] if x is None else [_DTYPES.index(x.dtype), x.dim(), *x.shape]
     return torch.tensor(values + [0] * (8 - len(values)), dtype=torch.int64, device=device)
 
 
@@ -207,13 +190,10 @@ def _empty_like_header(header: torch.Tensor, device: torch.device) -> torch.Tens
 
 
 class WeightGroupedStage(PipelineStage):
-    """torch's stage with a split backward's weight half run as one `GraphExecGroup`
-    (torch.utils.checkpoint, 2.13). The weight half makes one autograd call per weight group
-    (7 a block); non-reentrant checkpointing would recompute the block in each call (its own
-    graph task) and keep what a call does not read until the last. In one group each block
-    is recomputed once, with the same gradients. The input half stays apart: it reads the
-    same saved tensors, which a group unpacks once. Selective checkpointing still fails under
-    the V schedules: its cache hands each saved op's output to one recomputation only."""
+    """torch's stage with a split backward's weight half run as one `GraphExecGroup` (torch
+    2.13): its one autograd call per weight group (7 a block) would each recompute a checkpointed
+    block and keep what it does not read; in one group a block is recomputed once. (Selective
+    checkpointing still fails under the V schedules: its cache serves one recomputation only.)"""
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
         with GraphExecGroup():
@@ -248,18 +228,17 @@ class PipelineBackend(FSDPBackend):
         n_stages = plan.pp_degree * plan.pp_stages_per_rank
         blocks = stage_blocks(model.cfg.n_layers, n_stages, pipe.layers_per_stage)
         tp_mesh = self.device_mesh()["tp"] if self.tp > 1 else None
+        split, sp = pipe.schedule in V_SCHEDULES, self.cfg.parallel.sequence_parallel
         stages = {}
         for s in range(n_stages):
             if stage_owner(s, plan, pipe.schedule) == plan.pp_rank:
                 stage = Stage(model, blocks[s], s == 0, s == n_stages - 1, tp_mesh)
-                stage.sequence_parallel = self.cfg.parallel.sequence_parallel
-                stage.split_backward = pipe.schedule in V_SCHEDULES
+                stage.sequence_parallel, stage.split_backward = sp, split
                 # the V schedules run a backward's weight half after its input half: the
                 # gathered weights must stay until then (resharded, the weight half read freed
                 # storage: wrong gradients on 2 gloo ranks)
-                self.shard(stage, False if pipe.schedule in V_SCHEDULES else None)
-                stage.to_empty(device=self.storage_device())
-                stages[s] = stage
+                self.shard(stage, False if split else None)
+                stages[s] = stage.to_empty(device=self.storage_device())
         group = self.device_mesh()["pp"].get_group()
         wrapped = PipelinedModel(stages, plan, pipe.schedule, group)
         self._fill_shards(wrapped, initial_weights, whole=model)
@@ -270,25 +249,19 @@ class PipelineBackend(FSDPBackend):
         """torch's schedule over this rank's stages; the loss scaled here, not by it."""
         pipe_stages = pipeline_stages(stages, n_stages, self.plan.device, group)
         cls = SCHEDULES[self.cfg.parallel.pipeline.schedule]
-        single = issubclass(cls, PipelineScheduleSingle)
         return cls(
-            pipe_stages[0] if single else pipe_stages,
+            pipe_stages[0] if issubclass(cls, PipelineScheduleSingle) else pipe_stages,
             n_microbatches=self.plan.pp_microbatches,
             loss_fn=self._piece_loss,
             scale_grads=False,
         )
 
     def _piece_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """A piece's share of the step's token-mean loss: its mean over pieces x grad_accum
-        (every piece holds the same number of tokens). Under tensor parallelism the pieces'
-        logits are gathered whole first: the stages' backward (the shape inference's and the
-        schedule's) fails with the vocabulary-parallel loss, inside loss_parallel too (torch
-        2.13: 'nll_loss_backward got mixed torch.Tensor and DTensor')."""
-        pieces = self.plan.pp_microbatches * self.accum
-        if self.tp > 1:
-            loss = cross_entropy(full_logits(logits), targets) / pieces
-        else:
-            loss = self.loss_fn(logits, targets) / pieces
+        """A piece's share of the step's token-mean loss: its mean over pieces x grad_accum.
+        Under TP the logits are gathered whole first: the stages' backward fails with the parallel
+        loss (torch 2.13: 'nll_loss_backward got mixed torch.Tensor and DTensor')."""
+        fn, whole = (cross_entropy, full_logits(logits)) if self.tp > 1 else (self.loss_fn, logits)
+        loss = fn(whole, targets) / (self.plan.pp_microbatches * self.accum)
         return loss if self.scale is None else loss * self.scale  # (fp16: the scaler's)
 
     def forward_backward(
