@@ -157,24 +157,22 @@ def _refuse_duplicate_keys(root: yaml.Node, path: Path) -> None:
     todo: list[tuple[yaml.Node, str]] = [(root, "")]
     while todo:
         node, prefix = todo.pop()
-        children = node.value if isinstance(node, yaml.SequenceNode) else []
-        if isinstance(node, yaml.MappingNode):
-            seen: dict[tuple[str, str], int] = {}
-            for key, value in node.value:
-                if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
-                    line = key.start_mark.line + 1
-                    first = seen.get((key.tag, key.value))
-                    if first is not None:
-                        lines = f"line {line}" if first == line else f"lines {first} and {line}"
-                        raise UserError(
-                            f"config file {path}: {prefix}{key.value} is written twice ({lines}); "
-                            f"YAML would silently keep only the last, so merge the two into one"
-                        )
-                    seen[(key.tag, key.value)] = line
-                    todo.append((value, f"{prefix}{key.value}."))
-                else:
-                    todo.append((value, prefix))
-        todo.extend((child, prefix) for child in children)
+        if isinstance(node, yaml.SequenceNode):
+            todo.extend((child, prefix) for child in node.value)
+        seen: dict[tuple[str, str], int] = {}
+        for key, value in node.value if isinstance(node, yaml.MappingNode) else ():
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                line = key.start_mark.line + 1
+                if (first := seen.get((key.tag, key.value))) is not None:
+                    lines = f"line {line}" if first == line else f"lines {first} and {line}"
+                    raise UserError(
+                        f"config file {path}: {prefix}{key.value} is written twice ({lines}); YAML "
+                        f"would silently keep only the last, so merge the two into one"
+                    )
+                seen[(key.tag, key.value)] = line
+                todo.append((value, f"{prefix}{key.value}."))
+            else:
+                todo.append((value, prefix))
 
 
 def read_yaml_with_base(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
@@ -203,10 +201,15 @@ def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def parse_override(item: str) -> tuple[str, Any]:
-    """`a.b=value` -> ("a.b", value), the value parsed as a YAML scalar."""
+INDEXED = re.compile(r"([^\[\]]+)\[(\d+)\]")  # `sources[0]`: an entry of a list key
+WHOLE_LIST = "[{name: ..., source: ..., weight: ...}, ...]"
+
+
+def _apply_override(raw: dict[str, Any], item: str, errors: list[str]) -> None:
+    """Set one dotted key (`a.b=value`, the value a YAML scalar) in the raw tree. A step that
+    cannot be taken (`data.sources[0].weight=3` reaches into a list's entry) is one error."""
     key, sep, text = item.partition("=")
-    if not sep or not key.strip():
+    if not sep or not (key := key.strip()):
         raise UserError(
             f"override {short(item)} must look like section.key=value, e.g. --set train.lr=3e-4"
         )
@@ -214,22 +217,11 @@ def parse_override(item: str) -> tuple[str, Any]:
         value = yaml.safe_load(text) if text.strip() else None
     except yaml.YAMLError:
         value = text
-    return key.strip(), value
-
-
-INDEXED = re.compile(r"([^\[\]]+)\[(\d+)\]")  # `sources[0]`: an entry of a list key
-WHOLE_LIST = "[{name: ..., source: ..., weight: ...}, ...]"
-
-
-def _apply_override(raw: dict[str, Any], item: str, errors: list[str]) -> None:
-    """Set one dotted key in the raw tree. `data.sources[0].weight=3` reaches into an entry of
-    a list key; a step that cannot be taken is one error naming the key and the form that works."""
-    key, value = parse_override(item)
     parts = key.split(".")
     node: Any = raw
     cls: Any = Config  # the schema of `node`; None below a key it does not know (_build says so)
     for i in range(len(parts)):
-        step = _override_step(node, cls, parts, i, item.partition("=")[2])
+        step = _override_step(node, cls, parts, i, text)
         if isinstance(step, str):
             errors.append(step)
             return
@@ -375,11 +367,10 @@ def expand_home(cfg: Config) -> Config:
     config is loaded, so every reader and the run dir's config.yaml see the path the run used."""
     changes = {}
     for key in PATH_KEYS:
-        path = path_value(cfg, key)
-        if path is not None and path.startswith("~"):
+        if (path := path_value(cfg, key) or "").startswith("~"):
             value = get_key(cfg, key)
             changes[key] = value[: len(value) - len(path)] + os.path.expanduser(path)
-    return with_changes(cfg, changes) if changes else cfg
+    return with_changes(cfg, changes)
 
 
 def build_section(cls: type, raw: Any, prefix: str, errors: list[str]) -> Any:
@@ -413,11 +404,9 @@ def build_section(cls: type, raw: Any, prefix: str, errors: list[str]) -> Any:
             if ok:
                 kwargs[key] = converted
                 continue
-            wrong = isinstance(value, Hashable) and WRONG_VALUES.get((dotted, value))
-            if wrong:  # (a value meant for another key)
-                expected = expected.split(" (did you mean")[0]
-            got = f"{short(value)}; {wrong}" if wrong else short(value)
-            errors.append(f"{dotted}: expected {expected}, got {got}")
+            if wrong := isinstance(value, Hashable) and WRONG_VALUES.get((dotted, value)):
+                expected, wrong = expected.split(" (did you mean")[0], f"; {wrong}"  # another key's
+            errors.append(f"{dotted}: expected {expected}, got {short(value)}{wrong or ''}")
     return cls(**kwargs)
 
 
