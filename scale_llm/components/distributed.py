@@ -1,11 +1,9 @@
-"""The process group (NCCL on CUDA, gloo on the CPU), started from the run plan (which decides
-device, rank and world size), and a few small helpers.
+"""The process group (NCCL on CUDA, gloo on the CPU) started from the run plan, and small helpers.
 
-Collectives fail fast and leave a trace, as torchtitan's do: NCCL's flight recorder keeps each
-rank's last collectives and writes them when one times out (`COMM_ENV`; `torch.distributed.
-flight_recorder` reads the files), a failed collective aborts the process instead of hanging it,
-and the timeout is long until the first step is done (start-up: compiling, loading) and short
-after it (`shorten_timeouts`). Every setting is an environment variable a user may set first."""
+Collectives fail fast and leave a trace, as torchtitan's do: NCCL's flight recorder writes each
+rank's last collectives when one times out (`COMM_ENV`), a failed collective aborts the process,
+and the timeout is long until the first step is done and short after it (`shorten_timeouts`).
+Every setting is an environment variable a user may set first."""
 
 from __future__ import annotations
 
@@ -125,7 +123,9 @@ def start(plan: RunPlan, cpu_collectives: bool = False, trace_prefix: str | None
                 "WORLD_SIZE > 1 but MASTER_PORT is not set; start multi-process "
                 "runs with torchrun, the deepspeed launcher or launch/*.sh"
             )
-        os.environ["MASTER_PORT"] = str(_free_port())
+        with socket.socket() as s:  # a free port
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     os.environ.setdefault("RANK", str(plan.rank))
     os.environ.setdefault("LOCAL_RANK", str(plan.local_rank))
     os.environ.setdefault("WORLD_SIZE", str(world))
@@ -143,8 +143,9 @@ def start(plan: RunPlan, cpu_collectives: bool = False, trace_prefix: str | None
             f"MASTER_PORT={port!r} is not a port number (1-65535); unset it or let the "
             f"launcher set it"
         )
+    where = f"{os.environ['MASTER_ADDR']}:{port}"
     if world > 1:
-        _say_what_we_wait_for(plan, timeout)
+        _say_what_we_wait_for(plan, timeout, where)
     # A world of one keeps its store in memory: TCPStore binds every interface, whatever MASTER_ADDR
     try:
         store = dist.HashStore() if world == 1 else _restart_safe_store(world, timeout)
@@ -157,7 +158,6 @@ def start(plan: RunPlan, cpu_collectives: bool = False, trace_prefix: str | None
             device_id=plan.device if plan.device.type == "cuda" else None,
         )
     except (dist.DistStoreError, dist.DistNetworkError) as e:
-        where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
         raise UserError(
             f"the process group of {world} processes did not form at {where} "
             f"({str(e).splitlines()[0]}); start every rank with torchrun, the deepspeed "
@@ -168,10 +168,9 @@ def start(plan: RunPlan, cpu_collectives: bool = False, trace_prefix: str | None
     log.info("dist: %d processes, %s process group, device %s", world, pg_backend, plan.device)
 
 
-def _say_what_we_wait_for(plan: RunPlan, timeout: datetime.timedelta) -> None:
+def _say_what_we_wait_for(plan: RunPlan, timeout: datetime.timedelta, where: str) -> None:
     """Joining blocks until every rank arrives: routine under a launcher (INFO), a warning
     without one (a leftover WORLD_SIZE: nobody else will come)."""
-    where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     # torchrun, mpirun, srun, DeepSpeed's launcher (its launch.py sets CROSS_RANK)
     launchers = ("TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID", "CROSS_RANK")
     launched = any(k in os.environ for k in launchers)
@@ -236,7 +235,7 @@ def barrier(group: dist.ProcessGroup | None = None) -> None:
 
 def side_group() -> dist.ProcessGroup | None:
     """A gloo group for collectives off the main thread (a background checkpoint write), which
-    on the main group could interleave with the step's; collective; None in one process."""
+    on the main group could interleave with the step's; None in one process."""
     return dist.new_group(backend="gloo") if is_distributed() else None
 
 
@@ -256,9 +255,3 @@ def all_ranks_agree(ok: bool, device: torch.device) -> bool:
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
