@@ -57,8 +57,7 @@ def hints(cfg: Config, plan: RunPlan) -> list[tuple[str, float]]:
         options.append(({"parallel.backend": "fsdp"}, ""))
     if p.backend == "deepspeed" and p.deepspeed.zero_stage < 3:
         options.append(({"parallel.deepspeed.zero_stage": p.deepspeed.zero_stage + 1}, ""))
-    # (a hint the config refuses is none: selective under a V schedule, a batch a pipeline
-    # cannot cut)
+    # (no hint the config refuses: selective under a V schedule, a batch a pipeline cannot cut)
     options = [(ch, flags) for ch, flags in options if not validate(with_changes(cfg, ch))]
     totals = [estimate(with_changes(cfg, changes), world).total for changes, _ in options]
     return [(flags or format_overrides(ch), t) for (ch, flags), t in zip(options, totals)]
@@ -79,15 +78,13 @@ def format_report(est: Estimate, cfg: Config, plan: RunPlan, source: str) -> str
     if est.pipeline_ranks:  # (the figures above are the worst rank's)
         peaks = ", ".join(f"{r}: {gib(e.gpu['peak'])}" for r, e in enumerate(est.pipeline_ranks))
         lines.append(f"the worst pipeline rank's: {est.pipeline_rank} (each rank's peak: {peaks})")
-    cpu = ", ".join(f"{k} {gib(v)}" for k, v in est.cpu.items() if v)
-    if cpu:
+    if cpu := ", ".join(f"{k} {gib(v)}" for k, v in est.cpu.items() if v):
         lines.append(f"per rank in CPU memory (offloaded): {cpu}")
     built = "the whole fp32 model, built on the CPU before it moves to the GPU"
     if lay.backend == "fsdp":
         built = "its fp32 shards, filled one whole parameter at a time"
     lines.append(f"per rank in host memory at start-up: {gib(est.startup_host)} ({built})")
-    traffic = format_offload_traffic(est)
-    if traffic:
+    if traffic := format_offload_traffic(est):
         lines.append(traffic)
     options = [(flags, total) for flags, total in hints(cfg, plan) if total < est.total]
     if options:
@@ -113,8 +110,7 @@ def world_for_estimate(cfg: Config, config: str | None) -> tuple[int, str | None
     parallel.world_size, else 1; and a line saying so (None for 1 without sharding). A layout
     that needs more than one GPU and states no world is a UserError naming the command."""
     name = config or "the default config"
-    documented = cfg.parallel.world_size
-    if documented is not None:
+    if (documented := cfg.parallel.world_size) is not None:
         return documented, (
             f"world size {documented}: the layout {name} is written for (parallel.world_size); "
             f"--world-size N for N GPUs"
@@ -189,8 +185,7 @@ def fit(cfg: Config, target: RunPlan | int, budget: int, keep_backend: bool = Fa
     exists) varies only checkpointing and micro-batch."""
     plan = target_plan(cfg, target) if isinstance(target, int) else target
     per_rank = plan.micro_batch_size * plan.grad_accum
-    # (a pipeline cuts each micro-batch into parallel.pipeline.microbatches pieces)
-    pieces = plan.pp_microbatches
+    pieces = plan.pp_microbatches  # (a pipeline cuts each micro-batch into that many pieces)
     micro_batches = [d for d in range(per_rank, 0, -1) if per_rank % d == 0 and d % pieces == 0]
     shards = [({}, 1.0)] if keep_backend else _shard_options(cfg)
     options: list[Plan] = []
