@@ -1,7 +1,6 @@
-"""How scale_llm writes to disk: a file appears complete or not at all (temporary name, fsync,
-rename); a command removes only what its marker proves it made; one process at a time holds a
-folder (`OwnerLock`); a user's folder is read without running its Python or leaving it by a link.
-"""
+"""How scale_llm writes to disk: a file appears whole or not at all (temporary name, fsync, rename);
+a command removes only what its marker proves it made; one process at a time holds a folder
+(`OwnerLock`); a user's folder is read without running its Python or leaving it by a link."""
 
 from __future__ import annotations
 
@@ -392,15 +391,12 @@ _HELD: dict[str, OwnerLock] = {}  # lock path -> the holder in this process
 
 class OwnerLock:
     """One process at a time: `path` is held with an exclusive `flock` and names its owner (pid,
-    host, start time). The kernel drops a dead owner's flock, so an unflocked file is stale:
-    taken over (warned) when its pid on this host has exited, refused for another host or damage.
-    An earlier holder in this process that did not release is taken over (one process, one run).
-    """
+    host, start time). The kernel drops a dead owner's flock, so an unflocked file is stale: taken
+    over (warned) when its pid on this host has exited, refused for another host or damage. An
+    earlier holder in this process that did not release is taken over (one process, one run)."""
 
-    def __init__(self, path: Path, what: str, fix: str):
-        self.path, self._fd = path, None
-        self.what = what  # e.g. "runs/tiny" or "data.dir=data/tiny"
-        self.fix = fix  # how to get past a live owner, e.g. "pick another run.name"
+    def __init__(self, path: Path, what: str, fix: str):  # fix: how to get past a live owner
+        self.path, self.what, self.fix, self._fd = path, what, fix, None
 
     def check(self) -> None:
         """Refuse now (creating nothing) if a live process holds the lock."""
@@ -507,9 +503,7 @@ class OwnerLock:
 
     def _owner_text(self, fd: int) -> str:
         owner = self._read_owner(fd) or {}
-        if "pid" not in owner:
-            return "a process that is starting"
-        return f"pid {owner['pid']} on {owner['host']}"
+        return f"pid {owner['pid']} on {owner['host']}" if owner else "a process that is starting"
 
     def _in_use(self, owner: str, then: str = "") -> UserError:
         return UserError(
@@ -581,9 +575,8 @@ def _alive(pid: int) -> bool:
     if pid <= 0:
         return False
     try:
-        os.kill(pid, 0)
+        with contextlib.suppress(PermissionError):  # (another user's process: alive)
+            os.kill(pid, 0)
     except (ProcessLookupError, OverflowError):
         return False
-    except PermissionError:
-        return True
     return True
