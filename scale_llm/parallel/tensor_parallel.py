@@ -49,11 +49,10 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
             block.feed_forward.register_forward_pre_hook(gather)
         block.attention.n_heads //= tp  # the heads of this rank
         block.attention.n_kv_heads //= tp
-    top = {
-        "tok_embeddings": RowwiseParallel(
-            input_layouts=Replicate(), output_layouts=stream, use_local_output=False
-        )
-    }
+    embed = RowwiseParallel(
+        input_layouts=Replicate(), output_layouts=stream, use_local_output=False
+    )
+    top = {"tok_embeddings": embed}
     if sequence_parallel:
         top["norm"] = SequenceParallel()
     else:
