@@ -139,11 +139,9 @@ def _import_torchao(quiet: bool) -> None:
 
 
 def _say(cfg: Config, config, converted: int, skipped: list[str]) -> None:
-    where = (
-        "emulated on the CPU (fp8 values, fp32 matmuls: the curve, not the speed)"
-        if config.emulate
-        else "fp8 matmuls"
-    )
+    where = "fp8 matmuls"
+    if config.emulate:
+        where = "emulated on the CPU (fp8 values, fp32 matmuls: the curve, not the speed)"
     gather = ", FSDP2 gathers fp8 weights" if config.enable_fsdp_float8_all_gather else ""
     log.info(
         f"fp8: {cfg.train.fp8.recipe} scaling in {converted} block linears, {where}{gather}; "
