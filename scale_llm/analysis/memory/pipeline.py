@@ -1,17 +1,14 @@
 """Per-GPU memory of a pipeline-parallel layout: every pipeline rank's, and the worst one.
 
 A rank holds its stages' blocks (looped: stages r, r + pp, ...; the V schedules: r and
-2 pp - 1 - r), the embedding if it holds the first stage, the final norm, head and loss if it
-holds the last, all sharded by FSDP2 over the stage's data-parallel ranks; the saved
-activations of every piece its schedule has run forward but not yet backward, counted stage by
-stage in the order torch 2.13's schedule runs them (`rank_actions`; the last stage's pieces keep
-their logits too), with what a split backward keeps between its halves and what its weight
-half recomputes under checkpointing (`weight_run_bytes`); torch's receive buffers, one a
-piece; the sends every schedule but 1F1B keeps until the step ends (`sends_held`); and on the
-last stage's rank the head's backward beside the logits the stage keeps. Each rank's estimate
-is the base estimator's on a model of that rank's blocks at one piece's size, plus the rest;
-the layout's is the worst rank's. Measured on 2 gloo ranks (tests/test_memory.py): every rank
-within 5% for 1F1B, GPipe, ZBV and interleaved 1F1B.
+2 pp - 1 - r), the embedding with the first stage, the final norm, head and loss with the last,
+sharded by FSDP2 over the stage's data-parallel ranks; the saved activations of every piece run
+forward but not back, in torch 2.13's schedule order (`rank_actions`), with what a split
+backward keeps between its halves (`weight_run_bytes`); a receive buffer a piece; the sends
+kept until the step ends (`sends_held`); on the last stage's rank the head's backward beside
+the logits. Each rank's estimate is the base estimator's on a model of its blocks at one
+piece's size, plus the rest; the layout's is the worst rank's. Measured on 2 gloo ranks
+(tests/test_memory.py): every rank within 5% for 1F1B, GPipe, ZBV and interleaved 1F1B.
 """
 
 from __future__ import annotations
@@ -41,7 +38,7 @@ from scale_llm.analysis.memory.estimate import (
     fsdp_gathered_params,
     phase_totals,
 )
-from scale_llm.config import ActivationCheckpointingConfig, Config, ModelConfig
+from scale_llm.config import Config, ModelConfig
 from scale_llm.config.parallel import V_SCHEDULES
 from scale_llm.config.plan import RunPlan
 from scale_llm.config.sections import mlp_hidden_size
@@ -67,18 +64,13 @@ def rank_actions(schedule: str, pp: int, chunks: int, microbatches: int, rank: i
     )  # fmt: skip
     ns.microbatches_per_round = m // ns.number_of_rounds
     ops = SCHEDULES[schedule]._calculate_single_rank_operations(ns, rank)
-    kinds = {
-        _ComputationType.FORWARD: "F",
-        _ComputationType.FULL_BACKWARD: "B",
-        _ComputationType.BACKWARD_INPUT: "I",
-        _ComputationType.BACKWARD_WEIGHT: "W",
-    }
-    out = []
-    for op in (o for o in ops if o is not None):
-        for a in op.sub_actions or (op,):
-            if a.computation_type in kinds:
-                out.append((kinds[a.computation_type], a.stage_index))
-    return out
+    c = _ComputationType
+    kinds = dict(zip((c.FORWARD, c.FULL_BACKWARD, c.BACKWARD_INPUT, c.BACKWARD_WEIGHT), "FBIW"))
+    subs = (a for op in ops if op is not None for a in op.sub_actions or (op,))
+    return [(kinds[a.computation_type], a.stage_index) for a in subs if a.computation_type in kinds]
+
+
+Sends = tuple[dict[int, float], dict[int, float]]  # (forward, backward) by stage
 
 
 class Moment(NamedTuple):
@@ -112,7 +104,7 @@ class StageBytes:
     per_piece: dict[int, float]
     split: dict[int, float] | None = None
     run: dict[int, float] | None = None
-    sends: tuple[dict[int, float], dict[int, float]] | None = None
+    sends: Sends | None = None
     grads: dict[int, float] | None = None
     grads16: dict[int, float] | None = None
     left_grads: dict[int, float] | None = None
@@ -184,21 +176,14 @@ class _Walk:
         self.weights = {u: sum(a in (("B", u), ("W", u)) for a in actions) for u in s}
 
     def unshards(self, coming) -> None:
-        """torch's runtime before an action (`coming`: it and those after): the next
-        `ACTIVE_STAGES` stages to run kept unsharded, a stage fetched gathered whole (as after
-        a backward, "B"), one dropped resharded whole ("")."""
-        nearest: list[int] = []
-        for _, s in coming:
-            if s not in nearest:
-                nearest.append(s)
-                if len(nearest) == ACTIVE_STAGES:
-                    break
-        for s in [s for s in self.active if s not in nearest]:
-            self.active.remove(s)
+        """torch's runtime before an action (`coming`: it and those after): a stage fetched
+        gathered whole (as after a backward, "B"), one dropped resharded whole ("")."""
+        nearest = set(runtime_unsharded(coming))
+        for s in self.active - nearest:
             self.last_action[s] = ""
-        for s in [s for s in nearest if s not in self.active]:
-            self.active.add(s)
+        for s in nearest - self.active:
             self.last_action[s] = "B"
+        self.active = nearest
 
     def starts(self, kind: str, stage: int) -> None:
         self.halves[stage] += kind == "I"
@@ -239,9 +224,7 @@ class _Walk:
         # (FSDP2's post-backward, in an input half or a whole backward, folded them; the
         # stage's last weight gradients reduced them)
         self.weights[stage] -= kind in ("B", "W")
-        self.made16[stage] = (
-            self.made16[stage] and kind not in ("I", "B") and self.weights[stage] > 0
-        )
+        self.made16[stage] &= kind == "W" and self.weights[stage] > 0
         if kind != "I":
             self.made.add(stage)
         self.left[stage] -= kind == "B"
@@ -262,81 +245,67 @@ def rank_estimate(cfg: Config, plan: RunPlan, lay: Layout, rank: int) -> Estimat
     at the larger of two moments: before its first weight gradient (none yet) and after
     (gradients accumulated); at each, a split backward's weight half where it holds more than
     a block's backward, and on the last stage's rank the head's backward."""
-    r = _rank_of(cfg, plan, lay, rank)
-    at = _moments_of(r, plan, rank)
+    r = _Rank(cfg, plan, lay, rank)
+    at = _moments_of(r)
     piece_lay = dataclasses.replace(
         lay, micro_batch=r.piece, holds_embedding=r.first, holds_head=r.last
     )
-    est = _with_head_backward(estimate_layout(r.model, r.ac, piece_lay, r.flags), r.m, r.piece, lay)
-    if _split_under_fsdp(r):  # (before the first weight gradient too)
-        est = _without_reduce_scatter(est, r.model, piece_lay)
-    est = _at_moments(est, at, False, 0.0)
-    if r.pieces > 1:
-        est = max(est, _later_step(r, piece_lay, at), key=lambda e: e.gpu["peak"])
+    est = _step(r, piece_lay, at, False, 0.0)
+    if r.pieces > 1:  # after the first weight gradient: torch's stages run every backward but
+        # the last without FSDP2's reduction, so each piece is a micro-step accumulating whole
+        # gradients; the sharded ones are made after the last
+        later = dataclasses.replace(
+            piece_lay,
+            grad_accum=lay.grad_accum * r.pieces,
+            fsdp_reduce_every=lay.fsdp_reduce_every and lay.backend != "fsdp",
+            reshard_after_forward=False,
+        )
+        sharded = 4.0 * r.counts.total / lay.shards if lay.backend == "fsdp" else 0.0
+        est = max(est, _step(r, later, at, True, sharded), key=lambda e: e.gpu["peak"])
     est.params, est.model, est.layout = ParamCounts.of(r.m).total, r.m, lay  # (the whole batch)
     return est
 
 
-@dataclasses.dataclass
 class _Rank:
     """A pipeline rank's share of a layout, as `rank_estimate`'s steps read it."""
 
-    m: ModelConfig
-    ac: ActivationCheckpointingConfig
-    lay: Layout
-    schedule: str
-    blocks: list[range]  # by stage, every stage's
-    mine: list[int]  # the rank's stages
-    pieces: int
-    piece: int  # a piece's sequences
-    model: ModelConfig  # a model of the rank's blocks
-    counts: ParamCounts  # their parameters on this rank
-    flags: list[bool]  # their checkpointing, as applied
-
-    @property
-    def stages(self) -> int:
-        return len(self.blocks)
-
-    @property
-    def first(self) -> bool:
-        return 0 in self.mine
-
-    @property
-    def last(self) -> bool:
-        return self.stages - 1 in self.mine
-
-    @property
-    def stage_of(self) -> list[int]:  # (the rank model's blocks' stages)
-        return [s for s in self.mine for _ in self.blocks[s]]
+    def __init__(self, cfg: Config, plan: RunPlan, lay: Layout, rank: int) -> None:
+        m, ac, pipe = cfg.model, cfg.activation_checkpointing, cfg.parallel.pipeline
+        self.m, self.ac, self.lay, self.plan, self.rank = m, ac, lay, plan, rank
+        self.schedule, self.pieces = pipe.schedule, plan.pp_microbatches
+        self.piece = max(1, lay.micro_batch // plan.pp_microbatches)  # a piece's sequences
+        self.stages = n = plan.pp_degree * plan.pp_stages_per_rank
+        self.blocks = stage_blocks(m.n_layers, n, pipe.layers_per_stage)  # by stage, every one's
+        self.mine = [s for s in range(n) if stage_owner(s, plan, pipe.schedule) == rank]
+        self.first, self.last = 0 in self.mine, n - 1 in self.mine
+        self.stage_of = [s for s in self.mine for _ in self.blocks[s]]  # (its blocks' stages)
+        self.model = dataclasses.replace(m, n_layers=len(self.stage_of))  # a model of its blocks
+        self.counts = ParamCounts.of(self.model, lay.tp, self.first, self.last)  # (on this rank)
+        # every_k picks blocks by their one-process index, as applied: the rank's blocks' flags
+        recomputed = checkpointed_flags(m, ac)
+        self.flags = [recomputed[i] for s in self.mine for i in self.blocks[s]]
+        # a V schedule under FSDP2: torch runs its backwards, split or whole, without gradient
+        # sync and reduces a stage after its last weight half, so no block phase holds a
+        # reduce-scatter input, before the rank's first weight gradient or after
+        self.split_fsdp = pipe.schedule in V_SCHEDULES and lay.backend == "fsdp"
+        # a later backward adds its new gradients into the whole ones in place: fp32 under FSDP2
+        # (the parameters' dtype is the reduce dtype) without split backwards (a weight half
+        # makes its gradients whole first)
+        self.in_place = (
+            lay.backend == "fsdp" and lay.precision == "fp32" and pipe.schedule not in V_SCHEDULES
+        )
 
 
-def _rank_of(cfg: Config, plan: RunPlan, lay: Layout, rank: int) -> _Rank:
-    m, ac, pipe = cfg.model, cfg.activation_checkpointing, cfg.parallel.pipeline
-    stages = plan.pp_degree * plan.pp_stages_per_rank
-    blocks = stage_blocks(m.n_layers, stages, pipe.layers_per_stage)
-    mine = [s for s in range(stages) if stage_owner(s, plan, pipe.schedule) == rank]
-    model = dataclasses.replace(m, n_layers=sum(len(blocks[s]) for s in mine))
-    # every_k picks blocks by their one-process index, as applied: the rank's blocks' flags
-    recomputed = checkpointed_flags(m, ac)
-    flags = [recomputed[i] for s in mine for i in blocks[s]]
-    counts = ParamCounts.of(model, lay.tp, 0 in mine, stages - 1 in mine)
-    piece = max(1, lay.micro_batch // plan.pp_microbatches)
-    return _Rank(
-        m, ac, lay, pipe.schedule, blocks, mine, plan.pp_microbatches, piece, model, counts, flags
-    )
-
-
-def _moments_of(r: _Rank, plan: RunPlan, rank: int) -> _Moments:
+def _moments_of(r: _Rank) -> _Moments:
     """Rank `r`'s `stage_moments` with what places a base-step phase among them."""
     m, lay, mine, stages, num = r.m, r.lay, r.mine, r.stages, r.lay.numerics()
     sent = block_input_bytes(m, r.piece, num)  # a piece's residual stream between two stages
-    own = [(s, r.blocks[s]) for s in mine]
-    per_piece, held, split, run = _pieces(m, r.ac, own, stages, r.piece, num)
+    per_piece, held, split, run = _pieces(r, num)
     buffers = r.pieces * sent * _received(mine, stages)
-    actions = rank_actions(r.schedule, plan.pp_degree, plan.pp_stages_per_rank, r.pieces, rank)
-    sends = sends_held(plan, r.schedule, rank, sent)
-    grads16 = _weight_half_grads(m, lay, own, stages, r.schedule)
-    gather = _gathered_of(m, lay, dict(own), stages, r.schedule)
+    plan = r.plan
+    actions = rank_actions(r.schedule, plan.pp_degree, plan.pp_stages_per_rank, r.pieces, r.rank)
+    sends = sends_held(plan, r.schedule, r.rank, sent)
+    grads16, gather = _weight_half_grads(r), _gathered_of(r)
     kept, left = _v_kept(sends, mine, stages, sent, r.schedule)
     by = StageBytes(held, split, run, kept, _whole_grads(r), grads16, left)
     moments = stage_moments(actions, by, 0, stages - 1, gather)
@@ -373,9 +342,8 @@ def _whole_grads(r: _Rank) -> dict[int, float]:
     (FSDP2 reduces them after the last piece's), fp32 beside its shards; none but FSDP2's."""
     if r.lay.backend != "fsdp":
         return dict.fromkeys(r.mine, 0.0)
-    n = r.stages
     return {
-        s: 4.0 * ParamCounts.of(_of(r.m, r.blocks[s]), r.lay.tp, s == 0, s == n - 1).total
+        s: 4.0 * ParamCounts.of(_of(r.m, r.blocks[s]), r.lay.tp, s == 0, s == r.stages - 1).total
         for s in r.mine
     }
 
@@ -399,49 +367,39 @@ def _made_above(at: _Moments, r: _Rank) -> None:
     m, lay = r.m, r.lay
     head = 4.0 * (m.vocab_size // lay.tp * m.d_model + m.d_model) * r.last
     # (and the running block's down-projection's, where it is not counted as made apart)
-    this_block = 4.0 * m.d_model * (mlp_hidden_size(m) // lay.tp) * _in_place(lay, r.schedule)
+    this_block = 4.0 * m.d_model * (mlp_hidden_size(m) // lay.tp) * r.in_place
     stage_of = r.stage_of
     for i, s in enumerate(stage_of):
         above = len(stage_of) - 1 - i - sum(t > s for t in stage_of)
         made = 4.0 * r.counts.block * above + head * (s == r.stages - 1) + this_block
         at.made_above[f"block {i} backward"] = made
     at.made_above["head backward"] = at.made_above["loss backward"] = 0.0
-    # (a V schedule's block phases have it taken out already: `_without_reduce_scatter`)
-    at.reduce_input = 4.0 * r.counts.block * (not _split_under_fsdp(r))
+    # (a V schedule's block phases have it taken out already: `_less_new_grads`)
+    at.reduce_input = 4.0 * r.counts.block * (not r.split_fsdp)
 
 
-def _split_under_fsdp(r: _Rank) -> bool:
-    """A V schedule under FSDP2: torch runs its backwards, split or whole, without gradient
-    sync and reduces a stage after its last weight half, so no block phase holds a
-    reduce-scatter input, before the rank's first weight gradient or after."""
-    return r.schedule in V_SCHEDULES and r.lay.backend == "fsdp"
-
-
-def _later_step(r: _Rank, piece_lay: Layout, at: _Moments) -> Estimate:
-    """The rank's step after its first weight gradient: torch's stages run every backward but
-    the last without FSDP2's reduction, so each piece is a micro-step accumulating whole
-    gradients; the sharded ones are made after the last."""
-    lay = r.lay
-    later = dataclasses.replace(
-        piece_lay,
-        grad_accum=lay.grad_accum * r.pieces,
-        fsdp_reduce_every=lay.fsdp_reduce_every and lay.backend != "fsdp",
-        reshard_after_forward=False,
-    )
-    sharded = 4.0 * r.counts.total / lay.shards if lay.backend == "fsdp" else 0.0
-    est = estimate_layout(r.model, r.ac, later, r.flags)
-    est = _with_head_backward(est, r.m, r.piece, lay)
-    if _split_under_fsdp(r):
-        est = _without_reduce_scatter(est, r.model, later)
-    elif _in_place(lay, r.schedule):
-        est = _added_in_place(est, r.model, later)
-    return _at_moments(est, at, True, sharded)
+def _step(r: _Rank, lay: Layout, at: _Moments, later: bool, not_yet: float) -> Estimate:
+    """The base step of one piece of rank `r`'s blocks under `lay`, at its moments (`_at_moments`;
+    `later`: after the first weight gradient), less the new gradients it counts apart where
+    none are (`_less_new_grads`)."""
+    est = _with_head_backward(estimate_layout(r.model, r.ac, lay, r.flags), r.m, r.piece, r.lay)
+    if r.split_fsdp or later and r.in_place:
+        est = _less_new_grads(est, r.model, lay, r.split_fsdp)
+    return _at_moments(est, at, later, not_yet)
 
 
 # torch 2.13's `_PipelineScheduleRuntime` unshards and reshards whole stages
 # (`_add_unshard_reshard`, at most `max_active_stages` 3 at once); the V schedules run through it
 # too, but with their 2 stages a rank the limit never binds
 RUNTIME_UNSHARDS, ACTIVE_STAGES = ("interleaved_1f1b", "looped_bfs"), 3
+
+
+def runtime_unsharded(coming: list[tuple[str, int]]) -> list[int]:
+    """The stages torch's runtime (`RUNTIME_UNSHARDS`) keeps unsharded before an action
+    (`coming`: it and those after, `rank_actions`'): the next `ACTIVE_STAGES` to run (with up
+    to 3 stages a rank, a change only at the step's start, before any stage has run)."""
+    return list(dict.fromkeys(s for _, s in coming))[:ACTIVE_STAGES]
+
 
 # torch 2.13's schedules whose sends stay alive until the step ends (a send's work keeps its
 # tensor while the schedule keeps the work, waited or not): _PipelineScheduleRuntime, which
@@ -454,9 +412,7 @@ RUNTIME_UNSHARDS, ACTIVE_STAGES = ("interleaved_1f1b", "looped_bfs"), 3
 SENDS_KEPT_TO_THE_END = ("interleaved_1f1b", "looped_bfs", "gpipe", *V_SCHEDULES)
 
 
-def sends_held(
-    plan: RunPlan, schedule: str, rank: int, sent: float
-) -> tuple[dict[int, float], dict[int, float]]:
+def sends_held(plan: RunPlan, schedule: str, rank: int, sent: float) -> Sends:
     """By stage of pipeline rank `rank`: the bytes of a piece's forward send (its output, to
     another rank's next stage) and of its backward send (its input's gradient, to another
     rank's previous stage) that torch's schedule keeps alive until the step ends; none where
@@ -471,12 +427,8 @@ def sends_held(
 
 
 def _v_kept(
-    sends: tuple[dict[int, float], dict[int, float]],
-    mine: list[int],
-    n: int,
-    sent: float,
-    schedule: str,
-) -> tuple[tuple[dict[int, float], dict[int, float]], dict[int, float]]:
+    sends: Sends, mine: list[int], n: int, sent: float, schedule: str
+) -> tuple[Sends, dict[int, float]]:
     """(`sends` as the rank keeps them, what an input half leaves), by stage of `mine` (of
     `n`). A V schedule's input half leaves its input's gradient (torch's
     `stage_backward_input`), kept from the piece's weight half on until the step ends; its last
@@ -493,23 +445,18 @@ def _with_head_backward(est: Estimate, m: ModelConfig, piece: int, lay: Layout) 
     """`est` with the head's backward, on the rank holding the last stage: torch's stage keeps
     its output, the logits, through the piece's whole backward (one process frees them after
     the loss's backward), so the head's matmul backward runs beside them, their gradient, its
-    weight's new gradient and its input's gradient (in 16 bits the loss's fp32 work is
-    usually more). Measured on 2 gloo ranks, fp32: 4.25 MiB of temporaries there. Under
-    tensor parallelism the loss's forward gathers the whole vocabulary's logits: three
-    buffers of them at once as the gather reorders them (traced at 405B's last rank: 3 x 1.96
-    GiB at its peak), the whole logits the loss keeps (counted with the saved activations)
-    and the gather's output and its reordered copy (counted here, 2x); and beside them, or
-    beside the loss's fp32 work where that is more (tiny.yaml), the stage's output, this
-    rank's part of the vocabulary."""
+    weight's new gradient and its input's gradient (measured on 2 gloo ranks, fp32: 4.25 MiB of
+    temporaries). Under tensor parallelism the loss's forward gathers the whole vocabulary's
+    logits, three buffers at once (traced at 405B's last rank: 3 x 1.96 GiB): the logits the
+    loss keeps (with the saved activations), the gather's output and its reordered copy (here)."""
     if "loss backward" not in est.parts:
         return est
     num, n = lay.numerics(), piece * m.seq_len
     head = lay.working_bytes * (m.vocab_size // lay.tp) * m.d_model
     made = num.compute * n * m.vocab_size + head + num.compute * n * m.d_model
     est.parts["head backward"] = {**est.parts["loss backward"], "temporaries": float(made)}
-    if lay.tp > 1:  # the loss's forward gathers the whole vocabulary's logits: as the gather
-        # reorders them, its output and a copy beside them (its fp32 work comes later); the
-        # stage's output, its part of them, kept through the piece's backward
+    if lay.tp > 1:  # the gather's output and copy, or the loss's fp32 work where more
+        # (tiny.yaml), beside the stage's output (this rank's part), kept through its backward
         loss = est.parts["loss forward"]
         gather = max(loss["temporaries"], 2.0 * num.compute * n * m.vocab_size)
         loss["temporaries"] = gather + num.compute * n * (m.vocab_size // lay.tp)
@@ -517,35 +464,28 @@ def _with_head_backward(est: Estimate, m: ModelConfig, piece: int, lay: Layout) 
     return est
 
 
-def _pieces(
-    m: ModelConfig,
-    ac: ActivationCheckpointingConfig,
-    stages: list[tuple[int, range]],
-    n: int,
-    piece: int,
-    num: Numerics,
-) -> tuple[dict[int, float], ...]:
-    """By stage (`stages`: (stage, its blocks) of `n`): a piece's saved activations, what it
-    holds in flight, what its input half leaves to its weight half and what that weight half
-    holds at its peak beyond the piece's saved activations (`weight_run_bytes`; none on the
-    first stage, which has no input half: its whole backward is the weight half).
-    Checkpointing goes by the blocks' one-process index (every_k: 0, k, ...), as applied."""
-    kept = kept_per_block(m, ac, piece, num)
-    recomputed = checkpointed_flags(m, ac)
+def _pieces(r: _Rank, num: Numerics) -> tuple[dict[int, float], ...]:
+    """By stage of rank `r`: a piece's saved activations, what it holds in flight, what its
+    input half leaves to its weight half and what that weight half holds at its peak beyond
+    the piece's saved activations (`weight_run_bytes`; none on the first stage, which has no
+    input half: its whole backward is the weight half). Checkpointing goes by the blocks'
+    one-process index (every_k: 0, k, ...), as applied."""
+    m, piece, n = r.m, r.piece, r.stages
+    kept = kept_per_block(m, r.ac, piece, num)
+    recomputed = checkpointed_flags(m, r.ac)
     sent = block_input_bytes(m, piece, num)
+    # the last stage's split: the gradient at the head's and the final norm's outputs too
+    head = num.compute * piece * m.seq_len * (m.vocab_size // num.tp + m.d_model)
     per_piece, held, split, run = {}, {}, {}, {}
-    for s, blocks in stages:
+    for s in r.mine:
+        blocks = r.blocks[s]
         per_piece[s] = float(sum(kept[i] for i in blocks))
         if s == n - 1:
             per_piece[s] += head_activation_bytes(m, piece, num) - resident_input_bytes(m, piece)
         # held in flight: a stage keeps its output for the backward, its input is a buffer
         held[s] = per_piece[s] + sent * ((s < n - 1) - (s > 0))
-        split[s] = weight_half_bytes(dataclasses.replace(m, n_layers=len(blocks)), piece, num)
-        run[s] = weight_run_bytes(m, [recomputed[i] for i in blocks], piece, num)
-        # the last stage's: the gradient at the head's and the final norm's outputs too
-        head = num.compute * piece * m.seq_len * (m.vocab_size // num.tp + m.d_model)
-        split[s] = (split[s] + head * (s == n - 1)) * (s > 0)
-        run[s] *= s > 0
+        split[s] = (weight_half_bytes(_of(m, blocks), piece, num) + head * (s == n - 1)) * (s > 0)
+        run[s] = weight_run_bytes(m, [recomputed[i] for i in blocks], piece, num) * (s > 0)
     return per_piece, held, split, run
 
 
@@ -562,14 +502,11 @@ def weight_half_bytes(m: ModelConfig, piece: int, num: Numerics) -> float:
 def weight_run_bytes(m: ModelConfig, checkpointed: list[bool], piece: int, num: Numerics) -> float:
     """A stage's weight half at its peak beyond the piece's kept activations, its input half's
     `split` still held counted (`checkpointed`: each of the stage's blocks, in order). torch
-    2.13's `stage_backward_weight` makes one autograd call a weight group, a block's 7 in
-    order: attention_norm, wqkv, wo, ffn_norm, w1, w3, w2; block by block from the first.
-    The trainer's stage runs them as one `GraphExecGroup` (`WeightGroupedStage`): a
-    checkpointed block is recomputed once, at its first call, and what no weight's op reads
-    (attention's and the SwiGLU's saved tensors) stays until the weight half ends; a block
-    not checkpointed frees what its weights' ops read. The peak is at a checkpointed block's
-    first call: its recomputation, the first norm's fp32 scratch (3 residual streams, 5 with
-    16-bit ones: measured on real CPU tensors) and the `split` of it and the blocks after."""
+    2.13's `stage_backward_weight` makes one autograd call a weight group, a block's 7 in order
+    (attention_norm, wqkv, wo, ffn_norm, w1, w3, w2); the trainer's `WeightGroupedStage` runs
+    them as one `GraphExecGroup`: a checkpointed block is recomputed once, at its first call,
+    and what no weight's op reads stays until the weight half ends; a block not checkpointed
+    frees what its weights' ops read. The peak is at a checkpointed block's first call."""
     if not any(checkpointed):
         return 0.0
     g, a, n = widths(m, num.tp), num.compute, piece * m.seq_len
@@ -594,78 +531,56 @@ def weight_run_bytes(m: ModelConfig, checkpointed: list[bool], piece: int, num: 
     return float(worst)
 
 
-def _weight_half_grads(
-    m: ModelConfig, lay: Layout, stages: list[tuple[int, range]], n: int, schedule: str
-) -> dict[int, float]:
-    """By stage (`stages`: (stage, its blocks) of `n`): the 16-bit gradients a V schedule's
-    weight half leaves beside FSDP2's fp32 accumulation until the stage's next input half.
-    FSDP2's post-backward, hooked on each block's input, runs in the input half and folds the
-    block's .grad into its fp32 accumulation; the weight half then makes new ones (the blocks'
-    only: tiny ZBV's rank 0, which holds the head, keeps no 16-bit head gradient in its fake
-    trace), until the stage's next input half or its reduction after its last backward.
-    Stage 0's weight half is its whole backward: its blocks' are folded in it, the embedding's
-    kept until the stage's reduction. fp32 runs add into the accumulation: none."""
-    out = {s: 0.0 for s, _ in stages}
-    if schedule not in V_SCHEDULES or lay.backend != "fsdp" or lay.precision == "fp32":
+def _weight_half_grads(r: _Rank) -> dict[int, float]:
+    """By stage of rank `r`: the 16-bit gradients a V schedule's weight half leaves beside
+    FSDP2's fp32 accumulation until the stage's next input half (FSDP2's post-backward, hooked
+    on each block's input, folds them in there) or its reduction after its last backward; the
+    blocks' only (tiny ZBV's rank 0 traces no 16-bit head gradient). Stage 0's weight half is
+    its whole backward: the embedding's kept. fp32 adds into the accumulation: none."""
+    m, lay = r.m, r.lay
+    out = dict.fromkeys(r.mine, 0.0)
+    if not r.split_fsdp or lay.precision == "fp32":
         return out
     one = ParamCounts.of(m, lay.tp, False, False).block
-    for s, b in stages:
-        out[s] = float(lay.working_bytes * len(b) * one) * (s > 0)
+    for s in r.mine:
+        out[s] = float(lay.working_bytes * len(r.blocks[s]) * one) * (s > 0)
     if 0 in out:
         out[0] = float(lay.working_bytes * m.vocab_size // lay.tp * m.d_model)
     return out
 
 
-def _without_reduce_scatter(est: Estimate, m: ModelConfig, lay: Layout) -> Estimate:
-    """`est` (a V schedule's micro-step, FSDP2) with no reduce-scatter in its backwards (the
-    schedule runs them without gradient sync; it reduces after the last piece's): no fp32
-    reduce-scatter input of the block above, and the running block's (and head's) new 16-bit
-    gradient counted with the stage's (`_weight_half_grads`)."""
-    one = ParamCounts.of(m, lay.tp, False, False).block
-    this_block = lay.working_bytes * m.d_model * (mlp_hidden_size(m) // lay.tp)
-    head = lay.working_bytes * (m.vocab_size // lay.tp * m.d_model + m.d_model) * lay.holds_head
-    if lay.precision == "fp32":  # (no 16-bit gradients counted apart: the new ones stay here)
-        this_block = head = 0.0
+def _less_new_grads(est: Estimate, m: ModelConfig, lay: Layout, split: bool) -> Estimate:
+    """`est` without the new gradients its block backwards count beside the whole ones (the
+    running block's down-projection's, the head's). `split` (a V schedule under FSDP2, which
+    reduces after the last piece's backward): the 16-bit ones, counted with the stage's
+    (`_weight_half_grads`; fp32 keeps none apart), and no fp32 reduce-scatter input of the block
+    above. Else (`in_place`): autograd adds each into its parameter's `.grad` in place and frees
+    it at once; a stage's first backward keeps them as made, counted with the made ones
+    (`made_above`)."""
+    width = lay.working_bytes * (lay.precision != "fp32") if split else 4.0
+    reduce_input = 4.0 * ParamCounts.of(m, lay.tp, False, False).block * split
+    this_block = width * m.d_model * (mlp_hidden_size(m) // lay.tp)
+    head = width * (m.vocab_size // lay.tp * m.d_model + m.d_model) * lay.holds_head
     for name, parts in est.parts.items():
         if name.startswith("block "):
             above = int(name.split()[1]) < m.n_layers - 1
-            parts["grads"] -= this_block + head + 4.0 * one * above
+            parts["grads"] -= this_block + head + reduce_input * above
     return est
 
 
-def _gathered_of(
-    m: ModelConfig, lay: Layout, blocks: dict[int, range], n: int, schedule: str
-) -> Gathered | None:
-    """`Gathered` for a rank's stages (`blocks`: by stage, of `n`) under FSDP2 and a schedule
-    without split backwards; None else (the estimate's base step counts them)."""
-    if lay.backend != "fsdp" or schedule in V_SCHEDULES:
+def _gathered_of(r: _Rank) -> Gathered | None:
+    """`Gathered` for rank `r`'s stages under FSDP2 and a schedule without split backwards;
+    None else (the estimate's base step counts them)."""
+    lay = r.lay
+    if lay.backend != "fsdp" or r.schedule in V_SCHEDULES:
         return None
     sizes = {}
-    for s, b in blocks.items():
-        counts = ParamCounts.of(_of(m, b), lay.tp, s == 0, s == n - 1)
+    for s in r.mine:
+        b = r.blocks[s]
+        counts = ParamCounts.of(_of(r.m, b), lay.tp, s == 0, s == r.stages - 1)
         one = fsdp_gathered_params(counts, dataclasses.replace(lay, reshard_after_forward=True), 0)
         sizes[s] = (lay.working_bytes * counts.root, one - lay.working_bytes * counts.root, len(b))
-    return Gathered(sizes, lay.reshard_after_forward, schedule in RUNTIME_UNSHARDS)
-
-
-def _in_place(lay: Layout, schedule: str) -> bool:
-    """Whether a later backward adds its new gradients into the whole ones in place: fp32
-    under FSDP2 (the parameters' dtype is the reduce dtype), a schedule without split
-    backwards (a weight half makes its gradients whole first)."""
-    return lay.backend == "fsdp" and lay.precision == "fp32" and schedule not in V_SCHEDULES
-
-
-def _added_in_place(est: Estimate, m: ModelConfig, lay: Layout) -> Estimate:
-    """`est` (a later piece's step, `_in_place`) without the new gradients its block backwards
-    count beside the whole ones (the running block's down-projection's, the head's): autograd
-    adds each into its parameter's `.grad` in place and frees it at once. A stage's first
-    backward keeps them as made, counted with the made ones (`made_above`)."""
-    this_block = 4.0 * m.d_model * (mlp_hidden_size(m) // lay.tp)
-    head = 4.0 * (m.vocab_size // lay.tp * m.d_model + m.d_model) * lay.holds_head
-    for name, parts in est.parts.items():
-        if name.startswith("block "):
-            parts["grads"] -= this_block + head
-    return est
+    return Gathered(sizes, lay.reshard_after_forward, r.schedule in RUNTIME_UNSHARDS)
 
 
 def _of(m: ModelConfig, blocks: range) -> ModelConfig:
@@ -827,11 +742,8 @@ class Gathered:
     (torch 2.13 runs every backward with reshard after backward off, and reduces and
     reshards a stage after its last one): a stage's blocks gathered in a backward stay until
     its next forward, which reshards all but its last (reshard_after_forward; its root too:
-    the trainer sets it, so FSDP2 does not keep the root). `sizes` by stage: (its root's
-    gathered bytes, a block's, its blocks). `runtime`: torch's `_PipelineScheduleRuntime`
-    (interleaved 1F1B, looped BFS) unshards the next `ACTIVE_STAGES` stages a rank runs
-    whole ahead of them and reshards whole a stage it drops (`_add_unshard_reshard`): with
-    up to 3 stages a rank only at the step's start, before any stage has run."""
+    the trainer sets it). `sizes` by stage: (its root's gathered bytes, a block's, its blocks).
+    `runtime`: torch's runtime unshards stages whole (`runtime_unsharded`)."""
 
     sizes: dict[int, tuple[float, float, int]]
     reshard_after_forward: bool
