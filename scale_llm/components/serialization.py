@@ -1,10 +1,8 @@
 """Reading and writing the pickled files a run leaves behind, without ever running their code.
 
 A pickle can call any importable callable while it loads, so every pickled file goes through an
-allow-list: our `.pt` files and DCP's byte items `torch.load(weights_only=True)`; DCP's .metadata
-a restricted unpickler (DCP's metadata dataclasses and enums, torch.Size, dtypes, layouts,
-paths); DeepSpeed's files `weights_only=True` plus the three DeepSpeed classes they hold.
-Anything else is refused with `UnsafeCheckpoint` before it is called.
+allow-list: `torch.load(weights_only=True)` (DeepSpeed's files: plus three DeepSpeed classes), DCP's
+.metadata a restricted unpickler. Anything else is an `UnsafeCheckpoint` before it is called.
 """
 
 from __future__ import annotations
@@ -171,22 +169,19 @@ def _safe_reader_and_planner(checkpoint_id: Path, metadata: Any) -> tuple[Any, A
     class Planner(DefaultLoadPlanner):
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
             fqn = read_item.dest_index.fqn
-            obj = _load_bytes(value, f"{checkpoint_id} (item {fqn})")
+            try:
+                obj = torch.load(value, map_location="cpu", weights_only=True)
+            except pickle.UnpicklingError as e:
+                what = f"{checkpoint_id} (item {fqn})"
+                if (name := _refused_global(e)) is not None:
+                    raise refused(what, f"`{name}`") from None
+                raise damaged(what, str(e).splitlines()[0]) from None
             if self.flatten_state_dict:
                 set_element(self.original_state_dict, self.mappings[fqn], obj)
             else:
                 self.state_dict[fqn] = obj
 
     return Reader(checkpoint_id), Planner()
-
-
-def _load_bytes(value: io.BytesIO, what: str) -> Any:
-    try:
-        return torch.load(value, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        if (name := _refused_global(e)) is not None:
-            raise refused(what, f"`{name}`") from None
-        raise damaged(what, str(e).splitlines()[0]) from None
 
 
 @contextlib.contextmanager
@@ -260,13 +255,21 @@ def kept_stager(device: torch.device) -> Any:
     )
 
 
-def _writer(checkpoint_id: Path, on_written: Callable[[], None] | None = None) -> Any:
-    """DCP's file writer through the hashing file system; `on_written` runs after the data."""
-    from torch.distributed.checkpoint import FileSystemWriter
+def dcp_save(
+    state: dict[str, Any],
+    checkpoint_id: Path,
+    no_dist: bool,
+    background: BackgroundSave | None = None,
+) -> Future | None:
+    """torch.distributed.checkpoint's save through the hashing file system. With `background`,
+    `async_save`: the state is in host memory when this returns the write's Future."""
+    import torch.distributed.checkpoint as dcp
 
     from scale_llm.components.digests import HashingFileSystem
 
-    class Writer(FileSystemWriter):
+    on_written = background and background.on_written
+
+    class Writer(dcp.FileSystemWriter):
         def write_data(self, plan: Any, planner: Any) -> Any:
             done = super().write_data(plan, planner)  # (written when it returns)
             if on_written is not None:
@@ -275,20 +278,6 @@ def _writer(checkpoint_id: Path, on_written: Callable[[], None] | None = None) -
 
     writer = Writer(checkpoint_id)
     writer.fs = HashingFileSystem()
-    return writer
-
-
-def dcp_save(
-    state: dict[str, Any],
-    checkpoint_id: Path,
-    no_dist: bool,
-    background: BackgroundSave | None = None,
-) -> Future | None:
-    """torch.distributed.checkpoint's save through `_writer`. With `background`, `async_save`:
-    the state is copied to host memory before this returns, and the Future of the write is."""
-    import torch.distributed.checkpoint as dcp
-
-    writer = _writer(checkpoint_id, background and background.on_written)
     if background is None:
         with _quiet_single_process():
             dcp.save(state, storage_writer=writer, checkpoint_id=checkpoint_id, no_dist=no_dist)
