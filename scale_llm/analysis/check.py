@@ -1,9 +1,8 @@
 """`scale-llm check OUT_DIR` (`launch/gpu-check.sh`): what anyone with a GPU runs first.
 
-A preflight, then the sections of SECTIONS, the most telling numbers first (docs/performance.md,
-"The GPU check"); without a GPU the same at tiny size on the CPU. Each item is tried alone and
-the report rewritten after each, so a stopped check keeps what it measured. OUT_DIR is new,
-empty or an earlier check's; the runs go to a marked `runs-XXXX` folder in `scratch`.
+A preflight, then SECTIONS, the most telling numbers first (docs/performance.md, "The GPU check");
+without a GPU the same at tiny size on the CPU. Each item is tried alone and the report rewritten
+after each, so a stopped check keeps what it measured.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from scale_llm.analysis.memory import estimate
 from scale_llm.components.distributed import shutdown_distributed
 from scale_llm.config import Config, load_config, save_config, with_changes
 from scale_llm.config.parallel import ONE_PROCESS
-from scale_llm.config.plan import Launch, resolve_plan, target_plan
+from scale_llm.config.plan import Launch, resolve_plan
 from scale_llm.data.prepare import prepare
 from scale_llm.errors import UserError
 from scale_llm.files import (
@@ -131,8 +130,7 @@ def run_check(
         if "curves" in wanted:
             report.attempt("prepare", "tiny.yaml's data", lambda: prepared(tiny))
             curves(report, tiny, cuda)
-        big = load_config(YAML / "400m.yaml") if cuda else tiny
-        big = one_process(big)
+        big = one_process(load_config(YAML / "400m.yaml") if cuda else tiny)
         rows = (GPU_SWEEP if cuda else CPU_SWEEP) if "sweep" in wanted else []
         for mb, mode, compiled in rows[:2]:  # the headline layout, compiled and eager
             sweep(report, big, mb, mode, compiled)
@@ -143,8 +141,7 @@ def run_check(
         if "param_dtype" in wanted:
             report.attempt("param_dtype", "fsdp, world size 1", lambda: fsdp_row(ref))
         if "scaling" in wanted:
-            label = "ddp, 2 processes vs 1"
-            report.attempt("scaling", label, lambda: scaling_row(ref, runs, cuda))
+            report.attempt("scaling", "ddp, 2 processes vs 1", lambda: scaling_row(ref, runs, cuda))
         for mb, mode, compiled in rows[2:]:  # the other layouts, while the budget lasts
             sweep(report, big, mb, mode, compiled)
         report.data["finished"] = True
@@ -164,7 +161,8 @@ def preflight(cuda: bool, scratch: Path, out: Path) -> list[dict[str, Any]]:
 
     device = torch.device("cuda" if cuda else "cpu")
     problem = toolchain_problem(device)
-    available, need = host_available_bytes(), offload_host_bytes()
+    offload = load_config(YAML / "7b-1xh200.yaml")  # need: its optimizer offload on the host
+    available, need = host_available_bytes(), sum(estimate(offload, 1).cpu.values())
     rows = [
         _row(
             "toolchain",
@@ -239,12 +237,6 @@ def _shm_row(cuda: bool, path: str = "/dev/shm") -> dict[str, Any]:
     )
 
 
-def offload_host_bytes() -> float:
-    """Host bytes per rank yaml/7b-1xh200.yaml's optimizer offload needs, by the estimate."""
-    cfg = load_config(YAML / "7b-1xh200.yaml")
-    return sum(estimate(cfg, target_plan(cfg, 1)).cpu.values())
-
-
 REPORT_FILES = ("report.json", "report.md", "check.log")
 REPORT_BYTES = 64 << 20  # a report is a few KB
 OUT_KIND, RUNS_KIND = "check report", "check runs"
@@ -312,8 +304,7 @@ def new_runs_dir(scratch: Path) -> Path:
 def one_process(cfg: Config) -> Config:
     """`cfg` run by one process, the sweep's and the reference's layout, whatever the config is
     laid out for: no tensor or pipeline parallelism, one micro-batch a step."""
-    one_micro_batch = {"train.grad_accum": 1, "train.global_batch_size": None}
-    return with_changes(cfg, {**ONE_PROCESS, **one_micro_batch})
+    return with_changes(cfg, ONE_PROCESS | {"train.grad_accum": 1, "train.global_batch_size": None})
 
 
 def tiny_config(scratch: Path, runs: Path, steps: int, overrides: list[str]) -> Config:
