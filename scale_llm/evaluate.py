@@ -62,8 +62,7 @@ def eval_run(
     check_outputs(run_dir, bool(tasks), cfg.logging.tensorboard)  # before any work
     if (ckpt := Checkpointer(run_dir, 1).latest_good()) is None:
         raise UserError(f"{run_dir} has no complete checkpoint to evaluate; train it first")
-    step = read_trainer_state(ckpt)["step"]
-    digest = checkpoint_digest(ckpt)
+    step, digest = read_trainer_state(ckpt)["step"], checkpoint_digest(ckpt)
     path = run_dir / "eval" / f"{ckpt.name}.json"
     earlier, stale = earlier_record(path, digest)
     written = None  # when the results kept were written (UTC)
@@ -260,7 +259,7 @@ def task_manager(
     return manager
 
 
-def build_task(manager: Any, task: str, tasks_key: str = "--tasks") -> None:
+def build_task(manager: Any, task: str, tasks_key: str) -> None:
     """Build `task` as lm-eval will: missing data refused before the export, not a traceback."""
     try:
         if hasattr(manager, "load"):  # lm-eval >= 0.4.10
@@ -275,7 +274,7 @@ def build_task(manager: Any, task: str, tasks_key: str = "--tasks") -> None:
         raise UserError(task_data_problem(task, e, tasks_key)) from None
 
 
-def task_data_problem(task: str, error: BaseException, tasks_key: str = "--tasks") -> str:
+def task_data_problem(task: str, error: BaseException, tasks_key: str) -> str:
     """What a task whose data cannot be read needs, by the kind of failure."""
     kind = type(error).__name__
     said = " ".join(str(error).split())[:300] or kind
@@ -397,8 +396,7 @@ def held_out_perplexity(
     batch_size: int,
 ) -> dict[str, Any]:
     """Mean next-token loss and its exp over the first `limit` (or all) validation windows of
-    `data_dir`, as training's val_loss. A mixture's: each source's and their mean weighted as
-    training's val_loss is (every source folder checked before the model is loaded)."""
+    `data_dir`, as val_loss; a mixture's per source, weighted as training's val_loss is."""
     head = {"data_dir": str(data_dir), "split": "val"}
     if not (data_dir / MIXTURE).exists() or (data_dir / MANIFEST).exists():
         windows, n = held_out_windows(run_dir, cfg, data_dir, limit)
