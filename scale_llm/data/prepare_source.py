@@ -1,8 +1,6 @@
 """Prepare one source (`data.source`, or a mixture's): corpus -> tokenizer -> shards + manifest.
-
 Documents stream in a fixed order into train / val shards (split by a stable hash of their id);
-manifest.json is written last, progress.json lets an interrupted prepare continue.
-"""
+manifest.json is written last, progress.json lets an interrupted prepare continue."""
 
 from __future__ import annotations
 
@@ -110,16 +108,13 @@ def data_dir_lock(out: Path) -> Iterator[None]:
 def _up_to_date(out: Path, fingerprint: str, force: bool) -> dict[str, Any] | None:
     current = _read_json(out / MANIFEST, dict)
     fresh = not force and current and current.get("fingerprint") == fingerprint
-    if not (fresh and _marked(out) and _sound(out, current)):  # (unmarked: refused, locked)
+    if not (fresh and _marked(out)):  # (unmarked: refused, locked)
+        return None
+    if shard_problems(out, current) or tokenizer_problem(out, current):
         return None
     tokens = current["splits"]["train"]["tokens"]
     log.info(f"data: {out} is up to date ({tokens:,} train tokens); nothing to do")
     return current
-
-
-def _sound(out: Path, m: dict[str, Any] | None) -> bool:
-    """Every shard and the tokenizer of the manifest are there as it records them."""
-    return bool(m) and not (shard_problems(out, m) or tokenizer_problem(out, m))
 
 
 def model_tokenizer(cfg: Config) -> bytes | None:
@@ -208,8 +203,7 @@ def check_outputs(out: Path) -> None:
 
 
 def _owned_names(out: Path) -> set[str]:
-    """The names in data.dir provably prepare's (where it has the mark): manifest.json and the
-    outputs a manifest of prepare's lists."""
+    """Names in data.dir provably prepare's (it has the mark): manifest.json, what manifests list"""
     if not _marked(out):
         return set()
     names = manifest_files(_read_json(out / MANIFEST, dict))
@@ -308,8 +302,7 @@ def _remove_build(build: Path) -> None:
 
 
 def _read_json(path: Path, kind: type = object) -> Any:
-    """A JSON record of prepare's, or None: none there, not a `kind`, or damaged (it accounts
-    for nothing)."""
+    """A JSON record of prepare's, or None: none there, not a `kind`, or damaged (counts none)."""
     if path.is_file():
         with contextlib.suppress(UserError):
             return read_json(path, "a record of prepare's", "", kind=kind)
@@ -368,8 +361,7 @@ def _tokenizer_file(cfg: Config) -> str:
 
 def _fresh(cfg: Config, source, out: Path, fingerprint: str, bundle: bytes | None):
     """(progress, writers, stream) from document 0, with the tokenizer trained or given."""
-    earlier = [*out.glob("train_*.bin*"), *out.glob("val_*.bin*"), out / PROGRESS]
-    for stale in [*earlier, out / SP_FILE, out / BUNDLE_FILE]:  # (a tokenizer of either kind)
+    for stale in [*_shaped_like_ours(out), out / PROGRESS]:  # (a tokenizer of either kind too)
         stale.unlink(missing_ok=True)
     docs = read_documents(cfg, source)
     if bundle is None:
@@ -455,12 +447,8 @@ def _sample(pool: list[Document], cfg: Config) -> Iterator[str]:
     """Train documents of the pool in a fixed pseudo-random order, until the budget is taken."""
     d = cfg.data
     train = [doc for doc in pool if not is_val_document(doc.doc_id, d.val_fraction)]
-    order = sorted(
-        train,
-        key=lambda doc: hashlib.blake2b(
-            doc.doc_id.encode(), digest_size=8, person=b"tok-sample"
-        ).digest(),
-    )[: d.tokenizer_sample_documents]  # (None: all)
+    hashed = lambda doc: hashlib.blake2b(doc.doc_id.encode(), digest_size=8, person=b"tok-sample")
+    order = sorted(train, key=lambda doc: hashed(doc).digest())[: d.tokenizer_sample_documents]
     taken = 0
     for doc in order:
         if taken >= d.tokenizer_sample_bytes:
