@@ -1,8 +1,6 @@
 """Corpus sources: where documents come from, in a fixed order, with a cheap fingerprint.
-
 `data.source`: `builtin` (the standard library's .py files), `hf:NAME` (hf_source.py), or local
-files: .txt/.md/.py (a document per file), .jsonl (per line), .parquet (per row).
-"""
+files: .txt/.md/.py (a document per file), .jsonl (per line), .parquet (per row)."""
 
 from __future__ import annotations
 
@@ -86,10 +84,9 @@ class Source:
         return sum(f.stat().st_size for f in self.files)
 
     def documents(self) -> Iterator[Document]:
+        root = self.root and self.root.absolute()
         for f in self.files:
-            name = (
-                f.absolute().relative_to(self.root.absolute()).as_posix() if self.root else str(f)
-            )
+            name = f.absolute().relative_to(root).as_posix() if root else str(f)
             kind = file_kind(f)
             if kind == "jsonl":
                 yield from self._jsonl_documents(f, name)
