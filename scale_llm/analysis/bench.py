@@ -1,10 +1,7 @@
-"""`scale-llm bench`: training throughput of a config on synthetic tokens (no data needed).
-
-The trainer's optimizer step (same backend, precision, accumulation and checkpointing) on random
-tokens: tokens/s, ms per step, MFU and peak memory. `--reference` times it against a bare loop
-(of the same model, or of a GPT-2-style one), compiled against eager, or N processes against
-one; `--sweep` tabulates layouts against the memory estimate; `--checkpoint-io` times saves.
-"""
+"""`scale-llm bench`: the trainer's optimizer step on synthetic tokens (no data needed): tokens/s,
+ms per step, MFU and peak memory. `--reference` times it against a bare loop (of the same model,
+or of a GPT-2-style one), compiled against eager, or N processes against one; `--sweep` tabulates
+layouts against the memory estimate; `--checkpoint-io` times saves."""
 
 from __future__ import annotations
 
@@ -249,7 +246,6 @@ def bench_reference(
     # steadier figure on a shared machine; best-of-rounds is the classic one
     per_flop = flops_reference / flops_framework
     paired = [f / r * per_flop for f, r in zip(times["framework"], times["reference"])]
-    best_ratio = best["framework"] / best["reference"] * per_flop
     low, high = median_interval(paired)
     return {
         "reference": kind,
@@ -264,7 +260,7 @@ def bench_reference(
         **{f"model_tflops_{name}": flops[name] * tokens / best[name] / 1e12 for name in fns},
         # bare: time overhead of the framework; gpt2: how much less FLOP/s it gets (< 0: more);
         # eager: compiled step time over eager's (< 0: compiled is faster)
-        "overhead_percent": (best_ratio - 1) * 100,
+        "overhead_percent": (best["framework"] / best["reference"] * per_flop - 1) * 100,
         "overhead_percent_median_of_rounds": (statistics.median(paired) - 1) * 100,
         "overhead_percent_median_low95": (low - 1) * 100,
         "overhead_percent_median_high95": (high - 1) * 100,
@@ -273,16 +269,12 @@ def bench_reference(
     }
 
 
-def median_interval(
-    values: list[float], resamples: int = 2000, seed: int = 0
-) -> tuple[float, float]:
+def median_interval(values: list[float]) -> tuple[float, float]:
     """A bootstrap 95% interval of the median of `values` (percentile method, a fixed seed): it
     says whether a few-% difference on a shared machine is there at all."""
-    rng = random.Random(seed)
-    medians = sorted(
-        statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples)
-    )
-    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+    rng, n = random.Random(0), 2000  # resamples
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(n))
+    return medians[int(0.025 * n)], medians[int(0.975 * n) - 1]
 
 
 def interleaved_times(
