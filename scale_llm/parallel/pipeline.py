@@ -48,9 +48,6 @@ SCHEDULES = {
 }
 
 
-# ----------------------------------------------------------------------------- the split
-
-
 def stage_blocks(n_layers: int, stages: int, layers_per_stage: int | None) -> list[range]:
     """The blocks of each stage: `layers_per_stage` each, or balanced: every stage one block,
     then each further block to the stage that costs least so far, the embedding and the
@@ -210,9 +207,6 @@ def pipeline_stages(
     ]
 
 
-# ----------------------------------------------------------------------------- the backend
-
-
 class PipelineBackend(FSDPBackend):
     """FSDP2 (and tensor parallelism) within each pipeline stage, the schedule across them."""
 
@@ -270,10 +264,9 @@ class PipelineBackend(FSDPBackend):
         """One micro-batch through the schedule (its pieces' forwards and backwards); returns
         its loss / accum on every rank (summed over the stages: the last one has it)."""
         self.accum, losses, device = accum, [], inputs.device
-        # fp16: the scaler's factor, made on every stage (each unscales its own gradients)
-        self.scale = (
-            None if self.scaler is None else self.scaler.scale(torch.ones((), device=device))
-        )
+        self.scale = None  # fp16: the scaler's factor, made on every stage (each unscales its own)
+        if self.scaler is not None:
+            self.scale = self.scaler.scale(torch.ones((), device=device))
         self.schedule.step(inputs, target=targets, losses=losses, return_outputs=False)
         loss = torch.zeros((), device=device)
         for piece in losses:  # (the last stage's pieces; none elsewhere)
