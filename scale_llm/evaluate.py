@@ -149,12 +149,11 @@ def earlier_record(path: Path, digest: str) -> tuple[dict[str, Any] | None, bool
 
 def set_aside(path: Path) -> None:
     """Keep an eval record of other weights at this step under a new name."""
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    target = path.with_name(f"{path.stem}.other-weights-{stamp}.json")
-    n = 1
+    stamp = f"{path.stem}.other-weights-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    target, n = path.with_name(f"{stamp}.json"), 1
     while target.exists() or target.is_symlink():
         n += 1
-        target = path.with_name(f"{path.stem}.other-weights-{stamp}-{n}.json")
+        target = path.with_name(f"{stamp}-{n}.json")
     path.rename(target)
     log.warning(
         f"eval: {path} held results of other weights at this step (not these checkpoint bytes: "
@@ -403,7 +402,14 @@ def held_out_perplexity(
         model, _ = load_run(run_dir, cfg, plan, ckpt)
         return {**head, **_scores(n, *mean_loss(model, windows, n, plan, batch_size))}
     names, weights, weighting = mixture_sources(cfg, data_dir)
-    found = {name: _source_windows(run_dir, cfg, data_dir, name, limit) for name in names}
+    found = {}
+    for name in names:
+        try:
+            found[name] = held_out_windows(run_dir, cfg, data_dir / name, limit)
+        except UserError as e:
+            raise UserError(
+                f"--perplexity {data_dir} is a mixture; its source {name} ({data_dir / name}): {e}"
+            ) from None
     model, _ = load_run(run_dir, cfg, plan, ckpt)
     sources = {
         name: _scores(n, *mean_loss(model, windows, n, plan, batch_size))
@@ -460,17 +466,6 @@ def mean_loss(
         total += loss.item() * batch[:, 1:].numel()
         tokens += batch[:, 1:].numel()
     return total / tokens, tokens
-
-
-def _source_windows(
-    run_dir: Path, cfg: Config, data_dir: Path, name: str, limit: int | None
-) -> tuple[TokenWindows, int]:
-    try:
-        return held_out_windows(run_dir, cfg, data_dir / name, limit)
-    except UserError as e:
-        raise UserError(
-            f"--perplexity {data_dir} is a mixture; its source {name} ({data_dir / name}): {e}"
-        ) from None
 
 
 def mixture_sources(cfg: Config, data_dir: Path) -> tuple[list[str], dict[str, float] | None, str]:
