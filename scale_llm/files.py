@@ -278,8 +278,10 @@ def custom_code_problem(folder: Path, what: str) -> str | None:
         if found := _code_reference(value, modules):
             key, item, module = found
             said = f"{module}.py, Python in the folder" if module else "custom code"
+            shown = json.dumps(item, ensure_ascii=False)
+            shown = shown if len(shown) <= 80 else shown[:77] + "..."
             return (
-                f"{config} names {said} ({key}: {_cut(item)}); scale_llm never runs Python "
+                f"{config} names {said} ({key}: {shown}); scale_llm never runs Python "
                 f"from a model folder (transformers' trust_remote_code stays off): remove "
                 f"{key} from {config.name} if transformers' own classes read the model, or "
                 f"give a folder without custom code"
@@ -315,11 +317,6 @@ def _module_named(item: Any, modules: set[str]) -> str | None:
         return None
     ref = item.rsplit("--", 1)[-1].removesuffix(".py")
     return head if (head := ref.split(".", 1)[0]) in modules else None
-
-
-def _cut(value: Any, limit: int = 80) -> str:
-    text = json.dumps(value, ensure_ascii=False)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 OWNER_MARKER = ".scale-llm-owner.json"  # in a folder a command created and may remove again
