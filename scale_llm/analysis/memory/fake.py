@@ -2,11 +2,9 @@
 
 `estimate CONFIG --fake [--world-size N]` builds the model and backend as the trainer does under
 `FakeTensorMode` (no storage: a 7B model costs seconds) and runs `measure.measured_steps` (single,
-or FSDP2 as rank 0 of a fake process group) under `measure.LiveStorages`. Under pipeline
-parallelism it is one pipeline rank's first rank (`--pipeline-rank R`, default the worst), its
-stages' part of torch's schedule run without the others (`_alone`), each send's tensor kept
-while the schedule keeps its work (`_HeldSend`), as a real run's. The tensors are fake
-CPU tensors (a CPU torch cannot take fake CUDA ones through a backward) with a CUDA run's
+or FSDP2 as rank 0 of a fake process group). Under pipeline parallelism it is one pipeline rank's
+first rank (`--pipeline-rank R`, default the worst), its stages' schedule run alone (`_alone`).
+Fake CPU tensors (a CPU torch cannot take fake CUDA ones through a backward) with a CUDA run's
 choices; compiled blocks run eager, grad_accum is 1, DeepSpeed is not traced (docs/memory.md).
 """
 
@@ -16,6 +14,7 @@ import contextlib
 import dataclasses
 from collections.abc import Iterator
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -83,19 +82,14 @@ def trace_step(
     on_cuda = with_changes(here, {"train.device": "cuda"})
     lay = layout_of(on_cuda, target)
     worst = None
+    _check_rank(pipeline_rank, plan)
     if plan.pp_degree > 1:
         est = pipeline_estimate(on_cuda, target, lay)
         worst = est.pipeline_rank
-        rank = worst if pipeline_rank is None else _checked_rank(pipeline_rank, plan)
+        rank = worst if pipeline_rank is None else pipeline_rank
         est = est.pipeline_ranks[rank]
         plan = dataclasses.replace(plan, rank=rank * (world_size // plan.pp_degree))
-    else:
-        if pipeline_rank is not None:
-            raise UserError(
-                f"--pipeline-rank {pipeline_rank} picks a rank of a pipeline, and this layout "
-                f"has none (parallel.pipeline_parallel=1); leave --pipeline-rank out"
-            )
-        # the trace runs the CPU's kernels, which save what CUDA's do (RMSNorm: its input, rstd)
+    else:  # the trace runs the CPU's kernels, which save what CUDA's do (RMSNorm: its input, rstd)
         est = estimate_layout(on_cuda.model, on_cuda.activation_checkpointing, lay)
     measured = _traced(here, plan)
     return {
@@ -136,13 +130,17 @@ def _traced(here: Config, plan: RunPlan) -> dict[str, int]:
             return measured_steps(storages, backend, model, batches)
 
 
-def _checked_rank(rank: int, plan: RunPlan) -> int:
-    if not 0 <= rank < plan.pp_degree:
+def _check_rank(rank: int | None, plan: RunPlan) -> None:
+    if rank is not None and plan.pp_degree == 1:
+        raise UserError(
+            f"--pipeline-rank {rank} picks a rank of a pipeline, and this layout "
+            f"has none (parallel.pipeline_parallel=1); leave --pipeline-rank out"
+        )
+    if rank is not None and not 0 <= rank < plan.pp_degree:
         raise UserError(
             f"--pipeline-rank {rank} is not a rank of this pipeline "
             f"(parallel.pipeline_parallel={plan.pp_degree}); use 0 to {plan.pp_degree - 1}"
         )
-    return rank
 
 
 def _pipeline_facts(cfg: Config, plan: RunPlan, worst: int) -> dict[str, Any]:
@@ -222,9 +220,7 @@ class _HeldSend:
     time). A receive's holds nothing more: its buffer is the stage's."""
 
     def __init__(self, op: Any) -> None:
-        import torch.distributed as dist
-
-        self.tensor = op.tensor if op.op is dist.isend else None
+        self.tensor = op.tensor if op.op is torch.distributed.isend else None
 
     def wait(self, timeout: Any = None) -> bool:
         return True
@@ -233,20 +229,16 @@ class _HeldSend:
         return True
 
 
-@contextlib.contextmanager
-def _fake_pipeline_sends() -> Iterator[None]:
+def _fake_pipeline_sends() -> contextlib.AbstractContextManager:
     """torch's schedules with every send and receive done at once: each goes through
     `_batch_p2p`, whose works the schedule keeps (`_HeldSend`: a send's tensor stays alive
     where the real one would), and a receive's buffer is the fake tensor the stage made for it
     already."""
     from torch.distributed.pipelining import schedules
 
-    batch = schedules._batch_p2p
-    schedules._batch_p2p = lambda ops, desc=None: [_HeldSend(op) for op in ops]
-    try:
-        yield
-    finally:
-        schedules._batch_p2p = batch
+    return mock.patch.object(
+        schedules, "_batch_p2p", lambda ops, desc=None: [_HeldSend(op) for op in ops]
+    )
 
 
 def _alone(backend: Backend, plan: RunPlan, storages: LiveStorages) -> None:
@@ -287,8 +279,7 @@ def _stage_tensors(backend: Backend, plan: RunPlan, end: bool) -> tuple[torch.Te
         return (torch.empty(piece, seq, m.d_model, dtype=dtype, device="meta").requires_grad_(),)
 
 
-@contextlib.contextmanager
-def _real_mesh_concatenation() -> Iterator[None]:
+def _real_mesh_concatenation() -> contextlib.AbstractContextManager:
     """FSDP2 joins its data-parallel mesh to a parameter's tensor-parallel one, which indexes
     the ranks' small real tensor: done outside the fake mode, as the mesh itself was."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -299,11 +290,7 @@ def _real_mesh_concatenation() -> Iterator[None]:
         with torch._subclasses.fake_tensor.unset_fake_temporarily():
             return concatenate(meshes)
 
-    DeviceMesh._concatenate = staticmethod(outside_fake)
-    try:
-        yield
-    finally:
-        DeviceMesh._concatenate = staticmethod(concatenate)
+    return mock.patch.object(DeviceMesh, "_concatenate", staticmethod(outside_fake))
 
 
 def format_trace(r: dict[str, Any]) -> str:
@@ -314,8 +301,8 @@ def format_trace(r: dict[str, Any]) -> str:
         f"{_which_rank(r)} (what is alive at the step's peak, next to the estimate of its "
         f"peak, {r['peak_phase']})",
         *parts_table(r, "; the estimate before the allocator allowance"),
+        "not seen by the trace (add on top):",
     ]
-    lines.append("not seen by the trace (add on top):")
     for a in r["allowances"]:
         high = "?" if a["high"] is None else f"{a['high'] / GiB:.2f}"
         lines.append(f"  {a['name']:<36} {a['low'] / GiB:.2f}-{high} GiB  {a['why']}")
