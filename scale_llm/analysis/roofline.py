@@ -356,12 +356,10 @@ class _Counter(TorchDispatchMode):
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         self.bytes[cls] += sum(t.numel() * t.element_size() for t in inputs + outputs)
-        if cls in FUSED:
-            self._fuse(inputs, outputs)
-        else:
-            self.boundary(inputs, outputs)
-        if cls == "matmul":
-            self.gemms[_gemm_shape(name, args)] += 1
+        (self._fuse if cls in FUSED else self.boundary)(inputs, outputs)
+        if cls == "matmul":  # (m, n, k) of its (m, k) x (k, n); a batch of them counts as m rows
+            a, b = (args[1], args[2]) if name == "addmm" else (args[0], args[1])
+            self.gemms[math.prod(a.shape[:-1]), b.shape[-1], a.shape[-1]] += 1
         return out
 
     def _fuse(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
@@ -411,12 +409,6 @@ def _class_of(name: str) -> str:
     return "element-wise and copies"
 
 
-def _gemm_shape(name: str, args: tuple) -> tuple[int, int, int]:
-    """(m, n, k) of a matmul op's (m, k) x (k, n); a batch of them counts as m rows."""
-    a, b = (args[1], args[2]) if name == "addmm" else (args[0], args[1])
-    return math.prod(a.shape[:-1]), b.shape[-1], a.shape[-1]
-
-
 class _FlashAttention(torch.autograd.Function):
     """Stands in for a causal flash-attention kernel: records its FLOPs and bytes."""
 
@@ -463,19 +455,14 @@ def _count(cfg: Config, micro_batch: int) -> _Counter:
         loss = plain_cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
         counter.boundary([])  # backward is another graph: no kernel spans both
         loss.backward()
+    # torchtitan's per-op selective checkpointing recomputes every second matmul: of a block's
+    # wq wk wv wo w1 w3 w2, the backward recomputes wk, wo and w3
     if published_recompute(cfg) == EVERY_SECOND:
-        _recompute_every_second_matmul(cfg, counter)
+        m, g, rows = cfg.model, widths(cfg.model), micro_batch * cfg.model.seq_len
+        for n, k in ((g["dkv"], g["d"]), (g["d"], g["dq"]), (g["F"], g["d"])):  # wk, wo, w3
+            counter.gemms[(rows, n, k)] += m.n_layers
+            counter.flops["matmul"] += m.n_layers * 2 * rows * n * k
     return counter
-
-
-def _recompute_every_second_matmul(cfg: Config, counter: _Counter) -> None:
-    """torchtitan's per-op selective checkpointing recomputes every second matmul: of a block's
-    wq wk wv wo w1 w3 w2, the backward recomputes wk, wo and w3."""
-    m, g = cfg.model, widths(cfg.model)
-    tokens = counter.micro_batch * m.seq_len
-    for n, k in ((g["dkv"], g["d"]), (g["d"], g["dq"]), (g["F"], g["d"])):  # wk, wo, w3
-        counter.gemms[(tokens, n, k)] += m.n_layers
-        counter.flops["matmul"] += m.n_layers * 2 * tokens * n * k
 
 
 def count_micro_step(cfg: Config, micro_batch: int) -> tuple[dict[str, float], dict[str, float]]:
@@ -626,9 +613,8 @@ def _elementwise_bytes(
     """Element-wise, norm and loss bytes of a step: eager pays every op's traffic; compile
     removes CALIBRATION.fused's share of what the fusion rule says it could."""
     eager = sum(rows[c]["bytes"] for c in FUSED if c in rows)
-    if not compiled:
-        return {way: eager for way in WAYS}
-    return {way: eager - getattr(CALIBRATION.fused, way) * max(0.0, eager - fused) for way in WAYS}
+    removable = max(0.0, eager - fused) if compiled else 0.0
+    return {way: eager - getattr(CALIBRATION.fused, way) * removable for way in WAYS}
 
 
 def _idle(classes: dict[str, dict[str, float]]) -> dict[str, float]:
@@ -681,20 +667,15 @@ def fp8_cast_bytes(tokens: int, n: int, k: int, recipe: str, fused: float = 0.0)
     )
 
 
-def block_linears(cfg: Config) -> list[tuple[int, int]]:
-    """(out, in) features of one block's linears: wqkv, wo, w1, w3, w2."""
-    g = widths(cfg.model)
-    d, f = g["d"], g["F"]
-    return [(g["dq"] + 2 * g["dkv"], d), (d, g["dq"]), (f, d), (f, d), (d, f)]
-
-
 def fp8_cast_seconds(cfg: Config, micro_batch: int, device: str, way: str) -> float:
     """One micro-step's FP8 casts of every block linear, the whole model's (`achieved` splits
     them over tp)."""
-    tokens = micro_batch * cfg.model.seq_len
+    tokens, g = micro_batch * cfg.model.seq_len, widths(cfg.model)
     fused = getattr(CALIBRATION.fused, way) if compiles(cfg.train, "cuda") else 0.0
-    recipe = cfg.train.fp8.recipe
-    per_block = sum(fp8_cast_bytes(tokens, n, k, recipe, fused) for n, k in block_linears(cfg))
+    d, f, recipe = g["d"], g["F"], cfg.train.fp8.recipe
+    # (out, in) features of wqkv, wo, w1, w3, w2
+    linears = [(g["dq"] + 2 * g["dkv"], d), (d, g["dq"]), (f, d), (f, d), (d, f)]
+    per_block = sum(fp8_cast_bytes(tokens, n, k, recipe, fused) for n, k in linears)
     return cfg.model.n_layers * per_block / getattr(RATES[device].hbm, way)
 
 
@@ -917,34 +898,28 @@ def pipeline_bubble(
 
 
 def pipeline_p2p_bytes(
-    piece_tokens: int, d_model: int, microbatches: int, stages_per_rank: int, tp: int, c: int = 2
+    piece_tokens: int, d_model: int, microbatches: int, stages_per_rank: int, tp: int
 ) -> float:
     """Bytes one rank sends its neighbours per step: each of its v stages sends each piece's
-    (piece_tokens, d_model) activations forward and gradients back, 1/tp per tp rank."""
-    return 2 * microbatches * stages_per_rank * piece_tokens * d_model * c / tp
+    (piece_tokens, d_model) bf16 activations forward and gradients back, 1/tp per tp rank."""
+    return 2 * microbatches * stages_per_rank * piece_tokens * d_model * 2 / tp
 
 
 def recomputed_shares(
     cfg: Config, plan: RunPlan, pieces: int, stages_per_rank: int
 ) -> list[tuple[float, float]]:
-    """By pipeline rank: the share of its blocks a piece's backward recomputes once, and the
-    share it recomputes a second time, as the trainer runs them. every_k picks blocks by their
-    one-process index. torch 2.13 runs a V schedule's backward in halves (an input half "I",
-    a weight half "W") where its schedule says so (ZBV always, DualPipeV in a few pieces), and
-    each half recomputes a checkpointed block; the first stage's input half does nothing (no
-    input needs a gradient) and its weight half runs the whole backward, once."""
-    m, pipe = cfg.model, cfg.parallel.pipeline
-    n = plan.pp_degree * stages_per_rank
-    blocks = stage_blocks(m.n_layers, n, pipe.layers_per_stage)
+    """By pipeline rank: the shares of its blocks a piece's backward recomputes once and a second
+    time. torch 2.13 runs a V schedule's backward in an input half "I" and a weight half where its
+    schedule says so (ZBV always, DualPipeV in a few pieces), each recomputing a checkpointed block;
+    the first stage's "I" does nothing. every_k picks blocks by their one-process index."""
+    m, pipe, pp, v = cfg.model, cfg.parallel.pipeline, plan.pp_degree, stages_per_rank
+    blocks = stage_blocks(m.n_layers, pp * v, pipe.layers_per_stage)
     flags = checkpointed_flags(m, cfg.activation_checkpointing)
+    split = pipe.schedule in V_SCHEDULES  # no other schedule splits a backward
     shares = []
-    for rank in range(plan.pp_degree):
-        mine = [s for s in range(n) if stage_owner(s, plan, pipe.schedule) == rank]
-        halves = Counter()
-        if pipe.schedule in V_SCHEDULES:
-            halves = Counter(
-                rank_actions(pipe.schedule, plan.pp_degree, stages_per_rank, pieces, rank)
-            )
+    for rank in range(pp):
+        mine = [s for s in range(pp * v) if stage_owner(s, plan, pipe.schedule) == rank]
+        halves = Counter(rank_actions(pipe.schedule, pp, v, pieces, rank) if split else ())
         held = sum(len(blocks[s]) for s in mine)
         once = sum(flags[i] for s in mine for i in blocks[s])
         twice = sum(halves["I", s] / pieces * sum(flags[i] for i in blocks[s]) for s in mine if s)
@@ -954,11 +929,9 @@ def recomputed_shares(
 
 def gathered_params(cfg: Config, plan: RunPlan, pieces: int, stages_per_rank: int) -> list[int]:
     """By pipeline rank: the parameters (one tp rank's) FSDP2 all-gathers in one schedule run as
-    torch 2.13 runs it: every backward leaves them gathered (reshard after backward off) until
-    the stage's next forward, which reshards all but its last block where reshard_after_forward
-    (the trainer turns it off under the V schedules); the run's end reshards. 1F1B or GPipe,
-    m pieces: m + 1 gathers a stage (each backward after a forward, the first forwards), one
-    without reshard_after_forward; a re-gather leaves out the block kept gathered."""
+    torch 2.13 runs it: a backward leaves a stage gathered until its next forward, which reshards
+    all but its last block where reshard_after_forward (off under the V schedules); the run's end
+    reshards. A re-gather leaves out the block kept gathered."""
     m, pipe, n = cfg.model, cfg.parallel.pipeline, plan.pp_degree * stages_per_rank
     blocks = stage_blocks(m.n_layers, n, pipe.layers_per_stage)
     reshard = cfg.parallel.fsdp.reshard_after_forward and pipe.schedule not in V_SCHEDULES
@@ -1025,10 +998,9 @@ def _weighted(
 
 
 def stage_parts(stage: Config, piece: int, device: str, world: int, network: str) -> dict:
-    """One GPU's work of one piece in the parts a pipeline rank may hold: a block, a block's
-    recomputation, the embedding, the head (with the final norm and the loss), as differences
-    of `roofline`s of a one-block and a two-block model (a class is a sum over its ops);
-    AdamW's time and FSDP2's traffic per parameter."""
+    """One GPU's work of one piece in the parts a pipeline rank may hold (a block, its
+    recomputation, the embedding, the head with the final norm and the loss) as differences of a
+    one-block and a two-block model's `roofline`; AdamW's time and FSDP2's traffic per parameter."""
     models = {"bare": (1, "none"), "two": (2, "none")}
     if stage.activation_checkpointing.mode != "none":
         models["checkpointed"] = (1, stage.activation_checkpointing.mode)
@@ -1063,10 +1035,9 @@ def stage_parts(stage: Config, piece: int, device: str, world: int, network: str
 def _whole_loss(
     head: dict[str, dict[str, float]], m: ModelConfig, piece: int, tp: int, c: int, network: str
 ) -> dict[str, dict[str, float]]:
-    """A pipeline's head under TP: the trainer gathers a piece's logits whole on every tp rank
-    and computes the loss whole (`PipelineBackend._piece_loss`): the loss's work (the head's
-    but its matmul: the final norm is d_model / vocab of it) tp times a rank's share, and the
-    gather's (tp - 1) / tp of the logits on the TP link (its backward a slice: no collective)."""
+    """A pipeline's head under TP, whose loss the trainer computes whole on every tp rank from the
+    gathered logits (`PipelineBackend._piece_loss`): the head's work but its matmul tp times a
+    rank's share, and the gather's (tp - 1) / tp of the logits on the TP link (backward: none)."""
     out = {cls: ms if cls == "matmul" else _divided(ms, 1 / tp) for cls, ms in head.items()}
     logits = c * piece * m.seq_len * m.vocab_size * (tp - 1) / tp
     ms = 1e3 * logits / link_of(tp, 1, network)[0]
@@ -1075,21 +1046,13 @@ def _whole_loss(
 
 
 def rank_work(
-    parts: dict,
-    m: ModelConfig,
-    tp: int,
-    count: int,
-    held: tuple[int, bool, bool],
-    shares: tuple[float, float],
-    gathered: int,
-    runs: int,
+    parts: dict, m: ModelConfig, tp: int, count: int, rank: tuple, runs: int
 ) -> tuple[dict[str, dict[str, float]], float]:
     """One pipeline rank's step of `count` pieces in `runs` schedule runs without the bubble and
-    the sends: its blocks, the embedding and the head where it holds them (`held`, as
-    `rank_holdings`), its recomputation (`shares`, as `recomputed_shares`); and its FSDP2
-    traffic's least time: each run's gathers (`gathered` parameters, as `gathered_params`) and
-    one reduce-scatter of its gradients (torch reduces at every schedule run's end)."""
-    (blocks, first, last), (once, twice) = held, shares
+    the sends, `rank` its (`rank_holdings`, `recomputed_shares`, `gathered_params`) entries; its
+    FSDP2 traffic's least time: each run's gathers and one reduce-scatter of its gradients
+    (torch reduces at every schedule run's end)."""
+    (blocks, first, last), (once, twice), gathered = rank
     classes = _weighted(
         [
             (count * blocks, parts["block"]),
@@ -1115,18 +1078,14 @@ def pipeline_step(
     world: int,
     device: str = "H100-SXM",
     microbatches: int | None = None,
-    stages_per_rank: int | None = None,
     network: str = "ib-ndr",
 ) -> dict[str, Any]:
-    """One GPU's step under pipeline parallelism x FSDP2 x TP at the slowest pipeline rank:
-    each rank's blocks, embedding and head as the trainer splits them, priced one piece at a
-    time with its own recomputation (`rank_work`), the schedule's bubble once per accumulation
-    step, and the sends between stages on their link. `microbatches` and `stages_per_rank`
-    replace the plan's (a published run's, which this framework's checks may refuse:
-    torchtitan ran interleaved 1F1B with fewer microbatches)."""
+    """One GPU's step under pipeline parallelism x FSDP2 x TP at the slowest pipeline rank
+    (`rank_work`, one piece at a time), the schedule's bubble once per accumulation step, and the
+    sends between stages on their link. `microbatches` replaces the plan's (a published run's,
+    which this framework's checks may refuse: torchtitan ran interleaved 1F1B with fewer)."""
     plan, m = target_plan(cfg, world), cfg.model
-    pp = plan.pp_degree
-    v = stages_per_rank or plan.pp_stages_per_rank
+    pp, v = plan.pp_degree, plan.pp_stages_per_rank
     pieces = microbatches or plan.pp_microbatches
     stage = {"parallel.pipeline_parallel": 1, "parallel.world_size": None}
     # a stage priced for one gather and one reduce-scatter: rank_work counts them by rank
@@ -1135,16 +1094,11 @@ def pipeline_step(
     piece = plan.micro_batch_size // pieces
     parts = stage_parts(with_changes(cfg, stage), piece, device, world // pp, network)
     count = pieces * plan.grad_accum  # pieces a step
-    ranks = list(
-        zip(
-            rank_holdings(cfg, plan, v),
-            recomputed_shares(cfg, plan, pieces, v),
-            gathered_params(cfg, plan, pieces, v),
-        )
-    )
+    held, gathered = rank_holdings(cfg, plan, v), gathered_params(cfg, plan, pieces, v)
+    ranks = list(zip(held, recomputed_shares(cfg, plan, pieces, v), gathered))
     # one price per distinct rank: the step waits for the slowest
     runs = plan.grad_accum  # schedule runs a step
-    priced = {r: rank_work(parts, m, plan.tp_degree, count, *r, runs) for r in set(ranks)}
+    priced = {r: rank_work(parts, m, plan.tp_degree, count, r, runs) for r in set(ranks)}
     work_of = {r: sum(t["point"] for t in c.values()) for r, (c, _) in priced.items()}
     slowest = max(ranks, key=work_of.get)
     classes, fsdp = priced[slowest]
@@ -1183,23 +1137,19 @@ def pipeline_step(
 
 def format_pipeline(p: dict[str, Any]) -> list[str]:
     """The pipeline's lines: one GPU's step at the slowest rank, the bubble and the sends."""
-    pipe, rank = p["pipeline"], p["slowest_rank"]
+    pipe, rank, ms = p["pipeline"], p["slowest_rank"], p["ms"]
     held = " and ".join(part for part in ("embedding", "head") if rank[part])
-    lines = [
+    return [
         f"under pipeline parallel {pipe['stages']} ({pipe['schedule']}, {pipe['stages_per_rank']} "
         f"stage(s) a rank, {pipe['pieces']} microbatches a step): the above is the whole model; "
         f"the slowest rank, {rank['rank']}, holds {rank['blocks']} blocks"
         f"{' with the ' + held if held else ''}; "
         f"the stages' sends: {p['p2p_bytes'] / 1e9:,.1f} GB a GPU on {p['p2p_link']}",
         *_ms_table(p["classes"]),
-    ]
-    ms = p["ms"]
-    lines.append(
         f"pipelined step: {ms['point']:.0f} ms [{ms['high']:.0f}-{ms['low']:.0f}], bubble "
         f"{p['bubble']:.1%}; MFU {_span(p['mfu'], 0.01, '.0f', '%')}; "
-        f"{_span(p['tokens_per_s_per_gpu'], 1, ',.0f')} tokens/s per GPU"
-    )
-    return lines
+        f"{_span(p['tokens_per_s_per_gpu'], 1, ',.0f')} tokens/s per GPU",
+    ]
 
 
 # Llama 3.1 405B (Meta's config.json) as torchtitan trained it on 512 H100s (benchmarks/
