@@ -209,11 +209,10 @@ def state_bytes(n: ParamCounts, lay: Layout) -> tuple[dict[str, float], dict[str
 
 def fsdp_gathered_params(n: ParamCounts, lay: Layout, at: int | str) -> float:
     """FSDP2's gathered parameters while block `at` runs its backward, during the "loss", or at
-    their "largest" (measured on 2 gloo ranks, fake traces at 8): resharded, the block computing,
-    the root from its pre-backward on and the block below, prefetched; else everything through
-    the loss, then the root and blocks 0..i. With fp8_gather a block's linears gather in fp8."""
+    their "largest" (2 gloo ranks, fake traces at 8): resharded, the block computing, the root from
+    its pre-backward on and the prefetched block below; else all to the loss, then root, 0..i."""
     c = lay.working_bytes
-    matmul = sum(n.block_tensors[:5]) if lay.fp8_gather else 0  # wqkv wo w1 w3 w2
+    matmul = sum(n.block_tensors[:5]) if lay.fp8_gather else 0  # wqkv wo w1 w3 w2 gather in fp8
     root, block = c * n.root, float(matmul + c * (n.block - matmul))
     if not lay.reshard_after_forward:
         every = root + n.layers * block
@@ -356,10 +355,10 @@ def zero_offload_host_blocks(n: ParamCounts, lay: Layout, rank: int = 0) -> dict
 PINNED_BLOCKS = ("master", "grads", "staging", "accumulators", "copy buffer")
 
 
-def zero_offload_host(n: ParamCounts, lay: Layout, rank: int = 0) -> dict[str, float]:
-    """`rank`'s host bytes of ZeRO-1/2 optimizer offload by the report's parts, with `pinned
+def zero_offload_host(n: ParamCounts, lay: Layout) -> dict[str, float]:
+    """Rank 0's host bytes of ZeRO-1/2 optimizer offload by the report's parts, with `pinned
     rounding`: what torch's pinned allocator adds to the pinned blocks (none unpinned)."""
-    blocks = zero_offload_host_blocks(n, lay, rank)
+    blocks = zero_offload_host_blocks(n, lay)
     pinned = [b for name in PINNED_BLOCKS for b in blocks[name]] if lay.ds_pin_memory else []
     rounding = sum(pinned_block_bytes(b, lay.pinned_round_limit) - b for b in pinned)
     host = {"optimizer": float(sum(blocks["master"]) + sum(blocks["moments"]))}
@@ -473,15 +472,13 @@ def estimate_layout(
     """One rank's estimate for `m`'s blocks; `flags`: which are checkpointed, where not as `ac`
     picks them by their index in `m` (a pipeline rank's blocks: `checkpointed_flags`)."""
     n = ParamCounts.of(m, lay.tp, lay.holds_embedding, lay.holds_head)
-    num = lay.numerics()
     gpu, cpu = state_bytes(n, lay)
-    parts, gpu["activations"], gpu["temporaries"] = step_phases(m, ac, lay, n, gpu, num, flags)
+    parts, gpu["activations"], gpu["temporaries"] = step_phases(m, ac, lay, n, gpu, flags)
     for k in ("activations", "temporaries"):  # (autocast's weight cache, a tied head's gradient)
         gpu[k] = max(gpu[k], *(p[k] for p in parts.values()))
     phases = phase_totals(parts, gpu)
-    traffic = {}
-    if lay.backend == "deepspeed" and lay.offload_optimizer and lay.zero_stage in (1, 2):
-        traffic = zero_offload_traffic(n, lay)
+    offload = lay.backend == "deepspeed" and lay.offload_optimizer and lay.zero_stage in (1, 2)
+    traffic = zero_offload_traffic(n, lay) if offload else {}
     total = ParamCounts.of(m).total  # the model's, not one tensor-parallel rank's
     host = startup_host_bytes(m, n, lay)
     return Estimate(total, lay, m, ac, gpu, cpu, phases, parts, traffic, host)
@@ -534,13 +531,12 @@ def step_phases(
     lay: Layout,
     n: ParamCounts,
     gpu: dict[str, float],
-    num: Numerics,
     flags: Sequence[bool] | None = None,
 ) -> tuple[dict[str, dict[str, float]], float, float]:
     """(bytes alive by category at each moment a step can peak: the loss's forward and backward,
     each block's backward, the optimizer step; the largest activations; the largest
     temporaries), given the states in `gpu`, in `LiveStorages`' categories (docs/memory.md)."""
-    B, L = lay.micro_batch, m.n_layers
+    B, L, num = lay.micro_batch, m.n_layers, lay.numerics()
     loss_params = gpu["params"]  # the parameters held through the loss
     bytes_per_grad, shard, persistent = 4.0, 1.0, gpu["grads"]
     # the gradient a block's backward has made by its peak: the MLP down-projection's, where
