@@ -321,8 +321,7 @@ class LiveStorages:
                         claimed[token] = part
         out = dict.fromkeys(PARTS, 0)
         for token, nbytes in list(self._size.items()):
-            part = claimed.get(token) or self._made.get(token, "temporaries")
-            out[part] += nbytes
+            out[claimed.get(token) or self._made.get(token, "temporaries")] += nbytes
         return out
 
     @contextlib.contextmanager
