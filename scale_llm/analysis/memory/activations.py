@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from scale_llm.components.loss import CHUNK_ELEMENTS, compiled_loss, cross_entropy
-from scale_llm.config import ActivationCheckpointingConfig, Config, ModelConfig
+from scale_llm.config import ActivationCheckpointingConfig as AC
+from scale_llm.config import Config, ModelConfig
 from scale_llm.config.plan import RunPlan
 from scale_llm.config.sections import measures_compiled, mlp_hidden_size
 from scale_llm.model import build_model
@@ -54,8 +55,7 @@ def numerics_for(
 ) -> Numerics:
     sharded = backend in ("fsdp", "deepspeed")  # (16-bit modules; else fp32 params + autocast)
     kind = (4, 4, False) if precision == "fp32" else (2, 2, False) if sharded else (2, 4, True)
-    sp = sp and tp > 1
-    return Numerics(*kind, fused_norm, tp, sequence_parallel=sp, fp8=fp8, whole_logits=whole_logits)
+    return Numerics(*kind, fused_norm, tp, sp and tp > 1, fp8, whole_logits)
 
 
 def norm_saved_bytes(tokens: int, d: int, num: Numerics) -> int:
@@ -131,19 +131,14 @@ def head_activation_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
     autocast's copy of the output weight, and the (B, T, V) logits the loss keeps (its backward
     rebuilds the softmax from them; under tensor parallelism `parallel_cross_entropy` keeps the
     fp32 log-softmax of V/tp); under sequence parallelism the final norm's part of the sequence."""
-    g = widths(m, num.tp)
-    N = batch * m.seq_len
+    g, N = widths(m, num.tp), batch * m.seq_len
     final_norm = norm_saved_bytes(num.stream_tokens(N), g["d"], num) + num.compute * N * g["d"]
     head_copy = 2 * g["V"] * g["d"] if num.autocast else 0
-    logits = num.compute * N * m.vocab_size
-    if num.vocab_sharded:
-        logits = 4 * N * (m.vocab_size // num.tp)
+    logits = 4 * N * g["V"] if num.vocab_sharded else num.compute * N * m.vocab_size
     return resident_input_bytes(m, batch) + final_norm + head_copy + logits
 
 
-def checkpointed_flags(
-    m: ModelConfig, ac: ActivationCheckpointingConfig, flags: Sequence[bool] | None = None
-) -> list[bool]:
+def checkpointed_flags(m: ModelConfig, ac: AC, flags: Sequence[bool] | None = None) -> list[bool]:
     """Whether each of `m`'s blocks is checkpointed: `flags` where given (a pipeline rank's
     blocks, which every_k picks by their one-process index), else as `ac` picks them."""
     if flags is not None:
@@ -152,29 +147,17 @@ def checkpointed_flags(
     return [i in chosen for i in range(m.n_layers)]
 
 
-def checkpointed_count(
-    m: ModelConfig, ac: ActivationCheckpointingConfig, flags: Sequence[bool] | None = None
-) -> int:
+def checkpointed_count(m: ModelConfig, ac: AC, flags: Sequence[bool] | None = None) -> int:
     return sum(checkpointed_flags(m, ac, flags))
 
 
-def saved_activation_bytes(
-    m: ModelConfig,
-    ac: ActivationCheckpointingConfig,
-    batch: int,
-    num: Numerics,
-    flags: Sequence[bool] | None = None,
-) -> int:
+def saved_activation_bytes(m: ModelConfig, ac: AC, batch: int, num: Numerics) -> int:
     """Everything the forward pass (with loss) saves for backward, as `measure_saved_bytes`."""
-    return sum(kept_per_block(m, ac, batch, num, flags)) + head_activation_bytes(m, batch, num)
+    return sum(kept_per_block(m, ac, batch, num)) + head_activation_bytes(m, batch, num)
 
 
 def kept_per_block(
-    m: ModelConfig,
-    ac: ActivationCheckpointingConfig,
-    batch: int,
-    num: Numerics,
-    flags: Sequence[bool] | None = None,
+    m: ModelConfig, ac: AC, batch: int, num: Numerics, flags: Sequence[bool] | None = None
 ) -> list[int]:
     """What each block keeps from the forward until its backward (its input when
     checkpointed, the selective subset, or everything); `flags`: `checkpointed_flags`'."""
@@ -211,8 +194,7 @@ def block_backward_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
     """Gradients in flight at a block's backward peak (the MLP product's backward): the three
     hidden-width ones and the residual stream's flowing in (measured on 2 gloo ranks); with
     sequence parallelism that one both as this rank's part and all-gathered."""
-    N = batch * m.seq_len
-    width = mlp_hidden_size(m) // num.tp
+    N, width = batch * m.seq_len, mlp_hidden_size(m) // num.tp
     stream = N + (num.stream_tokens(N) if num.sequence_parallel else 0)
     return 3 * num.compute * N * width + num.residual * stream * m.d_model
 
