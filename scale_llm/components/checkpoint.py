@@ -1,11 +1,9 @@
 """Checkpoint directories: layout, atomic publication, keep_last pruning, what to resume from.
 
-checkpoints/step_00000100/ is written as .tmp-step_00000100, flushed, then renamed, so a killed
-save leaves the previous checkpoint the newest complete one (with checkpoint.async_mode the rename
-follows the background write, from the Checkpointer's thread). Nothing read is believed unchecked:
-`damage` holds every file against the integrity record, a symlink is not the run's own, and
-`read_trainer_state` checks trainer.pt's format and fields. Loading never unpickles arbitrary
-objects (serialization.py's allow-lists).
+checkpoints/step_N/ is written as .tmp-step_N, flushed, then renamed (under checkpoint.async_mode
+after the background write), so a killed save leaves the previous checkpoint the newest complete
+one. Nothing read is believed unchecked: `damage` holds every file against the integrity record, a
+symlink is not the run's own, `read_trainer_state` checks trainer.pt's format and fields.
 """
 
 from __future__ import annotations
@@ -392,42 +390,26 @@ def damage(ckpt_dir: Path, checksums: bool = True) -> str | None:
     """What is wrong with a checkpoint's files (one line naming the file), or None: each file
     no symlink, listed in integrity.json with its size and checksum (skipped without
     `checksums`: `scale-llm runs`); a missing record is damage where trainer.pt says RECORDED."""
+    if links := sorted(p for p in ckpt_dir.rglob("*") if p.is_symlink()):
+        link = f"{links[0]} is a symlink (to {os.readlink(links[0])})"
+        return f"{link}; a checkpoint holds only the files its run wrote"
     try:
-        _check_files(ckpt_dir, checksums)
+        if (files := read_record(ckpt_dir)) is None:
+            return None
     except _Damage as e:
         return str(e)
-    return None
-
-
-def _check_files(ckpt_dir: Path, checksums: bool) -> None:
-    links = sorted(
-        Path(top, name)
-        for top, dirs, files in os.walk(ckpt_dir)
-        for name in dirs + files
-        if os.path.islink(os.path.join(top, name))
-    )
-    if links:
-        raise _Damage(
-            f"{links[0]} is a symlink (to {os.readlink(links[0])}); a checkpoint holds only the "
-            f"files its run wrote"
-        )
-    if (files := read_record(ckpt_dir)) is None:
-        return
-    on_disk = (p for p in ckpt_dir.rglob("*") if p.is_file() and p != ckpt_dir / INTEGRITY)
+    record = ckpt_dir / INTEGRITY
+    on_disk = (p for p in ckpt_dir.rglob("*") if p.is_file() and p != record)
     if extra := sorted(n for p in on_disk if (n := str(p.relative_to(ckpt_dir))) not in files):
-        raise _Damage(
-            f"{ckpt_dir / extra[0]} is not in {ckpt_dir / INTEGRITY} (added or renamed after the "
-            f"save)"
-        )
+        return f"{ckpt_dir / extra[0]} is not in {record} (added or renamed after the save)"
     for name, want in files.items():
         if not (f := ckpt_dir / name).is_file():
-            raise _Damage(f"{f} is missing")
+            return f"{f} is missing"
         if (size := f.stat().st_size) != want["size"]:
-            raise _Damage(
-                f"{f} has {size} bytes, {want['size']} were written (truncated or replaced)"
-            )
+            return f"{f} has {size} bytes, {want['size']} were written (truncated or replaced)"
         if checksums and digests.file_digest(f, mapped=False) != want["xxh3_64"]:
-            raise _Damage(f"{f} does not match its checksum (its bytes changed after the save)")
+            return f"{f} does not match its checksum (its bytes changed after the save)"
+    return None
 
 
 def read_record(ckpt_dir: Path) -> Record | None:
@@ -661,10 +643,9 @@ def load_model_weights(
 
 
 def load_state_into(state: dict[str, Any], ckpt_dir: Path) -> None:
-    """Fill `state` ({"model": ..., "optimizer": ...} as torch's `get_state_dict` gives them:
-    keyed by parameter name, each tensor whole or this rank's DTensor shard) from any
-    checkpoint: DCP reads it; DeepSpeed's partitions are read one parameter at a time (its fp32
-    values, Adam's moments and step), so no rank holds the model's optimizer state whole."""
+    """Fill `state` ({"model", "optimizer"} as torch's `get_state_dict` gives them, each tensor
+    whole or this rank's DTensor shard) from any checkpoint; DeepSpeed's partitions are read one
+    parameter at a time (fp32 values, Adam's moments, step), so no rank holds them whole."""
     if (ckpt_dir / DCP_DIR).is_dir():
         dcp_load(state, ckpt_dir / DCP_DIR, no_dist=not is_distributed())
         return
@@ -696,10 +677,9 @@ def _fill(dst: torch.Tensor, full: torch.Tensor) -> None:
 
 
 class CheckpointWeights(Mapping[str, torch.Tensor]):
-    """Any checkpoint's fp32 model weights by name, each read when asked, so that a caller taking
-    them one at a time (a sharded start, a streamed export) holds one full parameter at a time:
-    `source` reads DCP's bytes of that tensor alone, or puts DeepSpeed's together from the ranks'
-    partitions (`ZeroWeights`). `template`: the model's tensors (names and shapes; meta will do)."""
+    """Any checkpoint's fp32 model weights by name, each read when asked (DCP's bytes of it alone,
+    or DeepSpeed's put together from the ranks' partitions), so a caller taking them one at a time
+    holds one full parameter at a time. `template`: the model's tensors (meta will do)."""
 
     def __init__(self, ckpt_dir: Path, template: dict[str, torch.Tensor]):
         self.shapes = {n: t.shape for n, t in template.items()}
@@ -745,15 +725,14 @@ class _DcpTensors:
     def __init__(self, dcp_dir: Path, shapes: dict[str, torch.Size]):
         self.dir, self.shapes, self.metadata = dcp_dir, shapes, dcp_metadata(dcp_dir)
 
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self.read(name)
-
     def read(self, name: str, key: str | None = None, shape: Any = None) -> torch.Tensor:
         """Parameter `name` (`key` None), or its optimizer state `key`."""
         tensor = torch.empty(self.shapes[name] if shape is None else shape)
         state = {name: tensor} if key is None else {"state": {name: {key: tensor}}}
         dcp_load({"optimizer" if key else "model": state}, self.dir, True, self.metadata)
         return tensor
+
+    __getitem__ = read
 
     def optimizer_step(self) -> int:
         step = self.read(next(iter(self.shapes)), "step", ()).item()
