@@ -1,7 +1,6 @@
 """`scale-llm` / `python -m scale_llm`: one command per job (`scale-llm COMMAND --help`).
 
-Each `_<command>_parser` sits above the `cmd_<command>` that runs it. A UserError prints one
-message and exits 2; anything else keeps its traceback: it is a bug to fix.
+A UserError prints one message and exits 2; anything else keeps its traceback: it is a bug to fix.
 """
 
 from __future__ import annotations
@@ -142,18 +141,13 @@ def cmd_config(args: argparse.Namespace) -> int:
     from scale_llm.config import dump_yaml
 
     cfg = config_from_args(args)
-    if args.preflight:
-        return preflight_verdict(cfg)
-    print(dump_yaml(cfg), end="")
-    return 0
-
-
-def preflight_verdict(cfg: Config) -> int:
-    """`config --preflight`: what `train` would find before any work, on this machine as one
-    process; one line when it would start, the report (exit 2) when it would not."""
+    if not args.preflight:
+        print(dump_yaml(cfg), end="")
+        return 0
     from scale_llm.config.plan import Launch, resolve_plan
     from scale_llm.train.preflight import preflight
 
+    # what `train` would find before any work, as one process; the report (exit 2) if not
     spec = preflight(cfg, resolve_plan(cfg, Launch()))
     if spec.resume is None:
         start = "a fresh run" + (f" from {spec.init_from}" if spec.init_from else "")
@@ -329,13 +323,9 @@ def _estimate_parser(sub) -> None:
     fake += "used) for rank 0 of --world-size GPUs (under a pipeline: the first rank of "
     fake += "--pipeline-rank's stage), by category, next to the estimate"
     _flag(p, "--fake", fake)
-    p.add_argument(
-        "--pipeline-rank",
-        type=int,
-        metavar="R",
-        help="--fake under pipeline parallelism: trace pipeline rank R (default: the rank the "
-        "estimate names worst)",
-    )
+    rank = "--fake under pipeline parallelism: trace pipeline rank R (default: the rank the "
+    rank += "estimate names worst)"
+    p.add_argument("--pipeline-rank", type=int, metavar="R", help=rank)
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
