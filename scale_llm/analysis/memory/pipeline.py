@@ -609,13 +609,11 @@ class _Moments:
 
 
 def _at_moments(est: Estimate, at: _Moments, later: bool, not_yet: float) -> Estimate:
-    """`est` (the base step of one piece of every stage) moment by moment: each phase at the
-    worst moment its stage runs it (after the rank's first weight gradient or before, as
-    `later`), with that moment's pieces in flight and whole gradients; a phase that never
-    runs then dropped. `not_yet` gradient bytes less before the optimizer step, the receive
-    buffers before it and `at.at_step` bytes at it; and, where a split backward's weight half
-    holds more than its stage's block backward, a phase of its own with the states of that
-    stage's block backward holding the most."""
+    """`est` (the base step of one piece of every stage) with each phase at the worst moment its
+    stage runs it (`later`: after the rank's first weight gradient; a phase never run then
+    dropped), that moment's pieces in flight, whole gradients and receive buffers; `not_yet`
+    gradient bytes less before the optimizer step, `at.at_step` bytes at it; and a weight
+    half's phase where it holds more than its stage's block backward (`_weight_half`)."""
     kept: dict[str, dict[str, float]] = {}
     states: dict[int, _Worst] = {}  # by stage: its block backward holding the most
     for name, parts in est.parts.items():
