@@ -30,7 +30,7 @@ from scale_llm.analysis.memory.estimate import (
     zero_offload_traffic,
 )
 from scale_llm.analysis.memory.gpu import estimate
-from scale_llm.analysis.memory.pipeline import ACTIVE_STAGES, RUNTIME_UNSHARDS, rank_actions
+from scale_llm.analysis.memory.pipeline import RUNTIME_UNSHARDS, rank_actions, runtime_unsharded
 from scale_llm.components.loss import plain_cross_entropy
 from scale_llm.config import Config, ModelConfig, compiles, load_config, with_changes
 from scale_llm.config.parallel import V_SCHEDULES
@@ -950,11 +950,11 @@ def gathered_params(cfg: Config, plan: RunPlan, pieces: int, stages_per_rank: in
 def _gathers(actions, reshard: bool, runtime: bool) -> tuple[Counter, Counter]:
     """By stage, its whole gathers and those that leave out the block a forward kept gathered
     (reshard_after_forward). torch's runtime (`runtime`: interleaved 1F1B, looped BFS) keeps the
-    next `ACTIVE_STAGES` stages to run gathered and reshards a stage it drops whole
-    (`_add_unshard_reshard`): past that many stages a rank, a stage is gathered again whole."""
+    stages `runtime_unsharded` names gathered and reshards a stage it drops whole
+    (`_add_unshard_reshard`): past 3 stages a rank, a stage is gathered again whole."""
     whole, less_one, gathered, kept = Counter(), Counter(), set(), set()
     for i, (kind, s) in enumerate(actions):
-        near = list(dict.fromkeys(u for _, u in actions[i:]))[:ACTIVE_STAGES] if runtime else [s]
+        near = runtime_unsharded(actions[i:]) if runtime else [s]
         for u in (gathered | kept) - set(near) if runtime else ():
             gathered.discard(u), kept.discard(u)  # (dropped: resharded whole)
         for u in near:
