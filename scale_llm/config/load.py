@@ -206,8 +206,8 @@ WHOLE_LIST = "[{name: ..., source: ..., weight: ...}, ...]"
 
 
 def _apply_override(raw: dict[str, Any], item: str, errors: list[str]) -> None:
-    """Set one dotted key (`a.b=value`, the value a YAML scalar) in the raw tree. A step that
-    cannot be taken (`data.sources[0].weight=3` reaches into a list's entry) is one error."""
+    """Set one dotted key (`a.b=value`, the value a YAML scalar; `data.sources[0].weight=3`
+    reaches into a list's entry) in the raw tree. A step that cannot be taken is one error."""
     key, sep, text = item.partition("=")
     if not sep or not (key := key.strip()):
         raise UserError(

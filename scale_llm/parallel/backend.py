@@ -175,9 +175,9 @@ class Backend:
         )
 
     def load(self, ckpt_dir: Path, layout: dict[str, Any]) -> None:
-        """Model and optimizer from DCP's files (`layout`: the checkpoint's). Each param group
-        keeps this rank's names: DCP keeps rank 0's, and a rank holding other parameters (a
-        pipeline stage) would lose their hyperparameters."""
+        """Model and optimizer from DCP's files, or DeepSpeed's partitions one parameter at a
+        time (`layout`: the checkpoint's). Each param group keeps this rank's names: DCP keeps
+        rank 0's, and a rank holding other parameters (a pipeline stage) would lose theirs."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         mine = [group["params"] for group in optim_sd["param_groups"]]
         state = {"model": model_sd, "optimizer": optim_sd}
