@@ -804,12 +804,9 @@ def main(argv: list[str] | None = None) -> int:
             shutdown_distributed(clean=code == 0)
             joined = joined_multi_process()
     if joined:
-        # gloo worlds have aborted in interpreter shutdown after all work (SIGABRT, "terminate
-        # called without an active exception"): group destroyed, output flushed, skip teardown
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        from scale_llm.components.distributed import exit_without_teardown
+
+        exit_without_teardown(code)
     return code
 
 

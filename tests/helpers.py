@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from scale_llm.components.distributed import exit_without_teardown, shutdown_distributed
 from scale_llm.config import Config, load_config
 from scale_llm.config.plan import Launch, RunPlan, resolve_plan
 
@@ -176,15 +177,10 @@ def run(cmd: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedPr
 
 
 def leave_world() -> None:
-    """End a tests/*_world.py rank as the CLI ends a multi-process run: leave the process group
-    and exit without interpreter teardown, in which gloo has been seen to abort a rank
-    ("terminate called without an active exception", SIGABRT) after its work was done."""
-    from scale_llm.components.distributed import shutdown_distributed
-
+    """End a tests/*_world.py rank as the CLI ends a multi-process run: leave the process group,
+    then exit without the interpreter's teardown (`exit_without_teardown` says why)."""
     shutdown_distributed()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_teardown(0)
 
 
 def torchrun(nproc: int, *args: str) -> list[str]:

@@ -12,6 +12,7 @@ import datetime
 import logging
 import os
 import socket
+import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -214,6 +215,16 @@ def shutdown_distributed(clean: bool = True) -> None:
         if clean:
             dist.barrier()
         dist.destroy_process_group()
+
+
+def exit_without_teardown(code: int) -> None:
+    """End a process that was in a process group: gloo worlds have aborted in interpreter
+    shutdown after all their work (SIGABRT, "terminate called without an active exception"),
+    so logs and output are flushed and the interpreter's teardown skipped."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def is_distributed() -> bool:
