@@ -165,7 +165,14 @@ def common(data_dir: Path, run_root: Path, name: str) -> list[str]:
 
 
 def env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    # PYTHONFAULTHANDLER: a rank that dies of a signal (a native crash) prints every thread's stack
+    return {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+        "DS_ACCELERATOR": "cpu",
+        "PYTHONFAULTHANDLER": "1",
+    }
 
 
 def run(cmd: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
