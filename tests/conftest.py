@@ -44,10 +44,11 @@ _prebuild: subprocess.Popen | None = None
 # ----------------------------------------------------------------------------- test tiers
 # `bash launch/test.sh --fast` runs what is not marked slow: the in-process tests and one
 # multi-process parity case. Marked here, in one place: every test that reads torchrun runs (the
-# `runs` fixture) but FAST_WORLD, and by `pytest --durations` on 2 cores.
+# `runs` fixture) but FAST_WORLD; by `pytest --durations` on 2 cores; and the tests of processes
+# around training (launchers' signals, prepare's workers, import hygiene).
 SLOW_MODULES = {"test_distributed.py", "test_reliability.py", "test_offload_census.py"}
 FAST_WORLD = "test_distributed.py::test_backend_matches_single_process[ddp]"
-SLOW_TESTS = {  # over ~5 s each on 2 cores (pytest --durations), by module::function
+SLOW_TESTS = {  # by module::function (every parameter): over ~5 s each on 2 cores, then the rest
     "test_eval_tasks.py::test_an_unknown_task_stops_every_rank_with_the_message",
     "test_memory_fake.py::test_fsdp2_x_tensor_parallel_at_4_fake_ranks_peaks_where_the_estimate_says",
     "test_tensor_parallel.py::test_tensor_parallel_alone_follows_one_process",
@@ -103,6 +104,15 @@ SLOW_TESTS = {  # over ~5 s each on 2 cores (pytest --durations), by module::fun
     "test_train.py::test_tensorboard_never_shows_a_step_twice",
     "test_train.py::test_the_gpt2_reference_is_a_flop_matched_gpt2_and_learns",
     "test_train.py::test_what_users_watch_tensorboard_wandb_samples_and_progress",
+    "test_roofline.py::test_the_doc_states_the_calibration_table_the_code_makes",
+    # processes around training
+    "test_compile.py::test_a_launch_past_its_time_is_stopped_with_sigterm_first",
+    "test_cli.py::test_a_stop_signal_to_the_torchrun_launchers_ends_with_the_checkpoint",
+    "test_prepare_scale.py::test_prepare_workers_die_with_a_killed_parent",
+    "test_prepare_scale.py::test_sigterm_during_prepare_says_what_was_kept",
+    "test_owned_files.py::test_two_prepares_of_one_data_dir_take_turns",
+    "test_fp8.py::test_torchao_imports_quietly_off_a_gpu",
+    "test_fp8.py::test_runs_without_fp8_never_import_torchao",
 }
 
 
@@ -120,8 +130,11 @@ def pytest_collection_finish(session):
     global _prebuild
     if session.config.option.collectonly:  # listing tests builds nothing and waits on nothing
         return
+    # Only the slow tier starts DeepSpeed (its worlds and the offload census); a fast test that
+    # merely names it (a config's `zero_stage`) needs no op, and the fast tier never waits on one
     wanted = ("zero", "deepspeed", "every_backend")
-    if any(w in item.nodeid for item in session.items for w in wanted):
+    slow = [item.nodeid for item in session.items if item.get_closest_marker("slow")]
+    if any(w in nodeid for nodeid in slow for w in wanted):
         for lock in stale_extension_locks():
             lock.unlink(missing_ok=True)
             print(f"\nconftest: removed {lock}: a build killed earlier left it", file=sys.stderr)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -27,6 +28,25 @@ def test_listing_the_tests_starts_no_deepspeed_build(tmp_path):
     assert "zero3" in proc.stdout  # the DeepSpeed tests were listed
     assert list(extensions.iterdir()) == []  # and nothing was built
     assert time.monotonic() - started < 120
+
+
+def test_the_fast_tier_starts_no_deepspeed_build(tmp_path):
+    """Fast tests that only name DeepSpeed (its config keys) started the op build the slow tier's
+    worlds need, and `launch/test.sh --fast` waited for it: ~35 s from a fresh clone."""
+    extensions = tmp_path / "extensions"
+    extensions.mkdir()
+    fast = ["-m", "not slow", "-p", "no:cacheprovider", "tests/test_config.py", "-k", "deepspeed"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", *fast],
+        cwd=REPO,
+        env=env() | {"TORCH_EXTENSIONS_DIR": str(extensions)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert re.search(r"\b[1-9]\d* passed", proc.stdout)  # DeepSpeed's config tests ran
+    assert list(extensions.iterdir()) == []  # and nothing was built
 
 
 def test_a_lock_no_process_holds_is_stale_and_a_held_one_is_not(tmp_path):
