@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -18,7 +18,7 @@ class Precision:
 
     @property
     def dtype(self) -> torch.dtype:
-        return _DTYPES[self.name]
+        return DTYPES[self.name]
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.name == "fp32":
