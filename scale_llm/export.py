@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ from scale_llm.components.checkpoint import (
     saved_model_config,
 )
 from scale_llm.components.hf_files import require
+from scale_llm.components.precision import DTYPES
 from scale_llm.config import ModelConfig
 from scale_llm.data.hf_tokenizer import write_tokenizer_files
 from scale_llm.data.pretrained_tokenizer import PretrainedTokenizer
@@ -40,7 +41,6 @@ from scale_llm.model import build_model
 from scale_llm.model.hf import to_hf, to_hf_config
 from scale_llm.version import __version__
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_MAX_SHARD = 5 * 10**9  # bytes per safetensors file (transformers' usual 5GB)
 EXPORT_INFO = "scale_llm_export.json"
 FILES_SINCE = "ef32426 of 2026-12-03"  # the first export whose info lists its files
@@ -124,24 +124,16 @@ def export(
     )
 
 
-class OneAtATime:
-    """A Mapping's tensors handed out once each, as `to_hf` pops them (read when popped): no
-    other access, so nothing reads a tensor it did not take."""
+class OneAtATime(dict):
+    """A Mapping's tensors handed out once each, as `to_hf` pops them (read when popped): the
+    dict holds only the names left, so nothing reads a tensor it did not take."""
 
     def __init__(self, source: Mapping[str, torch.Tensor]):
-        self.source, self.left = source, dict.fromkeys(source)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.left
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.left)
-
-    def __len__(self) -> int:
-        return len(self.left)
+        super().__init__(dict.fromkeys(source))
+        self.source = source
 
     def pop(self, name: str) -> torch.Tensor:
-        del self.left[name]
+        del self[name]
         return self.source[name]
 
 
