@@ -238,24 +238,19 @@ def _sample(cfg: Config, configs: list[Config], sources: list[Any]) -> list[str]
     weights = mixture_weights(cfg.data)
     sample: list[str] = []
     for i, (sub, source, entry) in enumerate(zip(configs, sources, cfg.data.sources)):
-        try:
-            sample += _share(sub, source, weights[entry.name])
+        d, weight = sub.data, weights[entry.name]
+        docs = d.tokenizer_sample_documents
+        share = dataclasses.replace(
+            d,
+            tokenizer_sample_bytes=max(1, round(weight * d.tokenizer_sample_bytes)),
+            tokenizer_sample_documents=None if docs is None else max(1, math.ceil(weight * docs)),
+        )
+        share_cfg = dataclasses.replace(sub, data=share)
+        try:  # drawn as for one source (refused if empty)
+            sample += draw_sample(share_cfg, read_documents(share_cfg, source))[0]
         except UserError as e:
             raise UserError(f"data.sources[{i}] (name {entry.name}): {e}") from None
     return sample
-
-
-def _share(sub: Config, source: Any, weight: float) -> list[str]:
-    """A source's weighted share of the tokenizer sample, drawn as for one source."""
-    d = sub.data
-    docs = d.tokenizer_sample_documents
-    share = dataclasses.replace(
-        d,
-        tokenizer_sample_bytes=max(1, round(weight * d.tokenizer_sample_bytes)),
-        tokenizer_sample_documents=None if docs is None else max(1, math.ceil(weight * docs)),
-    )
-    share_cfg = dataclasses.replace(sub, data=share)
-    return draw_sample(share_cfg, read_documents(share_cfg, source))[0]  # (refused if empty)
 
 
 def _log_mixture(out: Path, mixture: dict[str, Any], cfg: Config) -> None:
