@@ -1,13 +1,7 @@
 """A DeepSpeed checkpoint's fp32 weights and Adam state, read one tensor at a time from its files
-(a resume on another backend, generate, export and convert put the weights together here).
-
-ZeRO-1/2: each rank holds a slice of every parameter group's flat fp32 vector (its parameters end
-to end in `param_shapes` order, each followed by its alignment padding); ZeRO-3: each rank holds
-ceil(numel / world) values of every parameter, end to end; ZeRO-0: the module's state is the
-weights (16-bit under bf16). Adam's moments lie beside each flat slice value for value (plus end
-padding). Each file is loaded once, memory-mapped: the reader holds one parameter at a time,
-never the model. param_shapes must use the values up exactly, as DeepSpeed's zero_to_fp32 checks.
-"""
+(a resume on another backend, generate, export and convert put the weights together here). Each
+file is loaded once, memory-mapped: the reader holds one parameter at a time, never the model.
+param_shapes must use the values up exactly, as DeepSpeed's zero_to_fp32 checks."""
 
 from __future__ import annotations
 
@@ -38,8 +32,7 @@ class _Layout(Exception):
 
 
 def _refusing(method: Callable[..., Any]) -> Callable[..., Any]:
-    """The reader's one way out for its checks' refusals: `_Damaged` leaves as serialization's
-    DamagedCheckpoint."""
+    """The reader's one way out: `_Damaged` leaves as serialization's DamagedCheckpoint."""
 
     @functools.wraps(method)
     def refusing(*args: Any, **kwargs: Any) -> Any:
@@ -72,7 +65,7 @@ class ZeroWeights(Mapping[str, torch.Tensor]):
         self._inners: list[dict[str, Any]] = []  # each partition's optimizer_state_dict
         self._flats: dict[tuple[int, str | None], list[torch.Tensor]] = {}
         self.where: dict[str, Pieces | None]  # None: the module's own tensor
-        if groups is None:  # ZeRO-0: the module holds the weights
+        if groups is None:  # ZeRO-0: the module holds the weights (16-bit under bf16)
             self.shapes = {name: tensor.shape for name, tensor in module.items()}
             self.where = dict.fromkeys(module)
         else:  # ZeRO 1-3: the parameters are in the partitions, the buffers in the module
@@ -290,7 +283,8 @@ def _spans(sizes: list[int], start: int, length: int, what: str) -> list[tuple[i
 def _zero12_pieces(
     groups: Groups, sizes: list[list[int]], paddings: list[list[int]] | None
 ) -> dict[str, Pieces]:
-    """ZeRO-1/2: group g's flat fp32 vector is the ranks' slices of group g end to end."""
+    """ZeRO-1/2: group g's flat fp32 vector is the ranks' slices of group g end to end, its
+    parameters in param_shapes order, each followed by its alignment padding."""
     if any(len(s) != len(groups) for s in sizes) or (
         paddings is not None and [len(p) for p in paddings] != [len(g) for g in groups]
     ):
