@@ -162,7 +162,7 @@ def _data_problems(data: Any) -> list[str]:
 
 
 def _rng_problems(states: Any) -> list[str]:
-    """Each rank's generator states must have the shapes `train.rng.restore` sets."""
+    """Each rank's generator states must have the shapes `train.rng.restore_for_rank` sets."""
     if not isinstance(states, list):
         return [f"rng: {short(states, 40)} is not a list of every rank's generator states"]
     if not states:
@@ -274,20 +274,15 @@ def choose_resume(cfg: Config, plan: RunPlan, manifest: dict[str, Any]) -> Resum
     check_resume_state(state, ckpt, cfg, manifest["tokenizer"]["sha256"], checkpoints.dir)
     check_finished_run(state, ckpt, cfg)  # other settings: a new run
     layout = state["backend"]["layout"]
-    exact = moves_exactly(cfg, plan, layout)
-    if not restores_exactly(cfg, plan, layout):  # read across formats: damage stops it here
-        CheckpointWeights(ckpt, build_model(cfg.model).state_dict())  # (meta: no memory)
-        if exact and layout["format"] == "deepspeed":
-            ZeroWeights(ckpt / DEEPSPEED_DIR).check_optimizer_state()
-    return Resume(ckpt, state, exact)
-
-
-def moves_exactly(cfg: Config, plan: RunPlan, layout: Any) -> bool:
-    """Whether this backend restores model and optimizer from a checkpoint of `layout`: its own,
-    or any move between DCP and DeepSpeed ZeRO 1-3 (ZeRO-0 keeps no partitions: weights only)."""
     if restores_exactly(cfg, plan, layout):
-        return True
-    return _partitioned(layout) and _partitioned(checkpoint_layout(cfg, plan))
+        return Resume(ckpt, state, True)
+    # read across formats: damage stops it here (a meta model: no memory); model and optimizer
+    # move exactly between DCP and DeepSpeed ZeRO 1-3 (ZeRO-0 keeps no partitions: weights only)
+    CheckpointWeights(ckpt, build_model(cfg.model).state_dict())
+    exact = _partitioned(layout) and _partitioned(checkpoint_layout(cfg, plan))
+    if exact and layout["format"] == "deepspeed":
+        ZeroWeights(ckpt / DEEPSPEED_DIR).check_optimizer_state()
+    return Resume(ckpt, state, exact)
 
 
 def _partitioned(layout: dict[str, Any]) -> bool:
