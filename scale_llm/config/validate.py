@@ -35,9 +35,7 @@ MAX_LAYERS = 10_000  # far past any trained model, short of a build that never e
 def validate(cfg: Config) -> list[str]:
     """Values and combinations that type checks cannot catch; each message names key and fix."""
     m, t = cfg.model, cfg.train
-    e = bound_problems(
-        cfg, "model.vocab_size model.d_model model.n_layers model.n_heads model.seq_len"
-    )
+    e = bound_problems(m, "vocab_size d_model n_layers n_heads seq_len", prefix="model.")
     if m.n_layers > MAX_LAYERS:  # the estimate and the model build walk every block
         e.append(
             f"model.n_layers={m.n_layers}: at most {MAX_LAYERS:,} blocks are accepted (the "
@@ -55,9 +53,8 @@ def validate(cfg: Config) -> list[str]:
     e += bound_problems(cfg, "logging.peak_tflops", peak)
     e += [*bound_problems(cfg, "eval.sample_tokens"), *eval_tasks_problems(cfg)]
     e += bound_problems(cfg, "checkpoint.keep_last")
-    e += bound_problems(cfg, "train.min_lr train.warmup_steps train.weight_decay", ">= 0")
-    e += bound_problems(cfg, "train.grad_clip train.eps eval.every eval.steps", ">= 0")
-    e += bound_problems(cfg, "eval.sample_every checkpoint.every", ">= 0")
+    e += bound_problems(t, "min_lr warmup_steps weight_decay grad_clip eps", ">= 0", "train.")
+    e += bound_problems(cfg, "eval.every eval.steps eval.sample_every checkpoint.every", ">= 0")
     if m.d_model > 0 and m.n_heads > 0 and m.d_model % m.n_heads:
         e.append(
             f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; "
@@ -109,9 +106,7 @@ def validate(cfg: Config) -> list[str]:
         )
     else:
         e.extend(path_problems(cfg))
-    e.extend(validate_parallel(cfg))
-    e.extend(tensor_parallel_problems(cfg))
-    return e
+    return [*e, *validate_parallel(cfg), *tensor_parallel_problems(cfg)]
 
 
 def tensor_parallel_problems(cfg: Config) -> list[str]:
