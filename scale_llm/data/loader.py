@@ -32,8 +32,7 @@ class TokenWindows:
         vocab_size: int | None = None,
         names: list[str] | None = None,
     ):
-        self.shards, self.seq_len = shards, seq_len
-        self.vocab_size, self.names = vocab_size, names
+        self.shards, self.seq_len, self.vocab_size, self.names = shards, seq_len, vocab_size, names
         counts = [max(0, (len(s) - 1) // seq_len) for s in shards]
         self.offsets = np.cumsum([0] + counts)
 
@@ -189,7 +188,11 @@ class TrainLoader:
                 continue
             what = "the training data" if self.mixture is None else f"source {name}"
             if not self.repeat:
-                raise UserError(repeat_refused(what, n, position))
+                raise UserError(
+                    f"data.repeat=false: {what} ({n:,} training windows) is used up at stream "
+                    f"position {position:,}; prepare more data, lower train.max_steps, or set "
+                    f"data.repeat=true to read it again in a new order"
+                )
             if self.mixture is None:
                 log.info(
                     f"data: epoch {last} of {n} training windows begins (stream position "
@@ -261,14 +264,6 @@ class TrainLoader:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
-
-
-def repeat_refused(what: str, windows: int, position: int) -> str:
-    return (
-        f"data.repeat=false: {what} ({windows:,} training windows) is used up at stream position "
-        f"{position:,}; prepare more data, lower train.max_steps, or set data.repeat=true to "
-        f"read it again in a new order"
-    )
 
 
 def eval_batches(windows: TokenWindows, plan: RunPlan, steps: int):
