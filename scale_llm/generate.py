@@ -68,9 +68,8 @@ def load_run(
             f"(sha256 {tokenizer.sha256()[:12]}..., the checkpoint records "
             f"{trained_with[:12]}...); copy the {tok_path.name} of the run's data.dir back"
         )
-    weights = load_model_weights(ckpt, empty_state_dict(cfg.model))
     model = build_model(cfg.model)
-    model.load_state_dict(weights, assign=True)
+    model.load_state_dict(load_model_weights(ckpt, empty_state_dict(cfg.model)), assign=True)
     model.to(plan.device).eval()
     return model, tokenizer
 
@@ -155,8 +154,13 @@ def generate(
     tokens = list(prompt[-seq_len:])
     cache = KVCache(model.cfg.n_layers, seq_len) if use_cache else None
     out: list[int] = []
+
+    def forward(ids: list[int], start_pos: int = 0) -> torch.Tensor:
+        x = torch.tensor([ids], dtype=torch.long, device=device)
+        return model(x, cache=cache, start_pos=start_pos)
+
     with autocast or contextlib.nullcontext():
-        logits = _forward(model, tokens, cache, 0)
+        logits = forward(tokens)
         pos = len(tokens)
         for _ in range(max_new_tokens):
             nxt = sample_next(logits[:, -1], temperature, top_k, top_p, generator).item()
@@ -165,20 +169,13 @@ def generate(
             if nxt == eos_id or len(out) == max_new_tokens:
                 break  # (no forward pass for a token that will not be sampled)
             if cache is None:
-                logits = _forward(model, tokens[-seq_len:], None, 0)
+                logits = forward(tokens[-seq_len:])
             elif pos == seq_len:  # cache full: start over from the newest half of the context
                 tokens_kept = tokens[-(seq_len // 2) :]
-                logits, pos = _forward(model, tokens_kept, cache, 0), len(tokens_kept)
+                logits, pos = forward(tokens_kept), len(tokens_kept)
             else:
-                logits, pos = _forward(model, [nxt], cache, pos), pos + 1
+                logits, pos = forward([nxt], pos), pos + 1
     return out
-
-
-def _forward(
-    model: Transformer, ids: list[int], cache: KVCache | None, start_pos: int
-) -> torch.Tensor:
-    x = torch.tensor([ids], dtype=torch.long, device=model.tok_embeddings.weight.device)
-    return model(x, cache=cache, start_pos=start_pos)
 
 
 def generate_text(
