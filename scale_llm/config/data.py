@@ -113,10 +113,8 @@ class DataConfig:
 
 
 def validate_data(d: DataConfig) -> list[str]:
-    limits = (
-        "tokenizer_sample_bytes shard_tokens max_documents max_tokens tokenizer_sample_documents"
-    )
-    e = bound_problems(d, limits, prefix="data.")  # (None: no limit)
+    e = bound_problems(d, "tokenizer_sample_bytes shard_tokens max_documents", prefix="data.")
+    e += bound_problems(d, "max_tokens tokenizer_sample_documents", prefix="data.")  # (None: none)
     e += bound_problems(d, "num_proc prefetch", ">= 0", "data.")
     if d.tokenizer is not None and not d.tokenizer.strip():
         e.append("data.tokenizer is empty; give a Hugging Face tokenizer folder, or null")
