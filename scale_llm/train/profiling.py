@@ -88,11 +88,9 @@ class StepProfiler(Callback):
             self.step_label = None
 
     def step_end(self, trainer: Trainer, s: StepEnd) -> None:
-        """Optimizer step `s.step` (its logging, eval and checkpoint included) is over."""
-        self.step_done(s.step, last=bool(s.stop) or s.step == trainer.cfg.train.max_steps)
-
-    def step_done(self, step: int, last: bool = False) -> None:
-        """`last`: the launch runs no further step (a stop, or train.max_steps)."""
+        """Optimizer step `s.step` (its logging, eval and checkpoint included) is over; `last`:
+        the launch runs no further step (a stop, or train.max_steps)."""
+        step, last = s.step, bool(s.stop) or s.step == trainer.cfg.train.max_steps
         self.last_step = step
         if self.prof is not None:
             if last or step >= self.p.start_step + self.p.active_steps - 1:
