@@ -16,11 +16,12 @@ from scale_llm.components.distributed import rank_and_world
 log = logging.getLogger(__name__)
 
 
-def capture() -> dict[str, Any]:
-    """This process's torch (CPU and CUDA), numpy and Python generator states."""
+def gather_all_ranks() -> list[dict[str, Any]]:
+    """Every rank's torch (CPU and CUDA), numpy and Python generator states, in rank order (a
+    collective: call it on every rank)."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     version, py_state, py_gauss = random.getstate()
-    state = {
+    mine = {
         "torch": torch.get_rng_state(),
         "numpy": {
             "keys": torch.from_numpy(keys.astype(np.int64)),
@@ -31,25 +32,8 @@ def capture() -> dict[str, Any]:
         "python": {"version": version, "state": list(py_state), "gauss": py_gauss},
     }
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def restore(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    n = state["numpy"]
-    keys = n["keys"].numpy().astype(np.uint32)
-    np.random.set_state(("MT19937", keys, n["pos"], n["has_gauss"], n["gauss"]))
-    p = state["python"]
-    random.setstate((p["version"], tuple(p["state"]), p["gauss"]))
-
-
-def gather_all_ranks() -> list[dict[str, Any]]:
-    """Every rank's states, in rank order (a collective: call it on every rank)."""
-    mine, world = capture(), rank_and_world()[1]
-    if world == 1:
+        mine["cuda"] = torch.cuda.get_rng_state()
+    if (world := rank_and_world()[1]) == 1:
         return [mine]
     states: list[Any] = [None] * world
     dist.all_gather_object(states, mine)
@@ -65,4 +49,12 @@ def restore_for_rank(states: list[dict[str, Any]], rank: int) -> None:
             f"generator states"
         )
         rank = 0
-    restore(states[rank])
+    state = states[rank]
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    n = state["numpy"]
+    keys = n["keys"].numpy().astype(np.uint32)
+    np.random.set_state(("MT19937", keys, n["pos"], n["has_gauss"], n["gauss"]))
+    p = state["python"]
+    random.setstate((p["version"], tuple(p["state"]), p["gauss"]))
