@@ -227,17 +227,7 @@ class PretrainedTokenizer:
 def _read_bundle(path: Path) -> dict[str, Any]:
     """hf-tokenizer.json with every field this class reads checked for its type."""
     bundle = read_json(path, "the tokenizer prepare wrote", RESTORE_FIX)
-    if problem := _bundle_problem(bundle):
-        raise UserError(
-            f"tokenizer {path} is not a tokenizer prepare wrote ({problem}); {RESTORE_FIX}"
-        )
-    return bundle
-
-
-def _bundle_problem(bundle: Any) -> str | None:
     is_id = lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0
-    if not isinstance(bundle, dict) or bundle.get("format") != FORMAT:
-        return f"format is not {FORMAT!r}"
     checks = {
         "encoder": lambda x: isinstance(x, str),
         "split_special_tokens": lambda x: isinstance(x, bool),
@@ -254,10 +244,19 @@ def _bundle_problem(bundle: Any) -> str | None:
             and all(isinstance(e, dict) and ("text" in e or "base64" in e) for e in x.values())
         ),
     }
-    for key, ok in checks.items():
-        if key not in bundle or not ok(bundle[key]):
-            return f"{key} is missing or of the wrong type"
-    return None
+    if not isinstance(bundle, dict) or bundle.get("format") != FORMAT:
+        wrong = [f"format is not {FORMAT!r}"]
+    else:
+        wrong = [
+            f"{key} is missing or of the wrong type"
+            for key, ok in checks.items()
+            if key not in bundle or not ok(bundle[key])
+        ]
+    if wrong:
+        raise UserError(
+            f"tokenizer {path} is not a tokenizer prepare wrote ({wrong[0]}); {RESTORE_FIX}"
+        )
+    return bundle
 
 
 def vocab_problem(where: str, ids: int, vocab_size: int, init_from: str | None) -> str | None:
