@@ -1,10 +1,6 @@
-"""Checksums of checkpoint files, taken while the bytes are written.
-
-Hashing after the save reads every byte again; inside `recording()`, files opened through
-`HashingFileSystem` hash each buffer in a second thread while it is written, at almost no wall
-time. A file is recorded only if written front to back exactly once (no seek); anything else is
-hashed after the save.
-"""
+"""Checksums of checkpoint files, taken while the bytes are written (hashing after the save reads
+every byte again): inside `recording()`, a file written front to back once through
+`HashingFileSystem` is hashed in a second thread as it is written; others after the save."""
 
 from __future__ import annotations
 
