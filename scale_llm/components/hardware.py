@@ -61,12 +61,10 @@ def host_available_bytes() -> int | None:
     """MemAvailable of this host (Linux /proc/meminfo), or None where it cannot be read."""
     try:
         with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
+            line = next(line for line in f if line.startswith("MemAvailable:"))
+        return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError, StopIteration):
         return None
-    return None
 
 
 # glibc's mallopt parameters (malloc.h)
