@@ -110,12 +110,9 @@ class RunPlan:
         return self.micro_batch_size * self.grad_accum * self.seq_len
 
     def to_json(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["device"] = str(self.device)
-        out["sequences_per_step"] = self.sequences_per_step
-        out["tokens_per_step"] = self.tokens_per_step
-        out["mesh"] = self.mesh
-        return out
+        out = {**dataclasses.asdict(self), "device": str(self.device)}
+        derived = ("sequences_per_step", "tokens_per_step", "mesh")
+        return out | {k: getattr(self, k) for k in derived}
 
     def describe(self) -> str:
         split = self.tp_degree > 1 or self.pp_degree > 1
@@ -197,9 +194,8 @@ def _device(requested: str, local_rank: int, cuda: bool) -> torch.device:
     return torch.device("cpu")
 
 
-def _precision(requested: str, device: torch.device, bf16: bool) -> str:
+def _precision(name: str, device: torch.device, bf16: bool) -> str:
     """`auto`: bf16 on a bf16-capable GPU, fp32 otherwise (CPUs without AMX emulate bf16)."""
-    name = requested
     if name == "auto":
         name = "bf16" if device.type == "cuda" and bf16 else "fp32"
     if name == "bf16" and device.type == "cuda" and not bf16:
