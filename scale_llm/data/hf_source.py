@@ -30,8 +30,7 @@ class HFSource:
     """Documents of one split of a Hugging Face dataset, in the dataset's row order."""
 
     def __init__(self, data: DataConfig):
-        self.spec = data.source
-        self.name = data.source.removeprefix("hf:")
+        self.spec, self.name = data.source, data.source.removeprefix("hf:")
         if not self.name:
             raise UserError(
                 "data.source='hf:' names no dataset; use e.g. hf:roneneldan/TinyStories"
@@ -105,13 +104,6 @@ class HFSource:
         try:
             if self.local and _saved_to_disk(self.local):
                 ds = datasets.load_from_disk(str(self.local))
-                if isinstance(ds, datasets.DatasetDict):
-                    if self.split not in ds:
-                        raise UserError(
-                            f"{self.local} has no split {self.split!r} (found {list(ds)}); set "
-                            f"data.hf_split to one of them"
-                        )
-                    ds = ds[self.split]
             else:
                 ds = datasets.load_dataset(
                     str(self.local or self.name),
@@ -121,8 +113,6 @@ class HFSource:
                     streaming=self.streaming,
                     num_proc=self.num_proc if self.num_proc > 1 and not self.streaming else None,
                 )
-        except UserError:
-            raise
         except Exception as e:  # datasets raises many types (ConnectionError, ValueError, ...)
             if bad := _malformed(e):
                 raise UserError(
@@ -132,6 +122,13 @@ class HFSource:
                 f"data.source={self.spec!r} (data.hf_config={self.config!r}, data.hf_split="
                 f"{self.split!r}) could not be opened: {type(e).__name__}: {e}. {_OPEN_HINT}"
             ) from None
+        if isinstance(ds, datasets.DatasetDict):  # (a save_to_disk folder of several splits)
+            if self.split not in ds:
+                raise UserError(
+                    f"{self.local} has no split {self.split!r} (found {list(ds)}); set "
+                    f"data.hf_split to one of them"
+                )
+            ds = ds[self.split]
         if not self.streaming:
             self.num_rows = len(ds)
         return ds
