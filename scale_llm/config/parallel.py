@@ -244,9 +244,8 @@ def stages_per_rank(pipe: PipelineConfig) -> int:
 
 def pipeline_microbatches(p: ParallelConfig) -> int:
     """parallel.pipeline.microbatches, or the stages' count (the fewest every schedule runs)."""
-    if p.pipeline.microbatches is None:
-        return p.pipeline_parallel * stages_per_rank(p.pipeline)
-    return p.pipeline.microbatches
+    m = p.pipeline.microbatches
+    return p.pipeline_parallel * stages_per_rank(p.pipeline) if m is None else m
 
 
 def pipeline_problems(cfg: Config) -> list[str]:
