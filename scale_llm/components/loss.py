@@ -1,9 +1,7 @@
 """The training objective, one definition for the loop, bench, eval and the memory count.
-
-`cross_entropy` never holds fp32 (B, T, V) logits: it upcasts ~16M logits at a time and keeps
-only the logits for backward, rebuilding the softmax chunk by chunk (the plain form keeps fp32
-log-probabilities of every row: 2 GiB at 400m.yaml's micro-batch 16). Same fp32 softmax, fused.
-"""
+`cross_entropy` never holds fp32 (B, T, V) logits: the same fp32 softmax, upcast ~16M logits at a
+time and rebuilt chunk by chunk for backward, where the plain form keeps fp32 log-probabilities
+of every row (2 GiB at 400m.yaml's micro-batch 16)."""
 
 from __future__ import annotations
 
@@ -48,8 +46,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         n, rows = logits.size(0), ctx.rows
         scale = grad.float() / n
         if n <= rows:  # one chunk: its buffer is the gradient (no second (n, V) tensor)
-            probs = _grad_chunk(logits, targets, scale)
-            return probs.to(logits.dtype), None, None
+            return _grad_chunk(logits, targets, scale).to(logits.dtype), None, None
         out = torch.empty_like(logits)
         for start in range(0, n, rows):
             end = start + rows
