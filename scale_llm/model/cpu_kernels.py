@@ -11,8 +11,7 @@ import torch.nn.functional as F
 def enabled(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `rms_norm` runs the written-out backward: eager CPU code with input and weight of
     one dtype (else F.rms_norm does not call the fused op; inductor fuses its own)."""
-    same_dtype = x.dtype == weight.dtype
-    return x.device.type == "cpu" and same_dtype and not torch.compiler.is_compiling()
+    return x.device.type == "cpu" and x.dtype == weight.dtype and not torch.compiler.is_compiling()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
