@@ -47,11 +47,8 @@ def problem(device_type: str, dtype: torch.dtype, document: bool, head_dim: int)
     kernel = choose(device_type, dtype, document, False, head_dim)
     if not kernel.dense_mask or device_type != "cuda":
         return None
-    why = (
-        "fp32"
-        if dtype == torch.float32
-        else f"head_dim {head_dim} (FlashAttention: <= 256, a multiple of 8)"
-    )
+    why = f"head_dim {head_dim} (FlashAttention: <= 256, a multiple of 8)"
+    why = "fp32" if dtype == torch.float32 else why
     return (
         f"model.attention_mask=document with {why}: FlashAttention's varlen kernel cannot run "
         f"it, so the memory-efficient kernel reads a (B, 1, T, T) mask per micro-batch"
