@@ -104,8 +104,7 @@ class Attention(nn.Module):
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # (B, H, T, S)
         if is_causal:
-            T = q.size(2)
-            mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+            mask = torch.ones(q.size(2), q.size(2), dtype=torch.bool, device=q.device).tril()
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         probs = F.softmax(scores.float(), dim=-1).type_as(q)
