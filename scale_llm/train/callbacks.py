@@ -237,10 +237,9 @@ class Checkpoints(Callback):
 
 
 class GarbageCollector(Callback):
-    """Python's garbage collector, run by the loop (every train.gc_every steps, all ranks alike)
-    instead of by allocation counts: a mid-step scan on one rank stalls every rank at the next
-    collective. The set-up's objects are frozen out of every scan; gc_every 0 leaves it automatic.
-    """
+    """Python's garbage collector, run by the loop every train.gc_every steps on all ranks alike
+    (a mid-step scan on one rank stalls every rank at the next collective), with the set-up's
+    objects frozen out of every scan; gc_every 0 leaves it automatic."""
 
     def __init__(self, every: int):
         self.every = every
