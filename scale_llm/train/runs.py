@@ -36,9 +36,9 @@ class RunSummary:
     size: int  # bytes on disk
 
 
-def list_runs(root: str | Path | None = None) -> list[RunSummary]:
+def list_runs(root: str | Path) -> list[RunSummary]:
     """Every run directory in `root` (a run.dir), or `root` itself when it is one."""
-    root = Path(RunConfig().dir if root is None else root)
+    root = Path(root)
     if not root.is_dir():
         found = describe_kind(root)
         what = "no such folder" if found == "missing" else f"{found}, not a folder"
@@ -125,11 +125,10 @@ def disk_usage(folder: Path) -> int:
     return total
 
 
-def format_runs(runs: list[RunSummary], root: str | Path | None = None) -> str:
+def format_runs(runs: list[RunSummary], root: str | Path) -> str:
     """The table `scale-llm runs` prints."""
     if not runs:
-        where = RunConfig().dir if root is None else root
-        return f"no runs in {where} (a run directory holds the config.yaml `train` writes)"
+        return f"no runs in {root} (a run directory holds the config.yaml `train` writes)"
     rows = [("run", "step", "loss", "val_loss", "status", "checkpoint", "size")]
     for r in runs:
         step = f"{'-' if r.step is None else r.step}/{'?' if r.max_steps is None else r.max_steps}"
