@@ -110,7 +110,6 @@ class Trainer:
             self._write_run_dir()
         self.metrics = MetricsLogger(self.run_dir, writes, cfg, self.step)
         self.collector = callbacks.GarbageCollector(cfg.train.gc_every)
-        self.profiler = StepProfiler(cfg.train.profile, plan, self.run_dir, self.step)
         self.nan_guard = callbacks.NaNGuard()
         self.callbacks: list[callbacks.Callback] = [
             callbacks.TrainMetrics(),
@@ -122,7 +121,7 @@ class Trainer:
             callbacks.CommTimeouts(),
             self.collector,
             callbacks.Checkpoints(),
-            self.profiler,
+            StepProfiler(cfg.train.profile, plan, self.run_dir, self.step),
         ]
 
     def _measure(self, model: Transformer) -> None:
