@@ -12,10 +12,9 @@ from typing import Any
 def config_key(
     default: Any, help: str, *, run_defining: bool = False, null_unsets: bool = False
 ) -> Any:
-    """A config key: its default and its meaning (the one source of `scale-llm config --keys`
-    and docs/config.md). `run_defining`: a change makes a checkpoint another run's, so resuming
-    across it is refused. `null_unsets`: null (YAML or --set) gives the key its default, so a
-    file can drop what its `base:` file set (a mixture's `data.source: null`)."""
+    """A config key: its default and meaning (the one source of `config --keys` and docs/config.md).
+    `run_defining`: a change makes a checkpoint another run's (resuming across it is refused).
+    `null_unsets`: null gives the default, so a file can drop what its `base:` file set."""
     if not help.strip():
         raise ValueError("a config key needs its meaning: config_key(default, help)")
     metadata = {"help": help, "run_defining": run_defining, "null_unsets": null_unsets}
