@@ -66,15 +66,7 @@ class HFWeights:
                 k: tuple(v.shape) if isinstance(v, torch.Tensor) else ()
                 for k, v in self._pickled.items()
             }
-        self._check_shards()
-        return {
-            name: tuple(self._open(file).get_slice(name).get_shape())
-            for name, file in self.file_of.items()
-        }
-
-    def _check_shards(self) -> None:
-        """Each tensor the index sends to a shard is in that shard."""
-        for file in sorted(set(self.file_of.values())):
+        for file in sorted(set(self.file_of.values())):  # each shard holds what the index sends it
             held = set(self._open(file).keys())
             if lacking := sorted(n for n, f in self.file_of.items() if f == file and n not in held):
                 raise UserError(
@@ -83,6 +75,10 @@ class HFWeights:
                     f"to {file}, which does not hold it; the index does not match its shards: "
                     f"save the model again, or pick another folder"
                 )
+        return {
+            name: tuple(self._open(file).get_slice(name).get_shape())
+            for name, file in self.file_of.items()
+        }
 
     def get(self, name: str) -> torch.Tensor:
         """One tensor as fp32 on the CPU, refused unless floating-point and finite."""
