@@ -1,6 +1,5 @@
-"""The `train.fp8` config section (FP8 matmuls in the blocks' linears, through torchao) and the
-checks that need no hardware; parallel/fp8.py converts the model, train/preflight.py checks
-torchao and the GPU."""
+"""The `train.fp8` config section (FP8 matmuls through torchao) and its checks that need no
+hardware; parallel/fp8.py converts the model, train/preflight.py checks torchao and the GPU."""
 
 from __future__ import annotations
 
@@ -46,9 +45,8 @@ WRONG_VALUES = {
 
 def fp8_all_gathers(fp8: Fp8Config) -> bool:
     """Whether FSDP2 gathers the fp8 linears' weights in fp8 (auto: with tensorwise scales)."""
-    if fp8.fsdp_float8_all_gather == "auto":
-        return fp8.recipe == "tensorwise"
-    return bool(fp8.fsdp_float8_all_gather)
+    gather = fp8.fsdp_float8_all_gather
+    return fp8.recipe == "tensorwise" if gather == "auto" else bool(gather)
 
 
 def validate_fp8(fp8: Fp8Config) -> list[str]:
