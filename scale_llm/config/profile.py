@@ -68,19 +68,15 @@ def validate_profile(p: ProfileConfig, max_steps: int) -> list[str]:
             f"{key}.memory_snapshot_step={step} must lie in [1, train.max_steps={max_steps}] "
             f"(the optimizer step after which the snapshot is written), or null"
         )
-    return e + _folder_problems(p.folder)
-
-
-def _folder_problems(folder: str) -> list[str]:
-    path = PurePath(folder)
-    if not folder.strip() or not path.parts or path.is_absolute() or ".." in path.parts:
-        return [
-            f"train.profile.folder={folder!r} must be a folder inside the run dir (a relative "
-            f"path without '..'), e.g. train.profile.folder=profile"
-        ]
-    if path.parts[0] in RUN_DIR_NAMES or path.parts[0].startswith(SCRATCH_PREFIX):
-        return [
-            f"train.profile.folder={folder!r} is (inside) the run dir's own {path.parts[0]}; "
-            f"pick another name, e.g. train.profile.folder=profile"
-        ]
-    return []
+    path = PurePath(p.folder)
+    if not p.folder.strip() or not path.parts or path.is_absolute() or ".." in path.parts:
+        e.append(
+            f"{key}.folder={p.folder!r} must be a folder inside the run dir (a relative path "
+            f"without '..'), e.g. {key}.folder=profile"
+        )
+    elif path.parts[0] in RUN_DIR_NAMES or path.parts[0].startswith(SCRATCH_PREFIX):
+        e.append(
+            f"{key}.folder={p.folder!r} is (inside) the run dir's own {path.parts[0]}; pick "
+            f"another name, e.g. {key}.folder=profile"
+        )
+    return e
