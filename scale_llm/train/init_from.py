@@ -29,8 +29,7 @@ def check_init_from(
     """The folder `cfg.init_from`, checked to fit `cfg` and data.dir's tokenizer (its file's
     SHA-256, or the digest of data.tokenizer's folder); reads config and shapes, not weights."""
     folder = Path(cfg.init_from)
-    hf_config = read_hf_config(folder, WHAT)
-    values, problems = from_hf_config(hf_config)
+    values, problems = from_hf_config(read_hf_config(folder, WHAT))
     problems += config_problems(cfg, values, f"{folder}/config.json")
     shapes = shape_problems(cfg, HFWeights(folder, WHAT).shapes())
     problems += shapes[:MAX_SHAPE_LINES]
