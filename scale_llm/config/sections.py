@@ -204,9 +204,8 @@ def compiles(train: TrainConfig, device_type: str) -> bool:
 
 
 def measures_compiled(cfg: Config, device_type: str) -> bool:
-    """Whether `estimate --measure` counts the saved activations of compiled blocks: as
-    `compiles`, but never under selective checkpointing, whose cache lives outside autograd
-    (its blocks are counted eager)."""
+    """`compiles` for `estimate --measure`'s saved activations, but never under selective
+    checkpointing, whose cache lives outside autograd (its blocks are counted eager)."""
     return compiles(cfg.train, device_type) and cfg.activation_checkpointing.mode != "selective"
 
 
