@@ -67,11 +67,8 @@ def validate(cfg: Config) -> list[str]:
         )
     if m.n_kv_heads is not None and (m.n_kv_heads <= 0 or m.n_heads % m.n_kv_heads):
         kv = [d for d in range(1, m.n_heads + 1) if m.n_heads % d == 0][-6:]
-        example = (  # (none while n_heads itself is refused above)
-            f" (e.g. model.n_kv_heads={kv[-2] if len(kv) > 1 else kv[0]}, among "
-            f"{', '.join(map(str, kv))})"
-            if kv
-            else ""
+        example = (  # (the second largest; none while n_heads itself is refused above)
+            f" (e.g. model.n_kv_heads={kv[-2:][0]}, among {', '.join(map(str, kv))})" if kv else ""
         )
         e.append(
             f"model.n_kv_heads={m.n_kv_heads} must be > 0 and divide model.n_heads="
