@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -124,16 +124,24 @@ def export(
     )
 
 
-class OneAtATime(dict):
-    """A Mapping's tensors handed out once each, as `to_hf` pops them (read when popped): the
-    dict holds only the names left, so nothing reads a tensor it did not take."""
+class OneAtATime:
+    """A Mapping's tensors handed out once each, as `to_hf` pops them (read when popped): no
+    other access, so nothing reads a tensor it did not take."""
 
     def __init__(self, source: Mapping[str, torch.Tensor]):
-        super().__init__(dict.fromkeys(source))
-        self.source = source
+        self.source, self.left = source, dict.fromkeys(source)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.left
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.left)
+
+    def __len__(self) -> int:
+        return len(self.left)
 
     def pop(self, name: str) -> torch.Tensor:
-        del self[name]
+        del self.left[name]
         return self.source[name]
 
 
