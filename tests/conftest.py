@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -48,6 +49,8 @@ _prebuild: subprocess.Popen | None = None
 # around training (launchers' signals, prepare's workers, import hygiene).
 SLOW_MODULES = {"test_distributed.py", "test_reliability.py", "test_offload_census.py"}
 FAST_WORLD = "test_distributed.py::test_backend_matches_single_process[ddp]"
+# the slow tests that start DeepSpeed say so in their module's or their own name (not zero_bubble)
+DEEPSPEED_TESTS = re.compile(r"zero[0-3]|deepspeed|every_backend|offload|7b", re.IGNORECASE)
 SLOW_TESTS = {  # by module::function (every parameter): over ~5 s each on 2 cores, then the rest
     "test_eval_tasks.py::test_an_unknown_task_stops_every_rank_with_the_message",
     "test_memory_fake.py::test_fsdp2_x_tensor_parallel_at_4_fake_ranks_peaks_where_the_estimate_says",
@@ -92,7 +95,6 @@ SLOW_TESTS = {  # by module::function (every parameter): over ~5 s each on 2 cor
     "test_memory_fake.py::test_125m_traced_on_fake_tensors_has_the_estimated_parts",
     "test_model.py::test_past_seq_len_the_cache_starts_over_from_the_newest_half",
     "test_owned_files.py::test_the_run_lock_admits_one_of_many_simultaneous_launches",
-    "test_train.py::test_a_checkpoint_in_the_previous_layout_still_resumes_exactly",
     "test_train.py::test_a_cpu_run_keeps_the_memory_it_frees",
     "test_train.py::test_bench_reference_runs_the_same_model_on_the_same_batch",
     "test_train.py::test_bench_runs_the_training_step_on_synthetic_tokens",
@@ -132,9 +134,8 @@ def pytest_collection_finish(session):
         return
     # Only the slow tier starts DeepSpeed (its worlds and the offload census); a fast test that
     # merely names it (a config's `zero_stage`) needs no op, and the fast tier never waits on one
-    wanted = ("zero", "deepspeed", "every_backend")
     slow = [item.nodeid for item in session.items if item.get_closest_marker("slow")]
-    if any(w in nodeid for nodeid in slow for w in wanted):
+    if any(DEEPSPEED_TESTS.search(nodeid) for nodeid in slow):
         for lock in stale_extension_locks():
             lock.unlink(missing_ok=True)
             print(f"\nconftest: removed {lock}: a build killed earlier left it", file=sys.stderr)

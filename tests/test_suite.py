@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from tests.conftest import stale_extension_locks
+from tests.conftest import FAST_WORLD, SLOW_MODULES, SLOW_TESTS, stale_extension_locks
 from tests.helpers import REPO, env
 
 
@@ -47,6 +47,20 @@ def test_the_fast_tier_starts_no_deepspeed_build(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert re.search(r"\b[1-9]\d* passed", proc.stdout)  # DeepSpeed's config tests ran
     assert list(extensions.iterdir()) == []  # and nothing was built
+
+
+def test_every_test_the_tiers_name_exists():
+    """A renamed or removed test left behind in SLOW_TESTS marks nothing, and its successor
+    lands in the fast tier unseen."""
+    tests = REPO / "tests"
+    assert all((tests / module).is_file() for module in SLOW_MODULES)
+    missing = []
+    for entry in [*SLOW_TESTS, FAST_WORLD.partition("[")[0]]:
+        module, _, name = entry.partition("::")
+        source = (tests / module).read_text() if (tests / module).is_file() else ""
+        if not re.search(rf"^def {name}\(", source, re.MULTILINE):
+            missing.append(entry)
+    assert missing == []
 
 
 def test_a_lock_no_process_holds_is_stale_and_a_held_one_is_not(tmp_path):
