@@ -32,7 +32,7 @@ def test_listing_the_tests_starts_no_deepspeed_build(tmp_path):
 
 def test_the_fast_tier_starts_no_deepspeed_build(tmp_path):
     """Fast tests that only name DeepSpeed (its config keys) started the op build the slow tier's
-    worlds need, and `launch/test.sh --fast` waited for it: ~35 s from a fresh clone."""
+    worlds need, and `launch/test.sh --fast` waited at its end for a build none of its tests use."""
     extensions = tmp_path / "extensions"
     extensions.mkdir()
     fast = ["-m", "not slow", "-p", "no:cacheprovider", "tests/test_config.py", "-k", "deepspeed"]
