@@ -175,10 +175,17 @@ def env() -> dict[str, str]:
     }
 
 
+def crashed(stderr: str) -> str:
+    """The first stack a rank that died of a signal printed (PYTHONFAULTHANDLER), which a
+    failing test's output would otherwise cut off behind the other ranks' errors."""
+    start = stderr.find("Fatal Python error")
+    return stderr[start : start + 6000] + "\n...\n" if start >= 0 else ""
+
+
 def run(cmd: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, (
-        f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{crashed(proc.stderr)}{proc.stderr[-5000:]}"
     )
     return proc
 
@@ -288,14 +295,17 @@ def train_world(nproc: int, commands: dict[str, list[str]], cwd: Path) -> dict[s
     for label in commands:
         consoles = sorted(out.glob(f"{label}.rank*.txt"))
         stdout = "".join(p.read_text() for p in consoles)
-        where = f"{label}: rc={proc.returncode}\n{stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        where = f"{label}: rc={proc.returncode}\n{stdout[-3000:]}\n"
+        where += crashed(proc.stderr) + proc.stderr[-5000:]
         assert (out / f"{label}.json").is_file(), f"not run or cut short: {where}"
         result = json.loads((out / f"{label}.json").read_text())
         assert result["codes"] == [0] * nproc, f"exit codes {result['codes']}: {where}"
         rows = {r["step"]: r for r in result["rows"]}
         results[label] = {"rows": rows, "plan": result["plan"], "stdout": stdout}
         results[label]["comm"] = result["comm"]  # each rank's communication settings
-    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stderr[-5000:]}"
+    assert proc.returncode == 0, (
+        f"rc={proc.returncode}\n{crashed(proc.stderr)}{proc.stderr[-5000:]}"
+    )
     return results
 
 

@@ -1,4 +1,5 @@
-"""The test suite's own hazards: what listing the tests starts, a lock a killed build left."""
+"""The test suite's own hazards: what listing the tests starts, a lock a killed build left, a
+rank's crash hidden behind the other ranks' errors."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.conftest import FAST_WORLD, SLOW_MODULES, SLOW_TESTS, stale_extension_locks
-from tests.helpers import REPO, env
+from tests.helpers import REPO, env, run
 
 
 def test_listing_the_tests_starts_no_deepspeed_build(tmp_path):
@@ -61,6 +64,20 @@ def test_every_test_the_tiers_name_exists():
         if not re.search(rf"^def {name}\(", source, re.MULTILINE):
             missing.append(entry)
     assert missing == []
+
+
+def test_a_rank_that_dies_of_a_signal_shows_where_in_the_failing_tests_output(tmp_path):
+    """A native crash in one of 8 ranks left only the other ranks' later errors in the tail of
+    the output a failing test shows."""
+    rank = tmp_path / "rank.py"
+    rank.write_text("import ctypes\n\n\nctypes.string_at(0)\n")  # a segfault at line 4
+    launcher = "import subprocess, sys\nsubprocess.run([sys.executable, sys.argv[1]])\n"
+    launcher += "print('another rank failed after it\\n' * 1000, file=sys.stderr)\nsys.exit(1)\n"
+    (tmp_path / "launch.py").write_text(launcher)
+    with pytest.raises(AssertionError) as failed:
+        run([sys.executable, str(tmp_path / "launch.py"), str(rank)], cwd=tmp_path)
+    assert "Fatal Python error: Segmentation fault" in str(failed.value)
+    assert f'File "{rank}", line 4' in str(failed.value)
 
 
 def test_a_lock_no_process_holds_is_stale_and_a_held_one_is_not(tmp_path):
