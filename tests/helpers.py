@@ -176,10 +176,14 @@ def env() -> dict[str, str]:
 
 
 def crashed(stderr: str) -> str:
-    """The first stack a rank that died of a signal printed (PYTHONFAULTHANDLER), which a
-    failing test's output would otherwise cut off behind the other ranks' errors."""
+    """The first stack a rank that died of a signal printed (PYTHONFAULTHANDLER), with the lines
+    before it (a C++ exception's `what()`), which a failing test's output would otherwise cut off
+    behind the other ranks' errors."""
     start = stderr.find("Fatal Python error")
-    return stderr[start : start + 6000] + "\n...\n" if start >= 0 else ""
+    if start < 0:
+        return ""
+    before = stderr.rfind("\n", 0, max(start - 2000, 0)) + 1
+    return stderr[before : start + 6000] + "\n...\n"
 
 
 def run(cmd: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
