@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -14,20 +15,27 @@ from tests.conftest import FAST_WORLD, SLOW_MODULES, SLOW_TESTS, stale_extension
 from tests.helpers import REPO, env, run
 
 
-def test_listing_the_tests_starts_no_deepspeed_build(tmp_path):
-    """`pytest --collect-only` started DeepSpeed's op build (~3 min cold) and waited for it."""
+def pytest_without_built_ops(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """pytest with `args` in a process whose DeepSpeed op cache is an empty folder (returned)."""
     extensions = tmp_path / "extensions"
     extensions.mkdir()
-    started = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "tests/test_distributed.py"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
         cwd=REPO,
         env=env() | {"TORCH_EXTENSIONS_DIR": str(extensions)},
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc, extensions
+
+
+def test_listing_the_tests_starts_no_deepspeed_build(tmp_path):
+    """`pytest --collect-only` started DeepSpeed's op build (~3 min cold) and waited for it."""
+    started = time.monotonic()
+    listing = ["--collect-only", "tests/test_distributed.py"]
+    proc, extensions = pytest_without_built_ops(tmp_path, *listing)
     assert "zero3" in proc.stdout  # the DeepSpeed tests were listed
     assert list(extensions.iterdir()) == []  # and nothing was built
     assert time.monotonic() - started < 120
@@ -36,18 +44,8 @@ def test_listing_the_tests_starts_no_deepspeed_build(tmp_path):
 def test_the_fast_tier_starts_no_deepspeed_build(tmp_path):
     """Fast tests that only name DeepSpeed (its config keys) started the op build the slow tier's
     worlds need, and `launch/test.sh --fast` waited at its end for a build none of its tests use."""
-    extensions = tmp_path / "extensions"
-    extensions.mkdir()
-    fast = ["-m", "not slow", "-p", "no:cacheprovider", "tests/test_config.py", "-k", "deepspeed"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", *fast],
-        cwd=REPO,
-        env=env() | {"TORCH_EXTENSIONS_DIR": str(extensions)},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    fast = ["-m", "not slow", "tests/test_config.py", "-k", "deepspeed"]
+    proc, extensions = pytest_without_built_ops(tmp_path, *fast)
     assert re.search(r"\b[1-9]\d* passed", proc.stdout)  # DeepSpeed's config tests ran
     assert list(extensions.iterdir()) == []  # and nothing was built
 
