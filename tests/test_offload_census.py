@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
 import sys
 from collections import defaultdict
 from dataclasses import replace
@@ -202,23 +201,22 @@ def run_case(overrides: list[str]) -> dict[str, Any]:
 def main(out: str) -> None:
     from scale_llm.components.distributed import start
     from scale_llm.config.plan import launch_env, resolve_plan
+    from tests.helpers import leave_world
 
     start(resolve_plan(load_config(None, SHAPE), launch_env()))  # one world for every case
     results = {name: run_case(overrides) for name, overrides in CASES.items()}
     Path(out, f"rank{os.environ['RANK']}.json").write_text(json.dumps(results))
+    leave_world()
 
 
 @pytest.fixture(scope="module")
 def counted(tmp_path_factory) -> dict[int, dict[str, Any]]:
     """{rank: {case: its census}} from one 2-rank world."""
-    from tests.helpers import env
+    from tests.helpers import run
 
     out = tmp_path_factory.mktemp("census")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    proc = subprocess.run(
-        [*cmd, __file__, str(out)], cwd=out, env=env(), capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run([*cmd, __file__, str(out)], cwd=out)
     return {r: json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)}
 
 

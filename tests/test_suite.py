@@ -99,3 +99,17 @@ def test_a_lock_no_process_holds_is_stale_and_a_held_one_is_not(tmp_path):
         holder.kill()  # killed mid-build: the lock stays behind
         holder.wait()
     assert lock.exists() and stale_extension_locks(tmp_path) == [lock]
+
+
+def test_every_script_the_tests_run_ends_without_the_interpreters_teardown():
+    """A process that was in a gloo world can abort in interpreter shutdown after all its work
+    ("terminate called without an active exception", SIGABRT), failing a launch that did
+    everything it was asked. Every tests/ module that runs as a script ends as the CLI does,
+    through `leave_world` (or `os._exit`)."""
+    main = re.compile(r'^if __name__ == "__main__":', re.MULTILINE)
+    scripts = [p for p in (REPO / "tests").glob("*.py") if main.search(p.read_text())]
+    assert len(scripts) >= 7
+    endless = [
+        p.name for p in scripts if not re.search(r"leave_world\(|os\._exit\(", p.read_text())
+    ]
+    assert endless == []
