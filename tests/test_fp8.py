@@ -440,7 +440,7 @@ from scale_llm.config.plan import Launch, resolve_plan
 from scale_llm.model import build_model
 from scale_llm.parallel.backend import build_backend
 from scale_llm.parallel.step import optimizer_step
-from tests.helpers import TINY_MODEL
+from tests.helpers import TINY_MODEL, leave_world
 
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 torch.set_num_threads(1)
@@ -473,6 +473,7 @@ def run(precompute):
 
 
 print(json.dumps({"on": run(True), "off": run(False)}))
+leave_world()  # (a gloo world can abort in interpreter shutdown)
 """
 
 
