@@ -195,8 +195,9 @@ def run(cmd: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedPr
 
 
 def leave_world() -> None:
-    """End a tests/*_world.py rank as the CLI ends a multi-process run: leave the process group,
-    then exit without the interpreter's teardown (`exit_without_teardown` says why)."""
+    """End a script the tests run that joined a process group as the CLI ends a multi-process
+    run: leave the group, then exit without the interpreter's teardown (`exit_without_teardown`
+    says why)."""
     shutdown_distributed()
     exit_without_teardown(0)
 

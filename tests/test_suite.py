@@ -3,6 +3,7 @@ rank's crash hidden behind the other ranks' errors."""
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -101,15 +102,25 @@ def test_a_lock_no_process_holds_is_stale_and_a_held_one_is_not(tmp_path):
     assert lock.exists() and stale_extension_locks(tmp_path) == [lock]
 
 
+JOINS_GLOO = 'init_process_group("gloo"'
+
+
 def test_every_script_the_tests_run_ends_without_the_interpreters_teardown():
     """A process that was in a gloo world can abort in interpreter shutdown after all its work
     ("terminate called without an active exception", SIGABRT), failing a launch that did
-    everything it was asked. Every tests/ module that runs as a script ends as the CLI does,
-    through `leave_world` (or `os._exit`)."""
+    everything it was asked. Every tests/ module that runs as a script, and every script string a
+    test runs that joins a gloo group, ends as the CLI does: through `leave_world` (or
+    `os._exit`)."""
     main = re.compile(r'^if __name__ == "__main__":', re.MULTILINE)
-    scripts = [p for p in (REPO / "tests").glob("*.py") if main.search(p.read_text())]
-    assert len(scripts) >= 7
-    endless = [
-        p.name for p in scripts if not re.search(r"leave_world\(|os\._exit\(", p.read_text())
-    ]
-    assert endless == []
+    ends = re.compile(r"leave_world\(|os\._exit\(")
+    scripts = {}
+    for path in (REPO / "tests").glob("*.py"):
+        source = path.read_text()
+        if main.search(source):
+            scripts[path.name] = source
+        for node in ast.walk(ast.parse(source)):  # scripts run with `python -c`
+            text = node.value if isinstance(node, ast.Constant) else None
+            if isinstance(text, str) and "\nimport " in text and JOINS_GLOO in text:
+                scripts[f"{path.name}:{node.lineno}"] = text
+    assert len(scripts) >= 8  # (the seven world scripts and test_fp8's: the scan finds them)
+    assert [name for name, source in scripts.items() if not ends.search(source)] == []
