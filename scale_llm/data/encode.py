@@ -1,7 +1,6 @@
 """Parallel, ordered tokenization: batches of documents go to `num_proc` worker processes and
 come back in input order with a bounded number in flight, so memory stays flat and the output is
-the same for every `num_proc`. This module imports no torch: workers start fast.
-"""
+the same for every `num_proc`. This module imports no torch: workers start fast."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Hugging Face datasets as a source: `data.source: hf:NAME` (the Hub) or `hf:PATH` (local folder),
 through `datasets.load_dataset` (a `save_to_disk` folder: `load_from_disk`). Nothing is opened
-until the documents are read, so a finished prepare stays a no-op without network.
-"""
+until the documents are read, so a finished prepare stays a no-op without network."""
 
 from __future__ import annotations
 
@@ -170,6 +169,5 @@ def _files(path: Path) -> list[Path]:
 
 
 def _saved_to_disk(path: Path) -> bool:
-    return path.is_dir() and any(
-        (path / name).is_file() for name in ("state.json", "dataset_dict.json")
-    )
+    names = ("state.json", "dataset_dict.json")
+    return path.is_dir() and any((path / name).is_file() for name in names)

@@ -2,8 +2,7 @@
 
 SentencePiece joins the adjacent pair whose joined piece scores highest: in `tokenizers` that is a
 BPE model whose merges are ranked by the score of the piece each makes. The rest mirrors our
-training settings (spaces as "▁", no dummy prefix, byte fallback, BOS first).
-"""
+training settings (spaces as "▁", no dummy prefix, byte fallback, BOS first)."""
 
 from __future__ import annotations
 

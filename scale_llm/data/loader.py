@@ -2,8 +2,7 @@
 
 Windows of seq_len + 1 tokens are visited once per epoch in an order drawn from (seed, epoch); a
 step's global batch is the next windows of that stream, rank r reading its contiguous slice, so a
-step's sequences do not depend on the layout. The state is the stream position (docs/data.md).
-"""
+step's sequences do not depend on the layout. The state is the stream position (docs/data.md)."""
 
 from __future__ import annotations
 
@@ -217,8 +216,7 @@ class TrainLoader:
             cached = self._perm.get(source)
             if cached is None or cached[0] != epoch:
                 # source 0 keeps the one-source key: a mixture of one source reads that stream
-                key = [self.seed, epoch] + ([source] if source else [])
-                rng = np.random.default_rng(key)
+                rng = np.random.default_rng([self.seed, epoch] + ([source] if source else []))
                 cached = self._perm[source] = (epoch, rng.permutation(int(self.sizes[source])))
             return cached[1]
 
@@ -249,7 +247,7 @@ class TrainLoader:
                 f"continuing at the same position of the new order"
             )
         saved, now = state.get("sources"), self.state_dict().get("sources")
-        if saved != now and (saved is not None or now is not None):
+        if saved != now:
             log.warning(
                 f"data: the checkpoint's mixture ({saved or 'one source'}) differs from now "
                 f"({now or 'one source'}); continuing at the same stream position of the new "

@@ -200,7 +200,6 @@ def _tokenizer(
     if not force and same and (out / name).is_file() and file_sha256(out / name) == tok["sha256"]:
         return (out / name).read_bytes()
     sample = None if bundle is not None else draw()  # (may refuse)
-    old = tok["file"] if tok else None
     # mixture.json names the file before it is written: a prepare stopped in between leaves a
     # tokenizer that is provably prepare's (its empty SHA-256 makes the next prepare redo it)
     record = out / MIXTURE
@@ -224,8 +223,8 @@ def _tokenizer(
             f"{sum(map(len, sample)) / 1e6:.1f} MB of {len(cfg.data.sources)} sources, by their "
             f"weights"
         )
-    if old is not None and old != name:
-        (out / old).unlink(missing_ok=True)  # named by prepare's own mixture.json
+    if tok and tok["file"] != name:
+        (out / tok["file"]).unlink(missing_ok=True)  # named by prepare's own mixture.json
     data = (out / name).read_bytes()
     sha = hashlib.sha256(data).hexdigest()
     mixture["tokenizer"] = {"file": name, "sha256": sha, "fingerprint": fingerprint}

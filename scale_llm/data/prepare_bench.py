@@ -1,7 +1,6 @@
 """`scale-llm prepare --bench`: tokens/s of prepare's pipeline (in this process, and in
 `data.num_proc` workers, start-up included) vs a plain `sp.encode` loop, on the first `megabytes`
-of the source in memory, with data.dir's tokenizer or one trained first (not timed).
-"""
+of the source in memory, with data.dir's tokenizer or one trained first (not timed)."""
 
 from __future__ import annotations
 

@@ -495,12 +495,9 @@ def _tokenize(
 def _docs_within_cap(batch: EncodedBatch, written: int, max_tokens: int | None) -> int:
     """Documents of the batch to keep: all, or up to the one that reaches max_tokens."""
     n = len(batch.lengths)
-    if max_tokens is None or n == 0:
+    if max_tokens is None:
         return n
-    cumulative = np.cumsum(batch.lengths)
-    if written + cumulative[-1] < max_tokens:
-        return n
-    return int(np.searchsorted(cumulative, max_tokens - written, side="left")) + 1
+    return min(n, int(np.searchsorted(np.cumsum(batch.lengths), max_tokens - written)) + 1)
 
 
 def _write(writers: dict[str, ShardWriter], batch: EncodedBatch, n_docs: int) -> int:

@@ -1,8 +1,7 @@
 """A Hugging Face model's own tokenizer (`data.tokenizer`), kept by prepare as one file.
 
 `hf-tokenizer.json` holds its `tokenizers` pipeline (encoding without transformers), the ids it puts
-around a text and the folder's tokenizer files byte for byte; its SHA-256 is the identity.
-"""
+around a text and the folder's tokenizer files byte for byte; its SHA-256 is the identity."""
 
 from __future__ import annotations
 
@@ -244,7 +243,7 @@ def _read_bundle(path: Path) -> dict[str, Any]:
             and all(isinstance(e, dict) and ("text" in e or "base64" in e) for e in x.values())
         ),
     }
-    if not isinstance(bundle, dict) or bundle.get("format") != FORMAT:
+    if bundle.get("format") != FORMAT:  # (read_json refuses anything but an object)
         wrong = [f"format is not {FORMAT!r}"]
     else:
         wrong = [

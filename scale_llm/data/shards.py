@@ -1,8 +1,7 @@
 """Token shards on disk: flat uint16/uint32 arrays plus a manifest.json that says what is complete.
 
 A directory is prepared only when every shard its manifest lists has its size and the tokenizer
-its SHA-256. progress.json records a point an interrupted prepare can continue from.
-"""
+its SHA-256. progress.json records a point an interrupted prepare can continue from."""
 
 from __future__ import annotations
 
@@ -291,11 +290,9 @@ def read_manifest(data_dir: str | Path) -> dict[str, Any]:
             f"{FORMAT_VERSION}; run `scale-llm prepare CONFIG` again"
         )
     if problems := manifest_problems(manifest):
-        shown = "; ".join(problems[:4]) + (
-            f" (and {len(problems) - 4} more)" if len(problems) > 4 else ""
-        )
+        more = f" (and {len(problems) - 4} more)" if len(problems) > 4 else ""
         raise UserError(
-            f"{path} {shown} (edited by hand, or cut short); run "
+            f"{path} {'; '.join(problems[:4])}{more} (edited by hand, or cut short); run "
             f"`scale-llm prepare CONFIG --force` to rebuild data.dir={data_dir}"
         )
     if problems := shard_problems(data_dir, manifest):

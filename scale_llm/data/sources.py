@@ -291,9 +291,8 @@ class _Listing:
         self.not_read.setdefault(reason, []).append(self._name(path) + note)
 
     def _name(self, path: Path) -> str:
-        return (
-            path.relative_to(self.base).as_posix() if path.is_relative_to(self.base) else str(path)
-        )
+        inside = path.is_relative_to(self.base)
+        return path.relative_to(self.base).as_posix() if inside else str(path)
 
     def summary(self, rules: bool = False) -> str:
         """'3 paths: 2 files with unknown suffixes (a.csv, b.log), 1 duplicate path (...)', and
@@ -343,11 +342,8 @@ class _Listing:
         except OSError:  # gone, or not a directory: the pattern matches nothing there
             return []
         hidden_ok = self.include_hidden or pattern.startswith(".")
-        return [
-            e
-            for e in entries
-            if (hidden_ok or not e.name.startswith(".")) and fnmatch.fnmatch(e.name, pattern)
-        ]
+        shown = [e for e in entries if hidden_ok or not e.name.startswith(".")]
+        return [e for e in shown if fnmatch.fnmatch(e.name, pattern)]
 
     def _descend(self, directory: Path, entry: os.DirEntry, parts, ancestors, links) -> None:
         """Walk into `entry` if it is a directory, but not into an ancestor (a loop, reported)."""
