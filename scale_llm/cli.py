@@ -17,9 +17,10 @@ import re
 import sys
 from pathlib import Path
 
-from scale_llm.config import Config, load_config, with_changes
+from scale_llm.config import Config, RunConfig, dump_yaml, load_config, with_changes
+from scale_llm.config.parallel import ONE_PROCESS
 from scale_llm.config.sections import measures_compiled
-from scale_llm.errors import UserError
+from scale_llm.errors import UserError, install_hint
 from scale_llm.log import setup_logging
 from scale_llm.version import __version__
 
@@ -138,8 +139,6 @@ def cmd_config(args: argparse.Namespace) -> int:
 
         print(markdown_keys() if args.markdown else text_keys())
         return 0
-    from scale_llm.config import dump_yaml
-
     cfg = config_from_args(args)
     if not args.preflight:
         print(dump_yaml(cfg), end="")
@@ -172,19 +171,20 @@ def _prepare_parser(sub) -> None:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from scale_llm.data.prepare import prepare
-
-    if not args.bench:
-        prepare(config_from_args(args), force=args.force)
-        return 0
-    from scale_llm.data.prepare_bench import bench_prepare, format_report
-
-    if not (math.isfinite(args.bench_mb) and args.bench_mb * 1e6 >= 1):
+    if args.bench and not (math.isfinite(args.bench_mb) and args.bench_mb * 1e6 >= 1):
         raise UserError(
             f"--bench-mb {args.bench_mb}: use a number of megabytes of text to encode, "
             f"above 0 (e.g. --bench-mb 16)"
         )
-    print(format_report(bench_prepare(config_from_args(args), args.bench_mb)))
+    cfg = config_from_args(args)
+    if args.bench:
+        from scale_llm.data.prepare_bench import bench_prepare, format_report
+
+        print(format_report(bench_prepare(cfg, args.bench_mb)))
+    else:
+        from scale_llm.data.prepare import prepare
+
+        prepare(cfg, force=args.force)
     return 0
 
 
@@ -218,7 +218,6 @@ def start_distributed(args: argparse.Namespace):
 def missing_packages(cfg: Config, plan, command: str) -> None:
     """The optional packages this command needs for this config, checked before any work."""
     from scale_llm.components.hf_files import SAFETENSORS, SAFETENSORS_INDEX
-    from scale_llm.errors import install_hint
 
     needs = []  # (the setting, the module it imports, how to get it)
     if plan.backend == "deepspeed":
@@ -330,7 +329,7 @@ def _estimate_parser(sub) -> None:
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     from scale_llm.analysis import memory
-    from scale_llm.config.plan import launch_env, target_plan
+    from scale_llm.config.plan import launch_env, resolve_plan, target_plan
 
     cfg = config_from_args(args)
     if args.world_size is not None and args.world_size < 1:
@@ -355,7 +354,6 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     text.append(memory.format_report(est, cfg, plan, args.config or "defaults"))
     if args.measure:  # builds the whole model on this host: refused first if it cannot fit
         from scale_llm.analysis.memory.measure import format_measurement, measure_step
-        from scale_llm.config.plan import resolve_plan
 
         here = with_changes(cfg, {"train.device": "cpu", "train.compile": False})
         memory.check_host_memory(here, resolve_plan(here, launch_env()))
@@ -435,11 +433,10 @@ def _bench_parser(sub) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from scale_llm.analysis import bench as b
-    from scale_llm.config.plan import launch_env
+    from scale_llm.config.plan import launch_env, target_plan
 
     if args.roofline:
         from scale_llm.analysis.roofline import format_roofline, roofline
-        from scale_llm.config.plan import target_plan
 
         cfg = config_from_args(args)
         world = cfg.parallel.world_size or 2  # (a config laid out for N GPUs says N)
@@ -624,7 +621,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def _one_process_plan(cfg: Config):
     """The plan of a run's config as one process on whatever this machine has (generate, eval,
     export): whatever backend, devices, tensor and pipeline parallelism the run trained with."""
-    from scale_llm.config.parallel import ONE_PROCESS
     from scale_llm.config.plan import Launch, resolve_plan
 
     return resolve_plan(with_changes(cfg, {**ONE_PROCESS, "train.device": "auto"}), Launch())
@@ -712,8 +708,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _runs_parser(sub) -> None:
-    from scale_llm.config import RunConfig
-
     p = _command(sub, "runs", "list the runs of a run.dir: step, loss, status, size")
     where = "a run.dir (the parent of run directories), or one run directory"
     p.add_argument("dir", nargs="?", default=RunConfig().dir, help=where)

@@ -5,6 +5,7 @@ step again, so exports and records are reused only with this checkpoint's `check
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import logging
 import math
 import os
@@ -358,8 +359,6 @@ def _shown(metric: str) -> bool:
 
 def _mentioned(task: str) -> bool:
     """Whether lm-eval's task files hold the text `task`: ~1 s, not ~15 s of indexing, to refuse."""
-    import importlib.util
-
     spec = importlib.util.find_spec("lm_eval.tasks")
     roots = spec.submodule_search_locations if spec else None
     if not roots:
@@ -400,7 +399,7 @@ def held_out_perplexity(
     if not (data_dir / MIXTURE).exists() or (data_dir / MANIFEST).exists():
         windows, n = held_out_windows(run_dir, cfg, data_dir, limit)
         model, _ = load_run(run_dir, cfg, plan, ckpt)
-        return {**head, **_scores(n, *mean_loss(model, windows, n, plan, batch_size))}
+        return {**head, **window_scores(model, windows, n, plan, batch_size)}
     names, weights, weighting = mixture_sources(cfg, data_dir)
     found = {}
     for name in names:
@@ -411,10 +410,7 @@ def held_out_perplexity(
                 f"--perplexity {data_dir} is a mixture; its source {name} ({data_dir / name}): {e}"
             ) from None
     model, _ = load_run(run_dir, cfg, plan, ckpt)
-    sources = {
-        name: _scores(n, *mean_loss(model, windows, n, plan, batch_size))
-        for name, (windows, n) in found.items()
-    }
+    sources = {name: window_scores(model, w, n, plan, batch_size) for name, (w, n) in found.items()}
     if weights is None:  # by windows: the mean over every window scored, as one folder's is
         total = sum(found[name][1] for name in names)
         weights = {name: found[name][1] / total for name in names}
@@ -453,10 +449,10 @@ def held_out_windows(
     return windows, n
 
 
-def mean_loss(
+def window_scores(
     model: torch.nn.Module, windows: TokenWindows, n: int, plan: RunPlan, batch_size: int
-) -> tuple[float, int]:
-    """(mean next-token loss, tokens scored) over windows 0..n-1."""
+) -> dict[str, Any]:
+    """The mean next-token loss (and its exp, the tokens scored) over windows 0..n-1."""
     autocast = Precision(plan.precision, plan.device.type).autocast()
     total, tokens = 0.0, 0
     for start in range(0, n, batch_size):
@@ -465,7 +461,7 @@ def mean_loss(
             loss = cross_entropy(model(batch[:, :-1]), batch[:, 1:])
         total += loss.item() * batch[:, 1:].numel()
         tokens += batch[:, 1:].numel()
-    return total / tokens, tokens
+    return _scores(n, total / tokens, tokens)
 
 
 def mixture_sources(cfg: Config, data_dir: Path) -> tuple[list[str], dict[str, float] | None, str]:

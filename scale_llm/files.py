@@ -228,7 +228,9 @@ def folder_file(folder: Path, name: str, what: str) -> Path | None:
         target = path.resolve()  # every link of a chain followed: judged by where it ends
     except (OSError, RuntimeError):  # a loop
         raise UserError(f"{what}: {path} is a symlink that loops; {LINK_FIX}") from None
-    if not any(target.is_relative_to(root) for root in _link_roots(Path(folder))):
+    real = Path(folder).resolve()  # a link may lead into the folder or its Hub cache entry
+    hub_entry = [p for p in (real, *real.parents) if p.name.startswith(HUB_ENTRY_PREFIX)][:1]
+    if not any(target.is_relative_to(root) for root in (real, *hub_entry)):
         raise UserError(
             f"{what}: {path} is a symlink to {target}, outside {folder}; scale_llm copies a "
             f"folder's files into what it writes (data, checkpoints, exports), so it reads "
@@ -236,13 +238,6 @@ def folder_file(folder: Path, name: str, what: str) -> Path | None:
             f"{HUB_ENTRY_PREFIX}ORG--NAME): {LINK_FIX}"
         )
     return target if target.is_file() else None
-
-
-def _link_roots(folder: Path) -> list[Path]:
-    """Where a link in `folder` may lead: the folder, and the Hub cache entry holding it."""
-    real = folder.resolve()
-    entries = [p for p in (real, *real.parents) if p.name.startswith(HUB_ENTRY_PREFIX)]
-    return [real, *entries[:1]]
 
 
 def read_folder_file(folder: Path, name: str, what: str) -> bytes | None:

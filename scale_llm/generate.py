@@ -87,7 +87,7 @@ def run_checkpoint(run_dir: Path, checkpoint: str | Path | None) -> Path:
     if (path / TRAINER_STATE).is_file() or Checkpointer(path, 1).complete():
         return resolve_checkpoint(path)  # (refuses a damaged one)
     have = [p.name for _, p in Checkpointer(run_dir, 1).complete()]
-    shown = ", ".join(have[-5:]) if have else "none"
+    shown = ", ".join(have[-5:]) or "none"
     raise UserError(
         f"--checkpoint {checkpoint}: not a checkpoint directory (no {TRAINER_STATE} inside) nor "
         f"a run directory with one; {run_dir / 'checkpoints'} holds {len(have)} complete "
@@ -127,8 +127,8 @@ def sample_next(
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and top_p < 1.0:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop = cum - sorted_logits.softmax(dim=-1) > top_p  # keep the smallest set reaching top_p
+        probs = sorted_logits.softmax(dim=-1)
+        drop = probs.cumsum(dim=-1) - probs > top_p  # keep the smallest set reaching top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
