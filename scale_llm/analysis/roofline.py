@@ -51,6 +51,8 @@ DEVICES = {
 # Dense FP8 tensor-core peaks (data sheets): twice bf16's on Hopper; none on an A100
 FP8_PEAK = {"H100-SXM": 1979e12, "H100-500W": 1979e12, "H200": 1979e12}
 WAYS = ("low", "point", "high")  # a rate's (and a time's) three figures
+Ways = dict[str, float]  # a figure at each of WAYS
+Classes = dict[str, Ways]  # op class -> its ms at each of WAYS
 MATMUL_OPS = {"mm", "addmm", "bmm", "matmul", "linear"}
 VIEWS = {  # ops that move no data (views, allocations)
     *("view", "_unsafe_view", "expand", "transpose", "t", "detach", "alias", "split"),
@@ -555,7 +557,7 @@ def achieved(
     attention = attention_rate(device, model.d_model // model.n_heads, model.seq_len)
     compiled = compiles(cfg.train, "cuda")
     elementwise = _elementwise_bytes(rows, grad_accum * counter.fused_bytes, compiled)
-    classes: dict[str, dict[str, float]] = {}
+    classes: Classes = {}
     fp8 = model.vocab_size if cfg.train.fp8.enabled else None
     for way in WAYS:
         hbm = getattr(RATES[device].hbm, way)
@@ -577,7 +579,7 @@ def achieved(
     elif shards > 1 and ADAMW_ROW in classes:  # FSDP2: AdamW over the rank's shard
         classes[ADAMW_ROW] = _divided(classes[ADAMW_ROW], shards)
     classes[IDLE_ROW] = _idle(classes)
-    ms = {way: sum(c[way] for c in classes.values()) for way in WAYS}
+    ms = _total(classes)
     flops, causal = (f / tp for f in model_flops)  # one GPU's share of the model's FLOPs
     mfu = lambda f, way: f / (ms[way] / 1e3) / DEVICES[device][0]  # noqa: E731
     matmul_flops = sum(calls * 2 * m * n * k for (m, n, k), calls in counter.gemms.items()) / tp
@@ -606,9 +608,7 @@ def achieved(
     }
 
 
-def _elementwise_bytes(
-    rows: dict[str, dict[str, float]], fused: float, compiled: bool
-) -> dict[str, float]:
+def _elementwise_bytes(rows: dict[str, dict[str, float]], fused: float, compiled: bool) -> Ways:
     """Element-wise, norm and loss bytes of a step: eager pays every op's traffic; compile
     removes CALIBRATION.fused's share of what the fusion rule says it could."""
     eager = sum(rows[c]["bytes"] for c in FUSED if c in rows)
@@ -616,11 +616,16 @@ def _elementwise_bytes(
     return {way: eager - getattr(CALIBRATION.fused, way) * removable for way in WAYS}
 
 
-def _idle(classes: dict[str, dict[str, float]]) -> dict[str, float]:
+def _idle(classes: Classes) -> Ways:
     """The time outside the counted kernels (the step is their sum / CALIBRATION.busy); FSDP2's
     exposed wait is no kernel's."""
-    kernels = [ms for cls, ms in classes.items() if cls != FSDP_ROW]
-    return {w: sum(c[w] for c in kernels) * (1 / getattr(CALIBRATION.busy, w) - 1) for w in WAYS}
+    kernels = _total({cls: ms for cls, ms in classes.items() if cls != FSDP_ROW})
+    return {w: t * (1 / getattr(CALIBRATION.busy, w) - 1) for w, t in kernels.items()}
+
+
+def _total(classes: Classes) -> Ways:
+    """The sum of the classes' times at each of WAYS."""
+    return {w: sum(c[w] for c in classes.values()) for w in WAYS}
 
 
 def _gemm_seconds(
@@ -699,18 +704,16 @@ def tp_shape(shape: tuple[int, int, int], tp: int, tokens: int) -> tuple[int, in
     return tuple(d // tp if i == cut else d for i, d in enumerate(shape))
 
 
-def _divided(ms: dict[str, float], by: float) -> dict[str, float]:
+def _divided(ms: Ways, by: float) -> Ways:
     return {w: t / by for w, t in ms.items()}
 
 
-def _split_over_tp(
-    classes: dict[str, dict[str, float]], traffic: dict[str, Any], tp: int, shards: int
-) -> dict[str, dict[str, float]]:
+def _split_over_tp(classes: Classes, traffic: dict[str, Any], tp: int, shards: int) -> Classes:
     """One GPU's step under TP x FSDP2: the work over the tp ranks (matmuls already a rank's),
     AdamW over the shard; TP's collectives all exposed, FSDP2's beyond the compute."""
     out = {c: _divided(ms, tp * (shards if c == ADAMW_ROW else 1)) for c, ms in classes.items()}
     out["matmul"] = dict(classes["matmul"])
-    compute = {w: sum(c[w] for c in out.values()) for w in WAYS}
+    compute = _total(out)
     if tp > 1:
         out[TP_ROW] = {w: traffic["tp_ms"] / getattr(CALIBRATION.link, w) for w in compute}
     out[FSDP_ROW] = {w: max(0.0, traffic["fsdp_ms"] - t) for w, t in compute.items()}
@@ -806,7 +809,7 @@ def format_achieved(a: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _ms_table(classes: dict[str, dict[str, float]]) -> list[str]:
+def _ms_table(classes: Classes) -> list[str]:
     """Each class's time at the three rates, the largest first."""
     return [
         "| op class | ms at achieved rates [at high rates - at low rates] |",
@@ -841,7 +844,7 @@ def format_traffic(t: dict[str, Any], tp: int) -> list[str]:
     return lines
 
 
-def _span(d: dict[str, float], unit: float, fmt: str = ".0f", suffix: str = "") -> str:
+def _span(d: Ways, unit: float, fmt: str = ".0f", suffix: str = "") -> str:
     """'point [low-high]' of a dict of the three."""
     p, lo, hi = (format(d[k] / unit, fmt) for k in ("point", "low", "high"))
     return f"{p}{suffix} [{lo}-{hi}{suffix}]"
@@ -977,17 +980,15 @@ def rank_holdings(cfg: Config, plan: RunPlan, stages_per_rank: int) -> list[tupl
     return [(held[r], owner[0] == r, owner[-1] == r) for r in range(plan.pp_degree)]
 
 
-def _kernels(a: dict[str, Any]) -> dict[str, dict[str, float]]:
+def _kernels(a: dict[str, Any]) -> Classes:
     """`achieved`'s classes a piece is made of: not AdamW, FSDP2's wait or the idle time."""
     return {c: t for c, t in a["classes"].items() if c not in (ADAMW_ROW, FSDP_ROW, IDLE_ROW)}
 
 
-def _weighted(
-    terms: list[tuple[float, dict[str, dict[str, float]]]],
-) -> dict[str, dict[str, float]]:
+def _weighted(terms: list[tuple[float, Classes]]) -> Classes:
     """The sum of weight x classes over `terms`, class by class; no row where that is 0 (the
     embedding's row of a difference of two models, a term weighing 0)."""
-    out: dict[str, dict[str, float]] = {}
+    out: Classes = {}
     for weight, classes in terms:
         for c, t in classes.items():
             if weight:
@@ -1032,8 +1033,8 @@ def stage_parts(stage: Config, piece: int, device: str, world: int, network: str
 
 
 def _whole_loss(
-    head: dict[str, dict[str, float]], m: ModelConfig, piece: int, tp: int, c: int, network: str
-) -> dict[str, dict[str, float]]:
+    head: Classes, m: ModelConfig, piece: int, tp: int, c: int, network: str
+) -> Classes:
     """A pipeline's head under TP, whose loss the trainer computes whole on every tp rank from the
     gathered logits (`PipelineBackend._piece_loss`): the head's work but its matmul tp times a
     rank's share, and the gather's (tp - 1) / tp of the logits on the TP link (backward: none)."""
@@ -1046,7 +1047,7 @@ def _whole_loss(
 
 def rank_work(
     parts: dict, m: ModelConfig, tp: int, count: int, rank: tuple, runs: int
-) -> tuple[dict[str, dict[str, float]], float]:
+) -> tuple[Classes, float]:
     """One pipeline rank's step of `count` pieces in `runs` schedule runs without the bubble and
     the sends, `rank` its (`rank_holdings`, `recomputed_shares`, `gathered_params`) entries; its
     FSDP2 traffic's least time: each run's gathers and one reduce-scatter of its gradients
@@ -1061,7 +1062,7 @@ def rank_work(
         ]
     )
     if twice:  # a split backward's second recomputation
-        extra = {w: max(0.0, sum(t[w] for t in parts["recompute"].values())) for w in WAYS}
+        extra = {w: max(0.0, t) for w, t in _total(parts["recompute"]).items()}
         classes[RECOMPUTE_ROW] = {w: count * blocks * twice * t for w, t in extra.items()}
     own = [ParamCounts.of(m, k, first, last) for k in (1, tp)]
     params = [n.root + blocks * n.block for n in own]
@@ -1095,15 +1096,14 @@ def pipeline_step(
     count = pieces * plan.grad_accum  # pieces a step
     held, gathered = rank_holdings(cfg, plan, v), gathered_params(cfg, plan, pieces, v)
     ranks = list(zip(held, recomputed_shares(cfg, plan, pieces, v), gathered))
-    # one price per distinct rank: the step waits for the slowest
-    runs = plan.grad_accum  # schedule runs a step
-    priced = {r: rank_work(parts, m, plan.tp_degree, count, r, runs) for r in set(ranks)}
-    work_of = {r: sum(t["point"] for t in c.values()) for r, (c, _) in priced.items()}
+    # one price per distinct rank (grad_accum schedule runs a step): the step waits for the slowest
+    priced = {r: rank_work(parts, m, plan.tp_degree, count, r, plan.grad_accum) for r in set(ranks)}
+    work_of = {r: _total(c)["point"] for r, (c, _) in priced.items()}
     slowest = max(ranks, key=work_of.get)
     classes, fsdp = priced[slowest]
     schedule = cfg.parallel.pipeline.schedule
     bubble = pipeline_bubble(pp, pieces, schedule, v)  # each schedule run's fill and drain
-    work = {w: sum(c[w] for c in classes.values()) for w in WAYS}
+    work = _total(classes)
     if fsdp:
         classes[FSDP_ROW] = {w: max(0.0, fsdp - t) for w, t in work.items()}
     # the pieces wait in the fill and drain; AdamW (and its share of the idle) runs after
@@ -1114,7 +1114,7 @@ def pipeline_step(
     p2p = pipeline_p2p_bytes(piece * m.seq_len, m.d_model, count, v, plan.tp_degree)
     rate, link = link_of(pp, world // pp, network)  # pp outermost: its neighbours
     classes[P2P_ROW] = {w: 1e3 * p2p / rate if pp > 1 else 0.0 for w in WAYS}
-    ms = {w: sum(c[w] for c in classes.values()) for w in WAYS}
+    ms = _total(classes)
     tokens = plan.micro_batch_size * plan.grad_accum * m.seq_len * plan.dp_degree / world
     flops = build_model(m).flops_per_token() * tokens  # one GPU's share of the model's FLOPs
     (blocks, first, last), *_ = slowest
