@@ -55,16 +55,12 @@ def validate(cfg: Config) -> list[str]:
     e += bound_problems(cfg, "checkpoint.keep_last")
     e += bound_problems(t, "min_lr warmup_steps weight_decay grad_clip eps", ">= 0", "train.")
     e += bound_problems(cfg, "eval.every eval.steps eval.sample_every checkpoint.every", ">= 0")
-    if m.d_model > 0 and m.n_heads > 0 and m.d_model % m.n_heads:
-        e.append(
-            f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; "
-            f"{_head_fix(m)}"
-        )
-    elif m.d_model > 0 and m.n_heads > 0 and (m.d_model // m.n_heads) % 2:
-        e.append(
-            f"model.d_model / model.n_heads = {m.d_model // m.n_heads} must be even for "
-            f"rotary embeddings; {_head_fix(m)}"
-        )
+    if m.d_model > 0 and m.n_heads > 0 and m.d_model % (2 * m.n_heads):  # (whole, even heads)
+        problem = f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}"
+        if m.d_model % m.n_heads == 0:
+            head = m.d_model // m.n_heads
+            problem = f"model.d_model / model.n_heads = {head} must be even for rotary embeddings"
+        e.append(f"{problem}; {_head_fix(m)}")
     if m.n_kv_heads is not None and (m.n_kv_heads <= 0 or m.n_heads % m.n_kv_heads):
         kv = [d for d in range(1, m.n_heads + 1) if m.n_heads % d == 0][-6:]
         example = (  # (the second largest; none while n_heads itself is refused above)

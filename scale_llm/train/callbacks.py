@@ -244,7 +244,6 @@ class GarbageCollector(Callback):
     def __init__(self, every: int):
         self.every = every
         self.collecting = False  # inside one of our collections (the test's witness)
-        self._was_enabled = gc.isenabled()
 
     def start(self, trainer: Trainer) -> None:
         if self.every:
