@@ -132,8 +132,7 @@ def run_check(
             curves(report, tiny, cuda)
         big = one_process(load_config(YAML / "400m.yaml") if cuda else tiny)
         rows = (GPU_SWEEP if cuda else CPU_SWEEP) if "sweep" in wanted else []
-        for mb, mode, compiled in rows[:2]:  # the headline layout, compiled and eager
-            sweep(report, big, mb, mode, compiled)
+        sweep(report, big, rows[:2])  # the headline layout, compiled and eager
         mb, _, compiled = GPU_SWEEP[0] if cuda else CPU_SWEEP[0]  # the headline layout
         ref = with_changes(big, {"train.micro_batch_size": mb, "train.compile": compiled})
         if "reference" in wanted:
@@ -142,8 +141,7 @@ def run_check(
             report.attempt("param_dtype", "fsdp, world size 1", lambda: fsdp_row(ref))
         if "scaling" in wanted:
             report.attempt("scaling", "ddp, 2 processes vs 1", lambda: scaling_row(ref, runs, cuda))
-        for mb, mode, compiled in rows[2:]:  # the other layouts, while the budget lasts
-            sweep(report, big, mb, mode, compiled)
+        sweep(report, big, rows[2:])  # the other layouts, while the budget lasts
         report.data["finished"] = True
         report.save()
         log.info("check: done in %.0f s, %s", report.data["seconds"], _verdict(report.data))
@@ -359,9 +357,10 @@ def curve_row(
     }
 
 
-def sweep(report: Report, cfg: Config, micro_batch: int, mode: str, compiled: bool) -> None:
-    label = f"micro-batch {micro_batch}, {mode}, {'compiled' if compiled else 'eager'}"
-    report.attempt("sweep", label, functools.partial(sweep_row, cfg, micro_batch, mode, compiled))
+def sweep(report: Report, cfg: Config, layouts: list[tuple[int, str, bool]]) -> None:
+    for mb, mode, compiled in layouts:
+        label = f"micro-batch {mb}, {mode}, {'compiled' if compiled else 'eager'}"
+        report.attempt("sweep", label, functools.partial(sweep_row, cfg, mb, mode, compiled))
 
 
 def sweep_row(

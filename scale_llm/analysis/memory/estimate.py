@@ -275,7 +275,7 @@ def _deepspeed_states(n: ParamCounts, lay: Layout, c: int, half: bool):
     if s == 1 and lay.grad_accum > 1:  # ZeRO-1 accumulates whole gradients in .grad between
         grads += c * P  # micro-steps and partitions them at the boundary (measured: c x P more)
     gpu = {"params": params, "grads": grads, "optimizer": optim}
-    cpu = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
+    cpu = dict.fromkeys(gpu, 0.0)
     if lay.offload_optimizer and s in (1, 2):
         gpu["optimizer"] = 0.0
         gpu["grads"] += zero_offload_gpu_grads(n, lay) - c * P / W
@@ -578,10 +578,10 @@ def step_phases(
     # incl. the logits the loss keeps; a pipeline stage before the last: its blocks' and inputs
     saved = sum(kept) + (head_activation_bytes(m, B, num) if lay.holds_head else resident)
     activations = saved
-    # autocast caches its bf16 weight copies until the forward ends: extra for checkpointed blocks
+    # autocast caches its bf16 weight copies until the forward ends: extra for checkpointed
+    # blocks (fp8 linears cast their weights themselves)
     recomputed = checkpointed_count(m, ac, flags)
-    cast_cache = 2 * block_matmul_params(m) * recomputed if num.autocast else 0
-    cast_cache = 0 if num.fp8 else cast_cache  # (fp8 linears cast their weights themselves)
+    cast_cache = 2 * block_matmul_params(m) * recomputed if num.autocast and not num.fp8 else 0
     fp8_casts = fp8_cast_bytes(m, B, num, lay.fp8, lay.compiled)  # beside a block's backward
     # ZeRO-1/2 allocate their reduce buckets at a backward's first gradient and free them after
     # it; ZeRO-3 holds its one from the start

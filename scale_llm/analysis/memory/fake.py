@@ -18,9 +18,8 @@ from unittest import mock
 
 import torch
 
-from scale_llm.analysis.memory.estimate import estimate_layout, layout_of
+from scale_llm.analysis.memory.gpu import estimate
 from scale_llm.analysis.memory.measure import LiveStorages, in_phase, measured_steps, parts_table
-from scale_llm.analysis.memory.pipeline import pipeline_estimate
 from scale_llm.components.optim import build_optimizer
 from scale_llm.config import Config, with_changes
 from scale_llm.config.plan import RunPlan, target_plan
@@ -79,18 +78,14 @@ def trace_step(
             f"estimate --fake traces parallel.backend single (world 1) and fsdp, not "
             f"{plan.backend}; use --world-size 1 or --set parallel.backend=fsdp"
         )
-    on_cuda = with_changes(here, {"train.device": "cuda"})
-    lay = layout_of(on_cuda, target)
-    worst = None
     _check_rank(pipeline_rank, plan)
+    # the trace runs the CPU's kernels, which save what CUDA's do (RMSNorm: its input, rstd)
+    est, worst = estimate(with_changes(here, {"train.device": "cuda"}), target), None
     if plan.pp_degree > 1:
-        est = pipeline_estimate(on_cuda, target, lay)
         worst = est.pipeline_rank
         rank = worst if pipeline_rank is None else pipeline_rank
         est = est.pipeline_ranks[rank]
         plan = dataclasses.replace(plan, rank=rank * (world_size // plan.pp_degree))
-    else:  # the trace runs the CPU's kernels, which save what CUDA's do (RMSNorm: its input, rstd)
-        est = estimate_layout(on_cuda.model, on_cuda.activation_checkpointing, lay)
     measured = _traced(here, plan)
     return {
         "backend": plan.backend,
@@ -158,9 +153,7 @@ def _pipeline_facts(cfg: Config, plan: RunPlan, worst: int) -> dict[str, Any]:
 
 
 def _traced_config(cfg: Config, world_size: int) -> Config:
-    changes: dict[str, Any] = {"train.compile": False, "train.grad_accum": 1}
-    if cfg.train.global_batch_size is not None:
-        changes["train.global_batch_size"] = None
+    changes = {"train.compile": False, "train.grad_accum": 1, "train.global_batch_size": None}
     if world_size == 1:
         changes["parallel.backend"] = "single"
     return with_changes(cfg, changes)

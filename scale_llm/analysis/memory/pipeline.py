@@ -282,8 +282,8 @@ class _Rank:
         self.model = dataclasses.replace(m, n_layers=len(self.stage_of))  # a model of its blocks
         self.counts = ParamCounts.of(self.model, lay.tp, self.first, self.last)  # (on this rank)
         # every_k picks blocks by their one-process index, as applied: the rank's blocks' flags
-        recomputed = checkpointed_flags(m, ac)
-        self.flags = [recomputed[i] for s in self.mine for i in self.blocks[s]]
+        self.recomputed = checkpointed_flags(m, ac)
+        self.flags = [self.recomputed[i] for s in self.mine for i in self.blocks[s]]
         # a V schedule under FSDP2: torch runs its backwards, split or whole, without gradient
         # sync and reduces a stage after its last weight half, so no block phase holds a
         # reduce-scatter input, before the rank's first weight gradient or after
@@ -294,6 +294,11 @@ class _Rank:
         self.in_place = (
             lay.backend == "fsdp" and lay.precision == "fp32" and pipe.schedule not in V_SCHEDULES
         )
+
+    def stage_counts(self, s: int) -> ParamCounts:
+        """Stage `s`'s parameters here: its blocks', the first's embedding, the last's head."""
+        first, last = s == 0, s == self.stages - 1
+        return ParamCounts.of(_of(self.m, self.blocks[s]), self.lay.tp, first, last)
 
 
 def _moments_of(r: _Rank) -> _Moments:
@@ -307,7 +312,10 @@ def _moments_of(r: _Rank) -> _Moments:
     sends = sends_held(plan, r.schedule, r.rank, sent)
     grads16, gather = _weight_half_grads(r), _gathered_of(r)
     kept, left = _v_kept(sends, mine, stages, sent, r.schedule)
-    by = StageBytes(held, split, run, kept, _whole_grads(r), grads16, left)
+    # the whole gradients a stage accumulates from its first backward on (FSDP2 reduces them
+    # after the last piece's), fp32 beside its shards; none but FSDP2's
+    whole = {s: 4.0 * r.stage_counts(s).total * (lay.backend == "fsdp") for s in mine}
+    by = StageBytes(held, split, run, kept, whole, grads16, left)
     moments = stage_moments(actions, by, 0, stages - 1, gather)
     if r.pieces == 1:  # (one piece: the rank's only moments are its first)
         moments = {(False, *k[1:]): v for k, v in sorted(moments.items())}
@@ -335,17 +343,6 @@ def _received(mine: list[int], stages: int) -> int:
     stage) and its output's gradient (all but the last), from another rank (a V schedule's
     last rank holds two neighbouring stages: they pass each other theirs)."""
     return sum((s - 1 not in mine) * (s > 0) + (s + 1 not in mine) * (s < stages - 1) for s in mine)
-
-
-def _whole_grads(r: _Rank) -> dict[int, float]:
-    """By stage of rank `r`: the whole gradients it accumulates from its first backward on
-    (FSDP2 reduces them after the last piece's), fp32 beside its shards; none but FSDP2's."""
-    if r.lay.backend != "fsdp":
-        return dict.fromkeys(r.mine, 0.0)
-    return {
-        s: 4.0 * ParamCounts.of(_of(r.m, r.blocks[s]), r.lay.tp, s == 0, s == r.stages - 1).total
-        for s in r.mine
-    }
 
 
 def _unmade(at: _Moments, r: _Rank, last_split: float) -> None:
@@ -384,7 +381,7 @@ def _step(r: _Rank, lay: Layout, at: _Moments, later: bool, not_yet: float) -> E
     none are (`_less_new_grads`)."""
     est = _with_head_backward(estimate_layout(r.model, r.ac, lay, r.flags), r.m, r.piece, r.lay)
     if r.split_fsdp or later and r.in_place:
-        est = _less_new_grads(est, r.model, lay, r.split_fsdp)
+        est = _less_new_grads(est, r, lay)
     return _at_moments(est, at, later, not_yet)
 
 
@@ -472,7 +469,6 @@ def _pieces(r: _Rank, num: Numerics) -> tuple[dict[int, float], ...]:
     one-process index (every_k: 0, k, ...), as applied."""
     m, piece, n = r.m, r.piece, r.stages
     kept = kept_per_block(m, r.ac, piece, num)
-    recomputed = checkpointed_flags(m, r.ac)
     sent = block_input_bytes(m, piece, num)
     # the last stage's split: the gradient at the head's and the final norm's outputs too
     head = num.compute * piece * m.seq_len * (m.vocab_size // num.tp + m.d_model)
@@ -485,7 +481,7 @@ def _pieces(r: _Rank, num: Numerics) -> tuple[dict[int, float], ...]:
         # held in flight: a stage keeps its output for the backward, its input is a buffer
         held[s] = per_piece[s] + sent * ((s < n - 1) - (s > 0))
         split[s] = (weight_half_bytes(_of(m, blocks), piece, num) + head * (s == n - 1)) * (s > 0)
-        run[s] = weight_run_bytes(m, [recomputed[i] for i in blocks], piece, num) * (s > 0)
+        run[s] = weight_run_bytes(m, [r.recomputed[i] for i in blocks], piece, num) * (s > 0)
     return per_piece, held, split, run
 
 
@@ -538,27 +534,24 @@ def _weight_half_grads(r: _Rank) -> dict[int, float]:
     blocks' only (tiny ZBV's rank 0 traces no 16-bit head gradient). Stage 0's weight half is
     its whole backward: the embedding's kept. fp32 adds into the accumulation: none."""
     m, lay = r.m, r.lay
-    out = dict.fromkeys(r.mine, 0.0)
     if not r.split_fsdp or lay.precision == "fp32":
-        return out
-    one = ParamCounts.of(m, lay.tp, False, False).block
-    for s in r.mine:
-        out[s] = float(lay.working_bytes * len(r.blocks[s]) * one) * (s > 0)
-    if 0 in out:
-        out[0] = float(lay.working_bytes * m.vocab_size // lay.tp * m.d_model)
-    return out
+        return dict.fromkeys(r.mine, 0.0)
+    embedding = float(lay.working_bytes * m.vocab_size // lay.tp * m.d_model)
+    block = lay.working_bytes * r.counts.block
+    return {s: float(block * len(r.blocks[s])) if s else embedding for s in r.mine}
 
 
-def _less_new_grads(est: Estimate, m: ModelConfig, lay: Layout, split: bool) -> Estimate:
+def _less_new_grads(est: Estimate, r: _Rank, lay: Layout) -> Estimate:
     """`est` without the new gradients its block backwards count beside the whole ones (the
-    running block's down-projection's, the head's). `split` (a V schedule under FSDP2, which
-    reduces after the last piece's backward): the 16-bit ones, counted with the stage's
+    running block's down-projection's, the head's). `split_fsdp` (a V schedule under FSDP2,
+    reduced after the last piece's backward): the 16-bit ones, counted with the stage's
     (`_weight_half_grads`; fp32 keeps none apart), and no fp32 reduce-scatter input of the block
     above. Else (`in_place`): autograd adds each into its parameter's `.grad` in place and frees
     it at once; a stage's first backward keeps them as made, counted with the made ones
     (`made_above`)."""
+    m, split = r.model, r.split_fsdp
     width = lay.working_bytes * (lay.precision != "fp32") if split else 4.0
-    reduce_input = 4.0 * ParamCounts.of(m, lay.tp, False, False).block * split
+    reduce_input = 4.0 * r.counts.block * split
     this_block = width * m.d_model * (mlp_hidden_size(m) // lay.tp)
     head = width * (m.vocab_size // lay.tp * m.d_model + m.d_model) * lay.holds_head
     for name, parts in est.parts.items():
@@ -574,12 +567,12 @@ def _gathered_of(r: _Rank) -> Gathered | None:
     lay = r.lay
     if lay.backend != "fsdp" or r.schedule in V_SCHEDULES:
         return None
+    resharding = dataclasses.replace(lay, reshard_after_forward=True)
     sizes = {}
     for s in r.mine:
-        b = r.blocks[s]
-        counts = ParamCounts.of(_of(r.m, b), lay.tp, s == 0, s == r.stages - 1)
-        one = fsdp_gathered_params(counts, dataclasses.replace(lay, reshard_after_forward=True), 0)
-        sizes[s] = (lay.working_bytes * counts.root, one - lay.working_bytes * counts.root, len(b))
+        counts = r.stage_counts(s)
+        root = lay.working_bytes * counts.root
+        sizes[s] = (root, fsdp_gathered_params(counts, resharding, 0) - root, len(r.blocks[s]))
     return Gathered(sizes, lay.reshard_after_forward, r.schedule in RUNTIME_UNSHARDS)
 
 
@@ -625,12 +618,14 @@ def _at_moments(est: Estimate, at: _Moments, later: bool, not_yet: float) -> Est
         if placed is None:
             continue
         kept[name] = parts
-        s, missing, held16 = placed
-        if name.startswith("block ") and (s not in states or _states(parts) > states[s].states):
-            states[s] = _Worst(int(name.split()[1]), parts, missing, held16)
+        s, worst = placed
+        if worst.block is not None and (s not in states or worst.states > states[s].states):
+            states[s] = worst
     gathered = max([0.0, *(kept[n]["params"] for n in kept if n.startswith("block "))])
-    for key, moment in at.moments.items():
-        parts = _weight_half(at, key, moment, later, states, gathered)
+    for (after, what, s), moment in at.moments.items():
+        if after != later or what != "W" or not states:
+            continue
+        parts = _weight_half(at, s, moment, later, states, gathered)
         old = kept.get("weight half backward")
         if parts and (old is None or sum(parts.values()) > sum(old.values())):
             kept["weight half backward"] = parts
@@ -641,25 +636,27 @@ def _at_moments(est: Estimate, at: _Moments, later: bool, not_yet: float) -> Est
 
 
 class _Worst(NamedTuple):
-    """A stage's block backward holding the most states (`_at_moments`)."""
+    """A phase at its worst moment (`_placed`); by stage, `_at_moments` keeps the block
+    backward holding the most states."""
 
-    block: int
+    block: int | None  # (None: not a block's phase)
     parts: dict[str, float]
     missing: float  # the gradients its parts lack
     held16: float  # the 16-bit gradients they hold
 
     @property
     def states(self) -> float:
-        return _states(self.parts)
+        return self.parts["params"] + self.parts["grads"]
 
 
 def _placed(
     name: str, parts: dict[str, float], at: _Moments, later: bool, not_yet: float
-) -> tuple[int, float, float] | None:
+) -> tuple[int, _Worst] | None:
     """Phase `name`'s `parts` (in place) at the worst moment its stage runs it (`_at_moments`):
-    (its stage, the gradients they lack, the 16-bit ones they hold); None where it never runs
-    then."""
-    s = at.stage_of[int(name.split()[1])] if name.startswith("block ") else at.last
+    (its stage, the phase with the gradients they lack and the 16-bit ones they hold); None
+    where it never runs then."""
+    block = int(name.split()[1]) if name.startswith("block ") else None
+    s = at.last if block is None else at.stage_of[block]
     running = "F" if name == "loss forward" else "B"
     # an input half (retain_graph) keeps what it reads and makes the `split` as it goes,
     # but a checkpointed block's recomputation is freed as read: at its peak (its start)
@@ -677,7 +674,7 @@ def _placed(
         parts["params"] = at.sharded + _gathered_at(at, name, s, chosen)
         # torch's stages run every backward without FSDP2's gradient sync and reduce a
         # stage's gradients after its last one: no reduce-scatter input in a backward
-        below_top = name.startswith("block ") and int(name.split()[1]) < len(at.stage_of) - 1
+        below_top = block is not None and block < len(at.stage_of) - 1
         parts["grads"] -= at.reduce_input * below_top
     # the whole gradients of the stages yet to run back, and of a stage running its first
     # backward those below the running block (before the rank's first: none counted)
@@ -685,25 +682,18 @@ def _placed(
     # the base step's piece is the running one: as held in flight (a forward's: not yet)
     own = at.per_piece[s] - (at.held[s] if running == "F" else 0.0)
     parts["activations"] += at.buffers + chosen.now - own - at.before[s]
-    if name.startswith("block ") and s == at.last:
+    if block is not None and s == at.last:
         parts["activations"] += at.logits
     parts["grads"] += chosen.held16 - not_yet - missing
-    return s, missing, chosen.held16
+    return s, _Worst(block, parts, missing, chosen.held16)
 
 
 def _weight_half(
-    at: _Moments,
-    key: tuple[bool, str, int],
-    moment: Moment,
-    later: bool,
-    states: dict[int, _Worst],
-    gathered: float,
+    at: _Moments, s: int, moment: Moment, later: bool, states: dict[int, _Worst], gathered: float
 ) -> dict[str, float] | None:
-    """A weight half's phase at `moment` (`_at_moments`): what is in flight with the states of
-    its stage's block backward holding the most; None where it holds no more than that."""
-    if key[0] != later or key[1] != "W" or not states:
-        return None
-    s, others = key[2], moment.others
+    """Stage `s`'s weight half's phase at `moment` (`_at_moments`): what is in flight with the
+    states of its stage's block backward holding the most; None where it holds no more."""
+    others = moment.others
     worst = states.get(s) or max(states.values(), key=lambda x: x.states)
     base = worst.parts
     parts = {**base, "activations": at.resident + moment.now + at.buffers, "temporaries": 0.0}
@@ -714,9 +704,7 @@ def _weight_half(
     # the rank's blocks are all gathered by then (each stays from its first backward on)
     parts["grads"] -= at.reduce_input * (worst.block < len(at.stage_of) - 1)
     parts["params"] = max(gathered, base["params"])
-    if parts["activations"] > base["activations"] + base["temporaries"]:
-        return parts
-    return None
+    return parts if parts["activations"] > base["activations"] + base["temporaries"] else None
 
 
 def _gathered_at(at: _Moments, name: str, s: int, moment: Moment) -> float:
@@ -762,10 +750,6 @@ class Gathered:
             elif state == "F":  # its last block is not resharded after its forward
                 total += block
         return total
-
-
-def _states(parts: dict[str, float]) -> float:
-    return parts["params"] + parts["grads"]
 
 
 def pipeline_estimate(cfg: Config, plan: RunPlan, lay: Layout) -> Estimate:
