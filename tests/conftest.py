@@ -51,7 +51,7 @@ SLOW_MODULES = {"test_distributed.py", "test_reliability.py", "test_offload_cens
 FAST_WORLD = "test_distributed.py::test_backend_matches_single_process[ddp]"
 # the slow tests that start DeepSpeed say so in their module's or their own name (not zero_bubble)
 DEEPSPEED_TESTS = re.compile(r"zero[0-3]|deepspeed|every_backend|offload|7b", re.IGNORECASE)
-SLOW_TESTS = {  # by module::function (every parameter): over ~5 s each on 2 cores, then the rest
+SLOW_TESTS = {  # by module::function (every parameter): over ~4 s each on 2 cores, then the rest
     "test_eval_tasks.py::test_an_unknown_task_stops_every_rank_with_the_message",
     "test_memory_fake.py::test_fsdp2_x_tensor_parallel_at_4_fake_ranks_peaks_where_the_estimate_says",
     "test_tensor_parallel.py::test_tensor_parallel_alone_follows_one_process",
@@ -107,6 +107,14 @@ SLOW_TESTS = {  # by module::function (every parameter): over ~5 s each on 2 cor
     "test_train.py::test_the_gpt2_reference_is_a_flop_matched_gpt2_and_learns",
     "test_train.py::test_what_users_watch_tensorboard_wandb_samples_and_progress",
     "test_roofline.py::test_the_doc_states_the_calibration_table_the_code_makes",
+    "test_fp8.py::test_fp8_follows_the_bf16_curve",
+    "test_fp8.py::test_tensor_parallel_gathers_fp8_activations_on_gpus",
+    "test_fp8.py::test_fsdp2_fp8_gather_precomputes_the_scales_after_each_step",
+    "test_pipeline.py::test_a_stages_gathered_blocks_follow_its_forwards_and_backwards",
+    "test_pipeline.py::test_a_v_schedule_with_checkpointing_peaks_where_its_estimate_says",
+    "test_pipeline.py::test_an_fp32_v_schedule_counts_the_gradient_each_backward_makes",
+    "test_pipeline.py::test_a_v_schedule_keeps_each_input_halfs_gradient_and_what_its_stages_pass",
+    "test_pipeline.py::test_a_v_schedules_first_stage_keeps_its_embeddings_16_bit_gradient",
     # processes around training
     "test_compile.py::test_a_launch_past_its_time_is_stopped_with_sigterm_first",
     "test_cli.py::test_a_stop_signal_to_the_torchrun_launchers_ends_with_the_checkpoint",
