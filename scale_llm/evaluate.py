@@ -452,7 +452,7 @@ def held_out_windows(
 def window_scores(
     model: torch.nn.Module, windows: TokenWindows, n: int, plan: RunPlan, batch_size: int
 ) -> dict[str, Any]:
-    """The mean next-token loss (and its exp, the tokens scored) over windows 0..n-1."""
+    """Windows 0..n-1 scored: their mean next-token loss, its exp, the tokens and windows."""
     autocast = Precision(plan.precision, plan.device.type).autocast()
     total, tokens = 0.0, 0
     for start in range(0, n, batch_size):

@@ -51,8 +51,8 @@ DEVICES = {
 # Dense FP8 tensor-core peaks (data sheets): twice bf16's on Hopper; none on an A100
 FP8_PEAK = {"H100-SXM": 1979e12, "H100-500W": 1979e12, "H200": 1979e12}
 WAYS = ("low", "point", "high")  # a rate's (and a time's) three figures
-Ways = dict[str, float]  # a figure at each of WAYS
-Classes = dict[str, Ways]  # op class -> its ms at each of WAYS
+ByWay = dict[str, float]  # a figure at each of WAYS
+Classes = dict[str, ByWay]  # op class -> its ms at each of WAYS
 MATMUL_OPS = {"mm", "addmm", "bmm", "matmul", "linear"}
 VIEWS = {  # ops that move no data (views, allocations)
     *("view", "_unsafe_view", "expand", "transpose", "t", "detach", "alias", "split"),
@@ -608,7 +608,7 @@ def achieved(
     }
 
 
-def _elementwise_bytes(rows: dict[str, dict[str, float]], fused: float, compiled: bool) -> Ways:
+def _elementwise_bytes(rows: dict[str, dict[str, float]], fused: float, compiled: bool) -> ByWay:
     """Element-wise, norm and loss bytes of a step: eager pays every op's traffic; compile
     removes CALIBRATION.fused's share of what the fusion rule says it could."""
     eager = sum(rows[c]["bytes"] for c in FUSED if c in rows)
@@ -616,14 +616,14 @@ def _elementwise_bytes(rows: dict[str, dict[str, float]], fused: float, compiled
     return {way: eager - getattr(CALIBRATION.fused, way) * removable for way in WAYS}
 
 
-def _idle(classes: Classes) -> Ways:
+def _idle(classes: Classes) -> ByWay:
     """The time outside the counted kernels (the step is their sum / CALIBRATION.busy); FSDP2's
     exposed wait is no kernel's."""
     kernels = _total({cls: ms for cls, ms in classes.items() if cls != FSDP_ROW})
     return {w: t * (1 / getattr(CALIBRATION.busy, w) - 1) for w, t in kernels.items()}
 
 
-def _total(classes: Classes) -> Ways:
+def _total(classes: Classes) -> ByWay:
     """The sum of the classes' times at each of WAYS."""
     return {w: sum(c[w] for c in classes.values()) for w in WAYS}
 
@@ -704,7 +704,7 @@ def tp_shape(shape: tuple[int, int, int], tp: int, tokens: int) -> tuple[int, in
     return tuple(d // tp if i == cut else d for i, d in enumerate(shape))
 
 
-def _divided(ms: Ways, by: float) -> Ways:
+def _divided(ms: ByWay, by: float) -> ByWay:
     return {w: t / by for w, t in ms.items()}
 
 
@@ -844,7 +844,7 @@ def format_traffic(t: dict[str, Any], tp: int) -> list[str]:
     return lines
 
 
-def _span(d: Ways, unit: float, fmt: str = ".0f", suffix: str = "") -> str:
+def _span(d: ByWay, unit: float, fmt: str = ".0f", suffix: str = "") -> str:
     """'point [low-high]' of a dict of the three."""
     p, lo, hi = (format(d[k] / unit, fmt) for k in ("point", "low", "high"))
     return f"{p}{suffix} [{lo}-{hi}{suffix}]"

@@ -31,10 +31,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Defaults, then the YAML file at `path` (if any), then `key.path=value` overrides."""
     raw = {} if path is None else read_yaml_with_base(Path(path))
     where = "defaults" if path is None else str(path)
-    where += " + command-line overrides" if overrides else ""
     errors: list[str] = []
     for item in overrides or []:
         _apply_override(raw, item, errors)
+    if overrides:
+        where += " + command-line overrides"
     _move_deprecated_keys(raw, errors)
     cfg = expand_home(build_section(Config, raw, "", errors))
     # Check values too, skipping messages about keys that already failed (they hold defaults).

@@ -89,7 +89,7 @@ def changed_settings(state: dict[str, Any], cfg: Config) -> list[str]:
 def check_finished_run(state: dict[str, Any], ckpt: Path, cfg: Config) -> None:
     """A finished run relaunched with other settings (it would train nothing) is refused."""
     if state["step"] < cfg.train.max_steps or not (changed := changed_settings(state, cfg)):
-        return  # unfinished, or the same run relaunched: the trainer says it is complete
+        return  # unfinished; or the same run relaunched, which the trainer says is complete
     run_dir = ckpt.parent.parent
     raise UserError(
         f"{run_dir} holds a finished run (step {state['step']} of its "
@@ -238,10 +238,10 @@ def schedule_change(state: dict[str, Any], now: TrainConfig, step: int) -> str |
         if getattr(before, k) != getattr(now, k)
     ]
     wsd = "; train.lr_schedule=wsd extends a run without a jump while it has not begun its decay"
+    wsd = "" if now.lr_schedule == "wsd" else wsd
     return (
         f"the LR schedule changed ({', '.join(changed) or 'settings'}): the LR at step {step} "
-        f"is {new:.3g}, not the {old:.3g} the checkpoint's settings give"
-        + ("" if now.lr_schedule == "wsd" else wsd)
+        f"is {new:.3g}, not the {old:.3g} the checkpoint's settings give{wsd}"
     )
 
 
