@@ -199,7 +199,7 @@ def bench_reference(
     fresh_start(device)
     backend = build_backend(cfg, plan)
     ours = build_model(m)
-    flops = dict.fromkeys(("framework", "reference"), ours.flops_per_token())  # (gpt2: its own)
+    flops_framework = flops_reference = ours.flops_per_token()  # (gpt2: its own, below)
     framework = backend.setup(ours)
     backend.set_lr(t.lr)
     gen = torch.Generator(device="cpu").manual_seed(cfg.run.seed)
@@ -220,7 +220,7 @@ def bench_reference(
         else:
             bare = GPT2Reference(m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.seq_len)
             bare = bare.to(device)
-            flops["reference"] = bare.flops_per_token()
+            flops_reference = bare.flops_per_token()
         if compiles(t, device.type):
             compile_blocks(bare)
         optimizer = torch.optim.AdamW(
@@ -239,11 +239,12 @@ def bench_reference(
     first = {name: fn().item() for name, fn in fns.items()}  # same weights, same batch
     times = interleaved_times(fns, rounds, steps, device, warmup=warmup)
     best = {name: min(seconds) for name, seconds in times.items()}
+    flops = {"framework": flops_framework, "reference": flops_reference}
     tokens = plan.tokens_per_step
     # time per FLOP of the framework over the reference's, in each round (its two runs were
     # neighbours, so a machine that slows for a while slows both): their median is the
     # steadier figure on a shared machine; best-of-rounds is the classic one
-    per_flop = flops["reference"] / flops["framework"]
+    per_flop = flops_reference / flops_framework
     paired = [f / r * per_flop for f, r in zip(times["framework"], times["reference"])]
     low, high = median_interval(paired)
     return {
