@@ -29,7 +29,7 @@ from scale_llm.data.mixture import MIXTURE
 from scale_llm.data.shards import MANIFEST, open_split, read_manifest
 from scale_llm.data.tokenizer import EOS_ID, file_sha256, run_tokenizer_path
 from scale_llm.errors import UserError
-from scale_llm.export import DTYPES, EXPORT_INFO, export, publish
+from scale_llm.export import DTYPES, EXPORT_INFO, export, not_an_export, publish
 from scale_llm.files import (
     atomic_write_json,
     custom_code_problem,
@@ -187,7 +187,8 @@ def export_for_eval(ckpt: Path, run_dir: Path) -> Path:
 
 
 def reusable_export(out: Path, digest: str) -> bool:
-    """Whether `out` is eval's export of these checkpoint bytes; refuses one eval did not make."""
+    """Whether `out` is eval's export of these checkpoint bytes; refuses one eval did not make,
+    and one to replace that holds files its info does not list."""
     if not (out.exists() or out.is_symlink()):
         return False
     own = out.is_dir() and not out.is_symlink()
@@ -200,6 +201,12 @@ def reusable_export(out: Path, digest: str) -> bool:
         )
     if reuse := info.get("checkpoint_digest") == digest:
         refuse_custom_code(out)  # (before the tasks are looked up: a planted config.json)
+    elif problem := not_an_export(out):  # replaced below: only the files its info lists
+        raise UserError(
+            f"{out} is eval's export of other checkpoint bytes, to be replaced by these, but "
+            f"{problem}; eval replaces only the files its export wrote: move the others away "
+            f"(or the folder) and run eval again"
+        )
     return reuse
 
 

@@ -1606,9 +1606,19 @@ def _eval_over_an_export_folder(kind: str) -> Callable[[Ctx], Setup]:
         run = ctx.run()
         calls = stub_eval_tasks(ctx.monkeypatch)
         out = run / "export" / STEP4
+        said = (f"{out} exists, but eval did not make it", "move it away")
         if kind == "an export eval did not make":
             needs("safetensors")
             assert main(["export", str(run), "--out", str(out)]) == 0
+        elif kind == "its own export of other weights, holding the user's files":
+            needs("safetensors")  # (a resume trained the step again: the export is replaced)
+            assert main(["eval", str(run), "--tasks", "fake_task"]) == 0
+            calls.clear()
+            (out / "NOTES.md").write_text("mine")
+            (out / "my_lora").mkdir()
+            (out / "my_lora" / "adapter.bin").write_bytes(b"mine")
+            rewrite_state(run / "checkpoints" / STEP4, skipped_steps=1)
+            said = (f"{out} is eval's export of other", "NOTES.md, my_lora", "move the others")
         else:
             out.mkdir(parents=True)
             (out / "notes.txt").write_text("mine")
@@ -1616,7 +1626,6 @@ def _eval_over_an_export_folder(kind: str) -> Callable[[Ctx], Setup]:
         def nothing_evaluated():
             assert calls == []
 
-        said = (f"{out} exists, but eval did not make it", "move it away")
         return Setup(
             ["eval", str(run), "--tasks", "fake_task"], expect=said, then=nothing_evaluated
         )
@@ -1661,7 +1670,11 @@ OWNED = [
     ],
     *[
         (f"eval over {kind}", _eval_over_an_export_folder(kind), ())
-        for kind in ("a folder of the user's", "an export eval did not make")
+        for kind in (
+            "a folder of the user's",
+            "an export eval did not make",
+            "its own export of other weights, holding the user's files",
+        )
     ],
     ("bench --checkpoint-io on a file", _bench_io_on_a_file, "is a file"),
     ("check OUT holding files of the user's", _check_over("files"), "report.md"),
