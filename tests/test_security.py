@@ -69,6 +69,29 @@ def test_good_checkpoints_still_load(good_run, tmp_path, capsys):
     assert "model.tok_embeddings.weight" in md.state_dict_metadata
 
 
+def test_metadata_naming_a_class_by_a_dotted_path_is_refused(tmp_path):
+    """Pickle protocol 4 looks a dotted name up attribute by attribute: through DCP's metadata
+    module's `torch` it reaches any class of torch, so a dotted name is refused."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure as PF
+
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=tmp_path, no_dist=True)
+    md = read_dcp_metadata(tmp_path / ".metadata")  # DCP's own metadata loads
+    assert md.state_dict_metadata["w"].size == torch.Size([2])
+    md.planner_data = PF
+    named = PF.__module__, PF.__qualname__
+    # the class named through the metadata module, as a pickle can name it
+    PF.__module__, PF.__qualname__ = "torch.distributed.checkpoint.metadata", ".".join(named)
+    try:
+        (tmp_path / ".metadata").write_bytes(pickle.dumps(md, protocol=4))
+    finally:
+        PF.__module__, PF.__qualname__ = named
+    with pytest.raises(UnsafeCheckpoint, match=r"metadata\.torch\.distributed\.elastic\."):
+        read_dcp_metadata(tmp_path / ".metadata")
+
+
 def test_deepspeed_files_are_read_weights_only(tmp_path):
     """DeepSpeed's own reader unpickles anything; the guard swaps it for the allow-list that
     admits DeepSpeed's loss scaler / ZeRO stage classes but not a payload."""

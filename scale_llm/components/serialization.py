@@ -112,7 +112,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             getattr(torch, name, None), torch.dtype | torch.memory_format
         ):
             return getattr(torch, name)
-        if module in _DCP_MODULES:
+        if module in _DCP_MODULES and "." not in name:  # (a dotted name reaches all of torch)
             obj = super().find_class(module, name)
             if isinstance(obj, type) and (
                 dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)
