@@ -445,6 +445,7 @@ def _run_dir_holding(kind: str) -> Callable[[Ctx], Setup]:
     def setup(ctx: Ctx) -> Setup:
         run_dir = ctx.tmp / "runs" / "tiny"
         run_dir.mkdir(parents=True)
+        (run_dir / ".scale-llm-owner.json").write_text('{"kind": "run"}')  # a run's mark
         if kind == "checkpoints a file":
             (run_dir / "checkpoints").write_text("mine")
         else:
@@ -1579,10 +1580,20 @@ def _check_over(kind: str) -> Callable[[Ctx], list[str]]:
         out = ctx.tmp / "docs"
         if kind == "a file":
             out.write_text("x")
-        else:
+        elif kind == "files":
             out.mkdir()
             (out / "report.md").write_text("my report")
-        return ["check", str(out), "--steps", "1", "--only", "reference"]
+        elif kind == "a lone check.log":
+            out.mkdir()
+            (out / "check.log").write_text("my log")
+        else:  # an earlier check's folder, its check.log a link to a file of the user's
+            from scale_llm.analysis.check import OUT_KIND
+            from scale_llm.files import make_owned_dir
+
+            make_owned_dir(out, OUT_KIND)
+            (ctx.tmp / "notes.txt").write_text("mine")
+            (out / "check.log").symlink_to(ctx.tmp / "notes.txt")
+        return ["check", str(out), "--steps", "1", "--only", "reference", "--scratch", "scratch"]
 
     return setup
 
@@ -1679,6 +1690,16 @@ OWNED = [
     ("bench --checkpoint-io on a file", _bench_io_on_a_file, "is a file"),
     ("check OUT holding files of the user's", _check_over("files"), "report.md"),
     ("check OUT a file", _check_over("a file"), "is a file; give a folder for the report"),
+    (
+        "check OUT holding a lone check.log of the user's",
+        _check_over("a lone check.log"),
+        "(check.log)",
+    ),
+    (
+        "check OUT whose check.log is a symlink",
+        _check_over("a symlinked check.log"),
+        "docs: check.log is a symlink, and the check writes its report there; move it away",
+    ),
     (
         "prepare over files named like its shards",
         _prepare_over_foreign_shards,

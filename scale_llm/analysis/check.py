@@ -256,19 +256,24 @@ def add_report_section(out: Path, key: str, report: Any, lines: list[str]) -> No
 
 def claim_out(out: Path) -> None:
     """OUT_DIR becomes the check's: new, empty, or an earlier check's (marked, or holding only
-    its report files); anything else is refused before any work."""
+    its report files, with a report.json), its report files regular files; anything else is
+    refused before any work."""
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise UserError(f"check OUT {out} is {describe_kind(out)}; give a folder for the report")
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         make_owned_dir(out, OUT_KIND)
         return
-    if owned_kind(out) == OUT_KIND:
+    for report in (out / name for name in REPORT_FILES):  # written in place: never a link
+        if report.is_symlink() or (report.exists() and not report.is_file()):
+            raise UserError(
+                f"check OUT {out}: {report.name} is {describe_kind(report)}, and the check "
+                f"writes its report there; move it away, or give a new or empty folder"
+            )
+    if owned_kind(out) == OUT_KIND:  # (a check stopped early: its mark and its check.log)
         return
     entries = sorted(p.name for p in out.iterdir())
-    earlier = set(entries) <= set(REPORT_FILES) and (
-        _is_check_report(out / "report.json") or entries == ["check.log"]  # (stopped early)
-    )
+    earlier = set(entries) <= set(REPORT_FILES) and _is_check_report(out / "report.json")
     if entries and not earlier:
         shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
         raise UserError(
@@ -443,19 +448,21 @@ def _run_stoppable(cmd: list[str], env: dict[str, str], timeout: float) -> tuple
 
 @contextlib.contextmanager
 def _log_to(path: Path) -> Iterator[None]:
-    """The whole check's log (INFO and up) in `path` too: a remote run returns only its tail."""
-    handler = logging.FileHandler(path, mode="w")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
-    ours = logging.getLogger("scale_llm")
-    level = ours.level
-    ours.addHandler(handler)
-    ours.setLevel(min(ours.getEffectiveLevel(), logging.INFO))
-    try:
-        yield
-    finally:
-        ours.removeHandler(handler)
-        ours.setLevel(level)
-        handler.close()
+    """The whole check's log (INFO and up) in `path` too: a remote run returns only its tail.
+    Opened not through a link (claim_out refused one before)."""
+    with open(path, "w", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW, 0o666)) as stream:
+        handler = logging.StreamHandler(stream)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
+        ours = logging.getLogger("scale_llm")
+        level = ours.level
+        ours.addHandler(handler)
+        ours.setLevel(min(ours.getEffectiveLevel(), logging.INFO))
+        try:
+            yield
+        finally:
+            ours.removeHandler(handler)
+            ours.setLevel(level)
+            handler.close()
 
 
 def _verdict(report: dict[str, Any]) -> str:
