@@ -295,7 +295,7 @@ def test_a_run_dir_entry_of_the_wrong_kind_is_named(name, make, expected, tmp_pa
     run_dir = tmp_path / "run"
     check_run_dir(run_dir)  # a new run dir: nothing to check
     run_dir.mkdir()
-    (run_dir / "plan.json").write_text("{}")  # a run's (a folder of other files is refused)
+    (run_dir / ".scale-llm-owner.json").write_text('{"kind": "run"}')  # a run's mark
     (tmp_path / "elsewhere").mkdir()
     (run_dir / "checkpoints").symlink_to(tmp_path / "elsewhere")  # a link to a folder is fine
     check_run_dir(run_dir)
@@ -334,12 +334,14 @@ def test_a_folder_that_is_not_a_run_dir_is_never_written_into(data_dir, tmp_path
     mine.mkdir(parents=True)
     (mine / "config.yaml").write_text("mine: true\n")
     (mine / "notes.txt").write_text("notes")
+    (mine / "checkpoints").mkdir()  # names a run uses are no proof (an empty checkpoints/ was)
+    (mine / "metrics.jsonl").write_text("mine\n")
+    before = snapshot(mine)
     with pytest.raises(UserError, match=r"holds files but is not a run directory .*notes\.txt"):
         trainer(data_dir, tmp_path, "train.max_steps=1")
-    assert sorted(p.name for p in mine.iterdir()) == ["config.yaml", "notes.txt"]
-    assert (mine / "config.yaml").read_text() == "mine: true\n"
-    (mine / "config.yaml").unlink()
-    (mine / "notes.txt").unlink()
+    assert snapshot(mine) == before
+    for name in ("config.yaml", "notes.txt", "metrics.jsonl"):
+        (mine / name).unlink()
     assert trainer(data_dir, tmp_path, "train.max_steps=1").fit().steps == 1  # empty: a run's
     assert trainer(data_dir, tmp_path, "train.max_steps=2").fit().steps == 2  # a run's: resumes
 
@@ -644,6 +646,47 @@ def test_a_damaged_newest_checkpoint_is_skipped_by_auto(case, four_steps, data_d
     assert tr.step == 2  # fell back to step 2
     assert f"skipping {ckpt}" in lines.text and said in lines.text
     tr.lock.release()
+
+
+def test_every_checkpoint_damaged_is_refused_and_kept(four_steps, data_dir, tmp_path):
+    """Every checkpoint damaged: auto started from step 0 and its saves replaced and pruned
+    them; now it stops before any work, and both are as they were."""
+    run = copy_run(four_steps, tmp_path)
+    for step in (STEP2, STEP4):
+        (run / "checkpoints" / step / "notes.txt").write_text("a file the record does not list")
+    before = snapshot(run)
+    with pytest.raises(UserError, match=r"every checkpoint in .* is damaged .*move them out"):
+        resume_auto(data_dir, tmp_path)
+    assert snapshot(run) == before
+
+
+def test_what_a_run_did_not_write_in_its_folders_is_kept(four_steps, data_dir, tmp_path, logs):
+    """A step_N without trainer.pt in the way of a save was deleted, and so was any .tmp-*
+    folder; they are moved aside or left. A fresh start kept no earlier rows; they move aside."""
+    run = copy_run(four_steps, tmp_path)
+    ckpts = run / "checkpoints"
+    for step in (STEP2, STEP4):
+        shutil.rmtree(ckpts / step)
+    (ckpts / "step_00000002").mkdir()
+    (ckpts / "step_00000002" / "notes.txt").write_text("mine")
+    (ckpts / ".tmp-mine").mkdir()
+    rows = (run / "metrics.jsonl").read_text()
+    trainer(data_dir, tmp_path, "checkpoint.every=2", "checkpoint.keep_last=1").fit()
+    assert (ckpts / ".tmp-mine").is_dir()
+    assert [p.read_text() for p in ckpts.glob("abandoned-*/step_00000002/notes.txt")] == ["mine"]
+    assert [p.read_text() for p in run.glob("metrics-*.jsonl")] == [rows]
+    assert "rows of the earlier attempt moved to" in logs.text
+
+
+def test_a_checkpoints_link_into_another_run_is_refused(four_steps, data_dir, tmp_path):
+    """runs/b/checkpoints -> runs/a/checkpoints: b resumed a's checkpoints and pruned them."""
+    a = copy_run(four_steps, tmp_path, "a")
+    (tmp_path / "runs" / "test").mkdir()
+    (tmp_path / "runs" / "test" / "checkpoints").symlink_to(a / "checkpoints")
+    before = snapshot(a)
+    with pytest.raises(UserError, match=r"the checkpoints of the run .*/runs/a: each run prunes"):
+        resume_auto(data_dir, tmp_path)
+    assert snapshot(a) == before
 
 
 def test_a_symlinked_step_dir_is_never_resumed_counted_or_pruned(four_steps, data_dir, tmp_path):

@@ -62,9 +62,11 @@ def test_profiling_settings_do_not_make_another_experiment(data_dir, tmp_path):
 
 def test_the_profile_folder_may_not_be_a_name_the_run_dir_uses():
     from scale_llm.config.profile import RUN_DIR_NAMES, validate_profile
+    from scale_llm.files import OWNER_MARKER
     from scale_llm.train import preflight
 
-    for name in (*preflight.RUN_DIR_FOLDERS, *preflight.RUN_DIR_FILES, *preflight.RUN_MARKS):
+    run_marks = (preflight.LOCK, OWNER_MARKER)
+    for name in (*preflight.RUN_DIR_FOLDERS, *preflight.RUN_DIR_FILES, *run_marks):
         assert name in RUN_DIR_NAMES, name
     for folder in ("metrics.jsonl", "config.yaml", ".lock", "checkpoints/x", ".eval-tasks-1"):
         p = ProfileConfig(enabled=True, start_step=2, folder=folder)

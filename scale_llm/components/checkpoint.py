@@ -221,11 +221,9 @@ class Checkpointer:
         record = finish_record(tmp, written, self.is_main, group)
         if self.is_main:
             write_integrity(tmp, record)
-            if final.is_symlink():  # (moved aside, never followed; our own step_N is replaced)
+            if final.is_symlink() or final.exists():  # not a checkpoint: moved aside, kept
                 target = self._move_aside([final])
-                log.warning("checkpoint: %s was a symlink; moved it to %s", final, target)
-            elif final.exists():
-                shutil.rmtree(final)
+                log.warning("checkpoint: %s was in the way; moved it to %s", final, target)
             tmp.rename(final)
             fsync_dir(self.dir)
             self.prune()
@@ -255,7 +253,7 @@ class Checkpointer:
         done = self.complete()  # (symlinks are not among them)
         for _, path in done[: -self.keep_last]:  # this run's complete step_N folders only
             shutil.rmtree(path, ignore_errors=True)
-        for stale in self.dir.glob(".tmp-*"):  # left by a process killed mid-save
+        for stale in self.dir.glob(".tmp-step_*"):  # left by a process killed mid-save
             _remove_stale(stale)
 
 
@@ -278,7 +276,13 @@ def resolve_resume(resume: str, checkpointer: Checkpointer) -> Path | None:
             )
         return None
     if resume == "auto":
-        return checkpointer.latest_good()
+        if (good := checkpointer.latest_good()) is None and checkpointer.complete():
+            raise UserError(
+                f"checkpoint.resume=auto: every checkpoint in {checkpointer.dir} is damaged (the "
+                f"warnings above name each problem) and a run from step 0 would replace them, so "
+                f"it stops; move them out of {checkpointer.dir} to start over, or restore a copy"
+            )
+        return good
     path = followed(Path(resume), f"checkpoint.resume={resume}")
     if not (path / TRAINER_STATE).is_file():
         raise UserError(

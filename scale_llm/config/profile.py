@@ -13,7 +13,7 @@ from scale_llm.config.schema import bound_problems, config_key
 RUN_DIR_NAMES = (
     *("checkpoints", "tensorboard", "wandb", "eval", "export", "comm_trace"),
     *("config.yaml", "plan.json", "tokenizer.model", "hf-tokenizer.json", "ds_config.json"),
-    *("metrics.jsonl", "wandb-id.txt", ".lock"),
+    *("metrics.jsonl", "wandb-id.txt", ".lock", ".scale-llm-owner.json"),
 )
 SCRATCH_PREFIX = ".eval-tasks-"
 

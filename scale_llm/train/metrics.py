@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -134,8 +135,15 @@ def _truncate_after(path: Path, step: int) -> None:
     line that is not a JSON row (cut short by a kill, or an edit) is dropped with a warning."""
     if not path.exists():
         return
-    if step == 0:  # a fresh start in this run dir (checked to be a run's): its rows are void
+    if step == 0 and not path.stat().st_size:
         path.unlink()
+        return
+    if step == 0:  # a fresh start in this run dir: an earlier attempt's rows are kept aside
+        stamp, n = time.strftime("%Y%m%d-%H%M%S", time.gmtime()), 1
+        while (aside := path.with_name(f"metrics-{stamp}{f'-{n}' * (n > 1)}.jsonl")).exists():
+            n += 1
+        path.rename(aside)
+        log.warning(f"metrics: a fresh start; the rows of the earlier attempt moved to {aside}")
         return
     keep, damaged = [], 0
     for line in path.read_bytes().splitlines():

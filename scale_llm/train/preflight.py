@@ -21,7 +21,14 @@ from scale_llm.data.loader import TrainLoader
 from scale_llm.data.mixture import TrainingData, check_epochs, open_training_data
 from scale_llm.data.pretrained_tokenizer import BUNDLE_FILE, vocab_problem
 from scale_llm.errors import UserError
-from scale_llm.files import OwnerLock, describe_kind, require_writable_dir
+from scale_llm.files import (
+    MAX_RECORD_BYTES,
+    OWNER_MARKER,
+    OwnerLock,
+    describe_kind,
+    json_object_or_none,
+    require_writable_dir,
+)
 from scale_llm.model import attention
 from scale_llm.parallel import compile as block_compile
 from scale_llm.parallel.fp8 import check_fp8
@@ -245,9 +252,8 @@ RUN_DIR_FILES = {
     METRICS_FILE: "its metric rows",
     WANDB_ID_FILE: "its Weights & Biases run id",
 }
-# What only a run dir holds: a folder with none of these (and anything in it) is someone else's.
 LOCK = ".lock"
-RUN_MARKS = ("plan.json", "checkpoints", METRICS_FILE, LOCK)
+RUN_KIND = "run"  # the kind in RUN_DIR/OWNER_MARKER, written by the launch that takes the lock
 
 
 def run_lock(run_dir: Path) -> OwnerLock:
@@ -262,17 +268,33 @@ def check_run_dir(run_dir: Path) -> None:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return  # a new run dir (require_writable_dir checks that it can be made)
-    entries = sorted(p.name for p in run_dir.iterdir())
-    if entries and not any((run_dir / mark).exists() for mark in RUN_MARKS):
+    entries = sorted(p.name for p in run_dir.iterdir() if p.name != LOCK)  # (a killed launch's)
+    if entries not in ([], ["checkpoints"]) and not is_run_dir(run_dir):  # (a link set up first)
         shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
         raise UserError(
-            f"{run_dir} holds files but is not a run directory (no {', '.join(RUN_MARKS[:3])}): "
+            f"{run_dir} holds files but is not a run directory (no {OWNER_MARKER} of a run): "
             f"{shown}; a run writes its config and files there, so it stops. Pick another "
             f"run.name (or run.dir), or empty that folder"
+        )
+    ckpts = run_dir / "checkpoints"
+    other = ckpts.resolve().parent
+    if ckpts.is_symlink() and other != run_dir.resolve() and is_run_dir(other):
+        raise UserError(
+            f"{ckpts} is a symlink to {ckpts.resolve()}, the checkpoints of the run {other}: "
+            f"each run prunes its checkpoints and moves newer ones aside, so two runs would "
+            f"remove each other's. Point the link at a folder of its own, or resume from one of "
+            f"that run's checkpoints on purpose: checkpoint.resume=PATH"
         )
     for kind, names in (("a folder", RUN_DIR_FOLDERS), ("a regular file", RUN_DIR_FILES)):
         for name, what in names.items():
             _check_kind(run_dir / name, kind, what)
+
+
+def is_run_dir(path: Path) -> bool:
+    """`path` holds the mark the trainer writes in the run dirs it owns (a symlinked mark: no)."""
+    mark = path / OWNER_MARKER
+    kind = None if mark.is_symlink() else json_object_or_none(mark, MAX_RECORD_BYTES)
+    return (kind or {}).get("kind") == RUN_KIND
 
 
 def check_metrics_file(path: Path) -> None:

@@ -31,7 +31,7 @@ from scale_llm.config.plan import RunPlan
 from scale_llm.data.loader import TrainLoader
 from scale_llm.data.tokenizer import run_copy_name
 from scale_llm.errors import UserError
-from scale_llm.files import atomic_write_bytes, atomic_write_json, atomic_write_text
+from scale_llm.files import OWNER_MARKER, atomic_write_bytes, atomic_write_json, atomic_write_text
 from scale_llm.model import Transformer, build_model
 from scale_llm.parallel.backend import build_backend
 from scale_llm.parallel.step import optimizer_step
@@ -41,7 +41,7 @@ from scale_llm.train.eval_tasks import remove_scratch
 from scale_llm.train.guards import StopSignals, maybe_fail, out_of_memory
 from scale_llm.train.init_from import load_init_weights
 from scale_llm.train.metrics import MetricsLogger
-from scale_llm.train.preflight import COMM_TRACE, RunSpec, preflight, run_lock
+from scale_llm.train.preflight import COMM_TRACE, RUN_KIND, RunSpec, preflight, run_lock
 from scale_llm.train.profiling import StepProfiler
 from scale_llm.train.resume import schedule_change
 from scale_llm.train.throughput import Throughput
@@ -312,7 +312,9 @@ class Trainer:
             log.warning("resume: %s", changed)
 
     def _write_run_dir(self) -> None:
-        """The run's own files, each replaced whole (in the locked, preflight-checked run dir)."""
+        """The run's own files, each replaced whole (in the locked, preflight-checked run dir),
+        the mark first: what lets a later launch write here."""
+        atomic_write_json(self.run_dir / OWNER_MARKER, {"kind": RUN_KIND})
         (self.run_dir / COMM_TRACE).mkdir(parents=True, exist_ok=True)  # (a timeout's dumps)
         save_config(self.cfg, self.run_dir / "config.yaml")  # as the user wrote it
         atomic_write_json(self.run_dir / "plan.json", self.plan.to_json())
