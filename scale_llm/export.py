@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from scale_llm.components.checkpoint import (
+    TRAINER_STATE,
     CheckpointWeights,
     checkpoint_digest,
     read_trainer_state,
@@ -237,15 +238,25 @@ def not_an_export(folder: Path) -> str | None:
 
 
 def check_not_inside_source(out: Path, src: Source) -> None:
-    """The export must not land on the run dir, a folder above it, or inside its checkpoints."""
-    target = out.absolute().resolve()
-    run, ckpts = src.run_dir.absolute().resolve(), src.checkpoint.parent.absolute().resolve()
-    if target == run or run.is_relative_to(target) or target.is_relative_to(ckpts):
+    """The export must not land on the run dir, a folder above it, or inside its checkpoints
+    (or any checkpoint)."""
+    target, run = out.absolute().resolve(), src.run_dir.absolute().resolve()
+    if target == run or run.is_relative_to(target) or inside_checkpoints(out, src.checkpoint):
         raise UserError(
             f"--out {out} would overwrite the run it exports ({src.run_dir}, checkpoint "
-            f"{src.checkpoint.name}); pick a folder outside the run's checkpoints, e.g. "
+            f"{src.checkpoint.name}) or lie in a checkpoint; pick a folder outside any run's "
+            f"checkpoints, e.g. "
             f"--out exports/{src.run_dir.name}"
         )
+
+
+def inside_checkpoints(out: Path, ckpt: Path) -> bool:
+    """Whether `out` is in `ckpt`'s checkpoints folder or in any checkpoint (a folder holding
+    trainer.pt): a file there would make that checkpoint count as damaged."""
+    target = out.absolute().resolve()
+    return target.is_relative_to(ckpt.parent.absolute().resolve()) or any(
+        (d / TRAINER_STATE).is_file() for d in (target, *target.parents)
+    )
 
 
 def generation_config(tokenizer: Tokenizer | PretrainedTokenizer) -> dict[str, Any]:

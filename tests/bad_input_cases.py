@@ -1525,6 +1525,9 @@ def _export_over(kind: str) -> Callable[[Ctx], list[str]]:
             return ["export", str(run), "--out", str(run), "--force"]
         if kind == "the run's checkpoints folder":
             return ["export", str(run), "--out", str(ckpt.parent / "hf")]
+        if kind == "another run's checkpoint":
+            other = ctx.run("other") / "checkpoints" / STEP2
+            return ["export", str(run), "--out", str(other / "hf")]
         if kind == "the folder of runs":
             return ["export", str(ckpt), "--out", str(run.parent), "--force"]
         if kind == "a folder of the user's":
@@ -1564,6 +1567,10 @@ def _convert_over(kind: str) -> Callable[[Ctx], list[str]]:
             return ["convert", str(run), "--out", str(ctx.tmp / "link.pt"), "--force"]
         if kind == "a checkpoint's file":
             return ["convert", str(ckpt), "--out", str(ckpt / "trainer.pt"), "--force"]
+        if kind == "a new file in a checkpoint's subfolder":
+            return ["convert", str(run), "--out", str(ckpt / "dcp" / "model.pt")]
+        if kind == "a new file in the run's checkpoints folder":
+            return ["convert", str(ckpt), "--out", str(ckpt.parent / "model.pt")]
         return ["convert", str(ckpt), "--out", str(ckpt / "new.pt")]
 
     return setup
@@ -1655,6 +1662,8 @@ OWNED = [
             ("a symlink", "is a symlink"),
             ("a checkpoint's file", "not a"),
             ("a new file inside a checkpoint", "inside a checkpoint"),
+            ("a new file in a checkpoint's subfolder", "dcp/model.pt is inside a checkpoint"),
+            ("a new file in the run's checkpoints folder", "inside a checkpoint directory"),
         ]
     ],
     (
@@ -1673,6 +1682,7 @@ OWNED = [
         for kind, said in [
             ("the run it reads", "is not an earlier"),
             ("the run's checkpoints folder", "would overwrite the run it exports"),
+            ("another run's checkpoint", "or lie in a checkpoint"),
             ("the folder of runs", "not an"),
             ("a folder of the user's", "has no"),
             ("an export holding a file of the user's", "README.md"),

@@ -10,13 +10,13 @@ from pathlib import Path
 import torch
 
 from scale_llm.components.checkpoint import (
-    TRAINER_STATE,
     load_model_weights,
     read_trainer_state,
     resolve_checkpoint,
     saved_model_config,
 )
 from scale_llm.errors import UserError
+from scale_llm.export import inside_checkpoints
 from scale_llm.files import describe_kind, fsync_dir, require_writable_dir, temporary_sibling
 from scale_llm.model import empty_state_dict
 
@@ -30,9 +30,10 @@ def convert(checkpoint: str | Path, out: str | Path, force: bool = False) -> tup
     check_out(out, force)
     require_writable_dir(out.parent, "--out")
     ckpt = resolve_checkpoint(checkpoint)
-    if (out.parent / TRAINER_STATE).exists() or out.parent.absolute().resolve() == ckpt.resolve():
+    if inside_checkpoints(out, ckpt):
         raise UserError(
-            f"--out {out} is inside a checkpoint directory; write the file elsewhere, e.g. "
+            f"--out {out} is inside a checkpoint directory; write the file elsewhere (not in "
+            f"{ckpt.parent} or a checkpoint: a file there makes it count as damaged), e.g. "
             f"--out {ckpt.parent.parent.name}.pt"
         )
     state = read_trainer_state(ckpt)  # checked: the step, and a shape its files can hold
