@@ -11,11 +11,13 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import yaml
 
 from scale_llm.components.checkpoint import Checkpointer, checkpoint_digest, read_trainer_state
 from scale_llm.components.hf_files import require
@@ -244,6 +246,14 @@ def task_manager(
 
     if include_path is not None and not Path(include_path).is_dir():
         raise UserError(f"{include_key} {include_path}: no such folder of task YAML files")
+    trusted = include_path is None or os.environ.get(TRUST_TASK_CODE) == "1"
+    if not trusted and (problems := task_code_problems(Path(include_path))):
+        raise UserError(
+            f"{include_key} {include_path}: its tasks would run Python, which lm-eval imports "
+            f"from where they point: {'; '.join(problems[:3])}{'; ...' * (len(problems) > 3)}. "
+            f"If you trust that code, run with {TRUST_TASK_CODE}=1 in the environment; "
+            f"otherwise remove those entries"
+        )
     local = None
     if include_path is not None:
         local = TaskManager(include_path=str(include_path), include_defaults=False)
@@ -264,6 +274,60 @@ def task_manager(
     for task in tasks:
         build_task(manager, task, tasks_key)
     return manager
+
+
+TRUST_TASK_CODE = "SCALE_LLM_TRUST_TASK_CODE"  # =1: run the Python a task folder names
+
+
+def task_code_problems(folder: Path) -> list[str]:
+    """What in `folder`'s task YAMLs, or in the files they include, makes lm-eval run Python: a
+    tag such as !function (a module beside the YAML), or a metric lm-eval does not register
+    (its fallback, evaluate.load, runs a metric script: a local file or one downloaded)."""
+    import lm_eval.api.metrics  # noqa: F401  (fills the metric registry)
+    from lm_eval.api.registry import metric_registry
+
+    tags: list[str] = []
+
+    class Loader(yaml.SafeLoader):  # a tag is recorded, never constructed
+        pass
+
+    Loader.add_multi_constructor("!", lambda _, tag, node: tags.append(f"!{tag} {node.value}"))
+    problems, todo, seen = [], sorted(folder.rglob("*.yaml")), set()
+    while todo:
+        if (path := todo.pop().resolve()) in seen:
+            continue
+        seen.add(path)
+        tags.clear()
+        try:
+            task = yaml.load(path.read_bytes(), Loader)  # noqa: S506 (a SafeLoader)
+        except (OSError, yaml.YAMLError) as e:
+            problems.append(f"{path} cannot be read as plain YAML ({type(e).__name__})")
+            continue
+        problems += [f"{path}: {tag}" for tag in tags]
+        for part in _dicts(task):  # (a group's inline tasks too)
+            included = part.get("include")
+            todo += [path.parent / i for i in _listed(included) if isinstance(i, str)]
+            for m in _listed(part.get("metric_list")):
+                name = m.get("metric") if isinstance(m, dict) else None
+                if isinstance(name, str) and (name not in metric_registry or m.get("hf_evaluate")):
+                    problems.append(f"{path}: metric {name}, not one of lm-eval's")
+    return problems
+
+
+def _dicts(value: Any) -> Iterator[dict]:
+    """Every mapping in a parsed YAML document, each once (anchors can make a cycle)."""
+    todo, seen = [value], set()
+    while todo:
+        if id(value := todo.pop()) in seen or not isinstance(value, (dict, list)):
+            continue
+        seen.add(id(value))
+        if isinstance(value, dict):
+            yield value
+        todo += value.values() if isinstance(value, dict) else value
+
+
+def _listed(value: Any) -> list:
+    return value if isinstance(value, list) else [value]
 
 
 def build_task(manager: Any, task: str, tasks_key: str) -> None:

@@ -157,3 +157,36 @@ def test_a_killed_launchs_scratch_export_is_removed_by_the_next_and_never_counte
     again = make_config(data_dir, tmp_path, "train.max_steps=3", "eval.tasks=t")
     trainer_for(again).fit()
     assert not left.exists() and (mine / "export" / "notes.txt").read_text() == "keep"
+
+
+def test_a_task_folder_that_would_run_python_is_refused(tmp_path, monkeypatch):
+    """A task folder's `!function utils.f` imports utils.py beside the YAML, and a metric that is
+    a path runs a script through evaluate.load: a handed folder (or a config naming one in
+    eval.tasks_include_path) ran its code. Refused unless SCALE_LLM_TRUST_TASK_CODE=1."""
+    from scale_llm import evaluate
+
+    monkeypatch.chdir(REPO)
+    assert evaluate.task_code_problems(TASKS) == []  # the offline tasks stay usable
+    ran = tmp_path / "ran"
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "utils.py").write_text(
+        f"import pathlib\npathlib.Path({str(ran)!r}).touch()\ndef text(doc):\n    return 'q'\n"
+    )
+    yaml = (TASKS / "tiny_mc.yaml").read_text().replace("scale_llm_tiny_mc", "coded")
+    (tasks / "coded.yaml").write_text(
+        yaml.replace("doc_to_text: question", "doc_to_text: !function utils.text")
+    )
+    metric = tmp_path / "metric"
+    metric.mkdir()
+    (metric / "m.yaml").write_text(yaml.replace("metric: acc_norm", f"metric: {tasks / 'x.py'}"))
+    for folder, said in ((tasks, "!function utils.text"), (metric, "x.py, not one of lm-eval's")):
+        with pytest.raises(UserError, match="would run Python") as e:
+            evaluate.task_manager(
+                ["coded"], folder, ("train", "eval.tasks", "eval.tasks_include_path")
+            )
+        assert said in str(e.value) and "SCALE_LLM_TRUST_TASK_CODE=1" in str(e.value)
+    assert not ran.exists()
+    monkeypatch.setenv("SCALE_LLM_TRUST_TASK_CODE", "1")
+    evaluate.task_manager(["coded"], tasks)
+    assert ran.exists()  # the code the refusal kept from running
