@@ -185,6 +185,49 @@ def test_generated_deepspeed_config_follows_the_common_keys():
     assert zero["offload_optimizer"]["device"] == "cpu" and zero["offload_param"]["device"] == "cpu"
 
 
+@pytest.mark.parametrize(
+    "entry, why",
+    [
+        ("checkpoint: {load_universal: true}", "reads the checkpoint's files with pickle"),
+        (
+            "torch_autocast: {enabled: true, lower_precision_safe_modules: [dsevil.Anything]}",
+            "imports the modules its lower_precision_safe_modules names",
+        ),
+        ("tensorboard: {enabled: true, output_path: /tmp/x}", "writes files at the paths"),
+        ("csv_monitor: {enabled: true, output_path: /tmp/x}", "writes files at the paths"),
+        ("flops_profiler: {enabled: true, output_file: /tmp/x}", "writes files at the paths"),
+        ("autotuning: {enabled: true, metric_path: /tmp/x}", "then ends the run"),
+        ("wandb: {enabled: true, team: t}", "metrics to the W&B project it names"),
+        ("comet: {enabled: true, api_key: k}", "metrics to the account it names"),
+        ("compile: {deepcompile: true}", "not among the sections the pass-through takes"),
+        ("elasticity: {enabled: true}", "not among the sections the pass-through takes"),
+    ],
+)
+def test_deepspeed_passthrough_refuses_sections_outside_its_own(entry, why):
+    """DeepSpeed sections that load pickles, import modules, write files or reach services a
+    config names, or that the framework does not drive, are refused before anything runs."""
+    msg = errors_of(None, ["parallel.backend=deepspeed", f"parallel.deepspeed.config={{{entry}}}"])
+    key = entry.split(":")[0]
+    assert f"parallel.deepspeed.config.{key}: " in msg and why in msg
+    assert msg.count("parallel.deepspeed.config.") == 1 and "remove it here" in msg
+
+
+def test_deepspeed_passthrough_takes_the_engine_settings_docs_name():
+    """The entries docs/memory.md and backends.md point to validate and reach the ds_config."""
+    from scale_llm.config.plan import target_plan
+    from scale_llm.parallel.ds_config import deepspeed_config
+
+    raw = (
+        "{zero_optimization: {overlap_comm: false, stage3_max_live_parameters: 1000}, "
+        "data_types: {grad_accum_dtype: bf16}, "
+        "communication_data_type: bf16, prescale_gradients: true, wall_clock_breakdown: true}"
+    )
+    cfg = load_config(None, ["parallel.backend=deepspeed", f"parallel.deepspeed.config={raw}"])
+    ds = deepspeed_config(cfg, target_plan(cfg, 2))
+    assert ds["zero_optimization"]["stage3_max_live_parameters"] == 1000
+    assert ds["data_types"] == {"grad_accum_dtype": "bf16"} and ds["prescale_gradients"]
+
+
 def test_deepspeed_sums_and_reduces_bf16_gradients_in_fp32_as_fsdp2_does(caplog):
     """bf16 under ZeRO-2/3: gradients accumulate over micro-steps and reduce over ranks in fp32
     (DeepSpeed's own default is bf16 for both), under ZeRO-1 they reduce in fp32; an expert's raw

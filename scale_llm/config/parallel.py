@@ -171,13 +171,41 @@ OWNED = {
 }
 
 
+# the ds_config sections the pass-through takes: the engine's ZeRO, dtype and logging settings.
+# DeepSpeed's other sections duplicate the framework's own work, and some make DeepSpeed read,
+# import or write what the config names (REFUSED says which)
+PASSTHROUGH = (
+    "zero_optimization data_types communication_data_type prescale_gradients "
+    "gradient_predivide_factor steps_per_print wall_clock_breakdown memory_breakdown "
+    "comms_logger zero_allow_untested_optimizer zero_force_ds_cpu_optimizer"
+).split()
+_WRITES = "DeepSpeed writes files at the paths it names (the run dir holds the framework's logs)"
+REFUSED = {
+    "checkpoint": "DeepSpeed's universal-checkpoint loading (load_universal) reads the "
+    "checkpoint's files with pickle, past the framework's checks, and can run code planted in "
+    "them (checkpoints are the framework's: checkpoint.*)",
+    "torch_autocast": "DeepSpeed imports the modules its lower_precision_safe_modules names, "
+    "which can run any code beside the config (precision is train.precision)",
+    "wandb": "DeepSpeed logs the run's metrics to the W&B project it names (logging.wandb.*)",
+    "comet": "DeepSpeed sends the run's metrics to the account it names",
+    **dict.fromkeys(("tensorboard", "csv_monitor", "flops_profiler"), _WRITES),
+    "autotuning": f"{_WRITES}, then ends the run",
+}
+
+
 def passthrough_problems(raw: dict[str, Any]) -> list[str]:
-    """Entries of parallel.deepspeed.config that would contradict a framework key."""
+    """Entries of parallel.deepspeed.config that would contradict a framework key, and
+    sections outside the pass-through's."""
     problems = []
     for key, instead in OWNED.items():
         head, _, tail = key.partition(".")
         if head in raw and (not tail or (isinstance(raw[head], dict) and tail in raw[head])):
             problems.append(f"parallel.deepspeed.config.{key}: set by {instead}; remove it here")
+    takes = ", ".join(PASSTHROUGH)
+    for key in raw:
+        if key not in PASSTHROUGH and key not in OWNED:
+            why = REFUSED.get(key, f"not among the sections the pass-through takes ({takes})")
+            problems.append(f"parallel.deepspeed.config.{key}: {why}; remove it here")
     return problems
 
 

@@ -1,5 +1,6 @@
 """The DeepSpeed config, generated in one place from the same YAML keys every backend reads, plus
-the raw entries of `parallel.deepspeed.config` (config/parallel.py refuses contradicting ones)."""
+the raw entries of `parallel.deepspeed.config` (config/parallel.py refuses contradicting ones and
+sections outside its PASSTHROUGH)."""
 
 from __future__ import annotations
 
