@@ -318,11 +318,23 @@ OWNER_MARKER = ".scale-llm-owner.json"  # in a folder a command created and may 
 MAX_RECORD_BYTES = 4096  # an owner record or marker: {"kind", "pid", "host", "at"}, ~100 bytes
 
 
-def make_owned_dir(path: Path, kind: str) -> Path:
-    """Create folder `path` (an existing one is not ours) with the marker of `kind` inside."""
-    path.mkdir(parents=False, exist_ok=False)
-    atomic_write_json(path / OWNER_MARKER, {"kind": kind, "pid": os.getpid(), "at": time.time()})
+def make_owned_dir(path: Path, kind: str, exists: bool = False) -> Path:
+    """Create folder `path` (an existing one is not ours: unless `exists`, a fresh folder this
+    process just made) with the marker of `kind` inside, naming this process."""
+    if not exists:
+        path.mkdir(parents=False, exist_ok=False)
+    me = {"kind": kind, "pid": os.getpid(), "host": socket.gethostname(), "at": time.time()}
+    atomic_write_json(path / OWNER_MARKER, me)
     return path
+
+
+def owner_running(path: Path) -> bool:
+    """Whether the process that marked `path` may still run: alive here, or of another host."""
+    marker = json_object_or_none(path / OWNER_MARKER, MAX_RECORD_BYTES) or {}
+    pid, host = marker.get("pid"), marker.get("host")
+    if host is not None and host != socket.gethostname():
+        return True
+    return isinstance(pid, int) and not isinstance(pid, bool) and _alive(pid)
 
 
 def owned_kind(path: Path) -> str | None:

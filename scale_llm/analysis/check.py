@@ -40,6 +40,7 @@ from scale_llm.files import (
     json_object_or_none,
     make_owned_dir,
     owned_kind,
+    owner_running,
     parse_json,
     read_json,
     remove_owned_dir,
@@ -296,12 +297,11 @@ def new_runs_dir(scratch: Path) -> Path:
     if scratch.is_symlink() or (scratch.exists() and not scratch.is_dir()):
         raise UserError(f"--scratch {scratch} is {describe_kind(scratch)}; give a folder")
     scratch.mkdir(parents=True, exist_ok=True)
-    for old in scratch.glob("runs-*"):
-        if owned_kind(old) == RUNS_KIND:
+    for old in scratch.glob("runs-*"):  # (not those of a check still running)
+        if owned_kind(old) == RUNS_KIND and not owner_running(old):
             remove_owned_dir(old, RUNS_KIND)
     runs = Path(tempfile.mkdtemp(prefix="runs-", dir=scratch))  # a fresh name: this check's
-    atomic_write_json(runs / OWNER_MARKER, {"kind": RUNS_KIND})
-    return runs
+    return make_owned_dir(runs, RUNS_KIND, exists=True)
 
 
 def one_process(cfg: Config) -> Config:
