@@ -67,8 +67,9 @@ class DeepSpeedConfig:
     )
     config: dict | None = config_key(
         None,
-        "raw ds_config entries merged over the generated ones (keys the framework owns are "
-        "refused)",
+        "raw ds_config entries merged over the generated ones: the engine's own settings "
+        "(zero_optimization, data_types, ...); keys the framework owns and other sections are "
+        "refused",
     )
 
 
