@@ -166,6 +166,8 @@ OWNED = {
     "zero_optimization.stage": "parallel.deepspeed.zero_stage",
     "zero_optimization.offload_optimizer": "parallel.deepspeed.offload_optimizer",
     "zero_optimization.offload_param": "parallel.deepspeed.offload_param",
+    "zero_optimization.cpu_offload": "parallel.deepspeed.offload_optimizer",  # (their old names)
+    "zero_optimization.cpu_offload_param": "parallel.deepspeed.offload_param",
     # off, the engine reports no norm: every step would count as skipped (the finite check)
     "zero_optimization.compute_grad_norm": "the framework (the gradient norm is its finite "
     "check and its grad_norm metric)",
@@ -202,6 +204,13 @@ def passthrough_problems(raw: dict[str, Any]) -> list[str]:
         head, _, tail = key.partition(".")
         if head in raw and (not tail or (isinstance(raw[head], dict) and tail in raw[head])):
             problems.append(f"parallel.deepspeed.config.{key}: set by {instead}; remove it here")
+    if not isinstance(
+        raw.get("zero_optimization", {}), dict
+    ):  # (true: stage 1, DeepSpeed's old form)
+        problems.append(
+            "parallel.deepspeed.config.zero_optimization: give a mapping of ZeRO settings (the "
+            "stage is parallel.deepspeed.zero_stage); remove it here"
+        )
     takes = ", ".join(PASSTHROUGH)
     for key in raw:
         if key not in PASSTHROUGH and key not in OWNED:
