@@ -329,12 +329,13 @@ def make_owned_dir(path: Path, kind: str, exists: bool = False) -> Path:
 
 
 def owner_running(path: Path) -> bool:
-    """Whether the process that marked `path` may still run: alive here, or of another host."""
+    """Whether another process that marked `path` may still run: alive here, or of another host
+    (what this process marked earlier belongs to work it has finished)."""
     marker = json_object_or_none(path / OWNER_MARKER, MAX_RECORD_BYTES) or {}
     pid, host = marker.get("pid"), marker.get("host")
     if host is not None and host != socket.gethostname():
         return True
-    return isinstance(pid, int) and not isinstance(pid, bool) and _alive(pid)
+    return isinstance(pid, int) and not isinstance(pid, bool) and pid != os.getpid() and _alive(pid)
 
 
 def owned_kind(path: Path) -> str | None:

@@ -98,16 +98,20 @@ def test_check_keeps_to_its_own_report_and_runs_folders(tmp_path):
     (scratch / "runs-notes").mkdir()  # named like the check's runs folders, but not marked
     before = snapshot(scratch)
     first = new_runs_dir(scratch)
-    second = new_runs_dir(scratch)  # the check of `first` still runs: its folder stays
-    assert first.is_dir() and second.is_dir()
-    dead = subprocess.Popen([sys.executable, "-c", ""])
-    dead.wait()
-    for runs in (first, second):  # their checks exited: the next check removes their folders
-        mark = json.loads((runs / OWNER_MARKER).read_text())
-        (runs / OWNER_MARKER).write_text(json.dumps({**mark, "pid": dead.pid}))
-    third = new_runs_dir(scratch)  # nothing else goes
-    assert not first.exists() and not second.exists()
-    shutil.rmtree(third)
+    second = new_runs_dir(scratch)  # this process's earlier check has ended: its folder goes
+    assert not first.exists() and second.is_dir()
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        mark = json.loads((second / OWNER_MARKER).read_text())
+        (second / OWNER_MARKER).write_text(json.dumps({**mark, "pid": other.pid}))
+        third = new_runs_dir(scratch)  # the check of `second` still runs: its folder stays
+        assert second.is_dir()
+    finally:
+        other.kill()
+        other.wait()
+    fourth = new_runs_dir(scratch)  # ... until it has exited; nothing else goes
+    assert not second.exists() and not third.exists()
+    shutil.rmtree(fourth)
     assert snapshot(scratch) == before
 
     earlier = tmp_path / "earlier"  # what an earlier check left, without the mark

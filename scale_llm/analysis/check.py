@@ -292,8 +292,8 @@ def _is_check_report(path: Path) -> bool:
 
 
 def new_runs_dir(scratch: Path) -> Path:
-    """A new runs folder in `scratch`, marked as the check's, after removing the earlier ones
-    (that mark alone proves them the check's); nothing else in `scratch` is touched."""
+    """A new runs folder in `scratch`, marked as the check's, after removing earlier ones whose
+    check has exited (the mark proves them the check's); nothing else in `scratch` is touched."""
     if scratch.is_symlink() or (scratch.exists() and not scratch.is_dir()):
         raise UserError(f"--scratch {scratch} is {describe_kind(scratch)}; give a folder")
     scratch.mkdir(parents=True, exist_ok=True)
