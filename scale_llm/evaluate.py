@@ -25,6 +25,7 @@ from scale_llm.components.loss import cross_entropy
 from scale_llm.components.precision import Precision
 from scale_llm.config import Config
 from scale_llm.config.data import SOURCE_NAME, mixture_weights
+from scale_llm.config.load import MAX_CONFIG_BYTES
 from scale_llm.config.plan import RunPlan
 from scale_llm.data.loader import TokenWindows
 from scale_llm.data.mixture import MIXTURE
@@ -242,15 +243,24 @@ def task_manager(
     `keys`: what messages call the command, the task list and the folder."""
     command, tasks_key, include_key = keys
     require(command, "lm_eval", "transformers", "accelerate")
+    import lm_eval.utils
+    from jinja2.sandbox import SandboxedEnvironment
     from lm_eval.tasks import TaskManager
+
+    if not isinstance(env := lm_eval.utils.env, SandboxedEnvironment):  # its prompt templates
+        # render in Jinja's sandbox: in a plain environment one reaches Python's internals
+        # ({{ cycler.__init__.__globals__.os }}); the sandbox refuses _ attributes, unsafe calls
+        sandbox = SandboxedEnvironment(loader=env.loader, undefined=env.undefined)
+        sandbox.keep_trailing_newline, sandbox.filters = env.keep_trailing_newline, env.filters
+        lm_eval.utils.env = sandbox
 
     if include_path is not None and not Path(include_path).is_dir():
         raise UserError(f"{include_key} {include_path}: no such folder of task YAML files")
     trusted = include_path is None or os.environ.get(TRUST_TASK_CODE) == "1"
     if not trusted and (problems := task_code_problems(Path(include_path))):
         raise UserError(
-            f"{include_key} {include_path}: its tasks would run Python, which lm-eval imports "
-            f"from where they point: {'; '.join(problems[:3])}{'; ...' * (len(problems) > 3)}. "
+            f"{include_key} {include_path}: lm-eval would run Python it names, or a file cannot "
+            f"be checked for that: {'; '.join(problems[:3])}{'; ...' * (len(problems) > 3)}. "
             f"If you trust that code, run with {TRUST_TASK_CODE}=1 in the environment; "
             f"otherwise remove those entries"
         )
@@ -288,20 +298,28 @@ def task_code_problems(folder: Path) -> list[str]:
 
     tags: list[str] = []
 
-    class Loader(yaml.SafeLoader):  # a tag is recorded, never constructed
+    class Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # a tag recorded, not built
         pass
 
-    Loader.add_multi_constructor("!", lambda _, tag, node: tags.append(f"!{tag} {node.value}"))
+    Loader.add_multi_constructor(
+        "!",
+        lambda _, tag, node: tags.append(
+            f"!{tag} {node.value if isinstance(node.value, str) else '...'} (line "
+            f"{node.start_mark.line + 1})"
+        ),
+    )
     problems, todo, seen = [], sorted(folder.rglob("*.yaml")), set()
     while todo:
-        if (path := todo.pop().resolve()) in seen:
+        if (path := Path(os.path.realpath(todo.pop()))) in seen:  # (realpath: loops are no error)
             continue
         seen.add(path)
         tags.clear()
         try:
-            task = yaml.load(path.read_bytes(), Loader)  # noqa: S506 (a SafeLoader)
-        except (OSError, yaml.YAMLError) as e:
-            problems.append(f"{path} cannot be read as plain YAML ({type(e).__name__})")
+            if not path.is_file() or path.stat().st_size > MAX_CONFIG_BYTES:
+                raise OSError("not a regular file, or over 1 MB")
+            task = yaml.load(path.read_bytes(), Loader)  # noqa: S506 (a safe loader)
+        except (OSError, RecursionError, yaml.YAMLError) as e:
+            problems.append(f"{path} cannot be checked ({' '.join(str(e).split())[:160]})")
             continue
         problems += [f"{path}: {tag}" for tag in tags]
         for part in _dicts(task):  # (a group's inline tasks too)

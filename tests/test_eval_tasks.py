@@ -6,6 +6,7 @@ and a task that cannot be read refused before any work."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 
@@ -187,6 +188,20 @@ def test_a_task_folder_that_would_run_python_is_refused(tmp_path, monkeypatch):
             )
         assert said in str(e.value) and "SCALE_LLM_TRUST_TASK_CODE=1" in str(e.value)
     assert not ran.exists()
+    odd = tmp_path / "odd"  # what cannot be checked is named, never a traceback or a hang
+    odd.mkdir()
+    (odd / "deep.yaml").write_text("x: " + "[" * 5000 + "]" * 5000)
+    (odd / "loop.yaml").symlink_to(odd / "loop.yaml")
+    os.mkfifo(odd / "pipe.yaml")
+    (odd / "inc.yaml").write_text(yaml.replace("metric_list:", "include: /dev/zero\nmetric_list:"))
+    problems = evaluate.task_code_problems(odd)
+    assert len(problems) == 4 and all("cannot be checked" in p for p in problems), problems
+    import lm_eval.utils  # task_manager put lm-eval's templates in Jinja's sandbox
+
+    payload = "{{ cycler.__init__.__globals__.os.popen('touch " + str(ran) + "').read() }}"
+    with pytest.raises(Exception, match="unsafe|access to attribute"):
+        lm_eval.utils.apply_template(payload, {})
+    assert not ran.exists() and lm_eval.utils.apply_template("Q: {{q}}", {"q": 1}) == "Q: 1"
     monkeypatch.setenv("SCALE_LLM_TRUST_TASK_CODE", "1")
     evaluate.task_manager(["coded"], tasks)
     assert ran.exists()  # the code the refusal kept from running
