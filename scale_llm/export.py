@@ -251,10 +251,10 @@ def check_not_inside_source(out: Path, src: Source) -> None:
 
 
 def inside_checkpoints(out: Path, ckpt: Path) -> bool:
-    """Whether `out` is in `ckpt`'s checkpoints folder or in any checkpoint (a folder holding
-    trainer.pt): a file there would make that checkpoint count as damaged."""
-    target = out.absolute().resolve()
-    return target.is_relative_to(ckpt.parent.absolute().resolve()) or any(
+    """Whether `out` is in any checkpoint (a folder holding trainer.pt: a file there makes it
+    count as damaged), or in the run's checkpoints folder that holds `ckpt`."""
+    target, folder = out.absolute().resolve(), ckpt.absolute().resolve().parent
+    return (folder.name == "checkpoints" and target.is_relative_to(folder)) or any(
         (d / TRAINER_STATE).is_file() for d in (target, *target.parents)
     )
 

@@ -44,7 +44,9 @@ def test_export_force_replaces_an_earlier_export(run_dir, tmp_path):
 
 
 # ----------------------------------------------------------------------------- convert
-def test_convert_writes_a_new_file_and_replaces_only_its_own(run_dir, tmp_path, capsys):
+def test_convert_writes_a_new_file_and_replaces_only_its_own(
+    run_dir, tmp_path, capsys, monkeypatch
+):
     out = tmp_path / "converted.pt"
     assert main(["convert", str(run_dir), "--out", str(out)]) == 0
     first = out.stat().st_ino
@@ -53,6 +55,10 @@ def test_convert_writes_a_new_file_and_replaces_only_its_own(run_dir, tmp_path, 
     capsys.readouterr()
     leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
     assert leftovers == []
+    lone = tmp_path / "copy"  # a checkpoint copied out of its run: a file beside it is fine
+    shutil.copytree(run_dir / "checkpoints" / "step_00000002", lone / "step_00000002")
+    monkeypatch.chdir(lone)
+    assert main(["convert", "step_00000002", "--out", "model.pt"]) == 0
 
 
 # ----------------------------------------------------------------------------- bench, check
