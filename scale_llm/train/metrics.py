@@ -131,19 +131,18 @@ def _tb_tag(key: str) -> str:
 
 
 def _truncate_after(path: Path, step: int) -> None:
-    """Drop rows past `step` (a resumed run rewrites them) and everything on a fresh start; a
-    line that is not a JSON row (cut short by a kill, or an edit) is dropped with a warning."""
+    """Drop rows past `step` (a resumed run rewrites them); on a fresh start, move an earlier
+    attempt's rows aside to metrics-<UTC time>.jsonl. A line that is not a JSON row (cut short by
+    a kill, or an edit) is dropped with a warning."""
     if not path.exists():
         return
-    if step == 0 and not path.stat().st_size:
-        path.unlink()
-        return
-    if step == 0:  # a fresh start in this run dir: an earlier attempt's rows are kept aside
+    if step == 0:
         stamp, n = time.strftime("%Y%m%d-%H%M%S", time.gmtime()), 1
         while (aside := path.with_name(f"metrics-{stamp}{f'-{n}' * (n > 1)}.jsonl")).exists():
             n += 1
-        path.rename(aside)
-        log.warning(f"metrics: a fresh start; the rows of the earlier attempt moved to {aside}")
+        if path.stat().st_size:  # (an empty file holds nothing to keep)
+            path.rename(aside)
+            log.warning(f"metrics: a fresh start; the rows of the earlier attempt moved to {aside}")
         return
     keep, damaged = [], 0
     for line in path.read_bytes().splitlines():

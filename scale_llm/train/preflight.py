@@ -5,6 +5,7 @@ verdict, so one rank's problem stops every rank with a message, not a hang in a 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -274,16 +275,18 @@ def check_run_dir(run_dir: Path) -> None:
         raise UserError(
             f"{run_dir} holds files but is not a run directory (no {OWNER_MARKER} of a run): "
             f"{shown}; a run writes its config and files there, so it stops. Pick another "
-            f"run.name (or run.dir), or empty that folder"
+            f"run.name (or run.dir), or empty that folder. (A run dir of a scale_llm before "
+            f"3ae9a78 of 2026-12-06 has no mark: to continue such a run, write "
+            f'{{"kind": "run"}} into {run_dir / OWNER_MARKER})'
         )
     ckpts = run_dir / "checkpoints"
-    other = ckpts.resolve().parent
-    if ckpts.is_symlink() and other != run_dir.resolve() and is_run_dir(other):
+    other = Path(os.path.realpath(ckpts)).parent  # (realpath: a link loop is named below)
+    if ckpts.is_symlink() and other != Path(os.path.realpath(run_dir)) and is_run_dir(other):
         raise UserError(
-            f"{ckpts} is a symlink to {ckpts.resolve()}, the checkpoints of the run {other}: "
-            f"each run prunes its checkpoints and moves newer ones aside, so two runs would "
-            f"remove each other's. Point the link at a folder of its own, or resume from one of "
-            f"that run's checkpoints on purpose: checkpoint.resume=PATH"
+            f"{ckpts} is a symlink to {os.path.realpath(ckpts)}, the checkpoints of the run "
+            f"{other}: each run prunes its checkpoints and moves newer ones aside, so two runs "
+            f"would remove each other's. Point the link at a folder of its own, or resume from "
+            f"one of that run's checkpoints on purpose: checkpoint.resume=PATH"
         )
     for kind, names in (("a folder", RUN_DIR_FOLDERS), ("a regular file", RUN_DIR_FILES)):
         for name, what in names.items():
@@ -309,7 +312,7 @@ def _check_kind(path: Path, kind: str, what: str) -> None:
         return
     found = describe_kind(path)
     if path.is_symlink():
-        target = describe_kind(path.resolve())
+        target = describe_kind(Path(os.path.realpath(path)))
         found = f"a symlink to {'nothing' if target == 'missing' else target}"
     raise UserError(
         f"{path} is {found}, but the run keeps {what} there, as {kind}; move it away (or pick "
