@@ -337,9 +337,12 @@ def test_a_folder_that_is_not_a_run_dir_is_never_written_into(data_dir, tmp_path
     (mine / "checkpoints").mkdir()  # names a run uses are no proof (an empty checkpoints/ was)
     (mine / "metrics.jsonl").write_text("mine\n")
     before = snapshot(mine)
-    with pytest.raises(UserError, match=r"holds files but is not a run directory .*notes\.txt"):
+    with pytest.raises(
+        UserError, match=r"holds files but is not a run directory .*notes\.txt"
+    ) as e:
         trainer(data_dir, tmp_path, "train.max_steps=1")
     assert snapshot(mine) == before
+    assert f'to continue such a run, write {{"kind": "run"}} into {mine}' in str(e.value)
     for name in ("config.yaml", "notes.txt", "metrics.jsonl"):
         (mine / name).unlink()
     assert trainer(data_dir, tmp_path, "train.max_steps=1").fit().steps == 1  # empty: a run's
