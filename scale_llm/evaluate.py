@@ -310,15 +310,15 @@ def task_code_problems(folder: Path) -> list[str]:
     )
     problems, todo, seen = [], sorted(folder.rglob("*.yaml")), set()
     while todo:
-        if (path := Path(os.path.realpath(todo.pop()))) in seen:  # (realpath: loops are no error)
-            continue
-        seen.add(path)
         tags.clear()
         try:
+            if (path := Path(os.path.realpath(todo.pop()))) in seen:  # (a link loop: no error)
+                continue
+            seen.add(path)
             if not path.is_file() or path.stat().st_size > MAX_CONFIG_BYTES:
                 raise OSError("not a regular file, or over 1 MB")
             task = yaml.load(path.read_bytes(), Loader)  # noqa: S506 (a safe loader)
-        except (OSError, RecursionError, yaml.YAMLError) as e:
+        except (OSError, ValueError, RecursionError, yaml.YAMLError) as e:  # (ValueError: a NUL)
             problems.append(f"{path} cannot be checked ({' '.join(str(e).split())[:160]})")
             continue
         problems += [f"{path}: {tag}" for tag in tags]

@@ -253,8 +253,8 @@ def check_not_inside_source(out: Path, src: Source) -> None:
 def inside_checkpoints(out: Path, ckpt: Path) -> bool:
     """Whether `out` is in any checkpoint (a folder holding trainer.pt: a file there makes it
     count as damaged), or in the run's checkpoints folder that holds `ckpt`."""
-    target, folder = out.absolute().resolve(), ckpt.absolute().resolve().parent
-    return (folder.name == "checkpoints" and target.is_relative_to(folder)) or any(
+    target, folder = out.absolute().resolve(), ckpt.absolute().parent  # (a linked one too)
+    return (folder.name == "checkpoints" and target.is_relative_to(folder.resolve())) or any(
         (d / TRAINER_STATE).is_file() for d in (target, *target.parents)
     )
 

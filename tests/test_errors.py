@@ -652,8 +652,8 @@ def test_a_damaged_newest_checkpoint_is_skipped_by_auto(case, four_steps, data_d
 
 
 def test_every_checkpoint_damaged_is_refused_and_kept(four_steps, data_dir, tmp_path):
-    """Every checkpoint damaged: auto started from step 0 and its saves replaced and pruned
-    them; now it stops before any work, and both are as they were."""
+    """Every checkpoint damaged: auto stops before any work (a run from step 0 would replace
+    and prune them), and both are as they were."""
     run = copy_run(four_steps, tmp_path)
     for step in (STEP2, STEP4):
         (run / "checkpoints" / step / "notes.txt").write_text("a file the record does not list")
@@ -664,8 +664,8 @@ def test_every_checkpoint_damaged_is_refused_and_kept(four_steps, data_dir, tmp_
 
 
 def test_what_a_run_did_not_write_in_its_folders_is_kept(four_steps, data_dir, tmp_path, logs):
-    """A step_N without trainer.pt in the way of a save was deleted, and so was any .tmp-*
-    folder; they are moved aside or left. A fresh start kept no earlier rows; they move aside."""
+    """A step_N without trainer.pt in the way of a save is moved aside, a .tmp-* folder not
+    named like a save's is left, and a fresh start moves the earlier attempt's rows aside."""
     run = copy_run(four_steps, tmp_path)
     ckpts = run / "checkpoints"
     for step in (STEP2, STEP4):
@@ -682,7 +682,7 @@ def test_what_a_run_did_not_write_in_its_folders_is_kept(four_steps, data_dir, t
 
 
 def test_a_checkpoints_link_into_another_run_is_refused(four_steps, data_dir, tmp_path):
-    """runs/b/checkpoints -> runs/a/checkpoints: b resumed a's checkpoints and pruned them."""
+    """runs/test/checkpoints -> runs/a/checkpoints is refused: it would resume and prune a's."""
     a = copy_run(four_steps, tmp_path, "a")
     (tmp_path / "runs" / "test").mkdir()
     (tmp_path / "runs" / "test" / "checkpoints").symlink_to(a / "checkpoints")

@@ -59,6 +59,13 @@ def test_convert_writes_a_new_file_and_replaces_only_its_own(
     shutil.copytree(run_dir / "checkpoints" / "step_00000002", lone / "step_00000002")
     monkeypatch.chdir(lone)
     assert main(["convert", "step_00000002", "--out", "model.pt"]) == 0
+    run = tmp_path / "linked" / "run"  # a run whose checkpoints folder is a link (row 2.3)
+    shutil.copytree(run_dir, run, symlinks=True)
+    (run / "checkpoints").rename(tmp_path / "linked" / "disk")
+    (run / "checkpoints").symlink_to(tmp_path / "linked" / "disk")
+    ckpt = run / "checkpoints" / "step_00000002"
+    assert main(["convert", str(ckpt), "--out", str(run / "checkpoints" / "model.pt")]) == 2
+    assert "is inside a checkpoint directory" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- bench, check

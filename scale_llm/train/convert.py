@@ -34,7 +34,7 @@ def convert(checkpoint: str | Path, out: str | Path, force: bool = False) -> tup
         raise UserError(
             f"--out {out} is inside a checkpoint directory; write the file elsewhere (not in "
             f"{ckpt.parent} or a checkpoint: a file there makes it count as damaged), e.g. "
-            f"--out {ckpt.absolute().resolve().parent.parent.name}.pt"
+            f"--out {ckpt.absolute().parent.parent.name}.pt"
         )
     state = read_trainer_state(ckpt)  # checked: the step, and a shape its files can hold
     loaded = load_model_weights(ckpt, empty_state_dict(saved_model_config(state)))  # its shape
