@@ -240,7 +240,7 @@ def not_an_export(folder: Path) -> str | None:
 def check_not_inside_source(out: Path, src: Source) -> None:
     """The export must not land on the run dir, a folder above it, or inside its checkpoints
     (or any checkpoint)."""
-    target, run = out.absolute().resolve(), src.run_dir.absolute().resolve()
+    target, run = Path(os.path.realpath(out)), Path(os.path.realpath(src.run_dir))
     if target == run or run.is_relative_to(target) or inside_checkpoints(out, src.checkpoint):
         raise UserError(
             f"--out {out} would overwrite the run it exports ({src.run_dir}, checkpoint "
@@ -253,10 +253,10 @@ def check_not_inside_source(out: Path, src: Source) -> None:
 def inside_checkpoints(out: Path, ckpt: Path) -> bool:
     """Whether `out` is in any checkpoint (a folder holding trainer.pt: a file there makes it
     count as damaged), or in the run's checkpoints folder that holds `ckpt`."""
-    target, folder = out.absolute().resolve(), ckpt.absolute().parent  # (a linked one too)
-    return (folder.name == "checkpoints" and target.is_relative_to(folder.resolve())) or any(
-        (d / TRAINER_STATE).is_file() for d in (target, *target.parents)
-    )
+    target, folder = Path(os.path.realpath(out)), ckpt.absolute().parent  # (a linked one too)
+    return (
+        folder.name == "checkpoints" and target.is_relative_to(os.path.realpath(folder))
+    ) or any((d / TRAINER_STATE).is_file() for d in (target, *target.parents))
 
 
 def generation_config(tokenizer: Tokenizer | PretrainedTokenizer) -> dict[str, Any]:

@@ -106,7 +106,7 @@ def unwritable_dir(path: Path | str) -> tuple[Path, str] | None:
     """(the first existing part of `path`, "file" or "read-only") when `path` is not and cannot
     become a writable directory; None when it is or can."""
     existing = Path(path).absolute()
-    while not existing.exists() and existing != existing.parent:
+    while _absent(existing) and existing != existing.parent:  # (a dangling link is no folder)
         existing = existing.parent
     if not existing.is_dir():
         return existing, "file"
@@ -117,7 +117,11 @@ def require_writable_dir(path: Path | str, key: str) -> None:
     """Before any work: `path` (config key `key`) is, or can become, a writable directory."""
     if found := unwritable_dir(path):
         existing, why = found
-        what = "a file, not a directory" if why == "file" else "not writable by this user"
+        what = (
+            f"{describe_kind(existing)}, not a directory"
+            if why == "file"
+            else "not writable by this user"
+        )
         fix = "(or move the file away)" if why == "file" else "you can write to"
         raise UserError(f"{key}={path}: {existing} is {what}; point {key} at a directory {fix}")
 

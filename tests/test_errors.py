@@ -681,6 +681,29 @@ def test_what_a_run_did_not_write_in_its_folders_is_kept(four_steps, data_dir, t
     assert "rows of the earlier attempt moved to" in logs.text
 
 
+def test_a_stale_save_of_another_kind_and_a_link_loop_never_traceback(four_steps, tmp_path, capsys):
+    """A .tmp-step_N that is a file or a named pipe (rmtree left the file and the save's mkdir
+    raised FileExistsError; it opened the pipe and blocked), and a link loop named as a
+    checkpoint or above --out (pathlib's RuntimeError)."""
+    import threading
+
+    from scale_llm.components.checkpoint import _remove_stale
+
+    (tmp_path / ".tmp-step_00000006").write_text("x")
+    os.mkfifo(tmp_path / ".tmp-step_00000008")
+    for stale in sorted(tmp_path.iterdir()):
+        worker = threading.Thread(target=_remove_stale, args=(stale,), daemon=True)
+        worker.start()
+        worker.join(timeout=30)
+        assert not worker.is_alive() and not stale.exists(), stale
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    loop, ckpt = tmp_path / "loop", four_steps / "checkpoints" / STEP2
+    for command in ("convert", "export"):
+        assert main([command, str(loop), "--out", str(tmp_path / "out")]) == 2
+        assert main([command, str(ckpt), "--out", str(loop / "out")]) == 2  # (mkdir raised)
+    assert "Traceback" not in capsys.readouterr().err
+
+
 def test_a_checkpoints_link_into_another_run_is_refused(four_steps, data_dir, tmp_path):
     """runs/test/checkpoints -> runs/a/checkpoints is refused: it would resume and prune a's."""
     a = copy_run(four_steps, tmp_path, "a")

@@ -258,11 +258,12 @@ class Checkpointer:
 
 
 def _remove_stale(tmp: Path) -> None:
-    """Remove a `.tmp-` folder of an interrupted save; a symlink is unlinked, never followed."""
-    if tmp.is_symlink():
-        tmp.unlink()
-    else:
+    """Remove a `.tmp-` folder of an interrupted save; a symlink or another kind of file there
+    is unlinked, never followed or opened (opening a named pipe blocks)."""
+    if tmp.is_dir() and not tmp.is_symlink():
         shutil.rmtree(tmp, ignore_errors=True)
+    elif tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
 
 
 def resolve_resume(resume: str, checkpointer: Checkpointer) -> Path | None:
@@ -302,7 +303,7 @@ def followed(path: Path, what: str) -> Path:
     """A checkpoint named explicitly, taken where it really is (a symlink resolved, and said)."""
     if not path.is_symlink():
         return path
-    target = path.resolve()
+    target = Path(os.path.realpath(path))  # (a link loop: no checkpoint there, said next)
     log.info("%s: %s is a symlink; reading the checkpoint it points to, %s", what, path, target)
     return target
 
