@@ -203,7 +203,9 @@ def test_generated_deepspeed_config_follows_the_common_keys():
         ("elasticity: {enabled: true}", "not among the sections the pass-through takes"),
         ("zero_optimization: {cpu_offload: true}", "set by parallel.deepspeed.offload_optimizer"),
         ("zero_optimization: {cpu_offload_param: true}", "set by parallel.deepspeed.offload_param"),
-        ("zero_optimization: true", "give a mapping of ZeRO settings"),
+        ("zero_optimization: true", "True is not a mapping"),
+        ("data_types: 5", "5 is not a mapping"),
+        ("steps_per_print: []", "[] is not a number"),
     ],
 )
 def test_deepspeed_passthrough_refuses_sections_outside_its_own(entry, why):
@@ -213,6 +215,36 @@ def test_deepspeed_passthrough_refuses_sections_outside_its_own(entry, why):
     key = entry.split(":")[0]
     assert f"parallel.deepspeed.config.{key}" in msg and why in msg
     assert msg.count("parallel.deepspeed.config.") == 1 and "remove it here" in msg
+
+
+def test_a_recursive_alias_in_a_set_value_is_refused():
+    """--set 'parallel.deepspeed.config={zero_optimization: &a {x: *a}}' reached dataclasses'
+    asdict as a RecursionError; --set values are held to a config file's limits."""
+    msg = errors_of(None, ["parallel.deepspeed.config={zero_optimization: &a {x: *a}}"])
+    assert msg.startswith("--set 'parallel.deepspeed.config=") and "nests deeper than 20" in msg
+
+
+def test_deepspeed_judges_zero_optimization_before_any_work():
+    """An entry DeepSpeed's ZeRO model refuses (unknown, or of the wrong type) was a pydantic
+    traceback inside deepspeed.initialize, after the model was built."""
+    from scale_llm.config.plan import target_plan
+    from scale_llm.parallel.ds_config import check_zero_settings
+
+    raw = "{zero_optimization: {bogus: 1, overlap_comm: maybe}}"
+    cfg = load_config(None, ["parallel.backend=deepspeed", f"parallel.deepspeed.config={raw}"])
+    with pytest.raises(UserError) as e:
+        check_zero_settings(cfg, target_plan(cfg, 2))
+    assert "bogus: Extra inputs are not permitted" in str(e.value) and "overlap_comm: " in str(
+        e.value
+    )
+    good = load_config(
+        None,
+        [
+            "parallel.backend=deepspeed",
+            "parallel.deepspeed.config={zero_optimization: {overlap_comm: false}}",
+        ],
+    )
+    check_zero_settings(good, target_plan(good, 2))
 
 
 def test_deepspeed_passthrough_takes_the_engine_settings_docs_name():

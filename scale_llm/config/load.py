@@ -90,7 +90,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if "\0" in text:
         raise UserError(f"config file {p} is not UTF-8 text (a binary file?); pass a YAML config")
     try:
-        _check_yaml_shape(text, p)
+        _check_yaml_shape(text, f"config file {p}")
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise UserError(f"config file {p} is not valid YAML: {e}") from None
@@ -116,15 +116,15 @@ def _empty_sections_as_mappings(raw: dict[str, Any], cls: type) -> None:
                 _empty_sections_as_mappings(raw[name], hints[name])
 
 
-def _check_yaml_shape(text: str, path: Path) -> None:
-    """Refuse alias bombs and absurd nesting before anything expands them: count the values
-    on the composed node graph (aliases are shared nodes there: linear in the file)."""
+def _check_yaml_shape(text: str, where: str) -> None:
+    """Refuse alias bombs, recursive aliases and absurd nesting before anything expands them:
+    count the values on the composed node graph (aliases are shared nodes there: linear in the
+    file). `where`: what messages call the text."""
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except RecursionError:
         raise UserError(
-            f"config file {path} nests too deeply to read; a config is a few levels of "
-            f"sections and keys"
+            f"{where} nests too deeply to read; a config is a few levels of sections and keys"
         ) from None
     if root is None:
         return
@@ -133,7 +133,7 @@ def _check_yaml_shape(text: str, path: Path) -> None:
     def expanded(node: yaml.Node, depth: int) -> int:
         if depth > MAX_CONFIG_DEPTH:
             raise UserError(
-                f"config file {path} nests deeper than {MAX_CONFIG_DEPTH} levels; a config is "
+                f"{where} nests deeper than {MAX_CONFIG_DEPTH} levels; a config is "
                 f"a few levels of sections and keys"
             )
         if id(node) not in sizes:
@@ -143,16 +143,16 @@ def _check_yaml_shape(text: str, path: Path) -> None:
             sizes[id(node)] = 1 + sum(expanded(c, depth + 1) for c in children)
             if sizes[id(node)] > MAX_CONFIG_VALUES:
                 raise UserError(
-                    f"config file {path} expands to more than {MAX_CONFIG_VALUES:,} values (YAML "
+                    f"{where} expands to more than {MAX_CONFIG_VALUES:,} values (YAML "
                     f"aliases repeating aliases?); a config has a few hundred at most"
                 )
         return sizes[id(node)]
 
     expanded(root, 0)
-    _refuse_duplicate_keys(root, path)  # (a walk the limits above keep short)
+    _refuse_duplicate_keys(root, where)  # (a walk the limits above keep short)
 
 
-def _refuse_duplicate_keys(root: yaml.Node, path: Path) -> None:
+def _refuse_duplicate_keys(root: yaml.Node, where: str) -> None:
     """A key written twice in one mapping (PyYAML keeps the last) is an error naming both lines."""
     todo: list[tuple[yaml.Node, str]] = [(root, "")]
     while todo:
@@ -166,7 +166,7 @@ def _refuse_duplicate_keys(root: yaml.Node, path: Path) -> None:
                 if (first := seen.get((key.tag, key.value))) is not None:
                     lines = f"line {line}" if first == line else f"lines {first} and {line}"
                     raise UserError(
-                        f"config file {path}: {prefix}{key.value} is written twice ({lines}); YAML "
+                        f"{where}: {prefix}{key.value} is written twice ({lines}); YAML "
                         f"would silently keep only the last, so merge the two into one"
                     )
                 seen[(key.tag, key.value)] = line
@@ -214,6 +214,7 @@ def _apply_override(raw: dict[str, Any], item: str, errors: list[str]) -> None:
             f"override {short(item)} must look like section.key=value, e.g. --set train.lr=3e-4"
         )
     try:
+        _check_yaml_shape(text, f"--set {short(item)}")  # (a recursive alias among them)
         value = yaml.safe_load(text) if text.strip() else None
     except yaml.YAMLError:
         value = text

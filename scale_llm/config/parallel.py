@@ -177,11 +177,15 @@ OWNED = {
 # the ds_config sections the pass-through takes: the engine's ZeRO, dtype and logging settings.
 # DeepSpeed's other sections duplicate the framework's own work, and some make DeepSpeed read,
 # import or write what the config names (REFUSED says which)
-PASSTHROUGH = (
-    "zero_optimization data_types communication_data_type prescale_gradients "
-    "gradient_predivide_factor steps_per_print wall_clock_breakdown memory_breakdown "
-    "comms_logger zero_allow_untested_optimizer zero_force_ds_cpu_optimizer"
-).split()
+# (each with the kind of value it takes; DeepSpeed's models judge zero_optimization's entries)
+PASSTHROUGH: dict[str, tuple[type, ...]] = {
+    **dict.fromkeys(("zero_optimization", "data_types", "comms_logger"), (dict,)),
+    "communication_data_type": (str,),
+    "gradient_predivide_factor": (int, float),
+    "steps_per_print": (int,),
+    **dict.fromkeys(("prescale_gradients", "wall_clock_breakdown", "memory_breakdown"), (bool,)),
+    **dict.fromkeys(("zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer"), (bool,)),
+}
 _WRITES = "DeepSpeed writes files at the paths it names (the run dir holds the framework's logs)"
 REFUSED = {
     "checkpoint": "DeepSpeed's universal-checkpoint loading (load_universal) reads the "
@@ -204,16 +208,15 @@ def passthrough_problems(raw: dict[str, Any]) -> list[str]:
         head, _, tail = key.partition(".")
         if head in raw and (not tail or (isinstance(raw[head], dict) and tail in raw[head])):
             problems.append(f"parallel.deepspeed.config.{key}: set by {instead}; remove it here")
-    if not isinstance(
-        raw.get("zero_optimization", {}), dict
-    ):  # (true: stage 1, DeepSpeed's old form)
-        problems.append(
-            "parallel.deepspeed.config.zero_optimization: give a mapping of ZeRO settings (the "
-            "stage is parallel.deepspeed.zero_stage); remove it here"
-        )
     takes = ", ".join(PASSTHROUGH)
-    for key in raw:
-        if key not in PASSTHROUGH and key not in OWNED:
+    for key, value in raw.items():
+        if (kinds := PASSTHROUGH.get(key)) and not isinstance(value, kinds):
+            kind = {dict: "a mapping", str: "a string", bool: "true or false"}.get(kinds[0])
+            problems.append(
+                f"parallel.deepspeed.config.{key}: {value!r:.60} is not {kind or 'a number'}; "
+                f"give one, or remove it here"
+            )
+        elif key not in PASSTHROUGH and key not in OWNED:
             why = REFUSED.get(key, f"not among the sections the pass-through takes ({takes})")
             problems.append(f"parallel.deepspeed.config.{key}: {why}; remove it here")
     return problems

@@ -5,10 +5,12 @@ sections outside its PASSTHROUGH)."""
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any
 
 from scale_llm.config import Config, deep_merge
 from scale_llm.config.plan import RunPlan
+from scale_llm.errors import UserError
 
 
 def deepspeed_config(cfg: Config, plan: RunPlan) -> dict[str, Any]:
@@ -56,3 +58,23 @@ def deepspeed_config(cfg: Config, plan: RunPlan) -> dict[str, Any]:
         if ds.zero_stage >= 2:
             generated["data_types"] = {"grad_accum_dtype": "fp32"}
     return copy.deepcopy(deep_merge(generated, ds.config or {}))
+
+
+def check_zero_settings(cfg: Config, plan: RunPlan) -> None:
+    """DeepSpeed's own model judges zero_optimization as the run hands it over, before any work
+    (an unknown or mistyped entry of parallel.deepspeed.config failed in deepspeed.initialize)."""
+    if plan.backend != "deepspeed":
+        return
+    if plan.device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # must precede `import deepspeed`
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from pydantic import ValidationError
+
+    try:
+        DeepSpeedZeroConfig(**deepspeed_config(cfg, plan)["zero_optimization"])
+    except ValidationError as e:
+        said = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
+        raise UserError(
+            f"parallel.deepspeed.config.zero_optimization: DeepSpeed refuses it ({said}); fix or "
+            f"remove those entries"
+        ) from None

@@ -32,6 +32,7 @@ from scale_llm.files import (
 )
 from scale_llm.model import attention
 from scale_llm.parallel import compile as block_compile
+from scale_llm.parallel.ds_config import check_zero_settings
 from scale_llm.parallel.fp8 import check_fp8
 from scale_llm.train.eval_tasks import TaskEval
 from scale_llm.train.guards import check_fault_spec
@@ -114,6 +115,7 @@ def preflight(cfg: Config, plan: RunPlan) -> RunSpec:
             log.info("init_from: not used: resuming %s (newer weights)", resume.checkpoint)
     report.check(check_host_memory, cfg, plan)
     report.check(check_fp8, cfg, plan)  # torchao, an fp8 GPU, the backend
+    report.check(check_zero_settings, cfg, plan)  # DeepSpeed's own model of zero_optimization
     report.check(check_profile, cfg.train.profile, cfg.run_dir)
     tasks = report.check(TaskEval, cfg, plan, tokenizer)  # every rank: they agree on it
     cfg = report.check(settle_compile, cfg, plan) or cfg  # every rank: they agree on it
