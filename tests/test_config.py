@@ -205,7 +205,9 @@ def test_generated_deepspeed_config_follows_the_common_keys():
         ("zero_optimization: {cpu_offload_param: true}", "set by parallel.deepspeed.offload_param"),
         ("zero_optimization: true", "True is not a mapping"),
         ("data_types: 5", "5 is not a mapping"),
-        ("steps_per_print: []", "[] is not a number"),
+        ("steps_per_print: []", "[] is not an integer"),
+        ("gradient_predivide_factor: false", "False is not a number"),
+        ("checkpoint: null", "reads the checkpoint's files with pickle"),
     ],
 )
 def test_deepspeed_passthrough_refuses_sections_outside_its_own(entry, why):
@@ -224,19 +226,25 @@ def test_a_recursive_alias_in_a_set_value_is_refused():
     assert msg.startswith("--set 'parallel.deepspeed.config=") and "nests deeper than 20" in msg
 
 
-def test_deepspeed_judges_zero_optimization_before_any_work():
+def test_deepspeed_judges_zero_optimization_before_any_work(monkeypatch):
     """An entry DeepSpeed's ZeRO model refuses (unknown, or of the wrong type) was a pydantic
     traceback inside deepspeed.initialize, after the model was built."""
     from scale_llm.config.plan import target_plan
     from scale_llm.parallel.ds_config import check_zero_settings
 
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # (as every test process that imports it)
     raw = "{zero_optimization: {bogus: 1, overlap_comm: maybe}}"
     cfg = load_config(None, ["parallel.backend=deepspeed", f"parallel.deepspeed.config={raw}"])
     with pytest.raises(UserError) as e:
         check_zero_settings(cfg, target_plan(cfg, 2))
-    assert "bogus: Extra inputs are not permitted" in str(e.value) and "overlap_comm: " in str(
-        e.value
-    )
+    said = str(e.value)
+    assert "bogus: Extra inputs are not permitted" in said and "overlap_comm: " in said
+    raw = "{zero_optimization: {1: 2}}"  # (a TypeError inside DeepSpeed's model)
+    cfg = load_config(None, ["parallel.backend=deepspeed", f"parallel.deepspeed.config={raw}"])
+    with pytest.raises(UserError, match="DeepSpeed refuses it"):
+        check_zero_settings(cfg, target_plan(cfg, 2))
+    raw = "{communication_data_type: null, prescale_gradients: null}"  # null: DeepSpeed's default
+    load_config(None, ["parallel.backend=deepspeed", f"parallel.deepspeed.config={raw}"])
     good = load_config(
         None,
         [

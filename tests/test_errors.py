@@ -688,6 +688,7 @@ def test_a_stale_save_of_another_kind_and_a_link_loop_never_traceback(four_steps
     import threading
 
     from scale_llm.components.checkpoint import _remove_stale
+    from scale_llm.files import require_writable_dir
 
     (tmp_path / ".tmp-step_00000006").write_text("x")
     os.mkfifo(tmp_path / ".tmp-step_00000008")
@@ -698,6 +699,8 @@ def test_a_stale_save_of_another_kind_and_a_link_loop_never_traceback(four_steps
         assert not worker.is_alive() and not stale.exists(), stale
     (tmp_path / "loop").symlink_to(tmp_path / "loop")
     loop, ckpt = tmp_path / "loop", four_steps / "checkpoints" / STEP2
+    with pytest.raises(UserError, match=r"loop is a symlink, not a directory"):
+        require_writable_dir(loop / "runs", "run.dir")  # (a run dir below it: row 2.1)
     for command in ("convert", "export"):
         assert main([command, str(loop), "--out", str(tmp_path / "out")]) == 2
         assert main([command, str(ckpt), "--out", str(loop / "out")]) == 2  # (mkdir raised)

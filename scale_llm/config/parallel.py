@@ -181,7 +181,7 @@ OWNED = {
 PASSTHROUGH: dict[str, tuple[type, ...]] = {
     **dict.fromkeys(("zero_optimization", "data_types", "comms_logger"), (dict,)),
     "communication_data_type": (str,),
-    "gradient_predivide_factor": (int, float),
+    "gradient_predivide_factor": (float, int),
     "steps_per_print": (int,),
     **dict.fromkeys(("prescale_gradients", "wall_clock_breakdown", "memory_breakdown"), (bool,)),
     **dict.fromkeys(("zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer"), (bool,)),
@@ -210,13 +210,17 @@ def passthrough_problems(raw: dict[str, Any]) -> list[str]:
             problems.append(f"parallel.deepspeed.config.{key}: set by {instead}; remove it here")
     takes = ", ".join(PASSTHROUGH)
     for key, value in raw.items():
-        if (kinds := PASSTHROUGH.get(key)) and not isinstance(value, kinds):
-            kind = {dict: "a mapping", str: "a string", bool: "true or false"}.get(kinds[0])
+        kinds = PASSTHROUGH.get(key, ())
+        if value is None and kinds and dict not in kinds:  # (null: DeepSpeed's own default)
+            continue
+        if kinds and (not isinstance(value, kinds) or isinstance(value, bool) > (bool in kinds)):
+            names = {dict: "a mapping", str: "a string", bool: "true or false", int: "an integer"}
+            kind = names.get(kinds[0])
             problems.append(
                 f"parallel.deepspeed.config.{key}: {value!r:.60} is not {kind or 'a number'}; "
                 f"give one, or remove it here"
             )
-        elif key not in PASSTHROUGH and key not in OWNED:
+        elif not kinds and key not in OWNED:
             why = REFUSED.get(key, f"not among the sections the pass-through takes ({takes})")
             problems.append(f"parallel.deepspeed.config.{key}: {why}; remove it here")
     return problems

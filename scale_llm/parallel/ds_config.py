@@ -5,6 +5,7 @@ sections outside its PASSTHROUGH)."""
 from __future__ import annotations
 
 import copy
+import importlib.util
 import os
 from typing import Any
 
@@ -61,10 +62,10 @@ def deepspeed_config(cfg: Config, plan: RunPlan) -> dict[str, Any]:
 
 
 def check_zero_settings(cfg: Config, plan: RunPlan) -> None:
-    """DeepSpeed's own model judges zero_optimization as the run hands it over, before any work
-    (an unknown or mistyped entry of parallel.deepspeed.config failed in deepspeed.initialize)."""
-    if plan.backend != "deepspeed":
-        return
+    """DeepSpeed's own model judges zero_optimization as the run hands it over, before any work:
+    an unknown or mistyped entry of parallel.deepspeed.config is named with DeepSpeed's words."""
+    if plan.backend != "deepspeed" or importlib.util.find_spec("deepspeed") is None:
+        return  # (a missing deepspeed is named where the backend is built)
     if plan.device.type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # must precede `import deepspeed`
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
@@ -72,8 +73,10 @@ def check_zero_settings(cfg: Config, plan: RunPlan) -> None:
 
     try:
         DeepSpeedZeroConfig(**deepspeed_config(cfg, plan)["zero_optimization"])
-    except ValidationError as e:
-        said = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
+    except (ValidationError, AssertionError, TypeError, ValueError) as e:
+        said = (str(e).splitlines() or [type(e).__name__])[0]
+        if isinstance(e, ValidationError):
+            said = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
         raise UserError(
             f"parallel.deepspeed.config.zero_optimization: DeepSpeed refuses it ({said}); fix or "
             f"remove those entries"
