@@ -107,6 +107,8 @@ SLOW_TESTS = {  # by module::function (every parameter): over ~4 s each on 2 cor
     "test_train.py::test_the_gpt2_reference_is_a_flop_matched_gpt2_and_learns",
     "test_train.py::test_what_users_watch_tensorboard_wandb_samples_and_progress",
     "test_roofline.py::test_the_doc_states_the_calibration_table_the_code_makes",
+    "test_roofline.py::test_the_shipped_configs_state_the_prediction_the_code_makes",
+    "test_suite.py::test_the_fast_tier_starts_no_deepspeed_build",
     "test_fp8.py::test_fp8_follows_the_bf16_curve",
     "test_fp8.py::test_tensor_parallel_gathers_fp8_activations_on_gpus",
     "test_fp8.py::test_fsdp2_fp8_gather_precomputes_the_scales_after_each_step",
