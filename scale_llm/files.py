@@ -45,6 +45,14 @@ def fsync_tree(root: Path | str) -> None:
         fsync_dir(dirpath)
 
 
+def stamped_name(parent: Path, stem: str, suffix: str = "") -> Path:
+    """parent/<stem>-<UTC time><suffix>, with -2, -3, ... before the suffix while that is taken."""
+    first, n = f"{stem}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}", 1
+    while not _absent(path := parent / f"{first}{f'-{n}' * (n > 1)}{suffix}"):
+        n += 1
+    return path
+
+
 def temporary_sibling(path: Path, tag: str = "tmp") -> Path:
     """A name beside `path` that no other process uses: `.NAME.tag-PID-RANDOM`."""
     return path.parent / f".{path.name}.{tag}-{os.getpid()}-{os.urandom(3).hex()}"

@@ -17,7 +17,6 @@ import math
 import os
 import re
 import shutil
-import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
@@ -41,6 +40,7 @@ from scale_llm.files import (
     fsync_tree,
     nested_deeper,
     parse_json,
+    stamped_name,
 )
 
 log = logging.getLogger(__name__)
@@ -148,11 +148,7 @@ class Checkpointer:
 
     def _move_aside(self, paths: list[Path]) -> Path:
         """Rename `paths` (entries of self.dir) into a new checkpoints/abandoned-<UTC time>/."""
-        target = self.dir / f"abandoned-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
-        first, n = target, 1
-        while target.exists() or target.is_symlink():
-            n += 1
-            target = first.with_name(f"{first.name}-{n}")
+        target = stamped_name(self.dir, "abandoned")
         target.mkdir()
         for path in paths:
             path.rename(target / path.name)  # a symlink is renamed itself, never followed

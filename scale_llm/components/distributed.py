@@ -30,6 +30,12 @@ log = logging.getLogger(__name__)
 _JOINED_MULTI_PROCESS = False  # this process has been part of a group of several
 
 
+def deepspeed_on(device: torch.device) -> None:
+    """DeepSpeed picks its accelerator at import: the CPU's for a CPU run (before `import`)."""
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
 def joined_multi_process() -> bool:
     """Whether this process joined a group of several ranks (the CLI then skips the interpreter
     teardown gloo has been seen to abort in)."""
@@ -114,8 +120,7 @@ def start(plan: RunPlan, cpu_collectives: bool = False, trace_prefix: str | None
         keep_freed_cpu_memory()
     if plan.backend == "single":
         return
-    if plan.device.type == "cpu":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # must precede `import deepspeed`
+    deepspeed_on(plan.device)
     world = plan.world_size
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:

@@ -174,10 +174,10 @@ OWNED = {
 }
 
 
-# the ds_config sections the pass-through takes: the engine's ZeRO, dtype and logging settings.
-# DeepSpeed's other sections duplicate the framework's own work, and some make DeepSpeed read,
-# import or write what the config names (REFUSED says which)
-# (each with the kind of value it takes; DeepSpeed's models judge zero_optimization's entries)
+# the ds_config sections the pass-through takes, with the kinds of value each takes: the engine's
+# ZeRO, dtype and logging settings (DeepSpeed's model judges zero_optimization's entries). Its
+# other sections duplicate the framework's own work, and some make DeepSpeed read, import or
+# write what the config names (REFUSED says which)
 PASSTHROUGH: dict[str, tuple[type, ...]] = {
     **dict.fromkeys(("zero_optimization", "data_types", "comms_logger"), (dict,)),
     "communication_data_type": (str,),

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import os
 from typing import Any
 
+from scale_llm.components.distributed import deepspeed_on
 from scale_llm.config import Config, deep_merge
 from scale_llm.config.plan import RunPlan
 from scale_llm.errors import UserError
@@ -66,8 +66,7 @@ def check_zero_settings(cfg: Config, plan: RunPlan) -> None:
     an unknown or mistyped entry of parallel.deepspeed.config is named with DeepSpeed's words."""
     if plan.backend != "deepspeed" or importlib.util.find_spec("deepspeed") is None:
         return  # (a missing deepspeed is named where the backend is built)
-    if plan.device.type == "cpu":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # must precede `import deepspeed`
+    deepspeed_on(plan.device)
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
     from pydantic import ValidationError
 

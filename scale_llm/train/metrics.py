@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import logging
 import math
-import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 from scale_llm.config import Config, dump_yaml, to_dict
 from scale_llm.errors import UserError, install_hint
-from scale_llm.files import JSONProblem, atomic_write_text, parse_json
+from scale_llm.files import JSONProblem, atomic_write_text, parse_json, stamped_name
 from scale_llm.train.preflight import METRICS_FILE, WANDB_ID_FILE, check_metrics_file
 from scale_llm.train.resume import flat
 
@@ -137,11 +136,8 @@ def _truncate_after(path: Path, step: int) -> None:
     if not path.exists():
         return
     if step == 0:
-        stamp, n = time.strftime("%Y%m%d-%H%M%S", time.gmtime()), 1
-        while (aside := path.with_name(f"metrics-{stamp}{f'-{n}' * (n > 1)}.jsonl")).exists():
-            n += 1
         if path.stat().st_size:  # (an empty file holds nothing to keep)
-            path.rename(aside)
+            path.rename(aside := stamped_name(path.parent, "metrics", ".jsonl"))
             log.warning(f"metrics: a fresh start; the rows of the earlier attempt moved to {aside}")
         return
     keep, damaged = [], 0

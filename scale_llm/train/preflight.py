@@ -22,14 +22,7 @@ from scale_llm.data.loader import TrainLoader
 from scale_llm.data.mixture import TrainingData, check_epochs, open_training_data
 from scale_llm.data.pretrained_tokenizer import BUNDLE_FILE, vocab_problem
 from scale_llm.errors import UserError
-from scale_llm.files import (
-    MAX_RECORD_BYTES,
-    OWNER_MARKER,
-    OwnerLock,
-    describe_kind,
-    json_object_or_none,
-    require_writable_dir,
-)
+from scale_llm.files import OWNER_MARKER, OwnerLock, describe_kind, owned_kind, require_writable_dir
 from scale_llm.model import attention
 from scale_llm.parallel import compile as block_compile
 from scale_llm.parallel.ds_config import check_zero_settings
@@ -296,10 +289,8 @@ def check_run_dir(run_dir: Path) -> None:
 
 
 def is_run_dir(path: Path) -> bool:
-    """`path` holds the mark the trainer writes in the run dirs it owns (a symlinked mark: no)."""
-    mark = path / OWNER_MARKER
-    kind = None if mark.is_symlink() else json_object_or_none(mark, MAX_RECORD_BYTES)
-    return (kind or {}).get("kind") == RUN_KIND
+    """`path` (or the folder a link names) holds the mark the trainer writes in its run dirs."""
+    return owned_kind(Path(os.path.realpath(path))) == RUN_KIND
 
 
 def check_metrics_file(path: Path) -> None:

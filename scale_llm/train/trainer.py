@@ -31,7 +31,7 @@ from scale_llm.config.plan import RunPlan
 from scale_llm.data.loader import TrainLoader
 from scale_llm.data.tokenizer import run_copy_name
 from scale_llm.errors import UserError
-from scale_llm.files import OWNER_MARKER, atomic_write_bytes, atomic_write_json, atomic_write_text
+from scale_llm.files import atomic_write_bytes, atomic_write_json, atomic_write_text, make_owned_dir
 from scale_llm.model import Transformer, build_model
 from scale_llm.parallel.backend import build_backend
 from scale_llm.parallel.step import optimizer_step
@@ -314,7 +314,7 @@ class Trainer:
     def _write_run_dir(self) -> None:
         """The run's own files, each replaced whole (in the locked, preflight-checked run dir),
         the mark first: what lets a later launch write here."""
-        atomic_write_json(self.run_dir / OWNER_MARKER, {"kind": RUN_KIND})
+        make_owned_dir(self.run_dir, RUN_KIND, exists=True)
         (self.run_dir / COMM_TRACE).mkdir(parents=True, exist_ok=True)  # (a timeout's dumps)
         save_config(self.cfg, self.run_dir / "config.yaml")  # as the user wrote it
         atomic_write_json(self.run_dir / "plan.json", self.plan.to_json())
