@@ -44,8 +44,10 @@ from scale_llm.version import __version__
 
 DEFAULT_MAX_SHARD = 5 * 10**9  # bytes per safetensors file (transformers' usual 5GB)
 EXPORT_INFO = "scale_llm_export.json"
-FILES_SINCE = "ef32426 of 2026-12-03"  # the first export whose info lists its files
-UNLISTED = f"its {EXPORT_INFO} lists no files"  # an export written before FILES_SINCE
+UNLISTED = f"its {EXPORT_INFO} lists no files"
+UNSTATED = f"its {EXPORT_INFO} records no file sizes and times"
+# what an export from before a format's first commit lacks, and that commit
+OLDER = {UNLISTED: "ef32426 of 2026-12-03", UNSTATED: "STATS_SINCE"}
 
 
 @dataclass
@@ -173,9 +175,13 @@ def write_hf_folder(
         atomic_write_json(tmp / "generation_config.json", generation_config(tokenizer))
         write_tokenizer_files(tokenizer, tmp, cfg.seq_len)
         files = sorted([*(p.name for p in tmp.iterdir()), EXPORT_INFO])
-        # written last, naming every file: what proves later that the folder is an export
-        atomic_write_json(tmp / EXPORT_INFO, {**(info or {}), "dtype": dtype, "files": files})
+        stats = {p.name: file_stat(p) for p in tmp.iterdir()}
+        # written last, naming every file and its size and time: what proves later that the
+        # folder is this export, unchanged
+        info = {**(info or {}), "dtype": dtype, "files": files, "stats": stats}
+        atomic_write_json(tmp / EXPORT_INFO, info)
         fsync_tree(tmp)
+        check_out(out, force)  # again: --out may have changed while the weights were written
         publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -201,23 +207,30 @@ def check_out(out: Path, force: bool) -> None:
             f"another --out (--force replaces only a folder that scale-llm export wrote)"
         )
     problem = not_an_export(out) if out.exists() else None
-    if problem == UNLISTED:
+    if problem in OLDER:
         raise UserError(
-            f"--out {out} was written by scale-llm export before {FILES_SINCE} ({problem}); "
-            f"this scale_llm replaces only an export that names every file it wrote, so --force "
-            f"leaves it alone: move it away, or pick another --out"
+            f"--out {out} was written by scale-llm export before {OLDER[problem]} ({problem}); "
+            f"this scale_llm replaces only an export that records every file it wrote, so "
+            f"--force leaves it alone: move it away, or pick another --out"
         )
     if problem:
         raise UserError(
             f"--out {out} is not an earlier export ({problem}), so --force leaves it alone: it "
-            f"replaces only a folder that scale-llm export wrote, holding {EXPORT_INFO} and the "
-            f"files it lists; pick another --out"
+            f"replaces only a folder that scale-llm export wrote, holding {EXPORT_INFO} and, "
+            f"unchanged, the files it lists; move it away or pick another --out"
         )
     require_writable_dir(out.parent if out.exists() else out, "--out")  # (renamed in place)
 
 
+def file_stat(path: Path) -> list[int]:
+    """What an export records of each file it wrote: [size, modification time in ns]."""
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns]
+
+
 def not_an_export(folder: Path) -> str | None:
-    """Why `folder` is not a complete export (None if it is): its info, and only its files."""
+    """Why `folder` is not an export as written (None if it is): its info, and only its files,
+    each of the size and modification time the info records."""
     info_path = folder / EXPORT_INFO
     if info_path.is_symlink() or not info_path.is_file():
         return f"it has no {EXPORT_INFO}"
@@ -232,9 +245,20 @@ def not_an_export(folder: Path) -> str | None:
     foreign += [e for e in entries if e not in foreign and not (folder / e).is_file()]
     foreign += [e for e in entries if e not in foreign and (folder / e).is_symlink()]
     if foreign:
-        more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
-        return f"it also holds {', '.join(foreign[:5])}{more}, which no export writes"
+        return f"it also holds {_some(foreign)}, which no export writes"
+    if not isinstance(stats := info.get("stats"), dict):
+        return UNSTATED
+    changed = [e for e in entries if e != EXPORT_INFO and stats.get(e) != file_stat(folder / e)]
+    if changed:
+        return (
+            f"{_some(changed)} changed after the export wrote {'them' if changed[1:] else 'it'} "
+            f"(size or modification time differs from what {EXPORT_INFO} records)"
+        )
     return None
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 def check_not_inside_source(out: Path, src: Source) -> None:

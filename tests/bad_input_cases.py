@@ -1540,6 +1540,10 @@ def _export_over(kind: str) -> Callable[[Ctx], list[str]]:
         if kind == "an export holding a file of the user's":
             (out / "README.md").write_text("my notes")  # a file no export writes
             return ["export", str(run), "--out", str(out), "--force"]
+        if kind == "an export with a file the user edited":
+            with open(out / "tokenizer_config.json", "a") as f:
+                f.write("\n")  # its size no longer the one the export recorded
+            return ["export", str(run), "--out", str(out), "--force"]
         link = ctx.tmp / "link"
         link.symlink_to(out)
         return ["export", str(run), "--out", str(link), "--force"]
@@ -1686,6 +1690,7 @@ OWNED = [
             ("the folder of runs", "not an"),
             ("a folder of the user's", "has no"),
             ("an export holding a file of the user's", "README.md"),
+            ("an export with a file the user edited", "tokenizer_config.json changed after"),
             ("a symlink to an export", "is a symlink"),
         ]
     ],
@@ -2832,6 +2837,18 @@ def _export_over_an_older_export(ctx: Ctx) -> Setup:
     return Setup(["export", str(ctx.run()), "--out", str(out), "--force"])
 
 
+def _export_over_an_unstated_export(ctx: Ctx) -> Setup:
+    """An export whose scale_llm_export.json records no file sizes and times (before
+    STATS_SINCE): --force replaced it even when the user had edited one of its files."""
+    needs("safetensors")
+    out = ctx.tmp / "hf"
+    shutil.copytree(ctx.exported, out)
+    info = json.loads((out / "scale_llm_export.json").read_text())
+    del info["stats"]
+    (out / "scale_llm_export.json").write_text(json.dumps(info))
+    return Setup(["export", str(ctx.run()), "--out", str(out), "--force"])
+
+
 def _prepare_over_unmarked_data(force: bool) -> Callable[[Ctx], list[str]]:
     """data.dir prepared before 697de94 (no .scale-llm-prepared.json): its complete manifest
     proved it prepare's, reported up to date or rebuilt; now refused."""
@@ -2872,6 +2889,15 @@ COMPAT: list = [
         (
             "was written by scale-llm export before ef32426 of 2026-12-03 (its "
             "scale_llm_export.json lists no files)",
+            "--force leaves it alone: move it away, or pick another --out",
+        ),
+    ),
+    (
+        "export --force over an export from before STATS_SINCE",
+        _export_over_an_unstated_export,
+        (
+            "was written by scale-llm export before STATS_SINCE (its "
+            "scale_llm_export.json records no file sizes and times)",
             "--force leaves it alone: move it away, or pick another --out",
         ),
     ),

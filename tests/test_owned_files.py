@@ -43,6 +43,28 @@ def test_export_force_replaces_an_earlier_export(run_dir, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no leftovers
 
 
+def test_export_force_proves_the_export_again_before_replacing_it(run_dir, tmp_path, monkeypatch):
+    """--out is checked before the weights are read and again before it is replaced: a file the
+    user adds in between is kept, with the export as it was."""
+    pytest.importorskip("safetensors")
+    import scale_llm.export as export_module
+
+    out = tmp_path / "hf"
+    assert main(["export", str(run_dir), "--out", str(out)]) == 0
+    before = snapshot(out)
+    write_weights = export_module._write_weights
+
+    def user_adds_a_file(*args, **kwargs):
+        (out / "notes.md").write_text("mine")
+        return write_weights(*args, **kwargs)
+
+    monkeypatch.setattr(export_module, "_write_weights", user_adds_a_file)
+    assert main(["export", str(run_dir), "--out", str(out), "--force"]) == 2
+    (out / "notes.md").unlink()
+    assert snapshot(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # its own folder removed
+
+
 # ----------------------------------------------------------------------------- convert
 def test_convert_writes_a_new_file_and_replaces_only_its_own(
     run_dir, tmp_path, capsys, monkeypatch
