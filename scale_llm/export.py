@@ -47,7 +47,7 @@ EXPORT_INFO = "scale_llm_export.json"
 UNLISTED = f"its {EXPORT_INFO} lists no files"
 UNSTATED = f"its {EXPORT_INFO} records no file sizes and times"
 # what an export from before a format's first commit lacks, and that commit
-OLDER = {UNLISTED: "ef32426 of 2026-12-03", UNSTATED: "STATS_SINCE"}
+OLDER = {UNLISTED: "ef32426 of 2026-12-03", UNSTATED: "69a6692 of 2026-12-06"}
 
 
 @dataclass

@@ -2839,7 +2839,7 @@ def _export_over_an_older_export(ctx: Ctx) -> Setup:
 
 def _export_over_an_unstated_export(ctx: Ctx) -> Setup:
     """An export whose scale_llm_export.json records no file sizes and times (before
-    STATS_SINCE): --force replaced it even when the user had edited one of its files."""
+    69a6692 of 2026-12-06): --force replaced it even when the user had edited one of its files."""
     needs("safetensors")
     out = ctx.tmp / "hf"
     shutil.copytree(ctx.exported, out)
@@ -2893,10 +2893,10 @@ COMPAT: list = [
         ),
     ),
     (
-        "export --force over an export from before STATS_SINCE",
+        "export --force over an export from before 69a6692",
         _export_over_an_unstated_export,
         (
-            "was written by scale-llm export before STATS_SINCE (its "
+            "was written by scale-llm export before 69a6692 of 2026-12-06 (its "
             "scale_llm_export.json records no file sizes and times)",
             "--force leaves it alone: move it away, or pick another --out",
         ),
