@@ -718,6 +718,25 @@ def test_a_checkpoints_link_into_another_run_is_refused(four_steps, data_dir, tm
     assert snapshot(a) == before
 
 
+def test_two_runs_linked_to_one_checkpoints_folder_are_refused(four_steps, data_dir, tmp_path):
+    """runs/a/checkpoints and runs/test/checkpoints -> one plain folder: the run that links to
+    it first claims it, and the second is refused (it would resume and prune a's)."""
+    a = copy_run(four_steps, tmp_path, "a")
+    shared = tmp_path / "disk" / "checkpoints"
+    shared.parent.mkdir()
+    (a / "checkpoints").rename(shared)
+    (a / "checkpoints").symlink_to(shared)
+    resume_auto(data_dir, tmp_path, "run.name=a")  # a's launch: it claims the folder
+    (tmp_path / "runs" / "test").mkdir()
+    (tmp_path / "runs" / "test" / "checkpoints").symlink_to(shared)
+    before = snapshot(shared)
+    with pytest.raises(UserError, match=r"the checkpoints of the run .*/runs/a: each run prunes"):
+        resume_auto(data_dir, tmp_path)
+    assert snapshot(shared) == before
+    (a / "checkpoints").unlink()  # a no longer links there: the folder is test's to take
+    resume_auto(data_dir, tmp_path)
+
+
 def test_a_symlinked_step_dir_is_never_resumed_counted_or_pruned(four_steps, data_dir, tmp_path):
     """checkpoints/step_00000004 -> another run's checkpoint was resumed without a word, and
     the run's own checkpoints were then pruned. Now it is skipped with a warning naming it,

@@ -22,7 +22,16 @@ from scale_llm.data.loader import TrainLoader
 from scale_llm.data.mixture import TrainingData, check_epochs, open_training_data
 from scale_llm.data.pretrained_tokenizer import BUNDLE_FILE, vocab_problem
 from scale_llm.errors import UserError
-from scale_llm.files import OWNER_MARKER, OwnerLock, describe_kind, owned_kind, require_writable_dir
+from scale_llm.files import (
+    MAX_RECORD_BYTES,
+    OWNER_MARKER,
+    OwnerLock,
+    atomic_write_json,
+    describe_kind,
+    json_object_or_none,
+    owned_kind,
+    require_writable_dir,
+)
 from scale_llm.model import attention
 from scale_llm.parallel import compile as block_compile
 from scale_llm.parallel.ds_config import check_zero_settings
@@ -250,6 +259,7 @@ RUN_DIR_FILES = {
 }
 LOCK = ".lock"
 RUN_KIND = "run"  # the kind in RUN_DIR/OWNER_MARKER, written by the launch that takes the lock
+CHECKPOINTS_CLAIM = ".scale-llm-run.json"  # in a linked checkpoints folder: {"run": its run dir}
 
 
 def run_lock(run_dir: Path) -> OwnerLock:
@@ -274,18 +284,40 @@ def check_run_dir(run_dir: Path) -> None:
             f"3ae9a78 of 2026-12-06 has no mark: to continue such a run, write "
             f'{{"kind": "run"}} into {run_dir / OWNER_MARKER})'
         )
-    ckpts = run_dir / "checkpoints"
-    other = Path(os.path.realpath(ckpts)).parent  # (realpath: a link loop is named below)
-    if ckpts.is_symlink() and other != Path(os.path.realpath(run_dir)) and is_run_dir(other):
+    if other := checkpoints_of_another_run(run_dir):
         raise UserError(
-            f"{ckpts} is a symlink to {os.path.realpath(ckpts)}, the checkpoints of the run "
-            f"{other}: each run prunes its checkpoints and moves newer ones aside, so two runs "
-            f"would remove each other's. Point the link at a folder of its own, or resume from "
-            f"one of that run's checkpoints on purpose: checkpoint.resume=PATH"
+            f"{run_dir / 'checkpoints'} is a symlink to {os.path.realpath(run_dir / 'checkpoints')}"
+            f", the checkpoints of the run {other}: each run prunes its checkpoints and moves "
+            f"newer ones aside, so two runs would remove each other's. Point the link at a folder "
+            f"of its own, or resume from one of that run's checkpoints on purpose: "
+            f"checkpoint.resume=PATH"
         )
     for kind, names in (("a folder", RUN_DIR_FOLDERS), ("a regular file", RUN_DIR_FILES)):
         for name, what in names.items():
             _check_kind(run_dir / name, kind, what)
+
+
+def checkpoints_of_another_run(run_dir: Path) -> Path | None:
+    """The run whose checkpoints RUN_DIR/checkpoints links to: a folder inside another run dir,
+    or one whose claim (written by the last run that linked to it) names a run linked there."""
+    ckpts = run_dir / "checkpoints"
+    if not ckpts.is_symlink():
+        return None
+    target, me = Path(os.path.realpath(ckpts)), Path(os.path.realpath(run_dir))
+    if target.parent != me and is_run_dir(target.parent):  # (realpath: a loop is named later)
+        return target.parent
+    claim = json_object_or_none(target / CHECKPOINTS_CLAIM, MAX_RECORD_BYTES) or {}
+    if not isinstance(run := claim.get("run"), str) or Path(run) == me or not is_run_dir(Path(run)):
+        return None
+    return Path(run) if os.path.realpath(Path(run) / "checkpoints") == str(target) else None
+
+
+def claim_checkpoints(run_dir: Path) -> None:
+    """A linked checkpoints folder records the run it serves, so that a second run linked to the
+    same folder is refused (a folder of the run dir's own needs none: it lies inside the run)."""
+    if (ckpts := run_dir / "checkpoints").is_symlink():
+        run = os.path.realpath(run_dir)
+        atomic_write_json(Path(os.path.realpath(ckpts)) / CHECKPOINTS_CLAIM, {"run": run})
 
 
 def is_run_dir(path: Path) -> bool:

@@ -41,7 +41,14 @@ from scale_llm.train.eval_tasks import remove_scratch
 from scale_llm.train.guards import StopSignals, maybe_fail, out_of_memory
 from scale_llm.train.init_from import load_init_weights
 from scale_llm.train.metrics import MetricsLogger
-from scale_llm.train.preflight import COMM_TRACE, RUN_KIND, RunSpec, preflight, run_lock
+from scale_llm.train.preflight import (
+    COMM_TRACE,
+    RUN_KIND,
+    RunSpec,
+    claim_checkpoints,
+    preflight,
+    run_lock,
+)
 from scale_llm.train.profiling import StepProfiler
 from scale_llm.train.resume import schedule_change
 from scale_llm.train.throughput import Throughput
@@ -315,6 +322,7 @@ class Trainer:
         """The run's own files, each replaced whole (in the locked, preflight-checked run dir),
         the mark first: what lets a later launch write here."""
         make_owned_dir(self.run_dir, RUN_KIND, exists=True)
+        claim_checkpoints(self.run_dir)  # (a linked checkpoints folder: this run's)
         (self.run_dir / COMM_TRACE).mkdir(parents=True, exist_ok=True)  # (a timeout's dumps)
         save_config(self.cfg, self.run_dir / "config.yaml")  # as the user wrote it
         atomic_write_json(self.run_dir / "plan.json", self.plan.to_json())
