@@ -2825,28 +2825,21 @@ PORTABILITY: list = (
 # ============================================================ outputs of an older scale_llm
 # Exports, prepared data and mixture records from before a format's first commit: read (or
 # recognized as the command's own) once, now refused with the version that wrote them.
-def _export_over_an_older_export(ctx: Ctx) -> Setup:
-    """An export whose scale_llm_export.json lists no files (before ef32426): --force replaced
-    it when its names matched an export's; now it is named and left alone."""
-    needs("safetensors")
-    out = ctx.tmp / "hf"
-    shutil.copytree(ctx.exported, out)
-    info = json.loads((out / "scale_llm_export.json").read_text())
-    del info["files"]
-    (out / "scale_llm_export.json").write_text(json.dumps(info))
-    return Setup(["export", str(ctx.run()), "--out", str(out), "--force"])
+def _export_over_an_older_export(lacking: str) -> Callable[[Ctx], Setup]:
+    """An export whose scale_llm_export.json lacks "files" (before ef32426: --force replaced it
+    when its names matched an export's) or "stats" (before 69a6692 of 2026-12-06: also when the
+    user had edited one of its files); now it is named and left alone."""
 
+    def setup(ctx: Ctx) -> Setup:
+        needs("safetensors")
+        out = ctx.tmp / "hf"
+        shutil.copytree(ctx.exported, out)
+        info = json.loads((out / "scale_llm_export.json").read_text())
+        del info[lacking]
+        (out / "scale_llm_export.json").write_text(json.dumps(info))
+        return Setup(["export", str(ctx.run()), "--out", str(out), "--force"])
 
-def _export_over_an_unstated_export(ctx: Ctx) -> Setup:
-    """An export whose scale_llm_export.json records no file sizes and times (before
-    69a6692 of 2026-12-06): --force replaced it even when the user had edited one of its files."""
-    needs("safetensors")
-    out = ctx.tmp / "hf"
-    shutil.copytree(ctx.exported, out)
-    info = json.loads((out / "scale_llm_export.json").read_text())
-    del info["stats"]
-    (out / "scale_llm_export.json").write_text(json.dumps(info))
-    return Setup(["export", str(ctx.run()), "--out", str(out), "--force"])
+    return setup
 
 
 def _prepare_over_unmarked_data(force: bool) -> Callable[[Ctx], list[str]]:
@@ -2885,7 +2878,7 @@ UNMARKED = (
 COMPAT: list = [
     (
         "export --force over an export from before ef32426",
-        _export_over_an_older_export,
+        _export_over_an_older_export("files"),
         (
             "was written by scale-llm export before ef32426 of 2026-12-03 (its "
             "scale_llm_export.json lists no files)",
@@ -2894,7 +2887,7 @@ COMPAT: list = [
     ),
     (
         "export --force over an export from before 69a6692",
-        _export_over_an_unstated_export,
+        _export_over_an_older_export("stats"),
         (
             "was written by scale-llm export before 69a6692 of 2026-12-06 (its "
             "scale_llm_export.json records no file sizes and times)",
