@@ -253,6 +253,11 @@ def test_deepspeed_judges_zero_optimization_before_any_work(monkeypatch):
         ],
     )
     check_zero_settings(good, target_plan(good, 2))
+    raw = "{zero_optimization: {reduce_bucket_size: 1e9, stage3_prefetch_bucket_size: 5E+8}}"
+    cfg = load_config(None, ["parallel.backend=deepspeed", f"parallel.deepspeed.config={raw}"])
+    zero = cfg.parallel.deepspeed.config["zero_optimization"]  # (PyYAML reads 1e9 as text)
+    assert zero == {"reduce_bucket_size": 1e9, "stage3_prefetch_bucket_size": 5e8}
+    check_zero_settings(cfg, target_plan(cfg, 2))
 
 
 def test_deepspeed_passthrough_takes_the_engine_settings_docs_name():

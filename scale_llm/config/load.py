@@ -435,10 +435,27 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any, str]:
         if (number := _as_float(value)) is not None and math.isfinite(number):
             return True, number, "a number"
         return False, value, "a finite number"
+    if tp is dict and isinstance(value, dict):  # (a pass-through: its numbers as JSON reads them)
+        return True, _exponent_numbers(value), "a mapping"
     simple = {bool: (bool, "true or false"), str: (str, "a string"), dict: (dict, "a mapping")}
     if tp in simple:
         return isinstance(value, simple[tp][0]), value, simple[tp][1]
     raise TypeError(f"unsupported config annotation {tp!r}")
+
+
+# a number in JSON and YAML 1.2 that PyYAML reads as a string: 1e9, 5e-4 (no dot, or no sign)
+EXPONENT = re.compile(r"[-+]?(\d[\d_]*\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+def _exponent_numbers(value: Any) -> Any:
+    """`value` with every string written like 1e9 a number (DeepSpeed's JSON examples read so)."""
+    if isinstance(value, dict):
+        return {k: _exponent_numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_exponent_numbers(v) for v in value]
+    if isinstance(value, str) and EXPONENT.fullmatch(value):
+        return float(value.replace("_", ""))
+    return value
 
 
 def _as_float(value: Any) -> float | None:
