@@ -474,7 +474,7 @@ class OwnerLock:
         self._fd = None
 
     def _key(self) -> str:
-        return os.path.abspath(self.path)
+        return os.path.realpath(self.path)  # (one lock file, however this process named it)
 
     def _open(self, create: bool) -> int | None:
         if self.path.is_symlink():

@@ -24,6 +24,7 @@ import torch
 from scale_llm.cli import main
 from scale_llm.components.checkpoint import Checkpointer, damage
 from scale_llm.errors import UserError
+from scale_llm.train.preflight import CHECKPOINTS_CLAIM as CLAIM
 from scale_llm.train.trainer import Trainer
 from tests.bad_input_cases import (
     CASES,
@@ -432,7 +433,7 @@ def test_out_of_disk_during_a_save_is_a_clear_error(data_dir, tmp_path):
     assert "out of disk space while writing checkpoint" in msg and "step_00000004" in msg
     assert "previous checkpoint" in msg and "step_00000002 is intact" in msg
     ckpts = tr.checkpointer.dir
-    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000002"]  # no partial files
+    assert sorted(p.name for p in ckpts.iterdir()) == [CLAIM, "step_00000002"]  # no partial files
 
 
 def test_out_of_disk_inside_dcp_is_the_same_clear_error(data_dir, tmp_path, monkeypatch):
@@ -454,7 +455,7 @@ def test_out_of_disk_inside_dcp_is_the_same_clear_error(data_dir, tmp_path, monk
     with pytest.raises(UserError, match="out of disk space while writing checkpoint") as info:
         tr.fit()
     assert "step_00000002 is intact" in str(info.value)
-    assert sorted(p.name for p in tr.checkpointer.dir.iterdir()) == ["step_00000002"]
+    assert sorted(p.name for p in tr.checkpointer.dir.iterdir()) == [CLAIM, "step_00000002"]
 
 
 # ================================================================================= data and corpora
@@ -713,28 +714,59 @@ def test_a_checkpoints_link_into_another_run_is_refused(four_steps, data_dir, tm
     (tmp_path / "runs" / "test").mkdir()
     (tmp_path / "runs" / "test" / "checkpoints").symlink_to(a / "checkpoints")
     before = snapshot(a)
-    with pytest.raises(UserError, match=r"the checkpoints of the run .*/runs/a: each run prunes"):
+    with pytest.raises(UserError, match=r"holds the checkpoints of the run .*/runs/a: each run"):
         resume_auto(data_dir, tmp_path)
     assert snapshot(a) == before
 
 
 def test_two_runs_linked_to_one_checkpoints_folder_are_refused(four_steps, data_dir, tmp_path):
-    """runs/a/checkpoints and runs/test/checkpoints -> one plain folder: the run that links to
-    it first claims it, and the second is refused (it would resume and prune a's)."""
+    """runs/a/checkpoints and runs/test/checkpoints -> one plain folder: the launch that takes it
+    holds its lock and records itself there, and the other is refused (it would resume and prune
+    a's): before it starts, when a's launch took the folder after its preflight, and while a's
+    launch holds the lock. A link into any depth of another run's checkpoints is refused too."""
+    from scale_llm.train.preflight import CHECKPOINTS_LOCK, check_run_dir, preflight
+
     a = copy_run(four_steps, tmp_path, "a")
     shared = tmp_path / "disk" / "checkpoints"
     shared.parent.mkdir()
     (a / "checkpoints").rename(shared)
     (a / "checkpoints").symlink_to(shared)
-    resume_auto(data_dir, tmp_path, "run.name=a")  # a's launch: it claims the folder
     (tmp_path / "runs" / "test").mkdir()
     (tmp_path / "runs" / "test" / "checkpoints").symlink_to(shared)
-    before = snapshot(shared)
-    with pytest.raises(UserError, match=r"the checkpoints of the run .*/runs/a: each run prunes"):
+    cfg = make_config(data_dir, tmp_path / "runs", "checkpoint.every=2", "train.max_steps=6")
+    passed = preflight(cfg, plan_for(cfg))  # before a's launch: nothing to see yet
+    resume_auto(data_dir, tmp_path, "run.name=a")  # a's launch takes the folder
+
+    def checkpoints() -> dict:  # (a's lock, taken over by this process's second launch, aside)
+        return {k: v for k, v in snapshot(shared).items() if k != CHECKPOINTS_LOCK}
+
+    before = checkpoints()
+    refused = r"holds the checkpoints of the run .*/runs/a: each run prunes"
+    with pytest.raises(UserError, match=refused):
+        Trainer(passed)  # checked again once its launch holds the folder's lock
+    with pytest.raises(UserError, match=refused):
         resume_auto(data_dir, tmp_path)
-    assert snapshot(shared) == before
+    assert checkpoints() == before
     (a / "checkpoints").unlink()  # a no longer links there: the folder is test's to take
+    code = (
+        "import time; from pathlib import Path; from scale_llm.files import OwnerLock; "
+        f"OwnerLock(Path({str(shared / CHECKPOINTS_LOCK)!r}), 'x', '').acquire(); "
+        "print('held', flush=True); time.sleep(60)"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code], env=env(), stdout=subprocess.PIPE)
+    try:  # a launch in another process holds the folder (its claim not yet written)
+        assert holder.stdout.readline().strip() == b"held"
+        with pytest.raises(UserError, match=r"checkpoints is in use by another launch \(pid"):
+            resume_auto(data_dir, tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
     resume_auto(data_dir, tmp_path)
+    d = copy_run(four_steps, tmp_path, "d")
+    (tmp_path / "runs" / "e" / "checkpoints").parent.mkdir()
+    (tmp_path / "runs" / "e" / "checkpoints").symlink_to(d / "checkpoints" / STEP2)
+    with pytest.raises(UserError, match=r"holds the checkpoints of the run .*/runs/d: each"):
+        check_run_dir(tmp_path / "runs" / "e")
 
 
 def test_a_symlinked_step_dir_is_never_resumed_counted_or_pruned(four_steps, data_dir, tmp_path):

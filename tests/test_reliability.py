@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from scale_llm.components.checkpoint import Checkpointer
+from scale_llm.train.preflight import CHECKPOINTS_CLAIM
 from tests.helpers import (
     BACKENDS,
     SINGLE,
@@ -255,7 +256,8 @@ def test_sigkill_during_a_background_save_keeps_the_previous_checkpoint(data_dir
     proc = run(train_cmd(1, *args), cwd=root)  # relaunch: resumes from the last good one
     assert "at step 2" in proc.stdout
     same_steps(rows_of(root / name), reference, range(3, STEPS + 1), tol=0.0)  # bit-identical
-    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000004"]  # keep_last=1, no .tmp
+    kept = sorted(p.name for p in ckpts.iterdir())
+    assert kept == [CHECKPOINTS_CLAIM, "step_00000004"]  # keep_last=1, no .tmp
 
 
 def test_a_background_save_holds_its_step_while_training_goes_on(data_dir, tmp_path):

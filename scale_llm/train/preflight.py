@@ -259,13 +259,50 @@ RUN_DIR_FILES = {
 }
 LOCK = ".lock"
 RUN_KIND = "run"  # the kind in RUN_DIR/OWNER_MARKER, written by the launch that takes the lock
-CHECKPOINTS_CLAIM = ".scale-llm-run.json"  # in a linked checkpoints folder: {"run": its run dir}
+# in RUN_DIR/checkpoints (or the folder it links to): the run that last used it, {"run": path},
+# and the lock its launch holds
+CHECKPOINTS_CLAIM, CHECKPOINTS_LOCK = ".scale-llm-run.json", ".scale-llm-run.lock"
 
 
-def run_lock(run_dir: Path) -> OwnerLock:
+def run_lock(run_dir: Path) -> RunLock:
     """One launch per run directory, taken by the main rank once every check has passed (a dead
     owner's lock is taken over, a live one's refused)."""
-    return OwnerLock(run_dir / LOCK, str(run_dir), "pick another run.name")
+    return RunLock(run_dir)
+
+
+class RunLock:
+    """The run dir's lock and its checkpoints folder's: a folder two runs reach (a link, a second
+    mount) is pruned by one at a time, and records the run that last used it (its claim)."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir, ckpts = run_dir, run_dir / "checkpoints"
+        self.locks = (
+            OwnerLock(run_dir / LOCK, str(run_dir), "pick another run.name"),
+            OwnerLock(
+                ckpts / CHECKPOINTS_LOCK,
+                f"the checkpoints folder {ckpts}",
+                "point RUN_DIR/checkpoints at a folder of its own",
+            ),
+        )
+
+    def check(self) -> None:
+        for lock in self.locks:
+            lock.check()
+
+    def acquire(self) -> None:
+        try:
+            for lock in self.locks:
+                lock.acquire()
+            refuse_checkpoints_of_another_run(self.run_dir)  # again, now that no run can start
+            run = os.path.realpath(self.run_dir)
+            atomic_write_json(self.run_dir / "checkpoints" / CHECKPOINTS_CLAIM, {"run": run})
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        for lock in reversed(self.locks):
+            lock.release()
 
 
 def check_run_dir(run_dir: Path) -> None:
@@ -284,40 +321,50 @@ def check_run_dir(run_dir: Path) -> None:
             f"3ae9a78 of 2026-12-06 has no mark: to continue such a run, write "
             f'{{"kind": "run"}} into {run_dir / OWNER_MARKER})'
         )
-    if other := checkpoints_of_another_run(run_dir):
-        raise UserError(
-            f"{run_dir / 'checkpoints'} is a symlink to {os.path.realpath(run_dir / 'checkpoints')}"
-            f", the checkpoints of the run {other}: each run prunes its checkpoints and moves "
-            f"newer ones aside, so two runs would remove each other's. Point the link at a folder "
-            f"of its own, or resume from one of that run's checkpoints on purpose: "
-            f"checkpoint.resume=PATH"
-        )
+    refuse_checkpoints_of_another_run(run_dir)
     for kind, names in (("a folder", RUN_DIR_FOLDERS), ("a regular file", RUN_DIR_FILES)):
         for name, what in names.items():
             _check_kind(run_dir / name, kind, what)
 
 
-def checkpoints_of_another_run(run_dir: Path) -> Path | None:
-    """The run whose checkpoints RUN_DIR/checkpoints links to: a folder inside another run dir,
-    or one whose claim (written by the last run that linked to it) names a run linked there."""
+def refuse_checkpoints_of_another_run(run_dir: Path) -> None:
+    """RUN_DIR/checkpoints must not be (inside) another run's checkpoints folder: each run prunes
+    its checkpoints and moves newer ones aside."""
+    if (other := checkpoints_of_another_run(run_dir)) is None:
+        return
     ckpts = run_dir / "checkpoints"
-    if not ckpts.is_symlink():
+    link = f"a symlink to {os.path.realpath(ckpts)}, " if ckpts.is_symlink() else ""
+    raise UserError(
+        f"{ckpts} ({link}the same folder as {other / 'checkpoints'} or inside it) holds the "
+        f"checkpoints of the run {other}: each run prunes its checkpoints and moves newer ones "
+        f"aside, so two runs would remove each other's. Point the link at a folder of its own, or "
+        f"resume from one of that run's checkpoints on purpose: checkpoint.resume=PATH"
+    )
+
+
+def checkpoints_of_another_run(run_dir: Path) -> Path | None:
+    """The other run whose checkpoints RUN_DIR/checkpoints is or lies in: a link into another run
+    dir (any depth), or a folder whose claim names a run whose own checkpoints folder it is (by
+    device and inode: one folder seen through a link or a second mount)."""
+    ckpts = run_dir / "checkpoints"
+    if not ckpts.is_dir():
         return None
-    target, me = Path(os.path.realpath(ckpts)), Path(os.path.realpath(run_dir))
-    if target.parent != me and is_run_dir(target.parent):  # (realpath: a loop is named later)
-        return target.parent
+    target = Path(os.path.realpath(ckpts))
+    if ckpts.is_symlink():  # (realpath: a loop is named later)
+        for folder in (target, *target.parents):
+            if is_run_dir(folder) and not _same(folder, run_dir):
+                return folder
     claim = json_object_or_none(target / CHECKPOINTS_CLAIM, MAX_RECORD_BYTES) or {}
-    if not isinstance(run := claim.get("run"), str) or Path(run) == me or not is_run_dir(Path(run)):
+    if not isinstance(run := claim.get("run"), str) or _same(Path(run), run_dir):
         return None
-    return Path(run) if os.path.realpath(Path(run) / "checkpoints") == str(target) else None
+    return Path(run) if is_run_dir(Path(run)) and _same(Path(run) / "checkpoints", target) else None
 
 
-def claim_checkpoints(run_dir: Path) -> None:
-    """A linked checkpoints folder records the run it serves, so that a second run linked to the
-    same folder is refused (a folder of the run dir's own needs none: it lies inside the run)."""
-    if (ckpts := run_dir / "checkpoints").is_symlink():
-        run = os.path.realpath(run_dir)
-        atomic_write_json(Path(os.path.realpath(ckpts)) / CHECKPOINTS_CLAIM, {"run": run})
+def _same(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # (one is missing)
+        return False
 
 
 def is_run_dir(path: Path) -> bool:

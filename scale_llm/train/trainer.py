@@ -45,7 +45,6 @@ from scale_llm.train.preflight import (
     COMM_TRACE,
     RUN_KIND,
     RunSpec,
-    claim_checkpoints,
     preflight,
     run_lock,
 )
@@ -322,7 +321,6 @@ class Trainer:
         """The run's own files, each replaced whole (in the locked, preflight-checked run dir),
         the mark first: what lets a later launch write here."""
         make_owned_dir(self.run_dir, RUN_KIND, exists=True)
-        claim_checkpoints(self.run_dir)  # (a linked checkpoints folder: this run's)
         (self.run_dir / COMM_TRACE).mkdir(parents=True, exist_ok=True)  # (a timeout's dumps)
         save_config(self.cfg, self.run_dir / "config.yaml")  # as the user wrote it
         atomic_write_json(self.run_dir / "plan.json", self.plan.to_json())
