@@ -4,12 +4,15 @@ step again, so exports and records are reused only with this checkpoint's `check
 
 from __future__ import annotations
 
+import atexit
 import importlib.metadata
 import importlib.util
 import logging
 import math
 import os
 import shutil
+import stat
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -256,24 +259,26 @@ def task_manager(
 
     if include_path is not None and not Path(include_path).is_dir():
         raise UserError(f"{include_key} {include_path}: no such folder of task YAML files")
-    trusted = include_path is None or os.environ.get(TRUST_TASK_CODE) == "1"
-    if not trusted and (problems := task_code_problems(Path(include_path))):
-        raise UserError(
-            f"{include_key} {include_path}: lm-eval would run Python it names, or a file cannot "
-            f"be checked for that: {'; '.join(problems[:3])}{'; ...' * (len(problems) > 3)}. "
-            f"If you trust that code, run with {TRUST_TASK_CODE}=1 in the environment; "
-            f"otherwise remove those entries"
-        )
+    read_from = include_path  # lm-eval reads the checked copy: a later change runs nothing
+    if include_path is not None and os.environ.get(TRUST_TASK_CODE) != "1":
+        read_from, problems = checked_task_copy(Path(include_path))
+        if problems:
+            raise UserError(
+                f"{include_key} {include_path}: lm-eval would run Python it names, or a file "
+                f"cannot be checked for that: {'; '.join(problems[:3])}"
+                f"{'; ...' * (len(problems) > 3)}. If you trust that code, run with "
+                f"{TRUST_TASK_CODE}=1 in the environment; otherwise remove those entries"
+            )
     local = None
-    if include_path is not None:
-        local = TaskManager(include_path=str(include_path), include_defaults=False)
+    if read_from is not None:
+        local = TaskManager(include_path=str(read_from), include_defaults=False)
     unknown = [t for t in tasks if not (local and t in local.all_tasks) and not _mentioned(t)]
     manager = None
     if not unknown:
         if local is not None and all(t in local.all_tasks for t in tasks):
             manager = local  # (the registry is not indexed)
         else:
-            manager = TaskManager(include_path=str(include_path) if include_path else None)
+            manager = TaskManager(include_path=str(read_from) if read_from else None)
         unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         raise UserError(
@@ -289,10 +294,40 @@ def task_manager(
 TRUST_TASK_CODE = "SCALE_LLM_TRUST_TASK_CODE"  # =1: run the Python a task folder names
 
 
-def task_code_problems(folder: Path) -> list[str]:
+def checked_task_copy(folder: Path) -> tuple[Path, list[str]]:
+    """A private copy of `folder`'s task YAMLs (those lm-eval indexes, each read once), and what
+    in it would make lm-eval run Python; the copy is removed when this process exits."""
+    into = Path(os.path.realpath(tempfile.mkdtemp(prefix="scale-llm-tasks-")))
+    atexit.register(shutil.rmtree, into, True)
+    problems = []
+    for path in sorted(folder.rglob("*.yaml")):
+        try:
+            data = _regular_file_bytes(path, MAX_CONFIG_BYTES)
+        except OSError as e:
+            problems.append(f"{path} cannot be checked ({' '.join(str(e).split())[:160]})")
+            continue
+        (copy := into / path.relative_to(folder)).parent.mkdir(parents=True, exist_ok=True)
+        copy.write_bytes(data)
+    found = task_code_problems(into, inside=into)
+    return into, problems + [p.replace(str(into), str(folder)) for p in found]
+
+
+def _regular_file_bytes(path: Path, limit: int) -> bytes:
+    """The bytes of regular file `path` (opened without blocking: a named pipe is refused)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError("not a regular file")
+        if len(data := f.read(limit + 1)) > limit:
+            raise OSError(f"over {limit} bytes")
+        return data
+
+
+def task_code_problems(folder: Path, inside: Path | None = None) -> list[str]:
     """What in `folder`'s task YAMLs, or in the files they include, makes lm-eval run Python: a
     tag such as !function (a module beside the YAML), or a metric lm-eval does not register
-    (its fallback, evaluate.load, runs a metric script: a local file or one downloaded)."""
+    (its fallback, evaluate.load, runs a metric script: a local file or one downloaded). With
+    `inside`, an include outside that folder too (lm-eval would read it unchecked, later)."""
     import lm_eval.api.metrics  # noqa: F401  (fills the metric registry)
     from lm_eval.api.registry import metric_registry
 
@@ -323,13 +358,19 @@ def task_code_problems(folder: Path) -> list[str]:
             continue
         problems += [f"{path}: {tag}" for tag in tags]
         for part in _dicts(task):  # (a group's inline tasks too)
-            included = part.get("include")
-            todo += [path.parent / i for i in _listed(included) if isinstance(i, str)]
+            included = [path.parent / i for i in _listed(part.get("include")) if isinstance(i, str)]
+            outside = [i for i in included if inside and not _real(i).is_relative_to(inside)]
+            problems += [f"{path}: include {i}, outside the folder; copy it in" for i in outside]
+            todo += [i for i in included if i not in outside]
             for m in _listed(part.get("metric_list")):
                 name = m.get("metric") if isinstance(m, dict) else None
                 if isinstance(name, str) and (name not in metric_registry or m.get("hf_evaluate")):
                     problems.append(f"{path}: metric {name}, not one of lm-eval's")
     return problems
+
+
+def _real(path: Path) -> Path:
+    return Path(os.path.realpath(path))
 
 
 def _dicts(value: Any) -> Iterator[dict]:

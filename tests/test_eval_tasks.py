@@ -160,6 +160,34 @@ def test_a_killed_launchs_scratch_export_is_removed_by_the_next_and_never_counte
     assert not left.exists() and (mine / "export" / "notes.txt").read_text() == "keep"
 
 
+def test_lm_eval_reads_the_task_folder_as_it_was_checked(tmp_path, monkeypatch):
+    """The folder was checked once, then lm-eval read it again at each evaluation: a !function
+    planted after the check ran (in train, at the next eval.tasks step). lm-eval now reads a
+    private copy of what was checked; an include outside the folder is refused."""
+    import shutil
+
+    from scale_llm import evaluate
+
+    monkeypatch.chdir(REPO)
+    tasks, ran = tmp_path / "tasks", tmp_path / "ran"
+    shutil.copytree(TASKS, tasks)
+    manager = evaluate.task_manager(["scale_llm_tiny_mc"], tasks)
+    (tasks / "evil.py").write_text(
+        f"import pathlib\npathlib.Path({str(ran)!r}).touch()\ndef text(doc):\n    return 'q'\n"
+    )
+    task = tasks / "tiny_mc.yaml"
+    task.write_text(task.read_text().replace("question", "!function evil.text"))
+    evaluate.build_task(manager, "scale_llm_tiny_mc", "--tasks")  # as each evaluation loads it
+    assert not ran.exists()
+    (tmp_path / "shared.yaml").write_text("output_type: multiple_choice\n")
+    task.write_text((TASKS / "tiny_mc.yaml").read_text() + "include: ../shared.yaml\n")
+    with pytest.raises(UserError, match=r"tiny_mc.yaml: include .*shared.yaml, outside the folder"):
+        evaluate.task_manager(["scale_llm_tiny_mc"], tasks)
+    (tasks / "shared.yaml").write_text("output_type: multiple_choice\n")
+    task.write_text((TASKS / "tiny_mc.yaml").read_text() + "include: shared.yaml\n")
+    evaluate.task_manager(["scale_llm_tiny_mc"], tasks)  # an include inside it is copied too
+
+
 def test_a_task_folder_that_would_run_python_is_refused(tmp_path, monkeypatch):
     """A task folder's `!function utils.f` imports utils.py beside the YAML, and a metric that is
     a path runs a script through evaluate.load: a handed folder (or a config naming one in
