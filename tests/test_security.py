@@ -361,3 +361,18 @@ def test_a_folders_file_is_opened_without_following_a_link(tmp_path, monkeypatch
     monkeypatch.undo()
     os.mkfifo(folder / "chat_template.jinja")
     assert read_folder_file(folder, "chat_template.jinja", "data.tokenizer") is None
+
+
+def test_wandb_reads_no_git_state_in_the_run_dir(tmp_path, monkeypatch):
+    """W&B, rooted in the run dir, ran `git diff` there when the account saves code, and git runs
+    the commands a .git/config names (core.fsmonitor, diff.external): a handed run dir's code
+    ran. W&B is now told to read no git state."""
+    wandb = pytest.importorskip("wandb")
+    from scale_llm.config import load_config
+    from scale_llm.train.metrics import _start_wandb
+
+    given: dict = {}
+    monkeypatch.setattr(wandb, "init", lambda **kw: given.update(kw) or wandb.sdk.lib.RunDisabled())
+    cfg = load_config(None, ["logging.wandb.project=p", "logging.wandb.mode=online"])
+    _start_wandb(cfg, tmp_path, 0, {})
+    assert isinstance(given["settings"], wandb.Settings) and given["settings"].disable_git

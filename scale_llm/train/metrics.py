@@ -98,6 +98,9 @@ def _start_wandb(cfg: Config, run_dir: Path, resume_step: int, tracked: dict[str
             id=id_file.read_text().strip(),
             resume="allow",
             config=tracked,
+            # no git state: W&B runs git in the run dir, and git runs the commands a .git/config
+            # there names (core.fsmonitor, diff.external), as a handed run dir could carry
+            settings=wandb.Settings(disable_git=True),
         )
     except wandb.errors.Error as e:  # no API key on this node, the service unreachable, ...
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
