@@ -1,10 +1,13 @@
 # Sourced by the launchers: one place for the environment every run starts with.
-# Sets: ROOT, PY (the Python that runs scale_llm), gpus (the node's: nvidia-smi's count, else
+# Sets: ROOT, PYTHONSAFEPATH, PY (the Python that runs scale_llm), gpus (the node's: nvidia-smi's count, else
 # torch's), visible_gpus (those CUDA_VISIBLE_DEVICES leaves), NGPU, OMP_NUM_THREADS,
 # PYTORCH_CUDA_ALLOC_CONF, DS_ACCELERATOR (no visible GPU), TORCHRUN (the torchrun command), and
 # the functions run_prepare, require_config, run_job, tell_workers and end_run (how a run stops).
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# `python -m` and `-c` put the working folder first on sys.path: a yaml.py there would be
+# imported. Python 3.11+ leaves it out with this (every process below inherits it).
+export PYTHONSAFEPATH=1
 # The Python to run: $SCALE_LLM_PYTHON if set; else the active python when it can import
 # scale_llm (an activated venv, a conda env, a wheel install); else the checkout's .venv.
 if [[ -n "${SCALE_LLM_PYTHON:-}" ]]; then

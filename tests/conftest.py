@@ -112,6 +112,7 @@ SLOW_TESTS = {  # by module::function (every parameter): over ~4 s each on 2 cor
     "test_suite.py::test_listing_the_tests_starts_no_deepspeed_build",
     "test_roofline.py::test_the_shipped_pipeline_configs_state_the_prediction_the_code_makes",
     "test_compile.py::test_compiled_blocks_compose_with_every_checkpointing_mode",
+    "test_security.py::test_a_module_in_the_working_folder_is_never_imported",
     "test_fp8.py::test_fp8_follows_the_bf16_curve",
     "test_fp8.py::test_tensor_parallel_gathers_fp8_activations_on_gpus",
     "test_fp8.py::test_fsdp2_fp8_gather_precomputes_the_scales_after_each_step",

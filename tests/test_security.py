@@ -376,3 +376,18 @@ def test_wandb_reads_no_git_state_in_the_run_dir(tmp_path, monkeypatch):
     cfg = load_config(None, ["logging.wandb.project=p", "logging.wandb.mode=online"])
     _start_wandb(cfg, tmp_path, 0, {})
     assert isinstance(given["settings"], wandb.Settings) and given["settings"].disable_git
+
+
+def test_a_module_in_the_working_folder_is_never_imported(tmp_path):
+    """`python -m scale_llm` and the launchers (their `python -c` probes, torchrun, its workers)
+    put the working folder first on sys.path: a yaml.py or torch.py there ran in their place."""
+    for name in ("yaml.py", "torch.py"):
+        (tmp_path / name).write_text(
+            f"import pathlib\npathlib.Path({str(tmp_path / 'ran')!r}).touch()\nraise ImportError\n"
+        )
+    quiet = {"capture_output": True, "cwd": tmp_path, "env": env(), "timeout": 300}
+    proc = subprocess.run([sys.executable, "-m", "scale_llm", "config", "--paths"], **quiet)
+    assert proc.returncode == 0 and not (tmp_path / "ran").exists()
+    proc = subprocess.run(["bash", str(REPO / "launch" / "torchrun.sh"), "missing.yaml"], **quiet)
+    assert proc.returncode == 2 and b"missing.yaml does not exist" in proc.stderr
+    assert not (tmp_path / "ran").exists()

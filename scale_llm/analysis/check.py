@@ -394,7 +394,7 @@ def fsdp_row(cfg: Config) -> dict[str, Any]:
 def scaling_row(cfg: Config, runs: Path, cuda: bool) -> dict[str, Any]:
     """The headline layout's DDP step on two processes against one alone, in a torchrun launch
     of its own: two GPUs (gpu-check.sh says which and how many), or two CPU processes."""
-    env = dict(os.environ)
+    env = {**os.environ, "PYTHONSAFEPATH": "1"}  # (-m: the working folder is not imported from)
     if cuda:
         gpus = torch.cuda.device_count()  # run directly: the GPUs the user left visible
         if "SCALE_LLM_CHECK_VISIBLE" in env:  # gpu-check.sh: the GPUs before it kept one
