@@ -39,9 +39,11 @@ visible_include() {
 # only variables named NCCL*, PYTHON*, UCX*, MLFLOW* and MV2*, plus those in the file DS_ENV_FILE
 # names (else ~/.deepspeed_env and ./.deepspeed_env), which it reads on this node and turns into
 # exports on the pdsh command line. It gets one file: what this launcher set and the SCALE_LLM_*
-# settings, then the user's own file's lines (the last line for a name wins).
+# settings, then the user's own file's lines (the last line for a name wins). The runner writes
+# each as `export NAME="VALUE";` into a shell command run on every node: a line that would run
+# there as code (a name that is not a variable name; $, `, ", \ or a newline in a value) stops it.
 write_env_file() {
-  local var own name="${DS_ENV_FILE:-.deepspeed_env}"
+  local var line own name="${DS_ENV_FILE:-.deepspeed_env}"
   local owns=("$HOME/$name" "./$name")
   if [[ "$name" == /* ]]; then owns=("$name"); fi
   printf '%s=%s\n' PYTORCH_CUDA_ALLOC_CONF "$PYTORCH_CUDA_ALLOC_CONF"
@@ -50,11 +52,30 @@ write_env_file() {
     printf '%s=%s\n' DS_ACCELERATOR "$user_ds_accelerator"
   fi
   while read -r var; do
-    if [[ "$var" == SCALE_LLM_* ]]; then printf '%s=%s\n' "$var" "${!var}"; fi
+    if [[ "$var" == SCALE_LLM_* ]]; then env_line "the environment" "$var=${!var}" || exit 2; fi
   done < <(compgen -e)
   for own in "${owns[@]}"; do
-    if [[ -f "$own" ]]; then grep -v '^[[:space:]]*$' "$own" || true; fi
+    if [[ -f "$own" ]]; then
+      while IFS= read -r line || [[ -n "$line" ]]; do
+        if [[ -n "${line//[[:space:]]/}" ]]; then env_line "$own" "$line" || exit 2; fi
+      done < "$own"
+    fi
   done
+}
+
+env_line() {  # print NAME=VALUE if the runner's shell command takes it as data
+  local name="${2%%=*}" value="${2#*=}"
+  name="${name#"${name%%[![:space:]]*}"}"
+  name="${name%"${name##*[![:space:]]}"}"
+  if [[ "$2" == *=* && "$name" =~ ^[A-Za-z_][A-Za-z0-9_]*$ && "$value" != *[\$\`\"\\$'\n']* ]]; then
+    printf '%s\n' "$2"
+    return 0
+  fi
+  echo "deepspeed.sh: $1 sets '$2'; DeepSpeed's multi-node runner puts each NAME=VALUE into a" \
+    "shell command it runs on every node, where this would run as code: a NAME must be a" \
+    "variable name, and a VALUE must hold no \$, \`, \", \\ or newline. Fix it, or set it in each" \
+    "node's environment" >&2
+  return 1
 }
 
 # A port nothing listens on, for a one-node run without MASTER_PORT (DeepSpeed's default, 29500,

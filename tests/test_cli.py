@@ -527,6 +527,15 @@ def test_deepspeed_hands_the_other_nodes_the_launchers_environment(tmp_path):
     assert exports["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True", proc.stderr
     proc = launch("deepspeed.sh", env | {"HOSTFILE": "missing"}, cwd=tmp_path)
     assert proc.returncode == 2 and "HOSTFILE=missing" in proc.stderr and not proc.stdout
+    # the runner writes `export NAME="VALUE";` into the shell command every node runs
+    for name, value in [("MY_SETTING", "$(touch ran)"), ("A;touch ran;B", "1"), ("X", 'a"b')]:
+        (tmp_path / ".deepspeed_env").write_text(f"{name}={value}\n")
+        proc = launch("deepspeed.sh", env, cwd=tmp_path)
+        assert proc.returncode == 2 and not proc.stdout, (name, proc.stderr)
+        assert f".deepspeed_env sets '{name}={value}'; DeepSpeed's multi-node" in proc.stderr
+    (tmp_path / ".deepspeed_env").unlink()
+    proc = launch("deepspeed.sh", env | {"SCALE_LLM_X": "`touch ran`"}, cwd=tmp_path)
+    assert proc.returncode == 2 and "the environment sets 'SCALE_LLM_X=`touch" in proc.stderr
 
 
 def test_deepspeed_sh_says_when_it_builds_ops_and_takes_a_free_port(tmp_path):
