@@ -231,6 +231,7 @@ def make_eval_export(ckpt: Path, out: Path) -> None:
         export(ckpt, staging)
         info = read_json(staging / EXPORT_INFO, "export info", "export it again")
         atomic_write_json(staging / EXPORT_INFO, {**info, "made_by": MADE_BY})
+        reusable_export(out, "")  # proved again: `out` may have changed while this one was made
         publish(staging, out)  # over eval's own export (reusable_export refused anything else)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -65,6 +65,29 @@ def test_export_force_proves_the_export_again_before_replacing_it(run_dir, tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # its own folder removed
 
 
+def test_eval_proves_its_export_again_before_replacing_it(run_dir, tmp_path, monkeypatch):
+    """eval replaces its own export of other checkpoint bytes; a file the user adds there while
+    the new export is made is kept, with the folder as it was."""
+    pytest.importorskip("safetensors")
+    from scale_llm import evaluate
+
+    ckpt, out = run_dir / "checkpoints" / "step_00000002", tmp_path / "export" / "step_00000002"
+    evaluate.make_eval_export(ckpt, out)
+    before = snapshot(out)
+    export = evaluate.export
+
+    def user_adds_a_file(*args, **kwargs):
+        (out / "notes.md").write_text("mine")
+        return export(*args, **kwargs)
+
+    monkeypatch.setattr(evaluate, "export", user_adds_a_file)
+    with pytest.raises(UserError, match=r"notes.md, which no export writes"):
+        evaluate.make_eval_export(ckpt, out)
+    (out / "notes.md").unlink()
+    assert snapshot(out) == before
+    assert sorted(p.name for p in out.parent.iterdir()) == ["step_00000002"]  # staging removed
+
+
 # ----------------------------------------------------------------------------- convert
 def test_convert_writes_a_new_file_and_replaces_only_its_own(
     run_dir, tmp_path, capsys, monkeypatch
