@@ -233,6 +233,31 @@ def test_prepare_proves_on_every_run_that_what_it_replaces_is_its_own(tmp_path):
         assert snapshot(data) == before
 
 
+def test_prepare_proves_what_it_replaces_again_before_publishing(tmp_path, monkeypatch):
+    """A file named like a new shard that appears in data.dir while prepare builds (the check
+    before any work saw none) is kept: prepare stops before publishing, and the next prepare
+    publishes the finished build once the file is moved away."""
+    from scale_llm.data import prepare_source
+    from scale_llm.data.prepare import prepare
+    from scale_llm.data.shards import read_manifest
+
+    corpus, data = _corpus(tmp_path / "corpus"), tmp_path / "data"
+    publish = prepare_source._publish
+
+    def user_adds_a_file(build, out):
+        (out / "train_00000.bin").write_text("mine")
+        publish(build, out)
+
+    monkeypatch.setattr(prepare_source, "_publish", user_adds_a_file)
+    with pytest.raises(UserError, match="now holds train_00000.bin, named like the files"):
+        prepare(prep_config(corpus, data))
+    assert (data / "train_00000.bin").read_text() == "mine"
+    monkeypatch.setattr(prepare_source, "_publish", publish)
+    (data / "train_00000.bin").rename(tmp_path / "mine.bin")
+    prepare(prep_config(corpus, data))
+    read_manifest(data)
+
+
 def test_two_prepares_of_one_data_dir_take_turns(tmp_path):
     corpus = _corpus(tmp_path / "corpus")
     data = tmp_path / "data"

@@ -275,6 +275,17 @@ def _publish(build: Path, out: Path) -> None:
     """Move a complete build into `out`: the old manifest first (the build keeps a copy naming
     the old files), the old files, the new ones, the new manifest last. A crash in between
     leaves the complete build, which the next prepare publishes (`_finish_publish`)."""
+    old_names = manifest_files(_read_json(out / MANIFEST)) | manifest_files(
+        _read_json(build / PREVIOUS)
+    )
+    new = [p.name for p in _shaped_like_ours(build)]
+    if gained := [n for n in new if n not in old_names and _present(out / n)]:
+        raise UserError(  # (check_outputs saw none: they came while prepare built)
+            f"data.dir={out} now holds {', '.join(gained[:4])}{', ...' * (len(gained) > 4)}, "
+            f"named like the files prepare publishes and listed by no manifest of its own; it "
+            f"would replace them, so it stops before publishing. Move them away and run prepare "
+            f"again (it publishes the finished build)"
+        )
     for path in build.iterdir():  # durable before the old data goes (the shards already are)
         fsync_file(path)
     if not (out / MARK).exists():  # before anything changes: from here on the manifest is ours
@@ -291,6 +302,10 @@ def _publish(build: Path, out: Path) -> None:
     (build / MANIFEST).rename(out / MANIFEST)
     fsync_dir(out)
     _remove_build(build)
+
+
+def _present(path: Path) -> bool:
+    return path.exists() or path.is_symlink()
 
 
 def _remove_build(build: Path) -> None:
