@@ -37,7 +37,9 @@ class WandbConfig:
         None,
         "Weights & Biases project to log to (the same scalars, samples and the config; needs the "
         "`wandb` package: `.venv/bin/pip install -e '.[wandb]'` in a checkout); null: no W&B. A "
-        "resumed run logs to the same W&B run (its id is kept in `RUN_DIR/wandb-id.txt`)",
+        "resumed run logs to the same W&B run (its id is kept in `RUN_DIR/wandb-id.txt`); no git "
+        "state is recorded (W&B would run git in the run dir, and git the commands a "
+        "`.git/config` there names)",
     )
     name: str | None = config_key(None, "the W&B run's display name; null: run.name")
     mode: Literal["online", "offline", "disabled"] = config_key(
