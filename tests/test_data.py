@@ -147,7 +147,8 @@ def test_a_prepare_killed_while_publishing_is_finished_by_the_next(tmp_path, mon
         f.write(json.dumps({"text": "changed " * 30}) + "\n")
     real = prepare_mod._publish
 
-    def die_midway(build, dest):
+    def die_midway(build, dest):  # as _publish: the old manifest kept in the build, then gone
+        (build / prepare_mod.PREVIOUS).write_bytes((dest / "manifest.json").read_bytes())
         (dest / "manifest.json").unlink()  # the old data is already half gone...
         raise KeyboardInterrupt  # ...and the process is killed
 
