@@ -35,7 +35,7 @@ from scale_llm.data.mixture import MIXTURE
 from scale_llm.data.shards import MANIFEST, open_split, read_manifest
 from scale_llm.data.tokenizer import EOS_ID, file_sha256, run_tokenizer_path
 from scale_llm.errors import UserError
-from scale_llm.export import DTYPES, EXPORT_INFO, export, not_an_export, publish
+from scale_llm.export import DTYPES, EXPORT_INFO, OLDER, export, not_an_export, publish
 from scale_llm.files import (
     atomic_write_json,
     custom_code_problem,
@@ -207,7 +207,13 @@ def reusable_export(out: Path, digest: str) -> bool:
         )
     if reuse := info.get("checkpoint_digest") == digest:
         refuse_custom_code(out)  # (before the tasks are looked up: a planted config.json)
-    elif problem := not_an_export(out):  # replaced below: only the files its info lists
+    elif (problem := not_an_export(out)) in OLDER:
+        raise UserError(
+            f"{out} is eval's export of other checkpoint bytes, made before {OLDER[problem]} "
+            f"({problem}), so eval cannot prove its files unchanged: move the folder away and "
+            f"run eval again"
+        )
+    elif problem:  # replaced below: only the files its info lists
         raise UserError(
             f"{out} is eval's export of other checkpoint bytes, to be replaced by these, but "
             f"{problem}; eval replaces only the files its export wrote: move the others away "
@@ -300,35 +306,36 @@ def checked_task_copy(folder: Path) -> tuple[Path, list[str]]:
     in it would make lm-eval run Python; the copy is removed when this process exits."""
     into = Path(os.path.realpath(tempfile.mkdtemp(prefix="scale-llm-tasks-")))
     atexit.register(shutil.rmtree, into, True)
-    problems = []
-    for path in sorted(folder.rglob("*.yaml")):
-        try:
-            data = _regular_file_bytes(path, MAX_CONFIG_BYTES)
-        except OSError as e:
-            problems.append(f"{path} cannot be checked ({' '.join(str(e).split())[:160]})")
-            continue
-        (copy := into / path.relative_to(folder)).parent.mkdir(parents=True, exist_ok=True)
-        copy.write_bytes(data)
-    found = task_code_problems(into, inside=into)
+    problems = [p for path in sorted(folder.rglob("*.yaml")) if (p := _copy_in(path, folder, into))]
+    found = task_code_problems(into, source=folder)
     return into, problems + [p.replace(str(into), str(folder)) for p in found]
 
 
-def _regular_file_bytes(path: Path, limit: int) -> bytes:
-    """The bytes of regular file `path` (opened without blocking: a named pipe is refused)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError("not a regular file")
-        if len(data := f.read(limit + 1)) > limit:
-            raise OSError(f"over {limit} bytes")
-        return data
+def _copy_in(path: Path, folder: Path, into: Path) -> str | None:
+    """Copy `path` of `folder` to the same place in `into`, read once (a named pipe is never
+    opened blocking); why it cannot be, or None."""
+    if (copy := into / path.relative_to(folder)).exists():
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError("not a regular file")
+            if len(data := f.read(MAX_CONFIG_BYTES + 1)) > MAX_CONFIG_BYTES:
+                raise OSError("over 1 MB")
+    except OSError as e:
+        return f"{path} cannot be checked ({' '.join(str(e).split())[:160]})"
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    copy.write_bytes(data)
+    return None
 
 
-def task_code_problems(folder: Path, inside: Path | None = None) -> list[str]:
+def task_code_problems(folder: Path, source: Path | None = None) -> list[str]:
     """What in `folder`'s task YAMLs, or in the files they include, makes lm-eval run Python: a
     tag such as !function (a module beside the YAML), or a metric lm-eval does not register
     (its fallback, evaluate.load, runs a metric script: a local file or one downloaded). With
-    `inside`, an include outside that folder too (lm-eval would read it unchecked, later)."""
+    `source`, `folder` is its private copy: an include is copied in from `source` as it is
+    found, and one outside the folder is refused (lm-eval would read it unchecked, later)."""
     import lm_eval.api.metrics  # noqa: F401  (fills the metric registry)
     from lm_eval.api.registry import metric_registry
 
@@ -351,6 +358,8 @@ def task_code_problems(folder: Path, inside: Path | None = None) -> list[str]:
             if (path := Path(os.path.realpath(todo.pop()))) in seen:  # (a link loop: no error)
                 continue
             seen.add(path)
+            if not path.exists():
+                raise OSError("no such file")
             if not path.is_file() or path.stat().st_size > MAX_CONFIG_BYTES:
                 raise OSError("not a regular file, or over 1 MB")
             task = yaml.load(path.read_bytes(), Loader)  # noqa: S506 (a safe loader)
@@ -360,18 +369,22 @@ def task_code_problems(folder: Path, inside: Path | None = None) -> list[str]:
         problems += [f"{path}: {tag}" for tag in tags]
         for part in _dicts(task):  # (a group's inline tasks too)
             included = [path.parent / i for i in _listed(part.get("include")) if isinstance(i, str)]
-            outside = [i for i in included if inside and not _real(i).is_relative_to(inside)]
-            problems += [f"{path}: include {i}, outside the folder; copy it in" for i in outside]
-            todo += [i for i in included if i not in outside]
+            if source is not None:  # (the copy holds no links: its paths resolve as written)
+                inside = [Path(os.path.normpath(i)) for i in included]
+                inside = [i for i in inside if i.is_relative_to(folder)]
+                outside = [i for i in included if Path(os.path.normpath(i)) not in inside]
+                problems += [
+                    f"{path}: include {i}, outside the folder; copy it in" for i in outside
+                ]
+                missing = [_copy_in(source / i.relative_to(folder), source, folder) for i in inside]
+                problems += [m for m in missing if m]
+                included = [i for i, m in zip(inside, missing) if not m]
+            todo += included
             for m in _listed(part.get("metric_list")):
                 name = m.get("metric") if isinstance(m, dict) else None
                 if isinstance(name, str) and (name not in metric_registry or m.get("hf_evaluate")):
                     problems.append(f"{path}: metric {name}, not one of lm-eval's")
     return problems
-
-
-def _real(path: Path) -> Path:
-    return Path(os.path.realpath(path))
 
 
 def _dicts(value: Any) -> Iterator[dict]:

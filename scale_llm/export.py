@@ -222,9 +222,12 @@ def check_out(out: Path, force: bool) -> None:
     require_writable_dir(out.parent if out.exists() else out, "--out")  # (renamed in place)
 
 
-def file_stat(path: Path) -> list[int]:
+def file_stat(path: Path) -> list[int] | None:
     """What an export records of each file it wrote: [size, modification time in ns]."""
-    st = path.stat()
+    try:
+        st = path.stat()
+    except OSError:  # (gone since the folder was listed: not as written)
+        return None
     return [st.st_size, st.st_mtime_ns]
 
 

@@ -183,9 +183,13 @@ def test_lm_eval_reads_the_task_folder_as_it_was_checked(tmp_path, monkeypatch):
     task.write_text((TASKS / "tiny_mc.yaml").read_text() + "include: ../shared.yaml\n")
     with pytest.raises(UserError, match=r"tiny_mc.yaml: include .*shared.yaml, outside the folder"):
         evaluate.task_manager(["scale_llm_tiny_mc"], tasks)
-    (tasks / "shared.yaml").write_text("output_type: multiple_choice\n")
-    task.write_text((TASKS / "tiny_mc.yaml").read_text() + "include: shared.yaml\n")
-    evaluate.task_manager(["scale_llm_tiny_mc"], tasks)  # an include inside it is copied too
+    (tasks / "sub").mkdir()  # an include inside it, named as lm-eval's own templates are
+    (tasks / "sub" / "_template_yaml").write_text("output_type: multiple_choice\n")
+    task.write_text((TASKS / "tiny_mc.yaml").read_text() + "include: sub/../sub/_template_yaml\n")
+    evaluate.task_manager(["scale_llm_tiny_mc"], tasks)  # copied in too
+    (tasks / "sub" / "_template_yaml").write_text("doc_to_text: !function evil.text\n")
+    with pytest.raises(UserError, match=r"sub/_template_yaml: !function evil.text"):
+        evaluate.task_manager(["scale_llm_tiny_mc"], tasks)
 
 
 def test_a_task_folder_that_would_run_python_is_refused(tmp_path, monkeypatch):
