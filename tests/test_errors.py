@@ -714,7 +714,7 @@ def test_a_checkpoints_link_into_another_run_is_refused(four_steps, data_dir, tm
     (tmp_path / "runs" / "test").mkdir()
     (tmp_path / "runs" / "test" / "checkpoints").symlink_to(a / "checkpoints")
     before = snapshot(a)
-    with pytest.raises(UserError, match=r"holds the checkpoints of the run .*/runs/a: each run"):
+    with pytest.raises(UserError, match=r"belongs to the run .*/runs/a: it lies in"):
         resume_auto(data_dir, tmp_path)
     assert snapshot(a) == before
 
@@ -741,12 +741,17 @@ def test_two_runs_linked_to_one_checkpoints_folder_are_refused(four_steps, data_
         return {k: v for k, v in snapshot(shared).items() if k != CHECKPOINTS_LOCK}
 
     before = checkpoints()
-    refused = r"holds the checkpoints of the run .*/runs/a: each run prunes"
+    refused = r"belongs to the run .*/runs/a: it lies in that run dir or in the checkpoints"
     with pytest.raises(UserError, match=refused):
         Trainer(passed)  # checked again once its launch holds the folder's lock
     with pytest.raises(UserError, match=refused):
         resume_auto(data_dir, tmp_path)
     assert checkpoints() == before
+    (shared / "abandoned-x").mkdir()  # a folder inside the one a's claim names
+    (tmp_path / "runs" / "f" / "checkpoints").parent.mkdir()
+    (tmp_path / "runs" / "f" / "checkpoints").symlink_to(shared / "abandoned-x")
+    with pytest.raises(UserError, match=refused):
+        check_run_dir(tmp_path / "runs" / "f")
     (a / "checkpoints").unlink()  # a no longer links there: the folder is test's to take
     code = (
         "import time; from pathlib import Path; from scale_llm.files import OwnerLock; "
@@ -765,7 +770,7 @@ def test_two_runs_linked_to_one_checkpoints_folder_are_refused(four_steps, data_
     d = copy_run(four_steps, tmp_path, "d")
     (tmp_path / "runs" / "e" / "checkpoints").parent.mkdir()
     (tmp_path / "runs" / "e" / "checkpoints").symlink_to(d / "checkpoints" / STEP2)
-    with pytest.raises(UserError, match=r"holds the checkpoints of the run .*/runs/d: each"):
+    with pytest.raises(UserError, match=r"belongs to the run .*/runs/d: it lies in"):
         check_run_dir(tmp_path / "runs" / "e")
 
 

@@ -214,6 +214,7 @@ def check_run_dir_state(cfg: Config) -> None:
     """The run dir can be written, holds what a run writes there, and no live launch holds it."""
     require_writable_dir(cfg.run_dir, "run.dir / run.name")
     check_run_dir(cfg.run_dir)
+    require_writable_dir(cfg.run_dir / "checkpoints", "RUN_DIR/checkpoints")  # (a link: its target)
     run_lock(cfg.run_dir).check()
 
 
@@ -281,13 +282,20 @@ class RunLock:
             OwnerLock(
                 ckpts / CHECKPOINTS_LOCK,
                 f"the checkpoints folder {ckpts}",
-                "point RUN_DIR/checkpoints at a folder of its own",
+                "if it is another run, give this run a checkpoints folder of its own",
             ),
         )
 
     def check(self) -> None:
+        """Refuse a live owner of either lock (both named at once: each may need removing)."""
+        said = []
         for lock in self.locks:
-            lock.check()
+            try:
+                lock.check()
+            except UserError as e:
+                said.append(str(e))
+        if said:
+            raise UserError(" Also: ".join(said))
 
     def acquire(self) -> None:
         try:
@@ -333,31 +341,37 @@ def refuse_checkpoints_of_another_run(run_dir: Path) -> None:
     if (other := checkpoints_of_another_run(run_dir)) is None:
         return
     ckpts = run_dir / "checkpoints"
-    link = f"a symlink to {os.path.realpath(ckpts)}, " if ckpts.is_symlink() else ""
+    link = f" (a symlink to {os.path.realpath(ckpts)})" if ckpts.is_symlink() else ""
     raise UserError(
-        f"{ckpts} ({link}the same folder as {other / 'checkpoints'} or inside it) holds the "
-        f"checkpoints of the run {other}: each run prunes its checkpoints and moves newer ones "
-        f"aside, so two runs would remove each other's. Point the link at a folder of its own, or "
+        f"{ckpts}{link} belongs to the run {other}: it lies in that run dir or in the checkpoints "
+        f"folder that run uses. Each run prunes its checkpoints and moves newer ones aside, so "
+        f"two runs would remove each other's. Give this run a checkpoints folder of its own, or "
         f"resume from one of that run's checkpoints on purpose: checkpoint.resume=PATH"
     )
 
 
 def checkpoints_of_another_run(run_dir: Path) -> Path | None:
-    """The other run whose checkpoints RUN_DIR/checkpoints is or lies in: a link into another run
-    dir (any depth), or a folder whose claim names a run whose own checkpoints folder it is (by
-    device and inode: one folder seen through a link or a second mount)."""
+    """The other run whose files RUN_DIR/checkpoints is or lies in: a folder in another run dir,
+    or one whose claim (in it, or above it for a link) names a run whose checkpoints folder it
+    is; folders compared by device and inode (one seen through a link or a second mount)."""
     ckpts = run_dir / "checkpoints"
     if not ckpts.is_dir():
         return None
-    target = Path(os.path.realpath(ckpts))
-    if ckpts.is_symlink():  # (realpath: a loop is named later)
-        for folder in (target, *target.parents):
-            if is_run_dir(folder) and not _same(folder, run_dir):
-                return folder
-    claim = json_object_or_none(target / CHECKPOINTS_CLAIM, MAX_RECORD_BYTES) or {}
-    if not isinstance(run := claim.get("run"), str) or _same(Path(run), run_dir):
+    target = Path(os.path.realpath(ckpts))  # (realpath: a loop is named later)
+    for folder in (target, *target.parents) if ckpts.is_symlink() else (target,):
+        if is_run_dir(folder) and not _same(folder, run_dir):
+            return folder
+        if (other := _claimed_by(folder)) is not None and not _same(other, run_dir):
+            return other
+    return None
+
+
+def _claimed_by(folder: Path) -> Path | None:
+    """The run `folder`'s claim names, if that run still uses it as its checkpoints folder."""
+    claim = json_object_or_none(folder / CHECKPOINTS_CLAIM, MAX_RECORD_BYTES) or {}
+    if not isinstance(run := claim.get("run"), str) or not is_run_dir(Path(run)):
         return None
-    return Path(run) if is_run_dir(Path(run)) and _same(Path(run) / "checkpoints", target) else None
+    return Path(run) if _same(Path(run) / "checkpoints", folder) else None
 
 
 def _same(a: Path, b: Path) -> bool:
