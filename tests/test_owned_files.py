@@ -246,12 +246,18 @@ def test_prepare_proves_what_it_replaces_again_before_publishing(tmp_path, monke
 
     def user_adds_a_file(build, out):
         (out / "train_00000.bin").write_text("mine")
+        if out.name == "listed":  # with a manifest.json naming it: not prepare's either
+            (out / "manifest.json").write_text(
+                '{"splits": {"train": {"shards": [{"file": "train_00000.bin"}]}}}'
+            )
         publish(build, out)
 
     monkeypatch.setattr(prepare_source, "_publish", user_adds_a_file)
-    with pytest.raises(UserError, match="now holds train_00000.bin, named like the files"):
-        prepare(prep_config(corpus, data))
-    assert (data / "train_00000.bin").read_text() == "mine"
+    for folder in (tmp_path / "listed", data):
+        with pytest.raises(UserError, match="now holds .*train_00000.bin, named like the files"):
+            prepare(prep_config(corpus, folder))
+        assert (folder / "train_00000.bin").read_text() == "mine"
+    assert (tmp_path / "listed" / "manifest.json").read_text().startswith('{"splits"')
     monkeypatch.setattr(prepare_source, "_publish", publish)
     (data / "train_00000.bin").rename(tmp_path / "mine.bin")
     prepare(prep_config(corpus, data))

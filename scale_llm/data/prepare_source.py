@@ -275,11 +275,12 @@ def _publish(build: Path, out: Path) -> None:
     """Move a complete build into `out`: the old manifest first (the build keeps a copy naming
     the old files), the old files, the new ones, the new manifest last. A crash in between
     leaves the complete build, which the next prepare publishes (`_finish_publish`)."""
-    old_names = manifest_files(_read_json(out / MANIFEST)) | manifest_files(
-        _read_json(build / PREVIOUS)
-    )
-    new = [p.name for p in _shaped_like_ours(build)]
-    if gained := [n for n in new if n not in old_names and _present(out / n)]:
+    # what it may replace: its old manifest and what that listed (the build's copy, once gone)
+    ours = manifest_files(_read_json(build / PREVIOUS))
+    if _marked(out):
+        ours |= {MANIFEST, *manifest_files(_read_json(out / MANIFEST))}
+    new = [MANIFEST, *(p.name for p in _shaped_like_ours(build))]
+    if gained := [n for n in new if n not in ours and _present(out / n)]:
         raise UserError(  # (check_outputs saw none: they came while prepare built)
             f"data.dir={out} now holds {', '.join(gained[:4])}{', ...' * (len(gained) > 4)}, "
             f"named like the files prepare publishes and listed by no manifest of its own; it "
