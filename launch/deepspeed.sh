@@ -41,7 +41,8 @@ visible_include() {
 # exports on the pdsh command line. It gets one file: what this launcher set and the SCALE_LLM_*
 # settings, then the user's own file's lines (the last line for a name wins). The runner writes
 # each as `export NAME="VALUE";` into a shell command run on every node: a line that would run
-# there as code (a name that is not a variable name; $, `, ", \ or a newline in a value) stops it.
+# there as code (a name that is not a variable name; in a value, a $ other than $VAR or ${VAR},
+# a `, ", \ or a newline) stops it.
 write_env_file() {
   local var line own name="${DS_ENV_FILE:-.deepspeed_env}"
   local owns=("$HOME/$name" "./$name")
@@ -64,17 +65,18 @@ write_env_file() {
 }
 
 env_line() {  # print NAME=VALUE if the runner's shell command takes it as data
-  local name="${2%%=*}" value="${2#*=}"
+  local name="${2%%=*}" rest="${2#*=}" ref='\$(\{[A-Za-z_][A-Za-z0-9_]*\}|[A-Za-z_][A-Za-z0-9_]*)'
   name="${name#"${name%%[![:space:]]*}"}"
   name="${name%"${name##*[![:space:]]}"}"
-  if [[ "$2" == *=* && "$name" =~ ^[A-Za-z_][A-Za-z0-9_]*$ && "$value" != *[\$\`\"\\$'\n']* ]]; then
+  while [[ "$rest" =~ $ref ]]; do rest="${rest/"${BASH_REMATCH[0]}"/}"; done  # $VAR, ${VAR}: fine
+  if [[ "$2" == *=* && "$name" =~ ^[A-Za-z_][A-Za-z0-9_]*$ && "$rest" != *[\$\`\"\\$'\n']* ]]; then
     printf '%s\n' "$2"
     return 0
   fi
-  echo "deepspeed.sh: $1 sets '$2'; DeepSpeed's multi-node runner puts each NAME=VALUE into a" \
-    "shell command it runs on every node, where this would run as code: a NAME must be a" \
-    "variable name, and a VALUE must hold no \$, \`, \", \\ or newline. Fix it, or set it in each" \
-    "node's environment" >&2
+  echo "deepspeed.sh: $1 sets ${name:0:60}: DeepSpeed's multi-node runner puts each NAME=VALUE" \
+    "into a shell command it runs on every node, where this line would run as code: a NAME" \
+    "must be a variable name, and a VALUE may name variables (\$NAME, \${NAME}) but hold no" \
+    "other \$, no \`, \", \\ or newline. Fix it, or set it in each node's environment" >&2
   return 1
 }
 
