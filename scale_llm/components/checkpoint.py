@@ -705,21 +705,6 @@ class CheckpointWeights(Mapping[str, torch.Tensor]):
         return len(self.shapes)
 
 
-class CheckpointMoments:
-    """Any checkpoint's Adam state by parameter name, each tensor read when asked, and its step."""
-
-    def __init__(self, ckpt_dir: Path, template: dict[str, torch.Tensor]):
-        self.weights = CheckpointWeights(ckpt_dir, template)
-
-    def read(self, name: str, key: str) -> torch.Tensor:
-        """`key` (exp_avg, exp_avg_sq) of parameter `name`, whole, fp32."""
-        return self.weights.source.read(name, key)
-
-    def step(self) -> int:
-        """The optimizer steps taken (AdamW's per-parameter step, the same for every one)."""
-        return self.weights.source.optimizer_step()
-
-
 class _DcpTensors:
     """A DCP checkpoint's tensors as ZeroWeights gives DeepSpeed's, each read alone."""
 

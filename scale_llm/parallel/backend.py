@@ -200,11 +200,6 @@ def checkpoint_layout(cfg: Config, plan: RunPlan) -> dict[str, Any]:
     return {"format": "dcp"}
 
 
-def restores_exactly(cfg: Config, plan: RunPlan, layout: Any) -> bool:
-    """Whether a checkpoint of `layout` restores model and optimizer exactly under `plan`."""
-    return layout == checkpoint_layout(cfg, plan)
-
-
 def build_backend(cfg: Config, plan: RunPlan) -> Backend:
     """The backend class for the plan's backend (imported lazily: deepspeed is heavy)."""
     name = plan.backend

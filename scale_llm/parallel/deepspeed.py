@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from scale_llm.components.checkpoint import DEEPSPEED_DIR, CheckpointMoments
+from scale_llm.components.checkpoint import DEEPSPEED_DIR, CheckpointWeights
 from scale_llm.components.optim import build_optimizer, param_groups, step_if_finite
 from scale_llm.components.serialization import (
     BackgroundSave,
@@ -176,13 +176,13 @@ class DeepSpeedBackend(Backend):
         """Another layout's weights, Adam's moments and step, through DeepSpeed's own setters."""
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-        source = CheckpointMoments(ckpt_dir, build_model(self.cfg.model).state_dict())
-        zero = self.model.optimizer
-        _create_moments(zero, source.step())
+        weights = CheckpointWeights(ckpt_dir, build_model(self.cfg.model).state_dict())
+        moments, zero = weights.source, self.model.optimizer  # (Adam's, read when asked)
+        _create_moments(zero, moments.optimizer_step())
         for name, param in self.model.module.named_parameters():
-            safe_set_full_fp32_param(param, source.weights[name].to(self.plan.device))
+            safe_set_full_fp32_param(param, weights[name].to(self.plan.device))
             for key in ("exp_avg", "exp_avg_sq"):
-                safe_set_full_optimizer_state(param, source.read(name, key).to(param.device), key)
+                safe_set_full_optimizer_state(param, moments.read(name, key).to(param.device), key)
         _fp32_to_module(zero)
 
 

@@ -48,10 +48,6 @@ class FSDPBackend(Backend):
                 within._flatten("all")  # then runs as one collective, not one per dimension
         return self.mesh
 
-    def data_parallel_mesh(self) -> DeviceMesh:
-        """What FSDP shards (and HSDP replicates) over: every mesh dimension but pp and tp."""
-        return self._mesh_without("tp", "pp")
-
     def _mesh_without(self, *dims: str) -> DeviceMesh:
         mesh = self.device_mesh()
         names = tuple(n for n in mesh.mesh_dim_names if n not in dims)
@@ -82,7 +78,7 @@ class FSDPBackend(Backend):
         if reshard_after_forward is None:
             reshard_after_forward = opts.reshard_after_forward
         common = dict(
-            mesh=self.data_parallel_mesh(),
+            mesh=self._mesh_without("tp", "pp"),  # what FSDP shards (and HSDP replicates) over
             mp_policy=self.mp_policy(),
             offload_policy=CPUOffloadPolicy() if opts.cpu_offload else OffloadPolicy(),
         )

@@ -29,7 +29,7 @@ from scale_llm.config import Config, TrainConfig, get_key, run_defining_keys, sh
 from scale_llm.config.plan import RunPlan
 from scale_llm.errors import UserError
 from scale_llm.model import build_model
-from scale_llm.parallel.backend import checkpoint_layout, restores_exactly
+from scale_llm.parallel.backend import checkpoint_layout
 
 MT_KEYS = 624  # numpy's MT19937 state: 624 words and a position in [0, 624]
 
@@ -269,7 +269,7 @@ def choose_resume(cfg: Config, plan: RunPlan, manifest: dict[str, Any]) -> Resum
     check_resume_state(state, ckpt, cfg, manifest["tokenizer"]["sha256"], checkpoints.dir)
     check_finished_run(state, ckpt, cfg)  # other settings: a new run
     layout = state["backend"]["layout"]
-    if restores_exactly(cfg, plan, layout):
+    if layout == checkpoint_layout(cfg, plan):  # model and optimizer restored exactly
         return Resume(ckpt, state, True)
     # read across formats: damage stops it here (a meta model: no memory); model and optimizer
     # move exactly between DCP and DeepSpeed ZeRO 1-3 (ZeRO-0 keeps no partitions: weights only)
