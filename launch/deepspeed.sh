@@ -42,13 +42,16 @@ visible_include() {
 # settings, then the user's own file's lines (the last line for a name wins). The runner writes
 # each as `export NAME="VALUE";` into a shell command run on every node: a line that would run
 # there as code (a name that is not a variable name; in a value, a $ other than $VAR or ${VAR},
-# a `, ", \ or a newline) stops it.
+# a `, ", \ or a control character) stops it.
 write_env_file() {
   local var line own name="${DS_ENV_FILE:-.deepspeed_env}"
   local owns=("$HOME/$name" "./$name")
   if [[ "$name" == /* ]]; then owns=("$name"); fi
   printf '%s=%s\n' PYTORCH_CUDA_ALLOC_CONF "$PYTORCH_CUDA_ALLOC_CONF"
   printf '%s=%s\n' OMP_NUM_THREADS "$OMP_NUM_THREADS"
+  # the runner puts its working folder first on the other nodes' PYTHONPATH (a module there would
+  # be imported): they get this launcher's own instead (its checkout, or none)
+  env_line "the environment" "PYTHONPATH=${PYTHONPATH:-}" || exit 2
   if [[ -n "$user_ds_accelerator" ]]; then
     printf '%s=%s\n' DS_ACCELERATOR "$user_ds_accelerator"
   fi
@@ -65,18 +68,21 @@ write_env_file() {
 }
 
 env_line() {  # print NAME=VALUE if the runner's shell command takes it as data
-  local name="${2%%=*}" rest="${2#*=}" ref='\$(\{[A-Za-z_][A-Za-z0-9_]*\}|[A-Za-z_][A-Za-z0-9_]*)'
+  local line="${2%$'\r'}" ref='\$(\{[A-Za-z_][A-Za-z0-9_]*\}|[A-Za-z_][A-Za-z0-9_]*)'
+  local name="${line%%=*}" rest="${line#*=}"
   name="${name#"${name%%[![:space:]]*}"}"
   name="${name%"${name##*[![:space:]]}"}"
   while [[ "$rest" =~ $ref ]]; do rest="${rest/"${BASH_REMATCH[0]}"/}"; done  # $VAR, ${VAR}: fine
-  if [[ "$2" == *=* && "$name" =~ ^[A-Za-z_][A-Za-z0-9_]*$ && "$rest" != *[\$\`\"\\$'\n']* ]]; then
-    printf '%s\n' "$2"
+  # (the runner reads lines as Python does: a carriage return ends one too, as a newline does)
+  if [[ "$line" == *=* && "$name" =~ ^[A-Za-z_][A-Za-z0-9_]*$ && "$rest" != *[\$\`\"\\[:cntrl:]]* ]]
+  then
+    printf '%s\n' "$line"
     return 0
   fi
   echo "deepspeed.sh: $1 sets ${name:0:60}: DeepSpeed's multi-node runner puts each NAME=VALUE" \
     "into a shell command it runs on every node, where this line would run as code: a NAME" \
     "must be a variable name, and a VALUE may name variables (\$NAME, \${NAME}) but hold no" \
-    "other \$, no \`, \", \\ or newline. Fix it, or set it in each node's environment" >&2
+    "other \$, no \`, \", \\ or control character. Fix it, or set it in each node's environment" >&2
   return 1
 }
 

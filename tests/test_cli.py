@@ -519,6 +519,8 @@ def test_deepspeed_hands_the_other_nodes_the_launchers_environment(tmp_path):
     assert exports["PYTORCH_CUDA_ALLOC_CONF"] == want
     assert exports["OMP_NUM_THREADS"] == "2" and exports["SCALE_LLM_PG_TIMEOUT_MIN"] == "45"
     assert exports["MY_SETTING"] == "a b"
+    # not the runner's working folder first (its own PYTHONPATH export, which this line replaces)
+    assert exports["PYTHONPATH"] == env.get("PYTHONPATH", "")
     (tmp_path / "older").mkdir()
     older = stand_in_node(tmp_path / "older", "*__version__*) exit 1;;\n" + runner)
     older |= {"HOME": str(tmp_path), "HOSTFILE": "hosts"}
@@ -528,7 +530,8 @@ def test_deepspeed_hands_the_other_nodes_the_launchers_environment(tmp_path):
     proc = launch("deepspeed.sh", env | {"HOSTFILE": "missing"}, cwd=tmp_path)
     assert proc.returncode == 2 and "HOSTFILE=missing" in proc.stderr and not proc.stdout
     # the runner writes `export NAME="VALUE";` into the shell command every node runs
-    for name, value in [("MY_SETTING", "$(touch ran)"), ("A;touch ran;B", "1"), ("X", 'a"b')]:
+    bad = [("MY_SETTING", "$(touch ran)"), ("A;touch ran;B", "1"), ("X", 'a"b'), ("R", "x\r;id")]
+    for name, value in bad:  # (a carriage return ends a line where the runner reads it)
         (tmp_path / ".deepspeed_env").write_text(f"{name}={value}\n")
         proc = launch("deepspeed.sh", env, cwd=tmp_path)
         assert proc.returncode == 2 and not proc.stdout, (name, proc.stderr)
