@@ -772,6 +772,10 @@ def test_two_runs_linked_to_one_checkpoints_folder_are_refused(four_steps, data_
     (tmp_path / "runs" / "e" / "checkpoints").symlink_to(d / "checkpoints" / STEP2)
     with pytest.raises(UserError, match=r"belongs to the run .*/runs/d: it lies in"):
         check_run_dir(tmp_path / "runs" / "e")
+    nested = copy_run(four_steps, tmp_path, "d/nested")  # a run inside d, linked into itself
+    (nested / "checkpoints").rename(nested / "store")
+    (nested / "checkpoints").symlink_to(nested / "store")
+    check_run_dir(nested)
 
 
 def test_a_symlinked_step_dir_is_never_resumed_counted_or_pruned(four_steps, data_dir, tmp_path):

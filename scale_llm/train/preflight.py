@@ -106,6 +106,8 @@ def preflight(cfg: Config, plan: RunPlan) -> RunSpec:
     if plan.is_main:
         report.check(check_run_dir_state, cfg)
     resume = report.check(choose_resume, cfg, plan, data.manifest) if data else None
+    if plan.is_main and not (resume and resume.step >= cfg.train.max_steps):  # (it will write)
+        report.check(require_writable_dir, cfg.run_dir / "checkpoints", "RUN_DIR/checkpoints")
     init_from = None
     if data is not None and cfg.model.init_from:
         if resume is None:
@@ -214,7 +216,6 @@ def check_run_dir_state(cfg: Config) -> None:
     """The run dir can be written, holds what a run writes there, and no live launch holds it."""
     require_writable_dir(cfg.run_dir, "run.dir / run.name")
     check_run_dir(cfg.run_dir)
-    require_writable_dir(cfg.run_dir / "checkpoints", "RUN_DIR/checkpoints")  # (a link: its target)
     run_lock(cfg.run_dir).check()
 
 
@@ -359,7 +360,9 @@ def checkpoints_of_another_run(run_dir: Path) -> Path | None:
         return None
     target = Path(os.path.realpath(ckpts))  # (realpath: a loop is named later)
     for folder in (target, *target.parents) if ckpts.is_symlink() else (target,):
-        if is_run_dir(folder) and not _same(folder, run_dir):
+        if _same(folder, run_dir):  # (a folder of its own run dir; a run dir above it is not
+            break  # its owner)
+        if is_run_dir(folder):
             return folder
         if (other := _claimed_by(folder)) is not None and not _same(other, run_dir):
             return other
