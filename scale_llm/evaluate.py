@@ -323,7 +323,7 @@ def _copy_in(path: Path, folder: Path, into: Path) -> str | None:
                 raise OSError("not a regular file")
             if len(data := f.read(MAX_CONFIG_BYTES + 1)) > MAX_CONFIG_BYTES:
                 raise OSError("over 1 MB")
-    except OSError as e:
+    except (OSError, ValueError) as e:  # (ValueError: a NUL in the name)
         return f"{path} cannot be checked ({' '.join(str(e).split())[:160]})"
     copy.parent.mkdir(parents=True, exist_ok=True)
     copy.write_bytes(data)
@@ -374,7 +374,9 @@ def task_code_problems(folder: Path, source: Path | None = None) -> list[str]:
                 inside = [i for i in inside if i.is_relative_to(folder)]
                 outside = [i for i in included if Path(os.path.normpath(i)) not in inside]
                 problems += [
-                    f"{path}: include {i}, outside the folder; copy it in" for i in outside
+                    f"{path}: include {i}, not in the folder (lm-eval would read it unchecked): "
+                    f"copy it in and name it relative to this file"
+                    for i in outside
                 ]
                 missing = [_copy_in(source / i.relative_to(folder), source, folder) for i in inside]
                 problems += [m for m in missing if m]

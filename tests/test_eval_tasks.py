@@ -181,7 +181,7 @@ def test_lm_eval_reads_the_task_folder_as_it_was_checked(tmp_path, monkeypatch):
     assert not ran.exists()
     (tmp_path / "shared.yaml").write_text("output_type: multiple_choice\n")
     task.write_text((TASKS / "tiny_mc.yaml").read_text() + "include: ../shared.yaml\n")
-    with pytest.raises(UserError, match=r"tiny_mc.yaml: include .*shared.yaml, outside the folder"):
+    with pytest.raises(UserError, match=r"tiny_mc.yaml: include .*shared.yaml, not in the folder"):
         evaluate.task_manager(["scale_llm_tiny_mc"], tasks)
     (tasks / "sub").mkdir()  # an include inside it, named as lm-eval's own templates are
     (tasks / "sub" / "_template_yaml").write_text("output_type: multiple_choice\n")
