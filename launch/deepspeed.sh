@@ -39,7 +39,8 @@ visible_include() {
 # only variables named NCCL*, PYTHON*, UCX*, MLFLOW* and MV2*, plus those in the file DS_ENV_FILE
 # names (else ~/.deepspeed_env and ./.deepspeed_env), which it reads on this node and turns into
 # exports on the pdsh command line. It gets one file: what this launcher set and the SCALE_LLM_*
-# settings, then the user's own file's lines (the last line for a name wins). The runner writes
+# settings, then the user's own file's lines (the last line for a name wins; ./.deepspeed_env
+# only when DS_ENV_FILE names it: a folder one runs in may be someone else's). The runner writes
 # each as `export NAME="VALUE";` into a shell command run on every node: a line that would run
 # there as code (a name that is not a variable name; in a value, a $ other than $VAR or ${VAR},
 # a `, ", \ or a control character) stops it.
@@ -59,6 +60,12 @@ write_env_file() {
     if [[ "$var" == SCALE_LLM_* ]]; then env_line "the environment" "$var=${!var}" || exit 2; fi
   done < <(compgen -e)
   for own in "${owns[@]}"; do
+    if [[ -f "$own" && "$own" == ./* && -z "${DS_ENV_FILE:-}" && ! "$own" -ef "$HOME/$name" ]]; then
+      echo "deepspeed.sh: $PWD/$name would set every node's environment, where a variable" \
+        "such as LD_PRELOAD or PYTHONPATH loads code; a file in the working folder is read only" \
+        "when named: DS_ENV_FILE=$PWD/$name (or move it to ~/$name)" >&2
+      exit 2
+    fi
     if [[ -f "$own" ]]; then
       while IFS= read -r line || [[ -n "$line" ]]; do
         if [[ -n "${line//[[:space:]]/}" ]]; then env_line "$own" "$line" || exit 2; fi

@@ -540,6 +540,14 @@ def test_deepspeed_hands_the_other_nodes_the_launchers_environment(tmp_path):
     (tmp_path / ".deepspeed_env").write_text("LD_LIBRARY_PATH=${HOME}/lib:$LD_LIBRARY_PATH\n")
     proc = launch("deepspeed.sh", env, cwd=tmp_path)  # a variable the other nodes expand: fine
     assert proc.returncode == 0 and "LD_LIBRARY_PATH=${HOME}/lib:$LD_LIBRARY_PATH" in proc.stdout
+    work = tmp_path / "work"  # a folder of someone else's: its .deepspeed_env only when named
+    work.mkdir()
+    (work / ".deepspeed_env").write_text("LD_PRELOAD=/x/evil.so\n")
+    hosts = {"HOSTFILE": str(tmp_path / "hosts")}
+    proc = launch("deepspeed.sh", env | hosts, cwd=work)
+    assert proc.returncode == 2 and "read only when named: DS_ENV_FILE=" in proc.stderr
+    proc = launch("deepspeed.sh", env | hosts | {"DS_ENV_FILE": str(work / ".deepspeed_env")})
+    assert proc.returncode == 0 and "LD_PRELOAD=/x/evil.so" in proc.stdout
     (tmp_path / ".deepspeed_env").unlink()
     proc = launch("deepspeed.sh", env | {"SCALE_LLM_X": "`touch ran`"}, cwd=tmp_path)
     assert proc.returncode == 2 and "the environment sets SCALE_LLM_X: DeepSpeed" in proc.stderr
