@@ -63,7 +63,7 @@ write_env_file() {
     if [[ -f "$own" && "$own" == ./* && -z "${DS_ENV_FILE:-}" && ! "$own" -ef "$HOME/$name" ]]; then
       echo "deepspeed.sh: $PWD/$name would set every node's environment, where a variable" \
         "such as LD_PRELOAD or PYTHONPATH loads code; a file in the working folder is read only" \
-        "when named: DS_ENV_FILE=$PWD/$name (or move it to ~/$name)" >&2
+        "when named: DS_ENV_FILE=$name (this folder's and ~/$name)" >&2
       exit 2
     fi
     if [[ -f "$own" ]]; then
@@ -81,7 +81,8 @@ env_line() {  # print NAME=VALUE if the runner's shell command takes it as data
   name="${name%"${name##*[![:space:]]}"}"
   while [[ "$rest" =~ $ref ]]; do rest="${rest/"${BASH_REMATCH[0]}"/}"; done  # $VAR, ${VAR}: fine
   # (the runner reads lines as Python does: a carriage return ends one too, as a newline does)
-  if [[ "$line" == *=* && "$name" =~ ^[A-Za-z_][A-Za-z0-9_]*$ && "$rest" != *[\$\`\"\\[:cntrl:]]* ]]
+  if [[ "$line" == *=* && "$name" =~ ^[A-Za-z_][A-Za-z0-9_]*$ && "$rest" != *[\$\`\"\\]* &&
+    "$line" != *[[:cntrl:]]* ]]
   then
     printf '%s\n' "$line"
     return 0

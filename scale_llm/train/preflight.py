@@ -103,10 +103,12 @@ def preflight(cfg: Config, plan: RunPlan) -> RunSpec:
     tokenizer = Path(cfg.data.dir) / data.manifest["tokenizer"]["file"] if data else None
     if data is not None:
         report.check(check_data_fits, cfg, plan, data)
+    known = len(report.problems)
     if plan.is_main:
         report.check(check_run_dir_state, cfg)
+    run_dir_ok = plan.is_main and len(report.problems) == known  # (a refused one: said once)
     resume = report.check(choose_resume, cfg, plan, data.manifest) if data else None
-    if plan.is_main and not (resume and resume.step >= cfg.train.max_steps):  # (it will write)
+    if run_dir_ok and not (resume and resume.step >= cfg.train.max_steps):  # (it will write)
         report.check(require_writable_dir, cfg.run_dir / "checkpoints", "RUN_DIR/checkpoints")
     init_from = None
     if data is not None and cfg.model.init_from:
