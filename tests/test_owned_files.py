@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,16 @@ def test_export_force_replaces_an_earlier_export(run_dir, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no leftovers
 
 
+def adding_a_file(out: Path, work: Callable) -> Callable:
+    """`work` that first puts a file of the user's in `out` (as while a long export runs)."""
+
+    def user_adds_a_file(*args, **kwargs):
+        (out / "notes.md").write_text("mine")
+        return work(*args, **kwargs)
+
+    return user_adds_a_file
+
+
 def test_export_force_proves_the_export_again_before_replacing_it(run_dir, tmp_path, monkeypatch):
     """--out is checked before the weights are read and again before it is replaced: a file the
     user adds in between is kept, with the export as it was."""
@@ -52,13 +63,8 @@ def test_export_force_proves_the_export_again_before_replacing_it(run_dir, tmp_p
     out = tmp_path / "hf"
     assert main(["export", str(run_dir), "--out", str(out)]) == 0
     before = snapshot(out)
-    write_weights = export_module._write_weights
-
-    def user_adds_a_file(*args, **kwargs):
-        (out / "notes.md").write_text("mine")
-        return write_weights(*args, **kwargs)
-
-    monkeypatch.setattr(export_module, "_write_weights", user_adds_a_file)
+    write_weights = adding_a_file(out, export_module._write_weights)
+    monkeypatch.setattr(export_module, "_write_weights", write_weights)
     assert main(["export", str(run_dir), "--out", str(out), "--force"]) == 2
     (out / "notes.md").unlink()
     assert snapshot(out) == before
@@ -74,13 +80,7 @@ def test_eval_proves_its_export_again_before_replacing_it(run_dir, tmp_path, mon
     ckpt, out = run_dir / "checkpoints" / "step_00000002", tmp_path / "export" / "step_00000002"
     evaluate.make_eval_export(ckpt, out)
     before = snapshot(out)
-    export = evaluate.export
-
-    def user_adds_a_file(*args, **kwargs):
-        (out / "notes.md").write_text("mine")
-        return export(*args, **kwargs)
-
-    monkeypatch.setattr(evaluate, "export", user_adds_a_file)
+    monkeypatch.setattr(evaluate, "export", adding_a_file(out, evaluate.export))
     with pytest.raises(UserError, match=r"notes.md, which no export writes"):
         evaluate.make_eval_export(ckpt, out)
     (out / "notes.md").unlink()
