@@ -48,7 +48,7 @@ def fsync_tree(root: Path | str) -> None:
 def stamped_name(parent: Path, stem: str, suffix: str = "") -> Path:
     """parent/<stem>-<UTC time><suffix>, with -2, -3, ... before the suffix while that is taken."""
     first, n = f"{stem}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}", 1
-    while not _absent(path := parent / f"{first}{f'-{n}' * (n > 1)}{suffix}"):
+    while not absent(path := parent / f"{first}{f'-{n}' * (n > 1)}{suffix}"):
         n += 1
     return path
 
@@ -114,7 +114,7 @@ def unwritable_dir(path: Path | str) -> tuple[Path, str] | None:
     """(the first existing part of `path`, "file" or "read-only") when `path` is not and cannot
     become a writable directory; None when it is or can."""
     existing = Path(path).absolute()
-    while _absent(existing) and existing != existing.parent:  # (a dangling link is no folder)
+    while absent(existing) and existing != existing.parent:  # (a dangling link is no folder)
         existing = existing.parent
     if not existing.is_dir():
         return existing, "file"
@@ -375,7 +375,7 @@ def remove_owned_dir(path: Path, kind: str) -> None:
 def private_dir(parent: Path, prefix: str) -> Iterator[Path]:
     """A fresh folder inside `parent` for this block only, removed at the end; `parent` is
     created if missing and removed again if this block made it and left it empty."""
-    created = list(itertools.takewhile(_absent, [parent, *parent.parents]))
+    created = list(itertools.takewhile(absent, [parent, *parent.parents]))
     try:  # (a check of the permissions passes where a filesystem refuses: root in /proc)
         parent.mkdir(parents=True, exist_ok=True)
         path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
@@ -399,7 +399,8 @@ def _remove_empty(folders: list[Path]) -> None:
             p.rmdir()
 
 
-def _absent(path: Path) -> bool:
+def absent(path: Path) -> bool:
+    """Nothing at `path`, not even a dangling symlink."""
     return not (path.exists() or path.is_symlink())
 
 
@@ -417,7 +418,7 @@ class OwnerLock:
 
     def check(self) -> None:
         """Refuse now (creating nothing) if a live process holds the lock."""
-        if self._fd is not None or _absent(self.path) or self._key() in _HELD:  # (acquire: ours)
+        if self._fd is not None or absent(self.path) or self._key() in _HELD:  # (acquire: ours)
             return
         if (fd := self._open(create=False)) is None:
             return

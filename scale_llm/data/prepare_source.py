@@ -46,6 +46,7 @@ from scale_llm.errors import UserError
 from scale_llm.files import (
     OWNER_MARKER,
     OwnerLock,
+    absent,
     atomic_write_bytes,
     atomic_write_json,
     describe_kind,
@@ -280,7 +281,7 @@ def _publish(build: Path, out: Path) -> None:
     if _marked(out):
         ours |= {MANIFEST, *manifest_files(_read_json(out / MANIFEST))}
     new = [MANIFEST, *(p.name for p in _shaped_like_ours(build))]
-    if gained := [n for n in new if n not in ours and _present(out / n)]:
+    if gained := [n for n in new if n not in ours and not absent(out / n)]:
         raise UserError(  # (check_outputs saw none: they came while prepare built)
             f"data.dir={out} now holds {', '.join(gained[:4])}{', ...' * (len(gained) > 4)}, "
             f"named like the files prepare publishes and listed by no manifest of its own; it "
@@ -303,10 +304,6 @@ def _publish(build: Path, out: Path) -> None:
     (build / MANIFEST).rename(out / MANIFEST)
     fsync_dir(out)
     _remove_build(build)
-
-
-def _present(path: Path) -> bool:
-    return path.exists() or path.is_symlink()
 
 
 def _remove_build(build: Path) -> None:

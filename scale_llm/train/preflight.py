@@ -218,7 +218,7 @@ def check_run_dir_state(cfg: Config) -> None:
     """The run dir can be written, holds what a run writes there, and no live launch holds it."""
     require_writable_dir(cfg.run_dir, "run.dir / run.name")
     check_run_dir(cfg.run_dir)
-    run_lock(cfg.run_dir).check()
+    RunLock(cfg.run_dir).check()
 
 
 def settle_compile(cfg: Config, plan: RunPlan) -> Config:
@@ -268,15 +268,11 @@ RUN_KIND = "run"  # the kind in RUN_DIR/OWNER_MARKER, written by the launch that
 CHECKPOINTS_CLAIM, CHECKPOINTS_LOCK = ".scale-llm-run.json", ".scale-llm-run.lock"
 
 
-def run_lock(run_dir: Path) -> RunLock:
-    """One launch per run directory, taken by the main rank once every check has passed (a dead
-    owner's lock is taken over, a live one's refused)."""
-    return RunLock(run_dir)
-
-
 class RunLock:
-    """The run dir's lock and its checkpoints folder's: a folder two runs reach (a link, a second
-    mount) is pruned by one at a time, and records the run that last used it (its claim)."""
+    """One launch per run directory, taken by the main rank once every check has passed (a dead
+    owner's lock is taken over, a live one's refused); with it the lock of its checkpoints
+    folder, which two runs may reach (a link, a second mount): one prunes it at a time, and the
+    folder records the run that last used it (its claim)."""
 
     def __init__(self, run_dir: Path):
         self.run_dir, ckpts = run_dir, run_dir / "checkpoints"

@@ -44,9 +44,9 @@ from scale_llm.train.metrics import MetricsLogger
 from scale_llm.train.preflight import (
     COMM_TRACE,
     RUN_KIND,
+    RunLock,
     RunSpec,
     preflight,
-    run_lock,
 )
 from scale_llm.train.profiling import StepProfiler
 from scale_llm.train.resume import schedule_change
@@ -75,7 +75,7 @@ class Trainer:
         self.device, self.run_dir, self.data = spec.plan.device, spec.cfg.run_dir, spec.data
         self.resume_from = spec.resume.checkpoint if spec.resume else None
         self.complete = spec.complete  # a finished run: write nothing
-        self.lock = run_lock(self.run_dir)
+        self.lock = RunLock(self.run_dir)
         try:
             self._build()
         except BaseException:
