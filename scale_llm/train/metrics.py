@@ -29,8 +29,7 @@ class MetricsLogger:
         self.writer = self.wandb = None
         if not enabled:
             return
-        check_metrics_file(self.path)
-        _truncate_after(self.path, resume_step)
+        _start_rows(self.path, resume_step)
         trackers = cfg.logging.tensorboard or cfg.logging.wandb.project
         tracked = flat(to_dict(cfg), tracker=True) if trackers else {}  # as the trackers show it
         if cfg.logging.tensorboard:
@@ -132,27 +131,28 @@ def _tb_tag(key: str) -> str:
     return f"memory/{key}" if key.startswith("peak_") else f"train/{key}"
 
 
-def _truncate_after(path: Path, step: int) -> None:
-    """Drop rows past `step` (a resumed run rewrites them); on a fresh start, move an earlier
-    attempt's rows aside to metrics-<UTC time>.jsonl. A line that is not a JSON row (cut short by
-    a kill, or an edit) is dropped with a warning."""
+def _start_rows(path: Path, step: int) -> None:
+    """metrics.jsonl as a launch starts: checked again for its kind (it is appended to), then on a
+    resume the rows past `step` dropped (the resumed run rewrites them), and on a fresh start an
+    earlier attempt's rows moved aside to metrics-<UTC time>.jsonl. A line that is not a JSON row
+    (cut short by a kill, or an edit) is dropped with a warning."""
+    check_metrics_file(path)
     if not path.exists():
         return
-    if step == 0:
-        if path.stat().st_size:  # (an empty file holds nothing to keep)
-            path.rename(aside := stamped_name(path.parent, "metrics", ".jsonl"))
-            log.warning(f"metrics: a fresh start; the rows of the earlier attempt moved to {aside}")
-        return
-    keep, damaged = [], 0
-    for line in path.read_bytes().splitlines():
-        row = metric_row(line)
-        if row is None:
-            damaged += bool(line.strip())
-        elif row["step"] <= step:
-            keep.append(line.decode("utf-8") + "\n")
-    if damaged:
-        log.warning(f"metrics: dropped {damaged} line(s) of {path} that are not metric rows")
-    atomic_write_text(path, "".join(keep))  # all rows or the old file: never half of it
+    if step > 0:
+        keep, damaged = [], 0
+        for line in path.read_bytes().splitlines():
+            row = metric_row(line)
+            if row is None:
+                damaged += bool(line.strip())
+            elif row["step"] <= step:
+                keep.append(line.decode("utf-8") + "\n")
+        if damaged:
+            log.warning(f"metrics: dropped {damaged} line(s) of {path} that are not metric rows")
+        atomic_write_text(path, "".join(keep))  # all rows or the old file: never half of it
+    elif path.stat().st_size:  # (an empty file holds nothing to keep)
+        path.rename(aside := stamped_name(path.parent, "metrics", ".jsonl"))
+        log.warning(f"metrics: a fresh start; the rows of the earlier attempt moved to {aside}")
 
 
 def metric_row(line: bytes) -> dict[str, Any] | None:
