@@ -99,3 +99,31 @@ def test_a_stop_inside_the_traced_steps_writes_the_steps_that_ran(data_dir, tmp_
         "warm-up begins at step 2 (set train.profile.start_step above 5 to trace this launch)"
     ]
     assert sorted(p.name for p in folder.iterdir()) == ["rank0_steps3-4.pt.trace.json"]
+
+
+def test_a_trace_never_replaces_a_file_of_that_name(tmp_path):
+    """The profile folder may link to a folder of the user's, and a relaunch may trace the same
+    steps again: a file named like the trace is kept, the trace written beside it."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import torch
+
+    from scale_llm.train.profiling import StepProfiler
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "rank0_steps3-3.pt.trace.json").write_text("the user's")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "profile").symlink_to(mine)
+    plan = SimpleNamespace(rank=0, device=torch.device("cpu"))
+    profiler = StepProfiler(ProfileConfig(enabled=True), plan, tmp_path / "run", start_step=0)
+    for trace in ("a trace", "the same steps traced again"):
+        path = profiler._write(
+            "rank0_steps3-3.pt.trace.json", lambda t, s=trace: Path(t).write_text(s)
+        )
+        assert path.read_text() == trace
+        assert path.parent == tmp_path / "run" / "profile"
+        assert path.name.startswith("rank0_steps3-3-") and path.name.endswith(".pt.trace.json")
+    assert (mine / "rank0_steps3-3.pt.trace.json").read_text() == "the user's"
+    assert len(list(mine.iterdir())) == 3

@@ -15,7 +15,7 @@ import torch
 from scale_llm.config.plan import RunPlan
 from scale_llm.config.profile import ProfileConfig
 from scale_llm.errors import UserError
-from scale_llm.files import describe_kind
+from scale_llm.files import absent, describe_kind, stamped_name, temporary_sibling
 from scale_llm.train.callbacks import Callback, StepEnd, Trainer
 
 log = logging.getLogger(__name__)
@@ -112,12 +112,16 @@ class StepProfiler(Callback):
             log.info(f"train.profile: CUDA memory snapshot after step {step} written to {path}")
 
     def _write(self, name: str, dump: Callable[[str], Any]) -> Path:
-        """`dump` writes a temporary sibling, renamed to `name` in the folder once whole."""
-        path = self.folder / name
+        """`dump` writes a temporary sibling, renamed to `name` in the folder once whole; a file
+        already named so (an earlier launch's trace of the same steps, or a file of the user's in
+        a linked folder) is kept, and the new one gets a time-stamped name beside it."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp = temporary_sibling(self.folder / name)
         dump(str(tmp))
-        os.replace(tmp, path)
+        if not absent(path := self.folder / name):
+            stem, dot, suffix = name.partition(".")
+            path = stamped_name(self.folder, stem, dot + suffix)
+        os.rename(tmp, path)
         return path
 
     def _write_trace(self, prof: torch.profiler.profile) -> None:
