@@ -55,7 +55,7 @@ setup(
     description="Pretrain LLMs from raw text to generated text with DDP, FSDP2 or DeepSpeed.",
     long_description=long_description(),
     long_description_content_type="text/markdown",
-    python_requires=">=3.10",
+    python_requires=">=3.11",
     packages=find_packages(include=["scale_llm", "scale_llm.*"]),
     install_requires=[
         # Lower bound only: GPU users keep the CUDA build they installed; launch/setup.sh
@@ -88,6 +88,6 @@ setup(
         # API moves between releases, so one tested version)
         "fp8": ["torchao==0.18.0"],
     },
-    entry_points={"console_scripts": ["scale-llm=scale_llm.cli:main"]},
+    entry_points={"console_scripts": ["scale-llm=scale_llm.cli:entry"]},
     cmdclass={"build_py": BuildWithConfigs},
 )

@@ -12,6 +12,9 @@
 #   SCALE_LLM_TORCH="torch==2.13.0" bash launch/setup.sh
 # Re-running is cheap: nothing is reinstalled unless setup.py or SCALE_LLM_TORCH changed.
 set -euo pipefail
+# `python -m pip`, `-m venv` and `-c` put the working folder first on sys.path: a pip/ or torch.py
+# there would run in their place (Python 3.11+ honours this; older Pythons are refused below)
+export PYTHONSAFEPATH=1
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${SCALE_LLM_VENV:-$root/.venv}"
@@ -27,6 +30,11 @@ fi
 [[ -n "$python_bin" ]] || { echo "setup.sh: no python3 found; install Python 3.11" >&2; exit 2; }
 
 if [[ ! -x "$venv/bin/python" ]]; then
+  if ! "$python_bin" -I -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    echo "setup.sh: $python_bin is $("$python_bin" --version 2>&1), and scale_llm needs Python" \
+      "3.11 or newer; install it, or name it: PYTHON=python3.12 bash launch/setup.sh" >&2
+    exit 2
+  fi
   echo "setup.sh: creating $venv with $($python_bin --version)"
   "$python_bin" -m venv "$venv"
 fi

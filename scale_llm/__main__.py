@@ -6,6 +6,6 @@ import sys
 if sys.path and sys.path[0] in ("", os.getcwd()):
     del sys.path[0]
 
-from scale_llm.cli import main  # noqa: E402
+from scale_llm.cli import entry  # noqa: E402
 
-sys.exit(main())
+sys.exit(entry())

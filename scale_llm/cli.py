@@ -766,6 +766,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(rewritten)
 
 
+def entry() -> int:
+    """The `scale-llm` command and `python -m scale_llm`: `main` with PYTHONSAFEPATH=1 in the
+    environment, so that no Python the command starts (prepare's encoding workers, torchrun and
+    its workers, a check's runs) puts the working folder first on sys.path, as `python -c` and
+    `-m` do: a threading.py or yaml.py there would run in place of the library's."""
+    os.environ["PYTHONSAFEPATH"] = "1"
+    return main()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging()

@@ -213,18 +213,29 @@ def _children(pid: int) -> list[int]:
 
 
 def _start_prepare(tmp_path) -> subprocess.Popen:
-    """`prepare` of the built-in corpus with 2 worker processes, in the background."""
-
+    """`prepare` of the built-in corpus with 2 worker processes, in the background, from a
+    working folder holding a threading.py that would say it ran (`_planted_ran`): a spawned
+    worker starts as `python -c`, the working folder first on its sys.path."""
+    work = tmp_path / "work"
+    work.mkdir()
+    ran = tmp_path / "planted-threading-ran"
+    (work / "threading.py").write_text(f"open({str(ran)!r}, 'a').close()\nraise ImportError\n")
     args = ["--set", "model.vocab_size=512", "--set", f"data.dir={tmp_path / 'data'}"]
     args += ["--set", "data.num_proc=2", "--set", "data.tokenizer_sample_bytes=300000"]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
     return subprocess.Popen(
         [sys.executable, "-m", "scale_llm", "prepare", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         env=env,
+        cwd=work,
     )
+
+
+def _planted_ran(tmp_path) -> bool:
+    return (tmp_path / "planted-threading-ran").exists()
 
 
 def _wait_for_workers(proc, n: int = 2, timeout: float = 60) -> list[int]:
@@ -277,6 +288,7 @@ def test_sigterm_during_prepare_says_what_was_kept(tmp_path):
     assert proc.returncode == 130, out[-2000:]
     assert "kept the shards written so far and progress.json" in out, out[-2000:]
     assert "Traceback" not in out
+    assert not _planted_ran(tmp_path)  # (its workers: `scale-llm` sets PYTHONSAFEPATH)
 
 
 def test_a_progress_record_nested_100000_deep_starts_the_prepare_afresh(tmp_path, caplog):

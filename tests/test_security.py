@@ -379,8 +379,9 @@ def test_wandb_reads_no_git_state_in_the_run_dir(tmp_path, monkeypatch):
 
 
 def test_a_module_in_the_working_folder_is_never_imported(tmp_path):
-    """`python -m scale_llm` and the launchers (their `python -c` probes, torchrun, its workers)
-    put the working folder first on sys.path: a yaml.py or torch.py there ran in their place."""
+    """`python -m scale_llm`, the launchers (their `python -c` probes, torchrun, its workers) and
+    setup.sh put the working folder first on sys.path: a yaml.py, torch.py or pip/ there ran in
+    their place."""
     for name in ("yaml.py", "torch.py"):
         (tmp_path / name).write_text(
             f"import pathlib\npathlib.Path({str(tmp_path / 'ran')!r}).touch()\nraise ImportError\n"
@@ -390,4 +391,16 @@ def test_a_module_in_the_working_folder_is_never_imported(tmp_path):
     assert proc.returncode == 0 and not (tmp_path / "ran").exists()
     proc = subprocess.run(["bash", str(REPO / "launch" / "torchrun.sh"), "missing.yaml"], **quiet)
     assert proc.returncode == 2 and b"missing.yaml does not exist" in proc.stderr
+    assert not (tmp_path / "ran").exists()
+
+    # setup.sh's `python -m pip`: a pip/ package there ran in pip's place. A venv of its own (its
+    # python this one's), and a pip argument that stops it before it installs anything.
+    (tmp_path / "pip").mkdir()
+    (tmp_path / "pip" / "__init__.py").write_text((tmp_path / "yaml.py").read_text())
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "venv" / "bin" / "python").symlink_to(sys.executable)
+    setup = {"SCALE_LLM_VENV": str(tmp_path / "venv"), "SCALE_LLM_TORCH": "--no-such-flag"}
+    quiet["env"] = {k: v for k, v in env().items() if k != "PYTHONSAFEPATH"} | setup
+    proc = subprocess.run(["bash", str(REPO / "launch" / "setup.sh")], **quiet)
+    assert b"no such option: --no-such-flag" in proc.stderr and proc.returncode != 0
     assert not (tmp_path / "ran").exists()
