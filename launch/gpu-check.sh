@@ -179,7 +179,7 @@ from pathlib import Path
 
 import torch
 
-from scale_llm.analysis.check import add_report_section, claim_out, default_scratch
+from scale_llm.analysis.check import add_report_section, check_scratch, claim_out, default_scratch
 
 out, only, args = Path(sys.argv[1]), sys.argv[2] == "1", sys.argv[3:]
 if only:  # the folder becomes the check's before any work, as the check's own start does
@@ -192,6 +192,7 @@ every = max(steps // 10, 1)
 given = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--scratch"]  # the check's
 scratch = Path(given[-1]) if given else default_scratch()
 scratch.mkdir(parents=True, exist_ok=True)
+check_scratch(scratch)  # this user's: the runs below train on what it holds
 sets = ["parallel.backend=single", "parallel.tensor_parallel=1", "train.grad_accum=1",
         f"train.max_steps={steps}", f"train.warmup_steps={every}", f"logging.every={every}",
         "logging.tensorboard=false", "eval.every=0", "eval.sample_every=0",

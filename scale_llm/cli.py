@@ -511,7 +511,8 @@ def _check_parser(sub) -> None:
     over = "override a config key of every run the check makes, e.g. --set "
     over += "train.micro_batch_size=4 (repeatable; scale-llm config --keys lists the keys)"
     _add_set(p, over)
-    scratch = "where the check's data and runs go (default: TMPDIR/scale-llm-check, reused)"
+    scratch = "where the check's data and runs go, a folder of this user's (default: "
+    scratch += "TMPDIR/scale-llm-check-UID, reused)"
     p.add_argument("--scratch", help=scratch)
     budget = "start no item after this many minutes (the report says which were skipped); "
     budget += "default: no limit"

@@ -180,6 +180,24 @@ def test_check_keeps_to_its_own_report_and_runs_folders(tmp_path):
     assert (earlier / OWNER_MARKER).is_file()
 
 
+def test_check_refuses_a_scratch_folder_of_another_user(tmp_path, monkeypatch, capsys):
+    """The default scratch lies in the shared temporary folder: another user could make it
+    first, with data of theirs for the check to train on, or links among its runs folders."""
+    from scale_llm.analysis import check
+
+    scratch = tmp_path / "scratch"
+    (scratch / "data").mkdir(parents=True)
+    assert check.default_scratch().name == f"scale-llm-check-{os.getuid()}"  # a user's own
+    before = snapshot(tmp_path)
+    monkeypatch.setattr(os, "getuid", lambda: scratch.stat().st_uid + 1)
+    monkeypatch.setattr(check, "default_scratch", lambda: scratch)
+    for given in (["--scratch", str(scratch)], []):
+        assert main(["check", str(tmp_path / "report"), *given]) == 2
+        said = capsys.readouterr().err
+        assert f"--scratch {scratch} belongs to another user" in said and "Traceback" not in said
+        assert snapshot(tmp_path) == before
+
+
 # ----------------------------------------------------------------------------- prepare
 def _corpus(root: Path, n: int = 40) -> Path:
     root.mkdir()

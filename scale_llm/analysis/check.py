@@ -58,8 +58,21 @@ SECTIONS = frozenset({"curves", "sweep", "reference", "param_dtype", "scaling"})
 
 
 def default_scratch() -> Path:
-    """Reused between checks: a rerun finds its data prepared (and inductor's cache warm)."""
-    return Path(tempfile.gettempdir()) / "scale-llm-check"
+    """Reused between checks: a rerun finds its data prepared (and inductor's cache warm); one a
+    user (the temporary folder is shared: `check_scratch` refuses another user's)."""
+    return Path(tempfile.gettempdir()) / f"scale-llm-check-{os.getuid()}"
+
+
+def check_scratch(scratch: Path) -> None:
+    """The scratch folder is missing, or a folder of this user's: the check trains on the data
+    it finds there and removes its earlier runs folders."""
+    if scratch.is_symlink() or (scratch.exists() and not scratch.is_dir()):
+        raise UserError(f"--scratch {scratch} is {describe_kind(scratch)}; give a folder")
+    if scratch.exists() and (owner := scratch.stat().st_uid) != os.getuid():
+        raise UserError(
+            f"--scratch {scratch} belongs to another user (uid {owner}), and the check trains on "
+            f"the data it finds there; give a folder of your own: --scratch DIR"
+        )
 
 
 class Report:
@@ -116,6 +129,7 @@ def run_check(
     """`only`: a subset of SECTIONS (e.g. a second short call for what a budget skipped)."""
     scratch = scratch or default_scratch()
     tiny_config(scratch, scratch / "runs", steps, overrides or [])  # refused: before any write
+    check_scratch(scratch)
     claim_out(out)
     runs = new_runs_dir(scratch)
     wanted = SECTIONS if only is None else only
@@ -294,9 +308,8 @@ def _is_check_report(path: Path) -> bool:
 def new_runs_dir(scratch: Path) -> Path:
     """A new runs folder in `scratch`, marked as the check's, after removing earlier ones whose
     check has exited (the mark proves them the check's); nothing else in `scratch` is touched."""
-    if scratch.is_symlink() or (scratch.exists() and not scratch.is_dir()):
-        raise UserError(f"--scratch {scratch} is {describe_kind(scratch)}; give a folder")
     scratch.mkdir(parents=True, exist_ok=True)
+    check_scratch(scratch)  # (again: made by another user meanwhile, or by this call)
     for old in scratch.glob("runs-*"):  # (not those of a check still running)
         if owned_kind(old) == RUNS_KIND and not owner_running(old):
             remove_owned_dir(old, RUNS_KIND)
