@@ -38,6 +38,11 @@ if [[ ! -x "$venv/bin/python" ]]; then
   echo "setup.sh: creating $venv with $($python_bin --version)"
   "$python_bin" -m venv "$venv"
 fi
+if ! "$venv/bin/python" -I -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+  echo "setup.sh: $venv holds $("$venv/bin/python" --version 2>&1), and scale_llm needs Python" \
+    "3.11 or newer; remove $venv and run setup.sh again with one (PYTHON=python3.12)" >&2
+  exit 2
+fi
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 # On a terminal pip shows what it downloads and installs, with progress bars (a first install
 # takes minutes); in a log (CI) it stays quiet.

@@ -769,9 +769,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def entry() -> int:
     """The `scale-llm` command and `python -m scale_llm`: `main` with PYTHONSAFEPATH=1 in the
-    environment, so that no Python the command starts (prepare's encoding workers, torchrun and
-    its workers, a check's runs) puts the working folder first on sys.path, as `python -c` and
-    `-m` do: a threading.py or yaml.py there would run in place of the library's."""
+    environment, so that no Python the command starts (prepare's encoding workers, each one a
+    `python -c`) puts the working folder first on sys.path: a threading.py there would run."""
     os.environ["PYTHONSAFEPATH"] = "1"
     return main()
 
@@ -815,4 +814,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

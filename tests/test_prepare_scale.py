@@ -276,6 +276,7 @@ def test_prepare_workers_die_with_a_killed_parent(tmp_path):
         time.sleep(0.2)
     alive = [w for w in workers if psutil.pid_exists(w) and psutil.Process(w).status() != "zombie"]
     assert not alive, f"orphaned prepare workers {alive}"
+    assert not _planted_ran(tmp_path)
 
 
 def test_sigterm_during_prepare_says_what_was_kept(tmp_path):

@@ -404,3 +404,16 @@ def test_a_module_in_the_working_folder_is_never_imported(tmp_path):
     proc = subprocess.run(["bash", str(REPO / "launch" / "setup.sh")], **quiet)
     assert b"no such option: --no-such-flag" in proc.stderr and proc.returncode != 0
     assert not (tmp_path / "ran").exists()
+    # a venv of a Python before 3.11 (which ignores PYTHONSAFEPATH) is refused before pip runs
+    old = tmp_path / "venv-3.10" / "bin"
+    old.mkdir(parents=True)
+    (old / "python").write_text(
+        '#!/bin/sh\ncase "$*" in *version_info*) exit 1;; *--version*) echo Python 3.10.12;; '
+        f"*) touch {tmp_path / 'ran'};; esac\n"
+    )
+    (old / "python").chmod(0o755)
+    quiet["env"] |= {"SCALE_LLM_VENV": str(old.parent)}
+    proc = subprocess.run(["bash", str(REPO / "launch" / "setup.sh")], **quiet)
+    assert proc.returncode == 2, proc.stderr
+    assert b"holds Python 3.10.12, and scale_llm needs Python 3.11 or newer" in proc.stderr
+    assert not (tmp_path / "ran").exists()
