@@ -4,6 +4,7 @@ the loss curve; a memory snapshot (CUDA only) is refused on the CPU before any w
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -101,7 +102,7 @@ def test_a_stop_inside_the_traced_steps_writes_the_steps_that_ran(data_dir, tmp_
     assert sorted(p.name for p in folder.iterdir()) == ["rank0_steps3-4.pt.trace.json"]
 
 
-def test_a_trace_never_replaces_a_file_of_that_name(tmp_path):
+def test_a_trace_never_replaces_a_file_of_that_name(tmp_path, monkeypatch):
     """The profile folder may link to a folder of the user's, and a relaunch may trace the same
     steps again: a file named like the trace is kept, the trace written beside it."""
     from pathlib import Path
@@ -118,6 +119,10 @@ def test_a_trace_never_replaces_a_file_of_that_name(tmp_path):
     (tmp_path / "run" / "profile").symlink_to(mine)
     plan = SimpleNamespace(rank=0, device=torch.device("cpu"))
     profiler = StepProfiler(ProfileConfig(enabled=True), plan, tmp_path / "run", start_step=0)
+
+    def no_links(source, target):
+        raise PermissionError(1, "Operation not permitted")
+
     for trace in ("a trace", "the same steps traced again"):
         path = profiler._write(
             "rank0_steps3-3.pt.trace.json", lambda t, s=trace: Path(t).write_text(s)
@@ -125,5 +130,6 @@ def test_a_trace_never_replaces_a_file_of_that_name(tmp_path):
         assert path.read_text() == trace
         assert path.parent == tmp_path / "run" / "profile"
         assert path.name.startswith("rank0_steps3-3-") and path.name.endswith(".pt.trace.json")
+        monkeypatch.setattr(os, "link", no_links)  # the second: a file system without links
     assert (mine / "rank0_steps3-3.pt.trace.json").read_text() == "the user's"
     assert len(list(mine.iterdir())) == 3

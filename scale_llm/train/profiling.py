@@ -112,17 +112,26 @@ class StepProfiler(Callback):
             log.info(f"train.profile: CUDA memory snapshot after step {step} written to {path}")
 
     def _write(self, name: str, dump: Callable[[str], Any]) -> Path:
-        """`dump` writes a temporary sibling, renamed to `name` in the folder once whole; a file
+        """`dump` writes a temporary sibling, given `name` in the folder once whole; a file
         already named so (an earlier launch's trace of the same steps, or a file of the user's in
         a linked folder) is kept, and the new one gets a time-stamped name beside it."""
         self.folder.mkdir(parents=True, exist_ok=True)
         tmp = temporary_sibling(self.folder / name)
         dump(str(tmp))
-        if not absent(path := self.folder / name):
-            stem, dot, suffix = name.partition(".")
-            path = stamped_name(self.folder, stem, dot + suffix)
-        os.rename(tmp, path)
-        return path
+        path, (stem, dot, suffix) = self.folder / name, name.partition(".")
+        while True:
+            try:
+                os.link(tmp, path)  # (never replaces: a name taken meanwhile raises)
+            except FileExistsError:
+                path = stamped_name(self.folder, stem, dot + suffix)
+                continue
+            except OSError:  # a file system without hard links: renamed to a name found free
+                if not absent(path):
+                    path = stamped_name(self.folder, stem, dot + suffix)
+                os.rename(tmp, path)
+                return path
+            os.unlink(tmp)
+            return path
 
     def _write_trace(self, prof: torch.profiler.profile) -> None:
         first, last = self.p.start_step, self.last_step
