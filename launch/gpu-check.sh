@@ -173,26 +173,33 @@ fi
 # the --set values and --scratch given. SCALE_LLM_CHECK_FP8_STEPS: the steps (100 on a GPU).
 if [[ "$only_f" == 0 && ( "$gpus" -gt 0 || "$only_g" == 1 \
     || "${SCALE_LLM_CHECK_FP8:-0}" == "1" ) ]]; then
-  ROOT="$ROOT" "$PY" - "$out" "$only_g" "$@" <<'FP8EOF' || rc=1
+  fp8=0
+  ROOT="$ROOT" "$PY" - "$out" "$only_g" "$@" <<'FP8EOF' || fp8=$?
 import importlib.util, json, os, shutil, subprocess, sys, tempfile
 from pathlib import Path
 
 import torch
 
 from scale_llm.analysis.check import add_report_section, check_scratch, claim_out, default_scratch
+from scale_llm.errors import UserError
 
 out, only, args = Path(sys.argv[1]), sys.argv[2] == "1", sys.argv[3:]
-if only:  # the folder becomes the check's before any work, as the check's own start does
-    claim_out(out)
+given = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--scratch"]  # the check's
+scratch = Path(given[-1]) if given else default_scratch()
+try:  # refused before any work, as the check's own start refuses
+    check_scratch(scratch)  # this user's: the runs below train on what it holds
+    if only:  # the folder becomes the check's
+        claim_out(out)
+    scratch.mkdir(parents=True, exist_ok=True)
+    check_scratch(scratch)  # (again: made by another user meanwhile)
+except UserError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
 root = Path(os.environ.get("ROOT", "."))
 cuda = torch.cuda.is_available()
 config = root / "yaml" / ("400m.yaml" if cuda else "tiny.yaml")
 steps = int(os.environ.get("SCALE_LLM_CHECK_FP8_STEPS") or (100 if cuda else 4))
 every = max(steps // 10, 1)
-given = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--scratch"]  # the check's
-scratch = Path(given[-1]) if given else default_scratch()
-scratch.mkdir(parents=True, exist_ok=True)
-check_scratch(scratch)  # this user's: the runs below train on what it holds
 sets = ["parallel.backend=single", "parallel.tensor_parallel=1", "train.grad_accum=1",
         f"train.max_steps={steps}", f"train.warmup_steps={every}", f"logging.every={every}",
         "logging.tensorboard=false", "eval.every=0", "eval.sample_every=0",
@@ -299,5 +306,7 @@ add_report_section(out, "fp8", report, md)
 print("\n".join(md))
 sys.exit(1 if failed else 0)
 FP8EOF
+  [[ "$fp8" == 2 ]] && exit 2  # refused before any work
+  [[ "$fp8" == 0 ]] || rc=1
 fi
 exit "$rc"

@@ -180,22 +180,45 @@ def test_check_keeps_to_its_own_report_and_runs_folders(tmp_path):
     assert (earlier / OWNER_MARKER).is_file()
 
 
-def test_check_refuses_a_scratch_folder_of_another_user(tmp_path, monkeypatch, capsys):
+def test_check_refuses_a_scratch_folder_others_can_write(tmp_path, monkeypatch, capsys):
     """The default scratch lies in the shared temporary folder: another user could make it
-    first, with data of theirs for the check to train on, or links among its runs folders."""
+    first (or it is writable by all), with data for the check to train on, or links among its
+    runs folders. Refused before any work, named or the default; the default is per user."""
     from scale_llm.analysis import check
 
+    assert check.default_scratch().name == f"scale-llm-check-{os.getuid()}"
     scratch = tmp_path / "scratch"
     (scratch / "data").mkdir(parents=True)
-    assert check.default_scratch().name == f"scale-llm-check-{os.getuid()}"  # a user's own
-    before = snapshot(tmp_path)
-    monkeypatch.setattr(os, "getuid", lambda: scratch.stat().st_uid + 1)
+    scratch.chmod(0o777)
     monkeypatch.setattr(check, "default_scratch", lambda: scratch)
+    before = snapshot(tmp_path)
     for given in (["--scratch", str(scratch)], []):
         assert main(["check", str(tmp_path / "report"), *given]) == 2
         said = capsys.readouterr().err
-        assert f"--scratch {scratch} belongs to another user" in said and "Traceback" not in said
+        assert f"--scratch {scratch} can be written into by other users" in said, said
         assert snapshot(tmp_path) == before
+    scratch.chmod(0o755)
+    monkeypatch.setattr(os, "getuid", lambda: scratch.stat().st_uid + 1)
+    assert main(["check", str(tmp_path / "report")]) == 2
+    assert f"--scratch {scratch} belongs to another user" in capsys.readouterr().err
+    assert snapshot(tmp_path) == before
+
+
+def test_the_gpu_checks_fp8_item_alone_refuses_a_scratch_folder_others_can_write(tmp_path):
+    """`gpu-check.sh --fp8-only` trains from the check's scratch folder without the check's own
+    start: it refuses the same folder, in one paragraph, before claiming OUT."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    scratch.chmod(0o777)
+    out = tmp_path / "report"
+    cmd = ["bash", str(REPO / "launch" / "gpu-check.sh"), str(out), "--fp8-only"]
+    proc = subprocess.run(
+        [*cmd, "--scratch", str(scratch)], env=env(), capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"error: --scratch {scratch} can be written into by other users" in proc.stderr
+    assert "Traceback" not in proc.stderr and not out.exists()
+    assert list(scratch.iterdir()) == []
 
 
 # ----------------------------------------------------------------------------- prepare

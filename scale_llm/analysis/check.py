@@ -12,6 +12,7 @@ import functools
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -58,21 +59,29 @@ SECTIONS = frozenset({"curves", "sweep", "reference", "param_dtype", "scaling"})
 
 
 def default_scratch() -> Path:
-    """Reused between checks: a rerun finds its data prepared (and inductor's cache warm); one a
-    user (the temporary folder is shared: `check_scratch` refuses another user's)."""
+    """Reused between checks: a rerun finds its data prepared (and inductor's cache warm); one
+    per user (the temporary folder is shared: `check_scratch` refuses another user's)."""
     return Path(tempfile.gettempdir()) / f"scale-llm-check-{os.getuid()}"
 
 
 def check_scratch(scratch: Path) -> None:
-    """The scratch folder is missing, or a folder of this user's: the check trains on the data
-    it finds there and removes its earlier runs folders."""
+    """The scratch folder is missing, or a folder of this user's that no other user can write
+    into: the check trains on the data it finds there and removes its earlier runs folders."""
     if scratch.is_symlink() or (scratch.exists() and not scratch.is_dir()):
         raise UserError(f"--scratch {scratch} is {describe_kind(scratch)}; give a folder")
-    if scratch.exists() and (owner := scratch.stat().st_uid) != os.getuid():
-        raise UserError(
-            f"--scratch {scratch} belongs to another user (uid {owner}), and the check trains on "
-            f"the data it finds there; give a folder of your own: --scratch DIR"
-        )
+    if not scratch.exists():
+        return
+    found = scratch.stat()
+    if found.st_uid != os.getuid():
+        whose = f"belongs to another user (uid {found.st_uid})"
+    elif found.st_mode & stat.S_IWOTH:
+        whose = "can be written into by other users"
+    else:
+        return
+    raise UserError(
+        f"--scratch {scratch} {whose}, and the check trains on the data it finds there; give a "
+        f"folder of your own: --scratch DIR"
+    )
 
 
 class Report:
