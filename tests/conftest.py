@@ -66,6 +66,8 @@ SLOW_TESTS = {  # by module::function (every parameter): over ~4 s each on 2 cor
     "test_cli.py::test_run_messages_count_this_launch_and_a_finished_run_is_left_alone",
     "test_cli.py::test_the_gpu_check_stops_when_torch_cannot_use_the_gpus_nvidia_smi_lists",
     "test_compile.py::test_a_missing_compiler_is_named_with_what_to_install",
+    "test_compile.py::test_code_planted_in_a_cache_folder_others_can_write_never_runs",
+    "test_owned_files.py::test_the_gpu_checks_fp8_item_alone_refuses_a_scratch_folder_others_can_write",
     "test_compile.py::test_compile_true_without_a_compiler_stops_the_launch_before_any_work",
     "test_compile.py::test_compiled_run_follows_the_eager_curve",
     "test_compile.py::test_no_graph_break_and_no_recompilation_while_training",

@@ -336,6 +336,61 @@ def test_a_missing_compiler_is_named_with_what_to_install(tmp_path):
     assert ok.stdout.strip() == "None", ok.stderr  # with the compiler back: nothing to say
 
 
+def test_code_planted_in_a_cache_folder_others_can_write_never_runs(tmp_path):
+    """inductor's default cache is TMPDIR/torchinductor_<user>, a name another user can make
+    first in a shared TMPDIR; it runs the compiled code it finds there. Here the folder is this
+    user's but writable by all, and its compiled module writes a mark when run."""
+    import subprocess
+
+    code = (
+        "import torch; from scale_llm.parallel.compile import toolchain_problem; "
+        "print(toolchain_problem(torch.device('cpu')))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env["TMPDIR"] = str(tmp_path)
+    run = lambda: subprocess.run(  # noqa: E731
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run().stdout.strip() == "None"  # compiled once, into the cache
+    (cache,) = tmp_path.glob("torchinductor_*")
+    mark = tmp_path / "planted-ran"
+    modules = [p for p in cache.glob("*/*.py")]
+    for module in modules:
+        module.write_text(f"open({str(mark)!r}, 'a').close()\n" + module.read_text())
+    cache.chmod(0o777)
+    said = run().stdout.strip()
+    assert said.startswith(f"torch.compile keeps the code it compiles in {cache} and runs it "
+                           "from there, but other users can write into it"), said  # fmt: skip
+    assert modules and not mark.exists()
+    cache.chmod(0o755)  # (as the user fixes it)
+    assert run().stdout.strip() == "None" and mark.exists()  # the planted module was loadable
+
+
+def test_the_compile_cache_folder_must_be_this_users_own(tmp_path, monkeypatch):
+    """Another user's folder, a link, or none of either where TORCHINDUCTOR_CACHE_DIR names one;
+    compiling the blocks (a command without the preflight's probe) refuses the same."""
+    from torch._inductor.runtime import cache_dir_utils
+
+    from scale_llm.errors import UserError
+    from scale_llm.parallel.compile import cache_problem, compile_blocks
+
+    folder = tmp_path / "torchinductor_me"
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(cache_dir_utils, "default_cache_dir", lambda: str(folder))
+    assert cache_problem() is None and folder.is_dir()  # made when missing
+    uid = folder.stat().st_uid
+    with monkeypatch.context() as m:
+        m.setattr(os, "getuid", lambda: uid + 1)
+        assert f"but it belongs to another user (uid {uid})" in cache_problem()
+        with pytest.raises(UserError, match=r"another user .* or set train.compile=false"):
+            compile_blocks(torch.nn.Module())  # (refused before it looks at the model)
+        m.setenv("TORCHINDUCTOR_CACHE_DIR", str(folder))  # named: the user's choice
+        assert cache_problem() is None
+    folder.rmdir()
+    folder.symlink_to(tmp_path)
+    assert "but it is a symbolic link" in cache_problem()
+
+
 def test_compile_true_without_a_compiler_stops_the_launch_before_any_work(data_dir, tmp_path):
     import subprocess
 

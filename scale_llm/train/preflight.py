@@ -223,7 +223,8 @@ def check_run_dir_state(cfg: Config) -> None:
 
 def settle_compile(cfg: Config, plan: RunPlan) -> Config:
     """train.compile as true or false: one rank without inductor's toolchain (a small function
-    is compiled to find out) makes every rank run eager (auto) or stop (true)."""
+    is compiled to find out) or with an unsafe cache folder makes every rank run eager (auto) or
+    stop (true)."""
     if not compiles(cfg.train, plan.device.type):
         return with_changes(cfg, {"train.compile": False})
     problem = block_compile.toolchain_problem(plan.device)
@@ -232,11 +233,11 @@ def settle_compile(cfg: Config, plan: RunPlan) -> Config:
     problem = problem or "another rank's machine cannot compile (its log says why)"
     if cfg.train.compile is True:
         raise UserError(
-            f"train.compile=true, but {problem}. Install it, or run the blocks eager: --set "
-            f"train.compile=false (or auto: eager with a warning where the toolchain is missing)"
+            f"train.compile=true, but {problem}. Fix that, or run the blocks eager: --set "
+            f"train.compile=false (or auto: eager with a warning where torch.compile cannot run)"
         )
     log.warning(
-        f"train.compile=auto: {problem}; the blocks run eager (slower on a GPU). Install it to "
+        f"train.compile=auto: {problem}; the blocks run eager (slower on a GPU). Fix that to "
         f"compile them, or set train.compile=false to run eager without this warning"
     )
     return with_changes(cfg, {"train.compile": False})
