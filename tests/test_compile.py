@@ -342,8 +342,9 @@ def test_code_planted_in_a_cache_folder_others_can_write_never_runs(tmp_path):
     user's but writable by all, and its compiled module writes a mark when run."""
     import subprocess
 
-    code = (
-        "import torch; from scale_llm.parallel.compile import toolchain_problem; "
+    code = (  # (the preflight's imports: torch names its cache folder in the environment)
+        "import torch; import scale_llm.train.preflight; "
+        "from scale_llm.parallel.compile import toolchain_problem; "
         "print(toolchain_problem(torch.device('cpu')))"
     )
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
@@ -359,11 +360,9 @@ def test_code_planted_in_a_cache_folder_others_can_write_never_runs(tmp_path):
         module.write_text(f"open({str(mark)!r}, 'a').close()\n" + module.read_text())
     cache.chmod(0o777)
     said = run().stdout.strip()
-    assert said.startswith(f"torch.compile keeps the code it compiles in {cache} and runs it "
-                           "from there, but other users can write into it"), said  # fmt: skip
+    want = f"torch.compile runs the code it finds in its cache folder {cache}, but other users "
+    assert said.startswith(want + "could write into it, and it holds files"), said
     assert modules and not mark.exists()
-    cache.chmod(0o755)  # (as the user fixes it)
-    assert run().stdout.strip() == "None" and mark.exists()  # the planted module was loadable
 
 
 def test_the_compile_cache_folder_must_be_this_users_own(tmp_path, monkeypatch):
@@ -378,13 +377,21 @@ def test_the_compile_cache_folder_must_be_this_users_own(tmp_path, monkeypatch):
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.setattr(cache_dir_utils, "default_cache_dir", lambda: str(folder))
     assert cache_problem() is None and folder.is_dir()  # made when missing
+    folder.chmod(0o777)  # as torch makes it under umask 000: empty, so closed
+    assert cache_problem() is None and folder.stat().st_mode & 0o777 == 0o700
+    (folder / "x.py").write_text("")
+    folder.chmod(0o777)
+    assert "but other users could write into it, and it holds files" in cache_problem()
+    (folder / "x.py").unlink()
     uid = folder.stat().st_uid
     with monkeypatch.context() as m:
         m.setattr(os, "getuid", lambda: uid + 1)
         assert f"but it belongs to another user (uid {uid})" in cache_problem()
         with pytest.raises(UserError, match=r"another user .* or set train.compile=false"):
             compile_blocks(torch.nn.Module())  # (refused before it looks at the model)
-        m.setenv("TORCHINDUCTOR_CACHE_DIR", str(folder))  # named: the user's choice
+        m.setenv("TORCHINDUCTOR_CACHE_DIR", str(folder))  # (as torch names its default)
+        assert "another user" in cache_problem()
+        m.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # the user's choice
         assert cache_problem() is None
     folder.rmdir()
     folder.symlink_to(tmp_path)

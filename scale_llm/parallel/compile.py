@@ -34,35 +34,41 @@ def compile_blocks(model: nn.Module, donate: bool = True) -> int:
 
 
 def cache_problem() -> str | None:
-    """Why the folder inductor loads compiled code from is unsafe, or None. Its default is a
-    predictable name in the shared temporary folder (torchinductor_<user>), which another user
-    could make first and fill: it must be this user's own folder, which no other user can write
-    into (made so here when missing, as inductor would make it). A folder that
-    TORCHINDUCTOR_CACHE_DIR names is the user's choice."""
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
-        return None
+    """Why the folder inductor runs compiled code from is unsafe, or None. Its default is a
+    predictable name in the shared temporary folder (torchinductor_<user>) that another user
+    could make first and fill: it must be this user's folder, closed to other users. An empty
+    one torch made open (umask 000) is closed here. A folder TORCHINDUCTOR_CACHE_DIR names is
+    the user's choice (torch names the default there itself when imported)."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     folder = default_cache_dir()
+    named = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if named and os.path.abspath(named) != os.path.abspath(folder):
+        return None
     try:
         os.makedirs(folder, mode=0o700, exist_ok=True)
         found = os.lstat(folder)
+        mine = stat.S_ISDIR(found.st_mode) and found.st_uid == os.getuid()
+        filled = False
+        if mine and found.st_mode & stat.S_IWOTH:
+            os.chmod(folder, 0o700)  # closed first, then looked into
+            filled = bool(os.listdir(folder))
     except OSError as e:
-        why = f"it cannot be made ({e.strerror})"
+        why = f"it cannot be made or read ({e.strerror})"
     else:
         why = (
             "it is a symbolic link" if stat.S_ISLNK(found.st_mode)
             else "it is not a folder" if not stat.S_ISDIR(found.st_mode)
-            else f"it belongs to another user (uid {found.st_uid})" if found.st_uid != os.getuid()
-            else "other users can write into it" if found.st_mode & stat.S_IWOTH
+            else f"it belongs to another user (uid {found.st_uid})" if not mine
+            else "other users could write into it, and it holds files" if filled
             else None
         )  # fmt: skip
     if why is None:
         return None
     return (
-        f"torch.compile keeps the code it compiles in {folder} and runs it from there, but {why}: "
-        f"code another user put there would run in this process. Remove that folder (a cache), "
-        f"or set TORCHINDUCTOR_CACHE_DIR to a folder of your own"
+        f"torch.compile runs the code it finds in its cache folder {folder}, but {why}: code "
+        f"another user put there would run in this process. Set TORCHINDUCTOR_CACHE_DIR to a "
+        f"folder of your own, or remove that one (a cache)"
     )
 
 
