@@ -48,7 +48,8 @@ if [[ "$only_f" == 0 && "$only_g" == 0 ]]; then "$PY" -m scale_llm check "$out" 
 # On a GPU always; on a CPU with SCALE_LLM_CHECK_CALIBRATION=1 (tiny.yaml, one step each;
 # SCALE_LLM_CHECK_ROOFLINE=H100-SXM prices its rows as that GPU's, to try the arithmetic).
 if [[ "$only_g" == 0 && ( "$gpus" -gt 0 || "${SCALE_LLM_CHECK_CALIBRATION:-0}" == "1" ) ]]; then
-  ROOT="$ROOT" "$PY" - "$out" "$only_f" <<'PYEOF' || rc=1
+  calibration=0
+  ROOT="$ROOT" "$PY" - "$out" "$only_f" <<'PYEOF' || calibration=$?
 import json, os, subprocess, sys, tempfile, threading
 from pathlib import Path
 
@@ -57,10 +58,15 @@ import torch
 from scale_llm.analysis.check import add_report_section, claim_out
 from scale_llm.analysis.roofline import roofline
 from scale_llm.config import load_config, with_changes
+from scale_llm.errors import UserError
 
 out, only = Path(sys.argv[1]), sys.argv[2] == "1"
-if only:  # the folder becomes the check's before any work, as the check's own start does
-    claim_out(out)
+try:
+    if only:  # the folder becomes the check's before any work, as the check's own start does
+        claim_out(out)
+except UserError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
 root = Path(os.environ.get("ROOT", "."))
 cuda = torch.cuda.is_available()
 ngpu = int(os.environ.get("SCALE_LLM_CHECK_NGPU") or 0)
@@ -164,6 +170,8 @@ add_report_section(out, "calibration", report, md)
 print("\n".join(md))
 sys.exit(1 if failed else 0)
 PYEOF
+  [[ "$calibration" == 2 ]] && exit 2  # refused before any work
+  [[ "$calibration" == 0 ]] || rc=1
 fi
 # (g) fp8 against bf16: three `scale-llm train` runs of one config on one GPU (bf16, then
 # train.fp8 tensorwise and rowwise), compiled, the same data, seed and schedule; tokens/s over
@@ -190,7 +198,7 @@ try:  # refused before any work, as the check's own start refuses
     check_scratch(scratch)  # this user's: the runs below train on what it holds
     if only:  # the folder becomes the check's
         claim_out(out)
-    scratch.mkdir(parents=True, exist_ok=True)
+    scratch.mkdir(mode=0o700, parents=True, exist_ok=True)
     check_scratch(scratch)  # (again: made by another user meanwhile)
 except UserError as e:
     print(f"error: {e}", file=sys.stderr)

@@ -206,7 +206,8 @@ def test_check_refuses_a_scratch_folder_others_can_write(tmp_path, monkeypatch, 
 
 def test_the_gpu_checks_fp8_item_alone_refuses_a_scratch_folder_others_can_write(tmp_path):
     """`gpu-check.sh --fp8-only` trains from the check's scratch folder without the check's own
-    start: it refuses the same folder, in one paragraph, before claiming OUT."""
+    start: it refuses the same folder, in one paragraph, before claiming OUT (and
+    --calibration-only a bad OUT)."""
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     scratch.chmod(0o777)
@@ -219,6 +220,13 @@ def test_the_gpu_checks_fp8_item_alone_refuses_a_scratch_folder_others_can_write
     assert f"error: --scratch {scratch} can be written into by other users" in proc.stderr
     assert "Traceback" not in proc.stderr and not out.exists()
     assert list(scratch.iterdir()) == []
+    out.write_text("a file of the user's")  # --calibration-only: OUT refused the same way
+    calibration = {**env(), "SCALE_LLM_CHECK_CALIBRATION": "1"}
+    proc = subprocess.run(
+        [*cmd[:3], "--calibration-only"], env=calibration, capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and f"error: check OUT {out} is a file" in proc.stderr
+    assert "Traceback" not in proc.stderr and out.read_text() == "a file of the user's"
 
 
 # ----------------------------------------------------------------------------- prepare
