@@ -4,6 +4,7 @@ rank: `rank<R>_steps<A>-<B>.pt.trace.json` for TensorBoard or Perfetto, a pickle
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from scale_llm.train.callbacks import Callback, StepEnd, Trainer
 
 log = logging.getLogger(__name__)
 SNAPSHOT_ENTRIES = 100_000  # allocator events kept (torchtitan's default)
+NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS}  # a file system without them
 
 
 def check_profile(p: ProfileConfig, run_dir: Path) -> None:
@@ -117,21 +119,25 @@ class StepProfiler(Callback):
         a linked folder) is kept, and the new one gets a time-stamped name beside it."""
         self.folder.mkdir(parents=True, exist_ok=True)
         tmp = temporary_sibling(self.folder / name)
-        dump(str(tmp))
         path, (stem, dot, suffix) = self.folder / name, name.partition(".")
-        while True:
-            try:
-                os.link(tmp, path)  # (never replaces: a name taken meanwhile raises)
-            except FileExistsError:
-                path = stamped_name(self.folder, stem, dot + suffix)
-                continue
-            except OSError:  # a file system without hard links: renamed to a name found free
-                if not absent(path):
+        try:
+            dump(str(tmp))
+            while True:
+                try:
+                    os.link(tmp, path)  # (never replaces: a name taken meanwhile raises)
+                    return path
+                except FileExistsError:
                     path = stamped_name(self.folder, stem, dot + suffix)
-                os.rename(tmp, path)
-                return path
-            os.unlink(tmp)
-            return path
+                except OSError as e:
+                    if e.errno not in NO_HARD_LINKS:
+                        raise
+                    if not absent(path):  # renamed to a name found free
+                        path = stamped_name(self.folder, stem, dot + suffix)
+                    os.rename(tmp, path)
+                    return path
+        finally:
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
 
     def _write_trace(self, prof: torch.profiler.profile) -> None:
         first, last = self.p.start_step, self.last_step
