@@ -192,7 +192,8 @@ from scale_llm.analysis.check import add_report_section, check_scratch, claim_ou
 from scale_llm.errors import UserError
 
 out, only, args = Path(sys.argv[1]), sys.argv[2] == "1", sys.argv[3:]
-given = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--scratch"]  # the check's
+given = [b if a == "--scratch" else a[10:] for a, b in zip(args, args[1:] + [""])
+         if a == "--scratch" or a.startswith("--scratch=")]  # the check's (argparse's forms)
 scratch = Path(given[-1]) if given else default_scratch()
 try:  # refused before any work, as the check's own start refuses
     check_scratch(scratch)  # this user's: the runs below train on what it holds

@@ -214,7 +214,7 @@ def test_the_gpu_checks_fp8_item_alone_refuses_a_scratch_folder_others_can_write
     out = tmp_path / "report"
     cmd = ["bash", str(REPO / "launch" / "gpu-check.sh"), str(out), "--fp8-only"]
     proc = subprocess.run(
-        [*cmd, "--scratch", str(scratch)], env=env(), capture_output=True, text=True, timeout=300
+        [*cmd, f"--scratch={scratch}"], env=env(), capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"error: --scratch {scratch} can be written into by other users" in proc.stderr
