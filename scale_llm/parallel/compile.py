@@ -46,13 +46,15 @@ def cache_problem() -> str | None:
     if named and os.path.abspath(named) != os.path.abspath(folder):
         return None
     try:
-        os.makedirs(folder, mode=0o700, exist_ok=True)
+        if not os.path.lexists(folder):
+            os.makedirs(folder, mode=0o700, exist_ok=True)
         found = os.lstat(folder)
         mine = stat.S_ISDIR(found.st_mode) and found.st_uid == os.getuid()
         filled = False
         if mine and found.st_mode & stat.S_IWOTH:
             os.chmod(folder, 0o700)  # closed first, then looked into
-            filled = bool(os.listdir(folder))
+            if filled := bool(os.listdir(folder)):  # left as found: refused until removed
+                os.chmod(folder, stat.S_IMODE(found.st_mode))
     except OSError as e:
         why = f"it cannot be made or read ({e.strerror})"
     else:
