@@ -189,12 +189,12 @@ from pathlib import Path
 import torch
 
 from scale_llm.analysis.check import add_report_section, check_scratch, claim_out, default_scratch
+from scale_llm.cli import parse_args
 from scale_llm.errors import UserError
 
 out, only, args = Path(sys.argv[1]), sys.argv[2] == "1", sys.argv[3:]
-given = [b if a == "--scratch" else a[10:] for a, b in zip(args, args[1:] + [""])
-         if a == "--scratch" or a.startswith("--scratch=")]  # the check's (argparse's forms)
-scratch = Path(given[-1]) if given else default_scratch()
+given = parse_args(["check", str(out), *args])  # the check's --scratch and --set, as it reads
+scratch = Path(given.scratch) if given.scratch else default_scratch()  # them (a typo: exit 2)
 try:  # refused before any work, as the check's own start refuses
     check_scratch(scratch)  # this user's: the runs below train on what it holds
     if only:  # the folder becomes the check's
@@ -219,7 +219,7 @@ if cuda:  # offline: the built-in corpus at the config's vocabulary (a small tok
              "data.tokenizer_sample_bytes=8000000"]
 else:
     sets += [f"data.dir={scratch / 'data'}"]  # tiny.yaml's, where the check's (a) prepares it
-sets += [a for i, a in enumerate(args) if i and args[i - 1] == "--set"]  # the check's --set
+sets += given.overrides
 RUNS = {"bf16": [], "fp8 tensorwise": ["train.fp8.enabled=true", "train.fp8.recipe=tensorwise"],
         "fp8 rowwise": ["train.fp8.enabled=true", "train.fp8.recipe=rowwise"]}
 # the tolerance tests/test_fp8.py derives for the emulated curve: e4m3's rounding, unbiased

@@ -223,7 +223,11 @@ def test_the_gpu_checks_fp8_item_alone_refuses_a_scratch_folder_others_can_write
     out.write_text("a file of the user's")  # --calibration-only: OUT refused the same way
     calibration = {**env(), "SCALE_LLM_CHECK_CALIBRATION": "1"}
     proc = subprocess.run(
-        [*cmd[:3], "--calibration-only"], env=calibration, capture_output=True, text=True
+        [*cmd[:3], "--calibration-only"],
+        env=calibration,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 2 and f"error: check OUT {out} is a file" in proc.stderr
     assert "Traceback" not in proc.stderr and out.read_text() == "a file of the user's"
