@@ -304,42 +304,22 @@ def test_the_gpu_checks_order_and_configs_on_a_stub_gpu(tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------- the toolchain
 def hidden_compiler_env(tmp_path) -> dict[str, str]:
-    """No C++ compiler on PATH (nor CXX), and an empty inductor cache (a cached kernel would
-    need no compiler)."""
+    """No C++ compiler on PATH (nor CXX), and an empty inductor cache, the default one of
+    TMPDIR=tmp_path (a cached kernel would need no compiler)."""
     from tests.helpers import env
 
     empty = tmp_path / "empty-bin"
     empty.mkdir(exist_ok=True)
-    out = {k: v for k, v in env().items() if k != "CXX"}
-    return out | {"PATH": str(empty), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    out = {k: v for k, v in env().items() if k not in ("CXX", "TORCHINDUCTOR_CACHE_DIR")}
+    return out | {"PATH": str(empty), "TMPDIR": str(tmp_path)}
 
 
-def test_a_missing_compiler_is_named_with_what_to_install(tmp_path):
-    import subprocess
-
-    code = (
-        "import torch; from scale_llm.parallel.compile import toolchain_problem; "
-        "print(toolchain_problem(torch.device('cpu')))"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], env=hidden_compiler_env(tmp_path), capture_output=True,
-        text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    said = proc.stdout.strip()
-    assert said.startswith("torch.compile cannot build kernels on cpu here: it needs a C++ "
-                           "compiler (Debian/Ubuntu: apt install g++"), said  # fmt: skip
-    found = {**hidden_compiler_env(tmp_path), "PATH": os.environ["PATH"]}
-    ok = subprocess.run(
-        [sys.executable, "-c", code], env=found, capture_output=True, text=True, timeout=300
-    )
-    assert ok.stdout.strip() == "None", ok.stderr  # with the compiler back: nothing to say
-
-
-def test_code_planted_in_a_cache_folder_others_can_write_never_runs(tmp_path):
-    """inductor's default cache is TMPDIR/torchinductor_<user>, a name another user can make
-    first in a shared TMPDIR; it runs the compiled code it finds there. Here the folder is this
-    user's but writable by all, and its compiled module writes a mark when run."""
+def test_a_missing_compiler_is_named_and_planted_cache_code_never_runs(tmp_path):
+    """Without a C++ compiler, the toolchain's problem names what to install; with it, the
+    probe compiles into inductor's default cache, TMPDIR/torchinductor_<user>: a name another
+    user can make first in a shared TMPDIR, and inductor runs the code it finds there. Opened to
+    all, with a compiled module that writes a mark when run, the folder is refused, and again at
+    the next launch (left as found, not made to look trusted); the mark is never written."""
     import subprocess
 
     code = (  # (the preflight's imports: torch names its cache folder in the environment)
@@ -347,22 +327,30 @@ def test_code_planted_in_a_cache_folder_others_can_write_never_runs(tmp_path):
         "from scale_llm.parallel.compile import toolchain_problem; "
         "print(toolchain_problem(torch.device('cpu')))"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
-    env["TMPDIR"] = str(tmp_path)
-    run = lambda: subprocess.run(  # noqa: E731
+    hidden = hidden_compiler_env(tmp_path)
+    run = lambda env, code=code: subprocess.run(  # noqa: E731
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
     )
-    assert run().stdout.strip() == "None"  # compiled once, into the cache
-    (cache,) = tmp_path.glob("torchinductor_*")
+    proc = run(hidden)
+    assert proc.returncode == 0, proc.stderr
+    said = proc.stdout.strip()
+    assert said.startswith("torch.compile cannot build kernels on cpu here: it needs a C++ "
+                           "compiler (Debian/Ubuntu: apt install g++"), said  # fmt: skip
+    found = {**hidden, "PATH": os.environ["PATH"]}
+    ok = run(found)
+    assert ok.stdout.strip() == "None", ok.stderr  # with the compiler back: nothing to say
+
+    (cache,) = tmp_path.glob("torchinductor_*")  # what that probe compiled
     mark = tmp_path / "planted-ran"
-    modules = [p for p in cache.glob("*/*.py")]
+    modules = list(cache.glob("*/*.py"))
     for module in modules:
         module.write_text(f"open({str(mark)!r}, 'a').close()\n" + module.read_text())
     cache.chmod(0o777)
+    twice = code.replace("print(", "print(toolchain_problem(torch.device('cpu'))); print(")
+    lines = run(found, twice).stdout.strip().splitlines()
     want = f"torch.compile runs the code it finds in its cache folder {cache}, but other users "
-    for _ in range(2):  # (and again: the folder is left as found, not made to look trusted)
-        said = run().stdout.strip()
-        assert said.startswith(want + "could write into it, and it holds files"), said
+    assert len(lines) == 2, lines
+    assert all(line.startswith(want + "could write into it, and it holds files") for line in lines)
     assert modules and not mark.exists()
 
 
