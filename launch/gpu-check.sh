@@ -188,7 +188,8 @@ from pathlib import Path
 
 import torch
 
-from scale_llm.analysis.check import add_report_section, check_scratch, claim_out, default_scratch
+from scale_llm.analysis.check import (add_report_section, check_scratch, claim_out,
+                                     default_scratch, make_scratch)
 from scale_llm.cli import parse_args
 from scale_llm.errors import UserError
 
@@ -199,8 +200,7 @@ try:  # refused before any work, as the check's own start refuses
     check_scratch(scratch)  # this user's: the runs below train on what it holds
     if only:  # the folder becomes the check's
         claim_out(out)
-    scratch.mkdir(mode=0o700, parents=True, exist_ok=True)
-    check_scratch(scratch)  # (again: made by another user meanwhile)
+    make_scratch(scratch)
 except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)

@@ -84,6 +84,13 @@ def check_scratch(scratch: Path) -> None:
     )
 
 
+def make_scratch(scratch: Path) -> None:
+    """The scratch folder, made this user's own when missing, and checked again (another user
+    may have made it meanwhile)."""
+    scratch.mkdir(mode=0o700, parents=True, exist_ok=True)
+    check_scratch(scratch)
+
+
 class Report:
     """The report being written: each item is tried alone, timed, and saved when it ends."""
 
@@ -317,8 +324,7 @@ def _is_check_report(path: Path) -> bool:
 def new_runs_dir(scratch: Path) -> Path:
     """A new runs folder in `scratch`, marked as the check's, after removing earlier ones whose
     check has exited (the mark proves them the check's); nothing else in `scratch` is touched."""
-    scratch.mkdir(mode=0o700, parents=True, exist_ok=True)
-    check_scratch(scratch)  # (again: made by another user meanwhile)
+    make_scratch(scratch)
     for old in scratch.glob("runs-*"):  # (not those of a check still running)
         if owned_kind(old) == RUNS_KIND and not owner_running(old):
             remove_owned_dir(old, RUNS_KIND)
