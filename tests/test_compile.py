@@ -356,10 +356,14 @@ def test_a_missing_compiler_is_named_and_planted_cache_code_never_runs(tmp_path)
 
 def test_the_compile_cache_folder_must_be_this_users_own(tmp_path, monkeypatch):
     """Another user's folder, a link, or none of either where TORCHINDUCTOR_CACHE_DIR names one;
-    compiling the blocks (a command without the preflight's probe) refuses the same."""
+    compiling the blocks or building a backend that compiles (commands without the preflight's
+    probe: bench's sweep) refuses the same."""
     from torch._inductor.runtime import cache_dir_utils
 
+    from scale_llm.config import load_config
+    from scale_llm.config.plan import Launch, resolve_plan
     from scale_llm.errors import UserError
+    from scale_llm.parallel.backend import build_backend
     from scale_llm.parallel.compile import cache_problem, compile_blocks
 
     folder = tmp_path / "torchinductor_me"
@@ -379,6 +383,9 @@ def test_the_compile_cache_folder_must_be_this_users_own(tmp_path, monkeypatch):
         assert f"but it belongs to another user (uid {uid})" in cache_problem()
         with pytest.raises(UserError, match=r"another user .* or set train.compile=false"):
             compile_blocks(torch.nn.Module())  # (refused before it looks at the model)
+        cfg = load_config(None, ["train.compile=true", "train.device=cpu"])
+        with pytest.raises(UserError, match=r"another user .* or set train.compile=false"):
+            build_backend(cfg, resolve_plan(cfg, Launch()))  # its compiled loss (ZeRO-3's alone)
         m.setenv("TORCHINDUCTOR_CACHE_DIR", str(folder))  # (as torch names its default)
         assert "another user" in cache_problem()
         m.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # the user's choice

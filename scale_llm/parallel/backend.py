@@ -23,7 +23,7 @@ from scale_llm.config import Config, compiles
 from scale_llm.config.plan import RunPlan
 from scale_llm.model import Transformer, materialize
 from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
-from scale_llm.parallel.compile import compile_blocks
+from scale_llm.parallel.compile import compile_blocks, require_own_cache
 from scale_llm.parallel.fp8 import apply_fp8, precompute_scales_after_steps
 
 
@@ -40,6 +40,8 @@ class Backend:
         self.optimizer: torch.optim.Optimizer | None = None
         self.scaler = self.precision.grad_scaler()  # fp16 only
         self.compile = compiles(cfg.train, plan.device.type)  # (auto: on a GPU)
+        if self.compile:  # (the loss compiles even where the blocks stay eager: ZeRO-3)
+            require_own_cache()
         self.loss_fn = compiled_loss() if self.compile else cross_entropy
         # gradients in storage kept anyway (DDP's bucket views) are zeroed, not freed: else the
         # next no_sync() micro-steps accumulate into fresh tensors (one more gradient copy)

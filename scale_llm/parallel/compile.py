@@ -19,8 +19,7 @@ def compile_blocks(model: nn.Module, donate: bool = True) -> int:
     """Compile the forward of every block of `model.layers`; returns how many. `donate`: the
     compiled backward may reuse its saved buffers; not where one graph's backward runs twice (a
     pipeline's split backward keeps the graph: torch refuses donation under retain_graph)."""
-    if (problem := cache_problem()) is not None:  # (a command without the preflight's probe)
-        raise UserError(f"{problem}; or set train.compile=false")
+    require_own_cache()
     if torch._functorch.config.donated_buffer != donate:
         # (one graph serves every block of every model in the process: one compiled under the
         # other setting would be reused, and torch checks donation only while it is on)
@@ -31,6 +30,13 @@ def compile_blocks(model: nn.Module, donate: bool = True) -> int:
             block.forward = torch.compile(block.forward, fullgraph=True)
             block._scale_llm_compiled = True
     return len(model.layers)
+
+
+def require_own_cache() -> None:
+    """Stops (UserError) before anything compiles where `cache_problem` finds one: for every
+    compile, also those of commands without the preflight's probe (bench, the estimator)."""
+    if (problem := cache_problem()) is not None:
+        raise UserError(f"{problem}; or set train.compile=false")
 
 
 def cache_problem() -> str | None:
