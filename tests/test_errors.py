@@ -310,7 +310,8 @@ def test_a_run_dir_entry_of_the_wrong_kind_is_named(name, make, expected, tmp_pa
 
 def test_metrics_of_the_wrong_kind_or_with_a_torn_line_never_traceback(tmp_path, capsys):
     """metrics.jsonl as a folder (IsADirectoryError before); on resume, a line cut short by a
-    kill mid-write, or not a row (JSONDecodeError / AttributeError before) is dropped, said."""
+    kill mid-write, or not a row (JSONDecodeError / AttributeError before) is dropped, said;
+    the rows past the resumed step move aside (they were deleted)."""
     from scale_llm.config import load_config
     from scale_llm.log import setup_logging
     from scale_llm.train.metrics import MetricsLogger
@@ -321,11 +322,15 @@ def test_metrics_of_the_wrong_kind_or_with_a_torn_line_never_traceback(tmp_path,
         MetricsLogger(tmp_path, True, cfg, 0)
     (tmp_path / "metrics.jsonl").rmdir()
     rows = ['{"step": 1, "loss": 5.0}', "[1, 2]", '{"step": 2, "loss": 4.0}', '{"step": 3, "lo']
+    rows += ['{"step": 3, "loss": 3.5}', '{"step": 4, "loss": 3.0}']
     (tmp_path / "metrics.jsonl").write_text("\n".join(rows))
     setup_logging(0)
     MetricsLogger(tmp_path, True, cfg, 2).close()
     assert (tmp_path / "metrics.jsonl").read_text() == rows[0] + "\n" + rows[2] + "\n"
-    assert "dropped 2 line(s)" in capsys.readouterr().out
+    (aside,) = tmp_path.glob("metrics-*.jsonl")
+    assert aside.read_text() == rows[4] + "\n" + rows[5] + "\n"
+    said = capsys.readouterr().out
+    assert "dropped 2 line(s)" in said and f"the 2 row(s) past it moved to {aside}" in said
 
 
 def test_a_folder_that_is_not_a_run_dir_is_never_written_into(data_dir, tmp_path):

@@ -241,6 +241,8 @@ def test_resume_continues_the_same_loss_curve(data_dir, tmp_path):
     assert resumed.val_losses[8] == straight.val_losses[8]
     rows = [json.loads(x) for x in (resumed.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 9))  # steps 5-6 logged once, not twice
+    (aside,) = resumed.run_dir.glob("metrics-*.jsonl")  # the first attempt's 5-6, kept
+    assert [json.loads(x)["step"] for x in aside.read_text().splitlines()] == [5, 6]
 
 
 def test_every_launch_logs_its_first_and_the_last_step(data_dir, tmp_path):

@@ -133,22 +133,28 @@ def _tb_tag(key: str) -> str:
 
 def _start_rows(path: Path, step: int) -> None:
     """metrics.jsonl as a launch starts: checked again for its kind (it is appended to), then on a
-    resume the rows past `step` dropped (the resumed run rewrites them), and on a fresh start an
-    earlier attempt's rows moved aside to metrics-<UTC time>.jsonl. A line that is not a JSON row
-    (cut short by a kill, or an edit) is dropped with a warning."""
+    resume the rows past `step` (the resumed run rewrites them) and on a fresh start an earlier
+    attempt's rows moved aside to metrics-<UTC time>.jsonl, as abandoned checkpoints are kept. A
+    line that is not a JSON row (cut short by a kill, or an edit) is dropped with a warning."""
     check_metrics_file(path)
     if not path.exists():
         return
     if step > 0:
-        keep, damaged = [], 0
+        keep, past, damaged = [], [], 0
         for line in path.read_bytes().splitlines():
             row = metric_row(line)
             if row is None:
                 damaged += bool(line.strip())
-            elif row["step"] <= step:
-                keep.append(line.decode("utf-8") + "\n")
+            else:
+                (keep if row["step"] <= step else past).append(line.decode("utf-8") + "\n")
         if damaged:
             log.warning(f"metrics: dropped {damaged} line(s) of {path} that are not metric rows")
+        if past:  # written whole before the file is cut: a kill between leaves them twice
+            with open(aside := stamped_name(path.parent, "metrics", ".jsonl"), "x") as f:
+                f.writelines(past)
+            log.info(
+                f"metrics: resuming at step {step}; the {len(past)} row(s) past it moved to {aside}"
+            )
         atomic_write_text(path, "".join(keep))  # all rows or the old file: never half of it
     elif path.stat().st_size:  # (an empty file holds nothing to keep)
         path.rename(aside := stamped_name(path.parent, "metrics", ".jsonl"))
