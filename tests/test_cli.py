@@ -765,6 +765,25 @@ def test_slurm_sbatch_gives_each_job_its_own_port_and_its_cores(tmp_path):
         "slurm.sbatch", env | {"SLURM_SUBMIT_DIR": str(tmp_path), "SCALE_LLM_ROOT": str(REPO)}
     )
     assert proc.returncode == 0 and proc.stdout.startswith("13456 "), proc.stderr
+    # a launch/ planted in a shared working folder ran as the user who submitted from there
+    shared, ran = tmp_path / "shared", tmp_path / "ran"
+    (shared / "launch").mkdir(parents=True)
+    for name in ("_env.sh", "torchrun.sh"):
+        (shared / "launch" / name).write_text(f"touch {ran}\n")
+    shared.chmod(0o777)
+    proc = launch("slurm.sbatch", env | {"SLURM_SUBMIT_DIR": str(shared)})
+    assert proc.returncode == 2 and not proc.stdout and not ran.exists()
+    assert f"slurm.sbatch: {shared} can be written into by other users, and the job" in proc.stderr
+    assert "from your own checkout's root" in proc.stderr
+    shared.chmod(0o755)
+    (shared / "launch" / "torchrun.sh").chmod(0o757)
+    proc = launch("slurm.sbatch", env | {"SLURM_SUBMIT_DIR": str(shared)})
+    assert f"{shared}/launch/torchrun.sh can be written into" in proc.stderr and not ran.exists()
+    if os.getuid() == 0:  # (only root can give a file away) another user's checkout
+        (shared / "launch" / "torchrun.sh").chmod(0o755)
+        os.chown(shared / "launch" / "_env.sh", 65534, 65534)
+        proc = launch("slurm.sbatch", env | {"SLURM_SUBMIT_DIR": str(shared)})
+        assert "_env.sh belongs to another user (uid 65534)" in proc.stderr and not ran.exists()
 
 
 def test_shipped_configs_are_found_by_name_from_any_directory(tmp_path, monkeypatch):
