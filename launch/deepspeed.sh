@@ -195,6 +195,11 @@ elif [[ "$gpus" -gt 0 && "$visible_gpus" -eq 0 ]]; then
 else
   launcher+=(--num_gpus "$NGPU")
 fi
+if [[ -z "${HOSTFILE:-}" ]]; then
+  # one node, whatever DeepSpeed's default hostfile (/job/hostfile) lists: it would start other
+  # machines over ssh, with the working folder's .deepspeed_env (not a file (/dev/null): none)
+  launcher+=(--hostfile /dev/null)
+fi
 if [[ -n "${MASTER_PORT:-}" ]]; then
   launcher+=(--master_port "$MASTER_PORT")
 elif [[ -z "${HOSTFILE:-}" ]]; then

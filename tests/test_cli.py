@@ -459,6 +459,7 @@ def test_the_launchers_use_the_gpus_cuda_visible_devices_leaves(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "--include localhost:0,1 " in proc.stdout and "--num_gpus" not in proc.stdout
     assert "CVD=unset" in proc.stdout  # (DeepSpeed checks the indices against all the GPUs)
+    assert "--hostfile /dev/null " in proc.stdout  # one node, whatever /job/hostfile lists
     proc = launch("deepspeed.sh", env | {"CUDA_VISIBLE_DEVICES": "5,6,7", "NGPU": "2"})
     assert "--include localhost:5,6 " in proc.stdout, proc.stderr
     # 2xh100.sh on one visible GPU put both its processes on it (NCCL: duplicate GPU)
@@ -548,6 +549,9 @@ def test_deepspeed_hands_the_other_nodes_the_launchers_environment(tmp_path):
     assert proc.returncode == 2 and "read only when named: DS_ENV_FILE=" in proc.stderr
     proc = launch("deepspeed.sh", env | hosts | {"DS_ENV_FILE": str(work / ".deepspeed_env")})
     assert proc.returncode == 0 and "LD_PRELOAD=/x/evil.so" in proc.stdout
+    shown = stand_in_node(tmp_path / "work", 'deepspeed.launcher.runner) echo "RUNNER $*";;')
+    proc = launch("deepspeed.sh", shown | hosts)
+    assert f"--hostfile {hosts['HOSTFILE']} " in proc.stdout and "/dev/null" not in proc.stdout
     (tmp_path / ".deepspeed_env").unlink()
     proc = launch("deepspeed.sh", env | {"SCALE_LLM_X": "`touch ran`"}, cwd=tmp_path)
     assert proc.returncode == 2 and "the environment sets SCALE_LLM_X: DeepSpeed" in proc.stderr
