@@ -71,7 +71,8 @@ def test_good_checkpoints_still_load(good_run, tmp_path, capsys):
 
 def test_metadata_naming_a_class_by_a_dotted_path_is_refused(tmp_path):
     """Pickle protocol 4 looks a dotted name up attribute by attribute: through DCP's metadata
-    module's `torch` it reaches any class of torch, so a dotted name is refused."""
+    module's `torch` it reaches any class of torch, so a dotted name is refused; so is a class
+    the module only imports."""
     import pickle
 
     import torch.distributed.checkpoint as dcp
@@ -89,6 +90,12 @@ def test_metadata_naming_a_class_by_a_dotted_path_is_refused(tmp_path):
     finally:
         PF.__module__, PF.__qualname__ = named
     with pytest.raises(UnsafeCheckpoint, match=r"metadata\.torch\.distributed\.elastic\."):
+        read_dcp_metadata(tmp_path / ".metadata")
+    # a name the module imports: `Enum("X", "a b")` makes a class of the pickle's choosing
+    (tmp_path / ".metadata").write_bytes(
+        b"ctorch.distributed.checkpoint.metadata\nEnum\n(S'X'\nS'a b'\ntR."
+    )
+    with pytest.raises(UnsafeCheckpoint, match=r"`torch\.distributed\.checkpoint\.metadata\.Enum`"):
         read_dcp_metadata(tmp_path / ".metadata")
 
 

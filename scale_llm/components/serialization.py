@@ -114,8 +114,10 @@ class _MetadataUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         if module in _DCP_MODULES and "." not in name:  # (a dotted name reaches all of torch)
             obj = super().find_class(module, name)
-            if isinstance(obj, type) and (
-                dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)
+            if (  # defined there: not a name it imports (`Enum` itself makes classes)
+                isinstance(obj, type)
+                and obj.__module__ == module
+                and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum))
             ):
                 return obj
         raise refused(self.path, f"`{module}.{name}`")
