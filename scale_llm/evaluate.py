@@ -478,6 +478,8 @@ def run_tasks(
             # (lm-eval's default BOS scores a BOS after a BOS, which training never shows)
             "prefix_token_id": eos,
             "trust_remote_code": False,  # never a folder's Python, nor a prompt asking for it
+            # nor Hub kernels (transformers' default): code fetched while scoring, other numerics
+            "use_kernels": False,
         },
         tasks=list(tasks),
         num_fewshot=num_fewshot,

@@ -40,8 +40,17 @@ def test_tasks_run_at_their_steps_and_leave_the_loss_curve_alone(data_dir, tmp_p
         "eval.tasks_every=2",
         "eval.tasks_limit=4",
     )
+    import transformers
+
+    kernels, real = [], transformers.PreTrainedModel.set_use_kernels
+    monkeypatch.setattr(  # (from_pretrained says there whether it fetches Hub kernels)
+        transformers.PreTrainedModel,
+        "set_use_kernels",
+        lambda model, use, *a, **kw: kernels.append(use) or real(model, use, *a, **kw),
+    )
     expected = trainer_for(plain).fit().losses
     assert trainer_for(cfg).fit().losses == expected
+    assert kernels == [False, False]  # scored twice, never with kernels fetched from the Hub
     rows = rows_of(cfg.run_dir)
     scored = [s for s, row in rows.items() if "eval/scale_llm_tiny_mc/acc" in row]
     assert scored == [2, 3]  # every 2 steps, and the last
