@@ -8,46 +8,64 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # `python -m` and `-c` put the working folder first on sys.path: a yaml.py there would be
 # imported. Python 3.11+ leaves it out with this (every process below inherits it).
 export PYTHONSAFEPATH=1
+# One start of a Python answers what the launchers ask of it, from / (so that a scale_llm
+# folder in the current directory proves nothing): it imports scale_llm and torch; whether torch
+# is 2.13 or newer (the allocator setting below); the GPUs torch counts on the node
+# (CUDA_VISIBLE_DEVICES unset), for machines without nvidia-smi. One line: "probe NEW GPUS".
+read -r -d '' PROBE <<'PY' || true
+import os
+os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+import scale_llm, torch
+new = tuple(map(int, torch.__version__.split("+")[0].split(".")[:2])) >= (2, 13)
+print("probe", int(new), torch.cuda.device_count())
+PY
+probe=""
+# probe_with CMD...: sets probe to the answer of the Python CMD starts (empty: none).
+probe_with() {
+  probe=$(cd / && "$@" -c "$PROBE" 2>/dev/null | tail -n 1) || probe=""
+  [[ "$probe" =~ ^probe\ [01]\ [0-9]+$ ]] || probe=""
+  [[ -n "$probe" ]]
+}
 # The Python to run: $SCALE_LLM_PYTHON if set; else the active python when it can import
 # scale_llm (an activated venv, a conda env, a wheel install); else the checkout's .venv.
 if [[ -n "${SCALE_LLM_PYTHON:-}" ]]; then
   PY="$SCALE_LLM_PYTHON"
+  probe_with "$PY" || true
 else
   PY=""
   for candidate in python python3; do
-    if command -v "$candidate" >/dev/null 2>&1 \
-        && "$candidate" -I -c "import scale_llm, torch" >/dev/null 2>&1; then
+    if command -v "$candidate" >/dev/null 2>&1 && probe_with "$candidate" -I; then
       PY="$(command -v "$candidate")"
       break
     fi
   done
   if [[ -z "$PY" && -x "$ROOT/.venv/bin/python" ]]; then
     PY="$ROOT/.venv/bin/python"
+    probe_with "$PY" || true
   fi
   # Last, a python3 that has torch and the other dependencies but not scale_llm (a GPU image
   # with no network, handed this checkout): run the checkout itself, through PYTHONPATH.
   if [[ -z "$PY" && -d "$ROOT/scale_llm" ]] && command -v python3 >/dev/null 2>&1 \
-      && PYTHONPATH="$ROOT" python3 -c "import scale_llm.cli, torch" >/dev/null 2>&1; then
+      && probe_with env PYTHONPATH="$ROOT" python3; then
     PY="$(command -v python3)"
     export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
   fi
 fi
-# (from /, so that a scale_llm folder in the current directory proves nothing)
-if [[ -z "$PY" ]] || ! (cd / && "$PY" -c "import scale_llm, torch") >/dev/null 2>&1; then
+if [[ -z "$probe" ]]; then
   echo "launch: no Python that can import scale_llm (tried \$SCALE_LLM_PYTHON, the active" \
     "python, $ROOT/.venv, python3 with this checkout on PYTHONPATH); in a checkout run" \
     "'bash launch/setup.sh' first, or install a built wheel ('pip install" \
     "scale_llm-VERSION-py3-none-any.whl', README: Installing as a package)" >&2
   exit 2
 fi
+read -r _ torch_2_13 torch_gpus <<< "$probe"
 
 # Expandable segments let the CUDA caching allocator grow blocks instead of fragmenting; and
 # pinned host blocks over 1 MiB keep their size (torch >= 2.13; by default each is rounded up to
 # a power of two: an optimizer offload's 25 GiB fp32 partition would take 32 GiB of host).
 if [[ -z "${PYTORCH_CUDA_ALLOC_CONF+set}" ]]; then
   PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"
-  if "$PY" -c 'import sys, torch; v = torch.__version__.split("+")[0].split(".")
-sys.exit(not tuple(map(int, v[:2])) >= (2, 13))' >/dev/null 2>&1; then
+  if [[ "$torch_2_13" == 1 ]]; then
     PYTORCH_CUDA_ALLOC_CONF+=",pinned_max_round_threshold_mb:1"
   fi
 fi
@@ -56,20 +74,13 @@ export PYTORCH_CUDA_ALLOC_CONF
 # seconds (its default, 30, is less than a large model's last steps and checkpoint can take).
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}"
 
-# The GPUs this Python's torch counts ("$@": a command to run it under, e.g. env -u ...);
-# nothing printed (a CPU build of torch, a stand-in) counts as none.
-torch_gpus() {
-  local n
-  n=$("$@" "$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null | tail -n 1)
-  [[ "$n" =~ ^[0-9]+$ ]] && echo "$n" || echo 0
-}
 gpus=0  # the node's GPUs: nvidia-smi's count (gpu-check.sh reports it), else torch's
 if command -v nvidia-smi >/dev/null 2>&1; then
   gpus=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU" || true)
 fi
 # Containers started with NVIDIA_DRIVER_CAPABILITIES=compute have CUDA but no nvidia-smi.
 if [[ "$gpus" -eq 0 ]]; then
-  gpus=$(torch_gpus env -u CUDA_VISIBLE_DEVICES)
+  gpus="$torch_gpus"
 fi
 # The GPUs this run may use: CUDA_VISIBLE_DEVICES narrows the node's list when it is set, with
 # CUDA's meaning (its entries up to the first negative one; set and empty: none), so a job

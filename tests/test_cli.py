@@ -406,15 +406,16 @@ LAUNCH_ENV = (
 
 def stand_in_node(tmp_path: Path, python: str, gpus: int = 8, cores: int = 16) -> dict[str, str]:
     """A node for the launchers, without torch: stand-ins for nvidia-smi (`gpus` GPUs), nproc and
-    the Python (`python`: the arms of a `case "$2" in` on the module it is asked to run; every
-    other call succeeds). Returns the environment that puts them first on PATH."""
+    the Python (`python`: the arms of a `case "$2" in` on the module it is asked to run; to
+    _env.sh's probe its torch is 2.13 or newer and counts no GPU; every other call succeeds).
+    Returns the environment that puts them first on PATH."""
     fake = tmp_path / "bin"
     fake.mkdir()
     listing = "".join(f"echo 'GPU {i}: NVIDIA H100 (UUID: GPU-{i})'\n" for i in range(gpus))
     scripts = {
         "nvidia-smi": listing,
         "nproc": f"echo {cores}\n",
-        "python": f'case "$2" in\n{python}\nesac\n',
+        "python": f'case "$2" in\n{python}\n*os.environ.pop*) echo "probe 1 0";;\nesac\n',
     }
     for name, body in scripts.items():
         (fake / name).write_text("#!/bin/sh\n" + body)
@@ -477,9 +478,9 @@ def test_the_launchers_use_the_gpus_cuda_visible_devices_leaves(tmp_path):
 def test_the_launchers_count_gpus_with_torch_where_nvidia_smi_is_missing(tmp_path):
     """Containers started with NVIDIA_DRIVER_CAPABILITIES=compute have CUDA but no nvidia-smi:
     the launchers counted no GPU, started 2 CPU processes and told DeepSpeed to use the CPU.
-    A stand-in Python whose torch counts 2 GPUs (CUDA_VISIBLE_DEVICES applied), no nvidia-smi."""
-    counts = """*device_count*) if [ -n "${CUDA_VISIBLE_DEVICES+x}" ]; then
-  echo "$CUDA_VISIBLE_DEVICES" | tr , '\\n' | grep -c . ; else echo 2; fi;;"""
+    A stand-in Python whose torch counts the node's 2 GPUs (_env.sh's probe unsets
+    CUDA_VISIBLE_DEVICES for that count), no nvidia-smi."""
+    counts = """*os.environ.pop*) echo "probe 1 2";;"""
     prints = PRINT_LAUNCH.replace("CVD=", "DSA=${DS_ACCELERATOR-unset} CVD=")
     env = stand_in_node(tmp_path, f"{counts}\n{prints}", gpus=0)
     (tmp_path / "bin" / "nvidia-smi").unlink()
@@ -523,7 +524,7 @@ def test_deepspeed_hands_the_other_nodes_the_launchers_environment(tmp_path):
     # not the runner's working folder first (its own PYTHONPATH export, which this line replaces)
     assert exports["PYTHONPATH"] == env.get("PYTHONPATH", "")
     (tmp_path / "older").mkdir()
-    older = stand_in_node(tmp_path / "older", "*__version__*) exit 1;;\n" + runner)
+    older = stand_in_node(tmp_path / "older", '*os.environ.pop*) echo "probe 0 0";;\n' + runner)
     older |= {"HOME": str(tmp_path), "HOSTFILE": "hosts"}
     proc = launch("deepspeed.sh", older, cwd=tmp_path)
     exports = dict(line.split("=", 1) for line in proc.stdout.splitlines()[1:])
