@@ -9,15 +9,22 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # imported. Python 3.11+ leaves it out with this (every process below inherits it).
 export PYTHONSAFEPATH=1
 # One start of a Python answers what the launchers ask of it, from / (so that a scale_llm
-# folder in the current directory proves nothing): it imports scale_llm and torch; whether torch
+# folder in the current directory proves nothing): it imports scale_llm's CLI and torch; whether torch
 # is 2.13 or newer (the allocator setting below); the GPUs torch counts on the node
 # (CUDA_VISIBLE_DEVICES unset), for machines without nvidia-smi. One line: "probe NEW GPUS".
 read -r -d '' PROBE <<'PY' || true
 import os
 os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-import scale_llm, torch
-new = tuple(map(int, torch.__version__.split("+")[0].split(".")[:2])) >= (2, 13)
-print("probe", int(new), torch.cuda.device_count())
+import scale_llm.cli, torch  # (the CLI imports the other dependencies: pyyaml, ...)
+try:
+    new = tuple(map(int, torch.__version__.split("+")[0].split(".")[:2])) >= (2, 13)
+except ValueError:  # (a version this cannot read: the setting torch had before 2.13)
+    new = False
+try:
+    gpus = torch.cuda.device_count()
+except Exception:  # (no usable CUDA: none)
+    gpus = 0
+print("probe", int(new), gpus)
 PY
 probe=""
 # probe_with CMD...: sets probe to the answer of the Python CMD starts (empty: none).

@@ -379,6 +379,9 @@ def test_launchers_run_a_checkout_with_a_python3_that_has_only_the_dependencies(
     proc = subprocess.run(["bash", "-c", script], env=env_vars, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[-1] == str(checkout / "scale_llm" / "__init__.py")
+    (checkout / "yaml.py").write_text("raise ImportError('an image without pyyaml')\n")
+    proc = env_sh_python(checkout, [env / "bin"])  # torch alone is not enough
+    assert proc.returncode == 2 and "no Python that can import scale_llm" in proc.stderr
 
 
 def test_the_gpu_check_stops_when_torch_cannot_use_the_gpus_nvidia_smi_lists(tmp_path):

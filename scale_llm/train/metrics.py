@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import uuid
 from pathlib import Path
 from typing import Any
@@ -149,9 +150,13 @@ def _start_rows(path: Path, step: int) -> None:
                 (keep if row["step"] <= step else past).append(line.decode("utf-8") + "\n")
         if damaged:
             log.warning(f"metrics: dropped {damaged} line(s) of {path} that are not metric rows")
-        if past:  # written whole before the file is cut: a kill between leaves them twice
-            with open(aside := stamped_name(path.parent, "metrics", ".jsonl"), "x") as f:
+        if past:  # on disk before the file is cut: a kill between leaves them twice, never none
+            with open(
+                aside := stamped_name(path.parent, "metrics", ".jsonl"), "x", encoding="utf-8"
+            ) as f:
                 f.writelines(past)
+                f.flush()
+                os.fsync(f.fileno())
             log.info(
                 f"metrics: resuming at step {step}; the {len(past)} row(s) past it moved to {aside}"
             )
