@@ -9,27 +9,38 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # imported. Python 3.11+ leaves it out with this (every process below inherits it).
 export PYTHONSAFEPATH=1
 # One start of a Python answers what the launchers ask of it, from / (so that a scale_llm
-# folder in the current directory proves nothing): it imports scale_llm's CLI and torch; whether torch
-# is 2.13 or newer (the allocator setting below); the GPUs torch counts on the node
-# (CUDA_VISIBLE_DEVICES unset), for machines without nvidia-smi. One line: "probe NEW GPUS".
+# folder in the current directory proves nothing): it imports scale_llm's CLI, pyyaml's loader
+# and torch; whether torch is 2.13 or newer (the allocator setting below); with argument 1
+# (no nvidia-smi count), the GPUs torch counts on the node (CUDA_VISIBLE_DEVICES unset).
+# One line: "probe NEW GPUS".
 read -r -d '' PROBE <<'PY' || true
-import os
+import os, sys
 os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-import scale_llm.cli, torch  # (the CLI imports the other dependencies: pyyaml, ...)
+import scale_llm.cli, torch
+from yaml import safe_load  # (without pyyaml, a checkout's yaml/ imports as an empty package)
 try:
     new = tuple(map(int, torch.__version__.split("+")[0].split(".")[:2])) >= (2, 13)
 except ValueError:  # (a version this cannot read: the setting torch had before 2.13)
     new = False
-try:
-    gpus = torch.cuda.device_count()
-except Exception:  # (no usable CUDA: none)
-    gpus = 0
+gpus = 0
+if sys.argv[1:] == ["1"]:
+    try:
+        gpus = torch.cuda.device_count()
+    except Exception:  # (no usable CUDA: none)
+        pass
 print("probe", int(new), gpus)
 PY
+gpus=0  # the node's GPUs: nvidia-smi's count (gpu-check.sh reports it), else torch's
+if command -v nvidia-smi >/dev/null 2>&1; then
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU" || true)
+fi
+# Containers started with NVIDIA_DRIVER_CAPABILITIES=compute have CUDA but no nvidia-smi: there
+# the probe counts them.
+count_in_torch=$(( gpus == 0 ? 1 : 0 ))
 probe=""
 # probe_with CMD...: sets probe to the answer of the Python CMD starts (empty: none).
 probe_with() {
-  probe=$(cd / && "$@" -c "$PROBE" 2>/dev/null | tail -n 1) || probe=""
+  probe=$(cd / && "$@" -c "$PROBE" "$count_in_torch" 2>/dev/null | tail -n 1) || probe=""
   [[ "$probe" =~ ^probe\ [01]\ [0-9]+$ ]] || probe=""
   [[ -n "$probe" ]]
 }
@@ -58,6 +69,12 @@ else
     export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
   fi
 fi
+if [[ -z "$probe" && -n "${SCALE_LLM_PYTHON:-}" ]]; then
+  echo "launch: no Python that can import scale_llm: SCALE_LLM_PYTHON=$SCALE_LLM_PYTHON cannot" \
+    "import it, its dependencies and torch; point SCALE_LLM_PYTHON at one that can, or unset" \
+    "it to use the active python or this checkout's .venv" >&2
+  exit 2
+fi
 if [[ -z "$probe" ]]; then
   echo "launch: no Python that can import scale_llm (tried \$SCALE_LLM_PYTHON, the active" \
     "python, $ROOT/.venv, python3 with this checkout on PYTHONPATH); in a checkout run" \
@@ -81,11 +98,6 @@ export PYTORCH_CUDA_ALLOC_CONF
 # seconds (its default, 30, is less than a large model's last steps and checkpoint can take).
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}"
 
-gpus=0  # the node's GPUs: nvidia-smi's count (gpu-check.sh reports it), else torch's
-if command -v nvidia-smi >/dev/null 2>&1; then
-  gpus=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU" || true)
-fi
-# Containers started with NVIDIA_DRIVER_CAPABILITIES=compute have CUDA but no nvidia-smi.
 if [[ "$gpus" -eq 0 ]]; then
   gpus="$torch_gpus"
 fi

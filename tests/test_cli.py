@@ -350,6 +350,10 @@ def test_launchers_use_the_active_python_then_the_venv_then_say_what_to_do(tmp_p
     assert "no Python that can import scale_llm" in proc.stderr
     assert "run 'bash launch/setup.sh' first, or install a built wheel" in proc.stderr
     assert "'pip install scale_llm'" not in proc.stderr  # (no such name on a package index)
+    named = {**os.environ, "SCALE_LLM_PYTHON": str(empty / "python")}  # names the one it tried
+    proc = subprocess.run(["bash", "-c", f'source "{REPO}/launch/_env.sh"'], env=named,
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 2 and f"SCALE_LLM_PYTHON={empty / 'python'} cannot" in proc.stderr
 
 
 def test_launchers_run_a_checkout_with_a_python3_that_has_only_the_dependencies(tmp_path):
@@ -379,7 +383,14 @@ def test_launchers_run_a_checkout_with_a_python3_that_has_only_the_dependencies(
     proc = subprocess.run(["bash", "-c", script], env=env_vars, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[-1] == str(checkout / "scale_llm" / "__init__.py")
-    (checkout / "yaml.py").write_text("raise ImportError('an image without pyyaml')\n")
+    # an image without pyyaml: the checkout's yaml/ (its configs) imported as an empty package
+    bare = tmp_path / "site-without-pyyaml"
+    bare.mkdir()
+    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
+        if not entry.name.lower().startswith(("yaml", "_yaml", "pyyaml")):
+            (bare / entry.name).symlink_to(entry)
+    (site / "borrow.pth").write_text(f"{bare}\n")
+    (checkout / "yaml").mkdir()
     proc = env_sh_python(checkout, [env / "bin"])  # torch alone is not enough
     assert proc.returncode == 2 and "no Python that can import scale_llm" in proc.stderr
 
@@ -483,7 +494,7 @@ def test_the_launchers_count_gpus_with_torch_where_nvidia_smi_is_missing(tmp_pat
     the launchers counted no GPU, started 2 CPU processes and told DeepSpeed to use the CPU.
     A stand-in Python whose torch counts the node's 2 GPUs (_env.sh's probe unsets
     CUDA_VISIBLE_DEVICES for that count), no nvidia-smi."""
-    counts = """*os.environ.pop*) echo "probe 1 2";;"""
+    counts = """*os.environ.pop*) echo "probe 1 $(( $3 == 1 ? 2 : 0 ))";;"""  # (asked to count)
     prints = PRINT_LAUNCH.replace("CVD=", "DSA=${DS_ACCELERATOR-unset} CVD=")
     env = stand_in_node(tmp_path, f"{counts}\n{prints}", gpus=0)
     (tmp_path / "bin" / "nvidia-smi").unlink()
