@@ -70,14 +70,14 @@ else
   fi
 fi
 if [[ -z "$probe" && -n "${SCALE_LLM_PYTHON:-}" ]]; then
-  echo "launch: no Python that can import scale_llm: SCALE_LLM_PYTHON=$SCALE_LLM_PYTHON cannot" \
-    "import it, its dependencies and torch; point SCALE_LLM_PYTHON at one that can, or unset" \
-    "it to use the active python or this checkout's .venv" >&2
+  echo "launch: no Python that can import scale_llm: SCALE_LLM_PYTHON=$SCALE_LLM_PYTHON does not" \
+    "run, or cannot import scale_llm, its dependencies and torch; point SCALE_LLM_PYTHON at one" \
+    "that can, or unset it to use the active python or this checkout's .venv" >&2
   exit 2
 fi
 if [[ -z "$probe" ]]; then
-  echo "launch: no Python that can import scale_llm (tried \$SCALE_LLM_PYTHON, the active" \
-    "python, $ROOT/.venv, python3 with this checkout on PYTHONPATH); in a checkout run" \
+  echo "launch: no Python that can import scale_llm (tried the active python," \
+    "$ROOT/.venv, python3 with this checkout on PYTHONPATH); in a checkout run" \
     "'bash launch/setup.sh' first, or install a built wheel ('pip install" \
     "scale_llm-VERSION-py3-none-any.whl', README: Installing as a package)" >&2
   exit 2

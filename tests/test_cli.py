@@ -353,7 +353,8 @@ def test_launchers_use_the_active_python_then_the_venv_then_say_what_to_do(tmp_p
     named = {**os.environ, "SCALE_LLM_PYTHON": str(empty / "python")}  # names the one it tried
     proc = subprocess.run(["bash", "-c", f'source "{REPO}/launch/_env.sh"'], env=named,
                           capture_output=True, text=True)  # fmt: skip
-    assert proc.returncode == 2 and f"SCALE_LLM_PYTHON={empty / 'python'} cannot" in proc.stderr
+    assert proc.returncode == 2, proc.stderr
+    assert f"SCALE_LLM_PYTHON={empty / 'python'} does not run" in proc.stderr
 
 
 def test_launchers_run_a_checkout_with_a_python3_that_has_only_the_dependencies(tmp_path):
@@ -391,6 +392,13 @@ def test_launchers_run_a_checkout_with_a_python3_that_has_only_the_dependencies(
             (bare / entry.name).symlink_to(entry)
     (site / "borrow.pth").write_text(f"{bare}\n")
     (checkout / "yaml").mkdir()
+    python3 = [str(env / "bin" / "python3"), "-c"]
+    image = {**env_vars, "PYTHONPATH": str(checkout)}
+    works = subprocess.run([*python3, "import torch, scale_llm.cli"], env=image, cwd="/")
+    assert works.returncode == 0  # (torch and the CLI import: pyyaml alone is missing)
+    nopyyaml = subprocess.run([*python3, "from yaml import safe_load"], env=image, cwd="/",
+                              capture_output=True, text=True)  # fmt: skip
+    assert "(unknown location)" in nopyyaml.stderr  # (the checkout's yaml/, as a package)
     proc = env_sh_python(checkout, [env / "bin"])  # torch alone is not enough
     assert proc.returncode == 2 and "no Python that can import scale_llm" in proc.stderr
 
@@ -494,7 +502,8 @@ def test_the_launchers_count_gpus_with_torch_where_nvidia_smi_is_missing(tmp_pat
     the launchers counted no GPU, started 2 CPU processes and told DeepSpeed to use the CPU.
     A stand-in Python whose torch counts the node's 2 GPUs (_env.sh's probe unsets
     CUDA_VISIBLE_DEVICES for that count), no nvidia-smi."""
-    counts = """*os.environ.pop*) echo "probe 1 $(( $3 == 1 ? 2 : 0 ))";;"""  # (asked to count)
+    asked = tmp_path / "asked"  # the probe's argument at each launch: 1, count in torch
+    counts = f"""*os.environ.pop*) echo "$3" >> {asked}; echo "probe 1 $(( $3 == 1 ? 2 : 0 ))";;"""
     prints = PRINT_LAUNCH.replace("CVD=", "DSA=${DS_ACCELERATOR-unset} CVD=")
     env = stand_in_node(tmp_path, f"{counts}\n{prints}", gpus=0)
     (tmp_path / "bin" / "nvidia-smi").unlink()
@@ -512,6 +521,14 @@ def test_the_launchers_count_gpus_with_torch_where_nvidia_smi_is_missing(tmp_pat
     (tmp_path / "cpu" / "bin" / "nvidia-smi").unlink()
     proc = launch("deepspeed.sh", bare)
     assert "DSA=cpu" in proc.stdout and "--num_gpus 2 " in proc.stdout, proc.stdout
+    assert set(asked.read_text().split()) == {"1"}
+    # where nvidia-smi lists the GPUs, torch is not asked (its count starts the CUDA driver)
+    (tmp_path / "bin" / "nvidia-smi").write_text(
+        "#!/bin/sh\necho 'GPU 0: H100'\necho 'GPU 1: H100'\necho 'GPU 2: H100'\n"
+    )
+    (tmp_path / "bin" / "nvidia-smi").chmod(0o755)
+    proc = launch("torchrun.sh", env)
+    assert "--nproc_per_node 3 " in proc.stdout and asked.read_text().split()[-1] == "0"
 
 
 def test_deepspeed_hands_the_other_nodes_the_launchers_environment(tmp_path):
