@@ -83,6 +83,9 @@ if [[ -z "$probe" ]]; then
   exit 2
 fi
 read -r _ torch_2_13 torch_gpus <<< "$probe"
+if [[ "$gpus" -eq 0 ]]; then
+  gpus="$torch_gpus"  # (counted only where nvidia-smi listed none)
+fi
 
 # Expandable segments let the CUDA caching allocator grow blocks instead of fragmenting; and
 # pinned host blocks over 1 MiB keep their size (torch >= 2.13; by default each is rounded up to
@@ -98,9 +101,6 @@ export PYTORCH_CUDA_ALLOC_CONF
 # seconds (its default, 30, is less than a large model's last steps and checkpoint can take).
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}"
 
-if [[ "$gpus" -eq 0 ]]; then
-  gpus="$torch_gpus"
-fi
 # The GPUs this run may use: CUDA_VISIBLE_DEVICES narrows the node's list when it is set, with
 # CUDA's meaning (its entries up to the first negative one; set and empty: none), so a job
 # given GPUs 2,3 of a shared node starts two processes, not one per GPU of the node.
