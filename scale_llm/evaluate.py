@@ -35,7 +35,15 @@ from scale_llm.data.mixture import MIXTURE
 from scale_llm.data.shards import MANIFEST, open_split, read_manifest
 from scale_llm.data.tokenizer import EOS_ID, file_sha256, run_tokenizer_path
 from scale_llm.errors import UserError
-from scale_llm.export import DTYPES, EXPORT_INFO, OLDER, export, not_an_export, publish
+from scale_llm.export import (
+    DTYPES,
+    EXPORT_INFO,
+    OLDER,
+    export,
+    not_an_export,
+    publish,
+    unwritten_config_keys,
+)
 from scale_llm.files import (
     atomic_write_json,
     custom_code_problem,
@@ -207,13 +215,20 @@ def reusable_export(out: Path, digest: str) -> bool:
         )
     if reuse := info.get("checkpoint_digest") == digest:
         refuse_custom_code(out)  # (before the tasks are looked up: a planted config.json)
-    elif (problem := not_an_export(out)) in OLDER:
+    which, problem = "these" if reuse else "other", not_an_export(out)
+    if problem in OLDER:
         raise UserError(
-            f"{out} is eval's export of other checkpoint bytes, made before {OLDER[problem]} "
+            f"{out} is eval's export of {which} checkpoint bytes, made before {OLDER[problem]} "
             f"({problem}), so eval cannot prove its files unchanged: move the folder away and "
             f"run eval again"
         )
-    elif problem:  # replaced below: only the files its info lists
+    if reuse and problem:  # scored as it is: only as eval wrote it
+        raise UserError(
+            f"{out} is eval's export of these checkpoint bytes, but {problem}, so eval cannot "
+            f"prove it scores the checkpoint, nor that transformers runs no code from it: move "
+            f"the folder away and run eval again (eval then exports the checkpoint afresh)"
+        )
+    if problem and not reuse:  # replaced below: only the files its info lists
         raise UserError(
             f"{out} is eval's export of other checkpoint bytes, to be replaced by these, but "
             f"{problem}; eval replaces only the files its export wrote: move the others away "
@@ -224,7 +239,8 @@ def reusable_export(out: Path, digest: str) -> bool:
 
 def refuse_custom_code(export_dir: Path) -> None:
     """An export whose configs name code (eval's own name none) is refused before lm-eval."""
-    if problem := custom_code_problem(export_dir, "eval's export"):
+    problem = custom_code_problem(export_dir, "eval's export")
+    if problem := problem or unwritten_config_keys(export_dir):
         raise UserError(
             f"{problem}. eval did not write this: remove {export_dir} and run eval again"
         )

@@ -9,6 +9,7 @@ import shutil
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -257,6 +258,20 @@ def not_an_export(folder: Path) -> str | None:
             f"{_some(changed)} changed after the export wrote {'them' if changed[1:] else 'it'} "
             f"(size or modification time differs from what {EXPORT_INFO} records)"
         )
+    return None
+
+
+def unwritten_config_keys(folder: Path) -> str | None:
+    """Why `folder`'s configs hold a key no export writes (None: they hold none). Some make
+    transformers fetch and run code while loading, which `trust_remote_code=False` does not
+    stop: `attn_implementation` naming a Hub kernel, some `quantization_config`s."""
+    written = {
+        "config.json": to_hf_config(ModelConfig(), torch.float32, 0, 0, 0),
+        "generation_config.json": generation_config(SimpleNamespace(bos_id=0, eos_id=0, pad_id=0)),
+    }
+    for name, keys in written.items():
+        if extra := sorted(set(json_object_or_none(folder / name) or {}) - set(keys)):
+            return f"{folder / name} holds {_some(extra)}, which no export writes"
     return None
 
 

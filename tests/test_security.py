@@ -231,6 +231,14 @@ def test_lm_eval_is_told_not_to_run_an_exports_code(exported, tmp_path, monkeypa
     shutil.copytree(exported, folder)
     assert run_tasks(folder, ["t"], None, 1, 1, torch.device("cpu")) == {"t": {"acc": 0.5}}
     assert calls[0]["model_args"]["trust_remote_code"] is False
+    # a key transformers acts on by fetching code (a Hub kernel), which no export writes
+    config = folder / "config.json"
+    written = config.read_text()
+    config.write_text(json.dumps({**json.loads(written), "attn_implementation": "someone/kernel"}))
+    with pytest.raises(UserError, match="config.json holds attn_implementation, which no export"):
+        run_tasks(folder, ["t"], None, 1, 1, torch.device("cpu"))
+    assert len(calls) == 1
+    config.write_text(written)
     marker = plant_code(folder, "config.json")
     with pytest.raises(UserError, match="config.json names custom code"):
         run_tasks(folder, ["t"], None, 1, 1, torch.device("cpu"))
