@@ -159,6 +159,16 @@ CONFIG = [
     ),
     ("a model key under train", ["config", *s("train.seq_len=128")], "it lives at model.seq_len"),
     ("unknown section", ["train", TINY, *s("optim.lr=1")], "unknown section"),
+    (  # an unset shell variable: it read as null, and the default corpus was trained on
+        "a --set with no value",
+        ["train", TINY, *s("data.source=")],
+        "data.source: --set 'data.source=' gives no value; give one, or write data.source=null",
+    ),
+    (  # the working folder's text files were read as the corpus
+        "an empty data.source",
+        ["prepare", TINY, *s("data.source=''", "data.dir=d")],
+        "data.source is empty; give builtin, hf:NAME, or files",
+    ),
     (
         "a misspelt section",
         ["config", *s("modle.d_model=64")],

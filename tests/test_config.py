@@ -353,6 +353,11 @@ def test_base_includes_merge_and_cycles_are_refused(tmp_path):
     (tmp_path / "b.yaml").write_text("base: a.yaml\ntrain:\n  lr: 0.25\n")
     cfg = load_config(tmp_path / "b.yaml")
     assert (cfg.train.lr, cfg.train.max_steps, cfg.model.d_model) == (0.25, 9, 64)
+    # a section given whole on the command line merges the same way (it replaced the section,
+    # and every other key the YAML set went back to its default, silently)
+    cfg = load_config(tmp_path / "b.yaml", ["train={lr: 0.125}", "model={n_layers: 3}"])
+    assert (cfg.train.lr, cfg.train.max_steps, cfg.model.d_model) == (0.125, 9, 64)
+    assert cfg.model.n_layers == 3
     (tmp_path / "c.yaml").write_text("base: d.yaml\n")
     (tmp_path / "d.yaml").write_text("base: c.yaml\n")
     assert "leads back to itself" in errors_of(tmp_path / "c.yaml")

@@ -116,6 +116,8 @@ def validate_data(d: DataConfig) -> list[str]:
     e = bound_problems(d, "tokenizer_sample_bytes shard_tokens max_documents", prefix="data.")
     e += bound_problems(d, "max_tokens tokenizer_sample_documents", prefix="data.")  # (None: none)
     e += bound_problems(d, "num_proc prefetch", ">= 0", "data.")
+    if not d.sources and not (d.source or "").strip():  # (the working folder's files, read)
+        e.append("data.source is empty; give builtin, hf:NAME, or files")
     if d.tokenizer is not None and not d.tokenizer.strip():
         e.append("data.tokenizer is empty; give a Hugging Face tokenizer folder, or null")
     if not 0.0 < d.val_fraction < 1.0:

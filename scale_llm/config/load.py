@@ -213,9 +213,15 @@ def _apply_override(raw: dict[str, Any], item: str, errors: list[str]) -> None:
         raise UserError(
             f"override {short(item)} must look like section.key=value, e.g. --set train.lr=3e-4"
         )
+    if not text.strip():  # (an unset shell variable: never a quiet null, nor a default)
+        errors.append(
+            f"{key}: --set {short(item)} gives no value; give one, or write {key}=null for none "
+            f"where the key takes null"
+        )
+        return
     try:
         _check_yaml_shape(text, f"--set {short(item)}")  # (a recursive alias among them)
-        value = yaml.safe_load(text) if text.strip() else None
+        value = yaml.safe_load(text)
     except yaml.YAMLError:
         value = text
     parts = key.split(".")
@@ -228,7 +234,13 @@ def _apply_override(raw: dict[str, Any], item: str, errors: list[str]) -> None:
             return
         holder, name, cls = step
         if i == len(parts) - 1:
-            holder[name] = value
+            # a section given as a mapping is merged key by key, as `base:` merges it
+            merge = (
+                dataclasses.is_dataclass(cls)
+                and isinstance(holder, dict)
+                and isinstance(value, dict)
+            )
+            holder[name] = deep_merge(holder.get(name) or {}, value) if merge else value
             return
         node = holder.setdefault(name, {}) if isinstance(holder, dict) else holder[name]
         if not isinstance(node, dict):
