@@ -1426,7 +1426,21 @@ def _finished_run_relaunched(ctx: Ctx) -> Setup:
     return Setup(argv, expect=(f"{ctx.tmp / 'runs' / 'test'} holds a finished run",))
 
 
+def _exit_step_already_passed(ctx: Ctx) -> list[str]:
+    """A time-limited job's exit step at or below the resume step: it trained on to max_steps."""
+    ctx.run()
+    return ["train", ctx.config("train.max_steps=6", "train.exit_at_step=3")]
+
+
 CHECKPOINTS = [
+    (
+        "an exit step the run already passed",
+        _exit_step_already_passed,
+        (
+            "train.exit_at_step=3 is not after step 4, where this launch resumes (",
+            "train.max_steps=6: set it above 4, or to null to train to the end",
+        ),
+    ),
     (
         "a finished run relaunched with other settings",
         _finished_run_relaunched,

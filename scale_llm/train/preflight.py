@@ -16,7 +16,7 @@ import torch
 from scale_llm.analysis.memory import check_host_memory
 from scale_llm.components.distributed import all_ranks_agree
 from scale_llm.components.optim import lr_at
-from scale_llm.config import Config, compiles, with_changes
+from scale_llm.config import Config, TrainConfig, compiles, with_changes
 from scale_llm.config.plan import RunPlan
 from scale_llm.data.loader import TrainLoader
 from scale_llm.data.mixture import TrainingData, check_epochs, open_training_data
@@ -108,6 +108,7 @@ def preflight(cfg: Config, plan: RunPlan) -> RunSpec:
         report.check(check_run_dir_state, cfg)
     run_dir_ok = plan.is_main and len(report.problems) == known  # (a refused one: said once)
     resume = report.check(choose_resume, cfg, plan, data.manifest) if data else None
+    report.check(check_exit_step, cfg.train, resume)
     if run_dir_ok and not (resume and resume.step >= cfg.train.max_steps):  # (it will write)
         report.check(require_writable_dir, cfg.run_dir / "checkpoints", "RUN_DIR/checkpoints")
     init_from = None
@@ -211,6 +212,19 @@ def warn_about_warmup(cfg: Config) -> None:
             f"train.warmup_steps={t.warmup_steps} >= train.max_steps={t.max_steps}: the learning "
             f"rate rises to {lr_at(t.max_steps - 1, t):.3g} at the last step (train.lr={t.lr:g}) "
             f"and never decays; fine for a smoke run"
+        )
+
+
+def check_exit_step(train: TrainConfig, resume: Resume | None) -> None:
+    """train.exit_at_step at or below the step this launch resumes from is never reached: the
+    launch would train on to max_steps, past the time limit it was set for."""
+    at = train.exit_at_step  # (> 0: a fresh run reaches it)
+    if resume and at is not None and at <= resume.step < train.max_steps:
+        raise UserError(
+            f"train.exit_at_step={at} is not after step {resume.step}, where this launch resumes "
+            f"({resume.checkpoint}), so it would never stop there and would train on to "
+            f"train.max_steps={train.max_steps}: set it above {resume.step}, or to null to train "
+            f"to the end"
         )
 
 
