@@ -1621,6 +1621,13 @@ def _check_over(kind: str) -> Callable[[Ctx], list[str]]:
         elif kind == "a lone check.log":
             out.mkdir()
             (out / "check.log").write_text("my log")
+        elif kind in ("read-only", "read-only scratch"):  # (as root: the check itself is tested)
+            read_only = out if kind == "read-only" else ctx.tmp / "scratch"
+            read_only.mkdir()
+            real = os.access
+            ctx.monkeypatch.setattr(
+                os, "access", lambda p, mode: False if Path(p) == read_only else real(p, mode)
+            )
         else:  # an earlier check's folder, its check.log a link to a file of the user's
             from scale_llm.analysis.check import OUT_KIND
             from scale_llm.files import make_owned_dir
@@ -1733,6 +1740,16 @@ OWNED = [
         "check OUT holding a lone check.log of the user's",
         _check_over("a lone check.log"),
         "(check.log)",
+    ),
+    (  # a traceback after OUT (or the scratch folder) was claimed, OUT left behind
+        "check OUT not writable",
+        _check_over("read-only"),
+        ("/docs: ", "docs is not writable by this user; point check OUT at a directory"),
+    ),
+    (
+        "check --scratch not writable",
+        _check_over("read-only scratch"),
+        ("--scratch=scratch: ", "is not writable by this user; point --scratch at a directory"),
     ),
     (
         "check OUT whose check.log is a symlink",

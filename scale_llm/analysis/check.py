@@ -45,6 +45,7 @@ from scale_llm.files import (
     parse_json,
     read_json,
     remove_owned_dir,
+    require_writable_dir,
 )
 from scale_llm.train.trainer import train
 
@@ -146,6 +147,8 @@ def run_check(
     scratch = scratch or default_scratch()
     tiny_config(scratch, scratch / "runs", steps, overrides or [])  # refused: before any write
     check_scratch(scratch)
+    require_writable_dir(out, "check OUT")  # (both: before OUT is claimed)
+    require_writable_dir(scratch, "--scratch")
     claim_out(out)
     runs = new_runs_dir(scratch)
     wanted = SECTIONS if only is None else only
