@@ -200,6 +200,10 @@ def test_fit_prefers_cheap_layouts_and_keeps_the_batch():
     tight = fit(cfg, 2, parse_bytes("6GiB"))
     assert tight.estimate.total <= parse_bytes("6GiB")
     assert tight.changes  # something had to change
+    # on a CPU: the FSDP2 CPU-offload layouts are skipped, not the whole fit refused
+    on_cpu = fit(cfg_with("train.device=cpu"), 1, parse_bytes("80GiB"))
+    assert on_cpu.estimate.total <= parse_bytes("80GiB")
+    assert not on_cpu.changes.get("parallel.fsdp.cpu_offload")
 
 
 def test_impossible_fit_names_the_smallest_total():

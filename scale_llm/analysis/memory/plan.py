@@ -189,6 +189,7 @@ def fit(cfg: Config, target: RunPlan | int, budget: int, keep_backend: bool = Fa
     micro_batches = [d for d in range(per_rank, 0, -1) if per_rank % d == 0 and d % pieces == 0]
     shards = [({}, 1.0)] if keep_backend else _shard_options(cfg)
     options: list[Plan] = []
+    refused: list[UserError] = []
     grid = product(shards, _AC_COST.items(), micro_batches)
     for (shard, shard_cost), (mode, ac_cost), mb in grid:
         batch = {"train.micro_batch_size": mb, "train.grad_accum": per_rank // mb}
@@ -200,8 +201,14 @@ def fit(cfg: Config, target: RunPlan | int, budget: int, keep_backend: bool = Fa
         planned = plan.world_size  # (a hypothetical layout: planned afresh)
         if "parallel.backend" not in shard:  # a launched run: its own plan, this batch split
             planned = dataclasses.replace(plan, micro_batch_size=mb, grad_accum=per_rank // mb)
-        est = estimate(proposed, planned)
+        try:
+            est = estimate(proposed, planned)
+        except UserError as e:  # a layout this machine cannot run (CPU offload on a CPU)
+            refused.append(e)
+            continue
         options.append(Plan(changes, est, shard_cost * ac_cost * _MICRO_BATCH_COST.get(mb, 1.0)))
+    if not options:
+        raise refused[0]
     fitting = [o for o in options if o.estimate.total <= budget]
     if not fitting:
         smallest = min(options, key=lambda o: o.estimate.total)
