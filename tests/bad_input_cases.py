@@ -813,6 +813,22 @@ def _data_of_another_tokenizer(ctx: Ctx) -> list[str]:
 
 
 DATA = [
+    (  # prepare wrote 10,000 shards, and train then blamed the corpus's size
+        "shards holding no window",
+        ["prepare", TINY, *s("data.shard_tokens=200", "data.dir=d")],
+        "data.shard_tokens=200 holds no window of model.seq_len + 1 = 257 tokens",
+    ),
+    (  # refused after the work, and an 88 MB build folder left behind
+        "a tiny corpus whose last document spans shards",
+        [
+            "prepare",
+            TINY,
+            *s("data.max_documents=40", "data.shard_tokens=300", "data.dir=d"),
+            *s("model.vocab_size=512", "data.tokenizer_sample_bytes=200000"),
+        ],
+        "no val documents (the last train document spans shards of data.shard_tokens=300); "
+        "raise data.shard_tokens or data.val_fraction",
+    ),
     (
         "data dir without shards",
         ["train", TINY, *s("data.dir=nowhere")],

@@ -158,7 +158,11 @@ def _build(
             f"from there. {out} itself is unchanged{held}"
         )
         raise
-    splits = _finish(writers)
+    try:
+        splits = _finish(writers)
+    except UserError:  # these settings never complete this build: none of it is kept
+        shutil.rmtree(build, ignore_errors=True)  # (prepare's own: _claim_build_dir)
+        raise
     manifest = _manifest(cfg, source, build, fingerprint, progress, splits)
     (build / PROGRESS).unlink(missing_ok=True)  # (the build folder is prepare's own)
     write_manifest(build, manifest)  # the build is complete from here on
@@ -524,17 +528,26 @@ def _write(writers: dict[str, ShardWriter], batch: EncodedBatch, n_docs: int) ->
 
 def _finish(writers: dict[str, ShardWriter]) -> dict[str, Any]:
     """Close both splits; a tiny corpus with no validation document gives its last one to val."""
+    spans = ""  # why the last train document could not move
     if writers["val"].documents == 0 and writers["train"].documents > 1:
         last = writers["train"].pop_last_document()
         if last is not None:
             writers["val"].add(last, np.array([last.size]))
+        else:
+            shard = writers["train"].shard_tokens
+            spans = f" (the last train document spans shards of data.shard_tokens={shard:,})"
     splits = {name: w.close() for name, w in writers.items()}
     for name in SPLITS:
         if not splits[name]["documents"]:
-            raise UserError(
-                f"prepare produced no {name} documents; use a larger corpus (check "
-                f"data.max_documents / data.max_tokens) or a different data.val_fraction"
+            fix = (
+                "raise data.shard_tokens or data.val_fraction"
+                if spans
+                else (
+                    "use a larger corpus (check data.max_documents / data.max_tokens) or a "
+                    "different data.val_fraction"
+                )
             )
+            raise UserError(f"prepare produced no {name} documents{spans}; {fix}")
     return splits
 
 
