@@ -573,9 +573,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         shard = 0
     if shard < 1:
         raise UserError(
-            f"--max-shard-size {args.max_shard_size!r}: use a size above 0 with one of the "
-            f"units B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), "
-            f"e.g. --max-shard-size 5GB"
+            f"--max-shard-size {args.max_shard_size!r}: write a plain number above 0 and one "
+            f"of the units B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of "
+            f"1024), e.g. --max-shard-size 5GB"
         )
     done = export(args.checkpoint, args.out, args.dtype, shard, args.force)
     print(

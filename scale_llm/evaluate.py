@@ -281,7 +281,8 @@ def task_manager(
         lm_eval.utils.env = sandbox
 
     if include_path is not None and not Path(include_path).is_dir():
-        raise UserError(f"{include_key} {include_path}: no such folder of task YAML files")
+        what = describe_kind(Path(include_path))  # (missing, a file, ...)
+        raise UserError(f"{include_key} {include_path} is {what}; give a folder of task YAMLs")
     read_from = include_path  # lm-eval reads the checked copy: a later change runs nothing
     if include_path is not None and os.environ.get(TRUST_TASK_CODE) != "1":
         read_from, problems = checked_task_copy(Path(include_path))

@@ -19,6 +19,7 @@ from scale_llm.components.checkpoint import (
 )
 from scale_llm.components.precision import Precision
 from scale_llm.config import Config, get_key, load_config, run_defining_keys
+from scale_llm.config.load import read_yaml
 from scale_llm.config.plan import RunPlan
 from scale_llm.data.pretrained_tokenizer import PretrainedTokenizer
 from scale_llm.data.tokenizer import Tokenizer, load_tokenizer, run_tokenizer_path
@@ -36,7 +37,12 @@ def read_run_config(run_dir: str | Path) -> Config:
             f"{run_dir} is not a run directory (no config.yaml); pass the directory "
             f"`scale-llm train` wrote, e.g. runs/tiny"
         )
-    return load_config(run_dir / "config.yaml")
+    if "model" not in read_yaml(path := run_dir / "config.yaml"):  # (defaults stood in)
+        raise UserError(
+            f"{path} holds no model section, so it is not the config `scale-llm train` wrote "
+            f"there (train writes every section): restore it from a copy of the run"
+        )
+    return load_config(path)
 
 
 def load_run(

@@ -1442,6 +1442,12 @@ def _finished_run_relaunched(ctx: Ctx) -> Setup:
     return Setup(argv, expect=(f"{ctx.tmp / 'runs' / 'test'} holds a finished run",))
 
 
+def _emptied_run_config(ctx: Ctx) -> list[str]:
+    run = ctx.run()
+    (run / "config.yaml").write_text("")
+    return ["generate", str(run), "--prompt", "a"]
+
+
 def _exit_step_already_passed(ctx: Ctx) -> list[str]:
     """A time-limited job's exit step at or below the resume step: it trained on to max_steps."""
     ctx.run()
@@ -1472,6 +1478,11 @@ CHECKPOINTS = [
         "not a complete checkpoint",
     ),
     ("generate without a run", ["generate", "."], "not a run directory"),
+    (  # it blamed the checkpoint: "belongs to another run" (the defaults' model stood in)
+        "generate on a run whose config.yaml is empty",
+        _emptied_run_config,
+        "config.yaml holds no model section, so it is not the config `scale-llm train` wrote",
+    ),
     ("convert without a checkpoint", ["convert", ".", "--out", "m.pt"], "neither a checkpoint"),
     (
         "export without a checkpoint",
@@ -1704,6 +1715,11 @@ def _eval_over_an_export_folder(kind: str) -> Callable[[Ctx], Setup]:
 
 OWNED = [
     ("convert --out a directory", ["convert", ".", "--out", "folder"], "is a directory"),
+    (  # a file named `new` was written
+        "convert --out ending in a slash",
+        ["convert", ".", "--out", "new/"],
+        "--out new/ names a folder; give the file to write, e.g. --out new/model.pt",
+    ),
     *[
         (f"convert over {kind}", _convert_over(kind), said)
         for kind, said in [
@@ -1953,7 +1969,7 @@ FLAGS = [
     (
         "export: a shard size without a unit",
         ["export", ".", "--out", "hf", "--max-shard-size", "2G"],
-        "--max-shard-size '2G': use a size above 0",
+        "--max-shard-size '2G': write a plain number above 0 and one of the units",
     ),
     (
         "a check of an unknown section",
@@ -1966,6 +1982,11 @@ FLAGS = [
         "eval of an unknown task",
         _eval_needs("--tasks", "no_such_task_xyz", "--include-path", str(TASK_DIR)),
         "no_such_task_xyz not found",
+    ),
+    (  # it said "no such folder"
+        "eval --include-path a file",
+        _eval_needs("--tasks", "t", "--include-path", TINY),
+        f"--include-path {TINY} is a file; give a folder of task YAMLs",
     ),
     *[
         (f"eval of a task with {kind}", _eval_task_data(kind), said)

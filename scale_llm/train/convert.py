@@ -26,6 +26,9 @@ LAYOUT_SINCE = "14fc0dd of 2026-12-03"  # the first convert that wrote "qkv_layo
 
 
 def convert(checkpoint: str | Path, out: str | Path, force: bool = False) -> tuple[Path, int]:
+    if str(out).endswith(("/", os.sep)):  # (Path drops the slash that names a folder)
+        example = Path(out) / "model.pt"
+        raise UserError(f"--out {out} names a folder; give the file to write, e.g. --out {example}")
     out = Path(out)
     check_out(out, force)
     require_writable_dir(out.parent, "--out")
