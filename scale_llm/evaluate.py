@@ -216,6 +216,10 @@ def reusable_export(out: Path, digest: str) -> bool:
     if reuse := info.get("checkpoint_digest") == digest:
         refuse_custom_code(out)  # (before the tasks are looked up: a planted config.json)
     which, problem = "these" if reuse else "other", not_an_export(out)
+    if reuse and not problem and (gone := [f for f in info["files"] if not (out / f).is_file()]):
+        problem = (
+            f"its {EXPORT_INFO} lists {', '.join(gone)}, which {'are' if gone[1:] else 'is'} gone"
+        )
     if problem in OLDER:
         raise UserError(
             f"{out} is eval's export of {which} checkpoint bytes, made before {OLDER[problem]} "

@@ -162,7 +162,7 @@ CONFIG = [
     (  # an unset shell variable: it read as null, and the default corpus was trained on
         "a --set with no value",
         ["train", TINY, *s("data.source=")],
-        "data.source: --set 'data.source=' gives no value; give one, or write data.source=null",
+        "data.source: --set 'data.source=' gives no value (an unset shell variable?); give one",
     ),
     (  # the working folder's text files were read as the corpus
         "an empty data.source",
@@ -826,7 +826,8 @@ DATA = [
             *s("data.max_documents=40", "data.shard_tokens=300", "data.dir=d"),
             *s("model.vocab_size=512", "data.tokenizer_sample_bytes=200000"),
         ],
-        "no val documents (the last train document spans shards of data.shard_tokens=300); "
+        "no val documents (the last train document is in a finished shard of "
+        "data.shard_tokens=300); "
         "raise data.shard_tokens or data.val_fraction",
     ),
     (

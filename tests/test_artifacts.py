@@ -137,7 +137,12 @@ def test_eval_reuses_an_export_only_of_the_same_checkpoint_bytes(data_dir, tmp_p
 
     info = json.loads((first / "scale_llm_export.json").read_text())
     assert info["checkpoint_digest"] == checkpoint_digest(ckpt) and info["made_by"]
-    # an edited file (another model): eval no longer scores it, nor replaces it
+    # a file gone, or one edited (another model): eval no longer scores it, nor replaces it
+    weights = first / "model.safetensors"
+    weights.rename(tmp_path / "aside.safetensors")
+    with pytest.raises(UserError, match="lists model.safetensors, which is gone, so eval cannot"):
+        export_for_eval(ckpt, run)
+    (tmp_path / "aside.safetensors").rename(weights)
     config = first / "config.json"
     edited = {**json.loads(config.read_text()), "rms_norm_eps": 0.5}
     config.write_text(json.dumps(edited))

@@ -139,7 +139,7 @@ def test_run_messages_count_this_launch_and_a_finished_run_is_left_alone(
     assert main([*args, "--set", "train.exit_at_step=2"]) == 0
     out = capsys.readouterr().out
     assert "done: 2 steps in" in out and "2 of 4 in total" in out
-    assert "launch again to continue to step 4" in out
+    assert "launch again to continue to step 4, with train.exit_at_step above 2 or null" in out
     assert main([*args, "--set", "train.exit_at_step=4"]) == 0
     out = capsys.readouterr().out
     assert "done: 2 steps (steps 3-4) in" in out and "4 of 4 in total" in out

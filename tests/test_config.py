@@ -358,6 +358,8 @@ def test_base_includes_merge_and_cycles_are_refused(tmp_path):
     cfg = load_config(tmp_path / "b.yaml", ["train={lr: 0.125}", "model={n_layers: 3}"])
     assert (cfg.train.lr, cfg.train.max_steps, cfg.model.d_model) == (0.125, 9, 64)
     assert cfg.model.n_layers == 3
+    (tmp_path / "e.yaml").write_text("train:\n  fp8: true\n")  # (a value where a section goes)
+    assert load_config(tmp_path / "e.yaml", ["train.fp8={enabled: true}"]).train.fp8.enabled
     (tmp_path / "c.yaml").write_text("base: d.yaml\n")
     (tmp_path / "d.yaml").write_text("base: c.yaml\n")
     assert "leads back to itself" in errors_of(tmp_path / "c.yaml")

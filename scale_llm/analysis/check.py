@@ -147,8 +147,7 @@ def run_check(
     scratch = scratch or default_scratch()
     tiny_config(scratch, scratch / "runs", steps, overrides or [])  # refused: before any write
     check_scratch(scratch)
-    require_writable_dir(out, "check OUT")  # (both: before OUT is claimed)
-    require_writable_dir(scratch, "--scratch")
+    require_writable_dir(scratch, "--scratch")  # (before OUT is claimed)
     claim_out(out)
     runs = new_runs_dir(scratch)
     wanted = SECTIONS if only is None else only
@@ -294,6 +293,7 @@ def claim_out(out: Path) -> None:
     refused before any work."""
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise UserError(f"check OUT {out} is {describe_kind(out)}; give a folder for the report")
+    require_writable_dir(out, "check OUT")
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         make_owned_dir(out, OUT_KIND)

@@ -215,8 +215,7 @@ def _apply_override(raw: dict[str, Any], item: str, errors: list[str]) -> None:
         )
     if not text.strip():  # (an unset shell variable: never a quiet null, nor a default)
         errors.append(
-            f"{key}: --set {short(item)} gives no value; give one, or write {key}=null for none "
-            f"where the key takes null"
+            f"{key}: --set {short(item)} gives no value (an unset shell variable?); give one"
         )
         return
     try:
@@ -235,12 +234,10 @@ def _apply_override(raw: dict[str, Any], item: str, errors: list[str]) -> None:
         holder, name, cls = step
         if i == len(parts) - 1:
             # a section given as a mapping is merged key by key, as `base:` merges it
-            merge = (
-                dataclasses.is_dataclass(cls)
-                and isinstance(holder, dict)
-                and isinstance(value, dict)
-            )
-            holder[name] = deep_merge(holder.get(name) or {}, value) if merge else value
+            section = dataclasses.is_dataclass(cls) and isinstance(holder, dict)
+            if section and isinstance(value, dict) and isinstance(holder.get(name, {}), dict):
+                value = deep_merge(holder.get(name, {}), value)
+            holder[name] = value
             return
         node = holder.setdefault(name, {}) if isinstance(holder, dict) else holder[name]
         if not isinstance(node, dict):

@@ -160,8 +160,8 @@ class TrainConfig:
     exit_at_step: int | None = config_key(
         None,
         "save a checkpoint and exit after this step (for time-limited jobs); the LR "
-        "schedule still runs to max_steps and the next launch resumes (a launch resuming at "
-        "or past it is refused)",
+        "schedule still runs to max_steps. The next launch resumes with it raised or null (a "
+        "launch resuming at or past it is refused)",
     )
     lr: float = config_key(1e-3, "peak learning rate")
     min_lr: float = config_key(1e-4, "learning rate at the end of the decay")

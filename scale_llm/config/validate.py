@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from scale_llm.config.data import DataConfig, validate_data
+from scale_llm.config.data import validate_data
 from scale_llm.config.fp8 import validate_fp8
 from scale_llm.config.parallel import validate_parallel
 from scale_llm.config.profile import validate_profile
@@ -48,13 +48,6 @@ def validate(cfg: Config) -> list[str]:
     e += bound_problems(cfg, "train.gc_every", ">= 0 (0: Python's automatic collection)")
     e += bound_problems(cfg, "train.exit_at_step train.global_batch_size")
     e += [*validate_data(cfg.data), *validate_profile(t.profile, t.max_steps)]
-    if 0 < cfg.data.shard_tokens <= m.seq_len:  # a window of seq_len + 1 never crosses shards
-        e.append(
-            f"data.shard_tokens={cfg.data.shard_tokens} holds no window of model.seq_len + 1 = "
-            f"{m.seq_len + 1} tokens (a window never crosses shards), so its shards would train "
-            f"nothing; raise data.shard_tokens far above model.seq_len (the default is "
-            f"{DataConfig.shard_tokens:,})"
-        )
     e += [*validate_fp8(t.fp8), *bound_problems(cfg, "logging.every")]
     peak = "> 0 (the device's dense peak TFLOP/s), or null"
     e += bound_problems(cfg, "logging.peak_tflops", peak)

@@ -528,25 +528,21 @@ def _write(writers: dict[str, ShardWriter], batch: EncodedBatch, n_docs: int) ->
 
 def _finish(writers: dict[str, ShardWriter]) -> dict[str, Any]:
     """Close both splits; a tiny corpus with no validation document gives its last one to val."""
-    spans = ""  # why the last train document could not move
+    spans = ""  # why the last train document could not move to val
     if writers["val"].documents == 0 and writers["train"].documents > 1:
         last = writers["train"].pop_last_document()
         if last is not None:
             writers["val"].add(last, np.array([last.size]))
         else:
             shard = writers["train"].shard_tokens
-            spans = f" (the last train document spans shards of data.shard_tokens={shard:,})"
+            spans = (
+                f" (the last train document is in a finished shard of data.shard_tokens={shard:,})"
+            )
     splits = {name: w.close() for name, w in writers.items()}
+    fix = "use a larger corpus (check data.max_documents / data.max_tokens) or a different"
+    fix = "raise data.shard_tokens or data.val_fraction" if spans else f"{fix} data.val_fraction"
     for name in SPLITS:
         if not splits[name]["documents"]:
-            fix = (
-                "raise data.shard_tokens or data.val_fraction"
-                if spans
-                else (
-                    "use a larger corpus (check data.max_documents / data.max_tokens) or a "
-                    "different data.val_fraction"
-                )
-            )
             raise UserError(f"prepare produced no {name} documents{spans}; {fix}")
     return splits
 

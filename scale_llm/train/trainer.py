@@ -198,6 +198,8 @@ class Trainer:
                         callback.step_end(self, end)
                     if end.stop:
                         then = f"launch again to continue to step {t.max_steps}"
+                        if end.stop == "train.exit_at_step":  # (preflight refuses it again)
+                            then += f", with train.exit_at_step above {self.step} or null"
                         if self.step >= t.max_steps:
                             then = "the run is complete"
                         log.info(f"stop: {end.stop} after step {self.step}; {then}")

@@ -207,7 +207,7 @@ def fit(cfg: Config, target: RunPlan | int, budget: int, keep_backend: bool = Fa
             refused.append(e)
             continue
         options.append(Plan(changes, est, shard_cost * ac_cost * _MICRO_BATCH_COST.get(mb, 1.0)))
-    if not options:
+    if not options and refused:
         raise refused[0]
     fitting = [o for o in options if o.estimate.total <= budget]
     if not fitting:
