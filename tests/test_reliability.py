@@ -439,6 +439,16 @@ def test_resuming_an_older_checkpoint_moves_the_newer_ones_aside(data_dir, tmp_p
     assert (ckpts / "step_00000004" / "trainer.pt").read_bytes() != old4
     assert trainer_for(again).complete
     assert sorted(p.name for p in aside.iterdir()) == ["step_00000003", "step_00000004"]
+    # another run's checkpoint: this run's own (another history) move aside too (pruned before)
+    mine = ["run.name=mine", "checkpoint.every=1", "checkpoint.keep_last=1"]
+    trainer_for(make_config(data_dir, tmp_path / "runs", *mine, "train.max_steps=2")).fit()
+    own = tmp_path / "runs" / "mine" / "checkpoints"
+    kept = (own / "step_00000002" / "trainer.pt").read_bytes()
+    onto = [*mine, "train.max_steps=5", f"checkpoint.resume={ckpts / 'step_00000004'}"]
+    trainer_for(make_config(data_dir, tmp_path / "runs", *onto)).fit()
+    moved = own.glob("abandoned-*/step_00000002/trainer.pt")
+    assert [p.read_bytes() for p in moved] == [kept]
+    assert sorted(p.name for p in own.glob("step_*")) == ["step_00000005"]
 
 
 # ----------------------------------------------------------------------------- damage

@@ -126,21 +126,27 @@ class Checkpointer:
             log.warning("checkpoint: skipping %s: %s; falling back to an older one", path, problem)
         return None
 
-    def abandon_after(self, step: int) -> Path | None:
-        """Move every checkpoint newer than `step` (a resume starts a new branch) into
-        checkpoints/abandoned-<UTC time>/, deleting nothing (main rank); the folder or None."""
+    def abandon_after(self, step: int, resumed: Path) -> Path | None:
+        """Move every checkpoint newer than `step` (a resume starts a new branch), or every one
+        where `resumed` lies outside this folder (another history: pruning would delete them),
+        into checkpoints/abandoned-<UTC time>/, deleting nothing (main rank); the folder or None."""
+        try:
+            own = os.path.samefile(resumed.parent, self.dir)
+        except OSError:  # (no folder yet: nothing to move)
+            own = False
         newer = sorted(  # complete or not, damaged or not
             p
             for p in self.dir.glob("step_*")
-            if _step_of(p) > step and (p.is_symlink() or p.is_dir())
+            if (_step_of(p) > step or not own) and (p.is_symlink() or p.is_dir())
         )
         if not newer or not self.is_main:
             return None
         target = self._move_aside(newer)
         log.warning(
-            "checkpoint: resuming from step %d starts a new branch: moved the newer %s to %s "
-            "(auto will not return to them; delete the folder when you no longer need it)",
-            step,
+            "checkpoint: resuming from %s starts a new branch: moved %s %s to %s (auto will not "
+            "return to them; delete the folder when you no longer need it)",
+            f"step {step}" if own else resumed,
+            "the newer" if own else "this run's",
             ", ".join(p.name for p in newer),
             target,
         )

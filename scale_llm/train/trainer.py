@@ -112,7 +112,7 @@ class Trainer:
             self.lock.acquire()  # every check passed: from here on this launch owns the dir
             remove_scratch(self.run_dir)  # eval.tasks' of a killed launch
             if self.resume_from is not None:
-                self.checkpointer.abandon_after(self.step)
+                self.checkpointer.abandon_after(self.step, self.resume_from)
             self._write_run_dir()
         self.metrics = MetricsLogger(self.run_dir, writes, cfg, self.step)
         self.collector = callbacks.GarbageCollector(cfg.train.gc_every)
