@@ -310,8 +310,8 @@ def test_a_run_dir_entry_of_the_wrong_kind_is_named(name, make, expected, tmp_pa
 
 def test_metrics_of_the_wrong_kind_or_with_a_torn_line_never_traceback(tmp_path, capsys):
     """metrics.jsonl as a folder (IsADirectoryError before); on resume, a line cut short by a
-    kill mid-write, or not a row (JSONDecodeError / AttributeError before) is dropped, said;
-    the rows past the resumed step move aside (they were deleted)."""
+    kill mid-write, or not a row (JSONDecodeError / AttributeError before) moves aside, said
+    (it was deleted); so do the rows past the resumed step (they were deleted)."""
     from scale_llm.config import load_config
     from scale_llm.log import setup_logging
     from scale_llm.train.metrics import MetricsLogger
@@ -328,9 +328,12 @@ def test_metrics_of_the_wrong_kind_or_with_a_torn_line_never_traceback(tmp_path,
     MetricsLogger(tmp_path, True, cfg, 2).close()
     assert (tmp_path / "metrics.jsonl").read_text() == rows[0] + "\n" + rows[2] + "\n"
     (aside,) = tmp_path.glob("metrics-*.jsonl")
-    assert aside.read_text() == rows[4] + "\n" + rows[5] + "\n"
+    assert aside.read_text() == "\n".join([rows[4], rows[5], rows[1], rows[3]]) + "\n"
     said = capsys.readouterr().out
-    assert "dropped 2 line(s)" in said and f"the 2 row(s) past it moved to {aside}" in said
+    assert (
+        f"2 line(s) of {tmp_path / 'metrics.jsonl'} are not metric rows; moved to {aside}" in said
+    )
+    assert f"the 2 row(s) past it moved to {aside}" in said
 
 
 def test_a_folder_that_is_not_a_run_dir_is_never_written_into(data_dir, tmp_path):

@@ -136,31 +136,35 @@ def _start_rows(path: Path, step: int) -> None:
     """metrics.jsonl as a launch starts: checked again for its kind (it is appended to), then on a
     resume the rows past `step` (the resumed run rewrites them) and on a fresh start an earlier
     attempt's rows moved aside to metrics-<UTC time>.jsonl, as abandoned checkpoints are kept. A
-    line that is not a JSON row (cut short by a kill, or an edit) is dropped with a warning."""
+    line that is not a JSON row (cut short by a kill, or an edit) moves there too, with a
+    warning."""
     check_metrics_file(path)
     if not path.exists():
         return
     if step > 0:
-        keep, past, damaged = [], [], 0
-        for line in path.read_bytes().splitlines():
+        keep, past, damaged = [], [], []
+        for line in path.read_bytes().splitlines(keepends=True):
             row = metric_row(line)
             if row is None:
-                damaged += bool(line.strip())
+                damaged += [line.rstrip(b"\r\n") + b"\n"] if line.strip() else []
             else:
-                (keep if row["step"] <= step else past).append(line.decode("utf-8") + "\n")
-        if damaged:
-            log.warning(f"metrics: dropped {damaged} line(s) of {path} that are not metric rows")
-        if past:  # on disk before the file is cut: a kill between leaves them twice, never none
-            with open(
-                aside := stamped_name(path.parent, "metrics", ".jsonl"), "x", encoding="utf-8"
-            ) as f:
-                f.writelines(past)
+                (keep if row["step"] <= step else past).append(line.rstrip(b"\r\n") + b"\n")
+        if past or damaged:  # on disk before the file is cut: a kill between leaves them twice
+            with open(aside := stamped_name(path.parent, "metrics", ".jsonl"), "xb") as f:
+                f.writelines([*past, *damaged])
                 f.flush()
                 os.fsync(f.fileno())
-            log.info(
-                f"metrics: resuming at step {step}; the {len(past)} row(s) past it moved to {aside}"
-            )
-        atomic_write_text(path, "".join(keep))  # all rows or the old file: never half of it
+            if damaged:
+                log.warning(
+                    f"metrics: {len(damaged)} line(s) of {path} are not metric rows; moved to "
+                    f"{aside}"
+                )
+            if past:
+                log.info(
+                    f"metrics: resuming at step {step}; the {len(past)} row(s) past it moved "
+                    f"to {aside}"
+                )
+        atomic_write_text(path, b"".join(keep).decode("utf-8"))  # all rows or the old file
     elif path.stat().st_size:  # (an empty file holds nothing to keep)
         path.rename(aside := stamped_name(path.parent, "metrics", ".jsonl"))
         log.warning(f"metrics: a fresh start; the rows of the earlier attempt moved to {aside}")
