@@ -1055,8 +1055,7 @@ CORPUS_SKIPS = {
 # ====================================================================================== checkpoints
 def _missing_record(how: str) -> Callable[[Path], str]:
     """Deleting integrity.json (or emptying it) turned the check off: the checkpoint was resumed
-    as it was. For a checkpoint whose trainer state says it was written with a record, that is
-    damage."""
+    as it was. Every checkpoint is saved with one: that is damage."""
 
     def damage(ckpt: Path) -> str:
         from scale_llm.components.checkpoint import INTEGRITY
@@ -1064,7 +1063,7 @@ def _missing_record(how: str) -> Callable[[Path], str]:
         record = json.loads((ckpt / INTEGRITY).read_text())
         if how == "removed":
             (ckpt / INTEGRITY).unlink()
-            return "integrity.json is missing, but"
+            return "integrity.json is missing (every checkpoint is saved with one"
         if how == "no files":
             (ckpt / INTEGRITY).write_text('{"files": {}}')
             return "does not list trainer.pt"

@@ -1,5 +1,5 @@
-"""Artifacts that are good, or old, are taken as they are: a checkpoint written before
-integrity records existed, a checkpoint the user names through a symlink (its target checked),
+"""Artifacts that are good are taken as they are: a checkpoint the user names through a
+symlink (its target checked),
 a good trainer state and a good export; eval reuses an export, and merges a record, only for
 the same checkpoint bytes. (Damaged, foreign or impossible artifacts: tests/test_errors.py.)
 """
@@ -38,20 +38,22 @@ def resume_auto(data_dir: Path, tmp_path: Path, *overrides: str) -> Trainer:
     return trainer_for(cfg)
 
 
-# ----------------------------------------------------------------------------- 1: old checkpoints
+# ----------------------------------------------------------------------------- 1: no record
 
 
-def test_a_checkpoint_from_before_records_is_taken_as_it_is(four_steps, data_dir, tmp_path):
-    """Checkpoints written before integrity records existed carry no mark in trainer.pt."""
+def test_a_checkpoint_without_its_record_is_damaged_mark_or_not(four_steps, data_dir, tmp_path):
+    """A checkpoint without integrity.json, its trainer.pt's mark removed too, was taken as one
+    from before records (no trainer-state format this reads was ever saved without one): its
+    files were never checked. auto now falls back to the older checkpoint."""
     run = copy_run(four_steps, tmp_path)
     ckpt = run / "checkpoints" / STEP4
     state = load_file(ckpt / "trainer.pt")
     del state["integrity"]
     save_file(state, ckpt / "trainer.pt")
     (ckpt / INTEGRITY).unlink()
-    assert damage(ckpt) is None
+    assert "integrity.json is missing" in damage(ckpt)
     tr = resume_auto(data_dir, tmp_path)
-    assert tr.step == 4
+    assert tr.step == 2
     tr.lock.release()
 
 

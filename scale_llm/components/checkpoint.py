@@ -50,7 +50,7 @@ FORMAT_SINCE = "1c59fbf of 2026-12-03"  # the scale_llm that first wrote TRAINER
 DCP_DIR = "dcp"  # torch.distributed.checkpoint: model + optimizer, keyed by parameter name
 DEEPSPEED_DIR = "deepspeed"  # DeepSpeed's own files (its engine's tag): each rank's partitions
 INTEGRITY = "integrity.json"  # size + xxh3-64 of every other file: written last
-RECORDED = "integrity"  # in trainer.pt when written with a record: its absence is then damage
+RECORDED = "integrity"  # in trainer.pt: saved with a record (every checkpoint is)
 MAX_RECORD_BYTES = 64 << 20  # a record lists a few entries per rank (~100 bytes each)
 # one of them names the model's weights (DeepSpeed's: rank 0's model states, ZeRO 0-2 or 3)
 WEIGHT_FILES = (f"{DCP_DIR}/.metadata", *(f"{DEEPSPEED_DIR}/{name}" for name in MODEL_STATES))
@@ -396,13 +396,12 @@ class _Damage(Exception):
 def damage(ckpt_dir: Path, checksums: bool = True) -> str | None:
     """What is wrong with a checkpoint's files (one line naming the file), or None: each file
     no symlink, listed in integrity.json with its size and checksum (skipped without
-    `checksums`: `scale-llm runs`); a missing record is damage where trainer.pt says RECORDED."""
+    `checksums`: `scale-llm runs`); a missing record is damage."""
     if links := sorted(p for p in ckpt_dir.rglob("*") if p.is_symlink()):
         link = f"{links[0]} is a symlink (to {os.readlink(links[0])})"
         return f"{link}; a checkpoint holds only the files its run wrote"
     try:
-        if (files := read_record(ckpt_dir)) is None:
-            return None
+        files = read_record(ckpt_dir)
     except _Damage as e:
         return str(e)
     record = ckpt_dir / INTEGRITY
@@ -419,17 +418,12 @@ def damage(ckpt_dir: Path, checksums: bool = True) -> str | None:
     return None
 
 
-def read_record(ckpt_dir: Path) -> Record | None:
-    """The checked `files` of a checkpoint's integrity record ({name: {size, xxh3_64}}), or None
-    for a checkpoint written before records existed; _Damage for a record of any other shape."""
+def read_record(ckpt_dir: Path) -> Record:
+    """The checked `files` of a checkpoint's integrity record ({name: {size, xxh3_64}});
+    _Damage for a missing one or one of any other shape."""
     path = ckpt_dir / INTEGRITY
-    if not path.exists() and not path.is_symlink():
-        if _written_with_record(ckpt_dir):
-            raise _Damage(
-                f"{path} is missing, but {ckpt_dir / TRAINER_STATE} says the checkpoint was "
-                f"written with one (removed after the save)"
-            )
-        return None
+    if not path.exists() and not path.is_symlink():  # (every trainer-state format 3 has one)
+        raise _Damage(f"{path} is missing (every checkpoint is saved with one: removed after)")
     if path.is_symlink() or not path.is_file():
         raise _Damage(f"{path} is {describe_kind(path)}, not the record file")
     if path.stat().st_size > MAX_RECORD_BYTES:
@@ -477,26 +471,12 @@ def _check_entry(path: Path, name: Any, entry: Any) -> None:
         )
 
 
-def _written_with_record(ckpt_dir: Path) -> bool:
-    """Whether trainer.pt carries the mark of a version that writes integrity records."""
-    if not (ckpt_dir / TRAINER_STATE).is_file():
-        return False
-    try:
-        state = load_file(ckpt_dir / TRAINER_STATE)
-    except UserError as e:  # unreadable, with no record to tell what it should hold
-        raise _Damage(str(e).split(";")[0]) from None
-    return isinstance(state, dict) and state.get(RECORDED) is True
-
-
 def checkpoint_digest(ckpt_dir: Path) -> str:
-    """One xxh3-64 over the checkpoint's integrity record (or the record it would have had):
-    equal digests mean the same bytes."""
+    """One xxh3-64 over the checkpoint's integrity record: equal digests mean the same bytes."""
     try:
         files = read_record(ckpt_dir)
     except _Damage as e:
         raise UserError(f"{ckpt_dir} is damaged: {e}; pick another checkpoint") from None
-    if files is None:
-        files = integrity_record(ckpt_dir)
     canonical = {k: {"size": v["size"], "xxh3_64": v["xxh3_64"]} for k, v in files.items()}
     return digests.text_digest(json.dumps(canonical, sort_keys=True, separators=(",", ":")))
 
@@ -521,7 +501,7 @@ def read_trainer_state(ckpt_dir: Path) -> dict[str, Any]:
     return state
 
 
-# Every key of a trainer state in the current format (RECORDED aside: its absence has a meaning).
+# Every key of a trainer state in the current format (and RECORDED).
 TRAINER_KEYS = tuple(
     "format step data rng skipped_steps bad_streak config plan tokenizer_sha256 backend".split()
 )
