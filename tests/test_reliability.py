@@ -349,6 +349,36 @@ def test_out_of_disk_in_a_background_write_is_the_foreground_saves_error(
     assert kept == [CHECKPOINTS_CLAIM, "step_00000002"]
 
 
+def test_the_run_lock_outlives_a_background_save_a_second_ctrl_c_left(
+    data_dir, tmp_path, monkeypatch
+):
+    """A second Ctrl-C while the end of training waited for a background save: the run's locks
+    were released while the save still wrote into the checkpoints folder (a new launch took
+    them, and two processes pruned and renamed there)."""
+    from scale_llm.train import callbacks
+
+    cfg = make_config(data_dir, tmp_path, "checkpoint.every=2", "checkpoint.async_mode=async")
+    tr = trainer_for(cfg)
+    locks = [lock.path for lock in tr.lock.locks]
+    publish, held = Checkpointer._publish, []
+
+    def slow(self, tmp, final, *args, **kwargs):
+        time.sleep(0.5)  # (the Ctrl-C lands meanwhile)
+        held.append([path.exists() for path in locks])
+        return publish(self, tmp, final, *args, **kwargs)
+
+    def interrupted(self, trainer, failing):  # the wait for step 4's save, cut by Ctrl-C
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Checkpointer, "_publish", slow)
+    monkeypatch.setattr(callbacks.Checkpoints, "end", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tr.fit()
+    tr.checkpointer._publisher.shutdown(wait=True)
+    assert held == [[True, True], [True, True]]  # (steps 2 and 4)
+    assert not any(path.exists() for path in locks)  # released after
+
+
 def test_torchrun_restarts_a_killed_rank_and_the_run_resumes(data_dir, root, reference):
     name = "restarted"
     args = [*common(data_dir, root, name), *sets(*BACKENDS["ddp"], *SPLIT)]

@@ -217,6 +217,16 @@ class Checkpointer:
             log.warning("checkpoint: %s was not saved: %s", final, e)
             return None
 
+    def drain(self) -> None:
+        """Return once this Checkpointer's thread is idle (a save in flight published, or failed
+        and cleaned up), Ctrl-C or not: the run's locks must outlive its writes."""
+        idle = self._publisher.submit(lambda: None)  # (one thread: runs after the save)
+        while True:
+            try:
+                return idle.result()
+            except KeyboardInterrupt:
+                log.warning("checkpoint: finishing the save in flight before exiting")
+
     def _publish(self, tmp: Path, final: Path, written: digests.Recorded, group: Any = None):
         """Once every rank has written: the integrity record, the rename, pruning (main rank)."""
         barrier(group)

@@ -211,6 +211,7 @@ class Trainer:
             finally:
                 result.seconds = self.clock.elapsed()
                 self.loader.close()
+                self.checkpointer.drain()  # (a save left running by a second Ctrl-C)
                 self.lock.release()
         result.steps = self.step
         return result
