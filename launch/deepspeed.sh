@@ -94,6 +94,34 @@ env_line() {  # print NAME=VALUE if the runner's shell command takes it as data
   return 1
 }
 
+# The runner also joins the train arguments into that command, in "..." only those holding a
+# space (where $, ` and \ still act), and cds to this folder unquoted: each must arrive as
+# written. Its own exports of NCCL*, PYTHON*, UCX*, MLFLOW* and MV2* follow env_line's rule.
+check_node_command() {
+  local arg var plain="[\$\`\\\"';&|<>(){}*?#[:cntrl:]]" quoted='[$`\\[:cntrl:]]'
+  local folder='[^A-Za-z0-9_./@%+,:=-]'
+  for arg in "$@"; do
+    if [[ "$arg" == *" "* && "$arg" =~ $quoted ]] || [[ "$arg" != *" "* && "$arg" =~ $plain ]]
+    then
+      echo "deepspeed.sh: with HOSTFILE, DeepSpeed's runner hands the train arguments to every" \
+        "node inside a shell command, where '${arg:0:60}' would not arrive as written (\$, \`," \
+        "\\, and without a space quotes, ;&|<>(){}*?# act there): set it in the YAML config" >&2
+      exit 2
+    fi
+  done
+  if [[ "$PWD" =~ $folder ]]; then
+    echo "deepspeed.sh: with HOSTFILE, DeepSpeed's runner starts every node with an unquoted" \
+      "'cd $PWD;', which that folder's name would break or extend: run from a folder whose" \
+      "path holds only letters, digits and _./@%+,:=-" >&2
+    exit 2
+  fi
+  while read -r var; do
+    if [[ "$var" =~ ^(NCCL|PYTHON|UCX|MLFLOW|MV2) ]]; then
+      env_line "the environment" "$var=${!var}" > /dev/null || exit 2
+    fi
+  done < <(compgen -e)
+}
+
 # A port nothing listens on, for a one-node run without MASTER_PORT (DeepSpeed's default, 29500,
 # is every run's: a second run on the node failed to start), as torchrun --standalone picks one.
 free_port() {
@@ -178,6 +206,7 @@ if [[ -n "${HOSTFILE:-}" ]]; then
       "or unset it for a one-node run" >&2
     exit 2
   fi
+  check_node_command "$@"
   launcher+=(--hostfile "$HOSTFILE")
   [[ -n "${MASTER_ADDR:-}" ]] && launcher+=(--master_addr "$MASTER_ADDR")
   env_file="$(mktemp "${TMPDIR:-/tmp}/scale_llm-deepspeed_env.XXXXXX")"

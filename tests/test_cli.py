@@ -587,6 +587,20 @@ def test_deepspeed_hands_the_other_nodes_the_launchers_environment(tmp_path):
     (tmp_path / ".deepspeed_env").unlink()
     proc = launch("deepspeed.sh", env | {"SCALE_LLM_X": "`touch ran`"}, cwd=tmp_path)
     assert proc.returncode == 2 and "the environment sets SCALE_LLM_X: DeepSpeed" in proc.stderr
+    # the runner joins the train arguments into that command too (quoting only those with a
+    # space, in "..."), exports PYTHON* etc. itself, and cds to the folder unquoted: each ran
+    for arg in ["run.name=x`touch ran`", "eval.sample_prompt=$(touch ran) now", "a=b;id"]:
+        proc = launch("deepspeed.sh", env, "--set", arg, cwd=tmp_path)
+        assert proc.returncode == 2 and "would not arrive as written" in proc.stderr, arg
+    proc = launch("deepspeed.sh", env | {"PYTHONX": "$(touch ran)"}, cwd=tmp_path)
+    assert proc.returncode == 2 and "the environment sets PYTHONX: DeepSpeed" in proc.stderr
+    (tmp_path / "my work").mkdir()
+    proc = launch("deepspeed.sh", env | hosts, cwd=tmp_path / "my work")
+    assert proc.returncode == 2 and "with an unquoted 'cd " in proc.stderr
+    prompt = "eval.sample_prompt=def f(x): return {'a': x[0]}"  # (in "...": arrives as written)
+    proc = launch("deepspeed.sh", env, "--set", prompt, "--set", "x[0].y=3", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert not (tmp_path / "ran").exists()
 
 
 def test_deepspeed_sh_says_when_it_builds_ops_and_takes_a_free_port(tmp_path):
