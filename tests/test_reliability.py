@@ -354,13 +354,16 @@ def test_the_run_lock_outlives_a_background_save_a_second_ctrl_c_left(
 ):
     """A second Ctrl-C while the end of training waited for a background save: the run's locks
     were released while the save still wrote into the checkpoints folder (a new launch took
-    them, and two processes pruned and renamed there)."""
+    them, and two processes pruned and renamed there). And a second SIGTERM meanwhile (Slurm's
+    and the launcher's, say) killed the process with the last save half written: it is taken as
+    the first was, through the end."""
     from scale_llm.train import callbacks
+    from scale_llm.train.guards import StopSignals
 
     cfg = make_config(data_dir, tmp_path, "checkpoint.every=2", "checkpoint.async_mode=async")
     tr = trainer_for(cfg)
     locks = [lock.path for lock in tr.lock.locks]
-    publish, held = Checkpointer._publish, []
+    publish, held, on_term = Checkpointer._publish, [], []
 
     def slow(self, tmp, final, *args, **kwargs):
         time.sleep(0.5)  # (the Ctrl-C lands meanwhile)
@@ -368,6 +371,7 @@ def test_the_run_lock_outlives_a_background_save_a_second_ctrl_c_left(
         return publish(self, tmp, final, *args, **kwargs)
 
     def interrupted(self, trainer, failing):  # the wait for step 4's save, cut by Ctrl-C
+        on_term.append(getattr(signal.getsignal(signal.SIGTERM), "__self__", None))
         raise KeyboardInterrupt
 
     monkeypatch.setattr(Checkpointer, "_publish", slow)
@@ -377,6 +381,7 @@ def test_the_run_lock_outlives_a_background_save_a_second_ctrl_c_left(
     tr.checkpointer._publisher.shutdown(wait=True)
     assert held == [[True, True], [True, True]]  # (steps 2 and 4)
     assert not any(path.exists() for path in locks)  # released after
+    assert [type(handler) for handler in on_term] == [StopSignals]
 
 
 def test_torchrun_restarts_a_killed_rank_and_the_run_resumes(data_dir, root, reference):

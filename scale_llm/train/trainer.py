@@ -180,8 +180,9 @@ class Trainer:
         log.info("plan: %s", self.plan.describe())
         self.clock = Throughput(self.plan.tokens_per_step, t.max_steps, self.step)
         started: list[callbacks.Callback] = []
-        try:
-            with StopSignals() as signals:
+        # a stop signal while the end runs (the last save written) is taken as the first was
+        with StopSignals() as signals:
+            try:
                 for callback in self.callbacks:
                     callback.start(self)
                     started.append(callback)
@@ -205,14 +206,14 @@ class Trainer:
                         log.info(f"stop: {end.stop} after step {self.step}; {then}")
                         result.stopped = end.stop
                         break
-        finally:
-            try:
-                self._end(started, failing=sys.exc_info()[0] is not None)
             finally:
-                result.seconds = self.clock.elapsed()
-                self.loader.close()
-                self.checkpointer.drain()  # (a save left running by a second Ctrl-C)
-                self.lock.release()
+                try:
+                    self._end(started, failing=sys.exc_info()[0] is not None)
+                finally:
+                    result.seconds = self.clock.elapsed()
+                    self.loader.close()
+                    self.checkpointer.drain()  # (a save left running by a second Ctrl-C)
+                    self.lock.release()
         result.steps = self.step
         return result
 
