@@ -90,29 +90,40 @@ env_line() {  # print NAME=VALUE if the runner's shell command takes it as data
   echo "deepspeed.sh: $1 sets ${name:0:60}: DeepSpeed's multi-node runner puts each NAME=VALUE" \
     "into a shell command it runs on every node, where this line would run as code: a NAME" \
     "must be a variable name, and a VALUE may name variables (\$NAME, \${NAME}) but hold no" \
-    "other \$, no \`, \", \\ or control character. Fix it, or set it in each node's environment" >&2
+    "other \$, no \`, \", \\ or control character. Fix it, or set it in each node's environment" \
+    "$([[ "$1" == "the environment" ]] && echo "(and unset it here: the runner passes it on)")" >&2
   return 1
 }
 
 # The runner also joins the train arguments into that command, in "..." only those holding a
-# space (where $, ` and \ still act), and cds to this folder unquoted: each must arrive as
+# space (where $, ` and \ still act), and cds to this folder (its real path) and names
+# MASTER_ADDR unquoted; pdsh then replaces %h, %n, ... anywhere in it: each must arrive as
 # written. Its own exports of NCCL*, PYTHON*, UCX*, MLFLOW* and MV2* follow env_line's rule.
 check_node_command() {
-  local arg var plain="[\$\`\\\"';&|<>(){}*?#[:cntrl:]]" quoted='[$`\\[:cntrl:]]'
-  local folder='[^A-Za-z0-9_./@%+,:=-]'
+  local arg var plain="[\$\`\\\"';&|<>(){}*?#%[:cntrl:]]" quoted='[$`\\%[:cntrl:]]'
+  local folder='[^A-Za-z0-9_./@+,:=-]' here
+  here="$(pwd -P)"
   for arg in "$@"; do
-    if [[ "$arg" == *" "* && "$arg" =~ $quoted ]] || [[ "$arg" != *" "* && "$arg" =~ $plain ]]
+    if [[ -z "$arg" || ( "$arg" == *" "* && "$arg" =~ $quoted ) ||
+      ( "$arg" != *" "* && "$arg" =~ $plain ) ]]
     then
       echo "deepspeed.sh: with HOSTFILE, DeepSpeed's runner hands the train arguments to every" \
-        "node inside a shell command, where '${arg:0:60}' would not arrive as written (\$, \`," \
-        "\\, and without a space quotes, ;&|<>(){}*?# act there): set it in the YAML config" >&2
+        "node inside a shell command, where '${arg:0:60}' would not arrive as written (an empty" \
+        "one vanishes; \$, \`, \\ and % act there, and without a space quotes and" \
+        ";&|<>(){}*?#): set it in the YAML config" >&2
       exit 2
     fi
   done
-  if [[ "$PWD" =~ $folder ]]; then
+  if [[ "$here" =~ $folder ]]; then
     echo "deepspeed.sh: with HOSTFILE, DeepSpeed's runner starts every node with an unquoted" \
-      "'cd $PWD;', which that folder's name would break or extend: run from a folder whose" \
-      "path holds only letters, digits and _./@%+,:=-" >&2
+      "'cd $here;', which that folder's name would break or extend: run from a folder whose" \
+      "path holds only letters, digits and _./@+,:=-" >&2
+    exit 2
+  fi
+  if [[ -n "${MASTER_ADDR:-}" && ! "$MASTER_ADDR" =~ ^[A-Za-z0-9._:-]+$ ]]; then
+    echo "deepspeed.sh: MASTER_ADDR='${MASTER_ADDR:0:60}' is not a host name or address, and" \
+      "DeepSpeed's runner puts it unquoted into the command every node runs: give the first" \
+      "node's host name or IP address" >&2
     exit 2
   fi
   while read -r var; do

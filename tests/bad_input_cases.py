@@ -1420,6 +1420,15 @@ def _format_1_with_a_scaler(ctx: Ctx) -> Setup:
     return Setup(argv, expect=said, then=never_ran)
 
 
+def _format_1_before_records(ctx: Ctx) -> list[str]:
+    """Format 1 from before integrity records: named as that format, not as damaged (auto then
+    said every checkpoint was damaged: restore a copy)."""
+    ckpt = ctx.run() / "checkpoints" / STEP4
+    rewrite_state(ckpt, format=1)
+    (ckpt / "integrity.json").unlink()
+    return ["train", ctx.config("checkpoint.every=2", "train.max_steps=6")]
+
+
 def _convert_over_an_older_output(ctx: Ctx) -> Setup:
     """A convert file without "qkv_layout" (q, k, v stacked, before 14fc0dd) was replaced by
     --force as convert's own; now it is named and left alone."""
@@ -1535,6 +1544,7 @@ CHECKPOINTS = [
         for command in ("train", "convert", "generate", "export")
     ],
     ("train: a checkpoint in format 1 with scaler.pt", _format_1_with_a_scaler, OLD_FORMAT),
+    ("train: a checkpoint in format 1 without a record", _format_1_before_records, OLD_FORMAT),
     ("convert --force over an older convert file", _convert_over_an_older_output, ()),
 ]
 

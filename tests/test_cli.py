@@ -589,16 +589,28 @@ def test_deepspeed_hands_the_other_nodes_the_launchers_environment(tmp_path):
     assert proc.returncode == 2 and "the environment sets SCALE_LLM_X: DeepSpeed" in proc.stderr
     # the runner joins the train arguments into that command too (quoting only those with a
     # space, in "..."), exports PYTHON* etc. itself, and cds to the folder unquoted: each ran
-    for arg in ["run.name=x`touch ran`", "eval.sample_prompt=$(touch ran) now", "a=b;id"]:
+    # (pdsh replaces %n by the node's number anywhere: run.name=lr%n named a run per node)
+    for arg in [
+        "run.name=x`touch ran`",
+        "eval.sample_prompt=$(touch ran) now",
+        "a=b;id",
+        "lr%n",
+        "",
+    ]:
         proc = launch("deepspeed.sh", env, "--set", arg, cwd=tmp_path)
         assert proc.returncode == 2 and "would not arrive as written" in proc.stderr, arg
     proc = launch("deepspeed.sh", env | {"PYTHONX": "$(touch ran)"}, cwd=tmp_path)
     assert proc.returncode == 2 and "the environment sets PYTHONX: DeepSpeed" in proc.stderr
+    proc = launch("deepspeed.sh", env | {"MASTER_ADDR": "x;touch ran"}, cwd=tmp_path)
+    assert proc.returncode == 2 and "MASTER_ADDR='x;touch ran' is not a host" in proc.stderr
     (tmp_path / "my work").mkdir()
-    proc = launch("deepspeed.sh", env | hosts, cwd=tmp_path / "my work")
-    assert proc.returncode == 2 and "with an unquoted 'cd " in proc.stderr
+    (tmp_path / "plain").symlink_to(tmp_path / "my work")  # (the runner cds to the real path)
+    for folder in ("my work", "plain"):
+        proc = launch("deepspeed.sh", env | hosts, cwd=tmp_path / folder)
+        assert proc.returncode == 2 and "with an unquoted 'cd " in proc.stderr, folder
     prompt = "eval.sample_prompt=def f(x): return {'a': x[0]}"  # (in "...": arrives as written)
-    proc = launch("deepspeed.sh", env, "--set", prompt, "--set", "x[0].y=3", cwd=tmp_path)
+    cluster = {"NCCL_SOCKET_IFNAME": "^lo,docker0", "MASTER_ADDR": "10.0.0.1"}
+    proc = launch("deepspeed.sh", env | cluster, "--set", prompt, "--set", "x[0].y=3", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert not (tmp_path / "ran").exists()
 

@@ -328,7 +328,7 @@ def test_metrics_of_the_wrong_kind_or_with_a_torn_line_never_traceback(tmp_path,
     MetricsLogger(tmp_path, True, cfg, 2).close()
     assert (tmp_path / "metrics.jsonl").read_text() == rows[0] + "\n" + rows[2] + "\n"
     (aside,) = tmp_path.glob("metrics-*.jsonl")
-    assert aside.read_text() == "\n".join([rows[4], rows[5], rows[1], rows[3]]) + "\n"
+    assert aside.read_text() == "\n".join([rows[1], rows[3], rows[4], rows[5]]) + "\n"
     said = capsys.readouterr().out
     assert (
         f"2 line(s) of {tmp_path / 'metrics.jsonl'} are not metric rows; moved to {aside}" in said

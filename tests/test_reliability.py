@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -382,6 +383,23 @@ def test_the_run_lock_outlives_a_background_save_a_second_ctrl_c_left(
     assert held == [[True, True], [True, True]]  # (steps 2 and 4)
     assert not any(path.exists() for path in locks)  # released after
     assert [type(handler) for handler in on_term] == [StopSignals]
+    # the wait goes on through one more Ctrl-C; the next is raised (the locks stay held)
+    import threading
+    from concurrent.futures import Future
+
+    gate, calls = threading.Event(), []
+    tr.checkpointer._publisher = ThreadPoolExecutor(1)
+    tr.checkpointer._publisher.submit(gate.wait)
+
+    def result(self, timeout=None):
+        calls.append(self)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Future, "result", result)
+    with pytest.raises(KeyboardInterrupt):
+        tr.checkpointer.drain()
+    gate.set()
+    assert len(calls) == 2
 
 
 def test_torchrun_restarts_a_killed_rank_and_the_run_resumes(data_dir, root, reference):
@@ -479,11 +497,17 @@ def test_resuming_an_older_checkpoint_moves_the_newer_ones_aside(data_dir, tmp_p
     trainer_for(make_config(data_dir, tmp_path / "runs", *mine, "train.max_steps=2")).fit()
     own = tmp_path / "runs" / "mine" / "checkpoints"
     kept = (own / "step_00000002" / "trainer.pt").read_bytes()
+    (own / "step_notes").mkdir()  # (not a checkpoint: stays)
     onto = [*mine, "train.max_steps=5", f"checkpoint.resume={ckpts / 'step_00000004'}"]
     trainer_for(make_config(data_dir, tmp_path / "runs", *onto)).fit()
     moved = own.glob("abandoned-*/step_00000002/trainer.pt")
     assert [p.read_bytes() for p in moved] == [kept]
-    assert sorted(p.name for p in own.glob("step_*")) == ["step_00000005"]
+    assert sorted(p.name for p in own.glob("step_*")) == ["step_00000005", "step_notes"]
+    # and its metric rows: another history, so none stays beside the new branch's
+    rows = own.parent / "metrics.jsonl"
+    assert [json.loads(x)["step"] for x in rows.read_text().splitlines()] == [5]
+    (aside,) = own.parent.glob("metrics-*.jsonl")
+    assert [json.loads(x)["step"] for x in aside.read_text().splitlines()] == [1, 2]
 
 
 # ----------------------------------------------------------------------------- damage

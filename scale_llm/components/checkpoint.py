@@ -130,14 +130,12 @@ class Checkpointer:
         """Move every checkpoint newer than `step` (a resume starts a new branch), or every one
         where `resumed` lies outside this folder (another history: pruning would delete them),
         into checkpoints/abandoned-<UTC time>/, deleting nothing (main rank); the folder or None."""
-        try:
-            own = os.path.samefile(resumed.parent, self.dir)
-        except OSError:  # (no folder yet: nothing to move)
-            own = False
+        own = self.holds(resumed)
         newer = sorted(  # complete or not, damaged or not
             p
             for p in self.dir.glob("step_*")
-            if (_step_of(p) > step or not own) and (p.is_symlink() or p.is_dir())
+            if (_step_of(p) > step or (not own and _step_of(p) >= 0))
+            and (p.is_symlink() or p.is_dir())
         )
         if not newer or not self.is_main:
             return None
@@ -151,6 +149,13 @@ class Checkpointer:
             target,
         )
         return target
+
+    def holds(self, ckpt: Path) -> bool:
+        """Whether checkpoint `ckpt` lies in this folder (this run's history, not another's)."""
+        try:
+            return os.path.samefile(ckpt.parent, self.dir)
+        except OSError:  # (no folder yet)
+            return False
 
     def _move_aside(self, paths: list[Path]) -> Path:
         """Rename `paths` (entries of self.dir) into a new checkpoints/abandoned-<UTC time>/."""
@@ -219,13 +224,14 @@ class Checkpointer:
 
     def drain(self) -> None:
         """Return once this Checkpointer's thread is idle (a save in flight published, or failed
-        and cleaned up), Ctrl-C or not: the run's locks must outlive its writes."""
+        and cleaned up), through one Ctrl-C: the run's locks must outlive its writes. A second
+        one is raised (the caller then keeps its locks until the process exits)."""
         idle = self._publisher.submit(lambda: None)  # (one thread: runs after the save)
-        while True:
-            try:
-                return idle.result()
-            except KeyboardInterrupt:
-                log.warning("checkpoint: finishing the save in flight before exiting")
+        try:
+            return idle.result()
+        except KeyboardInterrupt:
+            log.warning("checkpoint: finishing the save in flight (Ctrl-C again abandons it)")
+        return idle.result()
 
     def _publish(self, tmp: Path, final: Path, written: digests.Recorded, group: Any = None):
         """Once every rank has written: the integrity record, the rename, pruning (main rank)."""
@@ -433,6 +439,12 @@ def read_record(ckpt_dir: Path) -> Record:
     _Damage for a missing one or one of any other shape."""
     path = ckpt_dir / INTEGRITY
     if not path.exists() and not path.is_symlink():  # (every trainer-state format 3 has one)
+        if (ckpt_dir / TRAINER_STATE).is_file():  # an older format's own message (row 4.16)
+            try:
+                state = load_file(ckpt_dir / TRAINER_STATE)
+            except UserError:  # (unreadable: damage, below)
+                state = None
+            refuse_other_format(state, ckpt_dir / TRAINER_STATE)
         raise _Damage(f"{path} is missing (every checkpoint is saved with one: removed after)")
     if path.is_symlink() or not path.is_file():
         raise _Damage(f"{path} is {describe_kind(path)}, not the record file")

@@ -24,6 +24,7 @@ class StopSignals:
 
     def __init__(self) -> None:
         self.received = 0
+        self.ending = False  # (set while the run ends: its last save)
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> StopSignals:
@@ -41,7 +42,10 @@ class StopSignals:
             raise KeyboardInterrupt
         self.received = signum
         name = signal.Signals(signum).name
-        log.warning(f"received {name}: saving a checkpoint after this step, then stopping")
+        if self.ending:
+            log.warning(f"received {name} while the run ends; it finishes its last save first")
+        else:
+            log.warning(f"received {name}: saving a checkpoint after this step, then stopping")
 
 
 def stop_line(signal_name: str, run_dir: Path, max_steps: int, again: str) -> str:

@@ -25,12 +25,17 @@ TEXT_TAGS = {"samples_text": "samples/text"}  # metrics.jsonl key -> TensorBoard
 class MetricsLogger:
     """Appends one JSON object per logged step; mirrors numeric values to the trackers."""
 
-    def __init__(self, run_dir: Path, enabled: bool, cfg: Config, resume_step: int):
+    def __init__(
+        self, run_dir: Path, enabled: bool, cfg: Config, resume_step: int, kept: int | None = None
+    ):
+        """`kept`: the rows (and events) up to this step are this run's history (default
+        resume_step; 0 after another run's checkpoint), the later ones are set aside."""
         self.enabled, self.path = enabled, run_dir / METRICS_FILE
         self.writer = self.wandb = None
         if not enabled:
             return
-        _start_rows(self.path, resume_step)
+        kept = resume_step if kept is None else kept
+        _start_rows(self.path, kept)
         trackers = cfg.logging.tensorboard or cfg.logging.wandb.project
         tracked = flat(to_dict(cfg), tracker=True) if trackers else {}  # as the trackers show it
         if cfg.logging.tensorboard:
@@ -39,7 +44,7 @@ class MetricsLogger:
 
             # Hide every earlier event from this launch's first step on (after a resume or a fresh
             # restart in the same run dir), so no step appears twice.
-            self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step + 1)
+            self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=kept + 1)
             # the run dir holds the hparams session: the HPARAMS tab lists it with its scalars
             metrics = {"loss/val_loss": math.nan, "loss/loss": math.nan}
             for summary in hparams(tracked, metrics):
@@ -142,32 +147,34 @@ def _start_rows(path: Path, step: int) -> None:
     if not path.exists():
         return
     if step > 0:
-        keep, past, damaged = [], [], []
-        for line in path.read_bytes().splitlines(keepends=True):
+        keep, moved, damaged = [], [], 0
+        for line in path.read_bytes().split(b"\n"):  # (in file order; a lone CR stays in its line)
+            if not line.strip():
+                continue
             row = metric_row(line)
-            if row is None:
-                damaged += [line.rstrip(b"\r\n") + b"\n"] if line.strip() else []
-            else:
-                (keep if row["step"] <= step else past).append(line.rstrip(b"\r\n") + b"\n")
-        if past or damaged:  # on disk before the file is cut: a kill between leaves them twice
+            (keep if row is not None and row["step"] <= step else moved).append(line + b"\n")
+            damaged += row is None
+        past = len(moved) - damaged
+        if moved:  # on disk before the file is cut: a kill between leaves them twice
             with open(aside := stamped_name(path.parent, "metrics", ".jsonl"), "xb") as f:
-                f.writelines([*past, *damaged])
+                f.writelines(moved)
                 f.flush()
                 os.fsync(f.fileno())
             if damaged:
                 log.warning(
-                    f"metrics: {len(damaged)} line(s) of {path} are not metric rows; moved to "
-                    f"{aside}"
+                    f"metrics: {damaged} line(s) of {path} are not metric rows; moved to {aside}"
                 )
             if past:
                 log.info(
-                    f"metrics: resuming at step {step}; the {len(past)} row(s) past it moved "
-                    f"to {aside}"
+                    f"metrics: resuming at step {step}; the {past} row(s) past it moved to {aside}"
                 )
         atomic_write_text(path, b"".join(keep).decode("utf-8"))  # all rows or the old file
     elif path.stat().st_size:  # (an empty file holds nothing to keep)
         path.rename(aside := stamped_name(path.parent, "metrics", ".jsonl"))
-        log.warning(f"metrics: a fresh start; the rows of the earlier attempt moved to {aside}")
+        log.warning(
+            f"metrics: a fresh start (or another run's checkpoint); the rows of the earlier "
+            f"attempt moved to {aside}"
+        )
 
 
 def metric_row(line: bytes) -> dict[str, Any] | None:

@@ -114,7 +114,8 @@ class Trainer:
             if self.resume_from is not None:
                 self.checkpointer.abandon_after(self.step, self.resume_from)
             self._write_run_dir()
-        self.metrics = MetricsLogger(self.run_dir, writes, cfg, self.step)
+        own = self.resume_from is None or self.checkpointer.holds(self.resume_from)
+        self.metrics = MetricsLogger(self.run_dir, writes, cfg, self.step, self.step if own else 0)
         self.collector = callbacks.GarbageCollector(cfg.train.gc_every)
         self.nan_guard = callbacks.NaNGuard()
         self.callbacks: list[callbacks.Callback] = [
@@ -207,13 +208,14 @@ class Trainer:
                         result.stopped = end.stop
                         break
             finally:
+                signals.ending = True
                 try:
                     self._end(started, failing=sys.exc_info()[0] is not None)
                 finally:
                     result.seconds = self.clock.elapsed()
                     self.loader.close()
                     self.checkpointer.drain()  # (a save left running by a second Ctrl-C)
-                    self.lock.release()
+                    self.lock.release()  # (not after a third: held until the process exits)
         result.steps = self.step
         return result
 
