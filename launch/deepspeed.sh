@@ -120,6 +120,12 @@ check_node_command() {
       "path holds only letters, digits and _./@+,:=-" >&2
     exit 2
   fi
+  if [[ "$PY" =~ $folder ]]; then
+    echo "deepspeed.sh: with HOSTFILE, DeepSpeed's runner starts every node's processes with" \
+      "this Python's path unquoted ($PY), which its name would break or extend: use a Python" \
+      "(venv) whose path holds only letters, digits and _./@+,:=-" >&2
+    exit 2
+  fi
   if [[ -n "${MASTER_ADDR:-}" && ! "$MASTER_ADDR" =~ ^[A-Za-z0-9._:-]+$ ]]; then
     echo "deepspeed.sh: MASTER_ADDR='${MASTER_ADDR:0:60}' is not a host name or address, and" \
       "DeepSpeed's runner puts it unquoted into the command every node runs: give the first" \

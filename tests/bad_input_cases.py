@@ -1420,13 +1420,19 @@ def _format_1_with_a_scaler(ctx: Ctx) -> Setup:
     return Setup(argv, expect=said, then=never_ran)
 
 
-def _format_1_before_records(ctx: Ctx) -> list[str]:
+def _format_1_before_records(ctx: Ctx) -> Setup:
     """Format 1 from before integrity records: named as that format, not as damaged (auto then
-    said every checkpoint was damaged: restore a copy)."""
-    ckpt = ctx.run() / "checkpoints" / STEP4
-    rewrite_state(ckpt, format=1)
-    (ckpt / "integrity.json").unlink()
-    return ["train", ctx.config("checkpoint.every=2", "train.max_steps=6")]
+    said every checkpoint was damaged: restore a copy); `runs` lists its run (it stopped)."""
+    run = ctx.run()
+    rewrite_state(run / "checkpoints" / STEP4, format=1)
+    (run / "checkpoints" / STEP4 / "integrity.json").unlink()
+
+    def listed():
+        from scale_llm.cli import main
+
+        assert main(["runs", str(run.parent)]) == 0
+
+    return Setup(["train", ctx.config("checkpoint.every=2", "train.max_steps=6")], then=listed)
 
 
 def _convert_over_an_older_output(ctx: Ctx) -> Setup:

@@ -608,6 +608,10 @@ def test_deepspeed_hands_the_other_nodes_the_launchers_environment(tmp_path):
     for folder in ("my work", "plain"):
         proc = launch("deepspeed.sh", env | hosts, cwd=tmp_path / folder)
         assert proc.returncode == 2 and "with an unquoted 'cd " in proc.stderr, folder
+    (tmp_path / "my py").mkdir()  # (its Python's path goes into that command unquoted too)
+    spaced = stand_in_node(tmp_path / "my py", runner) | {"HOME": str(tmp_path), **hosts}
+    proc = launch("deepspeed.sh", spaced, cwd=tmp_path)
+    assert proc.returncode == 2 and "this Python's path unquoted" in proc.stderr
     prompt = "eval.sample_prompt=def f(x): return {'a': x[0]}"  # (in "...": arrives as written)
     cluster = {"NCCL_SOCKET_IFNAME": "^lo,docker0", "MASTER_ADDR": "10.0.0.1"}
     proc = launch("deepspeed.sh", env | cluster, "--set", prompt, "--set", "x[0].y=3", cwd=tmp_path)

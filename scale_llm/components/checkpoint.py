@@ -217,20 +217,23 @@ class Checkpointer:
         try:
             return future.result()
         except BaseException as e:
-            if not failing:
+            if not failing or isinstance(e, KeyboardInterrupt):  # (this thread's, not the save's)
                 raise
             log.warning("checkpoint: %s was not saved: %s", final, e)
             return None
 
     def drain(self) -> None:
         """Return once this Checkpointer's thread is idle (a save in flight published, or failed
-        and cleaned up), through one Ctrl-C: the run's locks must outlive its writes. A second
-        one is raised (the caller then keeps its locks until the process exits)."""
+        and cleaned up): the run's locks must outlive its writes. A Ctrl-C meanwhile is raised
+        (the caller then keeps its locks until the process exits)."""
         idle = self._publisher.submit(lambda: None)  # (one thread: runs after the save)
         try:
-            return idle.result()
-        except KeyboardInterrupt:
-            log.warning("checkpoint: finishing the save in flight (Ctrl-C again abandons it)")
+            return idle.result(timeout=0.1)
+        except TimeoutError:
+            log.warning(
+                "checkpoint: finishing the save in flight before the run's locks are released "
+                "(Ctrl-C again stops waiting; the locks then stay held until the process exits)"
+            )
         return idle.result()
 
     def _publish(self, tmp: Path, final: Path, written: digests.Recorded, group: Any = None):

@@ -43,7 +43,7 @@ class StopSignals:
         self.received = signum
         name = signal.Signals(signum).name
         if self.ending:
-            log.warning(f"received {name} while the run ends; it finishes its last save first")
+            log.warning(f"received {name} while the run ends; its end goes on")
         else:
             log.warning(f"received {name}: saving a checkpoint after this step, then stopping")
 

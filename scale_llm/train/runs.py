@@ -104,7 +104,10 @@ def resumed_checkpoint(folder: Path) -> tuple[tuple[int | None, str | None], lis
     damaged newer ones). Sizes are compared, not checksums: the launch itself reads every byte."""
     damaged = []
     for step, name in reversed(complete_checkpoints(folder)):
-        if damage(folder / name, checksums=False) is None:
+        try:
+            if damage(folder / name, checksums=False) is None:
+                return (step, name), damaged
+        except UserError:  # an older format: auto stops at it, naming it (row 4.16)
             return (step, name), damaged
         damaged.insert(0, name)
     return (None, None), damaged

@@ -215,7 +215,7 @@ class Trainer:
                     result.seconds = self.clock.elapsed()
                     self.loader.close()
                     self.checkpointer.drain()  # (a save left running by a second Ctrl-C)
-                    self.lock.release()  # (not after a third: held until the process exits)
+                    self.lock.release()  # (not after a Ctrl-C in the drain: held until exit)
         result.steps = self.step
         return result
 
