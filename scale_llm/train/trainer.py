@@ -107,6 +107,7 @@ class Trainer:
         if self.spec.resume is not None:
             self.load_state_dict(self.spec.resume.state, self.spec.resume.exact)
         self.cadence = Cadence(cfg, self.step)
+        own = self.resume_from is None or self.checkpointer.holds(self.resume_from)  # (history)
         writes = plan.is_main and not self.complete
         if writes:
             self.lock.acquire()  # every check passed: from here on this launch owns the dir
@@ -114,7 +115,6 @@ class Trainer:
             if self.resume_from is not None:
                 self.checkpointer.abandon_after(self.step, self.resume_from)
             self._write_run_dir()
-        own = self.resume_from is None or self.checkpointer.holds(self.resume_from)
         self.metrics = MetricsLogger(self.run_dir, writes, cfg, self.step, self.step if own else 0)
         self.collector = callbacks.GarbageCollector(cfg.train.gc_every)
         self.nan_guard = callbacks.NaNGuard()
