@@ -120,10 +120,13 @@ check_node_command() {
       "path holds only letters, digits and _./@+,:=-" >&2
     exit 2
   fi
-  if [[ "$PY" =~ $folder ]]; then
+  local node_py  # (the runner's sys.executable: a bare name is found on PATH)
+  node_py="$("$PY" -c 'import sys; print(sys.executable)' 2>/dev/null | tail -n 1)" || true
+  node_py="${node_py:-$PY}"
+  if [[ "$node_py" =~ $folder ]]; then
     echo "deepspeed.sh: with HOSTFILE, DeepSpeed's runner starts every node's processes with" \
-      "this Python's path unquoted ($PY), which its name would break or extend: use a Python" \
-      "(venv) whose path holds only letters, digits and _./@+,:=-" >&2
+      "this Python's path unquoted ($node_py), which its name would break or extend: use a" \
+      "Python (venv) whose path holds only letters, digits and _./@+,:=-" >&2
     exit 2
   fi
   if [[ -n "${MASTER_ADDR:-}" && ! "$MASTER_ADDR" =~ ^[A-Za-z0-9._:-]+$ ]]; then

@@ -612,6 +612,11 @@ def test_deepspeed_hands_the_other_nodes_the_launchers_environment(tmp_path):
     spaced = stand_in_node(tmp_path / "my py", runner) | {"HOME": str(tmp_path), **hosts}
     proc = launch("deepspeed.sh", spaced, cwd=tmp_path)
     assert proc.returncode == 2 and "this Python's path unquoted" in proc.stderr
+    (tmp_path / "named").mkdir()  # (a bare SCALE_LLM_PYTHON: the path it names itself by)
+    itself = '*sys.executable*) echo "/opt/my py/bin/python3";;\n' + runner
+    named = stand_in_node(tmp_path / "named", itself) | {"HOME": str(tmp_path), **hosts}
+    proc = launch("deepspeed.sh", named, cwd=tmp_path)
+    assert proc.returncode == 2 and "unquoted (/opt/my py/bin/python3)" in proc.stderr
     prompt = "eval.sample_prompt=def f(x): return {'a': x[0]}"  # (in "...": arrives as written)
     cluster = {"NCCL_SOCKET_IFNAME": "^lo,docker0", "MASTER_ADDR": "10.0.0.1"}
     proc = launch("deepspeed.sh", env | cluster, "--set", prompt, "--set", "x[0].y=3", cwd=tmp_path)

@@ -389,17 +389,28 @@ def test_the_run_lock_outlives_a_background_save_a_second_ctrl_c_left(
 
     gate, calls = threading.Event(), []
     tr.checkpointer._publisher = ThreadPoolExecutor(1)
-    tr.checkpointer._publisher.submit(gate.wait)
+    tr.checkpointer._publisher.submit(gate.wait, 30)  # (bounded: a failing test still ends)
 
     def result(self, timeout=None):
         calls.append(self)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(Future, "result", result)
+    # in the end's wait, with the run's own error in flight: that error stays the one raised
+    pending = (tmp_path / "step_00000009", Future())
+    tr.checkpointer._pending = pending
+    try:
+        assert tr.checkpointer.wait(failing=True) is None
+    except KeyboardInterrupt:
+        gate.set()
+        pytest.fail("a Ctrl-C in the end's wait replaced the run's own error")
+    tr.checkpointer._pending = pending  # (without one: raised)
     with pytest.raises(KeyboardInterrupt):
+        tr.checkpointer.wait()
+    with pytest.raises(KeyboardInterrupt):  # the drain after it: raised
         tr.checkpointer.drain()
     gate.set()
-    assert len(calls) == 1
+    assert len(calls) == 3
 
 
 def test_torchrun_restarts_a_killed_rank_and_the_run_resumes(data_dir, root, reference):

@@ -107,7 +107,7 @@ def resumed_checkpoint(folder: Path) -> tuple[tuple[int | None, str | None], lis
         try:
             if damage(folder / name, checksums=False) is None:
                 return (step, name), damaged
-        except UserError:  # an older format: auto stops at it, naming it (row 4.16)
+        except UserError:  # another format: auto stops at it, naming it (row 4.16)
             return (step, name), damaged
         damaged.insert(0, name)
     return (None, None), damaged
