@@ -493,6 +493,12 @@ class OwnerLock:
                 f"{self.path} (the lock of {self.what}) is a directory; scale_llm creates this "
                 f"file itself: move the directory away"
             ) from None
+        except PermissionError:  # (another user's launch made it)
+            raise UserError(
+                f"{self.path} (the lock of {self.what}) cannot be opened for writing by this "
+                f"user, so whether a launch holds it cannot be told; {self.fix}, or ask its "
+                f"owner (ls -l {self.path})"
+            ) from None
 
     def _try_flock(self, fd: int, wait: bool) -> bool:
         import fcntl

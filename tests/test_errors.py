@@ -378,7 +378,7 @@ def test_a_live_run_dir_is_refused_and_a_stale_lock_is_taken_over(data_dir, tmp_
     assert result.steps == 1 and not (run_dir / ".lock").exists()  # released at the end
 
 
-def test_a_damaged_or_foreign_lock_is_refused_with_the_fix(tmp_path):
+def test_a_damaged_or_foreign_lock_is_refused_with_the_fix(tmp_path, monkeypatch):
     from scale_llm.files import OwnerLock
 
     path = tmp_path / ".lock"
@@ -390,6 +390,18 @@ def test_a_damaged_or_foreign_lock_is_refused_with_the_fix(tmp_path):
     path.write_text(json.dumps({"pid": 1, "host": "elsewhere"}))
     with pytest.raises(UserError, match="cannot be checked from"):
         OwnerLock(path, "runs/x", "pick another run.name").check()
+    real = os.open  # another user's lock file (as root the check itself is what is tested)
+
+    def refused(p, flags, *args):
+        if Path(p) == path:
+            raise PermissionError(13, "Permission denied")
+        return real(p, flags, *args)
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "open", refused)
+        for attempt in ("check", "acquire"):  # (a traceback before)
+            with pytest.raises(UserError, match=r"cannot be opened for writing by this user, so"):
+                getattr(OwnerLock(path, "runs/x", "pick another run.name"), attempt)()
     path.unlink()
     path.mkdir()
     with pytest.raises(UserError, match="is a directory"):
