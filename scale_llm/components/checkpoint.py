@@ -216,15 +216,15 @@ class Checkpointer:
             log.info("checkpoint: waiting for %s to be written", final.name)
         try:
             return future.result()
-        except KeyboardInterrupt:  # (this thread's, not the save's: `drain` waits again)
-            if not failing:
-                raise
-            log.warning("checkpoint: stopped waiting for %s (Ctrl-C); it is still written", final)
-            return None
         except BaseException as e:
             if not failing:
                 raise
-            log.warning("checkpoint: %s was not saved: %s", final, e)
+            if isinstance(e, KeyboardInterrupt):  # (this thread's, not the save's: drain waits)
+                log.warning(
+                    "checkpoint: stopped waiting for %s (Ctrl-C); it is still written", final
+                )
+            else:
+                log.warning("checkpoint: %s was not saved: %s", final, e)
             return None
 
     def drain(self) -> None:

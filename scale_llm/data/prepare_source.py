@@ -526,6 +526,12 @@ def _write(writers: dict[str, ShardWriter], batch: EncodedBatch, n_docs: int) ->
     return finished + writers["val"].add(tokens[val_tokens], lengths[is_val])
 
 
+NO_DOCUMENTS_FIX = (
+    "use a larger corpus (check data.max_documents / data.max_tokens) or a different "
+    "data.val_fraction"
+)
+
+
 def _finish(writers: dict[str, ShardWriter]) -> dict[str, Any]:
     """Close both splits; a tiny corpus with no validation document gives its last one to val."""
     spans = ""  # why the last train document could not move to val
@@ -539,8 +545,7 @@ def _finish(writers: dict[str, ShardWriter]) -> dict[str, Any]:
                 f" (the last train document is in a finished shard of data.shard_tokens={shard:,})"
             )
     splits = {name: w.close() for name, w in writers.items()}
-    fix = "use a larger corpus (check data.max_documents / data.max_tokens) or a different"
-    fix = "raise data.shard_tokens or data.val_fraction" if spans else f"{fix} data.val_fraction"
+    fix = "raise data.shard_tokens or data.val_fraction" if spans else NO_DOCUMENTS_FIX
     for name in SPLITS:
         if not splits[name]["documents"]:
             raise UserError(f"prepare produced no {name} documents{spans}; {fix}")
