@@ -327,26 +327,34 @@ def _estimate_parser(sub) -> None:
     p.add_argument("--pipeline-rank", type=int, metavar="R", help=rank)
 
 
+def _target_world(args: argparse.Namespace, default) -> tuple[int, str | None]:
+    """The GPUs estimate and bench --roofline predict for, and a line saying why: --world-size,
+    else $WORLD_SIZE under a launcher, else `default()`'s (world, line)."""
+    if args.world_size is not None:
+        if args.world_size < 1:
+            raise UserError(
+                f"--world-size {args.world_size}: use the number of GPUs the run will use, >= 1 "
+                f"(or leave it out for $WORLD_SIZE, else the config's own, else the default)"
+            )
+        return args.world_size, None
+    if "WORLD_SIZE" in os.environ:
+        from scale_llm.config.plan import launch_env
+
+        return launch_env().world_size, None
+    return default()
+
+
 def cmd_estimate(args: argparse.Namespace) -> int:
     from scale_llm.analysis import memory
     from scale_llm.config.plan import launch_env, resolve_plan, target_plan
 
     cfg = config_from_args(args)
-    if args.world_size is not None and args.world_size < 1:
-        raise UserError(
-            f"--world-size {args.world_size}: use the number of GPUs the run will use, >= 1 "
-            f"(or leave it out for $WORLD_SIZE, else the config's own, else 1)"
-        )
+    world, note = _target_world(args, lambda: memory.world_for_estimate(cfg, args.config))
     if args.pipeline_rank is not None and not args.fake:
         raise UserError(
             f"--pipeline-rank {args.pipeline_rank} picks the pipeline rank that --fake traces; "
             f"add --fake, or leave --pipeline-rank out (the estimate reports every pipeline rank)"
         )
-    world, note = args.world_size, None
-    if world is None and "WORLD_SIZE" in os.environ:  # (under a launcher)
-        world = launch_env().world_size
-    if world is None:
-        world, note = memory.world_for_estimate(cfg, args.config)
     plan = target_plan(cfg, world)
     est = memory.estimate(cfg, plan)
     result = est.to_json()
@@ -439,13 +447,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from scale_llm.analysis.roofline import format_roofline, roofline
 
         cfg = config_from_args(args)
-        world = cfg.parallel.world_size or 2  # (a config laid out for N GPUs says N)
-        if "WORLD_SIZE" in os.environ:
-            world = launch_env().world_size
-        if args.world_size is not None:
-            if args.world_size < 1:
-                raise UserError(f"--world-size {args.world_size}: use the GPUs the run will use")
-            world = args.world_size
+        world, _ = _target_world(args, lambda: (cfg.parallel.world_size or 2, None))
         plan = target_plan(cfg, world)
         network = args.network or "ib-ndr"
         r = roofline(cfg, plan.micro_batch_size, plan.grad_accum, args.roofline, world, network)

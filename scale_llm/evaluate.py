@@ -115,13 +115,7 @@ def eval_run(
 
 def check_outputs(run_dir: Path, tasks: bool, tensorboard: bool) -> None:
     """Before any work: eval can write its record, its export and TensorBoard's scalars."""
-    eval_dir = run_dir / "eval"
-    if (eval_dir.exists() or eval_dir.is_symlink()) and not eval_dir.is_dir():
-        raise UserError(
-            f"{eval_dir} is {describe_kind(eval_dir)}, not a directory; eval writes its results "
-            f"there (eval/step_N.json): move it away and run eval again"
-        )
-    targets = [(eval_dir, "its results")]
+    targets = [(run_dir / "eval", "its results (eval/step_N.json)")]
     if tasks:
         targets.append((run_dir / "export", "the export lm-eval reads"))
     if tensorboard:
