@@ -114,10 +114,10 @@ class Ctx:
         return str(path)
 
 
-def needs(module: str) -> None:
+def needs(module: str) -> Any:
     import pytest
 
-    pytest.importorskip(module)
+    return pytest.importorskip(module)
 
 
 # =========================================================================================== config
@@ -1463,6 +1463,25 @@ def _emptied_run_config(ctx: Ctx) -> list[str]:
     return ["generate", str(run), "--prompt", "a"]
 
 
+def _wandb_settings_in_the_launch_folder(ctx: Ctx) -> list[str]:
+    """W&B reads ./wandb/settings of the folder a launch starts from: a planted base_url was
+    where the API key went (the case's folder is the working directory)."""
+    wandb = needs("wandb")
+    (ctx.tmp / "wandb").mkdir()
+    (ctx.tmp / "wandb" / "settings").write_text("[default]\nbase_url = https://x.invalid\n")
+    assert Path(wandb.Settings().settings_workspace) == ctx.tmp / "wandb" / "settings"
+    return ["train", ctx.config("logging.wandb.project=p", "logging.wandb.mode=offline")]
+
+
+def _damaged_wandb_id(ctx: Ctx) -> list[str]:
+    """A resumed run's damaged wandb-id.txt: a UnicodeDecodeError traceback, after config.yaml,
+    metrics.jsonl and the tokenizer copy were rewritten."""
+    needs("wandb")
+    (ctx.run() / "wandb-id.txt").write_bytes(b"\xff\xfe\x00garbage")
+    w = ("logging.wandb.project=p", "logging.wandb.mode=offline")
+    return ["train", ctx.config("train.max_steps=6", *w)]
+
+
 def _exit_step_already_passed(ctx: Ctx) -> list[str]:
     """A time-limited job's exit step at or below the resume step: it trained on to max_steps."""
     ctx.run()
@@ -1470,6 +1489,20 @@ def _exit_step_already_passed(ctx: Ctx) -> list[str]:
 
 
 CHECKPOINTS = [
+    (
+        "train: W&B settings in the launch folder",
+        _wandb_settings_in_the_launch_folder,
+        (
+            "W&B would take its settings from",
+            "wandb/settings, in the folder this launch started from",
+            "move the file away or launch from another folder",
+        ),
+    ),
+    (
+        "train: a damaged W&B run id",
+        _damaged_wandb_id,
+        ("wandb-id.txt does not hold a W&B run id", "or delete the file to log from here on"),
+    ),
     (
         "an exit step the run already passed",
         _exit_step_already_passed,

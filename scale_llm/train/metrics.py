@@ -14,7 +14,7 @@ from typing import Any
 from scale_llm.config import Config, dump_yaml, to_dict
 from scale_llm.errors import UserError, install_hint
 from scale_llm.files import JSONProblem, atomic_write_text, parse_json, stamped_name
-from scale_llm.train.preflight import METRICS_FILE, WANDB_ID_FILE, check_metrics_file
+from scale_llm.train.preflight import METRICS_FILE, WANDB_ID_FILE, check_metrics_file, wandb_id
 from scale_llm.train.resume import flat
 
 log = logging.getLogger(__name__)
@@ -91,16 +91,17 @@ def _start_wandb(cfg: Config, run_dir: Path, resume_step: int, tracked: dict[str
             f"logging.wandb.project={w.project} needs the wandb package: "
             f"{install_hint('wandb')} (or set logging.wandb.project=null)"
         ) from None
-    id_file = run_dir / WANDB_ID_FILE
-    if resume_step == 0 or not id_file.is_file():  # a fresh start is a new W&B run
-        atomic_write_text(id_file, uuid.uuid4().hex[:16] + "\n")
+    run_id = wandb_id(run_dir) if resume_step else None  # (checked by the preflight)
+    if run_id is None:  # a fresh start is a new W&B run
+        run_id = uuid.uuid4().hex[:16]
+        atomic_write_text(run_dir / WANDB_ID_FILE, run_id + "\n")
     try:
         run = wandb.init(
             project=w.project,
             name=w.name or cfg.run.name,
             mode=w.mode,
             dir=str(run_dir),
-            id=id_file.read_text().strip(),
+            id=run_id,
             resume="allow",
             config=tracked,
             # no git state: W&B runs git in the run dir, and git runs the commands a .git/config
@@ -110,9 +111,14 @@ def _start_wandb(cfg: Config, run_dir: Path, resume_step: int, tracked: dict[str
     except wandb.errors.Error as e:  # no API key on this node, the service unreachable, ...
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(
-            f"logging.wandb.project={w.project}: W&B did not start ({first}); log this node in "
-            f"(`wandb login`, or set WANDB_API_KEY), or set logging.wandb.mode=offline to log "
-            f"into the run directory and `wandb sync` it later, or logging.wandb.project=null"
+            f"logging.wandb.project={w.project}: W&B did not start ({first}); "
+            + (
+                "check logging.wandb.* and RUN_DIR/wandb-id.txt, or set logging.wandb.project=null"
+                if w.mode == "offline"
+                else "log this node in (`wandb login`, or set WANDB_API_KEY), or set "
+                "logging.wandb.mode=offline to log into the run directory and `wandb sync` it "
+                "later, or logging.wandb.project=null"
+            )
         ) from None
     log.info(f"wandb: logging to project {w.project}, run {run.id} ({w.mode})")
     return run

@@ -4,8 +4,10 @@ verdict, so one rank's problem stops every rank with a message, not a hang in a 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -120,6 +122,8 @@ def preflight(cfg: Config, plan: RunPlan) -> RunSpec:
             )
         else:
             log.info("init_from: not used: resuming %s (newer weights)", resume.checkpoint)
+    if plan.is_main and cfg.logging.wandb.project:
+        report.check(check_wandb, cfg, resume is not None)
     report.check(check_host_memory, cfg, plan)
     report.check(check_fp8, cfg, plan)  # torchao, an fp8 GPU, the backend
     report.check(check_zero_settings, cfg, plan)  # DeepSpeed's own model of zero_optimization
@@ -228,6 +232,39 @@ def check_exit_step(train: TrainConfig, resume: Resume | None) -> None:
         )
 
 
+def check_wandb(cfg: Config, resumes: bool) -> None:
+    """W&B starts from the run's own settings: no workspace settings file where wandb.init reads
+    one (the folder the launch started from), and a resumed run's id file holds an id."""
+    for path in (Path.cwd() / "wandb" / "settings", Path.cwd() / ".wandb" / "settings"):
+        if path.exists() or path.is_symlink():
+            raise UserError(
+                f"logging.wandb.project={cfg.logging.wandb.project}: W&B would take its settings "
+                f"from {path}, in the folder this launch started from (among them the server it "
+                f"sends your API key to, and a proxy); move the file away or launch from another "
+                f"folder, and keep W&B settings in WANDB_* variables or ~/.config/wandb/settings"
+            )
+    if resumes:
+        wandb_id(cfg.run_dir)
+
+
+def wandb_id(run_dir: Path) -> str | None:
+    """The W&B run id in RUN_DIR/wandb-id.txt (None: no such regular file; check_run_dir
+    refuses other kinds), or a UserError naming the file."""
+    path = run_dir / WANDB_ID_FILE
+    if path.is_symlink() or not path.is_file():
+        return None
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        with open(path, "rb") as f:
+            text = f.read(MAX_WANDB_ID + 2).decode().strip()
+        if re.fullmatch(rf"[A-Za-z0-9_-]{{1,{MAX_WANDB_ID}}}", text):
+            return text
+    raise UserError(
+        f"{path} does not hold a W&B run id (letters, digits, - and _; a run writes 16 hex "
+        f"digits), and a resumed run logs to the W&B run it names: write the id back (the run's "
+        f"W&B page shows it), or delete the file to log from here on as a new W&B run"
+    )
+
+
 def check_run_dir_state(cfg: Config) -> None:
     """The run dir can be written, holds what a run writes there, and no live launch holds it."""
     require_writable_dir(cfg.run_dir, "run.dir / run.name")
@@ -259,6 +296,7 @@ def settle_compile(cfg: Config, plan: RunPlan) -> Config:
 
 METRICS_FILE = "metrics.jsonl"  # one JSON object per logged step
 WANDB_ID_FILE = "wandb-id.txt"  # the W&B run id, so that a resumed run logs to the same run
+MAX_WANDB_ID = 64
 COMM_TRACE = "comm_trace"  # where NCCL's flight recorder writes when a collective times out
 # What the trainer creates in RUN_DIR, by kind: another kind fails at its first write, or blocks.
 RUN_DIR_FOLDERS = {
