@@ -138,6 +138,16 @@ run_prepare() {
   fi
 }
 
+# MASTER_PORT, where set, is a TCP port (torchrun and DeepSpeed took any value: a traceback).
+check_master_port() {
+  if [[ -n "${MASTER_PORT:-}" ]] && ! [[ "$MASTER_PORT" =~ ^[1-9][0-9]{0,4}$ &&
+    "$MASTER_PORT" -le 65535 ]]; then
+    echo "$(basename "$0"): MASTER_PORT='${MASTER_PORT:0:60}' is not a TCP port; set it to a" \
+      "free port from 1 to 65535, the same on every node, or unset it for the default" >&2
+    exit 2
+  fi
+}
+
 require_config() {
   if [[ $# -lt 1 || "$1" == -* ]]; then
     echo "usage: bash $0 CONFIG.yaml [scale-llm train args...]" >&2

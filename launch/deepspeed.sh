@@ -249,6 +249,7 @@ if [[ -z "${HOSTFILE:-}" ]]; then
   # machines over ssh, with the working folder's .deepspeed_env (not a file (/dev/null): none)
   launcher+=(--hostfile /dev/null)
 fi
+check_master_port
 if [[ -n "${MASTER_PORT:-}" ]]; then
   launcher+=(--master_port "$MASTER_PORT")
 elif [[ -z "${HOSTFILE:-}" ]]; then

@@ -36,6 +36,12 @@ if ! [[ "${NODE_RANK:-0}" =~ ^(0|[1-9][0-9]*)$ && "${NODE_RANK:-0}" -lt "$NNODES
     "index: 0 on the node at MASTER_ADDR, $others" >&2
   exit 2
 fi
+if [[ "$NNODES" != "1" && -z "${MASTER_ADDR:-}" ]]; then  # (before node 0 prepares the data)
+  echo "torchrun.sh: NNODES=$NNODES but MASTER_ADDR is not set; set MASTER_ADDR on every node" \
+    "to the address of node 0 (NODE_RANK=0)" >&2
+  exit 2
+fi
+check_master_port
 if [[ "$visible_gpus" -gt 0 && "$NGPU" -gt "$visible_gpus" ]]; then  # two ranks on one GPU
   echo "torchrun.sh: NGPU=$NGPU but this node leaves $visible_gpus GPU(s) visible; set NGPU to" \
     "$visible_gpus or less, or unset it (one process per visible GPU)" >&2
@@ -51,7 +57,7 @@ if [[ "$NNODES" == "1" ]]; then
 else
   run_job tell_workers "${TORCHRUN[@]}" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
     --nproc_per_node "$NGPU" \
-    --master_addr "${MASTER_ADDR:?set MASTER_ADDR to the address of node 0}" \
+    --master_addr "$MASTER_ADDR" \
     --master_port "${MASTER_PORT:-29500}" -m scale_llm train "$@"
 fi
 end_run "$@"

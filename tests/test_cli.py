@@ -813,6 +813,23 @@ def test_torchrun_sh_needs_each_nodes_rank(tmp_path):
     assert "--nnodes 2 --node_rank 1 " in proc.stdout
 
 
+def test_launchers_refuse_a_missing_master_addr_or_a_bad_port_before_any_work(tmp_path):
+    """torchrun.sh on node 0 of 2 without MASTER_ADDR prepared the data, then bash's `:?` said so
+    (exit 1); a MASTER_PORT that is no port reached torchrun / DeepSpeed (a traceback)."""
+    env = stand_in_node(tmp_path, PRINT_LAUNCH + '\nscale_llm) echo "ran $*";;')
+    proc = launch("torchrun.sh", env | {"NNODES": "2", "NODE_RANK": "0"})
+    assert proc.returncode == 2 and not proc.stdout, proc.stdout
+    assert "MASTER_ADDR is not set; set MASTER_ADDR on every node" in proc.stderr
+    multi = {"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "node0"}
+    for script, more in (("torchrun.sh", multi), ("torchrun.sh", {}), ("deepspeed.sh", {})):
+        for port in ("99999", "abc", "0", "-1", "080"):
+            proc = launch(script, env | more | {"MASTER_PORT": port})
+            assert proc.returncode == 2 and not proc.stdout, (script, port, proc.stdout)
+            assert f"{script}: MASTER_PORT='{port}' is not a TCP port" in proc.stderr
+    proc = launch("torchrun.sh", env | multi | {"MASTER_PORT": "65535"})
+    assert proc.returncode == 0 and "--master_port 65535 " in proc.stdout, proc.stderr
+
+
 def test_slurm_sbatch_gives_each_job_its_own_port_and_its_cores(tmp_path):
     """Two jobs on one node both took MASTER_PORT 29500; srun (Slurm 22.05+) does not pass on the
     job's --cpus-per-task by itself."""
@@ -828,6 +845,8 @@ def test_slurm_sbatch_gives_each_job_its_own_port_and_its_cores(tmp_path):
     assert proc.stdout.startswith("13456 --kill-on-bad-exit=1 --cpus-per-task=64 bash -c ")
     proc = launch("slurm.sbatch", env | {"MASTER_PORT": "29999"})
     assert proc.stdout.startswith("29999 "), proc.stderr
+    proc = launch("slurm.sbatch", env | {"MASTER_PORT": "2e4"})
+    assert proc.returncode == 2 and not proc.stdout and "MASTER_PORT='2e4'" in proc.stderr
     # submitted from elsewhere: Slurm runs a spool copy, so the checkout is not found beside it
     proc = launch("slurm.sbatch", env | {"SLURM_SUBMIT_DIR": str(tmp_path)})
     assert proc.returncode == 2 and "is not a scale_llm checkout" in proc.stderr
