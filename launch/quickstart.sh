@@ -6,9 +6,11 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 here="$PWD"
-cd "$root"
 config="${1:-yaml/tiny.yaml}"
 shift $(( $# > 0 ? 1 : 0 ))
+# a config in the folder the script was started from, else the checkout's (the shipped ones)
+if [[ "$config" != /* && -e "$here/$config" ]]; then config="$here/$config"; fi
+cd "$root"
 say() { echo "quickstart.sh: $*"; }
 
 if [[ -x .venv/bin/python ]]; then
@@ -21,12 +23,18 @@ bash launch/setup.sh
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
 start=$(date +%s)
 # What the run will use, read once from the config and the train args: run dir, its parent (the
-# run.dir), data dir, steps.
-{ read -r run_dir; read -r runs; read -r data_dir; read -r steps; } < <(.venv/bin/python -c '
+# run.dir), data dir, steps (a bad config or argument: its one paragraph, exit 2).
+facts="$(.venv/bin/python -c '
 import sys
 from scale_llm.cli import config_from_args, parse_args
-cfg = config_from_args(parse_args(["train", *sys.argv[1:]]))
-print(cfg.run_dir, cfg.run.dir, cfg.data.dir, cfg.train.max_steps, sep="\n")' "$config" "$@")
+from scale_llm.errors import UserError
+try:
+    cfg = config_from_args(parse_args(["train", *sys.argv[1:]]))
+except UserError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+print(cfg.run_dir, cfg.run.dir, cfg.data.dir, cfg.train.max_steps, sep="\n")' "$config" "$@")"
+{ read -r run_dir; read -r runs; read -r data_dir; read -r steps; } <<< "$facts"
 say "[2/4] preparing data in $data_dir (first time only: a tokenizer, then token shards)"
 .venv/bin/scale-llm prepare --as-train "$config" "$@"  # the data the train args ask for
 say "[3/4] training $run_dir for $steps steps (a step line every logging.every steps)"

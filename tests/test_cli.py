@@ -1002,6 +1002,39 @@ def test_the_quickstart_says_each_phase_and_ends_with_the_next_commands(tmp_path
     ]
 
 
+def test_the_quickstart_reads_a_config_from_where_it_started_and_says_a_bad_one(tmp_path):
+    """quickstart.sh looked for CONFIG in the checkout, not in the folder it was started from,
+    and a bad config or argument was a UserError traceback (exit 1)."""
+    root = tmp_path / "checkout"
+    (root / "launch").mkdir(parents=True)
+    (root / "yaml").symlink_to(REPO / "yaml")
+    quickstart = root / "launch" / "quickstart.sh"
+    quickstart.write_text((REPO / "launch" / "quickstart.sh").read_text())
+    (root / "launch" / "setup.sh").write_text(
+        f"mkdir -p .venv/bin\nprintf '#!/bin/sh\\nexec {sys.executable} \"$@\"\\n' > "
+        f".venv/bin/python\nprintf '#!/bin/sh\\necho scale-llm \"$*\"\\n' > "
+        ".venv/bin/scale-llm\nchmod +x .venv/bin/*\n"
+    )
+    here = tmp_path / "elsewhere"
+    here.mkdir()
+    (here / "mine.yaml").write_text(f"base: {REPO / 'yaml/tiny.yaml'}\ntrain: {{max_steps: 7}}\n")
+    run = lambda *args: subprocess.run(
+        ["bash", str(quickstart), *args], cwd=here, capture_output=True, text=True
+    )
+    proc = run("mine.yaml")
+    assert proc.returncode == 0, proc.stderr
+    assert "quickstart.sh: [3/4] training runs/tiny for 7 steps" in proc.stdout
+    assert f"scale-llm train {here / 'mine.yaml'}" in proc.stdout
+    for args, said in (
+        (["nothere.yaml"], "config file nothere.yaml does not exist"),
+        (["yaml/tiny.yaml", "--set", "train.lrr=1"], "train.lrr"),
+    ):
+        proc = run(*args)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.stderr.startswith("error: ") and said in proc.stderr, proc.stderr
+        assert "[2/4]" not in proc.stdout
+
+
 def test_torchrun_waits_long_enough_for_a_stopped_run_to_checkpoint(tmp_path):
     """After forwarding SIGTERM torchrun kills its workers 30 s later by default: less than a
     large model's last steps and checkpoint. The launchers give it 5 minutes (a user's own
