@@ -110,6 +110,11 @@ if [[ "$gpus" -gt 0 && -n "${CUDA_VISIBLE_DEVICES+set}" ]]; then
   IFS=, read -ra listed_ids <<< "$CUDA_VISIBLE_DEVICES"
   for listed_id in ${listed_ids[@]+"${listed_ids[@]}"}; do
     if [[ "$listed_id" == -* ]]; then break; fi
+    if [[ ",${visible_ids[*]+${visible_ids[*]// /,}}," == *",$listed_id,"* ]]; then
+      echo "launch: CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES lists GPU $listed_id twice, and" \
+        "one process a GPU is the layout; list each GPU once" >&2
+      exit 2
+    fi
     if [[ -n "$listed_id" ]]; then visible_ids+=("$listed_id"); fi
   done
   visible_gpus=${#visible_ids[@]}

@@ -488,6 +488,12 @@ def test_the_launchers_use_the_gpus_cuda_visible_devices_leaves(tmp_path):
     # 2xh100.sh on one visible GPU put both its processes on it (NCCL: duplicate GPU)
     proc = launch("2xh100.sh", env | {"CUDA_VISIBLE_DEVICES": "3"})
     assert proc.returncode == 2 and "leaves 1 GPU visible" in proc.stderr and not proc.stdout
+    # a GPU listed twice counted twice: two processes on it
+    for script in ("torchrun.sh", "deepspeed.sh", "2xh100.sh"):
+        proc = launch(script, env | {"CUDA_VISIBLE_DEVICES": "1,1"})
+        assert proc.returncode == 2 and "lists GPU 1 twice" in proc.stderr and not proc.stdout
+    proc = launch("torchrun.sh", env | {"CUDA_VISIBLE_DEVICES": "1,11"})
+    assert "--nproc_per_node 2 " in proc.stdout, proc.stderr
     # more processes than visible GPUs put two on one GPU (NCCL: duplicate GPU)
     proc = launch("torchrun.sh", env | {"NGPU": "3"})
     assert proc.returncode == 2 and "NGPU=3 but this node leaves 2 GPU(s)" in proc.stderr
