@@ -35,7 +35,7 @@ if [[ ! -x "$venv/bin/python" ]]; then
       "3.11 or newer; install it, or name it: PYTHON=python3.12 bash launch/setup.sh" >&2
     exit 2
   fi
-  echo "setup.sh: creating $venv with $($python_bin --version)"
+  echo "setup.sh: creating $venv with $("$python_bin" --version)"
   "$python_bin" -m venv "$venv"
 fi
 if ! "$venv/bin/python" -I -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
