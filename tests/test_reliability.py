@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from scale_llm.components.checkpoint import Checkpointer
+from scale_llm.config import with_changes
 from scale_llm.train.preflight import CHECKPOINTS_CLAIM
 from tests.helpers import (
     BACKENDS,
@@ -25,12 +26,15 @@ from tests.helpers import (
     SPLIT,
     TOL,
     common,
+    copy_run,
     env,
     make_config,
     plan_for,
+    random_texts,
     rows_of,
     run,
     sets,
+    snapshot,
     split_run,
     torchrun,
     trainer_for,
@@ -655,3 +659,35 @@ def test_out_of_disk_advice_names_keep_last_only_where_lowering_it_frees_room(
     with pytest.raises(UserError) as info:
         checkpointer.save(9, full_disk)
     assert str(info.value).endswith(advice), str(info.value)
+
+
+def test_the_launchers_prepare_keeps_the_tokenizer_a_run_resumes_with(
+    four_steps, data_dir, corpus_dir, tmp_path, capsys
+):
+    """Every launcher runs `prepare --as-train` before `train`: a corpus changed since a run's
+    checkpoints rebuilt data.dir with a tokenizer trained on it, and the run could no longer
+    resume (the old data gone). Now that prepare stops before it publishes, data.dir untouched;
+    `checkpoint.resume=never` (no run to resume) keeps nothing."""
+    import shutil
+
+    from scale_llm.cli import main
+    from scale_llm.config import save_config
+    from scale_llm.train.resume import kept_data
+
+    run = copy_run(four_steps, tmp_path)  # trained on data_dir's tokenizer
+    data, corpus = tmp_path / "data", tmp_path / "corpus"
+    shutil.copytree(data_dir, data)
+    shutil.copytree(corpus_dir, corpus)
+    (corpus / "000_new.py").write_text("\n".join(random_texts(300, "new{i}", seed=3)))
+    cfg = make_config(data, tmp_path / "runs", f"data.source={corpus}")
+    cfg = with_changes(cfg, {"data.tokenizer_sample_bytes": 500000, "data.val_fraction": 0.1})
+    save_config(cfg, tmp_path / "run.yaml")
+    assert kept_data(cfg).checkpoint == run / "checkpoints" / "step_00000004"
+    assert kept_data(with_changes(cfg, {"checkpoint.resume": "never"})) is None
+    before = snapshot(data)
+    capsys.readouterr()
+    assert main(["prepare", "--as-train", str(tmp_path / "run.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert f"data.dir={data} would be rebuilt with another tokenizer" in err
+    assert f"{run}/checkpoints/step_00000004 was trained with the one it holds" in err
+    assert "Traceback" not in err and snapshot(data) == before  # no build left, nothing replaced

@@ -6,6 +6,7 @@ fingerprint and counts) and `data.dir/<name>/` per source, so a changed source i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -19,6 +20,7 @@ from scale_llm.config import Config
 from scale_llm.config.data import PER_SOURCE_KEYS, SourceConfig, mixture_weights
 from scale_llm.data.loader import TokenWindows, TrainLoader
 from scale_llm.data.prepare_source import (
+    Kept,
     check_outputs,
     data_dir_lock,
     digest,
@@ -53,8 +55,9 @@ def source_config(cfg: Config, entry: SourceConfig) -> Config:
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **keys))
 
 
-def prepare_mixture(cfg: Config, force: bool = False) -> dict[str, Any]:
-    """Prepare every source of data.sources into data.dir/<name>; returns mixture.json."""
+def prepare_mixture(cfg: Config, force: bool = False, keep: Kept | None = None) -> dict[str, Any]:
+    """Prepare every source of data.sources into data.dir/<name>; returns mixture.json. `keep`:
+    the tokenizer a rebuild must not replace (the sources' changes keep it)."""
     out = Path(cfg.data.dir)
     configs = [source_config(cfg, s) for s in cfg.data.sources]
     sources = _open_all(cfg, configs)  # every unreadable source named before any work
@@ -62,7 +65,7 @@ def prepare_mixture(cfg: Config, force: bool = False) -> dict[str, Any]:
     with data_dir_lock(out):
         mixture = _claim(out, [s.name for s in cfg.data.sources])
         draw = lambda: _sample(cfg, configs, sources)
-        tokenizer = _tokenizer(cfg, out, mixture, bundle, force, draw)
+        tokenizer = _tokenizer(cfg, out, mixture, bundle, force, draw, keep)
         for i, (entry, sub) in enumerate(zip(cfg.data.sources, configs)):
             log.info("data: source %s (%s)", entry.name, sub.data.source)
             if entry.name not in mixture["folders"]:
@@ -180,6 +183,17 @@ def _read(path: Path) -> dict[str, Any] | None:
     return found
 
 
+def tokenizer_sha256(data_dir: str | Path) -> str | None:
+    """The SHA-256 of the tokenizer data.dir's record names (manifest.json, or a mixture's
+    mixture.json); None where there is no readable record."""
+    for name in (MANIFEST, MIXTURE):
+        if (path := Path(data_dir) / name).is_file():
+            with contextlib.suppress(UserError):
+                sha = read_json(path, "a record of prepare's", "", kind=dict).get("tokenizer")
+                return sha.get("sha256") if isinstance(sha, dict) else None
+    return None
+
+
 def _record(manifest: dict[str, Any]) -> dict[str, Any]:
     splits = manifest["splits"]
     counts = {f"{s}_{k}": splits[s][k] for k in ("tokens", "documents") for s in ("train", "val")}
@@ -187,7 +201,7 @@ def _record(manifest: dict[str, Any]) -> dict[str, Any]:
 
 
 def _tokenizer(
-    cfg: Config, out: Path, mixture: dict, bundle: bytes | None, force: bool, draw
+    cfg: Config, out: Path, mixture: dict, bundle: bytes | None, force: bool, draw, keep
 ) -> bytes:
     """The mixture's tokenizer: data.dir's if made with these settings, else made afresh (trained
     on the sample `draw()` returns)."""
@@ -199,6 +213,8 @@ def _tokenizer(
     same = tok and tok["file"] == name and tok.get("fingerprint") == fingerprint
     if not force and same and (out / name).is_file() and file_sha256(out / name) == tok["sha256"]:
         return (out / name).read_bytes()
+    if keep is not None and tok and tok["sha256"] == keep.sha256:  # (retrained in place)
+        raise keep.refuse(out)
     sample = None if bundle is not None else draw()  # (may refuse)
     # mixture.json names the file before it is written: a prepare stopped in between leaves a
     # tokenizer that is provably prepare's (its empty SHA-256 makes the next prepare redo it)

@@ -7,16 +7,19 @@ from typing import Any
 
 from scale_llm.config import Config
 from scale_llm.data.mixture import prepare_mixture
-from scale_llm.data.prepare_source import prepare_source
+from scale_llm.data.prepare_source import Kept, prepare_source
 from scale_llm.errors import UserError
 
 
-def prepare(cfg: Config, force: bool = False) -> dict[str, Any]:
-    """Prepare data.dir; its record: one source's manifest, or a mixture's mixture.json."""
+def prepare(cfg: Config, force: bool = False, keep: Kept | None = None) -> dict[str, Any]:
+    """Prepare data.dir; its record: one source's manifest, or a mixture's mixture.json. With
+    `keep`, a rebuild that would replace data.dir's tokenizer is refused before it publishes."""
     if (shard := cfg.data.shard_tokens) <= (seq := cfg.model.seq_len):  # (before any work)
         raise UserError(
             f"data.shard_tokens={shard} holds no window of model.seq_len + 1 = {seq + 1} tokens "
             f"(a window never crosses shards), so its shards would train nothing; raise "
             f"data.shard_tokens far above model.seq_len"
         )
-    return prepare_mixture(cfg, force) if cfg.data.sources else prepare_source(cfg, force)
+    if cfg.data.sources:
+        return prepare_mixture(cfg, force, keep)
+    return prepare_source(cfg, force, keep=keep)

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +75,30 @@ MARK_KIND = "prepared data"
 OUTPUT_PATTERNS = ("train_*.bin*", "val_*.bin*", SP_FILE, BUNDLE_FILE)  # what prepare publishes
 
 
-def prepare_source(cfg: Config, force: bool = False, tokenizer: bytes | None = None) -> dict:
-    """Prepare `cfg.data.dir` from `cfg.data.source`; the manifest. `tokenizer`: a mixture's."""
+@dataclass(frozen=True)
+class Kept:
+    """data.dir's tokenizer as a run's checkpoint was trained with it: what the launchers' prepare
+    (`--as-train`) must not replace, or that run could not resume."""
+
+    sha256: str
+    checkpoint: Path
+
+    def refuse(self, out: Path) -> UserError:
+        return UserError(
+            f"data.dir={out} would be rebuilt with another tokenizer (its input or settings "
+            f"changed since it was prepared), and {self.checkpoint} was trained with the one it "
+            f"holds: that run could not resume. To continue it, restore the input or settings; "
+            f"for new data, give it a data.dir of its own (and the run a new run.name); to "
+            f"rebuild anyway, run `scale-llm prepare CONFIG` yourself (the launchers skip their "
+            f"prepare with SKIP_PREPARE=1)"
+        )
+
+
+def prepare_source(
+    cfg: Config, force: bool = False, tokenizer: bytes | None = None, keep: Kept | None = None
+) -> dict:
+    """Prepare `cfg.data.dir` from `cfg.data.source`; the manifest. `tokenizer`: a mixture's;
+    `keep`: the tokenizer a rebuild must not replace."""
     out = Path(cfg.data.dir)
     source = open_source(cfg.data)
     bundle = tokenizer if tokenizer is not None else model_tokenizer(cfg)
@@ -87,7 +110,7 @@ def prepare_source(cfg: Config, force: bool = False, tokenizer: bytes | None = N
         _finish_publish(out)
         if (current := _up_to_date(out, fingerprint, force)) is not None:  # made meanwhile
             return current
-        return _build(cfg, source, fingerprint, out, force, bundle)
+        return _build(cfg, source, fingerprint, out, force, bundle, keep)
 
 
 @contextlib.contextmanager
@@ -130,7 +153,13 @@ def model_tokenizer(cfg: Config) -> bytes | None:
 
 
 def _build(
-    cfg: Config, source, fingerprint: str, out: Path, force: bool, bundle: bytes | None
+    cfg: Config,
+    source,
+    fingerprint: str,
+    out: Path,
+    force: bool,
+    bundle: bytes | None,
+    keep: Kept | None,
 ) -> dict[str, Any]:
     """Build the data in out/.prepare-build/, then publish it: until then `out` stays as it was."""
     fresh_build = not (out / BUILD_DIR).exists()
@@ -141,6 +170,8 @@ def _build(
         progress, writers, stream = _resume(cfg, source, build, fingerprint, force) or _fresh(
             cfg, source, build, fingerprint, bundle
         )
+        if keep is not None and progress["tokenizer_sha256"] != keep.sha256:
+            raise keep.refuse(out)
     except UserError:  # refused before any work worth keeping: leave no build behind
         if fresh_build:
             shutil.rmtree(build, ignore_errors=True)  # made by this call (_claim_build_dir)

@@ -4,6 +4,7 @@ checkpoint belongs to the run that resumes it. Pure checks: nothing is restored 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -27,6 +28,8 @@ from scale_llm.components.optim import SCHEDULE_KEYS, lr_at
 from scale_llm.components.zero_weights import ZeroWeights
 from scale_llm.config import Config, TrainConfig, get_key, run_defining_keys, short, to_dict
 from scale_llm.config.plan import RunPlan
+from scale_llm.data.mixture import tokenizer_sha256
+from scale_llm.data.prepare_source import Kept
 from scale_llm.errors import UserError
 from scale_llm.model import build_model
 from scale_llm.parallel.backend import checkpoint_layout
@@ -196,6 +199,23 @@ def _rng_problems(states: Any) -> list[str]:
 
 def _byte_tensor(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1
+
+
+def kept_data(cfg: Config) -> Kept | None:
+    """data.dir's tokenizer when the checkpoint this run would resume from (the newest under
+    checkpoint.resume=auto, or the one it names) was trained with it: what the launchers'
+    prepare keeps. Read-only; an unreadable checkpoint keeps nothing (train then says why)."""
+    if cfg.checkpoint.resume == "never" or (sha := tokenizer_sha256(cfg.data.dir)) is None:
+        return None
+    if cfg.checkpoint.resume == "auto":
+        found = Checkpointer(cfg.run_dir, cfg.checkpoint.keep_last, is_main=False).complete()
+        ckpt = found[-1][1] if found else None
+    else:
+        ckpt = Path(cfg.checkpoint.resume)
+    with contextlib.suppress(UserError, OSError):
+        if ckpt is not None and read_trainer_state(ckpt)["tokenizer_sha256"] == sha:
+            return Kept(sha, ckpt)
+    return None
 
 
 def run_mismatches(state: dict[str, Any], cfg: Config, tokenizer_sha256: str) -> list[str]:
