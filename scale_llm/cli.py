@@ -207,7 +207,7 @@ def start_distributed(args: argparse.Namespace):
             f"launch has {plan.world_size} (the global batch stays; grad_accum is "
             f"{plan.grad_accum})"
         )
-    if getattr(args, "fit", None) and args.fit != "auto":
+    if getattr(args, "fit", None) is not None and args.fit != "auto":
         from scale_llm.analysis.memory import parse_bytes
 
         parse_bytes(args.fit)  # a bad size is an error before any process group exists
@@ -352,6 +352,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     world, note = _target_world(args, lambda: memory.world_for_estimate(cfg, args.config))
+    budget = None if args.fit is None else memory.parse_bytes(args.fit)  # (before any work)
     if args.pipeline_rank is not None and not args.fake:
         raise UserError(
             f"--pipeline-rank {args.pipeline_rank} picks the pipeline rank that --fake traces; "
@@ -386,8 +387,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
         result["traced_step_fake"] = traced = trace_step(cfg, world, args.pipeline_rank)
         text.append(format_trace(traced))
-    if args.fit:
-        budget = memory.parse_bytes(args.fit)
+    if budget is not None:
         fitted = memory.fit(cfg, plan, budget)
         est, lay = fitted.estimate, fitted.estimate.layout
         gpu = {k: int(v) for k, v in est.gpu.items()}
@@ -528,6 +528,11 @@ def _check_parser(sub) -> None:
 def cmd_check(args: argparse.Namespace) -> int:
     from scale_llm.analysis.check import SECTIONS, run_check
 
+    if args.budget_min is not None and not (math.isfinite(args.budget_min) and args.budget_min > 0):
+        raise UserError(
+            f"--budget-min {args.budget_min}: use the minutes after which the check starts no "
+            f"item, above 0 (or leave it out for no limit)"
+        )
     scratch = Path(args.scratch) if args.scratch else None
     only = None if args.only is None else {x.strip() for x in args.only.split(",")}
     if only is not None and not only <= SECTIONS:
@@ -771,6 +776,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(rewritten)
 
 
+PATH_ERRORS = {  # what an OSError on a path says the user can do
+    errno.EACCES: "this user may not read or write it; give it (and the folders above it) this "
+    "user's permissions, or point the command at a copy this user owns, and run it again",
+    errno.ENAMETOOLONG: "a name in that path is longer than the file system allows; give a "
+    "shorter path",
+    errno.ELOOP: "it is a symlink that loops; point it at a real file or folder",
+}
+PATH_ERRORS[errno.EPERM] = PATH_ERRORS[errno.EACCES]
+
+
 def entry() -> int:
     """The `scale-llm` command and `python -m scale_llm`: `main` with PYTHONSAFEPATH=1 in the
     environment, so that no Python the command starts (prepare's encoding workers, each one a
@@ -792,16 +807,19 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         code = 130
     except OSError as e:  # a full disk (or quota) is the user's to fix, wherever it struck
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if e.errno in PATH_ERRORS and e.filename:  # a path the user named, or one below it
+            said = f"cannot use {e.filename} ({e.strerror}): {PATH_ERRORS[e.errno]}"
+        elif e.errno in (errno.ENOSPC, errno.EDQUOT):
+            where = f" while writing {e.filename}" if e.filename else ""
+            said = (
+                f"ran out of disk space{where} ({e.strerror}); free some space there, or point "
+                f"the output (data.dir, run.dir, --out) at a larger disk, and run it again "
+                f"(prepare and train continue from what they finished; files are written "
+                f"under temporary names and renamed when complete)"
+            )
+        else:
             raise
-        where = f" while writing {e.filename}" if e.filename else ""
-        print(
-            f"error: `scale-llm {args.command}` ran out of disk space{where} ({e.strerror}); "
-            f"free some space there, or point the output (data.dir, run.dir, --out) at a "
-            f"larger disk, and run it again (prepare and train continue from what they "
-            f"finished; files are written under temporary names and renamed when complete)",
-            file=sys.stderr,
-        )
+        print(f"error: `scale-llm {args.command}` {said}", file=sys.stderr)
         code = 2
     finally:
         joined = False

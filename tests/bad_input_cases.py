@@ -1906,7 +1906,69 @@ def _eval_task_data(kind: str) -> Callable[[Ctx], Setup]:
     return setup
 
 
+def _base_loop(ctx: Ctx) -> list[str]:
+    """base: naming a symlink that loops: a RuntimeError traceback from Path.resolve."""
+    (ctx.tmp / "loopA").symlink_to("loopB")
+    (ctx.tmp / "loopB").symlink_to("loopA")
+    (ctx.tmp / "b.yaml").write_text("base: loopA\n")
+    return ["config", "b.yaml"]
+
+
+def _unreadable_config(ctx: Ctx) -> list[str]:
+    """A config this user may not read (another user's, mode 600): a PermissionError traceback.
+    (The suite runs as root, who reads anything: the read fails as it does for another user.)"""
+    import errno
+
+    path, real = ctx.tmp / "theirs.yaml", Path.read_bytes
+    path.write_text("train: {max_steps: 2}\n")
+
+    def denied(self: Path) -> bytes:
+        if self == path and sys._getframe(1).f_globals["__name__"].startswith("scale_llm"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real(self)  # (the suite's own snapshot reads it)
+
+    ctx.monkeypatch.setattr(Path, "read_bytes", denied)
+    return ["config", str(path)]
+
+
 FLAGS = [
+    (
+        "a path longer than the file system allows",
+        ["runs", "a" * 300],
+        ("(File name too long): a name in that path is longer than the file system allows",),
+    ),
+    ("base: a symlink loop", _base_loop, "b.yaml: base: 'loopA' is no path to a YAML file"),
+    (
+        "a config this user may not read",
+        _unreadable_config,
+        "(Permission denied): this user may not read or write it",
+    ),
+    (
+        "an integer past Python's digit limit",
+        ["config", "--set", "model.n_layers=" + "9" * 5000],
+        "gives no value the key takes (Exceeds the limit (4300 digits)",
+    ),
+    (
+        "bench --sweep-micro with a digit that is not ASCII",
+        ["bench", TINY, "--sweep", "--sweep-micro", "2,\u00b2"],
+        "'\u00b2' is not a micro-batch size",
+    ),
+    (
+        "bench --roofline of fp8 on a GPU without FP8",
+        ["bench", "llama3-8b-fp8", "--roofline", "A100-80GB"],
+        "A100-80GB has no FP8 tensor cores; predict it for H100-SXM",
+    ),
+    ("estimate --fit with no size", ["estimate", TINY, "--fit", ""], "memory size '' is not"),
+    (
+        "check --budget-min below 0",
+        ["check", "o", "--budget-min", "-1"],
+        "--budget-min -1.0: use the minutes after which the check starts no item, above 0",
+    ),
+    (
+        "check on a local corpus that is not there",
+        ["check", "o", "--set", "data.source=/nonexistent/dir", "--scratch", "scr"],
+        "data.source='/nonexistent/dir' matches no file",
+    ),
     ("memory units", ["estimate", TINY, "--fit", "80 parsecs"], "'80 parsecs' is not understood"),
     ("impossible fit", ["estimate", TINY, "--fit", "1KiB"], "nothing fits in"),
     (

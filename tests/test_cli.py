@@ -265,6 +265,13 @@ def test_a_check_report_says_no_errors_only_once_the_check_has_finished(tmp_path
     report.data["finished"] = True
     report.save()
     assert "no errors (no curves run)" in (tmp_path / "report.md").read_text()
+    # items a budget skipped: said (a check that measured nothing said only "no errors")
+    report.budget_s = -1.0
+    report.attempt("reference", "bare loop", lambda: pytest.fail("run past the budget"))
+    assert (
+        "no errors (no curves run); 1 items skipped over --budget-min (run them with --only)"
+        in ((tmp_path / "report.md").read_text())
+    )
 
 
 def test_generate_reads_the_prompt_from_a_file_or_stdin_and_says_when_it_is_cut(

@@ -363,6 +363,12 @@ def test_base_includes_merge_and_cycles_are_refused(tmp_path):
     (tmp_path / "c.yaml").write_text("base: d.yaml\n")
     (tmp_path / "d.yaml").write_text("base: c.yaml\n")
     assert "leads back to itself" in errors_of(tmp_path / "c.yaml")
+    # a shipped config by name, as the config argument takes one (it said "does not exist;
+    # pass ... a shipped config's name")
+    (tmp_path / "f.yaml").write_text("base: 125m\ntrain: {max_steps: 9}\n")
+    shipped = load_config("125m")
+    cfg = load_config(tmp_path / "f.yaml")
+    assert cfg.model == shipped.model and cfg.train.max_steps == 9
 
 
 def test_moved_keys_are_read_with_one_deprecation_line(logs, tmp_path):

@@ -447,7 +447,7 @@ def sweep_axes(micro: str, modes: str, compiles: str) -> tuple[list[int], list[s
             )
         return values
 
-    size = lambda x: int(x) if x.isdigit() and int(x) >= 1 else None
+    size = lambda x: int(x) if x.isascii() and x.isdigit() and len(x) <= 6 and int(x) >= 1 else None
     mode = lambda x: x if x in CHECKPOINTING_MODES else None
     flag = lambda x: _BOOLS.get(x.lower())
     sizes = entries(

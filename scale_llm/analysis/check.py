@@ -31,6 +31,7 @@ from scale_llm.config import Config, load_config, save_config, with_changes
 from scale_llm.config.parallel import ONE_PROCESS
 from scale_llm.config.plan import Launch, resolve_plan
 from scale_llm.data.prepare import prepare
+from scale_llm.data.sources import open_source
 from scale_llm.errors import UserError
 from scale_llm.files import (
     OWNER_MARKER,
@@ -117,7 +118,8 @@ class Report:
             try:
                 row = {"label": label, **fn()}
             except Exception as e:  # one broken item must not cost the others' numbers
-                log.error("check: %s failed:\n%s", label, traceback.format_exc())
+                said = str(e) if isinstance(e, UserError) else traceback.format_exc()
+                log.error("check: %s failed:\n%s", label, said)
                 row = {"label": label, "error": f"{type(e).__name__}: {str(e).strip()[:500]}"}
                 self.data["errors"].append(f"{section} / {label}: {row['error']}")
         row["item_seconds"] = time.perf_counter() - t0
@@ -145,7 +147,9 @@ def run_check(
 ) -> dict[str, Any]:
     """`only`: a subset of SECTIONS (e.g. a second short call for what a budget skipped)."""
     scratch = scratch or default_scratch()
-    tiny_config(scratch, scratch / "runs", steps, overrides or [])  # refused: before any write
+    first = tiny_config(scratch, scratch / "runs", steps, overrides or [])  # before any write
+    if not first.data.source.startswith("hf:"):  # (a Hub source is looked up by prepare)
+        open_source(first.data)  # a local corpus that is not there: before OUT is claimed
     check_scratch(scratch)
     require_writable_dir(scratch, "--scratch")  # (before OUT is claimed)
     claim_out(out)
@@ -503,9 +507,13 @@ def _verdict(report: dict[str, Any]) -> str:
             f"the check did not finish (stopped, or still running): {len(report['errors'])} "
             f"errors so far; curves ok: {curves}"
         )
+    rows = [r for rs in report.values() if isinstance(rs, list) for r in rs if isinstance(r, dict)]
+    over = [r["label"] for r in rows if "over the time budget" in str(r.get("skipped"))]
+    skipped = f"; {len(over)} items skipped over --budget-min (run them with --only)" * bool(over)
     if report["ok"]:
-        return "all curves ok, no errors" if curves else "no errors (no curves run)"
-    return f"{len(report['errors'])} errors; curves ok: {curves}"
+        said = "all curves ok, no errors" if curves else "no errors (no curves run)"
+        return said + skipped
+    return f"{len(report['errors'])} errors; curves ok: {curves}{skipped}"
 
 
 def markdown_report(report: dict[str, Any]) -> str:

@@ -35,6 +35,7 @@ from scale_llm.components.loss import plain_cross_entropy
 from scale_llm.config import Config, ModelConfig, compiles, load_config, with_changes
 from scale_llm.config.parallel import V_SCHEDULES
 from scale_llm.config.plan import RunPlan, target_plan
+from scale_llm.errors import UserError
 from scale_llm.model import build_model
 from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
 from scale_llm.parallel.pipeline import stage_blocks, stage_owner
@@ -482,6 +483,11 @@ def roofline(
     """The per-class roofline of one optimizer step on one GPU of `device`, the MFU each bound
     implies, and the prediction at achieved rates (`achieved`, which prices FSDP2's and TP's
     traffic); DDP's all-reduce over `world` GPUs is overlapped with backward (stated, not added)."""
+    if cfg.train.fp8.enabled and device not in FP8_PEAK:  # (before the count)
+        raise UserError(
+            f"train.fp8.enabled=true: {device} has no FP8 tensor cores; predict it for "
+            f"{' or '.join(FP8_PEAK)}, or set train.fp8.enabled=false for bf16 on {device}"
+        )
     peak, bandwidth = DEVICES[device]
     counter = _count(cfg, micro_batch)
     model = build_model(cfg.model)

@@ -94,6 +94,8 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise UserError(f"config file {p} is not valid YAML: {e}") from None
+    except ValueError as e:  # an integer past Python's digit limit
+        raise UserError(f"config file {p} holds a value no key takes ({e}); fix it") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -186,7 +188,16 @@ def read_yaml_with_base(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, An
             f"{path}: base must be the path of another YAML file, not {str(base)[:60]!r}"
         )
     path = resolve_config_path(path)
-    base_path = (path.parent / os.path.expanduser(base)).resolve()
+    base_path = path.parent / os.path.expanduser(base)
+    if not base_path.exists() and len(Path(base).parts) == 1:  # a shipped config by name
+        base_path = resolve_config_path(base)
+    try:
+        base_path = base_path.resolve()
+    except (OSError, RuntimeError, ValueError) as e:  # a symlink loop, a NUL, a long name
+        raise UserError(
+            f"{path}: base: {short(base)} is no path to a YAML file ({e}); give the path of "
+            f"one (relative to {path.name}) or a shipped config's name"
+        ) from None
     if base_path in seen:
         raise UserError(f"{path}: base: {base} leads back to itself; remove the cycle")
     return deep_merge(read_yaml_with_base(base_path, (*seen, path.resolve())), raw)
@@ -223,6 +234,9 @@ def _apply_override(raw: dict[str, Any], item: str, errors: list[str]) -> None:
         value = yaml.safe_load(text)
     except yaml.YAMLError:
         value = text
+    except ValueError as e:  # an integer past Python's digit limit
+        errors.append(f"{key}: --set {short(item)} gives no value the key takes ({e})")
+        return
     parts = key.split(".")
     node: Any = raw
     cls: Any = Config  # the schema of `node`; None below a key it does not know (_build says so)
