@@ -208,6 +208,21 @@ def test_runs_lists_each_run_and_writes_nothing(data_dir, tmp_path, capsys):
     assert len(lines) == 3  # notes/ is not a run
     assert snapshot(tmp_path) == before
     assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == times
+    # another user's private run in a shared run.dir: a PermissionError traceback hid every run
+    import scale_llm.train.runs as runs
+    from scale_llm.train.runs import metric_rows
+
+    def private(path):
+        if path.parent.name == "half":
+            raise PermissionError(13, "Permission denied", str(path))
+        return metric_rows(path)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runs, "metric_rows", private)
+        assert main(["runs", str(tmp_path)]) == 0
+    said = [line.split(maxsplit=5) for line in capsys.readouterr().out.splitlines()[1:]]
+    assert said[0][0] == "done" and said[1][:5] == ["half", "-/?", "-", "-", "unreadable"]
+    assert "(Permission denied)" in said[1][5]
     assert main(["runs", str(tmp_path / "half")]) == 0  # one run directory
     assert capsys.readouterr().out.splitlines()[1].split()[0] == "half"
     assert main(["runs", str(tmp_path / "notes")]) == 0

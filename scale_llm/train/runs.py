@@ -48,8 +48,25 @@ def list_runs(root: str | Path) -> list[RunSummary]:
         )
     if (root / CONFIG_FILE).is_file():
         return [summarize(root)]
-    dirs = sorted(p for p in root.iterdir() if p.is_dir() and (p / CONFIG_FILE).is_file())
-    return [summarize(p) for p in dirs]
+    return [_listed(p) for p in sorted(root.iterdir()) if _may_be_run(p)]
+
+
+def _may_be_run(path: Path) -> bool:
+    """A folder with a config.yaml, or one this user may not look into (listed as unreadable)."""
+    try:
+        return path.is_dir() and (path / CONFIG_FILE).is_file()
+    except PermissionError:
+        return True
+
+
+def _listed(run_dir: Path) -> RunSummary:
+    """Its summary; another user's private run in a shared run.dir does not hide the others."""
+    try:
+        return summarize(run_dir)
+    except OSError as e:
+        return RunSummary(
+            run_dir.name, None, None, None, None, f"unreadable ({e.strerror})", None, 0
+        )
 
 
 def summarize(run_dir: Path) -> RunSummary:
