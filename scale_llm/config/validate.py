@@ -30,6 +30,11 @@ def path_value(cfg: Config, key: str) -> str | None:
 
 
 MAX_LAYERS = 10_000  # far past any trained model, short of a build that never ends
+MAX_SIZE = 1 << 24  # a width, length or count far past any trained model's, short of overflow
+SIZE_KEYS = (
+    *("model.vocab_size", "model.d_model", "model.n_heads", "model.seq_len", "model.mlp_hidden"),
+    *("train.micro_batch_size", "train.grad_accum", "train.global_batch_size"),
+)
 
 
 def validate(cfg: Config) -> list[str]:
@@ -40,6 +45,17 @@ def validate(cfg: Config) -> list[str]:
         e.append(
             f"model.n_layers={m.n_layers}: at most {MAX_LAYERS:,} blocks are accepted (the "
             f"deepest transformers trained have about 1,000); lower model.n_layers"
+        )
+    for key in SIZE_KEYS:  # (the estimate, the roofline and the build count in int64)
+        if (value := get_key(cfg, key)) is not None and value > MAX_SIZE:
+            e.append(
+                f"{key}={short(value, 30)}: at most {MAX_SIZE:,} is accepted (far past any "
+                f"trained model's, short of the counts that overflow); lower it"
+            )
+    if m.seq_len * t.micro_batch_size > MAX_SIZE << 8:
+        e.append(
+            f"train.micro_batch_size x model.seq_len = {m.seq_len * t.micro_batch_size:,} tokens "
+            f"a micro-batch: at most {MAX_SIZE << 8:,} are accepted; lower either"
         )
     for key in ("norm_eps", "rope_theta", "init_std"):  # 0 or less: NaN or an error in step 1
         e += bound_problems(m, key, f"> 0 (the default is {getattr(ModelConfig, key)})", "model.")
