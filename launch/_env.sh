@@ -110,11 +110,13 @@ if [[ "$gpus" -gt 0 && -n "${CUDA_VISIBLE_DEVICES+set}" ]]; then
   IFS=, read -ra listed_ids <<< "$CUDA_VISIBLE_DEVICES"
   for listed_id in ${listed_ids[@]+"${listed_ids[@]}"}; do
     if [[ "$listed_id" == -* ]]; then break; fi
-    if [[ ",${visible_ids[*]+${visible_ids[*]// /,}}," == *",$listed_id,"* ]]; then
-      echo "launch: CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES lists GPU $listed_id twice, and" \
-        "one process a GPU is the layout; list each GPU once" >&2
-      exit 2
-    fi
+    for seen_id in ${visible_ids[@]+"${visible_ids[@]}"}; do
+      if [[ "$seen_id" == "$listed_id" ]]; then
+        echo "launch: CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES lists GPU $listed_id twice," \
+          "and one process a GPU is the layout; list each GPU once" >&2
+        exit 2
+      fi
+    done
     if [[ -n "$listed_id" ]]; then visible_ids+=("$listed_id"); fi
   done
   visible_gpus=${#visible_ids[@]}
@@ -143,11 +145,12 @@ run_prepare() {
   fi
 }
 
-# MASTER_PORT, where set, is a TCP port (torchrun and DeepSpeed took any value: a traceback).
+# check_master_port [NAME]: MASTER_PORT, where set, is a TCP port (torchrun and DeepSpeed take
+# any value, then stop with a traceback); NAME: the launcher the message names.
 check_master_port() {
   if [[ -n "${MASTER_PORT:-}" ]] && ! [[ "$MASTER_PORT" =~ ^[1-9][0-9]{0,4}$ &&
     "$MASTER_PORT" -le 65535 ]]; then
-    echo "$(basename "$0"): MASTER_PORT='${MASTER_PORT:0:60}' is not a TCP port; set it to a" \
+    echo "${1:-$(basename "$0")}: MASTER_PORT='${MASTER_PORT:0:60}' is not a TCP port; set it to a" \
       "free port from 1 to 65535, the same on every node, or unset it for the default" >&2
     exit 2
   fi

@@ -9,7 +9,7 @@ here="$PWD"
 config="${1:-yaml/tiny.yaml}"
 shift $(( $# > 0 ? 1 : 0 ))
 # a config in the folder the script was started from, else the checkout's (the shipped ones)
-if [[ "$config" != /* && -e "$here/$config" ]]; then config="$here/$config"; fi
+if [[ "$config" != /* && -f "$here/$config" ]]; then config="$here/$config"; fi
 cd "$root"
 say() { echo "quickstart.sh: $*"; }
 
@@ -30,7 +30,7 @@ from scale_llm.cli import config_from_args, parse_args
 from scale_llm.errors import UserError
 try:
     cfg = config_from_args(parse_args(["train", *sys.argv[1:]]))
-except UserError as e:
+except (UserError, OSError) as e:  # (a config this user may not read: said, no traceback)
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
 print(cfg.run_dir, cfg.run.dir, cfg.data.dir, cfg.train.max_steps, sep="\n")' "$config" "$@")"

@@ -777,8 +777,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 PATH_ERRORS = {  # what an OSError on a path says the user can do
-    errno.EACCES: "this user may not read or write it; give it (and the folders above it) this "
-    "user's permissions, or point the command at a copy this user owns, and run it again",
+    errno.EACCES: "this user may not read or write it (or its file system does not allow it); "
+    "give it (and the folders above it) this user's permissions, or point the command at a "
+    "folder this user owns, and run it again",
     errno.ENAMETOOLONG: "a name in that path is longer than the file system allows; give a "
     "shorter path",
     errno.ELOOP: "it is a symlink that loops; point it at a real file or folder",
@@ -808,7 +809,8 @@ def main(argv: list[str] | None = None) -> int:
         code = 130
     except OSError as e:  # a full disk (or quota) is the user's to fix, wherever it struck
         if e.errno in PATH_ERRORS and e.filename:  # a path the user named, or one below it
-            said = f"cannot use {e.filename} ({e.strerror}): {PATH_ERRORS[e.errno]}"
+            where = f"{e.filename} -> {e.filename2}" if e.filename2 else e.filename
+            said = f"cannot use {where} ({e.strerror}): {PATH_ERRORS[e.errno]}"
         elif e.errno in (errno.ENOSPC, errno.EDQUOT):
             where = f" while writing {e.filename}" if e.filename else ""
             said = (

@@ -4,6 +4,7 @@ kind of config error, one message naming the key and the fix: tests/test_errors.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from pathlib import Path
 
@@ -369,6 +370,17 @@ def test_base_includes_merge_and_cycles_are_refused(tmp_path):
     shipped = load_config("125m")
     cfg = load_config(tmp_path / "f.yaml")
     assert cfg.model == shipped.model and cfg.train.max_steps == 9
+    # only there: a missing base is not looked up in the working folder
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "g.yaml").write_text("base: other.yaml\n")
+    (tmp_path / "other.yaml").write_text("train: {max_steps: 3}\n")
+    cwd = os.getcwd()
+    try:
+        os.chdir(tmp_path)
+        said = errors_of(tmp_path / "sub" / "g.yaml")
+    finally:
+        os.chdir(cwd)
+    assert f"config file {tmp_path / 'sub' / 'other.yaml'} does not exist" in said
 
 
 def test_moved_keys_are_read_with_one_deprecation_line(logs, tmp_path):

@@ -691,3 +691,6 @@ def test_the_launchers_prepare_keeps_the_tokenizer_a_run_resumes_with(
     assert f"data.dir={data} would be rebuilt with another tokenizer" in err
     assert f"{run}/checkpoints/step_00000004 was trained with the one it holds" in err
     assert "Traceback" not in err and snapshot(data) == before  # no build left, nothing replaced
+    # a damaged newest checkpoint: auto resumes the one before it, which keeps the data too
+    (run / "checkpoints" / "step_00000004" / "trainer.pt").write_bytes(b"damaged")
+    assert kept_data(cfg).checkpoint == run / "checkpoints" / "step_00000002"

@@ -393,6 +393,31 @@ def test_wandb_reads_no_git_state_in_the_run_dir(tmp_path, monkeypatch):
     assert isinstance(given["settings"], wandb.Settings) and given["settings"].disable_git
 
 
+def test_wandb_settings_of_the_launch_folder_may_set_only_the_mode_and_names(tmp_path, monkeypatch):
+    """W&B reads ./wandb/settings (./.wandb/settings where .wandb/ exists) of the folder a launch
+    starts from: `wandb offline` writes `mode` there, which is read; base_url or a proxy (where
+    the API key goes) is refused, in the one file W&B reads."""
+    wandb = pytest.importorskip("wandb")
+    from scale_llm.config import load_config
+    from scale_llm.train.preflight import check_wandb
+
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None, ["logging.wandb.project=p"])
+    (tmp_path / "wandb").mkdir()
+    settings = tmp_path / "wandb" / "settings"
+    settings.write_text("[default]\nmode = offline\nproject = p\n")  # as `wandb offline`
+    check_wandb(cfg, False)
+    settings.write_text("[default]\nmode = offline\nhttps_proxy = http://x.invalid:8080\n")
+    with pytest.raises(UserError, match="started from: https_proxy \\(keys such as base_url"):
+        check_wandb(cfg, False)
+    (tmp_path / ".wandb").mkdir()  # W&B now reads .wandb/settings, and only that
+    assert Path(wandb.Settings().settings_workspace) == tmp_path / ".wandb" / "settings"
+    check_wandb(cfg, False)
+    (tmp_path / ".wandb" / "settings").write_text("[default]\nbase_url = https://x.invalid\n")
+    with pytest.raises(UserError, match="settings, in the folder this launch started from"):
+        check_wandb(cfg, False)
+
+
 def test_a_module_in_the_working_folder_is_never_imported(tmp_path):
     """`python -m scale_llm`, the launchers (their `python -c` probes, torchrun, its workers) and
     setup.sh put the working folder first on sys.path: a yaml.py, torch.py or pip/ there ran in

@@ -509,7 +509,8 @@ def _verdict(report: dict[str, Any]) -> str:
         )
     rows = [r for rs in report.values() if isinstance(rs, list) for r in rs if isinstance(r, dict)]
     over = [r["label"] for r in rows if "over the time budget" in str(r.get("skipped"))]
-    skipped = f"; {len(over)} items skipped over --budget-min (run them with --only)" * bool(over)
+    items = f"{len(over)} item{'s' * (len(over) != 1)}"
+    skipped = f"; {items} skipped over --budget-min (run them with --only)" * bool(over)
     if report["ok"]:
         said = "all curves ok, no errors" if curves else "no errors (no curves run)"
         return said + skipped

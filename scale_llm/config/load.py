@@ -189,8 +189,11 @@ def read_yaml_with_base(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, An
         )
     path = resolve_config_path(path)
     base_path = path.parent / os.path.expanduser(base)
-    if not base_path.exists() and len(Path(base).parts) == 1:  # a shipped config by name
-        base_path = resolve_config_path(base)
+    shipped = shipped_config_dir() if len(Path(base).parts) == 1 else None
+    if shipped is not None and not base_path.exists():  # a shipped config by name
+        base_path = next(
+            (shipped / n for n in (base, base + ".yaml") if (shipped / n).is_file()), base_path
+        )
     try:
         base_path = base_path.resolve()
     except (OSError, RuntimeError, ValueError) as e:  # a symlink loop, a NUL, a long name

@@ -213,8 +213,11 @@ def _tokenizer(
     same = tok and tok["file"] == name and tok.get("fingerprint") == fingerprint
     if not force and same and (out / name).is_file() and file_sha256(out / name) == tok["sha256"]:
         return (out / name).read_bytes()
-    if keep is not None and tok and tok["sha256"] == keep.sha256:  # (retrained in place)
-        raise keep.refuse(out)
+    same_bundle = (
+        bool(tok) and bundle is not None and hashlib.sha256(bundle).hexdigest() == tok["sha256"]
+    )
+    if keep is not None and tok and tok["sha256"] == keep.sha256 and not same_bundle:
+        raise keep.refuse(out)  # (the tokenizer is retrained in place below)
     sample = None if bundle is not None else draw()  # (may refuse)
     # mixture.json names the file before it is written: a prepare stopped in between leaves a
     # tokenizer that is provably prepare's (its empty SHA-256 makes the next prepare redo it)

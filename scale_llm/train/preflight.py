@@ -4,6 +4,7 @@ verdict, so one rank's problem stops every rank with a message, not a hang in a 
 
 from __future__ import annotations
 
+import configparser
 import contextlib
 import logging
 import os
@@ -233,16 +234,31 @@ def check_exit_step(train: TrainConfig, resume: Resume | None) -> None:
 
 
 def check_wandb(cfg: Config, resumes: bool) -> None:
-    """W&B starts from the run's own settings: no workspace settings file where wandb.init reads
-    one (the folder the launch started from), and a resumed run's id file holds an id."""
-    for path in (Path.cwd() / "wandb" / "settings", Path.cwd() / ".wandb" / "settings"):
-        if path.exists() or path.is_symlink():
-            raise UserError(
-                f"logging.wandb.project={cfg.logging.wandb.project}: W&B would take its settings "
-                f"from {path}, in the folder this launch started from (among them the server it "
-                f"sends your API key to, and a proxy); move the file away or launch from another "
-                f"folder, and keep W&B settings in WANDB_* variables or ~/.config/wandb/settings"
-            )
+    """W&B starts from the run's own settings: a workspace settings file where wandb.init reads
+    one (the folder the launch started from) may hold only WANDB_SETTINGS_KEPT keys (`wandb
+    offline` writes `mode`), and a resumed run's id file holds an id."""
+    here = Path.cwd()
+    path = here / (".wandb" if (here / ".wandb").exists() else "wandb") / "settings"
+    named: set[str] = set()
+    if path.exists() or path.is_symlink():
+        parser = configparser.ConfigParser()
+        try:
+            if path.is_file() and path.stat().st_size <= MAX_RECORD_BYTES:
+                parser.read(path)
+                named = set(dict(parser.items("default")))
+            else:
+                named = {"(not a small regular file)"}
+        except (configparser.Error, UnicodeDecodeError):  # W&B reads nothing from it
+            pass
+    if extra := sorted(named - set(WANDB_SETTINGS_KEPT)):
+        raise UserError(
+            f"logging.wandb.project={cfg.logging.wandb.project}: W&B would take its settings "
+            f"from {path}, in the folder this launch started from: {', '.join(extra)} (keys "
+            f"such as base_url and the proxies decide where your API key and metrics go); move "
+            f"the file away or launch from another folder, and keep such settings in WANDB_* "
+            f"variables or ~/.config/wandb/settings (a file holding only "
+            f"{', '.join(WANDB_SETTINGS_KEPT)} is read, as `wandb offline` writes it)"
+        )
     if resumes:
         wandb_id(cfg.run_dir)
 
@@ -297,6 +313,7 @@ def settle_compile(cfg: Config, plan: RunPlan) -> Config:
 METRICS_FILE = "metrics.jsonl"  # one JSON object per logged step
 WANDB_ID_FILE = "wandb-id.txt"  # the W&B run id, so that a resumed run logs to the same run
 MAX_WANDB_ID = 64
+WANDB_SETTINGS_KEPT = ("mode", "disabled", "project", "entity", "silent", "quiet")
 COMM_TRACE = "comm_trace"  # where NCCL's flight recorder writes when a collective times out
 # What the trainer creates in RUN_DIR, by kind: another kind fails at its first write, or blocks.
 RUN_DIR_FOLDERS = {

@@ -204,17 +204,18 @@ def _byte_tensor(value: Any) -> bool:
 def kept_data(cfg: Config) -> Kept | None:
     """data.dir's tokenizer when the checkpoint this run would resume from (the newest under
     checkpoint.resume=auto, or the one it names) was trained with it: what the launchers'
-    prepare keeps. Read-only; an unreadable checkpoint keeps nothing (train then says why)."""
+    prepare keeps. Read-only; none readable keeps nothing (train then says why)."""
     if cfg.checkpoint.resume == "never" or (sha := tokenizer_sha256(cfg.data.dir)) is None:
         return None
-    if cfg.checkpoint.resume == "auto":
+    if cfg.checkpoint.resume == "auto":  # (the newest readable: auto falls back past damage)
         found = Checkpointer(cfg.run_dir, cfg.checkpoint.keep_last, is_main=False).complete()
-        ckpt = found[-1][1] if found else None
+        candidates = [path for _, path in reversed(found)]
     else:
-        ckpt = Path(cfg.checkpoint.resume)
-    with contextlib.suppress(UserError, OSError):
-        if ckpt is not None and read_trainer_state(ckpt)["tokenizer_sha256"] == sha:
-            return Kept(sha, ckpt)
+        candidates = [Path(cfg.checkpoint.resume)]
+    for ckpt in candidates:
+        with contextlib.suppress(UserError, OSError):
+            trained = read_trainer_state(ckpt)["tokenizer_sha256"]
+            return Kept(sha, ckpt) if trained == sha else None
     return None
 
 

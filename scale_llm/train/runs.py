@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,11 @@ class RunSummary:
 def list_runs(root: str | Path) -> list[RunSummary]:
     """Every run directory in `root` (a run.dir), or `root` itself when it is one."""
     root = Path(root)
-    if not root.is_dir():
+    try:  # (stat, not is_dir: a name too long or a folder this user may not enter is said)
+        folder = stat.S_ISDIR(root.stat().st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        folder = False
+    if not folder:
         found = describe_kind(root)
         what = "no such folder" if found == "missing" else f"{found}, not a folder"
         raise UserError(
@@ -54,9 +59,13 @@ def list_runs(root: str | Path) -> list[RunSummary]:
 def _may_be_run(path: Path) -> bool:
     """A folder with a config.yaml, or one this user may not look into (listed as unreadable)."""
     try:
-        return path.is_dir() and (path / CONFIG_FILE).is_file()
+        return stat.S_ISDIR(path.stat().st_mode) and stat.S_ISREG(
+            (path / CONFIG_FILE).stat().st_mode
+        )
     except PermissionError:
         return True
+    except OSError:
+        return False
 
 
 def _listed(run_dir: Path) -> RunSummary:
