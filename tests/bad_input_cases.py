@@ -1962,12 +1962,12 @@ FLAGS = [
     (  # the roofline's count on the meta device: RuntimeError, storage size overflowed
         "a sequence length past any model's",
         ["bench", TINY, "--roofline", "H100-SXM", "--set", "model.seq_len=1e18"],
-        "model.seq_len=1000000000000000000: at most 16,777,216 is accepted",
+        "model.seq_len=1000000000000000000: at most 67,108,864 is accepted",
     ),
     (  # the estimate: OverflowError
         "a model width past any model's",
         ["estimate", TINY, "--set", "model.d_model=1e300"],
-        "model.d_model='10000000000000... (301 chars): at most 16,777,216 is accepted",
+        "model.d_model='10000000000000... (301 chars): at most 67,108,864 is accepted",
     ),
     (
         "check --budget-min below 0",

@@ -410,6 +410,10 @@ def test_wandb_settings_of_the_launch_folder_may_set_only_the_mode_and_names(tmp
     settings.write_text("[default]\nmode = offline\nhttps_proxy = http://x.invalid:8080\n")
     with pytest.raises(UserError, match="started from: https_proxy \\(keys such as base_url"):
         check_wandb(cfg, False)
+    for planted, named in (("entity = theirs", "entity"), ("project = a%b", "InterpolationSyntax")):
+        settings.write_text(f"[default]\nmode = offline\n{planted}\n")  # (%: wandb.init stops)
+        with pytest.raises(UserError, match=named):
+            check_wandb(cfg, False)
     (tmp_path / ".wandb").mkdir()  # W&B now reads .wandb/settings, and only that
     assert Path(wandb.Settings().settings_workspace) == tmp_path / ".wandb" / "settings"
     check_wandb(cfg, False)

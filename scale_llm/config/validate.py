@@ -30,7 +30,7 @@ def path_value(cfg: Config, key: str) -> str | None:
 
 
 MAX_LAYERS = 10_000  # far past any trained model, short of a build that never ends
-MAX_SIZE = 1 << 24  # a width, length or count far past any trained model's, short of overflow
+MAX_SIZE = 1 << 26  # a width, length or count far past any trained model's, short of overflow
 SIZE_KEYS = (
     *("model.vocab_size", "model.d_model", "model.n_heads", "model.seq_len", "model.mlp_hidden"),
     *("train.micro_batch_size", "train.grad_accum", "train.global_batch_size"),

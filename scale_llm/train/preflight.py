@@ -236,20 +236,15 @@ def check_exit_step(train: TrainConfig, resume: Resume | None) -> None:
 def check_wandb(cfg: Config, resumes: bool) -> None:
     """W&B starts from the run's own settings: a workspace settings file where wandb.init reads
     one (the folder the launch started from) may hold only WANDB_SETTINGS_KEPT keys (`wandb
-    offline` writes `mode`), and a resumed run's id file holds an id."""
+    offline` writes `mode`; an `entity` would send the run elsewhere), and a resumed run's id
+    file holds an id."""
     here = Path.cwd()
     path = here / (".wandb" if (here / ".wandb").exists() else "wandb") / "settings"
     named: set[str] = set()
     if path.exists() or path.is_symlink():
-        parser = configparser.ConfigParser()
-        try:
-            if path.is_file() and path.stat().st_size <= MAX_RECORD_BYTES:
-                parser.read(path)
-                named = set(dict(parser.items("default")))
-            else:
-                named = {"(not a small regular file)"}
-        except (configparser.Error, UnicodeDecodeError):  # W&B reads nothing from it
-            pass
+        named = {"(not a small regular file)"}
+        if path.is_file() and path.stat().st_size <= MAX_RECORD_BYTES:
+            named = _wandb_settings_keys(path)
     if extra := sorted(named - set(WANDB_SETTINGS_KEPT)):
         raise UserError(
             f"logging.wandb.project={cfg.logging.wandb.project}: W&B would take its settings "
@@ -261,6 +256,24 @@ def check_wandb(cfg: Config, resumes: bool) -> None:
         )
     if resumes:
         wandb_id(cfg.run_dir)
+
+
+def _wandb_settings_keys(path: Path) -> set[str]:
+    """The keys W&B reads from a settings file, as its reader takes them: a file it cannot parse
+    gives none; one that would stop wandb.init (a `%` interpolation, another encoding) is named."""
+    parser = configparser.ConfigParser()
+    try:
+        parser.read(path)
+    except configparser.Error:  # W&B reads nothing from it
+        return set()
+    except UnicodeDecodeError:
+        return {"(not text W&B can read)"}
+    try:
+        return set(dict(parser.items("default")))
+    except configparser.NoSectionError:
+        return set()
+    except configparser.Error as e:
+        return {f"(W&B cannot read it: {type(e).__name__})"}
 
 
 def wandb_id(run_dir: Path) -> str | None:
@@ -313,7 +326,13 @@ def settle_compile(cfg: Config, plan: RunPlan) -> Config:
 METRICS_FILE = "metrics.jsonl"  # one JSON object per logged step
 WANDB_ID_FILE = "wandb-id.txt"  # the W&B run id, so that a resumed run logs to the same run
 MAX_WANDB_ID = 64
-WANDB_SETTINGS_KEPT = ("mode", "disabled", "project", "entity", "silent", "quiet")
+WANDB_SETTINGS_KEPT = (
+    "mode",
+    "disabled",
+    "project",
+    "silent",
+    "quiet",
+)  # (init sets mode, project)
 COMM_TRACE = "comm_trace"  # where NCCL's flight recorder writes when a collective times out
 # What the trainer creates in RUN_DIR, by kind: another kind fails at its first write, or blocks.
 RUN_DIR_FOLDERS = {
