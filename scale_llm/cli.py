@@ -329,14 +329,18 @@ def _estimate_parser(sub) -> None:
     p.add_argument("--pipeline-rank", type=int, metavar="R", help=rank)
 
 
+MAX_TARGET_WORLD = 1 << 20  # GPUs: far past any run's, short of counts that overflow
+
+
 def _target_world(args: argparse.Namespace, default) -> tuple[int, str | None]:
     """The GPUs estimate and bench --roofline predict for, and a line saying why: --world-size,
     else $WORLD_SIZE under a launcher, else `default()`'s (world, line)."""
     if args.world_size is not None:
-        if args.world_size < 1:
+        if not 1 <= args.world_size <= MAX_TARGET_WORLD:
             raise UserError(
                 f"--world-size {args.world_size}: use the number of GPUs the run will use, >= 1 "
-                f"(or leave it out for $WORLD_SIZE, else the config's own, else the default)"
+                f"and at most {MAX_TARGET_WORLD:,} (or leave it out for $WORLD_SIZE, else the "
+                f"config's own, else the default)"
             )
         return args.world_size, None
     if "WORLD_SIZE" in os.environ:
@@ -448,6 +452,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.roofline:
         from scale_llm.analysis.roofline import format_roofline, roofline
 
+        runs = [f for f, v in (("--sweep", args.sweep), ("--reference", args.reference)) if v]
+        runs += [
+            f
+            for f in ("--checkpoint-io", "--sweep-backend")
+            if getattr(args, f[2:].replace("-", "_"))
+        ]
+        for flag, default in (("--steps", 10), ("--warmup", 3), ("--rounds", 5)):
+            runs += [flag] if getattr(args, flag[2:]) != default else []
+        if runs:  # (it would ignore them)
+            raise UserError(
+                f"{', '.join(runs)}: not with --roofline, which counts one step on paper and runs "
+                f"nothing; leave them out, or drop --roofline to measure"
+            )
         cfg = config_from_args(args)
         world, _ = _target_world(args, lambda: (cfg.parallel.world_size or 2, None))
         plan = target_plan(cfg, world)

@@ -1959,6 +1959,16 @@ FLAGS = [
         "A100-80GB has no FP8 tensor cores; predict it for H100-SXM",
     ),
     ("estimate --fit with no size", ["estimate", TINY, "--fit", ""], "memory size '' is not"),
+    (
+        "estimate for more GPUs than any run",
+        ["estimate", TINY, "--world-size", "99999999999999999999"],
+        "use the number of GPUs the run will use, >= 1 and at most 1,048,576",
+    ),
+    (  # they were ignored: a roofline runs nothing
+        "bench --roofline with a measurement's flags",
+        ["bench", TINY, "--roofline", "H100-SXM", "--sweep", "--steps", "2"],
+        "--sweep, --steps: not with --roofline, which counts one step on paper and runs nothing",
+    ),
     (  # the roofline's count on the meta device: RuntimeError, storage size overflowed
         "a sequence length past any model's",
         ["bench", TINY, "--roofline", "H100-SXM", "--set", "model.seq_len=1e18"],
