@@ -406,11 +406,14 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+BENCH_COUNTS = {"steps": 10, "warmup": 3, "rounds": 5}  # bench's defaults (--roofline: untouched)
+
+
 def _bench_parser(sub) -> None:
     p = _command(sub, "bench", "training throughput on synthetic tokens (no data needed)")
     _add_config_args(p)
-    p.add_argument("--steps", type=int, default=10, help="timed optimizer steps")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--steps", type=int, default=BENCH_COUNTS["steps"], help="timed optimizer steps")
+    p.add_argument("--warmup", type=int, default=BENCH_COUNTS["warmup"], help="untimed steps first")
     reference = "time the framework's step against a bare PyTorch loop of the same model (bare, "
     reference += "what --reference alone means), of a GPT-2-style model of the same widths (gpt2), "
     reference += "or compiled against eager (eager), or, under torchrun, the step of every process "
@@ -418,7 +421,8 @@ def _bench_parser(sub) -> None:
     reference += "of --rounds, with the median of the rounds' pairs"
     kinds = ["bare", "gpt2", "eager", "scaling"]
     p.add_argument("--reference", nargs="?", const="bare", choices=kinds, help=reference)
-    p.add_argument("--rounds", type=int, default=5, help="--reference: timed rounds of each")
+    rounds = "--reference: timed rounds of each"
+    p.add_argument("--rounds", type=int, default=BENCH_COUNTS["rounds"], help=rounds)
     _flag(p, "--sweep", "a table over --sweep-micro x --sweep-ac x --sweep-compile (grad_accum 1)")
     p.add_argument("--sweep-micro", default="1,2,4,8", help="micro-batch sizes to sweep")
     p.add_argument("--sweep-ac", default="none,selective,full", help="checkpointing modes")
@@ -458,8 +462,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
             for f in ("--checkpoint-io", "--sweep-backend")
             if getattr(args, f[2:].replace("-", "_"))
         ]
-        for flag, default in (("--steps", 10), ("--warmup", 3), ("--rounds", 5)):
-            runs += [flag] if getattr(args, flag[2:]) != default else []
+        runs += [
+            f"--{key}" for key, default in BENCH_COUNTS.items() if getattr(args, key) != default
+        ]
         if runs:  # (it would ignore them)
             raise UserError(
                 f"{', '.join(runs)}: not with --roofline, which counts one step on paper and runs "

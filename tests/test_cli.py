@@ -992,12 +992,9 @@ def test_the_long_description_gets_absolute_links():
     assert not any("](docs/" in x or "](yaml/" in x for x in links)
 
 
-def test_the_quickstart_says_each_phase_and_ends_with_the_next_commands(tmp_path):
-    """A first quickstart sat silent through the venv's install (pip -q, minutes) and ended with
-    the sample. Now a line opens each phase and the last lines give the commands that look at
-    the run, with its paths. A checkout whose setup.sh and scale-llm are stand-ins (the config
-    is read by this Python), started from another directory."""
-    root = tmp_path / "checkout"
+def stand_in_checkout(root: Path) -> Path:
+    """A checkout at `root` with the real quickstart.sh, whose setup.sh makes a .venv of stand-ins:
+    its python is this Python, its scale-llm prints its arguments. Returns quickstart.sh."""
     (root / "launch").mkdir(parents=True)
     (root / "yaml").symlink_to(REPO / "yaml")
     quickstart = root / "launch" / "quickstart.sh"
@@ -1007,6 +1004,16 @@ def test_the_quickstart_says_each_phase_and_ends_with_the_next_commands(tmp_path
         f".venv/bin/python\nprintf '#!/bin/sh\\necho scale-llm \"$*\"\\n' > "
         ".venv/bin/scale-llm\nchmod +x .venv/bin/*\necho 'setup.sh: ready'\n"
     )
+    return quickstart
+
+
+def test_the_quickstart_says_each_phase_and_ends_with_the_next_commands(tmp_path):
+    """A first quickstart sat silent through the venv's install (pip -q, minutes) and ended with
+    the sample. Now a line opens each phase and the last lines give the commands that look at
+    the run, with its paths. A checkout whose setup.sh and scale-llm are stand-ins (the config
+    is read by this Python), started from another directory."""
+    root = tmp_path / "checkout"
+    quickstart = stand_in_checkout(root)
     (tmp_path / "elsewhere").mkdir()
     proc = subprocess.run(
         ["bash", str(quickstart)], cwd=tmp_path / "elsewhere", capture_output=True, text=True
@@ -1039,15 +1046,7 @@ def test_the_quickstart_reads_a_config_from_where_it_started_and_says_a_bad_one(
     """quickstart.sh looked for CONFIG in the checkout, not in the folder it was started from,
     and a bad config or argument was a UserError traceback (exit 1)."""
     root = tmp_path / "checkout"
-    (root / "launch").mkdir(parents=True)
-    (root / "yaml").symlink_to(REPO / "yaml")
-    quickstart = root / "launch" / "quickstart.sh"
-    quickstart.write_text((REPO / "launch" / "quickstart.sh").read_text())
-    (root / "launch" / "setup.sh").write_text(
-        f"mkdir -p .venv/bin\nprintf '#!/bin/sh\\nexec {sys.executable} \"$@\"\\n' > "
-        f".venv/bin/python\nprintf '#!/bin/sh\\necho scale-llm \"$*\"\\n' > "
-        ".venv/bin/scale-llm\nchmod +x .venv/bin/*\n"
-    )
+    quickstart = stand_in_checkout(root)
     here = tmp_path / "elsewhere"
     here.mkdir()
     (here / "mine.yaml").write_text(f"base: {REPO / 'yaml/tiny.yaml'}\ntrain: {{max_steps: 7}}\n")
