@@ -2549,6 +2549,31 @@ OWNED_OUTPUTS: list = [
             ("a folder of the user's", "holds manifest.json, which prepare cannot prove it wrote"),
         ]
     ],
+    *[  # prepare wrote its tokenizer and shards into the corpus (a mixture: its mixture.json),
+        # then read them as documents: "mixture.json:1 is not valid JSON" after the writes
+        (f"data.dir inside the corpus it reads: {name}", setup, said)
+        for name, setup, said in [
+            (
+                "a folder",
+                lambda ctx: _prepare_argv(_small_corpus(ctx.tmp), ctx.tmp / "src" / "out"),
+                "data.dir=",
+            ),
+            (
+                "a glob",
+                lambda ctx: _prepare_argv(f"{_small_corpus(ctx.tmp)}/*", ctx.tmp / "src"),
+                "is a folder whose files the glob in data.source matches",
+            ),
+            (
+                "a mixture's source",
+                lambda ctx: [
+                    "prepare",
+                    *s(f"data.dir={_small_corpus(ctx.tmp)}", "model.vocab_size=400"),
+                    *s(f"data.sources=[{{name: web, source: {ctx.tmp / 'src'}}}]"),
+                ],
+                "data.sources[0] (name web): data.dir=",
+            ),
+        ]
+    ],
 ]
 
 # ============================================================ JSON the project reads

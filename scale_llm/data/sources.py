@@ -434,4 +434,29 @@ def open_source(data: DataConfig):
         from scale_llm.data.hf_source import HFSource
 
         return HFSource(data)
-    return local_source(data.source, data.text_field)
+    source = local_source(data.source, data.text_field)
+    _refuse_overlap(source, data)
+    return source
+
+
+def _refuse_overlap(source: Source, data: DataConfig) -> None:
+    """data.dir apart from what the corpus reads: inside a source folder (or where a glob
+    matches prepare's files), prepare would write into the corpus and read its own files back
+    as documents the next time."""
+    out = os.path.realpath(Path(data.dir).expanduser())
+    spec = Path(data.source).expanduser()
+    if spec.is_dir():
+        if not Path(out).is_relative_to(os.path.realpath(spec)):
+            return
+        where = f"lies inside the corpus folder {spec} that data.source reads"
+    else:  # a glob (a file reads nothing else)
+        pattern = os.path.realpath(os.path.expanduser(data.source))
+        written = [os.path.join(out, name) for name in ("manifest.json", "tokenizer.model")]
+        if spec.is_file() or not any(fnmatch.fnmatch(w, pattern) for w in written):
+            return
+        where = "is a folder whose files the glob in data.source matches"
+    raise UserError(
+        f"data.dir={data.dir} {where} (data.source={data.source}): prepare would write its "
+        f"tokenizer and shards into the corpus and read them back as documents the next time, so "
+        f"it stops before any work. Point data.dir at a folder outside the corpus"
+    )
