@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import platform
@@ -471,6 +472,36 @@ def test_checkpoints_are_pruned_and_a_torn_save_is_ignored(data_dir, tmp_path):
     assert tr.checkpointer.latest().name == "step_00000004"
     again = trainer(data_dir, tmp_path, "checkpoint.every=1", "train.max_steps=5")
     assert again.step == 4
+
+
+def test_pruning_removes_only_folders_a_save_wrote(data_dir, tmp_path, caplog):
+    """keep_last prunes a step_N folder only when its integrity record lists every file in it:
+    one holding a user's file (beside a trainer.pt, or a link named trainer.pt) is left and
+    named once; `.tmp-` folders go only under the name a save gives them."""
+    tr = trainer(data_dir, tmp_path, "checkpoint.every=1", "checkpoint.keep_last=2")
+    tr.fit()  # 4 steps: step_00000003 and step_00000004 kept
+    ckpts = tr.checkpointer.dir
+    mine = ckpts / "step_00000001"  # a user's folder, its trainer.pt a link
+    mine.mkdir()
+    (mine / "analysis.txt").write_text("notes")
+    (mine / "trainer.pt").symlink_to(ckpts / "step_00000004" / "trainer.pt")
+    noted = ckpts / "step_00000003"  # a checkpoint the user wrote a note into
+    (noted / "notes.txt").write_text("the good one")
+    (ckpts / ".tmp-step_notes").mkdir()
+    (ckpts / ".tmp-step_notes" / "keep.txt").write_text("mine")
+    (ckpts / ".tmp-step_00000009").mkdir()  # a killed save's
+    caplog.set_level(logging.WARNING, logger="scale_llm")
+    again = trainer(data_dir, tmp_path, "checkpoint.every=1", "checkpoint.keep_last=2",
+                    "train.max_steps=6")  # fmt: skip
+    assert again.step == 4
+    again.fit()
+    names = sorted(p.name for p in ckpts.iterdir() if not p.name.startswith(".scale-llm"))
+    assert names == [".tmp-step_notes", "step_00000001", "step_00000003", "step_00000005",
+                     "step_00000006"]  # fmt: skip
+    assert (mine / "analysis.txt").read_text() == "notes"
+    assert (noted / "notes.txt").read_text() == "the good one"
+    said = [r.getMessage() for r in caplog.records if "not pruning" in r.getMessage()]
+    assert len(said) == 2 and all("it is left as it is" in m for m in said), said
 
 
 def test_loss_falls_on_real_text(data_dir, tmp_path):

@@ -87,7 +87,7 @@ class Checkpointer:
         self.dir, self.keep_last = run_dir / "checkpoints", keep_last
         self.is_main = is_main  # the main rank creates, publishes and prunes directories
         self.group = group  # the process group of background publishing (`side_group`)
-        self._links_named: set[Path] = set()  # symlinked step dirs already warned about
+        self._warned: set[Path] = set()  # step dirs warned about (a symlink, one left unpruned)
         self._pending: tuple[Path, Future] | None = None  # the save in flight: (step_N, done)
         self._publisher = ThreadPoolExecutor(1, thread_name_prefix="scale-llm-checkpoint")
 
@@ -103,9 +103,9 @@ class Checkpointer:
         return sorted(found)
 
     def _warn_link(self, path: Path) -> None:
-        if path in self._links_named:
+        if path in self._warned:
             return
-        self._links_named.add(path)
+        self._warned.add(path)
         log.warning(
             "checkpoint: skipping %s: it is a symlink (to %s), not a checkpoint this run wrote; "
             "it is never resumed, counted or pruned (to resume from it on purpose, name it: "
@@ -277,10 +277,20 @@ class Checkpointer:
 
     def prune(self) -> None:
         done = self.complete()  # (symlinks are not among them)
-        for _, path in done[: -self.keep_last]:  # this run's complete step_N folders only
-            shutil.rmtree(path, ignore_errors=True)
+        for _, path in done[: -self.keep_last]:  # complete step_N folders, each proven a save's
+            if (problem := damage(path, checksums=False)) is None:
+                shutil.rmtree(path, ignore_errors=True)
+            elif path not in self._warned:  # (warned once)
+                self._warned.add(path)
+                log.warning(
+                    "checkpoint: not pruning %s: %s, so it may hold files a save did not write; "
+                    "it is left as it is (delete it yourself if it is not needed)",
+                    path,
+                    problem,
+                )
         for stale in self.dir.glob(".tmp-step_*"):  # left by a process killed mid-save
-            _remove_stale(stale)
+            if _NAME.match(stale.name.removeprefix(".tmp-")):
+                _remove_stale(stale)
 
 
 def _remove_stale(tmp: Path) -> None:
