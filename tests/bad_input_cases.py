@@ -1210,9 +1210,21 @@ IMPOSSIBLE = {
     "plan precision": ({"plan__precision": "fp8"}, "plan.precision: 'fp8' is not bf16"),
 }
 RESUME_ONLY = {  # fields only a resume reads
-    "data position": ({"data__position": -1}, "data.position: -1 is not an integer >= 0"),
+    "data position": ({"data__position": -1}, "data.position: -1 is not an integer in 0..2^62"),
+    "data position past int64": (  # a numpy TypeError after the run dir was rewritten
+        {"data__position": 2**70},
+        "data.position: 1180591620717411303424 is not an integer in 0..2^62",
+    ),
     "bad streak past the step": ({"bad_streak": 7}, "bad_streak: 7 is not a count of steps"),
     "rng garbage": ({"rng": [{"torch": "x"}]}, "rng[0].torch: not a torch generator state"),
+    "rng of 10 bytes": (  # torch's RuntimeError when the resume set it
+        {"rng__0__torch": torch.zeros(10, dtype=torch.uint8)},
+        "rng[0].torch: 10 bytes, not the 5056 of a CPU generator's",
+    ),
+    "rng position past the keys": (  # random.setstate's ValueError
+        {"rng__0__python__state": [0] * 624 + [700]},
+        "rng[0].python: not a Python random state",
+    ),
     "train schedule": ({"config__train__lr": -1.0}, "config.train.lr=-1.0 must be > 0"),
     "backend layout": ({"backend": {"layout": 3}}, "backend: "),
 }

@@ -393,7 +393,7 @@ def copy_run(good: Path, tmp_path: Path, name: str = "test") -> Path:
 def rewrite_state(ckpt: Path, **changes) -> None:
     """Change fields of a checkpoint's trainer state (`a__b=v` sets state["a"]["b"]) and rewrite
     its integrity record with it (the checksums then match: the values themselves must be
-    refused)."""
+    refused); a list's part is its index."""
     from scale_llm.components.checkpoint import write_integrity
     from scale_llm.components.serialization import load_file, save_file
 
@@ -401,9 +401,10 @@ def rewrite_state(ckpt: Path, **changes) -> None:
     for key, value in changes.items():
         node = state
         *parents, last = key.split("__")
+        index = lambda node, part: int(part) if isinstance(node, list) else part  # noqa: E731
         for part in parents:
-            node = node[part]
-        node[last] = value
+            node = node[index(node, part)]
+        node[index(node, last)] = value
     save_file(state, ckpt / "trainer.pt")
     write_integrity(ckpt)
 

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -149,9 +150,9 @@ def _data_problems(data: Any) -> list[str]:
     if not isinstance(data, dict):
         return [f"data: {short(data, 40)} is not the data loader's position"]
     out = [
-        f"data.{key}: {short(data.get(key), 40)} is not an integer >= 0"
+        f"data.{key}: {short(data.get(key), 40)} is not an integer in 0..2^62"
         for key in ("position", "seed", "num_windows")
-        if not is_count(data.get(key))
+        if not is_count(value := data.get(key)) or value > 1 << 62  # (numpy's int64 takes it)
     ]
     sources = data.get("sources")  # a mixture's: {name: [weight, sequences drawn]}
     pairs = sources.items() if isinstance(sources, dict) else [(None, None)]
@@ -173,8 +174,11 @@ def _rng_problems(states: Any) -> list[str]:
         if not isinstance(s, dict):
             return [f"{where}: {short(s, 40)} is not a generator state"]
         numpy, python = s.get("numpy"), s.get("python")
-        if not _byte_tensor(s.get("torch")) or ("cuda" in s and not _byte_tensor(s["cuda"])):
+        cpu = s.get("torch")
+        if not _byte_tensor(cpu) or ("cuda" in s and not _byte_tensor(s["cuda"])):
             return [f"{where}.torch: not a torch generator state (a 1-D uint8 tensor)"]
+        if cpu.numel() != (size := torch.get_rng_state().numel()):
+            return [f"{where}.torch: {cpu.numel()} bytes, not the {size} of a CPU generator's"]
         if not (
             isinstance(numpy, dict)
             and isinstance(numpy.get("keys"), torch.Tensor)
@@ -187,10 +191,11 @@ def _rng_problems(states: Any) -> list[str]:
             return [f"{where}.numpy: not a numpy MT19937 state ({MT_KEYS} keys and a position)"]
         if not (
             isinstance(python, dict)
-            and isinstance(python.get("version"), int)
+            and python.get("version") == random.Random.VERSION
             and isinstance(python.get("state"), list | tuple)
             and len(python["state"]) == MT_KEYS + 1
-            and all(is_count(x) for x in python["state"])
+            and all(is_count(x) and x < 1 << 32 for x in python["state"])
+            and python["state"][-1] <= MT_KEYS  # (the position in the keys)
             and isinstance(python.get("gauss"), float | None)
         ):
             return [f"{where}.python: not a Python random state ({MT_KEYS + 1} integers)"]
