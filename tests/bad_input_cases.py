@@ -158,6 +158,11 @@ CONFIG = [
         "it lives at model.n_layers",
     ),
     ("a model key under train", ["config", *s("train.seq_len=128")], "it lives at model.seq_len"),
+    (  # a traceback at the first sample step (the prompt's slice kept it whole), and generate's
+        "a window of one token",
+        ["train", TINY, *s("model.seq_len=1")],
+        "model.seq_len=1 must be >= 2 (a window predicts each token after its first)",
+    ),
     ("unknown section", ["train", TINY, *s("optim.lr=1")], "unknown section"),
     (  # an unset shell variable: it read as null, and the default corpus was trained on
         "a --set with no value",

@@ -40,7 +40,10 @@ SIZE_KEYS = (
 def validate(cfg: Config) -> list[str]:
     """Values and combinations that type checks cannot catch; each message names key and fix."""
     m, t = cfg.model, cfg.train
-    e = bound_problems(m, "vocab_size d_model n_layers n_heads seq_len", prefix="model.")
+    e = bound_problems(m, "vocab_size d_model n_layers n_heads", prefix="model.")
+    e += bound_problems(
+        m, "seq_len", ">= 2 (a window predicts each token after its first)", "model."
+    )
     if m.n_layers > MAX_LAYERS:  # the estimate and the model build walk every block
         e.append(
             f"model.n_layers={m.n_layers}: at most {MAX_LAYERS:,} blocks are accepted (the "
