@@ -665,6 +665,8 @@ def generation_problems(args: argparse.Namespace) -> list[str]:
         e.append("--max-new-tokens must be at least 1")
     if not math.isfinite(args.temperature) or args.temperature < 0:
         e.append(f"--temperature {args.temperature}: use a number >= 0 (0 = greedy)")
+    elif 0 < args.temperature < 1e-30:  # (the logits divided by it overflow float32 to inf)
+        e.append(f"--temperature {args.temperature}: use 0 for greedy, or at least 1e-30")
     if args.top_k is not None and args.top_k < 0:
         e.append(f"--top-k {args.top_k}: use a count >= 1 (0 or omitted: no top-k filter)")
     if args.top_p is not None and not 0.0 < args.top_p <= 1.0:

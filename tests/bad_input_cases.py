@@ -2034,6 +2034,11 @@ FLAGS = [
         ["generate", ".", "--temperature", "nan"],
         "--temperature nan: use a number >= 0",
     ),
+    (  # float32 rounds it to 0: 0/0 logits, then torch.multinomial's RuntimeError
+        "generate: a temperature of 1e-50",
+        ["generate", ".", "--temperature", "1e-50"],
+        "--temperature 1e-50: use 0 for greedy, or at least 1e-30",
+    ),
     (
         "generate: non-UTF-8 prompt",
         ["generate", ".", "--prompt", "a\udcff\udcfeb"],
