@@ -158,6 +158,11 @@ CONFIG = [
         "it lives at model.n_layers",
     ),
     ("a model key under train", ["config", *s("train.seq_len=128")], "it lives at model.seq_len"),
+    (  # accepted into config.yaml; then TensorBoard's hparams (or SentencePiece) raised
+        "a --set value that is not UTF-8",
+        ["train", TINY, *s("eval.sample_prompt=ab\udcffc")],
+        "eval.sample_prompt: expected a string of UTF-8 text (re-encode it), got 'ab\\udcffc'",
+    ),
     (  # a traceback at the first sample step (the prompt's slice kept it whole), and generate's
         "a window of one token",
         ["train", TINY, *s("model.seq_len=1")],

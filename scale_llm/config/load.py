@@ -463,10 +463,20 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any, str]:
         return False, value, "a finite number"
     if tp is dict and isinstance(value, dict):  # (a pass-through: its numbers as JSON reads them)
         return True, _exponent_numbers(value), "a mapping"
+    if tp is str and isinstance(value, str):  # (--set passes bytes not UTF-8 as surrogates)
+        return _utf8(value), value, "a string of UTF-8 text (re-encode it)"
     simple = {bool: (bool, "true or false"), str: (str, "a string"), dict: (dict, "a mapping")}
     if tp in simple:
         return isinstance(value, simple[tp][0]), value, simple[tp][1]
     raise TypeError(f"unsupported config annotation {tp!r}")
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode()
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 # a number in JSON and YAML 1.2 that PyYAML reads as a string: 1e9, 5e-4 (no dot, or no sign)
