@@ -208,3 +208,18 @@ def test_a_planted_file_name_in_the_tokenizer_bundle_is_refused(continued, tmp_p
         with pytest.raises(UserError, match="files is missing or of the wrong type"):
             _read_bundle(path)
     assert not (tmp_path / "planted.sh").exists()
+
+
+def test_a_bundle_whose_encoder_does_not_read_is_named(continued, tmp_path):
+    """An encoder string that is not a tokenizer (the JSON around it intact): one paragraph
+    naming the file and the fix, not the tokenizers library's exception (generate, export)."""
+    from scale_llm.data.pretrained_tokenizer import PretrainedTokenizer
+    from scale_llm.errors import UserError
+
+    data, _, _ = continued
+    bundle = json.loads((data / "hf-tokenizer.json").read_text())
+    bundle["encoder"] = "{not a tokenizer"
+    path = tmp_path / "hf-tokenizer.json"
+    path.write_text(json.dumps(bundle))
+    with pytest.raises(UserError, match=r"its encoder does not read: .*re-run `scale-llm prepare"):
+        PretrainedTokenizer(path)

@@ -187,7 +187,14 @@ class PretrainedTokenizer:
         bundle = _read_bundle(self.path)
         from tokenizers import Tokenizer as Pipeline
 
-        self.backend = Pipeline.from_str(bundle["encoder"])
+        try:
+            self.backend = Pipeline.from_str(bundle["encoder"])
+        except Exception as e:  # (tokenizers raises its own exception type)
+            first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+            raise UserError(
+                f"tokenizer {self.path} is not a tokenizer prepare wrote (its encoder does not "
+                f"read: {first}); {RESTORE_FIX}"
+            ) from None
         self.backend.encode_special_tokens = bundle["split_special_tokens"]
         self.bos_id, self.eos_id = bundle["bos_id"], bundle["eos_id"]
         self.pad_id = bundle["pad_id"] if bundle["pad_id"] is not None else self.eos_id
