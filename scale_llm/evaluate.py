@@ -85,7 +85,7 @@ def eval_run(
         written = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(path.stat().st_mtime))
     export_dir = run_dir / "export" / ckpt.name
     reuse = bool(tasks) and reusable_export(export_dir, digest)
-    manager = task_manager(tasks, include_path) if tasks else None  # before the export
+    manager = task_manager(tasks, include_path, shots=num_fewshot) if tasks else None  # (first)
     new: dict[str, Any] = {"step": step, "checkpoint": str(ckpt), "checkpoint_digest": digest}
     scalars: dict[str, float] = {}
     if tasks:
@@ -262,9 +262,11 @@ def task_manager(
     tasks: list[str],
     include_path: str | Path | None,
     keys: tuple[str, str, str] = ("scale-llm eval", "--tasks", "--include-path"),
+    shots: int | None = None,
 ) -> Any:
-    """lm-eval's task manager that knows every one of `tasks` (refused before any export).
-    `keys`: what messages call the command, the task list and the folder."""
+    """lm-eval's task manager that knows every one of `tasks` (refused before any export), each
+    with at least `shots` few-shot examples. `keys`: what messages call the command, the task
+    list and the folder."""
     command, tasks_key, include_key = keys
     require(command, "lm_eval", "transformers", "accelerate")
     import lm_eval.utils
@@ -309,7 +311,7 @@ def task_manager(
             + f"; `lm-eval ls tasks` lists them, {include_key} DIR adds a folder of task YAMLs"
         )
     for task in tasks:
-        build_task(manager, task, tasks_key)
+        build_task(manager, task, tasks_key, shots)
     return manager
 
 
@@ -420,19 +422,39 @@ def _listed(value: Any) -> list:
     return value if isinstance(value, list) else [value]
 
 
-def build_task(manager: Any, task: str, tasks_key: str) -> None:
-    """Build `task` as lm-eval will: missing data refused before the export, not a traceback."""
+def build_task(manager: Any, task: str, tasks_key: str, shots: int | None = None) -> None:
+    """Build `task` as lm-eval will: missing data, or fewer few-shot examples than `shots`,
+    refused before the export, not a traceback."""
     try:
         if hasattr(manager, "load"):  # lm-eval >= 0.4.10
-            manager.load([task])
+            built = manager.load([task])["tasks"]
         else:
             from lm_eval.tasks import get_task_dict
 
-            get_task_dict([task], manager)
+            built = get_task_dict([task], manager)
+        # (lm-eval's sampler draws `shots` of them: random.sample's ValueError when fewer)
+        sizes = {name: n for name, t in built.items() if (n := _shot_count(t, shots)) is not None}
     except UserError:
         raise
     except Exception as e:  # lm-eval and datasets raise many types (OSError, ValueError, ...)
         raise UserError(task_data_problem(task, e, tasks_key)) from None
+    if short := {name: n for name, n in sizes.items() if n < shots}:
+        name, n = next(iter(short.items()))
+        raise UserError(
+            f"--num-fewshot {shots}: task {name} has {n} examples to draw its few-shot context "
+            f"from; give --num-fewshot {n} or fewer"
+        )
+
+
+def _shot_count(task: Any, shots: int | None) -> int | None:
+    """How many examples a task draws `shots` few-shot examples from (None: no shots, or not
+    counted before they are drawn)."""
+    if not shots or not hasattr(task, "fewshot_docs"):
+        return None
+    try:
+        return len(task.fewshot_docs())
+    except TypeError:  # (an iterator, or None)
+        return None
 
 
 def task_data_problem(task: str, error: BaseException, tasks_key: str) -> str:
@@ -483,19 +505,20 @@ def run_tasks(
 
     dtype = (json_object_or_none(export_dir / EXPORT_INFO) or {}).get("dtype", "fp32")
     eos = (json_object_or_none(export_dir / "config.json") or {}).get("eos_token_id", EOS_ID)
+    model_args = {
+        "pretrained": str(export_dir),
+        "dtype": str(DTYPES[dtype]).removeprefix("torch."),
+        "device": str(device),
+        # before a text scored from its start: EOS, as in training's `... [EOS] [BOS] doc`
+        # (lm-eval's default BOS scores a BOS after a BOS, which training never shows)
+        "prefix_token_id": eos,
+        "trust_remote_code": False,  # never a folder's Python, nor a prompt asking for it
+        # nor Hub kernels (transformers' default): code fetched while scoring, other numerics
+        "use_kernels": False,
+    }
     out = lm_eval.simple_evaluate(
         model="hf",
-        model_args={
-            "pretrained": str(export_dir),
-            "dtype": str(DTYPES[dtype]).removeprefix("torch."),
-            "device": str(device),
-            # before a text scored from its start: EOS, as in training's `... [EOS] [BOS] doc`
-            # (lm-eval's default BOS scores a BOS after a BOS, which training never shows)
-            "prefix_token_id": eos,
-            "trust_remote_code": False,  # never a folder's Python, nor a prompt asking for it
-            # nor Hub kernels (transformers' default): code fetched while scoring, other numerics
-            "use_kernels": False,
-        },
+        model_args=model_args,
         tasks=list(tasks),
         num_fewshot=num_fewshot,
         limit=limit,

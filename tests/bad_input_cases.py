@@ -1928,6 +1928,20 @@ def _eval_task_data(kind: str) -> Callable[[Ctx], Setup]:
     return setup
 
 
+def _eval_more_shots_than_examples(ctx: Ctx) -> Setup:
+    """--num-fewshot above a task's examples: lm-eval's sampler raised random.sample's ValueError
+    after the export; now refused before it, the run unchanged."""
+    needs("lm_eval")
+    run = ctx.run()
+    (ctx.tmp / "tasks").mkdir()
+    data = (
+        f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {TASK_DIR}/tiny_mc.jsonl\n"
+    )
+    (ctx.tmp / "tasks" / "few.yaml").write_text("task: few_task\n" + data + TASK_REST)
+    flags = ["--tasks", "few_task", "--include-path", str(ctx.tmp / "tasks"), "--limit", "1"]
+    return Setup(["eval", str(run), *flags, "--num-fewshot", "11"], watch=[run])
+
+
 def _base_loop(ctx: Ctx) -> list[str]:
     """base: naming a symlink that loops: a RuntimeError traceback from Path.resolve."""
     (ctx.tmp / "loopA").symlink_to("loopB")
@@ -2140,6 +2154,12 @@ FLAGS = [
         "eval of an unknown task",
         _eval_needs("--tasks", "no_such_task_xyz", "--include-path", str(TASK_DIR)),
         "no_such_task_xyz not found",
+    ),
+    (
+        "eval --num-fewshot above a task's examples",
+        _eval_more_shots_than_examples,
+        "--num-fewshot 11: task few_task has 10 examples to draw its few-shot context from; "
+        "give --num-fewshot 10 or fewer",
     ),
     (  # it said "no such folder"
         "eval --include-path a file",
