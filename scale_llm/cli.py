@@ -831,6 +831,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         code = 130
+    except BrokenPipeError:  # the reader of stdout left (`| head`): nothing more to say
+        with contextlib.suppress(OSError, ValueError):  # (exit flushes stdout: into nothing)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 141  # as a shell reports a command stopped by SIGPIPE
     except OSError as e:  # a full disk (or quota) is the user's to fix, wherever it struck
         if e.errno in PATH_ERRORS and e.filename:  # a path the user named, or one below it
             where = f"{e.filename} -> {e.filename2}" if e.filename2 else e.filename

@@ -315,6 +315,27 @@ def test_generate_reads_the_prompt_from_a_file_or_stdin_and_says_when_it_is_cut(
     assert long in out  # the whole prompt, then the continuation
 
 
+def test_generate_into_a_pipe_its_reader_left_ends_quietly(data_dir, tmp_path):
+    """`scale-llm generate ... | head -c 1`: a BrokenPipeError traceback (exit 1); now nothing
+    on stderr and 141, as a shell reports a command SIGPIPE stopped."""
+    import subprocess
+
+    from tests.helpers import env, finished_run
+
+    run = str(finished_run(data_dir, tmp_path))
+    (tmp_path / "p.txt").write_text("abc " * 50_000)  # echoed whole: past a pipe's buffer
+    cmd = [sys.executable, "-m", "scale_llm", "generate", run, "--prompt-file", "p.txt"]
+    proc = subprocess.Popen(
+        [*cmd, "--max-new-tokens", "2"],
+        cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdout.read(1)  # (its first line: the warning that the prompt was cut)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, err
+    assert "Traceback" not in err and "Broken pipe" not in err, err
+
+
 # ----------------------------------------------------------------------------- packaging
 
 
