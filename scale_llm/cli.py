@@ -362,6 +362,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
             f"--pipeline-rank {args.pipeline_rank} picks the pipeline rank that --fake traces; "
             f"add --fake, or leave --pipeline-rank out (the estimate reports every pipeline rank)"
         )
+    if args.fake:  # a layout it cannot trace: refused before --measure's work
+        from scale_llm.analysis.memory.fake import fake_plan
+
+        fake_plan(cfg, world, args.pipeline_rank)
     plan = target_plan(cfg, world)
     est = memory.estimate(cfg, plan)
     result = est.to_json()

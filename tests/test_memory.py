@@ -230,6 +230,22 @@ def estimate_cli(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     )
 
 
+def test_estimate_measure_with_fake_refuses_an_untraceable_layout_before_measuring(
+    monkeypatch, capsys
+):
+    """`--measure --fake` of a layout --fake cannot trace (DDP on 2 GPUs): refused first; the
+    measure built, ran and measured a step before (minutes on a large model)."""
+    from scale_llm import analysis, cli
+
+    def measured(*_):
+        raise AssertionError("--measure ran before --fake's refusal")
+
+    monkeypatch.setattr(analysis.memory, "measure_activations", measured)
+    tiny = ["--set", "model.n_layers=2", "--set", "model.d_model=64", "--set", "model.n_heads=4"]
+    assert cli.main(["estimate", *tiny, "--measure", "--fake", "--world-size", "2"]) == 2
+    assert "estimate --fake traces parallel.backend single" in capsys.readouterr().err
+
+
 def test_estimate_command_json_and_fit(tmp_path):
     proc = estimate_cli(
         tmp_path, str(REPO / "yaml" / "400m.yaml"), "--world-size", "2", "--json", "--fit", "24GiB"

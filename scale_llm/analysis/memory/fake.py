@@ -63,13 +63,11 @@ ALLOWANCES = (
 )
 
 
-def trace_step(
-    cfg: Config, world_size: int = 1, pipeline_rank: int | None = None
-) -> dict[str, Any]:
-    """One optimizer step of `cfg` on rank 0 of `world_size` GPUs traced on fake tensors, in
-    `measure_step`'s shape (with the allowances), next to the estimate for those GPUs. Under
-    pipeline parallelism the rank is the first of pipeline rank `pipeline_rank` (default: the
-    one the estimate names worst), its schedule run without the other stages (`_alone`)."""
+def fake_plan(
+    cfg: Config, world_size: int, pipeline_rank: int | None
+) -> tuple[Config, RunPlan, RunPlan]:
+    """(the config traced, the GPUs' plan the estimate is for, the plan the trace runs on the
+    CPU); a layout --fake cannot trace refused (before any other work of the command)."""
     here = _traced_config(cfg, world_size)
     target = target_plan(here, world_size)  # what the estimate is for: bf16 CUDA GPUs
     plan = dataclasses.replace(target, device=torch.device("cpu"))  # what the trace runs
@@ -79,6 +77,17 @@ def trace_step(
             f"{plan.backend}; use --world-size 1 or --set parallel.backend=fsdp"
         )
     _check_rank(pipeline_rank, plan)
+    return here, target, plan
+
+
+def trace_step(
+    cfg: Config, world_size: int = 1, pipeline_rank: int | None = None
+) -> dict[str, Any]:
+    """One optimizer step of `cfg` on rank 0 of `world_size` GPUs traced on fake tensors, in
+    `measure_step`'s shape (with the allowances), next to the estimate for those GPUs. Under
+    pipeline parallelism the rank is the first of pipeline rank `pipeline_rank` (default: the
+    one the estimate names worst), its schedule run without the other stages (`_alone`)."""
+    here, target, plan = fake_plan(cfg, world_size, pipeline_rank)
     # the trace runs the CPU's kernels, which save what CUDA's do (RMSNorm: its input, rstd)
     est, worst = estimate(with_changes(here, {"train.device": "cuda"}), target), None
     if plan.pp_degree > 1:
