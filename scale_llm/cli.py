@@ -804,6 +804,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(rewritten)
 
 
+PATH_FLAGS = {  # arguments that name a file or folder, by argparse's dest
+    **{k: f"--{k.replace('_', '-')}" for k in ("out", "scratch", "include_path", "perplexity")},
+    **{k: f"--{k.replace('_', '-')}" for k in ("prompt_file", "checkpoint")},
+    "run_dir": "RUN_DIR",
+    "config": "CONFIG",
+}
 PATH_ERRORS = {  # what an OSError on a path says the user can do
     errno.EACCES: "this user may not read or write it (or its file system does not allow it); "
     "give it (and the folders above it) this user's permissions, or point the command at a "
@@ -828,6 +834,12 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     code = 1  # an internal error propagates with its traceback
     try:
+        flags = {**PATH_FLAGS, "out": "OUT"} if args.command == "check" else PATH_FLAGS
+        if empty := [f for dest, f in flags.items() if str(getattr(args, dest, None)) == ""]:
+            raise UserError(
+                f"`scale-llm {args.command}` {empty[0]} is empty (an unset shell variable?): it "
+                f"would name the working folder; give a path"
+            )
         code = COMMANDS[args.command](args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -2143,6 +2143,19 @@ FLAGS = [
         ["export", ".", "--out", "hf", "--max-shard-size", "2G"],
         "--max-shard-size '2G': write a plain number above 0 and one of the units",
     ),
+    *[  # export said ". already exists"; check wrote its report into the working folder
+        (
+            f"{command} with an empty {flag}",
+            [command, *argv],
+            f"`scale-llm {command}` {flag} is empty (an unset shell variable?): it would name the "
+            f"working folder; give a path",
+        )
+        for command, argv, flag in [
+            ("export", [".", "--out", ""], "--out"),
+            ("check", [""], "OUT"),
+            ("generate", ["", "--max-new-tokens", "2"], "RUN_DIR"),
+        ]
+    ],
     (
         "a check of an unknown section",
         ["check", "out", "--only", "sweep,curve"],

@@ -32,6 +32,20 @@ def run_dir(data_dir, tmp_path_factory) -> Path:
 
 
 # ----------------------------------------------------------------------------- export
+def test_a_name_near_the_file_systems_limit_is_written_and_exported(run_dir, tmp_path):
+    """A file or export of a 250-character name: its temporary sibling (`.NAME.tmp-PID-RANDOM`)
+    was past the file system's 255 (export: `File name too long`)."""
+    from scale_llm.cli import main
+    from scale_llm.files import atomic_write_text
+
+    long = "b" * 250
+    atomic_write_text(tmp_path / long, "x")
+    assert (tmp_path / long).read_text() == "x"
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "e" / long)]) == 0
+    assert (tmp_path / "e" / long / "config.json").is_file()
+    assert sorted(p.name for p in (tmp_path / "e").iterdir()) == [long]  # (no sibling left)
+
+
 def test_export_force_replaces_an_earlier_export(run_dir, tmp_path):
     pytest.importorskip("safetensors")
     out = tmp_path / "hf"
