@@ -337,6 +337,12 @@ def _write_weights(
     for name, tensor in to_hf(cfg, state):
         # a copy in the export dtype: q/k/v views of wqkv must not share storage on disk
         t = tensor.detach().to(device="cpu", dtype=dtype, copy=True).contiguous()
+        if dtype == torch.float16 and not torch.isfinite(t).all() and tensor.isfinite().all():
+            top = tensor.detach().abs().max().item()  # (fp16's largest is 65504)
+            raise UserError(
+                f"--dtype fp16: {name} holds a value of magnitude {top:.4g}, past fp16's 65504 "
+                f"(it would be written as inf); export in bf16 or fp32 (--dtype bf16)"
+            )
         del tensor
         if shard and sum(x.nbytes for x in shard.values()) + t.nbytes > max_shard_bytes:
             flush()

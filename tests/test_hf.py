@@ -241,6 +241,21 @@ def test_export_is_all_or_nothing(run_dir, tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["atomic"]
 
 
+def test_an_fp16_export_refuses_weights_past_fp16s_range(run_dir, tmp_path):
+    """A weight above 65504 became inf in the fp16 files without a word; refused, naming the
+    tensor and the fix, and nothing is left behind. bf16 takes the same weights."""
+    model = random_model()
+    with torch.no_grad():
+        model.layers[1].feed_forward.w2.weight[0, 0] = 1e5
+    state = lambda: {k: v.clone() for k, v in model.state_dict().items()}  # noqa: E731
+    tokenizer = Tokenizer(run_dir / "tokenizer.model")
+    said = r"--dtype fp16: model.layers.1.mlp.down_proj.weight holds a value of magnitude 1e\+05"
+    with pytest.raises(UserError, match=said + r", past fp16's 65504 .*\(--dtype bf16\)"):
+        write_hf_folder(state(), model.cfg, tokenizer, tmp_path / "fp16", "fp16")
+    assert list(tmp_path.iterdir()) == []
+    write_hf_folder(state(), model.cfg, tokenizer, tmp_path / "bf16", "bf16")
+
+
 def random_model(**shape) -> torch.nn.Module:
     """A model of the tiny vocabulary with random weights: a wider init (so that logits differ
     visibly between tokens) and norm weights that are not all ones (they are mapped too)."""
