@@ -451,7 +451,7 @@ def stub_eval_tasks(monkeypatch) -> list:
 
     calls: list = []
 
-    def manager(names, include_path):
+    def manager(names, include_path, shots=None):
         return None
 
     def tasks(export_dir, names, *args, **kwargs):
