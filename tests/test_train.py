@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import platform
+import shutil
 from pathlib import Path
 
 import pytest
@@ -475,12 +476,16 @@ def test_checkpoints_are_pruned_and_a_torn_save_is_ignored(data_dir, tmp_path):
 
 
 def test_pruning_removes_only_folders_a_save_wrote(data_dir, tmp_path, caplog):
-    """keep_last prunes a step_N folder only when its integrity record lists every file in it:
-    one holding a user's file (beside a trainer.pt, or a link named trainer.pt) is left and
-    named once; `.tmp-` folders go only under the name a save gives them."""
+    """keep_last prunes a step_N folder only when its integrity record lists every file in it
+    and names this checkpoints folder: one holding a user's file (beside a trainer.pt, or a link
+    named trainer.pt), or another run's checkpoint copied in, is left and named once; `.tmp-`
+    folders go only under the name a save gives them."""
+    other = trainer(data_dir, tmp_path, "checkpoint.every=2", "run.name=other")
+    other.fit()
     tr = trainer(data_dir, tmp_path, "checkpoint.every=1", "checkpoint.keep_last=2")
     tr.fit()  # 4 steps: step_00000003 and step_00000004 kept
     ckpts = tr.checkpointer.dir
+    shutil.copytree(other.checkpointer.dir / "step_00000002", ckpts / "step_00000002")
     mine = ckpts / "step_00000001"  # a user's folder, its trainer.pt a link
     mine.mkdir()
     (mine / "analysis.txt").write_text("notes")
@@ -496,12 +501,13 @@ def test_pruning_removes_only_folders_a_save_wrote(data_dir, tmp_path, caplog):
     assert again.step == 4
     again.fit()
     names = sorted(p.name for p in ckpts.iterdir() if not p.name.startswith(".scale-llm"))
-    assert names == [".tmp-step_notes", "step_00000001", "step_00000003", "step_00000005",
-                     "step_00000006"]  # fmt: skip
+    assert names == [".tmp-step_notes", "step_00000001", "step_00000002", "step_00000003",
+                     "step_00000005", "step_00000006"]  # fmt: skip
     assert (mine / "analysis.txt").read_text() == "notes"
     assert (noted / "notes.txt").read_text() == "the good one"
     said = [r.getMessage() for r in caplog.records if "not pruning" in r.getMessage()]
-    assert len(said) == 2 and all("it is left as it is" in m for m in said), said
+    assert len(said) == 3 and all("it is left as it is" in m for m in said), said
+    assert "step_00000002: its integrity record says it was saved into another" in said[1]
 
 
 def test_loss_falls_on_real_text(data_dir, tmp_path):

@@ -34,10 +34,12 @@ from scale_llm.errors import UserError
 from scale_llm.files import (
     MAX_JSON_DEPTH,
     JSONProblem,
+    atomic_write_json,
     atomic_write_text,
     describe_kind,
     fsync_dir,
     fsync_tree,
+    json_object_or_none,
     nested_deeper,
     parse_json,
     stamped_name,
@@ -56,6 +58,33 @@ MAX_RECORD_BYTES = 64 << 20  # a record lists a few entries per rank (~100 bytes
 WEIGHT_FILES = (f"{DCP_DIR}/.metadata", *(f"{DEEPSPEED_DIR}/{name}" for name in MODEL_STATES))
 _NAME = re.compile(r"^step_(\d{8})$")
 Record = dict[str, dict[str, Any]]  # integrity.json's files: {name: {"size", "xxh3_64"}}
+
+
+# in a checkpoints folder: {"run": the run dir that last used it, "id": the folder's own}; every
+# save records the id, and pruning removes only checkpoints carrying it (never one copied in)
+CLAIM = ".scale-llm-run.json"
+_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def folder_id(ckpts: Path) -> str | None:
+    """The id a checkpoints folder's claim holds, or None."""
+    claim = json_object_or_none(ckpts / CLAIM, MAX_RECORD_BYTES) or {}
+    return got if isinstance(got := claim.get("id"), str) and _ID.fullmatch(got) else None
+
+
+def claim_folder(ckpts: Path, run: str | None = None) -> str:
+    """Write the folder's claim, naming `run` (when given) and keeping its id (made when it has
+    none); the id."""
+    claim = json_object_or_none(ckpts / CLAIM, MAX_RECORD_BYTES) or {}
+    ident = folder_id(ckpts) or os.urandom(16).hex()
+    atomic_write_json(ckpts / CLAIM, {"run": run if run else claim.get("run"), "id": ident})
+    return ident
+
+
+def saved_into(ckpt_dir: Path) -> str | None:
+    """The id of the checkpoints folder a checkpoint was saved into (its record's), or None."""
+    record = json_object_or_none(ckpt_dir / INTEGRITY, MAX_RECORD_BYTES) or {}
+    return got if isinstance(got := record.get("folder"), str) else None
 
 
 def checkpoint_name(step: int) -> str:
@@ -246,7 +275,7 @@ class Checkpointer:
         barrier(group)
         record = finish_record(tmp, written, self.is_main, group)
         if self.is_main:
-            write_integrity(tmp, record)
+            write_integrity(tmp, record, folder_id(self.dir) or claim_folder(self.dir))
             if final.is_symlink() or final.exists():  # not a checkpoint: moved aside, kept
                 target = self._move_aside([final])
                 log.warning("checkpoint: %s was in the way; moved it to %s", final, target)
@@ -277,8 +306,12 @@ class Checkpointer:
 
     def prune(self) -> None:
         done = self.complete()  # (symlinks are not among them)
+        mine = folder_id(self.dir)
         for _, path in done[: -self.keep_last]:  # complete step_N folders, each proven a save's
-            if (problem := damage(path, checksums=False)) is None:
+            problem = damage(path, checksums=False)
+            if problem is None and (mine is None or saved_into(path) != mine):
+                problem = "its integrity record says it was saved into another checkpoints folder"
+            if problem is None:
                 shutil.rmtree(path, ignore_errors=True)
             elif path not in self._warned:  # (warned once)
                 self._warned.add(path)
@@ -417,10 +450,14 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return latest
 
 
-def write_integrity(ckpt_dir: Path, record: Record | None = None) -> None:
-    """Write the integrity record (the last file of a checkpoint), computing it unless given."""
+def write_integrity(ckpt_dir: Path, record: Record | None = None, folder: str | None = None):
+    """Write the integrity record (the last file of a checkpoint), computing it unless given;
+    `folder`: the id of the checkpoints folder it is saved into (kept from the record there
+    when not given)."""
     record = integrity_record(ckpt_dir) if record is None else record
-    atomic_write_text(ckpt_dir / INTEGRITY, json.dumps({"files": record}, indent=1) + "\n")
+    folder = folder or saved_into(ckpt_dir)
+    written = {"files": record, **({"folder": folder} if folder else {})}
+    atomic_write_text(ckpt_dir / INTEGRITY, json.dumps(written, indent=1) + "\n")
 
 
 class _Damage(Exception):

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import torch
 
 from scale_llm.analysis.memory import check_host_memory
+from scale_llm.components.checkpoint import CLAIM, claim_folder
 from scale_llm.components.distributed import all_ranks_agree
 from scale_llm.components.optim import lr_at
 from scale_llm.config import Config, TrainConfig, compiles, with_changes
@@ -29,7 +30,6 @@ from scale_llm.files import (
     MAX_RECORD_BYTES,
     OWNER_MARKER,
     OwnerLock,
-    atomic_write_json,
     describe_kind,
     json_object_or_none,
     owned_kind,
@@ -352,9 +352,9 @@ RUN_DIR_FILES = {
 }
 LOCK = ".lock"
 RUN_KIND = "run"  # the kind in RUN_DIR/OWNER_MARKER, written by the launch that takes the lock
-# in RUN_DIR/checkpoints (or the folder it links to): the run that last used it, {"run": path},
-# and the lock its launch holds
-CHECKPOINTS_CLAIM, CHECKPOINTS_LOCK = ".scale-llm-run.json", ".scale-llm-run.lock"
+# in RUN_DIR/checkpoints (or the folder it links to): its claim (the run that last used it,
+# {"run": path, "id": ...}: components/checkpoint.py) and the lock its launch holds
+CHECKPOINTS_CLAIM, CHECKPOINTS_LOCK = CLAIM, ".scale-llm-run.lock"
 
 
 class RunLock:
@@ -390,8 +390,7 @@ class RunLock:
             for lock in self.locks:
                 lock.acquire()
             refuse_checkpoints_of_another_run(self.run_dir)  # again, now that no run can start
-            run = os.path.realpath(self.run_dir)
-            atomic_write_json(self.run_dir / "checkpoints" / CHECKPOINTS_CLAIM, {"run": run})
+            claim_folder(self.run_dir / "checkpoints", os.path.realpath(self.run_dir))
         except BaseException:
             self.release()
             raise
