@@ -1237,8 +1237,21 @@ RESUME_ONLY = {  # fields only a resume reads
     ),
     "train schedule": ({"config__train__lr": -1.0}, "config.train.lr=-1.0 must be > 0"),
     "backend layout": ({"backend": {"layout": 3}}, "backend: "),
+    "a layout no run writes": (  # read as another backend's: its weights alone, warned
+        {"backend__layout": {"format": [1], "zero_stage": {}}},
+        "backend.layout: {'format': [1], 'zero_stage': {}} is not a checkpoint layout",
+    ),
 }
 NO_RUN_SAVED = "trainer.pt holds values no run could have saved"
+
+
+def _a_state_of_more_layers_than_its_files(ctx: Ctx) -> Setup:
+    """The state and the config say 3 layers, the weight files hold 2: DCP's "Missing key"
+    RuntimeError after the run dir was rewritten; now refused by the preflight."""
+    ckpt = ctx.run() / "checkpoints" / STEP4
+    rewrite_state(ckpt, config__model__n_layers=3)
+    config = ctx.config("model.n_layers=3", "checkpoint.every=2", "train.max_steps=6")
+    return Setup(["train", config], expect=(str(ckpt),))
 
 
 def _impossible_state(case: str, command: str) -> Callable[[Ctx], Setup]:
@@ -1591,6 +1604,11 @@ CHECKPOINTS = [
         )
         for case, (_, said) in RESUME_ONLY.items()
     ],
+    (
+        "train: a trainer state of more layers than its weight files",
+        _a_state_of_more_layers_than_its_files,
+        "layers.2",
+    ),
     *[
         (
             f"{command}: a planted pickle ({plant})",

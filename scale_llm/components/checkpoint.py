@@ -773,6 +773,16 @@ class _DcpTensors:
 
     def __init__(self, dcp_dir: Path, shapes: dict[str, torch.Size]):
         self.dir, self.shapes, self.metadata = dcp_dir, shapes, dcp_metadata(dcp_dir)
+        saved = self.metadata.state_dict_metadata
+        for name, shape in shapes.items():  # (what DCP's load would stop at, one rank at a time)
+            size = getattr(saved.get(f"model.{name}"), "size", None)
+            if size is None or tuple(size) != tuple(shape):
+                held = "no such tensor" if size is None else f"shape {tuple(size)}"
+                raise damaged(
+                    dcp_dir,
+                    f"the model needs {name} of shape {tuple(shape)}; its files hold {held}: its "
+                    f"trainer state names another model than its weights",
+                )
 
     def read(self, name: str, key: str | None = None, shape: Any = None) -> torch.Tensor:
         """Parameter `name` (`key` None), or its optimizer state `key`."""

@@ -140,10 +140,30 @@ def resume_state_problems(state: dict[str, Any]) -> list[str]:
     parts = [backend.get(k) for k in ("layout", "scaler")] if isinstance(backend, dict) else [0]
     if not all(isinstance(part, dict) for part in parts):
         out.append(f"backend: {short(backend, 40)} is not a backend state with a layout")
+    elif not _layout_ok(layout := parts[0]):
+        out.append(
+            f"backend.layout: {short(layout, 60)} is not a checkpoint layout ({{format: dcp}}, "
+            f"or {{format: deepspeed, zero_stage: 0..3, world_size: N}})"
+        )
     saved = state["config"].get("train")  # read by the rules of a user config
     if not isinstance(saved, dict):
         return [*out, f"config.train: {short(saved, 40)} is not the saved train section"]
     return out + [f"config.{msg}" for msg in saved_section(TrainConfig, "train", saved)[1]]
+
+
+def _layout_ok(layout: dict) -> bool:
+    """What `parallel.backend.checkpoint_layout` writes."""
+    if layout == {"format": "dcp"}:
+        return True
+    stage, world = layout.get("zero_stage"), layout.get("world_size")
+    return (
+        layout.keys() == {"format", "zero_stage", "world_size"}
+        and layout["format"] == "deepspeed"
+        and stage in (0, 1, 2, 3)
+        and not isinstance(stage, bool)
+        and is_count(world)
+        and world >= 1
+    )
 
 
 def _data_problems(data: Any) -> list[str]:
@@ -295,11 +315,13 @@ def choose_resume(cfg: Config, plan: RunPlan, manifest: dict[str, Any]) -> Resum
     check_resume_state(state, ckpt, cfg, manifest["tokenizer"]["sha256"], checkpoints.dir)
     check_finished_run(state, ckpt, cfg)  # other settings: a new run
     layout = state["backend"]["layout"]
+    # the weights' names and shapes against the model (a meta model: no memory): damage, or a
+    # state naming another model than its files hold, stops it here
+    CheckpointWeights(ckpt, build_model(cfg.model).state_dict())
     if layout == checkpoint_layout(cfg, plan):  # model and optimizer restored exactly
         return Resume(ckpt, state, True)
-    # read across formats: damage stops it here (a meta model: no memory); model and optimizer
-    # move exactly between DCP and DeepSpeed ZeRO 1-3 (ZeRO-0 keeps no partitions: weights only)
-    CheckpointWeights(ckpt, build_model(cfg.model).state_dict())
+    # read across formats: model and optimizer move exactly between DCP and DeepSpeed ZeRO 1-3
+    # (ZeRO-0 keeps no partitions: weights only)
     exact = _partitioned(layout) and _partitioned(checkpoint_layout(cfg, plan))
     if exact and layout["format"] == "deepspeed":
         ZeroWeights(ckpt / DEEPSPEED_DIR).check_optimizer_state()
