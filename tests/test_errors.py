@@ -851,6 +851,10 @@ def test_a_checkpoint_that_is_missing_or_another_runs_is_named(four_steps, tmp_p
     err = capsys.readouterr().err
     assert "step_00000002 belongs to another run" in err and "Traceback" not in err, err
     assert "model.d_model (32 in the checkpoint, 64 in the run)" in err
+    assert main(["generate", str(wider), *gen]) == 2  # its own checkpoint: config.yaml edited
+    err = capsys.readouterr().err  # (it said "belongs to another run ... (the run itself)")
+    assert f"{wider / 'config.yaml'} differs from the model" in err, err
+    assert "it was edited after the run wrote it; restore those values" in err
 
     retokenized = tmp_path / "retokenized"  # a run with another tokenizer
     shutil.copytree(run_dir, retokenized)
