@@ -582,15 +582,16 @@ def held_out_perplexity(
     """Mean next-token loss and its exp over the first `limit` (or all) validation windows of
     `data_dir`, as val_loss; a mixture's per source, weighted as training's val_loss is."""
     head = {"data_dir": str(data_dir), "split": "val"}
+    trained_with = read_trainer_state(ckpt)["tokenizer_sha256"]
     if not (data_dir / MIXTURE).exists() or (data_dir / MANIFEST).exists():
-        windows, n = held_out_windows(run_dir, cfg, data_dir, limit)
+        windows, n = held_out_windows(run_dir, cfg, data_dir, limit, trained_with)
         model, _ = load_run(run_dir, cfg, plan, ckpt)
         return {**head, **window_scores(model, windows, n, plan, batch_size)}
     names, weights, weighting = mixture_sources(cfg, data_dir)
     found = {}
     for name in names:
         try:
-            found[name] = held_out_windows(run_dir, cfg, data_dir / name, limit)
+            found[name] = held_out_windows(run_dir, cfg, data_dir / name, limit, trained_with)
         except UserError as e:
             raise UserError(
                 f"--perplexity {data_dir} is a mixture; its source {name} ({data_dir / name}): {e}"
@@ -612,10 +613,15 @@ def _scores(windows: int, loss: float, tokens: int) -> dict[str, Any]:
 
 
 def held_out_windows(
-    run_dir: Path, cfg: Config, data_dir: Path, limit: int | None
+    run_dir: Path, cfg: Config, data_dir: Path, limit: int | None, trained_with: str
 ) -> tuple[TokenWindows, int]:
-    """The validation windows of `data_dir` (encoded with the run's tokenizer); how many."""
-    manifest = read_manifest(data_dir)
+    """The validation windows of `data_dir` (encoded with the run's tokenizer, `trained_with`:
+    its SHA-256 in the checkpoint); how many."""
+    try:
+        manifest = read_manifest(data_dir)
+    except UserError as e:  # (it names the folder data.dir)
+        said = str(e).replace(f"data.dir={data_dir}", str(data_dir))
+        raise UserError(f"--perplexity {data_dir}: {said}") from None
     want = manifest["tokenizer"]["sha256"]
     tok_path = run_tokenizer_path(run_dir, want)
     if not tok_path.is_file():
@@ -623,10 +629,16 @@ def held_out_windows(
             f"{tok_path} is missing: --perplexity needs the run's tokenizer; copy the data dir's "
             f"{tok_path.name} (the one the run trained with) there"
         )
-    if want != file_sha256(tok_path):
+    if want != trained_with:
         raise UserError(
             f"--perplexity {data_dir}: its tokenizer is not the one {run_dir} trained with; "
             f"give a data dir prepared with the run's tokenizer"
+        )
+    if file_sha256(tok_path) != trained_with:
+        raise UserError(
+            f"{tok_path} is not the tokenizer {run_dir} trained with (its checkpoint records "
+            f"another SHA-256): it was replaced or damaged; copy {data_dir / tok_path.name}, "
+            f"the one the run trained with, back there"
         )
     windows = TokenWindows(open_split(data_dir, manifest, "val"), cfg.model.seq_len)
     n = len(windows) if limit is None else min(limit, len(windows))

@@ -822,6 +822,15 @@ def _data_of_another_tokenizer(ctx: Ctx) -> list[str]:
     return ["eval", str(run), "--perplexity", str(other)]
 
 
+def _perplexity_with_the_runs_tokenizer_replaced(ctx: Ctx) -> list[str]:
+    """The run's tokenizer.model replaced (its data dir intact): it blamed the data dir."""
+    from scale_llm.data.tokenizer import train_tokenizer
+
+    run = ctx.run()
+    train_tokenizer(random_texts(300, "doc{i}"), 512, run / "tokenizer.model")
+    return ["eval", str(run), "--perplexity", str(ctx.data_dir)]
+
+
 DATA = [
     (  # prepare wrote 10,000 shards, and train then blamed the corpus's size
         "shards holding no window",
@@ -962,6 +971,16 @@ DATA = [
     ],
     ("a folder for prepare's progress record", _progress_record_a_folder, ()),
     ("eval: data of another tokenizer", _data_of_another_tokenizer, "not the one"),
+    (
+        "eval --perplexity with the run's tokenizer replaced",
+        _perplexity_with_the_runs_tokenizer_replaced,
+        ("tokenizer.model is not the tokenizer", "it was replaced or damaged; copy"),
+    ),
+    (  # "data.dir=RUN holds no prepared shards": no data.dir was given
+        "eval --perplexity of a folder without data",
+        lambda ctx: ["eval", str(run := ctx.run()), "--perplexity", str(run)],
+        (re.compile(r"\Aerror: --perplexity \S+: \S+ holds no"), Without("data.dir=")),
+    ),
     (
         "data.tokenizer: no such folder",
         ["prepare", TINY, *s("data.tokenizer=nowhere", "data.dir=d")],
