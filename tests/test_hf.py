@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -254,6 +255,22 @@ def test_an_fp16_export_refuses_weights_past_fp16s_range(run_dir, tmp_path):
         write_hf_folder(state(), model.cfg, tokenizer, tmp_path / "fp16", "fp16")
     assert list(tmp_path.iterdir()) == []
     write_hf_folder(state(), model.cfg, tokenizer, tmp_path / "bf16", "bf16")
+
+
+def test_integer_weights_are_refused_with_their_shapes(exported, tmp_path):
+    """A folder whose safetensors hold an integer tensor: the preflight reads every tensor's
+    shape (HFWeights.shapes) and now its dtype too; it said ok, and train refused later."""
+    from safetensors.torch import load_file, save_file
+
+    from scale_llm.components.hf_files import HFWeights
+
+    folder = tmp_path / "ints"
+    shutil.copytree(exported, folder)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.int16)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UserError, match=r"model.norm.weight in .* holds I16 values, not float"):
+        HFWeights(folder, "model.init_from").shapes()
 
 
 def random_model(**shape) -> torch.nn.Module:

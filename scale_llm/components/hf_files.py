@@ -75,10 +75,17 @@ class HFWeights:
                     f"to {file}, which does not hold it; the index does not match its shards: "
                     f"save the model again, or pick another folder"
                 )
-        return {
-            name: tuple(self._open(file).get_slice(name).get_shape())
-            for name, file in self.file_of.items()
-        }
+        shapes = {}
+        for name, file in self.file_of.items():
+            piece = self._open(file).get_slice(name)
+            if (dtype := str(piece.get_dtype())).upper().startswith(("I", "U", "BOOL")):
+                raise UserError(  # (what `get` refuses: said here, before any work)
+                    f"{self.what}: {name} in {self.folder / file} holds {dtype} values, not "
+                    f"floating-point weights (they would be cast silently); save the model with "
+                    f"float weights (fp32, bf16 or fp16), or pick another folder"
+                )
+            shapes[name] = tuple(piece.get_shape())
+        return shapes
 
     def get(self, name: str) -> torch.Tensor:
         """One tensor as fp32 on the CPU, refused unless floating-point and finite."""
