@@ -831,6 +831,8 @@ def entry() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    with contextlib.suppress(AttributeError, ValueError):  # (a terminal of another encoding:
+        sys.stdout.reconfigure(errors="replace")  # `?` for what it cannot show, not a crash)
     setup_logging()
     code = 1  # an internal error propagates with its traceback
     try:

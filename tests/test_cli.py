@@ -315,9 +315,12 @@ def test_generate_reads_the_prompt_from_a_file_or_stdin_and_says_when_it_is_cut(
     assert long in out  # the whole prompt, then the continuation
 
 
-def test_generate_into_a_pipe_its_reader_left_ends_quietly(data_dir, tmp_path):
+def test_generate_into_a_closed_pipe_or_an_ascii_terminal_ends_without_a_traceback(
+    data_dir, tmp_path
+):
     """`scale-llm generate ... | head -c 1`: a BrokenPipeError traceback (exit 1); now nothing
-    on stderr and 141, as a shell reports a command SIGPIPE stopped."""
+    on stderr and 141, as a shell reports a command SIGPIPE stopped. A terminal that cannot show
+    a character gets `?` for it."""
     import subprocess
 
     from tests.helpers import env, finished_run
@@ -334,6 +337,12 @@ def test_generate_into_a_pipe_its_reader_left_ends_quietly(data_dir, tmp_path):
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141, err
     assert "Traceback" not in err and "Broken pipe" not in err, err
+    ascii_only = env() | {"PYTHONIOENCODING": "ascii"}  # (a UnicodeEncodeError traceback)
+    shown = subprocess.run(
+        [*cmd[:-2], "--prompt", "caf\u00e9 ", "--max-new-tokens", "2"],
+        cwd=tmp_path, env=ascii_only, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert shown.returncode == 0 and "caf? " in shown.stdout, shown.stderr[-2000:]
 
 
 # ----------------------------------------------------------------------------- packaging
