@@ -336,18 +336,21 @@ def _target_world(args: argparse.Namespace, default) -> tuple[int, str | None]:
     """The GPUs estimate and bench --roofline predict for, and a line saying why: --world-size,
     else $WORLD_SIZE under a launcher, else `default()`'s (world, line)."""
     if args.world_size is not None:
-        if not 1 <= args.world_size <= MAX_TARGET_WORLD:
-            raise UserError(
-                f"--world-size {args.world_size}: use the number of GPUs the run will use, >= 1 "
-                f"and at most {MAX_TARGET_WORLD:,} (or leave it out for $WORLD_SIZE, else the "
-                f"config's own, else the default)"
-            )
-        return args.world_size, None
-    if "WORLD_SIZE" in os.environ:
+        world, given = args.world_size, f"--world-size {args.world_size}"
+    elif "WORLD_SIZE" in os.environ:
         from scale_llm.config.plan import launch_env
 
-        return launch_env().world_size, None
-    return default()
+        world = launch_env().world_size
+        given = f"WORLD_SIZE={world} (in the environment)"
+    else:
+        return default()
+    if not 1 <= world <= MAX_TARGET_WORLD:
+        raise UserError(
+            f"{given}: use the number of GPUs the run will use, >= 1 and at most "
+            f"{MAX_TARGET_WORLD:,} (or leave --world-size out for $WORLD_SIZE, else the config's "
+            f"own, else the default)"
+        )
+    return world, None
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:

@@ -2037,6 +2037,11 @@ FLAGS = [
         ["estimate", TINY, "--world-size", "99999999999999999999"],
         "use the number of GPUs the run will use, >= 1 and at most 1,048,576",
     ),
+    (  # taken: the estimate of 10^11 GPUs
+        "estimate under a WORLD_SIZE of more GPUs than any run",
+        lambda ctx: ctx.monkeypatch.setenv("WORLD_SIZE", "99999999999") or ["estimate", TINY],
+        "WORLD_SIZE=99999999999 (in the environment): use the number of GPUs the run will use",
+    ),
     (  # they were ignored: a roofline runs nothing
         "bench --roofline with a measurement's flags",
         ["bench", TINY, "--roofline", "H100-SXM", "--sweep", "--steps", "2"],
