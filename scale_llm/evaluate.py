@@ -591,7 +591,9 @@ def held_out_perplexity(
     found = {}
     for name in names:
         try:
-            found[name] = held_out_windows(run_dir, cfg, data_dir / name, limit, trained_with)
+            found[name] = held_out_windows(
+                run_dir, cfg, data_dir / name, limit, trained_with, alone=False
+            )
         except UserError as e:
             raise UserError(
                 f"--perplexity {data_dir} is a mixture; its source {name} ({data_dir / name}): {e}"
@@ -613,15 +615,21 @@ def _scores(windows: int, loss: float, tokens: int) -> dict[str, Any]:
 
 
 def held_out_windows(
-    run_dir: Path, cfg: Config, data_dir: Path, limit: int | None, trained_with: str
+    run_dir: Path,
+    cfg: Config,
+    data_dir: Path,
+    limit: int | None,
+    trained_with: str,
+    alone: bool = True,
 ) -> tuple[TokenWindows, int]:
     """The validation windows of `data_dir` (encoded with the run's tokenizer, `trained_with`:
-    its SHA-256 in the checkpoint); how many."""
+    its SHA-256 in the checkpoint); how many. `alone`: --perplexity's folder (not a source of
+    a mixture)."""
     try:
         manifest = read_manifest(data_dir)
-    except UserError as e:  # (it names the folder data.dir)
+    except UserError as e:  # (it calls the folder data.dir; a mixture's source: named above)
         said = str(e).replace(f"data.dir={data_dir}", str(data_dir))
-        raise UserError(f"--perplexity {data_dir}: {said}") from None
+        raise UserError(f"--perplexity {data_dir}: {said}" if alone else said) from None
     want = manifest["tokenizer"]["sha256"]
     tok_path = run_tokenizer_path(run_dir, want)
     if not tok_path.is_file():

@@ -2828,7 +2828,7 @@ ERGONOMICS: list = [
     (
         "eval --perplexity of a mixture missing a source's folder",
         _perplexity_of_a_mixture(
-            ["web", "code"], "{mix} is a mixture; its source code ({mix}/code): data.dir="
+            ["web", "code"], "{mix} is a mixture; its source code ({mix}/code): {mix}/code holds"
         ),
         "holds no prepared shards",
     ),

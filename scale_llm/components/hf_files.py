@@ -78,9 +78,10 @@ class HFWeights:
         shapes = {}
         for name, file in self.file_of.items():
             piece = self._open(file).get_slice(name)
-            if (dtype := str(piece.get_dtype())).upper().startswith(("I", "U", "BOOL")):
-                raise UserError(  # (what `get` refuses: said here, before any work)
-                    f"{self.what}: {name} in {self.folder / file} holds {dtype} values, not "
+            if (dtype := str(piece.get_dtype()).upper()).startswith(("I", "U", "BOOL")):
+                kind = "bool" if dtype == "BOOL" else f"{'u' * (dtype[0] == 'U')}int{dtype[1:]}"
+                raise UserError(  # (what `get` refuses, in its words: said before any work)
+                    f"{self.what}: {name} in {self.folder / file} holds torch.{kind} values, not "
                     f"floating-point weights (they would be cast silently); save the model with "
                     f"float weights (fp32, bf16 or fp16), or pick another folder"
                 )
