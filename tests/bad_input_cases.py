@@ -396,6 +396,62 @@ CONFIG = [
             Without("overlap_comm"),  # other entries pass through
         ),
     ),
+    *[  # accepted, then a traceback in DeepSpeed's engine or its first step (some after the
+        # run dir was written)
+        (
+            f"ds passthrough: {name}",
+            ["config", *s("parallel.backend=deepspeed", f"parallel.deepspeed.config={value}")],
+            said,
+        )
+        for name, value, said in [
+            ("steps_per_print 0", "{steps_per_print: 0}", "0 divides by zero in DeepSpeed's step"),
+            (
+                "a communication dtype it has not",
+                "{communication_data_type: foo}",
+                "'foo' is not a dtype DeepSpeed reduces in; give fp32, bf16 or fp16",
+            ),
+            (
+                "an accumulation dtype it has not",
+                "{data_types: {grad_accum_dtype: foo}}",
+                "data_types: grad_accum_dtype: 'foo' is not a dtype",
+            ),
+            (
+                "the parameter dtype",
+                "{data_types: {param_dtype: bf16}}",
+                "data_types.param_dtype: set by train.precision",
+            ),
+            (
+                "modules kept in fp32 as a number",
+                "{data_types: {keep_in_fp32_modules: 5}}",
+                'keep_in_fp32_modules: 5 is not "auto" or a list of name patterns',
+            ),
+            (
+                "a predivide factor under ZeRO-2's reduce-scatter",
+                "{gradient_predivide_factor: 2.0}",
+                "DeepSpeed's ZeRO-1/2 take only 1.0 with reduce-scatter on",
+            ),
+            (
+                "a predivide factor of 0",
+                "{gradient_predivide_factor: 0}",
+                "0 divides the gradients; give a number > 0",
+            ),
+            (
+                "a null predivide factor",
+                "{gradient_predivide_factor: null}",
+                "gradient_predivide_factor: None is not a number",
+            ),
+            (
+                "prescaled gradients under ZeRO-2's reduce-scatter",
+                "{prescale_gradients: true}",
+                "cannot prescale with reduce-scatter on",
+            ),
+            (
+                "ZenFlow's selective updates",
+                "{zero_optimization: {zenflow: {topk_ratio: 0.1}}}",
+                "zero_optimization.zenflow: set by train.*",
+            ),
+        ]
+    ],
     ("deepspeed not installed", _missing_deepspeed, "deepspeed is not installed"),
     (
         "W&B on, wandb not installed",

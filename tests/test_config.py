@@ -228,8 +228,8 @@ def test_a_recursive_alias_in_a_set_value_is_refused():
 
 
 def test_deepspeed_judges_zero_optimization_before_any_work(monkeypatch):
-    """An entry DeepSpeed's ZeRO model refuses (unknown, or of the wrong type) was a pydantic
-    traceback inside deepspeed.initialize, after the model was built."""
+    """An entry DeepSpeed's ZeRO (or comms logger) model refuses (unknown, or of the wrong type)
+    was a pydantic traceback inside deepspeed.initialize, after the model was built."""
     from scale_llm.config.plan import target_plan
     from scale_llm.parallel.ds_config import check_zero_settings
 
@@ -258,6 +258,13 @@ def test_deepspeed_judges_zero_optimization_before_any_work(monkeypatch):
     cfg = load_config(None, ["parallel.backend=deepspeed", f"parallel.deepspeed.config={raw}"])
     zero = cfg.parallel.deepspeed.config["zero_optimization"]  # (PyYAML reads 1e9 as text)
     assert zero == {"reduce_bucket_size": 1e9, "stage3_prefetch_bucket_size": 5e8}
+    check_zero_settings(cfg, target_plan(cfg, 2))
+    raw = "{comms_logger: {bogus: 1}}"  # (a pydantic traceback in deepspeed.initialize)
+    cfg = load_config(None, ["parallel.backend=deepspeed", f"parallel.deepspeed.config={raw}"])
+    with pytest.raises(UserError, match=r"config.comms_logger: DeepSpeed refuses it \(bogus: "):
+        check_zero_settings(cfg, target_plan(cfg, 2))
+    raw = "{comms_logger: {enabled: true, verbose: false}}"
+    cfg = load_config(None, ["parallel.backend=deepspeed", f"parallel.deepspeed.config={raw}"])
     check_zero_settings(cfg, target_plan(cfg, 2))
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -171,7 +172,15 @@ OWNED = {
     # off, the engine reports no norm: every step would count as skipped (the finite check)
     "zero_optimization.compute_grad_norm": "the framework (the gradient norm is its finite "
     "check and its grad_norm metric)",
+    "data_types.param_dtype": "train.precision",
+    # top-k selective updates (ZenFlow's CPU Adam): not the one-process AdamW curve
+    "zero_optimization.zenflow": "train.* (the framework's AdamW updates every parameter)",
 }
+DS_DTYPES = {  # the dtype names DeepSpeed's DtypeEnum reads (int8: no training dtype)
+    *("fp16", "float16", "half", "torch.float16", "fp32", "float32", "float", "torch.float32"),
+    *("bf16", "bfloat16", "torch.bfloat16"),
+}
+DATA_TYPES = ("grad_accum_dtype", "buffer_dtype", "keep_in_fp32_modules")  # (param_dtype: owned)
 
 
 # the ds_config sections the pass-through takes, with the kinds of value each takes: the engine's
@@ -200,7 +209,7 @@ REFUSED = {
 }
 
 
-def passthrough_problems(raw: dict[str, Any]) -> list[str]:
+def passthrough_problems(raw: dict[str, Any], zero_stage: int = 2) -> list[str]:
     """Entries of parallel.deepspeed.config that would contradict a framework key, and
     sections outside the pass-through's."""
     problems = []
@@ -211,8 +220,8 @@ def passthrough_problems(raw: dict[str, Any]) -> list[str]:
     takes = ", ".join(PASSTHROUGH)
     for key, value in raw.items():
         kinds = PASSTHROUGH.get(key, ())
-        if value is None and kinds and dict not in kinds:  # (null: DeepSpeed's own default)
-            continue
+        if value is None and kinds and dict not in kinds and key != "gradient_predivide_factor":
+            continue  # (null: DeepSpeed's own default)
         if kinds and (not isinstance(value, kinds) or isinstance(value, bool) > (bool in kinds)):
             names = {dict: "a mapping", str: "a string", bool: "true or false", int: "an integer"}
             kind = names.get(kinds[0])
@@ -223,7 +232,45 @@ def passthrough_problems(raw: dict[str, Any]) -> list[str]:
         elif not kinds and key not in OWNED:
             why = REFUSED.get(key, f"not among the sections the pass-through takes ({takes})")
             problems.append(f"parallel.deepspeed.config.{key}: {why}; remove it here")
+        elif kinds and (said := _value_problem(key, value, raw, zero_stage)):
+            problems.append(f"parallel.deepspeed.config.{key}: {said}")
     return problems
+
+
+def _value_problem(key: str, value: Any, raw: dict[str, Any], zero_stage: int) -> str | None:
+    """What DeepSpeed would stop at (in its engine or first step) in an entry of the right kind."""
+    zero = raw.get("zero_optimization") if isinstance(raw.get("zero_optimization"), dict) else {}
+    # ZeRO-1/2 reduce-scatter their gradients unless told not to (DeepSpeed's default: on)
+    scattered = zero_stage in (1, 2) and zero.get("reduce_scatter", True) is not False
+    if key == "steps_per_print" and value is not None and value == 0:
+        return "0 divides by zero in DeepSpeed's step; give a count >= 1 (or -1 to never print)"
+    if key == "communication_data_type" and value is not None and value.lower() not in DS_DTYPES:
+        return f"{value!r:.40} is not a dtype DeepSpeed reduces in; give fp32, bf16 or fp16"
+    if key == "gradient_predivide_factor":
+        if value is None or not math.isfinite(value) or value <= 0:
+            return f"{value!r:.40} divides the gradients; give a number > 0, or remove it for 1.0"
+        if value != 1 and scattered:
+            return (
+                f"{value!r:.40}: DeepSpeed's ZeRO-1/2 take only 1.0 with reduce-scatter on; set "
+                f"zero_optimization.reduce_scatter: false too, or remove it"
+            )
+    if key == "prescale_gradients" and value and scattered:
+        return (
+            "true: DeepSpeed's ZeRO-1/2 cannot prescale with reduce-scatter on; set "
+            "zero_optimization.reduce_scatter: false too, or remove it"
+        )
+    if key == "data_types" and value is not None:
+        if unknown := sorted(set(value) - set(DATA_TYPES) - {"param_dtype"}):
+            return f"{unknown[0]!r:.40} is not one of its keys ({', '.join(DATA_TYPES)})"
+        for name in ("grad_accum_dtype", "buffer_dtype"):
+            if (v := value.get(name)) is not None and str(v).lower() not in DS_DTYPES:
+                return f"{name}: {v!r:.40} is not a dtype; give fp32, bf16 or fp16"
+        keep = value.get("keep_in_fp32_modules", "auto")
+        if keep != "auto" and not (
+            isinstance(keep, list) and all(isinstance(n, str) for n in keep)
+        ):
+            return f'keep_in_fp32_modules: {keep!r:.40} is not "auto" or a list of name patterns'
+    return None
 
 
 def validate_parallel(cfg: Config) -> list[str]:
@@ -269,7 +316,7 @@ def validate_parallel(cfg: Config) -> list[str]:
             "optimizer state)"
         )
     if ds.config and backend == "deepspeed":
-        e.extend(passthrough_problems(ds.config))
+        e.extend(passthrough_problems(ds.config, ds.zero_stage))
     e.extend(pipeline_problems(cfg))
     if (mode := cfg.checkpoint.async_mode) != "disabled" and backend == "deepspeed":
         e.append(

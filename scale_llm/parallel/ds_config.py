@@ -62,21 +62,28 @@ def deepspeed_config(cfg: Config, plan: RunPlan) -> dict[str, Any]:
 
 
 def check_zero_settings(cfg: Config, plan: RunPlan) -> None:
-    """DeepSpeed's own model judges zero_optimization as the run hands it over, before any work:
-    an unknown or mistyped entry of parallel.deepspeed.config is named with DeepSpeed's words."""
+    """DeepSpeed's own models judge zero_optimization and comms_logger as the run hands them
+    over, before any work: an unknown or mistyped entry of parallel.deepspeed.config is named
+    with DeepSpeed's words."""
     if plan.backend != "deepspeed" or importlib.util.find_spec("deepspeed") is None:
         return  # (a missing deepspeed is named where the backend is built)
     deepspeed_on(plan.device)
+    from deepspeed.comm.config import CommsLoggerConfig
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
     from pydantic import ValidationError
 
-    try:
-        DeepSpeedZeroConfig(**deepspeed_config(cfg, plan)["zero_optimization"])
-    except (ValidationError, AssertionError, TypeError, ValueError) as e:
-        said = (str(e).splitlines() or [type(e).__name__])[0]
-        if isinstance(e, ValidationError):
-            said = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
-        raise UserError(
-            f"parallel.deepspeed.config.zero_optimization: DeepSpeed refuses it ({said}); fix or "
-            f"remove those entries"
-        ) from None
+    merged = deepspeed_config(cfg, plan)
+    for section, model in (
+        ("zero_optimization", DeepSpeedZeroConfig),
+        ("comms_logger", CommsLoggerConfig),
+    ):
+        try:
+            model(**merged.get(section, {}))
+        except (ValidationError, AssertionError, TypeError, ValueError) as e:
+            said = (str(e).splitlines() or [type(e).__name__])[0]
+            if isinstance(e, ValidationError):
+                said = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
+            raise UserError(
+                f"parallel.deepspeed.config.{section}: DeepSpeed refuses it ({said}); fix or "
+                f"remove those entries"
+            ) from None
