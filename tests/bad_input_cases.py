@@ -532,6 +532,18 @@ def _run_dir_holding(kind: str) -> Callable[[Ctx], Setup]:
     return setup
 
 
+def _profile_folder_under_a_file(ctx: Ctx) -> Setup:
+    """train.profile.folder=notes.txt/x where the run dir holds a file notes.txt: the profiler's
+    NotADirectoryError after the traced steps had trained."""
+    run_dir = ctx.tmp / "runs" / "tiny"
+    run_dir.mkdir(parents=True)
+    (run_dir / ".scale-llm-owner.json").write_text('{"kind": "run"}')  # a run's mark
+    (run_dir / "notes.txt").write_text("mine")
+    profile = ["train.profile.enabled=true", "train.profile.start_step=2"]
+    argv = ["train", TINY, *s(f"data.dir={ctx.data_dir}", *TRAIN_ON, *profile)]
+    return Setup([*argv, *s("train.profile.folder=notes.txt/x")])
+
+
 def _eval_output(case: str) -> Callable[[Ctx], Setup]:
     """A wrong kind of file where eval writes, or a run dir it cannot write to."""
 
@@ -629,6 +641,28 @@ PATHS = [
         "would pass the 4096-byte limit of this file system; use a shorter run.dir / run.name",
     ),
     ("a NUL in a path", ["train", "nul.yaml"], "data.dir='d\\x00x' holds a NUL character"),
+    *[  # each was an error from the profiler after the steps before the traced ones had trained
+        (
+            f"a profile folder {name}",
+            [
+                "train",
+                TINY,
+                *s("train.profile.enabled=true", "train.profile.start_step=2"),
+                "--set",
+                f"train.profile.folder={folder}",
+            ],  # fmt: skip
+            said,
+        )
+        for name, folder, said in [
+            ("with a NUL", "prof\0x", "train.profile.folder='prof\\x00x' holds a NUL character"),
+            ("too long", "p" * 300, "is 300 bytes, over the 255 bytes a file name may have"),
+        ]
+    ],
+    (
+        "a profile folder under a file of the run dir",
+        _profile_folder_under_a_file,
+        "train.profile.folder: ",
+    ),
     (
         "a file where the run keeps its checkpoints",
         _run_dir_holding("checkpoints a file"),

@@ -16,7 +16,7 @@ from scale_llm.errors import short
 
 PATH_KEYS = tuple(
     "run.dir data.dir data.source data.tokenizer model.init_from checkpoint.resume "
-    "eval.tasks_include_path".split()
+    "eval.tasks_include_path train.profile.folder".split()
 )
 NOT_PATHS = {"data.source": ("builtin",), "checkpoint.resume": ("auto", "never")}
 

@@ -28,12 +28,16 @@ def check_profile(p: ProfileConfig, run_dir: Path) -> None:
     """Before any work: train.profile.folder is missing or a folder (a memory snapshot off a GPU
     is refused with the plan: config/plan.py)."""
     folder = run_dir / p.folder
-    wanted = p.enabled or p.memory_snapshot_step is not None
-    if wanted and (folder.is_symlink() or folder.exists()) and not folder.is_dir():
-        raise UserError(
-            f"train.profile.folder: {folder} is {describe_kind(folder)}, not a directory; the "
-            f"profiler writes its traces there: move it away or set another train.profile.folder"
-        )
+    if not (p.enabled or p.memory_snapshot_step is not None):
+        return
+    inside = Path(p.folder)  # the folder and those above it, inside the run dir
+    for at in (run_dir / q for q in (inside, *inside.parents) if q != Path(".")):
+        if (at.is_symlink() or at.exists()) and not at.is_dir():
+            raise UserError(
+                f"train.profile.folder: {at} is {describe_kind(at)}, not a directory; the "
+                f"profiler writes its traces in {folder}: move it away or set another "
+                f"train.profile.folder"
+            )
 
 
 class StepProfiler(Callback):
