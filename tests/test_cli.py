@@ -250,6 +250,7 @@ def test_runs_shows_a_run_as_a_relaunch_finds_it(data_dir, tmp_path, capsys):
     shutil.rmtree(tmp_path / "killed" / "checkpoints" / "step_00000004")  # killed before it
     with open(run / "metrics.jsonl", "a") as f:
         f.write("[" * 100_000 + "]" * 100_000 + "\n")
+        f.write(json.dumps({"step": 4, "val_loss": 10**400}) + "\n")  # (float(): OverflowError)
     (run / ".lock").write_text("[" * 4000)  # (read as no owner: the run is not running)
     assert main(["runs", str(tmp_path)]) == 0
     rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}

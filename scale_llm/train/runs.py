@@ -175,7 +175,7 @@ def _number(value: Any) -> float | None:
         return None
     try:
         return float(value)
-    except ValueError:
+    except (ValueError, OverflowError):  # (an integer of hundreds of digits: written by hand)
         return None
 
 
