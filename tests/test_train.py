@@ -377,10 +377,16 @@ def read_wandb_records(run_dir: Path) -> list:
 def test_what_users_watch_tensorboard_wandb_samples_and_progress(
     data_dir, tmp_path, logs, monkeypatch
 ):
-    """Issue 13 item 4: config as hparams and text, validation perplexity, sample generations,
-    the step line's % done / elapsed / ETA, and the same scalars and config in W&B (offline)."""
+    """Config as hparams and text, validation perplexity, sample generations, the step line's
+    % done / elapsed / ETA, and the same scalars and config in W&B (offline), all in the run dir
+    (W&B's service wrote its log into ~/.cache/wandb)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    for name in ("WANDB_CACHE_DIR", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    assert "WANDB_CACHE_DIR" not in os.environ
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_DISABLE_GIT", "true")
     monkeypatch.setenv("WANDB_CONSOLE", "off")
@@ -428,6 +434,8 @@ def test_what_users_watch_tensorboard_wandb_samples_and_progress(
     assert run.project == "scale-llm-tests" and run.display_name == "test"
     config = {i.key: i.value_json for i in run.config.update}
     assert json.loads(config["train.max_steps"]) == 4
+    assert not home.exists() or [p for p in home.rglob("*") if p.is_file()] == []
+    assert "WANDB_CACHE_DIR" not in os.environ  # (set while W&B started)
 
 
 def test_effective_batch_is_printed(data_dir, tmp_path, logs):

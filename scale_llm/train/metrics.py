@@ -95,6 +95,10 @@ def _start_wandb(cfg: Config, run_dir: Path, resume_step: int, tracked: dict[str
     if run_id is None:  # a fresh start is a new W&B run
         run_id = uuid.uuid4().hex[:16]
         atomic_write_text(run_dir / WANDB_ID_FILE, run_id + "\n")
+    # W&B's service logs under its cache folder (~/.cache/wandb by default): the run dir's
+    # while it starts, unless the user named one
+    named = "WANDB_CACHE_DIR" in os.environ
+    os.environ.setdefault("WANDB_CACHE_DIR", str(run_dir / "wandb" / "cache"))
     try:
         run = wandb.init(
             project=w.project,
@@ -120,6 +124,9 @@ def _start_wandb(cfg: Config, run_dir: Path, resume_step: int, tracked: dict[str
                 "later, or logging.wandb.project=null"
             )
         ) from None
+    finally:
+        if not named:
+            os.environ.pop("WANDB_CACHE_DIR", None)
     log.info(f"wandb: logging to project {w.project}, run {run.id} ({w.mode})")
     return run
 
