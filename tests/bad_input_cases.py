@@ -2374,19 +2374,34 @@ ENVIRONMENTS = [
 ]
 
 
-def _malformed_fault(ctx: Ctx) -> list[str]:
-    ctx.monkeypatch.setenv("SCALE_LLM_FAULT", "mid_save")
-    (ctx.tmp / "runs" / "tiny").mkdir(parents=True)
-    return ["train", TINY, *s(f"data.dir={ctx.data_dir}", *TRAIN_ON, "train.max_steps=1")]
+def _malformed_fault(fault: str, steps: int = 1) -> Callable[[Ctx], list[str]]:
+    def setup(ctx: Ctx) -> list[str]:
+        ctx.monkeypatch.setenv("SCALE_LLM_FAULT", fault)
+        (ctx.tmp / "runs" / "tiny").mkdir(parents=True)
+        run = [f"data.dir={ctx.data_dir}", *TRAIN_ON, f"train.max_steps={steps}"]
+        return ["train", TINY, *s(*run, "checkpoint.every=2")]
+
+    return setup
 
 
 LAUNCH = [
     *[(f"env {name}", _environment(env), said) for name, env, said in ENVIRONMENTS],
     (
         "a malformed SCALE_LLM_FAULT",
-        _malformed_fault,
+        _malformed_fault("mid_save"),
         ("SCALE_LLM_FAULT='mid_save' is not a fault", ONE_LINE),
     ),
+    *[  # the run trained to its end, injecting nothing, exit 0: a drill passed for one
+        (
+            f"a SCALE_LLM_FAULT {name}",
+            _malformed_fault(fault, steps),
+            (f"SCALE_LLM_FAULT={fault}: this launch {said}", "pick a step it reaches"),
+        )
+        for name, fault, steps, said in [
+            ("past the last step", "after_step:99", 1, "trains to step 1"),
+            ("mid-save at a step without a save", "mid_save:3", 4, "saves at no step 3"),
+        ]
+    ],
 ]
 
 FAULT_SPECS = [

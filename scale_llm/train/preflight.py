@@ -100,7 +100,7 @@ class Report:
 def preflight(cfg: Config, plan: RunPlan) -> RunSpec:
     """The RunSpec of `cfg` under `plan`, or one UserError naming every problem. A check whose
     input failed is skipped (that failure is already in the report)."""
-    check_fault_spec()  # a malformed SCALE_LLM_FAULT: before anything else
+    check_fault_spec(cfg)  # a malformed or unreachable SCALE_LLM_FAULT: before anything else
     report = Report()
     data = report.check(open_training_data, cfg)  # manifest, mixture, shards, tokenizer
     tokenizer = Path(cfg.data.dir) / data.manifest["tokenizer"]["file"] if data else None
