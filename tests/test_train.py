@@ -153,9 +153,12 @@ def test_non_finite_step_is_skipped_and_counted(data_dir, tmp_path, precision):
     assert rows[-1]["skipped_steps"] == 1
 
 
-def test_a_run_of_bad_steps_stops_with_causes_and_the_last_good_checkpoint(data_dir, tmp_path):
+def test_a_run_of_bad_steps_stops_with_causes_and_the_last_good_checkpoint(
+    data_dir, tmp_path, logs
+):
     """Steps 5.. are poisoned: step 6's checkpoint is still written (a skipped step changes no
-    weight: it holds step 4's), and at 3 skipped in a row the run stops, naming it."""
+    weight: it holds step 4's), and at 3 skipped in a row the run stops, naming it. Each
+    skipped step is said once (a save on one said it twice)."""
     from scale_llm.components.checkpoint import load_model_weights
     from scale_llm.model import empty_state_dict
     from scale_llm.train.guards import TrainingDiverged
@@ -172,6 +175,8 @@ def test_a_run_of_bad_steps_stops_with_causes_and_the_last_good_checkpoint(data_
     assert "step_00000006 (it holds step 4's weights)" in msg
     assert info.value.exit_code == 3
     assert tr.step == 7
+    said = [m for m in logs if "consecutive steps skipped" in m]
+    assert [m.split(":")[0] for m in said] == ["step 5", "step 6"], said
     saved = dict(tr.checkpointer.complete())
     assert sorted(saved) == [2, 4, 6]
     four, six, two = (

@@ -91,7 +91,9 @@ class NaNGuard(Callback):
         if trainer.cadence.logs(s.step) or s.stop:
             self.check(trainer)
 
-    def check(self, trainer: Trainer) -> None:
+    def check(self, trainer: Trainer, warn: bool = True) -> None:
+        """Stop at train.max_bad_steps skipped steps in a row; below, warn (unless told not to:
+        a save on a skipped step, whose step end warns)."""
         streak = int(trainer.bad_streak.item())
         step, cfg = trainer.step, trainer.cfg
         if streak >= cfg.train.max_bad_steps:
@@ -103,7 +105,7 @@ class NaNGuard(Callback):
             last = saved[-1][1] if saved else None
             precision = trainer.plan.precision
             raise TrainingDiverged(diverged_message(streak, step, cfg, precision, last, holds))
-        if streak:
+        if streak and warn:
             log.warning(
                 f"step {step}: {streak} consecutive steps skipped (non-finite loss or gradients)"
             )

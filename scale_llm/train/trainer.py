@@ -263,7 +263,7 @@ class Trainer:
         due on one holds the last good weights; train.max_bad_steps of them stop here instead."""
         streak = int(self.bad_streak.item())
         if streak:
-            self.nan_guard.check(self)  # raises at train.max_bad_steps
+            self.nan_guard.check(self, warn=False)  # raises at train.max_bad_steps
             log.warning(
                 f"checkpoint: step {self.step} was skipped (not finite): step "
                 f"{self.step - streak}'s weights and optimizer state are saved as step {self.step}"
