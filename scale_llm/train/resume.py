@@ -315,10 +315,13 @@ def choose_resume(cfg: Config, plan: RunPlan, manifest: dict[str, Any]) -> Resum
     check_resume_state(state, ckpt, cfg, manifest["tokenizer"]["sha256"], checkpoints.dir)
     check_finished_run(state, ckpt, cfg)  # other settings: a new run
     layout = state["backend"]["layout"]
-    # the weights' names and shapes against the model (a meta model: no memory): damage, or a
-    # state naming another model than its files hold, stops it here
-    CheckpointWeights(ckpt, build_model(cfg.model).state_dict())
-    if layout == checkpoint_layout(cfg, plan):  # model and optimizer restored exactly
+    same = layout == checkpoint_layout(cfg, plan)
+    if not same or layout["format"] == "dcp":
+        # the weights' names and shapes against the model (a meta model: no memory): damage, or
+        # a state naming another model than its files hold, stops it here. (DCP: its metadata;
+        # DeepSpeed's files are read so only across formats: every rank's partitions)
+        CheckpointWeights(ckpt, build_model(cfg.model).state_dict())
+    if same:  # model and optimizer restored exactly
         return Resume(ckpt, state, True)
     # read across formats: model and optimizer move exactly between DCP and DeepSpeed ZeRO 1-3
     # (ZeRO-0 keeps no partitions: weights only)
