@@ -520,7 +520,25 @@ def test_pruning_removes_only_folders_a_save_wrote(data_dir, tmp_path, caplog):
     assert (noted / "notes.txt").read_text() == "the good one"
     said = [r.getMessage() for r in caplog.records if "not pruning" in r.getMessage()]
     assert len(said) == 3 and all("it is left as it is" in m for m in said), said
-    assert "step_00000002: its integrity record says it was saved into another" in said[1]
+    assert "step_00000002: its integrity record names another checkpoints folder" in said[1]
+
+
+def test_checkpoints_saved_before_their_folder_had_an_id_are_pruned_as_the_runs(data_dir, tmp_path):
+    """A run whose checkpoints were saved before the folder's claim held an id (integrity.json
+    names no folder): its next launch gives them the id, so keep_last prunes them as before."""
+    tr = trainer(data_dir, tmp_path, "checkpoint.every=1", "checkpoint.keep_last=4")
+    tr.fit()
+    tr.lock.release()
+    ckpts = tr.checkpointer.dir
+    claim = json.loads((ckpts / ".scale-llm-run.json").read_text())
+    (ckpts / ".scale-llm-run.json").write_text(json.dumps({"run": claim["run"]}))  # no id
+    for step in ckpts.glob("step_*"):  # as such a save wrote them
+        record = json.loads((step / "integrity.json").read_text())
+        (step / "integrity.json").write_text(json.dumps({"files": record["files"]}))
+    again = trainer(data_dir, tmp_path, "checkpoint.every=1", "checkpoint.keep_last=2",
+                    "train.max_steps=6")  # fmt: skip
+    again.fit()
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_00000005", "step_00000006"]
 
 
 def test_loss_falls_on_real_text(data_dir, tmp_path):

@@ -74,11 +74,32 @@ def folder_id(ckpts: Path) -> str | None:
 
 def claim_folder(ckpts: Path, run: str | None = None) -> str:
     """Write the folder's claim, naming `run` (when given) and keeping its id (made when it has
-    none); the id."""
+    none: the checkpoints of a claim naming `run` already, saved before ids were recorded, are
+    given it); the id."""
     claim = json_object_or_none(ckpts / CLAIM, MAX_RECORD_BYTES) or {}
-    ident = folder_id(ckpts) or os.urandom(16).hex()
+    ident = folder_id(ckpts)
+    if ident is None:
+        ident = os.urandom(16).hex()
+        if run and claim.get("run") == run:  # (this run's own folder)
+            for step in ckpts.iterdir():
+                if _step_of(step) >= 0 and step.is_dir() and not step.is_symlink():
+                    _record_folder(step, ident)
     atomic_write_json(ckpts / CLAIM, {"run": run if run else claim.get("run"), "id": ident})
     return ident
+
+
+def _record_folder(ckpt_dir: Path, ident: str) -> None:
+    """Add the folder id to a checkpoint's integrity record that names none."""
+    path = ckpt_dir / INTEGRITY
+    if path.is_symlink() or not path.is_file():
+        return
+    record = json_object_or_none(path, MAX_RECORD_BYTES)
+    if (
+        isinstance(record, dict)
+        and isinstance(record.get("files"), dict)
+        and "folder" not in record
+    ):
+        atomic_write_text(path, json.dumps({**record, "folder": ident}, indent=1) + "\n")
 
 
 def saved_into(ckpt_dir: Path) -> str | None:
@@ -310,7 +331,11 @@ class Checkpointer:
         for _, path in done[: -self.keep_last]:  # complete step_N folders, each proven a save's
             problem = damage(path, checksums=False)
             if problem is None and (mine is None or saved_into(path) != mine):
-                problem = "its integrity record says it was saved into another checkpoints folder"
+                problem = (
+                    "its integrity record names another checkpoints folder"
+                    if saved_into(path)
+                    else "its integrity record names no checkpoints folder (not a save's here)"
+                )
             if problem is None:
                 shutil.rmtree(path, ignore_errors=True)
             elif path not in self._warned:  # (warned once)
