@@ -33,7 +33,7 @@ from scale_llm.data.prepare_source import (
 )
 from scale_llm.data.pretrained_tokenizer import BUNDLE_FILE
 from scale_llm.data.shards import MANIFEST, check_tokenizer, open_split, read_manifest
-from scale_llm.data.sources import open_source
+from scale_llm.data.sources import open_source, refuse_overlap
 from scale_llm.data.tokenizer import SP_FILE, file_sha256, train_tokenizer
 from scale_llm.errors import UserError
 from scale_llm.files import atomic_write_bytes, atomic_write_json, describe_kind, read_json
@@ -88,6 +88,7 @@ def _open_all(cfg: Config, configs: list[Config]) -> list[Any]:
     for i, sub in enumerate(configs):
         try:
             sources.append(open_source(sub.data))
+            refuse_overlap(sub.data)
         except UserError as e:
             problems.append(f"data.sources[{i}] (name {cfg.data.sources[i].name}): {e}")
     if problems:

@@ -41,7 +41,7 @@ from scale_llm.data.shards import (
     write_manifest,
     write_progress,
 )
-from scale_llm.data.sources import open_source
+from scale_llm.data.sources import open_source, refuse_overlap
 from scale_llm.data.tokenizer import SP_FILE, file_sha256, load_tokenizer, train_tokenizer
 from scale_llm.errors import UserError
 from scale_llm.files import (
@@ -101,6 +101,7 @@ def prepare_source(
     `keep`: the tokenizer a rebuild must not replace."""
     out = Path(cfg.data.dir)
     source = open_source(cfg.data)
+    refuse_overlap(cfg.data)  # (a mixture's sources: checked with the others, before its work)
     bundle = tokenizer if tokenizer is not None else model_tokenizer(cfg)
     fingerprint = _fingerprint(cfg, source, bundle)
     if (current := _up_to_date(out, fingerprint, force)) is not None:  # read-only: no lock

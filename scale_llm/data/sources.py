@@ -434,25 +434,29 @@ def open_source(data: DataConfig):
         from scale_llm.data.hf_source import HFSource
 
         return HFSource(data)
-    source = local_source(data.source, data.text_field)
-    _refuse_overlap(source, data)
-    return source
+    return local_source(data.source, data.text_field)
 
 
-def _refuse_overlap(source: Source, data: DataConfig) -> None:
-    """data.dir apart from what the corpus reads: inside a source folder (or where a glob
-    matches prepare's files), prepare would write into the corpus and read its own files back
-    as documents the next time."""
-    out = os.path.realpath(Path(data.dir).expanduser())
+def refuse_overlap(data: DataConfig) -> None:
+    """data.dir apart from what the corpus reads, for prepare (it writes there): inside a
+    source folder, or where a glob matches a name prepare writes, it would write into the corpus
+    and read its own files back as documents the next time."""
+    out = Path(os.path.realpath(Path(data.dir).expanduser()))
     spec = Path(data.source).expanduser()
+    if data.source == "builtin" or data.source.startswith("hf:") or spec.is_file():
+        return
     if spec.is_dir():
-        if not Path(out).is_relative_to(os.path.realpath(spec)):
+        if not out.is_relative_to(os.path.realpath(spec)):
             return
         where = f"lies inside the corpus folder {spec} that data.source reads"
-    else:  # a glob (a file reads nothing else)
-        pattern = os.path.realpath(os.path.expanduser(data.source))
-        written = [os.path.join(out, name) for name in ("manifest.json", "tokenizer.model")]
-        if spec.is_file() or not any(fnmatch.fnmatch(w, pattern) for w in written):
+    else:  # a glob: matched part by part as _Listing walks it (`**`, no hidden names)
+        parts = spec.parts
+        literal = next((i for i, p in enumerate(parts) if glob.has_magic(p)), len(parts))
+        base = Path(os.path.realpath(Path(*parts[:literal]) if literal else Path()))
+        written = ("manifest.json", "tokenizer.model", "train_00000.bin")
+        if not out.is_relative_to(base) or not any(
+            _glob_matches((*out.relative_to(base).parts, name), parts[literal:]) for name in written
+        ):
             return
         where = "is a folder whose files the glob in data.source matches"
     raise UserError(
@@ -460,3 +464,16 @@ def _refuse_overlap(source: Source, data: DataConfig) -> None:
         f"tokenizer and shards into the corpus and read them back as documents the next time, so "
         f"it stops before any work. Point data.dir at a folder outside the corpus"
     )
+
+
+def _glob_matches(parts: tuple[str, ...], pattern: tuple[str, ...]) -> bool:
+    """Whether a path (its parts below the glob's literal folder) is one the glob reads."""
+    if not pattern:
+        return not parts
+    if pattern[0] == "**":
+        return _glob_matches(parts, pattern[1:]) or (
+            bool(parts) and not parts[0].startswith(".") and _glob_matches(parts[1:], pattern)
+        )
+    if not parts or (parts[0].startswith(".") and not pattern[0].startswith(".")):
+        return False
+    return fnmatch.fnmatchcase(parts[0], pattern[0]) and _glob_matches(parts[1:], pattern[1:])
