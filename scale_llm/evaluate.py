@@ -432,29 +432,37 @@ def build_task(manager: Any, task: str, tasks_key: str, shots: int | None = None
             from lm_eval.tasks import get_task_dict
 
             built = get_task_dict([task], manager)
-        # (lm-eval's sampler draws `shots` of them: random.sample's ValueError when fewer)
-        sizes = {name: n for name, t in built.items() if (n := _shot_count(t, shots)) is not None}
+        # (lm-eval's sampler draws `shots` of them, one more from the split it scores:
+        # random.sample's ValueError when fewer)
+        pools = {name: pool for name, t in built.items() if (pool := _shot_pool(t, shots))}
     except UserError:
         raise
     except Exception as e:  # lm-eval and datasets raise many types (OSError, ValueError, ...)
         raise UserError(task_data_problem(task, e, tasks_key)) from None
-    if short := {name: n for name, n in sizes.items() if n < shots}:
-        name, n = next(iter(short.items()))
-        raise UserError(
-            f"--num-fewshot {shots}: task {name} has {n} examples to draw its few-shot context "
-            f"from; give --num-fewshot {n} or fewer"
-        )
+    for name, (have, extra) in pools.items():
+        if have < shots + extra:
+            scored = " (one of them is the example scored: the task draws from its test split)"
+            raise UserError(
+                f"--num-fewshot {shots}: task {name} has {have} examples to draw its few-shot "
+                f"context from{scored * extra}; give --num-fewshot {have - extra} or fewer"
+            )
 
 
-def _shot_count(task: Any, shots: int | None) -> int | None:
-    """How many examples a task draws `shots` few-shot examples from (None: no shots, or not
-    counted before they are drawn)."""
+def _shot_pool(task: Any, shots: int | None) -> tuple[int, int] | None:
+    """(the examples a task draws `shots` few-shot examples from, 1 when it draws one more
+    because they include the example scored); None: no shots, a task whose own config fixes
+    num_fewshot: 0 (lm-eval keeps it), or examples not counted before they are drawn."""
     if not shots or not hasattr(task, "fewshot_docs"):
         return None
+    config = getattr(task, "config", None)
+    if getattr(config, "num_fewshot", None) == 0:
+        return None
     try:
-        return len(task.fewshot_docs())
+        have = len(task.fewshot_docs())
     except TypeError:  # (an iterator, or None)
         return None
+    split = getattr(getattr(task, "fewshot_cfg", None), "split", None)
+    return have, int(split is not None and split == getattr(config, "test_split", None))
 
 
 def task_data_problem(task: str, error: BaseException, tasks_key: str) -> str:

@@ -405,6 +405,12 @@ CONFIG = [
         )
         for name, value, said in [
             ("steps_per_print 0", "{steps_per_print: 0}", "0 divides by zero in DeepSpeed's step"),
+            ("steps_per_print -1", "{steps_per_print: -1}", "-1 is not a count of steps"),
+            (
+                "a communication dtype of another spelling",
+                "{communication_data_type: float32}",
+                "'float32' is not a dtype DeepSpeed reduces in",
+            ),
             (
                 "a communication dtype it has not",
                 "{communication_data_type: foo}",
@@ -1356,7 +1362,7 @@ NO_RUN_SAVED = "trainer.pt holds values no run could have saved"
 
 def _a_state_of_more_layers_than_its_files(ctx: Ctx) -> Setup:
     """The state and the config say 3 layers, the weight files hold 2: DCP's "Missing key"
-    RuntimeError after the run dir was rewritten; now refused by the preflight."""
+    RuntimeError after the run dir was rewritten; the preflight refuses it."""
     ckpt = ctx.run() / "checkpoints" / STEP4
     rewrite_state(ckpt, config__model__n_layers=3)
     config = ctx.config("model.n_layers=3", "checkpoint.every=2", "train.max_steps=6")
@@ -2055,18 +2061,22 @@ def _eval_task_data(kind: str) -> Callable[[Ctx], Setup]:
     return setup
 
 
-def _eval_more_shots_than_examples(ctx: Ctx) -> Setup:
-    """--num-fewshot above a task's examples: lm-eval's sampler raised random.sample's ValueError
-    after the export; now refused before it, the run unchanged."""
-    needs("lm_eval")
-    run = ctx.run()
-    (ctx.tmp / "tasks").mkdir()
-    data = (
-        f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {TASK_DIR}/tiny_mc.jsonl\n"
-    )
-    (ctx.tmp / "tasks" / "few.yaml").write_text("task: few_task\n" + data + TASK_REST)
-    flags = ["--tasks", "few_task", "--include-path", str(ctx.tmp / "tasks"), "--limit", "1"]
-    return Setup(["eval", str(run), *flags, "--num-fewshot", "11"], watch=[run])
+def _eval_more_shots_than_examples(shots: int, more: str = "") -> Callable[[Ctx], Setup]:
+    """--num-fewshot above a task's 10 examples (9 when it draws them from the split it scores:
+    one more is drawn): lm-eval's sampler raised random.sample's ValueError after the export.
+    Refused before it; the run unchanged."""
+
+    def setup(ctx: Ctx) -> Setup:
+        needs("lm_eval")
+        run = ctx.run()
+        (ctx.tmp / "tasks").mkdir()
+        data = "dataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        data += f"    test: {TASK_DIR}/tiny_mc.jsonl\n"
+        (ctx.tmp / "tasks" / "few.yaml").write_text("task: few_task\n" + data + TASK_REST + more)
+        flags = ["--tasks", "few_task", "--include-path", str(ctx.tmp / "tasks"), "--limit", "1"]
+        return Setup(["eval", str(run), *flags, "--num-fewshot", str(shots)], watch=[run])
+
+    return setup
 
 
 def _base_loop(ctx: Ctx) -> list[str]:
@@ -2286,6 +2296,8 @@ FLAGS = [
             ("export", [".", "--out", ""], "--out"),
             ("check", [""], "OUT"),
             ("generate", ["", "--max-new-tokens", "2"], "RUN_DIR"),
+            ("convert", ["", "--out", "x.pt"], "CHECKPOINT"),
+            ("runs", [""], "DIR"),
         ]
     ],
     (
@@ -2301,8 +2313,14 @@ FLAGS = [
         "no_such_task_xyz not found",
     ),
     (
+        "eval --num-fewshot of all a test split's examples",
+        _eval_more_shots_than_examples(10, "fewshot_split: test\n"),
+        "task few_task has 10 examples to draw its few-shot context from (one of them is the "
+        "example scored: the task draws from its test split); give --num-fewshot 9 or fewer",
+    ),
+    (
         "eval --num-fewshot above a task's examples",
-        _eval_more_shots_than_examples,
+        _eval_more_shots_than_examples(11),
         "--num-fewshot 11: task few_task has 10 examples to draw its few-shot context from; "
         "give --num-fewshot 10 or fewer",
     ),
@@ -2399,7 +2417,7 @@ LAUNCH = [
         )
         for name, fault, steps, said in [
             ("past the last step", "after_step:99", 1, "trains to step 1"),
-            ("mid-save at a step without a save", "mid_save:3", 4, "saves at no step 3"),
+            ("mid-save past the last step", "mid_save:3", 2, "trains to step 2"),
         ]
     ],
 ]

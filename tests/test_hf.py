@@ -259,7 +259,8 @@ def test_an_fp16_export_refuses_weights_past_fp16s_range(run_dir, tmp_path):
 
 def test_integer_weights_are_refused_with_their_shapes(exported, tmp_path):
     """A folder whose safetensors hold an integer tensor: the preflight reads every tensor's
-    shape (HFWeights.shapes) and now its dtype too; it said ok, and train refused later."""
+    shape (HFWeights.shapes) and, for those the model reads, its dtype (it said ok, and train
+    refused later)."""
     from safetensors.torch import load_file, save_file
 
     from scale_llm.components.hf_files import HFWeights
@@ -269,8 +270,10 @@ def test_integer_weights_are_refused_with_their_shapes(exported, tmp_path):
     tensors = load_file(folder / "model.safetensors")
     tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.int16)
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    read = HFWeights(folder, "model.init_from")
     with pytest.raises(UserError, match=r"model.norm.weight in .* holds torch.int16 values, not"):
-        HFWeights(folder, "model.init_from").shapes()
+        read.shapes({"model.norm.weight", "lm_head.weight"})
+    assert read.shapes({"lm_head.weight"})["model.norm.weight"] == (32,)  # one it does not read
 
 
 def random_model(**shape) -> torch.nn.Module:

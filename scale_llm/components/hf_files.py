@@ -5,6 +5,7 @@ safetensors (nothing runs on load), or a `pytorch_model.bin` pickle through
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +61,9 @@ class HFWeights:
                 f"{PICKLE}); the folder must hold the model's weights"
             )
 
-    def shapes(self) -> dict[str, tuple[int, ...]]:
+    def shapes(self, needed: Collection[str] = ()) -> dict[str, tuple[int, ...]]:
+        """Every tensor's shape; an integer tensor among `needed` (what the model reads) is
+        refused, as `get` refuses it."""
         if self._pickled is not None:
             return {  # (a non-tensor has no shape: named by the shape check)
                 k: tuple(v.shape) if isinstance(v, torch.Tensor) else ()
@@ -78,7 +81,8 @@ class HFWeights:
         shapes = {}
         for name, file in self.file_of.items():
             piece = self._open(file).get_slice(name)
-            if (dtype := str(piece.get_dtype()).upper()).startswith(("I", "U", "BOOL")):
+            dtype = str(piece.get_dtype()).upper()
+            if name in needed and dtype.startswith(("I", "U", "BOOL")):
                 kind = "bool" if dtype == "BOOL" else f"{'u' * (dtype[0] == 'U')}int{dtype[1:]}"
                 raise UserError(  # (what `get` refuses, in its words: said before any work)
                     f"{self.what}: {name} in {self.folder / file} holds torch.{kind} values, not "

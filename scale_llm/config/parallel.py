@@ -242,9 +242,13 @@ def _value_problem(key: str, value: Any, raw: dict[str, Any], zero_stage: int) -
     zero = raw.get("zero_optimization") if isinstance(raw.get("zero_optimization"), dict) else {}
     # ZeRO-1/2 reduce-scatter their gradients unless told not to (DeepSpeed's default: on)
     scattered = zero_stage in (1, 2) and zero.get("reduce_scatter", True) is not False
-    if key == "steps_per_print" and value is not None and value == 0:
-        return "0 divides by zero in DeepSpeed's step; give a count >= 1 (or -1 to never print)"
-    if key == "communication_data_type" and value is not None and value.lower() not in DS_DTYPES:
+    if key == "steps_per_print" and value is not None and value < 1:
+        return (
+            f"{value} is not a count of steps (0 divides by zero in DeepSpeed's step, and a "
+            f"negative one prints every step); give a count >= 1, or remove it (quiet)"
+        )
+    reads = ("fp32", "fp16", "bf16")  # (DeepSpeed's communication dtypes, in any case)
+    if key == "communication_data_type" and value is not None and value.lower() not in reads:
         return f"{value!r:.40} is not a dtype DeepSpeed reduces in; give fp32, bf16 or fp16"
     if key == "gradient_predivide_factor":
         if value is None or not math.isfinite(value) or value <= 0:
@@ -263,7 +267,7 @@ def _value_problem(key: str, value: Any, raw: dict[str, Any], zero_stage: int) -
         if unknown := sorted(set(value) - set(DATA_TYPES) - {"param_dtype"}):
             return f"{unknown[0]!r:.40} is not one of its keys ({', '.join(DATA_TYPES)})"
         for name in ("grad_accum_dtype", "buffer_dtype"):
-            if (v := value.get(name)) is not None and str(v).lower() not in DS_DTYPES:
+            if (v := value.get(name)) is not None and v not in DS_DTYPES:  # (as written)
                 return f"{name}: {v!r:.40} is not a dtype; give fp32, bf16 or fp16"
         keep = value.get("keep_in_fp32_modules", "auto")
         if keep != "auto" and not (

@@ -16,7 +16,7 @@ from scale_llm.config import ModelConfig
 from scale_llm.data.pretrained_tokenizer import ENCODERS, folder_digest
 from scale_llm.errors import UserError
 from scale_llm.files import folder_file, read_folder_file
-from scale_llm.model.hf import FromHF, config_problems, from_hf_config, shape_problems
+from scale_llm.model.hf import FromHF, config_problems, from_hf_config, hf_shapes, shape_problems
 
 log = logging.getLogger(__name__)
 WHAT = "model.init_from"
@@ -31,7 +31,7 @@ def check_init_from(
     folder = Path(cfg.init_from)
     values, problems = from_hf_config(read_hf_config(folder, WHAT))
     problems += config_problems(cfg, values, f"{folder}/config.json")
-    shapes = shape_problems(cfg, HFWeights(folder, WHAT).shapes())
+    shapes = shape_problems(cfg, HFWeights(folder, WHAT).shapes(hf_shapes(cfg)))
     problems += shapes[:MAX_SHAPE_LINES]
     if len(shapes) > MAX_SHAPE_LINES:
         problems.append(f"... and {len(shapes) - MAX_SHAPE_LINES} more tensors")
