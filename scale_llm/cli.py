@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import re
+import select
 import sys
 from pathlib import Path
 
@@ -807,12 +808,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(rewritten)
 
 
-PATH_FLAGS = {  # arguments that name a file or folder, by argparse's dest
-    **{k: f"--{k.replace('_', '-')}" for k in ("out", "scratch", "include_path", "perplexity")},
-    **{k: f"--{k.replace('_', '-')}" for k in ("prompt_file", "checkpoint")},
-    "run_dir": "RUN_DIR",
-    "config": "CONFIG",
-}
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (poll reports an error on it)."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLERR)
+        return bool(poll.poll(0))
+    except (OSError, ValueError, AttributeError):  # (no file descriptor: a captured stdout)
+        return False
+
+
+PATH_DESTS = (  # arguments that name a file or folder (argparse's dests)
+    *("config", "run_dir", "checkpoint", "dir", "out", "scratch", "include_path", "perplexity"),
+    *("prompt_file", "checkpoint_io"),
+)
+
+
+def _argument(command: str, dest: str) -> str:
+    """How `scale-llm COMMAND --help` names the argument of `dest` (--out, or OUT)."""
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    action = next(a for a in commands.choices[command]._actions if a.dest == dest)
+    return action.option_strings[0] if action.option_strings else (action.metavar or dest.upper())
+
+
 PATH_ERRORS = {  # what an OSError on a path says the user can do
     errno.EACCES: "this user may not read or write it (or its file system does not allow it); "
     "give it (and the folders above it) this user's permissions, or point the command at a "
@@ -839,11 +857,10 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     code = 1  # an internal error propagates with its traceback
     try:
-        flags = {**PATH_FLAGS, "out": "OUT"} if args.command == "check" else PATH_FLAGS
-        if empty := [f for dest, f in flags.items() if str(getattr(args, dest, None)) == ""]:
+        if empty := [dest for dest in PATH_DESTS if str(getattr(args, dest, None)) == ""]:
             raise UserError(
-                f"`scale-llm {args.command}` {empty[0]} is empty (an unset shell variable?): it "
-                f"would name the working folder; give a path"
+                f"`scale-llm {args.command}` {_argument(args.command, empty[0])} is empty (an "
+                f"unset shell variable?): it would name the working folder; give a path"
             )
         code = COMMANDS[args.command](args)
     except UserError as e:
@@ -852,7 +869,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         code = 130
-    except BrokenPipeError:  # the reader of stdout left (`| head`): nothing more to say
+    except BrokenPipeError:
+        if not _stdout_gone():  # another pipe (a child's, a service's): an internal error
+            raise
+        # the reader of stdout left (`| head`): nothing more to say
         with contextlib.suppress(OSError, ValueError):  # (exit flushes stdout: into nothing)
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 141  # as a shell reports a command stopped by SIGPIPE

@@ -55,8 +55,9 @@ def stamped_name(parent: Path, stem: str, suffix: str = "") -> Path:
 
 def temporary_sibling(path: Path, tag: str = "tmp") -> Path:
     """A name beside `path` that no other process uses: `.NAME.tag-PID-RANDOM` (NAME cut to
-    its first 100 characters: a name near the file system's 255 still has a sibling)."""
-    return path.parent / f".{path.name[:100]}.{tag}-{os.getpid()}-{os.urandom(3).hex()}"
+    its first 100 bytes: a name near the file system's 255 bytes still has a sibling)."""
+    name = os.fsencode(path.name)[:100].decode("utf-8", "ignore")  # (whole characters)
+    return path.parent / f".{name}.{tag}-{os.getpid()}-{os.urandom(3).hex()}"
 
 
 def atomic_write_bytes(path: Path | str, data: bytes) -> None:

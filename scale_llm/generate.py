@@ -52,9 +52,8 @@ def load_run(
     run_dir = Path(run_dir)
     ckpt = run_checkpoint(run_dir, checkpoint)
     state = read_trainer_state(ckpt)  # checked: the step, the model section, the tokenizer hash
-    if (differs := model_differences(state["config"], cfg)) and ckpt.resolve().is_relative_to(
-        run_dir.resolve()
-    ):  # the run's own checkpoint: its config.yaml was edited since
+    differs = model_differences(state["config"], cfg)
+    if differs and Checkpointer(run_dir, 1).holds(ckpt):  # the run's own: config.yaml edited
         raise UserError(
             f"{run_dir / 'config.yaml'} differs from the model {ckpt} was trained as, in "
             f"{'; '.join(differs)}: it was edited after the run wrote it; restore those values "

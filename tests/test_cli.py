@@ -319,9 +319,9 @@ def test_generate_reads_the_prompt_from_a_file_or_stdin_and_says_when_it_is_cut(
 def test_generate_into_a_closed_pipe_or_an_ascii_terminal_ends_without_a_traceback(
     data_dir, tmp_path
 ):
-    """`scale-llm generate ... | head -c 1`: a BrokenPipeError traceback (exit 1); now nothing
-    on stderr and 141, as a shell reports a command SIGPIPE stopped. A terminal that cannot show
-    a character gets `?` for it."""
+    """`scale-llm generate ... | head -c 1` ends with nothing on stderr and 141, as a shell
+    reports a command SIGPIPE stopped (it was a BrokenPipeError traceback); another pipe broken
+    stays an internal error. A terminal that cannot show a character gets `?` for it."""
     import subprocess
 
     from tests.helpers import env, finished_run
@@ -338,6 +338,15 @@ def test_generate_into_a_closed_pipe_or_an_ascii_terminal_ends_without_a_traceba
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141, err
     assert "Traceback" not in err and "Broken pipe" not in err, err
+    from scale_llm import cli  # another pipe broken (a child's): an internal error, as before
+
+    def broken(args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(cli.COMMANDS, "runs", broken)
+        with pytest.raises(BrokenPipeError):
+            cli.main(["runs", str(tmp_path)])
     ascii_only = env() | {"PYTHONIOENCODING": "ascii"}  # (a UnicodeEncodeError traceback)
     shown = subprocess.run(
         [*cmd[:-2], "--prompt", "caf\u00e9 ", "--max-new-tokens", "2"],

@@ -1140,8 +1140,18 @@ def test_a_malformed_fault_injection_variable_is_named(value, monkeypatch):
         maybe_fail("after_step", 1, 0)
 
 
-def test_fault_injection_reads_its_forms(monkeypatch):
+def test_fault_injection_reads_its_forms(monkeypatch, caplog):
+    from scale_llm.config import load_config
     from scale_llm.train.guards import check_fault_spec, fault_spec
+
+    cfg = load_config(None, ["train.max_steps=4", "checkpoint.every=2"])
+    monkeypatch.setenv("SCALE_LLM_FAULT", "mid_save:3")  # saved at only on a stop signal: said
+    with caplog.at_level("WARNING", logger="scale_llm"):
+        check_fault_spec(cfg)
+    assert "checkpoint.every=2 saves at no step 3: the fault fires only if a stop" in caplog.text
+    for fault in ("mid_save:4", "after_step:4"):
+        monkeypatch.setenv("SCALE_LLM_FAULT", fault)
+        check_fault_spec(cfg)  # (steps it reaches and saves at)
 
     for value, parsed in [
         ("", None),

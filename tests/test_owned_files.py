@@ -38,9 +38,9 @@ def test_a_name_near_the_file_systems_limit_is_written_and_exported(run_dir, tmp
     from scale_llm.cli import main
     from scale_llm.files import atomic_write_text
 
-    long = "b" * 250
-    atomic_write_text(tmp_path / long, "x")
-    assert (tmp_path / long).read_text() == "x"
+    for long in ("b" * 250, "\u00e9" * 120):  # (240 bytes in UTF-8: cut by bytes, not characters)
+        atomic_write_text(tmp_path / long, "x")
+        assert (tmp_path / long).read_text() == "x"
     assert main(["export", str(run_dir), "--out", str(tmp_path / "e" / long)]) == 0
     assert (tmp_path / "e" / long / "config.json").is_file()
     assert sorted(p.name for p in (tmp_path / "e").iterdir()) == [long]  # (no sibling left)
