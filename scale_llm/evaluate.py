@@ -444,7 +444,8 @@ def build_task(manager: Any, task: str, tasks_key: str, shots: int | None = None
             scored = " (one of them is the example scored: the task draws from its test split)"
             raise UserError(
                 f"--num-fewshot {shots}: task {name} has {have} examples to draw its few-shot "
-                f"context from{scored * extra}; give --num-fewshot {have - extra} or fewer"
+                f"context from{scored * extra}; give --num-fewshot {max(have - extra, 0)} or "
+                f"fewer"
             )
 
 
@@ -462,7 +463,7 @@ def _shot_pool(task: Any, shots: int | None) -> tuple[int, int] | None:
     except TypeError:  # (an iterator, or None)
         return None
     split = getattr(getattr(task, "fewshot_cfg", None), "split", None)
-    return have, int(split is not None and split == getattr(config, "test_split", None))
+    return have, int(split == getattr(config, "test_split", None))  # (as lm-eval compares)
 
 
 def task_data_problem(task: str, error: BaseException, tasks_key: str) -> str:

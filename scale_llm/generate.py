@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +53,10 @@ def load_run(
     run_dir = Path(run_dir)
     ckpt = run_checkpoint(run_dir, checkpoint)
     state = read_trainer_state(ckpt)  # checked: the step, the model section, the tokenizer hash
+    # the run's own checkpoint (one moved aside too; its checkpoints folder may be a link)
+    own = Path(os.path.realpath(ckpt)).is_relative_to(os.path.realpath(run_dir / "checkpoints"))
     differs = model_differences(state["config"], cfg)
-    if differs and Checkpointer(run_dir, 1).holds(ckpt):  # the run's own: config.yaml edited
+    if differs and own:  # its config.yaml was edited
         raise UserError(
             f"{run_dir / 'config.yaml'} differs from the model {ckpt} was trained as, in "
             f"{'; '.join(differs)}: it was edited after the run wrote it; restore those values "
@@ -69,7 +72,7 @@ def load_run(
     tok_path = run_tokenizer_path(run_dir, trained_with)
     tokenizer = load_tokenizer(tok_path)
     if tokenizer.sha256() != trained_with:
-        if not ckpt.resolve().is_relative_to(run_dir.resolve()):
+        if not own:
             raise UserError(
                 f"{ckpt} belongs to another run: it was trained with another "
                 f"tokenizer than {tok_path} (sha256 {trained_with[:12]}... "

@@ -404,7 +404,7 @@ CONFIG = [
             said,
         )
         for name, value, said in [
-            ("steps_per_print 0", "{steps_per_print: 0}", "0 divides by zero in DeepSpeed's step"),
+            ("steps_per_print 0", "{steps_per_print: 0}", "0 is not a count of steps"),
             ("steps_per_print -1", "{steps_per_print: -1}", "-1 is not a count of steps"),
             (
                 "a communication dtype of another spelling",
@@ -548,6 +548,15 @@ def _profile_folder_under_a_file(ctx: Ctx) -> Setup:
     profile = ["train.profile.enabled=true", "train.profile.start_step=2"]
     argv = ["train", TINY, *s(f"data.dir={ctx.data_dir}", *TRAIN_ON, *profile)]
     return Setup([*argv, *s("train.profile.folder=notes.txt/x")])
+
+
+def _glob_over_a_mixtures_own_files(ctx: Ctx) -> list[str]:
+    """corpus/*/* reads corpus/mix/mixture.json (the mixture's own), not its sources' folders."""
+    (ctx.tmp / "corpus" / "a").mkdir(parents=True)
+    for i, text in enumerate(random_texts(40, "doc{i}")):
+        (ctx.tmp / "corpus" / "a" / f"{i:02d}.txt").write_text(text)
+    source = f"data.sources=[{{name: web, source: '{ctx.tmp}/corpus/*/*'}}]"
+    return ["prepare", *s(f"data.dir={ctx.tmp}/corpus/mix", "model.vocab_size=400", source)]
 
 
 def _eval_output(case: str) -> Callable[[Ctx], Setup]:
@@ -2787,6 +2796,11 @@ OWNED_OUTPUTS: list = [
                 "a glob",
                 lambda ctx: _prepare_argv(f"{_small_corpus(ctx.tmp)}/*", ctx.tmp / "src"),
                 "is a folder whose files the glob in data.source matches",
+            ),
+            (
+                "a glob over a mixture's own files",
+                _glob_over_a_mixtures_own_files,
+                "mix is a folder whose files the glob in data.source matches",
             ),
             (
                 "a mixture's source",

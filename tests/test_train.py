@@ -523,15 +523,21 @@ def test_pruning_removes_only_folders_a_save_wrote(data_dir, tmp_path, caplog):
     assert "step_00000002: its integrity record names another checkpoints folder" in said[1]
 
 
-def test_checkpoints_saved_before_their_folder_had_an_id_are_pruned_as_the_runs(data_dir, tmp_path):
+@pytest.mark.parametrize("claim", ["a claim without an id", "no claim"])
+def test_checkpoints_saved_before_their_folder_had_an_id_are_pruned_as_the_runs(
+    claim, data_dir, tmp_path
+):
     """A run whose checkpoints were saved before the folder's claim held an id (integrity.json
-    names no folder): its next launch gives them the id, so keep_last prunes them as before."""
+    names no folder), or before it had a claim: its next launch gives them the id, so keep_last
+    prunes them as before."""
     tr = trainer(data_dir, tmp_path, "checkpoint.every=1", "checkpoint.keep_last=4")
     tr.fit()
-    tr.lock.release()
     ckpts = tr.checkpointer.dir
-    claim = json.loads((ckpts / ".scale-llm-run.json").read_text())
-    (ckpts / ".scale-llm-run.json").write_text(json.dumps({"run": claim["run"]}))  # no id
+    run = json.loads((ckpts / ".scale-llm-run.json").read_text())["run"]
+    if claim == "no claim":
+        (ckpts / ".scale-llm-run.json").unlink()
+    else:
+        (ckpts / ".scale-llm-run.json").write_text(json.dumps({"run": run}))
     for step in ckpts.glob("step_*"):  # as such a save wrote them
         record = json.loads((step / "integrity.json").read_text())
         (step / "integrity.json").write_text(json.dumps({"files": record["files"]}))
@@ -539,6 +545,25 @@ def test_checkpoints_saved_before_their_folder_had_an_id_are_pruned_as_the_runs(
                     "train.max_steps=6")  # fmt: skip
     again.fit()
     assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_00000005", "step_00000006"]
+    assert json.loads((ckpts / ".scale-llm-run.json").read_text()).keys() == {"run", "id"}
+    assert sorted(p.name for p in ckpts.iterdir() if "integrity" in p.name) == []  # (no temp)
+
+
+def test_an_adoption_cut_short_is_finished_by_the_next_claim(tmp_path):
+    """A launch killed while it gave its checkpoints the folder's new id left the claim marked
+    `adopting`: the next claim keeps that id and gives it to the checkpoints still without."""
+    from scale_llm.components.checkpoint import CLAIM, claim_folder, saved_into
+
+    ckpts = tmp_path / "run" / "checkpoints"
+    steps = [ckpts / f"step_0000000{i}" for i in (1, 2)]
+    for step, record in zip(steps, [{"files": {}, "folder": "ab" * 16}, {"files": {}}]):
+        step.mkdir(parents=True)
+        (step / "integrity.json").write_text(json.dumps(record))
+    run = str(tmp_path / "run")
+    (ckpts / CLAIM).write_text(json.dumps({"run": run, "id": "ab" * 16, "adopting": True}))
+    assert claim_folder(ckpts, run) == "ab" * 16
+    assert [saved_into(step) for step in steps] == ["ab" * 16] * 2
+    assert json.loads((ckpts / CLAIM).read_text()) == {"run": run, "id": "ab" * 16}
 
 
 def test_loss_falls_on_real_text(data_dir, tmp_path):

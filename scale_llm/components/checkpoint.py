@@ -43,6 +43,7 @@ from scale_llm.files import (
     nested_deeper,
     parse_json,
     stamped_name,
+    temporary_sibling,
 )
 
 log = logging.getLogger(__name__)
@@ -73,33 +74,43 @@ def folder_id(ckpts: Path) -> str | None:
 
 
 def claim_folder(ckpts: Path, run: str | None = None) -> str:
-    """Write the folder's claim, naming `run` (when given) and keeping its id (made when it has
-    none: the checkpoints of a claim naming `run` already, saved before ids were recorded, are
-    given it); the id."""
+    """Write the folder's claim, naming `run` (when given) and keeping its id; the id. One made
+    for this run's own folder (its claim names it, or it has none and is RUN_DIR/checkpoints
+    itself) is given to the checkpoints there that name no folder (saved before ids were
+    recorded), the claim marked `adopting` until each has it, so a launch killed meanwhile is
+    finished by the next."""
     claim = json_object_or_none(ckpts / CLAIM, MAX_RECORD_BYTES) or {}
     ident = folder_id(ckpts)
-    if ident is None:
-        ident = os.urandom(16).hex()
-        if run and claim.get("run") == run:  # (this run's own folder)
-            for step in ckpts.iterdir():
-                if _step_of(step) >= 0 and step.is_dir() and not step.is_symlink():
-                    _record_folder(step, ident)
-    atomic_write_json(ckpts / CLAIM, {"run": run if run else claim.get("run"), "id": ident})
+    own = bool(run) and (
+        claim.get("run") == run
+        or (not claim and not ckpts.is_symlink() and os.path.realpath(ckpts.parent) == run)
+    )
+    adopting = own and (ident is None or claim.get("adopting") is True)
+    ident = ident or os.urandom(16).hex()
+    named = {"run": run if run else claim.get("run"), "id": ident}
+    if adopting:
+        atomic_write_json(ckpts / CLAIM, {**named, "adopting": True})
+        for step in ckpts.iterdir():
+            if _step_of(step) >= 0 and step.is_dir() and not step.is_symlink():
+                _record_folder(step, ident)
+    atomic_write_json(ckpts / CLAIM, named)
     return ident
 
 
 def _record_folder(ckpt_dir: Path, ident: str) -> None:
-    """Add the folder id to a checkpoint's integrity record that names none."""
+    """Add the folder id to a checkpoint's integrity record that names none (written beside the
+    checkpoint, then renamed in: nothing else appears inside it)."""
     path = ckpt_dir / INTEGRITY
     if path.is_symlink() or not path.is_file():
         return
     record = json_object_or_none(path, MAX_RECORD_BYTES)
-    if (
-        isinstance(record, dict)
-        and isinstance(record.get("files"), dict)
-        and "folder" not in record
-    ):
-        atomic_write_text(path, json.dumps({**record, "folder": ident}, indent=1) + "\n")
+    if not isinstance(record, dict) or not isinstance(record.get("files"), dict):
+        return
+    if "folder" in record:
+        return
+    tmp = temporary_sibling(ckpt_dir, "integrity")  # (in checkpoints/: not a step or .tmp-step)
+    tmp.write_text(json.dumps({**record, "folder": ident}, indent=1) + "\n")
+    os.replace(tmp, path)
 
 
 def saved_into(ckpt_dir: Path) -> str | None:
@@ -334,7 +345,7 @@ class Checkpointer:
                 problem = (
                     "its integrity record names another checkpoints folder"
                     if saved_into(path)
-                    else "its integrity record names no checkpoints folder (not a save's here)"
+                    else "its integrity record names no checkpoints folder"
                 )
             if problem is None:
                 shutil.rmtree(path, ignore_errors=True)

@@ -244,8 +244,9 @@ def _value_problem(key: str, value: Any, raw: dict[str, Any], zero_stage: int) -
     scattered = zero_stage in (1, 2) and zero.get("reduce_scatter", True) is not False
     if key == "steps_per_print" and value is not None and value < 1:
         return (
-            f"{value} is not a count of steps (0 divides by zero in DeepSpeed's step, and a "
-            f"negative one prints every step); give a count >= 1, or remove it (quiet)"
+            f"{value} is not a count of steps (DeepSpeed prints at each step its count divides: "
+            f"0 divides by zero, a negative one divides as its size does); give a count >= 1, or "
+            f"remove it (quiet)"
         )
     reads = ("fp32", "fp16", "bf16")  # (DeepSpeed's communication dtypes, in any case)
     if key == "communication_data_type" and value is not None and value.lower() not in reads:

@@ -88,7 +88,8 @@ def _open_all(cfg: Config, configs: list[Config]) -> list[Any]:
     for i, sub in enumerate(configs):
         try:
             sources.append(open_source(sub.data))
-            refuse_overlap(sub.data)
+            refuse_overlap(sub.data)  # its folder, and the mixture's own files
+            refuse_overlap(sub.data, cfg.data.dir)
         except UserError as e:
             problems.append(f"data.sources[{i}] (name {cfg.data.sources[i].name}): {e}")
     if problems:

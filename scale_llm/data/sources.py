@@ -437,11 +437,16 @@ def open_source(data: DataConfig):
     return local_source(data.source, data.text_field)
 
 
-def refuse_overlap(data: DataConfig) -> None:
-    """data.dir apart from what the corpus reads, for prepare (it writes there): inside a
-    source folder, or where a glob matches a name prepare writes, it would write into the corpus
-    and read its own files back as documents the next time."""
-    out = Path(os.path.realpath(Path(data.dir).expanduser()))
+WRITTEN = ("manifest.json", "mixture.json", "tokenizer.model", "hf-tokenizer.json")
+WRITTEN += ("train_00000.bin", "val_00000.bin")  # (a glob that reads none of these reads none)
+
+
+def refuse_overlap(data: DataConfig, data_dir: str | None = None) -> None:
+    """data.dir (or `data_dir`: a mixture's own) apart from what the corpus reads, for prepare
+    (it writes there): inside a source folder, or where a glob matches a name prepare writes, it
+    would write into the corpus and read its own files back as documents the next time."""
+    data_dir = data_dir or data.dir
+    out = Path(os.path.realpath(Path(data_dir).expanduser()))
     spec = Path(data.source).expanduser()
     if data.source == "builtin" or data.source.startswith("hf:") or spec.is_file():
         return
@@ -453,14 +458,14 @@ def refuse_overlap(data: DataConfig) -> None:
         parts = spec.parts
         literal = next((i for i, p in enumerate(parts) if glob.has_magic(p)), len(parts))
         base = Path(os.path.realpath(Path(*parts[:literal]) if literal else Path()))
-        written = ("manifest.json", "tokenizer.model", "train_00000.bin")
-        if not out.is_relative_to(base) or not any(
-            _glob_matches((*out.relative_to(base).parts, name), parts[literal:]) for name in written
+        inside = out.relative_to(base).parts if out.is_relative_to(base) else None
+        if inside is None or not any(
+            _glob_matches((*inside, name), parts[literal:]) for name in WRITTEN
         ):
             return
         where = "is a folder whose files the glob in data.source matches"
     raise UserError(
-        f"data.dir={data.dir} {where} (data.source={data.source}): prepare would write its "
+        f"data.dir={data_dir} {where} (data.source={data.source}): prepare would write its "
         f"tokenizer and shards into the corpus and read them back as documents the next time, so "
         f"it stops before any work. Point data.dir at a folder outside the corpus"
     )
