@@ -1129,12 +1129,14 @@ def test_bad_world_size_fails_before_any_process_group(tmp_path):
 @pytest.mark.parametrize("value", FAULT_SPECS)
 def test_a_malformed_fault_injection_variable_is_named(value, monkeypatch):
     """IndexError / ValueError from maybe_fail mid-run before, or nothing injected at all."""
-    from scale_llm.train.guards import check_fault_spec, maybe_fail
+    from scale_llm.config import load_config
+    from scale_llm.train.guards import maybe_fail
+    from scale_llm.train.preflight import check_fault_reach
 
     monkeypatch.setenv("SCALE_LLM_FAULT", value)
     forms = "use after_step:STEP or mid_save:STEP, optionally :RANK (STEP >= 1, RANK >= 0"
     with pytest.raises(UserError, match="SCALE_LLM_FAULT=.*is not a fault to inject") as e:
-        check_fault_spec()
+        check_fault_reach(load_config(None, []))
     assert forms in str(e.value)
     with pytest.raises(UserError):
         maybe_fail("after_step", 1, 0)
@@ -1142,16 +1144,17 @@ def test_a_malformed_fault_injection_variable_is_named(value, monkeypatch):
 
 def test_fault_injection_reads_its_forms(monkeypatch, caplog):
     from scale_llm.config import load_config
-    from scale_llm.train.guards import check_fault_spec, fault_spec
+    from scale_llm.train.guards import fault_spec
+    from scale_llm.train.preflight import check_fault_reach
 
     cfg = load_config(None, ["train.max_steps=4", "checkpoint.every=2"])
     monkeypatch.setenv("SCALE_LLM_FAULT", "mid_save:3")  # saved at only on a stop signal: said
     with caplog.at_level("WARNING", logger="scale_llm"):
-        check_fault_spec(cfg)
+        check_fault_reach(cfg)
     assert "checkpoint.every=2 saves at no step 3: the fault fires only if a stop" in caplog.text
     for fault in ("mid_save:4", "after_step:4"):
         monkeypatch.setenv("SCALE_LLM_FAULT", fault)
-        check_fault_spec(cfg)  # (steps it reaches and saves at)
+        check_fault_reach(cfg)  # (steps it reaches and saves at)
 
     for value, parsed in [
         ("", None),
@@ -1160,7 +1163,7 @@ def test_fault_injection_reads_its_forms(monkeypatch, caplog):
         ("after_step:3:1", ("after_step", 3, 1)),
     ]:
         monkeypatch.setenv("SCALE_LLM_FAULT", value)
-        check_fault_spec()
+        check_fault_reach(cfg)
         assert fault_spec() == parsed
 
 

@@ -116,29 +116,6 @@ def fault_spec() -> tuple[str, int, int | None] | None:
     return parts[0].strip(), int(numbers[0]), int(numbers[1]) if len(numbers) > 1 else None
 
 
-def check_fault_spec(cfg: Config | None = None) -> None:
-    """At start-up, before any work: a malformed SCALE_LLM_FAULT stops the launch here, and so
-    does one at a step this launch does not reach; a mid_save at a step it saves at only when a
-    stop signal arrives there is said."""
-    if (fault := fault_spec()) is None or cfg is None:
-        return
-    point, step, _ = fault
-    t, every = cfg.train, cfg.checkpoint.every
-    last = min(t.max_steps, t.exit_at_step or t.max_steps)
-    if step > last:
-        raise UserError(
-            f"{FAULT_VARIABLE}={point}:{step}: this launch trains to step {last} (train."
-            f"max_steps={t.max_steps}, train.exit_at_step={t.exit_at_step}), so nothing would be "
-            f"injected and the drill would pass for one; pick a step it reaches, or unset "
-            f"{FAULT_VARIABLE}"
-        )
-    if point == "mid_save" and step != last and not (every and step % every == 0):
-        log.warning(
-            f"{FAULT_VARIABLE}={point}:{step}: checkpoint.every={every} saves at no step {step}: "
-            f"the fault fires only if a stop signal makes this launch save there"
-        )
-
-
 def maybe_fail(point: str, step: int, rank: int) -> None:
     """Fault injection: SCALE_LLM_FAULT=POINT:STEP[:RANK] makes this process SIGKILL itself at
     POINT of step STEP, on the first launch only (torchrun restarts run clean)."""

@@ -40,7 +40,7 @@ from scale_llm.parallel import compile as block_compile
 from scale_llm.parallel.ds_config import check_zero_settings
 from scale_llm.parallel.fp8 import check_fp8
 from scale_llm.train.eval_tasks import TaskEval
-from scale_llm.train.guards import check_fault_spec
+from scale_llm.train.guards import FAULT_VARIABLE, fault_spec
 from scale_llm.train.init_from import check_init_from
 from scale_llm.train.profiling import check_profile
 from scale_llm.train.resume import Resume, choose_resume
@@ -97,10 +97,32 @@ class Report:
         )
 
 
+def check_fault_reach(cfg: Config) -> None:
+    """A malformed SCALE_LLM_FAULT, or one past the last step this launch trains, stops it; a
+    mid_save at a step it saves at only when a stop signal arrives there is said."""
+    if (fault := fault_spec()) is None:
+        return
+    point, step, _ = fault
+    t, every = cfg.train, cfg.checkpoint.every
+    last = min(t.max_steps, t.exit_at_step or t.max_steps)
+    if step > last:
+        raise UserError(
+            f"{FAULT_VARIABLE}={point}:{step}: this launch trains to step {last} (train."
+            f"max_steps={t.max_steps}, train.exit_at_step={t.exit_at_step}), so nothing would be "
+            f"injected and the drill would pass for one; pick a step it reaches, or unset "
+            f"{FAULT_VARIABLE}"
+        )
+    if point == "mid_save" and step != last and not (every and step % every == 0):
+        log.warning(
+            f"{FAULT_VARIABLE}={point}:{step}: checkpoint.every={every} saves at no step {step}: "
+            f"the fault fires only if a stop signal makes this launch save there"
+        )
+
+
 def preflight(cfg: Config, plan: RunPlan) -> RunSpec:
     """The RunSpec of `cfg` under `plan`, or one UserError naming every problem. A check whose
     input failed is skipped (that failure is already in the report)."""
-    check_fault_spec(cfg)  # a malformed or unreachable SCALE_LLM_FAULT: before anything else
+    check_fault_reach(cfg)  # a malformed or unreachable SCALE_LLM_FAULT: before anything else
     report = Report()
     data = report.check(open_training_data, cfg)  # manifest, mixture, shards, tokenizer
     tokenizer = Path(cfg.data.dir) / data.manifest["tokenizer"]["file"] if data else None
