@@ -464,12 +464,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.roofline:
         from scale_llm.analysis.roofline import format_roofline, roofline
 
-        runs = [f for f, v in (("--sweep", args.sweep), ("--reference", args.reference)) if v]
-        runs += [
-            f
-            for f in ("--checkpoint-io", "--sweep-backend")
-            if getattr(args, f[2:].replace("-", "_"))
-        ]
+        given = {"--sweep": args.sweep, "--reference": args.reference}
+        given |= {"--checkpoint-io": args.checkpoint_io, "--sweep-backend": args.sweep_backend}
+        runs = [flag for flag, value in given.items() if value]
         runs += [
             f"--{key}" for key, default in BENCH_COUNTS.items() if getattr(args, key) != default
         ]

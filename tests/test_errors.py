@@ -22,9 +22,8 @@ import pytest
 import torch
 
 from scale_llm.cli import main
-from scale_llm.components.checkpoint import Checkpointer, damage
+from scale_llm.components.checkpoint import CLAIM, Checkpointer, damage
 from scale_llm.errors import UserError
-from scale_llm.train.preflight import CHECKPOINTS_CLAIM as CLAIM
 from scale_llm.train.trainer import Trainer
 from tests.bad_input_cases import (
     CASES,

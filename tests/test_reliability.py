@@ -17,9 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from scale_llm.components.checkpoint import Checkpointer
+from scale_llm.components.checkpoint import CLAIM, Checkpointer
 from scale_llm.config import with_changes
-from scale_llm.train.preflight import CHECKPOINTS_CLAIM
 from tests.helpers import (
     BACKENDS,
     SINGLE,
@@ -262,7 +261,7 @@ def test_sigkill_during_a_background_save_keeps_the_previous_checkpoint(data_dir
     assert "at step 2" in proc.stdout
     same_steps(rows_of(root / name), reference, range(3, STEPS + 1), tol=0.0)  # bit-identical
     kept = sorted(p.name for p in ckpts.iterdir())
-    assert kept == [CHECKPOINTS_CLAIM, "step_00000004"]  # keep_last=1, no .tmp
+    assert kept == [CLAIM, "step_00000004"]  # keep_last=1, no .tmp
 
 
 def test_a_background_save_holds_its_step_while_training_goes_on(data_dir, tmp_path):
@@ -351,7 +350,7 @@ def test_out_of_disk_in_a_background_write_is_the_foreground_saves_error(
         tr.fit()
     assert "step_00000004" in str(info.value) and "step_00000002 is intact" in str(info.value)
     kept = sorted(p.name for p in tr.checkpointer.dir.iterdir())
-    assert kept == [CHECKPOINTS_CLAIM, "step_00000002"]
+    assert kept == [CLAIM, "step_00000002"]
 
 
 def test_the_run_lock_outlives_a_background_save_a_second_ctrl_c_left(

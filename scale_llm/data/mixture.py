@@ -20,6 +20,7 @@ from scale_llm.config import Config
 from scale_llm.config.data import PER_SOURCE_KEYS, SourceConfig, mixture_weights
 from scale_llm.data.loader import TokenWindows, TrainLoader
 from scale_llm.data.prepare_source import (
+    WRITTEN,
     Kept,
     check_outputs,
     data_dir_lock,
@@ -88,8 +89,8 @@ def _open_all(cfg: Config, configs: list[Config]) -> list[Any]:
     for i, sub in enumerate(configs):
         try:
             sources.append(open_source(sub.data))
-            refuse_overlap(sub.data)  # its folder, and the mixture's own files
-            refuse_overlap(sub.data, cfg.data.dir)
+            refuse_overlap(sub.data, WRITTEN)  # its folder, and the mixture's own files
+            refuse_overlap(sub.data, (*WRITTEN, MIXTURE), cfg.data.dir)
         except UserError as e:
             problems.append(f"data.sources[{i}] (name {cfg.data.sources[i].name}): {e}")
     if problems:

@@ -73,6 +73,7 @@ MARK = ".scale-llm-prepared.json"  # in data.dir, from its first publication: pr
 MARK_SINCE = "697de94 of 2026-12-04"  # the first prepare that left MARK
 MARK_KIND = "prepared data"
 OUTPUT_PATTERNS = ("train_*.bin*", "val_*.bin*", SP_FILE, BUNDLE_FILE)  # what prepare publishes
+WRITTEN = (MANIFEST, SP_FILE, BUNDLE_FILE, "train_00000.bin", "val_00000.bin")  # a name of each
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ def prepare_source(
     `keep`: the tokenizer a rebuild must not replace."""
     out = Path(cfg.data.dir)
     source = open_source(cfg.data)
-    refuse_overlap(cfg.data)  # (a mixture's sources: checked with the others, before its work)
+    refuse_overlap(cfg.data, WRITTEN)  # (a mixture's sources: with the others, before its work)
     bundle = tokenizer if tokenizer is not None else model_tokenizer(cfg)
     fingerprint = _fingerprint(cfg, source, bundle)
     if (current := _up_to_date(out, fingerprint, force)) is not None:  # read-only: no lock

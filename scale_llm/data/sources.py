@@ -14,7 +14,7 @@ import stat
 import sys
 import sysconfig
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -437,14 +437,11 @@ def open_source(data: DataConfig):
     return local_source(data.source, data.text_field)
 
 
-WRITTEN = ("manifest.json", "mixture.json", "tokenizer.model", "hf-tokenizer.json")
-WRITTEN += ("train_00000.bin", "val_00000.bin")  # (a glob that reads none of these reads none)
-
-
-def refuse_overlap(data: DataConfig, data_dir: str | None = None) -> None:
+def refuse_overlap(data: DataConfig, written: Collection[str], data_dir: str | None = None):
     """data.dir (or `data_dir`: a mixture's own) apart from what the corpus reads, for prepare
-    (it writes there): inside a source folder, or where a glob matches a name prepare writes, it
-    would write into the corpus and read its own files back as documents the next time."""
+    (it writes there): inside a source folder, or where a glob matches a name prepare writes
+    there (`written`), it would write into the corpus and read its own files back as documents
+    the next time."""
     data_dir = data_dir or data.dir
     out = Path(os.path.realpath(Path(data_dir).expanduser()))
     spec = Path(data.source).expanduser()
@@ -460,7 +457,7 @@ def refuse_overlap(data: DataConfig, data_dir: str | None = None) -> None:
         base = Path(os.path.realpath(Path(*parts[:literal]) if literal else Path()))
         inside = out.relative_to(base).parts if out.is_relative_to(base) else None
         if inside is None or not any(
-            _glob_matches((*inside, name), parts[literal:]) for name in WRITTEN
+            _glob_matches((*inside, name), parts[literal:]) for name in written
         ):
             return
         where = "is a folder whose files the glob in data.source matches"

@@ -348,13 +348,8 @@ def settle_compile(cfg: Config, plan: RunPlan) -> Config:
 METRICS_FILE = "metrics.jsonl"  # one JSON object per logged step
 WANDB_ID_FILE = "wandb-id.txt"  # the W&B run id, so that a resumed run logs to the same run
 MAX_WANDB_ID = 64
-WANDB_SETTINGS_KEPT = (
-    "mode",
-    "disabled",
-    "project",
-    "silent",
-    "quiet",
-)  # (init sets mode, project)
+# the keys a launch folder's W&B settings file may hold (`wandb offline` writes mode)
+WANDB_SETTINGS_KEPT = ("mode", "disabled", "project", "silent", "quiet")
 COMM_TRACE = "comm_trace"  # where NCCL's flight recorder writes when a collective times out
 # What the trainer creates in RUN_DIR, by kind: another kind fails at its first write, or blocks.
 RUN_DIR_FOLDERS = {
@@ -374,9 +369,9 @@ RUN_DIR_FILES = {
 }
 LOCK = ".lock"
 RUN_KIND = "run"  # the kind in RUN_DIR/OWNER_MARKER, written by the launch that takes the lock
-# in RUN_DIR/checkpoints (or the folder it links to): its claim (the run that last used it,
-# {"run": path, "id": ...}: components/checkpoint.py) and the lock its launch holds
-CHECKPOINTS_CLAIM, CHECKPOINTS_LOCK = CLAIM, ".scale-llm-run.lock"
+# in RUN_DIR/checkpoints (or the folder it links to), beside its claim (components/checkpoint.py
+# CLAIM: the run that last used it, and the folder's id): the lock its launch holds
+CHECKPOINTS_LOCK = ".scale-llm-run.lock"
 
 
 class RunLock:
@@ -479,7 +474,7 @@ def checkpoints_of_another_run(run_dir: Path) -> Path | None:
 
 def _claimed_by(folder: Path) -> Path | None:
     """The run `folder`'s claim names, if that run still uses it as its checkpoints folder."""
-    claim = json_object_or_none(folder / CHECKPOINTS_CLAIM, MAX_RECORD_BYTES) or {}
+    claim = json_object_or_none(folder / CLAIM, MAX_RECORD_BYTES) or {}
     if not isinstance(run := claim.get("run"), str) or not is_run_dir(Path(run)):
         return None
     return Path(run) if _same(Path(run) / "checkpoints", folder) else None
