@@ -424,7 +424,12 @@ def _listed(value: Any) -> list:
 
 def build_task(manager: Any, task: str, tasks_key: str, shots: int | None = None) -> None:
     """Build `task` as lm-eval will: missing data, or fewer few-shot examples than `shots`,
-    refused before the export, not a traceback."""
+    refused before the export, not a traceback. Quiet: a refusal is its message alone
+    (datasets' progress bars are off while the tasks are built)."""
+    import datasets
+
+    shown = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
     try:
         if hasattr(manager, "load"):  # lm-eval >= 0.4.10
             built = manager.load([task])["tasks"]
@@ -439,6 +444,9 @@ def build_task(manager: Any, task: str, tasks_key: str, shots: int | None = None
         raise
     except Exception as e:  # lm-eval and datasets raise many types (OSError, ValueError, ...)
         raise UserError(task_data_problem(task, e, tasks_key)) from None
+    finally:
+        if shown:
+            datasets.enable_progress_bars()
     for name, (have, extra) in pools.items():
         if have < shots + extra:
             scored = " (one of them is the example scored: the task draws from its test split)"

@@ -2073,10 +2073,14 @@ def _eval_task_data(kind: str) -> Callable[[Ctx], Setup]:
 def _eval_more_shots_than_examples(shots: int, more: str = "") -> Callable[[Ctx], Setup]:
     """--num-fewshot above a task's 10 examples (9 when it draws them from the split it scores:
     one more is drawn): lm-eval's sampler raised random.sample's ValueError after the export.
-    Refused before it; the run unchanged."""
+    Refused before it, with the message alone (no progress bar of the dataset's first build:
+    the cache is cold here, as on a fresh machine); the run unchanged."""
 
     def setup(ctx: Ctx) -> Setup:
         needs("lm_eval")
+        import datasets
+
+        ctx.monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", ctx.tmp / "hf-cache")
         run = ctx.run()
         (ctx.tmp / "tasks").mkdir()
         data = "dataset_path: json\ndataset_kwargs:\n  data_files:\n"
