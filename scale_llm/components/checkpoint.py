@@ -752,15 +752,15 @@ def load_state_into(state: dict[str, Any], ckpt_dir: Path) -> None:
     zero = ZeroWeights(ckpt_dir / DEEPSPEED_DIR)
     step = zero.optimizer_step()
     for name, tensor in state["model"].items():
-        _fill(tensor, zero[name])
+        fill_block(tensor, zero[name])
     for name, moments in state["optimizer"]["state"].items():
         for key in ("exp_avg", "exp_avg_sq"):
-            _fill(moments[key], zero.read(name, key))
+            fill_block(moments[key], zero.read(name, key))
         moments["step"].fill_(step)  # (AdamW's per-parameter step: a scalar tensor)
 
 
 @torch.no_grad()
-def _fill(dst: torch.Tensor, full: torch.Tensor) -> None:
+def fill_block(dst: torch.Tensor, full: torch.Tensor) -> None:
     """`full` (every rank holds the same) into `dst`: whole, or this rank's block of a
     DTensor (the block DCP would read for it: no communication)."""
     from torch.distributed.tensor import DTensor

@@ -16,9 +16,9 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import loss_parallel
 
+from scale_llm.components.checkpoint import fill_block
 from scale_llm.model import Transformer
 from scale_llm.parallel.backend import Backend
 from scale_llm.parallel.tensor_parallel import (
@@ -108,10 +108,10 @@ class FSDPBackend(Backend):
                 full = torch.empty(shapes[name])  # fp32 on the CPU, as one process draws
                 fill(full)
                 if name in params:
-                    _copy_shard(params[name], full)
+                    fill_block(params[name], full)
         else:
             for name, param in params.items():
-                _copy_shard(param, initial[name])
+                fill_block(param, initial[name])
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()  # the MixedPrecisionPolicy casts params for compute
@@ -127,13 +127,3 @@ class FSDPBackend(Backend):
 
     def logits_for_sampling(self, logits: torch.Tensor) -> torch.Tensor:
         return full_logits(logits)
-
-
-@torch.no_grad()
-def _copy_shard(param: nn.Parameter, full: torch.Tensor) -> None:
-    """This rank's block of `full` (alike on every rank) into the sharded parameter."""
-    shape, offset = compute_local_shape_and_global_offset(
-        full.shape, param.device_mesh, param.placements
-    )
-    block = tuple(slice(start, start + size) for start, size in zip(offset, shape, strict=True))
-    param.to_local().copy_(full[block])
