@@ -48,13 +48,13 @@ write_env_file() {
   local var line own name="${DS_ENV_FILE:-.deepspeed_env}"
   local owns=("$HOME/$name" "./$name")
   if [[ "$name" == /* ]]; then owns=("$name"); fi
-  printf '%s=%s\n' PYTORCH_CUDA_ALLOC_CONF "$PYTORCH_CUDA_ALLOC_CONF"
-  printf '%s=%s\n' OMP_NUM_THREADS "$OMP_NUM_THREADS"
+  env_line "the environment" "PYTORCH_CUDA_ALLOC_CONF=$PYTORCH_CUDA_ALLOC_CONF" || exit 2
+  env_line "the environment" "OMP_NUM_THREADS=$OMP_NUM_THREADS" || exit 2
   # the runner puts its working folder first on the other nodes' PYTHONPATH (a module there would
   # be imported): they get this launcher's own instead (its checkout, or none)
   env_line "the environment" "PYTHONPATH=${PYTHONPATH:-}" || exit 2
   if [[ -n "$user_ds_accelerator" ]]; then
-    printf '%s=%s\n' DS_ACCELERATOR "$user_ds_accelerator"
+    env_line "the environment" "DS_ACCELERATOR=$user_ds_accelerator" || exit 2
   fi
   while read -r var; do
     if [[ "$var" == SCALE_LLM_* ]]; then env_line "the environment" "$var=${!var}" || exit 2; fi
@@ -129,7 +129,7 @@ check_node_command() {
       "Python (venv) whose path holds only letters, digits and _./@+,:=-" >&2
     exit 2
   fi
-  if [[ -n "${MASTER_ADDR:-}" && ! "$MASTER_ADDR" =~ ^[A-Za-z0-9._:-]+$ ]]; then
+  if [[ -n "${MASTER_ADDR:-}" && ! "$MASTER_ADDR" =~ ^[A-Za-z0-9_:][A-Za-z0-9._:-]*$ ]]; then
     echo "deepspeed.sh: MASTER_ADDR='${MASTER_ADDR:0:60}' is not a host name or address, and" \
       "DeepSpeed's runner puts it unquoted into the command every node runs: give the first" \
       "node's host name or IP address" >&2
@@ -140,6 +140,68 @@ check_node_command() {
       env_line "the environment" "$var=${!var}" > /dev/null || exit 2
     fi
   done < <(compgen -e)
+}
+
+# The hostfile as DeepSpeed's runner reads it ("HOST slots=N" a line, each host once; "#" lines and
+# blank ones skipped), checked before prepare: a line it cannot read was a traceback after
+# prepare's work, and each host name goes to ssh and pdsh, where one starting with "-" is an option
+# (ssh's -oProxyCommand=... runs a command here). A control character is refused: Python's reading
+# ends a line at a carriage return, where this one would read on.
+check_hostfile() {
+  local line number=0 host hosts=" " blank='[[:blank:]]'
+  local entry="^$blank*([A-Za-z0-9_:][A-Za-z0-9._:@-]*)$blank+slots=([0-9]+)$blank*\$"
+  while IFS= read -r line || [[ -n "$line" ]]; do
+    number=$((number + 1))
+    line="${line%$'\r'}"
+    if [[ "${line//$'\t'/}" != *[[:cntrl:]]* && ( -z "${line//[[:blank:]]/}" ||
+      "${line#"${line%%[![:blank:]]*}"}" == "#"* ) ]]
+    then
+      continue
+    fi
+    host=""
+    if [[ "${line//$'\t'/}" != *[[:cntrl:]]* && "$line" =~ $entry ]]; then
+      host="${BASH_REMATCH[1]}"
+      if [[ $((10#${BASH_REMATCH[2]:0:9})) -lt 1 || "$hosts" == *" $host "* ]]; then host=""; fi
+    fi
+    if [[ -z "$host" ]]; then
+      line="${line//[[:cntrl:]]/?}"
+      echo "deepspeed.sh: HOSTFILE=$HOSTFILE line $number ('${line:0:60}'): DeepSpeed's runner" \
+        "reads each line as 'HOST slots=N' (a host name or address of letters, digits and" \
+        "._:@-, not starting with '-'; N processes, 1 or more), each host once, and skips" \
+        "blank lines and those starting with #: fix that line" >&2
+      exit 2
+    fi
+    hosts+="$host "
+  done < "$HOSTFILE"
+  if [[ "$hosts" == " " ]]; then
+    echo "deepspeed.sh: HOSTFILE=$HOSTFILE lists no node; write one line per node, e.g." \
+      "\"node0 slots=8\", or unset HOSTFILE for a one-node run" >&2
+    exit 2
+  fi
+}
+
+# DS_ACCELERATOR, against the names this DeepSpeed takes (read from its source, without importing
+# it): another name was a traceback from the runner, after prepare.
+read -r -d '' ACCELERATORS <<'PY' || true
+import ast, os
+from importlib.util import find_spec
+spec = find_spec("deepspeed")
+path = os.path.join(os.path.dirname(spec.origin), "accelerator", "real_accelerator.py")
+with open(path) as f:
+    for node in ast.parse(f.read()).body:
+        if isinstance(node, ast.Assign) and "SUPPORTED_ACCELERATOR_LIST" in ast.unparse(node.targets[0]):
+            print(*ast.literal_eval(node.value))
+PY
+check_accelerator() {
+  local known
+  if [[ -z "${DS_ACCELERATOR:-}" ]]; then return; fi
+  known="$("$PY" -c "$ACCELERATORS" 2>/dev/null | tail -n 1)" || true
+  if [[ -n "$known" && " $known " != *" $DS_ACCELERATOR "* ]]; then
+    echo "deepspeed.sh: DS_ACCELERATOR=${DS_ACCELERATOR:0:60} is not one of DeepSpeed's" \
+      "accelerators (${known// /, }): set one of them (cpu on a machine without a GPU), or unset it" \
+      "and DeepSpeed picks the machine's" >&2
+    exit 2
+  fi
 }
 
 # A port nothing listens on, for a one-node run without MASTER_PORT (DeepSpeed's default, 29500,
@@ -226,10 +288,16 @@ if [[ -n "${HOSTFILE:-}" ]]; then
       "or unset it for a one-node run" >&2
     exit 2
   fi
+  check_hostfile
   check_node_command "$@"
   launcher+=(--hostfile "$HOSTFILE")
   [[ -n "${MASTER_ADDR:-}" ]] && launcher+=(--master_addr "$MASTER_ADDR")
-  env_file="$(mktemp "${TMPDIR:-/tmp}/scale_llm-deepspeed_env.XXXXXX")"
+  if ! env_file="$(mktemp "${TMPDIR:-/tmp}/scale_llm-deepspeed_env.XXXXXX" 2>/dev/null)"; then
+    echo "deepspeed.sh: cannot write the other nodes' environment file into" \
+      "TMPDIR=${TMPDIR:-/tmp} (not a folder this user can write): set TMPDIR to one, or unset" \
+      "it for /tmp" >&2
+    exit 2
+  fi
   [[ "$env_file" == /* ]] || env_file="$PWD/$env_file"
   trap 'rm -f "$env_file"' EXIT
   write_env_file > "$env_file"
@@ -250,6 +318,7 @@ if [[ -z "${HOSTFILE:-}" ]]; then
   launcher+=(--hostfile /dev/null)
 fi
 check_master_port
+check_accelerator
 if [[ -n "${MASTER_PORT:-}" ]]; then
   launcher+=(--master_port "$MASTER_PORT")
 elif [[ -z "${HOSTFILE:-}" ]]; then

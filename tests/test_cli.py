@@ -696,6 +696,63 @@ def test_deepspeed_hands_the_other_nodes_the_launchers_environment(tmp_path):
     assert not (tmp_path / "ran").exists()
 
 
+def test_deepspeed_sh_reads_the_hostfile_and_the_accelerator_before_any_work(tmp_path):
+    """The hostfile reached DeepSpeed's runner unread: a host named `-oProxyCommand=...` ran its
+    command here (the runner's first ssh), a line the runner cannot read was a traceback after
+    prepare, as were an unknown DS_ACCELERATOR and a TMPDIR that is not a folder; values this
+    launcher sets for the other nodes (PYTORCH_CUDA_ALLOC_CONF, ...) skipped the check a user's
+    own lines get. Stand-in node; its Python reads this DeepSpeed's accelerator names."""
+    from importlib.util import find_spec
+
+    if find_spec("deepspeed") is None:
+        pytest.skip("DeepSpeed is not installed")
+    arms = f"""*SUPPORTED_ACCELERATOR_LIST*) exec {sys.executable} "$@";;
+scale_llm) echo "PREPARE";;
+deepspeed.launcher.runner) echo "RUNNER $*"; cat "$DS_ENV_FILE";;"""
+    env = stand_in_node(tmp_path, arms) | {"HOME": str(tmp_path), "HOSTFILE": "hosts"}
+    hosts = tmp_path / "hosts"
+    hosts.write_text("# two nodes\n\nnode0 slots=8\n  10.0.0.2\tslots=8  \r\n")
+    proc = launch("deepspeed.sh", env, cwd=tmp_path)
+    assert proc.returncode == 0 and "PREPARE" in proc.stdout and "RUNNER" in proc.stdout
+    bad = {
+        "-oProxyCommand=touch${IFS}ran slots=1": "line 1 ('-oProxyCommand=touch${IFS}ran slots",
+        "node0": "line 1 ('node0')",
+        "node0 slots=0": "line 1 ('node0 slots=0')",
+        "node0 slots=8\nnode0 slots=8": "line 2 ('node0 slots=8'): ",
+        "node0 slots=8 extra": "line 1",
+        "node0 slots=8\r-oProxyCommand=x slots=1": "line 1 ('node0 slots=8?-oProxyCommand",
+        "# a note\r-oProxyCommand=x slots=1\nnode1 slots=1": "line 1 ('# a note?-o",
+        "n,ode slots=1": "line 1",
+    }
+    for text, said in bad.items():
+        hosts.write_text(text + "\n")
+        proc = launch("deepspeed.sh", env, cwd=tmp_path)
+        assert proc.returncode == 2 and not proc.stdout, (text, proc.stdout)
+        assert f"deepspeed.sh: HOSTFILE=hosts {said}" in proc.stderr, (text, proc.stderr)
+        assert len(proc.stderr.strip().splitlines()) == 1
+    for text in ("", "# none\n\n"):
+        hosts.write_text(text)
+        proc = launch("deepspeed.sh", env, cwd=tmp_path)
+        assert proc.returncode == 2 and "HOSTFILE=hosts lists no node" in proc.stderr
+    hosts.write_text("node0 slots=8\n")
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "OMP_NUM_THREADS", "DS_ACCELERATOR"):
+        value = 'expandable_segments:True";touch ran;"'
+        proc = launch("deepspeed.sh", env | {name: value}, cwd=tmp_path)
+        assert proc.returncode == 2 and not proc.stdout, (name, proc.stdout)
+        assert f"the environment sets {name}: DeepSpeed's multi-node" in proc.stderr
+    proc = launch("deepspeed.sh", env | {"TMPDIR": str(tmp_path / "none")}, cwd=tmp_path)
+    assert proc.returncode == 2 and f"TMPDIR={tmp_path / 'none'} (not a folder" in proc.stderr
+    assert not proc.stdout
+    for more in ({}, {"HOSTFILE": ""}):
+        proc = launch("deepspeed.sh", env | more | {"DS_ACCELERATOR": "bogus"}, cwd=tmp_path)
+        assert proc.returncode == 2 and not proc.stdout, proc.stdout
+        said = "DS_ACCELERATOR=bogus is not one of DeepSpeed's accelerators (cuda, cpu, "
+        assert said in proc.stderr, proc.stderr
+    proc = launch("deepspeed.sh", env | {"DS_ACCELERATOR": "cpu"}, cwd=tmp_path)
+    assert proc.returncode == 0 and "DS_ACCELERATOR=cpu" in proc.stdout, proc.stderr
+    assert not (tmp_path / "ran").exists()
+
+
 def test_deepspeed_sh_says_when_it_builds_ops_and_takes_a_free_port(tmp_path):
     """A first DeepSpeed run on the CPU sat silent for ~3 minutes while DeepSpeed compiled its
     C++ op; two one-node runs both took DeepSpeed's port 29500. Stand-ins: a Python whose torch
