@@ -33,6 +33,13 @@ if [[ "$gpus" -gt 0 && "${SCALE_LLM_CHECK_ALLOW_CPU:-0}" != "1" ]] \
     "machine); SCALE_LLM_CHECK_ALLOW_CPU=1 runs the CPU checks anyway" >&2
   exit 2
 fi
+for var in SCALE_LLM_CHECK_STEPS SCALE_LLM_CHECK_FP8_STEPS SCALE_LLM_CHECK_THREADS; do
+  if [[ -n "${!var:-}" && ! "${!var}" =~ ^[1-9][0-9]{0,5}$ ]]; then
+    echo "gpu-check: $var=${!var:0:60} is not a whole number from 1 to 999999; set one, or" \
+      "unset it for the check's own" >&2
+    exit 2
+  fi
+done
 out=gpu-check
 if [[ $# -gt 0 && "$1" != -* ]]; then out="$1"; shift; fi
 # --calibration-only: section (f) alone; --fp8-only: section (g) alone (second calls on a warm
@@ -40,6 +47,11 @@ if [[ $# -gt 0 && "$1" != -* ]]; then out="$1"; shift; fi
 only_f=0 only_g=0
 if [[ $# -gt 0 && "$1" == "--calibration-only" ]]; then only_f=1; shift; fi
 if [[ $# -gt 0 && "$1" == "--fp8-only" ]]; then only_g=1; shift; fi
+if [[ "$only_f" == 1 && "$gpus" -eq 0 && "${SCALE_LLM_CHECK_CALIBRATION:-0}" != "1" ]]; then
+  echo "gpu-check: --calibration-only runs section (f), which needs a GPU (this machine has" \
+    "none); SCALE_LLM_CHECK_CALIBRATION=1 runs it on the CPU at tiny size" >&2
+  exit 2
+fi
 rc=0
 if [[ "$only_f" == 0 && "$only_g" == 0 ]]; then "$PY" -m scale_llm check "$out" "$@" || rc=$?; fi
 [[ "$rc" == 2 ]] && exit 2  # refused before any work
@@ -49,13 +61,13 @@ if [[ "$only_f" == 0 && "$only_g" == 0 ]]; then "$PY" -m scale_llm check "$out" 
 # SCALE_LLM_CHECK_ROOFLINE=H100-SXM prices its rows as that GPU's, to try the arithmetic).
 if [[ "$only_g" == 0 && ( "$gpus" -gt 0 || "${SCALE_LLM_CHECK_CALIBRATION:-0}" == "1" ) ]]; then
   calibration=0
-  ROOT="$ROOT" "$PY" - "$out" "$only_f" <<'PYEOF' || calibration=$?
+  "$PY" - "$out" "$only_f" <<'PYEOF' || calibration=$?
 import json, os, subprocess, sys, tempfile, threading
 from pathlib import Path
 
 import torch
 
-from scale_llm.analysis.check import add_report_section, claim_out
+from scale_llm.analysis.check import YAML, add_report_section, claim_out
 from scale_llm.analysis.roofline import roofline
 from scale_llm.config import load_config, with_changes
 from scale_llm.errors import UserError
@@ -67,10 +79,9 @@ try:
 except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
-root = Path(os.environ.get("ROOT", "."))
 cuda = torch.cuda.is_available()
 ngpu = int(os.environ.get("SCALE_LLM_CHECK_NGPU") or 0)
-config = root / "yaml" / ("400m.yaml" if cuda else "tiny.yaml")
+config = YAML / ("400m.yaml" if cuda else "tiny.yaml")
 steps = os.environ.get("SCALE_LLM_CHECK_STEPS", "5" if cuda else "1")
 sets = ["--set", "train.grad_accum=1"]
 device = os.environ.get("SCALE_LLM_CHECK_ROOFLINE") or next(  # (set: the CPU's dry run)
@@ -182,13 +193,13 @@ fi
 if [[ "$only_f" == 0 && ( "$gpus" -gt 0 || "$only_g" == 1 \
     || "${SCALE_LLM_CHECK_FP8:-0}" == "1" ) ]]; then
   fp8=0
-  ROOT="$ROOT" "$PY" - "$out" "$only_g" "$@" <<'FP8EOF' || fp8=$?
+  "$PY" - "$out" "$only_g" "$@" <<'FP8EOF' || fp8=$?
 import importlib.util, json, os, shutil, subprocess, sys, tempfile
 from pathlib import Path
 
 import torch
 
-from scale_llm.analysis.check import (add_report_section, check_scratch, claim_out,
+from scale_llm.analysis.check import (YAML, add_report_section, check_scratch, claim_out,
                                      default_scratch, make_scratch)
 from scale_llm.cli import parse_args
 from scale_llm.errors import UserError
@@ -204,9 +215,8 @@ try:  # refused before any work, as the check's own start refuses
 except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
-root = Path(os.environ.get("ROOT", "."))
 cuda = torch.cuda.is_available()
-config = root / "yaml" / ("400m.yaml" if cuda else "tiny.yaml")
+config = YAML / ("400m.yaml" if cuda else "tiny.yaml")
 steps = int(os.environ.get("SCALE_LLM_CHECK_FP8_STEPS") or (100 if cuda else 4))
 every = max(steps // 10, 1)
 sets = ["parallel.backend=single", "parallel.tensor_parallel=1", "train.grad_accum=1",

@@ -1069,6 +1069,11 @@ def test_a_wheel_installs_with_its_configs_and_runs_from_anywhere(tmp_path):
     assert f"configs: {purelib / 'scale_llm' / 'configs'}" in where
     assert f"launchers: {purelib / 'scale_llm' / 'launch'}" in where
     assert str(REPO) not in where  # not the checkout
+    # the check's and the roofline's configs (gpu-check.sh's too: it reads check's) are the wheel's
+    code = "from scale_llm.analysis import check, roofline; print(check.YAML, roofline.YAML)"
+    python = fresh / "bin" / "python"
+    proc = subprocess.run([python, "-c", code], cwd=work, env=env, capture_output=True, text=True)
+    assert proc.stdout.split() == [str(purelib / "scale_llm" / "configs")] * 2, proc.stderr
     run("prepare", "tiny", *small)
     proc = run("train", "tiny", *small, "--train_steps", "2", "--set", "eval.every=0")
     assert "done: 2 steps" in proc.stderr + proc.stdout

@@ -543,3 +543,35 @@ def test_gpu_check_compares_fp8_with_bf16_in_its_report(corpus_dir, data_dir, tm
     assert "## (g) fp8 against bf16" in text and "| fp8 rowwise |" in text
     assert [p.name for p in (tmp_path / "scratch").iterdir()] == []  # its runs removed
     print(text)
+
+
+def test_gpu_check_reads_its_settings_before_any_work(tmp_path):
+    """SCALE_LLM_CHECK_FP8_STEPS=abc was a traceback after the report folder was claimed (and
+    left holding the claim alone); --calibration-only on a machine without a GPU printed
+    nothing and exited 0. Each is one line and exit 2 now, the folder not made."""
+    import subprocess
+
+    from tests.helpers import REPO, env
+
+    out = tmp_path / "report"
+    cases = {
+        ("--fp8-only",): {"SCALE_LLM_CHECK_FP8_STEPS": "abc"},
+        ("--calibration-only",): {"SCALE_LLM_CHECK_STEPS": "0"},
+        (): {"SCALE_LLM_CHECK_THREADS": "-1"},
+    }
+    for flags, bad in cases.items():
+        (name, value), *_ = bad.items()
+        proc = subprocess.run(
+            ["bash", str(REPO / "launch" / "gpu-check.sh"), str(out), *flags],
+            cwd=tmp_path, env=env() | bad, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        said = f"gpu-check: {name}={value} is not a whole number from 1 to 999999"
+        assert proc.returncode == 2 and said in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and not out.exists()
+    calm = {k: v for k, v in env().items() if k != "SCALE_LLM_CHECK_CALIBRATION"}
+    proc = subprocess.run(
+        ["bash", str(REPO / "launch" / "gpu-check.sh"), str(out), "--calibration-only"],
+        cwd=tmp_path, env=calm, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "--calibration-only runs section (f)" in proc.stderr
+    assert not out.exists()

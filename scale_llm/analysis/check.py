@@ -28,6 +28,7 @@ from scale_llm.analysis.bench import bench_reference, bench_sweep, fresh_start, 
 from scale_llm.analysis.memory import estimate
 from scale_llm.components.distributed import shutdown_distributed
 from scale_llm.config import Config, load_config, save_config, with_changes
+from scale_llm.config.load import shipped_config_dir
 from scale_llm.config.parallel import ONE_PROCESS
 from scale_llm.config.plan import Launch, resolve_plan
 from scale_llm.data.prepare import prepare
@@ -51,7 +52,7 @@ from scale_llm.files import (
 from scale_llm.train.trainer import train
 
 log = logging.getLogger(__name__)
-YAML = Path(__file__).resolve().parents[2] / "yaml"
+YAML = shipped_config_dir() or Path("yaml")  # (a wheel's scale_llm/configs, or yaml/)
 TOLERANCE = {"fp32": 1e-3, "bf16": 5e-2, "fp16": 5e-2}  # |step-1 loss - CPU fp32 step-1 loss|
 # (micro-batch, checkpointing, compile) of 400m.yaml on a GPU: the headline layout first
 GPU_SWEEP = [(16, "none", True), (16, "none", False), (8, "none", True), (32, "none", True)]

@@ -33,6 +33,7 @@ from scale_llm.analysis.memory.gpu import estimate
 from scale_llm.analysis.memory.pipeline import RUNTIME_UNSHARDS, rank_actions, runtime_unsharded
 from scale_llm.components.loss import plain_cross_entropy
 from scale_llm.config import Config, ModelConfig, compiles, load_config, with_changes
+from scale_llm.config.load import shipped_config_dir
 from scale_llm.config.parallel import V_SCHEDULES
 from scale_llm.config.plan import RunPlan, target_plan
 from scale_llm.errors import UserError
@@ -245,7 +246,7 @@ class Published:
     recompute: str = ""
 
 
-YAML = Path(__file__).resolve().parents[2] / "yaml"
+YAML = shipped_config_dir() or Path("yaml")
 TORCHTITAN_2412 = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 1"
 TORCHTITAN_2506 = "pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md"
 EVERY_SECOND = "every second matmul"
