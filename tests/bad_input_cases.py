@@ -802,6 +802,13 @@ def _small_corpus(tmp: Path) -> Path:
     return src
 
 
+def _data_dir_linked_from_the_corpus(ctx: Ctx) -> list[str]:
+    (ctx.tmp / "prepared").mkdir()
+    (_small_corpus(ctx.tmp) / "more").mkdir()
+    (ctx.tmp / "src" / "more" / "prepared").symlink_to(ctx.tmp / "prepared")
+    return _prepare_argv(ctx.tmp / "src", ctx.tmp / "prepared")
+
+
 def _prepare_argv(src: Path | str, out: Path | str) -> list[str]:
     """prepare with tests.helpers.prep_config's settings."""
     settings = [f"data.source={src}", f"data.dir={out}", "model.vocab_size=400"]
@@ -2800,6 +2807,16 @@ OWNED_OUTPUTS: list = [
                 "a glob",
                 lambda ctx: _prepare_argv(f"{_small_corpus(ctx.tmp)}/*", ctx.tmp / "src"),
                 "is a folder whose files the glob in data.source matches",
+            ),
+            (  # (an hf: local folder's data files are read: a second prepare blamed the network)
+                "an hf: local folder",
+                lambda ctx: _prepare_argv(f"hf:{_small_corpus(ctx.tmp)}", ctx.tmp / "src" / "out"),
+                "data.dir=",
+            ),
+            (  # (the walker follows links: a second prepare read the first's files)
+                "a symlinked folder in it",
+                _data_dir_linked_from_the_corpus,
+                "(through a symlinked folder in it)",
             ),
             (
                 "a glob over a mixture's own files",

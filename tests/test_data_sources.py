@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pyarrow as pa
@@ -151,6 +152,46 @@ def test_bad_local_files_name_the_file_and_field(tmp_path):
     with pytest.raises(UserError, match="every matched file is empty"):
         prepare(config(f"{tmp_path}/e*", tmp_path / "d"))
     assert not (tmp_path / "d" / "manifest.json").exists()
+    # a damaged data page behind a good footer, and a string column that is not UTF-8: pyarrow's
+    # OSError and UnicodeDecodeError were tracebacks, leaving data.dir/.prepare-build behind
+    rows = [{"text": f"row {i} " + "some words here " * 30} for i in range(200)]
+    damaged = tmp_path / "damaged.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), damaged, compression="snappy", row_group_size=50)
+    data = bytearray(damaged.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 200] = bytes(b ^ 0x5A for b in data[middle : middle + 200])
+    damaged.write_bytes(bytes(data))
+    text = pa.Array.from_buffers(
+        pa.string(),
+        1,
+        [None, pa.py_buffer(np.array([0, 6], np.int32)), pa.py_buffer(b"hello\xff")],
+    )
+    latin = tmp_path / "latin.parquet"
+    pq.write_table(pa.table({"text": text}), latin)
+    for path, said in [
+        (damaged, "damaged.parquet cannot be read (OSError: "),
+        (latin, "latin.parquet cannot be read (UnicodeDecodeError: "),
+    ]:
+        with pytest.raises(UserError, match=re.escape(said)):
+            prepare(config(path, tmp_path / "d"))
+        assert not (tmp_path / "d").exists() or not any((tmp_path / "d").iterdir()), path
+
+
+def test_a_file_name_that_is_not_utf8_is_read(tmp_path, hf_cache):
+    """A corpus file named by bytes that are not UTF-8 (\\xff.jsonl): the fingerprint and the
+    train/val split hashed its name as text, a UnicodeEncodeError traceback; an hf: folder's
+    fingerprint too. Its documents are read, named with the byte escaped."""
+    rows = records(12)
+    write_jsonl(tmp_path / "src" / "a.jsonl", rows[:6])
+    with open(bytes(tmp_path / "src") + b"/\xff.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows[6:])
+    source = open_source(load_config(None, [f"data.source={tmp_path / 'src'}"]).data)
+    names = {doc.doc_id.split(":")[0] for doc in source.documents()}
+    assert names == {"a.jsonl", "\\xff.jsonl"} and source.fingerprint()
+    manifest = prepare(config(tmp_path / "src", tmp_path / "out", "model.vocab_size=400"))
+    assert decoded_markers(tmp_path / "out", manifest) == set(range(12))
+    hf = open_source(load_config(None, [f"data.source=hf:{tmp_path / 'src'}"]).data)
+    assert hf.fingerprint() != source.fingerprint()
 
 
 def test_hub_source_fingerprint_needs_no_network():

@@ -55,7 +55,7 @@ class HFSource:
         if self.local:
             for f in _files(self.local):
                 st, name = f.stat(), f.relative_to(self.local.parent)
-                h.update(f"{name}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+                h.update(f"{name}|{st.st_size}|{st.st_mtime_ns}\n".encode(errors="surrogateescape"))
         return h.hexdigest()
 
     def documents(self) -> Iterator[Document]:

@@ -167,14 +167,14 @@ def _build(
     fresh_build = not (out / BUILD_DIR).exists()
     build = _claim_build_dir(out)
     t0 = time.perf_counter()
-    log.info("data: reading %s", source.describe())
     try:
+        log.info("data: reading %s", source.describe())
         progress, writers, stream = _resume(cfg, source, build, fingerprint, force) or _fresh(
             cfg, source, build, fingerprint, bundle
         )
         if keep is not None and progress["tokenizer_sha256"] != keep.sha256:
             raise keep.refuse(out)
-    except UserError:  # refused before any work worth keeping: leave no build behind
+    except Exception:  # refused, or failed, before any work worth keeping: no build left behind
         if fresh_build:
             shutil.rmtree(build, ignore_errors=True)  # made by this call (_claim_build_dir)
         raise

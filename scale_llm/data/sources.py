@@ -77,7 +77,7 @@ class Source:
         h = hashlib.sha256(f"{self.spec}|{self.text_field}".encode())
         for f in self.files:
             st = f.stat()
-            h.update(f"{f}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+            h.update(f"{f}|{st.st_size}|{st.st_mtime_ns}\n".encode(errors="surrogateescape"))
         return h.hexdigest()
 
     def total_bytes(self) -> int:
@@ -87,6 +87,7 @@ class Source:
         root = self.root and self.root.absolute()
         for f in self.files:
             name = f.absolute().relative_to(root).as_posix() if root else str(f)
+            name = os.fsencode(name).decode(errors="backslashreplace")  # (a name not UTF-8: \xff)
             kind = file_kind(f)
             if kind == "jsonl":
                 yield from self._jsonl_documents(f, name)
@@ -180,10 +181,23 @@ class Source:
                 f"{f} has no column {self.text_field!r} (found {columns[:8]}); "
                 f"set data.text_field to the column holding the text"
             )
-        batches = pf.iter_batches(batch_size=_PARQUET_BATCH, columns=[self.text_field])
-        for row, value in enumerate((v for b in batches for v in b.column(0).to_pylist()), 1):
-            if text := text_value(value, f"{f} row {row}", self.text_field):
-                yield Document(f"{name}:{row}", text)
+        batches, row = pf.iter_batches(batch_size=_PARQUET_BATCH, columns=[self.text_field]), 0
+        while True:
+            try:  # (a damaged page: OSError; a string column not UTF-8: UnicodeDecodeError)
+                batch = next(batches, None)
+                values = [] if batch is None else batch.column(0).to_pylist()
+            except Exception as e:
+                raise UserError(
+                    f"{f}{f' past row {row:,}' if row else ''} cannot be read ({type(e).__name__}: "
+                    f"{' '.join(str(e).split())[:200]}); re-export it or remove it from "
+                    f"data.source"
+                ) from None
+            if batch is None:
+                return
+            for value in values:
+                row += 1
+                if text := text_value(value, f"{f} row {row}", self.text_field):
+                    yield Document(f"{name}:{row}", text)
 
 
 def _lines(f: Path, hint: Callable[[], str]) -> Iterator[tuple[int, bytes]]:
@@ -444,13 +458,18 @@ def refuse_overlap(data: DataConfig, written: Collection[str], data_dir: str | N
     the next time."""
     data_dir = data_dir or data.dir
     out = Path(os.path.realpath(Path(data_dir).expanduser()))
-    spec = Path(data.source).expanduser()
-    if data.source == "builtin" or data.source.startswith("hf:") or spec.is_file():
+    spec = Path(data.source.removeprefix("hf:")).expanduser()
+    if data.source == "builtin" or spec.is_file():
         return
-    if spec.is_dir():
-        if not out.is_relative_to(os.path.realpath(spec)):
+    if spec.is_dir():  # (an hf: name that is a local folder too: its data files are read)
+        folders = _folders_read(spec)
+        if not any(str(p) in folders for p in (out, *out.parents)):
             return
         where = f"lies inside the corpus folder {spec} that data.source reads"
+        if not out.is_relative_to(os.path.realpath(spec)):
+            where += " (through a symlinked folder in it)"
+    elif data.source.startswith("hf:"):  # a dataset on the Hub
+        return
     else:  # a glob: matched part by part as _Listing walks it (`**`, no hidden names)
         parts = spec.parts
         literal = next((i for i, p in enumerate(parts) if glob.has_magic(p)), len(parts))
@@ -466,6 +485,22 @@ def refuse_overlap(data: DataConfig, written: Collection[str], data_dir: str | N
         f"tokenizer and shards into the corpus and read them back as documents the next time, so "
         f"it stops before any work. Point data.dir at a folder outside the corpus"
     )
+
+
+def _folders_read(top: Path) -> set[str]:
+    """The real paths of `top` and of every folder below it, through symlinked folders too (the
+    walk follows them): those a folder source reads."""
+    seen, todo = set(), [os.path.realpath(top)]
+    while todo:
+        if (folder := todo.pop()) in seen:
+            continue
+        seen.add(folder)
+        try:
+            with os.scandir(folder) as entries:
+                todo += [os.path.realpath(e.path) for e in entries if e.is_dir()]
+        except OSError:  # (unreadable: the listing names it)
+            pass
+    return seen
 
 
 def _glob_matches(parts: tuple[str, ...], pattern: tuple[str, ...]) -> bool:
