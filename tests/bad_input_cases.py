@@ -717,6 +717,8 @@ def _edited(manifest: dict, change: str) -> object:
         )
     elif change == "a negative count":
         m["splits"]["val"]["shards"][0]["tokens"] = -1
+    elif change == "an empty shard":
+        m["splits"]["train"]["shards"].append({"file": "train_09999.bin", "tokens": 0})
     elif change == "shards as a string":
         m["splits"]["train"]["shards"] = "train_00000.bin"
     elif change == "a shard outside data.dir":
@@ -737,6 +739,7 @@ MANIFEST_TYPES = {  # AttributeError, TypeError, KeyError or numpy's own errors 
     "a string of tokens": "splits.train.shards[0].tokens is '",
     "a negative count": "splits.val.shards[0].tokens is -1, not a count of tokens",
     "shards as a string": "splits.train.shards is 'train_00000.bin', not a list",
+    "an empty shard": "tokens is 0, not a count of tokens, 1 or more",  # (np.memmap's ValueError)
     "a shard outside data.dir": "is '../../etc/passwd', not a shard's file name",
     "a tokenizer as a list": "tokenizer is [{",
     "a float dtype": "dtype is 'float64', not uint16 or uint32",
@@ -807,6 +810,12 @@ def _data_dir_linked_from_the_corpus(ctx: Ctx) -> list[str]:
     (_small_corpus(ctx.tmp) / "more").mkdir()
     (ctx.tmp / "src" / "more" / "prepared").symlink_to(ctx.tmp / "prepared")
     return _prepare_argv(ctx.tmp / "src", ctx.tmp / "prepared")
+
+
+def _bench_over_a_damaged_tokenizer(ctx: Ctx) -> list[str]:
+    (ctx.tmp / "d").mkdir()
+    (ctx.tmp / "d" / "tokenizer.model").write_text("not a model")
+    return [*_prepare_argv(_small_corpus(ctx.tmp), ctx.tmp / "d"), "--bench"]
 
 
 def _prepare_argv(src: Path | str, out: Path | str) -> list[str]:
@@ -2295,6 +2304,11 @@ FLAGS = [
         )
         for mb in ("nan", "inf", "0", "-1")
     ],
+    (  # (sentencepiece's RuntimeError: could not parse ModelProto)
+        "prepare --bench with a damaged tokenizer in data.dir",
+        _bench_over_a_damaged_tokenizer,
+        "is not a SentencePiece model",
+    ),
     (
         "prepare --bench with a model's tokenizer",
         ["prepare", TINY, "--bench", *s(f"data.tokenizer={TASK_DIR}")],

@@ -21,7 +21,7 @@ from scale_llm.data.prepare import prepare
 from scale_llm.data.shards import read_manifest
 from scale_llm.data.sources import Document
 from scale_llm.errors import UserError
-from tests.helpers import make_config, prep_config, random_texts, trainer_for
+from tests.helpers import logged, make_config, prep_config, random_texts, trainer_for
 
 
 def corpus(tmp_path, n=60):
@@ -136,6 +136,22 @@ def test_stale_progress_starts_afresh(tmp_path, monkeypatch, small_batches):
     manifest = prepare(config(src, out))
     assert sum(s["documents"] for s in manifest["splits"].values()) == 60
     read_manifest(out)
+    # a record whose counts disagree with its splits (a hand-edited documents_read skipped that
+    # many documents of the corpus, without a word): afresh, every document kept
+    for key, more in (("documents_read", 20), ("tokens", 1)):
+        calls.clear()
+        monkeypatch.setattr(prepare_mod, "_write", die_late)
+        with pytest.raises(KeyboardInterrupt):
+            prepare(config(src, tmp_path / key))
+        monkeypatch.setattr(prepare_mod, "_write", real_write)
+        record = tmp_path / key / ".prepare-build" / "progress.json"
+        progress = json.loads(record.read_text())
+        progress[key] += more
+        record.write_text(json.dumps(progress))
+        with logged() as logs:
+            manifest = prepare(config(src, tmp_path / key))
+        assert "cannot continue the interrupted prepare (it read" in logs.text, key
+        assert sum(s["documents"] for s in manifest["splits"].values()) == 60
 
 
 def test_shards_of_another_tokenizer_are_refused(tmp_path, data_dir, corpus_dir):

@@ -18,7 +18,7 @@ from scale_llm.data.encode import Encoder, batched, cpu_count
 from scale_llm.data.prepare_source import TOKENIZER_FILE
 from scale_llm.data.shards import token_dtype
 from scale_llm.data.sources import open_source
-from scale_llm.data.tokenizer import train_tokenizer
+from scale_llm.data.tokenizer import Tokenizer, train_tokenizer
 from scale_llm.errors import UserError
 
 
@@ -44,7 +44,7 @@ def bench_prepare(cfg: Config, megabytes: float) -> dict[str, Any]:
         if not model.is_file():
             model, label = Path(tmp) / TOKENIZER_FILE, "trained on the bench text"
             train_tokenizer((d.text for d in docs), cfg.model.vocab_size, model)
-        vocab_size = spm.SentencePieceProcessor(model_file=str(model)).get_piece_size()
+        vocab_size = Tokenizer(model).vocab_size  # (data.dir's: a damaged one is named)
         rows = [_plain_loop(docs, model)]
         for num_proc in sorted({1, cfg.data.num_proc or cpu_count()}):
             rows.append(_pipeline(docs, model, cfg.data.val_fraction, num_proc))

@@ -392,7 +392,17 @@ def _resume(cfg: Config, source, out: Path, fingerprint: str, force: bool):
     if not tok.is_file() or file_sha256(tok) != progress["tokenizer_sha256"]:
         log.info("data: %s changed since the interrupted prepare; starting afresh", tok)
         return None
+    states = [state or {} for state in progress["splits"].values()]
+    documents = sum(state.get("documents", 0) for state in states)
+    tokens = sum(
+        s.get("partial_tokens", 0) + sum(x["tokens"] for x in s.get("shards", [])) for s in states
+    )
     try:
+        if (documents, tokens) != (progress["documents_read"], progress["tokens"]):
+            raise StaleProgress(  # (what it would skip of the corpus, and what it has written)
+                f"it read {progress['documents_read']:,} documents, {progress['tokens']:,} "
+                f"tokens, but its splits hold {documents:,}, {tokens:,}"
+            )
         writers = _writers(cfg, out, np.dtype(progress["dtype"]), progress["splits"])
     except StaleProgress as e:
         log.info("data: cannot continue the interrupted prepare (%s); starting afresh", e)

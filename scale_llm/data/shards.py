@@ -191,7 +191,9 @@ class _Shape:
                 self.wrong.append(f"{at} is {_shown(shard)}, not a mapping of file and tokens")
                 return
             self.get(shard, "file", name_ok, "a shard's file name in the folder", at)
-            self.get(shard, "tokens", _count, "a count of tokens", at)
+            self.get(
+                shard, "tokens", lambda x: _count(x) and x > 0, "a count of tokens, 1 or more", at
+            )
             if self.wrong:
                 return  # one bad shard is enough to name
 
