@@ -12,11 +12,13 @@ shift $(( $# > 0 ? 1 : 0 ))
 if [[ "$config" != /* && -f "$here/$config" ]]; then config="$here/$config"; fi
 cd "$root"
 say() { echo "quickstart.sh: $*"; }
+venv="${SCALE_LLM_VENV:-.venv}"  # (setup.sh's: SCALE_LLM_VENV names another)
+shown="$(printf '%q' "$venv")"
 
-if [[ -x .venv/bin/python ]]; then
-  say "[1/4] checking .venv (set up earlier: a few seconds)"
+if [[ -x "$venv/bin/python" ]]; then
+  say "[1/4] checking $venv (set up earlier: a few seconds)"
 else
-  say "[1/4] setting up .venv (first time: a few minutes; PyTorch and the other dependencies" \
+  say "[1/4] setting up $venv (first time: a few minutes; PyTorch and the other dependencies" \
     "are downloaded, with pip's progress below)"
 fi
 bash launch/setup.sh
@@ -24,7 +26,7 @@ export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:T
 start=$(date +%s)
 # What the run will use, read once from the config and the train args: run dir, its parent (the
 # run.dir), data dir, steps (a bad config or argument: its one paragraph, exit 2).
-facts="$(.venv/bin/python -c '
+facts="$("$venv/bin/python" -c '
 import sys
 from scale_llm.cli import config_from_args, parse_args
 from scale_llm.errors import UserError
@@ -36,19 +38,19 @@ except (UserError, OSError) as e:  # (a config this user may not read: said, no 
 print(cfg.run_dir, cfg.run.dir, cfg.data.dir, cfg.train.max_steps, sep="\n")' "$config" "$@")"
 { read -r run_dir; read -r runs; read -r data_dir; read -r steps; } <<< "$facts"
 say "[2/4] preparing data in $data_dir (first time only: a tokenizer, then token shards)"
-.venv/bin/scale-llm prepare --as-train "$config" "$@"  # the data the train args ask for
+"$venv/bin/scale-llm" prepare --as-train "$config" "$@"  # the data the train args ask for
 say "[3/4] training $run_dir for $steps steps (a step line every logging.every steps)"
-.venv/bin/scale-llm train "$config" "$@"
+"$venv/bin/scale-llm" train "$config" "$@"
 say "[4/4] generating text from $run_dir"
 echo "---- sample from $run_dir ----"
-.venv/bin/scale-llm generate "$run_dir" --prompt "def " --max-new-tokens 120 --seed 0
+"$venv/bin/scale-llm" generate "$run_dir" --prompt "def " --max-new-tokens 120 --seed 0
 say "prepare + train + generate took $(( $(date +%s) - start ))s"
 name="$(basename "$run_dir")"
 where=""
 if [[ "$here" != "$root" ]]; then where=" (from $root: cd $(printf '%q' "$root"))"; fi
 cat <<EOF
 Next$where:
-  .venv/bin/tensorboard --logdir $(printf '%q' "$runs")   # the curves and samples, on http://localhost:6006
-  .venv/bin/scale-llm runs $(printf '%q' "$runs")   # every run there: step, loss, status, checkpoint
-  .venv/bin/scale-llm export $(printf '%q' "$run_dir") --out $(printf '%q' "exports/$name")   # a Hugging Face folder (bash launch/setup.sh --dev first)
+  $shown/bin/tensorboard --logdir $(printf '%q' "$runs")   # the curves and samples, on http://localhost:6006
+  $shown/bin/scale-llm runs $(printf '%q' "$runs")   # every run there: step, loss, status, checkpoint
+  $shown/bin/scale-llm export $(printf '%q' "$run_dir") --out $(printf '%q' "exports/$name")   # a Hugging Face folder (bash launch/setup.sh --dev first)
 EOF

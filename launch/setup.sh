@@ -11,6 +11,7 @@
 # installs its default (CUDA) build. Set SCALE_LLM_TORCH to choose yourself, e.g.
 #   SCALE_LLM_TORCH="torch==2.13.0" bash launch/setup.sh
 # Re-running is cheap: nothing is reinstalled unless setup.py or SCALE_LLM_TORCH changed.
+# SCALE_LLM_VENV=DIR puts the venv there (test.sh and quickstart.sh then run from it too).
 set -euo pipefail
 # `python -m pip`, `-m venv` and `-c` put the working folder first on sys.path: a pip/ or torch.py
 # there would run in their place (Python 3.11+ honours this; older Pythons are refused below)
@@ -19,6 +20,10 @@ export PYTHONSAFEPATH=1
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${SCALE_LLM_VENV:-$root/.venv}"
 extras=""
+if [[ $# -gt 1 || ( $# -eq 1 && "$1" != "--dev" ) ]]; then
+  echo "setup.sh: unknown argument(s) '$*'; use: bash launch/setup.sh [--dev]" >&2
+  exit 2
+fi
 [[ "${1:-}" == "--dev" ]] && extras="[dev,hf,fp8]"
 
 python_bin="${PYTHON:-}"

@@ -12,9 +12,10 @@ if [[ "${1:-}" == "--fast" ]]; then
     select=(-m "not slow")
 fi
 bash launch/setup.sh --dev
+venv="${SCALE_LLM_VENV:-.venv}"  # (setup.sh's: SCALE_LLM_VENV names another)
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc)}"
 start=$(date +%s)
-.venv/bin/ruff check .
-.venv/bin/ruff format --check .
-.venv/bin/python -m pytest tests ${select[@]+"${select[@]}"} "$@"
+"$venv/bin/ruff" check .
+"$venv/bin/ruff" format --check .
+"$venv/bin/python" -m pytest tests ${select[@]+"${select[@]}"} "$@"
 echo "test.sh: lint + tests took $(( $(date +%s) - start ))s"

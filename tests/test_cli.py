@@ -1102,9 +1102,10 @@ def stand_in_checkout(root: Path) -> Path:
     quickstart = root / "launch" / "quickstart.sh"
     quickstart.write_text((REPO / "launch" / "quickstart.sh").read_text())
     (root / "launch" / "setup.sh").write_text(
-        f"mkdir -p .venv/bin\nprintf '#!/bin/sh\\nexec {sys.executable} \"$@\"\\n' > "
-        f".venv/bin/python\nprintf '#!/bin/sh\\necho scale-llm \"$*\"\\n' > "
-        ".venv/bin/scale-llm\nchmod +x .venv/bin/*\necho 'setup.sh: ready'\n"
+        f'v="${{SCALE_LLM_VENV:-.venv}}/bin"\nmkdir -p "$v"\n'
+        f'printf \'#!/bin/sh\\nexec {sys.executable} "$@"\\n\' > "$v/python"\n'
+        'printf \'#!/bin/sh\\necho scale-llm "$*"\\n\' > "$v/scale-llm"\n'
+        "chmod +x \"$v\"/*\necho 'setup.sh: ready'\n"
     )
     return quickstart
 
@@ -1142,6 +1143,25 @@ def test_the_quickstart_says_each_phase_and_ends_with_the_next_commands(tmp_path
         "  .venv/bin/scale-llm runs runs",
         "  .venv/bin/scale-llm export runs/tiny --out exports/tiny",
     ]
+    # setup.sh's SCALE_LLM_VENV: the venv the quickstart runs and names (it ran .venv/bin/python)
+    venv = {**os.environ, "SCALE_LLM_VENV": str(tmp_path / "my venv")}
+    proc = subprocess.run(
+        ["bash", str(quickstart)], cwd=root, env=venv, capture_output=True, text=True
+    )
+    assert proc.returncode == 0 and "\nscale-llm train " in proc.stdout, proc.stderr
+    assert proc.stdout.splitlines()[-3].startswith(f"  {tmp_path}/my\\ venv/bin/tensorboard ")
+
+
+def test_setup_sh_refuses_an_argument_it_does_not_take(tmp_path):
+    """`setup.sh --devv` set up the runtime alone, exit 0, without a word."""
+    for args in (["--devv"], ["--dev", "extra"]):
+        proc = subprocess.run(
+            ["bash", str(REPO / "launch" / "setup.sh"), *args], cwd=tmp_path,
+            env={**os.environ, "SCALE_LLM_VENV": str(tmp_path / "v")},
+            capture_output=True, text=True,
+        )  # fmt: skip
+        assert proc.returncode == 2 and "use: bash launch/setup.sh [--dev]" in proc.stderr
+        assert list(tmp_path.iterdir()) == []
 
 
 def test_the_quickstart_reads_a_config_from_where_it_started_and_says_a_bad_one(tmp_path):
