@@ -972,6 +972,16 @@ def test_slurm_sbatch_gives_each_job_its_own_port_and_its_cores(tmp_path):
     proc = launch("slurm.sbatch", env)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("13456 --kill-on-bad-exit=1 --cpus-per-task=64 bash -c ")
+    # a SLURM_JOB_ID left in a shell outside a job: `SLURM_NNODES: unbound variable`, exit 1
+    bare = {k: v for k, v in env.items() if k != "SLURM_NNODES"}
+    proc = launch("slurm.sbatch", bare)
+    assert proc.returncode == 2 and not proc.stdout, proc.stderr
+    assert "SLURM_JOB_ID is set, but SLURM_NNODES is missing here" in proc.stderr
+    (tmp_path / "bin" / "srun").unlink()  # (srun: command not found, exit 127)
+    proc = launch("slurm.sbatch", env)
+    assert proc.returncode == 2 and "but srun is missing here" in proc.stderr
+    (tmp_path / "bin" / "srun").write_text(f"#!/bin/sh\n{slurm['srun']}\n")
+    (tmp_path / "bin" / "srun").chmod(0o755)
     proc = launch("slurm.sbatch", env | {"MASTER_PORT": "29999"})
     assert proc.stdout.startswith("29999 "), proc.stderr
     proc = launch("slurm.sbatch", env | {"MASTER_PORT": "2e4"})
