@@ -4,6 +4,7 @@ kind of config error, one message naming the key and the fix: tests/test_errors.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import re
 from pathlib import Path
@@ -225,6 +226,28 @@ def test_a_recursive_alias_in_a_set_value_is_refused():
     asdict as a RecursionError; --set values are held to a config file's limits."""
     msg = errors_of(None, ["parallel.deepspeed.config={zero_optimization: &a {x: *a}}"])
     assert msg.startswith("--set 'parallel.deepspeed.config=") and "nests deeper than 20" in msg
+
+
+def test_a_ds_accelerator_deepspeed_does_not_know_is_named_by_the_preflight(tmp_path):
+    """DS_ACCELERATOR=bogus was DeepSpeed's ValueError traceback from the preflight's import
+    (torchrun.sh and `scale-llm train` hand it on as set). Its own process: DeepSpeed reads the
+    variable once, at its first import."""
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("DeepSpeed is not installed")
+    proc = subprocess.run(
+        [sys.executable, "-m", "scale_llm", "config", "--preflight", "tiny-deepspeed"]
+        + ["--set", f"data.dir={tmp_path / 'data'}"],
+        cwd=tmp_path, env=os.environ | {"DS_ACCELERATOR": "bogus"},
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "DS_ACCELERATOR=bogus: DeepSpeed refuses it (DS_ACCELERATOR must be one of" in (
+        proc.stderr
+    )
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_deepspeed_judges_zero_optimization_before_any_work(monkeypatch):

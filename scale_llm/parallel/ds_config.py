@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import os
 from typing import Any
 
 from scale_llm.components.distributed import deepspeed_on
@@ -68,8 +69,17 @@ def check_zero_settings(cfg: Config, plan: RunPlan) -> None:
     if plan.backend != "deepspeed" or importlib.util.find_spec("deepspeed") is None:
         return  # (a missing deepspeed is named where the backend is built)
     deepspeed_on(plan.device)
-    from deepspeed.comm.config import CommsLoggerConfig
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    try:  # (DeepSpeed picks its accelerator on import: DS_ACCELERATOR, where set, by name)
+        from deepspeed.comm.config import CommsLoggerConfig
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    except ValueError as e:
+        if "DS_ACCELERATOR" not in str(e):
+            raise
+        raise UserError(
+            f"DS_ACCELERATOR={os.environ.get('DS_ACCELERATOR', '')[:60]}: DeepSpeed refuses it "
+            f"({' '.join(str(e).split())[:300]}); set one of those, or unset it and DeepSpeed "
+            f"picks the machine's"
+        ) from None
     from pydantic import ValidationError
 
     merged = deepspeed_config(cfg, plan)
