@@ -417,7 +417,6 @@ class OwnerLock:
 
     def __init__(self, path: Path, what: str, fix: str):  # fix: how to get past a live owner
         self.path, self.what, self.fix, self._fd = path, what, fix, None
-        self._keep = False  # an empty file found there: not provably a lock's, so left
 
     def check(self) -> None:
         """Refuse now (creating nothing) if a live process holds the lock."""
@@ -441,7 +440,6 @@ class OwnerLock:
             earlier.release()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(100):  # each retry follows a release that unlinked the file under us
-            found = os.path.lexists(self.path)
             if (fd := self._open(create=True)) is None:
                 continue
             try:
@@ -456,7 +454,6 @@ class OwnerLock:
                     os.close(fd)
                     continue
                 self._judge(fd)
-                self._keep = found and self._read_owner(fd) == {}
                 me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, json.dumps(me).encode(), 0)
@@ -474,11 +471,8 @@ class OwnerLock:
             return
         if _HELD.get(self._key()) is self:
             del _HELD[self._key()]
-        if self._keep:  # emptied again, not removed
-            os.ftruncate(self._fd, 0)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                self.path.unlink()  # while the flock is held: no one else can be judging it
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()  # while the flock is held: no one else can be judging it
         os.close(self._fd)
         self._fd = None
 
