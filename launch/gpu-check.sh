@@ -199,23 +199,27 @@ from pathlib import Path
 
 import torch
 
-from scale_llm.analysis.check import (YAML, add_report_section, check_scratch, claim_out,
-                                     default_scratch, make_scratch)
+from scale_llm.analysis.check import (YAML, add_report_section, check_scratch,
+                                     check_scratch_data, claim_out, default_scratch,
+                                     make_scratch, mark_scratch_data)
 from scale_llm.cli import parse_args
 from scale_llm.errors import UserError
 
 out, only, args = Path(sys.argv[1]), sys.argv[2] == "1", sys.argv[3:]
 given = parse_args(["check", str(out), *args])  # the check's --scratch and --set, as it reads
 scratch = Path(given.scratch) if given.scratch else default_scratch()  # them (a typo: exit 2)
+cuda = torch.cuda.is_available()
+data = scratch / ("data-builtin-v32000" if cuda else "data")  # (the CPU's: the check's (a)'s)
 try:  # refused before any work, as the check's own start refuses
     check_scratch(scratch)  # this user's: the runs below train on what it holds
+    check_scratch_data(data, scratch)  # the check's: prepare replaces what it holds
     if only:  # the folder becomes the check's
         claim_out(out)
     make_scratch(scratch)
+    mark_scratch_data(data)
 except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
-cuda = torch.cuda.is_available()
 config = YAML / ("400m.yaml" if cuda else "tiny.yaml")
 steps = int(os.environ.get("SCALE_LLM_CHECK_FP8_STEPS") or (100 if cuda else 4))
 every = max(steps // 10, 1)
@@ -225,10 +229,9 @@ sets = ["parallel.backend=single", "parallel.tensor_parallel=1", "train.grad_acc
         "checkpoint.every=0", "checkpoint.resume=never", "train.precision=bf16",
         f"train.compile={str(cuda).lower()}"]  # (the CPU's emulated GEMMs time nothing)
 if cuda:  # offline: the built-in corpus at the config's vocabulary (a small tokenizer sample)
-    sets += ["data.source=builtin", f"data.dir={scratch / 'data-builtin-v32000'}",
-             "data.tokenizer_sample_bytes=8000000"]
+    sets += ["data.source=builtin", f"data.dir={data}", "data.tokenizer_sample_bytes=8000000"]
 else:
-    sets += [f"data.dir={scratch / 'data'}"]  # tiny.yaml's, where the check's (a) prepares it
+    sets += [f"data.dir={data}"]  # tiny.yaml's, where the check's (a) prepares it
 sets += given.overrides
 RUNS = {"bf16": [], "fp8 tensorwise": ["train.fp8.enabled=true", "train.fp8.recipe=tensorwise"],
         "fp8 rowwise": ["train.fp8.enabled=true", "train.fp8.recipe=rowwise"]}

@@ -183,9 +183,11 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
         print(format_report(bench_prepare(cfg, args.bench_mb)))
     else:
+        from scale_llm.components.checkpoint import refuse_inside_checkpoint
         from scale_llm.data.prepare import prepare
         from scale_llm.train.resume import kept_data
 
+        refuse_inside_checkpoint(Path(cfg.data.dir), f"data.dir={cfg.data.dir}", "data.dir")
         # the launchers' prepare before `train` keeps the tokenizer the run resumes with
         prepare(cfg, force=args.force, keep=kept_data(cfg) if args.as_train else None)
     return 0

@@ -1318,6 +1318,28 @@ def _convert_damaged(case: str) -> Callable[[Ctx], Setup]:
     return setup
 
 
+def _run_dir_in_a_checkpoint(ctx: Ctx) -> Setup:
+    """Another run's checkpoint took the files: that run then skipped it as damaged, resumed an
+    older one and moved this run's folder aside with it."""
+    ckpt = ctx.ckpt()
+    argv = ["train", ctx.config(f"run.dir={ckpt}", "run.name=b")]
+    return Setup(argv, expect=(f"the run dir {ckpt / 'b'} lies in {ckpt}, a checkpoint",))
+
+
+def _data_dir_in_a_checkpoints_folder(ctx: Ctx) -> Setup:
+    ckpts = ctx.run() / "checkpoints"
+    argv = _prepare_argv(_small_corpus(ctx.tmp), ckpts / "data")
+    return Setup(argv, expect=(f"lies in {ckpts}, a run's checkpoints folder",))
+
+
+def _run_dir_in_the_corpus(ctx: Ctx) -> Setup:
+    """Its files broke every later prepare of the corpus (`.scale-llm-owner.json:1 is not valid
+    JSON`), the launchers' too."""
+    src = _small_corpus(ctx.tmp)
+    argv = ["train", ctx.config(f"data.source={src}", f"run.dir={src}", "run.name=r")]
+    return Setup(argv, expect=(f"the run dir {src / 'r'} lies inside the corpus folder",))
+
+
 def _resume_damaged(ctx: Ctx) -> Setup:
     ckpt = ctx.ckpt()
     _truncated(ckpt)
@@ -1716,6 +1738,13 @@ CHECKPOINTS = [
         (f"convert: a damaged checkpoint ({case})", _convert_damaged(case), "is damaged")
         for case in DAMAGES
     ],
+    ("train: a run dir inside a checkpoint", _run_dir_in_a_checkpoint, "Point run.dir / run.name"),
+    (
+        "prepare: data.dir inside a run's checkpoints",
+        _data_dir_in_a_checkpoints_folder,
+        "data.dir=",
+    ),
+    ("train: a run dir inside the corpus", _run_dir_in_the_corpus, "prepare (before every launch)"),
     (
         "train: a damaged checkpoint named in checkpoint.resume",
         _resume_damaged,
@@ -2196,6 +2225,17 @@ FLAGS = [
         ["check", "o", "--set", "data.source=/nonexistent/dir", "--scratch", "scr"],
         "data.source='/nonexistent/dir' matches no file",
     ),
+    *[  # (each refused by prepare mid-check: exit 1, after OUT's report was replaced)
+        (
+            f"check with --set {key} prepare refuses",
+            ["check", "o", "--set", key, "--scratch", "scr"],
+            said,
+        )
+        for key, said in [
+            ("model.vocab_size=300", "model.vocab_size=300 is too small for a byte-fallback"),
+            ("data.shard_tokens=64", "data.shard_tokens=64 holds no window of model.seq_len"),
+        ]
+    ],
     ("memory units", ["estimate", TINY, "--fit", "80 parsecs"], "'80 parsecs' is not understood"),
     ("impossible fit", ["estimate", TINY, "--fit", "1KiB"], "nothing fits in"),
     (

@@ -194,6 +194,43 @@ def test_check_keeps_to_its_own_report_and_runs_folders(tmp_path):
     assert (earlier / OWNER_MARKER).is_file()
 
 
+def test_check_leaves_what_the_user_keeps_in_its_scratch(tmp_path, capsys, caplog):
+    """The check prepared its corpus into SCRATCH/data, replacing a user's prepared data there;
+    removed an earlier runs folder with the files a user had put in it; and took an OUT inside
+    such a folder, deleted it and raised FileNotFoundError. Each is refused or kept now."""
+    from scale_llm.analysis.check import DATA_KIND, mark_scratch_data, new_runs_dir
+
+    scratch = tmp_path / "scratch"
+    (scratch / "data").mkdir(parents=True)
+    (scratch / "data" / "manifest.json").write_text("{}")  # the user's own prepared data
+    before = snapshot(tmp_path)
+    assert main(["check", str(tmp_path / "report"), "--scratch", str(scratch)]) == 2
+    said = capsys.readouterr().err
+    assert f"--scratch {scratch} holds data, which the check did not make" in said, said
+    assert snapshot(tmp_path) == before
+    runs = new_runs_dir(scratch)  # a scratch the check used before it marked its data: adopted
+    (runs / "check-cpu-fp32-eager").mkdir()
+    (runs / "scaling.yaml").write_text("")
+    mark_scratch_data(scratch / "data")
+    assert json.loads((scratch / "data" / OWNER_MARKER).read_text())["kind"] == DATA_KIND
+    for out in (runs / "report", scratch / "data" / "report"):
+        assert main(["check", str(out), "--scratch", str(scratch)]) == 2
+        assert f"check OUT {out} lies in {out.parent}, which the check" in capsys.readouterr().err
+        assert not out.exists()
+    (runs / "my-export").mkdir()  # a user's files put in the check's runs folder
+    (runs / "notes.txt").write_text("mine")
+    with caplog.at_level("WARNING"):
+        newer = new_runs_dir(scratch)
+    assert (runs / "notes.txt").read_text() == "mine" and (runs / "my-export").is_dir()
+    assert f"kept {runs}: it holds files the check did not write (my-export, notes.txt)" in (
+        caplog.text
+    )
+    (runs / "notes.txt").unlink()
+    (runs / "my-export").rmdir()
+    new_runs_dir(scratch)  # only its own left: removed, with the newer one
+    assert not runs.exists() and not newer.exists()
+
+
 def test_check_refuses_a_scratch_folder_others_can_write(tmp_path, monkeypatch, capsys):
     """The default scratch lies in the shared temporary folder: another user could make it
     first (or it is writable by all), with data for the check to train on, or links among its
@@ -245,6 +282,15 @@ def test_the_gpu_checks_fp8_item_alone_refuses_a_scratch_folder_others_can_write
     )
     assert proc.returncode == 2 and f"error: check OUT {out} is a file" in proc.stderr
     assert "Traceback" not in proc.stderr and out.read_text() == "a file of the user's"
+    out.unlink()  # a user's data in the scratch, where --fp8-only prepares: refused, kept
+    scratch.chmod(0o755)
+    (scratch / "data").mkdir()
+    (scratch / "data" / "manifest.json").write_text("{}")
+    proc = subprocess.run(
+        [*cmd, f"--scratch={scratch}"], env=env(), capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 2 and "holds data, which the check did not make" in proc.stderr
+    assert not out.exists() and [p.name for p in (scratch / "data").iterdir()] == ["manifest.json"]
 
 
 # ----------------------------------------------------------------------------- prepare

@@ -11,6 +11,7 @@ import contextlib
 import functools
 import logging
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -31,7 +32,7 @@ from scale_llm.config import Config, load_config, save_config, with_changes
 from scale_llm.config.load import shipped_config_dir
 from scale_llm.config.parallel import ONE_PROCESS
 from scale_llm.config.plan import Launch, resolve_plan
-from scale_llm.data.prepare import prepare
+from scale_llm.data.prepare import check_settings, prepare
 from scale_llm.data.sources import open_source
 from scale_llm.errors import UserError
 from scale_llm.files import (
@@ -85,6 +86,31 @@ def check_scratch(scratch: Path) -> None:
         f"--scratch {scratch} {whose}, and the check trains on the data it finds there; give a "
         f"folder of your own: --scratch DIR"
     )
+
+
+def check_scratch_data(data: Path, scratch: Path) -> None:
+    """`data` (a folder in the scratch the check prepares a corpus into, replacing what it held)
+    is missing or the check's: marked by it, or found where an earlier check left its runs
+    folder (a scratch of the check's before the mark)."""
+    if not os.path.lexists(data) or owned_kind(data) == DATA_KIND:
+        return
+    if data.is_dir() and not data.is_symlink() and _earlier_check(scratch):
+        return
+    raise UserError(
+        f"--scratch {scratch} holds {data.name}, which the check did not make: it prepares its "
+        f"corpus there, replacing what that folder holds; move it away, or give another "
+        f"--scratch DIR"
+    )
+
+
+def mark_scratch_data(data: Path) -> None:
+    """`data` made, or marked, as the check's (after `check_scratch_data`)."""
+    if owned_kind(data) != DATA_KIND:
+        make_owned_dir(data, DATA_KIND, exists=data.is_dir())
+
+
+def _earlier_check(scratch: Path) -> bool:
+    return any(owned_kind(runs) == RUNS_KIND for runs in scratch.glob("runs-*"))
 
 
 def make_scratch(scratch: Path) -> None:
@@ -149,11 +175,16 @@ def run_check(
     """`only`: a subset of SECTIONS (e.g. a second short call for what a budget skipped)."""
     scratch = scratch or default_scratch()
     first = tiny_config(scratch, scratch / "runs", steps, overrides or [])  # before any write
+    check_settings(first)  # what prepare refuses of the --set values: before OUT is claimed
     if not first.data.source.startswith("hf:"):  # (a Hub source is looked up by prepare)
         open_source(first.data)  # a local corpus that is not there: before OUT is claimed
     check_scratch(scratch)
     require_writable_dir(scratch, "--scratch")  # (before OUT is claimed)
+    check_scratch_data(scratch / "data", scratch)
+    refuse_out_in_scratch(out, scratch)
     claim_out(out)
+    make_scratch(scratch)
+    mark_scratch_data(scratch / "data")
     runs = new_runs_dir(scratch)
     wanted = SECTIONS if only is None else only
     with _log_to(out / "check.log"):
@@ -275,7 +306,11 @@ def _shm_row(cuda: bool, path: str = "/dev/shm") -> dict[str, Any]:
 
 REPORT_FILES = ("report.json", "report.md", "check.log")
 REPORT_BYTES = 64 << 20  # a report is a few KB
-OUT_KIND, RUNS_KIND = "check report", "check runs"
+OUT_KIND, RUNS_KIND, DATA_KIND = "check report", "check runs", "check data"
+# what a check writes in its runs folder: its runs (check-DEVICE-PRECISION-MODE), scaling's config
+CHECK_WRITES = re.compile(
+    rf"check-(cpu|cuda)-(fp32|bf16|fp16)-(eager|compiled)|scaling\.yaml|{re.escape(OWNER_MARKER)}"
+)
 
 
 def add_report_section(out: Path, key: str, report: Any, lines: list[str]) -> None:
@@ -322,6 +357,17 @@ def claim_out(out: Path) -> None:
     atomic_write_json(out / OWNER_MARKER, {"kind": OUT_KIND})  # empty, or an earlier check's
 
 
+def refuse_out_in_scratch(out: Path, scratch: Path) -> None:
+    """OUT apart from what the check replaces in the scratch: its data and earlier runs folders."""
+    target = Path(os.path.realpath(out))
+    for folder in (scratch / "data", *scratch.glob("runs-*")):
+        if target.is_relative_to(os.path.realpath(folder)):
+            raise UserError(
+                f"check OUT {out} lies in {folder}, which the check replaces in its scratch; "
+                f"give a folder outside it (e.g. `scale-llm check gpu-check`)"
+            )
+
+
 def _is_check_report(path: Path) -> bool:
     """Whether `path` reads as a check's report.json (bounded: `read_json`)."""
     # None: unreadable, too large, not JSON, nested too deep, not an object
@@ -334,8 +380,13 @@ def new_runs_dir(scratch: Path) -> Path:
     check has exited (the mark proves them the check's); nothing else in `scratch` is touched."""
     make_scratch(scratch)
     for old in scratch.glob("runs-*"):  # (not those of a check still running)
-        if owned_kind(old) == RUNS_KIND and not owner_running(old):
-            remove_owned_dir(old, RUNS_KIND)
+        if owned_kind(old) != RUNS_KIND or owner_running(old):
+            continue
+        if foreign := sorted(p.name for p in old.iterdir() if not CHECK_WRITES.fullmatch(p.name)):
+            shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+            log.warning("check: kept %s: it holds files the check did not write (%s)", old, shown)
+            continue
+        remove_owned_dir(old, RUNS_KIND)
     runs = Path(tempfile.mkdtemp(prefix="runs-", dir=scratch))  # a fresh name: this check's
     return make_owned_dir(runs, RUNS_KIND, exists=True)
 

@@ -759,6 +759,29 @@ def load_state_into(state: dict[str, Any], ckpt_dir: Path) -> None:
         moments["step"].fill_(step)  # (AdamW's per-parameter step: a scalar tensor)
 
 
+def checkpoint_around(path: Path) -> Path | None:
+    """The checkpoint (a folder holding trainer.pt) or run's checkpoints folder (holding its
+    claim) that `path` is or lies in: files written there damage that checkpoint, or are pruned
+    or moved aside with it."""
+    target = Path(os.path.realpath(path))
+    for folder in (target, *target.parents):
+        if (folder / TRAINER_STATE).is_file() or (folder / CLAIM).is_file():
+            return folder
+    return None
+
+
+def refuse_inside_checkpoint(path: Path, shown: str, key: str) -> None:
+    """`shown` (`path`, as the message names it) outside every checkpoint; `key` sets it."""
+    if (folder := checkpoint_around(path)) is None:
+        return
+    what = "a checkpoint" if (folder / TRAINER_STATE).is_file() else "a run's checkpoints folder"
+    raise UserError(
+        f"{shown} lies in {folder}, {what}: what is written there would damage its checkpoints, "
+        f"or be pruned or moved aside with them, so it stops before any work. Point {key} at a "
+        f"folder outside any run's checkpoints"
+    )
+
+
 @torch.no_grad()
 def fill_block(dst: torch.Tensor, full: torch.Tensor) -> None:
     """`full` (every rank holds the same) into `dst`: whole, or this rank's block of a

@@ -8,18 +8,26 @@ from typing import Any
 from scale_llm.config import Config
 from scale_llm.data.mixture import prepare_mixture
 from scale_llm.data.prepare_source import Kept, prepare_source
+from scale_llm.data.tokenizer import check_vocab_size
 from scale_llm.errors import UserError
 
 
 def prepare(cfg: Config, force: bool = False, keep: Kept | None = None) -> dict[str, Any]:
     """Prepare data.dir; its record: one source's manifest, or a mixture's mixture.json. With
     `keep`, a rebuild that would replace data.dir's tokenizer is refused before it publishes."""
-    if (shard := cfg.data.shard_tokens) <= (seq := cfg.model.seq_len):  # (before any work)
+    check_settings(cfg)
+    if cfg.data.sources:
+        return prepare_mixture(cfg, force, keep)
+    return prepare_source(cfg, force, keep=keep)
+
+
+def check_settings(cfg: Config) -> None:
+    """What the config alone tells prepare it cannot build (before any work, also the check's)."""
+    if (shard := cfg.data.shard_tokens) <= (seq := cfg.model.seq_len):
         raise UserError(
             f"data.shard_tokens={shard} holds no window of model.seq_len + 1 = {seq + 1} tokens "
             f"(a window never crosses shards), so its shards would train nothing; raise "
             f"data.shard_tokens far above model.seq_len"
         )
-    if cfg.data.sources:
-        return prepare_mixture(cfg, force, keep)
-    return prepare_source(cfg, force, keep=keep)
+    if cfg.data.tokenizer is None:  # (a tokenizer of prepare's own is trained)
+        check_vocab_size(cfg.model.vocab_size)

@@ -451,11 +451,23 @@ def open_source(data: DataConfig):
     return local_source(data.source, data.text_field)
 
 
-def refuse_overlap(data: DataConfig, written: Collection[str], data_dir: str | None = None):
-    """data.dir (or `data_dir`: a mixture's own) apart from what the corpus reads, for prepare
-    (it writes there): inside a source folder, or where a glob matches a name prepare writes
-    there (`written`), it would write into the corpus and read its own files back as documents
-    the next time."""
+PREPARE_WRITES = (
+    "prepare would write its tokenizer and shards into the corpus and read them back as documents "
+    "the next time"
+)
+
+
+def refuse_overlap(
+    data: DataConfig,
+    written: Collection[str],
+    data_dir: str | None = None,
+    key: str = "data.dir",
+    writes: str = PREPARE_WRITES,
+):
+    """data.dir (or `data_dir`: a mixture's own; the run dir, named by `key`) apart from what the
+    corpus reads, for prepare (it writes there): inside a source folder, or where a glob matches
+    a name written there (`written`), it would write into the corpus and read its own files
+    back as documents the next time."""
     data_dir = data_dir or data.dir
     out = Path(os.path.realpath(Path(data_dir).expanduser()))
     spec = Path(data.source.removeprefix("hf:")).expanduser()
@@ -480,10 +492,10 @@ def refuse_overlap(data: DataConfig, written: Collection[str], data_dir: str | N
         ):
             return
         where = "is a folder whose files the glob in data.source matches"
+    shown = f"{key}={data_dir}" if key == "data.dir" else f"{key} {data_dir}"
     raise UserError(
-        f"data.dir={data_dir} {where} (data.source={data.source}): prepare would write its "
-        f"tokenizer and shards into the corpus and read them back as documents the next time, so "
-        f"it stops before any work. Point data.dir at a folder outside the corpus"
+        f"{shown} {where} (data.source={data.source}): {writes}, so it stops before any work. "
+        f"Point {key} at a folder outside the corpus"
     )
 
 

@@ -82,14 +82,18 @@ def run_tokenizer_path(run_dir: Path, sha256: str) -> Path:
     return present[0] if len(present) == 1 else run_dir / SP_FILE
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int, out_path: str | Path) -> Tokenizer:
-    """Train a BPE model on `texts` and write it atomically to `out_path`."""
+def check_vocab_size(vocab_size: int) -> None:
     if vocab_size < MIN_VOCAB:
         raise UserError(
             f"model.vocab_size={vocab_size} is too small for a byte-fallback tokenizer (256 byte "
             f"pieces, 3 special ones and room for merges): set model.vocab_size to at least "
             f"{MIN_VOCAB} (e.g. 4096)"
         )
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int, out_path: str | Path) -> Tokenizer:
+    """Train a BPE model on `texts` and write it atomically to `out_path`."""
+    check_vocab_size(vocab_size)
     buf = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(

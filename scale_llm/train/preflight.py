@@ -17,14 +17,15 @@ from typing import Any, TypeVar
 import torch
 
 from scale_llm.analysis.memory import check_host_memory
-from scale_llm.components.checkpoint import CLAIM, claim_folder
+from scale_llm.components.checkpoint import CLAIM, claim_folder, refuse_inside_checkpoint
 from scale_llm.components.distributed import all_ranks_agree
 from scale_llm.components.optim import lr_at
 from scale_llm.config import Config, TrainConfig, compiles, with_changes
 from scale_llm.config.plan import RunPlan
 from scale_llm.data.loader import TrainLoader
-from scale_llm.data.mixture import TrainingData, check_epochs, open_training_data
+from scale_llm.data.mixture import TrainingData, check_epochs, open_training_data, source_config
 from scale_llm.data.pretrained_tokenizer import BUNDLE_FILE, vocab_problem
+from scale_llm.data.sources import refuse_overlap
 from scale_llm.errors import UserError
 from scale_llm.files import (
     MAX_RECORD_BYTES,
@@ -316,9 +317,18 @@ def wandb_id(run_dir: Path) -> str | None:
     )
 
 
+RUN_WRITES = (
+    "the run would write its checkpoints and logs into the corpus, which prepare (before every "
+    "launch) would then read as documents"
+)
+
+
 def check_run_dir_state(cfg: Config) -> None:
     """The run dir can be written, holds what a run writes there, and no live launch holds it."""
     require_writable_dir(cfg.run_dir, "run.dir / run.name")
+    refuse_inside_checkpoint(cfg.run_dir, f"the run dir {cfg.run_dir}", "run.dir / run.name")
+    for data in [source_config(cfg, e).data for e in cfg.data.sources] or [cfg.data]:
+        refuse_overlap(data, (), str(cfg.run_dir), "the run dir", RUN_WRITES)
     check_run_dir(cfg.run_dir)
     RunLock(cfg.run_dir).check()
 
