@@ -477,6 +477,75 @@ def test_out_of_disk_inside_dcp_is_the_same_clear_error(data_dir, tmp_path, monk
     assert sorted(p.name for p in tr.checkpointer.dir.iterdir()) == [CLAIM, "step_00000002"]
 
 
+def test_a_failing_disk_during_a_save_or_a_resume_is_one_paragraph(
+    data_dir, tmp_path, monkeypatch, caplog
+):
+    """EIO (or a file system gone read-only) while writing a checkpoint's record was a
+    traceback, leaving the partial folder; one while reading a checkpoint's files for its
+    checksums at a resume, a traceback instead of the fall-back to an intact older one."""
+    import errno
+
+    from scale_llm.components import checkpoint, digests
+
+    tr = trainer(data_dir, tmp_path, "train.max_steps=4", "checkpoint.every=2")
+    write = checkpoint.write_integrity
+
+    def failing(folder, *args, **kwargs):
+        if tr.step == 4:
+            raise OSError(errno.EIO, "Input/output error", str(folder / "integrity.json"))
+        return write(folder, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "write_integrity", failing)
+    with pytest.raises(UserError) as info:
+        tr.fit()
+    said = str(info.value)
+    assert said.startswith("could not write checkpoint ") and "step_00000004" in said
+    assert "(Input/output error on " in said and "step_00000002 is intact" in said
+    assert sorted(p.name for p in tr.checkpointer.dir.iterdir()) == [CLAIM, "step_00000002"]
+    monkeypatch.setattr(checkpoint, "write_integrity", write)
+    trainer(data_dir, tmp_path, "train.max_steps=4", "checkpoint.every=2").fit()
+    digest = digests.file_digest
+
+    def unreadable(path, *args, **kwargs):
+        if "step_00000004" in str(path):
+            raise OSError(errno.EIO, "Input/output error")
+        return digest(path, *args, **kwargs)
+
+    monkeypatch.setattr(digests, "file_digest", unreadable)
+    with logged() as logs:
+        again = trainer(data_dir, tmp_path, "train.max_steps=6", "checkpoint.every=2")
+    assert "cannot be read (Input/output error)" in logs.text, logs.text
+    assert again.step == 2  # the intact older checkpoint
+
+
+def test_a_prune_cut_short_is_finished_by_the_next(data_dir, tmp_path, monkeypatch):
+    """Pruning removed a step folder in place: a kill (or a second Ctrl-C) inside it left a
+    half-deleted checkpoint that was never pruned again (or, without its trainer.pt, never
+    seen). It is renamed to .tmp-step_N first, which the next prune removes."""
+    import shutil
+
+    from scale_llm.components import checkpoint
+
+    tr = trainer(data_dir, tmp_path, "train.max_steps=4", "checkpoint.every=2")
+    tr.checkpointer.keep_last = 1
+    real = shutil.rmtree
+
+    def killed(path, *args, **kwargs):
+        if Path(path).name == ".tmp-step_00000002" and Path(path).is_dir():
+            (Path(path) / "trainer.pt").unlink()  # part of the folder goes, then the kill
+            raise KeyboardInterrupt
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        tr.fit()
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", real)
+    names = sorted(p.name for p in tr.checkpointer.dir.iterdir())
+    assert names == [CLAIM, ".tmp-step_00000002", "step_00000004"], names
+    tr.checkpointer.prune()
+    assert sorted(p.name for p in tr.checkpointer.dir.iterdir()) == [CLAIM, "step_00000004"]
+
+
 # ================================================================================= data and corpora
 
 

@@ -606,6 +606,28 @@ def test_lr_schedules_linear_wsd_and_constant():
     assert lr_at(50, cosine) != lr_at(50, dataclasses.replace(cosine, max_steps=300))
 
 
+def test_a_resume_with_another_batch_says_the_curve_changes(data_dir, tmp_path, logs):
+    """A resume with another micro-batch, grad_accum or world size continued in silence, on
+    another curve than the checkpoint's settings give. It warns once, with both sizes; the
+    same batch from other factors (micro 2 x accum 2 for micro 4) does not."""
+    first = ["train.max_steps=6", "train.exit_at_step=2", "train.micro_batch_size=4"]
+    finished_run(data_dir, tmp_path, *first)
+    for change, warns in (
+        (["train.micro_batch_size=2", "train.grad_accum=2"], False),
+        (
+            ["train.micro_batch_size=8"],
+            True,
+        ),
+    ):
+        logs.records.clear()
+        trainer = trainer_for(make_config(data_dir, tmp_path, "train.max_steps=6", *change))
+        trainer.loader.close()
+        trainer.lock.release()
+        warned = [r.getMessage() for r in logs.records if "a step now takes" in r.getMessage()]
+        assert trainer.step == 2 and len(warned) == warns, warned
+    assert "not the 128 of the checkpoint's run (batch: micro 8 x seq_len 32" in warned[0]
+
+
 @pytest.mark.parametrize("schedule", ["cosine", "wsd"])
 def test_extending_a_run_warns_about_an_lr_jump_unless_the_schedule_extends(
     schedule, data_dir, tmp_path, logs

@@ -128,14 +128,19 @@ def _step_of(path: Path) -> int:
     return int(m.group(1)) if (m := _NAME.match(path.name)) else -1
 
 
-def _out_of_space(e: BaseException) -> OSError | None:
-    """The ENOSPC / EDQUOT error behind `e`: raised, chained, or in a DCP CheckpointException."""
+OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT)
+DISK_FAILED = (errno.EIO, errno.EROFS, errno.EFBIG, errno.EACCES, errno.EPERM)
+
+
+def _out_of_space(e: BaseException, errnos: tuple[int, ...] = OUT_OF_SPACE) -> OSError | None:
+    """The ENOSPC / EDQUOT error (or one of `errnos`) behind `e`: raised, chained, or in a DCP
+    CheckpointException."""
     seen, todo = set(), [e]
     while todo:
         if (x := todo.pop()) is None or id(x) in seen:
             continue
         seen.add(id(x))
-        if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT):
+        if isinstance(x, OSError) and x.errno in errnos:
             return x
         if isinstance(failures := getattr(x, "failures", None), dict):
             todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
@@ -249,17 +254,21 @@ class Checkpointer:
             raise
         if running is None:
             hashing.close()
-            self._publish(tmp, final, written)
+            try:
+                self._publish(tmp, final, written)
+            except BaseException as e:
+                self._failed(e, tmp, final)
+                raise
             return final
 
         def publish_when_written() -> Path:  # (in this Checkpointer's thread)
             try:
                 with hashing:  # closed: every digest taken
                     running.result()
+                self._publish(tmp, final, written, self.group)
             except BaseException as e:
                 self._failed(e, tmp, final)
                 raise
-            self._publish(tmp, final, written, self.group)
             log.info("checkpoint: saved %s", final)
             return final
 
@@ -317,13 +326,22 @@ class Checkpointer:
         barrier(group)
 
     def _failed(self, e: BaseException, tmp: Path, final: Path) -> None:
-        """Remove a failed save's files; out of disk space is raised as a UserError."""
+        """Remove a failed save's files; out of disk space, or a disk or file system that
+        failed (EIO, read-only, ...), is raised as a UserError."""
         if self.is_main:
             shutil.rmtree(tmp, ignore_errors=True)  # made by `save` for this save
-        if (full := _out_of_space(e)) is None:
-            return
         done = self.complete()
         intact = f"the previous checkpoint {done[-1][1]} is intact" if done else None
+        if (full := _out_of_space(e)) is None:
+            if (failed := _out_of_space(e, DISK_FAILED)) is None:
+                return
+            where = f" on {failed.filename}" if failed.filename else ""
+            raise UserError(
+                f"could not write checkpoint {final} ({failed.strerror}{where}); the partial "
+                f"files were removed and {intact or 'no earlier checkpoint exists'}; check the "
+                f"disk and file system under run.dir (dmesg, df, mount), then launch again: the "
+                f"run continues from its last checkpoint"
+            ) from None
         lower = ""  # (pruning follows a save: a lower keep_last helps from 2 earlier ones on disk)
         if self.keep_last > 1 and len(done) > 1:
             lower = (
@@ -347,8 +365,16 @@ class Checkpointer:
                     if saved_into(path)
                     else "its integrity record names no checkpoints folder"
                 )
-            if problem is None:
-                shutil.rmtree(path, ignore_errors=True)
+            if problem is None:  # renamed first: one cut short is a .tmp- folder, removed below
+                doomed = path.with_name(f".tmp-{path.name}")
+                try:
+                    _remove_stale(doomed)
+                    path.rename(doomed)
+                    fsync_dir(self.dir)
+                except OSError as e:  # (the checkpoint just saved is published: a warning)
+                    log.warning("checkpoint: could not prune %s (%s)", path, e.strerror or e)
+                    continue
+                shutil.rmtree(doomed, ignore_errors=True)
             elif path not in self._warned:  # (warned once)
                 self._warned.add(path)
                 log.warning(
@@ -520,7 +546,11 @@ def damage(ckpt_dir: Path, checksums: bool = True) -> str | None:
             return f"{f} is missing"
         if (size := f.stat().st_size) != want["size"]:
             return f"{f} has {size} bytes, {want['size']} were written (truncated or replaced)"
-        if checksums and digests.file_digest(f, mapped=False) != want["xxh3_64"]:
+        try:
+            digest = digests.file_digest(f, mapped=False) if checksums else None
+        except OSError as e:  # (EIO: a failing disk; EACCES)
+            return f"{f} cannot be read ({e.strerror or type(e).__name__})"
+        if checksums and digest != want["xxh3_64"]:
             return f"{f} does not match its checksum (its bytes changed after the save)"
     return None
 
