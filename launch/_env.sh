@@ -57,8 +57,9 @@ else
       break
     fi
   done
-  if [[ -z "$PY" && -x "$ROOT/.venv/bin/python" ]]; then
-    PY="$ROOT/.venv/bin/python"
+  venv="${SCALE_LLM_VENV:-$ROOT/.venv}"  # (setup.sh's venv)
+  if [[ -z "$PY" && -x "$venv/bin/python" ]]; then
+    PY="$venv/bin/python"
     probe_with "$PY" || true
   fi
   # Last, a python3 that has torch and the other dependencies but not scale_llm (a GPU image
@@ -77,7 +78,7 @@ if [[ -z "$probe" && -n "${SCALE_LLM_PYTHON:-}" ]]; then
 fi
 if [[ -z "$probe" ]]; then
   echo "launch: no Python that can import scale_llm (tried the active python," \
-    "$ROOT/.venv, python3 with this checkout on PYTHONPATH); in a checkout run" \
+    "${venv:-$ROOT/.venv}, python3 with this checkout on PYTHONPATH); in a checkout run" \
     "'bash launch/setup.sh' first, or install a built wheel ('pip install" \
     "scale_llm-VERSION-py3-none-any.whl', README: Installing as a package)" >&2
   exit 2

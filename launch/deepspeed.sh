@@ -142,17 +142,15 @@ check_node_command() {
   done < <(compgen -e)
 }
 
-# The hostfile as DeepSpeed's runner reads it ("HOST slots=N" a line, each host once; "#" lines and
-# blank ones skipped), checked before prepare: a line it cannot read was a traceback after
-# prepare's work, and each host name goes to ssh and pdsh, where one starting with "-" is an option
-# (ssh's -oProxyCommand=... runs a command here). A control character is refused: Python's reading
-# ends a line at a carriage return, where this one would read on.
+# The hostfile as DeepSpeed's runner reads it (lines split at \n, \r\n or \r; "#" lines and blank
+# ones skipped; each other line "HOST slots=N ...", each host once), checked before prepare: a
+# line it cannot read was a traceback after prepare's work, and each host name goes to ssh and
+# pdsh, where one starting with "-" is an option (ssh's -oProxyCommand=... runs a command here).
 check_hostfile() {
-  local line number=0 host hosts=" " blank='[[:blank:]]'
-  local entry="^$blank*([A-Za-z0-9_:][A-Za-z0-9._:@-]*)$blank+slots=([0-9]+)$blank*\$"
+  local line number=0 host slots hosts=" " blank='[[:blank:]]'
+  local entry="^$blank*([A-Za-z0-9_:][A-Za-z0-9._:@%-]*)$blank+slots=([0-9]+)"
   while IFS= read -r line || [[ -n "$line" ]]; do
     number=$((number + 1))
-    line="${line%$'\r'}"
     if [[ "${line//$'\t'/}" != *[[:cntrl:]]* && ( -z "${line//[[:blank:]]/}" ||
       "${line#"${line%%[![:blank:]]*}"}" == "#"* ) ]]
     then
@@ -160,19 +158,20 @@ check_hostfile() {
     fi
     host=""
     if [[ "${line//$'\t'/}" != *[[:cntrl:]]* && "$line" =~ $entry ]]; then
-      host="${BASH_REMATCH[1]}"
-      if [[ $((10#${BASH_REMATCH[2]:0:9})) -lt 1 || "$hosts" == *" $host "* ]]; then host=""; fi
+      host="${BASH_REMATCH[1]}" slots="${BASH_REMATCH[2]}"
+      slots="${slots#"${slots%%[!0]*}"}"  # (leading zeros: the runner reads a number)
+      if [[ -z "$slots" || ${#slots} -gt 6 || "$hosts" == *" $host "* ]]; then host=""; fi
     fi
     if [[ -z "$host" ]]; then
       line="${line//[[:cntrl:]]/?}"
       echo "deepspeed.sh: HOSTFILE=$HOSTFILE line $number ('${line:0:60}'): DeepSpeed's runner" \
         "reads each line as 'HOST slots=N' (a host name or address of letters, digits and" \
-        "._:@-, not starting with '-'; N processes, 1 or more), each host once, and skips" \
+        "._:@%-, not starting with '-'; N processes, 1 or more), each host once, and skips" \
         "blank lines and those starting with #: fix that line" >&2
       exit 2
     fi
     hosts+="$host "
-  done < "$HOSTFILE"
+  done < <(sed 's/\r$//' "$HOSTFILE" | tr '\r' '\n')
   if [[ "$hosts" == " " ]]; then
     echo "deepspeed.sh: HOSTFILE=$HOSTFILE lists no node; write one line per node, e.g." \
       "\"node0 slots=8\", or unset HOSTFILE for a one-node run" >&2
@@ -286,6 +285,11 @@ if [[ -n "${HOSTFILE:-}" ]]; then
     echo "deepspeed.sh: HOSTFILE=$HOSTFILE is not a file (DeepSpeed would quietly run on this" \
       "node alone); point HOSTFILE at a file with one line per node, e.g. \"node0 slots=8\"," \
       "or unset it for a one-node run" >&2
+    exit 2
+  fi
+  if [[ ! -r "$HOSTFILE" ]]; then
+    echo "deepspeed.sh: HOSTFILE=$HOSTFILE cannot be read by this user; make it readable" \
+      "(chmod u+r), or point HOSTFILE at a copy" >&2
     exit 2
   fi
   check_hostfile

@@ -210,13 +210,16 @@ given = parse_args(["check", str(out), *args])  # the check's --scratch and --se
 scratch = Path(given.scratch) if given.scratch else default_scratch()  # them (a typo: exit 2)
 cuda = torch.cuda.is_available()
 data = scratch / ("data-builtin-v32000" if cuda else "data")  # (the CPU's: the check's (a)'s)
+own_data = not any(o.startswith("data.dir=") for o in given.overrides)  # (else the user's)
 try:  # refused before any work, as the check's own start refuses
     check_scratch(scratch)  # this user's: the runs below train on what it holds
-    check_scratch_data(data, scratch)  # the check's: prepare replaces what it holds
+    if own_data:
+        check_scratch_data(data, scratch)  # the check's: prepare replaces what it holds
     if only:  # the folder becomes the check's
         claim_out(out)
     make_scratch(scratch)
-    mark_scratch_data(data)
+    if own_data:
+        mark_scratch_data(data)
 except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)

@@ -11,7 +11,7 @@
 # installs its default (CUDA) build. Set SCALE_LLM_TORCH to choose yourself, e.g.
 #   SCALE_LLM_TORCH="torch==2.13.0" bash launch/setup.sh
 # Re-running is cheap: nothing is reinstalled unless setup.py or SCALE_LLM_TORCH changed.
-# SCALE_LLM_VENV=DIR puts the venv there (test.sh and quickstart.sh then run from it too).
+# SCALE_LLM_VENV=DIR puts the venv there (test.sh, quickstart.sh and the launchers then use it too).
 set -euo pipefail
 # `python -m pip`, `-m venv` and `-c` put the working folder first on sys.path: a pip/ or torch.py
 # there would run in their place (Python 3.11+ honours this; older Pythons are refused below)

@@ -1340,6 +1340,12 @@ def _run_dir_in_the_corpus(ctx: Ctx) -> Setup:
     return Setup(argv, expect=(f"the run dir {src / 'r'} lies inside the corpus folder",))
 
 
+def _run_dir_under_the_corpus_glob(ctx: Ctx) -> Setup:
+    src = _small_corpus(ctx.tmp)  # (the run writes metrics.jsonl, which the glob reads)
+    argv = ["train", ctx.config(f"data.source={src}/**/*.jsonl", f"run.dir={src}", "run.name=r")]
+    return Setup(argv, expect=(f"the run dir {src / 'r'} is a folder whose files the glob",))
+
+
 def _resume_damaged(ctx: Ctx) -> Setup:
     ckpt = ctx.ckpt()
     _truncated(ckpt)
@@ -1745,6 +1751,11 @@ CHECKPOINTS = [
         "data.dir=",
     ),
     ("train: a run dir inside the corpus", _run_dir_in_the_corpus, "prepare (before every launch)"),
+    (
+        "train: a run dir the corpus's glob reads",
+        _run_dir_under_the_corpus_glob,
+        "run.dir / run.name",
+    ),
     (
         "train: a damaged checkpoint named in checkpoint.resume",
         _resume_damaged,

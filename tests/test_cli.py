@@ -711,17 +711,20 @@ scale_llm) echo "PREPARE";;
 deepspeed.launcher.runner) echo "RUNNER $*"; cat "$DS_ENV_FILE";;"""
     env = stand_in_node(tmp_path, arms) | {"HOME": str(tmp_path), "HOSTFILE": "hosts"}
     hosts = tmp_path / "hosts"
-    hosts.write_text("# two nodes\n\nnode0 slots=8\n  10.0.0.2\tslots=8  \r\n")
-    proc = launch("deepspeed.sh", env, cwd=tmp_path)
-    assert proc.returncode == 0 and "PREPARE" in proc.stdout and "RUNNER" in proc.stdout
+    good = "# two nodes\n\nnode0 slots=8 # rack A\n  10.0.0.2\tslots=08  \r\nfe80::1%eth0 slots=1"
+    for text in (good, good.replace("\r\n", "\r").replace("\n", "\r")):  # (as the runner splits)
+        hosts.write_text(text)
+        proc = launch("deepspeed.sh", env, cwd=tmp_path)
+        assert proc.returncode == 0 and "PREPARE" in proc.stdout and "RUNNER" in proc.stdout
     bad = {
         "-oProxyCommand=touch${IFS}ran slots=1": "line 1 ('-oProxyCommand=touch${IFS}ran slots",
         "node0": "line 1 ('node0')",
         "node0 slots=0": "line 1 ('node0 slots=0')",
         "node0 slots=8\nnode0 slots=8": "line 2 ('node0 slots=8'): ",
-        "node0 slots=8 extra": "line 1",
-        "node0 slots=8\r-oProxyCommand=x slots=1": "line 1 ('node0 slots=8?-oProxyCommand",
-        "# a note\r-oProxyCommand=x slots=1\nnode1 slots=1": "line 1 ('# a note?-o",
+        "node0 slots=0000000": "line 1",
+        "node0 slots=8\r-oProxyCommand=x slots=1": "line 2 ('-oProxyCommand=x slots=1')",
+        "# a note\r-oProxyCommand=x slots=1\nnode1 slots=1": "line 2 ('-oProxyCommand",
+        "node0 slots=8\vx": "line 1 ('node0 slots=8?x')",
         "n,ode slots=1": "line 1",
     }
     for text, said in bad.items():

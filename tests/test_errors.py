@@ -482,7 +482,8 @@ def test_a_failing_disk_during_a_save_or_a_resume_is_one_paragraph(
 ):
     """EIO (or a file system gone read-only) while writing a checkpoint's record was a
     traceback, leaving the partial folder; one while reading a checkpoint's files for its
-    checksums at a resume, a traceback instead of the fall-back to an intact older one."""
+    checksums at a resume, a traceback (an unreadable checkpoint is not skipped as damaged: the
+    disk may come back, and the run would go on from an older one)."""
     import errno
 
     from scale_llm.components import checkpoint, digests
@@ -511,11 +512,10 @@ def test_a_failing_disk_during_a_save_or_a_resume_is_one_paragraph(
             raise OSError(errno.EIO, "Input/output error")
         return digest(path, *args, **kwargs)
 
-    monkeypatch.setattr(digests, "file_digest", unreadable)
-    with logged() as logs:
-        again = trainer(data_dir, tmp_path, "train.max_steps=6", "checkpoint.every=2")
-    assert "cannot be read (Input/output error)" in logs.text, logs.text
-    assert again.step == 2  # the intact older checkpoint
+    monkeypatch.setattr(digests, "file_digest", unreadable)  # not damage: no fall-back past it
+    with pytest.raises(UserError, match=r"step_00000004/\S+ cannot be read \(Input/output error\)"):
+        trainer(data_dir, tmp_path, "train.max_steps=6", "checkpoint.every=2")
+    assert (tr.checkpointer.dir / "step_00000004").is_dir()  # (nothing moved aside)
 
 
 def test_a_prune_cut_short_is_finished_by_the_next(data_dir, tmp_path, monkeypatch):

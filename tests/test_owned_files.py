@@ -284,13 +284,16 @@ def test_the_gpu_checks_fp8_item_alone_refuses_a_scratch_folder_others_can_write
     assert "Traceback" not in proc.stderr and out.read_text() == "a file of the user's"
     out.unlink()  # a user's data in the scratch, where --fp8-only prepares: refused, kept
     scratch.chmod(0o755)
-    (scratch / "data").mkdir()
-    (scratch / "data" / "manifest.json").write_text("{}")
+    import torch
+
+    data = scratch / ("data-builtin-v32000" if torch.cuda.is_available() else "data")
+    data.mkdir()
+    (data / "manifest.json").write_text("{}")
     proc = subprocess.run(
         [*cmd, f"--scratch={scratch}"], env=env(), capture_output=True, text=True, timeout=300
     )
-    assert proc.returncode == 2 and "holds data, which the check did not make" in proc.stderr
-    assert not out.exists() and [p.name for p in (scratch / "data").iterdir()] == ["manifest.json"]
+    assert proc.returncode == 2 and f"holds {data.name}, which the check did not" in proc.stderr
+    assert not out.exists() and [p.name for p in data.iterdir()] == ["manifest.json"]
 
 
 # ----------------------------------------------------------------------------- prepare

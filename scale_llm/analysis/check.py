@@ -106,7 +106,8 @@ def check_scratch_data(data: Path, scratch: Path) -> None:
 def mark_scratch_data(data: Path) -> None:
     """`data` made, or marked, as the check's (after `check_scratch_data`)."""
     if owned_kind(data) != DATA_KIND:
-        make_owned_dir(data, DATA_KIND, exists=data.is_dir())
+        with contextlib.suppress(FileExistsError):  # (another check's, made meanwhile)
+            make_owned_dir(data, DATA_KIND, exists=data.is_dir())
 
 
 def _earlier_check(scratch: Path) -> bool:
@@ -180,11 +181,14 @@ def run_check(
         open_source(first.data)  # a local corpus that is not there: before OUT is claimed
     check_scratch(scratch)
     require_writable_dir(scratch, "--scratch")  # (before OUT is claimed)
-    check_scratch_data(scratch / "data", scratch)
+    own_data = Path(first.data.dir) == scratch / "data"  # (not a data.dir given by --set)
+    if own_data:
+        check_scratch_data(scratch / "data", scratch)
     refuse_out_in_scratch(out, scratch)
     claim_out(out)
     make_scratch(scratch)
-    mark_scratch_data(scratch / "data")
+    if own_data:
+        mark_scratch_data(scratch / "data")
     runs = new_runs_dir(scratch)
     wanted = SECTIONS if only is None else only
     with _log_to(out / "check.log"):

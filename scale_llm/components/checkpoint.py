@@ -134,7 +134,8 @@ DISK_FAILED = (errno.EIO, errno.EROFS, errno.EFBIG, errno.EACCES, errno.EPERM)
 
 def _out_of_space(e: BaseException, errnos: tuple[int, ...] = OUT_OF_SPACE) -> OSError | None:
     """The ENOSPC / EDQUOT error (or one of `errnos`) behind `e`: raised, chained, or in a DCP
-    CheckpointException."""
+    CheckpointException (another error's context only for ENOSPC: a full disk fails whatever
+    handles it)."""
     seen, todo = set(), [e]
     while todo:
         if (x := todo.pop()) is None or id(x) in seen:
@@ -144,7 +145,7 @@ def _out_of_space(e: BaseException, errnos: tuple[int, ...] = OUT_OF_SPACE) -> O
             return x
         if isinstance(failures := getattr(x, "failures", None), dict):
             todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
-        todo += [x.__cause__, x.__context__]
+        todo += [x.__cause__, x.__context__ if errnos == OUT_OF_SPACE else None]
     return None
 
 
@@ -240,9 +241,13 @@ class Checkpointer:
         final = self.dir / checkpoint_name(step)
         tmp = self.dir / f".tmp-{final.name}"
         if self.is_main:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            _remove_stale(tmp)
-            tmp.mkdir()
+            try:  # (a file system gone read-only fails here first)
+                self.dir.mkdir(parents=True, exist_ok=True)
+                _remove_stale(tmp)
+                tmp.mkdir()
+            except OSError as e:
+                self._failed(e, tmp, final)
+                raise
         barrier()
         hashing = contextlib.ExitStack()
         written = hashing.enter_context(digests.recording())  # files hashed as they are written
@@ -330,27 +335,35 @@ class Checkpointer:
         failed (EIO, read-only, ...), is raised as a UserError."""
         if self.is_main:
             shutil.rmtree(tmp, ignore_errors=True)  # made by `save` for this save
-        done = self.complete()
+        full, failed = _out_of_space(e), _out_of_space(e, DISK_FAILED)
+        if full is None and failed is None:
+            return
+        try:
+            done = [d for d in self.complete() if d[1] != final]
+        except OSError:  # (the failing disk: which are intact is not known)
+            done = None
         intact = f"the previous checkpoint {done[-1][1]} is intact" if done else None
-        if (full := _out_of_space(e)) is None:
-            if (failed := _out_of_space(e, DISK_FAILED)) is None:
-                return
+        if done is None:
+            intact = f"the checkpoints in {self.dir} could not be listed"
+        removed = f"are in {tmp} (removed at the next launch)" if _there(tmp) else "were removed"
+        if full is None:
             where = f" on {failed.filename}" if failed.filename else ""
+            saved = f"; {final} was published before it" if _there(final) else ""
             raise UserError(
-                f"could not write checkpoint {final} ({failed.strerror}{where}); the partial "
-                f"files were removed and {intact or 'no earlier checkpoint exists'}; check the "
-                f"disk and file system under run.dir (dmesg, df, mount), then launch again: the "
-                f"run continues from its last checkpoint"
+                f"could not write checkpoint {final} ({failed.strerror}{where}){saved}; the "
+                f"partial files {removed} and {intact or 'no earlier checkpoint exists'}; check "
+                f"the disk, file system and permissions under run.dir (dmesg, df, mount, ls -l), "
+                f"then launch again: the run continues from its last complete checkpoint"
             ) from None
         lower = ""  # (pruning follows a save: a lower keep_last helps from 2 earlier ones on disk)
-        if self.keep_last > 1 and len(done) > 1:
+        if self.keep_last > 1 and done and len(done) > 1:
             lower = (
                 f"lower checkpoint.keep_last (now {self.keep_last}: {len(done)} earlier "
                 f"checkpoints stay on disk while the next is written), "
             )
         raise UserError(
             f"out of disk space while writing checkpoint {final} ({full.strerror}); the partial "
-            f"files were removed and {intact or 'no earlier checkpoint exists'}; free space, "
+            f"files {removed} and {intact or 'no earlier checkpoint exists'}; free space, "
             f"{lower}or move run.dir to a larger disk"
         ) from None
 
@@ -386,6 +399,17 @@ class Checkpointer:
         for stale in self.dir.glob(".tmp-step_*"):  # left by a process killed mid-save
             if _NAME.match(stale.name.removeprefix(".tmp-")):
                 _remove_stale(stale)
+
+
+def _there(path: Path) -> bool:
+    """Whether `path` exists; on a disk that fails to say, taken as there."""
+    try:
+        os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError:
+        pass
+    return True
 
 
 def _remove_stale(tmp: Path) -> None:
@@ -548,8 +572,12 @@ def damage(ckpt_dir: Path, checksums: bool = True) -> str | None:
             return f"{f} has {size} bytes, {want['size']} were written (truncated or replaced)"
         try:
             digest = digests.file_digest(f, mapped=False) if checksums else None
-        except OSError as e:  # (EIO: a failing disk; EACCES)
-            return f"{f} cannot be read ({e.strerror or type(e).__name__})"
+        except OSError as e:  # (EIO: a failing disk; EACCES) not damage: no fall-back past it
+            raise UserError(
+                f"{f} cannot be read ({e.strerror or type(e).__name__}): the disk or file "
+                f"system under it failed, or this user may not read it; fix that and launch "
+                f"again (or move {ckpt_dir} away to use an older checkpoint)"
+            ) from None
         if checksums and digest != want["xxh3_64"]:
             return f"{f} does not match its checksum (its bytes changed after the save)"
     return None
@@ -795,7 +823,9 @@ def checkpoint_around(path: Path) -> Path | None:
     or moved aside with it."""
     target = Path(os.path.realpath(path))
     for folder in (target, *target.parents):
-        if (folder / TRAINER_STATE).is_file() or (folder / CLAIM).is_file():
+        if (folder / TRAINER_STATE).is_file() and (folder / INTEGRITY).is_file():
+            return folder
+        if (folder / CLAIM).is_file():
             return folder
     return None
 
@@ -804,7 +834,7 @@ def refuse_inside_checkpoint(path: Path, shown: str, key: str) -> None:
     """`shown` (`path`, as the message names it) outside every checkpoint; `key` sets it."""
     if (folder := checkpoint_around(path)) is None:
         return
-    what = "a checkpoint" if (folder / TRAINER_STATE).is_file() else "a run's checkpoints folder"
+    what = "a run's checkpoints folder" if (folder / CLAIM).is_file() else "a checkpoint"
     raise UserError(
         f"{shown} lies in {folder}, {what}: what is written there would damage its checkpoints, "
         f"or be pruned or moved aside with them, so it stops before any work. Point {key} at a "

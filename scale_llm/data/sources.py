@@ -463,18 +463,21 @@ def refuse_overlap(
     data_dir: str | None = None,
     key: str = "data.dir",
     writes: str = PREPARE_WRITES,
+    shown: str | None = None,
 ):
-    """data.dir (or `data_dir`: a mixture's own; the run dir, named by `key`) apart from what the
-    corpus reads, for prepare (it writes there): inside a source folder, or where a glob matches
-    a name written there (`written`), it would write into the corpus and read its own files
-    back as documents the next time."""
+    """data.dir (or `data_dir`: a mixture's own; the run dir, `shown` in the message and set by
+    `key`) apart from what the corpus reads, for prepare (it writes there): inside a source
+    folder (through a symlinked folder in it too, unless `shown`: the run dir's check, at every
+    launch, does not walk the corpus), or where a glob matches a name written there
+    (`written`), it would write into the corpus and read its own files back as documents."""
     data_dir = data_dir or data.dir
     out = Path(os.path.realpath(Path(data_dir).expanduser()))
     spec = Path(data.source.removeprefix("hf:")).expanduser()
     if data.source == "builtin" or spec.is_file():
         return
     if spec.is_dir():  # (an hf: name that is a local folder too: its data files are read)
-        folders = _folders_read(spec)
+        inside = out.is_relative_to(os.path.realpath(spec))
+        folders = {os.path.realpath(spec)} if inside or shown else _folders_read(spec)
         if not any(str(p) in folders for p in (out, *out.parents)):
             return
         where = f"lies inside the corpus folder {spec} that data.source reads"
@@ -492,7 +495,7 @@ def refuse_overlap(
         ):
             return
         where = "is a folder whose files the glob in data.source matches"
-    shown = f"{key}={data_dir}" if key == "data.dir" else f"{key} {data_dir}"
+    shown = f"{shown} {data_dir}" if shown else f"{key}={data_dir}"
     raise UserError(
         f"{shown} {where} (data.source={data.source}): {writes}, so it stops before any work. "
         f"Point {key} at a folder outside the corpus"

@@ -72,13 +72,13 @@ def check_zero_settings(cfg: Config, plan: RunPlan) -> None:
     try:  # (DeepSpeed picks its accelerator on import: DS_ACCELERATOR, where set, by name)
         from deepspeed.comm.config import CommsLoggerConfig
         from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-    except ValueError as e:
-        if "DS_ACCELERATOR" not in str(e):
+    except ValueError as e:  # (an unknown name, or one whose package is missing: mps, npu)
+        if "DS_ACCELERATOR" not in str(e) and os.environ.get("DS_ACCELERATOR", "cpu") == "cpu":
             raise
         raise UserError(
             f"DS_ACCELERATOR={os.environ.get('DS_ACCELERATOR', '')[:60]}: DeepSpeed refuses it "
-            f"({' '.join(str(e).split())[:300]}); set one of those, or unset it and DeepSpeed "
-            f"picks the machine's"
+            f"({' '.join(str(e).split())[:300]}); set one it can use on this machine, or unset "
+            f"it and DeepSpeed picks the machine's"
         ) from None
     from pydantic import ValidationError
 

@@ -328,7 +328,10 @@ def check_run_dir_state(cfg: Config) -> None:
     require_writable_dir(cfg.run_dir, "run.dir / run.name")
     refuse_inside_checkpoint(cfg.run_dir, f"the run dir {cfg.run_dir}", "run.dir / run.name")
     for data in [source_config(cfg, e).data for e in cfg.data.sources] or [cfg.data]:
-        refuse_overlap(data, (), str(cfg.run_dir), "the run dir", RUN_WRITES)
+        written = (*RUN_DIR_FILES, *RUN_DIR_FOLDERS)  # (what a glob over the corpus may match)
+        refuse_overlap(
+            data, written, str(cfg.run_dir), "run.dir / run.name", RUN_WRITES, "the run dir"
+        )
     check_run_dir(cfg.run_dir)
     RunLock(cfg.run_dir).check()
 
