@@ -147,8 +147,21 @@ check_node_command() {
 # line it cannot read was a traceback after prepare's work, and each host name goes to ssh and
 # pdsh, where one starting with "-" is an option (ssh's -oProxyCommand=... runs a command here).
 check_hostfile() {
-  local line number=0 host slots hosts=" " blank='[[:blank:]]'
-  local entry="^$blank*([A-Za-z0-9_:][A-Za-z0-9._:@%-]*)$blank+slots=([0-9]+)"
+  local line number=0 host slots hosts=" " blank='[[:blank:]]' lines
+  # HOST: [USER@]NAME, NAME not starting with "-" (an option to ssh) nor a pdsh module's "ssh:"
+  local entry="^$blank*(([A-Za-z0-9_][A-Za-z0-9._-]*@)?[A-Za-z0-9_:][A-Za-z0-9._:%-]*)"
+  entry+="$blank+slots=([0-9]+)"
+  if ! tr -d '\000' < "$HOSTFILE" | cmp -s - "$HOSTFILE" ||
+    { command -v iconv >/dev/null 2>&1 && ! iconv -f UTF-8 -t UTF-8 < "$HOSTFILE" >/dev/null 2>&1; }
+  then
+    echo "deepspeed.sh: HOSTFILE=$HOSTFILE is not UTF-8 text (a NUL byte, or bytes DeepSpeed's" \
+      "runner cannot decode); write it as plain text, one 'HOST slots=N' line per node" >&2
+    exit 2
+  fi
+  if ! lines="$(sed 's/\r$//' < "$HOSTFILE" | tr '\r' '\n')"; then
+    echo "deepspeed.sh: HOSTFILE=$HOSTFILE could not be read; check the file and its disk" >&2
+    exit 2
+  fi
   while IFS= read -r line || [[ -n "$line" ]]; do
     number=$((number + 1))
     if [[ "${line//$'\t'/}" != *[[:cntrl:]]* && ( -z "${line//[[:blank:]]/}" ||
@@ -158,20 +171,24 @@ check_hostfile() {
     fi
     host=""
     if [[ "${line//$'\t'/}" != *[[:cntrl:]]* && "$line" =~ $entry ]]; then
-      host="${BASH_REMATCH[1]}" slots="${BASH_REMATCH[2]}"
+      host="${BASH_REMATCH[1]}" slots="${BASH_REMATCH[3]}"
       slots="${slots#"${slots%%[!0]*}"}"  # (leading zeros: the runner reads a number)
-      if [[ -z "$slots" || ${#slots} -gt 6 || "$hosts" == *" $host "* ]]; then host=""; fi
+      if [[ -z "$slots" || ${#slots} -gt 6 || "$hosts" == *" $host "* ||
+        "$host" =~ ^(exec|ssh|rsh|mrsh|krb4|qsh|mqsh|xcpu|rcmd): ]]
+      then
+        host=""
+      fi
     fi
     if [[ -z "$host" ]]; then
       line="${line//[[:cntrl:]]/?}"
       echo "deepspeed.sh: HOSTFILE=$HOSTFILE line $number ('${line:0:60}'): DeepSpeed's runner" \
         "reads each line as 'HOST slots=N' (a host name or address of letters, digits and" \
-        "._:@%-, not starting with '-'; N processes, 1 or more), each host once, and skips" \
-        "blank lines and those starting with #: fix that line" >&2
+        "._:%-, not starting with '-', after an optional USER@; N processes, 1 to 999999)," \
+        "each host once, and skips blank lines and those starting with #: fix that line" >&2
       exit 2
     fi
     hosts+="$host "
-  done < <(sed 's/\r$//' "$HOSTFILE" | tr '\r' '\n')
+  done <<< "$lines"
   if [[ "$hosts" == " " ]]; then
     echo "deepspeed.sh: HOSTFILE=$HOSTFILE lists no node; write one line per node, e.g." \
       "\"node0 slots=8\", or unset HOSTFILE for a one-node run" >&2

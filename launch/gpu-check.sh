@@ -201,7 +201,8 @@ import torch
 
 from scale_llm.analysis.check import (YAML, add_report_section, check_scratch,
                                      check_scratch_data, claim_out, default_scratch,
-                                     make_scratch, mark_scratch_data)
+                                     make_scratch, mark_scratch_data, same_path)
+from scale_llm.config import load_config
 from scale_llm.cli import parse_args
 from scale_llm.errors import UserError
 
@@ -210,8 +211,10 @@ given = parse_args(["check", str(out), *args])  # the check's --scratch and --se
 scratch = Path(given.scratch) if given.scratch else default_scratch()  # them (a typo: exit 2)
 cuda = torch.cuda.is_available()
 data = scratch / ("data-builtin-v32000" if cuda else "data")  # (the CPU's: the check's (a)'s)
-own_data = not any(o.startswith("data.dir=") for o in given.overrides)  # (else the user's)
+config = YAML / ("400m.yaml" if cuda else "tiny.yaml")
 try:  # refused before any work, as the check's own start refuses
+    given_dir = load_config(config, [f"data.dir={data}", *given.overrides]).data.dir
+    own_data = same_path(given_dir, data)  # (else a data.dir of the user's, given by --set)
     check_scratch(scratch)  # this user's: the runs below train on what it holds
     if own_data:
         check_scratch_data(data, scratch)  # the check's: prepare replaces what it holds
@@ -223,7 +226,6 @@ try:  # refused before any work, as the check's own start refuses
 except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
-config = YAML / ("400m.yaml" if cuda else "tiny.yaml")
 steps = int(os.environ.get("SCALE_LLM_CHECK_FP8_STEPS") or (100 if cuda else 4))
 every = max(steps // 10, 1)
 sets = ["parallel.backend=single", "parallel.tensor_parallel=1", "train.grad_accum=1",

@@ -725,6 +725,9 @@ deepspeed.launcher.runner) echo "RUNNER $*"; cat "$DS_ENV_FILE";;"""
         "node0 slots=8\r-oProxyCommand=x slots=1": "line 2 ('-oProxyCommand=x slots=1')",
         "# a note\r-oProxyCommand=x slots=1\nnode1 slots=1": "line 2 ('-oProxyCommand",
         "node0 slots=8\vx": "line 1 ('node0 slots=8?x')",
+        "node0 slots=8\nu@-Elog slots=1": "line 2 ('u@-Elog slots=1')",  # (ssh's -E: a log file)
+        "exec:node0 slots=1": "line 1 ('exec:node0",  # (pdsh's exec module: run here)
+        "node0 slots=1234567": "line 1 ('node0 slots=1234567')",
         "n,ode slots=1": "line 1",
     }
     for text, said in bad.items():
@@ -737,6 +740,10 @@ deepspeed.launcher.runner) echo "RUNNER $*"; cat "$DS_ENV_FILE";;"""
         hosts.write_text(text)
         proc = launch("deepspeed.sh", env, cwd=tmp_path)
         assert proc.returncode == 2 and "HOSTFILE=hosts lists no node" in proc.stderr
+    for raw in (b"no\x00de slots=8\n", b"a slots=8 caf\xe9 x\n"):  # (the runner's traceback)
+        hosts.write_bytes(raw)
+        proc = launch("deepspeed.sh", env, cwd=tmp_path)
+        assert proc.returncode == 2 and "HOSTFILE=hosts is not UTF-8 text" in proc.stderr
     hosts.write_text("node0 slots=8\n")
     for name in ("PYTORCH_CUDA_ALLOC_CONF", "OMP_NUM_THREADS", "DS_ACCELERATOR"):
         value = 'expandable_segments:True";touch ran;"'

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import numpy as np
@@ -191,7 +192,11 @@ def test_a_file_name_that_is_not_utf8_is_read(tmp_path, hf_cache):
     manifest = prepare(config(tmp_path / "src", tmp_path / "out", "model.vocab_size=400"))
     assert decoded_markers(tmp_path / "out", manifest) == set(range(12))
     hf = open_source(load_config(None, [f"data.source=hf:{tmp_path / 'src'}"]).data)
-    assert len(hf.fingerprint()) == 64  # (its files hashed, \xff.jsonl among them)
+    before = hf.fingerprint(), source.fingerprint()
+    src = tmp_path / "src"
+    os.rename(bytes(src) + b"/\xff.jsonl", bytes(src) + b"/\xfe.jsonl")
+    again = [open_source(load_config(None, [f"data.source={s}"]).data) for s in (f"hf:{src}", src)]
+    assert again[0].fingerprint() != before[0] and again[1].fingerprint() != before[1]
 
 
 def test_hub_source_fingerprint_needs_no_network():

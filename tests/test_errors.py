@@ -504,6 +504,20 @@ def test_a_failing_disk_during_a_save_or_a_resume_is_one_paragraph(
     assert "(Input/output error on " in said and "step_00000002 is intact" in said
     assert sorted(p.name for p in tr.checkpointer.dir.iterdir()) == [CLAIM, "step_00000002"]
     monkeypatch.setattr(checkpoint, "write_integrity", write)
+    other = trainer(data_dir, tmp_path / "b", "train.max_steps=4", "checkpoint.every=2")
+    save = other.backend.save
+
+    def torch_save(path):  # (torch.save's RuntimeError holds the write's EIO as its context)
+        if other.step == 4:
+            try:
+                raise OSError(errno.EIO, "Input/output error")
+            except OSError:
+                raise RuntimeError("[enforce fail at inline_container.cc] unexpected pos") from None
+        return save(path)
+
+    other.backend.save = torch_save
+    with pytest.raises(UserError, match=r"could not write checkpoint .*\(Input/output error\)"):
+        other.fit()
     trainer(data_dir, tmp_path, "train.max_steps=4", "checkpoint.every=2").fit()
     digest = digests.file_digest
 

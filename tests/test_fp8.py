@@ -570,7 +570,7 @@ def test_gpu_check_reads_its_settings_before_any_work(tmp_path):
         assert proc.returncode == 2 and said in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1 and not out.exists()
     if shutil.which("nvidia-smi") or torch.cuda.is_available():
-        return  # (with a GPU, --calibration-only runs section (f))
+        pytest.skip("with a GPU, --calibration-only runs section (f)")
     calm = {k: v for k, v in env().items() if k != "SCALE_LLM_CHECK_CALIBRATION"}
     proc = subprocess.run(
         ["bash", str(REPO / "launch" / "gpu-check.sh"), str(out), "--calibration-only"],

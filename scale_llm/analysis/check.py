@@ -106,8 +106,17 @@ def check_scratch_data(data: Path, scratch: Path) -> None:
 def mark_scratch_data(data: Path) -> None:
     """`data` made, or marked, as the check's (after `check_scratch_data`)."""
     if owned_kind(data) != DATA_KIND:
-        with contextlib.suppress(FileExistsError):  # (another check's, made meanwhile)
+        with contextlib.suppress(FileExistsError):  # (another check's, made meanwhile?)
             make_owned_dir(data, DATA_KIND, exists=data.is_dir())
+    if owned_kind(data) != DATA_KIND:
+        raise UserError(
+            f"{data} appeared while the check started, and is not the check's; move it away"
+        )
+
+
+def same_path(a: str | Path, b: str | Path) -> bool:
+    """Whether two paths name one place (a `~` and a relative path resolved as load_config does)."""
+    return os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
 
 
 def _earlier_check(scratch: Path) -> bool:
@@ -181,7 +190,7 @@ def run_check(
         open_source(first.data)  # a local corpus that is not there: before OUT is claimed
     check_scratch(scratch)
     require_writable_dir(scratch, "--scratch")  # (before OUT is claimed)
-    own_data = Path(first.data.dir) == scratch / "data"  # (not a data.dir given by --set)
+    own_data = same_path(first.data.dir, scratch / "data")  # (not a data.dir given by --set)
     if own_data:
         check_scratch_data(scratch / "data", scratch)
     refuse_out_in_scratch(out, scratch)

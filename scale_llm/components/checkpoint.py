@@ -129,13 +129,13 @@ def _step_of(path: Path) -> int:
 
 
 OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT)
-DISK_FAILED = (errno.EIO, errno.EROFS, errno.EFBIG, errno.EACCES, errno.EPERM)
+DISK_FAILED = (errno.EIO, errno.EROFS, errno.EFBIG)  # (torch.save's own error has it as context)
+NOT_ALLOWED = (errno.EACCES, errno.EPERM)  # (raised or caused: a library may handle one)
 
 
 def _out_of_space(e: BaseException, errnos: tuple[int, ...] = OUT_OF_SPACE) -> OSError | None:
     """The ENOSPC / EDQUOT error (or one of `errnos`) behind `e`: raised, chained, or in a DCP
-    CheckpointException (another error's context only for ENOSPC: a full disk fails whatever
-    handles it)."""
+    CheckpointException (another error's context too, except for NOT_ALLOWED)."""
     seen, todo = set(), [e]
     while todo:
         if (x := todo.pop()) is None or id(x) in seen:
@@ -145,7 +145,7 @@ def _out_of_space(e: BaseException, errnos: tuple[int, ...] = OUT_OF_SPACE) -> O
             return x
         if isinstance(failures := getattr(x, "failures", None), dict):
             todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
-        todo += [x.__cause__, x.__context__ if errnos == OUT_OF_SPACE else None]
+        todo += [x.__cause__, None if errnos == NOT_ALLOWED else x.__context__]
     return None
 
 
@@ -155,6 +155,7 @@ class Checkpointer:
         self.is_main = is_main  # the main rank creates, publishes and prunes directories
         self.group = group  # the process group of background publishing (`side_group`)
         self._warned: set[Path] = set()  # step dirs warned about (a symlink, one left unpruned)
+        self._published: Path | None = None  # the newest checkpoint this process renamed in
         self._pending: tuple[Path, Future] | None = None  # the save in flight: (step_N, done)
         self._publisher = ThreadPoolExecutor(1, thread_name_prefix="scale-llm-checkpoint")
 
@@ -326,6 +327,7 @@ class Checkpointer:
                 target = self._move_aside([final])
                 log.warning("checkpoint: %s was in the way; moved it to %s", final, target)
             tmp.rename(final)
+            self._published = final
             fsync_dir(self.dir)
             self.prune()
         barrier(group)
@@ -335,7 +337,8 @@ class Checkpointer:
         failed (EIO, read-only, ...), is raised as a UserError."""
         if self.is_main:
             shutil.rmtree(tmp, ignore_errors=True)  # made by `save` for this save
-        full, failed = _out_of_space(e), _out_of_space(e, DISK_FAILED)
+        full = _out_of_space(e)
+        failed = _out_of_space(e, DISK_FAILED) or _out_of_space(e, NOT_ALLOWED)
         if full is None and failed is None:
             return
         try:
@@ -345,10 +348,11 @@ class Checkpointer:
         intact = f"the previous checkpoint {done[-1][1]} is intact" if done else None
         if done is None:
             intact = f"the checkpoints in {self.dir} could not be listed"
-        removed = f"are in {tmp} (removed at the next launch)" if _there(tmp) else "were removed"
+        left = self.is_main and _there(tmp)  # (the main rank removes them)
+        removed = f"are in {tmp} (removed by the next save)" if left else "were removed"
         if full is None:
             where = f" on {failed.filename}" if failed.filename else ""
-            saved = f"; {final} was published before it" if _there(final) else ""
+            saved = f"; {final} was published before it" if self._published == final else ""
             raise UserError(
                 f"could not write checkpoint {final} ({failed.strerror}{where}){saved}; the "
                 f"partial files {removed} and {intact or 'no earlier checkpoint exists'}; check "
@@ -572,15 +576,23 @@ def damage(ckpt_dir: Path, checksums: bool = True) -> str | None:
             return f"{f} has {size} bytes, {want['size']} were written (truncated or replaced)"
         try:
             digest = digests.file_digest(f, mapped=False) if checksums else None
+        except FileNotFoundError:  # (pruned meanwhile)
+            return f"{f} is missing"
         except OSError as e:  # (EIO: a failing disk; EACCES) not damage: no fall-back past it
-            raise UserError(
-                f"{f} cannot be read ({e.strerror or type(e).__name__}): the disk or file "
-                f"system under it failed, or this user may not read it; fix that and launch "
-                f"again (or move {ckpt_dir} away to use an older checkpoint)"
-            ) from None
+            raise unreadable(f, e, ckpt_dir) from None
         if checksums and digest != want["xxh3_64"]:
             return f"{f} does not match its checksum (its bytes changed after the save)"
     return None
+
+
+def unreadable(path: Path, e: OSError, ckpt_dir: Path) -> UserError:
+    """A checkpoint file this process cannot read: not damage (the disk may come back), so no
+    command falls back past it."""
+    return UserError(
+        f"{path} cannot be read ({e.strerror or type(e).__name__}): the disk or file system under "
+        f"it failed, or this user may not read it; fix that and run the command again (or move "
+        f"{ckpt_dir} away to use an older checkpoint)"
+    )
 
 
 def read_record(ckpt_dir: Path) -> Record:
@@ -601,8 +613,10 @@ def read_record(ckpt_dir: Path) -> Record:
         raise _Damage(f"{path} has {path.stat().st_size:,} bytes, too many for a record")
     try:
         obj = parse_json(path.read_bytes())
+    except FileNotFoundError:
+        raise _Damage(f"{path} is missing") from None
     except OSError as e:
-        raise _Damage(f"{path} is not readable JSON ({type(e).__name__})") from None
+        raise unreadable(path, e, ckpt_dir) from None
     except JSONProblem as e:  # (bounded: a record nested 100,000 deep is damage, not a crash)
         raise _Damage(f"{path} is not readable JSON ({e})") from None
     files = obj.get("files") if isinstance(obj, dict) else None
@@ -818,9 +832,9 @@ def load_state_into(state: dict[str, Any], ckpt_dir: Path) -> None:
 
 
 def checkpoint_around(path: Path) -> Path | None:
-    """The checkpoint (a folder holding trainer.pt) or run's checkpoints folder (holding its
-    claim) that `path` is or lies in: files written there damage that checkpoint, or are pruned
-    or moved aside with it."""
+    """The checkpoint (a folder holding trainer.pt and integrity.json) or run's checkpoints
+    folder (holding its claim) that `path` is or lies in: files written there damage that
+    checkpoint, or are pruned or moved aside with it."""
     target = Path(os.path.realpath(path))
     for folder in (target, *target.parents):
         if (folder / TRAINER_STATE).is_file() and (folder / INTEGRITY).is_file():
