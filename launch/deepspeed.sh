@@ -151,8 +151,9 @@ check_hostfile() {
   # HOST: [USER@]NAME, NAME not starting with "-" (an option to ssh) nor a pdsh module's "ssh:"
   local entry="^$blank*(([A-Za-z0-9_][A-Za-z0-9._-]*@)?[A-Za-z0-9_:][A-Za-z0-9._:%-]*)"
   entry+="$blank+slots=([0-9]+)"
-  if ! tr -d '\000' < "$HOSTFILE" | cmp -s - "$HOSTFILE" ||
-    { command -v iconv >/dev/null 2>&1 && ! iconv -f UTF-8 -t UTF-8 < "$HOSTFILE" >/dev/null 2>&1; }
+  if [[ "$(tr -d '\000' < "$HOSTFILE" | wc -c)" != "$(wc -c < "$HOSTFILE")" ]] ||
+    ! "$PY" -c 'import sys  # the hostfile as UTF-8, as the runner opens it
+open(sys.argv[1], encoding="utf-8").read()' "$HOSTFILE" 2>/dev/null
   then
     echo "deepspeed.sh: HOSTFILE=$HOSTFILE is not UTF-8 text (a NUL byte, or bytes DeepSpeed's" \
       "runner cannot decode); write it as plain text, one 'HOST slots=N' line per node" >&2
@@ -174,7 +175,7 @@ check_hostfile() {
       host="${BASH_REMATCH[1]}" slots="${BASH_REMATCH[3]}"
       slots="${slots#"${slots%%[!0]*}"}"  # (leading zeros: the runner reads a number)
       if [[ -z "$slots" || ${#slots} -gt 6 || "$hosts" == *" $host "* ||
-        "$host" =~ ^(exec|ssh|rsh|mrsh|krb4|qsh|mqsh|xcpu|rcmd): ]]
+        "${host,,}" =~ (^|@)(exec|ssh|rsh|mrsh|krb4|qsh|mqsh|xcpu|rcmd): ]]
       then
         host=""
       fi

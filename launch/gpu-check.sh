@@ -212,8 +212,19 @@ scratch = Path(given.scratch) if given.scratch else default_scratch()  # them (a
 cuda = torch.cuda.is_available()
 data = scratch / ("data-builtin-v32000" if cuda else "data")  # (the CPU's: the check's (a)'s)
 config = YAML / ("400m.yaml" if cuda else "tiny.yaml")
+steps = int(os.environ.get("SCALE_LLM_CHECK_FP8_STEPS") or (100 if cuda else 4))
+every = max(steps // 10, 1)
+sets = ["parallel.backend=single", "parallel.tensor_parallel=1", "train.grad_accum=1",
+        f"train.max_steps={steps}", f"train.warmup_steps={every}", f"logging.every={every}",
+        "logging.tensorboard=false", "eval.every=0", "eval.sample_every=0",
+        "checkpoint.every=0", "checkpoint.resume=never", "train.precision=bf16",
+        f"train.compile={str(cuda).lower()}"]  # (the CPU's emulated GEMMs time nothing)
+if cuda:  # offline: the built-in corpus at the config's vocabulary (a small tokenizer sample)
+    sets += ["data.source=builtin", f"data.dir={data}", "data.tokenizer_sample_bytes=8000000"]
+else:
+    sets += [f"data.dir={data}"]  # tiny.yaml's, where the check's (a) prepares it
 try:  # refused before any work, as the check's own start refuses
-    given_dir = load_config(config, [f"data.dir={data}", *given.overrides]).data.dir
+    given_dir = load_config(config, [*sets, *given.overrides]).data.dir  # (as the runs read it)
     own_data = same_path(given_dir, data)  # (else a data.dir of the user's, given by --set)
     check_scratch(scratch)  # this user's: the runs below train on what it holds
     if own_data:
@@ -226,17 +237,6 @@ try:  # refused before any work, as the check's own start refuses
 except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
-steps = int(os.environ.get("SCALE_LLM_CHECK_FP8_STEPS") or (100 if cuda else 4))
-every = max(steps // 10, 1)
-sets = ["parallel.backend=single", "parallel.tensor_parallel=1", "train.grad_accum=1",
-        f"train.max_steps={steps}", f"train.warmup_steps={every}", f"logging.every={every}",
-        "logging.tensorboard=false", "eval.every=0", "eval.sample_every=0",
-        "checkpoint.every=0", "checkpoint.resume=never", "train.precision=bf16",
-        f"train.compile={str(cuda).lower()}"]  # (the CPU's emulated GEMMs time nothing)
-if cuda:  # offline: the built-in corpus at the config's vocabulary (a small tokenizer sample)
-    sets += ["data.source=builtin", f"data.dir={data}", "data.tokenizer_sample_bytes=8000000"]
-else:
-    sets += [f"data.dir={data}"]  # tiny.yaml's, where the check's (a) prepares it
 sets += given.overrides
 RUNS = {"bf16": [], "fp8 tensorwise": ["train.fp8.enabled=true", "train.fp8.recipe=tensorwise"],
         "fp8 rowwise": ["train.fp8.enabled=true", "train.fp8.recipe=rowwise"]}

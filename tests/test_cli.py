@@ -706,7 +706,7 @@ def test_deepspeed_sh_reads_the_hostfile_and_the_accelerator_before_any_work(tmp
 
     if find_spec("deepspeed") is None:
         pytest.skip("DeepSpeed is not installed")
-    arms = f"""*SUPPORTED_ACCELERATOR_LIST*) exec {sys.executable} "$@";;
+    arms = f"""*SUPPORTED_ACCELERATOR_LIST*|*hostfile\\ as\\ UTF-8*) exec {sys.executable} "$@";;
 scale_llm) echo "PREPARE";;
 deepspeed.launcher.runner) echo "RUNNER $*"; cat "$DS_ENV_FILE";;"""
     env = stand_in_node(tmp_path, arms) | {"HOME": str(tmp_path), "HOSTFILE": "hosts"}
@@ -727,6 +727,7 @@ deepspeed.launcher.runner) echo "RUNNER $*"; cat "$DS_ENV_FILE";;"""
         "node0 slots=8\vx": "line 1 ('node0 slots=8?x')",
         "node0 slots=8\nu@-Elog slots=1": "line 2 ('u@-Elog slots=1')",  # (ssh's -E: a log file)
         "exec:node0 slots=1": "line 1 ('exec:node0",  # (pdsh's exec module: run here)
+        "u@EXEC:node0 slots=1": "line 1 ('u@EXEC:node0",
         "node0 slots=1234567": "line 1 ('node0 slots=1234567')",
         "n,ode slots=1": "line 1",
     }

@@ -105,9 +105,13 @@ def check_scratch_data(data: Path, scratch: Path) -> None:
 
 def mark_scratch_data(data: Path) -> None:
     """`data` made, or marked, as the check's (after `check_scratch_data`)."""
-    if owned_kind(data) != DATA_KIND:
-        with contextlib.suppress(FileExistsError):  # (another check's, made meanwhile?)
+    if owned_kind(data) != DATA_KIND and not data.is_symlink():
+        try:
             make_owned_dir(data, DATA_KIND, exists=data.is_dir())
+        except FileExistsError:  # (another check's, made meanwhile?)
+            pass
+        except OSError as e:
+            raise UserError(f"{data}: cannot mark it as the check's ({e.strerror or e})") from None
     if owned_kind(data) != DATA_KIND:
         raise UserError(
             f"{data} appeared while the check started, and is not the check's; move it away"

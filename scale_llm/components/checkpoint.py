@@ -241,6 +241,7 @@ class Checkpointer:
         self.wait()
         final = self.dir / checkpoint_name(step)
         tmp = self.dir / f".tmp-{final.name}"
+        self._published = None
         if self.is_main:
             try:  # (a file system gone read-only fails here first)
                 self.dir.mkdir(parents=True, exist_ok=True)
@@ -375,7 +376,10 @@ class Checkpointer:
         done = self.complete()  # (symlinks are not among them)
         mine = folder_id(self.dir)
         for _, path in done[: -self.keep_last]:  # complete step_N folders, each proven a save's
-            problem = damage(path, checksums=False)
+            try:
+                problem = damage(path, checksums=False)
+            except (UserError, OSError) as e:  # (a record that cannot be read: left, said)
+                problem = str(e)
             if problem is None and (mine is None or saved_into(path) != mine):
                 problem = (
                     "its integrity record names another checkpoints folder"
@@ -609,9 +613,9 @@ def read_record(ckpt_dir: Path) -> Record:
         raise _Damage(f"{path} is missing (every checkpoint is saved with one: removed after)")
     if path.is_symlink() or not path.is_file():
         raise _Damage(f"{path} is {describe_kind(path)}, not the record file")
-    if path.stat().st_size > MAX_RECORD_BYTES:
-        raise _Damage(f"{path} has {path.stat().st_size:,} bytes, too many for a record")
     try:
+        if (size := path.stat().st_size) > MAX_RECORD_BYTES:
+            raise _Damage(f"{path} has {size:,} bytes, too many for a record")
         obj = parse_json(path.read_bytes())
     except FileNotFoundError:
         raise _Damage(f"{path} is missing") from None
