@@ -625,7 +625,7 @@ def test_a_resume_with_another_batch_says_the_curve_changes(data_dir, tmp_path, 
         trainer.lock.release()
         warned = [r.getMessage() for r in logs.records if "a step now takes" in r.getMessage()]
         assert trainer.step == 2 and len(warned) == warns, warned
-    assert "not the 128 of the checkpoint's run (batch: micro 8 x seq_len 32" in warned[0]
+    assert "not the 128 of the checkpoint's run (micro 8 x seq_len 32" in warned[0]
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "wsd"])

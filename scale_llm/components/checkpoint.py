@@ -133,7 +133,7 @@ DISK_FAILED = (errno.EIO, errno.EROFS, errno.EFBIG)  # (torch.save's own error h
 NOT_ALLOWED = (errno.EACCES, errno.EPERM)  # (raised or caused: a library may handle one)
 
 
-def _out_of_space(e: BaseException, errnos: tuple[int, ...] = OUT_OF_SPACE) -> OSError | None:
+def _os_error(e: BaseException, errnos: tuple[int, ...] = OUT_OF_SPACE) -> OSError | None:
     """The ENOSPC / EDQUOT error (or one of `errnos`) behind `e`: raised, chained, or in a DCP
     CheckpointException (another error's context too, except for NOT_ALLOWED)."""
     seen, todo = set(), [e]
@@ -338,8 +338,8 @@ class Checkpointer:
         failed (EIO, read-only, ...), is raised as a UserError."""
         if self.is_main:
             shutil.rmtree(tmp, ignore_errors=True)  # made by `save` for this save
-        full = _out_of_space(e)
-        failed = _out_of_space(e, DISK_FAILED) or _out_of_space(e, NOT_ALLOWED)
+        full = _os_error(e)
+        failed = _os_error(e, DISK_FAILED) or _os_error(e, NOT_ALLOWED)
         if full is None and failed is None:
             return
         try:

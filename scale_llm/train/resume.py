@@ -291,6 +291,21 @@ def schedule_change(state: dict[str, Any], now: TrainConfig, step: int) -> str |
     )
 
 
+def batch_change(state: dict[str, Any], plan: RunPlan) -> str | None:
+    """A resume whose step takes another number of tokens than the checkpoint's run goes on, on
+    another curve: what to say, else None."""
+    tokens, now = state["plan"].get("tokens_per_step"), plan.tokens_per_step
+    if not is_count(tokens) or tokens == now:
+        return None
+    return (
+        f"a step now takes {now:,} tokens, not the {tokens:,} of the checkpoint's run (micro "
+        f"{plan.micro_batch_size} x seq_len {plan.seq_len} x grad_accum {plan.grad_accum} x "
+        f"data-parallel {plan.dp_degree}): from here on the curve is not the one its settings "
+        f"give; keep micro_batch_size x grad_accum x data-parallel ranks "
+        f"(train.global_batch_size) to continue it exactly"
+    )
+
+
 @dataclass(frozen=True)
 class Resume:
     """The checkpoint a launch continues: its trainer state (every field checked) and whether

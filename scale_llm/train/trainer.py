@@ -22,7 +22,6 @@ from scale_llm.components.checkpoint import (
     TRAINER_STATE,
     Checkpointer,
     CheckpointWeights,
-    is_count,
 )
 from scale_llm.components.hardware import peak_flops
 from scale_llm.components.optim import lr_at
@@ -50,7 +49,7 @@ from scale_llm.train.preflight import (
     preflight,
 )
 from scale_llm.train.profiling import StepProfiler
-from scale_llm.train.resume import schedule_change
+from scale_llm.train.resume import batch_change, schedule_change
 from scale_llm.train.throughput import Throughput
 
 log = logging.getLogger(__name__)
@@ -320,18 +319,12 @@ class Trainer:
         rng.restore_for_rank(state["rng"], self.plan.rank)
         if self.step < self.cfg.train.max_steps:  # (a finished run says so, and stops, in fit)
             log.info(f"resume: continuing from {self.resume_from} at step {self.step}")
-        changed = schedule_change(state, self.cfg.train, self.step)
-        if changed and self.plan.is_main:
-            log.warning("resume: %s", changed)
-        tokens, now = state["plan"].get("tokens_per_step"), self.plan.tokens_per_step
-        if self.plan.is_main and is_count(tokens) and tokens != now:  # another batch, curve
-            log.warning(
-                f"resume: a step now takes {now:,} tokens, not the {tokens:,} of the "
-                f"checkpoint's run ({self.plan.describe().split('; ')[1]}): from step "
-                f"{self.step} on the curve is not the one its settings give; keep micro_batch_size "
-                f"x grad_accum x data-parallel ranks (train.global_batch_size) to continue it "
-                f"exactly"
-            )
+        for changed in (
+            schedule_change(state, self.cfg.train, self.step),
+            batch_change(state, self.plan),
+        ):
+            if changed and self.plan.is_main:
+                log.warning("resume: %s", changed)
 
     def _write_run_dir(self) -> None:
         """The run's own files, each replaced whole (in the locked, preflight-checked run dir),
