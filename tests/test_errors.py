@@ -17,6 +17,7 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+from urllib.parse import urlparse
 
 import pytest
 import torch
@@ -1253,11 +1254,59 @@ def test_wandb_missing_is_a_clear_error(data_dir, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
     with pytest.raises(UserError, match=r"logging.wandb.project=p needs the wandb package"):
         trainer(data_dir, tmp_path, "logging.wandb.project=p")
+    assert not (tmp_path / "runs").exists()  # the preflight's: nothing written
+
+
+def without_wandb_credentials(monkeypatch, tmp_path: Path) -> None:
+    """No API key where W&B looks for one (its variables, the .netrc, its settings)."""
+    from wandb.sdk import wandb_setup
+
+    for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "netrc").write_text("")
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    monkeypatch.setattr(wandb_setup, "_singleton", None)  # settings read afresh
+
+
+def test_wandb_online_without_credentials_is_refused_before_any_work(
+    data_dir, tmp_path, monkeypatch
+):
+    """W&B online on a node with no API key: the refusal came from wandb.init, after the run
+    dir (config, tokenizer, TensorBoard events, plan) was written. The preflight finds the
+    credentials as W&B does, without asking the server; a key of the wrong form is named."""
+    wandb = pytest.importorskip("wandb")
+    without_wandb_credentials(monkeypatch, tmp_path)
+    with pytest.raises(UserError) as info:
+        trainer(data_dir, tmp_path, "logging.wandb.project=p")
+    msg = str(info.value)
+    assert msg.startswith("logging.wandb.project=p: W&B finds no API key on this node")
+    assert "`wandb login`" in msg and "logging.wandb.mode=offline" in msg
+    assert not (tmp_path / "runs").exists()
+    monkeypatch.setenv("WANDB_API_KEY", "short")
+    with pytest.raises(UserError, match=r"W&B cannot use this node's credentials \(WANDB_API_KEY"):
+        trainer(data_dir, tmp_path, "logging.wandb.project=p")
+    assert not (tmp_path / "runs").exists()
+    monkeypatch.delenv("WANDB_API_KEY")
+    host = urlparse(wandb.Settings().base_url).hostname  # (W&B's server, or WANDB_BASE_URL's)
+    (tmp_path / "netrc").write_text(f"machine {host} login user password {'k' * 40}\n")
+    (tmp_path / "netrc").chmod(0o600)
+    from scale_llm.train.preflight import check_wandb
+
+    check_wandb(make_config(data_dir, tmp_path / "runs", "logging.wandb.project=p"), False)
+    check_wandb(
+        make_config(
+            data_dir, tmp_path / "runs", "logging.wandb.project=p", "logging.wandb.mode=offline"
+        ),
+        False,
+    )
 
 
 def test_wandb_that_cannot_start_is_a_clear_error(data_dir, tmp_path, monkeypatch):
-    """A node never logged in to W&B: wandb.init's own error became a traceback."""
+    """W&B's server unreachable, or refusing the key: wandb.init's own error became a
+    traceback."""
     wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)  # (a key of the right form: past the preflight)
 
     def no_key(**kwargs):
         raise wandb.errors.UsageError("api_key not configured (no-tty). call wandb.login(key=...)")

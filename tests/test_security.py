@@ -402,7 +402,7 @@ def test_wandb_settings_of_the_launch_folder_may_set_only_the_mode_and_names(tmp
     from scale_llm.train.preflight import check_wandb
 
     monkeypatch.chdir(tmp_path)
-    cfg = load_config(None, ["logging.wandb.project=p"])
+    cfg = load_config(None, ["logging.wandb.project=p", "logging.wandb.mode=offline"])
     (tmp_path / "wandb").mkdir()
     settings = tmp_path / "wandb" / "settings"
     settings.write_text("[default]\nmode = offline\nproject = p\n")  # as `wandb offline`

@@ -44,8 +44,9 @@ class WandbConfig:
     name: str | None = config_key(None, "the W&B run's display name; null: run.name")
     mode: Literal["online", "offline", "disabled"] = config_key(
         "online",
-        "`online`, `offline` (written under `RUN_DIR/wandb/`, `wandb sync` uploads it later) "
-        "or `disabled`",
+        "`online` (the node's API key, from `wandb login` or WANDB_API_KEY, is looked for "
+        "before any work), `offline` (written under `RUN_DIR/wandb/`, `wandb sync` uploads it "
+        "later) or `disabled`",
     )
 
 

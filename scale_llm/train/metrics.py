@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from scale_llm.config import Config, dump_yaml, to_dict
-from scale_llm.errors import UserError, install_hint
+from scale_llm.errors import UserError
 from scale_llm.files import JSONProblem, atomic_write_text, parse_json, stamped_name
 from scale_llm.train.preflight import METRICS_FILE, WANDB_ID_FILE, check_metrics_file, wandb_id
 from scale_llm.train.resume import flat
@@ -83,14 +83,9 @@ class MetricsLogger:
 
 
 def _start_wandb(cfg: Config, run_dir: Path, resume_step: int, tracked: dict[str, Any]):
+    import wandb  # (the preflight found it, and the credentials an online run needs)
+
     w = cfg.logging.wandb
-    try:
-        import wandb
-    except ImportError:
-        raise UserError(
-            f"logging.wandb.project={w.project} needs the wandb package: "
-            f"{install_hint('wandb')} (or set logging.wandb.project=null)"
-        ) from None
     run_id = wandb_id(run_dir) if resume_step else None  # (checked by the preflight)
     if run_id is None:  # a fresh start is a new W&B run
         run_id = uuid.uuid4().hex[:16]

@@ -26,7 +26,7 @@ from scale_llm.data.loader import TrainLoader
 from scale_llm.data.mixture import TrainingData, check_epochs, open_training_data, source_config
 from scale_llm.data.pretrained_tokenizer import BUNDLE_FILE, vocab_problem
 from scale_llm.data.sources import refuse_overlap
-from scale_llm.errors import UserError
+from scale_llm.errors import UserError, install_hint
 from scale_llm.files import (
     MAX_RECORD_BYTES,
     OWNER_MARKER,
@@ -279,6 +279,45 @@ def check_wandb(cfg: Config, resumes: bool) -> None:
         )
     if resumes:
         wandb_id(cfg.run_dir)
+    try:
+        import wandb
+    except ImportError:
+        raise UserError(
+            f"logging.wandb.project={cfg.logging.wandb.project} needs the wandb package: "
+            f"{install_hint('wandb')} (or set logging.wandb.project=null)"
+        ) from None
+    if cfg.logging.wandb.mode == "online" and not _wandb_credentials(wandb, cfg):
+        raise UserError(
+            f"logging.wandb.project={cfg.logging.wandb.project}: W&B finds no API key on this "
+            f"node (logging.wandb.mode=online); log this node in (`wandb login`, or set "
+            f"WANDB_API_KEY), or set logging.wandb.mode=offline to log into the run directory "
+            f"and `wandb sync` it later, or logging.wandb.project=null"
+        )
+
+
+def _wandb_credentials(wandb, cfg: Config) -> bool:
+    """Whether wandb.init would find credentials for its server (WANDB_API_KEY, an identity
+    token file, the .netrc, its settings), as it looks for them, without asking the server or
+    keeping what it finds; True where this wandb has no such reader (wandb.init then decides)."""
+    try:
+        from wandb.sdk import wandb_setup
+        from wandb.sdk.lib import wbauth
+
+        settings = wandb_setup.singleton().settings  # (starts no service)
+        host = wbauth.HostUrl(settings.base_url, app_url=settings.app_url)
+        return bool(
+            wbauth.authenticate_session(
+                host=host, source="scale_llm", prompt=False, update_session=False
+            )
+        )
+    except (ImportError, AttributeError, TypeError):
+        return True
+    except wandb.errors.Error as e:  # a key of the wrong form, two sources at once
+        raise UserError(
+            f"logging.wandb.project={cfg.logging.wandb.project}: W&B cannot use this node's "
+            f"credentials ({' '.join(str(e).split())[:200]}); fix WANDB_API_KEY, "
+            f"WANDB_IDENTITY_TOKEN_FILE or the .netrc, or set logging.wandb.mode=offline"
+        ) from None
 
 
 def _wandb_settings_keys(path: Path) -> set[str]:
