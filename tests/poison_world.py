@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from contextlib import nullcontext
 
 import torch.distributed as dist
 
@@ -46,10 +47,47 @@ def main(out: str, settings: list[str], cases: dict[str, list[str]], poisoned: l
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, seen)
         results[name] = everyone
+        if name in ("ddp", "zero2"):
+            results[f"{name} full disk"] = full_disk_on_rank_0(tr)
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
     leave_world()
+
+
+def full_disk_on_rank_0(tr) -> dict[str, list]:
+    """Saves where rank 0 alone runs out of disk, in each phase of a save (its folder, its
+    files, the record and rename): what each rank raised, and the step folders left."""
+    import errno
+    from unittest import mock
+
+    from scale_llm.components import checkpoint
+    from scale_llm.errors import UserError
+    from scale_llm.train import trainer
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    seen = {}
+    for phase, where in [
+        ("folder", (checkpoint, "_remove_stale")),
+        ("files", (trainer, "save_file")),
+        ("record", (checkpoint, "fsync_tree")),
+        ("publish", (checkpoint, "write_integrity")),
+    ]:
+        tr.step += 1
+        with mock.patch.object(*where, full) if dist.get_rank() == 0 else nullcontext():
+            try:
+                tr.save_checkpoint()
+                said = "saved"
+            except UserError as e:
+                said = str(e)
+        dist.barrier()  # (rank 0 has removed what it wrote)
+        left = sorted(p.name for p in tr.checkpointer.dir.iterdir() if "step_" in p.name)
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, [said, left])
+        seen[phase] = everyone
+    return seen
 
 
 if __name__ == "__main__":

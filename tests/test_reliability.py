@@ -291,10 +291,10 @@ def test_a_background_save_holds_its_step_while_training_goes_on(data_dir, tmp_p
         optimizer_step(backend, model, [(tokens[:, :-1], tokens[:, 1:])])
         return {k: v.clone() for k, v in model.state_dict().items()}
 
-    def write(tmp: Path, background=None):
-        writing = backend.save(tmp, background)
+    def write(tmp: Path, foreground: bool = True) -> None:
+        if foreground:
+            backend.save(tmp)
         save_file({}, tmp / TRAINER_STATE)  # (what makes a step dir complete)
-        return writing
 
     for mode in ("async", "async_with_pinned_mem"):
         checkpointer = Checkpointer(tmp_path / mode, keep_last=1)
@@ -306,7 +306,8 @@ def test_a_background_save_holds_its_step_while_training_goes_on(data_dir, tmp_p
         for step in (2, 3):
             weights = train_one_step()
             try:
-                path = checkpointer.save(step, functools.partial(write, background=background))
+                start = functools.partial(backend.save, background=background)
+                path = checkpointer.save(step, functools.partial(write, foreground=False), start)
                 assert [s for s, _ in checkpointer.complete()] == [step - 1]  # not yet
                 assert (checkpointer.dir / f".tmp-step_0000000{step}" / TRAINER_STATE).is_file()
                 after = train_one_step()  # the step goes on while the write is held

@@ -18,6 +18,7 @@ import statistics
 import time
 import typing
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -653,7 +654,9 @@ def _time_background_saves(
     try:
         for step in (1, 2) if background.stager else (1,):
             start = time.perf_counter()
-            path = checkpointer.save(step, lambda tmp: backend.save(tmp, background))
+            path = checkpointer.save(
+                step, lambda _: None, partial(backend.save, background=background)
+            )
             returned = time.perf_counter()
             checkpointer.wait()
             barrier()

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from scale_llm.components import digests
-from scale_llm.components.distributed import barrier, is_distributed, rank_and_world
+from scale_llm.components.distributed import first_failed_rank, is_distributed, rank_and_world
 from scale_llm.components.serialization import damaged, dcp_load, dcp_metadata, load_file
 from scale_llm.components.zero_weights import MODEL_STATES, ZeroWeights
 from scale_llm.config import Config, ModelConfig, build_section, short, validate
@@ -234,43 +234,44 @@ class Checkpointer:
         fsync_dir(self.dir)
         return target
 
-    def save(self, step: int, write: Callable[[Path], Future | None]) -> Path:
-        """Every rank calls `write(tmp_dir)`; then the main rank publishes it (record, rename,
-        pruning). A `write` returning a Future (DCP's async_save, started last) is published by
-        this Checkpointer's thread on `group` once done; one save is in flight at most."""
+    def save(
+        self,
+        step: int,
+        write: Callable[[Path], None],
+        start: Callable[[Path], Future] | None = None,
+    ) -> Path:
+        """Every rank calls `write(tmp_dir)`; once all have written, the main rank publishes it
+        (record, rename, pruning), or, given `start`, each rank starts its background write
+        (DCP's async_save) and this Checkpointer's thread publishes it on `group` once written;
+        one save is in flight at most. Each phase ends with the ranks agreeing: a failure on one
+        rank stops every rank (there a RankFailed naming it), none left waiting for another."""
         self.wait()
         final = self.dir / checkpoint_name(step)
         tmp = self.dir / f".tmp-{final.name}"
         self._published = None
-        if self.is_main:
-            try:  # (a file system gone read-only fails here first)
-                self.dir.mkdir(parents=True, exist_ok=True)
-                _remove_stale(tmp)
-                tmp.mkdir()
-            except OSError as e:
-                self._failed(e, tmp, final)
-                raise
-        barrier()
         hashing = contextlib.ExitStack()
-        written = hashing.enter_context(digests.recording())  # files hashed as they are written
         try:
-            running = write(tmp)
+            with together():  # (a file system gone read-only fails here first)
+                if self.is_main:
+                    self.dir.mkdir(parents=True, exist_ok=True)
+                    _remove_stale(tmp)
+                    tmp.mkdir()
+            written = hashing.enter_context(digests.recording())  # hashed as they are written
+            with together():
+                write(tmp)
+            if start is None:
+                hashing.close()
+                self._publish(tmp, final, written)
+                return final
+            running = start(tmp)  # (nothing after this can fail before the write does)
         except BaseException as e:
             hashing.close()
             self._failed(e, tmp, final)
             raise
-        if running is None:
-            hashing.close()
-            try:
-                self._publish(tmp, final, written)
-            except BaseException as e:
-                self._failed(e, tmp, final)
-                raise
-            return final
 
         def publish_when_written() -> Path:  # (in this Checkpointer's thread)
             try:
-                with hashing:  # closed: every digest taken
+                with hashing, together(self.group):  # closed: every digest taken
                     running.result()
                 self._publish(tmp, final, written, self.group)
             except BaseException as e:
@@ -320,18 +321,17 @@ class Checkpointer:
 
     def _publish(self, tmp: Path, final: Path, written: digests.Recorded, group: Any = None):
         """Once every rank has written: the integrity record, the rename, pruning (main rank)."""
-        barrier(group)
         record = finish_record(tmp, written, self.is_main, group)
-        if self.is_main:
-            write_integrity(tmp, record, folder_id(self.dir) or claim_folder(self.dir))
-            if final.is_symlink() or final.exists():  # not a checkpoint: moved aside, kept
-                target = self._move_aside([final])
-                log.warning("checkpoint: %s was in the way; moved it to %s", final, target)
-            tmp.rename(final)
-            self._published = final
-            fsync_dir(self.dir)
-            self.prune()
-        barrier(group)
+        with together(group):
+            if self.is_main:
+                write_integrity(tmp, record, folder_id(self.dir) or claim_folder(self.dir))
+                if final.is_symlink() or final.exists():  # not a checkpoint: moved aside, kept
+                    target = self._move_aside([final])
+                    log.warning("checkpoint: %s was in the way; moved it to %s", final, target)
+                tmp.rename(final)
+                self._published = final
+                fsync_dir(self.dir)
+                self.prune()
 
     def _failed(self, e: BaseException, tmp: Path, final: Path) -> None:
         """Remove a failed save's files; out of disk space, or a disk or file system that
@@ -340,7 +340,7 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)  # made by `save` for this save
         full = _os_error(e)
         failed = _os_error(e, DISK_FAILED) or _os_error(e, NOT_ALLOWED)
-        if full is None and failed is None:
+        if full is None and failed is None and not isinstance(e, RankFailed):
             return
         try:
             done = [d for d in self.complete() if d[1] != final]
@@ -351,9 +351,15 @@ class Checkpointer:
             intact = f"the checkpoints in {self.dir} could not be listed"
         left = self.is_main and _there(tmp)  # (the main rank removes them)
         removed = f"are in {tmp} (removed by the next save)" if left else "were removed"
+        saved = f"; {final} was published before it" if self._published == final else ""
+        if isinstance(e, RankFailed):
+            raise UserError(
+                f"checkpoint {final} failed on rank {e.rank} (its message says why){saved}; the "
+                f"partial files {removed} and {intact or 'no earlier checkpoint exists'}; fix "
+                f"that, then launch again: the run continues from its last complete checkpoint"
+            ) from None
         if full is None:
             where = f" on {failed.filename}" if failed.filename else ""
-            saved = f"; {final} was published before it" if self._published == final else ""
             raise UserError(
                 f"could not write checkpoint {final} ({failed.strerror}{where}){saved}; the "
                 f"partial files {removed} and {intact or 'no earlier checkpoint exists'}; check "
@@ -511,21 +517,60 @@ def finish_record(
 ) -> Record:
     """The whole integrity record of a checkpoint all ranks of `group` just wrote: the digests
     taken while writing, then each rank hashes its share of the rest as the main rank fsyncs."""
-    known = gather_records(written_entries(ckpt_dir, written), group)
-    with ThreadPoolExecutor(1) as pool:
-        share = pool.submit(integrity_record, ckpt_dir, *rank_and_world(), skip=known)
-        if is_main:
-            fsync_tree(ckpt_dir)
-        return {**known, **gather_records(share.result(), group)}
+    known = gather_records(_outcome(written_entries, ckpt_dir, written), group)
+
+    def share() -> Record:
+        with ThreadPoolExecutor(1) as pool:
+            part = pool.submit(integrity_record, ckpt_dir, *rank_and_world(), skip=known)
+            if is_main:
+                fsync_tree(ckpt_dir)
+            return part.result()
+
+    return {**known, **gather_records(_outcome(share), group)}
 
 
-def gather_records(share: Record, group: Any = None) -> Record:
-    """Every rank's share of the integrity record, merged (all ranks of `group` get it)."""
-    if not is_distributed():
-        return share
-    parts: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(parts, share, group=group)
+def gather_records(share: Record | Exception, group: Any = None) -> Record:
+    """Every rank's share of the integrity record, merged (all ranks of `group` get it). A rank
+    whose share failed passes its error: it raises there, and a RankFailed on the others."""
+    failed = isinstance(share, Exception)
+    parts: list[Any] = [share]
+    if is_distributed():
+        parts = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, None if failed else share, group=group)
+    if failed:
+        raise share
+    if None in parts:
+        raise RankFailed(parts.index(None))
     return dict(sorted(item for part in parts for item in part.items()))
+
+
+def _outcome(fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args), or the Exception it raised."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        return e
+
+
+class RankFailed(Exception):
+    """Another rank's part of a collective step failed (that rank reports why)."""
+
+    def __init__(self, rank: int):
+        super().__init__(f"rank {rank} failed")
+        self.rank = rank
+
+
+@contextlib.contextmanager
+def together(group: Any = None) -> Iterator[None]:
+    """The end of a step every rank of `group` takes: they meet there, and an Exception on any
+    rank raises on every rank (its own there, a RankFailed naming the first one elsewhere)."""
+    error = None
+    try:
+        yield
+    except Exception as e:
+        error = e
+    if (first := first_failed_rank(error is not None, group)) is not None:
+        raise error if error is not None else RankFailed(first)
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

@@ -249,6 +249,19 @@ def barrier(group: dist.ProcessGroup | None = None) -> None:
         dist.barrier(group=group)
 
 
+def first_failed_rank(failed: bool, group: dist.ProcessGroup | None = None) -> int | None:
+    """The lowest rank of `group` where `failed` holds (None: none does; one process: its own
+    verdict). A barrier that carries each rank's outcome, so that all stop together."""
+    if not is_distributed():
+        return 0 if failed else None
+    world, cuda = dist.get_world_size(group), "gloo" not in str(dist.get_backend(group))
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    mine = dist.get_rank(group) if failed else world
+    flag = torch.tensor([mine], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return None if (first := int(flag.item())) == world else first
+
+
 def side_group() -> dist.ProcessGroup | None:
     """A gloo group for collectives off the main thread (a background checkpoint write), which
     on the main group could interleave with the step's; None in one process."""

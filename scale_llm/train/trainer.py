@@ -271,21 +271,18 @@ class Trainer:
         fault = partial(maybe_fail, "mid_save", self.step, self.plan.rank)
         background = self.background and replace(self.background, on_written=fault)
 
-        def write_trainer_state(tmp: Path) -> None:
+        def write(tmp: Path) -> None:
+            if not background:
+                self.backend.save(tmp)
+                fault()
             state = self.state_dict()  # a collective (every rank's generators)
             if self.plan.is_main:
                 save_file(state, tmp / TRAINER_STATE)
 
-        def write(tmp: Path) -> Future | None:
-            if background:  # started last: once the write runs, nothing here can fail
-                write_trainer_state(tmp)
-                return self.backend.save(tmp, background)  # copied; written in a thread
-            self.backend.save(tmp)
-            fault()
-            write_trainer_state(tmp)
-            return None
+        def start(tmp: Path) -> Future:  # once every rank wrote: copied, written in a thread
+            return self.backend.save(tmp, background)
 
-        path = self.checkpointer.save(self.step, write)
+        path = self.checkpointer.save(self.step, write, start if background else None)
         what = f"writing {path} in the background" if background else f"saved {path}"
         log.info(f"checkpoint: {what}")
         return path
