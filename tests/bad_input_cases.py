@@ -1394,6 +1394,7 @@ RESUME_ONLY = {  # fields only a resume reads
         "data.position: 1180591620717411303424 is not an integer in 0..2^62",
     ),
     "bad streak past the step": ({"bad_streak": 7}, "bad_streak: 7 is not a count of steps"),
+    "tokens trained negative": ({"tokens": -5}, "tokens: -5 is not a count of tokens"),
     "rng garbage": ({"rng": [{"torch": "x"}]}, "rng[0].torch: not a torch generator state"),
     "rng of 10 bytes": (  # torch's RuntimeError when the resume set it
         {"rng__0__torch": torch.zeros(10, dtype=torch.uint8)},

@@ -19,7 +19,7 @@ from scale_llm.config import TrainConfig, load_config
 from scale_llm.errors import UserError
 from scale_llm.model import build_model
 from scale_llm.train.trainer import Trainer
-from tests.helpers import finished_run, make_config, plan_for, trainer_for
+from tests.helpers import finished_run, make_config, plan_for, rows_of, trainer_for
 
 
 def trainer(data_dir, tmp_path, *overrides) -> Trainer:
@@ -609,23 +609,33 @@ def test_lr_schedules_linear_wsd_and_constant():
 def test_a_resume_with_another_batch_says_the_curve_changes(data_dir, tmp_path, logs):
     """A resume with another micro-batch, grad_accum or world size continued in silence, on
     another curve than the checkpoint's settings give. It warns once, with both sizes; the
-    same batch from other factors (micro 2 x accum 2 for micro 4) does not."""
+    same batch from other factors (micro 2 x accum 2 for micro 4) does not. The tokens trained
+    count each step's own batch (they were tokens per step now x step), in the metrics row and
+    the next checkpoint."""
     first = ["train.max_steps=6", "train.exit_at_step=2", "train.micro_batch_size=4"]
     finished_run(data_dir, tmp_path, *first)
     for change, warns in (
         (["train.micro_batch_size=2", "train.grad_accum=2"], False),
-        (
-            ["train.micro_batch_size=8"],
-            True,
-        ),
+        (["train.micro_batch_size=8", "train.exit_at_step=3", "logging.every=1"], True),
     ):
         logs.records.clear()
         trainer = trainer_for(make_config(data_dir, tmp_path, "train.max_steps=6", *change))
-        trainer.loader.close()
-        trainer.lock.release()
         warned = [r.getMessage() for r in logs.records if "a step now takes" in r.getMessage()]
         assert trainer.step == 2 and len(warned) == warns, warned
+        assert trainer.tokens(2) == 2 * 4 * 32
+        if not warns:
+            trainer.loader.close()
+            trainer.lock.release()
     assert "not the 128 of the checkpoint's run (micro 8 x seq_len 32" in warned[0]
+    from scale_llm.components.checkpoint import TRAINER_STATE
+    from scale_llm.components.serialization import load_file
+
+    trainer.fit()  # step 3: micro 8
+    assert rows_of(tmp_path / "test")[3]["tokens"] == 2 * 4 * 32 + 8 * 32
+    assert (
+        load_file(tmp_path / "test" / "checkpoints" / "step_00000003" / TRAINER_STATE)["tokens"]
+        == 2 * 4 * 32 + 8 * 32
+    )
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "wsd"])

@@ -60,7 +60,7 @@ class TrainMetrics(Callback):
             "lr": s.lr,
             "grad_norm": s.grad_norm.item(),
             "tokens_per_s": tokens_per_s,
-            "tokens": trainer.plan.tokens_per_step * s.step,
+            "tokens": trainer.tokens(s.step),
             "skipped_steps": int(trainer.skipped_steps.item()),
         }
         for name, sequences in trainer.loader.drawn().items():  # a mixture's, cumulative

@@ -135,6 +135,8 @@ def resume_state_problems(state: dict[str, Any]) -> list[str]:
         value = state[key]
         if not is_count(value) or value > step:
             out.append(f"{key}: {short(value, 40)} is not a count of steps within 0..{step}")
+    if not is_count(state.get("tokens", 0)):
+        out.append(f"tokens: {short(state['tokens'], 40)} is not a count of tokens")
     out += _rng_problems(state["rng"])
     backend = state["backend"]
     parts = [backend.get(k) for k in ("layout", "scaler")] if isinstance(backend, dict) else [0]

@@ -22,6 +22,7 @@ from scale_llm.components.checkpoint import (
     TRAINER_STATE,
     Checkpointer,
     CheckpointWeights,
+    is_count,
 )
 from scale_llm.components.hardware import peak_flops
 from scale_llm.components.optim import lr_at
@@ -101,7 +102,7 @@ class Trainer:
         self.loader = TrainLoader(
             data.train, plan, cfg.run.seed, cfg.data.prefetch, data.sources, cfg.data.repeat
         )
-        self.step = 0
+        self.step, self.tokens_at = 0, (0, 0)  # (a step, the tokens trained up to it)
         self.skipped_steps = torch.zeros((), dtype=torch.int64, device=self.device)
         self.bad_streak = torch.zeros((), dtype=torch.int64, device=self.device)
         if self.spec.resume is not None:
@@ -287,6 +288,10 @@ class Trainer:
         log.info(f"checkpoint: {what}")
         return path
 
+    def tokens(self, step: int) -> int:
+        """The tokens trained up to `step` (a resume with another batch: each step's own)."""
+        return self.tokens_at[1] + self.plan.tokens_per_step * (step - self.tokens_at[0])
+
     def state_dict(self) -> dict[str, Any]:
         """Everything but the model and optimizer (which the backend writes itself)."""
         return {
@@ -295,6 +300,7 @@ class Trainer:
             "data": self.loader.state_dict(),
             "rng": rng.gather_all_ranks(),  # one entry per rank (a collective)
             "skipped_steps": int(self.skipped_steps.item()),
+            "tokens": self.tokens(self.step),
             # a checkpoint can fall inside a run of skipped steps: a resume continues its count
             "bad_streak": int(self.bad_streak.item()),
             "config": to_dict(self.cfg),
@@ -310,6 +316,9 @@ class Trainer:
             self.backend.load(self.resume_from, state["backend"]["layout"])
             self.backend.load_state_dict(state["backend"])
         self.step = int(state["step"])
+        per_step = state["plan"].get("tokens_per_step")  # (a run's tokens before they were kept)
+        per_step = per_step if is_count(per_step) else self.plan.tokens_per_step
+        self.tokens_at = (self.step, int(state.get("tokens", per_step * self.step)))
         self.loader.load_state_dict(state["data"])
         self.skipped_steps.fill_(int(state["skipped_steps"]))
         self.bad_streak.fill_(int(state["bad_streak"]))
