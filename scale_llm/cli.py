@@ -124,6 +124,8 @@ def _config_parser(sub) -> None:
     preflight = "run train's preflight for this machine (data, run dir, resume, init_from, memory, "
     preflight += "toolchain, eval.tasks) and print its verdict; writes nothing"
     _flag(p, "--preflight", preflight)
+    world = "--preflight as rank 0 of a launch of N processes (default: $WORLD_SIZE; else 1)"
+    p.add_argument("--world-size", type=int, metavar="N", help=world)
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -141,14 +143,17 @@ def cmd_config(args: argparse.Namespace) -> int:
         print(markdown_keys() if args.markdown else text_keys())
         return 0
     cfg = config_from_args(args)
+    if args.world_size is not None and not args.preflight:
+        raise UserError("--world-size: only with --preflight (the config holds no world size)")
     if not args.preflight:
         print(dump_yaml(cfg), end="")
         return 0
     from scale_llm.config.plan import Launch, resolve_plan
     from scale_llm.train.preflight import preflight
 
-    # what `train` would find before any work, as one process; the report (exit 2) if not
-    spec = preflight(cfg, resolve_plan(cfg, Launch()))
+    # what `train` would find before any work, as rank 0 of its launch; the report if not
+    world, _ = _target_world(args, lambda: (1, None))
+    spec = preflight(cfg, resolve_plan(cfg, Launch(world_size=world)))
     if spec.resume is None:
         start = "a fresh run" + (f" from {spec.init_from}" if spec.init_from else "")
     elif spec.complete:

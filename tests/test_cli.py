@@ -1360,3 +1360,13 @@ def test_config_preflight_says_what_train_would_find_and_writes_nothing(data_dir
     assert err.startswith("error: 2 problems stop this launch before any work:\n  - data.dir=")
     assert "holds no prepared shards" in err and "is a file, not a directory" in err
     assert (tmp_path / "afile").read_text() == "mine"
+    # as rank 0 of a launch of N processes (it judged a world of one whatever the launch)
+    batch = [*args, f"--set=run.dir={runs}", "--set=train.global_batch_size=64"]
+    assert main(["config", *batch, "--preflight", "--world-size", "4"]) == 0
+    capsys.readouterr()
+    assert main(["config", *batch, "--preflight", "--world-size", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "(launched with 3 processes)" in err and "x world size 3 = " in err
+    assert main(["config", *batch, "--world-size", "3"]) == 2
+    assert "--world-size: only with --preflight" in capsys.readouterr().err
+    assert not runs.exists()
