@@ -25,9 +25,9 @@ bash launch/setup.sh
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
 start=$(date +%s)
 # What the run will use, read once from the config and the train args: run dir, its parent (the
-# run.dir), data dir, steps (a bad config or argument: its one paragraph, exit 2).
+# run.dir), data dir (full paths), steps (a bad config or argument: its one paragraph, exit 2).
 facts="$("$venv/bin/python" -c '
-import sys
+import os, sys
 from scale_llm.cli import config_from_args, parse_args
 from scale_llm.errors import UserError
 try:
@@ -35,7 +35,8 @@ try:
 except (UserError, OSError) as e:  # (a config this user may not read: said, no traceback)
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
-print(cfg.run_dir, cfg.run.dir, cfg.data.dir, cfg.train.max_steps, sep="\n")' "$config" "$@")"
+full = [os.path.abspath(p) for p in (cfg.run_dir, cfg.run.dir, cfg.data.dir)]  # (here: the checkout)
+print(*full, cfg.train.max_steps, sep="\n")' "$config" "$@")"
 { read -r run_dir; read -r runs; read -r data_dir; read -r steps; } <<< "$facts"
 say "[2/4] preparing data in $data_dir (first time only: a tokenizer, then token shards)"
 "$venv/bin/scale-llm" prepare --as-train "$config" "$@"  # the data the train args ask for

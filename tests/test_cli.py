@@ -1150,19 +1150,19 @@ def test_the_quickstart_says_each_phase_and_ends_with_the_next_commands(tmp_path
         "setup.sh: ready",
     ]
     phases = [line for line in lines if line.startswith("quickstart.sh: [")]
-    assert phases[1:] == [
-        "quickstart.sh: [2/4] preparing data in data/builtin-v2048 (first time only: a "
+    assert phases[1:] == [  # (full paths: the config's relative ones are the checkout's)
+        f"quickstart.sh: [2/4] preparing data in {root}/data/builtin-v2048 (first time only: a "
         "tokenizer, then token shards)",
-        "quickstart.sh: [3/4] training runs/tiny for 150 steps (a step line every "
+        f"quickstart.sh: [3/4] training {root}/runs/tiny for 150 steps (a step line every "
         "logging.every steps)",
-        "quickstart.sh: [4/4] generating text from runs/tiny",
+        f"quickstart.sh: [4/4] generating text from {root}/runs/tiny",
     ]
     assert lines.index(phases[1]) + 1 == lines.index("scale-llm prepare --as-train yaml/tiny.yaml")
     assert [line.split("   #")[0] for line in lines[-4:]] == [
         f"Next (from {root}: cd {root}):",
-        "  .venv/bin/tensorboard --logdir runs",
-        "  .venv/bin/scale-llm runs runs",
-        "  .venv/bin/scale-llm export runs/tiny --out exports/tiny",
+        f"  .venv/bin/tensorboard --logdir {root}/runs",
+        f"  .venv/bin/scale-llm runs {root}/runs",
+        f"  .venv/bin/scale-llm export {root}/runs/tiny --out exports/tiny",
     ]
     # setup.sh's SCALE_LLM_VENV: the venv the quickstart runs and names (it ran .venv/bin/python)
     venv = {**os.environ, "SCALE_LLM_VENV": str(tmp_path / "my venv")}
@@ -1198,7 +1198,7 @@ def test_the_quickstart_reads_a_config_from_where_it_started_and_says_a_bad_one(
     )
     proc = run("mine.yaml")
     assert proc.returncode == 0, proc.stderr
-    assert "quickstart.sh: [3/4] training runs/tiny for 7 steps" in proc.stdout
+    assert f"quickstart.sh: [3/4] training {root}/runs/tiny for 7 steps" in proc.stdout
     assert f"scale-llm train {here / 'mine.yaml'}" in proc.stdout
     for args, said in (
         (["nothere.yaml"], "config file nothere.yaml does not exist"),
