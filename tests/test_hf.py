@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -274,6 +275,47 @@ def test_integer_weights_are_refused_with_their_shapes(exported, tmp_path):
     with pytest.raises(UserError, match=r"model.norm.weight in .* holds torch.int16 values, not"):
         read.shapes({"model.norm.weight", "lm_head.weight"})
     assert read.shapes({"lm_head.weight"})["model.norm.weight"] == (32,)  # one it does not read
+
+
+def test_weights_transformers_reads_are_read_and_others_refused_before_any_work(exported, tmp_path):
+    """A pickled embedding saved as a transposed view (transformers loads it) was a traceback
+    (`view size is not compatible`) after the preflight said ok; so were an fp4 norm in
+    safetensors, and sparse or meta tensors in a pickle. The view is read; the others are
+    refused by the preflight's read of the shapes, naming the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    from scale_llm.components.hf_files import HFWeights
+
+    tensors = load_file(exported / "model.safetensors")
+    needed = {"model.norm.weight", "model.embed_tokens.weight"}
+    folder = tmp_path / "pickled"
+    folder.mkdir()
+    shutil.copy(exported / "config.json", folder)
+    head = tensors["model.embed_tokens.weight"]
+    for kind, value in [
+        ("a transposed view", head.t().contiguous().t()),
+        ("torch.float32 (torch.sparse_coo, on cpu)", head.to_sparse()),
+        ("torch.float32 (torch.strided, on meta)", head.to("meta")),
+    ]:
+        torch.save({**tensors, "model.embed_tokens.weight": value}, folder / "pytorch_model.bin")
+        read = HFWeights(folder, "model.init_from")
+        if kind == "a transposed view":
+            assert not value.is_contiguous()
+            read.shapes(needed)
+            assert torch.equal(read.get("model.embed_tokens.weight"), head)
+            continue
+        with pytest.raises(
+            UserError, match=rf"model.embed_tokens.weight in .* holds {re.escape(kind)} "
+        ):
+            read.shapes(needed)
+        with pytest.raises(UserError, match="not floating-point weights scale_llm reads"):
+            read.get("model.embed_tokens.weight")
+    fp4 = {**tensors, "model.norm.weight": torch.zeros(32, dtype=torch.uint8)}
+    fp4["model.norm.weight"] = fp4["model.norm.weight"].view(torch.float4_e2m1fn_x2)
+    (folder / "pytorch_model.bin").unlink()
+    save_file(fp4, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UserError, match=r"model.norm.weight in .* holds F4 values, not"):
+        HFWeights(folder, "model.init_from").shapes(needed)
 
 
 def random_model(**shape) -> torch.nn.Module:

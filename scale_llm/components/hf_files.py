@@ -65,6 +65,9 @@ class HFWeights:
         """Every tensor's shape; an integer tensor among `needed` (what the model reads) is
         refused, as `get` refuses it."""
         if self._pickled is not None:
+            for name in sorted(set(needed) & set(self._pickled)):
+                if kind := _unread_kind(self._pickled[name]):  # (what `get` refuses)
+                    raise self._refused(name, kind)
             return {  # (a non-tensor has no shape: named by the shape check)
                 k: tuple(v.shape) if isinstance(v, torch.Tensor) else ()
                 for k, v in self._pickled.items()
@@ -82,13 +85,9 @@ class HFWeights:
         for name, file in self.file_of.items():
             piece = self._open(file).get_slice(name)
             dtype = str(piece.get_dtype()).upper()
-            if name in needed and dtype.startswith(("I", "U", "BOOL")):
+            if name in needed and dtype not in SAFETENSORS_READ:  # (what `get` refuses)
                 kind = "bool" if dtype == "BOOL" else f"{'u' * (dtype[0] == 'U')}int{dtype[1:]}"
-                raise UserError(  # (what `get` refuses, in its words: said before any work)
-                    f"{self.what}: {name} in {self.folder / file} holds torch.{kind} values, not "
-                    f"floating-point weights (they would be cast silently); save the model with "
-                    f"float weights (fp32, bf16 or fp16), or pick another folder"
-                )
+                raise self._refused(name, f"torch.{kind}" if dtype[0] in "IUB" else dtype)
             shapes[name] = tuple(piece.get_shape())
         return shapes
 
@@ -109,16 +108,18 @@ class HFWeights:
                 ) from None
         return self._checked(name, tensor)
 
+    def _refused(self, name: str, kind: str) -> UserError:
+        return UserError(
+            f"{self.what}: {name} in {self.folder / self.file_of[name]} holds {kind} values, not "
+            f"floating-point weights scale_llm reads (they would be cast silently, or not at "
+            f"all); save the model with float weights (fp32, bf16 or fp16), or pick another folder"
+        )
+
     def _checked(self, name: str, tensor: Any) -> torch.Tensor:
         where = self.folder / self.file_of[name]
-        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
-            kind = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            raise UserError(
-                f"{self.what}: {name} in {where} holds {kind} values, not floating-point "
-                f"weights (they would be cast silently); save the model with float weights "
-                f"(fp32, bf16 or fp16), or pick another folder"
-            )
-        tensor = tensor.float()
+        if kind := _unread_kind(tensor):
+            raise self._refused(name, kind)
+        tensor = tensor.float().contiguous()  # (a pickle may hold a transposed or expanded view)
         # counted in chunks: a mask of the whole tensor would be one more quarter of it
         bad = sum(int((~torch.isfinite(c)).sum()) for c in tensor.view(-1).split(1 << 22))
         if bad:
@@ -180,6 +181,21 @@ class HFWeights:
             self.file_of.update(dict.fromkeys(part, file))
             out.update(part)
         return out
+
+
+# the dtypes read as weights (as fp32), and safetensors' names of them
+READ_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+READ_DTYPES += (torch.float8_e4m3fn, torch.float8_e5m2)
+SAFETENSORS_READ = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+
+
+def _unread_kind(tensor: Any) -> str | None:
+    """What `tensor` holds, where it is not a dense CPU tensor of a READ_DTYPES dtype (None)."""
+    if not isinstance(tensor, torch.Tensor):
+        return type(tensor).__name__
+    if tensor.layout != torch.strided or tensor.device.type != "cpu":
+        return f"{tensor.dtype} ({tensor.layout}, on {tensor.device.type})"
+    return None if tensor.dtype in READ_DTYPES else str(tensor.dtype)
 
 
 def _weight_map_problem(weight_map: Any) -> str | None:
