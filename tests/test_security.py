@@ -16,6 +16,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -209,6 +210,7 @@ def test_transformers_is_told_not_to_run_a_tokenizer_folders_code(tmp_path, monk
     folder = word_tokenizer(tmp_path / "tok", 20)
     marker = plant_code(folder, "tokenizer_config.json")
     monkeypatch.setattr(pretrained_tokenizer, "custom_code_problem", lambda *a: None)
+    monkeypatch.setattr(pretrained_tokenizer, "_named_class_problem", lambda *a: None)
     monkeypatch.setattr(sys, "stdin", io.StringIO("y\n"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(UserError, match="AutoTokenizer cannot load it"):
@@ -292,6 +294,78 @@ def test_a_folder_without_custom_code_passes(exported, tmp_path):
     folder = word_tokenizer(tmp_path / "tok", 5)
     (folder / f"{EVIL_MODULE}.py").write_text("")
     assert custom_code_problem(folder, "data.tokenizer") is None
+
+
+@pytest.mark.parametrize(
+    ("file", "named"),
+    [
+        ("tokenizer_config.json", "LlamaForCausalLM"),
+        ("tokenizer_config.json", "AutoModel"),
+        ("tokenizer_config.json", "pipeline"),
+        ("config.json", "LlamaForCausalLM"),
+    ],
+)
+def test_a_tokenizer_class_naming_a_model_is_refused_before_transformers_builds_it(
+    file, named, tmp_path, monkeypatch
+):
+    """transformers' AutoTokenizer builds any class of the package a folder's tokenizer_class
+    names: `LlamaForCausalLM` made prepare build the model from the tokenizer folder, its
+    weights read and a Hub kernel its config.json names (attn_implementation) fetched and
+    loaded. A name that is not one of transformers' tokenizer classes is refused first."""
+    transformers = pytest.importorskip("transformers")
+    from scale_llm.data.pretrained_tokenizer import build_bundle
+
+    folder = word_tokenizer(tmp_path / "tok", 5)
+    path = folder / file
+    config = json.loads(path.read_text()) if path.exists() else {}
+    if file == "config.json":  # (read where tokenizer_config.json names no class)
+        tok = json.loads((folder / "tokenizer_config.json").read_text())
+        del tok["tokenizer_class"]
+        (folder / "tokenizer_config.json").write_text(json.dumps(tok))
+    path.write_text(json.dumps({**config, "tokenizer_class": named}))
+
+    def built(*args, **kwargs):
+        raise AssertionError("a model was built from the tokenizer folder")
+
+    monkeypatch.setattr(transformers.LlamaForCausalLM, "from_pretrained", built)
+    with pytest.raises(UserError, match=rf"names tokenizer_class '{named}', which is not a tok"):
+        build_bundle(folder)
+    path.write_text(json.dumps({**config, "tokenizer_class": "PreTrainedTokenizerFast"}))
+    build_bundle(folder)  # (transformers' own class: read)
+
+
+def test_a_tokenizer_that_fails_encodes_nothing_or_names_ids_past_its_vocabulary_is_refused(
+    tmp_path,
+):
+    """Three tokenizer folders prepare took or crashed on: one whose template puts id 5000
+    before each text in a vocabulary of 8 (train refused the data later, with a fix that
+    could not help; past 65,535 prepare crashed on uint16); a model_max_length that is not a
+    number (a TypeError as it encoded); a class that rebuilds the pipeline into one encoding
+    no text (every document BOS and EOS alone)."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, processors
+
+    from scale_llm.data.pretrained_tokenizer import build_bundle
+
+    def folder(name: str, **config) -> Path:
+        path = word_tokenizer(tmp_path / name, 5)
+        tok = json.loads((path / "tokenizer_config.json").read_text())
+        (path / "tokenizer_config.json").write_text(json.dumps({**tok, **config}))
+        return path
+
+    far = folder("far")
+    tok = Tokenizer.from_file(str(far / "tokenizer.json"))
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", 5000)]
+    )
+    tok.save(str(far / "tokenizer.json"))
+    for path, said in [
+        (far, "it puts ids [5000] around a text or names them as special tokens, outside its "),
+        (folder("len", model_max_length="lots"), "fails to encode a text (TypeError: "),
+        (folder("gpt2", tokenizer_class="GPT2Tokenizer"), "encodes 'a' as no ids at all"),
+    ]:
+        with pytest.raises(UserError, match=re.escape(said)):
+            build_bundle(path)
 
 
 def hub_cache_entry(flat: Path, root: Path) -> Path:

@@ -8,12 +8,19 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from scale_llm.errors import UserError, require
-from scale_llm.files import custom_code_problem, describe_kind, read_folder_file, read_json
+from scale_llm.errors import UserError, require, short
+from scale_llm.files import (
+    custom_code_problem,
+    describe_kind,
+    folder_file,
+    read_folder_file,
+    read_json,
+)
 
 BUNDLE_FILE = "hf-tokenizer.json"
 FORMAT = "scale_llm hf-tokenizer 1"
@@ -35,6 +42,7 @@ RESTORE_FIX = (
     "restore it (a run directory's copy comes from its data.dir), or re-run `scale-llm prepare "
     "CONFIG --force`"
 )
+TOKENIZER_CLASS = r"\w*(Tokenizer|TokenizerFast|Backend)"  # the names of transformers' classes
 FOLDER_HELP = (
     "give the folder of a Hugging Face model's tokenizer (tokenizer.json and/or "
     "tokenizer.model), e.g. the folder model.init_from names or one `scale-llm export` wrote (a "
@@ -95,15 +103,33 @@ def build_bundle(folder: str | Path) -> tuple[bytes, dict[str, Any]]:
             f"prepare ends every document with EOS, so the model learns where a text ends. Add "
             f'the model\'s end-of-text token as "eos_token" to {folder / "tokenizer_config.json"}'
         )
-    _check_pipeline(tok, backend, folder)
-    start, end = _affixes(tok, folder)
+    try:  # (a value of the wrong type in its config fails only here, as it encodes)
+        _check_pipeline(tok, backend, folder)
+        start, end = _affixes(tok, folder)
+    except UserError:
+        raise
+    except Exception as e:
+        reason = (str(e).strip().splitlines() or [""])[0][:300]
+        raise UserError(
+            f"{WHAT}={folder}: transformers' {type(tok).__name__} fails to encode a text "
+            f"({type(e).__name__}: {reason}); {FOLDER_HELP}"
+        ) from None
+    vocab = max(backend.get_vocab(with_added_tokens=True).values()) + 1
+    special = (*start, *end, tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+    if outside := sorted({i for i in special if i is not None and not 0 <= i < vocab}):
+        raise UserError(
+            f"{WHAT}={folder}: it puts ids {short(outside, 60)} around a text or names them as "
+            f"special tokens, outside its vocabulary of {vocab:,} ids (the data would hold ids "
+            f"no model of its size has); fix tokenizer.json's post_processor or the special "
+            f"tokens, or give another folder"
+        )
     info = {
         "bos_id": tok.bos_token_id,
         "eos_id": tok.eos_token_id,
         "pad_id": tok.pad_token_id,
         "start_ids": start,
         "end_ids": end,
-        "vocab_size": max(backend.get_vocab(with_added_tokens=True).values()) + 1,
+        "vocab_size": vocab,
         "files_sha256": files_digest(files),
     }
     bundle = {
@@ -119,7 +145,7 @@ def build_bundle(folder: str | Path) -> tuple[bytes, dict[str, Any]]:
 def _auto_tokenizer(folder: Path) -> Any:
     """transformers' AutoTokenizer of `folder`, which must name no code (never run, nor asked
     about: a prompt would stop the command)."""
-    if problem := custom_code_problem(folder, WHAT):
+    if problem := custom_code_problem(folder, WHAT) or _named_class_problem(folder):
         raise UserError(f"{WHAT}: {problem}")
     import transformers
 
@@ -139,10 +165,45 @@ def _auto_tokenizer(folder: Path) -> Any:
         transformers.logging.set_verbosity(level)
 
 
+def _named_class_problem(folder: Path) -> str | None:
+    """A `tokenizer_class` (tokenizer_config.json, else config.json) naming no tokenizer class:
+    AutoTokenizer builds whatever transformers class it names, a model too (its weights read,
+    a Hub kernel its config names fetched and loaded)."""
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+    for name in ("tokenizer_config.json", "config.json"):
+        path = folder_file(folder, name, WHAT)
+        config = read_json(path, f"{WHAT}'s {name}", "fix or remove the file") if path else {}
+        if (named := config.get("tokenizer_class")) is None:
+            continue
+        try:  # (a name transformers does not know: its own fast tokenizer class is used)
+            found = isinstance(named, str) and re.fullmatch(TOKENIZER_CLASS, named) is not None
+            found = found and tokenizer_class_from_name(named)
+        except Exception:
+            found = False
+        if found is not None and not (
+            isinstance(found, type) and issubclass(found, PreTrainedTokenizerBase)
+        ):
+            return (
+                f"{folder / name} names tokenizer_class {short(named, 80)}, which is not a "
+                f"tokenizer class of transformers (AutoTokenizer would build it to read the "
+                f"folder: a model, its weights and the code its config names); set it to the "
+                f"tokenizer's class (e.g. PreTrainedTokenizerFast) or remove it"
+            )
+    return None
+
+
 def _check_pipeline(tok: Any, backend: Any, folder: Path) -> None:
     """The pipeline alone must give AutoTokenizer's ids (a class may change them in Python)."""
     for text in PROBES:
         theirs = tok(text, add_special_tokens=False)["input_ids"]
+        if not theirs:
+            raise UserError(
+                f"{WHAT}={folder}: transformers' {type(tok).__name__} encodes {text!r} as no "
+                f"ids at all (its class does not fit its tokenizer.json?); give a folder whose "
+                f"tokenizer encodes text, e.g. with tokenizer_class PreTrainedTokenizerFast"
+            )
         if backend.encode(text, add_special_tokens=False).ids != theirs:
             raise UserError(
                 f"{WHAT}={folder}: transformers' {type(tok).__name__} encodes {text!r} other "
