@@ -15,8 +15,10 @@ from typing import Any
 import torch
 
 from scale_llm.components.checkpoint import (
+    CLAIM,
     TRAINER_STATE,
     CheckpointWeights,
+    checkpoint_around,
     checkpoint_digest,
     read_trainer_state,
     resolve_checkpoint,
@@ -27,11 +29,12 @@ from scale_llm.components.precision import DTYPES
 from scale_llm.config import ModelConfig
 from scale_llm.data.hf_tokenizer import write_tokenizer_files
 from scale_llm.data.pretrained_tokenizer import PretrainedTokenizer
-from scale_llm.data.tokenizer import Tokenizer, load_tokenizer, run_tokenizer_path
+from scale_llm.data.tokenizer import Tokenizer, file_sha256, load_tokenizer, run_tokenizer_path
 from scale_llm.errors import UserError, short
 from scale_llm.files import (
     atomic_write_json,
     describe_kind,
+    folder_file,
     fsync_dir,
     fsync_tree,
     json_object_or_none,
@@ -76,8 +79,8 @@ def read_source(path: str | Path) -> Source:
     ckpt = resolve_checkpoint(path)
     state = read_trainer_state(ckpt)  # checked: its step, its shape, what its files can hold
     model = saved_model_config(state)
-    run_dir = ckpt.parent.parent  # <run>/checkpoints/step_XXXXXXXX
-    tok_path = run_tokenizer_path(run_dir, state["tokenizer_sha256"])
+    run_dir, tok_path = run_of(ckpt, state["tokenizer_sha256"])
+    folder_file(run_dir, tok_path.name, "the run's tokenizer")  # (a link out: refused here)
     if not tok_path.is_file():
         raise UserError(
             f"{tok_path} is missing: the export needs the run's tokenizer; copy the data dir's "
@@ -91,6 +94,21 @@ def read_source(path: str | Path) -> Source:
         )
     precision = state["plan"]["precision"]
     return Source(ckpt, run_dir, int(state["step"]), model, precision, tokenizer)
+
+
+def run_of(ckpt: Path, sha256: str) -> tuple[Path, Path]:
+    """The run dir of checkpoint `ckpt` and its tokenizer of this SHA-256: the folder above
+    its checkpoints folder, as named, as the folder is (a link to another disk), or as the
+    folder's claim names it; else the first, its tokenizer's path for the error to name."""
+    runs = [ckpt.parent.parent]  # <run>/checkpoints/step_XXXXXXXX
+    if (folder := checkpoint_around(ckpt.parent)) is not None:  # (abandoned-*/step_N too)
+        claimed = (json_object_or_none(folder / CLAIM) or {}).get("run")
+        runs += [folder.parent, *([Path(claimed)] if isinstance(claimed, str) else [])]
+    for run in dict.fromkeys(runs):
+        path = run_tokenizer_path(run, sha256)
+        if path.is_file() and file_sha256(path) == sha256:
+            return run, path
+    return runs[0], run_tokenizer_path(runs[0], sha256)
 
 
 def default_dtype(precision: str) -> str:
@@ -160,7 +178,7 @@ def write_hf_folder(
     info: dict[str, Any] | None = None,
 ) -> Exported:
     """Write our state dict (consumed as written) as a Hugging Face folder at `out`, atomically."""
-    out = Path(out)
+    out = Path(os.path.abspath(out))  # (`.`: its temporary sibling beside it, not inside)
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     check_out(out, force)
@@ -297,8 +315,10 @@ def inside_checkpoints(out: Path, ckpt: Path) -> bool:
     count as damaged), or in the run's checkpoints folder that holds `ckpt`."""
     target, folder = Path(os.path.realpath(out)), ckpt.absolute().parent  # (a linked one too)
     return (
-        folder.name == "checkpoints" and target.is_relative_to(os.path.realpath(folder))
-    ) or any((d / TRAINER_STATE).is_file() for d in (target, *target.parents))
+        (folder.name == "checkpoints" and target.is_relative_to(os.path.realpath(folder)))
+        or any((d / TRAINER_STATE).is_file() for d in (target, *target.parents))
+        or checkpoint_around(target) is not None  # (a claimed folder: linked, abandoned-*)
+    )
 
 
 def generation_config(tokenizer: Tokenizer | PretrainedTokenizer) -> dict[str, Any]:

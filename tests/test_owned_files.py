@@ -46,7 +46,7 @@ def test_a_name_near_the_file_systems_limit_is_written_and_exported(run_dir, tmp
     assert sorted(p.name for p in (tmp_path / "e").iterdir()) == [long]  # (no sibling left)
 
 
-def test_export_force_replaces_an_earlier_export(run_dir, tmp_path):
+def test_export_force_replaces_an_earlier_export(run_dir, tmp_path, monkeypatch):
     pytest.importorskip("safetensors")
     out = tmp_path / "hf"
     assert main(["export", str(run_dir), "--out", str(out)]) == 0
@@ -56,6 +56,11 @@ def test_export_force_replaces_an_earlier_export(run_dir, tmp_path):
     assert main(["export", str(run_dir), "--out", str(out), "--force"]) == 0  # an export: ok
     assert (out / "scale_llm_export.json").stat().st_ino != first
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no leftovers
+    monkeypatch.chdir(out)  # `--out .`: its temporary folder was made in it, then called foreign
+    assert main(["export", str(run_dir), "--out", ".", "--force"]) == 0
+    monkeypatch.chdir(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+    assert sorted(info["files"]) == sorted(p.name for p in out.iterdir())
 
 
 def adding_a_file(out: Path, work: Callable) -> Callable:
@@ -125,6 +130,59 @@ def test_convert_writes_a_new_file_and_replaces_only_its_own(
     ckpt = run / "checkpoints" / "step_00000002"
     assert main(["convert", str(ckpt), "--out", str(run / "checkpoints" / "model.pt")]) == 2
     assert "is inside a checkpoint directory" in capsys.readouterr().err
+
+
+def test_a_checkpoint_named_on_a_linked_disk_or_set_aside_exports_from_its_own_run(
+    run_dir, tmp_path, capsys
+):
+    """A run whose checkpoints folder links to another disk, its checkpoint named by the real
+    path; a checkpoint in checkpoints/abandoned-*/. convert and export wrote into that folder
+    (the next resume moved the export aside as a newer checkpoint), and export looked for the
+    tokenizer beside the folder (advising a copy there). The folder's claim decides: --out
+    there is refused, and the run dir (its tokenizer, the default name) is found."""
+    pytest.importorskip("safetensors")
+    run = tmp_path / "runs" / "linked"
+    shutil.copytree(run_dir, run, symlinks=True)
+    disk = tmp_path / "disk" / "ckpts"
+    disk.parent.mkdir()
+    (run / "checkpoints").rename(disk)
+    (run / "checkpoints").symlink_to(disk)
+    aside = tmp_path / "runs" / "aside"
+    shutil.copytree(run_dir, aside, symlinks=True)
+    (aside / "checkpoints" / "abandoned-20261201-000000").mkdir()
+    (aside / "checkpoints" / "step_00000002").rename(
+        aside / "checkpoints" / "abandoned-20261201-000000" / "step_00000002"
+    )
+    for ckpt, folder in [
+        (disk / "step_00000002", disk),
+        (
+            aside / "checkpoints" / "abandoned-20261201-000000" / "step_00000002",
+            aside / "checkpoints",
+        ),
+    ]:
+        before = sorted(p.name for p in folder.iterdir())
+        assert main(["convert", str(ckpt), "--out", str(folder / "model.pt")]) == 2
+        assert "is inside a checkpoint directory" in capsys.readouterr().err
+        assert main(["export", str(ckpt), "--out", str(folder / "hf")]) == 2
+        assert "or lie in a checkpoint" in capsys.readouterr().err
+        assert sorted(p.name for p in folder.iterdir()) == before
+        out = tmp_path / "exports" / ckpt.parent.name
+        assert main(["export", str(ckpt), "--out", str(out)]) == 0, capsys.readouterr().err
+        assert (out / "tokenizer.model").read_bytes() == (run_dir / "tokenizer.model").read_bytes()
+
+
+def test_a_run_tokenizer_linked_elsewhere_is_refused_before_the_export_writes(
+    run_dir, tmp_path, capsys
+):
+    """The run's tokenizer.model a link out of the run dir: export wrote every weight, then
+    refused it, leaving the folders above --out it had made."""
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run, symlinks=True)
+    (run / "tokenizer.model").rename(tmp_path / "elsewhere.model")
+    (run / "tokenizer.model").symlink_to(tmp_path / "elsewhere.model")
+    assert main(["export", str(run), "--out", str(tmp_path / "a" / "b" / "hf")]) == 2
+    assert "tokenizer.model is a symlink to" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()
 
 
 # ----------------------------------------------------------------------------- bench, check
