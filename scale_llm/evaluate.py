@@ -34,7 +34,7 @@ from scale_llm.data.loader import TokenWindows
 from scale_llm.data.mixture import MIXTURE
 from scale_llm.data.shards import MANIFEST, open_split, read_manifest
 from scale_llm.data.tokenizer import EOS_ID, file_sha256, run_tokenizer_path
-from scale_llm.errors import UserError
+from scale_llm.errors import UserError, short
 from scale_llm.export import (
     DTYPES,
     EXPORT_INFO,
@@ -86,6 +86,9 @@ def eval_run(
     export_dir = run_dir / "export" / ckpt.name
     reuse = bool(tasks) and reusable_export(export_dir, digest)
     manager = task_manager(tasks, include_path, shots=num_fewshot) if tasks else None  # (first)
+    held_out = None  # --perplexity's windows, read and checked before the tasks run
+    if perplexity is not None:
+        held_out = held_out_sets(run_dir, cfg, ckpt, Path(perplexity), limit)
     new: dict[str, Any] = {"step": step, "checkpoint": str(ckpt), "checkpoint_digest": digest}
     scalars: dict[str, float] = {}
     if tasks:
@@ -96,8 +99,8 @@ def eval_run(
         lm_eval = {"version": version, "limit": limit, "num_fewshot": num_fewshot}
         new.update(tasks=scores, export=str(export_dir), lm_eval=lm_eval)
         scalars.update(task_scalars(scores))
-    if perplexity is not None:
-        ppl = held_out_perplexity(run_dir, cfg, plan, ckpt, Path(perplexity), limit, batch_size)
+    if held_out is not None:
+        ppl = held_out_perplexity(run_dir, cfg, plan, ckpt, held_out, batch_size)
         new["perplexity"] = ppl
         scalars.update(perplexity_scalars(ppl))
     if stale:
@@ -146,6 +149,11 @@ def earlier_record(path: Path, digest: str) -> tuple[dict[str, Any] | None, bool
         )
     fix = "move it away and run eval again (eval merges only a record it can read)"
     record = read_json(path, "eval's record of earlier results", fix)
+    if not (isinstance(record.get("checkpoint"), str) and "step" in record):
+        raise UserError(  # (not eval's: kept where it is, never set aside)
+            f"{path} is not a record eval wrote (it names no checkpoint and step); eval "
+            f"writes its results there: move it away and run eval again"
+        )
     if record.get("checkpoint_digest") != digest:
         return None, True
     tasks, ppl = record.get("tasks", {}), record.get("perplexity", {})
@@ -220,6 +228,8 @@ def reusable_export(out: Path, digest: str) -> bool:
             f"({problem}), so eval cannot prove its files unchanged: move the folder away and "
             f"run eval again"
         )
+    if reuse and not problem and info.get("dtype") not in DTYPES:  # (an edit its stats miss)
+        problem = f"its {EXPORT_INFO} names dtype {short(info.get('dtype'), 40)}, no export's"
     if reuse and problem:  # scored as it is: only as eval wrote it
         raise UserError(
             f"{out} is eval's export of these checkpoint bytes, but {problem}, so eval cannot "
@@ -586,24 +596,18 @@ def _metrics(values: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-@torch.no_grad()
-def held_out_perplexity(
-    run_dir: Path,
-    cfg: Config,
-    plan: RunPlan,
-    ckpt: Path,
-    data_dir: Path,
-    limit: int | None,
-    batch_size: int,
-) -> dict[str, Any]:
-    """Mean next-token loss and its exp over the first `limit` (or all) validation windows of
-    `data_dir`, as val_loss; a mixture's per source, weighted as training's val_loss is."""
-    head = {"data_dir": str(data_dir), "split": "val"}
+HeldOut = tuple[Path, dict[str, tuple[TokenWindows, int]], dict[str, float] | None, str | None]
+
+
+def held_out_sets(
+    run_dir: Path, cfg: Config, ckpt: Path, data_dir: Path, limit: int | None
+) -> HeldOut:
+    """--perplexity's validation windows, checked: (data_dir, {source: (windows, how many)} (""
+    for a folder alone), a mixture's weights (None: by windows) and what they follow)."""
     trained_with = read_trainer_state(ckpt)["tokenizer_sha256"]
     if not (data_dir / MIXTURE).exists() or (data_dir / MANIFEST).exists():
-        windows, n = held_out_windows(run_dir, cfg, data_dir, limit, trained_with)
-        model, _ = load_run(run_dir, cfg, plan, ckpt)
-        return {**head, **window_scores(model, windows, n, plan, batch_size)}
+        alone = held_out_windows(run_dir, cfg, data_dir, limit, trained_with)
+        return data_dir, {"": alone}, None, None
     names, weights, weighting = mixture_sources(cfg, data_dir)
     found = {}
     for name in names:
@@ -615,7 +619,21 @@ def held_out_perplexity(
             raise UserError(
                 f"--perplexity {data_dir} is a mixture; its source {name} ({data_dir / name}): {e}"
             ) from None
+    return data_dir, found, weights, weighting
+
+
+@torch.no_grad()
+def held_out_perplexity(
+    run_dir: Path, cfg: Config, plan: RunPlan, ckpt: Path, held_out: HeldOut, batch_size: int
+) -> dict[str, Any]:
+    """Mean next-token loss and its exp over `held_out`'s validation windows, as val_loss; a
+    mixture's per source, weighted as training's val_loss is."""
+    data_dir, found, weights, weighting = held_out
+    head = {"data_dir": str(data_dir), "split": "val"}
     model, _ = load_run(run_dir, cfg, plan, ckpt)
+    if list(found) == [""]:
+        return {**head, **window_scores(model, *found[""], plan, batch_size)}
+    names = list(found)
     sources = {name: window_scores(model, w, n, plan, batch_size) for name, (w, n) in found.items()}
     if weights is None:  # by windows: the mean over every window scored, as one folder's is
         total = sum(found[name][1] for name in names)

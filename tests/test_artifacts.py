@@ -186,3 +186,28 @@ def test_eval_sets_aside_a_record_of_other_weights(evaluated, data_dir, capsys):
     assert set(merged["tasks"]) == {"fake_task"}
     (kept,) = (run / "eval").glob("step_00000004.other-weights-*.json")
     assert json.loads(kept.read_text()) == old
+    # a file of the user's there, not eval's record: it was set aside (renamed) as one
+    mine = run / "eval" / f"{STEP4}.json"
+    mine.write_text('{"my_notes": "hand-written"}')
+    assert main(["eval", str(run), "--tasks", "fake_task"]) == 2
+    assert "is not a record eval wrote (it names no checkpoint and step)" in capsys.readouterr().err
+    assert mine.read_text() == '{"my_notes": "hand-written"}'
+    assert len(list((run / "eval").iterdir())) == 2
+
+
+def test_eval_checks_perplexitys_data_and_its_exports_dtype_before_any_work(
+    evaluated, data_dir, capsys
+):
+    """--perplexity with no data there was refused after the export and the tasks had run
+    (their scores lost); a dtype edited in eval's export info (its file stats do not cover
+    the info itself) was a KeyError traceback."""
+    run, calls = evaluated
+    argv = ["eval", str(run), "--tasks", "fake_task"]
+    assert main([*argv, "--perplexity", str(run / "nowhere")]) == 2
+    assert "holds no prepared shards" in capsys.readouterr().err
+    assert calls == [] and not (run / "export").exists()
+    assert main(argv) == 0
+    info = run / "export" / STEP4 / "scale_llm_export.json"
+    info.write_text(info.read_text().replace('"dtype": "fp32"', '"dtype": "float64"'))
+    assert main(argv) == 2
+    assert "names dtype 'float64', no export's" in capsys.readouterr().err
