@@ -117,6 +117,40 @@ def test_hf_saved_to_disk_dataset(tmp_path, hf_cache):
         prepare(config(f"hf:{tmp_path / 'saved'}", tmp_path / "o2", "data.hf_split=validation"))
 
 
+def test_an_hf_folder_naming_files_outside_it_is_refused(tmp_path, hf_cache):
+    """A dataset card whose configs name /elsewhere/*.jsonl, or a save_to_disk record naming an
+    Arrow file by its absolute path: prepare read the files there (another user's secrets became
+    training data) and, fingerprinting the folder alone, called the data up to date after they
+    changed. What the folder's records name must lie in it; what does is read."""
+    secret = write_jsonl(tmp_path / "secret" / "keys.jsonl", records(5))
+    card = tmp_path / "card"
+    write_jsonl(card / "local.jsonl", records(30))
+    for named in (f"{secret.parent}/*.jsonl", "../secret/keys.jsonl", "hf://datasets/o/n"):
+        (card / "README.md").write_text(
+            f"---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n"
+            f"    path: {named}\n---\n"
+        )
+        with pytest.raises(UserError, match=f"README.md names {re.escape(repr(named))}, outside"):
+            prepare(config(f"hf:{card}", tmp_path / "out"))
+        assert not (tmp_path / "out").exists()
+    (card / "README.md").write_text(
+        "---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n"
+        "    path: local.jsonl\n---\n"
+    )
+    assert decoded_markers(
+        tmp_path / "out", prepare(config(f"hf:{card}", tmp_path / "out"))
+    ) == set(range(30))
+    import datasets
+
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_list(records(5)).save_to_disk(str(saved))
+    state = json.loads((saved / "state.json").read_text())
+    state["_data_files"][0]["filename"] = str(tmp_path / "elsewhere.arrow")
+    (saved / "state.json").write_text(json.dumps(state))
+    with pytest.raises(UserError, match="state.json names .*elsewhere.arrow', outside"):
+        prepare(config(f"hf:{saved}", tmp_path / "o2"))
+
+
 def test_hf_bad_input_names_the_dataset_or_field(tmp_path, hf_cache):
     # not in the local cache and no network: a clear error, no traceback, nothing written
     with pytest.raises(UserError, match="could not be opened.*HF_HUB_OFFLINE") as e:

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from scale_llm.data.documents import Document, text_value
-from scale_llm.errors import UserError, install_hint
+from scale_llm.errors import UserError, install_hint, short
+from scale_llm.files import json_object_or_none
 
 if TYPE_CHECKING:
     from scale_llm.config import DataConfig
@@ -39,6 +40,14 @@ class HFSource:
         self.text_field, self.num_proc = data.text_field, data.num_proc
         local = Path(self.name).expanduser()
         self.local = local if local.exists() else None
+        if self.local and self.local.is_dir() and (found := _named_outside(self.local)):
+            file, named = found
+            raise UserError(
+                f"data.source={self.spec!r}: {file} names {short(named, 120)}, outside "
+                f"{self.local}; datasets would read it (a file elsewhere on this machine, or a "
+                f"URL) and prepare's fingerprint, which covers the folder, would miss its changes: "
+                f"copy those files into the folder and name them relative to it"
+            )
         self.num_rows: int | None = None  # known once opened, unless streaming
         self.skipped: list[str] = []
 
@@ -162,6 +171,49 @@ def _malformed(e: BaseException) -> BaseException | None:
     if type(e).__name__ == "DatasetGenerationError":
         return chain[1] if len(chain) > 1 else e
     return None
+
+
+def _named_outside(folder: Path) -> tuple[Path, str] | None:
+    """(file, path) of the first path a local dataset's records name outside it: its card's
+    `configs` (README.md's YAML header: data_files, data_dir), a save_to_disk folder's
+    state.json (_data_files) and dataset_dict.json (splits)."""
+    import yaml
+
+    named: list[tuple[Path, Any]] = []
+    card = folder / "README.md"
+    text = card.read_text(errors="replace") if card.is_file() else ""
+    if text.startswith("---") and (end := text.find("\n---", 3)) > 0:
+        try:
+            header = yaml.safe_load(text[3:end])
+        except yaml.YAMLError:  # (datasets reads no configs from it either)
+            header = None
+        configs = header.get("configs") if isinstance(header, dict) else None
+        for config in configs if isinstance(configs, list) else []:
+            if isinstance(config, dict):
+                named += [(card, config.get("data_dir")), (card, config.get("data_files"))]
+    for record in sorted(folder.rglob("*.json"))[:1000]:
+        if record.name in ("state.json", "dataset_dict.json") and record.is_file():
+            value = json_object_or_none(record) or {}
+            named += [(record, value.get("_data_files")), (record, value.get("splits"))]
+    for file, value in named:
+        for path in _strings(value):
+            parts = path.replace("\\", "/").split("/")
+            if path.startswith(("/", "~")) or ".." in parts or ":" in path:
+                return file, path
+    return None
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in a JSON/YAML value (a data_files entry is a string, a list, or a
+    {split, path} or {filename} mapping)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings(item)
 
 
 def _files(path: Path) -> list[Path]:
