@@ -29,7 +29,13 @@ from scale_llm.components.precision import DTYPES
 from scale_llm.config import ModelConfig
 from scale_llm.data.hf_tokenizer import write_tokenizer_files
 from scale_llm.data.pretrained_tokenizer import PretrainedTokenizer
-from scale_llm.data.tokenizer import Tokenizer, file_sha256, load_tokenizer, run_tokenizer_path
+from scale_llm.data.tokenizer import (
+    Tokenizer,
+    file_sha256,
+    load_tokenizer,
+    refuse_unfit,
+    run_tokenizer_path,
+)
 from scale_llm.errors import UserError, short
 from scale_llm.files import (
     atomic_write_json,
@@ -87,6 +93,7 @@ def read_source(path: str | Path) -> Source:
             f"tokenizer.model (the one the run trained with) there"
         )
     tokenizer = load_tokenizer(tok_path)
+    refuse_unfit(tokenizer, model.vocab_size, ckpt)
     if tokenizer.sha256() != state["tokenizer_sha256"]:
         raise UserError(
             f"{tok_path} is not the tokenizer {ckpt} was trained with (its SHA-256 differs); "

@@ -23,7 +23,7 @@ from scale_llm.config import Config, get_key, load_config, run_defining_keys
 from scale_llm.config.load import read_yaml
 from scale_llm.config.plan import RunPlan
 from scale_llm.data.pretrained_tokenizer import PretrainedTokenizer
-from scale_llm.data.tokenizer import Tokenizer, load_tokenizer, run_tokenizer_path
+from scale_llm.data.tokenizer import Tokenizer, load_tokenizer, refuse_unfit, run_tokenizer_path
 from scale_llm.errors import UserError
 from scale_llm.model import KVCache, Transformer, build_model, empty_state_dict
 
@@ -84,6 +84,7 @@ def load_run(
             f"(sha256 {tokenizer.sha256()[:12]}..., the checkpoint records "
             f"{trained_with[:12]}...); copy the {tok_path.name} of the run's data.dir back"
         )
+    refuse_unfit(tokenizer, cfg.model.vocab_size, ckpt)
     model = build_model(cfg.model)
     model.load_state_dict(load_model_weights(ckpt, empty_state_dict(cfg.model)), assign=True)
     model.to(plan.device).eval()

@@ -1319,3 +1319,36 @@ def test_wandb_that_cannot_start_is_a_clear_error(data_dir, tmp_path, monkeypatc
     assert "`wandb login`" in msg and "logging.wandb.mode=offline" in msg
     # the launch released its run lock: a relaunch from another host would be refused
     assert not (tmp_path / "runs" / "test" / ".lock").exists()
+
+
+def test_a_run_tokenizer_that_does_not_fit_its_model_is_one_paragraph(four_steps, tmp_path, capsys):
+    """A run whose tokenizer.model (and its hash in the records) was replaced: one with BOS
+    turned off (SentencePiece's id -1), or of more ids than the model's embedding rows, was an
+    IndexError in generate and export, or an export whose tokenizer the model cannot read."""
+    import hashlib
+
+    import sentencepiece as spm
+
+    from tests.helpers import copy_run, random_texts, rewrite_state
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(random_texts(200, "doc{i}")))
+    for name, extra, said in [
+        ("nobos", {"bos_id": -1}, "has no BOS or EOS piece (its ids -1, 2)"),
+        ("wide", {"user_defined_symbols": [f"<x{i}>" for i in range(600)]}, "has 900 token ids"),
+    ]:
+        run = copy_run(four_steps, tmp_path, name)
+        pieces = 300 + 600 * (name == "wide")
+        spm.SentencePieceTrainer.train(
+            input=str(corpus), model_prefix=str(tmp_path / name), vocab_size=pieces,
+            model_type="bpe", byte_fallback=True, minloglevel=2, **extra,
+        )  # fmt: skip
+        shutil.copy(tmp_path / f"{name}.model", run / "tokenizer.model")
+        sha = hashlib.sha256((run / "tokenizer.model").read_bytes()).hexdigest()
+        for ckpt in (run / "checkpoints").glob("step_*"):
+            rewrite_state(ckpt, tokenizer_sha256=sha)
+        for argv in (["generate", str(run)], ["export", str(run), "--out", str(tmp_path / "x")]):
+            assert main(argv) == 2, argv
+            err = capsys.readouterr().err
+            assert said in err and err.count("\n") == 1, err
+        assert not (tmp_path / "x").exists()

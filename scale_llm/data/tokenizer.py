@@ -40,6 +40,11 @@ class Tokenizer:
                 f"{RESTORE_FIX}"
             ) from None
         self.bos_id, self.eos_id = self.sp.bos_id(), self.sp.eos_id()
+        if min(self.bos_id, self.eos_id) < 0:  # (SentencePiece's -1: a piece turned off)
+            raise UserError(
+                f"tokenizer {self.path} has no BOS or EOS piece (its ids {self.bos_id}, "
+                f"{self.eos_id}): not one prepare trains; {RESTORE_FIX}"
+            )
         self.vocab_size = self.sp.get_piece_size()
         self.doc_start, self.doc_end = [self.bos_id], [self.eos_id]  # each is [BOS] ids [EOS]
         self.pad_id = self.eos_id  # no pad piece: a model's export pads with EOS
@@ -66,6 +71,17 @@ def file_sha256(path: str | Path) -> str:
 def load_tokenizer(path: str | Path) -> Tokenizer | PretrainedTokenizer:
     """The tokenizer in file `path`: a model's (hf-tokenizer.json), else our SentencePiece."""
     return PretrainedTokenizer(path) if Path(path).name == BUNDLE_FILE else Tokenizer(path)
+
+
+def refuse_unfit(tokenizer: Tokenizer | PretrainedTokenizer, vocab_size: int, ckpt: Path) -> None:
+    """A run's tokenizer of more ids than the checkpoint's embedding rows (its records rewritten
+    to name another tokenizer) is refused: its ids past the rows would index nothing."""
+    if tokenizer.vocab_size > vocab_size:
+        raise UserError(
+            f"{tokenizer.path} has {tokenizer.vocab_size:,} token ids, but {ckpt}'s model has "
+            f"{vocab_size:,} embedding rows: it was not trained with this tokenizer; restore the "
+            f"run's own tokenizer, or pick another checkpoint"
+        )
 
 
 def run_copy_name(manifest_file: str) -> str:
