@@ -310,6 +310,11 @@ def test_weights_transformers_reads_are_read_and_others_refused_before_any_work(
             read.shapes(needed)
         with pytest.raises(UserError, match="not floating-point weights scale_llm reads"):
             read.get("model.embed_tokens.weight")
+    (folder / "pytorch_model.bin").write_bytes(
+        b""
+    )  # (a checkpoint's advice, to delete it, was given)
+    with pytest.raises(UserError, match="damaged or incomplete .*; download the model again, or"):
+        HFWeights(folder, "model.init_from")
     fp4 = {**tensors, "model.norm.weight": torch.zeros(32, dtype=torch.uint8)}
     fp4["model.norm.weight"] = fp4["model.norm.weight"].view(torch.float4_e2m1fn_x2)
     (folder / "pytorch_model.bin").unlink()

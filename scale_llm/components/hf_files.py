@@ -172,7 +172,8 @@ class HFWeights:
             files = sorted(set(self._index(PICKLE_INDEX).values()))
         out: dict[str, torch.Tensor] = {}
         for file in files:
-            part = load_file(self._path(file, required=True))  # weights_only: no planted objects
+            fix = "download the model again, or pick another folder"
+            part = load_file(self._path(file, required=True), fix=fix)  # weights_only: no code
             if not isinstance(part, dict):
                 raise UserError(
                     f"{self.what}: {self.folder / file} holds a {type(part).__name__}, not a "

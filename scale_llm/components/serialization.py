@@ -34,19 +34,19 @@ class DamagedCheckpoint(UserError):
     """A checkpoint file cannot be read: truncated, overwritten or not the format it claims."""
 
 
-def refused(path: Path | str, what: str) -> UnsafeCheckpoint:
+def refused(path: Path | str, what: str, fix: str = "") -> UnsafeCheckpoint:
+    fix = fix or "Delete the file or the checkpoint, or resume from another one"
     return UnsafeCheckpoint(
         f"refusing to load {path}: it holds a pickled {what}, which no checkpoint written by "
         f"scale_llm, PyTorch's distributed checkpoint or DeepSpeed contains; unpickling it could "
-        f"run code planted in the file. Nothing from it was loaded. Delete the file or the "
-        f"checkpoint, or resume from another one ({TRUST})"
+        f"run code planted in the file. Nothing from it was loaded. {fix} ({TRUST})"
     )
 
 
-def damaged(path: Path | str, reason: str) -> DamagedCheckpoint:
+def damaged(path: Path | str, reason: str, fix: str = "") -> DamagedCheckpoint:
+    fix = fix or "resume from an earlier checkpoint or delete this one"
     return DamagedCheckpoint(
-        f"cannot read {path}: the file is damaged or incomplete ({reason[:200]}); resume from "
-        f"an earlier checkpoint or delete this one"
+        f"cannot read {path}: the file is damaged or incomplete ({reason[:200]}); {fix}"
     )
 
 
@@ -65,9 +65,11 @@ def load_file(
     map_location: Any = "cpu",
     safe_globals: list[Any] | tuple[Any, ...] = (),
     mmap: bool = False,
+    fix: str = "",
 ) -> Any:
     """`torch.load(weights_only=True)` of one file (`mmap`: its tensors mapped, read when
-    touched); a refused global or a damaged file becomes a UserError naming the file."""
+    touched); a refused global or a damaged file becomes a UserError naming the file (and
+    `fix`, where it is not a checkpoint's)."""
     try:
         with torch.serialization.safe_globals(list(safe_globals)):
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
@@ -76,8 +78,8 @@ def load_file(
             raise
         name = _refused_global(e) if isinstance(e, pickle.UnpicklingError) else None
         if name is not None:
-            raise refused(path, f"`{name}`") from None
-        raise damaged(path, str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+            raise refused(path, f"`{name}`", fix) from None
+        raise damaged(path, str(e).splitlines()[0] if str(e) else type(e).__name__, fix) from None
 
 
 def save_file(obj: Any, path: Path | str) -> None:
