@@ -44,6 +44,7 @@ from scale_llm.files import (
     fsync_dir,
     fsync_tree,
     json_object_or_none,
+    made_folder,
     new_file_mode,
     require_writable_dir,
     temporary_sibling,
@@ -189,29 +190,31 @@ def write_hf_folder(
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     check_out(out, force)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temporary_sibling(out)
-    tmp.mkdir()  # a fresh name: this call's own folder, removed on failure
-    try:
-        n_params = _write_weights(state, cfg, DTYPES[dtype], tmp, max_shard_bytes)
-        atomic_write_json(
-            tmp / "config.json",
-            to_hf_config(cfg, DTYPES[dtype], tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id),
-        )
-        atomic_write_json(tmp / "generation_config.json", generation_config(tokenizer))
-        write_tokenizer_files(tokenizer, tmp, cfg.seq_len)
-        files = sorted([*(p.name for p in tmp.iterdir()), EXPORT_INFO])
-        stats = {p.name: file_stat(p) for p in tmp.iterdir()}
-        # written last, naming every file and its size and time: what proves later that the
-        # folder is this export, unchanged
-        info = {**(info or {}), "dtype": dtype, "files": files, "stats": stats}
-        atomic_write_json(tmp / EXPORT_INFO, info)
-        fsync_tree(tmp)
-        check_out(out, force)  # again: --out may have changed while the weights were written
-        publish(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with made_folder(out.parent):  # (folders it makes above --out: removed if it fails)
+        tmp = temporary_sibling(out)
+        tmp.mkdir()  # a fresh name: this call's own folder, removed on failure
+        try:
+            n_params = _write_weights(state, cfg, DTYPES[dtype], tmp, max_shard_bytes)
+            atomic_write_json(
+                tmp / "config.json",
+                to_hf_config(
+                    cfg, DTYPES[dtype], tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id
+                ),
+            )
+            atomic_write_json(tmp / "generation_config.json", generation_config(tokenizer))
+            write_tokenizer_files(tokenizer, tmp, cfg.seq_len)
+            files = sorted([*(p.name for p in tmp.iterdir()), EXPORT_INFO])
+            stats = {p.name: file_stat(p) for p in tmp.iterdir()}
+            # written last, naming every file and its size and time: what proves later that the
+            # folder is this export, unchanged
+            info = {**(info or {}), "dtype": dtype, "files": files, "stats": stats}
+            atomic_write_json(tmp / EXPORT_INFO, info)
+            fsync_tree(tmp)
+            check_out(out, force)  # again: --out may have changed while the weights were written
+            publish(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return Exported(out, int((info or {}).get("step", 0)), dtype, n_params, files)
 
 

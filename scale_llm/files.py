@@ -60,6 +60,21 @@ def temporary_sibling(path: Path, tag: str = "tmp") -> Path:
     return path.parent / f".{name}.{tag}-{os.getpid()}-{os.urandom(3).hex()}"
 
 
+@contextlib.contextmanager
+def made_folder(folder: Path) -> Iterator[None]:
+    """`folder` made with its missing parents; those it made are removed again (while empty)
+    when the block fails, so that a refused or failed write leaves nothing behind."""
+    made = [p for p in (folder, *folder.parents) if not (p.exists() or p.is_symlink())]
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        for path in made:  # (deepest first)
+            with contextlib.suppress(OSError):
+                path.rmdir()
+        raise
+
+
 def atomic_write_bytes(path: Path | str, data: bytes) -> None:
     """Readers see the old file or the new one; a symlink or special file there is refused."""
     path = Path(path)

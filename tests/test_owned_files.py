@@ -185,6 +185,28 @@ def test_a_run_tokenizer_linked_elsewhere_is_refused_before_the_export_writes(
     assert not (tmp_path / "a").exists()
 
 
+def test_a_failed_export_or_convert_leaves_no_folder_it_made(run_dir, tmp_path, monkeypatch):
+    """The disk full while the weights are written: the partial output went, but the folders
+    made above --out stayed."""
+    import errno
+
+    import scale_llm.export
+    import scale_llm.train.convert
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(scale_llm.export, "_write_weights", full)
+    monkeypatch.setattr(scale_llm.train.convert.torch, "save", full)
+    (tmp_path / "kept").mkdir()
+    for argv in (
+        ["export", str(run_dir), "--out", str(tmp_path / "kept" / "a" / "b" / "hf")],
+        ["convert", str(run_dir), "--out", str(tmp_path / "kept" / "a" / "b" / "model.pt")],
+    ):
+        assert main(argv) == 2
+        assert list((tmp_path / "kept").iterdir()) == []
+
+
 # ----------------------------------------------------------------------------- bench, check
 def test_bench_checkpoint_io_works_in_a_folder_of_its_own(tmp_path, capsys):
     cwd = tmp_path / "work"

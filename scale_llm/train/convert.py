@@ -17,7 +17,13 @@ from scale_llm.components.checkpoint import (
 )
 from scale_llm.errors import UserError
 from scale_llm.export import inside_checkpoints
-from scale_llm.files import describe_kind, fsync_dir, require_writable_dir, temporary_sibling
+from scale_llm.files import (
+    describe_kind,
+    fsync_dir,
+    made_folder,
+    require_writable_dir,
+    temporary_sibling,
+)
 from scale_llm.model import empty_state_dict
 
 QKV_LAYOUT = "grouped"  # attention.wqkv's rows, as the file says under "qkv_layout"
@@ -42,19 +48,19 @@ def convert(checkpoint: str | Path, out: str | Path, force: bool = False) -> tup
     state = read_trainer_state(ckpt)  # checked: the step, and a shape its files can hold
     loaded = load_model_weights(ckpt, empty_state_dict(saved_model_config(state)))  # its shape
     weights = {k: v.float().contiguous() for k, v in loaded.items()}
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_sibling(out)  # a fresh name: nothing else is ever written over
-    try:
-        with open(tmp, "xb") as f:
-            saved = {"model": weights, "config": state["config"], "step": state["step"]}
-            torch.save({**saved, "qkv_layout": QKV_LAYOUT}, f)  # (OUTPUT_KEYS)
-            f.flush()
-            os.fsync(f.fileno())
-        check_out(out, force)  # still absent, or still an earlier output, as checked at the start
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with made_folder(out.parent):
+        try:
+            with open(tmp, "xb") as f:
+                saved = {"model": weights, "config": state["config"], "step": state["step"]}
+                torch.save({**saved, "qkv_layout": QKV_LAYOUT}, f)  # (OUTPUT_KEYS)
+                f.flush()
+                os.fsync(f.fileno())
+            check_out(out, force)  # still absent, or an earlier output, as at the start
+            os.replace(tmp, out)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
     fsync_dir(out.parent)
     return out, sum(v.numel() for v in weights.values())
 
