@@ -9,6 +9,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -309,6 +310,41 @@ def test_check_leaves_what_the_user_keeps_in_its_scratch(tmp_path, capsys, caplo
     (runs / "my-export").rmdir()
     new_runs_dir(scratch)  # only its own left: removed, with the newer one
     assert not runs.exists() and not newer.exists()
+    # a run trained on in an earlier check's runs folder: it went whole, its new checkpoints
+    # with it, and the live run crashed. Kept now: files changed since the check's record, or
+    # (no record: a check cut short) a run whose lock a live process holds.
+    from scale_llm.analysis.check import RUNS_FILES, files_below
+
+    runs = new_runs_dir(scratch)
+    run = runs / "check-cpu-fp32-eager"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 8}\n')
+    (runs / RUNS_FILES).write_text(json.dumps(files_below(runs)))  # as the check leaves it
+    (run / "checkpoints" / "step_00000040").mkdir()
+    (run / "checkpoints" / "step_00000040" / "trainer.pt").write_bytes(b"weights")
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        newer = new_runs_dir(scratch)
+    assert (run / "checkpoints" / "step_00000040" / "trainer.pt").read_bytes() == b"weights"
+    assert f"kept {runs}: it holds files added or changed since the check (" in caplog.text
+    (runs / RUNS_FILES).unlink()
+    (run / ".lock").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        new_runs_dir(scratch)
+    assert f"kept {runs}: it holds a run a live process holds (check-cpu-fp32-eager)" in caplog.text
+    (run / ".lock").unlink()
+    new_runs_dir(scratch)  # no record, no live run: the check's, removed
+    assert not runs.exists() and not newer.exists()
+    # a data folder of the user's beside a check's runs folder was taken as the check's
+    other = tmp_path / "other"
+    new_runs_dir(other)
+    (other / "data").mkdir()
+    (other / "data" / "notes.txt").write_text("mine")
+    before = snapshot(other)
+    assert main(["check", str(tmp_path / "r2"), "--scratch", str(other)]) == 2
+    assert f"--scratch {other} holds data, which the check did not make" in capsys.readouterr().err
+    assert snapshot(other) == before and not (tmp_path / "r2").exists()
 
 
 def test_check_refuses_a_scratch_folder_others_can_write(tmp_path, monkeypatch, capsys):

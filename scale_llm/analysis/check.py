@@ -42,6 +42,7 @@ from scale_llm.files import (
     atomic_write_text,
     describe_kind,
     json_object_or_none,
+    lock_holder,
     make_owned_dir,
     owned_kind,
     owner_running,
@@ -90,11 +91,8 @@ def check_scratch(scratch: Path) -> None:
 
 def check_scratch_data(data: Path, scratch: Path) -> None:
     """`data` (a folder in the scratch the check prepares a corpus into, replacing what it held)
-    is missing or the check's: marked by it, or found where an earlier check left its runs
-    folder (a scratch of the check's before the mark)."""
+    is missing or the check's: marked by it (a runs folder beside it proves nothing of it)."""
     if not os.path.lexists(data) or owned_kind(data) == DATA_KIND:
-        return
-    if data.is_dir() and not data.is_symlink() and _earlier_check(scratch):
         return
     raise UserError(
         f"--scratch {scratch} holds {data.name}, which the check did not make: it prepares its "
@@ -121,10 +119,6 @@ def mark_scratch_data(data: Path) -> None:
 def same_path(a: str | Path, b: str | Path) -> bool:
     """Whether two paths name one place (a `~` and a relative path resolved as load_config does)."""
     return os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
-
-
-def _earlier_check(scratch: Path) -> bool:
-    return any(owned_kind(runs) == RUNS_KIND for runs in scratch.glob("runs-*"))
 
 
 def make_scratch(scratch: Path) -> None:
@@ -204,7 +198,7 @@ def run_check(
         mark_scratch_data(scratch / "data")
     runs = new_runs_dir(scratch)
     wanted = SECTIONS if only is None else only
-    with _log_to(out / "check.log"):
+    with _log_to(out / "check.log"), _recorded(runs):
         report = Report(out, budget_minutes)
         cuda = torch.cuda.is_available()
         report.data["preflight"] = preflight(cuda, scratch, out)
@@ -232,6 +226,16 @@ def run_check(
         report.save()
         log.info("check: done in %.0f s, %s", report.data["seconds"], _verdict(report.data))
     return report.data
+
+
+@contextlib.contextmanager
+def _recorded(runs: Path) -> Iterator[None]:
+    """The runs folder's files recorded as the check leaves them, however it ends."""
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            atomic_write_json(runs / RUNS_FILES, files_below(runs))
 
 
 SHM_NEEDED = 1 << 30  # NCCL's shared-memory buffers between GPUs of one node: Docker's 64 MiB fails
@@ -327,7 +331,39 @@ OUT_KIND, RUNS_KIND, DATA_KIND = "check report", "check runs", "check data"
 # what a check writes in its runs folder: its runs (check-DEVICE-PRECISION-MODE), scaling's config
 CHECK_WRITES = re.compile(
     rf"check-(cpu|cuda)-(fp32|bf16|fp16)-(eager|compiled)|scaling\.yaml|{re.escape(OWNER_MARKER)}"
+    r"|files\.json"
 )
+RUNS_FILES = (
+    "files.json"  # every file of the runs folder as the check left it: {path: [size, mtime]}
+)
+
+
+def files_below(folder: Path) -> dict[str, list[int]]:
+    """{relative path: [size, mtime_ns]} of every file below `folder` but its mark and record."""
+    found = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            path = Path(root) / name
+            if path.parent == folder and name in (OWNER_MARKER, RUNS_FILES):
+                continue
+            with contextlib.suppress(OSError):  # (gone meanwhile)
+                st = path.lstat()
+                found[str(path.relative_to(folder))] = [st.st_size, st.st_mtime_ns]
+    return found
+
+
+def changed_since_check(old: Path) -> str | None:
+    """What in an earlier runs folder the check did not leave so (None: nothing): a file added
+    or changed since its record (a run someone trained on there), or, where the check was cut
+    short before writing the record, a run there whose lock a live process holds."""
+    record = json_object_or_none(old / RUNS_FILES, 64 << 20)
+    if record is None:
+        held = [p.parent.name for p in old.glob("*/.lock") if lock_holder(p)]
+        return f"a run a live process holds ({held[0]})" if held else None
+    now = files_below(old)
+    if changed := sorted(name for name, stat in now.items() if record.get(name) != stat):
+        return f"files added or changed since the check ({', '.join(changed[:3])})"
+    return None
 
 
 def add_report_section(out: Path, key: str, report: Any, lines: list[str]) -> None:
@@ -402,6 +438,9 @@ def new_runs_dir(scratch: Path) -> Path:
         if foreign := sorted(p.name for p in old.iterdir() if not CHECK_WRITES.fullmatch(p.name)):
             shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
             log.warning("check: kept %s: it holds files the check did not write (%s)", old, shown)
+            continue
+        if changed := changed_since_check(old):
+            log.warning("check: kept %s: it holds %s", old, changed)
             continue
         remove_owned_dir(old, RUNS_KIND)
     runs = Path(tempfile.mkdtemp(prefix="runs-", dir=scratch))  # a fresh name: this check's
