@@ -177,7 +177,7 @@ def _prepare_parser(sub) -> None:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    if args.bench and not (math.isfinite(args.bench_mb) and args.bench_mb * 1e6 >= 1):
+    if args.bench and not (math.isfinite(args.bench_mb * 1e6) and args.bench_mb * 1e6 >= 1):
         raise UserError(
             f"--bench-mb {args.bench_mb}: use a number of megabytes of text to encode, "
             f"above 0 (e.g. --bench-mb 16)"
@@ -567,8 +567,15 @@ def cmd_check(args: argparse.Namespace) -> int:
             f"--budget-min {args.budget_min}: use the minutes after which the check starts no "
             f"item, above 0 (or leave it out for no limit)"
         )
+    if given := [o for o in args.overrides or [] if o.split("=")[0].strip() == "train.max_steps"]:
+        raise UserError(f"--set {given[0]}: the check's runs take --steps N; give that instead")
     scratch = Path(args.scratch) if args.scratch else None
     only = None if args.only is None else {x.strip() for x in args.only.split(",")}
+    if args.steps == 1 and (only is None or "curves" in only):  # (0: the config's refusal)
+        raise UserError(
+            f"--steps {args.steps}: the curves need 2 steps or more (each must fall from its "
+            f"first loss to its last), e.g. --steps 8"
+        )
     if only is not None and not only <= SECTIONS:
         raise UserError(
             f"--only {','.join(sorted(only - SECTIONS))}: not a section of the check; use "

@@ -35,14 +35,32 @@ def fsync_file(path: Path | str) -> None:
 fsync_dir = fsync_file  # a directory's entries: a rename or a new file in it survives a power cut
 
 
+def entries_below(root: Path) -> Iterator[Path]:
+    """Every entry below `root` (a symlinked folder listed, not entered; one this user may not
+    read skipped, as Path.rglob does), walked without recursion: a tree thousands of folders
+    deep is no RecursionError."""
+    stack = [Path(root)]
+    while stack:
+        folder = stack.pop()
+        try:
+            found = os.scandir(folder)
+        except PermissionError:
+            continue
+        with found:
+            for entry in found:
+                yield folder / entry.name
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(folder / entry.name)
+
+
 def fsync_tree(root: Path | str) -> None:
     """Every regular file below `root`, then every directory (symlinks are not followed)."""
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            path = os.path.join(dirpath, name)
-            if not os.path.islink(path):
-                fsync_file(path)
-        fsync_dir(dirpath)
+    for path in entries_below(Path(root)):
+        if not path.is_symlink() and path.is_file():
+            fsync_file(path)
+        elif path.is_dir() and not path.is_symlink():
+            fsync_dir(path)
+    fsync_dir(root)
 
 
 def stamped_name(parent: Path, stem: str, suffix: str = "") -> Path:

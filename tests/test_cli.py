@@ -263,6 +263,37 @@ def test_runs_shows_a_run_as_a_relaunch_finds_it(data_dir, tmp_path, capsys):
     assert killed[1] == "2/4" and killed[4:6] == ["stopped", "step_00000002"], killed
     test = rows["test"].split()
     assert test[1] == "4/4" and test[4:6] == ["complete", "step_00000004"], test
+    # folders 1,100 deep in a checkpoint and beside it (RecursionError in the walks), a 2 MiB
+    # line (read whole), a trainer.pt of random bytes without its record (an IndexError), and a
+    # lock naming a host that writes terminal escapes (a forged row on the screen)
+    import contextlib
+    import os
+
+    for name in ("deep", "garbage"):
+        shutil.copytree(run, tmp_path / name)
+    deep = [tmp_path / "deep" / "checkpoints" / "step_00000004", tmp_path / "deep" / "notes"]
+    deep[1].mkdir()
+    try:
+        for top in deep:
+            for k in range(1, 1101):
+                (top / "/".join(["a"] * k)).mkdir()
+        with open(tmp_path / "deep" / "metrics.jsonl", "ab") as f:
+            f.write(b"x" * (2 << 20))
+        garbage = tmp_path / "garbage" / "checkpoints" / "step_00000004"
+        (garbage / "integrity.json").unlink()
+        (garbage / "trainer.pt").write_bytes(b"a")
+        host = "x)\r\x1b[2Kforged 4/4 0.0100 complete\x1b]0;title\x07("
+        (tmp_path / "garbage" / ".lock").write_text(json.dumps({"pid": 1, "host": host}))
+        assert main(["runs", str(tmp_path)]) == 0
+        out = capsys.readouterr().out
+        rows = {line.split()[0]: line for line in out.splitlines()[1:]}
+        assert rows["deep"].split()[4:6] == ["complete", "step_00000004"], rows["deep"]
+        assert "\x1b" not in out and "\r" not in out and "\\r\\x1b[2Kforged" in rows["garbage"]
+    finally:  # (pytest's clean-up of its folders recurses: 1,100 deep is past Python's limit)
+        for top in deep:
+            for k in range(1100, 0, -1):
+                with contextlib.suppress(FileNotFoundError):
+                    os.rmdir(top / "/".join(["a"] * k))
 
 
 def test_a_check_report_says_no_errors_only_once_the_check_has_finished(tmp_path):
@@ -1370,3 +1401,32 @@ def test_config_preflight_says_what_train_would_find_and_writes_nothing(data_dir
     assert main(["config", *batch, "--world-size", "3"]) == 2
     assert "--world-size: only with --preflight" in capsys.readouterr().err
     assert not runs.exists()
+
+
+def test_values_the_analysis_commands_took_to_a_traceback_or_a_run_that_cannot_pass(
+    tmp_path, capsys, monkeypatch
+):
+    """--bench-mb 1e303 (an OverflowError), check --steps 1 (a full run whose curves cannot
+    fall) or --set train.max_steps (it overrode --steps), LOCAL_WORLD_SIZE=abc (a ValueError),
+    and bench --roofline of a document-masked model (autocast asked about the meta device)."""
+    from scale_llm.analysis.memory.host import startup_problem
+    from scale_llm.cli import main
+    from scale_llm.config import load_config
+    from scale_llm.errors import UserError
+    from tests.helpers import plan_for
+
+    for argv, said in [
+        (["prepare", "--bench", "--bench-mb", "1e303"], "--bench-mb 1e+303: use a number"),
+        (["check", str(tmp_path / "c"), "--steps", "1"], "--steps 1: the curves need 2 steps"),
+        (["check", str(tmp_path / "c"), "--set", "train.max_steps=3"], "take --steps N"),
+    ]:
+        assert main(argv) == 2, argv
+        assert said in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "abc")
+    cfg = load_config(None, [])
+    with pytest.raises(UserError, match="LOCAL_WORLD_SIZE='abc' is not a number of processes"):
+        startup_problem(cfg, plan_for(cfg), 1 << 40)
+    tiny = str(REPO / "yaml" / "tiny.yaml")
+    argv = ["bench", tiny, "--roofline", "H100-SXM", "--set", "model.attention_mask=document"]
+    assert main(argv) == 0

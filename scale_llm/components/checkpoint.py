@@ -37,6 +37,7 @@ from scale_llm.files import (
     atomic_write_json,
     atomic_write_text,
     describe_kind,
+    entries_below,
     fsync_dir,
     fsync_tree,
     json_object_or_none,
@@ -485,7 +486,7 @@ def integrity_record(
     in threads (xxhash releases the GIL)."""
     files = [
         p
-        for p in ckpt_dir.rglob("*")
+        for p in entries_below(ckpt_dir)
         if p.is_file() and p.name != INTEGRITY and str(p.relative_to(ckpt_dir)) not in skip
     ]
     load, mine = [0] * world, []
@@ -607,7 +608,7 @@ def damage(ckpt_dir: Path, checksums: bool = True) -> str | None:
     """What is wrong with a checkpoint's files (one line naming the file), or None: each file
     no symlink, listed in integrity.json with its size and checksum (skipped without
     `checksums`: `scale-llm runs`); a missing record is damage."""
-    if links := sorted(p for p in ckpt_dir.rglob("*") if p.is_symlink()):
+    if links := sorted(p for p in entries_below(ckpt_dir) if p.is_symlink()):
         link = f"{links[0]} is a symlink (to {os.readlink(links[0])})"
         return f"{link}; a checkpoint holds only the files its run wrote"
     try:
@@ -615,7 +616,7 @@ def damage(ckpt_dir: Path, checksums: bool = True) -> str | None:
     except _Damage as e:
         return str(e)
     record = ckpt_dir / INTEGRITY
-    on_disk = (p for p in ckpt_dir.rglob("*") if p.is_file() and p != record)
+    on_disk = (p for p in entries_below(ckpt_dir) if p.is_file() and p != record)
     if extra := sorted(n for p in on_disk if (n := str(p.relative_to(ckpt_dir))) not in files):
         return f"{ckpt_dir / extra[0]} is not in {record} (added or renamed after the save)"
     for name, want in files.items():
@@ -840,7 +841,7 @@ def _size_problems(cfg: ModelConfig, ckpt_dir: Path) -> list[str]:
     params = cfg.vocab_size * d + cfg.n_layers * (2 * d * d + 2 * kv * d + 3 * d * hidden)
     held = sum(
         p.stat().st_size
-        for p in ckpt_dir.rglob("*")
+        for p in entries_below(ckpt_dir)
         if p.is_file() and not p.is_symlink() and p.name not in (TRAINER_STATE, INTEGRITY)
     )
     if 2 * params <= held:

@@ -13,6 +13,7 @@ import enum
 import io
 import pickle
 import re
+import struct
 import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -73,7 +74,16 @@ def load_file(
     try:
         with torch.serialization.safe_globals(list(safe_globals)):
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, KeyError, OSError) as e:
+    except (
+        pickle.UnpicklingError,
+        RuntimeError,
+        EOFError,
+        ValueError,
+        KeyError,
+        OSError,
+        IndexError,
+        struct.error,
+    ) as e:  # (the last two: the unpickler on random bytes)
         if isinstance(e, FileNotFoundError | PermissionError):
             raise
         name = _refused_global(e) if isinstance(e, pickle.UnpicklingError) else None

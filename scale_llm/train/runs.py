@@ -5,9 +5,9 @@ finds it: its newest checkpoint whose files match their record by size, and the 
 from __future__ import annotations
 
 import math
-import os
 import re
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +16,7 @@ from scale_llm.components.checkpoint import TRAINER_STATE, damage
 from scale_llm.config import RunConfig, load_config
 from scale_llm.config.profile import SCRATCH_PREFIX
 from scale_llm.errors import UserError
-from scale_llm.files import describe_kind, lock_holder
+from scale_llm.files import describe_kind, entries_below, lock_holder
 from scale_llm.train.metrics import metric_row
 from scale_llm.train.preflight import LOCK, METRICS_FILE
 
@@ -79,12 +79,11 @@ def _listed(run_dir: Path) -> RunSummary:
 
 
 def summarize(run_dir: Path) -> RunSummary:
-    """What one run directory says about its run, read-only."""
+    """What one run directory says about its run, read-only (its metrics read once, row by row)."""
     try:
         max_steps: int | None = load_config(run_dir / CONFIG_FILE).train.max_steps
     except UserError:  # an edited or damaged config.yaml: the rest can still be listed
         max_steps = None
-    rows = metric_rows(run_dir / METRICS_FILE)
     holder = lock_holder(run_dir / LOCK)
     if holder is not None:  # (its files change meanwhile: the newest complete one is shown)
         found = complete_checkpoints(run_dir / "checkpoints")
@@ -94,24 +93,42 @@ def summarize(run_dir: Path) -> RunSummary:
         (ckpt_step, ckpt), damaged = resumed_checkpoint(run_dir / "checkpoints")
         done = ckpt_step is not None and max_steps is not None and ckpt_step >= max_steps
         status = "complete" if done else "stopped"
-        if rows and rows[-1].get("stopped") == DIVERGED:
-            status = DIVERGED
+    # the last row, loss and val_loss: of every row, and of those up to the checkpoint a
+    # relaunch resumes (the rows after it are dropped then)
+    seen: dict[str, dict[str, Any]] = {"all": {}, "upto": {}}
+    for row in metric_rows(run_dir / METRICS_FILE):
+        for part in (
+            ("all", "upto") if ckpt_step is not None and row["step"] <= ckpt_step else ("all",)
+        ):
+            seen[part].update({"row": row}, **{k: row[k] for k in ("loss", "val_loss") if k in row})
+    if holder is None and seen["all"].get("row", {}).get("stopped") == DIVERGED:
+        status = DIVERGED  # (its rows: to the step it stopped at)
     if damaged:
         status += f" ({', '.join(damaged)} damaged)"
-    if holder is None and ckpt_step is not None and status != DIVERGED:  # a relaunch's rows
-        rows = [r for r in rows if r["step"] <= ckpt_step]  # (diverged: the step it stopped at)
-    loss = _number(next((r["loss"] for r in reversed(rows) if "loss" in r), None))
-    val = _number(next((r["val_loss"] for r in reversed(rows) if "val_loss" in r), None))
-    step = rows[-1]["step"] if rows else ckpt_step
+    kept = seen[
+        "upto" if holder is None and ckpt_step is not None and status != DIVERGED else "all"
+    ]
+    step = kept["row"]["step"] if "row" in kept else ckpt_step
+    loss, val = _number(kept.get("loss")), _number(kept.get("val_loss"))
     return RunSummary(run_dir.name, step, max_steps, loss, val, status, ckpt, disk_usage(run_dir))
 
 
-def metric_rows(path: Path) -> list[dict[str, Any]]:
-    """The rows of metrics.jsonl that are JSON objects with an integer step (others skipped)."""
+MAX_ROW_BYTES = 1 << 20  # a metrics row is a few hundred bytes: a longer line is skipped unread
+
+
+def metric_rows(path: Path) -> Iterator[dict[str, Any]]:
+    """The rows of metrics.jsonl that are JSON objects with an integer step (others skipped),
+    one at a time."""
     if not path.is_file() or path.is_symlink():
-        return []
+        return
     with open(path, "rb") as f:
-        return [row for line in f if (row := metric_row(line)) is not None]
+        while line := f.readline(MAX_ROW_BYTES + 1):
+            if len(line) > MAX_ROW_BYTES:  # (the rest of it passed over in bounded reads)
+                while line and not line.endswith(b"\n"):
+                    line = f.readline(MAX_ROW_BYTES)
+                continue
+            if (row := metric_row(line)) is not None:
+                yield row
 
 
 def complete_checkpoints(folder: Path) -> list[tuple[int, str]]:
@@ -143,15 +160,21 @@ def disk_usage(folder: Path) -> int:
     """Bytes the files under `folder` take on disk (symlinks not followed), but for eval.tasks'
     scratch exports: a launch removes them (the one that made them, or the next)."""
     total = 0
-    for parent, dirs, files in os.walk(folder):
-        if parent == str(folder):
-            dirs[:] = [d for d in dirs if not d.startswith(SCRATCH_PREFIX)]
-        for name in files:
+    for top in folder.iterdir():
+        if top.name.startswith(SCRATCH_PREFIX) and top.is_dir():
+            continue
+        for path in [top, *(entries_below(top) if top.is_dir() and not top.is_symlink() else ())]:
             try:
-                total += os.lstat(os.path.join(parent, name)).st_blocks * 512
+                st = path.lstat()
             except OSError:  # removed meanwhile (a live run prunes and renames)
                 continue
+            total += st.st_blocks * 512 if not stat.S_ISDIR(st.st_mode) else 0
     return total
+
+
+def _printable(text: str) -> str:
+    """`text` with what a terminal would act on (CR, escape sequences) written as escapes."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def format_runs(runs: list[RunSummary], root: str | Path) -> str:
@@ -163,6 +186,7 @@ def format_runs(runs: list[RunSummary], root: str | Path) -> str:
         step = f"{'-' if r.step is None else r.step}/{'?' if r.max_steps is None else r.max_steps}"
         cells = (r.name, step, _shown(r.loss), _shown(r.val_loss), r.status)
         rows.append((*cells, r.checkpoint or "-", _size(r.size)))
+    rows = [tuple(map(_printable, row)) for row in rows]  # (names and a lock's host: anyone's)
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join(
         "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows

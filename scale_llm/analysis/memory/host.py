@@ -12,7 +12,7 @@ from scale_llm.analysis.memory.gpu import estimate
 from scale_llm.components.hardware import host_available_bytes
 from scale_llm.config import Config
 from scale_llm.config.plan import RunPlan
-from scale_llm.errors import UserError
+from scale_llm.errors import UserError, short
 
 
 def host_memory_problem(
@@ -72,7 +72,13 @@ def check_host_memory(
 def startup_problem(cfg: Config, plan: RunPlan, available: int) -> str | None:
     """Why the ranks of this host cannot build the model in its memory (a GPU run: the model
     is built on the host first, whole or one parameter at a time; `estimate` says how much)."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)  # (torchrun's ranks per node)
+    local = os.environ.get("LOCAL_WORLD_SIZE", "1") or "1"  # (torchrun's ranks per node)
+    if not (local.isascii() and local.isdigit() and int(local) >= 1):
+        raise UserError(
+            f"LOCAL_WORLD_SIZE={short(local, 40)} is not a number of processes on this host: "
+            f"unset it, or start the run with the scripts in launch/ (torchrun sets it)"
+        )
+    local = int(local)
     need = estimate(cfg, plan).startup_host * local
     if need <= available:
         return None
