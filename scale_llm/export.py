@@ -186,7 +186,11 @@ def write_hf_folder(
     info: dict[str, Any] | None = None,
 ) -> Exported:
     """Write our state dict (consumed as written) as a Hugging Face folder at `out`, atomically."""
-    out = Path(os.path.abspath(out))  # (`.`: its temporary sibling beside it, not inside)
+    out = Path(out)  # where the checks judged it, its links resolved (`link/../x`)
+    if out.name in ("", ".."):  # `.`, `x/..`: its temporary sibling beside it, not inside
+        out = Path(os.path.realpath(out))
+    else:
+        out = Path(os.path.realpath(out.parent)) / out.name
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     check_out(out, force)

@@ -56,10 +56,14 @@ def main(out: str, settings: list[str], cases: dict[str, list[str]], poisoned: l
 
 
 def full_disk_on_rank_0(tr) -> dict[str, list]:
-    """Saves where rank 0 alone runs out of disk, in each phase of a save (its folder, its
-    files, the record and rename): what each rank raised, and the step folders left."""
+    """Saves where one rank alone runs out of disk, in each phase of a save (its folder, the
+    backend's files on rank 1, the trainer state, the record and rename): what each rank raised,
+    and the step folders left."""
     import errno
     from unittest import mock
+
+    import torch
+    import torch.distributed.checkpoint.filesystem as fs
 
     from scale_llm.components import checkpoint
     from scale_llm.errors import UserError
@@ -69,14 +73,16 @@ def full_disk_on_rank_0(tr) -> dict[str, list]:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     seen = {}
-    for phase, where in [
-        ("folder", (checkpoint, "_remove_stale")),
-        ("files", (trainer, "save_file")),
-        ("record", (checkpoint, "fsync_tree")),
-        ("publish", (checkpoint, "write_integrity")),
+    backend = (torch, "save") if tr.plan.backend == "deepspeed" else (fs, "_write_item")
+    for phase, where, rank in [
+        ("folder", (checkpoint, "_remove_stale"), 0),
+        ("backend", backend, 1),
+        ("files", (trainer, "save_file"), 0),
+        ("record", (checkpoint, "fsync_tree"), 0),
+        ("publish", (checkpoint, "write_integrity"), 0),
     ]:
         tr.step += 1
-        with mock.patch.object(*where, full) if dist.get_rank() == 0 else nullcontext():
+        with mock.patch.object(*where, full) if dist.get_rank() == rank else nullcontext():
             try:
                 tr.save_checkpoint()
                 said = "saved"
@@ -86,7 +92,7 @@ def full_disk_on_rank_0(tr) -> dict[str, list]:
         left = sorted(p.name for p in tr.checkpointer.dir.iterdir() if "step_" in p.name)
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, [said, left])
-        seen[phase] = everyone
+        seen[phase] = everyone if rank == 0 else everyone[::-1]  # (the failing rank's first)
     return seen
 
 

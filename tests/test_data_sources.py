@@ -147,6 +147,8 @@ def test_an_hf_folder_naming_files_outside_it_is_refused(tmp_path, hf_cache):
     state = json.loads((saved / "state.json").read_text())
     state["_data_files"][0]["filename"] = str(tmp_path / "elsewhere.arrow")
     (saved / "state.json").write_text(json.dumps(state))
+    for i in range(1000):  # (JSON files sorting first hid the record from a capped search)
+        (saved / f"a{i:04d}.json").write_text("{}")
     with pytest.raises(UserError, match="state.json names .*elsewhere.arrow', outside"):
         prepare(config(f"hf:{saved}", tmp_path / "o2"))
 

@@ -1284,10 +1284,19 @@ def test_wandb_online_without_credentials_is_refused_before_any_work(
     assert "`wandb login`" in msg and "logging.wandb.mode=offline" in msg
     assert not (tmp_path / "runs").exists()
     monkeypatch.setenv("WANDB_API_KEY", "short")
-    with pytest.raises(UserError, match=r"W&B cannot use this node's credentials \(WANDB_API_KEY"):
+    with pytest.raises(
+        UserError, match=r"W&B cannot use this node's settings or credentials \(WANDB_API_KEY"
+    ):
+        trainer(data_dir, tmp_path, "logging.wandb.project=p")
+    monkeypatch.setenv("WANDB_BASE_URL", "not a url")  # (wandb's own ValueError: a traceback)
+    with pytest.raises(UserError, match=r"settings or credentials \(.*fix the WANDB_\* variables"):
         trainer(data_dir, tmp_path, "logging.wandb.project=p")
     assert not (tmp_path / "runs").exists()
     monkeypatch.delenv("WANDB_API_KEY")
+    monkeypatch.delenv("WANDB_BASE_URL")
+    from wandb.sdk import wandb_setup
+
+    assert wandb_setup._singleton is None  # (its settings not kept: wandb.init reads them afresh)
     host = urlparse(wandb.Settings().base_url).hostname  # (W&B's server, or WANDB_BASE_URL's)
     (tmp_path / "netrc").write_text(f"machine {host} login user password {'k' * 40}\n")
     (tmp_path / "netrc").chmod(0o600)

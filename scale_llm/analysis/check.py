@@ -41,6 +41,7 @@ from scale_llm.files import (
     atomic_write_json,
     atomic_write_text,
     describe_kind,
+    entries_below,
     json_object_or_none,
     lock_holder,
     make_owned_dir,
@@ -341,13 +342,11 @@ RUNS_FILES = (
 def files_below(folder: Path) -> dict[str, list[int]]:
     """{relative path: [size, mtime_ns]} of every file below `folder` but its mark and record."""
     found = {}
-    for root, _, names in os.walk(folder):
-        for name in names:
-            path = Path(root) / name
-            if path.parent == folder and name in (OWNER_MARKER, RUNS_FILES):
-                continue
-            with contextlib.suppress(OSError):  # (gone meanwhile)
-                st = path.lstat()
+    for path in entries_below(folder):
+        if path.parent == folder and path.name in (OWNER_MARKER, RUNS_FILES):
+            continue
+        with contextlib.suppress(OSError):  # (gone meanwhile)
+            if not stat.S_ISDIR((st := path.lstat()).st_mode):
                 found[str(path.relative_to(folder))] = [st.st_size, st.st_mtime_ns]
     return found
 

@@ -245,7 +245,8 @@ class Checkpointer:
         (record, rename, pruning), or, given `start`, each rank starts its background write
         (DCP's async_save) and this Checkpointer's thread publishes it on `group` once written;
         one save is in flight at most. Each phase ends with the ranks agreeing: a failure on one
-        rank stops every rank (there a RankFailed naming it), none left waiting for another."""
+        rank stops every rank there (the others with a RankFailed naming it); a background write
+        one rank fails to start is the exception, the others' writes then wait."""
         self.wait()
         final = self.dir / checkpoint_name(step)
         tmp = self.dir / f".tmp-{final.name}"
@@ -264,7 +265,7 @@ class Checkpointer:
                 hashing.close()
                 self._publish(tmp, final, written)
                 return final
-            running = start(tmp)  # (nothing after this can fail before the write does)
+            running = start(tmp)  # (a rank failing to start it: the others' writes wait)
         except BaseException as e:
             hashing.close()
             self._failed(e, tmp, final)
@@ -339,9 +340,16 @@ class Checkpointer:
         failed (EIO, read-only, ...), is raised as a UserError."""
         if self.is_main:
             shutil.rmtree(tmp, ignore_errors=True)  # made by `save` for this save
+        saved = f"; {final} was published before it" if self._published == final else ""
+        if isinstance(e, RankFailed):
+            raise UserError(
+                f"checkpoint {final} failed on rank {e.rank} (its message says why, and what "
+                f"was kept){saved}; fix that, then launch again: the run continues from its last "
+                f"complete checkpoint"
+            ) from None
         full = _os_error(e)
         failed = _os_error(e, DISK_FAILED) or _os_error(e, NOT_ALLOWED)
-        if full is None and failed is None and not isinstance(e, RankFailed):
+        if full is None and failed is None:
             return
         try:
             done = [d for d in self.complete() if d[1] != final]
@@ -352,13 +360,6 @@ class Checkpointer:
             intact = f"the checkpoints in {self.dir} could not be listed"
         left = self.is_main and _there(tmp)  # (the main rank removes them)
         removed = f"are in {tmp} (removed by the next save)" if left else "were removed"
-        saved = f"; {final} was published before it" if self._published == final else ""
-        if isinstance(e, RankFailed):
-            raise UserError(
-                f"checkpoint {final} failed on rank {e.rank} (its message says why){saved}; the "
-                f"partial files {removed} and {intact or 'no earlier checkpoint exists'}; fix "
-                f"that, then launch again: the run continues from its last complete checkpoint"
-            ) from None
         if full is None:
             where = f" on {failed.filename}" if failed.filename else ""
             raise UserError(

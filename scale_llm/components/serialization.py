@@ -317,20 +317,29 @@ def deepspeed_safe_globals() -> list[Any]:
     return [LossScaler, ZeroStageEnum, fragment_address]
 
 
-def hash_deepspeed_writes(engine: Any) -> None:
-    """Make a DeepSpeed engine's torch checkpoint engine write through the hashing file system."""
+def hash_deepspeed_writes(engine: Any) -> list[Exception]:
+    """Make a DeepSpeed engine's torch checkpoint engine write through the hashing file system.
+    A write that fails is recorded in the list returned, not raised: the rank then passes
+    DeepSpeed's barriers with the others, and the caller raises it after the save."""
     from scale_llm.components.digests import HashingFileSystem
 
+    failed: list[Exception] = []
     writer = engine.checkpoint_engine
     if type(writer).__name__ != "TorchCheckpointEngine":
-        return
+        return failed
     zipfile = getattr(writer, "zipfile_serialization", True)
 
     def save(state_dict: Any, path: str) -> None:  # (DeepSpeed writes into our .tmp-step_N)
-        with HashingFileSystem().create_stream(path, "wb") as f:
-            torch.save(state_dict, f, _use_new_zipfile_serialization=zipfile)
+        if failed:
+            return
+        try:
+            with HashingFileSystem().create_stream(path, "wb") as f:
+                torch.save(state_dict, f, _use_new_zipfile_serialization=zipfile)
+        except Exception as e:
+            failed.append(e)
 
     writer.save = save
+    return failed
 
 
 def guard_deepspeed_reader(engine: Any) -> None:

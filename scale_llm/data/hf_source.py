@@ -185,16 +185,20 @@ def _named_outside(folder: Path) -> tuple[Path, str] | None:
     if text.startswith("---") and (end := text.find("\n---", 3)) > 0:
         try:
             header = yaml.safe_load(text[3:end])
-        except yaml.YAMLError:  # (datasets reads no configs from it either)
+        except (yaml.YAMLError, RecursionError):  # (datasets reads no configs from it either)
             header = None
         configs = header.get("configs") if isinstance(header, dict) else None
         for config in configs if isinstance(configs, list) else []:
             if isinstance(config, dict):
                 named += [(card, config.get("data_dir")), (card, config.get("data_files"))]
-    for record in sorted(folder.rglob("*.json"))[:1000]:
-        if record.name in ("state.json", "dataset_dict.json") and record.is_file():
-            value = json_object_or_none(record) or {}
-            named += [(record, value.get("_data_files")), (record, value.get("splits"))]
+    splits = json_object_or_none(folder / "dataset_dict.json") or {}
+    named.append((folder / "dataset_dict.json", splits.get("splits")))
+    records = [folder / "state.json"]  # (where load_from_disk reads them: a split's folder)
+    names = [n for n in _strings(splits.get("splits")) if "/" not in n and n not in ("", "..")]
+    records += [folder / name / "state.json" for name in names]  # (another name: refused below)
+    for record in records:
+        value = json_object_or_none(record) if record.is_file() else None
+        named.append((record, (value or {}).get("_data_files")))
     for file, value in named:
         for path in _strings(value):
             parts = path.replace("\\", "/").split("/")

@@ -156,8 +156,10 @@ class DeepSpeedBackend(Backend):
         (components/zero_weights.py reads them). Foreground only: the engine has no other."""
         if background is not None:
             raise ValueError("DeepSpeed checkpoints are written in the foreground only")
-        hash_deepspeed_writes(self.model)  # so the integrity record needs no second read
+        failed = hash_deepspeed_writes(self.model)  # so the integrity record needs no second read
         self.model.save_checkpoint(str(ckpt_dir), tag=TAG)
+        if failed:  # (raised once past DeepSpeed's barriers: the other ranks are not left there)
+            raise failed[0]
 
     def load(self, ckpt_dir: Path, layout: dict[str, Any]) -> None:
         """The engine's own checkpoint of this layout; any other one parameter at a time."""

@@ -298,11 +298,16 @@ def check_wandb(cfg: Config, resumes: bool) -> None:
 def _wandb_credentials(wandb, cfg: Config) -> bool:
     """Whether wandb.init would find credentials for its server (WANDB_API_KEY, an identity
     token file, the .netrc, its settings), as it looks for them, without asking the server or
-    keeping what it finds; True where this wandb has no such reader (wandb.init then decides)."""
+    keeping what it finds (nor its settings: wandb.init reads them afresh); True where this
+    wandb has no such reader (wandb.init then decides)."""
     try:
         from wandb.sdk import wandb_setup
         from wandb.sdk.lib import wbauth
 
+        kept = wandb_setup._singleton
+    except (ImportError, AttributeError):
+        return True
+    try:
         settings = wandb_setup.singleton().settings  # (starts no service)
         host = wbauth.HostUrl(settings.base_url, app_url=settings.app_url)
         return bool(
@@ -310,14 +315,17 @@ def _wandb_credentials(wandb, cfg: Config) -> bool:
                 host=host, source="scale_llm", prompt=False, update_session=False
             )
         )
-    except (ImportError, AttributeError, TypeError):
+    except (AttributeError, TypeError):
         return True
-    except wandb.errors.Error as e:  # a key of the wrong form, two sources at once
+    except Exception as e:  # a key of the wrong form, two sources at once, a bad WANDB_* value
         raise UserError(
             f"logging.wandb.project={cfg.logging.wandb.project}: W&B cannot use this node's "
-            f"credentials ({' '.join(str(e).split())[:200]}); fix WANDB_API_KEY, "
-            f"WANDB_IDENTITY_TOKEN_FILE or the .netrc, or set logging.wandb.mode=offline"
+            f"settings or credentials ({' '.join(str(e).split())[:200]}); fix the WANDB_* "
+            f"variables (WANDB_API_KEY, WANDB_BASE_URL, ...) or the .netrc, or set "
+            f"logging.wandb.mode=offline"
         ) from None
+    finally:
+        wandb_setup._singleton = kept
 
 
 def _wandb_settings_keys(path: Path) -> set[str]:

@@ -23,6 +23,7 @@ from scale_llm.components.checkpoint import (
     Checkpointer,
     CheckpointWeights,
     is_count,
+    together,
 )
 from scale_llm.components.hardware import peak_flops
 from scale_llm.components.optim import lr_at
@@ -274,7 +275,8 @@ class Trainer:
 
         def write(tmp: Path) -> None:
             if not background:
-                self.backend.save(tmp)
+                with together():  # (a rank it failed on: known to all before the next collective)
+                    self.backend.save(tmp)
                 fault()
             state = self.state_dict()  # a collective (every rank's generators)
             if self.plan.is_main:
