@@ -378,6 +378,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
         fake_plan(cfg, world, args.pipeline_rank)
     plan = target_plan(cfg, world)
+    fitted = None if budget is None else memory.fit(cfg, plan, budget)  # (before --measure's work)
     est = memory.estimate(cfg, plan)
     result = est.to_json()
     text = [note] if note else []
@@ -406,8 +407,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
         result["traced_step_fake"] = traced = trace_step(cfg, world, args.pipeline_rank)
         text.append(format_trace(traced))
-    if budget is not None:
-        fitted = memory.fit(cfg, plan, budget)
+    if fitted is not None:
         est, lay = fitted.estimate, fitted.estimate.layout
         gpu = {k: int(v) for k, v in est.gpu.items()}
         result["fit"] = {"budget": budget, "overrides": fitted.changes, "bytes_per_gpu": gpu}

@@ -244,6 +244,9 @@ def test_estimate_measure_with_fake_refuses_an_untraceable_layout_before_measuri
     tiny = ["--set", "model.n_layers=2", "--set", "model.d_model=64", "--set", "model.n_heads=4"]
     assert cli.main(["estimate", *tiny, "--measure", "--fake", "--world-size", "2"]) == 2
     assert "estimate --fake traces parallel.backend single" in capsys.readouterr().err
+    # a budget nothing fits: said before --measure's work too (it measured first: 36 s, 4 GB)
+    assert cli.main(["estimate", *tiny, "--measure", "--fit", "1MiB"]) == 2
+    assert "nothing fits in" in capsys.readouterr().err
 
 
 def test_estimate_command_json_and_fit(tmp_path):
