@@ -82,14 +82,12 @@ def temporary_sibling(path: Path, tag: str = "tmp") -> Path:
 def made_folder(folder: Path) -> Iterator[None]:
     """`folder` made with its missing parents; those it made are removed again (while empty)
     when the block fails, so that a refused or failed write leaves nothing behind."""
-    made = [p for p in (folder, *folder.parents) if not (p.exists() or p.is_symlink())]
+    made = list(itertools.takewhile(absent, [folder, *folder.parents]))
     folder.mkdir(parents=True, exist_ok=True)
     try:
         yield
     except BaseException:
-        for path in made:  # (deepest first)
-            with contextlib.suppress(OSError):
-                path.rmdir()
+        _remove_empty(made)
         raise
 
 

@@ -279,8 +279,4 @@ def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
 
 def all_ranks_agree(ok: bool, device: torch.device) -> bool:
     """True when `ok` holds on every rank (this rank's own verdict when not distributed)."""
-    if not is_distributed() or dist.get_world_size() == 1:
-        return ok
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+    return first_failed_rank(not ok) is None  # (`device`: the default group's, found there)
