@@ -143,6 +143,23 @@ _KINDS = (
 )
 
 
+def require_kind(path: Path, kind: str, what: str) -> None:
+    """`path` is missing or `kind` ("a folder" or "a regular file", not through a link): where a
+    run keeps `what`, a pipe, a device or a link would block it or send its writes elsewhere."""
+    if not (path.exists() or path.is_symlink()) or (
+        path.is_dir() if kind == "a folder" else (path.is_file() and not path.is_symlink())
+    ):
+        return
+    found = describe_kind(path)
+    if path.is_symlink():
+        target = describe_kind(Path(os.path.realpath(path)))
+        found = f"a symlink to {'nothing' if target == 'missing' else target}"
+    raise UserError(
+        f"{path} is {found}, but the run keeps {what} there, as {kind}; move it away (or pick "
+        f"another run.name) and launch again"
+    )
+
+
 def unwritable_dir(path: Path | str) -> tuple[Path, str] | None:
     """(the first existing part of `path`, "file" or "read-only") when `path` is not and cannot
     become a writable directory; None when it is or can."""

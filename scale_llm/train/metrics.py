@@ -13,8 +13,8 @@ from typing import Any
 
 from scale_llm.config import Config, dump_yaml, to_dict
 from scale_llm.errors import UserError
-from scale_llm.files import JSONProblem, atomic_write_text, parse_json, stamped_name
-from scale_llm.train.preflight import METRICS_FILE, WANDB_ID_FILE, check_metrics_file, wandb_id
+from scale_llm.files import JSONProblem, atomic_write_text, parse_json, require_kind, stamped_name
+from scale_llm.train.preflight import METRICS_FILE, RUN_DIR_FILES, WANDB_ID_FILE, wandb_id
 from scale_llm.train.resume import flat
 
 log = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ def _start_rows(path: Path, step: int) -> None:
     attempt's rows moved aside to metrics-<UTC time>.jsonl, as abandoned checkpoints are kept. A
     line that is not a JSON row (cut short by a kill, or an edit) moves there too, with a
     warning."""
-    check_metrics_file(path)
+    require_kind(path, "a regular file", RUN_DIR_FILES[METRICS_FILE])
     if not path.exists():
         return
     if step > 0:

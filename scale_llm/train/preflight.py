@@ -31,9 +31,9 @@ from scale_llm.files import (
     MAX_RECORD_BYTES,
     OWNER_MARKER,
     OwnerLock,
-    describe_kind,
     json_object_or_none,
     owned_kind,
+    require_kind,
     require_writable_dir,
 )
 from scale_llm.model import attention
@@ -496,7 +496,7 @@ def check_run_dir(run_dir: Path) -> None:
     refuse_checkpoints_of_another_run(run_dir)
     for kind, names in (("a folder", RUN_DIR_FOLDERS), ("a regular file", RUN_DIR_FILES)):
         for name, what in names.items():
-            _check_kind(run_dir / name, kind, what)
+            require_kind(run_dir / name, kind, what)
 
 
 def refuse_checkpoints_of_another_run(run_dir: Path) -> None:
@@ -550,26 +550,6 @@ def _same(a: Path, b: Path) -> bool:
 def is_run_dir(path: Path) -> bool:
     """`path` (or the folder a link names) holds the mark the trainer writes in its run dirs."""
     return owned_kind(Path(os.path.realpath(path))) == RUN_KIND
-
-
-def check_metrics_file(path: Path) -> None:
-    """RUN_DIR/metrics.jsonl is missing or a regular file (appending to a pipe would block)."""
-    _check_kind(path, "a regular file", RUN_DIR_FILES[METRICS_FILE])
-
-
-def _check_kind(path: Path, kind: str, what: str) -> None:
-    if not (path.exists() or path.is_symlink()) or (
-        path.is_dir() if kind == "a folder" else (path.is_file() and not path.is_symlink())
-    ):
-        return
-    found = describe_kind(path)
-    if path.is_symlink():
-        target = describe_kind(Path(os.path.realpath(path)))
-        found = f"a symlink to {'nothing' if target == 'missing' else target}"
-    raise UserError(
-        f"{path} is {found}, but the run keeps {what} there, as {kind}; move it away (or pick "
-        f"another run.name) and launch again"
-    )
 
 
 def check_vocab(cfg: Config, manifest: dict[str, Any]) -> None:
