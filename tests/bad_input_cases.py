@@ -120,6 +120,18 @@ def needs(module: str) -> Any:
     return pytest.importorskip(module)
 
 
+def without_wandb_credentials(monkeypatch: Any, tmp: Path) -> None:
+    """No API key where W&B looks for one (its variables, the .netrc, its settings)."""
+    from wandb.sdk import wandb_setup
+
+    for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp / "netrc").write_text("")
+    monkeypatch.setenv("NETRC", str(tmp / "netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp / "wandb-config"))
+    monkeypatch.setattr(wandb_setup, "_singleton", None)  # settings read afresh
+
+
 # =========================================================================================== config
 def _missing_wandb(ctx: Ctx) -> list[str]:
     """W&B was started after the run dir was written (config.yaml, plan.json, the tokenizer):
@@ -2237,7 +2249,7 @@ FLAGS = [
         ["check", "o", "--set", "data.source=/nonexistent/dir", "--scratch", "scr"],
         "data.source='/nonexistent/dir' matches no file",
     ),
-    *[  # (each refused by prepare mid-check: exit 1, after OUT's report was replaced)
+    *[  # (prepare's refusals of the --set values: before OUT is claimed)
         (
             f"check with --set {key} prepare refuses",
             ["check", "o", "--set", key, "--scratch", "scr"],
@@ -3008,7 +3020,18 @@ JSON_READS: list = [
     ),
 ]
 
+
 # ===================================================================== what is reported is there
+def _check_with_wandb_without_credentials(ctx: Ctx) -> Setup:
+    """`check` ran its preflight, claimed OUT and prepared its data before each run's
+    wandb.init refused (exit 1, the refusal in each item of the report)."""
+    needs("wandb")
+    creds = ctx.tmp.parent / f"{ctx.tmp.name}-creds"  # (outside the watched folder)
+    creds.mkdir()
+    without_wandb_credentials(ctx.monkeypatch, creds)
+    return Setup(["check", "out", "--scratch", "scratch", *s("logging.wandb.project=p")])
+
+
 REPORTS: list = [
     (
         "check: --steps 0 writes no report",
@@ -3019,6 +3042,16 @@ REPORTS: list = [
         "check: a refused --set writes no report",
         ["check", "out", "--scratch", "scratch", "--set", "train.lr=-1"],
         "train.lr=-1",
+    ),
+    (  # (train's preflight refused it in each item: exit 1, after OUT and the data were made)
+        "check: an init_from folder that is not there writes no report",
+        ["check", "out", "--scratch", "scratch", *s("model.init_from=/nonexistent")],
+        "model.init_from=/nonexistent: no such folder",
+    ),
+    (
+        "check: W&B online without credentials writes no report",
+        _check_with_wandb_without_credentials,
+        "logging.wandb.project=p: W&B finds no API key on this node",
     ),
 ]
 

@@ -67,7 +67,9 @@ def test_compiled_resume_is_exact(data_dir, compiled):
         assert again[step] == losses[step], step
 
 
-def test_the_gpu_check_runs_on_the_cpu_and_writes_its_report(data_dir, corpus_dir, tmp_path):
+def test_the_gpu_check_runs_on_the_cpu_and_writes_its_report(
+    data_dir, corpus_dir, tmp_path, monkeypatch
+):
     """launch/gpu-check.sh's checks without a GPU, at the test corpus's tiny size."""
     from scale_llm.analysis.check import run_check
     from tests.helpers import TINY_MODEL
@@ -118,11 +120,18 @@ def test_the_gpu_check_runs_on_the_cpu_and_writes_its_report(data_dir, corpus_di
     names = sorted(p.name for p in out.iterdir())
     assert names == [".scale-llm-owner.json", "check.log", "report.json", "report.md"]
     # again on the same scratch (a second call on a lent GPU): the last check's runs go, the
-    # prepared data stays
+    # prepared data stays. A --set backend trains in a world of one, as `train` does (DeepSpeed
+    # looked for MPI without one; its second curve found its first group gone)
     (first,) = (tmp_path / "scratch").glob("runs-*")  # the check's own runs folder
     assert (first / "check-cpu-fp32-eager").is_dir()
-    again = run_check(out, steps=3, overrides=small, scratch=tmp_path / "scratch", only={"curves"})
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)  # (as `scale-llm check` starts: fsdp set them)
+    ds = [*small, "parallel.backend=deepspeed"]
+    again = run_check(out, steps=3, overrides=ds, scratch=tmp_path / "scratch", only={"curves"})
     assert again["ok"] and len(again["curves"]) == 2, (again["errors"], again["curves"])
+    assert again["curves"][0]["first_loss"] == report["curves"][0]["first_loss"]
+    (ran,) = (tmp_path / "scratch").glob("runs-*/check-cpu-fp32-compiled/plan.json")
+    assert json.loads(ran.read_text())["backend"] == "deepspeed"
     (second,) = (tmp_path / "scratch").glob("runs-*")
     assert second != first and (second / "check-cpu-fp32-eager").is_dir()
 

@@ -48,6 +48,7 @@ from tests.bad_input_cases import (
     Without,
     damaged_build,
     s,
+    without_wandb_credentials,
 )
 from tests.helpers import (
     Payload,
@@ -1255,18 +1256,6 @@ def test_wandb_missing_is_a_clear_error(data_dir, tmp_path, monkeypatch):
     with pytest.raises(UserError, match=r"logging.wandb.project=p needs the wandb package"):
         trainer(data_dir, tmp_path, "logging.wandb.project=p")
     assert not (tmp_path / "runs").exists()  # the preflight's: nothing written
-
-
-def without_wandb_credentials(monkeypatch, tmp_path: Path) -> None:
-    """No API key where W&B looks for one (its variables, the .netrc, its settings)."""
-    from wandb.sdk import wandb_setup
-
-    for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
-        monkeypatch.delenv(name, raising=False)
-    (tmp_path / "netrc").write_text("")
-    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
-    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
-    monkeypatch.setattr(wandb_setup, "_singleton", None)  # settings read afresh
 
 
 def test_wandb_online_without_credentials_is_refused_before_any_work(

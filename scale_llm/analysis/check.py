@@ -27,7 +27,7 @@ import torch
 
 from scale_llm.analysis.bench import bench_reference, bench_sweep, fresh_start, markdown_table
 from scale_llm.analysis.memory import estimate
-from scale_llm.components.distributed import shutdown_distributed
+from scale_llm.components.distributed import shutdown_distributed, start
 from scale_llm.config import Config, load_config, save_config, with_changes
 from scale_llm.config.load import shipped_config_dir
 from scale_llm.config.parallel import ONE_PROCESS
@@ -52,6 +52,7 @@ from scale_llm.files import (
     remove_owned_dir,
     require_writable_dir,
 )
+from scale_llm.train.preflight import check_fresh_settings
 from scale_llm.train.trainer import train
 
 log = logging.getLogger(__name__)
@@ -187,6 +188,7 @@ def run_check(
     check_settings(first)  # what prepare refuses of the --set values: before OUT is claimed
     if not first.data.source.startswith("hf:"):  # (a Hub source is looked up by prepare)
         open_source(first.data)  # a local corpus that is not there: before OUT is claimed
+    check_fresh_settings(first, resolve_plan(first, Launch()))  # what train would refuse
     check_scratch(scratch)
     require_writable_dir(scratch, "--scratch")  # (before OUT is claimed)
     own_data = same_path(first.data.dir, scratch / "data")  # (not a data.dir given by --set)
@@ -471,14 +473,18 @@ def curves(report: Report, cfg: Config, cuda: bool) -> None:
     gpu = [("cuda", p, c) for p in ("bf16", "fp16") for c in (False, True)]
     variants = [("cpu", "fp32", False), *(gpu if cuda else [("cpu", "fp32", True)])]
     reference: list[dict[int, float]] = []
-    for device, precision, compiled in variants:
-        name = f"check-{device}-{precision}-{'compiled' if compiled else 'eager'}"
-        changes = {"run.name": name, "train.device": device, "train.precision": precision}
-        changes["train.compile"] = compiled
-        row = report.attempt("curves", name, functools.partial(curve_row, cfg, changes, reference))
-        if "first_loss" in row:
-            losses = f"{row['first_loss']:.4f} -> {row['last_loss']:.4f}"
-            log.info(f"check: {name}: loss {losses}, {'ok' if row['ok'] else 'FAIL'}")
+    try:
+        for device, precision, compiled in variants:
+            name = f"check-{device}-{precision}-{'compiled' if compiled else 'eager'}"
+            changes = {"run.name": name, "train.device": device, "train.precision": precision}
+            changes["train.compile"] = compiled
+            run = functools.partial(curve_row, cfg, changes, reference)
+            row = report.attempt("curves", name, run)
+            if "first_loss" in row:
+                losses = f"{row['first_loss']:.4f} -> {row['last_loss']:.4f}"
+                log.info(f"check: {name}: loss {losses}, {'ok' if row['ok'] else 'FAIL'}")
+    finally:
+        shutdown_distributed()  # (the sweep's rows are one process each)
 
 
 def curve_row(
@@ -487,7 +493,10 @@ def curve_row(
     """One short run of cfg with changes; the first is the reference the others start near."""
     cfg = with_changes(cfg, changes)
     fresh_start(torch.device(cfg.train.device))  # (the curves name their device)
-    losses = train(cfg, resolve_plan(cfg, Launch())).losses
+    plan = resolve_plan(cfg, Launch())
+    if plan.backend != "single":  # (a --set backend: a world of one, as `train` starts it)
+        start(plan)  # (kept by the next curve: DeepSpeed holds on to the first group)
+    losses = train(cfg, plan).losses
     if not reference:
         reference.append(losses)
     first, last = losses[min(losses)], losses[max(losses)]

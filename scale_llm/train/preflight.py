@@ -146,12 +146,7 @@ def preflight(cfg: Config, plan: RunPlan) -> RunSpec:
             )
         else:
             log.info("init_from: not used: resuming %s (newer weights)", resume.checkpoint)
-    if plan.is_main and cfg.logging.wandb.project:
-        report.check(check_wandb, cfg, resume is not None)
-    report.check(check_host_memory, cfg, plan)
-    report.check(check_fp8, cfg, plan)  # torchao, an fp8 GPU, the backend
-    report.check(check_zero_settings, cfg, plan)  # DeepSpeed's own model of zero_optimization
-    report.check(check_profile, cfg.train.profile, cfg.run_dir)
+    check_settings(report, cfg, plan, resume is not None)
     tasks = report.check(TaskEval, cfg, plan, tokenizer)  # every rank: they agree on it
     cfg = report.check(settle_compile, cfg, plan) or cfg  # every rank: they agree on it
     report.raise_if_any(plan)
@@ -162,6 +157,27 @@ def preflight(cfg: Config, plan: RunPlan) -> RunSpec:
         warn_about_attention(cfg, plan)
         warn_about_deepspeed(cfg, plan)
     return spec
+
+
+def check_settings(report: Report, cfg: Config, plan: RunPlan, resumes: bool) -> None:
+    """The checks of the settings and this machine alone (no data, no run dir): W&B, host
+    memory, fp8, DeepSpeed's zero_optimization, the profiler."""
+    if plan.is_main and cfg.logging.wandb.project:
+        report.check(check_wandb, cfg, resumes)
+    report.check(check_host_memory, cfg, plan)
+    report.check(check_fp8, cfg, plan)  # torchao, an fp8 GPU, the backend
+    report.check(check_zero_settings, cfg, plan)  # DeepSpeed's own model of zero_optimization
+    report.check(check_profile, cfg.train.profile, cfg.run_dir)
+
+
+def check_fresh_settings(cfg: Config, plan: RunPlan) -> None:
+    """What train's preflight refuses of a fresh run's settings before its data exists (for
+    `check`, whose runs take --set values): these checks, and init_from's folder and shapes."""
+    report = Report()
+    if cfg.model.init_from:
+        report.check(check_init_from, cfg.model, None)  # (its tokenizer: once data exists)
+    check_settings(report, cfg, plan, False)
+    report.raise_if_any(plan)
 
 
 def check_data_fits(cfg: Config, plan: RunPlan, data: TrainingData) -> None:
