@@ -4,7 +4,6 @@ step again, so exports and records are reused only with this checkpoint's `check
 
 from __future__ import annotations
 
-import atexit
 import importlib.metadata
 import importlib.util
 import logging
@@ -12,7 +11,6 @@ import math
 import os
 import shutil
 import stat
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -50,6 +48,7 @@ from scale_llm.files import (
     describe_kind,
     json_object_or_none,
     read_json,
+    temporary_folder,
     temporary_sibling,
     unwritable_dir,
 )
@@ -331,8 +330,7 @@ TRUST_TASK_CODE = "SCALE_LLM_TRUST_TASK_CODE"  # =1: run the Python a task folde
 def checked_task_copy(folder: Path) -> tuple[Path, list[str]]:
     """A private copy of `folder`'s task YAMLs (those lm-eval indexes, each read once), and what
     in it would make lm-eval run Python; the copy is removed when this process exits."""
-    into = Path(os.path.realpath(tempfile.mkdtemp(prefix="scale-llm-tasks-")))
-    atexit.register(shutil.rmtree, into, True)
+    into = temporary_folder("scale-llm-tasks-")
     problems = [p for path in sorted(folder.rglob("*.yaml")) if (p := _copy_in(path, folder, into))]
     found = task_code_problems(into, source=folder)
     return into, problems + [p.replace(str(into), str(folder)) for p in found]

@@ -4,6 +4,7 @@ a command removes only what its marker proves it made; one process at a time hol
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import itertools
@@ -419,6 +420,25 @@ def remove_owned_dir(path: Path, kind: str) -> None:
             f"of that kind), so it is left alone; remove it yourself or pick another path"
         )
     shutil.rmtree(path)
+
+
+_TEMPORARY: list[Path] = []
+
+
+def temporary_folder(prefix: str) -> Path:
+    """A private folder in the system's temporary folder, removed as this process ends: at exit,
+    or by `remove_temporary_folders` where a process skips the interpreter's exit (a process
+    of a gloo world ends with os._exit)."""
+    path = Path(os.path.realpath(tempfile.mkdtemp(prefix=prefix)))
+    _TEMPORARY.append(path)
+    atexit.unregister(remove_temporary_folders)  # (registered once)
+    atexit.register(remove_temporary_folders)
+    return path
+
+
+def remove_temporary_folders() -> None:
+    while _TEMPORARY:
+        shutil.rmtree(_TEMPORARY.pop(), ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +18,7 @@ from scale_llm.train.metrics import _tb_tag
 from tests.helpers import (
     REPO,
     common,
+    env,
     make_config,
     plan_for,
     rows_of,
@@ -246,3 +250,32 @@ def test_a_task_folder_that_would_run_python_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("SCALE_LLM_TRUST_TASK_CODE", "1")
     evaluate.task_manager(["coded"], tasks)
     assert ran.exists()  # the code the refusal kept from running
+
+
+def test_a_task_folders_private_copy_goes_with_a_process_that_skips_its_teardown(tmp_path):
+    """The checked copy of an include folder lives in the temporary folder until its process
+    ends. A gloo world's processes end with os._exit (`exit_without_teardown`), which skipped
+    its removal at exit: every rank of every such launch left a scale-llm-tasks-* folder."""
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "t.yaml").write_text("task: t\n")
+    (tmp_path / "tmp").mkdir()
+    code = (
+        "import sys, pathlib\n"
+        "from scale_llm.evaluate import checked_task_copy\n"
+        "from scale_llm.components.distributed import exit_without_teardown\n"
+        "into, problems = checked_task_copy(pathlib.Path(sys.argv[1]))\n"
+        "print(into, sorted(p.name for p in into.iterdir()), problems, flush=True)\n"
+        "exit_without_teardown(0) if sys.argv[2] == 'world' else sys.exit(0)\n"
+    )
+    for how in ("world", "plain"):
+        proc = subprocess.run(
+            [sys.executable, "-c", code, str(tmp_path / "tasks"), how],
+            env=env() | {"TMPDIR": str(tmp_path / "tmp")},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        into, listed = proc.stdout.split(" ", 1)
+        assert Path(into).parent == tmp_path / "tmp" and listed.strip() == "['t.yaml'] []"
+        assert list((tmp_path / "tmp").iterdir()) == [], how

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from scale_llm.components.hardware import keep_freed_cpu_memory
 from scale_llm.errors import UserError
+from scale_llm.files import remove_temporary_folders
 
 if TYPE_CHECKING:
     from scale_llm.config.plan import RunPlan
@@ -225,7 +226,9 @@ def shutdown_distributed(clean: bool = True) -> None:
 def exit_without_teardown(code: int) -> None:
     """End a process that was in a process group: gloo worlds have aborted in interpreter
     shutdown after all their work (SIGABRT, "terminate called without an active exception"),
-    so logs and output are flushed and the interpreter's teardown skipped."""
+    so logs and output are flushed, temporary folders removed and the interpreter's teardown
+    skipped."""
+    remove_temporary_folders()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
