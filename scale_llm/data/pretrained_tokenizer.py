@@ -182,6 +182,12 @@ def _named_class_problem(folder: Path) -> str | None:
             found = found and tokenizer_class_from_name(named)
         except Exception:
             found = False
+        if needed := getattr(found, "_backends", None):  # (transformers' stand-in class)
+            return (
+                f"{folder / name} names tokenizer_class {short(named, 80)}, which needs the "
+                f"package(s) {', '.join(map(str, needed))}; install them (`pip install "
+                f"{' '.join(map(str, needed))}`) and run it again"
+            )
         if found is not None and not (
             isinstance(found, type) and issubclass(found, PreTrainedTokenizerBase)
         ):
