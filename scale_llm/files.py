@@ -624,7 +624,7 @@ class OwnerLock:
             )
         if pid == os.getpid():  # this process, an earlier user of the lock that did not release
             return
-        if _alive(pid):  # alive yet not holding the flock: pid reuse, or an older scale_llm
+        if _holds(owner):  # alive yet not holding the flock: a file system without flock
             then = f". If pid {pid} is not a scale_llm process, delete {self.path}"
             raise self._in_use(f"pid {pid} on {host}", then)
         if warn:
@@ -650,7 +650,7 @@ def lock_holder(path: Path) -> str | None:
     pid, host = owner["pid"], owner["host"]
     if host != socket.gethostname():
         return f"pid {pid} on {host}"
-    return f"pid {pid}" if _alive(pid) else None
+    return f"pid {pid}" if _holds(owner) else None
 
 
 def _owner(raw: bytes) -> dict[str, Any] | None:
@@ -663,6 +663,23 @@ def _owner(raw: bytes) -> dict[str, Any] | None:
     pid = owner.get("pid") if isinstance(owner, dict) else None
     ok = isinstance(pid, int) and not isinstance(pid, bool) and isinstance(owner.get("host"), str)
     return owner if ok else None
+
+
+def _holds(owner: dict[str, Any]) -> bool:
+    """Whether the owner record's process (of this host) is alive: its pid names a process that
+    began before the record was written (a later one was given the pid of a killed owner)."""
+    pid, started = owner["pid"], owner.get("started")
+    if not _alive(pid):
+        return False
+    if not isinstance(started, (int, float)) or isinstance(started, bool):
+        return True
+    try:  # /proc/PID/stat's 22nd field: the start in clock ticks after boot
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        lines = Path("/proc/stat").read_text().splitlines()
+        boot = next(int(line.split()[1]) for line in lines if line.startswith("btime "))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return True  # (no /proc to tell: alive)
+    return boot + ticks / os.sysconf("SC_CLK_TCK") <= started + 2  # (btime: whole seconds)
 
 
 def _alive(pid: int) -> bool:

@@ -360,23 +360,37 @@ def test_a_folder_that_is_not_a_run_dir_is_never_written_into(data_dir, tmp_path
 
 
 def test_a_live_run_dir_is_refused_and_a_stale_lock_is_taken_over(data_dir, tmp_path, logs):
+    """A lock record whose pid is alive is refused; one whose pid now names a process that
+    began after the record was written (a killed owner's pid, reused) was refused too, and
+    `runs` showed the run as running."""
     import socket
+    import time
+
+    from scale_llm.files import lock_holder
 
     run_dir = tmp_path / "runs" / "test"
     run_dir.mkdir(parents=True)
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    lock = {"pid": sleeper.pid, "host": socket.gethostname(), "started": time.time() + 1}
     try:
-        lock = {"pid": sleeper.pid, "host": socket.gethostname(), "started": 0}
         (run_dir / ".lock").write_text(json.dumps(lock))
         with pytest.raises(UserError, match=rf"in use by another launch \(pid {sleeper.pid}"):
             trainer(data_dir, tmp_path)
         assert sorted(p.name for p in run_dir.iterdir()) == [".lock"]  # nothing written
+        assert lock_holder(run_dir / ".lock") == f"pid {sleeper.pid}"
+        lock["started"] = time.time() - 3600  # written an hour before its pid's process began
+        (run_dir / ".lock").write_text(json.dumps(lock))
+        assert lock_holder(run_dir / ".lock") is None
+        result = trainer(data_dir, tmp_path, "train.max_steps=1").fit()
+        assert logs.text.count("which has exited; taking it over") == 1
+        assert result.steps == 1 and not (run_dir / ".lock").exists()  # released at the end
     finally:
         sleeper.kill()
         sleeper.wait()
-    result = trainer(data_dir, tmp_path, "train.max_steps=1").fit()  # the owner is dead
-    assert "which has exited; taking it over" in logs.text
-    assert result.steps == 1 and not (run_dir / ".lock").exists()  # released at the end
+    (run_dir / ".lock").write_text(json.dumps(lock))
+    result = trainer(data_dir, tmp_path, "train.max_steps=2").fit()  # the owner is dead
+    assert logs.text.count("which has exited; taking it over") == 2
+    assert result.steps == 2 and not (run_dir / ".lock").exists()
 
 
 def test_a_damaged_or_foreign_lock_is_refused_with_the_fix(tmp_path, monkeypatch):
