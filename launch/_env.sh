@@ -8,6 +8,16 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # `python -m` and `-c` put the working folder first on sys.path: a yaml.py there would be
 # imported. Python 3.11+ leaves it out with this (every process below inherits it).
 export PYTHONSAFEPATH=1
+# An empty entry of PYTHONPATH (`export PYTHONPATH=$X:$PYTHONPATH` while it was unset) is the
+# working folder to Python, which PYTHONSAFEPATH leaves in: empty entries are dropped.
+if [[ -n "${PYTHONPATH+set}" ]]; then
+  kept_path=""
+  IFS=: read -ra path_entries <<< "$PYTHONPATH"
+  for path_entry in ${path_entries[@]+"${path_entries[@]}"}; do
+    if [[ -n "$path_entry" ]]; then kept_path+="${kept_path:+:}$path_entry"; fi
+  done
+  if [[ -n "$kept_path" ]]; then export PYTHONPATH="$kept_path"; else unset PYTHONPATH; fi
+fi
 # One start of a Python answers what the launchers ask of it, from / (so that a scale_llm
 # folder in the current directory proves nothing): it imports scale_llm's CLI, pyyaml's loader
 # and torch; whether torch is 2.13 or newer (the allocator setting below); with argument 1

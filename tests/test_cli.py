@@ -1029,6 +1029,13 @@ def test_slurm_sbatch_gives_each_job_its_own_port_and_its_cores(tmp_path):
     proc = launch("slurm.sbatch", env | {"MASTER_PORT": "2e4"})
     assert proc.returncode == 2 and not proc.stdout
     assert "slurm.sbatch: MASTER_PORT='2e4' is not a TCP port" in proc.stderr
+    # bash's arithmetic evaluated the job id as an expression: a command in it ran
+    planted = f"HOME[$(touch {tmp_path / 'ran'})0]"
+    proc = launch("slurm.sbatch", env | {"SLURM_JOB_ID": planted})
+    assert proc.returncode == 2 and not proc.stdout and not (tmp_path / "ran").exists()
+    assert "slurm.sbatch: SLURM_JOB_ID='HOME[$(touch " in proc.stderr
+    proc = launch("slurm.sbatch", env | {"SLURM_JOB_ID": "0099"})  # (not octal)
+    assert proc.stdout.startswith("10099 "), proc.stderr
     # submitted from elsewhere: Slurm runs a spool copy, so the checkout is not found beside it
     proc = launch("slurm.sbatch", env | {"SLURM_SUBMIT_DIR": str(tmp_path)})
     assert proc.returncode == 2 and "is not a scale_llm checkout" in proc.stderr

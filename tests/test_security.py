@@ -512,9 +512,13 @@ def test_a_module_in_the_working_folder_is_never_imported(tmp_path):
     quiet = {"capture_output": True, "cwd": tmp_path, "env": env(), "timeout": 300}
     proc = subprocess.run([sys.executable, "-m", "scale_llm", "config", "--paths"], **quiet)
     assert proc.returncode == 0 and not (tmp_path / "ran").exists()
-    proc = subprocess.run(["bash", str(REPO / "launch" / "torchrun.sh"), "missing.yaml"], **quiet)
-    assert proc.returncode == 2 and b"missing.yaml does not exist" in proc.stderr
-    assert not (tmp_path / "ran").exists()
+    # (an empty entry of PYTHONPATH is the working folder: `export PYTHONPATH=$X:$PYTHONPATH`)
+    for path in (None, "/nonexistent:", ":"):
+        quiet["env"] = env() if path is None else env() | {"PYTHONPATH": path}
+        torchrun = ["bash", str(REPO / "launch" / "torchrun.sh"), "missing.yaml"]
+        proc = subprocess.run(torchrun, **quiet)
+        assert proc.returncode == 2 and b"missing.yaml does not exist" in proc.stderr, path
+        assert not (tmp_path / "ran").exists(), path
 
     # setup.sh's `python -m pip`: a pip/ package there ran in pip's place. A venv of its own (its
     # python this one's), and a pip argument that stops it before it installs anything.
