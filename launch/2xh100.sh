@@ -10,6 +10,7 @@ if [[ "$visible_gpus" -eq 1 ]]; then  # two processes on one GPU: NCCL refuses t
     "GPU; use launch/torchrun.sh (one process per visible GPU) or run without a launcher" >&2
   exit 2
 fi
+launch_world=2
 run_prepare "$@"
 run_job tell_workers "${TORCHRUN[@]}" --standalone --nproc_per_node 2 -m scale_llm train "$@"
 end_run "$@"  # (a stop signal: one line with the checkpoint, exit 128 + its number)

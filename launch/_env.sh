@@ -149,10 +149,11 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( cores / NGPU > 0 ? cores / NGPU :
 # Prepare the data (a no-op when it is up to date) before training starts, from the same
 # arguments as `train` (so its flags are accepted, and checked before any data work). In
 # multi-node jobs only node 0 prepares; the others wait for it in the rendezvous.
-# SKIP_PREPARE=1 skips it.
+# SKIP_PREPARE=1 skips it. launch_world (where the launcher knows how many processes it starts):
+# the run's layout is checked for that world first (a tensor-parallel degree it does not divide).
 run_prepare() {
   if [[ "${SKIP_PREPARE:-0}" != "1" && "${NODE_RANK:-0}" == "0" ]]; then
-    "$PY" -m scale_llm prepare --as-train "$@"
+    SCALE_LLM_LAUNCH_WORLD="${launch_world:-}" "$PY" -m scale_llm prepare --as-train "$@"
   fi
 }
 
@@ -183,10 +184,13 @@ require_config() {
 
 # torchrun, quiet when it is signalled itself (as Slurm signals every process of a job step): it
 # passes the signal on to its workers, waits for them, then raises SignalException (~25 lines of
-# traceback, exit 1). Here that ends it with 128 + the signal's number instead.
+# traceback, exit 1). Here that ends it with 128 + the signal's number instead. Workers that all
+# stopped with exit 2 (a refusal: each said why in one paragraph) end it with 2, not torchrun's
+# traceback and 1.
 read -r -d '' TORCHRUN_QUIET <<'PY' || true
 import signal, sys
 from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main
 try:
     main()
@@ -194,6 +198,10 @@ except SignalException as e:
     sys.exit(128 + int(e.sigval))
 except KeyboardInterrupt:  # a SIGINT before it handles signals (during its rendezvous)
     sys.exit(128 + signal.SIGINT)
+except ChildFailedError as e:
+    if {f.exitcode for f in e.failures.values()} != {2}:
+        raise
+    sys.exit(2)
 PY
 TORCHRUN=("$PY" -c "$TORCHRUN_QUIET")
 

@@ -347,6 +347,7 @@ elif [[ -z "${HOSTFILE:-}" ]]; then
   port="$(free_port)"
   if [[ -n "$port" ]]; then launcher+=(--master_port "$port"); fi
 fi
+if [[ -z "${HOSTFILE:-}" ]]; then launch_world="$NGPU"; fi  # (a hostfile's: DeepSpeed counts)
 run_prepare "$@"
 announce_op_builds "$@"
 

@@ -48,6 +48,7 @@ if [[ "$visible_gpus" -gt 0 && "$NGPU" -gt "$visible_gpus" ]]; then  # two ranks
   exit 2
 fi
 export NODE_RANK="${NODE_RANK:-0}"
+launch_world=$(( NGPU * NNODES ))
 run_prepare "$@"
 # Not exec: the launcher stays to pass a stop signal on to the workers and to end with one line
 # saying where the checkpoint is and how to continue (_env.sh, stopping).

@@ -562,6 +562,35 @@ def test_each_launcher_splits_the_cores_between_its_own_processes(tmp_path):
     assert seen == {"2xh100.sh": ("OMP=8", "2"), "torchrun.sh": ("OMP=2", "8")}
 
 
+def test_the_launchers_check_the_layout_for_the_world_they_start_before_prepare(tmp_path):
+    """NGPU=3 with tensor_parallel=2: prepare did its work, then every rank refused the layout
+    (docs/backends.md: before any process starts). Each launcher gives prepare its world."""
+    prepare = 'scale_llm) echo "prepare world=${SCALE_LLM_LAUNCH_WORLD:-none}";;\n'
+    env = stand_in_node(tmp_path, prepare + PRINT_LAUNCH)
+    nodes = {"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "node0", "NGPU": "4"}
+    for script, extra, world in [
+        ("2xh100.sh", {}, "2"),
+        ("torchrun.sh", {}, "8"),
+        ("torchrun.sh", nodes, "8"),
+        ("deepspeed.sh", {"NGPU": "3"}, "3"),
+    ]:
+        proc = launch(script, env | extra)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.splitlines()[0] == f"prepare world={world}", (script, proc.stdout)
+    layout = ["--set", "parallel.backend=fsdp", "--set", "parallel.tensor_parallel=2"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "scale_llm", "prepare", "--as-train", "tiny", "--set", "data.dir=d"]
+        + layout,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO), "SCALE_LLM_LAUNCH_WORLD": "3"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and not (tmp_path / "d").exists(), proc.stderr
+    assert "parallel.tensor_parallel=2 does not divide the world size 3" in proc.stderr
+
+
 def test_the_launchers_use_the_gpus_cuda_visible_devices_leaves(tmp_path):
     """A job given GPUs 0,1 of an 8-GPU node started 8 processes under torchrun.sh (four to a
     GPU), and deepspeed.sh's --num_gpus made DeepSpeed drop CUDA_VISIBLE_DEVICES and take GPUs
@@ -1246,6 +1275,29 @@ def test_the_quickstart_reads_a_config_from_where_it_started_and_says_a_bad_one(
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
         assert proc.stderr.startswith("error: ") and said in proc.stderr, proc.stderr
         assert "[2/4]" not in proc.stdout
+
+
+def test_torchrun_ends_with_2_when_every_worker_refused_its_input(tmp_path):
+    """A refusal found on the ranks (a bad SCALE_LLM_PG_TIMEOUT_MIN, a layout the world does
+    not divide): each rank says why in one paragraph and exits 2, and torchrun added its
+    ChildFailedError traceback and ended with 1. A worker's crash keeps torchrun's report."""
+    (tmp_path / "refuse.py").write_text(
+        "import sys\nprint('error: refused', file=sys.stderr)\nsys.exit(int(sys.argv[1]))\n"
+    )
+    script = f'source {REPO}/launch/_env.sh; "${{TORCHRUN[@]}}" --standalone --nproc_per_node 2 '
+    script += 'refuse.py "$1"'
+    for code, ends in ((2, 2), (3, 1)):
+        proc = subprocess.run(
+            ["bash", "-c", script, "bash", str(code)],
+            cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == ends, proc.stderr[-2000:]
+        assert proc.stderr.count("error: refused") == 2
+        assert ("Traceback" in proc.stderr) == (code != 2), proc.stderr[-2000:]
 
 
 def test_torchrun_waits_long_enough_for_a_stopped_run_to_checkpoint(tmp_path):
