@@ -4,7 +4,17 @@
 # PYTORCH_CUDA_ALLOC_CONF, DS_ACCELERATOR (no visible GPU), TORCHRUN (the torchrun command), and
 # the functions run_prepare, require_config, run_job, tell_workers and end_run (how a run stops).
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+unset CDPATH  # (an exported one sends `cd DIR` elsewhere, and prints where)
+ROOT="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)"
+# A relative SCALE_LLM_VENV or SCALE_LLM_PYTHON names a place from the folder the launcher was
+# started in, as for setup.sh (the probes below run from /).
+# (a SCALE_LLM_PYTHON without a / is a command's name, looked up on PATH)
+if [[ -n "${SCALE_LLM_VENV:-}" && "$SCALE_LLM_VENV" != /* ]]; then
+  export SCALE_LLM_VENV="$PWD/$SCALE_LLM_VENV"
+fi
+if [[ "${SCALE_LLM_PYTHON:-}" == */* && "$SCALE_LLM_PYTHON" != /* ]]; then
+  export SCALE_LLM_PYTHON="$PWD/$SCALE_LLM_PYTHON"
+fi
 # `python -m` and `-c` put the working folder first on sys.path: a yaml.py there would be
 # imported. Python 3.11+ leaves it out with this (every process below inherits it).
 export PYTHONSAFEPATH=1
@@ -111,6 +121,12 @@ export PYTORCH_CUDA_ALLOC_CONF
 # After forwarding a SIGTERM, torchrun kills the workers that have not exited within this many
 # seconds (its default, 30, is less than a large model's last steps and checkpoint can take).
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}"
+if ! [[ "$TORCH_ELASTIC_SHUTDOWN_TIMEOUT" =~ ^[1-9][0-9]{0,6}$ ]]; then
+  echo "launch: TORCH_ELASTIC_SHUTDOWN_TIMEOUT='${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:0:60}' is not a" \
+    "whole number of seconds (torchrun stops with a traceback after the data is prepared); set" \
+    "e.g. 300, or unset it" >&2
+  exit 2
+fi
 
 # The GPUs this run may use: CUDA_VISIBLE_DEVICES narrows the node's list when it is set, with
 # CUDA's meaning (its entries up to the first negative one; set and empty: none), so a job
@@ -145,6 +161,12 @@ fi
 # Split the cores between the local processes instead of letting each take all of them.
 cores=$(nproc)
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( cores / NGPU > 0 ? cores / NGPU : 1 ))}"
+if ! [[ "$OMP_NUM_THREADS" =~ ^[1-9][0-9]{0,4}$ ]]; then
+  echo "launch: OMP_NUM_THREADS='${OMP_NUM_THREADS:0:60}' is not a number of threads (each" \
+    "process would take every core); set 1 or more, or unset it to split $cores cores between" \
+    "the $NGPU processes" >&2
+  exit 2
+fi
 
 # Prepare the data (a no-op when it is up to date) before training starts, from the same
 # arguments as `train` (so its flags are accepted, and checked before any data work). In
@@ -171,6 +193,28 @@ check_master_port() {
 require_config() {
   if [[ $# -lt 1 || "$1" == -* ]]; then
     echo "usage: bash $0 CONFIG.yaml [scale-llm train args...]" >&2
+    exit 2
+  fi
+}
+
+# refuse_node_settings WHY: for a launcher that starts the whole run from this node, a NODE_RANK
+# (it would skip prepare) or NNODES left in the environment is refused.
+refuse_node_settings() {
+  local name
+  for name in NODE_RANK NNODES; do
+    if [[ -n "${!name:-}" && "${!name}" != "$([[ $name == NNODES ]] && echo 1 || echo 0)" ]]; then
+      echo "$(basename "$0"): $name=${!name:0:60} is set, but $1; unset $name" >&2
+      exit 2
+    fi
+  done
+}
+
+# check_master_addr: MASTER_ADDR, where set, is a host name or address (torchrun and DeepSpeed
+# read one starting with - as an option, after the data is prepared).
+check_master_addr() {
+  if [[ "${MASTER_ADDR:-}" == -* || "${MASTER_ADDR:-}" =~ [[:space:]] ]]; then
+    echo "$(basename "$0"): MASTER_ADDR='${MASTER_ADDR:0:60}' is not a host name or address;" \
+      "set it to node 0's (e.g. node0 or 10.0.0.1)" >&2
     exit 2
   fi
 }

@@ -312,7 +312,7 @@ if [[ -n "${HOSTFILE:-}" ]]; then
   fi
   check_hostfile
   check_node_command "$@"
-  launcher+=(--hostfile "$HOSTFILE")
+  launcher+=(--hostfile="$HOSTFILE")  # (one form: a name starting with - is no option)
   [[ -n "${MASTER_ADDR:-}" ]] && launcher+=(--master_addr "$MASTER_ADDR")
   if ! env_file="$(mktemp "${TMPDIR:-/tmp}/scale_llm-deepspeed_env.XXXXXX" 2>/dev/null)"; then
     echo "deepspeed.sh: cannot write the other nodes' environment file into" \
@@ -340,7 +340,9 @@ if [[ -z "${HOSTFILE:-}" ]]; then
   launcher+=(--hostfile /dev/null)
 fi
 check_master_port
+check_master_addr
 check_accelerator
+refuse_node_settings "deepspeed.sh starts every node from this one, as HOSTFILE lists them"
 if [[ -n "${MASTER_PORT:-}" ]]; then
   launcher+=(--master_port "$MASTER_PORT")
 elif [[ -z "${HOSTFILE:-}" ]]; then

@@ -47,6 +47,11 @@ if [[ $# -gt 0 && "$1" != -* ]]; then out="$1"; shift; fi
 only_f=0 only_g=0
 if [[ $# -gt 0 && "$1" == "--calibration-only" ]]; then only_f=1; shift; fi
 if [[ $# -gt 0 && "$1" == "--fp8-only" ]]; then only_g=1; shift; fi
+if [[ "$only_f" == 1 && "$only_g" == 1 ]] || [[ $# -gt 0 && "$1" == --*-only ]]; then
+  echo "gpu-check: give one of --calibration-only and --fp8-only (each runs its section alone)," \
+    "right after OUT_DIR; run the script twice for both" >&2
+  exit 2
+fi
 if [[ "$only_f" == 1 && "$gpus" -eq 0 && "${SCALE_LLM_CHECK_CALIBRATION:-0}" != "1" ]]; then
   echo "gpu-check: --calibration-only runs section (f), which needs a GPU (this machine has" \
     "none); SCALE_LLM_CHECK_CALIBRATION=1 runs it on the CPU at tiny size" >&2

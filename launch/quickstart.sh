@@ -4,7 +4,11 @@
 # give the commands to look at the run (TensorBoard, `scale-llm runs`, `scale-llm export`).
 #   bash launch/quickstart.sh [CONFIG] [extra train args]
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+unset CDPATH
+root="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)"
+if [[ -n "${SCALE_LLM_VENV:-}" && "$SCALE_LLM_VENV" != /* ]]; then  # (from where it was started)
+  export SCALE_LLM_VENV="$PWD/$SCALE_LLM_VENV"
+fi
 here="$PWD"
 config="${1:-yaml/tiny.yaml}"
 shift $(( $# > 0 ? 1 : 0 ))

@@ -4,7 +4,11 @@
 #   bash launch/test.sh --fast [pytest args]   the inner loop: the in-process tests and one
 #                                              multi-process parity case (tests not marked slow)
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+unset CDPATH
+root="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)"
+if [[ -n "${SCALE_LLM_VENV:-}" && "$SCALE_LLM_VENV" != /* ]]; then  # (from where it was started)
+  export SCALE_LLM_VENV="$PWD/$SCALE_LLM_VENV"
+fi
 cd "$root"
 select=()
 if [[ "${1:-}" == "--fast" ]]; then

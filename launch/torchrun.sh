@@ -42,6 +42,7 @@ if [[ "$NNODES" != "1" && -z "${MASTER_ADDR:-}" ]]; then  # (before node 0 prepa
   exit 2
 fi
 check_master_port
+check_master_addr
 if [[ "$visible_gpus" -gt 0 && "$NGPU" -gt "$visible_gpus" ]]; then  # two ranks on one GPU
   echo "torchrun.sh: NGPU=$NGPU but this node leaves $visible_gpus GPU(s) visible; set NGPU to" \
     "$visible_gpus or less, or unset it (one process per visible GPU)" >&2

@@ -591,6 +591,46 @@ def test_the_launchers_check_the_layout_for_the_world_they_start_before_prepare(
     assert "parallel.tensor_parallel=2 does not divide the world size 3" in proc.stderr
 
 
+def test_the_launchers_refuse_settings_that_failed_after_prepare_or_were_ignored(tmp_path):
+    """Each was a traceback after the data was prepared, a silent skip of prepare, or a run that
+    ignored it: exit 2 now, before any work (nothing on stdout: no prepare, no torchrun)."""
+    env = stand_in_node(tmp_path, PRINT_LAUNCH)
+    nodes = {"NNODES": "2", "NODE_RANK": "0"}
+    for script, extra, said in [
+        ("torchrun.sh", {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5m"}, "is not a\nwhole number"),
+        ("2xh100.sh", {"OMP_NUM_THREADS": "abc"}, "OMP_NUM_THREADS='abc' is not a number"),
+        ("2xh100.sh", {"NODE_RANK": "1"}, "NODE_RANK=1 is set, but 2xh100.sh runs on this node"),
+        ("deepspeed.sh", {"NODE_RANK": "1"}, "NODE_RANK=1 is set, but deepspeed.sh starts every"),
+        ("deepspeed.sh", {"NNODES": "2"}, "NNODES=2 is set, but deepspeed.sh starts every node"),
+        ("torchrun.sh", nodes | {"MASTER_ADDR": "-node0"}, "MASTER_ADDR='-node0' is not a host"),
+        ("deepspeed.sh", {"MASTER_ADDR": "node 0"}, "MASTER_ADDR='node 0' is not a host name"),
+    ]:
+        proc = launch(script, env | extra)
+        assert proc.returncode == 2 and not proc.stdout, (script, extra, proc.stdout)
+        assert said.replace("\n", " ") in proc.stderr.replace("\n", " "), proc.stderr
+    proc = subprocess.run(  # (each of these flags turned the other's section off: exit 0)
+        ["bash", str(REPO / "launch" / "gpu-check.sh"), "out", "--calibration-only", "--fp8-only"],
+        env=env | {"SCALE_LLM_CHECK_CALIBRATION": "1"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "give one of --calibration-only and --fp8-only" in proc.stderr
+    # a hostfile named like an option, an exported CDPATH, a relative SCALE_LLM_PYTHON (read
+    # from /), a SCALE_LLM_ROOT that is no folder (bash's `cd:` line, exit 1)
+    (tmp_path / "-hosts").write_text("node0 slots=8\n")
+    proc = launch("deepspeed.sh", env | {"HOSTFILE": "-hosts"}, cwd=tmp_path)
+    assert proc.returncode == 0 and " --hostfile=-hosts " in proc.stdout, proc.stderr
+    (tmp_path / "cdp" / "launch").mkdir(parents=True)
+    proc = launch("torchrun.sh", env | {"CDPATH": str(tmp_path / "cdp")}, cwd=REPO)
+    assert proc.returncode == 0 and "--nproc_per_node 8" in proc.stdout, proc.stderr
+    proc = launch("torchrun.sh", env | {"SCALE_LLM_PYTHON": "bin/python"}, cwd=tmp_path)
+    assert proc.returncode == 0 and "--nproc_per_node 8" in proc.stdout, proc.stderr
+    slurm = env | {"SLURM_JOB_ID": "7", "SCALE_LLM_ROOT": str(tmp_path / "none")}
+    proc = launch("slurm.sbatch", slurm)
+    assert proc.returncode == 2 and f"{tmp_path / 'none'} is not a folder" in proc.stderr
+
+
 def test_the_launchers_use_the_gpus_cuda_visible_devices_leaves(tmp_path):
     """A job given GPUs 0,1 of an 8-GPU node started 8 processes under torchrun.sh (four to a
     GPU), and deepspeed.sh's --num_gpus made DeepSpeed drop CUDA_VISIBLE_DEVICES and take GPUs
@@ -715,7 +755,7 @@ def test_deepspeed_hands_the_other_nodes_the_launchers_environment(tmp_path):
     assert proc.returncode == 0 and "LD_PRELOAD=/x/evil.so" in proc.stdout
     shown = stand_in_node(tmp_path / "work", 'deepspeed.launcher.runner) echo "RUNNER $*";;')
     proc = launch("deepspeed.sh", shown | hosts)
-    assert f"--hostfile {hosts['HOSTFILE']} " in proc.stdout and "/dev/null" not in proc.stdout
+    assert f"--hostfile={hosts['HOSTFILE']} " in proc.stdout and "/dev/null" not in proc.stdout
     (tmp_path / ".deepspeed_env").unlink()
     proc = launch("deepspeed.sh", env | {"SCALE_LLM_X": "`touch ran`"}, cwd=tmp_path)
     assert proc.returncode == 2 and "the environment sets SCALE_LLM_X: DeepSpeed" in proc.stderr
@@ -810,7 +850,10 @@ deepspeed.launcher.runner) echo "RUNNER $*"; cat "$DS_ENV_FILE";;"""
         value = 'expandable_segments:True";touch ran;"'
         proc = launch("deepspeed.sh", env | {name: value}, cwd=tmp_path)
         assert proc.returncode == 2 and not proc.stdout, (name, proc.stdout)
-        assert f"the environment sets {name}: DeepSpeed's multi-node" in proc.stderr
+        said = f"the environment sets {name}: DeepSpeed's multi-node"
+        if name == "OMP_NUM_THREADS":  # (no number of threads: refused by every launcher)
+            said = f"launch: OMP_NUM_THREADS='{value}' is not a number of threads"
+        assert said in proc.stderr, proc.stderr
     proc = launch("deepspeed.sh", env | {"TMPDIR": str(tmp_path / "none")}, cwd=tmp_path)
     assert proc.returncode == 2 and f"TMPDIR={tmp_path / 'none'} (not a folder" in proc.stderr
     assert not proc.stdout
