@@ -124,7 +124,8 @@ def _config_parser(sub) -> None:
     preflight = "run train's preflight for this machine (data, run dir, resume, init_from, memory, "
     preflight += "toolchain, eval.tasks) and print its verdict; writes nothing"
     _flag(p, "--preflight", preflight)
-    world = "--preflight as rank 0 of a launch of N processes (default: $WORLD_SIZE; else 1)"
+    world = "--preflight as rank 0 of a launch of N processes (default: $WORLD_SIZE, else "
+    world += "parallel.world_size, else 1)"
     p.add_argument("--world-size", type=int, metavar="N", help=world)
 
 
@@ -152,7 +153,7 @@ def cmd_config(args: argparse.Namespace) -> int:
     from scale_llm.train.preflight import preflight
 
     # what `train` would find before any work, as rank 0 of its launch; the report if not
-    world, _ = _target_world(args, lambda: (1, None))
+    world, _ = _target_world(args, lambda: (cfg.parallel.world_size or 1, None))
     spec = preflight(cfg, resolve_plan(cfg, Launch(world_size=world)))
     if spec.resume is None:
         start = "a fresh run" + (f" from {spec.init_from}" if spec.init_from else "")
@@ -214,10 +215,15 @@ def start_distributed(args: argparse.Namespace):
     plan = resolve_plan(cfg, launch)
     laid_out = cfg.parallel.world_size
     if plan.is_main and laid_out not in (None, plan.world_size):
+        batch = f"the global batch stays; grad_accum is {plan.grad_accum}"
+        if cfg.train.global_batch_size is None:  # (grad_accum is kept: the batch moves)
+            batch = (
+                f"the global batch is {plan.sequences_per_step} sequences, as the world sets it; "
+                f"train.global_batch_size keeps one across world sizes"
+            )
         log.warning(
             f"parallel.world_size={laid_out}: the config is laid out for {laid_out} ranks; this "
-            f"launch has {plan.world_size} (the global batch stays; grad_accum is "
-            f"{plan.grad_accum})"
+            f"launch has {plan.world_size} ({batch})"
         )
     if getattr(args, "fit", None) is not None and args.fit != "auto":
         from scale_llm.analysis.memory import parse_bytes

@@ -446,7 +446,7 @@ CONFIG = [
             (
                 "a predivide factor under ZeRO-2's reduce-scatter",
                 "{gradient_predivide_factor: 2.0}",
-                "DeepSpeed's ZeRO-1/2 take only 1.0 with reduce-scatter on",
+                "DeepSpeed's ZeRO-2 takes only 1.0 with reduce-scatter on",
             ),
             (
                 "a predivide factor of 0",
@@ -470,6 +470,32 @@ CONFIG = [
             ),
         ]
     ],
+    *[  # (ZeRO-3 was let through: DeepSpeed's engine asserted when it was built)
+        (
+            f"ds passthrough: {name} under ZeRO-3's reduce-scatter",
+            [
+                "config",
+                *s("parallel.backend=deepspeed", "parallel.deepspeed.zero_stage=3"),
+                *s(f"parallel.deepspeed.config={value}"),
+            ],
+            said,
+        )
+        for name, value, said in [
+            ("a predivide factor", "{gradient_predivide_factor: 2.0}", "ZeRO-3 takes only 1.0"),
+            ("prescaled gradients", "{prescale_gradients: true}", "ZeRO-3 cannot prescale"),
+        ]
+    ],
+    ("a DDP bucket of no size", ["config", *s("parallel.ddp.bucket_cap_mb=0")], "must be > 0"),
+    *[  # (an unset shell variable: prepare wrote into the working folder; init_from was ignored)
+        (f"an empty {key}", [command, *s(f'{key}=""')], f"{key} is empty; give a path")
+        for command, key in [("prepare", "data.dir"), ("train", "model.init_from")]
+    ],
+    (  # (accepted, then torch's internal assert at step 1, after the run dir was written)
+        "DDP's static graph with accumulation",
+        ["train", TINY, *s("parallel.backend=ddp", "parallel.ddp.static_graph=true")]
+        + s("train.grad_accum=2"),
+        "parallel.ddp.static_graph=true with grad_accum 2: torch's DDP fails",
+    ),
     ("deepspeed not installed", _missing_deepspeed, "deepspeed is not installed"),
     (
         "W&B on, wandb not installed",

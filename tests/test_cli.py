@@ -1502,6 +1502,9 @@ def test_config_preflight_says_what_train_would_find_and_writes_nothing(data_dir
     assert "(launched with 3 processes)" in err and "x world size 3 = " in err
     assert main(["config", *batch, "--world-size", "3"]) == 2
     assert "--world-size: only with --preflight" in capsys.readouterr().err
+    # without --world-size: the world the config is laid out for (it judged a world of one)
+    assert main(["config", *batch, "--set=parallel.world_size=3", "--preflight"]) == 2
+    assert "(launched with 3 processes)" in capsys.readouterr().err
     assert not runs.exists()
 
 

@@ -250,6 +250,7 @@ def test_the_gpu_checks_order_and_configs_on_a_stub_gpu(tmp_path, monkeypatch):
     import scale_llm.analysis.check as check
 
     monkeypatch.setattr(check.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(check.torch.cuda, "is_bf16_supported", lambda *_: True)
     monkeypatch.setattr(check.torch.cuda, "get_device_name", lambda *_: "NVIDIA H200")
     calls = []
 

@@ -298,7 +298,7 @@ def test_deepspeed_passthrough_takes_the_engine_settings_docs_name():
 
     raw = (
         "{zero_optimization: {overlap_comm: false, stage3_max_live_parameters: 1000, "
-        "reduce_scatter: false}, "  # (ZeRO-1/2 prescale only without reduce-scatter)
+        "reduce_scatter: false}, "  # (ZeRO-2/3 prescale only without reduce-scatter)
         "data_types: {grad_accum_dtype: bf16}, "
         "communication_data_type: bf16, prescale_gradients: true, wall_clock_breakdown: true}"
     )

@@ -63,6 +63,7 @@ MOVES = {
     "fsdp-to-zero2": (2, [*BACKENDS["zero2"], *SPLIT], "fsdp"),
     "zero0-to-fsdp": (2, [*BACKENDS["fsdp"], *SPLIT], "zero0"),
     "zero3-to-zero2": (2, [*BACKENDS["zero2"], *SPLIT], "zero3"),
+    "zero2-to-zero2-bf16": (2, [*BACKENDS["zero2"], *SPLIT, "train.precision=bf16"], "zero2"),
     "zero3-offload-to-fsdp": (2, [*BACKENDS["fsdp"], *SPLIT], "zero3-offload"),
     "ddp-to-zero3-offload": (2, [*BACKENDS["zero3"], *OFFLOAD, *SPLIT], "ddp"),
     "fsdp-to-zero2-offload": (
@@ -89,6 +90,7 @@ NEEDS = {  # test: the moves it makes
         "fsdp-to-zero2", "ddp-to-zero3", "zero3-to-zero2"
     ],
     "test_zero0_moves_its_weights_only": ["zero0-to-fsdp"],
+    "test_a_deepspeed_run_continues_in_another_precision": ["zero2-to-zero2-bf16"],
     "test_offloaded_optimizer_state_moves_too": [
         "zero3-offload-to-fsdp", "ddp-to-zero3-offload", "fsdp-to-zero2-offload"
     ],
@@ -194,6 +196,16 @@ def test_zero0_moves_its_weights_only(moved, reference):
     console, rows = moved("zero0-to-fsdp")
     assert "loading its model weights only" in console
     same_steps(rows, reference, [3])
+
+
+def test_a_deepspeed_run_continues_in_another_precision(moved, reference):
+    """ZeRO-2 in fp32 continued under ZeRO-2 in bf16 (`train.precision: auto` on another
+    machine): DeepSpeed's own loader looked for the optimizer files of bf16 (KeyError or
+    FileNotFoundError after the preflight said ok). They are read one parameter at a time, as
+    across backends: step 3, computed in bf16 from the restored weights, stays near the curve."""
+    console, rows = moved("zero2-to-zero2-bf16")
+    assert "weights only" not in console
+    same_steps(rows, reference, [3], tol=5e-2)
 
 
 def test_convert_writes_one_portable_file(runs, data_dir, root):

@@ -91,7 +91,7 @@ class PipelineConfig:
     microbatches: int | None = config_key(
         None,
         "pieces each micro-batch is cut into for the pipeline (train.micro_batch_size must be "
-        "a multiple); null: the number of stages, the fewest the schedule runs",
+        "a multiple); null: the number of stages, a count every schedule runs",
     )
     stages_per_rank: int | None = config_key(
         None,
@@ -240,8 +240,9 @@ def passthrough_problems(raw: dict[str, Any], zero_stage: int = 2) -> list[str]:
 def _value_problem(key: str, value: Any, raw: dict[str, Any], zero_stage: int) -> str | None:
     """What DeepSpeed would stop at (in its engine or first step) in an entry of the right kind."""
     zero = raw.get("zero_optimization") if isinstance(raw.get("zero_optimization"), dict) else {}
-    # ZeRO-1/2 reduce-scatter their gradients unless told not to (DeepSpeed's default: on)
-    scattered = zero_stage in (1, 2) and zero.get("reduce_scatter", True) is not False
+    # ZeRO-2/3 reduce-scatter their gradients unless told not to (DeepSpeed's default: on);
+    # ZeRO-1 keeps whole gradients (it all-reduces them)
+    scattered = zero_stage in (2, 3) and zero.get("reduce_scatter", True) is not False
     if key == "steps_per_print" and value is not None and value < 1:
         return (
             f"{value} is not a count of steps (DeepSpeed prints at each step its count divides: "
@@ -256,13 +257,13 @@ def _value_problem(key: str, value: Any, raw: dict[str, Any], zero_stage: int) -
             return f"{value!r:.40} divides the gradients; give a number > 0, or remove it for 1.0"
         if value != 1 and scattered:
             return (
-                f"{value!r:.40}: DeepSpeed's ZeRO-1/2 take only 1.0 with reduce-scatter on; set "
-                f"zero_optimization.reduce_scatter: false too, or remove it"
+                f"{value!r:.40}: DeepSpeed's ZeRO-{zero_stage} takes only 1.0 with reduce-scatter "
+                f"on; set zero_optimization.reduce_scatter: false too, or remove it"
             )
     if key == "prescale_gradients" and value and scattered:
         return (
-            "true: DeepSpeed's ZeRO-1/2 cannot prescale with reduce-scatter on; set "
-            "zero_optimization.reduce_scatter: false too, or remove it"
+            f"true: DeepSpeed's ZeRO-{zero_stage} cannot prescale with reduce-scatter on; set "
+            f"zero_optimization.reduce_scatter: false too, or remove it"
         )
     if key == "data_types" and value is not None:
         if unknown := sorted(set(value) - set(DATA_TYPES) - {"param_dtype"}):
@@ -295,6 +296,7 @@ def validate_parallel(cfg: Config) -> list[str]:
             f"{p.pipeline_parallel} (the ranks the layout is written for), or null"
         )
     e += bound_problems(fsdp, "replicate_degree", ">= 1", "parallel.fsdp.")
+    e += bound_problems(p.ddp, "bucket_cap_mb", prefix="parallel.ddp.")  # (torch takes 0, -5)
     if fsdp.cpu_offload and backend != "fsdp":
         e.append(
             f"parallel.fsdp.cpu_offload=true needs parallel.backend=fsdp (it is {backend}): "
@@ -340,7 +342,7 @@ def stages_per_rank(pipe: PipelineConfig) -> int:
 
 
 def pipeline_microbatches(p: ParallelConfig) -> int:
-    """parallel.pipeline.microbatches, or the stages' count (the fewest every schedule runs)."""
+    """parallel.pipeline.microbatches, or the stages' count (one every schedule runs)."""
     m = p.pipeline.microbatches
     return p.pipeline_parallel * stages_per_rank(p.pipeline) if m is None else m
 

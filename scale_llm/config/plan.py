@@ -299,4 +299,13 @@ def launch_problems(cfg: Config, world_size: int, cuda: bool) -> list[str]:
             f"{'world size' if split == 1 else 'data-parallel degree'} {dp} = {mb * dp}; pick a "
             f"global batch that is a multiple of {mb * dp} or change micro_batch_size"
         )
+    accum = cfg.train.grad_accum if g is None or g % (mb * dp) else g // (mb * dp)
+    ddp = backend == "ddp" or (backend == "auto" and world_size > 1)
+    if ddp and cfg.parallel.ddp.static_graph and accum > 1:
+        e.append(
+            f"parallel.ddp.static_graph=true with grad_accum {accum}: torch's DDP fails an "
+            f"internal assert at the first step when its static graph meets the micro-steps "
+            f"that skip the all-reduce (no_sync); set parallel.ddp.static_graph=false, or "
+            f"train.grad_accum=1"
+        )
     return e

@@ -194,6 +194,10 @@ def path_problems(cfg: Config) -> list[str]:
     for key, path in paths.items():
         if path is None:
             continue
+        if not path.strip():  # (an unset shell variable: the working folder, or nothing at all)
+            if key not in ("data.source", "data.tokenizer", "run.name"):  # (said with theirs)
+                e.append(f"{key} is empty; give a path (. for the working folder), or leave it out")
+            continue
         try:
             encoded = os.fsencode(path)
         except UnicodeEncodeError:

@@ -158,8 +158,9 @@ def _layout_ok(layout: dict) -> bool:
     if layout == {"format": "dcp"}:
         return True
     stage, world = layout.get("zero_stage"), layout.get("world_size")
-    return (
-        layout.keys() == {"format", "zero_stage", "world_size"}
+    return (  # (one saved before 2026-12-07 has no precision: read as another layout)
+        layout.keys() - {"precision"} == {"format", "zero_stage", "world_size"}
+        and layout.get("precision", "fp32") in ("bf16", "fp16", "fp32")
         and layout["format"] == "deepspeed"
         and stage in (0, 1, 2, 3)
         and not isinstance(stage, bool)
