@@ -372,3 +372,23 @@ def test_eval_perplexity_of_a_mixture_scores_each_source_as_training_does(
     assert set(windows) == set(WEIGHTS) and ppl["weighted_by"] == "validation windows"
     pooled = sum(s["loss"] * s["windows"] for s in ppl["sources"].values()) / sum(windows.values())
     assert ppl["loss"] == pytest.approx(pooled, rel=1e-12)
+
+
+def test_a_run_on_data_prepared_from_other_sources_says_so(
+    mixture, data_dir, corpus_dir, tmp_path, logs
+):
+    """A source edited in the config without a new `prepare`: the run trained on what data.dir
+    was prepared from, and said nothing (its config.yaml names the other source)."""
+    from tests.helpers import make_config
+
+    mix_dir, src = mixture
+    run(mix_dir, src, tmp_path / "a")  # as prepared (the same folders)
+    trainer_for(make_config(data_dir, tmp_path / "b", f"data.source={corpus_dir}/"))
+    assert "was prepared from" not in logs.text
+    moved = {"web": src["web"], "code": tmp_path / "elsewhere"}
+    run(mix_dir, moved, tmp_path / "c")
+    said = f"data.sources[1].source={str(tmp_path / 'elsewhere')!r}, but data.dir={mix_dir} was "
+    assert said + f"prepared from {str(src['code'])!r} (its manifest)" in logs.text
+    assert "data.sources[0]" not in logs.text
+    trainer_for(make_config(data_dir, tmp_path / "d", "data.source=/corpus/*.txt"))
+    assert f"data.source='/corpus/*.txt', but data.dir={data_dir} was prepared from" in logs.text

@@ -322,6 +322,17 @@ class TrainingData:
     train: TokenWindows
     val: dict[str, TokenWindows]  # one source: {"": windows}
     sources: dict[str, tuple[float, int]] | None  # a mixture's {name: (weight, train windows)}
+    # {the config's key: (its source, the one its folder was prepared from)} where they differ
+    other_source: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
+
+
+def _same_source(given: str, prepared: str) -> bool:
+    """Whether `prepared` (a manifest's source, as it was given) is the source `given` names:
+    the same words, the built-in corpus (any Python's), or the same place on disk."""
+    if given == prepared or (given == "builtin" and prepared.startswith("builtin")):
+        return True
+    place = [os.path.realpath(os.path.expanduser(s.removeprefix("hf:"))) for s in (given, prepared)]
+    return given.startswith("hf:") == prepared.startswith("hf:") and place[0] == place[1]
 
 
 def open_training_data(cfg: Config) -> TrainingData:
@@ -347,7 +358,14 @@ def open_training_data(cfg: Config) -> TrainingData:
     train = TokenWindows(shards, seq_len, vocab_size, names)
     weights = mixture_weights(cfg.data)
     sources = {n: (weights[n], counts[n]) for n in counts} if cfg.data.sources else None
-    return TrainingData(folders[0][2], train, val, sources)
+    given = {f"data.sources[{i}].source": s.source for i, s in enumerate(cfg.data.sources)}
+    given = given or {"data.source": cfg.data.source}
+    other = {
+        key: (source, folder[2]["source"])
+        for (key, source), folder in zip(given.items(), folders, strict=True)
+        if not _same_source(source, str(folder[2]["source"]))
+    }
+    return TrainingData(folders[0][2], train, val, sources, other)
 
 
 def _check_windows(cfg: Config, folders: list, train: dict[str, int], val: dict) -> None:

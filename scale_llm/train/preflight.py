@@ -26,7 +26,7 @@ from scale_llm.data.loader import TrainLoader
 from scale_llm.data.mixture import TrainingData, check_epochs, open_training_data, source_config
 from scale_llm.data.pretrained_tokenizer import BUNDLE_FILE, vocab_problem
 from scale_llm.data.sources import refuse_overlap
-from scale_llm.errors import UserError, install_hint
+from scale_llm.errors import UserError, install_hint, short
 from scale_llm.files import (
     MAX_RECORD_BYTES,
     OWNER_MARKER,
@@ -153,6 +153,7 @@ def preflight(cfg: Config, plan: RunPlan) -> RunSpec:
     spec = RunSpec(cfg, plan, data, tokenizer, resume, init_from, tasks)
     if plan.is_main and not spec.complete:
         warn_about_warmup(cfg)
+        warn_about_source(cfg, data)
         warn_about_validation(cfg, plan, data)
         warn_about_attention(cfg, plan)
         warn_about_deepspeed(cfg, plan)
@@ -201,6 +202,17 @@ def check_data_fits(cfg: Config, plan: RunPlan, data: TrainingData) -> None:
         )
     loader = TrainLoader(data.train, plan, cfg.run.seed, 0, data.sources, cfg.data.repeat)
     check_epochs(cfg, loader, data, plan.is_main)  # data.repeat; a mixture's epochs printed
+
+
+def warn_about_source(cfg: Config, data: TrainingData) -> None:
+    """A source other than the one data.dir was prepared from (a config edited, `prepare` not
+    run again): the run trains on what was prepared, so it says so."""
+    for key, (given, prepared) in data.other_source.items():
+        log.warning(
+            f"{key}={short(given, 80)}, but data.dir={cfg.data.dir} was prepared from "
+            f"{short(prepared, 80)} (its manifest): this run trains on that; run `scale-llm "
+            f"prepare CONFIG` to prepare {key} (the launchers do before training)"
+        )
 
 
 def warn_about_validation(cfg: Config, plan: RunPlan, data: TrainingData) -> None:
