@@ -97,6 +97,28 @@ def test_the_same_corpus_in_another_place_gives_the_same_shards(tmp_path):
     assert shards["a"] == shards["b/deeper"]
 
 
+def test_a_file_added_below_a_globs_folder_leaves_the_split_of_the_others(tmp_path):
+    """Documents of a glob were named relative to the matched files' common folder, which moves
+    when a file lands in another subfolder: a third of the training documents became validation
+    documents (a resumed run had trained on them). The glob's folder before its wildcard names
+    them now."""
+    texts = random_texts(21, "file{i:02d}marker", length=150)
+    (tmp_path / "c" / "x").mkdir(parents=True)
+    for i, text in enumerate(texts[:20]):
+        (tmp_path / "c" / "x" / f"f{i:02d}.txt").write_text(text)
+    out = tmp_path / "data"
+    splits = []
+    for step in range(2):
+        if step:
+            (tmp_path / "c" / "y").mkdir()
+            (tmp_path / "c" / "y" / "new.txt").write_text(texts[20])
+        manifest = prepare(prep_config(f"{tmp_path}/c/**/*.txt", out, "data.val_fraction=0.3"))
+        tok = Tokenizer(out / "tokenizer.model")
+        val = tok.decode(np.concatenate(open_split(out, manifest, "val")).tolist())
+        splits.append({i for i in range(20) if f"file{i:02d}marker" in val})
+    assert splits[0] and splits[0] == splits[1]
+
+
 def test_shards_are_split_at_the_configured_size(tmp_path):
     out = tmp_path / "data"
     manifest = prepare(prep_config(marker_corpus(tmp_path), out, "data.shard_tokens=1000"))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import fnmatch
 import glob
 import hashlib
+import itertools
 import logging
 import os
 import re
@@ -254,9 +255,17 @@ def local_source(spec: str, text_field: str) -> Source:
         )
     if listing.not_read:
         log.warning("data.source=%r skips %s", spec, listing.summary(rules=True))
-    # Documents are named relative to the corpus, so the val split does not depend on where it lies.
-    common = Path(os.path.commonpath([str(p.absolute().parent) for p in paths]))
-    root = Path(spec).expanduser() if Path(spec).expanduser().is_dir() else common
+    # Documents are named relative to the corpus, so the val split does not depend on where it
+    # lies: a folder, a glob's folder before its first wildcard (files added below it leave the
+    # names as they were), a file's own folder.
+    given = Path(spec).expanduser()
+    fixed = list(itertools.takewhile(lambda part: not glob.has_magic(part), given.parts))
+    if given.is_dir():
+        root = given
+    elif len(fixed) < len(given.parts):
+        root = Path(*fixed).absolute() if fixed else Path.cwd()
+    else:
+        root = Path(os.path.commonpath([str(p.absolute().parent) for p in paths]))
     return Source(spec, paths, text_field=text_field, root=root, not_read=listing.not_read)
 
 
