@@ -283,3 +283,18 @@ def test_builtin_source_is_the_standard_library_in_fixed_order():
     assert "os.py" in names and not any("site-packages" in n for n in names)
     assert src.total_bytes() > 10_000_000
     assert src.fingerprint() == builtin_source().fingerprint()
+
+
+def test_the_tokenizer_file_is_the_same_on_machines_of_any_core_count(tmp_path, monkeypatch):
+    """SentencePiece writes the threads it trained with into the model: a prepare --force on a
+    machine of another core count made another SHA-256, and the run's resume was refused."""
+    from scale_llm.data.tokenizer import train_tokenizer
+
+    texts = random_texts(200, "doc{i:03d}", length=200)
+    made = []
+    for cores in (1, 2, 7):
+        monkeypatch.setattr("os.cpu_count", lambda cores=cores: cores)
+        train_tokenizer(texts, 400, tmp_path / f"{cores}.model")
+        made.append((tmp_path / f"{cores}.model").read_bytes())
+    assert made[0] == made[1] == made[2]
+    assert Tokenizer(tmp_path / "7.model").vocab_size == 400

@@ -134,7 +134,13 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_path: str | Path)
         )
     except RuntimeError as e:  # e.g. a sample with too few distinct pieces for vocab_size
         raise UserError(_training_failed(str(e), vocab_size)) from None
-    atomic_write_bytes(out_path, buf.getvalue())  # into prepare's own build folder
+    from sentencepiece import sentencepiece_model_pb2
+
+    # the model records the threads it was trained with: one count, so that its bytes (and the
+    # SHA-256 runs check on resume) are the same on a machine of another core count
+    model = sentencepiece_model_pb2.ModelProto.FromString(buf.getvalue())
+    model.trainer_spec.num_threads = 1
+    atomic_write_bytes(out_path, model.SerializeToString())  # into prepare's own build folder
     return Tokenizer(out_path)
 
 
