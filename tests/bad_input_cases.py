@@ -1426,6 +1426,7 @@ IMPOSSIBLE = {
     "plan precision": ({"plan__precision": "fp8"}, "plan.precision: 'fp8' is not bf16"),
 }
 RESUME_ONLY = {  # fields only a resume reads
+    "data fingerprint": ({"data_fingerprint": 5}, "data_fingerprint: 5 is not a digest"),
     "data position": ({"data__position": -1}, "data.position: -1 is not an integer in 0..2^62"),
     "data position past int64": (  # a numpy TypeError after the run dir was rewritten
         {"data__position": 2**70},

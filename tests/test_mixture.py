@@ -392,3 +392,21 @@ def test_a_run_on_data_prepared_from_other_sources_says_so(
     assert "data.sources[0]" not in logs.text
     trainer_for(make_config(data_dir, tmp_path / "d", "data.source=/corpus/*.txt"))
     assert f"data.source='/corpus/*.txt', but data.dir={data_dir} was prepared from" in logs.text
+
+
+def test_a_resume_on_data_prepared_again_says_its_batches_changed(tmp_path, logs):
+    """Two files of a source swapped and prepared again (the mixture keeps its tokenizer): the
+    same windows in another order, and the resume read them without a word."""
+    src = {"web": corpus(tmp_path / "web", "web", 0), "code": corpus(tmp_path / "code", "code", 1)}
+    data = tmp_path / "data"
+    prepare(mixture_config(data, src))
+    run(data, src, tmp_path / "runs", "train.max_steps=4").fit()
+    run(data, src, tmp_path / "runs")  # (the same data: nothing said)
+    assert "was prepared again" not in logs.text
+    first, second = src["code"] / "000.txt", src["code"] / "001.txt"
+    texts = first.read_text(), second.read_text()
+    first.write_text(texts[1])
+    second.write_text(texts[0])
+    prepare(mixture_config(data, src))
+    run(data, src, tmp_path / "runs")
+    assert "resume: data.dir was prepared again since the checkpoint" in logs.text

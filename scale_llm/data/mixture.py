@@ -324,6 +324,7 @@ class TrainingData:
     sources: dict[str, tuple[float, int]] | None  # a mixture's {name: (weight, train windows)}
     # {the config's key: (its source, the one its folder was prepared from)} where they differ
     other_source: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
+    fingerprint: str = ""  # of its sources' prepare fingerprints (files and settings)
 
 
 def _same_source(given: str, prepared: str) -> bool:
@@ -365,7 +366,9 @@ def open_training_data(cfg: Config) -> TrainingData:
         for (key, source), folder in zip(given.items(), folders, strict=True)
         if not _same_source(source, str(folder[2]["source"]))
     }
-    return TrainingData(folders[0][2], train, val, sources, other)
+    prepared = "|".join(str(folder[2]["fingerprint"]) for folder in folders)
+    fingerprint = hashlib.sha256(prepared.encode()).hexdigest()
+    return TrainingData(folders[0][2], train, val, sources, other, fingerprint)
 
 
 def _check_windows(cfg: Config, folders: list, train: dict[str, int], val: dict) -> None:

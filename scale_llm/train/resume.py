@@ -137,6 +137,8 @@ def resume_state_problems(state: dict[str, Any]) -> list[str]:
             out.append(f"{key}: {short(value, 40)} is not a count of steps within 0..{step}")
     if not is_count(state.get("tokens", 0)):
         out.append(f"tokens: {short(state['tokens'], 40)} is not a count of tokens")
+    if not isinstance(state.get("data_fingerprint", ""), str):
+        out.append(f"data_fingerprint: {short(state['data_fingerprint'], 40)} is not a digest")
     out += _rng_problems(state["rng"])
     backend = state["backend"]
     parts = [backend.get(k) for k in ("layout", "scaler")] if isinstance(backend, dict) else [0]
@@ -291,6 +293,18 @@ def schedule_change(state: dict[str, Any], now: TrainConfig, step: int) -> str |
     return (
         f"the LR schedule changed ({', '.join(changed) or 'settings'}): the LR at step {step} "
         f"is {new:.3g}, not the {old:.3g} the checkpoint's settings give{wsd}"
+    )
+
+
+def data_change(state: dict[str, Any], fingerprint: str) -> str | None:
+    """data.dir prepared again since the checkpoint (its files or settings changed, the run's
+    tokenizer kept): the same stream position reads other batches. What to say, else None."""
+    if state.get("data_fingerprint", fingerprint) == fingerprint:
+        return None
+    return (
+        "data.dir was prepared again since the checkpoint (its files or settings changed): the "
+        "steps from here read other batches than the checkpoint's run would have, and its "
+        "validation split may hold documents it trained on"
     )
 
 

@@ -51,7 +51,7 @@ from scale_llm.train.preflight import (
     preflight,
 )
 from scale_llm.train.profiling import StepProfiler
-from scale_llm.train.resume import batch_change, schedule_change
+from scale_llm.train.resume import batch_change, data_change, schedule_change
 from scale_llm.train.throughput import Throughput
 
 log = logging.getLogger(__name__)
@@ -308,6 +308,7 @@ class Trainer:
             "config": to_dict(self.cfg),
             "plan": self.plan.to_json(),
             "tokenizer_sha256": self.data.manifest["tokenizer"]["sha256"],
+            "data_fingerprint": self.data.fingerprint,  # (a resume says when data.dir changed)
             "backend": self.backend.state_dict(),  # its checkpoint layout and scaler
             RECORDED: True,  # the checkpoint carries integrity.json: without it, it is damaged
         }
@@ -330,6 +331,7 @@ class Trainer:
         for changed in (
             schedule_change(state, self.cfg.train, self.step),
             batch_change(state, self.plan),
+            data_change(state, self.data.fingerprint),
         ):
             if changed and self.plan.is_main:
                 log.warning("resume: %s", changed)
