@@ -205,6 +205,11 @@ def test_bad_mixtures_exit_2_naming_each_problem_and_writing_nothing(tmp_path, c
             [sources_override({"web": good, "code": empty})],
             ["data.sources[1] (name code)", "too few non-empty documents"],
         ),
+        "two sources without documents (the first alone was named)": (
+            [sources_override({"web": empty, "code": empty}, {"web": 0.5, "code": 0.5})],
+            ["2 sources of the mixture cannot be prepared:\n  - data.sources[0] (name web)"]
+            + ["\n  - data.sources[1] (name code): "],
+        ),
         "a vocabulary too small": (
             [sources_override({"web": good}, {"web": 1}), "model.vocab_size=100"],
             ["set model.vocab_size to at least"],

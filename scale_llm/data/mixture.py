@@ -258,6 +258,7 @@ def _sample(cfg: Config, configs: list[Config], sources: list[Any]) -> list[str]
     """The tokenizer's sample: each source's weighted share of it, in the order of the sources."""
     weights = mixture_weights(cfg.data)
     sample: list[str] = []
+    problems = []  # (every source's, before any work)
     for i, (sub, source, entry) in enumerate(zip(configs, sources, cfg.data.sources)):
         d, weight = sub.data, weights[entry.name]
         docs = d.tokenizer_sample_documents
@@ -270,7 +271,12 @@ def _sample(cfg: Config, configs: list[Config], sources: list[Any]) -> list[str]
         try:  # drawn as for one source (refused if empty)
             sample += draw_sample(share_cfg, read_documents(share_cfg, source))[0]
         except UserError as e:
-            raise UserError(f"data.sources[{i}] (name {entry.name}): {e}") from None
+            problems.append(f"data.sources[{i}] (name {entry.name}): {e}")
+    if len(problems) > 1:
+        shown = "\n  - ".join(problems)
+        raise UserError(f"{len(problems)} sources of the mixture cannot be prepared:\n  - {shown}")
+    if problems:
+        raise UserError(problems[0])
     return sample
 
 
