@@ -28,10 +28,20 @@ TINY_MODEL = [
 ]
 
 
+def prepared_source(data_dir: Path | str) -> list[str]:
+    """`data.source=` the source `data_dir` was prepared from (a config that names another one
+    is warned about), or nothing (a mixture, or not prepared)."""
+    manifest = Path(data_dir) / "manifest.json"
+    if not manifest.is_file():
+        return []
+    return [f"data.source={json.loads(manifest.read_text())['source']}"]
+
+
 def make_config(data_dir: Path | str, run_root: Path | str, *overrides: str) -> Config:
     """A tiny fp32 CPU config over `data_dir`, with run dirs under `run_root`."""
     base = [
         *TINY_MODEL,
+        *prepared_source(data_dir),
         f"data.dir={data_dir}",
         f"run.dir={run_root}",
         "run.name=test",
@@ -146,6 +156,7 @@ STEPS = 4
 def common(data_dir: Path, run_root: Path, name: str) -> list[str]:
     settings = [
         *TINY_MODEL,
+        *prepared_source(data_dir),
         f"data.dir={data_dir}",
         f"run.dir={run_root}",
         f"run.name={name}",

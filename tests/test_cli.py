@@ -1479,10 +1479,11 @@ def test_config_preflight_says_what_train_would_find_and_writes_nothing(data_dir
     """`scale-llm config CONFIG --preflight` runs train's preflight: one line when the run would
     start, every problem in one report (exit 2) when it would not; no run dir is made."""
     from scale_llm.cli import main
-    from tests.helpers import TINY_MODEL
+    from tests.helpers import TINY_MODEL, prepared_source
 
     runs = tmp_path / "runs"
-    args = [*(f"--set={s}" for s in TINY_MODEL), f"--set=data.dir={data_dir}"]
+    args = [f"--set={s}" for s in (*TINY_MODEL, *prepared_source(data_dir))]
+    args += [f"--set=data.dir={data_dir}"]
     assert main(["config", *args, f"--set=run.dir={runs}", "--preflight"]) == 0
     assert capsys.readouterr().out == f"preflight: ok: a fresh run; run dir {runs}/defaults\n"
     assert not runs.exists()
