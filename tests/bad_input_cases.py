@@ -850,6 +850,20 @@ def _data_dir_linked_from_the_corpus(ctx: Ctx) -> list[str]:
     return _prepare_argv(ctx.tmp / "src", ctx.tmp / "prepared")
 
 
+def _data_dir_linked_below_a_glob(ctx: Ctx) -> list[str]:
+    """A `**` glob walks the folder links below it: the second prepare read the first's files
+    (refused late, after the tokenizer was trained)."""
+    (ctx.tmp / "prepared").mkdir()
+    (_small_corpus(ctx.tmp) / "link").symlink_to(ctx.tmp / "prepared")
+    return _prepare_argv(f"{ctx.tmp / 'src'}/**", ctx.tmp / "prepared")
+
+
+def _data_dir_linked_before_prepare_makes_it(ctx: Ctx) -> list[str]:
+    """A link in the corpus to the data.dir prepare will make: read by every later prepare."""
+    (_small_corpus(ctx.tmp) / "more").symlink_to(ctx.tmp / "later")
+    return _prepare_argv(ctx.tmp / "src", ctx.tmp / "later")
+
+
 def _bench_over_a_damaged_tokenizer(ctx: Ctx) -> list[str]:
     (ctx.tmp / "d").mkdir()
     (ctx.tmp / "d" / "tokenizer.model").write_text("not a model")
@@ -2922,6 +2936,16 @@ OWNED_OUTPUTS: list = [
                 "a symlinked folder in it",
                 _data_dir_linked_from_the_corpus,
                 "(through a symlinked folder in it)",
+            ),
+            (
+                "a link to it that prepare would make a folder",
+                _data_dir_linked_before_prepare_makes_it,
+                "(through a symlinked folder in it)",
+            ),
+            (
+                "a symlinked folder below a glob",
+                _data_dir_linked_below_a_glob,
+                "is a folder whose files the glob in data.source matches",
             ),
             (
                 "a glob over a mixture's own files",

@@ -498,10 +498,12 @@ def refuse_overlap(
         parts = spec.parts
         literal = next((i for i, p in enumerate(parts) if glob.has_magic(p)), len(parts))
         base = Path(os.path.realpath(Path(*parts[:literal]) if literal else Path()))
-        inside = out.relative_to(base).parts if out.is_relative_to(base) else None
-        if inside is None or not any(
-            _glob_matches((*inside, name), parts[literal:]) for name in written
-        ):
+        reach = [out.relative_to(base).parts] if out.is_relative_to(base) else []
+        spans = len(parts) - literal > 1 or "**" in parts[literal:]  # (folders below base)
+        if not reach and not shown and spans:  # (through a folder link)
+            below = _folders_read(base).items()
+            reach = [(*n, *out.relative_to(f).parts) for f, n in below if out.is_relative_to(f)]
+        if not any(_glob_matches((*r, name), parts[literal:]) for r in reach for name in written):
             return
         where = "is a folder whose files the glob in data.source matches"
     shown = f"{shown} {data_dir}" if shown else f"{key}={data_dir}"
@@ -511,20 +513,28 @@ def refuse_overlap(
     )
 
 
-def _folders_read(top: Path) -> set[str]:
+def _folders_read(top: Path) -> dict[str, tuple[str, ...]]:
     """The real paths of `top` and of every folder below it, through symlinked folders too (the
-    walk follows them): those a folder source reads."""
-    seen, todo = set(), [os.path.realpath(top)]
+    walk follows them), each with the names below `top` that reach it first: the folders a
+    folder source, or a glob over folders, reads."""
+    seen: dict[str, tuple[str, ...]] = {}
+    todo: list[tuple[str, tuple[str, ...]]] = [(os.path.realpath(top), ())]
     while todo:
-        if (folder := todo.pop()) in seen:
+        folder, names = todo.pop()
+        if folder in seen:
             continue
-        seen.add(folder)
+        seen[folder] = names
         try:
             with os.scandir(folder) as entries:
-                todo += [os.path.realpath(e.path) for e in entries if e.is_dir()]
+                todo += [(os.path.realpath(e), (*names, e.name)) for e in entries if _folder(e)]
         except OSError:  # (unreadable: the listing names it)
             pass
     return seen
+
+
+def _folder(entry: os.DirEntry) -> bool:
+    """A folder, or a link that may become one (data.dir's own, before prepare makes it)."""
+    return entry.is_dir() or (entry.is_symlink() and not os.path.exists(entry))
 
 
 def _glob_matches(parts: tuple[str, ...], pattern: tuple[str, ...]) -> bool:
