@@ -30,6 +30,7 @@ from scale_llm.config.load import MAX_CONFIG_BYTES
 from scale_llm.config.plan import RunPlan
 from scale_llm.data.loader import TokenWindows
 from scale_llm.data.mixture import MIXTURE
+from scale_llm.data.pretrained_tokenizer import named_class_problem
 from scale_llm.data.shards import MANIFEST, open_split, read_manifest
 from scale_llm.data.tokenizer import EOS_ID, file_sha256, run_tokenizer_path
 from scale_llm.errors import UserError, short
@@ -247,6 +248,7 @@ def reusable_export(out: Path, digest: str) -> bool:
 def refuse_custom_code(export_dir: Path) -> None:
     """An export whose configs name code (eval's own name none) is refused before lm-eval."""
     problem = custom_code_problem(export_dir, "eval's export")
+    problem = problem or named_class_problem(export_dir, "eval's export")
     if problem := problem or unwritten_config_keys(export_dir):
         raise UserError(
             f"{problem}. eval did not write this: remove {export_dir} and run eval again"

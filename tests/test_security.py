@@ -211,7 +211,7 @@ def test_transformers_is_told_not_to_run_a_tokenizer_folders_code(tmp_path, monk
     folder = word_tokenizer(tmp_path / "tok", 20)
     marker = plant_code(folder, "tokenizer_config.json")
     monkeypatch.setattr(pretrained_tokenizer, "custom_code_problem", lambda *a: None)
-    monkeypatch.setattr(pretrained_tokenizer, "_named_class_problem", lambda *a: None)
+    monkeypatch.setattr(pretrained_tokenizer, "named_class_problem", lambda *a: None)
     monkeypatch.setattr(sys, "stdin", io.StringIO("y\n"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(UserError, match="AutoTokenizer cannot load it"):
@@ -337,6 +337,41 @@ def test_a_tokenizer_class_naming_a_model_is_refused_before_transformers_builds_
         build_bundle(folder)
     path.write_text(json.dumps({**config, "tokenizer_class": "PreTrainedTokenizerFast"}))
     build_bundle(folder)  # (transformers' own class: read)
+
+
+def test_a_bundle_whose_tokenizer_class_names_a_model_is_not_exported_or_evaluated(
+    exported, tmp_path
+):
+    """A handed data.dir or run dir's hf-tokenizer.json carries the folder's tokenizer_config.json
+    byte for byte: one edited to name a model class was exported as it was, and eval's check let
+    lm-eval's AutoTokenizer build that class from the export."""
+    pytest.importorskip("transformers")
+    from scale_llm.config import load_config
+    from scale_llm.data.pretrained_tokenizer import PretrainedTokenizer, build_bundle
+    from scale_llm.evaluate import refuse_custom_code
+    from scale_llm.export import write_hf_folder
+    from scale_llm.model import build_model
+
+    data, _ = build_bundle(word_tokenizer(tmp_path / "tok", 5))
+    bundle = json.loads(data)
+    config = json.loads(bundle["files"]["tokenizer_config.json"]["text"])
+    planted = {**config, "tokenizer_class": "LlamaForCausalLM"}
+    bundle["files"]["tokenizer_config.json"]["text"] = json.dumps(planted)
+    (tmp_path / "hf-tokenizer.json").write_text(json.dumps(bundle))
+    tok = PretrainedTokenizer(tmp_path / "hf-tokenizer.json")
+    sizes = ["model.vocab_size=8", "model.d_model=32", "model.n_layers=1", "model.n_heads=2"]
+    cfg = load_config(None, [*sizes, "model.seq_len=16"]).model
+    state = {k: torch.zeros(v.shape) for k, v in build_model(cfg).state_dict().items()}
+    with pytest.raises(UserError, match="tokenizer_class 'LlamaForCausalLM', which is not a tok"):
+        write_hf_folder(state, cfg, tok, tmp_path / "export", "fp32")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf-tokenizer.json", "tok"]
+    folder = tmp_path / "eval-export"  # an export edited (or handed) after it was written
+    shutil.copytree(exported, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    planted = {**config, "tokenizer_class": "LlamaForCausalLM"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(planted))
+    with pytest.raises(UserError, match="which is not a tokenizer class of transformers"):
+        refuse_custom_code(folder)
 
 
 def test_a_tokenizer_that_fails_encodes_nothing_or_names_ids_past_its_vocabulary_is_refused(

@@ -10,7 +10,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from scale_llm.data.pretrained_tokenizer import TOKENIZER_FILES, PretrainedTokenizer
+from scale_llm.data.pretrained_tokenizer import (
+    TOKENIZER_FILES,
+    PretrainedTokenizer,
+    named_class_problem,
+)
 from scale_llm.data.tokenizer import Tokenizer
 from scale_llm.errors import UserError
 from scale_llm.files import read_folder_file
@@ -96,6 +100,11 @@ def write_tokenizer_files(
             if name not in TOKENIZER_FILES:  # (the bundle's check refused such names already)
                 raise UserError(f"{name!r} is not a tokenizer file name; refusing to write it")
             (out_dir / name).write_bytes(data)
+        # (a bundle handed over or edited: prepare refused such a folder; transformers would
+        # build the class it names when it loads the export, lm-eval in eval's process)
+        if problem := named_class_problem(out_dir, f"the tokenizer {tok.path}"):
+            said = problem.split(" names ", 1)[-1]
+            raise UserError(f"tokenizer {tok.path}: its tokenizer_config.json names {said}")
         return
     for name, text in tokenizer_files(tok, max_length).items():
         (out_dir / name).write_text(text, encoding="utf-8")

@@ -145,7 +145,7 @@ def build_bundle(folder: str | Path) -> tuple[bytes, dict[str, Any]]:
 def _auto_tokenizer(folder: Path) -> Any:
     """transformers' AutoTokenizer of `folder`, which must name no code (never run, nor asked
     about: a prompt would stop the command)."""
-    if problem := custom_code_problem(folder, WHAT) or _named_class_problem(folder):
+    if problem := custom_code_problem(folder, WHAT) or named_class_problem(folder):
         raise UserError(f"{WHAT}: {problem}")
     import transformers
 
@@ -165,16 +165,16 @@ def _auto_tokenizer(folder: Path) -> Any:
         transformers.logging.set_verbosity(level)
 
 
-def _named_class_problem(folder: Path) -> str | None:
+def named_class_problem(folder: Path, what: str = WHAT) -> str | None:
     """A `tokenizer_class` (tokenizer_config.json, else config.json) naming no tokenizer class:
     AutoTokenizer builds whatever transformers class it names, a model too (its weights read,
-    a Hub kernel its config names fetched and loaded)."""
+    a Hub kernel its config names fetched and loaded). `what`: the folder, in messages."""
     from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
     from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
     for name in ("tokenizer_config.json", "config.json"):
-        path = folder_file(folder, name, WHAT)
-        config = read_json(path, f"{WHAT}'s {name}", "fix or remove the file") if path else {}
+        path = folder_file(folder, name, what)
+        config = read_json(path, f"{what}'s {name}", "fix or remove the file") if path else {}
         if (named := config.get("tokenizer_class")) is None:
             continue
         try:  # (a name transformers does not know: its own fast tokenizer class is used)
