@@ -413,6 +413,9 @@ def task_code_problems(folder: Path, source: Path | None = None) -> list[str]:
                 name = m.get("metric") if isinstance(m, dict) else None
                 if isinstance(name, str) and (name not in metric_registry or m.get("hf_evaluate")):
                     problems.append(f"{path}: metric {name}, not one of lm-eval's")
+            prompt = part.get("use_prompt")  # (`FILE.yaml:name`: read by yaml.full_load)
+            if isinstance(prompt, str) and ".yaml" in prompt.split(":", 1)[0]:
+                problems.append(f"{path}: use_prompt {prompt[:99]}, a file lm-eval reads unchecked")
     return problems
 
 

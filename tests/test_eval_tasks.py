@@ -226,7 +226,15 @@ def test_a_task_folder_that_would_run_python_is_refused(tmp_path, monkeypatch):
     metric = tmp_path / "metric"
     metric.mkdir()
     (metric / "m.yaml").write_text(yaml.replace("metric: acc_norm", f"metric: {tasks / 'x.py'}"))
-    for folder, said in ((tasks, "!function utils.text"), (metric, "x.py, not one of lm-eval's")):
+    prompt = tmp_path / "prompt"  # (lm-eval reads the file with yaml.full_load, from anywhere)
+    prompt.mkdir()
+    used = yaml.replace("metric_list:", "use_prompt: p.yaml:q\nmetric_list:")
+    (prompt / "p.yaml").write_text(used)
+    for folder, said in (
+        (tasks, "!function utils.text"),
+        (metric, "x.py, not one of lm-eval's"),
+        (prompt, "use_prompt p.yaml:q, a file lm-eval reads unchecked"),
+    ):
         with pytest.raises(UserError, match="would run Python") as e:
             evaluate.task_manager(
                 ["coded"], folder, ("train", "eval.tasks", "eval.tasks_include_path")
