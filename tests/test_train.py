@@ -1064,6 +1064,40 @@ def test_the_eta_leaves_out_a_launchs_first_steps():
     assert clock.tokens_per_s(6) == pytest.approx(1000.0)  # since the row at step 4
 
 
+def test_tokens_per_s_leaves_out_the_saves_of_a_rows_step(data_dir, tmp_path, monkeypatch):
+    """A save at a logged step was charged to the next row (its tokens/s and MFU dipped after
+    every checkpoint), while an evaluation at such a step was left out: now both are. A clock
+    that only the steps (1 s each) and the saves (100 s each) move."""
+    from scale_llm.train import callbacks, throughput, trainer
+
+    now = [0.0]
+
+    class Clock(throughput.Throughput):
+        def __init__(self, *args):
+            super().__init__(*args, clock=lambda: now[0])
+
+    step, save = Trainer.train_step, callbacks.Checkpoints.step_end
+
+    def timed_step(self):
+        now[0] += 1.0
+        return step(self)
+
+    def timed_save(self, trainer, s):
+        if trainer.cadence.checkpoints(s.step):
+            now[0] += 100.0
+        save(self, trainer, s)
+
+    monkeypatch.setattr(trainer, "Throughput", Clock)
+    monkeypatch.setattr(Trainer, "train_step", timed_step)
+    monkeypatch.setattr(callbacks.Checkpoints, "step_end", timed_save)
+    cfg = make_config(data_dir, tmp_path, "logging.every=2", "checkpoint.every=2")
+    t = trainer_for(cfg)
+    t.fit()
+    rows = rows_of(t.run_dir)
+    per_step = t.plan.tokens_per_step
+    assert [rows[n]["tokens_per_s"] for n in (2, 4)] == [per_step / 1.0] * 2
+
+
 def test_the_cadence_of_logging_eval_samples_and_checkpoints():
     from scale_llm.train.cadence import Cadence
 

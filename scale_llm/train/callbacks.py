@@ -202,7 +202,6 @@ class WriteMetrics(Callback):
         if s.row:
             s.row.update(cuda_memory_gib(trainer.device))
             trainer.metrics.log(s.step, s.row)
-            trainer.clock.row_written(s.step)
 
     def end(self, trainer: Trainer, failing: bool) -> None:
         trainer.metrics.close()
@@ -236,6 +235,15 @@ class Checkpoints(Callback):
         trainer.checkpointer.wait(failing=failing)
         if trainer.background and trainer.background.stager:
             trainer.background.stager.close()
+
+
+class ThroughputWindow(Callback):
+    """After a metric row's step ends (its evaluation, save and collection done): the next row's
+    tokens/s counts from here, so a step's own work is left out of both rows, as evaluation is."""
+
+    def step_end(self, trainer: Trainer, s: StepEnd) -> None:
+        if s.row:
+            trainer.clock.row_written(s.step)
 
 
 class GarbageCollector(Callback):

@@ -130,6 +130,7 @@ class Trainer:
             callbacks.CommTimeouts(),
             self.collector,
             callbacks.Checkpoints(),
+            callbacks.ThroughputWindow(),
             StepProfiler(cfg.train.profile, plan, self.run_dir, self.step),
         ]
 
