@@ -190,6 +190,10 @@ def test_a_run_of_bad_steps_stops_with_causes_and_the_last_good_checkpoint(
     assert [(r.status, r.step, r.checkpoint) for r in list_runs(tr.run_dir.parent)] == [
         ("diverged", 7, "step_00000006")  # (`scale-llm runs` reads the row the stop wrote)
     ]
+    last = rows_of(tr.run_dir)[7]  # the stop's row keeps the step's numbers (it held none)
+    assert last["stopped"] == "diverged" and last["skipped_steps"] == 3
+    assert last["loss"] == last["grad_norm"] == "nan"  # (JSON has no NaN: written as text)
+    assert math.isnan(list_runs(tr.run_dir.parent)[0].loss)  # (step 1's loss was shown)
     again = trainer(data_dir, tmp_path, *settings)  # a resume continues the streak's count
     assert again.step == 6 and int(again.bad_streak) == 2 and int(again.skipped_steps) == 2
     assert list_runs(tr.run_dir)[0].status == f"running (pid {os.getpid()})"  # its lock

@@ -89,11 +89,11 @@ class NaNGuard(Callback):
 
     def step_end(self, trainer: Trainer, s: StepEnd) -> None:
         if trainer.cadence.logs(s.step) or s.stop:
-            self.check(trainer)
+            self.check(trainer, row=s.row)
 
-    def check(self, trainer: Trainer, warn: bool = True) -> None:
+    def check(self, trainer: Trainer, warn: bool = True, row: dict | None = None) -> None:
         """Stop at train.max_bad_steps skipped steps in a row; below, warn (unless told not to:
-        a save on a skipped step, whose step end warns)."""
+        a save on a skipped step, whose step end warns). `row`: the step's metrics so far."""
         streak = int(trainer.bad_streak.item())
         step, cfg = trainer.step, trainer.cfg
         if streak >= cfg.train.max_bad_steps:
@@ -101,7 +101,8 @@ class NaNGuard(Callback):
             saved = trainer.checkpointer.complete()  # before the message names the newest
             good = step - streak  # the last step whose update was applied
             holds = good if saved and saved[-1][0] > good else None  # saved inside the streak
-            trainer.metrics.log(step, {"stopped": "diverged"})  # (what `scale-llm runs` reads)
+            stopped = {**(row or {}), "stopped": "diverged"}  # (what `scale-llm runs` reads)
+            trainer.metrics.log(step, stopped)
             last = saved[-1][1] if saved else None
             precision = trainer.plan.precision
             raise TrainingDiverged(diverged_message(streak, step, cfg, precision, last, holds))
