@@ -486,6 +486,7 @@ CONFIG = [
         ]
     ],
     ("a DDP bucket of no size", ["config", *s("parallel.ddp.bucket_cap_mb=0")], "must be > 0"),
+    ("evaluations of no batch", ["config", *s("eval.steps=0")], "eval.steps=0 scores no valid"),
     *[  # (an unset shell variable: prepare wrote into the working folder; init_from was ignored)
         (f"an empty {key}", [command, *s(f'{key}=""')], f"{key} is empty; give a path")
         for command, key in [("prepare", "data.dir"), ("train", "model.init_from")]
