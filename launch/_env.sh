@@ -121,7 +121,7 @@ export PYTORCH_CUDA_ALLOC_CONF
 # After forwarding a SIGTERM, torchrun kills the workers that have not exited within this many
 # seconds (its default, 30, is less than a large model's last steps and checkpoint can take).
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}"
-if ! [[ "$TORCH_ELASTIC_SHUTDOWN_TIMEOUT" =~ ^[1-9][0-9]{0,6}$ ]]; then
+if ! [[ "$TORCH_ELASTIC_SHUTDOWN_TIMEOUT" =~ ^(0|[1-9][0-9]{0,6})$ ]]; then
   echo "launch: TORCH_ELASTIC_SHUTDOWN_TIMEOUT='${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:0:60}' is not a" \
     "whole number of seconds (torchrun stops with a traceback after the data is prepared); set" \
     "e.g. 300, or unset it" >&2
@@ -161,7 +161,7 @@ fi
 # Split the cores between the local processes instead of letting each take all of them.
 cores=$(nproc)
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( cores / NGPU > 0 ? cores / NGPU : 1 ))}"
-if ! [[ "$OMP_NUM_THREADS" =~ ^[1-9][0-9]{0,4}$ ]]; then
+if ! [[ "$OMP_NUM_THREADS" =~ ^[1-9][0-9]{0,4}(,[1-9][0-9]{0,4})*$ ]]; then  # (levels: 8,4)
   echo "launch: OMP_NUM_THREADS='${OMP_NUM_THREADS:0:60}' is not a number of threads (each" \
     "process would take every core); set 1 or more, or unset it to split $cores cores between" \
     "the $NGPU processes" >&2

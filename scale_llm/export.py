@@ -197,7 +197,8 @@ def write_hf_folder(
     with made_folder(out.parent):  # (folders it makes above --out: removed if it fails)
         tmp = temporary_sibling(out)
         tmp.mkdir()  # a fresh name: this call's own folder, removed on failure
-        try:
+        try:  # (the tokenizer first: its files are checked before the weights take minutes)
+            write_tokenizer_files(tokenizer, tmp, cfg.seq_len)
             n_params = _write_weights(state, cfg, DTYPES[dtype], tmp, max_shard_bytes)
             atomic_write_json(
                 tmp / "config.json",
@@ -206,7 +207,6 @@ def write_hf_folder(
                 ),
             )
             atomic_write_json(tmp / "generation_config.json", generation_config(tokenizer))
-            write_tokenizer_files(tokenizer, tmp, cfg.seq_len)
             files = sorted([*(p.name for p in tmp.iterdir()), EXPORT_INFO])
             stats = {p.name: file_stat(p) for p in tmp.iterdir()}
             # written last, naming every file and its size and time: what proves later that the

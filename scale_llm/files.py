@@ -523,6 +523,7 @@ class OwnerLock:
                     continue
                 self._judge(fd)
                 me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+                me["start_ticks"] = _start_ticks(os.getpid())  # (a reused pid: another start)
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, json.dumps(me).encode(), 0)
                 os.fsync(fd)
@@ -666,20 +667,22 @@ def _owner(raw: bytes) -> dict[str, Any] | None:
 
 
 def _holds(owner: dict[str, Any]) -> bool:
-    """Whether the owner record's process (of this host) is alive: its pid names a process that
-    began before the record was written (a later one was given the pid of a killed owner)."""
-    pid, started = owner["pid"], owner.get("started")
+    """Whether the owner record's process (of this host) is alive: its pid names the process
+    that started when the record says (a later one may have been given a killed owner's pid)."""
+    pid, ticks = owner["pid"], owner.get("start_ticks")
     if not _alive(pid):
         return False
-    if not isinstance(started, (int, float)) or isinstance(started, bool):
-        return True
-    try:  # /proc/PID/stat's 22nd field: the start in clock ticks after boot
-        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-        lines = Path("/proc/stat").read_text().splitlines()
-        boot = next(int(line.split()[1]) for line in lines if line.startswith("btime "))
-    except (OSError, ValueError, IndexError, StopIteration):
-        return True  # (no /proc to tell: alive)
-    return boot + ticks / os.sysconf("SC_CLK_TCK") <= started + 2  # (btime: whole seconds)
+    if not isinstance(ticks, int) or isinstance(ticks, bool):
+        return True  # (a record without its start: alive)
+    return _start_ticks(pid) in (None, ticks)  # (no /proc to tell: alive)
+
+
+def _start_ticks(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks after boot (/proc/PID/stat's 22nd field)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _alive(pid: int) -> bool:

@@ -621,6 +621,9 @@ def test_the_launchers_refuse_settings_that_failed_after_prepare_or_were_ignored
     (tmp_path / "-hosts").write_text("node0 slots=8\n")
     proc = launch("deepspeed.sh", env | {"HOSTFILE": "-hosts"}, cwd=tmp_path)
     assert proc.returncode == 0 and " --hostfile=-hosts " in proc.stdout, proc.stderr
+    taken = {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "0", "OMP_NUM_THREADS": "8,4"}  # (theirs to take)
+    proc = launch("torchrun.sh", env | taken)
+    assert proc.returncode == 0 and proc.stdout.startswith("OMP=8,4 "), proc.stderr
     (tmp_path / "cdp" / "launch").mkdir(parents=True)
     proc = launch("torchrun.sh", env | {"CDPATH": str(tmp_path / "cdp")}, cwd=REPO)
     assert proc.returncode == 0 and "--nproc_per_node 8" in proc.stdout, proc.stderr

@@ -121,7 +121,7 @@ def test_the_gpu_check_runs_on_the_cpu_and_writes_its_report(
     assert names == [".scale-llm-owner.json", "check.log", "report.json", "report.md"]
     # again on the same scratch (a second call on a lent GPU): the last check's runs go, the
     # prepared data stays. A --set backend trains in a world of one, as `train` does (DeepSpeed
-    # looked for MPI without one; its second curve found its first group gone)
+    # looked for MPI without one); the reference curve in one process
     (first,) = (tmp_path / "scratch").glob("runs-*")  # the check's own runs folder
     assert (first / "check-cpu-fp32-eager").is_dir()
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -130,8 +130,9 @@ def test_the_gpu_check_runs_on_the_cpu_and_writes_its_report(
     again = run_check(out, steps=3, overrides=ds, scratch=tmp_path / "scratch", only={"curves"})
     assert again["ok"] and len(again["curves"]) == 2, (again["errors"], again["curves"])
     assert again["curves"][0]["first_loss"] == report["curves"][0]["first_loss"]
-    (ran,) = (tmp_path / "scratch").glob("runs-*/check-cpu-fp32-compiled/plan.json")
-    assert json.loads(ran.read_text())["backend"] == "deepspeed"
+    for curve, backend in (("compiled", "deepspeed"), ("eager", "single")):
+        (ran,) = (tmp_path / "scratch").glob(f"runs-*/check-cpu-fp32-{curve}/plan.json")
+        assert json.loads(ran.read_text())["backend"] == backend
     (second,) = (tmp_path / "scratch").glob("runs-*")
     assert second != first and (second / "check-cpu-fp32-eager").is_dir()
 

@@ -298,3 +298,15 @@ def test_the_tokenizer_file_is_the_same_on_machines_of_any_core_count(tmp_path, 
         made.append((tmp_path / f"{cores}.model").read_bytes())
     assert made[0] == made[1] == made[2]
     assert Tokenizer(tmp_path / "7.model").vocab_size == 400
+
+
+def test_a_file_named_with_wildcard_characters_is_named_from_its_folder(tmp_path, monkeypatch):
+    """A literal file whose folder's name holds [ ] (data[1]/c.jsonl) was read as a glob with no
+    fixed folder: its documents were named from the working folder."""
+    from scale_llm.data.sources import local_source
+
+    (tmp_path / "data[1]").mkdir()
+    (tmp_path / "data[1]" / "c.jsonl").write_text('{"text": "a document"}\n')
+    monkeypatch.chdir(tmp_path)
+    assert local_source("data[1]/c.jsonl", "text").root == tmp_path / "data[1]"
+    assert local_source(f"{tmp_path}/data?1?/*.jsonl", "text").root == tmp_path

@@ -366,19 +366,20 @@ def test_a_live_run_dir_is_refused_and_a_stale_lock_is_taken_over(data_dir, tmp_
     import socket
     import time
 
-    from scale_llm.files import lock_holder
+    from scale_llm.files import _start_ticks, lock_holder
 
     run_dir = tmp_path / "runs" / "test"
     run_dir.mkdir(parents=True)
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    lock = {"pid": sleeper.pid, "host": socket.gethostname(), "started": time.time() + 1}
+    lock = {"pid": sleeper.pid, "host": socket.gethostname(), "started": time.time()}
+    lock["start_ticks"] = _start_ticks(sleeper.pid)
     try:
         (run_dir / ".lock").write_text(json.dumps(lock))
         with pytest.raises(UserError, match=rf"in use by another launch \(pid {sleeper.pid}"):
             trainer(data_dir, tmp_path)
         assert sorted(p.name for p in run_dir.iterdir()) == [".lock"]  # nothing written
         assert lock_holder(run_dir / ".lock") == f"pid {sleeper.pid}"
-        lock["started"] = time.time() - 3600  # written an hour before its pid's process began
+        lock["start_ticks"] -= 1  # written by a process that started before this pid's
         (run_dir / ".lock").write_text(json.dumps(lock))
         assert lock_holder(run_dir / ".lock") is None
         result = trainer(data_dir, tmp_path, "train.max_steps=1").fit()

@@ -4,6 +4,7 @@ resumed exactly; a mixture of one source is the one-source data and stream."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -407,11 +408,14 @@ def test_a_resume_on_data_prepared_again_says_its_batches_changed(tmp_path, logs
     prepare(mixture_config(data, src))
     run(data, src, tmp_path / "runs", "train.max_steps=4").fit()
     run(data, src, tmp_path / "runs")  # (the same data: nothing said)
-    assert "was prepared again" not in logs.text
+    os.utime(src["code"] / "000.txt", (1, 1))  # prepared again, to the same shards
+    prepare(mixture_config(data, src))
+    run(data, src, tmp_path / "runs")
+    assert "shards changed" not in logs.text
     first, second = src["code"] / "000.txt", src["code"] / "001.txt"
     texts = first.read_text(), second.read_text()
     first.write_text(texts[1])
     second.write_text(texts[0])
     prepare(mixture_config(data, src))
     run(data, src, tmp_path / "runs")
-    assert "resume: data.dir was prepared again since the checkpoint" in logs.text
+    assert "resume: data.dir's shards changed since the checkpoint" in logs.text

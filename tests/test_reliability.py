@@ -706,3 +706,20 @@ def test_the_launchers_prepare_keeps_the_tokenizer_a_run_resumes_with(
     # a damaged newest checkpoint: auto resumes the one before it, which keeps the data too
     (run / "checkpoints" / "step_00000004" / "trainer.pt").write_bytes(b"damaged")
     assert kept_data(cfg).checkpoint == run / "checkpoints" / "step_00000002"
+
+
+def test_a_deepspeed_checkpoint_saved_without_its_precision_is_read_by_its_own_loader():
+    """A layout saved before it named its precision takes the plan's: a ZeRO-0 run resumed
+    exactly again (it was read across layouts: weights only, the optimizer restarted)."""
+    from scale_llm.config import load_config
+    from scale_llm.config.plan import target_plan
+    from scale_llm.parallel.backend import checkpoint_layout
+    from scale_llm.train.resume import saved_layout
+
+    cfg = load_config(None, [*BACKENDS["zero0"], "train.precision=fp32", "train.device=cpu"])
+    now = checkpoint_layout(cfg, target_plan(cfg, 2))
+    older = {k: v for k, v in now.items() if k != "precision"}
+    state = {"backend": {"layout": older}, "plan": {"precision": "fp32"}}
+    assert now["precision"] == "fp32" and saved_layout(state) == now
+    state["plan"]["precision"] = "bf16"  # (its own precision: read across layouts, as it must)
+    assert saved_layout(state) != now

@@ -340,12 +340,13 @@ def test_a_tokenizer_class_naming_a_model_is_refused_before_transformers_builds_
 
 
 def test_a_bundle_whose_tokenizer_class_names_a_model_is_not_exported_or_evaluated(
-    exported, tmp_path
+    exported, tmp_path, monkeypatch
 ):
     """A handed data.dir or run dir's hf-tokenizer.json carries the folder's tokenizer_config.json
     byte for byte: one edited to name a model class was exported as it was, and eval's check let
     lm-eval's AutoTokenizer build that class from the export."""
     pytest.importorskip("transformers")
+    from scale_llm import export
     from scale_llm.config import load_config
     from scale_llm.data.pretrained_tokenizer import PretrainedTokenizer, build_bundle
     from scale_llm.evaluate import refuse_custom_code
@@ -362,6 +363,7 @@ def test_a_bundle_whose_tokenizer_class_names_a_model_is_not_exported_or_evaluat
     sizes = ["model.vocab_size=8", "model.d_model=32", "model.n_layers=1", "model.n_heads=2"]
     cfg = load_config(None, [*sizes, "model.seq_len=16"]).model
     state = {k: torch.zeros(v.shape) for k, v in build_model(cfg).state_dict().items()}
+    monkeypatch.setattr(export, "_write_weights", lambda *a: pytest.fail("weights written"))
     with pytest.raises(UserError, match="tokenizer_class 'LlamaForCausalLM', which is not a tok"):
         write_hf_folder(state, cfg, tok, tmp_path / "export", "fp32")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf-tokenizer.json", "tok"]

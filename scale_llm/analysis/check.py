@@ -478,6 +478,8 @@ def curves(report: Report, cfg: Config, cuda: bool) -> None:
             name = f"check-{device}-{precision}-{'compiled' if compiled else 'eager'}"
             changes = {"run.name": name, "train.device": device, "train.precision": precision}
             changes["train.compile"] = compiled
+            if not reference:  # (CPU fp32 in one process: one process group for the others)
+                changes |= ONE_PROCESS
             run = functools.partial(curve_row, cfg, changes, reference)
             row = report.attempt("curves", name, run)
             if "first_loss" in row:

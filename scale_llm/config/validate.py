@@ -200,7 +200,9 @@ def path_problems(cfg: Config) -> list[str]:
         if path is None:
             continue
         if not path.strip():  # (an unset shell variable: the working folder, or nothing at all)
-            if key not in ("data.source", "data.tokenizer", "run.name"):  # (said with theirs)
+            if key == "checkpoint.resume":
+                e.append("checkpoint.resume is empty; give auto, never or a checkpoint folder")
+            elif key in ("run.dir", "data.dir", "eval.tasks_include_path"):  # (the others: theirs)
                 e.append(f"{key} is empty; give a path (. for the working folder), or leave it out")
             continue
         try:

@@ -5,6 +5,7 @@ its SHA-256. progress.json records a point an interrupted prepare can continue f
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -115,7 +116,9 @@ class ShardWriter:
         self._file = None
         final = self.partial_path.with_suffix("")  # drop ".partial"
         self.partial_path.replace(final)
-        self.shards.append({"file": final.name, "tokens": self.partial_tokens})
+        with open(final, "rb") as f:  # (read back from the page cache: what a resume compares)
+            sha = hashlib.file_digest(f, "sha256").hexdigest()
+        self.shards.append({"file": final.name, "tokens": self.partial_tokens, "sha256": sha})
         self.partial_tokens = 0
 
     def _restore(self) -> None:

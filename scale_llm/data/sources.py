@@ -262,7 +262,7 @@ def local_source(spec: str, text_field: str) -> Source:
     fixed = list(itertools.takewhile(lambda part: not glob.has_magic(part), given.parts))
     if given.is_dir():
         root = given
-    elif len(fixed) < len(given.parts):
+    elif len(fixed) < len(given.parts) and not given.is_file():
         root = Path(*fixed).absolute() if fixed else Path.cwd()
     else:
         root = Path(os.path.commonpath([str(p.absolute().parent) for p in paths]))

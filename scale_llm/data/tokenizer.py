@@ -134,14 +134,22 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_path: str | Path)
         )
     except RuntimeError as e:  # e.g. a sample with too few distinct pieces for vocab_size
         raise UserError(_training_failed(str(e), vocab_size)) from None
-    from sentencepiece import sentencepiece_model_pb2
-
-    # the model records the threads it was trained with: one count, so that its bytes (and the
-    # SHA-256 runs check on resume) are the same on a machine of another core count
-    model = sentencepiece_model_pb2.ModelProto.FromString(buf.getvalue())
-    model.trainer_spec.num_threads = 1
-    atomic_write_bytes(out_path, model.SerializeToString())  # into prepare's own build folder
+    atomic_write_bytes(out_path, _one_thread(buf.getvalue()))  # into prepare's own build folder
     return Tokenizer(out_path)
+
+
+def _one_thread(model: bytes) -> bytes:
+    """The model with one training thread recorded, so that its bytes (and the SHA-256 a resume
+    checks) are the same on machines of other core counts; as written where protobuf (a
+    dependency of tensorboard) cannot read it."""
+    try:
+        from sentencepiece import sentencepiece_model_pb2
+
+        proto = sentencepiece_model_pb2.ModelProto.FromString(model)
+    except Exception:  # (protobuf missing, or of a version its generated code refuses)
+        return model
+    proto.trainer_spec.num_threads = 1
+    return proto.SerializeToString()
 
 
 def _training_failed(error: str, vocab_size: int) -> str:

@@ -160,7 +160,7 @@ def _layout_ok(layout: dict) -> bool:
     if layout == {"format": "dcp"}:
         return True
     stage, world = layout.get("zero_stage"), layout.get("world_size")
-    return (  # (one saved before 2026-12-07 has no precision: read as another layout)
+    return (  # (one saved without its precision: saved_layout reads its plan's)
         layout.keys() - {"precision"} == {"format", "zero_stage", "world_size"}
         and layout.get("precision", "fp32") in ("bf16", "fp16", "fp32")
         and layout["format"] == "deepspeed"
@@ -297,13 +297,14 @@ def schedule_change(state: dict[str, Any], now: TrainConfig, step: int) -> str |
 
 
 def data_change(state: dict[str, Any], fingerprint: str) -> str | None:
-    """data.dir prepared again since the checkpoint (its files or settings changed, the run's
-    tokenizer kept): the same stream position reads other batches. What to say, else None."""
-    if state.get("data_fingerprint", fingerprint) == fingerprint:
+    """data.dir's shards other than the checkpoint's (prepared again from changed files, the
+    run's tokenizer kept): the same stream position reads other batches. What to say, or None
+    (the same shards, or one side's not hashed)."""
+    if state.get("data_fingerprint", "") in ("", fingerprint) or not fingerprint:
         return None
     return (
-        "data.dir was prepared again since the checkpoint (its files or settings changed): the "
-        "steps from here read other batches than the checkpoint's run would have, and its "
+        "data.dir's shards changed since the checkpoint (prepared again from changed files): "
+        "the steps from here read other batches than the checkpoint's run would have, and its "
         "validation split may hold documents it trained on"
     )
 
@@ -346,7 +347,7 @@ def choose_resume(cfg: Config, plan: RunPlan, manifest: dict[str, Any]) -> Resum
     state = read_trainer_state(ckpt)
     check_resume_state(state, ckpt, cfg, manifest["tokenizer"]["sha256"], checkpoints.dir)
     check_finished_run(state, ckpt, cfg)  # other settings: a new run
-    layout = state["backend"]["layout"]
+    layout = saved_layout(state)
     same = layout == checkpoint_layout(cfg, plan)
     if not same or layout["format"] == "dcp":
         # the weights' names and shapes against the model (a meta model: no memory): damage, or
@@ -361,6 +362,15 @@ def choose_resume(cfg: Config, plan: RunPlan, manifest: dict[str, Any]) -> Resum
     if exact and layout["format"] == "deepspeed":
         ZeroWeights(ckpt / DEEPSPEED_DIR).check_optimizer_state()
     return Resume(ckpt, state, exact)
+
+
+def saved_layout(state: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint's layout; a DeepSpeed one saved without its precision (the layout named
+    it from 2026-12-07) takes its plan's, so the engine's own files are read as they were."""
+    layout = state["backend"]["layout"]
+    if layout["format"] == "deepspeed" and "precision" not in layout:
+        return {**layout, "precision": state["plan"].get("precision")}
+    return layout
 
 
 def _partitioned(layout: dict[str, Any]) -> bool:

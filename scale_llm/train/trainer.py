@@ -51,7 +51,7 @@ from scale_llm.train.preflight import (
     preflight,
 )
 from scale_llm.train.profiling import StepProfiler
-from scale_llm.train.resume import batch_change, data_change, schedule_change
+from scale_llm.train.resume import batch_change, data_change, saved_layout, schedule_change
 from scale_llm.train.throughput import Throughput
 
 log = logging.getLogger(__name__)
@@ -317,7 +317,7 @@ class Trainer:
     def load_state_dict(self, state: dict[str, Any], exact: bool) -> None:
         """Restore a checkpoint's trainer state (`exact`: the backend's model and optimizer too)."""
         if exact:
-            self.backend.load(self.resume_from, state["backend"]["layout"])
+            self.backend.load(self.resume_from, saved_layout(state))
             self.backend.load_state_dict(state["backend"])
         self.step = int(state["step"])
         per_step = state["plan"].get("tokens_per_step")  # (a run's tokens before they were kept)
