@@ -669,12 +669,20 @@ def _owner(raw: bytes) -> dict[str, Any] | None:
 def _holds(owner: dict[str, Any]) -> bool:
     """Whether the owner record's process (of this host) is alive: its pid names the process
     that started when the record says (a later one may have been given a killed owner's pid)."""
-    pid, ticks = owner["pid"], owner.get("start_ticks")
+    pid, ticks, taken = owner["pid"], owner.get("start_ticks"), owner.get("started")
     if not _alive(pid):
         return False
-    if not isinstance(ticks, int) or isinstance(ticks, bool):
-        return True  # (a record without its start: alive)
-    return _start_ticks(pid) in (None, ticks)  # (no /proc to tell: alive)
+    if (started := _start_ticks(pid)) is None:
+        return True  # (no /proc to tell: alive)
+    if isinstance(ticks, int) and not isinstance(ticks, bool):
+        return started == ticks
+    if not isinstance(taken, (int, float)) or isinstance(taken, bool):
+        return True
+    with contextlib.suppress(OSError, ValueError, StopIteration):  # (a record without ticks)
+        lines = Path("/proc/stat").read_text().splitlines()
+        boot = next(int(line.split()[1]) for line in lines if line.startswith("btime "))
+        return boot + started / os.sysconf("SC_CLK_TCK") <= taken + 2  # (btime: whole seconds)
+    return True
 
 
 def _start_ticks(pid: int) -> int | None:

@@ -486,7 +486,7 @@ CONFIG = [
         ]
     ],
     ("a DDP bucket of no size", ["config", *s("parallel.ddp.bucket_cap_mb=0")], "must be > 0"),
-    ("evaluations of no batch", ["config", *s("eval.steps=0")], "eval.steps=0 scores no valid"),
+    ("evaluations of no batch", ["train", TINY, *s("eval.steps=0")], "eval.steps=0 scores no"),
     *[  # (an unset shell variable: prepare wrote into the working folder, train into runs/)
         (f"an empty {key}", [command, *s(f'{key}=""')], f"{key} is empty; give a path")
         for command, key in [("prepare", "data.dir"), ("train", "run.dir")]

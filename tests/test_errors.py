@@ -382,6 +382,14 @@ def test_a_live_run_dir_is_refused_and_a_stale_lock_is_taken_over(data_dir, tmp_
         lock["start_ticks"] -= 1  # written by a process that started before this pid's
         (run_dir / ".lock").write_text(json.dumps(lock))
         assert lock_holder(run_dir / ".lock") is None
+        older = {k: v for k, v in lock.items() if k != "start_ticks"}  # (a record without it:
+        older["started"] = time.time() - 3600  # taken an hour before this pid's process began)
+        (run_dir / ".lock").write_text(json.dumps(older))
+        assert lock_holder(run_dir / ".lock") is None
+        older["started"] = time.time()
+        (run_dir / ".lock").write_text(json.dumps(older))
+        assert lock_holder(run_dir / ".lock") == f"pid {sleeper.pid}"
+        (run_dir / ".lock").write_text(json.dumps(lock))
         result = trainer(data_dir, tmp_path, "train.max_steps=1").fit()
         assert logs.text.count("which has exited; taking it over") == 1
         assert result.steps == 1 and not (run_dir / ".lock").exists()  # released at the end

@@ -419,3 +419,17 @@ def test_a_resume_on_data_prepared_again_says_its_batches_changed(tmp_path, logs
     prepare(mixture_config(data, src))
     run(data, src, tmp_path / "runs")
     assert "resume: data.dir's shards changed since the checkpoint" in logs.text
+
+
+def test_a_checkpoint_without_the_shards_digest_compares_prepares_fingerprints():
+    """Shards a prepare did not hash (data, or a checkpoint, written before it did): the resume
+    compares what prepare was given instead, so a changed source is still said."""
+    from scale_llm.train.resume import data_change
+
+    old = {"data_fingerprint": "f1"}
+    assert data_change(old, "f1", "") is None and data_change(old, "f1", "s1") is None
+    assert "shards changed" in data_change(old, "f2", "s1")
+    new = {"data_fingerprint": "f1", "data_shards": "s1"}
+    assert data_change(new, "f2", "s1") is None  # (touched files, the same shards)
+    assert "shards changed" in data_change(new, "f1", "s2")
+    assert data_change({}, "f1", "s1") is None  # (a checkpoint from before either)

@@ -1102,6 +1102,23 @@ def test_tokens_per_s_leaves_out_the_saves_of_a_rows_step(data_dir, tmp_path, mo
     assert [rows[n]["tokens_per_s"] for n in (2, 4)] == [per_step / 1.0] * 2
 
 
+def test_a_run_stopped_by_bad_steps_at_a_save_says_so_in_its_last_row(data_dir, tmp_path):
+    """A stop found by a checkpoint's save (not a logged step) wrote {"stopped": "diverged"}
+    alone, and `runs` showed step 1's loss as the run's."""
+    from scale_llm.train.guards import TrainingDiverged
+    from scale_llm.train.runs import list_runs
+
+    settings = ["train.max_steps=20", "train.max_bad_steps=3", "checkpoint.every=1"]
+    tr = trainer(data_dir, tmp_path, *settings, "logging.every=100")
+    poison(tr, set(range(4, 20)))
+    with pytest.raises(TrainingDiverged):
+        tr.fit()
+    rows = rows_of(tr.run_dir)
+    assert rows[tr.step] == {"step": tr.step, "skipped_steps": 3, "stopped": "diverged"}
+    (summary,) = list_runs(tr.run_dir.parent)
+    assert summary.status == "diverged" and summary.loss is None
+
+
 def test_the_cadence_of_logging_eval_samples_and_checkpoints():
     from scale_llm.train.cadence import Cadence
 

@@ -478,8 +478,8 @@ def curves(report: Report, cfg: Config, cuda: bool) -> None:
             name = f"check-{device}-{precision}-{'compiled' if compiled else 'eager'}"
             changes = {"run.name": name, "train.device": device, "train.precision": precision}
             changes["train.compile"] = compiled
-            if not reference:  # (CPU fp32 in one process: one process group for the others)
-                changes |= ONE_PROCESS
+            if (device, precision, compiled) == variants[0]:  # (in one process: one process
+                changes |= ONE_PROCESS  # group for the others)
             run = functools.partial(curve_row, cfg, changes, reference)
             row = report.attempt("curves", name, run)
             if "first_loss" in row:

@@ -74,11 +74,6 @@ def validate(cfg: Config) -> list[str]:
     e += bound_problems(cfg, "checkpoint.keep_last")
     e += bound_problems(t, "min_lr warmup_steps weight_decay grad_clip eps", ">= 0", "train.")
     e += bound_problems(cfg, "eval.every eval.steps eval.sample_every checkpoint.every", ">= 0")
-    if cfg.eval.every > 0 and cfg.eval.steps == 0:  # (ran no evaluation, silently)
-        e.append(
-            f"eval.steps=0 scores no validation batch, so eval.every={cfg.eval.every} evaluates "
-            f"nothing; set eval.steps to 1 or more, or eval.every=0 for no evaluation"
-        )
     if m.d_model > 0 and m.n_heads > 0 and m.d_model % (2 * m.n_heads):  # (whole, even heads)
         problem = f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}"
         if m.d_model % m.n_heads == 0:

@@ -330,7 +330,8 @@ class TrainingData:
     sources: dict[str, tuple[float, int]] | None  # a mixture's {name: (weight, train windows)}
     # {the config's key: (its source, the one its folder was prepared from)} where they differ
     other_source: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
-    fingerprint: str = ""  # of its shards' contents and tokenizer ("": shards hashed by none)
+    prepared: str = ""  # of its sources' prepare fingerprints (their files and settings)
+    shards: str = ""  # of its shards' contents and tokenizer ("": a shard prepare did not hash)
 
 
 def _same_source(given: str, prepared: str) -> bool:
@@ -375,8 +376,10 @@ def open_training_data(cfg: Config) -> TrainingData:
     shards = [s for _, _, m in folders for split in m["splits"].values() for s in split["shards"]]
     hashed = [folders[0][2]["tokenizer"]["sha256"], *(s.get("sha256") for s in shards)]
     whole = all(isinstance(h, str) for h in hashed)  # (shards a prepare hashed)
-    fingerprint = hashlib.sha256("|".join(hashed).encode()).hexdigest() if whole else ""
-    return TrainingData(folders[0][2], train, val, sources, other, fingerprint)
+    contents = hashlib.sha256("|".join(hashed).encode()).hexdigest() if whole else ""
+    prepared = "|".join(str(folder[2]["fingerprint"]) for folder in folders)
+    prepared = hashlib.sha256(prepared.encode()).hexdigest()
+    return TrainingData(folders[0][2], train, val, sources, other, prepared, contents)
 
 
 def _check_windows(cfg: Config, folders: list, train: dict[str, int], val: dict) -> None:

@@ -101,7 +101,8 @@ class NaNGuard(Callback):
             saved = trainer.checkpointer.complete()  # before the message names the newest
             good = step - streak  # the last step whose update was applied
             holds = good if saved and saved[-1][0] > good else None  # saved inside the streak
-            stopped = {**(row or {}), "stopped": "diverged"}  # (what `scale-llm runs` reads)
+            stopped = {**(row or {}), "skipped_steps": int(trainer.skipped_steps.item())}
+            stopped["stopped"] = "diverged"  # (what `scale-llm runs` reads)
             trainer.metrics.log(step, stopped)
             last = saved[-1][1] if saved else None
             precision = trainer.plan.precision

@@ -169,6 +169,16 @@ def check_settings(report: Report, cfg: Config, plan: RunPlan, resumes: bool) ->
     report.check(check_fp8, cfg, plan)  # torchao, an fp8 GPU, the backend
     report.check(check_zero_settings, cfg, plan)  # DeepSpeed's own model of zero_optimization
     report.check(check_profile, cfg.train.profile, cfg.run_dir)
+    report.check(check_evaluation, cfg)
+
+
+def check_evaluation(cfg: Config) -> None:
+    """eval.every with eval.steps=0 ran no evaluation, and said nothing."""
+    if cfg.eval.every > 0 and cfg.eval.steps == 0:
+        raise UserError(
+            f"eval.steps=0 scores no validation batch, so eval.every={cfg.eval.every} evaluates "
+            f"nothing; set eval.steps to 1 or more, or eval.every=0 for no evaluation"
+        )
 
 
 def check_fresh_settings(cfg: Config, plan: RunPlan) -> None:

@@ -137,8 +137,9 @@ def resume_state_problems(state: dict[str, Any]) -> list[str]:
             out.append(f"{key}: {short(value, 40)} is not a count of steps within 0..{step}")
     if not is_count(state.get("tokens", 0)):
         out.append(f"tokens: {short(state['tokens'], 40)} is not a count of tokens")
-    if not isinstance(state.get("data_fingerprint", ""), str):
-        out.append(f"data_fingerprint: {short(state['data_fingerprint'], 40)} is not a digest")
+    for key in ("data_fingerprint", "data_shards"):
+        if not isinstance(state.get(key, ""), str):
+            out.append(f"{key}: {short(state[key], 40)} is not a digest")
     out += _rng_problems(state["rng"])
     backend = state["backend"]
     parts = [backend.get(k) for k in ("layout", "scaler")] if isinstance(backend, dict) else [0]
@@ -296,11 +297,14 @@ def schedule_change(state: dict[str, Any], now: TrainConfig, step: int) -> str |
     )
 
 
-def data_change(state: dict[str, Any], fingerprint: str) -> str | None:
+def data_change(state: dict[str, Any], prepared: str, shards: str) -> str | None:
     """data.dir's shards other than the checkpoint's (prepared again from changed files, the
-    run's tokenizer kept): the same stream position reads other batches. What to say, or None
-    (the same shards, or one side's not hashed)."""
-    if state.get("data_fingerprint", "") in ("", fingerprint) or not fingerprint:
+    run's tokenizer kept): the same stream position reads other batches. What to say, or None.
+    The shards' contents where both sides hashed every one; else prepare's fingerprints."""
+    if state.get("data_shards") and shards:
+        if state["data_shards"] == shards:
+            return None
+    elif state.get("data_fingerprint", prepared) == prepared:
         return None
     return (
         "data.dir's shards changed since the checkpoint (prepared again from changed files): "

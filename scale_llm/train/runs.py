@@ -108,6 +108,8 @@ def summarize(run_dir: Path) -> RunSummary:
     kept = seen[
         "upto" if holder is None and ckpt_step is not None and status != DIVERGED else "all"
     ]
+    if status == DIVERGED:  # (the stop's row: its loss, or none where a save stopped it)
+        kept = {**kept, "loss": kept["row"].get("loss")}
     step = kept["row"]["step"] if "row" in kept else ckpt_step
     loss, val = _number(kept.get("loss")), _number(kept.get("val_loss"))
     return RunSummary(run_dir.name, step, max_steps, loss, val, status, ckpt, disk_usage(run_dir))

@@ -309,7 +309,8 @@ class Trainer:
             "config": to_dict(self.cfg),
             "plan": self.plan.to_json(),
             "tokenizer_sha256": self.data.manifest["tokenizer"]["sha256"],
-            "data_fingerprint": self.data.fingerprint,  # (a resume says when data.dir changed)
+            "data_fingerprint": self.data.prepared,  # (a resume says when data.dir changed)
+            "data_shards": self.data.shards,
             "backend": self.backend.state_dict(),  # its checkpoint layout and scaler
             RECORDED: True,  # the checkpoint carries integrity.json: without it, it is damaged
         }
@@ -332,7 +333,7 @@ class Trainer:
         for changed in (
             schedule_change(state, self.cfg.train, self.step),
             batch_change(state, self.plan),
-            data_change(state, self.data.fingerprint),
+            data_change(state, self.data.prepared, self.data.shards),
         ):
             if changed and self.plan.is_main:
                 log.warning("resume: %s", changed)
