@@ -216,7 +216,9 @@ def test_run_name_is_a_name_not_a_path():
         assert load_config(None, [f"run.name={good}"]).run.name == good
 
 
-def test_running_out_of_device_memory_is_one_paragraph_with_the_ways_to_fit(data_dir, tmp_path):
+def test_running_out_of_device_memory_is_one_paragraph_with_the_ways_to_fit(
+    data_dir, tmp_path, monkeypatch
+):
     """A device's out-of-memory error in a step becomes a UserError (no traceback) that says
     what ran out, the estimate for these settings and the commands that fit them."""
     tr = trainer(data_dir, tmp_path)
@@ -233,6 +235,20 @@ def test_running_out_of_device_memory_is_one_paragraph_with_the_ways_to_fit(data
     assert f"`scale-llm estimate {tr.run_dir / 'config.yaml'} --fit SIZE`" in msg
     assert "micro-batch 4 x seq_len" in msg and "train --fit auto" in msg
     assert "activation_checkpointing.mode=full" in msg and "\n" not in msg
+    # in the work after a step (evaluation, samples, eval.tasks, a save): a traceback before
+    from scale_llm.train import callbacks
+
+    tr = trainer(data_dir, tmp_path, "eval.every=2", "train.max_steps=4")
+
+    def evaluate(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB.")
+
+    monkeypatch.setattr(callbacks.Validation, "evaluate", evaluate)
+    with pytest.raises(UserError) as info:
+        tr.fit()
+    msg = str(info.value)
+    assert msg.startswith("rank 0 ran out of CPU memory after step 2, in its evaluation")
+    assert "(eval.tasks: []) and run `scale-llm eval` on a checkpoint" in msg and "\n" not in msg
 
 
 def test_bench_checks_host_memory_before_allocating_and_a_sweep_row_says_so(tmp_path, monkeypatch):

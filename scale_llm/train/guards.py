@@ -127,8 +127,11 @@ def maybe_fail(point: str, step: int, rank: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def out_of_memory(error: Exception, cfg: Config, plan: RunPlan, step: int) -> str:
-    """What a device's out-of-memory error in step `step + 1` becomes: the estimate, and fixes."""
+def out_of_memory(
+    error: Exception, cfg: Config, plan: RunPlan, step: int, after: bool = False
+) -> str:
+    """What a device's out-of-memory error in step `step + 1` (`after`: in the work after step
+    `step`: evaluation, samples, eval.tasks, a save) becomes: the estimate, and fixes."""
     import torch
 
     est, gib = estimate(cfg, plan), 2**30
@@ -138,9 +141,16 @@ def out_of_memory(error: Exception, cfg: Config, plan: RunPlan, step: int) -> st
         total = torch.cuda.get_device_properties(plan.device).total_memory
         size, capacity = f"{total / gib:.0f}GiB", f" of its {total / gib:.1f} GiB"
     config = cfg.run_dir / "config.yaml"
+    where, then = f"in step {step + 1}", ""
+    if after:  # (the step itself fit)
+        where = f"after step {step}, in its evaluation, samples, eval.tasks or save"
+        then = (
+            " eval.tasks holds a second copy of the model (a Hugging Face export) on the "
+            "device: leave it out (eval.tasks: []) and run `scale-llm eval` on a checkpoint."
+        )
     return (
-        f"rank {plan.rank} ran out of {plan.device.type.upper()} memory{capacity} in step "
-        f"{step + 1} ({what}). The estimate for these settings is {est.gpu['total'] / gib:,.1f} "
+        f"rank {plan.rank} ran out of {plan.device.type.upper()} memory{capacity} {where} "
+        f"({what}).{then} The estimate for these settings is {est.gpu['total'] / gib:,.1f} "
         f"GiB per device (micro-batch {plan.micro_batch_size} x seq_len {cfg.model.seq_len}, "
         f"activation_checkpointing.mode={cfg.activation_checkpointing.mode}, backend "
         f"{plan.backend}, {plan.world_size} process(es)); `scale-llm estimate {config} --fit "

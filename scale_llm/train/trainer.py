@@ -199,8 +199,12 @@ class Trainer:
                     maybe_fail("after_step", self.step, self.plan.rank)
                     self.clock.step_done(self.step)
                     end = callbacks.StepEnd(self.step, loss, grad_norm, lr, self._stop(signals))
-                    for callback in self.callbacks:
-                        callback.step_end(self, end)
+                    try:
+                        for callback in self.callbacks:
+                            callback.step_end(self, end)
+                    except torch.OutOfMemoryError as e:
+                        said = out_of_memory(e, self.cfg, self.plan, self.step, after=True)
+                        raise UserError(said) from None
                     if end.stop:
                         then = f"launch again to continue to step {t.max_steps}"
                         if end.stop == "train.exit_at_step":  # (preflight refuses it again)
