@@ -211,7 +211,7 @@ def start_distributed(args: argparse.Namespace):
 
     cfg = config_from_args(args)
     launch = launch_env()
-    setup_logging(launch.rank)
+    setup_logging(launch.rank, sys.stderr if getattr(args, "json", False) else sys.stdout)
     plan = resolve_plan(cfg, launch)
     laid_out = cfg.parallel.world_size
     if plan.is_main and laid_out not in (None, plan.world_size):
@@ -875,7 +875,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     with contextlib.suppress(AttributeError, ValueError):  # (a terminal of another encoding:
         sys.stdout.reconfigure(errors="replace")  # `?` for what it cannot show, not a crash)
-    setup_logging()
+    printed = args.command == "config" and not args.preflight or getattr(args, "json", False)
+    setup_logging(stream=sys.stderr if printed else sys.stdout)  # (YAML or JSON on stdout)
     code = 1  # an internal error propagates with its traceback
     try:
         if empty := [dest for dest in PATH_DESTS if str(getattr(args, dest, None)) == ""]:

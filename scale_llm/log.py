@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import Any
 
 
 def _int_env(name: str, default: int) -> int:
@@ -30,13 +31,15 @@ class _Formatter(logging.Formatter):
         return self._marked.format(record) if marked else super().format(record)
 
 
-def setup_logging(rank: int | None = None) -> None:
+def setup_logging(rank: int | None = None, stream: Any = None) -> None:
+    """The console's log lines: on stdout, or `stream` (stderr where stdout is a command's YAML
+    or JSON, which a line would break)."""
     rank = _int_env("RANK", 0) if rank is None else rank
     prefix = f"[rank {rank}] " if _int_env("WORLD_SIZE", 1) > 1 else ""
-    handler = logging.StreamHandler(sys.stdout)
+    root = logging.getLogger("scale_llm")
+    handler = logging.StreamHandler(stream or sys.stdout)
     handler.setFormatter(_Formatter(prefix))
     handler.scale_llm_console = True  # the one handler this replaces on a second call
-    root = logging.getLogger("scale_llm")
     kept = [h for h in root.handlers if not getattr(h, "scale_llm_console", False)]
     root.handlers[:] = [*kept, handler]  # a caller's own handlers stay attached
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)

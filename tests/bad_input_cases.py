@@ -487,6 +487,10 @@ CONFIG = [
     ],
     ("a DDP bucket of no size", ["config", *s("parallel.ddp.bucket_cap_mb=0")], "must be > 0"),
     ("evaluations of no batch", ["train", TINY, *s("eval.steps=0")], "eval.steps=0 scores no"),
+    *[  # (an OverflowError in the loader; a queue filled, or a sample generated, for ever)
+        (f"{key} past any run", ["train", TINY, *s(f"{key}=1e30")], f"{key}=100000000000000...")
+        for key in ("train.max_steps", "data.prefetch", "eval.sample_tokens")
+    ],
     *[  # (an unset shell variable: prepare wrote into the working folder, train into runs/)
         (f"an empty {key}", [command, *s(f'{key}=""')], f"{key} is empty; give a path")
         for command, key in [("prepare", "data.dir"), ("train", "run.dir")]

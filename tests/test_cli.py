@@ -1346,6 +1346,24 @@ def test_torchrun_ends_with_2_when_every_worker_refused_its_input(tmp_path):
         assert ("Traceback" in proc.stderr) == (code != 2), proc.stderr[-2000:]
 
 
+def test_the_yaml_and_json_commands_print_warnings_apart_from_what_they_print(tmp_path, capsys):
+    """A config's warning (a moved key) went to stdout among `config`'s YAML and `estimate
+    --json`'s JSON: neither could be read back."""
+    import yaml
+
+    from scale_llm.cli import main
+
+    (tmp_path / "moved.yaml").write_text("model:\n  activation_checkpointing: full\n")
+    config = str(tmp_path / "moved.yaml")
+    assert main(["config", config]) == 0
+    out, err = capsys.readouterr()
+    assert yaml.safe_load(out)["activation_checkpointing"]["mode"] == "full"
+    assert "model.activation_checkpointing is deprecated" in err
+    assert main(["estimate", config, "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out) and "is deprecated" in err
+
+
 def test_torchrun_waits_long_enough_for_a_stopped_run_to_checkpoint(tmp_path):
     """After forwarding SIGTERM torchrun kills its workers 30 s later by default: less than a
     large model's last steps and checkpoint. The launchers give it 5 minutes (a user's own

@@ -356,7 +356,9 @@ def test_metrics_rows_and_tensorboard_events(data_dir, tmp_path):
     assert [e.step for e in acc.Scalars("loss/loss")] == [1, 2, 3, 4]
     assert (result.run_dir / "config.yaml").is_file()
     assert (result.run_dir / "tokenizer.model").is_file()
-    assert load_config(result.run_dir / "config.yaml").model.d_model == 32
+    saved = load_config(result.run_dir / "config.yaml")
+    assert saved.model.d_model == 32
+    assert saved.train.compile == "auto"  # as given (it held what auto became on this machine)
 
 
 def read_wandb_records(run_dir: Path) -> list:

@@ -31,6 +31,8 @@ def path_value(cfg: Config, key: str) -> str | None:
 
 MAX_LAYERS = 10_000  # far past any trained model, short of a build that never ends
 MAX_SIZE = 1 << 26  # a width, length or count far past any trained model's, short of overflow
+# steps, batches read ahead, tokens a sample generates: far past any run's, short of overflow
+LOOP_BOUNDS = {"train.max_steps": 10**12, "data.prefetch": 1024, "eval.sample_tokens": 10**6}
 SIZE_KEYS = (
     *("model.vocab_size", "model.d_model", "model.n_heads", "model.seq_len", "model.mlp_hidden"),
     *("train.micro_batch_size", "train.grad_accum", "train.global_batch_size"),
@@ -55,6 +57,9 @@ def validate(cfg: Config) -> list[str]:
                 f"{key}={short(value, 30)}: at most {MAX_SIZE:,} is accepted (far past any "
                 f"trained model's, short of the counts that overflow); lower it"
             )
+    for key, most in LOOP_BOUNDS.items():  # (a traceback in the loader, or a loop for ever)
+        if (value := get_key(cfg, key)) is not None and value > most:
+            e.append(f"{key}={short(value, 30)}: at most {most:,} is accepted; lower it")
     if m.seq_len * t.micro_batch_size > MAX_SIZE << 8:
         e.append(
             f"train.micro_batch_size x model.seq_len = {m.seq_len * t.micro_batch_size:,} tokens "

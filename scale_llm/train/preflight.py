@@ -61,6 +61,7 @@ class RunSpec:
     resume: Resume | None  # the checkpoint this launch continues, its state checked
     init_from: Path | None  # a Hugging Face folder whose weights start a fresh run
     tasks: TaskEval  # eval.tasks, looked up (none: nothing to run)
+    asked: Config  # the config as given (`auto` kept): what the run dir's config.yaml holds
 
     @property
     def complete(self) -> bool:
@@ -124,7 +125,7 @@ def preflight(cfg: Config, plan: RunPlan) -> RunSpec:
     """The RunSpec of `cfg` under `plan`, or one UserError naming every problem. A check whose
     input failed is skipped (that failure is already in the report)."""
     check_fault_reach(cfg)  # a malformed or unreachable SCALE_LLM_FAULT: before anything else
-    report = Report()
+    report, asked = Report(), cfg
     data = report.check(open_training_data, cfg)  # manifest, mixture, shards, tokenizer
     tokenizer = Path(cfg.data.dir) / data.manifest["tokenizer"]["file"] if data else None
     if data is not None:
@@ -150,7 +151,7 @@ def preflight(cfg: Config, plan: RunPlan) -> RunSpec:
     tasks = report.check(TaskEval, cfg, plan, tokenizer)  # every rank: they agree on it
     cfg = report.check(settle_compile, cfg, plan) or cfg  # every rank: they agree on it
     report.raise_if_any(plan)
-    spec = RunSpec(cfg, plan, data, tokenizer, resume, init_from, tasks)
+    spec = RunSpec(cfg, plan, data, tokenizer, resume, init_from, tasks, asked)
     if plan.is_main and not spec.complete:
         warn_about_warmup(cfg)
         warn_about_source(cfg, data)

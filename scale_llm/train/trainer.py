@@ -347,7 +347,7 @@ class Trainer:
         the mark first: what lets a later launch write here."""
         make_owned_dir(self.run_dir, RUN_KIND, exists=True)
         (self.run_dir / COMM_TRACE).mkdir(parents=True, exist_ok=True)  # (a timeout's dumps)
-        save_config(self.cfg, self.run_dir / "config.yaml")  # as the user wrote it
+        save_config(self.spec.asked, self.run_dir / "config.yaml")  # as given (`auto` kept)
         atomic_write_json(self.run_dir / "plan.json", self.plan.to_json())
         for name, text in self.backend.run_files().items():
             atomic_write_text(self.run_dir / name, text)
