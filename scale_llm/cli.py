@@ -203,6 +203,14 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prints_data(args: argparse.Namespace) -> bool:
+    """Whether the command's stdout is YAML or JSON, which a log line would break: its log
+    lines go to stderr."""
+    if args.command == "config":
+        return not args.preflight
+    return bool(getattr(args, "json", False) or getattr(args, "checkpoint_io", None))
+
+
 def start_distributed(args: argparse.Namespace):
     """Load the config and resolve the run plan (their checks first), then start the process
     group; what needs the data, the run dir or the other ranks is the preflight's."""
@@ -211,7 +219,7 @@ def start_distributed(args: argparse.Namespace):
 
     cfg = config_from_args(args)
     launch = launch_env()
-    setup_logging(launch.rank, sys.stderr if getattr(args, "json", False) else sys.stdout)
+    setup_logging(launch.rank, sys.stderr if _prints_data(args) else sys.stdout)
     plan = resolve_plan(cfg, launch)
     laid_out = cfg.parallel.world_size
     if plan.is_main and laid_out not in (None, plan.world_size):
@@ -875,8 +883,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     with contextlib.suppress(AttributeError, ValueError):  # (a terminal of another encoding:
         sys.stdout.reconfigure(errors="replace")  # `?` for what it cannot show, not a crash)
-    printed = args.command == "config" and not args.preflight or getattr(args, "json", False)
-    setup_logging(stream=sys.stderr if printed else sys.stdout)  # (YAML or JSON on stdout)
+    setup_logging(stream=sys.stderr if _prints_data(args) else sys.stdout)
     code = 1  # an internal error propagates with its traceback
     try:
         if empty := [dest for dest in PATH_DESTS if str(getattr(args, dest, None)) == ""]:

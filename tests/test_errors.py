@@ -247,8 +247,15 @@ def test_running_out_of_device_memory_is_one_paragraph_with_the_ways_to_fit(
     with pytest.raises(UserError) as info:
         tr.fit()
     msg = str(info.value)
-    assert msg.startswith("rank 0 ran out of CPU memory after step 2, in its evaluation")
-    assert "(eval.tasks: []) and run `scale-llm eval` on a checkpoint" in msg and "\n" not in msg
+    assert msg.startswith("rank 0 ran out of CPU memory after step 2, in its evaluation, samples")
+    assert "eval.tasks" not in msg and "\n" not in msg  # (a run without them)
+    from scale_llm.config import with_changes
+    from scale_llm.train.guards import out_of_memory
+
+    tasks = with_changes(tr.cfg, {"eval.tasks": "hellaswag"})
+    said = out_of_memory(torch.OutOfMemoryError("CUDA out of memory."), tasks, tr.plan, 2, True)
+    assert "samples, eval.tasks or save" in said
+    assert "set eval.tasks: null and run `scale-llm eval` on a checkpoint instead" in said
 
 
 def test_bench_checks_host_memory_before_allocating_and_a_sweep_row_says_so(tmp_path, monkeypatch):

@@ -217,8 +217,11 @@ def test_bench_checkpoint_io_works_in_a_folder_of_its_own(tmp_path, capsys):
     (cwd / "runs" / "r.txt").write_text("a run")
     before = snapshot(cwd)
     args = [*(a for k in TINY_MODEL for a in ("--set", k)), "--set", "train.device=cpu"]
-    assert main(["bench", *args, "--checkpoint-io", str(cwd), "--rounds", "1"]) == 0
-    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    laid_out = ["--set", "parallel.world_size=2"]  # (a warning: on stderr, not among the rows)
+    assert main(["bench", *args, *laid_out, "--checkpoint-io", str(cwd), "--rounds", "1"]) == 0
+    out, err = capsys.readouterr()
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert "parallel.world_size=2: the config is laid out for 2 ranks" in err
     kinds = ["plain", "with record", "async", "async_with_pinned_mem"]
     assert [r["kind"] for r in rows] == kinds and rows[0]["gb"] > 0
     assert snapshot(cwd) == before  # the timed saves happened in a folder it made, now gone

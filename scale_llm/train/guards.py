@@ -143,10 +143,12 @@ def out_of_memory(
     config = cfg.run_dir / "config.yaml"
     where, then = f"in step {step + 1}", ""
     if after:  # (the step itself fit)
-        where = f"after step {step}, in its evaluation, samples, eval.tasks or save"
+        tasks = ", eval.tasks" if cfg.eval.tasks else ""
+        where = f"after step {step}, in its evaluation, samples{tasks} or save"
+    if after and cfg.eval.tasks:
         then = (
             " eval.tasks holds a second copy of the model (a Hugging Face export) on the "
-            "device: leave it out (eval.tasks: []) and run `scale-llm eval` on a checkpoint."
+            "device: set eval.tasks: null and run `scale-llm eval` on a checkpoint instead."
         )
     return (
         f"rank {plan.rank} ran out of {plan.device.type.upper()} memory{capacity} {where} "
