@@ -332,7 +332,17 @@ def test_a_tokenizer_class_naming_a_model_is_refused_before_transformers_builds_
 
     monkeypatch.setattr(transformers.LlamaForCausalLM, "from_pretrained", built)
     if named == "MistralCommonBackend" and importlib.util.find_spec("mistral_common"):
-        pytest.skip("mistral_common is installed here")
+        # (installed here: transformers' own stand-in for it, as where it is missing)
+        from transformers.models.auto import tokenization_auto
+        from transformers.utils.import_utils import DummyObject
+
+        stand_in = DummyObject(named, (), {"_backends": ["mistral-common"]})
+        real = tokenization_auto.tokenizer_class_from_name
+        monkeypatch.setattr(
+            tokenization_auto,
+            "tokenizer_class_from_name",
+            lambda name: stand_in if name == named else real(name),
+        )
     with pytest.raises(UserError, match=rf"names tokenizer_class '{named}', {said}"):
         build_bundle(folder)
     path.write_text(json.dumps({**config, "tokenizer_class": "PreTrainedTokenizerFast"}))

@@ -474,12 +474,12 @@ def curves(report: Report, cfg: Config, cuda: bool) -> None:
     variants = [("cpu", "fp32", False), *(gpu if cuda else [("cpu", "fp32", True)])]
     reference: list[dict[int, float]] = []
     try:
-        for device, precision, compiled in variants:
+        for i, (device, precision, compiled) in enumerate(variants):
             name = f"check-{device}-{precision}-{'compiled' if compiled else 'eager'}"
             changes = {"run.name": name, "train.device": device, "train.precision": precision}
             changes["train.compile"] = compiled
-            if (device, precision, compiled) == variants[0]:  # (in one process: one process
-                changes |= ONE_PROCESS  # group for the others)
+            if i == 0:  # the reference, in one process (one process group for the others)
+                changes |= ONE_PROCESS
             run = functools.partial(curve_row, cfg, changes, reference)
             row = report.attempt("curves", name, run)
             if "first_loss" in row:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import fnmatch
 import glob
 import hashlib
-import itertools
 import logging
 import os
 import re
@@ -259,11 +258,11 @@ def local_source(spec: str, text_field: str) -> Source:
     # lies: a folder, a glob's folder before its first wildcard (files added below it leave the
     # names as they were), a file's own folder.
     given = Path(spec).expanduser()
-    fixed = list(itertools.takewhile(lambda part: not glob.has_magic(part), given.parts))
+    literal = _literal_parts(given.parts)
     if given.is_dir():
         root = given
-    elif len(fixed) < len(given.parts) and not given.is_file():
-        root = Path(*fixed).absolute() if fixed else Path.cwd()
+    elif literal < len(given.parts) and not given.is_file():
+        root = Path(*given.parts[:literal]).absolute() if literal else Path.cwd()
     else:
         root = Path(os.path.commonpath([str(p.absolute().parent) for p in paths]))
     return Source(spec, paths, text_field=text_field, root=root, not_read=listing.not_read)
@@ -496,7 +495,7 @@ def refuse_overlap(
         return
     else:  # a glob: matched part by part as _Listing walks it (`**`, no hidden names)
         parts = spec.parts
-        literal = next((i for i, p in enumerate(parts) if glob.has_magic(p)), len(parts))
+        literal = _literal_parts(parts)
         base = Path(os.path.realpath(Path(*parts[:literal]) if literal else Path()))
         reach = [out.relative_to(base).parts] if out.is_relative_to(base) else []
         spans = len(parts) - literal > 1 or "**" in parts[literal:]  # (folders below base)
@@ -530,6 +529,11 @@ def _folders_read(top: Path) -> dict[str, tuple[str, ...]]:
         except OSError:  # (unreadable: the listing names it)
             pass
     return seen
+
+
+def _literal_parts(parts: tuple[str, ...]) -> int:
+    """How many of a path's parts come before its first wildcard (a glob's own folder)."""
+    return next((i for i, part in enumerate(parts) if glob.has_magic(part)), len(parts))
 
 
 def _folder(entry: os.DirEntry) -> bool:

@@ -198,9 +198,12 @@ def checkpoint_layout(cfg: Config, plan: RunPlan) -> dict[str, Any]:
     """DCP (any world size) or DeepSpeed's files: its own loader reads them back only at the
     same ZeRO stage, world size and precision (its optimizer files are named by precision)."""
     if plan.backend == "deepspeed":
-        stage, world = cfg.parallel.deepspeed.zero_stage, plan.world_size
-        layout = {"format": "deepspeed", "zero_stage": stage, "world_size": world}
-        return layout | {"precision": plan.precision}
+        return {
+            "format": "deepspeed",
+            "zero_stage": cfg.parallel.deepspeed.zero_stage,
+            "world_size": plan.world_size,
+            "precision": plan.precision,
+        }
     return {"format": "dcp"}
 
 
