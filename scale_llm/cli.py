@@ -165,19 +165,24 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+BENCH_MB = 16.0  # prepare --bench's text
+
+
 def _prepare_parser(sub) -> None:
     p = _command(sub, "prepare", "train the tokenizer and write token shards")
     _add_config_args(p, training=False)
     _flag(p, "--force", "rebuild even if up to date")
     bench = "only measure tokens/s of the pipeline vs a plain encode loop (writes nothing)"
     _flag(p, "--bench", bench)
-    p.add_argument("--bench-mb", type=float, default=16.0, help="MB of text for --bench")
+    p.add_argument("--bench-mb", type=float, default=BENCH_MB, help="MB of text for --bench")
     as_train = "read every other argument as `train` would (its flags allowed and checked) and "
     as_train += "prepare that run's data: what the launchers run before training"
     _flag(p, "--as-train", as_train)
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
+    if args.bench_mb != BENCH_MB and not args.bench:
+        raise UserError("--bench-mb: only with --bench (it sizes that measurement); add --bench")
     if args.bench and not (math.isfinite(args.bench_mb * 1e6) and args.bench_mb * 1e6 >= 1):
         raise UserError(
             f"--bench-mb {args.bench_mb}: use a number of megabytes of text to encode, "
@@ -440,6 +445,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 
 BENCH_COUNTS = {"steps": 10, "warmup": 3, "rounds": 5}  # bench's defaults (--roofline: untouched)
+SWEEP_AXES = {"micro": "1,2,4,8", "ac": "none,selective,full", "compile": "false,true"}
 
 
 def _bench_parser(sub) -> None:
@@ -457,9 +463,9 @@ def _bench_parser(sub) -> None:
     rounds = "--reference: timed rounds of each"
     p.add_argument("--rounds", type=int, default=BENCH_COUNTS["rounds"], help=rounds)
     _flag(p, "--sweep", "a table over --sweep-micro x --sweep-ac x --sweep-compile (grad_accum 1)")
-    p.add_argument("--sweep-micro", default="1,2,4,8", help="micro-batch sizes to sweep")
-    p.add_argument("--sweep-ac", default="none,selective,full", help="checkpointing modes")
-    p.add_argument("--sweep-compile", default="false,true", help="compile settings")
+    axes = {"micro": "micro-batch sizes to sweep", "ac": "checkpointing modes"}
+    for axis, help in (axes | {"compile": "compile settings"}).items():
+        p.add_argument(f"--sweep-{axis}", default=SWEEP_AXES[axis], help=help)
     backends = "backends to sweep (default: the config's): single (one process), or under a "
     backends += "multi-process launch ddp, fsdp, fsdp-tpN (FSDP2 x tensor parallelism N), "
     backends += "zero0..zero3 (DeepSpeed), e.g. ddp,fsdp,fsdp-tp2,zero2"
@@ -517,6 +523,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         bad.append("--world-size: only with --roofline (a run's world is its launcher's)")
     if args.network is not None:
         bad.append("--network: only with --roofline (a run goes over the network it has)")
+    loose = [
+        f"--sweep-{a}"
+        for a, default in SWEEP_AXES.items()
+        if getattr(args, f"sweep_{a}") != default
+    ]
+    if not args.sweep and (loose := loose + ["--sweep-backend"] * bool(args.sweep_backend)):
+        bad.append(
+            f"{', '.join(loose)}: only with --sweep (they set its table's axes); add --sweep"
+        )
+    if args.rounds != BENCH_COUNTS["rounds"] and not (args.reference or args.checkpoint_io):
+        bad.append("--rounds: only with --reference or --checkpoint-io (it counts their rounds)")
     if bad:
         raise UserError("; ".join(bad))
     backends = [x.strip() for x in args.sweep_backend.split(",")] if args.sweep_backend else None
@@ -679,6 +696,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
             flag = key.replace("_", "-")
             raise UserError(f"--{flag} {value}: use a count >= {least} (or leave it out)")
     tasks = [t.strip() for t in (args.tasks or "").split(",") if t.strip()]
+    loose = {"--num-fewshot": args.num_fewshot, "--include-path": args.include_path}
+    if not tasks and (loose := [flag for flag, value in loose.items() if value is not None]):
+        raise UserError(
+            f"{', '.join(loose)}: only with --tasks (they shape lm-eval's tasks; --perplexity "
+            f"reads the held-out split as it is); add --tasks T1,T2 or leave them out"
+        )
     plan = _one_process_plan(read_run_config(args.run_dir))
     options = (args.limit, args.include_path, args.perplexity, args.batch_size, args.num_fewshot)
     path, record = eval_run(args.run_dir, plan, tasks, *options)

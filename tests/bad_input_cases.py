@@ -2275,6 +2275,36 @@ FLAGS = [
         ["bench", TINY, "--roofline", "H100-SXM", "--sweep", "--steps", "2"],
         "--sweep, --steps: not with --roofline, which counts one step on paper and runs nothing",
     ),
+    (  # each was ignored
+        "prepare --bench-mb without --bench",
+        ["prepare", TINY, "--bench-mb", "2"],
+        "--bench-mb: only with --bench (it sizes that measurement); add --bench",
+    ),
+    (
+        "bench: a sweep's axes without --sweep",
+        [
+            "bench",
+            TINY,
+            "--sweep-micro",
+            "1,2",
+            "--sweep-compile",
+            "true",
+            "--sweep-backend",
+            "ddp",
+        ],
+        "--sweep-micro, --sweep-compile, --sweep-backend: only with --sweep",
+    ),
+    (
+        "bench --rounds without what it counts",
+        ["bench", TINY, "--rounds", "3"],
+        "--rounds: only with --reference or --checkpoint-io",
+    ),
+    (
+        "eval: the options of --tasks with --perplexity alone",
+        ["eval", "runs/x", "--perplexity", "d", "--num-fewshot", "2", "--include-path", "t"],
+        "--num-fewshot, --include-path: only with --tasks",
+    ),
+    ("config of a device", ["config", "/dev/null"], "config file /dev/null is not a regular file"),
     (  # the roofline's count on the meta device: RuntimeError, storage size overflowed
         "a sequence length past any model's",
         ["bench", TINY, "--roofline", "H100-SXM", "--set", "model.seq_len=1e18"],
