@@ -333,12 +333,14 @@ CONFIG = [
                 "parallel.deepspeed.zero_stage=5",
                 "parallel.deepspeed.offload_optimizer=cpu",
                 "parallel.fsdp.cpu_offload=true",
+                "parallel.deepspeed.config={steps_per_print: 10}",  # (it was ignored)
             ),
         ],
         (
             "parallel.deepspeed.zero_stage=5 must be 0, 1, 2 or 3",
             "offload_optimizer=cpu needs parallel.backend=deepspeed (it is ddp)",
             "parallel.fsdp.cpu_offload=true needs parallel.backend=fsdp (it is ddp)",
+            "parallel.deepspeed.config needs parallel.backend=deepspeed (it is ddp)",
         ),
     ),
     (

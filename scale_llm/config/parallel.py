@@ -322,7 +322,12 @@ def validate_parallel(cfg: Config) -> list[str]:
             ">= 1, e.g. parallel.deepspeed.zero_stage=2 (ZeRO-Offload moves the partitioned "
             "optimizer state)"
         )
-    if ds.config and backend == "deepspeed":
+    if ds.config and backend != "deepspeed":
+        e.append(
+            f"parallel.deepspeed.config needs parallel.backend=deepspeed (it is {backend}): "
+            f"its entries go to the DeepSpeed engine alone; remove it, or use deepspeed"
+        )
+    elif ds.config:
         e.extend(passthrough_problems(ds.config, ds.zero_stage))
     e.extend(pipeline_problems(cfg))
     if (mode := cfg.checkpoint.async_mode) != "disabled" and backend == "deepspeed":
