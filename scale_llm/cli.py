@@ -843,6 +843,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         # the launchers pass their whole command line; `train` checks it, so a typo stops here
         args = parse_args(["train", *(a for a in argv[1:] if a != "--as-train")])
         args.command, args.force, args.bench, args.as_train = "prepare", False, False, True
+        args.bench_mb = BENCH_MB
         return args
     rewritten, i = [], 0
     while i < len(argv):
