@@ -49,6 +49,7 @@ from scale_llm.files import (
     describe_kind,
     json_object_or_none,
     read_json,
+    stamped_name,
     temporary_folder,
     temporary_sibling,
     unwritable_dir,
@@ -166,12 +167,7 @@ def earlier_record(path: Path, digest: str) -> tuple[dict[str, Any] | None, bool
 
 def set_aside(path: Path) -> None:
     """Keep an eval record of other weights at this step under a new name."""
-    stamp = f"{path.stem}.other-weights-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
-    target, n = path.with_name(f"{stamp}.json"), 1
-    while target.exists() or target.is_symlink():
-        n += 1
-        target = path.with_name(f"{stamp}-{n}.json")
-    path.rename(target)
+    path.rename(target := stamped_name(path.parent, f"{path.stem}.other-weights", ".json"))
     log.warning(
         f"eval: {path} held results of other weights at this step (not these checkpoint bytes: "
         f"an abandoned branch, or an older record); kept as {target}"

@@ -474,6 +474,14 @@ def absent(path: Path) -> bool:
     return not (path.exists() or path.is_symlink())
 
 
+def same_file(a: Path, b: Path) -> bool:
+    """`a` and `b` are one file or folder (False where either is missing)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
 _HELD: dict[str, OwnerLock] = {}  # lock path -> the holder in this process
 
 

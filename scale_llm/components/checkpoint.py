@@ -43,6 +43,7 @@ from scale_llm.files import (
     json_object_or_none,
     nested_deeper,
     parse_json,
+    same_file,
     stamped_name,
     temporary_sibling,
 )
@@ -102,12 +103,8 @@ def _record_folder(ckpt_dir: Path, ident: str) -> None:
     """Add the folder id to a checkpoint's integrity record that names none (written beside the
     checkpoint, then renamed in: nothing else appears inside it)."""
     path = ckpt_dir / INTEGRITY
-    if path.is_symlink() or not path.is_file():
-        return
-    record = json_object_or_none(path, MAX_RECORD_BYTES)
-    if not isinstance(record, dict) or not isinstance(record.get("files"), dict):
-        return
-    if "folder" in record:
+    record = None if path.is_symlink() else json_object_or_none(path, MAX_RECORD_BYTES)
+    if record is None or not isinstance(record.get("files"), dict) or "folder" in record:
         return
     tmp = temporary_sibling(ckpt_dir, "integrity")  # (in checkpoints/: not a step or .tmp-step)
     tmp.write_text(json.dumps({**record, "folder": ident}, indent=1) + "\n")
@@ -221,10 +218,7 @@ class Checkpointer:
 
     def holds(self, ckpt: Path) -> bool:
         """Whether checkpoint `ckpt` lies in this folder (this run's history, not another's)."""
-        try:
-            return os.path.samefile(ckpt.parent, self.dir)
-        except OSError:  # (no folder yet)
-            return False
+        return same_file(ckpt.parent, self.dir)
 
     def _move_aside(self, paths: list[Path]) -> Path:
         """Rename `paths` (entries of self.dir) into a new checkpoints/abandoned-<UTC time>/."""

@@ -278,8 +278,3 @@ def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
     value = value.detach().clone().float()
     dist.all_reduce(value, op=dist.ReduceOp.SUM)
     return value / dist.get_world_size()
-
-
-def all_ranks_agree(ok: bool, device: torch.device) -> bool:
-    """True when `ok` holds on every rank (this rank's own verdict when not distributed)."""
-    return first_failed_rank(not ok) is None  # (`device`: the default group's, found there)

@@ -151,8 +151,6 @@ def read_dcp_metadata(path: Path | str) -> Any:
     try:
         with open(path, "rb") as f:
             metadata = _MetadataUnpickler(f, path).load()
-    except UserError:
-        raise
     except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as e:
         raise damaged(path, f"{type(e).__name__}: {e}") from None
     from torch.distributed.checkpoint.metadata import Metadata

@@ -53,6 +53,7 @@ from scale_llm.files import (
     describe_kind,
     fsync_dir,
     fsync_file,
+    json_object_or_none,
     make_owned_dir,
     owned_kind,
     read_json,
@@ -132,7 +133,7 @@ def data_dir_lock(out: Path) -> Iterator[None]:
 
 
 def _up_to_date(out: Path, fingerprint: str, force: bool) -> dict[str, Any] | None:
-    current = _read_json(out / MANIFEST, dict)
+    current = json_object_or_none(out / MANIFEST)
     fresh = not force and current and current.get("fingerprint") == fingerprint
     if not (fresh and _marked(out)):  # (unmarked: refused, locked)
         return None
@@ -244,10 +245,10 @@ def _owned_names(out: Path) -> set[str]:
     """Names in data.dir provably prepare's (it has the mark): manifest.json, what manifests list"""
     if not _marked(out):
         return set()
-    names = manifest_files(_read_json(out / MANIFEST, dict))
+    names = manifest_files(json_object_or_none(out / MANIFEST))
     if _own_build(out / BUILD_DIR):
         for record in (PREVIOUS, MANIFEST):
-            names |= manifest_files(_read_json(out / BUILD_DIR / record))
+            names |= manifest_files(json_object_or_none(out / BUILD_DIR / record))
     return {MANIFEST} | {name for name in names if _named_like_ours(name)}
 
 
@@ -314,9 +315,9 @@ def _publish(build: Path, out: Path) -> None:
     the old files), the old files, the new ones, the new manifest last. A crash in between
     leaves the complete build, which the next prepare publishes (`_finish_publish`)."""
     # what it may replace: its old manifest and what that listed (the build's copy, once gone)
-    ours = manifest_files(_read_json(build / PREVIOUS))
+    ours = manifest_files(json_object_or_none(build / PREVIOUS))
     if _marked(out):
-        ours |= {MANIFEST, *manifest_files(_read_json(out / MANIFEST))}
+        ours |= {MANIFEST, *manifest_files(json_object_or_none(out / MANIFEST))}
     new = [MANIFEST, *(p.name for p in _shaped_like_ours(build))]
     if gained := [n for n in new if n not in ours and not absent(out / n)]:
         raise UserError(  # (check_outputs saw none: they came while prepare built)
@@ -333,7 +334,7 @@ def _publish(build: Path, out: Path) -> None:
     if old.is_file() and not (build / PREVIOUS).exists():
         atomic_write_bytes(build / PREVIOUS, old.read_bytes())
     old.unlink(missing_ok=True)
-    for name in manifest_files(_read_json(build / PREVIOUS)):
+    for name in manifest_files(json_object_or_none(build / PREVIOUS)):
         if _named_like_ours(name):  # listed by prepare's own manifest: prepare's
             (out / name).unlink(missing_ok=True)
     for new in _shaped_like_ours(build):
@@ -349,14 +350,6 @@ def _remove_build(build: Path) -> None:
         if path.name != OWNER_MARKER:
             path.unlink()
     shutil.rmtree(build)
-
-
-def _read_json(path: Path, kind: type = object) -> Any:
-    """A JSON record of prepare's, or None: none there, not a `kind`, or damaged (counts none)."""
-    if path.is_file():
-        with contextlib.suppress(UserError):
-            return read_json(path, "a record of prepare's", "", kind=kind)
-    return None
 
 
 def _finish_publish(out: Path) -> None:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from scale_llm import evaluate
-from scale_llm.components.distributed import all_ranks_agree, start_timeouts
+from scale_llm.components.distributed import first_failed_rank, start_timeouts
 from scale_llm.config import Config
 from scale_llm.config.plan import RunPlan
 from scale_llm.config.profile import SCRATCH_PREFIX
@@ -48,7 +48,7 @@ class TaskEval:
             except UserError as e:
                 problem = e
         # every rank stops alike, before any collective of the setup would wait for rank 0
-        if self.tasks and not all_ranks_agree(problem is None, plan.device):
+        if self.tasks and first_failed_rank(problem is not None) is not None:
             raise problem or UserError(
                 "eval.tasks: rank 0 could not use the tasks (its message says why); fix "
                 "eval.tasks or eval.tasks_include_path"

@@ -18,7 +18,7 @@ import torch
 
 from scale_llm.analysis.memory import check_host_memory
 from scale_llm.components.checkpoint import CLAIM, claim_folder, refuse_inside_checkpoint
-from scale_llm.components.distributed import all_ranks_agree
+from scale_llm.components.distributed import first_failed_rank
 from scale_llm.components.optim import lr_at
 from scale_llm.config import Config, TrainConfig, compiles, with_changes
 from scale_llm.config.plan import RunPlan
@@ -35,6 +35,7 @@ from scale_llm.files import (
     owned_kind,
     require_kind,
     require_writable_dir,
+    same_file,
 )
 from scale_llm.model import attention
 from scale_llm.parallel import compile as block_compile
@@ -84,7 +85,7 @@ class Report:
 
     def raise_if_any(self, plan: RunPlan) -> None:
         """Stop every rank when any rank has a problem (each with its own, or a pointer)."""
-        if all_ranks_agree(not self.problems, plan.device):
+        if first_failed_rank(bool(self.problems)) is None:
             return
         if not self.problems:
             raise UserError(
@@ -429,7 +430,7 @@ def settle_compile(cfg: Config, plan: RunPlan) -> Config:
     if not compiles(cfg.train, plan.device.type):
         return with_changes(cfg, {"train.compile": False})
     problem = block_compile.toolchain_problem(plan.device)
-    if all_ranks_agree(problem is None, plan.device):
+    if first_failed_rank(problem is not None) is None:
         return with_changes(cfg, {"train.compile": True})
     problem = problem or "another rank's machine cannot compile (its log says why)"
     if cfg.train.compile is True:
@@ -562,11 +563,11 @@ def checkpoints_of_another_run(run_dir: Path) -> Path | None:
         return None
     target = Path(os.path.realpath(ckpts))  # (realpath: a loop is named later)
     for folder in (target, *target.parents) if ckpts.is_symlink() else (target,):
-        if _same(folder, run_dir):  # (a folder of its own run dir; a run dir above it is not
+        if same_file(folder, run_dir):  # (a folder of its own run dir; a run dir above it is not
             break  # its owner)
         if is_run_dir(folder):
             return folder
-        if (other := _claimed_by(folder)) is not None and not _same(other, run_dir):
+        if (other := _claimed_by(folder)) is not None and not same_file(other, run_dir):
             return other
     return None
 
@@ -576,14 +577,7 @@ def _claimed_by(folder: Path) -> Path | None:
     claim = json_object_or_none(folder / CLAIM, MAX_RECORD_BYTES) or {}
     if not isinstance(run := claim.get("run"), str) or not is_run_dir(Path(run)):
         return None
-    return Path(run) if _same(Path(run) / "checkpoints", folder) else None
-
-
-def _same(a: Path, b: Path) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:  # (one is missing)
-        return False
+    return Path(run) if same_file(Path(run) / "checkpoints", folder) else None
 
 
 def is_run_dir(path: Path) -> bool:
