@@ -544,6 +544,12 @@ CONFIG = [
     ("a huge value", ["train", "huge.yaml"], "got 'xxxxxxxxxx"),
     ("a section written twice", ["train", "twice.yaml"], "model is written twice (lines 1 and 4)"),
     ("a key written twice", ["train", "twice_key.yaml"], "train.lr is written twice (line 1)"),
+    (  # (YAML 1.1: run.seed 8, and run.name "expected a string, got 83")
+        "a number with a leading zero",
+        ["train", "octal.yaml", *s("run.name=0123")],
+        "octal.yaml: run.seed: 010 reads as the octal number 8 in YAML; write it without",
+    ),
+    ("--set a number with a leading zero", ["config", *s("run.name=0123")], "0123 reads as the oc"),
     ("a base that includes itself", ["config", "cycle_a.yaml"], "leads back to itself"),
     (
         "a model larger than the host",
@@ -3632,6 +3638,7 @@ FILES: dict[str, bytes] = {
     "huge.yaml": b"model:\n  d_model: " + b"x" * 500_000 + b"\n",
     "twice.yaml": b"model:\n  d_model: 64\ntrain:\nmodel:\n  n_layers: 2\n",
     "twice_key.yaml": b"train: {lr: 1.0e-3, max_steps: 1, lr: 2.0e-3}\n",
+    "octal.yaml": b"run:\n  seed: 010\n",
     "cycle_a.yaml": b"base: cycle_b.yaml\n",
     "cycle_b.yaml": b"base: cycle_a.yaml\n",
     "nul.yaml": b'data:\n  dir: "d\\0x"\n',

@@ -156,14 +156,22 @@ def _check_yaml_shape(text: str, where: str) -> None:
         return sizes[id(node)]
 
     expanded(root, 0)
-    _refuse_duplicate_keys(root, where)  # (a walk the limits above keep short)
+    _refuse_surprises(root, where)  # (a walk the limits above keep short)
 
 
-def _refuse_duplicate_keys(root: yaml.Node, where: str) -> None:
-    """A key written twice in one mapping (PyYAML keeps the last) is an error naming both lines."""
+def _refuse_surprises(root: yaml.Node, where: str) -> None:
+    """A key written twice in one mapping (PyYAML keeps the last) is an error naming both lines;
+    a number with a leading zero (YAML 1.1 reads `010` as octal 8) is an error naming the key."""
     todo: list[tuple[yaml.Node, str]] = [(root, "")]
     while todo:
         node, prefix = todo.pop()
+        if node.tag.endswith(":int") and re.fullmatch(r"[-+]?0[0-7_]+", node.value):
+            key = prefix.rstrip(".") + ": " if prefix else ""
+            raise UserError(
+                f"{where}: {key}{node.value} reads as the octal "
+                f"number {int(node.value.replace('_', ''), 8)} in YAML; write it without the "
+                f"leading zero, or quote it ('{node.value}') where the key takes a string"
+            )
         if isinstance(node, yaml.SequenceNode):
             todo.extend((child, prefix) for child in node.value)
         seen: dict[tuple[str, str], int] = {}
