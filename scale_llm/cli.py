@@ -209,10 +209,10 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def _prints_data(args: argparse.Namespace) -> bool:
-    """Whether the command's stdout is YAML or JSON, which a log line would break: its log
-    lines go to stderr."""
-    if args.command == "config":
-        return not args.preflight
+    """Whether the command's stdout is data (YAML, JSON, generated text, the runs table), which a
+    log line would break: its log lines go to stderr."""
+    if args.command in ("config", "generate", "runs"):
+        return not getattr(args, "preflight", False)
     return bool(getattr(args, "json", False) or getattr(args, "checkpoint_io", None))
 
 

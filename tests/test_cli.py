@@ -1346,9 +1346,14 @@ def test_torchrun_ends_with_2_when_every_worker_refused_its_input(tmp_path):
         assert ("Traceback" in proc.stderr) == (code != 2), proc.stderr[-2000:]
 
 
-def test_the_yaml_and_json_commands_print_warnings_apart_from_what_they_print(tmp_path, capsys):
+def test_the_yaml_and_json_commands_print_warnings_apart_from_what_they_print(
+    tmp_path, capsys, four_steps
+):
     """A config's warning (a moved key) went to stdout among `config`'s YAML and `estimate
-    --json`'s JSON: neither could be read back."""
+    --json`'s JSON: neither could be read back; generate's warnings (a prompt past the model's
+    context) went into the generated text, and runs' into its table."""
+    import shutil
+
     import yaml
 
     from scale_llm.cli import main
@@ -1362,6 +1367,15 @@ def test_the_yaml_and_json_commands_print_warnings_apart_from_what_they_print(tm
     assert main(["estimate", config, "--json"]) == 0
     out, err = capsys.readouterr()
     assert json.loads(out) and "is deprecated" in err
+    prompt = "def f(x):\n    return x + 1\n" * 40
+    assert main(["generate", str(four_steps), "--prompt", prompt, "--max-new-tokens", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert "only its last" in err and "only its last" not in out
+    shutil.copytree(four_steps, tmp_path / "runs" / "moved", symlinks=True)
+    shutil.copy(tmp_path / "moved.yaml", tmp_path / "runs" / "moved" / "config.yaml")
+    assert main(["runs", str(tmp_path / "runs")]) == 0
+    out, err = capsys.readouterr()
+    assert out.split()[:1] == ["run"] and "is deprecated" in err, (out, err)
 
 
 def test_torchrun_waits_long_enough_for_a_stopped_run_to_checkpoint(tmp_path):
