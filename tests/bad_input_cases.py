@@ -668,6 +668,7 @@ RUN_DIR_ENTRIES = [  # (id, the entry, how it is made, what the message says)
         "is a symlink to nothing, but the run keeps its checkpoints",
     ),
     ("tb_file", "tensorboard", _text, "is a file, but the run keeps its TensorBoard"),
+    ("dot_wandb_file", ".wandb", _text, "is a file, but the run keeps its Weights & Biases logs"),
     ("metrics_dir", "metrics.jsonl", _folder, "is a directory, but the run keeps its metric rows"),
     ("metrics_fifo", "metrics.jsonl", _fifo, "is a named pipe, but the run keeps its metric rows"),
     ("cfg_dir", "config.yaml", _folder, "is a directory, but the run keeps its config"),

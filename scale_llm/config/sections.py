@@ -45,8 +45,8 @@ class WandbConfig:
     mode: Literal["online", "offline", "disabled"] = config_key(
         "online",
         "`online` (the node's API key, from `wandb login` or WANDB_API_KEY, is looked for "
-        "before any work), `offline` (written under `RUN_DIR/wandb/`, `wandb sync` uploads it "
-        "later) or `disabled`",
+        "before any work), `offline` (written under `RUN_DIR/wandb/`, or `RUN_DIR/.wandb/` where "
+        "that folder exists; `wandb sync` uploads it later) or `disabled`",
     )
 
 

@@ -457,6 +457,7 @@ RUN_DIR_FOLDERS = {
     COMM_TRACE: "what NCCL's flight recorder writes when a collective times out",
     "tensorboard": "its TensorBoard event files",
     "wandb": "its offline Weights & Biases logs",
+    ".wandb": "its Weights & Biases logs (W&B logs there, not in wandb/, where it exists)",
 }
 RUN_DIR_FILES = {
     "config.yaml": "its config",
