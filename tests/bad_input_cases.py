@@ -1490,6 +1490,57 @@ def _a_state_of_more_layers_than_its_files(ctx: Ctx) -> Setup:
     return Setup(["train", config], expect=(str(ckpt),))
 
 
+def _more_layers_than_its_files(command: str) -> Callable[[Ctx], Setup]:
+    """The run's config and its states say 3 layers, the weight files hold 2: DCP's "Missing
+    key" RuntimeError (a traceback) in the commands reading the weights whole."""
+
+    def setup(ctx: Ctx) -> Setup:
+        import yaml
+
+        run = ctx.run()
+        for step in (2, 4):
+            rewrite_state(run / "checkpoints" / f"step_{step:08d}", config__model__n_layers=3)
+        saved = yaml.safe_load((run / "config.yaml").read_text())
+        saved["model"]["n_layers"] = 3
+        (run / "config.yaml").write_text(yaml.safe_dump(saved))
+        ckpt = run / "checkpoints" / STEP4
+        argv = {
+            "generate": ["generate", str(run), "--max-new-tokens", "2"],
+            "convert": ["convert", str(ckpt), "--out", str(ctx.tmp / "out.pt")],
+            "eval": ["eval", str(run), "--perplexity", str(ctx.data_dir)],
+        }[command]
+        return Setup(argv, expect=("layers.2", "its trainer state names another model"))
+
+    return setup
+
+
+def _metadata_past_its_files(command: str) -> Callable[[Ctx], Setup]:
+    """A DCP metadata file (integrity record rewritten) sending a tensor past the end of its
+    file: DCP's EOFError, a traceback."""
+
+    def setup(ctx: Ctx) -> Setup:
+        import dataclasses
+        import pickle
+
+        from scale_llm.components.checkpoint import write_integrity
+        from scale_llm.components.serialization import read_dcp_metadata
+
+        run = ctx.run()
+        ckpt = run / "checkpoints" / STEP4
+        metadata = read_dcp_metadata(ckpt / "dcp" / ".metadata")
+        index, info = next((i, s) for i, s in metadata.storage_data.items() if "model." in i.fqn)
+        metadata.storage_data[index] = dataclasses.replace(info, offset=info.offset + 10**9)
+        (ckpt / "dcp" / ".metadata").write_bytes(pickle.dumps(metadata))
+        write_integrity(ckpt)
+        argv = {
+            "generate": ["generate", str(run), "--max-new-tokens", "2"],
+            "train": ["train", ctx.config("checkpoint.every=2", "train.max_steps=6")],
+        }[command]
+        return Setup(argv, expect=(f"cannot read {ckpt / 'dcp'}: the file is damaged", "EOFError"))
+
+    return setup
+
+
 def _impossible_state(case: str, command: str) -> Callable[[Ctx], Setup]:
     def setup(ctx: Ctx) -> Setup:
         run = ctx.run()
@@ -1857,6 +1908,14 @@ CHECKPOINTS = [
         _a_state_of_more_layers_than_its_files,
         "layers.2",
     ),
+    *[
+        (f"{c}: states of more layers than their weight files", _more_layers_than_its_files(c), ())
+        for c in ("generate", "convert", "eval")
+    ],
+    *[
+        (f"{c}: a DCP metadata file past its files", _metadata_past_its_files(c), ())
+        for c in ("generate", "train")
+    ],
     *[
         (
             f"{command}: a planted pickle ({plant})",

@@ -853,8 +853,9 @@ def load_model_weights(
     """The full fp32 model state dict of any checkpoint, on the CPU, in one process: DCP is read
     into `template` (e.g. `model.empty_state_dict(cfg)`); DeepSpeed's is assembled from its
     partitions, one tensor at a time."""
-    if (ckpt_dir / DCP_DIR).is_dir():
-        dcp_load({"model": template}, ckpt_dir / DCP_DIR, no_dist=not is_distributed())
+    if (ckpt_dir / DCP_DIR).is_dir():  # (the files' shapes checked first: DCP's would traceback)
+        files = _DcpTensors(ckpt_dir / DCP_DIR, {n: t.shape for n, t in template.items()})
+        dcp_load({"model": template}, files.dir, not is_distributed(), files.metadata)
         return template
     return dict(CheckpointWeights(ckpt_dir, template))
 

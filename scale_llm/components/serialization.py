@@ -204,6 +204,9 @@ def _quiet_single_process() -> Iterator[None]:
         yield
 
 
+READ_ERRORS = (EOFError, ValueError, RuntimeError, OSError)  # DCP reading a file's bytes
+
+
 def dcp_load(
     state: dict[str, Any], checkpoint_id: Path, no_dist: bool, metadata: Any = None
 ) -> None:
@@ -225,9 +228,14 @@ def dcp_load(
                 no_dist=no_dist,
             )
     except CheckpointException as e:  # DCP wraps each rank's exception
-        for _, (err, _) in sorted(getattr(e, "failures", {}).items()):
+        failures = [err for _, (err, _) in sorted(getattr(e, "failures", {}).items())]
+        for err in failures:
             if isinstance(err, UserError):
                 raise err from None
+        for err in failures:  # files that do not hold what the metadata says (out of memory: not)
+            if isinstance(err, READ_ERRORS) and not isinstance(err, torch.OutOfMemoryError):
+                said = str(err).strip().splitlines()[:1]
+                raise damaged(checkpoint_id, ": ".join([type(err).__name__, *said])) from None
         raise
 
 
