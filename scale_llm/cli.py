@@ -753,8 +753,11 @@ def read_prompt_file(path: str) -> str:
     if path != "-" and not Path(path).is_file():
         found = "no such file" if not Path(path).exists() else "not a regular file"
         raise UserError(f"--prompt-file {path}: {found}; give a text file, or - for stdin")
-    with open(path, "rb") if path != "-" else contextlib.nullcontext(sys.stdin.buffer) as f:
-        data = f.read(MAX_PROMPT_BYTES + 1)
+    try:
+        with open(path, "rb") if path != "-" else contextlib.nullcontext(sys.stdin.buffer) as f:
+            data = f.read(MAX_PROMPT_BYTES + 1)
+    except OSError as e:  # (a read's error names no file: main's paragraph would not say which)
+        raise UserError(f"--prompt-file {where}: cannot read it ({e.strerror or e})") from None
     if len(data) > MAX_PROMPT_BYTES:
         raise UserError(
             f"--prompt-file {where}: more than {MAX_PROMPT_BYTES // 2**20} MiB; the model reads "

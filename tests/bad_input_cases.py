@@ -2452,6 +2452,11 @@ FLAGS = [
         ["generate", ".", "--prompt-file", "folder"],
         "--prompt-file folder: not a regular file",
     ),
+    (  # (EIO from the read: a traceback)
+        "generate: a prompt file that cannot be read",
+        ["generate", ".", "--prompt-file", "/proc/self/mem"],
+        "--prompt-file /proc/self/mem: cannot read it (Input/output error)",
+    ),
     (
         "generate: a prompt file that is not UTF-8",
         ["generate", ".", "--prompt-file", "latin.txt"],
