@@ -385,6 +385,25 @@ def read_wandb_records(run_dir: Path) -> list:
     return records
 
 
+def test_a_diverged_steps_nan_and_inf_reach_the_charts(tmp_path):
+    """NaN and inf became strings for the JSON row before the charts' scalars were picked from
+    it: TensorBoard (and W&B) drew a smooth line over the diverged step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from scale_llm.train.metrics import MetricsLogger
+
+    metrics = MetricsLogger(tmp_path, True, load_config(None, ["logging.tensorboard=true"]), 0)
+    for step, loss, norm in ((1, 5.0, 1.0), (2, math.nan, math.inf), (3, 4.0, 1.0)):
+        metrics.log(step, {"loss": loss, "grad_norm": norm})
+    metrics.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    loss = [(e.step, e.value) for e in events.Scalars("loss/loss")]
+    assert [step for step, _ in loss] == [1, 2, 3] and math.isnan(loss[1][1])
+    assert [e.value for e in events.Scalars("train/grad_norm")] == [1.0, math.inf, 1.0]
+    assert rows_of(tmp_path)[2] == {"step": 2, "loss": "nan", "grad_norm": "inf"}
+
+
 def test_what_users_watch_tensorboard_wandb_samples_and_progress(
     data_dir, tmp_path, logs, monkeypatch
 ):

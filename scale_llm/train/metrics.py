@@ -60,10 +60,10 @@ class MetricsLogger:
         row = {"step": step, **{k: _clean(v) for k, v in values.items()}}
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
-        scalars = {
+        scalars = {  # (NaN and inf too: the charts mark a diverged step, not a line over it)
             _tb_tag(k): v
-            for k, v in row.items()
-            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+            for k, v in values.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
         }
         texts = {TEXT_TAGS[k]: v for k, v in row.items() if k in TEXT_TAGS}
         if self.writer is not None:
