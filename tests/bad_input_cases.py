@@ -1820,6 +1820,18 @@ CHECKPOINTS = [
             "move the file away or launch from another folder",
         ),
     ),
+    *[
+        (  # W&B refused it after the run dir and the model were made; "": no W&B, silently
+            f"train: a W&B project named {name}",
+            lambda ctx, project=project: ["train", ctx.config(f"logging.wandb.project={project}")],
+            f"logging.wandb.project={said}: W&B takes a name of 1 to 128 characters without #",
+        )
+        for name, project, said in [
+            ("with a slash", "a/b", "'a/b'"),
+            ("with nothing", "''", "''"),
+            ("of 129 characters", "p" * 129, "'pppppppppppppp... (129 chars)"),
+        ]
+    ],
     (
         "train: a damaged W&B run id",
         _damaged_wandb_id,

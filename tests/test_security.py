@@ -515,7 +515,7 @@ def test_wandb_reads_no_git_state_in_the_run_dir(tmp_path, monkeypatch):
     given: dict = {}
     monkeypatch.setattr(wandb, "init", lambda **kw: given.update(kw) or wandb.sdk.lib.RunDisabled())
     cfg = load_config(None, ["logging.wandb.project=p", "logging.wandb.mode=online"])
-    _start_wandb(cfg, tmp_path, 0, {})
+    _start_wandb(cfg, tmp_path, 0, 0, {})
     assert isinstance(given["settings"], wandb.Settings) and given["settings"].disable_git
 
 

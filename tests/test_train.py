@@ -404,6 +404,51 @@ def test_a_diverged_steps_nan_and_inf_reach_the_charts(tmp_path):
     assert rows_of(tmp_path)[2] == {"step": 2, "loss": "nan", "grad_norm": "inf"}
 
 
+def test_a_rewritten_history_logs_to_a_new_wandb_run(tmp_path, monkeypatch, logs):
+    """W&B drops a run's steps that do not increase: a resume at step 4 of a run that had logged
+    step 6 kept its W&B run, so the steps rewritten were lost there; a start from another run's
+    checkpoint (a fresh history) kept it too. Both start a new W&B run now."""
+    wandb = pytest.importorskip("wandb")
+    from scale_llm.train.metrics import MetricsLogger
+
+    ids: list[str] = []
+
+    class Run:
+        def __init__(self, **kw):
+            self.id = kw["id"]
+            ids.append(self.id)
+
+        def log(self, *args, **kwargs):
+            pass
+
+        def finish(self):
+            pass
+
+    monkeypatch.setattr(wandb, "init", Run)
+    cfg = load_config(None, ["logging.tensorboard=false", "logging.wandb.project=p"])
+
+    def launch(resume_step: int, steps: range, kept: int | None = None) -> str:
+        metrics = MetricsLogger(tmp_path, True, cfg, resume_step, kept)
+        for step in steps:
+            metrics.log(step, {"loss": 1.0})
+        metrics.close()
+        return ids[-1]
+
+    first = launch(0, range(1, 5))
+    assert launch(4, range(5, 7)) == first  # a resume at the last row: the same W&B run
+    assert not [line for line in logs if "wandb:" in line and "new W&B run" in line]
+    rewound = launch(4, range(5, 6))  # at step 4 again, after step 6 was logged
+    assert rewound != first and (tmp_path / "wandb-id.txt").read_text() == rewound + "\n"
+    said = [line for line in logs if "new W&B run" in line]
+    assert said == [
+        f"wandb: this launch rewrites the 2 step(s) after 4 that W&B run {first} holds, which "
+        f"W&B would drop (its steps only increase): logging to a new W&B run {rewound}, from "
+        f"step 5"
+    ]
+    assert launch(5, range(6, 7)) == rewound  # then resumed as usual
+    assert launch(2, range(3, 4), kept=0) not in (first, rewound)  # another run's checkpoint
+
+
 def test_what_users_watch_tensorboard_wandb_samples_and_progress(
     data_dir, tmp_path, logs, monkeypatch
 ):

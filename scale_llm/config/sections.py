@@ -37,7 +37,9 @@ class WandbConfig:
         None,
         "Weights & Biases project to log to (the same scalars, samples and the config; needs the "
         "`wandb` package: `.venv/bin/pip install -e '.[wandb]'` in a checkout); null: no W&B. A "
-        "resumed run logs to the same W&B run (its id is kept in `RUN_DIR/wandb-id.txt`); no git "
+        "resumed run logs to the same W&B run (its id is kept in `RUN_DIR/wandb-id.txt`), a new "
+        "one where it rewrites logged steps (W&B drops steps that do not increase) or starts from "
+        "another run's checkpoint; no git "
         "state is recorded (W&B would run git in the run dir, and git the commands a "
         "`.git/config` there names)",
     )

@@ -35,7 +35,7 @@ class MetricsLogger:
         if not enabled:
             return
         kept = resume_step if kept is None else kept
-        _start_rows(self.path, kept)
+        past = _start_rows(self.path, kept)
         trackers = cfg.logging.tensorboard or cfg.logging.wandb.project
         tracked = flat(to_dict(cfg), tracker=True) if trackers else {}  # as the trackers show it
         if cfg.logging.tensorboard:
@@ -51,7 +51,7 @@ class MetricsLogger:
                 self.writer.file_writer.add_summary(summary)
             self.writer.add_text("config/yaml", _code_block(dump_yaml(cfg)), resume_step)
         if cfg.logging.wandb.project:
-            self.wandb = _start_wandb(cfg, run_dir, resume_step, tracked)
+            self.wandb = _start_wandb(cfg, run_dir, kept, past, tracked)
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         """One row per step: numbers become scalars, `samples_text` a text entry."""
@@ -82,14 +82,24 @@ class MetricsLogger:
             self.wandb = None
 
 
-def _start_wandb(cfg: Config, run_dir: Path, resume_step: int, tracked: dict[str, Any]):
+def _start_wandb(cfg: Config, run_dir: Path, kept: int, past: int, tracked: dict[str, Any]):
+    """The W&B run of the run dir's id file, continued where the history up to `kept` goes on;
+    a new one for a fresh history, or where `past` rows are rewritten (W&B drops a run's steps
+    that do not increase)."""
     import wandb  # (the preflight found it, and the credentials an online run needs)
 
     w = cfg.logging.wandb
-    run_id = wandb_id(run_dir) if resume_step else None  # (checked by the preflight)
-    if run_id is None:  # a fresh start is a new W&B run
+    earlier = wandb_id(run_dir) if kept else None  # (checked by the preflight)
+    run_id = None if past else earlier
+    if run_id is None:
         run_id = uuid.uuid4().hex[:16]
         atomic_write_text(run_dir / WANDB_ID_FILE, run_id + "\n")
+    if earlier and past:
+        log.warning(
+            f"wandb: this launch rewrites the {past} step(s) after {kept} that W&B run {earlier} "
+            f"holds, which W&B would drop (its steps only increase): logging to a new W&B run "
+            f"{run_id}, from step {kept + 1}"
+        )
     # W&B's service logs under its cache folder (~/.cache/wandb by default): the run dir's
     # while it starts, unless the user named one
     named = "WANDB_CACHE_DIR" in os.environ
@@ -145,15 +155,15 @@ def _tb_tag(key: str) -> str:
     return f"memory/{key}" if key.startswith("peak_") else f"train/{key}"
 
 
-def _start_rows(path: Path, step: int) -> None:
+def _start_rows(path: Path, step: int) -> int:
     """metrics.jsonl as a launch starts: checked again for its kind (it is appended to), then on a
     resume the rows past `step` (the resumed run rewrites them) and on a fresh start an earlier
     attempt's rows moved aside to metrics-<UTC time>.jsonl, as abandoned checkpoints are kept. A
     line that is not a JSON row (cut short by a kill, or an edit) moves there too, with a
-    warning."""
+    warning. Returns the count of rows past `step` on a resume."""
     require_kind(path, "a regular file", RUN_DIR_FILES[METRICS_FILE])
     if not path.exists():
-        return
+        return 0
     if step > 0:
         keep, moved, damaged = [], [], 0
         for line in path.read_bytes().split(b"\n"):  # (in file order; a lone CR stays in its line)
@@ -177,12 +187,14 @@ def _start_rows(path: Path, step: int) -> None:
                     f"metrics: resuming at step {step}; the {past} row(s) past it moved to {aside}"
                 )
         atomic_write_text(path, b"".join(keep).decode("utf-8"))  # all rows or the old file
+        return past
     elif path.stat().st_size:  # (an empty file holds nothing to keep)
         path.rename(aside := stamped_name(path.parent, "metrics", ".jsonl"))
         log.warning(
             f"metrics: a fresh start (or another run's checkpoint); the rows of the earlier "
             f"attempt moved to {aside}"
         )
+    return 0
 
 
 def metric_row(line: bytes) -> dict[str, Any] | None:

@@ -165,7 +165,7 @@ def preflight(cfg: Config, plan: RunPlan) -> RunSpec:
 def check_settings(report: Report, cfg: Config, plan: RunPlan, resumes: bool) -> None:
     """The checks of the settings and this machine alone (no data, no run dir): W&B, host
     memory, fp8, DeepSpeed's zero_optimization, the profiler."""
-    if plan.is_main and cfg.logging.wandb.project:
+    if plan.is_main and cfg.logging.wandb.project is not None:
         report.check(check_wandb, cfg, resumes)
     report.check(check_host_memory, cfg, plan)
     report.check(check_fp8, cfg, plan)  # torchao, an fp8 GPU, the backend
@@ -300,7 +300,14 @@ def check_wandb(cfg: Config, resumes: bool) -> None:
     """W&B starts from the run's own settings: a workspace settings file where wandb.init reads
     one (the folder the launch started from) may hold only WANDB_SETTINGS_KEPT keys (`wandb
     offline` writes `mode`; an `entity` would send the run elsewhere), and a resumed run's id
-    file holds an id."""
+    file holds an id. The project's name first: W&B refused it after the run dir and the model
+    were made ("": no W&B, silently)."""
+    project = cfg.logging.wandb.project
+    if not 0 < len(project) <= 128 or not WANDB_BAD.isdisjoint(project):
+        raise UserError(
+            f"logging.wandb.project={short(project, 30)}: W&B takes a name of 1 to 128 "
+            f"characters without {' '.join(sorted(WANDB_BAD))} (e.g. scale-llm); null: no W&B"
+        )
     here = Path.cwd()
     path = here / (".wandb" if (here / ".wandb").exists() else "wandb") / "settings"
     named: set[str] = set()
@@ -450,6 +457,7 @@ WANDB_ID_FILE = "wandb-id.txt"  # the W&B run id, so that a resumed run logs to 
 MAX_WANDB_ID = 64
 # the keys a launch folder's W&B settings file may hold (`wandb offline` writes mode)
 WANDB_SETTINGS_KEPT = ("mode", "disabled", "project", "silent", "quiet")
+WANDB_BAD = set("/\\#?%:")  # what a W&B project name may not hold
 COMM_TRACE = "comm_trace"  # where NCCL's flight recorder writes when a collective times out
 # What the trainer creates in RUN_DIR, by kind: another kind fails at its first write, or blocks.
 RUN_DIR_FOLDERS = {
