@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -1346,14 +1347,27 @@ def test_torchrun_ends_with_2_when_every_worker_refused_its_input(tmp_path):
         assert ("Traceback" in proc.stderr) == (code != 2), proc.stderr[-2000:]
 
 
+def test_runs_says_a_lock_of_another_host_is_not_checked(four_steps, tmp_path, capsys):
+    """A job killed on another node leaves its lock: runs said `running` for ever and hid that
+    the run was complete; a row of a negative step was listed as the run's last."""
+    from scale_llm.cli import main
+
+    run = shutil.copytree(four_steps, tmp_path / "runs" / "r", symlinks=True)
+    (run / ".lock").write_text('{"pid": 1, "host": "gpu-node-17"}')
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": -7, "loss": 2.0}\n')
+    assert main(["runs", str(tmp_path / "runs")]) == 0
+    row = capsys.readouterr().out.splitlines()[1]
+    assert row.split()[:2] == ["r", "4/4"] and "2.0000" not in row
+    assert "complete (locked by pid 1 on gpu-node-17: not checked from here)" in row
+
+
 def test_the_yaml_and_json_commands_print_warnings_apart_from_what_they_print(
     tmp_path, capsys, four_steps
 ):
     """A config's warning (a moved key) went to stdout among `config`'s YAML and `estimate
     --json`'s JSON: neither could be read back; generate's warnings (a prompt past the model's
     context) went into the generated text, and runs' into its table."""
-    import shutil
-
     import yaml
 
     from scale_llm.cli import main

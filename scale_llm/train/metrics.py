@@ -198,11 +198,11 @@ def _start_rows(path: Path, step: int) -> int:
 
 
 def metric_row(line: bytes) -> dict[str, Any] | None:
-    """A metrics.jsonl line as its row (a JSON object with an integer step), or None (also for
+    """A metrics.jsonl line as its row (a JSON object with a step >= 0), or None (also for
     a line nested too deep: `parse_json` is bounded)."""
     try:
         row = parse_json(line.decode("utf-8"))
     except (UnicodeDecodeError, JSONProblem):
         return None
     ok = isinstance(row, dict) and isinstance(row.get("step"), int)
-    return row if ok and not isinstance(row["step"], bool) else None
+    return row if ok and not isinstance(row["step"], bool) and row["step"] >= 0 else None

@@ -85,7 +85,8 @@ def summarize(run_dir: Path) -> RunSummary:
     except UserError:  # an edited or damaged config.yaml: the rest can still be listed
         max_steps = None
     holder = lock_holder(run_dir / LOCK)
-    if holder is not None:  # (its files change meanwhile: the newest complete one is shown)
+    running = holder is not None and " on " not in holder  # (another host's: not checked)
+    if running:  # (its files change meanwhile: the newest complete one is shown)
         found = complete_checkpoints(run_dir / "checkpoints")
         (ckpt_step, ckpt), damaged = found[-1] if found else (None, None), []
         status = f"running ({holder})"
@@ -101,17 +102,17 @@ def summarize(run_dir: Path) -> RunSummary:
             ("all", "upto") if ckpt_step is not None and row["step"] <= ckpt_step else ("all",)
         ):
             seen[part].update({"row": row}, **{k: row[k] for k in ("loss", "val_loss") if k in row})
-    if holder is None and seen["all"].get("row", {}).get("stopped") == DIVERGED:
+    if not running and seen["all"].get("row", {}).get("stopped") == DIVERGED:
         status = DIVERGED  # (its rows: to the step it stopped at)
     if damaged:
         status += f" ({', '.join(damaged)} damaged)"
-    kept = seen[
-        "upto" if holder is None and ckpt_step is not None and status != DIVERGED else "all"
-    ]
+    kept = seen["upto" if not running and ckpt_step is not None and status != DIVERGED else "all"]
     if status == DIVERGED:  # (the stop's row: its loss, or none where a save stopped it)
         kept = {**kept, "loss": kept["row"].get("loss")}
     step = kept["row"]["step"] if "row" in kept else ckpt_step
     loss, val = _number(kept.get("loss")), _number(kept.get("val_loss"))
+    if holder is not None and not running:  # (a job killed there leaves its lock behind)
+        status += f" (locked by {holder}: not checked from here)"
     return RunSummary(run_dir.name, step, max_steps, loss, val, status, ckpt, disk_usage(run_dir))
 
 
