@@ -753,6 +753,15 @@ def test_bench_runs_the_training_step_on_synthetic_tokens(tmp_path):
     assert result["tokens_per_s_per_rank"] > 0 and result["ms_per_step"] > 0
     assert result["precision"] == "fp32" and "mfu" not in result  # no MFU without a known peak
     assert not (tmp_path / "runs").exists()  # bench writes nothing
+    # bench's MFU and tokens/s per rank: a tensor- or pipeline-parallel group shares its tokens
+    # (the whole micro-batch was counted on each rank: twice the MFU under tensor parallelism 2)
+    from scale_llm.config.plan import target_plan
+
+    for split in ("parallel.tensor_parallel=2", "parallel.pipeline_parallel=2"):  # (8 ranks)
+        untied = ("model.tie_embeddings=false", "model.n_layers=4")
+        laid_out = make_config(tmp_path, tmp_path / "runs", "parallel.backend=fsdp", split, *untied)
+        plan = target_plan(laid_out, 8)
+        assert plan.tokens_per_step_per_rank * 8 == plan.tokens_per_step == 4 * 4 * 32, split
 
 
 def test_each_bench_compiles_for_its_own_static_shapes(tmp_path, monkeypatch):

@@ -69,6 +69,7 @@ IDLE_ROW = "outside the counted kernels (CALIBRATION.busy)"
 FP8_ROW = "FP8 casts and scales"
 TP_ROW = "tensor-parallel collectives (exposed)"
 FSDP_ROW = "FSDP2 collectives (exposed beyond compute)"
+ALLREDUCE_ROW = "gradient all-reduce (exposed beyond the last backward)"
 OFFLOAD_ROW = "offload copies (PCIe)"
 ADAMW_ROW = "optimizer (AdamW)"
 PP_ROW = "pipeline bubble"
@@ -484,6 +485,11 @@ def roofline(
     """The per-class roofline of one optimizer step on one GPU of `device`, the MFU each bound
     implies, and the prediction at achieved rates (`achieved`, which prices FSDP2's and TP's
     traffic); DDP's all-reduce over `world` GPUs is overlapped with backward (stated, not added)."""
+    if cfg.train.precision == "fp32":  # (the count is bf16's; fp32 runs far off its peak)
+        raise UserError(
+            "train.precision=fp32: the roofline prices bf16/fp16 tensor-core work, and fp32 "
+            "matmuls run at a fraction of it (no TF32 here); predict train.precision=bf16"
+        )
     if cfg.train.fp8.enabled and device not in FP8_PEAK:  # (before the count)
         raise UserError(
             f"train.fp8.enabled=true: {device} has no FP8 tensor cores; predict it for "
@@ -511,14 +517,13 @@ def roofline(
     eager_ms = sum(r["ms"] for r in rows.values())
     bound = ("matmul", "attention", ADAMW_ROW, OFFLOAD_ROW)
     matmul_ms = sum(rows[c]["ms"] for c in bound if c in rows)
-    # what each GPU sends in a ring all-reduce of the fp32 gradients (autocast keeps fp32 params)
-    ring = 2 * (world - 1) / world * (4 * n_params)
-    rate, link = link_of(world, 1, network)
+    ring_ms, link = allreduce_ms(cfg.model, world, network)
     mfu = lambda flops, ms: flops / (ms / 1e3) / peak  # noqa: E731
     return {
         "device": device,
         "network": network,
-        "allreduce_ms": 1e3 * ring / rate if world > 1 else 0.0,
+        "allreduce_ms": ring_ms,
+        "not_modelled": not_modelled(cfg),
         "allreduce_link": link,
         "world": world,
         "micro_batch": micro_batch,
@@ -543,6 +548,26 @@ def roofline(
         if target_plan(cfg, world).pp_degree > 1
         else None,
     }
+
+
+def not_modelled(cfg: Config) -> list[str]:
+    """What of the layout the prediction leaves out."""
+    p, stage = cfg.parallel, cfg.parallel.deepspeed.zero_stage
+    zero3 = p.backend == "deepspeed" and stage == 3
+    left = [
+        (p.backend == "fsdp" and p.fsdp.cpu_offload, "FSDP2's CPU offload (PCIe, CPU AdamW)"),
+        (zero3, "ZeRO-3's gathers and reduce-scatters"),
+        (zero3 and p.deepspeed.offload_optimizer == "cpu", "ZeRO-3's optimizer offload"),
+        (zero3 and p.deepspeed.offload_param == "cpu", "ZeRO-3's parameter offload"),
+    ]
+    return [what for applies, what in left if applies]
+
+
+def allreduce_ms(model: ModelConfig, ranks: int, network: str) -> tuple[float, str]:
+    """(ms, link) of a ring all-reduce of the fp32 gradients (autocast keeps fp32 parameters)
+    over `ranks` GPUs: each sends 2 (n - 1) / n of them."""
+    rate, link = link_of(ranks, 1, network)
+    return 1e3 * 2 * (ranks - 1) / ranks * 4 * ParamCounts.of(model).total / rate, link
 
 
 def achieved(
@@ -580,11 +605,17 @@ def achieved(
         for cls, seconds in times.items():
             classes.setdefault(cls, {})[way] = 1e3 * seconds
     traffic = None
+    stage = cfg.parallel.deepspeed.zero_stage if plan.backend == "deepspeed" else 0
+    sharded = plan.backend == "fsdp" or stage > 0
     if tp > 1 or (cfg.parallel.backend == "fsdp" and plan.dp_degree > 1):
         traffic = parallel_traffic(cfg, world, counter.micro_batch, grad_accum, network)
         classes = _split_over_tp(classes, traffic, tp, shards)
-    elif shards > 1 and ADAMW_ROW in classes:  # FSDP2: AdamW over the rank's shard
+    elif shards > 1 and ADAMW_ROW in classes and sharded:  # AdamW over the rank's shard
         classes[ADAMW_ROW] = _divided(classes[ADAMW_ROW], shards)
+    if traffic is None and plan.dp_degree > 1 and stage < 3:  # DDP, ZeRO-0..2 (ZeRO-3: not)
+        ring, link = allreduce_ms(model, plan.dp_degree, network)
+        window = {w: 2 / 3 * t / grad_accum for w, t in _total(classes).items()}  # a backward
+        classes[ALLREDUCE_ROW] = {w: max(0.0, ring - t) for w, t in window.items()}
     classes[IDLE_ROW] = _idle(classes)
     ms = _total(classes)
     flops, causal = (f / tp for f in model_flops)  # one GPU's share of the model's FLOPs
@@ -723,7 +754,8 @@ def _split_over_tp(classes: Classes, traffic: dict[str, Any], tp: int, shards: i
     compute = _total(out)
     if tp > 1:
         out[TP_ROW] = {w: traffic["tp_ms"] / getattr(CALIBRATION.link, w) for w in compute}
-    out[FSDP_ROW] = {w: max(0.0, traffic["fsdp_ms"] - t) for w, t in compute.items()}
+    sent = traffic["fsdp_ms"] + traffic["replica_ms"]  # (HSDP's all-reduce, as its own stream)
+    out[FSDP_ROW] = {w: max(0.0, sent - t) for w, t in compute.items()}
     return out
 
 
@@ -767,7 +799,10 @@ def format_roofline(r: dict[str, Any]) -> str:
         lines.append("(the table and bounds: the whole model's work on one GPU, no communication)")
     allreduce = (
         f"; gradient all-reduce over {r['world']} GPUs on {r['allreduce_link']}: "
-        f"{r['allreduce_ms']:.1f} ms (overlapped with backward by DDP's buckets, not added)"
+        f"{r['allreduce_ms']:.1f} ms (overlapped with the last micro-step's backward; what "
+        f"exceeds it is added: '{ALLREDUCE_ROW}')"
+        if ALLREDUCE_ROW in r["achieved"]["classes"]
+        else ""
     )
     sharded = r["achieved"].get("parallel_traffic") is not None  # FSDP2: priced below
     lines.append(
@@ -777,6 +812,8 @@ def format_roofline(r: dict[str, Any]) -> str:
         + ("" if split or sharded or r["world"] < 2 else allreduce)
     )
     lines += format_achieved(r["achieved"])
+    if r["not_modelled"]:
+        lines.append(f"not modelled (the step is longer): {', '.join(r['not_modelled'])}")
     if r.get("pipeline"):
         lines += format_pipeline(r["pipeline"])
     lines.append(
@@ -848,6 +885,12 @@ def format_traffic(t: dict[str, Any], tp: int) -> list[str]:
             f"a GPU, {t['fsdp_ms']:,.0f} ms; overlapped with the compute, only what exceeds it "
             f"is added ('{FSDP_ROW}')"
         )
+    if t["replicas"] > 1:
+        lines.append(
+            f"HSDP: the gradient shards all-reduced over {t['replicas']} replicas on "
+            f"{t['replica_link']}, {t['replica_bytes'] / 1e9:,.1f} GB a GPU, "
+            f"{t['replica_ms']:,.0f} ms, overlapped as FSDP2's (in '{FSDP_ROW}')"
+        )
     return lines
 
 
@@ -863,8 +906,9 @@ def parallel_traffic(
     """Bytes each GPU sends per optimizer step under FSDP2 x TP, and their least time, each on its
     mesh dim's link (tp innermost): TP's 4 collectives of the activations per block forward, 4
     backward, 4 recomputed; FSDP2's all-gathers and reduce-scatters; a ring moves (n - 1) / n."""
-    m, tp = cfg.model, target_plan(cfg, world).tp_degree
-    dp = world // tp
+    plan = target_plan(cfg, world)
+    m, tp, replicas = cfg.model, plan.tp_degree, plan.replicate_degree
+    dp = world // (tp * replicas)  # FSDP2's shard dim (HSDP: the replicas all-reduce its shards)
     c = 2 if cfg.train.precision != "fp32" else 4
     activation = c * micro_batch * m.seq_len * m.d_model
     recomputed = checkpointed_count(m, cfg.activation_checkpointing)
@@ -876,6 +920,8 @@ def parallel_traffic(
     reductions = grad_accum if fsdp.reduce_every_micro_step else 1
     fsdp_bytes = (gathers * c + reductions * 4) * local * (dp - 1) / dp if dp > 1 else 0.0
     (tp_rate, tp_link), (fsdp_rate, fsdp_link) = link_of(tp, 1, network), link_of(dp, tp, network)
+    replica_bytes = reductions * 4 * local / dp * 2 * (replicas - 1) / replicas  # a ring
+    replica_rate, replica_link = link_of(replicas, tp * dp, network)
     return {
         "tp_bytes": tp_bytes,
         "tp_ms": 1e3 * tp_bytes / tp_rate,
@@ -887,6 +933,10 @@ def parallel_traffic(
         "fsdp_reshard": fsdp.reshard_after_forward,
         "fsdp_reductions": reductions,
         "data_parallel": dp,
+        "replicas": replicas,
+        "replica_bytes": replica_bytes,
+        "replica_ms": 1e3 * replica_bytes / replica_rate,
+        "replica_link": replica_link,
     }
 
 

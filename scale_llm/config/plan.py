@@ -107,7 +107,9 @@ class RunPlan:
 
     @property
     def tokens_per_step_per_rank(self) -> int:
-        return self.micro_batch_size * self.grad_accum * self.seq_len
+        """One GPU's share of the step's tokens: the ranks of a tensor- or pipeline-parallel
+        group share their micro-batches."""
+        return self.tokens_per_step // self.world_size
 
     def to_json(self) -> dict[str, Any]:
         out = {**dataclasses.asdict(self), "device": str(self.device)}
