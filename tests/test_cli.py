@@ -342,10 +342,10 @@ def test_generate_reads_the_prompt_from_a_file_or_stdin_and_says_when_it_is_cut(
     long = "x = 1\n" * 40  # about 160 tokens
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(long.encode())))
     assert main(["generate", run, "--prompt-file", "-", *greedy]) == 0
-    out = capsys.readouterr().out
-    assert "WARNING: generate: the prompt is" in out
-    assert "more than the model's context of model.seq_len=32: only its last 32 tokens" in out
-    assert long in out  # the whole prompt, then the continuation
+    out, err = capsys.readouterr()
+    assert "WARNING: generate: the prompt is" in err and "WARNING" not in out  # (apart)
+    assert "more than the model's context of model.seq_len=32: only its last 32 tokens" in err
+    assert out.startswith(long)  # the whole prompt, then the continuation
 
 
 def test_generate_into_a_closed_pipe_or_an_ascii_terminal_ends_without_a_traceback(

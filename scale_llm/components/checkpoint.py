@@ -43,7 +43,6 @@ from scale_llm.files import (
     json_object_or_none,
     nested_deeper,
     parse_json,
-    same_file,
     stamped_name,
     temporary_sibling,
 )
@@ -218,7 +217,10 @@ class Checkpointer:
 
     def holds(self, ckpt: Path) -> bool:
         """Whether checkpoint `ckpt` lies in this folder (this run's history, not another's)."""
-        return same_file(ckpt.parent, self.dir)
+        try:
+            return os.path.samefile(ckpt.parent, self.dir)
+        except OSError:  # (no folder yet)
+            return False
 
     def _move_aside(self, paths: list[Path]) -> Path:
         """Rename `paths` (entries of self.dir) into a new checkpoints/abandoned-<UTC time>/."""

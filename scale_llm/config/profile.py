@@ -11,7 +11,7 @@ from scale_llm.config.schema import bound_problems, config_key
 # RUN_DIR's own names (train/preflight.py's, held to this list by tests/test_profiling.py) and
 # the prefix of eval.tasks' scratch exports: the profile folder may not be one of them
 RUN_DIR_NAMES = (
-    *("checkpoints", "tensorboard", "wandb", "eval", "export", "comm_trace"),
+    *("checkpoints", "tensorboard", "wandb", ".wandb", "eval", "export", "comm_trace"),
     *("config.yaml", "plan.json", "tokenizer.model", "hf-tokenizer.json", "ds_config.json"),
     *("metrics.jsonl", "wandb-id.txt", ".lock", ".scale-llm-owner.json"),
 )
