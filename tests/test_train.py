@@ -385,6 +385,28 @@ def read_wandb_records(run_dir: Path) -> list:
     return records
 
 
+def test_a_resume_applies_the_optimizers_changed_settings(data_dir, tmp_path, logs):
+    """A resume that changed train.weight_decay, beta1, beta2 or eps kept the checkpoint's (the
+    optimizer's groups were loaded with the saved ones): its steps were the unchanged run's, bit
+    for bit, while config.yaml said otherwise. The new ones apply now, and the start says so."""
+    finished_run(data_dir, tmp_path, "run.name=a", "train.exit_at_step=2")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    unchanged = trainer_for(make_config(data_dir, tmp_path, "run.name=a"))
+    new = ("train.weight_decay=0.5", "train.beta2=0.5", "train.eps=1e-6")
+    changed = trainer_for(make_config(data_dir, tmp_path, "run.name=b", *new))
+    decay, no_decay = changed.backend.optimizer.param_groups
+    assert (decay["weight_decay"], tuple(decay["betas"]), decay["eps"]) == (0.5, (0.9, 0.5), 1e-6)
+    assert (no_decay["weight_decay"], tuple(no_decay["betas"])) == (0.0, (0.9, 0.5))
+    said = [line for line in logs if "the optimizer's settings changed" in line]
+    assert said == [
+        "resume: the optimizer's settings changed (train.beta2: 0.95 -> 0.5, train.eps: 1e-08 -> "
+        "1e-06, train.weight_decay: 0.1 -> 0.5): the new ones apply"
+    ]
+    unchanged.fit(), changed.fit()
+    a, b = rows_of(tmp_path / "a"), rows_of(tmp_path / "b")  # (step 3: the loss before its update)
+    assert a[3]["loss"] == b[3]["loss"] and a[4]["loss"] != b[4]["loss"]
+
+
 def test_a_diverged_steps_nan_and_inf_reach_the_charts(tmp_path):
     """NaN and inf became strings for the JSON row before the charts' scalars were picked from
     it: TensorBoard (and W&B) drew a smooth line over the diverged step."""

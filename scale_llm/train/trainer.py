@@ -321,9 +321,11 @@ class Trainer:
 
     def load_state_dict(self, state: dict[str, Any], exact: bool) -> None:
         """Restore a checkpoint's trainer state (`exact`: the backend's model and optimizer too)."""
+        settings = None
         if exact:
             self.backend.load(self.resume_from, saved_layout(state))
             self.backend.load_state_dict(state["backend"])
+            settings = self.backend.set_optimizer_settings()
         self.step = int(state["step"])
         per_step = state["plan"].get("tokens_per_step")  # (a run's tokens before they were kept)
         per_step = per_step if is_count(per_step) else self.plan.tokens_per_step
@@ -338,6 +340,7 @@ class Trainer:
             schedule_change(state, self.cfg.train, self.step),
             batch_change(state, self.plan),
             data_change(state, self.data.prepared, self.data.shards),
+            settings,
         ):
             if changed and self.plan.is_main:
                 log.warning("resume: %s", changed)
