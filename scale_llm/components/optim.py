@@ -81,20 +81,3 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
-
-
-def set_adamw_settings(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> str | None:
-    """The config's betas, eps and weight decay into an optimizer a checkpoint was loaded into
-    (its groups bring the saved ones, which a resume that changed them kept silently); what
-    changed, or None. The decay group is the first (`param_groups`)."""
-    changed = {}
-    for i, group in enumerate(optimizer.param_groups):
-        wanted = {"beta1": cfg.beta1, "beta2": cfg.beta2, "eps": cfg.eps}
-        wanted |= {"weight_decay": cfg.weight_decay} if i == 0 else {}
-        held = {"beta1": group["betas"][0], "beta2": group["betas"][1], "eps": group["eps"]}
-        held |= {"weight_decay": group["weight_decay"]}
-        changed |= {k: (held[k], v) for k, v in wanted.items() if held[k] != v}
-        group.update(betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-        group["weight_decay"] = wanted.get("weight_decay", group["weight_decay"])
-    said = ", ".join(f"train.{k}: {old} -> {new}" for k, (old, new) in changed.items())
-    return f"the optimizer's settings changed ({said}): the new ones apply" if said else None

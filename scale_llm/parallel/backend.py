@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from scale_llm.components.checkpoint import DCP_DIR, load_state_into
 from scale_llm.components.distributed import is_distributed
 from scale_llm.components.loss import compiled_loss, cross_entropy
-from scale_llm.components.optim import build_optimizer, set_adamw_settings, set_lr, step_if_finite
+from scale_llm.components.optim import build_optimizer, set_lr, step_if_finite
 from scale_llm.components.precision import Precision
 from scale_llm.components.serialization import BackgroundSave, dcp_save
 from scale_llm.config import Config, compiles
@@ -107,10 +107,6 @@ class Backend:
 
     def set_lr(self, lr: float) -> None:
         set_lr(self.optimizer, lr)
-
-    def set_optimizer_settings(self) -> str | None:
-        """After a load: the config's AdamW settings, not the checkpoint's (what changed)."""
-        return set_adamw_settings(self.optimizer, self.cfg.train)
 
     def clip_and_step(self) -> torch.Tensor:
         """Clip, step, zero grads; returns the pre-clip norm, non-finite if the step was skipped."""

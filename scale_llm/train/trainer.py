@@ -51,7 +51,13 @@ from scale_llm.train.preflight import (
     preflight,
 )
 from scale_llm.train.profiling import StepProfiler
-from scale_llm.train.resume import batch_change, data_change, saved_layout, schedule_change
+from scale_llm.train.resume import (
+    batch_change,
+    data_change,
+    optimizer_change,
+    saved_layout,
+    schedule_change,
+)
 from scale_llm.train.throughput import Throughput
 
 log = logging.getLogger(__name__)
@@ -321,11 +327,9 @@ class Trainer:
 
     def load_state_dict(self, state: dict[str, Any], exact: bool) -> None:
         """Restore a checkpoint's trainer state (`exact`: the backend's model and optimizer too)."""
-        settings = None
         if exact:
             self.backend.load(self.resume_from, saved_layout(state))
             self.backend.load_state_dict(state["backend"])
-            settings = self.backend.set_optimizer_settings()
         self.step = int(state["step"])
         per_step = state["plan"].get("tokens_per_step")  # (a run's tokens before they were kept)
         per_step = per_step if is_count(per_step) else self.plan.tokens_per_step
@@ -340,7 +344,7 @@ class Trainer:
             schedule_change(state, self.cfg.train, self.step),
             batch_change(state, self.plan),
             data_change(state, self.data.prepared, self.data.shards),
-            settings,
+            optimizer_change(self.backend.optimizer, self.cfg.train) if exact else None,
         ):
             if changed and self.plan.is_main:
                 log.warning("resume: %s", changed)
