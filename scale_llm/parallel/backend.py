@@ -196,13 +196,15 @@ class Backend:
 
 def checkpoint_layout(cfg: Config, plan: RunPlan) -> dict[str, Any]:
     """DCP (any world size) or DeepSpeed's files: its own loader reads them back only at the
-    same ZeRO stage, world size and precision (its optimizer files are named by precision)."""
+    same ZeRO stage, world size, precision (its optimizer files are named by precision) and
+    optimizer (CPU Adam's state is not torch AdamW's)."""
     if plan.backend == "deepspeed":
         return {
             "format": "deepspeed",
             "zero_stage": cfg.parallel.deepspeed.zero_stage,
             "world_size": plan.world_size,
             "precision": plan.precision,
+            "offload_optimizer": cfg.parallel.deepspeed.offload_optimizer,
         }
     return {"format": "dcp"}
 

@@ -161,9 +161,10 @@ def _layout_ok(layout: dict) -> bool:
     if layout == {"format": "dcp"}:
         return True
     stage, world = layout.get("zero_stage"), layout.get("world_size")
-    return (  # (one saved without its precision: saved_layout reads its plan's)
-        layout.keys() - {"precision"} == {"format", "zero_stage", "world_size"}
+    return (  # (one saved without its precision or offload: saved_layout fills them)
+        layout.keys() - {"precision", "offload_optimizer"} == {"format", "zero_stage", "world_size"}
         and layout.get("precision", "fp32") in ("bf16", "fp16", "fp32")
+        and layout.get("offload_optimizer", "none") in ("none", "cpu")
         and layout["format"] == "deepspeed"
         and stage in (0, 1, 2, 3)
         and not isinstance(stage, bool)
@@ -386,12 +387,15 @@ def choose_resume(cfg: Config, plan: RunPlan, manifest: dict[str, Any]) -> Resum
 
 
 def saved_layout(state: dict[str, Any]) -> dict[str, Any]:
-    """The checkpoint's layout; a DeepSpeed one saved without its precision (the layout named
-    it from 2026-12-07) takes its plan's, so the engine's own files are read as they were."""
+    """The checkpoint's layout; a DeepSpeed one saved without its precision or its optimizer
+    offload (the layout names them from 2026-12-07) takes its plan's and its config's, so the
+    engine's own files are read as they were."""
     layout = state["backend"]["layout"]
-    if layout["format"] == "deepspeed" and "precision" not in layout:
-        return {**layout, "precision": state["plan"].get("precision")}
-    return layout
+    if layout["format"] != "deepspeed":
+        return layout
+    ds = state["config"].get("parallel", {}).get("deepspeed", {})
+    offload = ds.get("offload_optimizer", "none") if isinstance(ds, dict) else "none"
+    return {"precision": state["plan"].get("precision"), "offload_optimizer": offload, **layout}
 
 
 def _partitioned(layout: dict[str, Any]) -> bool:
