@@ -4,6 +4,7 @@ renamed into place at the end: --out is either absent or complete."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from collections.abc import Iterator, Mapping
@@ -52,6 +53,8 @@ from scale_llm.files import (
 from scale_llm.model import build_model
 from scale_llm.model.hf import to_hf, to_hf_config
 from scale_llm.version import __version__
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_SHARD = 5 * 10**9  # bytes per safetensors file (transformers' usual 5GB)
 EXPORT_INFO = "scale_llm_export.json"
@@ -194,6 +197,13 @@ def write_hf_folder(
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     check_out(out, force)
+    if cfg.attention_mask == "document":  # (transformers' Llama has no per-document mask)
+        log.warning(
+            f"export: the run trained with model.attention_mask=document; {out} computes with "
+            f"causal attention over the whole input: the same logits for one document, others "
+            f"where an input holds a document end ({cfg.document_end_id}), as lm-eval's EOS "
+            f"prefix does (eval.tasks and eval --tasks score through this export)"
+        )
     with made_folder(out.parent):  # (folders it makes above --out: removed if it fails)
         tmp = temporary_sibling(out)
         tmp.mkdir()  # a fresh name: this call's own folder, removed on failure

@@ -369,6 +369,23 @@ def test_other_shapes_export_with_the_same_logits(shape, run_dir, tmp_path):
     assert max_logit_diff(model, hf) <= 1e-5
 
 
+def test_a_document_masked_model_exports_saying_transformers_attends_across_documents(
+    run_dir, tmp_path, logs
+):
+    """transformers' Llama has no per-document mask: the export of an attention_mask=document
+    run computes other logits wherever an input holds a document end (lm-eval's EOS prefix:
+    log-probabilities 7 apart), and nothing said so. The export says it; one document's logits
+    are the same."""
+    model = random_model(attention_mask="document", document_end_id=2)
+    hf = export_model(model, run_dir / "tokenizer.model", tmp_path / "out")
+    tokens = torch.randint(3, 512, (1, 32), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert (model(tokens) - hf(tokens).logits).abs().max() <= 1e-5
+    said = [line for line in logs if "model.attention_mask=document" in line]
+    assert len(said) == 1 and "causal attention over the whole input" in said[0]
+    assert "eval.tasks and eval --tasks score through this export" in said[0]
+
+
 def test_greedy_generation_of_a_random_model(run_dir, tmp_path):
     """Varied tokens (a random model does not repeat itself): ours with the KV cache and
     transformers' with its own cache pick the same ones."""
@@ -471,6 +488,47 @@ def test_two_rank_runs_import_and_export_the_same_weights(
     assert_same_tensors(hf_tensors(tmp_path / "out"), hf_tensors(exported))
     source = first_batch_loss(theirs, data_dir, 8)
     assert abs(imported.rows[backend][1]["loss"] - source) <= 1e-5
+
+
+def test_what_transformers_computes_otherwise_is_refused_or_read_its_way(
+    exported, run_dir, data_dir, tmp_path
+):
+    """Folders transformers computes otherwise than scale_llm read them (logits 5 to 11 apart,
+    no message): rope_parameters' legacy `type` key (linear scaling read as default RoPE), a
+    config naming its weights file (transformers_weights), model.safetensors beside an index
+    (transformers reads the single file, scale_llm read the index), and a tied config whose
+    file holds another lm_head.weight (transformers unties them)."""
+    from safetensors.torch import load_file, save_file
+
+    from scale_llm.components.hf_files import HFWeights
+    from scale_llm.model.hf import from_hf_config
+    from scale_llm.train.init_from import check_init_from
+
+    hf = json.loads((exported / "config.json").read_text())
+    rope = {"type": "linear", "factor": 4.0, "rope_theta": 10000.0}
+    assert from_hf_config({**hf, "rope_parameters": rope})[1] == [
+        "rope_parameters.rope_type='linear': unsupported (only 'default' RoPE)"
+    ]
+    named = from_hf_config({**hf, "transformers_weights": "other.safetensors"})[1]
+    assert named and named[0].startswith("transformers_weights='other.safetensors': unsupported")
+    folder = shutil.copytree(exported, tmp_path / "both")
+    tensors = load_file(folder / "model.safetensors")
+    other = {**tensors, "model.norm.weight": tensors["model.norm.weight"] + 1}
+    save_file(other, folder / "other.safetensors", metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": dict.fromkeys(other, "other.safetensors")}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    norm = HFWeights(folder, "model.init_from").get("model.norm.weight")
+    assert torch.equal(norm, tensors["model.norm.weight"])  # the single file's, as transformers
+    cfg = init_cfg(run_dir, folder := shutil.copytree(exported, tmp_path / "head"))
+    assert cfg.tie_embeddings and "lm_head.weight" not in tensors
+    embedding = tensors["model.embed_tokens.weight"]
+    for head, refused in ((embedding.clone(), False), (embedding + 1, True)):
+        save_file({**tensors, "lm_head.weight": head}, folder / "model.safetensors")
+        if not refused:
+            check_init_from(cfg, sha(data_dir))
+            continue
+        with pytest.raises(UserError, match="lm_head.weight differs from model.embed_tokens"):
+            check_init_from(cfg, sha(data_dir))
 
 
 def test_an_hf_config_without_optional_fields_takes_llamas_defaults():

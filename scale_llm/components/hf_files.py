@@ -47,11 +47,11 @@ class HFWeights:
         self.folder, self.what = folder, what
         self._files: dict[str, Any] = {}  # file name -> open safetensors handle
         self._pickled: dict[str, torch.Tensor] | None = None
-        if self._path(SAFETENSORS_INDEX):
-            self.file_of = self._index(SAFETENSORS_INDEX)
-        elif self._path(SAFETENSORS):
+        if self._path(SAFETENSORS):  # (before an index beside it, as transformers reads them)
             names = self._open(SAFETENSORS).keys()  # a safetensors handle, not a dict
             self.file_of = dict.fromkeys(names, SAFETENSORS)
+        elif self._path(SAFETENSORS_INDEX):
+            self.file_of = self._index(SAFETENSORS_INDEX)
         elif self._path(PICKLE) or self._path(PICKLE_INDEX):
             self.file_of = {}
             self._pickled = self._read_pickled()

@@ -180,9 +180,13 @@ def from_hf_config(hf: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     if not isinstance(rope, dict):
         problems.append(_wrong("rope_parameters", rope, "an object or null"))
         rope = {}
-    if rope.get("rope_type", "default") != "default":
+    kind = rope.get("rope_type", rope.get("type", "default"))  # (`type`: as transformers reads)
+    if kind != "default":
+        problems.append(f"rope_parameters.rope_type={kind!r}: unsupported (only 'default' RoPE)")
+    if "transformers_weights" in hf:  # (transformers reads the file it names)
         problems.append(
-            f"rope_parameters.rope_type={rope['rope_type']!r}: unsupported (only 'default' RoPE)"
+            f"transformers_weights={short(hf['transformers_weights'], 40)}: unsupported (the "
+            f"weights are read from model.safetensors, its index, or pytorch_model.bin)"
         )
     # rope_parameters' rope_theta (transformers 5) comes before the top-level one (4)
     given = {**hf, "rope_theta": rope.get("rope_theta", hf.get("rope_theta", 10000.0))}

@@ -31,8 +31,18 @@ def check_init_from(
     folder = Path(cfg.init_from)
     values, problems = from_hf_config(read_hf_config(folder, WHAT))
     problems += config_problems(cfg, values, f"{folder}/config.json")
-    shapes = shape_problems(cfg, HFWeights(folder, WHAT).shapes(hf_shapes(cfg)))
+    weights = HFWeights(folder, WHAT)
+    found = weights.shapes(hf_shapes(cfg))
+    shapes = shape_problems(cfg, found)
     problems += shapes[:MAX_SHAPE_LINES]
+    embedding, head = "model.embed_tokens.weight", "lm_head.weight"
+    tied = cfg.tie_embeddings and head in found and not shapes  # (transformers unties these)
+    if tied and not torch.equal(weights.get(head), weights.get(embedding)):
+        problems.append(
+            f"{head} differs from {embedding}, and tie_word_embeddings is true: transformers "
+            f"computes with both (it ties only equal ones); set tie_word_embeddings: false in "
+            f"config.json and model.tie_embeddings=false to load them"
+        )
     if len(shapes) > MAX_SHAPE_LINES:
         problems.append(f"... and {len(shapes) - MAX_SHAPE_LINES} more tensors")
     problems += _tokenizer_problems(folder, tokenizer_sha256, tokenizer_files_sha256)
