@@ -407,6 +407,31 @@ def test_a_resume_applies_the_optimizers_changed_settings(data_dir, tmp_path, lo
     assert a[3]["loss"] == b[3]["loss"] and a[4]["loss"] != b[4]["loss"]
 
 
+def test_data_repeat_false_counts_the_steps_from_where_a_resume_continues(data_dir, tmp_path):
+    """data.repeat=false's check counted train.max_steps x the batch from stream position 0: a
+    resume with a smaller batch passed it, trained, saved and pruned, then stopped with the data
+    used up; one with a larger batch that fits exactly was refused."""
+    from scale_llm.data.mixture import open_training_data
+    from scale_llm.train.preflight import check_data_epochs
+    from scale_llm.train.resume import Resume
+
+    def check(micro: int, max_steps: int, step: int, position: int) -> None:
+        cfg = make_config(data_dir, tmp_path, "data.repeat=false", f"train.max_steps={max_steps}")
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=micro))
+        state = {"step": step, "data": {"position": position}}
+        resume = Resume(tmp_path / "ckpt", state, True) if step else None
+        check_data_epochs(cfg, plan_for(cfg), open_training_data(cfg), resume)
+
+    windows = len(open_training_data(make_config(data_dir, tmp_path)).train)
+    half = windows // 2
+    check(1, windows, 0, 0)  # a fresh run of one epoch
+    with pytest.raises(UserError, match=rf"\(resumed at step 100, stream position {half:,}\)"):
+        check(1, windows - 10, 100, half)  # half read by a larger batch: 1.5 epochs in all
+    check(2, 110, 100, windows - 20)  # 20 windows left, 10 steps of 2: it fits
+    with pytest.raises(UserError, match="data.repeat=false, but train.max_steps=111"):
+        check(2, 111, 100, windows - 20)
+
+
 def test_a_diverged_steps_nan_and_inf_reach_the_charts(tmp_path):
     """NaN and inf became strings for the JSON row before the charts' scalars were picked from
     it: TensorBoard (and W&B) drew a smooth line over the diverged step."""

@@ -226,9 +226,10 @@ class TrainLoader:
             return {}
         return dict(zip(self.names, self.schedule.drawn(self.position).tolist()))
 
-    def epochs(self, steps: int) -> dict[str, float]:
-        """Epochs of each source's training windows that `steps` optimizer steps read."""
-        drawn = self.schedule.drawn(steps * self.global_batch)
+    def epochs(self, steps: int, start: int = 0) -> dict[str, float]:
+        """Epochs of each source's training windows that the stream to `steps` optimizer steps
+        past position `start` (a resume's) reads."""
+        drawn = self.schedule.drawn(start + steps * self.global_batch)
         return {name: float(drawn[s] / self.sizes[s]) for s, name in enumerate(self.names)}
 
     def state_dict(self) -> dict[str, int]:

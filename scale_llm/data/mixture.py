@@ -402,13 +402,18 @@ def _check_windows(cfg: Config, folders: list, train: dict[str, int], val: dict)
         )
 
 
-def check_epochs(cfg: Config, loader: TrainLoader, data: TrainingData, is_main: bool) -> None:
-    """Refuse reading any source twice under data.repeat=false; print a mixture's epochs."""
-    epochs = loader.epochs(cfg.train.max_steps)
+def check_epochs(
+    cfg: Config, loader: TrainLoader, data: TrainingData, is_main: bool, resumed=(0, 0)
+) -> None:
+    """Refuse reading any source twice under data.repeat=false; print a mixture's epochs.
+    `resumed`: the (step, stream position) a resume continues from."""
+    step, position = resumed
+    epochs = loader.epochs(max(0, cfg.train.max_steps - step), position)
     over = [f"{n or 'the training data'}: {e:.2f} epochs" for n, e in epochs.items() if e > 1]
     if over and not cfg.data.repeat:
+        since = f" (resumed at step {step}, stream position {position:,})" if step else ""
         raise UserError(
-            f"data.repeat=false, but train.max_steps={cfg.train.max_steps} reads "
+            f"data.repeat=false, but train.max_steps={cfg.train.max_steps}{since} reads "
             f"{'; '.join(over)} of data.dir={cfg.data.dir}; prepare more data, lower "
             f"train.max_steps, or set data.repeat=true"
         )

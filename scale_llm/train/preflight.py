@@ -129,13 +129,14 @@ def preflight(cfg: Config, plan: RunPlan) -> RunSpec:
     report, asked = Report(), cfg
     data = report.check(open_training_data, cfg)  # manifest, mixture, shards, tokenizer
     tokenizer = Path(cfg.data.dir) / data.manifest["tokenizer"]["file"] if data else None
-    if data is not None:
-        report.check(check_data_fits, cfg, plan, data)
+    fits = report.check(check_data_fits, cfg, plan, data) if data is not None else None
     known = len(report.problems)
     if plan.is_main:
         report.check(check_run_dir_state, cfg)
     run_dir_ok = plan.is_main and len(report.problems) == known  # (a refused one: said once)
     resume = report.check(choose_resume, cfg, plan, data.manifest) if data else None
+    if fits:  # data.repeat=false's epochs: from where the resume continues
+        report.check(check_data_epochs, cfg, plan, data, resume)
     report.check(check_exit_step, cfg.train, resume)
     if run_dir_ok and not (resume and resume.step >= cfg.train.max_steps):  # (it will write)
         report.check(require_writable_dir, cfg.run_dir / "checkpoints", "RUN_DIR/checkpoints")
@@ -193,9 +194,17 @@ def check_fresh_settings(cfg: Config, plan: RunPlan) -> None:
     report.raise_if_any(plan)
 
 
-def check_data_fits(cfg: Config, plan: RunPlan, data: TrainingData) -> None:
-    """data.dir can feed this model and this batch for train.max_steps: windows of seq_len in
-    both splits, more training windows than one optimizer step reads, and data.repeat's epochs."""
+def check_data_epochs(cfg: Config, plan: RunPlan, data: TrainingData, resume: Resume | None):
+    """data.repeat=false: no source read twice by the steps from the resumed stream position
+    on (a mixture's epochs printed)."""
+    resumed = (resume.step, resume.state["data"]["position"]) if resume else (0, 0)
+    loader = TrainLoader(data.train, plan, cfg.run.seed, 0, data.sources, cfg.data.repeat)
+    check_epochs(cfg, loader, data, plan.is_main, resumed)
+
+
+def check_data_fits(cfg: Config, plan: RunPlan, data: TrainingData) -> bool:
+    """data.dir can feed this model and this batch: windows of seq_len in both splits, more
+    training windows than one optimizer step reads (data.repeat's epochs: after the resume)."""
     check_vocab(cfg, data.manifest)
     train, val = data.train, min(data.val.values(), key=len)
     if len(train) == 0 or len(val) == 0:
@@ -212,8 +221,7 @@ def check_data_fits(cfg: Config, plan: RunPlan, data: TrainingData) -> None:
             f"model.seq_len {cfg.model.seq_len}: every step would repeat the data; lower "
             f"train.grad_accum or train.micro_batch_size, or prepare more data"
         )
-    loader = TrainLoader(data.train, plan, cfg.run.seed, 0, data.sources, cfg.data.repeat)
-    check_epochs(cfg, loader, data, plan.is_main)  # data.repeat; a mixture's epochs printed
+    return True
 
 
 def warn_about_source(cfg: Config, data: TrainingData) -> None:
