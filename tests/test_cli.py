@@ -157,12 +157,22 @@ def test_run_messages_count_this_launch_and_a_finished_run_is_left_alone(
     out, err = capsys.readouterr()
     assert "continuing" not in out and "nothing to do" not in out
     assert f"{run} holds a finished run (step 4 of its train.max_steps=4" in err
-    assert "train.lr: 0.001 -> 0.0003; train.micro_batch_size x train.grad_accum: 4 -> 2" in err
+    assert "train.lr: 0.001 -> 0.0003; sequences a step: 4 -> 2" in err
     assert "start a new run: --run-name NAME" in err
     assert {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()} == before
     # the same batch split otherwise (a requeue on other hardware): the same, complete run
     assert main([*args, "--set", "train.micro_batch_size=2", "--set", "train.grad_accum=2"]) == 0
     assert "run already complete" in capsys.readouterr().out
+    # over ranks too: 2 ranks of 2 are its 4 sequences a step (refused: "4 -> 2"), 2 of 4 not
+    from scale_llm.cli import config_from_args, parse_args
+    from scale_llm.components.checkpoint import read_trainer_state
+    from scale_llm.config.plan import target_plan
+    from scale_llm.train.resume import changed_settings
+
+    state = read_trainer_state(run / "checkpoints" / "step_00000004")
+    for micro, said in ((2, []), (4, ["sequences a step: 4 -> 8"])):
+        two = config_from_args(parse_args([*args, "--set", f"train.micro_batch_size={micro}"]))
+        assert changed_settings(state, two, target_plan(two, 2)) == said, micro
     assert (
         main(
             [

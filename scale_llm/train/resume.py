@@ -67,14 +67,16 @@ HOW_NOT_WHAT = (
     "train.max_bad_steps",
     "model.init_from",
     "model.attention",  # (sdpa or eager: the same attention, another kernel)
-    "train.micro_batch_size",  # (their product is compared: the same batch split otherwise)
+    "train.micro_batch_size",  # (the batch is compared: the same batch split otherwise)
     "train.grad_accum",
+    "train.global_batch_size",
 )
 WHAT = ("model.", "train.", "data.dir", "run.seed")
 
 
-def changed_settings(state: dict[str, Any], cfg: Config) -> list[str]:
-    """`key: old -> new` for each experiment key the checkpoint records and `cfg` changes."""
+def changed_settings(state: dict[str, Any], cfg: Config, plan: RunPlan | None = None) -> list[str]:
+    """`key: old -> new` for each experiment key the checkpoint records and `cfg` changes; the
+    batch as sequences a step where the checkpoint's plan and `plan` say (over every rank)."""
     saved, now = flat(state["config"]), flat(to_dict(cfg))
     changed = [
         f"{key}: {short(saved[key], 40)} -> {short(value, 40)}"
@@ -83,16 +85,20 @@ def changed_settings(state: dict[str, Any], cfg: Config) -> list[str]:
         if not key.startswith("train.profile.") and saved[key] != value
     ]
     split = ("train.micro_batch_size", "train.grad_accum")
-    if all(isinstance(saved.get(k), int) for k in split):  # the batch, however it is split
+    sequences = state.get("plan", {}).get("sequences_per_step")
+    if plan is not None and is_count(sequences):  # the batch, however it is split
+        if sequences != plan.sequences_per_step:
+            changed.append(f"sequences a step: {sequences} -> {plan.sequences_per_step}")
+    elif all(isinstance(saved.get(k), int) for k in split):
         before, after = saved[split[0]] * saved[split[1]], now[split[0]] * now[split[1]]
         if before != after:
             changed.append(f"train.micro_batch_size x train.grad_accum: {before} -> {after}")
     return changed
 
 
-def check_finished_run(state: dict[str, Any], ckpt: Path, cfg: Config) -> None:
+def check_finished_run(state: dict[str, Any], ckpt: Path, cfg: Config, plan: RunPlan) -> None:
     """A finished run relaunched with other settings (it would train nothing) is refused."""
-    if state["step"] < cfg.train.max_steps or not (changed := changed_settings(state, cfg)):
+    if state["step"] < cfg.train.max_steps or not (changed := changed_settings(state, cfg, plan)):
         return  # unfinished; or the same run relaunched, which the trainer says is complete
     run_dir = ckpt.parent.parent
     raise UserError(
@@ -368,7 +374,7 @@ def choose_resume(cfg: Config, plan: RunPlan, manifest: dict[str, Any]) -> Resum
         return None
     state = read_trainer_state(ckpt)
     check_resume_state(state, ckpt, cfg, manifest["tokenizer"]["sha256"], checkpoints.dir)
-    check_finished_run(state, ckpt, cfg)  # other settings: a new run
+    check_finished_run(state, ckpt, cfg, plan)  # other settings: a new run
     layout = saved_layout(state)
     same = layout == checkpoint_layout(cfg, plan)
     if not same or layout["format"] == "dcp":
