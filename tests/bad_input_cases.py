@@ -3449,6 +3449,19 @@ FP8: list = [
         ["train", TINY, *s("train.fp8.enabled=true", "parallel.backend=deepspeed")],
         ("works with parallel.backend=fsdp", "not deepspeed"),
     ),
+    (  # (estimate predicted it, and --fit said "no change needed")
+        "fp8 estimated under ddp",
+        [
+            "estimate",
+            "tiny-ddp",
+            "--world-size",
+            "2",
+            *s("train.fp8.enabled=true"),
+            "--fit",
+            "24GiB",
+        ],
+        ("works with parallel.backend=fsdp", "not ddp", "set parallel.backend=fsdp"),
+    ),
     (
         "fp8 with fp16",
         ["train", TINY, *s("train.fp8.enabled=true", "train.precision=fp16")],

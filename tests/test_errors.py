@@ -304,6 +304,10 @@ def test_a_sweep_row_the_config_refuses_is_not_run(monkeypatch):
     assert "activation_checkpointing.mode=selective with parallel.pipeline.schedule" in refused[0]
     assert "train.micro_batch_size=1 cannot be cut" in refused[1] and len(rows) == 2
     assert "| - |" in markdown_table(rows) and "OOM" not in markdown_table(rows)
+    # fp8 under a swept DDP (the launch's rule): a row, not an exit that lost the measured rows
+    fp8 = load_config(REPO / "yaml" / "tiny.yaml", ["train.fp8.enabled=true"])
+    rows = bench_sweep(fp8, resolve_plan(fp8, Launch()), [1], ["none"], [False], backends=["ddp"])
+    assert "train.fp8.enabled=true works with parallel.backend=fsdp" in rows[0]["refused"]
 
 
 # ================================================================================ paths and run dir

@@ -23,7 +23,7 @@ from scale_llm.analysis.memory import (
     saved_activation_bytes,
     zero3_gathered_params,
 )
-from scale_llm.config import ModelConfig, load_config
+from scale_llm.config import ModelConfig, load_config, with_changes
 from scale_llm.config.parallel import ActivationCheckpointingConfig as AC
 from scale_llm.errors import UserError
 from scale_llm.model import build_model
@@ -204,6 +204,26 @@ def test_fit_prefers_cheap_layouts_and_keeps_the_batch():
     on_cpu = fit(cfg_with("train.device=cpu"), 1, parse_bytes("80GiB"))
     assert on_cpu.estimate.total <= parse_bytes("80GiB")
     assert not on_cpu.changes.get("parallel.fsdp.cpu_offload")
+    # a config that fits is kept (the largest micro-batch of a tie moved 125m from 23 to 43 GiB)
+    shipped = load_config(REPO / "yaml" / "125m.yaml")
+    assert fit(shipped, 1, parse_bytes("80GiB")).changes == {}
+    # accepted counts: the micro-batch divisors of 2^26 (a loop over every number took 41 s)
+    many = fit(with_changes(shipped, {"train.grad_accum": 2**26}), 1, parse_bytes("80GiB"))
+    assert many.changes == {}
+    # what the launch refuses is neither proposed nor a hint that ends the command (a static
+    # graph with grad_accum: `train --fit` proposed it, then exited 2; `estimate` failed on it)
+    from scale_llm.analysis.memory.plan import hints
+    from scale_llm.config.plan import target_plan
+
+    static = cfg_with("parallel.ddp.static_graph=true", "train.grad_accum=1")
+    launched = target_plan(static, 2)
+    tight = fit(static, launched, parse_bytes("12GiB"), keep_backend=True)
+    assert tight.changes.get("train.grad_accum", 1) == 1, tight.changes
+    assert [flags for flags, _ in hints(static, launched)] == [
+        "--grad-checkpointing",
+        "--set activation_checkpointing.mode=selective",
+        "--set parallel.backend=fsdp",
+    ]
 
 
 def test_impossible_fit_names_the_smallest_total():

@@ -37,7 +37,7 @@ from scale_llm.components.hardware import cuda_memory_gib, peak_flops
 from scale_llm.components.loss import plain_cross_entropy
 from scale_llm.components.serialization import background_save, kept_stager
 from scale_llm.config import ActivationCheckpointingConfig, Config, compiles, validate, with_changes
-from scale_llm.config.plan import RunPlan
+from scale_llm.config.plan import RunPlan, launch_problems
 from scale_llm.errors import UserError
 from scale_llm.files import private_dir
 from scale_llm.model import build_model, materialize
@@ -487,7 +487,8 @@ def bench_sweep(
         c = with_changes(cfg, changes)
         row: dict[str, Any] = {"backend": backend or plan.backend, "micro_batch": mb}
         row |= {"activation_checkpointing": mode, "compile": compile_}
-        if refused := validate(c):  # (a pipeline's pieces, a V schedule's checkpointing)
+        refused = validate(c) or launch_problems(c, plan.world_size, plan.device.type == "cuda")
+        if refused:  # (a pipeline's pieces, a V schedule's checkpointing, fp8 under DDP)
             log.warning("bench: sweep row not run (%s, micro-batch %d): %s", mode, mb, refused[0])
             rows.append({**row, "refused": refused[0]})
             continue

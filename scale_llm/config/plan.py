@@ -241,6 +241,9 @@ def _grad_accum(cfg: Config, world_size: int) -> int:
     return implied
 
 
+FP8_BACKENDS = ("single", "fsdp")  # DDP and DeepSpeed: not tested with Float8Linear
+
+
 def launch_problems(cfg: Config, world_size: int, cuda: bool) -> list[str]:
     """Checks that need the launch: the number of processes and whether a GPU will be used."""
     e, backend, on_gpu = [], cfg.parallel.backend, cuda and cfg.train.device != "cpu"
@@ -260,6 +263,13 @@ def launch_problems(cfg: Config, world_size: int, cuda: bool) -> list[str]:
             f"caching allocator, and this run will not use a GPU; run on a GPU, or set "
             f"train.profile.memory_snapshot_step=null (the CPU profiler's trace, "
             f"train.profile.enabled=true, records CPU memory)"
+        )
+    resolved = backend if backend != "auto" else ("single" if world_size == 1 else "ddp")
+    if cfg.train.fp8.enabled and resolved not in FP8_BACKENDS:  # (estimate and --fit too)
+        e.append(
+            f"train.fp8.enabled=true works with parallel.backend=fsdp (or one process), not "
+            f"{resolved}: set parallel.backend=fsdp (FSDP2 also gathers fp8 weights), or "
+            f"train.fp8.enabled=false"
         )
     if world_size > 1 and backend == "single":
         e.append(

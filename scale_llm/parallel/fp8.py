@@ -21,24 +21,18 @@ from scale_llm.errors import UserError, install_hint
 log = logging.getLogger(__name__)
 
 FP8_CAPABILITY = (8, 9)  # Ada (L4, RTX 4090) and Hopper (H100, H200): the first with fp8 GEMMs
-BACKENDS = ("single", "fsdp")  # DDP and DeepSpeed: not tested with Float8Linear
 
 
 def check_fp8(cfg: Config, plan: RunPlan, capability: tuple[int, int] | None = None) -> None:
-    """Preflight: torchao, an fp8 GPU (`capability`: this rank's GPU's, asked when None), a
-    backend and a precision that fp8 linears work with. One UserError naming the fix."""
+    """Preflight: torchao, an fp8 GPU (`capability`: this rank's GPU's, asked when None) and a
+    precision that fp8 linears work with (the backend: the plan's launch_problems). One
+    UserError naming the fix."""
     if not cfg.train.fp8.enabled:
         return
     if importlib.util.find_spec("torchao") is None:
         raise UserError(
             f"train.fp8.enabled=true needs torchao (its Float8Linear), which is not installed: "
             f"{install_hint('fp8')}; or set train.fp8.enabled=false"
-        )
-    if plan.backend not in BACKENDS:
-        raise UserError(
-            f"train.fp8.enabled=true works with parallel.backend=fsdp (or one process), not "
-            f"{plan.backend}: set parallel.backend=fsdp (FSDP2 also gathers fp8 weights), or "
-            f"train.fp8.enabled=false"
         )
     if plan.precision == "fp16":
         raise UserError(

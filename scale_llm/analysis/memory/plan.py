@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from itertools import product
 from operator import attrgetter
@@ -17,7 +18,7 @@ from scale_llm.analysis.memory.estimate import (
 )
 from scale_llm.analysis.memory.gpu import estimate
 from scale_llm.config import Config, validate, with_changes
-from scale_llm.config.plan import RunPlan, target_plan
+from scale_llm.config.plan import RunPlan, launch_problems, target_plan
 from scale_llm.errors import UserError
 
 _DESCRIPTIONS = {
@@ -58,9 +59,15 @@ def hints(cfg: Config, plan: RunPlan) -> list[tuple[str, float]]:
     if p.backend == "deepspeed" and p.deepspeed.zero_stage < 3:
         options.append(({"parallel.deepspeed.zero_stage": p.deepspeed.zero_stage + 1}, ""))
     # (no hint the config refuses: selective under a V schedule, a batch a pipeline cannot cut)
-    options = [(ch, flags) for ch, flags in options if not validate(with_changes(cfg, ch))]
-    totals = [estimate(with_changes(cfg, changes), world).total for changes, _ in options]
-    return [(flags or format_overrides(ch), t) for (ch, flags), t in zip(options, totals)]
+    out = []
+    for changes, flags in options:
+        if validate(changed := with_changes(cfg, changes)):
+            continue
+        try:  # (one the launch refuses: static_graph with grad_accum, a replicate_degree)
+            out.append((flags or format_overrides(changes), estimate(changed, world).total))
+        except UserError:
+            continue
+    return out
 
 
 def format_report(est: Estimate, cfg: Config, plan: RunPlan, source: str) -> str:
@@ -186,7 +193,9 @@ def fit(cfg: Config, target: RunPlan | int, budget: int, keep_backend: bool = Fa
     plan = target_plan(cfg, target) if isinstance(target, int) else target
     per_rank = plan.micro_batch_size * plan.grad_accum
     pieces = plan.pp_microbatches  # (a pipeline cuts each micro-batch into that many pieces)
-    micro_batches = [d for d in range(per_rank, 0, -1) if per_rank % d == 0 and d % pieces == 0]
+    small = [d for d in range(1, math.isqrt(per_rank) + 1) if per_rank % d == 0]
+    divisors = sorted({*small, *(per_rank // d for d in small)}, reverse=True)
+    micro_batches = [d for d in divisors if d % pieces == 0]
     shards = [({}, 1.0)] if keep_backend else _shard_options(cfg)
     options: list[Plan] = []
     refused: list[UserError] = []
@@ -197,6 +206,9 @@ def fit(cfg: Config, target: RunPlan | int, budget: int, keep_backend: bool = Fa
         if mode == "every_k":
             changes["activation_checkpointing.k"] = 2
         if validate(proposed := with_changes(cfg, changes)):  # (e.g. selective, V schedule)
+            continue
+        if problems := launch_problems(proposed, plan.world_size, plan.device.type == "cuda"):
+            refused.append(UserError("; ".join(problems)))  # (static_graph with grad_accum)
             continue
         planned = plan.world_size  # (a hypothetical layout: planned afresh)
         if "parallel.backend" not in shard:  # a launched run: its own plan, this batch split
@@ -220,6 +232,7 @@ def fit(cfg: Config, target: RunPlan | int, budget: int, keep_backend: bool = Fa
             f"Use more GPUs, a sharding backend (`scale-llm estimate CONFIG --fit SIZE` "
             f"proposes one), a shorter model.seq_len or a smaller model"
         )
-    best = min(fitting, key=attrgetter("cost"))
+    changed = lambda o: sum(attrgetter(k)(cfg) != v for k, v in o.changes.items())  # noqa: E731
+    best = min(fitting, key=lambda o: (o.cost, changed(o)))  # a tie: the config's own values
     best.changes = {key: v for key, v in best.changes.items() if attrgetter(key)(cfg) != v}
     return best
