@@ -2340,6 +2340,11 @@ FLAGS = [
         "A100-80GB has no FP8 tensor cores; predict it for H100-SXM",
     ),
     ("estimate --fit with no size", ["estimate", TINY, "--fit", ""], "memory size '' is not"),
+    (  # (80 bytes: "nothing fits in 0.00 GiB")
+        "estimate --fit without a unit",
+        ["estimate", TINY, "--fit", "80"],
+        "memory size '80' has no unit: write one, e.g. 80GiB",
+    ),
     (
         "estimate for more GPUs than any run",
         ["estimate", TINY, "--world-size", "99999999999999999999"],

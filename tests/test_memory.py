@@ -229,13 +229,18 @@ def test_fit_prefers_cheap_layouts_and_keeps_the_batch():
 def test_impossible_fit_names_the_smallest_total():
     with pytest.raises(UserError, match=r"nothing fits in 0.25 GiB.*smallest total reachable is"):
         fit(cfg_with(), 2, parse_bytes("256MiB"))
+    with pytest.raises(UserError) as e:  # it tried them: no advice to try them
+        fit(cfg_with(), 2, parse_bytes("256MiB"))
+    assert "a sharding backend" not in str(e.value)
 
 
 def test_memory_units():
     assert parse_bytes("80GiB") == 80 * 2**30
     assert parse_bytes("1.5 GB") == 1_500_000_000
     assert parse_bytes("512mib") == 512 * 2**20
-    assert parse_bytes("1000") == 1000
+    assert parse_bytes("1000B") == 1000 and parse_bytes("5000000") == 5_000_000
+    with pytest.raises(UserError, match="has no unit"):  # (--fit 80: 80 bytes)
+        parse_bytes("1000")
     with pytest.raises(UserError, match="KiB, MiB, GiB, TiB"):
         parse_bytes("80 gigs")
 

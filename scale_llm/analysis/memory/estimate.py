@@ -651,6 +651,8 @@ def parse_bytes(text: str) -> int:
             f"of 1024), e.g. --fit 80GiB"
         )
     value = float(m.group(1)) * _UNITS[unit]
+    if not m.group(2) and value < 2**20:  # (`--fit 80`: 80 bytes, nothing fits)
+        raise UserError(f"memory size {text!r} has no unit: write one, e.g. {text.strip()}GiB")
     if not math.isfinite(value):  # (a 400-digit number)
         raise UserError(f"memory size {text!r} is too large to be a memory size; e.g. --fit 80GiB")
     return int(value)

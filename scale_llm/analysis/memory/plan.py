@@ -225,12 +225,13 @@ def fit(cfg: Config, target: RunPlan | int, budget: int, keep_backend: bool = Fa
     if not fitting:
         smallest = min(options, key=lambda o: o.estimate.total)
         tried = f"with backend {plan.backend} as launched" if keep_backend else _tried(options)
+        sharding = ", a sharding backend (`scale-llm estimate CONFIG --fit SIZE` proposes one)"
         raise UserError(
             f"nothing fits in {gib(budget)} per GPU, {tried}, full activation checkpointing "
             f"and micro-batch {min(micro_batches)}: the smallest total reachable is "
             f"{gib(smallest.estimate.total)} ({format_overrides(smallest.changes)}). "
-            f"Use more GPUs, a sharding backend (`scale-llm estimate CONFIG --fit SIZE` "
-            f"proposes one), a shorter model.seq_len or a smaller model"
+            f"Use more GPUs{sharding if keep_backend else ''}, a shorter model.seq_len or a "
+            f"smaller model"
         )
     changed = lambda o: sum(attrgetter(k)(cfg) != v for k, v in o.changes.items())  # noqa: E731
     best = min(fitting, key=lambda o: (o.cost, changed(o)))  # a tie: the config's own values
