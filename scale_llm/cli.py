@@ -434,10 +434,14 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         est, lay = fitted.estimate, fitted.estimate.layout
         gpu = {k: int(v) for k, v in est.gpu.items()}
         result["fit"] = {"budget": budget, "overrides": fitted.changes, "bytes_per_gpu": gpu}
+        host = sum(est.cpu.values())  # (offload: what each rank holds in host memory)
+        result["fit"]["host_bytes_per_rank"] = int(host)
         text.append(
             f"fits in {memory.gib(budget)}: total {memory.gib(est.total)} "
             f"({lay.describe()}, activation_checkpointing {est.ac.mode}, micro_batch "
-            f"{lay.micro_batch} x grad_accum {lay.grad_accum})\n  "
+            f"{lay.micro_batch} x grad_accum {lay.grad_accum})"
+            + (f"; and {memory.gib(host)} of host memory per rank, offloaded" if host else "")
+            + "\n  "
             + (memory.format_overrides(fitted.changes) or "(no change needed)")
         )
     print(json.dumps(result) if args.json else "\n".join(text))

@@ -3,8 +3,11 @@ state accounting, the fit plan, and the command line."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import itertools
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -283,6 +286,16 @@ def test_estimate_command_json_and_fit(tmp_path):
     assert out["params"] > 390e6
     assert {"params", "grads", "optimizer", "activations", "total"} <= out["bytes_per_gpu"].keys()
     assert out["fit"]["bytes_per_gpu"]["total"] <= 24 * 2**30
+    assert out["fit"]["host_bytes_per_rank"] == 0
+    # an offloading layout says what each rank then holds in host memory (70B on 2 GPUs: the
+    # proposal fit the GPUs and left out about 0.5 TiB a rank of offloaded state)
+    from scale_llm import cli
+
+    args = [str(REPO / "yaml" / "70b.yaml"), "--world-size", "2", "--fit", "80GiB"]
+    with contextlib.redirect_stdout(io.StringIO()) as text:
+        assert cli.main(["estimate", *args]) == 0
+    fits = next(line for line in text.getvalue().splitlines() if line.startswith("fits in"))
+    assert re.search(r"; and \d+\.\d\d GiB of host memory per rank, offloaded$", fits), fits
     bad = estimate_cli(tmp_path, "--fit", "12 parsecs")
     assert bad.returncode == 2 and "'12 parsecs' is not understood" in bad.stderr
 
