@@ -213,7 +213,7 @@ def run_check(
         if "curves" in wanted:
             report.attempt("prepare", "tiny.yaml's data", lambda: prepared(tiny))
             curves(report, tiny, cuda)
-        big = one_process(load_config(YAML / "400m.yaml") if cuda else tiny)
+        big = one_process(load_config(YAML / "400m.yaml", overrides or []) if cuda else tiny)
         rows = (GPU_SWEEP if cuda else CPU_SWEEP) if "sweep" in wanted else []
         sweep(report, big, rows[:2])  # the headline layout, compiled and eager
         mb, _, compiled = GPU_SWEEP[0] if cuda else CPU_SWEEP[0]  # the headline layout
