@@ -432,6 +432,26 @@ def test_data_repeat_false_counts_the_steps_from_where_a_resume_continues(data_d
         check(2, 111, 100, windows - 20)
 
 
+def test_options_this_run_does_not_read_are_said(data_dir, tmp_path, logs):
+    """`auto` resolves to ddp under a launcher and to single alone: a replicate_degree meant for
+    HSDP, DDP's or a pipeline's options were dropped without a word (config.yaml kept them)."""
+    from scale_llm.train.preflight import preflight
+
+    unread = ("parallel.fsdp.replicate_degree=2", "parallel.ddp.bucket_cap_mb=1")
+    cfg = make_config(data_dir, tmp_path, *unread, "parallel.pipeline.microbatches=4")
+    preflight(cfg, plan_for(cfg))
+    said = [line for line in logs if "not read: this run's backend" in line]
+    assert said == [
+        "parallel.fsdp: replicate_degree=2 not read: this run's backend is single",
+        "parallel.ddp: bucket_cap_mb=1 not read: this run's backend is single",
+        "parallel.pipeline: microbatches=4 not read: this run's backend is single without "
+        "pipeline stages",
+    ]
+    logs.clear()
+    preflight(make_config(data_dir, tmp_path), plan_for(cfg))  # the defaults: nothing to say
+    assert not [line for line in logs if "not read" in line]
+
+
 def test_a_diverged_steps_nan_and_inf_reach_the_charts(tmp_path):
     """NaN and inf became strings for the JSON row before the charts' scalars were picked from
     it: TensorBoard (and W&B) drew a smooth line over the diverged step."""

@@ -159,6 +159,7 @@ def preflight(cfg: Config, plan: RunPlan) -> RunSpec:
         warn_about_source(cfg, data)
         warn_about_validation(cfg, plan, data)
         warn_about_attention(cfg, plan)
+        warn_about_unread(cfg, plan)
         warn_about_deepspeed(cfg, plan)
     return spec
 
@@ -250,6 +251,21 @@ def warn_about_validation(cfg: Config, plan: RunPlan, data: TrainingData) -> Non
         f"validation windows, but there are fewer ({held}): each evaluation scores those once "
         f"each; prepare more validation data (data.val_fraction){fix}"
     )
+
+
+def warn_about_unread(cfg: Config, plan: RunPlan) -> None:
+    """parallel.fsdp.* / ddp.* / pipeline.* set away from their defaults where this plan reads
+    none of them (`auto` resolved to ddp, a replicate_degree meant for HSDP): said, not silent."""
+    reads = {"fsdp": plan.backend == "fsdp", "ddp": plan.backend == "ddp"}
+    for group, read in (reads | {"pipeline": plan.pp_degree > 1}).items():
+        section = getattr(cfg.parallel, group)
+        given, default = vars(section), vars(type(section)())
+        unread = [f"{k}={v}" for k, v in given.items() if v != default[k]]
+        if unread and not read:
+            log.warning(
+                f"parallel.{group}: {', '.join(unread)} not read: this run's backend is "
+                f"{plan.backend}{' without pipeline stages' if group == 'pipeline' else ''}"
+            )
 
 
 def warn_about_attention(cfg: Config, plan: RunPlan) -> None:
