@@ -2797,6 +2797,8 @@ def _init_from_index(weight_map: Any) -> Callable[[Ctx], Setup]:
         needs("safetensors")
         folder = ctx.tmp / "hf"
         shutil.copytree(ctx.exported, folder)
+        # (the index alone: beside model.safetensors it is not read, as transformers reads them)
+        (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
         index = {"metadata": {}, "weight_map": weight_map}
         (folder / "model.safetensors.index.json").write_text(json.dumps(index))
         return Setup(["train", ctx.config(f"model.init_from={folder}")])
