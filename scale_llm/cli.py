@@ -502,6 +502,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         given = {"--sweep": args.sweep, "--reference": args.reference}
         given |= {"--checkpoint-io": args.checkpoint_io, "--sweep-backend": args.sweep_backend}
         runs = [flag for flag, value in given.items() if value]
+        runs += [f"--sweep-{a}" for a, d in SWEEP_AXES.items() if getattr(args, f"sweep_{a}") != d]
         runs += [
             f"--{key}" for key, default in BENCH_COUNTS.items() if getattr(args, key) != default
         ]
@@ -657,7 +658,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from scale_llm.export import export
 
     try:
-        shard = parse_bytes(args.max_shard_size)
+        shard = parse_bytes(args.max_shard_size, bare=True)
     except UserError:
         shard = 0
     if shard < 1:

@@ -2390,6 +2390,11 @@ FLAGS = [
         "--num-fewshot, --include-path: only with --tasks",
     ),
     ("config of a device", ["config", "/dev/null"], "config file /dev/null is not a regular file"),
+    (
+        "bench --roofline with a sweep's axis",
+        ["bench", TINY, "--roofline", "H100-SXM", "--sweep-micro", "2"],
+        "--sweep-micro: not with --roofline",
+    ),
     (  # the roofline's count on the meta device: RuntimeError, storage size overflowed
         "a sequence length past any model's",
         ["bench", TINY, "--roofline", "H100-SXM", "--set", "model.seq_len=1e18"],

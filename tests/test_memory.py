@@ -244,6 +244,7 @@ def test_memory_units():
     assert parse_bytes("1000B") == 1000 and parse_bytes("5000000") == 5_000_000
     with pytest.raises(UserError, match="has no unit"):  # (--fit 80: 80 bytes)
         parse_bytes("1000")
+    assert parse_bytes("500000", bare=True) == 500_000  # (export --max-shard-size: bytes)
     with pytest.raises(UserError, match="KiB, MiB, GiB, TiB"):
         parse_bytes("80 gigs")
 

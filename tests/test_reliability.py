@@ -736,3 +736,5 @@ def test_a_deepspeed_checkpoint_saved_without_its_precision_is_read_by_its_own_l
     state["plan"]["precision"] = "fp32"
     state["config"]["parallel"]["deepspeed"]["offload_optimizer"] = "cpu"  # (CPU Adam's)
     assert saved_layout(state) == {**now, "offload_optimizer": "cpu"} != now
+    state["config"]["parallel"] = []  # (a state no run wrote: its own loader's default)
+    assert saved_layout(state) == now

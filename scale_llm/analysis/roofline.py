@@ -559,6 +559,7 @@ def not_modelled(cfg: Config) -> list[str]:
         (zero3, "ZeRO-3's gathers and reduce-scatters"),
         (zero3 and p.deepspeed.offload_optimizer == "cpu", "ZeRO-3's optimizer offload"),
         (zero3 and p.deepspeed.offload_param == "cpu", "ZeRO-3's parameter offload"),
+        (p.pipeline_parallel > 1 and p.fsdp.replicate_degree > 1, "HSDP's replica all-reduce"),
     ]
     return [what for applies, what in left if applies]
 
@@ -656,8 +657,9 @@ def _elementwise_bytes(rows: dict[str, dict[str, float]], fused: float, compiled
 
 def _idle(classes: Classes) -> ByWay:
     """The time outside the counted kernels (the step is their sum / CALIBRATION.busy); FSDP2's
-    exposed wait is no kernel's."""
-    kernels = _total({cls: ms for cls, ms in classes.items() if cls != FSDP_ROW})
+    and DDP's exposed waits are no kernel's."""
+    waits = (FSDP_ROW, ALLREDUCE_ROW)
+    kernels = _total({cls: ms for cls, ms in classes.items() if cls not in waits})
     return {w: t * (1 / getattr(CALIBRATION.busy, w) - 1) for w, t in kernels.items()}
 
 

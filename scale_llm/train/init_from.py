@@ -24,10 +24,14 @@ MAX_SHAPE_LINES = 8
 
 
 def check_init_from(
-    cfg: ModelConfig, tokenizer_sha256: str | None, tokenizer_files_sha256: str | None = None
+    cfg: ModelConfig,
+    tokenizer_sha256: str | None,
+    tokenizer_files_sha256: str | None = None,
+    compare_head: bool = True,
 ) -> Path:
     """The folder `cfg.init_from`, checked to fit `cfg` and data.dir's tokenizer (its file's
-    SHA-256, or the digest of data.tokenizer's folder); reads config and shapes, not weights."""
+    SHA-256, or the digest of data.tokenizer's folder); reads config and shapes, and with
+    `compare_head` (one rank) a tied config's two matrices where the file holds both."""
     folder = Path(cfg.init_from)
     values, problems = from_hf_config(read_hf_config(folder, WHAT))
     problems += config_problems(cfg, values, f"{folder}/config.json")
@@ -36,7 +40,7 @@ def check_init_from(
     shapes = shape_problems(cfg, found)
     problems += shapes[:MAX_SHAPE_LINES]
     embedding, head = "model.embed_tokens.weight", "lm_head.weight"
-    tied = cfg.tie_embeddings and head in found and not shapes  # (transformers unties these)
+    tied = compare_head and cfg.tie_embeddings and head in found and not shapes  # (untied)
     if tied and not torch.equal(weights.get(head), weights.get(embedding)):
         problems.append(
             f"{head} differs from {embedding}, and tie_word_embeddings is true: transformers "

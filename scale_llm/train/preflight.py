@@ -134,8 +134,9 @@ def preflight(cfg: Config, plan: RunPlan) -> RunSpec:
     if plan.is_main:
         report.check(check_run_dir_state, cfg)
     run_dir_ok = plan.is_main and len(report.problems) == known  # (a refused one: said once)
+    before = len(report.problems)
     resume = report.check(choose_resume, cfg, plan, data.manifest) if data else None
-    if fits:  # data.repeat=false's epochs: from where the resume continues
+    if fits and len(report.problems) == before:  # data.repeat=false: from the resumed position
         report.check(check_data_epochs, cfg, plan, data, resume)
     report.check(check_exit_step, cfg.train, resume)
     if run_dir_ok and not (resume and resume.step >= cfg.train.max_steps):  # (it will write)
@@ -145,7 +146,7 @@ def preflight(cfg: Config, plan: RunPlan) -> RunSpec:
         if resume is None:
             tok = data.manifest["tokenizer"]
             init_from = report.check(
-                check_init_from, cfg.model, tok["sha256"], tok.get("files_sha256")
+                check_init_from, cfg.model, tok["sha256"], tok.get("files_sha256"), plan.is_main
             )
         else:
             log.info("init_from: not used: resuming %s (newer weights)", resume.checkpoint)

@@ -304,20 +304,21 @@ def schedule_change(state: dict[str, Any], now: TrainConfig, step: int) -> str |
     )
 
 
-def optimizer_change(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> str | None:
+def optimizer_change(
+    state: dict[str, Any], optimizer: torch.optim.Optimizer, cfg: TrainConfig
+) -> str | None:
     """The config's betas, eps and weight decay into an optimizer a checkpoint was loaded into
     (its groups bring the saved ones, which a resume that changed them kept silently); what
-    changed, or None. The decay group is the first (`param_groups`)."""
-    changed = {}
+    changed since the checkpoint's run, or None. The decay group is the first (`param_groups`)."""
     for i, group in enumerate(optimizer.param_groups):
-        wanted = {"beta1": cfg.beta1, "beta2": cfg.beta2, "eps": cfg.eps}
-        wanted |= {"weight_decay": cfg.weight_decay} if i == 0 else {}
-        held = {"beta1": group["betas"][0], "beta2": group["betas"][1], "eps": group["eps"]}
-        held |= {"weight_decay": group["weight_decay"]}
-        changed |= {k: (held[k], v) for k, v in wanted.items() if held[k] != v}
         group.update(betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-        group["weight_decay"] = wanted.get("weight_decay", group["weight_decay"])
-    said = ", ".join(f"train.{k}: {old} -> {new}" for k, (old, new) in changed.items())
+        group["weight_decay"] = cfg.weight_decay if i == 0 else group["weight_decay"]
+    before = saved_section(TrainConfig, "train", state["config"]["train"])[0]
+    said = ", ".join(
+        f"train.{k}: {getattr(before, k)} -> {getattr(cfg, k)}"
+        for k in ("beta1", "beta2", "eps", "weight_decay")
+        if getattr(before, k) != getattr(cfg, k)
+    )
     return f"the optimizer's settings changed ({said}): the new ones apply" if said else None
 
 
@@ -399,8 +400,10 @@ def saved_layout(state: dict[str, Any]) -> dict[str, Any]:
     layout = state["backend"]["layout"]
     if layout["format"] != "deepspeed":
         return layout
-    ds = state["config"].get("parallel", {}).get("deepspeed", {})
+    parallel = state["config"].get("parallel")
+    ds = parallel.get("deepspeed") if isinstance(parallel, dict) else None
     offload = ds.get("offload_optimizer", "none") if isinstance(ds, dict) else "none"
+    offload = offload if offload in ("none", "cpu") else "none"
     return {"precision": state["plan"].get("precision"), "offload_optimizer": offload, **layout}
 
 

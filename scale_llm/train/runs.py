@@ -86,14 +86,13 @@ def summarize(run_dir: Path) -> RunSummary:
         max_steps = None
     holder = lock_holder(run_dir / LOCK)
     running = holder is not None and " on " not in holder  # (another host's: not checked)
-    if running:  # (its files change meanwhile: the newest complete one is shown)
+    if holder is not None:  # (its files may change meanwhile: the newest complete one is shown)
         found = complete_checkpoints(run_dir / "checkpoints")
         (ckpt_step, ckpt), damaged = found[-1] if found else (None, None), []
-        status = f"running ({holder})"
     else:
         (ckpt_step, ckpt), damaged = resumed_checkpoint(run_dir / "checkpoints")
-        done = ckpt_step is not None and max_steps is not None and ckpt_step >= max_steps
-        status = "complete" if done else "stopped"
+    done = ckpt_step is not None and max_steps is not None and ckpt_step >= max_steps
+    status = f"running ({holder})" if running else "complete" if done else "stopped"
     # the last row, loss and val_loss: of every row, and of those up to the checkpoint a
     # relaunch resumes (the rows after it are dropped then)
     seen: dict[str, dict[str, Any]] = {"all": {}, "upto": {}}

@@ -344,7 +344,7 @@ class Trainer:
             schedule_change(state, self.cfg.train, self.step),
             batch_change(state, self.plan),
             data_change(state, self.data.prepared, self.data.shards),
-            optimizer_change(self.backend.optimizer, self.cfg.train) if exact else None,
+            optimizer_change(state, self.backend.optimizer, self.cfg.train) if exact else None,
         ):
             if changed and self.plan.is_main:
                 log.warning("resume: %s", changed)

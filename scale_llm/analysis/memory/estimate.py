@@ -640,8 +640,9 @@ _UNITS = {"b": 1, **{f"{p}b": 10 ** (3 * i) for i, p in enumerate("kmgt", 1)}}
 _UNITS |= {f"{p}ib": 1 << (10 * i) for i, p in enumerate("kmgt", 1)}
 
 
-def parse_bytes(text: str) -> int:
-    """'80GiB' -> bytes. Units: B, KB, MB, GB, TB (powers of 1000), KiB, MiB, GiB, TiB (1024)."""
+def parse_bytes(text: str, bare: bool = False) -> int:
+    """'80GiB' -> bytes. Units: B, KB, MB, GB, TB (powers of 1000), KiB, MiB, GiB, TiB (1024);
+    a number without one is bytes only with `bare` or from 1 MiB (`--fit 80` is a mistake)."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
     unit = (m.group(2) or "b").lower() if m else ""
     if not m or unit not in _UNITS:
@@ -651,7 +652,7 @@ def parse_bytes(text: str) -> int:
             f"of 1024), e.g. --fit 80GiB"
         )
     value = float(m.group(1)) * _UNITS[unit]
-    if not m.group(2) and value < 2**20:  # (`--fit 80`: 80 bytes, nothing fits)
+    if not (m.group(2) or bare) and value < 2**20:  # (`--fit 80`: 80 bytes, nothing fits)
         raise UserError(f"memory size {text!r} has no unit: write one, e.g. {text.strip()}GiB")
     if not math.isfinite(value):  # (a 400-digit number)
         raise UserError(f"memory size {text!r} is too large to be a memory size; e.g. --fit 80GiB")
