@@ -2410,6 +2410,11 @@ FLAGS = [
         ["check", "o", "--budget-min", "-1"],
         "--budget-min -1.0: use the minutes after which the check starts no item, above 0",
     ),
+    (  # (its runs then sat outside --scratch; a second check there failed every curve)
+        "check --set run.dir",
+        ["check", "o", "--set", "run.dir=elsewhere"],
+        "--set run.dir: check makes its runs in a new folder of --scratch at each call",
+    ),
     (
         "check on a local corpus that is not there",
         ["check", "o", "--set", "data.source=/nonexistent/dir", "--scratch", "scr"],

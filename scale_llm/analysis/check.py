@@ -184,7 +184,14 @@ def run_check(
 ) -> dict[str, Any]:
     """`only`: a subset of SECTIONS (e.g. a second short call for what a budget skipped)."""
     scratch = scratch or default_scratch()
+    if any(item.partition("=")[0].strip() == "run.dir" for item in overrides or []):
+        raise UserError(  # (a second check there found the first's checkpoints: every curve failed)
+            "--set run.dir: check makes its runs in a new folder of --scratch at each call; "
+            "leave run.dir out, or give --scratch DIR"
+        )
     first = tiny_config(scratch, scratch / "runs", steps, overrides or [])  # before any write
+    if torch.cuda.is_available():  # its 400m items take the --set values too: checked now
+        load_config(YAML / "400m.yaml", overrides or [])
     check_settings(first)  # what prepare refuses of the --set values: before OUT is claimed
     if not first.data.source.startswith("hf:"):  # (a Hub source is looked up by prepare)
         open_source(first.data)  # a local corpus that is not there: before OUT is claimed
