@@ -2389,7 +2389,7 @@ FLAGS = [
         ["eval", "runs/x", "--perplexity", "d", "--num-fewshot", "2", "--include-path", "t"],
         "--num-fewshot, --include-path: only with --tasks",
     ),
-    ("config of a device", ["config", "/dev/null"], "config file /dev/null is not a regular file"),
+    ("config of a device", ["config", "/dev/null"], "config file /dev/null is a device"),
     (
         "bench --roofline with a sweep's axis",
         ["bench", TINY, "--roofline", "H100-SXM", "--sweep-micro", "2"],

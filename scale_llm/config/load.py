@@ -68,18 +68,16 @@ def resolve_config_path(path: str | Path) -> Path:
     return next((shipped / n for n in names if (shipped / n).is_file()), p)
 
 
-def _not_a_file(p: Path) -> str:
-    kind = "is a directory" if p.is_dir() else "is not a regular file (a device or a pipe?)"
-    return kind if p.exists() else "does not exist"
-
-
 def read_yaml(path: str | Path) -> dict[str, Any]:
     p = resolve_config_path(path)
     if not p.is_file():
+        from scale_llm.files import describe_kind
+
+        kind = describe_kind(p)
         shipped = shipped_config_dir()
         names = ", ".join(sorted(q.stem for q in shipped.glob("*.yaml"))) if shipped else ""
         raise UserError(
-            f"config file {p} {_not_a_file(p)}; pass the "
+            f"config file {p} {'does not exist' if kind == 'missing' else 'is ' + kind}; pass the "
             f"path of a YAML file or a shipped config's name."
             + (f" Shipped configs (by name): {names}." if names else "")
         )
