@@ -1031,6 +1031,17 @@ def test_resuming_a_different_run_is_refused(data_dir, tmp_path):
         trainer(data_dir, tmp_path, "checkpoint.resume=never")
     # settings that do not define the run may change: a longer run continues
     assert trainer(data_dir, tmp_path, "train.max_steps=2", "train.lr=5e-4").step == 1
+    # a null that stands for a computed value (the default SwiGLU width, n_heads key/value
+    # heads) is the same run as that value written out; another value is not
+    same = ("train.max_steps=2", "model.mlp_hidden=128", "model.n_kv_heads=4")
+    assert trainer(data_dir, tmp_path, *same).step == 1
+    assert trainer(data_dir, tmp_path, "train.max_steps=1", *same[1:]).step == 1  # finished
+    with pytest.raises(UserError) as info:
+        trainer(
+            data_dir, tmp_path, "train.max_steps=2", "model.mlp_hidden=256", "model.n_kv_heads=2"
+        )
+    assert "model.mlp_hidden: the checkpoint has None, the config says 256" in str(info.value)
+    assert "model.n_kv_heads: the checkpoint has None, the config says 2" in str(info.value)
 
 
 def test_metadata_pointing_outside_the_checkpoint_is_refused(four_steps, tmp_path):

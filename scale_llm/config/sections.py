@@ -138,6 +138,16 @@ def mlp_hidden_size(m: ModelConfig) -> int:
     return WIDTH_MULTIPLE * math.ceil(8 * m.d_model / 3 / WIDTH_MULTIPLE)
 
 
+def kv_heads(m: ModelConfig) -> int:
+    """Key/value heads: model.n_kv_heads, or n_heads (multi-head attention) where it is null."""
+    return m.n_kv_heads or m.n_heads
+
+
+# The model keys whose null stands for a value computed from others: a run is the same run
+# whether its config says null or that value.
+RESOLVED_KEYS = {"model.n_kv_heads": kv_heads, "model.mlp_hidden": mlp_hidden_size}
+
+
 @dataclass
 class TrainConfig:
     micro_batch_size: int = config_key(8, "sequences per forward/backward on each rank")

@@ -11,7 +11,7 @@ from scale_llm.config.fp8 import validate_fp8
 from scale_llm.config.parallel import validate_parallel
 from scale_llm.config.profile import validate_profile
 from scale_llm.config.schema import bound_problems
-from scale_llm.config.sections import Config, ModelConfig, get_key, mlp_hidden_size
+from scale_llm.config.sections import Config, ModelConfig, get_key, kv_heads, mlp_hidden_size
 from scale_llm.errors import short
 
 PATH_KEYS = tuple(
@@ -143,7 +143,7 @@ def tensor_parallel_problems(cfg: Config) -> list[str]:
             f"remaining ranks (tensor_parallel = world size: tensor parallelism alone); set "
             f"parallel.backend=fsdp, or parallel.tensor_parallel=1"
         )
-    kv = m.n_kv_heads or m.n_heads
+    kv = kv_heads(m)
     widths = [
         ("model.n_heads", m.n_heads, "query heads"),
         *([("model.n_kv_heads", kv, "key/value heads")] if m.n_kv_heads else []),

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from scale_llm.config import ModelConfig, short
-from scale_llm.config.sections import mlp_hidden_size
+from scale_llm.config.sections import kv_heads, mlp_hidden_size
 from scale_llm.model.transformer import fuse_qkv, split_qkv
 
 ARCHITECTURE = "LlamaForCausalLM"
@@ -44,7 +44,7 @@ _SUPPORTED = {
 def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor of the HF checkpoint of `cfg`'s model and its shape."""
     d, hidden, head_dim = cfg.d_model, mlp_hidden_size(cfg), cfg.d_model // cfg.n_heads
-    q, kv = cfg.n_heads * head_dim, (cfg.n_kv_heads or cfg.n_heads) * head_dim
+    q, kv = cfg.n_heads * head_dim, kv_heads(cfg) * head_dim
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,)}
     per_layer = {
         "input_layernorm.weight": (d,),
@@ -71,7 +71,7 @@ def to_hf(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> Iterator[tuple[st
             yield theirs, state.pop(ours)
     for i in range(cfg.n_layers):
         wqkv = f"layers.{i}.attention.wqkv.weight"
-        parts = split_qkv(state.pop(wqkv), cfg.n_heads, cfg.n_kv_heads or cfg.n_heads)
+        parts = split_qkv(state.pop(wqkv), cfg.n_heads, kv_heads(cfg))
         for name, part in zip(_QKV, parts):
             yield f"model.layers.{i}.{name}", part
         for ours, theirs in _PER_LAYER.items():
@@ -103,7 +103,7 @@ class FromHF(Mapping[str, torch.Tensor]):
         _, i, ours = name.split(".", 2)
         if ours == "attention.wqkv.weight":
             parts = [self.get(f"model.layers.{i}.{theirs}") for theirs in _QKV]
-            return fuse_qkv(*parts, self.cfg.n_kv_heads or self.cfg.n_heads)
+            return fuse_qkv(*parts, kv_heads(self.cfg))
         return self.get(f"model.layers.{i}.{_PER_LAYER[ours]}")
 
     def __iter__(self) -> Iterator[str]:
@@ -141,7 +141,7 @@ def to_hf_config(
         "intermediate_size": mlp_hidden_size(cfg),
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads or cfg.n_heads,
+        "num_key_value_heads": kv_heads(cfg),
         "head_dim": cfg.d_model // cfg.n_heads,
         "hidden_act": "silu",
         "max_position_embeddings": cfg.seq_len,

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from scale_llm.config import ModelConfig
-from scale_llm.config.sections import mlp_hidden_size
+from scale_llm.config.sections import kv_heads, mlp_hidden_size
 from scale_llm.model import attention, cpu_kernels
 from scale_llm.model.kv_cache import KVCache
 
@@ -56,7 +56,7 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.n_heads = cfg.n_heads
-        self.n_kv_heads = cfg.n_kv_heads or cfg.n_heads
+        self.n_kv_heads = kv_heads(cfg)
         self.head_dim = cfg.d_model // cfg.n_heads
         self.eager = cfg.attention == "eager"
         qkv_width = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim

@@ -13,7 +13,7 @@ from scale_llm.components.loss import CHUNK_ELEMENTS, compiled_loss, cross_entro
 from scale_llm.config import ActivationCheckpointingConfig as AC
 from scale_llm.config import Config, ModelConfig
 from scale_llm.config.plan import RunPlan
-from scale_llm.config.sections import measures_compiled, mlp_hidden_size
+from scale_llm.config.sections import kv_heads, measures_compiled, mlp_hidden_size
 from scale_llm.model import build_model
 from scale_llm.parallel.activation_checkpointing import (
     apply_activation_checkpointing,
@@ -67,11 +67,11 @@ def norm_saved_bytes(tokens: int, d: int, num: Numerics) -> int:
 
 def widths(m: ModelConfig, tp: int = 1) -> dict[str, int]:
     """The widths one rank computes: 1/tp of the heads, the SwiGLU width and the vocabulary."""
-    head_dim, kv_heads = m.d_model // m.n_heads, m.n_kv_heads or m.n_heads
+    head_dim, kv = m.d_model // m.n_heads, kv_heads(m)
     return {
         "d": m.d_model,
         "dq": m.n_heads * head_dim // tp,
-        "dkv": kv_heads * head_dim // tp,
+        "dkv": kv * head_dim // tp,
         "F": mlp_hidden_size(m) // tp,
         "D": head_dim,
         "H": m.n_heads // tp,
