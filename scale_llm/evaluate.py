@@ -4,6 +4,7 @@ step again, so exports and records are reused only with this checkpoint's `check
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import logging
@@ -44,6 +45,7 @@ from scale_llm.export import (
     unwritten_config_keys,
 )
 from scale_llm.files import (
+    OwnerLock,
     atomic_write_json,
     custom_code_problem,
     describe_kind,
@@ -54,9 +56,10 @@ from scale_llm.files import (
     temporary_sibling,
     unwritable_dir,
 )
-from scale_llm.generate import load_run, read_run_config
+from scale_llm.generate import load_run, read_run_config, refuse_other_model
 
 log = logging.getLogger(__name__)
+LOCK = ".eval.lock"  # in RUN_DIR/eval: held while an eval reads, merges and writes its record
 MADE_BY = "scale-llm eval"  # export info's "made_by" in the exports eval makes (and may replace)
 
 
@@ -76,6 +79,33 @@ def eval_run(
     run_dir = Path(run_dir)
     cfg = read_run_config(run_dir)
     check_outputs(run_dir, bool(tasks), cfg.logging.tensorboard)  # before any work
+    # one eval of a run at a time: each merges its results into the record another would
+    # overwrite, and both would export to the same folder
+    lock = OwnerLock(run_dir / "eval" / LOCK, f"{run_dir}'s eval", "evaluate a copy of the run")
+    made = not (run_dir / "eval").exists()
+    lock.acquire(wait=True, on_wait="eval: another eval of this run (%s) is running; waiting")
+    try:
+        return _eval_locked(
+            run_dir, cfg, plan, tasks, limit, include_path, perplexity, batch_size, num_fewshot
+        )
+    finally:
+        lock.release()
+        if made:  # (a refused eval leaves no empty folder behind)
+            with contextlib.suppress(OSError):
+                (run_dir / "eval").rmdir()
+
+
+def _eval_locked(
+    run_dir: Path,
+    cfg: Config,
+    plan: RunPlan,
+    tasks: list[str] | None,
+    limit: int | None,
+    include_path: str | Path | None,
+    perplexity: str | Path | None,
+    batch_size: int,
+    num_fewshot: int | None,
+) -> tuple[Path, dict[str, Any]]:
     if (ckpt := Checkpointer(run_dir, 1).latest_good()) is None:
         raise UserError(f"{run_dir} has no complete checkpoint to evaluate; train it first")
     step, digest = read_trainer_state(ckpt)["step"], checkpoint_digest(ckpt)
@@ -86,7 +116,9 @@ def eval_run(
         written = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(path.stat().st_mtime))
     export_dir = run_dir / "export" / ckpt.name
     reuse = bool(tasks) and reusable_export(export_dir, digest)
-    manager = task_manager(tasks, include_path, shots=num_fewshot) if tasks else None  # (first)
+    manager = None  # (first: the tasks are checked before any export)
+    if tasks:
+        manager = task_manager(tasks, include_path, shots=num_fewshot, seq_len=cfg.model.seq_len)
     held_out = None  # --perplexity's windows, read and checked before the tasks run
     if perplexity is not None:
         held_out = held_out_sets(run_dir, cfg, ckpt, Path(perplexity), limit)
@@ -177,8 +209,11 @@ def set_aside(path: Path) -> None:
 def merged(earlier: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     """The record of a checkpoint: this call's results over the earlier ones of the same bytes."""
     record = {**earlier, **{k: v for k, v in new.items() if k != "tasks"}}
-    if "tasks" in new:
+    if "tasks" in new:  # (lm_eval: this call's settings, and by_task those each task ran with)
         record["tasks"] = {**(earlier.get("tasks") or {}), **new["tasks"]}
+        by_task = (earlier.get("lm_eval") or {}).get("by_task") or {}
+        by_task = {**by_task, **dict.fromkeys(new["tasks"], new["lm_eval"])}
+        record["lm_eval"] = {**new["lm_eval"], "by_task": by_task}
     return record
 
 
@@ -270,10 +305,11 @@ def task_manager(
     include_path: str | Path | None,
     keys: tuple[str, str, str] = ("scale-llm eval", "--tasks", "--include-path"),
     shots: int | None = None,
+    seq_len: int | None = None,
 ) -> Any:
     """lm-eval's task manager that knows every one of `tasks` (refused before any export), each
-    with at least `shots` few-shot examples. `keys`: what messages call the command, the task
-    list and the folder."""
+    with at least `shots` few-shot examples and, generating, fewer new tokens than `seq_len`.
+    `keys`: what messages call the command, the task list and the folder."""
     command, tasks_key, include_key = keys
     require(command, "lm_eval", "transformers", "accelerate")
     import lm_eval.utils
@@ -318,7 +354,7 @@ def task_manager(
             + f"; `lm-eval ls tasks` lists them, {include_key} DIR adds a folder of task YAMLs"
         )
     for task in tasks:
-        build_task(manager, task, tasks_key, shots)
+        build_task(manager, task, tasks_key, shots, seq_len)
     return manager
 
 
@@ -431,8 +467,11 @@ def _listed(value: Any) -> list:
     return value if isinstance(value, list) else [value]
 
 
-def build_task(manager: Any, task: str, tasks_key: str, shots: int | None = None) -> None:
-    """Build `task` as lm-eval will: missing data, or fewer few-shot examples than `shots`,
+def build_task(
+    manager: Any, task: str, tasks_key: str, shots: int | None = None, seq_len: int | None = None
+) -> None:
+    """Build `task` as lm-eval will: missing data, fewer few-shot examples than `shots`, or a
+    generation of `seq_len` tokens or more (lm-eval asserts it leaves room for a prompt),
     refused before the export, not a traceback. Quiet: a refusal is its message alone
     (datasets' progress bars are off while the tasks are built)."""
     import datasets
@@ -449,6 +488,7 @@ def build_task(manager: Any, task: str, tasks_key: str, shots: int | None = None
         # (lm-eval's sampler draws `shots` of them, one more from the split it scores:
         # random.sample's ValueError when fewer)
         pools = {name: pool for name, t in built.items() if (pool := _shot_pool(t, shots))}
+        generates = {name: n for name, t in built.items() if (n := _new_tokens(t)) is not None}
     except UserError:
         raise
     except Exception as e:  # lm-eval and datasets raise many types (OSError, ValueError, ...)
@@ -456,6 +496,15 @@ def build_task(manager: Any, task: str, tasks_key: str, shots: int | None = None
     finally:
         if shown:
             datasets.enable_progress_bars()
+    for name, n in generates.items():
+        if seq_len is not None and n >= seq_len:
+            raise UserError(
+                f"{tasks_key} {name}: it generates up to {n} tokens (max_gen_toks), but the "
+                f"model reads at most model.seq_len={seq_len} tokens, and lm-eval needs the "
+                f"prompt and the generation to fit in them; score it on a model with a longer "
+                f"model.seq_len, or copy the task's YAML into an {keys_folder(tasks_key)} "
+                f"folder with generation_kwargs: {{max_gen_toks: N}}, N below {seq_len}"
+            )
     for name, (have, extra) in pools.items():
         if have < shots + extra:
             scored = " (one of them is the example scored: the task draws from its test split)"
@@ -481,6 +530,25 @@ def _shot_pool(task: Any, shots: int | None) -> tuple[int, int] | None:
         return None
     split = getattr(getattr(task, "fewshot_cfg", None), "split", None)
     return have, int(split == getattr(config, "test_split", None))  # (as lm-eval compares)
+
+
+GENERATED = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")  # lm-eval's
+DEFAULT_NEW_TOKENS = 256  # lm-eval's HF model: a generating task's tokens when it names none
+
+
+def _new_tokens(task: Any) -> int | None:
+    """The new tokens a generating (generate_until) task asks lm-eval for; None: not one."""
+    config = getattr(task, "config", None)
+    if getattr(config, "output_type", None) != "generate_until":
+        return None
+    kwargs = getattr(config, "generation_kwargs", None) or {}
+    named = [kwargs[k] for k in GENERATED if isinstance(kwargs.get(k), int)]
+    return named[0] if named else DEFAULT_NEW_TOKENS
+
+
+def keys_folder(tasks_key: str) -> str:
+    """The option naming a folder of task YAMLs beside `tasks_key`."""
+    return "eval.tasks_include_path" if tasks_key.startswith("eval.") else "--include-path"
 
 
 def task_data_problem(task: str, error: BaseException, tasks_key: str) -> str:
@@ -603,7 +671,9 @@ def held_out_sets(
 ) -> HeldOut:
     """--perplexity's validation windows, checked: (data_dir, {source: (windows, how many)} (""
     for a folder alone), a mixture's weights (None: by windows) and what they follow)."""
-    trained_with = read_trainer_state(ckpt)["tokenizer_sha256"]
+    state = read_trainer_state(ckpt)
+    refuse_other_model(run_dir, ckpt, state, cfg)  # (before the tasks: load_run says it too)
+    trained_with = state["tokenizer_sha256"]
     if not (data_dir / MIXTURE).exists() or (data_dir / MANIFEST).exists():
         alone = held_out_windows(run_dir, cfg, data_dir, limit, trained_with)
         return data_dir, {"": alone}, None, None
@@ -645,7 +715,13 @@ def held_out_perplexity(
 
 
 def _scores(windows: int, loss: float, tokens: int) -> dict[str, Any]:
-    return {"windows": windows, "tokens": tokens, "loss": loss, "ppl": math.exp(loss)}
+    return {"windows": windows, "tokens": tokens, "loss": loss, "ppl": perplexity_of(loss)}
+
+
+def perplexity_of(loss: float) -> float | str:
+    """exp(loss); "inf" past float64 (exp(709.8)) and "nan" for a NaN: JSON has neither."""
+    ppl = math.inf if loss >= 709 else math.exp(loss)
+    return ppl if math.isfinite(ppl) else str(ppl)
 
 
 def held_out_windows(
@@ -682,10 +758,14 @@ def held_out_windows(
             f"another SHA-256): it was replaced or damaged; copy {data_dir / tok_path.name}, "
             f"the one the run trained with, back there"
         )
-    windows = TokenWindows(open_split(data_dir, manifest, "val"), cfg.model.seq_len)
+    files = [str(data_dir / x["file"]) for x in manifest["splits"]["val"]["shards"]]
+    maps, vocab = open_split(data_dir, manifest, "val"), cfg.model.vocab_size
+    windows = TokenWindows(maps, cfg.model.seq_len, vocab, files)  # (ids past the vocabulary)
     n = len(windows) if limit is None else min(limit, len(windows))
     if n == 0:
         raise UserError(f"--perplexity {data_dir}: no validation window of seq_len tokens")
+    for start in range(0, n, 4096):  # every id checked before any work
+        windows.get(np.arange(start, min(n, start + 4096)))
     return windows, n
 
 
@@ -723,7 +803,7 @@ def mixture_sources(cfg: Config, data_dir: Path) -> tuple[list[str], dict[str, f
 def perplexity_scalars(ppl: dict[str, Any]) -> dict[str, float]:
     """eval/perplexity/{loss,ppl}, and a mixture's eval/perplexity/<source>/{loss,ppl}."""
     named = [("", ppl), *((f"{name}/", one) for name, one in ppl.get("sources", {}).items())]
-    return {f"eval/perplexity/{n}{k}": one[k] for n, one in named for k in ("loss", "ppl")}
+    return {f"eval/perplexity/{n}{k}": float(one[k]) for n, one in named for k in ("loss", "ppl")}
 
 
 def format_record(record: dict[str, Any]) -> str:
@@ -736,13 +816,13 @@ def format_record(record: dict[str, Any]) -> str:
         p = record["perplexity"]
         lines.append(
             f"  perplexity on {p['data_dir']} ({p['windows']} windows, {p['tokens']} tokens): "
-            f"loss {p['loss']:.4f}, ppl {p['ppl']:.2f}"
+            f"loss {p['loss']:.4f}, ppl {float(p['ppl']):.2f}"
             + (f" (sources weighted by {p['weighted_by']})" if "sources" in p else "")
         )
         for name, one in p.get("sources", {}).items():
             lines.append(
-                f"    {name}: loss {one['loss']:.4f}, ppl {one['ppl']:.2f} ({one['windows']} "
-                f"windows, weight {one['weight']:.3f})"
+                f"    {name}: loss {one['loss']:.4f}, ppl {float(one['ppl']):.2f} "
+                f"({one['windows']} windows, weight {one['weight']:.3f})"
             )
     if record.get("kept"):
         lines.append(

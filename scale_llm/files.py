@@ -514,8 +514,8 @@ class OwnerLock:
             return
         if (earlier := _HELD.get(self._key())) is not None:
             earlier.release()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(100):  # each retry follows a release that unlinked the file under us
+            self.path.parent.mkdir(parents=True, exist_ok=True)  # (and maybe its folder)
             if (fd := self._open(create=True)) is None:
                 continue
             try:

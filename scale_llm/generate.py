@@ -53,21 +53,7 @@ def load_run(
     run_dir = Path(run_dir)
     ckpt = run_checkpoint(run_dir, checkpoint)
     state = read_trainer_state(ckpt)  # checked: the step, the model section, the tokenizer hash
-    # the run's own checkpoint (one moved aside too; its checkpoints folder may be a link)
-    own = Path(os.path.realpath(ckpt)).is_relative_to(os.path.realpath(run_dir / "checkpoints"))
-    differs = model_differences(state["config"], cfg)
-    if differs and own:  # its config.yaml was edited
-        raise UserError(
-            f"{run_dir / 'config.yaml'} differs from the model {ckpt} was trained as, in "
-            f"{'; '.join(differs)}: it was edited after the run wrote it; restore those values "
-            f"(the checkpoint's trainer.pt holds the config it was trained with)"
-        )
-    if differs:
-        raise UserError(
-            f"{ckpt} belongs to another run: its model differs from {run_dir}'s "
-            f"config.yaml in {'; '.join(differs)}; generate from that checkpoint's own run "
-            f"directory ({ckpt.parent.parent}), or pick a checkpoint of {run_dir}"
-        )
+    own = refuse_other_model(run_dir, ckpt, state, cfg)
     trained_with = state["tokenizer_sha256"]
     tok_path = run_tokenizer_path(run_dir, trained_with)
     tokenizer = load_tokenizer(tok_path)
@@ -89,6 +75,27 @@ def load_run(
     model.load_state_dict(load_model_weights(ckpt, empty_state_dict(cfg.model)), assign=True)
     model.to(plan.device).eval()
     return model, tokenizer
+
+
+def refuse_other_model(run_dir: Path, ckpt: Path, state: dict[str, Any], cfg: Config) -> bool:
+    """Refuse a run config (`cfg`, the run's config.yaml) whose model is not the one `ckpt`
+    trained; whether `ckpt` is the run's own (one moved aside too; its checkpoints folder may be
+    a link)."""
+    own = Path(os.path.realpath(ckpt)).is_relative_to(os.path.realpath(run_dir / "checkpoints"))
+    differs = model_differences(state["config"], cfg)
+    if differs and own:  # its config.yaml was edited
+        raise UserError(
+            f"{run_dir / 'config.yaml'} differs from the model {ckpt} was trained as, in "
+            f"{'; '.join(differs)}: it was edited after the run wrote it; restore those values "
+            f"(the checkpoint's trainer.pt holds the config it was trained with)"
+        )
+    if differs:
+        raise UserError(
+            f"{ckpt} belongs to another run: its model differs from {run_dir}'s "
+            f"config.yaml in {'; '.join(differs)}; generate from that checkpoint's own run "
+            f"directory ({ckpt.parent.parent}), or pick a checkpoint of {run_dir}"
+        )
+    return own
 
 
 def run_checkpoint(run_dir: Path, checkpoint: str | Path | None) -> Path:

@@ -1009,6 +1009,41 @@ def _data_of_another_tokenizer(ctx: Ctx) -> list[str]:
     return ["eval", str(run), "--perplexity", str(other)]
 
 
+def _perplexity_past_the_vocabulary(ctx: Ctx) -> Setup:
+    """A validation shard holding an id past model.vocab_size: an IndexError traceback from the
+    embedding (a device assert on a GPU), after --tasks had exported and scored."""
+    import numpy as np
+
+    run, data = ctx.run(), _copy_data(ctx)
+    calls = stub_eval_tasks(ctx.monkeypatch)
+    shard = np.memmap(data / "val_00000.bin", dtype=np.uint16, mode="r+")
+    shard[5] = 60000
+    shard.flush()
+    del shard
+    return Setup(
+        ["eval", str(run), "--tasks", "fake_task", "--perplexity", str(data)],
+        watch=[run],
+        then=lambda: assert_nothing(calls),
+    )
+
+
+def _eval_of_an_edited_model(ctx: Ctx) -> Setup:
+    """config.yaml's model edited: refused only once --tasks had exported and scored."""
+    run = ctx.run()
+    calls = stub_eval_tasks(ctx.monkeypatch)
+    text = (run / "config.yaml").read_text()
+    (run / "config.yaml").write_text(text.replace("  n_layers: 2\n", "  n_layers: 3\n"))
+    return Setup(
+        ["eval", str(run), "--tasks", "fake_task", "--perplexity", str(ctx.data_dir)],
+        watch=[run],
+        then=lambda: assert_nothing(calls),
+    )
+
+
+def assert_nothing(calls: list) -> None:
+    assert calls == []
+
+
 def _perplexity_with_the_runs_tokenizer_replaced(ctx: Ctx) -> list[str]:
     """The run's tokenizer.model replaced (its data dir intact): it blamed the data dir."""
     from scale_llm.data.tokenizer import train_tokenizer
@@ -1158,6 +1193,16 @@ DATA = [
     ],
     ("a folder for prepare's progress record", _progress_record_a_folder, ()),
     ("eval: data of another tokenizer", _data_of_another_tokenizer, "not the one"),
+    (
+        "eval --perplexity of a shard holding an id past the vocabulary",
+        _perplexity_past_the_vocabulary,
+        ("val_00000.bin holds token id 60000 at window 0", "model.vocab_size"),
+    ),
+    (
+        "eval of a run whose config.yaml's model was edited",
+        _eval_of_an_edited_model,
+        ("config.yaml differs from the model", "n_layers (2 in the checkpoint, 3 in the run)"),
+    ),
     (
         "eval --perplexity with the run's tokenizer replaced",
         _perplexity_with_the_runs_tokenizer_replaced,
@@ -2265,6 +2310,22 @@ def _eval_task_data(kind: str) -> Callable[[Ctx], Setup]:
     return setup
 
 
+def _eval_generating_past_the_window(ctx: Ctx) -> Setup:
+    """A generating task of lm-eval's default 256 new tokens on a 32-token model: lm-eval's
+    AssertionError traceback after the export."""
+    needs("lm_eval")
+    run = ctx.run()
+    (ctx.tmp / "tasks").mkdir()
+    data = (
+        f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {TASK_DIR}/tiny_mc.jsonl\n"
+    )
+    rest = "test_split: test\noutput_type: generate_until\ndoc_to_text: question\n"
+    rest += "doc_to_target: answer\nmetric_list:\n  - metric: exact_match\n"
+    (ctx.tmp / "tasks" / "gen.yaml").write_text("task: gen_task\n" + data + rest)
+    flags = ["--tasks", "gen_task", "--include-path", str(ctx.tmp / "tasks")]
+    return Setup(["eval", str(run), *flags], watch=[run])
+
+
 def _eval_more_shots_than_examples(shots: int, more: str = "") -> Callable[[Ctx], Setup]:
     """--num-fewshot above a task's 10 examples (9 when it draws them from the split it scores:
     one more is drawn): lm-eval's sampler raised random.sample's ValueError after the export.
@@ -2597,6 +2658,15 @@ FLAGS = [
         _eval_more_shots_than_examples(11),
         "--num-fewshot 11: task few_task has 10 examples to draw its few-shot context from; "
         "give --num-fewshot 10 or fewer",
+    ),
+    (
+        "eval of a generating task past the model's window",
+        _eval_generating_past_the_window,
+        (
+            "--tasks gen_task: it generates up to 256 tokens (max_gen_toks), but the model reads "
+            "at most model.seq_len=32 tokens",
+            "copy the task's YAML into an --include-path folder",
+        ),
     ),
     (  # it said "no such folder"
         "eval --include-path a file",

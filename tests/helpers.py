@@ -462,7 +462,7 @@ def stub_eval_tasks(monkeypatch) -> list:
 
     calls: list = []
 
-    def manager(names, include_path, shots=None):
+    def manager(names, include_path, shots=None, seq_len=None):
         return None
 
     def tasks(export_dir, names, *args, **kwargs):

@@ -7,6 +7,8 @@ the same checkpoint bytes. (Damaged, foreign or impossible artifacts: tests/test
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from scale_llm.components.serialization import load_file, save_file
 from scale_llm.errors import UserError
 from scale_llm.train.trainer import Trainer
 from tests.helpers import (
+    REPO,
     copy_run,
     finished_run,
     make_config,
@@ -172,6 +175,56 @@ def test_eval_prints_only_this_calls_results_and_names_the_merged_file(evaluated
     assert f"are kept in {record}: perplexity; written 20" in out  # (and when: a UTC time)
     merged = json.loads(record.read_text())
     assert set(merged["tasks"]) == {"fake_task"} and "perplexity" in merged
+
+
+HOLD_EVAL_LOCK = """import sys, time
+from pathlib import Path
+from scale_llm.files import OwnerLock
+lock = OwnerLock(Path(sys.argv[1]), "an eval", "wait")
+lock.acquire()
+print("held", flush=True)
+time.sleep(2)
+Path(sys.argv[2]).write_text(repr(time.time()))
+lock.release()
+"""
+
+
+def test_a_second_eval_of_a_run_waits_and_each_tasks_settings_are_kept(
+    evaluated, data_dir, tmp_path, capsys
+):
+    """Two evals of one run at once: each read the record, and the later write dropped the
+    earlier's results; tasks scored with another --limit were recorded under the last call's."""
+    run, _ = evaluated
+    assert main(["eval", str(run), "--tasks", "a_task", "--limit", "3"]) == 0
+    assert main(["eval", str(run), "--tasks", "b_task"]) == 0
+    record = run / "eval" / f"{STEP4}.json"
+    by_task = json.loads(record.read_text())["lm_eval"]["by_task"]
+    assert by_task["a_task"]["limit"] == 3 and by_task["b_task"]["limit"] is None
+    released = tmp_path / "released"
+    argv = [sys.executable, "-c", HOLD_EVAL_LOCK, str(run / "eval" / ".eval.lock"), str(released)]
+    holder = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "held\n"  # another eval of the run is under way
+    capsys.readouterr()
+    assert main(["eval", str(run), "--perplexity", str(data_dir), "--limit", "2"]) == 0
+    assert holder.wait(timeout=60) == 0
+    said = "".join(capsys.readouterr())
+    assert "eval: another eval of this run (pid" in said and "is running; waiting" in said
+    assert record.stat().st_mtime >= float(released.read_text())  # written after it ended
+    merged = json.loads(record.read_text())
+    assert set(merged["tasks"]) == {"a_task", "b_task"} and "perplexity" in merged
+    assert not (run / "eval" / ".eval.lock").exists()
+
+
+def test_a_perplexity_past_float64_is_recorded_as_inf():
+    """exp(loss) of a diverged model (loss 800): an OverflowError traceback, the record lost."""
+    from scale_llm.evaluate import _scores, format_record, perplexity_scalars
+
+    scores = _scores(2, 800.0, 64)
+    assert scores["ppl"] == "inf"
+    record = {"step": 4, "checkpoint": "c", "perplexity": {"data_dir": "d", **scores}}
+    assert "loss 800.0000, ppl inf" in format_record(record)
+    assert perplexity_scalars(record["perplexity"])["eval/perplexity/ppl"] == float("inf")
+    assert _scores(2, 2.0, 64)["ppl"] == pytest.approx(7.389056)
 
 
 def test_eval_sets_aside_a_record_of_other_weights(evaluated, data_dir, capsys):

@@ -74,6 +74,38 @@ def test_a_task_whose_data_is_missing_is_refused_before_any_work(data_dir, tmp_p
     assert not cfg.run_dir.exists()
 
 
+GENERATING = f"""task: tiny_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {TASKS / "tiny_mc.jsonl"}
+test_split: test
+output_type: generate_until
+doc_to_text: question
+doc_to_target: "{{{{choices[answer]}}}}"
+metric_list:
+  - metric: exact_match
+"""
+
+
+def test_a_generating_task_longer_than_the_window_is_refused_before_any_work(data_dir, tmp_path):
+    """lm-eval asserts a generation leaves room for a prompt in the model's window: a task
+    generating lm-eval's default 256 tokens on a 32-token model is refused at start, not a
+    warning at every evaluation."""
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "gen.yaml").write_text(GENERATING)
+    cfg = make_config(data_dir, tmp_path, "eval.tasks=tiny_gen", f"eval.tasks_include_path={tasks}")
+    with pytest.raises(UserError, match=r"^eval.tasks tiny_gen: it generates up to 256 tokens"):
+        trainer_for(cfg)
+    assert not cfg.run_dir.exists()
+    (tasks / "gen.yaml").write_text(GENERATING + "generation_kwargs:\n  max_gen_toks: 32\n")
+    with pytest.raises(UserError, match=r"up to 32 tokens .* model.seq_len=32 .*N below 32"):
+        trainer_for(cfg)
+    (tasks / "gen.yaml").write_text(GENERATING + "generation_kwargs:\n  max_gen_toks: 8\n")
+    assert trainer_for(cfg).step == 0  # (the tasks checked, and built)
+
+
 def test_fsdp_world_scores_the_whole_model_as_scale_llm_eval_does(data_dir, tmp_path, monkeypatch):
     """Rank 0 scores the weights every rank gathered; `scale-llm eval` of the step-4
     checkpoint (the same weights, read from the files) gives the same perplexity."""
@@ -152,7 +184,7 @@ def test_a_killed_launchs_scratch_export_is_removed_by_the_next_and_never_counte
     import scale_llm.train.eval_tasks as eval_tasks
     from scale_llm.train.runs import disk_usage
 
-    monkeypatch.setattr(evaluate, "task_manager", lambda *args: None)
+    monkeypatch.setattr(evaluate, "task_manager", lambda *args, **kw: None)
     monkeypatch.setattr(evaluate, "run_tasks", lambda *args, **kw: {"t": {"acc": 0.5}})
     with monkeypatch.context() as killed:  # the folder stays, as after a SIGKILL
         killed.setattr(eval_tasks.shutil, "rmtree", lambda *args, **kw: None)

@@ -471,6 +471,23 @@ def test_a_diverged_steps_nan_and_inf_reach_the_charts(tmp_path):
     assert rows_of(tmp_path)[2] == {"step": 2, "loss": "nan", "grad_norm": "inf"}
 
 
+def test_a_validation_loss_past_float64s_exp_logs_an_infinite_perplexity(
+    data_dir, tmp_path, monkeypatch
+):
+    """val_perplexity was exp(min(val_loss, 80)): a loss of 800 logged 5.5e34 as if measured."""
+    from scale_llm.train.callbacks import Validation
+
+    monkeypatch.setattr(Validation, "evaluate", lambda self, trainer: {"": 800.0})
+    tr = trainer(data_dir, tmp_path, "train.max_steps=2", "eval.every=1", "eval.steps=1")
+    tr.fit()
+    rows = rows_of(tr.run_dir)
+    assert rows[1]["val_loss"] == 800.0 and rows[1]["val_perplexity"] == "inf"
+    monkeypatch.setattr(Validation, "evaluate", lambda self, trainer: {"": 2.0})
+    tr = trainer(data_dir, tmp_path, "run.name=b", "train.max_steps=1", "eval.every=1")
+    tr.fit()
+    assert rows_of(tr.run_dir)[1]["val_perplexity"] == pytest.approx(math.exp(2.0))
+
+
 def test_a_rewritten_history_logs_to_a_new_wandb_run(tmp_path, monkeypatch, logs):
     """W&B drops a run's steps that do not increase: a resume at step 4 of a run that had logged
     step 6 kept its W&B run, so the steps rewritten were lost there; a start from another run's

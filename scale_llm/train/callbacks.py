@@ -122,7 +122,7 @@ class Validation(Callback):
             return
         losses = self.evaluate(trainer)
         val = trainer.result.val_losses[s.step] = s.row["val_loss"] = losses.pop("")
-        ppl = s.row["val_perplexity"] = math.exp(min(val, 80.0))
+        ppl = s.row["val_perplexity"] = math.inf if val >= 709 else math.exp(val)  # (no cap)
         s.row.update({f"val_loss/{n}": v for n, v in losses.items()})
         log.info(f"step {s.step} | val_loss {val:.4f} | val_perplexity {ppl:.2f}")
         if losses:

@@ -44,7 +44,9 @@ class TaskEval:
         self.manager, problem = None, None
         if self.tasks and plan.is_main:  # (the other ranks only gather and wait)
             try:
-                self.manager = evaluate.task_manager(self.tasks, cfg.eval.tasks_include_path, KEYS)
+                self.manager = evaluate.task_manager(
+                    self.tasks, cfg.eval.tasks_include_path, KEYS, seq_len=cfg.model.seq_len
+                )
             except UserError as e:
                 problem = e
         # every rank stops alike, before any collective of the setup would wait for rank 0
