@@ -1506,6 +1506,14 @@ RESUME_ONLY = {  # fields only a resume reads
         "data.position: 1180591620717411303424 is not an integer in 0..2^62",
     ),
     "bad streak past the step": ({"bad_streak": 7}, "bad_streak: 7 is not a count of steps"),
+    "a GradScaler state of other keys": (  # fp16: a KeyError traceback as the trainer was built
+        {"backend__scaler": {"bogus": 1}},
+        "backend.scaler: {'bogus': 1} is not fp16's GradScaler state",
+    ),
+    "a loss scale as a string": (  # fp16: a TypeError at the first step, the run dir rewritten
+        {"backend__scaler": {**torch.amp.GradScaler("cpu").state_dict(), "scale": "big"}},
+        "backend.scaler: {'scale': 'big', ",
+    ),
     "tokens trained negative": ({"tokens": -5}, "tokens: -5 is not a count of tokens"),
     "rng garbage": ({"rng": [{"torch": "x"}]}, "rng[0].torch: not a torch generator state"),
     "rng of 10 bytes": (  # torch's RuntimeError when the resume set it

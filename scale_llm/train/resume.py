@@ -159,6 +159,11 @@ def resume_state_problems(state: dict[str, Any]) -> list[str]:
             f"backend.layout: {short(layout, 60)} is not a checkpoint layout ({{format: dcp}}, "
             f"or {{format: deepspeed, zero_stage: 0..3, world_size: N}})"
         )
+    elif parts[1] and not _scaler_ok(parts[1]):
+        out.append(
+            f"backend.scaler: {short(parts[1], 60)} is not fp16's GradScaler state (a finite "
+            f"scale and factors above 0, a growth interval and tracker counting steps)"
+        )
     saved = state["config"].get("train")  # read by the rules of a user config
     if not isinstance(saved, dict):
         return [*out, f"config.train: {short(saved, 40)} is not the saved train section"]
@@ -179,6 +184,19 @@ def _layout_ok(layout: dict) -> bool:
         and not isinstance(stage, bool)
         and is_count(world)
         and world >= 1
+    )
+
+
+def _scaler_ok(scaler: dict) -> bool:
+    """What torch.amp.GradScaler.state_dict writes (an fp16 run's; {} otherwise)."""
+    factors = [scaler.get(k) for k in ("scale", "growth_factor", "backoff_factor")]
+    counts = [scaler.get(k) for k in ("growth_interval", "_growth_tracker")]
+    return (
+        scaler.keys()
+        == {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
+        and all(isinstance(f, float) and math.isfinite(f) and f > 0 for f in factors)
+        and all(is_count(c) for c in counts)
+        and counts[0] > 0
     )
 
 
