@@ -168,6 +168,21 @@ def test_weights_per_source_losses_and_exact_resume(mixture, tmp_path):
     assert resumed.val_losses[8] == straight.val_losses[8]
 
 
+def test_a_weight_the_interleave_rounds_away_is_said(mixture, tmp_path):
+    """A mixture's shares are whole sequences of each 4,096: a weight of 1e-4 read 2.4 times its
+    share (one sequence a period), without a word."""
+    data_dir, src = mixture
+    tiny = sources_override(src, {"web": 1.0, "code": 1e-4})
+    with logged() as lines:
+        run(data_dir, src, tmp_path / "a", tiny)
+    said = "data.sources[1] (name code): its share 0.0001 is read as 0.000244 (1 sequences in each"
+    assert said in lines.text and "give it a weight of at least 0.0244 of the total" in lines.text
+    assert "(name web)" not in lines.text
+    with logged() as lines:
+        run(data_dir, src, tmp_path / "b")
+    assert "is read as" not in lines.text
+
+
 def test_a_changed_source_is_prepared_alone(tmp_path):
     src = {"web": corpus(tmp_path / "web", "web", 0), "code": corpus(tmp_path / "code", "code", 1)}
     cfg = mixture_config(tmp_path / "data", src)

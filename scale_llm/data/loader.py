@@ -84,7 +84,7 @@ def period_counts(weights: list[float]) -> list[int]:
 class SourceSchedule:
     """Which source stream position p reads, and which of that source's draws it is: each period
     holds `counts[s]` of source s at positions (j + 1/2) * PERIOD / counts[s], so any stretch
-    holds each share to within a sequence or two. Fixed by the weights alone."""
+    of a period holds each share to within a sequence or two. Fixed by the weights alone."""
 
     def __init__(self, weights: list[float]):
         self.counts = np.array(period_counts(weights), dtype=np.int64)

@@ -18,7 +18,7 @@ from typing import Any
 
 from scale_llm.config import Config
 from scale_llm.config.data import PER_SOURCE_KEYS, SourceConfig, mixture_weights
-from scale_llm.data.loader import TokenWindows, TrainLoader
+from scale_llm.data.loader import PERIOD, TokenWindows, TrainLoader
 from scale_llm.data.prepare_source import (
     WRITTEN,
     Kept,
@@ -420,9 +420,17 @@ def check_epochs(
     if data.sources is None or not is_main:
         return
     log.info(f"data: a mixture of {len(epochs)} sources (weights are shares of the tokens read)")
-    for name, (weight, windows) in data.sources.items():
+    shares = loader.schedule.counts / PERIOD  # (whole sequences of each PERIOD)
+    for i, ((name, (weight, windows)), share) in enumerate(zip(data.sources.items(), shares)):
         log.info(
             f"data:   {name:<12} weight {weight:.3f} | {windows * cfg.model.seq_len:,} training "
             f"tokens in {windows:,} windows | {epochs[name]:.2f} epochs in "
             f"train.max_steps={cfg.train.max_steps}{' (repeated)' if epochs[name] > 1 else ''}"
         )
+        if abs(share - weight) > 0.01 * weight:
+            log.warning(
+                f"data.sources[{i}] (name {name}): its share {weight:.3g} is read as "
+                f"{share:.3g} ({loader.schedule.counts[i]} sequences in each {PERIOD:,}: a "
+                f"mixture's shares are whole sequences of {PERIOD:,}, at least one); give it a "
+                f"weight of at least {100 / PERIOD:.3g} of the total, or leave it out"
+            )
