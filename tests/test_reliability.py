@@ -438,6 +438,25 @@ def test_the_run_lock_outlives_a_background_save_a_second_ctrl_c_left(
     assert len(calls) == 3
 
 
+def test_a_stop_signal_during_a_steps_save_stops_after_that_step(data_dir, tmp_path, monkeypatch):
+    """A SIGTERM that came while step 2's save waited (for the write before it) was read only
+    after step 3: one more step trained and saved, twice the shutdown I/O in a grace window."""
+    cfg = make_config(data_dir, tmp_path, "checkpoint.every=2", "train.max_steps=6")
+    tr = trainer_for(cfg)
+    save = tr.save_checkpoint
+
+    def signalled():
+        saved = save()
+        if tr.step == 2:
+            signal.raise_signal(signal.SIGTERM)  # (StopSignals takes it: no exit)
+        return saved
+
+    monkeypatch.setattr(tr, "save_checkpoint", signalled)
+    result = tr.fit()
+    assert result.steps == 2 and result.stopped == "signal SIGTERM"
+    assert [step for step, _ in tr.checkpointer.complete()] == [2]
+
+
 def test_torchrun_restarts_a_killed_rank_and_the_run_resumes(data_dir, root, reference):
     name = "restarted"
     args = [*common(data_dir, root, name), *sets(*BACKENDS["ddp"], *SPLIT)]

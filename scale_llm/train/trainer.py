@@ -211,6 +211,8 @@ class Trainer:
                     except torch.OutOfMemoryError as e:
                         said = out_of_memory(e, self.cfg, self.plan, self.step, after=True)
                         raise UserError(said) from None
+                    if not end.stop and self.cadence.checkpoints(self.step):
+                        end.stop = self._stop(signals)  # one that came while this step saved
                     if end.stop:
                         then = f"launch again to continue to step {t.max_steps}"
                         if end.stop == "train.exit_at_step":  # (preflight refuses it again)
