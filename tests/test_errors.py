@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from scale_llm.cli import main
-from scale_llm.components.checkpoint import CLAIM, Checkpointer, damage
+from scale_llm.components.checkpoint import CLAIM, INTEGRITY, Checkpointer, damage
 from scale_llm.errors import UserError
 from scale_llm.train.trainer import Trainer
 from tests.bad_input_cases import (
@@ -783,6 +783,38 @@ def test_skipped_files_that_are_not_utf8_are_counted(tmp_path, logs):
 
 
 # ======================================================================== checkpoints and artifacts
+
+
+def test_the_ranks_share_a_checkpoints_checksums_and_agree_on_its_damage(
+    four_steps, tmp_path, monkeypatch
+):
+    """Every rank read every byte of the newest checkpoint to checksum it at a launch (a 70B
+    run's ~1 TB, once a rank): each reads its share now, and a file one rank finds changed
+    makes every rank fall back (here rank r of a simulated 2-rank world: the other rank's
+    outcome is what first_failed_rank reports)."""
+    from scale_llm.components import checkpoint, digests
+
+    run = copy_run(four_steps, tmp_path)
+    ckpt = run / "checkpoints" / STEP4
+    files = list(json.loads((ckpt / INTEGRITY).read_text())["files"])
+    read, real = [], digests.file_digest
+    monkeypatch.setattr(digests, "file_digest", lambda f, **kw: read.append(f) or real(f, **kw))
+    shares = []
+    for rank in (0, 1):
+        read.clear()
+        monkeypatch.setattr(checkpoint, "rank_and_world", lambda rank=rank: (rank, 2))
+        monkeypatch.setattr(checkpoint, "first_failed_rank", lambda failed: 0 if failed else None)
+        assert checkpoint.agreed_damage(ckpt) is None
+        shares.append({str(f.relative_to(ckpt)) for f in read})
+    assert shares[0].isdisjoint(shares[1]) and shares[0] | shares[1] == set(files)
+    # the other rank found its share damaged: this one, whose share is intact, falls back too
+    monkeypatch.setattr(checkpoint, "rank_and_world", lambda: (0, 2))
+    outcomes = iter([None, 1, None, None])  # (step 4: none unreadable, rank 1 found damage)
+    monkeypatch.setattr(checkpoint, "first_failed_rank", lambda failed: next(outcomes))
+    (ckpt / sorted(shares[1])[0]).write_bytes(b"x" * (ckpt / sorted(shares[1])[0]).stat().st_size)
+    with logged() as lines:
+        assert Checkpointer(run, 1).latest_good() == run / "checkpoints" / STEP2
+    assert f"skipping {ckpt}: rank 1 found a file of it damaged" in lines.text
 
 
 @pytest.mark.parametrize("case", list(DAMAGES))

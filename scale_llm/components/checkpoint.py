@@ -186,7 +186,7 @@ class Checkpointer:
     def latest_good(self) -> Path | None:
         """The newest complete checkpoint matching its integrity record (damaged ones warned)."""
         for _, path in reversed(self.complete()):
-            if (problem := damage(path)) is None:
+            if (problem := agreed_damage(path)) is None:
                 return path
             log.warning("checkpoint: skipping %s: %s; falling back to an older one", path, problem)
         return None
@@ -458,7 +458,7 @@ def resolve_resume(resume: str, checkpointer: Checkpointer) -> Path | None:
             f"inside); give a path like {checkpointer.dir}/{checkpoint_name(100)}, or use auto / "
             f"never"
         )
-    if (problem := damage(path)) is not None:
+    if (problem := agreed_damage(path)) is not None:
         raise UserError(
             f"checkpoint.resume={resume}: the checkpoint is damaged: {problem}; resume from "
             f"another one (checkpoint.resume=auto picks the newest good one)"
@@ -601,10 +601,11 @@ class _Damage(Exception):
     """What is wrong with a checkpoint's files: one line naming the file."""
 
 
-def damage(ckpt_dir: Path, checksums: bool = True) -> str | None:
+def damage(ckpt_dir: Path, checksums: bool = True, share: tuple[int, int] = (0, 1)) -> str | None:
     """What is wrong with a checkpoint's files (one line naming the file), or None: each file
     no symlink, listed in integrity.json with its size and checksum (skipped without
-    `checksums`: `scale-llm runs`); a missing record is damage."""
+    `checksums`: `scale-llm runs`); a missing record is damage. `share` (i, n): the checksums
+    of every n-th file from the i-th alone (the sizes of all)."""
     if links := sorted(p for p in entries_below(ckpt_dir) if p.is_symlink()):
         link = f"{links[0]} is a symlink (to {os.readlink(links[0])})"
         return f"{link}; a checkpoint holds only the files its run wrote"
@@ -616,20 +617,44 @@ def damage(ckpt_dir: Path, checksums: bool = True) -> str | None:
     on_disk = (p for p in entries_below(ckpt_dir) if p.is_file() and p != record)
     if extra := sorted(n for p in on_disk if (n := str(p.relative_to(ckpt_dir))) not in files):
         return f"{ckpt_dir / extra[0]} is not in {record} (added or renamed after the save)"
-    for name, want in files.items():
+    for index, (name, want) in enumerate(files.items()):
         if not (f := ckpt_dir / name).is_file():
             return f"{f} is missing"
         if (size := f.stat().st_size) != want["size"]:
             return f"{f} has {size} bytes, {want['size']} were written (truncated or replaced)"
+        read = checksums and index % share[1] == share[0]
         try:
-            digest = digests.file_digest(f, mapped=False) if checksums else None
+            digest = digests.file_digest(f, mapped=False) if read else None
         except FileNotFoundError:  # (pruned meanwhile)
             return f"{f} is missing"
         except OSError as e:  # (EIO: a failing disk; EACCES) not damage: no fall-back past it
             raise unreadable(f, e, ckpt_dir) from None
-        if checksums and digest != want["xxh3_64"]:
+        if read and digest != want["xxh3_64"]:
             return f"{f} does not match its checksum (its bytes changed after the save)"
     return None
+
+
+def agreed_damage(ckpt_dir: Path) -> str | None:
+    """`damage` of a checkpoint every rank reads: each checksums its share of the files (a
+    70B run's ~1 TB is read once over the ranks, not once a rank), and all take the first
+    problem any found, so no two ranks resume different checkpoints."""
+    rank, world = rank_and_world()
+    if world == 1:
+        return damage(ckpt_dir)
+    try:
+        problem, error = damage(ckpt_dir, share=(rank, world)), None
+    except UserError as e:  # (a file this rank cannot read: every rank stops)
+        problem, error = None, e
+    if (failed := first_failed_rank(error is not None)) is not None:
+        raise error or UserError(
+            f"rank {failed} could not read a file of {ckpt_dir} (its message names it and the "
+            f"fix); fix that and launch again"
+        )
+    if (found := first_failed_rank(problem is not None)) is None:
+        return None
+    if problem is not None:
+        log.warning("checkpoint: rank %d found %s", rank, problem)
+    return problem or f"rank {found} found a file of it damaged (that rank's warning names it)"
 
 
 def unreadable(path: Path, e: OSError, ckpt_dir: Path) -> UserError:
