@@ -17,7 +17,7 @@ from scale_llm.data.shards import open_split
 from scale_llm.data.sources import open_source
 from scale_llm.data.tokenizer import Tokenizer
 from scale_llm.errors import UserError
-from tests.helpers import prep_config
+from tests.helpers import prep_config, random_texts
 
 
 def records(n=30, seed=0):
@@ -212,6 +212,18 @@ def test_bad_local_files_name_the_file_and_field(tmp_path):
         with pytest.raises(UserError, match=re.escape(said)):
             prepare(config(path, tmp_path / "d"))
         assert not (tmp_path / "d").exists() or not any((tmp_path / "d").iterdir()), path
+
+
+def test_a_bad_record_past_the_tokenizers_sample_leaves_no_build(tmp_path):
+    """A record refused while tokenizing (past the tokenizer's sample) left data.dir/
+    .prepare-build with its shards: one paragraph, exit 2, and a build no fix could resume."""
+    good = [{"text": text} for text in random_texts(1000, "doc{i}")]
+    write_jsonl(tmp_path / "src" / "a.jsonl", good)
+    write_jsonl(tmp_path / "src" / "z.jsonl", [{"text": 5}])
+    out = tmp_path / "d"
+    with pytest.raises(UserError, match=r"z.jsonl:1: field 'text' holds int"):
+        prepare(config(tmp_path / "src", out, "data.tokenizer_sample_bytes=30000"))
+    assert not out.exists() or not any(out.iterdir())
 
 
 def test_a_file_name_that_is_not_utf8_is_read(tmp_path, hf_cache):

@@ -116,6 +116,35 @@ def test_interrupted_prepare_continues_and_matches_an_uninterrupted_one(
     assert (out / "manifest.json").stat().st_mtime_ns == stamp
 
 
+def test_a_prepare_stopped_before_its_first_checkpoint_writes_its_shards_afresh(
+    tmp_path, monkeypatch, small_batches
+):
+    """Stopped before its first checkpoint (the first ~30 s), the next prepare appended the
+    whole corpus to the partial shards it had left: duplicated documents, shards larger than
+    the manifest says, published with exit 0."""
+    src, one_shard = corpus(tmp_path), "data.shard_tokens=1000000"  # (none finished early)
+    reference = prepare(config(src, tmp_path / "ref", one_shard))
+    out = tmp_path / "out"
+    real_write, calls = prepare_mod._write, []
+
+    def write_then_die(writers, batch, n_docs):
+        calls.append(n_docs)
+        if len(calls) == 4:
+            raise KeyboardInterrupt  # stopped with 3 batches written, none checkpointed
+        return real_write(writers, batch, n_docs)
+
+    monkeypatch.setattr(prepare_mod, "CHECKPOINT_SECONDS", 1e9)
+    monkeypatch.setattr(prepare_mod, "_write", write_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(config(src, out, one_shard))
+    assert sum(p.stat().st_size for p in (out / ".prepare-build").glob("*.partial")) > 0
+    monkeypatch.setattr(prepare_mod, "_write", real_write)
+    manifest = prepare(config(src, out, one_shard))
+    assert manifest["splits"] == reference["splits"]
+    assert shard_bytes(out) == shard_bytes(tmp_path / "ref")
+    read_manifest(out)
+
+
 def test_stale_progress_starts_afresh(tmp_path, monkeypatch, small_batches):
     src = corpus(tmp_path)
     out = tmp_path / "out"

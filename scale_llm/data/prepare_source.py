@@ -183,6 +183,10 @@ def _build(
     try:
         with _sigterm_interrupts():
             _tokenize(cfg, source, build, stream, progress, writers)
+    except UserError:  # a document past the tokenizer's sample refused (a bad record)
+        if fresh_build:  # (made by this call: a build it resumed is kept for the next)
+            shutil.rmtree(build, ignore_errors=True)
+        raise
     except KeyboardInterrupt:
         read = (read_progress(build) or {}).get("documents_read", 0)
         held = " (it holds the previous data)" if (out / MANIFEST).is_file() else ""

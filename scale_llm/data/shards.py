@@ -139,6 +139,8 @@ class ShardWriter:
             if not partial.is_file() or partial.stat().st_size < want:
                 raise StaleProgress(f"{partial} holds fewer tokens than the checkpoint says")
             os.truncate(partial, want)
+        else:  # (tokens written after the checkpoint: written again, never appended to)
+            partial.unlink(missing_ok=True)
 
 
 class StaleProgress(Exception):
