@@ -115,6 +115,14 @@ def test_hf_saved_to_disk_dataset(tmp_path, hf_cache):
     assert decoded_markers(tmp_path / "out", manifest) == set(range(20))
     with pytest.raises(UserError, match="no split 'validation'.*data.hf_split"):
         prepare(config(f"hf:{tmp_path / 'saved'}", tmp_path / "o2", "data.hf_split=validation"))
+    # one split saved alone has no splits nor configs to pick: keys naming them were not read
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "alone"))
+    for key in ("data.hf_split=validation", "data.hf_config=en"):
+        with pytest.raises(UserError, match=rf"{key.split('=')[0]}=.*holds one dataset saved"):
+            prepare(config(f"hf:{tmp_path / 'alone'}", tmp_path / "o3", key))
+        assert not (tmp_path / "o3").exists()
+    alone = prepare(config(f"hf:{tmp_path / 'alone'}", tmp_path / "o4"))
+    assert decoded_markers(tmp_path / "o4", alone) == set(range(20))
 
 
 def test_an_hf_folder_naming_files_outside_it_is_refused(tmp_path, hf_cache):

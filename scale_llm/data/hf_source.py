@@ -137,6 +137,18 @@ class HFSource:
                     f"data.hf_split to one of them"
                 )
             ds = ds[self.split]
+        elif self.local and _saved_to_disk(self.local):  # one split saved alone: no configs
+            saved = None if ds.split is None else str(ds.split)
+            asked = [f"data.hf_config={self.config!r}"] if self.config is not None else []
+            if self.split != "train" and self.split != saved:
+                asked.append(f"data.hf_split={self.split!r}")
+            if asked:
+                raise UserError(
+                    f"{' and '.join(asked)}: {self.local} holds one dataset saved alone "
+                    f"(save_to_disk of a split{f', {saved!r}' if saved else ''}), read whatever "
+                    f"those keys say; unset them, or save the dataset with its splits "
+                    f"(a DatasetDict) and name one"
+                )
         if not self.streaming:
             self.num_rows = len(ds)
         return ds
