@@ -189,6 +189,14 @@ def test_bad_local_files_name_the_file_and_field(tmp_path):
     bad.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
     with pytest.raises(UserError, match=r"bad.jsonl:2 is not valid UTF-8"):
         prepare(config(bad, tmp_path / "d"))
+    bom = tmp_path / "bom.jsonl"  # (saved by an editor that starts UTF-8 with a byte-order mark)
+    bom.write_bytes(b'\xef\xbb\xbf{"text": "fine"}\n{"text": "also \xef\xbb\xbf kept"}\n')
+    assert [
+        d.text for d in open_source(load_config(None, [f"data.source={bom}"]).data).documents()
+    ] == [
+        "fine",
+        "also \ufeff kept",
+    ]
     listy = write_jsonl(tmp_path / "listy.jsonl", [{"text": ["a", "b"]}])
     with pytest.raises(UserError, match=r"listy.jsonl:1: field 'text' holds list"):
         prepare(config(listy, tmp_path / "d"))

@@ -127,7 +127,7 @@ class Source:
         """One record per line, streamed (a line is read at most MAX_DOCUMENT_CHARS bytes)."""
         for lineno, raw in _lines(f, lambda: self._not_jsonl_hint(f)):
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # (a leading BOM)
             except UnicodeDecodeError as e:
                 raise UserError(
                     f"{f}:{lineno} is not valid UTF-8 (byte {e.start} of the line); convert "
