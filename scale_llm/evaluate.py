@@ -60,6 +60,7 @@ from scale_llm.generate import load_run, read_run_config, refuse_other_model
 
 log = logging.getLogger(__name__)
 LOCK = ".eval.lock"  # in RUN_DIR/eval: held while an eval reads, merges and writes its record
+EVENTS_MARK = "scale-llm-eval"  # in the names of the TensorBoard event files eval writes
 MADE_BY = "scale-llm eval"  # export info's "made_by" in the exports eval makes (and may replace)
 
 
@@ -123,7 +124,6 @@ def _eval_locked(
     if perplexity is not None:
         held_out = held_out_sets(run_dir, cfg, ckpt, Path(perplexity), limit)
     new: dict[str, Any] = {"step": step, "checkpoint": str(ckpt), "checkpoint_digest": digest}
-    scalars: dict[str, float] = {}
     if tasks:
         if not reuse:
             make_eval_export(ckpt, export_dir)
@@ -131,22 +131,42 @@ def _eval_locked(
         version = importlib.metadata.version("lm_eval")
         lm_eval = {"version": version, "limit": limit, "num_fewshot": num_fewshot}
         new.update(tasks=scores, export=str(export_dir), lm_eval=lm_eval)
-        scalars.update(task_scalars(scores))
     if held_out is not None:
-        ppl = held_out_perplexity(run_dir, cfg, plan, ckpt, held_out, batch_size)
-        new["perplexity"] = ppl
-        scalars.update(perplexity_scalars(ppl))
+        new["perplexity"] = held_out_perplexity(run_dir, cfg, plan, ckpt, held_out, batch_size)
     if stale:
         set_aside(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(path, merged(earlier or {}, new))
+    record = merged(earlier or {}, new)
     if cfg.logging.tensorboard:
-        from torch.utils.tensorboard import SummaryWriter
-
-        with SummaryWriter(log_dir=str(run_dir / "tensorboard")) as writer:
-            for tag, value in scalars.items():
-                writer.add_scalar(tag, value, step)
+        record["tensorboard_file"] = write_scalars(run_dir / "tensorboard", record)
+    atomic_write_json(path, record)
+    if earlier and (old := own_events(run_dir / "tensorboard", earlier, ckpt.name)):
+        old.unlink(missing_ok=True)  # (the record's scalars are all in the new file)
     return path, {**new, "kept": kept(earlier or {}, new), "file": str(path), "written": written}
+
+
+def write_scalars(folder: Path, record: dict[str, Any]) -> str:
+    """Every scalar of an eval record at its step, in a TensorBoard event file of its own (named
+    after its checkpoint); the file's name."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    scalars = task_scalars(record.get("tasks") or {})
+    scalars.update(perplexity_scalars(record["perplexity"]) if "perplexity" in record else {})
+    suffix = f".{os.urandom(4).hex()}.{EVENTS_MARK}-{Path(record['checkpoint']).name}"
+    with SummaryWriter(log_dir=str(folder), filename_suffix=suffix) as writer:
+        for tag, value in scalars.items():
+            writer.add_scalar(tag, value, record["step"])
+    (file,) = folder.glob(f"*{suffix}")
+    return file.name
+
+
+def own_events(folder: Path, earlier: dict[str, Any], name: str) -> Path | None:
+    """The event file an earlier eval of checkpoint `name` wrote (its record names it, and its
+    name carries eval's mark): replaced by a new one, so TensorBoard shows each step once."""
+    file = earlier.get("tensorboard_file")
+    if not isinstance(file, str) or not file.endswith(f".{EVENTS_MARK}-{name}") or "/" in file:
+        return None
+    return folder / file if (folder / file).is_file() else None
 
 
 def check_outputs(run_dir: Path, tasks: bool, tensorboard: bool) -> None:

@@ -215,6 +215,29 @@ def test_a_second_eval_of_a_run_waits_and_each_tasks_settings_are_kept(
     assert not (run / "eval" / ".eval.lock").exists()
 
 
+def test_an_eval_run_again_shows_each_step_once_in_tensorboard(evaluated, data_dir, capsys):
+    """Each eval of a checkpoint added its scalars to TensorBoard: a second --perplexity of
+    step 4 drew two values at step 4, the record keeping only the newer."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run, _ = evaluated
+    config = run / "config.yaml"
+    config.write_text(config.read_text().replace("tensorboard: false", "tensorboard: true"))
+    for argv in (["--perplexity", str(data_dir), "--limit", "2"], ["--tasks", "fake_task"]):
+        assert main(["eval", str(run), *argv]) == 0
+    mine = run / "tensorboard" / "mine.txt"
+    mine.write_text("a file of the user's")
+    assert main(["eval", str(run), "--perplexity", str(data_dir), "--limit", "4"]) == 0
+    record = json.loads((run / "eval" / f"{STEP4}.json").read_text())
+    (events_file,) = (run / "tensorboard").glob("*scale-llm-eval*")
+    assert record["tensorboard_file"] == events_file.name and mine.is_file()
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    (ppl,) = events.Scalars("eval/perplexity/loss")
+    assert ppl.step == 4 and ppl.value == pytest.approx(record["perplexity"]["loss"])
+    assert [e.value for e in events.Scalars("eval/fake_task/acc")] == [0.25]  # (kept)
+
+
 def test_a_perplexity_past_float64_is_recorded_as_inf():
     """exp(loss) of a diverged model (loss 800): an OverflowError traceback, the record lost."""
     from scale_llm.evaluate import _scores, format_record, perplexity_scalars
