@@ -441,7 +441,9 @@ def test_the_run_lock_outlives_a_background_save_a_second_ctrl_c_left(
 def test_a_stop_signal_during_a_steps_save_stops_after_that_step(data_dir, tmp_path, monkeypatch):
     """A SIGTERM that came while step 2's save waited (for the write before it) was read only
     after step 3: one more step trained and saved, twice the shutdown I/O in a grace window."""
-    cfg = make_config(data_dir, tmp_path, "checkpoint.every=2", "train.max_steps=6")
+    cfg = make_config(
+        data_dir, tmp_path, "checkpoint.every=2", "train.max_steps=6", "logging.every=5"
+    )
     tr = trainer_for(cfg)
     save = tr.save_checkpoint
 
@@ -455,6 +457,8 @@ def test_a_stop_signal_during_a_steps_save_stops_after_that_step(data_dir, tmp_p
     result = tr.fit()
     assert result.steps == 2 and result.stopped == "signal SIGTERM"
     assert [step for step, _ in tr.checkpointer.complete()] == [2]
+    rows = rows_of(tr.run_dir)  # the stop's step has its row (not a logging step)
+    assert sorted(rows) == [1, 2] and "loss" in rows[2] and "tokens" in rows[2]
 
 
 def test_torchrun_restarts_a_killed_rank_and_the_run_resumes(data_dir, root, reference):

@@ -202,6 +202,31 @@ def test_a_run_of_bad_steps_stops_with_causes_and_the_last_good_checkpoint(
     assert list_runs(tr.run_dir)[0].status == "stopped"  # (its rows past step 6 were dropped)
 
 
+def test_a_run_of_bad_steps_that_ended_between_checks_still_stops_the_run(data_dir, tmp_path, logs):
+    """The streak was read only at logging steps and checkpoints: 5 skipped steps in a row
+    (train.max_bad_steps=3) followed by a finite one before the check trained on to the end,
+    without a word. And a stop found while a checkpoint step's evaluation had already been
+    written wrote that step's row twice."""
+    from scale_llm.train.guards import TrainingDiverged
+
+    every = ("train.max_steps=12", "train.max_bad_steps=3", "logging.every=10")
+    tr = trainer(data_dir, tmp_path, *every)
+    poison(tr, set(range(1, 6)))  # steps 2-6 skipped, 7-9 finite again
+    with pytest.raises(TrainingDiverged) as info:
+        tr.fit()
+    assert tr.step == 10 and "5 optimizer steps in a row since the check before" in str(info.value)
+    assert "train.max_bad_steps=3; the steps after them were finite again" in str(info.value)
+    assert rows_of(tr.run_dir)[10]["stopped"] == "diverged"
+    # diverged at a checkpoint step that evaluates (not a logging step): one row for it
+    tr = trainer(data_dir, tmp_path, *every, "run.name=b", "eval.every=4", "checkpoint.every=4")
+    poison(tr, set(range(1, 12)))
+    with pytest.raises(TrainingDiverged):
+        tr.fit()
+    lines = [json.loads(x) for x in (tr.run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [row["step"] for row in lines]
+    assert steps == sorted(set(steps)) and lines[-1]["stopped"] == "diverged", lines
+
+
 def test_a_checkpoint_due_on_a_skipped_step_is_written(data_dir, tmp_path):
     """An fp16 overflow (or any skipped step) on the last step does not drop the final
     checkpoint: it is written, with the weights of the step before."""

@@ -94,9 +94,11 @@ class NaNGuard(Callback):
     def check(self, trainer: Trainer, warn: bool = True, row: dict | None = None) -> None:
         """Stop at train.max_bad_steps skipped steps in a row; below, warn (unless told not to:
         a save on a skipped step, whose step end warns). `row`: the step's metrics so far."""
-        streak = int(trainer.bad_streak.item())
+        # (and the longest run since the last check: one that ended before it is no less long)
+        streak, worst = torch.stack([trainer.bad_streak, trainer.worst_streak]).tolist()
+        trainer.worst_streak.fill_(streak)  # (a run still going on is counted on)
         step, cfg = trainer.step, trainer.cfg
-        if streak >= cfg.train.max_bad_steps:
+        if worst >= cfg.train.max_bad_steps:
             trainer.checkpointer.wait(failing=True)  # a save in flight is published (and prunes)
             saved = trainer.checkpointer.complete()  # before the message names the newest
             good = step - streak  # the last step whose update was applied
@@ -104,12 +106,15 @@ class NaNGuard(Callback):
             stopped = {**(row or {}), "skipped_steps": int(trainer.skipped_steps.item())}
             stopped["stopped"] = "diverged"  # (what `scale-llm runs` reads)
             trainer.metrics.log(step, stopped)
-            last = saved[-1][1] if saved else None
-            precision = trainer.plan.precision
-            raise TrainingDiverged(diverged_message(streak, step, cfg, precision, last, holds))
-        if streak and warn:
+            last, precision = saved[-1][1] if saved else None, trainer.plan.precision
+            ended = streak < cfg.train.max_bad_steps
+            said = diverged_message(worst, step, cfg, precision, last, holds, recovered=ended)
+            raise TrainingDiverged(said)
+        if worst and warn:
+            ended = "" if worst == streak else " (a run that ended since the last check)"
             log.warning(
-                f"step {step}: {streak} consecutive steps skipped (non-finite loss or gradients)"
+                f"step {step}: {worst} consecutive steps skipped{ended} (non-finite loss or "
+                f"gradients)"
             )
 
 
@@ -228,10 +233,16 @@ class Checkpoints(Callback):
     being written is published and the host copy kept for background saves is freed."""
 
     def step_end(self, trainer: Trainer, s: StepEnd) -> None:
-        if trainer.cadence.checkpoints(s.step) or s.stop:
-            trainer.collector.before_checkpoint()
-            with start_timeouts():  # (ranks wait while one writes a large file)
-                trainer.result.checkpoint = trainer.save_checkpoint()
+        if not (trainer.cadence.checkpoints(s.step) or s.stop):
+            return
+        trainer.collector.before_checkpoint()
+        with start_timeouts():  # (ranks wait while one writes a large file)
+            trainer.result.checkpoint = trainer.save_checkpoint()
+        if s.stop or not (stop := trainer.stop_reason()):
+            return
+        s.stop = stop  # (one that came while it saved: this step is the stop's, its save the last)
+        if "loss" not in s.row:  # the stop's step has its row
+            TrainMetrics().step_end(trainer, s)
 
     def end(self, trainer: Trainer, failing: bool) -> None:
         trainer.checkpointer.wait(failing=failing)

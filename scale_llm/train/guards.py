@@ -69,10 +69,17 @@ class TrainingDiverged(UserError):
 
 
 def diverged_message(
-    streak: int, step: int, cfg: Config, precision: str, last_good: Path | None, held: int | None
+    streak: int,
+    step: int,
+    cfg: Config,
+    precision: str,
+    last_good: Path | None,
+    held: int | None,
+    recovered: bool = False,
 ) -> str:
     """`held`: the step whose weights `last_good` holds when it was saved inside the run of
-    skipped steps (a skipped step changes none)."""
+    skipped steps (a skipped step changes none). `recovered`: the run of skipped steps ended
+    before this check read it."""
     holds = f" (it holds step {held}'s weights)" if held is not None else ""
     resume = (
         f"The last good checkpoint is {last_good}{holds}; resume from it with "
@@ -81,11 +88,18 @@ def diverged_message(
         else "No checkpoint was saved before the problem began."
     )
     return (
-        f"training stopped at step {step}: the last {streak} optimizer steps had a "
-        f"non-finite loss or gradient norm (they were skipped). Likely causes: a learning "
-        f"rate too high for this model (train.lr={cfg.train.lr:g}); fp16 overflow (train.precision="
-        f"{precision}; bf16 has fp32's range); or bad data (check data.dir={cfg.data.dir} with "
-        f"`scale-llm prepare --force`). {resume}"
+        f"training stopped at step {step}: "
+        + (
+            f"{streak} optimizer steps in a row since the check before had a non-finite loss or "
+            f"gradient norm (they were skipped; train.max_bad_steps={cfg.train.max_bad_steps}; "
+            f"the steps after them were finite again). Likely causes: a learning "
+            if recovered
+            else f"the last {streak} optimizer steps had a non-finite loss or gradient norm "
+            f"(they were skipped). Likely causes: a learning "
+        )
+        + f"rate too high for this model (train.lr={cfg.train.lr:g}); fp16 overflow (train."
+        f"precision={precision}; bf16 has fp32's range); or bad data (check data.dir="
+        f"{cfg.data.dir} with `scale-llm prepare --force`). {resume}"
     )
 
 

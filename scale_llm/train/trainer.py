@@ -112,6 +112,7 @@ class Trainer:
         self.step, self.tokens_at = 0, (0, 0)  # (a step, the tokens trained up to it)
         self.skipped_steps = torch.zeros((), dtype=torch.int64, device=self.device)
         self.bad_streak = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.worst_streak = torch.zeros_like(self.bad_streak)  # the longest since a guard's check
         if self.spec.resume is not None:
             self.load_state_dict(self.spec.resume.state, self.spec.resume.exact)
         self.cadence = Cadence(cfg, self.step)
@@ -132,10 +133,10 @@ class Trainer:
             callbacks.Validation(),
             callbacks.Samples(),
             callbacks.TaskScores(),
-            callbacks.WriteMetrics(),
             callbacks.CommTimeouts(),
             self.collector,
             callbacks.Checkpoints(),
+            callbacks.WriteMetrics(),  # (after the save: a stop that came during it, in its row)
             callbacks.ThroughputWindow(),
             StepProfiler(cfg.train.profile, plan, self.run_dir, self.step),
         ]
@@ -192,6 +193,7 @@ class Trainer:
         started: list[callbacks.Callback] = []
         # a stop signal while the end runs (the last save written) is taken as the first was
         with StopSignals() as signals:
+            self.signals = signals
             try:
                 for callback in self.callbacks:
                     callback.start(self)
@@ -204,15 +206,13 @@ class Trainer:
                     self.step += 1
                     maybe_fail("after_step", self.step, self.plan.rank)
                     self.clock.step_done(self.step)
-                    end = callbacks.StepEnd(self.step, loss, grad_norm, lr, self._stop(signals))
+                    end = callbacks.StepEnd(self.step, loss, grad_norm, lr, self.stop_reason())
                     try:
                         for callback in self.callbacks:
                             callback.step_end(self, end)
                     except torch.OutOfMemoryError as e:
                         said = out_of_memory(e, self.cfg, self.plan, self.step, after=True)
                         raise UserError(said) from None
-                    if not end.stop and self.cadence.checkpoints(self.step):
-                        end.stop = self._stop(signals)  # one that came while this step saved
                     if end.stop:
                         then = f"launch again to continue to step {t.max_steps}"
                         if end.stop == "train.exit_at_step":  # (preflight refuses it again)
@@ -255,12 +255,13 @@ class Trainer:
         bad = (~torch.isfinite(grad_norm)).long()
         self.skipped_steps += bad
         self.bad_streak = (self.bad_streak + 1) * bad
+        self.worst_streak = torch.maximum(self.worst_streak, self.bad_streak)
         return loss, grad_norm, lr
 
-    def _stop(self, signals: StopSignals) -> str | None:
+    def stop_reason(self) -> str | None:
         """Why to stop after this step, agreed by every rank: the signal flag is all-reduced only
         on steps that sync anyway, so a SIGTERM acts within `logging.every` steps."""
-        received = signals.received
+        received = self.signals.received
         if self.plan.world_size > 1:
             if not self.cadence.syncs(self.step):
                 return None
@@ -339,6 +340,7 @@ class Trainer:
         self.loader.load_state_dict(state["data"])
         self.skipped_steps.fill_(int(state["skipped_steps"]))
         self.bad_streak.fill_(int(state["bad_streak"]))
+        self.worst_streak.fill_(int(state["bad_streak"]))
         rng.restore_for_rank(state["rng"], self.plan.rank)
         if self.step < self.cfg.train.max_steps:  # (a finished run says so, and stops, in fit)
             log.info(f"resume: continuing from {self.resume_from} at step {self.step}")
