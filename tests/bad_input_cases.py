@@ -410,6 +410,26 @@ CONFIG = [
             Without("overlap_comm"),  # other entries pass through
         ),
     ),
+    (  # a BF16_Optimizer's checkpoint, then "damaged ... delete this one" from convert; ZeRO++'s
+        # quantized communication (not the one-process curve), a legacy stage DeepSpeed refuses
+        "ds passthrough: what changes the training or the checkpoints",
+        [
+            "config",
+            *s(
+                "parallel.backend=deepspeed",
+                "parallel.deepspeed.zero_stage=1",
+                "parallel.deepspeed.config={data_types: {grad_accum_dtype: fp32}, "
+                "zero_optimization: {zero_quantized_gradients: true, legacy_stage1: true}}",
+            ),
+        ],
+        (
+            "grad_accum_dtype under zero_stage=1: DeepSpeed's engine stops on most mixes, and "
+            "fp32 under bf16 swaps in its BF16_Optimizer",
+            "zero_optimization.zero_quantized_gradients: set by train.precision (the framework "
+            "communicates in the training dtypes)",
+            "zero_optimization.legacy_stage1: set by parallel.deepspeed.zero_stage",
+        ),
+    ),
     *[  # accepted, then a traceback in DeepSpeed's engine or its first step (some after the
         # run dir was written)
         (

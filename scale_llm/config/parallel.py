@@ -173,6 +173,15 @@ OWNED = {
     "zero_optimization.compute_grad_norm": "the framework (the gradient norm is its finite "
     "check and its grad_norm metric)",
     "data_types.param_dtype": "train.precision",
+    # quantized weights or gradients in communication (ZeRO++): not the one-process curve
+    **dict.fromkeys(
+        (f"zero_optimization.zero_quantized_{x}" for x in ("weights", "gradients")),
+        "train.precision (the framework communicates in the training dtypes)",
+    ),
+    "zero_optimization.zero_quantized_nontrainable_weights": "train.precision (the framework "
+    "communicates in the training dtypes)",
+    "zero_optimization.legacy_stage1": "parallel.deepspeed.zero_stage (DeepSpeed runs no legacy "
+    "stage 1)",
     # top-k selective updates (ZenFlow's CPU Adam): not the one-process AdamW curve
     "zero_optimization.zenflow": "train.* (the framework's AdamW updates every parameter)",
 }
@@ -271,6 +280,13 @@ def _value_problem(key: str, value: Any, raw: dict[str, Any], zero_stage: int) -
         for name in ("grad_accum_dtype", "buffer_dtype"):
             if (v := value.get(name)) is not None and v not in DS_DTYPES:  # (as written)
                 return f"{name}: {v!r:.40} is not a dtype; give fp32, bf16 or fp16"
+        if value.get("grad_accum_dtype") is not None and zero_stage <= 1:
+            return (
+                f"grad_accum_dtype under zero_stage={zero_stage}: DeepSpeed's engine stops on "
+                f"most mixes, and fp32 under bf16 swaps in its BF16_Optimizer, whose "
+                f"checkpoints no other backend, convert or generate reads; zero_stage 2 or 3 "
+                f"accumulate in fp32 (the default), or remove it"
+            )
         keep = value.get("keep_in_fp32_modules", "auto")
         if keep != "auto" and not (
             isinstance(keep, list) and all(isinstance(n, str) for n in keep)
