@@ -270,3 +270,19 @@ if __name__ == "__main__":  # the timing the commit message quotes: 3 ranks, 2 x
             seconds = min(read_everything(Path(tmp)) for _ in range(3))
             print(f"ZeRO-{stage}: {seconds:.3f} s", file=sys.stdout)
     os._exit(0)
+
+
+def test_a_bf16_optimizers_state_is_refused_as_deepspeeds_own_not_as_damage(tmp_path):
+    """bf16 ZeRO-1 with data_types.grad_accum_dtype fp32 (refused at config time now) saved
+    DeepSpeed's BF16_Optimizer state, which has no zero_stage: convert and the other readers
+    called it damaged, with the advice to delete the checkpoint."""
+    from scale_llm.components import zero_weights
+    from scale_llm.errors import UserError
+
+    partition = tmp_path / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    with pytest.raises(UserError, match="a state of DeepSpeed's BF16_Optimizer") as info:
+        zero_weights._pieces(tmp_path, [], [partition], [{"partition_count": 1}])
+    assert not isinstance(info.value, DamagedCheckpoint) and "delete" not in str(info.value)
+    other = tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"  # (no stage: damage)
+    with pytest.raises(zero_weights._Damaged, match="zero_stage None is not 1, 2 or 3"):
+        zero_weights._pieces(tmp_path, [], [other], [{"partition_count": 1}])

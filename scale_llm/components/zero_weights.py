@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from scale_llm.components.serialization import damaged, deepspeed_safe_globals, load_file
+from scale_llm.errors import UserError
 
 MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
 _PARTITION = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
@@ -230,6 +231,13 @@ def _pieces(
     """Where each parameter's values lie in the partitions, which param_shapes must use up."""
     stage, count = inners[0].get("zero_stage"), inners[0].get("partition_count")
     count = max(count) if isinstance(count, list) and count else count
+    if stage is None and partitions[0].name.startswith("bf16_zero"):  # (no damage: refused)
+        raise UserError(
+            f"{partitions[0]} is a state of DeepSpeed's BF16_Optimizer (bf16 under ZeRO-0/1 with "
+            f"data_types.grad_accum_dtype set), which only DeepSpeed reads: resume the run "
+            f"under its own layout (parallel.backend=deepspeed, its zero_stage and world size); "
+            f"convert, generate, export and the other backends cannot read it"
+        )
     if not isinstance(stage, int) or stage not in (1, 2, 3):  # (an IntEnum in the file)
         raise _Damaged(partitions[0], f"zero_stage {stage!r} is not 1, 2 or 3")
     if count != len(partitions):
