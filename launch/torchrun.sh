@@ -43,6 +43,15 @@ if [[ "$NNODES" != "1" && -z "${MASTER_ADDR:-}" ]]; then  # (before node 0 prepa
 fi
 check_master_port
 check_master_addr
+# Nodes 1..N wait in the rendezvous while node 0 prepares the data (hours for a large corpus):
+# torchrun's own wait is 15 minutes.
+wait_min="${SCALE_LLM_NODE_WAIT_MIN:-1440}"
+if ! [[ "$wait_min" =~ ^[1-9][0-9]{0,5}$ ]]; then
+  echo "torchrun.sh: SCALE_LLM_NODE_WAIT_MIN='${wait_min:0:60}' is not a number of minutes" \
+    "(how long nodes wait for node 0 to prepare the data and join); set 1 or more, or unset" \
+    "it (1440)" >&2
+  exit 2
+fi
 if [[ "$visible_gpus" -gt 0 && "$NGPU" -gt "$visible_gpus" ]]; then  # two ranks on one GPU
   echo "torchrun.sh: NGPU=$NGPU but this node leaves $visible_gpus GPU(s) visible; set NGPU to" \
     "$visible_gpus or less, or unset it (one process per visible GPU)" >&2
@@ -58,7 +67,7 @@ if [[ "$NNODES" == "1" ]]; then
     -m scale_llm train "$@"
 else
   run_job tell_workers "${TORCHRUN[@]}" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
-    --nproc_per_node "$NGPU" \
+    --nproc_per_node "$NGPU" --rdzv_conf "timeout=$(( wait_min * 60 ))" \
     --master_addr "$MASTER_ADDR" \
     --master_port "${MASTER_PORT:-29500}" -m scale_llm train "$@"
 fi

@@ -526,6 +526,7 @@ LAUNCH_ENV = (
     "OMP_NUM_THREADS", "NGPU", "CUDA_VISIBLE_DEVICES", "NNODES", "NODE_RANK", "MASTER_ADDR",
     "MASTER_PORT", "HOSTFILE", "DS_ENV_FILE", "DS_ACCELERATOR", "SKIP_PREPARE",
     "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "SCALE_LLM_ROOT", "SCALE_LLM_CONTINUE",
+    "SCALE_LLM_NODE_WAIT_MIN",
 )  # fmt: skip
 
 
@@ -600,6 +601,21 @@ def test_the_launchers_check_the_layout_for_the_world_they_start_before_prepare(
     )
     assert proc.returncode == 2 and not (tmp_path / "d").exists(), proc.stderr
     assert "parallel.tensor_parallel=2 does not divide the world size 3" in proc.stderr
+
+
+def test_the_other_nodes_wait_for_node_0s_prepare(tmp_path):
+    """Node 0 prepares while nodes 1..N wait in torchrun's rendezvous, which gave up after its
+    own 15 minutes (a traceback on each, then Slurm's kill of node 0's prepare)."""
+    env = stand_in_node(tmp_path, PRINT_LAUNCH)
+    nodes = {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "node0"}
+    for extra, timeout in [({}, "86400"), ({"SCALE_LLM_NODE_WAIT_MIN": "90"}, "5400")]:
+        proc = launch("torchrun.sh", env | nodes | extra)
+        assert proc.returncode == 0, proc.stderr
+        assert f"--rdzv_conf timeout={timeout} " in proc.stdout, proc.stdout
+    proc = launch("torchrun.sh", env | nodes | {"SCALE_LLM_NODE_WAIT_MIN": "1h"})
+    assert proc.returncode == 2 and not proc.stdout
+    assert "SCALE_LLM_NODE_WAIT_MIN='1h' is not a number of minutes" in proc.stderr
+    assert "--rdzv_conf" not in launch("torchrun.sh", env).stdout  # (one node: no rendezvous)
 
 
 def test_the_launchers_refuse_settings_that_failed_after_prepare_or_were_ignored(tmp_path):
