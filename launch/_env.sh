@@ -190,6 +190,14 @@ check_master_port() {
   fi
 }
 
+refuse_more_ranks_than_gpus() {  # (two ranks on one GPU)
+  if [[ "$visible_gpus" -gt 0 && "$NGPU" -gt "$visible_gpus" ]]; then
+    echo "$(basename "$0"): NGPU=$NGPU but this node leaves $visible_gpus GPU(s) visible; set" \
+      "NGPU to $visible_gpus or less, or unset it (one process per visible GPU)" >&2
+    exit 2
+  fi
+}
+
 require_config() {
   if [[ $# -lt 1 || "$1" == -* ]]; then
     echo "usage: bash $0 CONFIG.yaml [scale-llm train args...]" >&2

@@ -195,6 +195,14 @@ open(sys.argv[1], encoding="utf-8").read()' "$HOSTFILE" 2>/dev/null
       "\"node0 slots=8\", or unset HOSTFILE for a one-node run" >&2
     exit 2
   fi
+  local listed
+  read -ra listed <<< "$hosts"
+  if [[ ${#listed[@]} -gt 1 ]] && ! command -v pdsh >/dev/null 2>&1; then  # (its default)
+    echo "deepspeed.sh: HOSTFILE=$HOSTFILE lists ${#listed[@]} nodes, which DeepSpeed's runner" \
+      "starts with pdsh, not installed on this node; install it (e.g. apt install pdsh), or" \
+      "start each node with launch/torchrun.sh (NNODES, NODE_RANK, MASTER_ADDR)" >&2
+    exit 2
+  fi
 }
 
 # DS_ACCELERATOR, against the names this DeepSpeed takes (read from its source, without importing
@@ -332,6 +340,7 @@ elif [[ "$gpus" -gt 0 && "$visible_gpus" -eq 0 ]]; then
     "the GPUs again; list the GPUs to use by index, or run on the CPU with launch/torchrun.sh" >&2
   exit 2
 else
+  refuse_more_ranks_than_gpus
   launcher+=(--num_gpus "$NGPU")
 fi
 if [[ -z "${HOSTFILE:-}" ]]; then

@@ -52,11 +52,7 @@ if ! [[ "$wait_min" =~ ^[1-9][0-9]{0,5}$ ]]; then
     "it (1440)" >&2
   exit 2
 fi
-if [[ "$visible_gpus" -gt 0 && "$NGPU" -gt "$visible_gpus" ]]; then  # two ranks on one GPU
-  echo "torchrun.sh: NGPU=$NGPU but this node leaves $visible_gpus GPU(s) visible; set NGPU to" \
-    "$visible_gpus or less, or unset it (one process per visible GPU)" >&2
-  exit 2
-fi
+refuse_more_ranks_than_gpus
 export NODE_RANK="${NODE_RANK:-0}"
 launch_world=$(( NGPU * NNODES ))
 run_prepare "$@"

@@ -541,6 +541,7 @@ def stand_in_node(tmp_path: Path, python: str, gpus: int = 8, cores: int = 16) -
     scripts = {
         "nvidia-smi": listing,
         "nproc": f"echo {cores}\n",
+        "pdsh": "exit 0\n",  # (DeepSpeed's runner starts other nodes with it)
         "python": f'case "$2" in\n{python}\n*os.environ.pop*) echo "probe 1 0";;\nesac\n',
     }
     for name, body in scripts.items():
@@ -693,6 +694,10 @@ def test_the_launchers_use_the_gpus_cuda_visible_devices_leaves(tmp_path):
     # more processes than visible GPUs put two on one GPU (NCCL: duplicate GPU)
     proc = launch("torchrun.sh", env | {"NGPU": "3"})
     assert proc.returncode == 2 and "NGPU=3 but this node leaves 2 GPU(s)" in proc.stderr
+    every = {k: v for k, v in env.items() if k != "CUDA_VISIBLE_DEVICES"}  # (--num_gpus)
+    proc = launch("deepspeed.sh", every | {"NGPU": "9"})
+    assert proc.returncode == 2 and not proc.stdout
+    assert "deepspeed.sh: NGPU=9 but this node leaves 8 GPU(s)" in proc.stderr
     # NGPU=0 divided the cores by zero; now a one-line error naming it
     proc = launch("torchrun.sh", env | {"NGPU": "0"})
     assert proc.returncode == 2 and "NGPU=0" in proc.stderr and not proc.stdout
@@ -764,6 +769,11 @@ def test_deepspeed_hands_the_other_nodes_the_launchers_environment(tmp_path):
     assert exports["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True", proc.stderr
     proc = launch("deepspeed.sh", env | {"HOSTFILE": "missing"}, cwd=tmp_path)
     assert proc.returncode == 2 and "HOSTFILE=missing" in proc.stderr and not proc.stdout
+    (tmp_path / "bin" / "pdsh").rename(tmp_path / "pdsh")  # (found only after prepare: refused)
+    proc = launch("deepspeed.sh", env, cwd=tmp_path)
+    assert proc.returncode == 2 and not proc.stdout, proc.stderr
+    assert "lists 2 nodes, which DeepSpeed's runner starts with pdsh, not installed" in proc.stderr
+    (tmp_path / "pdsh").rename(tmp_path / "bin" / "pdsh")
     # the runner writes `export NAME="VALUE";` into the shell command every node runs
     bad = [("MY_SETTING", "$(touch ran)"), ("A;touch ran;B", "1"), ("X", 'a"b'), ("R", "x\r;id")]
     for name, value in bad:  # (a carriage return ends a line where the runner reads it)
