@@ -173,10 +173,27 @@ fi
 # multi-node jobs only node 0 prepares; the others wait for it in the rendezvous.
 # SKIP_PREPARE=1 skips it. launch_world (where the launcher knows how many processes it starts):
 # the run's layout is checked for that world first (a tensor-parallel degree it does not divide).
+# It runs as a job of its own, as the workers do (run_job): a stop signal to the launcher is
+# passed on to it (it keeps what it wrote), not left running without the launcher.
 run_prepare() {
-  if [[ "${SKIP_PREPARE:-0}" != "1" && "${NODE_RANK:-0}" == "0" ]]; then
-    SCALE_LLM_LAUNCH_WORLD="${launch_world:-}" "$PY" -m scale_llm prepare --as-train "$@"
-  fi
+  if [[ "${SKIP_PREPARE:-0}" == "1" || "${NODE_RANK:-0}" != "0" ]]; then return; fi
+  local prep status=0 got=""
+  # (${prep:-$!}: a signal between the start and `prep=$!` is handled before that assignment)
+  trap 'got=TERM; kill -s TERM -- "-${prep:-$!}" 2>/dev/null || true' TERM HUP
+  trap 'got=INT; kill -s INT -- "-${prep:-$!}" 2>/dev/null || true' INT
+  set -m
+  SCALE_LLM_LAUNCH_WORLD="${launch_world:-}" "$PY" -m scale_llm prepare --as-train "$@" \
+    < /dev/null &
+  prep=$!
+  set +m
+  wait "$prep" || status=$?
+  while [[ -n "$got" ]] && kill -0 "$prep" 2>/dev/null; do  # (a signal ended `wait` early)
+    status=0
+    wait "$prep" || status=$?
+  done
+  trap - TERM HUP INT
+  if [[ -n "$got" ]]; then exit $(( 128 + $(kill -l "$got") )); fi
+  if [[ "$status" -ne 0 ]]; then exit "$status"; fi
 }
 
 # check_master_port [NAME]: MASTER_PORT, where set, is a TCP port (torchrun and DeepSpeed take

@@ -619,6 +619,22 @@ def test_the_other_nodes_wait_for_node_0s_prepare(tmp_path):
     assert "--rdzv_conf" not in launch("torchrun.sh", env).stdout  # (one node: no rendezvous)
 
 
+def test_a_stop_signal_during_prepare_reaches_prepare(tmp_path):
+    """A SIGTERM to a launcher while node 0 prepared ended the launcher alone (exit 143, nothing
+    said): prepare ran on, holding data.dir's lock, without anyone to stop it."""
+    told = tmp_path / "told"
+    prepare = f"""scale_llm) trap 'echo TERM > {told}; exit 143' TERM
+echo preparing; sleep 30 >/dev/null & wait; echo never;;\n"""  # (the sleep: not our pipe)
+    env = stand_in_node(tmp_path, prepare + PRINT_LAUNCH)
+    cmd = ["bash", str(REPO / "launch" / "torchrun.sh"), "tiny.yaml"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "preparing\n"
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 143 and told.read_text() == "TERM\n"
+    assert "never" not in out and "--nproc_per_node" not in out  # (no training started)
+
+
 def test_the_launchers_refuse_settings_that_failed_after_prepare_or_were_ignored(tmp_path):
     """Each was a traceback after the data was prepared, a silent skip of prepare, or a run that
     ignored it: exit 2 now, before any work (nothing on stdout: no prepare, no torchrun)."""
