@@ -2214,6 +2214,15 @@ OWNED = [
             ("a new file in the run's checkpoints folder", "inside a checkpoint directory"),
         ]
     ],
+    (  # it said "point --out at a directory", which convert then refused (a file's name)
+        "convert under a file",
+        ["convert", ".", "--out", "list.yaml/m.pt"],
+        (
+            "--out list.yaml/m.pt: ",
+            "list.yaml is a file, not a folder, so m.pt cannot be written there; give a path in "
+            "a folder you can write",
+        ),
+    ),
     (
         "export under a file",
         ["export", ".", "--out", "list.yaml/hf"],

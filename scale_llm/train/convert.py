@@ -21,8 +21,8 @@ from scale_llm.files import (
     describe_kind,
     fsync_dir,
     made_folder,
-    require_writable_dir,
     temporary_sibling,
+    unwritable_dir,
 )
 from scale_llm.model import empty_state_dict
 
@@ -37,7 +37,15 @@ def convert(checkpoint: str | Path, out: str | Path, force: bool = False) -> tup
         raise UserError(f"--out {out} names a folder; give the file to write, e.g. --out {example}")
     out = Path(out)
     check_out(out, force)
-    require_writable_dir(out.parent, "--out")
+    if found := unwritable_dir(out.parent):  # (--out names the file: its folder is the problem)
+        existing, why = found
+        where = existing.absolute().parent if why == "file" else Path.home()
+        raise UserError(
+            f"--out {out}: {existing} is "
+            + (f"{describe_kind(existing)}, not a folder" if why == "file" else "not writable")
+            + f", so {out.name} cannot be written there; give a path in a folder you can write, "
+            f"e.g. --out {where / out.name}"
+        )
     ckpt = resolve_checkpoint(checkpoint)
     if inside_checkpoints(out, ckpt):
         raise UserError(
