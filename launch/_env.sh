@@ -152,6 +152,7 @@ if [[ "$visible_gpus" -eq 0 ]]; then
   export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"  # DeepSpeed's CPU accelerator (gloo)
 fi
 # Processes per node: every visible GPU, or 2 CPU processes on a machine without GPUs.
+user_ngpu="${NGPU:-}"  # (deepspeed.sh with a hostfile: its slots decide)
 NGPU="${NGPU:-$([[ "$visible_gpus" -gt 0 ]] && echo "$visible_gpus" || echo 2)}"
 if ! [[ "$NGPU" =~ ^[1-9][0-9]*$ ]]; then
   echo "launch: NGPU=$NGPU: NGPU is the number of processes to start on this node and must be" \

@@ -318,6 +318,11 @@ if [[ -n "${HOSTFILE:-}" ]]; then
       "(chmod u+r), or point HOSTFILE at a copy" >&2
     exit 2
   fi
+  if [[ -n "$user_ngpu" ]]; then
+    echo "deepspeed.sh: NGPU=$user_ngpu is set, but with HOSTFILE each line's slots=N decide" \
+      "the processes of that node; set the slots in $HOSTFILE and unset NGPU" >&2
+    exit 2
+  fi
   check_hostfile
   check_node_command "$@"
   launcher+=(--hostfile="$HOSTFILE")  # (one form: a name starting with - is no option)

@@ -785,6 +785,9 @@ def test_deepspeed_hands_the_other_nodes_the_launchers_environment(tmp_path):
     assert exports["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True", proc.stderr
     proc = launch("deepspeed.sh", env | {"HOSTFILE": "missing"}, cwd=tmp_path)
     assert proc.returncode == 2 and "HOSTFILE=missing" in proc.stderr and not proc.stdout
+    proc = launch("deepspeed.sh", env | {"NGPU": "4"}, cwd=tmp_path)  # (the slots decide)
+    assert proc.returncode == 2 and not proc.stdout
+    assert "NGPU=4 is set, but with HOSTFILE each line's slots=N decide" in proc.stderr
     (tmp_path / "bin" / "pdsh").rename(tmp_path / "pdsh")  # (found only after prepare: refused)
     proc = launch("deepspeed.sh", env, cwd=tmp_path)
     assert proc.returncode == 2 and not proc.stdout, proc.stderr
