@@ -4,6 +4,7 @@ full cache starts over from the newest seq_len // 2 tokens (the uncached path sl
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -22,6 +23,7 @@ from scale_llm.components.precision import Precision
 from scale_llm.config import Config, get_key, load_config, run_defining_keys
 from scale_llm.config.load import read_yaml
 from scale_llm.config.plan import RunPlan
+from scale_llm.config.sections import RESOLVED_INPUTS, RESOLVED_KEYS
 from scale_llm.data.pretrained_tokenizer import PretrainedTokenizer
 from scale_llm.data.tokenizer import Tokenizer, load_tokenizer, refuse_unfit, run_tokenizer_path
 from scale_llm.errors import UserError
@@ -129,6 +131,10 @@ def model_differences(saved: dict[str, Any], cfg: Config) -> list[str]:
         section, name = key.split(".", 1)
         # (older checkpoints lack keys added since)
         if section == "model" and name in model and model[name] != (now := get_key(cfg, key)):
+            if (resolve := RESOLVED_KEYS.get(key)) is not None:  # (null: the computed value)
+                named = {k: v for k, v in model.items() if k in RESOLVED_INPUTS}
+                if resolve(dataclasses.replace(cfg.model, **named)) == resolve(cfg.model):
+                    continue
             out.append(f"{key} ({model[name]!r} in the checkpoint, {now!r} in the run)")
     return out
 

@@ -1067,6 +1067,8 @@ def test_resuming_a_different_run_is_refused(data_dir, tmp_path):
     # heads) is the same run as that value written out; another value is not
     same = ("train.max_steps=2", "model.mlp_hidden=128", "model.n_kv_heads=4")
     assert trainer(data_dir, tmp_path, *same).step == 1
+    run = str(tmp_path / "runs" / "test")  # (its config.yaml now says 128 and 4: the same model)
+    assert main(["generate", run, "--max-new-tokens", "2"]) == 0
     assert trainer(data_dir, tmp_path, "train.max_steps=1", *same[1:]).step == 1  # finished
     with pytest.raises(UserError) as info:
         trainer(
