@@ -234,9 +234,9 @@ def _pieces(
     if stage is None and partitions[0].name.startswith("bf16_zero"):  # (no damage: refused)
         raise UserError(
             f"{partitions[0]} is a state of DeepSpeed's BF16_Optimizer (bf16 under ZeRO-0/1 with "
-            f"data_types.grad_accum_dtype set), which only DeepSpeed reads: resume the run "
-            f"under its own layout (parallel.backend=deepspeed, its zero_stage and world size); "
-            f"convert, generate, export and the other backends cannot read it"
+            f"data_types.grad_accum_dtype set, a setting scale_llm refuses), which scale_llm "
+            f"cannot read: resume from a checkpoint of another layout, or take the weights with "
+            f"DeepSpeed's own tools (deepspeed.utils.zero_to_fp32)"
         )
     if not isinstance(stage, int) or stage not in (1, 2, 3):  # (an IntEnum in the file)
         raise _Damaged(partitions[0], f"zero_stage {stage!r} is not 1, 2 or 3")
