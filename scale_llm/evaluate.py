@@ -152,6 +152,8 @@ def write_scalars(folder: Path, record: dict[str, Any]) -> str:
 
     scalars = task_scalars(record.get("tasks") or {})
     scalars.update(perplexity_scalars(record["perplexity"]) if "perplexity" in record else {})
+    number = lambda v: isinstance(v, int | float) and not isinstance(v, bool)  # noqa: E731
+    scalars = {tag: v for tag, v in scalars.items() if number(v)}  # (an earlier record's too)
     suffix = f".{os.urandom(4).hex()}.{EVENTS_MARK}-{Path(record['checkpoint']).name}"
     with SummaryWriter(log_dir=str(folder), filename_suffix=suffix) as writer:
         for tag, value in scalars.items():
@@ -822,8 +824,14 @@ def mixture_sources(cfg: Config, data_dir: Path) -> tuple[list[str], dict[str, f
 
 def perplexity_scalars(ppl: dict[str, Any]) -> dict[str, float]:
     """eval/perplexity/{loss,ppl}, and a mixture's eval/perplexity/<source>/{loss,ppl}."""
-    named = [("", ppl), *((f"{name}/", one) for name, one in ppl.get("sources", {}).items())]
-    return {f"eval/perplexity/{n}{k}": float(one[k]) for n, one in named for k in ("loss", "ppl")}
+    sources = ppl.get("sources") if isinstance(ppl.get("sources"), dict) else {}
+    named = [("", ppl), *((f"{name}/", one) for name, one in sources.items())]
+    out = {}
+    for n, one in named:
+        for k in ("loss", "ppl"):  # (an earlier record's, read back: numbers, "inf", "nan")
+            with contextlib.suppress(KeyError, TypeError, ValueError):
+                out[f"eval/perplexity/{n}{k}"] = float(one[k])
+    return out
 
 
 def format_record(record: dict[str, Any]) -> str:

@@ -236,6 +236,13 @@ def test_an_eval_run_again_shows_each_step_once_in_tensorboard(evaluated, data_d
     (ppl,) = events.Scalars("eval/perplexity/loss")
     assert ppl.step == 4 and ppl.value == pytest.approx(record["perplexity"]["loss"])
     assert [e.value for e in events.Scalars("eval/fake_task/acc")] == [0.25]  # (kept)
+    # an earlier record's values that are no numbers (edited): left out of the charts, and
+    # this call's results written (a KeyError traceback lost them, after all the work)
+    edited = {**record, "perplexity": {"loss": "x"}, "tasks": {"old": {"acc": "high"}}}
+    (run / "eval" / f"{STEP4}.json").write_text(json.dumps(edited))
+    assert main(["eval", str(run), "--tasks", "fake_task"]) == 0
+    kept = json.loads((run / "eval" / f"{STEP4}.json").read_text())
+    assert kept["tasks"]["fake_task"] == {"acc": 0.25} and kept["tasks"]["old"] == {"acc": "high"}
 
 
 def test_a_perplexity_past_float64_is_recorded_as_inf():

@@ -84,11 +84,12 @@ class TrainMetrics(Callback):
 
 
 class NaNGuard(Callback):
-    """Runs of skipped (non-finite) steps, read on logging steps and before checkpoints:
-    train.max_bad_steps in a row stop the run (exit 3) naming the last good checkpoint."""
+    """Runs of skipped (non-finite) steps, read on logging, checkpoint and stop steps (before
+    the step's row is written): train.max_bad_steps in a row stop the run (exit 3) naming the
+    last good checkpoint."""
 
     def step_end(self, trainer: Trainer, s: StepEnd) -> None:
-        if trainer.cadence.logs(s.step) or s.stop:
+        if trainer.cadence.logs(s.step) or trainer.cadence.checkpoints(s.step) or s.stop:
             self.check(trainer, row=s.row)
 
     def check(self, trainer: Trainer, warn: bool = True, row: dict | None = None) -> None:
@@ -241,8 +242,9 @@ class Checkpoints(Callback):
         if s.stop or not (stop := trainer.stop_reason()):
             return
         s.stop = stop  # (one that came while it saved: this step is the stop's, its save the last)
-        if "loss" not in s.row:  # the stop's step has its row
+        if not s.row:  # the stop's step has its row (one written already stays the one)
             TrainMetrics().step_end(trainer, s)
+            WriteMetrics().step_end(trainer, s)
 
     def end(self, trainer: Trainer, failing: bool) -> None:
         trainer.checkpointer.wait(failing=failing)

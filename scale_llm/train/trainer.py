@@ -133,10 +133,10 @@ class Trainer:
             callbacks.Validation(),
             callbacks.Samples(),
             callbacks.TaskScores(),
+            callbacks.WriteMetrics(),
             callbacks.CommTimeouts(),
             self.collector,
             callbacks.Checkpoints(),
-            callbacks.WriteMetrics(),  # (after the save: a stop that came during it, in its row)
             callbacks.ThroughputWindow(),
             StepProfiler(cfg.train.profile, plan, self.run_dir, self.step),
         ]
