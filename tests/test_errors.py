@@ -815,6 +815,14 @@ def test_the_ranks_share_a_checkpoints_checksums_and_agree_on_its_damage(
     with logged() as lines:
         assert Checkpointer(run, 1).latest_good() == run / "checkpoints" / STEP2
     assert f"skipping {ckpt}: rank 1 found a file of it damaged" in lines.text
+    # every rank walks rank 0's listing (another node's file system may show it an older one)
+    monkeypatch.setattr(checkpoint, "is_distributed", lambda: True)
+    rank0 = lambda names, src: names.__setitem__(0, [STEP2])  # noqa: E731
+    monkeypatch.setattr(checkpoint.dist, "broadcast_object_list", rank0)
+    outcomes = iter([None, None])  # (step 2 alone is checked: readable, intact)
+    with logged() as lines:
+        assert Checkpointer(run, 1).latest_good() == run / "checkpoints" / STEP2
+    assert "skipping" not in lines.text
 
 
 @pytest.mark.parametrize("case", list(DAMAGES))

@@ -184,8 +184,14 @@ class Checkpointer:
         return done[-1][1] if done else None
 
     def latest_good(self) -> Path | None:
-        """The newest complete checkpoint matching its integrity record (damaged ones warned)."""
-        for _, path in reversed(self.complete()):
+        """The newest complete checkpoint matching its integrity record (damaged ones warned).
+        Ranks take rank 0's listing (a file system may show one node an older one)."""
+        done = [path for _, path in self.complete()]
+        if is_distributed():
+            names = [[path.name for path in done]]
+            dist.broadcast_object_list(names, src=0)
+            done = [self.dir / name for name in names[0]]
+        for path in reversed(done):
             if (problem := agreed_damage(path)) is None:
                 return path
             log.warning("checkpoint: skipping %s: %s; falling back to an older one", path, problem)
