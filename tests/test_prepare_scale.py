@@ -326,15 +326,28 @@ def test_prepare_workers_die_with_a_killed_parent(tmp_path):
 
 def test_sigterm_during_prepare_says_what_was_kept(tmp_path):
     import signal
+    import time
 
     proc = _start_prepare(tmp_path)
     _wait_for_workers(proc)
     proc.send_signal(signal.SIGTERM)
+    time.sleep(0.2)  # (Python takes two signals at once as one)
+    proc.send_signal(signal.SIGTERM)  # (Slurm's and a launcher's: taken as one, not a kill)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130, out[-2000:]
     assert "kept the shards written so far and progress.json" in out, out[-2000:]
     assert "Traceback" not in out
     assert not _planted_ran(tmp_path)  # (its workers: `scale-llm` sets PYTHONSAFEPATH)
+    # Ctrl-C twice: it waited for its workers' batches, and the second hung it for good
+    shutil.rmtree(tmp_path / "work")
+    proc = _start_prepare(tmp_path)
+    _wait_for_workers(proc)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode in (130, -signal.SIGINT), out[-2000:]  # (the second: Python's own)
+    assert "kept the shards written so far" in out and "Traceback" not in out, out[-2000:]
 
 
 def test_a_progress_record_nested_100000_deep_starts_the_prepare_afresh(tmp_path, caplog):

@@ -155,13 +155,19 @@ class Encoder:
         while pending:
             yield pending.popleft().result()
 
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+    def close(self, stopped: bool = False) -> None:
+        """The workers' end: awaited, or (`stopped`: a Ctrl-C or SIGTERM, whose batches in flight
+        are not kept) ended at once, so that a second signal finds nothing left to wait for."""
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        if stopped:
+            for process in list((getattr(pool, "_processes", None) or {}).values()):
+                process.terminate()
+        pool.shutdown(wait=not stopped, cancel_futures=True)
 
     def __enter__(self) -> Encoder:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind: type | None, *exc) -> None:
+        self.close(stopped=kind is not None and issubclass(kind, KeyboardInterrupt))

@@ -374,11 +374,19 @@ def _sigterm_interrupts():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # KeyboardInterrupt
+
+    taken = []
+
+    def interrupt(signum: int, frame: Any) -> None:  # a second (Slurm's and the launcher's) is
+        taken.append(signal.signal(signal.SIGTERM, signal.SIG_IGN))  # taken as the first, to
+        raise KeyboardInterrupt  # the end (where prepare says what it kept): no kill
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if not taken:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _resume(cfg: Config, source, out: Path, fingerprint: str, force: bool):
