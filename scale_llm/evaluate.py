@@ -518,10 +518,10 @@ def build_task(
     finally:
         if shown:
             datasets.enable_progress_bars()
-    for name, n in generates.items():
+    for name, (n, key) in generates.items():
         if seq_len is not None and n >= seq_len:
             raise UserError(
-                f"{tasks_key} {name}: it generates up to {n} tokens (max_gen_toks), but the "
+                f"{tasks_key} {name}: it generates up to {n} tokens ({key}), but the "
                 f"model reads at most model.seq_len={seq_len} tokens, and lm-eval needs the "
                 f"prompt and the generation to fit in them; score it on a model with a longer "
                 f"model.seq_len, or copy the task's YAML into an {keys_folder(tasks_key)} "
@@ -558,14 +558,15 @@ GENERATED = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tok
 DEFAULT_NEW_TOKENS = 256  # lm-eval's HF model: a generating task's tokens when it names none
 
 
-def _new_tokens(task: Any) -> int | None:
-    """The new tokens a generating (generate_until) task asks lm-eval for; None: not one."""
+def _new_tokens(task: Any) -> tuple[int, str] | None:
+    """The new tokens a generating (generate_until) task asks lm-eval for, and the key that
+    says so; None: not one."""
     config = getattr(task, "config", None)
     if getattr(config, "output_type", None) != "generate_until":
         return None
     kwargs = getattr(config, "generation_kwargs", None) or {}
-    named = [kwargs[k] for k in GENERATED if isinstance(kwargs.get(k), int)]
-    return named[0] if named else DEFAULT_NEW_TOKENS
+    named = [(kwargs[k], k) for k in GENERATED if isinstance(kwargs.get(k), int)]
+    return named[0] if named else (DEFAULT_NEW_TOKENS, "lm-eval's default max_gen_toks")
 
 
 def keys_folder(tasks_key: str) -> str:

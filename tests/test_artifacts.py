@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from scale_llm import files
 from scale_llm.cli import main
 from scale_llm.components.checkpoint import INTEGRITY, damage
 from scale_llm.components.serialization import load_file, save_file
@@ -183,14 +184,17 @@ from scale_llm.files import OwnerLock
 lock = OwnerLock(Path(sys.argv[1]), "an eval", "wait")
 lock.acquire()
 print("held", flush=True)
-time.sleep(2)
+for _ in range(600):  # until the other eval says it waits (or 60 s)
+    if Path(sys.argv[3]).exists():
+        break
+    time.sleep(0.1)
 Path(sys.argv[2]).write_text(repr(time.time()))
 lock.release()
 """
 
 
 def test_a_second_eval_of_a_run_waits_and_each_tasks_settings_are_kept(
-    evaluated, data_dir, tmp_path, capsys
+    evaluated, data_dir, tmp_path, capsys, monkeypatch
 ):
     """Two evals of one run at once: each read the record, and the later write dropped the
     earlier's results; tasks scored with another --limit were recorded under the last call's."""
@@ -200,11 +204,16 @@ def test_a_second_eval_of_a_run_waits_and_each_tasks_settings_are_kept(
     record = run / "eval" / f"{STEP4}.json"
     by_task = json.loads(record.read_text())["lm_eval"]["by_task"]
     assert by_task["a_task"]["limit"] == 3 and by_task["b_task"]["limit"] is None
-    released = tmp_path / "released"
-    argv = [sys.executable, "-c", HOLD_EVAL_LOCK, str(run / "eval" / ".eval.lock"), str(released)]
+    released, waits = tmp_path / "released", tmp_path / "waits"
+    lock = str(run / "eval" / ".eval.lock")
+    argv = [sys.executable, "-c", HOLD_EVAL_LOCK, lock, str(released), str(waits)]
     holder = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline() == "held\n"  # another eval of the run is under way
     capsys.readouterr()
+    said = files.log.info
+    monkeypatch.setattr(  # (the holder lets go once this eval says it waits)
+        files.log, "info", lambda *a, **k: said(*a, **k) or ("waiting" in a[0] and waits.touch())
+    )
     assert main(["eval", str(run), "--perplexity", str(data_dir), "--limit", "2"]) == 0
     assert holder.wait(timeout=60) == 0
     said = "".join(capsys.readouterr())

@@ -789,7 +789,7 @@ def test_the_ranks_share_a_checkpoints_checksums_and_agree_on_its_damage(
     four_steps, tmp_path, monkeypatch
 ):
     """Every rank read every byte of the newest checkpoint to checksum it at a launch (a 70B
-    run's ~1 TB, once a rank): each reads its share now, and a file one rank finds changed
+    run's ~1 TB, once a rank): each reads its share, and a file one rank finds changed
     makes every rank fall back (here rank r of a simulated 2-rank world: the other rank's
     outcome is what first_failed_rank reports)."""
     from scale_llm.components import checkpoint, digests

@@ -175,7 +175,7 @@ def test_a_weight_the_interleave_rounds_away_is_said(mixture, tmp_path):
     tiny = sources_override(src, {"web": 1.0, "code": 1e-4})
     with logged() as lines:
         run(data_dir, src, tmp_path / "a", tiny)
-    said = "data.sources[1] (name code): its share 0.0001 is read as 0.000244 (1 sequences in each"
+    said = "data.sources[1] (name code): its share 0.0001 is read as 0.000244 (1 sequence in each"
     assert said in lines.text and "give it a weight of at least 0.0244 of the total" in lines.text
     assert "(name web)" not in lines.text
     with logged() as lines:

@@ -273,7 +273,7 @@ if __name__ == "__main__":  # the timing the commit message quotes: 3 ranks, 2 x
 
 
 def test_a_bf16_optimizers_state_is_refused_as_deepspeeds_own_not_as_damage(tmp_path):
-    """bf16 ZeRO-1 with data_types.grad_accum_dtype fp32 (refused at config time now) saved
+    """bf16 ZeRO-1 with data_types.grad_accum_dtype fp32 (a setting the config refuses) saved
     DeepSpeed's BF16_Optimizer state, which has no zero_stage: convert and the other readers
     called it damaged, with the advice to delete the checkpoint."""
     from scale_llm.components import zero_weights

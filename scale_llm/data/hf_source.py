@@ -145,8 +145,8 @@ class HFSource:
             if asked:
                 raise UserError(
                     f"{' and '.join(asked)}: {self.local} holds one dataset saved alone "
-                    f"(save_to_disk of a split{f', {saved!r}' if saved else ''}), read whatever "
-                    f"those keys say; unset them, or save the dataset with its splits "
+                    f"(save_to_disk of a split{f', {saved!r}' if saved else ''}), where those "
+                    f"keys select nothing; unset them, or save the dataset with its splits "
                     f"(a DatasetDict) and name one"
                 )
         if not self.streaming:

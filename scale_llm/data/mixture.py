@@ -428,9 +428,14 @@ def check_epochs(
             f"train.max_steps={cfg.train.max_steps}{' (repeated)' if epochs[name] > 1 else ''}"
         )
         if abs(share - weight) > 0.01 * weight:
+            n = int(loader.schedule.counts[i])
+            fix = (  # (a small weight rounded up; a large one gives up the small ones' minimum)
+                f"give it a weight of at least {100 / PERIOD:.3g} of the total, or leave it out"
+                if share > weight
+                else "the sources of small weights take at least one sequence each"
+            )
             log.warning(
                 f"data.sources[{i}] (name {name}): its share {weight:.3g} is read as "
-                f"{share:.3g} ({loader.schedule.counts[i]} sequences in each {PERIOD:,}: a "
-                f"mixture's shares are whole sequences of {PERIOD:,}, at least one); give it a "
-                f"weight of at least {100 / PERIOD:.3g} of the total, or leave it out"
+                f"{share:.3g} ({n} sequence{'s' * (n != 1)} in each {PERIOD:,}: a mixture's "
+                f"shares are whole sequences of {PERIOD:,}, at least one); {fix}"
             )
