@@ -178,17 +178,17 @@ fi
 # passed on to it (it keeps what it wrote), not left running without the launcher.
 run_prepare() {
   if [[ "${SKIP_PREPARE:-0}" == "1" || "${NODE_RANK:-0}" != "0" ]]; then return; fi
-  local prep status=0 got=""
-  # (${prep:-$!}: a signal between the start and `prep=$!` is handled before that assignment)
-  trap 'got=TERM; kill -s TERM -- "-${prep:-$!}" 2>/dev/null || true' TERM
-  trap 'got=HUP; kill -s TERM -- "-${prep:-$!}" 2>/dev/null || true' HUP
-  trap 'got=INT; kill -s INT -- "-${prep:-$!}" 2>/dev/null || true' INT
+  local prep="" status=0 got=""
+  # (a signal between the start and `prep=$!` finds prep empty: passed on just below)
+  trap 'got=TERM; [[ -z "$prep" ]] || kill -s TERM -- "-$prep" 2>/dev/null || true' TERM
+  trap 'got=HUP; [[ -z "$prep" ]] || kill -s TERM -- "-$prep" 2>/dev/null || true' HUP
+  trap 'got=INT; [[ -z "$prep" ]] || kill -s INT -- "-$prep" 2>/dev/null || true' INT
   set -m
   SCALE_LLM_LAUNCH_WORLD="${launch_world:-}" "$PY" -m scale_llm prepare --as-train "$@" \
     < /dev/null &
   prep=$!
   set +m
-  if [[ -n "$got" ]]; then  # (one that came before the start: $! named no process yet)
+  if [[ -n "$got" ]]; then
     kill -s "$([[ "$got" == INT ]] && echo INT || echo TERM)" -- "-$prep" 2>/dev/null || true
   fi
   wait "$prep" || status=$?

@@ -4,7 +4,6 @@ full cache starts over from the newest seq_len // 2 tokens (the uncached path sl
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -18,12 +17,13 @@ from scale_llm.components.checkpoint import (
     load_model_weights,
     read_trainer_state,
     resolve_checkpoint,
+    saved_section,
 )
 from scale_llm.components.precision import Precision
-from scale_llm.config import Config, get_key, load_config, run_defining_keys
+from scale_llm.config import Config, ModelConfig, get_key, load_config, run_defining_keys
 from scale_llm.config.load import read_yaml
 from scale_llm.config.plan import RunPlan
-from scale_llm.config.sections import RESOLVED_INPUTS, RESOLVED_KEYS
+from scale_llm.config.sections import RESOLVED_KEYS
 from scale_llm.data.pretrained_tokenizer import PretrainedTokenizer
 from scale_llm.data.tokenizer import Tokenizer, load_tokenizer, refuse_unfit, run_tokenizer_path
 from scale_llm.errors import UserError
@@ -131,10 +131,11 @@ def model_differences(saved: dict[str, Any], cfg: Config) -> list[str]:
         section, name = key.split(".", 1)
         # (older checkpoints lack keys added since)
         if section == "model" and name in model and model[name] != (now := get_key(cfg, key)):
-            if (resolve := RESOLVED_KEYS.get(key)) is not None:  # (null: the computed value)
-                named = {k: v for k, v in model.items() if k in RESOLVED_INPUTS}
-                if resolve(dataclasses.replace(cfg.model, **named)) == resolve(cfg.model):
-                    continue
+            resolve = RESOLVED_KEYS.get(key)  # (null: the computed value)
+            if resolve and resolve(saved_section(ModelConfig, "model", model)[0]) == resolve(
+                cfg.model
+            ):
+                continue
             out.append(f"{key} ({model[name]!r} in the checkpoint, {now!r} in the run)")
     return out
 

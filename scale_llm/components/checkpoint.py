@@ -612,6 +612,8 @@ def damage(ckpt_dir: Path, checksums: bool = True, share: tuple[int, int] = (0, 
     no symlink, listed in integrity.json with its size and checksum (skipped without
     `checksums`: `scale-llm runs`); a missing record is damage. `share` (i, n): the checksums
     of every n-th file from the i-th alone (the sizes of all)."""
+    if not ckpt_dir.is_dir():  # (another node's listing named it; this one's does not show it)
+        return f"{ckpt_dir} is missing"
     if links := sorted(p for p in entries_below(ckpt_dir) if p.is_symlink()):
         link = f"{links[0]} is a symlink (to {os.readlink(links[0])})"
         return f"{link}; a checkpoint holds only the files its run wrote"

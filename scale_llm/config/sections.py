@@ -146,7 +146,6 @@ def kv_heads(m: ModelConfig) -> int:
 # The model keys whose null stands for a value computed from others: a run is the same run
 # whether its config says null or that value.
 RESOLVED_KEYS = {"model.n_kv_heads": kv_heads, "model.mlp_hidden": mlp_hidden_size}
-RESOLVED_INPUTS = ("n_kv_heads", "n_heads", "mlp_hidden", "d_model")  # what they read
 
 
 @dataclass

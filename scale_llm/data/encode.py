@@ -162,9 +162,12 @@ class Encoder:
         if pool is None:
             return
         if stopped:
-            for process in list((getattr(pool, "_processes", None) or {}).values()):
+            processes = list((getattr(pool, "_processes", None) or {}).values())
+            for process in processes:
                 process.terminate()
-        pool.shutdown(wait=not stopped, cancel_futures=True)
+            for process in processes:  # (gone before the pool is shut: nothing left to feed)
+                process.join(timeout=10)
+        pool.shutdown(wait=True, cancel_futures=True)
 
     def __enter__(self) -> Encoder:
         return self

@@ -242,9 +242,11 @@ class Checkpoints(Callback):
         if s.stop or not (stop := trainer.stop_reason()):
             return
         s.stop = stop  # (one that came while it saved: this step is the stop's, its save the last)
-        if not s.row:  # the stop's step has its row (one written already stays the one)
+        if "loss" not in s.row:  # the stop's step has its numbers (alike on every rank)
+            written = bool(s.row)  # (rank 0's evaluation row, written before the save)
             TrainMetrics().step_end(trainer, s)
-            WriteMetrics().step_end(trainer, s)
+            if not written:
+                WriteMetrics().step_end(trainer, s)
 
     def end(self, trainer: Trainer, failing: bool) -> None:
         trainer.checkpointer.wait(failing=failing)

@@ -135,7 +135,8 @@ def preflight(cfg: Config, plan: RunPlan) -> RunSpec:
         report.check(check_run_dir_state, cfg)
     run_dir_ok = plan.is_main and len(report.problems) == known  # (a refused one: said once)
     before = len(report.problems)
-    resume = report.check(choose_resume, cfg, plan, data.manifest) if data else None
+    has_data = first_failed_rank(data is None) is None  # (the choice is a collective: alike)
+    resume = report.check(choose_resume, cfg, plan, data.manifest) if has_data else None
     if fits and len(report.problems) == before:  # data.repeat=false: from the resumed position
         report.check(check_data_epochs, cfg, plan, data, resume)
     report.check(check_exit_step, cfg.train, resume)
