@@ -809,7 +809,7 @@ def test_the_ranks_share_a_checkpoints_checksums_and_agree_on_its_damage(
     assert shares[0].isdisjoint(shares[1]) and shares[0] | shares[1] == set(files)
     # the other rank found its share damaged: this one, whose share is intact, falls back too
     monkeypatch.setattr(checkpoint, "rank_and_world", lambda: (0, 2))
-    outcomes = iter([None, 1, None, None])  # (step 4: none unreadable, rank 1 found damage)
+    outcomes = iter([None, None, 1] + [None] * 3)  # (step 4: all see it, read it; rank 1: damage)
     monkeypatch.setattr(checkpoint, "first_failed_rank", lambda failed: next(outcomes))
     (ckpt / sorted(shares[1])[0]).write_bytes(b"x" * (ckpt / sorted(shares[1])[0]).stat().st_size)
     with logged() as lines:
@@ -819,10 +819,15 @@ def test_the_ranks_share_a_checkpoints_checksums_and_agree_on_its_damage(
     monkeypatch.setattr(checkpoint, "is_distributed", lambda: True)
     rank0 = lambda names, src: names.__setitem__(0, [STEP2])  # noqa: E731
     monkeypatch.setattr(checkpoint.dist, "broadcast_object_list", rank0)
-    outcomes = iter([None, None])  # (step 2 alone is checked: readable, intact)
+    outcomes = iter([None] * 3)  # (step 2 alone is checked: seen, readable, intact)
     with logged() as lines:
         assert Checkpointer(run, 1).latest_good() == run / "checkpoints" / STEP2
     assert "skipping" not in lines.text
+    # a checkpoint rank 0 lists that another node does not see: a stop, not an older resume
+    monkeypatch.setattr(checkpoint.dist, "broadcast_object_list", lambda names, src: None)
+    monkeypatch.setattr(checkpoint, "first_failed_rank", lambda failed: 1)  # (rank 1: behind)
+    with pytest.raises(UserError, match="listed on rank 0's node but missing on rank 1's"):
+        Checkpointer(run, 1).latest_good()
 
 
 @pytest.mark.parametrize("case", list(DAMAGES))

@@ -458,7 +458,7 @@ def resolve_resume(resume: str, checkpointer: Checkpointer) -> Path | None:
             )
         return good
     path = followed(Path(resume), f"checkpoint.resume={resume}")
-    if not (path / TRAINER_STATE).is_file():
+    if first_failed_rank(not (path / TRAINER_STATE).is_file()) is not None:  # (every rank)
         raise UserError(
             f"checkpoint.resume={resume}: not a complete checkpoint directory (no {TRAINER_STATE} "
             f"inside); give a path like {checkpointer.dir}/{checkpoint_name(100)}, or use auto / "
@@ -649,6 +649,12 @@ def agreed_damage(ckpt_dir: Path) -> str | None:
     rank, world = rank_and_world()
     if world == 1:
         return damage(ckpt_dir)
+    if (behind := first_failed_rank(not ckpt_dir.is_dir())) is not None:  # (no damage: a view)
+        raise UserError(
+            f"{ckpt_dir} is listed on rank 0's node but missing on rank {behind}'s: the nodes' "
+            f"file systems disagree (a shared file system not yet up to date there); launch "
+            f"again once every node sees it, rather than resume an older checkpoint"
+        )
     try:
         problem, error = damage(ckpt_dir, share=(rank, world)), None
     except UserError as e:  # (a file this rank cannot read: every rank stops)

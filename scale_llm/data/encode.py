@@ -167,6 +167,11 @@ class Encoder:
                 process.terminate()
             for process in processes:  # (gone before the pool is shut: nothing left to feed)
                 process.join(timeout=10)
+            # a worker ended mid-send leaves the pool's reader waiting for the rest: this
+            # process's end of the results pipe closed, the reader sees its end
+            writer = getattr(getattr(pool, "_result_queue", None), "_writer", None)
+            with contextlib.suppress(OSError, AttributeError):
+                writer.close()
         pool.shutdown(wait=True, cancel_futures=True)
 
     def __enter__(self) -> Encoder:
