@@ -23,7 +23,7 @@ import yaml
 
 from scale_llm.components.checkpoint import Checkpointer, checkpoint_digest, read_trainer_state
 from scale_llm.components.hf_files import require
-from scale_llm.components.loss import cross_entropy
+from scale_llm.components.loss import cross_entropy, perplexity
 from scale_llm.components.precision import Precision
 from scale_llm.config import Config
 from scale_llm.config.data import SOURCE_NAME, mixture_weights
@@ -743,7 +743,7 @@ def _scores(windows: int, loss: float, tokens: int) -> dict[str, Any]:
 
 def perplexity_of(loss: float) -> float | str:
     """exp(loss); "inf" past float64 (exp(709.8)) and "nan" for a NaN: JSON has neither."""
-    ppl = math.inf if loss >= 709 else math.exp(loss)
+    ppl = perplexity(loss)
     return ppl if math.isfinite(ppl) else str(ppl)
 
 

@@ -23,7 +23,7 @@ from scale_llm.components.precision import Precision
 from scale_llm.config import Config, ModelConfig, get_key, load_config, run_defining_keys
 from scale_llm.config.load import read_yaml
 from scale_llm.config.plan import RunPlan
-from scale_llm.config.sections import RESOLVED_KEYS
+from scale_llm.config.sections import same_resolved
 from scale_llm.data.pretrained_tokenizer import PretrainedTokenizer
 from scale_llm.data.tokenizer import Tokenizer, load_tokenizer, refuse_unfit, run_tokenizer_path
 from scale_llm.errors import UserError
@@ -131,11 +131,8 @@ def model_differences(saved: dict[str, Any], cfg: Config) -> list[str]:
         section, name = key.split(".", 1)
         # (older checkpoints lack keys added since)
         if section == "model" and name in model and model[name] != (now := get_key(cfg, key)):
-            resolve = RESOLVED_KEYS.get(key)  # (null: the computed value)
-            if resolve and resolve(saved_section(ModelConfig, "model", model)[0]) == resolve(
-                cfg.model
-            ):
-                continue
+            if same_resolved(key, saved_section(ModelConfig, "model", model)[0], cfg.model):
+                continue  # (null: the computed value)
             out.append(f"{key} ({model[name]!r} in the checkpoint, {now!r} in the run)")
     return out
 

@@ -5,10 +5,17 @@ of every row (2 GiB at 400m.yaml's micro-batch 16)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 CHUNK_ELEMENTS = 1 << 24  # logits upcast at once (64 MiB in fp32)
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), inf past float64's range (exp(709.8)): no OverflowError, no cap."""
+    return math.inf if loss >= 709 else math.exp(loss)
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -148,6 +148,12 @@ def kv_heads(m: ModelConfig) -> int:
 RESOLVED_KEYS = {"model.n_kv_heads": kv_heads, "model.mlp_hidden": mlp_hidden_size}
 
 
+def same_resolved(key: str, a: ModelConfig, b: ModelConfig) -> bool:
+    """Whether `key`, one of RESOLVED_KEYS, stands for the same value in both models."""
+    resolve = RESOLVED_KEYS.get(key)
+    return resolve is not None and resolve(a) == resolve(b)
+
+
 @dataclass
 class TrainConfig:
     micro_batch_size: int = config_key(8, "sequences per forward/backward on each rank")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +13,7 @@ import torch
 
 from scale_llm.components.distributed import mean_over_ranks, shorten_timeouts, start_timeouts
 from scale_llm.components.hardware import cuda_memory_gib
+from scale_llm.components.loss import perplexity
 from scale_llm.data.loader import TokenWindows, eval_batches
 from scale_llm.data.tokenizer import load_tokenizer
 from scale_llm.train.guards import TrainingDiverged, diverged_message
@@ -128,7 +128,7 @@ class Validation(Callback):
             return
         losses = self.evaluate(trainer)
         val = trainer.result.val_losses[s.step] = s.row["val_loss"] = losses.pop("")
-        ppl = s.row["val_perplexity"] = math.inf if val >= 709 else math.exp(val)  # (no cap)
+        ppl = s.row["val_perplexity"] = perplexity(val)
         s.row.update({f"val_loss/{n}": v for n, v in losses.items()})
         log.info(f"step {s.step} | val_loss {val:.4f} | val_perplexity {ppl:.2f}")
         if losses:

@@ -30,7 +30,7 @@ from scale_llm.components.optim import SCHEDULE_KEYS, lr_at
 from scale_llm.components.zero_weights import ZeroWeights
 from scale_llm.config import Config, TrainConfig, get_key, run_defining_keys, short, to_dict
 from scale_llm.config.plan import RunPlan
-from scale_llm.config.sections import RESOLVED_KEYS
+from scale_llm.config.sections import same_resolved
 from scale_llm.data.mixture import tokenizer_sha256
 from scale_llm.data.prepare_source import Kept
 from scale_llm.errors import UserError
@@ -85,7 +85,7 @@ def changed_settings(state: dict[str, Any], cfg: Config, plan: RunPlan | None = 
         for key, value in now.items()
         if key.startswith(WHAT) and key not in HOW_NOT_WHAT and key in saved
         if not key.startswith("train.profile.") and saved[key] != value
-        if not same_resolved(key, state, cfg)
+        if not same_resolved(key, saved_model_config(state), cfg.model)
     ]
     split = ("train.micro_batch_size", "train.grad_accum")
     sequences = state.get("plan", {}).get("sequences_per_step")
@@ -285,7 +285,7 @@ def run_mismatches(state: dict[str, Any], cfg: Config, tokenizer_sha256: str) ->
         old, new = lookup(state["config"], key), get_key(cfg, key)
         if isinstance(new, list):  # data.sources: entries as the checkpoint saved them
             new = [dataclasses.asdict(x) if dataclasses.is_dataclass(x) else x for x in new]
-        if old != new and not same_resolved(key, state, cfg):
+        if old != new and not same_resolved(key, saved_model_config(state), cfg.model):
             problems.append(f"{key}: the checkpoint has {old!r}, the config says {new!r}")
     if state["tokenizer_sha256"] != tokenizer_sha256:
         problems.append(
@@ -293,13 +293,6 @@ def run_mismatches(state: dict[str, Any], cfg: Config, tokenizer_sha256: str) ->
             f"the checkpoint was trained with"
         )
     return problems
-
-
-def same_resolved(key: str, state: dict[str, Any], cfg: Config) -> bool:
-    """Whether a model key whose null stands for a computed value (model.mlp_hidden: null, the
-    default width) resolves to the same value in the checkpoint and in `cfg`."""
-    resolve = RESOLVED_KEYS.get(key)
-    return resolve is not None and resolve(saved_model_config(state)) == resolve(cfg.model)
 
 
 def lookup(tree: dict[str, Any], dotted: str) -> Any:
