@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from scale_llm.config import load_config
+from scale_llm.config.data import unread_hf_keys
 from scale_llm.data.prepare import prepare
 from scale_llm.data.shards import open_split
 from scale_llm.data.sources import open_source
@@ -51,6 +52,26 @@ def decoded_markers(out, manifest):
         tok.decode(np.concatenate(open_split(out, manifest, s)).tolist()) for s in ("train", "val")
     )
     return {i for i in range(100) if f"doc{i:03d}marker" in text}
+
+
+def test_hf_only_keys_beside_a_local_source_are_said_not_read(tmp_path, caplog):
+    """A base file's Hub source replaced by local files leaves its hf: keys unread: said."""
+    src = write_jsonl(tmp_path / "c.jsonl", records())
+    extra = ("data.hf_config=sample-10BT", "data.streaming=true")
+    with caplog.at_level("WARNING", logger="scale_llm"):
+        manifest = prepare(config(src, tmp_path / "a", *extra))
+    assert sum(s["documents"] for s in manifest["splits"].values()) == 30
+    said = [r.getMessage() for r in caplog.records if "not read" in r.getMessage()]
+    assert said == [
+        "data: data.hf_config='sample-10BT', data.streaming=true are not read: "
+        f"data.source='{src}' is not an hf: dataset (unset them with null to silence this)"
+    ]
+    mix = "data.sources=[{name: a, source: builtin, hf_split: test}, {name: b, source: 'hf:x'}]"
+    assert unread_hf_keys(load_config(None, [mix, "data.hf_split=null"]).data) == [
+        "data.sources[0].hf_split='test' is not read: data.sources[0].source='builtin' is not "
+        "an hf: dataset (unset it with null to silence this)"
+    ]
+    assert unread_hf_keys(load_config(None, ["data.source=hf:x", *extra]).data) == []
 
 
 @pytest.fixture

@@ -156,6 +156,31 @@ def _sources_problems(d: DataConfig) -> list[str]:
     return e
 
 
+HF_ONLY_KEYS = ("hf_config", "hf_split", "hf_revision", "streaming")
+
+
+def unread_hf_keys(d: DataConfig) -> list[str]:
+    """`hf:`-only keys set away from their defaults for a source that is not `hf:` (a base
+    file's Hub source replaced by local files): prepare reads none of them, so it says so."""
+    said = []
+    entries = [(f"data.sources[{i}].", s) for i, s in enumerate(d.sources)] or [("data.", d)]
+    for at, s in entries:
+        if (s.source or "").startswith("hf:"):
+            continue
+        unread = [
+            f"{at}{k}={str(v).lower() if isinstance(v, bool) else repr(v)}"
+            for k in HF_ONLY_KEYS
+            if (v := getattr(s, k)) != getattr(SourceConfig, k)
+        ]
+        if unread:
+            are, them = ("are", "them") if len(unread) > 1 else ("is", "it")
+            said.append(
+                f"{', '.join(unread)} {are} not read: {at}source={s.source!r} is not an hf: "
+                f"dataset (unset {them} with null to silence this)"
+            )
+    return said
+
+
 def normalized_weights(weights: list[float]) -> list[float]:
     """Positive finite weights as shares that sum to 1. Weights whose sum overflows (1e308,
     1e308) are first divided by the largest; others take the plain division, which keeps the

@@ -3,19 +3,25 @@ mixture: mixture.py, each source the same way into data.dir/<name> under one tok
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from scale_llm.config import Config
+from scale_llm.config.data import unread_hf_keys
 from scale_llm.data.mixture import prepare_mixture
 from scale_llm.data.prepare_source import Kept, prepare_source
 from scale_llm.data.tokenizer import check_vocab_size
 from scale_llm.errors import UserError
+
+log = logging.getLogger(__name__)
 
 
 def prepare(cfg: Config, force: bool = False, keep: Kept | None = None) -> dict[str, Any]:
     """Prepare data.dir; its record: one source's manifest, or a mixture's mixture.json. With
     `keep`, a rebuild that would replace data.dir's tokenizer is refused before it publishes."""
     check_settings(cfg)
+    for unread in unread_hf_keys(cfg.data):
+        log.warning("data: %s", unread)
     if cfg.data.sources:
         return prepare_mixture(cfg, force, keep)
     return prepare_source(cfg, force, keep=keep)
