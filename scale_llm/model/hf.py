@@ -13,7 +13,7 @@ import torch
 
 from scale_llm.config import ModelConfig, short
 from scale_llm.config.sections import kv_heads, mlp_hidden_size
-from scale_llm.model.transformer import fuse_qkv, split_qkv
+from scale_llm.model.transformer import Transformer, fuse_qkv, split_qkv
 
 ARCHITECTURE = "LlamaForCausalLM"
 _PER_LAYER = {  # ours -> HF, inside layers.{i} / model.layers.{i}
@@ -42,26 +42,10 @@ _SUPPORTED = {
 
 
 def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the HF checkpoint of `cfg`'s model and its shape."""
-    d, hidden, head_dim = cfg.d_model, mlp_hidden_size(cfg), cfg.d_model // cfg.n_heads
-    q, kv = cfg.n_heads * head_dim, kv_heads(cfg) * head_dim
-    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,)}
-    per_layer = {
-        "input_layernorm.weight": (d,),
-        "post_attention_layernorm.weight": (d,),
-        "self_attn.q_proj.weight": (q, d),
-        "self_attn.k_proj.weight": (kv, d),
-        "self_attn.v_proj.weight": (kv, d),
-        "self_attn.o_proj.weight": (d, q),
-        "mlp.gate_proj.weight": (hidden, d),
-        "mlp.up_proj.weight": (hidden, d),
-        "mlp.down_proj.weight": (d, hidden),
-    }
-    for i in range(cfg.n_layers):
-        shapes.update({f"model.layers.{i}.{k}": v for k, v in per_layer.items()})
-    if not cfg.tie_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, d)
-    return shapes
+    """Every tensor of the HF checkpoint of `cfg`'s model and its shape (`to_hf` on meta)."""
+    with torch.device("meta"):
+        state = dict(Transformer(cfg).state_dict())
+    return {name: tuple(t.shape) for name, t in to_hf(cfg, state)}
 
 
 def to_hf(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
