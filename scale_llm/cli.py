@@ -601,14 +601,15 @@ def _check_parser(sub) -> None:
 
 def cmd_check(args: argparse.Namespace) -> int:
     from scale_llm.analysis.check import SECTIONS, run_check
+    from scale_llm.config.load import override_setting
 
     if args.budget_min is not None and not (math.isfinite(args.budget_min) and args.budget_min > 0):
         raise UserError(
             f"--budget-min {args.budget_min}: use the minutes after which the check starts no "
             f"item, above 0 (or leave it out for no limit)"
         )
-    if given := [o for o in args.overrides or [] if o.split("=")[0].strip() == "train.max_steps"]:
-        raise UserError(f"--set {given[0]}: the check's runs take --steps N; give that instead")
+    if given := override_setting(args.overrides or [], "train.max_steps"):
+        raise UserError(f"--set {given}: the check's runs take --steps N; give that instead")
     scratch = Path(args.scratch) if args.scratch else None
     only = None if args.only is None else {x.strip() for x in args.only.split(",")}
     if args.steps == 1 and (only is None or "curves" in only):  # (0: the config's refusal)

@@ -2513,6 +2513,16 @@ FLAGS = [
         ["check", "o", "--set", "run.dir=elsewhere"],
         "--set run.dir: check makes its runs in a new folder of --scratch at each call",
     ),
+    (  # (the section given whole passed the check of the --set text)
+        "check --set run={dir: ...}",
+        ["check", "o", "--set", "run={dir: elsewhere}"],
+        "--set run.dir: check makes its runs in a new folder of --scratch at each call",
+    ),
+    (
+        "check --set train={max_steps: ...}",
+        ["check", "o", "--set", "train={max_steps: 3}"],
+        "--set train={max_steps: 3}: the check's runs take --steps N; give that instead",
+    ),
     (
         "check on a local corpus that is not there",
         ["check", "o", "--set", "data.source=/nonexistent/dir", "--scratch", "scr"],

@@ -221,6 +221,50 @@ def test_deepspeed_passthrough_refuses_sections_outside_its_own(entry, why):
     assert msg.count("parallel.deepspeed.config.") == 1 and "remove it here" in msg
 
 
+@pytest.mark.parametrize(
+    ("entry", "why"),
+    [
+        ("{grad_accum_dtype: [fp32]}", "grad_accum_dtype: ['fp32'] is not a dtype"),
+        ("{buffer_dtype: {a: 1}}", "buffer_dtype: {'a': 1} is not a dtype"),
+        ("{1: a, foo: b}", "'1' is not one of its keys"),
+    ],
+)
+def test_deepspeed_data_types_of_any_shape_are_named(entry, why):
+    """A list or a mapping as a dtype, keys of mixed kinds: TypeErrors from validation."""
+    msg = errors_of(
+        None, ["parallel.backend=deepspeed", f"parallel.deepspeed.config={{data_types: {entry}}}"]
+    )
+    assert f"parallel.deepspeed.config.data_types: {why}" in msg
+
+
+HUGE_HEX = "0x" + "f" * 4000
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "said"),
+    [
+        ("train.lr", "!!timestamp bad", "!!timestamp 'bad' is no value YAML's timestamp tag"),
+        ("logging.tensorboard", "!!bool maybe", "!!bool 'maybe' is no value YAML's bool tag"),
+        ("train.lr", "!!float", "!!float '' is no value YAML's float tag takes"),
+        ("train.max_steps", "1:30", "1:30 reads as a base-60 number in YAML ('1:30' is 90)"),
+        ("train.lr", "1:30.5", "('1:30.5' is 90.5); write the number, or quote it ('1:30.5')"),
+        ("run.seed", HUGE_HEX, "(4,002 chars) is past the 64-bit integers a key takes"),
+        ("train.max_bad_steps", "-0b1" + "0" * 63, "is past the 64-bit integers a key takes"),
+    ],
+)
+def test_yaml_values_read_unlike_their_text_are_named(tmp_path, key, value, said):
+    """PyYAML's KeyError / IndexError / AttributeError for a tag its value does not fit, YAML
+    1.1's base-60 numbers, and 0x / 0b integers past Python's digit limit (a ValueError once a
+    message printed one, after train had made the run dir) are each a key-named error, in a
+    file and in --set."""
+    section, name = key.split(".")
+    (tmp_path / "odd.yaml").write_text(f"{section}:\n  {name}: {value}\n")
+    msg = errors_of(tmp_path / "odd.yaml")
+    assert f"odd.yaml: {key}: " in msg and said in msg
+    assert said in errors_of(None, [f"{key}={value}"])
+    assert load_config(None, ["run.seed=0x7fffffff"]).run.seed == 2**31 - 1
+
+
 def test_a_recursive_alias_in_a_set_value_is_refused():
     """--set 'parallel.deepspeed.config={zero_optimization: &a {x: *a}}' reached dataclasses'
     asdict as a RecursionError; --set values are held to a config file's limits."""
@@ -411,7 +455,32 @@ def test_base_includes_merge_and_cycles_are_refused(tmp_path):
         said = errors_of(tmp_path / "sub" / "g.yaml")
     finally:
         os.chdir(cwd)
-    assert f"config file {tmp_path / 'sub' / 'other.yaml'} does not exist" in said
+    missing = tmp_path / "sub" / "other.yaml"
+    assert f"g.yaml: base: 'other.yaml': config file {missing} does not exist" in said
+
+
+def test_base_is_read_beside_the_real_file_and_a_users_file_wins_over_a_shipped_name(tmp_path):
+    """A symlinked config read its base: beside the link at the top and beside its target
+    when included (one file, two configs); `base: tiny` and the argument `tiny` took the
+    shipped tiny.yaml over the user's own tiny.yaml beside it."""
+    for folder, lr in (("a", 0.9), ("b", 0.5)):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "parent.yaml").write_text(f"train: {{lr: {lr}}}\n")
+    (tmp_path / "b" / "child.yaml").write_text("base: parent.yaml\n")
+    (tmp_path / "a" / "child.yaml").symlink_to(tmp_path / "b" / "child.yaml")
+    (tmp_path / "a" / "top.yaml").write_text("base: child.yaml\n")
+    assert load_config(tmp_path / "a" / "child.yaml").train.lr == 0.5
+    assert load_config(tmp_path / "a" / "top.yaml").train.lr == 0.5
+    (tmp_path / "tiny.yaml").write_text("base: 125m\ntrain: {lr: 0.0123}\n")
+    (tmp_path / "child.yaml").write_text("base: tiny\n")
+    assert load_config(tmp_path / "child.yaml").train.lr == 0.0123
+    cwd = os.getcwd()
+    try:
+        os.chdir(tmp_path)
+        assert load_config("tiny").train.lr == 0.0123
+    finally:
+        os.chdir(cwd)
+    assert load_config("tiny").train.lr != 0.0123  # (elsewhere: the shipped one)
 
 
 def test_moved_keys_are_read_with_one_deprecation_line(logs, tmp_path):

@@ -29,7 +29,7 @@ from scale_llm.analysis.bench import bench_reference, bench_sweep, fresh_start, 
 from scale_llm.analysis.memory import estimate
 from scale_llm.components.distributed import shutdown_distributed, start
 from scale_llm.config import Config, load_config, save_config, with_changes
-from scale_llm.config.load import shipped_config_dir
+from scale_llm.config.load import override_setting, shipped_config_dir
 from scale_llm.config.parallel import ONE_PROCESS
 from scale_llm.config.plan import Launch, resolve_plan
 from scale_llm.data.prepare import check_settings, prepare
@@ -184,7 +184,7 @@ def run_check(
 ) -> dict[str, Any]:
     """`only`: a subset of SECTIONS (e.g. a second short call for what a budget skipped)."""
     scratch = scratch or default_scratch()
-    if any(item.partition("=")[0].strip() == "run.dir" for item in overrides or []):
+    if override_setting(overrides or [], "run.dir"):
         raise UserError(  # (a second check there found the first's checkpoints: every curve failed)
             "--set run.dir: check makes its runs in a new folder of --scratch at each call; "
             "leave run.dir out, or give --scratch DIR"

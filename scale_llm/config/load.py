@@ -60,12 +60,16 @@ def shipped_config_dir() -> Path | None:
     return None
 
 
-def resolve_config_path(path: str | Path) -> Path:
-    """A config path as given, or else a shipped config by name (`tiny`, `7b.yaml`)."""
-    p = Path(path)
-    shipped = None if p.is_file() or len(p.parts) != 1 else shipped_config_dir()
-    names = (p.name, p.name + ".yaml") if shipped else ()
-    return next((shipped / n for n in names if (shipped / n).is_file()), p)
+def resolve_config_path(path: str | Path, beside: Path = Path()) -> Path:
+    """A config path (relative to `beside`); a bare name (`tiny`, `7b.yaml`) is also looked up
+    as NAME.yaml there, then among the shipped configs: a file of the user's wins."""
+    p = beside / path
+    if p.is_file() or len(Path(path).parts) != 1:
+        return p
+    shipped = shipped_config_dir()
+    folders = (beside, shipped) if shipped else (beside,)
+    names = (p.name, p.name + ".yaml")
+    return next((d / n for d in folders for n in names if (d / n).is_file()), p)
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
@@ -159,17 +163,14 @@ def _check_yaml_shape(text: str, where: str) -> None:
 
 def _refuse_surprises(root: yaml.Node, where: str) -> None:
     """A key written twice in one mapping (PyYAML keeps the last) is an error naming both lines;
-    a number with a leading zero (YAML 1.1 reads `010` as octal 8) is an error naming the key."""
+    so is a number YAML 1.1 reads unlike its text (`010` as octal 8, `1:30` as 90), one past
+    64 bits (`0x` and `0b` numbers escape Python's digit limit) and a value its tag does not
+    take (`!!bool maybe`)."""
     todo: list[tuple[yaml.Node, str]] = [(root, "")]
     while todo:
         node, prefix = todo.pop()
-        if node.tag.endswith(":int") and re.fullmatch(r"[-+]?0[0-7_]+", node.value):
-            key = prefix.rstrip(".") + ": " if prefix else ""
-            raise UserError(
-                f"{where}: {key}{node.value} reads as the octal "
-                f"number {int(node.value.replace('_', ''), 8)} in YAML; write it without the "
-                f"leading zero, or quote it ('{node.value}') where the key takes a string"
-            )
+        if isinstance(node, yaml.ScalarNode):
+            _refuse_odd_scalar(node, prefix, where)
         if isinstance(node, yaml.SequenceNode):
             todo.extend((child, prefix) for child in node.value)
         seen: dict[tuple[str, str], int] = {}
@@ -188,6 +189,38 @@ def _refuse_surprises(root: yaml.Node, where: str) -> None:
                 todo.append((value, prefix))
 
 
+def _refuse_odd_scalar(node: yaml.ScalarNode, prefix: str, where: str) -> None:
+    key, text = (prefix.rstrip(".") + ": " if prefix else ""), node.value
+    quote = f"quote it ('{text}') where the key takes a string"
+    if node.tag.endswith(":int") and re.fullmatch(r"[-+]?0[0-7_]+", text):
+        raise UserError(
+            f"{where}: {key}{text} reads as the octal number {int(text.replace('_', ''), 8)} "
+            f"in YAML; write it without the leading zero, or {quote}"
+        )
+    if node.tag.endswith((":int", ":float")) and ":" in text:
+        raise UserError(
+            f"{where}: {key}{text} reads as a base-60 number in YAML ({short(text)} is "
+            f"{yaml.SafeLoader('').construct_object(node)}); write the number, or {quote}"
+        )
+    if not node.tag.startswith("tag:yaml.org,2002:"):
+        return  # (a tag no safe loader takes: safe_load names it)
+    try:
+        value = yaml.SafeLoader("").construct_object(node)
+    except (yaml.YAMLError, ValueError):  # (past Python's digit limit: said where it is read)
+        return
+    except (KeyError, IndexError, AttributeError, TypeError):
+        tag = node.tag.rsplit(":", 1)[-1]
+        raise UserError(
+            f"{where}: {key}!!{tag} {short(text)} is no value YAML's {tag} tag takes; remove "
+            f"the tag or give such a value"
+        ) from None
+    if isinstance(value, int) and abs(value) >= 2**63:
+        raise UserError(
+            f"{where}: {key}{short(text)} is past the 64-bit integers a key takes; give a "
+            f"smaller number"
+        )
+
+
 def read_yaml_with_base(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     """A YAML file, merged over the file its optional top-level `base:` names (relative to it)."""
     raw = read_yaml(path)
@@ -199,13 +232,8 @@ def read_yaml_with_base(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, An
             f"{path}: base must be the path of another YAML file, not {str(base)[:60]!r}"
         )
     path = resolve_config_path(path)
-    base_path = path.parent / os.path.expanduser(base)
-    shipped = shipped_config_dir() if len(Path(base).parts) == 1 else None
-    if shipped is not None and not base_path.exists():  # a shipped config by name
-        base_path = next(
-            (shipped / n for n in (base, base + ".yaml") if (shipped / n).is_file()), base_path
-        )
-    try:
+    try:  # (relative to the file itself: a symlink's target's folder, as for a nested base)
+        base_path = resolve_config_path(os.path.expanduser(base), path.resolve().parent)
         base_path = base_path.resolve()
     except (OSError, RuntimeError, ValueError) as e:  # a symlink loop, a NUL, a long name
         raise UserError(
@@ -214,6 +242,11 @@ def read_yaml_with_base(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, An
         ) from None
     if base_path in seen:
         raise UserError(f"{path}: base: {base} leads back to itself; remove the cycle")
+    if not base_path.is_file():
+        try:
+            read_yaml(base_path)  # (its message: what is there, and the shipped names)
+        except UserError as e:
+            raise UserError(f"{path}: base: {short(base)}: {e}") from None
     return deep_merge(read_yaml_with_base(base_path, (*seen, path.resolve())), raw)
 
 
@@ -273,6 +306,20 @@ def _apply_override(raw: dict[str, Any], item: str, errors: list[str]) -> None:
                 f"{'.'.join(parts[: i + 1])}: is a value, not a section; cannot set {key}"
             )
             return
+
+
+def override_setting(overrides: list[str], key: str) -> str | None:
+    """The first `--set` item that sets dotted `key`, itself or as part of a section given
+    whole (`--set 'train={max_steps: 3}'`); None if none does."""
+    head, _, last = key.rpartition(".")
+    for item in overrides:
+        raw: dict[str, Any] = {}
+        _apply_override(raw, item, [])
+        for part in head.split(".") if head else ():
+            raw = raw.get(part) if isinstance(raw.get(part), dict) else {}
+        if last in raw:
+            return item
+    return None
 
 
 def _override_step(

@@ -275,10 +275,11 @@ def _value_problem(key: str, value: Any, raw: dict[str, Any], zero_stage: int) -
             f"zero_optimization.reduce_scatter: false too, or remove it"
         )
     if key == "data_types" and value is not None:
-        if unknown := sorted(set(value) - set(DATA_TYPES) - {"param_dtype"}):
+        if unknown := sorted(map(str, set(value) - set(DATA_TYPES) - {"param_dtype"})):
             return f"{unknown[0]!r:.40} is not one of its keys ({', '.join(DATA_TYPES)})"
         for name in ("grad_accum_dtype", "buffer_dtype"):
-            if (v := value.get(name)) is not None and v not in DS_DTYPES:  # (as written)
+            v = value.get(name)  # (as written)
+            if v is not None and not (isinstance(v, str) and v in DS_DTYPES):
                 return f"{name}: {v!r:.40} is not a dtype; give fp32, bf16 or fp16"
         if value.get("grad_accum_dtype") is not None and zero_stage <= 1:
             return (
