@@ -131,6 +131,14 @@ def _config_parser(sub) -> None:
 
 def cmd_config(args: argparse.Namespace) -> int:
     """The config as `train` would read it (YAML, defaults filled in), or the key reference."""
+    listing = "--paths" if args.paths else "--keys" if args.keys or args.markdown else None
+    read = {"CONFIG": args.config, "--set": alias_overrides(args), "--preflight": args.preflight}
+    read["--world-size"] = args.world_size is not None
+    if listing and (ignored := [name for name, given in read.items() if given]):
+        raise UserError(
+            f"{listing} reads no config, but {', '.join(ignored)} given; drop "
+            f"{'it' if len(ignored) == 1 else 'them'}, or run `scale-llm config` without {listing}"
+        )
     if args.paths:
         from scale_llm.config import shipped_config_dir
 

@@ -164,6 +164,11 @@ def _missing_deepspeed(ctx: Ctx) -> list[str]:
 CONFIG = [
     ("unknown key", ["train", TINY, *s("train.lrr=1")], "did you mean train.lr?"),
     ("a misspelt key", ["config", *s("train.learning_rat=0.1")], "train.learning_rat: unknown key"),
+    (  # (it listed the keys, exit 0, the config and the flags unread)
+        "config --keys with a config and flags it does not read",
+        ["config", "missing.yaml", "--keys", "--set", "train.lr=x", "--world-size", "5"],
+        "--keys reads no config, but CONFIG, --set, --world-size given; drop them, or run",
+    ),
     (
         "key in the wrong section",
         ["train", TINY, *s("train.n_layers=2")],
