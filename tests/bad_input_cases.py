@@ -164,6 +164,11 @@ def _missing_deepspeed(ctx: Ctx) -> list[str]:
 CONFIG = [
     ("unknown key", ["train", TINY, *s("train.lrr=1")], "did you mean train.lr?"),
     ("a misspelt key", ["config", *s("train.learning_rat=0.1")], "train.learning_rat: unknown key"),
+    (  # (torch's DDP refused it with a TypeError, after the model was built)
+        "a DDP bucket past any memory",
+        ["config", *s("parallel.ddp.bucket_cap_mb=4611686018427387904")],
+        "parallel.ddp.bucket_cap_mb=4611686018427387904: at most 1,048,576 is accepted",
+    ),
     (  # (it listed the keys, exit 0, the config and the flags unread)
         "config --keys with a config and flags it does not read",
         ["config", "missing.yaml", "--keys", "--set", "train.lr=x", "--world-size", "5"],

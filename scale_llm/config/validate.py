@@ -33,6 +33,7 @@ MAX_LAYERS = 10_000  # far past any trained model, short of a build that never e
 MAX_SIZE = 1 << 26  # a width, length or count far past any trained model's, short of overflow
 # steps, batches read ahead, tokens a sample generates: far past any run's, short of overflow
 LOOP_BOUNDS = {"train.max_steps": 10**12, "data.prefetch": 1024, "eval.sample_tokens": 10**6}
+LOOP_BOUNDS["parallel.ddp.bucket_cap_mb"] = 2**20  # (1 TiB; torch's DDP refused 2^62 once built)
 SIZE_KEYS = (
     *("model.vocab_size", "model.d_model", "model.n_heads", "model.seq_len", "model.mlp_hidden"),
     *("train.micro_batch_size", "train.grad_accum", "train.global_batch_size"),
