@@ -25,7 +25,13 @@ from scale_llm.config.load import read_yaml
 from scale_llm.config.plan import RunPlan
 from scale_llm.config.sections import same_resolved
 from scale_llm.data.pretrained_tokenizer import PretrainedTokenizer
-from scale_llm.data.tokenizer import Tokenizer, load_tokenizer, refuse_unfit, run_tokenizer_path
+from scale_llm.data.tokenizer import (
+    Tokenizer,
+    continuation,
+    load_tokenizer,
+    refuse_unfit,
+    run_tokenizer_path,
+)
 from scale_llm.errors import UserError
 from scale_llm.model import KVCache, Transformer, build_model, empty_state_dict
 
@@ -172,14 +178,19 @@ def generate(
     top_p: float | None = None,
     seed: int | None = None,
     eos_id: int | None = None,
+    vocab_size: int | None = None,
     use_cache: bool = True,
     autocast: contextlib.AbstractContextManager | None = None,
 ) -> list[int]:
-    """Continue `prompt` by up to max_new_tokens ids (stops early at eos_id)."""
-    device = model.tok_embeddings.weight.device
-    seq_len = model.cfg.seq_len
+    """Continue `prompt` by up to max_new_tokens ids (stops early at eos_id). Ids are sampled
+    below `vocab_size` (a tokenizer's; the model's rows past it are no token)."""
+    device, cfg = model.tok_embeddings.weight.device, model.cfg
+    seq_len, stops = cfg.seq_len, {eos_id}
     generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
     tokens = list(prompt[-seq_len:])
+    if cfg.attention_mask == "document":  # (the cache holds no mask: what training's mask sees)
+        ends = [i for i, t in enumerate(tokens[:-1]) if t == cfg.document_end_id]
+        tokens, stops = tokens[ends[-1] + 1 :] if ends else tokens, {eos_id, cfg.document_end_id}
     cache = KVCache(model.cfg.n_layers, seq_len) if use_cache else None
     out: list[int] = []
 
@@ -191,10 +202,11 @@ def generate(
         logits = forward(tokens)
         pos = len(tokens)
         for _ in range(max_new_tokens):
-            nxt = sample_next(logits[:, -1], temperature, top_k, top_p, generator).item()
+            last = logits[:, -1, :vocab_size]
+            nxt = sample_next(last, temperature, top_k, top_p, generator).item()
             out.append(nxt)
             tokens.append(nxt)
-            if nxt == eos_id or len(out) == max_new_tokens:
+            if nxt in stops or len(out) == max_new_tokens:
                 break  # (no forward pass for a token that will not be sampled)
             if cache is None:
                 logits = forward(tokens[-seq_len:])
@@ -228,5 +240,7 @@ def generate_text(
             f"text printed starts with the whole prompt)"
         )
     sampling = (max_new_tokens, temperature, top_k, top_p, seed)
-    ids = generate(model, prompt_ids, *sampling, eos_id=tokenizer.eos_id, autocast=autocast)
-    return prompt + tokenizer.decode(ids)
+    ids = generate(
+        model, prompt_ids, *sampling, tokenizer.eos_id, tokenizer.vocab_size, autocast=autocast
+    )
+    return prompt + continuation(tokenizer, prompt_ids, ids)

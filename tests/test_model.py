@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
 import math
 
 import pytest
@@ -130,6 +132,58 @@ def test_greedy_generation_with_cache_equals_without(attention):
     without = generate(m, prompt, 40, temperature=0, use_cache=False)
     assert with_cache == without
     assert len(with_cache) == 40
+
+
+def test_under_a_document_mask_the_cached_generation_reads_the_prompts_last_document():
+    """The cache holds no mask: a prompt of [EOS] + text (a tokenizer without BOS) attended to
+    the EOS training's document mask hid; generation equals the uncached model's, which masks,
+    and stops at a document end."""
+    torch.manual_seed(0)
+    cfg = small(seq_len=64, attention_mask="document", document_end_id=2, tie_embeddings=False)
+    m = build_model(cfg, "cpu")  # (untied: a random tied model repeats its last token)
+    prompt = [2, *torch.randint(3, 97, (6,)).tolist()]
+    with_cache = generate(m, prompt, 30, temperature=0, use_cache=True)
+    assert with_cache == generate(m, prompt, 30, temperature=0, use_cache=False)
+    assert with_cache == generate(m, prompt[1:], 30, temperature=0)  # (the text alone)
+    end = next(t for t in with_cache if t not in prompt)  # (as the document end: a stop)
+    m.cfg = dataclasses.replace(m.cfg, document_end_id=end)
+    stopped = generate(m, prompt[1:], 30, temperature=0)
+    assert stopped == with_cache[: with_cache.index(end) + 1] and len(stopped) < 30
+
+
+def test_generation_samples_only_the_tokenizers_ids():
+    """A model's rows past its tokenizer's ids (a padded vocabulary) are no token: sampled,
+    they were dropped from the text and fed back."""
+    torch.manual_seed(5)
+    m = build_model(small(), "cpu")
+    free = generate(m, [1, 5, 9], 40, temperature=5.0, top_k=0, seed=0)
+    capped = generate(m, [1, 5, 9], 40, temperature=5.0, top_k=0, seed=0, vocab_size=90)
+    assert max(free) >= 90 and max(capped) < 90 and len(capped) == 40
+
+
+def test_generated_text_is_decoded_after_the_prompt(tmp_path):
+    """A decoder that strips a text's leading space (Llama 2's, Mistral's) ran on the new ids
+    alone: "Hello" + "world" printed "Helloworld"."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from scale_llm.data.pretrained_tokenizer import PretrainedTokenizer, build_bundle
+    from scale_llm.data.tokenizer import continuation
+
+    words = ["Hello", "world", "again"]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"\u2581{w}": i + 3 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")
+    tok.decoder = decoders.Sequence([decoders.Metaspace(prepend_scheme="always")])
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    (tmp_path / "hf").mkdir()
+    tok.save(str(tmp_path / "hf" / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"}
+    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "bundle").write_bytes(build_bundle(tmp_path / "hf")[0])
+    words = PretrainedTokenizer(tmp_path / "bundle")
+    prompt, new = words.encode("Hello"), words.encode("world again", bos=False)
+    assert words.decode(new) == "world again"  # (the leading space stripped)
+    assert "Hello" + continuation(words, prompt, new) == "Hello world again"
 
 
 def test_generation_continues_past_seq_len():

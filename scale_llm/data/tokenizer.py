@@ -73,6 +73,15 @@ def load_tokenizer(path: str | Path) -> Tokenizer | PretrainedTokenizer:
     return PretrainedTokenizer(path) if Path(path).name == BUNDLE_FILE else Tokenizer(path)
 
 
+def continuation(
+    tokenizer: Tokenizer | PretrainedTokenizer, prompt: list[int], new: list[int]
+) -> str:
+    """The text `new` ids add after `prompt`'s, decoded after them: a decoder that strips a
+    text's leading space (Llama 2's, Mistral's) or joins bytes lost it alone."""
+    head, whole = tokenizer.decode(prompt), tokenizer.decode([*prompt, *new])
+    return whole[len(head) :] if whole.startswith(head) else tokenizer.decode(new)
+
+
 def refuse_unfit(tokenizer: Tokenizer | PretrainedTokenizer, vocab_size: int, ckpt: Path) -> None:
     """A run's tokenizer of more ids than the checkpoint's embedding rows (its records rewritten
     to name another tokenizer) is refused: its ids past the rows would index nothing."""

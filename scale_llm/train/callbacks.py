@@ -15,7 +15,7 @@ from scale_llm.components.distributed import mean_over_ranks, shorten_timeouts, 
 from scale_llm.components.hardware import cuda_memory_gib
 from scale_llm.components.loss import perplexity
 from scale_llm.data.loader import TokenWindows, eval_batches
-from scale_llm.data.tokenizer import load_tokenizer
+from scale_llm.data.tokenizer import continuation, load_tokenizer
 from scale_llm.train.guards import TrainingDiverged, diverged_message
 
 log = logging.getLogger(__name__)
@@ -181,7 +181,7 @@ class Samples(Callback):
         for _ in range(cfg.eval.sample_tokens):
             with torch.no_grad(), backend.forward_context():
                 logits = backend.next_token_logits(trainer.model, window, filled - 1)
-            token = int(logits.float().argmax().item())
+            token = int(logits[: tokenizer.vocab_size].float().argmax().item())  # (a token's)
             new.append(token)
             if filled < T:
                 window[:, filled] = token
@@ -192,7 +192,7 @@ class Samples(Callback):
         trainer.model.train()
         if tokenizer.eos_id in new:
             new = new[: new.index(tokenizer.eos_id)]
-        return cfg.eval.sample_prompt + tokenizer.decode(new)
+        return cfg.eval.sample_prompt + continuation(tokenizer, ids, new)
 
 
 class TaskScores(Callback):
