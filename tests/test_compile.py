@@ -311,6 +311,15 @@ def test_the_gpu_checks_order_and_configs_on_a_stub_gpu(tmp_path, monkeypatch):
     report = check.run_check(tmp_path / "again", scratch=tmp_path / "scratch", only={"sweep"})
     assert [c[0] for c in calls] == ["sweep"] * 6 and report["ok"] and "curves" not in report
     assert "no errors (no curves run)" in (tmp_path / "again" / "report.md").read_text()
+    # the same into the first OUT (the follow-up a budget's verdict suggests): the sweep's rows
+    # are new, the first call's other sections and its log stay (they were erased)
+    first = json.loads((tmp_path / "out" / "report.json").read_text())
+    report = check.run_check(tmp_path / "out", scratch=tmp_path / "scratch", only={"sweep"})
+    for section in ("curves", "prepare", "reference", "param_dtype"):
+        assert report[section] == first[section], section
+    assert len(report["sweep"]) == 6 and report["sweep"] != first["sweep"]  # (new timings)
+    assert report["ok"] and json.loads((tmp_path / "out" / "report.json").read_text())["ok"]
+    assert (tmp_path / "out" / "check.log").read_text().count("check: done") == 2
 
 
 # ----------------------------------------------------------------------------- the toolchain

@@ -278,6 +278,31 @@ def test_check_keeps_to_its_own_report_and_runs_folders(tmp_path):
     assert (earlier / OWNER_MARKER).is_file()
 
 
+def test_check_prepares_a_data_dir_given_by_set_only_when_nothing_is_replaced(
+    data_dir, corpus_dir, tmp_path, capsys
+):
+    """`check --set data.dir=X` prepared X with the check's settings: a user's data prepared
+    with others (another vocabulary) had its tokenizer and shards replaced, exit 0. Data those
+    settings prepared is read as it is; other data is refused before any work."""
+    from scale_llm.analysis.check import tiny_config
+    from scale_llm.data.prepare import would_replace
+    from tests.helpers import TINY_MODEL
+
+    mine = tmp_path / "mine"
+    shutil.copytree(data_dir, mine)
+    same = [*TINY_MODEL, f"data.source={corpus_dir}", f"data.dir={mine}", "data.val_fraction=0.1"]
+    same.append("data.tokenizer_sample_bytes=500000")
+    assert not would_replace(tiny_config(tmp_path / "s", tmp_path / "r", 2, same))
+    other = [*same, "model.vocab_size=1024"]
+    assert would_replace(tiny_config(tmp_path / "s", tmp_path / "r", 2, other))
+    before = snapshot(tmp_path)
+    sets = [x for item in other for x in ("--set", item)]
+    assert main(["check", str(tmp_path / "out"), "--scratch", str(tmp_path / "s"), *sets]) == 2
+    said = capsys.readouterr().err
+    assert f"--set data.dir={mine}: the folder holds data prepared from other input" in said
+    assert snapshot(tmp_path) == before
+
+
 def test_check_leaves_what_the_user_keeps_in_its_scratch(tmp_path, capsys, caplog):
     """The check prepared its corpus into SCRATCH/data, replacing a user's prepared data there;
     removed an earlier runs folder with the files a user had put in it; and took an OUT inside
@@ -291,6 +316,15 @@ def test_check_leaves_what_the_user_keeps_in_its_scratch(tmp_path, capsys, caplo
     assert main(["check", str(tmp_path / "report"), "--scratch", str(scratch)]) == 2
     said = capsys.readouterr().err
     assert f"--scratch {scratch} holds data, which the check did not make" in said, said
+    assert snapshot(tmp_path) == before
+    mine = tmp_path / "mine"  # a data.dir of --set's: prepared again with the check's settings
+    (mine / "manifest.json").parent.mkdir()
+    (mine / "manifest.json").write_text("{}")
+    before = snapshot(tmp_path)
+    argv = ["check", str(tmp_path / "report"), "--scratch", str(tmp_path / "s2")]
+    assert main([*argv, "--set", f"data.dir={mine}"]) == 2
+    said = capsys.readouterr().err
+    assert f"--set data.dir={mine}: the folder holds data prepared from other input" in said, said
     assert snapshot(tmp_path) == before
     runs = new_runs_dir(scratch)  # a scratch the check used before it marked its data: adopted
     (runs / "check-cpu-fp32-eager").mkdir()

@@ -32,7 +32,7 @@ from scale_llm.config import Config, load_config, save_config, with_changes
 from scale_llm.config.load import override_setting, shipped_config_dir
 from scale_llm.config.parallel import ONE_PROCESS
 from scale_llm.config.plan import Launch, resolve_plan
-from scale_llm.data.prepare import check_settings, prepare
+from scale_llm.data.prepare import check_settings, prepare, would_replace
 from scale_llm.data.sources import open_source
 from scale_llm.errors import UserError
 from scale_llm.files import (
@@ -103,6 +103,18 @@ def check_scratch_data(data: Path, scratch: Path) -> None:
     )
 
 
+def refuse_replacing_data(cfg: Config) -> None:
+    """A data.dir given by --set (a user's prepared data, maybe) that the check's prepare would
+    rebuild with its own settings, replacing what it holds: refused (up to date: read as is)."""
+    if would_replace(cfg):
+        raise UserError(
+            f"--set data.dir={cfg.data.dir}: the folder holds data prepared from other input or "
+            f"settings than the check's (tiny.yaml with the --set values), and the check would "
+            f"prepare it again, replacing it; give a new folder, or leave data.dir out (the "
+            f"check prepares its own in --scratch)"
+        )
+
+
 def mark_scratch_data(data: Path) -> None:
     """`data` made, or marked, as the check's (after `check_scratch_data`)."""
     if owned_kind(data) != DATA_KIND and not data.is_symlink():
@@ -143,6 +155,21 @@ class Report:
             "errors": [],
             "finished": False,  # until the last item: a report of a stopped check says so
         }
+
+    def keep_earlier(self, redo: set[str]) -> None:
+        """An `--only` call into an earlier check's OUT: the earlier report's other sections
+        (and their errors) stay; those it runs again (`redo`, with the preflight) are new."""
+        earlier = json_object_or_none(self.out / "report.json", max_bytes=REPORT_BYTES) or {}
+        redo = {"preflight", *redo, *(("prepare",) if "curves" in redo else ())}
+        kept = {k: v for k, v in earlier.items() if k not in self.data and k not in redo | {"ok"}}
+        errors = earlier.get("errors") if isinstance(earlier.get("errors"), list) else []
+        errors = [e for e in errors if isinstance(e, str) and e.split(" / ", 1)[0] not in redo]
+        try:
+            markdown_report({**self.data, **kept})  # (rows the check wrote: they render)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError):
+            log.warning("check: %s/report.json's other sections do not read; not kept", self.out)
+            return
+        self.data.update(kept, errors=errors)
 
     def attempt(self, section: str, label: str, fn: Callable[[], dict[str, Any]]) -> dict:
         """fn's row, or a row saying why there is none (over the budget, or its error)."""
@@ -201,6 +228,8 @@ def run_check(
     own_data = same_path(first.data.dir, scratch / "data")  # (not a data.dir given by --set)
     if own_data:
         check_scratch_data(scratch / "data", scratch)
+    else:
+        refuse_replacing_data(first)
     refuse_out_in_scratch(out, scratch)
     claim_out(out)
     make_scratch(scratch)
@@ -208,8 +237,10 @@ def run_check(
         mark_scratch_data(scratch / "data")
     runs = new_runs_dir(scratch)
     wanted = SECTIONS if only is None else only
-    with _log_to(out / "check.log"), _recorded(runs):
+    with _log_to(out / "check.log", append=only is not None), _recorded(runs):
         report = Report(out, budget_minutes)
+        if only is not None:
+            report.keep_earlier(only)
         cuda = torch.cuda.is_available()
         report.data["preflight"] = preflight(cuda, scratch, out)
         report.save()
@@ -607,10 +638,11 @@ def _run_stoppable(cmd: list[str], env: dict[str, str], timeout: float) -> tuple
 
 
 @contextlib.contextmanager
-def _log_to(path: Path) -> Iterator[None]:
-    """The whole check's log (INFO and up) in `path` too: a remote run returns only its tail.
-    Opened not through a link (claim_out refused one before)."""
-    with open(path, "w", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW, 0o666)) as stream:
+def _log_to(path: Path, append: bool = False) -> Iterator[None]:
+    """The whole check's log (INFO and up) in `path` too: a remote run returns only its tail
+    (`append`: after an earlier call's). Opened not through a link (claim_out refused one)."""
+    mode = "a" if append else "w"
+    with open(path, mode, opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW, 0o666)) as stream:
         handler = logging.StreamHandler(stream)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
         ours = logging.getLogger("scale_llm")

@@ -4,12 +4,14 @@ mixture: mixture.py, each source the same way into data.dir/<name> under one tok
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 from scale_llm.config import Config
 from scale_llm.config.data import unread_hf_keys
-from scale_llm.data.mixture import prepare_mixture
-from scale_llm.data.prepare_source import Kept, prepare_source
+from scale_llm.data.mixture import MIXTURE, prepare_mixture
+from scale_llm.data.prepare_source import Kept, prepare_source, up_to_date
+from scale_llm.data.sources import open_source
 from scale_llm.data.tokenizer import check_vocab_size
 from scale_llm.errors import UserError
 
@@ -37,3 +39,15 @@ def check_settings(cfg: Config) -> None:
         )
     if cfg.data.tokenizer is None:  # (a tokenizer of prepare's own is trained)
         check_vocab_size(cfg.model.vocab_size)
+
+
+def would_replace(cfg: Config) -> bool:
+    """Whether `prepare(cfg)` would rebuild data that data.dir holds (prepared from other input
+    or settings); False where it holds none, or is up to date. Reads only (a mixture's data.dir
+    counts as other data: its sources are not compared)."""
+    out = Path(cfg.data.dir)
+    if cfg.data.sources or (out / MIXTURE).exists():
+        return (out / MIXTURE).exists() or (out / "manifest.json").exists()
+    if not (out / "manifest.json").exists():
+        return False
+    return up_to_date(cfg, open_source(cfg.data)) is None

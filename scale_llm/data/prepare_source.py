@@ -132,6 +132,12 @@ def data_dir_lock(out: Path) -> Iterator[None]:
                 folder.rmdir()
 
 
+def up_to_date(cfg: Config, source) -> dict[str, Any] | None:
+    """data.dir's manifest where it holds `cfg`'s data prepared and whole; else None (reads)."""
+    fingerprint = _fingerprint(cfg, source, model_tokenizer(cfg))
+    return _up_to_date(Path(cfg.data.dir), fingerprint, False)
+
+
 def _up_to_date(out: Path, fingerprint: str, force: bool) -> dict[str, Any] | None:
     current = json_object_or_none(out / MANIFEST)
     fresh = not force and current and current.get("fingerprint") == fingerprint
