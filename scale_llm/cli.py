@@ -15,13 +15,14 @@ import math
 import os
 import re
 import select
+import signal
 import sys
 from pathlib import Path
 
 from scale_llm.config import Config, RunConfig, dump_yaml, load_config, with_changes
 from scale_llm.config.parallel import ONE_PROCESS
 from scale_llm.config.sections import measures_compiled
-from scale_llm.errors import UserError, install_hint
+from scale_llm.errors import Stopped, UserError, install_hint, stop_signals_raise
 from scale_llm.log import setup_logging
 from scale_llm.version import __version__
 
@@ -920,6 +921,10 @@ def entry() -> int:
     return main()
 
 
+# commands whose stop signals unwind (their `finally` blocks run): those with no stop of their own
+UNWOUND = ("check", "bench")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     with contextlib.suppress(AttributeError, ValueError):  # (a terminal of another encoding:
@@ -932,10 +937,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"`scale-llm {args.command}` {_argument(args.command, empty[0])} is empty (an "
                 f"unset shell variable?): it would name the working folder; give a path"
             )
-        code = COMMANDS[args.command](args)
+        with stop_signals_raise() if args.command in UNWOUND else contextlib.nullcontext():
+            code = COMMANDS[args.command](args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         code = e.exit_code
+    except Stopped as e:
+        print(f"stopped by {signal.Signals(e.signum).name}", file=sys.stderr)
+        code = 128 + e.signum
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         code = 130

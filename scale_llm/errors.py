@@ -1,14 +1,52 @@
-"""The one exception type for mistakes a user can fix (config, paths, data, resume mismatch).
+"""What a command ends with on purpose: a mistake a user can fix (config, paths, data, resume
+mismatch), and a stop signal.
 
-The CLI prints its message as one paragraph and exits with code 2, without a traceback. Internal
+The CLI prints a UserError's message as one paragraph and exits with code 2, without a
+traceback; a `Stopped` exits with 128 + its signal's number. Internal
 errors are left alone, so their tracebacks still reach whoever has to fix the code.
 """
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
 
 
 class UserError(Exception):
     """A problem in the user's input; the message names the key or file and the fix."""
 
     exit_code = 2
+
+
+class Stopped(KeyboardInterrupt):
+    """A stop signal (SIGTERM, SIGHUP) raised where it came, as Ctrl-C raises KeyboardInterrupt,
+    so `finally` blocks run; the command exits with 128 + its number."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def stop_signals_raise() -> Iterator[None]:
+    """While active (in the main thread), SIGTERM and SIGHUP raise `Stopped`: a command without
+    a stop of its own (check, bench) ends through its `finally` blocks (a scratch folder removed,
+    a launch it started stopped) instead of at once."""
+
+    def handle(signum: int, frame: object) -> None:
+        raise Stopped(signum)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def short(value: object, limit: int = 80) -> str:

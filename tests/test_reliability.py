@@ -585,6 +585,55 @@ def test_checkpoint_io_bench_times_the_save_and_its_integrity_record(data_dir, t
     assert not (tmp_path / "io").exists()
 
 
+def test_a_stop_signal_ends_bench_and_check_through_their_cleanup(data_dir, tmp_path):
+    """SIGTERM killed `bench --checkpoint-io DIR` at once, leaving its checkpoint-sized folder
+    in DIR; stopped `check`'s torchrun launch without stopping it (it went on holding the
+    GPUs); and was taken by a curve's run as its own stop, the check then going on to report
+    the curve cut short as ok, exit 0. Each ends through its cleanup, 128 + the signal."""
+    import os
+    import threading
+
+    from scale_llm.analysis import check
+    from scale_llm.config import save_config
+    from scale_llm.errors import Stopped, stop_signals_raise
+    from scale_llm.train.trainer import TrainResult
+
+    save_config(make_config(data_dir, tmp_path / "runs"), tmp_path / "c.yaml")
+    io = tmp_path / "io"  # (a folder of the user's: the bench's copy goes in it)
+    io.mkdir()
+    cmd = [sys.executable, "-m", "scale_llm", "bench", str(tmp_path / "c.yaml")]
+    proc = subprocess.Popen(
+        [*cmd, "--checkpoint-io", str(io), "--rounds", "500"], env=env(), stderr=subprocess.PIPE
+    )
+    deadline = time.time() + 120
+    while not (io.is_dir() and any(io.iterdir())) and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # (into its saves)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err.decode()[-2000:]
+    assert "stopped by SIGTERM" in err.decode() and list(io.iterdir()) == []
+    # a launch the check started stops with it
+    pid_file = tmp_path / "child.pid"
+    child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    with pytest.raises(Stopped), stop_signals_raise():
+        check._run_stoppable([sys.executable, "-c", child], dict(os.environ), 100)
+    pid = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    # a curve whose run took a SIGTERM as its stop: the check stops, its report unfinished
+    stopped = TrainResult(tmp_path, 2, losses={1: 9.0, 2: 8.0}, stopped="signal SIGTERM")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(check, "train", lambda cfg, plan: stopped)
+        mp.setattr(check, "prepared", lambda cfg: {"dir": str(cfg.data.dir)})
+        out = tmp_path / "out"
+        with pytest.raises(Stopped):
+            check.run_check(out, steps=2, scratch=tmp_path / "scratch", only={"curves"})
+    report = json.loads((out / "report.json").read_text())
+    assert not report["finished"] and not report["ok"] and "curves" not in report
+
+
 def test_checkpoint_io_bench_on_deepspeed_times_its_foreground_saves_only(tmp_path):
     """DeepSpeed's engine has no background save: the bench's async rows were a traceback.
     (A stand-in backend that saves one file, under a DeepSpeed plan.)"""

@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -34,7 +35,7 @@ from scale_llm.config.parallel import ONE_PROCESS
 from scale_llm.config.plan import Launch, resolve_plan
 from scale_llm.data.prepare import check_settings, prepare, would_replace
 from scale_llm.data.sources import open_source
-from scale_llm.errors import UserError
+from scale_llm.errors import Stopped, UserError
 from scale_llm.files import (
     OWNER_MARKER,
     JSONProblem,
@@ -536,7 +537,11 @@ def curve_row(
     plan = resolve_plan(cfg, Launch())
     if plan.backend != "single":  # (a --set backend: a world of one, as `train` starts it)
         start(plan)  # (kept by the next curve: DeepSpeed holds on to the first group)
-    losses = train(cfg, plan).losses
+    result = train(cfg, plan)
+    if (stopped := result.stopped or "").startswith("signal "):  # (train's own stop: the check's)
+        signum = signal.Signals[stopped.split()[1]]
+        raise KeyboardInterrupt if signum == signal.SIGINT else Stopped(signum)
+    losses = result.losses
     if not reference:
         reference.append(losses)
     first, last = losses[min(losses)], losses[max(losses)]
@@ -627,14 +632,21 @@ def _run_stoppable(cmd: list[str], env: dict[str, str], timeout: float) -> tuple
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.terminate()
-        try:
-            proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
+        _stop(proc)
         raise RuntimeError(f"no result in {timeout:.0f} s: stopped") from None
+    except BaseException:  # (the check stopped: a signal, Ctrl-C) its launch stops with it
+        _stop(proc)
+        raise
     return proc.returncode, out, err
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
 
 
 @contextlib.contextmanager
