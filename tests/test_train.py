@@ -1286,6 +1286,42 @@ def test_tokens_per_s_leaves_out_the_saves_of_a_rows_step(data_dir, tmp_path, mo
     assert [rows[n]["tokens_per_s"] for n in (2, 4)] == [per_step / 1.0] * 2
 
 
+def test_tokens_per_s_leaves_out_the_profilers_trace_writing(data_dir, tmp_path, monkeypatch):
+    """train.profile's trace, written after its last step (100 s on this clock), was charged to
+    the next row: tokens/s fell by half on a CPU, MFU with it. On a logged step or any other."""
+    from scale_llm.train import profiling, throughput, trainer
+
+    now = [0.0]
+
+    class Clock(throughput.Throughput):
+        def __init__(self, *args):
+            super().__init__(*args, clock=lambda: now[0])
+
+    step, write = Trainer.train_step, profiling.StepProfiler._write_trace
+
+    def timed_step(self):
+        now[0] += 1.0
+        return step(self)
+
+    def timed_write(self, prof):
+        now[0] += 100.0
+        write(self, prof)
+
+    monkeypatch.setattr(trainer, "Throughput", Clock)
+    monkeypatch.setattr(Trainer, "train_step", timed_step)
+    monkeypatch.setattr(profiling.StepProfiler, "_write_trace", timed_write)
+    for last in (3, 4):  # (a step between rows; a row's)
+        traced = [f"train.profile.start_step={last}", "train.profile.warmup_steps=0"]
+        traced += ["train.profile.enabled=true", "train.profile.active_steps=1"]
+        settings = ["logging.every=2", "train.max_steps=6", *traced]
+        t = trainer_for(make_config(data_dir, tmp_path / str(last), *settings))
+        t.fit()
+        rows = rows_of(t.run_dir)
+        assert (t.run_dir / "profile" / f"rank0_steps{last}-{last}.pt.trace.json").is_file()
+        per_step = t.plan.tokens_per_step
+        assert [rows[n]["tokens_per_s"] for n in (2, 4, 6)] == [per_step / 1.0] * 3, last
+
+
 def test_a_run_stopped_by_bad_steps_at_a_save_says_so_in_its_last_row(data_dir, tmp_path):
     """A stop found by a checkpoint's save (not a logged step) wrote {"stopped": "diverged"}
     alone, and `runs` showed step 1's loss as the run's."""

@@ -94,8 +94,13 @@ class StepProfiler(Callback):
             self.step_label = None
 
     def step_end(self, trainer: Trainer, s: StepEnd) -> None:
-        """Optimizer step `s.step` (its logging, eval and checkpoint included) is over; `last`:
-        the launch runs no further step (a stop, or train.max_steps)."""
+        """Optimizer step `s.step` (its logging, eval and checkpoint included) is over: what it
+        writes is left out of tokens/s."""
+        with trainer.clock.aside():
+            self._step_end(trainer, s)
+
+    def _step_end(self, trainer: Trainer, s: StepEnd) -> None:
+        """`last`: the launch runs no further step (a stop, or train.max_steps)."""
         step, last = s.step, bool(s.stop) or s.step == trainer.cfg.train.max_steps
         self.last_step = step
         if self.prof is not None:

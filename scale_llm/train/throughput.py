@@ -3,8 +3,9 @@ the end of the first SETTLE steps (they hold one-off costs: compiling, first all
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 SETTLE = 2  # a launch's first steps, left out of the ETA
 
@@ -33,6 +34,17 @@ class Throughput:
 
     def row_written(self, step: int) -> None:
         self._window = (self.clock(), step)
+
+    @contextlib.contextmanager
+    def aside(self) -> Iterator[None]:
+        """Time spent inside (a trace written between steps) is no step's: tokens/s leaves it
+        out, on a metric row's step or any other."""
+        t0 = self.clock()
+        try:
+            yield
+        finally:
+            since, first = self._window
+            self._window = (since + self.clock() - max(t0, since), first)
 
     def elapsed(self) -> float:
         return self.clock() - self.started
