@@ -139,6 +139,7 @@ def moved(runs, request):
         assert "at step 2" in runs.stdout[name]
         return runs.stdout[name], rows
 
+    get.root = runs.root
     return get
 
 
@@ -215,6 +216,14 @@ def test_a_deepspeed_run_continues_in_another_precision(moved, reference):
     console, rows = moved("zero2-to-zero2-bf16")
     assert "weights only" not in console
     same_steps(rows, reference, [3], tol=5e-2)
+    # generate's stdout is its text alone: DeepSpeed's logger, made at its import by the
+    # checkpoint's reader, wrote its accelerator line there first (DS_ACCELERATOR unset)
+    run = str(moved.root / "zero2-split")
+    argv = [sys.executable, "-m", "scale_llm", "generate", run, "--max-new-tokens", "2"]
+    plain = {k: v for k, v in env().items() if k != "DS_ACCELERATOR"}
+    said = subprocess.run([*argv, "--prompt", "def"], env=plain, capture_output=True)
+    assert said.returncode == 0 and said.stdout.decode().startswith("def"), said
+    assert "accelerator" in said.stderr.decode().lower()  # (said, where logs go)
 
 
 def test_convert_writes_one_portable_file(runs, data_dir, root):

@@ -14,6 +14,7 @@ import io
 import pickle
 import re
 import struct
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -318,10 +319,12 @@ def dcp_save(
 
 
 def deepspeed_safe_globals() -> list[Any]:
-    """The DeepSpeed classes its ZeRO checkpoint files hold (ZeRO 0-3, DeepSpeed 0.19)."""
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
+    """The DeepSpeed classes its ZeRO checkpoint files hold (ZeRO 0-3, DeepSpeed 0.19). Its
+    logger writes to the stdout of its import: stderr here, where generate prints its text."""
+    with contextlib.redirect_stdout(sys.stderr):
+        from deepspeed.runtime.fp16.loss_scaler import LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
 
     return [LossScaler, ZeroStageEnum, fragment_address]
 
