@@ -241,6 +241,13 @@ def test_runs_lists_each_run_and_writes_nothing(data_dir, tmp_path, capsys):
     assert main(["runs", str(tmp_path / "missing")]) == 2
     assert "missing: no such folder; give the run.dir" in capsys.readouterr().err
     assert not (tmp_path / "missing").exists()
+    # a config.yaml emptied: its defaults' 200 steps stood in (done 4/200, "stopped")
+    import shutil
+
+    shutil.copytree(tmp_path / "done", tmp_path / "emptied")
+    (tmp_path / "emptied" / "config.yaml").write_text("")
+    assert main(["runs", str(tmp_path / "emptied")]) == 0
+    assert capsys.readouterr().out.splitlines()[1].split()[:2] == ["emptied", "4/?"]
 
 
 def test_runs_shows_a_run_as_a_relaunch_finds_it(data_dir, tmp_path, capsys):

@@ -14,6 +14,7 @@ from typing import Any
 
 from scale_llm.components.checkpoint import TRAINER_STATE, damage
 from scale_llm.config import RunConfig, load_config
+from scale_llm.config.load import read_yaml
 from scale_llm.config.profile import SCRATCH_PREFIX
 from scale_llm.errors import UserError
 from scale_llm.files import describe_kind, entries_below, lock_holder
@@ -80,10 +81,12 @@ def _listed(run_dir: Path) -> RunSummary:
 
 def summarize(run_dir: Path) -> RunSummary:
     """What one run directory says about its run, read-only (its metrics read once, row by row)."""
-    try:
-        max_steps: int | None = load_config(run_dir / CONFIG_FILE).train.max_steps
+    path, max_steps = run_dir / CONFIG_FILE, None
+    try:  # (no train section, an empty file: no run's, whose defaults would stand in)
+        if "train" in read_yaml(path):
+            max_steps = load_config(path).train.max_steps
     except UserError:  # an edited or damaged config.yaml: the rest can still be listed
-        max_steps = None
+        pass
     holder = lock_holder(run_dir / LOCK)
     running = holder is not None and " on " not in holder  # (another host's: not checked)
     if holder is not None:  # (its files may change meanwhile: the newest complete one is shown)
