@@ -223,3 +223,20 @@ def test_a_bundle_whose_encoder_does_not_read_is_named(continued, tmp_path):
     path.write_text(json.dumps(bundle))
     with pytest.raises(UserError, match=r"its encoder does not read: .*re-run `scale-llm prepare"):
         PretrainedTokenizer(path)
+
+
+def test_a_vocab_mismatch_under_init_from_names_its_tokenizer_not_a_new_prepare():
+    """A padded HF vocabulary (4,096 rows) over data of a trained tokenizer (2,048 pieces): the
+    message said to set model.vocab_size=2048 or prepare again with another vocabulary, which
+    trains a tokenizer the weights never saw."""
+    from scale_llm.train.preflight import check_vocab
+
+    manifest = {"tokenizer": {"vocab_size": 2048, "file": "tokenizer.model", "eos_id": 2}}
+    cfg = load_config(None, ["model.init_from=/models/llama", "model.vocab_size=4096"])
+    with pytest.raises(UserError) as info:
+        check_vocab(cfg, manifest)
+    said = str(info.value)
+    assert "set data.tokenizer=/models/llama and run `scale-llm prepare`" in said
+    assert "set model.vocab_size=2048" not in said
+    with pytest.raises(UserError, match="set model.vocab_size=2048, or re-run"):
+        check_vocab(load_config(None, ["model.vocab_size=4096"]), manifest)

@@ -633,10 +633,18 @@ def check_vocab(cfg: Config, manifest: dict[str, Any]) -> None:
             raise UserError(problem)
         return
     if tok_vocab != cfg.model.vocab_size:
+        fix = (
+            f"set model.vocab_size={tok_vocab}, or re-run `scale-llm prepare` with the vocab size "
+            f"you want"
+        )
+        if init_from := cfg.model.init_from:  # (its weights were learned with its tokenizer)
+            fix = (
+                f"model.init_from={init_from} learned its own tokenizer's ids: set data."
+                f"tokenizer={init_from} and run `scale-llm prepare` (into a data.dir of its own)"
+            )
         raise UserError(
             f"model.vocab_size={cfg.model.vocab_size} does not match the tokenizer in "
-            f"data.dir={cfg.data.dir} ({tok_vocab} pieces); set model.vocab_size={tok_vocab}, or "
-            f"re-run `scale-llm prepare` with the vocab size you want"
+            f"data.dir={cfg.data.dir} ({tok_vocab} pieces); {fix}"
         )
 
 
