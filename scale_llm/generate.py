@@ -109,7 +109,13 @@ def refuse_other_model(run_dir: Path, ckpt: Path, state: dict[str, Any], cfg: Co
 def run_checkpoint(run_dir: Path, checkpoint: str | Path | None) -> Path:
     """The checkpoint `--checkpoint` names (or its run's newest good one), else the run's."""
     if checkpoint is None:
-        if (ckpt := Checkpointer(run_dir, 1).latest_good()) is None:
+        checkpoints = Checkpointer(run_dir, 1)
+        if (ckpt := checkpoints.latest_good()) is None:
+            if damaged := len(checkpoints.complete()):  # (each named above, with its problem)
+                raise UserError(
+                    f"{run_dir}'s {damaged} complete checkpoint(s) are all damaged (the warnings "
+                    f"above say how); restore one from a copy, or train again"
+                )
             raise UserError(
                 f"{run_dir} has no complete checkpoint; train longer or set checkpoint.every "
                 f"so that one is saved"

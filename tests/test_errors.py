@@ -861,6 +861,11 @@ def test_every_checkpoint_damaged_is_refused_and_kept(four_steps, data_dir, tmp_
     with pytest.raises(UserError, match=r"every checkpoint in .* is damaged .*move them out"):
         resume_auto(data_dir, tmp_path)
     assert snapshot(run) == before
+    # generate said the run "has no complete checkpoint; train longer"
+    from scale_llm.generate import run_checkpoint
+
+    with pytest.raises(UserError, match=r"2 complete checkpoint\(s\) are all damaged"):
+        run_checkpoint(run, None)
 
 
 def test_what_a_run_did_not_write_in_its_folders_is_kept(four_steps, data_dir, tmp_path, logs):
