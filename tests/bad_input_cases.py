@@ -2550,6 +2550,11 @@ FLAGS = [
         ]
     ],
     ("memory units", ["estimate", TINY, "--fit", "80 parsecs"], "'80 parsecs' is not understood"),
+    (  # (it ran for minutes, silent: the fake process group grows with the ranks)
+        "estimate --fake of a world past its trace's",
+        ["estimate", TINY, "--fake", *s("parallel.backend=fsdp"), "--world-size", "65536"],
+        "estimate --fake --world-size 65,536: the trace shards over a fake process group",
+    ),
     ("impossible fit", ["estimate", TINY, "--fit", "1KiB"], "nothing fits in"),
     (
         "estimate on zero GPUs",
