@@ -73,8 +73,9 @@ def default_scratch() -> Path:
 
 
 def check_scratch(scratch: Path) -> None:
-    """The scratch folder is missing, or a folder of this user's that no other user can write
-    into: the check trains on the data it finds there and removes its earlier runs folders."""
+    """The scratch folder is missing, or a folder of this user's that users outside its group
+    cannot write into: the check trains on the data it finds there and removes its earlier runs
+    folders (a group-writable one is a shared project folder's: its group is trusted)."""
     if scratch.is_symlink() or (scratch.exists() and not scratch.is_dir()):
         raise UserError(f"--scratch {scratch} is {describe_kind(scratch)}; give a folder")
     if not scratch.exists():
