@@ -1449,7 +1449,8 @@ def test_the_yaml_and_json_commands_print_warnings_apart_from_what_they_print(
     out, err = capsys.readouterr()
     assert "only its last" in err and "only its last" not in out
     shutil.copytree(four_steps, tmp_path / "runs" / "moved", symlinks=True)
-    shutil.copy(tmp_path / "moved.yaml", tmp_path / "runs" / "moved" / "config.yaml")
+    moved = (tmp_path / "moved.yaml").read_text() + "train:\n  max_steps: 4\n"  # (a run's)
+    (tmp_path / "runs" / "moved" / "config.yaml").write_text(moved)
     assert main(["runs", str(tmp_path / "runs")]) == 0
     out, err = capsys.readouterr()
     assert out.split()[:1] == ["run"] and "is deprecated" in err, (out, err)

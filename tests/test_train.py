@@ -1252,11 +1252,10 @@ def test_the_eta_leaves_out_a_launchs_first_steps():
     assert clock.tokens_per_s(6) == pytest.approx(1000.0)  # since the row at step 4
 
 
-def test_tokens_per_s_leaves_out_the_saves_of_a_rows_step(data_dir, tmp_path, monkeypatch):
-    """A save at a logged step was charged to the next row (its tokens/s and MFU dipped after
-    every checkpoint), while an evaluation at such a step was left out: now both are. A clock
-    that only the steps (1 s each) and the saves (100 s each) move."""
-    from scale_llm.train import callbacks, throughput, trainer
+def step_clock(monkeypatch, cls: type, name: str, seconds: float) -> None:
+    """A loop clock that only the steps (1 s each) and `cls.name`'s calls (`seconds` each,
+    where its first argument after self is the trainer: only at a checkpoint's step) move."""
+    from scale_llm.train import throughput, trainer
 
     now = [0.0]
 
@@ -1264,20 +1263,29 @@ def test_tokens_per_s_leaves_out_the_saves_of_a_rows_step(data_dir, tmp_path, mo
         def __init__(self, *args):
             super().__init__(*args, clock=lambda: now[0])
 
-    step, save = Trainer.train_step, callbacks.Checkpoints.step_end
+    step, work = Trainer.train_step, getattr(cls, name)
 
     def timed_step(self):
         now[0] += 1.0
         return step(self)
 
-    def timed_save(self, trainer, s):
-        if trainer.cadence.checkpoints(s.step):
-            now[0] += 100.0
-        save(self, trainer, s)
+    def timed_work(self, *args):
+        if not isinstance(args[0], Trainer) or args[0].cadence.checkpoints(args[1].step):
+            now[0] += seconds
+        return work(self, *args)
 
     monkeypatch.setattr(trainer, "Throughput", Clock)
     monkeypatch.setattr(Trainer, "train_step", timed_step)
-    monkeypatch.setattr(callbacks.Checkpoints, "step_end", timed_save)
+    monkeypatch.setattr(cls, name, timed_work)
+
+
+def test_tokens_per_s_leaves_out_the_saves_of_a_rows_step(data_dir, tmp_path, monkeypatch):
+    """A save at a logged step was charged to the next row (its tokens/s and MFU dipped after
+    every checkpoint), while an evaluation at such a step was left out: now both are. A clock
+    that only the steps (1 s each) and the saves (100 s each) move."""
+    from scale_llm.train import callbacks
+
+    step_clock(monkeypatch, callbacks.Checkpoints, "step_end", 100.0)
     cfg = make_config(data_dir, tmp_path, "logging.every=2", "checkpoint.every=2")
     t = trainer_for(cfg)
     t.fit()
@@ -1289,27 +1297,9 @@ def test_tokens_per_s_leaves_out_the_saves_of_a_rows_step(data_dir, tmp_path, mo
 def test_tokens_per_s_leaves_out_the_profilers_trace_writing(data_dir, tmp_path, monkeypatch):
     """train.profile's trace, written after its last step (100 s on this clock), was charged to
     the next row: tokens/s fell by half on a CPU, MFU with it. On a logged step or any other."""
-    from scale_llm.train import profiling, throughput, trainer
+    from scale_llm.train import profiling
 
-    now = [0.0]
-
-    class Clock(throughput.Throughput):
-        def __init__(self, *args):
-            super().__init__(*args, clock=lambda: now[0])
-
-    step, write = Trainer.train_step, profiling.StepProfiler._write_trace
-
-    def timed_step(self):
-        now[0] += 1.0
-        return step(self)
-
-    def timed_write(self, prof):
-        now[0] += 100.0
-        write(self, prof)
-
-    monkeypatch.setattr(trainer, "Throughput", Clock)
-    monkeypatch.setattr(Trainer, "train_step", timed_step)
-    monkeypatch.setattr(profiling.StepProfiler, "_write_trace", timed_write)
+    step_clock(monkeypatch, profiling.StepProfiler, "_write_trace", 100.0)
     for last in (3, 4):  # (a step between rows; a row's)
         traced = [f"train.profile.start_step={last}", "train.profile.warmup_steps=0"]
         traced += ["train.profile.enabled=true", "train.profile.active_steps=1"]
