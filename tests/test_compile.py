@@ -310,7 +310,9 @@ def test_the_gpu_checks_order_and_configs_on_a_stub_gpu(tmp_path, monkeypatch):
     calls.clear()
     report = check.run_check(tmp_path / "again", scratch=tmp_path / "scratch", only={"sweep"})
     assert [c[0] for c in calls] == ["sweep"] * 6 and report["ok"] and "curves" not in report
-    assert "no errors (no curves run)" in (tmp_path / "again" / "report.md").read_text()
+    md = (tmp_path / "again" / "report.md").read_text()
+    assert "no errors (no curves run)" in md and "## (b) sweep" in md
+    assert "## (a)" not in md and "## (c)" not in md  # (the sections it did not run: no heading)
     # the same into the first OUT (the follow-up a budget's verdict suggests): the sweep's rows
     # are new, the first call's other sections and its log stay (they were erased)
     first = json.loads((tmp_path / "out" / "report.json").read_text())

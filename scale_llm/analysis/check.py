@@ -697,33 +697,39 @@ def markdown_report(report: dict[str, Any]) -> str:
             f"| {r['item']} | {'yes' if r['ok'] else 'NO'} | {r['found']} | {r['fix']} |"
             for r in report.get("preflight", [])
         ),
-        "\n## (a) tiny.yaml curves vs the CPU fp32 curve\n",
-        "| device | precision | compile | loss first -> last | step-1 diff vs CPU fp32 | ok |",
-        "|---|---|---|---|---|---|",
     ]
-    for r in report.get("curves", []):
-        if "first_loss" not in r:
-            lines.append(f"| {r['label']} | | | {_why_none(r)} | | NO |")
-            continue
-        lines.append(
-            f"| {r['device']} | {r['precision']} | {r['compile']} | {r['first_loss']:.4f} -> "
-            f"{r['last_loss']:.4f} | {r['first_step_diff_vs_cpu_fp32']:.1e} | "
-            f"{'yes' if r['ok'] else 'NO'} |"
-        )
+    if "curves" in report:  # (the sections this report ran: an --only call's, or all)
+        lines += ["\n## (a) tiny.yaml curves vs the CPU fp32 curve\n"]
+        head = "device | precision | compile | loss first -> last | step-1 diff vs CPU fp32 | ok"
+        lines += [f"| {head} |", "|---|---|---|---|---|---|", *map(_curve_line, report["curves"])]
     sweep = report.get("sweep", [])
-    lines += ["", "## (b) sweep (grad_accum 1, synthetic tokens)", ""]
-    lines.append(markdown_table([r for r in sweep if not _failed(r)]))
-    lines += [f"- {r['label']}: {_why_none(r)}" for r in sweep if _failed(r)]
-    lines += ["", "## (c) the framework's step vs a bare PyTorch loop (best of 3, interleaved)", ""]
-    lines += [_reference_line(r) for r in report.get("reference", [])]
-    lines += ["", "## (d) parameter dtype: FSDP2 at world size 1 vs the sweep's first row", ""]
-    lines += [_fsdp_line(r, sweep[0] if sweep else {}) for r in report.get("param_dtype", [])]
-    lines += ["", "## (e) two processes against one alone (weak scaling)", ""]
-    lines += [_scaling_line(r) for r in report.get("scaling", [])]
+    if "sweep" in report:
+        lines += ["", "## (b) sweep (grad_accum 1, synthetic tokens)", ""]
+        lines.append(markdown_table([r for r in sweep if not _failed(r)]))
+        lines += [f"- {r['label']}: {_why_none(r)}" for r in sweep if _failed(r)]
+    for key, title, line in (
+        ("reference", "(c) the framework's step vs a bare PyTorch loop (best of 3, interleaved)",
+         _reference_line),
+        ("param_dtype", "(d) parameter dtype: FSDP2 at world size 1 vs the sweep's first row",
+         lambda r: _fsdp_line(r, sweep[0] if sweep else {})),
+        ("scaling", "(e) two processes against one alone (weak scaling)", _scaling_line),
+    ):  # fmt: skip
+        if key in report:
+            lines += ["", f"## {title}", "", *map(line, report[key])]
     if report["errors"]:
         lines += ["", "## Errors (the whole tracebacks are in check.log)", ""]
         lines += [f"- {e}" for e in report["errors"]]
     return "\n".join(lines) + "\n"
+
+
+def _curve_line(r: dict[str, Any]) -> str:
+    if "first_loss" not in r:
+        return f"| {r['label']} | | | {_why_none(r)} | | NO |"
+    return (
+        f"| {r['device']} | {r['precision']} | {r['compile']} | {r['first_loss']:.4f} -> "
+        f"{r['last_loss']:.4f} | {r['first_step_diff_vs_cpu_fp32']:.1e} | "
+        f"{'yes' if r['ok'] else 'NO'} |"
+    )
 
 
 def _failed(row: dict[str, Any]) -> bool:
