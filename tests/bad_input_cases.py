@@ -1467,6 +1467,20 @@ def _run_dir_in_a_checkpoint(ctx: Ctx) -> Setup:
     return Setup(argv, expect=(f"the run dir {ckpt / 'b'} lies in {ckpt}, a checkpoint",))
 
 
+def _unwritable_tensorboard_folder(ctx: Ctx) -> Setup:
+    """A resume whose RUN_DIR/tensorboard this user may not write: a traceback from
+    TensorBoard's writer thread once metrics.jsonl was cut (tests run as root: os.access says)."""
+    run = ctx.run()
+    (run / "tensorboard").mkdir(exist_ok=True)
+    real = os.access
+    ctx.monkeypatch.setattr(
+        os, "access", lambda p, mode: False if Path(p) == run / "tensorboard" else real(p, mode)
+    )
+    argv = ["train", ctx.config("train.max_steps=6", "logging.tensorboard=true")]
+    said = f"RUN_DIR/tensorboard={run / 'tensorboard'}: {run / 'tensorboard'} is not writable"
+    return Setup(argv, expect=(said,))
+
+
 def _data_dir_in_a_checkpoints_folder(ctx: Ctx) -> Setup:
     ckpts = ctx.run() / "checkpoints"
     argv = _prepare_argv(_small_corpus(ctx.tmp), ckpts / "data")
@@ -1959,6 +1973,7 @@ CHECKPOINTS = [
         for case in DAMAGES
     ],
     ("train: a run dir inside a checkpoint", _run_dir_in_a_checkpoint, "Point run.dir / run.name"),
+    ("train: a resume whose TensorBoard folder is read-only", _unwritable_tensorboard_folder, ""),
     (
         "prepare: data.dir inside a run's checkpoints",
         _data_dir_in_a_checkpoints_folder,

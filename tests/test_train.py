@@ -555,7 +555,67 @@ def test_a_rewritten_history_logs_to_a_new_wandb_run(tmp_path, monkeypatch, logs
         f"step 5"
     ]
     assert launch(5, range(6, 7)) == rewound  # then resumed as usual
-    assert launch(2, range(3, 4), kept=0) not in (first, rewound)  # another run's checkpoint
+    other = launch(2, range(3, 4), kept=0)  # another run's checkpoint
+    assert other not in (first, rewound)
+    # a rewind while W&B is off, then W&B on again: it continued `other` over the steps it held
+    off = load_config(None, ["logging.tensorboard=false"])
+    MetricsLogger(tmp_path, True, off, 2).close()  # (step 3's row goes)
+    assert launch(2, range(3, 4)) not in (first, rewound, other)
+    # W&B's service gone mid-run: a ConnectionResetError from wandb.log ended the training
+    Run.log = lambda self, *args, **kwargs: (_ for _ in ()).throw(ConnectionResetError("gone"))
+    logs.clear()
+    metrics = MetricsLogger(tmp_path, True, cfg, 3)
+    metrics.log(4, {"loss": 1.0})
+    metrics.log(5, {"loss": 1.0})
+    metrics.close()
+    assert [r["step"] for r in rows_of(tmp_path).values()][-2:] == [4, 5]
+    said = [line for line in logs if "W&B stops logging" in line]
+    assert len(said) == 1 and said[0].startswith("wandb: ConnectionResetError: gone; W&B stops")
+
+
+def test_a_rewritten_history_leaves_no_later_point_in_tensorboards_files(tmp_path):
+    """TensorBoard's default (fast) reader ignores purge_step: after a resume at step 4 of a run
+    that had logged step 8, its charts kept val_loss at 8 and the sample at 6 beside the new
+    branch. The event files hold each step once: the training's rewritten from the rows kept,
+    eval's of the checkpoints past the resume removed (its records stay)."""
+    from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
+
+    from scale_llm.evaluate import EVENTS_MARK
+    from scale_llm.train.metrics import MetricsLogger
+
+    folder = tmp_path / "tensorboard"
+
+    def points() -> dict[str, list[int]]:
+        found: dict[str, list[int]] = {}
+        for file in sorted(folder.glob("*tfevents*")):
+            for event in LegacyEventFileLoader(str(file)).Load():
+                for value in event.summary.value:
+                    found.setdefault(value.tag.split("/text_summary")[0], []).append(event.step)
+        return {tag: sorted(steps) for tag, steps in found.items()}
+
+    cfg = load_config(None, ["logging.tensorboard=true"])
+    metrics = MetricsLogger(tmp_path, True, cfg, 0)
+    for step in range(1, 9):
+        val = {"val_loss": 2.0} if step % 4 == 0 else {}
+        text = {"samples_text": "def f"} if step == 6 else {}
+        metrics.log(step, {"loss": float(step), "lr": 0.5, **val, **text})
+    metrics.close()
+    name = "events.out.tfevents.1.h.{n}.ab." + EVENTS_MARK + "-step_0000000{n}"  # (eval's)
+    evals = {n: folder / name.format(n=n) for n in (4, 8)}
+    for file in evals.values():
+        file.write_bytes(b"")
+    mine = folder / "events.out.tfevents.1.h.9.mine"  # a file of the user's: not the run's
+    mine.write_bytes(b"")
+    metrics = MetricsLogger(tmp_path, True, cfg, 4)
+    metrics.log(5, {"loss": 50.0})
+    metrics.close()
+    seen = points()
+    assert seen["loss/loss"] == [1, 2, 3, 4, 5] and seen["train/lr"] == [1, 2, 3, 4]
+    assert seen["loss/val_loss"] == [4] and "samples/text" not in seen
+    assert evals[4].exists() and not evals[8].exists() and mine.exists()
+    files = sorted(folder.glob("*scale-llm-train"))
+    MetricsLogger(tmp_path, True, cfg, 5).close()  # (nothing past step 5: nothing rewritten)
+    assert set(files) <= set(folder.glob("*scale-llm-train")) and points()["loss/loss"][-1] == 5
 
 
 def test_what_users_watch_tensorboard_wandb_samples_and_progress(

@@ -3,16 +3,19 @@ as hparams and YAML text, and the samples as text) and optionally Weights & Bias
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from scale_llm.config import Config, dump_yaml, to_dict
 from scale_llm.errors import UserError
+from scale_llm.evaluate import EVENTS_MARK
 from scale_llm.files import JSONProblem, atomic_write_text, parse_json, require_kind, stamped_name
 from scale_llm.train.preflight import METRICS_FILE, RUN_DIR_FILES, WANDB_ID_FILE, wandb_id
 from scale_llm.train.resume import flat
@@ -20,6 +23,7 @@ from scale_llm.train.resume import flat
 log = logging.getLogger(__name__)
 
 TEXT_TAGS = {"samples_text": "samples/text"}  # metrics.jsonl key -> TensorBoard / W&B tag
+TRAIN_EVENTS = ".scale-llm-train"  # ends the names of the event files the training writes
 
 
 class MetricsLogger:
@@ -35,23 +39,32 @@ class MetricsLogger:
         if not enabled:
             return
         kept = resume_step if kept is None else kept
-        past = _start_rows(self.path, kept)
+        rows, replaced = _rows(self.path, kept), None
+        if rows.past:  # a history rewritten past `kept` (a rewind, a kill, a fresh start):
+            if old_id := _new_wandb_id(run_dir):  # the trackers' copies of it go first (a crash
+                replaced = (old_id, rows.past)  # in between finds the rows again)
+            try:
+                _rebuild_events(run_dir / "tensorboard", rows.keep, kept)
+            except OSError as e:  # (logging.tensorboard off, its folder not writable: said)
+                log.warning(f"metrics: TensorBoard's events past step {kept} stay ({e})")
+        _start_rows(self.path, kept, rows)
         trackers = cfg.logging.tensorboard or cfg.logging.wandb.project
         tracked = flat(to_dict(cfg), tracker=True) if trackers else {}  # as the trackers show it
         if cfg.logging.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             from torch.utils.tensorboard.summary import hparams
 
-            # Hide every earlier event from this launch's first step on (after a resume or a fresh
-            # restart in the same run dir), so no step appears twice.
-            self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=kept + 1)
+            # (purge_step: TensorBoard's Python reader also hides any later event it finds)
+            self.writer = SummaryWriter(
+                str(run_dir / "tensorboard"), purge_step=kept + 1, filename_suffix=TRAIN_EVENTS
+            )
             # the run dir holds the hparams session: the HPARAMS tab lists it with its scalars
             metrics = {"loss/val_loss": math.nan, "loss/loss": math.nan}
             for summary in hparams(tracked, metrics):
                 self.writer.file_writer.add_summary(summary)
             self.writer.add_text("config/yaml", _code_block(dump_yaml(cfg)), resume_step)
         if cfg.logging.wandb.project:
-            self.wandb = _start_wandb(cfg, run_dir, kept, past, tracked)
+            self.wandb = _start_wandb(cfg, run_dir, kept, replaced, tracked)
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         """One row per step: numbers become scalars, `samples_text` a text entry."""
@@ -60,45 +73,102 @@ class MetricsLogger:
         row = {"step": step, **{k: _clean(v) for k, v in values.items()}}
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
-        scalars = {  # (NaN and inf too: the charts mark a diverged step, not a line over it)
-            _tb_tag(k): v
-            for k, v in values.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool)
-        }
-        texts = {TEXT_TAGS[k]: v for k, v in row.items() if k in TEXT_TAGS}
+        scalars, texts = tracked_values(values)
         if self.writer is not None:
-            for tag, value in scalars.items():
-                self.writer.add_scalar(tag, value, step)
-            for tag, text in texts.items():
-                self.writer.add_text(tag, _code_block(text), step)
+            write_events(self.writer, step, scalars, texts)
         if self.wandb is not None:
-            self.wandb.log({**scalars, **texts}, step=step)
+            self._to_wandb(lambda run: run.log({**scalars, **texts}, step=step))
+
+    def _to_wandb(self, call: Any) -> None:
+        """A call into W&B; its failure (its service gone) ends W&B for this launch, not the run."""
+        try:
+            call(self.wandb)
+        except Exception as e:  # (W&B raises its own types, and OSError's)
+            log.warning(
+                f"wandb: {type(e).__name__}: {str(e).strip()[:200]}; W&B stops logging for this "
+                f"launch (metrics.jsonl and TensorBoard go on; `wandb sync` the run dir's wandb/ "
+                f"folder for what it holds)"
+            )
+            self.wandb = None
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
         if self.wandb is not None:
-            self.wandb.finish()
+            self._to_wandb(lambda run: run.finish())
             self.wandb = None
 
 
-def _start_wandb(cfg: Config, run_dir: Path, kept: int, past: int, tracked: dict[str, Any]):
+def tracked_values(values: dict[str, Any]) -> tuple[dict[str, float], dict[str, str]]:
+    """A row's values as the trackers show them: ({tag: number}, {tag: text})."""
+    scalars = {  # (NaN and inf too: the charts mark a diverged step, not a line over it)
+        _tb_tag(k): v
+        for k, v in values.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
+    return scalars, {TEXT_TAGS[k]: v for k, v in values.items() if k in TEXT_TAGS}
+
+
+def write_events(writer: Any, step: int, scalars: dict[str, float], texts: dict[str, str]) -> None:
+    for tag, value in scalars.items():
+        writer.add_scalar(tag, value, step)
+    for tag, text in texts.items():
+        writer.add_text(tag, _code_block(text), step)
+
+
+def _rebuild_events(folder: Path, keep: list[bytes], kept: int) -> None:
+    """TensorBoard's fast reader (its default) ignores purge_step: a rewritten history's earlier
+    points stayed beside the new ones. The training's event files (named by TRAIN_EVENTS) are
+    replaced by one of the rows kept (metrics.jsonl's, up to `kept`), and eval's files of
+    checkpoints past `kept` go (their records stay in RUN_DIR/eval)."""
+    ours = sorted(folder.glob(f"events.out.tfevents.*{TRAIN_EVENTS}")) if folder.is_dir() else []
+    evals = [f for f in folder.glob(f"*.{EVENTS_MARK}-step_*")] if folder.is_dir() else []
+    evals = [f for f in evals if _checkpoint_step(f.name) > kept]
+    if not ours and not evals:
+        return
+    from torch.utils.tensorboard import SummaryWriter
+
+    rows = [row for line in keep if (row := metric_row(line)) is not None]
+    with SummaryWriter(str(folder), filename_suffix=TRAIN_EVENTS) as writer:  # (a new file)
+        for row in rows:
+            values = {k: _unclean(v) for k, v in row.items() if k != "step"}
+            write_events(writer, row["step"], *tracked_values(values))
+    for old in [*ours, *evals]:  # (listed before the new one was written)
+        old.unlink(missing_ok=True)
+    log.info(
+        f"metrics: TensorBoard's events past step {kept} removed ({len(rows)} row(s) kept, "
+        f"written again from metrics.jsonl)"
+    )
+
+
+def _checkpoint_step(name: str) -> int:
+    tail = name.rsplit("-step_", 1)[-1]
+    return int(tail) if tail.isdigit() else -1
+
+
+def _unclean(value: Any) -> Any:
+    """A row's value as logged: "nan" / "inf" (written as text, JSON has neither) a float."""
+    return float(value) if value in ("nan", "inf", "-inf") else value
+
+
+def _start_wandb(
+    cfg: Config, run_dir: Path, kept: int, replaced: tuple[str, int] | None, tracked: dict[str, Any]
+):
     """The W&B run of the run dir's id file, continued where the history up to `kept` goes on;
-    a new one for a fresh history, or where `past` rows are rewritten (W&B drops a run's steps
-    that do not increase)."""
+    a new one for a fresh history. `replaced`: (the W&B run, the rows past `kept`) this launch
+    rewrites, whose id `_new_wandb_id` replaced."""
     import wandb  # (the preflight found it, and the credentials an online run needs)
 
     w = cfg.logging.wandb
-    earlier = wandb_id(run_dir) if kept else None  # (checked by the preflight)
-    run_id = None if past else earlier
+    run_id = wandb_id(run_dir) if kept else None  # (checked by the preflight)
     if run_id is None:
         run_id = uuid.uuid4().hex[:16]
         atomic_write_text(run_dir / WANDB_ID_FILE, run_id + "\n")
-    if earlier and past:
+    if replaced and kept:
         log.warning(
-            f"wandb: this launch rewrites the {past} step(s) after {kept} that W&B run {earlier} "
-            f"holds, which W&B would drop (its steps only increase): logging to a new W&B run "
-            f"{run_id}, from step {kept + 1}"
+            f"wandb: this launch rewrites the {replaced[1]} step(s) after {kept} that W&B run "
+            f"{replaced[0]} holds, which W&B would drop (its steps only increase): logging to a "
+            f"new W&B run {run_id}, from step {kept + 1}"
         )
     # W&B's service logs under its cache folder (~/.cache/wandb by default): the run dir's
     # while it starts, unless the user named one
@@ -155,46 +225,73 @@ def _tb_tag(key: str) -> str:
     return f"memory/{key}" if key.startswith("peak_") else f"train/{key}"
 
 
-def _start_rows(path: Path, step: int) -> int:
-    """metrics.jsonl as a launch starts: checked again for its kind (it is appended to), then on a
-    resume the rows past `step` (the resumed run rewrites them) and on a fresh start an earlier
-    attempt's rows moved aside to metrics-<UTC time>.jsonl, as abandoned checkpoints are kept. A
-    line that is not a JSON row (cut short by a kill, or an edit) moves there too, with a
-    warning. Returns the count of rows past `step` on a resume."""
+@dataclass
+class Rows:
+    """metrics.jsonl read as a launch starts: the lines it keeps and those it moves aside."""
+
+    keep: list[bytes]
+    moved: list[bytes]
+    damaged: int  # lines that are not metric rows (cut short by a kill, or an edit)
+    past: int  # rows past the step the launch starts at (a fresh start: any row)
+
+
+def _rows(path: Path, step: int) -> Rows:
+    """metrics.jsonl, checked again for its kind (it is appended to), split at `step` (read only;
+    a fresh start, step 0, keeps nothing)."""
     require_kind(path, "a regular file", RUN_DIR_FILES[METRICS_FILE])
+    rows = Rows([], [], 0, 0)
     if not path.exists():
+        return rows
+    for line in path.read_bytes().split(b"\n"):  # (in file order; a lone CR stays in its line)
+        if not line.strip():
+            continue
+        row = metric_row(line)
+        kept = row is not None and 0 < row["step"] <= step  # (a fresh start, step 0: none)
+        (rows.keep if kept else rows.moved).append(line + b"\n")
+        rows.damaged += row is None
+    rows.past = len(rows.moved) - rows.damaged
+    return rows
+
+
+def _start_rows(path: Path, step: int, rows: Rows) -> int:
+    """metrics.jsonl as a launch starts: on a resume the rows past `step` (the resumed run
+    rewrites them) and on a fresh start an earlier attempt's rows moved aside to
+    metrics-<UTC time>.jsonl, as abandoned checkpoints are kept. A line that is not a JSON row
+    moves there too, with a warning. Returns the count of rows past `step` on a resume."""
+    if not rows.moved:
         return 0
-    if step > 0:
-        keep, moved, damaged = [], [], 0
-        for line in path.read_bytes().split(b"\n"):  # (in file order; a lone CR stays in its line)
-            if not line.strip():
-                continue
-            row = metric_row(line)
-            (keep if row is not None and row["step"] <= step else moved).append(line + b"\n")
-            damaged += row is None
-        past = len(moved) - damaged
-        if moved:  # on disk before the file is cut: a kill between leaves them twice
-            with open(aside := stamped_name(path.parent, "metrics", ".jsonl"), "xb") as f:
-                f.writelines(moved)
-                f.flush()
-                os.fsync(f.fileno())
-            if damaged:
-                log.warning(
-                    f"metrics: {damaged} line(s) of {path} are not metric rows; moved to {aside}"
-                )
-            if past:
-                log.info(
-                    f"metrics: resuming at step {step}; the {past} row(s) past it moved to {aside}"
-                )
-        atomic_write_text(path, b"".join(keep).decode("utf-8"))  # all rows or the old file
-        return past
-    elif path.stat().st_size:  # (an empty file holds nothing to keep)
-        path.rename(aside := stamped_name(path.parent, "metrics", ".jsonl"))
+    with open(aside := stamped_name(path.parent, "metrics", ".jsonl"), "xb") as f:
+        f.writelines(rows.moved)  # on disk before the file is cut: a kill between leaves them twice
+        f.flush()
+        os.fsync(f.fileno())
+    if rows.damaged:
+        log.warning(
+            f"metrics: {rows.damaged} line(s) of {path} are not metric rows; moved to {aside}"
+        )
+    if step == 0:
         log.warning(
             f"metrics: a fresh start (or another run's checkpoint); the rows of the earlier "
             f"attempt moved to {aside}"
         )
-    return 0
+    elif rows.past:
+        log.info(
+            f"metrics: resuming at step {step}; the {rows.past} row(s) past it moved to {aside}"
+        )
+    atomic_write_text(path, b"".join(rows.keep).decode("utf-8"))  # all rows or the old file
+    return rows.past if step else 0
+
+
+def _new_wandb_id(run_dir: Path) -> str | None:
+    """A rewritten history gets a new W&B run (W&B drops a run's steps that do not increase):
+    its id is written before the rows are cut, and whether W&B is on or not, so no later launch
+    continues the old run over steps it holds. The old id, if there was one."""
+    path, old = run_dir / WANDB_ID_FILE, None
+    if path.is_symlink() or not path.is_file():
+        return None
+    with contextlib.suppress(UserError):  # (not an id: replaced all the same)
+        old = wandb_id(run_dir)
+    atomic_write_text(path, uuid.uuid4().hex[:16] + "\n")
+    return old
 
 
 def metric_row(line: bytes) -> dict[str, Any] | None:

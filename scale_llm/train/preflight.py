@@ -142,6 +142,8 @@ def preflight(cfg: Config, plan: RunPlan) -> RunSpec:
     report.check(check_exit_step, cfg.train, resume)
     if run_dir_ok and not (resume and resume.step >= cfg.train.max_steps):  # (it will write)
         report.check(require_writable_dir, cfg.run_dir / "checkpoints", "RUN_DIR/checkpoints")
+        if cfg.logging.tensorboard:  # (a folder it cannot write was a thread's traceback)
+            report.check(require_writable_dir, cfg.run_dir / "tensorboard", "RUN_DIR/tensorboard")
     init_from = None
     if data is not None and cfg.model.init_from:
         if resume is None:
