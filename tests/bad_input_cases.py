@@ -3540,6 +3540,12 @@ PIPELINE: list = [
         "train.micro_batch_size=16 cannot be cut into parallel.pipeline.microbatches=3 equal "
         "pieces: use train.micro_batch_size=18 or parallel.pipeline.microbatches=4",
     ),
+    (  # (it offered a micro-batch of 99999999999 sequences)
+        "pipeline microbatches past any micro-batch",
+        ["config", TINY, *s(*PP, "parallel.pipeline.microbatches=99999999999")],
+        "cannot be cut into parallel.pipeline.microbatches=99999999999 equal pieces: use "
+        "parallel.pipeline.microbatches=16",
+    ),
     (
         "pipeline stages per rank against the schedule",
         ["config", TINY, *s(*PP, "parallel.pipeline.schedule=zero_bubble")]

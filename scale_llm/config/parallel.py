@@ -479,8 +479,9 @@ def _pipeline_batch_problems(cfg: Config) -> list[str]:
     if mb % m:
         return [
             f"train.micro_batch_size={mb} cannot be cut into parallel.pipeline.microbatches={m} "
-            f"equal pieces: use train.micro_batch_size={-(-mb // m) * m}"
-            + (f" or parallel.pipeline.microbatches={_nearest(fits, m)}" if fits else "")
+            f"equal pieces: use "
+            + (f"train.micro_batch_size={-(-mb // m) * m} or " if m <= 1 << 16 else "")
+            + (f"parallel.pipeline.microbatches={_nearest(fits, m)}" if fits else "fewer")
         ]
     return []
 

@@ -134,7 +134,8 @@ class RunPlan:
             parts.insert(
                 0,
                 f"pipeline parallel {self.pp_degree} ({self.pp_degree * self.pp_stages_per_rank} "
-                f"stages, {self.pp_microbatches} microbatches a micro-batch)",
+                f"stages, {self.pp_microbatches} microbatch{'es' * (self.pp_microbatches > 1)} "
+                f"a micro-batch)",
             )
         mesh = " x ".join(f"{n} {k}" for n, k in zip(self.mesh["names"], self.mesh["shape"]))
         return ", ".join(parts) + f" (mesh {mesh})"
