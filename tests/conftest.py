@@ -126,6 +126,9 @@ SLOW_TESTS = {  # by module::function (every parameter): over ~4 s each on 2 cor
     "test_pipeline.py::test_a_v_schedule_keeps_each_input_halfs_gradient_and_what_its_stages_pass",
     "test_pipeline.py::test_a_v_schedules_first_stage_keeps_its_embeddings_16_bit_gradient",
     # processes around training
+    "test_cli.py::test_torchrun_ends_with_2_when_every_worker_refused_its_input",
+    "test_eval_tasks.py::test_a_task_folders_private_copy_goes_with_a_process_that_skips_its_teardown",
+    "test_config.py::test_a_ds_accelerator_deepspeed_does_not_know_is_named_by_the_preflight",
     "test_compile.py::test_a_launch_past_its_time_is_stopped_with_sigterm_first",
     "test_cli.py::test_a_stop_signal_to_the_torchrun_launchers_ends_with_the_checkpoint",
     "test_prepare_scale.py::test_prepare_workers_die_with_a_killed_parent",
