@@ -132,7 +132,8 @@ def _config_parser(sub) -> None:
 
 def cmd_config(args: argparse.Namespace) -> int:
     """The config as `train` would read it (YAML, defaults filled in), or the key reference."""
-    listing = "--paths" if args.paths else "--keys" if args.keys or args.markdown else None
+    keys = "--keys" if args.keys else "--markdown" if args.markdown else None
+    listing = "--paths" if args.paths else keys
     read = {"CONFIG": args.config, "--set": alias_overrides(args), "--preflight": args.preflight}
     read["--world-size"] = args.world_size is not None
     if listing and (ignored := [name for name, given in read.items() if given]):

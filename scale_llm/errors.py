@@ -29,21 +29,45 @@ class Stopped(KeyboardInterrupt):
         self.signum = signum
 
 
+_received: list[int] = []  # the stop signals this process took (its own handlers' and train's)
+
+
+def note_stop(signum: int) -> None:
+    _received.append(signum)
+
+
+def stops_taken() -> int:
+    """A mark for `stop_since`: the count of stop signals taken so far."""
+    return len(_received)
+
+
+def stop_since(mark: int) -> int | None:
+    """The last stop signal taken since `mark` (`stops_taken()`), if any."""
+    return _received[-1] if len(_received) > mark else None
+
+
 @contextlib.contextmanager
 def stop_signals_raise() -> Iterator[None]:
     """While active (in the main thread), SIGTERM and SIGHUP raise `Stopped`: a command without
     a stop of its own (check, bench) ends through its `finally` blocks (a scratch folder removed,
-    a launch it started stopped) instead of at once."""
+    a launch it started stopped) instead of at once. An error that ends the command after a
+    stop signal is that stop (DCP's save wraps what it caught in its own exception)."""
 
     def handle(signum: int, frame: object) -> None:
+        note_stop(signum)
         raise Stopped(signum)
 
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    mark = stops_taken()
     previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         yield
+    except BaseException as e:  # (DCP's CheckpointException is a BaseException)
+        if not isinstance(e, Stopped) and (signum := stop_since(mark)) is not None:
+            raise Stopped(signum) from e
+        raise
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

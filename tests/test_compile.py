@@ -322,6 +322,15 @@ def test_the_gpu_checks_order_and_configs_on_a_stub_gpu(tmp_path, monkeypatch):
     assert len(report["sweep"]) == 6 and report["sweep"] != first["sweep"]  # (new timings)
     assert report["ok"] and json.loads((tmp_path / "out" / "report.json").read_text())["ok"]
     assert (tmp_path / "out" / "check.log").read_text().count("check: done") == 2
+    # over a check that was stopped: still unfinished; over another device's: not merged
+    for changes, finished, curves in (
+        ({"finished": False}, False, True),
+        ({"device": "x"}, True, False),
+    ):
+        (tmp_path / "out" / "report.json").write_text(json.dumps(first | changes))
+        report = check.run_check(tmp_path / "out", scratch=tmp_path / "scratch", only={"sweep"})
+        assert report["finished"] is finished and report["ok"] is finished, changes
+        assert ("curves" in report) is curves, changes
 
 
 # ----------------------------------------------------------------------------- the toolchain

@@ -481,6 +481,10 @@ def test_base_is_read_beside_the_real_file_and_a_users_file_wins_over_a_shipped_
     finally:
         os.chdir(cwd)
     assert load_config("tiny").train.lr != 0.0123  # (elsewhere: the shipped one)
+    # a user's tiny.yaml extending the shipped tiny (`base: tiny`): not itself, a cycle
+    (tmp_path / "tiny.yaml").write_text("base: tiny\ntrain: {lr: 0.0123}\n")
+    extended = load_config(tmp_path / "tiny.yaml")
+    assert extended.train.lr == 0.0123 and extended.model == load_config("tiny").model
 
 
 def test_moved_keys_are_read_with_one_deprecation_line(logs, tmp_path):

@@ -69,7 +69,7 @@ def test_hf_only_keys_beside_a_local_source_are_said_not_read(tmp_path, caplog):
     mix = "data.sources=[{name: a, source: builtin, hf_split: test}, {name: b, source: 'hf:x'}]"
     assert unread_hf_keys(load_config(None, [mix, "data.hf_split=null"]).data) == [
         "data.sources[0].hf_split='test' is not read: data.sources[0].source='builtin' is not "
-        "an hf: dataset (unset it with null to silence this)"
+        "an hf: dataset (remove it from the entry to silence this)"
     ]
     assert unread_hf_keys(load_config(None, ["data.source=hf:x", *extra]).data) == []
 

@@ -604,7 +604,7 @@ def test_a_stop_signal_ends_bench_and_check_through_their_cleanup(data_dir, tmp_
 
     from scale_llm.analysis import check
     from scale_llm.config import save_config
-    from scale_llm.errors import Stopped, stop_signals_raise
+    from scale_llm.errors import Stopped, note_stop, stop_signals_raise
     from scale_llm.train.trainer import TrainResult
 
     save_config(make_config(data_dir, tmp_path / "runs"), tmp_path / "c.yaml")
@@ -631,16 +631,36 @@ def test_a_stop_signal_ends_bench_and_check_through_their_cleanup(data_dir, tmp_
     pid = int(pid_file.read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
-    # a curve whose run took a SIGTERM as its stop: the check stops, its report unfinished
-    stopped = TrainResult(tmp_path, 2, losses={1: 9.0, 2: 8.0}, stopped="signal SIGTERM")
+
+    # a curve whose run took a SIGTERM (as its stop, or during its last save, after its loop):
+    # the check stops, its report unfinished
+    def stopped(cfg, plan):
+        note_stop(signal.SIGTERM)  # (as the run's own handler does)
+        return TrainResult(tmp_path, 2, losses={1: 9.0, 2: 8.0})
+
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(check, "train", lambda cfg, plan: stopped)
+        mp.setattr(check, "train", stopped)
         mp.setattr(check, "prepared", lambda cfg: {"dir": str(cfg.data.dir)})
         out = tmp_path / "out"
         with pytest.raises(Stopped):
             check.run_check(out, steps=2, scratch=tmp_path / "scratch", only={"curves"})
     report = json.loads((out / "report.json").read_text())
     assert not report["finished"] and not report["ok"] and "curves" not in report
+
+    # an error that ends an item (or the command) after a stop signal is that stop: DCP's save
+    # wraps what it caught in its CheckpointException (a traceback, exit 1, 4 times in 12)
+    def wrapped(error: type = RuntimeError):
+        note_stop(signal.SIGTERM)
+        raise error("the save caught a Stopped", {})
+
+    from torch.distributed.checkpoint.api import CheckpointException  # (a BaseException)
+
+    with pytest.raises(Stopped):
+        check.Report(tmp_path / "out2", None).attempt("sweep", "a save", wrapped)
+    with pytest.raises(Stopped), stop_signals_raise():
+        wrapped(CheckpointException)
+    with pytest.raises(RuntimeError), stop_signals_raise():  # (no signal since: its own error)
+        raise RuntimeError("an error of its own")
 
 
 def test_checkpoint_io_bench_on_deepspeed_times_its_foreground_saves_only(tmp_path):

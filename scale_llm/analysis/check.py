@@ -35,7 +35,7 @@ from scale_llm.config.parallel import ONE_PROCESS
 from scale_llm.config.plan import Launch, resolve_plan
 from scale_llm.data.prepare import check_settings, prepare, would_replace
 from scale_llm.data.sources import open_source
-from scale_llm.errors import Stopped, UserError
+from scale_llm.errors import Stopped, UserError, stop_since, stops_taken
 from scale_llm.files import (
     OWNER_MARKER,
     JSONProblem,
@@ -149,7 +149,7 @@ class Report:
 
     def __init__(self, out: Path, budget_minutes: float | None):
         self.out, self.budget_s = out, None if budget_minutes is None else budget_minutes * 60
-        self.started = time.perf_counter()
+        self.started, self.earlier_finished = time.perf_counter(), True
         self.data: dict[str, Any] = {
             "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__,
@@ -162,8 +162,17 @@ class Report:
         """An `--only` call into an earlier check's OUT: the earlier report's other sections
         (and their errors) stay; those it runs again (`redo`, with the preflight) are new."""
         earlier = json_object_or_none(self.out / "report.json", max_bytes=REPORT_BYTES) or {}
+        same = {k: earlier.get(k) for k in ("device", "torch")} == {
+            k: self.data[k] for k in ("device", "torch")
+        }
+        if earlier and not same:  # (another machine's numbers under this one's name: none)
+            log.warning("check: %s/report.json is another device's or torch's; replaced", self.out)
+            return
+        if earlier:  # (a stopped one stays so)
+            self.earlier_finished = earlier.get("finished") is True
         redo = {"preflight", *redo, *(("prepare",) if "curves" in redo else ())}
-        kept = {k: v for k, v in earlier.items() if k not in self.data and k not in redo | {"ok"}}
+        skip = redo | {"ok", "finished"}
+        kept = {k: v for k, v in earlier.items() if k not in self.data and k not in skip}
         errors = earlier.get("errors") if isinstance(earlier.get("errors"), list) else []
         errors = [e for e in errors if isinstance(e, str) and e.split(" / ", 1)[0] not in redo]
         try:
@@ -175,7 +184,7 @@ class Report:
 
     def attempt(self, section: str, label: str, fn: Callable[[], dict[str, Any]]) -> dict:
         """fn's row, or a row saying why there is none (over the budget, or its error)."""
-        t0 = time.perf_counter()
+        t0, mark = time.perf_counter(), stops_taken()
         elapsed = t0 - self.started
         if self.budget_s is not None and elapsed > self.budget_s:
             log.warning(f"check: {label}: skipped ({elapsed:.0f} s > budget {self.budget_s:.0f} s)")
@@ -184,6 +193,8 @@ class Report:
             try:
                 row = {"label": label, **fn()}
             except Exception as e:  # one broken item must not cost the others' numbers
+                if (signum := stop_since(mark)) is not None:  # (DCP wraps what it caught)
+                    raise Stopped(signum) from e
                 said = str(e) if isinstance(e, UserError) else traceback.format_exc()
                 log.error("check: %s failed:\n%s", label, said)
                 row = {"label": label, "error": f"{type(e).__name__}: {str(e).strip()[:500]}"}
@@ -230,7 +241,7 @@ def run_check(
     own_data = same_path(first.data.dir, scratch / "data")  # (not a data.dir given by --set)
     if own_data:
         check_scratch_data(scratch / "data", scratch)
-    else:
+    elif only is None or "curves" in only:  # (the curves' prepare: the one write there)
         refuse_replacing_data(first)
     refuse_out_in_scratch(out, scratch)
     claim_out(out)
@@ -265,7 +276,7 @@ def run_check(
         if "scaling" in wanted:
             report.attempt("scaling", "ddp, 2 processes vs 1", lambda: scaling_row(ref, runs, cuda))
         sweep(report, big, rows[2:])  # the other layouts, while the budget lasts
-        report.data["finished"] = True
+        report.data["finished"] = report.earlier_finished  # (and this call's items all ran)
         report.save()
         log.info("check: done in %.0f s, %s", report.data["seconds"], _verdict(report.data))
     return report.data
@@ -538,11 +549,10 @@ def curve_row(
     plan = resolve_plan(cfg, Launch())
     if plan.backend != "single":  # (a --set backend: a world of one, as `train` starts it)
         start(plan)  # (kept by the next curve: DeepSpeed holds on to the first group)
-    result = train(cfg, plan)
-    if (stopped := result.stopped or "").startswith("signal "):  # (train's own stop: the check's)
-        signum = signal.Signals[stopped.split()[1]]
+    mark = stops_taken()
+    losses = train(cfg, plan).losses
+    if (signum := stop_since(mark)) is not None:  # (train's own stop, at any point: the check's)
         raise KeyboardInterrupt if signum == signal.SIGINT else Stopped(signum)
-    losses = result.losses
     if not reference:
         reference.append(losses)
     first, last = losses[min(losses)], losses[max(losses)]

@@ -174,9 +174,10 @@ def unread_hf_keys(d: DataConfig) -> list[str]:
         ]
         if unread:
             are, them = ("are", "them") if len(unread) > 1 else ("is", "it")
+            how = f"remove {them} from the entry" if d.sources else f"unset {them} with null"
             said.append(
                 f"{', '.join(unread)} {are} not read: {at}source={s.source!r} is not an hf: "
-                f"dataset (unset {them} with null to silence this)"
+                f"dataset ({how} to silence this)"
             )
     return said
 

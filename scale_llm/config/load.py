@@ -60,16 +60,20 @@ def shipped_config_dir() -> Path | None:
     return None
 
 
-def resolve_config_path(path: str | Path, beside: Path = Path()) -> Path:
+def resolve_config_path(
+    path: str | Path, beside: Path = Path(), including: Path | None = None
+) -> Path:
     """A config path (relative to `beside`); a bare name (`tiny`, `7b.yaml`) is also looked up
-    as NAME.yaml there, then among the shipped configs: a file of the user's wins."""
+    as NAME.yaml there, then among the shipped configs: a file of the user's wins, but not the
+    file `including` it (a tiny.yaml with `base: tiny` extends the shipped one)."""
     p = beside / path
-    if p.is_file() or len(Path(path).parts) != 1:
+    if len(Path(path).parts) != 1:
         return p
     shipped = shipped_config_dir()
     folders = (beside, shipped) if shipped else (beside,)
     names = (p.name, p.name + ".yaml")
-    return next((d / n for d in folders for n in names if (d / n).is_file()), p)
+    found = (d / n for d in folders for n in names if (d / n).is_file())
+    return next((f for f in found if including is None or not f.samefile(including)), p)
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
@@ -233,7 +237,7 @@ def read_yaml_with_base(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, An
         )
     path = resolve_config_path(path)
     try:  # (relative to the file itself: a symlink's target's folder, as for a nested base)
-        base_path = resolve_config_path(os.path.expanduser(base), path.resolve().parent)
+        base_path = resolve_config_path(os.path.expanduser(base), path.resolve().parent, path)
         base_path = base_path.resolve()
     except (OSError, RuntimeError, ValueError) as e:  # a symlink loop, a NUL, a long name
         raise UserError(

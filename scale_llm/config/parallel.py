@@ -479,11 +479,19 @@ def _pipeline_batch_problems(cfg: Config) -> list[str]:
     if mb % m:
         return [
             f"train.micro_batch_size={mb} cannot be cut into parallel.pipeline.microbatches={m} "
-            f"equal pieces: use "
-            + (f"train.micro_batch_size={-(-mb // m) * m} or " if m <= 1 << 16 else "")
-            + (f"parallel.pipeline.microbatches={_nearest(fits, m)}" if fits else "fewer")
+            f"equal pieces: "
+            + _either(
+                f"train.micro_batch_size={-(-mb // m) * m}" if m <= 1 << 16 else "",
+                f"parallel.pipeline.microbatches={_nearest(fits, m)}" if fits else "",
+            )
         ]
     return []
+
+
+def _either(*fixes: str) -> str:
+    """`use A or B` of the fixes given (none: fewer microbatches)."""
+    given = [f for f in fixes if f]
+    return f"use {' or '.join(given)}" if given else "use fewer parallel.pipeline.microbatches"
 
 
 def _least_microbatches(schedule: str, pp: int) -> int:

@@ -13,7 +13,7 @@ from scale_llm.analysis.memory import estimate
 from scale_llm.components.checkpoint import Checkpointer
 from scale_llm.config import Config
 from scale_llm.config.plan import RunPlan
-from scale_llm.errors import UserError
+from scale_llm.errors import UserError, note_stop
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,7 @@ class StopSignals:
         if self.received == signal.SIGINT and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.received = signum
+        note_stop(signum)  # (what a command around the run reads: check's curves)
         name = signal.Signals(signum).name
         if self.ending:
             log.warning(f"received {name} while the run ends; its end goes on")
