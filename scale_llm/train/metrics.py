@@ -16,8 +16,8 @@ from typing import Any
 from scale_llm.config import Config, dump_yaml, to_dict
 from scale_llm.errors import UserError
 from scale_llm.evaluate import EVENTS_MARK
-from scale_llm.files import JSONProblem, atomic_write_text, parse_json, stamped_name
-from scale_llm.train.preflight import METRICS_FILE, WANDB_ID_FILE, wandb_id
+from scale_llm.files import JSONProblem, atomic_write_text, parse_json, require_kind, stamped_name
+from scale_llm.train.preflight import METRICS_FILE, RUN_DIR_FILES, WANDB_ID_FILE, wandb_id
 from scale_llm.train.resume import flat
 
 log = logging.getLogger(__name__)
@@ -236,8 +236,9 @@ class Rows:
 
 
 def _rows(path: Path, step: int) -> Rows:
-    """metrics.jsonl (a regular file: the preflight's check_run_dir), split at `step` (read only;
+    """metrics.jsonl, checked again for its kind (it is appended to), split at `step` (read only;
     a fresh start, step 0, keeps nothing)."""
+    require_kind(path, "a regular file", RUN_DIR_FILES[METRICS_FILE])
     rows = Rows([], [], 0, 0)
     if not path.exists():
         return rows
