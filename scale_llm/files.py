@@ -259,6 +259,17 @@ def read_json(
     return value
 
 
+def json_values(lines: list[bytes]) -> list[Any]:
+    """Each line's JSON value (`parse_json`'s: bounded), None for one that is not UTF-8 JSON."""
+    values: list[Any] = []
+    for line in lines:
+        try:
+            values.append(parse_json(line.decode("utf-8")))
+        except (UnicodeDecodeError, JSONProblem):
+            values.append(None)
+    return values
+
+
 def json_object_or_none(path: Path | str, max_bytes: int = MAX_JSON_BYTES) -> dict[str, Any] | None:
     """The JSON object in `path`, or None where there is none (missing, unreadable, not one)."""
     try:

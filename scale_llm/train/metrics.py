@@ -16,7 +16,7 @@ from typing import Any
 from scale_llm.config import Config, dump_yaml, to_dict
 from scale_llm.errors import UserError
 from scale_llm.evaluate import EVENTS_MARK
-from scale_llm.files import JSONProblem, atomic_write_text, parse_json, require_kind, stamped_name
+from scale_llm.files import atomic_write_text, json_values, require_kind, stamped_name
 from scale_llm.train.preflight import METRICS_FILE, RUN_DIR_FILES, WANDB_ID_FILE, wandb_id
 from scale_llm.train.resume import flat
 
@@ -44,7 +44,7 @@ class MetricsLogger:
             if old_id := _new_wandb_id(run_dir):  # the trackers' copies of it go first (a crash
                 replaced = (old_id, rows.past)  # in between finds the rows again)
             try:
-                _rebuild_events(run_dir / "tensorboard", rows.keep, kept)
+                _rebuild_events(run_dir / "tensorboard", rows.kept_rows, kept)
             except OSError as e:  # (logging.tensorboard off, its folder not writable: said)
                 log.warning(f"metrics: TensorBoard's events past step {kept} stay ({e})")
         _start_rows(self.path, kept, rows)
@@ -116,7 +116,7 @@ def write_events(writer: Any, step: int, scalars: dict[str, float], texts: dict[
         writer.add_text(tag, _code_block(text), step)
 
 
-def _rebuild_events(folder: Path, keep: list[bytes], kept: int) -> None:
+def _rebuild_events(folder: Path, rows: list[dict[str, Any]], kept: int) -> None:
     """TensorBoard's fast reader (its default) ignores purge_step: a rewritten history's earlier
     points stayed beside the new ones. The training's event files (named by TRAIN_EVENTS) are
     replaced by one of the rows kept (metrics.jsonl's, up to `kept`), and eval's files of
@@ -128,7 +128,6 @@ def _rebuild_events(folder: Path, keep: list[bytes], kept: int) -> None:
         return
     from torch.utils.tensorboard import SummaryWriter
 
-    rows = [row for line in keep if (row := metric_row(line)) is not None]
     with SummaryWriter(str(folder), filename_suffix=TRAIN_EVENTS) as writer:  # (a new file)
         for row in rows:
             values = {k: _unclean(v) for k, v in row.items() if k != "step"}
@@ -231,6 +230,7 @@ class Rows:
 
     keep: list[bytes]
     moved: list[bytes]
+    kept_rows: list[dict[str, Any]]  # the rows of `keep`
     damaged: int  # lines that are not metric rows (cut short by a kill, or an edit)
     past: int  # rows past the step the launch starts at (a fresh start: any row)
 
@@ -239,15 +239,16 @@ def _rows(path: Path, step: int) -> Rows:
     """metrics.jsonl, checked again for its kind (it is appended to), split at `step` (read only;
     a fresh start, step 0, keeps nothing)."""
     require_kind(path, "a regular file", RUN_DIR_FILES[METRICS_FILE])
-    rows = Rows([], [], 0, 0)
+    rows = Rows([], [], [], 0, 0)
     if not path.exists():
         return rows
-    for line in path.read_bytes().split(b"\n"):  # (in file order; a lone CR stays in its line)
-        if not line.strip():
-            continue
-        row = metric_row(line)
+    # (in file order; a lone CR stays in its line)
+    lines = [line for line in path.read_bytes().split(b"\n") if line.strip()]
+    for line, value in zip(lines, json_values(lines)):
+        row = _row_of(value)
         kept = row is not None and 0 < row["step"] <= step  # (a fresh start, step 0: none)
         (rows.keep if kept else rows.moved).append(line + b"\n")
+        rows.kept_rows += [row] if kept else []
         rows.damaged += row is None
     rows.past = len(rows.moved) - rows.damaged
     return rows
@@ -297,9 +298,9 @@ def _new_wandb_id(run_dir: Path) -> str | None:
 def metric_row(line: bytes) -> dict[str, Any] | None:
     """A metrics.jsonl line as its row (a JSON object with a step >= 0), or None (also for
     a line nested too deep: `parse_json` is bounded)."""
-    try:
-        row = parse_json(line.decode("utf-8"))
-    except (UnicodeDecodeError, JSONProblem):
-        return None
-    ok = isinstance(row, dict) and isinstance(row.get("step"), int)
-    return row if ok and not isinstance(row["step"], bool) and row["step"] >= 0 else None
+    return _row_of(json_values([line])[0])
+
+
+def _row_of(value: Any) -> dict[str, Any] | None:
+    ok = isinstance(value, dict) and isinstance(value.get("step"), int)
+    return value if ok and not isinstance(value["step"], bool) and value["step"] >= 0 else None
