@@ -22,7 +22,13 @@ from pathlib import Path
 from scale_llm.config import Config, RunConfig, dump_yaml, load_config, with_changes
 from scale_llm.config.parallel import ONE_PROCESS
 from scale_llm.config.sections import measures_compiled
-from scale_llm.errors import Stopped, UserError, install_hint, stop_signals_raise
+from scale_llm.errors import (
+    Stopped,
+    UserError,
+    install_hint,
+    stop_signals_raise,
+    wrapped_interrupt,
+)
 from scale_llm.log import setup_logging
 from scale_llm.version import __version__
 
@@ -922,6 +928,15 @@ def entry() -> int:
     return main()
 
 
+def _interrupted(e: KeyboardInterrupt) -> int:
+    """Ctrl-C: 130; a stop signal (`Stopped`): 128 + its number."""
+    if isinstance(e, Stopped):
+        print(f"stopped by {signal.Signals(e.signum).name}", file=sys.stderr)
+        return 128 + e.signum
+    print("interrupted", file=sys.stderr)
+    return 130
+
+
 # commands whose stop signals unwind (their `finally` blocks run): those with no stop of their own
 UNWOUND = ("check", "bench")
 
@@ -943,12 +958,8 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         code = e.exit_code
-    except Stopped as e:
-        print(f"stopped by {signal.Signals(e.signum).name}", file=sys.stderr)
-        code = 128 + e.signum
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        code = 130
+    except KeyboardInterrupt as e:
+        code = _interrupted(e)
     except BrokenPipeError:
         if not _stdout_gone():  # another pipe (a child's, a service's): an internal error
             raise
@@ -972,6 +983,10 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: `scale-llm {args.command}` {said}", file=sys.stderr)
         code = 2
+    except BaseException as e:  # (DCP's save wraps a Ctrl-C in its CheckpointException)
+        if (interrupt := wrapped_interrupt(e)) is None:
+            raise
+        code = _interrupted(interrupt)
     finally:
         joined = False
         if "torch.distributed" in sys.modules:  # a process group may exist: leave it

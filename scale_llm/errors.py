@@ -46,12 +46,31 @@ def stop_since(mark: int) -> int | None:
     return _received[-1] if len(_received) > mark else None
 
 
+def wrapped_interrupt(error: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C or stop signal an error wraps: DCP's save catches what interrupted it and
+    raises its CheckpointException (a BaseException) with it among its failures, or as a cause."""
+    seen: set[int] = set()
+    todo = [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, KeyboardInterrupt) and e is not error:
+            return e
+        failures = getattr(e, "failures", None)
+        for failure in failures.values() if isinstance(failures, dict) else ():
+            todo.append(failure[0] if isinstance(failure, tuple) and failure else failure)
+        todo += [e.__cause__, e.__context__]
+    return None
+
+
 @contextlib.contextmanager
 def stop_signals_raise() -> Iterator[None]:
     """While active (in the main thread), SIGTERM and SIGHUP raise `Stopped`: a command without
     a stop of its own (check, bench) ends through its `finally` blocks (a scratch folder removed,
-    a launch it started stopped) instead of at once. An error that ends the command after a
-    stop signal is that stop (DCP's save wraps what it caught in its own exception)."""
+    a launch it started stopped) instead of at once. An error that wraps the stop (DCP's save
+    raises its own with it) is that stop; any other error stays itself."""
 
     def handle(signum: int, frame: object) -> None:
         note_stop(signum)
@@ -60,13 +79,12 @@ def stop_signals_raise() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    mark = stops_taken()
     previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         yield
     except BaseException as e:  # (DCP's CheckpointException is a BaseException)
-        if not isinstance(e, Stopped) and (signum := stop_since(mark)) is not None:
-            raise Stopped(signum) from e
+        if isinstance(wrapped := wrapped_interrupt(e), Stopped):
+            raise wrapped from e
         raise
     finally:
         for sig, handler in previous.items():

@@ -1456,6 +1456,37 @@ def test_the_yaml_and_json_commands_print_warnings_apart_from_what_they_print(
     assert out.split()[:1] == ["run"] and "is deprecated" in err, (out, err)
 
 
+def test_a_ctrl_c_a_checkpoint_save_wrapped_is_an_interrupt(tmp_path, capsys, monkeypatch):
+    """DCP's save catches what interrupts it and raises its CheckpointException (a
+    BaseException) with it: a Ctrl-C during a save (bench --checkpoint-io, a second Ctrl-C at
+    train's last save) ended in that traceback, exit 1."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from scale_llm import cli
+    from scale_llm.errors import Stopped
+
+    def saving(args):
+        raise CheckpointException("a save", {0: (KeyboardInterrupt(), None)})
+
+    monkeypatch.setitem(cli.COMMANDS, "runs", saving)
+    assert cli.main(["runs", str(tmp_path)]) == 130
+    assert capsys.readouterr().err.strip() == "interrupted"
+
+    def stopped(args):
+        raise CheckpointException("a save", {0: (Stopped(15), None)})
+
+    monkeypatch.setitem(cli.COMMANDS, "runs", stopped)
+    assert cli.main(["runs", str(tmp_path)]) == 143
+    assert capsys.readouterr().err.strip() == "stopped by SIGTERM"
+
+    def failed(args):
+        raise CheckpointException("a save", {0: (OSError(28, "No space left"), None)})
+
+    monkeypatch.setitem(cli.COMMANDS, "runs", failed)
+    with pytest.raises(CheckpointException):  # (an internal error keeps its traceback)
+        cli.main(["runs", str(tmp_path)])
+
+
 def test_torchrun_waits_long_enough_for_a_stopped_run_to_checkpoint(tmp_path):
     """After forwarding SIGTERM torchrun kills its workers 30 s later by default: less than a
     large model's last steps and checkpoint. The launchers give it 5 minutes (a user's own

@@ -331,6 +331,15 @@ def test_the_gpu_checks_order_and_configs_on_a_stub_gpu(tmp_path, monkeypatch):
         report = check.run_check(tmp_path / "out", scratch=tmp_path / "scratch", only={"sweep"})
         assert report["finished"] is finished and report["ok"] is finished, changes
         assert ("curves" in report) is curves, changes
+    # every section run again over a stopped check, or over a report without the key: finished
+    (tmp_path / "out" / "report.json").write_text(json.dumps(first | {"finished": False}))
+    assert check.run_check(tmp_path / "out", scratch=tmp_path / "scratch", only=check.SECTIONS)[
+        "ok"
+    ]
+    (tmp_path / "out" / "report.json").write_text(
+        json.dumps({k: v for k, v in first.items() if k != "finished"})
+    )
+    assert check.run_check(tmp_path / "out", scratch=tmp_path / "scratch", only={"sweep"})["ok"]
 
 
 # ----------------------------------------------------------------------------- the toolchain

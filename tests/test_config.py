@@ -485,6 +485,8 @@ def test_base_is_read_beside_the_real_file_and_a_users_file_wins_over_a_shipped_
     (tmp_path / "tiny.yaml").write_text("base: tiny\ntrain: {lr: 0.0123}\n")
     extended = load_config(tmp_path / "tiny.yaml")
     assert extended.train.lr == 0.0123 and extended.model == load_config("tiny").model
+    (tmp_path / "tiny.yaml").write_text("base: ./tiny.yaml\n")  # (a path: itself)
+    assert "leads back to itself" in errors_of(tmp_path / "tiny.yaml")
 
 
 def test_moved_keys_are_read_with_one_deprecation_line(logs, tmp_path):

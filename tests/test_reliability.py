@@ -649,18 +649,18 @@ def test_a_stop_signal_ends_bench_and_check_through_their_cleanup(data_dir, tmp_
 
     # an error that ends an item (or the command) after a stop signal is that stop: DCP's save
     # wraps what it caught in its CheckpointException (a traceback, exit 1, 4 times in 12)
-    def wrapped(error: type = RuntimeError):
-        note_stop(signal.SIGTERM)
-        raise error("the save caught a Stopped", {})
-
     from torch.distributed.checkpoint.api import CheckpointException  # (a BaseException)
+
+    def wrapped():
+        raise RuntimeError("a save's error") from Stopped(signal.SIGTERM)
 
     with pytest.raises(Stopped):
         check.Report(tmp_path / "out2", None).attempt("sweep", "a save", wrapped)
-    with pytest.raises(Stopped), stop_signals_raise():
-        wrapped(CheckpointException)
-    with pytest.raises(RuntimeError), stop_signals_raise():  # (no signal since: its own error)
-        raise RuntimeError("an error of its own")
+    with pytest.raises(Stopped), stop_signals_raise():  # (as DCP's save raises it)
+        raise CheckpointException("a save", {0: (Stopped(signal.SIGTERM), None)})
+    with pytest.raises(RuntimeError), stop_signals_raise():  # (after a stop: still its own error)
+        note_stop(signal.SIGTERM)
+        raise RuntimeError("disk full")
 
 
 def test_checkpoint_io_bench_on_deepspeed_times_its_foreground_saves_only(tmp_path):

@@ -35,7 +35,7 @@ from scale_llm.config.parallel import ONE_PROCESS
 from scale_llm.config.plan import Launch, resolve_plan
 from scale_llm.data.prepare import check_settings, prepare, would_replace
 from scale_llm.data.sources import open_source
-from scale_llm.errors import Stopped, UserError, stop_since, stops_taken
+from scale_llm.errors import Stopped, UserError, stop_since, stops_taken, wrapped_interrupt
 from scale_llm.files import (
     OWNER_MARKER,
     JSONProblem,
@@ -162,14 +162,10 @@ class Report:
         """An `--only` call into an earlier check's OUT: the earlier report's other sections
         (and their errors) stay; those it runs again (`redo`, with the preflight) are new."""
         earlier = json_object_or_none(self.out / "report.json", max_bytes=REPORT_BYTES) or {}
-        same = {k: earlier.get(k) for k in ("device", "torch")} == {
-            k: self.data[k] for k in ("device", "torch")
-        }
-        if earlier and not same:  # (another machine's numbers under this one's name: none)
-            log.warning("check: %s/report.json is another device's or torch's; replaced", self.out)
+        other = [k for k in ("device", "torch") if k in earlier and earlier[k] != self.data[k]]
+        if other:  # (another machine's numbers under this one's name: none)
+            log.warning("check: %s/report.json is of another %s; replaced", self.out, other[0])
             return
-        if earlier:  # (a stopped one stays so)
-            self.earlier_finished = earlier.get("finished") is True
         redo = {"preflight", *redo, *(("prepare",) if "curves" in redo else ())}
         skip = redo | {"ok", "finished"}
         kept = {k: v for k, v in earlier.items() if k not in self.data and k not in skip}
@@ -181,10 +177,12 @@ class Report:
             log.warning("check: %s/report.json's other sections do not read; not kept", self.out)
             return
         self.data.update(kept, errors=errors)
+        # a stopped check's report stays unfinished, unless this call runs all it left out
+        self.earlier_finished = earlier.get("finished", True) is not False or redo >= SECTIONS
 
     def attempt(self, section: str, label: str, fn: Callable[[], dict[str, Any]]) -> dict:
         """fn's row, or a row saying why there is none (over the budget, or its error)."""
-        t0, mark = time.perf_counter(), stops_taken()
+        t0 = time.perf_counter()
         elapsed = t0 - self.started
         if self.budget_s is not None and elapsed > self.budget_s:
             log.warning(f"check: {label}: skipped ({elapsed:.0f} s > budget {self.budget_s:.0f} s)")
@@ -193,8 +191,8 @@ class Report:
             try:
                 row = {"label": label, **fn()}
             except Exception as e:  # one broken item must not cost the others' numbers
-                if (signum := stop_since(mark)) is not None:  # (DCP wraps what it caught)
-                    raise Stopped(signum) from e
+                if (interrupt := wrapped_interrupt(e)) is not None:  # (a save wrapped it)
+                    raise interrupt from e
                 said = str(e) if isinstance(e, UserError) else traceback.format_exc()
                 log.error("check: %s failed:\n%s", label, said)
                 row = {"label": label, "error": f"{type(e).__name__}: {str(e).strip()[:500]}"}

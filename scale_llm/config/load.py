@@ -67,13 +67,20 @@ def resolve_config_path(
     as NAME.yaml there, then among the shipped configs: a file of the user's wins, but not the
     file `including` it (a tiny.yaml with `base: tiny` extends the shipped one)."""
     p = beside / path
-    if len(Path(path).parts) != 1:
+    if len(Path(path).parts) != 1 or str(path).startswith("."):  # (./tiny.yaml: a path)
         return p
     shipped = shipped_config_dir()
     folders = (beside, shipped) if shipped else (beside,)
     names = (p.name, p.name + ".yaml")
     found = (d / n for d in folders for n in names if (d / n).is_file())
-    return next((f for f in found if including is None or not f.samefile(including)), p)
+    return next((f for f in found if including is None or not _same_file(f, including)), p)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.samefile(b)
+    except OSError:  # (one gone meanwhile)
+        return False
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
