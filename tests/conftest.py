@@ -125,6 +125,11 @@ SLOW_TESTS = {  # by module::function (every parameter): over ~4 s each on 2 cor
     "test_pipeline.py::test_an_fp32_v_schedule_counts_the_gradient_each_backward_makes",
     "test_pipeline.py::test_a_v_schedule_keeps_each_input_halfs_gradient_and_what_its_stages_pass",
     "test_pipeline.py::test_a_v_schedules_first_stage_keeps_its_embeddings_16_bit_gradient",
+    "test_pipeline.py::test_every_k_under_a_pipeline_checkpoints_a_ranks_blocks_as_applied",
+    "test_pipeline.py::test_the_last_stage_keeps_its_logits_through_its_blocks_backward",
+    "test_memory_fake.py::test_a_pipeline_ranks_trace_keeps_its_sends_as_torchs_works_do",
+    "test_memory_fake.py::test_a_pipeline_x_tensor_parallel_rank_peaks_where_its_estimate_says",
+    "test_memory.py::test_human_report_ends_with_hints",
     # processes around training
     "test_cli.py::test_torchrun_ends_with_2_when_every_worker_refused_its_input",
     "test_eval_tasks.py::test_a_task_folders_private_copy_goes_with_a_process_that_skips_its_teardown",
