@@ -29,7 +29,7 @@ class Stopped(KeyboardInterrupt):
         self.signum = signum
 
 
-_received: list[int] = []  # the stop signals this process took (its own handlers' and train's)
+_received: list[int] = []  # the stop signals a run took (train's handler notes them)
 
 
 def note_stop(signum: int) -> None:
@@ -73,7 +73,6 @@ def stop_signals_raise() -> Iterator[None]:
     raises its own with it) is that stop; any other error stays itself."""
 
     def handle(signum: int, frame: object) -> None:
-        note_stop(signum)
         raise Stopped(signum)
 
     if threading.current_thread() is not threading.main_thread():

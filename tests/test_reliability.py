@@ -625,7 +625,14 @@ def test_a_stop_signal_ends_bench_and_check_through_their_cleanup(data_dir, tmp_
     # a launch the check started stops with it
     pid_file = tmp_path / "child.pid"
     child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
-    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+
+    def stop_once_started() -> None:  # (the child up: a Python start takes seconds under load)
+        deadline = time.time() + 60
+        while not (pid_file.exists() and pid_file.read_text()) and time.time() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_once_started, daemon=True).start()
     with pytest.raises(Stopped), stop_signals_raise():
         check._run_stoppable([sys.executable, "-c", child], dict(os.environ), 100)
     pid = int(pid_file.read_text())

@@ -254,13 +254,13 @@ def _rows(path: Path, step: int) -> Rows:
     return rows
 
 
-def _start_rows(path: Path, step: int, rows: Rows) -> int:
+def _start_rows(path: Path, step: int, rows: Rows) -> None:
     """metrics.jsonl as a launch starts: on a resume the rows past `step` (the resumed run
     rewrites them) and on a fresh start an earlier attempt's rows moved aside to
     metrics-<UTC time>.jsonl, as abandoned checkpoints are kept. A line that is not a JSON row
-    moves there too, with a warning. Returns the count of rows past `step` on a resume."""
+    moves there too, with a warning."""
     if not rows.moved:
-        return 0
+        return
     with open(aside := stamped_name(path.parent, "metrics", ".jsonl"), "xb") as f:
         f.writelines(rows.moved)  # on disk before the file is cut: a kill between leaves them twice
         f.flush()
@@ -279,7 +279,6 @@ def _start_rows(path: Path, step: int, rows: Rows) -> int:
             f"metrics: resuming at step {step}; the {rows.past} row(s) past it moved to {aside}"
         )
     atomic_write_text(path, b"".join(rows.keep).decode("utf-8"))  # all rows or the old file
-    return rows.past if step else 0
 
 
 def _new_wandb_id(run_dir: Path) -> str | None:
