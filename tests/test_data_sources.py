@@ -293,3 +293,49 @@ def test_hub_source_fingerprint_needs_no_network():
     for change in changes:
         other = open_source(load_config(None, [*base, change]).data).fingerprint()
         assert other != fingerprint, change
+
+
+def test_a_special_tokens_text_in_a_document_stays_text(tmp_path):
+    """A `data.tokenizer` folder whose EOS is `<|endoftext|>`: a document quoting that text keeps
+    one EOS, its own end (the folder's encoder read the quote as the id that ends a document)."""
+    from tokenizers import Tokenizer as Pipeline
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    src = tmp_path / "src"
+    src.mkdir()
+    texts = random_texts(30, "doc{i:03d}marker", seed=0, length=80)
+    texts[0] = "quoted <|endoftext|> in the text " + texts[0]
+    for i, text in enumerate(texts):
+        (src / f"{i:03d}.txt").write_text(text)
+    tok = Pipeline(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special, alphabet = ["<|endoftext|>"], pre_tokenizers.ByteLevel.alphabet()
+    tok.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(vocab_size=300, special_tokens=special, initial_alphabet=alphabet),
+    )
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    named = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(named))
+    out = tmp_path / "data"
+    manifest = prepare(config(src, out, f"data.tokenizer={folder}"))
+    tokens = np.concatenate(
+        [np.concatenate(open_split(out, manifest, s)) for s in ("train", "val")]
+    )
+    assert manifest["tokenizer"]["eos_id"] == 0
+    assert (tokens == 0).sum() == len(texts)  # (one end a document)
+
+
+def test_a_byte_order_mark_is_not_text_and_a_split_of_all_validation_is_named(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for i, text in enumerate(random_texts(20, "doc{i:03d}marker", seed=0, length=80)):
+        (src / f"{i:03d}.txt").write_bytes(b"\xef\xbb\xbf" + text.encode())
+    docs = list(open_source(load_config(None, [f"data.source={src}"]).data).documents())
+    assert len(docs) == 20 and not any(d.text.startswith("\ufeff") for d in docs)
+    with pytest.raises(UserError, match=r"data.val_fraction=0.999 sent every one of the 20 "):
+        prepare(config(src, tmp_path / "data", "data.val_fraction=0.999"))
+    assert not (tmp_path / "data").exists()

@@ -19,6 +19,7 @@ from tests.helpers import (
     batch_plan,
     logged,
     make_config,
+    plan_for,
     prep_config,
     random_texts,
     snapshot,
@@ -81,9 +82,41 @@ def test_tiny_weights_raised_to_one_sequence_take_their_slots_from_the_large_one
         (1, 1, 1): [1366, 1365, 1365],
         (0.5, 0.25, 0.125, 0.125): [2048, 1024, 512, 512],
         (1e-5, 1.0): [1, 4095],
+        # a count raised to one is past its share: the leftover slot goes to a large remainder
+        (0.0002, 0.3, 0.6998): [1, 1229, 2866],
+        (0.9, 1000.5, 3094.6): [1, 1000, 3095],
     }
     for weights, counts in cases.items():
         assert SourceSchedule(list(weights)).counts.tolist() == counts, weights
+
+
+def test_a_resume_read_with_other_counts_of_the_same_weights_says_so():
+    """A checkpoint whose mixture was rounded to other counts a period (an older rounding of
+    the same weights) continues at its position, with a warning; the same counts say nothing."""
+    windows = TokenWindows([np.arange(2000, dtype=np.int64)], 8)  # (249 windows)
+    sources = {"web": (0.0002, 100), "code": (0.9998, 149)}
+    saved = TrainLoader(windows, batch_plan(4, 1), seed=3, sources=sources).state_dict()
+    assert saved["period_counts"] == [1, 4095]
+    for counts, said in (([1, 4095], False), ([2, 4094], True)):
+        loader = TrainLoader(windows, batch_plan(4, 1), seed=3, sources=sources)
+        with logged() as lines:
+            loader.load_state_dict({**saved, "period_counts": counts, "position": 12})
+        assert loader.position == 12
+        assert ("read its mixture's sources [2, 4094] times" in lines.text) == said
+
+
+def test_sources_reading_one_file_under_other_names_are_warned_of(tmp_path):
+    """A folder and its subfolder as two sources: a file's name differs under each root, so one
+    source's validation documents were the other's training documents, without a word."""
+    web = corpus(tmp_path / "web", "web", 0, n=12)
+    corpus(web / "hq", "hq", 1, n=12)
+    said = "data.sources[0] (name web) and data.sources[1] (name code) read 12 of the same files"
+    with logged() as lines:
+        prepare(mixture_config(tmp_path / "a", {"web": web, "code": web / "hq"}))
+    assert said in lines.text and "its val_loss reads trained text" in lines.text
+    with logged() as lines:  # (one folder twice: the same names, the same split)
+        prepare(mixture_config(tmp_path / "b", {"web": web, "code": web}))
+    assert "of the same files" not in lines.text
 
 
 def test_a_mixture_of_one_source_is_the_one_source_data_and_stream(tmp_path):
@@ -448,3 +481,21 @@ def test_a_checkpoint_without_the_shards_digest_compares_prepares_fingerprints()
     assert data_change(new, "f2", "s1") is None  # (touched files, the same shards)
     assert "shards changed" in data_change(new, "f1", "s2")
     assert data_change({}, "f1", "s1") is None  # (a checkpoint from before either)
+
+
+def test_the_tokens_no_window_reads_at_shard_ends_are_said(tmp_path):
+    """Windows of seq_len + 1 tokens never cross shards: shards of 64 tokens at seq_len 32 leave
+    31 of each unread (about half the data, without a word); shards of 65 leave none."""
+    from scale_llm.train.preflight import preflight
+
+    src = corpus(tmp_path / "src", "doc", 0)
+    for shard_tokens, said in ((64, True), (65, False)):
+        data = tmp_path / f"data{shard_tokens}"
+        prepare(prep_config(src, data, f"data.shard_tokens={shard_tokens}", "model.seq_len=32"))
+        cfg = make_config(data, tmp_path / "runs", "model.vocab_size=400")
+        with logged() as lines:
+            preflight(cfg, plan_for(cfg))
+        assert (
+            "the last (length - 1) mod seq_len tokens of each shard are never read" in lines.text
+        ) == said
+        assert ("of data.dir's finished shards (48.4%)" in lines.text) == said

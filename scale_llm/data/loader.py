@@ -63,14 +63,15 @@ PERIOD = 4096  # sequences after which a mixture's interleave of sources repeats
 
 def period_counts(weights: list[float]) -> list[int]:
     """Each source's sequences in a period of PERIOD: its share by largest remainder, at least
-    one (an overfilled period takes back from counts above one, smallest remainder first)."""
+    one (an overfilled period takes back from counts above one, smallest remainder first; a
+    count raised to one is past its share, so it is the last to get a leftover slot)."""
     if len(weights) > PERIOD:
         raise ValueError(f"{len(weights)} sources: at most {PERIOD} fit in a period")
     exact = [share * PERIOD for share in normalized_weights(weights)]
     counts = [max(1, int(x)) for x in exact]
     short = PERIOD - sum(counts)
     if short > 0:
-        by_remainder = sorted(range(len(weights)), key=lambda s: (int(x := exact[s]) - x, s))
+        by_remainder = sorted(range(len(weights)), key=lambda s: (counts[s] - exact[s], s))
         for s in by_remainder[:short]:
             counts[s] += 1
     while short < 0:  # (only when tiny weights were raised to one)
@@ -237,6 +238,7 @@ class TrainLoader:
         state = {"position": self.position, "seed": self.seed, "num_windows": len(self.windows)}
         if self.mixture is not None:
             state["sources"] = {n: [float(w), int(k)] for n, (w, k) in self.mixture.items()}
+            state["period_counts"] = self.schedule.counts.tolist()
         return state
 
     def load_state_dict(self, state: dict[str, int]) -> None:
@@ -248,7 +250,14 @@ class TrainLoader:
                 f"continuing at the same position of the new order"
             )
         saved, now = state.get("sources"), self.state_dict().get("sources")
-        if saved != now:
+        counts, counts_now = state.get("period_counts"), self.state_dict().get("period_counts")
+        if saved == now and None not in (counts, counts_now) and counts != counts_now:
+            log.warning(
+                f"data: the checkpoint read its mixture's sources {counts} times in each "
+                f"{PERIOD:,} sequences, this version {counts_now} times (the same weights, "
+                f"rounded otherwise); continuing at the same stream position"
+            )
+        elif saved != now:
             log.warning(
                 f"data: the checkpoint's mixture ({saved or 'one source'}) differs from now "
                 f"({now or 'one source'}); continuing at the same stream position of the new "

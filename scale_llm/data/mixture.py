@@ -34,7 +34,7 @@ from scale_llm.data.prepare_source import (
 )
 from scale_llm.data.pretrained_tokenizer import BUNDLE_FILE
 from scale_llm.data.shards import MANIFEST, check_tokenizer, open_split, read_manifest
-from scale_llm.data.sources import open_source, refuse_overlap
+from scale_llm.data.sources import Source, open_source, refuse_overlap
 from scale_llm.data.tokenizer import SP_FILE, file_sha256, train_tokenizer
 from scale_llm.errors import UserError
 from scale_llm.files import atomic_write_bytes, atomic_write_json, describe_kind, read_json
@@ -95,7 +95,29 @@ def _open_all(cfg: Config, configs: list[Config]) -> list[Any]:
             problems.append(f"data.sources[{i}] (name {cfg.data.sources[i].name}): {e}")
     if problems:
         raise UserError("\n".join(problems))
+    _warn_shared_files(cfg, sources)
     return sources
+
+
+def _warn_shared_files(cfg: Config, sources: list[Any]) -> None:
+    """Two sources reading one file under different names (a folder and its subfolder) split it
+    apart: each draws its validation documents by the file's name under its own root."""
+    seen: dict[tuple[int, int], tuple[int, str]] = {}  # (device, inode) -> first source, name
+    shared: dict[tuple[int, int], list[str]] = {}  # (source j, source i) -> names in i
+    for i, source in enumerate(sources):
+        for f in source.files if isinstance(source, Source) else []:
+            st = f.stat()
+            j, name = seen.setdefault((st.st_dev, st.st_ino), (i, source.name(f)))
+            if j != i and name != source.name(f):
+                shared.setdefault((j, i), []).append(str(f))
+    for (j, i), files in shared.items():
+        a, b = (f"data.sources[{k}] (name {cfg.data.sources[k].name})" for k in (j, i))
+        log.warning(
+            f"data: {a} and {b} read {len(files):,} of the same files under other names (e.g. "
+            f"{files[0]}): each source holds out its own validation documents, so one's are "
+            f"trained on in the other and its val_loss reads trained text; give each file to "
+            f"one source (a folder or glob apiece) and weight them as wanted"
+        )
 
 
 def _claim(out: Path, names: list[str]) -> dict[str, Any]:
@@ -332,6 +354,7 @@ class TrainingData:
     other_source: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
     prepared: str = ""  # of its sources' prepare fingerprints (their files and settings)
     shards: str = ""  # of its shards' contents and tokenizer ("": a shard prepare did not hash)
+    unread: list[int] = dataclasses.field(default_factory=lambda: [0, 0])  # (see the warning)
 
 
 def _same_source(given: str, prepared: str) -> bool:
@@ -351,9 +374,13 @@ def open_training_data(cfg: Config) -> TrainingData:
         folders = [("", Path(cfg.data.dir), read_manifest(cfg.data.dir))]
     seq_len, vocab_size = cfg.model.seq_len, cfg.model.vocab_size
     shards, names, val, counts = [], [], {}, {}  # the training windows of every source, in order
+    unread = [0, 0]  # tokens no window reads in a source's finished shards, and theirs
     for name, folder, manifest in folders:
         for split in ("train", "val"):
             maps = open_split(folder, manifest, split)
+            if split == "train":  # (a split's last shard holds its remainder)
+                unread[0] += sum((len(m) - 1) % seq_len for m in maps[:-1])
+                unread[1] += sum(len(m) for m in maps[:-1])
             files = [str(folder / x["file"]) for x in manifest["splits"][split]["shards"]]
             if split == "val":
                 val[name] = TokenWindows(maps, seq_len, vocab_size, files)
@@ -379,7 +406,7 @@ def open_training_data(cfg: Config) -> TrainingData:
     contents = hashlib.sha256("|".join(hashed).encode()).hexdigest() if whole else ""
     prepared = "|".join(str(folder[2]["fingerprint"]) for folder in folders)
     prepared = hashlib.sha256(prepared.encode()).hexdigest()
-    return TrainingData(folders[0][2], train, val, sources, other, prepared, contents)
+    return TrainingData(folders[0][2], train, val, sources, other, prepared, contents, unread)
 
 
 def _check_windows(cfg: Config, folders: list, train: dict[str, int], val: dict) -> None:
@@ -417,7 +444,17 @@ def check_epochs(
             f"{'; '.join(over)} of data.dir={cfg.data.dir}; prepare more data, lower "
             f"train.max_steps, or set data.repeat=true"
         )
-    if data.sources is None or not is_main:
+    if not is_main:
+        return
+    lost, of = data.unread
+    if lost > 0.01 * of:
+        log.warning(
+            f"data: windows never cross shards, so at model.seq_len={cfg.model.seq_len} the "
+            f"last (length - 1) mod seq_len tokens of each shard are never read: {lost:,} of "
+            f"the {of:,} tokens of data.dir's finished shards ({lost / of:.1%}); prepare again "
+            f"with data.shard_tokens far above model.seq_len, or a multiple of it plus one"
+        )
+    if data.sources is None:
         return
     log.info(f"data: a mixture of {len(epochs)} sources (weights are shares of the tokens read)")
     shares = loader.schedule.counts / PERIOD  # (whole sequences of each PERIOD)

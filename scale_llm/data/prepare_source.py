@@ -486,7 +486,13 @@ def read_documents(cfg: Config, source) -> Iterator[Document]:
 def draw_sample(cfg: Config, docs: Iterator[Document]) -> tuple[list[str], list[Document]]:
     """The tokenizer's sample from the first documents, and the pool read off the stream for it."""
     pool = _sample_pool(docs, cfg)
-    if not (sample := list(_sample(pool, cfg))):
+    if not (sample := list(_sample(pool, cfg))) and pool:
+        raise UserError(
+            f"data.val_fraction={cfg.data.val_fraction} sent every one of the "
+            f"{len(pool):,} documents of data.source={cfg.data.source!r} to the validation "
+            f"split, leaving none to train on; lower data.val_fraction"
+        )
+    if not sample:
         raise UserError(
             f"data.source={cfg.data.source!r} yielded too few non-empty documents; "
             f"check the files and data.text_field={cfg.data.text_field!r}"

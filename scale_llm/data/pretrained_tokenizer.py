@@ -280,8 +280,14 @@ class PretrainedTokenizer:
         return start + ids + (self.doc_end if eos else [])
 
     def encode_many(self, texts: Iterable[str]) -> list[list[int]]:
-        """The ids of each text, without special tokens (one thread: prepare's workers)."""
-        return [self.backend.encode(t, add_special_tokens=False).ids for t in texts]
+        """The ids of each document's text, without special tokens (one thread: prepare's
+        workers). A special token's text in a document is text, as nanoGPT's `encode_ordinary`
+        reads it: a `<|endoftext|>` in a web page never becomes the id that ends a document."""
+        split, self.backend.encode_special_tokens = self.backend.encode_special_tokens, True
+        try:
+            return [self.backend.encode(t, add_special_tokens=False).ids for t in texts]
+        finally:
+            self.backend.encode_special_tokens = split
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=True)

@@ -83,11 +83,14 @@ class Source:
     def total_bytes(self) -> int:
         return sum(f.stat().st_size for f in self.files)
 
+    def name(self, f: Path) -> str:
+        """A file's name in its documents' ids (the split is drawn from them): under the root."""
+        name = f.absolute().relative_to(self.root.absolute()).as_posix() if self.root else str(f)
+        return os.fsencode(name).decode(errors="backslashreplace")  # (a name not UTF-8: \xff)
+
     def documents(self) -> Iterator[Document]:
-        root = self.root and self.root.absolute()
         for f in self.files:
-            name = f.absolute().relative_to(root).as_posix() if root else str(f)
-            name = os.fsencode(name).decode(errors="backslashreplace")  # (a name not UTF-8: \xff)
+            name = self.name(f)
             kind = file_kind(f)
             if kind == "jsonl":
                 yield from self._jsonl_documents(f, name)
@@ -113,7 +116,7 @@ class Source:
                 f"of a .jsonl file (one document per line)"
             )
         try:
-            return data.decode("utf-8")
+            return data.decode("utf-8-sig")  # (a byte-order mark is no text)
         except UnicodeDecodeError as e:
             if self.skip_undecodable:
                 self.skipped.append(str(f))

@@ -214,6 +214,9 @@ def _data_problems(data: Any) -> list[str]:
         isinstance(name, str) and isinstance(v, list | tuple) and len(v) == 2 for name, v in pairs
     ):
         out.append(f"data.sources: {short(sources, 40)} is not {{source: [weight, drawn]}}")
+    counts = data.get("period_counts")  # a mixture's: each source's sequences in a period
+    if counts is not None and not (isinstance(counts, list) and all(map(is_count, counts))):
+        out.append(f"data.period_counts: {short(counts, 40)} is not a list of counts")
     return out
 
 
