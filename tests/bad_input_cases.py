@@ -1568,6 +1568,14 @@ RESUME_ONLY = {  # fields only a resume reads
         {"rng__0__python__state": [0] * 624 + [700]},
         "rng[0].python: not a Python random state",
     ),
+    "numpy's gauss flag past a C long": (  # numpy's OverflowError when the resume set it
+        {"rng__0__numpy__has_gauss": 2**70},
+        "rng[0].numpy: not a numpy MT19937 state",
+    ),
+    "Python's random version a tensor": (  # "Boolean value of Tensor ... is ambiguous"
+        {"rng__0__python__version": torch.tensor([3, 3])},
+        "rng[0].python: not a Python random state",
+    ),
     "train schedule": ({"config__train__lr": -1.0}, "config.train.lr=-1.0 must be > 0"),
     "backend layout": ({"backend": {"layout": 3}}, "backend: "),
     "a layout no run writes": (  # read as another backend's: its weights alone, warned

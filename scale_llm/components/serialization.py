@@ -21,6 +21,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from scale_llm.errors import UserError
@@ -84,7 +85,10 @@ def load_file(
         OSError,
         IndexError,
         struct.error,
-    ) as e:  # (the last two: the unpickler on random bytes)
+        AssertionError,
+        TypeError,
+        AttributeError,
+    ) as e:  # (the last five: the unpickler and torch's legacy reader on random bytes)
         if isinstance(e, FileNotFoundError | PermissionError):
             raise
         name = _refused_global(e) if isinstance(e, pickle.UnpicklingError) else None
@@ -162,7 +166,38 @@ def read_dcp_metadata(path: Path | str) -> Any:
         rel = getattr(info, "relative_path", "")
         if not isinstance(rel, str) or "/" in rel or "\\" in rel or rel in ("", ".", ".."):
             raise damaged(path, f"a data file name that leaves the checkpoint: {rel!r}")
+    for fqn, entry in (metadata.state_dict_metadata or {}).items():
+        if hasattr(entry, "chunks") and (problem := _tiling_problem(fqn, entry, metadata)):
+            raise damaged(path, f"{fqn}: {problem}")
     return metadata
+
+
+def _tiling_problem(fqn: str, entry: Any, metadata: Any) -> str | None:
+    """Why a tensor's chunks do not cover it exactly once, each with bytes to read (DCP reads
+    a tensor into memory it leaves uninitialized where no chunk lands); None when they do."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    whole = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    shape = tuple(getattr(entry, "size", None) or ())
+    if not all(map(whole, shape)):
+        return f"its shape {shape} is not one"
+    edges, boxes = [{0, n} for n in shape], []
+    for chunk in entry.chunks or []:
+        at, size = tuple(chunk.offsets), tuple(chunk.sizes)
+        if len(at) != len(shape) or len(size) != len(shape) or not all(map(whole, at + size)):
+            return f"a chunk at {at} of size {size} does not fit a tensor of {len(shape)} dims"
+        if any(a + n > dim for a, n, dim in zip(at, size, shape)):
+            return f"a chunk at {at} of size {size} reaches past its shape {shape}"
+        if MetadataIndex(fqn, at) not in (metadata.storage_data or {}):
+            return f"its chunk at {at} names no bytes"
+        for d, (a, n) in enumerate(zip(at, size)):
+            edges[d] |= {a, a + n}
+        boxes.append((at, size))
+    cuts = [sorted(e) for e in edges]  # each cell between two cuts is in a chunk or not, whole
+    cover = np.zeros([len(c) - 1 for c in cuts], np.int64)
+    for at, size in boxes:
+        cover[tuple(slice(c.index(a), c.index(a + n)) for c, a, n in zip(cuts, at, size))] += 1
+    return None if (cover == 1).all() else "its chunks do not cover it exactly once"
 
 
 def _safe_reader_and_planner(checkpoint_id: Path, metadata: Any) -> tuple[Any, Any]:

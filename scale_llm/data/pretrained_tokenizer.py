@@ -303,6 +303,18 @@ class PretrainedTokenizer:
         }
 
 
+def _file_entry_ok(entry: Any) -> bool:
+    """A file's entry as `_file_entry` writes it: its text, or its bytes in base64."""
+    if not isinstance(entry, dict):
+        return False
+    if "text" in entry:
+        return isinstance(entry["text"], str)
+    try:
+        return base64.b64decode(entry.get("base64"), validate=True) is not None
+    except (TypeError, ValueError):  # (binascii.Error is a ValueError)
+        return False
+
+
 def _read_bundle(path: Path) -> dict[str, Any]:
     """hf-tokenizer.json with every field this class reads checked for its type."""
     bundle = read_json(path, "the tokenizer prepare wrote", RESTORE_FIX)
@@ -320,7 +332,7 @@ def _read_bundle(path: Path) -> dict[str, Any]:
         "files": lambda x: (  # only the names a tokenizer folder holds: export writes them
             isinstance(x, dict)
             and all(name in TOKENIZER_FILES for name in x)
-            and all(isinstance(e, dict) and ("text" in e or "base64" in e) for e in x.values())
+            and all(map(_file_entry_ok, x.values()))
         ),
     }
     if bundle.get("format") != FORMAT:  # (read_json refuses anything but an object)

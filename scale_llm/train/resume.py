@@ -242,13 +242,14 @@ def _rng_problems(states: Any) -> list[str]:
             and tuple(numpy["keys"].shape) == (MT_KEYS,)
             and is_count(numpy.get("pos"))
             and numpy["pos"] <= MT_KEYS
-            and isinstance(numpy.get("has_gauss"), int)
+            and numpy.get("has_gauss") in (0, 1)
             and isinstance(numpy.get("gauss"), float)
         ):
             return [f"{where}.numpy: not a numpy MT19937 state ({MT_KEYS} keys and a position)"]
         if not (
             isinstance(python, dict)
-            and python.get("version") == random.Random.VERSION
+            and type(python.get("version")) is int
+            and python["version"] == random.Random.VERSION
             and isinstance(python.get("state"), list | tuple)
             and len(python["state"]) == MT_KEYS + 1
             and all(is_count(x) and x < 1 << 32 for x in python["state"])
