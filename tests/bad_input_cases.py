@@ -1595,26 +1595,29 @@ def _a_state_of_more_layers_than_its_files(ctx: Ctx) -> Setup:
     return Setup(["train", config], expect=(str(ckpt),))
 
 
-def _more_layers_than_its_files(command: str) -> Callable[[Ctx], Setup]:
+def _more_layers_than_its_files(command: str, layers: int = 3) -> Callable[[Ctx], Setup]:
     """The run's config and its states say 3 layers, the weight files hold 2: DCP's "Missing
-    key" RuntimeError (a traceback) in the commands reading the weights whole."""
+    key" RuntimeError (a traceback) in the commands reading the weights whole. `layers=1`:
+    fewer than the files hold, read without a word (layer 1's weights left out: an export of
+    half the model, exit 0)."""
 
     def setup(ctx: Ctx) -> Setup:
         import yaml
 
         run = ctx.run()
         for step in (2, 4):
-            rewrite_state(run / "checkpoints" / f"step_{step:08d}", config__model__n_layers=3)
+            rewrite_state(run / "checkpoints" / f"step_{step:08d}", config__model__n_layers=layers)
         saved = yaml.safe_load((run / "config.yaml").read_text())
-        saved["model"]["n_layers"] = 3
+        saved["model"]["n_layers"] = layers
         (run / "config.yaml").write_text(yaml.safe_dump(saved))
         ckpt = run / "checkpoints" / STEP4
         argv = {
             "generate": ["generate", str(run), "--max-new-tokens", "2"],
             "convert": ["convert", str(ckpt), "--out", str(ctx.tmp / "out.pt")],
             "eval": ["eval", str(run), "--perplexity", str(ctx.data_dir)],
+            "export": ["export", str(run), "--out", str(ctx.tmp / "export")],
         }[command]
-        return Setup(argv, expect=("layers.2", "its trainer state names another model"))
+        return Setup(argv, expect=(f"layers.{min(layers, 2)}", "its trainer state names another"))
 
     return setup
 
@@ -2029,6 +2032,14 @@ CHECKPOINTS = [
     *[
         (f"{c}: states of more layers than their weight files", _more_layers_than_its_files(c), ())
         for c in ("generate", "convert", "eval")
+    ],
+    *[
+        (
+            f"{c}: states of fewer layers than their weight files",
+            _more_layers_than_its_files(c, 1),
+            (),
+        )
+        for c in ("export", "convert")
     ],
     *[
         (f"{c}: a DCP metadata file past its files", _metadata_past_its_files(c), ())

@@ -1003,6 +1003,12 @@ class _DcpTensors:
                     f"the model needs {name} of shape {tuple(shape)}; its files hold {held}: its "
                     f"trainer state names another model than its weights",
                 )
+        if extra := [k for k in saved if k.startswith("model.") and k[6:] not in shapes]:
+            raise damaged(  # (a model of fewer layers, or tied embeddings: weights left unread)
+                dcp_dir,
+                f"its files hold {extra[0]}, which the model has not ({len(extra)} such "
+                f"tensors): its trainer state names another model than its weights",
+            )
 
     def read(self, name: str, key: str | None = None, shape: Any = None) -> torch.Tensor:
         """Parameter `name` (`key` None), or its optimizer state `key`."""
