@@ -937,8 +937,9 @@ def _interrupted(e: KeyboardInterrupt) -> int:
     return 130
 
 
-# commands whose stop signals unwind (their `finally` blocks run): those with no stop of their own
-UNWOUND = ("check", "bench")
+# commands whose stop signals unwind (their `finally` blocks run, removing what they had half
+# written): all but those with a stop of their own
+OWN_STOP = ("train", "prepare")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -953,7 +954,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"`scale-llm {args.command}` {_argument(args.command, empty[0])} is empty (an "
                 f"unset shell variable?): it would name the working folder; give a path"
             )
-        with stop_signals_raise() if args.command in UNWOUND else contextlib.nullcontext():
+        with contextlib.nullcontext() if args.command in OWN_STOP else stop_signals_raise():
             code = COMMANDS[args.command](args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

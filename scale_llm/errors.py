@@ -68,9 +68,10 @@ def wrapped_interrupt(error: BaseException) -> KeyboardInterrupt | None:
 @contextlib.contextmanager
 def stop_signals_raise() -> Iterator[None]:
     """While active (in the main thread), SIGTERM and SIGHUP raise `Stopped`: a command without
-    a stop of its own (check, bench) ends through its `finally` blocks (a scratch folder removed,
-    a launch it started stopped) instead of at once. An error that wraps the stop (DCP's save
-    raises its own with it) is that stop; any other error stays itself."""
+    a stop of its own (all but train and prepare) ends through its `finally` blocks (a scratch
+    folder or a half-written export removed, a launch it started stopped) instead of at once.
+    An error that wraps the stop (DCP's save raises its own with it) is that stop; any other
+    error stays itself."""
 
     def handle(signum: int, frame: object) -> None:
         raise Stopped(signum)

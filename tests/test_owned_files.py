@@ -208,6 +208,34 @@ def test_a_failed_export_or_convert_leaves_no_folder_it_made(run_dir, tmp_path, 
         assert list((tmp_path / "kept").iterdir()) == []
 
 
+def test_a_stop_signal_during_export_or_convert_leaves_nothing_half_written(run_dir, tmp_path):
+    """SIGTERM as the output is about to be published (its files written under a temporary
+    name) killed export and convert at once: the half-written folder or file stayed beside
+    --out, never removed. Each ends through its cleanup now, exit 143."""
+    script = f"""
+import os, signal, sys
+import scale_llm.export, scale_llm.train.convert
+from scale_llm.cli import main
+
+def stop_then(original):
+    def stopped(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return original(*args, **kwargs)
+    return stopped
+
+scale_llm.export.publish = stop_then(scale_llm.export.publish)
+scale_llm.train.convert.check_out = stop_then(scale_llm.train.convert.check_out)
+codes = [main(["export", {str(run_dir)!r}, "--out", {str(tmp_path / "out" / "hf")!r}])]
+codes.append(main(["convert", {str(run_dir)!r}, "--out", {str(tmp_path / "out" / "m.pt")!r}]))
+print(codes)
+"""
+    (tmp_path / "out").mkdir()
+    done = subprocess.run([sys.executable, "-c", script], env=env(), capture_output=True, text=True)
+    assert done.stdout.strip() == "[143, 143]", done.stderr[-2000:]
+    assert done.stderr.count("stopped by SIGTERM") == 2
+    assert list((tmp_path / "out").iterdir()) == []
+
+
 # ----------------------------------------------------------------------------- bench, check
 def test_bench_checkpoint_io_works_in_a_folder_of_its_own(tmp_path, capsys):
     cwd = tmp_path / "work"
