@@ -179,6 +179,12 @@ def check_outputs(run_dir: Path, tasks: bool, tensorboard: bool) -> None:
     if tensorboard:
         targets.append((run_dir / "tensorboard", "TensorBoard's scalars"))
     for target, what in targets:
+        if target.is_symlink() and target.name != "tensorboard":  # (train's is followed too)
+            raise UserError(
+                f"{target} is a link to {os.path.realpath(target)}; eval writes {what} into "
+                f"the run's own folder and would write (and set aside records) where the link "
+                f"points, another run's perhaps: replace the link by a folder and run eval again"
+            )
         existing, why = unwritable_dir(target) or (None, None)
         if why == "file":
             raise UserError(

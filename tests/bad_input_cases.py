@@ -2238,6 +2238,24 @@ def _eval_over_an_export_folder(kind: str) -> Callable[[Ctx], Setup]:
     return setup
 
 
+def _eval_into_a_linked_folder(name: str) -> Callable[[Ctx], Setup]:
+    """RUN/eval (or RUN/export) a link into another run's: eval set that run's record of the
+    step aside and wrote its own in its place, exit 0."""
+
+    def setup(ctx: Ctx) -> Setup:
+        run, other = ctx.run(), ctx.tmp / "other-run" / name
+        other.mkdir(parents=True)
+        (other / f"{STEP4}.json").write_text('{"checkpoint": "x", "step": 4}')
+        (run / name).symlink_to(other)
+        argv = ["eval", str(run), "--perplexity", str(ctx.data_dir), "--limit", "1"]
+        tasks = ["--tasks", "fake_task"] if name == "export" else []
+        if tasks:
+            stub_eval_tasks(ctx.monkeypatch)
+        return Setup(argv + tasks, expect=(f"{run / name} is a link to {other}",))
+
+    return setup
+
+
 OWNED = [
     ("convert --out a directory", ["convert", ".", "--out", "folder"], "is a directory"),
     (  # a file named `new` was written
@@ -2290,6 +2308,10 @@ OWNED = [
             ("an export with a file the user edited", "tokenizer_config.json changed after"),
             ("a symlink to an export", "is a symlink"),
         ]
+    ],
+    *[
+        (f"eval into a linked {n} folder", _eval_into_a_linked_folder(n), ())
+        for n in ("eval", "export")
     ],
     *[
         (f"eval over {kind}", _eval_over_an_export_folder(kind), ())
