@@ -1463,3 +1463,18 @@ def test_a_run_tokenizer_that_does_not_fit_its_model_is_one_paragraph(four_steps
             err = capsys.readouterr().err
             assert said in err and err.count("\n") == 1, err
         assert not (tmp_path / "x").exists()
+
+
+def test_a_checkpoint_file_gone_while_it_is_read_is_one_paragraph(tmp_path):
+    """export reads a checkpoint a tensor at a time, for minutes: a live run's keep_last pruning
+    removing it meanwhile was DCP's FileNotFoundError in a CheckpointException, a traceback."""
+    import torch.distributed.checkpoint as dcp
+
+    from scale_llm.components.serialization import dcp_load, dcp_metadata
+
+    dcp.save({"w": torch.ones(4)}, checkpoint_id=tmp_path, no_dist=True)
+    metadata = dcp_metadata(tmp_path)  # (read before the files went, as export reads it)
+    for file in tmp_path.glob("*.distcp"):
+        file.unlink()
+    with pytest.raises(UserError, match=r"its file __0_0\.distcp went while it was read"):
+        dcp_load({"w": torch.empty(4)}, tmp_path, True, metadata)

@@ -270,6 +270,14 @@ def dcp_load(
         for err in failures:
             if isinstance(err, UserError):
                 raise err from None
+        for err in failures:  # a file gone while it was read: not the user's path to fix
+            if isinstance(err, FileNotFoundError):
+                raise damaged(
+                    checkpoint_id,
+                    f"its file {Path(err.filename or '?').name} went while it was read (a live "
+                    f"run's checkpoint.keep_last removes its older checkpoints)",
+                    "copy the checkpoint elsewhere first, or read a newer one",
+                ) from None
         for err in failures:  # files that do not hold what the metadata says
             zipped = isinstance(err, RuntimeError) and "PytorchStreamReader" in str(err)
             if isinstance(err, READ_ERRORS) or zipped:
