@@ -122,7 +122,10 @@ def test_metadata_whose_chunks_do_not_tile_a_tensor_is_refused(tmp_path):
         ([half(0), half(0), half(2)], "w: its chunk at (2, 0) names no bytes"),
         ([Chunk(torch.Size([0, 0]), torch.Size([4, 2])), half(0)], "exactly once"),
         ([Chunk(torch.Size([3, 0]), torch.Size([2, 2]))], "reaches past its shape (4, 2)"),
-        ([Chunk(torch.Size([0]), torch.Size([4]))], "does not fit a tensor of 2 dims"),
+        (
+            [Chunk(torch.Size([0]), torch.Size([4]))],
+            "its chunks do not fit a tensor of shape (4, 2)",
+        ),
     ):
         bad = replace(md, state_dict_metadata=dict(md.state_dict_metadata))
         bad.state_dict_metadata["w"] = replace(md.state_dict_metadata["w"], chunks=chunks)

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import enum
 import io
+import itertools
 import pickle
 import re
 import struct
@@ -162,42 +163,56 @@ def read_dcp_metadata(path: Path | str) -> Any:
 
     if not isinstance(metadata, Metadata):
         raise damaged(path, f"it holds a {type(metadata).__name__}, not DCP metadata")
-    for info in (metadata.storage_data or {}).values():
+    stored = metadata.storage_data or {}
+    for info in stored.values():
         rel = getattr(info, "relative_path", "")
         if not isinstance(rel, str) or "/" in rel or "\\" in rel or rel in ("", ".", ".."):
             raise damaged(path, f"a data file name that leaves the checkpoint: {rel!r}")
+    held = {(getattr(k, "fqn", None), tuple(getattr(k, "offset", None) or ())) for k in stored}
     for fqn, entry in (metadata.state_dict_metadata or {}).items():
-        if hasattr(entry, "chunks") and (problem := _tiling_problem(fqn, entry, metadata)):
+        if hasattr(entry, "chunks") and (problem := _tiling_problem(fqn, entry, held)):
             raise damaged(path, f"{fqn}: {problem}")
     return metadata
 
 
-def _tiling_problem(fqn: str, entry: Any, metadata: Any) -> str | None:
-    """Why a tensor's chunks do not cover it exactly once, each with bytes to read (DCP reads
-    a tensor into memory it leaves uninitialized where no chunk lands); None when they do."""
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-
-    whole = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0
-    shape = tuple(getattr(entry, "size", None) or ())
-    if not all(map(whole, shape)):
-        return f"its shape {shape} is not one"
-    edges, boxes = [{0, n} for n in shape], []
-    for chunk in entry.chunks or []:
-        at, size = tuple(chunk.offsets), tuple(chunk.sizes)
-        if len(at) != len(shape) or len(size) != len(shape) or not all(map(whole, at + size)):
-            return f"a chunk at {at} of size {size} does not fit a tensor of {len(shape)} dims"
-        if any(a + n > dim for a, n, dim in zip(at, size, shape)):
-            return f"a chunk at {at} of size {size} reaches past its shape {shape}"
-        if MetadataIndex(fqn, at) not in (metadata.storage_data or {}):
-            return f"its chunk at {at} names no bytes"
-        for d, (a, n) in enumerate(zip(at, size)):
-            edges[d] |= {a, a + n}
-        boxes.append((at, size))
-    cuts = [sorted(e) for e in edges]  # each cell between two cuts is in a chunk or not, whole
-    cover = np.zeros([len(c) - 1 for c in cuts], np.int64)
-    for at, size in boxes:
-        cover[tuple(slice(c.index(a), c.index(a + n)) for c, a, n in zip(cuts, at, size))] += 1
-    return None if (cover == 1).all() else "its chunks do not cover it exactly once"
+def _tiling_problem(fqn: str, entry: Any, held: set[tuple[Any, tuple]]) -> str | None:
+    """Why a tensor's chunks do not cover it exactly once, each with bytes to read (`held`: the
+    (name, offset) of every stored chunk); None when they do. DCP reads a tensor into memory it
+    leaves uninitialized where no chunk lands."""
+    shape, chunks = tuple(getattr(entry, "size", None) or ()), list(entry.chunks or [])
+    nd = len(shape)
+    try:  # (n, nd) whole numbers; a ragged, float or bool entry is none
+        at = np.array([tuple(c.offsets) for c in chunks]).reshape(len(chunks), nd)
+        size = np.array([tuple(c.sizes) for c in chunks]).reshape(len(chunks), nd)
+        dims = np.array(shape, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):
+        return f"its chunks do not fit a tensor of shape {shape}"
+    if at.size and (at.dtype.kind != "i" or size.dtype.kind != "i") or (dims < 0).any():
+        return f"its chunks do not fit a tensor of shape {shape}"
+    if (at < 0).any() or (size < 0).any() or (at + size > dims).any():
+        return f"a chunk reaches past its shape {shape}"
+    if missing := [tuple(c.offsets) for c in chunks if (fqn, tuple(c.offsets)) not in held]:
+        return f"its chunk at {missing[0]} names no bytes"
+    if nd == 0:
+        return None if len(chunks) == 1 else "its chunks do not cover it exactly once"
+    # cut each dim at every chunk's edges: a cell between neighbouring cuts lies in a chunk whole
+    # or not at all. Each chunk adds +-1 at its 2^nd corners; the running sums count its cells
+    cuts = [
+        np.unique(np.concatenate([[0, n], at[:, d], at[:, d] + size[:, d]]))
+        for d, n in enumerate(shape)
+    ]
+    ends = [
+        (np.searchsorted(c, at[:, d]), np.searchsorted(c, at[:, d] + size[:, d]))
+        for d, c in enumerate(cuts)
+    ]
+    count = np.zeros([len(c) for c in cuts], np.int64)
+    for corner in itertools.product((0, 1), repeat=nd):
+        index = tuple(ends[d][k] for d, k in enumerate(corner))
+        np.add.at(count, index, (-1) ** sum(corner))
+    for d in range(nd):
+        count = np.cumsum(count, axis=d)
+    cells = count[tuple(slice(0, len(c) - 1) for c in cuts)]
+    return None if (cells == 1).all() else "its chunks do not cover it exactly once"
 
 
 def _safe_reader_and_planner(checkpoint_id: Path, metadata: Any) -> tuple[Any, Any]:
