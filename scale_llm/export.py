@@ -416,12 +416,21 @@ def _name_shards(folder: Path, written: list[str], weight_map: dict[str, str], t
 
 
 def publish(tmp: Path, out: Path) -> None:
-    """Rename the finished folder into place (replacing an existing `out` once it is complete)."""
-    old = None
-    if out.exists():
-        old = temporary_sibling(out, "old")
+    """Rename the finished folder into place (replacing an existing `out` once it is complete;
+    cut between the two renames, by a stop signal or an error, the earlier one goes back)."""
+    if not out.exists():
+        tmp.rename(out)
+        fsync_dir(out.parent)
+        return
+    old = temporary_sibling(out, "old")  # an earlier export (check_out proved it)
+    try:
         out.rename(old)
-    tmp.rename(out)
-    fsync_dir(out.parent)
-    if old is not None:  # an earlier export (check_out proved it), moved aside above
-        shutil.rmtree(old, ignore_errors=True)
+        tmp.rename(out)
+        fsync_dir(out.parent)
+    except BaseException:
+        if old.exists() and not out.exists():
+            old.rename(out)
+        raise
+    finally:
+        if old.exists() and out.exists():
+            shutil.rmtree(old, ignore_errors=True)

@@ -64,6 +64,30 @@ def test_export_force_replaces_an_earlier_export(run_dir, tmp_path, monkeypatch)
     assert sorted(info["files"]) == sorted(p.name for p in out.iterdir())
 
 
+def test_an_export_cut_between_its_two_renames_puts_the_earlier_one_back(run_dir, tmp_path):
+    """--force moves the earlier export aside, then renames the new one in: a Ctrl-C (or, now
+    unwound, a SIGTERM) between the two left --out missing, the earlier export hidden beside it."""
+    pytest.importorskip("safetensors")
+    out = tmp_path / "hf"
+    assert main(["export", str(run_dir), "--out", str(out)]) == 0
+    first = (out / "scale_llm_export.json").stat().st_ino
+    rename, calls = Path.rename, []
+
+    def cut_at_the_second(self, target):
+        if self.parent == tmp_path:  # (not the shards' renames inside the new folder)
+            calls.append(target)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+        return rename(self, target)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Path, "rename", cut_at_the_second)
+        assert main(["export", str(run_dir), "--out", str(out), "--force"]) == 130
+    assert len(calls) == 3  # (aside, in: cut, back)
+    assert (out / "scale_llm_export.json").stat().st_ino == first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
 def adding_a_file(out: Path, work: Callable) -> Callable:
     """`work` that first puts a file of the user's in `out` (as while a long export runs)."""
 
