@@ -930,11 +930,10 @@ def entry() -> int:
 
 def _interrupted(e: KeyboardInterrupt) -> int:
     """Ctrl-C: 130; a stop signal (`Stopped`): 128 + its number."""
-    if isinstance(e, Stopped):
-        print(f"stopped by {signal.Signals(e.signum).name}", file=sys.stderr)
-        return 128 + e.signum
-    print("interrupted", file=sys.stderr)
-    return 130
+    with contextlib.suppress(OSError):  # (a hangup's terminal is gone)
+        said = signal.Signals(e.signum).name if isinstance(e, Stopped) else None
+        print(f"stopped by {said}" if said else "interrupted", file=sys.stderr)
+    return 128 + e.signum if isinstance(e, Stopped) else 130
 
 
 # commands whose stop signals unwind (their `finally` blocks run, removing what they had half

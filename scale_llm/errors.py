@@ -79,7 +79,8 @@ def stop_signals_raise() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    taken = [s for s in (signal.SIGTERM, signal.SIGHUP) if signal.getsignal(s) != signal.SIG_IGN]
+    previous = {sig: signal.signal(sig, handle) for sig in taken}  # (nohup's ignored SIGHUP kept)
     try:
         yield
     except BaseException as e:  # (DCP's CheckpointException is a BaseException)

@@ -1572,6 +1572,10 @@ RESUME_ONLY = {  # fields only a resume reads
         {"rng__0__numpy__has_gauss": 2**70},
         "rng[0].numpy: not a numpy MT19937 state",
     ),
+    "numpy's gauss flag a tensor": (
+        {"rng__0__numpy__has_gauss": torch.tensor([0, 1])},
+        "rng[0].numpy: not a numpy MT19937 state",
+    ),
     "Python's random version a tensor": (  # "Boolean value of Tensor ... is ambiguous"
         {"rng__0__python__version": torch.tensor([3, 3])},
         "rng[0].python: not a Python random state",
@@ -1586,13 +1590,14 @@ RESUME_ONLY = {  # fields only a resume reads
 NO_RUN_SAVED = "trainer.pt holds values no run could have saved"
 
 
-def _a_state_of_more_layers_than_its_files(ctx: Ctx) -> Setup:
+def _a_state_of_more_layers_than_its_files(ctx: Ctx, layers: int = 3) -> Setup:
     """The state and the config say 3 layers, the weight files hold 2: DCP's "Missing key"
-    RuntimeError after the run dir was rewritten; the preflight refuses it."""
+    RuntimeError after the run dir was rewritten; the preflight refuses it (so 1 layer: one of
+    the files' layers would go unread)."""
     ckpt = ctx.run() / "checkpoints" / STEP4
-    rewrite_state(ckpt, config__model__n_layers=3)
-    config = ctx.config("model.n_layers=3", "checkpoint.every=2", "train.max_steps=6")
-    return Setup(["train", config], expect=(str(ckpt),))
+    rewrite_state(ckpt, config__model__n_layers=layers)
+    config = ctx.config(f"model.n_layers={layers}", "checkpoint.every=2", "train.max_steps=6")
+    return Setup(["train", config], expect=(str(ckpt), f"layers.{min(layers, 2)}"))
 
 
 def _more_layers_than_its_files(command: str, layers: int = 3) -> Callable[[Ctx], Setup]:
@@ -2028,6 +2033,11 @@ CHECKPOINTS = [
         "train: a trainer state of more layers than its weight files",
         _a_state_of_more_layers_than_its_files,
         "layers.2",
+    ),
+    (
+        "train: a trainer state of fewer layers than its weight files",
+        lambda ctx: _a_state_of_more_layers_than_its_files(ctx, 1),
+        "which the model has not",
     ),
     *[
         (f"{c}: states of more layers than their weight files", _more_layers_than_its_files(c), ())

@@ -8,6 +8,7 @@ Real processes are started and killed; fp32 on CPU, the tiny model of tests/conf
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -668,6 +669,23 @@ def test_a_stop_signal_ends_bench_and_check_through_their_cleanup(data_dir, tmp_
     with pytest.raises(RuntimeError), stop_signals_raise():  # (after a stop: still its own error)
         note_stop(signal.SIGTERM)
         raise RuntimeError("disk full")
+
+
+def test_a_hangup_nohup_ignores_stays_ignored():
+    """Every command but train and prepare takes SIGTERM and SIGHUP as a stop: under nohup (SIGHUP
+    ignored) a logout ended `nohup scale-llm export ... &` with exit 129."""
+    from scale_llm.errors import stop_signals_raise
+
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with stop_signals_raise():
+            assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+            assert callable(signal.getsignal(signal.SIGTERM))
+            os.kill(os.getpid(), signal.SIGHUP)  # (nothing: ignored)
+            time.sleep(0.05)
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, previous)
 
 
 def test_checkpoint_io_bench_on_deepspeed_times_its_foreground_saves_only(tmp_path):

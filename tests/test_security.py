@@ -31,6 +31,7 @@ import torch
 from scale_llm.cli import main
 from scale_llm.components.serialization import (
     UnsafeCheckpoint,
+    _tiling_problem,
     guard_deepspeed_reader,
     read_dcp_metadata,
 )
@@ -132,6 +133,20 @@ def test_metadata_whose_chunks_do_not_tile_a_tensor_is_refused(tmp_path):
         (tmp_path / ".metadata").write_bytes(pickle.dumps(bad))
         with pytest.raises(UserError, match=re.escape(said)):
             read_dcp_metadata(tmp_path / ".metadata")
+    # a grid of FSDP x TP shards (an empty one at the end) tiles; a staggered 3-D layout of the
+    # right volume is refused before its cells are counted (their grid would fill the memory)
+    # (2 columns x 3 rows), and a staircase of rows cut at every column: that it tiles is
+    # proved only by n x n cells (n = 200 is 40,000; ~2,000 in 3-D filled the memory)
+    shards = ((0, 3), (3, 1), (4, 0))
+    grid = [Chunk(torch.Size([i, j]), torch.Size([n, 2])) for i, n in shards for j in (0, 2)]
+    whole = replace(md.state_dict_metadata["w"], size=torch.Size([4, 4]), chunks=grid)
+    assert _tiling_problem("w", whole, {("w", tuple(c.offsets)) for c in grid}) is None
+    n = 200
+    stairs = [Chunk(torch.Size([i, 0]), torch.Size([1, i])) for i in range(n)]
+    stairs += [Chunk(torch.Size([i, i]), torch.Size([1, n - i])) for i in range(n)]
+    held = {("w", tuple(c.offsets)) for c in stairs}
+    steps = replace(whole, size=torch.Size([n, n]), chunks=stairs)
+    assert _tiling_problem("w", steps, held) == "its 400 chunks do not form a grid"
     bad = replace(md, state_dict_metadata=dict(md.state_dict_metadata))
     bad.state_dict_metadata["step"] = replace(md.state_dict_metadata["step"], chunks=[])
     (tmp_path / ".metadata").write_bytes(pickle.dumps(bad))

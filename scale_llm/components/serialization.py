@@ -12,6 +12,7 @@ import dataclasses
 import enum
 import io
 import itertools
+import math
 import pickle
 import re
 import struct
@@ -193,8 +194,10 @@ def _tiling_problem(fqn: str, entry: Any, held: set[tuple[Any, tuple]]) -> str |
         return f"a chunk reaches past its shape {shape}"
     if missing := [tuple(c.offsets) for c in chunks if (fqn, tuple(c.offsets)) not in held]:
         return f"its chunk at {missing[0]} names no bytes"
-    if nd == 0:
-        return None if len(chunks) == 1 else "its chunks do not cover it exactly once"
+    volume = sum(math.prod(map(int, row)) for row in size)  # (Python ints: no overflow)
+    if nd == 0 or volume != math.prod(shape):
+        once = volume == math.prod(shape) and len(chunks) == 1
+        return None if once else "its chunks do not cover it exactly once"
     # cut each dim at every chunk's edges: a cell between neighbouring cuts lies in a chunk whole
     # or not at all. Each chunk adds +-1 at its 2^nd corners; the running sums count its cells
     cuts = [
@@ -205,6 +208,8 @@ def _tiling_problem(fqn: str, entry: Any, held: set[tuple[Any, tuple]]) -> str |
         (np.searchsorted(c, at[:, d]), np.searchsorted(c, at[:, d] + size[:, d]))
         for d, c in enumerate(cuts)
     ]
+    if math.prod(len(c) - 1 for c in cuts) > 64 * len(chunks):  # (a save's chunks form a grid)
+        return f"its {len(chunks):,} chunks do not form a grid"
     count = np.zeros([len(c) for c in cuts], np.int64)
     for corner in itertools.product((0, 1), repeat=nd):
         index = tuple(ends[d][k] for d, k in enumerate(corner))
@@ -289,9 +294,10 @@ def dcp_load(
             if isinstance(err, FileNotFoundError):
                 raise damaged(
                     checkpoint_id,
-                    f"its file {Path(err.filename or '?').name} went while it was read (a live "
-                    f"run's checkpoint.keep_last removes its older checkpoints)",
-                    "copy the checkpoint elsewhere first, or read a newer one",
+                    f"its file {Path(err.filename or '?').name} is missing: an incomplete copy, "
+                    f"or removed while it was read (a live run's checkpoint.keep_last removes "
+                    f"its older checkpoints)",
+                    "copy the whole checkpoint elsewhere first, or read a newer one",
                 ) from None
         for err in failures:  # files that do not hold what the metadata says
             zipped = isinstance(err, RuntimeError) and "PytorchStreamReader" in str(err)

@@ -379,7 +379,7 @@ def open_training_data(cfg: Config) -> TrainingData:
         for split in ("train", "val"):
             maps = open_split(folder, manifest, split)
             if split == "train":  # (a split's last shard holds its remainder)
-                unread[0] += sum((len(m) - 1) % seq_len for m in maps[:-1])
+                unread[0] += sum(max(len(m) - 1, 0) % seq_len for m in maps[:-1])
                 unread[1] += sum(len(m) for m in maps[:-1])
             files = [str(folder / x["file"]) for x in manifest["splits"][split]["shards"]]
             if split == "val":

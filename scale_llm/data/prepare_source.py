@@ -62,7 +62,7 @@ from scale_llm.files import (
 
 log = logging.getLogger(__name__)
 TOKENIZER_FILE = SP_FILE  # the tokenizer prepare trains (data.tokenizer's: BUNDLE_FILE)
-PIPELINE_VERSION = 3  # bump when the same input and settings would give different shards
+PIPELINE_VERSION = 4  # bump when the same input and settings would give different shards
 CHECKPOINT_SECONDS = 30.0  # progress.json is rewritten this often (and at every finished shard)
 SAMPLE_POOL = 4  # the tokenizer sample is drawn from the first 4x its size of train documents
 SPLITS = ("train", "val")
@@ -488,9 +488,9 @@ def draw_sample(cfg: Config, docs: Iterator[Document]) -> tuple[list[str], list[
     pool = _sample_pool(docs, cfg)
     if not (sample := list(_sample(pool, cfg))) and pool:
         raise UserError(
-            f"data.val_fraction={cfg.data.val_fraction} sent every one of the "
-            f"{len(pool):,} documents of data.source={cfg.data.source!r} to the validation "
-            f"split, leaving none to train on; lower data.val_fraction"
+            f"data.val_fraction={cfg.data.val_fraction} sent every one of the {len(pool):,} "
+            f"documents read from data.source={cfg.data.source!r} to the validation split, "
+            f"leaving none to train on; lower data.val_fraction"
         )
     if not sample:
         raise UserError(

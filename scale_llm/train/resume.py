@@ -242,7 +242,8 @@ def _rng_problems(states: Any) -> list[str]:
             and tuple(numpy["keys"].shape) == (MT_KEYS,)
             and is_count(numpy.get("pos"))
             and numpy["pos"] <= MT_KEYS
-            and numpy.get("has_gauss") in (0, 1)
+            and type(numpy.get("has_gauss")) is int
+            and numpy["has_gauss"] in (0, 1)
             and isinstance(numpy.get("gauss"), float)
         ):
             return [f"{where}.numpy: not a numpy MT19937 state ({MT_KEYS} keys and a position)"]
