@@ -673,3 +673,35 @@ def test_every_rank_gets_the_communication_settings(runs, ran):
             assert trace.parent.is_dir()
             assert settings["timeout_s"] == 600.0
         assert (runs.root / name / "comm_trace").is_dir()
+
+
+def test_zero0_in_bf16_starts_without_a_hidden_optimizer_step():
+    """DeepSpeed's ZeRO-0 in bf16 (FP16_UnfusedOptimizer) built AdamW's state with one step on
+    zero gradients: the fp32 masters decayed by (1 - lr * wd) = 0.995 and the step count at 1
+    before training (0.08 off one process's loss in 4 steps at lr 1e-2). A world of one."""
+    script = """
+import torch
+from scale_llm.components.distributed import start
+from scale_llm.config import load_config
+from scale_llm.config.plan import Launch, resolve_plan
+from scale_llm.model import build_model
+from scale_llm.parallel.backend import build_backend
+
+sizes = ["model.vocab_size=512", "model.d_model=32", "model.n_layers=2", "model.n_heads=4"]
+zero0 = ["parallel.backend=deepspeed", "parallel.deepspeed.zero_stage=0"]
+adamw = ["train.precision=bf16", "train.device=cpu", "train.lr=0.01", "train.weight_decay=0.5"]
+cfg = load_config(None, [*sizes, *zero0, *adamw])
+plan = resolve_plan(cfg, Launch())
+start(plan)
+backend = build_backend(cfg, plan)
+backend.setup(build_model(cfg.model))
+wrapped = backend.model.optimizer
+masters = [m for group in wrapped.fp32_groups for m in group]
+weights = [w for group in wrapped.fp16_groups for w in group]
+print(type(wrapped).__name__, len(wrapped.optimizer.state))
+print(max((m - w.float()).abs().max().item() for m, w in zip(masters, weights)))
+"""
+    done = subprocess.run([sys.executable, "-c", script], env=env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    kind, states, drift = done.stdout.split()[-3:]
+    assert (kind, states, float(drift)) == ("FP16_UnfusedOptimizer", "0", 0.0)

@@ -47,6 +47,22 @@ def _step_only_if_finite(optimizer: torch.optim.Optimizer, norm: torch.Tensor) -
             optimizer.step = own
 
 
+def _undo_the_state_building_step(optimizer: Any) -> None:
+    """DeepSpeed's FP16_UnfusedOptimizer (ZeRO-0 in bf16, or fp16) builds its optimizer's state
+    by one step on zero gradients: AdamW's count at 1 and its weight decay already applied to
+    the fp32 master weights when training starts (the first update 0.73x its size; 0.08 off the
+    loss in 4 steps). The state goes, and the masters take the 16-bit weights again."""
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    if not isinstance(optimizer, FP16_UnfusedOptimizer):
+        return
+    optimizer.optimizer.state.clear()  # (AdamW builds it afresh at the first real step)
+    with torch.no_grad():
+        for masters, weights in zip(optimizer.fp32_groups, optimizer.fp16_groups, strict=True):
+            for master, weight in zip(masters, weights, strict=True):
+                master.copy_(weight)
+
+
 class DeepSpeedBackend(Backend):
     def setup(self, model: Transformer, initial_weights: Mapping | None = None) -> nn.Module:
         # DeepSpeed still calls collectives that torch 2.13 deprecates, warning on every call
@@ -63,6 +79,7 @@ class DeepSpeedBackend(Backend):
         engine, optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=self._client_optimizer(model), config=self.ds_config
         )
+        _undo_the_state_building_step(engine.optimizer)
         self.model, self.optimizer = engine, optimizer
         self._boundary = True
         if self.plan.is_main and self.plan.precision != "fp32":  # (read from the engine)
