@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import sys
 import time
 
 import pytest
@@ -578,3 +579,26 @@ def test_gpu_check_reads_its_settings_before_any_work(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 2 and "--calibration-only runs section (f)" in proc.stderr
     assert not out.exists()
+
+
+def test_an_fsdp2_checkpoint_gathering_fp8_weights_is_read_without_fp8(data_dir, tmp_path):
+    """FSDP2 gathering fp8 weights wraps each in torchao's WeightWithDynamicFloat8CastTensor
+    (the moments too): saved as it was, that class was pickled into the checkpoint, and export,
+    convert, generate, eval and a resume without fp8, none of which imports torchao.float8,
+    stopped with an UnpicklingError traceback. A process that has not imported torchao."""
+    from scale_llm.config import save_config
+    from tests.helpers import run
+
+    fsdp = ["parallel.backend=fsdp", "checkpoint.every=2"]
+    save_config(make_config(data_dir, tmp_path, *FP8, *fsdp), tmp_path / "fp8.yaml")
+    run([sys.executable, "-m", "scale_llm", "train", str(tmp_path / "fp8.yaml")], tmp_path)
+    run_dir = tmp_path / "test"
+    convert = ["convert", str(run_dir), "--out", str(tmp_path / "model.pt")]
+    run([sys.executable, "-m", "scale_llm", *convert], tmp_path)
+    state = torch.load(tmp_path / "model.pt", weights_only=True)["model"]
+    assert {type(t) for t in state.values()} == {torch.Tensor}
+    more = ["--set", "train.max_steps=6"]  # (and resumed with fp8: plain tensors read back)
+    done = run(
+        [sys.executable, "-m", "scale_llm", "train", str(tmp_path / "fp8.yaml"), *more], tmp_path
+    )
+    assert "resume: continuing from" in done.stdout and "step 6/6" in done.stdout

@@ -24,7 +24,7 @@ from scale_llm.config.plan import RunPlan
 from scale_llm.model import Transformer, materialize
 from scale_llm.parallel.activation_checkpointing import apply_activation_checkpointing
 from scale_llm.parallel.compile import compile_blocks, require_own_cache
-from scale_llm.parallel.fp8 import apply_fp8, precompute_scales_after_steps
+from scale_llm.parallel.fp8 import apply_fp8, plain_tensors, precompute_scales_after_steps
 
 
 class Backend:
@@ -170,7 +170,7 @@ class Backend:
         """Model and optimizer to DCP by name (any backend, world size); `background`: a Future."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         return dcp_save(
-            {"model": model_sd, "optimizer": optim_sd},
+            plain_tensors({"model": model_sd, "optimizer": optim_sd}),
             ckpt_dir / DCP_DIR,
             no_dist=not is_distributed(),
             background=background,

@@ -8,10 +8,13 @@ import dataclasses
 import importlib.util
 import logging
 import sys
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map
 
 from scale_llm.config import Config
 from scale_llm.config.fp8 import fp8_all_gathers
@@ -115,6 +118,35 @@ def precompute_scales_after_steps(
     optimizer.register_step_post_hook(
         lambda _optimizer, _args, _kwargs: precompute_float8_dynamic_scale_for_fsdp(model)
     )
+
+
+def plain_tensors(state: Any) -> Any:
+    """`state` with torchao's fp8 weight wrapper (FSDP2 gathering fp8 weights puts it in each
+    parameter's DTensor, and AdamW's zeros_like keeps it in the moments) replaced by the plain
+    tensor it wraps: saved as it is, its class is pickled into the checkpoint, which then only a
+    process importing torchao.float8 reads (no resume without fp8, export or generate)."""
+    wrapper = getattr(
+        sys.modules.get("torchao.float8.fsdp_utils"), "WeightWithDynamicFloat8CastTensor", None
+    )
+    if wrapper is None:
+        return state
+
+    def plain(value: Any) -> Any:
+        local = value._local_tensor if isinstance(value, DTensor) else value
+        if not isinstance(local, wrapper):
+            return value
+        if not isinstance(value, DTensor):
+            return local._tensor
+        return DTensor.from_local(
+            local._tensor,
+            value.device_mesh,
+            value.placements,
+            run_check=False,
+            shape=value.shape,
+            stride=value.stride(),
+        )
+
+    return tree_map(plain, state)
 
 
 def _import_torchao(quiet: bool) -> None:
