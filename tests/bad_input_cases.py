@@ -2622,6 +2622,24 @@ FLAGS = [
         "estimate --fake --world-size 65,536: the trace shards over a fake process group",
     ),
     ("impossible fit", ["estimate", TINY, "--fit", "1KiB"], "nothing fits in"),
+    *[
+        (  # ValueError / OverflowError in the estimate (also train's host-memory check)
+            f"estimate: a DeepSpeed count of {value}",
+            [
+                "estimate",
+                TINY,
+                "--world-size",
+                "2",
+                *s("parallel.backend=deepspeed", "parallel.deepspeed.zero_stage=3"),
+                *s(f"parallel.deepspeed.config={{zero_optimization: {{{key}: {value}}}}}"),
+            ],
+            f"parallel.deepspeed.config.zero_optimization.{key}={said} is not a count",
+        )
+        for key, value, said in (
+            ("stage3_max_live_parameters", "abc", "'abc'"),
+            ("reduce_bucket_size", "1e400", "inf"),
+        )
+    ],
     (
         "estimate on zero GPUs",
         ["estimate", TINY, "--world-size", "0"],

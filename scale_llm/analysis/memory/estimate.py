@@ -31,7 +31,7 @@ from scale_llm.config import ActivationCheckpointingConfig, Config, ModelConfig,
 from scale_llm.config.fp8 import fp8_all_gathers
 from scale_llm.config.plan import RunPlan
 from scale_llm.config.sections import mlp_hidden_size
-from scale_llm.errors import UserError
+from scale_llm.errors import UserError, short
 from scale_llm.parallel.ds_config import deepspeed_config
 
 GiB = 1 << 30
@@ -128,10 +128,10 @@ def layout_of(cfg: Config, plan: RunPlan) -> Layout:
         fsdp_reduce_every=p.fsdp.reduce_every_micro_step,
         fused_norm=plan.device.type in ("cuda", "cpu"),
         ddp_bucket_view=p.ddp.gradient_as_bucket_view,
-        ds_bucket_elements=int(float(zero.get("reduce_bucket_size", 5e8))),
+        ds_bucket_elements=_elements(zero, "reduce_bucket_size", 5e8),
         ds_overlap_comm=bool(zero.get("overlap_comm", False)),
-        ds_max_live=int(float(zero.get("stage3_max_live_parameters", 1e9))),
-        ds_persistence_threshold=int(float(zero.get("stage3_param_persistence_threshold", 1e5))),
+        ds_max_live=_elements(zero, "stage3_max_live_parameters", 1e9),
+        ds_persistence_threshold=_elements(zero, "stage3_param_persistence_threshold", 1e5),
         # DeepSpeed's CPU accelerator pins nothing (its pin_memory returns the tensor)
         ds_pin_memory=plan.device.type == "cuda"
         and bool((zero.get("offload_optimizer") or {}).get("pin_memory", False)),
@@ -146,6 +146,22 @@ def layout_of(cfg: Config, plan: RunPlan) -> Layout:
         fp8_gather=linears and plan.backend == "fsdp" and fp8_all_gathers(fp8),
         compiled=compiles(cfg.train, "cuda") if linears else True,
     )
+
+
+def _elements(zero: dict[str, Any], key: str, default: float) -> int:
+    """A count of elements in DeepSpeed's zero_optimization, as its engine reads it."""
+    value = zero.get(key, default)
+    try:
+        count = int(float(value))
+    except (TypeError, ValueError, OverflowError):  # ("abc", a list; inf)
+        count = -1
+    if count < 0:
+        raise UserError(
+            f"parallel.deepspeed.config.zero_optimization.{key}={short(value)} is not a count "
+            f"of elements; give a whole number >= 0 (DeepSpeed's default: {default:.0e}), or "
+            f"remove it"
+        )
+    return count
 
 
 def _dtype_name(value: Any) -> str | None:
