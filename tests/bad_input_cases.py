@@ -3706,6 +3706,12 @@ FP8: list = [
         ["train", TINY, *s("train.fp8.enabled=true", "train.precision=fp16")],
         ("keeps what is not fp8 in bf16, not fp16", "set train.precision=bf16"),
     ),
+    (  # (estimate gave a layout train refuses; train named the backend, then fp16 once fixed)
+        "fp8 with fp16 estimated under ddp",
+        ["estimate", "tiny-ddp", "--world-size", "2", *s("train.fp8.enabled=true")]
+        + s("train.precision=fp16"),
+        ("2 problems", "not ddp", "keeps what is not fp8 in bf16, not fp16"),
+    ),
     (
         "fp8 weights gathered with rowwise scales",
         ["config", *s("train.fp8.recipe=rowwise", "train.fp8.fsdp_float8_all_gather=true")],

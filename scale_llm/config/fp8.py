@@ -43,6 +43,12 @@ WRONG_VALUES = {
 }
 
 
+NOT_FP16 = (  # (said by the plan for an fp16 given, by the preflight for one `auto` chose)
+    "train.fp8.enabled=true keeps what is not fp8 in bf16, not fp16 (every GPU with fp8 "
+    "matmuls has bf16, which needs no loss scaling): set train.precision=bf16"
+)
+
+
 def fp8_all_gathers(fp8: Fp8Config) -> bool:
     """Whether FSDP2 gathers the fp8 linears' weights in fp8 (auto: with tensorwise scales)."""
     gather = fp8.fsdp_float8_all_gather

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from scale_llm.config import Config, format_errors
+from scale_llm.config.fp8 import NOT_FP16
 from scale_llm.config.parallel import pipeline_microbatches, stages_per_rank
 from scale_llm.config.sections import WIDTH_MULTIPLE
 from scale_llm.errors import UserError
@@ -272,6 +273,8 @@ def launch_problems(cfg: Config, world_size: int, cuda: bool) -> list[str]:
             f"{resolved}: set parallel.backend=fsdp (FSDP2 also gathers fp8 weights), or "
             f"train.fp8.enabled=false"
         )
+    if cfg.train.fp8.enabled and cfg.train.precision == "fp16":
+        e.append(NOT_FP16)
     if world_size > 1 and backend == "single":
         e.append(
             f"parallel.backend=single but {world_size} processes were launched; set "

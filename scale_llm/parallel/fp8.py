@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
 from scale_llm.config import Config
-from scale_llm.config.fp8 import fp8_all_gathers
+from scale_llm.config.fp8 import NOT_FP16, fp8_all_gathers
 from scale_llm.config.plan import RunPlan
 from scale_llm.errors import UserError, install_hint
 
@@ -38,10 +38,7 @@ def check_fp8(cfg: Config, plan: RunPlan, capability: tuple[int, int] | None = N
             f"{install_hint('fp8')}; or set train.fp8.enabled=false"
         )
     if plan.precision == "fp16":
-        raise UserError(
-            "train.fp8.enabled=true keeps what is not fp8 in bf16, not fp16 (every GPU with "
-            "fp8 matmuls has bf16, which needs no loss scaling): set train.precision=bf16"
-        )
+        raise UserError(NOT_FP16)
     if plan.device.type == "cuda":
         major, minor = capability or torch.cuda.get_device_capability(plan.device)
         if (major, minor) < FP8_CAPABILITY:
