@@ -2638,6 +2638,7 @@ FLAGS = [
         for key, value, said in (
             ("stage3_max_live_parameters", "abc", "'abc'"),
             ("reduce_bucket_size", "1e400", "inf"),
+            ("reduce_bucket_size", "0", "0"),  # (DeepSpeed's model: > 0)
         )
     ],
     (

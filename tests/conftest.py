@@ -81,6 +81,7 @@ SLOW_TESTS = {  # by module::function (every parameter): over ~4 s each on 2 cor
     "test_fp8.py::test_gpu_check_compares_fp8_with_bf16_in_its_report",
     "test_fp8.py::test_gpu_check_reads_its_settings_before_any_work",
     "test_fp8.py::test_an_fsdp2_checkpoint_gathering_fp8_weights_is_read_without_fp8",
+    "test_fp8.py::test_a_checkpoint_of_torchaos_fp8_weight_class_is_named_in_one_paragraph",
     "test_security.py::test_a_folder_naming_its_own_code_is_refused_even_with_y_on_stdin",
     "test_eval_tasks.py::test_fsdp_world_scores_the_whole_model_as_scale_llm_eval_does",
     "test_eval_tasks.py::test_tasks_run_at_their_steps_and_leave_the_loss_curve_alone",

@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import subprocess
 import sys
 import time
 
@@ -19,7 +20,7 @@ from torch import nn
 from scale_llm.config.plan import RunPlan
 from scale_llm.errors import UserError
 from scale_llm.model import build_model
-from tests.helpers import fit_counting_graphs, logged, make_config, plan_for, trainer_for
+from tests.helpers import env, fit_counting_graphs, logged, make_config, plan_for, trainer_for
 
 pytest.importorskip("torchao")
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402
@@ -602,3 +603,26 @@ def test_an_fsdp2_checkpoint_gathering_fp8_weights_is_read_without_fp8(data_dir,
         [sys.executable, "-m", "scale_llm", "train", str(tmp_path / "fp8.yaml"), *more], tmp_path
     )
     assert "resume: continuing from" in done.stdout and "step 6/6" in done.stdout
+
+
+def test_a_checkpoint_of_torchaos_fp8_weight_class_is_named_in_one_paragraph(tmp_path):
+    """A checkpoint saved before its weights were unwrapped holds torchao's class: read by a
+    process that has not imported torchao.float8 (export, a resume without fp8), DCP's
+    CheckpointException wrapping the UnpicklingError was a traceback."""
+    import torch.distributed.checkpoint as dcp
+    from torchao.float8.float8_linear import LinearMMConfig
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as Wrapped
+
+    wrapped = Wrapped(torch.ones(4, 4), LinearMMConfig(), torch.float8_e4m3fn)
+    dcp.save({"model": {"w": wrapped}}, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    read = f"""
+import torch
+from scale_llm.components.serialization import dcp_load
+from scale_llm.errors import UserError
+try:
+    dcp_load({{"model": {{"w": torch.empty(4, 4)}}}}, {str(tmp_path / "dcp")!r}, True)
+except UserError as e:
+    print(e)
+"""
+    done = subprocess.run([sys.executable, "-c", read], env=env(), capture_output=True, text=True)
+    assert "its tensors were saved inside torchao's fp8 weight class" in done.stdout, done.stderr

@@ -678,3 +678,20 @@ def test_a_gpu_run_is_refused_when_its_host_cannot_build_the_model(monkeypatch):
     assert problem.startswith("building the model needs about 200.8 GiB of this host's memory (8")
     assert "parallel.backend=fsdp builds each rank's shard" in problem
     assert estimate(fsdp, 8).startup_host < 5 * 2**30 < 25 * 2**30 < estimate(ddp, 8).startup_host
+
+
+def test_deepspeed_counts_are_read_as_its_config_model_reads_them():
+    """ "auto" is DeepSpeed's default, a name without `stage3_` its alias, a whole float a count;
+    a fraction, a string or a bucket of 0 is none (DeepSpeed's model refuses them at start)."""
+    from scale_llm.analysis.memory.estimate import _elements
+    from scale_llm.errors import UserError
+
+    key = "stage3_max_live_parameters"
+    assert _elements({key: "auto"}, key, 1e9) == 10**9
+    assert _elements({"max_live_parameters": 7}, key, 1e9) == 7
+    assert _elements({key: 2e8}, key, 1e9) == 2 * 10**8
+    for value in (1.5, "many", True, float("inf")):
+        with pytest.raises(UserError, match=f"{key}=.* is not a count of elements"):
+            _elements({key: value}, key, 1e9)
+    with pytest.raises(UserError, match="give a whole number >= 1"):
+        _elements({"reduce_bucket_size": 0}, "reduce_bucket_size", 5e8, least=1)

@@ -147,6 +147,10 @@ def test_metadata_whose_chunks_do_not_tile_a_tensor_is_refused(tmp_path):
     held = {("w", tuple(c.offsets)) for c in stairs}
     steps = replace(whole, size=torch.Size([n, n]), chunks=stairs)
     assert _tiling_problem("w", steps, held) == "its 400 chunks do not form a grid"
+    nothing = [Chunk(torch.Size([0, k, k]), torch.Size([0, 1, 1])) for k in range(2000)]
+    empty = replace(whole, size=torch.Size([0, 2000, 2000]), chunks=nothing)
+    held = {("w", tuple(c.offsets)) for c in nothing}
+    assert _tiling_problem("w", empty, held) is None  # (no elements: no 2000 x 2000 cells)
     bad = replace(md, state_dict_metadata=dict(md.state_dict_metadata))
     bad.state_dict_metadata["step"] = replace(md.state_dict_metadata["step"], chunks=[])
     (tmp_path / ".metadata").write_bytes(pickle.dumps(bad))

@@ -198,6 +198,8 @@ def _tiling_problem(fqn: str, entry: Any, held: set[tuple[Any, tuple]]) -> str |
     if nd == 0 or volume != math.prod(shape):
         once = volume == math.prod(shape) and len(chunks) == 1
         return None if once else "its chunks do not cover it exactly once"
+    if volume == 0:  # (a tensor of no elements: nothing to read, whatever its chunks)
+        return None
     # cut each dim at every chunk's edges: a cell between neighbouring cuts lies in a chunk whole
     # or not at all. Each chunk adds +-1 at its 2^nd corners; the running sums count its cells
     cuts = [
@@ -290,6 +292,16 @@ def dcp_load(
         for err in failures:
             if isinstance(err, UserError):
                 raise err from None
+        for err in failures:  # a tensor pickled as a class outside the allow-list
+            if isinstance(err, pickle.UnpicklingError) and (name := _refused_global(err)):
+                if name.endswith(".WeightWithDynamicFloat8CastTensor"):
+                    raise UserError(
+                        f"{checkpoint_id}: its tensors were saved inside torchao's fp8 weight "
+                        f"class (an FSDP2 run gathering fp8 weights, written before 2026-12-07), "
+                        f"which only a run with train.fp8.enabled=true reads; resume it so "
+                        f"(parallel.backend=fsdp) and read the checkpoint it saves next"
+                    ) from None
+                raise refused(checkpoint_id, f"`{name}`") from None
         for err in failures:  # a file gone while it was read: not the user's path to fix
             if isinstance(err, FileNotFoundError):
                 raise damaged(

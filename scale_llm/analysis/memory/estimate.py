@@ -128,7 +128,7 @@ def layout_of(cfg: Config, plan: RunPlan) -> Layout:
         fsdp_reduce_every=p.fsdp.reduce_every_micro_step,
         fused_norm=plan.device.type in ("cuda", "cpu"),
         ddp_bucket_view=p.ddp.gradient_as_bucket_view,
-        ds_bucket_elements=_elements(zero, "reduce_bucket_size", 5e8),
+        ds_bucket_elements=_elements(zero, "reduce_bucket_size", 5e8, least=1),
         ds_overlap_comm=bool(zero.get("overlap_comm", False)),
         ds_max_live=_elements(zero, "stage3_max_live_parameters", 1e9),
         ds_persistence_threshold=_elements(zero, "stage3_param_persistence_threshold", 1e5),
@@ -148,20 +148,20 @@ def layout_of(cfg: Config, plan: RunPlan) -> Layout:
     )
 
 
-def _elements(zero: dict[str, Any], key: str, default: float) -> int:
-    """A count of elements in DeepSpeed's zero_optimization, as its engine reads it."""
-    value = zero.get(key, default)
-    try:
-        count = int(float(value))
-    except (TypeError, ValueError, OverflowError):  # ("abc", a list; inf)
-        count = -1
-    if count < 0:
+def _elements(zero: dict[str, Any], key: str, default: float, least: int = 0) -> int:
+    """A count of elements in DeepSpeed's zero_optimization, read as its config model reads it:
+    under its name or the one without `stage3_`, "auto" for the default, a whole number."""
+    value = zero.get(key, zero.get(key.removeprefix("stage3_"), default))
+    value = default if value == "auto" else value
+    whole = isinstance(value, int) and not isinstance(value, bool)
+    whole = whole or (isinstance(value, float) and value.is_integer())
+    if not whole or value < least:
         raise UserError(
             f"parallel.deepspeed.config.zero_optimization.{key}={short(value)} is not a count "
-            f"of elements; give a whole number >= 0 (DeepSpeed's default: {default:.0e}), or "
-            f"remove it"
+            f"of elements; give a whole number >= {least} (DeepSpeed's default: "
+            f"{int(default):,}), or remove it"
         )
-    return count
+    return int(value)
 
 
 def _dtype_name(value: Any) -> str | None:
