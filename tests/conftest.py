@@ -82,6 +82,12 @@ SLOW_TESTS = {  # by module::function (every parameter): over ~4 s each on 2 cor
     "test_fp8.py::test_gpu_check_reads_its_settings_before_any_work",
     "test_fp8.py::test_an_fsdp2_checkpoint_gathering_fp8_weights_is_read_without_fp8",
     "test_fp8.py::test_a_checkpoint_of_torchaos_fp8_weight_class_is_named_in_one_paragraph",
+    # (2-3 s each: the fast tier kept under 3 minutes)
+    "test_roofline.py::test_a_ddp_run_states_its_all_reduce_on_the_link_its_ranks_span",
+    "test_compile.py::test_the_gpu_checks_order_and_configs_on_a_stub_gpu",
+    "test_pipeline.py::test_the_last_ranks_loss_forward_holds_the_gathered_logits_beside_its_own_part",
+    "test_roofline.py::test_bench_roofline_prices_the_world_the_config_is_laid_out_for",
+    "test_roofline.py::test_fsdp2_without_tensor_parallelism_prices_and_states_its_gathers_and_reduce_scatters",
     "test_security.py::test_a_folder_naming_its_own_code_is_refused_even_with_y_on_stdin",
     "test_eval_tasks.py::test_fsdp_world_scores_the_whole_model_as_scale_llm_eval_does",
     "test_eval_tasks.py::test_tasks_run_at_their_steps_and_leave_the_loss_curve_alone",
