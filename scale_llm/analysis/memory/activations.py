@@ -33,6 +33,7 @@ class Numerics:
     sequence_parallel: bool = False  # the norms and the residual stream: 1/tp of the sequence
     fp8: bool = False  # train.fp8: the blocks' linears cast their own weights (no autocast copy)
     whole_logits: bool = False  # the loss gathers the vocabulary (a pipeline's, under TP)
+    dense_mask: bool = False  # the document mask reaches SDPA as (B, 1, T, T): saved, 16/32-bit
 
     @property
     def vocab_sharded(self) -> bool:
@@ -52,10 +53,11 @@ def numerics_for(
     sp: bool = False,
     fp8: bool = False,
     whole_logits: bool = False,
+    dense_mask: bool = False,
 ) -> Numerics:
     sharded = backend in ("fsdp", "deepspeed")  # (16-bit modules; else fp32 params + autocast)
     kind = (4, 4, False) if precision == "fp32" else (2, 2, False) if sharded else (2, 4, True)
-    return Numerics(*kind, fused_norm, tp, sp and tp > 1, fp8, whole_logits)
+    return Numerics(*kind, fused_norm, tp, sp and tp > 1, fp8, whole_logits, dense_mask)
 
 
 def norm_saved_bytes(tokens: int, d: int, num: Numerics) -> int:
@@ -101,6 +103,7 @@ def block_activation_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
             attention += a * N * 2 * g["dkv"]
     else:
         attention = a * N * (3 * g["dq"] + 3 * g["dkv"]) + 4 * batch * g["H"] * T
+        attention += a * batch * T * T if num.dense_mask else 0  # (the mask in the compute dtype)
     mlp = 4 * a * N * g["F"]
     # autocast's 16-bit weight copies (an fp8 linear saves its fp32 weight itself: no copy)
     weight_copies = 2 * block_matmul_params(m, num.tp) if num.autocast and not num.fp8 else 0
@@ -163,7 +166,11 @@ def kept_per_block(
     checkpointed, the selective subset, or everything); `flags`: `checkpointed_flags`'."""
     full = block_activation_bytes(m, batch, num)
     kept = (selective_block_bytes if ac.mode == "selective" else block_input_bytes)(m, batch, num)
-    return [kept if chosen else full for chosen in checkpointed_flags(m, ac, flags)]
+    flags = checkpointed_flags(m, ac, flags)
+    out = [kept if chosen else full for chosen in flags]
+    if num.dense_mask and True in flags:  # the checkpoints keep the (B, 1, T, T) bools, once
+        out[flags.index(True)] += batch * m.seq_len**2
+    return out
 
 
 def loss_backward_bytes(m: ModelConfig, batch: int, num: Numerics) -> int:
@@ -274,7 +281,8 @@ def measure_saved_bytes(
 def measure_activations(cfg: Config, plan: RunPlan) -> tuple[int, int]:
     """(counted, predicted) saved bytes for cfg's model at the plan's micro-batch, on the CPU,
     with the precision the plan's backend would use (autocast, fp32 or a 16-bit module)."""
-    num = numerics_for(plan.precision, plan.backend, fused_norm=True)  # the CPU's RMSNorm
+    document = cfg.model.attention_mask == "document"  # (the CPU's SDPA: a dense mask)
+    num = numerics_for(plan.precision, plan.backend, fused_norm=True, dense_mask=document)
     m, ac, mb = cfg.model, cfg.activation_checkpointing, plan.micro_batch_size
     torch.manual_seed(cfg.run.seed)
     model = build_model(m, "cpu")

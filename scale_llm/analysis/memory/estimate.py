@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from scale_llm.analysis.memory.activations import (
     Numerics,
     block_activation_bytes,
@@ -32,6 +34,7 @@ from scale_llm.config.fp8 import fp8_all_gathers
 from scale_llm.config.plan import RunPlan
 from scale_llm.config.sections import mlp_hidden_size
 from scale_llm.errors import UserError, short
+from scale_llm.model.attention import choose
 from scale_llm.parallel.ds_config import deepspeed_config
 
 GiB = 1 << 30
@@ -71,6 +74,7 @@ class Layout:
     holds_embedding: bool = True  # a pipeline rank without the first stage has no embedding
     holds_head: bool = True  # ... without the last no final norm, head or loss
     fp8: str = ""  # train.fp8's recipe (tensorwise | rowwise); "": off
+    dense_mask: bool = False  # the document mask reaches attention as (B, 1, T, T) bools
     fp8_gather: bool = False  # FSDP2 gathers the blocks' linear weights in fp8 (1 byte)
     compiled: bool = True  # compiled blocks: fp8's casts fuse into their fp8 outputs
 
@@ -88,7 +92,14 @@ class Layout:
         """How this layout's tensors are stored (a pipeline's loss gathers the vocabulary)."""
         sp, fp8, whole = self.sequence_parallel, bool(self.fp8), self.pp > 1
         return numerics_for(
-            self.precision, self.backend, self.fused_norm, self.tp, sp, fp8, whole_logits=whole
+            self.precision,
+            self.backend,
+            self.fused_norm,
+            self.tp,
+            sp,
+            fp8,
+            whole_logits=whole,
+            dense_mask=self.dense_mask,
         )
 
     def describe(self) -> str:
@@ -127,6 +138,7 @@ def layout_of(cfg: Config, plan: RunPlan) -> Layout:
         fsdp_offload=p.fsdp.cpu_offload,
         fsdp_reduce_every=p.fsdp.reduce_every_micro_step,
         fused_norm=plan.device.type in ("cuda", "cpu"),
+        dense_mask=_dense_mask(cfg.model, plan),
         ddp_bucket_view=p.ddp.gradient_as_bucket_view,
         ds_bucket_elements=_elements(zero, "reduce_bucket_size", 5e8, least=1),
         ds_overlap_comm=bool(zero.get("overlap_comm", False)),
@@ -146,6 +158,16 @@ def layout_of(cfg: Config, plan: RunPlan) -> Layout:
         fp8_gather=linears and plan.backend == "fsdp" and fp8_all_gathers(fp8),
         compiled=compiles(cfg.train, "cuda") if linears else True,
     )
+
+
+def _dense_mask(m: ModelConfig, plan: RunPlan) -> bool:
+    """Whether attention gets the document mask as a (B, 1, T, T) tensor (the CPU; on a GPU,
+    fp32 or a head size FlashAttention cannot take): `model.attention.choose`'s pick."""
+    if m.attention_mask != "document" or m.attention == "eager":
+        return False
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.precision, torch.float32)
+    gqa = (m.n_kv_heads or m.n_heads) != m.n_heads
+    return choose(plan.device.type, dtype, True, gqa, m.d_model // m.n_heads).dense_mask
 
 
 def _elements(zero: dict[str, Any], key: str, default: float, least: int = 0) -> int:
