@@ -213,3 +213,19 @@ def test_a_masked_call_on_a_flash_pick_takes_the_kernel_that_reads_masks(monkeyp
     q, k = torch.zeros(1, 8, 3, 64), torch.zeros(1, 2, 7, 64)
     attention.attend(q, k, k, kernel, False, torch.ones(3, 7, dtype=torch.bool))
     assert seen == [(True, 8, False)]
+
+
+def test_eager_attention_under_the_document_mask_gets_the_mask_on_a_gpu():
+    """`model.attention: eager` with `attention_mask: document` on a GPU in bf16: the blocks'
+    kernel pick (FlashAttention's varlen) left the dense mask unbuilt, and the eager path, told
+    neither causal nor masked, attended to every position of the sequence, the future included."""
+    from scale_llm.config import ModelConfig
+    from scale_llm.model import build_model
+
+    sizes = dict(vocab_size=64, d_model=32, n_layers=1, n_heads=4, seq_len=16)
+    eager = build_model(ModelConfig(**sizes, attention="eager", attention_mask="document"), "meta")
+    sdpa = build_model(ModelConfig(**sizes, attention_mask="document"), "meta")
+    with FakeTensorMode():
+        h = torch.empty(2, 16, 32, device="cuda", dtype=BF16)
+        assert eager._kernel(h).dense_mask
+        assert not sdpa._kernel(h).dense_mask  # (FlashAttention's varlen kernel: no T x T)

@@ -218,6 +218,8 @@ class Transformer(nn.Module):
     def _kernel(self, h: torch.Tensor) -> attention.Kernel:
         """The kernel the blocks' attention will run (its dtype: autocast's, else h's)."""
         cfg, device = self.cfg, h.device.type
+        if cfg.attention == "eager":  # (it reads the dense mask whatever a GPU's kernel would be)
+            return attention.Kernel("sdpa", dense_mask=True)
         autocast = device != "meta" and torch.is_autocast_enabled(device)  # (meta: none to ask)
         dtype = torch.get_autocast_dtype(device) if autocast else h.dtype
         gqa = cfg.n_kv_heads not in (None, cfg.n_heads)
