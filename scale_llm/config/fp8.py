@@ -43,7 +43,7 @@ WRONG_VALUES = {
 }
 
 
-NOT_FP16 = (  # (said by the plan for an fp16 given, by the preflight for one `auto` chose)
+NOT_FP16 = (  # (the plan's launch_problems: `auto` never resolves to fp16)
     "train.fp8.enabled=true keeps what is not fp8 in bf16, not fp16 (every GPU with fp8 "
     "matmuls has bf16, which needs no loss scaling): set train.precision=bf16"
 )

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
 from scale_llm.config import Config
-from scale_llm.config.fp8 import NOT_FP16, fp8_all_gathers
+from scale_llm.config.fp8 import fp8_all_gathers
 from scale_llm.config.plan import RunPlan
 from scale_llm.errors import UserError, install_hint
 
@@ -27,9 +27,8 @@ FP8_CAPABILITY = (8, 9)  # Ada (L4, RTX 4090) and Hopper (H100, H200): the first
 
 
 def check_fp8(cfg: Config, plan: RunPlan, capability: tuple[int, int] | None = None) -> None:
-    """Preflight: torchao, an fp8 GPU (`capability`: this rank's GPU's, asked when None) and a
-    precision that fp8 linears work with (the backend: the plan's launch_problems). One
-    UserError naming the fix."""
+    """Preflight: torchao and an fp8 GPU (`capability`: this rank's GPU's, asked when None; the
+    backend and fp16: the plan's launch_problems). One UserError naming the fix."""
     if not cfg.train.fp8.enabled:
         return
     if importlib.util.find_spec("torchao") is None:
@@ -37,8 +36,6 @@ def check_fp8(cfg: Config, plan: RunPlan, capability: tuple[int, int] | None = N
             f"train.fp8.enabled=true needs torchao (its Float8Linear), which is not installed: "
             f"{install_hint('fp8')}; or set train.fp8.enabled=false"
         )
-    if plan.precision == "fp16":
-        raise UserError(NOT_FP16)
     if plan.device.type == "cuda":
         major, minor = capability or torch.cuda.get_device_capability(plan.device)
         if (major, minor) < FP8_CAPABILITY:
