@@ -72,7 +72,7 @@ setup(
         "xxhash>=3.0",  # checkpoint integrity records (also a dependency of datasets)
     ],
     extras_require={
-        "dev": ["pytest>=8.0", "ruff>=0.6", "wandb>=0.18"],  # wandb: the tracker's test
+        "dev": ["pytest>=8.0", "pytest-xdist>=3.5", "ruff>=0.6", "wandb>=0.18"],  # wandb: its test
         "wandb": ["wandb>=0.18"],
         # the ecosystem bridges: `scale-llm export`, `model.init_from`, `scale-llm eval`
         # (tested with transformers 5.24, tokenizers 0.23, safetensors 0.8, lm_eval 0.4.13,

@@ -320,10 +320,20 @@ LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MAS
 @pytest.fixture(autouse=True)
 def _launch_environment():
     """A run in the test's process sets the launch variables it lacks (as torchrun would have,
-    components/distributed.py); a later in-process command would read them as its launch (an
-    estimate 'launched with 1 processes'). Each test ends with the environment it began with."""
-    before = {k: os.environ.get(k) for k in LAUNCH_VARIABLES}
+    components/distributed.py) and the communication settings (its flight recorder's files in
+    its run dir); a later in-process command would read them as its launch (an estimate
+    'launched with 1 processes'), and a later launch's ranks as the user's own (their traces in
+    the earlier run's dir). Each test ends with the environment it began with, and with the
+    console's log handler it began with (one a test bound to a stream it closed fails later
+    tests' lines)."""
+    from scale_llm.components.distributed import COMM_ENV, TRACE_FILE
+
+    before = {k: os.environ.get(k) for k in (*LAUNCH_VARIABLES, *COMM_ENV, TRACE_FILE)}
+    console = logging.getLogger("scale_llm")
+    handlers, level = console.handlers[:], console.level
     yield
+    console.handlers[:] = handlers
+    console.setLevel(level)
     for key, value in before.items():
         if value is None:
             os.environ.pop(key, None)

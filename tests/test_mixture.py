@@ -14,6 +14,7 @@ import torch
 from scale_llm.cli import main
 from scale_llm.data.loader import PERIOD, SourceSchedule, TokenWindows, TrainLoader
 from scale_llm.data.prepare import prepare
+from scale_llm.errors import short
 from scale_llm.train.trainer import Trainer
 from tests.helpers import (
     batch_plan,
@@ -441,8 +442,8 @@ def test_a_run_on_data_prepared_from_other_sources_says_so(
     assert "was prepared from" not in logs.text
     moved = {"web": src["web"], "code": tmp_path / "elsewhere"}
     run(mix_dir, moved, tmp_path / "c")
-    said = f"data.sources[1].source={str(tmp_path / 'elsewhere')!r}, but data.dir={mix_dir} was "
-    assert said + f"prepared from {str(src['code'])!r} (its manifest)" in logs.text
+    said = f"data.sources[1].source={short(str(tmp_path / 'elsewhere'))}, but data.dir={mix_dir} "
+    assert said + f"was prepared from {short(str(src['code']))} (its manifest)" in logs.text
     assert "data.sources[0]" not in logs.text
     trainer_for(make_config(data_dir, tmp_path / "d", "data.source=/corpus/*.txt"))
     assert f"data.source='/corpus/*.txt', but data.dir={data_dir} was prepared from" in logs.text
