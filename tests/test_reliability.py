@@ -448,12 +448,16 @@ def test_the_run_lock_outlives_a_background_save_a_second_ctrl_c_left(
     assert len(calls) == 3
 
 
-def test_a_stop_signal_during_a_steps_save_stops_after_that_step(data_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("evaluated", [False, True])
+def test_a_stop_signal_during_a_steps_save_stops_after_that_step(
+    data_dir, tmp_path, monkeypatch, evaluated
+):
     """A SIGTERM that came while step 2's save waited (for the write before it) was read only
-    after step 3: one more step trained and saved, twice the shutdown I/O in a grace window."""
-    cfg = make_config(
-        data_dir, tmp_path, "checkpoint.every=2", "train.max_steps=6", "logging.every=5"
-    )
+    after step 3: one more step trained and saved, twice the shutdown I/O in a grace window.
+    And where step 2 had an evaluation, its row (written before the save) never got the stop's
+    loss: metrics.jsonl and `runs` ended at step 1's."""
+    settings = ["checkpoint.every=2", "train.max_steps=6", "logging.every=5"]
+    cfg = make_config(data_dir, tmp_path, *settings, f"eval.every={2 if evaluated else 0}")
     tr = trainer_for(cfg)
     save = tr.save_checkpoint
 
@@ -469,6 +473,7 @@ def test_a_stop_signal_during_a_steps_save_stops_after_that_step(data_dir, tmp_p
     assert [step for step, _ in tr.checkpointer.complete()] == [2]
     rows = rows_of(tr.run_dir)  # the stop's step has its row (not a logging step)
     assert sorted(rows) == [1, 2] and "loss" in rows[2] and "tokens" in rows[2]
+    assert ("val_loss" in rows[2]) == evaluated
 
 
 def test_torchrun_restarts_a_killed_rank_and_the_run_resumes(data_dir, root, reference):

@@ -1313,8 +1313,8 @@ def test_the_eta_leaves_out_a_launchs_first_steps():
 
 
 def step_clock(monkeypatch, cls: type, name: str, seconds: float) -> None:
-    """A loop clock that only the steps (1 s each) and `cls.name`'s calls (`seconds` each,
-    where its first argument after self is the trainer: only at a checkpoint's step) move."""
+    """A loop clock that only the steps (1 s each) and `cls.name`'s calls (`seconds` each; a
+    callback's, handed the trainer: only at a checkpoint's step) move."""
     from scale_llm.train import throughput, trainer
 
     now = [0.0]
@@ -1330,7 +1330,8 @@ def step_clock(monkeypatch, cls: type, name: str, seconds: float) -> None:
         return step(self)
 
     def timed_work(self, *args):
-        if not isinstance(args[0], Trainer) or args[0].cadence.checkpoints(args[1].step):
+        at_step = args and isinstance(args[0], Trainer)  # (a callback's: trainer, step end)
+        if not at_step or args[0].cadence.checkpoints(args[1].step):
             now[0] += seconds
         return work(self, *args)
 
@@ -1339,19 +1340,20 @@ def step_clock(monkeypatch, cls: type, name: str, seconds: float) -> None:
     monkeypatch.setattr(cls, name, timed_work)
 
 
-def test_tokens_per_s_leaves_out_the_saves_of_a_rows_step(data_dir, tmp_path, monkeypatch):
-    """A save at a logged step was charged to the next row (its tokens/s and MFU dipped after
-    every checkpoint), while an evaluation at such a step was left out: now both are. A clock
-    that only the steps (1 s each) and the saves (100 s each) move."""
-    from scale_llm.train import callbacks
-
-    step_clock(monkeypatch, callbacks.Checkpoints, "step_end", 100.0)
-    cfg = make_config(data_dir, tmp_path, "logging.every=2", "checkpoint.every=2")
-    t = trainer_for(cfg)
-    t.fit()
-    rows = rows_of(t.run_dir)
-    per_step = t.plan.tokens_per_step
-    assert [rows[n]["tokens_per_s"] for n in (2, 4)] == [per_step / 1.0] * 2
+def test_tokens_per_s_leaves_out_every_save(data_dir, tmp_path, monkeypatch):
+    """A save was charged to the next row (its tokens/s and MFU dipped after every checkpoint),
+    while an evaluation was left out: now both are, at a logged step or between two (saves at
+    steps 2 and 4, rows at 1 and 4). A clock that only the steps (1 s each) and the saves (100
+    s each) move."""
+    step_clock(monkeypatch, Trainer, "save_checkpoint", 100.0)
+    for every, logged in ((2, (2, 4)), (4, (1, 4))):
+        settings = [f"logging.every={every}", "checkpoint.every=2"]
+        t = trainer_for(make_config(data_dir, tmp_path / str(every), *settings))
+        t.fit()
+        rows = rows_of(t.run_dir)
+        per_step = t.plan.tokens_per_step
+        assert [rows[n]["tokens_per_s"] for n in logged] == [per_step / 1.0] * 2, every
+        assert sorted(rows) == sorted({1, *logged}), every
 
 
 def test_tokens_per_s_leaves_out_the_profilers_trace_writing(data_dir, tmp_path, monkeypatch):

@@ -204,7 +204,8 @@ class TaskScores(Callback):
 
 
 class WriteMetrics(Callback):
-    """A step's metric row, with the peak CUDA memory so far, to metrics.jsonl, TensorBoard, W&B."""
+    """A step's metric row, with the peak CUDA memory so far, to metrics.jsonl, TensorBoard, W&B
+    (after the step's save: a stop that came during it adds the step's numbers to the row)."""
 
     def step_end(self, trainer: Trainer, s: StepEnd) -> None:
         if s.row:
@@ -236,17 +237,15 @@ class Checkpoints(Callback):
     def step_end(self, trainer: Trainer, s: StepEnd) -> None:
         if not (trainer.cadence.checkpoints(s.step) or s.stop):
             return
-        trainer.collector.before_checkpoint()
-        with start_timeouts():  # (ranks wait while one writes a large file)
+        # (no step's time: tokens/s leaves it out, on a metric row's step or between two)
+        with trainer.clock.aside(), start_timeouts():  # (ranks wait while one writes)
+            trainer.collector.before_checkpoint()
             trainer.result.checkpoint = trainer.save_checkpoint()
         if s.stop or not (stop := trainer.stop_reason()):
             return
         s.stop = stop  # (one that came while it saved: this step is the stop's, its save the last)
         if "loss" not in s.row:  # the stop's step has its numbers (alike on every rank)
-            written = bool(s.row)  # (rank 0's evaluation row, written before the save)
-            TrainMetrics().step_end(trainer, s)
-            if not written:
-                WriteMetrics().step_end(trainer, s)
+            TrainMetrics().step_end(trainer, s)  # (in its row, which WriteMetrics writes next)
 
     def end(self, trainer: Trainer, failing: bool) -> None:
         trainer.checkpointer.wait(failing=failing)

@@ -133,10 +133,10 @@ class Trainer:
             callbacks.Validation(),
             callbacks.Samples(),
             callbacks.TaskScores(),
-            callbacks.WriteMetrics(),
             callbacks.CommTimeouts(),
             self.collector,
             callbacks.Checkpoints(),
+            callbacks.WriteMetrics(),
             callbacks.ThroughputWindow(),
             StepProfiler(cfg.train.profile, plan, self.run_dir, self.step),
         ]
