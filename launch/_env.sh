@@ -110,14 +110,16 @@ fi
 
 # Expandable segments let the CUDA caching allocator grow blocks instead of fragmenting; and
 # pinned host blocks over 1 MiB keep their size (torch >= 2.13; by default each is rounded up to
-# a power of two: an optimizer offload's 25 GiB fp32 partition would take 32 GiB of host).
-if [[ -z "${PYTORCH_CUDA_ALLOC_CONF+set}" ]]; then
+# a power of two: an optimizer offload's 25 GiB fp32 partition would take 32 GiB of host). Not
+# where the user set either name torch reads: with both set, torch 2.13 reads only
+# PYTORCH_CUDA_ALLOC_CONF, so a default under that name would replace a PYTORCH_ALLOC_CONF.
+if [[ -z "${PYTORCH_CUDA_ALLOC_CONF+set}" && -z "${PYTORCH_ALLOC_CONF+set}" ]]; then
   PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"
   if [[ "$torch_2_13" == 1 ]]; then
     PYTORCH_CUDA_ALLOC_CONF+=",pinned_max_round_threshold_mb:1"
   fi
 fi
-export PYTORCH_CUDA_ALLOC_CONF
+if [[ -n "${PYTORCH_CUDA_ALLOC_CONF+set}" ]]; then export PYTORCH_CUDA_ALLOC_CONF; fi
 # After forwarding a SIGTERM, torchrun kills the workers that have not exited within this many
 # seconds (its default, 30, is less than a large model's last steps and checkpoint can take).
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}"

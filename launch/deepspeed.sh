@@ -48,7 +48,9 @@ write_env_file() {
   local var line own name="${DS_ENV_FILE:-.deepspeed_env}"
   local owns=("$HOME/$name" "./$name")
   if [[ "$name" == /* ]]; then owns=("$name"); fi
-  env_line "the environment" "PYTORCH_CUDA_ALLOC_CONF=$PYTORCH_CUDA_ALLOC_CONF" || exit 2
+  for var in PYTORCH_CUDA_ALLOC_CONF PYTORCH_ALLOC_CONF; do  # (the one set, or both)
+    if [[ -n "${!var+set}" ]]; then env_line "the environment" "$var=${!var}" || exit 2; fi
+  done
   env_line "the environment" "OMP_NUM_THREADS=$OMP_NUM_THREADS" || exit 2
   # the runner puts its working folder first on the other nodes' PYTHONPATH (a module there would
   # be imported): they get this launcher's own instead (its checkout, or none)

@@ -26,7 +26,9 @@ else
     "are downloaded, with pip's progress below)"
 fi
 bash launch/setup.sh
-export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
+if [[ -z "${PYTORCH_CUDA_ALLOC_CONF+set}" && -z "${PYTORCH_ALLOC_CONF+set}" ]]; then
+  export PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"  # (_env.sh says why)
+fi
 start=$(date +%s)
 # What the run will use, read once from the config and the train args: run dir, its parent (the
 # run.dir), data dir (full paths), steps (a bad config or argument: its one paragraph, exit 2).

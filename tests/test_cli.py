@@ -790,6 +790,14 @@ def test_deepspeed_hands_the_other_nodes_the_launchers_environment(tmp_path):
     proc = launch("deepspeed.sh", older, cwd=tmp_path)
     exports = dict(line.split("=", 1) for line in proc.stdout.splitlines()[1:])
     assert exports["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True", proc.stderr
+    # a user's PYTORCH_ALLOC_CONF (torch's name for every device) stays the one torch reads: a
+    # default under the other name would replace it (torch 2.13 reads PYTORCH_CUDA_ALLOC_CONF
+    # alone where both are set), and it reaches the other nodes
+    mine = {"PYTORCH_ALLOC_CONF": "expandable_segments:False"}
+    proc = launch("deepspeed.sh", env | mine, cwd=tmp_path)
+    exports = dict(line.split("=", 1) for line in proc.stdout.splitlines()[1:])
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in exports, proc.stdout
+    assert exports["PYTORCH_ALLOC_CONF"] == "expandable_segments:False", proc.stderr
     proc = launch("deepspeed.sh", env | {"HOSTFILE": "missing"}, cwd=tmp_path)
     assert proc.returncode == 2 and "HOSTFILE=missing" in proc.stderr and not proc.stdout
     proc = launch("deepspeed.sh", env | {"NGPU": "4"}, cwd=tmp_path)  # (the slots decide)
@@ -913,7 +921,12 @@ deepspeed.launcher.runner) echo "RUNNER $*"; cat "$DS_ENV_FILE";;"""
         proc = launch("deepspeed.sh", env, cwd=tmp_path)
         assert proc.returncode == 2 and "HOSTFILE=hosts is not UTF-8 text" in proc.stderr
     hosts.write_text("node0 slots=8\n")
-    for name in ("PYTORCH_CUDA_ALLOC_CONF", "OMP_NUM_THREADS", "DS_ACCELERATOR"):
+    for name in (
+        "PYTORCH_CUDA_ALLOC_CONF",
+        "PYTORCH_ALLOC_CONF",
+        "OMP_NUM_THREADS",
+        "DS_ACCELERATOR",
+    ):
         value = 'expandable_segments:True";touch ran;"'
         proc = launch("deepspeed.sh", env | {name: value}, cwd=tmp_path)
         assert proc.returncode == 2 and not proc.stdout, (name, proc.stdout)

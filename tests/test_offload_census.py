@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import subprocess
 import sys
 from collections import defaultdict
 from dataclasses import replace
@@ -43,6 +44,7 @@ from scale_llm.analysis.memory.estimate import (
 from scale_llm.analysis.memory.gpu import estimate
 from scale_llm.config import Config, load_config
 from scale_llm.config.plan import target_plan
+from tests.helpers import env
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = [  # parameters of five sizes, a partition boundary cutting one; untied, as 7B
@@ -294,7 +296,10 @@ def test_pinned_blocks_round_up_to_a_power_of_two_below_the_limit():
     cuda = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,pinned_max_round_threshold_mb:1"}
     assert pinned_round_limit(cuda) == 1 << 20
     both = {**cuda, "PYTORCH_ALLOC_CONF": "roundup_power2_divisions:[256:4,>:1]"}
-    assert pinned_round_limit(both) is None  # PYTORCH_ALLOC_CONF, when set, is the one read
+    assert pinned_round_limit(both) == 1 << 20  # PYTORCH_CUDA_ALLOC_CONF, when set, is the one
+    read = "import torch; print(torch._C._accelerator_getAllocatorSettings())"  # ... torch reads
+    proc = subprocess.run([sys.executable, "-c", read], env=env() | both, capture_output=True)
+    assert proc.stdout.decode().strip() == both["PYTORCH_CUDA_ALLOC_CONF"], proc.stderr[-2000:]
     two = "pinned_max_cached_size_mb:8,pinned_max_round_threshold_mb:64"
     assert pinned_round_limit({"PYTORCH_ALLOC_CONF": two}) == 8 << 20  # no caching, no rounding
 

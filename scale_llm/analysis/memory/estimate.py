@@ -442,8 +442,8 @@ def pinned_block_bytes(nbytes: int, round_limit: int | None = None) -> int:
 def pinned_round_limit(environ: Mapping[str, str]) -> int | None:
     """Bytes above which torch's pinned allocator does not round a block up (None: it rounds
     every block): `pinned_max_round_threshold_mb` / `pinned_max_cached_size_mb`, read as torch
-    reads them, from PYTORCH_ALLOC_CONF if set, else PYTORCH_CUDA_ALLOC_CONF."""
-    settings = environ.get("PYTORCH_ALLOC_CONF", environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+    (2.13) reads them: from PYTORCH_CUDA_ALLOC_CONF if set, else PYTORCH_ALLOC_CONF."""
+    settings = environ.get("PYTORCH_CUDA_ALLOC_CONF", environ.get("PYTORCH_ALLOC_CONF", ""))
     pairs = re.findall(r"(?:^|,)\s*(\w+)\s*:\s*(\d+)", settings)
     keys = ("pinned_max_round_threshold_mb", "pinned_max_cached_size_mb")
     return min((int(mib) << 20 for key, mib in pairs if key in keys), default=None)
