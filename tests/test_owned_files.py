@@ -620,16 +620,17 @@ def test_two_prepares_of_one_data_dir_take_turns(tmp_path):
 
 
 # ----------------------------------------------------------------------------- run lock
-def _contend(path: str, start, results) -> None:
+def _contend(path: str, start, tried, results) -> None:
     lock = OwnerLock(Path(path), "the run", "pick another")
     start.wait()
     try:
         lock.acquire()
     except UserError:
         results.put(False)
+        tried.wait()
         return
     results.put(True)
-    time.sleep(0.05)  # hold it while the other contender tries
+    tried.wait()  # held until every contender has tried (a late one on a loaded machine too)
     lock.release()
 
 
@@ -646,8 +647,9 @@ def test_the_run_lock_admits_one_of_many_simultaneous_launches(tmp_path):
             path.write_text("")
         elif n % 3 == 2:
             path.write_text(json.dumps({"pid": dead.pid, "host": os.uname().nodename}))
-        start, results = ctx.Barrier(3), ctx.Queue()
-        procs = [ctx.Process(target=_contend, args=(str(path), start, results)) for _ in range(3)]
+        start, tried, results = ctx.Barrier(3), ctx.Barrier(3), ctx.Queue()
+        args = (str(path), start, tried, results)
+        procs = [ctx.Process(target=_contend, args=args) for _ in range(3)]
         for p in procs:
             p.start()
         outcome = sorted(results.get(timeout=60) for _ in procs)

@@ -39,7 +39,7 @@ def test_listing_the_tests_starts_no_deepspeed_build(tmp_path):
     proc, extensions = pytest_without_built_ops(tmp_path, *listing)
     assert "zero3" in proc.stdout  # the DeepSpeed tests were listed
     assert list(extensions.iterdir()) == []  # and nothing was built
-    assert time.monotonic() - started < 120
+    assert time.monotonic() - started < 300  # (no wait on another build: under load too)
 
 
 def test_the_fast_tier_starts_no_deepspeed_build(tmp_path):
