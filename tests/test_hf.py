@@ -491,13 +491,14 @@ def test_two_rank_runs_import_and_export_the_same_weights(
 
 
 def test_what_transformers_computes_otherwise_is_refused_or_read_its_way(
-    exported, run_dir, data_dir, tmp_path
+    exported, run_dir, data_dir, tmp_path, logs
 ):
     """Folders transformers computes otherwise than scale_llm read them (logits 5 to 11 apart,
     no message): rope_parameters' legacy `type` key (linear scaling read as default RoPE), a
     config naming its weights file (transformers_weights), model.safetensors beside an index
     (transformers reads the single file, scale_llm read the index), and a tied config whose
-    file holds another lm_head.weight (transformers unties them)."""
+    file holds another lm_head.weight (transformers unties them). And tensors neither reads (a
+    bias the config does not declare): left out without a word, now named."""
     from safetensors.torch import load_file, save_file
 
     from scale_llm.components.hf_files import HFWeights
@@ -529,6 +530,15 @@ def test_what_transformers_computes_otherwise_is_refused_or_read_its_way(
             continue
         with pytest.raises(UserError, match="lm_head.weight differs from model.embed_tokens"):
             check_init_from(cfg, sha(data_dir))
+    bias = torch.zeros(tensors["model.layers.0.self_attn.q_proj.weight"].shape[0])
+    inv_freq = torch.ones(4)  # (a buffer older transformers saved: no weight)
+    more = {"model.layers.0.self_attn.q_proj.bias": bias}
+    more["model.layers.0.self_attn.rotary_emb.inv_freq"] = inv_freq
+    save_file({**tensors, **more}, folder / "model.safetensors")
+    assert "does not read" not in logs.text
+    check_init_from(cfg, sha(data_dir))
+    said = f"init_from: {folder} holds 1 tensor(s) the model does not read "
+    assert said + "(model.layers.0.self_attn.q_proj.bias): left out" in logs.text
 
 
 def test_an_hf_config_without_optional_fields_takes_llamas_defaults():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 import torch
@@ -16,7 +16,14 @@ from scale_llm.config import ModelConfig
 from scale_llm.data.pretrained_tokenizer import ENCODERS, folder_digest
 from scale_llm.errors import UserError
 from scale_llm.files import folder_file, read_folder_file
-from scale_llm.model.hf import FromHF, config_problems, from_hf_config, hf_shapes, shape_problems
+from scale_llm.model.hf import (
+    ARCHITECTURE,
+    FromHF,
+    config_problems,
+    from_hf_config,
+    hf_shapes,
+    shape_problems,
+)
 
 log = logging.getLogger(__name__)
 WHAT = "model.init_from"
@@ -49,6 +56,13 @@ def check_init_from(
         )
     if len(shapes) > MAX_SHAPE_LINES:
         problems.append(f"... and {len(shapes) - MAX_SHAPE_LINES} more tensors")
+    if compare_head and (unread := _unread(cfg, found)):
+        log.warning(
+            f"init_from: {folder} holds {len(unread)} tensor(s) the model does not read "
+            f"({', '.join(unread[:3])}{', ...' if len(unread) > 3 else ''}): left out, as "
+            f"transformers leaves them out of a {ARCHITECTURE}; a checkpoint with more layers or "
+            f"with biases than its config.json says computes otherwise than it did"
+        )
     problems += _tokenizer_problems(folder, tokenizer_sha256, tokenizer_files_sha256)
     if problems:
         raise UserError(
@@ -57,6 +71,13 @@ def check_init_from(
             + "\nMake the model section match the checkpoint, or pick another folder."
         )
     return folder
+
+
+def _unread(cfg: ModelConfig, found: Collection[str]) -> list[str]:
+    """The folder's tensors the model does not read, but a tied head (compared with the
+    embeddings) and RoPE's inverse frequencies (a buffer older transformers saved)."""
+    read = {*hf_shapes(cfg), *(["lm_head.weight"] if cfg.tie_embeddings else [])}
+    return sorted(n for n in found if n not in read and not n.endswith("rotary_emb.inv_freq"))
 
 
 def load_init_weights(cfg: ModelConfig, folder: Path) -> Mapping[str, torch.Tensor]:
