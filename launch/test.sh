@@ -16,7 +16,8 @@ if [[ "${1:-}" == "--fast" ]]; then
     select=(-m "not slow")
 fi
 # Two pytest workers (pytest-xdist), each given a whole test file at a time (a module's worlds
-# start once): on 2 cores the multi-process tests leave a core idle about half the time.
+# start once; files that share runs go together: tests/conftest.py): on 2 cores the
+# multi-process tests leave a core idle about half the time.
 # SCALE_LLM_TEST_WORKERS=0 runs the tests in one process.
 workers="${SCALE_LLM_TEST_WORKERS:-2}"
 if ! [[ "$workers" =~ ^(0|[1-9][0-9]?)$ ]]; then

@@ -153,6 +153,26 @@ SLOW_TESTS = {  # by module::function (every parameter): over ~4 s each on 2 cor
 }
 
 
+# `launch/test.sh` runs two pytest-xdist workers (`--dist loadfile`), each given a test file at a
+# time; files that read the same session runs go together (built once per worker otherwise:
+# test_reliability's DCP moves start from test_distributed's 2-rank runs).
+SAME_WORKER = {"test_reliability.py": "test_distributed.py"}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None  # (xdist's own)
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedRunsTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = super()._split_scope(nodeid)
+            folder, _, name = file.rpartition("/")
+            return f"{folder}/{SAME_WORKER.get(name, name)}"
+
+    return SharedRunsTogether(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         module, _, name = item.nodeid.rpartition("/")[2].partition("::")

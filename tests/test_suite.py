@@ -12,7 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST_WORLD, SLOW_MODULES, SLOW_TESTS, stale_extension_locks
+from tests.conftest import (
+    FAST_WORLD,
+    SAME_WORKER,
+    SLOW_MODULES,
+    SLOW_TESTS,
+    stale_extension_locks,
+)
 from tests.helpers import REPO, env, run
 
 
@@ -56,6 +62,7 @@ def test_every_test_the_tiers_name_exists():
     lands in the fast tier unseen."""
     tests = REPO / "tests"
     assert all((tests / module).is_file() for module in SLOW_MODULES)
+    assert all((tests / module).is_file() for pair in SAME_WORKER.items() for module in pair)
     missing = []
     for entry in [*SLOW_TESTS, FAST_WORLD.partition("[")[0]]:
         module, _, name = entry.partition("::")
