@@ -1156,12 +1156,18 @@ def test_a_fused_adamw_skips_a_non_finite_step_on_the_device():
         torch.testing.assert_close(a, b)
 
 
-def test_tensorboard_never_shows_a_step_twice(data_dir, tmp_path):
+def test_tensorboard_never_shows_a_step_twice(data_dir, tmp_path, monkeypatch):
     """A resume from an older checkpoint and a fresh restart in the same run dir: the event
-    files, read back by TensorBoard's EventAccumulator, hold each step once."""
+    files, read back by TensorBoard's EventAccumulator, hold each step once and in order. The
+    process's event files numbered from 8 (torch names them by second and number): at the
+    resume a history rewritten into a file of its own (9) was read after the launch's (10)."""
     import shutil
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.summary.writer import event_file_writer
+
+    count = event_file_writer.AtomicCounter(8)  # (the first launch's file: 8)
+    monkeypatch.setattr(event_file_writer, "_global_uid", count)
 
     def steps(run_dir):
         acc = EventAccumulator(str(run_dir / "tensorboard"))

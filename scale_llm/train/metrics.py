@@ -40,24 +40,28 @@ class MetricsLogger:
             return
         kept = resume_step if kept is None else kept
         rows, replaced = _rows(self.path, kept), None
+        events = run_dir / "tensorboard"
+        stale = _stale_events(events, kept) if rows.past else []  # (before this launch's file)
+        if cfg.logging.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # (purge_step: TensorBoard's Python reader also hides any later event it finds)
+            self.writer = SummaryWriter(
+                str(events), purge_step=kept + 1, filename_suffix=TRAIN_EVENTS
+            )
         if rows.past:  # a history rewritten past `kept` (a rewind, a kill, a fresh start):
             if old_id := _new_wandb_id(run_dir):  # the trackers' copies of it go first (a crash
                 replaced = (old_id, rows.past)  # in between finds the rows again)
             try:
-                _rebuild_events(run_dir / "tensorboard", rows.kept_rows, kept)
+                _rebuild_events(events, rows.kept_rows, kept, stale, self.writer)
             except OSError as e:  # (logging.tensorboard off, its folder not writable: said)
                 log.warning(f"metrics: TensorBoard's events past step {kept} stay ({e})")
         _start_rows(self.path, kept, rows)
         trackers = cfg.logging.tensorboard or cfg.logging.wandb.project
         tracked = flat(to_dict(cfg), tracker=True) if trackers else {}  # as the trackers show it
-        if cfg.logging.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+        if self.writer is not None:
             from torch.utils.tensorboard.summary import hparams
 
-            # (purge_step: TensorBoard's Python reader also hides any later event it finds)
-            self.writer = SummaryWriter(
-                str(run_dir / "tensorboard"), purge_step=kept + 1, filename_suffix=TRAIN_EVENTS
-            )
             # the run dir holds the hparams session: the HPARAMS tab lists it with its scalars
             metrics = {"loss/val_loss": math.nan, "loss/loss": math.nan}
             for summary in hparams(tracked, metrics):
@@ -116,23 +120,35 @@ def write_events(writer: Any, step: int, scalars: dict[str, float], texts: dict[
         writer.add_text(tag, _code_block(text), step)
 
 
-def _rebuild_events(folder: Path, rows: list[dict[str, Any]], kept: int) -> None:
+def _stale_events(folder: Path, kept: int) -> list[Path]:
+    """The event files a history rewritten past `kept` replaces: the training's (named by
+    TRAIN_EVENTS), and eval's of checkpoints past `kept` (their records stay in RUN_DIR/eval)."""
+    if not folder.is_dir():
+        return []
+    evals = [f for f in folder.glob(f"*.{EVENTS_MARK}-step_*") if _checkpoint_step(f.name) > kept]
+    return sorted(folder.glob(f"events.out.tfevents.*{TRAIN_EVENTS}")) + evals
+
+
+def _rebuild_events(
+    folder: Path, rows: list[dict[str, Any]], kept: int, stale: list[Path], writer: Any
+) -> None:
     """TensorBoard's fast reader (its default) ignores purge_step: a rewritten history's earlier
-    points stayed beside the new ones. The training's event files (named by TRAIN_EVENTS) are
-    replaced by one of the rows kept (metrics.jsonl's, up to `kept`), and eval's files of
-    checkpoints past `kept` go (their records stay in RUN_DIR/eval)."""
-    ours = sorted(folder.glob(f"events.out.tfevents.*{TRAIN_EVENTS}")) if folder.is_dir() else []
-    evals = [f for f in folder.glob(f"*.{EVENTS_MARK}-step_*")] if folder.is_dir() else []
-    evals = [f for f in evals if _checkpoint_step(f.name) > kept]
-    if not ours and not evals:
+    points stayed beside the new ones. The `stale` files go; the rows kept (metrics.jsonl's, up
+    to `kept`) are written again first, into this launch's own event file (`writer`; a file of
+    their own where TensorBoard is off): a file of their own beside it was read after it where
+    its name sorted first (torch numbers a process's files 9, 10, ... in one second)."""
+    if not stale:
         return
     from torch.utils.tensorboard import SummaryWriter
 
-    with SummaryWriter(str(folder), filename_suffix=TRAIN_EVENTS) as writer:  # (a new file)
+    with contextlib.ExitStack() as own:
+        if writer is None:
+            writer = own.enter_context(SummaryWriter(str(folder), filename_suffix=TRAIN_EVENTS))
         for row in rows:
             values = {k: _unclean(v) for k, v in row.items() if k != "step"}
             write_events(writer, row["step"], *tracked_values(values))
-    for old in [*ours, *evals]:  # (listed before the new one was written)
+        writer.flush()  # (on disk before the stale files go)
+    for old in stale:
         old.unlink(missing_ok=True)
     log.info(
         f"metrics: TensorBoard's events past step {kept} removed ({len(rows)} row(s) kept, "
