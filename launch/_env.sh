@@ -1,7 +1,8 @@
 # Sourced by the launchers: one place for the environment every run starts with.
 # Sets: ROOT, PYTHONSAFEPATH, PY (the Python that runs scale_llm), gpus (the node's: nvidia-smi's
 # count, else torch's), visible_gpus (those CUDA_VISIBLE_DEVICES leaves), NGPU, OMP_NUM_THREADS,
-# PYTORCH_CUDA_ALLOC_CONF, DS_ACCELERATOR (no visible GPU), TORCHRUN (the torchrun command), and
+# PYTORCH_CUDA_ALLOC_CONF (unless it or PYTORCH_ALLOC_CONF is set), DS_ACCELERATOR (no visible
+# GPU), TORCHRUN (the torchrun command), and
 # the functions run_prepare, require_config, run_job, tell_workers and end_run (how a run stops).
 
 unset CDPATH  # (an exported one sends `cd DIR` elsewhere, and prints where)

@@ -159,6 +159,7 @@ SLOW_TESTS = {  # by module::function (every parameter): over ~4 s each on 2 cor
 SAME_WORKER = {"test_reliability.py": "test_distributed.py"}
 
 
+@pytest.hookimpl(optionalhook=True)  # (xdist's hook: pytest without xdist runs too)
 def pytest_xdist_make_scheduler(config, log):
     if config.getvalue("dist") != "loadfile":
         return None  # (xdist's own)

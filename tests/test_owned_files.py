@@ -627,10 +627,10 @@ def _contend(path: str, start, tried, results) -> None:
         lock.acquire()
     except UserError:
         results.put(False)
-        tried.wait()
+        tried.wait(timeout=60)
         return
     results.put(True)
-    tried.wait()  # held until every contender has tried (a late one on a loaded machine too)
+    tried.wait(timeout=60)  # held until every contender has tried (a late one under load too)
     lock.release()
 
 

@@ -476,6 +476,24 @@ def test_a_stop_signal_during_a_steps_save_stops_after_that_step(
     assert ("val_loss" in rows[2]) == evaluated
 
 
+def test_a_failing_save_keeps_its_steps_row(data_dir, tmp_path, monkeypatch):
+    """A step's row is written after its save (so a stop during the save adds the step's
+    numbers to it); a save that fails still leaves the row (loss and val_loss) behind it."""
+    from scale_llm.errors import UserError
+
+    settings = ["checkpoint.every=2", "train.max_steps=6", "logging.every=2", "eval.every=2"]
+    tr = trainer_for(make_config(data_dir, tmp_path, *settings))
+
+    def full_disk():
+        raise UserError("the disk is full")
+
+    monkeypatch.setattr(tr, "save_checkpoint", full_disk)
+    with pytest.raises(UserError, match="the disk is full"):
+        tr.fit()
+    rows = rows_of(tr.run_dir)
+    assert sorted(rows) == [1, 2] and {"loss", "val_loss"} <= rows[2].keys()
+
+
 def test_torchrun_restarts_a_killed_rank_and_the_run_resumes(data_dir, root, reference):
     name = "restarted"
     args = [*common(data_dir, root, name), *sets(*BACKENDS["ddp"], *SPLIT)]

@@ -4,6 +4,7 @@ which `WriteMetrics` writes. A feature around the step is a callback here, not a
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 from dataclasses import dataclass, field
@@ -209,7 +210,8 @@ class WriteMetrics(Callback):
 
     def step_end(self, trainer: Trainer, s: StepEnd) -> None:
         if s.row:
-            s.row.update(cuda_memory_gib(trainer.device))
+            for key, value in cuda_memory_gib(trainer.device).items():  # (a saved step's:
+                s.row.setdefault(key, value)  # taken before its save, by Checkpoints)
             trainer.metrics.log(s.step, s.row)
 
     def end(self, trainer: Trainer, failing: bool) -> None:
@@ -237,10 +239,16 @@ class Checkpoints(Callback):
     def step_end(self, trainer: Trainer, s: StepEnd) -> None:
         if not (trainer.cadence.checkpoints(s.step) or s.stop):
             return
-        # (no step's time: tokens/s leaves it out, on a metric row's step or between two)
-        with trainer.clock.aside(), start_timeouts():  # (ranks wait while one writes)
-            trainer.collector.before_checkpoint()
-            trainer.result.checkpoint = trainer.save_checkpoint()
+        if s.row:  # the step's peak memory, not the save's
+            s.row.update(cuda_memory_gib(trainer.device))
+        try:  # (no step's time: tokens/s leaves it out, on a metric row's step or between two)
+            with trainer.clock.aside(), start_timeouts():  # (ranks wait while one writes)
+                trainer.collector.before_checkpoint()
+                trainer.result.checkpoint = trainer.save_checkpoint()
+        except BaseException:  # the step's row still reaches metrics.jsonl and the trackers
+            with contextlib.suppress(Exception):  # (the save's error is the one to see)
+                WriteMetrics().step_end(trainer, s)
+            raise
         if s.stop or not (stop := trainer.stop_reason()):
             return
         s.stop = stop  # (one that came while it saved: this step is the stop's, its save the last)

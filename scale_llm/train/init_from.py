@@ -56,19 +56,19 @@ def check_init_from(
         )
     if len(shapes) > MAX_SHAPE_LINES:
         problems.append(f"... and {len(shapes) - MAX_SHAPE_LINES} more tensors")
-    if compare_head and (unread := _unread(cfg, found)):
-        log.warning(
-            f"init_from: {folder} holds {len(unread)} tensor(s) the model does not read "
-            f"({', '.join(unread[:3])}{', ...' if len(unread) > 3 else ''}): left out, as "
-            f"transformers leaves them out of a {ARCHITECTURE}; a checkpoint with more layers or "
-            f"with biases than its config.json says computes otherwise than it did"
-        )
     problems += _tokenizer_problems(folder, tokenizer_sha256, tokenizer_files_sha256)
     if problems:
         raise UserError(
             f"{WHAT}={folder} cannot start this run:\n  - "
             + "\n  - ".join(problems)
             + "\nMake the model section match the checkpoint, or pick another folder."
+        )
+    if compare_head and (unread := _unread(cfg, found)):
+        log.warning(
+            f"init_from: {folder} holds {len(unread)} tensor(s) the model does not read "
+            f"({', '.join(unread[:3])}{', ...' if len(unread) > 3 else ''}): left out, as "
+            f"transformers leaves them out of a {ARCHITECTURE}; a checkpoint holding more layers, "
+            f"or biases, than its config.json declares computed differently where it was trained"
         )
     return folder
 
