@@ -75,6 +75,7 @@ def inf_in_rank_1s_shard(tr: Trainer, step: int) -> dict[str, bool]:
 
 
 def rows(tr: Trainer) -> dict[int, dict]:
+    dist.barrier()  # (rank 0 writes the last step's row after that step's save)
     lines = (tr.run_dir / "metrics.jsonl").read_text().splitlines()
     return {r["step"]: r for r in map(json.loads, lines)}
 
