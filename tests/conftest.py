@@ -147,6 +147,7 @@ SLOW_TESTS = {  # by module::function (every parameter): over ~4 s each on 2 cor
     "test_cli.py::test_a_stop_signal_to_the_torchrun_launchers_ends_with_the_checkpoint",
     "test_prepare_scale.py::test_prepare_workers_die_with_a_killed_parent",
     "test_prepare_scale.py::test_sigterm_during_prepare_says_what_was_kept",
+    "test_prepare_scale.py::test_a_script_calling_prepare_without_a_main_guard_stops_instead_of_waiting",
     "test_owned_files.py::test_two_prepares_of_one_data_dir_take_turns",
     "test_fp8.py::test_torchao_imports_quietly_off_a_gpu",
     "test_fp8.py::test_runs_without_fp8_never_import_torchao",

@@ -21,7 +21,15 @@ from scale_llm.data.prepare import prepare
 from scale_llm.data.shards import read_manifest
 from scale_llm.data.sources import Document
 from scale_llm.errors import UserError
-from tests.helpers import logged, make_config, prep_config, random_texts, trainer_for
+from tests.helpers import (
+    TINY_MODEL,
+    env,
+    logged,
+    make_config,
+    prep_config,
+    random_texts,
+    trainer_for,
+)
 
 
 def corpus(tmp_path, n=60):
@@ -277,6 +285,27 @@ def _start_prepare(tmp_path) -> subprocess.Popen:
         env=env,
         cwd=work,
     )
+
+
+def test_a_script_calling_prepare_without_a_main_guard_stops_instead_of_waiting(
+    corpus_dir, tmp_path
+):
+    """Python starts each of prepare's workers by running the calling script again: a script
+    that calls prepare at its top level had each worker wait, without end, for the data.dir lock
+    its parent held (the log said "waiting for another prepare")."""
+    script = tmp_path / "script.py"
+    settings = [*TINY_MODEL, f"data.source={corpus_dir}", f"data.dir={tmp_path / 'data'}"]
+    settings += ["data.num_proc=2", "data.tokenizer_sample_bytes=300000"]
+    script.write_text(
+        "from scale_llm.config import load_config\n"
+        "from scale_llm.data.prepare import prepare\n"
+        f"prepare(load_config(None, {settings!r}))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script)], env=env(), capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode != 0
+    assert 'call prepare under `if __name__ == "__main__":`' in proc.stderr, proc.stderr[-3000:]
 
 
 def _planted_ran(tmp_path) -> bool:
