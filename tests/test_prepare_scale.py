@@ -292,7 +292,8 @@ def test_a_script_calling_prepare_without_a_main_guard_stops_instead_of_waiting(
 ):
     """Python starts each of prepare's workers by running the calling script again: a script
     that calls prepare at its top level had each worker wait, without end, for the data.dir lock
-    its parent held (the log said "waiting for another prepare")."""
+    its parent held (the log said "waiting for another prepare"). The refusal is at the lock:
+    an up-to-date data.dir's prepare stays a no-op in a spawned process."""
     script = tmp_path / "script.py"
     settings = [*TINY_MODEL, f"data.source={corpus_dir}", f"data.dir={tmp_path / 'data'}"]
     settings += ["data.num_proc=2", "data.tokenizer_sample_bytes=300000"]
@@ -306,6 +307,20 @@ def test_a_script_calling_prepare_without_a_main_guard_stops_instead_of_waiting(
     )
     assert proc.returncode != 0
     assert 'call prepare under `if __name__ == "__main__":`' in proc.stderr, proc.stderr[-3000:]
+    # on an up-to-date data.dir the script's own spawned process runs its top-level prepare
+    # again: a read-only no-op (no lock), as before
+    prepare(load_config(None, settings))
+    script.write_text(
+        script.read_text()
+        + "import multiprocessing\n"
+        + 'if __name__ == "__main__":\n'
+        + "    child = multiprocessing.get_context('spawn').Process(target=print, args=('ran',))\n"
+        + "    child.start()\n    child.join()\n    raise SystemExit(child.exitcode)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script)], env=env(), capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ran"), proc.stderr[-3000:]
 
 
 def _planted_ran(tmp_path) -> bool:

@@ -4,7 +4,6 @@ mixture: mixture.py, each source the same way into data.dir/<name> under one tok
 from __future__ import annotations
 
 import logging
-import multiprocessing
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +21,6 @@ log = logging.getLogger(__name__)
 def prepare(cfg: Config, force: bool = False, keep: Kept | None = None) -> dict[str, Any]:
     """Prepare data.dir; its record: one source's manifest, or a mixture's mixture.json. With
     `keep`, a rebuild that would replace data.dir's tokenizer is refused before it publishes."""
-    if getattr(multiprocessing.current_process(), "_inheriting", False):  # (multiprocessing's
-        raise UserError(  # own test for a spawned process importing the parent's script)
-            "prepare() was called while one of prepare's worker processes started: Python runs "
-            "the calling script again in each, where this call would wait forever for the "
-            'data.dir lock its parent holds; call prepare under `if __name__ == "__main__":`'
-        )
     check_settings(cfg)
     for unread in unread_hf_keys(cfg.data):
         log.warning("data: %s", unread)

@@ -10,6 +10,7 @@ import hashlib
 import itertools
 import json
 import logging
+import multiprocessing
 import shutil
 import signal
 import sys
@@ -122,6 +123,13 @@ def data_dir_lock(out: Path) -> Iterator[None]:
     require_writable_dir(out, "data.dir")  # before anything is read or removed
     made = [p for p in [out, *out.parents] if not (p.exists() or p.is_symlink())]
     lock = OwnerLock(out / LOCK_FILE, f"data.dir={out}", "point data.dir elsewhere")
+    if getattr(multiprocessing.current_process(), "_inheriting", False):  # (multiprocessing's
+        raise UserError(  # own test: a spawned process running its parent's script)
+            f"prepare of data.dir={out} was called while a process multiprocessing spawned "
+            f"started (Python runs the calling script again in each, prepare's own workers "
+            f"too), where it would wait forever for the lock a prepare in the parent holds, or "
+            f'prepare again; call prepare under `if __name__ == "__main__":` in the script'
+        )
     lock.acquire(wait=True, on_wait="data: waiting for another prepare of this data.dir (%s)")
     try:
         yield

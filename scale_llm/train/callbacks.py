@@ -245,6 +245,8 @@ class Checkpoints(Callback):
             with trainer.clock.aside(), start_timeouts():  # (ranks wait while one writes)
                 trainer.collector.before_checkpoint()
                 trainer.result.checkpoint = trainer.save_checkpoint()
+        except TrainingDiverged:  # (its own row, written by NaNGuard.check)
+            raise
         except BaseException:  # the step's row still reaches metrics.jsonl and the trackers
             with contextlib.suppress(Exception):  # (the save's error is the one to see)
                 WriteMetrics().step_end(trainer, s)
