@@ -469,7 +469,11 @@ def private_dir(parent: Path, prefix: str) -> Iterator[Path]:
     try:
         yield path
     finally:
-        shutil.rmtree(path, ignore_errors=True)
+        for _ in range(50):  # (a stopped save's writer thread may still add a file: ~5 s)
+            shutil.rmtree(path, ignore_errors=True)
+            if not (path.exists() or path.is_symlink()):
+                break
+            time.sleep(0.1)
         _remove_empty(created)
 
 
