@@ -307,6 +307,9 @@ def test_a_script_calling_prepare_without_a_main_guard_stops_instead_of_waiting(
     )
     assert proc.returncode != 0
     assert 'call prepare under `if __name__ == "__main__":`' in proc.stderr, proc.stderr[-3000:]
+    # the workers say why, without a traceback; the parent's pool error is one paragraph
+    assert "BrokenProcessPool" not in proc.stderr and proc.stderr.count("Traceback") == 1
+    assert "UserError: data: a worker process of prepare's 2 ended" in proc.stderr, proc.stderr
     # on an up-to-date data.dir the script's own spawned process runs its top-level prepare
     # again: a read-only no-op (no lock), as before
     prepare(load_config(None, settings))

@@ -14,6 +14,7 @@ import threading
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +23,7 @@ from scale_llm.data.documents import Document
 from scale_llm.data.pretrained_tokenizer import PretrainedTokenizer
 from scale_llm.data.shards import token_dtype
 from scale_llm.data.tokenizer import Tokenizer, load_tokenizer
+from scale_llm.errors import UserError
 
 BATCH_CHARS = 1 << 20  # characters of text per batch sent to a worker
 BATCH_DOCS = 1024  # and at most this many documents
@@ -151,9 +153,20 @@ class Encoder:
             with _stop_signals_after_spawn(len(pending) < self.num_proc):
                 pending.append(self._pool.submit(_encode_in_worker, batch))  # (may spawn one)
             if len(pending) >= 2 * self.num_proc:  # bounded: reading never runs far ahead
-                yield pending.popleft().result()
+                yield self._result(pending.popleft())
         while pending:
-            yield pending.popleft().result()
+            yield self._result(pending.popleft())
+
+    def _result(self, future: Future) -> EncodedBatch:
+        try:
+            return future.result()
+        except BrokenProcessPool:  # (a worker ended without a word to the pool: its own error
+            raise UserError(  # went to stderr above, or the kernel's OOM killer ended it)
+                f"data: a worker process of prepare's {self.num_proc} ended before its batch "
+                f"was encoded (what it printed is above; without a message, the system may have "
+                f"ended it for lack of memory); nothing was published. Fix what it printed, or "
+                f"set data.num_proc=1 to encode in this process"
+            ) from None
 
     def close(self, stopped: bool = False) -> None:
         """The workers' end: awaited, or (`stopped`: a Ctrl-C or SIGTERM, whose batches in flight

@@ -124,7 +124,8 @@ def data_dir_lock(out: Path) -> Iterator[None]:
     made = [p for p in [out, *out.parents] if not (p.exists() or p.is_symlink())]
     lock = OwnerLock(out / LOCK_FILE, f"data.dir={out}", "point data.dir elsewhere")
     if getattr(multiprocessing.current_process(), "_inheriting", False):  # (multiprocessing's
-        raise UserError(  # own test: a spawned process running its parent's script)
+        raise SystemExit(  # own test: a spawned process running its parent's script; the
+            # paragraph alone on stderr, and the parent's pool says a worker ended)
             f"prepare of data.dir={out} was called while a process multiprocessing spawned "
             f"started (Python runs the calling script again in each, prepare's own workers "
             f"too), where it would wait forever for the lock a prepare in the parent holds, or "
