@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 from dataclasses import replace
 from pathlib import Path
 from urllib.parse import urlparse
@@ -1424,12 +1425,16 @@ def test_wandb_that_cannot_start_is_a_clear_error(data_dir, tmp_path, monkeypatc
 
     monkeypatch.setattr(wandb, "init", no_key)
     with pytest.raises(UserError) as info:
-        trainer(data_dir, tmp_path, "logging.wandb.project=p")
+        trainer(data_dir, tmp_path, "logging.wandb.project=p", "logging.tensorboard=true")
     msg = str(info.value)
     assert msg.startswith("logging.wandb.project=p: W&B did not start (api_key not configured")
     assert "`wandb login`" in msg and "logging.wandb.mode=offline" in msg
     # the launch released its run lock: a relaunch from another host would be refused
     assert not (tmp_path / "runs" / "test" / ".lock").exists()
+    # and closed its TensorBoard file (what it had queued is written, its thread gone)
+    (events,) = (tmp_path / "runs" / "test" / "tensorboard").glob("events.*")
+    assert b"config/yaml" in events.read_bytes()
+    assert not [t for t in threading.enumerate() if "AsyncWriter" in type(t).__name__]
 
 
 def test_a_run_tokenizer_that_does_not_fit_its_model_is_one_paragraph(four_steps, tmp_path, capsys):

@@ -68,7 +68,11 @@ class MetricsLogger:
                 self.writer.file_writer.add_summary(summary)
             self.writer.add_text("config/yaml", _code_block(dump_yaml(cfg)), resume_step)
         if cfg.logging.wandb.project:
-            self.wandb = _start_wandb(cfg, run_dir, kept, replaced, tracked)
+            try:
+                self.wandb = _start_wandb(cfg, run_dir, kept, replaced, tracked)
+            except BaseException:
+                self.close()  # (the TensorBoard file written, its thread ended)
+                raise
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         """One row per step: numbers become scalars, `samples_text` a text entry."""
@@ -98,6 +102,7 @@ class MetricsLogger:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+            self.writer = None
         if self.wandb is not None:
             self._to_wandb(lambda run: run.finish())
             self.wandb = None

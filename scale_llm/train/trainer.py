@@ -87,6 +87,9 @@ class Trainer:
         try:
             self._build()
         except BaseException:
+            for built in (getattr(self, "metrics", None), getattr(self, "loader", None)):
+                if built is not None:
+                    built.close()
             self.lock.release()
             raise
 
