@@ -14,7 +14,7 @@ import torch
 from scale_llm.cli import main
 from scale_llm.data.loader import PERIOD, SourceSchedule, TokenWindows, TrainLoader
 from scale_llm.data.prepare import prepare
-from scale_llm.errors import short
+from scale_llm.errors import UserError, short
 from scale_llm.train.trainer import Trainer
 from tests.helpers import (
     batch_plan,
@@ -232,6 +232,50 @@ def test_a_changed_source_is_prepared_alone(tmp_path):
     manifest = json.loads((tmp_path / "data" / "code" / "manifest.json").read_text())
     assert recorded["code"]["fingerprint"] == manifest["fingerprint"]
     assert recorded["code"]["train_tokens"] == manifest["splits"]["train"]["tokens"]
+
+
+def test_a_new_tokenizer_replaces_the_data_only_once_every_source_is_built(tmp_path, logs):
+    """A mixture prepared again with another tokenizer (vocab_size changed) whose second source
+    fails past the tokenizer's sample: the tokenizer had been replaced in place and mixture.json
+    emptied, so the previous data trained no more. Now data.dir keeps the previous data whole and
+    trainable; the next prepare reuses the new tokenizer and the first source's build."""
+    src = {"web": corpus(tmp_path / "web", "web", 0), "code": corpus(tmp_path / "code", "code", 1)}
+    cfg = mixture_config(tmp_path / "data", src)
+    prepare(cfg)
+    before = {
+        name: snapshot(tmp_path / "data" / name) for name in ("web", "code", "tokenizer.model")
+    } | {"mixture.json": (tmp_path / "data" / "mixture.json").read_bytes()}
+    bad = src["code"] / "zzz.jsonl"  # read last: past the tokenizer's sample
+    bad.write_text(json.dumps({"text": 5}) + "\n")
+    larger = prep_config(
+        "builtin",
+        tmp_path / "data",
+        sources_override(src),
+        "model.vocab_size=420",
+        "data.tokenizer_sample_bytes=20000",  # (code's first files)
+    )
+    with logged() as lines, pytest.raises(UserError, match=r"data.sources\[1\] \(name code\)"):
+        prepare(larger)
+    assert any("trained a 420-piece" in line for line in lines)  # (past the tokenizer)
+    for name in ("web", "code", "tokenizer.model"):  # (builds aside: in .prepare-build)
+        now = snapshot(tmp_path / "data" / name)
+        assert {k: v for k, v in now.items() if ".prepare-build" not in k} == before[name]
+    record = json.loads((tmp_path / "data" / "mixture.json").read_text())
+    assert {k: v for k, v in record.items() if k != "next"} == json.loads(before["mixture.json"])
+    assert run(tmp_path / "data", src, tmp_path / "runs", "train.max_steps=2").fit().steps == 2
+    bad.unlink()
+    logs.clear()
+    prepare(larger)
+    assert not any("trained a" in line for line in logs)  # the new one, reused
+    assert any("data/web is up to date" in line for line in logs)  # its build, published
+    after = json.loads((tmp_path / "data" / "mixture.json").read_text())
+    assert "next" not in after and set(after["sources"]) == {"web", "code"}
+    assert after["tokenizer"]["sha256"] != record["tokenizer"]["sha256"]
+    assert not (tmp_path / "data" / ".next-tokenizer").exists()
+    assert not list((tmp_path / "data").glob("*/.prepare-build"))
+    assert run(
+        tmp_path / "data", src, tmp_path / "runs2", "train.max_steps=2", "model.vocab_size=420"
+    ).fit()
 
 
 def test_bad_mixtures_exit_2_naming_each_problem_and_writing_nothing(tmp_path, capsys):

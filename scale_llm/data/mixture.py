@@ -37,11 +37,18 @@ from scale_llm.data.shards import MANIFEST, check_tokenizer, open_split, read_ma
 from scale_llm.data.sources import Source, open_source, refuse_overlap
 from scale_llm.data.tokenizer import SP_FILE, file_sha256, train_tokenizer
 from scale_llm.errors import UserError
-from scale_llm.files import atomic_write_bytes, atomic_write_json, describe_kind, read_json
+from scale_llm.files import (
+    atomic_write_bytes,
+    atomic_write_json,
+    describe_kind,
+    private_dir,
+    read_json,
+)
 
 log = logging.getLogger(__name__)
 MIXTURE = "mixture.json"
 MIXTURE_FORMAT = 1
+NEXT_TOKENIZER = ".next-tokenizer"  # a rebuild's tokenizer until every source is built with it
 FOLDERS_SINCE = "7214b00 of 2026-12-03"  # the first prepare whose mixture.json named "folders"
 
 
@@ -66,22 +73,35 @@ def prepare_mixture(cfg: Config, force: bool = False, keep: Kept | None = None) 
     with data_dir_lock(out):
         mixture = _claim(out, [s.name for s in cfg.data.sources])
         draw = lambda: _sample(cfg, configs, sources)
-        tokenizer = _tokenizer(cfg, out, mixture, bundle, force, draw, keep)
-        for i, (entry, sub) in enumerate(zip(cfg.data.sources, configs)):
-            log.info("data: source %s (%s)", entry.name, sub.data.source)
-            if entry.name not in mixture["folders"]:
-                # named before its folder is written: a stopped prepare leaves it prepare's own,
-                # so the next prepare continues it instead of refusing it
-                mixture["folders"].append(entry.name)
-                atomic_write_json(out / MIXTURE, mixture)
-            try:
-                manifest = prepare_source(sub, force, tokenizer=tokenizer)
-            except UserError as e:
-                raise UserError(f"data.sources[{i}] (name {entry.name}): {e}") from None
-            mixture["sources"][entry.name] = _record(manifest)
-            atomic_write_json(out / MIXTURE, mixture)
+        tokenizer, new = _tokenizer(cfg, out, mixture, bundle, force, draw, keep)
+        if new:  # every source built with it before any is published: until then data.dir
+            _each_source(cfg, configs, mixture, tokenizer, force, publish=False)  # stays as it
+            _adopt_tokenizer(out, mixture)  # was, trainable, whatever stops this prepare
+        _each_source(cfg, configs, mixture, tokenizer, force and not new, publish=True)
         _log_mixture(out, mixture, cfg)
         return mixture
+
+
+def _each_source(
+    cfg: Config, configs: list[Config], mixture: dict, tokenizer: bytes, force: bool, publish: bool
+) -> None:
+    """Prepare each source with `tokenizer` in its folder: published and recorded in
+    mixture.json, or (not `publish`) left complete in its build folder."""
+    out = Path(cfg.data.dir)
+    for i, (entry, sub) in enumerate(zip(cfg.data.sources, configs)):
+        log.info("data: source %s (%s)", entry.name, sub.data.source)
+        if entry.name not in mixture["folders"]:
+            # named before its folder is written: a stopped prepare leaves it prepare's own,
+            # so the next prepare continues it instead of refusing it
+            mixture["folders"].append(entry.name)
+            atomic_write_json(out / MIXTURE, mixture)
+        try:
+            manifest = prepare_source(sub, force, tokenizer=tokenizer, publish=publish)
+        except UserError as e:
+            raise UserError(f"data.sources[{i}] (name {entry.name}): {e}") from None
+        if publish:
+            mixture["sources"][entry.name] = _record(manifest)
+            atomic_write_json(out / MIXTURE, mixture)
 
 
 def _open_all(cfg: Config, configs: list[Config]) -> list[Any]:
@@ -128,11 +148,14 @@ def _claim(out: Path, names: list[str]) -> dict[str, Any]:
             f"data.dir={out} holds the data of one source ({MANIFEST}); a mixture keeps one "
             f"folder per source beside its own {MIXTURE}: point data.dir at a new folder"
         )
-    refuse_non_files(out / name for name in (MIXTURE, SP_FILE, BUNDLE_FILE))  # (it rewrites them)
+    written = (MIXTURE, SP_FILE, BUNDLE_FILE, NEXT_TOKENIZER)
+    refuse_non_files(out / name for name in written)  # (it rewrites them)
     found = _read(out / MIXTURE)
-    named = found["tokenizer"]["file"] if found else None
-    for name in (SP_FILE, BUNDLE_FILE):
-        if (out / name).exists() and name != named:
+    named = {found["tokenizer"]["file"] if found else None}
+    if found and found.get("next"):
+        named.add(NEXT_TOKENIZER)
+    for name in (SP_FILE, BUNDLE_FILE, NEXT_TOKENIZER):
+        if (out / name).exists() and name not in named:
             raise UserError(
                 f"data.dir={out} holds a {name} that no {MIXTURE} of prepare's names; prepare "
                 f"would replace it, so it stops. Point data.dir at a new folder, or move it away"
@@ -192,12 +215,13 @@ def _read(path: Path) -> dict[str, Any] | None:
             f"{path} was written by scale-llm prepare before {FOLDERS_SINCE} (it names no "
             f"source folders), and this scale_llm reads only a {MIXTURE} that does; {fix}"
         )
-    tok, folders = found.get("tokenizer"), found.get("folders")
+    tok, folders, nxt = found.get("tokenizer"), found.get("folders"), found.get("next")
     if not (
         (found.get("kind"), found.get("format")) == ("mixture", MIXTURE_FORMAT)
         and isinstance(tok, dict)
         and tok.get("file") in (SP_FILE, BUNDLE_FILE)
         and isinstance(tok.get("sha256"), str)
+        and (nxt is None or _tokenizer_record(nxt))
         and isinstance(found.get("sources"), dict)
         and isinstance(folders, list)
         and all(isinstance(name, str) for name in folders)
@@ -225,55 +249,76 @@ def _record(manifest: dict[str, Any]) -> dict[str, Any]:
     return {"fingerprint": manifest["fingerprint"], "source": manifest["source"], **counts}
 
 
+def _tokenizer_record(value: Any) -> bool:
+    return (
+        isinstance(value, dict)
+        and value.get("file") in (SP_FILE, BUNDLE_FILE)
+        and isinstance(value.get("sha256"), str)
+        and isinstance(value.get("fingerprint"), str)
+    )
+
+
 def _tokenizer(
     cfg: Config, out: Path, mixture: dict, bundle: bytes | None, force: bool, draw, keep
-) -> bytes:
-    """The mixture's tokenizer: data.dir's if made with these settings, else made afresh (trained
-    on the sample `draw()` returns)."""
+) -> tuple[bytes, bool]:
+    """(the mixture's tokenizer, whether it is new): data.dir's if made with these settings, else
+    made afresh (trained on the sample `draw()` returns) as data.dir's next tokenizer, which
+    replaces the tokenizer only once every source is built with it (`_adopt_tokenizer`)."""
     # not the sources: they may change without retraining it
     trained = {"val_fraction": cfg.data.val_fraction} if bundle is None else {}
     fingerprint = digest(tokenizer_settings(cfg, bundle) | trained)
     name = BUNDLE_FILE if bundle is not None else SP_FILE
+
+    def holds(record: dict | None, path: Path) -> bool:
+        same = record and record["file"] == name and record.get("fingerprint") == fingerprint
+        return bool(same) and path.is_file() and file_sha256(path) == record["sha256"]
+
     tok = mixture["tokenizer"]
-    same = tok and tok["file"] == name and tok.get("fingerprint") == fingerprint
-    if not force and same and (out / name).is_file() and file_sha256(out / name) == tok["sha256"]:
-        return (out / name).read_bytes()
+    if not force and holds(tok, out / name):
+        return (out / name).read_bytes(), False
+    if not force and holds(mixture.get("next"), out / NEXT_TOKENIZER):  # a stopped rebuild's
+        return (out / NEXT_TOKENIZER).read_bytes(), True
     same_bundle = (
         bool(tok) and bundle is not None and hashlib.sha256(bundle).hexdigest() == tok["sha256"]
     )
     if keep is not None and tok and tok["sha256"] == keep.sha256 and not same_bundle:
-        raise keep.refuse(out)  # (the tokenizer is retrained in place below)
-    sample = None if bundle is not None else draw()  # (may refuse)
-    # mixture.json names the file before it is written: a prepare stopped in between leaves a
-    # tokenizer that is provably prepare's (its empty SHA-256 makes the next prepare redo it)
-    record = out / MIXTURE
-    before = record.read_bytes() if record.is_file() else None
-    mixture["tokenizer"] = {"file": name, "sha256": "", "fingerprint": ""}
-    mixture["sources"] = {}  # each source is re-encoded with the new tokenizer
-    atomic_write_json(record, mixture)
-    if sample is None:
-        atomic_write_bytes(out / name, bundle)
+        raise keep.refuse(out)  # (the sources would be rebuilt with another tokenizer)
+    if bundle is not None:
+        data = bundle
     else:
-        try:
-            tokenizer = train_tokenizer(sample, cfg.model.vocab_size, out / SP_FILE)
-        except UserError:  # refused before writing it: the record goes back to what it was
-            if before is None:
-                record.unlink()  # (written just above)
-            else:
-                atomic_write_bytes(record, before)
-            raise
+        sample = draw()  # (may refuse)
+        with private_dir(out, ".tokenizer-") as folder:  # (a refused training leaves nothing)
+            tokenizer = train_tokenizer(sample, cfg.model.vocab_size, folder / SP_FILE)
+            data = (folder / SP_FILE).read_bytes()
         log.info(
             f"data: trained a {tokenizer.vocab_size}-piece BPE tokenizer on "
             f"{sum(map(len, sample)) / 1e6:.1f} MB of {len(cfg.data.sources)} sources, by their "
             f"weights"
         )
-    if tok and tok["file"] != name:
-        (out / tok["file"]).unlink(missing_ok=True)  # named by prepare's own mixture.json
-    data = (out / name).read_bytes()
-    sha = hashlib.sha256(data).hexdigest()
-    mixture["tokenizer"] = {"file": name, "sha256": sha, "fingerprint": fingerprint}
+    # mixture.json names the file before it is written: a prepare stopped in between leaves a
+    # file that is provably prepare's (its empty SHA-256 makes the next prepare redo it)
+    mixture["next"] = {"file": name, "sha256": "", "fingerprint": ""}
     atomic_write_json(out / MIXTURE, mixture)
-    return data
+    atomic_write_bytes(out / NEXT_TOKENIZER, data)
+    mixture["next"] = {"file": name, "sha256": hashlib.sha256(data).hexdigest()}
+    mixture["next"]["fingerprint"] = fingerprint
+    atomic_write_json(out / MIXTURE, mixture)
+    return data, True
+
+
+def _adopt_tokenizer(out: Path, mixture: dict) -> None:
+    """The next tokenizer becomes data.dir's, once every source is built with it (each source's
+    build is published after). A stop in between leaves mixture.json naming the tokenizer with
+    an empty SHA-256 and no source: the next prepare makes the tokenizer again."""
+    nxt, old = mixture["next"], mixture["tokenizer"]
+    mixture["tokenizer"] = {"file": nxt["file"], "sha256": "", "fingerprint": ""}
+    mixture["sources"] = {}  # each source's data is replaced by its build
+    atomic_write_json(out / MIXTURE, mixture)
+    (out / NEXT_TOKENIZER).replace(out / nxt["file"])
+    if old and old["file"] != nxt["file"]:
+        (out / old["file"]).unlink(missing_ok=True)  # named by prepare's own mixture.json
+    mixture["tokenizer"] = mixture.pop("next")
+    atomic_write_json(out / MIXTURE, mixture)
 
 
 def _sample(cfg: Config, configs: list[Config], sources: list[Any]) -> list[str]:

@@ -98,10 +98,16 @@ class Kept:
 
 
 def prepare_source(
-    cfg: Config, force: bool = False, tokenizer: bytes | None = None, keep: Kept | None = None
+    cfg: Config,
+    force: bool = False,
+    tokenizer: bytes | None = None,
+    keep: Kept | None = None,
+    publish: bool = True,
 ) -> dict:
     """Prepare `cfg.data.dir` from `cfg.data.source`; the manifest. `tokenizer`: a mixture's;
-    `keep`: the tokenizer a rebuild must not replace."""
+    `keep`: the tokenizer a rebuild must not replace. Without `publish` (a mixture's new
+    tokenizer: every source is built before any is published) a complete build stays in
+    .prepare-build, its manifest returned; the next call with `publish` publishes it."""
     out = Path(cfg.data.dir)
     source = open_source(cfg.data)
     refuse_overlap(cfg.data, WRITTEN)  # (a mixture's sources: with the others, before its work)
@@ -111,10 +117,21 @@ def prepare_source(
         return current
     with data_dir_lock(out):
         check_outputs(out)  # every run: what is there now, before any work
-        _finish_publish(out)
+        if publish or (out / BUILD_DIR / PREVIOUS).exists():  # (a publication half done)
+            _finish_publish(out)
+        elif (built := _complete_build(out)) is not None:
+            if built.get("fingerprint") == fingerprint and not force:
+                return built
+            _remove_build(out / BUILD_DIR)  # complete, of other input or another tokenizer
         if (current := _up_to_date(out, fingerprint, force)) is not None:  # made meanwhile
             return current
-        return _build(cfg, source, fingerprint, out, force, bundle, keep)
+        return _build(cfg, source, fingerprint, out, force, bundle, keep, publish)
+
+
+def _complete_build(out: Path) -> dict[str, Any] | None:
+    """The manifest of a complete build of prepare's own in out/.prepare-build; else None."""
+    build = out / BUILD_DIR
+    return json_object_or_none(build / MANIFEST) if _own_build(build) else None
 
 
 @contextlib.contextmanager
@@ -178,6 +195,7 @@ def _build(
     force: bool,
     bundle: bytes | None,
     keep: Kept | None,
+    publish: bool = True,
 ) -> dict[str, Any]:
     """Build the data in out/.prepare-build/, then publish it: until then `out` stays as it was."""
     fresh_build = not (out / BUILD_DIR).exists()
@@ -219,13 +237,15 @@ def _build(
     manifest = _manifest(cfg, source, build, fingerprint, progress, splits)
     (build / PROGRESS).unlink(missing_ok=True)  # (the build folder is prepare's own)
     write_manifest(build, manifest)  # the build is complete from here on
-    _publish(build, out)
+    if publish:
+        _publish(build, out)
     seconds = time.perf_counter() - t0
     rate = (progress["tokens"] - written_before) / seconds / 1e6
     train, val = splits["train"], splits["val"]
     log.info(
         f"data: wrote {train['tokens']:,} train / {val['tokens']:,} val tokens "
-        f"({train['documents']} / {val['documents']} documents) to {out} in {seconds:.1f}s "
+        f"({train['documents']} / {val['documents']} documents) to {out if publish else build} "
+        f"in {seconds:.1f}s "
         f"({rate:.2f}M tokens/s)"
     )
     return manifest
