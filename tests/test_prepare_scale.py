@@ -401,6 +401,25 @@ def test_sigterm_during_prepare_says_what_was_kept(tmp_path):
     assert proc.returncode in (130, -signal.SIGINT), out[-2000:]  # (the second: Python's own)
 
 
+def test_sigterm_before_the_encoding_stops_prepare_as_ctrl_c_does(tmp_path):
+    """SIGTERM while prepare read its sample and trained its tokenizer (before the workers
+    started) ended it at once: no word, exit -15, as if killed."""
+    import signal
+
+    proc = _start_prepare(tmp_path)
+    said = ""
+    for line in iter(proc.stdout.readline, ""):
+        said += line
+        if "data: reading" in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    out = said + out
+    assert proc.returncode == 130 and "interrupted" in out, out[-2000:]
+    assert "kept the shards" not in out and "Traceback" not in out, out[-2000:]
+    assert not (tmp_path / "data" / "manifest.json").exists()
+
+
 def test_a_progress_record_nested_100000_deep_starts_the_prepare_afresh(tmp_path, caplog):
     """prepare's own progress.json is read by the one JSON reader: a hostile one is damage,
     said in one line, and the build starts over (a RecursionError before)."""

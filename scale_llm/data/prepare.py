@@ -10,7 +10,7 @@ from typing import Any
 from scale_llm.config import Config
 from scale_llm.config.data import unread_hf_keys
 from scale_llm.data.mixture import MIXTURE, prepare_mixture
-from scale_llm.data.prepare_source import Kept, prepare_source, up_to_date
+from scale_llm.data.prepare_source import Kept, prepare_source, sigterm_interrupts, up_to_date
 from scale_llm.data.sources import open_source
 from scale_llm.data.tokenizer import check_vocab_size
 from scale_llm.errors import UserError
@@ -24,9 +24,10 @@ def prepare(cfg: Config, force: bool = False, keep: Kept | None = None) -> dict[
     check_settings(cfg)
     for unread in unread_hf_keys(cfg.data):
         log.warning("data: %s", unread)
-    if cfg.data.sources:
-        return prepare_mixture(cfg, force, keep)
-    return prepare_source(cfg, force, keep=keep)
+    with sigterm_interrupts():  # (from the start: reading, the tokenizer, the lock's wait)
+        if cfg.data.sources:
+            return prepare_mixture(cfg, force, keep)
+        return prepare_source(cfg, force, keep=keep)
 
 
 def check_settings(cfg: Config) -> None:

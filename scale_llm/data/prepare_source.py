@@ -214,7 +214,7 @@ def _build(
         raise
     written_before = progress["tokens"]
     try:
-        with _sigterm_interrupts():
+        with sigterm_interrupts():
             _tokenize(cfg, source, build, stream, progress, writers)
     except UserError:  # a document past the tokenizer's sample refused (a bad record)
         if fresh_build:  # (made by this call: a build it resumed is kept for the next)
@@ -404,7 +404,7 @@ def _finish_publish(out: Path) -> None:
 
 
 @contextlib.contextmanager
-def _sigterm_interrupts():
+def sigterm_interrupts():
     """SIGTERM (a job being stopped) ends prepare like Ctrl-C: what was written is kept."""
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -419,8 +419,8 @@ def _sigterm_interrupts():
     previous = signal.signal(signal.SIGTERM, interrupt)
     try:
         yield
-    finally:
-        if not taken:
+    finally:  # (one taken inside, by a nested block's own, is ignored to the end too)
+        if not taken and signal.getsignal(signal.SIGTERM) is interrupt:
             signal.signal(signal.SIGTERM, previous)
 
 
