@@ -809,6 +809,8 @@ def _edited(manifest: dict, change: str) -> object:
         m["tokenizer"] = [m["tokenizer"]]
     elif change == "a float dtype":
         m["dtype"] = "float64"
+    elif change == "a dtype other than its tokenizer's":
+        m["dtype"] = "uint32"  # (uint16 read as uint32, or ids past 65,535 cut to uint16)
     elif change == "splits as a list":
         m["splits"] = list(m["splits"].values())
     return m
@@ -825,6 +827,7 @@ MANIFEST_TYPES = {  # AttributeError, TypeError, KeyError or numpy's own errors 
     "a shard outside data.dir": "is '../../etc/passwd', not a shard's file name",
     "a tokenizer as a list": "tokenizer is [{",
     "a float dtype": "dtype is 'float64', not uint16 or uint32",
+    "a dtype other than its tokenizer's": "dtype is uint32, but its tokenizer's 512 ids are",
     "splits as a list": "splits is [{",
 }
 

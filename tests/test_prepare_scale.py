@@ -175,7 +175,8 @@ def test_stale_progress_starts_afresh(tmp_path, monkeypatch, small_batches):
     read_manifest(out)
     # a record whose counts disagree with its splits (a hand-edited documents_read skipped that
     # many documents of the corpus, without a word): afresh, every document kept
-    for key, more in (("documents_read", 20), ("tokens", 1)):
+    # and one whose dtype is not its tokenizer's (uint32 ids cut to uint16 without a word)
+    for key, more in (("documents_read", 20), ("tokens", 1), ("dtype", "uint32")):
         calls.clear()
         monkeypatch.setattr(prepare_mod, "_write", die_late)
         with pytest.raises(KeyboardInterrupt):
@@ -183,12 +184,14 @@ def test_stale_progress_starts_afresh(tmp_path, monkeypatch, small_batches):
         monkeypatch.setattr(prepare_mod, "_write", real_write)
         record = tmp_path / key / ".prepare-build" / "progress.json"
         progress = json.loads(record.read_text())
-        progress[key] += more
+        progress[key] = more if key == "dtype" else progress[key] + more
         record.write_text(json.dumps(progress))
         with logged() as logs:
             manifest = prepare(config(src, tmp_path / key))
-        assert "cannot continue the interrupted prepare (it read" in logs.text, key
+        said = "its shards are uint32, its tokenizer's ids uint16" if key == "dtype" else "it read"
+        assert f"cannot continue the interrupted prepare ({said}" in logs.text, key
         assert sum(s["documents"] for s in manifest["splits"].values()) == 60
+        assert manifest["dtype"] == "uint16"
 
 
 def test_shards_of_another_tokenizer_are_refused(tmp_path, data_dir, corpus_dir):

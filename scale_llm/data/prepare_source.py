@@ -443,6 +443,8 @@ def _resume(cfg: Config, source, out: Path, fingerprint: str, force: bool):
                 f"it read {progress['documents_read']:,} documents, {progress['tokens']:,} "
                 f"tokens, but its splits hold {documents:,}, {tokens:,}"
             )
+        if progress["dtype"] != (dtype := token_dtype(load_tokenizer(tok).vocab_size)).name:
+            raise StaleProgress(f"its shards are {progress['dtype']}, its tokenizer's ids {dtype}")
         writers = _writers(cfg, out, np.dtype(progress["dtype"]), progress["splits"])
     except StaleProgress as e:
         log.info("data: cannot continue the interrupted prepare (%s); starting afresh", e)

@@ -224,6 +224,11 @@ def manifest_problems(manifest: dict[str, Any]) -> list[str]:
             for key in ("documents", "tokens"):
                 shape.get(split, key, _count, "a count", f"splits.{name}")
             shape.shards(split, f"splits.{name}", _file_name)
+    if not shape.problems() and manifest["dtype"] != token_dtype(tok["vocab_size"]).name:
+        shape.wrong.append(  # (ids above 65,535 stored in uint16 read back as others)
+            f"dtype is {manifest['dtype']}, but its tokenizer's {tok['vocab_size']:,} ids are "
+            f"stored as {token_dtype(tok['vocab_size'])}"
+        )
     return shape.problems()
 
 
