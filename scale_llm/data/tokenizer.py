@@ -1,5 +1,6 @@
 """SentencePiece BPE tokenizer, trained on a sample of the corpus: lossless on code and text
-(identity normalization, whitespace kept, byte fallback, no dummy prefix). Documents are
+(identity normalization, whitespace kept, byte fallback, no dummy prefix), but for U+2581, its
+own mark for a space, which decodes as a space. Documents are
 [BOS] tokens [EOS]; the file's SHA-256 is in the manifest and every run directory has a copy."""
 
 from __future__ import annotations
