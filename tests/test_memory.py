@@ -302,6 +302,21 @@ def test_estimate_command_json_and_fit(tmp_path):
     assert bad.returncode == 2 and "'12 parsecs' is not understood" in bad.stderr
 
 
+def test_fit_never_pins_a_grad_accum_the_global_batch_derives(capsys):
+    """With train.global_batch_size set, the config's grad_accum is derived per world: --fit
+    printed `--set train.grad_accum=N` (the value it already had, compared with the unset key),
+    which then contradicted the global batch at any other world size."""
+    from scale_llm import cli
+
+    assert cli.main(["estimate", str(REPO / "yaml" / "70b.yaml"), "--fit", "60GiB"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("(no change needed)")
+    seven = [str(REPO / "yaml" / "7b.yaml"), "--world-size", "8"]
+    assert cli.main(["estimate", *seven, "--fit", "20GiB"]) == 0
+    flags = capsys.readouterr().out.rstrip().splitlines()[-1].split()
+    assert flags and "train.grad_accum" not in " ".join(flags)
+    assert cli.main(["estimate", *seven[:1], "--world-size", "16", *flags]) == 0
+
+
 def test_estimate_measure_prints_the_step_next_to_the_estimate(capsys):
     """`estimate --measure` on a small real run: the activation count, then the whole step by
     part at the peak / the estimate's peak phase / each part's own largest, the peak's phase

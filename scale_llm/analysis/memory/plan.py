@@ -233,7 +233,12 @@ def fit(cfg: Config, target: RunPlan | int, budget: int, keep_backend: bool = Fa
             f"Use more GPUs{sharding if keep_backend else ''}, a shorter model.seq_len or a "
             f"smaller model"
         )
-    changed = lambda o: sum(attrgetter(k)(cfg) != v for k, v in o.changes.items())  # noqa: E731
-    best = min(fitting, key=lambda o: (o.cost, changed(o)))  # a tie: the config's own values
-    best.changes = {key: v for key, v in best.changes.items() if attrgetter(key)(cfg) != v}
+    # the batch split as the plan resolved it (grad_accum derived from a global batch size)
+    now = {"train.micro_batch_size": plan.micro_batch_size, "train.grad_accum": plan.grad_accum}
+    same = lambda key, v: (now[key] if key in now else attrgetter(key)(cfg)) == v  # noqa: E731
+    derived = {"train.grad_accum"} if cfg.train.global_batch_size is not None else set()
+    best = min(fitting, key=lambda o: (o.cost, sum(not same(*kv) for kv in o.changes.items())))
+    best.changes = {  # (a tie above: the config's own values)
+        key: v for key, v in best.changes.items() if not same(key, v) and key not in derived
+    }
     return best
