@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import importlib.util
+import json
 import logging
 import math
 import os
@@ -47,6 +48,7 @@ from scale_llm.export import (
 from scale_llm.files import (
     OwnerLock,
     atomic_write_json,
+    atomic_write_text,
     custom_code_problem,
     describe_kind,
     json_object_or_none,
@@ -111,7 +113,7 @@ def _eval_locked(
         raise UserError(f"{run_dir} has no complete checkpoint to evaluate; train it first")
     step, digest = read_trainer_state(ckpt)["step"], checkpoint_digest(ckpt)
     path = run_dir / "eval" / f"{ckpt.name}.json"
-    earlier, stale = earlier_record(path, digest)
+    earlier, other = earlier_record(path, digest)
     written = None  # when the results kept were written (UTC)
     if earlier:
         written = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(path.stat().st_mtime))
@@ -133,15 +135,17 @@ def _eval_locked(
         new.update(tasks=scores, export=str(export_dir), lm_eval=lm_eval)
     if held_out is not None:
         new["perplexity"] = held_out_perplexity(run_dir, cfg, plan, ckpt, held_out, batch_size)
-    if stale:
+    if other:
         set_aside(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    record = merged(earlier or {}, new)
+    record = json_safe(merged(earlier or {}, new))
     if cfg.logging.tensorboard:
         record["tensorboard_file"] = write_scalars(run_dir / "tensorboard", record)
-    atomic_write_json(path, record)
-    if earlier and (old := own_events(run_dir / "tensorboard", earlier, ckpt.name)):
-        old.unlink(missing_ok=True)  # (the record's scalars are all in the new file)
+    atomic_write_text(path, json.dumps(record, indent=2, allow_nan=False) + "\n")
+    if (replaced := earlier or other) and (
+        old := own_events(run_dir / "tensorboard", replaced, ckpt.name)
+    ):  # (the record's scalars are all in the new file; other weights' only in theirs, set aside)
+        old.unlink(missing_ok=True)
     return path, {**new, "kept": kept(earlier or {}, new), "file": str(path), "written": written}
 
 
@@ -153,7 +157,9 @@ def write_scalars(folder: Path, record: dict[str, Any]) -> str:
     scalars = task_scalars(record.get("tasks") or {})
     scalars.update(perplexity_scalars(record["perplexity"]) if "perplexity" in record else {})
     number = lambda v: isinstance(v, int | float) and not isinstance(v, bool)  # noqa: E731
-    scalars = {tag: v for tag, v in scalars.items() if number(v)}  # (an earlier record's too)
+    scalars = {  # (an earlier record's too: numbers, "nan" and "inf" as written)
+        tag: float(v) for tag, v in scalars.items() if number(v) or v in NON_FINITE
+    }
     suffix = f".{os.urandom(4).hex()}.{EVENTS_MARK}-{Path(record['checkpoint']).name}"
     with SummaryWriter(log_dir=str(folder), filename_suffix=suffix) as writer:
         for tag, value in scalars.items():
@@ -164,7 +170,8 @@ def write_scalars(folder: Path, record: dict[str, Any]) -> str:
 
 def own_events(folder: Path, earlier: dict[str, Any], name: str) -> Path | None:
     """The event file an earlier eval of checkpoint `name` wrote (its record names it, and its
-    name carries eval's mark): replaced by a new one, so TensorBoard shows each step once."""
+    name carries eval's mark): replaced by a new one, so TensorBoard shows each step once (and
+    not the scores of other weights at that step)."""
     file = earlier.get("tensorboard_file")
     if not isinstance(file, str) or not file.endswith(f".{EVENTS_MARK}-{name}") or "/" in file:
         return None
@@ -199,10 +206,10 @@ def check_outputs(run_dir: Path, tasks: bool, tensorboard: bool) -> None:
             )
 
 
-def earlier_record(path: Path, digest: str) -> tuple[dict[str, Any] | None, bool]:
-    """(these bytes' earlier record or None; whether it holds other weights', to set aside)."""
+def earlier_record(path: Path, digest: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """(these bytes' earlier record or None; a record of other weights, to set aside, or None)."""
     if not (path.exists() or path.is_symlink()):
-        return None, False
+        return None, None
     if path.is_symlink() or not path.is_file():
         raise UserError(
             f"{path} is {describe_kind(path)}, not eval's record file; eval writes its results "
@@ -216,13 +223,20 @@ def earlier_record(path: Path, digest: str) -> tuple[dict[str, Any] | None, bool
             f"writes its results there: move it away and run eval again"
         )
     if record.get("checkpoint_digest") != digest:
-        return None, True
+        return None, record
     tasks, ppl = record.get("tasks", {}), record.get("perplexity", {})
     if not (isinstance(tasks, dict) and all(isinstance(m, dict) for m in tasks.values())):
         raise UserError(f"{path}: its tasks are not {{task: {{metric: value}}}}; {fix}")
     if not isinstance(ppl, dict):
         raise UserError(f"{path}: its perplexity is not an object; {fix}")
-    return record, False
+    settings = record.get("lm_eval", {})
+    by_task = settings.get("by_task", {}) if isinstance(settings, dict) else None
+    if not (isinstance(by_task, dict) and all(isinstance(s, dict) for s in by_task.values())):
+        raise UserError(
+            f"{path}: its lm_eval is not {{version, limit, num_fewshot, by_task: {{task: "
+            f"{{setting: value}}}}}}; {fix}"
+        )
+    return record, None
 
 
 def set_aside(path: Path) -> None:
@@ -243,6 +257,18 @@ def merged(earlier: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
         by_task = {**by_task, **dict.fromkeys(new["tasks"], new["lm_eval"])}
         record["lm_eval"] = {**new["lm_eval"], "by_task": by_task}
     return record
+
+
+NON_FINITE = ("nan", "inf", "-inf")  # how records (and metrics.jsonl) write what JSON cannot
+
+
+def json_safe(value: Any) -> Any:
+    """`value` with each NaN or infinite float as the text "nan", "inf" or "-inf"."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    return [json_safe(v) for v in value] if isinstance(value, list) else value
 
 
 def kept(earlier: dict[str, Any], new: dict[str, Any]) -> list[str]:
@@ -845,18 +871,18 @@ def format_record(record: dict[str, Any]) -> str:
     """This call's results (eval_run's second value), and where the earlier ones are."""
     lines = [f"step {record['step']} ({record['checkpoint']})"]
     for task, metrics in record.get("tasks", {}).items():
-        shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if _shown(k))
+        shown = ", ".join(f"{k} {float(v):.4f}" for k, v in metrics.items() if _shown(k))
         lines.append(f"  {task}: {shown}")
     if "perplexity" in record:
         p = record["perplexity"]
         lines.append(
             f"  perplexity on {p['data_dir']} ({p['windows']} windows, {p['tokens']} tokens): "
-            f"loss {p['loss']:.4f}, ppl {float(p['ppl']):.2f}"
+            f"loss {float(p['loss']):.4f}, ppl {float(p['ppl']):.2f}"
             + (f" (sources weighted by {p['weighted_by']})" if "sources" in p else "")
         )
         for name, one in p.get("sources", {}).items():
             lines.append(
-                f"    {name}: loss {one['loss']:.4f}, ppl {float(one['ppl']):.2f} "
+                f"    {name}: loss {float(one['loss']):.4f}, ppl {float(one['ppl']):.2f} "
                 f"({one['windows']} windows, weight {one['weight']:.3f})"
             )
     if record.get("kept"):

@@ -254,6 +254,65 @@ def test_an_eval_run_again_shows_each_step_once_in_tensorboard(evaluated, data_d
     assert kept["tasks"]["fake_task"] == {"acc": 0.25} and kept["tasks"]["old"] == {"acc": "high"}
 
 
+def test_an_earlier_records_lm_eval_settings_are_checked_before_any_work(evaluated, capsys):
+    """An earlier record of these bytes whose lm_eval was no {by_task: {task: settings}} (edited)
+    was an AttributeError traceback after the export was made and the tasks had run; it is
+    refused before either, naming the record and its lm_eval."""
+    run, calls = evaluated
+    assert main(["eval", str(run), "--tasks", "fake_task"]) == 0
+    path = run / "eval" / f"{STEP4}.json"
+    record = json.loads(path.read_text())
+    (run / "export" / STEP4).rename(run / "aside")
+    calls.clear()
+    for lm_eval in ("broken", {"by_task": ["fake_task"]}, {"by_task": {"fake_task": 3}}):
+        path.write_text(json.dumps({**record, "lm_eval": lm_eval}))
+        assert main(["eval", str(run), "--tasks", "b_task"]) == 2
+        err = capsys.readouterr().err
+        assert f"error: {path}: its lm_eval is not {{version" in err and "Traceback" not in err
+        assert "move it away and run eval again" in err
+        assert calls == [] and not (run / "export" / STEP4).exists()
+
+
+def test_a_nan_loss_or_score_is_recorded_as_json(evaluated, data_dir, monkeypatch, capsys):
+    """A NaN held-out loss (a diverged model) was written to the record as a bare NaN, which
+    is no JSON (ppl beside it was "nan"), and a task's NaN score too. They are written as
+    "nan" / "inf", as metrics.jsonl writes them, and read back by a later eval (its record
+    and TensorBoard's scalars)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import scale_llm.evaluate as evaluate
+
+    run, _ = evaluated
+    config = run / "config.yaml"
+    config.write_text(config.read_text().replace("tensorboard: false", "tensorboard: true"))
+    monkeypatch.setattr(evaluate, "cross_entropy", lambda *a: torch.tensor(float("nan")))
+    scores = {"fake_task": {"acc": float("nan"), "acc_stderr": float("inf")}}
+    monkeypatch.setattr(evaluate, "run_tasks", lambda *a, **k: scores)
+    argv = ["eval", str(run), "--tasks", "fake_task", "--perplexity", str(data_dir)]
+    assert main([*argv, "--limit", "2"]) == 0
+    assert "fake_task: acc nan" in capsys.readouterr().out
+    path = run / "eval" / f"{STEP4}.json"
+
+    def strict(text: str) -> dict:
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in the record"))
+
+    record = strict(path.read_text())
+    assert record["perplexity"]["loss"] == "nan" and record["perplexity"]["ppl"] == "nan"
+    assert record["tasks"]["fake_task"] == {"acc": "nan", "acc_stderr": "inf"}
+    monkeypatch.undo()  # a later eval of the same bytes keeps them
+    stub_eval_tasks(monkeypatch)
+    assert main(["eval", str(run), "--perplexity", str(data_dir), "--limit", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "loss nan" not in out and "kept in" in out
+    record = strict(path.read_text())
+    assert record["tasks"]["fake_task"]["acc"] == "nan"
+    assert isinstance(record["perplexity"]["loss"], float)
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    (acc,) = events.Scalars("eval/fake_task/acc")
+    assert acc.step == 4 and acc.value != acc.value  # (NaN)
+
+
 def test_a_perplexity_past_float64_is_recorded_as_inf():
     """exp(loss) of a diverged model (loss 800): an OverflowError traceback, the record lost."""
     from scale_llm.evaluate import _scores, format_record, perplexity_scalars
@@ -285,6 +344,37 @@ def test_eval_sets_aside_a_record_of_other_weights(evaluated, data_dir, capsys):
     assert "is not a record eval wrote (it names no checkpoint and step)" in capsys.readouterr().err
     assert mine.read_text() == '{"my_notes": "hand-written"}'
     assert len(list((run / "eval").iterdir())) == 2
+
+
+def test_a_record_of_other_weights_set_aside_takes_its_scalars_out_of_tensorboard(
+    evaluated, capsys
+):
+    """A record of other weights was set aside, but the event file it named stayed: TensorBoard
+    drew step 4 twice, with the other weights' task scores. Their file goes (their numbers
+    stay in the record set aside); a file the record names that eval did not write stays."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run, _ = evaluated
+    config = run / "config.yaml"
+    config.write_text(config.read_text().replace("tensorboard: false", "tensorboard: true"))
+    assert main(["eval", str(run), "--tasks", "abandoned"]) == 0
+    path = run / "eval" / f"{STEP4}.json"
+    old = {**json.loads(path.read_text()), "checkpoint_digest": "of other weights"}
+    path.write_text(json.dumps(old))
+    assert main(["eval", str(run), "--tasks", "fake_task"]) == 0
+    (kept,) = (run / "eval").glob("step_00000004.other-weights-*.json")
+    assert json.loads(kept.read_text()) == old  # (the numbers, and the file it named)
+    (events_file,) = (run / "tensorboard").glob("*scale-llm-eval*")
+    assert json.loads(path.read_text())["tensorboard_file"] == events_file.name
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    assert events.Tags()["scalars"] == ["eval/fake_task/acc"]
+    assert [(e.step, e.value) for e in events.Scalars("eval/fake_task/acc")] == [(4, 0.25)]
+    mine = run / "tensorboard" / "mine.txt"
+    mine.write_text("a file of the user's")
+    path.write_text(json.dumps({**old, "tensorboard_file": "mine.txt"}))
+    assert main(["eval", str(run), "--tasks", "fake_task"]) == 0
+    assert mine.is_file() and len(list((run / "eval").glob("*.other-weights-*.json"))) == 2
 
 
 def test_eval_checks_perplexitys_data_and_its_exports_dtype_before_any_work(
