@@ -297,6 +297,31 @@ def test_a_scratch_folder_the_filesystem_refuses_is_one_paragraph(tmp_path, monk
     assert list(tmp_path.iterdir()) == []
 
 
+def test_check_folders_the_filesystem_refuses_are_one_paragraph_and_leave_nothing(
+    tmp_path, monkeypatch, capsys
+):
+    """`check OUT --scratch DIR` where the permission check passes but the filesystem refuses
+    the folder (root in /proc): a FileNotFoundError traceback, and OUT, claimed first, stayed
+    behind (the same for OUT's own folder)."""
+    from scale_llm.cli import main
+
+    real_mkdir = Path.mkdir
+
+    def refused(self, *args, **kwargs):
+        if "refused" in self.parts:
+            raise FileNotFoundError(2, "No such file or directory", str(self))
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", refused)
+    scratch, out = tmp_path / "refused" / "scratch", tmp_path / "out"
+    assert main(["check", str(out), "--scratch", str(scratch)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --scratch {scratch}: cannot make it there (No such file")
+    assert main(["check", str(tmp_path / "refused" / "out")]) == 2
+    assert "error: check OUT " in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_check_keeps_to_its_own_report_and_runs_folders(tmp_path):
     from scale_llm.analysis.check import claim_out, new_runs_dir
 

@@ -140,8 +140,20 @@ def same_path(a: str | Path, b: str | Path) -> bool:
 def make_scratch(scratch: Path) -> None:
     """The scratch folder, made this user's own when missing, and checked again (another user
     may have made it meanwhile)."""
-    scratch.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _make(lambda: scratch.mkdir(mode=0o700, parents=True, exist_ok=True), scratch, "--scratch")
     check_scratch(scratch)
+
+
+def _make(mkdir: Callable[[], Any], folder: Path, what: str) -> None:
+    """A folder made, or one paragraph (a file system that refuses what the permissions allow:
+    root in /proc)."""
+    try:
+        mkdir()
+    except OSError as e:
+        raise UserError(
+            f"{what} {folder}: cannot make it there ({e.strerror or e}); give a folder this user "
+            f"can write to"
+        ) from None
 
 
 class Report:
@@ -242,8 +254,13 @@ def run_check(
     elif only is None or "curves" in only:  # (the curves' prepare: the one write there)
         refuse_replacing_data(first)
     refuse_out_in_scratch(out, scratch)
-    claim_out(out)
-    make_scratch(scratch)
+    made = claim_out(out)
+    try:
+        make_scratch(scratch)
+    except UserError:
+        if made:  # (an empty folder of the check's own: no work began)
+            remove_owned_dir(out, OUT_KIND)
+        raise
     if own_data:
         mark_scratch_data(scratch / "data")
     runs = new_runs_dir(scratch)
@@ -430,17 +447,17 @@ def add_report_section(out: Path, key: str, report: Any, lines: list[str]) -> No
     atomic_write_text(md, (md.read_text() if md.exists() else "") + "\n".join(lines) + "\n")
 
 
-def claim_out(out: Path) -> None:
+def claim_out(out: Path) -> bool:
     """OUT_DIR becomes the check's: new, empty, or an earlier check's (marked, or holding only
     its report files, with a report.json), its report files regular files; anything else is
-    refused before any work."""
+    refused before any work. Whether it made the folder."""
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise UserError(f"check OUT {out} is {describe_kind(out)}; give a folder for the report")
     require_writable_dir(out, "check OUT")
     if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
+        _make(lambda: out.parent.mkdir(parents=True, exist_ok=True), out, "check OUT")
         make_owned_dir(out, OUT_KIND)
-        return
+        return True
     for report in (out / name for name in REPORT_FILES):  # written in place: never a link
         if report.is_symlink() or (report.exists() and not report.is_file()):
             raise UserError(
@@ -448,7 +465,7 @@ def claim_out(out: Path) -> None:
                 f"writes its report there; move it away, or give a new or empty folder"
             )
     if owned_kind(out) == OUT_KIND:  # (a check stopped early: its mark and its check.log)
-        return
+        return False
     entries = sorted(p.name for p in out.iterdir())
     earlier = set(entries) <= set(REPORT_FILES) and _is_check_report(out / "report.json")
     if entries and not earlier:
@@ -458,6 +475,7 @@ def claim_out(out: Path) -> None:
             f"folder (or an earlier check's), e.g. `scale-llm check gpu-check`"
         )
     atomic_write_json(out / OWNER_MARKER, {"kind": OUT_KIND})  # empty, or an earlier check's
+    return False
 
 
 def refuse_out_in_scratch(out: Path, scratch: Path) -> None:
