@@ -519,6 +519,7 @@ def roofline(
     matmul_ms = sum(rows[c]["ms"] for c in bound if c in rows)
     ring_ms, link = allreduce_ms(cfg.model, world, network)
     mfu = lambda flops, ms: flops / (ms / 1e3) / peak  # noqa: E731
+    plan = target_plan(cfg, world)
     return {
         "device": device,
         "network": network,
@@ -528,7 +529,8 @@ def roofline(
         "world": world,
         "micro_batch": micro_batch,
         "grad_accum": grad_accum,
-        "tokens_per_step": tokens,
+        "tokens_per_step_per_dp_rank": tokens,  # (a TP group's, a pipeline's)
+        "data_parallel": plan.dp_degree,
         "model_flops_per_step": model_flops,
         "model_flops_per_step_causal": causal_flops,
         "mfu_convention": "mfu: attention over the full T x T (PaLM); mfu_causal: its causal half",
@@ -540,12 +542,15 @@ def roofline(
         "mfu_matmul_bound": mfu(model_flops, matmul_ms),
         "mfu_causal_eager": mfu(causal_flops, eager_ms),
         "mfu_causal_matmul_bound": mfu(causal_flops, matmul_ms),
+        # under pipeline parallelism: one GPU's step at its stage (the whole model on one GPU
+        # runs in no layout of the config: no prediction of it)
         "achieved": achieved(
             cfg, counter, rows, grad_accum, device, (model_flops, causal_flops), world, network
-        ),
-        # under pipeline parallelism: one GPU's step at its stage (the rest: the whole model)
+        )
+        if plan.pp_degree == 1
+        else None,
         "pipeline": pipeline_step(cfg, world, device, network=network)
-        if target_plan(cfg, world).pp_degree > 1
+        if plan.pp_degree > 1
         else None,
     }
 
@@ -778,7 +783,9 @@ def offload_traffic(
 def format_roofline(r: dict[str, Any]) -> str:
     lines = [
         f"roofline on one {r['device']}: micro-batch {r['micro_batch']} x grad_accum "
-        f"{r['grad_accum']} = {r['tokens_per_step']:,} tokens per step",
+        f"{r['grad_accum']} = {r['tokens_per_step_per_dp_rank']:,} tokens a step of one "
+        f"data-parallel rank (of {r['data_parallel']}: "
+        f"{r['tokens_per_step_per_dp_rank'] * r['data_parallel']:,} tokens a step)",
         "| op class | TFLOP | GB moved | ms (max of compute, memory) | bound by |",
         "|---|---|---|---|---|",
     ]
@@ -797,27 +804,26 @@ def format_roofline(r: dict[str, Any]) -> str:
             f"({OFFLOAD_ROW}: at PCIe 5.0 x16's {PCIE5_X16_BYTES_PER_S / 1e9:.0f} GB/s each way, "
             f"one after another; the AdamW step on the CPU is not in the totals)"
         )
-    if split := r["achieved"].get("tensor_parallel", 1) > 1:
+    a = r["achieved"] or {}  # (none under a pipeline)
+    if split := a.get("tensor_parallel", 1) > 1 or r["pipeline"] is not None:
         lines.append("(the table and bounds: the whole model's work on one GPU, no communication)")
     allreduce = (
         f"; gradient all-reduce over {r['world']} GPUs on {r['allreduce_link']}: "
         f"{r['allreduce_ms']:.1f} ms (overlapped with the last micro-step's backward; what "
         f"exceeds it is added: '{ALLREDUCE_ROW}')"
-        if ALLREDUCE_ROW in r["achieved"]["classes"]
+        if ALLREDUCE_ROW in a.get("classes", {})
         else ""
     )
-    sharded = r["achieved"].get("parallel_traffic") is not None  # FSDP2: priced below
+    sharded = a.get("parallel_traffic") is not None  # FSDP2: priced below
     lines.append(
         f"bounds: {r['eager_ms']:.0f} ms eager (MFU {r['mfu_eager']:.0%}, causal "
         f"{r['mfu_causal_eager']:.0%}) .. {r['matmul_bound_ms']:.0f} ms matmul-bound (MFU "
         f"{r['mfu_matmul_bound']:.0%}, causal {r['mfu_causal_matmul_bound']:.0%})"
         + ("" if split or sharded or r["world"] < 2 else allreduce)
     )
-    lines += format_achieved(r["achieved"])
+    lines += format_pipeline(r["pipeline"]) if a == {} else format_achieved(a)
     if r["not_modelled"]:
         lines.append(f"not modelled (the step is longer): {', '.join(r['not_modelled'])}")
-    if r.get("pipeline"):
-        lines += format_pipeline(r["pipeline"])
     lines.append(
         "MFU counts attention over the full T x T score matrix (6N + 12 L d T per token, PaLM's "
         "convention, as the trainer's mfu); causal: its causal half, the work the kernel does"
