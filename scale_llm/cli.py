@@ -426,7 +426,15 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         from scale_llm.analysis.memory.measure import format_measurement, measure_step
 
         here = with_changes(cfg, {"train.device": "cpu", "train.compile": False})
-        memory.check_host_memory(here, resolve_plan(here, launch_env()))
+        try:
+            launched = resolve_plan(here, launch_env())
+        except UserError as e:  # (the estimate alone plans the layout; --measure runs it)
+            raise UserError(
+                f"--measure runs the config's step in this process, as launched: {e}. Leave "
+                f"--measure out (the estimate needs no launch), or run it under torchrun with "
+                f"a world size the layout divides"
+            ) from None
+        memory.check_host_memory(here, launched)
         counted, predicted = memory.measure_activations(cfg, plan)
         saved = {"counted_saved_bytes": counted, "predicted_saved_bytes": predicted}
         result["measured_cpu"] = saved

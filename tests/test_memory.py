@@ -315,6 +315,14 @@ def test_fit_never_pins_a_grad_accum_the_global_batch_derives(capsys):
     flags = capsys.readouterr().out.rstrip().splitlines()[-1].split()
     assert flags and "train.grad_accum" not in " ".join(flags)
     assert cli.main(["estimate", *seven[:1], "--world-size", "16", *flags]) == 0
+    capsys.readouterr()
+    # --measure of a tensor-parallel layout in one process: its refusal named the launch, not
+    # the flag that asked for one
+    assert cli.main(["estimate", str(REPO / "yaml" / "70b.yaml"), "--measure"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --measure runs the config's step in this process") and (
+        "Leave --measure out" in err
+    )
 
 
 def test_estimate_measure_prints_the_step_next_to_the_estimate(capsys):
