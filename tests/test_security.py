@@ -234,6 +234,63 @@ def test_deepspeed_files_are_read_weights_only(tmp_path):
     assert not marker.exists()
 
 
+# ----------------------------------------------------------------------------- a forged state
+NOT_CONTIGUOUS = torch.get_rng_state().repeat_interleave(2)[::2]  # (the bytes, every other one)
+NUMPY = "rng[0].numpy: not a numpy MT19937 state"
+
+
+@pytest.mark.parametrize(
+    ("changes", "said"),
+    [
+        ({"config__run__seed": torch.tensor([1337, 1337])}, "config.run.seed: expected an integer"),
+        ({"rng__0__numpy__keys": torch.zeros(624, dtype=torch.bfloat16)}, NUMPY),
+        ({"rng__0__numpy__keys": torch.full((624,), 2**32)}, NUMPY),
+        ({"rng__0__torch": NOT_CONTIGUOUS}, "rng[0].torch: not a torch generator state"),
+        ({"rng__0__cuda": NOT_CONTIGUOUS}, "rng[0].cuda: not a torch generator state"),
+    ],
+    ids=["seed a tensor", "numpy keys bf16", "numpy keys past 32 bits", "torch", "cuda"],
+)
+def test_a_forged_trainer_state_is_refused_before_the_resume_uses_it(
+    changes, said, good_run, data_dir, tmp_path, capsys
+):
+    """A trainer.pt saved again with its integrity record rewritten (checksums are no signature)
+    whose saved run.seed was a tensor (RuntimeError: "Boolean value of Tensor ... is ambiguous"
+    as the run's settings were compared), whose numpy keys were bf16 (a TypeError) or past 32
+    bits (wrapped without a word), or whose torch or CUDA generator state was not contiguous
+    (torch's RuntimeError as it was set): a traceback, or a resume from a state no run saved.
+    Now: refused as one paragraph naming trainer.pt and the key, the run dir untouched."""
+    from scale_llm.config import save_config
+    from tests.helpers import rewrite_state, snapshot
+
+    run = copy_run(good_run, tmp_path)
+    rewrite_state(ckpt_of(run), **changes)
+    config = tmp_path / "run.yaml"
+    save_config(make_config(data_dir, tmp_path / "runs", "train.max_steps=4"), config)
+    before = snapshot(run)
+    capsys.readouterr()
+    assert main(["train", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {ckpt_of(run) / 'trainer.pt'} holds values no run"), err
+    assert said in err and "Traceback" not in err and "\n\n" not in err, err
+    assert snapshot(run) == before
+
+
+def test_runs_lists_only_checkpoints_a_relaunch_resumes_from(good_run, tmp_path, capsys):
+    """`scale-llm runs` took any step_<digits> folder for a checkpoint (step_9, step_000000009),
+    which a relaunch passes over (its folders are step_ and 8 digits): it named one the run never
+    resumes from. Now it shows the checkpoint a relaunch takes."""
+    from scale_llm.components.checkpoint import Checkpointer, resolve_resume
+
+    run = copy_run(good_run, tmp_path)
+    for name in ("step_9", "step_000000009"):
+        shutil.copytree(ckpt_of(run), run / "checkpoints" / name)
+    resumed = resolve_resume("auto", Checkpointer(run, keep_last=2, is_main=False))
+    assert main(["runs", str(run)]) == 0
+    row = capsys.readouterr().out.splitlines()[1].split()
+    assert row[1] == "2/2" and row[4:6] == ["complete", resumed.name], row
+    assert resumed == ckpt_of(run)
+
+
 # ----------------------------------------------------------------------------- a stranger's folder
 REPO = Path(__file__).resolve().parents[1]
 

@@ -92,7 +92,7 @@ def claim_folder(ckpts: Path, run: str | None = None) -> str:
     if adopting:
         atomic_write_json(ckpts / CLAIM, {**named, "adopting": True})
         for step in ckpts.iterdir():
-            if _step_of(step) >= 0 and step.is_dir() and not step.is_symlink():
+            if step_of(step) >= 0 and step.is_dir() and not step.is_symlink():
                 _record_folder(step, ident)
     atomic_write_json(ckpts / CLAIM, named)
     return ident
@@ -120,7 +120,7 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def _step_of(path: Path) -> int:
+def step_of(path: Path) -> int:
     """The step a step_N folder's name says; -1 for another name."""
     return int(m.group(1)) if (m := _NAME.match(path.name)) else -1
 
@@ -161,7 +161,7 @@ class Checkpointer:
         is not this run's: skipped with a warning (never resumed, counted or pruned)."""
         found = []
         for p in self.dir.iterdir() if self.dir.is_dir() else ():
-            if (step := _step_of(p)) >= 0 and p.is_symlink():
+            if (step := step_of(p)) >= 0 and p.is_symlink():
                 self._warn_link(p)
             elif step >= 0 and p.is_dir() and (p / TRAINER_STATE).is_file():
                 found.append((step, p))
@@ -205,7 +205,7 @@ class Checkpointer:
         newer = sorted(  # complete or not, damaged or not
             p
             for p in self.dir.glob("step_*")
-            if (_step_of(p) > step or (not own and _step_of(p) >= 0))
+            if (step_of(p) > step or (not own and step_of(p) >= 0))
             and (p.is_symlink() or p.is_dir())
         )
         if not newer or not self.is_main:
@@ -808,7 +808,7 @@ def trainer_state_problems(state: Any, ckpt_dir: Path) -> list[str]:
         return [f"format: {short(version, 40)} is not a trainer-state format"]
     if missing := [key for key in TRAINER_KEYS if key not in state]:
         return [f"{key}: missing (every trainer state holds it)" for key in missing]
-    out, step, named = [], state["step"], _step_of(ckpt_dir)
+    out, step, named = [], state["step"], step_of(ckpt_dir)
     if not is_count(step):
         out.append(f"step: {short(step, 40)} is not a step count (an integer >= 0)")
     elif named >= 0 and step != named:

@@ -28,7 +28,16 @@ from scale_llm.components.checkpoint import (
 )
 from scale_llm.components.optim import SCHEDULE_KEYS, lr_at
 from scale_llm.components.zero_weights import ZeroWeights
-from scale_llm.config import Config, TrainConfig, get_key, run_defining_keys, short, to_dict
+from scale_llm.config import (
+    Config,
+    DataConfig,
+    RunConfig,
+    TrainConfig,
+    get_key,
+    run_defining_keys,
+    short,
+    to_dict,
+)
 from scale_llm.config.plan import RunPlan
 from scale_llm.config.sections import same_resolved
 from scale_llm.data.mixture import tokenizer_sha256
@@ -164,10 +173,13 @@ def resume_state_problems(state: dict[str, Any]) -> list[str]:
             f"backend.scaler: {short(parts[1], 60)} is not fp16's GradScaler state (a finite "
             f"scale and factors above 0, a growth interval and tracker counting steps)"
         )
-    saved = state["config"].get("train")  # read by the rules of a user config
-    if not isinstance(saved, dict):
-        return [*out, f"config.train: {short(saved, 40)} is not the saved train section"]
-    return out + [f"config.{msg}" for msg in saved_section(TrainConfig, "train", saved)[1]]
+    for cls, name in ((TrainConfig, "train"), (RunConfig, "run"), (DataConfig, "data")):
+        saved = state["config"].get(name)  # read by the rules of a user config
+        if not isinstance(saved, dict):
+            out.append(f"config.{name}: {short(saved, 40)} is not the saved {name} section")
+        else:
+            out += [f"config.{msg}" for msg in saved_section(cls, name, saved)[1]]
+    return out
 
 
 def _layout_ok(layout: dict) -> bool:
@@ -232,21 +244,29 @@ def _rng_problems(states: Any) -> list[str]:
             return [f"{where}: {short(s, 40)} is not a generator state"]
         numpy, python = s.get("numpy"), s.get("python")
         cpu = s.get("torch")
-        if not _byte_tensor(cpu) or ("cuda" in s and not _byte_tensor(s["cuda"])):
-            return [f"{where}.torch: not a torch generator state (a 1-D uint8 tensor)"]
+        for key in ("torch", "cuda"):
+            if (key == "torch" or key in s) and not _cpu_tensor(s[key], torch.uint8, 1):
+                return [
+                    f"{where}.{key}: not a torch generator state (a contiguous 1-D uint8 tensor "
+                    f"on the CPU)"
+                ]
         if cpu.numel() != (size := torch.get_rng_state().numel()):
             return [f"{where}.torch: {cpu.numel()} bytes, not the {size} of a CPU generator's"]
+        keys = numpy.get("keys") if isinstance(numpy, dict) else None
         if not (
-            isinstance(numpy, dict)
-            and isinstance(numpy.get("keys"), torch.Tensor)
-            and tuple(numpy["keys"].shape) == (MT_KEYS,)
+            _cpu_tensor(keys, torch.int64, 1)
+            and tuple(keys.shape) == (MT_KEYS,)
+            and 0 <= keys.min().item() <= keys.max().item() < 1 << 32  # (uint32 words)
             and is_count(numpy.get("pos"))
             and numpy["pos"] <= MT_KEYS
             and type(numpy.get("has_gauss")) is int
             and numpy["has_gauss"] in (0, 1)
             and isinstance(numpy.get("gauss"), float)
         ):
-            return [f"{where}.numpy: not a numpy MT19937 state ({MT_KEYS} keys and a position)"]
+            return [
+                f"{where}.numpy: not a numpy MT19937 state ({MT_KEYS} int64 keys in 0..2^32-1 "
+                f"and a position)"
+            ]
         if not (
             isinstance(python, dict)
             and type(python.get("version")) is int
@@ -261,8 +281,18 @@ def _rng_problems(states: Any) -> list[str]:
     return []
 
 
-def _byte_tensor(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1
+def _cpu_tensor(value: Any, dtype: torch.dtype, dim: int) -> bool:
+    """A plain tensor of `dtype` and `dim` dimensions, as a generator state is set from: dense,
+    contiguous, on the CPU, needing no grad."""
+    return (
+        isinstance(value, torch.Tensor)
+        and value.dtype == dtype
+        and value.dim() == dim
+        and value.layout == torch.strided
+        and value.device.type == "cpu"
+        and value.is_contiguous()
+        and not value.requires_grad
+    )
 
 
 def kept_data(cfg: Config) -> Kept | None:

@@ -5,14 +5,13 @@ finds it: its newest checkpoint whose files match their record by size, and the 
 from __future__ import annotations
 
 import math
-import re
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scale_llm.components.checkpoint import TRAINER_STATE, damage
+from scale_llm.components.checkpoint import TRAINER_STATE, damage, step_of
 from scale_llm.config import RunConfig, load_config
 from scale_llm.config.load import read_yaml
 from scale_llm.config.profile import SCRATCH_PREFIX
@@ -22,7 +21,6 @@ from scale_llm.train.metrics import metric_row
 from scale_llm.train.preflight import LOCK, METRICS_FILE
 
 CONFIG_FILE = "config.yaml"
-STEP_DIR = re.compile(r"^step_(\d+)$")
 DIVERGED = "diverged"  # a metrics row {"step": N, "stopped": "diverged"}: the trainer's last
 
 
@@ -140,10 +138,10 @@ def complete_checkpoints(folder: Path) -> list[tuple[int, str]]:
     """(step, name) of every complete checkpoint (a symlinked one is not ours), oldest first."""
     if not folder.is_dir():
         return []
-    return sorted(
-        (int(m.group(1)), p.name)
+    return sorted(  # (by a resume's rule for their names: step_9 is none)
+        (step, p.name)
         for p in folder.iterdir()
-        if (m := STEP_DIR.match(p.name)) and not p.is_symlink() and (p / TRAINER_STATE).is_file()
+        if (step := step_of(p)) >= 0 and not p.is_symlink() and (p / TRAINER_STATE).is_file()
     )
 
 
