@@ -636,10 +636,10 @@ def cmd_check(args: argparse.Namespace) -> int:
         raise UserError(f"--set {given}: the check's runs take --steps N; give that instead")
     scratch = Path(args.scratch) if args.scratch else None
     only = None if args.only is None else {x.strip() for x in args.only.split(",")}
-    if args.steps == 1 and (only is None or "curves" in only):  # (0: the config's refusal)
+    if args.steps < 1 or (args.steps == 1 and (only is None or "curves" in only)):
         raise UserError(
-            f"--steps {args.steps}: the curves need 2 steps or more (each must fall from its "
-            f"first loss to its last), e.g. --steps 8"
+            f"--steps {args.steps}: the check's runs take 1 step or more, the curves 2 or more "
+            f"(each must fall from its first loss to its last), e.g. --steps 8"
         )
     if only is not None and not only <= SECTIONS:
         raise UserError(

@@ -1670,8 +1670,9 @@ def test_values_the_analysis_commands_took_to_a_traceback_or_a_run_that_cannot_p
     tmp_path, capsys, monkeypatch
 ):
     """--bench-mb 1e303 (an OverflowError), check --steps 1 (a full run whose curves cannot
-    fall) or --set train.max_steps (it overrode --steps), LOCAL_WORLD_SIZE=abc (a ValueError),
-    and bench --roofline of a document-masked model (autocast asked about the meta device)."""
+    fall; 0 was blamed on train.max_steps) or --set train.max_steps (it overrode --steps),
+    LOCAL_WORLD_SIZE=abc (a ValueError), and bench --roofline of a document-masked model
+    (autocast asked about the meta device)."""
     from scale_llm.analysis.memory.host import startup_problem
     from scale_llm.cli import main
     from scale_llm.config import load_config
@@ -1680,7 +1681,8 @@ def test_values_the_analysis_commands_took_to_a_traceback_or_a_run_that_cannot_p
 
     for argv, said in [
         (["prepare", "--bench", "--bench-mb", "1e303"], "--bench-mb 1e+303: use a number"),
-        (["check", str(tmp_path / "c"), "--steps", "1"], "--steps 1: the curves need 2 steps"),
+        (["check", str(tmp_path / "c"), "--steps", "1"], "--steps 1: the check's runs take 1"),
+        (["check", str(tmp_path / "c"), "--steps", "0"], "--steps 0: the check's runs take 1"),
         (["check", str(tmp_path / "c"), "--set", "train.max_steps=3"], "take --steps N"),
     ]:
         assert main(argv) == 2, argv
