@@ -456,7 +456,7 @@ def claim_out(out: Path) -> bool:
     require_writable_dir(out, "check OUT")
     if not out.exists():
         _make(lambda: out.parent.mkdir(parents=True, exist_ok=True), out, "check OUT")
-        make_owned_dir(out, OUT_KIND)
+        _make(lambda: make_owned_dir(out, OUT_KIND), out, "check OUT")
         return True
     for report in (out / name for name in REPORT_FILES):  # written in place: never a link
         if report.is_symlink() or (report.exists() and not report.is_file()):
