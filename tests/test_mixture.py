@@ -3,6 +3,7 @@ resumed exactly; a mixture of one source is the one-source data and stream."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 from scale_llm.cli import main
 from scale_llm.data.loader import PERIOD, SourceSchedule, TokenWindows, TrainLoader
 from scale_llm.data.prepare import prepare
+from scale_llm.data.prepare_source import Kept
 from scale_llm.errors import UserError, short
 from scale_llm.train.trainer import Trainer
 from tests.helpers import (
@@ -263,6 +265,10 @@ def test_a_new_tokenizer_replaces_the_data_only_once_every_source_is_built(tmp_p
     record = json.loads((tmp_path / "data" / "mixture.json").read_text())
     assert {k: v for k, v in record.items() if k != "next"} == json.loads(before["mixture.json"])
     assert run(tmp_path / "data", src, tmp_path / "runs", "train.max_steps=2").fit().steps == 2
+    # the launchers' prepare for that run keeps its tokenizer: refused, the next one found or not
+    kept = Kept(record["tokenizer"]["sha256"], tmp_path / "runs" / "test" / "checkpoints")
+    with pytest.raises(UserError, match="would be rebuilt with another tokenizer"):
+        prepare(larger, keep=kept)
     bad.unlink()
     logs.clear()
     prepare(larger)
@@ -276,6 +282,69 @@ def test_a_new_tokenizer_replaces_the_data_only_once_every_source_is_built(tmp_p
     assert run(
         tmp_path / "data", src, tmp_path / "runs2", "train.max_steps=2", "model.vocab_size=420"
     ).fit()
+
+
+def test_a_mixture_prepare_stopped_at_any_write_is_finished_by_the_next(tmp_path, monkeypatch):
+    """A stop at each write of mixture.json (a first prepare of a new data.dir, and a rebuild
+    with a new tokenizer): the next prepare finishes the data, trainable, with nothing left over.
+    A first prepare stopped while building its sources left a mixture.json that prepare and
+    train then called edited by hand; --force re-encoded into build folders it never published."""
+    import shutil
+
+    from scale_llm.data import mixture as mixture_mod
+
+    src = {"web": corpus(tmp_path / "web", "web", 0), "code": corpus(tmp_path / "code", "code", 1)}
+    base = tmp_path / "base"
+    prepare(mixture_config(base, src))
+    real_write = mixture_mod.atomic_write_json
+
+    def stopped_at(k: int):
+        calls = []
+
+        def write(path, obj):
+            calls.append(path)
+            if len(calls) == k:
+                raise KeyboardInterrupt
+            return real_write(path, obj)
+
+        return write
+
+    for first, vocab in ((True, 400), (False, 420)):
+        for k in range(1, 9):
+            data = tmp_path / f"{first}-{k}"
+            if not first:
+                shutil.copytree(base, data)
+            cfg = prep_config("builtin", data, sources_override(src), f"model.vocab_size={vocab}")
+            monkeypatch.setattr(mixture_mod, "atomic_write_json", stopped_at(k))
+            with contextlib.suppress(KeyboardInterrupt):
+                prepare(cfg)
+            monkeypatch.setattr(mixture_mod, "atomic_write_json", real_write)
+            prepare(cfg)
+            record = json.loads((data / "mixture.json").read_text())
+            assert set(record["sources"]) == {"web", "code"} and "next" not in record, (first, k)
+            names = {p.name for p in data.iterdir()} - {".prepare.lock"}
+            assert names == {"code", "mixture.json", "tokenizer.model", "web"}, (first, k, names)
+            assert not list(data.glob("*/.prepare-build")), (first, k)
+            windows = mixture_mod.open_training_data(
+                make_config(
+                    data, tmp_path / "runs", sources_override(src), f"model.vocab_size={vocab}"
+                )
+            )
+            assert windows.val, (first, k)
+    # --force: every source encoded and published again
+    data = tmp_path / "forced"
+    shutil.copytree(base, data)
+    with logged() as lines:
+        prepare(mixture_config(data, src), force=True)
+    assert sum("finishing the publication" in line for line in lines) == 2, lines.text
+    assert not list(data.glob("*/.prepare-build"))
+    # a stop while a tokenizer of the other kind (data.tokenizer's) took the place of the old:
+    # the file under its new name is the one mixture.json's next record names, not a stranger's
+    record = json.loads((data / "mixture.json").read_text())
+    record["next"] = {**record["tokenizer"], "file": "hf-tokenizer.json"}
+    (data / "mixture.json").write_text(json.dumps(record))
+    (data / "tokenizer.model").rename(data / "hf-tokenizer.json")
+    assert mixture_mod._claim(data, ["web", "code"])["next"] == record["next"]
 
 
 def test_bad_mixtures_exit_2_naming_each_problem_and_writing_nothing(tmp_path, capsys):

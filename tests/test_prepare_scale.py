@@ -312,7 +312,7 @@ def test_a_script_calling_prepare_without_a_main_guard_stops_instead_of_waiting(
     assert 'call prepare under `if __name__ == "__main__":`' in proc.stderr, proc.stderr[-3000:]
     # the workers say why, without a traceback; the parent's pool error is one paragraph
     assert "BrokenProcessPool" not in proc.stderr and proc.stderr.count("Traceback") == 1
-    assert "UserError: data: a worker process of prepare's 2 ended" in proc.stderr, proc.stderr
+    assert "WorkersEnded: data: a worker process of prepare's 2 ended" in proc.stderr, proc.stderr
     # on an up-to-date data.dir the script's own spawned process runs its top-level prepare
     # again: a read-only no-op (no lock), as before
     prepare(load_config(None, settings))
@@ -372,6 +372,25 @@ def test_prepare_workers_die_with_a_killed_parent(tmp_path):
     alive = [w for w in workers if psutil.pid_exists(w) and psutil.Process(w).status() != "zombie"]
     assert not alive, f"orphaned prepare workers {alive}"
     assert not _planted_ran(tmp_path)
+
+
+def test_a_worker_killed_mid_prepare_is_one_paragraph_and_its_build_is_kept(tmp_path):
+    """The OOM killer ending one of prepare's workers: a BrokenProcessPool traceback; as a
+    paragraph it must not take the build (shards, progress.json) with it as a bad record's
+    refusal does: the next prepare continues from it."""
+    import signal
+
+    proc = _start_prepare(tmp_path)
+    import psutil
+
+    workers = _wait_for_workers(proc)  # (and the resource tracker: not one of them)
+    encoder = [w for w in workers if "spawn_main" in " ".join(psutil.Process(w).cmdline())]
+    os.kill(encoder[0], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2, out[-2000:]
+    assert "error: data: a worker process of prepare's 2 ended before its batch" in out
+    assert "Traceback" not in out and not _planted_ran(tmp_path)
+    assert (tmp_path / "data" / ".prepare-build").is_dir()
 
 
 def test_sigterm_during_prepare_says_what_was_kept(tmp_path):

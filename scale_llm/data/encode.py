@@ -123,6 +123,10 @@ def _stop_signals_after_spawn(spawning: bool):
             signal.raise_signal(sig)
 
 
+class WorkersEnded(UserError):
+    """An encoding worker ended before its batch was done (not the input's fault)."""
+
+
 class Encoder:
     """Ordered map of `encode_batch` in `num_proc` processes (0: one per core) for over a batch."""
 
@@ -161,11 +165,12 @@ class Encoder:
         try:
             return future.result()
         except BrokenProcessPool:  # (a worker ended without a word to the pool: its own error
-            raise UserError(  # went to stderr above, or the kernel's OOM killer ended it)
+            raise WorkersEnded(  # went to stderr above, or the kernel's OOM killer ended it)
                 f"data: a worker process of prepare's {self.num_proc} ended before its batch "
                 f"was encoded (what it printed is above; without a message, the system may have "
-                f"ended it for lack of memory); nothing was published. Fix what it printed, or "
-                f"set data.num_proc=1 to encode in this process"
+                f"ended it for lack of memory); nothing was published, and what was written is "
+                f"kept for the next prepare. Fix what it printed, or set data.num_proc=1 to "
+                f"encode in this process"
             ) from None
 
     def close(self, stopped: bool = False) -> None:

@@ -151,9 +151,9 @@ def _claim(out: Path, names: list[str]) -> dict[str, Any]:
     written = (MIXTURE, SP_FILE, BUNDLE_FILE, NEXT_TOKENIZER)
     refuse_non_files(out / name for name in written)  # (it rewrites them)
     found = _read(out / MIXTURE)
-    named = {found["tokenizer"]["file"] if found else None}
-    if found and found.get("next"):
-        named.add(NEXT_TOKENIZER)
+    named = {(found["tokenizer"] or {}).get("file") if found else None}
+    if found and found.get("next"):  # (a stop while adopting it: it may stand in its place)
+        named |= {NEXT_TOKENIZER, found["next"]["file"]}
     for name in (SP_FILE, BUNDLE_FILE, NEXT_TOKENIZER):
         if (out / name).exists() and name not in named:
             raise UserError(
@@ -218,9 +218,8 @@ def _read(path: Path) -> dict[str, Any] | None:
     tok, folders, nxt = found.get("tokenizer"), found.get("folders"), found.get("next")
     if not (
         (found.get("kind"), found.get("format")) == ("mixture", MIXTURE_FORMAT)
-        and isinstance(tok, dict)
-        and tok.get("file") in (SP_FILE, BUNDLE_FILE)
-        and isinstance(tok.get("sha256"), str)
+        and (tok is None or (isinstance(tok, dict) and tok.get("file") in (SP_FILE, BUNDLE_FILE)))
+        and (isinstance(tok.get("sha256"), str) if tok else found.get("sources") == {})
         and (nxt is None or _tokenizer_record(nxt))
         and isinstance(found.get("sources"), dict)
         and isinstance(folders, list)
@@ -276,13 +275,13 @@ def _tokenizer(
     tok = mixture["tokenizer"]
     if not force and holds(tok, out / name):
         return (out / name).read_bytes(), False
-    if not force and holds(mixture.get("next"), out / NEXT_TOKENIZER):  # a stopped rebuild's
-        return (out / NEXT_TOKENIZER).read_bytes(), True
     same_bundle = (
         bool(tok) and bundle is not None and hashlib.sha256(bundle).hexdigest() == tok["sha256"]
     )
     if keep is not None and tok and tok["sha256"] == keep.sha256 and not same_bundle:
         raise keep.refuse(out)  # (the sources would be rebuilt with another tokenizer)
+    if not force and holds(mixture.get("next"), out / NEXT_TOKENIZER):  # a stopped rebuild's
+        return (out / NEXT_TOKENIZER).read_bytes(), True
     if bundle is not None:
         data = bundle
     else:
@@ -308,15 +307,14 @@ def _tokenizer(
 
 def _adopt_tokenizer(out: Path, mixture: dict) -> None:
     """The next tokenizer becomes data.dir's, once every source is built with it (each source's
-    build is published after). A stop in between leaves mixture.json naming the tokenizer with
-    an empty SHA-256 and no source: the next prepare makes the tokenizer again."""
+    build is published after). A stop in between leaves mixture.json naming no source, and the
+    next prepare reuses the next tokenizer and the builds (or, past its move, makes it again)."""
     nxt, old = mixture["next"], mixture["tokenizer"]
-    mixture["tokenizer"] = {"file": nxt["file"], "sha256": "", "fingerprint": ""}
     mixture["sources"] = {}  # each source's data is replaced by its build
     atomic_write_json(out / MIXTURE, mixture)
-    (out / NEXT_TOKENIZER).replace(out / nxt["file"])
     if old and old["file"] != nxt["file"]:
         (out / old["file"]).unlink(missing_ok=True)  # named by prepare's own mixture.json
+    (out / NEXT_TOKENIZER).replace(out / nxt["file"])  # (mixture.json names it: `_claim`)
     mixture["tokenizer"] = mixture.pop("next")
     atomic_write_json(out / MIXTURE, mixture)
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from scale_llm.config import Config
 from scale_llm.data.documents import Document
-from scale_llm.data.encode import EncodedBatch, Encoder, batched, is_val_document
+from scale_llm.data.encode import EncodedBatch, Encoder, WorkersEnded, batched, is_val_document
 from scale_llm.data.pretrained_tokenizer import BUNDLE_FILE, WHAT, build_bundle, vocab_problem
 from scale_llm.data.progress import Progress
 from scale_llm.data.shards import (
@@ -113,16 +113,21 @@ def prepare_source(
     refuse_overlap(cfg.data, WRITTEN)  # (a mixture's sources: with the others, before its work)
     bundle = tokenizer if tokenizer is not None else model_tokenizer(cfg)
     fingerprint = _fingerprint(cfg, source, bundle)
-    if (current := _up_to_date(out, fingerprint, force)) is not None:  # read-only: no lock
+    current = _up_to_date(out, fingerprint, force)  # read-only: no lock
+    if current is not None and _complete_build(out) is None:
         return current
     with data_dir_lock(out):
         check_outputs(out)  # every run: what is there now, before any work
-        if publish or (out / BUILD_DIR / PREVIOUS).exists():  # (a publication half done)
+        build = out / BUILD_DIR
+        if (build / PREVIOUS).exists():  # a publication half done: finished first
             _finish_publish(out)
         elif (built := _complete_build(out)) is not None:
-            if built.get("fingerprint") == fingerprint and not force:
+            if built.get("fingerprint") != fingerprint or (force and not publish):
+                _remove_build(build)  # of other input or another tokenizer (or forced again)
+            elif not publish:
                 return built
-            _remove_build(out / BUILD_DIR)  # complete, of other input or another tokenizer
+            else:
+                _finish_publish(out)
         if (current := _up_to_date(out, fingerprint, force)) is not None:  # made meanwhile
             return current
         return _build(cfg, source, fingerprint, out, force, bundle, keep, publish)
@@ -216,6 +221,8 @@ def _build(
     try:
         with sigterm_interrupts():
             _tokenize(cfg, source, build, stream, progress, writers)
+    except WorkersEnded:  # (the OOM killer, say: what was written stays for the next prepare)
+        raise
     except UserError:  # a document past the tokenizer's sample refused (a bad record)
         if fresh_build:  # (made by this call: a build it resumed is kept for the next)
             shutil.rmtree(build, ignore_errors=True)
