@@ -4,6 +4,7 @@ resumed exactly; a mixture of one source is the one-source data and stream."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -282,6 +283,18 @@ def test_a_new_tokenizer_replaces_the_data_only_once_every_source_is_built(tmp_p
     assert run(
         tmp_path / "data", src, tmp_path / "runs2", "train.max_steps=2", "model.vocab_size=420"
     ).fit()
+    # a rebuild stopped, then the settings data.dir holds back: its tokenizer and builds go
+    bad.write_text(json.dumps({"text": 5}) + "\n")
+    other = dataclasses.replace(larger, model=dataclasses.replace(larger.model, vocab_size=440))
+    with pytest.raises(UserError):
+        prepare(other)
+    stopped = snapshot(tmp_path / "data")
+    assert {k for k in stopped if k == ".next-tokenizer" or k.startswith("web/.prepare-build/")}
+    bad.unlink()
+    prepare(larger)
+    left = {k for k in snapshot(tmp_path / "data") if "next" in k or ".prepare-build" in k}
+    assert left == set()
+    assert "next" not in json.loads((tmp_path / "data" / "mixture.json").read_text())
 
 
 def test_a_mixture_prepare_stopped_at_any_write_is_finished_by_the_next(tmp_path, monkeypatch):

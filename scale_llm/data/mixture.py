@@ -274,6 +274,9 @@ def _tokenizer(
 
     tok = mixture["tokenizer"]
     if not force and holds(tok, out / name):
+        if mixture.pop("next", None) is not None:  # a stopped rebuild's, of settings gone since
+            atomic_write_json(out / MIXTURE, mixture)
+            (out / NEXT_TOKENIZER).unlink(missing_ok=True)  # (its builds go with their prepare)
         return (out / name).read_bytes(), False
     same_bundle = (
         bool(tok) and bundle is not None and hashlib.sha256(bundle).hexdigest() == tok["sha256"]
