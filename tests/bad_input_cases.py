@@ -3444,7 +3444,7 @@ REPORTS: list = [
     (
         "check: --steps 0 writes no report",
         ["check", "out", "--scratch", "scratch", "--steps", "0"],
-        "train.max_steps=0 must be > 0",
+        "--steps 0: the check's runs take 1 step or more",
     ),
     (
         "check: a refused --set writes no report",
