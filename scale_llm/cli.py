@@ -205,7 +205,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
             f"above 0 (e.g. --bench-mb 16)"
         )
     cfg = config_from_args(args)
-    if args.as_train and (world := os.environ.get("SCALE_LLM_LAUNCH_WORLD", "")).isdigit():
+    world = os.environ.get("SCALE_LLM_LAUNCH_WORLD", "")
+    if args.as_train and world.isascii() and world.isdigit():
         from scale_llm.config.plan import Launch, resolve_plan
 
         resolve_plan(cfg, Launch(world_size=int(world)))  # the launcher's layout: before any work

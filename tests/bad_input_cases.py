@@ -2856,6 +2856,11 @@ ENVIRONMENTS = [
         {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "1", "SCALE_LLM_PG_TIMEOUT_MIN": "x"},
         "SCALE_LLM_PG_TIMEOUT_MIN='x' is not a number of minutes",
     ),
+    (  # int()'s ValueError before: a digit to str.isdigit, no number to int()
+        "port_superscript",
+        {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "\u00b2"},
+        "MASTER_PORT='\u00b2' is not a port number (1-65535)",
+    ),
     (  # torch's own ValueError before
         "port_range",
         {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "70000"},

@@ -52,6 +52,32 @@ def test_round_trip_through_written_yaml(tmp_path):
     assert again.train.lr == pytest.approx(3e-4)  # PyYAML reads 3e-4 as a string; we coerce
 
 
+def test_what_config_prints_reads_back_and_takes_every_set(tmp_path, monkeypatch):
+    """Values `config` printed that it then refused: an integer written 1e20 (past the 64-bit
+    integers a YAML file takes), and `parallel.deepspeed.config: null` under a dotted --set."""
+    assert "model.document_end_id=100000000000000000000 is past the 64-bit" in errors_of(
+        None, ["model.document_end_id=1e20"]
+    )
+    assert load_config(None, ["train.max_steps=1e3"]).train.max_steps == 1000
+    save_config(load_config(REPO / "yaml" / "tiny-deepspeed.yaml"), tmp_path / "c.yaml")
+    assert "config: null" in (tmp_path / "c.yaml").read_text()
+    dotted = ["parallel.deepspeed.config.steps_per_print=10"]
+    assert load_config(tmp_path / "c.yaml", dotted).parallel.deepspeed.config == {
+        "steps_per_print": 10
+    }
+
+
+def test_a_set_value_yaml_reads_as_null_and_every_problem_are_said():
+    """`--set logging.wandb.project=#team` was a YAML comment: W&B off without a word; and a key
+    whose type failed hid the problems of the keys its name begins (eval.tasks_limit)."""
+    said = errors_of(None, ["logging.wandb.name=#run1"])
+    assert "logging.wandb.name: --set 'logging.wandb.name=#run1' reads as null in YAML" in said
+    assert load_config(None, ["logging.wandb.name=null"]).logging.wandb.name is None
+    said = errors_of(None, ["eval.tasks=5", "eval.tasks_limit=0"])
+    assert "eval.tasks: expected a string" in said and "eval.tasks_limit=0 must be > 0" in said
+    assert "2 problems" in said
+
+
 def test_precedence_cli_over_yaml_over_defaults(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("train:\n  lr: 0.01\n  max_steps: 7\n  warmup_steps: 2\n")

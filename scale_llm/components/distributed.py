@@ -145,7 +145,7 @@ def start(plan: RunPlan, cpu_collectives: bool = False, trace_prefix: str | None
     timeout_minutes("SCALE_LLM_STEP_TIMEOUT_MIN", STEP_TIMEOUT_MIN)  # (checked before any work)
     os.environ.update(comm_environment(trace_prefix))  # (read when the group is made)
     port = os.environ.get("MASTER_PORT", "")
-    if not (port.isdigit() and 0 < int(port) < 65536):
+    if not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
         raise UserError(
             f"MASTER_PORT={port!r} is not a port number (1-65535); unset it or let the "
             f"launcher set it"

@@ -40,10 +40,34 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     cfg = expand_home(build_section(Config, raw, "", errors))
     # Check values too, skipping messages about keys that already failed (they hold defaults).
     failed = [msg.split(":", 1)[0] for msg in errors]
-    errors.extend(m for m in validate(cfg) if not any(k in m for k in failed))
+    errors.extend(m for m in validate(cfg) if not any(_mentions(m, k) for k in failed))
+    errors += [  # (a bound of the key's own said first; 1e20 printed is no YAML file's integer)
+        f"{key}={value} is past the 64-bit integers a key takes; give a smaller number"
+        for key, value in _past_64_bits(cfg)
+        if not any(_mentions(m, key) for m in errors)
+    ]
     if errors:
         raise UserError(format_errors(errors, where))
     return cfg
+
+
+def _past_64_bits(section: Any, prefix: str = "") -> Iterator[tuple[str, int]]:
+    """(key, value) of each integer setting at 2^63 or past it (`--set x=1e20` makes one)."""
+    for field in dataclasses.fields(section):
+        value = getattr(section, field.name)
+        if dataclasses.is_dataclass(value):
+            yield from _past_64_bits(value, f"{prefix}{field.name}.")
+        elif isinstance(value, list):
+            for i, entry in enumerate(value):
+                if dataclasses.is_dataclass(entry):
+                    yield from _past_64_bits(entry, f"{prefix}{field.name}[{i}].")
+        elif isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 2**63:
+            yield f"{prefix}{field.name}", value
+
+
+def _mentions(message: str, key: str) -> bool:
+    """Whether `message` names dotted `key` itself (eval.tasks, not eval.tasks_limit)."""
+    return re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", message) is not None
 
 
 MAX_CONFIG_BYTES = 1_000_000  # the shipped configs are ~2 KB
@@ -295,6 +319,12 @@ def _apply_override(raw: dict[str, Any], item: str, errors: list[str]) -> None:
     except ValueError as e:  # an integer past Python's digit limit
         errors.append(f"{key}: --set {short(item)} gives no value the key takes ({e})")
         return
+    if value is None and text.strip() not in ("null", "Null", "NULL", "~"):
+        errors.append(  # (`#run1`: a YAML comment, read as nothing)
+            f"{key}: --set {short(item)} reads as null in YAML; quote the value "
+            f"(--set '{key}=\"{text.strip()}\"'), or give null for none"
+        )
+        return
     parts = key.split(".")
     node: Any = raw
     cls: Any = Config  # the schema of `node`; None below a key it does not know (_build says so)
@@ -311,7 +341,9 @@ def _apply_override(raw: dict[str, Any], item: str, errors: list[str]) -> None:
                 value = deep_merge(holder.get(name, {}), value)
             holder[name] = value
             return
-        node = holder.setdefault(name, {}) if isinstance(holder, dict) else holder[name]
+        if isinstance(holder, dict) and holder.get(name) is None:
+            holder[name] = {}  # (a section or mapping written null, as `config` prints one)
+        node = holder[name]
         if not isinstance(node, dict):
             errors.append(
                 f"{'.'.join(parts[: i + 1])}: is a value, not a section; cannot set {key}"
@@ -372,7 +404,7 @@ def _override_step(
 
 def _list_step_problem(key: str, listed: str, after: list[str], text: str) -> str:
     """`data.sources.0.weight` or `data.sources.weight`: an entry's index goes in brackets."""
-    if after[0].isdigit():
+    if after[0].isascii() and after[0].isdigit():
         fixed = ".".join([f"{listed}[{after[0]}]", *after[1:]])
         return f"{key}: an entry of a list is written {listed}[{after[0]}]; --set '{fixed}={text}'"
     fixed = ".".join([f"{listed}[0]", *after])
@@ -523,7 +555,7 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any, str]:
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return True, value, "an integer"
-        number = _as_float(value)
+        number = _as_float(value)  # (1e3; past 2^63: `_past_64_bits`)
         whole = number is not None and number.is_integer()
         return whole, int(number) if whole else value, "an integer"
     if tp is float:

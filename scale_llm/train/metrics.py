@@ -163,7 +163,7 @@ def _rebuild_events(
 
 def _checkpoint_step(name: str) -> int:
     tail = name.rsplit("-step_", 1)[-1]
-    return int(tail) if tail.isdigit() else -1
+    return int(tail) if tail.isascii() and tail.isdigit() else -1
 
 
 def _unclean(value: Any) -> Any:
