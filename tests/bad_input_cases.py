@@ -1657,6 +1657,37 @@ def _metadata_past_its_files(command: str) -> Callable[[Ctx], Setup]:
     return setup
 
 
+def _nan_weights(command: str) -> Callable[[Ctx], Setup]:
+    """A checkpoint whose weights hold a NaN (its integrity record rewritten): exported and
+    converted without a word, a model that init_from then refused."""
+
+    def setup(ctx: Ctx) -> Setup:
+        import torch.distributed.checkpoint as dcp
+
+        from scale_llm.components.checkpoint import write_integrity
+        from scale_llm.components.serialization import dcp_load
+        from scale_llm.config import load_config
+        from scale_llm.model.transformer import build_model
+
+        run = ctx.run()
+        ckpt = run / "checkpoints" / STEP4
+        cfg = load_config(run / "config.yaml")
+        model = build_model(cfg.model).to_empty(device="cpu").state_dict()
+        dcp_load({"model": model}, ckpt / "dcp", True)
+        model["norm.weight"][0] = float("nan")
+        state = {"model": model}
+        shutil.rmtree(ckpt / "dcp")
+        dcp.save(state, checkpoint_id=str(ckpt / "dcp"), no_dist=True)
+        write_integrity(ckpt)
+        argv = {
+            "export": ["export", str(run), "--out", str(ctx.tmp / "export")],
+            "convert": ["convert", str(run), "--out", str(ctx.tmp / "out.pt")],
+        }[command]
+        return Setup(argv, expect=(f"cannot read {ckpt}", "norm.weight holds 1 NaN or infinite"))
+
+    return setup
+
+
 def _impossible_state(case: str, command: str) -> Callable[[Ctx], Setup]:
     def setup(ctx: Ctx) -> Setup:
         run = ctx.run()
@@ -2058,6 +2089,7 @@ CHECKPOINTS = [
         (f"{c}: a DCP metadata file past its files", _metadata_past_its_files(c), ())
         for c in ("generate", "train")
     ],
+    *[(f"{c}: weights holding a NaN", _nan_weights(c), ()) for c in ("export", "convert")],
     *[
         (
             f"{command}: a planted pickle ({plant})",

@@ -219,6 +219,13 @@ def _shape(group: int, name: str, shape: tuple[int, ...]):
     return change
 
 
+def _shared(alias: str, name: str):
+    def change(state: dict) -> None:
+        state["shared_params"] = {alias: name}
+
+    return change
+
+
 @pytest.mark.parametrize(
     ("stage", "change", "said"),
     [
@@ -228,8 +235,17 @@ def _shape(group: int, name: str, shape: tuple[int, ...]):
         # the group's last parameter shorter: values are left over
         (2, _shape(1, "layers.1.w", (2, 6)), "hold 38 values in group 1, param_shapes lists 36"),
         (3, _shape(1, "layers.1.w", (2, 6)), "of rank 0 hold 27 values, param_shapes lists 26"),
+        # a parameter of its own sent to another of its shape: read as that one's, silently
+        (2, _shared("layers.0.w", "layers.1.w"), "sends parameter 'layers.0.w' to 'layers.1.w'"),
     ],
-    ids=["dimension", "2**64 values", "zero3 2**60 values", "zero2 left over", "zero3 left over"],
+    ids=[
+        "dimension",
+        "2**64 values",
+        "zero3 2**60 values",
+        "zero2 left over",
+        "zero3 left over",
+        "shared onto a parameter",
+    ],
 )
 def test_param_shapes_that_do_not_use_the_partitions_up_are_refused(stage, change, said, tmp_path):
     WRITERS[stage](tmp_path)

@@ -897,8 +897,19 @@ def load_model_weights(
     if (ckpt_dir / DCP_DIR).is_dir():  # (the files' shapes checked first: DCP's would traceback)
         files = _DcpTensors(ckpt_dir / DCP_DIR, {n: t.shape for n, t in template.items()})
         dcp_load({"model": template}, files.dir, not is_distributed(), files.metadata)
+        for name, tensor in template.items():
+            finite(tensor, name, ckpt_dir)
         return template
     return dict(CheckpointWeights(ckpt_dir, template))
+
+
+def finite(tensor: torch.Tensor, name: str, ckpt_dir: Path) -> torch.Tensor:
+    """`tensor`, refused as damage where it holds a NaN or an infinity (what a converted or
+    exported model would carry on without a word)."""
+    bad = sum(int((~torch.isfinite(c)).sum()) for c in tensor.reshape(-1).split(1 << 22))
+    if bad:
+        raise damaged(ckpt_dir, f"{name} holds {bad:,} NaN or infinite values")
+    return tensor
 
 
 def load_state_into(state: dict[str, Any], ckpt_dir: Path) -> None:
@@ -966,7 +977,7 @@ class CheckpointWeights(Mapping[str, torch.Tensor]):
     holds one full parameter at a time. `template`: the model's tensors (meta will do)."""
 
     def __init__(self, ckpt_dir: Path, template: dict[str, torch.Tensor]):
-        self.shapes = {n: t.shape for n, t in template.items()}
+        self.shapes, self.dir = {n: t.shape for n, t in template.items()}, ckpt_dir
         self.source: _DcpTensors | ZeroWeights
         if (ckpt_dir / DCP_DIR).is_dir():
             self.source = _DcpTensors(ckpt_dir / DCP_DIR, self.shapes)
@@ -979,7 +990,7 @@ class CheckpointWeights(Mapping[str, torch.Tensor]):
             )
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self.source[name]
+        return finite(self.source[name], name, self.dir)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.shapes)

@@ -77,9 +77,14 @@ class ZeroWeights(Mapping[str, torch.Tensor]):
             for name in states.get("buffer_names") or ():
                 if name in module:
                     self.shapes[name], self.where[name] = module[name].shape, None
+        real = set(self.shapes)  # (ZeRO-0's module holds a tied weight under both names)
         for alias, name in (states.get("shared_params") or {}).items():
-            if not isinstance(alias, str) or name not in self.shapes:
+            if not isinstance(alias, str) or name not in real:
                 raise _Damaged(self.model_file, f"shared_params names {name!r}, no parameter")
+            if alias in real and groups is not None:  # (it would read another's values)
+                raise _Damaged(
+                    self.model_file, f"shared_params sends parameter {alias!r} to {name!r}"
+                )
             self.shapes[alias], self.where[alias] = self.shapes[name], self.where[name]
         if model is not None and (differs := _shape_differences(self.shapes, model)):
             raise _Damaged(ds_dir, f"{differs}, unlike the model it records")
