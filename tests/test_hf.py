@@ -315,9 +315,19 @@ def test_weights_transformers_reads_are_read_and_others_refused_before_any_work(
     )  # (a checkpoint's advice, to delete it, was given)
     with pytest.raises(UserError, match="damaged or incomplete .*; download the model again, or"):
         HFWeights(folder, "model.init_from")
+    # a sharded pickle whose second shard holds a tensor the index sends to the first: the last
+    # file read won, without a word
+    torch.save(tensors, folder / "p1.bin")
+    torch.save({"model.norm.weight": tensors["model.norm.weight"] + 1}, folder / "p2.bin")
+    weight_map = {**dict.fromkeys(tensors, "p1.bin"), "extra": "p2.bin"}
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (folder / "pytorch_model.bin").unlink()
+    with pytest.raises(UserError, match=r"p2.bin holds 'model.norm.weight', which .* sends to"):
+        HFWeights(folder, "model.init_from").shapes(needed)
+    for name in ("p1.bin", "p2.bin", "pytorch_model.bin.index.json"):
+        (folder / name).unlink()
     fp4 = {**tensors, "model.norm.weight": torch.zeros(32, dtype=torch.uint8)}
     fp4["model.norm.weight"] = fp4["model.norm.weight"].view(torch.float4_e2m1fn_x2)
-    (folder / "pytorch_model.bin").unlink()
     save_file(fp4, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(UserError, match=r"model.norm.weight in .* holds F4 values, not"):
         HFWeights(folder, "model.init_from").shapes(needed)

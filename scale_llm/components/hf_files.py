@@ -167,9 +167,10 @@ class HFWeights:
         return dict(weight_map)
 
     def _read_pickled(self) -> dict[str, torch.Tensor]:
-        files = [PICKLE]
+        files, index = [PICKLE], None
         if self._path(PICKLE_INDEX):
-            files = sorted(set(self._index(PICKLE_INDEX).values()))
+            index = self._index(PICKLE_INDEX)
+            files = sorted(set(index.values()))
         out: dict[str, torch.Tensor] = {}
         for file in files:
             fix = "download the model again, or pick another folder"
@@ -178,6 +179,15 @@ class HFWeights:
                 raise UserError(
                     f"{self.what}: {self.folder / file} holds a {type(part).__name__}, not a "
                     f"mapping of tensor names to tensors; the file is not a model's weights"
+                )
+            if index is not None and (
+                stray := [n for n in part if n in out or index.get(n, file) != file]
+            ):  # (which of two copies wins: the index says)
+                raise UserError(
+                    f"{self.what}: {self.folder / file} holds {str(stray[0])[:80]!r}, which "
+                    f"{self.folder / PICKLE_INDEX} sends to {index.get(stray[0], file)!r} (or "
+                    f"another shard holds too); the index does not match its shards: save the "
+                    f"model again, or pick another folder"
                 )
             self.file_of.update(dict.fromkeys(part, file))
             out.update(part)
