@@ -73,6 +73,10 @@ def test_a_set_value_yaml_reads_as_null_and_every_problem_are_said():
     said = errors_of(None, ["logging.wandb.name=#run1"])
     assert "logging.wandb.name: --set 'logging.wandb.name=#run1' reads as null in YAML" in said
     assert load_config(None, ["logging.wandb.name=null"]).logging.wandb.name is None
+    for text in ("2024-01-01", "Q: what"):  # (a date, a mapping: the text, quoted, is taken)
+        said = errors_of(None, [f"eval.sample_prompt={text}"])
+        assert "; YAML read the text as that: quote it" in said, said
+        assert load_config(None, [f"eval.sample_prompt='{text}'"]).eval.sample_prompt == text
     said = errors_of(None, ["eval.tasks=5", "eval.tasks_limit=0"])
     assert "eval.tasks: expected a string" in said and "eval.tasks_limit=0 must be > 0" in said
     assert "2 problems" in said

@@ -5,6 +5,7 @@ collected into one `UserError` naming each key and the fix, before any model or 
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import difflib
 import logging
 import math
@@ -534,6 +535,8 @@ def build_section(cls: type, raw: Any, prefix: str, errors: list[str]) -> Any:
                 continue
             if wrong := isinstance(value, Hashable) and WRONG_VALUES.get((dotted, value)):
                 expected, wrong = expected.split(" (did you mean")[0], f"; {wrong}"  # another key's
+            elif expected.startswith("a string") and isinstance(value, (dict, list, dt.date)):
+                wrong = "; YAML read the text as that: quote it"  # (`Q: what`, 2024-01-01)
             errors.append(f"{dotted}: expected {expected}, got {short(value)}{wrong or ''}")
     return cls(**kwargs)
 
