@@ -358,6 +358,11 @@ def test_a_mixture_prepare_stopped_at_any_write_is_finished_by_the_next(tmp_path
     (data / "mixture.json").write_text(json.dumps(record))
     (data / "tokenizer.model").rename(data / "hf-tokenizer.json")
     assert mixture_mod._claim(data, ["web", "code"])["next"] == record["next"]
+    # the settings of the old kind back: that file goes with the record that named it (it was
+    # left named by none, and every later prepare refused it)
+    for _ in range(2):
+        prepare(mixture_config(data, src))
+    assert sorted(p.name for p in data.iterdir() if "tokenizer" in p.name) == ["tokenizer.model"]
 
 
 def test_bad_mixtures_exit_2_naming_each_problem_and_writing_nothing(tmp_path, capsys):

@@ -389,6 +389,7 @@ def test_a_worker_killed_mid_prepare_is_one_paragraph_and_its_build_is_kept(tmp_
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 2, out[-2000:]
     assert "error: data: a worker process of prepare's 2 ended before its batch" in out
+    assert "; what was written is kept: the same command continues" in out
     assert "Traceback" not in out and not _planted_ran(tmp_path)
     assert (tmp_path / "data" / ".prepare-build").is_dir()
 

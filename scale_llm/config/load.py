@@ -334,7 +334,9 @@ def _apply_override(raw: dict[str, Any], item: str, errors: list[str]) -> None:
         if isinstance(step, str):
             errors.append(step)
             return
+        hints = typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
         holder, name, cls = step
+        mapping = dict in (hint := hints.get(name), *typing.get_args(hint)) or cls is not None
         if i == len(parts) - 1:
             # a section given as a mapping is merged key by key, as `base:` merges it
             section = dataclasses.is_dataclass(cls) and isinstance(holder, dict)
@@ -342,8 +344,8 @@ def _apply_override(raw: dict[str, Any], item: str, errors: list[str]) -> None:
                 value = deep_merge(holder.get(name, {}), value)
             holder[name] = value
             return
-        if isinstance(holder, dict) and holder.get(name) is None:
-            holder[name] = {}  # (a section or mapping written null, as `config` prints one)
+        if isinstance(holder, dict) and (name not in holder or mapping and holder[name] is None):
+            holder[name] = {}  # (or a section or mapping written null, as `config` prints one)
         node = holder[name]
         if not isinstance(node, dict):
             errors.append(
@@ -535,7 +537,7 @@ def build_section(cls: type, raw: Any, prefix: str, errors: list[str]) -> Any:
                 continue
             if wrong := isinstance(value, Hashable) and WRONG_VALUES.get((dotted, value)):
                 expected, wrong = expected.split(" (did you mean")[0], f"; {wrong}"  # another key's
-            elif expected.startswith("a string") and isinstance(value, (dict, list, dt.date)):
+            elif expected.startswith("a string") and isinstance(value, (dict, dt.date)):
                 wrong = "; YAML read the text as that: quote it"  # (`Q: what`, 2024-01-01)
             errors.append(f"{dotted}: expected {expected}, got {short(value)}{wrong or ''}")
     return cls(**kwargs)

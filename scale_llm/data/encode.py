@@ -168,8 +168,7 @@ class Encoder:
             raise WorkersEnded(  # went to stderr above, or the kernel's OOM killer ended it)
                 f"data: a worker process of prepare's {self.num_proc} ended before its batch "
                 f"was encoded (what it printed is above; without a message, the system may have "
-                f"ended it for lack of memory); nothing was published, and what was written is "
-                f"kept for the next prepare. Fix what it printed, or set data.num_proc=1 to "
+                f"ended it for lack of memory). Fix what it printed, or set data.num_proc=1 to "
                 f"encode in this process"
             ) from None
 

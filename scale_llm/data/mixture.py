@@ -274,9 +274,7 @@ def _tokenizer(
 
     tok = mixture["tokenizer"]
     if not force and holds(tok, out / name):
-        if mixture.pop("next", None) is not None:  # a stopped rebuild's, of settings gone since
-            atomic_write_json(out / MIXTURE, mixture)
-            (out / NEXT_TOKENIZER).unlink(missing_ok=True)  # (its builds go with their prepare)
+        _forget_next(out, mixture, {name})  # a stopped rebuild's, of settings gone since
         return (out / name).read_bytes(), False
     same_bundle = (
         bool(tok) and bundle is not None and hashlib.sha256(bundle).hexdigest() == tok["sha256"]
@@ -297,6 +295,7 @@ def _tokenizer(
             f"{sum(map(len, sample)) / 1e6:.1f} MB of {len(cfg.data.sources)} sources, by their "
             f"weights"
         )
+    _forget_next(out, mixture, {name, (tok or {}).get("file")})
     # mixture.json names the file before it is written: a prepare stopped in between leaves a
     # file that is provably prepare's (its empty SHA-256 makes the next prepare redo it)
     mixture["next"] = {"file": name, "sha256": "", "fingerprint": ""}
@@ -306,6 +305,17 @@ def _tokenizer(
     mixture["next"]["fingerprint"] = fingerprint
     atomic_write_json(out / MIXTURE, mixture)
     return data, True
+
+
+def _forget_next(out: Path, mixture: dict, kept: set[str | None]) -> None:
+    """Drop a stopped rebuild's next tokenizer: its file, and the one it may have been moved to
+    (a stop while adopting it), unless `kept` names that."""
+    if (stale := mixture.pop("next", None)) is None:
+        return
+    atomic_write_json(out / MIXTURE, mixture)
+    (out / NEXT_TOKENIZER).unlink(missing_ok=True)
+    if stale["file"] not in kept:  # (named by prepare's own mixture.json)
+        (out / stale["file"]).unlink(missing_ok=True)
 
 
 def _adopt_tokenizer(out: Path, mixture: dict) -> None:

@@ -221,8 +221,8 @@ def _build(
     try:
         with sigterm_interrupts():
             _tokenize(cfg, source, build, stream, progress, writers)
-    except WorkersEnded:  # (the OOM killer, say: what was written stays for the next prepare)
-        raise
+    except WorkersEnded as e:  # (the OOM killer, say: what was written stays for the next)
+        raise WorkersEnded(f"{e}; what was written is kept: the same command continues") from None
     except UserError:  # a document past the tokenizer's sample refused (a bad record)
         if fresh_build:  # (made by this call: a build it resumed is kept for the next)
             shutil.rmtree(build, ignore_errors=True)
