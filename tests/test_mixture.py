@@ -344,6 +344,25 @@ def test_a_mixture_prepare_stopped_at_any_write_is_finished_by_the_next(tmp_path
                 )
             )
             assert windows.val, (first, k)
+    # the launchers' prepare for a run trained before a rebuild stopped past the tokenizer's
+    # move: "restore the input or settings" could not help; it says what happened instead
+    data = tmp_path / "moved"
+    shutil.copytree(base, data)
+    kept = Kept(json.loads((data / "mixture.json").read_text())["tokenizer"]["sha256"], data / "c")
+    stops = {"n": 0}
+
+    def stop_after_the_move(path, obj):  # (the adoption's last write: the tokenizer moved)
+        if "next" not in obj and obj.get("sources") == {} and stops["n"] == 1:
+            raise KeyboardInterrupt
+        stops["n"] += "next" in obj and obj.get("sources") == {}
+        return real_write(path, obj)
+
+    monkeypatch.setattr(mixture_mod, "atomic_write_json", stop_after_the_move)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(prep_config("builtin", data, sources_override(src), "model.vocab_size=420"))
+    monkeypatch.setattr(mixture_mod, "atomic_write_json", real_write)
+    with pytest.raises(UserError, match="no longer holds the tokenizer .* was trained with: a"):
+        prepare(mixture_config(data, src), keep=kept)
     # --force: every source encoded and published again
     data = tmp_path / "forced"
     shutil.copytree(base, data)

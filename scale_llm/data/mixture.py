@@ -280,7 +280,15 @@ def _tokenizer(
         bool(tok) and bundle is not None and hashlib.sha256(bundle).hexdigest() == tok["sha256"]
     )
     if keep is not None and tok and tok["sha256"] == keep.sha256 and not same_bundle:
-        raise keep.refuse(out)  # (the sources would be rebuilt with another tokenizer)
+        if (out / tok["file"]).is_file() and file_sha256(out / tok["file"]) == tok["sha256"]:
+            raise keep.refuse(out)  # (the sources would be rebuilt with another tokenizer)
+        raise UserError(  # (a rebuild stopped while it replaced the tokenizer)
+            f"data.dir={out} no longer holds the tokenizer {keep.checkpoint} was trained with: "
+            f"a `scale-llm prepare` with other settings was stopped while it replaced it, and "
+            f"that run cannot resume on this data.dir. Run `scale-llm prepare CONFIG` with those "
+            f"settings to finish it (the launchers skip their prepare with SKIP_PREPARE=1), and "
+            f"give the run data of its own"
+        )
     if not force and holds(mixture.get("next"), out / NEXT_TOKENIZER):  # a stopped rebuild's
         return (out / NEXT_TOKENIZER).read_bytes(), True
     if bundle is not None:
