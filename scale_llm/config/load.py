@@ -336,7 +336,8 @@ def _apply_override(raw: dict[str, Any], item: str, errors: list[str]) -> None:
             return
         hints = typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
         holder, name, cls = step
-        mapping = dict in (hint := hints.get(name), *typing.get_args(hint)) or cls is not None
+        hint = hints.get(name)  # (a section, or a mapping key such as parallel.deepspeed.config)
+        mapping = cls is not None or dict in (hint, *typing.get_args(hint))
         if i == len(parts) - 1:
             # a section given as a mapping is merged key by key, as `base:` merges it
             section = dataclasses.is_dataclass(cls) and isinstance(holder, dict)

@@ -74,9 +74,11 @@ def prepare_mixture(cfg: Config, force: bool = False, keep: Kept | None = None) 
         mixture = _claim(out, [s.name for s in cfg.data.sources])
         draw = lambda: _sample(cfg, configs, sources)
         tokenizer, new = _tokenizer(cfg, out, mixture, bundle, force, draw, keep)
-        if new:  # every source built with it before any is published: until then data.dir
-            _each_source(cfg, configs, mixture, tokenizer, force, publish=False)  # stays as it
-            _adopt_tokenizer(out, mixture)  # was, trainable, whatever stops this prepare
+        # a new tokenizer: every source built with it before any is published, so that until
+        # then data.dir stays as it was, trainable, whatever stops this prepare
+        if new:
+            _each_source(cfg, configs, mixture, tokenizer, force, publish=False)
+            _adopt_tokenizer(out, mixture)
         _each_source(cfg, configs, mixture, tokenizer, force and not new, publish=True)
         _log_mixture(out, mixture, cfg)
         return mixture
@@ -218,8 +220,7 @@ def _read(path: Path) -> dict[str, Any] | None:
     tok, folders, nxt = found.get("tokenizer"), found.get("folders"), found.get("next")
     if not (
         (found.get("kind"), found.get("format")) == ("mixture", MIXTURE_FORMAT)
-        and (tok is None or (isinstance(tok, dict) and tok.get("file") in (SP_FILE, BUNDLE_FILE)))
-        and (isinstance(tok.get("sha256"), str) if tok else found.get("sources") == {})
+        and (_tokenizer_record(tok) or tok is None and found.get("sources") == {})
         and (nxt is None or _tokenizer_record(nxt))
         and isinstance(found.get("sources"), dict)
         and isinstance(folders, list)
@@ -309,8 +310,8 @@ def _tokenizer(
     mixture["next"] = {"file": name, "sha256": "", "fingerprint": ""}
     atomic_write_json(out / MIXTURE, mixture)
     atomic_write_bytes(out / NEXT_TOKENIZER, data)
-    mixture["next"] = {"file": name, "sha256": hashlib.sha256(data).hexdigest()}
-    mixture["next"]["fingerprint"] = fingerprint
+    sha = hashlib.sha256(data).hexdigest()
+    mixture["next"] = {"file": name, "sha256": sha, "fingerprint": fingerprint}
     atomic_write_json(out / MIXTURE, mixture)
     return data, True
 

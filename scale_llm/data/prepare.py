@@ -3,14 +3,18 @@ mixture: mixture.py, each source the same way into data.dir/<name> under one tok
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from scale_llm.config import Config
 from scale_llm.config.data import unread_hf_keys
 from scale_llm.data.mixture import MIXTURE, prepare_mixture
-from scale_llm.data.prepare_source import Kept, prepare_source, sigterm_interrupts, up_to_date
+from scale_llm.data.prepare_source import Kept, prepare_source, up_to_date
 from scale_llm.data.sources import open_source
 from scale_llm.data.tokenizer import check_vocab_size
 from scale_llm.errors import UserError
@@ -52,3 +56,24 @@ def would_replace(cfg: Config) -> bool:
     if not (out / "manifest.json").exists():
         return False
     return up_to_date(cfg, open_source(cfg.data)) is None
+
+
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM (a job being stopped) ends prepare like Ctrl-C: what was written is kept."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    taken = []
+
+    def interrupt(signum: int, frame: Any) -> None:  # a second (Slurm's and the launcher's) is
+        taken.append(signal.signal(signal.SIGTERM, signal.SIG_IGN))  # taken as the first, to
+        raise KeyboardInterrupt  # the end (where prepare says what it kept): no kill
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        if not taken:
+            signal.signal(signal.SIGTERM, previous)

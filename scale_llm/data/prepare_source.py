@@ -12,9 +12,7 @@ import json
 import logging
 import multiprocessing
 import shutil
-import signal
 import sys
-import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -219,8 +217,7 @@ def _build(
         raise
     written_before = progress["tokens"]
     try:
-        with sigterm_interrupts():
-            _tokenize(cfg, source, build, stream, progress, writers)
+        _tokenize(cfg, source, build, stream, progress, writers)  # (SIGTERM: prepare's Ctrl-C)
     except WorkersEnded as e:  # (the OOM killer, say: what was written stays for the next)
         raise WorkersEnded(f"{e}; what was written is kept: the same command continues") from None
     except UserError:  # a document past the tokenizer's sample refused (a bad record)
@@ -408,27 +405,6 @@ def _finish_publish(out: Path) -> None:
         _publish(build, out)
     elif (build / PREVIOUS).exists():
         _remove_build(build)
-
-
-@contextlib.contextmanager
-def sigterm_interrupts():
-    """SIGTERM (a job being stopped) ends prepare like Ctrl-C: what was written is kept."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    taken = []
-
-    def interrupt(signum: int, frame: Any) -> None:  # a second (Slurm's and the launcher's) is
-        taken.append(signal.signal(signal.SIGTERM, signal.SIG_IGN))  # taken as the first, to
-        raise KeyboardInterrupt  # the end (where prepare says what it kept): no kill
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:  # (one taken inside, by a nested block's own, is ignored to the end too)
-        if not taken and signal.getsignal(signal.SIGTERM) is interrupt:
-            signal.signal(signal.SIGTERM, previous)
 
 
 def _resume(cfg: Config, source, out: Path, fingerprint: str, force: bool):
